@@ -1,0 +1,1 @@
+"""Megatron Core: parallel state, transformer models and data-parallel engines."""

@@ -1,0 +1,77 @@
+"""The interface shared by the data-parallel wrappers, so a training loop need not know which one
+it holds: `DistributedDataParallel` (plain DDP) or Megatron-FSDP's `FullyShardedDataParallel`."""
+
+from __future__ import annotations
+
+import abc
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def resolve_data_parallel_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup:
+    """The group gradients are averaged over: `pg_collection.dp_cp`, else parallel_state's
+    data-parallel-with-context group, else the default (world) group."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "(or launch with torchrun) before wrapping the model."
+        )
+    if pg_collection is not None:
+        if pg_collection.dp_cp is None:
+            raise ValueError(
+                "pg_collection.dp_cp is None: pass ProcessGroupCollection(dp_cp=<group>) or "
+                "ProcessGroupCollection.use_mpu_process_groups()."
+            )
+        return pg_collection.dp_cp
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return dist.group.WORLD
+
+
+class _BaseDataParallel(torch.nn.Module, abc.ABC):
+    """Holds the wrapped module and forwards to it; subclasses implement gradient sync."""
+
+    def __init__(self, config: TransformerConfig, module: torch.nn.Module):
+        super().__init__()
+        self.config = config
+        self.module = module
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    @abc.abstractmethod
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backward passes inside accumulate gradients without synchronising them."""
+
+    @abc.abstractmethod
+    def zero_grad_buffer(self) -> None:
+        """Zeroes the gradient buffers before the first microbatch of a step."""
+
+    @abc.abstractmethod
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launches the gradient reduction of every bucket."""
+
+    @abc.abstractmethod
+    def finish_grad_sync(self) -> None:
+        """Waits until every gradient is reduced (launching what has not been launched)."""
+
+    @abc.abstractmethod
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiplies every gradient by `scaling_factor`."""
+
+    @abc.abstractmethod
+    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+        """Brings parameters up to date before the next forward (after an optimizer step)."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict)

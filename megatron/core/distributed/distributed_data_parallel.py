@@ -1,0 +1,157 @@
+"""Plain data parallelism with bucketed gradient all-reduce: the reference engine.
+
+Every rank holds the whole model. Backward accumulates each parameter's gradient into
+`param.main_grad`, a view of a contiguous per-dtype buffer (Megatron-LM's convention, read by its
+optimizers); buckets of that buffer are all-reduced, either as soon as backward has finished every
+gradient in them (`overlap_grad_reduce`) or all at once in `finish_grad_sync()`.
+
+A training step::
+
+    model.zero_grad_buffer()
+    for i, batch in enumerate(microbatches):
+        with model.no_sync() if i < len(microbatches) - 1 else contextlib.nullcontext():
+            loss_fn(model(batch)).backward()
+    model.finish_grad_sync()
+    # optimizer reads param.main_grad
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.data_parallel_base import (
+    _BaseDataParallel,
+    resolve_data_parallel_group,
+)
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class DistributedDataParallel(_BaseDataParallel):
+    """Wraps `module` for data-parallel training with a contiguous, bucketed gradient buffer.
+
+    Args:
+        config: the model's transformer config.
+        ddp_config: data-parallel switches (`use_megatron_fsdp` must be False).
+        module: the model; every rank must hold identical weights (same seed, or call
+            `broadcast_params()`).
+        disable_bucketing: one bucket per gradient dtype whatever `bucket_size` says.
+        pg_collection: process groups; gradients are averaged over `pg_collection.dp_cp`
+            (default: parallel_state's data-parallel-with-context group, else the world).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config, module)
+        if ddp_config.use_megatron_fsdp:
+            raise ValueError(
+                "DistributedDataParallel got ddp_config.use_megatron_fsdp=True: wrap the model "
+                "with megatron.core.distributed.fsdp.FullyShardedDataParallel instead."
+            )
+        self.ddp_config = ddp_config
+        self.data_parallel_group = resolve_data_parallel_group(pg_collection)
+        dp_size = dist.get_world_size(self.data_parallel_group)
+
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None and ddp_config.overlap_grad_reduce:
+            # Larger groups need larger messages to stay bandwidth-bound (Megatron's default).
+            bucket_size = max(40_000_000, 1_000_000 * dp_size)
+        if disable_bucketing or not ddp_config.overlap_grad_reduce:
+            bucket_size = None
+
+        # Reverse registration order approximates the order backward produces gradients in.
+        params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for param in params:
+            by_dtype.setdefault(self._grad_dtype(param), []).append(param)
+        self.buffers = [
+            GradBuffer(
+                group_params,
+                dtype,
+                bucket_size,
+                self.data_parallel_group,
+                ddp_config.average_in_collective,
+                ddp_config.check_for_nan_in_grad,
+            )
+            for dtype, group_params in by_dtype.items()
+        ]
+        self.buckets: list[GradBucket] = [b for buf in self.buffers for b in buf.buckets]
+        self._bucket_of: dict[torch.nn.Parameter, GradBucket] = {
+            param: bucket for bucket in self.buckets for param in bucket.params
+        }
+        self._grad_sync_enabled = True
+        for buffer in self.buffers:
+            for param, main_grad in buffer.main_grads.items():
+                # Megatron's optimizers and grad-norm code read `param.main_grad`.
+                param.main_grad = main_grad
+                param.register_post_accumulate_grad_hook(self._accumulate_grad)
+
+    def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        return torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+
+    def _accumulate_grad(self, param: torch.nn.Parameter) -> None:
+        """Moves the fresh gradient into `main_grad`; launches the bucket once it is complete."""
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self._grad_sync_enabled:
+            return
+        bucket = self._bucket_of[param]
+        if bucket.mark_ready(param) and self.ddp_config.overlap_grad_reduce:
+            bucket.start_reduce(async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate into `main_grad` (gradient accumulation)."""
+        previous = self._grad_sync_enabled
+        self._grad_sync_enabled = False
+        try:
+            yield
+        finally:
+            self._grad_sync_enabled = previous
+
+    def zero_grad_buffer(self) -> None:
+        for buffer in self.buffers:
+            buffer.data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()
+        for param in self._bucket_of:
+            param.grad = None
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        for bucket in self.buckets:
+            bucket.start_reduce(async_op=self.ddp_config.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        # Buckets whose parameters got no gradient this step (unused parameters) have not
+        # launched; every rank launches them here, in the same order.
+        for bucket in self.buckets:
+            bucket.finish_reduce()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for buffer in self.buffers:
+            buffer.data.mul_(scaling_factor)
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+        """Nothing to do: every rank steps the full, replicated parameters."""
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Copies every parameter from the first rank of the data-parallel group."""
+        src = dist.get_global_rank(self.data_parallel_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.data_parallel_group)

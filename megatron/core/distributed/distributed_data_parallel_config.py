@@ -1,0 +1,145 @@
+"""`DistributedDataParallelConfig`: the switches of both data-parallel engines.
+
+One config serves the plain DDP engine (`DistributedDataParallel`) and Megatron-FSDP
+(`use_megatron_fsdp=True`), as in Megatron-LM, so a training script changes engines by changing
+fields rather than classes. Field names and meanings follow Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""ZeRO stages by what they shard: nothing, optimizer state (ZeRO-1), + gradients (ZeRO-2),
++ parameters (ZeRO-3)."""
+
+OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
+"""Over the outer (inter-replica) group: replicate (HSDP), or shard optimizer state (HFSDP)."""
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Configuration of data-parallel training (DDP or Megatron-FSDP)."""
+
+    grad_reduce_in_fp32: bool = False
+    """Accumulate and reduce gradients in fp32 even when parameters are bf16/fp16."""
+
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets during backward as they become ready, instead of after it."""
+
+    overlap_param_gather: bool = False
+    """Megatron-FSDP: prefetch parameter all-gathers so they overlap compute."""
+
+    num_distributed_optimizer_instances: int = 1
+    """Number of outer data-parallel replicas (hybrid sharding). Each replica shards over
+    dp_cp / num_distributed_optimizer_instances ranks; gradients are then reduced across
+    replicas. 1 means one replica spanning the whole data-parallel group."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise if a local gradient holds NaN or Inf, before it is communicated."""
+
+    bucket_size: int | None = None
+    """Maximum number of elements per gradient bucket. None: max(40M, 1M x dp size) when
+    `overlap_grad_reduce`, else one bucket per dtype."""
+
+    average_in_collective: bool = False
+    """Average in the collective (ReduceOp.AVG) instead of pre-dividing by the data-parallel
+    size and summing. Backends without AVG (gloo) sum and divide locally."""
+
+    use_megatron_fsdp: bool = False
+    """Use the Megatron-FSDP engine instead of plain DDP."""
+
+    data_parallel_sharding_strategy: str = "no_shard"
+    """Megatron-FSDP sharding over the (inner) data-parallel group; one of
+    `SHARDING_STRATEGIES`."""
+
+    outer_dp_sharding_strategy: str = "no_shard"
+    """Megatron-FSDP sharding over the outer group when `num_distributed_optimizer_instances`
+    > 1: 'no_shard' (HSDP) or 'optim' (HFSDP, optimizer state sharded over outer x inner)."""
+
+    fsdp_all_gather_in_start_param_sync: bool = True
+    """Megatron-FSDP: `start_param_sync()` issues the first unit's all-gather before the forward
+    loop starts. Turn off for CUDA-graph capture; the first forward then gathers on demand."""
+
+    use_symm_mem: bool = False
+    """Megatron-FSDP: take all-gather / reduce-scatter staging buffers from PyTorch's NCCL
+    symmetric-memory pool (CUDA and NCCL only)."""
+
+    megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
+    """Dtype of the main (optimizer) weights. None: the model weights are the main weights."""
+
+    megatron_fsdp_main_grads_dtype: torch.dtype | None = None
+    """Dtype of gradient accumulation. None: fp32 if `grad_reduce_in_fp32`, else the parameter
+    dtype."""
+
+    megatron_fsdp_grad_comm_dtype: torch.dtype | None = None
+    """Dtype gradients are communicated in. None: the main-grads dtype."""
+
+    def __post_init__(self) -> None:
+        self._check_choice("data_parallel_sharding_strategy", SHARDING_STRATEGIES)
+        self._check_choice("outer_dp_sharding_strategy", OUTER_SHARDING_STRATEGIES)
+        for name in (
+            "megatron_fsdp_main_params_dtype",
+            "megatron_fsdp_main_grads_dtype",
+            "megatron_fsdp_grad_comm_dtype",
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"DistributedDataParallelConfig.{name}={value!r} is not supported: use one "
+                    f"of torch.float32, torch.bfloat16, torch.float16 or None."
+                )
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError(
+                "DistributedDataParallelConfig.num_distributed_optimizer_instances must be >= 1, "
+                f"got {self.num_distributed_optimizer_instances}."
+            )
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(
+                f"DistributedDataParallelConfig.bucket_size must be a positive number of "
+                f"elements or None (automatic), got {self.bucket_size}."
+            )
+        if not self.use_megatron_fsdp:
+            self._check_ddp_only()
+            return
+        if self.outer_dp_sharding_strategy != "no_shard":
+            if self.num_distributed_optimizer_instances < 2:
+                raise ValueError(
+                    f"outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r} (HFSDP) "
+                    "needs an outer data-parallel group: set num_distributed_optimizer_instances "
+                    "> 1, or outer_dp_sharding_strategy='no_shard'."
+                )
+            if self.data_parallel_sharding_strategy != "optim_grads_params":
+                raise ValueError(
+                    f"outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r} (HFSDP) "
+                    "requires data_parallel_sharding_strategy='optim_grads_params', got "
+                    f"{self.data_parallel_sharding_strategy!r}."
+                )
+
+    def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise ValueError(
+                f"DistributedDataParallelConfig.{name}={value!r} does not exist; "
+                f"choose one of {', '.join(choices)}."
+            )
+
+    def _check_ddp_only(self) -> None:
+        """Rejects Megatron-FSDP options given to the plain DDP engine."""
+        fsdp_only = {
+            "data_parallel_sharding_strategy": self.data_parallel_sharding_strategy != "no_shard",
+            "outer_dp_sharding_strategy": self.outer_dp_sharding_strategy != "no_shard",
+            "num_distributed_optimizer_instances": self.num_distributed_optimizer_instances != 1,
+            "use_symm_mem": self.use_symm_mem,
+        }
+        for name, is_set in fsdp_only.items():
+            if is_set:
+                raise ValueError(
+                    f"DistributedDataParallelConfig.{name}={getattr(self, name)!r} needs "
+                    "Megatron-FSDP: set use_megatron_fsdp=True, or leave it at its default for "
+                    "plain DDP."
+                )

@@ -1,0 +1,1 @@
+"""Adapters to optional third-party libraries (Transformer Engine)."""

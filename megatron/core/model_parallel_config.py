@@ -1,0 +1,82 @@
+"""Parallelism and precision settings shared by every model-building class.
+
+`ModelParallelConfig` is the base of `TransformerConfig` (as in Megatron-LM), so one config object
+tells a module both its shape and how it is parallelised and stored. Only data parallelism (and
+the FSDP engine built on it) is implemented; the other degrees are kept under their Megatron names
+so that later work can fill them in, and are rejected loudly until then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class ModelParallelConfig:
+    """How a model is split across ranks and in which dtype its parameters live.
+
+    Attributes:
+        tensor_model_parallel_size: Tensor (intra-layer) parallel degree. Only 1 is supported.
+        pipeline_model_parallel_size: Pipeline (inter-layer) parallel degree. Only 1 is supported.
+        context_parallel_size: Degree of sequence splitting across ranks. The process groups
+            may use it; attention itself does not implement it yet.
+        expert_model_parallel_size: Expert parallel degree (MoE).
+        sequence_parallel: Megatron sequence parallelism; it needs tensor parallelism.
+        params_dtype: dtype the parameters are created in.
+        fp16: Train in float16 mixed precision.
+        bf16: Train in bfloat16 mixed precision.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    params_dtype: torch.dtype = torch.float32
+    fp16: bool = False
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.tensor_model_parallel_size != 1:
+            raise ValueError(
+                f"tensor_model_parallel_size={self.tensor_model_parallel_size} is not supported "
+                "yet; set tensor_model_parallel_size=1 (scale with data parallelism / FSDP)."
+            )
+        if self.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not "
+                "supported yet; set pipeline_model_parallel_size=1."
+            )
+        if self.sequence_parallel:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_model_parallel_size > 1, which is not "
+                "supported yet; set sequence_parallel=False."
+            )
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are both set; choose at most one of them.")
+        if self.params_dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"params_dtype must be a floating-point torch.dtype, got {self.params_dtype!r}."
+            )
+        # A half dtype that contradicts the precision flag is a typo, not a choice.
+        if (self.bf16 and self.params_dtype == torch.float16) or (
+            self.fp16 and self.params_dtype == torch.bfloat16
+        ):
+            precision = "bf16" if self.bf16 else "fp16"
+            raise ValueError(
+                f"params_dtype={self.params_dtype} contradicts {precision}=True; use "
+                f"params_dtype={torch.bfloat16 if self.bf16 else torch.float16} or float32."
+            )

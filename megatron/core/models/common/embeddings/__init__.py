@@ -1,0 +1,12 @@
+"""Token / position embeddings and rotary position embeddings."""
+
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    Embedding,
+    LanguageModelEmbedding,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+    RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+__all__ = ["Embedding", "LanguageModelEmbedding", "RotaryEmbedding", "apply_rotary_pos_emb"]

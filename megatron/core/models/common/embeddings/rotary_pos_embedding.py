@@ -1,0 +1,91 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) in Megatron-LM's layout.
+
+`RotaryEmbedding` produces the rotation angles for a sequence once per forward; every attention
+layer then rotates its queries and keys with `apply_rotary_pos_emb`. The module holds no
+parameters or buffers: the frequencies are recomputed in `forward` (a handful of tiny kernels),
+so a model built on the `meta` device needs no re-initialisation here, and casting the model to
+bf16 cannot degrade them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotation angles for rotary position embeddings.
+
+    Args:
+        kv_channels: Width of one attention head.
+        rotary_percent: Fraction of each head's channels that is rotated (the rest pass
+            through unchanged).
+        rotary_base: Base of the geometric progression of frequencies.
+
+    Raises:
+        ValueError: `rotary_percent` is outside (0, 1] or the rotated width is not a positive
+            even number.
+    """
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000):
+        super().__init__()
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}.")
+        dim = int(kv_channels * rotary_percent)
+        if dim < 2 or dim % 2:
+            raise ValueError(
+                f"kv_channels * rotary_percent = {kv_channels} * {rotary_percent} gives {dim} "
+                "rotated channels; it must be a positive even number, adjust rotary_percent."
+            )
+        self.dim = dim
+        self.rotary_base = rotary_base
+
+    def forward(
+        self, max_seq_len: int, offset: int = 0, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Angles for positions `offset .. offset + max_seq_len - 1`.
+
+        Args:
+            max_seq_len: Number of positions.
+            offset: First position.
+            device: Device of the result (where the attention runs).
+
+        Returns:
+            float32 tensor of shape [max_seq_len, 1, 1, dim] (broadcasts over batch and heads
+            of the [s, b, n, d] query/key layout).
+        """
+        # Always float32: bf16 angles would be off by whole radians at long positions.
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
+        inv_freq = 1.0 / (self.rotary_base**exponents)
+        positions = torch.arange(max_seq_len, dtype=torch.float32, device=device) + offset
+        freqs = torch.outer(positions, inv_freq)
+        # Megatron's non-interleaved layout: the two halves of the rotated channels form pairs.
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, rotary_base={self.rotary_base}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotates the first `freqs.shape[-1]` channels of `t` by the angles in `freqs`.
+
+    Args:
+        t: Queries or keys, [s, b, n, d].
+        freqs: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim] with rot_dim <= d.
+
+    Returns:
+        Tensor like `t`, in `t`'s dtype.
+    """
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    t_rot = t_rot * cos + _rotate_half(t_rot) * sin
+    if t_pass.shape[-1] == 0:
+        return t_rot
+    return torch.cat((t_rot, t_pass), dim=-1)

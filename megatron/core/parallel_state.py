@@ -1,0 +1,507 @@
+"""Process groups for data, context and expert parallelism, with Megatron-LM's getter API.
+
+`initialize_model_parallel()` splits the default process group (gloo or NCCL) into the groups the
+model and the data-parallel engines communicate over; the `get_*` functions return this rank's
+group of each kind, and `destroy_model_parallel()` tears them down.
+
+Ranks follow Megatron's default order tp-cp-ep-dp-pp with tensor and pipeline parallelism fixed
+at 1: context-parallel groups are contiguous ranks and data-parallel groups stride by cp, so the
+data x context group ("dp_cp") is every rank; expert-model-parallel groups are contiguous ranks and
+expert data-parallel groups stride by ep. With R = `num_distributed_optimizer_instances` > 1
+(hybrid sharding), every data-parallel group of n ranks is cut into R contiguous chunks of n / R
+ranks (the "intra" group FSDP shards over) and the ranks holding the same position in each chunk
+form the "inter" group FSDP replicates over. Example, 8 ranks, cp=2, ep=2, R=2:
+
+    name             groups (each rank is in exactly one group of each name)
+    cp               [0,1] [2,3] [4,5] [6,7]
+    dp               [0,2,4,6] [1,3,5,7]
+    dp_cp            [0..7]
+    intra_dp_cp      [0,1,2,3] [4,5,6,7]
+    inter_dist_opt   [0,4] [1,5] [2,6] [3,7]
+    ep               [0,1] [2,3] [4,5] [6,7]
+    expt_dp          [0,2,4,6] [1,3,5,7]
+    intra_expt_dp    [0,2] [4,6] [1,3] [5,7]
+    tp, pp           [0] [1] ... [7]
+
+Group names are those of `ProcessGroupCollection`'s fields (see `GROUP_NAMES`). Conventions:
+
+- With R == 1, `intra_dp_cp` is the `dp_cp` group object and `intra_expt_dp` the `expt_dp` one,
+  as in Megatron-LM; `inter_dist_opt` is then a group of one rank, so callers can always test
+  `group.size() > 1` instead of checking for None.
+- Splitting the expert data-parallel group by R yields the same inter groups as splitting dp_cp
+  (ranks r, r + W/R, r + 2W/R, ... for W ranks), so dense and expert parameters share
+  `inter_dist_opt`, as in Megatron-LM.
+- `tp` and `pp` are groups of one rank each, so Megatron code asking for their size gets 1.
+- Getters raise RuntimeError before initialization; those Megatron-LM gives a
+  `check_initialized` argument return None instead when it is False.
+- `create_all_gather_group=True` adds `dp_cp_ag` and `expt_dp_ag`: second communicators over the
+  same ranks as the FSDP shard groups (`intra_dp_cp`, `intra_expt_dp`; i.e. `dp_cp`, `expt_dp`
+  when R == 1), used only for parameter all-gathers so that NCCL can run an all-gather
+  concurrently with a reduce-scatter on the main communicator. Megatron-LM builds its
+  `_DATA_PARALLEL_GROUP_WITH_CP_AG` over the full dp_cp ranks even when R > 1; here it mirrors
+  the group parameters are actually sharded over, since an all-gather of shards must run over
+  exactly the ranks holding them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import torch.distributed as dist
+
+GROUP_NAMES = (
+    "dp",
+    "dp_cp",
+    "dp_cp_ag",
+    "intra_dp_cp",
+    "inter_dist_opt",
+    "cp",
+    "tp",
+    "pp",
+    "ep",
+    "expt_dp",
+    "expt_dp_ag",
+    "intra_expt_dp",
+)
+"""Every group name `get_group_ranks()` accepts (`*_ag` ones exist only when requested)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParallelState:
+    groups: dict[str, _Group]
+    """This rank's group of each name; aliased names share one `_Group`."""
+    num_distributed_optimizer_instances: int
+
+
+_STATE: _ParallelState | None = None
+
+
+def _contiguous(ranks: list[int], size: int) -> list[list[int]]:
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
+def _strided(ranks: list[int], stride: int) -> list[list[int]]:
+    return [ranks[i::stride] for i in range(stride)]
+
+
+def _shards(groups: list[list[int]], instances: int) -> list[list[int]]:
+    """Each group cut into `instances` contiguous chunks (the intra groups)."""
+    return [chunk for g in groups for chunk in _contiguous(g, len(g) // instances)]
+
+
+def _replicas(groups: list[list[int]], instances: int) -> list[list[int]]:
+    """The ranks at the same position of each chunk (the inter groups)."""
+    return [same for g in groups for same in _strided(g, len(g) // instances)]
+
+
+def _rank_groups(
+    world_size: int, cp: int, ep: int, instances: int, all_gather: bool
+) -> tuple[dict[str, list[list[int]]], dict[str, str]]:
+    """Every group of each name, in creation order, and the names that alias another name."""
+    ranks = list(range(world_size))
+    layout = {
+        "dp_cp": [ranks],
+        "dp": _strided(ranks, cp),
+        "cp": _contiguous(ranks, cp),
+        "tp": _contiguous(ranks, 1),
+        "pp": _contiguous(ranks, 1),
+        "ep": _contiguous(ranks, ep),
+        "expt_dp": _strided(ranks, ep),
+        "inter_dist_opt": _replicas([ranks], instances),
+    }
+    # Splitting the expert groups yields the same inter groups, so experts share inter_dist_opt.
+    assert sorted(_replicas(layout["expt_dp"], instances)) == sorted(layout["inter_dist_opt"])
+    aliases = {}
+    for base in ("dp_cp", "expt_dp"):
+        if instances > 1:
+            layout[f"intra_{base}"] = _shards(layout[base], instances)
+        else:
+            aliases[f"intra_{base}"] = base
+        if all_gather:
+            layout[f"{base}_ag"] = layout[f"intra_{base}" if instances > 1 else base]
+    return layout, aliases
+
+
+def _check_sizes(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    context_parallel_size: int,
+    expert_model_parallel_size: int,
+    expert_tensor_parallel_size: int | None,
+    num_distributed_optimizer_instances: int,
+) -> None:
+    unsupported = {
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "expert_tensor_parallel_size": expert_tensor_parallel_size or 1,
+    }
+    for name, size in unsupported.items():
+        if size != 1:
+            kind = name.removesuffix("_size").replace("_", " ")
+            raise ValueError(
+                f"{name}={size}: {kind}ism is not supported yet; set it to 1 and use data, "
+                "context (context_parallel_size) or expert (expert_model_parallel_size) "
+                "parallelism instead."
+            )
+    # With tp = pp = 1 the dp x cp group is every rank, so R must divide the world size too.
+    divisors = {
+        "context_parallel_size": (context_parallel_size, ""),
+        "expert_model_parallel_size": (expert_model_parallel_size, ""),
+        "num_distributed_optimizer_instances": (
+            num_distributed_optimizer_instances,
+            " (the data x context parallel size)",
+        ),
+    }
+    for name, (size, what) in divisors.items():
+        if size < 1 or world_size % size:
+            raise ValueError(
+                f"{name}={size} does not divide the world size {world_size}{what}; "
+                f"choose a divisor of {world_size}."
+            )
+    expert_dp_size = world_size // expert_model_parallel_size
+    if expert_dp_size % num_distributed_optimizer_instances:
+        raise ValueError(
+            f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} does not "
+            f"divide the expert data-parallel size {expert_dp_size} (world size {world_size} / "
+            f"expert_model_parallel_size={expert_model_parallel_size}); lower one of the two."
+        )
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    num_distributed_optimizer_instances: int = 1,
+    create_all_gather_group: bool = False,
+    distributed_timeout_minutes: int | None = None,
+) -> None:
+    """Creates the process groups described in the module docstring over the default group.
+
+    Every rank must call this with the same arguments: each rank creates every group (torch
+    requires all ranks to call `new_group` in the same order) and keeps the ones it belongs to.
+
+    Args:
+        tensor_model_parallel_size: must be 1 (not supported yet).
+        pipeline_model_parallel_size: must be 1 (not supported yet).
+        context_parallel_size: ranks that split each sequence; divides the world size.
+        expert_model_parallel_size: ranks that split the experts of an MoE layer; divides the
+            world size.
+        expert_tensor_parallel_size: must be None or 1 (not supported yet).
+        num_distributed_optimizer_instances: R outer replicas for hybrid sharding (HSDP); R must
+            divide both the dp x cp size and the expert data-parallel size.
+        create_all_gather_group: also create `dp_cp_ag` and `expt_dp_ag`, the all-gather
+            communicators of the FSDP shard groups.
+        distributed_timeout_minutes: timeout of the new groups; None keeps the default
+            group's timeout.
+
+    Raises:
+        ValueError: a size is unsupported or does not divide the ranks it splits.
+        RuntimeError: torch.distributed is not initialized, or the groups already exist.
+    """
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel() needs torch.distributed: call "
+            "torch.distributed.init_process_group() first."
+        )
+    if _STATE is not None:
+        raise RuntimeError(
+            "Model-parallel groups are already initialized; call destroy_model_parallel() "
+            "before initialize_model_parallel() again."
+        )
+    world_size = dist.get_world_size()
+    _check_sizes(
+        world_size,
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        expert_tensor_parallel_size,
+        num_distributed_optimizer_instances,
+    )
+    layout, aliases = _rank_groups(
+        world_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        num_distributed_optimizer_instances,
+        create_all_gather_group,
+    )
+    timeout = None
+    if distributed_timeout_minutes is not None:
+        timeout = timedelta(minutes=distributed_timeout_minutes)
+    rank = dist.get_rank()
+    groups = {}
+    for name, partition in layout.items():
+        for ranks in partition:
+            group = dist.new_group(ranks, timeout=timeout, group_desc=name)
+            if rank in ranks:
+                groups[name] = _Group(group, tuple(ranks))
+    for name, target in aliases.items():
+        groups[name] = groups[target]
+    _STATE = _ParallelState(groups, num_distributed_optimizer_instances)
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether `initialize_model_parallel()` ran (and `destroy_model_parallel()` did not)."""
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Destroys every group `initialize_model_parallel()` created; a no-op when none exist."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    # Aliases come after their targets, so this is creation order without repeats. Tearing down
+    # in reverse creation order keeps every rank in step: NCCL teardown was collective in some
+    # versions.
+    created = dict.fromkeys(g.group for g in state.groups.values())
+    for group in reversed(created):
+        dist.destroy_process_group(group)
+
+
+def _state() -> _ParallelState:
+    if _STATE is None:
+        raise RuntimeError(
+            "Model-parallel groups are not initialized: call "
+            "megatron.core.parallel_state.initialize_model_parallel() first."
+        )
+    return _STATE
+
+
+def _group(name: str, check_initialized: bool = True) -> dist.ProcessGroup | None:
+    if _STATE is None and not check_initialized:
+        return None
+    return _state().groups[name].group
+
+
+def _world_size(name: str) -> int:
+    return len(_state().groups[name].ranks)
+
+
+def _rank(name: str) -> int:
+    return _state().groups[name].ranks.index(dist.get_rank())
+
+
+def get_group_ranks(name: str) -> list[int]:
+    """Global ranks of this rank's group called `name` (one of `GROUP_NAMES`), no collective.
+
+    Raises:
+        ValueError: `name` is unknown, or an all-gather group that was not created.
+    """
+    groups = _state().groups
+    if name not in groups:
+        raise ValueError(
+            f"No process group named {name!r}; known names: {', '.join(GROUP_NAMES)} "
+            "(the *_ag groups need create_all_gather_group=True)."
+        )
+    return list(groups[name].ranks)
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether `dp_cp_ag` / `expt_dp_ag` exist (`create_all_gather_group=True`)."""
+    return _STATE is not None and "dp_cp_ag" in _STATE.groups
+
+
+def _shard_group_name(base: str, partial: bool, independent_all_gather: bool) -> str:
+    """Name of the `base` ("dp_cp" or "expt_dp") group a data-parallel getter asked for."""
+    name = f"intra_{base}" if partial else base
+    if not independent_all_gather:
+        return name
+    state = _state()
+    if f"{base}_ag" not in state.groups:
+        raise RuntimeError(
+            "No separate all-gather group exists: pass create_all_gather_group=True to "
+            "initialize_model_parallel()."
+        )
+    if state.num_distributed_optimizer_instances > 1 and not partial:
+        # The all-gather group mirrors the shard group; returning it here would hand out a group
+        # whose ranks differ from the one the caller named.
+        raise ValueError(
+            f"With num_distributed_optimizer_instances > 1 the all-gather group mirrors "
+            f"intra_{base}, not {base}: pass independent_all_gather=True together with "
+            "partial_data_parallel=True (partial_expert_data_parallel=True for experts)."
+        )
+    return f"{base}_ag"
+
+
+def _data_parallel_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
+    if with_context_parallel:
+        return "intra_dp_cp" if partial_data_parallel else "dp_cp"
+    if partial_data_parallel:
+        raise ValueError("partial_data_parallel=True needs with_context_parallel=True.")
+    return "dp"
+
+
+def get_data_parallel_group(
+    with_context_parallel: bool = False,
+    partial_data_parallel: bool = False,
+    independent_all_gather: bool = False,
+) -> dist.ProcessGroup:
+    """This rank's data-parallel group.
+
+    Args:
+        with_context_parallel: the dp x cp group (`dp_cp`) instead of `dp`.
+        partial_data_parallel: the FSDP shard group of hybrid sharding (`intra_dp_cp`, which is
+            `dp_cp` when R == 1); needs `with_context_parallel`.
+        independent_all_gather: the all-gather communicator over the same ranks as the group the
+            other flags select (`dp_cp_ag`); needs `with_context_parallel`, and
+            `partial_data_parallel` when R > 1.
+    """
+    if not with_context_parallel:
+        if independent_all_gather:
+            raise ValueError("independent_all_gather=True needs with_context_parallel=True.")
+        return _group(_data_parallel_name(with_context_parallel, partial_data_parallel))
+    return _group(_shard_group_name("dp_cp", partial_data_parallel, independent_all_gather))
+
+
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """Size of the group `get_data_parallel_group()` returns for these flags."""
+    return _world_size(_data_parallel_name(with_context_parallel, partial_data_parallel))
+
+
+def get_data_parallel_rank(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """This rank's index in the group `get_data_parallel_group()` returns for these flags."""
+    return _rank(_data_parallel_name(with_context_parallel, partial_data_parallel))
+
+
+def get_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """This rank's context-parallel group."""
+    return _group("cp", check_initialized)
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    """Global ranks of this rank's context-parallel group, in ring order."""
+    return get_group_ranks("cp")
+
+
+def get_context_parallel_world_size() -> int:
+    """Number of ranks splitting each sequence."""
+    return _world_size("cp")
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group."""
+    return _rank("cp")
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """A group of this rank alone: tensor parallelism is not supported yet."""
+    return _group("tp", check_initialized)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Always 1 for now."""
+    return _world_size("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """Always 0 for now."""
+    return _rank("tp")
+
+
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """A group of this rank alone: pipeline parallelism is not supported yet."""
+    return _group("pp", check_initialized)
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Always 1 for now."""
+    return _world_size("pp")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """Always 0 for now."""
+    return _rank("pp")
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Always True for now: there is one pipeline stage (arguments kept for Megatron callers)."""
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
+    """Always True for now: there is one pipeline stage (arguments kept for Megatron callers)."""
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """This rank's expert-model-parallel group (the ranks splitting one layer's experts)."""
+    return _group("ep", check_initialized)
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Number of ranks splitting the experts of an MoE layer."""
+    return _world_size("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-model-parallel group."""
+    return _rank("ep")
+
+
+def get_expert_data_parallel_group(
+    check_initialized: bool = True,
+    partial_expert_data_parallel: bool = False,
+    independent_all_gather: bool = False,
+) -> dist.ProcessGroup | None:
+    """This rank's expert data-parallel group (the ranks holding replicas of the same experts).
+
+    Args:
+        check_initialized: if False, return None instead of raising before initialization.
+        partial_expert_data_parallel: the expert FSDP shard group of hybrid sharding
+            (`intra_expt_dp`, which is `expt_dp` when R == 1).
+        independent_all_gather: the all-gather communicator over the same ranks as the group the
+            other flags select (`expt_dp_ag`); needs `partial_expert_data_parallel` when R > 1.
+    """
+    if _STATE is None and not check_initialized:
+        return None
+    return _group(
+        _shard_group_name("expt_dp", partial_expert_data_parallel, independent_all_gather)
+    )
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    """Size of `expt_dp` (`intra_expt_dp` if `partial_expert_data_parallel`)."""
+    return _world_size("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    """This rank's index in `expt_dp` (`intra_expt_dp` if `partial_expert_data_parallel`)."""
+    return _rank("intra_expt_dp" if partial_expert_data_parallel else "expt_dp")
+
+
+def get_inter_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
+    """The HSDP replicate group: one rank of each of the R instances (only this rank if R == 1).
+
+    Dense and expert parameters share it (see the module docstring).
+    """
+    return _group("inter_dist_opt", check_initialized)
+
+
+def get_intra_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
+    """Every rank of this rank's optimizer instance.
+
+    With tensor and pipeline parallelism at 1 an instance is exactly one `intra_dp_cp` chunk, so
+    this is that group (`dp_cp` when R == 1).
+    """
+    return _group("intra_dp_cp", check_initialized)

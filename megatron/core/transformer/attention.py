@@ -1,0 +1,127 @@
+"""Self-attention: fused QKV projection, rotary embeddings, core attention, output projection.
+
+The QKV projection uses Megatron-LM's grouped layout, so checkpoints and Transformer Engine
+modules line up with Megatron's: per token the projection output is `num_query_groups` blocks,
+each holding that group's query heads followed by its one key head and one value head,
+`[ng, (nh / ng + 2) * d]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    """Specs of the three parts of `SelfAttention`.
+
+    Attributes:
+        linear_qkv: Input projection to queries, keys and values (may fuse the input norm).
+        core_attention: The attention itself (e.g. `DotProductAttention`).
+        linear_proj: Output projection back to the hidden size.
+    """
+
+    linear_qkv: ModuleSpec | type | None = None
+    core_attention: ModuleSpec | type | None = None
+    linear_proj: ModuleSpec | type | None = None
+
+
+class SelfAttention(MegatronModule):
+    """Causal self-attention with optional grouped-query attention and rotary embeddings.
+
+    Args:
+        config: The transformer configuration.
+        submodules: Specs of `linear_qkv`, `core_attention` and `linear_proj`.
+        layer_number: 1-based index of the layer this attention belongs to.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int = 1,
+    ):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.num_attention_heads = config.num_attention_heads
+        self.num_query_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        self.query_projection_size = self.num_attention_heads * self.head_dim
+        self.kv_projection_size = self.num_query_groups * self.head_dim
+
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            config.hidden_size,
+            self.query_projection_size + 2 * self.kv_projection_size,
+            config=config,
+            init_method=config.init_method,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False,
+        )
+        self.core_attention = build_module(
+            submodules.core_attention, config=config, layer_number=layer_number
+        )
+        # The bias is handed back to the layer, which adds it together with dropout and residual.
+        self.linear_proj = build_module(
+            submodules.linear_proj,
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+        )
+
+    def get_query_key_value_tensors(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projects [s, b, h] hidden states to q [s, b, nh, d] and k, v [s, b, ng, d]."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        heads_per_group = self.num_attention_heads // self.num_query_groups
+        mixed_qkv = mixed_qkv.view(
+            *mixed_qkv.shape[:-1], self.num_query_groups, (heads_per_group + 2) * self.head_dim
+        )
+        query, key, value = torch.split(
+            mixed_qkv, [heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
+        )
+        query = query.reshape(*query.shape[:2], self.num_attention_heads, self.head_dim)
+        return query, key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attends over the sequence.
+
+        Args:
+            hidden_states: [s, b, h] (already normalised, unless the QKV projection fuses it).
+            attention_mask: None for causal attention, or a boolean mask (True = masked out).
+            rotary_pos_emb: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim], or None.
+
+        Returns:
+            `(output, bias)`: output [s, b, h] and the not-yet-added projection bias (or None).
+        """
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+
+        if self.config.recompute_granularity == "selective" and self.training:
+            # Recompute the attention in backward instead of storing its activations; the RNG
+            # state is replayed, so attention dropout draws the same mask again.
+            context = checkpoint(
+                self.core_attention, query, key, value, attention_mask, use_reentrant=False
+            )
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context)

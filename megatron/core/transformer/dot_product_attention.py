@@ -1,0 +1,96 @@
+"""Core attention: softmax(q k^T / sqrt(d)) v over causal (or explicitly masked) positions.
+
+Everything goes through `torch.nn.functional.scaled_dot_product_attention`, which picks the
+flash / memory-efficient kernels on GPU and never materialises the [s, s] score matrix there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class DotProductAttention(MegatronModule):
+    """Multi-head / grouped-query attention over [s, b, n, d] queries, keys and values.
+
+    With grouped-query attention each key/value head serves `num_attention_heads /
+    num_query_groups` consecutive query heads (Megatron's grouping). The key/value heads are
+    expanded to one per query head with a broadcast view and one copy, so SDPA sees plain
+    multi-head attention and can use the flash kernel.
+
+    Args:
+        config: The transformer configuration.
+        layer_number: 1-based index of the layer this attention belongs to.
+        attention_dropout: Dropout on the attention probabilities; None means
+            `config.attention_dropout`.
+
+    Raises:
+        ValueError: `config.context_parallel_size > 1` (this attention sees the whole sequence
+            and would silently ignore the other ranks' part of it).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int = 1,
+        attention_dropout: float | None = None,
+    ):
+        super().__init__(config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} is not supported by "
+                "DotProductAttention yet; set context_parallel_size=1 in the model config."
+            )
+        self.layer_number = layer_number
+        self.attention_dropout = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attends each query position to the key positions it may see.
+
+        Args:
+            query: [s, b, num_attention_heads, d].
+            key: [s, b, num_query_groups, d].
+            value: [s, b, num_query_groups, d].
+            attention_mask: None for causal attention. Otherwise a boolean mask broadcastable to
+                [b, num_attention_heads, s, s] where True means "masked out" (Megatron's
+                convention); it replaces the causal mask, so it must include causality.
+
+        Returns:
+            Context of shape [s, b, num_attention_heads * d].
+        """
+        seq_len, batch, num_heads, head_dim = query.shape
+        groups = key.shape[2]
+        if groups != num_heads:
+            repeats = num_heads // groups
+            # Query head h reads key/value head h // repeats: expand a new axis after the group
+            # axis (a view), then fold it into the head axis (one copy).
+            key = key.unsqueeze(3).expand(seq_len, batch, groups, repeats, head_dim)
+            key = key.reshape(seq_len, batch, num_heads, head_dim)
+            value = value.unsqueeze(3).expand(seq_len, batch, groups, repeats, head_dim)
+            value = value.reshape(seq_len, batch, num_heads, head_dim)
+
+        # [s, b, n, d] -> [b, n, s, d] as views: SDPA only needs the last dimension contiguous.
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if attention_mask is None:
+            context = F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout_p, is_causal=True
+            )
+        else:
+            # SDPA's boolean mask marks the positions that take part, Megatron's the opposite.
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p
+            )
+        # [b, n, s, d] -> [s, b, n * d]
+        return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * head_dim)

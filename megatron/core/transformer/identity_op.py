@@ -1,0 +1,19 @@
+"""Placeholder for a spec slot whose work is done elsewhere (e.g. a norm fused into a linear)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class IdentityOp(torch.nn.Module):
+    """Returns its first input unchanged; accepts and ignores any constructor arguments.
+
+    Specs use it where a fused neighbour already does the slot's job, e.g. the input layer norm
+    when Transformer Engine's `LayerNormLinear` normalises inside the QKV projection.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return x

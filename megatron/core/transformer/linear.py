@@ -1,0 +1,78 @@
+"""The dense projection used by attention and MLP in the torch-only layer spec.
+
+Megatron-LM uses `ColumnParallelLinear` / `RowParallelLinear` here; with tensor parallelism out of
+scope a single `Linear` takes their place but keeps their calling convention: the forward returns
+`(output, bias)`, where `bias` is None unless `skip_bias_add` asks the caller to add it (so that a
+later fused bias-dropout-add can absorb it). Transformer Engine's wrappers share this contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class Linear(torch.nn.Module):
+    """y = x W^T (+ b), with Megatron's initialisation and parameters in `config.params_dtype`.
+
+    Args:
+        input_size: Size of the last input dimension.
+        output_size: Size of the last output dimension.
+        config: The transformer configuration (for `params_dtype`).
+        init_method: In-place initialiser of the weight (e.g. `config.init_method`).
+        bias: Whether the layer has a bias.
+        skip_bias_add: Return the bias instead of adding it.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        init_method: Callable[[torch.Tensor], torch.Tensor],
+        bias: bool = True,
+        skip_bias_add: bool = False,
+    ):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.init_method = init_method
+        self.skip_bias_add = skip_bias_add
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(output_size, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight from `init_method`, bias zero."""
+        self.init_method(self.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Projects the last dimension of `x`.
+
+        Args:
+            x: Input of shape [..., input_size].
+
+        Returns:
+            `(output, bias)`: output of shape [..., output_size]; bias is the un-added bias when
+            `skip_bias_add`, else None.
+        """
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
+        return F.linear(x, self.weight, self.bias), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"input_size={self.input_size}, output_size={self.output_size}, "
+            f"bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}"
+        )

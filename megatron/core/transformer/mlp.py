@@ -1,0 +1,76 @@
+"""The feed-forward block of a transformer layer: fc1, activation (optionally gated), fc2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class MLPSubmodules:
+    """Specs of the two projections of `MLP`.
+
+    Attributes:
+        linear_fc1: hidden -> ffn (2 * ffn when gated); may fuse the pre-MLP norm.
+        linear_fc2: ffn -> hidden.
+    """
+
+    linear_fc1: ModuleSpec | type | None = None
+    linear_fc2: ModuleSpec | type | None = None
+
+
+class MLP(MegatronModule):
+    """fc2(act(fc1(x))), or with `gated_linear_unit` fc2(act(x W) * (x V)) (SwiGLU with SiLU).
+
+    In the gated case fc1 computes both halves in one GEMM: its output is `[x W | x V]` along
+    the last dimension, as in Megatron-LM.
+
+    Args:
+        config: The transformer configuration.
+        submodules: Specs of `linear_fc1` and `linear_fc2`.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules):
+        super().__init__(config)
+        fc1_output_size = config.ffn_hidden_size
+        if config.gated_linear_unit:
+            fc1_output_size *= 2
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1,
+            config.hidden_size,
+            fc1_output_size,
+            config=config,
+            init_method=config.init_method,
+            bias=config.add_bias_linear,
+            skip_bias_add=False,
+        )
+        self.activation_func = config.activation_func
+        # The bias is handed back to the layer, which adds it together with dropout and residual.
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2,
+            config.ffn_hidden_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Applies the MLP to [s, b, h] hidden states.
+
+        Returns:
+            `(output, bias)`: output [s, b, h] and the not-yet-added fc2 bias (or None).
+        """
+        intermediate, _ = self.linear_fc1(hidden_states)
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = self.activation_func(gate) * up
+        else:
+            intermediate = self.activation_func(intermediate)
+        return self.linear_fc2(intermediate)

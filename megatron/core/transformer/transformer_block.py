@@ -1,0 +1,127 @@
+"""The decoder stack: `num_layers` transformer layers followed by a final norm.
+
+Full activation recompute (`recompute_granularity="full"`) is applied here, one checkpoint per
+layer, as in Megatron-LM's uniform method with one layer per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+LayerNormImpl = FusedLayerNorm if HAVE_APEX else WrappedTorchNorm
+"""Norm of the final layer norm when the spec names none: apex's fused one when available."""
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """Specs of a `TransformerBlock`: one per layer, and the final norm.
+
+    Attributes:
+        layer_specs: One `TransformerLayer` spec per layer.
+        layer_norm: Spec of the final norm; None means `LayerNormImpl`.
+    """
+
+    layer_specs: list[ModuleSpec] = field(default_factory=list)
+    layer_norm: ModuleSpec | type | None = None
+
+
+def _get_block_submodules(
+    config: TransformerConfig, spec: TransformerBlockSubmodules | ModuleSpec
+) -> TransformerBlockSubmodules:
+    """Turns a single layer spec into a block spec repeating it `config.num_layers` times."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        submodules = spec
+    elif isinstance(spec, ModuleSpec) and issubclass(get_module(spec), TransformerLayer):
+        submodules = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers)
+    else:
+        raise ValueError(
+            "TransformerBlock needs a TransformerLayer ModuleSpec or TransformerBlockSubmodules, "
+            f"got {spec!r}."
+        )
+    if len(submodules.layer_specs) != config.num_layers:
+        raise ValueError(
+            f"the block spec has {len(submodules.layer_specs)} layer specs but "
+            f"config.num_layers is {config.num_layers}; make them equal."
+        )
+    if submodules.layer_norm is None:
+        submodules = TransformerBlockSubmodules(submodules.layer_specs, LayerNormImpl)
+    return submodules
+
+
+class TransformerBlock(MegatronModule):
+    """`config.num_layers` transformer layers, then (optionally) a final norm.
+
+    Args:
+        config: The transformer configuration.
+        spec: A `TransformerLayer` spec (repeated for every layer) or `TransformerBlockSubmodules`.
+        post_layer_norm: Whether to apply the final norm (`final_layernorm`).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        spec: TransformerBlockSubmodules | ModuleSpec,
+        post_layer_norm: bool = True,
+    ):
+        super().__init__(config)
+        self.submodules = _get_block_submodules(config, spec)
+        self.post_layer_norm = post_layer_norm
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=number + 1)
+            for number, layer_spec in enumerate(self.submodules.layer_specs)
+        )
+        if post_layer_norm:
+            self.final_layernorm = build_module(
+                self.submodules.layer_norm,
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+        else:
+            self.final_layernorm = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Runs every layer, then the final norm.
+
+        With `recompute_granularity="full"` (in training, with autograd on) each layer is called
+        inside `torch.utils.checkpoint` (non-reentrant): only its input is stored, and the whole
+        layer, forward hooks included, runs again in backward. Dropout masks are replayed.
+
+        Args:
+            hidden_states: [s, b, h].
+            attention_mask: None for causal attention, or a boolean mask (True = masked out).
+            rotary_pos_emb: Rotary angles [s, 1, 1, rot_dim], or None.
+
+        Returns:
+            Hidden states [s, b, h].
+        """
+        recompute = (
+            self.config.recompute_granularity == "full"
+            and self.training
+            and torch.is_grad_enabled()
+        )
+        for layer in self.layers:
+            if recompute:
+                hidden_states = checkpoint(
+                    layer, hidden_states, attention_mask, rotary_pos_emb, use_reentrant=False
+                )
+            else:
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,170 @@
+"""Shape, regularisation, initialisation and recompute settings of a transformer.
+
+`TransformerConfig` uses Megatron-LM's field names so that configs, command-line flags and
+checkpoints translate one to one. Derived defaults (`ffn_hidden_size`, `kv_channels`,
+`num_query_groups`, the init methods) are filled in by `__post_init__`, which also rejects
+inconsistent values with a `ValueError` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+
+
+def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Returns an in-place initialiser drawing from N(0, sigma^2).
+
+    A `functools.partial` rather than a closure so that configs stay picklable (spawned ranks
+    receive them through pickling).
+    """
+    return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma)
+
+
+def scaled_init_method_normal(
+    sigma: float, num_layers: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Returns N(0, (sigma / sqrt(2 * num_layers))^2), Megatron's init for residual outputs.
+
+    Each layer adds two residual branches; shrinking their output projections keeps the
+    variance of the residual stream independent of depth (GPT-2 / Megatron-LM).
+    """
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def _derived(init_method: functools.partial) -> functools.partial:
+    init_method.derived_from_config = True
+    return init_method
+
+
+def _is_derived(init_method: Callable) -> bool:
+    return getattr(init_method, "derived_from_config", False)
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Configuration of a GPT-style decoder stack.
+
+    Attributes:
+        num_layers: Number of transformer layers.
+        hidden_size: Width of the residual stream.
+        num_attention_heads: Number of query heads.
+        num_query_groups: Number of key/value heads (grouped-query attention); None means
+            `num_attention_heads` (plain multi-head attention).
+        ffn_hidden_size: Width of the MLP (of each half when `gated_linear_unit`); None means
+            4 * hidden_size.
+        kv_channels: Width of one attention head; None means hidden_size / num_attention_heads.
+        hidden_dropout: Dropout on the embeddings and on each residual branch.
+        attention_dropout: Dropout on the attention probabilities.
+        layernorm_epsilon: Epsilon of the normalisation layers.
+        normalization: "LayerNorm" or "RMSNorm".
+        gated_linear_unit: Gated MLP: act(x W1) * (x V) (SwiGLU with `activation_func=F.silu`).
+        activation_func: MLP activation.
+        add_bias_linear: Bias in the linear layers.
+        add_qkv_bias: Bias in the QKV projection even when `add_bias_linear` is False.
+        init_method_std: Standard deviation of the default weight initialisation.
+        init_method: In-place initialiser of weights; None means N(0, init_method_std^2).
+        output_layer_init_method: Initialiser of the attention output projection and the second
+            MLP linear (the residual-branch outputs); None means
+            N(0, (init_method_std / sqrt(2 * num_layers))^2).
+        apply_residual_connection_post_layernorm: Take the residual from the output of the
+            layer norm instead of its input.
+        recompute_granularity: None, "full" (recompute each whole transformer layer in
+            backward) or "selective" (recompute only the core attention).
+        seq_length: Training sequence length, when known when the model is built; lets the
+            model check it against its position-embedding table early.
+    """
+
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"
+    gated_linear_unit: bool = False
+    activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    init_method_std: float = 0.02
+    init_method: Callable[[torch.Tensor], torch.Tensor] | None = None
+    output_layer_init_method: Callable[[torch.Tensor], torch.Tensor] | None = None
+    apply_residual_connection_post_layernorm: bool = False
+    recompute_granularity: str | None = None
+    seq_length: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}; set {name}.")
+
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_query_groups ({self.num_query_groups}); choose num_query_groups among the "
+                "divisors of num_attention_heads."
+            )
+
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) when kv_channels is None; change one of them "
+                    "or set kv_channels explicitly."
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}.")
+
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size < 1:
+            raise ValueError(f"ffn_hidden_size must be >= 1, got {self.ffn_hidden_size}.")
+
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}.")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}.")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}."
+            )
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got "
+                f"{self.recompute_granularity!r}."
+            )
+        if not callable(self.activation_func):
+            raise ValueError(f"activation_func must be callable, got {self.activation_func!r}.")
+        if self.seq_length is not None and self.seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1 or None, got {self.seq_length}.")
+
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}.")
+        # Init methods derived here are tagged so that `dataclasses.replace(config,
+        # num_layers=...)` derives them again instead of keeping the old depth's scale.
+        if self.init_method is None or _is_derived(self.init_method):
+            self.init_method = _derived(init_method_normal(self.init_method_std))
+        if self.output_layer_init_method is None or _is_derived(self.output_layer_init_method):
+            self.output_layer_init_method = _derived(
+                scaled_init_method_normal(self.init_method_std, self.num_layers)
+            )

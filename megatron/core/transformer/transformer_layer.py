@@ -1,0 +1,117 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
+
+Hidden states are in Megatron's [s, b, h] layout. Each `TransformerLayer` is the unit that data
+parallel engines shard (FSDP) and that full activation recompute checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    """Specs of the parts of a `TransformerLayer`.
+
+    Attributes:
+        input_layernorm: Norm before attention; `IdentityOp` when the QKV projection fuses it.
+        self_attention: The attention block (e.g. a `SelfAttention` spec).
+        pre_mlp_layernorm: Norm before the MLP; `IdentityOp` when fc1 fuses it.
+        mlp: The MLP block (e.g. an `MLP` spec).
+    """
+
+    input_layernorm: ModuleSpec | type = IdentityOp
+    self_attention: ModuleSpec | type | None = None
+    pre_mlp_layernorm: ModuleSpec | type = IdentityOp
+    mlp: ModuleSpec | type | None = None
+
+
+class TransformerLayer(MegatronModule):
+    """A pre-norm transformer layer with dropout on each residual branch.
+
+    Args:
+        config: The transformer configuration.
+        submodules: Specs of the layer's parts.
+        layer_number: 1-based index of the layer in the model.
+        hidden_dropout: Dropout on the residual branches; None means `config.hidden_dropout`.
+
+    Raises:
+        ValueError: `apply_residual_connection_post_layernorm` is asked of a spec whose norms are
+            fused into the linears (the normalised activations are then never materialised).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+    ):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+
+        norm_kwargs = dict(
+            config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+        )
+        self.input_layernorm = build_module(submodules.input_layernorm, **norm_kwargs)
+        self.self_attention = build_module(
+            submodules.self_attention, config=config, layer_number=layer_number
+        )
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
+        self.mlp = build_module(submodules.mlp, config=config)
+
+        fused_norm = isinstance(self.input_layernorm, IdentityOp) or isinstance(
+            self.pre_mlp_layernorm, IdentityOp
+        )
+        if config.apply_residual_connection_post_layernorm and fused_norm:
+            raise ValueError(
+                "apply_residual_connection_post_layernorm=True needs separate norm modules, but "
+                "this layer spec fuses the norms into the linear layers (e.g. the Transformer "
+                "Engine spec); use the local spec or set it to False."
+            )
+
+    def _bias_dropout_add(
+        self, output: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+    ) -> torch.Tensor:
+        if bias is not None:
+            output = output + bias
+        return residual + F.dropout(output, p=self.hidden_dropout, training=self.training)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Runs attention and MLP, each with its residual connection.
+
+        Args:
+            hidden_states: [s, b, h].
+            attention_mask: None for causal attention, or a boolean mask (True = masked out).
+            rotary_pos_emb: Rotary angles [s, 1, 1, rot_dim], or None.
+
+        Returns:
+            Hidden states [s, b, h].
+        """
+        post_norm_residual = self.config.apply_residual_connection_post_layernorm
+
+        normed = self.input_layernorm(hidden_states)
+        residual = normed if post_norm_residual else hidden_states
+        output, bias = self.self_attention(
+            normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+        )
+        hidden_states = self._bias_dropout_add(output, bias, residual)
+
+        normed = self.pre_mlp_layernorm(hidden_states)
+        residual = normed if post_norm_residual else hidden_states
+        output, bias = self.mlp(normed)
+        return self._bias_dropout_add(output, bias, residual)

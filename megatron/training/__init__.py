@@ -1,0 +1,1 @@
+"""Training utilities: arguments, initialisation, the pretrain loop, checkpointing."""

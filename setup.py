@@ -1,0 +1,21 @@
+"""Packaging for the `megatron` package (Megatron-style GPT training with Megatron-FSDP)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-fsdp-gpt",
+    version="0.1.0",
+    description="Megatron-style GPT training with Megatron-FSDP (fully sharded data parallelism)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron", "megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6", "einops"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout"],
+        # Optional accelerators, used when importable. NVIDIA apex has no usable PyPI package:
+        # build it from its source repository if you want its fused norms.
+        "te": ["transformer-engine[pytorch]"],
+        "tensorboard": ["tensorboard"],
+    },
+)

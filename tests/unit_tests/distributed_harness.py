@@ -1,0 +1,259 @@
+"""Runs a test function on N ranks from plain pytest, with no torchrun.
+
+`run_distributed(fn, world_size, *args)` calls `fn(*args)` on every rank of a pool of spawned
+worker processes that share one default process group (gloo on CPU, NCCL when CUDA has enough
+GPUs), and returns the list of per-rank return values. Pools are kept between tests, because
+starting processes and importing torch dominates the cost of a small multi-rank test on CPU.
+
+Failure handling is the point of this module:
+- a rank that raises has its traceback re-raised in the test (rank number included);
+- a rank stuck in a collective (because a peer failed, or a real deadlock) makes the call fail
+  after `timeout` seconds, naming the ranks that did not finish;
+- after any failure the pool is killed, so the next test starts from fresh processes.
+
+`fn` must be picklable: a module-level function of a test module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+DEFAULT_TIMEOUT_S = 180.0
+"""Bound on one `run_distributed` call, start-up of a fresh pool excluded."""
+
+_GRACE_AFTER_FAILURE_S = 5.0
+"""How long the other ranks may take to finish after one rank failed."""
+
+_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, died or hung; the message holds the rank's traceback."""
+
+
+def select_backend(world_size: int) -> str:
+    """NCCL when CUDA has one GPU per rank, gloo otherwise; `MEGATRON_TEST_BACKEND` overrides."""
+    forced = os.environ.get("MEGATRON_TEST_BACKEND")
+    if forced:
+        return forced
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, backend: str, port: int, conn) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    # Several ranks share two CPU cores in CI; intra-op threads would only oversubscribe them.
+    torch.set_num_threads(1)
+    init_kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        init_kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=_COLLECTIVE_TIMEOUT,
+        **init_kwargs,
+    )
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", _to_cpu(fn(*args, **kwargs))))
+        except BaseException:  # noqa: BLE001 - everything goes back to the test
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            _reset_rank_state()
+    dist.destroy_process_group()
+
+
+def _to_cpu(result: Any) -> Any:
+    """CUDA tensors cannot be pickled back to the test process; CPU copies can."""
+    return tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, result)
+
+
+def current_device() -> torch.device:
+    """The device a test's rank should put its model and data on (its GPU under NCCL)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reset_rank_state() -> None:
+    """Leaves no model-parallel groups behind for the next test on this worker."""
+    import sys
+
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+
+
+class _WorkerPool:
+    """`world_size` worker processes in one default process group."""
+
+    def __init__(self, world_size: int, backend: str, start_timeout: float = 120.0):
+        self.world_size = world_size
+        self.backend = backend
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self.conns = []
+        self.procs = []
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, backend, port, child_conn),
+                daemon=True,
+                name=f"test-rank-{rank}",
+            )
+            proc.start()
+            child_conn.close()
+            self.conns.append(parent_conn)
+            self.procs.append(proc)
+        self._collect(start_timeout, what="process-group start-up")
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        for conn in self.conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = dict(zip(self.conns, range(self.world_size)))
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in multiprocessing.connection.wait(list(pending), timeout=remaining):
+                rank = pending.pop(conn)
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    exitcode = self.procs[rank].exitcode
+                    failures[rank] = f"rank {rank} died (exit code {exitcode})"
+                    continue
+                if status == "error":
+                    failures[rank] = payload
+                else:
+                    results[rank] = payload
+            if failures:
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+        if not failures and not pending:
+            return results
+        self.kill()
+        lines = [f"{what} failed on {self.world_size} ranks ({self.backend})."]
+        for rank in sorted(failures):
+            lines.append(f"--- rank {rank} ---\n{failures[rank]}")
+        if pending:
+            stuck = sorted(pending.values())
+            reason = "after another rank failed" if failures else f"within {timeout:.0f} s"
+            lines.append(f"ranks {stuck} did not finish {reason} (hung collective?)")
+        raise DistributedTestError("\n".join(lines))
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+        self.procs = []
+        self.conns = []
+
+
+_pools: dict[tuple[int, str], _WorkerPool] = {}
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    fresh: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """Calls `fn(*args, **kwargs)` on `world_size` ranks and returns their results by rank.
+
+    Args:
+        fn: a module-level (picklable) function; it may use `torch.distributed` freely.
+        world_size: number of ranks.
+        timeout: seconds the call may take before the still-running ranks count as hung.
+        fresh: run on new processes that are discarded afterwards (for tests that kill ranks or
+            change process-wide state).
+
+    Raises:
+        DistributedTestError: a rank raised, died or did not finish in time.
+    """
+    backend = select_backend(world_size)
+    key = (world_size, backend)
+    if fresh:
+        pool = _WorkerPool(world_size, backend)
+        try:
+            return pool.run(fn, args, kwargs, timeout)
+        finally:
+            pool.close()
+    pool = _pools.get(key)
+    if pool is None or not pool.alive():
+        pool = _pools[key] = _WorkerPool(world_size, backend)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except DistributedTestError:
+        _pools.pop(key, None)
+        raise
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Stops every kept worker pool (also called at interpreter exit)."""
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

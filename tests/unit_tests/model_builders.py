@@ -1,0 +1,59 @@
+"""Tiny models and data shared by the engine tests (CPU-sized: hidden 32, 2 layers)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.distributed_harness import current_device
+
+VOCAB_SIZE = 64
+SEQ_LENGTH = 8
+
+
+def tiny_gpt_config(**overrides) -> TransformerConfig:
+    """A 2-layer, hidden-32 config without dropout, so runs are deterministic."""
+    fields = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_tiny_gpt(config: TransformerConfig | None = None, seed: int = 1234, **kwargs) -> GPTModel:
+    """Builds a tiny GPT with deterministic weights (the same on every rank), on this rank's
+    device."""
+    config = config or tiny_gpt_config()
+    torch.manual_seed(seed)
+    kwargs.setdefault("vocab_size", VOCAB_SIZE)
+    kwargs.setdefault("max_sequence_length", SEQ_LENGTH)
+    # Initialise on CPU so that CPU and GPU ranks start from bit-identical weights.
+    return GPTModel(config, get_gpt_layer_local_spec(), **kwargs).to(current_device())
+
+
+def make_token_batches(
+    num_batches: int, batch_size: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) pairs of shape [batch_size, SEQ_LENGTH], labels shifted by one."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_batches):
+        data = torch.randint(0, VOCAB_SIZE, (batch_size, SEQ_LENGTH + 1), generator=generator)
+        batches.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
+    return batches
+
+
+def shard_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch (dim 0), on this rank's device."""
+    return batch.chunk(world_size)[rank].to(current_device())
+
+
+def device_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (tokens, labels) batch on this rank's device."""
+    tokens, labels = make_token_batches(1, batch_size, seed)[0]
+    return tokens.to(current_device()), labels.to(current_device())

@@ -1,0 +1,73 @@
+"""LanguageModelEmbedding and rotary position embeddings."""
+
+import pytest
+import torch
+
+from megatron.core.models.common.embeddings import (
+    LanguageModelEmbedding,
+    RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _config(**overrides):
+    return TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, **overrides
+    )
+
+
+def test_embedding_is_sequence_first_and_adds_positions():
+    embedding = LanguageModelEmbedding(_config(), vocab_size=100, max_sequence_length=16)
+    ids = torch.randint(0, 100, (2, 12))
+    out = embedding(ids)
+    assert out.shape == (12, 2, 32)
+    words = embedding.word_embeddings.weight
+    positions = embedding.position_embeddings.weight
+    torch.testing.assert_close(out[5, 1], words[ids[1, 5]] + positions[5])
+    shifted = embedding(ids, position_ids=torch.arange(12).unsqueeze(0) + 4)
+    torch.testing.assert_close(shifted[5, 1], words[ids[1, 5]] + positions[9])
+
+
+def test_rope_embedding_has_no_position_table():
+    embedding = LanguageModelEmbedding(_config(), 100, 16, position_embedding_type="rope")
+    assert not hasattr(embedding, "position_embeddings")
+    ids = torch.randint(0, 100, (2, 20))  # longer than max_sequence_length is fine with RoPE
+    torch.testing.assert_close(embedding(ids)[3, 0], embedding.word_embeddings.weight[ids[0, 3]])
+
+
+def test_too_long_sequence_for_learned_positions_raises():
+    embedding = LanguageModelEmbedding(_config(), 100, 16)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        embedding(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_rotary_angles_shape_and_dtype():
+    angles = RotaryEmbedding(kv_channels=8)(16)
+    assert angles.shape == (16, 1, 1, 8) and angles.dtype == torch.float32
+    torch.testing.assert_close(angles[3, 0, 0, 0], torch.tensor(3.0))  # frequency 1 at index 0
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rope = RotaryEmbedding(kv_channels=8)
+    angles = rope(12)
+    q = torch.randn(1, 1, 1, 8).expand(12, 1, 1, 8)
+    k = torch.randn(1, 1, 1, 8).expand(12, 1, 1, 8)
+    q_rot, k_rot = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
+    score = lambda m, n: (q_rot[m] * k_rot[n]).sum()  # noqa: E731
+    torch.testing.assert_close(score(5, 2), score(9, 6))
+    torch.testing.assert_close(score(3, 3), (q[0] * k[0]).sum())
+    assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def test_partial_rotary_leaves_the_other_channels_alone():
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=0.5)
+    t = torch.randn(6, 2, 3, 8)
+    out = apply_rotary_pos_emb(t, rope(6))
+    torch.testing.assert_close(out[..., 4:], t[..., 4:])
+    assert not torch.allclose(out[1:, ..., :4], t[1:, ..., :4])
+
+
+def test_rotary_percent_must_give_an_even_width():
+    with pytest.raises(ValueError, match="rotary_percent"):
+        RotaryEmbedding(kv_channels=8, rotary_percent=0.25 / 2)

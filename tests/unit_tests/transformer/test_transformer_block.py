@@ -1,0 +1,98 @@
+"""TransformerLayer wiring, TransformerBlock structure and activation recompute."""
+
+import pytest
+import torch
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+SEQ, BATCH, HIDDEN = 16, 2, 32
+
+
+def _config(**overrides):
+    base = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return TransformerConfig(**{**base, **overrides})
+
+
+def _block(config, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return TransformerBlock(config, get_gpt_layer_local_spec(), **kwargs)
+
+
+def _add(output_and_bias):
+    output, bias = output_and_bias
+    return output if bias is None else output + bias
+
+
+@pytest.mark.parametrize("post_norm_residual", [False, True])
+def test_layer_matches_manual_composition(post_norm_residual):
+    config = _config(apply_residual_connection_post_layernorm=post_norm_residual)
+    layer = _block(config).layers[0].eval()
+    with torch.no_grad():
+        for module in (layer.input_layernorm, layer.pre_mlp_layernorm):
+            module.weight.normal_()
+            module.bias.normal_()
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    normed = layer.input_layernorm(x)
+    h = (normed if post_norm_residual else x) + _add(layer.self_attention(normed))
+    normed = layer.pre_mlp_layernorm(h)
+    expected = (normed if post_norm_residual else h) + _add(layer.mlp(normed))
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_block_structure():
+    block = _block(_config(num_layers=3))
+    assert len(block.layers) == 3
+    assert all(isinstance(layer, TransformerLayer) for layer in block.layers)
+    assert [layer.layer_number for layer in block.layers] == [1, 2, 3]
+    assert isinstance(block.final_layernorm, torch.nn.LayerNorm)
+    assert _block(_config(), post_layer_norm=False).final_layernorm is None
+    out = block(torch.randn(SEQ, BATCH, HIDDEN))
+    assert out.shape == (SEQ, BATCH, HIDDEN)
+
+
+def test_rms_norm_block():
+    block = _block(_config(normalization="RMSNorm"))
+    norms = [block.final_layernorm] + [layer.input_layernorm for layer in block.layers]
+    assert all(isinstance(norm, torch.nn.RMSNorm) for norm in norms)
+    assert torch.isfinite(block(torch.randn(SEQ, BATCH, HIDDEN))).all()
+
+
+def test_spec_pinned_to_another_normalization_raises():
+    with pytest.raises(ValueError, match="normalization"):
+        TransformerBlock(_config(), get_gpt_layer_local_spec(normalization="RMSNorm"))
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_gives_the_same_gradients(granularity):
+    results = []
+    for recompute in (None, granularity):
+        # Dropout on, to check that recomputation replays the same masks.
+        config = _config(hidden_dropout=0.1, attention_dropout=0.1, recompute_granularity=recompute)
+        block = _block(config).train()
+        torch.manual_seed(1)
+        x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+        out = block(x)
+        out.square().sum().backward()
+        results.append([out.detach(), x.grad] + [p.grad for p in block.parameters()])
+    for plain, recomputed in zip(*results):
+        torch.testing.assert_close(recomputed, plain)
+
+
+def test_full_recompute_really_recomputes():
+    calls = []
+    block = _block(_config(recompute_granularity="full")).train()
+    # The layer is called inside the checkpoint, so its forward pre-hooks run in the
+    # recomputation too. (Post-forward hooks may not: recomputation stops early once the
+    # tensors backward needs exist again.)
+    block.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    block(torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)).sum().backward()
+    assert len(calls) == 2  # once in forward, once more in backward

@@ -1,0 +1,110 @@
+"""Times one GPT training step (forward, backward, AdamW) on a single device, no parallelism.
+
+The compute-only reference the sharded engines are compared against:
+
+    python tools/benchmark_gpt_step.py --hidden-size 2048 --num-layers 24 \
+        --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2 --bf16
+
+Prints step time, tokens/s, model TFLOP/s (Megatron-LM's FLOP count) and peak memory, then the
+same as one JSON line. Runs on CPU too (use a tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flops import num_floating_point_operations
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-layers", type=int, default=24)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser.parse_args()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=args.bf16,
+    )
+    torch.manual_seed(0)
+    with device:
+        model = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.seq_length,
+            position_embedding_type="rope",
+        )
+    # fused=True is the fast CUDA path; the CPU build has no fused AdamW for bf16.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    shape = (args.micro_batch_size, args.seq_length)
+    tokens = torch.randint(0, args.vocab_size, shape, device=device)
+    labels = torch.randint(0, args.vocab_size, shape, device=device)
+
+    step_times = []
+    for step in range(args.warmup_steps + args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model(tokens, labels=labels).mean().backward()
+        optimizer.step()
+        synchronize(device)
+        if step >= args.warmup_steps:
+            step_times.append(time.perf_counter() - start)
+
+    step_s = statistics.median(step_times)
+    tokens_per_step = args.micro_batch_size * args.seq_length
+    flops = num_floating_point_operations(
+        config, args.vocab_size, args.seq_length, args.micro_batch_size
+    )
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_ms": step_s * 1000,
+        "tokens_per_s": tokens_per_step / step_s,
+        "tflops_per_s": flops / step_s / 1e12,
+        "peak_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        ),
+    }
+    print(
+        f"{result['device']}: {result['params'] / 1e9:.2f}B params, step "
+        f"{result['step_ms']:.1f} ms (median of {args.steps}), "
+        f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops_per_s']:.1f} TFLOP/s"
+        + (f", peak {result['peak_gib']:.1f} GiB" if result["peak_gib"] is not None else "")
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
