@@ -12,9 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 
 import torch
+
+# Runnable from a checkout without installing the package (as Megatron-LM's tools are).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 import torch.distributed as dist
 
 from megatron.core import parallel_state

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+# Runnable from a checkout without installing the package (as Megatron-LM's tools are).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
