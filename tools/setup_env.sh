@@ -12,4 +12,5 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   "$PYTHON" -m pip install -q "torch==2.13.0" || "$PYTHON" -m pip install -q "torch>=2.6"
 fi
 "$PYTHON" -m pip install -q -e "${repo_root}[test]"
-"$PYTHON" -c "import torch, megatron; print(f'[setup] torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
+"$PYTHON" -c "import torch, megatron
+print(f'[setup] torch {torch.__version__}, cuda={torch.cuda.is_available()}')"

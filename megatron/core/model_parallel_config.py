@@ -24,17 +24,18 @@ class ModelParallelConfig:
         pipeline_model_parallel_size: Pipeline (inter-layer) parallel degree. Only 1 is supported.
         context_parallel_size: Degree of sequence splitting across ranks. The process groups
             may use it; attention itself does not implement it yet.
-        expert_model_parallel_size: Expert parallel degree (MoE).
         sequence_parallel: Megatron sequence parallelism; it needs tensor parallelism.
-        params_dtype: dtype the parameters are created in.
-        fp16: Train in float16 mixed precision.
-        bf16: Train in bfloat16 mixed precision.
+        params_dtype: dtype the parameters are created in; the only setting that decides the
+            training precision.
+        fp16: Megatron's `--fp16` flag, which also sets `params_dtype=torch.float16`. Here it
+            sets nothing: it requires `params_dtype=torch.float16` (`ValueError` otherwise), so a
+            config asking for fp16 cannot silently train in another dtype.
+        bf16: Megatron's `--bf16` flag; likewise requires `params_dtype=torch.bfloat16`.
     """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
     fp16: bool = False
@@ -45,7 +46,6 @@ class ModelParallelConfig:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
-            "expert_model_parallel_size",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -71,12 +71,10 @@ class ModelParallelConfig:
             raise ValueError(
                 f"params_dtype must be a floating-point torch.dtype, got {self.params_dtype!r}."
             )
-        # A half dtype that contradicts the precision flag is a typo, not a choice.
-        if (self.bf16 and self.params_dtype == torch.float16) or (
-            self.fp16 and self.params_dtype == torch.bfloat16
-        ):
-            precision = "bf16" if self.bf16 else "fp16"
-            raise ValueError(
-                f"params_dtype={self.params_dtype} contradicts {precision}=True; use "
-                f"params_dtype={torch.bfloat16 if self.bf16 else torch.float16} or float32."
-            )
+        # Nothing else reads the flags, so a flag whose dtype is missing would train in fp32.
+        for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            if getattr(self, flag) and self.params_dtype != dtype:
+                raise ValueError(
+                    f"{flag}=True needs params_dtype={dtype} (Megatron's --{flag} sets both); "
+                    f"got params_dtype={self.params_dtype}."
+                )

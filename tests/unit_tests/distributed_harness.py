@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, backend: str, port: int, conn) -> None:
+def _worker_main(rank: int, world_size: int, backend: str, port: int, conn: Connection) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -218,7 +219,6 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
-    fresh: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Calls `fn(*args, **kwargs)` on `world_size` ranks and returns their results by rank.
@@ -227,20 +227,12 @@ def run_distributed(
         fn: a module-level (picklable) function; it may use `torch.distributed` freely.
         world_size: number of ranks.
         timeout: seconds the call may take before the still-running ranks count as hung.
-        fresh: run on new processes that are discarded afterwards (for tests that kill ranks or
-            change process-wide state).
 
     Raises:
         DistributedTestError: a rank raised, died or did not finish in time.
     """
     backend = select_backend(world_size)
     key = (world_size, backend)
-    if fresh:
-        pool = _WorkerPool(world_size, backend)
-        try:
-            return pool.run(fn, args, kwargs, timeout)
-        finally:
-            pool.close()
     pool = _pools.get(key)
     if pool is None or not pool.alive():
         pool = _pools[key] = _WorkerPool(world_size, backend)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
-from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.distributed_harness import current_device, run_distributed
 
 CP, EP, R, AG = (
     "context_parallel_size",
@@ -25,13 +25,6 @@ LAYOUTS = [
     pytest.param(2, {CP: 2, EP: 2, AG: True}, id="w2-cp2-ep2-ag"),
     pytest.param(2, {R: 2, AG: True}, id="w2-hsdp2-ag"),
 ]
-
-
-def _device() -> torch.device:
-    """Where collective inputs live: NCCL only reduces CUDA tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _expected_members(name: str, rank: int, world_size: int, config: dict) -> list[int]:
@@ -94,7 +87,7 @@ def _describe_groups(config: dict) -> dict:
     sums = {}
     # Every rank walks the names in the same order, so each group's members meet in each call.
     for name, group in groups.items():
-        value = torch.tensor([float(dist.get_rank())], device=_device())
+        value = torch.tensor([float(dist.get_rank())], device=current_device())
         dist.all_reduce(value, group=group)
         sums[name] = int(value.item())
     return {
@@ -269,7 +262,7 @@ def _lifecycle() -> None:
     ps.initialize_model_parallel(context_parallel_size=2)
     assert ps.get_context_parallel_world_size() == 2
     assert ps.get_data_parallel_world_size() == 1
-    value = torch.ones(1, device=_device())
+    value = torch.ones(1, device=current_device())
     dist.all_reduce(value, group=ps.get_context_parallel_group())
     assert value.item() == 2
 

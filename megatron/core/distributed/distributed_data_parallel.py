@@ -18,11 +18,13 @@ A training step::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.distributed.data_parallel_base import (
     _BaseDataParallel,
@@ -34,6 +36,9 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+_wrapping_engine = WeakIdKeyDictionary()
+"""Parameter -> weakref of the engine that owns its `main_grad` (to refuse double wrapping)."""
 
 
 class DistributedDataParallel(_BaseDataParallel):
@@ -74,8 +79,16 @@ class DistributedDataParallel(_BaseDataParallel):
         if disable_bucketing or not ddp_config.overlap_grad_reduce:
             bucket_size = None
 
+        names = {param: name for name, param in module.named_parameters()}
         # Reverse registration order approximates the order backward produces gradients in.
-        params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        params = [p for p in reversed(names) if p.requires_grad]
+        for param in params:
+            owner = _wrapping_engine.get(param)
+            if owner is not None and owner() is not None:
+                raise ValueError(
+                    f"Parameter {names[param]!r} is already wrapped by another "
+                    "DistributedDataParallel; wrap the model once and reuse that wrapper."
+                )
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in params:
             by_dtype.setdefault(self._grad_dtype(param), []).append(param)
@@ -94,12 +107,24 @@ class DistributedDataParallel(_BaseDataParallel):
         self._bucket_of: dict[torch.nn.Parameter, GradBucket] = {
             param: bucket for bucket in self.buckets for param in bucket.params
         }
+        self._param_names = names
         self._grad_sync_enabled = True
+
+        engine = weakref.ref(self)
+
+        def accumulate_grad_hook(param: torch.nn.Parameter) -> None:
+            # A weak back-edge: the parameters must not keep a deleted engine (and its
+            # buffers) alive.
+            ddp = engine()
+            if ddp is not None:
+                ddp._accumulate_grad(param)
+
         for buffer in self.buffers:
             for param, main_grad in buffer.main_grads.items():
                 # Megatron's optimizers and grad-norm code read `param.main_grad`.
                 param.main_grad = main_grad
-                param.register_post_accumulate_grad_hook(self._accumulate_grad)
+                param.register_post_accumulate_grad_hook(accumulate_grad_hook)
+                _wrapping_engine[param] = engine
 
     def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
         return torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
@@ -108,11 +133,10 @@ class DistributedDataParallel(_BaseDataParallel):
         """Moves the fresh gradient into `main_grad`; launches the bucket once it is complete."""
         param.main_grad.add_(param.grad)
         param.grad = None
-        if not self._grad_sync_enabled:
-            return
-        bucket = self._bucket_of[param]
-        if bucket.mark_ready(param) and self.ddp_config.overlap_grad_reduce:
-            bucket.start_reduce(async_op=True)
+        if self._grad_sync_enabled and self.ddp_config.overlap_grad_reduce:
+            bucket = self._bucket_of[param]
+            if bucket.mark_ready(param):
+                bucket.start_reduce(async_op=True)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -125,6 +149,7 @@ class DistributedDataParallel(_BaseDataParallel):
             self._grad_sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
+        """Zeroes every `main_grad` before the first microbatch of a step."""
         for buffer in self.buffers:
             buffer.data.zero_()
         for bucket in self.buckets:
@@ -133,16 +158,33 @@ class DistributedDataParallel(_BaseDataParallel):
             param.grad = None
 
     def start_grad_sync(self, *unused: Any) -> None:
+        """Launches the all-reduce of every bucket not launched yet (asynchronously when
+        `overlap_grad_reduce`)."""
         for bucket in self.buckets:
             bucket.start_reduce(async_op=self.ddp_config.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
-        # Buckets whose parameters got no gradient this step (unused parameters) have not
-        # launched; every rank launches them here, in the same order.
+        """Waits until every gradient is averaged over the data-parallel group.
+
+        Raises:
+            RuntimeError: with `overlap_grad_reduce`, some parameters got no gradient in the
+                synchronised backward. Their buckets never launched, and launching them here
+                could pair different buckets across ranks.
+        """
+        if self.ddp_config.overlap_grad_reduce:
+            missing = [self._param_names[p] for b in self.buckets for p in b.pending]
+            if missing:
+                raise RuntimeError(
+                    f"overlap_grad_reduce=True, but {len(missing)} parameter(s) got no gradient "
+                    f"in the backward outside no_sync(): {missing[:8]}. Every trainable "
+                    "parameter must take part in the loss on every rank: set requires_grad=False "
+                    "on unused ones, or use overlap_grad_reduce=False."
+                )
         for bucket in self.buckets:
             bucket.finish_reduce()
 
     def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiplies every `main_grad` by `scaling_factor`."""
         for buffer in self.buffers:
             buffer.data.mul_(scaling_factor)
 

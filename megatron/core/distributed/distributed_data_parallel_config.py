@@ -7,6 +7,7 @@ fields rather than classes. Field names and meanings follow Megatron-LM.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 """Over the outer (inter-replica) group: replicate (HSDP), or shard optimizer state (HFSDP)."""
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class DistributedDataParallelConfig:
             "megatron_fsdp_grad_comm_dtype",
         ):
             value = getattr(self, name)
-            if value is not None and value not in _FLOAT_DTYPES:
+            if value is not None and value not in _PRECISION_DTYPES:
                 raise ValueError(
                     f"DistributedDataParallelConfig.{name}={value!r} is not supported: use one "
                     f"of torch.float32, torch.bfloat16, torch.float16 or None."
@@ -102,6 +103,12 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 f"DistributedDataParallelConfig.bucket_size must be a positive number of "
                 f"elements or None (automatic), got {self.bucket_size}."
+            )
+        main_grads_dtype = self.megatron_fsdp_main_grads_dtype
+        if self.grad_reduce_in_fp32 and main_grads_dtype not in (None, torch.float32):
+            raise ValueError(
+                f"grad_reduce_in_fp32=True contradicts megatron_fsdp_main_grads_dtype="
+                f"{main_grads_dtype}; set one of them only."
             )
         if not self.use_megatron_fsdp:
             self._check_ddp_only()
@@ -129,17 +136,27 @@ class DistributedDataParallelConfig:
             )
 
     def _check_ddp_only(self) -> None:
-        """Rejects Megatron-FSDP options given to the plain DDP engine."""
-        fsdp_only = {
-            "data_parallel_sharding_strategy": self.data_parallel_sharding_strategy != "no_shard",
-            "outer_dp_sharding_strategy": self.outer_dp_sharding_strategy != "no_shard",
-            "num_distributed_optimizer_instances": self.num_distributed_optimizer_instances != 1,
-            "use_symm_mem": self.use_symm_mem,
-        }
-        for name, is_set in fsdp_only.items():
-            if is_set:
+        """Rejects Megatron-FSDP options given to the plain DDP engine, which would ignore them."""
+        for field in dataclasses.fields(self):
+            if field.name in _FSDP_ONLY_FIELDS and getattr(self, field.name) != field.default:
                 raise ValueError(
-                    f"DistributedDataParallelConfig.{name}={getattr(self, name)!r} needs "
-                    "Megatron-FSDP: set use_megatron_fsdp=True, or leave it at its default for "
-                    "plain DDP."
+                    f"DistributedDataParallelConfig.{field.name}={getattr(self, field.name)!r} "
+                    "needs Megatron-FSDP: set use_megatron_fsdp=True, or leave it at its default "
+                    f"({field.default!r}) for plain DDP."
                 )
+
+
+_FSDP_ONLY_FIELDS = frozenset(
+    {
+        "overlap_param_gather",
+        "num_distributed_optimizer_instances",
+        "data_parallel_sharding_strategy",
+        "outer_dp_sharding_strategy",
+        "fsdp_all_gather_in_start_param_sync",
+        "use_symm_mem",
+        "megatron_fsdp_main_params_dtype",
+        "megatron_fsdp_main_grads_dtype",
+        "megatron_fsdp_grad_comm_dtype",
+    }
+)
+"""Fields only Megatron-FSDP reads."""

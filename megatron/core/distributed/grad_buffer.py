@@ -45,7 +45,13 @@ class GradBucket:
 
     @property
     def started(self) -> bool:
+        """Whether the reduction has been launched since the last `reset()`."""
         return self._started
+
+    @property
+    def pending(self) -> tuple[torch.nn.Parameter, ...]:
+        """Parameters whose gradient has not been marked ready since the last `reset()`."""
+        return tuple(p for p in self.params if p in self._pending)
 
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Records that `param`'s gradient is final; returns True once all of them are."""
@@ -84,7 +90,10 @@ class GradBucket:
             self._work = None
 
     def reset(self) -> None:
-        """Prepares for the next backward pass."""
+        """Prepares for the next step, first waiting for a reduction still in flight (it would
+        otherwise keep writing into the buffer being zeroed)."""
+        if self._work is not None:
+            self._work.wait()
         self._pending = set(self.params)
         self._work = None
         self._started = False

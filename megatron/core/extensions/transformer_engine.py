@@ -1,11 +1,13 @@
 """Thin Transformer Engine (TE) wrappers with the constructor contract of the local modules.
 
-`get_gpt_layer_with_transformer_engine_spec()` puts these in the layer spec: `TELayerNormLinear`
-(the norm fused into the QKV projection and into fc1), `TELinear` (attention output and fc2) and
-`TENorm`. Each takes the arguments the local `Linear` / `WrappedTorchNorm` take and returns
-`(output, bias)` like `Linear`, so `SelfAttention`, `MLP` and `TransformerLayer` do not know which
-backend they run on. The import of TE is guarded; without TE, `HAVE_TE` is False and building any
-of these raises `ImportError` with install instructions.
+`get_gpt_layer_with_transformer_engine_spec()` puts `TELayerNormLinear` (the norm fused into the
+QKV projection and into fc1) and `TELinear` (attention output and fc2) in the layer spec;
+`get_gpt_decoder_block_spec(config, use_transformer_engine=True)` adds `TENorm` as the decoder's
+final norm. The linear wrappers take the arguments of the local `Linear` and return
+`(output, bias)` like it, and `TENorm` takes those of `WrappedTorchNorm`, so `SelfAttention`,
+`MLP`, `TransformerLayer` and `TransformerBlock` do not know which backend they run on. The import
+of TE is guarded; without TE, `HAVE_TE` is False and building any of these raises `ImportError`
+with install instructions.
 
 TE allocates parameters on the current CUDA device (or on `meta` when built under
 `with torch.device("meta")`), and its modules' `reset_parameters()` apply the given init method.

@@ -116,12 +116,14 @@ class TransformerBlock(MegatronModule):
             and torch.is_grad_enabled()
         )
         for layer in self.layers:
+            # Layers return Megatron's (hidden_states, context); context is None without
+            # cross-attention, so only the hidden states go on to the next layer.
             if recompute:
-                hidden_states = checkpoint(
+                hidden_states, _ = checkpoint(
                     layer, hidden_states, attention_mask, rotary_pos_emb, use_reentrant=False
                 )
             else:
-                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -42,13 +42,9 @@ def scaled_init_method_normal(
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
 
 
-def _derived(init_method: functools.partial) -> functools.partial:
-    init_method.derived_from_config = True
-    return init_method
-
-
-def _is_derived(init_method: Callable) -> bool:
-    return getattr(init_method, "derived_from_config", False)
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}; set {name}.")
 
 
 @dataclass
@@ -76,7 +72,9 @@ class TransformerConfig(ModelParallelConfig):
         init_method: In-place initialiser of weights; None means N(0, init_method_std^2).
         output_layer_init_method: Initialiser of the attention output projection and the second
             MLP linear (the residual-branch outputs); None means
-            N(0, (init_method_std / sqrt(2 * num_layers))^2).
+            N(0, (init_method_std / sqrt(2 * num_layers))^2). Both init methods are derived once,
+            in `__post_init__`: a `dataclasses.replace` that changes `num_layers` or
+            `init_method_std` must also pass None for them to be derived again.
         apply_residual_connection_post_layernorm: Take the residual from the output of the
             layer norm instead of its input.
         recompute_granularity: None, "full" (recompute each whole transformer layer in
@@ -109,13 +107,14 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}; set {name}.")
+            _check_positive_int(name, getattr(self, name))
 
+        # The head counts and widths size tensor views, where a float (e.g. 2.0) would only fail
+        # deep inside the first forward.
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups:
+        _check_positive_int("num_query_groups", self.num_query_groups)
+        if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"num_query_groups ({self.num_query_groups}); choose num_query_groups among the "
@@ -130,13 +129,11 @@ class TransformerConfig(ModelParallelConfig):
                     "or set kv_channels explicitly."
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
-        if self.kv_channels < 1:
-            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}.")
+        _check_positive_int("kv_channels", self.kv_channels)
 
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        if self.ffn_hidden_size < 1:
-            raise ValueError(f"ffn_hidden_size must be >= 1, got {self.ffn_hidden_size}.")
+        _check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
 
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
@@ -160,11 +157,11 @@ class TransformerConfig(ModelParallelConfig):
 
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}.")
-        # Init methods derived here are tagged so that `dataclasses.replace(config,
-        # num_layers=...)` derives them again instead of keeping the old depth's scale.
-        if self.init_method is None or _is_derived(self.init_method):
-            self.init_method = _derived(init_method_normal(self.init_method_std))
-        if self.output_layer_init_method is None or _is_derived(self.output_layer_init_method):
-            self.output_layer_init_method = _derived(
-                scaled_init_method_normal(self.init_method_std, self.num_layers)
+        # Megatron-LM semantics: derived once, only when None. `dataclasses.replace(config,
+        # num_layers=...)` therefore keeps the old depth's scale unless it also passes None.
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, self.num_layers
             )

@@ -91,7 +91,7 @@ class TransformerLayer(MegatronModule):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs attention and MLP, each with its residual connection.
 
         Args:
@@ -100,7 +100,8 @@ class TransformerLayer(MegatronModule):
             rotary_pos_emb: Rotary angles [s, 1, 1, rot_dim], or None.
 
         Returns:
-            Hidden states [s, b, h].
+            `(hidden_states, context)`, Megatron-LM's layer output: hidden states [s, b, h] and
+            the cross-attention context, always None here (self-attention only).
         """
         post_norm_residual = self.config.apply_residual_connection_post_layernorm
 
@@ -114,4 +115,4 @@ class TransformerLayer(MegatronModule):
         normed = self.pre_mlp_layernorm(hidden_states)
         residual = normed if post_norm_residual else hidden_states
         output, bias = self.mlp(normed)
-        return self._bias_dropout_add(output, bias, residual)
+        return self._bias_dropout_add(output, bias, residual), None

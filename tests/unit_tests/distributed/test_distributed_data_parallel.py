@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from tests.unit_tests.distributed_harness import DistributedTestError, run_distributed
+from megatron.core.process_groups_config import ProcessGroupCollection
+from tests.unit_tests.distributed_harness import (
+    DistributedTestError,
+    current_device,
+    run_distributed,
+)
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
     device_batch,
@@ -46,6 +52,7 @@ def _train_ddp(
             with contextlib.nullcontext() if last else ddp.no_sync():
                 loss = ddp(micro_tokens, labels=micro_labels).mean() / num_microbatches
                 loss.backward()
+        ddp.start_grad_sync()
         ddp.finish_grad_sync()
         _step_optimizer(optimizer, model)
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
@@ -121,31 +128,41 @@ def test_overlap_launches_every_bucket_during_backward():
         assert all(after_last)
 
 
-def _bf16_local_and_reduced_grads() -> tuple[dict, dict]:
-    """This rank's own bf16 gradients (plain model) and the DDP-reduced fp32 `main_grad`s."""
+def _bf16_local_and_reduced_grads(num_microbatches: int) -> tuple[dict, dict]:
+    """This rank's bf16 gradients of each microbatch (plain model), summed in fp32, and the
+    DDP-reduced fp32 `main_grad`s after accumulating the same microbatches."""
     config = tiny_gpt_config(params_dtype=torch.bfloat16, bf16=True)
     plain, wrapped = build_tiny_gpt(config), build_tiny_gpt(config)
     ddp = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped
     )
-    tokens, labels = make_token_batches(1, 8)[0]
+    tokens, labels = make_token_batches(1, 12)[0]
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    tokens, labels = shard_batch(tokens, rank, world_size), shard_batch(labels, rank, world_size)
-    plain(tokens, labels=labels).mean().backward()
-    ddp(tokens, labels=labels).mean().backward()
+    micro_tokens = shard_batch(tokens, rank, world_size).chunk(num_microbatches)
+    micro_labels = shard_batch(labels, rank, world_size).chunk(num_microbatches)
+    local = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in plain.named_parameters()}
+    for i, (t, lab) in enumerate(zip(micro_tokens, micro_labels)):
+        plain.zero_grad()
+        (plain(t, labels=lab).mean() / num_microbatches).backward()
+        for name, param in plain.named_parameters():
+            assert param.grad.dtype == torch.bfloat16
+            local[name] += param.grad.float()
+        with ddp.no_sync() if i < num_microbatches - 1 else contextlib.nullcontext():
+            (ddp(t, labels=lab).mean() / num_microbatches).backward()
     ddp.finish_grad_sync()
-    local = {name: param.grad for name, param in plain.named_parameters()}
     reduced = {name: param.main_grad.clone() for name, param in wrapped.named_parameters()}
     return local, reduced
 
 
-def test_grad_reduce_in_fp32_with_bf16_params():
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+def test_grad_reduce_in_fp32_with_bf16_params(num_microbatches):
+    """Accumulation and reduction happen in fp32: the result matches the fp32 sum of the bf16
+    microbatch gradients to fp32 precision (bf16 accumulation would be off by ~1e-3)."""
     world_size = 2
-    results = run_distributed(_bf16_local_and_reduced_grads, world_size)
+    results = run_distributed(_bf16_local_and_reduced_grads, world_size, num_microbatches)
     local_grads = [local for local, _ in results]
-    for name, grad in local_grads[0].items():
-        assert grad.dtype == torch.bfloat16
-        expected = sum(grads[name].float() / world_size for grads in local_grads)
+    for name in local_grads[0]:
+        expected = sum(grads[name] / world_size for grads in local_grads)
         for _, reduced in results:
             assert reduced[name].dtype == torch.float32
             torch.testing.assert_close(reduced[name], expected, msg=name)
@@ -191,13 +208,15 @@ def test_scale_gradients_and_zero_grad_buffer():
 
 def _double_sync_without_zeroing() -> None:
     model = build_tiny_gpt()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(overlap_grad_reduce=True), model
+    )
     tokens, labels = device_batch(4)
     for _ in range(2):
         ddp(tokens, labels=labels).mean().backward()
 
 
-def test_second_synced_backward_without_zero_grad_buffer_is_an_error():
+def test_overlap_second_synced_backward_without_zero_grad_buffer_is_an_error():
     with pytest.raises(DistributedTestError, match="zero_grad_buffer"):
         run_distributed(_double_sync_without_zeroing, 2)
 
@@ -249,3 +268,126 @@ def _wrap_with_fsdp_config() -> None:
 
 def test_ddp_refuses_an_fsdp_config():
     run_distributed(_wrap_with_fsdp_config, 2)
+
+
+def _nccl_kernels_overlapping_compute() -> tuple[int, int]:
+    """(all-reduce kernels, of which overlap a compute kernel) in one overlapped backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config = tiny_gpt_config(hidden_size=1024, num_attention_heads=8, num_layers=4)
+    model = build_tiny_gpt(config, vocab_size=1024, max_sequence_length=512)
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=4_000_000),
+        model,
+    )
+    tokens = torch.randint(0, 1024, (4, 512), device="cuda")
+
+    def step() -> None:
+        ddp.zero_grad_buffer()
+        ddp(tokens, labels=tokens).mean().backward()
+        ddp.finish_grad_sync()
+        torch.cuda.synchronize()
+
+    step()  # warm-up: NCCL communicator and cuBLAS handles
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    compute = [e for e in kernels if "nccl" not in e.name.lower()]
+
+    def overlaps(a, b) -> bool:
+        return a.time_range.start < b.time_range.end and b.time_range.start < a.time_range.end
+
+    return len(nccl), sum(any(overlaps(n, c) for c in compute) for n in nccl)
+
+
+@pytest.mark.gpu
+def test_overlapped_all_reduce_runs_concurrently_with_backward_on_gpu():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for num_all_reduces, num_overlapping in run_distributed(_nccl_kernels_overlapping_compute, 2):
+        assert num_all_reduces > 2
+        assert num_overlapping >= 1
+
+
+def _unused_parameter(overlap: bool) -> float:
+    model = build_tiny_gpt()
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3, device=current_device())))
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap), model
+    )
+    tokens, labels = device_batch(4)
+    ddp(tokens, labels=labels).mean().backward()
+    ddp.finish_grad_sync()
+    return model.unused.main_grad.abs().sum().item()
+
+
+def test_unused_parameter_without_overlap_gets_a_zero_gradient():
+    assert run_distributed(_unused_parameter, 2, False) == [0.0, 0.0]
+
+
+def test_unused_parameter_with_overlap_is_named_in_the_error():
+    with pytest.raises(DistributedTestError, match=r"no gradient.*'unused'"):
+        run_distributed(_unused_parameter, 2, True)
+
+
+def _wrap_twice_then_after_delete() -> bool:
+    model = build_tiny_gpt()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    with pytest.raises(ValueError, match="already wrapped"):
+        DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    engine = weakref.ref(ddp)
+    del ddp
+    freed = engine() is None  # no strong back-edge from the parameters keeps it alive
+    rewrapped = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    tokens, labels = device_batch(4)
+    rewrapped(tokens, labels=labels).mean().backward()
+    rewrapped.finish_grad_sync()
+    return freed and all(p.main_grad.abs().sum() > 0 for p in model.decoder.parameters())
+
+
+def test_wrapping_twice_is_refused_and_a_deleted_engine_is_freed():
+    assert run_distributed(_wrap_twice_then_after_delete, 2) == [True, True]
+
+
+def _reduce_over_explicit_group() -> tuple[list[int], dict, dict, dict]:
+    """Ranks {0,1} and {2,3} form two data-parallel groups given through pg_collection."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    members = [0, 1] if rank < 2 else [2, 3]
+    model, plain = build_tiny_gpt(), build_tiny_gpt()
+    if rank % 2:  # different weights on the second rank of each group, until broadcast
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(),
+        model,
+        pg_collection=ProcessGroupCollection(dp_cp=groups[rank // 2]),
+    )
+    ddp.broadcast_params()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tokens, labels = device_batch(4, seed=rank)
+    plain(tokens, labels=labels).mean().backward()
+    ddp(tokens, labels=labels).mean().backward()
+    ddp.finish_grad_sync()
+    local = {name: p.grad for name, p in plain.named_parameters()}
+    reduced = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    for group in groups:
+        dist.destroy_process_group(group)
+    return members, weights, local, reduced
+
+
+def test_pg_collection_group_and_broadcast_params():
+    results = run_distributed(_reduce_over_explicit_group, 4)
+    initial = {name: p.detach() for name, p in build_tiny_gpt().named_parameters()}
+    for members, weights, _, reduced in results:
+        for name in initial:
+            torch.testing.assert_close(weights[name], initial[name], rtol=0, atol=0)
+            expected = sum(results[m][2][name] for m in members) / len(members)
+            torch.testing.assert_close(reduced[name], expected, msg=name)
+    # The two groups saw different data, so their averages differ.
+    name = next(iter(initial))
+    assert not torch.allclose(results[0][3][name], results[2][3][name])

@@ -71,3 +71,12 @@ def test_partial_rotary_leaves_the_other_channels_alone():
 def test_rotary_percent_must_give_an_even_width():
     with pytest.raises(ValueError, match="rotary_percent"):
         RotaryEmbedding(kv_channels=8, rotary_percent=0.25 / 2)
+
+
+def test_arguments_after_rotary_percent_are_keyword_only():
+    # Megatron-LM's third positional argument is rotary_interleaved; a call ported from there
+    # must fail instead of setting the frequency base to True.
+    with pytest.raises(TypeError):
+        RotaryEmbedding(8, 1.0, 500)
+    rope = RotaryEmbedding(8, 1.0, rotary_base=500)
+    torch.testing.assert_close(rope(2)[1, 0, 0, 1], torch.tensor(500.0 ** (-2 / 8)))

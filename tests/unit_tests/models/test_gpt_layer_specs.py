@@ -3,13 +3,24 @@
 import importlib.util
 
 import pytest
+import torch
 
+from megatron.core.extensions import transformer_engine
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX
 from megatron.core.models.gpt import (
+    GPTModel,
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer import Linear, TransformerLayer, WrappedTorchNorm
+from megatron.core.transformer import (
+    Linear,
+    TransformerBlockSubmodules,
+    TransformerConfig,
+    TransformerLayer,
+    WrappedTorchNorm,
+)
+from megatron.core.transformer.transformer_block import LayerNormImpl
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
@@ -42,10 +53,39 @@ def test_te_spec_without_te_explains_how_to_install_or_fall_back():
 @pytest.mark.skipif(HAVE_TE, reason="transformer-engine is installed")
 def test_te_wrappers_without_te_raise_import_error():
     from megatron.core.extensions.transformer_engine import TELinear, TENorm
-    from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     with pytest.raises(ImportError, match="transformer-engine"):
         TELinear(8, 8, config=config, init_method=config.init_method)
     with pytest.raises(ImportError, match="transformer-engine"):
         TENorm(config, 8)
+
+
+def _block_config() -> TransformerConfig:
+    return TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4)
+
+
+def test_local_decoder_block_spec_repeats_the_layer_and_uses_the_local_final_norm():
+    config = _block_config()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    assert isinstance(spec, TransformerBlockSubmodules)
+    assert len(spec.layer_specs) == 3
+    assert all(layer.module is TransformerLayer for layer in spec.layer_specs)
+    assert spec.layer_norm is LayerNormImpl
+    model = GPTModel(config, spec, vocab_size=64, max_sequence_length=8)
+    assert len(model.decoder.layers) == 3
+    if not HAVE_APEX:
+        assert type(model.decoder.final_layernorm) is torch.nn.LayerNorm
+
+
+@pytest.mark.skipif(HAVE_TE, reason="transformer-engine is installed")
+def test_te_decoder_block_spec_without_te_raises_import_error():
+    with pytest.raises(ImportError, match="transformer-engine"):
+        get_gpt_decoder_block_spec(_block_config(), use_transformer_engine=True)
+
+
+@pytest.mark.skipif(not transformer_engine.HAVE_TE, reason="needs transformer-engine")
+def test_te_decoder_block_spec_uses_te_norm_for_the_final_norm():
+    spec = get_gpt_decoder_block_spec(_block_config(), use_transformer_engine=True)
+    assert spec.layer_norm is transformer_engine.TENorm
+    assert all(layer.module is TransformerLayer for layer in spec.layer_specs)

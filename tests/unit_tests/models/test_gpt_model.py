@@ -71,6 +71,24 @@ def test_tied_weights_are_one_parameter_with_gradient_from_both_uses():
     assert untied.output_layer.weight.grad.abs().sum() > 0
 
 
+def test_shared_embedding_or_output_weight_follows_megatron():
+    # The word embeddings on a first stage, else the output layer on a last stage, else None.
+    config = _config(num_layers=1)
+    whole = _model(config)
+    assert whole.shared_embedding_or_output_weight() is whole.embedding.word_embeddings.weight
+    last = _model(config, pre_process=False)
+    assert last.shared_embedding_or_output_weight() is last.output_layer.weight
+    middle = _model(config, pre_process=False, post_process=False)
+    assert middle.shared_embedding_or_output_weight() is None
+
+
+def test_arguments_after_post_process_are_keyword_only():
+    # Megatron-LM's seventh positional argument is fp16_lm_cross_entropy; a call ported from
+    # there must fail instead of tying the embeddings.
+    with pytest.raises(TypeError):
+        GPTModel(_config(), get_gpt_layer_local_spec(), VOCAB, SEQ, True, True, True)
+
+
 def test_untied_output_layer_is_separate():
     model = _model()
     assert model.output_layer.weight is not model.embedding.word_embeddings.weight
@@ -139,17 +157,17 @@ def test_same_seed_gives_the_same_weights_on_every_rank():
     local = _model(seed=1234)
     local_sum = torch.cat([p.detach().flatten() for p in local.parameters()]).double().sum()
     assert [checksum for _, checksum in results] == [local_sum.item()] * 2
-    assert local_sum.item() != pytest.approx(
-        torch.cat([p.detach().flatten() for p in _model(seed=1).parameters()]).double().sum()
-    )
+    other_seed = _model(seed=1)
+    other_sum = torch.cat([p.detach().flatten() for p in other_seed.parameters()]).double().sum()
+    assert local_sum.item() != pytest.approx(other_sum.item())
 
 
-def _build_on_meta(**kwargs):
+def _build_on_meta(config=None, seed=0, **kwargs):
     with torch.device("meta"):
-        model = _model(_config(hidden_size=64, num_attention_heads=4), **kwargs)
+        model = _model(config or _config(hidden_size=64, num_attention_heads=4), **kwargs)
     assert all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     for module in model.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -184,6 +202,24 @@ def test_meta_construction_then_reset_parameters(tied):
     loss = model(ids, labels=labels)
     assert torch.isfinite(loss).all()
     assert abs(loss.mean().item() - torch.log(torch.tensor(VOCAB)).item()) < 0.5
+
+
+@pytest.mark.parametrize(
+    "variant, tied",
+    [("learned", False), ("learned", True), ("rope_gqa", True), ("swiglu_rmsnorm", False)],
+)
+def test_meta_construction_then_reset_parameters_matches_a_normal_build_bit_for_bit(variant, tied):
+    # Deferred (meta) initialisation must give exactly the weights of a normal build with the
+    # same seed: `model.modules()` visits the modules in construction order, and each
+    # `reset_parameters()` draws what the constructor drew.
+    config_overrides, model_kwargs = VARIANTS[variant]
+    config = _config(**config_overrides)
+    kwargs = dict(model_kwargs, share_embeddings_and_output_weights=tied)
+    deferred = _build_on_meta(config, seed=1234, **kwargs).state_dict()
+    normal = _model(config, seed=1234, **kwargs).state_dict()
+    assert deferred.keys() == normal.keys()
+    for name, tensor in normal.items():
+        assert torch.equal(deferred[name], tensor), name
 
 
 def test_reset_parameters_touches_only_direct_parameters():

@@ -35,6 +35,13 @@ def _attention(config, seed=0):
     return attention
 
 
+def _count_forward_calls(module):
+    """A list that grows by one each time `module` is called (forward pre-hook)."""
+    calls = []
+    module.register_forward_pre_hook(lambda *args: calls.append(1))
+    return calls
+
+
 def _run(attention, x, **kwargs):
     output, bias = attention(x, **kwargs)
     return output + bias
@@ -104,17 +111,23 @@ def test_rotary_embeddings_change_attention_but_not_shapes():
     assert not torch.allclose(with_rope, _run(attention, x))
 
 
-def test_selective_recompute_gives_the_same_gradients():
-    grads = []
+def test_selective_recompute_gives_the_same_gradients_and_really_recomputes():
+    grads, core_attention_calls = [], []
     for granularity in (None, "selective"):
         config = _config(attention_dropout=0.2, recompute_granularity=granularity)
         attention = _attention(config).train()
+        # The core attention is called inside the checkpoint, so its pre-hooks also run when
+        # backward recomputes it; equal gradients alone would pass with no recompute at all.
+        calls = _count_forward_calls(attention.core_attention)
         torch.manual_seed(1)
         x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
         _run(attention, x).square().sum().backward()
         grads.append([x.grad] + [p.grad for p in attention.parameters()])
+        core_attention_calls.append(len(calls))
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain)
+    # Once per step without recompute; with it, once in forward and once more in backward.
+    assert core_attention_calls == [1, 2]
 
 
 def test_attention_dropout_is_active_only_in_training():

@@ -45,7 +45,9 @@ def test_layer_matches_manual_composition(post_norm_residual):
     h = (normed if post_norm_residual else x) + _add(layer.self_attention(normed))
     normed = layer.pre_mlp_layernorm(h)
     expected = (normed if post_norm_residual else h) + _add(layer.mlp(normed))
-    torch.testing.assert_close(layer(x), expected)
+    output, context = layer(x)  # Megatron's (hidden_states, context)
+    torch.testing.assert_close(output, expected)
+    assert context is None  # self-attention only: no cross-attention context
 
 
 def test_block_structure():

@@ -36,11 +36,17 @@ def test_default_init_methods_follow_megatron():
     assert weight.std().item() == pytest.approx(0.05 / math.sqrt(2 * 2), rel=0.03)
 
 
-def test_replace_rederives_default_init_methods_but_keeps_custom_ones():
+def test_init_methods_are_derived_only_when_none():
+    # Megatron-LM semantics: once derived, an init method is an ordinary value, so replace()
+    # keeps the old depth's scale unless the caller resets it to None.
     torch.manual_seed(0)
-    deeper = dataclasses.replace(TransformerConfig(**BASE), num_layers=8)
+    config = TransformerConfig(**BASE)
+    kept = dataclasses.replace(config, num_layers=8)
+    assert kept.init_method is config.init_method
+    assert kept.output_layer_init_method is config.output_layer_init_method
+    rederived = dataclasses.replace(config, num_layers=8, output_layer_init_method=None)
     weight = torch.empty(400, 400)
-    deeper.output_layer_init_method(weight)
+    rederived.output_layer_init_method(weight)
     assert weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.03)
     custom = TransformerConfig(**BASE, init_method=torch.nn.init.zeros_)
     assert dataclasses.replace(custom, num_layers=8).init_method is torch.nn.init.zeros_
@@ -61,7 +67,12 @@ def test_config_survives_pickling():
         (dict(hidden_size=0), "hidden_size"),
         (dict(hidden_size=30), "kv_channels"),
         (dict(num_query_groups=3), "num_query_groups"),
+        (dict(num_query_groups=0), "num_query_groups"),
+        (dict(num_query_groups=2.0), "num_query_groups"),
+        (dict(kv_channels=0), "kv_channels"),
+        (dict(kv_channels=8.0), "kv_channels"),
         (dict(ffn_hidden_size=0), "ffn_hidden_size"),
+        (dict(ffn_hidden_size=64.0), "ffn_hidden_size"),
         (dict(normalization="BatchNorm"), "normalization"),
         (dict(hidden_dropout=1.0), "hidden_dropout"),
         (dict(attention_dropout=-0.1), "attention_dropout"),
@@ -72,10 +83,12 @@ def test_config_survives_pickling():
         (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size"),
         (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size"),
         (dict(context_parallel_size=0), "context_parallel_size"),
-        (dict(expert_model_parallel_size=0), "expert_model_parallel_size"),
         (dict(sequence_parallel=True), "sequence_parallel"),
         (dict(fp16=True, bf16=True), "fp16 and bf16"),
         (dict(bf16=True, params_dtype=torch.float16), "params_dtype"),
+        (dict(bf16=True), r"bf16=True needs params_dtype=torch\.bfloat16.*torch\.float32"),
+        (dict(fp16=True), r"fp16=True needs params_dtype=torch\.float16.*torch\.float32"),
+        (dict(fp16=True, params_dtype=torch.bfloat16), "params_dtype"),
         (dict(params_dtype=torch.int32), "params_dtype"),
     ],
 )
@@ -84,7 +97,23 @@ def test_bad_inputs_raise_value_error_naming_the_field(overrides, field):
         TransformerConfig(**{**BASE, **overrides})
 
 
+def test_precision_flags_need_the_matching_params_dtype():
+    # The flags are never read to pick a dtype, so a flag without its dtype must not pass.
+    assert TransformerConfig(**BASE, bf16=True, params_dtype=torch.bfloat16).bf16
+    assert TransformerConfig(**BASE, fp16=True, params_dtype=torch.float16).fp16
+    # params_dtype alone is enough; it is not forced to agree with an unset flag.
+    assert not TransformerConfig(**BASE, params_dtype=torch.bfloat16).bf16
+
+
+def test_expert_model_parallel_size_is_not_a_model_field():
+    # parallel_state takes the expert-parallel size itself; a config field would be dead.
+    with pytest.raises(TypeError, match="expert_model_parallel_size"):
+        TransformerConfig(**BASE, expert_model_parallel_size=2)
+
+
 def test_model_parallel_config_alone_validates():
     assert ModelParallelConfig(bf16=True, params_dtype=torch.bfloat16).bf16
+    with pytest.raises(ValueError, match="bf16=True needs params_dtype"):
+        ModelParallelConfig(bf16=True)
     with pytest.raises(ValueError, match="not supported yet"):
         ModelParallelConfig(tensor_model_parallel_size=4)

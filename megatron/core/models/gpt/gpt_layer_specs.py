@@ -3,6 +3,8 @@
 `get_gpt_layer_local_spec()` needs only PyTorch (apex's fused norms are used when apex is
 installed); `get_gpt_layer_with_transformer_engine_spec()` uses Transformer Engine's fused
 norm + linear modules and fails with install instructions when TE is missing.
+`get_gpt_decoder_block_spec()` wraps either into a whole-decoder spec whose final norm comes from
+the same backend (`TENorm` with Transformer Engine), as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_config import NORMALIZATIONS
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import NORMALIZATIONS, TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -100,4 +103,36 @@ def get_gpt_layer_with_transformer_engine_spec() -> ModuleSpec:
                 submodules=MLPSubmodules(linear_fc1=TELayerNormLinear, linear_fc2=TELinear),
             ),
         ),
+    )
+
+
+def get_gpt_decoder_block_spec(
+    config: TransformerConfig, use_transformer_engine: bool
+) -> TransformerBlockSubmodules:
+    """Spec of the whole GPT decoder: `config.num_layers` layer specs and the final norm.
+
+    A bare layer spec gives `TransformerBlock` the default final norm (`LayerNormImpl`); this one
+    takes the final norm from the layers' backend, so a Transformer Engine model normalises its
+    output with TE too (`TENorm`), as Megatron-LM's `get_gpt_decoder_block_spec` does.
+
+    Args:
+        config: The transformer configuration (`num_layers`).
+        use_transformer_engine: Build from `get_gpt_layer_with_transformer_engine_spec()` and
+            `TENorm` instead of `get_gpt_layer_local_spec()` and `LayerNormImpl`.
+
+    Returns:
+        A `TransformerBlockSubmodules`, accepted by `GPTModel` and `TransformerBlock` in place of
+        a layer spec.
+
+    Raises:
+        ImportError: `use_transformer_engine` without transformer-engine installed.
+    """
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer_spec, layer_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+    else:
+        layer_spec, layer_norm = get_gpt_layer_local_spec(), LayerNormImpl
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * config.num_layers, layer_norm=layer_norm
     )

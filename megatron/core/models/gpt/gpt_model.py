@@ -28,6 +28,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class GPTModel(MegatronModule):
     """A decoder-only transformer language model.
 
+    The arguments after `post_process` are keyword-only: Megatron-LM's seventh positional
+    argument is `fp16_lm_cross_entropy`, so a positional call ported from there must fail rather
+    than set `share_embeddings_and_output_weights`.
+
     Args:
         config: The transformer configuration.
         transformer_layer_spec: Spec of one layer (e.g. `get_gpt_layer_local_spec()`), or a
@@ -56,6 +60,7 @@ class GPTModel(MegatronModule):
         max_sequence_length: int,
         pre_process: bool = True,
         post_process: bool = True,
+        *,
         share_embeddings_and_output_weights: bool = False,
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
@@ -98,7 +103,9 @@ class GPTModel(MegatronModule):
                 config, vocab_size, max_sequence_length, position_embedding_type
             )
         if position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, rotary_base)
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, rotary_percent, rotary_base=rotary_base
+            )
         self.decoder = TransformerBlock(
             config, transformer_layer_spec, post_layer_norm=post_process
         )
@@ -119,11 +126,18 @@ class GPTModel(MegatronModule):
             (input_tensor,) = input_tensor
         self.input_tensor = input_tensor
 
-    def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The weight that projects hidden states to logits (the word embeddings when tied)."""
-        if self.share_embeddings_and_output_weights:
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """The weight this stage shares when input and output embeddings are tied (Megatron-LM).
+
+        Returns:
+            The word-embedding weight with `pre_process`, else the output-layer weight with
+            `post_process`, else None. With tied embeddings it is the logits' projection too.
+        """
+        if self.pre_process:
             return self.embedding.word_embeddings.weight
-        return self.output_layer.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
 
     def forward(
         self,

@@ -15,6 +15,10 @@ import torch
 class RotaryEmbedding(torch.nn.Module):
     """Rotation angles for rotary position embeddings.
 
+    The arguments after `rotary_percent` are keyword-only: Megatron-LM's third positional
+    argument is `rotary_interleaved`, so a positional call ported from there must fail rather
+    than set `rotary_base`.
+
     Args:
         kv_channels: Width of one attention head.
         rotary_percent: Fraction of each head's channels that is rotated (the rest pass
@@ -26,7 +30,9 @@ class RotaryEmbedding(torch.nn.Module):
             even number.
     """
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000):
+    def __init__(
+        self, kv_channels: int, rotary_percent: float = 1.0, *, rotary_base: float = 10000
+    ):
         super().__init__()
         if not 0.0 < rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}.")
