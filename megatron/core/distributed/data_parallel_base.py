@@ -44,6 +44,7 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         self.module = module
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module."""
         return self.module(*inputs, **kwargs)
 
     @abc.abstractmethod
@@ -71,7 +72,9 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         """Brings parameters up to date before the next forward (after an optimizer step)."""
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no wrapper prefix in the keys)."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Loads a state dict saved by `state_dict()` into the wrapped module."""
         return self.module.load_state_dict(state_dict, strict=strict)

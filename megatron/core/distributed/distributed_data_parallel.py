@@ -172,7 +172,8 @@ class DistributedDataParallel(_BaseDataParallel):
                 could pair different buckets across ranks.
         """
         if self.ddp_config.overlap_grad_reduce:
-            missing = [self._param_names[p] for b in self.buckets for p in b.pending]
+            unlaunched = [b for b in self.buckets if not b.started]
+            missing = [self._param_names[p] for b in unlaunched for p in b.pending]
             if missing:
                 raise RuntimeError(
                     f"overlap_grad_reduce=True, but {len(missing)} parameter(s) got no gradient "
