@@ -1,0 +1,40 @@
+"""Megatron-FSDP: fully sharded data parallelism (ZeRO-1/2/3, hybrid sharding) for Megatron models.
+
+Library use::
+
+    for layer in model.decoder.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()), model)
+
+or, for a Megatron model from a `DistributedDataParallelConfig`, `FullyShardedDataParallel`.
+"""
+
+from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout
+from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex, ShardGroups
+from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard, is_expert_param
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.microbatch import fsdp_contexts, fsdp_roots, microbatch
+from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.optimizer import fully_shard_optimizer, parameter_groups
+from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
+from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+
+__all__ = [
+    "DBuffer",
+    "FSDPDistributedIndex",
+    "FsdpModule",
+    "FsdpParameterGroup",
+    "FullyShardedDataParallel",
+    "MixedPrecisionPolicy",
+    "ShardGroups",
+    "ShardLayout",
+    "ShardingStrategy",
+    "fsdp_contexts",
+    "fsdp_roots",
+    "fully_shard",
+    "fully_shard_optimizer",
+    "is_expert_param",
+    "microbatch",
+    "parameter_groups",
+]

@@ -1,0 +1,232 @@
+"""Flat buffers of a parameter group: `ShardLayout` (where each tensor lives) and `DBuffer`.
+
+Layout. The tensors of a group are split along dim 0 into N chunks of ceil(rows / N) rows, the
+chunking of `torch.chunk` and of DTensor's `Shard(0)`. Shard r of the flat buffer holds chunk r
+of every tensor, one after the other; a chunk that is short (or empty: a tensor with fewer rows
+than N) is padded to the full chunk size, so every shard has the same size S and the buffer is
+N x S elements, shard-major. Any shape works: (7, 15) over 4 ranks is four chunks of 2 rows, the
+last holding 1 row and 15 elements of padding.
+
+This is the layout NCCL's all-gather and reduce-scatter produce and consume, so a gathered
+buffer is shard-major. The tensors of the module want the opposite, each tensor contiguous:
+`ShardLayout.unsharded()` is that layout (one shard, each tensor padded to N chunks), and
+`copy_chunks_out` / `copy_chunks_in` move data between the two in one fused kernel each.
+
+`DBuffer` is one 1-D storage in a layout: either this rank's shard only (`sharded=True`) or all
+N shards (replicated, or gathered). Its storage can be released and reallocated in place, which
+keeps views saved by autograd valid across the free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from megatron.core.distributed.fsdp.collectives import Collectives
+
+
+class ShardLayout:
+    """Where each tensor of a group lives in a buffer of `num_shards` equal shards.
+
+    Args:
+        shapes: the (global) shape of each tensor; at least one dimension each.
+        num_shards: N, the number of shards (1: no sharding, tensors back to back).
+
+    Raises:
+        ValueError: a 0-dim tensor (it has no dim 0 to shard).
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], num_shards: int):
+        for shape in shapes:
+            if len(shape) == 0:
+                raise ValueError(
+                    "Megatron-FSDP shards tensors along dim 0; a 0-dim parameter cannot be "
+                    "sharded. Give it shape (1,) instead."
+                )
+        self.shapes = [torch.Size(shape) for shape in shapes]
+        self.num_shards = num_shards
+        self.row_numels = [math.prod(shape[1:]) for shape in self.shapes]
+        self.chunk_rows = [math.ceil(shape[0] / num_shards) for shape in self.shapes]
+        self.chunk_numels = [r * n for r, n in zip(self.chunk_rows, self.row_numels)]
+        self.offsets: list[int] = []
+        offset = 0
+        for numel in self.chunk_numels:
+            self.offsets.append(offset)
+            offset += numel
+        self.shard_numel = offset
+        self.numel = offset * num_shards
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def valid_rows(self, index: int, shard: int) -> int:
+        """How many real (not padding) rows of tensor `index` shard `shard` holds."""
+        rows = self.chunk_rows[index]
+        return max(0, min(rows, self.shapes[index][0] - shard * rows))
+
+    def local_shape(self, index: int, shard: int) -> torch.Size:
+        """The shape of tensor `index`'s chunk in shard `shard` (what DTensor calls local)."""
+        return torch.Size((self.valid_rows(index, shard), *self.shapes[index][1:]))
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """[start, end) of shard `shard` in the N x S buffer."""
+        return shard * self.shard_numel, (shard + 1) * self.shard_numel
+
+    def unsharded(self) -> ShardLayout:
+        """The one-shard layout with each tensor padded to N full chunks: tensors are contiguous
+        there, and chunk r of each starts where `copy_chunks_out` writes it."""
+        padded = [
+            torch.Size((rows * self.num_shards, *shape[1:]))
+            for rows, shape in zip(self.chunk_rows, self.shapes)
+        ]
+        return ShardLayout(padded, 1)
+
+    def local_views(self, shard_data: torch.Tensor, shard: int) -> list[torch.Tensor]:
+        """Views of the real rows of each tensor in `shard_data`, one shard of this layout."""
+        return [
+            shard_data[offset : offset + self.valid_rows(i, shard) * self.row_numels[i]].view(
+                self.local_shape(i, shard)
+            )
+            for i, offset in enumerate(self.offsets)
+        ]
+
+
+class DBuffer:
+    """A flat 1-D storage holding one shard (`sharded=True`) or all shards of a `ShardLayout`.
+
+    Args:
+        layout: where the tensors live.
+        dtype: element type.
+        device: where the storage lives.
+        sharded: hold only shard `rank` (S elements) instead of all N shards (N x S).
+        rank: this rank's shard index.
+        zeroed: start from zeros (padding reads as zero); False for staging buffers that a
+            collective overwrites entirely.
+    """
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        sharded: bool,
+        rank: int,
+        zeroed: bool = True,
+    ):
+        self.layout = layout
+        self.sharded = sharded
+        self.rank = rank
+        numel = layout.shard_numel if sharded else layout.numel
+        factory = torch.zeros if zeroed else torch.empty
+        self.data = factory(numel, dtype=dtype, device=device)
+        self._nbytes = self.data.untyped_storage().nbytes()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard (S elements)."""
+        if self.sharded:
+            return self.data
+        start, end = self.layout.shard_range(self.rank)
+        return self.data[start:end]
+
+    @property
+    def full(self) -> torch.Tensor:
+        """All N shards (a replicated or gathered buffer).
+
+        Raises:
+            RuntimeError: the buffer holds one shard only.
+        """
+        if self.sharded:
+            raise RuntimeError("A sharded DBuffer has no full view; all-gather it first.")
+        return self.data
+
+    def local_views(self) -> list[torch.Tensor]:
+        """Views of the real rows of each tensor in this rank's shard (DTensor local tensors)."""
+        return self.layout.local_views(self.shard, self.rank)
+
+    def tensor_views(self) -> list[torch.Tensor]:
+        """Each whole tensor, for a one-shard buffer of unpadded or padded shapes (the views a
+        module computes with)."""
+        if self.layout.num_shards != 1:
+            raise RuntimeError("tensor_views() needs a one-shard (unsharded) layout.")
+        return self.layout.local_views(self.data, 0)
+
+    # Storage lifetime. Autograd saves views of `data`; resizing the storage in place (rather
+    # than replacing the tensor) keeps them pointing at memory that is valid again once
+    # reallocated and refilled, as FSDP2 does.
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.data.untyped_storage().nbytes() > 0
+
+    def release_storage(self) -> None:
+        """Frees the memory; views stay valid objects but must not be read until reallocated."""
+        if self.is_allocated:
+            self.data.untyped_storage().resize_(0)
+
+    def reallocate_storage(self) -> None:
+        """Allocates the memory again (uninitialised) under the same tensor and views."""
+        if not self.is_allocated:
+            self.data.untyped_storage().resize_(self._nbytes)
+
+    # Collectives, into preallocated outputs.
+
+    def all_gather(self, out: DBuffer, comm: Collectives, group: torch.distributed.ProcessGroup):
+        """Gathers every rank's shard of this buffer into `out` (all N shards)."""
+        comm.all_gather(out.full, self.shard, group)
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        comm: Collectives,
+        group: torch.distributed.ProcessGroup,
+        *,
+        average: bool,
+    ) -> None:
+        """Reduces this (all-shards) buffer over `group` into `out`, this rank's shard."""
+        comm.reduce_scatter(out, self.full, group, average=average)
+
+    def all_reduce(
+        self, comm: Collectives, group: torch.distributed.ProcessGroup, *, average: bool
+    ) -> None:
+        """Reduces this buffer over `group` in place."""
+        comm.all_reduce(self.data, group, average=average)
+
+
+def copy_chunks_out(gathered: DBuffer, unsharded: DBuffer) -> None:
+    """Rearranges a gathered (shard-major) buffer into `unsharded` (tensor-major, padded).
+
+    The write does not bump `unsharded`'s version counter: refilling weights that autograd
+    saved in forward (and that were freed in between) restores the values it saved, which
+    must not read as an in-place modification in backward.
+    """
+    layout = gathered.layout
+    outs = [
+        view.view(layout.num_shards, numel)
+        for view, numel in zip(unsharded.tensor_views(), layout.chunk_numels)
+    ]
+    with torch.autograd._unsafe_preserve_version_counter(unsharded.data):
+        torch.split_with_sizes_copy(
+            gathered.full.view(layout.num_shards, layout.shard_numel),
+            layout.chunk_numels,
+            dim=1,
+            out=outs,
+        )
+
+
+def copy_chunks_in(tensors: Sequence[torch.Tensor], out: torch.Tensor, layout: ShardLayout):
+    """Writes whole tensors into `out`, an N x S buffer of `layout`, zero-padding short chunks
+    and casting to `out`'s dtype."""
+    torch._chunk_cat(
+        list(tensors),
+        dim=0,
+        num_chunks=layout.num_shards,
+        out=out.view(layout.num_shards, layout.shard_numel),
+    )

@@ -1,0 +1,356 @@
+"""`fully_shard(module)`: turns a module into a Megatron-FSDP unit, in place.
+
+Call it bottom-up: once per unit (typically each transformer layer), then on the root, which
+takes every parameter no unit below it holds. The module keeps its identity (parents keep their
+references to it); its class gains the `FsdpModule` mixin, and its parameters are replaced by
+DTensor main weights (the sharded fp32 weights the optimizer steps, what `parameters()` and
+`state_dict()` return). Around each forward the unit registers the whole compute-dtype weights
+instead:
+
+- pre-forward: refresh compute weights from main weights if the optimizer changed them
+  (skipped after the first microbatch), all-gather them (ZeRO-3), register them;
+- post-forward: register the main weights again; ZeRO-3 units other than the root free their
+  whole weights (the root's are needed at once by backward), and hook the outputs so that
+  backward all-gathers them again before this unit's backward runs;
+- backward: once every parameter of a group has its gradient, reduce the group's gradients into
+  `main_grad` and free its whole weights; the end of backward handles the rest (`FsdpContext`).
+
+Parameters built on the `meta` device are materialised when the root is first used (forward,
+`microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
+in module order with its `reset_parameters()`, each rank keeping only its shards: no rank ever
+holds the whole model, and the weights equal an eager build's with the same seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.context import FsdpContext
+from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
+from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
+from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+
+_owner_unit = WeakIdKeyDictionary()
+"""Original parameter -> weakref of the unit that took it (to refuse sharing across units)."""
+
+
+def is_expert_param(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: parameters under an `experts` module, or marked `allreduce=False`."""
+    return ".experts." in f".{name}." or getattr(param, "allreduce", True) is False
+
+
+class FsdpModule:
+    """Mixin `fully_shard` adds to a module's class: the unit's public controls."""
+
+    _fsdp_unit: FsdpUnit
+
+    @property
+    def fsdp_unit(self) -> FsdpUnit:
+        return self._fsdp_unit
+
+    def unshard(self) -> None:
+        """All-gathers this unit's compute weights now (ZeRO-3), ahead of its forward."""
+        for group in self._fsdp_unit.groups:
+            group.unshard()
+
+    def reshard(self) -> None:
+        """Frees this unit's whole compute weights (ZeRO-3)."""
+        for group in self._fsdp_unit.groups:
+            group.reshard()
+
+
+class FsdpUnit:
+    """The FSDP state of one unit: its parameter groups and its forward/backward hooks."""
+
+    def __init__(self, module: torch.nn.Module, groups: list[FsdpParameterGroup]):
+        self._module = weakref.ref(module)
+        self.groups = groups
+        self._context: FsdpContext | None = None  # owned by the root only
+        self._context_ref: weakref.ref[FsdpContext] | None = None
+        self.pending_meta: list[PendingParam] = []
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self._module()
+
+    @property
+    def context(self) -> FsdpContext | None:
+        return self._context_ref() if self._context_ref is not None else None
+
+    @property
+    def is_root(self) -> bool:
+        return self._context is not None
+
+    def lazy_init(self) -> FsdpContext:
+        """The unit's context; created here, with this unit as root, if it has none. The
+        root's first use also materialises parameters built on the `meta` device."""
+        context = self.context
+        if context is not None:
+            return context
+        module = self.module
+        units = [m._fsdp_unit for m in module.modules() if isinstance(m, FsdpModule)]
+        _materialize_meta(module, units)
+        context = FsdpContext(units)
+        for unit in units:
+            unit._context = None
+            unit._context_ref = weakref.ref(context)
+            for group in unit.groups:
+                group.comm = context.comm
+        self._context = context
+        return context
+
+    def pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        context = self.lazy_init()
+        if context.syncs_weights:
+            stale = [group for group in self.groups if group.is_stale]
+            if stale:
+                with _nvtx_range("megatron_fsdp.sync_model_weights"):
+                    for group in stale:
+                        group.sync_model_weights()
+        for group in self.groups:
+            group.unshard()
+            group.use_unsharded_params()
+
+    def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        for group in self.groups:
+            group.use_dist_params()
+        # Inside backward this forward is an activation-recompute rerun: backward needs the
+        # weights right away and is already hooked.
+        if torch._C._current_graph_task_id() != -1:
+            return output
+        if not self.is_root or not torch.is_grad_enabled():
+            for group in self.groups:
+                group.reshard()
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            unit = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: _pre_backward(unit), mode="any"
+            )
+        return output
+
+
+def _pre_backward(unit_ref: weakref.ref[FsdpUnit]) -> None:
+    unit = unit_ref()
+    if unit is None:
+        return
+    unit.context.queue_post_backward()
+    for group in unit.groups:
+        group.unshard()
+
+
+def fully_shard(
+    module: torch.nn.Module,
+    distributed_index: FSDPDistributedIndex | None = None,
+    *,
+    sharding_strategy: str | ShardingStrategy = "optim_grads_params",
+    outer_dp_sharding_strategy: str = "no_shard",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    is_expert: Callable[[str, torch.nn.Parameter], bool] = is_expert_param,
+) -> torch.nn.Module:
+    """Makes `module` a Megatron-FSDP unit in place and returns it.
+
+    Args:
+        module: the unit; units below it must already be wrapped.
+        distributed_index: process groups (default: parallel_state's, else the world).
+        sharding_strategy: `no_shard`, `optim`, `optim_grads` or `optim_grads_params`, or a
+            `ShardingStrategy` (which then also carries the outer strategy).
+        outer_dp_sharding_strategy: with an outer group: `no_shard` (HSDP) or `optim` (HFSDP).
+        mp_policy: dtypes of main weights and gradients (default: fp32 main weights).
+        is_expert: tells expert parameters (which use the expert groups) from dense ones.
+
+    Raises:
+        ValueError: `module` is already a unit; a strategy does not exist or needs an outer
+            group there is none of; a parameter is shared with a module outside this unit that
+            another unit holds; a `meta` module has no `reset_parameters()`.
+    """
+    if isinstance(module, FsdpModule):
+        raise ValueError(
+            f"{type(module).__name__} is already a Megatron-FSDP unit; call fully_shard() once "
+            "per module."
+        )
+    if isinstance(sharding_strategy, str):
+        sharding_strategy = ShardingStrategy(sharding_strategy, outer_dp_sharding_strategy)
+    index = distributed_index or FSDPDistributedIndex.from_pg_collection(None)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+
+    slots, params = _collect_params(module)
+    groups: list[FsdpParameterGroup] = []
+    members: list[list[int]] = []
+    keys: dict[tuple[torch.dtype, bool, bool], int] = {}
+    for i, (slot, param) in enumerate(zip(slots, params)):
+        key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param))
+        if key not in keys:
+            keys[key] = len(members)
+            members.append([])
+        members[keys[key]].append(i)
+    devices = {p.device for p in params if p.device.type != "meta"}
+    if len(devices) > 1:
+        raise ValueError(
+            f"The parameters of {type(module).__name__} are on several devices {devices}; move "
+            "the module to one device before fully_shard()."
+        )
+    device = devices.pop() if devices else index.device
+    for (dtype, requires_grad, expert), indices in zip(keys, members):
+        shard_groups = index.groups(expert)
+        sharding_strategy.check_outer_group(shard_groups.outer_size)
+        groups.append(
+            FsdpParameterGroup(
+                [params[i].shape for i in indices],
+                [slots[i] for i in indices],
+                model_dtype=dtype,
+                requires_grad=requires_grad,
+                groups=shard_groups,
+                strategy=sharding_strategy,
+                precision=mp_policy.resolve(dtype),
+                # Replaced by the root context's issuer at lazy init.
+                comm=Collectives(),
+                device=device,
+            )
+        )
+    unit = FsdpUnit(module, groups)
+    with torch.no_grad():
+        for group, indices in zip(groups, members):
+            for k, i in enumerate(indices):
+                if params[i].device.type == "meta":
+                    unit.pending_meta.append(PendingParam(slots[i], params[i], group, k))
+                else:
+                    group.load_full_tensor(k, params[i])
+    for param in params:
+        _owner_unit[param] = weakref.ref(unit)
+    for group in groups:
+        group.use_dist_params()
+    module.__class__ = _fsdp_class(type(module))
+    module._fsdp_unit = unit
+    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    return module
+
+
+def _collect_params(
+    module: torch.nn.Module,
+) -> tuple[list[ParamSlot], list[torch.nn.Parameter]]:
+    """The parameters `module` holds outside nested units, with every place each is registered.
+
+    Raises:
+        ValueError: a parameter here is held by another unit (shared across units).
+    """
+    slots: dict[torch.nn.Parameter, ParamSlot] = {}
+    for prefix, owner in _modules_outside_units(module):
+        for name, param in owner._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{prefix}{name}"
+            taken = _owner_unit.get(param)
+            if taken is not None and taken() is not None:
+                raise ValueError(
+                    f"Parameter {fqn!r} of {type(module).__name__} is shared with a module of "
+                    "another Megatron-FSDP unit. A shared parameter must belong to one unit: "
+                    "wrap the lowest common ancestor of its users instead of one of them."
+                )
+            if param not in slots:
+                slots[param] = ParamSlot(fqn, [])
+            slots[param].registrations.append((weakref.ref(owner), name))
+    return list(slots.values()), list(slots)
+
+
+def _modules_outside_units(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(prefix, submodule) for `module` and its descendants, not entering nested units."""
+    stack = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        prefix, current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield prefix, current
+        children = [
+            (f"{prefix}{name}.", child)
+            for name, child in current.named_children()
+            if not isinstance(child, FsdpModule)
+        ]
+        stack.extend(reversed(children))
+
+
+@dataclass
+class PendingParam:
+    """A parameter built on `meta`, waiting for its owner's `reset_parameters()`."""
+
+    slot: ParamSlot
+    param: torch.nn.Parameter
+    group: FsdpParameterGroup
+    index: int
+
+
+@torch.no_grad()
+def _materialize_meta(module: torch.nn.Module, units: list[FsdpUnit]) -> None:
+    """Initialises the `meta` parameters of `units`, one owning module at a time in
+    `module.modules()` order (the order an eager build initialises in, so the same seed gives
+    the same weights), keeping only this rank's shards.
+
+    Raises:
+        ValueError: an owning module has no `reset_parameters()`.
+    """
+    by_owner: dict[int, list[tuple[str, PendingParam]]] = {}
+    for unit in units:
+        for pending in unit.pending_meta:
+            owner_ref, name = pending.slot.registrations[0]
+            by_owner.setdefault(id(owner_ref()), []).append((name, pending))
+        unit.pending_meta = []
+    if not by_owner:
+        return
+    for owner in module.modules():
+        entries = by_owner.pop(id(owner), None)
+        if entries is None:
+            continue
+        reset = getattr(owner, "reset_parameters", None)
+        if reset is None:
+            raise ValueError(
+                f"{type(owner).__name__} holds parameters on the meta device but has no "
+                "reset_parameters(); give it one, or build the model on a real device."
+            )
+        for name, pending in entries:
+            owner._parameters[name] = torch.nn.Parameter(
+                torch.empty_like(pending.param, device=pending.group.device),
+                requires_grad=pending.param.requires_grad,
+            )
+        reset()
+        for name, pending in entries:
+            pending.group.load_full_tensor(pending.index, owner._parameters[name])
+            # Drop the whole tensor now: only one module's are ever alive at once.
+            owner._parameters[name] = pending.group.dist_params[pending.index]
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """`FsdpModule` mixed into `cls`, one class per original class (as FSDP2 does)."""
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"Fsdp{cls.__name__}", (FsdpModule, cls), {})
+    return _fsdp_classes[cls]
+
+
+@contextlib.contextmanager
+def _nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX range on CUDA builds (visible in Nsight); nothing on CPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()

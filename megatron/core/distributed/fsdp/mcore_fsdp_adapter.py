@@ -1,0 +1,170 @@
+"""`FullyShardedDataParallel`: Megatron-FSDP behind the DDP engine's interface.
+
+It shards a Megatron model (each `TransformerLayer` a unit by default; embeddings, final norm
+and output layer in the root) from a `DistributedDataParallelConfig`, and answers the calls a
+Megatron training loop makes on its data-parallel wrapper (`zero_grad_buffer`, `no_sync`,
+`start_param_sync`, `finish_grad_sync`, `scale_gradients`, state dicts), so the loop does not
+care which engine it holds. The optimizer steps `model.parameters()` (DTensor main weights) and
+is connected with `fully_shard_optimizer()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
+from megatron.core.distributed.fsdp.fsdp_module import fully_shard
+from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
+from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.optimizer import parameter_groups
+from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class FullyShardedDataParallel(_BaseDataParallel):
+    """Wraps `module` with Megatron-FSDP.
+
+    Args:
+        config: the model's transformer config.
+        ddp_config: data-parallel switches; `use_megatron_fsdp` must be True.
+        module: the model (may live on the `meta` device: it is materialised shard by shard).
+        fsdp_unit_modules: module classes that each become a unit (default: TransformerLayer);
+            everything else belongs to the root.
+        pg_collection: process groups (default: parallel_state's, else the world).
+
+    Raises:
+        ValueError: `use_megatron_fsdp` is False, or `num_distributed_optimizer_instances`
+            disagrees with the outer group of the process groups.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        fsdp_unit_modules: Sequence[type[torch.nn.Module]] | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config, module)
+        if not ddp_config.use_megatron_fsdp:
+            raise ValueError(
+                "FullyShardedDataParallel needs ddp_config.use_megatron_fsdp=True; for plain "
+                "data parallelism wrap the model with DistributedDataParallel instead."
+            )
+        self.ddp_config = ddp_config
+        self.distributed_index = FSDPDistributedIndex.from_pg_collection(pg_collection)
+        outer = self.distributed_index.outer_group
+        replicas = 1 if outer is None else outer.size()
+        if replicas != ddp_config.num_distributed_optimizer_instances:
+            raise ValueError(
+                "ddp_config.num_distributed_optimizer_instances="
+                f"{ddp_config.num_distributed_optimizer_instances} but the process groups have "
+                f"{replicas} outer replica(s) (pg_collection.inter_dist_opt); initialise "
+                "parallel_state with the same num_distributed_optimizer_instances."
+            )
+        strategy = ShardingStrategy(
+            ddp_config.data_parallel_sharding_strategy, ddp_config.outer_dp_sharding_strategy
+        )
+        main_grads_dtype = ddp_config.megatron_fsdp_main_grads_dtype
+        if main_grads_dtype is None and ddp_config.grad_reduce_in_fp32:
+            main_grads_dtype = torch.float32
+        mp_policy = MixedPrecisionPolicy(
+            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
+            main_grads_dtype=main_grads_dtype,
+            grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
+        )
+        unit_classes = tuple(fsdp_unit_modules or (TransformerLayer,))
+        # Children before parents: a unit takes what no unit below it holds.
+        units = [m for m in module.modules() if isinstance(m, unit_classes) and m is not module]
+        for unit in reversed(units):
+            fully_shard(
+                unit, self.distributed_index, sharding_strategy=strategy, mp_policy=mp_policy
+            )
+        fully_shard(module, self.distributed_index, sharding_strategy=strategy, mp_policy=mp_policy)
+        self._groups = parameter_groups(module)
+        fsdp_contexts(module)  # the root's context now, and meta-device weights materialised
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate into `main_grad`, deferring the once-per-step
+        reductions (weights are not refreshed inside either: see `microbatch()`)."""
+        with contextlib.ExitStack() as stack:
+            for context in fsdp_contexts(self.module):
+                stack.enter_context(context.microbatch_state(context.is_first, is_last=False))
+            yield
+
+    def zero_grad_buffer(self) -> None:
+        """Forgets accumulated gradients before the first microbatch of a step."""
+        for group in self._groups:
+            if group.requires_grad:
+                group.zero_grad()
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Runs the reductions deferred to the end of the step (same as `finish_grad_sync`)."""
+        self.finish_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Completes every gradient reduction; the optimizer may step afterwards."""
+        for context in fsdp_contexts(self.module):
+            context.finalize_grads()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""
+        for group in self._groups:
+            if group.requires_grad:
+                group.main_grad.data.mul_(scaling_factor)
+                if group.optim_grad is not None:
+                    group.optim_grad.data.mul_(scaling_factor)
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+        """Refreshes compute weights that an optimizer step made stale; with
+        `fsdp_all_gather_in_start_param_sync`, also all-gathers the root's weights now, before
+        the forward loop starts.
+
+        Args:
+            force_sync: refresh every group, stale or not.
+        """
+        for group in self._groups:
+            if force_sync or group.is_stale:
+                group.sync_model_weights()
+        if self.ddp_config.fsdp_all_gather_in_start_param_sync:
+            self.module.unshard()
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Loads weights given as DTensors (as `state_dict()` returns) or as whole tensors
+        (each rank keeps its shard); compute weights refresh before the next forward.
+
+        Raises:
+            ValueError: a whole tensor's shape differs from its parameter's.
+        """
+        location = {p: (g, i) for g in self._groups for i, p in enumerate(g.dist_params)}
+        params = dict(self.module.named_parameters())
+        converted = dict(state_dict)
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                param = params.get(key)
+                if param not in location or isinstance(value, DTensor):
+                    continue
+                if value.shape != param.shape:
+                    raise ValueError(
+                        f"state_dict[{key!r}] has shape {tuple(value.shape)} but the model's "
+                        f"parameter has {tuple(param.shape)}; the checkpoint is of another model."
+                    )
+                group, index = location[param]
+                group.load_full_tensor(index, value.to(group.device))
+                converted[key] = param
+        result = self.module.load_state_dict(converted, strict=strict)
+        for group in self._groups:
+            group.mark_main_weights_updated()
+        return result

@@ -1,0 +1,72 @@
+"""`microbatch()`: tells Megatron-FSDP where a forward/backward sits in gradient accumulation.
+
+    for i, batch in enumerate(batches):
+        with microbatch(model, is_first=i == 0, is_last=i == len(batches) - 1):
+            loss_fn(model(batch)).backward()
+    optimizer.step()
+
+Two things depend on it. Weights: only the first microbatch refreshes the compute weights from
+the main weights (they cannot change before the step), while ZeRO-3 still all-gathers before
+every forward. Gradients: reductions that only need to happen once per step (the all-reduce of
+`no_shard` / `optim`, the outer reduction of hybrid sharding) run at the end of the last
+microbatch's backward. Outside the helper every forward refreshes stale weights and every
+backward is treated as the last, so code that never uses it is correct, only slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from megatron.core.distributed.fsdp.context import FsdpContext
+from megatron.core.distributed.fsdp.fsdp_module import FsdpModule
+
+
+def fsdp_roots(module: torch.nn.Module) -> list[FsdpModule]:
+    """The outermost Megatron-FSDP units in `module` (depth first; `module` need not be one)."""
+    roots: list[FsdpModule] = []
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, FsdpModule):
+            roots.append(current)
+        else:
+            stack.extend(reversed(list(current.children())))
+    return roots
+
+
+def fsdp_contexts(module: torch.nn.Module) -> list[FsdpContext]:
+    """The context of every root under `module`, created now if needed (no duplicates).
+
+    Raises:
+        ValueError: there is no Megatron-FSDP unit under `module`.
+    """
+    roots = fsdp_roots(module)
+    if not roots:
+        raise ValueError(
+            f"No Megatron-FSDP unit in {type(module).__name__}: call fully_shard() (or wrap the "
+            "model with FullyShardedDataParallel) first."
+        )
+    contexts: list[FsdpContext] = []
+    for root in roots:
+        context = root.fsdp_unit.lazy_init()
+        if all(context is not c for c in contexts):
+            contexts.append(context)
+    return contexts
+
+
+@contextlib.contextmanager
+def microbatch(module: torch.nn.Module, *, is_first: bool, is_last: bool) -> Iterator[None]:
+    """Scopes one microbatch's forward and backward; restores the previous state on exit.
+
+    Args:
+        module: the model, or any module containing Megatron-FSDP units.
+        is_first: the step's first microbatch (refreshes weights after an optimizer step).
+        is_last: the step's last microbatch (its backward runs the deferred reductions).
+    """
+    with contextlib.ExitStack() as stack:
+        for context in fsdp_contexts(module):
+            stack.enter_context(context.microbatch_state(is_first, is_last))
+        yield

@@ -1,0 +1,62 @@
+"""`MixedPrecisionPolicy`: the dtypes of Megatron-FSDP's main weights, gradients and communication.
+
+Three dtypes are in play per parameter group. The *model* (compute) weights keep the dtype the
+module was built in (bf16 for a bf16 model); the *main* weights, which the optimizer steps, are
+kept in `main_params_dtype` (fp32 by default, so small updates are not lost to bf16 rounding);
+gradients accumulate across microbatches in `main_grads_dtype` and travel over the network in
+`grad_comm_dtype`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of main weights, gradient accumulation and gradient communication.
+
+    Attributes:
+        main_params_dtype: dtype of the sharded main weights the optimizer steps. None: the
+            model (compute) dtype, so no separate copy is kept.
+        main_grads_dtype: dtype gradients accumulate in across microbatches. None: the model
+            dtype.
+        grad_comm_dtype: dtype of gradient reductions. None: `main_grads_dtype`.
+    """
+
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = None
+    grad_comm_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{name}={value!r} is not supported: use one of "
+                    "torch.float32, torch.bfloat16, torch.float16 or None."
+                )
+
+    def resolve(self, model_dtype: torch.dtype) -> ResolvedPrecision:
+        """The concrete dtypes for a parameter group whose model weights are `model_dtype`."""
+        main_grads = self.main_grads_dtype or model_dtype
+        return ResolvedPrecision(
+            model=model_dtype,
+            main_params=self.main_params_dtype or model_dtype,
+            main_grads=main_grads,
+            grad_comm=self.grad_comm_dtype or main_grads,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    """The four dtypes of one parameter group, with no None left."""
+
+    model: torch.dtype
+    main_params: torch.dtype
+    main_grads: torch.dtype
+    grad_comm: torch.dtype

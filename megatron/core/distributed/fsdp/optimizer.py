@@ -1,0 +1,77 @@
+"""`fully_shard_optimizer()`: connects a stock `torch.optim` optimizer to Megatron-FSDP.
+
+The optimizer steps the DTensor main weights that `module.parameters()` returns after
+`fully_shard()`; their gradients are shards of the reduced gradients. This function checks that
+the optimizer holds exactly such weights and registers two hooks on it through torch's public
+hook API (nothing of the optimizer is replaced): before `step()`, reductions still deferred are
+run; after it, every group is marked stale, so the next forward refreshes the compute weights
+from the new main weights once.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from megatron.core.distributed.fsdp.fsdp_module import FsdpModule
+from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
+from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
+
+
+def parameter_groups(module: torch.nn.Module) -> list[FsdpParameterGroup]:
+    """Every parameter group of every Megatron-FSDP unit in `module`."""
+    return [
+        group
+        for submodule in module.modules()
+        if isinstance(submodule, FsdpModule)
+        for group in submodule.fsdp_unit.groups
+    ]
+
+
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer, module: torch.nn.Module
+) -> torch.optim.Optimizer:
+    """Checks `optimizer` against `module`'s main weights and hooks it; returns it.
+
+    Raises:
+        ValueError: `module` has no trainable Megatron-FSDP unit, or the optimizer holds
+            parameters that are not its main weights (typically the unsharded parameters, from an
+            optimizer built before `fully_shard()`).
+    """
+    all_groups = parameter_groups(module)
+    groups = [group for group in all_groups if group.requires_grad]
+    if not groups:
+        raise ValueError(
+            f"{type(module).__name__} has no trainable Megatron-FSDP parameters: call "
+            "fully_shard() on it before fully_shard_optimizer()."
+        )
+    # Frozen main weights may be listed too (they never get a gradient, so are never stepped).
+    main = {param for group in all_groups for param in group.dist_params}
+    foreign = [p for pg in optimizer.param_groups for p in pg["params"] if p not in main]
+    if foreign:
+        example = foreign[0]
+        raise ValueError(
+            f"The optimizer holds {len(foreign)} parameter(s) that are not Megatron-FSDP main "
+            f"weights of {type(module).__name__} (the first: {type(example).__name__} of shape "
+            f"{tuple(example.shape)}), e.g. the unsharded parameters of an optimizer built "
+            "before fully_shard(). Build the optimizer after fully_shard(), from "
+            "module.parameters()."
+        )
+    fsdp_contexts(module)  # materialises meta-device weights before anything steps them
+    refs = [weakref.ref(group) for group in groups]
+
+    def live_groups() -> list[FsdpParameterGroup]:
+        return [group for ref in refs if (group := ref()) is not None]
+
+    def before_step(*unused) -> None:
+        for group in live_groups():
+            group.finalize_grads()
+
+    def after_step(*unused) -> None:
+        for group in live_groups():
+            group.mark_main_weights_updated()
+
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(after_step)
+    return optimizer

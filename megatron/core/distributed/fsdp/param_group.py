@@ -1,0 +1,478 @@
+"""`FsdpParameterGroup`: the parameters of one FSDP unit that share dtype, trainability and
+expert-ness, with their flat buffers.
+
+A group owns up to five `DBuffer`s (see `strategy.py` for which exist under which strategy):
+
+- `main_weight`: what the optimizer steps, in `main_params_dtype`; the module's registered
+  parameters between forwards are DTensors whose local tensors are views of it;
+- `model_shard` (ZeRO-3): this rank's shard of the compute-dtype weights, all-gathered before use;
+- `unsharded`: the compute-dtype weights the module computes with, one contiguous tensor per
+  parameter; transient under ZeRO-3 (released after use), permanent otherwise;
+- `main_grad`: gradient accumulation in `main_grads_dtype`: this rank's shard when gradients are
+  sharded, else the whole (N x S) local sum, reduced once at the end of the last microbatch;
+- `optim_grad`: what the optimizer reads as `.grad`, when it cannot be a view of `main_grad`
+  (another dtype, or HFSDP's smaller shard).
+
+Where the main weights are the same dtype and layout as the compute weights they share storage
+(`main_weight is model_shard` or `is unsharded`), and the weight sync is a no-op.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.dbuffer import (
+    DBuffer,
+    ShardLayout,
+    copy_chunks_in,
+    copy_chunks_out,
+)
+from megatron.core.distributed.fsdp.distributed_index import ShardGroups
+from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
+from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter of a group is registered.
+
+    Attributes:
+        fqn: its name relative to the FSDP unit (the first registration, for messages).
+        registrations: every (module, attribute name) that holds it, weakly (a tied parameter
+            has several).
+    """
+
+    fqn: str
+    registrations: list[tuple[weakref.ref[torch.nn.Module], str]]
+
+    def register(self, param: torch.nn.Parameter) -> None:
+        """Makes every registering module hold `param` under its attribute name."""
+        for module_ref, name in self.registrations:
+            module = module_ref()
+            if module is not None:
+                # Direct dict assignment, as FSDP2 does: `setattr` would refuse a DTensor swap
+                # for a plain Parameter only in its type checks, and costs more per forward.
+                module._parameters[name] = param
+
+
+class FsdpParameterGroup:
+    """The parameters of one unit with the same (dtype, requires_grad, is_expert).
+
+    Args:
+        shapes: each parameter's shape.
+        slots: where each parameter is registered.
+        model_dtype: dtype of the compute weights (the dtype the module was built in).
+        requires_grad: whether the parameters train.
+        groups: the process groups to shard and communicate over.
+        strategy: what to shard.
+        precision: the resolved dtypes.
+        comm: the collectives issuer.
+        device: where buffers live.
+    """
+
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        slots: list[ParamSlot],
+        *,
+        model_dtype: torch.dtype,
+        requires_grad: bool,
+        groups: ShardGroups,
+        strategy: ShardingStrategy,
+        precision: ResolvedPrecision,
+        comm: Collectives,
+        device: torch.device,
+    ):
+        self.slots = slots
+        self.requires_grad = requires_grad
+        self.groups = groups
+        self.strategy = strategy
+        self.precision = precision
+        self.comm = comm
+        self.device = device
+
+        num_shards = groups.shard_size if strategy.shards_optimizer else 1
+        self.rank = groups.shard.rank() if num_shards > 1 else 0
+        self.layout = ShardLayout(shapes, num_shards)
+        self.shapes = self.layout.shapes
+        self.unsharded = DBuffer(
+            self.layout.unsharded(),
+            model_dtype,
+            device,
+            sharded=False,
+            rank=0,
+            zeroed=not strategy.shards_params,
+        )
+        self.model_shard: DBuffer | None = None
+        if strategy.shards_params:
+            self.model_shard = self._shard_buffer(self.layout, model_dtype, self.rank)
+
+        # HFSDP shards the main weights of this rank's inner shard once more over the replicas.
+        self.outer_layout: ShardLayout | None = None
+        self.outer_rank = 0
+        if requires_grad and strategy.shards_outer:
+            local_shapes = [self.layout.local_shape(i, self.rank) for i in range(len(shapes))]
+            self.outer_layout = ShardLayout(local_shapes, groups.outer_size)
+            self.outer_rank = groups.outer.rank()
+
+        self.main_weight = self._build_main_weight(model_dtype)
+        self.main_grad: DBuffer | None = None
+        self.optim_grad: DBuffer | None = None
+        if requires_grad:
+            self._build_grad_buffers()
+
+        self.placements = self._placements()
+        self.unsharded_params = [
+            torch.nn.Parameter(view, requires_grad=requires_grad) for view in self._param_views()
+        ]
+        self.dist_params = [
+            torch.nn.Parameter(self._dtensor(view, i), requires_grad=requires_grad)
+            for i, view in enumerate(self._main_local_views())
+        ]
+        if strategy.shards_params:
+            self.unsharded.release_storage()
+
+        self._stale = False
+        self._awaiting_grads = False
+        self._has_grad_data = False
+        self._grads_attached = False
+        self._pending_finalize = False
+        self._ready = [False] * len(shapes)
+        self._num_ready = 0
+        self.num_weight_syncs = 0
+        if requires_grad:
+            self._register_grad_hooks()
+
+    # Construction.
+
+    def _shard_buffer(self, layout: ShardLayout, dtype: torch.dtype, rank: int) -> DBuffer:
+        return DBuffer(layout, dtype, self.device, sharded=True, rank=rank)
+
+    def _build_main_weight(self, model_dtype: torch.dtype) -> DBuffer:
+        main_dtype = self.precision.main_params if self.requires_grad else model_dtype
+        if self.outer_layout is not None:
+            return self._shard_buffer(self.outer_layout, main_dtype, self.outer_rank)
+        if self.model_shard is not None:
+            if main_dtype == model_dtype:
+                return self.model_shard
+            return self._shard_buffer(self.layout, main_dtype, self.rank)
+        if main_dtype == model_dtype and not (self.requires_grad and self._shards_main):
+            return self.unsharded
+        if self._shards_main:
+            return self._shard_buffer(self.layout, main_dtype, self.rank)
+        return self._shard_buffer(self.layout, main_dtype, 0)
+
+    @property
+    def _shards_main(self) -> bool:
+        """Main weights are sharded over the shard group (frozen ones follow the model weights,
+        having no optimizer state to shard)."""
+        if not self.requires_grad:
+            return self.strategy.shards_params
+        return self.strategy.shards_optimizer and self.layout.num_shards > 1
+
+    def _build_grad_buffers(self) -> None:
+        precision = self.precision
+        self.main_grad = DBuffer(
+            self.layout,
+            precision.main_grads,
+            self.device,
+            sharded=self.strategy.shards_grads,
+            rank=self.rank,
+        )
+        if self.outer_layout is not None:
+            self.optim_grad = self._shard_buffer(
+                self.outer_layout, precision.main_params, self.outer_rank
+            )
+        elif precision.main_grads != precision.main_params:
+            self.optim_grad = self._shard_buffer(self.layout, precision.main_params, self.rank)
+
+    def _placements(self) -> tuple[Placement, ...]:
+        if self.outer_layout is not None:
+            placements: tuple[Placement, ...] = (Shard(0), Shard(0))
+        elif self.main_weight is self.unsharded or not self._shards_main:
+            placements = (Replicate(),)
+        else:
+            placements = (Shard(0),)
+        if self.groups.mesh.ndim == 2 and len(placements) == 1:
+            placements = (*placements, Replicate())
+        return placements
+
+    def _param_views(self) -> list[torch.Tensor]:
+        """The compute weights: each parameter's real rows in the unsharded buffer."""
+        return [view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), self.shapes)]
+
+    def _main_local_views(self) -> list[torch.Tensor]:
+        if self.main_weight is self.unsharded:
+            return self._param_views()
+        return self.main_weight.local_views()
+
+    def _dtensor(self, local: torch.Tensor, index: int) -> DTensor:
+        shape = self.shapes[index]
+        with torch.no_grad():
+            return DTensor.from_local(
+                local,
+                self.groups.mesh,
+                self.placements,
+                run_check=False,
+                shape=shape,
+                stride=torch.empty(shape, device="meta").stride(),
+            )
+
+    def _register_grad_hooks(self) -> None:
+        group = weakref.ref(self)
+
+        def make_hook(index: int):
+            def hook(param: torch.nn.Parameter) -> None:
+                # A weak back-edge: parameters must not keep a deleted model's buffers alive.
+                owner = group()
+                if owner is not None:
+                    owner._on_grad_ready(index)
+
+            return hook
+
+        for index, param in enumerate(self.unsharded_params):
+            param.register_post_accumulate_grad_hook(make_hook(index))
+
+    # Loading weights.
+
+    @torch.no_grad()
+    def load_full_tensor(self, index: int, full: torch.Tensor) -> None:
+        """Writes parameter `index` from its whole value, keeping only what this rank holds.
+
+        The main weights get this rank's chunk; the compute weights are written directly
+        (no communication), so the group is in sync afterwards.
+        """
+        inner = _chunk(full, self.layout, index, self.rank)
+        main = self._main_local_views()[index]
+        if self.outer_layout is not None:
+            main.copy_(_chunk(inner, self.outer_layout, index, self.outer_rank))
+        elif self._shards_main:
+            main.copy_(inner)
+        else:
+            main.copy_(full)
+        if self.model_shard is not None:
+            if self.model_shard is not self.main_weight:
+                self.model_shard.local_views()[index].copy_(inner)
+        elif self.main_weight is not self.unsharded:
+            self._param_views()[index].copy_(full)
+
+    # Weights: main -> model, unshard, reshard.
+
+    def mark_main_weights_updated(self) -> None:
+        """Records that the main weights changed (an optimizer step, a checkpoint load), so the
+        compute weights must be refreshed before the next forward."""
+        self._stale = True
+
+    @property
+    def is_stale(self) -> bool:
+        return self._stale
+
+    def sync_model_weights(self) -> None:
+        """Refreshes the compute weights from the main weights (cast, plus an all-gather when
+        the compute weights are replicated but the main weights are sharded)."""
+        self._stale = False
+        self.num_weight_syncs += 1
+        if self.model_shard is not None:
+            self.reshard()  # a whole copy gathered before now is out of date
+            if self.outer_layout is not None:
+                self._sync_outer_sharded()
+            elif self.main_weight is not self.model_shard:
+                self.model_shard.data.copy_(self.main_weight.data)
+        elif self.main_weight is self.unsharded:
+            return
+        elif self._shards_main:
+            shard = self.main_weight.shard.to(self.unsharded.dtype)
+            gathered = self._staging(self.layout, self.unsharded.dtype)
+            self.comm.all_gather(gathered.full, shard, self.groups.all_gather)
+            copy_chunks_out(gathered, self.unsharded)
+        else:
+            self.unsharded.data.copy_(self.main_weight.data)
+
+    def _sync_outer_sharded(self) -> None:
+        """HFSDP: gathers this replica's inner shard from the outer shards of the main weights."""
+        layout = self.outer_layout
+        dtype = self.model_shard.dtype
+        gathered = self._staging(layout, dtype)
+        self.comm.all_gather(gathered.full, self.main_weight.data.to(dtype), self.groups.outer)
+        inner = DBuffer(layout.unsharded(), dtype, self.device, sharded=False, rank=0, zeroed=False)
+        copy_chunks_out(gathered, inner)
+        for dst, src, shape in zip(
+            self.model_shard.local_views(), inner.tensor_views(), layout.shapes
+        ):
+            dst.copy_(src[: shape[0]])
+
+    def _staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
+        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.unsharded.is_allocated
+
+    def unshard(self) -> None:
+        """Makes the compute weights whole (ZeRO-3: all-gather them; otherwise they are)."""
+        if self.model_shard is None or self.unsharded.is_allocated:
+            return
+        self.unsharded.reallocate_storage()
+        gathered = self._staging(self.layout, self.model_shard.dtype)
+        self.model_shard.all_gather(gathered, self.comm, self.groups.all_gather)
+        copy_chunks_out(gathered, self.unsharded)
+
+    def reshard(self) -> None:
+        """Frees the whole compute weights (ZeRO-3 only)."""
+        if self.model_shard is not None:
+            self.unsharded.release_storage()
+
+    def use_unsharded_params(self) -> None:
+        """Registers the compute weights on their modules for a forward; a trainable group then
+        awaits this forward's gradients."""
+        self._awaiting_grads = self.requires_grad
+        for slot, param in zip(self.slots, self.unsharded_params):
+            slot.register(param)
+
+    def use_dist_params(self) -> None:
+        """Registers the DTensor main weights on their modules (between steps)."""
+        for slot, param in zip(self.slots, self.dist_params):
+            slot.register(param)
+
+    # Gradients.
+
+    def _on_grad_ready(self, index: int) -> None:
+        if not self._ready[index]:
+            self._ready[index] = True
+            self._num_ready += 1
+        if self._num_ready == len(self._ready):
+            self.reduce_grads()
+
+    @property
+    def awaits_grads(self) -> bool:
+        """The group took part in a forward whose gradients are not reduced yet."""
+        return self._awaiting_grads
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Moves this backward's gradients into `main_grad`.
+
+        With sharded gradients they are reduce-scattered now (written straight into
+        `main_grad` on the first microbatch, accumulated after); otherwise they accumulate
+        locally and `finalize_grads` reduces them once. Parameters that got no gradient count
+        as zeros.
+        """
+        grads = [
+            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
+        ]
+        first = self._main_grad_is_empty()
+        if self.strategy.shards_grads:
+            self._reduce_scatter(grads, first)
+        elif first:
+            copy_chunks_in(grads, self.main_grad.full, self.layout)
+        else:
+            local = self._staging(self.layout, self.main_grad.dtype)
+            copy_chunks_in(grads, local.full, self.layout)
+            self.main_grad.full.add_(local.full)
+        for param in self.unsharded_params:
+            param.grad = None
+        self._ready = [False] * len(self._ready)
+        self._num_ready = 0
+        self._awaiting_grads = False
+        self._has_grad_data = True
+        self._pending_finalize = True
+        self._attach_grads()
+        # This unit's backward is over: free its whole weights now, not at the end of backward.
+        self.reshard()
+
+    def _reduce_scatter(self, grads: list[torch.Tensor], first: bool) -> None:
+        comm_dtype = self.precision.grad_comm
+        staging = self._staging(self.layout, comm_dtype)
+        copy_chunks_in(grads, staging.full, self.layout)
+        direct = first and comm_dtype == self.main_grad.dtype
+        out = (
+            self.main_grad.shard
+            if direct
+            else torch.empty_like(self.main_grad.shard, dtype=comm_dtype)
+        )
+        staging.reduce_scatter(out, self.comm, self.groups.shard, average=True)
+        if direct:
+            return
+        if first:
+            self.main_grad.shard.copy_(out)
+        else:
+            self.main_grad.shard.add_(out)
+
+    def _main_grad_is_empty(self) -> bool:
+        if not self._has_grad_data:
+            return True
+        # `optimizer.zero_grad()` (set_to_none) since the last reduction: start afresh.
+        return self._grads_attached and any(p.grad is None for p in self.dist_params)
+
+    @torch.no_grad()
+    def finalize_grads(self) -> None:
+        """Runs the reductions deferred to the end of the last microbatch and fills what the
+        optimizer reads: the all-reduce of unsharded gradients (no_shard, optim), the outer
+        all-reduce (HSDP) or reduce-scatter (HFSDP), and a cast to the main-weights dtype."""
+        if not self._pending_finalize:
+            return
+        self._pending_finalize = False
+        main_grad = self.main_grad
+        if not self.strategy.shards_grads:
+            self._all_reduce(main_grad.full, self.groups.shard)
+            if self.groups.outer is not None:
+                self._all_reduce(main_grad.full, self.groups.outer)
+        elif self.outer_layout is not None:
+            self._reduce_scatter_outer()
+            return
+        elif self.groups.outer is not None:
+            self._all_reduce(main_grad.shard, self.groups.outer)
+        if self.optim_grad is not None:
+            self.optim_grad.data.copy_(main_grad.shard)
+
+    def _all_reduce(self, tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> None:
+        comm_dtype = self.precision.grad_comm
+        if comm_dtype == tensor.dtype:
+            self.comm.all_reduce(tensor, group, average=True)
+            return
+        staging = tensor.to(comm_dtype)
+        self.comm.all_reduce(staging, group, average=True)
+        tensor.copy_(staging)
+
+    def _reduce_scatter_outer(self) -> None:
+        layout = self.outer_layout
+        comm_dtype = self.precision.grad_comm
+        staging = self._staging(layout, comm_dtype)
+        copy_chunks_in(self.main_grad.local_views(), staging.full, layout)
+        out = torch.empty(layout.shard_numel, dtype=comm_dtype, device=self.device)
+        staging.reduce_scatter(out, self.comm, self.groups.outer, average=True)
+        self.optim_grad.data.copy_(out)
+
+    def _attach_grads(self) -> None:
+        """Points each DTensor main weight's `.grad` at its shard of the reduced gradients."""
+        if self._grads_attached and all(p.grad is not None for p in self.dist_params):
+            return
+        source = self.optim_grad or self.main_grad
+        for index, (param, local) in enumerate(zip(self.dist_params, source.local_views())):
+            param.grad = self._dtensor(local, index)
+        self._grads_attached = True
+
+    def zero_grad(self) -> None:
+        """Forgets accumulated gradients: the next reduction writes instead of adding."""
+        self._awaiting_grads = False
+        self._has_grad_data = False
+        self._pending_finalize = False
+        self._grads_attached = False
+        self._ready = [False] * len(self._ready)
+        self._num_ready = 0
+        for param in self.unsharded_params:
+            param.grad = None
+        for param in self.dist_params:
+            param.grad = None
+
+
+def _chunk(full: torch.Tensor, layout: ShardLayout, index: int, shard: int) -> torch.Tensor:
+    """Shard `shard`'s rows of tensor `index` (torch.chunk semantics)."""
+    rows = layout.chunk_rows[index]
+    return full.narrow(0, min(shard * rows, full.shape[0]), layout.valid_rows(index, shard))

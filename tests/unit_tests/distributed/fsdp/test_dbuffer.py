@@ -1,0 +1,193 @@
+"""Flat buffers (`ShardLayout`, `DBuffer`), strategies and `FSDPDistributedIndex`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.fsdp import (
+    DBuffer,
+    FSDPDistributedIndex,
+    ShardingStrategy,
+    ShardLayout,
+)
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.dbuffer import copy_chunks_in, copy_chunks_out
+from megatron.core.process_groups_config import ProcessGroupCollection
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+
+SHAPES = [torch.Size((7, 15)), torch.Size((3,)), torch.Size((4, 2)), torch.Size((1, 5))]
+
+
+def _tensors(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_layout_chunks_like_torch_chunk_and_round_trips(num_shards):
+    layout = ShardLayout(SHAPES, num_shards)
+    tensors = _tensors()
+    assert layout.numel == num_shards * layout.shard_numel
+    gathered = DBuffer(layout, torch.float32, torch.device("cpu"), sharded=False, rank=0)
+    copy_chunks_in(tensors, gathered.full, layout)
+    for i, tensor in enumerate(tensors):
+        pieces = []
+        for shard in range(num_shards):
+            start, end = layout.shard_range(shard)
+            view = layout.local_views(gathered.full[start:end], shard)[i]
+            expected = dict(enumerate(torch.chunk(tensor, num_shards)))
+            reference = expected.get(shard, tensor[:0])
+            assert view.shape == reference.shape == layout.local_shape(i, shard)
+            pieces.append(view)
+        assert torch.equal(torch.cat(pieces), tensor)
+    unsharded = DBuffer(
+        layout.unsharded(), torch.float32, torch.device("cpu"), sharded=False, rank=0
+    )
+    copy_chunks_out(gathered, unsharded)
+    for view, tensor in zip(unsharded.tensor_views(), tensors):
+        assert torch.equal(view[: tensor.shape[0]], tensor)
+    # Padding reads as zero, so reductions over it are harmless: clearing the real rows
+    # leaves nothing.
+    for shard in range(num_shards):
+        start, end = layout.shard_range(shard)
+        for view in layout.local_views(gathered.full[start:end], shard):
+            view.zero_()
+    assert gathered.full.count_nonzero() == 0
+
+
+def test_layout_rejects_0_dim_tensors():
+    with pytest.raises(ValueError, match="shape \\(1,\\)"):
+        ShardLayout([torch.Size(())], 2)
+
+
+def test_sharded_buffer_has_no_full_view():
+    layout = ShardLayout(SHAPES, 2)
+    buffer = DBuffer(layout, torch.float32, torch.device("cpu"), sharded=True, rank=1)
+    assert buffer.shard.numel() == layout.shard_numel
+    with pytest.raises(RuntimeError, match="all-gather"):
+        _ = buffer.full
+
+
+def test_release_and_reallocate_keep_autograd_saved_views_valid():
+    layout = ShardLayout(SHAPES, 1)
+    buffer = DBuffer(layout, torch.float32, torch.device("cpu"), sharded=False, rank=0)
+    weights = [torch.nn.Parameter(view) for view in buffer.tensor_views()]
+    values = _tensors(1)
+    with torch.no_grad():
+        for weight, value in zip(weights, values):
+            weight.copy_(value)
+    x = torch.randn(15, requires_grad=True)
+    y = (weights[0] @ x).sum()  # saves weights[0] for x's gradient
+    buffer.release_storage()
+    assert not buffer.is_allocated and buffer.data.untyped_storage().nbytes() == 0
+    buffer.reallocate_storage()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer.data):
+        buffer.tensor_views()[0].copy_(values[0])
+    y.backward()
+    torch.testing.assert_close(x.grad, values[0].sum(0))
+
+
+def _collectives() -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    comm = Collectives()
+    layout = ShardLayout(SHAPES, world_size)
+    device = current_device()
+    shard = DBuffer(layout, torch.float32, device, sharded=True, rank=rank)
+    full = _tensors()
+    for view, tensor in zip(shard.local_views(), full):
+        view.copy_(torch.chunk(tensor, world_size)[rank] if view.numel() else view)
+    gathered = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
+    pointer = gathered.data.data_ptr()
+    shard.all_gather(gathered, comm, group)
+    unsharded = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
+    copy_chunks_out(gathered, unsharded)
+    gathered_ok = all(
+        torch.equal(v[: t.shape[0]].cpu(), t) for v, t in zip(unsharded.tensor_views(), full)
+    )
+    # Each rank contributes (rank + 1) * tensor; the average is (N + 1) / 2 * tensor.
+    contribution = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
+    copy_chunks_in([(rank + 1) * t.to(device) for t in full], contribution.full, layout)
+    out = torch.empty(layout.shard_numel, device=device)
+    contribution.reduce_scatter(out, comm, group, average=True)
+    scale = (world_size + 1) / 2
+    expected = [
+        scale * torch.chunk(t, world_size)[rank]
+        for t in full
+        if rank < len(torch.chunk(t, world_size))
+    ]
+    reduced = [v.cpu() for v in layout.local_views(out, rank) if v.numel()]
+    contribution.all_reduce(comm, group, average=False)
+    total = world_size * (world_size + 1) / 2
+    return dict(
+        same_storage=gathered.data.data_ptr() == pointer,
+        gathered_ok=gathered_ok,
+        reduce_scatter_ok=all(torch.allclose(a, b) for a, b in zip(reduced, expected))
+        and len(reduced) == len(expected),
+        all_reduce_ok=torch.allclose(
+            contribution.full.cpu().sum(), total * sum(t.sum() for t in full)
+        ),
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_into_preallocated_buffers(world_size):
+    for r in run_distributed(_collectives, world_size):
+        assert r == dict(
+            same_storage=True, gathered_ok=True, reduce_scatter_ok=True, all_reduce_ok=True
+        )
+
+
+def test_strategy_flags_and_errors():
+    zero3 = ShardingStrategy("optim_grads_params")
+    assert (zero3.shards_optimizer, zero3.shards_grads, zero3.shards_params) == (True,) * 3
+    zero1 = ShardingStrategy("optim")
+    assert (zero1.shards_optimizer, zero1.shards_grads, zero1.shards_params) == (
+        True,
+        False,
+        False,
+    )
+    with pytest.raises(ValueError, match="'zero3' does not exist"):
+        ShardingStrategy("zero3")
+    with pytest.raises(ValueError, match="outer_dp_sharding_strategy='replicate' does not"):
+        ShardingStrategy("optim_grads_params", "replicate")
+    with pytest.raises(ValueError, match="requires data_parallel_sharding_strategy"):
+        ShardingStrategy("optim_grads", "optim")
+    with pytest.raises(ValueError, match="num_distributed_optimizer_instances > 1"):
+        ShardingStrategy("optim_grads_params", "optim").check_outer_group(1)
+
+
+def _index_groups() -> dict:
+    world = dist.group.WORLD
+    ranks = list(range(dist.get_world_size()))
+    expert = dist.new_group(ranks)
+    other_ranks = dist.new_group(ranks[:1])
+    index = FSDPDistributedIndex(world, expert_shard_group=expert)
+    errors = []
+    try:
+        FSDPDistributedIndex(world, all_gather_group=other_ranks)
+    except ValueError as error:
+        errors.append(str(error))
+    try:
+        FSDPDistributedIndex(world).groups(is_expert=True)
+    except ValueError as error:
+        errors.append(str(error))
+    no_expert = FSDPDistributedIndex.from_pg_collection(ProcessGroupCollection(dp_cp=world))
+    return dict(
+        dense_is_world=index.groups(False).shard is world,
+        expert_is_expert=index.groups(True).shard is expert,
+        all_gather_defaults_to_shard=index.groups(False).all_gather is world,
+        cached=index.groups(False) is index.groups(False),
+        outer_none=no_expert.outer_group is None,
+        errors=errors,
+    )
+
+
+def test_distributed_index_picks_groups_once_and_checks_them():
+    r = run_distributed(_index_groups, 2)[0]
+    errors = r.pop("errors")
+    assert all(r.values()), r
+    assert "must be the same ranks" in errors[0]
+    assert "no expert shard group" in errors[1]

@@ -1,0 +1,182 @@
+"""`FullyShardedDataParallel` wraps a GPTModel, trains like the DDP engine under the same
+Megatron-style loop, and puts parameter all-gathers on the separate all-gather group."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import (
+    FsdpModule,
+    FullyShardedDataParallel,
+    collectives,
+    fully_shard_optimizer,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
+from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import (
+    build_tiny_gpt,
+    device_batch,
+    make_token_batches,
+    shard_batch,
+)
+
+NUM_MICROBATCHES = 3
+
+
+def _megatron_loop(wrapper, optimizer, step_fn) -> list[float]:
+    """Megatron's order of calls on a data-parallel wrapper."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for tokens, labels in make_token_batches(3, 12):
+        tokens = shard_batch(tokens, rank, world_size).chunk(NUM_MICROBATCHES)
+        labels = shard_batch(labels, rank, world_size).chunk(NUM_MICROBATCHES)
+        wrapper.zero_grad_buffer()
+        for i in range(NUM_MICROBATCHES):
+            last = i == NUM_MICROBATCHES - 1
+            with contextlib.nullcontext() if last else wrapper.no_sync():
+                loss = wrapper(tokens[i], labels=labels[i]).mean() / NUM_MICROBATCHES
+                loss.backward()
+            losses.append(loss.item())
+        wrapper.finish_grad_sync()
+        step_fn(optimizer)
+        wrapper.start_param_sync()
+    return losses
+
+
+def _train_adapter(ddp_kwargs: dict) -> dict:
+    model = build_tiny_gpt()
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, **ddp_kwargs)
+    fsdp = FullyShardedDataParallel(model.config, config, model)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
+    layers_are_units = all(isinstance(m, FsdpModule) for m in model.decoder.layers)
+    return dict(state=full_state(model), losses=losses, layers_are_units=layers_are_units)
+
+
+def _train_ddp() -> dict:
+    model = build_tiny_gpt()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(opt):
+        for param in model.parameters():
+            param.grad = param.main_grad
+        opt.step()
+
+    losses = _megatron_loop(ddp, optimizer, step)
+    return dict(state=full_state(model), losses=losses)
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [
+        {"data_parallel_sharding_strategy": "optim_grads_params"},
+        {"data_parallel_sharding_strategy": "optim_grads", "grad_reduce_in_fp32": True},
+        {"data_parallel_sharding_strategy": "optim", "fsdp_all_gather_in_start_param_sync": False},
+        {"data_parallel_sharding_strategy": "no_shard"},
+    ],
+    ids=lambda kwargs: kwargs["data_parallel_sharding_strategy"],
+)
+def test_adapter_matches_ddp_engine(ddp_kwargs):
+    fsdp = run_distributed(_train_adapter, 2, ddp_kwargs)
+    ddp = run_distributed(_train_ddp, 2)
+    for fsdp_rank, ddp_rank in zip(fsdp, ddp):
+        assert fsdp_rank["layers_are_units"]
+        torch.testing.assert_close(fsdp_rank["losses"], ddp_rank["losses"])
+        for name, value in ddp_rank["state"].items():
+            torch.testing.assert_close(fsdp_rank["state"][name], value, msg=name)
+
+
+def _collective_groups(create_all_gather_group: bool) -> dict:
+    parallel_state.initialize_model_parallel(create_all_gather_group=create_all_gather_group)
+    try:
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        model = build_tiny_gpt()
+        config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+        )
+        fsdp = FullyShardedDataParallel(model.config, config, model, pg_collection=pgs)
+        optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+        gathers = mock.Mock(wraps=collectives._all_gather_single)
+        scatters = mock.Mock(wraps=collectives._reduce_scatter_single)
+        with (
+            mock.patch.object(collectives, "_all_gather_single", gathers),
+            mock.patch.object(collectives, "_reduce_scatter_single", scatters),
+        ):
+            losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
+        ag_group = pgs.dp_cp_ag if create_all_gather_group else pgs.dp_cp
+        return dict(
+            gathers_on_ag=[c.kwargs["group"] is ag_group for c in gathers.call_args_list],
+            scatters_on_dp=[c.kwargs["group"] is pgs.dp_cp for c in scatters.call_args_list],
+            distinct=pgs.dp_cp_ag is not pgs.dp_cp if create_all_gather_group else True,
+            losses=losses,
+        )
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_all_gathers_use_the_separate_all_gather_group():
+    with_ag = run_distributed(_collective_groups, 2, True)
+    without = run_distributed(_collective_groups, 2, False)
+    for rank_with, rank_without in zip(with_ag, without):
+        assert rank_with["distinct"]
+        assert rank_with["gathers_on_ag"] and all(rank_with["gathers_on_ag"])
+        assert rank_with["scatters_on_dp"] and all(rank_with["scatters_on_dp"])
+        assert all(rank_without["gathers_on_ag"])
+        assert rank_with["losses"] == rank_without["losses"]
+
+
+def _state_dict_round_trip() -> dict:
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True)
+    source = build_tiny_gpt(seed=1)
+    fsdp_source = FullyShardedDataParallel(
+        source.config,
+        DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+        ),
+        source,
+    )
+    full = full_state(source)
+    target = build_tiny_gpt(seed=2)
+    fsdp_target = FullyShardedDataParallel(target.config, config, target)
+    fsdp_target.load_state_dict(full)
+    tokens, labels = device_batch(4)
+    with torch.no_grad():
+        loaded = fsdp_target(tokens, labels=labels)
+        reference = fsdp_source(tokens, labels=labels)
+    bad = dict(full)
+    bad["output_layer.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="another model"):
+        fsdp_target.load_state_dict(bad)
+    return dict(loaded=loaded, reference=reference, state=full_state(target), full=full)
+
+
+def test_load_state_dict_of_whole_tensors_across_strategies():
+    for r in run_distributed(_state_dict_round_trip, 2):
+        torch.testing.assert_close(r["loaded"], r["reference"])
+        for name, value in r["full"].items():
+            assert torch.equal(r["state"][name], value), name
+
+
+def _config_errors() -> list[str]:
+    model = build_tiny_gpt()
+    messages = []
+    for kwargs in ({}, {"use_megatron_fsdp": True, "num_distributed_optimizer_instances": 2}):
+        with pytest.raises(ValueError) as info:
+            FullyShardedDataParallel(model.config, DistributedDataParallelConfig(**kwargs), model)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_bad_configs_name_the_field():
+    plain, replicas = run_distributed(_config_errors, 2)[0]
+    assert "use_megatron_fsdp=True" in plain
+    assert "num_distributed_optimizer_instances=2" in replicas
