@@ -41,7 +41,7 @@ class FsdpContext:
         self.is_first: bool | None = None
         self.is_last = True
         self._units = [weakref.ref(unit) for unit in units]
-        self._callback_queued = False
+        self._callback_task: int | None = None
 
     def units(self) -> Iterator[FsdpUnit]:
         """The live units, root first, then in module order."""
@@ -67,9 +67,12 @@ class FsdpContext:
 
     def queue_post_backward(self) -> None:
         """Makes the current backward call `post_backward` once when it finishes."""
-        if self._callback_queued:
+        # Keyed by graph task: a backward that raised never ran its callback, and must not stop
+        # the next backward from queueing one.
+        task = torch._C._current_graph_task_id()
+        if self._callback_task == task:
             return
-        self._callback_queued = True
+        self._callback_task = task
         context = weakref.ref(self)
 
         def callback() -> None:
@@ -81,15 +84,17 @@ class FsdpContext:
 
     @torch.no_grad()
     def post_backward(self) -> None:
-        """End of backward: reduce what is left, free whole weights, and on the last
+        """End of backward: reduce what no unit's post-backward did (the root, units whose
+        inputs need no gradient), free whole weights, register main weights, and on the last
         microbatch run the deferred reductions."""
-        self._callback_queued = False
+        self._callback_task = None
         units = list(self.units())
         for unit in units:
             for group in unit.groups:
                 if group.awaits_grads:
                     group.reduce_grads()
                 group.reshard()
+                group.use_dist_params()
         if self.is_last:
             self.finalize_grads(units)
 

@@ -8,12 +8,14 @@ DTensor main weights (the sharded fp32 weights the optimizer steps, what `parame
 instead:
 
 - pre-forward: refresh compute weights from main weights if the optimizer changed them
-  (skipped after the first microbatch), all-gather them (ZeRO-3), register them;
+  (skipped after the first microbatch), all-gather them (ZeRO-3), register them, and route the
+  inputs through `_PostBackward`;
 - post-forward: register the main weights again; ZeRO-3 units other than the root free their
   whole weights (the root's are needed at once by backward), and hook the outputs so that
   backward all-gathers them again before this unit's backward runs;
-- backward: once every parameter of a group has its gradient, reduce the group's gradients into
-  `main_grad` and free its whole weights; the end of backward handles the rest (`FsdpContext`).
+- post-backward (the inputs' gradients exist, so the unit's backward is over): reduce the
+  unit's gradients into `main_grad`, free its whole weights, register the main weights; the
+  end of backward handles the root and the deferred reductions (`FsdpContext`).
 
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.distributed.fsdp.collectives import Collectives
@@ -91,6 +93,11 @@ class FsdpUnit:
     def is_root(self) -> bool:
         return self._context is not None
 
+    def loaded_state_dict(self, module: torch.nn.Module, incompatible_keys: Any) -> None:
+        """`load_state_dict()` wrote the main weights: refresh compute weights before use."""
+        for group in self.groups:
+            group.mark_main_weights_updated()
+
     def lazy_init(self) -> FsdpContext:
         """The unit's context; created here, with this unit as root, if it has none. The
         root's first use also materialises parameters built on the `meta` device."""
@@ -109,7 +116,9 @@ class FsdpUnit:
         self._context = context
         return context
 
-    def pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def pre_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         context = self.lazy_init()
         if context.syncs_weights:
             stale = [group for group in self.groups if group.is_stale]
@@ -120,14 +129,20 @@ class FsdpUnit:
         for group in self.groups:
             group.unshard()
             group.use_unsharded_params()
+        if not torch.is_grad_enabled() or _in_backward():
+            return args, kwargs
+        for group in self.groups:
+            group.note_forward()
+        return _register_post_backward(self, args, kwargs)
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        # Inside backward this forward is an activation-recompute rerun (which may also stop
+        # early, skipping this hook): backward needs the weights registered and gathered; the
+        # unit's post-backward restores them.
+        if _in_backward():
+            return output
         for group in self.groups:
             group.use_dist_params()
-        # Inside backward this forward is an activation-recompute rerun: backward needs the
-        # weights right away and is already hooked.
-        if torch._C._current_graph_task_id() != -1:
-            return output
         if not self.is_root or not torch.is_grad_enabled():
             for group in self.groups:
                 group.reshard()
@@ -141,14 +156,69 @@ class FsdpUnit:
             )
         return output
 
+    def pre_backward(self) -> None:
+        """Before this unit's backward: gather and register its compute weights (a recompute
+        inside the unit reads them from the modules)."""
+        self.context.queue_post_backward()
+        for group in self.groups:
+            group.unshard()
+            group.use_unsharded_params()
+
+    @torch.no_grad()
+    def post_backward(self) -> None:
+        """After this unit's backward: reduce its gradients (missing ones as zeros, so every
+        rank reduces the same groups in the same order), free whole weights, register the main
+        weights again."""
+        for group in self.groups:
+            if group.requires_grad:
+                group.reduce_grads()
+            group.reshard()
+            group.use_dist_params()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
 
 def _pre_backward(unit_ref: weakref.ref[FsdpUnit]) -> None:
     unit = unit_ref()
-    if unit is None:
-        return
-    unit.context.queue_post_backward()
-    for group in unit.groups:
-        group.unshard()
+    if unit is not None:
+        unit.pre_backward()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is complete
+    (its inputs' gradients exist; parameter gradients are accumulated first, as autograd runs
+    AccumulateGrad nodes ahead of others). Reducing there, not when each parameter's gradient
+    arrives, keeps the order of collectives the same on every rank even where data leaves
+    some parameters unused on some ranks."""
+
+    @staticmethod
+    def forward(ctx, unit_ref: weakref.ref[FsdpUnit], *tensors: torch.Tensor):
+        ctx.unit_ref = unit_ref
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        unit = ctx.unit_ref()
+        if unit is not None:
+            unit.post_backward()
+        return (None, *grads)
+
+
+def _register_post_backward(
+    unit: FsdpUnit, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Routes the unit's floating-point inputs that require grad through `_PostBackward`. A
+    unit with none (the root, fed token ids) is reduced by the end-of-backward callback."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return args, kwargs
+    outputs = _PostBackward.apply(weakref.ref(unit), *(flat[i] for i in positions))
+    for i, tensor in zip(positions, outputs):
+        flat[i] = tensor
+    return tree_unflatten(flat, spec)
 
 
 def fully_shard(
@@ -236,6 +306,7 @@ def fully_shard(
     module._fsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    module.register_load_state_dict_post_hook(unit.loaded_state_dict)
     return module
 
 

@@ -164,7 +164,5 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 group, index = location[param]
                 group.load_full_tensor(index, value.to(group.device))
                 converted[key] = param
-        result = self.module.load_state_dict(converted, strict=strict)
-        for group in self._groups:
-            group.mark_main_weights_updated()
-        return result
+        # The units' load hooks mark their groups stale.
+        return self.module.load_state_dict(converted, strict=strict)

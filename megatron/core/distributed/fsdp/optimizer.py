@@ -5,7 +5,8 @@ The optimizer steps the DTensor main weights that `module.parameters()` returns 
 the optimizer holds exactly such weights and registers two hooks on it through torch's public
 hook API (nothing of the optimizer is replaced): before `step()`, reductions still deferred are
 run; after it, every group is marked stale, so the next forward refreshes the compute weights
-from the new main weights once.
+from the new main weights once, and the next backward's gradients replace the consumed ones
+(whether or not `zero_grad()` ran, and however it zeroed).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def fully_shard_optimizer(
     def after_step(*unused) -> None:
         for group in live_groups():
             group.mark_main_weights_updated()
+            group.grads_consumed()
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

@@ -139,15 +139,11 @@ class FsdpParameterGroup:
             self.unsharded.release_storage()
 
         self._stale = False
-        self._awaiting_grads = False
+        self._pending_backwards = 0
         self._has_grad_data = False
         self._grads_attached = False
         self._pending_finalize = False
-        self._ready = [False] * len(shapes)
-        self._num_ready = 0
         self.num_weight_syncs = 0
-        if requires_grad:
-            self._register_grad_hooks()
 
     # Construction.
 
@@ -223,21 +219,6 @@ class FsdpParameterGroup:
                 shape=shape,
                 stride=torch.empty(shape, device="meta").stride(),
             )
-
-    def _register_grad_hooks(self) -> None:
-        group = weakref.ref(self)
-
-        def make_hook(index: int):
-            def hook(param: torch.nn.Parameter) -> None:
-                # A weak back-edge: parameters must not keep a deleted model's buffers alive.
-                owner = group()
-                if owner is not None:
-                    owner._on_grad_ready(index)
-
-            return hook
-
-        for index, param in enumerate(self.unsharded_params):
-            param.register_post_accumulate_grad_hook(make_hook(index))
 
     # Loading weights.
 
@@ -329,10 +310,11 @@ class FsdpParameterGroup:
             self.unsharded.release_storage()
 
     def use_unsharded_params(self) -> None:
-        """Registers the compute weights on their modules for a forward; a trainable group then
-        awaits this forward's gradients."""
-        self._awaiting_grads = self.requires_grad
-        for slot, param in zip(self.slots, self.unsharded_params):
+        """Registers the compute weights on their modules (for forward and backward); a main
+        weight frozen since wrapping freezes its compute weight too."""
+        for slot, param, main in zip(self.slots, self.unsharded_params, self.dist_params):
+            if param.requires_grad != main.requires_grad:
+                param.requires_grad_(main.requires_grad)
             slot.register(param)
 
     def use_dist_params(self) -> None:
@@ -342,26 +324,24 @@ class FsdpParameterGroup:
 
     # Gradients.
 
-    def _on_grad_ready(self, index: int) -> None:
-        if not self._ready[index]:
-            self._ready[index] = True
-            self._num_ready += 1
-        if self._num_ready == len(self._ready):
-            self.reduce_grads()
+    def note_forward(self) -> None:
+        """Counts a forward (with autograd on) whose gradients this group must reduce."""
+        if self.requires_grad:
+            self._pending_backwards += 1
 
     @property
     def awaits_grads(self) -> bool:
-        """The group took part in a forward whose gradients are not reduced yet."""
-        return self._awaiting_grads
+        """Some forward of this group has not had its gradients reduced yet."""
+        return self._pending_backwards > 0
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """Moves this backward's gradients into `main_grad`.
+        """Moves the gradients of the unit's backward that just ended into `main_grad`.
 
         With sharded gradients they are reduce-scattered now (written straight into
         `main_grad` on the first microbatch, accumulated after); otherwise they accumulate
         locally and `finalize_grads` reduces them once. Parameters that got no gradient count
-        as zeros.
+        as zeros, so every rank issues the same collectives whatever its data used.
         """
         grads = [
             p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
@@ -377,14 +357,10 @@ class FsdpParameterGroup:
             self.main_grad.full.add_(local.full)
         for param in self.unsharded_params:
             param.grad = None
-        self._ready = [False] * len(self._ready)
-        self._num_ready = 0
-        self._awaiting_grads = False
+        self._pending_backwards = max(0, self._pending_backwards - 1)
         self._has_grad_data = True
         self._pending_finalize = True
         self._attach_grads()
-        # This unit's backward is over: free its whole weights now, not at the end of backward.
-        self.reshard()
 
     def _reduce_scatter(self, grads: list[torch.Tensor], first: bool) -> None:
         comm_dtype = self.precision.grad_comm
@@ -408,7 +384,11 @@ class FsdpParameterGroup:
         if not self._has_grad_data:
             return True
         # `optimizer.zero_grad()` (set_to_none) since the last reduction: start afresh.
-        return self._grads_attached and any(p.grad is None for p in self.dist_params)
+        return self._grads_attached and any(p.grad is None for p in self._trainable_dist_params)
+
+    @property
+    def _trainable_dist_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.dist_params if p.requires_grad]
 
     @torch.no_grad()
     def finalize_grads(self) -> None:
@@ -450,22 +430,27 @@ class FsdpParameterGroup:
         self.optim_grad.data.copy_(out)
 
     def _attach_grads(self) -> None:
-        """Points each DTensor main weight's `.grad` at its shard of the reduced gradients."""
-        if self._grads_attached and all(p.grad is not None for p in self.dist_params):
+        """Points each trainable DTensor main weight's `.grad` at its shard of the reduced
+        gradients (a weight frozen after wrapping gets none, so the optimizer skips it)."""
+        trainable = self._trainable_dist_params
+        if self._grads_attached and all(p.grad is not None for p in trainable):
             return
         source = self.optim_grad or self.main_grad
         for index, (param, local) in enumerate(zip(self.dist_params, source.local_views())):
-            param.grad = self._dtensor(local, index)
+            param.grad = self._dtensor(local, index) if param.requires_grad else None
         self._grads_attached = True
+
+    def grads_consumed(self) -> None:
+        """An optimizer step used the gradients: the next reduction starts afresh, even if
+        `zero_grad(set_to_none=False)` zeroed only what the optimizer sees."""
+        self._has_grad_data = False
 
     def zero_grad(self) -> None:
         """Forgets accumulated gradients: the next reduction writes instead of adding."""
-        self._awaiting_grads = False
+        self._pending_backwards = 0
         self._has_grad_data = False
         self._pending_finalize = False
         self._grads_attached = False
-        self._ready = [False] * len(self._ready)
-        self._num_ready = 0
         for param in self.unsharded_params:
             param.grad = None
         for param in self.dist_params:

@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    data_parallel_class,
+)
 from megatron.core.distributed.fsdp import (
     FsdpModule,
     FullyShardedDataParallel,
@@ -180,3 +184,10 @@ def test_bad_configs_name_the_field():
     plain, replicas = run_distributed(_config_errors, 2)[0]
     assert "use_megatron_fsdp=True" in plain
     assert "num_distributed_optimizer_instances=2" in replicas
+
+
+def test_use_megatron_fsdp_selects_the_wrapper():
+    assert data_parallel_class(DistributedDataParallelConfig(use_megatron_fsdp=True)) is (
+        FullyShardedDataParallel
+    )
+    assert data_parallel_class(DistributedDataParallelConfig()) is DistributedDataParallel

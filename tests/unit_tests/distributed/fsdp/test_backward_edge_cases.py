@@ -1,0 +1,273 @@
+"""Backward passes that are not one plain forward + backward: data-dependent unused
+parameters, activation recompute, 1F1B order, a failed backward, zero_grad modes, loading
+weights, freezing after wrapping, and deleting a model."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.distributed.fsdp import fully_shard, fully_shard_optimizer
+from tests.unit_tests.distributed.fsdp.fsdp_training import (
+    STEPS,
+    train_reference,
+)
+from tests.unit_tests.distributed.fsdp.fsdp_training import full_state as gathered_weights
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.model_builders import (
+    build_tiny_gpt,
+    make_token_batches,
+    shard_batch,
+    tiny_gpt_config,
+)
+
+DIM = 8
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(DIM, DIM)
+        self.b = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return x + (self.b(h) if use_b else h)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, inner_checkpoint: bool = False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+        self.head = torch.nn.Linear(DIM, 1)
+        self.inner_checkpoint = inner_checkpoint
+
+    def forward(self, x: torch.Tensor, use_b=(True, True), fail: bool = False) -> torch.Tensor:
+        for block, use in zip(self.blocks, use_b):
+            x = block(x, use)
+        if self.inner_checkpoint:
+            # A recompute inside the root unit: re-reads the root's weights in backward.
+            y = checkpoint(self.head, x, use_reentrant=False)
+        else:
+            y = self.head(x)
+        if fail:
+            y = _FailInBackward.apply(y)
+        return y.pow(2).mean()
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated failure in backward")
+
+
+def _build(strategy: str, dtype=torch.float32, **kwargs) -> Net:
+    torch.manual_seed(0)
+    model = Net(**kwargs).to(current_device(), dtype)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=strategy)
+    return fully_shard(model, sharding_strategy=strategy)
+
+
+def _inputs(seed: int, dtype=torch.float32) -> torch.Tensor:
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(seed))
+    return x.to(current_device(), dtype)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: p.grad.full_tensor().float() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def _averaged_reference_grads(batches) -> dict[str, torch.Tensor]:
+    """Gradients of an unsharded Net over this rank's (x, use_b) batches, averaged over
+    ranks."""
+    torch.manual_seed(0)
+    reference = Net().to(current_device())
+    for x, use_b in batches:
+        reference(x, use_b).backward()
+    averaged = {}
+    for name, param in reference.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad)
+        averaged[name] = grad / dist.get_world_size()
+    return averaged
+
+
+def _unused_on_some_ranks(strategy: str, one_f_one_b: bool) -> tuple[dict, dict]:
+    rank = dist.get_rank()
+    # Rank 0 never uses blocks[1].b; the others do.
+    use_b = (True, rank != 0)
+    batches = [(_inputs(10 * rank + i), use_b) for i in range(2 if one_f_one_b else 1)]
+    model = _build(strategy)
+    losses = [model(x, use) for x, use in batches]  # all forwards first (1F1B order)
+    for loss in losses:
+        loss.backward()
+    return _grads(model), _averaged_reference_grads(batches)
+
+
+@pytest.mark.parametrize("one_f_one_b", [False, True], ids=["1f1b-off", "1f1b"])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim"])
+def test_parameters_unused_on_some_ranks_reduce_correctly(strategy, one_f_one_b):
+    for grads, expected in run_distributed(_unused_on_some_ranks, 2, strategy, one_f_one_b):
+        assert grads.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], msg=name)
+
+
+def _recompute_training(granularity: str | None, strategy: str) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = tiny_gpt_config(recompute_granularity=granularity) if granularity else None
+    model = build_tiny_gpt(config)
+    for layer in model.decoder.layers:
+        fully_shard(layer, sharding_strategy=strategy)
+    fully_shard(model, sharding_strategy=strategy)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    registered_after_backward = []
+    for tokens, labels in make_token_batches(STEPS, 12):
+        tokens, labels = (
+            shard_batch(tokens, rank, world_size),
+            shard_batch(labels, rank, world_size),
+        )
+        model(tokens, labels=labels).mean().backward()
+        registered_after_backward.append(
+            all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters())
+        )
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(state=gathered_weights(model), registered=registered_after_backward)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+def test_activation_recompute_trains_like_single_process(granularity, strategy):
+    expected = train_reference("gpt", False)
+    for r in run_distributed(_recompute_training, 2, granularity, strategy):
+        assert all(r["registered"]), "compute weights left registered after backward"
+        for name in expected:
+            torch.testing.assert_close(r["state"][name], expected[name], msg=name)
+
+
+def _checkpoint_inside_root() -> tuple[dict, dict]:
+    x = _inputs(dist.get_rank())
+    model = _build("optim_grads_params", inner_checkpoint=True)
+    model(x).backward()
+    return _grads(model), _averaged_reference_grads([(x, (True, True))])
+
+
+def test_checkpoint_inside_a_unit_sees_its_compute_weights():
+    for grads, expected in run_distributed(_checkpoint_inside_root, 2):
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], msg=name)
+
+
+def _after_failed_backward(strategy: str) -> tuple[dict, dict]:
+    x = _inputs(dist.get_rank())
+    model = _build(strategy)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        model(x, fail=True).backward()
+    for param in model.parameters():
+        param.grad = None
+    model.zero_grad()
+    for module in model.modules():
+        if hasattr(module, "fsdp_unit"):
+            for group in module.fsdp_unit.groups:
+                group.zero_grad()
+    model(x).backward()
+    return _grads(model), _averaged_reference_grads([(x, (True, True))])
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_backward_after_a_failed_backward_is_complete(strategy):
+    for grads, expected in run_distributed(_after_failed_backward, 2, strategy):
+        assert grads.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], msg=name)
+
+
+def _second_step_grads(dtype_name: str, strategy: str, set_to_none: bool) -> dict:
+    dtype = getattr(torch, dtype_name)
+    model = _build(strategy, dtype)
+    optimizer = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for step in range(2):
+        model(_inputs(10 * step + dist.get_rank(), dtype)).backward()
+        grads = _grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return grads
+
+
+@pytest.mark.parametrize(
+    "dtype_name, strategy",
+    [("bfloat16", "optim_grads_params"), ("float32", "optim"), ("float32", "optim_grads")],
+)
+def test_zero_grad_without_set_to_none_does_not_leak_old_gradients(dtype_name, strategy):
+    kept = run_distributed(_second_step_grads, 2, dtype_name, strategy, False)
+    cleared = run_distributed(_second_step_grads, 2, dtype_name, strategy, True)
+    for a, b in zip(kept, cleared):
+        for name in b:
+            torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def _load_zeros(dtype_name: str, strategy: str) -> float:
+    dtype = getattr(torch, dtype_name)
+    model = _build(strategy, dtype)
+    x = _inputs(0, dtype)
+    with torch.no_grad():
+        model(x)
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        return model(x).item()
+
+
+@pytest.mark.parametrize(
+    "dtype_name, strategy",
+    [("float32", "optim_grads_params"), ("bfloat16", "optim_grads_params"), ("float32", "optim")],
+)
+def test_load_state_dict_refreshes_compute_weights(dtype_name, strategy):
+    assert run_distributed(_load_zeros, 2, dtype_name, strategy) == [0.0, 0.0]
+
+
+def _freeze_after_wrap() -> dict:
+    model = _build("optim_grads_params")
+    optimizer = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    weight = model.blocks[0].a.weight
+    weight.requires_grad_(False)
+    before = weight.full_tensor().clone()
+    model(_inputs(dist.get_rank())).backward()
+    optimizer.step()
+    return dict(
+        grad_is_none=weight.grad is None, unchanged=torch.equal(before, weight.full_tensor())
+    )
+
+
+def test_freezing_a_main_weight_after_wrapping_stops_its_updates():
+    assert run_distributed(_freeze_after_wrap, 2) == [dict(grad_is_none=True, unchanged=True)] * 2
+
+
+def _deleted_model_is_freed(strategy: str) -> bool:
+    model = _build(strategy)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()), model)
+    model(_inputs(0)).backward()
+    optimizer.step()
+    refs = [weakref.ref(model), weakref.ref(model.blocks[0])]
+    del model, optimizer
+    alive_without_gc = any(ref() is not None for ref in refs)
+    gc.collect()
+    return alive_without_gc
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_deleting_the_model_frees_it_without_garbage_collection(strategy):
+    assert run_distributed(_deleted_model_is_freed, 2, strategy) == [False, False]
