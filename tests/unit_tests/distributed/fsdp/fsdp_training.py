@@ -185,19 +185,39 @@ def train_reference(
     model_kwargs: dict | None = None,
     optimizer: str = "adamw",
     frozen: tuple[str, ...] = (),
+    *,
+    world_size: int = 1,
+    num_microbatches: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """One process, whole batch. bf16: bf16 compute with fp32 master weights and gradients
-    (what Megatron-FSDP does), fp32 otherwise."""
+    """One process. fp32: the whole batch at once (what data parallelism must equal). bf16:
+    bf16 compute with fp32 master weights, emulating Megatron-FSDP's arithmetic: one bf16
+    backward per (rank, microbatch) slice, gradients averaged over ranks and summed over
+    microbatches in fp32, so the two differ only by fp32 summation order."""
     model = build_model(kind, bf16, **(model_kwargs or {}))
     freeze(model, frozen)
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     optimizer = OPTIMIZERS[optimizer](masters)
+    slices = world_size * num_microbatches
     for inputs, labels in make_batches(kind):
-        model.zero_grad()
-        loss_of(model, inputs.to(current_device()), labels.to(current_device()), bf16).backward()
-        for master, param in zip(masters, params):
-            master.grad = param.grad.float()
+        inputs, labels = inputs.to(current_device()), labels.to(current_device())
+        grads = [torch.zeros_like(m) for m in masters]
+        for micro in range(num_microbatches):
+            per_rank = []
+            for rank in range(world_size):
+                chunk = (
+                    slice(None)
+                    if slices == 1
+                    else _slice(inputs, rank, micro, world_size, num_microbatches)
+                )
+                model.zero_grad()
+                loss = loss_of(model, inputs[chunk], labels[chunk], bf16) / num_microbatches
+                loss.backward()
+                per_rank.append([p.grad.float() for p in params])
+            for i, grad in enumerate(grads):
+                grad += sum(g[i] for g in per_rank) / world_size
+        for master, grad in zip(masters, grads):
+            master.grad = grad
         optimizer.step()
         with torch.no_grad():
             for master, param in zip(masters, params):
@@ -206,3 +226,11 @@ def train_reference(
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     result.update({name: master.detach().clone() for name, master in zip(names, masters)})
     return result
+
+
+def _slice(batch: torch.Tensor, rank: int, micro: int, world_size: int, num_microbatches: int):
+    """The rows rank `rank` trains on in microbatch `micro` (shard_batch, then chunk)."""
+    per_rank = batch.shape[0] // world_size
+    per_micro = per_rank // num_microbatches
+    start = rank * per_rank + micro * per_micro
+    return slice(start, start + per_micro)

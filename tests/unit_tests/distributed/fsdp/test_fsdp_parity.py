@@ -8,8 +8,6 @@ import torch
 
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
-    LR,
-    STEPS,
     build_model,
     full_state,
     train_fsdp,
@@ -17,19 +15,30 @@ from tests.unit_tests.distributed.fsdp.fsdp_training import (
 )
 from tests.unit_tests.distributed_harness import run_distributed
 
-# bf16: each rank's backward rounds differently from the one-process backward, so gradients
-# differ at bf16 precision and Adam may move a weight differently. One AdamW step moves a weight
-# by at most lr * (1 - beta1) / sqrt(1 - beta2) (= 3.16 lr at the default betas, Kingma & Ba
-# section 2.1), so two runs drift apart by at most twice that per step.
-BF16_ATOL = STEPS * 2 * LR * (1 - 0.9) / (1 - 0.999) ** 0.5
+# bf16: the reference runs the engine's arithmetic (the same bf16 backward per rank and
+# microbatch, fp32 averaging and accumulation), yet CPU kernels still round a few bf16 gradients
+# differently (a layer-norm weight that is a view into a flat buffer gets some gradients one bf16
+# ulp apart), and Adam turns tiny differences of near-zero gradients into lr-sized steps. So the
+# test bounds the whole update instead of each element: ||w - w_ref|| <= 2% of ||w_ref - w_0||.
+# Measured on CPU: 0.25% with 1 microbatch, 0.8% with 3; the same training in fp32 lands 6% away
+# from the bf16 reference, a skipped microbatch or a stale weight much further.
+BF16_MAX_UPDATE_ERROR = 0.02
 
 
-def _assert_matches(results, expected, atol=None):
-    tolerances = {} if atol is None else {"atol": atol, "rtol": 0.0}
+def _assert_update_close(results, expected, initial):
+    update = sum(((expected[n] - initial[n]) ** 2).sum() for n in expected) ** 0.5
+    assert update > 0, "training did nothing"
+    for rank_state in results:
+        assert rank_state.keys() == expected.keys()
+        error = sum(((rank_state[n] - expected[n]) ** 2).sum() for n in expected) ** 0.5
+        assert error <= BF16_MAX_UPDATE_ERROR * update, (error / update).item()
+
+
+def _assert_matches(results, expected):
     for rank_state in results:
         assert rank_state.keys() == expected.keys()
         for name in expected:
-            torch.testing.assert_close(rank_state[name], expected[name], msg=name, **tolerances)
+            torch.testing.assert_close(rank_state[name], expected[name], msg=name)
 
 
 def _assert_trained(kind, bf16, expected):
@@ -42,9 +51,13 @@ def _assert_trained(kind, bf16, expected):
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
 def test_gpt_matches_single_process(strategy, num_microbatches, bf16):
     results = run_distributed(train_fsdp, 2, "gpt", strategy, num_microbatches, bf16)
-    expected = train_reference("gpt", bf16)
-    _assert_matches(results, expected, BF16_ATOL if bf16 else None)
-    _assert_trained("gpt", bf16, expected)
+    if bf16:
+        expected = train_reference("gpt", True, world_size=2, num_microbatches=num_microbatches)
+        _assert_update_close(results, expected, full_state(build_model("gpt", True)))
+    else:
+        expected = train_reference("gpt", False)
+        _assert_matches(results, expected)
+        _assert_trained("gpt", False, expected)
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 3])
@@ -56,7 +69,8 @@ def test_uneven_shapes_match_single_process_at_world_size_4(strategy, num_microb
 
 def test_uneven_shapes_bf16_at_world_size_4():
     results = run_distributed(train_fsdp, 4, "uneven", "optim_grads_params", 3, True)
-    _assert_matches(results, train_reference("uneven", True), BF16_ATOL)
+    expected = train_reference("uneven", True, world_size=4, num_microbatches=3)
+    _assert_update_close(results, expected, full_state(build_model("uneven", True)))
 
 
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
