@@ -16,22 +16,24 @@ from tests.unit_tests.distributed.fsdp.fsdp_training import (
 from tests.unit_tests.distributed_harness import run_distributed
 
 # bf16: the reference runs the engine's arithmetic (the same bf16 backward per rank and
-# microbatch, fp32 averaging and accumulation), yet CPU kernels still round a few bf16 gradients
-# differently (a layer-norm weight that is a view into a flat buffer gets some gradients one bf16
-# ulp apart), and Adam turns tiny differences of near-zero gradients into lr-sized steps. So the
-# test bounds the whole update instead of each element: ||w - w_ref|| <= 2% of ||w_ref - w_0||.
-# Measured on CPU: 0.25% with 1 microbatch, 0.8% with 3; the same training in fp32 lands 6% away
-# from the bf16 reference, a skipped microbatch or a stale weight much further.
-BF16_MAX_UPDATE_ERROR = 0.02
+# microbatch, fp32 averaging and accumulation), yet kernels still round some bf16 gradients
+# differently: on CPU, layer-norm weight gradients are one bf16 ulp apart when the weight is a
+# view into a flat buffer; on H200 the gap is larger (its source not isolated). So the tests
+# bound the whole update instead of each element: ||w - w_ref|| <= bound * ||w_ref - w_0||.
+# - SGD is linear in the gradient, so the error stays at bf16 rounding: measured 0.04% (CPU) and
+#   0.48% (H200). A dropped or doubled microbatch would move the update by a third or more.
+# - AdamW turns one-ulp differences of near-zero gradients into lr-sized steps: measured 0.25%
+#   to 0.8% (CPU) and 5.4% (H200). Its bound catches only gross errors; SGD's carries precision.
+BF16_MAX_UPDATE_ERROR = {"sgd": 0.015, "adamw": 0.15}
 
 
-def _assert_update_close(results, expected, initial):
+def _assert_update_close(results, expected, initial, bound):
     update = sum(((expected[n] - initial[n]) ** 2).sum() for n in expected) ** 0.5
     assert update > 0, "training did nothing"
     for rank_state in results:
         assert rank_state.keys() == expected.keys()
         error = sum(((rank_state[n] - expected[n]) ** 2).sum() for n in expected) ** 0.5
-        assert error <= BF16_MAX_UPDATE_ERROR * update, (error / update).item()
+        assert error <= bound * update, f"update error {(error / update).item():.2%}"
 
 
 def _assert_matches(results, expected):
@@ -46,18 +48,27 @@ def _assert_trained(kind, bf16, expected):
     assert any(not torch.equal(initial[n], expected[n]) for n in expected), "training did nothing"
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_microbatches", [1, 3])
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
-def test_gpt_matches_single_process(strategy, num_microbatches, bf16):
-    results = run_distributed(train_fsdp, 2, "gpt", strategy, num_microbatches, bf16)
-    if bf16:
-        expected = train_reference("gpt", True, world_size=2, num_microbatches=num_microbatches)
-        _assert_update_close(results, expected, full_state(build_model("gpt", True)))
-    else:
-        expected = train_reference("gpt", False)
-        _assert_matches(results, expected)
-        _assert_trained("gpt", False, expected)
+def test_gpt_matches_single_process(strategy, num_microbatches):
+    results = run_distributed(train_fsdp, 2, "gpt", strategy, num_microbatches, False)
+    expected = train_reference("gpt", False)
+    _assert_matches(results, expected)
+    _assert_trained("gpt", False, expected)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+def test_gpt_bf16_with_fp32_main_weights(strategy, num_microbatches, optimizer):
+    results = run_distributed(
+        train_fsdp, 2, "gpt", strategy, num_microbatches, True, optimizer=optimizer
+    )
+    expected = train_reference(
+        "gpt", True, optimizer=optimizer, world_size=2, num_microbatches=num_microbatches
+    )
+    initial = full_state(build_model("gpt", True))
+    _assert_update_close(results, expected, initial, BF16_MAX_UPDATE_ERROR[optimizer])
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 3])
@@ -70,7 +81,8 @@ def test_uneven_shapes_match_single_process_at_world_size_4(strategy, num_microb
 def test_uneven_shapes_bf16_at_world_size_4():
     results = run_distributed(train_fsdp, 4, "uneven", "optim_grads_params", 3, True)
     expected = train_reference("uneven", True, world_size=4, num_microbatches=3)
-    _assert_update_close(results, expected, full_state(build_model("uneven", True)))
+    initial = full_state(build_model("uneven", True))
+    _assert_update_close(results, expected, initial, BF16_MAX_UPDATE_ERROR["adamw"])
 
 
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
