@@ -23,20 +23,14 @@ import torch
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from gpt_benchmark_model import add_model_args, build_gpt
+
 from megatron.training.flops import num_floating_point_operations
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-layers", type=int, default=24)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    add_model_args(parser)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -51,25 +45,9 @@ def synchronize(device: torch.device) -> None:
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=args.bf16,
-    )
     torch.manual_seed(0)
     with device:
-        model = GPTModel(
-            config,
-            get_gpt_layer_local_spec(),
-            vocab_size=args.vocab_size,
-            max_sequence_length=args.seq_length,
-            position_embedding_type="rope",
-        )
+        config, model = build_gpt(args)
     # fused=True is the fast CUDA path; the CPU build has no fused AdamW for bf16.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     shape = (args.micro_batch_size, args.seq_length)

@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from gpt_benchmark_model import add_model_args, build_gpt
+
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from megatron.core.distributed.fsdp import (
@@ -34,21 +36,13 @@ from megatron.core.distributed.fsdp import (
     fully_shard_optimizer,
     parameter_groups,
 )
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 GIB = 2**30
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-layers", type=int, default=24)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--bf16", action="store_true", help="bf16 model weights, fp32 main")
+    add_model_args(parser, micro_batch_size=1)
     parser.add_argument(
         "--strategies", nargs="+", default=list(SHARDING_STRATEGIES), choices=SHARDING_STRATEGIES
     )
@@ -57,27 +51,11 @@ def parse_args() -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, strategy: str, device: torch.device) -> dict[str, float]:
     """One rank's state bytes after one step of `strategy`."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        bf16=args.bf16,
-        params_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     with torch.device("meta"):
-        model = GPTModel(
-            config,
-            get_gpt_layer_local_spec(),
-            args.vocab_size,
-            args.seq_length,
-            position_embedding_type="rope",
-        )
+        config, model = build_gpt(args)
     num_params = sum(p.numel() for p in model.parameters())
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,

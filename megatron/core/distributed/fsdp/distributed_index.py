@@ -144,10 +144,6 @@ class FSDPDistributedIndex:
             device=device,
         )
 
-    @property
-    def has_separate_all_gather_group(self) -> bool:
-        return self.all_gather_group is not None
-
     def groups(self, is_expert: bool) -> ShardGroups:
         """The groups of dense (`is_expert=False`) or expert parameters.
 

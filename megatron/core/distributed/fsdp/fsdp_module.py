@@ -257,15 +257,10 @@ def fully_shard(
     mp_policy = mp_policy or MixedPrecisionPolicy()
 
     slots, params = _collect_params(module)
-    groups: list[FsdpParameterGroup] = []
-    members: list[list[int]] = []
-    keys: dict[tuple[torch.dtype, bool, bool], int] = {}
+    members: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
     for i, (slot, param) in enumerate(zip(slots, params)):
         key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param))
-        if key not in keys:
-            keys[key] = len(members)
-            members.append([])
-        members[keys[key]].append(i)
+        members.setdefault(key, []).append(i)
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) > 1:
         raise ValueError(
@@ -273,7 +268,8 @@ def fully_shard(
             "the module to one device before fully_shard()."
         )
     device = devices.pop() if devices else index.device
-    for (dtype, requires_grad, expert), indices in zip(keys, members):
+    groups: list[FsdpParameterGroup] = []
+    for (dtype, requires_grad, expert), indices in members.items():
         shard_groups = index.groups(expert)
         sharding_strategy.check_outer_group(shard_groups.outer_size)
         groups.append(
@@ -292,7 +288,7 @@ def fully_shard(
         )
     unit = FsdpUnit(module, groups)
     with torch.no_grad():
-        for group, indices in zip(groups, members):
+        for group, indices in zip(groups, members.values()):
             for k, i in enumerate(indices):
                 if params[i].device.type == "meta":
                     unit.pending_meta.append(PendingParam(slots[i], params[i], group, k))

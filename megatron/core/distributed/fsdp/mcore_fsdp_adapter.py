@@ -93,14 +93,16 @@ class FullyShardedDataParallel(_BaseDataParallel):
             )
         fully_shard(module, self.distributed_index, sharding_strategy=strategy, mp_policy=mp_policy)
         self._groups = parameter_groups(module)
-        fsdp_contexts(module)  # the root's context now, and meta-device weights materialised
+        # The root's context now (which materialises meta-device weights), kept for the
+        # per-step calls below.
+        self._contexts = fsdp_contexts(module)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate into `main_grad`, deferring the once-per-step
         reductions (weights are not refreshed inside either: see `microbatch()`)."""
         with contextlib.ExitStack() as stack:
-            for context in fsdp_contexts(self.module):
+            for context in self._contexts:
                 stack.enter_context(context.microbatch_state(context.is_first, is_last=False))
             yield
 
@@ -116,7 +118,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
 
     def finish_grad_sync(self) -> None:
         """Completes every gradient reduction; the optimizer may step afterwards."""
-        for context in fsdp_contexts(self.module):
+        for context in self._contexts:
             context.finalize_grads()
 
     def scale_gradients(self, scaling_factor: float) -> None:

@@ -128,12 +128,21 @@ class FsdpParameterGroup:
             self._build_grad_buffers()
 
         self.placements = self._placements()
+        # Views stay valid across release / reallocate (same storage), so they are made once.
+        self._compute_views = [
+            view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), self.shapes)
+        ]
+        self._main_views = (
+            self._compute_views
+            if self.main_weight is self.unsharded
+            else self.main_weight.local_views()
+        )
         self.unsharded_params = [
-            torch.nn.Parameter(view, requires_grad=requires_grad) for view in self._param_views()
+            torch.nn.Parameter(view, requires_grad=requires_grad) for view in self._compute_views
         ]
         self.dist_params = [
             torch.nn.Parameter(self._dtensor(view, i), requires_grad=requires_grad)
-            for i, view in enumerate(self._main_local_views())
+            for i, view in enumerate(self._main_views)
         ]
         if strategy.shards_params:
             self.unsharded.release_storage()
@@ -158,11 +167,9 @@ class FsdpParameterGroup:
             if main_dtype == model_dtype:
                 return self.model_shard
             return self._shard_buffer(self.layout, main_dtype, self.rank)
-        if main_dtype == model_dtype and not (self.requires_grad and self._shards_main):
+        if main_dtype == model_dtype and not self._shards_main:
             return self.unsharded
-        if self._shards_main:
-            return self._shard_buffer(self.layout, main_dtype, self.rank)
-        return self._shard_buffer(self.layout, main_dtype, 0)
+        return self._shard_buffer(self.layout, main_dtype, self.rank)
 
     @property
     def _shards_main(self) -> bool:
@@ -191,22 +198,13 @@ class FsdpParameterGroup:
     def _placements(self) -> tuple[Placement, ...]:
         if self.outer_layout is not None:
             placements: tuple[Placement, ...] = (Shard(0), Shard(0))
-        elif self.main_weight is self.unsharded or not self._shards_main:
+        elif not self._shards_main:
             placements = (Replicate(),)
         else:
             placements = (Shard(0),)
         if self.groups.mesh.ndim == 2 and len(placements) == 1:
             placements = (*placements, Replicate())
         return placements
-
-    def _param_views(self) -> list[torch.Tensor]:
-        """The compute weights: each parameter's real rows in the unsharded buffer."""
-        return [view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), self.shapes)]
-
-    def _main_local_views(self) -> list[torch.Tensor]:
-        if self.main_weight is self.unsharded:
-            return self._param_views()
-        return self.main_weight.local_views()
 
     def _dtensor(self, local: torch.Tensor, index: int) -> DTensor:
         shape = self.shapes[index]
@@ -230,7 +228,7 @@ class FsdpParameterGroup:
         (no communication), so the group is in sync afterwards.
         """
         inner = _chunk(full, self.layout, index, self.rank)
-        main = self._main_local_views()[index]
+        main = self._main_views[index]
         if self.outer_layout is not None:
             main.copy_(_chunk(inner, self.outer_layout, index, self.outer_rank))
         elif self._shards_main:
@@ -241,7 +239,7 @@ class FsdpParameterGroup:
             if self.model_shard is not self.main_weight:
                 self.model_shard.local_views()[index].copy_(inner)
         elif self.main_weight is not self.unsharded:
-            self._param_views()[index].copy_(full)
+            self._compute_views[index].copy_(full)
 
     # Weights: main -> model, unshard, reshard.
 
@@ -290,10 +288,6 @@ class FsdpParameterGroup:
 
     def _staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
         return DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
-
-    @property
-    def is_unsharded(self) -> bool:
-        return self.unsharded.is_allocated
 
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gather them; otherwise they are)."""
