@@ -25,17 +25,25 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
 
 
-def build_gpt(args: argparse.Namespace) -> tuple[TransformerConfig, GPTModel]:
+def build_gpt(
+    args: argparse.Namespace, bf16: bool | None = None
+) -> tuple[TransformerConfig, GPTModel]:
     """The config and model the flags describe, on the current default device (use
-    `with torch.device(...)`, `meta` included)."""
+    `with torch.device(...)`, `meta` included).
+
+    Args:
+        args: the flags of `add_model_args`.
+        bf16: overrides `args.bf16` (e.g. an fp32 model whose engine casts to bf16 itself).
+    """
+    bf16 = args.bf16 if bf16 is None else bf16
     config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
     )
     model = GPTModel(
         config,

@@ -17,6 +17,7 @@ from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataPa
 from megatron.core.distributed.fsdp.microbatch import fsdp_contexts, fsdp_roots, microbatch
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.optimizer import fully_shard_optimizer, parameter_groups
+from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 
@@ -27,6 +28,7 @@ __all__ = [
     "FsdpParameterGroup",
     "FullyShardedDataParallel",
     "MixedPrecisionPolicy",
+    "OverlapPolicy",
     "ShardGroups",
     "ShardLayout",
     "ShardingStrategy",

@@ -1,9 +1,11 @@
 """The one place Megatron-FSDP issues collectives from.
 
 Every all-gather, reduce-scatter and all-reduce of the engine goes through `Collectives`, so the
-policy of where and how they run lives here: which reduction op averages (NCCL has `AVG`, gloo
-does not), and skipping communication on single-rank groups. On CPU (gloo) every call is
-synchronous; the GPU streams and events that let them overlap compute attach here.
+policy of how they run lives here: which reduction op averages (NCCL has `AVG`, gloo and NCCL's
+symmetric kernels do not), skipping communication on single-rank groups, and where staging
+buffers come from (the caching allocator, or NCCL symmetric memory with `use_symm_mem`). The
+calls are synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
+reduce-scatter stream on GPU), so the same code runs on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -11,9 +13,33 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.fsdp.symmetric_memory import SymmetricStaging
+
 
 class Collectives:
-    """Issues the engine's collectives; outputs are preallocated (`out=` style)."""
+    """Issues the engine's collectives; outputs are preallocated (`out=` style).
+
+    Args:
+        symmetric: persistent NCCL symmetric-memory staging buffers (`use_symm_mem`), or None
+            for staging from the caching allocator.
+    """
+
+    def __init__(self, symmetric: SymmetricStaging | None = None):
+        self.symmetric = symmetric
+
+    def staging(
+        self,
+        role: str,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype,
+        numel: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """An uninitialised buffer of `numel` elements for the `role` collective over `group`
+        (`symmetric_memory.ALL_GATHER` output or `REDUCE_SCATTER` input)."""
+        if self.symmetric is not None and group.size() > 1:
+            return self.symmetric.buffer(role, group, dtype, numel)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
@@ -22,6 +48,11 @@ class Collectives:
         if group.size() == 1:
             output.copy_(input)
             return
+        if self._is_symmetric(output):
+            # In place: the input must lie in the registered window too.
+            own = output.view(group.size(), -1)[group.rank()]
+            own.copy_(input)
+            input = own
         _all_gather_single(output, input, group=group)
 
     def reduce_scatter(
@@ -36,32 +67,36 @@ class Collectives:
         if group.size() == 1:
             output.copy_(input)
             return
-        _reduce_scatter_single(output, input, op=self._op(group, average), group=group)
-        self._finish_average(output, group, average)
+        symmetric = self._is_symmetric(input)
+        op = self._op(group, average, symmetric)
+        if symmetric:
+            own = input.view(group.size(), -1)[group.rank()]
+            _reduce_scatter_single(own, input, op=op, group=group)
+            output.copy_(own)
+        else:
+            _reduce_scatter_single(output, input, op=op, group=group)
+        if op != dist.ReduceOp.AVG and average:
+            output.div_(group.size())
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool) -> None:
         """Reduces `tensor` over `group` in place."""
         if group.size() == 1:
             return
-        dist.all_reduce(tensor, op=self._op(group, average), group=group)
-        self._finish_average(tensor, group, average)
+        op = self._op(group, average, symmetric=False)
+        dist.all_reduce(tensor, op=op, group=group)
+        if op != dist.ReduceOp.AVG and average:
+            tensor.div_(group.size())
+
+    def _is_symmetric(self, tensor: torch.Tensor) -> bool:
+        return self.symmetric is not None and self.symmetric.owns(tensor)
 
     @staticmethod
-    def _op(group: dist.ProcessGroup, average: bool) -> dist.ReduceOp:
-        if average and _has_avg(group):
+    def _op(group: dist.ProcessGroup, average: bool, symmetric: bool) -> dist.ReduceOp:
+        if average and not symmetric and dist.get_backend(group) == "nccl":
             return dist.ReduceOp.AVG
         return dist.ReduceOp.SUM
-
-    @staticmethod
-    def _finish_average(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool) -> None:
-        if average and not _has_avg(group):
-            tensor.div_(group.size())
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _has_avg(group: dist.ProcessGroup) -> bool:
-    return dist.get_backend(group) == "nccl"

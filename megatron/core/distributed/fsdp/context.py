@@ -2,33 +2,61 @@
 
 The root is the outermost unit: the first whose forward runs (or the one `microbatch()` finds),
 and it creates the context lazily. The context holds what concerns the whole model rather than
-one unit: the collectives issuer (where the GPU streams will live), the microbatch state that
-`microbatch()` sets, and the end-of-backward callback that reduces what the per-parameter hooks
-did not (unused parameters, frozen units), frees every unit's whole weights and runs the
-reductions deferred to the last microbatch.
+one unit:
+
+- the collectives issuer and, on GPU, the all-gather and reduce-scatter streams;
+- which units hold whole weights (ZeRO-3), the events that say when they are ready and when
+  their last use is done, and the bound on how many are held at once (delayed release);
+- the forward and backward order of the units, recorded in each forward, which prefetching
+  follows;
+- the reduce-scatters in flight, and the end-of-backward callback that waits for them once,
+  reduces what no unit's post-backward did (the root, units whose inputs need no gradient),
+  frees every unit's whole weights and runs the reductions deferred to the last microbatch;
+- the microbatch state that `microbatch()` sets.
+
+Memory discipline (GPU): whole weights and all-gather staging are allocated and freed on the
+all-gather stream, which waits for the event recorded after a unit's last use before freeing
+it; packed gradients are allocated and freed on the compute stream, which waits for the
+reduce-scatter that read them. Nothing relies on `record_stream`. On CPU there are no streams
+and every step runs in program order, with identical results.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.autograd import Variable
 
 from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
+from megatron.core.distributed.fsdp.symmetric_memory import (
+    SymmetricStaging,
+    check_symm_mem_support,
+)
 
 if TYPE_CHECKING:
     from megatron.core.distributed.fsdp.fsdp_module import FsdpUnit
+
+_MAX_REDUCTIONS_IN_FLIGHT = 2
+"""Packed-gradient buffers a reduce-scatter may still be reading (symmetric memory has two)."""
 
 
 class FsdpContext:
     """Shared by the units of one root (which owns it; the others hold it weakly).
 
+    Args:
+        units: the root first, then every unit below it in module order.
+        policy: the root's communication schedule.
+        device: where the units' buffers live.
+
     Attributes:
         comm: the collectives issuer of every unit.
+        streams: the side streams (CUDA only; None on CPU).
         is_first: inside `microbatch()`, whether this is the step's first microbatch (the only
             one that refreshes model weights from main weights); None outside, where every
             forward refreshes stale weights.
@@ -36,12 +64,44 @@ class FsdpContext:
             `microbatch()` / `no_sync()`.
     """
 
-    def __init__(self, units: list[FsdpUnit]):
-        self.comm = Collectives()
+    def __init__(self, units: list[FsdpUnit], policy: OverlapPolicy, device: torch.device):
+        self.policy = policy
+        self.streams = CommStreams(device) if device.type == "cuda" else None
+        symmetric = self._symmetric_staging(units, device) if policy.use_symm_mem else None
+        self.comm = Collectives(symmetric)
         self.is_first: bool | None = None
         self.is_last = True
+        # The root unit owns this context, so units are referred to by their position in
+        # `units` (0: the root), which keeps the context from holding the root strongly.
         self._units = [weakref.ref(unit) for unit in units]
+        self._position = weakref.WeakKeyDictionary({unit: i for i, unit in enumerate(units)})
         self._callback_task: int | None = None
+        # Units holding whole weights (ordered set), those whose last use is done (oldest
+        # release first, with the event recorded after it), and gathers not yet waited for.
+        self._resident: dict[int, None] = {}
+        self._releasable: collections.OrderedDict[int, torch.cuda.Event | None] = (
+            collections.OrderedDict()
+        )
+        self._ready: dict[int, torch.cuda.Event] = {}
+        self._reductions: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = (
+            collections.deque()
+        )
+        # Orders of the last complete forward (initially module order), and the one recording.
+        positions = list(range(len(units)))
+        self._next_forward = _successors(positions)
+        self._next_backward = _successors([0, *reversed(positions[1:])])
+        self._first_unit = 0
+        self._recording: tuple[list[int], list[int]] | None = None
+
+    @staticmethod
+    def _symmetric_staging(units: list[FsdpUnit], device: torch.device) -> SymmetricStaging:
+        requests = [r for unit in units for group in unit.groups for r in group.staging_requests()]
+        check_symm_mem_support(device, [group for _, group, _, _ in requests])
+        staging = SymmetricStaging(device)
+        for request in requests:
+            staging.reserve(*request)
+        staging.allocate()
+        return staging
 
     def units(self) -> Iterator[FsdpUnit]:
         """The live units, root first, then in module order."""
@@ -49,6 +109,8 @@ class FsdpContext:
             unit = ref()
             if unit is not None:
                 yield unit
+
+    # Microbatch state.
 
     @contextlib.contextmanager
     def microbatch_state(self, is_first: bool | None, is_last: bool) -> Iterator[None]:
@@ -64,6 +126,171 @@ class FsdpContext:
     def syncs_weights(self) -> bool:
         """Whether a forward now may refresh model weights (not after the first microbatch)."""
         return self.is_first is not False
+
+    # Unit order.
+
+    def record_pre_forward(self, unit: FsdpUnit) -> None:
+        """Notes that `unit`'s forward starts (the root's starts a new recording)."""
+        position = self._position[unit]
+        if position == 0:
+            self._recording = ([], [])
+        if self._recording is not None:
+            self._recording[0].append(position)
+
+    def record_post_forward(self, unit: FsdpUnit) -> None:
+        """Notes that `unit`'s forward ended; at the root's, the recorded order takes effect:
+        forward prefetching follows the pre-forward order, backward the reversed post-forward
+        order (the order the units' backward hooks fire in)."""
+        if self._recording is None:
+            return
+        position = self._position[unit]
+        self._recording[1].append(position)
+        if position == 0:
+            pre, post = self._recording
+            self._recording = None
+            self._first_unit = pre[0]
+            self._next_forward = _successors(pre)
+            self._next_backward = _successors(list(reversed(post)))
+
+    # Whole weights: gather, use, release.
+
+    def use(self, unit: FsdpUnit, *, prefetch: Literal["forward", "backward"] | None = None):
+        """Makes `unit`'s compute weights whole and ready for the current stream, then (with
+        `prefetch` "forward" or "backward" and the policy's prefetch) starts gathering the unit
+        that computes next."""
+        self.prepare(unit)
+        position = self._position[unit]
+        ready = self._ready.pop(position, None)
+        if ready is not None:
+            self.streams.current().wait_event(ready)
+        if prefetch is None or not self.policy.prefetch:
+            return
+        successors = self._next_forward if prefetch == "forward" else self._next_backward
+        following = successors.get(position)
+        if following is not None and (unit := self._unit(following)) is not None:
+            self.prepare(unit, prefetch=True)
+
+    def prepare_first_unit(self) -> None:
+        """Starts gathering the unit the next forward begins with (`start_param_sync`)."""
+        unit = self._unit(self._first_unit)
+        if unit is not None:
+            self.prepare(unit)
+
+    def prepare(self, unit: FsdpUnit, *, prefetch: bool = False) -> None:
+        """Starts making `unit`'s compute weights whole: refreshes stale ones (when allowed)
+        and all-gathers them, on the all-gather stream. Weights still held from an earlier use
+        are kept instead of gathered again. A prefetch is skipped when the bound on held units
+        leaves no room (the units held are all in use)."""
+        stale = [group for group in unit.groups if group.is_stale] if self.syncs_weights else []
+        position = self._position[unit]
+        if position in self._resident:
+            if not stale:
+                self._releasable.pop(position, None)
+                return
+            self.free(unit)  # out of date
+        transient = any(group.has_transient_weights for group in unit.groups)
+        if not stale and not transient:
+            return
+        if transient and not self._make_room() and prefetch:
+            return
+        with self._on_stream(self.streams and self.streams.all_gather) as done:
+            if stale:
+                with _nvtx_range("megatron_fsdp.sync_model_weights"):
+                    for group in stale:
+                        group.sync_model_weights()
+            for group in unit.groups:
+                group.unshard()
+        if transient:
+            self._resident[position] = None
+        if done is not None:
+            self._ready[position] = done.event
+
+    def release(self, unit: FsdpUnit) -> None:
+        """`unit`'s use is over (its forward or backward is queued): its whole weights may be
+        freed once the bound requires it."""
+        position = self._position[unit]
+        if position not in self._resident:
+            return
+        event = self.streams.current().record_event() if self.streams else None
+        self._releasable[position] = event
+        self._releasable.move_to_end(position)
+
+    def free(self, unit: FsdpUnit) -> None:
+        """Frees `unit`'s whole weights once the current stream's work on them is done."""
+        position = self._position[unit]
+        if position not in self._resident:
+            return
+        event = self._releasable.pop(position, None)
+        if self.streams is not None:
+            if event is not None:
+                self.streams.all_gather.wait_event(event)
+            else:
+                self.streams.all_gather.wait_stream(self.streams.current())
+        # Freed on the CPU now, the memory returns to the all-gather stream, which only reuses
+        # it after the wait just queued.
+        for group in unit.groups:
+            group.reshard()
+        del self._resident[position]
+        self._ready.pop(position, None)
+
+    def free_all(self) -> None:
+        """Frees every unit's whole weights after the current stream's queued work; the
+        current stream then also waits for whatever the all-gather stream still runs (a
+        prefetch nobody used), which rejoins it in a CUDA graph capture."""
+        if self.streams is not None:
+            self.streams.all_gather.wait_stream(self.streams.current())
+        for position in self._resident:
+            if (unit := self._unit(position)) is not None:
+                for group in unit.groups:
+                    group.reshard()
+        self._resident.clear()
+        self._releasable.clear()
+        self._ready.clear()
+        if self.streams is not None:
+            self.streams.current().wait_stream(self.streams.all_gather)
+
+    def _make_room(self) -> bool:
+        """Frees the longest-released units until one more fits under the bound; False if it
+        does not (every unit held is in use)."""
+        while self._releasable and self._num_held() >= self.policy.max_unsharded_units:
+            oldest = next(iter(self._releasable))
+            unit = self._unit(oldest)
+            if unit is None:  # freed with its module
+                self._releasable.pop(oldest)
+                self._resident.pop(oldest, None)
+            else:
+                self.free(unit)
+        return self._num_held() < self.policy.max_unsharded_units
+
+    def _num_held(self) -> int:
+        return len(self._resident) - (0 in self._resident)
+
+    def _unit(self, position: int) -> FsdpUnit | None:
+        return self._units[position]()
+
+    # Gradients.
+
+    def reduce(self, unit: FsdpUnit, *, awaiting_only: bool = False) -> None:
+        """Reduces `unit`'s gradients (every trainable group, or those awaiting gradients), on
+        the reduce-scatter stream when the policy overlaps them."""
+        stream = None
+        if self.streams is not None and self.policy.overlap_grad_reduce:
+            stream = self.streams.reduce_scatter
+        for group in unit.groups:
+            if not group.requires_grad or (awaiting_only and not group.awaits_grads):
+                continue
+            if stream is not None and len(self._reductions) >= _MAX_REDUCTIONS_IN_FLIGHT:
+                event, _ = self._reductions.popleft()
+                self.streams.current().wait_event(event)
+            packed = group.reduce_grads(stream)
+            if packed is not None:
+                self._reductions.append((stream.record_event(), packed))
+
+    def wait_reductions(self) -> None:
+        """Makes the current stream wait for every reduce-scatter issued so far."""
+        if self.streams is not None:
+            self.streams.current().wait_stream(self.streams.reduce_scatter)
+        self._reductions.clear()
 
     def queue_post_backward(self) -> None:
         """Makes the current backward call `post_backward` once when it finishes."""
@@ -84,23 +311,65 @@ class FsdpContext:
 
     @torch.no_grad()
     def post_backward(self) -> None:
-        """End of backward: reduce what no unit's post-backward did (the root, units whose
-        inputs need no gradient), free whole weights, register main weights, and on the last
-        microbatch run the deferred reductions."""
+        """End of backward: reduce what no unit's post-backward did, wait for the
+        reduce-scatters, free whole weights, register main weights, and on the last microbatch
+        run the deferred reductions."""
         self._callback_task = None
         units = list(self.units())
         for unit in units:
+            self.reduce(unit, awaiting_only=True)
+        self.wait_reductions()
+        self.free_all()
+        for unit in units:
             for group in unit.groups:
-                if group.awaits_grads:
-                    group.reduce_grads()
-                group.reshard()
                 group.use_dist_params()
         if self.is_last:
             self.finalize_grads(units)
 
     def finalize_grads(self, units: list[FsdpUnit] | None = None) -> None:
         """Runs every unit's deferred gradient reductions (idempotent)."""
+        self.wait_reductions()
         for unit in units if units is not None else self.units():
             for group in unit.groups:
                 if group.requires_grad:
                     group.finalize_grads()
+
+    @contextlib.contextmanager
+    def _on_stream(self, stream: torch.cuda.Stream | None) -> Iterator[_Done | None]:
+        """Runs the body on `stream` after the current stream's queued work, then records an
+        event there (`done.event`). On CPU (no stream) runs it inline and yields None."""
+        if stream is None:
+            yield None
+            return
+        done = _Done()
+        stream.wait_stream(self.streams.current())
+        with torch.cuda.stream(stream):
+            yield done
+        done.event = stream.record_event()
+
+
+class _Done:
+    """The event recorded after a block of side-stream work (set when the block exits)."""
+
+    event: torch.cuda.Event
+
+
+def _successors(order: list[int]) -> dict[int, int]:
+    """Each unit's successor in `order` (at its first occurrence)."""
+    successors: dict[FsdpUnit, FsdpUnit] = {}
+    for current, following in zip(order, order[1:]):
+        successors.setdefault(current, following)
+    return successors
+
+
+@contextlib.contextmanager
+def _nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX range on CUDA builds (visible in Nsight); nothing on CPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()

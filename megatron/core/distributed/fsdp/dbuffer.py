@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron.core.distributed.fsdp.collectives import Collectives
+if TYPE_CHECKING:
+    from megatron.core.distributed.fsdp.collectives import Collectives
 
 
 class ShardLayout:
@@ -104,6 +106,8 @@ class DBuffer:
         rank: this rank's shard index.
         zeroed: start from zeros (padding reads as zero); False for staging buffers that a
             collective overwrites entirely.
+        data: existing storage to use instead of allocating (`layout`-sized, e.g. a staging
+            buffer from `Collectives.staging`).
     """
 
     def __init__(
@@ -115,13 +119,18 @@ class DBuffer:
         sharded: bool,
         rank: int,
         zeroed: bool = True,
+        data: torch.Tensor | None = None,
     ):
         self.layout = layout
         self.sharded = sharded
         self.rank = rank
         numel = layout.shard_numel if sharded else layout.numel
-        factory = torch.zeros if zeroed else torch.empty
-        self.data = factory(numel, dtype=dtype, device=device)
+        if data is None:
+            factory = torch.zeros if zeroed else torch.empty
+            data = factory(numel, dtype=dtype, device=device)
+        elif data.numel() != numel or data.dtype != dtype:
+            raise ValueError(f"DBuffer data must be {numel} elements of {dtype}.")
+        self.data = data
         self._nbytes = self.data.untyped_storage().nbytes()
 
     @property
@@ -200,24 +209,39 @@ class DBuffer:
         comm.all_reduce(self.data, group, average=average)
 
 
-def copy_chunks_out(gathered: DBuffer, unsharded: DBuffer) -> None:
+def chunk_targets(unsharded: DBuffer, layout: ShardLayout) -> list[torch.Tensor]:
+    """Each tensor of `unsharded` viewed as (N, chunk numel) of `layout`: where
+    `copy_chunks_out` writes the chunks of a gathered buffer. The views stay valid across
+    `release_storage` / `reallocate_storage`, so they can be made once."""
+    return [
+        view.view(layout.num_shards, numel)
+        for view, numel in zip(unsharded.tensor_views(), layout.chunk_numels)
+    ]
+
+
+def copy_chunks_out(
+    gathered: DBuffer, unsharded: DBuffer, targets: list[torch.Tensor] | None = None
+) -> None:
     """Rearranges a gathered (shard-major) buffer into `unsharded` (tensor-major, padded).
+
+    Args:
+        gathered: all N shards.
+        unsharded: the destination.
+        targets: `chunk_targets(unsharded, gathered.layout)`, if already made.
 
     The write does not bump `unsharded`'s version counter: refilling weights that autograd
     saved in forward (and that were freed in between) restores the values it saved, which
     must not read as an in-place modification in backward.
     """
     layout = gathered.layout
-    outs = [
-        view.view(layout.num_shards, numel)
-        for view, numel in zip(unsharded.tensor_views(), layout.chunk_numels)
-    ]
+    if targets is None:
+        targets = chunk_targets(unsharded, layout)
     with torch.autograd._unsafe_preserve_version_counter(unsharded.data):
         torch.split_with_sizes_copy(
             gathered.full.view(layout.num_shards, layout.shard_numel),
             layout.chunk_numels,
             dim=1,
-            out=outs,
+            out=targets,
         )
 
 

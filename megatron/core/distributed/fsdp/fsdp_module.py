@@ -8,14 +8,17 @@ DTensor main weights (the sharded fp32 weights the optimizer steps, what `parame
 instead:
 
 - pre-forward: refresh compute weights from main weights if the optimizer changed them
-  (skipped after the first microbatch), all-gather them (ZeRO-3), register them, and route the
-  inputs through `_PostBackward`;
-- post-forward: register the main weights again; ZeRO-3 units other than the root free their
-  whole weights (the root's are needed at once by backward), and hook the outputs so that
-  backward all-gathers them again before this unit's backward runs;
+  (skipped after the first microbatch), all-gather them (ZeRO-3) unless a prefetch already
+  did, register them, start the next unit's gather (prefetch), and route the inputs through
+  `_PostBackward`;
+- post-forward: register the main weights again; units other than the root release their
+  whole weights (freed when the context's bound needs the room: the root's are needed at once
+  by backward), and hook the outputs so that backward gathers them again (if freed) before
+  this unit's backward runs, and prefetches the unit whose backward comes next;
 - post-backward (the inputs' gradients exist, so the unit's backward is over): reduce the
-  unit's gradients into `main_grad`, free its whole weights, register the main weights; the
-  end of backward handles the root and the deferred reductions (`FsdpContext`).
+  unit's gradients into `main_grad` (on GPU on the reduce-scatter stream), release its whole
+  weights, register the main weights; the end of backward handles the root, the deferred
+  reductions, and frees what is still held (`FsdpContext`).
 
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
@@ -25,7 +28,6 @@ holds the whole model, and the weights equal an eager build's with the same seed
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.context import FsdpContext
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 
@@ -61,22 +64,29 @@ class FsdpModule:
         return self._fsdp_unit
 
     def unshard(self) -> None:
-        """All-gathers this unit's compute weights now (ZeRO-3), ahead of its forward."""
-        for group in self._fsdp_unit.groups:
-            group.unshard()
+        """Starts all-gathering this unit's compute weights (ZeRO-3; on GPU on the all-gather
+        stream), ahead of its forward, which then only waits for it."""
+        unit = self._fsdp_unit
+        unit.lazy_init().prepare(unit)
 
     def reshard(self) -> None:
-        """Frees this unit's whole compute weights (ZeRO-3)."""
-        for group in self._fsdp_unit.groups:
-            group.reshard()
+        """Frees this unit's whole compute weights (ZeRO-3) once their queued uses are done."""
+        unit = self._fsdp_unit
+        unit.lazy_init().free(unit)
 
 
 class FsdpUnit:
     """The FSDP state of one unit: its parameter groups and its forward/backward hooks."""
 
-    def __init__(self, module: torch.nn.Module, groups: list[FsdpParameterGroup]):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[FsdpParameterGroup],
+        overlap_policy: OverlapPolicy,
+    ):
         self._module = weakref.ref(module)
         self.groups = groups
+        self.overlap_policy = overlap_policy
         self._context: FsdpContext | None = None  # owned by the root only
         self._context_ref: weakref.ref[FsdpContext] | None = None
         self.pending_meta: list[PendingParam] = []
@@ -107,7 +117,10 @@ class FsdpUnit:
         module = self.module
         units = [m._fsdp_unit for m in module.modules() if isinstance(m, FsdpModule)]
         _materialize_meta(module, units)
-        context = FsdpContext(units)
+        devices = [group.device for unit in units for group in unit.groups]
+        context = FsdpContext(
+            units, self.overlap_policy, devices[0] if devices else torch.device("cpu")
+        )
         for unit in units:
             unit._context = None
             unit._context_ref = weakref.ref(context)
@@ -120,16 +133,17 @@ class FsdpUnit:
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         context = self.lazy_init()
-        if context.syncs_weights:
-            stale = [group for group in self.groups if group.is_stale]
-            if stale:
-                with _nvtx_range("megatron_fsdp.sync_model_weights"):
-                    for group in stale:
-                        group.sync_model_weights()
+        if _in_backward():
+            # An activation-recompute rerun: the unit's weights are already in use.
+            context.use(self)
+            for group in self.groups:
+                group.use_unsharded_params()
+            return args, kwargs
+        context.record_pre_forward(self)
+        context.use(self, prefetch="forward")
         for group in self.groups:
-            group.unshard()
             group.use_unsharded_params()
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled():
             return args, kwargs
         for group in self.groups:
             group.note_forward()
@@ -143,9 +157,13 @@ class FsdpUnit:
             return output
         for group in self.groups:
             group.use_dist_params()
-        if not self.is_root or not torch.is_grad_enabled():
-            for group in self.groups:
-                group.reshard()
+        context = self.context
+        context.record_post_forward(self)
+        if not self.is_root:
+            context.release(self)
+        elif not torch.is_grad_enabled():
+            context.free_all()  # the end of an inference forward
+        # The root keeps its weights for backward, which starts with them.
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -158,21 +176,22 @@ class FsdpUnit:
 
     def pre_backward(self) -> None:
         """Before this unit's backward: gather and register its compute weights (a recompute
-        inside the unit reads them from the modules)."""
-        self.context.queue_post_backward()
+        inside the unit reads them from the modules), and prefetch the next unit's."""
+        context = self.context
+        context.queue_post_backward()
+        context.use(self, prefetch="backward")
         for group in self.groups:
-            group.unshard()
             group.use_unsharded_params()
 
     @torch.no_grad()
     def post_backward(self) -> None:
         """After this unit's backward: reduce its gradients (missing ones as zeros, so every
-        rank reduces the same groups in the same order), free whole weights, register the main
-        weights again."""
+        rank reduces the same groups in the same order), release its whole weights, register
+        the main weights again."""
+        context = self.context
+        context.reduce(self)
+        context.release(self)
         for group in self.groups:
-            if group.requires_grad:
-                group.reduce_grads()
-            group.reshard()
             group.use_dist_params()
 
 
@@ -228,6 +247,7 @@ def fully_shard(
     sharding_strategy: str | ShardingStrategy = "optim_grads_params",
     outer_dp_sharding_strategy: str = "no_shard",
     mp_policy: MixedPrecisionPolicy | None = None,
+    overlap_policy: OverlapPolicy | None = None,
     is_expert: Callable[[str, torch.nn.Parameter], bool] = is_expert_param,
 ) -> torch.nn.Module:
     """Makes `module` a Megatron-FSDP unit in place and returns it.
@@ -239,6 +259,9 @@ def fully_shard(
             `ShardingStrategy` (which then also carries the outer strategy).
         outer_dp_sharding_strategy: with an outer group: `no_shard` (HSDP) or `optim` (HFSDP).
         mp_policy: dtypes of main weights and gradients (default: fp32 main weights).
+        overlap_policy: the communication schedule (prefetching, reduce-scatter overlap, the
+            bound on whole weights held, symmetric memory); the root's applies to every unit
+            below it (default: everything overlapped, 2 units).
         is_expert: tells expert parameters (which use the expert groups) from dense ones.
 
     Raises:
@@ -286,7 +309,7 @@ def fully_shard(
                 device=device,
             )
         )
-    unit = FsdpUnit(module, groups)
+    unit = FsdpUnit(module, groups, overlap_policy or OverlapPolicy())
     with torch.no_grad():
         for group, indices in zip(groups, members.values()):
             for k, i in enumerate(indices):
@@ -408,16 +431,3 @@ def _fsdp_class(cls: type) -> type:
     if cls not in _fsdp_classes:
         _fsdp_classes[cls] = type(f"Fsdp{cls.__name__}", (FsdpModule, cls), {})
     return _fsdp_classes[cls]
-
-
-@contextlib.contextmanager
-def _nvtx_range(name: str) -> Iterator[None]:
-    """An NVTX range on CUDA builds (visible in Nsight); nothing on CPU."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()

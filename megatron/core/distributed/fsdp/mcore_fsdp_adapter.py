@@ -26,6 +26,7 @@ from megatron.core.distributed.fsdp.fsdp_module import fully_shard
 from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.optimizer import parameter_groups
+from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -84,14 +85,22 @@ class FullyShardedDataParallel(_BaseDataParallel):
             main_grads_dtype=main_grads_dtype,
             grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
         )
+        overlap_policy = OverlapPolicy(
+            prefetch=ddp_config.overlap_param_gather,
+            overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+            use_symm_mem=ddp_config.use_symm_mem,
+        )
         unit_classes = tuple(fsdp_unit_modules or (TransformerLayer,))
         # Children before parents: a unit takes what no unit below it holds.
         units = [m for m in module.modules() if isinstance(m, unit_classes) and m is not module]
-        for unit in reversed(units):
+        for unit in [*reversed(units), module]:
             fully_shard(
-                unit, self.distributed_index, sharding_strategy=strategy, mp_policy=mp_policy
+                unit,
+                self.distributed_index,
+                sharding_strategy=strategy,
+                mp_policy=mp_policy,
+                overlap_policy=overlap_policy,
             )
-        fully_shard(module, self.distributed_index, sharding_strategy=strategy, mp_policy=mp_policy)
         self._groups = parameter_groups(module)
         # The root's context now (which materialises meta-device weights), kept for the
         # per-step calls below.
@@ -130,18 +139,21 @@ class FullyShardedDataParallel(_BaseDataParallel):
                     group.optim_grad.data.mul_(scaling_factor)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
-        """Refreshes compute weights that an optimizer step made stale; with
-        `fsdp_all_gather_in_start_param_sync`, also all-gathers the root's weights now, before
-        the forward loop starts.
+        """With `fsdp_all_gather_in_start_param_sync`, starts the first unit's all-gather (and
+        the refresh of its weights after an optimizer step) now, before the forward loop
+        starts; otherwise issues nothing (each unit then gathers when its forward needs it,
+        which CUDA-graph capture requires).
 
         Args:
-            force_sync: refresh every group, stale or not.
+            force_sync: refresh every group's compute weights before its next use, even if no
+                optimizer step changed the main weights.
         """
-        for group in self._groups:
-            if force_sync or group.is_stale:
-                group.sync_model_weights()
+        if force_sync:
+            for group in self._groups:
+                group.mark_main_weights_updated()
         if self.ddp_config.fsdp_all_gather_in_start_param_sync:
-            self.module.unshard()
+            for context in self._contexts:
+                context.prepare_first_unit()
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads weights given as DTensors (as `state_dict()` returns) or as whole tensors

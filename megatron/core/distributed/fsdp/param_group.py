@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -30,12 +31,14 @@ from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
     ShardLayout,
+    chunk_targets,
     copy_chunks_in,
     copy_chunks_out,
 )
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.distributed.fsdp.symmetric_memory import ALL_GATHER, REDUCE_SCATTER
 
 
 @dataclass
@@ -137,6 +140,7 @@ class FsdpParameterGroup:
             if self.main_weight is self.unsharded
             else self.main_weight.local_views()
         )
+        self._gather_targets = chunk_targets(self.unsharded, self.layout)
         self.unsharded_params = [
             torch.nn.Parameter(view, requires_grad=requires_grad) for view in self._compute_views
         ]
@@ -152,6 +156,7 @@ class FsdpParameterGroup:
         self._has_grad_data = False
         self._grads_attached = False
         self._pending_finalize = False
+        self._grad_dtensors: list[DTensor] | None = None
         self.num_weight_syncs = 0
 
     # Construction.
@@ -254,11 +259,11 @@ class FsdpParameterGroup:
 
     def sync_model_weights(self) -> None:
         """Refreshes the compute weights from the main weights (cast, plus an all-gather when
-        the compute weights are replicated but the main weights are sharded)."""
+        the compute weights are replicated but the main weights are sharded). Under ZeRO-3 the
+        whole weights must be free (the context frees them first): they would be out of date."""
         self._stale = False
         self.num_weight_syncs += 1
         if self.model_shard is not None:
-            self.reshard()  # a whole copy gathered before now is out of date
             if self.outer_layout is not None:
                 self._sync_outer_sharded()
             elif self.main_weight is not self.model_shard:
@@ -267,9 +272,9 @@ class FsdpParameterGroup:
             return
         elif self._shards_main:
             shard = self.main_weight.shard.to(self.unsharded.dtype)
-            gathered = self._staging(self.layout, self.unsharded.dtype)
+            gathered = self._gather_staging(self.layout, self.unsharded.dtype)
             self.comm.all_gather(gathered.full, shard, self.groups.all_gather)
-            copy_chunks_out(gathered, self.unsharded)
+            copy_chunks_out(gathered, self.unsharded, self._gather_targets)
         else:
             self.unsharded.data.copy_(self.main_weight.data)
 
@@ -277,7 +282,7 @@ class FsdpParameterGroup:
         """HFSDP: gathers this replica's inner shard from the outer shards of the main weights."""
         layout = self.outer_layout
         dtype = self.model_shard.dtype
-        gathered = self._staging(layout, dtype)
+        gathered = DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
         self.comm.all_gather(gathered.full, self.main_weight.data.to(dtype), self.groups.outer)
         inner = DBuffer(layout.unsharded(), dtype, self.device, sharded=False, rank=0, zeroed=False)
         copy_chunks_out(gathered, inner)
@@ -286,22 +291,45 @@ class FsdpParameterGroup:
         ):
             dst.copy_(src[: shape[0]])
 
-    def _staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
-        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
+    def _gather_staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
+        """The output buffer of an all-gather over the all-gather group."""
+        data = self.comm.staging(
+            ALL_GATHER, self.groups.all_gather, dtype, layout.numel, self.device
+        )
+        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, data=data)
+
+    def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
+        """(role, process group, dtype, numel) of each staging buffer this group's per-unit
+        collectives use: the all-gather of weights and the reduce-scatter of gradients."""
+        requests = []
+        if self.model_shard is not None or self._shards_main:
+            requests.append(
+                (ALL_GATHER, self.groups.all_gather, self.unsharded.dtype, self.layout.numel)
+            )
+        if self.requires_grad and self.strategy.shards_grads:
+            requests.append(
+                (REDUCE_SCATTER, self.groups.shard, self.precision.grad_comm, self.layout.numel)
+            )
+        return requests
 
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gather them; otherwise they are)."""
         if self.model_shard is None or self.unsharded.is_allocated:
             return
         self.unsharded.reallocate_storage()
-        gathered = self._staging(self.layout, self.model_shard.dtype)
+        gathered = self._gather_staging(self.layout, self.model_shard.dtype)
         self.model_shard.all_gather(gathered, self.comm, self.groups.all_gather)
-        copy_chunks_out(gathered, self.unsharded)
+        copy_chunks_out(gathered, self.unsharded, self._gather_targets)
 
     def reshard(self) -> None:
         """Frees the whole compute weights (ZeRO-3 only)."""
         if self.model_shard is not None:
             self.unsharded.release_storage()
+
+    @property
+    def has_transient_weights(self) -> bool:
+        """Whether the whole compute weights are gathered for use and freed after (ZeRO-3)."""
+        return self.model_shard is not None
 
     def use_unsharded_params(self) -> None:
         """Registers the compute weights on their modules (for forward and backward); a main
@@ -329,42 +357,66 @@ class FsdpParameterGroup:
         return self._pending_backwards > 0
 
     @torch.no_grad()
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, reduce_stream: torch.cuda.Stream | None = None) -> torch.Tensor | None:
         """Moves the gradients of the unit's backward that just ended into `main_grad`.
 
         With sharded gradients they are reduce-scattered now (written straight into
         `main_grad` on the first microbatch, accumulated after); otherwise they accumulate
         locally and `finalize_grads` reduces them once. Parameters that got no gradient count
         as zeros, so every rank issues the same collectives whatever its data used.
+
+        Args:
+            reduce_stream: the stream the reduce-scatter runs on (GPU overlap); None: the
+                current stream. The gradients are packed on the current stream either way.
+
+        Returns:
+            The packed gradients a reduce-scatter on `reduce_stream` still reads: the caller
+            keeps them alive, unwritten, until that stream's work is done. None otherwise.
         """
         grads = [
             p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
         ]
         first = self._main_grad_is_empty()
+        in_flight = None
         if self.strategy.shards_grads:
-            self._reduce_scatter(grads, first)
+            in_flight = self._reduce_scatter(grads, first, reduce_stream)
         elif first:
             copy_chunks_in(grads, self.main_grad.full, self.layout)
         else:
-            local = self._staging(self.layout, self.main_grad.dtype)
-            copy_chunks_in(grads, local.full, self.layout)
-            self.main_grad.full.add_(local.full)
+            local = torch.empty_like(self.main_grad.full)
+            copy_chunks_in(grads, local, self.layout)
+            self.main_grad.full.add_(local)
         for param in self.unsharded_params:
             param.grad = None
         self._pending_backwards = max(0, self._pending_backwards - 1)
         self._has_grad_data = True
         self._pending_finalize = True
         self._attach_grads()
+        return in_flight
 
-    def _reduce_scatter(self, grads: list[torch.Tensor], first: bool) -> None:
+    def _reduce_scatter(
+        self, grads: list[torch.Tensor], first: bool, stream: torch.cuda.Stream | None
+    ) -> torch.Tensor | None:
         comm_dtype = self.precision.grad_comm
-        staging = self._staging(self.layout, comm_dtype)
+        data = self.comm.staging(
+            REDUCE_SCATTER, self.groups.shard, comm_dtype, self.layout.numel, self.device
+        )
+        staging = DBuffer(self.layout, comm_dtype, self.device, sharded=False, rank=0, data=data)
         copy_chunks_in(grads, staging.full, self.layout)
-        direct = first and comm_dtype == self.main_grad.dtype
+        if stream is None:
+            self._reduce_scatter_packed(staging, first)
+            return None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._reduce_scatter_packed(staging, first)
+        return staging.data
+
+    def _reduce_scatter_packed(self, staging: DBuffer, first: bool) -> None:
+        direct = first and staging.dtype == self.main_grad.dtype
         out = (
             self.main_grad.shard
             if direct
-            else torch.empty_like(self.main_grad.shard, dtype=comm_dtype)
+            else torch.empty_like(self.main_grad.shard, dtype=staging.dtype)
         )
         staging.reduce_scatter(out, self.comm, self.groups.shard, average=True)
         if direct:
@@ -405,7 +457,7 @@ class FsdpParameterGroup:
         if self.optim_grad is not None:
             self.optim_grad.data.copy_(main_grad.shard)
 
-    def _all_reduce(self, tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         comm_dtype = self.precision.grad_comm
         if comm_dtype == tensor.dtype:
             self.comm.all_reduce(tensor, group, average=True)
@@ -417,7 +469,7 @@ class FsdpParameterGroup:
     def _reduce_scatter_outer(self) -> None:
         layout = self.outer_layout
         comm_dtype = self.precision.grad_comm
-        staging = self._staging(layout, comm_dtype)
+        staging = DBuffer(layout, comm_dtype, self.device, sharded=False, rank=0, zeroed=False)
         copy_chunks_in(self.main_grad.local_views(), staging.full, layout)
         out = torch.empty(layout.shard_numel, dtype=comm_dtype, device=self.device)
         staging.reduce_scatter(out, self.comm, self.groups.outer, average=True)
@@ -429,9 +481,13 @@ class FsdpParameterGroup:
         trainable = self._trainable_dist_params
         if self._grads_attached and all(p.grad is not None for p in trainable):
             return
-        source = self.optim_grad or self.main_grad
-        for index, (param, local) in enumerate(zip(self.dist_params, source.local_views())):
-            param.grad = self._dtensor(local, index) if param.requires_grad else None
+        if self._grad_dtensors is None:  # views of persistent storage: made once
+            source = self.optim_grad or self.main_grad
+            self._grad_dtensors = [
+                self._dtensor(local, index) for index, local in enumerate(source.local_views())
+            ]
+        for param, grad in zip(self.dist_params, self._grad_dtensors):
+            param.grad = grad if param.requires_grad else None
         self._grads_attached = True
 
     def grads_consumed(self) -> None:

@@ -1,0 +1,60 @@
+"""How one root's units overlap communication with compute: `OverlapPolicy` and `CommStreams`.
+
+On GPU the engine issues its all-gathers and reduce-scatters from two side streams, so that they
+run while the compute stream runs the GEMMs of neighbouring units. Streams only order work; the
+memory each stream touches is managed by `FsdpContext`, which allocates and frees every buffer
+on one stream and orders the others against it with events (no `record_stream`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OverlapPolicy:
+    """The communication schedule of a root and its units (set on the root's `fully_shard`).
+
+    Attributes:
+        prefetch: all-gather the next unit (in the order of the previous forward, or of this
+            forward for backward) while the current one computes. Megatron's
+            `overlap_param_gather`.
+        overlap_grad_reduce: reduce-scatter gradients on their own stream while earlier
+            layers' backward runs; False reduces on the compute stream.
+        max_unsharded_units: how many units other than the root may hold whole weights at
+            once (ZeRO-3). A unit's weights are freed only when gathering another would exceed
+            this (delayed release), and a prefetch that would exceed it is skipped: 2 holds the
+            computing unit and the next; 1 never prefetches. Only units in use at once (nested
+            in each other) can exceed it.
+        use_symm_mem: staging buffers from NCCL symmetric memory (see `symmetric_memory.py`).
+    """
+
+    prefetch: bool = True
+    overlap_grad_reduce: bool = True
+    max_unsharded_units: int = 2
+    use_symm_mem: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_unsharded_units < 1:
+            raise ValueError(
+                f"OverlapPolicy.max_unsharded_units must be >= 1, got {self.max_unsharded_units}."
+            )
+
+
+class CommStreams:
+    """The all-gather and reduce-scatter streams of one root on a CUDA device.
+
+    High priority, as in FSDP2: a collective whose inputs are ready should not queue behind
+    compute kernels, since the next unit waits for it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.all_gather = torch.cuda.Stream(device, priority=-1)
+        self.reduce_scatter = torch.cuda.Stream(device, priority=-1)
+
+    def current(self) -> torch.cuda.Stream:
+        """The stream the caller computes on (not necessarily the default one)."""
+        return torch.cuda.current_stream(self.device)

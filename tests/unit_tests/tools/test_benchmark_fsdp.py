@@ -1,0 +1,70 @@
+"""CPU smoke test of `tools/benchmark_fsdp.py`: two gloo ranks through torchrun, a tiny GPT, every
+engine; each must report a sane row, and all must end at the same loss (they train the same model
+on the same data, so a wrong gradient average or a lost microbatch shows up there)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+TOOL = REPO / "tools" / "benchmark_fsdp.py"
+ENGINES = ["megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single"]
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
+    "--micro-batch-size 2 --num-microbatches 2 --warmup-steps 1 --steps 2 --lr 1e-3"
+).split()
+# lr 1e-3 moves the loss by ~0.45 in the 3 steps (the model memorises its 2 microbatches), so a
+# wrong gradient (scale, accumulation, a missed reduction) ends far outside these tolerances.
+# fp32: the engines differ only in summation order and layout (round-off ~1e-7 relative; they
+# agree to 6 digits in practice). bf16: a main weight near a bf16 rounding boundary can round the
+# other way in one engine; measured spread ~1e-5 (6e-4 at lr 1e-2), bound 2e-3.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
+
+
+def run_tool(
+    *args: str, nproc: int | None = 2, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """Runs the tool (through torchrun when `nproc` is given) from the repository root."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command = [sys.executable, *(launcher if nproc else []), str(TOOL), *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_every_engine_reports_a_row_and_the_same_loss(tmp_path, precision):
+    out = tmp_path / "result.json"
+    extra = ["--bf16"] if precision == "bf16" else []
+    proc = run_tool(*TINY, *extra, "--engines", ",".join(ENGINES), "--json-out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["world_size"] == 2
+    rows = {row["engine"]: row for row in result["rows"]}
+    assert list(rows) == ENGINES
+    for name, row in rows.items():
+        assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0, name
+        assert math.isfinite(row["final_loss"]), name
+        assert row["vs_single"] is not None and math.isfinite(row["vs_single"]), name
+        assert row["peak_gib"] is None, name  # CPU
+    assert rows["single"]["vs_single"] == 1.0
+    # The table went to stdout too, one line per engine.
+    assert all(any(line.startswith(name) for line in proc.stdout.splitlines()) for name in ENGINES)
+    reference = rows["single"]["final_loss"]
+    for name, row in rows.items():
+        assert row["final_loss"] == pytest.approx(reference, abs=LOSS_TOLERANCE[precision]), name
+
+
+def test_unknown_engine_is_a_usage_error():
+    proc = run_tool("--engines", "fsdp2,zero4", nproc=None, timeout=60)
+    assert proc.returncode != 0
+    assert "--engines" in proc.stderr and "zero4" in proc.stderr

@@ -1,0 +1,125 @@
+"""Says where the GPU time of a profiled training run goes, from a torch.profiler chrome trace.
+
+    python tools/trace_summary.py traces/megatron_fsdp_zero3_rank0.json [--steps 3]
+
+Prints, per step: the kernel time of each category (GEMM, attention, all-gather, reduce-scatter,
+other NCCL, optimizer, copies, other), how long the compute stream (the one running most GEMMs)
+was busy and idle, how much NCCL time ran while the compute stream was idle (exposed
+communication), the largest idle gaps of the compute stream with what the other streams ran
+meanwhile, and the CPU time spent blocked in CUDA runtime calls (synchronisation, allocation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+_CATEGORIES = (
+    ("all_gather", ("allgather",)),
+    ("reduce_scatter", ("reducescatter",)),
+    ("nccl_other", ("nccl",)),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy", ("copy", "cat", "split", "memcpy", "memset", "fill")),
+)
+_BLOCKING_CALLS = ("Synchronize", "cudaMalloc", "cudaFree", "cudaHostAlloc")
+
+
+def category(name: str) -> str:
+    key = name.lower().replace("_", "")
+    for label, markers in _CATEGORIES:
+        if any(marker.replace("_", "") in key for marker in markers):
+            return label
+    return "other"
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of union(a) not covered by union(b)."""
+    covered = 0.0
+    b = union(b)
+    for start, end in union(a):
+        for b_start, b_end in b:
+            covered += max(0.0, min(end, b_end) - max(start, b_start))
+    return length(union(a)) - covered
+
+
+def summarize(path: str, steps: int) -> None:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [
+        e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    ]
+    if not kernels:
+        raise SystemExit(f"{path} holds no GPU kernels: was it profiled with CUDA activity?")
+    by_category: collections.Counter[str] = collections.Counter()
+    gemm_time: collections.Counter[int] = collections.Counter()
+    for k in kernels:
+        by_category[category(k["name"])] += k["dur"]
+        if category(k["name"]) == "gemm":
+            gemm_time[k["args"].get("stream", -1)] += k["dur"]
+    compute = gemm_time.most_common(1)[0][0]
+    start = min(k["ts"] for k in kernels)
+    end = max(k["ts"] + k["dur"] for k in kernels)
+    on_compute = [
+        (k["ts"], k["ts"] + k["dur"]) for k in kernels if k["args"].get("stream") == compute
+    ]
+    nccl = [(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" in k["name"].lower()]
+    busy = union(on_compute)
+    per = 1000.0 * steps
+    print(f"{path}: {steps} step(s), compute stream {compute}, ms per step")
+    print(
+        f"  window {(end - start) / per:8.2f}   compute busy {length(busy) / per:8.2f}   "
+        f"compute idle {(end - start - length(busy)) / per:8.2f}"
+    )
+    print(
+        f"  NCCL {length(union(nccl)) / per:8.2f}   of which exposed "
+        f"(compute idle) {subtract(nccl, on_compute) / per:8.2f}"
+    )
+    for label, total in by_category.most_common():
+        print(f"  {label:<15}{total / per:8.2f}")
+    gaps = [(b_start - a_end, a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:])]
+    print("  largest compute-idle gaps (us) and what ran elsewhere:")
+    for gap, gap_start, gap_end in sorted(gaps, reverse=True)[:6]:
+        during = collections.Counter(
+            category(k["name"])
+            for k in kernels
+            if k["args"].get("stream") != compute
+            and k["ts"] < gap_end
+            and k["ts"] + k["dur"] > gap_start
+        )
+        print(f"    {gap:9.0f} at +{(gap_start - start) / 1000:8.2f} ms  {dict(during)}")
+    blocking = collections.Counter()
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and any(c in e["name"] for c in _BLOCKING_CALLS):
+            blocking[e["name"]] += e.get("dur", 0)
+    for name, total in blocking.most_common(5):
+        print(f"  CPU in {name:<28}{total / per:8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--steps", type=int, default=3, help="steps the trace holds")
+    args = parser.parse_args()
+    for path in args.traces:
+        summarize(path, args.steps)
+
+
+if __name__ == "__main__":
+    main()
