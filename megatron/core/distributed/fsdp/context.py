@@ -193,7 +193,7 @@ class FsdpContext:
             return
         if transient and not self._make_room() and prefetch:
             return
-        with self._on_stream(self.streams and self.streams.all_gather) as done:
+        with self._on_all_gather_stream():
             if stale:
                 with _nvtx_range("megatron_fsdp.sync_model_weights"):
                     for group in stale:
@@ -202,8 +202,8 @@ class FsdpContext:
                 group.unshard()
         if transient:
             self._resident[position] = None
-        if done is not None:
-            self._ready[position] = done.event
+        if self.streams is not None:
+            self._ready[position] = self.streams.all_gather.record_event()
 
     def release(self, unit: FsdpUnit) -> None:
         """`unit`'s use is over (its forward or backward is queued): its whole weights may be
@@ -334,29 +334,18 @@ class FsdpContext:
                 if group.requires_grad:
                     group.finalize_grads()
 
-    @contextlib.contextmanager
-    def _on_stream(self, stream: torch.cuda.Stream | None) -> Iterator[_Done | None]:
-        """Runs the body on `stream` after the current stream's queued work, then records an
-        event there (`done.event`). On CPU (no stream) runs it inline and yields None."""
-        if stream is None:
-            yield None
-            return
-        done = _Done()
-        stream.wait_stream(self.streams.current())
-        with torch.cuda.stream(stream):
-            yield done
-        done.event = stream.record_event()
-
-
-class _Done:
-    """The event recorded after a block of side-stream work (set when the block exits)."""
-
-    event: torch.cuda.Event
+    def _on_all_gather_stream(self) -> contextlib.AbstractContextManager:
+        """Runs the body on the all-gather stream after the current stream's queued work; on
+        CPU (no streams) inline."""
+        if self.streams is None:
+            return contextlib.nullcontext()
+        self.streams.all_gather.wait_stream(self.streams.current())
+        return torch.cuda.stream(self.streams.all_gather)
 
 
 def _successors(order: list[int]) -> dict[int, int]:
     """Each unit's successor in `order` (at its first occurrence)."""
-    successors: dict[FsdpUnit, FsdpUnit] = {}
+    successors: dict[int, int] = {}
     for current, following in zip(order, order[1:]):
         successors.setdefault(current, following)
     return successors

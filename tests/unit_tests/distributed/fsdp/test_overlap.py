@@ -248,8 +248,9 @@ def _mpu_groups(create_all_gather_group: bool):
         parallel_state.destroy_model_parallel()
 
 
+@_deterministic_attention()
 def _overlap_counts(create_all_gather_group: bool) -> dict:
-    with _deterministic_attention(), _mpu_groups(create_all_gather_group) as pgs:
+    with _mpu_groups(create_all_gather_group) as pgs:
         fsdp = _adapter(
             {"overlap_param_gather": True, "overlap_grad_reduce": True},
             model=_gpu_model(seq=4096),
@@ -297,11 +298,10 @@ def _overlap_counts(create_all_gather_group: bool) -> dict:
 )
 def test_collectives_overlap_gemms_on_side_streams():
     for r in run_distributed(_overlap_counts, 2, True):
-        print(r)
         # Forward: the root was gathered in start_param_sync; each layer's all-gather should
         # run while the previous unit computes (the first one's under the embedding, no GEMM).
         assert r["gathers_fwd"] == NUM_LAYERS
-        assert r["gathers_fwd_overlapped"] >= NUM_LAYERS - 1
+        assert r["gathers_fwd_overlapped"] >= NUM_LAYERS - 1, r
         # Backward: the 2 layers still held are reused; the others are prefetched during the
         # next layer's backward. Each layer's reduce-scatter runs under an earlier layer's.
         assert r["gathers_bwd"] == NUM_LAYERS - 2
@@ -317,19 +317,14 @@ def test_separate_all_gather_group_runs_all_gather_and_reduce_scatter_concurrent
     separate = run_distributed(_overlap_counts, 2, True)
     shared = run_distributed(_overlap_counts, 2, False)
     for r_separate, r_shared in zip(separate, shared):
-        print(r_separate["gather_while_scatter"], r_shared["gather_while_scatter"])
         assert r_separate["gather_while_scatter"] >= 1
         # One communicator runs its collectives one after another: the control.
         assert r_shared["gather_while_scatter"] == 0
         torch.testing.assert_close(r_separate["losses"], r_shared["losses"], rtol=0, atol=0)
 
 
+@_deterministic_attention()
 def _gpu_losses(ddp_kwargs: dict, num_microbatches: int = 2) -> torch.Tensor:
-    with _deterministic_attention():
-        return _train_gpu_losses(ddp_kwargs, num_microbatches)
-
-
-def _train_gpu_losses(ddp_kwargs: dict, num_microbatches: int) -> torch.Tensor:
     fsdp = _adapter(ddp_kwargs, model=_gpu_model(hidden=1024, seq=1024))
     optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
     tokens, labels = _gpu_batch(seq=1024, batch=2 * num_microbatches)
@@ -402,11 +397,10 @@ def _forward_memory() -> dict:
 def test_forward_memory_is_bounded_and_freed_with_the_model():
     bound = OverlapPolicy().max_unsharded_units
     for r in run_distributed(_forward_memory, 2):
-        print(r)
         # Activations and temporaries (those of the unsharded model), plus whole weights of
         # the root and of at most `bound` layers, plus one all-gather output being unpacked.
         limit = r["activations"] + r["root"] + (bound + 1) * r["largest_unit"]
-        assert r["peak"] <= limit
+        assert r["peak"] <= limit, r
         # Holding every layer would not fit under it: the bound is what keeps memory down.
         assert r["activations"] + r["root"] + NUM_LAYERS * r["largest_unit"] > limit
         assert r["leftover"] == 0, "the model's GPU memory outlived it"
@@ -452,12 +446,8 @@ def test_whole_training_step_captures_in_a_cuda_graph():
         assert not torch.equal(r["graphed"][3], r["graphed"][5]), "replays did not train"
 
 
+@_deterministic_attention()
 def _symm_mem_run(use_symm_mem: bool) -> dict:
-    with _deterministic_attention():
-        return _train_symm_mem(use_symm_mem)
-
-
-def _train_symm_mem(use_symm_mem: bool) -> dict:
     fsdp = _adapter(
         {
             "overlap_param_gather": True,
@@ -484,7 +474,6 @@ def test_symmetric_memory_matches_default_and_runs_symmetric_kernels():
     symmetric = run_distributed(_symm_mem_run, 2, True)
     default = run_distributed(_symm_mem_run, 2, False)
     for r_symm, r_default in zip(symmetric, default):
-        print(r_symm["nccl_kernels"], r_default["nccl_kernels"])
         # 2 ranks: SUM then halve equals NCCL's AVG exactly (halving is exact in fp32).
         torch.testing.assert_close(r_symm["losses"], r_default["losses"], rtol=0, atol=0)
         symk = [name.lower().replace("_", "") for name in r_symm["nccl_kernels"]]
