@@ -53,6 +53,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
     fully_shard_optimizer,
+    local_main_weights,
     microbatch,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -236,7 +237,9 @@ def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
     )
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     fsdp = FullyShardedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
-    optimizer = fully_shard_optimizer(make_adamw(fsdp.parameters(), args), fsdp)
+    # The local shards of the main weights: the optimizer skips DTensor dispatch.
+    params = local_main_weights(fsdp).values()
+    optimizer = fully_shard_optimizer(make_adamw(params, args), fsdp)
     n = args.num_microbatches
 
     def scope(i: int) -> contextlib.AbstractContextManager:
@@ -341,10 +344,15 @@ def precision_note(name: str, args: argparse.Namespace) -> str:
     if not args.bf16:
         return f"fp32 weights and compute, {grads}"
     return {
-        "fsdp2": f"fp32 sharded params = main weights, bf16 compute (mp_policy), {grads}",
+        "fsdp2": f"fp32 sharded params = main weights (AdamW on DTensors), bf16 compute "
+        f"(mp_policy), {grads}",
         "ddp": f"bf16 params + fp32 main weights and AdamW state, all replicated, {grads}",
         "single": f"bf16 params + fp32 main weights, grads accumulated in {args.grad_reduce_dtype}",
-    }.get(name, f"bf16 compute weights, fp32 sharded main weights (default policy), {grads}")
+    }.get(
+        name,
+        f"bf16 compute weights, fp32 sharded main weights (default policy; AdamW on their "
+        f"local shards), {grads}",
+    )
 
 
 def make_batches(args: argparse.Namespace, device: torch.device) -> list[Batch]:

@@ -78,7 +78,9 @@ def measure(args: argparse.Namespace, strategy: str, device: torch.device) -> di
         if isinstance(t, DTensor)
     )
     main = {id(g.main_weight): g.main_weight for g in groups}
-    model_weights = {id(g.model_shard or g.unsharded): g.model_shard or g.unsharded for g in groups}
+    # Compute-dtype weights held between steps (ZeRO-3 gathers them from the main weights).
+    held = [g.model_shard if g.model_shard is not None else g.unsharded for g in groups]
+    model_weights = {id(b): b for b in held if b.is_allocated}
     grads = [g.main_grad for g in groups if g.main_grad is not None]
     grads += [g.optim_grad for g in groups if g.optim_grad is not None]
     result = {

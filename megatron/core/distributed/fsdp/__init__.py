@@ -16,7 +16,11 @@ from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard, 
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.microbatch import fsdp_contexts, fsdp_roots, microbatch
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron.core.distributed.fsdp.optimizer import fully_shard_optimizer, parameter_groups
+from megatron.core.distributed.fsdp.optimizer import (
+    fully_shard_optimizer,
+    local_main_weights,
+    parameter_groups,
+)
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
@@ -37,6 +41,7 @@ __all__ = [
     "fully_shard",
     "fully_shard_optimizer",
     "is_expert_param",
+    "local_main_weights",
     "microbatch",
     "parameter_groups",
 ]

@@ -44,16 +44,19 @@ class Collectives:
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
-        """Concatenates every rank's `input` (in group-rank order) into `output`."""
+        """Concatenates every rank's `input` (in group-rank order) into `output`, in
+        `output`'s dtype.
+
+        Always in place: `input` is first copied (and cast) into this rank's slot of `output`,
+        so a cast needs no buffer of its own, and a symmetric `output` has its input inside the
+        registered window as NCCL's symmetric kernels require.
+        """
         if group.size() == 1:
             output.copy_(input)
             return
-        if self._is_symmetric(output):
-            # In place: the input must lie in the registered window too.
-            own = output.view(group.size(), -1)[group.rank()]
-            own.copy_(input)
-            input = own
-        _all_gather_single(output, input, group=group)
+        own = output.view(group.size(), -1)[group.rank()]
+        own.copy_(input)
+        _all_gather_single(output, own, group=group)
 
     def reduce_scatter(
         self,

@@ -133,7 +133,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""
         for group in self._groups:
-            if group.requires_grad:
+            if group.has_grads:
                 group.main_grad.data.mul_(scaling_factor)
                 if group.optim_grad is not None:
                     group.optim_grad.data.mul_(scaling_factor)

@@ -1,12 +1,15 @@
 """`fully_shard_optimizer()`: connects a stock `torch.optim` optimizer to Megatron-FSDP.
 
 The optimizer steps the DTensor main weights that `module.parameters()` returns after
-`fully_shard()`; their gradients are shards of the reduced gradients. This function checks that
-the optimizer holds exactly such weights and registers two hooks on it through torch's public
-hook API (nothing of the optimizer is replaced): before `step()`, reductions still deferred are
-run; after it, every group is marked stale, so the next forward refreshes the compute weights
-from the new main weights once, and the next backward's gradients replace the consumed ones
-(whether or not `zero_grad()` ran, and however it zeroed).
+`fully_shard()` (as with FSDP2), or their local shards (`local_main_weights()`): plain tensors
+sharing the DTensors' storage, which step without DTensor dispatch (on a 24-layer 1.3B GPT the
+fused AdamW step then costs the host well under a millisecond instead of ~18 ms). The
+gradients are shards of the reduced gradients. This function checks that the optimizer holds
+exactly such weights and registers two hooks on it through torch's public hook API (nothing of
+the optimizer is replaced): before `step()`, reductions still deferred are run and local shards
+get their `.grad`; after it, every group is marked stale, so the next forward refreshes the
+compute weights from the new main weights once, and the next backward's gradients replace the
+consumed ones (whether or not `zero_grad()` ran, and however it zeroed).
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ def parameter_groups(module: torch.nn.Module) -> list[FsdpParameterGroup]:
     ]
 
 
+def local_main_weights(module: torch.nn.Module) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Each DTensor main weight of `module`'s Megatron-FSDP units -> its local shard, the
+    tensor to give an optimizer that should step without DTensor dispatch."""
+    return {
+        param: local
+        for group in parameter_groups(module)
+        for param, local in zip(group.dist_params, group.local_main_weights)
+    }
+
+
 def fully_shard_optimizer(
     optimizer: torch.optim.Optimizer, module: torch.nn.Module
 ) -> torch.optim.Optimizer:
@@ -49,7 +62,9 @@ def fully_shard_optimizer(
         )
     # Frozen main weights may be listed too (they never get a gradient, so are never stepped).
     main = {param for group in all_groups for param in group.dist_params}
-    foreign = [p for pg in optimizer.param_groups for p in pg["params"] if p not in main]
+    local = {param for group in all_groups for param in group.local_main_weights}
+    held = [p for pg in optimizer.param_groups for p in pg["params"]]
+    foreign = [p for p in held if p not in main and p not in local]
     if foreign:
         example = foreign[0]
         raise ValueError(
@@ -57,8 +72,9 @@ def fully_shard_optimizer(
             f"weights of {type(module).__name__} (the first: {type(example).__name__} of shape "
             f"{tuple(example.shape)}), e.g. the unsharded parameters of an optimizer built "
             "before fully_shard(). Build the optimizer after fully_shard(), from "
-            "module.parameters()."
+            "module.parameters() or local_main_weights(module)."
         )
+    steps_local = any(p in local for p in held)
     fsdp_contexts(module)  # materialises meta-device weights before anything steps them
     refs = [weakref.ref(group) for group in groups]
 
@@ -68,9 +84,13 @@ def fully_shard_optimizer(
     def before_step(*unused) -> None:
         for group in live_groups():
             group.finalize_grads()
+            if steps_local:
+                group.set_local_grads(attach=True)
 
     def after_step(*unused) -> None:
         for group in live_groups():
+            if steps_local:  # only the step reads them: nothing keeps the shards alive
+                group.set_local_grads(attach=False)
             group.mark_main_weights_updated()
             group.grads_consumed()
 

@@ -52,9 +52,12 @@ class CommStreams:
 
     def __init__(self, device: torch.device):
         self.device = device
+        # An int: resolving a torch.device costs more host time than the stream lookup itself,
+        # and `current()` runs several times per unit.
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         self.all_gather = torch.cuda.Stream(device, priority=-1)
         self.reduce_scatter = torch.cuda.Stream(device, priority=-1)
 
     def current(self) -> torch.cuda.Stream:
         """The stream the caller computes on (not necessarily the default one)."""
-        return torch.cuda.current_stream(self.device)
+        return torch.cuda.current_stream(self._index)

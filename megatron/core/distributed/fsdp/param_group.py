@@ -5,16 +5,19 @@ A group owns up to five `DBuffer`s (see `strategy.py` for which exist under whic
 
 - `main_weight`: what the optimizer steps, in `main_params_dtype`; the module's registered
   parameters between forwards are DTensors whose local tensors are views of it;
-- `model_shard` (ZeRO-3): this rank's shard of the compute-dtype weights, all-gathered before use;
 - `unsharded`: the compute-dtype weights the module computes with, one contiguous tensor per
-  parameter; transient under ZeRO-3 (released after use), permanent otherwise;
+  parameter; transient under ZeRO-3 (all-gathered from the main weights for each use, casting
+  this rank's shard on the way, and released after), permanent otherwise;
+- `model_shard` (HFSDP only): this replica's inner shard of the compute-dtype weights,
+  assembled from the outer shards of the main weights once per step;
 - `main_grad`: gradient accumulation in `main_grads_dtype`: this rank's shard when gradients are
   sharded, else the whole (N x S) local sum, reduced once at the end of the last microbatch;
 - `optim_grad`: what the optimizer reads as `.grad`, when it cannot be a view of `main_grad`
   (another dtype, or HFSDP's smaller shard).
 
-Where the main weights are the same dtype and layout as the compute weights they share storage
-(`main_weight is model_shard` or `is unsharded`), and the weight sync is a no-op.
+Gradient memory lives from a step's first reduction to `zero_grad()`, so it is not held during
+the forward, where activations peak. Where the main weights are the same dtype and layout as the
+compute weights they share storage (`main_weight is unsharded`), and the weight sync is a no-op.
 """
 
 from __future__ import annotations
@@ -112,17 +115,15 @@ class FsdpParameterGroup:
             rank=0,
             zeroed=not strategy.shards_params,
         )
-        self.model_shard: DBuffer | None = None
-        if strategy.shards_params:
-            self.model_shard = self._shard_buffer(self.layout, model_dtype, self.rank)
-
         # HFSDP shards the main weights of this rank's inner shard once more over the replicas.
         self.outer_layout: ShardLayout | None = None
         self.outer_rank = 0
+        self.model_shard: DBuffer | None = None
         if requires_grad and strategy.shards_outer:
             local_shapes = [self.layout.local_shape(i, self.rank) for i in range(len(shapes))]
             self.outer_layout = ShardLayout(local_shapes, groups.outer_size)
             self.outer_rank = groups.outer.rank()
+            self.model_shard = self._shard_buffer(self.layout, model_dtype, self.rank)
 
         self.main_weight = self._build_main_weight(model_dtype)
         self.main_grad: DBuffer | None = None
@@ -148,6 +149,8 @@ class FsdpParameterGroup:
             torch.nn.Parameter(self._dtensor(view, i), requires_grad=requires_grad)
             for i, view in enumerate(self._main_views)
         ]
+        with torch.no_grad():  # the DTensors' own local tensors (with grad on: new views)
+            self.local_main_weights = [param.to_local() for param in self.dist_params]
         if strategy.shards_params:
             self.unsharded.release_storage()
 
@@ -168,11 +171,7 @@ class FsdpParameterGroup:
         main_dtype = self.precision.main_params if self.requires_grad else model_dtype
         if self.outer_layout is not None:
             return self._shard_buffer(self.outer_layout, main_dtype, self.outer_rank)
-        if self.model_shard is not None:
-            if main_dtype == model_dtype:
-                return self.model_shard
-            return self._shard_buffer(self.layout, main_dtype, self.rank)
-        if main_dtype == model_dtype and not self._shards_main:
+        if main_dtype == model_dtype and not self._shards_main and not self.has_transient_weights:
             return self.unsharded
         return self._shard_buffer(self.layout, main_dtype, self.rank)
 
@@ -199,6 +198,7 @@ class FsdpParameterGroup:
             )
         elif precision.main_grads != precision.main_params:
             self.optim_grad = self._shard_buffer(self.layout, precision.main_params, self.rank)
+        self._release_grads()  # held only from a step's first reduction
 
     def _placements(self) -> tuple[Placement, ...]:
         if self.outer_layout is not None:
@@ -241,9 +241,8 @@ class FsdpParameterGroup:
         else:
             main.copy_(full)
         if self.model_shard is not None:
-            if self.model_shard is not self.main_weight:
-                self.model_shard.local_views()[index].copy_(inner)
-        elif self.main_weight is not self.unsharded:
+            self.model_shard.local_views()[index].copy_(inner)
+        elif not self.has_transient_weights and self.main_weight is not self.unsharded:
             self._compute_views[index].copy_(full)
 
     # Weights: main -> model, unshard, reshard.
@@ -259,22 +258,17 @@ class FsdpParameterGroup:
 
     def sync_model_weights(self) -> None:
         """Refreshes the compute weights from the main weights (cast, plus an all-gather when
-        the compute weights are replicated but the main weights are sharded). Under ZeRO-3 the
-        whole weights must be free (the context frees them first): they would be out of date."""
+        the compute weights are replicated but the main weights are sharded). Under ZeRO-3 there
+        is nothing to refresh but HFSDP's inner shard: every `unshard()` gathers from the main
+        weights, and the whole weights must be free (the context frees stale ones first)."""
         self._stale = False
         self.num_weight_syncs += 1
         if self.model_shard is not None:
-            if self.outer_layout is not None:
-                self._sync_outer_sharded()
-            elif self.main_weight is not self.model_shard:
-                self.model_shard.data.copy_(self.main_weight.data)
-        elif self.main_weight is self.unsharded:
+            self._sync_outer_sharded()
+        elif self.has_transient_weights or self.main_weight is self.unsharded:
             return
         elif self._shards_main:
-            shard = self.main_weight.shard.to(self.unsharded.dtype)
-            gathered = self._gather_staging(self.layout, self.unsharded.dtype)
-            self.comm.all_gather(gathered.full, shard, self.groups.all_gather)
-            copy_chunks_out(gathered, self.unsharded, self._gather_targets)
+            self._gather_into_unsharded(self.main_weight.shard)
         else:
             self.unsharded.data.copy_(self.main_weight.data)
 
@@ -283,7 +277,7 @@ class FsdpParameterGroup:
         layout = self.outer_layout
         dtype = self.model_shard.dtype
         gathered = DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
-        self.comm.all_gather(gathered.full, self.main_weight.data.to(dtype), self.groups.outer)
+        self.comm.all_gather(gathered.full, self.main_weight.data, self.groups.outer)
         inner = DBuffer(layout.unsharded(), dtype, self.device, sharded=False, rank=0, zeroed=False)
         copy_chunks_out(gathered, inner)
         for dst, src, shape in zip(
@@ -291,18 +285,22 @@ class FsdpParameterGroup:
         ):
             dst.copy_(src[: shape[0]])
 
-    def _gather_staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
-        """The output buffer of an all-gather over the all-gather group."""
+    def _gather_into_unsharded(self, shard: torch.Tensor) -> None:
+        """All-gathers every rank's `shard` (cast to the compute dtype in the collective's
+        buffer) over the all-gather group and unpacks it into the whole compute weights."""
+        dtype = self.unsharded.dtype
         data = self.comm.staging(
-            ALL_GATHER, self.groups.all_gather, dtype, layout.numel, self.device
+            ALL_GATHER, self.groups.all_gather, dtype, self.layout.numel, self.device
         )
-        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, data=data)
+        gathered = DBuffer(self.layout, dtype, self.device, sharded=False, rank=0, data=data)
+        self.comm.all_gather(gathered.full, shard, self.groups.all_gather)
+        copy_chunks_out(gathered, self.unsharded, self._gather_targets)
 
     def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
         """(role, process group, dtype, numel) of each staging buffer this group's per-unit
         collectives use: the all-gather of weights and the reduce-scatter of gradients."""
         requests = []
-        if self.model_shard is not None or self._shards_main:
+        if self.has_transient_weights or self._shards_main:
             requests.append(
                 (ALL_GATHER, self.groups.all_gather, self.unsharded.dtype, self.layout.numel)
             )
@@ -314,22 +312,21 @@ class FsdpParameterGroup:
 
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gather them; otherwise they are)."""
-        if self.model_shard is None or self.unsharded.is_allocated:
+        if not self.has_transient_weights or self.unsharded.is_allocated:
             return
         self.unsharded.reallocate_storage()
-        gathered = self._gather_staging(self.layout, self.model_shard.dtype)
-        self.model_shard.all_gather(gathered, self.comm, self.groups.all_gather)
-        copy_chunks_out(gathered, self.unsharded, self._gather_targets)
+        source = self.model_shard if self.model_shard is not None else self.main_weight
+        self._gather_into_unsharded(source.shard)
 
     def reshard(self) -> None:
         """Frees the whole compute weights (ZeRO-3 only)."""
-        if self.model_shard is not None:
+        if self.has_transient_weights:
             self.unsharded.release_storage()
 
     @property
     def has_transient_weights(self) -> bool:
         """Whether the whole compute weights are gathered for use and freed after (ZeRO-3)."""
-        return self.model_shard is not None
+        return self.strategy.shards_params
 
     def use_unsharded_params(self) -> None:
         """Registers the compute weights on their modules (for forward and backward); a main
@@ -377,6 +374,8 @@ class FsdpParameterGroup:
             p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
         ]
         first = self._main_grad_is_empty()
+        if first:
+            self._allocate_grads()
         in_flight = None
         if self.strategy.shards_grads:
             in_flight = self._reduce_scatter(grads, first, reduce_stream)
@@ -490,13 +489,23 @@ class FsdpParameterGroup:
             param.grad = grad if param.requires_grad else None
         self._grads_attached = True
 
+    @torch.no_grad()
+    def set_local_grads(self, attach: bool) -> None:
+        """Points each local main weight's `.grad` at the local shard of its DTensor's `.grad`
+        (None where that is None), for an optimizer stepping the local tensors; or, with
+        `attach` False, drops them again."""
+        for local, param in zip(self.local_main_weights, self.dist_params):
+            grad = param.grad if attach else None
+            local.grad = grad.to_local() if grad is not None else None
+
     def grads_consumed(self) -> None:
         """An optimizer step used the gradients: the next reduction starts afresh, even if
         `zero_grad(set_to_none=False)` zeroed only what the optimizer sees."""
         self._has_grad_data = False
 
     def zero_grad(self) -> None:
-        """Forgets accumulated gradients: the next reduction writes instead of adding."""
+        """Forgets accumulated gradients and frees their memory until the next reduction
+        writes them afresh (on the compute stream, which has waited for every reduction)."""
         self._pending_backwards = 0
         self._has_grad_data = False
         self._pending_finalize = False
@@ -505,6 +514,37 @@ class FsdpParameterGroup:
             param.grad = None
         for param in self.dist_params:
             param.grad = None
+        self._release_grads()
+
+    def _allocate_grads(self) -> None:
+        """Allocates the gradient buffers (uninitialised: the first reduction overwrites them)
+        on the current stream, the compute stream, which also frees them."""
+        for buffer in (self.main_grad, self.optim_grad):
+            if buffer is not None:
+                buffer.reallocate_storage()
+
+    def _release_grads(self) -> None:
+        for buffer in (self.main_grad, self.optim_grad):
+            if buffer is not None:
+                buffer.release_storage()
+
+    def release_dropped_grads(self) -> None:
+        """Frees gradient memory nothing can reach any more: every DTensor `.grad` was dropped
+        (`zero_grad(set_to_none=True)`) since the last reduction. The root calls it before a
+        forward, where activations peak."""
+        if (
+            self._grads_attached
+            and self.has_grads
+            and all(p.grad is None for p in self.dist_params)
+        ):
+            self._has_grad_data = False
+            self._grads_attached = False
+            self._release_grads()
+
+    @property
+    def has_grads(self) -> bool:
+        """Whether gradient memory is held (from the step's first reduction to `zero_grad`)."""
+        return self.main_grad is not None and self.main_grad.is_allocated
 
 
 def _chunk(full: torch.Tensor, layout: ShardLayout, index: int, shard: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from megatron.core.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
     fully_shard_optimizer,
+    local_main_weights,
     microbatch,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -138,8 +139,10 @@ def train_fsdp(
     model_kwargs: dict | None = None,
     optimizer: str = "adamw",
     frozen: tuple[str, ...] = (),
+    local_shards: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Runs on every rank: STEPS optimizer steps of `kind` under `fully_shard`."""
+    """Runs on every rank: STEPS optimizer steps of `kind` under `fully_shard`; the optimizer
+    steps the DTensor main weights, or with `local_shards` their local tensors."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with hybrid_groups(num_replicas) as index:
         model = build_model(kind, bf16, **(model_kwargs or {}))
@@ -160,7 +163,8 @@ def train_fsdp(
             mp_policy=policy,
             outer_dp_sharding_strategy=outer,
         )
-        optimizer = fully_shard_optimizer(OPTIMIZERS[optimizer](model.parameters()), model)
+        params = local_main_weights(model).values() if local_shards else model.parameters()
+        optimizer = fully_shard_optimizer(OPTIMIZERS[optimizer](params), model)
         for inputs, labels in make_batches(kind):
             local_inputs = shard_batch(inputs, rank, world_size).chunk(num_microbatches)
             local_labels = shard_batch(labels, rank, world_size).chunk(num_microbatches)

@@ -119,3 +119,24 @@ def test_hfsdp_sgd_uneven_and_bf16(kind):
         optimizer="sgd",
     )
     _assert_matches(results, train_reference(kind, False, optimizer="sgd"))
+
+
+@pytest.mark.parametrize(
+    "strategy, outer, num_replicas",
+    [(s, "no_shard", 1) for s in SHARDING_STRATEGIES] + [("optim_grads_params", "optim", 2)],
+    ids=[*SHARDING_STRATEGIES, "hfsdp"],
+)
+def test_stepping_local_shards_equals_stepping_dtensors(strategy, outer, num_replicas):
+    # bf16 compute, fp32 main weights, frozen weights and accumulation: every path of the
+    # gradients to the optimizer; the same arithmetic on the same storage is bitwise equal.
+    kwargs = dict(
+        outer=outer, num_replicas=num_replicas, frozen=("decoder.layers.0.mlp.linear_fc1.weight",)
+    )
+    args = (train_fsdp, 4, "gpt", strategy, 2, True)
+    dtensors = run_distributed(*args, **kwargs)
+    local = run_distributed(*args, local_shards=True, **kwargs)
+    _assert_trained("gpt", True, local[0])
+    for expected, got in zip(dtensors, local):
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name

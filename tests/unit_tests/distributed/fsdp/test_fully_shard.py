@@ -71,9 +71,21 @@ def _sharded_bytes(strategy: str) -> dict:
         "main_weights": sum(p.to_local().numel() for g in groups for p in g.dist_params),
         "optimizer_state": sum(t.to_local().numel() for t in states),
         "main_grad": sum(g.main_grad.data.numel() for g in groups),
-        "model_shard": sum(g.model_shard.data.numel() for g in groups if g.model_shard),
-        "unsharded_allocated": any(g.unsharded.is_allocated for g in groups),
+        # Compute-dtype weights held between steps (ZeRO-3 gathers from the main weights).
+        "model_weights_held": sum(
+            g.unsharded.data.numel() for g in groups if g.unsharded.is_allocated
+        ),
+        "grads_held": all(g.has_grads for g in groups),
+        "grads_held_after_zero_grad": _grads_held_after_zero_grad(model, optimizer, groups),
     }
+
+
+def _grads_held_after_zero_grad(model, optimizer, groups) -> bool:
+    optimizer.zero_grad()  # set_to_none: the next forward frees what nothing can reach
+    inputs, labels = make_batches("uneven")[0]
+    with torch.no_grad():
+        model(inputs, labels=labels)
+    return any(g.has_grads for g in groups)
 
 
 @pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
@@ -99,8 +111,10 @@ def test_each_rank_holds_its_share_of_state(strategy):
         else:
             assert r["main_grad"] >= total
         if strategy == "optim_grads_params":
-            assert r["model_shard"] == padded_share
-            assert not r["unsharded_allocated"], "whole weights outlived the step"
+            assert r["model_weights_held"] == 0, "whole weights outlived the step"
+        else:
+            assert r["model_weights_held"] >= total
+        assert r["grads_held"] and not r["grads_held_after_zero_grad"]
 
 
 # Weight sync counting.
