@@ -9,9 +9,9 @@ one unit:
   their last use is done, and the bound on how many are held at once (delayed release);
 - the forward and backward order of the units, recorded in each forward, which prefetching
   follows;
-- the reduce-scatters in flight, and the end-of-backward callback that waits for them once,
-  reduces what no unit's post-backward did (the root, units whose inputs need no gradient),
-  frees every unit's whole weights and runs the reductions deferred to the last microbatch;
+- the reduce-scatters in flight, and the end-of-backward callback that waits for them,
+  frees every unit's whole weights, reduces what no unit's post-backward did (the root, units
+  whose inputs need no gradient) and runs the reductions deferred to the last microbatch;
 - the microbatch state that `microbatch()` sets.
 
 Memory discipline (GPU): whole weights and all-gather staging are allocated and freed on the
@@ -311,15 +311,19 @@ class FsdpContext:
 
     @torch.no_grad()
     def post_backward(self) -> None:
-        """End of backward: reduce what no unit's post-backward did, wait for the
-        reduce-scatters, free whole weights, register main weights, and on the last microbatch
-        run the deferred reductions."""
+        """End of backward: wait for the reduce-scatters, free whole weights, reduce what no
+        unit's post-backward did, register main weights, and on the last microbatch run the
+        deferred reductions."""
         self._callback_task = None
         units = list(self.units())
+        # Backward is over: whole weights and the packed gradients of finished reduce-scatters
+        # are freed before the root's gradients (often the largest: embeddings, output layer)
+        # are packed, so the end of the step does not hold all of them at once.
+        self.wait_reductions()
+        self.free_all()
         for unit in units:
             self.reduce(unit, awaiting_only=True)
         self.wait_reductions()
-        self.free_all()
         for unit in units:
             for group in unit.groups:
                 group.use_dist_params()
