@@ -1,0 +1,135 @@
+"""The global gradient norm, gradient clipping and zero counting, for both data-parallel engines.
+
+A gradient enters as the tensor the optimizer steps with:
+
+- DDP engine: `param.main_grad`, a plain tensor, all-reduced, so identical on every rank;
+- Megatron-FSDP: `param.grad` of a DTensor main weight; its placements say what this rank holds.
+  `Shard` over a mesh dimension: this rank holds one piece (ZeRO-1/2/3 over the shard group,
+  HFSDP over the outer group too); `Replicate`: every rank of that dimension holds the same
+  values (`no_shard`, and the outer group of HSDP).
+
+Each element must be counted once, so a rank sums its local squares, and that partial sum is
+all-reduced over the groups of the `Shard` dimensions only (never over `Replicate` ones, which
+would count replicas again). Gradients are bucketed by that tuple of groups, and each bucket's
+one fp32 scalar is all-reduced over each of its groups: typically one all-reduce over the dense
+shard group, plus one over the expert shard group when a model has experts, plus one over the
+outer group under HFSDP. Plain tensors count as replicated: no collective at all.
+
+Not covered: gradients that differ across ranks outside their DTensor mesh, i.e. tensor-parallel
+shards (unsupported here) and experts split by expert parallelism (no MoE layer exists yet):
+their partial sums would also need an all-reduce over that model-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# The groups a gradient's local sum is all-reduced over: () for replicated gradients.
+GroupKey = tuple[dist.ProcessGroup, ...]
+
+
+def _local_and_groups(grad: torch.Tensor) -> tuple[torch.Tensor, GroupKey]:
+    """This rank's part of `grad` and the groups whose ranks hold the other parts.
+
+    Raises:
+        ValueError: `grad` is a DTensor with a `Partial` placement (not reduced yet).
+    """
+    if not isinstance(grad, DTensor):
+        return grad, ()
+    groups = []
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"A gradient DTensor has placements {grad.placements}: a Partial gradient is not "
+                "reduced yet. Finish the gradient reduction (model.finish_grad_sync()) before "
+                "computing its norm."
+            )
+        if placement.is_shard():
+            group = grad.device_mesh.get_group(dim)
+            if group.size() > 1:
+                groups.append(group)
+    return grad.to_local(), tuple(groups)
+
+
+def _global_sum(
+    grads: Iterable[torch.Tensor], local_sum: Callable[[list[torch.Tensor]], torch.Tensor]
+) -> torch.Tensor | None:
+    """Sum over ranks of `local_sum` of each group's local tensors, each element counted once.
+
+    Returns None when there are no gradients. Every rank must pass gradients of the same
+    parameters in the same order, so that all issue the same all-reduces in the same order.
+    """
+    buckets: dict[GroupKey, list[torch.Tensor]] = {}
+    for grad in grads:
+        local, groups = _local_and_groups(grad)
+        buckets.setdefault(groups, []).append(local)
+    total = None
+    for groups, tensors in buckets.items():
+        partial = local_sum(tensors)
+        for group in groups:
+            dist.all_reduce(partial, group=group)
+        total = partial if total is None else total + partial
+    return total
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # Per-tensor fp32 norms in one foreach kernel; squaring them sums like the elements do.
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.stack(norms).square().sum()
+
+
+def _num_zeros(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # int64: an fp32 count stops being exact above 2**24 elements.
+    return sum(t.numel() - torch.count_nonzero(t) for t in tensors)
+
+
+@torch.no_grad()
+def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
+    """The L2 norm of all gradients together, computed in fp32, the same on every rank.
+
+    Args:
+        grads: each parameter's gradient once: plain tensors (replicated, e.g. the DDP
+            engine's `main_grad`) or DTensors (Megatron-FSDP's sharded gradients).
+
+    Returns:
+        The global norm; inf or nan when any gradient element is (on any rank).
+
+    Raises:
+        ValueError: a gradient is a DTensor with a `Partial` placement.
+    """
+    total = _global_sum(grads, _sum_of_squares)
+    return 0.0 if total is None else math.sqrt(total.item())
+
+
+@torch.no_grad()
+def clip_grad_by_total_norm_fp32(
+    grads: Iterable[torch.Tensor], max_norm: float, total_norm: float
+) -> None:
+    """Scales `grads` in place so that their global norm becomes at most `max_norm`.
+
+    Args:
+        grads: the gradients `total_norm` was computed over.
+        max_norm: the largest norm allowed.
+        total_norm: their global norm, from `get_grad_norm_fp32`.
+    """
+    # Megatron-LM's epsilon: the clipped norm is max_norm * total / (total + 1e-6).
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        locals_ = [_local_and_groups(grad)[0] for grad in grads]
+        torch._foreach_mul_(locals_, clip_coeff)
+
+
+@torch.no_grad()
+def count_zeros_fp32(grads: Iterable[torch.Tensor]) -> int:
+    """The number of zero gradient elements over all ranks, each element counted once.
+
+    Args:
+        grads: as for `get_grad_norm_fp32`.
+    """
+    total = _global_sum(grads, _num_zeros)
+    return 0 if total is None else int(total.item())

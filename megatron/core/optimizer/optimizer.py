@@ -1,0 +1,230 @@
+"""`MegatronOptimizer` and `get_megatron_optimizer()`: a stock torch optimizer behind Megatron's
+optimizer interface, for the DDP engine and for Megatron-FSDP.
+
+A Megatron training step with it::
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    ...  # forward/backward of each microbatch (all but the last under model.no_sync())
+    model.finish_grad_sync()
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    scheduler.step(1)
+
+`step()` computes the global gradient norm, skips the update when the norm is not finite (the
+caller logs it), else clips the gradients to `clip_grad` and steps. Under Megatron-FSDP the torch
+optimizer steps the local shards of the DTensor main weights (`local_main_weights`: plain
+tensors on the same storage, so the step pays no DTensor dispatch), connected with
+`fully_shard_optimizer`, which hands them their gradient shards for the step; the norm and the
+clipping read the DTensor gradients, whose placements say how they are sharded. Under the DDP
+engine it steps the replicated parameters with `param.main_grad` as their gradient, which the
+DDP engine keeps apart from `param.grad`. The DDP engine keeps no fp32 master copy: parameters
+are stepped in their own dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.fsdp import (
+    fsdp_contexts,
+    fsdp_roots,
+    fully_shard_optimizer,
+    local_main_weights,
+)
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+
+class MegatronOptimizer:
+    """A torch optimizer with Megatron's step: global grad norm, skip on overflow, clip, step.
+
+    Args:
+        optimizer: a torch optimizer over `model`'s trainable parameters (under Megatron-FSDP
+            its DTensor main weights or their local shards, already connected with
+            `fully_shard_optimizer`).
+        config: read for `clip_grad` and `log_num_zeros_in_grad`.
+        model: what the parameters belong to: a `DistributedDataParallel` or
+            `FullyShardedDataParallel` wrapper, a module with `fully_shard()` units, or a plain
+            module (one process: its `.grad`s are taken as they are).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, model: torch.nn.Module
+    ):
+        self.optimizer = optimizer
+        self.config = config
+        self.model = model
+        self._is_fsdp = bool(fsdp_roots(model))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's parameter groups (a scheduler sets `lr`, `weight_decay`)."""
+        return self.optimizer.param_groups
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer steps with, one per parameter that has one.
+
+        Megatron-FSDP: the DTensor gradients of the model's main weights, read from the model
+        (whose placements tell how they are sharded) rather than from whatever tensors the
+        torch optimizer holds. Otherwise the DDP engine's `main_grad` where it set one
+        (Megatron's rule), else `.grad`.
+        """
+        if self._is_fsdp:
+            return [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = []
+        for param in self._params():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is not None:
+                grads.append(grad)
+        return grads
+
+    def finish_grad_sync(self) -> None:
+        """Completes the model's gradient reduction. Idempotent, so a no-op when the training
+        loop already called `model.finish_grad_sync()`; Megatron-FSDP would otherwise run its
+        deferred reductions only inside `optimizer.step()`, after the norm was taken."""
+        if isinstance(self.model, _BaseDataParallel):
+            self.model.finish_grad_sync()
+        elif self._is_fsdp:
+            for context in fsdp_contexts(self.model):
+                context.finalize_grads()
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, int | None]:
+        """Clips the gradients to `config.clip_grad` and updates the parameters, unless the
+        gradient norm is inf or nan (the same decision on every rank). A skipped step leaves
+        the gradients as they are: the loop's `zero_grad_buffer()` / `zero_grad()` drop them.
+
+        Returns:
+            (update_successful, grad_norm, num_zeros_in_grad): whether the parameters were
+            updated, the global gradient norm before clipping, and the number of zero gradient
+            elements (None unless `config.log_num_zeros_in_grad`).
+        """
+        self.finish_grad_sync()
+        grads = self.get_main_grads()
+        grad_norm = get_grad_norm_fp32(grads)
+        num_zeros = count_zeros_fp32(grads) if self.config.log_num_zeros_in_grad else None
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, num_zeros
+        if self.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
+        self._step_with_main_grads()
+        return True, grad_norm, num_zeros
+
+    def _step_with_main_grads(self) -> None:
+        # The DDP engine moves each gradient into `main_grad` and keeps `.grad` None between
+        # backwards; a `.grad` left aliasing `main_grad` would make the next backward add twice.
+        swapped = [p for p in self._params() if getattr(p, "main_grad", None) is not None]
+        for param in swapped:
+            # A copy only where main_grad is wider (grad_reduce_in_fp32 on bf16 parameters).
+            param.grad = param.main_grad.to(param.dtype)
+        try:
+            self.optimizer.step()
+        finally:
+            for param in swapped:
+                param.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the parameters' `.grad`; the DDP engine's `main_grad` buffers are zeroed by
+        `model.zero_grad_buffer()`, which the training loop calls too (as Megatron's does)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._is_fsdp:
+            # A torch optimizer over local shards sees no DTensor `.grad`; dropping those is
+            # what lets Megatron-FSDP free its gradient buffers before the next forward.
+            for param in self.model.parameters():
+                if set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch optimizer's state dict (under Megatron-FSDP the state of this rank's
+        shards, as plain tensors when it steps local shards)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict saved by `state_dict()`."""
+        self.optimizer.load_state_dict(state_dict)
+
+
+def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters split into a decayed and a non-decayed group (Megatron's default
+    rule: biases and 1-D parameters, i.e. norm weights, get no weight decay).
+
+    Each group has `wd_mult` (1.0 or 0.0), by which `OptimizerParamScheduler` multiplies its
+    weight decay. Empty groups are left out.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            no_wd = name.endswith(".bias") or param.ndim == 1
+            (no_decay if no_wd else decay).append(param)
+    groups = [
+        {"params": decay, "wd_mult": 1.0, "weight_decay": weight_decay},
+        {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MegatronOptimizer:
+    """Builds the optimizer `config` names over `model`'s trainable parameters.
+
+    Call it after wrapping the model: under Megatron-FSDP the optimizer steps the local shards
+    of the DTensor main weights (`local_main_weights`), grouped by the DTensors' names, and is
+    connected with `fully_shard_optimizer`. Adam uses torch's fused kernel where every
+    parameter allows it; SGD uses torch's default (foreach on GPU).
+
+    Args:
+        config: the optimizer and its hyperparameters.
+        model: see `MegatronOptimizer`.
+
+    Raises:
+        ValueError: `config.lr` is not set, or `model` has no trainable parameter.
+    """
+    if config.lr is None:
+        raise ValueError(
+            "OptimizerConfig.lr is None: set the (initial/maximum) learning rate, e.g. "
+            "OptimizerConfig(lr=3e-4)."
+        )
+    param_groups = get_param_groups(model, config.weight_decay)
+    is_fsdp = bool(fsdp_roots(model))
+    if is_fsdp:
+        local = local_main_weights(model)
+        for group in param_groups:
+            group["params"] = [local[param] for param in group["params"]]
+    params = [p for group in param_groups for p in group["params"]]
+    if not params:
+        raise ValueError(
+            f"{type(model).__name__} has no parameter with requires_grad=True to optimize."
+        )
+    if config.optimizer == "adam":
+        adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        optimizer = adam(
+            param_groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            fused=all(_fusable(p) for p in params),
+        )
+    else:
+        optimizer = torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum)
+    if is_fsdp:
+        fully_shard_optimizer(optimizer, model)
+    return MegatronOptimizer(optimizer, config, model)
+
+
+def _fusable(param: torch.Tensor) -> bool:
+    # torch's fused Adam kernels exist for floating-point tensors on CPU and CUDA (DTensors too).
+    return param.is_floating_point() and param.device.type in ("cpu", "cuda")

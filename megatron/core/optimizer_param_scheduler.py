@@ -1,0 +1,221 @@
+"""`OptimizerParamScheduler`: the learning-rate and weight-decay schedules of Megatron-LM.
+
+Learning rate: a linear warmup from `init_lr` to `max_lr` over `lr_warmup_steps`, then a decay
+to `min_lr` by `lr_decay_steps` (constant, linear, cosine, inverse-square-root, or WSD: constant,
+then a decay over the last `wsd_decay_steps`); `min_lr` afterwards. Weight decay: from `start_wd`
+to `end_wd` over `wd_incr_steps` (constant, linear or cosine), `end_wd` afterwards.
+
+Steps count iterations here: call `step(1)` once per optimizer step and give every `*_steps`
+argument in iterations. Megatron-LM's loop counts samples instead (`step(global_batch_size)`,
+steps = iterations x global batch size); with a constant global batch size both give the same
+schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+_STATE_KEYS = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "wsd_decay_steps",
+    "lr_wsd_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+    "num_steps",
+)
+
+
+class HasParamGroups(Protocol):
+    """A torch optimizer or a `MegatronOptimizer`."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+class OptimizerParamScheduler:
+    """Sets `lr` and `weight_decay` of every parameter group of `optimizer` at each step.
+
+    A group's weight decay is the scheduled value times its `wd_mult` (default 1.0;
+    `get_megatron_optimizer` gives biases and norm weights 0.0).
+
+    Args:
+        optimizer: what to schedule.
+        init_lr: learning rate at step 0 (the start of the warmup).
+        max_lr: learning rate at the end of the warmup.
+        min_lr: learning rate after `lr_decay_steps`, and the floor of inverse-square-root.
+        lr_warmup_steps: steps of linear warmup (0: none).
+        lr_decay_steps: the step at which decay ends (counted from 0, warmup included).
+        lr_decay_style: one of `LR_DECAY_STYLES`.
+        start_wd: weight decay at step 0.
+        end_wd: weight decay from `wd_incr_steps` on.
+        wd_incr_steps: steps over which the weight decay goes from `start_wd` to `end_wd`.
+        wd_incr_style: one of `WD_INCR_STYLES` ("constant" needs `start_wd == end_wd`).
+        wsd_decay_steps: WSD only: the last steps before `lr_decay_steps` that decay.
+        lr_wsd_decay_style: WSD only: one of `LR_WSD_DECAY_STYLES`.
+
+    Raises:
+        ValueError: inconsistent arguments (the message names them).
+    """
+
+    def __init__(
+        self,
+        optimizer: HasParamGroups,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: int,
+        lr_decay_steps: int,
+        lr_decay_style: str,
+        start_wd: float,
+        end_wd: float,
+        wd_incr_steps: int,
+        wd_incr_style: str,
+        wsd_decay_steps: int | None = None,
+        lr_wsd_decay_style: str | None = None,
+    ):
+        self.optimizer = optimizer
+        self.init_lr = float(init_lr)
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
+        self.start_wd = float(start_wd)
+        self.end_wd = float(end_wd)
+        self.wd_incr_steps = wd_incr_steps
+        self.wd_incr_style = wd_incr_style
+        self.num_steps = 0
+        self._validate()
+        self.step(0)
+
+    def _validate(self) -> None:
+        if not 0.0 <= self.min_lr <= self.max_lr:
+            raise ValueError(f"Need 0 <= min_lr ({self.min_lr}) <= max_lr ({self.max_lr}).")
+        if not 0.0 <= self.init_lr <= self.max_lr:
+            raise ValueError(f"Need 0 <= init_lr ({self.init_lr}) <= max_lr ({self.max_lr}).")
+        if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
+            raise ValueError(
+                f"Need 0 <= lr_warmup_steps ({self.lr_warmup_steps}) < lr_decay_steps "
+                f"({self.lr_decay_steps}): the decay period includes the warmup."
+            )
+        _check_choice("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        if self.lr_decay_style == "WSD":
+            _check_choice("lr_wsd_decay_style", self.lr_wsd_decay_style, LR_WSD_DECAY_STYLES)
+            decay_steps = self.wsd_decay_steps
+            if decay_steps is None or not 0 < decay_steps <= self.lr_decay_steps:
+                raise ValueError(
+                    f"lr_decay_style='WSD' needs 0 < wsd_decay_steps ({decay_steps}) <= "
+                    f"lr_decay_steps ({self.lr_decay_steps})."
+                )
+        if not 0.0 <= self.start_wd <= self.end_wd:
+            raise ValueError(f"Need 0 <= start_wd ({self.start_wd}) <= end_wd ({self.end_wd}).")
+        _check_choice("wd_incr_style", self.wd_incr_style, WD_INCR_STYLES)
+        if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
+            raise ValueError(
+                f"wd_incr_style='constant' needs start_wd == end_wd (got {self.start_wd} and "
+                f"{self.end_wd}); use 'linear' or 'cosine' to change the weight decay."
+            )
+        if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
+            raise ValueError(
+                f"wd_incr_style={self.wd_incr_style!r} needs wd_incr_steps > 0, got "
+                f"{self.wd_incr_steps}."
+            )
+
+    def get_wd(self) -> float:
+        """The weight decay at the current step."""
+        if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:  # cosine: rises slowly, fastest in the middle, slowly again
+            coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def get_lr(self) -> float:
+        """The learning rate at the current step."""
+        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            progress = self.num_steps / self.lr_warmup_steps
+            return self.init_lr + (self.max_lr - self.init_lr) * progress
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if self.num_steps > self.lr_decay_steps:
+            return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            # Continuous with the warmup's end: max_lr at step lr_warmup_steps.
+            warmup, step = max(self.lr_warmup_steps, 1), max(self.num_steps, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(warmup / step))
+        ratio = (self.num_steps - self.lr_warmup_steps) / (
+            self.lr_decay_steps - self.lr_warmup_steps
+        )
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            coeff = self._wsd_coeff()
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _wsd_coeff(self) -> float:
+        """Warmup-stable-decay: 1 until the last `wsd_decay_steps`, then down to 0."""
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if self.num_steps <= anneal_start:
+            return 1.0
+        ratio = (self.num_steps - anneal_start) / self.wsd_decay_steps
+        style = self.lr_wsd_decay_style
+        if style == "linear":
+            return 1.0 - ratio
+        if style == "cosine":
+            return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if style == "exponential":
+            return 2.0 * 0.5**ratio - 1.0
+        return 1.0 - math.sqrt(ratio)  # minus_sqrt
+
+    def step(self, increment: int) -> None:
+        """Advances `increment` steps and writes the new values into every parameter group."""
+        self.num_steps += increment
+        lr, wd = self.get_lr(), self.get_wd()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule and its position (Megatron-LM's keys, plus the WSD ones)."""
+        return {key: getattr(self, key) for key in _STATE_KEYS}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes the schedule of a checkpoint: its values replace the constructor's (as
+        Megatron-LM's default `use_checkpoint_opt_param_scheduler` does) and the parameter
+        groups get the checkpoint step's values.
+
+        Raises:
+            ValueError: a key is missing, or the loaded schedule is inconsistent.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"Scheduler state dict lacks {missing}; pass one saved by "
+                "OptimizerParamScheduler.state_dict()."
+            )
+        for key in _STATE_KEYS:
+            setattr(self, key, state_dict[key])
+        self._validate()
+        self.step(0)
+
+
+def _check_choice(name: str, value: str | None, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(choices)}.")

@@ -1,0 +1,478 @@
+"""The pretraining loop: `pretrain()`, Megatron-LM's entry point, and the steps it is made of.
+
+`pretrain()` initialises the job (`initialize_megatron`), builds the model through the
+script's `model_provider` and wraps it with Megatron-FSDP (`--use-megatron-fsdp`) or the DDP
+engine, builds the optimizer and learning-rate schedule, the data iterators from the script's
+dataset provider, then trains for `--train-iters` iterations, evaluating every
+`--eval-interval`, and once more (validation and test) at the end.
+
+One iteration (`train_step`) on either engine::
+
+    model.zero_grad_buffer(); optimizer.zero_grad()
+    model.start_param_sync()           # Megatron-FSDP: gather the first unit early
+    for each of the num_microbatches = global batch / (micro batch x data-parallel size):
+        with microbatch(...) / no_sync():  # reductions run once, after the last one
+            forward, loss / num_microbatches, backward
+    model.finish_grad_sync()
+    optimizer.step()                   # global grad norm; skip if not finite; clip; step
+    scheduler.step(1)                  # only after a real update, as Megatron-LM's
+
+The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
+where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
+backpropagate (this microbatch's mean) and the values to report, which the loop averages over
+microbatches and data-parallel ranks. Checkpointing is not built yet (`--save`/`--load` are
+rejected by `validate_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from megatron.core import parallel_state
+from megatron.core.datasets.data_samplers import build_pretraining_data_loader
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    FullyShardedDataParallel,
+    data_parallel_class,
+)
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.fsdp import microbatch
+from megatron.core.enums import ModelType
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.training.arguments import get_megatron_ddp_config
+from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
+from megatron.training.training_log import TrainingLog
+from megatron.training.utils import (
+    average_losses_across_data_parallel_group,
+    get_device,
+    print_rank_0,
+)
+
+DataIterator = Iterator[dict[str, torch.Tensor]]
+LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+ForwardStepFunc = Callable[[DataIterator, torch.nn.Module], tuple[torch.Tensor, LossFunc]]
+ModelProvider = Callable[..., torch.nn.Module]
+DatasetProvider = Callable[[list[int]], tuple[Dataset | None, Dataset | None, Dataset | None]]
+
+
+@dataclasses.dataclass
+class TrainingHistory:
+    """What `pretrain()` measured, the same on every rank (values are averaged over ranks).
+
+    Attributes:
+        losses: per iteration (index i is iteration i + 1), the reported losses averaged over
+            the microbatches and the data-parallel ranks (skipped iterations included).
+        grad_norms: per iteration, the global gradient norm before clipping.
+        learning_rates: per iteration, the learning rate the step used.
+        skipped_iterations: iterations whose optimizer step was skipped (non-finite gradients).
+        validation_losses: iteration -> the losses of the evaluation run after it.
+        final_validation_losses: the evaluation at the end of training (None: no validation).
+        test_losses: the test-split evaluation at the end of training (None: no test split).
+        num_parameters: the model's parameter count.
+    """
+
+    losses: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    learning_rates: list[float] = dataclasses.field(default_factory=list)
+    skipped_iterations: list[int] = dataclasses.field(default_factory=list)
+    validation_losses: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    final_validation_losses: dict[str, float] | None = None
+    test_losses: dict[str, float] | None = None
+    num_parameters: int = 0
+
+    def loss_curve(self, key: str = "lm loss") -> list[float]:
+        """One reported loss per iteration."""
+        return [losses[key] for losses in self.losses]
+
+
+def pretrain(
+    train_valid_test_dataset_provider: DatasetProvider,
+    model_provider: ModelProvider,
+    model_type: ModelType,
+    forward_step_func: ForwardStepFunc,
+    extra_args_provider: ExtraArgsProvider | None = None,
+    args_defaults: dict[str, Any] | None = None,
+    argv: list[str] | None = None,
+) -> TrainingHistory:
+    """Trains a model as the command-line flags describe (Megatron-LM's `pretrain`).
+
+    Args:
+        train_valid_test_dataset_provider: takes the number of samples each split needs,
+            [train, valid, test], and returns the three datasets (None for a split not needed).
+        model_provider: `model_provider(pre_process=True, post_process=True)` builds the
+            unwrapped model on the current default device (`meta` with
+            `--init-model-with-meta-device`), reading its shape from `get_args()`.
+        model_type: `ModelType.encoder_or_decoder`.
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`; see the
+            module docstring.
+        extra_args_provider: adds a script's own flags to the parser.
+        args_defaults: a script's defaults for flags (dest name -> value).
+        argv: the flags; None reads `sys.argv[1:]`.
+
+    Returns:
+        The per-iteration losses, gradient norms and learning rates and the evaluations.
+
+    Raises:
+        ValueError: a flag is bad; the message names it and the fix.
+        RuntimeError: with `--check-for-nan-in-loss-and-grad` (the default), a loss or
+            (DDP engine) a gradient is not finite.
+    """
+    owns_default_group = not dist.is_initialized()
+    args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
+    try:
+        model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
+        train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
+            train_valid_test_dataset_provider, args
+        )
+        with contextlib.closing(TrainingLog(args, model.config, get_device())) as log:
+            history = train(
+                forward_step_func,
+                model,
+                optimizer,
+                scheduler,
+                train_iterator,
+                valid_iterator,
+                args,
+                log,
+            )
+            history.num_parameters = _num_parameters(model.module)
+            evaluate = functools.partial(
+                evaluate_and_print_results,
+                forward_step_func,
+                model=model,
+                args=args,
+                log=log,
+                when="the end of training",
+                iteration=len(history.losses),
+            )
+            if valid_iterator is not None:
+                history.final_validation_losses = evaluate(valid_iterator, split="validation")
+            if test_iterator is not None:
+                history.test_losses = evaluate(test_iterator, split="test")
+        return history
+    finally:
+        destroy_megatron(destroy_default_group=owns_default_group)
+
+
+def get_model(
+    model_provider: ModelProvider, model_type: ModelType, args: argparse.Namespace
+) -> _BaseDataParallel:
+    """Builds the model and wraps it with the data-parallel engine the flags select.
+
+    Raises:
+        ValueError: `model_type` is not `ModelType.encoder_or_decoder`.
+    """
+    if model_type is not ModelType.encoder_or_decoder:
+        raise ValueError(
+            f"model_type={model_type!r}: only ModelType.encoder_or_decoder (decoder-only GPT "
+            "models) is supported."
+        )
+    # On meta, no rank holds the whole model: Megatron-FSDP materialises each rank's shards.
+    device = torch.device("meta") if args.init_model_with_meta_device else get_device()
+    with device:
+        module = model_provider(pre_process=True, post_process=True)
+    num_parameters = _num_parameters(module)
+    print_rank_0(f"> number of parameters: {num_parameters:,} ({_short_count(num_parameters)})")
+
+    ddp_config = get_megatron_ddp_config(args)
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    wrapper = data_parallel_class(ddp_config)
+    model = wrapper(module.config, ddp_config, module, pg_collection=pg_collection)
+    if isinstance(model, DistributedDataParallel):
+        # Equal seeds give equal weights already; this guards against a provider that draws
+        # random numbers differently on some rank (Megatron-LM broadcasts too).
+        model.broadcast_params()
+    engine = (
+        f"Megatron-FSDP ({args.data_parallel_sharding_strategy})"
+        if args.use_megatron_fsdp
+        else "the DDP engine"
+    )
+    print_rank_0(
+        f"> training with {engine}: global batch {args.global_batch_size} = "
+        f"{args.num_microbatches} microbatch(es) x micro batch {args.micro_batch_size} x "
+        f"data-parallel size {args.data_parallel_size}"
+    )
+    return model
+
+
+def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """The `OptimizerConfig` the flags describe (weight decay: the schedule's start value)."""
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.start_weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+    )
+
+
+def get_optimizer_param_scheduler(
+    optimizer: MegatronOptimizer, args: argparse.Namespace
+) -> OptimizerParamScheduler:
+    """The learning-rate and weight-decay schedule the flags describe, in iterations."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def setup_model_and_optimizer(
+    model_provider: ModelProvider, model_type: ModelType, args: argparse.Namespace
+) -> tuple[_BaseDataParallel, MegatronOptimizer, OptimizerParamScheduler]:
+    """The wrapped model, its optimizer (built after wrapping, over what the engine steps) and
+    the learning-rate schedule."""
+    model = get_model(model_provider, model_type, args)
+    optimizer = get_megatron_optimizer(get_megatron_optimizer_config(args), model)
+    scheduler = get_optimizer_param_scheduler(optimizer, args)
+    return model, optimizer, scheduler
+
+
+def build_train_valid_test_data_iterators(
+    train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
+) -> tuple[DataIterator, DataIterator | None, DataIterator | None]:
+    """Iterators over this rank's micro-batches of each split (None for an absent split).
+
+    The splits are sized as Megatron-LM sizes them: train for every iteration; validation for
+    `--eval-iters` iterations at every `--eval-interval` and once more at the end; test for
+    one evaluation.
+    """
+    global_batch = args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    num_samples = [
+        args.train_iters * global_batch,
+        evaluations * args.eval_iters * global_batch,
+        args.eval_iters * global_batch,
+    ]
+    print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
+    datasets = train_valid_test_dataset_provider(num_samples)
+    iterators = []
+    for dataset, needed in zip(datasets, num_samples):
+        loader = None
+        if dataset is not None and needed > 0:
+            loader = build_pretraining_data_loader(
+                dataset,
+                consumed_samples=0,
+                micro_batch_size=args.micro_batch_size,
+                data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                num_workers=args.num_workers,
+            )
+        iterators.append(None if loader is None else iter(loader))
+    train_iterator, valid_iterator, test_iterator = iterators
+    if train_iterator is None:
+        raise ValueError("The dataset provider returned no training dataset.")
+    return train_iterator, valid_iterator, test_iterator
+
+
+def _microbatch_scope(
+    model: _BaseDataParallel, index: int, count: int
+) -> contextlib.AbstractContextManager:
+    """Where microbatch `index` of `count` sits in gradient accumulation, for the engine."""
+    is_last = index == count - 1
+    if isinstance(model, FullyShardedDataParallel):
+        # Also tells it that only the first microbatch must refresh the compute weights.
+        return microbatch(model, is_first=index == 0, is_last=is_last)
+    return contextlib.nullcontext() if is_last else model.no_sync()
+
+
+def forward_backward(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: _BaseDataParallel,
+    num_microbatches: int,
+    forward_only: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Runs every microbatch of one iteration (Megatron-LM's no-pipelining schedule).
+
+    Returns:
+        Each microbatch's reported losses (this rank's).
+    """
+    loss_dicts = []
+    for index in range(num_microbatches):
+        scope = (
+            contextlib.nullcontext()
+            if forward_only
+            else _microbatch_scope(model, index, num_microbatches)
+        )
+        with scope:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
+            loss, loss_dict = loss_func(output_tensor)
+            if not forward_only:
+                # The gradient of the mean over microbatches: accumulation adds them up.
+                (loss / num_microbatches).backward()
+        loss_dicts.append(loss_dict)
+    return loss_dicts
+
+
+def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Each reported loss averaged over the microbatches, then over the data-parallel ranks
+    (one all-reduce)."""
+    keys = list(loss_dicts[0])
+    per_microbatch = torch.stack(
+        [torch.stack([d[key].detach().float().reshape(()) for key in keys]) for d in loss_dicts]
+    )
+    averaged = average_losses_across_data_parallel_group(per_microbatch.mean(dim=0))
+    return dict(zip(keys, averaged.tolist()))
+
+
+def train_step(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: _BaseDataParallel,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    args: argparse.Namespace,
+) -> tuple[dict[str, float], bool, float]:
+    """One iteration: every microbatch's forward and backward, then the optimizer step.
+
+    Returns:
+        (losses, skipped, grad_norm): the averaged reported losses, whether the optimizer step
+        was skipped because the gradient norm was not finite, and that norm.
+
+    Raises:
+        RuntimeError: a loss is not finite and `--check-for-nan-in-loss-and-grad` is on.
+    """
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    model.start_param_sync()
+    loss_dicts = forward_backward(forward_step_func, data_iterator, model, args.num_microbatches)
+    model.finish_grad_sync()
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(1)
+    losses = average_loss_dicts(loss_dicts)
+    # Checked after the step (which synchronises anyway) to add no wait of its own; a
+    # non-finite loss has non-finite gradients, so the step was skipped.
+    if args.check_for_nan_in_loss_and_grad and not all(map(math.isfinite, losses.values())):
+        raise RuntimeError(
+            f"The loss is not finite ({losses}). Lower --lr or check the data; or pass "
+            "--no-check-for-nan-in-loss-and-grad to skip such steps and continue."
+        )
+    return losses, not update_successful, grad_norm
+
+
+def train(
+    forward_step_func: ForwardStepFunc,
+    model: _BaseDataParallel,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    train_data_iterator: DataIterator,
+    valid_data_iterator: DataIterator | None,
+    args: argparse.Namespace,
+    log: TrainingLog,
+) -> TrainingHistory:
+    """The training loop: `--train-iters` iterations (fewer with `--exit-interval`), logging
+    every `--log-interval` and evaluating every `--eval-interval`."""
+    history = TrainingHistory()
+    model.train()
+    print_rank_0("> training ...")
+    for iteration in range(1, args.train_iters + 1):
+        learning_rate = optimizer.param_groups[0]["lr"]
+        start = time.perf_counter()
+        losses, skipped, grad_norm = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, scheduler, args
+        )
+        seconds = time.perf_counter() - start
+        if skipped:
+            history.skipped_iterations.append(iteration)
+            print_rank_0(
+                f"WARNING: iteration {iteration}: skipped the optimizer step, the gradient norm "
+                f"is {grad_norm} (losses {losses}); weights and learning rate are unchanged.",
+                logging.WARNING,
+            )
+        history.losses.append(losses)
+        history.grad_norms.append(grad_norm)
+        history.learning_rates.append(learning_rate)
+        log.record_iteration(iteration, losses, skipped, grad_norm, learning_rate, seconds)
+
+        if valid_data_iterator is not None and iteration % args.eval_interval == 0:
+            history.validation_losses[iteration] = evaluate_and_print_results(
+                forward_step_func,
+                valid_data_iterator,
+                model,
+                args,
+                log,
+                split="validation",
+                when=f"iteration {iteration}",
+                iteration=iteration,
+            )
+        if args.exit_interval is not None and iteration % args.exit_interval == 0:
+            print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
+            break
+    return history
+
+
+@torch.no_grad()
+def evaluate(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: _BaseDataParallel,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """The reported losses over `--eval-iters` global batches, in eval mode (no dropout)."""
+    model.eval()
+    totals: dict[str, float] = {}
+    for _ in range(args.eval_iters):
+        # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
+        loss_dicts = forward_backward(
+            forward_step_func, data_iterator, model, args.num_microbatches, forward_only=True
+        )
+        for key, value in average_loss_dicts(loss_dicts).items():
+            totals[key] = totals.get(key, 0.0) + value
+    model.train()
+    return {key: total / args.eval_iters for key, total in totals.items()}
+
+
+def evaluate_and_print_results(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: _BaseDataParallel,
+    args: argparse.Namespace,
+    log: TrainingLog,
+    *,
+    split: str,
+    when: str,
+    iteration: int,
+) -> dict[str, float]:
+    """Evaluates on `data_iterator` and logs the result (see `TrainingLog.log_evaluation`)."""
+    losses = evaluate(forward_step_func, data_iterator, model, args)
+    log.log_evaluation(split, when, iteration, losses)
+    return losses
+
+
+def _short_count(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
+
+
+def _num_parameters(module: torch.nn.Module) -> int:
+    # Megatron-FSDP's DTensor parameters report their global shape, so this is the full count.
+    return sum(param.numel() for param in module.parameters())

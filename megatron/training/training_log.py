@@ -1,0 +1,190 @@
+"""What the training loop reports: Megatron-LM's periodic log line, the evaluation summaries,
+and the TensorBoard / Weights & Biases scalars.
+
+Every `--log-interval` iterations rank 0 logs one line (wrapped here) such as::
+
+    iteration       20/     200 | consumed samples:          320 | elapsed time per iteration
+    (ms): 115.3 | tokens/s/GPU: 4442.5 | learning rate: 1.990053E-03 | global batch size:    16
+    | lm loss: 3.703642E+00 | grad norm: 0.933 | number of skipped iterations:   0 | number of
+    nan iterations:   0 | 10.0% done, ETA 0:00:21
+
+Times cover training steps only, not evaluation. The loss is averaged over the interval's
+non-skipped iterations (each already averaged over its microbatches and the data-parallel
+ranks); the grad norm is the last iteration's. On GPU the line also has TFLOP/s per GPU (on CPU
+too with `--log-throughput`) and the peak memory allocated so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flops import num_floating_point_operations
+from megatron.training.utils import is_rank_0, print_rank_0
+
+
+class MetricWriter:
+    """The TensorBoard and Weights & Biases runs the flags ask for (on rank 0; elsewhere, and
+    without those flags, writing is a no-op)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.tensorboard = None
+        self.wandb_run = None
+        if not is_rank_0():
+            return
+        if args.tensorboard_dir is not None:
+            # Optional dependencies: imported only when asked for (validate_args checked them).
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        if args.wandb_project is not None:
+            import wandb
+
+            # wandb stores plain values only (args hold dtypes, for one).
+            config = {
+                k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                for k, v in vars(args).items()
+            }
+            self.wandb_run = wandb.init(
+                project=args.wandb_project, name=args.wandb_exp_name, config=config
+            )
+
+    def add_scalars(self, scalars: dict[str, float], iteration: int) -> None:
+        """Writes each named value at step `iteration`."""
+        if self.tensorboard is not None:
+            for name, value in scalars.items():
+                self.tensorboard.add_scalar(name, value, iteration)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        """Flushes and closes the runs."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+@dataclasses.dataclass
+class _Interval:
+    """What happened since the last log line."""
+
+    iterations: int = 0
+    seconds: float = 0.0
+    loss_sums: dict[str, float] = dataclasses.field(default_factory=dict)
+    counted: int = 0  # iterations whose losses are in `loss_sums`
+    skipped: int = 0
+    nan: int = 0
+
+
+class TrainingLog:
+    """Accumulates the training iterations between log lines and reports them.
+
+    Args:
+        args: validated arguments (batch sizes, intervals, logging flags).
+        config: the model's config, for the FLOPs of an iteration.
+        device: where the model computes (throughput and memory fields are GPU-only).
+    """
+
+    def __init__(self, args: argparse.Namespace, config: TransformerConfig, device: torch.device):
+        self.args = args
+        self.device = device
+        self.writer = MetricWriter(args)
+        self.flops_per_iteration = num_floating_point_operations(
+            config, args.padded_vocab_size, args.seq_length, args.global_batch_size
+        )
+        self.interval = _Interval()
+
+    def record_iteration(
+        self,
+        iteration: int,
+        losses: dict[str, float],
+        skipped: bool,
+        grad_norm: float,
+        learning_rate: float,
+        seconds: float,
+    ) -> None:
+        """Adds one training iteration; logs the line when `iteration` ends an interval."""
+        interval = self.interval
+        interval.iterations += 1
+        interval.seconds += seconds
+        if skipped:
+            # Megatron-LM's rule: a skipped iteration's loss stays out of the average, and it
+            # counts as a nan iteration when that loss is not finite.
+            interval.skipped += 1
+            if not all(math.isfinite(value) for value in losses.values()):
+                interval.nan += 1
+        else:
+            interval.counted += 1
+            for key, value in losses.items():
+                interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
+        if iteration % self.args.tensorboard_log_interval == 0:
+            scalars = {"learning-rate": learning_rate, "grad-norm": grad_norm, **losses}
+            self.writer.add_scalars(scalars, iteration)
+        if iteration % self.args.log_interval == 0:
+            print_rank_0(self._format_line(iteration, grad_norm, learning_rate))
+            self.writer.add_scalars(
+                {"iteration-time": interval.seconds / interval.iterations}, iteration
+            )
+            self.interval = _Interval()
+
+    def _format_line(self, iteration: int, grad_norm: float, learning_rate: float) -> str:
+        args, interval = self.args, self.interval
+        seconds_per_iteration = interval.seconds / interval.iterations
+        tokens = args.global_batch_size * args.seq_length
+        fields = [
+            f"iteration {iteration:8d}/{args.train_iters:8d}",
+            f"consumed samples: {iteration * args.global_batch_size:12d}",
+            f"elapsed time per iteration (ms): {seconds_per_iteration * 1000:.1f}",
+            f"tokens/s/GPU: {tokens / seconds_per_iteration / args.world_size:.1f}",
+        ]
+        if self.device.type == "cuda" or args.log_throughput:
+            tflops = self.flops_per_iteration / seconds_per_iteration / args.world_size / 1e12
+            fields.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
+        fields += [
+            f"learning rate: {learning_rate:.6E}",
+            f"global batch size: {args.global_batch_size:5d}",
+        ]
+        fields += [f"{k}: {v / interval.counted:.6E}" for k, v in interval.loss_sums.items()]
+        fields += [
+            f"grad norm: {grad_norm:.3f}",
+            f"number of skipped iterations: {interval.skipped:3d}",
+            f"number of nan iterations: {interval.nan:3d}",
+        ]
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            fields.append(f"peak memory (GiB): {peak:.2f}")
+        remaining = args.train_iters - iteration
+        eta = datetime.timedelta(seconds=round(remaining * seconds_per_iteration))
+        fields.append(f"{100 * iteration / args.train_iters:.1f}% done, ETA {eta}")
+        return " | ".join(fields)
+
+    def log_evaluation(
+        self, split: str, when: str, iteration: int, losses: dict[str, float]
+    ) -> None:
+        """Logs an evaluation's losses and perplexities in Megatron-LM's box.
+
+        Args:
+            split: "validation" or "test".
+            when: e.g. "iteration 20" or "the end of training".
+            iteration: the training iteration the scalars are written at.
+            losses: the evaluation's averaged losses.
+        """
+        fields = [f" {split} loss at {when}"]
+        for key, value in losses.items():
+            # Megatron-LM caps the exponent at 20 too: exp overflows for a diverged loss.
+            perplexity = math.exp(min(20.0, value))
+            fields.append(f"{key} value: {value:.6E} | {key} PPL: {perplexity:.6E}")
+        line = " | ".join(fields)
+        rule = "-" * (len(line) + 1)
+        print_rank_0(f"{rule}\n{line}\n{rule}")
+        self.writer.add_scalars({f"{key} {split}": v for key, v in losses.items()}, iteration)
+
+    def close(self) -> None:
+        """Closes the TensorBoard / wandb runs."""
+        self.writer.close()

@@ -1,0 +1,44 @@
+"""Small helpers of the training loop: the compute device, rank-0 logging, loss averaging."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+logger = logging.getLogger("megatron.training")
+"""Everything the training loop reports goes through this logger (tests attach handlers)."""
+
+
+def get_device() -> torch.device:
+    """The device this rank computes on: its GPU under NCCL, the CPU otherwise."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_rank_0() -> bool:
+    """Whether this process reports for the job (rank 0, or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print_rank_0(message: str, level: int = logging.INFO) -> None:
+    """Logs `message` once for the job, from rank 0. Every rank holds the same (reduced)
+    values, so one reporting rank suffices; Megatron-LM's last rank plays this part only
+    because of pipeline parallelism, which does not exist here."""
+    if is_rank_0():
+        logger.log(level, message)
+
+
+def average_losses_across_data_parallel_group(losses: torch.Tensor) -> torch.Tensor:
+    """The mean of `losses` (any shape) over the data-parallel ranks, the same on every rank.
+
+    SUM then divide rather than `ReduceOp.AVG`, which gloo lacks.
+    """
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    averaged = losses.detach().clone()
+    dist.all_reduce(averaged, group=group)
+    return averaged / dist.get_world_size(group)

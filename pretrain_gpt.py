@@ -1,0 +1,100 @@
+"""Pretrains a GPT with Megatron-LM's flags: the project's training entry point.
+
+    torchrun --nproc-per-node 2 pretrain_gpt.py --use-megatron-fsdp \\
+        --data-parallel-sharding-strategy optim_grads_params --num-layers 2 --hidden-size 64 \\
+        --num-attention-heads 4 --seq-length 32 --micro-batch-size 4 --global-batch-size 16 \\
+        --train-iters 50 --lr 3e-3 --mock-data --vocab-size 128 --distributed-backend gloo
+
+Without `--use-megatron-fsdp` the DDP engine trains instead. `docs/flags.md` lists the flags,
+`docs/running.md` shows runs on CPU and GPU. This file holds what is specific to GPT (the model,
+the batch, the loss, the datasets); `megatron.training.pretrain` does the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.global_vars import get_args
+from megatron.training.training import DataIterator, LossFunc, TrainingHistory, pretrain
+from megatron.training.utils import get_device, print_rank_0
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """The GPT the flags describe, on the current default device."""
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    use_te = args.transformer_impl == "transformer_engine"
+    return GPTModel(
+        config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=use_te),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+
+
+def get_batch(data_iterator: DataIterator) -> tuple[torch.Tensor, ...]:
+    """The next micro-batch on this rank's device: tokens, labels, loss_mask, position_ids."""
+    data = next(data_iterator)
+    device = get_device()
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return tuple(data[key].to(device, non_blocking=True) for key in keys)
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean per-token loss over the unmasked tokens, to backpropagate and to report."""
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * loss_mask) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(
+    data_iterator: DataIterator, model: torch.nn.Module
+) -> tuple[torch.Tensor, LossFunc]:
+    """Forward of one micro-batch: the per-token losses and the function that reduces them."""
+    tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, labels=labels)
+    return output_tensor, functools.partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(
+    train_val_test_num_samples: list[int],
+) -> tuple[MockGPTDataset | None, ...]:
+    """`--mock-data` datasets of the requested sizes; each split draws other sequences."""
+    args = get_args()
+    print_rank_0("> building mock GPT datasets (train, validation, test) ...")
+    return tuple(
+        MockGPTDataset(num_samples, args.seq_length, args.vocab_size, seed=args.seed + split)
+        if num_samples > 0
+        else None
+        for split, num_samples in enumerate(train_val_test_num_samples)
+    )
+
+
+def main(argv: list[str] | None = None) -> TrainingHistory:
+    """Trains with the flags in `argv` (None: the command line); returns the history."""
+    return pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        argv=argv,
+    )
+
+
+if __name__ == "__main__":
+    main()

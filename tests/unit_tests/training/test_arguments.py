@@ -1,0 +1,548 @@
+"""Command-line flags: defaults, derived values, configs built from them, rejected combinations."""
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.extensions import transformer_engine
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.training.arguments import (
+    add_megatron_arguments,
+    core_transformer_config_from_args,
+    get_megatron_ddp_config,
+    get_parallel_state_kwargs,
+    parse_args,
+    validate_args,
+)
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
+    "--distributed-backend gloo"
+).split()
+"""A tiny valid run on CPU; later flags override these (argparse keeps the last value)."""
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "flags.md"
+
+
+def validated(*flags: str, world_size: int = 4, base: tuple[str, ...] = tuple(BASE)):
+    return validate_args(parse_args(args=[*base, *flags]), world_size=world_size)
+
+
+@pytest.fixture
+def cuda_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.fixture
+def cuda_unavailable(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_defaults_follow_megatron():
+    args = validated()
+    expected = dict(
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        make_vocab_size_divisible_by=128,
+        normalization="LayerNorm",
+        norm_epsilon=1e-5,
+        add_bias_linear=True,
+        untie_embeddings_and_output_weights=False,
+        transformer_impl="local",
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        init_method_std=0.02,
+        weight_decay=0.01,
+        weight_decay_incr_style="constant",
+        clip_grad=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        sgd_momentum=0.9,
+        optimizer="adam",
+        seed=1234,
+        lr_decay_style="linear",
+        lr_warmup_iters=0,
+        lr_warmup_init=0.0,
+        min_lr=0.0,
+        check_for_nan_in_loss_and_grad=True,
+        use_megatron_fsdp=False,
+        data_parallel_sharding_strategy="no_shard",
+        outer_dp_sharding_strategy="no_shard",
+        num_distributed_optimizer_instances=1,
+        fsdp_all_gather_in_start_param_sync=True,
+        create_all_gather_group=False,
+        use_symm_mem=False,
+        megatron_fsdp_main_params_dtype="fp32",
+        megatron_fsdp_main_grads_dtype="auto",
+        megatron_fsdp_grad_comm_dtype="auto",
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        distributed_timeout_minutes=10,
+        split="969,30,1",
+        num_workers=2,
+        log_interval=100,
+        eval_interval=1000,
+        eval_iters=100,
+        tensorboard_log_interval=1,
+        ckpt_format="torch_dist",
+        no_load_optim=False,
+        no_load_rng=False,
+        finetune=False,
+    )
+    assert {name: getattr(args, name) for name in expected} == expected
+
+
+def test_derived_values():
+    args = validated()
+    assert args.world_size == 4
+    assert args.data_parallel_size == 4
+    assert args.global_batch_size == 2 * 4  # micro x dp
+    assert args.num_microbatches == 1
+    assert args.kv_channels == 16
+    assert args.ffn_hidden_size == 4 * 64
+    assert args.num_query_groups == 4
+    assert args.max_position_embeddings == 32
+    assert args.padded_vocab_size == 128
+    assert args.params_dtype == torch.float32
+    assert args.lr_decay_iters == 10
+    assert args.start_weight_decay == args.end_weight_decay == 0.01
+
+
+def test_data_parallel_size_and_microbatches_follow_context_parallelism():
+    args = validated("--context-parallel-size", "2", "--global-batch-size", "16", world_size=8)
+    assert args.data_parallel_size == 4
+    assert args.num_microbatches == 16 // (2 * 4)
+
+
+@pytest.mark.parametrize("hidden", [64, 96, 128, 2048, 4096])
+def test_swiglu_ffn_default_is_megatrons(hidden):
+    args = validated("--hidden-size", str(hidden), "--swiglu")
+    assert args.ffn_hidden_size == int((4 * hidden * 2 / 3) / 64) * 64
+
+
+@pytest.mark.parametrize(
+    "flags, dtype", [("", torch.float32), ("--bf16", torch.bfloat16), ("--fp16", torch.float16)]
+)
+def test_params_dtype(flags, dtype):
+    assert validated(*flags.split()).params_dtype == dtype
+
+
+def test_world_size_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = validate_args(parse_args(args=BASE))
+    assert (args.world_size, args.data_parallel_size) == (8, 8)
+
+
+def test_validate_is_idempotent():
+    args = validated("--weight-decay-incr-style", "constant", "--swiglu")
+    before = dict(vars(args))
+    assert vars(validate_args(args, world_size=4)) == before
+
+
+def test_parse_args_reads_sys_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, "--hidden-size", "128"])
+    assert parse_args().hidden_size == 128
+
+
+def test_extra_args_provider_and_unknown_args():
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--my-flag", type=int, default=3)
+        return parser
+
+    assert parse_args(provider, args=[*BASE, "--my-flag", "5"]).my_flag == 5
+    assert parse_args(ignore_unknown_args=True, args=[*BASE, "--unknown", "1"]).num_layers == 2
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--unknown", "1"])
+    with pytest.raises(SystemExit):  # no abbreviations: a typo must not pick another flag
+        parse_args(args=[*BASE, "--hidden", "128"])
+
+
+def test_no_fsdp_all_gather_in_start_param_sync():
+    args = validated("--use-megatron-fsdp", "--no-fsdp-all-gather-in-start-param-sync")
+    assert args.fsdp_all_gather_in_start_param_sync is False
+    assert get_megatron_ddp_config(args).fsdp_all_gather_in_start_param_sync is False
+    args = validated("--use-megatron-fsdp", "--fsdp-all-gather-in-start-param-sync")
+    assert get_megatron_ddp_config(args).fsdp_all_gather_in_start_param_sync is True
+
+
+FSDP = "--use-megatron-fsdp"
+ZERO3 = f"{FSDP} --data-parallel-sharding-strategy optim_grads_params"
+HFSDP = f"{ZERO3} --outer-dp-sharding-strategy optim --num-distributed-optimizer-instances 2"
+DDP_CONFIG_CASES = [
+    (FSDP, "use_megatron_fsdp", True),
+    (ZERO3, "data_parallel_sharding_strategy", "optim_grads_params"),
+    (HFSDP, "outer_dp_sharding_strategy", "optim"),
+    (f"{FSDP} --num-distributed-optimizer-instances 2", "num_distributed_optimizer_instances", 2),
+    (
+        f"{FSDP} --no-fsdp-all-gather-in-start-param-sync",
+        "fsdp_all_gather_in_start_param_sync",
+        False,
+    ),
+    (f"{FSDP} --use-symm-mem --distributed-backend nccl", "use_symm_mem", True),
+    (f"{FSDP} --overlap-param-gather", "overlap_param_gather", True),
+    ("--overlap-grad-reduce", "overlap_grad_reduce", True),
+    ("--grad-reduce-in-fp32", "grad_reduce_in_fp32", True),
+    (
+        f"{FSDP} --megatron-fsdp-main-params-dtype bf16",
+        "megatron_fsdp_main_params_dtype",
+        torch.bfloat16,
+    ),
+    (f"{FSDP} --megatron-fsdp-main-params-dtype auto", "megatron_fsdp_main_params_dtype", None),
+    (
+        f"{FSDP} --megatron-fsdp-main-grads-dtype bf16",
+        "megatron_fsdp_main_grads_dtype",
+        torch.bfloat16,
+    ),
+    (
+        f"{FSDP} --megatron-fsdp-main-grads-dtype fp32",
+        "megatron_fsdp_main_grads_dtype",
+        torch.float32,
+    ),
+    (
+        f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16",
+        "megatron_fsdp_grad_comm_dtype",
+        torch.float16,
+    ),
+    ("--no-check-for-nan-in-loss-and-grad", "check_for_nan_in_grad", False),
+    ("--ddp-bucket-size 1000", "bucket_size", 1000),
+    ("--ddp-average-in-collective", "average_in_collective", True),
+]
+"""(flags, DistributedDataParallelConfig field, value the flags give it)."""
+
+
+@pytest.mark.parametrize("flags, field, value", DDP_CONFIG_CASES)
+def test_flag_reaches_ddp_config(cuda_available, flags, field, value):
+    config = get_megatron_ddp_config(validated(*flags.split()))
+    assert getattr(config, field) == value
+    baseline = get_megatron_ddp_config(validated())
+    assert getattr(baseline, field) != value, "the flags must change the field"
+
+
+def test_every_ddp_config_field_has_a_flag():
+    covered = {field for _, field, _ in DDP_CONFIG_CASES}
+    assert covered == {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+
+
+TRANSFORMER_CONFIG_CASES = [
+    ("--num-layers 3", "num_layers", 3),
+    ("--hidden-size 96", "hidden_size", 96),
+    ("--num-attention-heads 8", "num_attention_heads", 8),
+    ("--group-query-attention --num-query-groups 2", "num_query_groups", 2),
+    ("--ffn-hidden-size 100", "ffn_hidden_size", 100),
+    ("--kv-channels 8", "kv_channels", 8),
+    ("--hidden-dropout 0.0", "hidden_dropout", 0.0),
+    ("--attention-dropout 0.2", "attention_dropout", 0.2),
+    ("--norm-epsilon 1e-6", "layernorm_epsilon", 1e-6),
+    ("--normalization RMSNorm", "normalization", "RMSNorm"),
+    ("--swiglu", "gated_linear_unit", True),
+    ("--swiglu", "activation_func", F.silu),
+    ("--disable-bias-linear", "add_bias_linear", False),
+    ("--add-qkv-bias", "add_qkv_bias", True),
+    ("--init-method-std 0.01", "init_method_std", 0.01),
+    (
+        "--apply-residual-connection-post-layernorm",
+        "apply_residual_connection_post_layernorm",
+        True,
+    ),
+    ("--recompute-granularity selective", "recompute_granularity", "selective"),
+    ("--recompute-granularity full", "recompute_granularity", "full"),
+    ("--seq-length 16", "seq_length", 16),
+    ("--context-parallel-size 2", "context_parallel_size", 2),
+    ("--bf16", "bf16", True),
+    ("--bf16", "params_dtype", torch.bfloat16),
+    ("--fp16", "fp16", True),
+    ("--fp16", "params_dtype", torch.float16),
+]
+"""(flags, TransformerConfig field, value the flags give it)."""
+# Set from the flags only at their single supported value, or derived by TransformerConfig.
+_NOT_FROM_A_FLAG = {
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "sequence_parallel",
+    "init_method",
+    "output_layer_init_method",
+}
+
+
+@pytest.mark.parametrize("flags, field, value", TRANSFORMER_CONFIG_CASES)
+def test_flag_reaches_transformer_config(flags, field, value):
+    config = core_transformer_config_from_args(validated(*flags.split()))
+    assert getattr(config, field) == value
+    baseline = core_transformer_config_from_args(validated())
+    assert getattr(baseline, field) != value, "the flags must change the field"
+
+
+def test_every_transformer_config_field_has_a_flag():
+    covered = {field for _, field, _ in TRANSFORMER_CONFIG_CASES} | _NOT_FROM_A_FLAG
+    assert covered == {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def test_parallel_state_kwargs_match_initialize_model_parallel():
+    flags = (
+        f"{FSDP} --num-distributed-optimizer-instances 2 --create-all-gather-group "
+        "--expert-model-parallel-size 2 --distributed-timeout-minutes 5"
+    )
+    args = validated(*flags.split())
+    kwargs = get_parallel_state_kwargs(args)
+    assert kwargs == dict(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=2,
+        num_distributed_optimizer_instances=2,
+        create_all_gather_group=True,
+        distributed_timeout_minutes=5,
+    )
+    inspect.signature(parallel_state.initialize_model_parallel).bind(**kwargs)
+
+
+def test_args_build_a_gpt_model():
+    args = validated("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights")
+    model = GPTModel(
+        core_transformer_config_from_args(args),
+        get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+    )
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
+    assert model(tokens).shape == (args.micro_batch_size, args.seq_length, 128)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--position-embedding-type rope --max-position-embeddings 16",
+        "--position-embedding-type none --max-position-embeddings 16",
+        "--lr-decay-style constant --lr-warmup-iters 9",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+        "--weight-decay-incr-style linear --start-weight-decay 0 --end-weight-decay 0.1",
+        "--lr-decay-style WSD --lr-wsd-decay-iters 5",
+        "--group-query-attention --num-query-groups 1",
+        "--num-query-groups 4",  # what it defaults to without --group-query-attention
+        "--hidden-size 30 --kv-channels 8",
+        "--context-parallel-size 2 --expert-model-parallel-size 4",
+        f"{FSDP} --num-distributed-optimizer-instances 4",
+    ],
+)
+def test_accepted_combinations(flags):
+    validated(*flags.split())
+
+
+BAD = [
+    ("--global-batch-size 6", "--global-batch-size 6 is not divisible by --micro-batch-size 2"),
+    ("--context-parallel-size 3", "not divisible by --context-parallel-size 3"),
+    ("--expert-model-parallel-size 3", "not divisible by --expert-model-parallel-size 3"),
+    (
+        f"{FSDP} --num-distributed-optimizer-instances 3",
+        "--num-distributed-optimizer-instances 3 does not divide",
+    ),
+    (
+        f"{FSDP} --num-distributed-optimizer-instances 4 --expert-model-parallel-size 2",
+        "--num-distributed-optimizer-instances 4 does not divide the expert data-parallel",
+    ),
+    (
+        f"{FSDP} --outer-dp-sharding-strategy optim --num-distributed-optimizer-instances 2",
+        "--outer-dp-sharding-strategy optim .* --data-parallel-sharding-strategy optim_grads_",
+    ),
+    (f"{ZERO3} --outer-dp-sharding-strategy optim", "--num-distributed-optimizer-instances > 1"),
+    ("--bf16 --fp16", "--fp16 and --bf16"),
+    ("--hidden-size 30", "--hidden-size 30 .* --num-attention-heads 4; .* --kv-channels"),
+    (
+        "--group-query-attention --num-query-groups 3",
+        "--num-attention-heads 4 is not divisible by --num-query-groups 3",
+    ),
+    ("--group-query-attention", "--group-query-attention needs --num-query-groups"),
+    ("--num-query-groups 2", "--num-query-groups 2 .* add --group-query-attention"),
+    ("--max-position-embeddings 16", "--seq-length 32 exceeds --max-position-embeddings 16"),
+    ("--data-path corpus", "--mock-data and --data-path"),
+    ("--lr-warmup-iters 10", r"--lr-warmup-iters 10 must be in \[0, --lr-decay-iters 10\)"),
+    ("--lr-decay-style constant --lr-warmup-iters 10", "--lr-warmup-iters 10 must be in"),
+    ("--lr-warmup-iters -1", "--lr-warmup-iters -1 must be in"),
+    ("--lr-decay-iters 5 --lr-warmup-iters 7", "--lr-warmup-iters 7 .* --lr-decay-iters 5"),
+    ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor .* --use-megatron-fsdp"),
+    ("--tensor-model-parallel-size 2", "--tensor-model-parallel-size"),
+    ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size"),
+    ("--micro-batch-size 0", "--micro-batch-size must be >= 1"),
+    ("--recompute-method uniform", "--recompute-method applies to --recompute-granularity full"),
+    (
+        "--recompute-granularity full --recompute-method block",
+        "--recompute-method block .* not implemented",
+    ),
+    (
+        "--recompute-granularity full --recompute-num-layers 2",
+        "--recompute-num-layers 2 .* not implemented",
+    ),
+    ("--start-weight-decay 0.1", "--start-weight-decay needs --weight-decay-incr-style"),
+    (
+        "--weight-decay-incr-style cosine --end-weight-decay 0.1",
+        "needs both --start-weight-decay and --end-weight-decay",
+    ),
+    ("--min-lr 0.1", r"--min-lr 0.1 must be in \[0, --lr 0.001\]"),
+    ("--lr-warmup-init 0.1", "--lr-warmup-init 0.1 must be in"),
+    ("--lr-decay-style WSD --lr-wsd-decay-iters 11", "--lr-decay-style WSD needs"),
+    ("--lr-decay-iters 0", "--lr-decay-iters must be >= 1"),
+    (
+        "--weight-decay-incr-style linear --start-weight-decay 0.2 --end-weight-decay 0.1",
+        r"--start-weight-decay \(0.2\) <= --end-weight-decay \(0.1\)",
+    ),
+    ("--lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    ("--tokenizer-type GPT2BPETokenizer", "--tokenizer-type: tokenizers are not supported yet"),
+    ("--hidden-size 16 --swiglu", "--swiglu .* set --ffn-hidden-size"),
+    (
+        f"{FSDP} --grad-reduce-in-fp32 --megatron-fsdp-main-grads-dtype bf16",
+        "--grad-reduce-in-fp32 contradicts --megatron-fsdp-main-grads-dtype bf16",
+    ),
+    (f"{FSDP} --ddp-bucket-size 100", "--ddp-bucket-size 100 is read by the DDP engine only"),
+    (
+        f"{FSDP} --ddp-average-in-collective",
+        "--ddp-average-in-collective is read by the DDP engine only",
+    ),
+    ("--save ckpt", "--save: saving and loading checkpoints is not implemented yet"),
+    ("--load ckpt", "--load: saving and loading checkpoints is not implemented yet"),
+    ("--save-interval 10", "--save-interval: saving and loading checkpoints is not impl"),
+    ("--log-interval 0", "--log-interval must be >= 1"),
+    ("--eval-interval 0", "--eval-interval must be >= 1"),
+    ("--exit-interval 0", "--exit-interval must be >= 1"),
+    ("--eval-iters -1", "--eval-iters must be >= 0"),
+    ("--num-workers -1", "--num-workers must be >= 0"),
+]
+"""(flags, regular expression the ValueError's message must contain)."""
+
+
+@pytest.mark.parametrize("flags, message", BAD)
+def test_bad_combination_names_the_flag(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validated(*flags.split())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--data-parallel-sharding-strategy optim",
+        "--outer-dp-sharding-strategy optim",
+        "--num-distributed-optimizer-instances 2",
+        "--no-fsdp-all-gather-in-start-param-sync",
+        "--create-all-gather-group",
+        "--use-symm-mem",
+        "--overlap-param-gather",
+        "--megatron-fsdp-main-params-dtype auto",
+        "--megatron-fsdp-main-grads-dtype bf16",
+        "--megatron-fsdp-grad-comm-dtype bf16",
+        "--init-model-with-meta-device",
+    ],
+)
+def test_fsdp_flags_need_use_megatron_fsdp(flags):
+    with pytest.raises(ValueError, match=f"{flags} is read by Megatron-FSDP only.*{FSDP}"):
+        validated(*flags.split())
+
+
+def test_fsdp_flags_accepted_with_use_megatron_fsdp():
+    flags = (
+        f"{HFSDP} --no-fsdp-all-gather-in-start-param-sync --create-all-gather-group "
+        "--overlap-param-gather --megatron-fsdp-main-params-dtype auto "
+        "--megatron-fsdp-main-grads-dtype bf16 --megatron-fsdp-grad-comm-dtype bf16 "
+        "--init-model-with-meta-device --ckpt-format fsdp_dtensor"
+    )
+    validated(*flags.split())
+
+
+def test_use_symm_mem_needs_cuda(cuda_unavailable):
+    with pytest.raises(ValueError, match="--use-symm-mem needs CUDA"):
+        validated(FSDP, "--use-symm-mem", "--distributed-backend", "nccl")
+
+
+def test_use_symm_mem_needs_nccl(cuda_available):
+    with pytest.raises(ValueError, match="--use-symm-mem needs --distributed-backend nccl"):
+        validated(FSDP, "--use-symm-mem", "--distributed-backend", "gloo")
+    validated(FSDP, "--use-symm-mem", "--distributed-backend", "nccl")
+
+
+def test_nccl_needs_cuda(cuda_unavailable):
+    with pytest.raises(ValueError, match="--distributed-backend gloo"):
+        validated("--distributed-backend", "nccl")
+
+
+def test_transformer_engine_must_be_importable(monkeypatch):
+    monkeypatch.setattr(transformer_engine, "HAVE_TE", False)
+    with pytest.raises(ValueError, match="--transformer-impl local"):
+        validated("--transformer-impl", "transformer_engine")
+    monkeypatch.setattr(transformer_engine, "HAVE_TE", True)
+    assert validated("--transformer-impl", "transformer_engine").transformer_impl == (
+        "transformer_engine"
+    )
+
+
+def test_tensorboard_must_be_importable(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    with pytest.raises(ValueError, match="--tensorboard-dir needs the tensorboard package"):
+        validated("--tensorboard-dir", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.ModuleType("tensorboard"))
+    assert validated("--tensorboard-dir", str(tmp_path)).tensorboard_dir == str(tmp_path)
+
+
+def test_wandb_must_be_importable_and_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ValueError, match="--wandb-project needs the wandb package"):
+        validated("--wandb-project", "p", "--wandb-exp-name", "e")
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    with pytest.raises(ValueError, match="--wandb-project needs --wandb-exp-name"):
+        validated("--wandb-project", "p")
+    validated("--wandb-project", "p", "--wandb-exp-name", "e")
+
+
+def test_unknown_ckpt_format():
+    args = parse_args(args=BASE)
+    args.ckpt_format = "zarr"  # argparse's choices stop it on the command line
+    with pytest.raises(ValueError, match="--ckpt-format zarr is unknown"):
+        validate_args(args, world_size=1)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ((), "No training data: pass --mock-data"),
+        (("--data-path", "corpus"), "--data-path: .* not supported yet; use --mock-data"),
+    ],
+)
+def test_training_data(flags, message):
+    base = tuple(flag for flag in BASE if flag != "--mock-data")
+    with pytest.raises(ValueError, match=message):
+        validated(*flags, base=base)
+
+
+def test_mock_data_needs_vocab_size():
+    base = tuple(BASE[: BASE.index("--vocab-size")] + BASE[BASE.index("--vocab-size") + 2 :])
+    with pytest.raises(ValueError, match="--mock-data needs --vocab-size"):
+        validated(base=base)
+
+
+@pytest.mark.parametrize("missing", ["--num-layers", "--seq-length", "--train-iters", "--lr"])
+def test_required_flags(missing):
+    base = tuple(BASE[: BASE.index(missing)] + BASE[BASE.index(missing) + 2 :])
+    with pytest.raises(ValueError, match=f"{missing} is required"):
+        validated(base=base)
+
+
+def test_every_flag_is_documented():
+    help_text = add_megatron_arguments(argparse.ArgumentParser()).format_help()
+    flags = set(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", help_text)) - {"--help"}
+    documented = DOCS.read_text()
+    missing = sorted(flag for flag in flags if f"`{flag}" not in documented)
+    assert not missing, f"docs/flags.md lacks {missing}"

@@ -1,0 +1,239 @@
+"""`pretrain_gpt.py` end to end, in-process on spawned ranks: Megatron-FSDP matches the DDP
+engine for every sharding strategy, the loss falls on mock data, the log line and evaluations
+are reported, and a non-finite gradient skips one step without stopping training."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import statistics
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pretrain_gpt
+from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
+from megatron.core.distributed.fsdp import local_main_weights
+from megatron.core.enums import ModelType
+from megatron.training.training import TrainingHistory, pretrain
+from tests.unit_tests.distributed_harness import run_distributed
+
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --train-iters 4 --lr 1e-2 --mock-data --vocab-size 64 "
+    "--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval-iters 0 --log-interval 2 "
+    "--clip-grad 0.3"
+).split()
+"""A tiny fp32 run; `--global-batch-size` sets 2 microbatches per rank in each test."""
+
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _pretrain(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> dict:
+    """Runs pretrain_gpt on this rank; its history and (rank 0) log messages."""
+    capture = _Capture()
+    logger = logging.getLogger("megatron.training")
+    logger.addHandler(capture)
+    try:
+        history = pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step_func,
+            argv=[*flags, "--distributed-backend", dist.get_backend()],
+        )
+    finally:
+        logger.removeHandler(capture)
+    return dict(history=history, log=capture.messages)
+
+
+def _losses_and_norms(flags: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-iteration losses and grad norms, as fp32 tensors (compared at fp32 tolerances)."""
+    history: TrainingHistory = _pretrain(flags)["history"]
+    return torch.tensor(history.loss_curve()), torch.tensor(history.grad_norms)
+
+
+def _assert_fsdp_matches_ddp(world_size: int, fsdp_flags: list[str]) -> None:
+    base = [*TINY, "--global-batch-size", str(4 * world_size)]  # 2 microbatches of 2
+    fsdp = run_distributed(_losses_and_norms, world_size, [*base, *fsdp_flags])
+    ddp = run_distributed(_losses_and_norms, world_size, base)
+    losses, grad_norms = ddp[0]
+    assert losses[-1] < losses[0]
+    assert (grad_norms > 0.3).all(), f"clipping never acted: {grad_norms}"
+    for rank_result in [*fsdp, *ddp]:
+        torch.testing.assert_close(rank_result, ddp[0])
+
+
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+def test_fsdp_losses_match_ddp(strategy):
+    fsdp_flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]
+    _assert_fsdp_matches_ddp(2, fsdp_flags)
+
+
+def test_fsdp_on_meta_device_matches_ddp_on_4_ranks():
+    _assert_fsdp_matches_ddp(4, [*ZERO3, "--init-model-with-meta-device"])
+
+
+MOCK_RUN = [
+    *(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 4 --global-batch-size 16 --train-iters 50 --lr 3e-3 "
+        "--lr-warmup-iters 5 --lr-decay-style cosine --min-lr 3e-4 --mock-data --vocab-size 128 "
+        "--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --position-embedding-type rope "
+        "--log-interval 10 --eval-interval 25 --eval-iters 2"
+    ).split(),
+    *ZERO3,
+]
+
+
+@pytest.fixture(scope="module")
+def mock_run() -> dict:
+    """50 iterations of a tiny GPT on mock data, 2 ranks, ZeRO-3, 2 microbatches."""
+    results = run_distributed(_pretrain, 2, MOCK_RUN)
+    curves = [result["history"].loss_curve() for result in results]
+    assert curves[0] == curves[1], "the reported loss differs between ranks"
+    assert results[1]["log"] == [], "only rank 0 logs"
+    return results[0]
+
+
+def test_loss_falls_on_mock_data(mock_run):
+    losses = mock_run["history"].loss_curve()
+    assert len(losses) == 50
+    first, last = statistics.mean(losses[:10]), statistics.mean(losses[-10:])
+    assert last < 0.5 * first, (first, last)
+
+
+def test_log_line_has_megatron_fields(mock_run):
+    lines = [m for m in mock_run["log"] if m.startswith("iteration ")]
+    assert len(lines) == 5  # every --log-interval 10 of 50 iterations
+    fields = lines[1].split(" | ")
+    assert fields[0] == "iteration       20/      50"
+    assert fields[1] == "consumed samples:          320"
+    expected_prefixes = [
+        "elapsed time per iteration (ms): ",
+        "tokens/s/GPU: ",
+        "learning rate: ",
+        "global batch size:    16",
+        "lm loss: ",
+        "grad norm: ",
+        "number of skipped iterations:   0",
+        "number of nan iterations:   0",
+        "40.0% done, ETA ",
+    ]
+    for prefix in expected_prefixes:
+        assert any(f.startswith(prefix) for f in fields), (prefix, lines[1])
+    # Averaged over iterations 11..20 (the interval), as the history has them.
+    reported = float(next(f for f in fields if f.startswith("lm loss: ")).split(": ")[1])
+    interval = mock_run["history"].loss_curve()[10:20]
+    assert reported == pytest.approx(statistics.mean(interval), rel=1e-5)
+    log = "\n".join(mock_run["log"])
+    assert "> number of parameters: " in log and "------------------------ arguments" in log
+
+
+def test_evaluation_runs_at_eval_interval(mock_run):
+    history = mock_run["history"]
+    assert sorted(history.validation_losses) == [25, 50]
+    at_25, at_50 = (history.validation_losses[i]["lm loss"] for i in (25, 50))
+    assert at_50 < at_25 < history.loss_curve()[0]
+    assert history.final_validation_losses["lm loss"] < at_25
+    assert history.test_losses["lm loss"] < at_25
+    log = "\n".join(mock_run["log"])
+    for heading in (
+        "validation loss at iteration 25 | lm loss value: ",
+        "validation loss at iteration 50 | lm loss value: ",
+        "validation loss at the end of training | lm loss value: ",
+        "test loss at the end of training | lm loss value: ",
+    ):
+        assert heading in log
+
+
+INF_ITERATION = 3
+
+
+def _pretrain_with_inf_loss(flags: list[str]) -> dict:
+    """Trains with the loss made inf in iteration INF_ITERATION; snapshots this rank's shards
+    of the main weights at the start of every iteration."""
+    calls = itertools.count()
+    snapshots = []
+
+    def forward_step(data_iterator, model):
+        call = next(calls)
+        iteration, microbatch = divmod(call, 2)  # 2 microbatches; iterations from 0 here
+        if microbatch == 0:
+            snapshots.append([w.clone() for w in local_main_weights(model).values()])
+        output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+        if iteration + 1 == INF_ITERATION:
+            output_tensor = output_tensor * float("inf")
+        return output_tensor, loss_func
+
+    try:
+        result = _pretrain(flags, forward_step)
+    except RuntimeError as error:
+        return dict(error=str(error))
+    result["snapshots"] = snapshots
+    return result
+
+
+def test_non_finite_gradient_skips_the_step_and_training_continues():
+    flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "5"]
+    flags += ["--no-check-for-nan-in-loss-and-grad", *ZERO3]
+    results = run_distributed(_pretrain_with_inf_loss, 2, flags)
+    k = INF_ITERATION
+    for result in results:
+        history, weights = result["history"], result["snapshots"]
+        assert history.skipped_iterations == [k]
+        assert len(history.losses) == 5 and history.loss_curve()[k - 1] == float("inf")
+        # Weights at the start of iteration k + 1 are those at the start of iteration k.
+        for before, after in zip(weights[k - 1], weights[k]):
+            torch.testing.assert_close(after, before, rtol=0, atol=0)
+        # Training goes on: later steps change the weights, and the schedule resumes.
+        assert any(not torch.equal(a, b) for a, b in zip(weights[k], weights[k + 1]))
+        lrs = history.learning_rates
+        assert lrs[k] == lrs[k - 1] and lrs[k + 1] < lrs[k]
+    log = results[0]["log"]
+    assert any(m.startswith(f"WARNING: iteration {k}: skipped the optimizer step") for m in log)
+    line = next(m for m in log if m.startswith("iteration "))
+    assert "number of skipped iterations:   1" in line
+    assert "number of nan iterations:   1" in line
+
+
+def test_non_finite_loss_raises_with_the_check_on():
+    flags = [*TINY, "--global-batch-size", "8", "--train-iters", str(INF_ITERATION), *ZERO3]
+    results = run_distributed(_pretrain_with_inf_loss, 2, flags)
+    for result in results:
+        assert "--no-check-for-nan-in-loss-and-grad" in result["error"]
+
+
+def _iterations_run(flags: list[str]) -> int:
+    return len(_pretrain(flags)["history"].losses)
+
+
+def test_exit_interval_stops_training():
+    flags = [*TINY, "--global-batch-size", "8", "--train-iters", "10", "--exit-interval", "3"]
+    assert run_distributed(_iterations_run, 2, flags) == [3, 3]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None, reason="needs the tensorboard package"
+)
+def test_tensorboard_scalars(tmp_path):
+    flags = [*TINY, "--global-batch-size", "8", "--tensorboard-dir", str(tmp_path)]
+    run_distributed(_pretrain, 2, [*flags, *ZERO3])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "iteration-time"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]

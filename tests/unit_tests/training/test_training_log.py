@@ -1,0 +1,110 @@
+"""`TrainingLog`: the interval's averages in the log line, skipped and nan iterations, the
+optional fields, and the scalars handed to Weights & Biases."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron.training.arguments import (
+    core_transformer_config_from_args,
+    parse_args,
+    validate_args,
+)
+from megatron.training.training_log import TrainingLog
+from megatron.training.utils import logger
+
+FLAGS = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 1e-2 --mock-data "
+    "--vocab-size 64 --distributed-backend gloo --log-interval 2"
+).split()
+
+
+class _FakeWandbRun:
+    def __init__(self, **init_kwargs):
+        self.init_kwargs = init_kwargs
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.logged.append((dict(scalars), step))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+@pytest.fixture
+def messages():
+    """What the training loop logs, at INFO and above."""
+    captured: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: captured.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield captured
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _training_log(*flags: str) -> TrainingLog:
+    args = validate_args(parse_args(args=[*FLAGS, *flags]), world_size=2)
+    return TrainingLog(args, core_transformer_config_from_args(args), torch.device("cpu"))
+
+
+def test_line_averages_the_interval_and_counts_skipped_and_nan_iterations(messages):
+    log = _training_log()
+    log.record_iteration(1, {"lm loss": 4.0}, False, 1.5, 1e-2, 0.1)
+    log.record_iteration(2, {"lm loss": 2.0}, False, 0.5, 9e-3, 0.3)
+    log.record_iteration(3, {"lm loss": float("inf")}, True, float("nan"), 8e-3, 0.2)
+    log.record_iteration(4, {"lm loss": 1.0}, False, 0.25, 8e-3, 0.2)
+    first, second = messages
+    assert first == (
+        "iteration        2/       4 | consumed samples:           16 | elapsed time per "
+        "iteration (ms): 200.0 | tokens/s/GPU: 320.0 | learning rate: 9.000000E-03 | global "
+        "batch size:     8 | lm loss: 3.000000E+00 | grad norm: 0.500 | number of skipped "
+        "iterations:   0 | number of nan iterations:   0 | 50.0% done, ETA 0:00:00"
+    )
+    assert "| lm loss: 1.000000E+00 |" in second  # the skipped iteration's inf left out
+    assert "number of skipped iterations:   1 | number of nan iterations:   1" in second
+    assert "TFLOP/s/GPU" not in second and "peak memory" not in second  # GPU only
+
+
+def test_log_throughput_adds_tflops_on_cpu(messages):
+    log = _training_log("--log-throughput")
+    log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
+    log.record_iteration(2, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
+    tflops = log.flops_per_iteration / 0.5 / 2 / 1e12
+    assert f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" in messages[0]
+
+
+def test_evaluation_box_and_wandb_scalars(messages, monkeypatch):
+    runs = []
+
+    def init(**kwargs) -> _FakeWandbRun:
+        runs.append(_FakeWandbRun(**kwargs))
+        return runs[-1]
+
+    fake_wandb = types.ModuleType("wandb")
+    fake_wandb.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
+    log = _training_log("--wandb-project", "proj", "--wandb-exp-name", "run")
+    log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
+    log.log_evaluation("validation", "iteration 1", 1, {"lm loss": 2.0})
+    log.close()
+    assert (
+        "validation loss at iteration 1 | lm loss value: 2.000000E+00 | lm loss PPL: "
+        in (messages[0])
+    )
+    (run,) = runs
+    assert run.init_kwargs["project"] == "proj" and run.init_kwargs["name"] == "run"
+    assert run.logged == [
+        ({"learning-rate": 1e-2, "grad-norm": 1.0, "lm loss": 4.0}, 1),
+        ({"lm loss validation": 2.0}, 1),
+    ]
+    assert run.finished
