@@ -8,6 +8,11 @@ Engines (`--engines`, default all, run in the order given):
 - `ddp`: the project's `DistributedDataParallel` (bucketed all-reduce overlapped with backward);
 - `single`: rank 0 alone, no communication, the same per-GPU batch: the compute-only reference.
 
+With `--cuda-graph` (Megatron-FSDP and `single` only) each engine's whole training step, every
+microbatch and the optimizer, is captured in one CUDA graph after eager warm-up and replayed:
+the step then costs what the GPU does, not what the host launches (Megatron-LM's full-iteration
+graphs). Megatron-FSDP then leaves `fsdp_all_gather_in_start_param_sync` off, as capture needs.
+
 Every rank draws the same tokens (fixed seed), so every engine computes the same training step as
 `single` and the final losses must agree (a sanity check; token values do not change timings).
 Prints a table and one JSON object (rank 0). DESIGN.md section 6's configurations, on 2 GPUs:
@@ -61,6 +66,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 
 ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single")
+GRAPHABLE = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "single")
+"""Engines whose whole step captures in a CUDA graph (`--cuda-graph`)."""
 PROFILED_STEPS = 3
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[list[Batch]], torch.Tensor]
@@ -91,6 +98,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json-out", default=None, help="also write the JSON to this file")
     parser.add_argument("--profile", default=None, metavar="DIR", help="chrome traces here")
     parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help=f"capture each step in a CUDA graph and replay it ({', '.join(GRAPHABLE)} only)",
+    )
+    parser.add_argument(
         "--create-all-gather-group",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -108,6 +120,14 @@ def parse_args() -> argparse.Namespace:
     check_batch(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     if args.grad_reduce_dtype == "bf16" and not args.bf16:
         parser.error("--grad-reduce-dtype bf16 needs --bf16 (an fp32 run reduces in fp32).")
+    if args.cuda_graph:
+        eager_only = [name for name in args.engines if name not in GRAPHABLE]
+        if eager_only or not args.device.startswith("cuda"):
+            parser.error(
+                f"--cuda-graph needs CUDA and engines from {', '.join(GRAPHABLE)} "
+                f"(got --device {args.device}, --engines {','.join(args.engines)}); run the "
+                "others without it."
+            )
     if args.steps < 1 or args.warmup_steps < 0:
         parser.error("--steps must be >= 1 and --warmup-steps >= 0.")
     return args
@@ -158,7 +178,14 @@ def init_distributed(device_type: str) -> torch.device:
 def make_adamw(params: Iterable[torch.nn.Parameter], args: argparse.Namespace) -> torch.optim.AdamW:
     """The one AdamW configuration every engine uses."""
     impl = {"fused": True} if args.adamw == "fused" else {"foreach": True}
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **impl)
+    return torch.optim.AdamW(
+        params,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        capturable=args.cuda_graph,
+        **impl,
+    )
 
 
 class MainWeightsAdamW:
@@ -233,6 +260,7 @@ def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
         data_parallel_sharding_strategy=strategy,
         overlap_param_gather=True,
         overlap_grad_reduce=True,
+        fsdp_all_gather_in_start_param_sync=not args.cuda_graph,
         **grads,
     )
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -340,6 +368,11 @@ def build_engine(name: str, args: argparse.Namespace) -> StepFn:
 
 def precision_note(name: str, args: argparse.Namespace) -> str:
     """How `name` holds weights and gradients in this run (the table's footnote)."""
+    note = _precision(name, args)
+    return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
+
+
+def _precision(name: str, args: argparse.Namespace) -> str:
     grads = f"grads reduced in {args.grad_reduce_dtype}"
     if not args.bf16:
         return f"fp32 weights and compute, {grads}"
@@ -380,6 +413,8 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device) -> dic
         torch.manual_seed(args.seed)
         with device:
             step = build_engine(name, args)
+        if args.cuda_graph:
+            step = capture_step(step, batches)
         for i in range(args.warmup_steps + args.steps):
             synchronize(device)
             start = time.perf_counter()
@@ -397,6 +432,29 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device) -> dic
         dist.barrier()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"times": times, "launch": launch, "loss": loss, "peak": peak}
+
+
+def capture_step(step: StepFn, batches: list[Batch], warmup: int = 3) -> StepFn:
+    """`step` captured in a CUDA graph after `warmup` eager steps on a side stream (so that
+    lazy state, optimizer state and allocator pools exist); the result replays it on the same,
+    static `batches`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step(batches)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(batches)
+
+    def replay(replayed: list[Batch]) -> torch.Tensor:
+        if replayed is not batches:
+            raise ValueError("A captured step replays on the batches it was captured with.")
+        graph.replay()
+        return static_loss
+
+    return replay
 
 
 def profile_steps(

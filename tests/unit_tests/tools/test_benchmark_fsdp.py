@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "benchmark_fsdp.py"
@@ -68,3 +69,31 @@ def test_unknown_engine_is_a_usage_error():
     proc = run_tool("--engines", "fsdp2,zero4", nproc=None, timeout=60)
     assert proc.returncode != 0
     assert "--engines" in proc.stderr and "zero4" in proc.stderr
+
+
+def test_cuda_graph_needs_cuda_and_graphable_engines():
+    proc = run_tool("--cuda-graph", "--engines", "fsdp2", "--device", "cpu", nproc=None)
+    assert proc.returncode != 0
+    assert "--cuda-graph" in proc.stderr and "fsdp2" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+def test_cuda_graph_replays_train_like_eager_steps(tmp_path):
+    engines = ["megatron_fsdp_zero3", "megatron_fsdp_zero2", "single"]
+    # Graph mode trains 3 eager warm-up steps before capture, then replays 1 + 2 (TINY's
+    # warm-up and timed steps); eager mode runs the same 6 steps with --steps 5.
+    modes = {"eager": ["--steps", "5"], "graph": ["--cuda-graph"]}
+    losses = {}
+    for mode, extra in modes.items():
+        out = tmp_path / f"{mode}.json"
+        engine_list = ",".join(engines)
+        proc = run_tool(*TINY, "--bf16", "--engines", engine_list, "--json-out", str(out), *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows = json.loads(out.read_text())["rows"]
+        losses[mode] = {row["engine"]: row["final_loss"] for row in rows}
+    for name in engines:
+        expected = losses["eager"][name]
+        assert losses["graph"][name] == pytest.approx(expected, abs=LOSS_TOLERANCE["bf16"]), name
