@@ -249,18 +249,28 @@ class FsdpContext:
         if self.streams is not None:
             self.streams.current().wait_stream(self.streams.all_gather)
 
+    def end_forward(self) -> None:
+        """The root's forward (with autograd) is over: keeps only the unit released last, the
+        first whose backward runs, and frees the others now, where activations peak; backward
+        prefetches them again during the units before them."""
+        while len(self._releasable) > 1:
+            self._free_oldest_released()
+
     def _make_room(self) -> bool:
         """Frees the longest-released units until one more fits under the bound; False if it
         does not (every unit held is in use)."""
         while self._releasable and self._num_held() >= self.policy.max_unsharded_units:
-            oldest = next(iter(self._releasable))
-            unit = self._unit(oldest)
-            if unit is None:  # freed with its module
-                self._releasable.pop(oldest)
-                self._resident.pop(oldest, None)
-            else:
-                self.free(unit)
+            self._free_oldest_released()
         return self._num_held() < self.policy.max_unsharded_units
+
+    def _free_oldest_released(self) -> None:
+        oldest = next(iter(self._releasable))
+        unit = self._unit(oldest)
+        if unit is None:  # freed with its module
+            self._releasable.pop(oldest)
+            self._resident.pop(oldest, None)
+        else:
+            self.free(unit)
 
     def _num_held(self) -> int:
         return len(self._resident) - (0 in self._resident)

@@ -12,8 +12,9 @@ instead:
   did, register them, start the next unit's gather (prefetch), and route the inputs through
   `_PostBackward`;
 - post-forward: register the main weights again; units other than the root release their
-  whole weights (freed when the context's bound needs the room: the root's are needed at once
-  by backward), and hook the outputs so that backward gathers them again (if freed) before
+  whole weights (freed when the context's bound needs the room, or at the end of the root's
+  forward unless backward starts with them: the root's are needed at once by backward), and
+  hook the outputs so that backward gathers them again (if freed) before
   this unit's backward runs, and prefetches the unit whose backward comes next;
 - post-backward (the inputs' gradients exist, so the unit's backward is over): reduce the
   unit's gradients into `main_grad` (on GPU on the reduce-scatter stream), release its whole
@@ -167,6 +168,8 @@ class FsdpUnit:
             context.release(self)
         elif not torch.is_grad_enabled():
             context.free_all()  # the end of an inference forward
+        else:
+            context.end_forward()
         # The root keeps its weights for backward, which starts with them.
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad

@@ -165,10 +165,10 @@ def test_weight_sync_once_per_step_and_fresh_outside_microbatch(strategy):
         assert r["syncs_in_loop"] == [1] * r["num_groups"]
         if strategy == "optim_grads_params":
             # ...while each of the 6 microbatches still all-gathers the root (kept through
-            # backward) and every layer for its forward, and again for its backward those no
-            # longer held (all but the last 2, the default bound on held units).
+            # backward) and every layer for its forward, and again for its backward all but
+            # the last (the only layer kept when the forward ends).
             num_layers = r["num_groups"] - 1
-            assert r["gathers_in_loop"] == 6 * (1 + num_layers + max(0, num_layers - 2))
+            assert r["gathers_in_loop"] == 6 * (1 + num_layers + max(0, num_layers - 1))
         assert all(r["stale_after_skipped"]), "a non-first microbatch refreshed weights"
         assert r["syncs_after"] == [2] * r["num_groups"]
         torch.testing.assert_close(r["fsdp_loss"], r["plain_loss"])
