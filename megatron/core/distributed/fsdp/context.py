@@ -290,7 +290,9 @@ class FsdpContext:
             if not group.requires_grad or (awaiting_only and not group.awaits_grads):
                 continue
             if stream is not None and len(self._reductions) >= _MAX_REDUCTIONS_IN_FLIGHT:
-                event, _ = self._reductions.popleft()
+                # Only the event: a name for the packed buffer would keep it alive while the
+                # next one is packed.
+                event = self._reductions.popleft()[0]
                 self.streams.current().wait_event(event)
             packed = group.reduce_grads(stream)
             if packed is not None:
