@@ -16,6 +16,7 @@ One iteration (`train_step`) on either engine::
     model.finish_grad_sync()
     optimizer.step()                   # global grad norm; skip if not finite; clip; step
     scheduler.step(1)                  # only after a real update, as Megatron-LM's
+    # with --check-for-nan-in-loss-and-grad (the default): raise on a non-finite loss or norm
 
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
 where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
@@ -57,8 +58,10 @@ from megatron.training.arguments import get_megatron_ddp_config
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
+    LoaderIterator,
     average_losses_across_data_parallel_group,
     get_device,
+    logger,
     print_rank_0,
 )
 
@@ -67,6 +70,8 @@ LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]
 ForwardStepFunc = Callable[[DataIterator, torch.nn.Module], tuple[torch.Tensor, LossFunc]]
 ModelProvider = Callable[..., torch.nn.Module]
 DatasetProvider = Callable[[list[int]], tuple[Dataset | None, Dataset | None, Dataset | None]]
+
+SPLITS = ("train", "validation", "test")
 
 
 @dataclasses.dataclass
@@ -77,7 +82,8 @@ class TrainingHistory:
         losses: per iteration (index i is iteration i + 1), the reported losses averaged over
             the microbatches and the data-parallel ranks (skipped iterations included).
         grad_norms: per iteration, the global gradient norm before clipping.
-        learning_rates: per iteration, the learning rate the step used.
+        learning_rates: per iteration, the learning rate after its schedule step, i.e. the
+            next iteration's (Megatron-LM logs this one).
         skipped_iterations: iterations whose optimizer step was skipped (non-finite gradients).
         validation_losses: iteration -> the losses of the evaluation run after it.
         final_validation_losses: the evaluation at the end of training (None: no validation).
@@ -127,17 +133,24 @@ def pretrain(
         The per-iteration losses, gradient norms and learning rates and the evaluations.
 
     Raises:
-        ValueError: a flag is bad; the message names it and the fix.
-        RuntimeError: with `--check-for-nan-in-loss-and-grad` (the default), a loss or
-            (DDP engine) a gradient is not finite.
+        ValueError: a flag is bad, or a dataset is too small; the message names the fix.
+        RuntimeError: with `--check-for-nan-in-loss-and-grad` (the default), a loss or the
+            global gradient norm is not finite; or the `parallel_state` groups exist already.
     """
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "pretrain() creates and destroys its own parallel_state groups, but they exist "
+            "already; call parallel_state.destroy_model_parallel() first."
+        )
     owns_default_group = not dist.is_initialized()
-    args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
+    data_iterators: tuple[LoaderIterator | None, ...] = ()
     try:
+        args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
         model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
-        train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(
+        data_iterators = build_train_valid_test_data_iterators(
             train_valid_test_dataset_provider, args
         )
+        train_iterator, valid_iterator, test_iterator = data_iterators
         with contextlib.closing(TrainingLog(args, model.config, get_device())) as log:
             history = train(
                 forward_step_func,
@@ -163,15 +176,37 @@ def pretrain(
                 history.final_validation_losses = evaluate(valid_iterator, split="validation")
             if test_iterator is not None:
                 history.test_losses = evaluate(test_iterator, split="test")
-        return history
-    finally:
-        destroy_megatron(destroy_default_group=owns_default_group)
+    except BaseException:
+        try:
+            _teardown(data_iterators, owns_default_group)
+        except Exception:  # logged: the error being raised must not be replaced
+            logger.exception("pretrain(): tearing down after an error failed too:")
+        raise
+    _teardown(data_iterators, owns_default_group)
+    return history
+
+
+def _teardown(data_iterators: tuple[LoaderIterator | None, ...], owns_default_group: bool) -> None:
+    """Stops the data loaders' workers and destroys what `initialize_megatron()` created."""
+    for iterator in data_iterators:
+        if iterator is not None:
+            iterator.close()
+    destroy_megatron(destroy_default_group=owns_default_group)
 
 
 def get_model(
     model_provider: ModelProvider, model_type: ModelType, args: argparse.Namespace
 ) -> _BaseDataParallel:
     """Builds the model and wraps it with the data-parallel engine the flags select.
+
+    Args:
+        model_provider: `model_provider(pre_process=True, post_process=True)` builds the
+            unwrapped model on the current default device.
+        model_type: must be `ModelType.encoder_or_decoder`.
+        args: validated arguments (engine, sharding strategy, meta-device initialisation).
+
+    Returns:
+        The model wrapped by `FullyShardedDataParallel` or `DistributedDataParallel`.
 
     Raises:
         ValueError: `model_type` is not `ModelType.encoder_or_decoder`.
@@ -248,8 +283,10 @@ def get_optimizer_param_scheduler(
 def setup_model_and_optimizer(
     model_provider: ModelProvider, model_type: ModelType, args: argparse.Namespace
 ) -> tuple[_BaseDataParallel, MegatronOptimizer, OptimizerParamScheduler]:
-    """The wrapped model, its optimizer (built after wrapping, over what the engine steps) and
-    the learning-rate schedule."""
+    """Builds the wrapped model, then its optimizer and the learning-rate schedule.
+
+    The optimizer is built after wrapping, over what the engine steps.
+    """
     model = get_model(model_provider, model_type, args)
     optimizer = get_megatron_optimizer(get_megatron_optimizer_config(args), model)
     scheduler = get_optimizer_param_scheduler(optimizer, args)
@@ -258,12 +295,15 @@ def setup_model_and_optimizer(
 
 def build_train_valid_test_data_iterators(
     train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
-) -> tuple[DataIterator, DataIterator | None, DataIterator | None]:
+) -> tuple[LoaderIterator, LoaderIterator | None, LoaderIterator | None]:
     """Iterators over this rank's micro-batches of each split (None for an absent split).
 
     The splits are sized as Megatron-LM sizes them: train for every iteration; validation for
     `--eval-iters` iterations at every `--eval-interval` and once more at the end; test for
-    one evaluation.
+    one evaluation. `close()` the iterators to stop their loaders' worker processes.
+
+    Raises:
+        ValueError: no training dataset, or a dataset shorter than the run needs.
     """
     global_batch = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1
@@ -274,6 +314,19 @@ def build_train_valid_test_data_iterators(
     ]
     print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
     datasets = train_valid_test_dataset_provider(num_samples)
+    if datasets[0] is None:
+        raise ValueError("The dataset provider returned no training dataset.")
+    sizing = (
+        "--train-iters x --global-batch-size",
+        "(--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size",
+        "--eval-iters x --global-batch-size",
+    )
+    for split, dataset, needed, how in zip(SPLITS, datasets, num_samples, sizing):
+        if dataset is not None and needed > 0 and len(dataset) < needed:
+            raise ValueError(
+                f"The {split} dataset has {len(dataset)} samples, but the run needs {needed} "
+                f"({how}); provide a larger dataset or lower those flags."
+            )
     iterators = []
     for dataset, needed in zip(datasets, num_samples):
         loader = None
@@ -285,11 +338,10 @@ def build_train_valid_test_data_iterators(
                 data_parallel_rank=parallel_state.get_data_parallel_rank(),
                 data_parallel_size=parallel_state.get_data_parallel_world_size(),
                 num_workers=args.num_workers,
+                pin_memory=get_device().type == "cuda",
             )
-        iterators.append(None if loader is None else iter(loader))
+        iterators.append(None if loader is None else LoaderIterator(loader))
     train_iterator, valid_iterator, test_iterator = iterators
-    if train_iterator is None:
-        raise ValueError("The dataset provider returned no training dataset.")
     return train_iterator, valid_iterator, test_iterator
 
 
@@ -313,6 +365,13 @@ def forward_backward(
 ) -> list[dict[str, torch.Tensor]]:
     """Runs every microbatch of one iteration (Megatron-LM's no-pipelining schedule).
 
+    Args:
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
+        data_iterator: this rank's micro-batches.
+        model: the wrapped model.
+        num_microbatches: microbatches of the iteration (gradient-accumulation steps).
+        forward_only: no backward and no gradient-accumulation scopes (evaluation).
+
     Returns:
         Each microbatch's reported losses (this rank's).
     """
@@ -334,8 +393,10 @@ def forward_backward(
 
 
 def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Each reported loss averaged over the microbatches, then over the data-parallel ranks
-    (one all-reduce)."""
+    """Averages each reported loss over the microbatches, then the data-parallel ranks.
+
+    One all-reduce for all the losses.
+    """
     keys = list(loss_dicts[0])
     per_microbatch = torch.stack(
         [torch.stack([d[key].detach().float().reshape(()) for key in keys]) for d in loss_dicts]
@@ -354,12 +415,22 @@ def train_step(
 ) -> tuple[dict[str, float], bool, float]:
     """One iteration: every microbatch's forward and backward, then the optimizer step.
 
+    Args:
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
+        data_iterator: this rank's training micro-batches.
+        model: the wrapped model.
+        optimizer: steps the model's main weights.
+        scheduler: stepped after a successful update.
+        args: validated arguments (`num_microbatches`, `check_for_nan_in_loss_and_grad`).
+
     Returns:
         (losses, skipped, grad_norm): the averaged reported losses, whether the optimizer step
         was skipped because the gradient norm was not finite, and that norm.
 
     Raises:
-        RuntimeError: a loss is not finite and `--check-for-nan-in-loss-and-grad` is on.
+        RuntimeError: a loss or the global gradient norm is not finite and
+            `--check-for-nan-in-loss-and-grad` is on. Both are the same on every rank (reduced
+            over the data-parallel group), so every rank raises.
     """
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -371,12 +442,19 @@ def train_step(
         scheduler.step(1)
     losses = average_loss_dicts(loss_dicts)
     # Checked after the step (which synchronises anyway) to add no wait of its own; a
-    # non-finite loss has non-finite gradients, so the step was skipped.
-    if args.check_for_nan_in_loss_and_grad and not all(map(math.isfinite, losses.values())):
-        raise RuntimeError(
-            f"The loss is not finite ({losses}). Lower --lr or check the data; or pass "
-            "--no-check-for-nan-in-loss-and-grad to skip such steps and continue."
-        )
+    # non-finite loss or norm means the step was skipped.
+    if args.check_for_nan_in_loss_and_grad:
+        skip = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
+        if not all(map(math.isfinite, losses.values())):
+            raise RuntimeError(
+                f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower "
+                f"--lr or check the data; {skip}"
+            )
+        if not math.isfinite(grad_norm):
+            raise RuntimeError(
+                f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
+                f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
+            )
     return losses, not update_successful, grad_norm
 
 
@@ -390,29 +468,55 @@ def train(
     args: argparse.Namespace,
     log: TrainingLog,
 ) -> TrainingHistory:
-    """The training loop: `--train-iters` iterations (fewer with `--exit-interval`), logging
-    every `--log-interval` and evaluating every `--eval-interval`."""
+    """Runs the training loop: `--train-iters` iterations, fewer with `--exit-interval`.
+
+    Logs every `--log-interval` iterations and at the last one, and evaluates on the validation
+    split every `--eval-interval`.
+
+    Args:
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
+        model: the wrapped model.
+        optimizer: steps the model's main weights.
+        scheduler: the learning-rate and weight-decay schedule.
+        train_data_iterator: this rank's training micro-batches.
+        valid_data_iterator: this rank's validation micro-batches; None: no evaluation.
+        args: validated arguments.
+        log: reports the iterations and evaluations.
+
+    Returns:
+        What the iterations measured (the end-of-training evaluations are left to the caller).
+    """
     history = TrainingHistory()
     model.train()
     print_rank_0("> training ...")
     for iteration in range(1, args.train_iters + 1):
-        learning_rate = optimizer.param_groups[0]["lr"]
         start = time.perf_counter()
         losses, skipped, grad_norm = train_step(
             forward_step_func, train_data_iterator, model, optimizer, scheduler, args
         )
         seconds = time.perf_counter() - start
+        # Megatron-LM's convention: the rate after this step's schedule update (the next one's).
+        learning_rate = optimizer.param_groups[0]["lr"]
+        exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
         if skipped:
             history.skipped_iterations.append(iteration)
             print_rank_0(
-                f"WARNING: iteration {iteration}: skipped the optimizer step, the gradient norm "
-                f"is {grad_norm} (losses {losses}); weights and learning rate are unchanged.",
+                f"iteration {iteration}: skipped the optimizer step, the gradient norm is "
+                f"{grad_norm} (losses {losses}); weights and learning rate are unchanged.",
                 logging.WARNING,
             )
         history.losses.append(losses)
         history.grad_norms.append(grad_norm)
         history.learning_rates.append(learning_rate)
-        log.record_iteration(iteration, losses, skipped, grad_norm, learning_rate, seconds)
+        log.record_iteration(
+            iteration,
+            losses,
+            skipped,
+            grad_norm,
+            learning_rate,
+            seconds,
+            last=exiting or iteration == args.train_iters,
+        )
 
         if valid_data_iterator is not None and iteration % args.eval_interval == 0:
             history.validation_losses[iteration] = evaluate_and_print_results(
@@ -425,7 +529,7 @@ def train(
                 when=f"iteration {iteration}",
                 iteration=iteration,
             )
-        if args.exit_interval is not None and iteration % args.exit_interval == 0:
+        if exiting:
             print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
             break
     return history
@@ -438,7 +542,17 @@ def evaluate(
     model: _BaseDataParallel,
     args: argparse.Namespace,
 ) -> dict[str, float]:
-    """The reported losses over `--eval-iters` global batches, in eval mode (no dropout)."""
+    """The reported losses over `--eval-iters` global batches, in eval mode (no dropout).
+
+    Args:
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
+        data_iterator: this rank's micro-batches of the split.
+        model: the wrapped model; back in train mode on return.
+        args: validated arguments (`eval_iters`, `num_microbatches`).
+
+    Returns:
+        Each reported loss averaged over the batches, microbatches and data-parallel ranks.
+    """
     model.eval()
     totals: dict[str, float] = {}
     for _ in range(args.eval_iters):

@@ -1,7 +1,8 @@
 """What the training loop reports: Megatron-LM's periodic log line, the evaluation summaries,
 and the TensorBoard / Weights & Biases scalars.
 
-Every `--log-interval` iterations rank 0 logs one line (wrapped here) such as::
+Every `--log-interval` iterations, and at the last one, rank 0 logs one line (wrapped here)
+such as::
 
     iteration       20/     200 | consumed samples:          320 | elapsed time per iteration
     (ms): 115.3 | tokens/s/GPU: 4442.5 | learning rate: 1.990053E-03 | global batch size:    16
@@ -10,8 +11,10 @@ Every `--log-interval` iterations rank 0 logs one line (wrapped here) such as::
 
 Times cover training steps only, not evaluation. The loss is averaged over the interval's
 non-skipped iterations (each already averaged over its microbatches and the data-parallel
-ranks); the grad norm is the last iteration's. On GPU the line also has TFLOP/s per GPU (on CPU
-too with `--log-throughput`) and the peak memory allocated so far.
+ranks), the time over its iterations; the grad norm is the last iteration's, and the learning
+rate the one after its schedule step (Megatron-LM's convention: the next iteration's). On GPU
+the line also has TFLOP/s per GPU (on CPU too with `--log-throughput`) and the peak memory
+allocated so far.
 """
 
 from __future__ import annotations
@@ -108,8 +111,21 @@ class TrainingLog:
         grad_norm: float,
         learning_rate: float,
         seconds: float,
+        *,
+        last: bool = False,
     ) -> None:
-        """Adds one training iteration; logs the line when `iteration` ends an interval."""
+        """Adds one training iteration; logs the line when `iteration` ends an interval.
+
+        Args:
+            iteration: its number, from 1.
+            losses: its reported losses (averaged over microbatches and ranks).
+            skipped: whether its optimizer step was skipped.
+            grad_norm: its global gradient norm.
+            learning_rate: the learning rate after its schedule step.
+            seconds: how long it took.
+            last: it is the last iteration of training: log the interval so far even when it
+                is shorter than `--log-interval`.
+        """
         interval = self.interval
         interval.iterations += 1
         interval.seconds += seconds
@@ -126,7 +142,7 @@ class TrainingLog:
         if iteration % self.args.tensorboard_log_interval == 0:
             scalars = {"learning-rate": learning_rate, "grad-norm": grad_norm, **losses}
             self.writer.add_scalars(scalars, iteration)
-        if iteration % self.args.log_interval == 0:
+        if last or iteration % self.args.log_interval == 0:
             print_rank_0(self._format_line(iteration, grad_norm, learning_rate))
             self.writer.add_scalars(
                 {"iteration-time": interval.seconds / interval.iterations}, iteration

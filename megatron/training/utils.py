@@ -1,11 +1,15 @@
-"""Small helpers of the training loop: the compute device, rank-0 logging, loss averaging."""
+"""Small helpers of the training loop: the compute device, rank-0 logging, loss averaging, data
+iterators that can be closed."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from megatron.core import parallel_state
 
@@ -42,3 +46,24 @@ def average_losses_across_data_parallel_group(losses: torch.Tensor) -> torch.Ten
     averaged = losses.detach().clone()
     dist.all_reduce(averaged, group=group)
     return averaged / dist.get_world_size(group)
+
+
+class LoaderIterator:
+    """Iterates a `DataLoader` until `close()`, which frees the loader's iterator: its worker
+    processes exit then (a `DataLoader` iterator shuts its workers down when it is freed), even
+    while something still references this object, such as the traceback of an error."""
+
+    def __init__(self, loader: DataLoader):
+        self._iterator: Iterator[Any] | None = iter(loader)
+
+    def __iter__(self) -> LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            raise StopIteration
+        return next(self._iterator)
+
+    def close(self) -> None:
+        """Stops the workers; iteration ends here."""
+        self._iterator = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -78,10 +77,21 @@ def build_pretraining_data_loader(
     data_parallel_rank: int,
     data_parallel_size: int,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader | None:
     """A loader of this rank's micro-batches of `dataset`, from `consumed_samples` on.
 
     Each batch is the dataset's sample dict with every tensor stacked ([micro_batch_size, ...]).
+    Worker processes (`num_workers` > 0) belong to the loader's iterator: they exit when it is
+    exhausted or freed (workers are not kept across iterators).
+
+    Args:
+        dataset: the samples (a map-style dataset); None gives None.
+        consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size: see
+            `MegatronPretrainingSampler`.
+        num_workers: loader worker processes; 0 loads in this process.
+        pin_memory: page-lock the batches, for faster copies to a GPU; set it when the model
+            trains on CUDA (it only costs memory otherwise).
 
     Returns:
         None when `dataset` is None (as Megatron-LM's, for absent validation/test sets).
@@ -99,6 +109,5 @@ def build_pretraining_data_loader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
     )

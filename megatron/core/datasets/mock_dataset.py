@@ -3,6 +3,9 @@
 Each sample is a counting sequence: it starts at a random token and climbs by a random stride
 of 1 to 3 (modulo the vocabulary). The next token follows from the previous two, so a tiny model
 learns it within tens of iterations and its loss visibly falls, unlike uniform random tokens.
+There are few distinct sequences (vocabulary size x 3 strides), so datasets of other seeds (the
+validation and test splits of `pretrain_gpt.py`) repeat the training sequences: they are not
+held out, and their loss measures fitting, not generalisation.
 Sample `i` depends only on (`seed`, `i`), so every rank, worker and resumed run sees the same
 data at the same index.
 """
@@ -13,6 +16,9 @@ import torch
 from torch.utils.data import Dataset
 
 MAX_STRIDE = 3
+
+SEED_LIMIT = 2**31
+"""`MockGPTDataset` takes seeds in [0, SEED_LIMIT)."""
 
 
 class MockGPTDataset(Dataset):
@@ -36,7 +42,7 @@ class MockGPTDataset(Dataset):
         ):
             if value < 1:
                 raise ValueError(f"MockGPTDataset: {name}={value} must be >= 1.")
-        if not 0 <= seed < 2**31:
+        if not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"MockGPTDataset: seed={seed} must be in [0, 2**31).")
         self.num_samples = num_samples
         self.seq_length = seq_length

@@ -15,10 +15,12 @@ caller logs it), else clips the gradients to `clip_grad` and steps. Under Megatr
 optimizer steps the local shards of the DTensor main weights (`local_main_weights`: plain
 tensors on the same storage, so the step pays no DTensor dispatch), connected with
 `fully_shard_optimizer`, which hands them their gradient shards for the step; the norm and the
-clipping read the DTensor gradients, whose placements say how they are sharded. Under the DDP
-engine it steps the replicated parameters with `param.main_grad` as their gradient, which the
-DDP engine keeps apart from `param.grad`. The DDP engine keeps no fp32 master copy: parameters
-are stepped in their own dtype.
+clipping read the DTensor gradients, whose placements say how they are sharded (Megatron-FSDP
+keeps fp32 main weights itself). Under the DDP engine (or a plain module) it keeps an fp32 master
+copy of every parameter that is not fp32, as Megatron-LM's `Float16OptimizerWithFloat16Params`:
+the torch optimizer steps the masters, with `param.main_grad` (which the DDP engine keeps apart
+from `param.grad`) upcast to fp32 as their gradient, and the masters are then copied back into
+the model's parameters. fp32 parameters are their own masters.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class MegatronOptimizer:
         model: what the parameters belong to: a `DistributedDataParallel` or
             `FullyShardedDataParallel` wrapper, a module with `fully_shard()` units, or a plain
             module (one process: its `.grad`s are taken as they are).
+
+    Without Megatron-FSDP, the parameters of `optimizer` that are not fp32 are replaced in its
+    parameter groups by fp32 master copies, which it steps from then on.
     """
 
     def __init__(
@@ -63,33 +68,51 @@ class MegatronOptimizer:
         self.config = config
         self.model = model
         self._is_fsdp = bool(fsdp_roots(model))
+        # Model parameter -> what the torch optimizer steps: an fp32 master copy, or itself.
+        self._main_params: dict[torch.nn.Parameter, torch.Tensor] = {}
+        if not self._is_fsdp:
+            for group in optimizer.param_groups:
+                for index, param in enumerate(group["params"]):
+                    main = param
+                    if param.is_floating_point() and param.dtype != torch.float32:
+                        main = param.detach().clone().float()
+                        group["params"][index] = main
+                    self._main_params[param] = main
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The torch optimizer's parameter groups (a scheduler sets `lr`, `weight_decay`)."""
         return self.optimizer.param_groups
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+    def _masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(model parameter, its fp32 master copy) for each parameter that has one."""
+        return [(param, main) for param, main in self._main_params.items() if main is not param]
 
     def get_main_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps with, one per parameter that has one.
 
         Megatron-FSDP: the DTensor gradients of the model's main weights, read from the model
         (whose placements tell how they are sharded) rather than from whatever tensors the
-        torch optimizer holds. Otherwise the DDP engine's `main_grad` where it set one
-        (Megatron's rule), else `.grad`.
+        torch optimizer holds. Otherwise the `.grad` of each main parameter (master copy or
+        fp32 parameter), which `step()` sets from the model's gradients before it reads them.
         """
         if self._is_fsdp:
             return [p.grad for p in self.model.parameters() if p.grad is not None]
-        grads = []
-        for param in self._params():
+        return [main.grad for main in self._main_params.values() if main.grad is not None]
+
+    def _set_main_grads(self) -> list[torch.Tensor]:
+        """Gives each main parameter its model parameter's gradient in fp32: the DDP engine's
+        `main_grad` where it set one (Megatron's rule; a view where it is fp32 already), else
+        `.grad`. Returns the main parameters given one, whose `.grad` the step must drop."""
+        assigned = []
+        for param, main in self._main_params.items():
             grad = getattr(param, "main_grad", None)
-            if grad is None:
+            if grad is None and main is not param:
                 grad = param.grad
             if grad is not None:
-                grads.append(grad)
-        return grads
+                main.grad = grad.to(main.dtype)
+                assigned.append(main)
+        return assigned
 
     def finish_grad_sync(self) -> None:
         """Completes the model's gradient reduction. Idempotent, so a no-op when the training
@@ -113,36 +136,34 @@ class MegatronOptimizer:
             elements (None unless `config.log_num_zeros_in_grad`).
         """
         self.finish_grad_sync()
-        grads = self.get_main_grads()
-        grad_norm = get_grad_norm_fp32(grads)
-        num_zeros = count_zeros_fp32(grads) if self.config.log_num_zeros_in_grad else None
-        if not math.isfinite(grad_norm):
-            return False, grad_norm, num_zeros
-        if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
-        self._step_with_main_grads()
-        return True, grad_norm, num_zeros
-
-    def _step_with_main_grads(self) -> None:
-        # The DDP engine moves each gradient into `main_grad` and keeps `.grad` None between
-        # backwards; a `.grad` left aliasing `main_grad` would make the next backward add twice.
-        swapped = [p for p in self._params() if getattr(p, "main_grad", None) is not None]
-        for param in swapped:
-            # A copy only where main_grad is wider (grad_reduce_in_fp32 on bf16 parameters).
-            param.grad = param.main_grad.to(param.dtype)
+        assigned = [] if self._is_fsdp else self._set_main_grads()
         try:
+            grads = self.get_main_grads()
+            grad_norm = get_grad_norm_fp32(grads)
+            num_zeros = count_zeros_fp32(grads) if self.config.log_num_zeros_in_grad else None
+            if not math.isfinite(grad_norm):
+                return False, grad_norm, num_zeros
+            if self.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
             self.optimizer.step()
+            masters = self._masters()
+            if masters:
+                torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
         finally:
-            for param in swapped:
-                param.grad = None
+            # The DDP engine keeps `.grad` None between backwards: a `.grad` left aliasing
+            # `main_grad` would make the next backward add its gradient twice.
+            for main in assigned:
+                main.grad = None
+        return True, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' `.grad`; the DDP engine's `main_grad` buffers are zeroed by
         `model.zero_grad_buffer()`, which the training loop calls too (as Megatron's does)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        if self._is_fsdp:
-            # A torch optimizer over local shards sees no DTensor `.grad`; dropping those is
-            # what lets Megatron-FSDP free its gradient buffers before the next forward.
+        # Where the torch optimizer steps other tensors (local shards, fp32 masters), it does
+        # not see the model's `.grad`s. Dropping Megatron-FSDP's DTensor gradients is what lets
+        # it free its gradient buffers before the next forward.
+        if self._is_fsdp or self._masters():
             for param in self.model.parameters():
                 if set_to_none:
                     param.grad = None
@@ -151,12 +172,36 @@ class MegatronOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """The torch optimizer's state dict (under Megatron-FSDP the state of this rank's
-        shards, as plain tensors when it steps local shards)."""
-        return self.optimizer.state_dict()
+        shards, as plain tensors when it steps local shards), plus, where the optimizer keeps
+        fp32 masters of non-fp32 parameters, `"fp32_from_fp16_params"`: the masters (Megatron's
+        key), in the order of the optimizer's parameters. They are the weights training goes on
+        from: the model's bf16 parameters are only their rounded copies."""
+        state_dict = self.optimizer.state_dict()
+        masters = self._masters()
+        if masters:
+            state_dict["fp32_from_fp16_params"] = [main for _, main in masters]
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict saved by `state_dict()`."""
+        """Loads a state dict saved by `state_dict()`: the torch optimizer's state and the fp32
+        masters (not the model's parameters, which the model's own state dict restores).
+
+        Raises:
+            ValueError: the state dict's masters do not match this optimizer's.
+        """
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("fp32_from_fp16_params", [])
+        masters = [main for _, main in self._masters()]
+        if len(saved) != len(masters):
+            raise ValueError(
+                f"The state dict holds {len(saved)} fp32 master weights, this optimizer "
+                f"{len(masters)}: it was saved for parameters of other dtypes (e.g. --bf16 "
+                "against fp32); load it into an optimizer over the same model."
+            )
         self.optimizer.load_state_dict(state_dict)
+        with torch.no_grad():
+            for main, value in zip(masters, saved):
+                main.copy_(value)
 
 
 def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -96,6 +96,14 @@ def test_loader_stacks_micro_batches():
     assert build_pretraining_data_loader(None, 0, 4, 0, 1) is None
 
 
+def test_loader_pins_memory_only_when_asked(monkeypatch):
+    """The training loop asks when the model trains on CUDA, not whenever CUDA exists."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dataset = MockGPTDataset(8, SEQ_LENGTH, VOCAB_SIZE, 0)
+    assert not build_pretraining_data_loader(dataset, 0, 4, 0, 1).pin_memory
+    assert build_pretraining_data_loader(dataset, 0, 4, 0, 1, pin_memory=True).pin_memory
+
+
 def test_tiny_gpt_learns_mock_data():
     """The whole library path in one process: loader, model, optimizer, scheduler."""
     iterations, micro_batch_size = 50, 8

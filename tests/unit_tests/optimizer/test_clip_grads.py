@@ -139,15 +139,16 @@ class _WithExperts(torch.nn.Module):
 def _expert_grad_norm(strategy: str) -> tuple[float, float]:
     """(norm over the sharded gradients, norm of the whole batch's gradient in one process)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    inputs = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
-    reference = _WithExperts()
+    device = current_device()
+    inputs = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)).to(device)
+    reference = _WithExperts().to(device)
     reference(inputs).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
     # Same ranks, another communicator: as expt_dp is when expert parallelism is 1.
     expert_group = dist.new_group(list(range(world_size)))
     try:
         index = FSDPDistributedIndex(dist.group.WORLD, expert_shard_group=expert_group)
-        model = fully_shard(_WithExperts(), index, sharding_strategy=strategy)
+        model = fully_shard(_WithExperts().to(device), index, sharding_strategy=strategy)
         model(shard_batch(inputs, rank, world_size)).backward()
         meshes = {p.grad.device_mesh.get_group(0) for p in model.parameters()}
         assert len(meshes) == 2, "dense and expert gradients should use different groups"

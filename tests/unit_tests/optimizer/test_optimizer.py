@@ -177,22 +177,72 @@ def test_fsdp_optimizer_steps_the_local_shards():
     assert all(run_distributed(_fsdp_optimizer_steps_local_shards, 2))
 
 
-def _ddp_bf16_step() -> bool:
+def _ddp_bf16_master_weights() -> dict:
+    """bf16 parameters under the DDP engine: a real step, then 10 Adam updates of 1e-3 to
+    weights of 1.0, each below half a bf16 ulp just under 1.0 (2**-9): in bf16 they would round
+    away."""
     config = tiny_gpt_config(bf16=True, params_dtype=torch.bfloat16)
     model = build_tiny_gpt(config)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    wrapper = DistributedDataParallel(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), wrapper)
-    before = full_state(model)
+    wrapper = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    optimizer_config = OptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0)
+    optimizer = get_megatron_optimizer(optimizer_config, wrapper)
+    masters = optimizer.state_dict()["fp32_from_fp16_params"]
+    # The masters' order: the optimizer's parameters (decayed group, then the others).
+    params = [p for group in get_param_groups(wrapper, 0.0) for p in group["params"]]
     tokens, labels = make_token_batches(1, 4)[0]
     wrapper(tokens, labels=labels).mean().backward()
+    wrapper.finish_grad_sync()
     update_successful, _, _ = optimizer.step()
-    grads_cleared = all(p.grad is None for p in model.parameters())
-    changed = all(not torch.equal(before[n], p.float()) for n, p in model.named_parameters())
-    return update_successful and grads_cleared and changed
+    result = dict(
+        stepped=update_successful,
+        grads_cleared=all(p.grad is None for p in [*params, *masters]),
+        masters_fp32=all(m.dtype == torch.float32 for m in masters),
+        model_is_rounded_masters=all(
+            torch.equal(p, m.bfloat16()) for p, m in zip(params, masters, strict=True)
+        ),
+    )
+
+    with torch.no_grad():
+        for param, master in zip(params, masters):
+            param.fill_(1.0)
+            master.fill_(1.0)
+    optimizer.load_state_dict({**optimizer.state_dict(), "state": {}})  # fresh Adam moments
+    for _ in range(10):
+        wrapper.zero_grad_buffer()
+        optimizer.zero_grad()
+        for param in params:
+            param.main_grad.fill_(1.0)  # as the reduction would leave it
+        optimizer.step()
+    # The same 10 steps of fp32 AdamW on one weight.
+    reference = torch.ones(1, requires_grad=True)
+    adamw = torch.optim.AdamW([reference], lr=1e-3, weight_decay=0.0)
+    for _ in range(10):
+        reference.grad = torch.ones(1)
+        adamw.step()
+    result.update(
+        masters=torch.stack([m.flatten()[0] for m in masters]),
+        reference=reference.detach().expand(len(masters)).clone(),
+        model=torch.stack([p.detach().flatten()[0].float() for p in params]),
+    )
+    restored = get_megatron_optimizer(optimizer_config, wrapper)  # masters: bf16 values
+    restored.load_state_dict(optimizer.state_dict())
+    result["restored_masters"] = torch.cat(
+        [m.flatten() for m in restored.state_dict()["fp32_from_fp16_params"]]
+    )
+    result["saved_masters"] = torch.cat([m.flatten() for m in masters])
+    return result
 
 
-def test_ddp_steps_bf16_parameters_with_fp32_main_grads():
-    """The DDP engine has no master weights: fp32 main_grads are cast for the bf16 step, and
-    `.grad` is left None for the engine's next backward."""
-    assert all(run_distributed(_ddp_bf16_step, 2))
+def test_ddp_keeps_fp32_master_weights_of_bf16_parameters():
+    """Megatron's Float16OptimizerWithFloat16Params: updates too small for bf16 accumulate in
+    the fp32 masters, which step like fp32 AdamW; the bf16 parameters are their rounded copies,
+    and the masters round-trip through the state dict."""
+    for result in run_distributed(_ddp_bf16_master_weights, 2):
+        assert result["stepped"] and result["grads_cleared"] and result["masters_fp32"]
+        assert result["model_is_rounded_masters"]
+        torch.testing.assert_close(result["masters"], result["reference"])
+        assert (result["reference"] < 0.995).all()
+        # bf16 rounds 1 - 10 x 1e-3 to 1 - 3 x 2**-8; updates applied in bf16 would leave 1.0.
+        torch.testing.assert_close(result["model"], result["reference"].bfloat16().float())
+        assert (result["model"] < 1.0).all()
+        torch.testing.assert_close(result["restored_masters"], result["saved_masters"])

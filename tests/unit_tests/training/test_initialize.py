@@ -39,10 +39,13 @@ def test_get_args_before_initialize_raises():
 def _initialize_twice(flags: list[str]) -> dict:
     """Two jobs in a row on the harness's default group, then a wrong backend."""
     world_sizes = []
-    for context_parallel in (1, 2):
-        argv = [*flags, "--context-parallel-size", str(context_parallel)]
-        args = initialize_megatron(argv=[*argv, "--distributed-backend", dist.get_backend()])
-        world_sizes.append((args.world_size, parallel_state.get_data_parallel_world_size()))
+    for instances in ("1", "2"):  # the second job shards over half the ranks
+        fsdp = ["--use-megatron-fsdp", "--num-distributed-optimizer-instances", instances]
+        args = initialize_megatron(
+            argv=[*flags, *fsdp, "--distributed-backend", dist.get_backend()]
+        )
+        shard_size = parallel_state.get_data_parallel_world_size(True, partial_data_parallel=True)
+        world_sizes.append((args.world_size, shard_size))
         destroy_megatron(destroy_default_group=False)
     wrong = "gloo" if dist.get_backend() == "nccl" else "nccl"
     try:

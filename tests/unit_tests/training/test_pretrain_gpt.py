@@ -1,12 +1,13 @@
 """`pretrain_gpt.py` end to end, in-process on spawned ranks: Megatron-FSDP matches the DDP
-engine for every sharding strategy, the loss falls on mock data, the log line and evaluations
-are reported, and a non-finite gradient skips one step without stopping training."""
+engine for every sharding strategy, the number of data-parallel ranks does not change training,
+the loss falls on mock data, the log line and evaluations are reported, and a non-finite loss or
+gradient raises (the default) or skips one step without stopping training."""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
-import logging
+import math
 import statistics
 
 import pytest
@@ -19,6 +20,7 @@ from megatron.core.distributed.fsdp import local_main_weights
 from megatron.core.enums import ModelType
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.log_capture import capture_training_log
 
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -31,21 +33,9 @@ TINY = (
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 
 
-class _Capture(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _pretrain(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> dict:
     """Runs pretrain_gpt on this rank; its history and (rank 0) log messages."""
-    capture = _Capture()
-    logger = logging.getLogger("megatron.training")
-    logger.addHandler(capture)
-    try:
+    with capture_training_log() as messages:
         history = pretrain(
             pretrain_gpt.train_valid_test_datasets_provider,
             pretrain_gpt.model_provider,
@@ -53,9 +43,12 @@ def _pretrain(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> 
             forward_step_func,
             argv=[*flags, "--distributed-backend", dist.get_backend()],
         )
-    finally:
-        logger.removeHandler(capture)
-    return dict(history=history, log=capture.messages)
+    return dict(history=history, log=messages)
+
+
+def _log_lines(log: list[str]) -> list[str]:
+    """The periodic Megatron log lines among the log messages."""
+    return [m for m in log if m.startswith("iteration ") and " | consumed samples: " in m]
 
 
 def _losses_and_norms(flags: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +76,17 @@ def test_fsdp_losses_match_ddp(strategy):
 
 def test_fsdp_on_meta_device_matches_ddp_on_4_ranks():
     _assert_fsdp_matches_ddp(4, [*ZERO3, "--init-model-with-meta-device"])
+
+
+@pytest.mark.parametrize("engine_flags", [ZERO3, []], ids=["fsdp_zero3", "ddp"])
+def test_data_parallel_size_does_not_change_training(engine_flags):
+    """A global batch of 8: 4 microbatches of 2 on one rank, or 2 on each of 2 ranks."""
+    flags = [*TINY, "--global-batch-size", "8", *engine_flags]
+    (one_rank,) = run_distributed(_losses_and_norms, 1, flags)
+    two_ranks = run_distributed(_losses_and_norms, 2, flags)
+    assert one_rank[0][-1] < one_rank[0][0]
+    for rank_result in two_ranks:
+        torch.testing.assert_close(rank_result, one_rank)
 
 
 MOCK_RUN = [
@@ -115,7 +119,7 @@ def test_loss_falls_on_mock_data(mock_run):
 
 
 def test_log_line_has_megatron_fields(mock_run):
-    lines = [m for m in mock_run["log"] if m.startswith("iteration ")]
+    lines = _log_lines(mock_run["log"])
     assert len(lines) == 5  # every --log-interval 10 of 50 iterations
     fields = lines[1].split(" | ")
     assert fields[0] == "iteration       20/      50"
@@ -161,9 +165,22 @@ def test_evaluation_runs_at_eval_interval(mock_run):
 INF_ITERATION = 3
 
 
-def _pretrain_with_inf_loss(flags: list[str]) -> dict:
-    """Trains with the loss made inf in iteration INF_ITERATION; snapshots this rank's shards
-    of the main weights at the start of every iteration."""
+class _InfGradient(torch.autograd.Function):
+    """The identity, whose backward returns inf: a finite loss with an inf gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("inf"))
+
+
+def _pretrain_with_non_finite(flags: list[str], where: str) -> dict:
+    """Trains with the loss (`where` = "loss") or only the gradient ("gradient") made inf in
+    iteration INF_ITERATION; snapshots this rank's shards of the main weights at the start of
+    every iteration."""
     calls = itertools.count()
     snapshots = []
 
@@ -174,7 +191,10 @@ def _pretrain_with_inf_loss(flags: list[str]) -> dict:
             snapshots.append([w.clone() for w in local_main_weights(model).values()])
         output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model)
         if iteration + 1 == INF_ITERATION:
-            output_tensor = output_tensor * float("inf")
+            if where == "loss":
+                output_tensor = output_tensor * float("inf")
+            else:
+                output_tensor = _InfGradient.apply(output_tensor)
         return output_tensor, loss_func
 
     try:
@@ -185,43 +205,64 @@ def _pretrain_with_inf_loss(flags: list[str]) -> dict:
     return result
 
 
-def test_non_finite_gradient_skips_the_step_and_training_continues():
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_non_finite_loss_or_gradient_skips_the_step_and_training_continues(where):
     flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "5"]
     flags += ["--no-check-for-nan-in-loss-and-grad", *ZERO3]
-    results = run_distributed(_pretrain_with_inf_loss, 2, flags)
+    results = run_distributed(_pretrain_with_non_finite, 2, flags, where)
     k = INF_ITERATION
     for result in results:
         history, weights = result["history"], result["snapshots"]
         assert history.skipped_iterations == [k]
-        assert len(history.losses) == 5 and history.loss_curve()[k - 1] == float("inf")
+        assert len(history.losses) == 5
+        assert math.isfinite(history.loss_curve()[k - 1]) == (where == "gradient")
         # Weights at the start of iteration k + 1 are those at the start of iteration k.
         for before, after in zip(weights[k - 1], weights[k]):
             torch.testing.assert_close(after, before, rtol=0, atol=0)
         # Training goes on: later steps change the weights, and the schedule resumes.
         assert any(not torch.equal(a, b) for a, b in zip(weights[k], weights[k + 1]))
+        # Megatron-LM's convention: each iteration's rate after its schedule step (linear
+        # decay over 5 iterations: 8e-3 after the first), unchanged by the skipped one.
         lrs = history.learning_rates
-        assert lrs[k] == lrs[k - 1] and lrs[k + 1] < lrs[k]
+        assert lrs[0] == pytest.approx(1e-2 * (1 - 1 / 5))
+        assert lrs[k - 1] == lrs[k - 2] and lrs[k] < lrs[k - 1]
     log = results[0]["log"]
-    assert any(m.startswith(f"WARNING: iteration {k}: skipped the optimizer step") for m in log)
-    line = next(m for m in log if m.startswith("iteration "))
+    assert any(m.startswith(f"iteration {k}: skipped the optimizer step") for m in log)
+    (line,) = _log_lines(log)
     assert "number of skipped iterations:   1" in line
-    assert "number of nan iterations:   1" in line
+    assert f"number of nan iterations:   {int(where == 'loss')}" in line
 
 
-def test_non_finite_loss_raises_with_the_check_on():
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_non_finite_loss_or_gradient_raises_with_the_check_on(where):
     flags = [*TINY, "--global-batch-size", "8", "--train-iters", str(INF_ITERATION), *ZERO3]
-    results = run_distributed(_pretrain_with_inf_loss, 2, flags)
+    results = run_distributed(_pretrain_with_non_finite, 2, flags, where)
     for result in results:
+        assert "--check-for-nan-in-loss-and-grad" in result["error"]
         assert "--no-check-for-nan-in-loss-and-grad" in result["error"]
+        if where == "gradient":
+            assert "The global gradient norm is " in result["error"]
 
 
-def _iterations_run(flags: list[str]) -> int:
-    return len(_pretrain(flags)["history"].losses)
+def _iterations_and_log_lines(flags: list[str]) -> tuple[int, list[str]]:
+    result = _pretrain(flags)
+    lines = [line.split(" | ")[0] for line in _log_lines(result["log"])]
+    return len(result["history"].losses), lines
 
 
 def test_exit_interval_stops_training():
     flags = [*TINY, "--global-batch-size", "8", "--train-iters", "10", "--exit-interval", "3"]
-    assert run_distributed(_iterations_run, 2, flags) == [3, 3]
+    results = run_distributed(_iterations_and_log_lines, 2, flags)
+    # --log-interval 2: a line at 2, and one for the partial interval at the exit.
+    lines = ["iteration        2/      10", "iteration        3/      10"]
+    assert results == [(3, lines), (3, [])]
+
+
+def test_last_partial_log_interval_is_logged():
+    flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "3"]
+    (iterations, lines), _ = run_distributed(_iterations_and_log_lines, 2, flags)
+    assert iterations == 5
+    assert lines == ["iteration        3/       5", "iteration        5/       5"]
 
 
 @pytest.mark.skipif(

@@ -3,7 +3,6 @@ optional fields, and the scalars handed to Weights & Biases."""
 
 from __future__ import annotations
 
-import logging
 import sys
 import types
 
@@ -16,7 +15,7 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.training_log import TrainingLog
-from megatron.training.utils import logger
+from tests.unit_tests.training.log_capture import capture_training_log
 
 FLAGS = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -41,15 +40,8 @@ class _FakeWandbRun:
 @pytest.fixture
 def messages():
     """What the training loop logs, at INFO and above."""
-    captured: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: captured.append(record.getMessage())
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield captured
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with capture_training_log() as captured:
+        yield captured
 
 
 def _training_log(*flags: str) -> TrainingLog:
@@ -108,3 +100,18 @@ def test_evaluation_box_and_wandb_scalars(messages, monkeypatch):
         ({"lm loss validation": 2.0}, 1),
     ]
     assert run.finished
+
+
+def test_last_iteration_logs_the_partial_interval(messages):
+    """--train-iters 5 --log-interval 3: lines at 3 and 5, the second over iterations 4-5."""
+    log = _training_log("--train-iters", "5", "--log-interval", "3")
+    for iteration, loss, seconds in [(1, 9.0, 0.1), (2, 6.0, 0.1), (3, 3.0, 0.1)]:
+        log.record_iteration(iteration, {"lm loss": loss}, False, 1.0, 1e-2, seconds)
+    log.record_iteration(4, {"lm loss": 2.0}, False, 1.0, 1e-2, 0.3)
+    log.record_iteration(5, {"lm loss": 1.0}, False, 1.0, 1e-2, 0.5, last=True)
+    first, second = messages
+    assert first.startswith("iteration        3/       5 |")
+    assert "elapsed time per iteration (ms): 100.0 |" in first and "lm loss: 6.0000" in first
+    assert second.startswith("iteration        5/       5 |")
+    assert "elapsed time per iteration (ms): 400.0 |" in second
+    assert "| lm loss: 1.500000E+00 |" in second and "100.0% done" in second

@@ -1,0 +1,570 @@
+"""`validate_args()`, and the configs the validated flags describe.
+
+`validate_args()` fills the derived values of the flags `parse_args()` read (data-parallel size,
+FFN width, params dtype, ...) and rejects bad combinations with a `ValueError` that names the flag
+and the fix. `core_transformer_config_from_args`, `get_megatron_ddp_config` and
+`get_parallel_state_kwargs` build what the library takes. `megatron.training.arguments`
+re-exports all four: import them from there.
+
+What is not built yet (data on disk, tokenizers, checkpointing, context and expert parallelism,
+fp16 loss scaling) is rejected as "not supported yet" in `_validate_parallelism`,
+`_validate_model`, `_validate_data` and `_validate_logging_and_checkpointing`, so the change
+that builds one lifts its check in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.datasets.mock_dataset import SEED_LIMIT
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
+"""Checkpoint formats `--ckpt-format` accepts (saving and loading come in a later change)."""
+
+FSDP_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "auto": None,
+}
+"""Values of the `--megatron-fsdp-*-dtype` flags; "auto" (None) lets the engine derive it."""
+
+DEFAULT_SPLIT = "969,30,1"
+"""`--split`'s default, Megatron-LM's; only it is accepted until datasets on disk land."""
+
+NUM_SPLITS = 3
+"""train, validation, test: `--mock-data` draws split i with seed `--seed` + i."""
+
+_FSDP_ONLY_FLAGS = ("create_all_gather_group", "init_model_with_meta_device")
+"""Megatron-FSDP-only flags that set no `DistributedDataParallelConfig` field. The config
+rejects its own Megatron-FSDP-only fields under the DDP engine (`_ddp_config_from_flags`)."""
+
+_DDP_ONLY_FLAGS = ("ddp_bucket_size", "ddp_average_in_collective")
+"""Flags only the DDP engine reads; `DistributedDataParallelConfig` accepts their fields under
+Megatron-FSDP, which would ignore them."""
+
+_DDP_FIELD_DESTS = {
+    "bucket_size": "ddp_bucket_size",
+    "average_in_collective": "ddp_average_in_collective",
+}
+"""`DistributedDataParallelConfig` fields whose flag has another name; the others share theirs
+(`check_for_nan_in_grad` has none: see `get_megatron_ddp_config`)."""
+
+_FLAG_VALUES: dict[str, Any] = {
+    "True": True,
+    "False": False,
+    "None": "auto",  # only the dtype fields show None in the config's messages
+    **{str(dtype): name for name, dtype in FSDP_DTYPES.items() if dtype is not None},
+}
+"""How a value the config's messages print (`repr`) is spelled on the command line."""
+
+
+def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
+    """Fills the derived values of `args` and rejects bad combinations of flags.
+
+    Idempotent: a validated namespace validates again unchanged.
+
+    Args:
+        args: From `parse_args`.
+        world_size: Number of ranks; None reads `WORLD_SIZE` from the environment (1 if unset).
+
+    Returns:
+        `args`, updated in place with `world_size`, `data_parallel_size`, `global_batch_size`,
+        `num_microbatches`, `num_query_groups`, `kv_channels`, `ffn_hidden_size`,
+        `max_position_embeddings`, `padded_vocab_size`, `params_dtype`, `lr_decay_iters`,
+        `start_weight_decay` and `end_weight_decay`.
+
+    Raises:
+        ValueError: a flag is missing, out of range, contradicts another or needs something
+            this machine lacks; the message names the flag(s) and the fix.
+    """
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    _check_required(args)
+    _validate_parallelism(args)
+    _validate_model(args)
+    _validate_batch_and_optimizer(args)
+    _validate_data(args)
+    _validate_logging_and_checkpointing(args)
+    # The transformer config checks its own fields too; building it here turns any remaining error
+    # into one at start-up rather than after the process groups exist.
+    core_transformer_config_from_args(args)
+    return args
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(dest: str, value: Any) -> str:
+    """How the user spelled a flag that set `dest` to `value`."""
+    if value is True:
+        return _flag(dest)
+    if value is False:
+        return "--no-" + _flag(dest)[2:]
+    return f"{_flag(dest)} {value}"
+
+
+_REQUIRED = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "micro_batch_size",
+    "train_iters",
+)
+
+
+def _check_required(args: argparse.Namespace) -> None:
+    for dest in (*_REQUIRED, "lr"):
+        if getattr(args, dest) is None:
+            raise ValueError(f"{_flag(dest)} is required; pass it on the command line.")
+    for dest in (
+        *_REQUIRED,
+        "global_batch_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "num_distributed_optimizer_instances",
+        "lr_decay_iters",
+        "lr_wsd_decay_iters",
+        "num_query_groups",
+        "kv_channels",
+        "ffn_hidden_size",
+        "max_position_embeddings",
+        "vocab_size",
+        "make_vocab_size_divisible_by",
+        "log_interval",
+        "tensorboard_log_interval",
+        "eval_interval",
+        "exit_interval",
+        "save_interval",
+    ):
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise ValueError(f"{_flag(dest)} must be >= 1, got {value}.")
+    for dest in ("eval_iters", "num_workers"):
+        if getattr(args, dest) < 0:
+            raise ValueError(f"{_flag(dest)} must be >= 0, got {getattr(args, dest)}.")
+
+
+def _validate_parallelism(args: argparse.Namespace) -> None:
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, dest) != 1:
+            raise ValueError(
+                f"{_flag(dest)}={getattr(args, dest)}: tensor and pipeline parallelism are not "
+                f"supported; set {_flag(dest)} 1 and scale with data parallelism "
+                "(--use-megatron-fsdp)."
+            )
+    # Not built yet: lift these checks when context-parallel attention / MoE layers land.
+    for dest, missing in (
+        ("context_parallel_size", "attention has no context-parallel implementation"),
+        ("expert_model_parallel_size", "the GPT model has no MoE layers (--num-experts)"),
+    ):
+        if getattr(args, dest) != 1:
+            raise ValueError(
+                f"{_flag(dest)} {getattr(args, dest)} is not supported yet: {missing}; set "
+                f"{_flag(dest)} 1 and scale with data parallelism."
+            )
+    args.data_parallel_size = args.world_size // args.context_parallel_size
+    _check_engine_flags(args)
+
+    # The outer replicas cut the data x context-parallel group (every rank, as tp = pp = 1).
+    instances = args.num_distributed_optimizer_instances
+    if args.world_size % instances:
+        raise ValueError(
+            f"--num-distributed-optimizer-instances {instances} does not divide the "
+            f"data-parallel x context-parallel size {args.world_size}; choose a divisor of "
+            f"{args.world_size}."
+        )
+    if args.use_symm_mem:
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--use-symm-mem needs CUDA (NCCL symmetric memory), which is not available; "
+                "drop --use-symm-mem."
+            )
+        if args.distributed_backend != "nccl":
+            raise ValueError(
+                "--use-symm-mem needs --distributed-backend nccl; change the backend or drop "
+                "--use-symm-mem."
+            )
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            "--distributed-backend nccl needs CUDA, which is not available; use "
+            "--distributed-backend gloo on CPU."
+        )
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    """Rejects a flag that the engine this run selects would ignore.
+
+    `DistributedDataParallelConfig` rejects its Megatron-FSDP-only fields under the DDP engine
+    and contradictory fields (HFSDP, `--grad-reduce-in-fp32`): building it here reports those
+    with their flag names. The flags it does not check default to off (False / None) whatever
+    a script's `args_defaults` say, so a value that is set asks for that engine.
+    """
+    _ddp_config_from_flags(args)
+    for dest in _DDP_ONLY_FLAGS if args.use_megatron_fsdp else _FSDP_ONLY_FLAGS:
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        given = _given(dest, value)
+        if args.use_megatron_fsdp:
+            raise ValueError(
+                f"{given} is read by the DDP engine only, which this run does not use; drop "
+                f"{given} or --use-megatron-fsdp."
+            )
+        raise ValueError(f"{given} needs Megatron-FSDP: add --use-megatron-fsdp or drop {given}.")
+
+
+def _ddp_config_from_flags(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """`get_megatron_ddp_config(args)`; its `ValueError` is re-raised naming flags, not fields."""
+    try:
+        return get_megatron_ddp_config(args)
+    except ValueError as error:
+        raise ValueError(_spell_as_flags(str(error), args)) from error
+
+
+def _spell_as_flags(message: str, args: argparse.Namespace) -> str:
+    """`message` with each `DistributedDataParallelConfig` field that has a flag written as that
+    flag, and `field=value` as the flag and its value (`--outer-dp-sharding-strategy optim`)."""
+    dests = {
+        field.name: _DDP_FIELD_DESTS.get(field.name, field.name)
+        for field in dataclasses.fields(DistributedDataParallelConfig)
+    }
+    dests = {field: dest for field, dest in dests.items() if hasattr(args, dest)}
+    fields = "|".join(dests)
+    pattern = rf"(?:DistributedDataParallelConfig\.)?\b({fields})\b(?:=('[^']*'|[\w.]*\w))?"
+
+    def spell(match: re.Match) -> str:
+        dest, value = dests[match[1]], match[2]
+        if value is None:
+            return _flag(dest)
+        return _given(dest, _FLAG_VALUES.get(value, value.strip("'")))
+
+    message = re.sub(pattern, spell, message)
+    for text, value in _FLAG_VALUES.items():
+        if text.startswith("torch."):
+            message = message.replace(text, value)
+    return message
+
+
+def _validate_model(args: argparse.Namespace) -> None:
+    heads = args.num_attention_heads
+    if args.group_query_attention:
+        if args.num_query_groups is None:
+            raise ValueError(
+                "--group-query-attention needs --num-query-groups (the number of key/value "
+                "heads); add it."
+            )
+    elif args.num_query_groups not in (None, heads):
+        raise ValueError(
+            f"--num-query-groups {args.num_query_groups} is used only with "
+            "--group-query-attention; add --group-query-attention or drop --num-query-groups."
+        )
+    else:
+        args.num_query_groups = heads
+    if heads % args.num_query_groups:
+        raise ValueError(
+            f"--num-attention-heads {heads} is not divisible by --num-query-groups "
+            f"{args.num_query_groups}; choose a divisor of {heads}."
+        )
+
+    if args.kv_channels is None:
+        if args.hidden_size % heads:
+            raise ValueError(
+                f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                f"{heads}; change one of them or set --kv-channels."
+            )
+        args.kv_channels = args.hidden_size // heads
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            # Megatron's default: two fc1 projections of 2/3 the width keep the parameter count
+            # of a 4h MLP, rounded down to a multiple of 64 for GEMM-friendly shapes.
+            args.ffn_hidden_size = (8 * args.hidden_size // 3) // 64 * 64
+            if args.ffn_hidden_size < 1:
+                raise ValueError(
+                    f"--swiglu with --hidden-size {args.hidden_size} gives a default MLP width "
+                    "of 0 (int(4 x hidden x 2/3 / 64) x 64); set --ffn-hidden-size."
+                )
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if (
+        args.position_embedding_type == "learned_absolute"
+        and args.seq_length > args.max_position_embeddings
+    ):
+        raise ValueError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings} of the learned position table; raise "
+            "--max-position-embeddings or use --position-embedding-type rope."
+        )
+
+    # Not built yet: lift this check when loss scaling lands.
+    if args.fp16:
+        raise ValueError(
+            "--fp16 is not supported yet: there is no loss scaling, so small fp16 gradients "
+            "would underflow to zero; use --bf16."
+        )
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+
+    if args.recompute_granularity != "full":
+        for dest in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, dest) is not None:
+                raise ValueError(
+                    f"{_flag(dest)} applies to --recompute-granularity full only; add it or "
+                    f"drop {_flag(dest)}."
+                )
+    elif args.recompute_method == "block" or args.recompute_num_layers not in (None, 1):
+        raise ValueError(
+            f"--recompute-method {args.recompute_method} --recompute-num-layers "
+            f"{args.recompute_num_layers} is not implemented: full recompute checkpoints every "
+            "layer (--recompute-method uniform --recompute-num-layers 1); use those or omit them."
+        )
+
+    if args.transformer_impl == "transformer_engine":
+        # Imported only here: importing it tries to import Transformer Engine, which is slow.
+        from megatron.core.extensions import transformer_engine
+
+        if not transformer_engine.HAVE_TE:
+            raise ValueError(
+                "--transformer-impl transformer_engine: transformer-engine is not importable "
+                "(pip install --no-build-isolation transformer-engine[pytorch], needs CUDA); "
+                "or use --transformer-impl local."
+            )
+
+
+def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size} (world size {args.world_size} / "
+            f"--context-parallel-size {args.context_parallel_size}) = {per_step}; use a "
+            f"multiple of {per_step}."
+        )
+    args.num_microbatches = args.global_batch_size // per_step
+
+    if args.weight_decay_incr_style == "constant":
+        for dest in ("start_weight_decay", "end_weight_decay"):
+            if getattr(args, dest) not in (None, args.weight_decay):
+                raise ValueError(
+                    f"{_flag(dest)} needs --weight-decay-incr-style linear or cosine; with "
+                    "constant weight decay use --weight-decay."
+                )
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        raise ValueError(
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs both "
+            "--start-weight-decay and --end-weight-decay."
+        )
+    # The scheduler only increases weight decay, as in Megatron-LM.
+    if not 0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ValueError(
+            f"Need 0 <= --start-weight-decay ({args.start_weight_decay}) <= --end-weight-decay "
+            f"({args.end_weight_decay}); the weight decay can only grow."
+        )
+
+    for dest in ("min_lr", "lr_warmup_init"):
+        if not 0 <= getattr(args, dest) <= args.lr:
+            raise ValueError(
+                f"{_flag(dest)} {getattr(args, dest)} must be in [0, --lr {args.lr}]; change "
+                f"{_flag(dest)}."
+            )
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    # Whatever the decay style: the scheduler needs iterations left after warmup, as Megatron's.
+    if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
+            f"{args.lr_decay_iters}) (--lr-decay-iters defaults to --train-iters); shorten the "
+            "warmup or lengthen the decay."
+        )
+    if args.lr_decay_style == "WSD" and (
+        args.lr_wsd_decay_iters is None or args.lr_wsd_decay_iters > args.lr_decay_iters
+    ):
+        raise ValueError(
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing phase), at most "
+            f"--lr-decay-iters {args.lr_decay_iters}."
+        )
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.mock_data and args.data_path:
+        raise ValueError("--mock-data and --data-path are both set; choose one.")
+    if not args.mock_data and not args.data_path:
+        raise ValueError("No training data: pass --mock-data (synthetic tokens).")
+    # Not built yet: lift these checks when the indexed dataset and the tokenizers land.
+    if args.data_path:
+        raise ValueError(
+            "--data-path: datasets on disk are not supported yet; use --mock-data --vocab-size N."
+        )
+    if args.split != DEFAULT_SPLIT:
+        raise ValueError(
+            f"--split {args.split}: splitting datasets on disk is not supported yet (--mock-data "
+            "builds each split of the size the run needs); drop --split."
+        )
+    for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+        if getattr(args, dest):
+            raise ValueError(
+                f"{_flag(dest)} is not supported yet: it needs end-of-document tokens, which "
+                f"--mock-data does not produce; drop {_flag(dest)}."
+            )
+    for dest in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+        if getattr(args, dest) is not None:
+            raise ValueError(
+                f"{_flag(dest)}: tokenizers are not supported yet and --mock-data needs none; "
+                f"drop {_flag(dest)} and set --vocab-size."
+            )
+    if args.vocab_size is None:
+        raise ValueError("--mock-data needs --vocab-size (the token ids it draws from).")
+    largest_seed = SEED_LIMIT - NUM_SPLITS
+    if not 0 <= args.seed <= largest_seed:
+        raise ValueError(
+            f"--seed {args.seed} must be in [0, {largest_seed}] with --mock-data: split i "
+            f"(train, validation, test) draws with seed --seed + i, and seeds are in "
+            f"[0, 2**31); choose a --seed in range."
+        )
+
+    multiple = args.make_vocab_size_divisible_by
+    args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
+
+
+def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
+    if args.tensorboard_dir is not None:
+        _require_module("torch.utils.tensorboard", "--tensorboard-dir", "tensorboard")
+    if args.wandb_project is not None:
+        _require_module("wandb", "--wandb-project", "wandb")
+        if not args.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name (the run's name).")
+    # Not built yet: lift this check when checkpointing lands.
+    for dest in ("save", "load", "save_interval", "no_load_optim", "no_load_rng", "finetune"):
+        if getattr(args, dest) not in (None, False):
+            raise ValueError(
+                f"{_flag(dest)}: saving and loading checkpoints is not supported yet; drop "
+                f"{_flag(dest)}."
+            )
+    if args.ckpt_format not in CKPT_FORMATS:
+        raise ValueError(
+            f"--ckpt-format {args.ckpt_format} is unknown; choose one of {', '.join(CKPT_FORMATS)}."
+        )
+    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+        raise ValueError(
+            "--ckpt-format fsdp_dtensor holds Megatron-FSDP's sharded state; add "
+            "--use-megatron-fsdp or use --ckpt-format torch_dist."
+        )
+
+
+def _require_module(module: str, flag: str, package: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise ValueError(
+            f"{flag} needs the {package} package, which is not importable ({error}); "
+            f"pip install {package}, or drop {flag}."
+        ) from error
+
+
+def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    """The `TransformerConfig` the flags describe.
+
+    Args:
+        args: Validated by `validate_args` (it fills `params_dtype` and the derived widths).
+
+    Returns:
+        The model's config.
+    """
+    return TransformerConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        params_dtype=args.params_dtype,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        init_method_std=args.init_method_std,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        recompute_granularity=args.recompute_granularity,
+        seq_length=args.seq_length,
+    )
+
+
+def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The `DistributedDataParallelConfig` the flags describe (for DDP or Megatron-FSDP).
+
+    Args:
+        args: Validated by `validate_args`.
+
+    Returns:
+        The data-parallel config; `use_megatron_fsdp` selects the engine. Its
+        `check_for_nan_in_grad` is off whatever `--check-for-nan-in-loss-and-grad` says: the
+        training loop checks the global gradient norm instead (see `train_step`).
+    """
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        # Not --check-for-nan-in-loss-and-grad: the engine checks each rank's gradients before
+        # the all-reduce, so one rank would raise while the others wait in the all-reduce until
+        # the timeout. train_step checks the global grad norm instead, the same on every rank.
+        check_for_nan_in_grad=False,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+        fsdp_all_gather_in_start_param_sync=args.fsdp_all_gather_in_start_param_sync,
+        use_symm_mem=args.use_symm_mem,
+        megatron_fsdp_main_params_dtype=FSDP_DTYPES[args.megatron_fsdp_main_params_dtype],
+        megatron_fsdp_main_grads_dtype=FSDP_DTYPES[args.megatron_fsdp_main_grads_dtype],
+        megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],
+    )
+
+
+def get_parallel_state_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of `parallel_state.initialize_model_parallel()` the flags describe.
+
+    Args:
+        args: Validated by `validate_args`.
+
+    Returns:
+        `initialize_model_parallel(**kwargs)`'s arguments.
+    """
+    return dict(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        create_all_gather_group=args.create_all_gather_group,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )

@@ -1,0 +1,119 @@
+"""`pretrain()` in this process, as a world of one: datasets shorter than the run needs are
+refused, and an error anywhere leaves no process group and no data-loader worker behind (the
+original error is raised even when tearing down fails too)."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+
+import pytest
+import torch.distributed as dist
+
+import pretrain_gpt
+from megatron.core import parallel_state
+from megatron.core.datasets import MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.training import initialize, training
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.training import build_train_valid_test_data_iterators, pretrain
+from tests.unit_tests.training.log_capture import capture_training_log
+
+FLAGS = (
+    "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+    "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-2 --mock-data "
+    "--vocab-size 32 --eval-iters 1 --eval-interval 2 --num-workers 0 --distributed-backend gloo"
+).split()
+"""Needs 12 train, 2 x 1 x 4 = 8 validation and 4 test samples."""
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ((11, 8, 4), "The train dataset has 11 samples, but the run needs 12 "),
+        ((12, 7, 4), r"The validation dataset has 7 samples, but the run needs 8 \(\(--train"),
+        ((12, 8, 3), "The test dataset has 3 samples, but the run needs 4 "),
+    ],
+)
+def test_datasets_shorter_than_the_run_are_refused(sizes, message):
+    args = validate_args(parse_args(args=FLAGS), world_size=1)
+    assert args.train_iters * args.global_batch_size == 12
+
+    def provider(num_samples: list[int]) -> tuple[MockGPTDataset, ...]:
+        assert num_samples == [12, 8, 4]
+        return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size) for n in sizes)
+
+    with pytest.raises(ValueError, match=message):
+        build_train_valid_test_data_iterators(provider, args)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """`pretrain()` joins (and must leave) a default group of its own in this process."""
+    if dist.is_initialized():
+        pytest.skip("this process is in a process group already")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    yield
+    if dist.is_initialized():  # the test failed: do not leak the group into later tests
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _pretrain(flags: list[str], forward_step=pretrain_gpt.forward_step, model_provider=None):
+    return pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        model_provider or pretrain_gpt.model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        argv=flags,
+    )
+
+
+def test_trains_as_a_world_of_one(world_of_one):
+    assert len(_pretrain(FLAGS).losses) == 3
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+
+
+def test_error_in_initialize_leaves_no_process_group(world_of_one, monkeypatch):
+    """After the default group exists, before training: the group must not leak."""
+
+    def fail(seed: int) -> None:
+        assert dist.is_initialized()
+        raise RuntimeError("seeding failed")
+
+    monkeypatch.setattr(initialize, "_set_random_seed", fail)
+    with pytest.raises(RuntimeError, match="seeding failed"):
+        _pretrain(FLAGS)
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+
+
+def test_failing_teardown_is_logged_and_the_original_error_raised(world_of_one, monkeypatch):
+    def model_provider(**kwargs):
+        raise ValueError("no model")
+
+    def destroy_then_fail(destroy_default_group: bool) -> None:
+        initialize.destroy_megatron(destroy_default_group)
+        raise RuntimeError("teardown failed")
+
+    monkeypatch.setattr(training, "destroy_megatron", destroy_then_fail)
+    with capture_training_log() as messages, pytest.raises(ValueError, match="no model"):
+        _pretrain(FLAGS, model_provider=model_provider)
+    assert any("tearing down after an error failed too" in m for m in messages), messages
+    assert not dist.is_initialized()
+
+
+def test_error_in_training_stops_the_data_loader_workers(world_of_one):
+    calls = itertools.count()
+
+    def forward_step(data_iterator, model):
+        if next(calls) == 2:
+            raise RuntimeError("forward failed")
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    before = set(multiprocessing.active_children())
+    try:
+        _pretrain([*FLAGS, "--num-workers", "1"], forward_step)
+    except RuntimeError:
+        # The traceback still references the training loop's frames and their iterators.
+        leftover = set(multiprocessing.active_children()) - before
+    assert not leftover, f"data-loader workers still running: {leftover}"
