@@ -88,7 +88,6 @@ class TrainingHistory:
         validation_losses: iteration -> the losses of the evaluation run after it.
         final_validation_losses: the evaluation at the end of training (None: no validation).
         test_losses: the test-split evaluation at the end of training (None: no test split).
-        num_parameters: the model's parameter count.
     """
 
     losses: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -98,7 +97,6 @@ class TrainingHistory:
     validation_losses: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     final_validation_losses: dict[str, float] | None = None
     test_losses: dict[str, float] | None = None
-    num_parameters: int = 0
 
     def loss_curve(self, key: str = "lm loss") -> list[float]:
         """One reported loss per iteration."""
@@ -162,7 +160,6 @@ def pretrain(
                 args,
                 log,
             )
-            history.num_parameters = _num_parameters(model.module)
             evaluate = functools.partial(
                 evaluate_and_print_results,
                 forward_step_func,

@@ -80,7 +80,6 @@ class _Interval:
     iterations: int = 0
     seconds: float = 0.0
     loss_sums: dict[str, float] = dataclasses.field(default_factory=dict)
-    counted: int = 0  # iterations whose losses are in `loss_sums`
     skipped: int = 0
     nan: int = 0
 
@@ -136,7 +135,6 @@ class TrainingLog:
             if not all(math.isfinite(value) for value in losses.values()):
                 interval.nan += 1
         else:
-            interval.counted += 1
             for key, value in losses.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
@@ -166,7 +164,10 @@ class TrainingLog:
             f"learning rate: {learning_rate:.6E}",
             f"global batch size: {args.global_batch_size:5d}",
         ]
-        fields += [f"{k}: {v / interval.counted:.6E}" for k, v in interval.loss_sums.items()]
+        fields += [
+            f"{k}: {v / (interval.iterations - interval.skipped):.6E}"
+            for k, v in interval.loss_sums.items()
+        ]
         fields += [
             f"grad norm: {grad_norm:.3f}",
             f"number of skipped iterations: {interval.skipped:3d}",

@@ -57,3 +57,17 @@ def device_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     """One (tokens, labels) batch on this rank's device."""
     tokens, labels = make_token_batches(1, batch_size, seed)[0]
     return tokens.to(current_device()), labels.to(current_device())
+
+
+def wrap_for_engine(model: GPTModel, engine: str) -> torch.nn.Module:
+    """`model` under the DDP engine (`engine` "ddp") or Megatron-FSDP with that sharding
+    strategy, default configs otherwise."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+    if engine == "ddp":
+        return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True, data_parallel_sharding_strategy=engine
+    )
+    return FullyShardedDataParallel(model.config, ddp_config, model)

@@ -160,9 +160,8 @@ class MegatronOptimizer:
         """Clears the parameters' `.grad`; the DDP engine's `main_grad` buffers are zeroed by
         `model.zero_grad_buffer()`, which the training loop calls too (as Megatron's does)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        # Where the torch optimizer steps other tensors (local shards, fp32 masters), it does
-        # not see the model's `.grad`s. Dropping Megatron-FSDP's DTensor gradients is what lets
-        # it free its gradient buffers before the next forward.
+        # The torch optimizer steps other tensors (fp32 masters, Megatron-FSDP's local shards)
+        # and does not see the model's `.grad`s: clear those too, as `zero_grad()` promises.
         if self._is_fsdp or self._masters():
             for param in self.model.parameters():
                 if set_to_none:

@@ -15,7 +15,6 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from megatron.core.distributed.fsdp import (
     FSDPDistributedIndex,
-    FullyShardedDataParallel,
     fully_shard,
 )
 from megatron.core.optimizer import (
@@ -34,7 +33,7 @@ from tests.unit_tests.distributed.fsdp.fsdp_training import (
     unit_modules,
 )
 from tests.unit_tests.distributed_harness import current_device, run_distributed
-from tests.unit_tests.model_builders import build_tiny_gpt, shard_batch
+from tests.unit_tests.model_builders import build_tiny_gpt, shard_batch, wrap_for_engine
 
 
 def _local_loss(model: torch.nn.Module, kind: str) -> torch.Tensor:
@@ -191,13 +190,7 @@ def test_plain_tensors_match_torch_and_clip_only_above_max_norm():
 def _step_with_non_finite_grad(engine: str, bad: float):
     """Rank 0's loss is non-finite; the reduction spreads it, so every rank must skip."""
     model = build_tiny_gpt()
-    if engine == "ddp":
-        wrapper = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    else:
-        ddp_config = DistributedDataParallelConfig(
-            use_megatron_fsdp=True, data_parallel_sharding_strategy=engine
-        )
-        wrapper = FullyShardedDataParallel(model.config, ddp_config, model)
+    wrapper = wrap_for_engine(model, engine)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=1.0), wrapper)
     before = full_state(model)
     loss = _local_loss(wrapper, "gpt")

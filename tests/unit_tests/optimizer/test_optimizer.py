@@ -31,6 +31,7 @@ from tests.unit_tests.model_builders import (
     make_token_batches,
     shard_batch,
     tiny_gpt_config,
+    wrap_for_engine,
 )
 
 NUM_MICROBATCHES = 2
@@ -100,13 +101,7 @@ def _train(engine: str, optimizer_name: str, loop_syncs: bool = True) -> dict:
     and the loop never calls finish_grad_sync(): the optimizer must complete the reduction."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_tiny_gpt()
-    if engine == "ddp":
-        wrapper = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    else:
-        ddp_config = DistributedDataParallelConfig(
-            use_megatron_fsdp=True, data_parallel_sharding_strategy=engine
-        )
-        wrapper = FullyShardedDataParallel(model.config, ddp_config, model)
+    wrapper = wrap_for_engine(model, engine)
     config = OptimizerConfig(
         optimizer=optimizer_name, lr=1e-2, weight_decay=0.1, clip_grad=CLIP_GRAD
     )

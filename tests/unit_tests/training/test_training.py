@@ -111,9 +111,10 @@ def test_error_in_training_stops_the_data_loader_workers(world_of_one):
         return pretrain_gpt.forward_step(data_iterator, model)
 
     before = set(multiprocessing.active_children())
-    try:
+    with pytest.raises(RuntimeError, match="forward failed") as error:
         _pretrain([*FLAGS, "--num-workers", "1"], forward_step)
-    except RuntimeError:
-        # The traceback still references the training loop's frames and their iterators.
-        leftover = set(multiprocessing.active_children()) - before
+    # `error` keeps the traceback, which still references the training loop's frames and their
+    # iterators.
+    assert error.traceback
+    leftover = set(multiprocessing.active_children()) - before
     assert not leftover, f"data-loader workers still running: {leftover}"

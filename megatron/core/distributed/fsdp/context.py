@@ -256,6 +256,13 @@ class FsdpContext:
         while len(self._releasable) > 1:
             self._free_oldest_released()
 
+    def release_dropped_grads(self) -> None:
+        """Frees the gradient memory of every group whose gradients the optimizer's
+        `zero_grad()` dropped, before the forward where activations peak."""
+        for unit in self.units():
+            for group in unit.groups:
+                group.release_dropped_grads()
+
     def _make_room(self) -> bool:
         """Frees the longest-released units until one more fits under the bound; False if it
         does not (every unit held is in use)."""

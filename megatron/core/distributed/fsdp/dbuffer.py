@@ -187,10 +187,6 @@ class DBuffer:
 
     # Collectives, into preallocated outputs.
 
-    def all_gather(self, out: DBuffer, comm: Collectives, group: torch.distributed.ProcessGroup):
-        """Gathers every rank's shard of this buffer into `out` (all N shards)."""
-        comm.all_gather(out.full, self.shard, group)
-
     def reduce_scatter(
         self,
         out: torch.Tensor,

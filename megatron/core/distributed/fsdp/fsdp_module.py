@@ -141,10 +141,8 @@ class FsdpUnit:
                 group.use_unsharded_params()
             return args, kwargs
         context.record_pre_forward(self)
-        if self.is_root:
-            for unit in context.units():
-                for group in unit.groups:
-                    group.release_dropped_grads()
+        if self.is_root and context.syncs_weights:  # a step's first forward
+            context.release_dropped_grads()
         context.use(self, prefetch="forward")
         for group in self.groups:
             group.use_unsharded_params()

@@ -6,10 +6,11 @@ sharing the DTensors' storage, which step without DTensor dispatch (on a 24-laye
 fused AdamW step then costs the host well under a millisecond instead of ~18 ms). The
 gradients are shards of the reduced gradients. This function checks that the optimizer holds
 exactly such weights and registers two hooks on it through torch's public hook API (nothing of
-the optimizer is replaced): before `step()`, reductions still deferred are run and local shards
-get their `.grad`; after it, every group is marked stale, so the next forward refreshes the
-compute weights from the new main weights once, and the next backward's gradients replace the
-consumed ones (whether or not `zero_grad()` ran, and however it zeroed).
+the optimizer is replaced): before `step()`, reductions still deferred are run and local
+shards get their `.grad` (views of the gradient buffers, dropped by `zero_grad()` as usual);
+after it, every group is marked stale, so the next forward refreshes the compute weights from
+the new main weights once, and the next backward's gradients replace the consumed ones (whether
+or not `zero_grad()` ran, and however it zeroed).
 """
 
 from __future__ import annotations
@@ -85,12 +86,10 @@ def fully_shard_optimizer(
         for group in live_groups():
             group.finalize_grads()
             if steps_local:
-                group.set_local_grads(attach=True)
+                group.attach_local_grads()
 
     def after_step(*unused) -> None:
         for group in live_groups():
-            if steps_local:  # only the step reads them: nothing keeps the shards alive
-                group.set_local_grads(attach=False)
             group.mark_main_weights_updated()
             group.grads_consumed()
 

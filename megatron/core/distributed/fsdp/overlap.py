@@ -51,7 +51,6 @@ class CommStreams:
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
         # An int: resolving a torch.device costs more host time than the stream lookup itself,
         # and `current()` runs several times per unit.
         self._index = device.index if device.index is not None else torch.cuda.current_device()

@@ -160,6 +160,7 @@ class FsdpParameterGroup:
         self._grads_attached = False
         self._pending_finalize = False
         self._grad_dtensors: list[DTensor] | None = None
+        self._steps_local = False
         self.num_weight_syncs = 0
 
     # Construction.
@@ -191,6 +192,7 @@ class FsdpParameterGroup:
             self.device,
             sharded=self.strategy.shards_grads,
             rank=self.rank,
+            zeroed=False,
         )
         if self.outer_layout is not None:
             self.optim_grad = self._shard_buffer(
@@ -429,11 +431,17 @@ class FsdpParameterGroup:
         if not self._has_grad_data:
             return True
         # `optimizer.zero_grad()` (set_to_none) since the last reduction: start afresh.
-        return self._grads_attached and any(p.grad is None for p in self._trainable_dist_params)
+        return self._grads_attached and any(p.grad is None for p in self._optimizer_params())
 
     @property
     def _trainable_dist_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.dist_params if p.requires_grad]
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        """The trainable tensors whose `.grad` the optimizer reads (and `zero_grad()` drops):
+        the local shards once an optimizer steps them, else the DTensor main weights."""
+        params = self.local_main_weights if self._steps_local else self.dist_params
+        return [p for p, main in zip(params, self.dist_params) if main.requires_grad]
 
     @torch.no_grad()
     def finalize_grads(self) -> None:
@@ -475,10 +483,10 @@ class FsdpParameterGroup:
         self.optim_grad.data.copy_(out)
 
     def _attach_grads(self) -> None:
-        """Points each trainable DTensor main weight's `.grad` at its shard of the reduced
-        gradients (a weight frozen after wrapping gets none, so the optimizer skips it)."""
-        trainable = self._trainable_dist_params
-        if self._grads_attached and all(p.grad is not None for p in trainable):
+        """Points the `.grad` of each trainable main weight (the DTensor, and its local shard
+        once an optimizer steps those) at its shard of the reduced gradients; a weight frozen
+        after wrapping gets none, so the optimizer skips it."""
+        if self._grads_attached and all(p.grad is not None for p in self._optimizer_params()):
             return
         if self._grad_dtensors is None:  # views of persistent storage: made once
             source = self.optim_grad or self.main_grad
@@ -487,16 +495,21 @@ class FsdpParameterGroup:
             ]
         for param, grad in zip(self.dist_params, self._grad_dtensors):
             param.grad = grad if param.requires_grad else None
+        if self._steps_local:
+            self._attach_local_grads()
         self._grads_attached = True
 
+    def attach_local_grads(self) -> None:
+        """From now on also points each local main weight's `.grad` at the local shard of its
+        DTensor's `.grad` (None where that is None), for an optimizer stepping the local
+        tensors, so that its `zero_grad()` drops them like any other."""
+        self._steps_local = True
+        self._attach_local_grads()
+
     @torch.no_grad()
-    def set_local_grads(self, attach: bool) -> None:
-        """Points each local main weight's `.grad` at the local shard of its DTensor's `.grad`
-        (None where that is None), for an optimizer stepping the local tensors; or, with
-        `attach` False, drops them again."""
+    def _attach_local_grads(self) -> None:
         for local, param in zip(self.local_main_weights, self.dist_params):
-            grad = param.grad if attach else None
-            local.grad = grad.to_local() if grad is not None else None
+            local.grad = param.grad.to_local() if param.grad is not None else None
 
     def grads_consumed(self) -> None:
         """An optimizer step used the gradients: the next reduction starts afresh, even if
@@ -509,10 +522,12 @@ class FsdpParameterGroup:
         self._pending_backwards = 0
         self._has_grad_data = False
         self._pending_finalize = False
+        self._drop_grads()
+
+    def _drop_grads(self) -> None:
+        """Detaches every gradient view and frees the gradient buffers."""
         self._grads_attached = False
-        for param in self.unsharded_params:
-            param.grad = None
-        for param in self.dist_params:
+        for param in (*self.unsharded_params, *self.dist_params, *self.local_main_weights):
             param.grad = None
         self._release_grads()
 
@@ -529,17 +544,16 @@ class FsdpParameterGroup:
                 buffer.release_storage()
 
     def release_dropped_grads(self) -> None:
-        """Frees gradient memory nothing can reach any more: every DTensor `.grad` was dropped
-        (`zero_grad(set_to_none=True)`) since the last reduction. The root calls it before a
-        forward, where activations peak."""
+        """Frees the gradient memory once the optimizer's `zero_grad(set_to_none=True)` dropped
+        every `.grad` it reads since the last reduction. Called before a step's forward, where
+        activations peak."""
         if (
             self._grads_attached
             and self.has_grads
-            and all(p.grad is None for p in self.dist_params)
+            and all(p.grad is None for p in self._optimizer_params())
         ):
             self._has_grad_data = False
-            self._grads_attached = False
-            self._release_grads()
+            self._drop_grads()
 
     @property
     def has_grads(self) -> bool:

@@ -101,7 +101,7 @@ def _collectives() -> dict:
         view.copy_(torch.chunk(tensor, world_size)[rank] if view.numel() else view)
     gathered = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
     pointer = gathered.data.data_ptr()
-    shard.all_gather(gathered, comm, group)
+    comm.all_gather(gathered.full, shard.shard, group)
     unsharded = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
     copy_chunks_out(gathered, unsharded)
     gathered_ok = all(

@@ -21,6 +21,7 @@ from megatron.core.distributed.fsdp import (
     fsdp_roots,
     fully_shard,
     fully_shard_optimizer,
+    local_main_weights,
     microbatch,
     parameter_groups,
 )
@@ -115,6 +116,24 @@ def test_each_rank_holds_its_share_of_state(strategy):
         else:
             assert r["model_weights_held"] >= total
         assert r["grads_held"] and not r["grads_held_after_zero_grad"]
+
+
+def _grads_held_stepping_local_shards(strategy: str) -> tuple[bool, bool]:
+    model = _shard_model(build_model("uneven", False), strategy)
+    optimizer = torch.optim.AdamW(local_main_weights(model).values(), lr=1e-3)
+    optimizer = fully_shard_optimizer(optimizer, model)
+    _one_step(model, optimizer)
+    groups = parameter_groups(model)
+    held_after_step = all(g.has_grads for g in groups)
+    return held_after_step, _grads_held_after_zero_grad(model, optimizer, groups)
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_zero_grad_of_an_optimizer_over_local_shards_frees_gradients(strategy):
+    for held_after_step, held_after_zero_grad in run_distributed(
+        _grads_held_stepping_local_shards, 2, strategy
+    ):
+        assert held_after_step and not held_after_zero_grad
 
 
 # Weight sync counting.

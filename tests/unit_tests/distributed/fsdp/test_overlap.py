@@ -76,16 +76,23 @@ def _held_and_gathered(max_units: int) -> dict:
     for layer in model.decoder.layers:
         layer.register_forward_pre_hook(lambda *unused: held.append(_held_layers(model)))
     gathers = mock.Mock(wraps=collectives._all_gather_single)
-    gathers_per_step = []
+    gathers_per_step, held_after_forward = [], []
     with mock.patch.object(collectives, "_all_gather_single", gathers):
         for tokens, labels in make_token_batches(2, 4):
             tokens = shard_batch(tokens, rank, world_size)
             labels = shard_batch(labels, rank, world_size)
             before = gathers.call_count
-            model(tokens, labels=labels).mean().backward()
+            loss = model(tokens, labels=labels).mean()
+            held_after_forward.append(_held_layers(model))
+            loss.backward()
             gathers_per_step.append(gathers.call_count - before)
             optimizer.step()
-    return dict(held=held, gathers=gathers_per_step, held_after=_held_layers(model))
+    return dict(
+        held=held,
+        gathers=gathers_per_step,
+        held_after_forward=held_after_forward,
+        held_after=_held_layers(model),
+    )
 
 
 @pytest.mark.parametrize("max_units", [1, 2, 3])
@@ -93,6 +100,8 @@ def test_whole_weights_held_up_to_the_bound_and_reused_by_backward(max_units):
     for r in run_distributed(_held_and_gathered, 2, max_units):
         # Released layers stay until gathering another needs the room: exactly the bound.
         assert max(r["held"]) == max_units
+        # Whatever the bound, only the last layer (backward's first) outlives the forward.
+        assert r["held_after_forward"] == [1, 1]
         assert r["held_after"] == 0, "whole weights outlived backward"
         # Root + every layer in forward; backward reuses the last layer (the only one kept
         # when the forward ends) and gathers the others again.
