@@ -10,9 +10,12 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "einops"],
+    install_requires=["torch>=2.6", "einops", "numpy", "regex"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
+        # The test suite exercises every tokenizer, so it needs the optional tokenizer packages.
+        "test": ["pytest>=7", "pytest-timeout", "sentencepiece", "tokenizers", "transformers"],
+        # SentencePieceTokenizer and HuggingFaceTokenizer.
+        "data": ["sentencepiece", "transformers"],
         # Optional accelerators, used when importable. NVIDIA apex has no usable PyPI package:
         # build it from its source repository if you want its fused norms.
         "te": ["transformer-engine[pytorch]"],

@@ -1,0 +1,235 @@
+"""`build_gpt_datasets()`: the train, validation and test datasets of a `--data-path` blend.
+
+As Megatron-LM's `BlendedMegatronDatasetBuilder` for GPT: each dataset prefix is split over
+its documents by the normalised `--split` weights (`get_split_indices`), one `GPTDataset` is
+built per prefix per split, and several prefixes are mixed by a `BlendedDataset`, each asked
+for `ceil(weight * samples * 1.005)` samples (Megatron-LM's 0.5% margin, so the greedy blend
+never runs a dataset dry). Per-split blends (`GPTDatasetConfig.blend_per_split`) use each
+prefix whole for their split.
+
+With `torch.distributed` initialised, every rank must call the builder (the datasets' index
+caches are built on rank 0 while the other ranks wait).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy
+from torch.utils.data import Dataset
+
+from megatron.core.datasets.blended_dataset import BlendedDataset, normalize
+from megatron.core.datasets.gpt_dataset import (
+    DEFAULT_SPLIT,
+    SPLIT_NAMES,
+    Blend,
+    GPTDataset,
+    GPTDatasetConfig,
+    get_split_indices,
+)
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+
+BLEND_SURPLUS = 0.005
+"""The share of extra samples each blended dataset is built with (Megatron-LM's)."""
+
+_DATA_PATH_FORMS = "give one prefix, or weight-prefix pairs: --data-path 0.3 corpus_a 0.7 corpus_b"
+
+
+def parse_data_path(data_path: Sequence[str]) -> Blend:
+    """Megatron-LM's `--data-path` list as a blend.
+
+    Args:
+        data_path: `[prefix]`, or `[weight1, prefix1, weight2, prefix2, ...]`.
+
+    Returns:
+        The prefixes and their weights (None for a lone prefix), weights not normalised.
+
+    Raises:
+        ValueError: the list is empty or of odd length (beyond one prefix), or a weight is
+            not a number or is negative; the message names the entry.
+    """
+    entries = [entry.strip() for entry in data_path]
+    if len(entries) == 1:
+        return entries, None
+    if not entries or len(entries) % 2:
+        raise ValueError(
+            f"--data-path {' '.join(entries)!r} has {len(entries)} entries; {_DATA_PATH_FORMS}."
+        )
+    weights = []
+    for position, entry in enumerate(entries[0::2]):
+        try:
+            weights.append(float(entry))
+        except ValueError:
+            raise ValueError(
+                f"--data-path weight {entry!r} (entry {2 * position + 1}, before prefix "
+                f"{entries[2 * position + 1]!r}) is not a number; {_DATA_PATH_FORMS}."
+            ) from None
+    _check_weights(weights, entries[1::2])
+    return entries[1::2], weights
+
+
+def _check_weights(weights: Sequence[float], prefixes: Sequence[str]) -> None:
+    for weight, prefix in zip(weights, prefixes):
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(
+                f"The weight {weight} of dataset {prefix!r} must be a finite number >= 0."
+            )
+    if sum(weights) <= 0:
+        raise ValueError(f"The blend weights {list(weights)} are all 0; give one a weight > 0.")
+
+
+def _checked_blend(blend: Blend) -> Blend:
+    """The blend's prefixes (checked to exist) and weights (checked; None for one prefix),
+    without the prefixes of weight 0."""
+    prefixes, weights = list(blend[0]), blend[1]
+    if not prefixes:
+        raise ValueError("The blend names no dataset prefix; give --data-path.")
+    if weights is not None:
+        if len(weights) != len(prefixes):
+            raise ValueError(
+                f"The blend has {len(prefixes)} prefixes but {len(weights)} weights; give one "
+                "weight per prefix."
+            )
+        try:
+            weights = [float(weight) for weight in weights]
+        except (TypeError, ValueError):
+            raise ValueError(f"The blend weights {weights} must be numbers.") from None
+        _check_weights(weights, prefixes)
+        kept = [(prefix, weight) for prefix, weight in zip(prefixes, weights) if weight > 0]
+        prefixes, weights = [prefix for prefix, _ in kept], [weight for _, weight in kept]
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            missing = [
+                path
+                for path in (get_bin_path(prefix), get_idx_path(prefix))
+                if not os.path.isfile(path)
+            ]
+            raise ValueError(
+                f"Dataset prefix {prefix!r} names no indexed dataset: {' and '.join(missing)} "
+                "missing (a prefix is the path without .bin/.idx); create it with "
+                "tools/preprocess_data.py or fix --data-path."
+            )
+    return prefixes, (None if len(prefixes) == 1 else weights)
+
+
+def _build_prefix_splits(
+    prefix: str,
+    split_vector: Sequence[float],
+    sizes: Sequence[int | None],
+    config: GPTDatasetConfig,
+    in_blend: bool,
+) -> list[GPTDataset | None]:
+    """One `GPTDataset` per split of one prefix (None where no samples or no split weight)."""
+    indexed = IndexedDataset(prefix, mmap=config.mmap_bin_files)
+    bounds = get_split_indices(list(split_vector), len(indexed))
+    datasets: list[GPTDataset | None] = []
+    for number, name in enumerate(SPLIT_NAMES):
+        documents = numpy.arange(bounds[number], bounds[number + 1], dtype=numpy.int32)
+        if sizes[number] == 0 or split_vector[number] == 0:
+            datasets.append(None)
+        elif documents.size == 0:
+            if in_blend:
+                raise ValueError(
+                    f"Dataset {prefix!r} has no document in the {name} split (its "
+                    f"{len(indexed)} documents split by {config.split or DEFAULT_SPLIT}); give "
+                    "that split more weight, or use a larger dataset."
+                )
+            datasets.append(None)
+        else:
+            datasets.append(GPTDataset(indexed, prefix, documents, sizes[number], name, config))
+    return datasets
+
+
+def _build_blend_splits(
+    blend: Blend, split_vector: Sequence[float], sizes: Sequence[int], config: GPTDatasetConfig
+) -> list[Dataset | None]:
+    prefixes, weights = blend
+    if len(prefixes) == 1:
+        return list(_build_prefix_splits(prefixes[0], split_vector, sizes, config, False))
+    if weights is not None:
+        weights = normalize(weights)
+        per_prefix_sizes = [
+            [int(math.ceil(size * weight * (1 + BLEND_SURPLUS))) for size in sizes]
+            for weight in weights
+        ]
+    else:
+        # Unweighted blends (config.blend only) mix the datasets by their one-epoch lengths.
+        per_prefix_sizes = [[None if size else 0 for size in sizes] for _ in prefixes]
+    per_prefix = [
+        _build_prefix_splits(prefix, split_vector, prefix_sizes, config, True)
+        for prefix, prefix_sizes in zip(prefixes, per_prefix_sizes)
+    ]
+    blended: list[Dataset | None] = []
+    for number in range(len(SPLIT_NAMES)):
+        parts = [datasets[number] for datasets in per_prefix]
+        if sizes[number] == 0 or split_vector[number] == 0:
+            blended.append(None)
+        elif weights is None:
+            lengths = [len(part) for part in parts]
+            size = min(sizes[number], sum(lengths))
+            blended.append(BlendedDataset(parts, lengths, size, config))
+        else:
+            blended.append(BlendedDataset(parts, weights, sizes[number], config))
+    return blended
+
+
+def build_gpt_datasets(
+    config: GPTDatasetConfig,
+    train_val_test_num_samples: Sequence[int],
+    data_path: Sequence[str] | None = None,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    """The train, validation and test datasets (a `GPTDataset`, a `BlendedDataset`, or None).
+
+    A split is None when it is asked for 0 samples, has split weight 0, or (for a lone prefix)
+    gets no document, as in Megatron-LM.
+
+    Args:
+        config: the configuration; its `blend` or `blend_per_split` is the data unless
+            `data_path` is given.
+        train_val_test_num_samples: samples wanted per split.
+        data_path: Megatron-LM's `--data-path` list (`parse_data_path`), split by
+            `config.split`.
+
+    Raises:
+        ValueError: no data, or the data twice (`data_path` and a config blend); a bad
+            `--data-path` (odd length, a weight that is not a number or is negative); a
+            missing prefix (the message names the files); a blended prefix with no document
+            in a split that needs it; a split whose documents hold fewer tokens than one
+            sample; a negative sample count.
+    """
+    sizes = list(train_val_test_num_samples)
+    if len(sizes) != len(SPLIT_NAMES) or any(int(size) != size or size < 0 for size in sizes):
+        raise ValueError(f"train_val_test_num_samples={sizes} must be three sample counts >= 0.")
+    if data_path is not None:
+        if config.blend is not None or config.blend_per_split is not None:
+            raise ValueError(
+                "The data is given twice: data_path and the config's blend / blend_per_split."
+            )
+        return tuple(
+            _build_blend_splits(
+                _checked_blend(parse_data_path(data_path)), config.split_vector, sizes, config
+            )
+        )
+    if config.blend is not None:
+        return tuple(
+            _build_blend_splits(_checked_blend(config.blend), config.split_vector, sizes, config)
+        )
+    if config.blend_per_split is None:
+        raise ValueError(
+            "No data: give data_path (--data-path) or the config's blend / blend_per_split."
+        )
+    datasets: list[Dataset | None] = []
+    for number, blend in enumerate(config.blend_per_split):
+        if blend is None or sizes[number] == 0:
+            datasets.append(None)
+            continue
+        # The split's prefixes serve this split alone, with all their documents.
+        only_this = [0.0] * len(SPLIT_NAMES)
+        only_this[number] = 1.0
+        only_these_samples = [0] * len(SPLIT_NAMES)
+        only_these_samples[number] = sizes[number]
+        splits = _build_blend_splits(_checked_blend(blend), only_this, only_these_samples, config)
+        datasets.append(splits[number])
+    return tuple(datasets)

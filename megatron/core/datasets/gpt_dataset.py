@@ -1,0 +1,445 @@
+"""`GPTDataset`: GPT samples cut from a tokenized corpus (an `IndexedDataset`), as Megatron-LM's.
+
+The documents of one split (for GPT, the indexed dataset's sequences, as Megatron-LM counts
+them; `tools/preprocess_data.py` writes one sequence per document unless it splits sentences)
+are concatenated, in an order shuffled per epoch, into one token stream. Sample `i` of that
+stream is its tokens `[i * s, (i + 1) * s]`: `s + 1` tokens, so consecutive samples share one
+boundary token, the last label of one being the first input of the next. Three arrays describe
+this, built as Megatron-LM builds them and cached (`index_cache`):
+
+- document index: the split's documents repeated for enough epochs and shuffled
+  (`numpy.random.RandomState(random_seed)`); when the last epoch would be under 80% used it is
+  shuffled on its own, so the partial epoch still draws from all documents evenly.
+- sample index `[num_samples + 1, 2]`: where each sample starts, as (position in the document
+  index, token offset in that document); row `i + 1` is where sample `i` ends.
+- shuffle index: a permutation of the samples (the final separate epoch again on its own).
+
+Identical arrays come out of Megatron-LM for the same corpus, split, seed and sizes, so a run
+can move between the two projects and read the same data order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy
+import torch
+
+from megatron.core.datasets import index_cache
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+DEFAULT_SPLIT = "969,30,1"
+"""Megatron-LM's `--split` default: train, validation and test weights."""
+
+Blend = tuple[list[str], list[float] | None]
+"""Dataset prefixes and their weights (None: each prefix alone, or weights from sizes)."""
+
+_SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+@dataclass
+class GPTDatasetConfig:
+    """What the GPT datasets are built from, and how samples are masked.
+
+    Attributes:
+        random_seed: seeds the document and sample shuffles.
+        sequence_length: tokens per sample (the model's input length).
+        blend: the datasets all splits draw from: prefixes and their weights (weights None
+            for a single prefix). `build_gpt_datasets` can take Megatron-LM's `--data-path`
+            list instead.
+        blend_per_split: one blend (or None) per split, train, valid, test, each using its
+            datasets whole (Megatron-LM's `--train-data-path` etc.); excludes `blend`/`split`.
+        split: the train/valid/test weights of `blend`'s documents, e.g. "969,30,1"
+            (None: `DEFAULT_SPLIT`).
+        path_to_cache: the folder of cached indices (None: `cache/GPTDataset_indices` beside
+            each dataset's files, and `cache/BlendedDataset_indices` beside the first one's).
+        mmap_bin_files: memory-map the .bin files, else read them with file reads.
+        reset_position_ids: positions restart at 0 after each EOD token.
+        reset_attention_mask: tokens do not attend across an EOD token; samples then carry an
+            `attention_mask`.
+        eod_mask_loss: no loss where the input token is EOD.
+        eod_token: the EOD token id; needed by the three options above.
+        split_vector: the normalised `split` (set from it; None with `blend_per_split`).
+
+    Raises:
+        ValueError: a size or the seed is out of range, the split does not parse, `blend` and
+            `blend_per_split` are both given, or an EOD option has no `eod_token`.
+    """
+
+    random_seed: int
+    sequence_length: int
+    blend: Blend | None = None
+    blend_per_split: list[Blend | None] | None = None
+    split: str | None = None
+    path_to_cache: str | None = None
+    mmap_bin_files: bool = True
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    eod_token: int | None = None
+    split_vector: list[float] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.sequence_length < 1:
+            raise ValueError(f"sequence_length={self.sequence_length} must be >= 1.")
+        if not 0 <= self.random_seed < 2**32:
+            raise ValueError(f"random_seed={self.random_seed} must be in [0, 2**32).")
+        if self.blend_per_split is not None:
+            if self.blend is not None or self.split is not None:
+                raise ValueError(
+                    "blend_per_split (per-split data paths) excludes blend and split "
+                    "(--data-path and --split); give one or the other."
+                )
+            if len(self.blend_per_split) != len(SPLIT_NAMES):
+                raise ValueError(
+                    f"blend_per_split has {len(self.blend_per_split)} entries; it needs one "
+                    f"(or None) for each of {SPLIT_NAMES}."
+                )
+        else:
+            self.split_vector = parse_and_normalize_split(self.split or DEFAULT_SPLIT)
+        for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            if getattr(self, flag) and self.eod_token is None:
+                raise ValueError(f"{flag} needs eod_token, the tokenizer's EOD id.")
+
+
+def parse_and_normalize_split(split: str) -> list[float]:
+    """Megatron-LM's split string as weights summing to 1: "969,30,1" -> [0.969, 0.03, 0.001].
+
+    Weights are separated by commas (or slashes); missing ones are 0 ("99,1" = "99,1,0").
+
+    Raises:
+        ValueError: more than three weights, one is not a finite number >= 0, or all are 0.
+    """
+    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
+    hint = "e.g. --split 969,30,1 (train, validation and test weights)"
+    if len(pieces) > len(SPLIT_NAMES):
+        raise ValueError(f"split {split!r} has {len(pieces)} weights, at most 3; {hint}.")
+    weights = []
+    for piece in pieces:
+        try:
+            weight = float(piece)
+        except ValueError:
+            raise ValueError(f"split {split!r}: {piece!r} is not a number; {hint}.") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"split {split!r}: {piece!r} must be a finite number >= 0; {hint}.")
+        weights.append(weight)
+    weights += [0.0] * (len(SPLIT_NAMES) - len(weights))
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"split {split!r} gives every split weight 0; {hint}.")
+    return [weight / total for weight in weights]
+
+
+def get_split_indices(split_vector: list[float], num_documents: int) -> list[int]:
+    """The document boundaries of the splits: split `k` is documents `[b[k], b[k + 1])`.
+
+    As Megatron-LM: each boundary is the rounded cumulative weight times the number of
+    documents; the last is the number of documents.
+    """
+    bounds, cumulative = [0], 0.0
+    for weight in split_vector[:-1]:
+        cumulative += weight
+        bounds.append(int(round(cumulative * float(num_documents))))
+    bounds.append(num_documents)
+    return bounds
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """The GPT samples of one split of an indexed dataset (see the module docstring).
+
+    With `torch.distributed` initialised, construction is a collective (rank 0 builds the
+    indices on a cache miss, the other ranks then load them): every rank constructs the same
+    datasets in the same order, as `build_gpt_datasets` does.
+
+    Args:
+        indexed_dataset: the tokenized corpus.
+        dataset_path: its prefix, for the cache description and default cache folder (None:
+            `indexed_dataset.path_prefix`).
+        indexed_indices: the documents (sequence ids) of this split.
+        num_samples: samples wanted; the documents repeat for as many epochs as they need
+            (None: one epoch). The dataset can hold a few more (the last epoch's rest).
+        index_split: "train", "valid" or "test".
+        config: the configuration.
+
+    Attributes:
+        built_anew_on_cache_miss: whether this construction built the indices (False: loaded).
+        unique_description: what the indices depend on (JSON); its MD5 names the cache files.
+
+    Raises:
+        ValueError: a bad split name or document id, or the documents hold fewer tokens than
+            one sample (`sequence_length + 1`).
+        OSError: the cache folder cannot be written.
+    """
+
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        dataset_path: str | None,
+        indexed_indices: numpy.ndarray,
+        num_samples: int | None,
+        index_split: str,
+        config: GPTDatasetConfig,
+    ):
+        if index_split not in SPLIT_NAMES:
+            raise ValueError(f"index_split={index_split!r} must be one of {SPLIT_NAMES}.")
+        if num_samples is not None and num_samples < 0:
+            raise ValueError(f"num_samples={num_samples} must be >= 0 (or None: one epoch).")
+        self.dataset = indexed_dataset
+        self.dataset_path = dataset_path or indexed_dataset.path_prefix
+        self.indices = numpy.asarray(indexed_indices, dtype=numpy.int32)
+        self.num_samples = num_samples
+        self.index_split = index_split
+        self.config = config
+        if self.indices.ndim != 1 or (
+            self.indices.size
+            and not 0 <= self.indices.min() <= self.indices.max() < len(indexed_dataset)
+        ):
+            raise ValueError(
+                f"indexed_indices must be ids in [0, {len(indexed_dataset)}) of "
+                f"{self.dataset_path}'s documents."
+            )
+        lengths = indexed_dataset.sequence_lengths
+        self.tokens_per_epoch = int(lengths[self.indices].sum(dtype=numpy.int64))
+        if self.tokens_per_epoch < config.sequence_length + 1:
+            raise ValueError(
+                f"The {index_split} split of {self.dataset_path} has {self.indices.size} "
+                f"documents of {self.tokens_per_epoch} tokens in all, fewer than one sample "
+                f"needs ({config.sequence_length} + 1); give that split more documents (--split) "
+                "or more data, or shorten --seq-length."
+            )
+
+        self.unique_identifiers = OrderedDict(
+            [
+                ("class", type(self).__name__),
+                ("dataset_path", self.dataset_path),
+                ("num_samples", num_samples),
+                ("index_split", index_split),
+                ("random_seed", config.random_seed),
+                ("sequence_length", config.sequence_length),
+                # The documents and the corpus size rather than the split string: they are
+                # what the indices depend on, and a re-tokenized corpus changes them.
+                ("num_documents", int(self.indices.size)),
+                ("documents_md5", hashlib.md5(self.indices.tobytes()).hexdigest()),
+                ("corpus_sequences", len(indexed_dataset)),
+                ("tokens_per_epoch", self.tokens_per_epoch),
+            ]
+        )
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        cache_dir = config.path_to_cache or index_cache.default_cache_dir(
+            self.dataset_path, type(self).__name__
+        )
+        base_name = (
+            f"{index_cache.description_hash(self.unique_description)}-"
+            f"{type(self).__name__}-{index_split}"
+        )
+        arrays, self.built_anew_on_cache_miss = index_cache.load_or_build(
+            cache_dir,
+            base_name,
+            self.unique_description,
+            ("document_index", "sample_index", "shuffle_index"),
+            self._build_indices,
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def _build_indices(self) -> dict[str, numpy.ndarray]:
+        """The document, sample and shuffle indices, exactly as Megatron-LM builds them."""
+        sequence_length = self.config.sequence_length
+        tokens_per_epoch = self.tokens_per_epoch
+        num_epochs = 1
+        if self.num_samples is not None:
+            # Samples of s tokens plus the one extra token the last sample's labels need.
+            tokens_wanted = self.num_samples * sequence_length + 1
+            num_epochs = max(1, -(-tokens_wanted // tokens_per_epoch))
+        separate_final_epoch = False
+        if num_epochs > 1:
+            samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // sequence_length
+            samples_from_final = self.num_samples - samples_before_final
+            samples_per_epoch = (tokens_per_epoch - 1) // sequence_length
+            separate_final_epoch = samples_from_final < int(
+                _SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch
+            )
+        random_state = numpy.random.RandomState(self.config.random_seed)
+        document_index = _build_document_index(
+            self.indices, num_epochs, random_state, separate_final_epoch
+        )
+        sample_index = build_sample_index(
+            self.dataset.sequence_lengths,
+            document_index,
+            sequence_length,
+            num_epochs,
+            tokens_per_epoch,
+        )
+        num_samples_total = sample_index.shape[0] - 1
+        first_shuffled = samples_before_final if separate_final_epoch else num_samples_total
+        shuffle_index = _build_shuffle_index(first_shuffled, num_samples_total, random_state)
+        return {
+            "document_index": document_index,
+            "sample_index": sample_index,
+            "shuffle_index": shuffle_index,
+        }
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        """Sample `idx` in `MockGPTDataset`'s format: `tokens` and `labels` (shifted by one),
+        int64 [s]; `loss_mask` float32 [s]; `position_ids` int64 [s]; with
+        `reset_attention_mask`, also `attention_mask` bool [1, s, s] (True = masked out)."""
+        if not 0 <= idx < len(self):
+            raise IndexError(f"GPTDataset index {idx} out of range [0, {len(self)}).")
+        text = torch.from_numpy(self._sample_tokens(int(idx)))
+        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens,
+            self.config.eod_token,
+            self.config.reset_position_ids,
+            self.config.reset_attention_mask,
+            self.config.eod_mask_loss,
+        )
+        sample = {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+        }
+        if attention_mask is not None:
+            sample["attention_mask"] = attention_mask
+        return sample
+
+    def _sample_tokens(self, idx: int) -> numpy.ndarray:
+        """The `sequence_length + 1` tokens of sample `idx`, int64."""
+        position = int(self.shuffle_index[idx])
+        first, first_offset = (int(v) for v in self.sample_index[position])
+        last, last_offset = (int(v) for v in self.sample_index[position + 1])
+        documents = self.document_index
+        if first == last:
+            length = last_offset - first_offset + 1
+            parts = [self.dataset.get(int(documents[first]), first_offset, length)]
+        else:
+            parts = [self.dataset.get(int(documents[first]), first_offset)]
+            parts += [self.dataset.get(int(documents[d])) for d in range(first + 1, last)]
+            parts.append(self.dataset.get(int(documents[last]), 0, last_offset + 1))
+        return numpy.concatenate(parts, dtype=numpy.int64)
+
+
+def build_sample_index(
+    sequence_lengths: numpy.ndarray,
+    document_index: numpy.ndarray,
+    sequence_length: int,
+    num_epochs: int,
+    tokens_per_epoch: int,
+) -> numpy.ndarray:
+    """Megatron-LM's `build_sample_idx` (its C++ helper, with the last partial sample dropped).
+
+    Row `i` is the position of stream token `i * sequence_length`, as (index into
+    `document_index`, offset in that document), the document being the one that holds the
+    token; row 0 is (0, 0). Vectorised: one binary search per sample.
+
+    Args:
+        sequence_lengths: the corpus's tokens per document (sequence).
+        document_index: the documents of the stream, in order.
+        sequence_length: tokens per sample, beside the shared boundary token.
+        num_epochs, tokens_per_epoch: the stream holds `num_epochs * tokens_per_epoch` tokens.
+
+    Returns:
+        [num_samples + 1, 2], num_samples = (stream tokens - 1) // sequence_length; int32 when
+        every value fits (as Megatron-LM), else int64.
+    """
+    num_samples = (num_epochs * tokens_per_epoch - 1) // sequence_length
+    lengths = sequence_lengths[document_index].astype(numpy.int64)
+    ends = numpy.cumsum(lengths)
+    assert ends[-1] == num_epochs * tokens_per_epoch, "document index and token count disagree"
+    starts = numpy.arange(num_samples + 1, dtype=numpy.int64) * sequence_length
+    # The first document whose end lies beyond the token: empty documents are skipped.
+    documents = numpy.searchsorted(ends, starts, side="right")
+    offsets = starts - (ends[documents] - lengths[documents])
+    documents[0], offsets[0] = 0, 0
+    largest = max(len(document_index), int(sequence_lengths.max()))
+    dtype = numpy.int32 if largest <= numpy.iinfo(numpy.int32).max else numpy.int64
+    return numpy.stack([documents, offsets], axis=1).astype(dtype)
+
+
+def _build_document_index(
+    documents: numpy.ndarray,
+    num_epochs: int,
+    random_state: numpy.random.RandomState,
+    separate_final_epoch: bool,
+) -> numpy.ndarray:
+    """The documents repeated `num_epochs` times and shuffled, int32 (the final epoch on its
+    own when `separate_final_epoch`), consuming `random_state` as Megatron-LM does."""
+    if not separate_final_epoch or num_epochs == 1:
+        document_index = numpy.tile(documents, num_epochs).astype(numpy.int32)
+        random_state.shuffle(document_index)
+        return document_index
+    first = _build_document_index(documents, num_epochs - 1, random_state, False)
+    last = _build_document_index(documents, 1, random_state, False)
+    return numpy.concatenate((first, last))
+
+
+def _build_shuffle_index(
+    num_samples: int, total_size: int, random_state: numpy.random.RandomState
+) -> numpy.ndarray:
+    """A permutation of [0, total_size) that shuffles [0, num_samples) and the rest apart."""
+    dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
+    first = numpy.arange(num_samples, dtype=dtype)
+    random_state.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = numpy.arange(num_samples, total_size, dtype=dtype)
+    random_state.shuffle(last)
+    return numpy.concatenate((first, last))
+
+
+def get_ltor_masks_and_position_ids(
+    tokens: torch.Tensor,
+    eod_token: int | None,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Masks and positions of a left-to-right sample, as Megatron-LM's
+    `_get_ltor_masks_and_position_ids`.
+
+    Args:
+        tokens: int64 [s], the sample's input tokens.
+        eod_token: the EOD id (needed by the three options).
+        reset_position_ids: positions restart at 0 after each EOD.
+        reset_attention_mask: a token attends only to earlier tokens of its own document (the
+            EOD closes a document).
+        eod_mask_loss: zero loss where the input token is EOD.
+
+    Returns:
+        `attention_mask` bool [1, s, s] (query, key; True = masked out, causal part included,
+        GPTModel's convention) or None without `reset_attention_mask`; `loss_mask` float32
+        [s]; `position_ids` int64 [s].
+    """
+    seq_length = tokens.numel()
+    positions = torch.arange(seq_length, dtype=torch.int64)
+    loss_mask = torch.ones(seq_length, dtype=torch.float32)
+    if not (reset_position_ids or reset_attention_mask or eod_mask_loss):
+        return None, loss_mask, positions
+    is_eod = tokens == eod_token
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    # Where each token's document starts: one past the last EOD strictly before it.
+    after_eod = torch.where(is_eod, positions + 1, 0)
+    document_start = torch.cummax(
+        torch.cat([torch.zeros(1, dtype=torch.int64), after_eod[:-1]]), dim=0
+    ).values
+    position_ids = positions - document_start if reset_position_ids else positions
+    attention_mask = None
+    if reset_attention_mask:
+        visible = (positions[None, :] <= positions[:, None]) & (
+            document_start[None, :] == document_start[:, None]
+        )
+        attention_mask = (~visible).unsqueeze(0)
+    return attention_mask, loss_mask, position_ids

@@ -1,0 +1,121 @@
+"""Tokenizers for GPT data, under Megatron-LM's `--tokenizer-type` names, and
+`build_tokenizer()`, which makes one from Megatron-LM's flags.
+
+| `--tokenizer-type` | needs | end-of-document id |
+|---|---|---|
+| `ByteLevelTokenizer` | nothing (UTF-8 bytes; the quick start's) | `<eos>` (258) |
+| `GPT2BPETokenizer` | `--vocab-file`, `--merge-file` | `<\\|endoftext\\|>` |
+| `SentencePieceTokenizer` | `--tokenizer-model` (a `.model` file; `sentencepiece`) | `<EOD>` |
+| `HuggingFaceTokenizer` | `--tokenizer-model` (a local directory; `transformers`) | EOS |
+| `NullTokenizer` | `--vocab-size N` (text is ids) | N |
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.core.datasets.tokenizers.base import MegatronTokenizer
+from megatron.core.datasets.tokenizers.byte_level import ByteLevelTokenizer
+from megatron.core.datasets.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.datasets.tokenizers.huggingface import HuggingFaceTokenizer
+from megatron.core.datasets.tokenizers.null import NullTokenizer
+from megatron.core.datasets.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+
+TOKENIZER_TYPES = (
+    "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
+"""The `--tokenizer-type` choices."""
+
+_FLAGS = {
+    "vocab_file": "--vocab-file",
+    "merge_file": "--merge-file",
+    "tokenizer_model": "--tokenizer-model",
+    "vocab_size": "--vocab-size",
+}
+
+_REQUIRED = {
+    "ByteLevelTokenizer": (),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+"""The arguments each type reads; it needs all of them and takes no other."""
+
+_HINTS = {
+    "vocab_file": "the GPT-2 vocab.json",
+    "merge_file": "the GPT-2 merges.txt",
+    "tokenizer_model": "a SentencePiece .model file or a HuggingFace tokenizer directory",
+    "vocab_size": "the number of distinct ids in the pre-tokenized text",
+}
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    vocab_file: str | os.PathLike | None = None,
+    merge_file: str | os.PathLike | None = None,
+    tokenizer_model: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+) -> MegatronTokenizer:
+    """The tokenizer Megatron-LM's flags describe.
+
+    Args:
+        tokenizer_type: one of `TOKENIZER_TYPES` (`--tokenizer-type`).
+        vocab_file: `--vocab-file` (GPT2BPETokenizer).
+        merge_file: `--merge-file` (GPT2BPETokenizer).
+        tokenizer_model: `--tokenizer-model` (SentencePieceTokenizer, HuggingFaceTokenizer).
+        vocab_size: `--vocab-size` (NullTokenizer: ids in the text, without the EOD id).
+
+    Raises:
+        ValueError: an unknown type, a missing argument the type needs, or one it does not
+            read (which would be silently ignored otherwise), naming the flag.
+        FileNotFoundError: a file or directory the type needs does not exist.
+    """
+    if tokenizer_type not in _REQUIRED:
+        raise ValueError(
+            f"--tokenizer-type {tokenizer_type!r} is not one of: {', '.join(TOKENIZER_TYPES)}."
+        )
+    given = {
+        "vocab_file": vocab_file,
+        "merge_file": merge_file,
+        "tokenizer_model": tokenizer_model,
+        "vocab_size": vocab_size,
+    }
+    needed = _REQUIRED[tokenizer_type]
+    for name in needed:
+        if given[name] is None:
+            raise ValueError(
+                f"--tokenizer-type {tokenizer_type} needs {_FLAGS[name]} ({_HINTS[name]})."
+            )
+    for name, value in given.items():
+        if value is not None and name not in needed:
+            raise ValueError(
+                f"--tokenizer-type {tokenizer_type} does not read {_FLAGS[name]}; drop it "
+                "(or choose the tokenizer type that uses it)."
+            )
+    if tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    return NullTokenizer(vocab_size)
+
+
+__all__ = [
+    "TOKENIZER_TYPES",
+    "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "MegatronTokenizer",
+    "NullTokenizer",
+    "SentencePieceTokenizer",
+    "build_tokenizer",
+]

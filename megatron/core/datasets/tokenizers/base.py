@@ -1,0 +1,98 @@
+"""`MegatronTokenizer`: the interface every tokenizer implements, as Megatron-LM's
+`MegatronLegacyTokenizer` (`megatron/core/datasets/megatron_tokenizer.py`).
+
+Datasets and `tools/preprocess_data.py` see only this interface: `tokenize()` and
+`detokenize()`, the vocabulary (`vocab`, `inv_vocab`, `vocab_size`) and the special ids. `eod`
+(the id appended after each document) is the one every GPT tokenizer must have. A tokenizer
+without some other special token raises `NotImplementedError` naming it, as Megatron-LM's
+does, so callers that can do without it (Megatron's GPT dataset falls back to its own pad id)
+catch that, and no caller mistakes a missing id for a real one.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+
+class MegatronTokenizer(ABC):
+    """Text to token ids and back.
+
+    Args:
+        *tokenizer_paths: the files or directories the tokenizer was built from.
+        **tokenizer_options: options that change its output (together with the paths, what
+            `unique_identifiers` records, so cached datasets can tell tokenizers apart).
+    """
+
+    def __init__(self, *tokenizer_paths: str | None, **tokenizer_options: Any):
+        self.unique_identifiers: dict[str, Any] = {
+            "class": type(self).__name__,
+            "tokenizer_path": [str(path) for path in tokenizer_paths if path is not None],
+        }
+        for option, value in tokenizer_options.items():
+            self.unique_identifiers[option] = str(value)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` (no end-of-document id: callers append `eod` themselves)."""
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of token ids (`ids` may be a list or a 1-D integer array)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids: every id the tokenizer produces is in [0, vocab_size)."""
+
+    @property
+    @abstractmethod
+    def vocab(self) -> dict[str, int]:
+        """Token text to id."""
+
+    @property
+    @abstractmethod
+    def inv_vocab(self) -> dict[int, str]:
+        """Id to token text."""
+
+    @property
+    @abstractmethod
+    def eod(self) -> int:
+        """The end-of-document id, appended after each document when preprocessing."""
+
+    @property
+    def bos(self) -> int:
+        """The beginning-of-sequence id.
+
+        Raises:
+            NotImplementedError: the tokenizer has none.
+        """
+        raise self._missing("bos")
+
+    @property
+    def eos(self) -> int:
+        """The end-of-sequence id.
+
+        Raises:
+            NotImplementedError: the tokenizer has none.
+        """
+        raise self._missing("eos")
+
+    @property
+    def pad(self) -> int:
+        """The padding id.
+
+        Raises:
+            NotImplementedError: the tokenizer has none.
+        """
+        raise self._missing("pad")
+
+    def _missing(self, name: str) -> NotImplementedError:
+        """The error for a special token this tokenizer does not have (Megatron-LM's)."""
+        return NotImplementedError(f"{type(self).__name__} has no attribute '{name}'")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"

@@ -1,0 +1,153 @@
+"""`SentencePieceTokenizer`: a SentencePiece `.model` file (`--tokenizer-model`).
+
+Megatron-LM's `SentencePieceTokenizer`, so the same model gives the same ids: the model's
+pieces keep their ids, and the special tokens `<CLS>`, `<SEP>`, `<EOD>`, `<MASK>` and the
+model's pad, bos and eos pieces (`<PAD>`, `<BOS>`, `<EOS>` where the model has none) are added
+after them unless the model already holds them. The end-of-document id is `<EOD>`'s. A special
+token's text inside the input becomes its id, and `detokenize()` writes special ids back as
+their text between spaces (NeMo's behaviour, which Megatron-LM copies). The `sentencepiece`
+package is imported only when a tokenizer is built.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+from megatron.core.datasets.tokenizers.base import MegatronTokenizer
+
+SPECIAL_TOKENS = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+"""Added before the model's own pad, bos and eos pieces, in Megatron-LM's order."""
+
+
+class SentencePieceTokenizer(MegatronTokenizer):
+    """A SentencePiece model with Megatron-LM's special tokens.
+
+    Args:
+        model_file: the SentencePiece `.model` file (`--tokenizer-model`).
+
+    Raises:
+        FileNotFoundError: `model_file` does not exist.
+        ValueError: `model_file` is not a SentencePiece model.
+        ImportError: the `sentencepiece` package is not installed.
+    """
+
+    def __init__(self, model_file: str | os.PathLike):
+        super().__init__(str(model_file))
+        if not os.path.isfile(model_file):
+            raise FileNotFoundError(
+                f"--tokenizer-model {model_file}: no such file; give a SentencePiece .model file."
+            )
+        try:
+            import sentencepiece
+        except ImportError as error:
+            raise ImportError(
+                "SentencePieceTokenizer needs the `sentencepiece` package: "
+                "pip install sentencepiece"
+            ) from error
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+        except (RuntimeError, OSError) as error:
+            raise ValueError(
+                f"--tokenizer-model {model_file} is not a SentencePiece model: {error}"
+            ) from error
+        self._vocab = {
+            self._processor.id_to_piece(index): index for index in range(len(self._processor))
+        }
+        self._inv_vocab = {index: piece for piece, index in self._vocab.items()}
+        self._special_tokens: dict[str, int] = {}
+        for token in SPECIAL_TOKENS:
+            self._add_special_token(token)
+        self._pad_id = self._add_special_token(self._piece_or(self._processor.pad_id(), "<PAD>"))
+        self._bos_id = self._add_special_token(self._piece_or(self._processor.bos_id(), "<BOS>"))
+        self._eos_id = self._add_special_token(self._piece_or(self._processor.eos_id(), "<EOS>"))
+        self._inv_special_tokens = {index: token for token, index in self._special_tokens.items()}
+        # In insertion order: where two special tokens match at one position, the first wins
+        # (Megatron-LM's tie-break).
+        self._special_pattern = re.compile(
+            "(" + "|".join(re.escape(token) for token in self._special_tokens) + ")"
+        )
+
+    def _piece_or(self, index: int, fallback: str) -> str:
+        """The model's piece of a special id, or `fallback` where the model disabled it (-1)."""
+        return self._processor.id_to_piece(index) if 0 <= index < len(self._processor) else fallback
+
+    def _add_special_token(self, token: str) -> int:
+        """Registers a special token, appending it to the vocabulary if the model lacks it."""
+        if token not in self._vocab:
+            index = len(self._vocab)
+            self._vocab[token] = index
+            self._inv_vocab[index] = token
+        self._special_tokens[token] = self._vocab[token]
+        return self._vocab[token]
+
+    def tokenize(self, text: str) -> list[int]:
+        ids: list[int] = []
+        # re.split with a group alternates text and the special tokens between it.
+        for position, part in enumerate(self._special_pattern.split(text)):
+            if position % 2:
+                ids.append(self._special_tokens[part])
+            elif part:
+                ids.extend(self._processor.encode_as_ids(part))
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        text = ""
+        pending: list[int] = []
+        for index in (int(index) for index in ids):
+            if index in self._inv_special_tokens:
+                text += self._decode(pending) + " " + self._inv_special_tokens[index] + " "
+                pending = []
+            else:
+                pending.append(index)
+        return text + self._decode(pending)
+
+    def _decode(self, ids: list[int]) -> str:
+        """Text of the model's own ids."""
+        for index in ids:
+            if not 0 <= index < len(self._processor):
+                raise ValueError(
+                    f"SentencePieceTokenizer: id {index} is not in [0, {self.vocab_size})."
+                )
+        return self._processor.decode_ids(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return self._inv_vocab
+
+    @property
+    def cls(self) -> int:
+        return self._special_tokens["<CLS>"]
+
+    @property
+    def sep(self) -> int:
+        return self._special_tokens["<SEP>"]
+
+    @property
+    def mask(self) -> int:
+        return self._special_tokens["<MASK>"]
+
+    @property
+    def eod(self) -> int:
+        return self._special_tokens["<EOD>"]
+
+    @property
+    def pad(self) -> int:
+        return self._pad_id
+
+    @property
+    def bos(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos(self) -> int:
+        return self._eos_id

@@ -1,0 +1,301 @@
+"""Tokenizes a JSON-lines corpus into indexed datasets (.bin/.idx), as Megatron-LM's
+`tools/preprocess_data.py`.
+
+Each line of `--input` is one document, a JSON object; the text under each `--json-keys` key
+is tokenized (with `--append-eod`, followed by the tokenizer's end-of-document id) and written
+to `{output_prefix}_{key}_document.bin/.idx`, one sequence per document, in input order:
+
+    python tools/preprocess_data.py --input examples/data/pride_and_prejudice_vol1.jsonl \\
+        --output-prefix data/austen --json-keys text --tokenizer-type ByteLevelTokenizer \\
+        --append-eod --workers 2
+    # -> data/austen_text_document.bin, data/austen_text_document.idx
+
+`--workers N` tokenizes in N processes (each builds its tokenizer once); the writer keeps the
+input's order. Blank lines are skipped. A document whose text tokenizes to nothing (and gets no
+EOD) is kept as a document of no sequences, as in Megatron-LM, so the datasets of several keys
+stay aligned. An input with no documents gives valid, empty datasets (and a warning). A missing
+input, a line that is not a JSON object, or a missing key is an error naming the line, and no
+output is left behind. Sentence splitting (`--split-sentences`) is not supported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+import numpy
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.core.datasets.indexed_dataset import (  # noqa: E402
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+    optimal_dtype,
+)
+from megatron.core.datasets.tokenizers import (  # noqa: E402
+    TOKENIZER_TYPES,
+    MegatronTokenizer,
+    build_tokenizer,
+)
+
+LEVEL = "document"
+"""The `{prefix}_{key}_{level}` suffix: whole documents (Megatron-LM's name without sentence
+splitting)."""
+
+CHUNK_SIZE = 32
+"""Lines per task sent to a worker: enough to amortise the inter-process round trip, few
+enough that a small corpus still spreads over all workers."""
+
+Encoded = tuple[int, "dict[str, numpy.ndarray] | str"]
+"""A line's result: its size in bytes, and its token ids per key or an error message."""
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses Megatron-LM's preprocessing flags."""
+    parser = argparse.ArgumentParser(
+        description="Tokenize a JSON-lines corpus into Megatron indexed datasets (.bin/.idx)."
+    )
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="JSON-lines file: one document a line.")
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys of the text to tokenize; one dataset per key (default: text).",
+    )
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default="ByteLevelTokenizer",
+        help="tokenizer (default: ByteLevelTokenizer, which needs no files).",
+    )
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json.")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt.")
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePieceTokenizer: the .model file; HuggingFaceTokenizer: a local directory.",
+    )
+    group.add_argument(
+        "--vocab-size", type=int, default=None, help="NullTokenizer: ids the text uses."
+    )
+    group.add_argument(
+        "--append-eod", action="store_true", help="end each document with the EOD id."
+    )
+    group = parser.add_argument_group("output data")
+    group.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes {prefix}_{key}_document.bin/.idx for each json key.",
+    )
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes.")
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="print progress every N documents."
+    )
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers} must be >= 1.")
+    if args.log_interval < 1:
+        raise ValueError(f"--log-interval {args.log_interval} must be >= 1.")
+    duplicates = sorted({key for key in args.json_keys if args.json_keys.count(key) > 1})
+    if duplicates:
+        raise ValueError(f"--json-keys names {duplicates} more than once; name each key once.")
+    if not os.path.isfile(args.input):
+        raise FileNotFoundError(f"--input {args.input}: no such file; give a JSON-lines file.")
+    return args
+
+
+def output_prefix(args: argparse.Namespace, key: str) -> str:
+    """The path prefix of the dataset written for json key `key`."""
+    return f"{args.output_prefix}_{key}_{LEVEL}"
+
+
+def _tokenizer_options(args: argparse.Namespace) -> dict:
+    return {
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_size": args.vocab_size,
+    }
+
+
+class Encoder:
+    """Turns numbered JSON lines into token ids.
+
+    Args:
+        args: the parsed flags (tokenizer, `--json-keys`, `--append-eod`).
+        tokenizer: the tokenizer the flags describe.
+        dtype: the dtype of the returned ids (the datasets', so results cross processes small).
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        tokenizer: MegatronTokenizer,
+        dtype: type[numpy.number],
+    ):
+        self.json_keys = list(args.json_keys)
+        self.append_eod = args.append_eod
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+
+    def encode(self, item: tuple[int, bytes]) -> Encoded:
+        """Token ids of each key of line `item = (line number, line)`. Errors are returned as
+        messages, not raised, so the writer reports them in input order and stops cleanly."""
+        number, line = item
+        try:
+            document = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            return len(line), f"--input line {number} is not valid JSON ({error})."
+        if not isinstance(document, dict):
+            return len(line), f"--input line {number} is not a JSON object."
+        ids = {}
+        for key in self.json_keys:
+            if key not in document:
+                return len(line), (
+                    f"--input line {number} has no key {key!r} (its keys: "
+                    f"{sorted(document)}); choose keys with --json-keys."
+                )
+            text = document[key]
+            if not isinstance(text, str):
+                return len(line), (
+                    f"--input line {number}: key {key!r} holds a {type(text).__name__}, "
+                    "not a string."
+                )
+            try:
+                tokens = self.tokenizer.tokenize(text)
+            except ValueError as error:
+                return len(line), f"--input line {number}, key {key!r}: {error}"
+            if self.append_eod:
+                tokens.append(self.tokenizer.eod)
+            ids[key] = numpy.asarray(tokens, dtype=self.dtype)
+        return len(line), ids
+
+
+_worker_encoder: Encoder | None = None
+"""The `Encoder` of a worker process, made once by `_init_worker` (a module global, not an
+argument of each task, so tasks carry only their lines)."""
+
+
+def _init_worker(args: argparse.Namespace, dtype: type[numpy.number]) -> None:
+    """`Pool` initializer: builds the worker's tokenizer once."""
+    global _worker_encoder
+    tokenizer = build_tokenizer(args.tokenizer_type, **_tokenizer_options(args))
+    _worker_encoder = Encoder(args, tokenizer, dtype)
+
+
+def _encode_in_worker(item: tuple[int, bytes]) -> Encoded:
+    return _worker_encoder.encode(item)
+
+
+def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of `path` with their 1-based line numbers. Bytes, decoded in the
+    workers, so the reading process does no per-character work."""
+    with open(path, "rb") as stream:
+        for number, line in enumerate(stream, start=1):
+            if line.strip():
+                yield number, line
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    """Runs the preprocessing.
+
+    Args:
+        argv: the command-line flags (None: `sys.argv[1:]`).
+
+    Returns:
+        Each json key's dataset path prefix.
+
+    Raises:
+        FileNotFoundError: `--input` or a tokenizer file is missing.
+        ValueError: a bad flag, or a line that is not a JSON object holding every key as a
+            string, or text the tokenizer rejects (the message names the line).
+    """
+    args = get_args(argv)
+    tokenizer = build_tokenizer(args.tokenizer_type, **_tokenizer_options(args))
+    if args.append_eod:
+        try:
+            tokenizer.eod  # noqa: B018 (checked now, rather than in a worker mid-corpus)
+        except NotImplementedError as error:
+            raise ValueError(f"--append-eod: {error}") from None
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    prefixes = {key: output_prefix(args, key) for key in args.json_keys}
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    _log(
+        f"Tokenizing {args.input} with {args.tokenizer_type} (vocab size "
+        f"{tokenizer.vocab_size}, {numpy.dtype(dtype).name} ids) on {args.workers} worker(s)."
+    )
+
+    pool = None
+    if args.workers > 1:
+        pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args, dtype))
+        results: Iterable[Encoded] = pool.imap(
+            _encode_in_worker, _numbered_lines(args.input), chunksize=CHUNK_SIZE
+        )
+    else:
+        results = map(Encoder(args, tokenizer, dtype).encode, _numbered_lines(args.input))
+
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    try:
+        for key, prefix in prefixes.items():
+            builders[key] = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
+        tokens = dict.fromkeys(prefixes, 0)
+        start = time.perf_counter()
+        total_bytes = 0
+        documents = 0
+        for documents, (size, encoded) in zip(itertools.count(1), results):
+            if isinstance(encoded, str):
+                raise ValueError(encoded)
+            total_bytes += size
+            for key, ids in encoded.items():
+                # An empty document has no sequence (not one of length 0), as in Megatron-LM.
+                builders[key].add_document(ids, lengths=[len(ids)] if len(ids) else [])
+                tokens[key] += len(ids)
+            if documents % args.log_interval == 0:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                _log(
+                    f"Processed {documents} documents ({documents / elapsed:.1f} docs/s, "
+                    f"{total_bytes / elapsed / 1024**2:.2f} MB/s)."
+                )
+        for key, prefix in prefixes.items():
+            builders[key].finalize(get_idx_path(prefix))
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+    if documents == 0:
+        _log(f"Warning: --input {args.input} holds no documents; the datasets are empty.")
+    elapsed = time.perf_counter() - start
+    for key, prefix in prefixes.items():
+        _log(
+            f"Wrote {documents} documents, {tokens[key]} tokens of key {key!r} to "
+            f"{get_bin_path(prefix)} and {get_idx_path(prefix)} ({elapsed:.1f} s)."
+        )
+    return prefixes
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ImportError, ValueError) as error:
+        sys.exit(f"{os.path.basename(__file__)}: error: {error}")
