@@ -5,6 +5,9 @@
         --num-attention-heads 4 --seq-length 32 --micro-batch-size 4 --global-batch-size 16 \\
         --train-iters 50 --lr 3e-3 --mock-data --vocab-size 128 --distributed-backend gloo
 
+On real data: `--data-path PREFIX --tokenizer-type ByteLevelTokenizer` (PREFIX as written by
+`tools/preprocess_data.py`; `examples/quick_start.sh` does both steps).
+
 Without `--use-megatron-fsdp` the DDP engine trains instead. `docs/flags.md` lists the flags,
 `docs/running.md` shows runs on CPU and GPU. This file holds what is specific to GPT (the model,
 the batch, the loss, the datasets); `megatron.training.pretrain` does the rest.
@@ -12,15 +15,17 @@ the batch, the loss, the datasets); `megatron.training.pretrain` does the rest.
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import torch
+from torch.utils.data import Dataset
 
-from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.datasets import GPTDatasetConfig, MockGPTDataset, build_gpt_datasets
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.global_vars import get_args
+from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.training import DataIterator, LossFunc, TrainingHistory, pretrain
 from megatron.training.utils import get_device, print_rank_0
 
@@ -44,12 +49,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     )
 
 
-def get_batch(data_iterator: DataIterator) -> tuple[torch.Tensor, ...]:
-    """The next micro-batch on this rank's device: tokens, labels, loss_mask, position_ids."""
+def get_batch(data_iterator: DataIterator) -> dict[str, torch.Tensor]:
+    """The next micro-batch on this rank's device: tokens, labels, loss_mask, position_ids, and
+    attention_mask with `--reset-attention-mask`."""
     data = next(data_iterator)
     device = get_device()
-    keys = ("tokens", "labels", "loss_mask", "position_ids")
-    return tuple(data[key].to(device, non_blocking=True) for key in keys)
+    return {key: value.to(device, non_blocking=True) for key, value in data.items()}
 
 
 def loss_func(
@@ -66,19 +71,46 @@ def forward_step(
     data_iterator: DataIterator, model: torch.nn.Module
 ) -> tuple[torch.Tensor, LossFunc]:
     """Forward of one micro-batch: the per-token losses and the function that reduces them."""
-    tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
-    output_tensor = model(tokens, position_ids, labels=labels)
-    return output_tensor, functools.partial(loss_func, loss_mask)
+    batch = get_batch(data_iterator)
+    output_tensor = model(
+        batch["tokens"],
+        batch["position_ids"],
+        attention_mask=batch.get("attention_mask"),
+        labels=batch["labels"],
+    )
+    return output_tensor, functools.partial(loss_func, batch["loss_mask"])
+
+
+def core_gpt_dataset_config_from_args(args: argparse.Namespace) -> GPTDatasetConfig:
+    """The `GPTDatasetConfig` of `--data-path` runs (Megatron-LM's function of that name)."""
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        eod_token=get_tokenizer().eod,
+    )
 
 
 def train_valid_test_datasets_provider(
     train_val_test_num_samples: list[int],
-) -> tuple[MockGPTDataset | None, ...]:
-    """`--mock-data` datasets of the requested sizes; each split draws other sequences."""
+) -> tuple[Dataset | None, ...]:
+    """The datasets of `--data-path` (split by `--split`, blended by its weights), or
+    `--mock-data` datasets of the requested sizes (each split draws other sequences)."""
     args = get_args()
+    if args.data_path:
+        print_rank_0(f"> building GPT datasets from {' '.join(args.data_path)} ...")
+        return build_gpt_datasets(
+            core_gpt_dataset_config_from_args(args), train_val_test_num_samples, args.data_path
+        )
     print_rank_0("> building mock GPT datasets (train, validation, test) ...")
+    vocab_size = get_tokenizer().vocab_size if args.tokenizer_type else args.vocab_size
     return tuple(
-        MockGPTDataset(num_samples, args.seq_length, args.vocab_size, seed=args.seed + split)
+        MockGPTDataset(num_samples, args.seq_length, vocab_size, seed=args.seed + split)
         if num_samples > 0
         else None
         for split, num_samples in enumerate(train_val_test_num_samples)

@@ -63,6 +63,13 @@ class OptimizerParamScheduler:
         wd_incr_style: one of `WD_INCR_STYLES` ("constant" needs `start_wd == end_wd`).
         wsd_decay_steps: WSD only: the last steps before `lr_decay_steps` that decay.
         lr_wsd_decay_style: WSD only: one of `LR_WSD_DECAY_STYLES`.
+        use_checkpoint_opt_param_scheduler: `load_state_dict()` takes the checkpoint's
+            schedule instead of these arguments.
+        override_opt_param_scheduler: `load_state_dict()` keeps these arguments (and takes
+            only the step count from the checkpoint).
+
+    Without either, `load_state_dict()` requires the checkpoint's schedule to equal these
+    arguments, as Megatron-LM does.
 
     Raises:
         ValueError: inconsistent arguments (the message names them).
@@ -83,7 +90,16 @@ class OptimizerParamScheduler:
         wd_incr_style: str,
         wsd_decay_steps: int | None = None,
         lr_wsd_decay_style: str | None = None,
+        use_checkpoint_opt_param_scheduler: bool = False,
+        override_opt_param_scheduler: bool = False,
     ):
+        if use_checkpoint_opt_param_scheduler and override_opt_param_scheduler:
+            raise ValueError(
+                "use_checkpoint_opt_param_scheduler and override_opt_param_scheduler are both "
+                "set: take the checkpoint's schedule or keep the arguments', not both."
+            )
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
         self.max_lr = float(max_lr)
@@ -197,12 +213,12 @@ class OptimizerParamScheduler:
         return {key: getattr(self, key) for key in _STATE_KEYS}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resumes the schedule of a checkpoint: its values replace the constructor's (as
-        Megatron-LM's default `use_checkpoint_opt_param_scheduler` does) and the parameter
-        groups get the checkpoint step's values.
+        """Resumes the schedule of a checkpoint at its step; the parameter groups get that
+        step's values. Which schedule: see the constructor's last two arguments.
 
         Raises:
-            ValueError: a key is missing, or the loaded schedule is inconsistent.
+            ValueError: a key is missing, the checkpoint's schedule differs from the
+                arguments (neither option set), or the loaded schedule is inconsistent.
         """
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if missing:
@@ -210,8 +226,23 @@ class OptimizerParamScheduler:
                 f"Scheduler state dict lacks {missing}; pass one saved by "
                 "OptimizerParamScheduler.state_dict()."
             )
-        for key in _STATE_KEYS:
-            setattr(self, key, state_dict[key])
+        schedule = [key for key in _STATE_KEYS if key != "num_steps"]
+        if self.use_checkpoint_opt_param_scheduler:
+            for key in schedule:
+                setattr(self, key, state_dict[key])
+        elif not self.override_opt_param_scheduler:
+            differ = [
+                f"{key}: {getattr(self, key)!r} here, {state_dict[key]!r} in the checkpoint"
+                for key in schedule
+                if getattr(self, key) != state_dict[key]
+            ]
+            if differ:
+                raise ValueError(
+                    f"The checkpoint's learning-rate schedule differs ({'; '.join(differ)}). "
+                    "Pass --override-opt_param-scheduler to keep the flags' schedule, or "
+                    "--use-checkpoint-opt_param-scheduler to take the checkpoint's."
+                )
+        self.num_steps = state_dict["num_steps"]
         self._validate()
         self.step(0)
 

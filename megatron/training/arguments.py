@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from megatron.core.datasets.tokenizers import TOKENIZER_TYPES
 from megatron.core.distributed.distributed_data_parallel_config import (
     OUTER_SHARDING_STRATEGIES,
     SHARDING_STRATEGIES,
@@ -244,18 +245,45 @@ def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--min-lr", type=float, default=0.0, help="Learning rate never decays below this."
     )
+    group.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="On loading, keep these flags' schedule (the checkpoint's step count only).",
+    )
+    group.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="On loading, take the checkpoint's schedule over these flags.",
+    )
 
 
 def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="checkpointing")
     group.add_argument("--save", help="Checkpoint directory to save to.")
-    group.add_argument("--save-interval", type=int, help="Iterations between saves.")
-    group.add_argument("--load", help="Checkpoint directory to load from.")
-    group.add_argument("--no-load-optim", action="store_true", help="Not supported yet.")
-    group.add_argument("--no-load-rng", action="store_true", help="Not supported yet.")
-    group.add_argument("--finetune", action="store_true", help="Not supported yet (checkpoints).")
     group.add_argument(
-        "--ckpt-format", default="torch_dist", choices=CKPT_FORMATS, help="Checkpoint format."
+        "--save-interval", type=int, help="Iterations between saves (and one at the end)."
+    )
+    group.add_argument("--load", help="Checkpoint directory to resume from.")
+    group.add_argument(
+        "--ckpt-step", type=int, help="Iteration to load; None: the tracker file's (latest)."
+    )
+    group.add_argument(
+        "--no-load-optim", action="store_true", help="Load weights only, no optimizer state."
+    )
+    group.add_argument(
+        "--no-load-rng", action="store_true", help="Keep the seeded RNG states on loading."
+    )
+    group.add_argument(
+        "--finetune",
+        action="store_true",
+        help="Load the weights only and start at iteration 0 (a new run from them).",
+    )
+    group.add_argument(
+        "--ckpt-format",
+        default="torch_dist",
+        choices=CKPT_FORMATS,
+        help="Checkpoint format: fsdp_dtensor (Megatron-FSDP) or torch_dist; both are "
+        "torch.distributed.checkpoint directories.",
     )
 
 
@@ -358,22 +386,51 @@ def _add_validation_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="data and dataloader")
     group.add_argument("--mock-data", action="store_true", help="Synthetic tokens.")
-    group.add_argument("--data-path", nargs="*", help="Datasets on disk: not supported yet.")
-    group.add_argument("--split", default=DEFAULT_SPLIT, help="Not supported yet.")
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        help="Prefixes of .bin/.idx datasets (tools/preprocess_data.py): PREFIX, or "
+        "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ... to blend.",
+    )
+    group.add_argument(
+        "--split", default=DEFAULT_SPLIT, help="Train, validation and test weights of the data."
+    )
+    group.add_argument(
+        "--data-cache-path", help="Folder of cached sample indices; None: beside the data."
+    )
+    group.add_argument(
+        "--no-mmap-bin-files",
+        action="store_false",
+        dest="mmap_bin_files",
+        help="Read the .bin files instead of memory-mapping them.",
+    )
     group.add_argument("--seq-length", type=int, help="Tokens per sequence.")
     group.add_argument("--num-workers", type=int, default=2, help="Dataloader workers.")
-    group.add_argument("--eod-mask-loss", action="store_true", help="Not supported yet.")
-    group.add_argument("--reset-position-ids", action="store_true", help="Not supported yet.")
-    group.add_argument("--reset-attention-mask", action="store_true", help="Not supported yet.")
+    group.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
+    group.add_argument(
+        "--reset-position-ids", action="store_true", help="Positions restart after each EOD."
+    )
+    group.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="No attention across EOD tokens (samples carry a mask).",
+    )
 
 
 def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="tokenizer")
-    group.add_argument("--vocab-size", type=int, help="Token ids --mock-data draws from.")
-    group.add_argument("--tokenizer-type", help="Not supported yet.")
-    group.add_argument("--vocab-file", help="Not supported yet.")
-    group.add_argument("--merge-file", help="Not supported yet.")
-    group.add_argument("--tokenizer-model", help="Not supported yet.")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        help="Token ids of --mock-data without a tokenizer; NullTokenizer's vocabulary.",
+    )
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="The tokenizer.")
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json.")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt.")
+    group.add_argument(
+        "--tokenizer-model",
+        help="SentencePiece .model file, or local HuggingFace tokenizer directory.",
+    )
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -6,10 +6,9 @@ and the fix. `core_transformer_config_from_args`, `get_megatron_ddp_config` and
 `get_parallel_state_kwargs` build what the library takes. `megatron.training.arguments`
 re-exports all four: import them from there.
 
-What is not built yet (data on disk, tokenizers, checkpointing, context and expert parallelism,
-fp16 loss scaling) is rejected as "not supported yet" in `_validate_parallelism`,
-`_validate_model`, `_validate_data` and `_validate_logging_and_checkpointing`, so the change
-that builds one lifts its check in one place.
+What is not built yet (context and expert parallelism, fp16 loss scaling) is rejected as "not
+supported yet" in `_validate_parallelism` and `_validate_model`, so the change that builds one
+lifts its check in one place.
 """
 
 from __future__ import annotations
@@ -24,6 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron.core.datasets.dataset_builder import parse_data_path
+from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
@@ -31,7 +33,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
-"""Checkpoint formats `--ckpt-format` accepts (saving and loading come in a later change)."""
+"""Checkpoint formats `--ckpt-format` accepts (one layout: `megatron.training.checkpointing`)."""
 
 FSDP_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
@@ -40,9 +42,6 @@ FSDP_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
 }
 """Values of the `--megatron-fsdp-*-dtype` flags; "auto" (None) lets the engine derive it."""
-
-DEFAULT_SPLIT = "969,30,1"
-"""`--split`'s default, Megatron-LM's; only it is accepted until datasets on disk land."""
 
 NUM_SPLITS = 3
 """train, validation, test: `--mock-data` draws split i with seed `--seed` + i."""
@@ -83,7 +82,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     Returns:
         `args`, updated in place with `world_size`, `data_parallel_size`, `global_batch_size`,
         `num_microbatches`, `num_query_groups`, `kv_channels`, `ffn_hidden_size`,
-        `max_position_embeddings`, `padded_vocab_size`, `params_dtype`, `lr_decay_iters`,
+        `max_position_embeddings`, `padded_vocab_size` (without a `--tokenizer-type`: the
+        tokenizer sets it), `params_dtype`, `lr_decay_iters`,
         `start_weight_decay` and `end_weight_decay`.
 
     Raises:
@@ -408,31 +408,61 @@ def _validate_data(args: argparse.Namespace) -> None:
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path are both set; choose one.")
     if not args.mock_data and not args.data_path:
-        raise ValueError("No training data: pass --mock-data (synthetic tokens).")
-    # Not built yet: lift these checks when the indexed dataset and the tokenizers land.
-    if args.data_path:
         raise ValueError(
-            "--data-path: datasets on disk are not supported yet; use --mock-data --vocab-size N."
+            "No training data: pass --data-path PREFIX (a dataset tools/preprocess_data.py "
+            "wrote) with its --tokenizer-type, or --mock-data (synthetic tokens)."
         )
+    if args.tokenizer_type is None:
+        for dest in ("vocab_file", "merge_file", "tokenizer_model"):
+            if getattr(args, dest) is not None:
+                raise ValueError(f"{_flag(dest)} needs --tokenizer-type (which reads it).")
+    if args.data_path:
+        _validate_data_path(args)
+    else:
+        _validate_mock_data(args)
+    if args.tokenizer_type is None:
+        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args)
+    # Else the tokenizer, which initialize_megatron() builds, sets it (Megatron-LM's order).
+
+
+def _validate_data_path(args: argparse.Namespace) -> None:
+    if args.tokenizer_type is None:
+        raise ValueError(
+            "--data-path needs --tokenizer-type: the tokenizer the data was preprocessed with "
+            "(its vocabulary sizes the model), e.g. --tokenizer-type ByteLevelTokenizer."
+        )
+    try:
+        prefixes, _ = parse_data_path(args.data_path)
+        parse_and_normalize_split(args.split)
+    except ValueError as error:
+        raise ValueError(f"--data-path / --split: {error}") from None
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise ValueError(
+                f"--data-path {prefix}: no {get_bin_path(prefix)} and {get_idx_path(prefix)}; "
+                "pass the prefix tools/preprocess_data.py wrote (without .bin/.idx)."
+            )
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
+
+
+def _validate_mock_data(args: argparse.Namespace) -> None:
     if args.split != DEFAULT_SPLIT:
         raise ValueError(
-            f"--split {args.split}: splitting datasets on disk is not supported yet (--mock-data "
-            "builds each split of the size the run needs); drop --split."
+            f"--split {args.split} divides the documents of --data-path; --mock-data builds "
+            "each split of the size the run needs. Drop --split."
         )
     for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
         if getattr(args, dest):
             raise ValueError(
-                f"{_flag(dest)} is not supported yet: it needs end-of-document tokens, which "
-                f"--mock-data does not produce; drop {_flag(dest)}."
+                f"{_flag(dest)} acts on end-of-document tokens, which --mock-data does not "
+                f"produce; use --data-path, or drop {_flag(dest)}."
             )
-    for dest in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
-        if getattr(args, dest) is not None:
-            raise ValueError(
-                f"{_flag(dest)}: tokenizers are not supported yet and --mock-data needs none; "
-                f"drop {_flag(dest)} and set --vocab-size."
-            )
-    if args.vocab_size is None:
-        raise ValueError("--mock-data needs --vocab-size (the token ids it draws from).")
+    if args.tokenizer_type is None and args.vocab_size is None:
+        raise ValueError(
+            "--mock-data needs --vocab-size (the token ids it draws from) or a --tokenizer-type "
+            "(its vocabulary)."
+        )
     largest_seed = SEED_LIMIT - NUM_SPLITS
     if not 0 <= args.seed <= largest_seed:
         raise ValueError(
@@ -441,8 +471,12 @@ def _validate_data(args: argparse.Namespace) -> None:
             f"[0, 2**31); choose a --seed in range."
         )
 
+
+def vocab_size_with_padding(vocab_size: int, args: argparse.Namespace) -> int:
+    """`vocab_size` rounded up to a multiple of `--make-vocab-size-divisible-by` (Megatron-LM's
+    padding: efficient GEMM shapes for the embedding and the logits)."""
     multiple = args.make_vocab_size_divisible_by
-    args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
+    return -(-vocab_size // multiple) * multiple
 
 
 def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
@@ -452,13 +486,19 @@ def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
         _require_module("wandb", "--wandb-project", "wandb")
         if not args.wandb_exp_name:
             raise ValueError("--wandb-project needs --wandb-exp-name (the run's name).")
-    # Not built yet: lift this check when checkpointing lands.
-    for dest in ("save", "load", "save_interval", "no_load_optim", "no_load_rng", "finetune"):
-        if getattr(args, dest) not in (None, False):
-            raise ValueError(
-                f"{_flag(dest)}: saving and loading checkpoints is not supported yet; drop "
-                f"{_flag(dest)}."
-            )
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save (the directory to save to).")
+    if args.load is None:
+        for dest in ("ckpt_step", "no_load_optim", "no_load_rng", "finetune"):
+            if getattr(args, dest) not in (None, False):
+                raise ValueError(f"{_flag(dest)} needs --load (the checkpoint directory).")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both "
+            "set: keep the flags' schedule or take the checkpoint's, not both."
+        )
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ValueError(f"--ckpt-step {args.ckpt_step} must be >= 0.")
     if args.ckpt_format not in CKPT_FORMATS:
         raise ValueError(
             f"--ckpt-format {args.ckpt_format} is unknown; choose one of {', '.join(CKPT_FORMATS)}."

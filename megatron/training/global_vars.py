@@ -1,11 +1,17 @@
-"""The parsed command-line arguments of the running job, readable from anywhere (`get_args()`),
-as in Megatron-LM: model providers and forward-step functions take no `args` parameter."""
+"""The running job's parsed command-line arguments (`get_args()`) and tokenizer
+(`get_tokenizer()`), readable from anywhere, as in Megatron-LM: model providers and
+forward-step functions take no `args` parameter."""
 
 from __future__ import annotations
 
 import argparse
 
+from megatron.core.datasets.tokenizers import MegatronTokenizer
+from megatron.core.datasets.tokenizers import build_tokenizer as build_core_tokenizer
+from megatron.training.arguments_validation import vocab_size_with_padding
+
 _GLOBAL_ARGS: argparse.Namespace | None = None
+_GLOBAL_TOKENIZER: MegatronTokenizer | None = None
 
 
 def get_args() -> argparse.Namespace:
@@ -26,3 +32,46 @@ def set_args(args: argparse.Namespace | None) -> None:
     """Stores `args` for `get_args()` (None forgets them)."""
     global _GLOBAL_ARGS
     _GLOBAL_ARGS = args
+
+
+def get_tokenizer() -> MegatronTokenizer:
+    """The tokenizer `build_tokenizer()` made for the job.
+
+    Raises:
+        RuntimeError: the job has none (no `--tokenizer-type`).
+    """
+    if _GLOBAL_TOKENIZER is None:
+        raise RuntimeError(
+            "get_tokenizer(): this job has no tokenizer; pass --tokenizer-type (and the files "
+            "it reads)."
+        )
+    return _GLOBAL_TOKENIZER
+
+
+def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizer | None:
+    """Builds the tokenizer `--tokenizer-type` names (None without one), keeps it for
+    `get_tokenizer()`, and sets `args.padded_vocab_size` from its vocabulary.
+
+    Raises:
+        ValueError: a flag the tokenizer needs is missing, or one it does not read is set.
+        FileNotFoundError: a file it reads does not exist.
+    """
+    global _GLOBAL_TOKENIZER
+    _GLOBAL_TOKENIZER = None
+    if args.tokenizer_type is None:
+        return None
+    _GLOBAL_TOKENIZER = build_core_tokenizer(
+        args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
+    args.padded_vocab_size = vocab_size_with_padding(_GLOBAL_TOKENIZER.vocab_size, args)
+    return _GLOBAL_TOKENIZER
+
+
+def unset_tokenizer() -> None:
+    """Forgets the job's tokenizer."""
+    global _GLOBAL_TOKENIZER
+    _GLOBAL_TOKENIZER = None

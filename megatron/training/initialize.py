@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
-from megatron.training.global_vars import set_args
+from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
 from megatron.training.utils import get_device, logger, print_rank_0
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -36,8 +36,8 @@ def initialize_megatron(
     ignore_unknown_args: bool = False,
     argv: list[str] | None = None,
 ) -> argparse.Namespace:
-    """Parses and validates the flags, joins the default process group, creates the
-    `parallel_state` groups and seeds every random generator.
+    """Parses and validates the flags, builds the tokenizer, joins the default process group,
+    creates the `parallel_state` groups and seeds every random generator.
 
     Args:
         extra_args_provider: Adds a script's own flags (see `parse_args`).
@@ -59,6 +59,7 @@ def initialize_megatron(
     # A default group that exists already fixes the world size; otherwise torchrun's does.
     validate_args(args, world_size=dist.get_world_size() if dist.is_initialized() else None)
     set_args(args)
+    build_tokenizer(args)  # sets --padded-vocab-size; its errors come before any group exists
     setup_logging()
     _initialize_distributed(args)
     parallel_state.initialize_model_parallel(**get_parallel_state_kwargs(args))
@@ -83,6 +84,7 @@ def destroy_megatron(destroy_default_group: bool) -> None:
     if destroy_default_group and dist.is_initialized():
         dist.destroy_process_group()
     set_args(None)
+    unset_tokenizer()
 
 
 def setup_logging() -> None:

@@ -21,8 +21,12 @@ One iteration (`train_step`) on either engine::
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
 where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
 backpropagate (this microbatch's mean) and the values to report, which the loop averages over
-microbatches and data-parallel ranks. Checkpointing is not built yet (`--save`/`--load` are
-rejected by `validate_args`).
+microbatches and data-parallel ranks.
+
+With `--load`, training resumes from a checkpoint (weights, optimizer state, schedule, RNG
+states, and the data position: the checkpoint's consumed-sample counts); with `--save`, a
+checkpoint is written every `--save-interval` iterations and when training stops
+(`megatron.training.checkpointing`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.arguments import get_megatron_ddp_config
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
@@ -79,8 +84,10 @@ class TrainingHistory:
     """What `pretrain()` measured, the same on every rank (values are averaged over ranks).
 
     Attributes:
-        losses: per iteration (index i is iteration i + 1), the reported losses averaged over
-            the microbatches and the data-parallel ranks (skipped iterations included).
+        start_iteration: the iteration training resumed after (0 without a checkpoint).
+        losses: per iteration (index i is iteration start_iteration + i + 1), the reported
+            losses averaged over the microbatches and the data-parallel ranks (skipped
+            iterations included).
         grad_norms: per iteration, the global gradient norm before clipping.
         learning_rates: per iteration, the learning rate after its schedule step, i.e. the
             next iteration's (Megatron-LM logs this one).
@@ -90,6 +97,7 @@ class TrainingHistory:
         test_losses: the test-split evaluation at the end of training (None: no test split).
     """
 
+    start_iteration: int = 0
     losses: list[dict[str, float]] = dataclasses.field(default_factory=list)
     grad_norms: list[float] = dataclasses.field(default_factory=list)
     learning_rates: list[float] = dataclasses.field(default_factory=list)
@@ -145,6 +153,9 @@ def pretrain(
     try:
         args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
         model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
+        args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
+        if args.load is not None:
+            args.iteration = load_checkpoint(model, optimizer, scheduler, args)
         data_iterators = build_train_valid_test_data_iterators(
             train_valid_test_dataset_provider, args
         )
@@ -167,7 +178,7 @@ def pretrain(
                 args=args,
                 log=log,
                 when="the end of training",
-                iteration=len(history.losses),
+                iteration=history.start_iteration + len(history.losses),
             )
             if valid_iterator is not None:
                 history.final_validation_losses = evaluate(valid_iterator, split="validation")
@@ -274,6 +285,8 @@ def get_optimizer_param_scheduler(
         wd_incr_style=args.weight_decay_incr_style,
         wsd_decay_steps=args.lr_wsd_decay_iters,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 
@@ -292,21 +305,28 @@ def setup_model_and_optimizer(
 
 def build_train_valid_test_data_iterators(
     train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
-) -> tuple[LoaderIterator, LoaderIterator | None, LoaderIterator | None]:
+) -> tuple[LoaderIterator | None, LoaderIterator | None, LoaderIterator | None]:
     """Iterators over this rank's micro-batches of each split (None for an absent split).
 
     The splits are sized as Megatron-LM sizes them: train for every iteration; validation for
     `--eval-iters` iterations at every `--eval-interval` and once more at the end; test for
-    one evaluation. `close()` the iterators to stop their loaders' worker processes.
+    one evaluation. Training and validation start after `args.consumed_train_samples` and
+    `args.consumed_valid_samples` (a resumed run's data continues where it stopped); no
+    training iterator when no training iteration is left. `close()` the iterators to stop
+    their loaders' worker processes.
 
     Raises:
         ValueError: no training dataset, or a dataset shorter than the run needs.
     """
     global_batch = args.global_batch_size
-    evaluations = args.train_iters // args.eval_interval + 1
+    # What was consumed before a resume, plus what the iterations left consume: the sizes of an
+    # uninterrupted run when the batch size is unchanged (so the datasets, whose sample order
+    # depends on their size, are the same), and enough when it changed.
+    iterations_left = max(args.train_iters - args.iteration, 0)
+    evaluations_left = args.train_iters // args.eval_interval - args.iteration // args.eval_interval
     num_samples = [
-        args.train_iters * global_batch,
-        evaluations * args.eval_iters * global_batch,
+        args.consumed_train_samples + iterations_left * global_batch,
+        args.consumed_valid_samples + (evaluations_left + 1) * args.eval_iters * global_batch,
         args.eval_iters * global_batch,
     ]
     print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
@@ -314,7 +334,7 @@ def build_train_valid_test_data_iterators(
     if datasets[0] is None:
         raise ValueError("The dataset provider returned no training dataset.")
     sizing = (
-        "--train-iters x --global-batch-size",
+        "--train-iters x --global-batch-size, with a checkpoint's consumed samples",
         "(--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size",
         "--eval-iters x --global-batch-size",
     )
@@ -324,13 +344,14 @@ def build_train_valid_test_data_iterators(
                 f"The {split} dataset has {len(dataset)} samples, but the run needs {needed} "
                 f"({how}); provide a larger dataset or lower those flags."
             )
+    consumed = [args.consumed_train_samples, args.consumed_valid_samples, 0]
     iterators = []
-    for dataset, needed in zip(datasets, num_samples):
+    for dataset, needed, skip in zip(datasets, num_samples, consumed):
         loader = None
-        if dataset is not None and needed > 0:
+        if dataset is not None and needed > skip:
             loader = build_pretraining_data_loader(
                 dataset,
-                consumed_samples=0,
+                consumed_samples=skip,
                 micro_batch_size=args.micro_batch_size,
                 data_parallel_rank=parallel_state.get_data_parallel_rank(),
                 data_parallel_size=parallel_state.get_data_parallel_world_size(),
@@ -460,22 +481,24 @@ def train(
     model: _BaseDataParallel,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
-    train_data_iterator: DataIterator,
+    train_data_iterator: DataIterator | None,
     valid_data_iterator: DataIterator | None,
     args: argparse.Namespace,
     log: TrainingLog,
 ) -> TrainingHistory:
-    """Runs the training loop: `--train-iters` iterations, fewer with `--exit-interval`.
+    """Runs the training loop from iteration `args.iteration + 1` to `--train-iters`, or until
+    `--exit-interval`.
 
-    Logs every `--log-interval` iterations and at the last one, and evaluates on the validation
-    split every `--eval-interval`.
+    Logs every `--log-interval` iterations and at the last one, evaluates on the validation
+    split every `--eval-interval`, and with `--save` checkpoints every `--save-interval` and
+    when the loop ends. Advances `args.iteration` and the consumed-sample counts.
 
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
         model: the wrapped model.
         optimizer: steps the model's main weights.
         scheduler: the learning-rate and weight-decay schedule.
-        train_data_iterator: this rank's training micro-batches.
+        train_data_iterator: this rank's training micro-batches (None: none left).
         valid_data_iterator: this rank's validation micro-batches; None: no evaluation.
         args: validated arguments.
         log: reports the iterations and evaluations.
@@ -483,15 +506,23 @@ def train(
     Returns:
         What the iterations measured (the end-of-training evaluations are left to the caller).
     """
-    history = TrainingHistory()
+    history = TrainingHistory(start_iteration=args.iteration)
+    if args.iteration >= args.train_iters:
+        print_rank_0(
+            f"> the checkpoint is of iteration {args.iteration}, --train-iters is "
+            f"{args.train_iters}: nothing to train"
+        )
+        return history
     model.train()
     print_rank_0("> training ...")
-    for iteration in range(1, args.train_iters + 1):
+    for iteration in range(args.iteration + 1, args.train_iters + 1):
         start = time.perf_counter()
         losses, skipped, grad_norm = train_step(
             forward_step_func, train_data_iterator, model, optimizer, scheduler, args
         )
         seconds = time.perf_counter() - start
+        args.iteration = iteration
+        args.consumed_train_samples += args.global_batch_size
         # Megatron-LM's convention: the rate after this step's schedule update (the next one's).
         learning_rate = optimizer.param_groups[0]["lr"]
         exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
@@ -526,6 +557,13 @@ def train(
                 when=f"iteration {iteration}",
                 iteration=iteration,
             )
+            args.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        if args.save is not None and (
+            exiting
+            or iteration == args.train_iters
+            or (args.save_interval is not None and iteration % args.save_interval == 0)
+        ):
+            save_checkpoint(iteration, model, optimizer, scheduler, args)
         if exiting:
             print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
             break

@@ -153,7 +153,7 @@ class TrainingLog:
         tokens = args.global_batch_size * args.seq_length
         fields = [
             f"iteration {iteration:8d}/{args.train_iters:8d}",
-            f"consumed samples: {iteration * args.global_batch_size:12d}",
+            f"consumed samples: {args.consumed_train_samples:12d}",
             f"elapsed time per iteration (ms): {seconds_per_iteration * 1000:.1f}",
             f"tokens/s/GPU: {tokens / seconds_per_iteration / args.world_size:.1f}",
         ]

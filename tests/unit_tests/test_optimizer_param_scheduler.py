@@ -138,7 +138,7 @@ def test_state_dict_round_trip():
     scheduler = _scheduler("cosine")
     scheduler.step(37)
     state = scheduler.state_dict()
-    restored = _scheduler("linear", max_lr=5e-3, min_lr=0.0)  # overwritten by the checkpoint
+    restored = _scheduler("cosine")
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     assert restored.get_lr() == scheduler.get_lr()
@@ -150,6 +150,24 @@ def test_state_dict_round_trip():
     del state["num_steps"]
     with pytest.raises(ValueError, match="num_steps"):
         restored.load_state_dict(state)
+
+
+def test_loading_another_schedule_needs_a_choice():
+    """Megatron-LM's rule: a checkpoint's schedule that differs from the arguments is an error
+    unless the checkpoint's is taken or the arguments' kept explicitly."""
+    saved = _scheduler("cosine")
+    saved.step(37)
+    state = saved.state_dict()
+    with pytest.raises(ValueError, match="lr_decay_style: 'linear' here, 'cosine' in the"):
+        _scheduler("linear", max_lr=5e-3, min_lr=0.0).load_state_dict(state)
+    taken = _scheduler("linear", max_lr=5e-3, min_lr=0.0, use_checkpoint_opt_param_scheduler=True)
+    taken.load_state_dict(state)
+    assert taken.state_dict() == state and taken.get_lr() == saved.get_lr()
+    kept = _scheduler("linear", max_lr=5e-3, min_lr=0.0, override_opt_param_scheduler=True)
+    kept.load_state_dict(state)
+    assert (kept.num_steps, kept.lr_decay_style, kept.max_lr) == (37, "linear", 5e-3)
+    with pytest.raises(ValueError, match="both"):
+        _scheduler(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True)
 
 
 @pytest.mark.parametrize(

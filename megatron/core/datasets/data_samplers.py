@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -110,4 +111,8 @@ def build_pretraining_data_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        # Each iterator draws a base seed for its workers: from a private generator, so that
+        # building a loader leaves the global RNG (dropout's) as it was, and a run resumed from
+        # a checkpoint draws the masks the uninterrupted run drew.
+        generator=torch.Generator(),
     )

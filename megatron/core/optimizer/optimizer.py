@@ -26,9 +26,11 @@ the model's parameters. fp32 parameters are their own masters.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.fsdp import (
@@ -43,6 +45,12 @@ from megatron.core.optimizer.clip_grads import (
     get_grad_norm_fp32,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Parameter-group entries that say how this process steps, not what: kept on loading."""
+
+SavedTensor = tuple[torch.Size, torch.dtype]
+"""A tensor's global shape and dtype as a checkpoint recorded them."""
 
 
 class MegatronOptimizer:
@@ -181,6 +189,210 @@ class MegatronOptimizer:
             state_dict["fp32_from_fp16_params"] = [main for _, main in masters]
         return state_dict
 
+    def reload_model_params(self) -> None:
+        """Copies the model's parameters into the fp32 masters (Megatron-LM's name), after
+        weights were loaded into the model without this optimizer's state. Megatron-FSDP's
+        main weights are the model's parameters: nothing to copy."""
+        with torch.no_grad():
+            for param, main in self._masters():
+                main.copy_(param)
+
+    def _parameter_names(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
+        """id of each tensor the torch optimizer may hold (model parameter, fp32 master or
+        local shard) -> (the parameter's name in the unwrapped model's state dict, the model
+        parameter)."""
+        module = self.model.module if isinstance(self.model, _BaseDataParallel) else self.model
+        local = local_main_weights(module) if self._is_fsdp else {}
+        names = {}
+        for name, param in module.named_parameters():
+            for held in (param, local.get(param), self._main_params.get(param)):
+                if held is not None:
+                    names[id(held)] = (name, param)
+        return names
+
+    def _held(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, each tensor sharded as its parameter is,
+        for `torch.distributed.checkpoint` (which can then load it at another data-parallel
+        size or sharding strategy).
+
+        Returns:
+            `"state"`: parameter name -> the torch optimizer's state of it (under Megatron-FSDP
+            the per-element states are DTensors placed like the main weight, scalars such as
+            Adam's `step` plain tensors); `"fp32_from_fp16_params"`: name -> fp32 master, where
+            the optimizer keeps masters; `"param_groups"`: the hyperparameters of each group,
+            with the names of its parameters (no tensors: saved apart from them).
+        """
+        names = self._parameter_names()
+        held = self._held()
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for index, values in self.optimizer.state_dict()["state"].items():
+            name, param = names[id(held[index])]
+            state[name] = {}
+            for key, value in values.items():
+                if value is None:  # e.g. SGD's momentum_buffer without momentum
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(
+                        f"The optimizer's state {key!r} of {name} is a {type(value).__name__}, "
+                        "not a tensor; sharded checkpoints hold tensor states only."
+                    )
+                state[name][key] = _shard_like(value, held[index], param)
+        param_groups = [
+            {
+                **{key: value for key, value in group.items() if key != "params"},
+                "params": [names[id(p)][0] for p in group["params"]],
+            }
+            for group in self.optimizer.param_groups
+        ]
+        masters = {names[id(main)][0]: main for _, main in self._masters()}
+        return {"state": state, "fp32_from_fp16_params": masters, "param_groups": param_groups}
+
+    def sharded_state_dict_for_loading(
+        self, saved: Mapping[tuple[str, ...], SavedTensor]
+    ) -> dict[str, Any]:
+        """Tensors for `torch.distributed.checkpoint.load` to fill with a checkpoint's optimizer
+        tensors: new ones for the states (this optimizer may not have any yet), sharded as the
+        parameters are now; the fp32 masters themselves, which load in place.
+
+        Args:
+            saved: each saved tensor's path below the optimizer's entry (e.g. `("state",
+                name, "exp_avg")`) -> its global shape and dtype.
+
+        Raises:
+            ValueError: the checkpoint holds state of tensors this optimizer does not step, or
+                fp32 masters where this optimizer keeps none (or none where it does): another
+                model, engine or precision.
+        """
+        names = self._parameter_names()
+        params = dict(names.values())
+        held = {names[id(tensor)][0]: tensor for tensor in self._held()}
+        masters = {names[id(main)][0]: main for _, main in self._masters()}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        loaded_masters = {}
+        unknown, foreign_masters = [], []
+        for path, (size, dtype) in saved.items():
+            kind, name = path[0], path[1]
+            if kind == "state" and name in held:
+                state.setdefault(name, {})[path[2]] = _empty_sharded(
+                    size, dtype, held[name], params[name]
+                )
+            elif kind == "fp32_from_fp16_params" and name in masters:
+                loaded_masters[name] = masters[name]
+            elif kind == "fp32_from_fp16_params" and name in params:
+                foreign_masters.append(name)
+            else:
+                unknown.append(".".join(map(str, path)))
+        missing = sorted(masters.keys() - loaded_masters.keys())
+        if unknown:
+            raise ValueError(
+                f"The checkpoint holds optimizer state of {len(unknown)} tensor(s) this "
+                f"optimizer does not step (e.g. {unknown[:3]}). Load it into the model it was "
+                "saved from, or pass --no-load-optim."
+            )
+        # Masters exist for non-fp32 parameters under the DDP engine only (Megatron-FSDP's
+        # main weights are the model's): their presence tells engine and precision apart.
+        if missing or foreign_masters:
+            if missing:
+                here = (
+                    f"this optimizer keeps fp32 masters of {len(masters)} parameter(s), the "
+                    f"checkpoint lacks {len(missing)} of them (e.g. {missing[:3]})"
+                )
+            elif masters:
+                here = (
+                    f"this optimizer keeps none of {len(foreign_masters)} of them (e.g. "
+                    f"{sorted(foreign_masters)[:3]})"
+                )
+            else:
+                here = "this optimizer keeps no fp32 masters (fp32 parameters, or Megatron-FSDP)"
+            raise ValueError(
+                f"The checkpoint's fp32 master weights do not fit this optimizer: it holds "
+                f"{len(loaded_masters) + len(foreign_masters)} (saved by the DDP engine with "
+                f"non-fp32 parameters, e.g. --bf16), {here}. Load it with the engine and "
+                "precision it was saved with, or pass --no-load-optim to load the model's "
+                "weights only."
+            )
+        return {"state": state, "fp32_from_fp16_params": loaded_masters}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads what `sharded_state_dict()` saved, resharded (the tensors of
+        `sharded_state_dict_for_loading()`, filled, plus the saved `"param_groups"`).
+
+        Raises:
+            ValueError: the saved parameter groups differ from this optimizer's (see
+                `check_param_groups()`).
+        """
+        names = self._parameter_names()
+        held = self._held()
+        index = {names[id(tensor)][0]: i for i, tensor in enumerate(held)}
+        groups = self.check_param_groups(state_dict["param_groups"])
+        state = {
+            index[name]: {
+                key: value.to_local()
+                if isinstance(value, DTensor) and not isinstance(held[index[name]], DTensor)
+                else value
+                for key, value in values.items()
+            }
+            for name, values in state_dict["state"].items()
+        }
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def check_param_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Checks the parameter groups `sharded_state_dict()` saved against this optimizer's,
+        before anything is loaded.
+
+        Returns:
+            The saved groups as the torch optimizer's `load_state_dict()` takes them: saved
+            hyperparameters, this optimizer's parameters (by index) and implementation
+            switches (`fused`, ...: how this process steps, not what).
+
+        Raises:
+            ValueError: the groups hold other parameters, there are more or fewer of them, or
+                they are another kind of optimizer's (other hyperparameters).
+        """
+        names = self._parameter_names()
+        index = {names[id(tensor)][0]: i for i, tensor in enumerate(self._held())}
+        groups = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            current = [names[id(p)][0] for p in group["params"]]
+            saved = set(saved_groups[i]["params"]) if i < len(saved_groups) else set()
+            if saved != set(current):
+                differ = sorted(saved.symmetric_difference(current))
+                raise ValueError(
+                    f"The checkpoint's optimizer has {len(saved_groups)} parameter group(s) "
+                    f"and this one {len(self.optimizer.param_groups)}; group {i} holds other "
+                    f"parameters (in one of them only: {differ[:3]}). Load it into the model "
+                    "it was saved from, or pass --no-load-optim."
+                )
+            ignored = {"params", *_IMPLEMENTATION_KEYS}
+            saved_keys = saved_groups[i].keys() - ignored
+            own_keys = group.keys() - ignored
+            if saved_keys - own_keys and own_keys - saved_keys:
+                # Another kind of optimizer (Adam's betas against SGD's momentum): its
+                # hyperparameters and states mean nothing to this one.
+                raise ValueError(
+                    f"The checkpoint's optimizer is of another kind: its parameter groups have "
+                    f"{sorted(saved_keys - own_keys)}, this {type(self.optimizer).__name__}'s "
+                    f"{sorted(own_keys - saved_keys)}. Build the optimizer it was saved with "
+                    "(--optimizer), or pass --no-load-optim."
+                )
+            # The saved hyperparameters win; keys only this one has (added to torch since
+            # the save) keep their values here, as torch's `__setstate__` defaults them.
+            hyperparameters = {
+                **{k: v for k, v in group.items() if k != "params"},
+                **{k: v for k, v in saved_groups[i].items() if k not in ignored},
+            }
+            groups.append({**hyperparameters, "params": [index[name] for name in current]})
+        if len(saved_groups) != len(groups):
+            raise ValueError(
+                f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
+                f"{len(groups)}: load it into the model it was saved from, or pass "
+                "--no-load-optim."
+            )
+        return groups
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict saved by `state_dict()`: the torch optimizer's state and the fp32
         masters (not the model's parameters, which the model's own state dict restores).
@@ -201,6 +413,36 @@ class MegatronOptimizer:
         with torch.no_grad():
             for main, value in zip(masters, saved):
                 main.copy_(value)
+
+
+def _shard_like(value: torch.Tensor, held: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """`value`, a state of `held` (the tensor the torch optimizer steps for `param`), as a
+    DTensor placed like `param` where `held` is a plain local shard of the DTensor `param` and
+    `value` has its shape (a per-element state); as it is otherwise."""
+    if not isinstance(param, DTensor) or isinstance(held, DTensor):
+        return value
+    if value.dim() == 0 or value.shape != held.shape:
+        return value
+    return DTensor.from_local(
+        value,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def _empty_sharded(
+    size: torch.Size, dtype: torch.dtype, held: torch.Tensor, param: torch.nn.Parameter
+) -> torch.Tensor:
+    """An empty tensor to load a saved state of global shape `size` into: sharded like
+    `param` (see `_shard_like`) where it has the parameter's shape, else whole."""
+    if size == param.shape and isinstance(param, DTensor):
+        local = torch.empty(param.to_local().shape, dtype=dtype, device=held.device)
+        return _shard_like(local, local, param)
+    device = held.device if len(size) else torch.device("cpu")
+    return torch.empty(size, dtype=dtype, device=device)
 
 
 def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

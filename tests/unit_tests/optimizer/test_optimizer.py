@@ -28,6 +28,7 @@ from tests.unit_tests.distributed.fsdp.fsdp_training import full_state
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
+    device_batch,
     make_token_batches,
     shard_batch,
     tiny_gpt_config,
@@ -154,7 +155,7 @@ def _fsdp_optimizer_steps_local_shards() -> bool:
     local = local_main_weights(wrapper)
     names = {local[p]: name for name, p in wrapper.module.named_parameters()}
     decayed = {names[p] for p in optimizer.param_groups[0]["params"]}
-    tokens, labels = make_token_batches(1, 4)[0]
+    tokens, labels = device_batch(4)
     wrapper(tokens, labels=labels).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -184,7 +185,7 @@ def _ddp_bf16_master_weights() -> dict:
     masters = optimizer.state_dict()["fp32_from_fp16_params"]
     # The masters' order: the optimizer's parameters (decayed group, then the others).
     params = [p for group in get_param_groups(wrapper, 0.0) for p in group["params"]]
-    tokens, labels = make_token_batches(1, 4)[0]
+    tokens, labels = device_batch(4)
     wrapper(tokens, labels=labels).mean().backward()
     wrapper.finish_grad_sync()
     update_successful, _, _ = optimizer.step()

@@ -8,11 +8,13 @@ import sys
 import types
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.datasets import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.extensions import transformer_engine
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
@@ -25,6 +27,7 @@ from megatron.training.arguments import (
     parse_args,
     validate_args,
 )
+from megatron.training.global_vars import build_tokenizer
 from megatron.training.initialize import _with_defaults
 
 BASE = (
@@ -411,7 +414,7 @@ BAD = [
         r"--start-weight-decay \(0.2\) <= --end-weight-decay \(0.1\)",
     ),
     ("--lr-decay-style WSD", "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
-    ("--tokenizer-type GPT2BPETokenizer", "--tokenizer-type: tokenizers are not supported yet"),
+    ("--vocab-file vocab.json", "--vocab-file needs --tokenizer-type"),
     ("--hidden-size 16 --swiglu", "--swiglu .* set --ffn-hidden-size"),
     (
         f"{FSDP} --grad-reduce-in-fp32 --megatron-fsdp-main-grads-dtype bf16",
@@ -422,16 +425,21 @@ BAD = [
         f"{FSDP} --ddp-average-in-collective",
         "--ddp-average-in-collective is read by the DDP engine only",
     ),
-    ("--save ckpt", "--save: saving and loading checkpoints is not supported yet"),
-    ("--load ckpt", "--load: saving and loading checkpoints is not supported yet"),
-    ("--save-interval 10", "--save-interval: saving and loading checkpoints is not supp"),
-    ("--no-load-optim", "--no-load-optim: saving and loading checkpoints is not supported"),
-    ("--no-load-rng", "--no-load-rng: saving and loading checkpoints is not supported"),
-    ("--finetune", "--finetune: saving and loading checkpoints is not supported yet"),
-    ("--split 90,5,5", "--split 90,5,5: splitting datasets on disk is not supported yet"),
-    ("--eod-mask-loss", "--eod-mask-loss is not supported yet"),
-    ("--reset-position-ids", "--reset-position-ids is not supported yet"),
-    ("--reset-attention-mask", "--reset-attention-mask is not supported yet"),
+    ("--save-interval 10", "--save-interval needs --save"),
+    ("--save ckpt --save-interval 0", "--save-interval must be >= 1"),
+    ("--no-load-optim", "--no-load-optim needs --load"),
+    ("--no-load-rng", "--no-load-rng needs --load"),
+    ("--finetune", "--finetune needs --load"),
+    ("--ckpt-step 3", "--ckpt-step needs --load"),
+    ("--load ckpt --ckpt-step -1", "--ckpt-step -1 must be >= 0"),
+    (
+        "--override-opt_param-scheduler --use-checkpoint-opt_param-scheduler",
+        "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both",
+    ),
+    ("--split 90,5,5", "--split 90,5,5 divides the documents of --data-path; --mock-data"),
+    ("--eod-mask-loss", "--eod-mask-loss acts on end-of-document tokens, which --mock-data"),
+    ("--reset-position-ids", "--reset-position-ids acts on end-of-document tokens"),
+    ("--reset-attention-mask", "--reset-attention-mask acts on end-of-document tokens"),
     ("--seed -1", r"--seed -1 must be in \[0, 2147483645\] with --mock-data"),
     ("--seed 2147483646", r"--seed 2147483646 must be in \[0, 2147483645\]"),
     ("--ddp-bucket-size 0", "--ddp-bucket-size must be a positive number"),
@@ -548,17 +556,44 @@ def test_unknown_ckpt_format():
         validate_args(args, world_size=1)
 
 
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    """The prefix of a one-document indexed dataset."""
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.uint16)
+    builder.add_document([1, 2, 3], lengths=[3])
+    builder.finalize(get_idx_path(prefix))
+    return prefix
+
+
+BYTES = ("--tokenizer-type", "ByteLevelTokenizer")
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ((), "No training data: pass --mock-data"),
-        (("--data-path", "corpus"), "--data-path: .* not supported yet; use --mock-data"),
+        ((), "No training data: pass --data-path PREFIX"),
+        (("--data-path", "{corpus}"), "--data-path needs --tokenizer-type"),
+        (("--data-path", "{corpus}x", *BYTES), "--data-path .*corpus_text_documentx: no .*.bin"),
+        (("--data-path", "0.5", "{corpus}", "0.5", *BYTES), "--data-path / --split: "),
+        (("--data-path", "{corpus}", "--split", "9,x", *BYTES), "--data-path / --split: .*'x'"),
+        (("--data-path", "{corpus}", "--seed", "-1", *BYTES), r"--seed -1 must be in \[0, 2\*\*32"),
+        (("--mock-data", "--tokenizer-model", "m.model"), "--tokenizer-model needs --tokenizer"),
     ],
 )
-def test_training_data(flags, message):
-    base = tuple(flag for flag in BASE if flag != "--mock-data")
+def test_training_data(corpus, flags, message):
+    base = tuple(flag for flag in BASE if flag not in ("--mock-data", "--vocab-size", "100"))
     with pytest.raises(ValueError, match=message):
-        validated(*flags, base=base)
+        validated(*(flag.format(corpus=corpus) for flag in flags), base=base)
+
+
+def test_data_path_takes_the_vocabulary_from_the_tokenizer(corpus):
+    base = tuple(flag for flag in BASE if flag not in ("--mock-data", "--vocab-size", "100"))
+    args = validated("--data-path", corpus, *BYTES, "--split", "98,2,0", base=base)
+    assert args.split == "98,2,0" and args.data_path == [corpus]
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.vocab_size == 259
+    assert args.padded_vocab_size == 384  # 259 rounded up to --make-vocab-size-divisible-by 128
 
 
 def test_mock_data_needs_vocab_size():

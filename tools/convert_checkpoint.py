@@ -1,0 +1,580 @@
+"""Converts training checkpoints to single `torch.save` files of full tensors, and back.
+
+A checkpoint is an `iter_NNNNNNN` directory under a `--save` directory
+(`megatron/training/checkpointing.py` describes the layout): torch.distributed.checkpoint (DCP)
+shards, sharded as the ranks held them, plus `common.pt`. This tool reads and writes them in one
+process, without a process group and at any size the host memory holds:
+
+    # The tracker's (latest) checkpoint, everything, as one file of full tensors:
+    python tools/convert_checkpoint.py to-torch --load ckpts --output ckpt.pt
+    # Iteration 100's model weights only, as `GPTModel.state_dict()`:
+    python tools/convert_checkpoint.py to-torch --load ckpts --ckpt-step 100 \\
+        --output model.pt --model-only
+
+    # Back: training resumes from a full file's checkpoint (pretrain_gpt.py ... --load ckpts2)
+    # as from the original: exactly at its data-parallel size, resharded at another:
+    python tools/convert_checkpoint.py from-torch --input ckpt.pt --save ckpts2
+    # A bare model state dict gives a weights-only checkpoint (iteration 0 unless --iteration),
+    # loaded with --finetune (a new run from the weights) or --no-load-optim:
+    python tools/convert_checkpoint.py from-torch --input model.pt --save ckpts3
+    # pretrain_gpt.py ... --load ckpts3 --finetune
+
+The files:
+
+- full (`to-torch`): `{"model": {name: tensor}, "optimizer": {"state": {param name: {state
+  name: tensor}}, "fp32_from_fp16_params": {param name: tensor}}, "common": {...}}`, where
+  "common" is the checkpoint's `common.pt` dict (iteration, consumed samples, arguments,
+  schedule, optimizer hyperparameters, RNG states). "optimizer" is left out for a checkpoint
+  without optimizer state, and its "fp32_from_fp16_params" where the optimizer keeps no fp32
+  masters. "common" holds Python objects: read the file with `torch.load(path,
+  weights_only=False)`, as this tool does, only if you trust where it came from.
+- model only (`to-torch --model-only`): `{name: tensor}`, exactly the unwrapped model's
+  `state_dict()`; `model.load_state_dict(torch.load(path))` takes it (it loads with
+  `weights_only=True`).
+
+`from-torch` takes either (and also `{"model": {...}}` without the rest). Without "common" it
+writes what loading reads and nothing else: no arguments (so only the tensor names and shapes
+are checked against the model), no schedule, no RNG states, 0 consumed samples. Tensors are
+written whole; loading reshards them.
+
+Nothing is overwritten without `--force`: an existing output file or checkpoint directory is
+an error. Writes are atomic: `to-torch` renames a finished temporary file, `from-torch` writes
+`iter_N.tmp` and renames it (as a training save does) before it points the tracker at it. A
+missing or incomplete checkpoint, and an input file that is not one of these formats, are
+errors that name the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+# The layout is checkpointing.py's: its names, checks and atomic writes, not copies of them.
+from megatron.training.checkpointing import (  # noqa: E402
+    CHECKPOINT_VERSION,
+    COMMON_FILENAME,
+    REPLACED_SUFFIX,
+    STAGING_SUFFIX,
+    TRACKER_FILENAME,
+    CheckpointError,
+    atomic_torch_save,
+    atomic_write_text,
+    checkpoint_dir,
+    commit_checkpoint,
+    read_common,
+    read_metadata,
+    read_tracker,
+)
+
+COMMON_KEYS = (
+    "checkpoint_version",
+    "ckpt_format",
+    "iteration",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "args",
+    "opt_param_scheduler",
+    "param_groups",
+    "rng_state",
+)
+"""The entries of `common.pt` (what `save_checkpoint()` writes)."""
+
+FULL_KEYS = ("model", "optimizer", "common")
+"""The entries of a full file; "model" is required."""
+
+OPTIMIZER_KEYS = ("state", "fp32_from_fp16_params")
+"""The optimizer's tensor entries (`MegatronOptimizer.sharded_state_dict()` less its
+"param_groups", which live in "common")."""
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+"""Model state entries that may hold any object (Transformer Engine's); DCP saves them as
+bytes."""
+
+_NO_PROCESS_GROUP = "torch.distributed is disabled"
+"""The start of DCP's warning that it runs in one process: this tool's intent, not news."""
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the subcommand and its flags."""
+    parser = argparse.ArgumentParser(
+        description="Convert training checkpoints to single torch.save files and back."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_torch = commands.add_parser(
+        "to-torch", help="checkpoint directory -> one torch.save file of full tensors"
+    )
+    to_torch.add_argument("--load", required=True, help="the --save directory of a run.")
+    to_torch.add_argument(
+        "--ckpt-step", type=int, help="iteration to convert (default: the tracker file's)."
+    )
+    to_torch.add_argument("--output", required=True, help="the torch.save file to write.")
+    to_torch.add_argument(
+        "--model-only",
+        action="store_true",
+        help="write only the model's state dict, {name: tensor} (no optimizer or common).",
+    )
+    to_torch.add_argument("--force", action="store_true", help="replace an existing --output.")
+
+    from_torch = commands.add_parser(
+        "from-torch", help="torch.save file (to-torch's, or a model state dict) -> checkpoint"
+    )
+    from_torch.add_argument("--input", required=True, help="the torch.save file to read.")
+    from_torch.add_argument(
+        "--save", required=True, help="directory to write the checkpoint into (created)."
+    )
+    from_torch.add_argument(
+        "--iteration",
+        type=int,
+        help="the checkpoint's iteration (default: the file's; 0 for a model state dict).",
+    )
+    from_torch.add_argument(
+        "--force", action="store_true", help="replace an existing checkpoint of that iteration."
+    )
+    args = parser.parse_args(argv)
+    if getattr(args, "iteration", None) is not None and args.iteration < 0:
+        parser.error(f"--iteration {args.iteration}: an iteration is 0 or more.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the subcommand in `argv` (None: the command line).
+
+    Returns:
+        What was written: `path`, `tensors`, `parameters` (model elements), `bytes` (of
+        the tensors), `seconds`, and for `from-torch` the `iteration`.
+
+    Raises:
+        CheckpointError: the input is missing, not a checkpoint or not a convertible file, or
+            the output exists (without `--force`); nothing was written.
+    """
+    args = get_args(argv)
+    start = time.perf_counter()
+    if args.command == "to-torch":
+        summary = to_torch(args.load, args.output, args.ckpt_step, args.model_only, args.force)
+    else:
+        summary = from_torch(args.input, args.save, args.iteration, args.force)
+    summary["seconds"] = time.perf_counter() - start
+    print(
+        f"> wrote {summary['path']}: {summary['tensors']} tensors, "
+        f"{summary['parameters']:,} model parameters, {_format_bytes(summary['bytes'])} of "
+        f"tensors, in {summary['seconds']:.2f} s"
+    )
+    return summary
+
+
+def to_torch(
+    root: str, output: str, ckpt_step: int | None, model_only: bool, force: bool
+) -> dict[str, Any]:
+    """Writes the checkpoint of `ckpt_step` (None: the tracker's) under `root` to `output`
+    with full tensors: the full format, or with `model_only` the model's state dict.
+
+    Returns:
+        The summary `main()` reports (less `seconds`).
+
+    Raises:
+        CheckpointError: no such checkpoint, or `output` exists and not `force`.
+    """
+    path = find_checkpoint(root, ckpt_step)
+    _check_output_file(output, force)
+    print(f"> reading {path}{' (model only)' if model_only else ''}")
+    common = None if model_only else read_common(path)
+    state = read_checkpoint(path, model_only)
+    if model_only:
+        contents: dict[str, Any] = state["model"]
+    else:
+        contents = {key: state[key] for key in ("model", "optimizer") if key in state}
+        contents["common"] = common
+    temporary = output + STAGING_SUFFIX
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    try:
+        atomic_torch_save(contents, output)  # via `temporary`, renamed when complete
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    return _summary(output, state)
+
+
+def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -> dict[str, Any]:
+    """Writes the contents of the torch.save file `input_path` (see the module docstring) as a
+    checkpoint under `root`, of `iteration` (None: the file's, or 0), and points the tracker
+    file at it.
+
+    Returns:
+        The summary `main()` reports (less `seconds`).
+
+    Raises:
+        CheckpointError: `input_path` is missing or not a convertible file, `root` is not a
+            directory, or the checkpoint exists and not `force`.
+    """
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--save {root} is a file, not a directory; pass a directory.")
+    contents = _load_input(input_path)
+    model, optimizer, common = parse_contents(contents, input_path)
+    if common is None:
+        common = _weights_only_common(iteration or 0)
+    if iteration is None:
+        iteration = common["iteration"]
+    elif iteration != common["iteration"]:
+        print(
+            f"> the file is of iteration {common['iteration']}; writing it as iteration "
+            f"{iteration} (its schedule and consumed samples are kept as they are)"
+        )
+        common = {**common, "iteration": iteration}
+
+    final = checkpoint_dir(root, iteration)
+    if os.path.exists(final) and not force:
+        raise CheckpointError(
+            f"{final} exists already; pass --force to replace it, another --iteration, or "
+            "another --save directory."
+        )
+    _check_no_replaced_leftover(final)
+    staging = final + STAGING_SUFFIX
+    os.makedirs(root, exist_ok=True)
+    if os.path.exists(staging):
+        # This tool's own leftover (an interrupted conversion): never committed. Other
+        # iterations' staging directories may be a running job's save in progress: left alone.
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+    state: dict[str, Any] = {"model": model}
+    if optimizer:
+        state["optimizer"] = optimizer
+    # As load_checkpoint() tells them apart: by the parameter groups, as an optimizer may have
+    # no tensor to save (SGD without momentum).
+    weights_only = common["param_groups"] is None
+    print(f"> writing {final}{' (model weights only)' if weights_only else ''}")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
+            dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True)
+        atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = read_tracker(root)
+    commit_checkpoint(staging, final)  # replaces an existing `final` (--force) as a save does
+    atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+    if previous is not None and previous != iteration:
+        print(f"> {TRACKER_FILENAME} named iteration {previous}, now {iteration}")
+    if weights_only:
+        print(
+            "> the checkpoint has no optimizer state: load it with --finetune (or --no-load-optim)"
+        )
+    return {**_summary(final, state), "iteration": iteration}
+
+
+def find_checkpoint(root: str, ckpt_step: int | None) -> str:
+    """The directory of the complete checkpoint of `ckpt_step` (None: the tracker's) under
+    `root`.
+
+    Raises:
+        CheckpointError: `root` or the checkpoint is missing, or the checkpoint is incomplete.
+    """
+    if not os.path.exists(root):
+        raise CheckpointError(
+            f"--load {root}: no such directory. Pass the --save directory of a training run."
+        )
+    if not os.path.isdir(root):
+        raise CheckpointError(
+            f"--load {root} is a file, not a checkpoint directory; pass the --save directory "
+            "of a training run (to convert a torch.save file, use from-torch)."
+        )
+    committed = _committed_iterations(root)
+    if ckpt_step is None:
+        ckpt_step = read_tracker(root)
+    if ckpt_step is None:
+        if _is_checkpoint(root):
+            raise CheckpointError(
+                f"--load {root} is one checkpoint's directory: pass the directory it is in, "
+                f"--load {os.path.dirname(os.path.abspath(root))}, with --ckpt-step."
+            )
+        held = f"; it holds iterations {committed}: pass --ckpt-step" if committed else ""
+        raise CheckpointError(
+            f"--load {root} is not a checkpoint directory: it has no {TRACKER_FILENAME}{held}. "
+            "Pass the --save directory of a training run."
+        )
+    path = checkpoint_dir(root, ckpt_step)
+    if not os.path.isdir(path):
+        held = f"it holds iterations {committed}" if committed else "it holds no checkpoint"
+        raise CheckpointError(
+            f"{path} does not exist ({held}); pass --ckpt-step with one of those iterations."
+        )
+    missing = [f for f in (".metadata", COMMON_FILENAME) if not os.path.isfile(f"{path}/{f}")]
+    if missing:
+        raise CheckpointError(
+            f"{path} is incomplete (no {', '.join(missing)}): it was not written by a finished "
+            "save. Convert another iteration with --ckpt-step."
+        )
+    return path
+
+
+def read_checkpoint(path: str, model_only: bool = False) -> dict[str, Any]:
+    """The tensors of the checkpoint directory `path`, whole and on the CPU, nested as they
+    were saved: `{"model": {...}, "optimizer": {...}}` ("model" only with `model_only`).
+
+    Raises:
+        CheckpointError: the tensors cannot be read (a missing or damaged file).
+    """
+    metadata = read_metadata(path)  # also checks that every data file is there, long enough
+    nestings = metadata.planner_data or {}
+    state: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        nesting = nestings.get(key, (key,))  # the nesting DCP flattened into `key`
+        if model_only and nesting[0] != "model":
+            continue
+        # A whole tensor of the global shape: DCP fills it from every rank's shards. Anything
+        # else was saved as bytes; DCP puts the object itself in place of the None.
+        value = None
+        if isinstance(item, TensorStorageMetadata):
+            value = torch.empty(item.size, dtype=item.properties.dtype)
+        node = state
+        for name in nesting[:-1]:
+            node = node.setdefault(name, {})
+        node[nesting[-1]] = value
+    if "model" not in state:
+        raise CheckpointError(f"{path} holds no model tensors: it is not a training checkpoint.")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
+            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        cause = error
+        if isinstance(error, CheckpointException) and error.failures:
+            cause = next(iter(error.failures.values()))[0]  # the one process's error
+        first_line = (str(cause).splitlines() or [""])[0]
+        raise CheckpointError(
+            f"The tensors of {path} cannot be read ({type(cause).__name__}: {first_line}); its "
+            "files are damaged. Convert another iteration with --ckpt-step."
+        ) from error
+    return state
+
+
+def parse_contents(
+    contents: Any, source: str
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """Splits the contents of a torch.save file into the model's state dict, the optimizer's
+    tensors and `common` (None where the file has none), checking each.
+
+    Raises:
+        CheckpointError: the contents are not a full file nor a model state dict.
+    """
+    if not isinstance(contents, Mapping):
+        raise CheckpointError(
+            f"{source} holds a {type(contents).__name__}, not a state dict: pass a file written "
+            "by `to-torch` or by torch.save(model.state_dict(), ...)."
+        )
+    if not isinstance(contents.get("model"), Mapping):
+        return _check_model(contents, source), None, None
+    unknown = sorted(map(str, contents.keys() - set(FULL_KEYS)))
+    if unknown:
+        raise CheckpointError(
+            f"{source} has entries {unknown} besides {list(FULL_KEYS)}: it is not a file "
+            "written by `to-torch`. Pass one, or a bare model state dict."
+        )
+    model = _check_model(contents["model"], f"{source}'s 'model'")
+    optimizer = contents.get("optimizer")
+    if optimizer is not None:
+        optimizer = _check_optimizer(optimizer, model, source)
+    common = contents.get("common")
+    if common is not None:
+        common = _check_common(common, optimizer, source)
+    elif optimizer:
+        raise CheckpointError(
+            f"{source} has optimizer state but no 'common' (parameter groups, schedule, "
+            "iteration), without which training cannot resume from it; convert the checkpoint "
+            "again with `to-torch`, or drop 'optimizer' to write the weights only."
+        )
+    return model, optimizer, common
+
+
+def _check_model(state: Mapping, source: str) -> dict[str, Any]:
+    if not state:
+        raise CheckpointError(f"{source} is empty: it holds no model weights.")
+    bad = [
+        repr(name)
+        for name, value in state.items()
+        if not isinstance(name, str)
+        or not (isinstance(value, torch.Tensor) or name.endswith(EXTRA_STATE_SUFFIX))
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{source} is not a model state dict ({{name: tensor}}): {len(bad)} entr(ies) are "
+            f"not named tensors (e.g. {', '.join(bad[:3])}). Pass a file written by `to-torch` "
+            "or by torch.save(model.state_dict(), ...)."
+        )
+    return dict(state)
+
+
+def _check_optimizer(optimizer: Any, model: Mapping, source: str) -> dict[str, Any]:
+    def fail(problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"{source}'s 'optimizer' {problem}; it must be {{'state': {{param name: {{state "
+            "name: tensor}}}}, 'fp32_from_fp16_params': {{param name: tensor}}}} as `to-torch` "
+            "writes it. Convert the checkpoint again."
+        )
+
+    if not isinstance(optimizer, Mapping):
+        raise fail(f"is a {type(optimizer).__name__}")
+    unknown = sorted(map(str, optimizer.keys() - set(OPTIMIZER_KEYS)))
+    if unknown:
+        raise fail(f"has entries {unknown}")
+    state = optimizer.get("state", {})
+    masters = optimizer.get("fp32_from_fp16_params", {})
+    if not isinstance(state, Mapping) or not all(
+        isinstance(values, Mapping) and all(isinstance(v, torch.Tensor) for v in values.values())
+        for values in state.values()
+    ):
+        raise fail("has a 'state' that is not {param name: {state name: tensor}}")
+    if not isinstance(masters, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in masters.values()
+    ):
+        raise fail("has 'fp32_from_fp16_params' that are not {param name: tensor}")
+    strangers = sorted((state.keys() | masters.keys()) - model.keys())
+    if strangers:
+        raise fail(f"holds state of parameters the model does not have ({strangers[:3]})")
+    return {key: dict(optimizer[key]) for key in OPTIMIZER_KEYS if optimizer.get(key)}
+
+
+def _check_common(common: Any, optimizer: dict[str, Any] | None, source: str) -> dict[str, Any]:
+    if not isinstance(common, Mapping):
+        raise CheckpointError(
+            f"{source}'s 'common' is a {type(common).__name__}, not the dict of a checkpoint's "
+            f"{COMMON_FILENAME}. Convert the checkpoint again with `to-torch`."
+        )
+    version = common.get("checkpoint_version")
+    if version != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{source} is of checkpoint version {version}; this code writes version "
+            f"{CHECKPOINT_VERSION}. Convert the checkpoint with the code that saved it, or pass "
+            "only its model weights."
+        )
+    missing = [key for key in COMMON_KEYS if key not in common]
+    if missing or not isinstance(common.get("iteration"), int):
+        raise CheckpointError(
+            f"{source}'s 'common' lacks {missing or ['an integer iteration']}, which loading "
+            "reads. Convert the checkpoint again with `to-torch`."
+        )
+    if optimizer and common["param_groups"] is None:
+        raise CheckpointError(
+            f"{source} has optimizer state, but its 'common' has no parameter groups (the "
+            "mark of a weights-only checkpoint), so loading would ignore it. Convert the "
+            "checkpoint again with `to-torch`, or drop 'optimizer'."
+        )
+    return dict(common)
+
+
+def _weights_only_common(iteration: int) -> dict[str, Any]:
+    """The `common.pt` of a checkpoint written from model weights only: the entries
+    `load_checkpoint()` reads, empty. No parameter groups: the mark of a weights-only
+    checkpoint. No arguments: loading checks only the tensors' names and shapes. No RNG states:
+    the generators keep theirs."""
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "ckpt_format": "torch_dist",
+        "iteration": iteration,
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "args": {},
+        "opt_param_scheduler": None,
+        "param_groups": None,
+        "rng_state": [],
+    }
+
+
+def _load_input(path: str) -> Any:
+    if not os.path.exists(path):
+        raise CheckpointError(f"--input {path}: no such file. Pass a file written by to-torch.")
+    if os.path.isdir(path):
+        raise CheckpointError(
+            f"--input {path} is a directory; from-torch reads a torch.save file (to convert a "
+            "checkpoint directory, use to-torch)."
+        )
+    print(f"> reading {path}")
+    try:
+        # A full file holds Python objects (RNG states, arguments): not loadable with
+        # weights_only=True. mmap: tensors are paged in as DCP writes them, not all held.
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"--input {path} is not a torch.save file ({type(error).__name__}: {error}). Pass "
+            "a file written by to-torch or by torch.save(model.state_dict(), ...)."
+        ) from error
+
+
+def _check_output_file(output: str, force: bool) -> None:
+    if os.path.isdir(output):
+        raise CheckpointError(f"--output {output} is a directory; pass a file name.")
+    if os.path.exists(output) and not force:
+        raise CheckpointError(
+            f"--output {output} exists already; pass --force to replace it, or another --output."
+        )
+
+
+def _check_no_replaced_leftover(final: str) -> None:
+    """Refuses to write `final` next to the leftover of an interrupted replacement of it (a
+    save or `--force` conversion stopped inside `commit_checkpoint()`), which may be its only
+    copy."""
+    leftover = final + REPLACED_SUFFIX
+    if not os.path.exists(leftover):
+        return
+    fix = (
+        f"remove it ({final} replaced it)"
+        if os.path.exists(final)
+        else f"rename it {final} (its replacement never took its place)"
+    )
+    raise CheckpointError(
+        f"{leftover} is left from an interrupted replacement of {final}: {fix}, then convert again."
+    )
+
+
+def _committed_iterations(root: str) -> list[int]:
+    names = (name for name in os.listdir(root) if name.startswith("iter_"))
+    return sorted(int(name[5:]) for name in names if name[5:].isdigit())
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMMON_FILENAME))
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, Mapping):
+        return [tensor for value in tree.values() for tensor in _tensors(value)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def _summary(path: str, state: Mapping[str, Any]) -> dict[str, Any]:
+    tensors = _tensors(state)
+    return {
+        "path": path,
+        "tensors": len(tensors),
+        "parameters": sum(tensor.numel() for tensor in _tensors(state["model"])),
+        "bytes": sum(tensor.numel() * tensor.element_size() for tensor in tensors),
+    }
+
+
+def _format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count} B"
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except CheckpointError as error:
+        sys.exit(f"{os.path.basename(__file__)}: error: {error}")
