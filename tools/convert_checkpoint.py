@@ -38,10 +38,11 @@ are checked against the model), no schedule, no RNG states, 0 consumed samples. 
 written whole; loading reshards them.
 
 Nothing is overwritten without `--force`: an existing output file or checkpoint directory is
-an error. Writes are atomic: `to-torch` renames a finished temporary file, `from-torch` writes
-`iter_N.tmp` and renames it (as a training save does) before it points the tracker at it. A
-missing or incomplete checkpoint, and an input file that is not one of these formats, are
-errors that name the fix.
+an error, and so is a tracker that names a newer iteration than the one written (pointing it
+back would make `--load` take the older checkpoint). Writes are atomic: `to-torch` renames a
+finished temporary file, `from-torch` writes `iter_N.tmp` and renames it (as a training save
+does) before it points the tracker at it. A missing or incomplete checkpoint, and an input
+file that is not one of these formats, are errors that name the fix.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 # The layout is checkpointing.py's: its names, checks and atomic writes, not copies of them.
-from megatron.training.checkpointing import (  # noqa: E402
+from megatron.training.checkpoint_layout import (  # noqa: E402
     CHECKPOINT_VERSION,
     COMMON_FILENAME,
+    COMMON_KEYS,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
     TRACKER_FILENAME,
@@ -74,23 +76,12 @@ from megatron.training.checkpointing import (  # noqa: E402
     atomic_write_text,
     checkpoint_dir,
     commit_checkpoint,
+    make_common,
     read_common,
     read_metadata,
     read_tracker,
+    require_complete,
 )
-
-COMMON_KEYS = (
-    "checkpoint_version",
-    "ckpt_format",
-    "iteration",
-    "consumed_train_samples",
-    "consumed_valid_samples",
-    "args",
-    "opt_param_scheduler",
-    "param_groups",
-    "rng_state",
-)
-"""The entries of `common.pt` (what `save_checkpoint()` writes)."""
 
 FULL_KEYS = ("model", "optimizer", "common")
 """The entries of a full file; "model" is required."""
@@ -226,7 +217,7 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
     contents = _load_input(input_path)
     model, optimizer, common = parse_contents(contents, input_path)
     if common is None:
-        common = _weights_only_common(iteration or 0)
+        common = make_common(iteration or 0)  # weights only
     if iteration is None:
         iteration = common["iteration"]
     elif iteration != common["iteration"]:
@@ -243,6 +234,13 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
             "another --save directory."
         )
     _check_no_replaced_leftover(final)
+    previous = read_tracker(root) if os.path.isdir(root) else None
+    if previous is not None and previous > iteration and not force:
+        raise CheckpointError(
+            f"{root}'s {TRACKER_FILENAME} names iteration {previous}, newer than {iteration}: "
+            "pointing it at this one would make --load take the older checkpoint. Pass --force "
+            "to do so, a higher --iteration, or another --save directory."
+        )
     staging = final + STAGING_SUFFIX
     os.makedirs(root, exist_ok=True)
     if os.path.exists(staging):
@@ -265,7 +263,6 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    previous = read_tracker(root)
     commit_checkpoint(staging, final)  # replaces an existing `final` (--force) as a save does
     atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
     if previous is not None and previous != iteration:
@@ -313,12 +310,7 @@ def find_checkpoint(root: str, ckpt_step: int | None) -> str:
         raise CheckpointError(
             f"{path} does not exist ({held}); pass --ckpt-step with one of those iterations."
         )
-    missing = [f for f in (".metadata", COMMON_FILENAME) if not os.path.isfile(f"{path}/{f}")]
-    if missing:
-        raise CheckpointError(
-            f"{path} is incomplete (no {', '.join(missing)}): it was not written by a finished "
-            "save. Convert another iteration with --ckpt-step."
-        )
+    require_complete(path, "Convert another iteration with --ckpt-step.")
     return path
 
 
@@ -475,24 +467,6 @@ def _check_common(common: Any, optimizer: dict[str, Any] | None, source: str) ->
             "checkpoint again with `to-torch`, or drop 'optimizer'."
         )
     return dict(common)
-
-
-def _weights_only_common(iteration: int) -> dict[str, Any]:
-    """The `common.pt` of a checkpoint written from model weights only: the entries
-    `load_checkpoint()` reads, empty. No parameter groups: the mark of a weights-only
-    checkpoint. No arguments: loading checks only the tensors' names and shapes. No RNG states:
-    the generators keep theirs."""
-    return {
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "ckpt_format": "torch_dist",
-        "iteration": iteration,
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-        "args": {},
-        "opt_param_scheduler": None,
-        "param_groups": None,
-        "rng_state": [],
-    }
 
 
 def _load_input(path: str) -> Any:

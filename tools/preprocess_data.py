@@ -11,8 +11,8 @@ to `{output_prefix}_{key}_document.bin/.idx`, one sequence per document, in inpu
     # -> data/austen_text_document.bin, data/austen_text_document.idx
 
 `--workers N` tokenizes in N processes (each builds its tokenizer once); the writer keeps the
-input's order. Blank lines are skipped. A document whose text tokenizes to nothing (and gets no
-EOD) is kept as a document of no sequences, as in Megatron-LM, so the datasets of several keys
+input's order. Blank lines are skipped. A document whose text tokenizes to nothing gets no EOD
+(Megatron-LM's rule) and is kept as a document of no sequences, so the datasets of several keys
 stay aligned. An input with no documents gives valid, empty datasets (and a warning). A missing
 input, a line that is not a JSON object, or a missing key is an error naming the line, and no
 output is left behind. Sentence splitting (`--split-sentences`) is not supported.
@@ -74,8 +74,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument(
         "--tokenizer-type",
         choices=TOKENIZER_TYPES,
-        default="ByteLevelTokenizer",
-        help="tokenizer (default: ByteLevelTokenizer, which needs no files).",
+        required=True,
+        help="the tokenizer (training must name the same one).",
     )
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json.")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt.")
@@ -175,7 +175,7 @@ class Encoder:
                 tokens = self.tokenizer.tokenize(text)
             except ValueError as error:
                 return len(line), f"--input line {number}, key {key!r}: {error}"
-            if self.append_eod:
+            if self.append_eod and tokens:  # Megatron-LM's rule: no EOD ends an empty text
                 tokens.append(self.tokenizer.eod)
             ids[key] = numpy.asarray(tokens, dtype=self.dtype)
         return len(line), ids

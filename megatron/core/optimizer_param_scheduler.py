@@ -212,13 +212,12 @@ class OptimizerParamScheduler:
         """The schedule and its position (Megatron-LM's keys, plus the WSD ones)."""
         return {key: getattr(self, key) for key in _STATE_KEYS}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resumes the schedule of a checkpoint at its step; the parameter groups get that
-        step's values. Which schedule: see the constructor's last two arguments.
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checks that `load_state_dict(state_dict)` would succeed, changing nothing.
 
         Raises:
-            ValueError: a key is missing, the checkpoint's schedule differs from the
-                arguments (neither option set), or the loaded schedule is inconsistent.
+            ValueError: a key is missing, or the checkpoint's schedule differs from the
+                arguments (neither option of the constructor set).
         """
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if missing:
@@ -226,22 +225,31 @@ class OptimizerParamScheduler:
                 f"Scheduler state dict lacks {missing}; pass one saved by "
                 "OptimizerParamScheduler.state_dict()."
             )
-        schedule = [key for key in _STATE_KEYS if key != "num_steps"]
+        if self.use_checkpoint_opt_param_scheduler or self.override_opt_param_scheduler:
+            return
+        differ = [
+            f"{key}: {getattr(self, key)!r} here, {state_dict[key]!r} in the checkpoint"
+            for key in _STATE_KEYS
+            if key != "num_steps" and getattr(self, key) != state_dict[key]
+        ]
+        if differ:
+            raise ValueError(
+                f"The checkpoint's learning-rate schedule differs ({'; '.join(differ)}). "
+                "Pass --override-opt_param-scheduler to keep the flags' schedule, or "
+                "--use-checkpoint-opt_param-scheduler to take the checkpoint's."
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes the schedule of a checkpoint at its step; the parameter groups get that
+        step's values. Which schedule: see the constructor's last two arguments.
+
+        Raises:
+            ValueError: see `check_state_dict`; or the loaded schedule is inconsistent.
+        """
+        self.check_state_dict(state_dict)
         if self.use_checkpoint_opt_param_scheduler:
-            for key in schedule:
+            for key in _STATE_KEYS:
                 setattr(self, key, state_dict[key])
-        elif not self.override_opt_param_scheduler:
-            differ = [
-                f"{key}: {getattr(self, key)!r} here, {state_dict[key]!r} in the checkpoint"
-                for key in schedule
-                if getattr(self, key) != state_dict[key]
-            ]
-            if differ:
-                raise ValueError(
-                    f"The checkpoint's learning-rate schedule differs ({'; '.join(differ)}). "
-                    "Pass --override-opt_param-scheduler to keep the flags' schedule, or "
-                    "--use-checkpoint-opt_param-scheduler to take the checkpoint's."
-                )
         self.num_steps = state_dict["num_steps"]
         self._validate()
         self.step(0)

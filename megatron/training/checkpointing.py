@@ -1,30 +1,23 @@
 """Training checkpoints: `save_checkpoint()` and `load_checkpoint()` (Megatron-LM's names).
 
-A `--save` directory holds::
-
-    latest_checkpointed_iteration.txt   the newest complete checkpoint's iteration (Megatron-LM's
-                                        tracker file), replaced last and atomically
-    iter_0000100/                       one checkpoint
-        .metadata, __0_0.distcp, ...    torch.distributed.checkpoint (DCP): the tensors
-        common.pt                       the rest (written by rank 0): iteration, consumed
-                                        samples, arguments, schedule, optimizer hyperparameters,
-                                        every rank's RNG states
-
-The tensors are `"model"`, the unwrapped model's state dict, and `"optimizer"`,
-`MegatronOptimizer.sharded_state_dict()`: states keyed by parameter name, sharded as the
-parameters are. Under Megatron-FSDP the model's state dict is its DTensor main weights, so each
-rank writes only its shards and no rank gathers the model; under the DDP engine the (replicated)
-tensors are written once. Both `--ckpt-format`s, `fsdp_dtensor` (Megatron-FSDP's) and
-`torch_dist`, are this DCP layout. Loading asks DCP for this rank's shards of the tensors of the
-model and optimizer it has now, so a checkpoint loads at another data-parallel size or sharding
-strategy (DCP reads the overlapping parts of the saved shards).
+A checkpoint (`checkpoint_layout` describes the files) holds the tensors `"model"`, the
+unwrapped model's state dict, and `"optimizer"`, `MegatronOptimizer.sharded_state_dict()`:
+states keyed by parameter name, sharded as the parameters are. Under Megatron-FSDP the model's
+state dict is its DTensor main weights, so each rank writes only its shards and no rank gathers
+the model; under the DDP engine the (replicated) tensors are written once. Both
+`--ckpt-format`s, `fsdp_dtensor` (Megatron-FSDP's) and `torch_dist`, are this layout. Loading
+asks torch.distributed.checkpoint for this rank's shards of the tensors of the model and
+optimizer it has now, so a checkpoint loads at another data-parallel size or sharding strategy
+(DCP reads the overlapping parts of the saved shards).
 
 A save is atomic: every rank writes into `iter_N.tmp`, which rank 0 renames `iter_N` once all
-have finished, before it replaces the tracker. A crash or kill at any point leaves the previous
-checkpoint and the tracker as they were; the next save removes the leftover `.tmp` directories
-(and puts back a checkpoint it was replacing, if killed between the two renames). Loading reads
-only, and checks the checkpoint (its files, the model's arguments, tensor names and shapes, the
-optimizer's parameter groups) before it reads a tensor, naming what differs.
+have finished and it has checked that every rank's files are there, before it replaces the
+tracker. A crash or kill at any point leaves the previous checkpoint and the tracker as they
+were; the next save removes the leftover `.tmp` directories (and puts back a checkpoint it was
+replacing, if killed between the two renames). A step that fails on rank 0 fails the save on
+every rank. Loading reads only, and checks the checkpoint (its files, the model's arguments,
+tensor names and shapes, the schedule, the optimizer's parameter groups) before it reads a
+tensor, naming what differs.
 """
 
 from __future__ import annotations
@@ -33,8 +26,8 @@ import argparse
 import glob
 import os
 import random
-import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -46,13 +39,26 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.checkpoint_layout import (
+    CHECKPOINT_VERSION,
+    COMMON_FILENAME,
+    REPLACED_SUFFIX,
+    STAGING_SUFFIX,
+    TRACKER_FILENAME,
+    CheckpointError,
+    atomic_torch_save,
+    atomic_write_text,
+    checkpoint_dir,
+    commit_checkpoint,
+    directory_bytes,
+    make_common,
+    read_common,
+    read_metadata,
+    read_tracker,
+    remove_leftovers,
+    require_complete,
+)
 from megatron.training.utils import print_rank_0
-
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-COMMON_FILENAME = "common.pt"
-STAGING_SUFFIX = ".tmp"
-REPLACED_SUFFIX = ".replaced" + STAGING_SUFFIX
-CHECKPOINT_VERSION = 1
 
 MODEL_ARGS = (
     "num_layers",
@@ -78,36 +84,6 @@ MODEL_ARGS = (
 or what its weights mean."""
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, or does not fit the model; the message says which
-    and what to do."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    """The directory of the checkpoint of `iteration` under `root`."""
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int | None:
-    """The iteration the tracker file of `root` names; None without a tracker file.
-
-    Raises:
-        CheckpointError: the tracker does not hold an iteration number.
-    """
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as tracker:
-        text = tracker.read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(
-            f"{path} holds {text!r}, not an iteration number; write the iteration of a "
-            "complete checkpoint directory (iter_NNNNNNN) into it, or pass --ckpt-step."
-        ) from None
-
-
 def save_checkpoint(
     iteration: int,
     model: torch.nn.Module,
@@ -131,40 +107,50 @@ def save_checkpoint(
     print_rank_0(f"> saving checkpoint at iteration {iteration} to {root} ({args.ckpt_format})")
     start = time.perf_counter()
     rank = dist.get_rank()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _remove_leftovers(root)
-        os.makedirs(staging)
-    dist.barrier()
 
+    def prepare() -> None:
+        os.makedirs(root, exist_ok=True)
+        remove_leftovers(root)
+        os.makedirs(staging)
+
+    _on_rank_0(prepare, f"creating {staging}")
     optimizer_state = optimizer.sharded_state_dict()
     param_groups = optimizer_state.pop("param_groups")
     dcp.save(
         {"model": model.state_dict(), "optimizer": optimizer_state},
         storage_writer=FileSystemWriter(staging),
     )
-    rng_states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rng_states, _rng_state())
-    if rank == 0:
-        common = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "ckpt_format": args.ckpt_format,
-            "iteration": iteration,
-            "consumed_train_samples": args.consumed_train_samples,
-            "consumed_valid_samples": args.consumed_valid_samples,
-            "args": vars(args).copy(),
-            "opt_param_scheduler": scheduler.state_dict(),
-            "param_groups": param_groups,
-            "rng_state": rng_states,
-        }
-        atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
-    dist.barrier()  # every rank's shards are on disk
+    rng_states: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(_rng_state(), rng_states, dst=0)
+    common = make_common(
+        iteration,
+        ckpt_format=args.ckpt_format,
+        consumed_train_samples=args.consumed_train_samples,
+        consumed_valid_samples=args.consumed_valid_samples,
+        args=vars(args).copy(),
+        opt_param_scheduler=scheduler.state_dict(),
+        param_groups=param_groups,
+        rng_state=rng_states,
+    )
+    _on_rank_0(
+        lambda: atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME)),
+        f"writing {COMMON_FILENAME}",
+    )
 
-    if rank == 0:
+    def commit() -> None:
+        # Every rank's files must be where rank 0 sees them before the tracker names them.
+        try:
+            read_metadata(staging)
+        except CheckpointError as error:
+            raise CheckpointError(
+                f"{error} Every rank wrote its shards, but not all are in {staging} as rank 0 "
+                "sees it: --save must be a directory every rank shares (a shared filesystem)."
+            ) from error
         commit_checkpoint(staging, final)
         atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
-    dist.barrier()
-    size = _directory_bytes(final) if rank == 0 else 0
+
+    _on_rank_0(commit, f"committing {final}")
+    size = directory_bytes(final) if rank == 0 else 0
     print_rank_0(
         f"> saved checkpoint at iteration {iteration} to {final} in "
         f"{time.perf_counter() - start:.2f} s ({size / 2**30:.3f} GiB on disk)"
@@ -230,6 +216,7 @@ def load_checkpoint(
                 "pass --no-load-optim or --finetune to load just the weights."
             )
         try:  # every check before the first tensor is read: a misfit leaves the model as is
+            scheduler.check_state_dict(common["opt_param_scheduler"])
             optimizer.check_param_groups(groups)
             state["optimizer"] = optimizer.sharded_state_dict_for_loading(
                 saved.get("optimizer", {})
@@ -303,12 +290,7 @@ def _check_complete(path: str, iteration: int, args: argparse.Namespace) -> None
             f"{source} names iteration {iteration}, but {path} does not exist; pass "
             f"--ckpt-step with the iteration of an iter_NNNNNNN directory there.{replaced}"
         )
-    missing = [f for f in (".metadata", COMMON_FILENAME) if not os.path.isfile(f"{path}/{f}")]
-    if missing:
-        raise CheckpointError(
-            f"{path} is incomplete (no {', '.join(missing)}): it was not written by a finished "
-            "save. Load another iteration with --ckpt-step."
-        )
+    require_complete(path, "Load another iteration with --ckpt-step.")
 
 
 def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace) -> None:
@@ -330,63 +312,6 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
             f"{path} is of another model: it was saved with {'; '.join(differ)}. Pass the "
             "checkpoint's values, or load another checkpoint."
         )
-
-
-def read_common(path: str) -> dict[str, Any]:
-    """The checkpoint's `common.pt`.
-
-    Raises:
-        CheckpointError: it is not a readable dict (truncated or overwritten).
-    """
-    file = os.path.join(path, COMMON_FILENAME)
-    try:
-        common = torch.load(  # our own pickle: Python objects (RNG states, arguments)
-            file, map_location="cpu", weights_only=False
-        )
-    except Exception as error:  # unpickling fails in many ways; each means a damaged file
-        raise CheckpointError(
-            f"{file} cannot be read ({type(error).__name__}: {error}); the checkpoint is "
-            "damaged. Load another iteration with --ckpt-step."
-        ) from error
-    if not isinstance(common, dict):
-        raise CheckpointError(
-            f"{file} holds a {type(common).__name__}, not the dict a save writes; load another "
-            "iteration with --ckpt-step."
-        )
-    return common
-
-
-def read_metadata(path: str) -> Metadata:
-    """The checkpoint's DCP metadata, once every data file it names is there and long enough
-    (checked before any tensor is read, so a damaged checkpoint leaves the model as it was).
-
-    Raises:
-        CheckpointError: `.metadata` cannot be read, or a data file is missing or short.
-    """
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as error:  # unpickling fails in many ways; each means a damaged file
-        raise CheckpointError(
-            f"{path}/.metadata cannot be read ({type(error).__name__}: {error}); the checkpoint "
-            "is damaged. Load another iteration with --ckpt-step."
-        ) from error
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    damaged = []
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            damaged.append(f"{name} is missing")
-        elif os.path.getsize(file) < size:
-            damaged.append(f"{name} has {os.path.getsize(file)} of {size} bytes")
-    if damaged:
-        raise CheckpointError(
-            f"{path} is incomplete: {'; '.join(damaged[:3])}. Load another iteration with "
-            "--ckpt-step."
-        )
-    return metadata
 
 
 def _saved_tensors(metadata: Metadata) -> dict[str, dict[tuple[str, ...], tuple]]:
@@ -431,6 +356,28 @@ def _check_model_tensors(
         )
 
 
+def _on_rank_0(step: Callable[[], None], what: str) -> None:
+    """Runs `step` on rank 0 alone; every rank returns when it is done, or raises its error
+    (rather than waiting at the next collective until the timeout).
+
+    Raises:
+        CheckpointError: `step` raised on rank 0.
+    """
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except Exception as error:  # every kind: all ranks must learn that the save failed
+            failure = error
+    outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(
+            f"Saving failed on rank 0 while {what} ({outcome[0]}); the previous checkpoint "
+            "and the tracker are unchanged."
+        ) from failure
+
+
 def _rng_state() -> dict[str, Any]:
     state = {
         "random": random.getstate(),
@@ -463,68 +410,3 @@ def _set_rng_state(states: list[dict[str, Any]], path: str) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _remove_leftovers(root: str) -> None:
-    """Removes what interrupted saves left under `root`: their staging directories (never
-    committed) and replaced checkpoints, except one whose replacement never took its place
-    (interrupted between `commit_checkpoint()`'s two renames), which goes back where it was."""
-    for leftover in sorted(glob.glob(os.path.join(root, f"iter_*{STAGING_SUFFIX}"))):
-        if leftover.endswith(REPLACED_SUFFIX):
-            original = leftover[: -len(REPLACED_SUFFIX)]
-            if not os.path.exists(original):
-                os.rename(leftover, original)
-                _fsync_directory(root)
-                continue
-        shutil.rmtree(leftover)
-
-
-def commit_checkpoint(staging: str, final: str) -> None:
-    """Renames the finished `staging` directory `final`, replacing an older one (moved aside
-    first, so a kill between the renames leaves it to `_remove_leftovers` to put back)."""
-    replaced = final + REPLACED_SUFFIX
-    if os.path.exists(final):
-        os.rename(final, replaced)
-    os.rename(staging, final)
-    _fsync_directory(os.path.dirname(final))
-    if os.path.exists(replaced):
-        shutil.rmtree(replaced)
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """`torch.save(obj)` to `path` through a temporary file, fsynced and renamed: `path` is
-    the old file or the whole new one, never part of it."""
-    temporary = path + STAGING_SUFFIX
-    with open(temporary, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Writes `text` to `path` as `atomic_torch_save` does, and makes the rename durable."""
-    temporary = path + STAGING_SUFFIX
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(os.path.dirname(path))
-
-
-def _fsync_directory(path: str) -> None:
-    """Makes renames inside `path` durable (a crash right after must not undo them)."""
-    descriptor = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _directory_bytes(path: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(folder, name))
-        for folder, _, names in os.walk(path)
-        for name in names
-    )

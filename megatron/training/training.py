@@ -326,7 +326,7 @@ def build_train_valid_test_data_iterators(
     evaluations_left = args.train_iters // args.eval_interval - args.iteration // args.eval_interval
     num_samples = [
         args.consumed_train_samples + iterations_left * global_batch,
-        args.consumed_valid_samples + (evaluations_left + 1) * args.eval_iters * global_batch,
+        args.consumed_valid_samples + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
         args.eval_iters * global_batch,
     ]
     print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")

@@ -11,6 +11,7 @@ indices (`index_cache`), so a restart or another rank loads them.
 
 from __future__ import annotations
 
+import array
 import json
 import math
 from collections import OrderedDict
@@ -45,11 +46,12 @@ def build_blending_indices(
         `dataset_index` int16 [size] and `dataset_sample_index` int64 [size].
     """
     # A plain loop (Megatron-LM's is C++): the choice at each sample depends on all earlier
-    # ones. About a second per 10^6 samples, once; the result is cached.
+    # ones. About 0.3 s per 10^6 samples and two datasets, once; the result is cached. Typed
+    # arrays (10 bytes a sample) rather than lists of Python ints (about 100).
     weights = [float(weight) for weight in weights]
     counts = [0] * len(weights)
-    dataset_index = [0] * size
-    dataset_sample_index = [0] * size
+    dataset_index = array.array("h", bytes(2 * size))
+    dataset_sample_index = array.array("q", bytes(8 * size))
     others = range(1, len(weights))
     for sample in range(size):
         scale = float(sample) if sample > 1 else 1.0
@@ -62,8 +64,8 @@ def build_blending_indices(
         dataset_sample_index[sample] = counts[best]
         counts[best] += 1
     return (
-        numpy.array(dataset_index, dtype=numpy.int16),
-        numpy.array(dataset_sample_index, dtype=numpy.int64),
+        numpy.frombuffer(dataset_index, dtype=numpy.int16),
+        numpy.frombuffer(dataset_sample_index, dtype=numpy.int64),
     )
 
 

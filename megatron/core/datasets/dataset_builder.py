@@ -34,40 +34,55 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path,
 BLEND_SURPLUS = 0.005
 """The share of extra samples each blended dataset is built with (Megatron-LM's)."""
 
-_DATA_PATH_FORMS = "give one prefix, or weight-prefix pairs: --data-path 0.3 corpus_a 0.7 corpus_b"
+_DATA_PATH_FORMS = (
+    "give prefixes (--data-path corpus_a corpus_b: weighted by their sizes), or weight-prefix "
+    "pairs (--data-path 0.3 corpus_a 0.7 corpus_b)"
+)
 
 
 def parse_data_path(data_path: Sequence[str]) -> Blend:
     """Megatron-LM's `--data-path` list as a blend.
 
     Args:
-        data_path: `[prefix]`, or `[weight1, prefix1, weight2, prefix2, ...]`.
+        data_path: `[prefix1, prefix2, ...]` (a blend weighted by the datasets' sizes, as
+            Megatron-LM's), or `[weight1, prefix1, weight2, prefix2, ...]`.
 
     Returns:
-        The prefixes and their weights (None for a lone prefix), weights not normalised.
+        The prefixes and their weights (None without weights), weights not normalised.
 
     Raises:
-        ValueError: the list is empty or of odd length (beyond one prefix), or a weight is
-            not a number or is negative; the message names the entry.
+        ValueError: the list is empty, mixes the two forms, or a weight is negative; the
+            message names the entry.
     """
     entries = [entry.strip() for entry in data_path]
-    if len(entries) == 1:
+    if not entries:
+        raise ValueError(f"--data-path is empty; {_DATA_PATH_FORMS}.")
+    numeric = [_is_number(entry) for entry in entries]
+    if not any(numeric):
         return entries, None
-    if not entries or len(entries) % 2:
-        raise ValueError(
-            f"--data-path {' '.join(entries)!r} has {len(entries)} entries; {_DATA_PATH_FORMS}."
-        )
-    weights = []
-    for position, entry in enumerate(entries[0::2]):
-        try:
-            weights.append(float(entry))
-        except ValueError:
+    for position, entry in enumerate(entries):
+        if numeric[position] != (position % 2 == 0):
+            role = "a weight" if position % 2 == 0 else "a prefix"
             raise ValueError(
-                f"--data-path weight {entry!r} (entry {2 * position + 1}, before prefix "
-                f"{entries[2 * position + 1]!r}) is not a number; {_DATA_PATH_FORMS}."
-            ) from None
+                f"--data-path {' '.join(entries)!r}: entry {position + 1} ({entry!r}) should be "
+                f"{role}; {_DATA_PATH_FORMS}."
+            )
+    if len(entries) % 2:
+        raise ValueError(
+            f"--data-path {' '.join(entries)!r}: weight {entries[-1]!r} has no prefix after it; "
+            f"{_DATA_PATH_FORMS}."
+        )
+    weights = [float(entry) for entry in entries[0::2]]
     _check_weights(weights, entries[1::2])
     return entries[1::2], weights
+
+
+def _is_number(entry: str) -> bool:
+    try:
+        float(entry)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_weights(weights: Sequence[float], prefixes: Sequence[str]) -> None:

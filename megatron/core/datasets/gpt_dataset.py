@@ -140,15 +140,15 @@ def parse_and_normalize_split(split: str) -> list[float]:
 def get_split_indices(split_vector: list[float], num_documents: int) -> list[int]:
     """The document boundaries of the splits: split `k` is documents `[b[k], b[k + 1])`.
 
-    As Megatron-LM: each boundary is the rounded cumulative weight times the number of
-    documents; the last is the number of documents.
+    Megatron-LM's rule: each split gets its weight times the documents, rounded; the rounding
+    surplus (or deficit) is then taken off every boundary after the first, so the last one is
+    the number of documents (the first split absorbs it).
     """
-    bounds, cumulative = [0], 0.0
-    for weight in split_vector[:-1]:
-        cumulative += weight
-        bounds.append(int(round(cumulative * float(num_documents))))
-    bounds.append(num_documents)
-    return bounds
+    bounds = [0]
+    for weight in split_vector:
+        bounds.append(bounds[-1] + int(round(weight * float(num_documents))))
+    surplus = bounds[-1] - num_documents
+    return [0, *(bound - surplus for bound in bounds[1:])]
 
 
 class GPTDataset(torch.utils.data.Dataset):

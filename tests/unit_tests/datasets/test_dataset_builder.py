@@ -38,14 +38,20 @@ def corpora(tmp_path) -> list[str]:
 
 def test_parse_data_path():
     assert parse_data_path(["/data/corpus"]) == (["/data/corpus"], None)
+    # Prefixes alone: a blend weighted by the datasets' sizes (Megatron-LM's form).
+    assert parse_data_path(["a", "b", "c"]) == (["a", "b", "c"], None)
     assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
     assert parse_data_path(["2", "a", "0", "b"]) == (["a", "b"], [2.0, 0.0])
-    with pytest.raises(ValueError, match="3 entries.*weight-prefix pairs"):
+    with pytest.raises(ValueError, match=r"entry 3 \('b'\) should be a weight"):
         parse_data_path(["0.3", "a", "b"])
-    with pytest.raises(ValueError, match="0 entries"):
+    with pytest.raises(ValueError, match="weight '0.5' has no prefix after it"):
+        parse_data_path(["0.3", "a", "0.5"])
+    with pytest.raises(ValueError, match="is empty"):
         parse_data_path([])
-    with pytest.raises(ValueError, match="weight 'b' .*before prefix '0.5'.* not a number"):
-        parse_data_path(["0.3", "a", "b", "0.5"])
+    with pytest.raises(ValueError, match=r"entry 1 \('a'\) should be a weight"):
+        parse_data_path(["a", "0.5"])
+    with pytest.raises(ValueError, match=r"entry 4 \('0.5'\) should be a prefix"):
+        parse_data_path(["0.3", "a", "0.7", "0.5"])
     with pytest.raises(ValueError, match="weight -0.5 of dataset 'b'"):
         parse_data_path(["1", "a", "-0.5", "b"])
     with pytest.raises(ValueError, match="all 0"):
@@ -71,9 +77,16 @@ def test_parse_and_normalize_split():
 
 
 def test_split_boundaries():
-    # Rounded cumulative weights x documents: 969.0, 999.0 of 1000; 3.33 -> 3, 6.67 -> 7 of 10.
+    # Each split's rounded share, the surplus taken off every boundary after the first.
+    # 969,30,1 of 1000: 969, 30 and 1 exactly.
     assert get_split_indices(parse_and_normalize_split("969,30,1"), 1000) == [0, 969, 999, 1000]
-    assert get_split_indices(parse_and_normalize_split("1,1,1"), 10) == [0, 3, 7, 10]
+    # 1,1,1 of 10: shares 3.33 -> 3 each, 9 in all; the deficit of 1 shifts the boundaries.
+    assert get_split_indices(parse_and_normalize_split("1,1,1"), 10) == [0, 4, 7, 10]
+    # 969,30,1 of 49: 47.48 -> 47, 1.47 -> 1, 0.05 -> 0: 48 in all, so [0, 48, 49, 49]
+    # (rounding the cumulative weights instead would give [0, 47, 49, 49]).
+    assert get_split_indices(parse_and_normalize_split("969,30,1"), 49) == [0, 48, 49, 49]
+    # 2,2,1 of 9: 3.6 -> 4, 3.6 -> 4, 1.8 -> 2: a surplus of 1 taken off after the first.
+    assert get_split_indices(parse_and_normalize_split("2,2,1"), 9) == [0, 3, 7, 9]
     assert get_split_indices(parse_and_normalize_split("1,0,0"), 7) == [0, 7, 7, 7]
 
 
@@ -146,9 +159,15 @@ def test_blend_per_split(corpora, tmp_path):
     assert test is None
 
 
-def test_unweighted_config_blend_mixes_by_dataset_length(corpora, tmp_path):
-    config = _config(tmp_path, blend=(corpora, None), split="1,0,0")
-    train, _, _ = build_gpt_datasets(config, [10**6, 0, 0])
+@pytest.mark.parametrize("source", ["config", "data_path"])
+def test_unweighted_blend_mixes_by_dataset_length(corpora, tmp_path, source):
+    """A blend without weights, from the config or from --data-path's prefixes alone."""
+    if source == "config":
+        config = _config(tmp_path, blend=(corpora, None), split="1,0,0")
+        train, _, _ = build_gpt_datasets(config, [10**6, 0, 0])
+    else:
+        config = _config(tmp_path, split="1,0,0")
+        train, _, _ = build_gpt_datasets(config, [10**6, 0, 0], list(corpora))
     lengths = [len(d) for d in train.datasets]
     assert all(d.num_samples is None for d in train.datasets)
     assert len(train) == sum(lengths)
@@ -177,7 +196,7 @@ def test_builder_errors(corpora, tmp_path):
         build_gpt_datasets(config, [1, 1, 1])
     with pytest.raises(ValueError, match="three sample counts"):
         build_gpt_datasets(config, [1, -1, 1], corpora[:1])
-    with pytest.raises(ValueError, match="odd|entries"):
+    with pytest.raises(ValueError, match="has no prefix after it"):
         build_gpt_datasets(config, [1, 1, 1], ["1", corpora[0], "2"])
     # 20 documents at 80,10,10: the test split gets the last two, of 2 tokens each.
     short = write_corpus(str(tmp_path / "short"), [numpy.arange(1, 40)] * 18 + [[1, 0], [2, 0]])

@@ -348,7 +348,12 @@ def test_from_torch_iteration_and_force(zero3_run, tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"iter_0000007 exists already; pass --force"):
         convert("from-torch", "--input", source, "--save", save, "--iteration", "7")
     assert sorted(os.listdir(checkpoint_dir(save, 7))) == before
-    convert("from-torch", "--input", source, "--save", save)  # the file's iteration, 2
+    # An older iteration than the tracker's is refused without --force (--load would take it).
+    with pytest.raises(CheckpointError, match="names iteration 7, newer than 2: pointing it"):
+        convert("from-torch", "--input", source, "--save", save)  # the file's iteration, 2
+    assert (save / TRACKER_FILENAME).read_text() == "7\n"
+    assert sorted(os.listdir(save)) == ["iter_0000007", TRACKER_FILENAME]
+    convert("from-torch", "--input", source, "--save", save, "--force")
     assert (save / TRACKER_FILENAME).read_text() == "2\n"
     assert "named iteration 7, now 2" in capsys.readouterr().out
 

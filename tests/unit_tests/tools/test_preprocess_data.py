@@ -47,7 +47,14 @@ def run(tmp_path: Path, *flags: str, input_path: Path | None = None) -> dict[str
     if input_path is None:
         input_path = write_jsonl(tmp_path / "input.jsonl", DOCUMENTS)
     argv = ["--input", str(input_path), "--output-prefix", str(tmp_path / "out" / "corpus")]
+    if "--tokenizer-type" not in flags:
+        argv += ["--tokenizer-type", "ByteLevelTokenizer"]
     return preprocess_data.main([*argv, *flags])
+
+
+def with_eod(tokens: list[int], eod: int) -> list[int]:
+    """What --append-eod writes for a document: its tokens and the EOD, unless it has none."""
+    return [*tokens, eod] if tokens else []
 
 
 def read_documents(prefix: str) -> list[list[int]]:
@@ -66,13 +73,14 @@ def test_two_workers_match_direct_tokenization_with_eod(tmp_path):
     assert prefixes == {"text": prefix}
     assert os.path.isfile(get_bin_path(prefix)) and os.path.isfile(get_idx_path(prefix))
     tokenizer = build_tokenizer("ByteLevelTokenizer")
-    expected = [tokenizer.tokenize(row["text"]) + [tokenizer.eod] for row in DOCUMENTS]
+    expected = [with_eod(tokenizer.tokenize(row["text"]), tokenizer.eod) for row in DOCUMENTS]
+    assert expected[2] == []  # the empty text: no EOD either, as in Megatron-LM
     assert read_documents(prefix) == expected
     dataset = IndexedDataset(prefix)
-    # One sequence per document; uint16 suffices for 259 ids.
-    assert len(dataset) == len(DOCUMENTS)
+    # One sequence per non-empty document (the empty one has none); uint16 holds 259 ids.
+    assert len(dataset) == len(DOCUMENTS) - 1
     assert dataset.dtype == numpy.uint16
-    assert dataset.sequence_lengths.tolist() == [len(ids) for ids in expected]
+    assert dataset.sequence_lengths.tolist() == [len(ids) for ids in expected if ids]
     assert tokenizer.detokenize(dataset[1]) == DOCUMENTS[1]["text"]
     # Nothing but the two files is left beside them (no temporary files).
     assert sorted(os.listdir(tmp_path / "out")) == [
@@ -111,7 +119,7 @@ def test_multiple_keys_blank_lines_and_progress(tmp_path, capsys):
     assert prefixes["title"].endswith("corpus_title_document")
     tokenizer = build_tokenizer("ByteLevelTokenizer")
     for key in ("text", "title"):
-        expected = [tokenizer.tokenize(row[key]) + [tokenizer.eod] for row in DOCUMENTS]
+        expected = [with_eod(tokenizer.tokenize(row[key]), tokenizer.eod) for row in DOCUMENTS]
         assert read_documents(prefixes[key]) == expected
     log = capsys.readouterr().err
     assert log.count("Processed ") == len(DOCUMENTS) // 25
@@ -136,7 +144,7 @@ def test_gpt2_bpe_and_null_tokenizers(tmp_path):
         merge_file=tmp_path / "merges.txt",
     )
     documents = read_documents(prefix)
-    assert documents == [tokenizer.tokenize(row["text"]) + [256] for row in DOCUMENTS]
+    assert documents == [with_eod(tokenizer.tokenize(row["text"]), 256) for row in DOCUMENTS]
     assert documents[0][:2] == [vocab["I"], vocab["t"]] and 257 in documents[0]  # "truth"
 
     ids_input = write_jsonl(tmp_path / "ids.jsonl", [{"text": "1 2 3"}, {"text": "99 0"}])
@@ -246,7 +254,7 @@ def test_command_line_error_is_one_line(tmp_path):
 
     result = subprocess.run(
         [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", "nope.jsonl"]
-        + ["--output-prefix", str(tmp_path / "x")],
+        + ["--output-prefix", str(tmp_path / "x"), "--tokenizer-type", "ByteLevelTokenizer"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -277,7 +285,8 @@ def test_shipped_corpus_is_jsonl_text():
 def test_shipped_corpus_preprocesses(tmp_path):
     prefix = preprocess_data.main(
         ["--input", str(CORPUS), "--output-prefix", str(tmp_path / "austen")]
-        + ["--append-eod", "--workers", "2", "--log-interval", "100000"]
+        + ["--tokenizer-type", "ByteLevelTokenizer", "--append-eod", "--workers", "2"]
+        + ["--log-interval", "100000"]
     )["text"]
     dataset = IndexedDataset(prefix)
     rows = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]

@@ -1,0 +1,231 @@
+"""The on-disk layout of training checkpoints, and the file operations that keep it intact.
+
+A `--save` directory holds::
+
+    latest_checkpointed_iteration.txt   the newest complete checkpoint's iteration (Megatron-LM's
+                                        tracker file), replaced last and atomically
+    iter_0000100/                       one checkpoint (`checkpoint_dir`)
+        .metadata, __0_0.distcp, ...    torch.distributed.checkpoint (DCP): the tensors
+        common.pt                       the rest (`make_common`): iteration, consumed samples,
+                                        arguments, schedule, optimizer hyperparameters, every
+                                        rank's RNG states
+
+A checkpoint is written into `iter_N.tmp` and renamed `iter_N` (`commit_checkpoint`) before the
+tracker is replaced (`atomic_write_text`); `remove_leftovers` clears what an interrupted save
+left. `megatron.training.checkpointing` saves and loads training state in this layout;
+`tools/convert_checkpoint.py` reads and writes it in one process.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+COMMON_FILENAME = "common.pt"
+STAGING_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced" + STAGING_SUFFIX
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, or does not fit the model; the message says which
+    and what to do."""
+
+
+def make_common(
+    iteration: int,
+    *,
+    ckpt_format: str = "torch_dist",
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    args: dict[str, Any] | None = None,
+    opt_param_scheduler: dict[str, Any] | None = None,
+    param_groups: list[dict[str, Any]] | None = None,
+    rng_state: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A checkpoint's `common.pt`. The defaults make a weights-only checkpoint's: no
+    parameter groups (what marks it: an optimizer may have no tensor to save), no arguments
+    (loading then checks only the tensors' names and shapes), no schedule, no RNG states."""
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "ckpt_format": ckpt_format,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "args": args or {},
+        "opt_param_scheduler": opt_param_scheduler,
+        "param_groups": param_groups,
+        "rng_state": rng_state or [],
+    }
+
+
+COMMON_KEYS = tuple(make_common(0))
+"""The entries of `common.pt`."""
+
+
+def require_complete(path: str, fix: str) -> None:
+    """Raises unless the checkpoint directory `path` holds what a finished save writes last.
+
+    Raises:
+        CheckpointError: `.metadata` or `common.pt` is missing; the message ends with `fix`.
+    """
+    missing = [f for f in (".metadata", COMMON_FILENAME) if not os.path.isfile(f"{path}/{f}")]
+    if missing:
+        raise CheckpointError(
+            f"{path} is incomplete (no {', '.join(missing)}): it was not written by a finished "
+            f"save. {fix}"
+        )
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """The directory of the checkpoint of `iteration` under `root`."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration the tracker file of `root` names; None without a tracker file.
+
+    Raises:
+        CheckpointError: the tracker does not hold an iteration number.
+    """
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as tracker:
+        text = tracker.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{path} holds {text!r}, not an iteration number; write the iteration of a "
+            "complete checkpoint directory (iter_NNNNNNN) into it, or pass --ckpt-step."
+        ) from None
+
+
+def read_common(path: str) -> dict[str, Any]:
+    """The checkpoint's `common.pt`.
+
+    Raises:
+        CheckpointError: it is not a readable dict (truncated or overwritten).
+    """
+    file = os.path.join(path, COMMON_FILENAME)
+    try:
+        common = torch.load(  # our own pickle: Python objects (RNG states, arguments)
+            file, map_location="cpu", weights_only=False
+        )
+    except Exception as error:  # unpickling fails in many ways; each means a damaged file
+        raise CheckpointError(
+            f"{file} cannot be read ({type(error).__name__}: {error}); the checkpoint is "
+            "damaged. Load another iteration with --ckpt-step."
+        ) from error
+    if not isinstance(common, dict):
+        raise CheckpointError(
+            f"{file} holds a {type(common).__name__}, not the dict a save writes; load another "
+            "iteration with --ckpt-step."
+        )
+    return common
+
+
+def read_metadata(path: str) -> Metadata:
+    """The checkpoint's DCP metadata, once every data file it names is there and long enough
+    (checked before any tensor is read, so a damaged checkpoint leaves the model as it was).
+
+    Raises:
+        CheckpointError: `.metadata` cannot be read, or a data file is missing or short.
+    """
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # unpickling fails in many ways; each means a damaged file
+        raise CheckpointError(
+            f"{path}/.metadata cannot be read ({type(error).__name__}: {error}); the checkpoint "
+            "is damaged. Load another iteration with --ckpt-step."
+        ) from error
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    damaged = []
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            damaged.append(f"{name} is missing")
+        elif os.path.getsize(file) < size:
+            damaged.append(f"{name} has {os.path.getsize(file)} of {size} bytes")
+    if damaged:
+        raise CheckpointError(
+            f"{path} is incomplete: {'; '.join(damaged[:3])}. Load another iteration with "
+            "--ckpt-step."
+        )
+    return metadata
+
+
+def remove_leftovers(root: str) -> None:
+    """Removes what interrupted saves left under `root`: their staging directories (never
+    committed) and replaced checkpoints, except one whose replacement never took its place
+    (interrupted between `commit_checkpoint()`'s two renames), which goes back where it was."""
+    for leftover in sorted(glob.glob(os.path.join(root, f"iter_*{STAGING_SUFFIX}"))):
+        if leftover.endswith(REPLACED_SUFFIX):
+            original = leftover[: -len(REPLACED_SUFFIX)]
+            if not os.path.exists(original):
+                os.rename(leftover, original)
+                _fsync_directory(root)
+                continue
+        shutil.rmtree(leftover)
+
+
+def commit_checkpoint(staging: str, final: str) -> None:
+    """Renames the finished `staging` directory `final`, replacing an older one (moved aside
+    first, so a kill between the renames leaves it to `remove_leftovers` to put back)."""
+    replaced = final + REPLACED_SUFFIX
+    if os.path.exists(final):
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    _fsync_directory(os.path.dirname(final))
+    if os.path.exists(replaced):
+        shutil.rmtree(replaced)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """`torch.save(obj)` to `path` through a temporary file, fsynced and renamed: `path` is
+    the old file or the whole new one, never part of it."""
+    temporary = path + STAGING_SUFFIX
+    with open(temporary, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Writes `text` to `path` as `atomic_torch_save` does, and makes the rename durable."""
+    temporary = path + STAGING_SUFFIX
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    _fsync_directory(os.path.dirname(path))
+
+
+def _fsync_directory(path: str) -> None:
+    """Makes renames inside `path` durable (a crash right after must not undo them)."""
+    descriptor = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def directory_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(folder, name))
+        for folder, _, names in os.walk(path)
+        for name in names
+    )

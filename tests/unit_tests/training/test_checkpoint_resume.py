@@ -1,0 +1,592 @@
+"""Checkpoints through `pretrain_gpt.main` on spawned gloo ranks (NCCL on GPUs).
+
+- Training resumed from a checkpoint is bitwise the uninterrupted run.
+- A save killed part-way, or failing on rank 0, leaves the previous checkpoint, which resumes
+  exactly.
+- Missing, damaged and mismatched checkpoints fail naming what differs, and leave the
+  directory byte-identical; --finetune, --no-load-optim and --no-load-rng load what they say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import warnings
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+import pretrain_gpt
+from megatron.training import checkpoint_layout, checkpointing, training
+from megatron.training.checkpointing import (
+    TRACKER_FILENAME,
+    CheckpointError,
+)
+from megatron.training.training import TrainingHistory
+from tests.unit_tests.distributed_harness import DistributedTestError, run_distributed
+from tests.unit_tests.training.checkpoint_checks import (
+    assert_same,
+    read_whole_checkpoint,
+    whole_tensor,
+)
+
+RUN = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 6 --lr 1e-2 --lr-warmup-iters 2 "
+    "--lr-decay-style cosine --min-lr 1e-3 --mock-data --vocab-size 64 --hidden-dropout 0.1 "
+    "--attention-dropout 0.1 --num-workers 0 --eval-interval 2 --eval-iters 1 "
+    "--log-interval 10 --clip-grad 1.0"
+).split()
+"""6 iterations of 2 microbatches per rank at 2 ranks, dropout on, validation every 2."""
+
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+ENGINES = {
+    "fsdp_zero3": ZERO3,
+    "ddp": [],
+    "fsdp_zero3_bf16": [*ZERO3, "--bf16"],
+    "ddp_bf16": ["--bf16"],  # the optimizer's fp32 masters are state to restore
+}
+
+
+def _main(flags: list[str]) -> TrainingHistory:
+    return pretrain_gpt.main([*flags, "--distributed-backend", dist.get_backend()])
+
+
+def _main_error(flags: list[str]) -> tuple[str, str] | None:
+    """(exception type, message) of a run that fails; None if it trains."""
+    try:
+        _main(flags)
+    except Exception as error:  # noqa: BLE001 - the test checks which
+        return type(error).__name__, str(error)
+    return None
+
+
+def _dropout_rng() -> str:
+    """The generator dropout draws from on this rank (the key of its state in a checkpoint's
+    RNG states): only its state tells a loaded RNG from a kept one, as training leaves the
+    other one untouched."""
+    return "cuda" if dist.get_backend() == "nccl" else "torch"
+
+
+def _dropout_rng_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state() if _dropout_rng() == "cuda" else torch.get_rng_state()
+
+
+def _main_observing_load(flags: list[str]) -> tuple[TrainingHistory, dict[str, Any]]:
+    """Runs training and records what `load_checkpoint()` left: the iteration, the whole
+    weights, the optimizer state, the schedule's step, the consumed samples, and dropout's RNG
+    state before and after it."""
+    observed: dict[str, Any] = {}
+    original = training.load_checkpoint
+
+    def observe(model, optimizer, scheduler, args):
+        observed["rng_before"] = _dropout_rng_state()
+        iteration = original(model, optimizer, scheduler, args)
+        observed.update(
+            iteration=iteration,
+            weights={name: whole_tensor(t) for name, t in model.state_dict().items()},
+            optimizer_state=sum(map(len, optimizer.sharded_state_dict()["state"].values())),
+            scheduler_steps=scheduler.num_steps,
+            consumed=(args.consumed_train_samples, args.consumed_valid_samples),
+            rng_after=_dropout_rng_state(),
+            rng=_dropout_rng(),
+        )
+        return iteration
+
+    with mock.patch.object(training, "load_checkpoint", observe):
+        history = _main(flags)
+    return history, observed
+
+
+def _read_tracker(root: str) -> str:
+    with open(os.path.join(root, TRACKER_FILENAME)) as tracker:
+        return tracker.read()
+
+
+def _hashes(root: str) -> dict[str, str]:
+    """Every file under `root` -> the SHA-256 of its bytes."""
+    hashes = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as file:
+                hashes[os.path.relpath(path, root)] = hashlib.sha256(file.read()).hexdigest()
+    return hashes
+
+
+def _assert_histories_equal(actual: TrainingHistory, expected: TrainingHistory) -> None:
+    """Bitwise: Python floats compare exactly."""
+    assert actual.losses == expected.losses
+    assert actual.grad_norms == expected.grad_norms
+    assert actual.learning_rates == expected.learning_rates
+    assert actual.validation_losses == expected.validation_losses
+    assert actual.final_validation_losses == expected.final_validation_losses
+    assert actual.test_losses == expected.test_losses
+
+
+def _resumed_part(straight: TrainingHistory, after: int) -> TrainingHistory:
+    """What a run resumed after iteration `after` must report of `straight`."""
+    return TrainingHistory(
+        start_iteration=after,
+        losses=straight.losses[after:],
+        grad_norms=straight.grad_norms[after:],
+        learning_rates=straight.learning_rates[after:],
+        validation_losses={i: v for i, v in straight.validation_losses.items() if i > after},
+        final_validation_losses=straight.final_validation_losses,
+        test_losses=straight.test_losses,
+    )
+
+
+@pytest.fixture(scope="module")
+def straight_runs() -> Callable[[str], TrainingHistory]:
+    """engine -> its 6 iterations without checkpoints, run once when first asked for."""
+    cache: dict[str, TrainingHistory] = {}
+
+    def get(engine: str) -> TrainingHistory:
+        if engine not in cache:
+            histories = run_distributed(_main, 2, [*RUN, *ENGINES[engine]])
+            assert histories[0].losses == histories[1].losses
+            cache[engine] = histories[0]
+        return cache[engine]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def zero3_first_half(tmp_path_factory) -> str:
+    """A --save directory of ZeRO-3 stopped by --exit-interval 3: iterations 2 and 3 saved."""
+    root = str(tmp_path_factory.mktemp("first-half"))
+    flags = [*RUN, *ZERO3, "--exit-interval", "3", "--save", root, "--save-interval", "2"]
+    history = run_distributed(_main, 2, flags)[0]
+    assert len(history.losses) == 3
+    return root
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resumed_training_is_bitwise_the_uninterrupted_run(
+    engine, tmp_path, straight_runs, zero3_first_half
+):
+    straight = straight_runs(engine)
+    if engine == "fsdp_zero3":
+        root = zero3_first_half
+    else:
+        root = str(tmp_path)
+        flags = [*RUN, *ENGINES[engine], "--exit-interval", "3", "--save", root]
+        flags += ["--save-interval", "2"]
+        first = run_distributed(_main, 2, flags)[0]
+        # Saving changes nothing in training; the first half evaluated at iteration 2.
+        assert first.losses == straight.losses[:3]
+        assert first.validation_losses == {2: straight.validation_losses[2]}
+    assert _read_tracker(root) == "3\n"
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", TRACKER_FILENAME]
+    # Resuming into a copy: the module's first half stays as it was for the other tests.
+    resume_root = str(tmp_path / "resume")
+    shutil.copytree(root, resume_root)
+    flags = [*RUN, *ENGINES[engine], "--load", resume_root, "--save", resume_root]
+    second = run_distributed(_main, 2, flags)
+    assert second[0].start_iteration == 3
+    # The data order too: each iteration's loss is of its own samples and dropout masks.
+    _assert_histories_equal(second[0], _resumed_part(straight, 3))
+    _assert_histories_equal(second[1], second[0])
+    assert _read_tracker(resume_root) == "6\n"
+
+
+class _DyingWriter(FileSystemWriter):
+    """Writes this rank's shards of the save into `iter_0000004.tmp`, then SIGKILLs its own
+    process: before it reports them, so no rank can finish the save."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        if str(self.path).endswith("iter_0000004.tmp"):
+            future.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+
+def _main_killed_in_save(flags: list[str], where: str) -> TrainingHistory:
+    """Trains, and dies in the save of iteration 4: rank 1 after writing its shards
+    ("writing"), or rank 0 after the commit, before the tracker names it ("tracker")."""
+    rank = dist.get_rank()
+    if where == "writing" and rank == 1:
+        patch = mock.patch.object(checkpointing, "FileSystemWriter", _DyingWriter)
+    elif where == "tracker" and rank == 0:
+        original = checkpointing.atomic_write_text
+
+        def write_then_die(path: str, text: str) -> None:
+            if text == "4\n":
+                os.kill(os.getpid(), signal.SIGKILL)
+            original(path, text)
+
+        patch = mock.patch.object(checkpointing, "atomic_write_text", write_then_die)
+    else:
+        patch = contextlib.nullcontext()
+    with patch:
+        return _main(flags)
+
+
+@pytest.mark.parametrize("where", ["writing", "tracker"])
+def test_save_killed_part_way_leaves_the_previous_checkpoint(where, tmp_path, straight_runs):
+    root = str(tmp_path / "ckpt")
+    flags = [*RUN, *ZERO3, "--save", root, "--save-interval", "2"]
+    dying = 1 if where == "writing" else 0
+    with pytest.raises(DistributedTestError, match=f"rank {dying} died"):
+        run_distributed(_main_killed_in_save, 2, flags, where)
+    assert _read_tracker(root) == "2\n"
+    if where == "writing":
+        staging = os.path.join(root, "iter_0000004.tmp")
+        assert not os.path.exists(os.path.join(root, "iter_0000004"))
+        # Killed mid-save: rank 1's shards are there, the save's metadata never was.
+        assert "__1_0.distcp" in os.listdir(staging)
+        assert not {".metadata", "common.pt"} & set(os.listdir(staging))
+    else:
+        # Committed but never tracked: not loaded, and replaced by the next save of 4.
+        assert os.path.isfile(os.path.join(root, "iter_0000004", "common.pt"))
+    previous = _hashes(os.path.join(root, "iter_0000002"))
+
+    flags = [*flags, "--load", root]
+    resumed = run_distributed(_main, 2, flags)[0]
+    _assert_histories_equal(resumed, _resumed_part(straight_runs("fsdp_zero3"), 2))
+    assert _hashes(os.path.join(root, "iter_0000002")) == previous
+    assert sorted(os.listdir(root)) == [
+        "iter_0000002",
+        "iter_0000004",
+        "iter_0000006",
+        TRACKER_FILENAME,
+    ]
+    assert _read_tracker(root) == "6\n"
+
+
+class _NodeLocalWriter(FileSystemWriter):
+    """Writes this rank's shards into a directory of its own, as on a node whose `--save` is
+    not the filesystem rank 0 sees."""
+
+    def __init__(self, path, *args, **kwargs):
+        local = f"{path}.node-local"
+        os.makedirs(local, exist_ok=True)
+        super().__init__(local, *args, **kwargs)
+
+
+def _main_with_node_local_save(flags: list[str]) -> tuple[str, str] | None:
+    writer = _NodeLocalWriter if dist.get_rank() == 1 else FileSystemWriter
+    with mock.patch.object(checkpointing, "FileSystemWriter", writer):
+        return _main_error(flags)
+
+
+def test_save_with_shards_rank_0_cannot_see_fails_on_every_rank(tmp_path):
+    """--save not shared by all ranks: rank 0 finds rank 1's shards missing before it commits,
+    and every rank raises (none waits for a timeout); nothing names the partial save."""
+    root = str(tmp_path / "ckpt")
+    errors = run_distributed(_main_with_node_local_save, 2, [*RUN, *ZERO3, "--save", root])
+    for kind, message in errors:
+        assert kind == CheckpointError.__name__, message
+        assert "Saving failed on rank 0 while committing" in message, message
+        assert "__1_0.distcp is missing" in message and "shared filesystem" in message, message
+    assert sorted(os.listdir(root)) == ["iter_0000006.tmp", "iter_0000006.tmp.node-local"]
+
+
+def test_save_failing_on_rank_0_fails_on_every_rank(tmp_path):
+    """--save is a file: rank 0 cannot create the checkpoint directory; every rank raises its
+    error (instead of the others waiting at a barrier), and the file is left as it was."""
+    target = tmp_path / "not_a_directory"
+    target.write_text("keep me")
+    errors = run_distributed(_main_error, 2, [*RUN, *ZERO3, "--save", str(target)])
+    for kind, message in errors:
+        assert kind == CheckpointError.__name__, message
+        assert "Saving failed on rank 0 while creating" in message, message
+        assert "FileExistsError" in message or "NotADirectoryError" in message, message
+    assert target.read_text() == "keep me"
+
+
+def _save_in_this_process(state: dict[str, Any], path: str) -> None:
+    with warnings.catch_warnings():  # DCP's note that it runs without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+
+
+def _weights_only(source: str, target: str) -> None:
+    """`target`: the checkpoint of `source` less its optimizer state, as a conversion from
+    model weights writes it (no parameter groups, schedule or RNG states)."""
+    whole = read_whole_checkpoint(source, target)
+    _save_in_this_process({"model": whole["model"]}, target)
+    common = torch.load(os.path.join(source, "common.pt"), weights_only=False)
+    common.update(param_groups=None, opt_param_scheduler=None, rng_state=[])
+    torch.save(common, os.path.join(target, "common.pt"))
+
+
+def _edit(path: str, text: str | bytes) -> None:
+    with open(path, "wb" if isinstance(text, bytes) else "w") as file:
+        file.write(text)
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(os.path.getsize(path) // 2)
+
+
+def _drop_model_args(path: str) -> None:
+    common = torch.load(path, weights_only=False)
+    common["args"] = {}
+    torch.save(common, path)
+
+
+ITER_3 = "iter_0000003"
+BAD_LOADS = {
+    # id: (edit of a copy of the first half's directory, extra flags, fragments of the error)
+    "hidden-size": (None, ["--hidden-size", "64"], ["--hidden-size 32 (here 64)"]),
+    "num-layers": (None, ["--num-layers", "3"], ["--num-layers 2 (here 3)"]),
+    "tensor-shapes": (
+        lambda root: _drop_model_args(os.path.join(root, ITER_3, "common.pt")),
+        ["--hidden-size", "64"],
+        ["differ in shape", "embedding.word_embeddings.weight: saved [128, 32], model [128, 64]"],
+    ),
+    "schedule": (
+        None,
+        ["--min-lr", "2e-3"],
+        ["learning-rate schedule differs (min_lr: 0.002 here, 0.001 in the checkpoint)"],
+    ),
+    "no-such-directory": (None, ["--load", "{root}/missing"], ["missing: no such directory"]),
+    "tracker-to-missing": (
+        lambda root: _edit(os.path.join(root, TRACKER_FILENAME), "7\n"),
+        [],
+        ["names iteration 7, but", "iter_0000007 does not exist"],
+    ),
+    "ckpt-step-missing": (None, ["--ckpt-step", "5"], ["--ckpt-step 5 names iteration 5"]),
+    "corrupt-tracker": (
+        lambda root: _edit(os.path.join(root, TRACKER_FILENAME), "banana\n"),
+        [],
+        ["holds 'banana', not an iteration number"],
+    ),
+    "no-metadata": (
+        lambda root: os.remove(os.path.join(root, ITER_3, ".metadata")),
+        [],
+        ["iter_0000003 is incomplete (no .metadata)"],
+    ),
+    "no-common": (
+        lambda root: os.remove(os.path.join(root, ITER_3, "common.pt")),
+        [],
+        ["iter_0000003 is incomplete (no common.pt)"],
+    ),
+    "truncated-common": (
+        lambda root: _truncate(os.path.join(root, ITER_3, "common.pt")),
+        [],
+        ["common.pt cannot be read", "damaged"],
+    ),
+    "missing-shard": (
+        lambda root: os.remove(os.path.join(root, ITER_3, "__1_0.distcp")),
+        [],
+        ["iter_0000003 is incomplete: __1_0.distcp is missing"],
+    ),
+    "truncated-shard": (
+        lambda root: _truncate(os.path.join(root, ITER_3, "__0_0.distcp")),
+        [],
+        ["iter_0000003 is incomplete: __0_0.distcp has "],
+    ),
+    "weights-only": (
+        lambda root: (
+            shutil.move(os.path.join(root, ITER_3), os.path.join(root, "adam")),
+            _weights_only(os.path.join(root, "adam"), os.path.join(root, ITER_3)),
+            shutil.rmtree(os.path.join(root, "adam")),
+        ),
+        [],
+        ["holds no optimizer state", "pass --no-load-optim or --finetune"],
+    ),
+    "renamed-iteration": (
+        lambda root: (
+            os.rename(os.path.join(root, ITER_3), os.path.join(root, "iter_0000005")),
+            _edit(os.path.join(root, TRACKER_FILENAME), "5\n"),
+        ),
+        [],
+        ["iter_0000005 holds the checkpoint of iteration 3, not 5"],
+    ),
+    "bf16-ddp-engine-from-fp32-fsdp": (
+        None,
+        ["--bf16"],
+        ["fp32 master weights do not fit", "lacks 28 of them", "--no-load-optim"],
+    ),
+    "other-optimizer": (
+        None,
+        ["--optimizer", "sgd"],
+        ["optimizer is of another kind", "'betas'", "'momentum'", "--no-load-optim"],
+    ),
+}
+
+
+DDP_ENGINE_LOADS = {"bf16-ddp-engine-from-fp32-fsdp"}
+"""Cases that load the ZeRO-3 checkpoint into the DDP engine."""
+
+
+@pytest.mark.parametrize("case", BAD_LOADS)
+def test_bad_load_fails_naming_the_difference_and_leaves_the_directory(
+    case, tmp_path, zero3_first_half
+):
+    edit, extra, fragments = BAD_LOADS[case]
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(zero3_first_half, root)
+    if edit is not None:
+        edit(root)
+    before = _hashes(root)
+    engine = [] if case in DDP_ENGINE_LOADS else ZERO3
+    flags = [*RUN, *engine, "--load", root, *(f.format(root=root) for f in extra)]
+    errors = run_distributed(_main_error, 2, flags)
+    for error in errors:
+        assert error is not None, "loaded a bad checkpoint"
+        kind, message = error
+        assert kind == CheckpointError.__name__, message
+        for fragment in fragments:
+            assert fragment in message, message
+    assert _hashes(root) == before
+
+
+def test_weights_only_checkpoint_loads_with_no_load_optim(tmp_path, zero3_first_half):
+    source = os.path.join(zero3_first_half, ITER_3)
+    root = str(tmp_path / "ckpt")
+    _weights_only(source, os.path.join(root, ITER_3))
+    _edit(os.path.join(root, TRACKER_FILENAME), "3\n")
+    flags = [*RUN, *ZERO3, "--load", root, "--no-load-optim"]
+    history, observed = run_distributed(_main_observing_load, 2, flags)[0]
+    assert observed["iteration"] == 3 and history.start_iteration == 3
+    assert_same(observed["weights"], read_whole_checkpoint(source, str(tmp_path))["model"])
+    # No RNG states in it: the generators keep their seeded states.
+    assert torch.equal(observed["rng_after"], observed["rng_before"])
+    assert observed["optimizer_state"] == 0 and len(history.losses) == 3
+
+
+def test_load_of_the_empty_save_directory_starts_from_scratch(tmp_path, straight_runs):
+    root = str(tmp_path)
+    assert os.listdir(root) == []
+    history = run_distributed(_main, 2, [*RUN, *ZERO3, "--load", root, "--save", root])[0]
+    assert history.start_iteration == 0
+    _assert_histories_equal(history, straight_runs("fsdp_zero3"))
+    assert _read_tracker(root) == "6\n"
+
+
+LOAD_OPTIONS = ["--finetune", "--no-load-optim", "--no-load-rng"]
+
+
+@pytest.mark.parametrize("option", LOAD_OPTIONS)
+def test_load_options(option, tmp_path, straight_runs, zero3_first_half):
+    """--finetune: weights only, iteration 0, fresh optimizer, schedule and data. --no-load-optim:
+    weights, iteration, data position and RNG, fresh optimizer and schedule. --no-load-rng:
+    everything but the RNG states."""
+    straight = straight_runs("fsdp_zero3")
+    path = os.path.join(zero3_first_half, ITER_3)
+    before = _hashes(zero3_first_half)
+    flags = [*RUN, *ZERO3, "--load", zero3_first_half, option]
+    results = run_distributed(_main_observing_load, 2, flags)
+    saved = read_whole_checkpoint(path, str(tmp_path))
+    common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
+    for rank, (history, observed) in enumerate(results):
+        assert_same(observed["weights"], saved["model"], f"rank {rank} weights")
+        saved_rng = common["rng_state"][rank][observed["rng"]]
+        rng_loaded = torch.equal(observed["rng_after"], saved_rng)
+        rng_kept = torch.equal(observed["rng_after"], observed["rng_before"])
+        if option == "--finetune":
+            assert observed["iteration"] == 0 and history.start_iteration == 0
+            assert observed["consumed"] == (0, 0)
+            assert observed["optimizer_state"] == 0 and observed["scheduler_steps"] == 0
+            assert rng_kept and not rng_loaded
+            assert len(history.losses) == 6
+            # A new run from the weights: the schedule starts again, and is the straight one.
+            assert history.learning_rates == straight.learning_rates
+            assert history.losses[0] != straight.losses[0]  # other weights than at the start
+        elif option == "--no-load-optim":
+            assert observed["iteration"] == 3 and history.start_iteration == 3
+            assert observed["consumed"] == (24, 8)
+            assert observed["optimizer_state"] == 0 and observed["scheduler_steps"] == 0
+            assert rng_loaded and not rng_kept
+            # Same weights, samples and dropout masks: the 4th loss is the straight run's; then
+            # the fresh optimizer (and restarted schedule) takes another step.
+            assert history.losses[0] == straight.losses[3]
+            assert history.losses[1] != straight.losses[4]
+        else:
+            assert observed["iteration"] == 3 and observed["consumed"] == (24, 8)
+            assert observed["optimizer_state"] > 0 and observed["scheduler_steps"] == 3
+            assert rng_kept and not rng_loaded
+            # The same weights and samples, other dropout masks.
+            assert history.losses[0] != straight.losses[3]
+            assert history.learning_rates == straight.learning_rates[3:]
+    assert _hashes(zero3_first_half) == before
+
+
+# --- Without processes ---
+
+
+def test_interrupted_replacement_is_restored_by_the_next_save(tmp_path):
+    """A save replacing a committed checkpoint renames it aside, then renames the new one in:
+    killed between the two, the next save puts the old one back instead of deleting it."""
+    root = str(tmp_path)
+    for name, content in [
+        ("iter_0000004.replaced.tmp", "old 4"),  # its replacement never took its place
+        ("iter_0000006.replaced.tmp", "old 6"),  # replaced: iter_0000006 is there
+        ("iter_0000006", "new 6"),
+        ("iter_0000008.tmp", "staging"),
+    ]:
+        os.makedirs(os.path.join(root, name))
+        _edit(os.path.join(root, name, "common.pt"), content)
+    args = argparse.Namespace(load=root, save=None, ckpt_step=4)
+    with pytest.raises(CheckpointError, match="rename .*iter_0000004.replaced.tmp to"):
+        checkpointing._check_complete(os.path.join(root, "iter_0000004"), 4, args)
+    checkpoint_layout.remove_leftovers(root)
+    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006"]
+    with open(os.path.join(root, "iter_0000004", "common.pt")) as file:
+        assert file.read() == "old 4"
+    with open(os.path.join(root, "iter_0000006", "common.pt")) as file:
+        assert file.read() == "new 6"
+
+
+def test_tracker_is_read_strictly(tmp_path):
+    assert checkpoint_layout.read_tracker(str(tmp_path)) is None
+    _edit(os.path.join(tmp_path, TRACKER_FILENAME), " 12\n")
+    assert checkpoint_layout.read_tracker(str(tmp_path)) == 12
+    _edit(os.path.join(tmp_path, TRACKER_FILENAME), "release")
+    with pytest.raises(CheckpointError, match="'release', not an iteration number"):
+        checkpoint_layout.read_tracker(str(tmp_path))
+
+
+def test_saved_tensor_paths_are_read_from_the_metadata(tmp_path):
+    """`_saved_tensors` groups DCP's flattened keys by their top-level entry."""
+    state = {
+        "model": {"a.weight": torch.zeros(2, 3)},
+        "optimizer": {
+            "state": {"a.weight": {"exp_avg": torch.ones(2, 3), "step": torch.tensor(3.0)}}
+        },
+    }
+    _save_in_this_process(state, str(tmp_path))
+    saved = checkpointing._saved_tensors(FileSystemReader(str(tmp_path)).read_metadata())
+    assert saved["model"] == {("a.weight",): (torch.Size([2, 3]), torch.float32)}
+    assert saved["optimizer"] == {
+        ("state", "a.weight", "exp_avg"): (torch.Size([2, 3]), torch.float32),
+        ("state", "a.weight", "step"): (torch.Size([]), torch.float32),
+    }
+
+
+def test_which_checkpoint_the_tracker_names(tmp_path):
+    """`--load` == `--save` without a committed checkpoint (missing, empty, or holding only an
+    interrupted first save) starts from scratch; any other `--load` without a tracker fails."""
+    root = str(tmp_path / "ckpt")
+
+    def tracked(load: str, save: str | None) -> int | None:
+        return checkpointing._tracked_iteration(argparse.Namespace(load=load, save=save))
+
+    assert tracked(root, root) is None  # not created yet
+    os.makedirs(os.path.join(root, "iter_0000002.tmp"))
+    assert tracked(root, root + "/") is None
+    with pytest.raises(CheckpointError, match="no latest_checkpointed_iteration.txt"):
+        tracked(root, None)
+    with pytest.raises(CheckpointError, match="missing: no such directory"):
+        tracked(root + "/missing", None)
+    os.makedirs(os.path.join(root, "iter_0000004"))
+    with pytest.raises(CheckpointError, match="It holds iter_0000004: pass --ckpt-step"):
+        tracked(root, root)
+    _edit(os.path.join(root, TRACKER_FILENAME), "4\n")
+    assert tracked(root, None) == 4
