@@ -37,7 +37,6 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -64,6 +63,7 @@ from megatron.core.distributed.fsdp import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
+from megatron.training.initialize import default_rendezvous
 
 ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single")
 GRAPHABLE = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "single")
@@ -89,7 +89,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--grad-reduce-dtype", choices=("fp32", "bf16"), default="fp32")
     # fused=True works for every engine's optimizer parameters: all are fp32 (main weights),
-    # plain tensors (ddp, single) or DTensors (both FSDPs; DTensor has a fused AdamW rule).
+    # plain tensors (ddp, single, Megatron-FSDP's local shards) or DTensors (FSDP2; DTensor
+    # has a fused AdamW rule).
     # foreach is the fallback should a torch build lack it; one choice applies to all engines.
     parser.add_argument("--adamw", choices=("fused", "foreach"), default="fused")
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -161,12 +162,7 @@ def init_distributed(device_type: str) -> torch.device:
     """Joins torchrun's group, or makes a world of one on a free localhost port."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
-    kwargs = {}
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        kwargs = dict(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    kwargs = default_rendezvous()
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, **kwargs)
@@ -322,7 +318,7 @@ def build_fsdp2(args: argparse.Namespace) -> StepFn:
 
 def build_ddp(args: argparse.Namespace) -> StepFn:
     """bf16 replicated model; fp32 replicated main weights kept by `MainWeightsAdamW` (the DDP
-    engine reduces gradients into `main_grad` but has no mixed-precision optimizer)."""
+    engine reduces gradients into `main_grad`; see that class for why not `MegatronOptimizer`)."""
     config, model = build_gpt(args)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True, grad_reduce_in_fp32=args.grad_reduce_dtype == "fp32"

@@ -76,11 +76,13 @@ from megatron.training.checkpoint_layout import (  # noqa: E402
     atomic_write_text,
     checkpoint_dir,
     commit_checkpoint,
+    committed_iterations,
     make_common,
     read_common,
     read_metadata,
     read_tracker,
     require_complete,
+    saved_entries,
 )
 
 FULL_KEYS = ("model", "optimizer", "common")
@@ -189,14 +191,8 @@ def to_torch(
     else:
         contents = {key: state[key] for key in ("model", "optimizer") if key in state}
         contents["common"] = common
-    temporary = output + STAGING_SUFFIX
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    try:
-        atomic_torch_save(contents, output)  # via `temporary`, renamed when complete
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    atomic_torch_save(contents, output)
     return _summary(output, state)
 
 
@@ -290,7 +286,7 @@ def find_checkpoint(root: str, ckpt_step: int | None) -> str:
             f"--load {root} is a file, not a checkpoint directory; pass the --save directory "
             "of a training run (to convert a torch.save file, use from-torch)."
         )
-    committed = _committed_iterations(root)
+    committed = committed_iterations(root)
     if ckpt_step is None:
         ckpt_step = read_tracker(root)
     if ckpt_step is None:
@@ -322,10 +318,8 @@ def read_checkpoint(path: str, model_only: bool = False) -> dict[str, Any]:
         CheckpointError: the tensors cannot be read (a missing or damaged file).
     """
     metadata = read_metadata(path)  # also checks that every data file is there, long enough
-    nestings = metadata.planner_data or {}
     state: dict[str, Any] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        nesting = nestings.get(key, (key,))  # the nesting DCP flattened into `key`
+    for nesting, item in saved_entries(metadata).items():
         if model_only and nesting[0] != "model":
             continue
         # A whole tensor of the global shape: DCP fills it from every rank's shards. Anything
@@ -513,11 +507,6 @@ def _check_no_replaced_leftover(final: str) -> None:
     raise CheckpointError(
         f"{leftover} is left from an interrupted replacement of {final}: {fix}, then convert again."
     )
-
-
-def _committed_iterations(root: str) -> list[int]:
-    names = (name for name in os.listdir(root) if name.startswith("iter_"))
-    return sorted(int(name[5:]) for name in names if name[5:].isdigit())
 
 
 def _is_checkpoint(path: str) -> bool:

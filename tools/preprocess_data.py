@@ -39,11 +39,9 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
     get_idx_path,
     optimal_dtype,
 )
-from megatron.core.datasets.tokenizers import (  # noqa: E402
-    TOKENIZER_TYPES,
-    MegatronTokenizer,
-    build_tokenizer,
-)
+from megatron.core.datasets.tokenizers import MegatronTokenizer  # noqa: E402
+from megatron.training.arguments import add_tokenizer_args  # noqa: E402
+from megatron.training.global_vars import tokenizer_from_args  # noqa: E402
 
 LEVEL = "document"
 """The `{prefix}_{key}_{level}` suffix: whole documents (Megatron-LM's name without sentence
@@ -70,23 +68,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["text"],
         help="keys of the text to tokenize; one dataset per key (default: text).",
     )
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument(
-        "--tokenizer-type",
-        choices=TOKENIZER_TYPES,
-        required=True,
-        help="the tokenizer (training must name the same one).",
-    )
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json.")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt.")
-    group.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="SentencePieceTokenizer: the .model file; HuggingFaceTokenizer: a local directory.",
-    )
-    group.add_argument(
-        "--vocab-size", type=int, default=None, help="NullTokenizer: ids the text uses."
-    )
+    group = add_tokenizer_args(parser)
     group.add_argument(
         "--append-eod", action="store_true", help="end each document with the EOD id."
     )
@@ -102,6 +84,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-interval", type=int, default=1000, help="print progress every N documents."
     )
     args = parser.parse_args(argv)
+    if args.tokenizer_type is None:
+        parser.error("--tokenizer-type is required: the tokenizer training will name too.")
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers} must be >= 1.")
     if args.log_interval < 1:
@@ -117,15 +101,6 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 def output_prefix(args: argparse.Namespace, key: str) -> str:
     """The path prefix of the dataset written for json key `key`."""
     return f"{args.output_prefix}_{key}_{LEVEL}"
-
-
-def _tokenizer_options(args: argparse.Namespace) -> dict:
-    return {
-        "vocab_file": args.vocab_file,
-        "merge_file": args.merge_file,
-        "tokenizer_model": args.tokenizer_model,
-        "vocab_size": args.vocab_size,
-    }
 
 
 class Encoder:
@@ -189,7 +164,7 @@ argument of each task, so tasks carry only their lines)."""
 def _init_worker(args: argparse.Namespace, dtype: type[numpy.number]) -> None:
     """`Pool` initializer: builds the worker's tokenizer once."""
     global _worker_encoder
-    tokenizer = build_tokenizer(args.tokenizer_type, **_tokenizer_options(args))
+    tokenizer = tokenizer_from_args(args)
     _worker_encoder = Encoder(args, tokenizer, dtype)
 
 
@@ -225,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             string, or text the tokenizer rejects (the message names the line).
     """
     args = get_args(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, **_tokenizer_options(args))
+    tokenizer = tokenizer_from_args(args)
     if args.append_eod:
         try:
             tokenizer.eod  # noqa: B018 (checked now, rather than in a worker mid-corpus)

@@ -1,4 +1,4 @@
-"""Training utilities: arguments, initialisation, the pretrain loop (checkpointing: planned).
+"""Training utilities: arguments, initialisation, the pretrain loop, checkpointing.
 
 from megatron.training import get_args, pretrain, print_rank_0
 """

@@ -30,6 +30,12 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.core.models.common.embeddings.language_model_embedding import (
     POSITION_EMBEDDING_TYPES,
 )
+from megatron.core.optimizer.optimizer_config import OPTIMIZERS
+from megatron.core.optimizer_param_scheduler import (
+    LR_DECAY_STYLES,
+    LR_WSD_DECAY_STYLES,
+    WD_INCR_STYLES,
+)
 from megatron.core.transformer.transformer_config import NORMALIZATIONS
 from megatron.training.arguments_validation import (
     CKPT_FORMATS,
@@ -37,6 +43,7 @@ from megatron.training.arguments_validation import (
     FSDP_DTYPES,
     core_transformer_config_from_args,
     get_megatron_ddp_config,
+    get_megatron_optimizer_config,
     get_parallel_state_kwargs,
     validate_args,
 )
@@ -47,6 +54,7 @@ __all__ = [
     "add_megatron_arguments",
     "core_transformer_config_from_args",
     "get_megatron_ddp_config",
+    "get_megatron_optimizer_config",
     "get_parallel_state_kwargs",
     "parse_args",
     "validate_args",
@@ -94,7 +102,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         _add_distributed_args,
         _add_validation_args,
         _add_data_args,
-        _add_tokenizer_args,
+        add_tokenizer_args,
         _add_logging_args,
     ):
         add_group(parser)
@@ -177,7 +185,7 @@ def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--weight-decay-incr-style",
         default="constant",
-        choices=("constant", "linear", "cosine"),
+        choices=WD_INCR_STYLES,
         help="From --start- to --end-weight-decay.",
     )
     group.add_argument("--clip-grad", type=float, default=1.0, help="Max global grad norm.")
@@ -200,9 +208,7 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--recompute-method", choices=("uniform", "block"), help="Only uniform.")
     group.add_argument("--recompute-num-layers", type=int, help="Layers per chunk; only 1.")
-    group.add_argument(
-        "--optimizer", default="adam", choices=("adam", "sgd"), help="adam is AdamW."
-    )
+    group.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="adam is AdamW.")
     group.add_argument(
         "--check-for-nan-in-loss-and-grad",
         action=argparse.BooleanOptionalAction,
@@ -225,14 +231,14 @@ def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lr-decay-style",
         default="linear",
-        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+        choices=LR_DECAY_STYLES,
         help="Decay after warmup.",
     )
     group.add_argument("--lr-decay-iters", type=int, help="None: --train-iters.")
     group.add_argument(
         "--lr-wsd-decay-style",
         default="exponential",
-        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+        choices=LR_WSD_DECAY_STYLES,
         help="Decay of the WSD annealing phase.",
     )
     group.add_argument("--lr-wsd-decay-iters", type=int, help="WSD annealing iterations.")
@@ -417,7 +423,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The tokenizer flags, which `tools/preprocess_data.py` shares; returns their group."""
     group = parser.add_argument_group(title="tokenizer")
     group.add_argument(
         "--vocab-size",
@@ -431,6 +438,7 @@ def _add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-model",
         help="SentencePiece .model file, or local HuggingFace tokenizer directory.",
     )
+    return group
 
 
 def _add_logging_args(parser: argparse.ArgumentParser) -> None:

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron.core.datasets.dataset_builder import parse_data_path
+from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
-from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
@@ -95,6 +95,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _validate_parallelism(args)
     _validate_model(args)
     _validate_batch_and_optimizer(args)
+    _optimizer_config_from_flags(args)
     _validate_data(args)
     _validate_logging_and_checkpointing(args)
     # The transformer config checks its own fields too; building it here turns any remaining error
@@ -404,6 +405,20 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
         )
 
 
+def _optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
+    """`get_megatron_optimizer_config(args)`; its `ValueError` re-raised naming the flags."""
+    try:
+        return get_megatron_optimizer_config(args)
+    except ValueError as error:
+        dests = {"weight_decay": "start_weight_decay"}  # the field the other flags feed
+
+        def spell(match: re.Match) -> str:
+            return _given(dests.get(match[1], match[1]), match[2])
+
+        message = re.sub(r"OptimizerConfig\.(\w+)=(\S+?)(?=[ ,;:)]|$)", spell, str(error))
+        raise ValueError(message) from error
+
+
 def _validate_data(args: argparse.Namespace) -> None:
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path are both set; choose one.")
@@ -432,16 +447,10 @@ def _validate_data_path(args: argparse.Namespace) -> None:
             "(its vocabulary sizes the model), e.g. --tokenizer-type ByteLevelTokenizer."
         )
     try:
-        prefixes, _ = parse_data_path(args.data_path)
+        check_blend(parse_data_path(args.data_path))
         parse_and_normalize_split(args.split)
     except ValueError as error:
         raise ValueError(f"--data-path / --split: {error}") from None
-    for prefix in prefixes:
-        if not IndexedDataset.exists(prefix):
-            raise ValueError(
-                f"--data-path {prefix}: no {get_bin_path(prefix)} and {get_idx_path(prefix)}; "
-                "pass the prefix tools/preprocess_data.py wrote (without .bin/.idx)."
-            )
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
 
@@ -587,6 +596,21 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         megatron_fsdp_main_params_dtype=FSDP_DTYPES[args.megatron_fsdp_main_params_dtype],
         megatron_fsdp_main_grads_dtype=FSDP_DTYPES[args.megatron_fsdp_main_grads_dtype],
         megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],
+    )
+
+
+def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """The `OptimizerConfig` the flags describe (weight decay: the schedule's start value)."""
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.start_weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
     )
 
 

@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from megatron.core.utils import fsync_directory, write_atomically
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -87,6 +93,28 @@ def require_complete(path: str, fix: str) -> None:
 def checkpoint_dir(root: str, iteration: int) -> str:
     """The directory of the checkpoint of `iteration` under `root`."""
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def committed_iterations(root: str) -> list[int]:
+    """The iterations of the complete-by-name checkpoint directories under `root` (none when
+    `root` does not exist), ascending; leftovers of interrupted saves are not among them."""
+    if not os.path.isdir(root):
+        return []
+    names = (name for name in os.listdir(root) if name.startswith("iter_"))
+    return sorted(int(name[5:]) for name in names if name[5:].isdigit())
+
+
+SavedEntry = TensorStorageMetadata | BytesStorageMetadata
+"""What DCP's metadata records of one saved entry: a tensor's shape and dtype, or bytes."""
+
+
+def saved_entries(metadata: Metadata) -> dict[tuple[str, ...], SavedEntry]:
+    """Each saved entry's path in the nested state dict DCP flattened (e.g. `("model",
+    "decoder.final_layernorm.weight")`) -> its storage metadata (tensor or bytes)."""
+    nestings = metadata.planner_data or {}
+    return {
+        tuple(nestings.get(key, (key,))): item for key, item in metadata.state_dict_metadata.items()
+    }
 
 
 def read_tracker(root: str) -> int | None:
@@ -175,7 +203,7 @@ def remove_leftovers(root: str) -> None:
             original = leftover[: -len(REPLACED_SUFFIX)]
             if not os.path.exists(original):
                 os.rename(leftover, original)
-                _fsync_directory(root)
+                fsync_directory(root)
                 continue
         shutil.rmtree(leftover)
 
@@ -187,40 +215,19 @@ def commit_checkpoint(staging: str, final: str) -> None:
     if os.path.exists(final):
         os.rename(final, replaced)
     os.rename(staging, final)
-    _fsync_directory(os.path.dirname(final))
+    fsync_directory(os.path.dirname(final))
     if os.path.exists(replaced):
         shutil.rmtree(replaced)
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    """`torch.save(obj)` to `path` through a temporary file, fsynced and renamed: `path` is
-    the old file or the whole new one, never part of it."""
-    temporary = path + STAGING_SUFFIX
-    with open(temporary, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    """`torch.save(obj)` to `path` atomically and durably (`write_atomically`)."""
+    write_atomically(path, lambda stream: torch.save(obj, stream), durable=True)
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Writes `text` to `path` as `atomic_torch_save` does, and makes the rename durable."""
-    temporary = path + STAGING_SUFFIX
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(os.path.dirname(path))
-
-
-def _fsync_directory(path: str) -> None:
-    """Makes renames inside `path` durable (a crash right after must not undo them)."""
-    descriptor = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    """Writes `text` to `path` atomically and durably (`write_atomically`)."""
+    write_atomically(path, lambda stream: stream.write(text.encode()), durable=True)
 
 
 def directory_bytes(path: str) -> int:

@@ -23,7 +23,6 @@ tensor, naming what differs.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import random
 import time
@@ -50,6 +49,7 @@ from megatron.training.checkpoint_layout import (
     atomic_write_text,
     checkpoint_dir,
     commit_checkpoint,
+    committed_iterations,
     directory_bytes,
     make_common,
     read_common,
@@ -57,6 +57,7 @@ from megatron.training.checkpoint_layout import (
     read_tracker,
     remove_leftovers,
     require_complete,
+    saved_entries,
 )
 from megatron.training.utils import print_rank_0
 
@@ -258,18 +259,14 @@ def _tracked_iteration(args: argparse.Namespace) -> int | None:
     if iteration is not None:
         return iteration
     fresh = args.save is not None and os.path.abspath(root) == os.path.abspath(args.save)
-    committed = sorted(glob.glob(os.path.join(root, "iter_[0-9]*[0-9]")))
+    committed = committed_iterations(root)
     if fresh and not committed:
         return None
     if not os.path.isdir(root):
         raise CheckpointError(
             f"--load {root}: no such directory. Pass the --save directory of an earlier run."
         )
-    hint = (
-        f" It holds {os.path.basename(committed[-1])}: pass --ckpt-step to load one."
-        if committed
-        else ""
-    )
+    hint = f" It holds iterations {committed}: pass --ckpt-step to load one." if committed else ""
     raise CheckpointError(f"--load {root} holds no {TRACKER_FILENAME}, so no checkpoint.{hint}")
 
 
@@ -318,11 +315,9 @@ def _saved_tensors(metadata: Metadata) -> dict[str, dict[tuple[str, ...], tuple]
     """Each saved tensor's path below its top-level entry ("model", "optimizer") -> (global
     shape, dtype), grouped by that entry."""
     saved: dict[str, dict[tuple[str, ...], tuple]] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if not isinstance(item, TensorStorageMetadata):
-            continue
-        path = metadata.planner_data[key]  # the state dict's nesting DCP flattened
-        saved.setdefault(path[0], {})[tuple(path[1:])] = (item.size, item.properties.dtype)
+    for path, item in saved_entries(metadata).items():
+        if isinstance(item, TensorStorageMetadata):
+            saved.setdefault(path[0], {})[path[1:]] = (item.size, item.properties.dtype)
     return saved
 
 

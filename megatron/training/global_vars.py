@@ -60,15 +60,24 @@ def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizer | None:
     _GLOBAL_TOKENIZER = None
     if args.tokenizer_type is None:
         return None
-    _GLOBAL_TOKENIZER = build_core_tokenizer(
+    _GLOBAL_TOKENIZER = tokenizer_from_args(args)
+    args.padded_vocab_size = vocab_size_with_padding(_GLOBAL_TOKENIZER.vocab_size, args)
+    return _GLOBAL_TOKENIZER
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
+    """The tokenizer the tokenizer flags (`add_tokenizer_args`) name; no global state.
+
+    Raises:
+        ValueError, FileNotFoundError: as `megatron.core.datasets.tokenizers.build_tokenizer`.
+    """
+    return build_core_tokenizer(
         args.tokenizer_type,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
     )
-    args.padded_vocab_size = vocab_size_with_padding(_GLOBAL_TOKENIZER.vocab_size, args)
-    return _GLOBAL_TOKENIZER
 
 
 def unset_tokenizer() -> None:

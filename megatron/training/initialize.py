@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -135,7 +136,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
             )
         return
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    rendezvous = _rendezvous()
+    rendezvous = default_rendezvous()
     if args.distributed_backend == "gloo":
         dist.init_process_group("gloo", timeout=timeout, **rendezvous)
         return
@@ -152,7 +153,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl", timeout=timeout, device_id=device, **rendezvous)
 
 
-def _rendezvous() -> dict[str, Any]:
+def default_rendezvous() -> dict[str, Any]:
     """torchrun's environment (the default), or a world of one on a free local port."""
     if "WORLD_SIZE" in os.environ:
         return {}
@@ -167,10 +168,6 @@ def _set_random_seed(seed: int) -> None:
     from which Megatron-FSDP materialises each rank's shards."""
     random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
-    try:
-        import numpy
-    except ImportError:  # not a dependency; nothing to seed without it
-        return
     numpy.random.seed(seed)
 
 

@@ -55,10 +55,10 @@ from megatron.core.distributed import (
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.fsdp import microbatch
 from megatron.core.enums import ModelType
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.training.arguments import get_megatron_ddp_config
+from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
 from megatron.training.training_log import TrainingLog
@@ -250,21 +250,6 @@ def get_model(
         f"data-parallel size {args.data_parallel_size}"
     )
     return model
-
-
-def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """The `OptimizerConfig` the flags describe (weight decay: the schedule's start value)."""
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.start_weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-    )
 
 
 def get_optimizer_param_scheduler(

@@ -95,9 +95,14 @@ def _check_weights(weights: Sequence[float], prefixes: Sequence[str]) -> None:
         raise ValueError(f"The blend weights {list(weights)} are all 0; give one a weight > 0.")
 
 
-def _checked_blend(blend: Blend) -> Blend:
+def check_blend(blend: Blend) -> Blend:
     """The blend's prefixes (checked to exist) and weights (checked; None for one prefix),
-    without the prefixes of weight 0."""
+    without the prefixes of weight 0.
+
+    Raises:
+        ValueError: no prefix, weights that do not fit the prefixes, or a prefix whose files
+            do not exist (the message names them).
+    """
     prefixes, weights = list(blend[0]), blend[1]
     if not prefixes:
         raise ValueError("The blend names no dataset prefix; give --data-path.")
@@ -217,20 +222,13 @@ def build_gpt_datasets(
     sizes = list(train_val_test_num_samples)
     if len(sizes) != len(SPLIT_NAMES) or any(int(size) != size or size < 0 for size in sizes):
         raise ValueError(f"train_val_test_num_samples={sizes} must be three sample counts >= 0.")
-    if data_path is not None:
-        if config.blend is not None or config.blend_per_split is not None:
-            raise ValueError(
-                "The data is given twice: data_path and the config's blend / blend_per_split."
-            )
-        return tuple(
-            _build_blend_splits(
-                _checked_blend(parse_data_path(data_path)), config.split_vector, sizes, config
-            )
+    if data_path is not None and (config.blend is not None or config.blend_per_split is not None):
+        raise ValueError(
+            "The data is given twice: data_path and the config's blend / blend_per_split."
         )
-    if config.blend is not None:
-        return tuple(
-            _build_blend_splits(_checked_blend(config.blend), config.split_vector, sizes, config)
-        )
+    blend = parse_data_path(data_path) if data_path is not None else config.blend
+    if blend is not None:
+        return tuple(_build_blend_splits(check_blend(blend), config.split_vector, sizes, config))
     if config.blend_per_split is None:
         raise ValueError(
             "No data: give data_path (--data-path) or the config's blend / blend_per_split."
@@ -245,6 +243,6 @@ def build_gpt_datasets(
         only_this[number] = 1.0
         only_these_samples = [0] * len(SPLIT_NAMES)
         only_these_samples[number] = sizes[number]
-        splits = _build_blend_splits(_checked_blend(blend), only_this, only_these_samples, config)
+        splits = _build_blend_splits(check_blend(blend), only_this, only_these_samples, config)
         datasets.append(splits[number])
     return tuple(datasets)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 from collections.abc import Callable, Sequence
 
 import numpy
 import torch
+
+from megatron.core.utils import write_atomically
 
 
 def description_hash(description: str) -> str:
@@ -75,8 +76,8 @@ def load_or_build(
         try:
             os.makedirs(cache_dir, exist_ok=True)
             for name, path in paths.items():
-                _write_atomically(path, lambda stream, a=arrays[name]: numpy.save(stream, a))
-            _write_atomically(description_path, lambda stream: stream.write(description.encode()))
+                write_atomically(path, lambda stream, a=arrays[name]: numpy.save(stream, a))
+            write_atomically(description_path, lambda stream: stream.write(description.encode()))
         except OSError as error:
             raise OSError(
                 f"Cannot write the dataset index cache in {cache_dir} ({error}); set "
@@ -99,15 +100,3 @@ def load_or_build(
     if cached():
         return {name: numpy.load(path, mmap_mode="r") for name, path in paths.items()}, False
     return build_and_save(), True
-
-
-def _write_atomically(path: str, write: Callable) -> None:
-    """`write(stream)` to a temporary file beside `path`, then rename it to `path`."""
-    temp_path = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(temp_path, "wb") as stream:
-            write(stream)
-        os.replace(temp_path, path)
-    finally:
-        if os.path.exists(temp_path):
-            os.remove(temp_path)

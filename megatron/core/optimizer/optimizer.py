@@ -46,7 +46,7 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
-_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 """Parameter-group entries that say how this process steps, not what: kept on loading."""
 
 SavedTensor = tuple[torch.Size, torch.dtype]
@@ -86,15 +86,13 @@ class MegatronOptimizer:
                         main = param.detach().clone().float()
                         group["params"][index] = main
                     self._main_params[param] = main
+        # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
+        self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The torch optimizer's parameter groups (a scheduler sets `lr`, `weight_decay`)."""
         return self.optimizer.param_groups
-
-    def _masters(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """(model parameter, its fp32 master copy) for each parameter that has one."""
-        return [(param, main) for param, main in self._main_params.items() if main is not param]
 
     def get_main_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps with, one per parameter that has one.
@@ -154,7 +152,7 @@ class MegatronOptimizer:
             if self.config.clip_grad > 0.0:
                 clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
             self.optimizer.step()
-            masters = self._masters()
+            masters = self._masters
             if masters:
                 torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
         finally:
@@ -170,7 +168,7 @@ class MegatronOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         # The torch optimizer steps other tensors (fp32 masters, Megatron-FSDP's local shards)
         # and does not see the model's `.grad`s: clear those too, as `zero_grad()` promises.
-        if self._is_fsdp or self._masters():
+        if self._is_fsdp or self._masters:
             for param in self.model.parameters():
                 if set_to_none:
                     param.grad = None
@@ -184,7 +182,7 @@ class MegatronOptimizer:
         key), in the order of the optimizer's parameters. They are the weights training goes on
         from: the model's bf16 parameters are only their rounded copies."""
         state_dict = self.optimizer.state_dict()
-        masters = self._masters()
+        masters = self._masters
         if masters:
             state_dict["fp32_from_fp16_params"] = [main for _, main in masters]
         return state_dict
@@ -194,7 +192,7 @@ class MegatronOptimizer:
         weights were loaded into the model without this optimizer's state. Megatron-FSDP's
         main weights are the model's parameters: nothing to copy."""
         with torch.no_grad():
-            for param, main in self._masters():
+            for param, main in self._masters:
                 main.copy_(param)
 
     def _parameter_names(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
@@ -247,7 +245,7 @@ class MegatronOptimizer:
             }
             for group in self.optimizer.param_groups
         ]
-        masters = {names[id(main)][0]: main for _, main in self._masters()}
+        masters = {names[id(main)][0]: main for _, main in self._masters}
         return {"state": state, "fp32_from_fp16_params": masters, "param_groups": param_groups}
 
     def sharded_state_dict_for_loading(
@@ -269,7 +267,7 @@ class MegatronOptimizer:
         names = self._parameter_names()
         params = dict(names.values())
         held = {names[id(tensor)][0]: tensor for tensor in self._held()}
-        masters = {names[id(main)][0]: main for _, main in self._masters()}
+        masters = {names[id(main)][0]: main for _, main in self._masters}
         state: dict[str, dict[str, torch.Tensor]] = {}
         loaded_masters = {}
         unknown, foreign_masters = [], []
@@ -366,7 +364,7 @@ class MegatronOptimizer:
                     f"parameters (in one of them only: {differ[:3]}). Load it into the model "
                     "it was saved from, or pass --no-load-optim."
                 )
-            ignored = {"params", *_IMPLEMENTATION_KEYS}
+            ignored = {"params", *IMPLEMENTATION_KEYS}
             saved_keys = saved_groups[i].keys() - ignored
             own_keys = group.keys() - ignored
             if saved_keys - own_keys and own_keys - saved_keys:
@@ -402,7 +400,7 @@ class MegatronOptimizer:
         """
         state_dict = dict(state_dict)
         saved = state_dict.pop("fp32_from_fp16_params", [])
-        masters = [main for _, main in self._masters()]
+        masters = [main for _, main in self._masters]
         if len(saved) != len(masters):
             raise ValueError(
                 f"The state dict holds {len(saved)} fp32 master weights, this optimizer "

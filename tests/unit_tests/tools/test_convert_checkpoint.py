@@ -324,16 +324,6 @@ def test_bare_state_dict_needs_finetune_or_no_load_optim(bare_checkpoint):
     assert result["start_iteration"] == 0 and len(result["losses"]) == 3
 
 
-def test_bare_state_dict_loads_with_no_load_optim_and_its_rng_states(bare_checkpoint):
-    """A weights-only checkpoint has no RNG states: loading keeps the seeded ones."""
-    result = pretrain(
-        *ZERO3, "--train-iters", "1", "--load", bare_checkpoint["save"],
-        "--no-load-optim",
-    )  # fmt: skip
-    assert result["error"] is None, result["error"]
-    assert result["start_iteration"] == 0 and len(result["losses"]) == 1
-
-
 def test_from_torch_iteration_and_force(zero3_run, tmp_path, capsys):
     source = tmp_path / "full.pt"
     convert("to-torch", "--load", zero3_run["save"], "--output", source)

@@ -232,6 +232,14 @@ def test_flag_errors(tmp_path):
         run(tmp_path, "--split-sentences")
 
 
+def test_tokenizer_type_is_required(tmp_path, capsys):
+    argv = ["--input", str(write_jsonl(tmp_path / "input.jsonl", DOCUMENTS))]
+    with pytest.raises(SystemExit):
+        preprocess_data.main([*argv, "--output-prefix", str(tmp_path / "out")])
+    assert "--tokenizer-type is required" in capsys.readouterr().err
+    assert not (tmp_path / "out_text_document.bin").exists()
+
+
 def test_append_eod_needs_an_eod_token(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")

@@ -409,6 +409,11 @@ BAD = [
     ("--lr-warmup-init 0.1", "--lr-warmup-init 0.1 must be in"),
     ("--lr-decay-style WSD --lr-wsd-decay-iters 11", "--lr-decay-style WSD needs"),
     ("--lr-decay-iters 0", "--lr-decay-iters must be >= 1"),
+    # OptimizerConfig's own checks, at validation and spelled as flags.
+    ("--adam-beta1 1.5", r"--adam-beta1 1.5 must be in \[0, 1\)"),
+    ("--adam-eps 0", "--adam-eps 0.0 must be > 0"),
+    ("--clip-grad -1", "--clip-grad -1.0 must be >= 0"),
+    ("--optimizer sgd --sgd-momentum -1", "--sgd-momentum -1.0 must be >= 0"),
     (
         "--weight-decay-incr-style linear --start-weight-decay 0.2 --end-weight-decay 0.1",
         r"--start-weight-decay \(0.2\) <= --end-weight-decay \(0.1\)",
@@ -574,7 +579,10 @@ BYTES = ("--tokenizer-type", "ByteLevelTokenizer")
     [
         ((), "No training data: pass --data-path PREFIX"),
         (("--data-path", "{corpus}"), "--data-path needs --tokenizer-type"),
-        (("--data-path", "{corpus}x", *BYTES), "--data-path .*corpus_text_documentx: no .*.bin"),
+        (
+            ("--data-path", "{corpus}x", *BYTES),
+            "--data-path / --split: Dataset prefix .*corpus_text_documentx.* names no indexed",
+        ),
         (("--data-path", "0.5", "{corpus}", "0.5", *BYTES), "--data-path / --split: "),
         (("--data-path", "{corpus}", "--split", "9,x", *BYTES), "--data-path / --split: .*'x'"),
         (("--data-path", "{corpus}", "--seed", "-1", *BYTES), r"--seed -1 must be in \[0, 2\*\*32"),

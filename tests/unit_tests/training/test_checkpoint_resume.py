@@ -586,7 +586,7 @@ def test_which_checkpoint_the_tracker_names(tmp_path):
     with pytest.raises(CheckpointError, match="missing: no such directory"):
         tracked(root + "/missing", None)
     os.makedirs(os.path.join(root, "iter_0000004"))
-    with pytest.raises(CheckpointError, match="It holds iter_0000004: pass --ckpt-step"):
+    with pytest.raises(CheckpointError, match=r"It holds iterations \[4\]: pass --ckpt-step"):
         tracked(root, root)
     _edit(os.path.join(root, TRACKER_FILENAME), "4\n")
     assert tracked(root, None) == 4

@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import IMPLEMENTATION_KEYS
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.checkpointing import (
     CheckpointError,
     load_checkpoint,
@@ -56,7 +55,6 @@ embedding is empty, at 2 ranks the shards are uneven."""
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 2
 LR = 1e-2
-IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 """How a process steps, not what: may differ between the saving and the loading optimizer."""
 
 
@@ -86,17 +84,8 @@ def _build(
     )
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
-    if replicas == 1:
-        wrapped = wrap_for_engine(model, engine)
-    else:
-        ddp_config = DistributedDataParallelConfig(
-            use_megatron_fsdp=True,
-            data_parallel_sharding_strategy=engine,
-            outer_dp_sharding_strategy=outer,
-            num_distributed_optimizer_instances=replicas,
-        )
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        wrapped = FullyShardedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
+    hybrid = dict(outer_dp_sharding_strategy=outer, num_distributed_optimizer_instances=replicas)
+    wrapped = wrap_for_engine(model, engine, **(hybrid if replicas > 1 else {}))
     config = OptimizerConfig(optimizer=optimizer, lr=LR, sgd_momentum=momentum, clip_grad=1.0)
     megatron_optimizer = get_megatron_optimizer(config, wrapped)
     scheduler = OptimizerParamScheduler(

@@ -11,29 +11,21 @@ catch that, and no caller mistakes a missing id for a real one.
 
 from __future__ import annotations
 
-import json
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
 
 
 class MegatronTokenizer(ABC):
     """Text to token ids and back.
 
     Args:
-        *tokenizer_paths: the files or directories the tokenizer was built from.
-        **tokenizer_options: options that change its output (together with the paths, what
-            `unique_identifiers` records, so cached datasets can tell tokenizers apart).
+        vocab: token text -> id, complete once the subclass's constructor returns; None for a
+            tokenizer whose ids have no texts (`vocab` and `inv_vocab` then raise).
     """
 
-    def __init__(self, *tokenizer_paths: str | None, **tokenizer_options: Any):
-        self.unique_identifiers: dict[str, Any] = {
-            "class": type(self).__name__,
-            "tokenizer_path": [str(path) for path in tokenizer_paths if path is not None],
-        }
-        for option, value in tokenizer_options.items():
-            self.unique_identifiers[option] = str(value)
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+    def __init__(self, vocab: dict[str, int] | None):
+        self._vocab = vocab
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -44,19 +36,29 @@ class MegatronTokenizer(ABC):
         """The text of token ids (`ids` may be a list or a 1-D integer array)."""
 
     @property
-    @abstractmethod
     def vocab_size(self) -> int:
         """Number of ids: every id the tokenizer produces is in [0, vocab_size)."""
+        return len(self.vocab)
 
     @property
-    @abstractmethod
     def vocab(self) -> dict[str, int]:
-        """Token text to id."""
+        """Token text to id.
 
-    @property
-    @abstractmethod
+        Raises:
+            NotImplementedError: the ids have no texts.
+        """
+        if self._vocab is None:
+            raise self._missing("vocab")
+        return self._vocab
+
+    @functools.cached_property
     def inv_vocab(self) -> dict[int, str]:
-        """Id to token text."""
+        """Id to token text (built on first use).
+
+        Raises:
+            NotImplementedError: the ids have no texts.
+        """
+        return {index: token for token, index in self.vocab.items()}
 
     @property
     @abstractmethod

@@ -22,15 +22,15 @@ class ByteLevelTokenizer(MegatronTokenizer):
 
     `detokenize()` drops special ids and decodes the bytes with `errors="replace"`, so a
     sequence cut inside a multi-byte character decodes to U+FFFD rather than raising. An id
-    outside the vocabulary is a `ValueError`.
+    outside the vocabulary is a `ValueError`. The vocabulary's texts are `<0x00>`..`<0xFF>`
+    (SentencePiece's names for byte tokens) and the special tokens.
     """
 
     def __init__(self):
-        super().__init__()
-        self._vocab = {_byte_token(byte): byte for byte in range(NUM_BYTES)}
+        vocab = {_byte_token(byte): byte for byte in range(NUM_BYTES)}
         for offset, token in enumerate(SPECIAL_TOKENS):
-            self._vocab[token] = NUM_BYTES + offset
-        self._inv_vocab = {index: token for token, index in self._vocab.items()}
+            vocab[token] = NUM_BYTES + offset
+        super().__init__(vocab)
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -45,19 +45,6 @@ class ByteLevelTokenizer(MegatronTokenizer):
                     f"ByteLevelTokenizer: id {index} is not in [0, {self.vocab_size})."
                 )
         return data.decode("utf-8", errors="replace")
-
-    @property
-    def vocab_size(self) -> int:
-        return NUM_BYTES + len(SPECIAL_TOKENS)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        """`<0x00>`..`<0xFF>` (SentencePiece's names for byte tokens) and the special tokens."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     @property
     def pad(self) -> int:

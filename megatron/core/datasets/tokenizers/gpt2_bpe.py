@@ -61,7 +61,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
     """
 
     def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike):
-        super().__init__(str(vocab_file), str(merge_file))
         try:
             import regex
         except ImportError as error:
@@ -69,15 +68,14 @@ class GPT2BPETokenizer(MegatronTokenizer):
                 "GPT2BPETokenizer needs the `regex` package: pip install regex"
             ) from error
         self._pattern = regex.compile(GPT2_PATTERN)
-        self._encoder = _load_vocab(vocab_file)
-        self._decoder = {index: token for token, index in self._encoder.items()}
+        super().__init__(_load_vocab(vocab_file))
         self._ranks = _load_merges(merge_file)
-        if EOD_TOKEN not in self._encoder:
+        if EOD_TOKEN not in self._vocab:
             raise ValueError(
                 f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} token, which GPT2BPETokenizer "
                 "uses as its end-of-document id; add it to the vocabulary."
             )
-        self._eod_id = self._encoder[EOD_TOKEN]
+        self._eod_id = self._vocab[EOD_TOKEN]
         self._byte_encoder = bytes_to_unicode()
         self._byte_decoder = {char: byte for byte, char in self._byte_encoder.items()}
         self._cache: dict[str, tuple[str, ...]] = {}
@@ -88,7 +86,7 @@ class GPT2BPETokenizer(MegatronTokenizer):
             mapped = "".join(self._byte_encoder[byte] for byte in word.encode("utf-8"))
             for token in self._bpe(mapped):
                 try:
-                    ids.append(self._encoder[token])
+                    ids.append(self._vocab[token])
                 except KeyError:
                     raise ValueError(
                         f"GPT2BPETokenizer: the merges make {token!r}, which --vocab-file does "
@@ -97,8 +95,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
         return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        decoder = self.inv_vocab
         try:
-            text = "".join(self._decoder[int(index)] for index in ids)
+            text = "".join(decoder[int(index)] for index in ids)
         except KeyError as error:
             raise ValueError(
                 f"GPT2BPETokenizer: id {error.args[0]} is not in the vocabulary."
@@ -132,18 +131,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
             self._cache.clear()
         self._cache[word] = parts
         return parts
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._encoder)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._encoder
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._decoder
 
     @property
     def eod(self) -> int:

@@ -32,7 +32,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     """
 
     def __init__(self, name_or_path: str | os.PathLike):
-        super().__init__(str(name_or_path))
         try:
             import transformers
         except ImportError as error:
@@ -56,8 +55,7 @@ class HuggingFaceTokenizer(MegatronTokenizer):
                 "HuggingFace tokenizer; it must hold tokenizer files as written by a "
                 f"tokenizer's save_pretrained(directory) ({error})"
             ) from error
-        self._vocab = self._tokenizer.get_vocab()
-        self._inv_vocab = {index: token for token, index in self._vocab.items()}
+        super().__init__(self._tokenizer.get_vocab())
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text).input_ids)
@@ -69,14 +67,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def vocab_size(self) -> int:
         """All ids, added tokens included (`len(tokenizer)`, not the base vocabulary's size)."""
         return len(self._tokenizer)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     def _special_id(self, name: str) -> int:
         """The id of the tokenizer's `{name}_token`, or Megatron's error where it has none."""

@@ -35,7 +35,7 @@ class NullTokenizer(MegatronTokenizer):
             raise ValueError(
                 f"NullTokenizer: --vocab-size must be a positive integer, got {vocab_size!r}."
             )
-        super().__init__(None, vocab_size=size)
+        super().__init__(None)  # the ids have no texts: vocab and inv_vocab raise
         self._eod_id = size
 
     def tokenize(self, text: str) -> list[int]:
@@ -62,16 +62,6 @@ class NullTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return self._eod_id + 1
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        """Raises `NotImplementedError`: the ids have no token texts (as in Megatron-LM)."""
-        raise self._missing("vocab")
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        """Raises `NotImplementedError`: the ids have no token texts (as in Megatron-LM)."""
-        raise self._missing("inv_vocab")
 
     @property
     def eod(self) -> int:

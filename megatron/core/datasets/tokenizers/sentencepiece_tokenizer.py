@@ -34,7 +34,6 @@ class SentencePieceTokenizer(MegatronTokenizer):
     """
 
     def __init__(self, model_file: str | os.PathLike):
-        super().__init__(str(model_file))
         if not os.path.isfile(model_file):
             raise FileNotFoundError(
                 f"--tokenizer-model {model_file}: no such file; give a SentencePiece .model file."
@@ -52,10 +51,9 @@ class SentencePieceTokenizer(MegatronTokenizer):
             raise ValueError(
                 f"--tokenizer-model {model_file} is not a SentencePiece model: {error}"
             ) from error
-        self._vocab = {
-            self._processor.id_to_piece(index): index for index in range(len(self._processor))
-        }
-        self._inv_vocab = {index: piece for piece, index in self._vocab.items()}
+        super().__init__(
+            {self._processor.id_to_piece(index): index for index in range(len(self._processor))}
+        )
         self._special_tokens: dict[str, int] = {}
         for token in SPECIAL_TOKENS:
             self._add_special_token(token)
@@ -76,9 +74,7 @@ class SentencePieceTokenizer(MegatronTokenizer):
     def _add_special_token(self, token: str) -> int:
         """Registers a special token, appending it to the vocabulary if the model lacks it."""
         if token not in self._vocab:
-            index = len(self._vocab)
-            self._vocab[token] = index
-            self._inv_vocab[index] = token
+            self._vocab[token] = len(self._vocab)
         self._special_tokens[token] = self._vocab[token]
         return self._vocab[token]
 
@@ -111,18 +107,6 @@ class SentencePieceTokenizer(MegatronTokenizer):
                     f"SentencePieceTokenizer: id {index} is not in [0, {self.vocab_size})."
                 )
         return self._processor.decode_ids(ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return self._inv_vocab
 
     @property
     def cls(self) -> int:

@@ -78,8 +78,7 @@ class Collectives:
             output.copy_(own)
         else:
             _reduce_scatter_single(output, input, op=op, group=group)
-        if op != dist.ReduceOp.AVG and average:
-            output.div_(group.size())
+        _finish_average(output, op, group, average)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool) -> None:
         """Reduces `tensor` over `group` in place."""
@@ -87,8 +86,7 @@ class Collectives:
             return
         op = self._op(group, average, symmetric=False)
         dist.all_reduce(tensor, op=op, group=group)
-        if op != dist.ReduceOp.AVG and average:
-            tensor.div_(group.size())
+        _finish_average(tensor, op, group, average)
 
     def _is_symmetric(self, tensor: torch.Tensor) -> bool:
         return self.symmetric is not None and self.symmetric.owns(tensor)
@@ -103,3 +101,11 @@ class Collectives:
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _finish_average(
+    tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup, average: bool
+) -> None:
+    """Divides a SUM into the average where `op` could not average itself."""
+    if average and op != dist.ReduceOp.AVG:
+        tensor.div_(group.size())

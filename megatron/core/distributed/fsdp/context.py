@@ -35,15 +35,13 @@ from torch.autograd import Variable
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.symmetric_memory import (
+    REDUCE_SCATTER_SLOTS,
     SymmetricStaging,
     check_symm_mem_support,
 )
 
 if TYPE_CHECKING:
     from megatron.core.distributed.fsdp.fsdp_module import FsdpUnit
-
-_MAX_REDUCTIONS_IN_FLIGHT = 2
-"""Packed-gradient buffers a reduce-scatter may still be reading (symmetric memory has two)."""
 
 
 class FsdpContext:
@@ -296,7 +294,7 @@ class FsdpContext:
         for group in unit.groups:
             if not group.requires_grad or (awaiting_only and not group.awaits_grads):
                 continue
-            if stream is not None and len(self._reductions) >= _MAX_REDUCTIONS_IN_FLIGHT:
+            if stream is not None and len(self._reductions) >= REDUCE_SCATTER_SLOTS:
                 # Only the event: a name for the packed buffer would keep it alive while the
                 # next one is packed.
                 event = self._reductions.popleft()[0]

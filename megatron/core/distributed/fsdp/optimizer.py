@@ -5,12 +5,12 @@ The optimizer steps the DTensor main weights that `module.parameters()` returns 
 sharing the DTensors' storage, which step without DTensor dispatch (on a 24-layer 1.3B GPT the
 fused AdamW step then costs the host well under a millisecond instead of ~18 ms). The
 gradients are shards of the reduced gradients. This function checks that the optimizer holds
-exactly such weights and registers two hooks on it through torch's public hook API (nothing of
-the optimizer is replaced): before `step()`, reductions still deferred are run and local
-shards get their `.grad` (views of the gradient buffers, dropped by `zero_grad()` as usual);
-after it, every group is marked stale, so the next forward refreshes the compute weights from
-the new main weights once, and the next backward's gradients replace the consumed ones (whether
-or not `zero_grad()` ran, and however it zeroed).
+exactly such weights; from then on each reduction also gives local shards their `.grad`
+(views of the gradient buffers, dropped by `zero_grad()` as usual). It registers two hooks on
+the optimizer through torch's public hook API (nothing of it is replaced): before `step()`,
+reductions still deferred are run; after it, every group is marked stale, so the next forward
+refreshes the compute weights from the new main weights once, and the next backward's gradients
+replace the consumed ones (whether or not `zero_grad()` ran, and however it zeroed).
 """
 
 from __future__ import annotations
@@ -82,11 +82,14 @@ def fully_shard_optimizer(
     def live_groups() -> list[FsdpParameterGroup]:
         return [group for ref in refs if (group := ref()) is not None]
 
+    if steps_local:
+        # From here every reduction also points the local shards' `.grad` at their gradients.
+        for group in groups:
+            group.attach_local_grads()
+
     def before_step(*unused) -> None:
         for group in live_groups():
             group.finalize_grads()
-            if steps_local:
-                group.attach_local_grads()
 
     def after_step(*unused) -> None:
         for group in live_groups():

@@ -274,13 +274,17 @@ class FsdpParameterGroup:
         else:
             self.unsharded.data.copy_(self.main_weight.data)
 
+    def _staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
+        """A whole (unsharded), uninitialised buffer of `layout` for one collective."""
+        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
+
     def _sync_outer_sharded(self) -> None:
         """HFSDP: gathers this replica's inner shard from the outer shards of the main weights."""
         layout = self.outer_layout
         dtype = self.model_shard.dtype
-        gathered = DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
+        gathered = self._staging(layout, dtype)
         self.comm.all_gather(gathered.full, self.main_weight.data, self.groups.outer)
-        inner = DBuffer(layout.unsharded(), dtype, self.device, sharded=False, rank=0, zeroed=False)
+        inner = self._staging(layout.unsharded(), dtype)
         copy_chunks_out(gathered, inner)
         for dst, src, shape in zip(
             self.model_shard.local_views(), inner.tensor_views(), layout.shapes
@@ -433,10 +437,6 @@ class FsdpParameterGroup:
         # `optimizer.zero_grad()` (set_to_none) since the last reduction: start afresh.
         return self._grads_attached and any(p.grad is None for p in self._optimizer_params())
 
-    @property
-    def _trainable_dist_params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.dist_params if p.requires_grad]
-
     def _optimizer_params(self) -> list[torch.Tensor]:
         """The trainable tensors whose `.grad` the optimizer reads (and `zero_grad()` drops):
         the local shards once an optimizer steps them, else the DTensor main weights."""
@@ -476,7 +476,7 @@ class FsdpParameterGroup:
     def _reduce_scatter_outer(self) -> None:
         layout = self.outer_layout
         comm_dtype = self.precision.grad_comm
-        staging = DBuffer(layout, comm_dtype, self.device, sharded=False, rank=0, zeroed=False)
+        staging = self._staging(layout, comm_dtype)
         copy_chunks_in(self.main_grad.local_views(), staging.full, layout)
         out = torch.empty(layout.shard_numel, dtype=comm_dtype, device=self.device)
         staging.reduce_scatter(out, self.comm, self.groups.outer, average=True)

@@ -27,7 +27,10 @@ import torch.distributed as dist
 
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
-_SLOTS = {ALL_GATHER: 1, REDUCE_SCATTER: 2}
+REDUCE_SCATTER_SLOTS = 2
+"""Packed-gradient buffers per shape: a reduce-scatter may still read one while the next is
+packed, so the context keeps at most this many reductions in flight."""
+_SLOTS = {ALL_GATHER: 1, REDUCE_SCATTER: REDUCE_SCATTER_SLOTS}
 _MIN_NCCL = (2, 27)
 
 

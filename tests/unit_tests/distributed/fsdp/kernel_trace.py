@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-_GEMM_MARKERS = ("gemm", "nvjet", "xmma", "cutlass")
+# The kernel categories are tools/trace_summary.py's (a script, not a package: found by path).
+_TOOLS = str(Path(__file__).resolve().parents[4] / "tools")
+if _TOOLS not in sys.path:
+    sys.path.insert(0, _TOOLS)
+from trace_summary import category  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -25,16 +31,15 @@ class Kernel:
 
     @property
     def is_all_gather(self) -> bool:
-        return "allgather" in self.name.lower().replace("_", "")
+        return category(self.name) == "all_gather"
 
     @property
     def is_reduce_scatter(self) -> bool:
-        return "reducescatter" in self.name.lower().replace("_", "")
+        return category(self.name) == "reduce_scatter"
 
     @property
     def is_gemm(self) -> bool:
-        name = self.name.lower()
-        return "nccl" not in name and any(marker in name for marker in _GEMM_MARKERS)
+        return category(self.name) == "gemm"
 
     def overlaps(self, other: Kernel) -> bool:
         return self.start < other.end and other.start < self.end
