@@ -17,8 +17,12 @@ one unit:
 Memory discipline (GPU): whole weights and all-gather staging are allocated and freed on the
 all-gather stream, which waits for the event recorded after a unit's last use before freeing
 it; packed gradients are allocated and freed on the compute stream, which waits for the
-reduce-scatter that read them. Nothing relies on `record_stream`. On CPU there are no streams
-and every step runs in program order, with identical results.
+reduce-scatter that read them before packing the next. Nothing relies on `record_stream`. The
+all-gather stream waits for the compute stream's queued work once at the start of each forward
+(and in `start_param_sync`): all-gathers read the main weights, which change only between
+passes (optimizer steps, loads), and the memory they reuse is ordered by the events above; in
+backward each prefetch also waits, to stay under the unit computing when it is issued. On
+CPU there are no streams and every step runs in program order, with identical results.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from torch.autograd import Variable
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.symmetric_memory import (
-    REDUCE_SCATTER_SLOTS,
     SymmetricStaging,
     check_symm_mem_support,
 )
@@ -70,9 +73,9 @@ class FsdpContext:
         self.is_first: bool | None = None
         self.is_last = True
         # The root unit owns this context, so units are referred to by their position in
-        # `units` (0: the root), which keeps the context from holding the root strongly.
+        # `units` (0: the root, `FsdpUnit.position`), which keeps the context from holding the
+        # root strongly.
         self._units = [weakref.ref(unit) for unit in units]
-        self._position = weakref.WeakKeyDictionary({unit: i for i, unit in enumerate(units)})
         self._callback_task: int | None = None
         # Units holding whole weights (ordered set), those whose last use is done (oldest
         # release first, with the event recorded after it), and gathers not yet waited for.
@@ -81,15 +84,16 @@ class FsdpContext:
             collections.OrderedDict()
         )
         self._ready: dict[int, torch.cuda.Event] = {}
-        self._reductions: collections.deque[tuple[torch.cuda.Event, torch.Tensor]] = (
-            collections.deque()
-        )
+        # The reduce-scatter in flight on its stream: the event after it, and the packed
+        # gradients it reads (kept alive, unwritten, until the compute stream waits for it).
+        self._reduction: tuple[torch.cuda.Event, torch.Tensor] | None = None
         # Orders of the last complete forward (initially module order), and the one recording.
         positions = list(range(len(units)))
         self._next_forward = _successors(positions)
         self._next_backward = _successors([0, *reversed(positions[1:])])
         self._first_unit = 0
         self._recording: tuple[list[int], list[int]] | None = None
+        self._gathers_ordered = False
 
     @staticmethod
     def _symmetric_staging(units: list[FsdpUnit], device: torch.device) -> SymmetricStaging:
@@ -129,7 +133,7 @@ class FsdpContext:
 
     def record_pre_forward(self, unit: FsdpUnit) -> None:
         """Notes that `unit`'s forward starts (the root's starts a new recording)."""
-        position = self._position[unit]
+        position = unit.position
         if position == 0:
             self._recording = ([], [])
         if self._recording is not None:
@@ -141,7 +145,7 @@ class FsdpContext:
         order (the order the units' backward hooks fire in)."""
         if self._recording is None:
             return
-        position = self._position[unit]
+        position = unit.position
         self._recording[1].append(position)
         if position == 0:
             pre, post = self._recording
@@ -157,7 +161,7 @@ class FsdpContext:
         `prefetch` "forward" or "backward" and the policy's prefetch) starts gathering the unit
         that computes next."""
         self.prepare(unit)
-        position = self._position[unit]
+        position = unit.position
         ready = self._ready.pop(position, None)
         if ready is not None:
             self.streams.current().wait_event(ready)
@@ -165,32 +169,50 @@ class FsdpContext:
             return
         successors = self._next_forward if prefetch == "forward" else self._next_backward
         following = successors.get(position)
-        if following is not None and (unit := self._unit(following)) is not None:
-            self.prepare(unit, prefetch=True)
+        if following is None or (unit := self._unit(following)) is None:
+            return
+        if prefetch == "backward":
+            # Keeps the gather under this unit's backward: the first one of a backward has no
+            # release event to wait for and would otherwise run at once, under the loss's.
+            self.order_gathers()
+        self.prepare(unit, prefetch=True)
 
     def prepare_first_unit(self) -> None:
         """Starts gathering the unit the next forward begins with (`start_param_sync`)."""
         unit = self._unit(self._first_unit)
         if unit is not None:
+            self.order_gathers()
             self.prepare(unit)
+
+    def order_gathers(self) -> None:
+        """Makes the all-gathers issued from now on run after the current stream's queued work
+        (an optimizer step or a load that wrote the main weights). Called where a forward
+        starts (within a forward and its backward the main weights do not change, so their
+        gathers need no further wait for correctness) and before each backward prefetch."""
+        if self.streams is not None:
+            self.streams.all_gather.wait_stream(self.streams.current())
+        self._gathers_ordered = True
 
     def prepare(self, unit: FsdpUnit, *, prefetch: bool = False) -> None:
         """Starts making `unit`'s compute weights whole: refreshes stale ones (when allowed)
         and all-gathers them, on the all-gather stream. Weights still held from an earlier use
         are kept instead of gathered again. A prefetch is skipped when the bound on held units
-        leaves no room (the units held are all in use)."""
+        leaves no room (the units held are all in use). Ordered after the compute stream's work
+        by the last `order_gathers()`."""
         stale = [group for group in unit.groups if group.is_stale] if self.syncs_weights else []
-        position = self._position[unit]
+        position = unit.position
         if position in self._resident:
             if not stale:
                 self._releasable.pop(position, None)
                 return
             self.free(unit)  # out of date
-        transient = any(group.has_transient_weights for group in unit.groups)
+        transient = unit.has_transient_weights
         if not stale and not transient:
             return
         if transient and not self._make_room() and prefetch:
             return
+        if not self._gathers_ordered:  # no forward since the last pass ended: a unit on its own
+            self.order_gathers()
         with self._on_all_gather_stream():
             if stale:
                 with _nvtx_range("megatron_fsdp.sync_model_weights"):
@@ -203,19 +225,24 @@ class FsdpContext:
         if self.streams is not None:
             self._ready[position] = self.streams.all_gather.record_event()
 
-    def release(self, unit: FsdpUnit) -> None:
+    def release(self, unit: FsdpUnit, *, after_backward: bool = False) -> None:
         """`unit`'s use is over (its forward or backward is queued): its whole weights may be
-        freed once the bound requires it."""
-        position = self._position[unit]
+        freed once the bound requires it. After the backward of the unit that backward runs
+        last, every released unit is freed now: no gather will need their room, and the rest
+        of backward (the embeddings, the root's reductions) is where gradient memory peaks."""
+        position = unit.position
         if position not in self._resident:
             return
         event = self.streams.current().record_event() if self.streams else None
         self._releasable[position] = event
         self._releasable.move_to_end(position)
+        if after_backward and position not in self._next_backward:
+            while self._releasable:
+                self._free_oldest_released()
 
     def free(self, unit: FsdpUnit) -> None:
         """Frees `unit`'s whole weights once the current stream's work on them is done."""
-        position = self._position[unit]
+        position = unit.position
         if position not in self._resident:
             return
         event = self._releasable.pop(position, None)
@@ -237,6 +264,7 @@ class FsdpContext:
         prefetch nobody used), which rejoins it in a CUDA graph capture."""
         if self.streams is not None:
             self.streams.all_gather.wait_stream(self.streams.current())
+        self._gathers_ordered = False
         for position in self._resident:
             if (unit := self._unit(position)) is not None:
                 for group in unit.groups:
@@ -287,27 +315,29 @@ class FsdpContext:
 
     def reduce(self, unit: FsdpUnit, *, awaiting_only: bool = False) -> None:
         """Reduces `unit`'s gradients (every trainable group, or those awaiting gradients), on
-        the reduce-scatter stream when the policy overlaps them."""
-        stream = None
-        if self.streams is not None and self.policy.overlap_grad_reduce:
-            stream = self.streams.reduce_scatter
+        the reduce-scatter stream when the policy overlaps them.
+
+        One reduce-scatter is in flight at a time, as in FSDP2: the compute stream waits for
+        the previous one (issued a whole unit's backward earlier) before packing the next, so
+        only one unit's packed gradients are ever held.
+        """
+        streams = self.streams if self.policy.overlap_grad_reduce else None
         for group in unit.groups:
             if not group.requires_grad or (awaiting_only and not group.awaits_grads):
                 continue
-            if stream is not None and len(self._reductions) >= REDUCE_SCATTER_SLOTS:
-                # Only the event: a name for the packed buffer would keep it alive while the
-                # next one is packed.
-                event = self._reductions.popleft()[0]
-                self.streams.current().wait_event(event)
-            packed = group.reduce_grads(stream)
+            if self._reduction is not None:
+                # Dropping the packed buffer here frees it for the packing below.
+                self.streams.current().wait_event(self._reduction[0])
+                self._reduction = None
+            packed = group.reduce_grads(streams)
             if packed is not None:
-                self._reductions.append((stream.record_event(), packed))
+                self._reduction = (streams.reduce_scatter.record_event(), packed)
 
     def wait_reductions(self) -> None:
         """Makes the current stream wait for every reduce-scatter issued so far."""
         if self.streams is not None:
             self.streams.current().wait_stream(self.streams.reduce_scatter)
-        self._reductions.clear()
+        self._reduction = None
 
     def queue_post_backward(self) -> None:
         """Makes the current backward call `post_backward` once when it finishes."""
@@ -356,12 +386,10 @@ class FsdpContext:
                     group.finalize_grads()
 
     def _on_all_gather_stream(self) -> contextlib.AbstractContextManager:
-        """Runs the body on the all-gather stream after the current stream's queued work; on
-        CPU (no streams) inline."""
+        """Runs the body on the all-gather stream; on CPU (no streams) inline."""
         if self.streams is None:
             return contextlib.nullcontext()
-        self.streams.all_gather.wait_stream(self.streams.current())
-        return torch.cuda.stream(self.streams.all_gather)
+        return self.streams.running_on(self.streams.all_gather)
 
 
 def _successors(order: list[int]) -> dict[int, int]:

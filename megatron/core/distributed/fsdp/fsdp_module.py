@@ -77,7 +77,15 @@ class FsdpModule:
 
 
 class FsdpUnit:
-    """The FSDP state of one unit: its parameter groups and its forward/backward hooks."""
+    """The FSDP state of one unit: its parameter groups and its forward/backward hooks.
+
+    Attributes:
+        groups: the unit's parameter groups.
+        overlap_policy: the schedule this unit asks for (the root's applies to all below it).
+        position: where the context lists this unit (0: the root), set when it binds.
+        has_transient_weights: whether some group gathers its whole weights for each use and
+            frees them after (ZeRO-3).
+    """
 
     def __init__(
         self,
@@ -88,6 +96,8 @@ class FsdpUnit:
         self._module = weakref.ref(module)
         self.groups = groups
         self.overlap_policy = overlap_policy
+        self.position = 0
+        self.has_transient_weights = any(group.has_transient_weights for group in groups)
         self._context: FsdpContext | None = None  # owned by the root only
         self._context_ref: weakref.ref[FsdpContext] | None = None
         self.pending_meta: list[PendingParam] = []
@@ -122,13 +132,18 @@ class FsdpUnit:
         context = FsdpContext(
             units, self.overlap_policy, devices[0] if devices else torch.device("cpu")
         )
-        for unit in units:
-            unit._context = None
-            unit._context_ref = weakref.ref(context)
-            for group in unit.groups:
-                group.comm = context.comm
+        for position, unit in enumerate(units):
+            unit._bind(context, position)
         self._context = context
         return context
+
+    def _bind(self, context: FsdpContext, position: int) -> None:
+        """Makes this unit use `context` (held weakly: the root owns it) as its `position`."""
+        self._context = None
+        self._context_ref = weakref.ref(context)
+        self.position = position
+        for group in self.groups:
+            group.comm = context.comm
 
     def pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -141,8 +156,10 @@ class FsdpUnit:
                 group.use_unsharded_params()
             return args, kwargs
         context.record_pre_forward(self)
-        if self.is_root and context.syncs_weights:  # a step's first forward
-            context.release_dropped_grads()
+        if self.is_root:
+            context.order_gathers()
+            if context.syncs_weights:  # a step's first forward
+                context.release_dropped_grads()
         context.use(self, prefetch="forward")
         for group in self.groups:
             group.use_unsharded_params()
@@ -169,14 +186,12 @@ class FsdpUnit:
         else:
             context.end_forward()
         # The root keeps its weights for backward, which starts with them.
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        flat, _ = _flatten(output)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            unit = weakref.ref(self)
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: _pre_backward(unit), mode="any"
-            )
+            hook = _PreBackwardHook(self)
+            for tensor in tensors:
+                tensor.register_hook(hook)
         return output
 
     def pre_backward(self) -> None:
@@ -195,7 +210,7 @@ class FsdpUnit:
         the main weights again."""
         context = self.context
         context.reduce(self)
-        context.release(self)
+        context.release(self, after_backward=True)
         for group in self.groups:
             group.use_dist_params()
 
@@ -204,10 +219,39 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _pre_backward(unit_ref: weakref.ref[FsdpUnit]) -> None:
-    unit = unit_ref()
-    if unit is not None:
-        unit.pre_backward()
+class _PreBackwardHook:
+    """A gradient hook on every output of one forward of a unit: the first to fire in a
+    backward runs the unit's `pre_backward` (FSDP2's per-tensor hooks; cheaper than
+    `register_multi_grad_hook`). One per forward, so a unit run twice is prepared twice."""
+
+    __slots__ = ("_unit", "_task")
+
+    def __init__(self, unit: FsdpUnit):
+        self._unit = weakref.ref(unit)
+        self._task: int | None = None
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task = task
+        unit = self._unit()
+        if unit is not None:
+            unit.pre_backward()
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """`tree`'s leaves and the function that rebuilds it from new ones. A tensor or a flat
+    tuple/list (a layer's usual inputs and outputs) skips pytree's cost, paid on every unit's
+    forward."""
+    if isinstance(tree, torch.Tensor):
+        return [tree], lambda leaves: leaves[0]
+    if type(tree) in (tuple, list) and not any(
+        isinstance(item, (tuple, list, dict)) for item in tree
+    ):
+        return list(tree), type(tree)
+    flat, spec = tree_flatten(tree)
+    return flat, lambda leaves: tree_unflatten(leaves, spec)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -235,14 +279,14 @@ def _register_post_backward(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Routes the unit's floating-point inputs that require grad through `_PostBackward`. A
     unit with none (the root, fed token ids) is reduced by the end-of-backward callback."""
-    flat, spec = tree_flatten((args, kwargs))
+    flat, rebuild = _flatten(args) if not kwargs else _flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return args, kwargs
     outputs = _PostBackward.apply(weakref.ref(unit), *(flat[i] for i in positions))
     for i, tensor in zip(positions, outputs):
         flat[i] = tensor
-    return tree_unflatten(flat, spec)
+    return (rebuild(flat), kwargs) if not kwargs else rebuild(flat)
 
 
 def fully_shard(

@@ -40,6 +40,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
 )
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
+from megatron.core.distributed.fsdp.overlap import CommStreams
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 from megatron.core.distributed.fsdp.symmetric_memory import ALL_GATHER, REDUCE_SCATTER
 
@@ -57,14 +58,30 @@ class ParamSlot:
     fqn: str
     registrations: list[tuple[weakref.ref[torch.nn.Module], str]]
 
-    def register(self, param: torch.nn.Parameter) -> None:
-        """Makes every registering module hold `param` under its attribute name."""
-        for module_ref, name in self.registrations:
-            module = module_ref()
-            if module is not None:
-                # Direct dict assignment, as FSDP2 does: `setattr` would refuse a DTensor swap
-                # for a plain Parameter only in its type checks, and costs more per forward.
-                module._parameters[name] = param
+    def parameter_entries(self) -> list[tuple[dict[str, torch.nn.Parameter | None], str]]:
+        """(`module._parameters`, attribute name) of every live registering module."""
+        modules = [(module_ref(), name) for module_ref, name in self.registrations]
+        return [(module._parameters, name) for module, name in modules if module is not None]
+
+
+class _Registration:
+    """Registers one set of tensors (compute or main weights) on the modules of a group.
+
+    Direct `module._parameters` assignment, as FSDP2 does: `setattr` would refuse a DTensor
+    swap for a plain Parameter only in its type checks, and costs more. The swaps run four
+    times per unit and step, so the entries are resolved once.
+    """
+
+    def __init__(self, slots: list[ParamSlot], params: list[torch.nn.Parameter]):
+        self._entries = [
+            (parameters, name, param)
+            for slot, param in zip(slots, params)
+            for parameters, name in slot.parameter_entries()
+        ]
+
+    def register(self) -> None:
+        for parameters, name, param in self._entries:
+            parameters[name] = param
 
 
 class FsdpParameterGroup:
@@ -95,7 +112,6 @@ class FsdpParameterGroup:
         comm: Collectives,
         device: torch.device,
     ):
-        self.slots = slots
         self.requires_grad = requires_grad
         self.groups = groups
         self.strategy = strategy
@@ -151,6 +167,8 @@ class FsdpParameterGroup:
         ]
         with torch.no_grad():  # the DTensors' own local tensors (with grad on: new views)
             self.local_main_weights = [param.to_local() for param in self.dist_params]
+        self._unsharded_registration = _Registration(slots, self.unsharded_params)
+        self._dist_registration = _Registration(slots, self.dist_params)
         if strategy.shards_params:
             self.unsharded.release_storage()
 
@@ -160,6 +178,7 @@ class FsdpParameterGroup:
         self._grads_attached = False
         self._pending_finalize = False
         self._grad_dtensors: list[DTensor] | None = None
+        self._local_grads: list[torch.Tensor] = []
         self._steps_local = False
         self.num_weight_syncs = 0
 
@@ -337,15 +356,14 @@ class FsdpParameterGroup:
     def use_unsharded_params(self) -> None:
         """Registers the compute weights on their modules (for forward and backward); a main
         weight frozen since wrapping freezes its compute weight too."""
-        for slot, param, main in zip(self.slots, self.unsharded_params, self.dist_params):
+        for param, main in zip(self.unsharded_params, self.dist_params):
             if param.requires_grad != main.requires_grad:
                 param.requires_grad_(main.requires_grad)
-            slot.register(param)
+        self._unsharded_registration.register()
 
     def use_dist_params(self) -> None:
         """Registers the DTensor main weights on their modules (between steps)."""
-        for slot, param in zip(self.slots, self.dist_params):
-            slot.register(param)
+        self._dist_registration.register()
 
     # Gradients.
 
@@ -360,7 +378,7 @@ class FsdpParameterGroup:
         return self._pending_backwards > 0
 
     @torch.no_grad()
-    def reduce_grads(self, reduce_stream: torch.cuda.Stream | None = None) -> torch.Tensor | None:
+    def reduce_grads(self, streams: CommStreams | None = None) -> torch.Tensor | None:
         """Moves the gradients of the unit's backward that just ended into `main_grad`.
 
         With sharded gradients they are reduce-scattered now (written straight into
@@ -369,50 +387,58 @@ class FsdpParameterGroup:
         as zeros, so every rank issues the same collectives whatever its data used.
 
         Args:
-            reduce_stream: the stream the reduce-scatter runs on (GPU overlap); None: the
-                current stream. The gradients are packed on the current stream either way.
+            streams: run the reduce-scatter on `streams.reduce_scatter` (GPU overlap); None:
+                on the current stream. The gradients are packed on the current stream either
+                way.
 
         Returns:
-            The packed gradients a reduce-scatter on `reduce_stream` still reads: the caller
-            keeps them alive, unwritten, until that stream's work is done. None otherwise.
+            The packed gradients a reduce-scatter on the reduce-scatter stream still reads:
+            the caller keeps them alive, unwritten, until that stream's work is done. None
+            otherwise.
         """
         grads = [
             p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
         ]
+        for param in self.unsharded_params:
+            param.grad = None
         first = self._main_grad_is_empty()
-        if first:
-            self._allocate_grads()
         in_flight = None
         if self.strategy.shards_grads:
-            in_flight = self._reduce_scatter(grads, first, reduce_stream)
+            in_flight = self._reduce_scatter(grads, first, streams)
         elif first:
+            self._allocate_grads()
             copy_chunks_in(grads, self.main_grad.full, self.layout)
         else:
             local = torch.empty_like(self.main_grad.full)
             copy_chunks_in(grads, local, self.layout)
             self.main_grad.full.add_(local)
-        for param in self.unsharded_params:
-            param.grad = None
         self._pending_backwards = max(0, self._pending_backwards - 1)
         self._has_grad_data = True
         self._pending_finalize = True
-        self._attach_grads()
+        if first:  # later reductions find them attached (or they would start afresh)
+            self._attach_grads()
         return in_flight
 
     def _reduce_scatter(
-        self, grads: list[torch.Tensor], first: bool, stream: torch.cuda.Stream | None
+        self, grads: list[torch.Tensor], first: bool, streams: CommStreams | None
     ) -> torch.Tensor | None:
+        """Packs `grads` (emptying the list) and reduce-scatters them into `main_grad`."""
         comm_dtype = self.precision.grad_comm
         data = self.comm.staging(
             REDUCE_SCATTER, self.groups.shard, comm_dtype, self.layout.numel, self.device
         )
         staging = DBuffer(self.layout, comm_dtype, self.device, sharded=False, rank=0, data=data)
         copy_chunks_in(grads, staging.full, self.layout)
-        if stream is None:
+        # Packed, the whole gradients are freed before the step's first reduction allocates
+        # the gradient shards: at the root's (the largest unit's) they would peak together.
+        grads.clear()
+        if first:
+            self._allocate_grads()
+        if streams is None:
             self._reduce_scatter_packed(staging, first)
             return None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with streams.running_on(streams.reduce_scatter) as compute:
+            streams.reduce_scatter.wait_stream(compute)
             self._reduce_scatter_packed(staging, first)
         return staging.data
 
@@ -486,17 +512,19 @@ class FsdpParameterGroup:
         """Points the `.grad` of each trainable main weight (the DTensor, and its local shard
         once an optimizer steps those) at its shard of the reduced gradients; a weight frozen
         after wrapping gets none, so the optimizer skips it."""
-        if self._grads_attached and all(p.grad is not None for p in self._optimizer_params()):
-            return
         if self._grad_dtensors is None:  # views of persistent storage: made once
             source = self.optim_grad or self.main_grad
+            self._local_grads = source.local_views()
             self._grad_dtensors = [
-                self._dtensor(local, index) for index, local in enumerate(source.local_views())
+                self._dtensor(local, index) for index, local in enumerate(self._local_grads)
             ]
-        for param, grad in zip(self.dist_params, self._grad_dtensors):
-            param.grad = grad if param.requires_grad else None
-        if self._steps_local:
-            self._attach_local_grads()
+        for param, local, grad, local_grad in zip(
+            self.dist_params, self.local_main_weights, self._grad_dtensors, self._local_grads
+        ):
+            trainable = param.requires_grad
+            param.grad = grad if trainable else None
+            if self._steps_local:
+                local.grad = local_grad if trainable else None
         self._grads_attached = True
 
     def attach_local_grads(self) -> None:

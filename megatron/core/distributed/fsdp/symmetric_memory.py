@@ -4,14 +4,15 @@ NCCL (2.27+) runs its symmetric kernels, which copy over NVLink with fewer SMs a
 latency than the ring kernels, when every buffer of a collective lies in a window that all ranks
 registered at the same offset. Such memory is costly to make (allocation from the pool, then a
 collective `rendezvous`), so it cannot be allocated per collective as the default staging is.
-`SymmetricStaging` therefore holds a few persistent buffers per (role, process group, dtype),
-each sized for the largest parameter group that uses it and made once, on every rank in the same
-order, when the root's context is built:
+`SymmetricStaging` therefore holds one persistent buffer per (role, process group, dtype), sized
+for the largest parameter group that uses it and made once, on every rank in the same order,
+when the root's context is built:
 
-- all-gather output: one per key; the all-gather stream orders its reuse (gather, copy out,
-  gather the next unit);
-- reduce-scatter input: two per key, handed out in turn; the context never has more than two
-  reduce-scatters in flight, so the compute stream never writes a buffer a collective still reads.
+- all-gather output: the all-gather stream orders its reuse (gather, copy out, gather the next
+  unit);
+- reduce-scatter input: the context has one reduce-scatter in flight at a time and the compute
+  stream waits for it before packing the next, so it never writes the buffer while a collective
+  still reads it.
 
 The collectives run in place (the input is this rank's slice of the symmetric output, or the
 output a slice of the symmetric input), so both their buffers lie in the window. Symmetric
@@ -27,10 +28,6 @@ import torch.distributed as dist
 
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
-REDUCE_SCATTER_SLOTS = 2
-"""Packed-gradient buffers per shape: a reduce-scatter may still read one while the next is
-packed, so the context keeps at most this many reductions in flight."""
-_SLOTS = {ALL_GATHER: 1, REDUCE_SCATTER: REDUCE_SCATTER_SLOTS}
 _MIN_NCCL = (2, 27)
 
 
@@ -76,8 +73,7 @@ class SymmetricStaging:
         self.device = device
         self._sizes: dict[_Key, int] = {}
         self._groups: dict[str, dist.ProcessGroup] = {}
-        self._buffers: dict[_Key, list[torch.Tensor]] = {}
-        self._turn: dict[_Key, int] = {}
+        self._buffers: dict[_Key, torch.Tensor] = {}
 
     def reserve(self, role: str, group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> None:
         """Makes the buffers of (role, group, dtype) hold at least `numel` elements."""
@@ -99,31 +95,21 @@ class SymmetricStaging:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self._groups[name])
         pool = symm_mem.get_mem_pool(self.device)
         for key in sorted(self._sizes, key=lambda k: (k.role, k.group_name, str(k.dtype))):
-            group = self._groups[key.group_name]
-            buffers = []
-            for _ in range(_SLOTS[key.role]):
-                with torch.cuda.use_mem_pool(pool):
-                    tensor = torch.empty(self._sizes[key], dtype=key.dtype, device=self.device)
-                symm_mem.rendezvous(tensor, group)
-                buffers.append(tensor)
-            self._buffers[key] = buffers
-            self._turn[key] = 0
+            with torch.cuda.use_mem_pool(pool):
+                tensor = torch.empty(self._sizes[key], dtype=key.dtype, device=self.device)
+            symm_mem.rendezvous(tensor, self._groups[key.group_name])
+            self._buffers[key] = tensor
 
     def buffer(
         self, role: str, group: dist.ProcessGroup, dtype: torch.dtype, numel: int
     ) -> torch.Tensor:
-        """The first `numel` elements of the next buffer of (role, group, dtype)."""
-        key = _Key(role, group.group_name, dtype)
-        buffers = self._buffers[key]
-        turn = self._turn[key]
-        self._turn[key] = (turn + 1) % len(buffers)
-        return buffers[turn][:numel]
+        """The first `numel` elements of the buffer of (role, group, dtype)."""
+        return self._buffers[_Key(role, group.group_name, dtype)][:numel]
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in one of these buffers."""
         address = tensor.data_ptr()
         return any(
             buf.data_ptr() <= address < buf.data_ptr() + buf.numel() * buf.element_size()
-            for buffers in self._buffers.values()
-            for buf in buffers
+            for buf in self._buffers.values()
         )

@@ -1,6 +1,6 @@
 """Backward passes that are not one plain forward + backward: data-dependent unused
-parameters, activation recompute, 1F1B order, a failed backward, zero_grad modes, loading
-weights, freezing after wrapping, and deleting a model."""
+parameters, a unit run twice or with several outputs, activation recompute, 1F1B order, a failed
+backward, zero_grad modes, loading weights, freezing after wrapping, and deleting a model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from megatron.core.distributed.fsdp import fully_shard, fully_shard_optimizer
+from megatron.core.distributed.fsdp import OverlapPolicy, fully_shard, fully_shard_optimizer
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     STEPS,
     train_reference,
@@ -157,6 +157,62 @@ def test_activation_recompute_trains_like_single_process(granularity, strategy):
         assert all(r["registered"]), "compute weights left registered after backward"
         for name in expected:
             torch.testing.assert_close(r["state"][name], expected[name], msg=name)
+
+
+class Pair(torch.nn.Module):
+    """A unit with two outputs that both need gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(DIM, DIM)
+        self.b = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+class Reuse(torch.nn.Module):
+    """Runs one unit twice in a forward and reads both outputs of another."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.pair = Pair()
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.pair(self.block(x))
+        return self.head(self.block(torch.tanh(a) * b)).pow(2).mean()
+
+
+def _reused_units(strategy: str, max_units: int) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    reference = Reuse().to(current_device())
+    torch.manual_seed(0)
+    model = Reuse().to(current_device())
+    policy = OverlapPolicy(max_unsharded_units=max_units)
+    for unit in (model.block, model.pair, model):
+        fully_shard(unit, sharding_strategy=strategy, overlap_policy=policy)
+    x = _inputs(dist.get_rank())
+    model(x).backward()
+    reference(x).backward()
+    expected = {}
+    for name, param in reference.named_parameters():
+        dist.all_reduce(param.grad)
+        expected[name] = param.grad / dist.get_world_size()
+    return _grads(model), expected
+
+
+@pytest.mark.parametrize("max_units", [1, 2])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_a_unit_run_twice_and_a_unit_with_two_outputs_get_every_gradient(strategy, max_units):
+    # The block's second run's backward reduces and releases it; the pair's backward, in
+    # between, may free it (a bound of 1), so the first run's backward must gather it again and
+    # reduce again. Either output's gradient starts the pair's backward.
+    for grads, expected in run_distributed(_reused_units, 2, strategy, max_units):
+        assert grads.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], msg=name)
 
 
 def _checkpoint_inside_root() -> tuple[dict, dict]:
