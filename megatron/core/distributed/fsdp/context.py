@@ -18,10 +18,11 @@ Memory discipline (GPU): whole weights and all-gather staging are allocated and 
 all-gather stream, which waits for the event recorded after a unit's last use before freeing
 it; packed gradients are allocated and freed on the compute stream, which waits for the
 reduce-scatter that read them before packing the next. Nothing relies on `record_stream`. The
-all-gather stream waits for the compute stream's queued work once at the start of each forward
-(and in `start_param_sync`): all-gathers read the main weights, which change only between
-passes (optimizer steps, loads), and the memory they reuse is ordered by the events above; in
-backward each prefetch also waits, to stay under the unit computing when it is issued. On
+all-gather stream waits for the compute stream's queued work at the start of each forward (and
+in `start_param_sync`) and before gathering weights a step or a load changed, not before every
+gather: all-gathers read the main weights, which change only between passes, and the memory
+they reuse is ordered by the events above; in backward each prefetch also waits, to stay under
+the unit computing when it is issued. On
 CPU there are no streams and every step runs in program order, with identical results.
 """
 
@@ -84,9 +85,10 @@ class FsdpContext:
             collections.OrderedDict()
         )
         self._ready: dict[int, torch.cuda.Event] = {}
-        # The reduce-scatter in flight on its stream: the event after it, and the packed
-        # gradients it reads (kept alive, unwritten, until the compute stream waits for it).
-        self._reduction: tuple[torch.cuda.Event, torch.Tensor] | None = None
+        # The reduce-scatters of the last unit reduced, in flight on their stream: the event
+        # after each, and the packed gradients it reads (kept alive, unwritten, until the
+        # compute stream waits for it).
+        self._reductions: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         # Orders of the last complete forward (initially module order), and the one recording.
         positions = list(range(len(units)))
         self._next_forward = _successors(positions)
@@ -197,8 +199,8 @@ class FsdpContext:
         """Starts making `unit`'s compute weights whole: refreshes stale ones (when allowed)
         and all-gathers them, on the all-gather stream. Weights still held from an earlier use
         are kept instead of gathered again. A prefetch is skipped when the bound on held units
-        leaves no room (the units held are all in use). Ordered after the compute stream's work
-        by the last `order_gathers()`."""
+        leaves no room (the units held are all in use). A refresh is ordered after the compute
+        stream's queued work; a plain gather after the last `order_gathers()`."""
         stale = [group for group in unit.groups if group.is_stale] if self.syncs_weights else []
         position = unit.position
         if position in self._resident:
@@ -211,7 +213,9 @@ class FsdpContext:
             return
         if transient and not self._make_room() and prefetch:
             return
-        if not self._gathers_ordered:  # no forward since the last pass ended: a unit on its own
+        if stale or not self._gathers_ordered:
+            # Main weights written since the last ordering (a step, a load), or a unit used on
+            # its own: the gather must follow those writes.
             self.order_gathers()
         with self._on_all_gather_stream():
             if stale:
@@ -231,11 +235,10 @@ class FsdpContext:
         last, every released unit is freed now: no gather will need their room, and the rest
         of backward (the embeddings, the root's reductions) is where gradient memory peaks."""
         position = unit.position
-        if position not in self._resident:
-            return
-        event = self.streams.current().record_event() if self.streams else None
-        self._releasable[position] = event
-        self._releasable.move_to_end(position)
+        if position in self._resident:
+            event = self.streams.current().record_event() if self.streams else None
+            self._releasable[position] = event
+            self._releasable.move_to_end(position)
         if after_backward and position not in self._next_backward:
             while self._releasable:
                 self._free_oldest_released()
@@ -285,6 +288,7 @@ class FsdpContext:
     def release_dropped_grads(self) -> None:
         """Frees the gradient memory of every group whose gradients the optimizer's
         `zero_grad()` dropped, before the forward where activations peak."""
+        self.wait_pending_reductions()
         for unit in self.units():
             for group in unit.groups:
                 group.release_dropped_grads()
@@ -317,27 +321,40 @@ class FsdpContext:
         """Reduces `unit`'s gradients (every trainable group, or those awaiting gradients), on
         the reduce-scatter stream when the policy overlaps them.
 
-        One reduce-scatter is in flight at a time, as in FSDP2: the compute stream waits for
-        the previous one (issued a whole unit's backward earlier) before packing the next, so
-        only one unit's packed gradients are ever held.
+        One unit's reduce-scatters are in flight at a time, as in FSDP2: the compute stream
+        waits for the previous unit's (issued a whole unit's backward earlier) before packing
+        this one's, so only one unit's packed gradients are ever held. With symmetric memory
+        (one buffer per process group and dtype) a unit's groups also wait for each other.
         """
         streams = self.streams if self.policy.overlap_grad_reduce else None
-        for group in unit.groups:
-            if not group.requires_grad or (awaiting_only and not group.awaits_grads):
-                continue
-            if self._reduction is not None:
-                # Dropping the packed buffer here frees it for the packing below.
-                self.streams.current().wait_event(self._reduction[0])
-                self._reduction = None
+        groups = [
+            group
+            for group in unit.groups
+            if group.requires_grad and (group.awaits_grads or not awaiting_only)
+        ]
+        if groups:
+            self.wait_pending_reductions()
+        for group in groups:
+            if self.comm.symmetric is not None:
+                self.wait_pending_reductions()
             packed = group.reduce_grads(streams)
             if packed is not None:
-                self._reduction = (streams.reduce_scatter.record_event(), packed)
+                self._reductions.append((streams.reduce_scatter.record_event(), packed))
+
+    def wait_pending_reductions(self) -> None:
+        """Makes the current stream wait for the reduce-scatters not yet waited for (in stream
+        order: the last one's event covers all) and drops their packed buffers, which frees
+        them. None are pending after a complete backward; after a failed one the gradient
+        buffers must not be freed before this."""
+        if self._reductions:
+            self.streams.current().wait_event(self._reductions[-1][0])
+            self._reductions.clear()
 
     def wait_reductions(self) -> None:
         """Makes the current stream wait for every reduce-scatter issued so far."""
         if self.streams is not None:
             self.streams.current().wait_stream(self.streams.reduce_scatter)
-        self._reduction = None
+        self._reductions.clear()
 
     def queue_post_backward(self) -> None:
         """Makes the current backward call `post_backward` once when it finishes."""

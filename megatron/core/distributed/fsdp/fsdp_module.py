@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.distributed.fsdp.collectives import Collectives
@@ -81,7 +81,8 @@ class FsdpUnit:
 
     Attributes:
         groups: the unit's parameter groups.
-        overlap_policy: the schedule this unit asks for (the root's applies to all below it).
+        overlap_policy: the schedule given to `fully_shard` (None: not given). The root's, or
+            the default, applies to every unit below it.
         position: where the context lists this unit (0: the root), set when it binds.
         has_transient_weights: whether some group gathers its whole weights for each use and
             frees them after (ZeRO-3).
@@ -91,7 +92,7 @@ class FsdpUnit:
         self,
         module: torch.nn.Module,
         groups: list[FsdpParameterGroup],
-        overlap_policy: OverlapPolicy,
+        overlap_policy: OverlapPolicy | None,
     ):
         self._module = weakref.ref(module)
         self.groups = groups
@@ -121,17 +122,29 @@ class FsdpUnit:
 
     def lazy_init(self) -> FsdpContext:
         """The unit's context; created here, with this unit as root, if it has none. The
-        root's first use also materialises parameters built on the `meta` device."""
+        root's first use also materialises parameters built on the `meta` device.
+
+        Raises:
+            ValueError: a unit below was given an overlap policy other than the root's (one
+                schedule governs them all, so it would be ignored).
+        """
         context = self.context
         if context is not None:
             return context
         module = self.module
         units = [m._fsdp_unit for m in module.modules() if isinstance(m, FsdpModule)]
+        policy = self.overlap_policy or OverlapPolicy()
+        for unit in units[1:]:
+            if unit.overlap_policy is not None and unit.overlap_policy != policy:
+                raise ValueError(
+                    f"The Megatron-FSDP unit {type(unit.module).__name__} was given "
+                    f"{unit.overlap_policy}, but its root {type(module).__name__} uses {policy}: "
+                    "the root's schedule applies to every unit below it. Pass the same "
+                    "OverlapPolicy to both, or only to the root."
+                )
         _materialize_meta(module, units)
         devices = [group.device for unit in units for group in unit.groups]
-        context = FsdpContext(
-            units, self.overlap_policy, devices[0] if devices else torch.device("cpu")
-        )
+        context = FsdpContext(units, policy, devices[0] if devices else torch.device("cpu"))
         for position, unit in enumerate(units):
             unit._bind(context, position)
         self._context = context
@@ -241,14 +254,12 @@ class _PreBackwardHook:
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """`tree`'s leaves and the function that rebuilds it from new ones. A tensor or a flat
-    tuple/list (a layer's usual inputs and outputs) skips pytree's cost, paid on every unit's
-    forward."""
+    """`tree`'s leaves and the function that rebuilds it from new ones. A tensor or a plain
+    tuple/list of leaves (a layer's usual inputs and outputs) skips pytree's cost, paid on
+    every unit's forward."""
     if isinstance(tree, torch.Tensor):
         return [tree], lambda leaves: leaves[0]
-    if type(tree) in (tuple, list) and not any(
-        isinstance(item, (tuple, list, dict)) for item in tree
-    ):
+    if type(tree) in (tuple, list) and all(tree_is_leaf(item) for item in tree):
         return list(tree), type(tree)
     flat, spec = tree_flatten(tree)
     return flat, lambda leaves: tree_unflatten(leaves, spec)
@@ -310,7 +321,8 @@ def fully_shard(
         mp_policy: dtypes of main weights and gradients (default: fp32 main weights).
         overlap_policy: the communication schedule (prefetching, reduce-scatter overlap, the
             bound on whole weights held, symmetric memory); the root's applies to every unit
-            below it (default: everything overlapped, 2 units).
+            below it, which may repeat it or leave it out (default: everything overlapped, 2
+            units). A different one below the root is an error at its first use.
         is_expert: tells expert parameters (which use the expert groups) from dense ones.
 
     Raises:
@@ -358,7 +370,7 @@ def fully_shard(
                 device=device,
             )
         )
-    unit = FsdpUnit(module, groups, overlap_policy or OverlapPolicy())
+    unit = FsdpUnit(module, groups, overlap_policy)
     with torch.no_grad():
         for group, indices in zip(groups, members.values()):
             for k, i in enumerate(indices):

@@ -117,6 +117,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
 
     def zero_grad_buffer(self) -> None:
         """Forgets accumulated gradients before the first microbatch of a step."""
+        for context in self._contexts:
+            context.wait_pending_reductions()
         for group in self._groups:
             if group.requires_grad:
                 group.zero_grad()

@@ -78,12 +78,16 @@ class CommStreams:
     def running_on(self, stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:
         """Makes `stream` current for the body and yields the stream it replaced.
 
-        `torch.cuda.stream()` does the same with device checks that cost several times more
-        host time; the engine switches streams a few times per unit, on one known device.
+        `torch.cuda.stream()` does the same with checks that cost several times more host
+        time; the engine switches streams a few times per unit. `set_stream` also makes the
+        stream's device current, so a caller on another device gets its own back.
         """
+        device = torch.cuda.current_device()
         previous = self.current()
         torch.cuda.set_stream(stream)
         try:
             yield previous
         finally:
             torch.cuda.set_stream(previous)
+            if device != self._index:
+                torch.cuda.set_device(device)

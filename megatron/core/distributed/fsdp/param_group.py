@@ -323,7 +323,8 @@ class FsdpParameterGroup:
 
     def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
         """(role, process group, dtype, numel) of each staging buffer this group's per-unit
-        collectives use: the all-gather of weights and the reduce-scatter of gradients."""
+        collectives use: the all-gather of weights and the reduce-scatter of gradients. A
+        group of one rank communicates nothing, so it stages nothing (`Collectives.staging`)."""
         requests = []
         if self.has_transient_weights or self._shards_main:
             requests.append(
@@ -333,7 +334,7 @@ class FsdpParameterGroup:
             requests.append(
                 (REDUCE_SCATTER, self.groups.shard, self.precision.grad_comm, self.layout.numel)
             )
-        return requests
+        return [request for request in requests if request[1].size() > 1]
 
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gather them; otherwise they are)."""
@@ -532,12 +533,9 @@ class FsdpParameterGroup:
         DTensor's `.grad` (None where that is None), for an optimizer stepping the local
         tensors, so that its `zero_grad()` drops them like any other."""
         self._steps_local = True
-        self._attach_local_grads()
-
-    @torch.no_grad()
-    def _attach_local_grads(self) -> None:
-        for local, param in zip(self.local_main_weights, self.dist_params):
-            local.grad = param.grad.to_local() if param.grad is not None else None
+        with torch.no_grad():
+            for local, param in zip(self.local_main_weights, self.dist_params):
+                local.grad = param.grad.to_local() if param.grad is not None else None
 
     def grads_consumed(self) -> None:
         """An optimizer step used the gradients: the next reduction starts afresh, even if

@@ -4,12 +4,14 @@ backward, zero_grad modes, loading weights, freezing after wrapping, and deletin
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -210,6 +212,64 @@ def test_a_unit_run_twice_and_a_unit_with_two_outputs_get_every_gradient(strateg
     # between, may free it (a bound of 1), so the first run's backward must gather it again and
     # reduce again. Either output's gradient starts the pair's backward.
     for grads, expected in run_distributed(_reused_units, 2, strategy, max_units):
+        assert grads.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], msg=name)
+
+
+@dataclasses.dataclass
+class Hidden:
+    """A unit output that pytree knows how to flatten (registered below)."""
+
+    value: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(Hidden)
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> tuple[Hidden, None]:
+        return Hidden(torch.tanh(self.linear(x))), None
+
+
+class WrappedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(DIM, DIM)  # so `first`'s backward reads its weight
+        self.first = Wrapped()
+        self.second = Block()
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.first(self.embed(x))
+        return self.head(self.second(hidden.value)).pow(2).mean()
+
+
+def _output_inside_a_pytree_node() -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    reference = WrappedNet().to(current_device())
+    torch.manual_seed(0)
+    model = WrappedNet().to(current_device())
+    for unit in (model.first, model.second, model):
+        fully_shard(unit, overlap_policy=OverlapPolicy(max_unsharded_units=1))
+    x = _inputs(dist.get_rank())
+    model(x).backward()
+    reference(x).backward()
+    expected = {}
+    for name, param in reference.named_parameters():
+        dist.all_reduce(param.grad)
+        expected[name] = param.grad / dist.get_world_size()
+    return _grads(model), expected
+
+
+def test_an_output_inside_a_registered_pytree_node_gathers_before_its_backward():
+    # `first` is freed when the forward ends; only a hook on the tensor inside `Hidden` gathers
+    # it again before its backward.
+    for grads, expected in run_distributed(_output_inside_a_pytree_node, 2):
         assert grads.keys() == expected.keys()
         for name in expected:
             torch.testing.assert_close(grads[name], expected[name], msg=name)

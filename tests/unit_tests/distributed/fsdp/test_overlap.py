@@ -162,6 +162,28 @@ def test_overlap_policy_rejects_a_zero_bound():
         OverlapPolicy(max_unsharded_units=0)
 
 
+def _first_forward_with_a_layer_policy(root_policy: OverlapPolicy | None) -> str:
+    model = build_tiny_gpt(tiny_gpt_config(num_layers=2))
+    for layer in model.decoder.layers:
+        fully_shard(layer, overlap_policy=OverlapPolicy(max_unsharded_units=1))
+    fully_shard(model, overlap_policy=root_policy)
+    tokens, labels = make_token_batches(1, 2)[0]
+    try:
+        model(tokens, labels=labels)
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def test_a_layer_policy_other_than_the_roots_is_refused():
+    # One schedule governs a root's units: a different one below it would be silently ignored.
+    message = run_distributed(_first_forward_with_a_layer_policy, 1, None)[0]
+    assert "TransformerLayer" in message and "Pass the same OverlapPolicy" in message
+    # Repeated on the root, it is the root's.
+    same = OverlapPolicy(max_unsharded_units=1)
+    assert run_distributed(_first_forward_with_a_layer_policy, 1, same)[0] == "ran"
+
+
 # start_param_sync.
 
 
@@ -211,6 +233,19 @@ def _symm_mem_on_cpu() -> str:
     with pytest.raises(ValueError, match="use_symm_mem") as error:
         _adapter({"use_symm_mem": True})
     return str(error.value)
+
+
+def _staging_requests() -> list[int]:
+    return [
+        len(group.staging_requests()) for group in parameter_groups(_sharded_gpt(OverlapPolicy()))
+    ]
+
+
+def test_symmetric_staging_is_reserved_only_for_groups_that_communicate():
+    # ZeRO-3 groups all-gather weights and reduce-scatter gradients over 2 ranks; over 1 rank
+    # they copy, and symmetric memory reserved for them would be wasted.
+    assert run_distributed(_staging_requests, 2)[0] == [2] * (NUM_LAYERS + 1)
+    assert run_distributed(_staging_requests, 1)[0] == [0] * (NUM_LAYERS + 1)
 
 
 def test_use_symm_mem_without_cuda_names_the_flag():
