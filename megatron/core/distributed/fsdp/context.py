@@ -189,8 +189,9 @@ class FsdpContext:
     def order_gathers(self) -> None:
         """Makes the all-gathers issued from now on run after the current stream's queued work
         (an optimizer step or a load that wrote the main weights). Called where a forward
-        starts (within a forward and its backward the main weights do not change, so their
-        gathers need no further wait for correctness) and before each backward prefetch."""
+        starts, before gathering weights a step or a load changed, and before each backward
+        prefetch; within a pass the main weights do not change, so other gathers need no
+        further wait."""
         if self.streams is not None:
             self.streams.all_gather.wait_stream(self.streams.current())
         self._gathers_ordered = True
