@@ -286,10 +286,19 @@ class FsdpContext:
         while len(self._releasable) > 1:
             self._free_oldest_released()
 
+    def zero_grad(self) -> None:
+        """Forgets every unit's accumulated gradients and frees their memory (the adapter's
+        `zero_grad_buffer()`)."""
+        self._wait_pending_reductions()
+        for unit in self.units():
+            for group in unit.groups:
+                if group.requires_grad:
+                    group.zero_grad()
+
     def release_dropped_grads(self) -> None:
         """Frees the gradient memory of every group whose gradients the optimizer's
         `zero_grad()` dropped, before the forward where activations peak."""
-        self.wait_pending_reductions()
+        self._wait_pending_reductions()
         for unit in self.units():
             for group in unit.groups:
                 group.release_dropped_grads()
@@ -334,15 +343,15 @@ class FsdpContext:
             if group.requires_grad and (group.awaits_grads or not awaiting_only)
         ]
         if groups:
-            self.wait_pending_reductions()
+            self._wait_pending_reductions()
         for group in groups:
             if self.comm.symmetric is not None:
-                self.wait_pending_reductions()
+                self._wait_pending_reductions()
             packed = group.reduce_grads(streams)
             if packed is not None:
                 self._reductions.append((streams.reduce_scatter.record_event(), packed))
 
-    def wait_pending_reductions(self) -> None:
+    def _wait_pending_reductions(self) -> None:
         """Makes the current stream wait for the reduce-scatters not yet waited for (in stream
         order: the last one's event covers all) and drops their packed buffers, which frees
         them. None are pending after a complete backward; after a failed one the gradient

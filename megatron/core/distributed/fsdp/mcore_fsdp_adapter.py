@@ -118,10 +118,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def zero_grad_buffer(self) -> None:
         """Forgets accumulated gradients before the first microbatch of a step."""
         for context in self._contexts:
-            context.wait_pending_reductions()
-        for group in self._groups:
-            if group.requires_grad:
-                group.zero_grad()
+            context.zero_grad()
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Runs the reductions deferred to the end of the step (same as `finish_grad_sync`)."""

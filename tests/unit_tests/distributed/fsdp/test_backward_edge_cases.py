@@ -99,12 +99,40 @@ def _averaged_reference_grads(batches) -> dict[str, torch.Tensor]:
     reference = Net().to(current_device())
     for x, use_b in batches:
         reference(x, use_b).backward()
+    return _averaged_grads(reference)
+
+
+def _averaged_grads(reference: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients of an unsharded model (zeros where none), averaged over ranks."""
     averaged = {}
     for name, param in reference.named_parameters():
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         dist.all_reduce(grad)
         averaged[name] = grad / dist.get_world_size()
     return averaged
+
+
+def _one_backward(build, units, **fully_shard_kwargs) -> tuple[dict, dict]:
+    """One backward on this rank's input of `build()` sharded (`units(model)`, bottom-up, each
+    wrapped with `fully_shard_kwargs`) and unsharded: the sharded model's gradients and the
+    unsharded one's averaged over ranks."""
+    torch.manual_seed(0)
+    reference = build().to(current_device())
+    torch.manual_seed(0)
+    model = build().to(current_device())
+    for unit in units(model):
+        fully_shard(unit, **fully_shard_kwargs)
+    x = _inputs(dist.get_rank())
+    model(x).backward()
+    reference(x).backward()
+    return _grads(model), _averaged_grads(reference)
+
+
+def _assert_grads_match(results: list[tuple[dict, dict]]) -> None:
+    for grads, expected in results:
+        assert grads.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], msg=name)
 
 
 def _unused_on_some_ranks(strategy: str, one_f_one_b: bool) -> tuple[dict, dict]:
@@ -122,10 +150,7 @@ def _unused_on_some_ranks(strategy: str, one_f_one_b: bool) -> tuple[dict, dict]
 @pytest.mark.parametrize("one_f_one_b", [False, True], ids=["1f1b-off", "1f1b"])
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim"])
 def test_parameters_unused_on_some_ranks_reduce_correctly(strategy, one_f_one_b):
-    for grads, expected in run_distributed(_unused_on_some_ranks, 2, strategy, one_f_one_b):
-        assert grads.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(grads[name], expected[name], msg=name)
+    _assert_grads_match(run_distributed(_unused_on_some_ranks, 2, strategy, one_f_one_b))
 
 
 def _recompute_training(granularity: str | None, strategy: str) -> dict:
@@ -188,21 +213,12 @@ class Reuse(torch.nn.Module):
 
 
 def _reused_units(strategy: str, max_units: int) -> tuple[dict, dict]:
-    torch.manual_seed(0)
-    reference = Reuse().to(current_device())
-    torch.manual_seed(0)
-    model = Reuse().to(current_device())
-    policy = OverlapPolicy(max_unsharded_units=max_units)
-    for unit in (model.block, model.pair, model):
-        fully_shard(unit, sharding_strategy=strategy, overlap_policy=policy)
-    x = _inputs(dist.get_rank())
-    model(x).backward()
-    reference(x).backward()
-    expected = {}
-    for name, param in reference.named_parameters():
-        dist.all_reduce(param.grad)
-        expected[name] = param.grad / dist.get_world_size()
-    return _grads(model), expected
+    return _one_backward(
+        Reuse,
+        lambda model: (model.block, model.pair, model),
+        sharding_strategy=strategy,
+        overlap_policy=OverlapPolicy(max_unsharded_units=max_units),
+    )
 
 
 @pytest.mark.parametrize("max_units", [1, 2])
@@ -211,10 +227,7 @@ def test_a_unit_run_twice_and_a_unit_with_two_outputs_get_every_gradient(strateg
     # The block's second run's backward reduces and releases it; the pair's backward, in
     # between, may free it (a bound of 1), so the first run's backward must gather it again and
     # reduce again. Either output's gradient starts the pair's backward.
-    for grads, expected in run_distributed(_reused_units, 2, strategy, max_units):
-        assert grads.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(grads[name], expected[name], msg=name)
+    _assert_grads_match(run_distributed(_reused_units, 2, strategy, max_units))
 
 
 @dataclasses.dataclass
@@ -250,29 +263,17 @@ class WrappedNet(torch.nn.Module):
 
 
 def _output_inside_a_pytree_node() -> tuple[dict, dict]:
-    torch.manual_seed(0)
-    reference = WrappedNet().to(current_device())
-    torch.manual_seed(0)
-    model = WrappedNet().to(current_device())
-    for unit in (model.first, model.second, model):
-        fully_shard(unit, overlap_policy=OverlapPolicy(max_unsharded_units=1))
-    x = _inputs(dist.get_rank())
-    model(x).backward()
-    reference(x).backward()
-    expected = {}
-    for name, param in reference.named_parameters():
-        dist.all_reduce(param.grad)
-        expected[name] = param.grad / dist.get_world_size()
-    return _grads(model), expected
+    return _one_backward(
+        WrappedNet,
+        lambda model: (model.first, model.second, model),
+        overlap_policy=OverlapPolicy(max_unsharded_units=1),
+    )
 
 
 def test_an_output_inside_a_registered_pytree_node_gathers_before_its_backward():
     # `first` is freed when the forward ends; only a hook on the tensor inside `Hidden` gathers
     # it again before its backward.
-    for grads, expected in run_distributed(_output_inside_a_pytree_node, 2):
-        assert grads.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(grads[name], expected[name], msg=name)
+    _assert_grads_match(run_distributed(_output_inside_a_pytree_node, 2))
 
 
 def _checkpoint_inside_root() -> tuple[dict, dict]:
@@ -283,9 +284,7 @@ def _checkpoint_inside_root() -> tuple[dict, dict]:
 
 
 def test_checkpoint_inside_a_unit_sees_its_compute_weights():
-    for grads, expected in run_distributed(_checkpoint_inside_root, 2):
-        for name in expected:
-            torch.testing.assert_close(grads[name], expected[name], msg=name)
+    _assert_grads_match(run_distributed(_checkpoint_inside_root, 2))
 
 
 def _after_failed_backward(strategy: str) -> tuple[dict, dict]:
@@ -306,10 +305,7 @@ def _after_failed_backward(strategy: str) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
 def test_backward_after_a_failed_backward_is_complete(strategy):
-    for grads, expected in run_distributed(_after_failed_backward, 2, strategy):
-        assert grads.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(grads[name], expected[name], msg=name)
+    _assert_grads_match(run_distributed(_after_failed_backward, 2, strategy))
 
 
 def _second_step_grads(dtype_name: str, strategy: str, set_to_none: bool) -> dict:
