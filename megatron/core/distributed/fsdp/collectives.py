@@ -6,12 +6,17 @@ symmetric kernels do not), skipping communication on single-rank groups, and whe
 buffers come from (the caching allocator, or NCCL symmetric memory with `use_symm_mem`). The
 calls are synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
 reduce-scatter stream on GPU), so the same code runs on CPU and GPU.
+
+Weights are gathered tensor by tensor, straight into the whole tensors (`all_gather_tensors`, one
+NCCL group launch): gathering one flat buffer would need an unpacking kernel whose host cost
+grows with the bytes moved (`split_with_sizes_copy` builds per-block metadata on the host).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from megatron.core.distributed.fsdp.symmetric_memory import SymmetricStaging
 
@@ -27,6 +32,11 @@ class Collectives:
     def __init__(self, symmetric: SymmetricStaging | None = None):
         self.symmetric = symmetric
 
+    def uses_symmetric_memory(self, group: dist.ProcessGroup) -> bool:
+        """Whether collectives over `group` stage in symmetric memory (a group of one rank
+        communicates nothing, so it never does)."""
+        return self.symmetric is not None and group.size() > 1
+
     def staging(
         self,
         role: str,
@@ -37,7 +47,7 @@ class Collectives:
     ) -> torch.Tensor:
         """An uninitialised buffer of `numel` elements for the `role` collective over `group`
         (`symmetric_memory.ALL_GATHER` output or `REDUCE_SCATTER` input)."""
-        if self.symmetric is not None and group.size() > 1:
+        if self.uses_symmetric_memory(group):
             return self.symmetric.buffer(role, group, dtype, numel)
         return torch.empty(numel, dtype=dtype, device=device)
 
@@ -57,6 +67,19 @@ class Collectives:
         own = output.view(group.size(), -1)[group.rank()]
         own.copy_(input)
         _all_gather_single(output, own, group=group)
+
+    def all_gather_tensors(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        group: dist.ProcessGroup,
+    ) -> None:
+        """Gathers each `inputs[i]` from every rank into `outputs[i]` (in group-rank order), as
+        one grouped collective: NCCL launches one kernel for all of them."""
+        if group.size() == 1:
+            torch._foreach_copy_(outputs, inputs)
+            return
+        _all_gather_coalesced(outputs, inputs, group=group)
 
     def reduce_scatter(
         self,
@@ -101,6 +124,23 @@ class Collectives:
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER_COALESCED = (
+    "all_gather_single_coalesced"
+    if hasattr(dist.ProcessGroup, "all_gather_single_coalesced")
+    else "allgather_into_tensor_coalesced"
+)
+
+
+def _all_gather_coalesced(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, group: dist.ProcessGroup
+) -> None:
+    """The grouped all-gather, synchronous on the current stream (as `dist.*` calls without
+    `async_op`); the process group's method, since `torch.distributed` has no public call."""
+    options = AllgatherOptions()
+    options.asyncOp = False
+    work = getattr(group, _ALL_GATHER_COALESCED)(outputs, inputs, options)
+    if work is not None:  # NCCL has ordered the current stream itself; gloo returns a Work
+        work.wait()
 
 
 def _finish_average(

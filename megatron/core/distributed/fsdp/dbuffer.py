@@ -10,7 +10,9 @@ last holding 1 row and 15 elements of padding.
 This is the layout NCCL's all-gather and reduce-scatter produce and consume, so a gathered
 buffer is shard-major. The tensors of the module want the opposite, each tensor contiguous:
 `ShardLayout.unsharded()` is that layout (one shard, each tensor padded to N chunks), and
-`copy_chunks_out` / `copy_chunks_in` move data between the two in one fused kernel each.
+`copy_chunks_out` / `copy_chunks_in` move data between the two in one kernel each. (Whole
+weights skip the gathered buffer: chunk r of a padded tensor is its row block r, so each tensor's
+chunks can be all-gathered straight into it; see `Collectives.all_gather_tensors`.)
 
 `DBuffer` is one 1-D storage in a layout: either this rank's shard only (`sharded=True`) or all
 N shards (replicated, or gathered). Its storage can be released and reallocated in place, which
@@ -59,6 +61,8 @@ class ShardLayout:
             offset += numel
         self.shard_numel = offset
         self.numel = offset * num_shards
+        # No chunk is short (so none is padded): every tensor splits into N full chunks.
+        self.splits_evenly = all(shape[0] % num_shards == 0 for shape in self.shapes)
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -241,12 +245,27 @@ def copy_chunks_out(
         )
 
 
+def concatenates(tensors: Sequence[torch.Tensor], layout: ShardLayout) -> bool:
+    """Whether `copy_chunks_in` can pack `tensors` by concatenation into a buffer of their
+    own dtype: contiguous, of one dtype, each split into N full chunks."""
+    dtype = tensors[0].dtype
+    return layout.splits_evenly and all(t.dtype == dtype and t.is_contiguous() for t in tensors)
+
+
 def copy_chunks_in(tensors: Sequence[torch.Tensor], out: torch.Tensor, layout: ShardLayout):
     """Writes whole tensors into `out`, an N x S buffer of `layout`, zero-padding short chunks
-    and casting to `out`'s dtype."""
-    torch._chunk_cat(
-        list(tensors),
-        dim=0,
-        num_chunks=layout.num_shards,
-        out=out.view(layout.num_shards, layout.shard_numel),
-    )
+    and casting to `out`'s dtype, in one kernel.
+
+    `torch.cat` of each tensor's (N, chunk) rows where no chunk is short and no cast is needed:
+    its host cost does not grow with the bytes moved, unlike `torch._chunk_cat`'s (which builds
+    per-block metadata on the host and copies it to the device), the general case here.
+    """
+    rows = out.view(layout.num_shards, layout.shard_numel)
+    if concatenates(tensors, layout) and tensors[0].dtype == out.dtype:
+        torch.cat(
+            [t.view(layout.num_shards, n) for t, n in zip(tensors, layout.chunk_numels)],
+            dim=1,
+            out=rows,
+        )
+    else:
+        torch._chunk_cat(list(tensors), dim=0, num_chunks=layout.num_shards, out=rows)

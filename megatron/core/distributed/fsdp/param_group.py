@@ -35,6 +35,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
     ShardLayout,
     chunk_targets,
+    concatenates,
     copy_chunks_in,
     copy_chunks_out,
 )
@@ -158,6 +159,7 @@ class FsdpParameterGroup:
             else self.main_weight.local_views()
         )
         self._gather_targets = chunk_targets(self.unsharded, self.layout)
+        self._gather_outputs = [target.view(-1) for target in self._gather_targets]
         self.unsharded_params = [
             torch.nn.Parameter(view, requires_grad=requires_grad) for view in self._compute_views
         ]
@@ -311,15 +313,25 @@ class FsdpParameterGroup:
             dst.copy_(src[: shape[0]])
 
     def _gather_into_unsharded(self, shard: torch.Tensor) -> None:
-        """All-gathers every rank's `shard` (cast to the compute dtype in the collective's
-        buffer) over the all-gather group and unpacks it into the whole compute weights."""
+        """All-gathers every rank's `shard` over the all-gather group into the whole compute
+        weights, cast to the compute dtype: each tensor's chunks straight into the tensor, or,
+        with symmetric memory, through the registered window and unpacked from it.
+
+        The writes do not bump the weights' version counter: refilling weights that autograd
+        saved in forward (and that were freed in between) restores the values it saved, which
+        must not read as an in-place modification in backward.
+        """
         dtype = self.unsharded.dtype
-        data = self.comm.staging(
-            ALL_GATHER, self.groups.all_gather, dtype, self.layout.numel, self.device
-        )
-        gathered = DBuffer(self.layout, dtype, self.device, sharded=False, rank=0, data=data)
-        self.comm.all_gather(gathered.full, shard, self.groups.all_gather)
-        copy_chunks_out(gathered, self.unsharded, self._gather_targets)
+        group = self.groups.all_gather
+        if self.comm.uses_symmetric_memory(group):
+            data = self.comm.staging(ALL_GATHER, group, dtype, self.layout.numel, self.device)
+            gathered = DBuffer(self.layout, dtype, self.device, sharded=False, rank=0, data=data)
+            self.comm.all_gather(gathered.full, shard, group)
+            copy_chunks_out(gathered, self.unsharded, self._gather_targets)
+            return
+        chunks = list(shard.to(dtype).split(self.layout.chunk_numels))
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
+            self.comm.all_gather_tensors(self._gather_outputs, chunks, group)
 
     def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
         """(role, process group, dtype, numel) of each staging buffer this group's per-unit
@@ -424,15 +436,9 @@ class FsdpParameterGroup:
         self, grads: list[torch.Tensor], first: bool, streams: CommStreams | None
     ) -> torch.Tensor | None:
         """Packs `grads` (emptying the list) and reduce-scatters them into `main_grad`."""
-        comm_dtype = self.precision.grad_comm
-        data = self.comm.staging(
-            REDUCE_SCATTER, self.groups.shard, comm_dtype, self.layout.numel, self.device
-        )
-        staging = DBuffer(self.layout, comm_dtype, self.device, sharded=False, rank=0, data=data)
-        copy_chunks_in(grads, staging.full, self.layout)
+        staging = self._pack_grads(grads)
         # Packed, the whole gradients are freed before the step's first reduction allocates
         # the gradient shards: at the root's (the largest unit's) they would peak together.
-        grads.clear()
         if first:
             self._allocate_grads()
         if streams is None:
@@ -442,6 +448,31 @@ class FsdpParameterGroup:
             streams.reduce_scatter.wait_stream(compute)
             self._reduce_scatter_packed(staging, first)
         return staging.data
+
+    def _pack_grads(self, grads: list[torch.Tensor]) -> DBuffer:
+        """`grads` packed N x S in the reduction dtype, into the reduce-scatter's staging
+        buffer; empties the list, which frees them.
+
+        A cast (bf16 gradients reduced in fp32) follows the packing instead of happening inside
+        it wherever the gradients concatenate: `_chunk_cat`, which casts while packing, costs
+        host time that grows with the bytes moved. The whole gradients are freed before the
+        staging buffer is allocated, so memory peaks no higher than when packing casts.
+        """
+        comm_dtype = self.precision.grad_comm
+        packed = None
+        if grads[0].dtype != comm_dtype and concatenates(grads, self.layout):
+            packed = torch.empty(self.layout.numel, dtype=grads[0].dtype, device=self.device)
+            copy_chunks_in(grads, packed, self.layout)
+            grads.clear()
+        data = self.comm.staging(
+            REDUCE_SCATTER, self.groups.shard, comm_dtype, self.layout.numel, self.device
+        )
+        if packed is None:
+            copy_chunks_in(grads, data, self.layout)
+            grads.clear()
+        else:
+            data.copy_(packed)
+        return DBuffer(self.layout, comm_dtype, self.device, sharded=False, rank=0, data=data)
 
     def _reduce_scatter_packed(self, staging: DBuffer, first: bool) -> None:
         direct = first and staging.dtype == self.main_grad.dtype

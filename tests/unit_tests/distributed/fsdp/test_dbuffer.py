@@ -57,6 +57,32 @@ def test_layout_chunks_like_torch_chunk_and_round_trips(num_shards):
     assert gathered.full.count_nonzero() == 0
 
 
+@pytest.mark.parametrize("num_shards", [2, 4])
+def test_packing_takes_the_concatenation_only_where_it_equals_chunk_cat(num_shards):
+    # Every tensor splits into full chunks: the same-dtype pack is a plain concatenation of
+    # each tensor's (N, chunk) rows; a cast, a short chunk or a strided tensor takes
+    # `_chunk_cat`. All must equal chunking each tensor and laying the chunks out by shard.
+    even = [torch.Size((8, 3)), torch.Size((4,)), torch.Size((num_shards, 5))]
+    generator = torch.Generator().manual_seed(1)
+    cases = {
+        "concatenated": ([torch.randn(s, generator=generator) for s in even], torch.float32),
+        "cast": ([torch.randn(s, generator=generator) for s in even], torch.float64),
+        "strided": ([torch.randn(s[::-1], generator=generator).T for s in even], torch.float32),
+        "short chunk": (_tensors(), torch.float32),
+    }
+    for name, (tensors, dtype) in cases.items():
+        layout = ShardLayout([t.shape for t in tensors], num_shards)
+        assert layout.splits_evenly == (name != "short chunk")
+        out = torch.full((layout.numel,), float("nan"), dtype=dtype)
+        copy_chunks_in(tensors, out, layout)
+        expected = torch.zeros(num_shards, layout.shard_numel, dtype=dtype)
+        for i, tensor in enumerate(tensors):
+            for shard, chunk in enumerate(torch.chunk(tensor, num_shards)):
+                start = layout.offsets[i]
+                expected[shard, start : start + chunk.numel()] = chunk.reshape(-1).to(dtype)
+        assert torch.equal(out.view(num_shards, -1), expected), name
+
+
 def test_layout_rejects_0_dim_tensors():
     with pytest.raises(ValueError, match="shape \\(1,\\)"):
         ShardLayout([torch.Size(())], 2)

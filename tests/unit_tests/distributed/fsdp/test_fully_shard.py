@@ -144,10 +144,10 @@ def _count_weight_syncs(strategy: str) -> dict:
     model = _shard_model(build_model("gpt", True), strategy)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     groups = parameter_groups(model)
-    all_gathers = mock.Mock(wraps=collectives._all_gather_single)
+    all_gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
     tokens, labels = device_batch(6)
     tokens, labels = tokens.chunk(world_size)[rank], labels.chunk(world_size)[rank]
-    with mock.patch.object(collectives, "_all_gather_single", all_gathers):
+    with mock.patch.object(collectives, "_all_gather_coalesced", all_gathers):
         for _ in range(2):
             for i in range(3):
                 with microbatch(model, is_first=i == 0, is_last=i == 2):

@@ -83,9 +83,9 @@ def _held_and_gathered(max_units: int) -> dict:
         output.register_hook(before_embedding_backward)
 
     model.embedding.register_forward_hook(hook_embedding_output)
-    gathers = mock.Mock(wraps=collectives._all_gather_single)
+    gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
     gathers_per_step, held_after_forward = [], []
-    with mock.patch.object(collectives, "_all_gather_single", gathers):
+    with mock.patch.object(collectives, "_all_gather_coalesced", gathers):
         for tokens, labels in make_token_batches(2, 4):
             tokens = shard_batch(tokens, rank, world_size)
             labels = shard_batch(labels, rank, world_size)
@@ -199,9 +199,9 @@ def _gathers_in_start_param_sync(in_start: bool) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fsdp = _adapter({"fsdp_all_gather_in_start_param_sync": in_start})
     optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
-    gathers = mock.Mock(wraps=collectives._all_gather_single)
+    gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
     in_sync, per_step, losses = [], [], []
-    with mock.patch.object(collectives, "_all_gather_single", gathers):
+    with mock.patch.object(collectives, "_all_gather_coalesced", gathers):
         for tokens, labels in make_token_batches(2, 4):
             tokens = shard_batch(tokens, rank, world_size)
             labels = shard_batch(labels, rank, world_size)
