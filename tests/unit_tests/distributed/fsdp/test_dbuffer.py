@@ -13,7 +13,7 @@ from megatron.core.distributed.fsdp import (
     ShardLayout,
 )
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.dbuffer import copy_chunks_in, copy_chunks_out
+from megatron.core.distributed.fsdp.dbuffer import chunk_targets, copy_chunks_in, copy_chunks_out
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 
@@ -133,6 +133,13 @@ def _collectives() -> dict:
     gathered_ok = all(
         torch.equal(v[: t.shape[0]].cpu(), t) for v, t in zip(unsharded.tensor_views(), full)
     )
+    # Weights skip the gathered buffer: each tensor's chunks go straight into the tensor.
+    direct = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
+    outputs = [target.view(-1) for target in chunk_targets(direct, layout)]
+    comm.all_gather_tensors(outputs, list(shard.shard.split(layout.chunk_numels)), group)
+    gathered_tensorwise_ok = all(
+        torch.equal(v[: t.shape[0]].cpu(), t) for v, t in zip(direct.tensor_views(), full)
+    )
     # Each rank contributes (rank + 1) * tensor; the average is (N + 1) / 2 * tensor.
     contribution = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
     copy_chunks_in([(rank + 1) * t.to(device) for t in full], contribution.full, layout)
@@ -150,6 +157,7 @@ def _collectives() -> dict:
     return dict(
         same_storage=gathered.data.data_ptr() == pointer,
         gathered_ok=gathered_ok,
+        gathered_tensorwise_ok=gathered_tensorwise_ok,
         reduce_scatter_ok=all(torch.allclose(a, b) for a, b in zip(reduced, expected))
         and len(reduced) == len(expected),
         all_reduce_ok=torch.allclose(
@@ -158,11 +166,15 @@ def _collectives() -> dict:
     )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_collectives_into_preallocated_buffers(world_size):
     for r in run_distributed(_collectives, world_size):
         assert r == dict(
-            same_storage=True, gathered_ok=True, reduce_scatter_ok=True, all_reduce_ok=True
+            same_storage=True,
+            gathered_ok=True,
+            gathered_tensorwise_ok=True,
+            reduce_scatter_ok=True,
+            all_reduce_ok=True,
         )
 
 
