@@ -71,14 +71,17 @@ class Collectives:
     def all_gather_tensors(
         self,
         outputs: list[torch.Tensor],
-        inputs: list[torch.Tensor],
+        shard: torch.Tensor,
+        sizes: list[int],
         group: dist.ProcessGroup,
     ) -> None:
-        """Gathers each `inputs[i]` from every rank into `outputs[i]` (in group-rank order), as
-        one grouped collective: NCCL launches one kernel for all of them."""
+        """Gathers chunk i of `shard` (split by `sizes`) from every rank into `outputs[i]` (in
+        group-rank order), in the outputs' dtype, as one grouped collective: NCCL launches one
+        kernel for all of them. A cast goes through a transient copy of `shard`."""
         if group.size() == 1:
-            torch._foreach_copy_(outputs, inputs)
+            torch._foreach_copy_(outputs, shard.split(sizes))
             return
+        inputs = list(shard.to(outputs[0].dtype).split(sizes))
         _all_gather_coalesced(outputs, inputs, group=group)
 
     def reduce_scatter(
@@ -135,11 +138,14 @@ def _all_gather_coalesced(
     outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, group: dist.ProcessGroup
 ) -> None:
     """The grouped all-gather, synchronous on the current stream (as `dist.*` calls without
-    `async_op`); the process group's method, since `torch.distributed` has no public call."""
+    `async_op`). `torch.distributed` has no public call for it; this is the process group
+    method torch's own `_coalescing_manager` uses (renamed in 2.13, like the calls above)."""
     options = AllgatherOptions()
     options.asyncOp = False
     work = getattr(group, _ALL_GATHER_COALESCED)(outputs, inputs, options)
-    if work is not None:  # NCCL has ordered the current stream itself; gloo returns a Work
+    if work is not None:
+        # Orders the current stream after the collective (gloo: waits for it), should a build
+        # have run it on a stream of its own.
         work.wait()
 
 

@@ -329,9 +329,10 @@ class FsdpParameterGroup:
             self.comm.all_gather(gathered.full, shard, group)
             copy_chunks_out(gathered, self.unsharded, self._gather_targets)
             return
-        chunks = list(shard.to(dtype).split(self.layout.chunk_numels))
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
-            self.comm.all_gather_tensors(self._gather_outputs, chunks, group)
+            self.comm.all_gather_tensors(
+                self._gather_outputs, shard, self.layout.chunk_numels, group
+            )
 
     def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
         """(role, process group, dtype, numel) of each staging buffer this group's per-unit
@@ -453,15 +454,22 @@ class FsdpParameterGroup:
         """`grads` packed N x S in the reduction dtype, into the reduce-scatter's staging
         buffer; empties the list, which frees them.
 
-        A cast (bf16 gradients reduced in fp32) follows the packing instead of happening inside
-        it wherever the gradients concatenate: `_chunk_cat`, which casts while packing, costs
-        host time that grows with the bytes moved. The whole gradients are freed before the
-        staging buffer is allocated, so memory peaks no higher than when packing casts.
+        A widening cast (bf16 gradients reduced in fp32) follows the packing instead of happening
+        inside it wherever the gradients concatenate: `_chunk_cat`, which casts while packing,
+        costs host time that grows with the bytes moved. The whole gradients are freed before
+        the staging buffer is allocated, so memory peaks no higher than when packing casts. A
+        narrowing cast, or a persistent (symmetric) staging buffer, would raise the peak that
+        way, so those pack and cast in one `_chunk_cat`.
         """
         comm_dtype = self.precision.grad_comm
+        grad_dtype = grads[0].dtype
         packed = None
-        if grads[0].dtype != comm_dtype and concatenates(grads, self.layout):
-            packed = torch.empty(self.layout.numel, dtype=grads[0].dtype, device=self.device)
+        if (
+            grad_dtype.itemsize < comm_dtype.itemsize
+            and not self.comm.uses_symmetric_memory(self.groups.shard)
+            and concatenates(grads, self.layout)
+        ):
+            packed = torch.empty(self.layout.numel, dtype=grad_dtype, device=self.device)
             copy_chunks_in(grads, packed, self.layout)
             grads.clear()
         data = self.comm.staging(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +16,12 @@ import torch.utils._pytree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from megatron.core.distributed.fsdp import OverlapPolicy, fully_shard, fully_shard_optimizer
+from megatron.core.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    OverlapPolicy,
+    fully_shard,
+    fully_shard_optimizer,
+)
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     STEPS,
     train_reference,
@@ -383,3 +389,48 @@ def _deleted_model_is_freed(strategy: str) -> bool:
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
 def test_deleting_the_model_frees_it_without_garbage_collection(strategy):
     assert run_distributed(_deleted_model_is_freed, 2, strategy) == [False, False]
+
+
+def _reduce_in(
+    model_dtype: torch.dtype, comm_dtype: torch.dtype
+) -> tuple[dict, dict, tuple[int, int]]:
+    """One backward of a `model_dtype` Net reducing in `comm_dtype`: its gradients, the
+    unsharded Net's (averaged over ranks in fp32), and how many packs took `torch.cat` and
+    `torch._chunk_cat`."""
+    torch.manual_seed(0)
+    reference = Net().to(current_device(), model_dtype)
+    torch.manual_seed(0)
+    model = Net().to(current_device(), model_dtype)
+    for unit in (*model.blocks, model):
+        fully_shard(unit, mp_policy=MixedPrecisionPolicy(grad_comm_dtype=comm_dtype))
+    x = _inputs(dist.get_rank(), model_dtype)
+    concatenation = mock.Mock(wraps=torch.cat)
+    chunk_cat = mock.Mock(wraps=torch._chunk_cat)
+    with (
+        mock.patch.object(torch, "cat", concatenation),
+        mock.patch.object(torch, "_chunk_cat", chunk_cat),
+    ):
+        model(x).backward()
+    reference(x).backward()
+    expected = {}
+    for name, param in reference.named_parameters():
+        grad = param.grad.float()
+        dist.all_reduce(grad)
+        expected[name] = grad / dist.get_world_size()
+    return _grads(model), expected, (concatenation.call_count, chunk_cat.call_count)
+
+
+def test_gradients_reduced_in_another_dtype_pack_without_raising_the_peak():
+    # bf16 gradients reduced in fp32: the blocks' (full chunks over 2 ranks) are concatenated
+    # in bf16 and cast after; the root's head (1 row) has a padded chunk, so `_chunk_cat` packs
+    # and casts it. fp32 gradients reduced in bf16 always pack and cast at once: packing first
+    # would hold a full-width copy next to the gradients.
+    for model_dtype, comm_dtype, routes in [
+        (torch.bfloat16, torch.float32, (2, 1)),
+        (torch.float32, torch.bfloat16, (0, 3)),
+    ]:
+        for grads, expected, taken in run_distributed(_reduce_in, 2, model_dtype, comm_dtype):
+            assert taken == routes
+            assert grads.keys() == expected.keys()
+            for name in expected:  # bf16 (compute or reduction): 8 mantissa bits
+                torch.testing.assert_close(grads[name], expected[name], rtol=1e-2, atol=1e-3)

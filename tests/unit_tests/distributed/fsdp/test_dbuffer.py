@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,14 +69,22 @@ def test_packing_takes_the_concatenation_only_where_it_equals_chunk_cat(num_shar
     cases = {
         "concatenated": ([torch.randn(s, generator=generator) for s in even], torch.float32),
         "cast": ([torch.randn(s, generator=generator) for s in even], torch.float64),
-        "strided": ([torch.randn(s[::-1], generator=generator).T for s in even], torch.float32),
+        "strided": ([torch.randn(s[::-1], generator=generator).t() for s in even], torch.float32),
         "short chunk": (_tensors(), torch.float32),
     }
     for name, (tensors, dtype) in cases.items():
         layout = ShardLayout([t.shape for t in tensors], num_shards)
         assert layout.splits_evenly == (name != "short chunk")
         out = torch.full((layout.numel,), float("nan"), dtype=dtype)
-        copy_chunks_in(tensors, out, layout)
+        concatenation = mock.Mock(wraps=torch.cat)
+        chunk_cat = mock.Mock(wraps=torch._chunk_cat)
+        with (
+            mock.patch.object(torch, "cat", concatenation),
+            mock.patch.object(torch, "_chunk_cat", chunk_cat),
+        ):
+            copy_chunks_in(tensors, out, layout)
+        concatenated = name == "concatenated"
+        assert (concatenation.call_count, chunk_cat.call_count) == (concatenated, 1 - concatenated)
         expected = torch.zeros(num_shards, layout.shard_numel, dtype=dtype)
         for i, tensor in enumerate(tensors):
             for shard, chunk in enumerate(torch.chunk(tensor, num_shards)):
@@ -136,7 +146,7 @@ def _collectives() -> dict:
     # Weights skip the gathered buffer: each tensor's chunks go straight into the tensor.
     direct = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
     outputs = [target.view(-1) for target in chunk_targets(direct, layout)]
-    comm.all_gather_tensors(outputs, list(shard.shard.split(layout.chunk_numels)), group)
+    comm.all_gather_tensors(outputs, shard.shard, layout.chunk_numels, group)
     gathered_tensorwise_ok = all(
         torch.equal(v[: t.shape[0]].cpu(), t) for v, t in zip(direct.tensor_views(), full)
     )
