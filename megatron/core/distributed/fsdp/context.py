@@ -15,15 +15,15 @@ one unit:
 - the microbatch state that `microbatch()` sets.
 
 Memory discipline (GPU): whole weights and all-gather staging are allocated and freed on the
-all-gather stream, which waits for the event recorded after a unit's last use before freeing
-it; packed gradients are allocated and freed on the compute stream, which waits for the
+all-gather stream, which waits for the event recorded after a unit's last use before freeing it;
+packed gradients are allocated and freed on the compute stream, which waits for the
 reduce-scatter that read them before packing the next. Nothing relies on `record_stream`. The
 all-gather stream waits for the compute stream's queued work at the start of each forward (and
 in `start_param_sync`) and before gathering weights a step or a load changed, not before every
-gather: all-gathers read the main weights, which change only between passes, and the memory
-they reuse is ordered by the events above; in backward each prefetch also waits, to stay under
-the unit computing when it is issued. On
-CPU there are no streams and every step runs in program order, with identical results.
+gather: all-gathers read the main weights, which change only between passes, and the memory they
+reuse is ordered by the events above; in backward each prefetch also waits, to stay under the
+unit computing when it is issued. On CPU there are no streams and every step runs in program
+order, with identical results.
 """
 
 from __future__ import annotations

@@ -295,9 +295,12 @@ class FsdpParameterGroup:
         else:
             self.unsharded.data.copy_(self.main_weight.data)
 
-    def _staging(self, layout: ShardLayout, dtype: torch.dtype) -> DBuffer:
-        """A whole (unsharded), uninitialised buffer of `layout` for one collective."""
-        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False)
+    def _staging(
+        self, layout: ShardLayout, dtype: torch.dtype, data: torch.Tensor | None = None
+    ) -> DBuffer:
+        """A whole (unsharded) buffer of `layout` for one collective: `data` (from
+        `Collectives.staging`), or fresh uninitialised memory."""
+        return DBuffer(layout, dtype, self.device, sharded=False, rank=0, zeroed=False, data=data)
 
     def _sync_outer_sharded(self) -> None:
         """HFSDP: gathers this replica's inner shard from the outer shards of the main weights."""
@@ -325,7 +328,7 @@ class FsdpParameterGroup:
         group = self.groups.all_gather
         if self.comm.uses_symmetric_memory(group):
             data = self.comm.staging(ALL_GATHER, group, dtype, self.layout.numel, self.device)
-            gathered = DBuffer(self.layout, dtype, self.device, sharded=False, rank=0, data=data)
+            gathered = self._staging(self.layout, dtype, data)
             self.comm.all_gather(gathered.full, shard, group)
             copy_chunks_out(gathered, self.unsharded, self._gather_targets)
             return
@@ -480,7 +483,7 @@ class FsdpParameterGroup:
             grads.clear()
         else:
             data.copy_(packed)
-        return DBuffer(self.layout, comm_dtype, self.device, sharded=False, rank=0, data=data)
+        return self._staging(self.layout, comm_dtype, data)
 
     def _reduce_scatter_packed(self, staging: DBuffer, first: bool) -> None:
         direct = first and staging.dtype == self.main_grad.dtype

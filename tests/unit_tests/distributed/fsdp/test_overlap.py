@@ -471,12 +471,13 @@ def _forward_memory() -> dict:
 @_needs_2_gpus
 def test_forward_memory_is_bounded_and_freed_with_the_model():
     bound = OverlapPolicy().max_unsharded_units
-    # The model has more layers than the bound lets live at once (with one being unpacked), so
-    # the limit below is tighter than holding every layer's whole weights.
+    # The model has more layers than the bound lets live at once (plus one unit's worth of
+    # all-gather transients), so the limit below is tighter than holding every layer's weights.
     assert NUM_LAYERS > bound + 1
     for r in run_distributed(_forward_memory, 2):
         # Activations and temporaries (those of the unsharded model), plus whole weights of
-        # the root and of at most `bound` layers, plus one all-gather output being unpacked.
+        # the root and of at most `bound` layers, plus at most one unit of all-gather transients
+        # (the cast shard gathered from; with symmetric memory, the window being unpacked).
         limit = r["activations"] + r["root"] + (bound + 1) * r["largest_unit"]
         assert r["peak"] <= limit, r
         assert r["leftover"] == 0, "the model's GPU memory outlived it"
