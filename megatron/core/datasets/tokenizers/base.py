@@ -22,10 +22,24 @@ class MegatronTokenizer(ABC):
     Args:
         vocab: token text -> id, complete once the subclass's constructor returns; None for a
             tokenizer whose ids have no texts (`vocab` and `inv_vocab` then raise).
+        eod: the end-of-document id; a keyword every subclass must pass, None only where the
+            tokenizer has none (`eod` then raises).
+        bos: the beginning-of-sequence id, or None where there is none.
+        eos: the end-of-sequence id, or None where there is none.
+        pad: the padding id, or None where there is none.
     """
 
-    def __init__(self, vocab: dict[str, int] | None):
+    def __init__(
+        self,
+        vocab: dict[str, int] | None,
+        *,
+        eod: int | None,
+        bos: int | None = None,
+        eos: int | None = None,
+        pad: int | None = None,
+    ):
         self._vocab = vocab
+        self._special_ids = {"eod": eod, "bos": bos, "eos": eos, "pad": pad}
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -61,9 +75,13 @@ class MegatronTokenizer(ABC):
         return {index: token for token, index in self.vocab.items()}
 
     @property
-    @abstractmethod
     def eod(self) -> int:
-        """The end-of-document id, appended after each document when preprocessing."""
+        """The end-of-document id, appended after each document when preprocessing.
+
+        Raises:
+            NotImplementedError: the tokenizer has none.
+        """
+        return self._special_id("eod")
 
     @property
     def bos(self) -> int:
@@ -72,7 +90,7 @@ class MegatronTokenizer(ABC):
         Raises:
             NotImplementedError: the tokenizer has none.
         """
-        raise self._missing("bos")
+        return self._special_id("bos")
 
     @property
     def eos(self) -> int:
@@ -81,7 +99,7 @@ class MegatronTokenizer(ABC):
         Raises:
             NotImplementedError: the tokenizer has none.
         """
-        raise self._missing("eos")
+        return self._special_id("eos")
 
     @property
     def pad(self) -> int:
@@ -90,7 +108,14 @@ class MegatronTokenizer(ABC):
         Raises:
             NotImplementedError: the tokenizer has none.
         """
-        raise self._missing("pad")
+        return self._special_id("pad")
+
+    def _special_id(self, name: str) -> int:
+        """The id of special token `name`, or Megatron's error where the tokenizer has none."""
+        index = self._special_ids[name]
+        if index is None:
+            raise self._missing(name)
+        return index
 
     def _missing(self, name: str) -> NotImplementedError:
         """The error for a special token this tokenizer does not have (Megatron-LM's)."""

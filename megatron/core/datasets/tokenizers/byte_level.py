@@ -30,7 +30,9 @@ class ByteLevelTokenizer(MegatronTokenizer):
         vocab = {_byte_token(byte): byte for byte in range(NUM_BYTES)}
         for offset, token in enumerate(SPECIAL_TOKENS):
             vocab[token] = NUM_BYTES + offset
-        super().__init__(vocab)
+        super().__init__(
+            vocab, eod=vocab["<eos>"], bos=vocab["<bos>"], eos=vocab["<eos>"], pad=vocab["<pad>"]
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -45,22 +47,6 @@ class ByteLevelTokenizer(MegatronTokenizer):
                     f"ByteLevelTokenizer: id {index} is not in [0, {self.vocab_size})."
                 )
         return data.decode("utf-8", errors="replace")
-
-    @property
-    def pad(self) -> int:
-        return self._vocab["<pad>"]
-
-    @property
-    def bos(self) -> int:
-        return self._vocab["<bos>"]
-
-    @property
-    def eos(self) -> int:
-        return self._vocab["<eos>"]
-
-    @property
-    def eod(self) -> int:
-        return self.eos
 
 
 def _byte_token(byte: int) -> str:

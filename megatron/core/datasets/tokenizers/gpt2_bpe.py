@@ -68,14 +68,14 @@ class GPT2BPETokenizer(MegatronTokenizer):
                 "GPT2BPETokenizer needs the `regex` package: pip install regex"
             ) from error
         self._pattern = regex.compile(GPT2_PATTERN)
-        super().__init__(_load_vocab(vocab_file))
+        vocab = _load_vocab(vocab_file)
         self._ranks = _load_merges(merge_file)
-        if EOD_TOKEN not in self._vocab:
+        if EOD_TOKEN not in vocab:
             raise ValueError(
                 f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} token, which GPT2BPETokenizer "
                 "uses as its end-of-document id; add it to the vocabulary."
             )
-        self._eod_id = self._vocab[EOD_TOKEN]
+        super().__init__(vocab, eod=vocab[EOD_TOKEN], eos=vocab[EOD_TOKEN])
         self._byte_encoder = bytes_to_unicode()
         self._byte_decoder = {char: byte for byte, char in self._byte_encoder.items()}
         self._cache: dict[str, tuple[str, ...]] = {}
@@ -131,14 +131,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
             self._cache.clear()
         self._cache[word] = parts
         return parts
-
-    @property
-    def eod(self) -> int:
-        return self._eod_id
-
-    @property
-    def eos(self) -> int:
-        return self._eod_id
 
 
 def _load_vocab(path: str | os.PathLike) -> dict[str, int]:

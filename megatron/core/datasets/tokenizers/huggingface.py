@@ -55,7 +55,13 @@ class HuggingFaceTokenizer(MegatronTokenizer):
                 "HuggingFace tokenizer; it must hold tokenizer files as written by a "
                 f"tokenizer's save_pretrained(directory) ({error})"
             ) from error
-        super().__init__(self._tokenizer.get_vocab())
+        super().__init__(
+            self._tokenizer.get_vocab(),
+            eod=self._tokenizer.eos_token_id,
+            bos=self._tokenizer.bos_token_id,
+            eos=self._tokenizer.eos_token_id,
+            pad=self._tokenizer.pad_token_id,
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tokenizer(text).input_ids)
@@ -68,36 +74,11 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         """All ids, added tokens included (`len(tokenizer)`, not the base vocabulary's size)."""
         return len(self._tokenizer)
 
-    def _special_id(self, name: str) -> int:
-        """The id of the tokenizer's `{name}_token`, or Megatron's error where it has none."""
-        index = getattr(self._tokenizer, f"{name}_token_id", None)
-        if index is None:
-            raise self._missing(name)
-        return index
-
-    @property
-    def eod(self) -> int:
-        """The tokenizer's EOS id.
-
-        Raises:
-            NotImplementedError: the tokenizer has no EOS token, so no end-of-document id.
-        """
-        try:
-            return self._special_id("eos")
-        except NotImplementedError:
-            raise NotImplementedError(
-                "HuggingFaceTokenizer has no attribute 'eod': the tokenizer has no eos_token, "
-                "which is its end-of-document id; save it with an eos_token set."
-            ) from None
-
-    @property
-    def eos(self) -> int:
-        return self._special_id("eos")
-
-    @property
-    def bos(self) -> int:
-        return self._special_id("bos")
-
-    @property
-    def pad(self) -> int:
-        return self._special_id("pad")
+    def _missing(self, name: str) -> NotImplementedError:
+        """Megatron's error, saying for `eod` that the tokenizer has no EOS token."""
+        if name != "eod":
+            return super()._missing(name)
+        return NotImplementedError(
+            "HuggingFaceTokenizer has no attribute 'eod': the tokenizer has no eos_token, "
+            "which is its end-of-document id; save it with an eos_token set."
+        )

@@ -35,8 +35,8 @@ class NullTokenizer(MegatronTokenizer):
             raise ValueError(
                 f"NullTokenizer: --vocab-size must be a positive integer, got {vocab_size!r}."
             )
-        super().__init__(None)  # the ids have no texts: vocab and inv_vocab raise
-        self._eod_id = size
+        # The ids have no texts: vocab and inv_vocab raise.
+        super().__init__(None, eod=size, eos=size)
 
     def tokenize(self, text: str) -> list[int]:
         ids = []
@@ -61,12 +61,4 @@ class NullTokenizer(MegatronTokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self._eod_id + 1
-
-    @property
-    def eod(self) -> int:
-        return self._eod_id
-
-    @property
-    def eos(self) -> int:
-        return self._eod_id
+        return self.eod + 1

@@ -51,15 +51,14 @@ class SentencePieceTokenizer(MegatronTokenizer):
             raise ValueError(
                 f"--tokenizer-model {model_file} is not a SentencePiece model: {error}"
             ) from error
-        super().__init__(
-            {self._processor.id_to_piece(index): index for index in range(len(self._processor))}
-        )
+        vocab = {self._processor.id_to_piece(index): index for index in range(len(self._processor))}
         self._special_tokens: dict[str, int] = {}
         for token in SPECIAL_TOKENS:
-            self._add_special_token(token)
-        self._pad_id = self._add_special_token(self._piece_or(self._processor.pad_id(), "<PAD>"))
-        self._bos_id = self._add_special_token(self._piece_or(self._processor.bos_id(), "<BOS>"))
-        self._eos_id = self._add_special_token(self._piece_or(self._processor.eos_id(), "<EOS>"))
+            self._add_special_token(vocab, token)
+        pad = self._add_special_token(vocab, self._piece_or(self._processor.pad_id(), "<PAD>"))
+        bos = self._add_special_token(vocab, self._piece_or(self._processor.bos_id(), "<BOS>"))
+        eos = self._add_special_token(vocab, self._piece_or(self._processor.eos_id(), "<EOS>"))
+        super().__init__(vocab, eod=self._special_tokens["<EOD>"], bos=bos, eos=eos, pad=pad)
         self._inv_special_tokens = {index: token for token, index in self._special_tokens.items()}
         # In insertion order: where two special tokens match at one position, the first wins
         # (Megatron-LM's tie-break).
@@ -71,12 +70,12 @@ class SentencePieceTokenizer(MegatronTokenizer):
         """The model's piece of a special id, or `fallback` where the model disabled it (-1)."""
         return self._processor.id_to_piece(index) if 0 <= index < len(self._processor) else fallback
 
-    def _add_special_token(self, token: str) -> int:
-        """Registers a special token, appending it to the vocabulary if the model lacks it."""
-        if token not in self._vocab:
-            self._vocab[token] = len(self._vocab)
-        self._special_tokens[token] = self._vocab[token]
-        return self._vocab[token]
+    def _add_special_token(self, vocab: dict[str, int], token: str) -> int:
+        """Registers a special token, appending it to `vocab` if the model lacks it."""
+        if token not in vocab:
+            vocab[token] = len(vocab)
+        self._special_tokens[token] = vocab[token]
+        return vocab[token]
 
     def tokenize(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -119,19 +118,3 @@ class SentencePieceTokenizer(MegatronTokenizer):
     @property
     def mask(self) -> int:
         return self._special_tokens["<MASK>"]
-
-    @property
-    def eod(self) -> int:
-        return self._special_tokens["<EOD>"]
-
-    @property
-    def pad(self) -> int:
-        return self._pad_id
-
-    @property
-    def bos(self) -> int:
-        return self._bos_id
-
-    @property
-    def eos(self) -> int:
-        return self._eos_id
