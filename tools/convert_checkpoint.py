@@ -73,7 +73,6 @@ from megatron.training.checkpoint_layout import (  # noqa: E402
     TRACKER_FILENAME,
     CheckpointError,
     atomic_torch_save,
-    atomic_write_text,
     checkpoint_dir,
     commit_checkpoint,
     committed_iterations,
@@ -83,6 +82,7 @@ from megatron.training.checkpoint_layout import (  # noqa: E402
     read_tracker,
     require_complete,
     saved_entries,
+    write_tracker,
 )
 
 FULL_KEYS = ("model", "optimizer", "common")
@@ -260,7 +260,7 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
         shutil.rmtree(staging, ignore_errors=True)
         raise
     commit_checkpoint(staging, final)  # replaces an existing `final` (--force) as a save does
-    atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+    write_tracker(root, iteration)
     if previous is not None and previous != iteration:
         print(f"> {TRACKER_FILENAME} named iteration {previous}, now {iteration}")
     if weights_only:

@@ -11,7 +11,7 @@ A `--save` directory holds::
                                         rank's RNG states
 
 A checkpoint is written into `iter_N.tmp` and renamed `iter_N` (`commit_checkpoint`) before the
-tracker is replaced (`atomic_write_text`); `remove_leftovers` clears what an interrupted save
+tracker is replaced (`write_tracker`); `remove_leftovers` clears what an interrupted save
 left. `megatron.training.checkpointing` saves and loads training state in this layout;
 `tools/convert_checkpoint.py` reads and writes it in one process.
 """
@@ -225,9 +225,15 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     write_atomically(path, lambda stream: torch.save(obj, stream), durable=True)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Writes `text` to `path` atomically and durably (`write_atomically`)."""
-    write_atomically(path, lambda stream: stream.write(text.encode()), durable=True)
+def write_tracker(root: str, iteration: int) -> None:
+    """Points the tracker file of `root` at `iteration` (`read_tracker` reads it), atomically
+    and durably (`write_atomically`): the last step of a save."""
+    text = f"{iteration}\n"
+    write_atomically(
+        os.path.join(root, TRACKER_FILENAME),
+        lambda stream: stream.write(text.encode()),
+        durable=True,
+    )
 
 
 def directory_bytes(path: str) -> int:

@@ -46,7 +46,6 @@ from megatron.training.checkpoint_layout import (
     TRACKER_FILENAME,
     CheckpointError,
     atomic_torch_save,
-    atomic_write_text,
     checkpoint_dir,
     commit_checkpoint,
     committed_iterations,
@@ -58,6 +57,7 @@ from megatron.training.checkpoint_layout import (
     remove_leftovers,
     require_complete,
     saved_entries,
+    write_tracker,
 )
 from megatron.training.utils import print_rank_0
 
@@ -148,7 +148,7 @@ def save_checkpoint(
                 "sees it: --save must be a directory every rank shares (a shared filesystem)."
             ) from error
         commit_checkpoint(staging, final)
-        atomic_write_text(os.path.join(root, TRACKER_FILENAME), f"{iteration}\n")
+        write_tracker(root, iteration)
 
     _on_rank_0(commit, f"committing {final}")
     size = directory_bytes(final) if rank == 0 else 0

@@ -220,14 +220,14 @@ def _main_killed_in_save(flags: list[str], where: str) -> TrainingHistory:
     if where == "writing" and rank == 1:
         patch = mock.patch.object(checkpointing, "FileSystemWriter", _DyingWriter)
     elif where == "tracker" and rank == 0:
-        original = checkpointing.atomic_write_text
+        original = checkpointing.write_tracker
 
-        def write_then_die(path: str, text: str) -> None:
-            if text == "4\n":
+        def write_then_die(root: str, iteration: int) -> None:
+            if iteration == 4:
                 os.kill(os.getpid(), signal.SIGKILL)
-            original(path, text)
+            original(root, iteration)
 
-        patch = mock.patch.object(checkpointing, "atomic_write_text", write_then_die)
+        patch = mock.patch.object(checkpointing, "write_tracker", write_then_die)
     else:
         patch = contextlib.nullcontext()
     with patch:

@@ -55,7 +55,6 @@ embedding is empty, at 2 ranks the shards are uneven."""
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 2
 LR = 1e-2
-"""How a process steps, not what: may differ between the saving and the loading optimizer."""
 
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
