@@ -7,16 +7,23 @@ buffers come from (the caching allocator, or NCCL symmetric memory with `use_sym
 calls are synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
 reduce-scatter stream on GPU), so the same code runs on CPU and GPU.
 
-Weights are gathered tensor by tensor, straight into the whole tensors (`all_gather_tensors`, one
-NCCL group launch): gathering one flat buffer would need an unpacking kernel whose host cost
-grows with the bytes moved (`split_with_sizes_copy` builds per-block metadata on the host).
+Weights are gathered and gradients reduce-scattered tensor by tensor, straight into and out of the
+whole tensors (`all_gather_tensors`, `reduce_scatter_tensors`: one NCCL group launch each): going
+through one flat shard-major buffer would need a packing or unpacking kernel, which moves every
+byte once more, and whose fused form (`split_with_sizes_copy`, `_chunk_cat`) builds per-block
+metadata on the host at a cost that grows with the bytes moved.
+
+The process-group methods are called directly rather than through `torch.distributed`'s
+wrappers, whose argument checks cost as much host time as the launch itself; these calls run per
+unit and step. Each is synchronous on the current stream, as the wrappers are without
+`async_op`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions
+from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from megatron.core.distributed.fsdp.symmetric_memory import SymmetricStaging
 
@@ -31,6 +38,7 @@ class Collectives:
 
     def __init__(self, symmetric: SymmetricStaging | None = None):
         self.symmetric = symmetric
+        self._averages: dict[dist.ProcessGroup, dist.ReduceOp] = {}
 
     def uses_symmetric_memory(self, group: dist.ProcessGroup) -> bool:
         """Whether collectives over `group` stage in symmetric memory (a group of one rank
@@ -81,8 +89,26 @@ class Collectives:
         if group.size() == 1:
             torch._foreach_copy_(outputs, shard.split(sizes))
             return
-        inputs = list(shard.to(outputs[0].dtype).split(sizes))
+        inputs = shard.to(outputs[0].dtype).split_with_sizes(sizes)
         _all_gather_coalesced(outputs, inputs, group=group)
+
+    def reduce_scatter_tensors(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        group: dist.ProcessGroup,
+        *,
+        average: bool,
+    ) -> None:
+        """Reduces each of `inputs` (1-D, N equal blocks) over `group` into `outputs[i]`, this
+        rank's block of it, as one grouped collective: NCCL launches one kernel for all."""
+        if group.size() == 1:
+            torch._foreach_copy_(outputs, inputs)
+            return
+        op = self._op(group, average, symmetric=False)
+        _reduce_scatter_coalesced(outputs, inputs, op=op, group=group)
+        if average and op != dist.ReduceOp.AVG:
+            torch._foreach_div_(outputs, group.size())
 
     def reduce_scatter(
         self,
@@ -117,35 +143,65 @@ class Collectives:
     def _is_symmetric(self, tensor: torch.Tensor) -> bool:
         return self.symmetric is not None and self.symmetric.owns(tensor)
 
-    @staticmethod
-    def _op(group: dist.ProcessGroup, average: bool, symmetric: bool) -> dist.ReduceOp:
-        if average and not symmetric and dist.get_backend(group) == "nccl":
-            return dist.ReduceOp.AVG
-        return dist.ReduceOp.SUM
+    def _op(self, group: dist.ProcessGroup, average: bool, symmetric: bool) -> dist.ReduceOp:
+        if not average or symmetric:
+            return dist.ReduceOp.SUM
+        op = self._averages.get(group)
+        if op is None:  # looked up once per group: `get_backend` costs a few us per call
+            op = dist.ReduceOp.AVG if dist.get_backend(group) == "nccl" else dist.ReduceOp.SUM
+            self._averages[group] = op
+        return op
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER_COALESCED = (
-    "all_gather_single_coalesced"
-    if hasattr(dist.ProcessGroup, "all_gather_single_coalesced")
-    else "allgather_into_tensor_coalesced"
+_ALL_GATHER_COALESCED, _REDUCE_SCATTER_SINGLE, _REDUCE_SCATTER_COALESCED = (
+    new if hasattr(dist.ProcessGroup, new) else old
+    for new, old in (
+        ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+        ("reduce_scatter_single", "_reduce_scatter_base"),
+        ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+    )
 )
 
 
 def _all_gather_coalesced(
     outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, group: dist.ProcessGroup
 ) -> None:
-    """The grouped all-gather, synchronous on the current stream (as `dist.*` calls without
-    `async_op`). `torch.distributed` has no public call for it; this is the process group
-    method torch's own `_coalescing_manager` uses (renamed in 2.13, like the calls above)."""
+    """The grouped all-gather (the process-group method torch's own `_coalescing_manager`
+    uses; `torch.distributed` has no public call for it)."""
     options = AllgatherOptions()
     options.asyncOp = False
-    work = getattr(group, _ALL_GATHER_COALESCED)(outputs, inputs, options)
+    _wait(getattr(group, _ALL_GATHER_COALESCED)(outputs, inputs, options))
+
+
+def _reduce_scatter_single(
+    output: torch.Tensor, input: torch.Tensor, *, op: dist.ReduceOp, group: dist.ProcessGroup
+) -> None:
+    _wait(getattr(group, _REDUCE_SCATTER_SINGLE)(output, input, _reduce_scatter_options(op)))
+
+
+def _reduce_scatter_coalesced(
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    *,
+    op: dist.ReduceOp,
+    group: dist.ProcessGroup,
+) -> None:
+    _wait(getattr(group, _REDUCE_SCATTER_COALESCED)(outputs, inputs, _reduce_scatter_options(op)))
+
+
+def _reduce_scatter_options(op: dist.ReduceOp) -> ReduceScatterOptions:
+    options = ReduceScatterOptions()
+    options.reduceOp = op
+    options.asyncOp = False
+    return options
+
+
+def _wait(work: dist.Work | None) -> None:
+    """Orders the current stream after a synchronous collective, as `torch.distributed`'s
+    wrappers do (gloo: waits for it); a build that ran it on the current stream returns none."""
     if work is not None:
-        # Orders the current stream after the collective (gloo: waits for it), should a build
-        # have run it on a stream of its own.
         work.wait()
 
 

@@ -35,7 +35,6 @@ from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
     ShardLayout,
     chunk_targets,
-    concatenates,
     copy_chunks_in,
     copy_chunks_out,
 )
@@ -215,6 +214,10 @@ class FsdpParameterGroup:
             rank=self.rank,
             zeroed=False,
         )
+        # Each tensor's whole (padded) size, and its chunk in this rank's gradient shard: the
+        # inputs and outputs of its reduce-scatter (views of persistent storage: made once).
+        self._padded_numels = [n * self.layout.num_shards for n in self.layout.chunk_numels]
+        self._grad_chunks = list(self.main_grad.shard.split(self.layout.chunk_numels))
         if self.outer_layout is not None:
             self.optim_grad = self._shard_buffer(
                 self.outer_layout, precision.main_params, self.outer_rank
@@ -395,7 +398,7 @@ class FsdpParameterGroup:
         return self._pending_backwards > 0
 
     @torch.no_grad()
-    def reduce_grads(self, streams: CommStreams | None = None) -> torch.Tensor | None:
+    def reduce_grads(self, streams: CommStreams | None = None) -> list[torch.Tensor] | None:
         """Moves the gradients of the unit's backward that just ended into `main_grad`.
 
         With sharded gradients they are reduce-scattered now (written straight into
@@ -405,13 +408,12 @@ class FsdpParameterGroup:
 
         Args:
             streams: run the reduce-scatter on `streams.reduce_scatter` (GPU overlap); None:
-                on the current stream. The gradients are packed on the current stream either
-                way.
+                on the current stream. The gradients are cast (or packed) on the current
+                stream either way.
 
         Returns:
-            The packed gradients a reduce-scatter on the reduce-scatter stream still reads:
-            the caller keeps them alive, unwritten, until that stream's work is done. None
-            otherwise.
+            The tensors a reduce-scatter on the reduce-scatter stream still reads: the caller
+            keeps them alive, unwritten, until that stream's work is done. None otherwise.
         """
         grads = [
             p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
@@ -438,61 +440,85 @@ class FsdpParameterGroup:
 
     def _reduce_scatter(
         self, grads: list[torch.Tensor], first: bool, streams: CommStreams | None
-    ) -> torch.Tensor | None:
-        """Packs `grads` (emptying the list) and reduce-scatters them into `main_grad`."""
-        staging = self._pack_grads(grads)
-        # Packed, the whole gradients are freed before the step's first reduction allocates
-        # the gradient shards: at the root's (the largest unit's) they would peak together.
+    ) -> list[torch.Tensor] | None:
+        """Reduce-scatters `grads` (emptying the list) into `main_grad`; returns what a
+        reduction on `streams.reduce_scatter` still reads (None without `streams`)."""
+        symmetric = self.comm.uses_symmetric_memory(self.groups.shard)
+        sends = [self._pack_grads(grads)] if symmetric else self._scatter_inputs(grads)
+        # The whole gradients are freed (where cast) before the step's first reduction
+        # allocates the gradient shards: at the root's (the largest unit's) they would peak
+        # together.
         if first:
             self._allocate_grads()
         if streams is None:
-            self._reduce_scatter_packed(staging, first)
+            self._reduce_scatter_into_main_grad(sends, first, symmetric)
             return None
         with streams.running_on(streams.reduce_scatter) as compute:
             streams.reduce_scatter.wait_stream(compute)
-            self._reduce_scatter_packed(staging, first)
-        return staging.data
+            self._reduce_scatter_into_main_grad(sends, first, symmetric)
+        return sends
 
-    def _pack_grads(self, grads: list[torch.Tensor]) -> DBuffer:
-        """`grads` packed N x S in the reduction dtype, into the reduce-scatter's staging
-        buffer; empties the list, which frees them.
+    def _scatter_inputs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each gradient flat, padded to N full chunks, in the reduction dtype: the gradients
+        themselves where they already are that (no copy), else cast into one transient buffer
+        in a single pass, after which the gradients are freed. Empties the list.
 
-        A widening cast (bf16 gradients reduced in fp32) follows the packing instead of happening
-        inside it wherever the gradients concatenate: `_chunk_cat`, which casts while packing,
-        costs host time that grows with the bytes moved. The whole gradients are freed before
-        the staging buffer is allocated, so memory peaks no higher than when packing casts. A
-        narrowing cast, or a persistent (symmetric) staging buffer, would raise the peak that
-        way, so those pack and cast in one `_chunk_cat`.
+        Each input is a whole tensor, whose N row blocks the reduce-scatter splits: no packing
+        into the shard-major layout, which would move every byte once more (and, fused with the
+        cast as `_chunk_cat`, cost host time that grows with the bytes moved).
         """
         comm_dtype = self.precision.grad_comm
-        grad_dtype = grads[0].dtype
-        packed = None
-        if (
-            grad_dtype.itemsize < comm_dtype.itemsize
-            and not self.comm.uses_symmetric_memory(self.groups.shard)
-            and concatenates(grads, self.layout)
+        if self.layout.splits_evenly and all(
+            g.dtype == comm_dtype and g.is_contiguous() for g in grads
         ):
-            packed = torch.empty(self.layout.numel, dtype=grad_dtype, device=self.device)
-            copy_chunks_in(grads, packed, self.layout)
-            grads.clear()
-        data = self.comm.staging(
-            REDUCE_SCATTER, self.groups.shard, comm_dtype, self.layout.numel, self.device
-        )
-        if packed is None:
-            copy_chunks_in(grads, data, self.layout)
-            grads.clear()
+            sends = [g.view(-1) for g in grads]
         else:
-            data.copy_(packed)
-        return self._staging(self.layout, comm_dtype, data)
+            staging = torch.empty(self.layout.numel, dtype=comm_dtype, device=self.device)
+            sends = list(staging.split(self._padded_numels))
+            flat = [g.reshape(-1) for g in grads]
+            if self.layout.splits_evenly:
+                torch._foreach_copy_(sends, flat)
+            else:
+                torch._foreach_copy_([s[: g.numel()] for s, g in zip(sends, flat)], flat)
+                for send, grad in zip(sends, flat):
+                    send[grad.numel() :].zero_()
+        grads.clear()
+        return sends
 
-    def _reduce_scatter_packed(self, staging: DBuffer, first: bool) -> None:
-        direct = first and staging.dtype == self.main_grad.dtype
+    def _pack_grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """`grads` packed N x S (shard-major) in the reduction dtype into the symmetric
+        reduce-scatter window, cast on the way; empties the list, which frees them. The
+        symmetric kernels need the collective's whole input in the registered window."""
+        data = self.comm.staging(
+            REDUCE_SCATTER,
+            self.groups.shard,
+            self.precision.grad_comm,
+            self.layout.numel,
+            self.device,
+        )
+        copy_chunks_in(grads, data, self.layout)
+        grads.clear()
+        return data
+
+    def _reduce_scatter_into_main_grad(
+        self, sends: list[torch.Tensor], first: bool, symmetric: bool
+    ) -> None:
+        """Reduces `sends` (the packed window, or each whole gradient) into this rank's shard
+        of `main_grad`: straight into it on a step's first reduction in its dtype, else through
+        a transient shard that is copied (cast) or added."""
+        group = self.groups.shard
+        comm_dtype = sends[0].dtype
+        direct = first and comm_dtype == self.main_grad.dtype
         out = (
             self.main_grad.shard
             if direct
-            else torch.empty_like(self.main_grad.shard, dtype=staging.dtype)
+            else torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.device)
         )
-        staging.reduce_scatter(out, self.comm, self.groups.shard, average=True)
+        if symmetric:
+            self.comm.reduce_scatter(out, sends[0], group, average=True)
+        else:
+            outputs = self._grad_chunks if direct else out.split(self.layout.chunk_numels)
+            self.comm.reduce_scatter_tensors(outputs, sends, group, average=True)
         if direct:
             return
         if first:

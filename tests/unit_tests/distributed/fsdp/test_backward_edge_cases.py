@@ -395,8 +395,9 @@ def _reduce_in(
     model_dtype: torch.dtype, comm_dtype: torch.dtype
 ) -> tuple[dict, dict, tuple[int, int]]:
     """One backward of a `model_dtype` Net reducing in `comm_dtype`: its gradients, the
-    unsharded Net's (averaged over ranks in fp32), and how many packs took `torch.cat` and
-    `torch._chunk_cat`."""
+    unsharded Net's (averaged over ranks in fp32), how many casts into a reduction buffer
+    (`torch._foreach_copy_`) it made, and how many shard-major packings (`torch.cat`,
+    `torch._chunk_cat`)."""
     torch.manual_seed(0)
     reference = Net().to(current_device(), model_dtype)
     torch.manual_seed(0)
@@ -404,11 +405,12 @@ def _reduce_in(
     for unit in (*model.blocks, model):
         fully_shard(unit, mp_policy=MixedPrecisionPolicy(grad_comm_dtype=comm_dtype))
     x = _inputs(dist.get_rank(), model_dtype)
-    concatenation = mock.Mock(wraps=torch.cat)
-    chunk_cat = mock.Mock(wraps=torch._chunk_cat)
+    casts = mock.Mock(wraps=torch._foreach_copy_)
+    packs = [mock.Mock(wraps=torch.cat), mock.Mock(wraps=torch._chunk_cat)]
     with (
-        mock.patch.object(torch, "cat", concatenation),
-        mock.patch.object(torch, "_chunk_cat", chunk_cat),
+        mock.patch.object(torch, "_foreach_copy_", casts),
+        mock.patch.object(torch, "cat", packs[0]),
+        mock.patch.object(torch, "_chunk_cat", packs[1]),
     ):
         model(x).backward()
     reference(x).backward()
@@ -417,20 +419,29 @@ def _reduce_in(
         grad = param.grad.float()
         dist.all_reduce(grad)
         expected[name] = grad / dist.get_world_size()
-    return _grads(model), expected, (concatenation.call_count, chunk_cat.call_count)
+    return _grads(model), expected, (casts.call_count, sum(p.call_count for p in packs))
 
 
-def test_gradients_reduced_in_another_dtype_pack_without_raising_the_peak():
-    # bf16 gradients reduced in fp32: the blocks' (full chunks over 2 ranks) are concatenated
-    # in bf16 and cast after; the root's head (1 row) has a padded chunk, so `_chunk_cat` packs
-    # and casts it. fp32 gradients reduced in bf16 always pack and cast at once: packing first
-    # would hold a full-width copy next to the gradients.
-    for model_dtype, comm_dtype, routes in [
-        (torch.bfloat16, torch.float32, (2, 1)),
-        (torch.float32, torch.bfloat16, (0, 3)),
-    ]:
-        for grads, expected, taken in run_distributed(_reduce_in, 2, model_dtype, comm_dtype):
-            assert taken == routes
-            assert grads.keys() == expected.keys()
+@pytest.mark.parametrize(
+    "model_dtype, comm_dtype, num_casts",
+    [
+        # Each unit's gradients are cast once, whole, into the reduction buffer.
+        (torch.bfloat16, torch.float32, 3),
+        (torch.float32, torch.bfloat16, 3),
+        # Already in the reduction dtype: the blocks' gradients are reduced in place; the
+        # root's head (1 row over 2 ranks) has a padded chunk, so it is copied (padding zeroed).
+        (torch.float32, torch.float32, 1),
+    ],
+)
+def test_gradients_reduce_scatter_from_the_whole_tensors_in_any_dtype(
+    model_dtype, comm_dtype, num_casts
+):
+    for grads, expected, taken in run_distributed(_reduce_in, 2, model_dtype, comm_dtype):
+        assert taken == (num_casts, 0)  # never packed shard-major
+        assert grads.keys() == expected.keys()
+        if model_dtype == comm_dtype == torch.float32:
+            for name in expected:
+                torch.testing.assert_close(grads[name], expected[name])
+        else:
             for name in expected:  # bf16 (compute or reduction): 8 mantissa bits
                 torch.testing.assert_close(grads[name], expected[name], rtol=1e-2, atol=1e-3)

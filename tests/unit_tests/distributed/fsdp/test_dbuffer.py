@@ -162,6 +162,19 @@ def _collectives() -> dict:
         if rank < len(torch.chunk(t, world_size))
     ]
     reduced = [v.cpu() for v in layout.local_views(out, rank) if v.numel()]
+    # Gradients skip the packing: each whole (padded) tensor is reduce-scattered into its
+    # chunk of this rank's shard.
+    padded = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
+    for view, tensor in zip(padded.tensor_views(), full):
+        view.zero_()[: tensor.shape[0]].copy_((rank + 1) * tensor)
+    tensorwise = torch.empty(layout.shard_numel, device=device)
+    comm.reduce_scatter_tensors(
+        list(tensorwise.split(layout.chunk_numels)),
+        [view.view(-1) for view in padded.tensor_views()],
+        group,
+        average=True,
+    )
+    reduced_tensorwise = [v.cpu() for v in layout.local_views(tensorwise, rank) if v.numel()]
     contribution.all_reduce(comm, group, average=False)
     total = world_size * (world_size + 1) / 2
     return dict(
@@ -170,6 +183,10 @@ def _collectives() -> dict:
         gathered_tensorwise_ok=gathered_tensorwise_ok,
         reduce_scatter_ok=all(torch.allclose(a, b) for a, b in zip(reduced, expected))
         and len(reduced) == len(expected),
+        reduce_scatter_tensorwise_ok=all(
+            torch.allclose(a, b) for a, b in zip(reduced_tensorwise, expected)
+        )
+        and len(reduced_tensorwise) == len(expected),
         all_reduce_ok=torch.allclose(
             contribution.full.cpu().sum(), total * sum(t.sum() for t in full)
         ),
@@ -184,6 +201,7 @@ def test_collectives_into_preallocated_buffers(world_size):
             gathered_ok=True,
             gathered_tensorwise_ok=True,
             reduce_scatter_ok=True,
+            reduce_scatter_tensorwise_ok=True,
             all_reduce_ok=True,
         )
 

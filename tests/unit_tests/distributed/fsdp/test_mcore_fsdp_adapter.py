@@ -115,10 +115,10 @@ def _collective_groups(create_all_gather_group: bool) -> dict:
         fsdp = FullyShardedDataParallel(model.config, config, model, pg_collection=pgs)
         optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
         gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
-        scatters = mock.Mock(wraps=collectives._reduce_scatter_single)
+        scatters = mock.Mock(wraps=collectives._reduce_scatter_coalesced)
         with (
             mock.patch.object(collectives, "_all_gather_coalesced", gathers),
-            mock.patch.object(collectives, "_reduce_scatter_single", scatters),
+            mock.patch.object(collectives, "_reduce_scatter_coalesced", scatters),
         ):
             losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
         ag_group = pgs.dp_cp_ag if create_all_gather_group else pgs.dp_cp
