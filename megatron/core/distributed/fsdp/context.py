@@ -85,10 +85,16 @@ class FsdpContext:
             collections.OrderedDict()
         )
         self._ready: dict[int, torch.cuda.Event] = {}
-        # The reduce-scatters of the last unit reduced, in flight on their stream: the event
-        # after each, and the packed gradients it reads (kept alive, unwritten, until the
-        # compute stream waits for it).
-        self._reductions: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # One event per unit for each of the two above, and one after the last reduce-scatter
+        # issued, recorded again at each use: a wait queued on an event is not affected by
+        # later records, and every record supersedes the ones it follows on its stream.
+        if self.streams is not None:
+            self._ready_events = [torch.cuda.Event() for _ in units]
+            self._release_events = [torch.cuda.Event() for _ in units]
+            self._reduced = torch.cuda.Event()
+        # The reduce-scatters of the last unit reduced, in flight on their stream: the tensors
+        # they read (kept alive, unwritten, until the compute stream waits for `_reduced`).
+        self._reductions: list[list[torch.Tensor]] = []
         # Orders of the last complete forward (initially module order), and the one recording.
         positions = list(range(len(units)))
         self._next_forward = _successors(positions)
@@ -189,19 +195,24 @@ class FsdpContext:
     def order_gathers(self) -> None:
         """Makes the all-gathers issued from now on run after the current stream's queued work
         (an optimizer step or a load that wrote the main weights). Called where a forward
-        starts, before gathering weights a step or a load changed, and before each backward
-        prefetch; within a pass the main weights do not change, so other gathers need no
-        further wait."""
+        starts, before the first gather since the main weights changed, and before each
+        backward prefetch; within a pass the main weights do not change, so other gathers need
+        no further wait."""
         if self.streams is not None:
             self.streams.all_gather.wait_stream(self.streams.current())
         self._gathers_ordered = True
+
+    def main_weights_changed(self) -> None:
+        """An optimizer step or a load wrote the main weights on the current stream: the next
+        gather or refresh must follow those writes."""
+        self._gathers_ordered = False
 
     def prepare(self, unit: FsdpUnit, *, prefetch: bool = False) -> None:
         """Starts making `unit`'s compute weights whole: refreshes stale ones (when allowed)
         and all-gathers them, on the all-gather stream. Weights still held from an earlier use
         are kept instead of gathered again. A prefetch is skipped when the bound on held units
-        leaves no room (the units held are all in use). A refresh is ordered after the compute
-        stream's queued work; a plain gather after the last `order_gathers()`."""
+        leaves no room (the units held are all in use). Gathers and refreshes are ordered after
+        the last `order_gathers()`, which runs first if the main weights changed since."""
         stale = [group for group in unit.groups if group.is_stale] if self.syncs_weights else []
         position = unit.position
         if position in self._resident:
@@ -214,21 +225,21 @@ class FsdpContext:
             return
         if transient and not self._make_room() and prefetch:
             return
-        if stale or not self._gathers_ordered:
+        if not self._gathers_ordered:
             # Main weights written since the last ordering (a step, a load), or a unit used on
             # its own: the gather must follow those writes.
             self.order_gathers()
         with self._on_all_gather_stream():
-            if stale:
-                with _nvtx_range("megatron_fsdp.sync_model_weights"):
-                    for group in stale:
-                        group.sync_model_weights()
+            for group in stale:
+                group.sync_model_weights()
             for group in unit.groups:
                 group.unshard()
         if transient:
             self._resident[position] = None
         if self.streams is not None:
-            self._ready[position] = self.streams.all_gather.record_event()
+            ready = self._ready_events[position]
+            ready.record(self.streams.all_gather)
+            self._ready[position] = ready
 
     def release(self, unit: FsdpUnit, *, after_backward: bool = False) -> None:
         """`unit`'s use is over (its forward or backward is queued): its whole weights may be
@@ -237,7 +248,10 @@ class FsdpContext:
         of backward (the embeddings, the root's reductions) is where gradient memory peaks."""
         position = unit.position
         if position in self._resident:
-            event = self.streams.current().record_event() if self.streams else None
+            event = None
+            if self.streams is not None:
+                event = self._release_events[position]
+                event.record(self.streams.current())
             self._releasable[position] = event
             self._releasable.move_to_end(position)
         if after_backward and position not in self._next_backward:
@@ -347,17 +361,18 @@ class FsdpContext:
         for group in groups:
             if self.comm.symmetric is not None:
                 self._wait_pending_reductions()
-            packed = group.reduce_grads(streams)
-            if packed is not None:
-                self._reductions.append((streams.reduce_scatter.record_event(), packed))
+            sends = group.reduce_grads(streams)
+            if sends is not None:
+                self._reduced.record(streams.reduce_scatter)
+                self._reductions.append(sends)
 
     def _wait_pending_reductions(self) -> None:
         """Makes the current stream wait for the reduce-scatters not yet waited for (in stream
-        order: the last one's event covers all) and drops their packed buffers, which frees
-        them. None are pending after a complete backward; after a failed one the gradient
-        buffers must not be freed before this."""
+        order: the last one's record covers all) and drops what they read, which frees it.
+        None are pending after a complete backward; after a failed one the gradient buffers
+        must not be freed before this."""
         if self._reductions:
-            self.streams.current().wait_event(self._reductions[-1][0])
+            self.streams.current().wait_event(self._reduced)
             self._reductions.clear()
 
     def wait_reductions(self) -> None:
@@ -425,16 +440,3 @@ def _successors(order: list[int]) -> dict[int, int]:
     for current, following in zip(order, order[1:]):
         successors.setdefault(current, following)
     return successors
-
-
-@contextlib.contextmanager
-def _nvtx_range(name: str) -> Iterator[None]:
-    """An NVTX range on CUDA builds (visible in Nsight); nothing on CPU."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()

@@ -136,6 +136,9 @@ class DBuffer:
             raise ValueError(f"DBuffer data must be {numel} elements of {dtype}.")
         self.data = data
         self._nbytes = self.data.untyped_storage().nbytes()
+        # Tracked here rather than read from the storage (a new Python object per read): only
+        # `release_storage` / `reallocate_storage` resize it.
+        self._allocated = self._nbytes > 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -177,17 +180,19 @@ class DBuffer:
 
     @property
     def is_allocated(self) -> bool:
-        return self.data.untyped_storage().nbytes() > 0
+        return self._allocated
 
     def release_storage(self) -> None:
         """Frees the memory; views stay valid objects but must not be read until reallocated."""
-        if self.is_allocated:
+        if self._allocated:
             self.data.untyped_storage().resize_(0)
+            self._allocated = False
 
     def reallocate_storage(self) -> None:
         """Allocates the memory again (uninitialised) under the same tensor and views."""
-        if not self.is_allocated:
+        if not self._allocated:
             self.data.untyped_storage().resize_(self._nbytes)
+            self._allocated = True
 
     # Collectives, into preallocated outputs.
 

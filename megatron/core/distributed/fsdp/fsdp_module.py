@@ -119,6 +119,9 @@ class FsdpUnit:
         """`load_state_dict()` wrote the main weights: refresh compute weights before use."""
         for group in self.groups:
             group.mark_main_weights_updated()
+        context = self.context
+        if context is not None:
+            context.main_weights_changed()
 
     def lazy_init(self) -> FsdpContext:
         """The unit's context; created here, with this unit as root, if it has none. The

@@ -150,6 +150,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
         if force_sync:
             for group in self._groups:
                 group.mark_main_weights_updated()
+            for context in self._contexts:
+                context.main_weights_changed()
         if self.ddp_config.fsdp_all_gather_in_start_param_sync:
             for context in self._contexts:
                 context.prepare_first_unit()

@@ -76,7 +76,8 @@ def fully_shard_optimizer(
             "module.parameters() or local_main_weights(module)."
         )
     steps_local = any(p in local for p in held)
-    fsdp_contexts(module)  # materialises meta-device weights before anything steps them
+    # Made now, which materialises meta-device weights before anything steps them.
+    context_refs = [weakref.ref(context) for context in fsdp_contexts(module)]
     refs = [weakref.ref(group) for group in groups]
 
     def live_groups() -> list[FsdpParameterGroup]:
@@ -95,6 +96,9 @@ def fully_shard_optimizer(
         for group in live_groups():
             group.mark_main_weights_updated()
             group.grads_consumed()
+        for ref in context_refs:
+            if (context := ref()) is not None:
+                context.main_weights_changed()
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

@@ -8,8 +8,6 @@ on one stream and orders the others against it with events (no `record_stream`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +51,9 @@ class CommStreams:
     """
 
     def __init__(self, device: torch.device):
-        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device_index = (
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
         self.all_gather = torch.cuda.Stream(device, priority=-1)
         self.reduce_scatter = torch.cuda.Stream(device, priority=-1)
         self._known: dict[int, torch.cuda.Stream] = {}
@@ -65,7 +65,7 @@ class CommStreams:
         costs a tenth of `torch.cuda.current_stream()`, which resolves the device and builds a
         new object each time.
         """
-        stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(self._index)
+        stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(self.device_index)
         stream = self._known.get(stream_id)
         if stream is None:
             stream = torch.cuda.Stream(
@@ -74,20 +74,33 @@ class CommStreams:
             self._known[stream_id] = stream
         return stream
 
-    @contextlib.contextmanager
-    def running_on(self, stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:
-        """Makes `stream` current for the body and yields the stream it replaced.
+    def running_on(self, stream: torch.cuda.Stream) -> _RunningOn:
+        """A context manager that makes `stream` current for its body and yields the stream it
+        replaced.
 
         `torch.cuda.stream()` does the same with checks that cost several times more host
         time; the engine switches streams a few times per unit. `set_stream` also makes the
         stream's device current, so a caller on another device gets its own back.
         """
-        device = torch.cuda.current_device()
-        previous = self.current()
-        torch.cuda.set_stream(stream)
-        try:
-            yield previous
-        finally:
-            torch.cuda.set_stream(previous)
-            if device != self._index:
-                torch.cuda.set_device(device)
+        return _RunningOn(self, stream)
+
+
+class _RunningOn:
+    """`CommStreams.running_on`'s context manager (a class: a generator costs more to enter)."""
+
+    __slots__ = ("_streams", "_stream", "_previous", "_device")
+
+    def __init__(self, streams: CommStreams, stream: torch.cuda.Stream):
+        self._streams = streams
+        self._stream = stream
+
+    def __enter__(self) -> torch.cuda.Stream:
+        self._device = torch.cuda.current_device()
+        self._previous = self._streams.current()
+        torch.cuda.set_stream(self._stream)
+        return self._previous
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.cuda.set_stream(self._previous)
+        if self._device != self._streams.device_index:
+            torch.cuda.set_device(self._device)

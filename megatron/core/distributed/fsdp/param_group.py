@@ -415,10 +415,10 @@ class FsdpParameterGroup:
             The tensors a reduce-scatter on the reduce-scatter stream still reads: the caller
             keeps them alive, unwritten, until that stream's work is done. None otherwise.
         """
-        grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.unsharded_params
-        ]
+        grads = []
         for param in self.unsharded_params:
+            grad = param.grad
+            grads.append(grad if grad is not None else torch.zeros_like(param))
             param.grad = None
         first = self._main_grad_is_empty()
         in_flight = None

@@ -184,6 +184,58 @@ def test_a_layer_policy_other_than_the_roots_is_refused():
     assert run_distributed(_first_forward_with_a_layer_policy, 1, same)[0] == "ran"
 
 
+# Ordering gathers after writes to the main weights.
+
+
+def _orders_and_gathers() -> dict:
+    """What a unit used on its own issues (`order` of the all-gather stream after the compute
+    stream, `gather`) after a backward, after an optimizer step, and after a load."""
+    model = _sharded_gpt(OverlapPolicy())
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
+    context = model.fsdp_unit.lazy_init()
+    tokens, labels = make_token_batches(1, 4)[0]
+    model(tokens, labels=labels).mean().backward()
+    log: list[str] = []
+    gather, order = collectives._all_gather_coalesced, type(context).order_gathers
+
+    def logged_gather(*args, **kwargs):
+        log.append("gather")
+        return gather(*args, **kwargs)
+
+    def logged_order(self):
+        log.append("order")
+        return order(self)
+
+    first, second = model.decoder.layers[1], model.decoder.layers[2]
+    seen = {}
+    with (
+        mock.patch.object(collectives, "_all_gather_coalesced", logged_gather),
+        mock.patch.object(type(context), "order_gathers", logged_order),
+    ):
+        for moment, change in [
+            ("after_backward", None),
+            ("after_step", optimizer.step),
+            ("after_load", lambda: model.load_state_dict(model.state_dict())),
+        ]:
+            if change is not None:
+                change()
+            log.clear()
+            first.unshard()
+            second.unshard()
+            seen[moment] = list(log)
+            first.reshard()
+            second.reshard()
+    return seen
+
+
+def test_gathers_are_ordered_once_after_each_change_of_the_main_weights():
+    # The first gather after a backward, a step or a load follows the compute stream's queued
+    # work (which wrote the main weights); the gathers after it need no further wait.
+    expected = ["order", "gather", "gather"]
+    for seen in run_distributed(_orders_and_gathers, 2):
+        assert seen == dict(after_backward=expected, after_step=expected, after_load=expected)
+
+
 # start_param_sync.
 
 
