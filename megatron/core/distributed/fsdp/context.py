@@ -16,14 +16,14 @@ one unit:
 
 Memory discipline (GPU): whole weights and all-gather staging are allocated and freed on the
 all-gather stream, which waits for the event recorded after a unit's last use before freeing it;
-packed gradients are allocated and freed on the compute stream, which waits for the
-reduce-scatter that read them before packing the next. Nothing relies on `record_stream`. The
-all-gather stream waits for the compute stream's queued work at the start of each forward (and
-in `start_param_sync`) and before gathering weights a step or a load changed, not before every
-gather: all-gathers read the main weights, which change only between passes, and the memory they
-reuse is ordered by the events above; in backward each prefetch also waits, to stay under the
-unit computing when it is issued. On CPU there are no streams and every step runs in program
-order, with identical results.
+reduce-scatter inputs (gradients cast to the reduction dtype) are allocated and freed on the compute
+stream, which waits for the reduce-scatter that read them before casting the next. Nothing relies on
+`record_stream`. The all-gather stream waits for the compute stream's queued work at the start of
+each forward (and in `start_param_sync`) and before the first gather after a step or a load changed
+the main weights, not before every gather: all-gathers read the main weights, which change only
+between passes, and the memory they reuse is ordered by the events above; in backward each prefetch
+also waits, to stay under the unit computing when it is issued. On CPU there are no streams and
+every step runs in program order, with identical results.
 """
 
 from __future__ import annotations
@@ -346,8 +346,8 @@ class FsdpContext:
         the reduce-scatter stream when the policy overlaps them.
 
         One unit's reduce-scatters are in flight at a time, as in FSDP2: the compute stream
-        waits for the previous unit's (issued a whole unit's backward earlier) before packing
-        this one's, so only one unit's packed gradients are ever held. With symmetric memory
+        waits for the previous unit's (issued a whole unit's backward earlier) before casting
+        this one's, so only one unit's reduction inputs are ever held. With symmetric memory
         (one buffer per process group and dtype) a unit's groups also wait for each other.
         """
         streams = self.streams if self.policy.overlap_grad_reduce else None
@@ -405,9 +405,9 @@ class FsdpContext:
         deferred reductions."""
         self._callback_task = None
         units = list(self.units())
-        # Backward is over: whole weights and the packed gradients of finished reduce-scatters
-        # are freed before the root's gradients (often the largest: embeddings, output layer)
-        # are packed, so the end of the step does not hold all of them at once.
+        # Backward is over: whole weights and the inputs of finished reduce-scatters are freed
+        # before the root's gradients (often the largest: embeddings, output layer) are cast,
+        # so the end of the step does not hold all of them at once.
         self.wait_reductions()
         self.free_all()
         for unit in units:
