@@ -10,9 +10,11 @@ last holding 1 row and 15 elements of padding.
 This is the layout NCCL's all-gather and reduce-scatter produce and consume, so a gathered
 buffer is shard-major. The tensors of the module want the opposite, each tensor contiguous:
 `ShardLayout.unsharded()` is that layout (one shard, each tensor padded to N chunks), and
-`copy_chunks_out` / `copy_chunks_in` move data between the two in one kernel each. (Whole
-weights skip the gathered buffer: chunk r of a padded tensor is its row block r, so each tensor's
-chunks can be all-gathered straight into it; see `Collectives.all_gather_tensors`.)
+`copy_chunks_out` / `copy_chunks_in` move data between the two in one kernel each. (The hot path
+skips the shard-major buffer: chunk r of a padded tensor is its row block r, so each tensor's
+chunks are all-gathered straight into it and reduce-scattered straight out of it; see
+`Collectives.all_gather_tensors` and `reduce_scatter_tensors`. The copies serve symmetric memory,
+whose window holds the whole collective, and locally accumulated gradients.)
 
 `DBuffer` is one 1-D storage in a layout: either this rank's shard only (`sharded=True`) or all
 N shards (replicated, or gathered). Its storage can be released and reallocated in place, which

@@ -35,6 +35,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
     ShardLayout,
     chunk_targets,
+    concatenates,
     copy_chunks_in,
     copy_chunks_out,
 )
@@ -214,10 +215,12 @@ class FsdpParameterGroup:
             rank=self.rank,
             zeroed=False,
         )
-        # Each tensor's whole (padded) size, and its chunk in this rank's gradient shard: the
-        # inputs and outputs of its reduce-scatter (views of persistent storage: made once).
-        self._padded_numels = [n * self.layout.num_shards for n in self.layout.chunk_numels]
-        self._grad_chunks = list(self.main_grad.shard.split(self.layout.chunk_numels))
+        if self.strategy.shards_grads:
+            # Each tensor's whole (padded) size, and its chunk in this rank's gradient shard:
+            # the inputs and outputs of its reduce-scatter (views of persistent storage: made
+            # once).
+            self._padded_numels = [n * self.layout.num_shards for n in self.layout.chunk_numels]
+            self._grad_chunks = list(self.main_grad.shard.split(self.layout.chunk_numels))
         if self.outer_layout is not None:
             self.optim_grad = self._shard_buffer(
                 self.outer_layout, precision.main_params, self.outer_rank
@@ -468,9 +471,7 @@ class FsdpParameterGroup:
         cast as `_chunk_cat`, cost host time that grows with the bytes moved).
         """
         comm_dtype = self.precision.grad_comm
-        if self.layout.splits_evenly and all(
-            g.dtype == comm_dtype and g.is_contiguous() for g in grads
-        ):
+        if grads[0].dtype == comm_dtype and concatenates(grads, self.layout):
             sends = [g.view(-1) for g in grads]
         else:
             staging = torch.empty(self.layout.numel, dtype=comm_dtype, device=self.device)
