@@ -274,8 +274,9 @@ def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
         return microbatch(fsdp.module, is_first=i == 0, is_last=i == n - 1)
 
     def step(batches: list[Batch]) -> torch.Tensor:
-        fsdp.start_param_sync()
+        # The training loop's order: gradient memory is freed before the first gather.
         fsdp.zero_grad_buffer()
+        fsdp.start_param_sync()
         loss = forward_backward(fsdp, batches, scope)
         fsdp.finish_grad_sync()
         optimizer.step()

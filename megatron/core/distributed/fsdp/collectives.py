@@ -79,18 +79,29 @@ class Collectives:
     def all_gather_tensors(
         self,
         outputs: list[torch.Tensor],
-        shard: torch.Tensor,
-        sizes: list[int],
+        inputs: list[torch.Tensor],
         group: dist.ProcessGroup,
+        *,
+        own_blocks: list[torch.Tensor] | None = None,
     ) -> None:
-        """Gathers chunk i of `shard` (split by `sizes`) from every rank into `outputs[i]` (in
-        group-rank order), in the outputs' dtype, as one grouped collective: NCCL launches one
-        kernel for all of them. A cast goes through a transient copy of `shard`."""
-        if group.size() == 1:
-            torch._foreach_copy_(outputs, shard.split(sizes))
-            return
-        inputs = shard.to(outputs[0].dtype).split_with_sizes(sizes)
-        _all_gather_coalesced(outputs, inputs, group=group)
+        """Gathers every rank's `inputs[i]` into `outputs[i]` (in group-rank order), in the
+        outputs' dtype, as one grouped collective: NCCL launches one kernel for all of them.
+
+        In place, as `all_gather`: the inputs are first copied (and cast) into this rank's block
+        of each output, in one `_foreach_copy_`, so a cast needs no buffer of its own.
+
+        Args:
+            outputs: 1-D, N equal blocks each.
+            inputs: one block's worth of elements each, in any dtype.
+            group: the ranks to gather from.
+            own_blocks: this rank's block of each output, where the caller keeps them (views
+                of persistent storage); made here otherwise.
+        """
+        if own_blocks is None:
+            own_blocks = [output.view(group.size(), -1)[group.rank()] for output in outputs]
+        torch._foreach_copy_(own_blocks, inputs)
+        if group.size() > 1:
+            _all_gather_coalesced(outputs, own_blocks, group=group)
 
     def reduce_scatter_tensors(
         self,

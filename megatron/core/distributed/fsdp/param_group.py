@@ -158,8 +158,17 @@ class FsdpParameterGroup:
             if self.main_weight is self.unsharded
             else self.main_weight.local_views()
         )
+        # The tensor-wise all-gather's outputs, this rank's block of each (where its input is
+        # cast to), and its inputs: the chunks of the shard it gathers from.
         self._gather_targets = chunk_targets(self.unsharded, self.layout)
         self._gather_outputs = [target.view(-1) for target in self._gather_targets]
+        gather_rank = groups.all_gather.rank() if self.layout.num_shards > 1 else 0
+        self._gather_blocks = [target[gather_rank] for target in self._gather_targets]
+        source = self.model_shard if self.model_shard is not None else self.main_weight
+        self._gather_source = source
+        self._gather_inputs = (
+            list(source.shard.split(self.layout.chunk_numels)) if source.sharded else None
+        )
         self.unsharded_params = [
             torch.nn.Parameter(view, requires_grad=requires_grad) for view in self._compute_views
         ]
@@ -297,7 +306,7 @@ class FsdpParameterGroup:
         elif self.has_transient_weights or self.main_weight is self.unsharded:
             return
         elif self._shards_main:
-            self._gather_into_unsharded(self.main_weight.shard)
+            self._gather_into_unsharded()
         else:
             self.unsharded.data.copy_(self.main_weight.data)
 
@@ -321,10 +330,12 @@ class FsdpParameterGroup:
         ):
             dst.copy_(src[: shape[0]])
 
-    def _gather_into_unsharded(self, shard: torch.Tensor) -> None:
-        """All-gathers every rank's `shard` over the all-gather group into the whole compute
-        weights, cast to the compute dtype: each tensor's chunks straight into the tensor, or,
-        with symmetric memory, through the registered window and unpacked from it.
+    def _gather_into_unsharded(self) -> None:
+        """All-gathers the sharded weights (HFSDP's inner shard of the compute weights, else
+        the main weights) over the all-gather group into the whole compute weights, cast to
+        the compute dtype: each tensor's chunks straight into the tensor, this rank's cast in
+        place first, or, with symmetric memory, through the registered window and unpacked
+        from it.
 
         The writes do not bump the weights' version counter: refilling weights that autograd
         saved in forward (and that were freed in between) restores the values it saved, which
@@ -335,12 +346,12 @@ class FsdpParameterGroup:
         if self.comm.uses_symmetric_memory(group):
             data = self.comm.staging(ALL_GATHER, group, dtype, self.layout.numel, self.device)
             gathered = self._staging(self.layout, dtype, data)
-            self.comm.all_gather(gathered.full, shard, group)
+            self.comm.all_gather(gathered.full, self._gather_source.shard, group)
             copy_chunks_out(gathered, self.unsharded, self._gather_targets)
             return
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             self.comm.all_gather_tensors(
-                self._gather_outputs, shard, self.layout.chunk_numels, group
+                self._gather_outputs, self._gather_inputs, group, own_blocks=self._gather_blocks
             )
 
     def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
@@ -363,8 +374,7 @@ class FsdpParameterGroup:
         if not self.has_transient_weights or self.unsharded.is_allocated:
             return
         self.unsharded.reallocate_storage()
-        source = self.model_shard if self.model_shard is not None else self.main_weight
-        self._gather_into_unsharded(source.shard)
+        self._gather_into_unsharded()
 
     def reshard(self) -> None:
         """Frees the whole compute weights (ZeRO-3 only)."""

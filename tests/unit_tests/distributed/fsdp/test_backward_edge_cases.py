@@ -22,6 +22,7 @@ from megatron.core.distributed.fsdp import (
     fully_shard,
     fully_shard_optimizer,
 )
+from megatron.core.distributed.fsdp.collectives import Collectives
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     STEPS,
     train_reference,
@@ -396,8 +397,8 @@ def _reduce_in(
 ) -> tuple[dict, dict, tuple[int, int]]:
     """One backward of a `model_dtype` Net reducing in `comm_dtype`: its gradients, the
     unsharded Net's (averaged over ranks in fp32), how many casts into a reduction buffer
-    (`torch._foreach_copy_`) it made, and how many shard-major packings (`torch.cat`,
-    `torch._chunk_cat`)."""
+    (`torch._foreach_copy_` outside the all-gathers, which cast the weights with it) it made,
+    and how many shard-major packings (`torch.cat`, `torch._chunk_cat`)."""
     torch.manual_seed(0)
     reference = Net().to(current_device(), model_dtype)
     torch.manual_seed(0)
@@ -405,10 +406,25 @@ def _reduce_in(
     for unit in (*model.blocks, model):
         fully_shard(unit, mp_policy=MixedPrecisionPolicy(grad_comm_dtype=comm_dtype))
     x = _inputs(dist.get_rank(), model_dtype)
-    casts = mock.Mock(wraps=torch._foreach_copy_)
+    foreach_copy, all_gather_tensors = torch._foreach_copy_, Collectives.all_gather_tensors
+    gathering = [False]
+    num_casts = [0]
+
+    def cast(*args, **kwargs):
+        num_casts[0] += not gathering[0]
+        return foreach_copy(*args, **kwargs)
+
+    def gather(*args, **kwargs):
+        gathering[0] = True
+        try:
+            return all_gather_tensors(*args, **kwargs)
+        finally:
+            gathering[0] = False
+
     packs = [mock.Mock(wraps=torch.cat), mock.Mock(wraps=torch._chunk_cat)]
     with (
-        mock.patch.object(torch, "_foreach_copy_", casts),
+        mock.patch.object(torch, "_foreach_copy_", cast),
+        mock.patch.object(Collectives, "all_gather_tensors", gather),
         mock.patch.object(torch, "cat", packs[0]),
         mock.patch.object(torch, "_chunk_cat", packs[1]),
     ):
@@ -419,7 +435,7 @@ def _reduce_in(
         grad = param.grad.float()
         dist.all_reduce(grad)
         expected[name] = grad / dist.get_world_size()
-    return _grads(model), expected, (casts.call_count, sum(p.call_count for p in packs))
+    return _grads(model), expected, (num_casts[0], sum(p.call_count for p in packs))
 
 
 @pytest.mark.parametrize(

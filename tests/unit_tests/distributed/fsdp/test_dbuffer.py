@@ -146,9 +146,22 @@ def _collectives() -> dict:
     # Weights skip the gathered buffer: each tensor's chunks go straight into the tensor.
     direct = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
     outputs = [target.view(-1) for target in chunk_targets(direct, layout)]
-    comm.all_gather_tensors(outputs, shard.shard, layout.chunk_numels, group)
+    inputs = list(shard.shard.split(layout.chunk_numels))
+    comm.all_gather_tensors(outputs, inputs, group)
     gathered_tensorwise_ok = all(
         torch.equal(v[: t.shape[0]].cpu(), t) for v, t in zip(direct.tensor_views(), full)
+    )
+    # Cast on the way (fp32 shards into bf16 weights), this rank's blocks given by the caller.
+    cast = DBuffer(layout.unsharded(), torch.bfloat16, device, sharded=False, rank=0)
+    targets = chunk_targets(cast, layout)
+    comm.all_gather_tensors(
+        [target.view(-1) for target in targets],
+        inputs,
+        group,
+        own_blocks=[target[rank] for target in targets],
+    )
+    gathered_tensorwise_ok &= all(
+        torch.equal(v[: t.shape[0]].cpu(), t.bfloat16()) for v, t in zip(cast.tensor_views(), full)
     )
     # Each rank contributes (rank + 1) * tensor; the average is (N + 1) / 2 * tensor.
     contribution = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
