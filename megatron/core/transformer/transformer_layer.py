@@ -84,7 +84,9 @@ class TransformerLayer(MegatronModule):
     ) -> torch.Tensor:
         if bias is not None:
             output = output + bias
-        return residual + F.dropout(output, p=self.hidden_dropout, training=self.training)
+        if self.hidden_dropout > 0 and self.training:  # a no-op otherwise, still dispatched
+            output = F.dropout(output, p=self.hidden_dropout)
+        return residual + output
 
     def forward(
         self,

@@ -80,3 +80,50 @@ def test_arguments_after_rotary_percent_are_keyword_only():
         RotaryEmbedding(8, 1.0, 500)
     rope = RotaryEmbedding(8, 1.0, rotary_base=500)
     torch.testing.assert_close(rope(2)[1, 0, 0, 1], torch.tensor(500.0 ** (-2 / 8)))
+
+
+def _textbook_rotation(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    rotated_half = torch.cat((-x2, x1), dim=-1)
+    return t * torch.cos(freqs).to(t.dtype) + rotated_half * torch.sin(freqs).to(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_equals_the_textbook_formula_bitwise_forward_and_backward(dtype):
+    # Arbitrary angles (not two equal halves), so the signed sine's halves are both exercised.
+    freqs = torch.rand(6, 1, 1, 8) * 20
+    t = torch.randn(6, 2, 3, 8, dtype=dtype, requires_grad=True)
+    reference = t.detach().clone().requires_grad_()
+    out, expected = apply_rotary_pos_emb(t, freqs), _textbook_rotation(reference, freqs)
+    assert torch.equal(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(t.grad, reference.grad)
+
+
+def test_rotation_tables_are_made_once_per_angles_tensor():
+    freqs = RotaryEmbedding(kv_channels=8)(6)
+    t = torch.randn(6, 2, 3, 8)
+    cos = torch.cos
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "cos", lambda x: calls.append(1) or cos(x))
+        first = apply_rotary_pos_emb(t, freqs)
+        again = apply_rotary_pos_emb(t, freqs)  # the next layer of the same forward
+        assert len(calls) == 1 and torch.equal(first, again)
+        apply_rotary_pos_emb(t.bfloat16(), freqs)  # another dtype: its own tables
+        assert len(calls) == 2
+        freqs.mul_(2)  # modified in place: the tables follow
+        rotated = apply_rotary_pos_emb(t, freqs)
+        assert len(calls) == 3
+    torch.testing.assert_close(rotated, _textbook_rotation(t, freqs))
+
+
+def test_trained_angles_get_a_gradient_from_every_call():
+    freqs = (torch.rand(6, 1, 1, 8) * 20).requires_grad_()
+    t = torch.randn(6, 2, 3, 8)
+    for _ in range(2):
+        freqs.grad = None
+        apply_rotary_pos_emb(t, freqs).sum().backward()
+        assert freqs.grad is not None and freqs.grad.abs().sum() > 0

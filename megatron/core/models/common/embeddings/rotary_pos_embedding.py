@@ -5,11 +5,17 @@ layer then rotates its queries and keys with `apply_rotary_pos_emb`. The module 
 parameters or buffers: the frequencies are recomputed in `forward` (a handful of tiny kernels),
 so a model built on the `meta` device needs no re-initialisation here, and casting the model to
 bf16 cannot degrade them.
+
+The cosines and sines of the angles are computed once per angles tensor (every layer of a forward
+gets the same one), and the rotation is four elementwise kernels: the host launches them for every
+query and key of every layer, forward and backward, so their count is part of the step's launch
+overhead.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -72,9 +78,35 @@ class RotaryEmbedding(torch.nn.Module):
         return f"dim={self.dim}, rotary_base={self.rotary_base}"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+_tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Angles tensor -> (its version, {dtype: (cos, signed sin)}): see `_rotation_tables`."""
+
+
+def _rotation_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos(freqs)` and `sin(freqs)` with its first half negated, in `dtype`, so that
+    `t * cos + t.roll(rot_dim // 2, -1) * sin` rotates `t` (the roll swaps the halves, which
+    Megatron's layout pairs).
+
+    Kept for as long as `freqs` lives and is not modified in place; angles that require grad
+    (trained ones) are not kept, so that each forward differentiates its own.
+    """
+    if freqs.requires_grad:
+        return _compute_tables(freqs, dtype)
+    version, by_dtype = _tables.get(freqs, (None, None))
+    if version != freqs._version:
+        by_dtype = {}
+        _tables[freqs] = (freqs._version, by_dtype)
+    tables = by_dtype.get(dtype)
+    if tables is None:
+        tables = by_dtype[dtype] = _compute_tables(freqs, dtype)
+    return tables
+
+
+def _compute_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    half = freqs.shape[-1] // 2
+    sin = torch.sin(freqs)
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return torch.cos(freqs).to(dtype), signed_sin.to(dtype)
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -85,13 +117,13 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         freqs: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim] with rot_dim <= d.
 
     Returns:
-        Tensor like `t`, in `t`'s dtype.
+        Tensor like `t`, in `t`'s dtype: `t * cos + rotate_half(t) * sin` on the rotated
+        channels, with `rotate_half(x) = cat(-x2, x1)` over the halves x1, x2 of `x`.
     """
     rot_dim = freqs.shape[-1]
+    cos, sin = _rotation_tables(freqs, t.dtype)
+    if rot_dim == t.shape[-1]:
+        return t * cos + t.roll(rot_dim // 2, dims=-1) * sin
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos = torch.cos(freqs).to(t.dtype)
-    sin = torch.sin(freqs).to(t.dtype)
-    t_rot = t_rot * cos + _rotate_half(t_rot) * sin
-    if t_pass.shape[-1] == 0:
-        return t_rot
+    t_rot = t_rot * cos + t_rot.roll(rot_dim // 2, dims=-1) * sin
     return torch.cat((t_rot, t_pass), dim=-1)
