@@ -72,7 +72,7 @@ class Collectives:
         if group.size() == 1:
             output.copy_(input)
             return
-        own = output.view(group.size(), -1)[group.rank()]
+        own = _own_block(output, group)
         own.copy_(input)
         _all_gather_single(output, own, group=group)
 
@@ -98,7 +98,7 @@ class Collectives:
                 of persistent storage); made here otherwise.
         """
         if own_blocks is None:
-            own_blocks = [output.view(group.size(), -1)[group.rank()] for output in outputs]
+            own_blocks = [_own_block(output, group) for output in outputs]
         torch._foreach_copy_(own_blocks, inputs)
         if group.size() > 1:
             _all_gather_coalesced(outputs, own_blocks, group=group)
@@ -136,7 +136,7 @@ class Collectives:
         symmetric = self._is_symmetric(input)
         op = self._op(group, average, symmetric)
         if symmetric:
-            own = input.view(group.size(), -1)[group.rank()]
+            own = _own_block(input, group)
             _reduce_scatter_single(own, input, op=op, group=group)
             output.copy_(own)
         else:
@@ -174,6 +174,11 @@ _ALL_GATHER_COALESCED, _REDUCE_SCATTER_SINGLE, _REDUCE_SCATTER_COALESCED = (
         ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
     )
 )
+
+
+def _own_block(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's block of `tensor`, 1-D and N equal blocks in group-rank order."""
+    return tensor.view(group.size(), -1)[group.rank()]
 
 
 def _all_gather_coalesced(

@@ -79,15 +79,14 @@ class FsdpContext:
         self._units = [weakref.ref(unit) for unit in units]
         self._callback_task: int | None = None
         # Units holding whole weights (ordered set), those whose last use is done (oldest
-        # release first, with the event recorded after it), and gathers not yet waited for.
+        # release first), and those whose gather was not yet waited for.
         self._resident: dict[int, None] = {}
-        self._releasable: collections.OrderedDict[int, torch.cuda.Event | None] = (
-            collections.OrderedDict()
-        )
-        self._ready: dict[int, torch.cuda.Event] = {}
-        # One event per unit for each of the two above, and one after the last reduce-scatter
-        # issued, recorded again at each use: a wait queued on an event is not affected by
-        # later records, and every record supersedes the ones it follows on its stream.
+        self._releasable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._ready: set[int] = set()
+        # The event after each unit's gather and after its last use (GPU), and one after the
+        # last reduce-scatter issued, recorded again at each use: a wait queued on an event is
+        # not affected by later records, and every record supersedes the ones it follows on
+        # its stream.
         if self.streams is not None:
             self._ready_events = [torch.cuda.Event() for _ in units]
             self._release_events = [torch.cuda.Event() for _ in units]
@@ -170,9 +169,9 @@ class FsdpContext:
         that computes next."""
         self.prepare(unit)
         position = unit.position
-        ready = self._ready.pop(position, None)
-        if ready is not None:
-            self.streams.current().wait_event(ready)
+        if position in self._ready:
+            self._ready.remove(position)
+            self.streams.current().wait_event(self._ready_events[position])
         if prefetch is None or not self.policy.prefetch:
             return
         successors = self._next_forward if prefetch == "forward" else self._next_backward
@@ -237,9 +236,8 @@ class FsdpContext:
         if transient:
             self._resident[position] = None
         if self.streams is not None:
-            ready = self._ready_events[position]
-            ready.record(self.streams.all_gather)
-            self._ready[position] = ready
+            self._ready_events[position].record(self.streams.all_gather)
+            self._ready.add(position)
 
     def release(self, unit: FsdpUnit, *, after_backward: bool = False) -> None:
         """`unit`'s use is over (its forward or backward is queued): its whole weights may be
@@ -248,11 +246,9 @@ class FsdpContext:
         of backward (the embeddings, the root's reductions) is where gradient memory peaks."""
         position = unit.position
         if position in self._resident:
-            event = None
             if self.streams is not None:
-                event = self._release_events[position]
-                event.record(self.streams.current())
-            self._releasable[position] = event
+                self._release_events[position].record(self.streams.current())
+            self._releasable[position] = None
             self._releasable.move_to_end(position)
         if after_backward and position not in self._next_backward:
             while self._releasable:
@@ -263,10 +259,11 @@ class FsdpContext:
         position = unit.position
         if position not in self._resident:
             return
-        event = self._releasable.pop(position, None)
+        released = position in self._releasable
+        self._releasable.pop(position, None)
         if self.streams is not None:
-            if event is not None:
-                self.streams.all_gather.wait_event(event)
+            if released:
+                self.streams.all_gather.wait_event(self._release_events[position])
             else:
                 self.streams.all_gather.wait_stream(self.streams.current())
         # Freed on the CPU now, the memory returns to the all-gather stream, which only reuses
@@ -274,7 +271,7 @@ class FsdpContext:
         for group in unit.groups:
             group.reshard()
         del self._resident[position]
-        self._ready.pop(position, None)
+        self._ready.discard(position)
 
     def free_all(self) -> None:
         """Frees every unit's whole weights after the current stream's queued work; the

@@ -225,10 +225,8 @@ class FsdpParameterGroup:
             zeroed=False,
         )
         if self.strategy.shards_grads:
-            # Each tensor's whole (padded) size, and its chunk in this rank's gradient shard:
-            # the inputs and outputs of its reduce-scatter (views of persistent storage: made
-            # once).
-            self._padded_numels = [n * self.layout.num_shards for n in self.layout.chunk_numels]
+            # Each tensor's chunk in this rank's gradient shard: the outputs of its
+            # reduce-scatter (views of persistent storage: made once).
             self._grad_chunks = list(self.main_grad.shard.split(self.layout.chunk_numels))
         if self.outer_layout is not None:
             self.optim_grad = self._shard_buffer(
@@ -485,7 +483,7 @@ class FsdpParameterGroup:
             sends = [g.view(-1) for g in grads]
         else:
             staging = torch.empty(self.layout.numel, dtype=comm_dtype, device=self.device)
-            sends = list(staging.split(self._padded_numels))
+            sends = list(staging.split(self.unsharded.layout.chunk_numels))
             flat = [g.reshape(-1) for g in grads]
             if self.layout.splits_evenly:
                 torch._foreach_copy_(sends, flat)
