@@ -14,7 +14,10 @@ the step then costs what the GPU does, not what the host launches (Megatron-LM's
 graphs). Megatron-FSDP then leaves `fsdp_all_gather_in_start_param_sync` off, as capture needs.
 
 Every rank draws the same tokens (fixed seed), so every engine computes the same training step as
-`single` and the final losses must agree (a sanity check; token values do not change timings).
+`single` and the final losses must agree (a sanity check; token values do not change timings):
+bitwise on CPU, and on GPU with `--deterministic`. Without it they differ in the last digits,
+by more than round-off alone would: flash attention's backward accumulates with atomics, whose
+order changes with what else runs on the GPU, and Adam amplifies the difference over steps.
 Prints a table and one JSON object (rank 0). DESIGN.md section 6's configurations, on 2 GPUs:
 
     # L (~1.34B params, micro-batch 2, seq 2048)
@@ -102,6 +105,13 @@ def parse_args() -> argparse.Namespace:
         "--cuda-graph",
         action="store_true",
         help=f"capture each step in a CUDA graph and replay it ({', '.join(GRAPHABLE)} only)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels (torch.use_deterministic_algorithms): every engine's loss is "
+        "then bitwise equal to single's; slower (flash attention's backward), for checking, not "
+        "timing",
     )
     parser.add_argument(
         "--create-all-gather-group",
@@ -287,14 +297,17 @@ def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
 
 def build_fsdp2(args: argparse.Namespace) -> StepFn:
     """fp32 model (FSDP2's sharded fp32 parameters are its main weights), bf16 compute."""
-    _, model = build_gpt(args, bf16=False)
-    if args.bf16:  # start from the bf16-built engines' main weights (the bf16 init, upcast)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(torch.bfloat16))
+    # Built as the other engines are, then upcast: the main weights start from exactly their
+    # initial weights (an fp32 build draws in another dtype, which need not round to them).
+    _, model = build_gpt(args)
+    model.float()
     policy = torch_fsdp.MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if args.bf16 else None,
         reduce_dtype=torch.bfloat16 if args.grad_reduce_dtype == "bf16" else torch.float32,
+        # The layers' floating-point inputs keep their dtype, as under the other engines: the
+        # hidden states are bf16 already, and the rotary angles must stay fp32 (bf16 rounds an
+        # angle past 1024 radians to a multiple of 8, so cast ones encode no position).
+        cast_forward_inputs=False,
     )
     mesh = init_device_mesh(torch.device(args.device).type, (dist.get_world_size(),))
     for layer in model.decoder.layers:
@@ -526,6 +539,10 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     """Runs every requested engine in turn; rank 0 prints (and writes) the results."""
     args = parse_args()
+    if args.deterministic:
+        # cuBLAS reads this when it initialises (deterministic mode refuses to run without it).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = init_distributed(torch.device(args.device).type)
     parallel_state.initialize_model_parallel(create_all_gather_group=args.create_all_gather_group)
     with torch.device("meta"):
