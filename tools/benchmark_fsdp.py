@@ -15,9 +15,9 @@ graphs). Megatron-FSDP then leaves `fsdp_all_gather_in_start_param_sync` off, as
 
 Every rank draws the same tokens (fixed seed), so every engine computes the same training step as
 `single` and the final losses must agree (a sanity check; token values do not change timings):
-bitwise on CPU, and on GPU with `--deterministic`. Without it they differ in the last digits,
-by more than round-off alone would: flash attention's backward accumulates with atomics, whose
-order changes with what else runs on the GPU, and Adam amplifies the difference over steps.
+bitwise on CPU, and on GPU with `--deterministic`. Without it the sharded engines' losses differ
+from the second step on, and from run to run: flash attention's backward accumulates with atomics,
+in an order that changes with the collectives running beside it.
 Prints a table and one JSON object (rank 0). DESIGN.md section 6's configurations, on 2 GPUs:
 
     # L (~1.34B params, micro-batch 2, seq 2048)
@@ -306,7 +306,7 @@ def build_fsdp2(args: argparse.Namespace) -> StepFn:
         reduce_dtype=torch.bfloat16 if args.grad_reduce_dtype == "bf16" else torch.float32,
         # The layers' floating-point inputs keep their dtype, as under the other engines: the
         # hidden states are bf16 already, and the rotary angles must stay fp32 (bf16 rounds an
-        # angle past 1024 radians to a multiple of 8, so cast ones encode no position).
+        # angle past 1024 radians to a multiple of 8, scrambling the fastest-turning channels).
         cast_forward_inputs=False,
     )
     mesh = init_device_mesh(torch.device(args.device).type, (dist.get_world_size(),))
