@@ -77,7 +77,8 @@ def test_every_engine_reports_a_row_and_the_same_loss(tmp_path, precision):
 )
 def test_every_engine_trains_bitwise_like_one_gpu_with_deterministic_kernels(tmp_path):
     # Enough work per layer that the side streams' collectives run under the compute stream's
-    # kernels, where a missing wait would read or overwrite memory in use.
+    # kernels, where a missing wait would read or overwrite memory in use. (Flags given after
+    # TINY's override them.)
     model = (
         "--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --vocab-size 4096 "
         "--seq-length 1024 --micro-batch-size 2 --num-microbatches 2 --steps 4"

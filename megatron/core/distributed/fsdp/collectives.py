@@ -118,8 +118,7 @@ class Collectives:
             return
         op = self._op(group, average, symmetric=False)
         _reduce_scatter_coalesced(outputs, inputs, op=op, group=group)
-        if average and op != dist.ReduceOp.AVG:
-            torch._foreach_div_(outputs, group.size())
+        _finish_average(outputs, op, group, average)
 
     def reduce_scatter(
         self,
@@ -141,7 +140,7 @@ class Collectives:
             output.copy_(own)
         else:
             _reduce_scatter_single(output, input, op=op, group=group)
-        _finish_average(output, op, group, average)
+        _finish_average([output], op, group, average)
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool) -> None:
         """Reduces `tensor` over `group` in place."""
@@ -149,7 +148,7 @@ class Collectives:
             return
         op = self._op(group, average, symmetric=False)
         dist.all_reduce(tensor, op=op, group=group)
-        _finish_average(tensor, op, group, average)
+        _finish_average([tensor], op, group, average)
 
     def _is_symmetric(self, tensor: torch.Tensor) -> bool:
         return self.symmetric is not None and self.symmetric.owns(tensor)
@@ -222,8 +221,8 @@ def _wait(work: dist.Work | None) -> None:
 
 
 def _finish_average(
-    tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup, average: bool
+    tensors: list[torch.Tensor], op: dist.ReduceOp, group: dist.ProcessGroup, average: bool
 ) -> None:
-    """Divides a SUM into the average where `op` could not average itself."""
+    """Divides SUMs into averages where `op` could not average itself."""
     if average and op != dist.ReduceOp.AVG:
-        tensor.div_(group.size())
+        torch._foreach_div_(tensors, group.size())

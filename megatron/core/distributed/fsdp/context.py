@@ -260,7 +260,8 @@ class FsdpContext:
         if position not in self._resident:
             return
         released = position in self._releasable
-        self._releasable.pop(position, None)
+        if released:
+            del self._releasable[position]
         if self.streams is not None:
             if released:
                 self.streams.all_gather.wait_event(self._release_events[position])

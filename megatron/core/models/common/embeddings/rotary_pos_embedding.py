@@ -122,8 +122,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """
     rot_dim = freqs.shape[-1]
     cos, sin = _rotation_tables(freqs, t.dtype)
-    if rot_dim == t.shape[-1]:
-        return t * cos + t.roll(rot_dim // 2, dims=-1) * sin
-    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    partial = rot_dim < t.shape[-1]
+    t_rot = t[..., :rot_dim] if partial else t
     t_rot = t_rot * cos + t_rot.roll(rot_dim // 2, dims=-1) * sin
-    return torch.cat((t_rot, t_pass), dim=-1)
+    return torch.cat((t_rot, t[..., rot_dim:]), dim=-1) if partial else t_rot
