@@ -442,8 +442,11 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device) -> dic
         del step, batches
     if name == "single":
         dist.barrier()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return {"times": times, "launch": launch, "loss": loss, "peak": peak}
+    peak = requested = 0
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        requested = torch.cuda.memory_stats(device)["requested_bytes.all.peak"]
+    return {"times": times, "launch": launch, "loss": loss, "peak": peak, "requested": requested}
 
 
 def capture_step(step: StepFn, batches: list[Batch], warmup: int = 3) -> StepFn:
@@ -501,7 +504,9 @@ def summarize(
     """One table row: medians of the per-step maxima over ranks, per-GPU rates."""
     times = max_over_ranks(measured["times"], device).tolist()
     launch = max_over_ranks(measured["launch"], device).tolist()
-    peak = max_over_ranks(torch.tensor([float(measured["peak"])]), device).item()
+    # float64: float32 would round byte counts of ~10 GiB to KiBs.
+    memory = torch.tensor([measured["peak"], measured["requested"]], dtype=torch.float64)
+    peak, requested = max_over_ranks(memory, device).tolist()
     step_s = statistics.median(times)
     tokens = args.num_microbatches * args.micro_batch_size * args.seq_length
     batch = args.num_microbatches * args.micro_batch_size
@@ -515,6 +520,10 @@ def summarize(
         "tokens_per_s_per_gpu": tokens / step_s,
         "tflops_per_s_per_gpu": flops / step_s / 1e12,
         "peak_gib": peak / 2**30 if device.type == "cuda" else None,
+        # The peak of the bytes asked for: the allocated peak above also counts what the
+        # caching allocator rounds up, and the tail (under 1 MiB) it leaves on a block it
+        # does not split, which varies with the order of allocations.
+        "peak_requested_gib": requested / 2**30 if device.type == "cuda" else None,
         "final_loss": measured["loss"],
         "precision": precision_note(name, args),
     }

@@ -1,7 +1,8 @@
 """`FullyShardedDataParallel`: Megatron-FSDP behind the DDP engine's interface.
 
-It shards a Megatron model (each `TransformerLayer` a unit by default; embeddings, final norm
-and output layer in the root) from a `DistributedDataParallelConfig`, and answers the calls a
+It shards a Megatron model (by default each `TransformerLayer` a unit, and so are the embedding
+and the output layer unless they share their weight; the rest in the root) from a
+`DistributedDataParallelConfig`, and answers the calls a
 Megatron training loop makes on its data-parallel wrapper (`zero_grad_buffer`, `no_sync`,
 `start_param_sync`, `finish_grad_sync`, `scale_gradients`, state dicts), so the loop does not
 care which engine it holds. The optimizer steps `model.parameters()` (DTensor main weights) and
@@ -40,8 +41,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
         config: the model's transformer config.
         ddp_config: data-parallel switches; `use_megatron_fsdp` must be True.
         module: the model (may live on the `meta` device: it is materialised shard by shard).
-        fsdp_unit_modules: module classes that each become a unit (default: TransformerLayer);
-            everything else belongs to the root.
+        fsdp_unit_modules: module classes that each become a unit; everything else belongs to
+            the root. Default: see `default_fsdp_units`.
         pg_collection: process groups (default: parallel_state's, else the world).
 
     Raises:
@@ -90,9 +91,12 @@ class FullyShardedDataParallel(_BaseDataParallel):
             overlap_grad_reduce=ddp_config.overlap_grad_reduce,
             use_symm_mem=ddp_config.use_symm_mem,
         )
-        unit_classes = tuple(fsdp_unit_modules or (TransformerLayer,))
+        if fsdp_unit_modules is None:
+            units = default_fsdp_units(module)
+        else:
+            classes = tuple(fsdp_unit_modules)
+            units = [m for m in module.modules() if isinstance(m, classes) and m is not module]
         # Children before parents: a unit takes what no unit below it holds.
-        units = [m for m in module.modules() if isinstance(m, unit_classes) and m is not module]
         for unit in [*reversed(units), module]:
             fully_shard(
                 unit,
@@ -181,3 +185,23 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 converted[key] = param
         # The units' load hooks mark their groups stale.
         return self.module.load_state_dict(converted, strict=strict)
+
+
+def default_fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules below `model` that become units by default, in module order: every
+    `TransformerLayer`, and a GPT model's embedding and output layer when the output layer has
+    a weight of its own.
+
+    The output layer is then gathered just before the loss and freed while the layers' backward
+    runs, its gradients reduced under that backward rather than at the end of it; and the
+    embedding's weights are not held from the forward to the end of backward. A tied output
+    layer computes with the embedding's weight outside the embedding's forward, so both stay
+    in the root.
+    """
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    ends = [] if tied else [getattr(model, name, None) for name in ("embedding", "output_layer")]
+    return [
+        m
+        for m in model.modules()
+        if m is not model and (isinstance(m, TransformerLayer) or any(m is e for e in ends))
+    ]

@@ -55,18 +55,22 @@ def _megatron_loop(wrapper, optimizer, step_fn) -> list[float]:
     return losses
 
 
-def _train_adapter(ddp_kwargs: dict) -> dict:
-    model = build_tiny_gpt()
+def _train_adapter(ddp_kwargs: dict, tied: bool = False) -> dict:
+    model = build_tiny_gpt(share_embeddings_and_output_weights=tied)
     config = DistributedDataParallelConfig(use_megatron_fsdp=True, **ddp_kwargs)
     fsdp = FullyShardedDataParallel(model.config, config, model)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
     losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
-    layers_are_units = all(isinstance(m, FsdpModule) for m in model.decoder.layers)
-    return dict(state=full_state(model), losses=losses, layers_are_units=layers_are_units)
+    units = {
+        "layers": all(isinstance(m, FsdpModule) for m in model.decoder.layers),
+        "embedding": isinstance(model.embedding, FsdpModule),
+        "output_layer": isinstance(model.output_layer, FsdpModule),
+    }
+    return dict(state=full_state(model), losses=losses, units=units)
 
 
-def _train_ddp() -> dict:
-    model = build_tiny_gpt()
+def _train_ddp(tied: bool = False) -> dict:
+    model = build_tiny_gpt(share_embeddings_and_output_weights=tied)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
@@ -92,8 +96,25 @@ def _train_ddp() -> dict:
 def test_adapter_matches_ddp_engine(ddp_kwargs):
     fsdp = run_distributed(_train_adapter, 2, ddp_kwargs)
     ddp = run_distributed(_train_ddp, 2)
+    for fsdp_rank in fsdp:
+        assert fsdp_rank["units"] == dict(layers=True, embedding=True, output_layer=True)
+    _assert_matches_ddp(fsdp, ddp)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_embedding_and_output_layer_are_units_unless_they_share_a_weight(tied):
+    # A tied output layer computes with the embedding's weight outside the embedding's
+    # forward: both must then stay in the root, whose weights are whole throughout.
+    kwargs = {"data_parallel_sharding_strategy": "optim_grads_params"}
+    fsdp = run_distributed(_train_adapter, 2, kwargs, tied)
+    ddp = run_distributed(_train_ddp, 2, tied)
+    for fsdp_rank in fsdp:
+        assert fsdp_rank["units"] == dict(layers=True, embedding=not tied, output_layer=not tied)
+    _assert_matches_ddp(fsdp, ddp)
+
+
+def _assert_matches_ddp(fsdp: list[dict], ddp: list[dict]) -> None:
     for fsdp_rank, ddp_rank in zip(fsdp, ddp):
-        assert fsdp_rank["layers_are_units"]
         # fp32 losses, compared at fp32's tolerance (a list of floats would get float64's):
         # the engines' sharded and whole arithmetic may round differently in the last bits.
         torch.testing.assert_close(

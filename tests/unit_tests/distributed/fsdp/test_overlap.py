@@ -418,22 +418,27 @@ def _overlap_counts(create_all_gather_group: bool) -> dict:
 @_needs_2_gpus
 def test_forward_all_gathers_overlap_gemms():
     for r in run_distributed(_overlap_counts, 2, True):
-        # The root was gathered in start_param_sync; each layer's all-gather should run while
-        # the previous unit computes (the first one's under the embedding, no GEMM).
-        assert r["gathers_fwd"] == NUM_LAYERS
-        assert r["gathers_fwd_overlapped"] >= NUM_LAYERS - 1, r
+        # The root (the final norm) was gathered in start_param_sync. The embedding, each
+        # layer and the output layer are gathered while the unit before them computes: all
+        # under a GEMM but the embedding's (issued where the root's forward starts) and the
+        # first layer's (under the embedding's lookup).
+        assert r["gathers_fwd"] == NUM_LAYERS + 2, r
+        assert r["gathers_fwd_overlapped"] >= NUM_LAYERS, r
 
 
 @pytest.mark.gpu
 @_needs_2_gpus
 def test_backward_collectives_overlap_gemms_on_side_streams():
     for r in run_distributed(_overlap_counts, 2, True):
-        # The last layer, kept when the forward ends, is reused; every other layer is
-        # prefetched during the backward of the layer after it. Each layer's reduce-scatter
-        # runs under an earlier layer's backward.
-        assert r["gathers_bwd"] == NUM_LAYERS - 1, r
-        assert r["gathers_bwd_overlapped"] >= NUM_LAYERS - 1, r
-        assert r["scatters"] == NUM_LAYERS + 1, r
+        # The output layer, kept when the forward ends, is reused; every layer and the
+        # embedding are prefetched during the backward of the unit after them. The
+        # reduce-scatter of every layer but the first runs under a later layer's GEMMs; the
+        # output layer's runs under the final norm's backward (no GEMM; it can end there), the
+        # first layer's under the embedding's, and the embedding's and the root's (their inputs
+        # need no gradient) at the end.
+        assert r["gathers_bwd"] == NUM_LAYERS + 1, r
+        assert r["gathers_bwd_overlapped"] >= NUM_LAYERS + 1, r
+        assert r["scatters"] == NUM_LAYERS + 3, r
         assert r["scatters_overlapped"] >= NUM_LAYERS - 1, r
         assert r["nccl_on_compute_stream"] == 0, r
 
