@@ -18,7 +18,7 @@ Every rank draws the same tokens (fixed seed), so every engine computes the same
 bitwise on CPU, and on GPU with `--deterministic`. Without it the sharded engines' losses differ
 from the second step on, and from run to run: flash attention's backward accumulates with atomics,
 in an order that changes with the collectives running beside it.
-Prints a table and one JSON object (rank 0). DESIGN.md section 6's configurations, on 2 GPUs:
+Prints a table and one JSON object (rank 0). The configurations reported in docs, on 2 GPUs:
 
     # L (~1.34B params, micro-batch 2, seq 2048)
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --hidden-size 2048 --num-layers 24 \\
@@ -281,7 +281,7 @@ def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
     def scope(i: int) -> contextlib.AbstractContextManager:
         if n == 1:
             return contextlib.nullcontext()
-        return microbatch(fsdp.module, is_first=i == 0, is_last=i == n - 1)
+        return microbatch(fsdp.module, is_last=i == n - 1)
 
     def step(batches: list[Batch]) -> torch.Tensor:
         # The training loop's order: gradient memory is freed before the first gather.

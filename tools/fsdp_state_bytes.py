@@ -7,7 +7,7 @@ sum, and (on GPU) peak allocated memory. Launch one process per rank:
 
     torchrun --nproc-per-node 4 tools/fsdp_state_bytes.py --bf16
 
-Defaults are DESIGN.md's 1.34B configuration. Runs on CPU (gloo) too with a tiny model:
+Defaults are the 1.34B benchmark configuration. Runs on CPU (gloo) too with a tiny model:
 
     torchrun --nproc-per-node 2 tools/fsdp_state_bytes.py --num-layers 2 --hidden-size 64 \
         --num-attention-heads 4 --vocab-size 128 --seq-length 16
@@ -77,12 +77,12 @@ def measure(args: argparse.Namespace, strategy: str, device: torch.device) -> di
         for t in state.values()
         if isinstance(t, DTensor)
     )
-    main = {id(g.main_weight): g.main_weight for g in groups}
+    main = {id(g.weights.sharded_main): g.weights.sharded_main for g in groups}
     # Compute-dtype weights held between steps (ZeRO-3 gathers them from the main weights).
-    held = [g.model_shard if g.model_shard is not None else g.unsharded for g in groups]
+    held = [g.weights.inner_shard or g.weights.unsharded for g in groups]
     model_weights = {id(b): b for b in held if b.is_allocated}
-    grads = [g.main_grad for g in groups if g.main_grad is not None]
-    grads += [g.optim_grad for g in groups if g.optim_grad is not None]
+    grads = [g.grads.main_grad for g in groups if g.grads is not None]
+    grads += [g.grads.optim_grad for g in groups if g.grads and g.grads.optim_grad is not None]
     result = {
         "num_params": num_params,
         "main_weights_bytes": sum(b.data.nbytes for k, b in main.items() if k not in model_weights),

@@ -1,6 +1,6 @@
 """The GPT the benchmarking tools build: its command-line flags and its construction.
 
-Defaults are DESIGN.md's 1.34B configuration (hidden 2048, 24 layers, 16 heads, vocab 32000,
+Defaults are the 1.34B benchmark configuration (hidden 2048, 24 layers, 16 heads, vocab 32000,
 RoPE). Imported by the scripts in this folder (`python tools/<script>.py` puts it on the path).
 """
 

@@ -354,8 +354,7 @@ def _microbatch_scope(
     """Where microbatch `index` of `count` sits in gradient accumulation, for the engine."""
     is_last = index == count - 1
     if isinstance(model, FullyShardedDataParallel):
-        # Also tells it that only the first microbatch must refresh the compute weights.
-        return microbatch(model, is_first=index == 0, is_last=is_last)
+        return microbatch(model, is_last=is_last)
     return contextlib.nullcontext() if is_last else model.no_sync()
 
 

@@ -12,7 +12,14 @@ A training step::
         with model.no_sync() if i < len(microbatches) - 1 else contextlib.nullcontext():
             loss_fn(model(batch)).backward()
     model.finish_grad_sync()
-    # optimizer reads param.main_grad
+    optimizer.step()  # Megatron's optimizers read param.main_grad; any other reads param.grad
+
+After `finish_grad_sync()` each parameter's `.grad` is its reduced gradient (a view of
+`main_grad` where the dtypes match; where they do not, a copy in the parameter's dtype, made
+only when an optimizer holding the parameter steps, through torch's global step hook), so a
+stock torch optimizer over `module.parameters()` trains the model as Megatron's does. Torch's
+semantics hold for it: a `.grad` dropped by `zero_grad()` starts afresh at the next backward, one left in
+place accumulates.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.distributed.data_parallel_base import (
@@ -39,6 +47,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 _wrapping_engine = WeakIdKeyDictionary()
 """Parameter -> weakref of the engine that owns its `main_grad` (to refuse double wrapping)."""
+
+_step_hook: Any = None
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, *unused: Any) -> None:
+    """Gives the parameters an optimizer is about to step their reduced gradient as `.grad`
+    where `finish_grad_sync()` could not hand out a view (another dtype)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None and (ref := _wrapping_engine.get(param)) is not None:
+                if (engine := ref()) is not None:
+                    engine._hand_out(param)
 
 
 class DistributedDataParallel(_BaseDataParallel):
@@ -109,6 +129,13 @@ class DistributedDataParallel(_BaseDataParallel):
         }
         self._param_names = names
         self._grad_sync_enabled = True
+        # Parameters whose `.grad` was set to their reduced gradient, and whether the
+        # gradients are reduced (from `finish_grad_sync()` to the next backward or zeroing).
+        self._handed: set[torch.nn.Parameter] = set()
+        self._synced = False
+        global _step_hook
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_pre_hook(_before_any_step)
 
         engine = weakref.ref(self)
 
@@ -130,9 +157,21 @@ class DistributedDataParallel(_BaseDataParallel):
         return torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
 
     def _accumulate_grad(self, param: torch.nn.Parameter) -> None:
-        """Moves the fresh gradient into `main_grad`; launches the bucket once it is complete."""
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        """Moves the fresh gradient into `main_grad`; launches the bucket once it is complete.
+
+        Where `.grad` still is the view `finish_grad_sync()` handed out, autograd accumulated
+        into `main_grad` itself. Where it was handed out and then replaced (dropped by
+        `zero_grad()`, or a copy autograd accumulated into), it holds the whole gradient.
+        """
+        self._synced = False
+        grad = param.grad
+        if grad is not param.main_grad:
+            if param in self._handed:
+                self._handed.discard(param)
+                param.main_grad.copy_(grad)
+            else:
+                param.main_grad.add_(grad)
+            param.grad = None
         if self._grad_sync_enabled and self.ddp_config.overlap_grad_reduce:
             bucket = self._bucket_of[param]
             if bucket.mark_ready(param):
@@ -156,6 +195,8 @@ class DistributedDataParallel(_BaseDataParallel):
             bucket.reset()
         for param in self._bucket_of:
             param.grad = None
+        self._handed.clear()
+        self._synced = False
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Launches the all-reduce of every bucket not launched yet (asynchronously when
@@ -183,6 +224,30 @@ class DistributedDataParallel(_BaseDataParallel):
                 )
         for bucket in self.buckets:
             bucket.finish_reduce()
+        self._hand_out_grads()
+
+    @torch.no_grad()
+    def _hand_out_grads(self) -> None:
+        """Sets each parameter's `.grad` to a view of its reduced gradient where the dtypes
+        match (other parameters get a copy when an optimizer steps them). A `.grad` dropped
+        since it was handed out, with no gradient since, stays None (as in torch), and its
+        stale `main_grad` is cleared."""
+        self._synced = True
+        for param in self._bucket_of:
+            if param in self._handed and param.grad is None:
+                self._handed.discard(param)
+                param.main_grad.zero_()
+            elif param.main_grad.dtype == param.dtype:
+                param.grad = param.main_grad
+                self._handed.add(param)
+
+    @torch.no_grad()
+    def _hand_out(self, param: torch.nn.Parameter) -> None:
+        """`param`'s reduced gradient as its `.grad`, in its dtype, once reduced and unless a
+        `zero_grad()` dropped it since it was handed out."""
+        if self._synced and param not in self._handed:
+            param.grad = param.main_grad.to(param.dtype)
+            self._handed.add(param)
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiplies every `main_grad` by `scaling_factor`."""

@@ -110,6 +110,12 @@ class DistributedDataParallelConfig:
                 f"grad_reduce_in_fp32=True contradicts megatron_fsdp_main_grads_dtype="
                 f"{main_grads_dtype}; set one of them only."
             )
+        if self.megatron_fsdp_main_params_dtype == torch.float16:
+            raise ValueError(
+                "megatron_fsdp_main_params_dtype=fp16 is not supported: fp16 main weights lose "
+                "small updates and overflow without loss scaling, so training diverges; use fp32 "
+                "(the default) or bf16."
+            )
         if not self.use_megatron_fsdp:
             self._check_ddp_only()
             return

@@ -156,10 +156,13 @@ class MegatronOptimizer:
             if masters:
                 torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
         finally:
-            # The DDP engine keeps `.grad` None between backwards: a `.grad` left aliasing
-            # `main_grad` would make the next backward add its gradient twice.
+            # The step consumed the gradients: the `.grad` the DDP engine handed out (views of
+            # `main_grad`) and the masters' are dropped, as `zero_grad()` would.
             for main in assigned:
                 main.grad = None
+            if not self._is_fsdp:
+                for param in self._main_params:
+                    param.grad = None
         return True, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:

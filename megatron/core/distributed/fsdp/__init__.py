@@ -5,6 +5,7 @@ Library use::
     for layer in model.decoder.layers:
         fully_shard(layer)
     fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())  # any optimizer; or, the fast path:
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()), model)
 
 or, for a Megatron model from a `DistributedDataParallelConfig`, `FullyShardedDataParallel`.
@@ -14,7 +15,13 @@ from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex, ShardGroups
 from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard, is_expert_param
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-from megatron.core.distributed.fsdp.microbatch import fsdp_contexts, fsdp_roots, microbatch
+from megatron.core.distributed.fsdp.gradients import GradState
+from megatron.core.distributed.fsdp.microbatch import (
+    fsdp_contexts,
+    fsdp_roots,
+    microbatch,
+    set_profiler_labels,
+)
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.optimizer import (
     fully_shard_optimizer,
@@ -31,6 +38,7 @@ __all__ = [
     "FsdpModule",
     "FsdpParameterGroup",
     "FullyShardedDataParallel",
+    "GradState",
     "MixedPrecisionPolicy",
     "OverlapPolicy",
     "ShardGroups",
@@ -44,4 +52,5 @@ __all__ = [
     "local_main_weights",
     "microbatch",
     "parameter_groups",
+    "set_profiler_labels",
 ]

@@ -1,51 +1,74 @@
-"""`FsdpContext`: the state shared by every FSDP unit under one root.
+"""`FsdpContext`: the state shared by every FSDP unit under one root, and the choreography of a
+pass: what happens before and after each unit's forward and backward.
 
 The root is the outermost unit: the first whose forward runs (or the one `microbatch()` finds),
-and it creates the context lazily. The context holds what concerns the whole model rather than
-one unit:
+and it creates the context lazily. `fsdp_module.py` only registers hooks that call
+`pre_forward`, `post_forward`, `pre_backward` and `post_backward` here. The context holds:
 
 - the collectives issuer and, on GPU, the all-gather and reduce-scatter streams;
-- which units hold whole weights (ZeRO-3), the events that say when they are ready and when
-  their last use is done, and the bound on how many are held at once (delayed release);
-- the forward and backward order of the units, recorded in each forward, which prefetching
-  follows;
-- the reduce-scatters in flight, and the end-of-backward callback that waits for them,
-  frees every unit's whole weights, reduces what no unit's post-backward did (the root, units
-  whose inputs need no gradient) and runs the reductions deferred to the last microbatch;
-- the microbatch state that `microbatch()` sets.
+- the units' unsharded weights (`Residency`) and the order of the units, recorded in each
+  forward, which prefetching follows;
+- the reduce-scatters in flight, and the end-of-backward callback;
+- the pass state, `TrainingState`, checked where it matters.
 
-Memory discipline (GPU): whole weights and all-gather staging are allocated and freed on the
-all-gather stream, which waits for the event recorded after a unit's last use before freeing it;
-reduce-scatter inputs (gradients cast to the reduction dtype) are allocated and freed on the compute
-stream, which waits for the reduce-scatter that read them before casting the next. Nothing relies on
-`record_stream`. The all-gather stream waits for the compute stream's queued work at the start of
-each forward (and in `start_param_sync`) and before the first gather after a step or a load changed
-the main weights, not before every gather: all-gathers read the main weights, which change only
-between passes, and the memory they reuse is ordered by the events above; in backward each prefetch
-also waits, to stay under the unit computing when it is issued. On CPU there are no streams and
-every step runs in program order, with identical results.
+Pass states::
+
+    IDLE --root pre-forward--> FORWARD --root post-forward--> IDLE
+    IDLE --first pre-backward--> BACKWARD --end of backward--> IDLE
+
+A root forward that finds the state not IDLE knows that the previous forward or backward raised:
+it reshards every unit, registers the main weights again and drops the gradients that pass left
+unreduced (`zero_grad_buffer()` and `finish_grad_sync()` do the same), so a failed pass leaves
+nothing behind. At the start of each root forward the main version of every group is read once
+(`weights.py`), stale compute weights are refreshed, and gradients an optimizer dropped are
+freed. At the end of each backward the units that entered it but were not reduced by their own
+post-backward (the root, units whose inputs need no gradient) are reduced, however many
+backward passes run per forward; outside `no_sync()` / `microbatch(is_last=False)` the
+gradients are then finalised (`finalize_grads`, the one place that finalises).
+
+Memory discipline (GPU): see `residency.py` for unsharded weights; reduce-scatter inputs
+(gradients cast to the reduction dtype) are allocated and freed on the compute stream, which
+waits for the reduce-scatter that read them before casting the next. The all-gather stream waits
+for the compute stream's queued work at the start of each root forward (and wherever gathers
+start outside one), not before every gather: all-gathers read the main weights, which change
+only between passes; in backward each prefetch also waits, to stay under the unit computing when
+it is issued. On CPU there are no streams and every step runs in program order.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.autograd import Variable
 
 from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.gradients import GradState
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
+from megatron.core.distributed.fsdp.profiling import PhaseLabels
+from megatron.core.distributed.fsdp.rank_check import UnitsRunCheck
+from megatron.core.distributed.fsdp.residency import Residency, ScheduledUnit
 from megatron.core.distributed.fsdp.symmetric_memory import (
     SymmetricStaging,
     check_symm_mem_support,
 )
 
-if TYPE_CHECKING:
-    from megatron.core.distributed.fsdp.fsdp_module import FsdpUnit
+
+class TrainingState(enum.Enum):
+    """Where the root's pass is (module docstring)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (in this thread)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class FsdpContext:
@@ -59,52 +82,57 @@ class FsdpContext:
     Attributes:
         comm: the collectives issuer of every unit.
         streams: the side streams (CUDA only; None on CPU).
-        is_first: inside `microbatch()`, whether this is the step's first microbatch (the only
-            one that refreshes model weights from main weights); None outside, where every
-            forward refreshes stale weights.
-        is_last: whether the end of this backward runs the deferred reductions; True outside
+        residency: the units' unsharded weights.
+        labels: the profiler labels (off unless `set_profiler_labels`).
+        state: where the pass is.
+        is_last: whether the end of this backward finalises the gradients; True outside
             `microbatch()` / `no_sync()`.
     """
 
-    def __init__(self, units: list[FsdpUnit], policy: OverlapPolicy, device: torch.device):
+    def __init__(self, units: list[ScheduledUnit], policy: OverlapPolicy, device: torch.device):
         self.policy = policy
         self.streams = CommStreams(device) if device.type == "cuda" else None
         symmetric = self._symmetric_staging(units, device) if policy.use_symm_mem else None
         self.comm = Collectives(symmetric)
-        self.is_first: bool | None = None
+        self.labels = PhaseLabels(device)
+        self.state = TrainingState.IDLE
         self.is_last = True
         # The root unit owns this context, so units are referred to by their position in
         # `units` (0: the root, `FsdpUnit.position`), which keeps the context from holding the
         # root strongly.
         self._units = [weakref.ref(unit) for unit in units]
+        self.residency = Residency(len(units), self._unit, policy, self.streams, self.labels)
+        groups = [group for unit in units for group in unit.groups]
+        shard_groups = groups[0].weights.groups if groups else None
+        check_groups = [] if shard_groups is None else [shard_groups.shard, shard_groups.outer]
+        self._check = UnitsRunCheck(
+            [g for g in check_groups if g is not None], device, [unit.name for unit in units]
+        )
         self._callback_task: int | None = None
-        # Units holding whole weights (ordered set), those whose last use is done (oldest
-        # release first), and those whose gather was not yet waited for.
-        self._resident: dict[int, None] = {}
-        self._releasable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._ready: set[int] = set()
-        # The event after each unit's gather and after its last use (GPU), and one after the
-        # last reduce-scatter issued, recorded again at each use: a wait queued on an event is
-        # not affected by later records, and every record supersedes the ones it follows on
-        # its stream.
-        if self.streams is not None:
-            self._ready_events = [torch.cuda.Event() for _ in units]
-            self._release_events = [torch.cuda.Event() for _ in units]
-            self._reduced = torch.cuda.Event()
+        # Units whose pre-backward / post-backward ran in the current backward, and how many
+        # forwards with autograd of each unit no reduction has matched yet (a unit run twice
+        # gets its parameters' gradients only after both runs' backward, after its first
+        # post-backward).
+        self._entered: set[int] = set()
+        self._reduced: set[int] = set()
+        self._unreduced_forwards: collections.Counter[int] = collections.Counter()
         # The reduce-scatters of the last unit reduced, in flight on their stream: the tensors
-        # they read (kept alive, unwritten, until the compute stream waits for `_reduced`).
+        # they read (kept alive, unwritten, until the compute stream waits for `_reduced_event`).
         self._reductions: list[list[torch.Tensor]] = []
+        if self.streams is not None:
+            self._reduced_event = torch.cuda.Event()
         # Orders of the last complete forward (initially module order), and the one recording.
         positions = list(range(len(units)))
         self._next_forward = _successors(positions)
         self._next_backward = _successors([0, *reversed(positions[1:])])
         self._first_unit = 0
         self._recording: tuple[list[int], list[int]] | None = None
-        self._gathers_ordered = False
 
     @staticmethod
-    def _symmetric_staging(units: list[FsdpUnit], device: torch.device) -> SymmetricStaging:
-        requests = [r for unit in units for group in unit.groups for r in group.staging_requests()]
+    def _symmetric_staging(units: list[ScheduledUnit], device: torch.device) -> SymmetricStaging:
+        requests = [
+            r for unit in units for group in unit.groups for r in group.weights.staging_requests()
+        ]
         check_symm_mem_support(device, [group for _, group, _, _ in requests])
         staging = SymmetricStaging(device)
         for request in requests:
@@ -112,324 +140,300 @@ class FsdpContext:
         staging.allocate()
         return staging
 
-    def units(self) -> Iterator[FsdpUnit]:
+    def units(self) -> Iterator[ScheduledUnit]:
         """The live units, root first, then in module order."""
         for ref in self._units:
             unit = ref()
             if unit is not None:
                 yield unit
 
-    # Microbatch state.
+    def _unit(self, position: int) -> ScheduledUnit | None:
+        return self._units[position]()
 
     @contextlib.contextmanager
-    def microbatch_state(self, is_first: bool | None, is_last: bool) -> Iterator[None]:
-        """Sets `is_first` / `is_last` for the scope and restores the previous values."""
-        previous = self.is_first, self.is_last
-        self.is_first, self.is_last = is_first, is_last
+    def microbatch_state(self, is_last: bool) -> Iterator[None]:
+        """Sets `is_last` for the scope and restores the previous value."""
+        previous = self.is_last
+        self.is_last = is_last
         try:
             yield
         finally:
-            self.is_first, self.is_last = previous
+            self.is_last = previous
 
-    @property
-    def syncs_weights(self) -> bool:
-        """Whether a forward now may refresh model weights (not after the first microbatch)."""
-        return self.is_first is not False
+    # Forward.
 
-    # Unit order.
-
-    def record_pre_forward(self, unit: FsdpUnit) -> None:
-        """Notes that `unit`'s forward starts (the root's starts a new recording)."""
+    def pre_forward(self, unit: ScheduledUnit) -> bool:
+        """Before `unit`'s forward: unshard and register its compute weights, prefetch the
+        next unit's. Returns whether the unit's inputs must report the end of its backward
+        (a forward with autograd, not an activation-recompute rerun)."""
+        if in_backward():
+            # An activation-recompute rerun: the unit's weights are already in use.
+            self._use(unit, "recompute")
+            self._register(unit, unsharded=True)
+            return False
         position = unit.position
         if position == 0:
-            self._recording = ([], [])
+            self._begin_pass()
+        elif self.state is TrainingState.IDLE:
+            # A unit used on its own: nothing ordered its gathers after the latest writes.
+            self._prepare_outside_pass(unit)
         if self._recording is not None:
             self._recording[0].append(position)
+        with self.labels(unit, "forward"):
+            self._use(unit, "forward", self._next_forward)
+        self._register(unit, unsharded=True)
+        if not torch.is_grad_enabled():
+            return False
+        self._unreduced_forwards[position] += 1
+        return True
 
-    def record_post_forward(self, unit: FsdpUnit) -> None:
-        """Notes that `unit`'s forward ended; at the root's, the recorded order takes effect:
-        forward prefetching follows the pre-forward order, backward the reversed post-forward
-        order (the order the units' backward hooks fire in)."""
-        if self._recording is None:
-            return
+    def _begin_pass(self) -> None:
+        """The root's forward starts: recover from a failed pass, read every group's main
+        version, refresh stale compute weights, free gradients an optimizer dropped."""
+        self._recover_failed_pass()
+        self._check.resolve()
+        self.state = TrainingState.FORWARD
+        self._recording = ([], [])
+        self._wait_pending_reductions()
+        self.residency.order_gathers()
+        for unit in self.units():
+            for group in unit.groups:
+                group.weights.observe_main_version()
+                if group.grads is not None:
+                    group.grads.release_if_dropped()
+            self.residency.refresh(unit)
+
+    def _prepare_outside_pass(self, unit: ScheduledUnit) -> None:
+        for group in unit.groups:
+            group.weights.observe_main_version()
+        self.residency.order_gathers()
+
+    def post_forward(self, unit: ScheduledUnit) -> bool:
+        """After `unit`'s forward: register the main weights, release (or, at the root's end,
+        reshard) unsharded weights. Returns whether the outputs must announce the unit's
+        backward (not inside a backward, where this is a recompute rerun that backward needs
+        registered as it is)."""
+        if in_backward():
+            return False
+        self._register(unit, unsharded=False)
         position = unit.position
-        self._recording[1].append(position)
-        if position == 0:
-            pre, post = self._recording
-            self._recording = None
-            self._first_unit = pre[0]
-            self._next_forward = _successors(pre)
-            self._next_backward = _successors(list(reversed(post)))
+        if self._recording is not None:
+            self._recording[1].append(position)
+        if position != 0:
+            self.residency.release(unit)
+            return True
+        self._end_pass()
+        if torch.is_grad_enabled():
+            # Keeps only the unit released last, the first whose backward runs, and the root
+            # (which backward starts with); backward prefetches the others again.
+            self.residency.keep_last_released()
+        else:
+            self.residency.reshard_all()  # the end of an inference forward
+        return True
 
-    # Whole weights: gather, use, release.
+    def _end_pass(self) -> None:
+        """The root's forward ended: the recorded order takes effect (forward prefetching
+        follows the pre-forward order, backward the reversed post-forward order, the order the
+        units' backward hooks fire in), and the ranks compare the units they ran."""
+        self.state = TrainingState.IDLE
+        pre, post = self._recording
+        self._recording = None
+        self._first_unit = pre[0]
+        self._next_forward = _successors(pre)
+        self._next_backward = _successors(list(reversed(post)))
+        self._check.after_forward(pre)
 
-    def use(self, unit: FsdpUnit, *, prefetch: Literal["forward", "backward"] | None = None):
+    def _use(self, unit: ScheduledUnit, phase: str, successors: dict[int, int] | None = None):
         """Makes `unit`'s compute weights whole and ready for the current stream, then (with
-        `prefetch` "forward" or "backward" and the policy's prefetch) starts gathering the unit
-        that computes next."""
-        self.prepare(unit)
-        position = unit.position
-        if position in self._ready:
-            self._ready.remove(position)
-            self.streams.current().wait_event(self._ready_events[position])
-        if prefetch is None or not self.policy.prefetch:
+        `successors` and the policy's prefetch) starts gathering the unit that computes next."""
+        self.residency.unshard(unit, phase)
+        self.residency.wait(unit)
+        if successors is None or not self.policy.prefetch:
             return
-        successors = self._next_forward if prefetch == "forward" else self._next_backward
-        following = successors.get(position)
-        if following is None or (unit := self._unit(following)) is None:
+        following = successors.get(unit.position)
+        if following is None or (next_unit := self._unit(following)) is None:
             return
-        if prefetch == "backward":
+        if phase == "backward":
             # Keeps the gather under this unit's backward: the first one of a backward has no
             # release event to wait for and would otherwise run at once, under the loss's.
-            self.order_gathers()
-        self.prepare(unit, prefetch=True)
+            self.residency.order_gathers()
+        self.residency.unshard(next_unit, phase, prefetch=True)
 
-    def prepare_first_unit(self) -> None:
+    @staticmethod
+    def _register(unit: ScheduledUnit, *, unsharded: bool) -> None:
+        for group in unit.groups:
+            if unsharded:
+                group.weights.register_unsharded()
+            else:
+                group.weights.register_sharded()
+
+    def unshard(self, unit: ScheduledUnit) -> None:
+        """Starts gathering `unit`'s compute weights ahead of its use (`FsdpModule.unshard`)."""
+        self._recover_failed_pass()
+        self._prepare_outside_pass(unit)
+        self.residency.refresh(unit)
+        self.residency.unshard(unit, "forward")
+
+    def unshard_first_unit(self) -> None:
         """Starts gathering the unit the next forward begins with (`start_param_sync`)."""
         unit = self._unit(self._first_unit)
         if unit is not None:
-            self.order_gathers()
-            self.prepare(unit)
+            self.unshard(unit)
 
-    def order_gathers(self) -> None:
-        """Makes the all-gathers issued from now on run after the current stream's queued work
-        (an optimizer step or a load that wrote the main weights). Called where a forward
-        starts, before the first gather since the main weights changed, and before each
-        backward prefetch; within a pass the main weights do not change, so other gathers need
-        no further wait."""
-        if self.streams is not None:
-            self.streams.all_gather.wait_stream(self.streams.current())
-        self._gathers_ordered = True
-
-    def main_weights_changed(self) -> None:
-        """An optimizer step or a load wrote the main weights on the current stream: the next
-        gather or refresh must follow those writes."""
-        self._gathers_ordered = False
-
-    def prepare(self, unit: FsdpUnit, *, prefetch: bool = False) -> None:
-        """Starts making `unit`'s compute weights whole: refreshes stale ones (when allowed)
-        and all-gathers them, on the all-gather stream. Weights still held from an earlier use
-        are kept instead of gathered again. A prefetch is skipped when the bound on held units
-        leaves no room (the units held are all in use). Gathers and refreshes are ordered after
-        the last `order_gathers()`, which runs first if the main weights changed since."""
-        stale = [group for group in unit.groups if group.is_stale] if self.syncs_weights else []
-        position = unit.position
-        if position in self._resident:
-            if not stale:
-                self._releasable.pop(position, None)
-                return
-            self.free(unit)  # out of date
-        transient = unit.has_transient_weights
-        if not stale and not transient:
-            return
-        if transient and not self._make_room() and prefetch:
-            return
-        if not self._gathers_ordered:
-            # Main weights written since the last ordering (a step, a load), or a unit used on
-            # its own: the gather must follow those writes.
-            self.order_gathers()
-        with self._on_all_gather_stream():
-            for group in stale:
-                group.sync_model_weights()
-            for group in unit.groups:
-                group.unshard()
-        if transient:
-            self._resident[position] = None
-        if self.streams is not None:
-            self._ready_events[position].record(self.streams.all_gather)
-            self._ready.add(position)
-
-    def release(self, unit: FsdpUnit, *, after_backward: bool = False) -> None:
-        """`unit`'s use is over (its forward or backward is queued): its whole weights may be
-        freed once the bound requires it. After the backward of the unit that backward runs
-        last, every released unit is freed now: no gather will need their room, and the rest
-        of backward (the embeddings, the root's reductions) is where gradient memory peaks."""
-        position = unit.position
-        if position in self._resident:
-            if self.streams is not None:
-                self._release_events[position].record(self.streams.current())
-            self._releasable[position] = None
-            self._releasable.move_to_end(position)
-        if after_backward and position not in self._next_backward:
-            while self._releasable:
-                self._free_oldest_released()
-
-    def free(self, unit: FsdpUnit) -> None:
-        """Frees `unit`'s whole weights once the current stream's work on them is done."""
-        position = unit.position
-        if position not in self._resident:
-            return
-        released = position in self._releasable
-        if released:
-            del self._releasable[position]
-        if self.streams is not None:
-            if released:
-                self.streams.all_gather.wait_event(self._release_events[position])
-            else:
-                self.streams.all_gather.wait_stream(self.streams.current())
-        # Freed on the CPU now, the memory returns to the all-gather stream, which only reuses
-        # it after the wait just queued.
-        for group in unit.groups:
-            group.reshard()
-        del self._resident[position]
-        self._ready.discard(position)
-
-    def free_all(self) -> None:
-        """Frees every unit's whole weights after the current stream's queued work; the
-        current stream then also waits for whatever the all-gather stream still runs (a
-        prefetch nobody used), which rejoins it in a CUDA graph capture."""
-        if self.streams is not None:
-            self.streams.all_gather.wait_stream(self.streams.current())
-        self._gathers_ordered = False
-        for position in self._resident:
-            if (unit := self._unit(position)) is not None:
-                for group in unit.groups:
-                    group.reshard()
-        self._resident.clear()
-        self._releasable.clear()
-        self._ready.clear()
-        if self.streams is not None:
-            self.streams.current().wait_stream(self.streams.all_gather)
-
-    def end_forward(self) -> None:
-        """The root's forward (with autograd) is over: keeps only the unit released last, the
-        first whose backward runs, and frees the others now, where activations peak; backward
-        prefetches them again during the units before them."""
-        while len(self._releasable) > 1:
-            self._free_oldest_released()
-
-    def zero_grad(self) -> None:
-        """Forgets every unit's accumulated gradients and frees their memory (the adapter's
-        `zero_grad_buffer()`)."""
-        self._wait_pending_reductions()
+    def mark_main_weights_written(self) -> None:
+        """Refreshes every compute weight before its next use, whatever the versions say."""
         for unit in self.units():
             for group in unit.groups:
-                if group.requires_grad:
-                    group.zero_grad()
+                group.weights.mark_written()
 
-    def release_dropped_grads(self) -> None:
-        """Frees the gradient memory of every group whose gradients the optimizer's
-        `zero_grad()` dropped, before the forward where activations peak."""
-        self._wait_pending_reductions()
-        for unit in self.units():
-            for group in unit.groups:
-                group.release_dropped_grads()
+    # Backward.
 
-    def _make_room(self) -> bool:
-        """Frees the longest-released units until one more fits under the bound; False if it
-        does not (every unit held is in use)."""
-        while self._releasable and self._num_held() >= self.policy.max_unsharded_units:
-            self._free_oldest_released()
-        return self._num_held() < self.policy.max_unsharded_units
+    def pre_backward(self, unit: ScheduledUnit) -> None:
+        """Before `unit`'s backward: gather and register its compute weights (a recompute
+        inside the unit reads them from the modules), and prefetch the next unit's."""
+        self._queue_end_of_backward()
+        self._entered.add(unit.position)
+        with self.labels(unit, "backward"):
+            self._use(unit, "backward", self._next_backward)
+        self._register(unit, unsharded=True)
 
-    def _free_oldest_released(self) -> None:
-        oldest = next(iter(self._releasable))
-        unit = self._unit(oldest)
-        if unit is None:  # freed with its module
-            self._releasable.pop(oldest)
-            self._resident.pop(oldest, None)
-        else:
-            self.free(unit)
+    @torch.no_grad()
+    def post_backward(self, unit: ScheduledUnit) -> None:
+        """After `unit`'s backward: reduce its gradients (missing ones as zeros, so every rank
+        reduces the same groups in the same order), release its unsharded weights (all
+        released ones after the unit backward runs last), register the main weights."""
+        self.reduce(unit)
+        self._reduced.add(unit.position)
+        self.residency.release(
+            unit, free_released=unit.position not in self._next_backward
+        )
+        self._register(unit, unsharded=False)
 
-    def _num_held(self) -> int:
-        return len(self._resident) - (0 in self._resident)
-
-    def _unit(self, position: int) -> FsdpUnit | None:
-        return self._units[position]()
-
-    # Gradients.
-
-    def reduce(self, unit: FsdpUnit, *, awaiting_only: bool = False) -> None:
-        """Reduces `unit`'s gradients (every trainable group, or those awaiting gradients), on
-        the reduce-scatter stream when the policy overlaps them.
+    def reduce(self, unit: ScheduledUnit) -> None:
+        """Reduces `unit`'s gradients, on the reduce-scatter stream when the policy overlaps
+        them.
 
         One unit's reduce-scatters are in flight at a time, as in FSDP2: the compute stream
         waits for the previous unit's (issued a whole unit's backward earlier) before casting
         this one's, so only one unit's reduction inputs are ever held. With symmetric memory
         (one buffer per process group and dtype) a unit's groups also wait for each other.
         """
+        position = unit.position
+        if self._unreduced_forwards[position] > 0:
+            self._unreduced_forwards[position] -= 1
         streams = self.streams if self.policy.overlap_grad_reduce else None
-        groups = [
-            group
-            for group in unit.groups
-            if group.requires_grad and (group.awaits_grads or not awaiting_only)
-        ]
-        if groups:
-            self._wait_pending_reductions()
-        for group in groups:
-            if self.comm.symmetric is not None:
-                self._wait_pending_reductions()
-            sends = group.reduce_grads(streams)
-            if sends is not None:
-                self._reduced.record(streams.reduce_scatter)
-                self._reductions.append(sends)
+        grads = [group.grads for group in unit.groups if group.grads is not None]
+        if not grads:
+            return
+        self._wait_pending_reductions()
+        with self.labels(unit, "reduce-scatter"):
+            for group_grads in grads:
+                if self.comm.symmetric is not None:
+                    self._wait_pending_reductions()
+                sends = group_grads.reduce(streams)
+                if sends is not None:
+                    self._reduced_event.record(streams.reduce_scatter)
+                    self._reductions.append(sends)
 
     def _wait_pending_reductions(self) -> None:
         """Makes the current stream wait for the reduce-scatters not yet waited for (in stream
-        order: the last one's record covers all) and drops what they read, which frees it.
-        None are pending after a complete backward; after a failed one the gradient buffers
-        must not be freed before this."""
+        order: the last one's record covers all) and drops what they read, which frees it."""
         if self._reductions:
-            self.streams.current().wait_event(self._reduced)
+            self.streams.current().wait_event(self._reduced_event)
             self._reductions.clear()
 
-    def wait_reductions(self) -> None:
+    def _wait_all_reductions(self) -> None:
         """Makes the current stream wait for every reduce-scatter issued so far."""
         if self.streams is not None:
             self.streams.current().wait_stream(self.streams.reduce_scatter)
         self._reductions.clear()
 
-    def queue_post_backward(self) -> None:
-        """Makes the current backward call `post_backward` once when it finishes."""
+    def _queue_end_of_backward(self) -> None:
+        """Makes the current backward call `end_of_backward` once when it finishes."""
         # Keyed by graph task: a backward that raised never ran its callback, and must not stop
         # the next backward from queueing one.
         task = torch._C._current_graph_task_id()
         if self._callback_task == task:
             return
         self._callback_task = task
+        self.state = TrainingState.BACKWARD
         context = weakref.ref(self)
 
         def callback() -> None:
             owner = context()
             if owner is not None:
-                owner.post_backward()
+                owner.end_of_backward()
 
         Variable._execution_engine.queue_callback(callback)
 
     @torch.no_grad()
-    def post_backward(self) -> None:
-        """End of backward: wait for the reduce-scatters, free whole weights, reduce what no
-        unit's post-backward did, register main weights, and on the last microbatch run the
-        deferred reductions."""
+    def end_of_backward(self) -> None:
+        """Waits for the reduce-scatters, reshards every unit, reduces the units that entered
+        this backward (or ran a forward) without a reduction of their own, registers the main
+        weights, and outside `no_sync()` finalises the gradients."""
         self._callback_task = None
         units = list(self.units())
-        # Backward is over: whole weights and the inputs of finished reduce-scatters are freed
-        # before the root's gradients (often the largest: embeddings, output layer) are cast,
-        # so the end of the step does not hold all of them at once.
-        self.wait_reductions()
-        self.free_all()
+        # Unsharded weights and the inputs of finished reduce-scatters are freed before the
+        # root's gradients (often the largest: embeddings, output layer) are cast, so the end
+        # of the step does not hold all of them at once.
+        self._wait_all_reductions()
+        self.residency.reshard_all()
         for unit in units:
-            self.reduce(unit, awaiting_only=True)
-        self.wait_reductions()
+            position = unit.position
+            entered_only = position in self._entered and position not in self._reduced
+            if entered_only or self._unreduced_forwards[position] > 0:
+                self.reduce(unit)
+        self._wait_all_reductions()
         for unit in units:
-            for group in unit.groups:
-                group.use_dist_params()
+            self._register(unit, unsharded=False)
+        self._entered.clear()
+        self._reduced.clear()
+        self.state = TrainingState.IDLE
         if self.is_last:
-            self.finalize_grads(units)
+            self.finalize_grads()
 
-    def finalize_grads(self, units: list[FsdpUnit] | None = None) -> None:
-        """Runs every unit's deferred gradient reductions (idempotent)."""
-        self.wait_reductions()
-        for unit in units if units is not None else self.units():
+    def _recover_failed_pass(self) -> None:
+        """After a forward or backward that raised (the state is not IDLE outside a pass):
+        reshards every unit, registers the main weights, drops the gradients the failed pass
+        left unreduced; what it reduced stays, in the main weights' `.grad`, as torch leaves a
+        failed backward's gradients in `.grad`."""
+        if self.state is TrainingState.IDLE or in_backward():
+            return
+        self._wait_all_reductions()
+        self.residency.reshard_all()
+        for unit in self.units():
+            self._register(unit, unsharded=False)
             for group in unit.groups:
-                if group.requires_grad:
-                    group.finalize_grads()
+                for param in group.weights.unsharded_params:
+                    param.grad = None
+        self._callback_task = None
+        self._recording = None
+        self._entered.clear()
+        self._reduced.clear()
+        self._unreduced_forwards.clear()
+        self.state = TrainingState.IDLE
 
-    def _on_all_gather_stream(self) -> contextlib.AbstractContextManager:
-        """Runs the body on the all-gather stream; on CPU (no streams) inline."""
-        if self.streams is None:
-            return contextlib.nullcontext()
-        return self.streams.running_on(self.streams.all_gather)
+    # Gradients, once per step.
+
+    def finalize_grads(self) -> None:
+        """Runs every unit's deferred gradient reductions: each group still ACCUMULATING
+        becomes READY (the one place that finalises; a READY group has nothing to run)."""
+        self._recover_failed_pass()
+        self._wait_all_reductions()
+        for unit in self.units():
+            for group in unit.groups:
+                grads = group.grads
+                if grads is not None and grads.state is GradState.ACCUMULATING:
+                    grads.finalize()
+
+    def zero_grad(self) -> None:
+        """Forgets every unit's gradients and frees their memory (`zero_grad_buffer()`)."""
+        self._recover_failed_pass()
+        self._wait_pending_reductions()
+        for unit in self.units():
+            for group in unit.groups:
+                if group.grads is not None:
+                    group.grads.zero_grad()
 
 
 def _successors(order: list[int]) -> dict[int, int]:

@@ -25,12 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from megatron.core.distributed.fsdp.collectives import Collectives
 
 
 class ShardLayout:
@@ -195,25 +191,6 @@ class DBuffer:
         if not self._allocated:
             self.data.untyped_storage().resize_(self._nbytes)
             self._allocated = True
-
-    # Collectives, into preallocated outputs.
-
-    def reduce_scatter(
-        self,
-        out: torch.Tensor,
-        comm: Collectives,
-        group: torch.distributed.ProcessGroup,
-        *,
-        average: bool,
-    ) -> None:
-        """Reduces this (all-shards) buffer over `group` into `out`, this rank's shard."""
-        comm.reduce_scatter(out, self.full, group, average=average)
-
-    def all_reduce(
-        self, comm: Collectives, group: torch.distributed.ProcessGroup, *, average: bool
-    ) -> None:
-        """Reduces this buffer over `group` in place."""
-        comm.all_reduce(self.data, group, average=average)
 
 
 def chunk_targets(unsharded: DBuffer, layout: ShardLayout) -> list[torch.Tensor]:

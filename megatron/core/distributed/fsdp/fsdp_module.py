@@ -5,21 +5,11 @@ takes every parameter no unit below it holds. The module keeps its identity (par
 references to it); its class gains the `FsdpModule` mixin, and its parameters are replaced by
 DTensor main weights (the sharded fp32 weights the optimizer steps, what `parameters()` and
 `state_dict()` return). Around each forward the unit registers the whole compute-dtype weights
-instead:
-
-- pre-forward: refresh compute weights from main weights if the optimizer changed them
-  (skipped after the first microbatch), all-gather them (ZeRO-3) unless a prefetch already
-  did, register them, start the next unit's gather (prefetch), and route the inputs through
-  `_PostBackward`;
-- post-forward: register the main weights again; units other than the root release their
-  whole weights (freed when the context's bound needs the room, or at the end of the root's
-  forward unless backward starts with them: the root's are needed at once by backward), and
-  hook the outputs so that backward gathers them again (if freed) before
-  this unit's backward runs, and prefetches the unit whose backward comes next;
-- post-backward (the inputs' gradients exist, so the unit's backward is over): reduce the
-  unit's gradients into `main_grad` (on GPU on the reduce-scatter stream), release its whole
-  weights, register the main weights; the end of backward handles the root, the deferred
-  reductions, and frees what is still held (`FsdpContext`).
+instead. The unit's hooks hand each phase to the root's `FsdpContext`, which decides what runs
+(unshard, prefetch, register, reduce, reshard): this module only wraps modules and registers
+hooks. Before the forward, inputs that need a gradient are routed through `_PostBackward`,
+whose backward marks the end of the unit's backward; after it, every output that needs a
+gradient gets a hook whose first call marks the start of the unit's backward.
 
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
@@ -41,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.context import FsdpContext
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
+from megatron.core.distributed.fsdp import optimizer_steps
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
@@ -68,21 +59,24 @@ class FsdpModule:
         """Starts all-gathering this unit's compute weights (ZeRO-3; on GPU on the all-gather
         stream), ahead of its forward, which then only waits for it."""
         unit = self._fsdp_unit
-        unit.lazy_init().prepare(unit)
+        unit.lazy_init().unshard(unit)
 
     def reshard(self) -> None:
         """Frees this unit's whole compute weights (ZeRO-3) once their queued uses are done."""
         unit = self._fsdp_unit
-        unit.lazy_init().free(unit)
+        unit.lazy_init().residency.reshard(unit)
 
 
 class FsdpUnit:
-    """The FSDP state of one unit: its parameter groups and its forward/backward hooks.
+    """The FSDP state of one unit: its parameter groups and the hooks that hand its forward and
+    backward to the root's `FsdpContext`.
 
     Attributes:
         groups: the unit's parameter groups.
         overlap_policy: the schedule given to `fully_shard` (None: not given). The root's, or
             the default, applies to every unit below it.
+        name: the unit's module name under its root (the root: its class name), set when it
+            binds; used in messages and profiler labels.
         position: where the context lists this unit (0: the root), set when it binds.
         has_transient_weights: whether some group gathers its whole weights for each use and
             frees them after (ZeRO-3).
@@ -97,6 +91,7 @@ class FsdpUnit:
         self._module = weakref.ref(module)
         self.groups = groups
         self.overlap_policy = overlap_policy
+        self.name = type(module).__name__
         self.position = 0
         self.has_transient_weights = any(group.has_transient_weights for group in groups)
         self._context: FsdpContext | None = None  # owned by the root only
@@ -115,14 +110,6 @@ class FsdpUnit:
     def is_root(self) -> bool:
         return self._context is not None
 
-    def loaded_state_dict(self, module: torch.nn.Module, incompatible_keys: Any) -> None:
-        """`load_state_dict()` wrote the main weights: refresh compute weights before use."""
-        for group in self.groups:
-            group.mark_main_weights_updated()
-        context = self.context
-        if context is not None:
-            context.main_weights_changed()
-
     def lazy_init(self) -> FsdpContext:
         """The unit's context; created here, with this unit as root, if it has none. The
         root's first use also materialises parameters built on the `meta` device.
@@ -135,6 +122,7 @@ class FsdpUnit:
         if context is not None:
             return context
         module = self.module
+        names = {id(m): name for name, m in module.named_modules()}
         units = [m._fsdp_unit for m in module.modules() if isinstance(m, FsdpModule)]
         policy = self.overlap_policy or OverlapPolicy()
         for unit in units[1:]:
@@ -146,62 +134,33 @@ class FsdpUnit:
                     "OverlapPolicy to both, or only to the root."
                 )
         _materialize_meta(module, units)
+        for position, unit in enumerate(units):
+            unit.position = position
+            unit.name = names[id(unit.module)] or type(module).__name__
         devices = [group.device for unit in units for group in unit.groups]
         context = FsdpContext(units, policy, devices[0] if devices else torch.device("cpu"))
-        for position, unit in enumerate(units):
-            unit._bind(context, position)
+        for unit in units:
+            unit._bind(context)
         self._context = context
         return context
 
-    def _bind(self, context: FsdpContext, position: int) -> None:
-        """Makes this unit use `context` (held weakly: the root owns it) as its `position`."""
+    def _bind(self, context: FsdpContext) -> None:
+        """Makes this unit use `context` (held weakly: the root owns it)."""
         self._context = None
         self._context_ref = weakref.ref(context)
-        self.position = position
         for group in self.groups:
-            group.comm = context.comm
+            group.bind(context.comm)
 
     def pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        context = self.lazy_init()
-        if _in_backward():
-            # An activation-recompute rerun: the unit's weights are already in use.
-            context.use(self)
-            for group in self.groups:
-                group.use_unsharded_params()
-            return args, kwargs
-        context.record_pre_forward(self)
-        if self.is_root:
-            context.order_gathers()
-            if context.syncs_weights:  # a step's first forward
-                context.release_dropped_grads()
-        context.use(self, prefetch="forward")
-        for group in self.groups:
-            group.use_unsharded_params()
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        for group in self.groups:
-            group.note_forward()
-        return _register_post_backward(self, args, kwargs)
+        if self.lazy_init().pre_forward(self):
+            return _register_post_backward(self, args, kwargs)
+        return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        # Inside backward this forward is an activation-recompute rerun (which may also stop
-        # early, skipping this hook): backward needs the weights registered and gathered; the
-        # unit's post-backward restores them.
-        if _in_backward():
+        if not self.context.post_forward(self):
             return output
-        for group in self.groups:
-            group.use_dist_params()
-        context = self.context
-        context.record_post_forward(self)
-        if not self.is_root:
-            context.release(self)
-        elif not torch.is_grad_enabled():
-            context.free_all()  # the end of an inference forward
-        else:
-            context.end_forward()
-        # The root keeps its weights for backward, which starts with them.
         flat, _ = _flatten(output)
         tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
@@ -210,34 +169,10 @@ class FsdpUnit:
                 tensor.register_hook(hook)
         return output
 
-    def pre_backward(self) -> None:
-        """Before this unit's backward: gather and register its compute weights (a recompute
-        inside the unit reads them from the modules), and prefetch the next unit's."""
-        context = self.context
-        context.queue_post_backward()
-        context.use(self, prefetch="backward")
-        for group in self.groups:
-            group.use_unsharded_params()
-
-    @torch.no_grad()
-    def post_backward(self) -> None:
-        """After this unit's backward: reduce its gradients (missing ones as zeros, so every
-        rank reduces the same groups in the same order), release its whole weights, register
-        the main weights again."""
-        context = self.context
-        context.reduce(self)
-        context.release(self, after_backward=True)
-        for group in self.groups:
-            group.use_dist_params()
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
 
 class _PreBackwardHook:
     """A gradient hook on every output of one forward of a unit: the first to fire in a
-    backward runs the unit's `pre_backward` (FSDP2's per-tensor hooks; cheaper than
+    backward runs the unit's pre-backward (FSDP2's per-tensor hooks; cheaper than
     `register_multi_grad_hook`). One per forward, so a unit run twice is prepared twice."""
 
     __slots__ = ("_unit", "_task")
@@ -253,7 +188,7 @@ class _PreBackwardHook:
         self._task = task
         unit = self._unit()
         if unit is not None:
-            unit.pre_backward()
+            unit.context.pre_backward(unit)
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
@@ -284,7 +219,7 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         unit = ctx.unit_ref()
         if unit is not None:
-            unit.post_backward()
+            unit.context.post_backward(unit)
         return (None, *grads)
 
 
@@ -384,12 +319,12 @@ def fully_shard(
     for param in params:
         _owner_unit[param] = weakref.ref(unit)
     for group in groups:
-        group.use_dist_params()
+        group.weights.register_sharded()
+        optimizer_steps.track(group.weights)
     module.__class__ = _fsdp_class(type(module))
     module._fsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, with_kwargs=True)
-    module.register_load_state_dict_post_hook(unit.loaded_state_dict)
     return module
 
 

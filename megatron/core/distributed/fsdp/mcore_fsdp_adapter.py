@@ -5,8 +5,8 @@ and the output layer unless they share their weight; the rest in the root) from 
 `DistributedDataParallelConfig`, and answers the calls a
 Megatron training loop makes on its data-parallel wrapper (`zero_grad_buffer`, `no_sync`,
 `start_param_sync`, `finish_grad_sync`, `scale_gradients`, state dicts), so the loop does not
-care which engine it holds. The optimizer steps `model.parameters()` (DTensor main weights) and
-is connected with `fully_shard_optimizer()`.
+care which engine it holds. Any optimizer over `model.parameters()` (DTensor main weights) or
+their local shards trains it; `fully_shard_optimizer()` is the fast path.
 """
 
 from __future__ import annotations
@@ -113,10 +113,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate into `main_grad`, deferring the once-per-step
-        reductions (weights are not refreshed inside either: see `microbatch()`)."""
+        reductions to `finish_grad_sync()` or the first backward outside."""
         with contextlib.ExitStack() as stack:
             for context in self._contexts:
-                stack.enter_context(context.microbatch_state(context.is_first, is_last=False))
+                stack.enter_context(context.microbatch_state(is_last=False))
             yield
 
     def zero_grad_buffer(self) -> None:
@@ -136,10 +136,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""
         for group in self._groups:
-            if group.has_grads:
-                group.main_grad.data.mul_(scaling_factor)
-                if group.optim_grad is not None:
-                    group.optim_grad.data.mul_(scaling_factor)
+            if group.grads is not None:
+                group.grads.scale(scaling_factor)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """With `fsdp_all_gather_in_start_param_sync`, starts the first unit's all-gather (and
@@ -148,17 +146,14 @@ class FullyShardedDataParallel(_BaseDataParallel):
         which CUDA-graph capture requires).
 
         Args:
-            force_sync: refresh every group's compute weights before its next use, even if no
-                optimizer step changed the main weights.
+            force_sync: refresh every group's compute weights before its next use, even if the
+                engine saw no write to the main weights (one made through `.data`).
         """
-        if force_sync:
-            for group in self._groups:
-                group.mark_main_weights_updated()
-            for context in self._contexts:
-                context.main_weights_changed()
-        if self.ddp_config.fsdp_all_gather_in_start_param_sync:
-            for context in self._contexts:
-                context.prepare_first_unit()
+        for context in self._contexts:
+            if force_sync:
+                context.mark_main_weights_written()
+            if self.ddp_config.fsdp_all_gather_in_start_param_sync:
+                context.unshard_first_unit()
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads weights given as DTensors (as `state_dict()` returns) or as whole tensors
@@ -183,7 +178,6 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 group, index = location[param]
                 group.load_full_tensor(index, value.to(group.device))
                 converted[key] = param
-        # The units' load hooks mark their groups stale.
         return self.module.load_state_dict(converted, strict=strict)
 
 

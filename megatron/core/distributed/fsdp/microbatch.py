@@ -1,16 +1,16 @@
-"""`microbatch()`: tells Megatron-FSDP where a forward/backward sits in gradient accumulation.
+"""`microbatch()`: tells Megatron-FSDP where a backward sits in gradient accumulation; and the
+other root-level controls (`fsdp_roots`, `fsdp_contexts`, `set_profiler_labels`).
 
     for i, batch in enumerate(batches):
-        with microbatch(model, is_first=i == 0, is_last=i == len(batches) - 1):
+        with microbatch(model, is_last=i == len(batches) - 1):
             loss_fn(model(batch)).backward()
     optimizer.step()
 
-Two things depend on it. Weights: only the first microbatch refreshes the compute weights from
-the main weights (they cannot change before the step), while ZeRO-3 still all-gathers before
-every forward. Gradients: reductions that only need to happen once per step (the all-reduce of
-`no_shard` / `optim`, the outer reduction of hybrid sharding) run at the end of the last
-microbatch's backward. Outside the helper every forward refreshes stale weights and every
-backward is treated as the last, so code that never uses it is correct, only slower.
+Reductions that only need to happen once per step (the all-reduce or reduce-scatter of `no_shard`
+/ `optim`, the outer reduction of hybrid sharding) run at the end of the last microbatch's
+backward. Outside the helper every backward is treated as the last, so code that never uses it
+is correct, only slower. Refreshing the compute weights needs no help: the engine sees by itself
+whether the main weights changed.
 """
 
 from __future__ import annotations
@@ -58,15 +58,25 @@ def fsdp_contexts(module: torch.nn.Module) -> list[FsdpContext]:
 
 
 @contextlib.contextmanager
-def microbatch(module: torch.nn.Module, *, is_first: bool, is_last: bool) -> Iterator[None]:
+def microbatch(
+    module: torch.nn.Module, *, is_last: bool, is_first: bool | None = None
+) -> Iterator[None]:
     """Scopes one microbatch's forward and backward; restores the previous state on exit.
 
     Args:
         module: the model, or any module containing Megatron-FSDP units.
-        is_first: the step's first microbatch (refreshes weights after an optimizer step).
         is_last: the step's last microbatch (its backward runs the deferred reductions).
+        is_first: accepted so that loops written for earlier releases run unchanged; it has no
+            effect (the engine tells by itself when compute weights must be refreshed).
     """
     with contextlib.ExitStack() as stack:
         for context in fsdp_contexts(module):
-            stack.enter_context(context.microbatch_state(is_first, is_last))
+            stack.enter_context(context.microbatch_state(is_last))
         yield
+
+
+def set_profiler_labels(module: torch.nn.Module, enabled: bool = True) -> None:
+    """Turns on (or off) the profiler ranges of every unit under `module`: one per unit and
+    phase, named like "MFSDP decoder.layers.3 forward all-gather" (`profiling.py`)."""
+    for context in fsdp_contexts(module):
+        context.labels.enabled = enabled

@@ -40,12 +40,18 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{name}={value!r} is not supported: use one of "
                     "torch.float32, torch.bfloat16, torch.float16 or None."
                 )
+        if self.main_params_dtype == torch.float16:
+            raise ValueError(
+                "MixedPrecisionPolicy.main_params_dtype=torch.float16 is not supported "
+                "(--megatron-fsdp-main-params-dtype fp16): fp16 main weights lose small updates "
+                "and overflow without loss scaling, so training diverges. Use torch.float32 "
+                "(the default) or torch.bfloat16."
+            )
 
     def resolve(self, model_dtype: torch.dtype) -> ResolvedPrecision:
         """The concrete dtypes for a parameter group whose model weights are `model_dtype`."""
         main_grads = self.main_grads_dtype or model_dtype
         return ResolvedPrecision(
-            model=model_dtype,
             main_params=self.main_params_dtype or model_dtype,
             main_grads=main_grads,
             grad_comm=self.grad_comm_dtype or main_grads,
@@ -54,9 +60,8 @@ class MixedPrecisionPolicy:
 
 @dataclass(frozen=True)
 class ResolvedPrecision:
-    """The four dtypes of one parameter group, with no None left."""
+    """The dtypes of one parameter group's main weights and gradients, with no None left."""
 
-    model: torch.dtype
     main_params: torch.dtype
     main_grads: torch.dtype
     grad_comm: torch.dtype

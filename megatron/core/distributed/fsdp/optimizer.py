@@ -1,16 +1,17 @@
-"""`fully_shard_optimizer()`: connects a stock `torch.optim` optimizer to Megatron-FSDP.
+"""`fully_shard_optimizer()`: the documented fast path from a stock `torch.optim` optimizer to
+Megatron-FSDP.
 
-The optimizer steps the DTensor main weights that `module.parameters()` returns after
-`fully_shard()` (as with FSDP2), or their local shards (`local_main_weights()`): plain tensors
-sharing the DTensors' storage, which step without DTensor dispatch (on a 24-layer 1.3B GPT the
-fused AdamW step then costs the host well under a millisecond instead of ~18 ms). The
-gradients are shards of the reduced gradients. This function checks that the optimizer holds
-exactly such weights; from then on each reduction also gives local shards their `.grad`
-(views of the gradient buffers, dropped by `zero_grad()` as usual). It registers two hooks on
-the optimizer through torch's public hook API (nothing of it is replaced): before `step()`,
-reductions still deferred are run; after it, every group is marked stale, so the next forward
-refreshes the compute weights from the new main weights once, and the next backward's gradients
-replace the consumed ones (whether or not `zero_grad()` ran, and however it zeroed).
+Any optimizer over the DTensor main weights that `module.parameters()` returns after
+`fully_shard()` (as with FSDP2), or over their local shards (`local_main_weights()`: plain
+tensors sharing the DTensors' storage, which step without DTensor dispatch; on a 24-layer 1.3B
+GPT the fused AdamW step then costs the host well under a millisecond instead of ~18 ms) trains
+correctly without this function: every reduction hands both their gradient shards, and the
+engine notices by itself that the main weights changed. This function checks that the optimizer
+holds exactly such weights, and registers two hooks through torch's public hook API: before
+`step()`, the reductions still deferred (`no_sync()` without `finish_grad_sync()`) run; after it,
+the gradients count as consumed, so the next backward's gradients replace them whether or not
+`zero_grad()` ran (Megatron's convention; a stock optimizer without it accumulates, as torch
+does).
 """
 
 from __future__ import annotations
@@ -75,30 +76,19 @@ def fully_shard_optimizer(
             "before fully_shard(). Build the optimizer after fully_shard(), from "
             "module.parameters() or local_main_weights(module)."
         )
-    steps_local = any(p in local for p in held)
     # Made now, which materialises meta-device weights before anything steps them.
     context_refs = [weakref.ref(context) for context in fsdp_contexts(module)]
-    refs = [weakref.ref(group) for group in groups]
-
-    def live_groups() -> list[FsdpParameterGroup]:
-        return [group for ref in refs if (group := ref()) is not None]
-
-    if steps_local:
-        # From here every reduction also points the local shards' `.grad` at their gradients.
-        for group in groups:
-            group.attach_local_grads()
+    refs = [weakref.ref(group.grads) for group in groups]
 
     def before_step(*unused) -> None:
-        for group in live_groups():
-            group.finalize_grads()
-
-    def after_step(*unused) -> None:
-        for group in live_groups():
-            group.mark_main_weights_updated()
-            group.grads_consumed()
         for ref in context_refs:
             if (context := ref()) is not None:
-                context.main_weights_changed()
+                context.finalize_grads()
+
+    def after_step(*unused) -> None:
+        for ref in refs:
+            if (grads := ref()) is not None:
+                grads.consumed()
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.distributed.fsdp import (
     MixedPrecisionPolicy,
     OverlapPolicy,
+    fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
 )
@@ -302,10 +303,8 @@ def _after_failed_backward(strategy: str) -> tuple[dict, dict]:
     for param in model.parameters():
         param.grad = None
     model.zero_grad()
-    for module in model.modules():
-        if hasattr(module, "fsdp_unit"):
-            for group in module.fsdp_unit.groups:
-                group.zero_grad()
+    for context in fsdp_contexts(model):
+        context.zero_grad()
     model(x).backward()
     return _grads(model), _averaged_reference_grads([(x, (True, True))])
 

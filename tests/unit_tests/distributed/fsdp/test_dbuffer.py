@@ -167,7 +167,7 @@ def _collectives() -> dict:
     contribution = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
     copy_chunks_in([(rank + 1) * t.to(device) for t in full], contribution.full, layout)
     out = torch.empty(layout.shard_numel, device=device)
-    contribution.reduce_scatter(out, comm, group, average=True)
+    comm.reduce_scatter(out, contribution.full, group, average=True)
     scale = (world_size + 1) / 2
     expected = [
         scale * torch.chunk(t, world_size)[rank]
@@ -188,7 +188,7 @@ def _collectives() -> dict:
         average=True,
     )
     reduced_tensorwise = [v.cpu() for v in layout.local_views(tensorwise, rank) if v.numel()]
-    contribution.all_reduce(comm, group, average=False)
+    comm.all_reduce(contribution.data, group, average=False)
     total = world_size * (world_size + 1) / 2
     return dict(
         same_storage=gathered.data.data_ptr() == pointer,

@@ -28,6 +28,7 @@ from megatron.core.distributed.fsdp import (
     microbatch,
     parameter_groups,
 )
+from megatron.core.distributed.fsdp.residency import Residency
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
 from tests.unit_tests.distributed.fsdp.kernel_trace import (
@@ -59,7 +60,7 @@ def _sharded_gpt(policy: OverlapPolicy, strategy: str = "optim_grads_params"):
 def _held_layers(model) -> int:
     """Layers whose whole weights are allocated now."""
     return sum(
-        group.unsharded.is_allocated
+        group.holds_unsharded
         for layer in model.decoder.layers
         for group in layer.fsdp_unit.groups
     )
@@ -192,11 +193,10 @@ def _orders_and_gathers() -> dict:
     stream, `gather`) after a backward, after an optimizer step, and after a load."""
     model = _sharded_gpt(OverlapPolicy())
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
-    context = model.fsdp_unit.lazy_init()
     tokens, labels = make_token_batches(1, 4)[0]
     model(tokens, labels=labels).mean().backward()
     log: list[str] = []
-    gather, order = collectives._all_gather_coalesced, type(context).order_gathers
+    gather, order = collectives._all_gather_coalesced, Residency.order_gathers
 
     def logged_gather(*args, **kwargs):
         log.append("gather")
@@ -210,7 +210,7 @@ def _orders_and_gathers() -> dict:
     seen = {}
     with (
         mock.patch.object(collectives, "_all_gather_coalesced", logged_gather),
-        mock.patch.object(type(context), "order_gathers", logged_order),
+        mock.patch.object(Residency, "order_gathers", logged_order),
     ):
         for moment, change in [
             ("after_backward", None),
@@ -228,10 +228,11 @@ def _orders_and_gathers() -> dict:
     return seen
 
 
-def test_gathers_are_ordered_once_after_each_change_of_the_main_weights():
-    # The first gather after a backward, a step or a load follows the compute stream's queued
-    # work (which wrote the main weights); the gathers after it need no further wait.
-    expected = ["order", "gather", "gather"]
+def test_gathers_started_outside_a_pass_follow_the_latest_writes():
+    # A gather started outside a forward (a unit used on its own, after a backward, a step or
+    # a load) follows the compute stream's queued work, which may have written the main
+    # weights; inside a forward the root's start orders them all.
+    expected = ["order", "gather", "order", "gather"]
     for seen in run_distributed(_orders_and_gathers, 2):
         assert seen == dict(after_backward=expected, after_step=expected, after_load=expected)
 
@@ -289,7 +290,8 @@ def _symm_mem_on_cpu() -> str:
 
 def _staging_requests() -> list[int]:
     return [
-        len(group.staging_requests()) for group in parameter_groups(_sharded_gpt(OverlapPolicy()))
+        len(group.weights.staging_requests())
+        for group in parameter_groups(_sharded_gpt(OverlapPolicy()))
     ]
 
 
@@ -511,7 +513,8 @@ def _forward_memory() -> dict:
     loss = fsdp(tokens, labels=labels).mean()
     peak = torch.cuda.max_memory_allocated() - base
     groups = parameter_groups(fsdp.module)
-    whole = [g.unsharded.layout.numel * g.unsharded.data.element_size() for g in groups]
+    unsharded = [g.weights.unsharded for g in groups]
+    whole = [b.layout.numel * b.data.element_size() for b in unsharded]
     root_bytes = sum(whole[: len(fsdp.module.fsdp_unit.groups)])
     loss.backward()
     del loss, fsdp, optimizer, groups

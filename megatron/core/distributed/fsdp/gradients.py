@@ -1,0 +1,391 @@
+"""`GroupGrads`: the gradients of one parameter group, as an explicit state machine.
+
+Two buffers hold them: `main_grad`, where a step's reductions accumulate in `main_grads_dtype`
+(this rank's reduced shard when gradients are sharded, else the whole local sum), and, where the
+optimizer cannot read views of it, `optim_grad` (another dtype, the shard of locally accumulated
+gradients under ZeRO-1, or HFSDP's outer shard). The `.grad` of every trainable main weight, the
+DTensor and its local shard alike, is a view of the optimizer's buffer, so any optimizer over
+either finds its gradient without being told.
+
+States (`GradState`) and transitions::
+
+    EMPTY --reduce--> ACCUMULATING --finalize--> READY --reduce--> ACCUMULATING ...
+      ^                    |                       |  \\--optimizer step (fully_shard_optimizer)
+      |                    |                       |        --> CONSUMED --reduce--> (as EMPTY)
+      +---- zero_grad -----+------ zero_grad ------+
+      +---- every .grad dropped (optimizer.zero_grad()) seen before a forward or a reduction
+
+- EMPTY: no gradient memory; the main weights' `.grad` are None.
+- ACCUMULATING: the step's reductions so far are in `main_grad`; the once-per-step reductions
+  (the all-reduce or reduce-scatter of locally accumulated gradients, the outer reduction of
+  hybrid sharding) have not run. Every backward pass adds to it, however many run per forward
+  or per step.
+- READY: finalised: the optimizer's `.grad` hold the reduced gradients. A further backward adds
+  to them (as torch accumulates into `.grad`), and finalising again adds its reduction.
+- CONSUMED: READY, after an optimizer step connected by `fully_shard_optimizer`: the next
+  reduction replaces the gradients instead of adding to them.
+
+An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
+reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
+for some parameters only restarts those. `zero_grad(set_to_none=False)` zeroes the views in
+place, which the next reduction adds to. Only `FsdpContext.finalize_grads` finalises.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.dbuffer import (
+    DBuffer,
+    ShardLayout,
+    concatenates,
+    copy_chunks_in,
+)
+from megatron.core.distributed.fsdp.distributed_index import ShardGroups
+from megatron.core.distributed.fsdp.overlap import CommStreams
+from megatron.core.distributed.fsdp.plan import GroupPlan
+from megatron.core.distributed.fsdp.symmetric_memory import REDUCE_SCATTER
+from megatron.core.distributed.fsdp.weights import GroupWeights
+
+
+class GradState(enum.Enum):
+    """Where a group's gradients are in their lifecycle (module docstring)."""
+
+    EMPTY = "empty"
+    ACCUMULATING = "accumulating"
+    READY = "ready"
+    CONSUMED = "consumed"
+
+
+class GroupGrads:
+    """The gradient buffers of one trainable group and their state.
+
+    Args:
+        plan: the group's plan.
+        weights: the group's weights (whose parameters the gradients belong to).
+        comm: the collectives issuer (the root context's, once bound).
+    """
+
+    def __init__(self, plan: GroupPlan, weights: GroupWeights, comm: Collectives):
+        self.plan = plan
+        self.weights = weights
+        self.comm = comm
+        self.state = GradState.EMPTY
+        layout, device, precision = weights.layout, weights.device, plan.precision
+        self._layout = layout
+        self._groups: ShardGroups = weights.groups
+        self._device = device
+        self.main_grad = DBuffer(
+            layout,
+            precision.main_grads,
+            device,
+            sharded=plan.shards_grads,
+            rank=weights.rank,
+            zeroed=False,
+        )
+        if plan.shards_grads:
+            # Each tensor's chunk in this rank's gradient shard: the outputs of its
+            # reduce-scatter (views of persistent storage: made once).
+            self._grad_chunks = list(self.main_grad.shard.split(layout.chunk_numels))
+        self.optim_grad: DBuffer | None = None
+        if weights.outer_layout is not None:
+            self.optim_grad = DBuffer(
+                weights.outer_layout,
+                precision.main_params,
+                device,
+                sharded=True,
+                rank=weights.outer_rank,
+                zeroed=False,
+            )
+        elif plan.separate_optim_grad:
+            self.optim_grad = DBuffer(
+                layout, precision.main_params, device, sharded=True, rank=weights.rank, zeroed=False
+            )
+        # What the optimizer reads, as views of persistent storage: made once, while allocated.
+        self._local_grads = (self.optim_grad or self.main_grad).local_views()
+        self._grad_dtensors: list[DTensor] = [
+            weights.dtensor(local, index) for index, local in enumerate(self._local_grads)
+        ]
+        self._release()
+
+    def _assert_in(self, *states: GradState) -> None:
+        if self.state not in states:
+            raise RuntimeError(
+                f"Megatron-FSDP gradients are {self.state.name}, expected "
+                f"{' or '.join(s.name for s in states)}: an engine bug, please report it."
+            )
+
+    @property
+    def holds_memory(self) -> bool:
+        """Whether gradient memory is held (from a step's first reduction to `zero_grad`)."""
+        return self.state is not GradState.EMPTY
+
+    # Reduction (every backward).
+
+    @torch.no_grad()
+    def reduce(self, streams: CommStreams | None = None) -> list[torch.Tensor] | None:
+        """Moves the gradients of the backward that just ended into `main_grad`.
+
+        With sharded gradients they are reduce-scattered now; otherwise they accumulate locally
+        and `finalize` reduces them once. Parameters that got no gradient count as zeros, so
+        every rank issues the same collectives whatever its data used.
+
+        Args:
+            streams: run the reduce-scatter on `streams.reduce_scatter` (GPU overlap); None:
+                on the current stream. The gradients are cast (or packed) on the current
+                stream either way.
+
+        Returns:
+            The tensors a reduce-scatter on the reduce-scatter stream still reads: the caller
+            keeps them alive, unwritten, until that stream's work is done. None otherwise.
+        """
+        grads = []
+        for param in self.weights.unsharded_params:
+            grad = param.grad
+            grads.append(grad if grad is not None else torch.zeros_like(param))
+            param.grad = None
+        fresh = self._begin_accumulating()
+        if self.plan.shards_grads:
+            return self._reduce_scatter(grads, fresh, streams)
+        if fresh:
+            self.main_grad.reallocate_storage()
+            copy_chunks_in(grads, self.main_grad.full, self._layout)
+        else:
+            local = torch.empty_like(self.main_grad.full)
+            copy_chunks_in(grads, local, self._layout)
+            self.main_grad.full.add_(local)
+        return None
+
+    def _begin_accumulating(self) -> bool:
+        """Moves to ACCUMULATING; returns whether `main_grad` starts afresh (overwritten, not
+        added to). Gradients the optimizer dropped since the last reduction restart."""
+        if self.state is not GradState.EMPTY:
+            dropped = self._dropped()
+            if self.state is GradState.CONSUMED or len(dropped) == self._num_trainable():
+                self._drop()
+            elif dropped:
+                for index in dropped:
+                    self._local_grads[index].zero_()
+                self._attach()
+        if self.state is GradState.EMPTY:
+            # The optimizer's own buffer starts at zero, as finalising adds to it; allocated on
+            # the current (compute) stream, which also frees it.
+            if self.optim_grad is not None:
+                self.optim_grad.reallocate_storage()
+                self.optim_grad.data.zero_()
+            self._attach()
+        self.state = GradState.ACCUMULATING
+        return not self.main_grad.is_allocated
+
+    def _reduce_scatter(
+        self, grads: list[torch.Tensor], fresh: bool, streams: CommStreams | None
+    ) -> list[torch.Tensor] | None:
+        """Reduce-scatters `grads` (emptying the list) into `main_grad`; returns what a
+        reduction on `streams.reduce_scatter` still reads (None without `streams`)."""
+        symmetric = self.comm.uses_symmetric_memory(self._groups.shard)
+        sends = [self._pack_grads(grads)] if symmetric else self._scatter_inputs(grads)
+        # The whole gradients are freed (where cast) before the step's first reduction
+        # allocates the gradient shards: at the root's (the largest unit's) they would peak
+        # together.
+        if fresh:
+            self.main_grad.reallocate_storage()
+        if streams is None:
+            self._reduce_scatter_into_main_grad(sends, fresh, symmetric)
+            return None
+        with streams.running_on(streams.reduce_scatter) as compute:
+            streams.reduce_scatter.wait_stream(compute)
+            self._reduce_scatter_into_main_grad(sends, fresh, symmetric)
+        return sends
+
+    def _scatter_inputs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each gradient flat, padded to N full chunks, in the reduction dtype: the gradients
+        themselves where they already are that (no copy), else cast into one transient buffer
+        in a single pass, after which the gradients are freed. Empties the list.
+
+        Each input is a whole tensor, whose N row blocks the reduce-scatter splits: no packing
+        into the shard-major layout, which would move every byte once more (and, fused with the
+        cast as `_chunk_cat`, cost host time that grows with the bytes moved).
+        """
+        layout = self._layout
+        comm_dtype = self.plan.precision.grad_comm
+        if grads[0].dtype == comm_dtype and concatenates(grads, layout):
+            sends = [g.view(-1) for g in grads]
+        else:
+            staging = torch.empty(layout.numel, dtype=comm_dtype, device=self._device)
+            sends = list(staging.split(layout.unsharded().chunk_numels))
+            flat = [g.reshape(-1) for g in grads]
+            if layout.splits_evenly:
+                torch._foreach_copy_(sends, flat)
+            else:
+                torch._foreach_copy_([s[: g.numel()] for s, g in zip(sends, flat)], flat)
+                for send, grad in zip(sends, flat):
+                    send[grad.numel() :].zero_()
+        grads.clear()
+        return sends
+
+    def _pack_grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """`grads` packed N x S (shard-major) in the reduction dtype into the symmetric
+        reduce-scatter window, cast on the way; empties the list, which frees them. The
+        symmetric kernels need the collective's whole input in the registered window."""
+        data = self.comm.staging(
+            REDUCE_SCATTER,
+            self._groups.shard,
+            self.plan.precision.grad_comm,
+            self._layout.numel,
+            self._device,
+        )
+        copy_chunks_in(grads, data, self._layout)
+        grads.clear()
+        return data
+
+    def _reduce_scatter_into_main_grad(
+        self, sends: list[torch.Tensor], fresh: bool, symmetric: bool
+    ) -> None:
+        """Reduces `sends` (the packed window, or each whole gradient) into this rank's shard
+        of `main_grad`: straight into it when it starts afresh in its dtype, else through a
+        transient shard that is copied (cast) or added."""
+        group = self._groups.shard
+        comm_dtype = sends[0].dtype
+        direct = fresh and comm_dtype == self.main_grad.dtype
+        out = (
+            self.main_grad.shard
+            if direct
+            else torch.empty(self._layout.shard_numel, dtype=comm_dtype, device=self._device)
+        )
+        if symmetric:
+            self.comm.reduce_scatter(out, sends[0], group, average=True)
+        else:
+            outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
+            self.comm.reduce_scatter_tensors(outputs, sends, group, average=True)
+        if direct:
+            return
+        if fresh:
+            self.main_grad.shard.copy_(out)
+        else:
+            self.main_grad.shard.add_(out)
+
+    # Finalisation (once per step, by the context).
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Runs the reductions deferred to the end of the step and adds the result to what the
+        optimizer reads: ACCUMULATING -> READY. The accumulation buffer is freed where the
+        optimizer has a buffer of its own."""
+        self._assert_in(GradState.ACCUMULATING)
+        plan, groups, main_grad = self.plan, self._groups, self.main_grad
+        if plan.shards_grads:
+            reduced = main_grad.shard
+        elif plan.num_shards > 1:  # ZeRO-1: this rank's shard of the local sums
+            reduced = torch.empty(
+                self._layout.shard_numel, dtype=plan.precision.grad_comm, device=self._device
+            )
+            self.comm.reduce_scatter(
+                reduced, self._in_comm_dtype(main_grad.full), groups.shard, average=True
+            )
+        else:
+            self._all_reduce(main_grad.full, groups.shard)
+            reduced = main_grad.full
+        if plan.outer_sharded:
+            reduced = self._reduce_scatter_outer()
+        elif plan.reduces_outer:
+            self._all_reduce(reduced, groups.outer)
+        if self.optim_grad is not None:
+            self.optim_grad.data.add_(reduced)
+            main_grad.release_storage()
+        self.state = GradState.READY
+
+    def _in_comm_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.plan.precision.grad_comm)
+
+    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        staging = self._in_comm_dtype(tensor)
+        self.comm.all_reduce(staging, group, average=True)
+        if staging is not tensor:
+            tensor.copy_(staging)
+
+    def _reduce_scatter_outer(self) -> torch.Tensor:
+        """HFSDP: this replica's inner gradient shard reduce-scattered over the replicas."""
+        layout = self.weights.outer_layout
+        comm_dtype = self.plan.precision.grad_comm
+        staging = torch.empty(layout.numel, dtype=comm_dtype, device=self._device)
+        copy_chunks_in(self.main_grad.local_views(), staging, layout)
+        out = torch.empty(layout.shard_numel, dtype=comm_dtype, device=self._device)
+        self.comm.reduce_scatter(out, staging, self._groups.outer, average=True)
+        return out
+
+    # What the optimizer sees.
+
+    def _attach(self) -> None:
+        """Points the `.grad` of each trainable main weight (the DTensor and its local shard)
+        at its part of the optimizer's buffer; a weight frozen after wrapping gets none."""
+        weights = self.weights
+        for param, local, grad, local_grad in zip(
+            weights.dist_params, weights.local_main_weights, self._grad_dtensors, self._local_grads
+        ):
+            trainable = param.requires_grad
+            param.grad = grad if trainable else None
+            local.grad = local_grad if trainable else None
+
+    def _num_trainable(self) -> int:
+        return sum(param.requires_grad for param in self.weights.dist_params)
+
+    def _dropped(self) -> list[int]:
+        """The trainable parameters whose `.grad` (the DTensor's or the local shard's) an
+        optimizer dropped."""
+        weights = self.weights
+        return [
+            index
+            for index, (param, local) in enumerate(
+                zip(weights.dist_params, weights.local_main_weights)
+            )
+            if param.requires_grad and (param.grad is None or local.grad is None)
+        ]
+
+    def release_if_dropped(self) -> None:
+        """Frees the gradient memory once an optimizer dropped every `.grad` it reads (checked
+        before a forward, where activations peak)."""
+        if self.state is GradState.EMPTY:
+            return
+        weights = self.weights
+        for param, local in zip(weights.dist_params, weights.local_main_weights):
+            if param.requires_grad:
+                if param.grad is not None and local.grad is not None:
+                    return  # the common case: one look tells that nothing was dropped
+                break
+        if len(self._dropped()) == self._num_trainable():
+            self._drop()
+
+    def consumed(self) -> None:
+        """An optimizer step used the gradients: the next reduction replaces them."""
+        if self.state is GradState.READY:
+            self.state = GradState.CONSUMED
+
+    def scale(self, factor: float) -> None:
+        """Multiplies the gradients (accumulated and handed to the optimizer) by `factor`."""
+        for buffer in (self.main_grad, self.optim_grad):
+            if buffer is not None and buffer.is_allocated:
+                buffer.data.mul_(factor)
+
+    def zero_grad(self) -> None:
+        """Forgets every gradient, the unreduced ones of the compute weights included, and
+        frees their memory (on the compute stream, which has waited for every reduction)."""
+        for param in self.weights.unsharded_params:
+            param.grad = None
+        self._drop()
+
+    def _drop(self) -> None:
+        weights = self.weights
+        for param in (*weights.dist_params, *weights.local_main_weights):
+            param.grad = None
+        self._release()
+        self.state = GradState.EMPTY
+
+    def _release(self) -> None:
+        for buffer in (self.main_grad, self.optim_grad):
+            if buffer is not None:
+                buffer.release_storage()

@@ -1,0 +1,142 @@
+"""`GroupPlan`: what one parameter group keeps and does, decided once from strategy x precision.
+
+Every branch on the sharding strategy and the dtypes is taken here, when the group is built;
+the weights (`weights.py`) and gradients (`gradients.py`) of the group then follow the plan
+without asking the strategy again.
+
+Two buffers hold weights:
+
+- *unsharded*: the whole compute-dtype weights the module computes with; transient under ZeRO-3
+  (all-gathered for each use and freed after), permanent otherwise;
+- *sharded main*: what the optimizer steps, in `main_params_dtype`: this rank's shard when main
+  weights are sharded, else a replica. Where it would equal the unsharded buffer (same dtype,
+  not sharded, not transient) it *is* the unsharded buffer, and nothing is ever refreshed.
+
+HFSDP adds the *inner shard*: this replica's shard of the compute-dtype weights, gathered over
+the replicas from the (outer-sharded) main weights once per change, and all-gathered from for
+each use.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from megatron.core.distributed.fsdp.distributed_index import ShardGroups
+from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
+from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+
+
+class Refresh(enum.Enum):
+    """How the compute weights follow a change of the main weights."""
+
+    NONE = "none"
+    """They share storage (or are gathered from the main weights for each use: ZeRO-3)."""
+    CAST = "cast"
+    """A replicated main weight of another dtype: copied (cast) into the unsharded weights."""
+    GATHER = "gather"
+    """Sharded main weights, replicated compute weights (ZeRO-1/2): all-gathered into them."""
+    OUTER_GATHER = "outer_gather"
+    """HFSDP: the inner shard is all-gathered over the replicas from the main weights."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The decisions for one group.
+
+    Attributes:
+        requires_grad: the parameters train.
+        model_dtype: dtype of the compute weights (the dtype the module was built in).
+        main_dtype: dtype of the main weights (the model dtype for frozen groups).
+        precision: the gradient dtypes.
+        num_shards: N, shards of the main weights and of sharded gradients (1: none).
+        transient_unsharded: the unsharded weights are gathered for each use and freed after.
+        main_is_unsharded: the main weights are the unsharded buffer (no refresh, ever).
+        shards_main: the main weights are sharded over the shard group.
+        outer_sharded: HFSDP: main weights and optimizer gradients are sharded once more over
+            the replicas (trainable groups only).
+        refresh: how compute weights follow main weights.
+        shards_grads: gradients are reduce-scattered in each backward (else accumulated locally
+            and reduced when finalised).
+        reduces_outer: gradients are all-reduced over the replicas when finalised (HSDP).
+        separate_optim_grad: the optimizer reads its gradients from a buffer of its own (another
+            dtype than the accumulation, a shard of locally accumulated gradients, or HFSDP's
+            outer shard) instead of views of the accumulation buffer.
+        placements: the DTensor placements of main weights and their gradients.
+    """
+
+    requires_grad: bool
+    model_dtype: torch.dtype
+    main_dtype: torch.dtype
+    precision: ResolvedPrecision
+    num_shards: int
+    transient_unsharded: bool
+    main_is_unsharded: bool
+    shards_main: bool
+    outer_sharded: bool
+    refresh: Refresh
+    shards_grads: bool
+    reduces_outer: bool
+    separate_optim_grad: bool
+    placements: tuple[Placement, ...]
+
+    @classmethod
+    def make(
+        cls,
+        strategy: ShardingStrategy,
+        precision: ResolvedPrecision,
+        groups: ShardGroups,
+        *,
+        model_dtype: torch.dtype,
+        requires_grad: bool,
+    ) -> GroupPlan:
+        num_shards = groups.shard_size if strategy.shards_optimizer else 1
+        transient = strategy.shards_params
+        main_dtype = precision.main_params if requires_grad else model_dtype
+        # Frozen main weights follow the compute weights: no optimizer state to shard.
+        shards_main = (
+            strategy.shards_optimizer and num_shards > 1 if requires_grad else transient
+        )
+        outer_sharded = requires_grad and strategy.shards_outer
+        main_is_unsharded = (
+            not outer_sharded and main_dtype == model_dtype and not shards_main and not transient
+        )
+        if outer_sharded:
+            refresh = Refresh.OUTER_GATHER
+        elif transient or main_is_unsharded:
+            refresh = Refresh.NONE
+        elif shards_main:
+            refresh = Refresh.GATHER
+        else:
+            refresh = Refresh.CAST
+        shards_grads = strategy.shards_grads
+        # ZeRO-1 accumulates whole local gradients and reduce-scatters them once: the
+        # optimizer's shard is a buffer of its own, which outlives the accumulation buffer.
+        separate = outer_sharded or precision.main_grads != precision.main_params
+        separate = separate or (not shards_grads and num_shards > 1)
+        if outer_sharded:
+            placements: tuple[Placement, ...] = (Shard(0), Shard(0))
+        else:
+            placements = (Shard(0),) if shards_main else (Replicate(),)
+            if groups.mesh.ndim == 2:
+                placements = (*placements, Replicate())
+        return cls(
+            requires_grad=requires_grad,
+            model_dtype=model_dtype,
+            main_dtype=main_dtype,
+            precision=precision,
+            num_shards=num_shards,
+            transient_unsharded=transient,
+            main_is_unsharded=main_is_unsharded,
+            shards_main=shards_main,
+            outer_sharded=outer_sharded,
+            refresh=refresh,
+            shards_grads=shards_grads,
+            reduces_outer=groups.outer is not None and not outer_sharded,
+            separate_optim_grad=requires_grad and separate,
+            placements=placements,
+        )

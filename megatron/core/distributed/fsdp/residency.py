@@ -1,0 +1,208 @@
+"""`Residency`: which units of a root hold their unsharded (whole) weights, and when they are
+unsharded, waited for and resharded.
+
+Under ZeRO-3 a unit's unsharded weights exist from its all-gather to its reshard. Residency
+bounds how many units hold them at once (`OverlapPolicy.max_unsharded_units`, delayed release:
+a unit whose use is over is resharded only when another gather needs the room) and orders the
+streams around that memory on GPU: unsharded weights and all-gather staging are allocated and
+freed on the all-gather stream, which waits for the event recorded after a unit's last use
+before freeing it; the compute stream waits for the event recorded after a unit's gather before
+using it. Nothing relies on `record_stream`. On CPU there are no streams and every step runs in
+program order.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
+from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
+
+
+class ScheduledUnit(Protocol):
+    """What the context and residency need of a unit (`FsdpUnit` is one)."""
+
+    name: str
+    position: int
+    groups: list[FsdpParameterGroup]
+    has_transient_weights: bool
+
+
+class Residency:
+    """The unsharded weights held by the units of one root.
+
+    Args:
+        num_units: how many units the root has (positions 0..n-1; 0 is the root).
+        unit: position -> the live unit, or None once freed with its module.
+        policy: the bound on units held.
+        streams: the side streams (None on CPU).
+        labels: opens a profiler range (`profiling.PhaseLabels`).
+    """
+
+    def __init__(
+        self,
+        num_units: int,
+        unit: Callable[[int], ScheduledUnit | None],
+        policy: OverlapPolicy,
+        streams: CommStreams | None,
+        labels: Callable[[ScheduledUnit, str], contextlib.AbstractContextManager],
+    ):
+        self._unit = unit
+        self._policy = policy
+        self._streams = streams
+        self._labels = labels
+        # Units holding unsharded weights (ordered set), those whose last use is done (oldest
+        # release first), and those whose gather was not yet waited for.
+        self._resident: dict[int, None] = {}
+        self._releasable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._ready: set[int] = set()
+        # The event after each unit's gather and after its last use (GPU): a wait queued on an
+        # event is not affected by later records.
+        if streams is not None:
+            self._ready_events = [torch.cuda.Event() for _ in range(num_units)]
+            self._release_events = [torch.cuda.Event() for _ in range(num_units)]
+
+    def order_gathers(self) -> None:
+        """Makes the all-gathers (and refreshes) issued from now on run after the current
+        stream's queued work (an optimizer step or a load that wrote the main weights, or the
+        unit computing when a backward prefetch is issued)."""
+        if self._streams is not None:
+            self._streams.all_gather.wait_stream(self._streams.current())
+
+    def refresh(self, unit: ScheduledUnit) -> None:
+        """Makes `unit`'s stale compute weights follow the main weights now, on the all-gather
+        stream (unsharded weights held from older main weights are resharded, to be gathered
+        again when used)."""
+        stale = [group.weights for group in unit.groups if group.weights.is_stale]
+        if not stale:
+            return
+        self.reshard(unit)
+        with self._on_all_gather_stream(), self._labels(unit, "refresh"):
+            for weights in stale:
+                weights.refresh()
+        if self._streams is not None:
+            self._ready_events[unit.position].record(self._streams.all_gather)
+            self._ready.add(unit.position)
+
+    def unshard(self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False) -> None:
+        """Starts making `unit`'s compute weights whole and current: refreshes stale ones and
+        all-gathers them, on the all-gather stream. Weights still held from an earlier use are
+        kept, unless the main weights changed since they were made. A prefetch is skipped when
+        the bound leaves no room (the units held are all in use). `phase` names the pass in the
+        profiler label."""
+        stale = [group.weights for group in unit.groups if group.weights.is_stale]
+        position = unit.position
+        if position in self._resident:
+            if not stale:
+                self._releasable.pop(position, None)
+                return
+            self.reshard(unit)  # made from older main weights
+        transient = unit.has_transient_weights
+        if not stale and not transient:
+            return
+        if transient and not self._make_room() and prefetch:
+            return
+        with self._on_all_gather_stream(), self._labels(unit, f"{phase} all-gather"):
+            for weights in stale:
+                weights.refresh()
+            for group in unit.groups:
+                group.weights.unshard()
+        if transient:
+            self._resident[position] = None
+        if self._streams is not None:
+            self._ready_events[position].record(self._streams.all_gather)
+            self._ready.add(position)
+
+    def wait(self, unit: ScheduledUnit) -> None:
+        """Makes the current stream wait for `unit`'s gather, if not done already."""
+        position = unit.position
+        if position in self._ready:
+            self._ready.remove(position)
+            self._streams.current().wait_event(self._ready_events[position])
+
+    def release(self, unit: ScheduledUnit, *, free_released: bool = False) -> None:
+        """`unit`'s use is over (its forward or backward is queued): its weights may be
+        resharded once the bound requires it; with `free_released`, every released unit is
+        resharded now."""
+        position = unit.position
+        if position in self._resident:
+            if self._streams is not None:
+                self._release_events[position].record(self._streams.current())
+            self._releasable[position] = None
+            self._releasable.move_to_end(position)
+        if free_released:
+            while self._releasable:
+                self._reshard_oldest_released()
+
+    def reshard(self, unit: ScheduledUnit) -> None:
+        """Frees `unit`'s unsharded weights once the current stream's work on them is done."""
+        position = unit.position
+        if position not in self._resident:
+            return
+        released = position in self._releasable
+        if released:
+            del self._releasable[position]
+        if self._streams is not None:
+            if released:
+                self._streams.all_gather.wait_event(self._release_events[position])
+            else:
+                self._streams.all_gather.wait_stream(self._streams.current())
+        # Freed on the CPU now, the memory returns to the all-gather stream, which only reuses
+        # it after the wait just queued.
+        for group in unit.groups:
+            group.weights.reshard()
+        del self._resident[position]
+        self._ready.discard(position)
+
+    def reshard_all(self) -> None:
+        """Frees every unit's unsharded weights after the current stream's queued work; the
+        current stream then also waits for whatever the all-gather stream still runs (a
+        prefetch nobody used), which rejoins it in a CUDA graph capture."""
+        streams = self._streams
+        if streams is not None:
+            streams.all_gather.wait_stream(streams.current())
+        for position in self._resident:
+            if (unit := self._unit(position)) is not None:
+                for group in unit.groups:
+                    group.weights.reshard()
+        self._resident.clear()
+        self._releasable.clear()
+        self._ready.clear()
+        if streams is not None:
+            streams.current().wait_stream(streams.all_gather)
+
+    def keep_last_released(self) -> None:
+        """Reshards every released unit but the last (the first whose backward runs)."""
+        while len(self._releasable) > 1:
+            self._reshard_oldest_released()
+
+    def _make_room(self) -> bool:
+        """Reshards the longest-released units until one more fits under the bound; False if
+        it does not (every unit held is in use)."""
+        bound = self._policy.max_unsharded_units
+        while self._releasable and self._num_held() >= bound:
+            self._reshard_oldest_released()
+        return self._num_held() < bound
+
+    def _reshard_oldest_released(self) -> None:
+        oldest = next(iter(self._releasable))
+        unit = self._unit(oldest)
+        if unit is None:  # freed with its module
+            self._releasable.pop(oldest)
+            self._resident.pop(oldest, None)
+        else:
+            self.reshard(unit)
+
+    def _num_held(self) -> int:
+        return len(self._resident) - (0 in self._resident)
+
+    def _on_all_gather_stream(self) -> contextlib.AbstractContextManager:
+        """Runs the body on the all-gather stream; on CPU (no streams) inline."""
+        if self._streams is None:
+            return contextlib.nullcontext()
+        return self._streams.running_on(self._streams.all_gather)

@@ -1,0 +1,345 @@
+"""`GroupWeights`: the weights of one parameter group: unshard, reshard, refresh, register.
+
+The module's registered parameters are the DTensor main weights between forwards (what
+`parameters()`, `state_dict()` and optimizers see) and the whole compute weights during forward
+and backward. The compute weights are made from the main weights, so they must follow every
+change of them, however it was made. The group's *main version* is the one signal for that: the
+sum of the version counters of every tensor through which the main weights can be written (the
+flat buffer, each DTensor, each local shard: in-place writes through any of them bump it) plus a
+count of optimizer steps over them (fused and foreach kernels write without bumping version
+counters; `optimizer_steps.py` counts their steps in `untracked_writes`, as does a forced
+refresh). The compute weights remember the version they were made from and are refreshed, or
+gathered again, when it differs. Writes through `.data` bypass version counters (as they bypass
+autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)`).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.dbuffer import (
+    DBuffer,
+    ShardLayout,
+    chunk_targets,
+    copy_chunks_out,
+)
+from megatron.core.distributed.fsdp.distributed_index import ShardGroups
+from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
+from megatron.core.distributed.fsdp.symmetric_memory import ALL_GATHER, REDUCE_SCATTER
+
+_version = operator.attrgetter("_version")
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter of a group is registered.
+
+    Attributes:
+        fqn: its name relative to the FSDP unit (the first registration, for messages).
+        registrations: every (module, attribute name) that holds it, weakly (a tied parameter
+            has several).
+    """
+
+    fqn: str
+    registrations: list[tuple[weakref.ref[torch.nn.Module], str]]
+
+    def parameter_entries(self) -> list[tuple[dict[str, torch.nn.Parameter | None], str]]:
+        """(`module._parameters`, attribute name) of every live registering module."""
+        modules = [(module_ref(), name) for module_ref, name in self.registrations]
+        return [(module._parameters, name) for module, name in modules if module is not None]
+
+
+class _Registration:
+    """Registers one set of tensors (unsharded or main weights) on the modules of a group.
+
+    Direct `module._parameters` assignment, as FSDP2 does: `setattr` would refuse a DTensor
+    swap for a plain Parameter only in its type checks, and costs more. The swaps run four
+    times per unit and step, so the entries are resolved once.
+    """
+
+    def __init__(self, slots: list[ParamSlot], params: list[torch.nn.Parameter]):
+        self._entries = [
+            (parameters, name, param)
+            for slot, param in zip(slots, params)
+            for parameters, name in slot.parameter_entries()
+        ]
+
+    def register(self) -> None:
+        for parameters, name, param in self._entries:
+            parameters[name] = param
+
+
+class GroupWeights:
+    """The unsharded and sharded main weights of one group, and the inner shard under HFSDP.
+
+    Args:
+        plan: the group's plan.
+        layout: the layout of the shard group (N = `plan.num_shards`).
+        slots: where each parameter is registered.
+        groups: the process groups.
+        comm: the collectives issuer (the root context's, once bound).
+        device: where the buffers live.
+
+    Attributes:
+        unsharded_params: the compute weights, registered for forward and backward.
+        dist_params: the DTensor main weights, registered between forwards.
+        local_main_weights: each DTensor's local tensor (its shard, a view of the main buffer).
+        untracked_writes: writes to the main weights that bumped no version counter.
+    """
+
+    def __init__(
+        self,
+        plan: GroupPlan,
+        layout: ShardLayout,
+        slots: list[ParamSlot],
+        groups: ShardGroups,
+        comm: Collectives,
+        device: torch.device,
+    ):
+        self.plan = plan
+        self.layout = layout
+        self.groups = groups
+        self.comm = comm
+        self.device = device
+        self.rank = groups.shard.rank() if layout.num_shards > 1 else 0
+        self.unsharded = DBuffer(
+            layout.unsharded(),
+            plan.model_dtype,
+            device,
+            sharded=False,
+            rank=0,
+            zeroed=not plan.transient_unsharded,
+        )
+        self.outer_layout: ShardLayout | None = None
+        self.outer_rank = 0
+        self.inner_shard: DBuffer | None = None
+        if plan.outer_sharded:
+            local_shapes = [layout.local_shape(i, self.rank) for i in range(len(layout))]
+            self.outer_layout = ShardLayout(local_shapes, groups.outer_size)
+            self.outer_rank = groups.outer.rank()
+            self.inner_shard = DBuffer(
+                layout, plan.model_dtype, device, sharded=True, rank=self.rank
+            )
+            self.sharded_main = DBuffer(
+                self.outer_layout, plan.main_dtype, device, sharded=True, rank=self.outer_rank
+            )
+        elif plan.main_is_unsharded:
+            self.sharded_main = self.unsharded
+        else:
+            self.sharded_main = DBuffer(
+                layout, plan.main_dtype, device, sharded=True, rank=self.rank
+            )
+
+        # Views stay valid across release / reallocate (same storage), so they are made once.
+        self._compute_views = [
+            view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), layout.shapes)
+        ]
+        self._main_views = (
+            self._compute_views if plan.main_is_unsharded else self.sharded_main.local_views()
+        )
+        # The tensor-wise all-gather's outputs, this rank's block of each (where its input is
+        # cast to), and its inputs: the chunks of the shard it gathers from.
+        self._gather_targets = chunk_targets(self.unsharded, layout)
+        self._gather_outputs = [target.view(-1) for target in self._gather_targets]
+        gather_rank = groups.all_gather.rank() if layout.num_shards > 1 else 0
+        self._gather_blocks = [target[gather_rank] for target in self._gather_targets]
+        source = self.inner_shard if self.inner_shard is not None else self.sharded_main
+        self._gather_source = source
+        self._gather_inputs = (
+            list(source.shard.split(layout.chunk_numels)) if source.sharded else None
+        )
+        trains = plan.requires_grad
+        self.unsharded_params = [
+            torch.nn.Parameter(view, requires_grad=trains) for view in self._compute_views
+        ]
+        self.dist_params = [
+            torch.nn.Parameter(self.dtensor(view, i), requires_grad=trains)
+            for i, view in enumerate(self._main_views)
+        ]
+        with torch.no_grad():  # the DTensors' own local tensors (with grad on: new views)
+            self.local_main_weights = [param.to_local() for param in self.dist_params]
+        self._writable = [self.sharded_main.data, *self.dist_params, *self.local_main_weights]
+        self._unsharded_registration = _Registration(slots, self.unsharded_params)
+        self._sharded_registration = _Registration(slots, self.dist_params)
+        if plan.transient_unsharded:
+            self.unsharded.release_storage()
+        self.untracked_writes = 0
+        self._observed_version = self.main_version()
+        self._made_version = self._observed_version
+
+    def dtensor(self, local: torch.Tensor, index: int) -> DTensor:
+        """`local` (this rank's part of parameter `index`) as a DTensor over the group's mesh."""
+        shape = self.layout.shapes[index]
+        with torch.no_grad():
+            return DTensor.from_local(
+                local,
+                self.groups.mesh,
+                self.plan.placements,
+                run_check=False,
+                shape=shape,
+                stride=torch.empty(shape, device="meta").stride(),
+            )
+
+    # The main version.
+
+    def main_version(self) -> int:
+        """A number that changes whenever the main weights are written (module docstring)."""
+        return self.untracked_writes + sum(map(_version, self._writable))
+
+    def mark_written(self) -> None:
+        """Records a write to the main weights that bumped no version counter."""
+        self.untracked_writes += 1
+
+    def observe_main_version(self) -> None:
+        """Reads the main version now (once per root forward: the reads cost host time)."""
+        self._observed_version = self.main_version()
+
+    @property
+    def is_stale(self) -> bool:
+        """The compute weights were made from older main weights than last observed."""
+        return self._observed_version != self._made_version
+
+    # Loading.
+
+    @torch.no_grad()
+    def load_full_tensor(self, index: int, full: torch.Tensor) -> None:
+        """Writes parameter `index` from its whole value, keeping only what this rank holds.
+
+        The main weights get this rank's part, and the compute weights that persist are written
+        directly (no communication), so weights in sync before stay in sync.
+        """
+        in_sync = self._made_version == self.main_version()
+        inner = _chunk(full, self.layout, index, self.rank)
+        main = self._main_views[index]
+        if self.outer_layout is not None:
+            main.copy_(_chunk(inner, self.outer_layout, index, self.outer_rank))
+        elif self.plan.shards_main:
+            main.copy_(inner)
+        else:
+            main.copy_(full)
+        if self.inner_shard is not None:
+            self.inner_shard.local_views()[index].copy_(inner)
+        elif not self.plan.transient_unsharded and not self.plan.main_is_unsharded:
+            self._compute_views[index].copy_(full)
+        if in_sync:
+            self._made_version = self._observed_version = self.main_version()
+
+    # Refresh, unshard, reshard.
+
+    def refresh(self) -> None:
+        """Makes the compute weights follow the main weights observed last (a cast, or an
+        all-gather where the compute weights are replicated and the main weights sharded; under
+        ZeRO-3 nothing but HFSDP's inner shard: every `unshard()` gathers from the main weights,
+        and whole weights made from older ones must have been freed first)."""
+        self._made_version = self._observed_version
+        refresh = self.plan.refresh
+        if refresh is Refresh.OUTER_GATHER:
+            self._gather_inner_shard()
+        elif refresh is Refresh.GATHER:
+            self._gather_into_unsharded()
+        elif refresh is Refresh.CAST:
+            self.unsharded.data.copy_(self.sharded_main.data)
+
+    def _gather_inner_shard(self) -> None:
+        """HFSDP: gathers this replica's inner shard from the outer shards of the main weights."""
+        layout = self.outer_layout
+        dtype = self.inner_shard.dtype
+        gathered = _staging(layout, dtype, self.device)
+        self.comm.all_gather(gathered.full, self.sharded_main.data, self.groups.outer)
+        inner = _staging(layout.unsharded(), dtype, self.device)
+        copy_chunks_out(gathered, inner)
+        for dst, src, shape in zip(
+            self.inner_shard.local_views(), inner.tensor_views(), layout.shapes
+        ):
+            dst.copy_(src[: shape[0]])
+
+    def _gather_into_unsharded(self) -> None:
+        """All-gathers the sharded weights (HFSDP's inner shard, else the main weights) over
+        the all-gather group into the unsharded weights, cast to the compute dtype: each
+        tensor's chunks straight into the tensor, or, with symmetric memory, through the
+        registered window and unpacked from it.
+
+        The writes do not bump the unsharded weights' version counter: refilling weights that
+        autograd saved in forward (and that were freed in between) restores the values it
+        saved, which must not read as an in-place modification in backward.
+        """
+        dtype = self.unsharded.dtype
+        group = self.groups.all_gather
+        if self.comm.uses_symmetric_memory(group):
+            data = self.comm.staging(ALL_GATHER, group, dtype, self.layout.numel, self.device)
+            gathered = _staging(self.layout, dtype, self.device, data)
+            self.comm.all_gather(gathered.full, self._gather_source.shard, group)
+            copy_chunks_out(gathered, self.unsharded, self._gather_targets)
+            return
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
+            self.comm.all_gather_tensors(
+                self._gather_outputs, self._gather_inputs, group, own_blocks=self._gather_blocks
+            )
+
+    def unshard(self) -> None:
+        """Makes the compute weights whole (ZeRO-3: all-gathers them; otherwise they are)."""
+        if not self.plan.transient_unsharded or self.unsharded.is_allocated:
+            return
+        self._made_version = self._observed_version
+        self.unsharded.reallocate_storage()
+        self._gather_into_unsharded()
+
+    def reshard(self) -> None:
+        """Frees the whole compute weights (ZeRO-3 only)."""
+        if self.plan.transient_unsharded:
+            self.unsharded.release_storage()
+
+    @property
+    def holds_unsharded(self) -> bool:
+        """Whether the whole compute weights are in memory now."""
+        return self.unsharded.is_allocated
+
+    def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
+        """The symmetric-memory staging this group's collectives need: (role, group, dtype,
+        elements). A group of one rank communicates nothing, so it stages nothing."""
+        plan = self.plan
+        requests = []
+        if plan.transient_unsharded or plan.shards_main:
+            requests.append(
+                (ALL_GATHER, self.groups.all_gather, self.unsharded.dtype, self.layout.numel)
+            )
+        if plan.requires_grad and plan.shards_grads:
+            requests.append(
+                (REDUCE_SCATTER, self.groups.shard, plan.precision.grad_comm, self.layout.numel)
+            )
+        return [request for request in requests if request[1].size() > 1]
+
+    # Registration.
+
+    def register_unsharded(self) -> None:
+        """Registers the compute weights on their modules (for forward and backward); a main
+        weight frozen since wrapping freezes its compute weight too."""
+        for param, main in zip(self.unsharded_params, self.dist_params):
+            if param.requires_grad != main.requires_grad:
+                param.requires_grad_(main.requires_grad)
+        self._unsharded_registration.register()
+
+    def register_sharded(self) -> None:
+        """Registers the DTensor main weights on their modules (between forwards)."""
+        self._sharded_registration.register()
+
+
+def _staging(
+    layout: ShardLayout, dtype: torch.dtype, device: torch.device, data: torch.Tensor | None = None
+) -> DBuffer:
+    """A whole buffer of `layout` for one collective: `data` (from `Collectives.staging`), or
+    fresh uninitialised memory."""
+    return DBuffer(layout, dtype, device, sharded=False, rank=0, zeroed=False, data=data)
+
+
+def _chunk(full: torch.Tensor, layout: ShardLayout, index: int, shard: int) -> torch.Tensor:
+    """Shard `shard`'s rows of tensor `index` (torch.chunk semantics)."""
+    rows = layout.chunk_rows[index]
+    return full.narrow(0, min(shard * rows, full.shape[0]), layout.valid_rows(index, shard))

@@ -1,0 +1,267 @@
+"""The engine contract, tried as a library user with their own loop would: any optimizer, any
+number of backward passes, in-place writes, misuse of `microbatch()`, a failed backward, a unit
+skipped on some ranks, rejected dtypes, and the DDP engine under a stock optimizer. Each result
+is compared with a plain single-process torch run on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
+from megatron.core.distributed.fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    fully_shard,
+    fully_shard_optimizer,
+    local_main_weights,
+    microbatch,
+)
+from tests.unit_tests.distributed.fsdp.fsdp_training import (
+    build_model,
+    full_state,
+    hybrid_groups,
+    make_batches,
+)
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.model_builders import build_tiny_gpt, make_token_batches, shard_batch
+
+# Every strategy, and HSDP (ZeRO-3 inside two replicas of world_size / 2 ranks).
+LAYOUTS = [(s, 1) for s in SHARDING_STRATEGIES] + [("optim_grads_params", 2)]
+WORLD_SIZES = [2, 4]
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated failure in backward")
+
+
+def _sharded(strategy: str, index, model: torch.nn.Module) -> torch.nn.Module:
+    for block in model.blocks:
+        fully_shard(block, index, sharding_strategy=strategy)
+    return fully_shard(model, index, sharding_strategy=strategy)
+
+
+def _local_batch(inputs: torch.Tensor, labels: torch.Tensor):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return shard_batch(inputs, rank, world_size), shard_batch(labels, rank, world_size)
+
+
+def _global_mean(loss: torch.Tensor) -> float:
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss.item() / dist.get_world_size()
+
+
+def _train(case: str, strategy: str, replicas: int) -> tuple[list[float], dict]:
+    """Three steps of the uneven model under `case`, on this rank's shard of each batch."""
+    with hybrid_groups(replicas) as index:
+        model = _sharded(strategy, index, build_model("uneven", False))
+        if case == "stock_local":
+            optimizer = torch.optim.AdamW(local_main_weights(model).values(), lr=1e-2)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if case == "is_first_false":
+            optimizer = fully_shard_optimizer(optimizer, model)
+        losses = []
+        for step, (inputs, labels) in enumerate(make_batches("uneven")):
+            inputs, labels = _local_batch(inputs, labels)
+            if case == "inplace_write" and step == 1:
+                with torch.no_grad():
+                    model(inputs, labels=labels)  # the no_grad forward refreshes nothing new
+                    for param in model.parameters():
+                        param.mul_(0.5)  # an EMA swap or re-init: written in place
+            if case == "failed_backward" and step == 1:
+                handle = model.blocks[0].register_forward_hook(
+                    lambda module, args, output: _FailInBackward.apply(output)
+                )
+                with pytest.raises(RuntimeError, match="simulated failure"):
+                    model(inputs, labels=labels).mean().backward()
+                handle.remove()
+                optimizer.zero_grad()
+            if case == "is_first_false":
+                for half in range(2):
+                    with microbatch(model, is_first=False, is_last=half == 1):
+                        rows = slice(half * len(inputs) // 2, (half + 1) * len(inputs) // 2)
+                        model(inputs[rows], labels=labels[rows]).sum().div(len(inputs)).backward()
+                with torch.no_grad():
+                    losses.append(_global_mean(model(inputs, labels=labels).mean()))
+            elif case == "two_backwards":
+                out = model(inputs, labels=labels)
+                half = len(out) // 2
+                loss_a, loss_b = out[:half].sum() / len(out), out[half:].sum() / len(out)
+                loss_a.backward(retain_graph=True)
+                loss_b.backward()
+                losses.append(_global_mean(loss_a + loss_b))
+            else:
+                loss = model(inputs, labels=labels).mean()
+                loss.backward()
+                losses.append(_global_mean(loss))
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses, full_state(model)
+
+
+def _reference(case: str) -> tuple[list[float], dict]:
+    """The same steps in one process, on the whole batch."""
+    model = build_model("uneven", False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, (inputs, labels) in enumerate(make_batches("uneven")):
+        inputs, labels = inputs.to(current_device()), labels.to(current_device())
+        if case == "inplace_write" and step == 1:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(0.5)
+        loss = model(inputs, labels=labels).mean()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, full_state(model)
+
+
+def _case_on_every_layout(case: str) -> list[tuple[list[float], dict]]:
+    results = []
+    for strategy, replicas in LAYOUTS:
+        if dist.get_world_size() % (2 * replicas) == 0 or replicas == 1:
+            results.append(_train(case, strategy, replicas))
+    return [*results, _reference(case)]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "case",
+    ["stock_params", "stock_local", "inplace_write", "is_first_false", "two_backwards",
+     "failed_backward"],
+)
+def test_library_use_equals_single_process(case, world_size):
+    """Cases 1-6: a stock optimizer over `parameters()` or `local_main_weights()` (no
+    `fully_shard_optimizer`), an in-place write after a no_grad forward, `is_first=False` on
+    every microbatch, two backward passes through one forward, and a backward that raised then
+    `zero_grad()`: every strategy and HSDP train as one process does."""
+    for rank_results in run_distributed(_case_on_every_layout, world_size, case):
+        *layouts, (ref_losses, ref_state) = rank_results
+        assert len(layouts) == len(LAYOUTS) - (world_size == 2)
+        for losses, state in layouts:
+            torch.testing.assert_close(losses, ref_losses)
+            for name, value in ref_state.items():
+                torch.testing.assert_close(state[name], value, msg=name)
+
+
+def _bf16_no_shard_stock_optimizer() -> tuple[list[float], list[float]]:
+    """no_shard with a bf16 model: a stock optimizer and the documented path, losses each."""
+    results = []
+    for wrapped in (False, True):
+        model = _sharded("no_shard", None, build_model("uneven", True))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            optimizer = fully_shard_optimizer(optimizer, model)
+        losses = []
+        for inputs, labels in make_batches("uneven"):
+            inputs, labels = _local_batch(inputs.to(torch.bfloat16), labels)
+            loss = model(inputs, labels=labels).mean()
+            loss.backward()
+            losses.append(_global_mean(loss.float()))
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(losses)
+    return results
+
+
+def test_stock_optimizer_on_a_bf16_model_equals_the_documented_path():
+    for stock, documented in run_distributed(_bf16_no_shard_stock_optimizer, 2):
+        assert stock == documented
+        assert len(set(stock)) == len(stock), "the loss did not change: weights never refreshed"
+
+
+class _Skipping(torch.nn.Module):
+    """The uneven model, whose second block rank 1 skips (data-dependent skipping)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model("uneven", False)
+        self.blocks = self.inner.blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i == 1 and dist.get_rank() == 1:
+                continue
+            h = block(h)
+        return self.inner.head(h).pow(2).mean()
+
+
+def _skip_a_unit(strategy: str) -> str:
+    model = _sharded(strategy, None, _Skipping())
+    inputs, _ = _local_batch(*make_batches("uneven")[0])
+    with pytest.raises(RuntimeError) as error:
+        model(inputs).backward()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+def test_a_unit_skipped_on_some_ranks_is_a_named_error_on_every_rank(strategy):
+    """Case 7: every rank raises, naming the unit, instead of hanging (the harness bounds
+    the call's time)."""
+    for message in run_distributed(_skip_a_unit, 2, strategy, timeout=60):
+        assert "blocks.1 ran on rank(s) [0] but not on [1]" in message
+
+
+def test_fp16_main_weights_are_rejected_naming_the_flag():
+    """Case 8."""
+    with pytest.raises(ValueError, match="main_params_dtype"):
+        MixedPrecisionPolicy(main_params_dtype=torch.float16)
+    with pytest.raises(ValueError, match="megatron_fsdp_main_params_dtype=fp16"):
+        DistributedDataParallelConfig(
+            use_megatron_fsdp=True, megatron_fsdp_main_params_dtype=torch.float16
+        )
+
+
+def _stock_optimizer_over(engine: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Case 9 and the adapter: a tiny GPT under `engine` with a stock SGD over the model's
+    parameters, and the same in one process; the final weights of both."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_tiny_gpt()
+    fsdp = engine != "ddp"
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=fsdp, data_parallel_sharding_strategy=engine if fsdp else "no_shard"
+    )
+    wrapper = (FullyShardedDataParallel if fsdp else DistributedDataParallel)(
+        model.config, config, model
+    )
+    optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.5)
+    reference = build_tiny_gpt()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for tokens, labels in make_token_batches(2, 8):
+        wrapper.zero_grad_buffer()
+        local = shard_batch(tokens, rank, world_size), shard_batch(labels, rank, world_size)
+        out = wrapper(local[0], labels=local[1])
+        # Two backward passes through one forward: the embedding and the root reduce twice.
+        half = out.shape[0] // 2
+        out[:half].sum().div(out.numel()).backward(retain_graph=True)
+        out[half:].sum().div(out.numel()).backward()
+        wrapper.finish_grad_sync()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(tokens.to(current_device()), labels=labels.to(current_device())).mean().backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    state = full_state(wrapper.module)
+    return [state[n] for n, _ in reference.named_parameters()], [
+        p.detach() for p in reference.parameters()
+    ]
+
+
+@pytest.mark.parametrize("engine", ["ddp", *SHARDING_STRATEGIES])
+def test_a_stock_optimizer_trains_every_engine_like_one_process(engine):
+    for trained, expected in run_distributed(_stock_optimizer_over, 2, engine):
+        for actual, want in zip(trained, expected):
+            torch.testing.assert_close(actual, want)
