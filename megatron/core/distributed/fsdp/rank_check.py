@@ -77,6 +77,8 @@ class UnitsRunCheck:
         """
         if self._pending is None:
             return
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # read after the capture: querying an event is not allowed inside one
         results, positions, event = self._pending
         self._pending = None
         if event is not None:
