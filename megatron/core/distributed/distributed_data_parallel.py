@@ -18,8 +18,8 @@ After `finish_grad_sync()` each parameter's `.grad` is its reduced gradient (a v
 `main_grad` where the dtypes match; where they do not, a copy in the parameter's dtype, made
 only when an optimizer holding the parameter steps, through torch's global step hook), so a
 stock torch optimizer over `module.parameters()` trains the model as Megatron's does. Torch's
-semantics hold for it: a `.grad` dropped by `zero_grad()` starts afresh at the next backward, one left in
-place accumulates.
+semantics hold for it: a `.grad` dropped by `zero_grad()` starts afresh at the next backward,
+one left in place accumulates.
 """
 
 from __future__ import annotations

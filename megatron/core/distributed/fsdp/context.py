@@ -204,9 +204,12 @@ class FsdpContext:
             self.residency.refresh(unit)
 
     def _prepare_outside_pass(self, unit: ScheduledUnit) -> None:
+        """A unit used outside the root's forward: its gathers follow the latest writes, and
+        its compute weights follow the main weights."""
         for group in unit.groups:
             group.weights.observe_main_version()
         self.residency.order_gathers()
+        self.residency.refresh(unit)
 
     def post_forward(self, unit: ScheduledUnit) -> bool:
         """After `unit`'s forward: register the main weights, release (or, at the root's end,
@@ -271,7 +274,6 @@ class FsdpContext:
         """Starts gathering `unit`'s compute weights ahead of its use (`FsdpModule.unshard`)."""
         self._recover_failed_pass()
         self._prepare_outside_pass(unit)
-        self.residency.refresh(unit)
         self.residency.unshard(unit, "forward")
 
     def unshard_first_unit(self) -> None:

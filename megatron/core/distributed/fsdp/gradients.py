@@ -42,7 +42,6 @@ from torch.distributed.tensor import DTensor
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
-    ShardLayout,
     concatenates,
     copy_chunks_in,
 )
@@ -351,12 +350,10 @@ class GroupGrads:
         before a forward, where activations peak)."""
         if self.state is GradState.EMPTY:
             return
-        weights = self.weights
-        for param, local in zip(weights.dist_params, weights.local_main_weights):
-            if param.requires_grad:
-                if param.grad is not None and local.grad is not None:
-                    return  # the common case: one look tells that nothing was dropped
-                break
+        # The common case, nothing dropped, shows at the first parameter.
+        first, local = self.weights.dist_params[0], self.weights.local_main_weights[0]
+        if first.requires_grad and first.grad is not None and local.grad is not None:
+            return
         if len(self._dropped()) == self._num_trainable():
             self._drop()
 

@@ -9,7 +9,6 @@ compute weights they share storage, and refreshing them is a no-op.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import ShardLayout

@@ -90,30 +90,20 @@ class Residency:
             self._ready.add(unit.position)
 
     def unshard(self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False) -> None:
-        """Starts making `unit`'s compute weights whole and current: refreshes stale ones and
-        all-gathers them, on the all-gather stream. Weights still held from an earlier use are
-        kept, unless the main weights changed since they were made. A prefetch is skipped when
-        the bound leaves no room (the units held are all in use). `phase` names the pass in the
-        profiler label."""
-        stale = [group.weights for group in unit.groups if group.weights.is_stale]
+        """Starts all-gathering `unit`'s unsharded weights (ZeRO-3), on the all-gather stream;
+        weights still held from an earlier use are kept (`refresh` reshards those made from
+        older main weights). A prefetch is skipped when the bound leaves no room (the units held
+        are all in use). `phase` names the pass in the profiler label."""
         position = unit.position
         if position in self._resident:
-            if not stale:
-                self._releasable.pop(position, None)
-                return
-            self.reshard(unit)  # made from older main weights
-        transient = unit.has_transient_weights
-        if not stale and not transient:
+            self._releasable.pop(position, None)
             return
-        if transient and not self._make_room() and prefetch:
+        if not unit.has_transient_weights or (not self._make_room() and prefetch):
             return
         with self._on_all_gather_stream(), self._labels(unit, f"{phase} all-gather"):
-            for weights in stale:
-                weights.refresh()
             for group in unit.groups:
                 group.weights.unshard()
-        if transient:
-            self._resident[position] = None
+        self._resident[position] = None
         if self._streams is not None:
             self._ready_events[position].record(self._streams.all_gather)
             self._ready.add(position)

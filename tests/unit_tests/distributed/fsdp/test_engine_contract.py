@@ -14,19 +14,30 @@ from megatron.core.distributed.distributed_data_parallel_config import SHARDING_
 from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
     MixedPrecisionPolicy,
+    fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
     local_main_weights,
     microbatch,
+    parameter_groups,
 )
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
+    BF16_MAX_UPDATE_ERROR,
+    assert_update_close,
     build_model,
     full_state,
     hybrid_groups,
     make_batches,
+    train_fsdp,
+    train_reference,
 )
 from tests.unit_tests.distributed_harness import current_device, run_distributed
-from tests.unit_tests.model_builders import build_tiny_gpt, make_token_batches, shard_batch
+from tests.unit_tests.model_builders import (
+    build_tiny_gpt,
+    make_token_batches,
+    shard_batch,
+    tiny_gpt_config,
+)
 
 # Every strategy, and HSDP (ZeRO-3 inside two replicas of world_size / 2 ranks).
 LAYOUTS = [(s, 1) for s in SHARDING_STRATEGIES] + [("optim_grads_params", 2)]
@@ -156,30 +167,51 @@ def test_library_use_equals_single_process(case, world_size):
                 torch.testing.assert_close(state[name], value, msg=name)
 
 
-def _bf16_no_shard_stock_optimizer() -> tuple[list[float], list[float]]:
-    """no_shard with a bf16 model: a stock optimizer and the documented path, losses each."""
-    results = []
-    for wrapped in (False, True):
-        model = _sharded("no_shard", None, build_model("uneven", True))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if wrapped:
-            optimizer = fully_shard_optimizer(optimizer, model)
-        losses = []
-        for inputs, labels in make_batches("uneven"):
-            inputs, labels = _local_batch(inputs.to(torch.bfloat16), labels)
-            loss = model(inputs, labels=labels).mean()
-            loss.backward()
-            losses.append(_global_mean(loss.float()))
-            optimizer.step()
-            optimizer.zero_grad()
-        results.append(losses)
-    return results
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+def test_stock_optimizer_on_a_bf16_model_equals_single_process(strategy):
+    """Case 1 with bf16 compute (fp32 main weights: the compute weights differ from them under
+    every strategy), against one process with bf16 compute and fp32 masters. SGD's bound holds
+    the error to bf16 rounding; weights never refreshed would miss the update entirely."""
+    results = run_distributed(
+        train_fsdp, 2, "uneven", strategy, 1, True, optimizer="sgd", connect_optimizer=False
+    )
+    expected = train_reference("uneven", True, optimizer="sgd", world_size=2)
+    initial = full_state(build_model("uneven", True))
+    assert_update_close(results, expected, initial, BF16_MAX_UPDATE_ERROR["sgd"])
 
 
-def test_stock_optimizer_on_a_bf16_model_equals_the_documented_path():
-    for stock, documented in run_distributed(_bf16_no_shard_stock_optimizer, 2):
-        assert stock == documented
-        assert len(set(stock)) == len(stock), "the loss did not change: weights never refreshed"
+def _grad_states(strategy: str) -> list[list[str]]:
+    """The gradient state of every trainable group after each event of a step's lifecycle."""
+    model = _sharded(strategy, None, build_model("uneven", False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = [g for g in parameter_groups(model) if g.requires_grad]
+    inputs, labels = _local_batch(*make_batches("uneven")[0])
+    seen = []
+
+    def record() -> None:
+        seen.append(sorted({g.grad_state.name for g in groups}))
+
+    record()
+    with microbatch(model, is_last=False):
+        model(inputs, labels=labels).mean().backward()
+    record()
+    fsdp_contexts(model)[0].finalize_grads()
+    record()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        model(inputs, labels=labels)  # the forward frees what the optimizer dropped
+    record()
+    model(inputs, labels=labels).mean().backward()
+    fsdp_contexts(model)[0].zero_grad()
+    record()
+    return seen
+
+
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+def test_gradient_state_machine(strategy):
+    expected = [["EMPTY"], ["ACCUMULATING"], ["READY"], ["EMPTY"], ["EMPTY"]]
+    assert run_distributed(_grad_states, 2, strategy) == [expected, expected]
 
 
 class _Skipping(torch.nn.Module):
@@ -265,3 +297,32 @@ def test_a_stock_optimizer_trains_every_engine_like_one_process(engine):
     for trained, expected in run_distributed(_stock_optimizer_over, 2, engine):
         for actual, want in zip(trained, expected):
             torch.testing.assert_close(actual, want)
+
+
+def _ddp_bf16_stock_step() -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """bf16 parameters whose gradients reduce in fp32: `finish_grad_sync()` can hand out no
+    view, so a stock optimizer gets each gradient, cast, as it steps."""
+    config = tiny_gpt_config(bf16=True, params_dtype=torch.bfloat16)
+    model = build_tiny_gpt(config)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    tokens, labels = make_token_batches(1, 4)[0]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    tokens, labels = shard_batch(tokens, rank, world_size), shard_batch(labels, rank, world_size)
+    ddp(tokens, labels=labels).mean().backward()
+    ddp.finish_grad_sync()
+    params = list(ddp.parameters())
+    no_grad_before_step = all(p.grad is None for p in params)
+    # SGD's update on the reduced gradients, in the parameters' dtype, written out.
+    expected = [p.detach() - 0.5 * p.main_grad.to(p.dtype) for p in params]
+    optimizer.step()
+    return [p.detach() for p in params], expected, no_grad_before_step
+
+
+def test_ddp_hands_a_cast_gradient_to_a_stock_optimizer_as_it_steps():
+    for stepped, expected, no_grad_before_step in run_distributed(_ddp_bf16_stock_step, 2):
+        assert no_grad_before_step, "a copy was made before any optimizer asked for it"
+        for actual, want in zip(stepped, expected):
+            torch.testing.assert_close(actual, want, rtol=0, atol=0)
