@@ -5,8 +5,8 @@ this module defines them. `validate_args()` fills the derived values (data-paral
 width, params dtype, ...) and rejects bad combinations with a `ValueError` that names the flag
 and the fix, and the `*_from_args` / `get_*` functions build what the library takes:
 `TransformerConfig`, `DistributedDataParallelConfig` and the keyword arguments of
-`parallel_state.initialize_model_parallel()`. Those live in `arguments_validation.py` and are
-re-exported here. A training script does:
+`parallel_state.initialize_model_parallel()`. Those live in `arguments_validation.py` and
+`configs_from_args.py` and are re-exported here. A training script does:
 
     args = validate_args(parse_args())
     parallel_state.initialize_model_parallel(**get_parallel_state_kwargs(args))
@@ -37,15 +37,13 @@ from megatron.core.optimizer_param_scheduler import (
     WD_INCR_STYLES,
 )
 from megatron.core.transformer.transformer_config import NORMALIZATIONS
-from megatron.training.arguments_validation import (
-    CKPT_FORMATS,
-    DEFAULT_SPLIT,
+from megatron.training.arguments_validation import CKPT_FORMATS, DEFAULT_SPLIT, validate_args
+from megatron.training.configs_from_args import (
     FSDP_DTYPES,
     core_transformer_config_from_args,
     get_megatron_ddp_config,
     get_megatron_optimizer_config,
     get_parallel_state_kwargs,
-    validate_args,
 )
 
 __all__ = [

@@ -1,10 +1,9 @@
-"""`validate_args()`, and the configs the validated flags describe.
+"""`validate_args()`: the derived values of the flags, and bad combinations refused.
 
 `validate_args()` fills the derived values of the flags `parse_args()` read (data-parallel size,
 FFN width, params dtype, ...) and rejects bad combinations with a `ValueError` that names the flag
-and the fix. `core_transformer_config_from_args`, `get_megatron_ddp_config` and
-`get_parallel_state_kwargs` build what the library takes. `megatron.training.arguments`
-re-exports all four: import them from there.
+and the fix. The configs the validated flags describe are built in `configs_from_args`;
+`megatron.training.arguments` re-exports both: import them from there.
 
 What is not built yet (context and expert parallelism, fp16 loss scaling) is rejected as "not
 supported yet" in `_validate_parallelism` and `_validate_model`, so the change that builds one
@@ -14,60 +13,35 @@ lifts its check in one place.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
-import re
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
-from megatron.core.distributed.distributed_data_parallel_config import (
-    DistributedDataParallelConfig,
+from megatron.training.configs_from_args import (
+    core_transformer_config_from_args,
+    ddp_config_from_flags,
+    flag,
+    given,
+    optimizer_config_from_flags,
 )
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
 """Checkpoint formats `--ckpt-format` accepts (one layout: `megatron.training.checkpointing`)."""
-
-FSDP_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "auto": None,
-}
-"""Values of the `--megatron-fsdp-*-dtype` flags; "auto" (None) lets the engine derive it."""
 
 NUM_SPLITS = 3
 """train, validation, test: `--mock-data` draws split i with seed `--seed` + i."""
 
 _FSDP_ONLY_FLAGS = ("create_all_gather_group", "init_model_with_meta_device")
 """Megatron-FSDP-only flags that set no `DistributedDataParallelConfig` field. The config
-rejects its own Megatron-FSDP-only fields under the DDP engine (`_ddp_config_from_flags`)."""
+rejects its own Megatron-FSDP-only fields under the DDP engine (`ddp_config_from_flags`)."""
 
 _DDP_ONLY_FLAGS = ("ddp_bucket_size", "ddp_average_in_collective")
 """Flags only the DDP engine reads; `DistributedDataParallelConfig` accepts their fields under
 Megatron-FSDP, which would ignore them."""
-
-_DDP_FIELD_DESTS = {
-    "bucket_size": "ddp_bucket_size",
-    "average_in_collective": "ddp_average_in_collective",
-}
-"""`DistributedDataParallelConfig` fields whose flag has another name; the others share theirs
-(`check_for_nan_in_grad` has none: see `get_megatron_ddp_config`)."""
-
-_FLAG_VALUES: dict[str, Any] = {
-    "True": True,
-    "False": False,
-    "None": "auto",  # only the dtype fields show None in the config's messages
-    **{str(dtype): name for name, dtype in FSDP_DTYPES.items() if dtype is not None},
-}
-"""How a value the config's messages print (`repr`) is spelled on the command line."""
 
 
 def validate_args(args: argparse.Namespace, world_size: int | None = None) -> argparse.Namespace:
@@ -95,26 +69,13 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _validate_parallelism(args)
     _validate_model(args)
     _validate_batch_and_optimizer(args)
-    _optimizer_config_from_flags(args)
+    optimizer_config_from_flags(args)
     _validate_data(args)
     _validate_logging_and_checkpointing(args)
     # The transformer config checks its own fields too; building it here turns any remaining error
     # into one at start-up rather than after the process groups exist.
     core_transformer_config_from_args(args)
     return args
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def _given(dest: str, value: Any) -> str:
-    """How the user spelled a flag that set `dest` to `value`."""
-    if value is True:
-        return _flag(dest)
-    if value is False:
-        return "--no-" + _flag(dest)[2:]
-    return f"{_flag(dest)} {value}"
 
 
 _REQUIRED = (
@@ -130,7 +91,7 @@ _REQUIRED = (
 def _check_required(args: argparse.Namespace) -> None:
     for dest in (*_REQUIRED, "lr"):
         if getattr(args, dest) is None:
-            raise ValueError(f"{_flag(dest)} is required; pass it on the command line.")
+            raise ValueError(f"{flag(dest)} is required; pass it on the command line.")
     for dest in (
         *_REQUIRED,
         "global_batch_size",
@@ -153,18 +114,18 @@ def _check_required(args: argparse.Namespace) -> None:
     ):
         value = getattr(args, dest)
         if value is not None and value < 1:
-            raise ValueError(f"{_flag(dest)} must be >= 1, got {value}.")
+            raise ValueError(f"{flag(dest)} must be >= 1, got {value}.")
     for dest in ("eval_iters", "num_workers"):
         if getattr(args, dest) < 0:
-            raise ValueError(f"{_flag(dest)} must be >= 0, got {getattr(args, dest)}.")
+            raise ValueError(f"{flag(dest)} must be >= 0, got {getattr(args, dest)}.")
 
 
 def _validate_parallelism(args: argparse.Namespace) -> None:
     for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(args, dest) != 1:
             raise ValueError(
-                f"{_flag(dest)}={getattr(args, dest)}: tensor and pipeline parallelism are not "
-                f"supported; set {_flag(dest)} 1 and scale with data parallelism "
+                f"{flag(dest)}={getattr(args, dest)}: tensor and pipeline parallelism are not "
+                f"supported; set {flag(dest)} 1 and scale with data parallelism "
                 "(--use-megatron-fsdp)."
             )
     # Not built yet: lift these checks when context-parallel attention / MoE layers land.
@@ -174,8 +135,8 @@ def _validate_parallelism(args: argparse.Namespace) -> None:
     ):
         if getattr(args, dest) != 1:
             raise ValueError(
-                f"{_flag(dest)} {getattr(args, dest)} is not supported yet: {missing}; set "
-                f"{_flag(dest)} 1 and scale with data parallelism."
+                f"{flag(dest)} {getattr(args, dest)} is not supported yet: {missing}; set "
+                f"{flag(dest)} 1 and scale with data parallelism."
             )
     args.data_parallel_size = args.world_size // args.context_parallel_size
     _check_engine_flags(args)
@@ -214,50 +175,20 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
     with their flag names. The flags it does not check default to off (False / None) whatever
     a script's `args_defaults` say, so a value that is set asks for that engine.
     """
-    _ddp_config_from_flags(args)
+    ddp_config_from_flags(args)
     for dest in _DDP_ONLY_FLAGS if args.use_megatron_fsdp else _FSDP_ONLY_FLAGS:
         value = getattr(args, dest)
         if value is None or value is False:
             continue
-        given = _given(dest, value)
+        spelled = given(dest, value)
         if args.use_megatron_fsdp:
             raise ValueError(
-                f"{given} is read by the DDP engine only, which this run does not use; drop "
-                f"{given} or --use-megatron-fsdp."
+                f"{spelled} is read by the DDP engine only, which this run does not use; drop "
+                f"{spelled} or --use-megatron-fsdp."
             )
-        raise ValueError(f"{given} needs Megatron-FSDP: add --use-megatron-fsdp or drop {given}.")
-
-
-def _ddp_config_from_flags(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """`get_megatron_ddp_config(args)`; its `ValueError` is re-raised naming flags, not fields."""
-    try:
-        return get_megatron_ddp_config(args)
-    except ValueError as error:
-        raise ValueError(_spell_as_flags(str(error), args)) from error
-
-
-def _spell_as_flags(message: str, args: argparse.Namespace) -> str:
-    """`message` with each `DistributedDataParallelConfig` field that has a flag written as that
-    flag, and `field=value` as the flag and its value (`--outer-dp-sharding-strategy optim`)."""
-    dests = {
-        field.name: _DDP_FIELD_DESTS.get(field.name, field.name)
-        for field in dataclasses.fields(DistributedDataParallelConfig)
-    }
-    dests = {field: dest for field, dest in dests.items() if hasattr(args, dest)}
-    fields = "|".join(dests)
-    pattern = rf"(?:DistributedDataParallelConfig\.)?\b({fields})\b(?:=('[^']*'|[\w.]*\w))?"
-
-    def spell(match: re.Match) -> str:
-        dest, value = dests[match[1]], match[2]
-        if value is None:
-            return _flag(dest)
-        return _given(dest, _FLAG_VALUES.get(value, value.strip("'")))
-
-    message = re.sub(pattern, spell, message)
-    for text, value in _FLAG_VALUES.items():
-        if text.startswith("torch."):
-            message = message.replace(text, value)
-    return message
+        raise ValueError(
+            f"{spelled} needs Megatron-FSDP: add --use-megatron-fsdp or drop {spelled}."
+        )
 
 
 def _validate_model(args: argparse.Namespace) -> None:
@@ -325,8 +256,8 @@ def _validate_model(args: argparse.Namespace) -> None:
         for dest in ("recompute_method", "recompute_num_layers"):
             if getattr(args, dest) is not None:
                 raise ValueError(
-                    f"{_flag(dest)} applies to --recompute-granularity full only; add it or "
-                    f"drop {_flag(dest)}."
+                    f"{flag(dest)} applies to --recompute-granularity full only; add it or "
+                    f"drop {flag(dest)}."
                 )
     elif args.recompute_method == "block" or args.recompute_num_layers not in (None, 1):
         raise ValueError(
@@ -365,7 +296,7 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
         for dest in ("start_weight_decay", "end_weight_decay"):
             if getattr(args, dest) not in (None, args.weight_decay):
                 raise ValueError(
-                    f"{_flag(dest)} needs --weight-decay-incr-style linear or cosine; with "
+                    f"{flag(dest)} needs --weight-decay-incr-style linear or cosine; with "
                     "constant weight decay use --weight-decay."
                 )
         args.start_weight_decay = args.end_weight_decay = args.weight_decay
@@ -384,8 +315,8 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
     for dest in ("min_lr", "lr_warmup_init"):
         if not 0 <= getattr(args, dest) <= args.lr:
             raise ValueError(
-                f"{_flag(dest)} {getattr(args, dest)} must be in [0, --lr {args.lr}]; change "
-                f"{_flag(dest)}."
+                f"{flag(dest)} {getattr(args, dest)} must be in [0, --lr {args.lr}]; change "
+                f"{flag(dest)}."
             )
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
@@ -405,20 +336,6 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
         )
 
 
-def _optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
-    """`get_megatron_optimizer_config(args)`; its `ValueError` re-raised naming the flags."""
-    try:
-        return get_megatron_optimizer_config(args)
-    except ValueError as error:
-        dests = {"weight_decay": "start_weight_decay"}  # the field the other flags feed
-
-        def spell(match: re.Match) -> str:
-            return _given(dests.get(match[1], match[1]), match[2])
-
-        message = re.sub(r"OptimizerConfig\.(\w+)=(\S+?)(?=[ ,;:)]|$)", spell, str(error))
-        raise ValueError(message) from error
-
-
 def _validate_data(args: argparse.Namespace) -> None:
     if args.mock_data and args.data_path:
         raise ValueError("--mock-data and --data-path are both set; choose one.")
@@ -430,7 +347,7 @@ def _validate_data(args: argparse.Namespace) -> None:
     if args.tokenizer_type is None:
         for dest in ("vocab_file", "merge_file", "tokenizer_model"):
             if getattr(args, dest) is not None:
-                raise ValueError(f"{_flag(dest)} needs --tokenizer-type (which reads it).")
+                raise ValueError(f"{flag(dest)} needs --tokenizer-type (which reads it).")
     if args.data_path:
         _validate_data_path(args)
     else:
@@ -464,8 +381,8 @@ def _validate_mock_data(args: argparse.Namespace) -> None:
     for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
         if getattr(args, dest):
             raise ValueError(
-                f"{_flag(dest)} acts on end-of-document tokens, which --mock-data does not "
-                f"produce; use --data-path, or drop {_flag(dest)}."
+                f"{flag(dest)} acts on end-of-document tokens, which --mock-data does not "
+                f"produce; use --data-path, or drop {flag(dest)}."
             )
     if args.tokenizer_type is None and args.vocab_size is None:
         raise ValueError(
@@ -500,7 +417,7 @@ def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
     if args.load is None:
         for dest in ("ckpt_step", "no_load_optim", "no_load_rng", "finetune"):
             if getattr(args, dest) not in (None, False):
-                raise ValueError(f"{_flag(dest)} needs --load (the checkpoint directory).")
+                raise ValueError(f"{flag(dest)} needs --load (the checkpoint directory).")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both "
@@ -527,108 +444,3 @@ def _require_module(module: str, flag: str, package: str) -> None:
             f"{flag} needs the {package} package, which is not importable ({error}); "
             f"pip install {package}, or drop {flag}."
         ) from error
-
-
-def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """The `TransformerConfig` the flags describe.
-
-    Args:
-        args: Validated by `validate_args` (it fills `params_dtype` and the derived widths).
-
-    Returns:
-        The model's config.
-    """
-    return TransformerConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        params_dtype=args.params_dtype,
-        fp16=args.fp16,
-        bf16=args.bf16,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        kv_channels=args.kv_channels,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        layernorm_epsilon=args.norm_epsilon,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        init_method_std=args.init_method_std,
-        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
-        recompute_granularity=args.recompute_granularity,
-        seq_length=args.seq_length,
-    )
-
-
-def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """The `DistributedDataParallelConfig` the flags describe (for DDP or Megatron-FSDP).
-
-    Args:
-        args: Validated by `validate_args`.
-
-    Returns:
-        The data-parallel config; `use_megatron_fsdp` selects the engine. Its
-        `check_for_nan_in_grad` is off whatever `--check-for-nan-in-loss-and-grad` says: the
-        training loop checks the global gradient norm instead (see `train_step`).
-    """
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        # Not --check-for-nan-in-loss-and-grad: the engine checks each rank's gradients before
-        # the all-reduce, so one rank would raise while the others wait in the all-reduce until
-        # the timeout. train_step checks the global grad norm instead, the same on every rank.
-        check_for_nan_in_grad=False,
-        bucket_size=args.ddp_bucket_size,
-        average_in_collective=args.ddp_average_in_collective,
-        use_megatron_fsdp=args.use_megatron_fsdp,
-        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
-        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
-        fsdp_all_gather_in_start_param_sync=args.fsdp_all_gather_in_start_param_sync,
-        use_symm_mem=args.use_symm_mem,
-        megatron_fsdp_main_params_dtype=FSDP_DTYPES[args.megatron_fsdp_main_params_dtype],
-        megatron_fsdp_main_grads_dtype=FSDP_DTYPES[args.megatron_fsdp_main_grads_dtype],
-        megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],
-    )
-
-
-def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """The `OptimizerConfig` the flags describe (weight decay: the schedule's start value)."""
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.start_weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-    )
-
-
-def get_parallel_state_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments of `parallel_state.initialize_model_parallel()` the flags describe.
-
-    Args:
-        args: Validated by `validate_args`.
-
-    Returns:
-        `initialize_model_parallel(**kwargs)`'s arguments.
-    """
-    return dict(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        create_all_gather_group=args.create_all_gather_group,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-    )

@@ -219,6 +219,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
+    reuse_pool: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Calls `fn(*args, **kwargs)` on `world_size` ranks and returns their results by rank.
@@ -227,6 +228,8 @@ def run_distributed(
         fn: a module-level (picklable) function; it may use `torch.distributed` freely.
         world_size: number of ranks.
         timeout: seconds the call may take before the still-running ranks count as hung.
+        reuse_pool: False for a call that may leave collectives unmatched (a test of ranks
+            that disagree): its ranks are stopped afterwards instead of serving the next call.
 
     Raises:
         DistributedTestError: a rank raised, died or did not finish in time.
@@ -241,6 +244,9 @@ def run_distributed(
     except DistributedTestError:
         _pools.pop(key, None)
         raise
+    finally:
+        if not reuse_pool and _pools.get(key) is pool:
+            _pools.pop(key).kill()
 
 
 @atexit.register

@@ -419,8 +419,11 @@ class FsdpContext:
 
     def finalize_grads(self) -> None:
         """Runs every unit's deferred gradient reductions: each group still ACCUMULATING
-        becomes READY (the one place that finalises; a READY group has nothing to run)."""
+        becomes READY (the one place that finalises; a READY group has nothing to run).
+        Reads the last forward's rank check first: gradients from mismatched reductions must
+        not reach the optimizer."""
         self._recover_failed_pass()
+        self._check.resolve()
         self._wait_all_reductions()
         for unit in self.units():
             for group in unit.groups:

@@ -4,11 +4,16 @@ Collectives pair up by order. A unit that runs on some ranks but not on others (
 skipping) would pair one unit's all-gathers and reduce-scatters with another's, which is wrong
 silently where the sizes match and hangs where they do not. At the end of each root forward the
 ranks compare which units ran, in one small all-reduce over the shard group (and one over the
-replicas under hybrid sharding); a difference makes every rank raise an error that names the
-units. On CPU the result is read at once. On GPU it is copied to pinned memory behind the
-all-reduce and read at the next root forward: by then the device has long passed that point,
-so the host does not stall, and the collectives that would hang are only queued. Reading waits
-at most `TIMEOUT_S`, for a device already stuck in mismatched collectives.
+replicas under hybrid sharding) that also carries, per unit, the first rank that ran it and the
+first that did not; a difference makes every rank raise an error that names the units and
+ranks, with no further collective (the communicator may be stuck behind mismatched ones).
+
+On CPU the result is read at once. On GPU it is copied to pinned memory behind the all-reduce
+and read at the next root forward or when the gradients are finalised, whichever comes first, so
+the optimizer never steps on gradients from mismatched reductions: by then the device has
+usually passed the forward's end (the host has queued the backward since), so the host rarely
+stalls. Reading waits at most `TIMEOUT_S`, for a device already stuck in mismatched
+collectives, and then names the units this rank ran.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ TIMEOUT_S = 300.0
 """How long reading the result waits for the device before giving up with an error."""
 
 _MODULUS = (1 << 61) - 1
+_NONE = 1 << 62
+"""Stands for "no rank" in the per-unit minima."""
 
 
 class UnitsRunCheck:
@@ -49,11 +56,19 @@ class UnitsRunCheck:
         fingerprint = len(positions)
         for position in positions:
             fingerprint = (fingerprint * 1_000_003 + position + 1) % _MODULUS
-        values = [len(positions), fingerprint]
+        ran = set(positions)
         results = []
         for group in self._groups:
-            # MAX of (x, -x) is (max, -min): one all-reduce tells whether all ranks agree.
-            local = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
+            rank = group.rank()
+            first_ran = [rank if p in ran else _NONE for p in range(len(self._names))]
+            first_not = [_NONE if p in ran else rank for p in range(len(self._names))]
+            # MAX of (x, -x) is (max, -min): one all-reduce gives both over the ranks.
+            values = [len(positions), fingerprint]
+            minima = [*(-v for v in values), *(-r for r in first_ran), *(-r for r in first_not)]
+            local = torch.tensor([*values, *minima], dtype=torch.int64)
+            if self._device.type == "cuda":
+                # A copy from pageable memory would wait for the stream to reach it.
+                local = local.pin_memory()
             tensor = local.to(self._device, non_blocking=True)
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
             results.append(tensor)
@@ -61,7 +76,7 @@ class UnitsRunCheck:
             self._pending = (results, positions, None)
             self.resolve()
             return
-        host = [torch.empty(4, dtype=torch.int64, pin_memory=True) for _ in results]
+        host = [torch.empty_like(tensor, device="cpu", pin_memory=True) for tensor in results]
         for out, tensor in zip(host, results):
             out.copy_(tensor, non_blocking=True)
         event = torch.cuda.Event()
@@ -85,33 +100,30 @@ class UnitsRunCheck:
             deadline = time.monotonic() + TIMEOUT_S
             while not event.query():
                 if time.monotonic() > deadline:
+                    ran = ", ".join(self._names[position] for position in positions)
                     raise RuntimeError(
                         f"Megatron-FSDP: the ranks' forwards did not complete within {TIMEOUT_S}s: "
                         "the ranks issued different collectives, as when a unit runs on some "
-                        "ranks only. Run every unit on every rank."
+                        f"ranks only (this rank ran: {ran}). Run every unit on every rank."
                     )
                 time.sleep(1e-4)
         for group, result in zip(self._groups, results):
-            maxima, minima = result[:2].tolist(), [-v for v in result[2:].tolist()]
-            if maxima != minima:
-                self._raise_naming_units(group, positions)
+            values = result.tolist()
+            if values[:2] != [-v for v in values[2:4]]:
+                self._raise_naming_units(group, values[4:])
 
-    def _raise_naming_units(self, group: dist.ProcessGroup, positions: list[int]) -> None:
-        """Gathers which units each rank ran and raises naming those that differ (the error
-        path only: every rank saw the same mismatch, so every rank takes part)."""
-        ran = torch.zeros(len(self._names), dtype=torch.int64, device=self._device)
-        ran[torch.tensor(sorted(set(positions)), dtype=torch.long, device=self._device)] = 1
-        gathered = [torch.empty_like(ran) for _ in range(group.size())]
-        dist.all_gather(gathered, ran, group=group)
-        table = torch.stack(gathered).cpu()
+    def _raise_naming_units(self, group: dist.ProcessGroup, minima: list[int]) -> None:
+        """Raises naming each unit some ranks ran and others did not, with the first rank of
+        each side (every rank received the same table, so every rank raises the same error)."""
         ranks = dist.get_process_group_ranks(group)
+        count = len(self._names)
         lines = []
         for position, name in enumerate(self._names):
-            column = table[:, position].tolist()
-            if min(column) != max(column):
-                on = [rank for rank, flag in zip(ranks, column) if flag]
-                off = [rank for rank, flag in zip(ranks, column) if not flag]
-                lines.append(f"{name} ran on rank(s) {on} but not on {off}")
+            first_ran, first_not = -minima[position], -minima[count + position]
+            if first_ran != _NONE and first_not != _NONE:
+                lines.append(
+                    f"{name} ran on rank {ranks[first_ran]} but not on rank {ranks[first_not]}"
+                )
         detail = "; ".join(lines) or "the units ran in different orders on different ranks"
         raise RuntimeError(
             f"Megatron-FSDP: the ranks ran different units in one forward: {detail}. Every "

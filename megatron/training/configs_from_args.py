@@ -1,0 +1,212 @@
+"""The configs the validated flags describe, and config errors spelled as flags.
+
+`core_transformer_config_from_args`, `get_megatron_ddp_config`, `get_megatron_optimizer_config`
+and `get_parallel_state_kwargs` build what the library takes from flags `validate_args()` has
+checked; `megatron.training.arguments` re-exports them. A config's own `ValueError` names its
+fields; `ddp_config_from_flags` and `optimizer_config_from_flags` re-raise it naming the flags
+that set them, as the user typed them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+FSDP_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "auto": None,
+}
+"""Values of the `--megatron-fsdp-*-dtype` flags; "auto" (None) lets the engine derive it."""
+
+_DDP_FIELD_DESTS = {
+    "bucket_size": "ddp_bucket_size",
+    "average_in_collective": "ddp_average_in_collective",
+}
+"""`DistributedDataParallelConfig` fields whose flag has another name; the others share theirs
+(`check_for_nan_in_grad` has none: see `get_megatron_ddp_config`)."""
+
+_FLAG_VALUES: dict[str, Any] = {
+    "True": True,
+    "False": False,
+    "None": "auto",  # only the dtype fields show None in the config's messages
+    **{str(dtype): name for name, dtype in FSDP_DTYPES.items() if dtype is not None},
+}
+"""How a value the config's messages print (`repr`) is spelled on the command line."""
+
+
+def flag(dest: str) -> str:
+    """The command-line flag whose destination is `dest`."""
+    return "--" + dest.replace("_", "-")
+
+
+def given(dest: str, value: Any) -> str:
+    """How the user spelled a flag that set `dest` to `value`."""
+    if value is True:
+        return flag(dest)
+    if value is False:
+        return "--no-" + flag(dest)[2:]
+    return f"{flag(dest)} {value}"
+
+
+def ddp_config_from_flags(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """`get_megatron_ddp_config(args)`; its `ValueError` is re-raised naming flags, not fields."""
+    try:
+        return get_megatron_ddp_config(args)
+    except ValueError as error:
+        raise ValueError(_spell_as_flags(str(error), args)) from error
+
+
+def _spell_as_flags(message: str, args: argparse.Namespace) -> str:
+    """`message` with each `DistributedDataParallelConfig` field that has a flag written as that
+    flag, and `field=value` as the flag and its value (`--outer-dp-sharding-strategy optim`)."""
+    dests = {
+        field.name: _DDP_FIELD_DESTS.get(field.name, field.name)
+        for field in dataclasses.fields(DistributedDataParallelConfig)
+    }
+    dests = {field: dest for field, dest in dests.items() if hasattr(args, dest)}
+    fields = "|".join(dests)
+    pattern = rf"(?:DistributedDataParallelConfig\.)?\b({fields})\b(?:=('[^']*'|[\w.]*\w))?"
+
+    def spell(match: re.Match) -> str:
+        dest, value = dests[match[1]], match[2]
+        if value is None:
+            return flag(dest)
+        return given(dest, _FLAG_VALUES.get(value, value.strip("'")))
+
+    message = re.sub(pattern, spell, message)
+    for text, value in _FLAG_VALUES.items():
+        if text.startswith("torch."):
+            message = message.replace(text, value)
+    return message
+
+
+def optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
+    """`get_megatron_optimizer_config(args)`; its `ValueError` re-raised naming the flags."""
+    try:
+        return get_megatron_optimizer_config(args)
+    except ValueError as error:
+        dests = {"weight_decay": "start_weight_decay"}  # the field the other flags feed
+
+        def spell(match: re.Match) -> str:
+            return given(dests.get(match[1], match[1]), match[2])
+
+        message = re.sub(r"OptimizerConfig\.(\w+)=(\S+?)(?=[ ,;:)]|$)", spell, str(error))
+        raise ValueError(message) from error
+
+
+def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    """The `TransformerConfig` the flags describe.
+
+    Args:
+        args: Validated by `validate_args` (it fills `params_dtype` and the derived widths).
+
+    Returns:
+        The model's config.
+    """
+    return TransformerConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        params_dtype=args.params_dtype,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        layernorm_epsilon=args.norm_epsilon,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        init_method_std=args.init_method_std,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        recompute_granularity=args.recompute_granularity,
+        seq_length=args.seq_length,
+    )
+
+
+def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The `DistributedDataParallelConfig` the flags describe (for DDP or Megatron-FSDP).
+
+    Args:
+        args: Validated by `validate_args`.
+
+    Returns:
+        The data-parallel config; `use_megatron_fsdp` selects the engine. Its
+        `check_for_nan_in_grad` is off whatever `--check-for-nan-in-loss-and-grad` says: the
+        training loop checks the global gradient norm instead (see `train_step`).
+    """
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        # Not --check-for-nan-in-loss-and-grad: the engine checks each rank's gradients before
+        # the all-reduce, so one rank would raise while the others wait in the all-reduce until
+        # the timeout. train_step checks the global grad norm instead, the same on every rank.
+        check_for_nan_in_grad=False,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+        fsdp_all_gather_in_start_param_sync=args.fsdp_all_gather_in_start_param_sync,
+        use_symm_mem=args.use_symm_mem,
+        megatron_fsdp_main_params_dtype=FSDP_DTYPES[args.megatron_fsdp_main_params_dtype],
+        megatron_fsdp_main_grads_dtype=FSDP_DTYPES[args.megatron_fsdp_main_grads_dtype],
+        megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],
+    )
+
+
+def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """The `OptimizerConfig` the flags describe (weight decay: the schedule's start value)."""
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.start_weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+    )
+
+
+def get_parallel_state_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of `parallel_state.initialize_model_parallel()` the flags describe.
+
+    Args:
+        args: Validated by `validate_args`.
+
+    Returns:
+        `initialize_model_parallel(**kwargs)`'s arguments.
+    """
+    return dict(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        create_all_gather_group=args.create_all_gather_group,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )

@@ -1,0 +1,79 @@
+"""This rank's data iterators for the train, validation and test splits, sized as Megatron-LM
+sizes them, starting where a resumed run stopped."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from torch.utils.data import Dataset
+
+from megatron.core import parallel_state
+from megatron.core.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.utils import LoaderIterator, get_device, print_rank_0
+
+DatasetProvider = Callable[[list[int]], tuple[Dataset | None, Dataset | None, Dataset | None]]
+"""A script's `train_valid_test_dataset_provider(num_samples)`: one dataset (or None) per
+split, each of at least the given number of samples."""
+
+SPLITS = ("train", "validation", "test")
+
+
+def build_train_valid_test_data_iterators(
+    train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
+) -> tuple[LoaderIterator | None, LoaderIterator | None, LoaderIterator | None]:
+    """Iterators over this rank's micro-batches of each split (None for an absent split).
+
+    The splits are sized as Megatron-LM sizes them: train for every iteration; validation for
+    `--eval-iters` iterations at every `--eval-interval` and once more at the end; test for
+    one evaluation. Training and validation start after `args.consumed_train_samples` and
+    `args.consumed_valid_samples` (a resumed run's data continues where it stopped); no
+    training iterator when no training iteration is left. `close()` the iterators to stop
+    their loaders' worker processes.
+
+    Raises:
+        ValueError: no training dataset, or a dataset shorter than the run needs.
+    """
+    global_batch = args.global_batch_size
+    # What was consumed before a resume, plus what the iterations left consume: the sizes of an
+    # uninterrupted run when the batch size is unchanged (so the datasets, whose sample order
+    # depends on their size, are the same), and enough when it changed.
+    iterations_left = max(args.train_iters - args.iteration, 0)
+    evaluations_left = args.train_iters // args.eval_interval - args.iteration // args.eval_interval
+    num_samples = [
+        args.consumed_train_samples + iterations_left * global_batch,
+        args.consumed_valid_samples + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
+        args.eval_iters * global_batch,
+    ]
+    print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
+    datasets = train_valid_test_dataset_provider(num_samples)
+    if datasets[0] is None:
+        raise ValueError("The dataset provider returned no training dataset.")
+    sizing = (
+        "--train-iters x --global-batch-size, with a checkpoint's consumed samples",
+        "(--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size",
+        "--eval-iters x --global-batch-size",
+    )
+    for split, dataset, needed, how in zip(SPLITS, datasets, num_samples, sizing):
+        if dataset is not None and needed > 0 and len(dataset) < needed:
+            raise ValueError(
+                f"The {split} dataset has {len(dataset)} samples, but the run needs {needed} "
+                f"({how}); provide a larger dataset or lower those flags."
+            )
+    consumed = [args.consumed_train_samples, args.consumed_valid_samples, 0]
+    iterators = []
+    for dataset, needed, skip in zip(datasets, num_samples, consumed):
+        loader = None
+        if dataset is not None and needed > skip:
+            loader = build_pretraining_data_loader(
+                dataset,
+                consumed_samples=skip,
+                micro_batch_size=args.micro_batch_size,
+                data_parallel_rank=parallel_state.get_data_parallel_rank(),
+                data_parallel_size=parallel_state.get_data_parallel_world_size(),
+                num_workers=args.num_workers,
+                pin_memory=get_device().type == "cuda",
+            )
+        iterators.append(None if loader is None else LoaderIterator(loader))
+    train_iterator, valid_iterator, test_iterator = iterators
+    return train_iterator, valid_iterator, test_iterator
