@@ -3,9 +3,7 @@ frozen parameters, meta-device initialisation, unwrapped parents, and errors on 
 
 from __future__ import annotations
 
-import collections
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -14,11 +12,9 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
-from megatron.core.distributed.fsdp.weights import GroupWeights
 from megatron.core.distributed.fsdp import (
     FSDPDistributedIndex,
     FsdpModule,
-    collectives,
     fsdp_contexts,
     fsdp_roots,
     fully_shard,
@@ -28,6 +24,7 @@ from megatron.core.distributed.fsdp import (
     parameter_groups,
 )
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     UnevenNet,
     build_model,
@@ -146,23 +143,13 @@ def _count_weight_syncs(strategy: str) -> dict:
     model = _shard_model(build_model("gpt", True), strategy)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     groups = parameter_groups(model)
-    all_gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
-    refresh = GroupWeights.refresh
-    refreshes: collections.Counter[int] = collections.Counter()
-
-    def counted_refresh(weights):
-        refreshes[id(weights)] += 1
-        return refresh(weights)
-
-    def syncs() -> list[int]:
-        return [refreshes[id(g.weights)] for g in groups]
-
     tokens, labels = device_batch(6)
     tokens, labels = tokens.chunk(world_size)[rank], labels.chunk(world_size)[rank]
-    with (
-        mock.patch.object(collectives, "_all_gather_coalesced", all_gathers),
-        mock.patch.object(GroupWeights, "refresh", counted_refresh),
-    ):
+    with spy_on_engine() as calls:
+
+        def syncs() -> list[int]:
+            return [calls.refreshes[id(g.weights)] for g in groups]
+
         for _ in range(2):
             for i in range(3):
                 with microbatch(model, is_first=i == 0, is_last=i == 2):
@@ -170,7 +157,7 @@ def _count_weight_syncs(strategy: str) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         syncs_in_loop = syncs()
-        gathers_in_loop = all_gathers.call_count
+        gathers_in_loop = calls.count("gather")
         with torch.no_grad(), microbatch(model, is_first=False, is_last=True):
             model(tokens, labels=labels)
         stale_after_skipped = [g.weights.is_stale for g in groups]

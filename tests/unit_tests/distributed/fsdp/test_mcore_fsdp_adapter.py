@@ -4,7 +4,6 @@ Megatron-style loop, and puts parameter all-gathers on the separate all-gather g
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import pytest
 import torch
@@ -19,10 +18,10 @@ from megatron.core.distributed import (
 from megatron.core.distributed.fsdp import (
     FsdpModule,
     FullyShardedDataParallel,
-    collectives,
     fully_shard_optimizer,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
@@ -135,17 +134,12 @@ def _collective_groups(create_all_gather_group: bool) -> dict:
         )
         fsdp = FullyShardedDataParallel(model.config, config, model, pg_collection=pgs)
         optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
-        gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
-        scatters = mock.Mock(wraps=collectives._reduce_scatter_coalesced)
-        with (
-            mock.patch.object(collectives, "_all_gather_coalesced", gathers),
-            mock.patch.object(collectives, "_reduce_scatter_coalesced", scatters),
-        ):
+        with spy_on_engine() as calls:
             losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
         ag_group = pgs.dp_cp_ag if create_all_gather_group else pgs.dp_cp
         return dict(
-            gathers_on_ag=[c.kwargs["group"] is ag_group for c in gathers.call_args_list],
-            scatters_on_dp=[c.kwargs["group"] is pgs.dp_cp for c in scatters.call_args_list],
+            gathers_on_ag=[group is ag_group for group in calls.gather_groups],
+            scatters_on_dp=[group is pgs.dp_cp for group in calls.scatter_groups],
             distinct=pgs.dp_cp_ag is not pgs.dp_cp if create_all_gather_group else True,
             losses=losses,
         )

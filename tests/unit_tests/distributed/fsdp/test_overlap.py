@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from unittest import mock
 
 import pytest
 import torch
@@ -22,14 +21,13 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
     OverlapPolicy,
-    collectives,
     fully_shard,
     fully_shard_optimizer,
     microbatch,
     parameter_groups,
 )
-from megatron.core.distributed.fsdp.residency import Residency
 from megatron.core.process_groups_config import ProcessGroupCollection
+from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
 from tests.unit_tests.distributed.fsdp.kernel_trace import (
     compute_stream,
@@ -84,17 +82,16 @@ def _held_and_gathered(max_units: int) -> dict:
         output.register_hook(before_embedding_backward)
 
     model.embedding.register_forward_hook(hook_embedding_output)
-    gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
     gathers_per_step, held_after_forward = [], []
-    with mock.patch.object(collectives, "_all_gather_coalesced", gathers):
+    with spy_on_engine() as calls:
         for tokens, labels in make_token_batches(2, 4):
             tokens = shard_batch(tokens, rank, world_size)
             labels = shard_batch(labels, rank, world_size)
-            before = gathers.call_count
+            before = calls.count("gather")
             loss = model(tokens, labels=labels).mean()
             held_after_forward.append(_held_layers(model))
             loss.backward()
-            gathers_per_step.append(gathers.call_count - before)
+            gathers_per_step.append(calls.count("gather") - before)
             optimizer.step()
     return dict(
         held=held,
@@ -195,23 +192,9 @@ def _orders_and_gathers() -> dict:
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
     tokens, labels = make_token_batches(1, 4)[0]
     model(tokens, labels=labels).mean().backward()
-    log: list[str] = []
-    gather, order = collectives._all_gather_coalesced, Residency.order_gathers
-
-    def logged_gather(*args, **kwargs):
-        log.append("gather")
-        return gather(*args, **kwargs)
-
-    def logged_order(self):
-        log.append("order")
-        return order(self)
-
     first, second = model.decoder.layers[1], model.decoder.layers[2]
     seen = {}
-    with (
-        mock.patch.object(collectives, "_all_gather_coalesced", logged_gather),
-        mock.patch.object(Residency, "order_gathers", logged_order),
-    ):
+    with spy_on_engine() as calls:
         for moment, change in [
             ("after_backward", None),
             ("after_step", optimizer.step),
@@ -219,10 +202,10 @@ def _orders_and_gathers() -> dict:
         ]:
             if change is not None:
                 change()
-            log.clear()
+            calls.log.clear()
             first.unshard()
             second.unshard()
-            seen[moment] = list(log)
+            seen[moment] = [event for event in calls.log if event in ("order", "gather")]
             first.reshard()
             second.reshard()
     return seen
@@ -252,21 +235,20 @@ def _gathers_in_start_param_sync(in_start: bool) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fsdp = _adapter({"fsdp_all_gather_in_start_param_sync": in_start})
     optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
-    gathers = mock.Mock(wraps=collectives._all_gather_coalesced)
     in_sync, per_step, losses = [], [], []
-    with mock.patch.object(collectives, "_all_gather_coalesced", gathers):
+    with spy_on_engine() as calls:
         for tokens, labels in make_token_batches(2, 4):
             tokens = shard_batch(tokens, rank, world_size)
             labels = shard_batch(labels, rank, world_size)
-            start = gathers.call_count
+            start = calls.count("gather")
             fsdp.start_param_sync()
-            in_sync.append(gathers.call_count - start)
+            in_sync.append(calls.count("gather") - start)
             fsdp.zero_grad_buffer()
             loss = fsdp(tokens, labels=labels).mean()
             loss.backward()
             fsdp.finish_grad_sync()
             optimizer.step()
-            per_step.append(gathers.call_count - start)
+            per_step.append(calls.count("gather") - start)
             losses.append(loss.detach())
     return dict(in_sync=in_sync, per_step=per_step, losses=torch.stack(losses))
 

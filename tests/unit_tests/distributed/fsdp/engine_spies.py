@@ -1,0 +1,77 @@
+"""A spy on the Megatron-FSDP engine's collectives and weight refreshes, shared by the tests.
+
+Tests that count or order what the engine launches observe it through `spy_on_engine()`, so the
+engine's private names are patched in this one place.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+from megatron.core.distributed.fsdp import collectives
+from megatron.core.distributed.fsdp.residency import Residency
+from megatron.core.distributed.fsdp.weights import GroupWeights
+
+
+@dataclasses.dataclass
+class EngineCalls:
+    """What the engine launched while the spy was on.
+
+    Attributes:
+        log: "gather", "reduce_scatter", "order" (a gather ordered after the compute stream's
+            queued writes) and "refresh" (compute weights rebuilt from the main weights), in
+            call order.
+        gather_groups: the process group of each all-gather.
+        scatter_groups: the process group of each reduce-scatter.
+        refreshes: per parameter group's `GroupWeights` (by id), how often it was refreshed.
+    """
+
+    log: list[str] = dataclasses.field(default_factory=list)
+    gather_groups: list[Any] = dataclasses.field(default_factory=list)
+    scatter_groups: list[Any] = dataclasses.field(default_factory=list)
+    refreshes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+
+    def count(self, event: str) -> int:
+        """How many times `event` (a `log` entry) happened."""
+        return self.log.count(event)
+
+
+@contextlib.contextmanager
+def spy_on_engine() -> Iterator[EngineCalls]:
+    """Records the engine's all-gathers, reduce-scatters, gather orderings and refreshes while
+    the context is open; each still runs as it would."""
+    calls = EngineCalls()
+    gather, scatter = collectives._all_gather_coalesced, collectives._reduce_scatter_coalesced
+    order, refresh = Residency.order_gathers, GroupWeights.refresh
+
+    def spied_gather(*args, **kwargs):
+        calls.log.append("gather")
+        calls.gather_groups.append(kwargs["group"])
+        return gather(*args, **kwargs)
+
+    def spied_scatter(*args, **kwargs):
+        calls.log.append("reduce_scatter")
+        calls.scatter_groups.append(kwargs["group"])
+        return scatter(*args, **kwargs)
+
+    def spied_order(residency: Residency) -> None:
+        calls.log.append("order")
+        return order(residency)
+
+    def spied_refresh(weights: GroupWeights) -> None:
+        calls.log.append("refresh")
+        calls.refreshes[id(weights)] += 1
+        return refresh(weights)
+
+    with (
+        mock.patch.object(collectives, "_all_gather_coalesced", spied_gather),
+        mock.patch.object(collectives, "_reduce_scatter_coalesced", spied_scatter),
+        mock.patch.object(Residency, "order_gathers", spied_order),
+        mock.patch.object(GroupWeights, "refresh", spied_refresh),
+    ):
+        yield calls
