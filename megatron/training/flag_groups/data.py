@@ -1,0 +1,61 @@
+"""Data and tokenizer flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT
+from megatron.core.datasets.tokenizers import TOKENIZER_TYPES
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    """The "data and dataloader" group."""
+    group = parser.add_argument_group(title="data and dataloader")
+    group.add_argument("--mock-data", action="store_true", help="Synthetic tokens.")
+    group.add_argument(
+        "--data-path",
+        nargs="*",
+        help="Prefixes of .bin/.idx datasets (tools/preprocess_data.py): PREFIX, or "
+        "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ... to blend.",
+    )
+    group.add_argument(
+        "--split", default=DEFAULT_SPLIT, help="Train, validation and test weights of the data."
+    )
+    group.add_argument(
+        "--data-cache-path", help="Folder of cached sample indices; None: beside the data."
+    )
+    group.add_argument(
+        "--no-mmap-bin-files",
+        action="store_false",
+        dest="mmap_bin_files",
+        help="Read the .bin files instead of memory-mapping them.",
+    )
+    group.add_argument("--seq-length", type=int, help="Tokens per sequence.")
+    group.add_argument("--num-workers", type=int, default=2, help="Dataloader workers.")
+    group.add_argument("--eod-mask-loss", action="store_true", help="No loss on EOD tokens.")
+    group.add_argument(
+        "--reset-position-ids", action="store_true", help="Positions restart after each EOD."
+    )
+    group.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="No attention across EOD tokens (samples carry a mask).",
+    )
+
+
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The tokenizer flags, which `tools/preprocess_data.py` shares; returns their group."""
+    group = parser.add_argument_group(title="tokenizer")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        help="Token ids of --mock-data without a tokenizer; NullTokenizer's vocabulary.",
+    )
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="The tokenizer.")
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json.")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt.")
+    group.add_argument(
+        "--tokenizer-model",
+        help="SentencePiece .model file, or local HuggingFace tokenizer directory.",
+    )
+    return group
