@@ -39,6 +39,7 @@ from megatron.training.flag_groups import (
     optimization,
     precision,
     training,
+    unbuilt,
 )
 from megatron.training.flag_groups.data import add_tokenizer_args
 
@@ -99,6 +100,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         data.add_data_args,
         add_tokenizer_args,
         logs.add_logging_args,
+        unbuilt.add_unbuilt_args,
     ):
         add_group(parser)
     return parser

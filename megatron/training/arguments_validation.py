@@ -21,6 +21,8 @@ import torch
 from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
+from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
+from megatron.training.flag_groups.unbuilt import validate_unbuilt
 from megatron.training.configs_from_args import (
     core_transformer_config_from_args,
     ddp_config_from_flags,
@@ -28,9 +30,6 @@ from megatron.training.configs_from_args import (
     given,
     optimizer_config_from_flags,
 )
-
-CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
-"""Checkpoint formats `--ckpt-format` accepts (one layout: `megatron.training.checkpointing`)."""
 
 NUM_SPLITS = 3
 """train, validation, test: `--mock-data` draws split i with seed `--seed` + i."""
@@ -65,6 +64,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             this machine lacks; the message names the flag(s) and the fix.
     """
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    validate_unbuilt(args)
+    validate_checkpointing(args)
     _check_required(args)
     _validate_parallelism(args)
     _validate_model(args)

@@ -10,12 +10,13 @@ already exists (a test harness, a notebook) is reused as it is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import random
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,23 @@ from megatron.training.global_vars import build_tokenizer, set_args, unset_token
 from megatron.training.utils import get_device, logger, print_rank_0
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+class InvalidFlagsError(ValueError):
+    """The flags are bad: raised, with the same message on every rank, before any process group
+    exists (the message names the flag and the fix)."""
+
+
+@contextlib.contextmanager
+def report_flag_errors() -> Iterator[None]:
+    """For a script's entry point: bad flags end the job with exit code 2 (argparse's) and their
+    message printed once, by rank 0, instead of a traceback from every rank."""
+    try:
+        yield
+    except InvalidFlagsError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def initialize_megatron(
@@ -51,16 +69,20 @@ def initialize_megatron(
         The validated arguments, also available from `get_args()`.
 
     Raises:
-        ValueError: a flag is bad (before any process group is created), or the default group
-            that already exists disagrees with `--distributed-backend`.
+        InvalidFlagsError: a flag is bad (before any process group is created; a `ValueError`).
+        ValueError: the default group that already exists disagrees with
+            `--distributed-backend`.
         RuntimeError: the `parallel_state` groups exist already.
     """
     provider = _with_defaults(extra_args_provider, args_defaults or {})
     args = parse_args(provider, ignore_unknown_args, args=argv)
-    # A default group that exists already fixes the world size; otherwise torchrun's does.
-    validate_args(args, world_size=dist.get_world_size() if dist.is_initialized() else None)
+    try:
+        # A default group that exists already fixes the world size; otherwise torchrun's does.
+        validate_args(args, world_size=dist.get_world_size() if dist.is_initialized() else None)
+        build_tokenizer(args)  # sets --padded-vocab-size; its errors come before any group exists
+    except ValueError as error:
+        raise InvalidFlagsError(str(error)) from error
     set_args(args)
-    build_tokenizer(args)  # sets --padded-vocab-size; its errors come before any group exists
     setup_logging()
     _initialize_distributed(args)
     parallel_state.initialize_model_parallel(**get_parallel_state_kwargs(args))

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.training.arguments_validation import CKPT_FORMATS
+CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
+"""Checkpoint formats `--ckpt-format` accepts (one layout: `megatron.training.checkpointing`)."""
+
+DIST_CKPT_STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
+"""Upstream's `--dist-ckpt-strictness` values: what loading does about keys that differ."""
+
+RAISING_STRICTNESS = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
+"""The values loading here honours: it raises, naming them, on any missing or unexpected
+tensor (upstream's default, assume_ok_unexpected, only skips the check for unexpected keys)."""
 
 
 def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
@@ -36,3 +53,30 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         help="Checkpoint format: fsdp_dtensor (Megatron-FSDP) or torch_dist; both are "
         "torch.distributed.checkpoint directories.",
     )
+    group.add_argument(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="Load whichever format the checkpoint has (always so here: both formats are one "
+        "layout).",
+    )
+    group.add_argument(
+        "--dist-ckpt-strictness",
+        default="assume_ok_unexpected",
+        choices=DIST_CKPT_STRICTNESS,
+        help="Key mismatches on loading: raise (the three raising values) or tolerate (not "
+        "built).",
+    )
+
+
+def validate_checkpointing(args: argparse.Namespace) -> None:
+    """Refuses a `--dist-ckpt-strictness` that would tolerate mismatched keys.
+
+    Raises:
+        ValueError: a value that logs, returns or ignores mismatches.
+    """
+    if args.dist_ckpt_strictness not in RAISING_STRICTNESS:
+        raise ValueError(
+            f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not built: loading a "
+            "checkpoint raises on any missing or unexpected tensor, naming them. Use "
+            f"{' / '.join(RAISING_STRICTNESS)} (or drop the flag)."
+        )

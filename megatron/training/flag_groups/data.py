@@ -41,6 +41,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="No attention across EOD tokens (samples carry a mask).",
     )
+    group.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        action="store_false",
+        dest="create_attention_mask_in_dataloader",
+        help="No effect here: the model applies the causal mask itself either way (samples carry "
+        "a mask only with --reset-attention-mask).",
+    )
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

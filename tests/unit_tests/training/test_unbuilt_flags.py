@@ -1,0 +1,97 @@
+"""Flags of upstream features this project does not build: each parses, and setting one is an
+error naming the feature and the flags; the performance hints are accepted; checkpoint-loading
+strictness; a bad flag ends a script with one short message."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, UNBUILT
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
+    "--distributed-backend gloo"
+).split()
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def validated(*flags: str):
+    return validate_args(parse_args(args=[*BASE, *flags]), world_size=2)
+
+
+def test_no_unbuilt_flag_is_set_by_default():
+    validated()  # raises if any default counted as "set"
+
+
+@pytest.mark.parametrize("unbuilt", UNBUILT, ids=lambda u: u.feature)
+def test_every_flag_of_an_unbuilt_feature_is_refused_naming_it(unbuilt):
+    # Tensor parallelism is asked for too, where sequence parallelism needs it to mean anything.
+    tp = ["--tensor-model-parallel-size", "2"] if "tensor" in unbuilt.feature else []
+    for flag in unbuilt.switches:
+        message = re.escape(f"{flag}: {unbuilt.feature} is not built")
+        with pytest.raises(ValueError, match=message):
+            validated(flag, *tp)
+    for flag in unbuilt.valued:
+        message = re.escape(f"{flag} 3: {unbuilt.feature} is not built")
+        with pytest.raises(ValueError, match=message):
+            validated(flag, "3", *tp)
+
+
+def test_sequence_parallel_without_tensor_parallelism_is_off_as_upstream():
+    assert validated("--sequence-parallel").sequence_parallel is False
+
+
+def test_all_the_flags_of_a_feature_are_named_together():
+    with pytest.raises(ValueError) as error:
+        validated("--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm")
+    message = str(error.value)
+    for given in ("--moe-grouped-gemm", "--num-experts 8", "--moe-router-topk 2"):
+        assert given in message
+    assert "drop --num-experts and every --moe-* flag" in message
+
+
+def test_values_upstream_writes_as_lists_or_expressions_parse():
+    args = parse_args(args=[*BASE, "--moe-layer-freq", "[0]*3+[1]*58", "--window-size", "127,0"])
+    assert args.moe_layer_freq == ["[0]*3+[1]*58"]
+    assert args.window_size == ["127,0"]
+
+
+def test_performance_hints_are_accepted_and_documented_as_no_ops():
+    flags_doc = (ROOT / "docs" / "flags.md").read_text()
+    args = validated(*(flag for flag, _ in PERFORMANCE_HINTS))
+    for flag, dest in PERFORMANCE_HINTS:
+        assert getattr(args, dest) is True
+        assert f"`{flag}`" in flags_doc
+
+
+@pytest.mark.parametrize("strictness", ["assume_ok_unexpected", "raise_unexpected", "raise_all"])
+def test_raising_checkpoint_strictness_is_accepted(strictness):
+    assert validated("--dist-ckpt-strictness", strictness).dist_ckpt_strictness == strictness
+
+
+@pytest.mark.parametrize("strictness", ["log_all", "ignore_all", "return_unexpected"])
+def test_tolerant_checkpoint_strictness_is_refused(strictness):
+    with pytest.raises(ValueError, match=f"--dist-ckpt-strictness {strictness} is not built"):
+        validated("--dist-ckpt-strictness", strictness)
+
+
+def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
+    done = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *BASE, "--num-experts", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --num-experts 4: Mixture of Experts is not built in this project; train a dense "
+        "model: drop --num-experts and every --moe-* flag."
+    ]
