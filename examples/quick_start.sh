@@ -3,7 +3,8 @@
 # Pride and Prejudice) into Megatron's indexed format with the byte-level tokenizer, then
 # pretrain a tiny GPT on it with Megatron-FSDP (ZeRO-3) on ${NPROC:-2} ranks through
 # pretrain_gpt.py: GPUs with NCCL when every rank has one, else CPU with gloo. Checkpoints go to
-# runs/quick_start/checkpoints (every 100 iterations and at the end).
+# runs/quick_start/checkpoints (every 100 iterations and at the end); a second run resumes from
+# the latest of them (raise --train-iters to train further) instead of starting over.
 # Extra arguments go to pretrain_gpt.py and win over these (e.g. --train-iters 50).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,5 +37,5 @@ exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" p
   --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
   --data-path "${prefix}_text_document" --split 98,2,0 --tokenizer-type ByteLevelTokenizer \
   --num-workers 0 --log-interval 10 --eval-interval 100 --eval-iters 4 \
-  --save "$run_dir/checkpoints" --save-interval 100 \
+  --save "$run_dir/checkpoints" --load "$run_dir/checkpoints" --save-interval 100 \
   --distributed-backend "$backend" "$@"
