@@ -47,6 +47,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
 
@@ -60,11 +63,24 @@ def get_batch(data_iterator: DataIterator) -> dict[str, torch.Tensor]:
 
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The mean per-token loss over the unmasked tokens, to backpropagate and to report."""
+) -> (
+    tuple[torch.Tensor, dict[str, torch.Tensor]]
+    | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+):
+    """The mean per-token loss over the unmasked tokens, to backpropagate and to report.
+
+    With `--calculate-per-token-loss`, Megatron-LM's `(loss sum, token count, {"lm loss":
+    [sum, count]})`: the loop backpropagates the sum and divides the gradients by the global
+    batch's tokens, and reports the sum of the sums over the sum of the counts.
+    """
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * loss_mask) / loss_mask.sum()
+    loss_sum = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum()
+    if get_args().calculate_per_token_loss:
+        report = torch.stack([loss_sum.detach(), num_tokens.detach()])
+        return loss_sum, num_tokens.detach(), {"lm loss": report}
+    loss = loss_sum / num_tokens
     return loss, {"lm loss": loss.detach()}
 
 

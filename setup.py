@@ -13,9 +13,17 @@ setup(
     install_requires=["torch>=2.6", "einops", "numpy", "regex"],
     extras_require={
         # The test suite exercises every tokenizer, so it needs the optional tokenizer packages.
-        "test": ["pytest>=7", "pytest-timeout", "sentencepiece", "tokenizers", "transformers"],
+        "test": [
+            "pytest>=7",
+            "pytest-timeout",
+            "sentencepiece",
+            "tokenizers",
+            "transformers",
+            "tiktoken",
+            "tensorboard",
+        ],
         # SentencePieceTokenizer and HuggingFaceTokenizer.
-        "data": ["sentencepiece", "transformers"],
+        "data": ["sentencepiece", "tiktoken", "transformers"],
         # Optional accelerators, used when importable. NVIDIA apex has no usable PyPI package:
         # build it from its source repository if you want its fused norms.
         "te": ["transformer-engine[pytorch]"],

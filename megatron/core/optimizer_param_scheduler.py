@@ -5,10 +5,11 @@ to `min_lr` by `lr_decay_steps` (constant, linear, cosine, inverse-square-root, 
 then a decay over the last `wsd_decay_steps`); `min_lr` afterwards. Weight decay: from `start_wd`
 to `end_wd` over `wd_incr_steps` (constant, linear or cosine), `end_wd` afterwards.
 
-Steps count iterations here: call `step(1)` once per optimizer step and give every `*_steps`
-argument in iterations. Megatron-LM's loop counts samples instead (`step(global_batch_size)`,
-steps = iterations x global batch size); with a constant global batch size both give the same
-schedule.
+Steps are whatever unit the caller counts in. The training loop counts samples, as Megatron-LM's
+(`step(global_batch_size)` after each update, every `*_steps` in samples:
+`flag_groups.optimization.lr_schedule_steps`); with a constant global batch size that is the
+schedule of counting iterations (`step(1)`, lengths in iterations). A parameter group with its
+own `max_lr` / `min_lr` (`--decoupled-lr`) follows the same curve between its own bounds.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class OptimizerParamScheduler:
         init_lr: float,
         max_lr: float,
         min_lr: float,
-        lr_warmup_steps: int,
+        lr_warmup_steps: float,
         lr_decay_steps: int,
         lr_decay_style: str,
         start_wd: float,
@@ -161,19 +162,23 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
         return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
-    def get_lr(self) -> float:
-        """The learning rate at the current step."""
+    def get_lr(self, param_group: dict[str, Any] | None = None) -> float:
+        """The learning rate at the current step: of `param_group`, whose own `max_lr` and
+        `min_lr` (e.g. `--decoupled-lr`'s group) replace the scheduler's, as Megatron-LM's."""
+        group = param_group or {}
+        max_lr = group.get("max_lr", self.max_lr)
+        min_lr = group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
             progress = self.num_steps / self.lr_warmup_steps
-            return self.init_lr + (self.max_lr - self.init_lr) * progress
+            return self.init_lr + (max_lr - self.init_lr) * progress
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if self.num_steps > self.lr_decay_steps:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
             # Continuous with the warmup's end: max_lr at step lr_warmup_steps.
             warmup, step = max(self.lr_warmup_steps, 1), max(self.num_steps, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warmup / step))
+            return max(min_lr, max_lr * math.sqrt(warmup / step))
         ratio = (self.num_steps - self.lr_warmup_steps) / (
             self.lr_decay_steps - self.lr_warmup_steps
         )
@@ -183,7 +188,7 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:
             coeff = self._wsd_coeff()
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def _wsd_coeff(self) -> float:
         """Warmup-stable-decay: 1 until the last `wsd_decay_steps`, then down to 0."""
@@ -203,9 +208,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int) -> None:
         """Advances `increment` steps and writes the new values into every parameter group."""
         self.num_steps += increment
-        lr, wd = self.get_lr(), self.get_wd()
+        wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.get_lr(group)
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict[str, Any]:

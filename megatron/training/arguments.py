@@ -38,7 +38,9 @@ from megatron.training.flag_groups import (
     network,
     optimization,
     precision,
+    profiling,
     training,
+    transformer,
     unbuilt,
 )
 from megatron.training.flag_groups.data import add_tokenizer_args
@@ -88,6 +90,7 @@ def parse_args(
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds every Megatron-LM flag to `parser`, in Megatron-LM's argument groups."""
     for add_group in (
+        transformer.add_transformer_config_args,
         network.add_network_size_args,
         optimization.add_regularization_args,
         training.add_training_args,
@@ -100,6 +103,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         data.add_data_args,
         add_tokenizer_args,
         logs.add_logging_args,
+        profiling.add_profiling_args,
         unbuilt.add_unbuilt_args,
     ):
         add_group(parser)

@@ -5,7 +5,7 @@ FFN width, params dtype, ...) and rejects bad combinations with a `ValueError` t
 and the fix. The configs the validated flags describe are built in `configs_from_args`;
 `megatron.training.arguments` re-exports both: import them from there.
 
-What is not built yet (context and expert parallelism, fp16 loss scaling) is rejected as "not
+What is not built yet (context and expert parallelism) is rejected as "not
 supported yet" in `_validate_parallelism` and `_validate_model`, so the change that builds one
 lifts its check in one place.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 
 import torch
@@ -22,7 +23,24 @@ from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
 from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
+from megatron.training.flag_groups.distributed import (
+    validate_distributed,
+    validate_distributed_optimizer,
+)
+from megatron.training.flag_groups.optimization import validate_lr_schedule
+from megatron.training.flag_groups.precision import validate_precision
+from megatron.training.flag_groups.data import validate_tokenizer
+from megatron.training.flag_groups.logs import validate_logging
+from megatron.training.flag_groups.profiling import validate_profiling
+from megatron.training.flag_groups.training import validate_training_operations
+from megatron.training.flag_groups.training_schedule import (
+    validate_batch_schedule,
+    validate_training_length,
+)
 from megatron.training.flag_groups.unbuilt import validate_unbuilt
+from megatron.training.flag_groups.network import validate_network_options
+from megatron.training.flag_groups.transformer import validate_transformer_options
+from megatron.training.utils import print_rank_0
 from megatron.training.configs_from_args import (
     core_transformer_config_from_args,
     ddp_config_from_flags,
@@ -56,7 +74,8 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         `args`, updated in place with `world_size`, `data_parallel_size`, `global_batch_size`,
         `num_microbatches`, `num_query_groups`, `kv_channels`, `ffn_hidden_size`,
         `max_position_embeddings`, `padded_vocab_size` (without a `--tokenizer-type`: the
-        tokenizer sets it), `params_dtype`, `lr_decay_iters`,
+        tokenizer sets it), `params_dtype`, `lr_decay_iters` (or with `--train-samples`:
+        `train_iters` and `lr_decay_samples`), `split` (with `--data-path`),
         `start_weight_decay` and `end_weight_decay`.
 
     Raises:
@@ -66,10 +85,22 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     validate_unbuilt(args)
     validate_checkpointing(args)
+    validate_distributed(args)
+    validate_distributed_optimizer(args)
+    validate_precision(args)
+    validate_logging(args)
+    validate_profiling(args)
+    validate_training_operations(args)
+    validate_tokenizer(args)
     _check_required(args)
     _validate_parallelism(args)
     _validate_model(args)
+    validate_network_options(args)
+    validate_transformer_options(args)
+    validate_batch_schedule(args)
     _validate_batch_and_optimizer(args)
+    validate_training_length(args)
+    validate_lr_schedule(args)
     optimizer_config_from_flags(args)
     _validate_data(args)
     _validate_logging_and_checkpointing(args)
@@ -85,7 +116,6 @@ _REQUIRED = (
     "num_attention_heads",
     "seq_length",
     "micro_batch_size",
-    "train_iters",
 )
 
 
@@ -95,13 +125,13 @@ def _check_required(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag(dest)} is required; pass it on the command line.")
     for dest in (
         *_REQUIRED,
+        "train_iters",
         "global_batch_size",
         "context_parallel_size",
         "expert_model_parallel_size",
         "num_distributed_optimizer_instances",
         "lr_decay_iters",
         "lr_wsd_decay_iters",
-        "num_query_groups",
         "kv_channels",
         "ffn_hidden_size",
         "max_position_embeddings",
@@ -194,19 +224,17 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
 
 def _validate_model(args: argparse.Namespace) -> None:
     heads = args.num_attention_heads
-    if args.group_query_attention:
-        if args.num_query_groups is None:
-            raise ValueError(
-                "--group-query-attention needs --num-query-groups (the number of key/value "
-                "heads); add it."
+    if not args.group_query_attention:
+        if args.num_query_groups not in (1, heads):
+            # Megatron-LM reads --num-query-groups only with --group-query-attention.
+            print_rank_0(
+                f"WARNING: --num-query-groups {args.num_query_groups} is read only with "
+                f"--group-query-attention; using {heads} key/value heads (one per head).",
+                logging.WARNING,
             )
-    elif args.num_query_groups not in (None, heads):
-        raise ValueError(
-            f"--num-query-groups {args.num_query_groups} is used only with "
-            "--group-query-attention; add --group-query-attention or drop --num-query-groups."
-        )
-    else:
         args.num_query_groups = heads
+    if args.num_query_groups < 1:
+        raise ValueError(f"--num-query-groups must be >= 1, got {args.num_query_groups}.")
     if heads % args.num_query_groups:
         raise ValueError(
             f"--num-attention-heads {heads} is not divisible by --num-query-groups "
@@ -245,27 +273,9 @@ def _validate_model(args: argparse.Namespace) -> None:
             "--max-position-embeddings or use --position-embedding-type rope."
         )
 
-    # Not built yet: lift this check when loss scaling lands.
-    if args.fp16:
-        raise ValueError(
-            "--fp16 is not supported yet: there is no loss scaling, so small fp16 gradients "
-            "would underflow to zero; use --bf16."
-        )
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
-
-    if args.recompute_granularity != "full":
-        for dest in ("recompute_method", "recompute_num_layers"):
-            if getattr(args, dest) is not None:
-                raise ValueError(
-                    f"{flag(dest)} applies to --recompute-granularity full only; add it or "
-                    f"drop {flag(dest)}."
-                )
-    elif args.recompute_method == "block" or args.recompute_num_layers not in (None, 1):
-        raise ValueError(
-            f"--recompute-method {args.recompute_method} --recompute-num-layers "
-            f"{args.recompute_num_layers} is not implemented: full recompute checkpoints every "
-            "layer (--recompute-method uniform --recompute-num-layers 1); use those or omit them."
-        )
+    args.params_dtype = (
+        torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    )
 
     if args.transformer_impl == "transformer_engine":
         # Imported only here: importing it tries to import Transformer Engine, which is slow.
@@ -319,22 +329,7 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
                 f"{flag(dest)} {getattr(args, dest)} must be in [0, --lr {args.lr}]; change "
                 f"{flag(dest)}."
             )
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    # Whatever the decay style: the scheduler needs iterations left after warmup, as Megatron's.
-    if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
-        raise ValueError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
-            f"{args.lr_decay_iters}) (--lr-decay-iters defaults to --train-iters); shorten the "
-            "warmup or lengthen the decay."
-        )
-    if args.lr_decay_style == "WSD" and (
-        args.lr_wsd_decay_iters is None or args.lr_wsd_decay_iters > args.lr_decay_iters
-    ):
-        raise ValueError(
-            "--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing phase), at most "
-            f"--lr-decay-iters {args.lr_decay_iters}."
-        )
+    # The decay, warmup and WSD lengths: validate_lr_schedule, once the training length is known.
 
 
 def _validate_data(args: argparse.Namespace) -> None:
@@ -366,6 +361,14 @@ def _validate_data_path(args: argparse.Namespace) -> None:
         )
     try:
         check_blend(parse_data_path(args.data_path))
+        if args.split is None:
+            # Megatron-LM's legacy default, with its warning.
+            print_rank_0(
+                f"WARNING: Please specify --split when using --data-path. Using legacy default "
+                f"value of \"{DEFAULT_SPLIT}\"",
+                logging.WARNING,
+            )
+            args.split = DEFAULT_SPLIT
         parse_and_normalize_split(args.split)
     except ValueError as error:
         raise ValueError(f"--data-path / --split: {error}") from None
@@ -374,11 +377,6 @@ def _validate_data_path(args: argparse.Namespace) -> None:
 
 
 def _validate_mock_data(args: argparse.Namespace) -> None:
-    if args.split != DEFAULT_SPLIT:
-        raise ValueError(
-            f"--split {args.split} divides the documents of --data-path; --mock-data builds "
-            "each split of the size the run needs. Drop --split."
-        )
     for dest in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
         if getattr(args, dest):
             raise ValueError(
@@ -407,8 +405,6 @@ def vocab_size_with_padding(vocab_size: int, args: argparse.Namespace) -> int:
 
 
 def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
-    if args.tensorboard_dir is not None:
-        _require_module("torch.utils.tensorboard", "--tensorboard-dir", "tensorboard")
     if args.wandb_project is not None:
         _require_module("wandb", "--wandb-project", "wandb")
         if not args.wandb_exp_name:

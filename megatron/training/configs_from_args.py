@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
+from megatron.core.activations import squared_relu
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flag_groups.precision import grad_reduce_in_fp32
 
 FSDP_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
@@ -131,15 +133,27 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         kv_channels=args.kv_channels,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=args.layernorm_epsilon,
         normalization=args.normalization,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         init_method_std=args.init_method_std,
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=args.recompute_modules,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
+        qk_layernorm=args.qk_layernorm,
+        qk_l2_norm=args.qk_l2_norm,
+        rotary_interleaved=args.rotary_interleaved,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=args.attention_backend,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         seq_length=args.seq_length,
     )
 
@@ -156,9 +170,10 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         training loop checks the global gradient norm instead (see `train_step`).
     """
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        grad_reduce_in_fp32=grad_reduce_in_fp32(args),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         # Not --check-for-nan-in-loss-and-grad: the engine checks each rank's gradients before
         # the all-reduce, so one rank would raise while the others wait in the all-reduce until
@@ -167,7 +182,10 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         bucket_size=args.ddp_bucket_size,
         average_in_collective=args.ddp_average_in_collective,
         use_megatron_fsdp=args.use_megatron_fsdp,
-        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        # Megatron-LM's parser default (optim_grads_params) is read by Megatron-FSDP only.
+        data_parallel_sharding_strategy=(
+            args.data_parallel_sharding_strategy if args.use_megatron_fsdp else "no_shard"
+        ),
         outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
         fsdp_all_gather_in_start_param_sync=args.fsdp_all_gather_in_start_param_sync,
         use_symm_mem=args.use_symm_mem,
@@ -183,12 +201,22 @@ def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.start_weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum,
         clip_grad=args.clip_grad,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 

@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 
 from megatron.core import parallel_state
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.utils import LoaderIterator, get_device, print_rank_0
 
 DatasetProvider = Callable[[list[int]], tuple[Dataset | None, Dataset | None, Dataset | None]]
@@ -39,9 +40,19 @@ def build_train_valid_test_data_iterators(
     # uninterrupted run when the batch size is unchanged (so the datasets, whose sample order
     # depends on their size, are the same), and enough when it changed.
     iterations_left = max(args.train_iters - args.iteration, 0)
-    evaluations_left = args.train_iters // args.eval_interval - args.iteration // args.eval_interval
+    evaluations_left = 0  # without --eval-interval: only the one at the end
+    if args.eval_interval is not None:
+        evaluations_left = (
+            args.train_iters // args.eval_interval - args.iteration // args.eval_interval
+        )
+    train_samples = batch_size_schedule(args).samples_after(
+        args.consumed_train_samples, iterations_left
+    )
+    if args.train_samples is not None:
+        # Megatron-LM sizes the split by --train-samples (the last batch may not fill it).
+        train_samples = max(train_samples, args.train_samples)
     num_samples = [
-        args.consumed_train_samples + iterations_left * global_batch,
+        train_samples,
         args.consumed_valid_samples + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
         args.eval_iters * global_batch,
     ]

@@ -77,6 +77,9 @@ def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        special_tokens=args.special_tokens,
     )
 
 

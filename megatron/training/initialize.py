@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
 from megatron.training.utils import get_device, logger, print_rank_0
@@ -84,9 +85,12 @@ def initialize_megatron(
         raise InvalidFlagsError(str(error)) from error
     set_args(args)
     setup_logging()
+    set_logging_level(args)
     _initialize_distributed(args)
     parallel_state.initialize_model_parallel(**get_parallel_state_kwargs(args))
     _set_random_seed(args.seed)
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     print_rank_0(
         f"> initialized {args.distributed_backend} on {args.world_size} rank(s) "
         f"({get_device().type}): data-parallel size {args.data_parallel_size}, "

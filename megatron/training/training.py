@@ -59,11 +59,15 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data_iterators import DatasetProvider, build_train_valid_test_data_iterators
+from megatron.training.dist_signal_handler import ExitConditions
+from megatron.training.flag_groups.optimization import lr_schedule_steps
+from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
+from megatron.training.loss_reduction import average_loss_dicts, divide_gradients_by_tokens
+from megatron.training.profiling import TrainingOperations, empty_unused_memory
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
     LoaderIterator,
-    average_losses_across_data_parallel_group,
     get_device,
     logger,
     print_rank_0,
@@ -84,7 +88,9 @@ class TrainingHistory:
         losses: per iteration (index i is iteration start_iteration + i + 1), the reported
             losses averaged over the microbatches and the data-parallel ranks (skipped
             iterations included).
-        grad_norms: per iteration, the global gradient norm before clipping.
+        grad_norms: per iteration, the global gradient norm before clipping (None where
+            fp16's loss scaler skipped the step on an overflow).
+        loss_scales: per iteration, the loss scale after its step (1.0 without loss scaling).
         learning_rates: per iteration, the learning rate after its schedule step, i.e. the
             next iteration's (Megatron-LM logs this one).
         skipped_iterations: iterations whose optimizer step was skipped (non-finite gradients).
@@ -95,7 +101,8 @@ class TrainingHistory:
 
     start_iteration: int = 0
     losses: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    loss_scales: list[float] = dataclasses.field(default_factory=list)
     learning_rates: list[float] = dataclasses.field(default_factory=list)
     skipped_iterations: list[int] = dataclasses.field(default_factory=list)
     validation_losses: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
@@ -145,6 +152,7 @@ def pretrain(
             "already; call parallel_state.destroy_model_parallel() first."
         )
     owns_default_group = not dist.is_initialized()
+    start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's
     data_iterators: tuple[LoaderIterator | None, ...] = ()
     try:
         args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
@@ -156,17 +164,23 @@ def pretrain(
             train_valid_test_dataset_provider, args
         )
         train_iterator, valid_iterator, test_iterator = data_iterators
-        with contextlib.closing(TrainingLog(args, model.config, get_device())) as log:
-            history = train(
-                forward_step_func,
-                model,
-                optimizer,
-                scheduler,
-                train_iterator,
-                valid_iterator,
-                args,
-                log,
-            )
+        with (
+            contextlib.closing(TrainingLog(args, model.config, get_device())) as log,
+            TrainingOperations(args, get_device()) as operations,
+        ):
+            with ExitConditions(args, start_time) as exits:
+                history = train(
+                    forward_step_func,
+                    model,
+                    optimizer,
+                    scheduler,
+                    train_iterator,
+                    valid_iterator,
+                    args,
+                    log,
+                    operations,
+                    exits,
+                )
             evaluate = functools.partial(
                 evaluate_and_print_results,
                 forward_step_func,
@@ -251,21 +265,19 @@ def get_model(
 def get_optimizer_param_scheduler(
     optimizer: MegatronOptimizer, args: argparse.Namespace
 ) -> OptimizerParamScheduler:
-    """The learning-rate and weight-decay schedule the flags describe, in iterations."""
+    """The learning-rate and weight-decay schedule the flags describe, counted in samples as
+    Megatron-LM's (`train_step` steps it by each iteration's global batch)."""
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay,
         end_wd=args.end_weight_decay,
-        wd_incr_steps=args.train_iters,
         wd_incr_style=args.weight_decay_incr_style,
-        wsd_decay_steps=args.lr_wsd_decay_iters,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
+        **lr_schedule_steps(args),
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
@@ -300,7 +312,9 @@ def forward_backward(
     model: _BaseDataParallel,
     num_microbatches: int,
     forward_only: bool = False,
-) -> list[dict[str, torch.Tensor]]:
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    calculate_per_token_loss: bool = False,
+) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
     """Runs every microbatch of one iteration (Megatron-LM's no-pipelining schedule).
 
     Args:
@@ -309,11 +323,22 @@ def forward_backward(
         model: the wrapped model.
         num_microbatches: microbatches of the iteration (gradient-accumulation steps).
         forward_only: no backward and no gradient-accumulation scopes (evaluation).
+        scale_loss: multiplies each loss before backward (fp16's loss scale:
+            `MegatronOptimizer.scale_loss`).
+        calculate_per_token_loss: backpropagate each loss as it is (a sum over tokens) instead
+            of divided by the microbatches: `train_step` divides the gradients by the global
+            batch's tokens afterwards.
+
+    A `loss_func` returns `(loss, report)` (loss: the micro-batch's mean), or Megatron-LM's
+    `(loss, num_tokens, report)` (loss: the sum over its `num_tokens` tokens, divided by them
+    here unless `calculate_per_token_loss`).
 
     Returns:
-        Each microbatch's reported losses (this rank's).
+        Each microbatch's reported losses (this rank's), and this rank's token count (None when
+        `loss_func` returns no count).
     """
     loss_dicts = []
+    num_tokens = None
     for index in range(num_microbatches):
         scope = (
             contextlib.nullcontext()
@@ -322,25 +347,21 @@ def forward_backward(
         )
         with scope:
             output_tensor, loss_func = forward_step_func(data_iterator, model)
-            loss, loss_dict = loss_func(output_tensor)
+            outputs = loss_func(output_tensor)
+            if len(outputs) == 3:
+                loss, tokens, loss_dict = outputs
+                num_tokens = tokens.detach() if num_tokens is None else num_tokens + tokens
+                if not calculate_per_token_loss:
+                    loss = loss / tokens
+            else:
+                loss, loss_dict = outputs
             if not forward_only:
-                # The gradient of the mean over microbatches: accumulation adds them up.
-                (loss / num_microbatches).backward()
+                if not calculate_per_token_loss:
+                    # The gradient of the mean over microbatches: accumulation adds them up.
+                    loss = loss / num_microbatches
+                (loss if scale_loss is None else scale_loss(loss)).backward()
         loss_dicts.append(loss_dict)
-    return loss_dicts
-
-
-def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Averages each reported loss over the microbatches, then the data-parallel ranks.
-
-    One all-reduce for all the losses.
-    """
-    keys = list(loss_dicts[0])
-    per_microbatch = torch.stack(
-        [torch.stack([d[key].detach().float().reshape(()) for key in keys]) for d in loss_dicts]
-    )
-    averaged = average_losses_across_data_parallel_group(per_microbatch.mean(dim=0))
-    return dict(zip(keys, averaged.tolist()))
+    return loss_dicts, num_tokens
 
 
 def train_step(
@@ -350,6 +371,7 @@ def train_step(
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
+    num_microbatches: int | None = None,
 ) -> tuple[dict[str, float], bool, float]:
     """One iteration: every microbatch's forward and backward, then the optimizer step.
 
@@ -359,11 +381,14 @@ def train_step(
         model: the wrapped model.
         optimizer: steps the model's main weights.
         scheduler: stepped after a successful update.
-        args: validated arguments (`num_microbatches`, `check_for_nan_in_loss_and_grad`).
+        args: validated arguments (`num_microbatches`, `check_for_nan_in_loss_and_grad`,
+            `calculate_per_token_loss`).
+        num_microbatches: this iteration's (a batch-size schedule's); None: `args`'.
 
     Returns:
         (losses, skipped, grad_norm): the averaged reported losses, whether the optimizer step
-        was skipped because the gradient norm was not finite, and that norm.
+        was skipped (a gradient norm that is not finite, or an fp16 overflow), and that norm
+        (None when the loss scaler skipped the step before taking it).
 
     Raises:
         RuntimeError: a loss or the global gradient norm is not finite and
@@ -373,11 +398,25 @@ def train_step(
     model.zero_grad_buffer()
     optimizer.zero_grad()
     model.start_param_sync()
-    loss_dicts = forward_backward(forward_step_func, data_iterator, model, args.num_microbatches)
+    if num_microbatches is None:
+        num_microbatches = args.num_microbatches
+    loss_dicts, num_tokens = forward_backward(
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        scale_loss=optimizer.scale_loss,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+    )
+    empty_unused_memory(args, level=1)
     model.finish_grad_sync()
+    if args.calculate_per_token_loss:
+        divide_gradients_by_tokens(model, num_tokens)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
-        scheduler.step(1)
+        # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
+        scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
+    empty_unused_memory(args, level=2)
     losses = average_loss_dicts(loss_dicts)
     # Checked after the step (which synchronises anyway) to add no wait of its own; a
     # non-finite loss or norm means the step was skipped.
@@ -388,7 +427,8 @@ def train_step(
                 f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower "
                 f"--lr or check the data; {skip}"
             )
-        if not math.isfinite(grad_norm):
+        # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
+        if grad_norm is not None and not math.isfinite(grad_norm):
             raise RuntimeError(
                 f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
                 f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
@@ -405,9 +445,11 @@ def train(
     valid_data_iterator: DataIterator | None,
     args: argparse.Namespace,
     log: TrainingLog,
+    operations: TrainingOperations,
+    exits: ExitConditions | None = None,
 ) -> TrainingHistory:
     """Runs the training loop from iteration `args.iteration + 1` to `--train-iters`, or until
-    `--exit-interval`.
+    `--exit-interval`, `--exit-duration-in-mins` or `--exit-signal-handler`'s signal.
 
     Logs every `--log-interval` iterations and at the last one, evaluates on the validation
     split every `--eval-interval`, and with `--save` checkpoints every `--save-interval` and
@@ -422,6 +464,8 @@ def train(
         valid_data_iterator: this rank's validation micro-batches; None: no evaluation.
         args: validated arguments.
         log: reports the iterations and evaluations.
+        operations: the profiler and garbage collection, told where iterations start and end.
+        exits: the signal and duration exits (None: neither).
 
     Returns:
         What the iterations measured (the end-of-training evaluations are left to the caller).
@@ -435,26 +479,46 @@ def train(
         return history
     model.train()
     print_rank_0("> training ...")
+    batch_sizes = batch_size_schedule(args)
     for iteration in range(args.iteration + 1, args.train_iters + 1):
+        operations.before_iteration(iteration)
         start = time.perf_counter()
+        global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
         losses, skipped, grad_norm = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, scheduler, args
+            forward_step_func,
+            train_data_iterator,
+            model,
+            optimizer,
+            scheduler,
+            args,
+            num_microbatches=global_batch_size // (args.micro_batch_size * args.data_parallel_size),
         )
         seconds = time.perf_counter() - start
+        # After the step: the scale the next iteration uses (Megatron-LM logs the same).
+        loss_scale = optimizer.get_loss_scale()
         args.iteration = iteration
-        args.consumed_train_samples += args.global_batch_size
+        args.consumed_train_samples += global_batch_size
         # Megatron-LM's convention: the rate after this step's schedule update (the next one's).
         learning_rate = optimizer.param_groups[0]["lr"]
-        exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
+        stop_reason = None if exits is None else exits.reason()
+        if args.exit_interval is not None and iteration % args.exit_interval == 0:
+            stop_reason = "--exit-interval"
+        exiting = stop_reason is not None
         if skipped:
             history.skipped_iterations.append(iteration)
+            why = (
+                f"the gradients overflowed at loss scale {loss_scale:g}"
+                if grad_norm is None
+                else f"the gradient norm is {grad_norm}"
+            )
             print_rank_0(
-                f"iteration {iteration}: skipped the optimizer step, the gradient norm is "
-                f"{grad_norm} (losses {losses}); weights and learning rate are unchanged.",
+                f"iteration {iteration}: skipped the optimizer step, {why} (losses {losses}); "
+                "weights and learning rate are unchanged.",
                 logging.WARNING,
             )
         history.losses.append(losses)
         history.grad_norms.append(grad_norm)
+        history.loss_scales.append(loss_scale)
         history.learning_rates.append(learning_rate)
         log.record_iteration(
             iteration,
@@ -464,19 +528,26 @@ def train(
             learning_rate,
             seconds,
             last=exiting or iteration == args.train_iters,
+            loss_scale=loss_scale,
         )
+        operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
 
-        if valid_data_iterator is not None and iteration % args.eval_interval == 0:
-            history.validation_losses[iteration] = evaluate_and_print_results(
-                forward_step_func,
-                valid_data_iterator,
-                model,
-                args,
-                log,
-                split="validation",
-                when=f"iteration {iteration}",
-                iteration=iteration,
-            )
+        if (
+            valid_data_iterator is not None
+            and args.eval_interval is not None
+            and iteration % args.eval_interval == 0
+        ):
+            with operations.evaluation():
+                history.validation_losses[iteration] = evaluate_and_print_results(
+                    forward_step_func,
+                    valid_data_iterator,
+                    model,
+                    args,
+                    log,
+                    split="validation",
+                    when=f"iteration {iteration}",
+                    iteration=iteration,
+                )
             args.consumed_valid_samples += args.eval_iters * args.global_batch_size
         if args.save is not None and (
             exiting
@@ -485,7 +556,7 @@ def train(
         ):
             save_checkpoint(iteration, model, optimizer, scheduler, args)
         if exiting:
-            print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
+            print_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
             break
     return history
 
@@ -512,9 +583,10 @@ def evaluate(
     totals: dict[str, float] = {}
     for _ in range(args.eval_iters):
         # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
-        loss_dicts = forward_backward(
+        loss_dicts, _ = forward_backward(
             forward_step_func, data_iterator, model, args.num_microbatches, forward_only=True
         )
+        empty_unused_memory(args, level=1)
         for key, value in average_loss_dicts(loss_dicts).items():
             totals[key] = totals.get(key, 0.0) + value
     model.train()

@@ -6,15 +6,16 @@ such as::
 
     iteration       20/     200 | consumed samples:          320 | elapsed time per iteration
     (ms): 115.3 | tokens/s/GPU: 4442.5 | learning rate: 1.990053E-03 | global batch size:    16
-    | lm loss: 3.703642E+00 | grad norm: 0.933 | number of skipped iterations:   0 | number of
-    nan iterations:   0 | 10.0% done, ETA 0:00:21
+    | lm loss: 3.703642E+00 | loss scale: 1.0 | grad norm: 0.933 | number of skipped
+    iterations:   0 | number of nan iterations:   0 | 10.0% done, ETA 0:00:21
 
 Times cover training steps only, not evaluation. The loss is averaged over the interval's
 non-skipped iterations (each already averaged over its microbatches and the data-parallel
-ranks), the time over its iterations; the grad norm is the last iteration's, and the learning
-rate the one after its schedule step (Megatron-LM's convention: the next iteration's). On GPU
-the line also has TFLOP/s per GPU (on CPU too with `--log-throughput`) and the peak memory
-allocated so far.
+ranks), the time over its iterations; the loss scale (1.0 without fp16 / `--loss-scale`) and
+the grad norm are the last iteration's (no grad norm when fp16's loss scaler skipped it on an
+overflow), and the learning rate the one after its schedule step (Megatron-LM's convention: the
+next iteration's). On GPU the line also has TFLOP/s per GPU (on CPU too with `--log-throughput`)
+and the peak memory allocated so far.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import logging
 import math
+import os
 
 import torch
 
@@ -41,10 +44,20 @@ class MetricWriter:
         if not is_rank_0():
             return
         if args.tensorboard_dir is not None:
-            # Optional dependencies: imported only when asked for (validate_args checked them).
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+            # Optional dependency, imported only when asked for; as Megatron-LM, a run without
+            # it goes on unplotted rather than failing.
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print_rank_0(
+                    f"WARNING: --tensorboard-dir {args.tensorboard_dir}: the tensorboard package "
+                    "is not installed (pip install tensorboard); no TensorBoard logs are written.",
+                    logging.WARNING,
+                )
+            else:
+                self.tensorboard = SummaryWriter(
+                    log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size
+                )
         if args.wandb_project is not None:
             import wandb
 
@@ -53,15 +66,27 @@ class MetricWriter:
                 k: v if isinstance(v, (bool, int, float, str)) else str(v)
                 for k, v in vars(args).items()
             }
+            save_dir = args.wandb_save_dir
+            if save_dir is None and args.save is not None:
+                save_dir = os.path.join(args.save, "wandb")  # Megatron-LM's default
             self.wandb_run = wandb.init(
-                project=args.wandb_project, name=args.wandb_exp_name, config=config
+                dir=save_dir,
+                project=args.wandb_project,
+                entity=args.wandb_entity,
+                name=args.wandb_exp_name,
+                config=config,
             )
 
-    def add_scalars(self, scalars: dict[str, float], iteration: int) -> None:
-        """Writes each named value at step `iteration`."""
+    def add_scalars(
+        self, scalars: dict[str, float], iteration: int, samples: int | None = None
+    ) -> None:
+        """Writes each named value at step `iteration`; given `samples` (the consumed training
+        samples), also to TensorBoard as "<name> vs samples" at that step, as Megatron-LM."""
         if self.tensorboard is not None:
             for name, value in scalars.items():
                 self.tensorboard.add_scalar(name, value, iteration)
+                if samples is not None:
+                    self.tensorboard.add_scalar(f"{name} vs samples", value, samples)
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=iteration)
 
@@ -112,6 +137,7 @@ class TrainingLog:
         seconds: float,
         *,
         last: bool = False,
+        loss_scale: float = 1.0,
     ) -> None:
         """Adds one training iteration; logs the line when `iteration` ends an interval.
 
@@ -119,11 +145,12 @@ class TrainingLog:
             iteration: its number, from 1.
             losses: its reported losses (averaged over microbatches and ranks).
             skipped: whether its optimizer step was skipped.
-            grad_norm: its global gradient norm.
+            grad_norm: its global gradient norm (None: fp16's loss scaler skipped the step).
             learning_rate: the learning rate after its schedule step.
             seconds: how long it took.
             last: it is the last iteration of training: log the interval so far even when it
                 is shorter than `--log-interval`.
+            loss_scale: the loss scale after its step (1.0 without loss scaling).
         """
         interval = self.interval
         interval.iterations += 1
@@ -138,16 +165,51 @@ class TrainingLog:
             for key, value in losses.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
-            scalars = {"learning-rate": learning_rate, "grad-norm": grad_norm, **losses}
-            self.writer.add_scalars(scalars, iteration)
+            self._write_iteration_scalars(iteration, losses, grad_norm, learning_rate, loss_scale)
         if last or iteration % self.args.log_interval == 0:
-            print_rank_0(self._format_line(iteration, grad_norm, learning_rate))
-            self.writer.add_scalars(
-                {"iteration-time": interval.seconds / interval.iterations}, iteration
-            )
+            print_rank_0(self._format_line(iteration, grad_norm, learning_rate, loss_scale))
+            if self.args.log_timers_to_tensorboard:
+                seconds_per_iteration = interval.seconds / interval.iterations
+                timers = {"iteration-time": seconds_per_iteration}
+                if self.args.log_throughput:
+                    timers["throughput"] = self._tflops_per_gpu(seconds_per_iteration)
+                self.writer.add_scalars(timers, iteration)
             self.interval = _Interval()
 
-    def _format_line(self, iteration: int, grad_norm: float, learning_rate: float) -> str:
+    def _write_iteration_scalars(
+        self,
+        iteration: int,
+        losses: dict[str, float],
+        grad_norm: float | None,
+        learning_rate: float,
+        loss_scale: float,
+    ) -> None:
+        """One iteration's TensorBoard / wandb scalars, under Megatron-LM's tag names."""
+        args = self.args
+        scalars = {"learning-rate": learning_rate, "batch-size": args.global_batch_size, **losses}
+        if args.log_loss_scale_to_tensorboard:
+            scalars["loss-scale"] = loss_scale
+        if args.log_world_size_to_tensorboard:
+            scalars["world-size"] = args.world_size
+        if grad_norm is not None:
+            scalars["grad-norm"] = grad_norm
+        self.writer.add_scalars(scalars, iteration, samples=args.consumed_train_samples)
+        if args.log_memory_to_tensorboard and self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            memory = {
+                "mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"],
+            }
+            self.writer.add_scalars(memory, iteration)
+
+    def _tflops_per_gpu(self, seconds_per_iteration: float) -> float:
+        return self.flops_per_iteration / seconds_per_iteration / self.args.world_size / 1e12
+
+    def _format_line(
+        self, iteration: int, grad_norm: float | None, learning_rate: float, loss_scale: float
+    ) -> str:
         args, interval = self.args, self.interval
         seconds_per_iteration = interval.seconds / interval.iterations
         tokens = args.global_batch_size * args.seq_length
@@ -168,8 +230,11 @@ class TrainingLog:
             f"{k}: {v / (interval.iterations - interval.skipped):.6E}"
             for k, v in interval.loss_sums.items()
         ]
+        # Megatron-LM's fields: the loss scale always, the grad norm when the step took one.
+        fields.append(f"loss scale: {loss_scale:.1f}")
+        if grad_norm is not None:
+            fields.append(f"grad norm: {grad_norm:.3f}")
         fields += [
-            f"grad norm: {grad_norm:.3f}",
             f"number of skipped iterations: {interval.skipped:3d}",
             f"number of nan iterations: {interval.nan:3d}",
         ]
@@ -200,7 +265,15 @@ class TrainingLog:
         line = " | ".join(fields)
         rule = "-" * (len(line) + 1)
         print_rank_0(f"{rule}\n{line}\n{rule}")
-        self.writer.add_scalars({f"{key} {split}": v for key, v in losses.items()}, iteration)
+        samples = self.args.consumed_train_samples
+        self.writer.add_scalars(
+            {f"{key} {split}": v for key, v in losses.items()}, iteration, samples=samples
+        )
+        if self.args.log_validation_ppl_to_tensorboard:
+            perplexities = {
+                f"{key} {split} ppl": math.exp(min(20.0, v)) for key, v in losses.items()
+            }
+            self.writer.add_scalars(perplexities, iteration, samples=samples)
 
     def close(self) -> None:
         """Closes the TensorBoard / wandb runs."""

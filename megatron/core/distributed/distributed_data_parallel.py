@@ -20,6 +20,11 @@ only when an optimizer holding the parameter steps, through torch's global step 
 stock torch optimizer over `module.parameters()` trains the model as Megatron's does. Torch's
 semantics hold for it: a `.grad` dropped by `zero_grad()` starts afresh at the next backward,
 one left in place accumulates.
+
+With `use_distributed_optimizer` each bucket is reduce-scattered instead (`BucketShards`): only
+this rank's rows of each parameter get their reduced gradient (`grad_shard()`), no `.grad` is
+handed out, and `get_megatron_optimizer` builds a `DistributedOptimizer`, which steps those rows
+(`param_shard()`) and calls `start_param_sync(force_sync=True)` to all-gather the parameters.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from megatron.core.distributed.data_parallel_base import (
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
+from megatron.core.distributed.bucket_shards import BucketShards
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -120,6 +126,7 @@ class DistributedDataParallel(_BaseDataParallel):
                 self.data_parallel_group,
                 ddp_config.average_in_collective,
                 ddp_config.check_for_nan_in_grad,
+                shard_buckets=ddp_config.use_distributed_optimizer,
             )
             for dtype, group_params in by_dtype.items()
         ]
@@ -224,7 +231,9 @@ class DistributedDataParallel(_BaseDataParallel):
                 )
         for bucket in self.buckets:
             bucket.finish_reduce()
-        self._hand_out_grads()
+        # Sharded, the whole reduced gradients exist nowhere: there is no `.grad` to hand out.
+        if not self.ddp_config.use_distributed_optimizer:
+            self._hand_out_grads()
 
     @torch.no_grad()
     def _hand_out_grads(self) -> None:
@@ -250,12 +259,38 @@ class DistributedDataParallel(_BaseDataParallel):
             self._handed.add(param)
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiplies every `main_grad` by `scaling_factor`."""
+        """Multiplies every `main_grad` (and reduced gradient shard) by `scaling_factor`."""
         for buffer in self.buffers:
             buffer.data.mul_(scaling_factor)
+        for bucket in self.buckets:
+            if bucket.shards is not None:
+                bucket.shards.scale(scaling_factor)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
-        """Nothing to do: every rank steps the full, replicated parameters."""
+        """With the distributed optimizer and `force_sync`, all-gathers every parameter from
+        the rows each rank updated (`param_shard()`); the optimizer calls it after its step.
+        Otherwise nothing to do: every rank holds whole, identical parameters between steps."""
+        if force_sync and self.ddp_config.use_distributed_optimizer:
+            for bucket in self.buckets:
+                bucket.shards.all_gather_params()
+
+    def _shards_of(self, param: torch.nn.Parameter) -> BucketShards:
+        bucket = self._bucket_of[param]
+        if bucket.shards is None:
+            raise RuntimeError(
+                "Parameter shards exist with use_distributed_optimizer=True only "
+                "(--use-distributed-optimizer)."
+            )
+        return bucket.shards
+
+    def param_shard(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's rows of `param` (a view; dim-0 chunk `rank` of N, possibly empty): what
+        the distributed optimizer updates, and `start_param_sync` gathers from."""
+        return self._shards_of(param).param_shards[param]
+
+    def grad_shard(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The reduced (averaged) gradient of `param_shard(param)`, after `finish_grad_sync()`."""
+        return self._shards_of(param).grads[param]
 
     @torch.no_grad()
     def broadcast_params(self) -> None:

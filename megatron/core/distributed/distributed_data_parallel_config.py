@@ -33,7 +33,14 @@ class DistributedDataParallelConfig:
     """Reduce gradient buckets during backward as they become ready, instead of after it."""
 
     overlap_param_gather: bool = False
-    """Megatron-FSDP: prefetch parameter all-gathers so they overlap compute."""
+    """Megatron-FSDP: prefetch parameter all-gathers so they overlap compute. Accepted with the
+    DDP engine's `use_distributed_optimizer`, whose all-gather still runs after the step."""
+
+    use_distributed_optimizer: bool = False
+    """DDP engine: reduce-scatter gradient buckets instead of all-reducing them, so that
+    `get_megatron_optimizer` builds a distributed optimizer (ZeRO-1/2: main weights and
+    optimizer state sharded over the data-parallel group, parameters all-gathered after each
+    step). Megatron-FSDP accepts it and ignores it: its sharding strategy already shards."""
 
     num_distributed_optimizer_instances: int = 1
     """Number of outer data-parallel replicas (hybrid sharding). Each replica shards over
@@ -144,6 +151,9 @@ class DistributedDataParallelConfig:
     def _check_ddp_only(self) -> None:
         """Rejects Megatron-FSDP options given to the plain DDP engine, which would ignore them."""
         for field in dataclasses.fields(self):
+            # The distributed optimizer gathers parameters too (after its step, not overlapped).
+            if field.name == "overlap_param_gather" and self.use_distributed_optimizer:
+                continue
             if field.name in _FSDP_ONLY_FIELDS and getattr(self, field.name) != field.default:
                 raise ValueError(
                     f"DistributedDataParallelConfig.{field.name}={getattr(self, field.name)!r} "

@@ -2,7 +2,8 @@
 
 Each parameter's `main_grad` is a view into one flat buffer per gradient dtype, so a bucket's
 gradients are reduced by a single collective on a contiguous slice, and zeroing or scaling all
-gradients is one kernel.
+gradients is one kernel. With the distributed optimizer a bucket is reduce-scattered instead,
+into its `BucketShards` (this rank's rows of each parameter).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.distributed.bucket_shards import BucketShards
 
 
 class GradBucket:
@@ -23,6 +26,8 @@ class GradBucket:
         group: the data-parallel process group to reduce over.
         average_in_collective: average with ReduceOp.AVG where the backend has it.
         check_for_nan_in_grad: raise before communicating a gradient with NaN/Inf.
+        shards: reduce-scatter into these shards instead of all-reducing (the distributed
+            optimizer); None to all-reduce.
     """
 
     def __init__(
@@ -32,9 +37,11 @@ class GradBucket:
         group: dist.ProcessGroup,
         average_in_collective: bool,
         check_for_nan_in_grad: bool,
+        shards: BucketShards | None = None,
     ):
         self.params = tuple(params)
         self.data = data
+        self.shards = shards
         self.group = group
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self._group_size = dist.get_world_size(group)
@@ -65,7 +72,8 @@ class GradBucket:
         return not self._pending
 
     def start_reduce(self, async_op: bool) -> None:
-        """Launches the all-reduce (returning immediately when `async_op`)."""
+        """Launches the all-reduce, or the reduce-scatter into `shards` (returning immediately
+        when `async_op`)."""
         if self._started:
             return
         if self.check_for_nan_in_grad and not torch.isfinite(self.data).all():
@@ -79,7 +87,10 @@ class GradBucket:
             # Dividing first keeps bf16/fp16 sums in range at large data-parallel sizes.
             self.data.mul_(1.0 / self._group_size)
             op = dist.ReduceOp.SUM
-        self._work = dist.all_reduce(self.data, op=op, group=self.group, async_op=async_op)
+        if self.shards is not None:
+            self._work = self.shards.start_reduce_scatter(op, async_op)
+        else:
+            self._work = dist.all_reduce(self.data, op=op, group=self.group, async_op=async_op)
         self._started = True
 
     def finish_reduce(self) -> None:
@@ -88,12 +99,16 @@ class GradBucket:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self.shards is not None:
+            self.shards.finish()
 
     def reset(self) -> None:
         """Prepares for the next step, first waiting for a reduction still in flight (it would
         otherwise keep writing into the buffer being zeroed)."""
         if self._work is not None:
             self._work.wait()
+        if self.shards is not None:
+            self.shards.finish()
         self._pending = set(self.params)
         self._work = None
         self._started = False
@@ -108,6 +123,7 @@ class GradBuffer:
         bucket_size: maximum elements per bucket (a parameter is never split); None for one
             bucket.
         group, average_in_collective, check_for_nan_in_grad: see `GradBucket`.
+        shard_buckets: give each bucket `BucketShards` over `group` (the distributed optimizer).
     """
 
     def __init__(
@@ -118,18 +134,26 @@ class GradBuffer:
         group: dist.ProcessGroup,
         average_in_collective: bool,
         check_for_nan_in_grad: bool,
+        shard_buckets: bool = False,
     ):
         numel = sum(p.numel() for p in params)
         self.dtype = dtype
         self.data = torch.zeros(numel, dtype=dtype, device=params[0].device)
         self.main_grads: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.buckets: list[GradBucket] = []
-        make_bucket = functools.partial(
+        make_grad_bucket = functools.partial(
             GradBucket,
             group=group,
             average_in_collective=average_in_collective,
             check_for_nan_in_grad=check_for_nan_in_grad,
         )
+
+        def make_bucket(params: list[torch.nn.Parameter], data: torch.Tensor) -> GradBucket:
+            shards = None
+            if shard_buckets:
+                shards = BucketShards(params, [self.main_grads[p] for p in params], group)
+            return make_grad_bucket(params, data, shards=shards)
+
         bucket_params: list[torch.nn.Parameter] = []
         bucket_start = offset = 0
         for param in params:

@@ -75,7 +75,13 @@ class TENorm:
         require_te()
         kind = resolve_normalization(config, normalization)
         norm_cls = te.LayerNorm if kind == "LayerNorm" else te.RMSNorm
-        return norm_cls(hidden_size, eps=eps, params_dtype=config.params_dtype, device=_te_device())
+        return norm_cls(
+            hidden_size,
+            eps=eps,
+            params_dtype=config.params_dtype,
+            device=_te_device(),
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
+        )
 
 
 class TELinear(te.Linear if HAVE_TE else torch.nn.Module):
@@ -152,6 +158,7 @@ class TELayerNormLinear(te.LayerNormLinear if HAVE_TE else torch.nn.Module):
             eps=config.layernorm_epsilon,
             bias=bias,
             normalization=config.normalization,
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
             return_bias=te_return_bias,
             init_method=init_method,
             params_dtype=config.params_dtype,

@@ -56,7 +56,11 @@ class FusedLayerNorm:
             )
         # Imported here: megatron.core.transformer imports this module, so a module-level import
         # would be circular.
-        from megatron.core.transformer.torch_norm import resolve_normalization
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm, resolve_normalization
+
+        if config.layernorm_zero_centered_gamma:
+            # apex's modules have no zero-centred weight; PyTorch's kernels do the same maths.
+            return WrappedTorchNorm(config, hidden_size, eps, normalization)
 
         kind = resolve_normalization(config, normalization)
         norm_cls = ApexFusedLayerNorm if kind == "LayerNorm" else ApexFusedRMSNorm

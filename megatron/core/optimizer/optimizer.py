@@ -44,6 +44,11 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer.grad_scaler import (
+    MegatronGradScaler,
+    get_grad_scaler,
+    unscale_and_check_for_inf,
+)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
@@ -64,17 +69,23 @@ class MegatronOptimizer:
         model: what the parameters belong to: a `DistributedDataParallel` or
             `FullyShardedDataParallel` wrapper, a module with `fully_shard()` units, or a plain
             module (one process: its `.grad`s are taken as they are).
+        grad_scaler: the loss scaling of fp16 training (see `grad_scaler.py`), or None.
 
     Without Megatron-FSDP, the parameters of `optimizer` that are not fp32 are replaced in its
     parameter groups by fp32 master copies, which it steps from then on.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, model: torch.nn.Module
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        model: torch.nn.Module,
+        grad_scaler: MegatronGradScaler | None = None,
     ):
         self.optimizer = optimizer
         self.config = config
         self.model = model
+        self.grad_scaler = grad_scaler
         self._is_fsdp = bool(fsdp_roots(model))
         # Model parameter -> what the torch optimizer steps: an fp32 master copy, or itself.
         self._main_params: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -93,6 +104,14 @@ class MegatronOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """The torch optimizer's parameter groups (a scheduler sets `lr`, `weight_decay`)."""
         return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (1.0 without loss scaling)."""
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the loss scale, to call backward on (Megatron-LM's name)."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
 
     def get_main_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer steps with, one per parameter that has one.
@@ -136,15 +155,27 @@ class MegatronOptimizer:
         gradient norm is inf or nan (the same decision on every rank). A skipped step leaves
         the gradients as they are: the loop's `zero_grad_buffer()` / `zero_grad()` drop them.
 
+        With a grad scaler the main gradients are first divided by the loss scale; if any is
+        inf or nan on any rank, the step is skipped on every rank and the scaler lowers the
+        scale (Megatron-LM's `MixedPrecisionOptimizer`), before any norm is taken.
+
         Returns:
             (update_successful, grad_norm, num_zeros_in_grad): whether the parameters were
-            updated, the global gradient norm before clipping, and the number of zero gradient
-            elements (None unless `config.log_num_zeros_in_grad`).
+            updated, the global gradient norm before clipping (None when the loss scaler
+            skipped the step, as Megatron-LM's), and the number of zero gradient elements
+            (None unless `config.log_num_zeros_in_grad`, or when the loss scaler skipped).
         """
         self.finish_grad_sync()
         assigned = [] if self._is_fsdp else self._set_main_grads()
         try:
             grads = self.get_main_grads()
+            if self.grad_scaler is not None:
+                found_inf = unscale_and_check_for_inf(
+                    grads, self.grad_scaler.inv_scale, self._flag_device()
+                )
+                self.grad_scaler.update(found_inf)
+                if found_inf:
+                    return False, None, None
             grad_norm = get_grad_norm_fp32(grads)
             num_zeros = count_zeros_fp32(grads) if self.config.log_num_zeros_in_grad else None
             if not math.isfinite(grad_norm):
@@ -152,9 +183,7 @@ class MegatronOptimizer:
             if self.config.clip_grad > 0.0:
                 clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
             self.optimizer.step()
-            masters = self._masters
-            if masters:
-                torch._foreach_copy_([p for p, _ in masters], [m for _, m in masters])
+            self._copy_main_params_to_model_params()
         finally:
             # The step consumed the gradients: the `.grad` the DDP engine handed out (views of
             # `main_grad`) and the masters' are dropped, as `zero_grad()` would.
@@ -164,6 +193,16 @@ class MegatronOptimizer:
                 for param in self._main_params:
                     param.grad = None
         return True, grad_norm, num_zeros
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """Writes the stepped fp32 masters back into the model's parameters (Megatron-LM's
+        name); `DistributedOptimizer` overrides it to write its shards and all-gather."""
+        if self._masters:
+            torch._foreach_copy_([p for p, _ in self._masters], [m for _, m in self._masters])
+
+    def _flag_device(self) -> torch.device:
+        """Where the overflow flag is reduced: the model's device (NCCL reduces CUDA tensors)."""
+        return next(self.model.parameters()).device
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' `.grad`; the DDP engine's `main_grad` buffers are zeroed by
@@ -183,11 +222,14 @@ class MegatronOptimizer:
         shards, as plain tensors when it steps local shards), plus, where the optimizer keeps
         fp32 masters of non-fp32 parameters, `"fp32_from_fp16_params"`: the masters (Megatron's
         key), in the order of the optimizer's parameters. They are the weights training goes on
-        from: the model's bf16 parameters are only their rounded copies."""
+        from: the model's bf16 parameters are only their rounded copies. With a grad scaler,
+        `"grad_scaler"`: its state (Megatron-LM's key)."""
         state_dict = self.optimizer.state_dict()
         masters = self._masters
         if masters:
             state_dict["fp32_from_fp16_params"] = [main for _, main in masters]
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         return state_dict
 
     def reload_model_params(self) -> None:
@@ -224,7 +266,8 @@ class MegatronOptimizer:
             the per-element states are DTensors placed like the main weight, scalars such as
             Adam's `step` plain tensors); `"fp32_from_fp16_params"`: name -> fp32 master, where
             the optimizer keeps masters; `"param_groups"`: the hyperparameters of each group,
-            with the names of its parameters (no tensors: saved apart from them).
+            with the names of its parameters (no tensors: saved apart from them); with a
+            dynamic loss scaler, `"grad_scaler"`: its state (the same on every rank).
         """
         names = self._parameter_names()
         held = self._held()
@@ -249,7 +292,10 @@ class MegatronOptimizer:
             for group in self.optimizer.param_groups
         ]
         masters = {names[id(main)][0]: main for _, main in self._masters}
-        return {"state": state, "fp32_from_fp16_params": masters, "param_groups": param_groups}
+        sharded = {"state": state, "fp32_from_fp16_params": masters, "param_groups": param_groups}
+        if self.grad_scaler is not None and self.grad_scaler.state_dict():
+            sharded["grad_scaler"] = self.grad_scaler.state_dict()
+        return sharded
 
     def sharded_state_dict_for_loading(
         self, saved: Mapping[tuple[str, ...], SavedTensor]
@@ -273,10 +319,16 @@ class MegatronOptimizer:
         masters = {names[id(main)][0]: main for _, main in self._masters}
         state: dict[str, dict[str, torch.Tensor]] = {}
         loaded_masters = {}
+        scaler: dict[str, torch.Tensor] = {}
         unknown, foreign_masters = [], []
         for path, (size, dtype) in saved.items():
             kind, name = path[0], path[1]
-            if kind == "state" and name in held:
+            if kind == "grad_scaler":
+                # Loaded where this optimizer scales dynamically; else left (Megatron-LM's
+                # rule: a constant --loss-scale or bf16 run ignores a saved scaler).
+                if self.grad_scaler is not None and self.grad_scaler.state_dict():
+                    scaler[name] = torch.empty(size, dtype=dtype)
+            elif kind == "state" and name in held:
                 state.setdefault(name, {})[path[2]] = _empty_sharded(
                     size, dtype, held[name], params[name]
                 )
@@ -315,7 +367,10 @@ class MegatronOptimizer:
                 "precision it was saved with, or pass --no-load-optim to load the model's "
                 "weights only."
             )
-        return {"state": state, "fp32_from_fp16_params": loaded_masters}
+        loading = {"state": state, "fp32_from_fp16_params": loaded_masters}
+        if scaler:
+            loading["grad_scaler"] = scaler
+        return loading
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads what `sharded_state_dict()` saved, resharded (the tensors of
@@ -339,6 +394,9 @@ class MegatronOptimizer:
             for name, values in state_dict["state"].items()
         }
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        # A checkpoint without one (saved from bf16 or fp32) leaves the scaler as built.
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def check_param_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Checks the parameter groups `sharded_state_dict()` saved against this optimizer's,
@@ -403,6 +461,9 @@ class MegatronOptimizer:
         """
         state_dict = dict(state_dict)
         saved = state_dict.pop("fp32_from_fp16_params", [])
+        scaler_state = state_dict.pop("grad_scaler", None)
+        if self.grad_scaler is not None and scaler_state is not None:
+            self.grad_scaler.load_state_dict(scaler_state)
         masters = [main for _, main in self._masters]
         if len(saved) != len(masters):
             raise ValueError(
@@ -446,21 +507,42 @@ def _empty_sharded(
     return torch.empty(size, dtype=dtype, device=device)
 
 
-def get_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+EMBEDDING_OR_OUTPUT_WEIGHTS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""Name endings of the parameters Megatron-LM marks `is_embedding_or_output_parameter`: the
+word embeddings and the (untied) output layer, which `--decoupled-lr` gives their own rate."""
+
+
+def get_param_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+) -> list[dict[str, Any]]:
     """The trainable parameters split into a decayed and a non-decayed group (Megatron's default
-    rule: biases and 1-D parameters, i.e. norm weights, get no weight decay).
+    rule: biases and 1-D parameters, i.e. norm weights, get no weight decay), and with
+    `decoupled_lr` the word embeddings and output layer into groups of their own.
 
     Each group has `wd_mult` (1.0 or 0.0), by which `OptimizerParamScheduler` multiplies its
-    weight decay. Empty groups are left out.
+    weight decay; a decoupled group has `max_lr` = `decoupled_lr` (and `min_lr` =
+    `decoupled_min_lr` when given), which the scheduler uses instead of its own. Empty groups
+    are left out.
     """
-    decay, no_decay = [], []
+    decay, no_decay, decoupled_decay, decoupled_no_decay = [], [], [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             no_wd = name.endswith(".bias") or param.ndim == 1
-            (no_decay if no_wd else decay).append(param)
+            if decoupled_lr is not None and name.endswith(EMBEDDING_OR_OUTPUT_WEIGHTS):
+                (decoupled_no_decay if no_wd else decoupled_decay).append(param)
+            else:
+                (no_decay if no_wd else decay).append(param)
+    decoupled = {"max_lr": decoupled_lr}
+    if decoupled_min_lr is not None:
+        decoupled["min_lr"] = decoupled_min_lr
     groups = [
         {"params": decay, "wd_mult": 1.0, "weight_decay": weight_decay},
         {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0},
+        {"params": decoupled_decay, "wd_mult": 1.0, "weight_decay": weight_decay, **decoupled},
+        {"params": decoupled_no_decay, "wd_mult": 0.0, "weight_decay": 0.0, **decoupled},
     ]
     return [group for group in groups if group["params"]]
 
@@ -470,7 +552,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> M
 
     Call it after wrapping the model: under Megatron-FSDP the optimizer steps the local shards
     of the DTensor main weights (`local_main_weights`), grouped by the DTensors' names, and is
-    connected with `fully_shard_optimizer`. Adam uses torch's fused kernel where every
+    connected with `fully_shard_optimizer`; under the DDP engine with
+    `use_distributed_optimizer` it is a `DistributedOptimizer` over this rank's rows. Adam uses torch's fused kernel where every
     parameter allows it; SGD uses torch's default (foreach on GPU).
 
     Args:
@@ -485,12 +568,18 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> M
             "OptimizerConfig.lr is None: set the (initial/maximum) learning rate, e.g. "
             "OptimizerConfig(lr=3e-4)."
         )
-    param_groups = get_param_groups(model, config.weight_decay)
+    # Imported here: the distributed optimizer subclasses MegatronOptimizer.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, main_param_shards
+
+    param_groups = get_param_groups(
+        model, config.weight_decay, config.decoupled_lr, config.decoupled_min_lr
+    )
     is_fsdp = bool(fsdp_roots(model))
-    if is_fsdp:
-        local = local_main_weights(model)
+    main_shards = main_param_shards(model)
+    if is_fsdp or main_shards is not None:
+        mains = local_main_weights(model) if is_fsdp else main_shards
         for group in param_groups:
-            group["params"] = [local[param] for param in group["params"]]
+            group["params"] = [mains[param] for param in group["params"]]
     params = [p for group in param_groups for p in group["params"]]
     if not params:
         raise ValueError(
@@ -509,7 +598,10 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> M
         optimizer = torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum)
     if is_fsdp:
         fully_shard_optimizer(optimizer, model)
-    return MegatronOptimizer(optimizer, config, model)
+    if main_shards is not None:
+        return DistributedOptimizer(optimizer, config, model, main_shards, get_grad_scaler(config))
+    return MegatronOptimizer(optimizer, config, model, get_grad_scaler(config))
+
 
 
 def _fusable(param: torch.Tensor) -> bool:

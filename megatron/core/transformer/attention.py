@@ -16,7 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.torch_norm import L2Norm
+from megatron.core.transformer.transformer_config import TransformerConfig, recomputes
 
 
 @dataclass
@@ -27,20 +28,32 @@ class SelfAttentionSubmodules:
         linear_qkv: Input projection to queries, keys and values (may fuse the input norm).
         core_attention: The attention itself (e.g. `DotProductAttention`).
         linear_proj: Output projection back to the hidden size.
+        q_layernorm: Norm of each query head, built when `config.qk_layernorm`.
+        k_layernorm: Norm of each key head, built when `config.qk_layernorm`.
     """
 
     linear_qkv: ModuleSpec | type | None = None
     core_attention: ModuleSpec | type | None = None
     linear_proj: ModuleSpec | type | None = None
+    q_layernorm: ModuleSpec | type | None = None
+    k_layernorm: ModuleSpec | type | None = None
 
 
 class SelfAttention(MegatronModule):
     """Causal self-attention with optional grouped-query attention and rotary embeddings.
 
+    With `config.qk_layernorm` each query and key head is normalised (the spec's
+    `q_layernorm` / `k_layernorm`, over the head width) and with `config.qk_l2_norm` scaled to
+    unit RMS (`L2Norm`), after the projection and before the rotary embedding, as in
+    Megatron-LM.
+
     Args:
         config: The transformer configuration.
-        submodules: Specs of `linear_qkv`, `core_attention` and `linear_proj`.
+        submodules: Specs of `linear_qkv`, `core_attention`, `linear_proj` and the QK norms.
         layer_number: 1-based index of the layer this attention belongs to.
+
+    Raises:
+        ValueError: `config.qk_layernorm` with a spec that has no `q_layernorm`/`k_layernorm`.
     """
 
     def __init__(
@@ -79,6 +92,24 @@ class SelfAttention(MegatronModule):
             bias=config.add_bias_linear,
             skip_bias_add=True,
         )
+        self.q_layernorm, self.k_layernorm = self._build_qk_norms(config, submodules)
+
+    def _build_qk_norms(
+        self, config: TransformerConfig, submodules: SelfAttentionSubmodules
+    ) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+        if config.qk_l2_norm:
+            specs = (L2Norm, L2Norm)
+        elif config.qk_layernorm:
+            specs = (submodules.q_layernorm, submodules.k_layernorm)
+            if None in specs:
+                raise ValueError(
+                    "qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; use "
+                    "get_gpt_layer_local_spec() or set both in SelfAttentionSubmodules."
+                )
+        else:
+            return None, None
+        kwargs = dict(config=config, hidden_size=self.head_dim, eps=config.layernorm_epsilon)
+        return tuple(build_module(spec, **kwargs) for spec in specs)
 
     def get_query_key_value_tensors(
         self, hidden_states: torch.Tensor
@@ -93,6 +124,9 @@ class SelfAttention(MegatronModule):
             mixed_qkv, [heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
         )
         query = query.reshape(*query.shape[:2], self.num_attention_heads, self.head_dim)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+            key = self.k_layernorm(key)
         return query, key, value
 
     def forward(
@@ -113,10 +147,11 @@ class SelfAttention(MegatronModule):
         """
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            interleaved = self.config.rotary_interleaved
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, rotary_interleaved=interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, rotary_interleaved=interleaved)
 
-        if self.config.recompute_granularity == "selective" and self.training:
+        if recomputes(self.config, "core_attn") and self.training:
             # Recompute the attention in backward instead of storing its activations; the RNG
             # state is replayed, so attention dropout draws the same mask again.
             context = checkpoint(

@@ -1,16 +1,30 @@
 """Core attention: softmax(q k^T / sqrt(d)) v over causal (or explicitly masked) positions.
 
-Everything goes through `torch.nn.functional.scaled_dot_product_attention`, which picks the
-flash / memory-efficient kernels on GPU and never materialises the [s, s] score matrix there.
+`config.attention_backend` picks the kernel: `torch.nn.functional.scaled_dot_product_attention`
+with the backend SDPA chooses (`auto`) or the one named (`flash`, `fused` = cuDNN, `unfused` =
+math), or the explicit `local` implementation, which materialises the [s, s] scores and honours
+`attention_softmax_in_fp32` and `apply_query_key_layer_scaling` as Megatron-core's local
+attention does.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+SDPA_BACKENDS: dict[AttnBackend, SDPBackend] = {
+    AttnBackend.flash: SDPBackend.FLASH_ATTENTION,
+    AttnBackend.fused: SDPBackend.CUDNN_ATTENTION,
+    AttnBackend.unfused: SDPBackend.MATH,
+}
+"""The SDPA kernel each named backend pins (`auto` pins none; `local` does not use SDPA)."""
 
 
 class DotProductAttention(MegatronModule):
@@ -48,6 +62,7 @@ class DotProductAttention(MegatronModule):
         self.attention_dropout = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.sdpa_backend = SDPA_BACKENDS.get(config.attention_backend)
 
     def forward(
         self,
@@ -83,14 +98,62 @@ class DotProductAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d] as views: SDPA only needs the last dimension contiguous.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout if self.training else 0.0
-        if attention_mask is None:
-            context = F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout_p, is_causal=True
-            )
+        if self.config.attention_backend == AttnBackend.local:
+            context = self._local_attention(query, key, value, attention_mask, dropout_p)
+        elif self.sdpa_backend is None:
+            context = self._sdpa(query, key, value, attention_mask, dropout_p)
         else:
-            # SDPA's boolean mask marks the positions that take part, Megatron's the opposite.
-            context = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p
-            )
+            with sdpa_kernel(self.sdpa_backend):
+                context = self._sdpa(query, key, value, attention_mask, dropout_p)
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * head_dim)
+
+    @staticmethod
+    def _sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        if attention_mask is None:
+            return F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout_p, is_causal=True
+            )
+        # SDPA's boolean mask marks the positions that take part, Megatron's the opposite.
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p
+        )
+
+    def _local_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """Unfused attention over [b, n, s, d]: scores in the input dtype, softmax in fp32 when
+        `attention_softmax_in_fp32` (or `apply_query_key_layer_scaling`, which needs it)."""
+        scale = 1.0 / math.sqrt(query.shape[-1])
+        coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1.0
+        # Query-key layer scaling divides the scores by the layer number before the softmax
+        # and multiplies it back in fp32, keeping fp16 scores of deep layers in range.
+        scores = torch.matmul(query, key.transpose(-2, -1)) * (scale / coeff)
+        if attention_mask is None:
+            seq_q, seq_k = scores.shape[-2:]
+            attention_mask = torch.ones(
+                seq_q, seq_k, dtype=torch.bool, device=scores.device
+            ).triu(1)
+        softmax_in_fp32 = (
+            self.config.attention_softmax_in_fp32 or self.config.apply_query_key_layer_scaling
+        )
+        if softmax_in_fp32:
+            scores = scores.float()
+        if coeff != 1.0:
+            scores = scores * coeff
+        scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        if dropout_p > 0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs, value)

@@ -1,7 +1,8 @@
 """The decoder stack: `num_layers` transformer layers followed by a final norm.
 
-Full activation recompute (`recompute_granularity="full"`) is applied here, one checkpoint per
-layer, as in Megatron-LM's uniform method with one layer per chunk.
+Full activation recompute (`recompute_granularity="full"`) is applied here, with Megatron-LM's
+two methods: "uniform" checkpoints the layers in chunks of `recompute_num_layers`, "block" the
+first `recompute_num_layers` layers one by one.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ class TransformerBlock(MegatronModule):
     ) -> torch.Tensor:
         """Runs every layer, then the final norm.
 
-        With `recompute_granularity="full"` (in training, with autograd on) each layer is called
-        inside `torch.utils.checkpoint` (non-reentrant): only its input is stored, and the whole
-        layer, forward hooks included, runs again in backward. Dropout masks are replayed.
+        With `recompute_granularity="full"` (in training, with autograd on) the layers of each
+        recompute chunk (`recompute_chunks`) run inside one `torch.utils.checkpoint`
+        (non-reentrant): only the chunk's input is stored, and its layers, forward hooks
+        included, run again in backward. Dropout masks are replayed.
 
         Args:
             hidden_states: [s, b, h].
@@ -115,15 +117,55 @@ class TransformerBlock(MegatronModule):
             and self.training
             and torch.is_grad_enabled()
         )
-        for layer in self.layers:
-            # Layers return Megatron's (hidden_states, context); context is None without
-            # cross-attention, so only the hidden states go on to the next layer.
-            if recompute:
-                hidden_states, _ = checkpoint(
-                    layer, hidden_states, attention_mask, rotary_pos_emb, use_reentrant=False
+        chunks = self.recompute_chunks() if recompute else [(0, len(self.layers), False)]
+        for start, end, checkpointed in chunks:
+            if checkpointed:
+                hidden_states = checkpoint(
+                    self._run_layers,
+                    start,
+                    end,
+                    hidden_states,
+                    attention_mask,
+                    rotary_pos_emb,
+                    use_reentrant=False,
                 )
             else:
-                hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states = self._run_layers(
+                    start, end, hidden_states, attention_mask, rotary_pos_emb
+                )
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+    def recompute_chunks(self) -> list[tuple[int, int, bool]]:
+        """The layers as `(start, end, checkpointed)` runs under full recompute.
+
+        "uniform" (or no method): consecutive chunks of `recompute_num_layers` layers (1 when
+        None), each checkpointed; "block": the first `recompute_num_layers` layers checkpointed
+        one by one, then the rest in one run that stores its activations.
+        """
+        num_layers = len(self.layers)
+        per_chunk = self.config.recompute_num_layers or 1
+        if self.config.recompute_method == "block":
+            chunks = [(i, i + 1, True) for i in range(min(per_chunk, num_layers))]
+            if per_chunk < num_layers:
+                chunks.append((per_chunk, num_layers, False))
+            return chunks
+        return [
+            (start, min(start + per_chunk, num_layers), True)
+            for start in range(0, num_layers, per_chunk)
+        ]
+
+    def _run_layers(
+        self,
+        start: int,
+        end: int,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rotary_pos_emb: torch.Tensor | None,
+    ) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            # Layers return Megatron's (hidden_states, context); context is None without
+            # cross-attention, so only the hidden states go on to the next layer.
+            hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb)
         return hidden_states

@@ -17,9 +17,25 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.enums import AttnBackend
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+"""Values of `recompute_modules` the local layers implement."""
+UNBUILT_RECOMPUTE_MODULES = {
+    "moe_act": "there are no MoE layers",
+    "moe": "there are no MoE layers",
+    "shared_experts": "there are no MoE layers",
+    "mla_up_proj": "there is no multi-latent attention",
+    "gdn_norm_out": "there are no GatedDeltaNet layers",
+    "gdp_in_proj": "there are no GatedDeltaProduct layers",
+    "gdp_qkv": "there are no GatedDeltaProduct layers",
+    "mhc": "there are no hyper-connections",
+}
+"""Upstream's other `recompute_modules` values, and why they do not apply here."""
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -40,6 +56,11 @@ def scaled_init_method_normal(
     variance of the residual stream independent of depth (GPT-2 / Megatron-LM).
     """
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def recomputes(config: TransformerConfig, module: str) -> bool:
+    """Whether selective recompute covers `module` (a `RECOMPUTE_MODULES` value)."""
+    return config.recompute_granularity == "selective" and module in config.recompute_modules
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -77,8 +98,35 @@ class TransformerConfig(ModelParallelConfig):
             `init_method_std` must also pass None for them to be derived again.
         apply_residual_connection_post_layernorm: Take the residual from the output of the
             layer norm instead of its input.
-        recompute_granularity: None, "full" (recompute each whole transformer layer in
-            backward) or "selective" (recompute only the core attention).
+        layernorm_zero_centered_gamma: Zero-centred norm weights (`--apply-layernorm-1p`): the
+            weight is initialised to 0 and the norm multiplies by `1 + weight`.
+        qk_layernorm: Normalise each query and key head (`normalization`, over the head width)
+            after the QKV projection, before the rotary embedding.
+        qk_l2_norm: Llama-4's QK norm instead: each query and key head scaled to unit RMS, with
+            no weight (exclusive with `qk_layernorm`).
+        rotary_interleaved: Rotate pairs of adjacent channels (RoFormer / GPT-J) instead of the
+            first half against the second (GPT-NeoX / Llama).
+        apply_query_key_layer_scaling: Divide the attention scores by the layer number before
+            the softmax and multiply them back inside it, in fp32 (Megatron's fp16 trick; exact
+            in real arithmetic). Read by the `local` attention backend only: the SDPA kernels
+            compute the softmax in fp32 in any case.
+        attention_softmax_in_fp32: Run the attention softmax in fp32 with half-precision inputs
+            (the `local` backend; the SDPA kernels always do, except `unfused` on CUDA).
+        attention_backend: The attention kernel (`AttnBackend`); `auto` lets SDPA choose.
+        recompute_granularity: None, "full" (recompute whole transformer layers in backward, as
+            `recompute_method` says) or "selective" (recompute the `recompute_modules`).
+        recompute_method: With "full": "uniform" (the layers in chunks of `recompute_num_layers`,
+            each chunk one checkpoint) or "block" (the first `recompute_num_layers` layers, one
+            checkpoint each; the rest store their activations). None: every layer on its own
+            (uniform, one layer per chunk); the flags require it, as Megatron-LM's config does.
+        recompute_num_layers: Layers per chunk ("uniform") or layers recomputed ("block").
+        recompute_modules: With "selective": which parts of each layer are recomputed, among
+            `RECOMPUTE_MODULES`; None means `["core_attn"]` (Megatron-LM's default).
+        cross_entropy_loss_fusion: Compute the language-model loss with the chunked
+            cross-entropy (`fused_cross_entropy`), which never holds fp32 logits or
+            probabilities for the whole vocabulary and batch at once.
+        cross_entropy_fusion_impl: "native" (the chunked PyTorch implementation); "te" is
+            refused, as Megatron-LM refuses it (numerically unstable).
         seq_length: Training sequence length, when known when the model is built; lets the
             model check it against its position-embedding table early.
     """
@@ -101,7 +149,19 @@ class TransformerConfig(ModelParallelConfig):
     init_method: Callable[[torch.Tensor], torch.Tensor] | None = None
     output_layer_init_method: Callable[[torch.Tensor], torch.Tensor] | None = None
     apply_residual_connection_post_layernorm: bool = False
+    layernorm_zero_centered_gamma: bool = False
+    qk_layernorm: bool = False
+    qk_l2_norm: bool = False
+    rotary_interleaved: bool = False
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = True
+    attention_backend: AttnBackend = AttnBackend.auto
     recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+    cross_entropy_loss_fusion: bool = False
+    cross_entropy_fusion_impl: str = "native"
     seq_length: int | None = None
 
     def __post_init__(self) -> None:
@@ -145,11 +205,8 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}."
             )
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(
-                f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got "
-                f"{self.recompute_granularity!r}."
-            )
+        self._check_recompute()
+        self._check_attention_options()
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}.")
         if self.seq_length is not None and self.seq_length < 1:
@@ -164,4 +221,72 @@ class TransformerConfig(ModelParallelConfig):
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(
                 self.init_method_std, self.num_layers
+            )
+
+    def _check_recompute(self) -> None:
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got "
+                f"{self.recompute_granularity!r}."
+            )
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(
+                f"recompute_method must be one of {RECOMPUTE_METHODS}, got "
+                f"{self.recompute_method!r}."
+            )
+        if self.recompute_granularity != "full":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} applies to recompute_granularity='full' "
+                        f"only (got {self.recompute_granularity!r}); set it to None."
+                    )
+        if self.recompute_num_layers is not None:
+            _check_positive_int("recompute_num_layers", self.recompute_num_layers)
+            if self.recompute_num_layers > self.num_layers:
+                raise ValueError(
+                    f"recompute_num_layers ({self.recompute_num_layers}) exceeds num_layers "
+                    f"({self.num_layers}); choose a value in [1, {self.num_layers}]."
+                )
+        elif self.recompute_method is not None:
+            raise ValueError(
+                f"recompute_method={self.recompute_method!r} needs recompute_num_layers (layers "
+                "per chunk for 'uniform', layers recomputed for 'block'); set it."
+            )
+        # Megatron-LM's default, filled whatever the granularity (its config does the same).
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        if self.recompute_granularity == "selective":
+            for module in self.recompute_modules:
+                if module in UNBUILT_RECOMPUTE_MODULES:
+                    raise ValueError(
+                        f"recompute_modules value {module!r} is not built here: "
+                        f"{UNBUILT_RECOMPUTE_MODULES[module]}; choose among {RECOMPUTE_MODULES}."
+                    )
+                if module not in RECOMPUTE_MODULES:
+                    raise ValueError(
+                        f"recompute_modules value {module!r} is unknown; choose among "
+                        f"{RECOMPUTE_MODULES}."
+                    )
+
+    def _check_attention_options(self) -> None:
+        if self.qk_layernorm and self.qk_l2_norm:
+            raise ValueError(
+                "qk_layernorm and qk_l2_norm are both set; they are two kinds of QK norm, "
+                "choose one."
+            )
+        if not isinstance(self.attention_backend, AttnBackend):
+            raise ValueError(
+                f"attention_backend must be an AttnBackend, got {self.attention_backend!r}; "
+                f"choose among {[backend.name for backend in AttnBackend]}."
+            )
+        if self.cross_entropy_fusion_impl not in CROSS_ENTROPY_FUSION_IMPLS:
+            raise ValueError(
+                f"cross_entropy_fusion_impl must be one of {CROSS_ENTROPY_FUSION_IMPLS}, got "
+                f"{self.cross_entropy_fusion_impl!r}."
+            )
+        if self.cross_entropy_loss_fusion and self.cross_entropy_fusion_impl == "te":
+            raise ValueError(
+                "cross_entropy_fusion_impl='te' is refused, as in Megatron-LM (Transformer "
+                "Engine's fused cross-entropy is numerically unstable); use 'native'."
             )

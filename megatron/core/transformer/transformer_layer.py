@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig, recomputes
 
 
 @dataclass
@@ -107,14 +108,22 @@ class TransformerLayer(MegatronModule):
         """
         post_norm_residual = self.config.apply_residual_connection_post_layernorm
 
-        normed = self.input_layernorm(hidden_states)
+        normed = self._run(self.input_layernorm, "layernorm", hidden_states)
         residual = normed if post_norm_residual else hidden_states
         output, bias = self.self_attention(
             normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
         hidden_states = self._bias_dropout_add(output, bias, residual)
 
-        normed = self.pre_mlp_layernorm(hidden_states)
+        normed = self._run(self.pre_mlp_layernorm, "layernorm", hidden_states)
         residual = normed if post_norm_residual else hidden_states
-        output, bias = self.mlp(normed)
+        output, bias = self._run(self.mlp, "mlp", normed)
         return self._bias_dropout_add(output, bias, residual), None
+
+    def _run(self, module: torch.nn.Module, name: str, inputs: torch.Tensor):
+        """`module(inputs)`, checkpointed when selective recompute covers `name`: only the input
+        is stored, and the module runs again in backward (non-reentrant, so hooks and the RNG
+        state are replayed)."""
+        if recomputes(self.config, name) and self.training and torch.is_grad_enabled():
+            return checkpoint(module, inputs, use_reentrant=False)
+        return module(inputs)

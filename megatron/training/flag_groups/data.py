@@ -6,6 +6,10 @@ import argparse
 
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT
 from megatron.core.datasets.tokenizers import TOKENIZER_TYPES
+from megatron.core.datasets.tokenizers.tiktoken_tokenizer import (
+    DEFAULT_NUM_SPECIAL_TOKENS,
+    PATTERNS,
+)
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +23,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         "WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ... to blend.",
     )
     group.add_argument(
-        "--split", default=DEFAULT_SPLIT, help="Train, validation and test weights of the data."
+        "--split",
+        help=f"Train, validation and test weights of --data-path; None: {DEFAULT_SPLIT}.",
     )
     group.add_argument(
         "--data-cache-path", help="Folder of cached sample indices; None: beside the data."
@@ -63,6 +68,52 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt.")
     group.add_argument(
         "--tokenizer-model",
-        help="SentencePiece .model file, or local HuggingFace tokenizer directory.",
+        help="SentencePiece .model file, .tiktoken / .json rank file (TikTokenizer), or local "
+        "HuggingFace tokenizer directory.",
+    )
+    group.add_argument(
+        "--vocab-extra-ids",
+        type=int,
+        default=0,
+        help="T5's span-masking tokens; only 0 (GPT training adds none).",
+    )
+    group.add_argument(
+        "--tiktoken-pattern", choices=tuple(PATTERNS), help="TikTokenizer's regex; None: v2."
+    )
+    group.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=DEFAULT_NUM_SPECIAL_TOKENS,
+        help="TikTokenizer: ids reserved for special tokens before the BPE ranks.",
+    )
+    group.add_argument(
+        "--tokenizer-special-tokens",
+        "--tiktoken-special-tokens",
+        dest="special_tokens",
+        nargs="+",
+        help="TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
+        "<sep>).",
+    )
+    group.add_argument(
+        "--tokenizer-prompt-format",
+        help="MultimodalTokenizer's prompt format; not built (no multimodal tokenizer).",
     )
     return group
+
+
+def validate_tokenizer(args: argparse.Namespace) -> None:
+    """Refuses the tokenizer flags of features that are not built.
+
+    Raises:
+        ValueError: `--vocab-extra-ids` is not 0, or `--tokenizer-prompt-format` is set.
+    """
+    if args.vocab_extra_ids != 0:
+        raise ValueError(
+            f"--vocab-extra-ids {args.vocab_extra_ids}: T5 span-masking tokens are not built "
+            "(GPT pretraining uses none); drop the flag."
+        )
+    if args.tokenizer_prompt_format is not None:
+        raise ValueError(
+            f"--tokenizer-prompt-format {args.tokenizer_prompt_format}: only Megatron-LM's "
+            "MultimodalTokenizer reads it, which is not built; drop the flag."
+        )

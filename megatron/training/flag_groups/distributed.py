@@ -11,6 +11,25 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.training.configs_from_args import FSDP_DTYPES
 
 
+def validate_distributed_optimizer(args: argparse.Namespace) -> None:
+    """Upstream's rule for `--overlap-param-gather` with the distributed optimizer.
+
+    `--use-distributed-optimizer` with `--use-megatron-fsdp` is accepted and changes nothing
+    (the sharding strategy already says what is sharded); upstream's Megatron-FSDP requires it.
+
+    Raises:
+        ValueError: `--overlap-param-gather` with the DDP engine's distributed optimizer but
+            without `--overlap-grad-reduce`.
+    """
+    if args.use_megatron_fsdp or not args.use_distributed_optimizer:
+        return
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ValueError(
+            "--overlap-param-gather with --use-distributed-optimizer needs --overlap-grad-reduce "
+            "(as in Megatron-LM): add --overlap-grad-reduce or drop --overlap-param-gather."
+        )
+
+
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     """The "distributed" group: parallel sizes and the data-parallel engine."""
     group = parser.add_argument_group(title="distributed")
@@ -30,16 +49,23 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--overlap-grad-reduce", action="store_true", help="Reduce gradients during backward."
     )
     group.add_argument(
-        "--overlap-param-gather", action="store_true", help="Megatron-FSDP: prefetch all-gathers."
+        "--overlap-param-gather",
+        action="store_true",
+        help="Megatron-FSDP: prefetch all-gathers (accepted with --use-distributed-optimizer).",
+    )
+    group.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="DDP engine: shard optimizer state and main weights over data-parallel ranks.",
     )
     group.add_argument("--ddp-bucket-size", type=int, help="DDP engine; None: automatic.")
     group.add_argument("--ddp-average-in-collective", action="store_true", help="ReduceOp.AVG.")
     group.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron-FSDP engine.")
     group.add_argument(
         "--data-parallel-sharding-strategy",
-        default="no_shard",
+        default="optim_grads_params",
         choices=SHARDING_STRATEGIES,
-        help="ZeRO-0/1/2/3.",
+        help="Megatron-FSDP: ZeRO-0/1/2/3 (no_shard/optim/optim_grads/optim_grads_params).",
     )
     group.add_argument(
         "--outer-dp-sharding-strategy",
@@ -87,3 +113,21 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Build on meta; Megatron-FSDP materialises shards.",
     )
+
+
+def validate_distributed(args: argparse.Namespace) -> None:
+    """Refuses a `--data-parallel-sharding-strategy` other than its default without
+    `--use-megatron-fsdp`: the DDP engine does not shard, so the value would be ignored.
+
+    The default (`optim_grads_params`, Megatron-LM's) cannot be told from the same value given
+    explicitly; the DDP engine ignores it, as Megatron-LM's does.
+
+    Raises:
+        ValueError: a sharding strategy is chosen for the DDP engine.
+    """
+    default = "optim_grads_params"
+    if not args.use_megatron_fsdp and args.data_parallel_sharding_strategy != default:
+        raise ValueError(
+            f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
+            "Megatron-FSDP: add --use-megatron-fsdp or drop --data-parallel-sharding-strategy."
+        )

@@ -1,4 +1,8 @@
-"""Model flags: the network's size and shape, and its initialisation."""
+"""Model flags: the network's size and shape, and its initialisation.
+
+`validate_network_options` refuses the position encodings and combinations that are not built
+or that the model would ignore.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,22 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     POSITION_EMBEDDING_TYPES,
 )
 from megatron.core.transformer.transformer_config import NORMALIZATIONS
+
+UPSTREAM_POSITION_EMBEDDING_TYPES = (
+    "learned_absolute",
+    "rope",
+    "yarn",
+    "mrope",
+    "relative",
+    "none",
+)
+"""`--position-embedding-type` values upstream accepts; those not in `POSITION_EMBEDDING_TYPES`
+are refused by `validate_network_options`."""
+_UNBUILT_POSITION_EMBEDDINGS = {
+    "yarn": "YaRN RoPE (the frequency correction multi-latent attention uses)",
+    "mrope": "multimodal RoPE",
+    "relative": "T5-style relative position buckets (an attention bias)",
+}
 
 
 def add_network_size_args(parser: argparse.ArgumentParser) -> None:
@@ -23,19 +43,41 @@ def add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-attention-heads", type=int, help="Number of query heads.")
     group.add_argument("--kv-channels", type=int, help="Head width; None: hidden / heads.")
     group.add_argument("--group-query-attention", action="store_true", help="Use GQA.")
-    group.add_argument("--num-query-groups", type=int, help="Key/value heads with GQA.")
+    group.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=1,
+        help="Key/value heads; read only with --group-query-attention.",
+    )
     group.add_argument(
         "--max-position-embeddings", type=int, help="Learned position rows; None: --seq-length."
     )
     group.add_argument(
         "--position-embedding-type",
         default="learned_absolute",
-        choices=POSITION_EMBEDDING_TYPES,
-        help="Position encoding.",
+        choices=UPSTREAM_POSITION_EMBEDDING_TYPES,
+        help="Position encoding (yarn, mrope, relative: not built).",
     )
     group.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")
     group.add_argument(
         "--rotary-percent", type=float, default=1.0, help="Fraction of head channels RoPE rotates."
+    )
+    group.add_argument(
+        "--rotary-seq-len-interpolation-factor",
+        type=int,
+        help="Divide the RoPE positions by it (linear position interpolation).",
+    )
+    group.add_argument(
+        "--use-rope-scaling", action="store_true", help="Llama 3.x RoPE frequency scaling."
+    )
+    group.add_argument(
+        "--rope-scaling-factor", type=float, default=8.0, help="Llama 3.x RoPE scaling factor."
+    )
+    group.add_argument(
+        "--no-position-embedding",
+        action="store_false",
+        dest="add_position_embedding",
+        help="Deprecated upstream: use --position-embedding-type (accepted with rope only).",
     )
     group.add_argument(
         "--make-vocab-size-divisible-by", type=int, default=128, help="Pad the vocabulary."
@@ -43,13 +85,22 @@ def add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--normalization", default="LayerNorm", choices=NORMALIZATIONS, help="Norm layers."
     )
-    group.add_argument("--norm-epsilon", type=float, default=1e-5, help="Norm epsilon.")
+    group.add_argument(
+        "--norm-epsilon",
+        type=float,
+        default=1e-5,
+        dest="layernorm_epsilon",  # upstream's TransformerConfig field
+        help="Norm epsilon.",
+    )
     group.add_argument(
         "--apply-residual-connection-post-layernorm",
         action="store_true",
         help="Residual from the layer norm's output instead of its input.",
     )
     group.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated, SiLU).")
+    group.add_argument(
+        "--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU."
+    )
     group.add_argument(
         "--disable-bias-linear",
         action="store_false",
@@ -77,3 +128,44 @@ def add_initialization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--init-method-std", type=float, default=0.02, help="Std of the normal weight init."
     )
+
+
+def validate_network_options(args: argparse.Namespace) -> None:
+    """Checks the position-encoding and activation flags.
+
+    Raises:
+        ValueError: an unbuilt position encoding, a RoPE option without RoPE, a deprecated
+            `--no-position-embedding` without RoPE, or two MLP activations.
+    """
+    kind = args.position_embedding_type
+    if kind in _UNBUILT_POSITION_EMBEDDINGS:
+        raise ValueError(
+            f"--position-embedding-type {kind}: {_UNBUILT_POSITION_EMBEDDINGS[kind]} is not "
+            f"built; use one of {', '.join(POSITION_EMBEDDING_TYPES)}."
+        )
+    if not args.add_position_embedding and kind != "rope":
+        # Megatron-LM refuses it the same way: the flag predates --position-embedding-type.
+        raise ValueError(
+            "--no-position-embedding is deprecated; use --position-embedding-type none (or "
+            "rope) instead."
+        )
+    for dest, given in (
+        ("use_rope_scaling", args.use_rope_scaling),
+        ("rotary_seq_len_interpolation_factor", args.rotary_seq_len_interpolation_factor),
+    ):
+        if given and kind != "rope":
+            name = "--" + dest.replace("_", "-")
+            raise ValueError(
+                f"{name} applies to --position-embedding-type rope, not {kind}; add "
+                f"--position-embedding-type rope or drop {name}."
+            )
+    if args.rope_scaling_factor <= 0:
+        raise ValueError(f"--rope-scaling-factor {args.rope_scaling_factor} must be > 0.")
+    if args.rotary_seq_len_interpolation_factor is not None:
+        if args.rotary_seq_len_interpolation_factor < 1:
+            raise ValueError(
+                f"--rotary-seq-len-interpolation-factor "
+                f"{args.rotary_seq_len_interpolation_factor} must be >= 1."
+            )
+    if args.swiglu and args.squared_relu:
+        raise ValueError("--swiglu and --squared-relu are two MLP activations; choose one.")

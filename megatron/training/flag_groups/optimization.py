@@ -58,13 +58,37 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--lr-wsd-decay-iters", type=int, help="WSD annealing iterations.")
     group.add_argument(
+        "--lr-decay-samples", type=int, help="Sample-based --lr-decay-iters; None: --train-samples."
+    )
+    group.add_argument(
+        "--lr-wsd-decay-samples", type=int, help="Sample-based --lr-wsd-decay-iters."
+    )
+    group.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        help="Warmup as a fraction of the decay length (instead of --lr-warmup-iters/-samples).",
+    )
+    group.add_argument(
         "--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup."
+    )
+    group.add_argument(
+        "--lr-warmup-samples", type=int, default=0, help="Samples of linear warmup."
     )
     group.add_argument(
         "--lr-warmup-init", type=float, default=0.0, help="Learning rate warmup starts from."
     )
     group.add_argument(
         "--min-lr", type=float, default=0.0, help="Learning rate never decays below this."
+    )
+    group.add_argument(
+        "--decoupled-lr",
+        type=float,
+        help="Peak learning rate of the word embeddings and the output layer.",
+    )
+    group.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        help="Their --min-lr (needs --decoupled-lr); None: --min-lr.",
     )
     group.add_argument(
         "--override-opt_param-scheduler",
@@ -76,3 +100,108 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="On loading, take the checkpoint's schedule over these flags.",
     )
+
+
+def lr_schedule_steps(args: argparse.Namespace) -> dict[str, float | int | None]:
+    """The schedule's lengths in samples, as Megatron-LM's `get_optimizer_param_scheduler`:
+    iteration flags times `--global-batch-size`, sample flags as given, `--lr-warmup-fraction`
+    of the decay length.
+
+    Returns:
+        `lr_warmup_steps`, `lr_decay_steps`, `wsd_decay_steps` and `wd_incr_steps` of
+        `OptimizerParamScheduler`, whose `step()` then advances by each iteration's global batch.
+    """
+    if args.train_samples is None:
+        batch = args.global_batch_size
+        decay = args.lr_decay_iters * batch
+        warmup = args.lr_warmup_iters * batch
+        wsd = None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * batch
+        wd_incr = args.train_iters * batch
+    else:
+        decay, warmup = args.lr_decay_samples, args.lr_warmup_samples
+        wsd, wd_incr = args.lr_wsd_decay_samples, args.train_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return dict(
+        lr_warmup_steps=warmup, lr_decay_steps=decay, wsd_decay_steps=wsd, wd_incr_steps=wd_incr
+    )
+
+
+_ITERATION_FLAGS = ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters")
+_SAMPLE_FLAGS = ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def validate_lr_schedule(args: argparse.Namespace) -> None:
+    """Checks the schedule's lengths against the training length's unit and derives the decay
+    length (`lr_decay_iters` from `--train-iters`, or `lr_decay_samples` from
+    `--train-samples`). Runs after `train_iters` is known.
+
+    Raises:
+        ValueError: iteration and sample flags mixed; two warmups; a warmup not shorter than
+            the decay; WSD without its annealing length; `--decoupled-min-lr` without
+            `--decoupled-lr`, or out of range.
+    """
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    for dest in _ITERATION_FLAGS if by_samples else _SAMPLE_FLAGS:
+        if getattr(args, dest):
+            raise ValueError(
+                f"{_flag(dest)} counts {other}, but the training length is given in {unit} "
+                f"(--train-{unit}); use {_flag(dest).replace(other, unit)}."
+            )
+    warmup_dest = f"lr_warmup_{unit}"
+    if args.lr_warmup_fraction is not None:
+        if getattr(args, warmup_dest):
+            raise ValueError(
+                f"--lr-warmup-fraction and {_flag(warmup_dest)} are both set; keep one."
+            )
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ValueError(
+                f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1): the warmup "
+                "is part of the decay length."
+            )
+    decay_dest = f"lr_decay_{unit}"
+    if getattr(args, decay_dest) is None:
+        setattr(args, decay_dest, args.train_samples if by_samples else args.train_iters)
+    decay = getattr(args, decay_dest)
+    if decay < 1:
+        raise ValueError(f"{_flag(decay_dest)} must be >= 1, got {decay}.")
+    if args.lr_warmup_fraction is None and not 0 <= getattr(args, warmup_dest) < decay:
+        raise ValueError(
+            f"{_flag(warmup_dest)} {getattr(args, warmup_dest)} must be in [0, "
+            f"{_flag(decay_dest)} {decay}) ({_flag(decay_dest)} defaults to --train-{unit}); "
+            "shorten the warmup or lengthen the decay."
+        )
+    wsd_dest = f"lr_wsd_decay_{unit}"
+    if args.lr_decay_style == "WSD" and (
+        getattr(args, wsd_dest) is None or not 0 < getattr(args, wsd_dest) <= decay
+    ):
+        raise ValueError(
+            f"--lr-decay-style WSD needs {_flag(wsd_dest)} (the annealing phase), at most "
+            f"{_flag(decay_dest)} {decay}."
+        )
+    _validate_decoupled_lr(args)
+
+
+def _validate_decoupled_lr(args: argparse.Namespace) -> None:
+    if args.decoupled_lr is None:
+        if args.decoupled_min_lr is not None:
+            raise ValueError(
+                "--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's "
+                "peak learning rate); add it or drop --decoupled-min-lr."
+            )
+        return
+    if args.decoupled_lr < args.lr_warmup_init:
+        raise ValueError(
+            f"--decoupled-lr {args.decoupled_lr} must be >= --lr-warmup-init "
+            f"{args.lr_warmup_init} (the warmup starts there); change one of them."
+        )
+    if args.decoupled_min_lr is not None and not 0 <= args.decoupled_min_lr <= args.decoupled_lr:
+        raise ValueError(
+            f"--decoupled-min-lr {args.decoupled_min_lr} must be in [0, --decoupled-lr "
+            f"{args.decoupled_lr}]; change --decoupled-min-lr."
+        )

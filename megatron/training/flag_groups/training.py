@@ -1,14 +1,29 @@
-"""Training-loop flags: batch, iterations, recompute, optimizer choice, validation."""
+"""Training-loop flags: batch, iterations, optimizer choice, kernel-fusion switches, validation.
+
+The recompute flags are in `flag_groups.transformer` (they are `TransformerConfig` fields).
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from megatron.core.optimizer.optimizer_config import OPTIMIZERS
+from megatron.training.flag_groups.training_schedule import add_training_schedule_args
+
+
+FUSION_TOGGLES: tuple[tuple[str, str], ...] = (
+    ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+    ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+    ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+    ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+    ("--no-rope-fusion", "apply_rope_fusion"),
+    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+)
+"""Upstream's kernel-fusion switches (flag, dest), all `store_false` (fusion on by default)."""
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
-    """The "training" group: batch sizes, iterations, recompute, optimizer choice."""
+    """The "training" group: batch sizes, iterations, optimizer choice, fusion switches."""
     group = parser.add_argument_group(title="training")
     group.add_argument("--micro-batch-size", type=int, help="Sequences per rank per forward.")
     group.add_argument(
@@ -16,17 +31,50 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--train-iters", type=int, help="Optimizer steps.")
     group.add_argument("--exit-interval", type=int, help="Exit at an iteration divisible by it.")
+    add_training_schedule_args(group)
+    # Kernel-fusion switches: Megatron-LM picks fused CUDA kernels with them. Here the model
+    # runs PyTorch's kernels whatever they say, and no result depends on them: accepted, no-ops.
+    for flag, dest in FUSION_TOGGLES:
+        group.add_argument(flag, action="store_false", dest=dest, help="Accepted; a no-op here.")
     group.add_argument(
-        "--recompute-granularity", choices=("full", "selective"), help="Activation recompute."
+        "--use-mcore-models",
+        action="store_true",
+        dest="deprecated_use_mcore_models",
+        help="Deprecated upstream (Megatron-core models are the only ones); a no-op.",
     )
-    group.add_argument("--recompute-method", choices=("uniform", "block"), help="Only uniform.")
-    group.add_argument("--recompute-num-layers", type=int, help="Layers per chunk; only 1.")
     group.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="adam is AdamW.")
     group.add_argument(
         "--check-for-nan-in-loss-and-grad",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Raise on a NaN/Inf loss or global gradient norm.",
+    )
+    group.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="Turn Python's automatic garbage collector off; collect at evaluations and every "
+        "--manual-gc-interval iterations, at the same point on every rank.",
+    )
+    group.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="Iterations between collections with --manual-gc; 0: only around evaluations.",
+    )
+    group.add_argument(
+        "--no-manual-gc-eval",
+        "--disable-manual-gc-eval",
+        action="store_false",
+        dest="manual_gc_eval",
+        help="With --manual-gc, do not collect before and after each evaluation.",
+    )
+    group.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="torch.cuda.empty_cache(): 1 after each forward-backward, 2 also after the "
+        "optimizer step (GPU only).",
     )
 
 
@@ -35,5 +83,24 @@ def add_validation_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="validation")
     group.add_argument("--eval-iters", type=int, default=100, help="Iterations per eval.")
     group.add_argument(
-        "--eval-interval", type=int, default=1000, help="Iterations between evaluations."
+        "--eval-interval",
+        type=int,
+        help="Iterations between evaluations; None: only at the end of training.",
     )
+
+
+def validate_training_operations(args: argparse.Namespace) -> None:
+    """Checks the garbage-collection flags.
+
+    Raises:
+        ValueError: `--manual-gc-interval` is negative, or set without `--manual-gc`.
+    """
+    if args.manual_gc_interval < 0:
+        raise ValueError(
+            f"--manual-gc-interval {args.manual_gc_interval} must be at least 0 (0: collect "
+            "only around evaluations)."
+        )
+    if args.manual_gc_interval and not args.manual_gc:
+        raise ValueError(
+            "--manual-gc-interval needs --manual-gc (the automatic collector runs otherwise)."
+        )

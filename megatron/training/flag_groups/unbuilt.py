@@ -181,6 +181,11 @@ def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action="store_true", help=f"Not built: {unbuilt.feature}.")
         for flag in unbuilt.valued:
             group.add_argument(flag, nargs="+", help=f"Not built: {unbuilt.feature}.")
+    group.add_argument(
+        "--rope-type",
+        choices=("rope", "yarn"),
+        help="rope: the RoPE of --position-embedding-type rope; yarn: not built.",
+    )
     for flag, dest in PERFORMANCE_HINTS:
         group.add_argument(flag, action="store_true", dest=dest, help="Accepted; no effect here.")
 
@@ -192,6 +197,11 @@ def validate_unbuilt(args: argparse.Namespace) -> None:
     Raises:
         ValueError: a flag of a feature that is not built is set.
     """
+    if args.rope_type == "yarn":
+        raise ValueError(
+            "--rope-type yarn: YaRN RoPE scaling (multi-latent attention's) is not built in this "
+            "project; use --rope-type rope (or --use-rope-scaling for Llama 3's)."
+        )
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         # As upstream: sequence parallelism splits what tensor parallelism shares, so without
         # it there is nothing to split and the flag changes no result.

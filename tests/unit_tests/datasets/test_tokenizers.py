@@ -53,6 +53,9 @@ def test_tokenizer_types_are_megatron_names():
         "ByteLevelTokenizer",
         "GPT2BPETokenizer",
         "SentencePieceTokenizer",
+        "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer",
+        "TikTokenizer",
         "HuggingFaceTokenizer",
         "NullTokenizer",
     )

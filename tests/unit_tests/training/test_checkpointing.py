@@ -117,7 +117,12 @@ def _train(state: tuple, batches: list) -> list[tuple[dict[str, float], float]]:
         ]
     )
     args = argparse.Namespace(
-        num_microbatches=NUM_MICROBATCHES, check_for_nan_in_loss_and_grad=True
+        num_microbatches=NUM_MICROBATCHES,
+        micro_batch_size=GLOBAL_BATCH // (NUM_MICROBATCHES * world_size),
+        data_parallel_size=world_size,
+        check_for_nan_in_loss_and_grad=True,
+        calculate_per_token_loss=False,
+        empty_unused_memory_level=0,
     )
     results = []
     for _ in batches:

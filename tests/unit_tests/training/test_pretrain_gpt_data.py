@@ -120,5 +120,8 @@ def test_resume_with_another_batch_size_reads_on_from_the_consumed_samples(corpo
     save = ["--save", str(tmp_path / "checkpoints")]
     run_distributed(_history, 2, [*flags, *save, "--exit-interval", "3"])
     flags[flags.index("--global-batch-size") + 1] = "4"
+    # The schedule's lengths are in samples (Megatron-LM's), so another batch size changes them:
+    # keep the flags' schedule, as a Megatron-LM run would have to.
+    flags.append("--override-opt_param-scheduler")
     (resumed,) = run_distributed(_history, 1, [*flags, "--load", str(tmp_path / "checkpoints")])
     assert resumed["start"] == 3 and len(resumed["losses"]) == 3

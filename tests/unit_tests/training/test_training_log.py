@@ -61,7 +61,8 @@ def test_line_averages_the_interval_and_counts_skipped_and_nan_iterations(messag
     assert first == (
         "iteration        2/       4 | consumed samples:           16 | elapsed time per "
         "iteration (ms): 200.0 | tokens/s/GPU: 320.0 | learning rate: 9.000000E-03 | global "
-        "batch size:     8 | lm loss: 3.000000E+00 | grad norm: 0.500 | number of skipped "
+        "batch size:     8 | lm loss: 3.000000E+00 | loss scale: 1.0 | grad norm: 0.500 | "
+        "number of skipped "
         "iterations:   0 | number of nan iterations:   0 | 50.0% done, ETA 0:00:00"
     )
     assert "| lm loss: 1.000000E+00 |" in second  # the skipped iteration's inf left out
@@ -98,7 +99,17 @@ def test_evaluation_box_and_wandb_scalars(messages, monkeypatch):
     (run,) = runs
     assert run.init_kwargs["project"] == "proj" and run.init_kwargs["name"] == "run"
     assert run.logged == [
-        ({"learning-rate": 1e-2, "grad-norm": 1.0, "lm loss": 4.0}, 1),
+        # Megatron-LM's tags: loss scale 1.0 without loss scaling.
+        (
+            {
+                "learning-rate": 1e-2,
+                "batch-size": 8,
+                "lm loss": 4.0,
+                "loss-scale": 1.0,
+                "grad-norm": 1.0,
+            },
+            1,
+        ),
         ({"lm loss validation": 2.0}, 1),
     ]
     assert run.finished

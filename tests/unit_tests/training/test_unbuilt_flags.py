@@ -95,3 +95,9 @@ def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
         "error: --num-experts 4: Mixture of Experts is not built in this project; train a dense "
         "model: drop --num-experts and every --moe-* flag."
     ]
+
+
+def test_rope_type_rope_is_accepted_and_yarn_refused():
+    assert validated("--rope-type", "rope").rope_type == "rope"
+    with pytest.raises(ValueError, match="--rope-type yarn: YaRN RoPE scaling"):
+        validated("--rope-type", "yarn")

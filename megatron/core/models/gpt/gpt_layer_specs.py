@@ -54,6 +54,9 @@ def get_gpt_layer_local_spec(*, normalization: str | None = None) -> ModuleSpec:
                     linear_qkv=Linear,
                     core_attention=DotProductAttention,
                     linear_proj=Linear,
+                    # Built only with config.qk_layernorm.
+                    q_layernorm=norm,
+                    k_layernorm=norm,
                 ),
             ),
             pre_mlp_layernorm=norm,
@@ -81,6 +84,7 @@ def get_gpt_layer_with_transformer_engine_spec() -> ModuleSpec:
     from megatron.core.extensions.transformer_engine import (
         TELayerNormLinear,
         TELinear,
+        TENorm,
         require_te,
     )
 
@@ -95,6 +99,8 @@ def get_gpt_layer_with_transformer_engine_spec() -> ModuleSpec:
                     linear_qkv=TELayerNormLinear,
                     core_attention=DotProductAttention,
                     linear_proj=TELinear,
+                    q_layernorm=TENorm,
+                    k_layernorm=TENorm,
                 ),
             ),
             pre_mlp_layernorm=IdentityOp,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_cross_entropy import fused_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import (
     POSITION_EMBEDDING_TYPES,
     LanguageModelEmbedding,
@@ -47,6 +48,10 @@ class GPTModel(MegatronModule):
         position_embedding_type: "learned_absolute", "rope" or "none".
         rotary_percent: Fraction of each head's channels rotated by RoPE.
         rotary_base: RoPE frequency base.
+        rope_scaling: Llama 3.x's rescaling of the RoPE frequencies.
+        rope_scaling_factor: Its factor (Megatron-LM's default 8).
+        seq_len_interpolation_factor: Divide the RoPE positions by it (linear interpolation);
+            None leaves them. `config.rotary_interleaved` picks the RoPE channel pairing.
 
     Raises:
         ValueError: Inconsistent arguments (see messages).
@@ -65,6 +70,9 @@ class GPTModel(MegatronModule):
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        seq_len_interpolation_factor: float | None = None,
     ):
         super().__init__(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -104,7 +112,13 @@ class GPTModel(MegatronModule):
             )
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
-                config.kv_channels, rotary_percent, rotary_base=rotary_base
+                config.kv_channels,
+                rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
             )
         self.decoder = TransformerBlock(
             config, transformer_layer_spec, post_layer_norm=post_process
@@ -190,11 +204,12 @@ class GPTModel(MegatronModule):
             return logits.transpose(0, 1).contiguous()
 
         seq_len, batch = logits.shape[:2]
+        logits = logits.view(seq_len * batch, -1)
+        labels = labels.t().reshape(seq_len * batch)
         # Cross-entropy in float32 whatever the parameter dtype: bf16 log-softmax over a large
         # vocabulary loses most of the loss's precision.
-        loss = F.cross_entropy(
-            logits.float().view(seq_len * batch, -1),
-            labels.t().reshape(seq_len * batch),
-            reduction="none",
-        )
+        if self.config.cross_entropy_loss_fusion:
+            loss = fused_cross_entropy(logits, labels)
+        else:
+            loss = F.cross_entropy(logits.float(), labels, reduction="none")
         return loss.view(seq_len, batch).t().contiguous()

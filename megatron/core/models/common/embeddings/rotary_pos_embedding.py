@@ -14,6 +14,8 @@ overhead.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -29,15 +31,29 @@ class RotaryEmbedding(torch.nn.Module):
         kv_channels: Width of one attention head.
         rotary_percent: Fraction of each head's channels that is rotated (the rest pass
             through unchanged).
+        rotary_interleaved: Angles laid out for pairs of adjacent channels (`[f0, f0, f1, f1,
+            ...]`) instead of the two halves (`[f0, f1, ..., f0, f1, ...]`).
+        seq_len_interpolation_factor: Divide the positions by it (linear position
+            interpolation); None leaves them.
         rotary_base: Base of the geometric progression of frequencies.
+        rope_scaling: Rescale the frequencies as Llama 3.x does (`llama3_inv_freq`).
+        rope_scaling_factor: Llama 3's `factor` (8 in Llama 3.1).
 
     Raises:
-        ValueError: `rotary_percent` is outside (0, 1] or the rotated width is not a positive
-            even number.
+        ValueError: `rotary_percent` is outside (0, 1], the rotated width is not a positive
+            even number, or a scaling factor is not positive.
     """
 
     def __init__(
-        self, kv_channels: int, rotary_percent: float = 1.0, *, rotary_base: float = 10000
+        self,
+        kv_channels: int,
+        rotary_percent: float = 1.0,
+        *,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: float | None = None,
+        rotary_base: float = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
     ):
         super().__init__()
         if not 0.0 < rotary_percent <= 1.0:
@@ -48,8 +64,18 @@ class RotaryEmbedding(torch.nn.Module):
                 f"kv_channels * rotary_percent = {kv_channels} * {rotary_percent} gives {dim} "
                 "rotated channels; it must be a positive even number, adjust rotary_percent."
             )
+        for name, value in (
+            ("seq_len_interpolation_factor", seq_len_interpolation_factor),
+            ("rope_scaling_factor", rope_scaling_factor),
+        ):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}.")
         self.dim = dim
         self.rotary_base = rotary_base
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.rope_scaling = rope_scaling
+        self.rope_scaling_factor = rope_scaling_factor
 
     def forward(
         self, max_seq_len: int, offset: int = 0, device: torch.device | str | None = None
@@ -68,14 +94,60 @@ class RotaryEmbedding(torch.nn.Module):
         # Always float32: bf16 angles would be off by whole radians at long positions.
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
         inv_freq = 1.0 / (self.rotary_base**exponents)
+        if self.rope_scaling:
+            inv_freq = llama3_inv_freq(inv_freq, self.rope_scaling_factor)
         positions = torch.arange(max_seq_len, dtype=torch.float32, device=device) + offset
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
         freqs = torch.outer(positions, inv_freq)
-        # Megatron's non-interleaved layout: the two halves of the rotated channels form pairs.
-        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.rotary_interleaved:
+            # Adjacent channels form pairs: each angle repeated in place.
+            emb = freqs.repeat_interleave(2, dim=-1)
+        else:
+            # Megatron's default layout: the two halves of the rotated channels form pairs.
+            emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, rotary_base={self.rotary_base}"
+        return (
+            f"dim={self.dim}, rotary_base={self.rotary_base}, "
+            f"rotary_interleaved={self.rotary_interleaved}, rope_scaling={self.rope_scaling}"
+        )
+
+
+def llama3_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.x's rescaling of the RoPE frequencies (Megatron-LM's `_apply_scaling`).
+
+    Wavelengths shorter than `original / high_freq_factor` keep their frequency, those longer
+    than `original / low_freq_factor` are divided by `factor`, and those in between are
+    interpolated linearly in `original / wavelength` between the two.
+
+    Args:
+        inv_freq: Frequencies (radians per position), float32.
+        factor: Division of the low frequencies.
+        low_freq_factor: Bounds the low-frequency band.
+        high_freq_factor: Bounds the high-frequency band.
+        original_max_position_embeddings: Context length the model was pre-trained with.
+
+    Returns:
+        The rescaled frequencies, same shape.
+    """
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -109,20 +181,31 @@ def _compute_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     return torch.cos(freqs).to(dtype), signed_sin.to(dtype)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def apply_rotary_pos_emb(
+    t: torch.Tensor, freqs: torch.Tensor, *, rotary_interleaved: bool = False
+) -> torch.Tensor:
     """Rotates the first `freqs.shape[-1]` channels of `t` by the angles in `freqs`.
 
     Args:
         t: Queries or keys, [s, b, n, d].
-        freqs: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim] with rot_dim <= d.
+        freqs: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim] with rot_dim <= d, laid out
+            as `rotary_interleaved` says.
+        rotary_interleaved: Pairs are adjacent channels (x0, x1), (x2, x3), ... instead of
+            channel i and i + rot_dim / 2.
 
     Returns:
         Tensor like `t`, in `t`'s dtype: `t * cos + rotate_half(t) * sin` on the rotated
-        channels, with `rotate_half(x) = cat(-x2, x1)` over the halves x1, x2 of `x`.
+        channels, with `rotate_half(x) = cat(-x2, x1)` over the halves x1, x2 of `x`, or with
+        `rotary_interleaved` `(-x1, x0, -x3, x2, ...)`.
     """
     rot_dim = freqs.shape[-1]
-    cos, sin = _rotation_tables(freqs, t.dtype)
     partial = rot_dim < t.shape[-1]
     t_rot = t[..., :rot_dim] if partial else t
-    t_rot = t_rot * cos + t_rot.roll(rot_dim // 2, dims=-1) * sin
+    if rotary_interleaved:
+        cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+        rotated = torch.stack((-t_rot[..., 1::2], t_rot[..., ::2]), dim=-1).flatten(-2)
+        t_rot = t_rot * cos + rotated * sin
+    else:
+        cos, sin = _rotation_tables(freqs, t.dtype)
+        t_rot = t_rot * cos + t_rot.roll(rot_dim // 2, dims=-1) * sin
     return torch.cat((t_rot, t[..., rot_dim:]), dim=-1) if partial else t_rot

@@ -1,0 +1,147 @@
+"""The distributed optimizer's sharding of one DDP gradient bucket (`use_distributed_optimizer`).
+
+Megatron-LM's `DistributedOptimizer` gives each data-parallel rank 1/N of every bucket: the
+bucket's gradients are reduce-scattered instead of all-reduced, each rank steps the fp32 main
+weights of its part only, and the updated parameters are all-gathered after the step. This
+module cuts a bucket with Megatron-FSDP's `ShardLayout` (every parameter split along dim 0 into N
+chunks of ceil(rows / N) rows, `torch.chunk`'s and DTensor `Shard(0)`'s chunking), rather than at
+arbitrary element offsets of the flat bucket as Megatron-LM does: then this rank's part of each
+parameter is a row block of it, i.e. the local tensor of a `Shard(0)` DTensor, which a stock
+optimizer steps and `torch.distributed.checkpoint` reshards like Megatron-FSDP's main weights.
+
+One collective per bucket and direction, as Megatron-LM: the gradients are packed into one
+shard-major staging buffer (`copy_chunks_in`, zero-padding short chunks) and reduce-scattered into
+this rank's gradient shard; for the parameters, this rank's row blocks are copied into its block
+of one staging buffer per parameter dtype, all-gathered, and each parameter's chunks copied back
+into it (two row ranges per parameter at most, all in one `_foreach_copy_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, copy_chunks_in
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class BucketShards:
+    """This rank's part of a gradient bucket's parameters and reduced gradients.
+
+    Args:
+        params: the bucket's parameters, in the order their gradients lie in the bucket.
+        main_grads: each parameter's `main_grad` (the bucket's views), in the same order.
+        group: the data-parallel group the bucket is sharded over.
+
+    Raises:
+        ValueError: a parameter has no dimension to shard (0-dim).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        main_grads: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+    ):
+        for param in params:
+            if param.dim() == 0:
+                raise ValueError(
+                    "--use-distributed-optimizer shards parameters along dim 0; a 0-dim "
+                    "parameter cannot be sharded. Give it shape (1,), or drop "
+                    "--use-distributed-optimizer."
+                )
+        self.params = tuple(params)
+        self.main_grads = tuple(main_grads)
+        self.group = group
+        self.rank = group.rank()
+        self.layout = ShardLayout([p.shape for p in params], group.size())
+        self.grad_shard = DBuffer(
+            self.layout, main_grads[0].dtype, main_grads[0].device, sharded=True, rank=self.rank
+        )
+        # Reduced gradient of this rank's rows of each parameter (empty where it holds none).
+        self.grads = dict(zip(self.params, self.grad_shard.local_views()))
+        # This rank's rows of each parameter (views): what the optimizer updates.
+        self.param_shards = {p: p.detach()[self._rows(i)] for i, p in enumerate(self.params)}
+        # The parameters are gathered per dtype: a bucket holds one gradient dtype, and with
+        # grad_reduce_in_fp32 parameters of several dtypes may share it.
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, param in enumerate(self.params):
+            by_dtype.setdefault(param.dtype, []).append(i)
+        self._gathers = [
+            (indices, ShardLayout([self.params[i].shape for i in indices], group.size()))
+            for indices in by_dtype.values()
+        ]
+        self._staging: torch.Tensor | None = None
+
+    def _rows(self, index: int) -> slice:
+        start = self.rank * self.layout.chunk_rows[index]
+        return slice(start, start + self.layout.valid_rows(index, self.rank))
+
+    def start_reduce_scatter(self, op: dist.ReduceOp, async_op: bool) -> dist.Work | None:
+        """Reduces the bucket's `main_grad`s over the group into `grads` (this rank's rows).
+        Call `finish()` once the returned work (if any) is complete."""
+        staging = torch.empty(
+            self.layout.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.data.device
+        )
+        copy_chunks_in(self.main_grads, staging, self.layout)
+        # Kept until finish(): an asynchronous collective still reads it.
+        self._staging = staging
+        return _reduce_scatter_single(
+            self.grad_shard.data, staging, op=op, group=self.group, async_op=async_op
+        )
+
+    def finish(self) -> None:
+        """Frees the reduce-scatter's staging buffer (its collective has completed)."""
+        self._staging = None
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Gives every parameter of the bucket the rows the other ranks hold (`param_shards`,
+        which each rank has just updated), so every rank holds whole, identical parameters."""
+        size = self.group.size()
+        targets, sources = [], []
+        for indices, layout in self._gathers:
+            params = [self.params[i] for i in indices]
+            staging = torch.empty(layout.numel, dtype=params[0].dtype, device=params[0].device)
+            blocks = staging.view(size, layout.shard_numel)
+            own = blocks[self.rank]
+            torch._foreach_copy_(
+                layout.local_views(own, self.rank), [self.param_shards[p] for p in params]
+            )
+            _all_gather_single(staging, own, group=self.group)
+            for j, param in enumerate(params):
+                _chunk_copies(param, blocks, layout, j, targets, sources)
+        torch._foreach_copy_(targets, sources)
+
+    def scale(self, factor: float) -> None:
+        """Multiplies the reduced gradient shard by `factor`."""
+        self.grad_shard.data.mul_(factor)
+
+
+def _chunk_copies(
+    param: torch.Tensor,
+    blocks: torch.Tensor,
+    layout: ShardLayout,
+    index: int,
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+) -> None:
+    """Appends the copies that move tensor `index`'s chunks from a gathered shard-major buffer
+    (`blocks`, N x S) into `param`: the full chunks as one (chunks, chunk numel) block, then the
+    short chunk's real rows; the chunks after it hold padding only."""
+    flat = param.detach().view(-1)
+    start, numel = layout.offsets[index], layout.chunk_numels[index]
+    chunks = blocks[:, start : start + numel]
+    full = param.shape[0] // layout.chunk_rows[index]
+    if full:
+        targets.append(flat[: full * numel].view(full, numel))
+        sources.append(chunks[:full])
+    rest = param.numel() - full * numel
+    if rest:
+        targets.append(flat[full * numel :])
+        sources.append(chunks[full, :rest])

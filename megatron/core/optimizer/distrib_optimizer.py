@@ -1,0 +1,142 @@
+"""`DistributedOptimizer`: Megatron's step over this rank's shard of the DDP engine's parameters.
+
+Megatron-LM's `--use-distributed-optimizer` (ZeRO-1/2) with the DDP engine: every rank still
+holds the whole model and computes whole gradients, but the engine reduce-scatters its gradient
+buckets (`BucketShards`), so each rank receives the averaged gradient of its shard only, and this
+optimizer keeps fp32 main weights and optimizer state for that shard only (1/N of each, plus
+the padding of short chunks). After the step it writes the updated shard into the model's
+parameters and the engine all-gathers them (`start_param_sync(force_sync=True)`), as
+Megatron-LM's `DistributedOptimizer` with `overlap_param_gather` off.
+
+A rank's shard of a parameter is its dim-0 chunk (`torch.chunk`'s and DTensor `Shard(0)`'s
+chunking, Megatron-FSDP's `ShardLayout`) rather than a range of flat elements as in Megatron-LM,
+so its main weight and states are the local tensors of `Shard(0)` DTensors over the
+data-parallel group: the checkpoint holds them as such (`sharded_state_dict`), and
+`torch.distributed.checkpoint` reshards them to another data-parallel size, the plain DDP engine
+or Megatron-FSDP. The torch optimizer steps plain local tensors (no DTensor dispatch); the norm,
+clipping and unscaling read DTensor views of their gradients, whose `Shard(0)` placement makes
+the norm all-reduce the partial sums over the group.
+
+fp32 parameters are their own main weights: the optimizer steps views of this rank's rows of
+them. Others (bf16) get fp32 copies of their rows (`fp32_from_fp16_params` in checkpoints).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+
+def main_param_shards(
+    model: torch.nn.Module,
+) -> dict[torch.nn.Parameter, torch.Tensor] | None:
+    """The fp32 main weights a distributed optimizer over `model` steps: each trainable
+    parameter's rows on this rank (`model.param_shard`), themselves where fp32, else an fp32
+    copy. None unless `model` is the DDP engine with `use_distributed_optimizer`."""
+    if not (
+        isinstance(model, DistributedDataParallel) and model.ddp_config.use_distributed_optimizer
+    ):
+        return None
+    shards = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            rows = model.param_shard(param)
+            shards[param] = rows if param.dtype == torch.float32 else rows.float()
+    return shards
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """Megatron's optimizer step (norm, skip, clip, step) over the DDP engine's parameter
+    shards, then the all-gather of the parameters.
+
+    Args:
+        optimizer: a torch optimizer over the values of `main_shards`.
+        config: see `MegatronOptimizer`.
+        model: the DDP engine, built with `use_distributed_optimizer=True`.
+        main_shards: `main_param_shards(model)`.
+        grad_scaler: see `MegatronOptimizer`.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        model: DistributedDataParallel,
+        main_shards: dict[torch.nn.Parameter, torch.Tensor],
+        grad_scaler: MegatronGradScaler | None = None,
+    ):
+        # The base sees only fp32 tensors, so it keeps no masters of its own.
+        super().__init__(optimizer, config, model, grad_scaler)
+        self._shards = dict(main_shards)
+        group = model.data_parallel_group
+        device = next(iter(self._shards.values())).device
+        # The group's name in the dimension name: DTensor caches sharding decisions by mesh,
+        # and meshes over destroyed groups with the same ranks compare equal otherwise.
+        self._mesh = DeviceMesh.from_group(
+            group, device.type, mesh_dim_names=(f"dp:{group.group_name}",)
+        )
+        self._dtensors = {p: self._as_dtensor(main, p) for p, main in self._shards.items()}
+        # (model parameter, DTensor of its fp32 master shard) where the parameter is not fp32.
+        self._masters = [
+            (p, self._dtensors[p]) for p in self._shards if p.dtype != torch.float32
+        ]
+
+    def _as_dtensor(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
+        """`local`, this rank's rows of a tensor shaped like `param`, as a `Shard(0)` DTensor."""
+        return DTensor.from_local(
+            local,
+            self._mesh,
+            (Shard(0),),
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+    def _set_main_grads(self) -> list[torch.Tensor]:
+        """Gives each main shard the engine's reduced gradient of its rows, in fp32 (a view
+        where it is fp32 already). Returns the main shards, whose `.grad` the step drops."""
+        for param, main in self._shards.items():
+            main.grad = self.model.grad_shard(param).to(main.dtype)
+        return list(self._shards.values())
+
+    def get_main_grads(self) -> list[torch.Tensor]:
+        """The main shards' gradients as `Shard(0)` DTensors (views of them), so the norm
+        counts every element once over the data-parallel group."""
+        return [
+            self._as_dtensor(main.grad, param)
+            for param, main in self._shards.items()
+            if main.grad is not None
+        ]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """Writes the fp32 master shards into the rows of the parameters that have them (fp32
+        parameters were stepped in place), then all-gathers every parameter."""
+        if self._masters:
+            torch._foreach_copy_(
+                [self.model.param_shard(p) for p, _ in self._masters],
+                [self._shards[p] for p, _ in self._masters],
+            )
+        self.model.start_param_sync(force_sync=True)
+
+    def reload_model_params(self) -> None:
+        """Copies this rank's rows of the model's parameters into the fp32 master shards."""
+        with torch.no_grad():
+            for param, _ in self._masters:
+                self._shards[param].copy_(self.model.param_shard(param))
+
+    def _parameter_names(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
+        """id of each main shard and of its DTensor -> (the parameter's name, the DTensor),
+        so the base shards the states like the DTensor (`Shard(0)` over the group)."""
+        names = {}
+        for name, param in self.model.module.named_parameters():
+            if param in self._shards:
+                dtensor = self._dtensors[param]
+                names[id(self._shards[param])] = (name, dtensor)
+                names[id(dtensor)] = (name, dtensor)
+        return names

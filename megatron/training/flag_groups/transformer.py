@@ -1,0 +1,215 @@
+"""Transformer-configuration flags: the `TransformerConfig` fields Megatron-LM generates flags
+for (QK norms, zero-centred norms, RoPE layout, attention backend, activation recompute, the
+fused cross-entropy), and the legacy aliases `--recompute-activations` and `--use-flash-attn`.
+
+`validate_transformer_options` resolves the two aliases and rejects combinations the model would
+ignore or cannot run, naming the flags and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_config import (
+    CROSS_ENTROPY_FUSION_IMPLS,
+    RECOMPUTE_MODULES,
+    UNBUILT_RECOMPUTE_MODULES,
+)
+
+
+def _attn_backend(name: str) -> AttnBackend:
+    """`AttnBackend` by name, as Megatron-LM's generated flag parses it."""
+    try:
+        return AttnBackend[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {name!r} (choose from {', '.join(b.name for b in AttnBackend)})"
+        ) from None
+
+
+def add_transformer_config_args(parser: argparse.ArgumentParser) -> None:
+    """The "transformer configuration" group."""
+    group = parser.add_argument_group(title="transformer configuration")
+    group.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        dest="layernorm_zero_centered_gamma",
+        help="Zero-centred norm weights: initialised to 0, the norm scales by 1 + weight.",
+    )
+    group.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="Normalise each query and key head (--normalization) before RoPE.",
+    )
+    group.add_argument(
+        "--qk-l2-norm", action="store_true", help="Llama-4 QK norm: unit-RMS heads, no weight."
+    )
+    group.add_argument(
+        "--rotary-interleaved",
+        action="store_true",
+        help="RoPE rotates adjacent channel pairs instead of the two halves.",
+    )
+    group.add_argument(
+        "--apply-query-key-layer-scaling",
+        action="store_true",
+        help="Scale Q K^T by 1 / layer number, undone in an fp32 softmax (local backend).",
+    )
+    group.add_argument(
+        "--attention-backend",
+        type=_attn_backend,
+        default=AttnBackend.auto,
+        choices=list(AttnBackend),
+        help="Attention kernel: flash, fused (cuDNN), unfused (SDPA math), local, auto.",
+    )
+    group.add_argument(
+        "--use-flash-attn",
+        action="store_true",
+        help="Legacy alias of --attention-backend flash.",
+    )
+    group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Legacy alias of --recompute-granularity selective.",
+    )
+    group.add_argument(
+        "--recompute-granularity", choices=("full", "selective"), help="Activation recompute."
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        help="Full recompute: chunks of --recompute-num-layers, or the first that many layers.",
+    )
+    group.add_argument(
+        "--recompute-num-layers", type=int, help="Layers per chunk (uniform) or recomputed (block)."
+    )
+    group.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        help=f"Selective recompute: parts of each layer among {', '.join(RECOMPUTE_MODULES)} "
+        "(default core_attn).",
+    )
+    group.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="Chunked cross-entropy: no fp32 logits for the whole vocabulary and batch.",
+    )
+    group.add_argument(
+        "--cross-entropy-fusion-impl",
+        default="native",
+        choices=CROSS_ENTROPY_FUSION_IMPLS,
+        help="native: the chunked PyTorch one; te: refused (unstable, as upstream).",
+    )
+
+
+def validate_transformer_options(args: argparse.Namespace) -> None:
+    """Resolves `--recompute-activations` and `--use-flash-attn` and checks these flags.
+
+    Raises:
+        ValueError: a bad combination, an unbuilt recompute module, or an attention backend this
+            machine cannot run; the message names the flags and the fix.
+    """
+    _validate_recompute(args)
+    _validate_attention_backend(args)
+    if args.qk_layernorm and args.qk_l2_norm:
+        raise ValueError("--qk-layernorm and --qk-l2-norm are two kinds of QK norm; choose one.")
+    if args.rotary_interleaved and args.position_embedding_type != "rope":
+        raise ValueError(
+            f"--rotary-interleaved applies to --position-embedding-type rope, not "
+            f"{args.position_embedding_type}; add --position-embedding-type rope or drop it."
+        )
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        raise ValueError(
+            "--cross-entropy-fusion-impl te is refused, as in Megatron-LM (Transformer Engine's "
+            "fused cross-entropy is numerically unstable); use --cross-entropy-fusion-impl "
+            "native, or omit --cross-entropy-loss-fusion."
+        )
+
+
+def _validate_recompute(args: argparse.Namespace) -> None:
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            raise ValueError(
+                "--recompute-activations means --recompute-granularity selective, but "
+                f"--recompute-granularity {args.recompute_granularity} is given; drop one."
+            )
+        # The legacy alias, resolved as Megatron-LM resolves it; validation stays idempotent.
+        args.recompute_granularity = "selective"
+    granularity = args.recompute_granularity
+    if granularity == "full":
+        if args.recompute_method is None or args.recompute_num_layers is None:
+            raise ValueError(
+                "--recompute-granularity full needs --recompute-method (uniform or block) and "
+                "--recompute-num-layers, as in Megatron-LM; e.g. --recompute-method uniform "
+                "--recompute-num-layers 1 recomputes every layer."
+            )
+        if not 1 <= args.recompute_num_layers <= args.num_layers:
+            raise ValueError(
+                f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers "
+                f"{args.num_layers}]."
+            )
+    else:
+        for dest in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, dest) is not None:
+                name = "--" + dest.replace("_", "-")
+                raise ValueError(
+                    f"{name} applies to --recompute-granularity full only; add it or drop {name}."
+                )
+    if args.recompute_modules is None:
+        return
+    if granularity != "selective":
+        raise ValueError(
+            "--recompute-modules applies to --recompute-granularity selective; add it or drop "
+            "--recompute-modules."
+        )
+    for module in args.recompute_modules:
+        if module in UNBUILT_RECOMPUTE_MODULES:
+            raise ValueError(
+                f"--recompute-modules {module} is not built: {UNBUILT_RECOMPUTE_MODULES[module]}; "
+                f"use {', '.join(RECOMPUTE_MODULES)}."
+            )
+        if module not in RECOMPUTE_MODULES:
+            raise ValueError(
+                f"--recompute-modules {module} is unknown; choose among "
+                f"{', '.join(RECOMPUTE_MODULES)}."
+            )
+
+
+def _validate_attention_backend(args: argparse.Namespace) -> None:
+    if args.use_flash_attn:
+        if args.attention_backend not in (AttnBackend.auto, AttnBackend.flash):
+            raise ValueError(
+                f"--use-flash-attn asks for --attention-backend flash, but --attention-backend "
+                f"{args.attention_backend.name} is given; drop one."
+            )
+        # The legacy alias (Megatron-LM's FlashAttention switch), resolved to the backend.
+        args.attention_backend = AttnBackend.flash
+    backend = args.attention_backend
+    if backend not in (AttnBackend.flash, AttnBackend.fused):
+        return
+    spelled = f"--attention-backend {backend.name}"
+    if args.use_flash_attn:
+        spelled = "--use-flash-attn"
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{spelled} needs a CUDA GPU, which is not available; use --attention-backend auto "
+            "(or local / unfused)."
+        )
+    if backend == AttnBackend.flash and not torch.backends.cuda.is_flash_attention_available():
+        raise ValueError(
+            f"{spelled}: this PyTorch build has no FlashAttention SDPA kernel; use "
+            "--attention-backend auto or fused."
+        )
+    if not args.bf16:
+        raise ValueError(
+            f"{spelled}: the {backend.name} SDPA kernel runs in half precision only; add --bf16 "
+            "or use --attention-backend auto."
+        )
+    limit = 256
+    if args.kv_channels is not None and args.kv_channels > limit:
+        raise ValueError(
+            f"{spelled}: head width --kv-channels {args.kv_channels} exceeds the kernel's "
+            f"{limit}; use --attention-backend auto."
+        )

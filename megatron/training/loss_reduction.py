@@ -1,0 +1,52 @@
+"""How an iteration's losses and gradients are reduced over its microbatches and the
+data-parallel ranks: the reported losses (means, or Megatron-LM's `[sum, count]` pairs), and
+`--calculate-per-token-loss`'s division of the gradients by the global batch's token count."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.training.utils import average_losses_across_data_parallel_group
+
+
+def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Averages each reported loss over the microbatches, then the data-parallel ranks.
+
+    A value of two elements is Megatron-LM's `[sum, count]` (`--calculate-per-token-loss`):
+    its sums and counts are added over microbatches and ranks, and the result is sum / count.
+    One all-reduce for all the losses.
+    """
+    keys = list(loss_dicts[0])
+    pairs = {key for key in keys if loss_dicts[0][key].numel() == 2}
+    means, totals = [], []
+    for key in keys:
+        values = torch.stack([d[key].detach().float().reshape(-1) for d in loss_dicts])
+        (totals if key in pairs else means).append(
+            values.sum(dim=0) if key in pairs else values.mean(dim=0)
+        )
+    # Averaging the sums and counts over ranks leaves their ratio unchanged.
+    reduced = average_losses_across_data_parallel_group(torch.cat([*means, *totals]))
+    mean_keys = [key for key in keys if key not in pairs]
+    result = dict(zip(mean_keys, reduced[: len(mean_keys)].tolist()))
+    pair_values = reduced[len(mean_keys) :].view(-1, 2)
+    for key, (total, count) in zip([k for k in keys if k in pairs], pair_values.tolist()):
+        result[key] = total / count
+    return {key: result[key] for key in keys}
+
+
+def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:
+    """`--calculate-per-token-loss`: the reduced gradients (the data-parallel mean of each rank's
+    summed losses' gradients) become the gradient of the global batch's loss per token."""
+    if num_tokens is None:
+        raise RuntimeError(
+            "--calculate-per-token-loss needs the loss function to return (loss, num_tokens, "
+            "report), the loss summed over num_tokens tokens; drop the flag or return the count."
+        )
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    total = num_tokens.detach().float().clone()
+    dist.all_reduce(total, group=group)
+    # The engines average over the group: times its size undoes that, before dividing.
+    model.scale_gradients(dist.get_world_size(group) / max(total.item(), 1.0))

@@ -1,0 +1,207 @@
+"""Operations flags: the profiler writes traces of the given steps on the given ranks, manual
+garbage collection runs where Megatron-LM's does, TensorBoard scalars are written under
+Megatron-LM's tag names, `--logging-level` applies, and what is not built is refused."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import logging
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.profiling import TrainingOperations
+from megatron.training.utils import logger
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.test_pretrain_gpt import TINY, _pretrain
+
+
+def _profile_run(flags: list[str]) -> None:
+    _pretrain(flags)
+
+
+def test_pytorch_profiler_traces_the_given_steps_and_ranks(tmp_path):
+    tensorboard = tmp_path / "tb"
+    flags = [
+        *TINY,
+        *"--global-batch-size 8 --train-iters 5 --profile --use-pytorch-profiler".split(),
+        *"--profile-step-start 2 --profile-step-end 4 --profile-ranks 1".split(),
+        "--tensorboard-dir",
+        str(tensorboard),
+    ]
+    run_distributed(_profile_run, 2, flags)
+    traces = tmp_path / "torch_profile"
+    assert sorted(os.listdir(traces)) == ["rank-1.json.gz"]
+    with gzip.open(traces / "rank-1.json.gz", "rt") as file:
+        events = json.load(file)["traceEvents"]
+    steps = {
+        int(m.group(1))
+        for event in events
+        if (m := re.fullmatch(r"ProfilerStep#(\d+)", event.get("name", "")))
+    }
+    # Megatron-LM's schedule: iterations start .. end - 1.
+    assert steps == {2, 3}
+
+
+def _gc_args(**overrides) -> argparse.Namespace:
+    args = parse_args(args=[*TINY, "--manual-gc"])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_manual_gc_collects_at_megatron_points():
+    collections: list[int] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    args = _gc_args(manual_gc_interval=2)
+    gc.callbacks.append(on_gc)
+    try:
+        with TrainingOperations(args, torch.device("cpu")) as operations:
+            assert not gc.isenabled()
+            assert collections == [2]  # a full collection when training starts
+            for iteration in (1, 2, 3):
+                operations.before_iteration(iteration)
+                operations.after_iteration(iteration, last=False)
+            assert collections == [2, 2]  # iteration 2
+            with operations.evaluation():
+                assert collections == [2, 2, 2]
+            assert collections == [2, 2, 2, 0]  # the evaluation's own garbage
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
+
+
+def test_manual_gc_eval_can_be_turned_off():
+    args = _gc_args(manual_gc_eval=False)
+    collections: list[int] = []
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(callback)
+    try:
+        with TrainingOperations(args, torch.device("cpu")) as operations:
+            with operations.evaluation():
+                pass
+            operations.after_iteration(4, last=True)
+        assert collections == [2]
+    finally:
+        gc.callbacks.remove(callback)
+        gc.enable()
+
+
+def test_nsys_profile_and_memory_history_need_cuda():
+    args = parse_args(args=[*TINY, "--profile"])
+    with pytest.raises(ValueError, match="--profile without --use-pytorch-profiler"):
+        TrainingOperations(args, torch.device("cpu"))
+    args = parse_args(args=[*TINY, "--record-memory-history"])
+    with pytest.raises(ValueError, match="--record-memory-history"):
+        TrainingOperations(args, torch.device("cpu"))
+
+
+def _tensorboard_run(flags: list[str]) -> dict:
+    return _pretrain(flags)
+
+
+def test_tensorboard_scalars_under_megatron_tags(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    flags = [
+        *TINY,
+        *"--global-batch-size 8 --eval-interval 2 --eval-iters 1".split(),
+        *"--log-timers-to-tensorboard --log-validation-ppl-to-tensorboard".split(),
+        "--log-world-size-to-tensorboard",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+    ]
+    history = run_distributed(_tensorboard_run, 2, flags)[0]["history"]
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+
+    def series(tag: str) -> dict[int, float]:
+        return {event.step: event.value for event in accumulator.Scalars(tag)}
+
+    iterations = range(1, 5)
+    losses = dict(zip(iterations, history.loss_curve()))
+    assert series("lm loss") == pytest.approx(losses)
+    assert series("lm loss vs samples") == pytest.approx({8 * i: losses[i] for i in iterations})
+    assert series("grad-norm") == pytest.approx(dict(zip(iterations, history.grad_norms)))
+    assert series("learning-rate") == pytest.approx(dict(zip(iterations, history.learning_rates)))
+    assert series("batch-size") == {i: 8 for i in iterations}
+    assert series("world-size") == {i: 2 for i in iterations}
+    assert series("loss-scale") == {i: 1.0 for i in iterations}
+    assert set(series("iteration-time")) == {2, 4}
+    # The periodic evaluations, then the end-of-training one (also at the last iteration).
+    validation = [
+        (i, losses["lm loss"]) for i, losses in sorted(history.validation_losses.items())
+    ] + [(4, history.final_validation_losses["lm loss"])]
+
+    def events(tag: str) -> list[tuple[int, float]]:
+        return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+    steps = [i for i, _ in validation]
+    for tag, expected in (
+        ("lm loss validation", [v for _, v in validation]),
+        ("lm loss validation ppl", [math.exp(v) for _, v in validation]),
+    ):
+        assert [step for step, _ in events(tag)] == steps
+        assert [value for _, value in events(tag)] == pytest.approx(expected)
+
+
+def _logging_level_run(flags: list[str]) -> tuple[int, int, list[str]]:
+    root_level, own_level = logging.getLogger().level, logger.level
+    try:
+        log = _pretrain(flags)["log"]
+        return logging.getLogger().level, logger.level, log
+    finally:
+        logging.getLogger().setLevel(root_level)
+        logger.setLevel(own_level)
+
+
+def test_logging_level_sets_the_loggers():
+    flags = [*TINY, "--global-batch-size", "2", "--logging-level", "40"]
+    root, _, log = run_distributed(_logging_level_run, 1, flags)[0]
+    assert root == 40
+    assert not any(message.startswith("iteration ") for message in log)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--timing-log-level 1", "--timing-log-level 1"),
+        ("--log-straggler", "--log-straggler"),
+        ("--log-progress", "--log-progress"),
+        ("--log-params-norm", "--log-params-norm"),
+        ("--profile --profile-step-start 5 --profile-step-end 5", "--profile-step-start 5"),
+        ("--profile --profile-ranks 3", "--profile-ranks 3"),
+        ("--manual-gc-interval 5", "--manual-gc-interval needs --manual-gc"),
+        ("--nvtx-ranges", "--nvtx-ranges"),
+        ("--wandb-entity team", "--wandb-entity needs --wandb-project"),
+        ("--logging-level 99", "--logging-level 99"),
+    ],
+)
+def test_bad_or_unbuilt_operations_flags_are_refused(flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_args(parse_args(args=[*TINY, *flags.split()]), world_size=1)
+
+
+def test_upstream_operations_flags_parse_with_upstream_defaults():
+    args = parse_args(args=TINY)
+    assert (args.profile_step_start, args.profile_step_end, args.profile_ranks) == (10, 12, [])
+    assert (args.manual_gc, args.manual_gc_interval, args.manual_gc_eval) == (False, 0, True)
+    assert args.empty_unused_memory_level == 0
+    assert (args.tensorboard_queue_size, args.timing_log_option) == (1000, "minmax")
+    assert args.log_loss_scale_to_tensorboard and args.memory_snapshot_path == "snapshot.pickle"

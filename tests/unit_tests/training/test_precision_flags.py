@@ -1,0 +1,202 @@
+"""The mixed-precision flags: Megatron-LM's names, defaults and dests, where they reach the
+configs, and what is refused (FP8 / FP4 at any non-default value)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.training.arguments import (
+    core_transformer_config_from_args,
+    get_megatron_ddp_config,
+    get_megatron_optimizer_config,
+    parse_args,
+    validate_args,
+)
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
+    "--distributed-backend gloo"
+).split()
+FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+
+
+def validated(flags: str = ""):
+    return validate_args(parse_args(args=[*BASE, *flags.split()]), world_size=2)
+
+
+DEFAULTS = {
+    "fp16": False,
+    "bf16": False,
+    "loss_scale": None,
+    "initial_loss_scale": 2.0**32,
+    "min_loss_scale": 1.0,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "accumulate_allreduce_grads_in_fp32": False,
+    "grad_reduce_in_fp32": False,
+    "grad_reduce_in_bf16": False,
+    "fp8": None,
+    "fp8_recipe": "delayed",
+    "fp8_param_gather": False,
+    "fp8_quantizer_factory": None,
+    "fp8_margin": 0,
+    "fp8_interval": 1,
+    "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent",
+    "fp8_wgrad": True,
+    "fp8_output_proj": False,
+    "first_last_layers_bf16": False,
+    "num_layers_at_start_in_bf16": 1,
+    "num_layers_at_end_in_bf16": 1,
+    "keep_fp8_transpose_cache": False,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+    "fp4": None,
+    "fp4_recipe": "nvfp4",
+    "fp4_param_gather": False,
+    "fp4_quantizer_factory": None,
+}
+"""Megatron-LM's default of each dest (its `arguments.py` and `TransformerConfig`)."""
+
+
+def test_defaults_are_megatrons():
+    args = parse_args(args=BASE)
+    assert {dest: getattr(args, dest) for dest in DEFAULTS} == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    "flags, dest, value",
+    [
+        ("--fp16", "fp16", True),
+        ("--bf16", "bf16", True),
+        ("--bf16 --loss-scale 4096", "loss_scale", 4096.0),
+        ("--fp16 --initial-loss-scale 65536", "initial_loss_scale", 65536.0),
+        ("--fp16 --min-loss-scale 2", "min_loss_scale", 2.0),
+        ("--fp16 --loss-scale-window 500", "loss_scale_window", 500.0),
+        ("--fp16 --hysteresis 4", "hysteresis", 4),
+        ("--accumulate-allreduce-grads-in-fp32", "accumulate_allreduce_grads_in_fp32", True),
+        ("--grad-reduce-in-fp32", "grad_reduce_in_fp32", True),
+        ("--bf16 --grad-reduce-in-bf16", "grad_reduce_in_bf16", True),
+    ],
+)
+def test_flag_sets_its_dest(flags, dest, value):
+    args = validated(flags)
+    assert getattr(args, dest) == value and type(getattr(args, dest)) is type(value)
+
+
+@pytest.mark.parametrize(
+    "flags, dtype", [("", torch.float32), ("--bf16", torch.bfloat16), ("--fp16", torch.float16)]
+)
+def test_params_dtype_and_transformer_config(flags, dtype):
+    args = validated(flags)
+    config = core_transformer_config_from_args(args)
+    assert args.params_dtype == dtype == config.params_dtype
+    assert config.fp16 == (dtype == torch.float16) and config.bf16 == (dtype == torch.bfloat16)
+
+
+def test_loss_scaling_flags_reach_the_optimizer_config():
+    config = get_megatron_optimizer_config(
+        validated(
+            "--fp16 --initial-loss-scale 1024 --min-loss-scale 4 --loss-scale-window 50 "
+            "--hysteresis 3"
+        )
+    )
+    assert (config.fp16, config.bf16, config.loss_scale) == (True, False, None)
+    assert (config.initial_loss_scale, config.min_loss_scale) == (1024.0, 4.0)
+    assert (config.loss_scale_window, config.hysteresis) == (50.0, 3)
+    assert get_megatron_optimizer_config(validated("--fp16 --loss-scale 8")).loss_scale == 8.0
+
+
+@pytest.mark.parametrize(
+    "flags, reduce_in_fp32",
+    [
+        ("", False),
+        ("--fp16", False),
+        ("--fp16 --accumulate-allreduce-grads-in-fp32", True),
+        ("--grad-reduce-in-fp32", True),
+        ("--bf16", True),  # Megatron-LM's default for bf16
+        ("--bf16 --grad-reduce-in-bf16", False),
+        (f"--bf16 {FSDP}", True),
+        (f"--bf16 {FSDP} --megatron-fsdp-main-grads-dtype bf16", False),
+    ],
+)
+def test_gradient_reduction_dtype(flags, reduce_in_fp32):
+    assert get_megatron_ddp_config(validated(flags)).grad_reduce_in_fp32 is reduce_in_fp32
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--fp16 --bf16", "--fp16 and --bf16 are both given"),
+        ("--loss-scale 128", "--loss-scale 128.0 applies to --fp16 or --bf16 only"),
+        ("--fp16 --loss-scale 0", "--loss-scale 0.0 must be > 0"),
+        ("--bf16 --initial-loss-scale 1024", "--initial-loss-scale 1024.0 applies to dynamic"),
+        ("--fp16 --loss-scale 8 --hysteresis 3", "--hysteresis 3 applies to dynamic"),
+        ("--min-loss-scale 2", "--min-loss-scale 2.0 applies to dynamic"),
+        ("--fp16 --min-loss-scale 8 --initial-loss-scale 4", r"--min-loss-scale 8.0 must be in"),
+        ("--fp16 --loss-scale-window 2.5", "--loss-scale-window 2.5 must be a whole number"),
+        ("--fp16 --hysteresis 0", "--hysteresis 0 must be >= 1"),
+        ("--grad-reduce-in-bf16", "--grad-reduce-in-bf16 applies to --bf16 only"),
+        (
+            "--bf16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32",
+            "--grad-reduce-in-bf16 contradicts --accumulate-allreduce-grads-in-fp32",
+        ),
+        (
+            f"{FSDP} --accumulate-allreduce-grads-in-fp32 --megatron-fsdp-main-grads-dtype bf16",
+            "--accumulate-allreduce-grads-in-fp32 contradicts --megatron-fsdp-main-grads-dtype",
+        ),
+        (f"--fp16 {FSDP} --megatron-fsdp-main-params-dtype fp16", "fp16 main weights"),
+    ],
+)
+def test_bad_combination_names_the_flag(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validated(flags)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        ("--fp8-format hybrid", "--fp8-format hybrid"),
+        ("--fp8-format e4m3", "--fp8-format e4m3"),
+        ("--fp8-recipe mxfp8", "--fp8-recipe mxfp8"),
+        ("--fp8-param-gather", "--fp8-param-gather"),
+        ("--fp8-quantizer-factory a.b", "--fp8-quantizer-factory a.b"),
+        ("--fp8-margin 1", "--fp8-margin 1"),
+        ("--fp8-interval 2", "--fp8-interval 2"),
+        ("--fp8-amax-history-len 1024", "--fp8-amax-history-len 1024"),
+        ("--fp8-amax-compute-algo max", "--fp8-amax-compute-algo max"),
+        ("--no-fp8-wgrad", "--no-fp8-wgrad"),
+        ("--disable-fp8-wgrad", "--no-fp8-wgrad"),
+        ("--fp8-output-proj", "--fp8-output-proj"),
+        ("--first-last-layers-bf16", "--first-last-layers-bf16"),
+        ("--num-layers-at-start-in-bf16 2", "--num-layers-at-start-in-bf16 2"),
+        ("--num-layers-at-end-in-bf16 2", "--num-layers-at-end-in-bf16 2"),
+        ("--keep-fp8-transpose-cache", "--keep-fp8-transpose-cache"),
+        ("--reuse-grad-buf-for-mxfp8-param-ag", "--reuse-grad-buf-for-mxfp8-param-ag"),
+        ("--fp4-format e2m1", "--fp4-format e2m1"),
+        ("--fp4-recipe custom", "--fp4-recipe custom"),
+        ("--fp4-param-gather", "--fp4-param-gather"),
+        ("--fp4-quantizer-factory a.b", "--fp4-quantizer-factory a.b"),
+    ],
+)
+def test_fp8_and_fp4_flags_are_refused_by_name(flags, named):
+    with pytest.raises(ValueError, match=f"^{named}: FP8 / FP4 training is not built.*--bf16"):
+        validated(f"--bf16 {flags}")
+
+
+def test_fp8_flags_at_their_defaults_are_accepted():
+    validated(
+        "--bf16 --fp8-recipe delayed --fp8-amax-history-len 1 --fp8-amax-compute-algo "
+        "most_recent --fp8-margin 0 --fp4-recipe nvfp4"
+    )
+
+
+def test_fp8_choices_are_upstreams():
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--fp8-format", "e5m2"])
+
+
+def test_validation_is_idempotent_under_fp16():
+    args = validated("--fp16 --initial-loss-scale 4096")
+    assert vars(validate_args(args, world_size=2)) == vars(args)

@@ -1,0 +1,532 @@
+"""The schedule and batch flags: sample-based training, warmup fraction, batch-size schedules,
+decoupled learning rates, per-token loss, and the duration / signal exits.
+
+Sample-based schedules are checked against their iteration-based equivalents, batch schedules
+and decoupled rates against hand-written references of Megatron-LM's formulas, per-token loss
+against a plain single-process computation, and the exits through `pretrain` on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pretrain_gpt
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import BatchSizeSchedule, rampup_schedule
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training import global_vars
+from megatron.training.arguments import get_megatron_optimizer_config, parse_args, validate_args
+from megatron.training.dist_signal_handler import ExitConditions
+from megatron.training.flag_groups.optimization import lr_schedule_steps
+from megatron.training.training import pretrain, train_step
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import (
+    build_tiny_gpt,
+    make_token_batches,
+    shard_batch,
+    wrap_for_engine,
+)
+
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --lr 1e-2 --mock-data --vocab-size 64 --distributed-backend gloo"
+).split()
+TINY = [*BASE, *"--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval-iters 0".split()]
+"""A tiny fp32 mock-data run for `pretrain` (2 ranks); each test adds its batch and length."""
+
+
+def validated(*flags: str, world_size: int = 2) -> argparse.Namespace:
+    return validate_args(parse_args(args=[*BASE, *flags]), world_size=world_size)
+
+
+# ---------------------------------------------------------------- parser: defaults, meaning
+
+
+@pytest.mark.parametrize(
+    "dest, default",
+    [
+        ("train_samples", None),
+        ("rampup_batch_size", None),
+        ("step_batch_size_schedule", None),
+        ("exit_duration_in_mins", None),
+        ("exit_signal_handler", False),
+        ("exit_signal", signal.SIGTERM),
+        ("calculate_per_token_loss", False),
+        ("lr_decay_samples", None),
+        ("lr_wsd_decay_samples", None),
+        ("lr_warmup_fraction", None),
+        ("lr_warmup_samples", 0),
+        ("lr_warmup_init", 0.0),
+        ("decoupled_lr", None),
+        ("decoupled_min_lr", None),
+    ],
+)
+def test_upstream_defaults(dest, default):
+    assert getattr(parse_args(args=BASE), dest) == default
+
+
+@pytest.mark.parametrize(
+    "flags, dest, value",
+    [
+        ("--train-samples 64", "train_samples", 64),
+        ("--rampup-batch-size 4 4 16", "rampup_batch_size", [4, 4, 16]),
+        ("--step-batch-size-schedule 0:4,1K:8", "step_batch_size_schedule", "0:4,1K:8"),
+        ("--exit-duration-in-mins 30", "exit_duration_in_mins", 30),
+        ("--exit-signal-handler", "exit_signal_handler", True),
+        ("--exit-signal SIGUSR1", "exit_signal", signal.SIGUSR1),
+        ("--calculate-per-token-loss", "calculate_per_token_loss", True),
+        ("--lr-decay-samples 48", "lr_decay_samples", 48),
+        ("--lr-wsd-decay-samples 8", "lr_wsd_decay_samples", 8),
+        ("--lr-warmup-fraction 0.1", "lr_warmup_fraction", 0.1),
+        ("--lr-warmup-samples 8", "lr_warmup_samples", 8),
+        ("--decoupled-lr 0.5", "decoupled_lr", 0.5),
+        ("--decoupled-min-lr 0.25", "decoupled_min_lr", 0.25),
+    ],
+)
+def test_flags_parse_to_upstreams_dest(flags, dest, value):
+    assert getattr(parse_args(args=[*BASE, *flags.split()]), dest) == value
+
+
+def test_exit_signal_must_be_a_signal_name():
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--exit-signal", "NOT_A_SIGNAL"])
+
+
+def test_train_samples_derives_the_iterations():
+    args = validated("--train-samples", "70", "--global-batch-size", "8")
+    assert (args.train_iters, args.lr_decay_samples, args.lr_decay_iters) == (8, 70, None)
+    assert validate_args(args, world_size=2).train_iters == 8  # idempotent
+
+
+def test_decoupled_lr_reaches_the_optimizer_config():
+    args = validated("--train-iters", "4", "--decoupled-lr", "0.5", "--decoupled-min-lr", "0.1")
+    config = get_megatron_optimizer_config(args)
+    assert (config.decoupled_lr, config.decoupled_min_lr) == (0.5, 0.1)
+
+
+def test_step_schedule_sets_the_global_batch_size():
+    args = validated("--train-iters", "4", "--step-batch-size-schedule", "0:4 320:8 640:16")
+    # Thresholds are tokens (--seq-length 16): 320 tokens = 20 samples.
+    assert args.global_batch_size == 16 and args.num_microbatches == 4
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("", "--train-iters is required"),
+        ("--train-iters 4 --train-samples 64", "--train-iters 4 and --train-samples 64"),
+        ("--train-samples 64 --lr-decay-iters 4", "--lr-decay-iters counts iters, .* samples"),
+        ("--train-samples 64 --lr-warmup-iters 1", "--lr-warmup-iters counts iters"),
+        ("--train-iters 4 --lr-decay-samples 64", "--lr-decay-samples counts samples"),
+        ("--train-iters 4 --lr-warmup-samples 8", "--lr-warmup-samples counts samples"),
+        ("--train-iters 4 --lr-warmup-fraction 0.5 --lr-warmup-iters 1", "--lr-warmup-fraction"),
+        ("--train-samples 64 --lr-warmup-fraction 0.5 --lr-warmup-samples 4", "and --lr-warm"),
+        ("--train-iters 4 --lr-warmup-fraction 1.0", r"--lr-warmup-fraction 1.0 must be in"),
+        ("--train-samples 64 --lr-warmup-samples 64", r"--lr-warmup-samples 64 must be in \[0"),
+        ("--train-samples 64 --lr-decay-style WSD", "WSD needs --lr-wsd-decay-samples"),
+        ("--train-samples 2", "--train-samples 2 is less than one global batch"),
+        ("--train-iters 4 --decoupled-min-lr 0.1", "--decoupled-min-lr needs --decoupled-lr"),
+        ("--train-iters 4 --decoupled-lr 0.1 --decoupled-min-lr 0.2", "--decoupled-min-lr 0.2"),
+        (
+            "--train-iters 4 --rampup-batch-size 4 4 16 --step-batch-size-schedule 0:4",
+            "--step-batch-size-schedule and --rampup-batch-size",
+        ),
+        (
+            "--train-iters 4 --step-batch-size-schedule 0:4,32:8 --global-batch-size 4",
+            "--global-batch-size 4 is set too",
+        ),
+        ("--train-iters 4 --step-batch-size-schedule 16:4", "must start at threshold 0"),
+        ("--train-iters 4 --step-batch-size-schedule 0:6", "global batch of 6, not divisible"),
+        (
+            "--train-iters 4 --rampup-batch-size 4 3 16 --global-batch-size 12",
+            "multiple of the increment",
+        ),
+        ("--train-iters 4 --exit-duration-in-mins 0", "--exit-duration-in-mins must be >= 1"),
+    ],
+)
+def test_bad_combinations_name_the_flag(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validated(*flags.split())
+
+
+# ------------------------------------------- sample-based schedules = iteration-based ones
+
+
+class _Groups:
+    """Something with `param_groups`, for a scheduler alone."""
+
+    def __init__(self, *groups: dict):
+        self.param_groups = [dict(group) for group in groups]
+
+
+def _scheduler(args: argparse.Namespace, groups: _Groups) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(
+        groups,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_style=args.weight_decay_incr_style,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        **lr_schedule_steps(args),
+    )
+
+
+def _lr_and_wd_curve(flags: str, iterations: int, batch: int = 8) -> list[tuple[float, float]]:
+    args = validated(*flags.split(), "--global-batch-size", str(batch))
+    groups = _Groups({"wd_mult": 1.0})
+    scheduler = _scheduler(args, groups)
+    curve = []
+    for _ in range(iterations):
+        scheduler.step(batch)
+        curve.append((groups.param_groups[0]["lr"], groups.param_groups[0]["weight_decay"]))
+    return curve
+
+
+COMMON = "--min-lr 1e-3 --lr-warmup-init 1e-4 --weight-decay-incr-style linear "
+COMMON += "--start-weight-decay 0.01 --end-weight-decay 0.1"
+
+
+@pytest.mark.parametrize(
+    "style, by_iterations, by_samples",
+    [
+        (
+            "linear",
+            "--train-iters 12 --lr-warmup-iters 3",
+            "--train-samples 96 --lr-warmup-samples 24",
+        ),
+        (
+            "cosine",
+            "--train-iters 12 --lr-decay-iters 10",
+            "--train-samples 96 --lr-decay-samples 80",
+        ),
+        (
+            "inverse-square-root",
+            "--train-iters 12 --lr-warmup-iters 2",
+            "--train-samples 96 --lr-warmup-samples 16",
+        ),
+        (
+            "WSD",
+            "--train-iters 12 --lr-wsd-decay-iters 4 --lr-warmup-iters 1",
+            "--train-samples 96 --lr-wsd-decay-samples 32 --lr-warmup-samples 8",
+        ),
+        (
+            "cosine",
+            "--train-iters 12 --lr-warmup-fraction 0.25",
+            "--train-samples 96 --lr-warmup-fraction 0.25",
+        ),
+        (
+            "linear",
+            "--train-iters 12 --lr-warmup-fraction 0.25",
+            "--train-iters 12 --lr-warmup-iters 3",
+        ),
+    ],
+)
+def test_sample_based_schedule_equals_iteration_based(style, by_iterations, by_samples):
+    flags = f"{COMMON} --lr-decay-style {style}"
+    iterations = _lr_and_wd_curve(f"{flags} {by_iterations}", 14)
+    samples = _lr_and_wd_curve(f"{flags} {by_samples}", 14)
+    assert iterations == pytest.approx(samples, rel=1e-12)
+    assert len(set(iterations)) > 5  # the curve moves
+
+
+def test_linear_schedule_matches_megatrons_formula():
+    """Upstream: warmup init + (max - init) x step / warmup, then a linear decay to min_lr."""
+    curve = _lr_and_wd_curve("--train-samples 96 --lr-warmup-samples 24 --min-lr 1e-3", 14)
+    lr, min_lr, init = 1e-2, 1e-3, 0.0
+    for index, (got, _) in enumerate(curve):
+        step = 8 * (index + 1)
+        if step <= 24:
+            expected = init + (lr - init) * step / 24
+        elif step > 96:
+            expected = min_lr
+        else:
+            expected = min_lr + (1 - (step - 24) / (96 - 24)) * (lr - min_lr)
+        assert got == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------ batch-size schedules
+
+
+def _upstream_rampup(start: int, increment: int, samples: int, final: int, consumed: int) -> int:
+    """Megatron-LM's former RampupBatchsizeNumMicroBatches.update(), written out."""
+    steps = (final - start) // increment
+    per_increment = samples / steps
+    if consumed > samples:
+        return final
+    return start + int(consumed / per_increment) * increment
+
+
+@pytest.mark.parametrize("rampup", [(16, 8, 300000, 1024), (4, 4, 16, 12), (2, 2, 7, 10)])
+def test_rampup_schedule_matches_megatrons_formula(rampup):
+    schedule = rampup_schedule(*rampup)
+    for consumed in [*range(0, 3 * rampup[2] // 2 + 3), *range(0, rampup[2] + 5000, 997)]:
+        assert schedule.global_batch_size(consumed) == _upstream_rampup(*rampup, consumed)
+
+
+def test_step_schedule_parses_tokens_and_suffixes():
+    schedule = BatchSizeSchedule.parse("0:16 2.4B:320, 4.8B:624", seq_length=2048)
+    assert schedule.steps == ((0, 16), (2_400_000_000 // 2048, 320), (4_800_000_000 // 2048, 624))
+    assert BatchSizeSchedule.parse("0:4 1K:8", seq_length=None).steps == ((0, 4), (1000, 8))
+
+
+def test_iterations_for_samples_follow_the_schedule():
+    schedule = rampup_schedule(4, 4, 16, 12)  # (0, 4), (8, 8), (16, 12)
+    consumed, iterations = 0, 0
+    while consumed < 48:
+        consumed += schedule.global_batch_size(consumed)
+        iterations += 1
+    assert schedule.iterations_for(48) == iterations == 6
+    assert schedule.samples_after(0, 6) == consumed == 52
+
+
+_forward_calls: list[int] = []
+
+
+def _counting_forward_step(data_iterator, model):
+    _forward_calls.append(1)
+    return pretrain_gpt.forward_step(data_iterator, model)
+
+
+def _pretrain(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> dict:
+    _forward_calls.clear()
+    history = pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step_func,
+        argv=flags,
+    )
+    return dict(
+        losses=history.loss_curve(),
+        learning_rates=history.learning_rates,
+        iterations=len(history.losses),
+        forward_calls=len(_forward_calls),
+    )
+
+
+def test_rampup_batch_size_trains_the_scheduled_batches():
+    flags = [*TINY, "--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"]
+    flags += ["--train-samples", "48"]
+    results = run_distributed(_pretrain, 2, flags, _counting_forward_step)
+    batches = [4, 4, 8, 12, 12, 12]  # _upstream_rampup(4, 4, 16, 12, consumed) per iteration
+    consumed = [sum(batches[: i + 1]) for i in range(len(batches))]
+    for result in results:
+        assert result["iterations"] == 6
+        # Each rank runs batch / (micro batch 2 x 2 ranks) microbatches per iteration.
+        assert result["forward_calls"] == sum(batch // 4 for batch in batches)
+        # The linear decay over --train-samples advances by each iteration's batch.
+        expected = [max(0.0, 1e-2 * (1 - c / 48)) for c in consumed]
+        assert result["learning_rates"] == pytest.approx(expected, rel=1e-6)
+    assert results[0] == results[1]
+
+
+def test_sample_based_training_equals_iteration_based_training():
+    common = [*TINY, "--global-batch-size", "8", "--lr-decay-style", "cosine"]
+    by_iterations = run_distributed(
+        _pretrain, 2, [*common, "--train-iters", "4", "--lr-warmup-iters", "1"]
+    )
+    by_samples = run_distributed(
+        _pretrain, 2, [*common, "--train-samples", "32", "--lr-warmup-samples", "8"]
+    )
+    by_fraction = run_distributed(
+        _pretrain, 2, [*common, "--train-iters", "4", "--lr-warmup-fraction", "0.25"]
+    )
+    assert by_iterations[0]["iterations"] == 4
+    torch.testing.assert_close(by_samples, by_iterations)
+    torch.testing.assert_close(by_fraction, by_iterations)
+
+
+# --------------------------------------------------------------------- decoupled rates
+
+
+def test_decoupled_groups_hold_the_embedding_and_output_layer():
+    model = build_tiny_gpt(share_embeddings_and_output_weights=False)
+    groups = get_param_groups(model, 0.1, decoupled_lr=0.5, decoupled_min_lr=0.05)
+    names = {id(param): name for name, param in model.named_parameters()}
+    decoupled = [
+        names[id(param)] for group in groups if "max_lr" in group for param in group["params"]
+    ]
+    assert sorted(decoupled) == ["embedding.word_embeddings.weight", "output_layer.weight"]
+    assert all(
+        group["max_lr"] == 0.5 and group["min_lr"] == 0.05 for group in groups if "max_lr" in group
+    )
+    plain = get_param_groups(model, 0.1)
+    assert sum(len(g["params"]) for g in plain) == sum(len(g["params"]) for g in groups)
+    assert all("max_lr" not in group for group in plain)
+
+
+@pytest.mark.parametrize("decoupled_min_lr", [None, 0.05])
+def test_decoupled_lr_follows_the_schedule_between_its_bounds(decoupled_min_lr):
+    """Upstream's get_lr(param_group): the group's max_lr/min_lr in the same formula."""
+    flags = "--train-iters 10 --lr-warmup-iters 2 --lr-decay-style linear --min-lr 1e-3"
+    args = validated(*flags.split(), "--global-batch-size", "8")
+    decoupled = {"max_lr": 0.5} | ({} if decoupled_min_lr is None else {"min_lr": decoupled_min_lr})
+    groups = _Groups({"wd_mult": 1.0}, {"wd_mult": 1.0, **decoupled})
+    scheduler = _scheduler(args, groups)
+    group_min = 1e-3 if decoupled_min_lr is None else decoupled_min_lr
+    for iteration in range(1, 12):
+        scheduler.step(8)
+        for group, (peak, floor) in zip(groups.param_groups, [(1e-2, 1e-3), (0.5, group_min)]):
+            if iteration <= 2:
+                expected = peak * iteration / 2
+            elif iteration > 10:
+                expected = floor
+            else:
+                expected = floor + (1 - (iteration - 2) / 8) * (peak - floor)
+            assert group["lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def _decoupled_groups_of_engine(engine: str) -> list[tuple[int, float | None]]:
+    """(elements held, max_lr) of each optimizer group on this rank."""
+    model = build_tiny_gpt(share_embeddings_and_output_weights=False)
+    wrapped = wrap_for_engine(model, engine)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, decoupled_lr=0.5), wrapped)
+    return [
+        (sum(p.numel() for p in group["params"]), group.get("max_lr"))
+        for group in optimizer.param_groups
+    ]
+
+
+@pytest.mark.parametrize("engine", ["ddp", "optim_grads_params"])
+def test_engines_give_the_decoupled_group_its_rate(engine):
+    """Under either engine the word embeddings and output layer (2 x vocab 64 x hidden 32
+    elements, sharded over 2 ranks by Megatron-FSDP) are held in the decoupled group."""
+    expected = 2 * 64 * 32 // (1 if engine == "ddp" else 2)
+    for held in run_distributed(_decoupled_groups_of_engine, 2, engine):
+        assert [max_lr for _, max_lr in held] == [None, None, 0.5]
+        assert held[2][0] == expected
+
+
+# ----------------------------------------------------------------------- per-token loss
+
+
+def _masked_forward_step(data_iterator, model):
+    tokens, labels = next(data_iterator)
+    mask = (tokens % 3 != 0).float()  # uneven token counts per micro-batch and rank
+    return model(tokens, labels=labels), functools.partial(pretrain_gpt.loss_func, mask)
+
+
+def _per_token_step(num_microbatches: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel()
+    tokens, labels = make_token_batches(1, 8, seed=3)[0]
+    model = build_tiny_gpt()
+    reference = build_tiny_gpt()
+    wrapped = wrap_for_engine(model, "ddp")
+    config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0)
+    config.clip_grad = 0.0
+    optimizer = get_megatron_optimizer(config, wrapped)
+    scheduler = OptimizerParamScheduler(
+        optimizer, 0.0, 1.0, 0.0, 0, 100, "constant", 0.0, 0.0, 1, "constant"
+    )
+    args = argparse.Namespace(
+        num_microbatches=num_microbatches,
+        micro_batch_size=8 // (world * num_microbatches),
+        data_parallel_size=world,
+        check_for_nan_in_loss_and_grad=True,
+        calculate_per_token_loss=True,
+        empty_unused_memory_level=0,
+    )
+    global_vars.set_args(args)
+    try:
+        micro = zip(
+            shard_batch(tokens, rank, world).chunk(num_microbatches),
+            shard_batch(labels, rank, world).chunk(num_microbatches),
+        )
+        losses, skipped, _ = train_step(
+            _masked_forward_step, iter(list(micro)), wrapped, optimizer, scheduler, args
+        )
+    finally:
+        global_vars.set_args(None)
+    # The plain computation: every unmasked token of the global batch weighs the same.
+    mask = (tokens % 3 != 0).float()
+    per_token = reference(tokens, labels=labels).float()
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    expected = {name: p.detach() - p.grad for name, p in reference.named_parameters()}
+    got = {name: p.detach() for name, p in model.named_parameters()}
+    return dict(
+        skipped=skipped,
+        loss=losses["lm loss"],
+        expected_loss=loss.item(),
+        got=got,
+        expected=expected,
+    )
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_per_token_loss_equals_a_plain_computation(num_microbatches):
+    for result in run_distributed(_per_token_step, 2, num_microbatches):
+        assert not result["skipped"]
+        assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-5)
+        torch.testing.assert_close(result["got"], result["expected"])
+
+
+# ---------------------------------------------------------------------------- the exits
+
+
+def _duration_reason(old_on_rank: int | None) -> str | None:
+    args = argparse.Namespace(
+        exit_duration_in_mins=1, exit_signal_handler=False, exit_signal=signal.SIGTERM
+    )
+    started = time.time() - (120 if dist.get_rank() == old_on_rank else 0)
+    with ExitConditions(args, started) as exits:
+        return exits.reason()
+
+
+def test_exit_duration_stops_every_rank_when_one_is_past_it():
+    assert run_distributed(_duration_reason, 2, None) == [None, None]
+    reasons = run_distributed(_duration_reason, 2, 1)
+    assert all("--exit-duration-in-mins" in reason for reason in reasons)
+
+
+def _sigterm_at_call(call: int, data_iterator, model):
+    _forward_calls.append(1)
+    if dist.get_rank() == 1 and len(_forward_calls) == call:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return pretrain_gpt.forward_step(data_iterator, model)
+
+
+def _sleep_then_step(seconds: float, data_iterator, model):
+    _forward_calls.append(1)
+    if len(_forward_calls) == 1:
+        time.sleep(seconds)
+    return pretrain_gpt.forward_step(data_iterator, model)
+
+
+def _saved_iteration(root: Path) -> int:
+    return int((root / "latest_checkpointed_iteration.txt").read_text())
+
+
+def test_exit_signal_handler_saves_and_stops_every_rank(tmp_path):
+    """SIGTERM on rank 1 during iteration 2: both ranks save iteration 2 and stop."""
+    flags = [*TINY, "--global-batch-size", "4", "--train-iters", "6", "--exit-signal-handler"]
+    flags += ["--save", str(tmp_path)]
+    results = run_distributed(
+        _pretrain, 2, flags, functools.partial(_sigterm_at_call, 2), reuse_pool=False
+    )
+    assert [result["iterations"] for result in results] == [2, 2]
+    assert _saved_iteration(tmp_path) == 2
+
+
+def test_exit_duration_saves_and_stops_every_rank(tmp_path):
+    """The first iteration outlasts --exit-duration-in-mins 1: both ranks save it and stop."""
+    flags = [*TINY, "--global-batch-size", "4", "--train-iters", "6"]
+    flags += ["--exit-duration-in-mins", "1", "--save", str(tmp_path)]
+    results = run_distributed(_pretrain, 2, flags, functools.partial(_sleep_then_step, 61.0))
+    assert [result["iterations"] for result in results] == [1, 1]
+    assert _saved_iteration(tmp_path) == 1
