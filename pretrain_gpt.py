@@ -27,7 +27,8 @@ from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import report_flag_errors
-from megatron.training.training import DataIterator, LossFunc, TrainingHistory, pretrain
+from megatron.training.schedules import DataIterator, LossFunc
+from megatron.training.training import TrainingHistory, pretrain
 from megatron.training.utils import get_device, print_rank_0
 
 

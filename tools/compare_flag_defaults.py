@@ -1,7 +1,8 @@
 """Compares this project's flags with upstream Megatron-LM's, from upstream's source, by AST.
 
-    python tools/compare_flag_defaults.py /tmp/up/arguments.py \\
-        --git-dir /work/.mirror/NVIDIA+Megatron-LM/repo
+    UPSTREAM=/work/.mirror/NVIDIA+Megatron-LM/repo  # a clone's .git works as well
+    git --git-dir=$UPSTREAM show HEAD:megatron/training/arguments.py > /tmp/arguments.py
+    python tools/compare_flag_defaults.py /tmp/arguments.py --git-dir $UPSTREAM
 
 Upstream's flags come from two places in its `arguments.py`: literal
 `group.add_argument('--flag', ...)` calls, and `ArgumentGroupFactory(SomeConfig, exclude=...)`

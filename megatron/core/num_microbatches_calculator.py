@@ -136,7 +136,7 @@ def rampup_schedule(
         # >= k, in integers: ceil(k x SAMPLES / increments).
         threshold = -(-k * rampup_samples // increments)
         batch = start_batch_size + k * batch_size_increment
-        if steps and threshold <= steps[-1][0]:
+        if threshold <= steps[-1][0]:  # SAMPLES < increments: several steps at once
             steps[-1] = (steps[-1][0], batch)
         else:
             steps.append((threshold, batch))

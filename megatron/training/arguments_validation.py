@@ -5,9 +5,9 @@ FFN width, params dtype, ...) and rejects bad combinations with a `ValueError` t
 and the fix. The configs the validated flags describe are built in `configs_from_args`;
 `megatron.training.arguments` re-exports both: import them from there.
 
-What is not built yet (context and expert parallelism) is rejected as "not
-supported yet" in `_validate_parallelism` and `_validate_model`, so the change that builds one
-lifts its check in one place.
+Each flag group's own checks live beside its flags (`flag_groups/*.py`, `validate_*`), called
+from here; features not built are refused by name in `flag_groups/unbuilt.py`, and the parallel
+sizes not built yet (context and expert parallelism) in `_validate_parallelism`.
 """
 
 from __future__ import annotations
@@ -22,25 +22,6 @@ import torch
 from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
-from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
-from megatron.training.flag_groups.distributed import (
-    validate_distributed,
-    validate_distributed_optimizer,
-)
-from megatron.training.flag_groups.optimization import validate_lr_schedule
-from megatron.training.flag_groups.precision import validate_precision
-from megatron.training.flag_groups.data import validate_tokenizer
-from megatron.training.flag_groups.logs import validate_logging
-from megatron.training.flag_groups.profiling import validate_profiling
-from megatron.training.flag_groups.training import validate_training_operations
-from megatron.training.flag_groups.training_schedule import (
-    validate_batch_schedule,
-    validate_training_length,
-)
-from megatron.training.flag_groups.unbuilt import validate_unbuilt
-from megatron.training.flag_groups.network import validate_network_options
-from megatron.training.flag_groups.transformer import validate_transformer_options
-from megatron.training.utils import print_rank_0
 from megatron.training.configs_from_args import (
     core_transformer_config_from_args,
     ddp_config_from_flags,
@@ -48,6 +29,22 @@ from megatron.training.configs_from_args import (
     given,
     optimizer_config_from_flags,
 )
+from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
+from megatron.training.flag_groups.data import validate_tokenizer
+from megatron.training.flag_groups.distributed import validate_distributed
+from megatron.training.flag_groups.logs import validate_logging
+from megatron.training.flag_groups.network import validate_network_options
+from megatron.training.flag_groups.optimization import validate_lr_schedule
+from megatron.training.flag_groups.precision import validate_precision
+from megatron.training.flag_groups.profiling import validate_profiling
+from megatron.training.flag_groups.training import validate_training_operations
+from megatron.training.flag_groups.training_schedule import (
+    validate_batch_schedule,
+    validate_training_length,
+)
+from megatron.training.flag_groups.transformer import validate_transformer_options
+from megatron.training.flag_groups.unbuilt import validate_unbuilt
+from megatron.training.utils import print_rank_0
 
 NUM_SPLITS = 3
 """train, validation, test: `--mock-data` draws split i with seed `--seed` + i."""
@@ -86,7 +83,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     validate_unbuilt(args)
     validate_checkpointing(args)
     validate_distributed(args)
-    validate_distributed_optimizer(args)
     validate_precision(args)
     validate_logging(args)
     validate_profiling(args)

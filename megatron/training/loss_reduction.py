@@ -19,22 +19,20 @@ def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, f
     its sums and counts are added over microbatches and ranks, and the result is sum / count.
     One all-reduce for all the losses.
     """
-    keys = list(loss_dicts[0])
-    pairs = {key for key in keys if loss_dicts[0][key].numel() == 2}
-    means, totals = [], []
-    for key in keys:
+    local = []
+    for key in loss_dicts[0]:
         values = torch.stack([d[key].detach().float().reshape(-1) for d in loss_dicts])
-        (totals if key in pairs else means).append(
-            values.sum(dim=0) if key in pairs else values.mean(dim=0)
-        )
+        local.append(values.sum(dim=0) if values.shape[1] == 2 else values.mean(dim=0))
     # Averaging the sums and counts over ranks leaves their ratio unchanged.
-    reduced = average_losses_across_data_parallel_group(torch.cat([*means, *totals]))
-    mean_keys = [key for key in keys if key not in pairs]
-    result = dict(zip(mean_keys, reduced[: len(mean_keys)].tolist()))
-    pair_values = reduced[len(mean_keys) :].view(-1, 2)
-    for key, (total, count) in zip([k for k in keys if k in pairs], pair_values.tolist()):
-        result[key] = total / count
-    return {key: result[key] for key in keys}
+    reduced = average_losses_across_data_parallel_group(torch.cat(local)).tolist()
+    result, offset = {}, 0
+    for key, value in zip(loss_dicts[0], local):
+        if value.numel() == 2:
+            result[key] = reduced[offset] / reduced[offset + 1]
+        else:
+            result[key] = reduced[offset]
+        offset += value.numel()
+    return result
 
 
 def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:

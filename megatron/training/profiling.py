@@ -58,30 +58,16 @@ class TrainingOperations:
     """The profiler, garbage collection and memory history of one training run.
 
     Args:
-        args: validated arguments (the profiling and garbage-collection flags).
-        device: where the model computes.
-
-    Raises:
-        ValueError: nsys-mode `--profile` or `--record-memory-history` without CUDA.
+        args: validated arguments (the profiling and garbage-collection flags;
+            `validate_profiling` refused the CUDA-only ones on a run without GPUs).
     """
 
-    def __init__(self, args: argparse.Namespace, device: torch.device):
+    def __init__(self, args: argparse.Namespace):
         self.args = args
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         selected = not args.profile_ranks or self.rank in args.profile_ranks
         self.profiling = args.profile and selected
         self.recording_memory = args.record_memory_history and selected
-        nsys = self.profiling and not args.use_pytorch_profiler
-        memory = self.recording_memory
-        for needed, flag in ((nsys, "--profile"), (memory, "--record-memory-history")):
-            if needed and device.type != "cuda":
-                raise ValueError(
-                    f"{flag} without --use-pytorch-profiler drives CUDA tools (nsys, the CUDA "
-                    "allocator), and this run has no GPU; add --use-pytorch-profiler for a "
-                    "torch.profiler trace, or drop the flag."
-                    if flag == "--profile"
-                    else f"{flag} records CUDA allocations, and this run has no GPU; drop it."
-                )
         self._profiler: torch.profiler.profile | None = None
         self._nvtx: contextlib.AbstractContextManager | None = None
         self._nsys_running = False

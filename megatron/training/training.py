@@ -15,13 +15,14 @@ One iteration (`train_step`) on either engine::
             forward, loss / num_microbatches, backward
     model.finish_grad_sync()
     optimizer.step()                   # global grad norm; skip if not finite; clip; step
-    scheduler.step(1)                  # only after a real update, as Megatron-LM's
+    scheduler.step(global batch)       # in samples, only after a real update, as Megatron-LM's
     # with --check-for-nan-in-loss-and-grad (the default): raise on a non-finite loss or norm
 
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
 where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
 backpropagate (this microbatch's mean) and the values to report, which the loop averages over
-microbatches and data-parallel ranks.
+microbatches and data-parallel ranks (or, with `--calculate-per-token-loss`, Megatron-LM's
+`(loss sum, num_tokens, report)`: `megatron.training.schedules`).
 
 With `--load`, training resumes from a checkpoint (weights, optimizer state, schedule, RNG
 states, and the data position: the checkpoint's consumed-sample counts); with `--save`, a
@@ -38,20 +39,15 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    FullyShardedDataParallel,
-    data_parallel_class,
-)
+from megatron.core.distributed import DistributedDataParallel, data_parallel_class
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
-from megatron.core.distributed.fsdp import microbatch
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -65,6 +61,7 @@ from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
 from megatron.training.loss_reduction import average_loss_dicts, divide_gradients_by_tokens
 from megatron.training.profiling import TrainingOperations, empty_unused_memory
+from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
     LoaderIterator,
@@ -73,9 +70,6 @@ from megatron.training.utils import (
     print_rank_0,
 )
 
-DataIterator = Iterator[dict[str, torch.Tensor]]
-LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-ForwardStepFunc = Callable[[DataIterator, torch.nn.Module], tuple[torch.Tensor, LossFunc]]
 ModelProvider = Callable[..., torch.nn.Module]
 
 
@@ -166,7 +160,7 @@ def pretrain(
         train_iterator, valid_iterator, test_iterator = data_iterators
         with (
             contextlib.closing(TrainingLog(args, model.config, get_device())) as log,
-            TrainingOperations(args, get_device()) as operations,
+            TrainingOperations(args) as operations,
         ):
             with ExitConditions(args, start_time) as exits:
                 history = train(
@@ -294,74 +288,6 @@ def setup_model_and_optimizer(
     optimizer = get_megatron_optimizer(get_megatron_optimizer_config(args), model)
     scheduler = get_optimizer_param_scheduler(optimizer, args)
     return model, optimizer, scheduler
-
-
-def _microbatch_scope(
-    model: _BaseDataParallel, index: int, count: int
-) -> contextlib.AbstractContextManager:
-    """Where microbatch `index` of `count` sits in gradient accumulation, for the engine."""
-    is_last = index == count - 1
-    if isinstance(model, FullyShardedDataParallel):
-        return microbatch(model, is_last=is_last)
-    return contextlib.nullcontext() if is_last else model.no_sync()
-
-
-def forward_backward(
-    forward_step_func: ForwardStepFunc,
-    data_iterator: DataIterator,
-    model: _BaseDataParallel,
-    num_microbatches: int,
-    forward_only: bool = False,
-    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    calculate_per_token_loss: bool = False,
-) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
-    """Runs every microbatch of one iteration (Megatron-LM's no-pipelining schedule).
-
-    Args:
-        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
-        data_iterator: this rank's micro-batches.
-        model: the wrapped model.
-        num_microbatches: microbatches of the iteration (gradient-accumulation steps).
-        forward_only: no backward and no gradient-accumulation scopes (evaluation).
-        scale_loss: multiplies each loss before backward (fp16's loss scale:
-            `MegatronOptimizer.scale_loss`).
-        calculate_per_token_loss: backpropagate each loss as it is (a sum over tokens) instead
-            of divided by the microbatches: `train_step` divides the gradients by the global
-            batch's tokens afterwards.
-
-    A `loss_func` returns `(loss, report)` (loss: the micro-batch's mean), or Megatron-LM's
-    `(loss, num_tokens, report)` (loss: the sum over its `num_tokens` tokens, divided by them
-    here unless `calculate_per_token_loss`).
-
-    Returns:
-        Each microbatch's reported losses (this rank's), and this rank's token count (None when
-        `loss_func` returns no count).
-    """
-    loss_dicts = []
-    num_tokens = None
-    for index in range(num_microbatches):
-        scope = (
-            contextlib.nullcontext()
-            if forward_only
-            else _microbatch_scope(model, index, num_microbatches)
-        )
-        with scope:
-            output_tensor, loss_func = forward_step_func(data_iterator, model)
-            outputs = loss_func(output_tensor)
-            if len(outputs) == 3:
-                loss, tokens, loss_dict = outputs
-                num_tokens = tokens.detach() if num_tokens is None else num_tokens + tokens
-                if not calculate_per_token_loss:
-                    loss = loss / tokens
-            else:
-                loss, loss_dict = outputs
-            if not forward_only:
-                if not calculate_per_token_loss:
-                    # The gradient of the mean over microbatches: accumulation adds them up.
-                    loss = loss / num_microbatches
-                (loss if scale_loss is None else scale_loss(loss)).backward()
-        loss_dicts.append(loss_dict)
-    return loss_dicts, num_tokens
 
 
 def train_step(

@@ -77,6 +77,11 @@ class MetricWriter:
                 config=config,
             )
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is written (rank 0 with TensorBoard or wandb)."""
+        return self.tensorboard is not None or self.wandb_run is not None
+
     def add_scalars(
         self, scalars: dict[str, float], iteration: int, samples: int | None = None
     ) -> None:
@@ -132,7 +137,7 @@ class TrainingLog:
         iteration: int,
         losses: dict[str, float],
         skipped: bool,
-        grad_norm: float,
+        grad_norm: float | None,
         learning_rate: float,
         seconds: float,
         *,
@@ -185,6 +190,8 @@ class TrainingLog:
         loss_scale: float,
     ) -> None:
         """One iteration's TensorBoard / wandb scalars, under Megatron-LM's tag names."""
+        if not self.writer.active:
+            return  # most ranks: skip the memory statistics too
         args = self.args
         scalars = {"learning-rate": learning_rate, "batch-size": args.global_batch_size, **losses}
         if args.log_loss_scale_to_tensorboard:
@@ -205,6 +212,7 @@ class TrainingLog:
             self.writer.add_scalars(memory, iteration)
 
     def _tflops_per_gpu(self, seconds_per_iteration: float) -> float:
+        """Model TFLOP/s per GPU of an iteration taking `seconds_per_iteration`."""
         return self.flops_per_iteration / seconds_per_iteration / self.args.world_size / 1e12
 
     def _format_line(
@@ -220,7 +228,7 @@ class TrainingLog:
             f"tokens/s/GPU: {tokens / seconds_per_iteration / args.world_size:.1f}",
         ]
         if self.device.type == "cuda" or args.log_throughput:
-            tflops = self.flops_per_iteration / seconds_per_iteration / args.world_size / 1e12
+            tflops = self._tflops_per_gpu(seconds_per_iteration)
             fields.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
         fields += [
             f"learning rate: {learning_rate:.6E}",
@@ -257,11 +265,11 @@ class TrainingLog:
             iteration: the training iteration the scalars are written at.
             losses: the evaluation's averaged losses.
         """
+        # Megatron-LM caps the exponent at 20 too: exp overflows for a diverged loss.
+        perplexities = {key: math.exp(min(20.0, value)) for key, value in losses.items()}
         fields = [f" {split} loss at {when}"]
         for key, value in losses.items():
-            # Megatron-LM caps the exponent at 20 too: exp overflows for a diverged loss.
-            perplexity = math.exp(min(20.0, value))
-            fields.append(f"{key} value: {value:.6E} | {key} PPL: {perplexity:.6E}")
+            fields.append(f"{key} value: {value:.6E} | {key} PPL: {perplexities[key]:.6E}")
         line = " | ".join(fields)
         rule = "-" * (len(line) + 1)
         print_rank_0(f"{rule}\n{line}\n{rule}")
@@ -270,10 +278,11 @@ class TrainingLog:
             {f"{key} {split}": v for key, v in losses.items()}, iteration, samples=samples
         )
         if self.args.log_validation_ppl_to_tensorboard:
-            perplexities = {
-                f"{key} {split} ppl": math.exp(min(20.0, v)) for key, v in losses.items()
-            }
-            self.writer.add_scalars(perplexities, iteration, samples=samples)
+            self.writer.add_scalars(
+                {f"{key} {split} ppl": v for key, v in perplexities.items()},
+                iteration,
+                samples=samples,
+            )
 
     def close(self) -> None:
         """Closes the TensorBoard / wandb runs."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megatron.core.distributed.bucket_shards import BucketShards
 from megatron.core.distributed.data_parallel_base import (
     _BaseDataParallel,
     resolve_data_parallel_group,
@@ -46,7 +47,6 @@ from megatron.core.distributed.data_parallel_base import (
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
-from megatron.core.distributed.bucket_shards import BucketShards
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig

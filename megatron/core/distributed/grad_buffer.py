@@ -8,7 +8,6 @@ into its `BucketShards` (this rank's rows of each parameter).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -141,18 +140,14 @@ class GradBuffer:
         self.data = torch.zeros(numel, dtype=dtype, device=params[0].device)
         self.main_grads: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.buckets: list[GradBucket] = []
-        make_grad_bucket = functools.partial(
-            GradBucket,
-            group=group,
-            average_in_collective=average_in_collective,
-            check_for_nan_in_grad=check_for_nan_in_grad,
-        )
 
         def make_bucket(params: list[torch.nn.Parameter], data: torch.Tensor) -> GradBucket:
             shards = None
             if shard_buckets:
                 shards = BucketShards(params, [self.main_grads[p] for p in params], group)
-            return make_grad_bucket(params, data, shards=shards)
+            return GradBucket(
+                params, data, group, average_in_collective, check_for_nan_in_grad, shards
+            )
 
         bucket_params: list[torch.nn.Parameter] = []
         bucket_start = offset = 0

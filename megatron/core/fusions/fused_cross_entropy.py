@@ -49,10 +49,6 @@ def fused_cross_entropy(
     return _ChunkedCrossEntropy.apply(logits, target, chunk_elements)
 
 
-def _chunks(tokens: int, vocab: int, chunk_elements: int) -> range:
-    return range(0, tokens, max(1, chunk_elements // vocab))
-
-
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -66,8 +62,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         safe_target = target.masked_fill(ignored, 0)
         logsumexp = torch.empty(tokens, dtype=torch.float32, device=logits.device)
         losses = torch.empty(tokens, dtype=torch.float32, device=logits.device)
-        step = max(1, chunk_elements // vocab)
-        for start in _chunks(tokens, vocab, chunk_elements):
+        step = max(1, chunk_elements // vocab)  # tokens per chunk
+        for start in range(0, tokens, step):
             end = start + step
             chunk = logits[start:end].float()
             torch.logsumexp(chunk, dim=-1, out=logsumexp[start:end])
@@ -75,7 +71,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             torch.sub(logsumexp[start:end], picked, out=losses[start:end])
         losses.masked_fill_(ignored, 0.0)
         ctx.save_for_backward(logits, safe_target, ignored, logsumexp)
-        ctx.chunk_elements = chunk_elements
+        ctx.step = step
         return losses
 
     @staticmethod
@@ -83,12 +79,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_losses: torch.Tensor
     ) -> tuple[torch.Tensor, None, None]:
         logits, safe_target, ignored, logsumexp = ctx.saved_tensors
-        tokens, vocab = logits.shape
+        step = ctx.step
         # d loss_i / d logit_ij = softmax_ij - [j == target_i], times the loss's gradient.
         scale = grad_losses.float().masked_fill(ignored, 0.0)
         grad = torch.empty_like(logits)
-        step = max(1, ctx.chunk_elements // vocab)
-        for start in _chunks(tokens, vocab, ctx.chunk_elements):
+        for start in range(0, logits.shape[0], step):
             end = start + step
             chunk = torch.exp(logits[start:end].float() - logsumexp[start:end, None])
             rows = torch.arange(chunk.shape[0], device=chunk.device)

@@ -11,11 +11,8 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
-from megatron.core.optimizer.optimizer import (
-    MegatronOptimizer,
-    get_megatron_optimizer,
-    get_param_groups,
-)
+from megatron.core.optimizer.construction import get_megatron_optimizer, get_param_groups
+from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 __all__ = [

@@ -93,6 +93,8 @@ class SelfAttention(MegatronModule):
             skip_bias_add=True,
         )
         self.q_layernorm, self.k_layernorm = self._build_qk_norms(config, submodules)
+        # Decided once, not in every layer's forward.
+        self.recompute_core_attention = recomputes(config, "core_attn")
 
     def _build_qk_norms(
         self, config: TransformerConfig, submodules: SelfAttentionSubmodules
@@ -151,7 +153,7 @@ class SelfAttention(MegatronModule):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, rotary_interleaved=interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, rotary_interleaved=interleaved)
 
-        if recomputes(self.config, "core_attn") and self.training:
+        if self.recompute_core_attention and self.training:
             # Recompute the attention in backward instead of storing its activations; the RNG
             # state is replayed, so attention dropout draws the same mask again.
             context = checkpoint(

@@ -63,6 +63,16 @@ class DotProductAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.sdpa_backend = SDPA_BACKENDS.get(config.attention_backend)
+        # The `local` backend's options, resolved once. Query-key layer scaling divides the
+        # scores by the layer number before the softmax and multiplies it back in fp32, keeping
+        # fp16 scores of deep layers in range; it needs the fp32 softmax (Megatron-LM forces it).
+        self.local_attention = config.attention_backend == AttnBackend.local
+        self.softmax_scale_coeff = (
+            float(layer_number) if config.apply_query_key_layer_scaling else 1.0
+        )
+        self.softmax_in_fp32 = (
+            config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
+        )
 
     def forward(
         self,
@@ -98,7 +108,7 @@ class DotProductAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d] as views: SDPA only needs the last dimension contiguous.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.config.attention_backend == AttnBackend.local:
+        if self.local_attention:
             context = self._local_attention(query, key, value, attention_mask, dropout_p)
         elif self.sdpa_backend is None:
             context = self._sdpa(query, key, value, attention_mask, dropout_p)
@@ -135,20 +145,15 @@ class DotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         """Unfused attention over [b, n, s, d]: scores in the input dtype, softmax in fp32 when
         `attention_softmax_in_fp32` (or `apply_query_key_layer_scaling`, which needs it)."""
+        coeff = self.softmax_scale_coeff
         scale = 1.0 / math.sqrt(query.shape[-1])
-        coeff = self.layer_number if self.config.apply_query_key_layer_scaling else 1.0
-        # Query-key layer scaling divides the scores by the layer number before the softmax
-        # and multiplies it back in fp32, keeping fp16 scores of deep layers in range.
         scores = torch.matmul(query, key.transpose(-2, -1)) * (scale / coeff)
         if attention_mask is None:
             seq_q, seq_k = scores.shape[-2:]
             attention_mask = torch.ones(
                 seq_q, seq_k, dtype=torch.bool, device=scores.device
             ).triu(1)
-        softmax_in_fp32 = (
-            self.config.attention_softmax_in_fp32 or self.config.apply_query_key_layer_scaling
-        )
-        if softmax_in_fp32:
+        if self.softmax_in_fp32:
             scores = scores.float()
         if coeff != 1.0:
             scores = scores * coeff

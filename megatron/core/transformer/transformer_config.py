@@ -58,6 +58,16 @@ def scaled_init_method_normal(
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
 
 
+def recompute_module_refusal(module: str) -> str | None:
+    """Why `module` cannot be a `recompute_modules` value here ("is not built: ..." or "is
+    unknown"), or None when the local layers implement it."""
+    if module in UNBUILT_RECOMPUTE_MODULES:
+        return f"is not built: {UNBUILT_RECOMPUTE_MODULES[module]}"
+    if module not in RECOMPUTE_MODULES:
+        return "is unknown"
+    return None
+
+
 def recomputes(config: TransformerConfig, module: str) -> bool:
     """Whether selective recompute covers `module` (a `RECOMPUTE_MODULES` value)."""
     return config.recompute_granularity == "selective" and module in config.recompute_modules
@@ -258,14 +268,10 @@ class TransformerConfig(ModelParallelConfig):
             self.recompute_modules = ["core_attn"]
         if self.recompute_granularity == "selective":
             for module in self.recompute_modules:
-                if module in UNBUILT_RECOMPUTE_MODULES:
+                refusal = recompute_module_refusal(module)
+                if refusal is not None:
                     raise ValueError(
-                        f"recompute_modules value {module!r} is not built here: "
-                        f"{UNBUILT_RECOMPUTE_MODULES[module]}; choose among {RECOMPUTE_MODULES}."
-                    )
-                if module not in RECOMPUTE_MODULES:
-                    raise ValueError(
-                        f"recompute_modules value {module!r} is unknown; choose among "
+                        f"recompute_modules value {module!r} {refusal}; choose among "
                         f"{RECOMPUTE_MODULES}."
                     )
 

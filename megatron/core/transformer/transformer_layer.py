@@ -79,6 +79,16 @@ class TransformerLayer(MegatronModule):
                 "this layer spec fuses the norms into the linear layers (e.g. the Transformer "
                 "Engine spec); use the local spec or set it to False."
             )
+        # Selective recompute, decided once rather than in every forward. A norm fused into the
+        # next linear (`IdentityOp`) has nothing to recompute, as in Megatron-LM.
+        recompute_norms = recomputes(config, "layernorm")
+        self.recompute_input_layernorm = recompute_norms and not isinstance(
+            self.input_layernorm, IdentityOp
+        )
+        self.recompute_pre_mlp_layernorm = recompute_norms and not isinstance(
+            self.pre_mlp_layernorm, IdentityOp
+        )
+        self.recompute_mlp = recomputes(config, "mlp")
 
     def _bias_dropout_add(
         self, output: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
@@ -108,22 +118,24 @@ class TransformerLayer(MegatronModule):
         """
         post_norm_residual = self.config.apply_residual_connection_post_layernorm
 
-        normed = self._run(self.input_layernorm, "layernorm", hidden_states)
+        normed = self._run(self.input_layernorm, self.recompute_input_layernorm, hidden_states)
         residual = normed if post_norm_residual else hidden_states
         output, bias = self.self_attention(
             normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
         hidden_states = self._bias_dropout_add(output, bias, residual)
 
-        normed = self._run(self.pre_mlp_layernorm, "layernorm", hidden_states)
+        normed = self._run(self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, hidden_states)
         residual = normed if post_norm_residual else hidden_states
-        output, bias = self._run(self.mlp, "mlp", normed)
+        output, bias = self._run(self.mlp, self.recompute_mlp, normed)
         return self._bias_dropout_add(output, bias, residual), None
 
-    def _run(self, module: torch.nn.Module, name: str, inputs: torch.Tensor):
-        """`module(inputs)`, checkpointed when selective recompute covers `name`: only the input
-        is stored, and the module runs again in backward (non-reentrant, so hooks and the RNG
-        state are replayed)."""
-        if recomputes(self.config, name) and self.training and torch.is_grad_enabled():
+    def _run(
+        self, module: torch.nn.Module, recompute: bool, inputs: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """`module(inputs)`, checkpointed when `recompute` (in training, with autograd on): only
+        the input is stored, and the module runs again in backward (non-reentrant, so hooks and
+        the RNG state are replayed)."""
+        if recompute and self.training and torch.is_grad_enabled():
             return checkpoint(module, inputs, use_reentrant=False)
         return module(inputs)

@@ -94,26 +94,18 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         help="TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> "
         "<sep>).",
     )
-    group.add_argument(
-        "--tokenizer-prompt-format",
-        help="MultimodalTokenizer's prompt format; not built (no multimodal tokenizer).",
-    )
     return group
 
 
 def validate_tokenizer(args: argparse.Namespace) -> None:
-    """Refuses the tokenizer flags of features that are not built.
+    """Refuses `--vocab-extra-ids` other than 0 (`--tokenizer-prompt-format` is refused in
+    `flag_groups.unbuilt`).
 
     Raises:
-        ValueError: `--vocab-extra-ids` is not 0, or `--tokenizer-prompt-format` is set.
+        ValueError: `--vocab-extra-ids` is not 0.
     """
     if args.vocab_extra_ids != 0:
         raise ValueError(
             f"--vocab-extra-ids {args.vocab_extra_ids}: T5 span-masking tokens are not built "
             "(GPT pretraining uses none); drop the flag."
-        )
-    if args.tokenizer_prompt_format is not None:
-        raise ValueError(
-            f"--tokenizer-prompt-format {args.tokenizer_prompt_format}: only Megatron-LM's "
-            "MultimodalTokenizer reads it, which is not built; drop the flag."
         )

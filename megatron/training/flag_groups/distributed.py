@@ -11,25 +11,6 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.training.configs_from_args import FSDP_DTYPES
 
 
-def validate_distributed_optimizer(args: argparse.Namespace) -> None:
-    """Upstream's rule for `--overlap-param-gather` with the distributed optimizer.
-
-    `--use-distributed-optimizer` with `--use-megatron-fsdp` is accepted and changes nothing
-    (the sharding strategy already says what is sharded); upstream's Megatron-FSDP requires it.
-
-    Raises:
-        ValueError: `--overlap-param-gather` with the DDP engine's distributed optimizer but
-            without `--overlap-grad-reduce`.
-    """
-    if args.use_megatron_fsdp or not args.use_distributed_optimizer:
-        return
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise ValueError(
-            "--overlap-param-gather with --use-distributed-optimizer needs --overlap-grad-reduce "
-            "(as in Megatron-LM): add --overlap-grad-reduce or drop --overlap-param-gather."
-        )
-
-
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     """The "distributed" group: parallel sizes and the data-parallel engine."""
     group = parser.add_argument_group(title="distributed")
@@ -117,17 +98,30 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_distributed(args: argparse.Namespace) -> None:
     """Refuses a `--data-parallel-sharding-strategy` other than its default without
-    `--use-megatron-fsdp`: the DDP engine does not shard, so the value would be ignored.
+    `--use-megatron-fsdp` (the DDP engine does not shard, so the value would be ignored), and
+    applies upstream's rule for `--overlap-param-gather` with the distributed optimizer.
 
     The default (`optim_grads_params`, Megatron-LM's) cannot be told from the same value given
-    explicitly; the DDP engine ignores it, as Megatron-LM's does.
+    explicitly; the DDP engine ignores it, as Megatron-LM's does. `--use-distributed-optimizer`
+    with `--use-megatron-fsdp` is accepted and changes nothing (the sharding strategy already
+    says what is sharded); upstream's Megatron-FSDP requires it.
 
     Raises:
-        ValueError: a sharding strategy is chosen for the DDP engine.
+        ValueError: a sharding strategy is chosen for the DDP engine, or
+            `--overlap-param-gather` with the DDP engine's distributed optimizer but without
+            `--overlap-grad-reduce`.
     """
+    if args.use_megatron_fsdp:
+        return
     default = "optim_grads_params"
-    if not args.use_megatron_fsdp and args.data_parallel_sharding_strategy != default:
+    if args.data_parallel_sharding_strategy != default:
         raise ValueError(
             f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
             "Megatron-FSDP: add --use-megatron-fsdp or drop --data-parallel-sharding-strategy."
+        )
+    gather = args.use_distributed_optimizer and args.overlap_param_gather
+    if gather and not args.overlap_grad_reduce:
+        raise ValueError(
+            "--overlap-param-gather with --use-distributed-optimizer needs --overlap-grad-reduce "
+            "(as in Megatron-LM): add --overlap-grad-reduce or drop --overlap-param-gather."
         )

@@ -1,5 +1,6 @@
-"""Logging flags: the log line, TensorBoard and Weights & Biases (Megatron-LM's "logging" and
-"straggler" groups), and `validate_logging`, which refuses what is not built by name."""
+"""Logging flags: the log line, TensorBoard and Weights & Biases (Megatron-LM's "logging"
+group; the flags of its unbuilt features, such as `--log-params-norm`, are refused in
+`flag_groups.unbuilt`), `validate_logging`, and `set_logging_level`."""
 
 from __future__ import annotations
 
@@ -16,20 +17,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-interval", type=int, default=100, help="Iterations between log lines."
     )
-    group.add_argument(
-        "--log-params-norm",
-        action="store_true",
-        help="The parameters' L2 norm each iteration ('params-norm'); not built yet.",
-    )
-    group.add_argument(
-        "--log-num-zeros-in-grad",
-        action="store_true",
-        help="Zero gradient elements each iteration ('num-zeros'); not built yet.",
-    )
     group.add_argument("--log-throughput", action="store_true", help="TFLOP/s and tokens/s.")
-    group.add_argument(
-        "--log-progress", action="store_true", help="progress.txt in --save; not built."
-    )
     group.add_argument(
         "--timing-log-level",
         type=int,
@@ -87,42 +75,15 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="Python logging level of the root logger (10 DEBUG, 20 INFO, 30 WARNING, 40 ERROR).",
     )
-    straggler = parser.add_argument_group(title="straggler")
-    straggler.add_argument(
-        "--log-straggler", action="store_true", help="Straggler detection; not built."
-    )
-
-
-_NOT_BUILT = {
-    "log_params_norm": (
-        "--log-params-norm",
-        "the parameters' norm is not computed yet (not built); drop the flag",
-    ),
-    "log_num_zeros_in_grad": (
-        "--log-num-zeros-in-grad",
-        "the zero-gradient count is not logged yet (not built); drop the flag",
-    ),
-    "log_progress": (
-        "--log-progress",
-        "progress.txt (tokens and FLOPs per job) is not written; drop the flag",
-    ),
-    "log_straggler": (
-        "--log-straggler",
-        "the straggler detector (nvidia-resiliency-ext) is not built; drop the flag",
-    ),
-}
 
 
 def validate_logging(args: argparse.Namespace) -> None:
-    """Checks the logging flags; refuses those of features that are not built.
+    """Checks the logging flags (those of unbuilt features are refused in `flag_groups.unbuilt`).
 
     Raises:
-        ValueError: a flag of an unbuilt feature is set, or an interval or level is out of
-            range.
+        ValueError: a timing level that is not built, an interval or level out of range, or a
+            wandb option without `--wandb-project`.
     """
-    for dest, (flag, fix) in _NOT_BUILT.items():
-        if getattr(args, dest):
-            raise ValueError(f"{flag}: {fix}.")
     if args.timing_log_level != 0:
         raise ValueError(
             f"--timing-log-level {args.timing_log_level}: only level 0 (iteration time) is "

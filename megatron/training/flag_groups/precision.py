@@ -4,8 +4,8 @@ checks.
 `--fp16` trains with fp16 compute weights, fp32 main weights and loss scaling (dynamic unless
 `--loss-scale`); `--bf16` with bf16 compute weights and fp32 main weights. Gradients accumulate
 and reduce in fp32 with `--accumulate-allreduce-grads-in-fp32` (or this project's older name,
-`--grad-reduce-in-fp32`), and under `--bf16` by default, as in Megatron-LM, unless
-`--grad-reduce-in-bf16` (see `grad_reduce_in_fp32`).
+`--grad-reduce-in-fp32`), and, as in Megatron-LM, by default under `--bf16` with the DDP engine
+unless `--grad-reduce-in-bf16` (see `grad_reduce_in_fp32`).
 
 No FP8 or FP4 path is built: their flags parse with Megatron-LM's names, types and defaults so
 that launch scripts parse, and `validate_precision` refuses any value other than the default.
@@ -122,7 +122,7 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
-        help="Reduce gradients in bfloat16 (with --bf16; otherwise they reduce in fp32).",
+        help="Reduce gradients in bfloat16 (with --bf16, where the DDP engine reduces in fp32).",
     )
     _add_fp8_args(parser)
 
@@ -164,13 +164,17 @@ def _flag(dest: str) -> str:
 
 def grad_reduce_in_fp32(args: argparse.Namespace) -> bool:
     """Whether gradients accumulate and reduce in fp32 (`DistributedDataParallelConfig.
-    grad_reduce_in_fp32`): asked for by name, or, as in Megatron-LM, by default under `--bf16`
-    unless `--grad-reduce-in-bf16` or an explicit `--megatron-fsdp-main-grads-dtype` chooses
-    the gradient dtype."""
+    grad_reduce_in_fp32`): asked for by name, or by default under `--bf16` with the DDP engine
+    unless `--grad-reduce-in-bf16`.
+
+    Megatron-LM's `validate_args` turns `accumulate_allreduce_grads_in_fp32` on under `--bf16`,
+    but its Megatron-FSDP ignores that field: its gradients take
+    `--megatron-fsdp-main-grads-dtype`, whose `auto` is the model's dtype. So the default stays
+    off under `--use-megatron-fsdp`, where this project's adapter would honour it.
+    """
     if args.accumulate_allreduce_grads_in_fp32 or args.grad_reduce_in_fp32:
         return True
-    fsdp_dtype_chosen = args.use_megatron_fsdp and args.megatron_fsdp_main_grads_dtype != "auto"
-    return args.bf16 and not args.grad_reduce_in_bf16 and not fsdp_dtype_chosen
+    return args.bf16 and not args.grad_reduce_in_bf16 and not args.use_megatron_fsdp
 
 
 def validate_precision(args: argparse.Namespace) -> None:

@@ -39,9 +39,6 @@ def add_profiling_args(parser: argparse.ArgumentParser) -> None:
         "--pytorch-profiler-collect-callstack", action="store_true", help="Record Python stacks."
     )
     group.add_argument(
-        "--pytorch-profiler-collect-chakra", action="store_true", help="Chakra traces; not built."
-    )
-    group.add_argument(
         "--profile-ranks",
         type=int,
         nargs="+",
@@ -63,26 +60,33 @@ def add_profiling_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="nsys mode: record shapes in torch.autograd.profiler.emit_nvtx ranges.",
     )
-    group.add_argument("--nvtx-ranges", action="store_true", help="NVTX ranges; not built.")
 
 
 def validate_profiling(args: argparse.Namespace) -> None:
-    """Checks the profiling flags.
+    """Checks the profiling step range and ranks, and that the CUDA-only tools have a GPU
+    (`--pytorch-profiler-collect-chakra` and `--nvtx-ranges` are refused in
+    `flag_groups.unbuilt`). Checked here, on every rank alike, rather than only on the profiled
+    ranks when training starts, where the others would wait for them in a collective.
 
     Raises:
-        ValueError: a bad step range or rank, or a flag of a feature that is not built.
+        ValueError: a bad step range or rank, or nsys-mode `--profile` or
+            `--record-memory-history` on a run without GPUs.
     """
-    for flag, dest in (
-        ("--pytorch-profiler-collect-chakra", "pytorch_profiler_collect_chakra"),
-        ("--nvtx-ranges", "nvtx_ranges"),
-    ):
-        if getattr(args, dest):
-            raise ValueError(
-                f"{flag} is not built; drop it (--profile --use-pytorch-profiler writes a "
-                "torch.profiler trace)."
-            )
+    # The model computes on the GPU exactly under NCCL (`get_device`).
+    on_cpu = args.distributed_backend != "nccl"
+    if args.record_memory_history and on_cpu:
+        raise ValueError(
+            f"--record-memory-history records CUDA allocations, and --distributed-backend "
+            f"{args.distributed_backend} runs on the CPU; drop the flag."
+        )
     if not args.profile:
         return
+    if not args.use_pytorch_profiler and on_cpu:
+        raise ValueError(
+            f"--profile without --use-pytorch-profiler drives nsys (cudaProfilerStart), and "
+            f"--distributed-backend {args.distributed_backend} runs on the CPU; add "
+            "--use-pytorch-profiler for a torch.profiler trace, or drop the flag."
+        )
     if not 0 <= args.profile_step_start < args.profile_step_end:
         raise ValueError(
             f"--profile-step-start {args.profile_step_start} and --profile-step-end "

@@ -16,7 +16,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import (
     CROSS_ENTROPY_FUSION_IMPLS,
     RECOMPUTE_MODULES,
-    UNBUILT_RECOMPUTE_MODULES,
+    recompute_module_refusal,
 )
 
 
@@ -165,14 +165,10 @@ def _validate_recompute(args: argparse.Namespace) -> None:
             "--recompute-modules."
         )
     for module in args.recompute_modules:
-        if module in UNBUILT_RECOMPUTE_MODULES:
+        refusal = recompute_module_refusal(module)
+        if refusal is not None:
             raise ValueError(
-                f"--recompute-modules {module} is not built: {UNBUILT_RECOMPUTE_MODULES[module]}; "
-                f"use {', '.join(RECOMPUTE_MODULES)}."
-            )
-        if module not in RECOMPUTE_MODULES:
-            raise ValueError(
-                f"--recompute-modules {module} is unknown; choose among "
+                f"--recompute-modules {module} {refusal}; choose among "
                 f"{', '.join(RECOMPUTE_MODULES)}."
             )
 
@@ -202,10 +198,18 @@ def _validate_attention_backend(args: argparse.Namespace) -> None:
             f"{spelled}: this PyTorch build has no FlashAttention SDPA kernel; use "
             "--attention-backend auto or fused."
         )
-    if not args.bf16:
+    if not (args.bf16 or args.fp16):
         raise ValueError(
             f"{spelled}: the {backend.name} SDPA kernel runs in half precision only; add --bf16 "
-            "or use --attention-backend auto."
+            "(or --fp16) or use --attention-backend auto."
+        )
+    if backend == AttnBackend.flash and args.reset_attention_mask:
+        # SDPA's FlashAttention kernel takes no mask; the per-document masks would fail the
+        # first forward ("No available kernel").
+        raise ValueError(
+            f"{spelled}: the FlashAttention SDPA kernel takes no attention mask, which "
+            "--reset-attention-mask gives every sample; use --attention-backend auto (SDPA then "
+            "picks a kernel that takes one) or drop --reset-attention-mask."
         )
     limit = 256
     if args.kv_channels is not None and args.kv_channels > limit:

@@ -148,6 +148,23 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--use-precision-aware-optimizer",),
         ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"),
     ),
+    Unbuilt("the parameters' norm in the log", "drop the flag", ("--log-params-norm",)),
+    Unbuilt("the zero-gradient count in the log", "drop the flag", ("--log-num-zeros-in-grad",)),
+    Unbuilt("progress.txt (tokens and FLOPs per job)", "drop the flag", ("--log-progress",)),
+    Unbuilt(
+        "the straggler detector (nvidia-resiliency-ext)", "drop the flag", ("--log-straggler",)
+    ),
+    Unbuilt(
+        "Chakra execution traces and NVTX ranges",
+        "drop these flags (--profile --use-pytorch-profiler writes a torch.profiler trace)",
+        ("--pytorch-profiler-collect-chakra", "--nvtx-ranges"),
+    ),
+    Unbuilt(
+        "Megatron-LM's MultimodalTokenizer (--tokenizer-prompt-format)",
+        "drop the flag",
+        (),
+        ("--tokenizer-prompt-format",),
+    ),
 )
 """Every refused feature, in the order its flags are listed in `--help`."""
 

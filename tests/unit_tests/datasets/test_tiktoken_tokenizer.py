@@ -1,6 +1,5 @@
-"""TikTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer against references computed
-directly with `tiktoken` / `sentencepiece` on the same files, which the tests write (nothing is
-downloaded)."""
+"""TikTokenizer against references computed directly with `tiktoken` on the same rank files,
+which the tests write (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ import json
 
 import pytest
 
-from megatron.core.datasets.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron.core.datasets.tokenizers import build_tokenizer
 from megatron.training.arguments import parse_args, validate_args
-from tests.unit_tests.datasets.test_tokenizers import TEXTS, TRICKY, corpus_for_bpe
+from tests.unit_tests.datasets.test_tokenizers import TEXTS, TRICKY
 
 tiktoken = pytest.importorskip("tiktoken")
 
@@ -59,11 +58,6 @@ def _reference_ids(text: str, pattern: str) -> list[int]:
         special_tokens={},
     )
     return [i + NUM_SPECIAL for i in plain.encode(text, disallowed_special=())]
-
-
-def test_new_types_are_choices():
-    for name in ("TikTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"):
-        assert name in TOKENIZER_TYPES
 
 
 @pytest.mark.parametrize("pattern", ["v1", "v2"])
@@ -170,53 +164,3 @@ def test_unbuilt_tokenizer_flags_are_refused(flags, message):
     ).split()
     with pytest.raises(ValueError, match=message):
         validate_args(parse_args(args=[*base, *flags.split()]), world_size=1)
-
-
-# GPTSentencePieceTokenizer / Llama2Tokenizer -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_model(tmp_path_factory):
-    sentencepiece = pytest.importorskip("sentencepiece")
-    directory = tmp_path_factory.mktemp("spm_plain")
-    (directory / "train.txt").write_text("\n".join(corpus_for_bpe()), encoding="utf-8")
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(directory / "train.txt"),
-        model_prefix=str(directory / "tiny"),
-        vocab_size=320,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        minloglevel=2,
-    )
-    return directory / "tiny.model"
-
-
-@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
-@pytest.mark.parametrize("text", TEXTS + TRICKY)
-def test_sentencepiece_model_ids_are_the_models(sentencepiece_model, tokenizer_type, text):
-    import sentencepiece
-
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model=sentencepiece_model)
-    ids = tokenizer.tokenize(text)
-    assert ids == processor.encode_as_ids(text)
-    assert tokenizer.detokenize(ids) == text
-    assert tokenizer.vocab_size == len(processor) == 320
-    assert (tokenizer.eod, tokenizer.eos, tokenizer.bos) == (
-        processor.eos_id(),
-        processor.eos_id(),
-        processor.bos_id(),
-    )
-
-
-def test_sentencepiece_model_errors(tmp_path, sentencepiece_model):
-    with pytest.raises(FileNotFoundError, match="Llama2Tokenizer reads a SentencePiece"):
-        build_tokenizer("Llama2Tokenizer", tokenizer_model=tmp_path / "missing.model")
-    (tmp_path / "junk.model").write_bytes(b"junk")
-    with pytest.raises(ValueError, match="is not a SentencePiece model"):
-        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=tmp_path / "junk.model")
-    with pytest.raises(ValueError, match="does not read --vocab-size"):
-        build_tokenizer("Llama2Tokenizer", tokenizer_model=sentencepiece_model, vocab_size=3)

@@ -370,6 +370,55 @@ def test_sentencepiece_missing_package_message(tmp_path, monkeypatch):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
 
 
+# GPTSentencePieceTokenizer / Llama2Tokenizer -------------------------------------------------
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+@pytest.mark.parametrize("text", TEXTS + TRICKY)
+def test_sentencepiece_model_ids_are_the_models(sentencepiece_model, tokenizer_type, text):
+    import sentencepiece
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model=sentencepiece_model)
+    ids = tokenizer.tokenize(text)
+    assert ids == processor.encode_as_ids(text)
+    assert tokenizer.detokenize(ids) == text
+    assert tokenizer.vocab_size == len(processor) == 320
+    assert (tokenizer.eod, tokenizer.eos, tokenizer.bos) == (
+        processor.eos_id(),
+        processor.eos_id(),
+        processor.bos_id(),
+    )
+
+
+def test_sentencepiece_model_errors(tmp_path, sentencepiece_model):
+    with pytest.raises(FileNotFoundError, match="Llama2Tokenizer reads a SentencePiece"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=tmp_path / "missing.model")
+    (tmp_path / "junk.model").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="is not a SentencePiece model"):
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=tmp_path / "junk.model")
+    with pytest.raises(ValueError, match="does not read --vocab-size"):
+        build_tokenizer("Llama2Tokenizer", tokenizer_model=sentencepiece_model, vocab_size=3)
+    tokenizer = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sentencepiece_model)
+    with pytest.raises(ValueError, match=r"id 320 is not in \[0, 320\)"):
+        tokenizer.detokenize([5, 320])
+
+
+def test_sentencepiece_model_without_eos_is_refused(tmp_path):
+    sentencepiece = pytest.importorskip("sentencepiece")
+    (tmp_path / "train.txt").write_text("\n".join(corpus_for_bpe()), encoding="utf-8")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(tmp_path / "train.txt"),
+        model_prefix=str(tmp_path / "no_eos"),
+        vocab_size=200,
+        model_type="bpe",
+        eos_id=-1,
+        minloglevel=2,
+    )
+    with pytest.raises(ValueError, match="has no EOS piece"):
+        build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=tmp_path / "no_eos.model")
+
+
 # HuggingFaceTokenizer ----------------------------------------------------------------------
 
 

@@ -114,9 +114,12 @@ def test_rotation_tables_are_made_once_per_angles_tensor():
         assert len(calls) == 1 and torch.equal(first, again)
         apply_rotary_pos_emb(t.bfloat16(), freqs)  # another dtype: its own tables
         assert len(calls) == 2
+        for _ in range(2):  # the interleaved layout: its own tables, also made once
+            apply_rotary_pos_emb(t, freqs, rotary_interleaved=True)
+        assert len(calls) == 3
         freqs.mul_(2)  # modified in place: the tables follow
         rotated = apply_rotary_pos_emb(t, freqs)
-        assert len(calls) == 3
+        assert len(calls) == 4
     torch.testing.assert_close(rotated, _textbook_rotation(t, freqs))
 
 

@@ -1,5 +1,6 @@
-"""fp16 with loss scaling under both engines (2 ranks): an inf in one rank's gradient (shard)
-skips the step on every rank, and fp16 training follows fp32 training's loss curve."""
+"""fp16 with loss scaling under both engines, and the DDP engine's distributed optimizer (2
+ranks): an inf in one rank's gradient (shard) skips the step on every rank, and fp16 training
+follows fp32 training's loss curve."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
@@ -18,8 +20,10 @@ from tests.unit_tests.model_builders import (
     wrap_for_engine,
 )
 
-ENGINES = ["ddp", "optim_grads", "optim_grads_params"]
-"""The DDP engine, Megatron-FSDP ZeRO-2 and ZeRO-3."""
+DISTRIBUTED_OPTIMIZER = "ddp-distributed-optimizer"
+ENGINES = ["ddp", DISTRIBUTED_OPTIMIZER, "optim_grads", "optim_grads_params"]
+"""The DDP engine (without and with `use_distributed_optimizer`), Megatron-FSDP ZeRO-2 and
+ZeRO-3."""
 
 FP16_LOSS_RTOL = 5e-3
 """fp16 compute rounds activations and weights to 11 significant bits (relative 2**-11 ~ 5e-4
@@ -29,7 +33,12 @@ measured on CPU for DDP and ZeRO-3)."""
 
 def _build(engine: str, fp16: bool, initial_loss_scale: float = 2.0**10, hysteresis: int = 2):
     dtypes = dict(fp16=True, params_dtype=torch.float16) if fp16 else {}
-    model = wrap_for_engine(build_tiny_gpt(tiny_gpt_config(**dtypes)), engine)
+    model = build_tiny_gpt(tiny_gpt_config(**dtypes))
+    if engine == DISTRIBUTED_OPTIMIZER:
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        model = DistributedDataParallel(model.config, ddp_config, model)
+    else:
+        model = wrap_for_engine(model, engine)
     config = OptimizerConfig(
         lr=1e-2,
         clip_grad=1.0,
@@ -73,12 +82,16 @@ def _inf_on_one_rank(engine: str) -> dict:
     sharded = []
     if rank == 1:
         # Poison one element of a gradient this rank alone holds: under Megatron-FSDP its shard
-        # of the gradient; under DDP its copy of the all-reduced main_grad.
+        # of the gradient; with the distributed optimizer its reduced gradient shard; under DDP
+        # its copy of the all-reduced main_grad.
         for param in model.parameters():
-            grad = param.grad if isinstance(param, DTensor) else param.main_grad
+            if engine == DISTRIBUTED_OPTIMIZER:
+                grad = model.grad_shard(param)
+            else:
+                grad = param.grad if isinstance(param, DTensor) else param.main_grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             if local.numel():
-                sharded.append(isinstance(grad, DTensor))
+                sharded.append(isinstance(grad, DTensor) or engine == DISTRIBUTED_OPTIMIZER)
                 local.view(-1)[0] = float("inf")
                 break
     second = optimizer.step()

@@ -1,8 +1,7 @@
-"""Command-line flags: defaults, derived values, configs built from them, rejected combinations."""
+"""Command-line flags: defaults, derived values, accepted and rejected combinations (the configs
+built from them: `test_configs_from_args.py`)."""
 
 import argparse
-import dataclasses
-import inspect
 import re
 import sys
 import types
@@ -11,38 +10,26 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-import torch.nn.functional as F
 
-from megatron.core import parallel_state
 from megatron.core.datasets import IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.extensions import transformer_engine
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.enums import AttnBackend
 from megatron.training.arguments import (
     add_megatron_arguments,
-    core_transformer_config_from_args,
     get_megatron_ddp_config,
-    get_parallel_state_kwargs,
     parse_args,
     validate_args,
 )
 from megatron.training.global_vars import build_tokenizer
 from megatron.training.initialize import _with_defaults
+from tests.unit_tests.training.flag_checks import BASE, FSDP, HFSDP, ZERO3
+from tests.unit_tests.training.flag_checks import validated as validated_on
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
-    "--distributed-backend gloo"
-).split()
-"""A tiny valid run on CPU; later flags override these (argparse keeps the last value)."""
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "flags.md"
 
 
 def validated(*flags: str, world_size: int = 4, base: tuple[str, ...] = tuple(BASE)):
-    return validate_args(parse_args(args=[*base, *flags]), world_size=world_size)
+    return validated_on(*flags, world_size=world_size, base=base)
 
 
 @pytest.fixture
@@ -180,188 +167,6 @@ def test_no_fsdp_all_gather_in_start_param_sync():
     assert get_megatron_ddp_config(args).fsdp_all_gather_in_start_param_sync is False
     args = validated("--use-megatron-fsdp", "--fsdp-all-gather-in-start-param-sync")
     assert get_megatron_ddp_config(args).fsdp_all_gather_in_start_param_sync is True
-
-
-FSDP = "--use-megatron-fsdp"
-ZERO3 = f"{FSDP} --data-parallel-sharding-strategy optim_grads_params"
-HFSDP = f"{ZERO3} --outer-dp-sharding-strategy optim --num-distributed-optimizer-instances 2"
-DDP_CONFIG_CASES = [
-    (FSDP, "use_megatron_fsdp", True),
-    (ZERO3, "data_parallel_sharding_strategy", "optim_grads_params"),
-    (HFSDP, "outer_dp_sharding_strategy", "optim"),
-    (f"{FSDP} --num-distributed-optimizer-instances 2", "num_distributed_optimizer_instances", 2),
-    (
-        f"{FSDP} --no-fsdp-all-gather-in-start-param-sync",
-        "fsdp_all_gather_in_start_param_sync",
-        False,
-    ),
-    (f"{FSDP} --use-symm-mem --distributed-backend nccl", "use_symm_mem", True),
-    (f"{FSDP} --overlap-param-gather", "overlap_param_gather", True),
-    ("--overlap-grad-reduce", "overlap_grad_reduce", True),
-    ("--grad-reduce-in-fp32", "grad_reduce_in_fp32", True),
-    (
-        f"{FSDP} --megatron-fsdp-main-params-dtype bf16",
-        "megatron_fsdp_main_params_dtype",
-        torch.bfloat16,
-    ),
-    (f"{FSDP} --megatron-fsdp-main-params-dtype auto", "megatron_fsdp_main_params_dtype", None),
-    (
-        f"{FSDP} --megatron-fsdp-main-grads-dtype bf16",
-        "megatron_fsdp_main_grads_dtype",
-        torch.bfloat16,
-    ),
-    (
-        f"{FSDP} --megatron-fsdp-main-grads-dtype fp32",
-        "megatron_fsdp_main_grads_dtype",
-        torch.float32,
-    ),
-    (
-        f"{FSDP} --megatron-fsdp-grad-comm-dtype fp16",
-        "megatron_fsdp_grad_comm_dtype",
-        torch.float16,
-    ),
-    ("--ddp-bucket-size 1000", "bucket_size", 1000),
-    ("--ddp-average-in-collective", "average_in_collective", True),
-    ("--use-distributed-optimizer", "use_distributed_optimizer", True),
-]
-"""(flags, DistributedDataParallelConfig field, value the flags give it)."""
-
-
-@pytest.mark.parametrize("flags, field, value", DDP_CONFIG_CASES)
-def test_flag_reaches_ddp_config(cuda_available, flags, field, value):
-    config = get_megatron_ddp_config(validated(*flags.split()))
-    assert getattr(config, field) == value
-    baseline = get_megatron_ddp_config(validated())
-    assert getattr(baseline, field) != value, "the flags must change the field"
-
-
-def test_every_ddp_config_field_has_a_flag():
-    # check_for_nan_in_grad stays off: the training loop checks the global grad norm instead.
-    covered = {field for _, field, _ in DDP_CONFIG_CASES} | {"check_for_nan_in_grad"}
-    assert covered == {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
-
-
-@pytest.mark.parametrize("flag", ["--check-for-nan-in-loss-and-grad", ""])
-def test_nan_check_flag_leaves_the_ddp_engine_check_off(flag):
-    """The DDP engine's check raises on one rank while the others hang in the all-reduce."""
-    assert get_megatron_ddp_config(validated(*flag.split())).check_for_nan_in_grad is False
-
-
-TRANSFORMER_CONFIG_CASES = [
-    ("--num-layers 3", "num_layers", 3),
-    ("--hidden-size 96", "hidden_size", 96),
-    ("--num-attention-heads 8", "num_attention_heads", 8),
-    ("--group-query-attention --num-query-groups 2", "num_query_groups", 2),
-    ("--ffn-hidden-size 100", "ffn_hidden_size", 100),
-    ("--kv-channels 8", "kv_channels", 8),
-    ("--hidden-dropout 0.0", "hidden_dropout", 0.0),
-    ("--attention-dropout 0.2", "attention_dropout", 0.2),
-    ("--norm-epsilon 1e-6", "layernorm_epsilon", 1e-6),
-    ("--normalization RMSNorm", "normalization", "RMSNorm"),
-    ("--swiglu", "gated_linear_unit", True),
-    ("--swiglu", "activation_func", F.silu),
-    ("--disable-bias-linear", "add_bias_linear", False),
-    ("--add-qkv-bias", "add_qkv_bias", True),
-    ("--init-method-std 0.01", "init_method_std", 0.01),
-    (
-        "--apply-residual-connection-post-layernorm",
-        "apply_residual_connection_post_layernorm",
-        True,
-    ),
-    ("--recompute-granularity selective", "recompute_granularity", "selective"),
-    (
-        "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
-        "recompute_granularity",
-        "full",
-    ),
-    (
-        "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
-        "recompute_method",
-        "block",
-    ),
-    (
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
-        "recompute_num_layers",
-        2,
-    ),
-    (
-        "--recompute-granularity selective --recompute-modules mlp layernorm",
-        "recompute_modules",
-        ["mlp", "layernorm"],
-    ),
-    ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True),
-    ("--qk-layernorm", "qk_layernorm", True),
-    ("--qk-l2-norm", "qk_l2_norm", True),
-    ("--position-embedding-type rope --rotary-interleaved", "rotary_interleaved", True),
-    ("--apply-query-key-layer-scaling", "apply_query_key_layer_scaling", True),
-    # Megatron-LM's flag defaults to off although the config field defaults to on.
-    ("--attention-softmax-in-fp32", "attention_softmax_in_fp32", True),
-    ("--attention-backend local", "attention_backend", AttnBackend.local),
-    ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion", True),
-    ("--cross-entropy-fusion-impl te", "cross_entropy_fusion_impl", "te"),
-    ("--seq-length 16", "seq_length", 16),
-    ("--bf16", "bf16", True),
-    ("--bf16", "params_dtype", torch.bfloat16),
-    ("--fp16", "fp16", True),
-]
-"""(flags, TransformerConfig field, value the flags give it)."""
-# Set from the flags only at their single supported value, or derived by TransformerConfig.
-_NOT_FROM_A_FLAG = {
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "init_method",
-    "output_layer_init_method",
-}
-
-
-@pytest.mark.parametrize("flags, field, value", TRANSFORMER_CONFIG_CASES)
-def test_flag_reaches_transformer_config(flags, field, value):
-    config = core_transformer_config_from_args(validated(*flags.split()))
-    assert getattr(config, field) == value
-    baseline = core_transformer_config_from_args(validated())
-    assert getattr(baseline, field) != value, "the flags must change the field"
-
-
-def test_every_transformer_config_field_has_a_flag():
-    covered = {field for _, field, _ in TRANSFORMER_CONFIG_CASES} | _NOT_FROM_A_FLAG
-    assert covered == {f.name for f in dataclasses.fields(TransformerConfig)}
-
-
-def test_parallel_state_kwargs_match_initialize_model_parallel():
-    flags = (
-        f"{FSDP} --num-distributed-optimizer-instances 2 --create-all-gather-group "
-        "--distributed-timeout-minutes 5"
-    )
-    args = validated(*flags.split())
-    kwargs = get_parallel_state_kwargs(args)
-    assert kwargs == dict(
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=1,
-        expert_model_parallel_size=1,
-        num_distributed_optimizer_instances=2,
-        create_all_gather_group=True,
-        distributed_timeout_minutes=5,
-    )
-    inspect.signature(parallel_state.initialize_model_parallel).bind(**kwargs)
-
-
-def test_args_build_a_gpt_model():
-    args = validated("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights")
-    model = GPTModel(
-        core_transformer_config_from_args(args),
-        get_gpt_layer_local_spec(),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent,
-    )
-    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
-    assert model(tokens).shape == (args.micro_batch_size, args.seq_length, 128)
 
 
 @pytest.mark.parametrize(

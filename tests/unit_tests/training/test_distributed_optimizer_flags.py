@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.training.arguments import get_megatron_ddp_config, parse_args, validate_args
+from megatron.training.arguments import get_megatron_ddp_config
+from tests.unit_tests.training.flag_checks import validated as validated_on
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
-    "--distributed-backend gloo"
-).split()
 
 
 def validated(*flags: str):
-    return validate_args(parse_args(args=[*BASE, *flags]), world_size=4)
+    return validated_on(*flags, world_size=4)
 
 
 def test_off_by_default_as_upstream():

@@ -16,7 +16,12 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.flag_groups.training import FUSION_TOGGLES
-from tests.unit_tests.training.test_arguments import BASE, validated
+from tests.unit_tests.training.flag_checks import BASE
+from tests.unit_tests.training.flag_checks import validated as validated_on
+
+
+def validated(*flags: str):
+    return validated_on(*flags, world_size=4)
 
 
 def test_upstream_defaults_and_dests():
@@ -105,6 +110,12 @@ def test_flash_needs_bf16(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     with pytest.raises(ValueError, match="--attention-backend flash: .* add --bf16"):
         validated("--attention-backend", "flash")
+    for precision in ("--bf16", "--fp16"):  # the kernel's two half-precision dtypes
+        assert validated("--attention-backend", "flash", precision).attention_backend == (
+            AttnBackend.flash
+        )
+    with pytest.raises(ValueError, match="--use-flash-attn: .* no attention mask"):
+        validated("--use-flash-attn", "--bf16", "--reset-attention-mask")
 
 
 BAD = [

@@ -5,6 +5,7 @@ Megatron-LM's tag names, `--logging-level` applies, and what is not built is ref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import gzip
 import json
@@ -12,19 +13,16 @@ import logging
 import math
 import os
 import re
+from collections.abc import Iterator
 
 import pytest
-import torch
 
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.profiling import TrainingOperations
 from megatron.training.utils import logger
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.test_pretrain_gpt import TINY, _pretrain
-
-
-def _profile_run(flags: list[str]) -> None:
-    _pretrain(flags)
 
 
 def test_pytorch_profiler_traces_the_given_steps_and_ranks(tmp_path):
@@ -36,7 +34,7 @@ def test_pytorch_profiler_traces_the_given_steps_and_ranks(tmp_path):
         "--tensorboard-dir",
         str(tensorboard),
     ]
-    run_distributed(_profile_run, 2, flags)
+    run_distributed(_pretrain, 2, flags)
     traces = tmp_path / "torch_profile"
     assert sorted(os.listdir(traces)) == ["rank-1.json.gz"]
     with gzip.open(traces / "rank-1.json.gz", "rt") as file:
@@ -57,17 +55,27 @@ def _gc_args(**overrides) -> argparse.Namespace:
     return args
 
 
-def test_manual_gc_collects_at_megatron_points():
+@contextlib.contextmanager
+def _collections() -> Iterator[list[int]]:
+    """The generation of each garbage collection that starts inside the block, in order."""
     collections: list[int] = []
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             collections.append(info["generation"])
 
-    args = _gc_args(manual_gc_interval=2)
     gc.callbacks.append(on_gc)
     try:
-        with TrainingOperations(args, torch.device("cpu")) as operations:
+        yield collections
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
+
+
+def test_manual_gc_collects_at_megatron_points():
+    args = _gc_args(manual_gc_interval=2)
+    with _collections() as collections:
+        with TrainingOperations(args) as operations:
             assert not gc.isenabled()
             assert collections == [2]  # a full collection when training starts
             for iteration in (1, 2, 3):
@@ -78,41 +86,31 @@ def test_manual_gc_collects_at_megatron_points():
                 assert collections == [2, 2, 2]
             assert collections == [2, 2, 2, 0]  # the evaluation's own garbage
         assert gc.isenabled()
-    finally:
-        gc.callbacks.remove(on_gc)
-        gc.enable()
 
 
 def test_manual_gc_eval_can_be_turned_off():
     args = _gc_args(manual_gc_eval=False)
-    collections: list[int] = []
-    def callback(phase: str, info: dict) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    gc.callbacks.append(callback)
-    try:
-        with TrainingOperations(args, torch.device("cpu")) as operations:
+    with _collections() as collections:
+        with TrainingOperations(args) as operations:
             with operations.evaluation():
                 pass
             operations.after_iteration(4, last=True)
         assert collections == [2]
-    finally:
-        gc.callbacks.remove(callback)
-        gc.enable()
 
 
-def test_nsys_profile_and_memory_history_need_cuda():
-    args = parse_args(args=[*TINY, "--profile"])
-    with pytest.raises(ValueError, match="--profile without --use-pytorch-profiler"):
-        TrainingOperations(args, torch.device("cpu"))
-    args = parse_args(args=[*TINY, "--record-memory-history"])
-    with pytest.raises(ValueError, match="--record-memory-history"):
-        TrainingOperations(args, torch.device("cpu"))
-
-
-def _tensorboard_run(flags: list[str]) -> dict:
-    return _pretrain(flags)
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--profile", "--profile without --use-pytorch-profiler"),
+        # Refused on every rank, not only on the profiled one.
+        ("--profile --profile-ranks 1", "--profile without --use-pytorch-profiler"),
+        ("--record-memory-history", "--record-memory-history"),
+    ],
+)
+def test_nsys_profile_and_memory_history_need_cuda(flags, message):
+    args = parse_args(args=[*TINY, "--distributed-backend", "gloo", *flags.split()])
+    with pytest.raises(ValueError, match=message):
+        validate_args(args, world_size=2)
 
 
 def test_tensorboard_scalars_under_megatron_tags(tmp_path):
@@ -127,7 +125,7 @@ def test_tensorboard_scalars_under_megatron_tags(tmp_path):
         "--tensorboard-dir",
         str(tmp_path / "tb"),
     ]
-    history = run_distributed(_tensorboard_run, 2, flags)[0]["history"]
+    history = run_distributed(_pretrain, 2, flags)[0]["history"]
     accumulator = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
     accumulator.Reload()
 
@@ -161,11 +159,13 @@ def test_tensorboard_scalars_under_megatron_tags(tmp_path):
         assert [value for _, value in events(tag)] == pytest.approx(expected)
 
 
-def _logging_level_run(flags: list[str]) -> tuple[int, int, list[str]]:
+def _logging_level_run(flags: list[str]) -> tuple[int, list[str]]:
+    """The root logger's level after a run, and the run's log. (The training loop's own level
+    is seen in the log only: `capture_training_log` restores it when the run ends.)"""
     root_level, own_level = logging.getLogger().level, logger.level
     try:
         log = _pretrain(flags)["log"]
-        return logging.getLogger().level, logger.level, log
+        return logging.getLogger().level, log
     finally:
         logging.getLogger().setLevel(root_level)
         logger.setLevel(own_level)
@@ -173,15 +173,39 @@ def _logging_level_run(flags: list[str]) -> tuple[int, int, list[str]]:
 
 def test_logging_level_sets_the_loggers():
     flags = [*TINY, "--global-batch-size", "2", "--logging-level", "40"]
-    root, _, log = run_distributed(_logging_level_run, 1, flags)[0]
+    root, log = run_distributed(_logging_level_run, 1, flags)[0]
     assert root == 40
     assert not any(message.startswith("iteration ") for message in log)
+
+
+@pytest.mark.parametrize(
+    "flag, environment, expected",
+    [("30", None, 30), (None, "10", 10), ("40", "10", 40), (None, None, None)],
+)
+def test_logging_level_flag_wins_over_the_environment(monkeypatch, flag, environment, expected):
+    if environment is None:
+        monkeypatch.delenv("MEGATRON_LOGGING_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", environment)
+    args = parse_args(args=[*TINY, *(["--logging-level", flag] if flag else [])])
+    root, own = logging.getLogger(), logger
+    before = (root.level, own.level)
+    try:
+        set_logging_level(args)
+        assert (root.level, own.level) == (before if expected is None else (expected, expected))
+    finally:
+        root.setLevel(before[0])
+        own.setLevel(before[1])
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
         ("--timing-log-level 1", "--timing-log-level 1"),
+        ("--log-num-zeros-in-grad", "--log-num-zeros-in-grad"),
+        ("--tensorboard-queue-size 0", "--tensorboard-queue-size 0"),
+        ("--pytorch-profiler-collect-chakra", "--pytorch-profiler-collect-chakra"),
+        ("--manual-gc --manual-gc-interval -1", "--manual-gc-interval -1"),
         ("--log-straggler", "--log-straggler"),
         ("--log-progress", "--log-progress"),
         ("--log-params-norm", "--log-params-norm"),

@@ -13,17 +13,14 @@ from megatron.training.arguments import (
     parse_args,
     validate_args,
 )
+from tests.unit_tests.training.flag_checks import BASE
+from tests.unit_tests.training.flag_checks import validated as validated_on
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
-    "--distributed-backend gloo"
-).split()
 FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
 
 
 def validated(flags: str = ""):
-    return validate_args(parse_args(args=[*BASE, *flags.split()]), world_size=2)
+    return validated_on(*flags.split())
 
 
 DEFAULTS = {
@@ -117,8 +114,10 @@ def test_loss_scaling_flags_reach_the_optimizer_config():
         ("--grad-reduce-in-fp32", True),
         ("--bf16", True),  # Megatron-LM's default for bf16
         ("--bf16 --grad-reduce-in-bf16", False),
-        (f"--bf16 {FSDP}", True),
+        # Megatron-LM's Megatron-FSDP takes --megatron-fsdp-main-grads-dtype (auto: the model's).
+        (f"--bf16 {FSDP}", False),
         (f"--bf16 {FSDP} --megatron-fsdp-main-grads-dtype bf16", False),
+        (f"--bf16 {FSDP} --accumulate-allreduce-grads-in-fp32", True),
     ],
 )
 def test_gradient_reduction_dtype(flags, reduce_in_fp32):

@@ -270,7 +270,8 @@ def test_last_partial_log_interval_is_logged():
 )
 def test_tensorboard_scalars(tmp_path):
     flags = [*TINY, "--global-batch-size", "8", "--tensorboard-dir", str(tmp_path)]
-    run_distributed(_pretrain, 2, [*flags, *ZERO3])
+    # iteration-time is a timer: written with --log-timers-to-tensorboard, as upstream.
+    run_distributed(_pretrain, 2, [*flags, *ZERO3, "--log-timers-to-tensorboard"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path))

@@ -13,11 +13,13 @@ import functools
 import os
 import signal
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import pretrain_gpt
 from megatron.core import parallel_state
@@ -25,7 +27,7 @@ from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import BatchSizeSchedule, rampup_schedule
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training import global_vars
+from megatron.training import dist_signal_handler, global_vars
 from megatron.training.arguments import get_megatron_optimizer_config, parse_args, validate_args
 from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.flag_groups.optimization import lr_schedule_steps
@@ -420,13 +422,13 @@ def _masked_forward_step(data_iterator, model):
     return model(tokens, labels=labels), functools.partial(pretrain_gpt.loss_func, mask)
 
 
-def _per_token_step(num_microbatches: int) -> dict:
+def _per_token_step(engine: str, num_microbatches: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     parallel_state.initialize_model_parallel()
     tokens, labels = make_token_batches(1, 8, seed=3)[0]
     model = build_tiny_gpt()
     reference = build_tiny_gpt()
-    wrapped = wrap_for_engine(model, "ddp")
+    wrapped = wrap_for_engine(model, engine)
     config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0)
     config.clip_grad = 0.0
     optimizer = get_megatron_optimizer(config, wrapped)
@@ -458,7 +460,7 @@ def _per_token_step(num_microbatches: int) -> dict:
     loss = (per_token * mask).sum() / mask.sum()
     loss.backward()
     expected = {name: p.detach() - p.grad for name, p in reference.named_parameters()}
-    got = {name: p.detach() for name, p in model.named_parameters()}
+    got = {name: _full(value) for name, value in wrapped.state_dict().items()}
     return dict(
         skipped=skipped,
         loss=losses["lm loss"],
@@ -468,9 +470,17 @@ def _per_token_step(num_microbatches: int) -> dict:
     )
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A Megatron-FSDP weight (a DTensor of this rank's shard) as the whole tensor."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+@pytest.mark.parametrize("engine", ["ddp", "optim_grads_params"])
 @pytest.mark.parametrize("num_microbatches", [1, 2])
-def test_per_token_loss_equals_a_plain_computation(num_microbatches):
-    for result in run_distributed(_per_token_step, 2, num_microbatches):
+def test_per_token_loss_equals_a_plain_computation(engine, num_microbatches):
+    """One SGD step (lr 1) on either engine (DDP; Megatron-FSDP, ZeRO-3) moves the weights by
+    the gradient of the global batch's mean over its unmasked tokens, computed in one process."""
+    for result in run_distributed(_per_token_step, 2, engine, num_microbatches):
         assert not result["skipped"]
         assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-5)
         torch.testing.assert_close(result["got"], result["expected"])
@@ -492,6 +502,47 @@ def test_exit_duration_stops_every_rank_when_one_is_past_it():
     assert run_distributed(_duration_reason, 2, None) == [None, None]
     reasons = run_distributed(_duration_reason, 2, 1)
     assert all("--exit-duration-in-mins" in reason for reason in reasons)
+
+
+def _signal_reason(signalled_rank: int | None) -> str | None:
+    args = argparse.Namespace(
+        exit_duration_in_mins=None, exit_signal_handler=True, exit_signal=signal.SIGUSR1
+    )
+    with ExitConditions(args, time.time()) as exits:
+        if dist.get_rank() == signalled_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return exits.reason()
+
+
+def test_exit_signal_stops_every_rank_when_one_received_it():
+    assert run_distributed(_signal_reason, 2, None) == [None, None]
+    reasons = run_distributed(_signal_reason, 2, 0)
+    assert all("SIGUSR1 (--exit-signal-handler)" in reason for reason in reasons)
+
+
+@pytest.mark.parametrize(
+    "duration, signal_handler, collectives", [(None, False, 0), (1, True, 1)]
+)
+def test_exits_take_one_all_reduce_per_iteration_and_none_without_flags(
+    monkeypatch, duration, signal_handler, collectives
+):
+    """Both exits share one all-reduce per `reason()`; neither flag: no collective at all."""
+    calls = []
+    recorder = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        all_reduce=lambda tensor, op: calls.append(op),
+        ReduceOp=dist.ReduceOp,
+    )
+    monkeypatch.setattr(dist_signal_handler, "dist", recorder)
+    args = argparse.Namespace(
+        exit_duration_in_mins=duration,
+        exit_signal_handler=signal_handler,
+        exit_signal=signal.SIGUSR1,
+    )
+    with ExitConditions(args, time.time()) as exits:
+        assert exits.reason() is None
+    assert len(calls) == collectives
+    assert all(op == dist.ReduceOp.MAX for op in calls)
 
 
 def _sigterm_at_call(call: int, data_iterator, model):

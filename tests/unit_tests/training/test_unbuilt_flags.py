@@ -11,19 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args
 from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, UNBUILT
+from tests.unit_tests.training.flag_checks import BASE, validated
 
-BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-    "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --mock-data --vocab-size 100 "
-    "--distributed-backend gloo"
-).split()
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def validated(*flags: str):
-    return validate_args(parse_args(args=[*BASE, *flags]), world_size=2)
 
 
 def test_no_unbuilt_flag_is_set_by_default():

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from megatron.core.activations import squared_relu
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.torch_norm import (
     WrappedTorchNorm,
     ZeroCenteredLayerNorm,
@@ -280,6 +282,23 @@ def test_selective_recompute_reruns_the_module(module):
     assert len(calls) == 1
     output.sum().backward()
     assert len(calls) == 2
+
+
+def test_selective_recompute_is_decided_at_construction():
+    """What each layer recomputes is set once; a norm fused into the next linear (`IdentityOp`,
+    the Transformer Engine spec's slots) is not checkpointed, as in Megatron-LM."""
+    config = _config(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.input_layernorm = IdentityOp
+    layer = build_module(spec, config=config).train()
+    assert not layer.recompute_input_layernorm
+    assert layer.recompute_pre_mlp_layernorm and layer.recompute_mlp
+    assert not layer.self_attention.recompute_core_attention
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    assert layer(x)[0].grad_fn is not None
+    plain = _block(_config()).layers[0]
+    assert not (plain.recompute_pre_mlp_layernorm or plain.recompute_mlp)
+    assert not plain.self_attention.recompute_core_attention
 
 
 def test_recompute_chunks():

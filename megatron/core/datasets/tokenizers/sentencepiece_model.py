@@ -16,6 +16,10 @@ import os
 from collections.abc import Sequence
 
 from megatron.core.datasets.tokenizers.base import MegatronTokenizer
+from megatron.core.datasets.tokenizers.sentencepiece_tokenizer import (
+    decode_model_ids,
+    load_processor,
+)
 
 
 class GPTSentencePieceTokenizer(MegatronTokenizer):
@@ -32,23 +36,7 @@ class GPTSentencePieceTokenizer(MegatronTokenizer):
 
     def __init__(self, model_file: str | os.PathLike):
         name = type(self).__name__
-        if not os.path.isfile(model_file):
-            raise FileNotFoundError(
-                f"--tokenizer-model {model_file}: no such file; {name} reads a SentencePiece "
-                ".model file."
-            )
-        try:
-            import sentencepiece
-        except ImportError as error:
-            raise ImportError(
-                f"{name} needs the `sentencepiece` package: pip install sentencepiece"
-            ) from error
-        try:
-            self._processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
-        except (RuntimeError, OSError) as error:
-            raise ValueError(
-                f"--tokenizer-model {model_file} is not a SentencePiece model: {error}"
-            ) from error
+        self._processor = load_processor(model_file, name)
         size = len(self._processor)
         ids = {
             "bos": self._processor.bos_id(),
@@ -70,12 +58,7 @@ class GPTSentencePieceTokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         ids = [int(index) for index in ids]
-        for index in ids:
-            if not 0 <= index < len(self._processor):
-                raise ValueError(
-                    f"{type(self).__name__}: id {index} is not in [0, {self.vocab_size})."
-                )
-        return self._processor.decode_ids(ids)
+        return decode_model_ids(self._processor, ids, type(self).__name__, self.vocab_size)
 
     @property
     def vocab_size(self) -> int:

@@ -14,11 +14,61 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from megatron.core.datasets.tokenizers.base import MegatronTokenizer
 
 SPECIAL_TOKENS = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
 """Added before the model's own pad, bos and eos pieces, in Megatron-LM's order."""
+
+
+def load_processor(model_file: str | os.PathLike, tokenizer: str) -> Any:
+    """The `sentencepiece.SentencePieceProcessor` of a `.model` file, with named errors.
+
+    Args:
+        model_file: the SentencePiece `.model` file (`--tokenizer-model`).
+        tokenizer: the tokenizer type reading it, for the messages.
+
+    Raises:
+        FileNotFoundError: `model_file` does not exist.
+        ValueError: `model_file` is not a SentencePiece model.
+        ImportError: the `sentencepiece` package is not installed.
+    """
+    if not os.path.isfile(model_file):
+        raise FileNotFoundError(
+            f"--tokenizer-model {model_file}: no such file; {tokenizer} reads a SentencePiece "
+            ".model file."
+        )
+    try:
+        import sentencepiece
+    except ImportError as error:
+        raise ImportError(
+            f"{tokenizer} needs the `sentencepiece` package: pip install sentencepiece"
+        ) from error
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    except (RuntimeError, OSError) as error:
+        raise ValueError(
+            f"--tokenizer-model {model_file} is not a SentencePiece model: {error}"
+        ) from error
+
+
+def decode_model_ids(processor: Any, ids: list[int], tokenizer: str, vocab_size: int) -> str:
+    """Text of a model's own ids, checked first (SentencePiece fails on an id outside the model
+    with no useful message).
+
+    Args:
+        processor: the SentencePiece model.
+        ids: ids of its pieces.
+        tokenizer: the tokenizer type, and `vocab_size` its vocabulary size, for the message.
+
+    Raises:
+        ValueError: an id is not one of the model's pieces.
+    """
+    for index in ids:
+        if not 0 <= index < len(processor):
+            raise ValueError(f"{tokenizer}: id {index} is not in [0, {vocab_size}).")
+    return processor.decode_ids(ids)
 
 
 class SentencePieceTokenizer(MegatronTokenizer):
@@ -34,23 +84,7 @@ class SentencePieceTokenizer(MegatronTokenizer):
     """
 
     def __init__(self, model_file: str | os.PathLike):
-        if not os.path.isfile(model_file):
-            raise FileNotFoundError(
-                f"--tokenizer-model {model_file}: no such file; give a SentencePiece .model file."
-            )
-        try:
-            import sentencepiece
-        except ImportError as error:
-            raise ImportError(
-                "SentencePieceTokenizer needs the `sentencepiece` package: "
-                "pip install sentencepiece"
-            ) from error
-        try:
-            self._processor = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
-        except (RuntimeError, OSError) as error:
-            raise ValueError(
-                f"--tokenizer-model {model_file} is not a SentencePiece model: {error}"
-            ) from error
+        self._processor = load_processor(model_file, type(self).__name__)
         vocab = {self._processor.id_to_piece(index): index for index in range(len(self._processor))}
         self._special_tokens: dict[str, int] = {}
         for token in SPECIAL_TOKENS:
@@ -100,12 +134,7 @@ class SentencePieceTokenizer(MegatronTokenizer):
 
     def _decode(self, ids: list[int]) -> str:
         """Text of the model's own ids."""
-        for index in ids:
-            if not 0 <= index < len(self._processor):
-                raise ValueError(
-                    f"SentencePieceTokenizer: id {index} is not in [0, {self.vocab_size})."
-                )
-        return self._processor.decode_ids(ids)
+        return decode_model_ids(self._processor, ids, type(self).__name__, self.vocab_size)
 
     @property
     def cls(self) -> int:

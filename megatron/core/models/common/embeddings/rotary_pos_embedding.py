@@ -151,34 +151,52 @@ def llama3_inv_freq(
 
 
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Angles tensor -> (its version, {dtype: (cos, signed sin)}): see `_rotation_tables`."""
+"""Angles tensor -> (its version, {(dtype, interleaved): (cos, signed sin)}): see
+`_rotation_tables`."""
 
 
-def _rotation_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`cos(freqs)` and `sin(freqs)` with its first half negated, in `dtype`, so that
-    `t * cos + t.roll(rot_dim // 2, -1) * sin` rotates `t` (the roll swaps the halves, which
-    Megatron's layout pairs).
+def _rotation_tables(
+    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos(freqs)` and `sin(freqs)` with the sine of each pair's first channel negated, in
+    `dtype`, so that `t * cos + swap(t) * sin` rotates `t`, where `swap` exchanges the two
+    channels of each pair (`_swap_pairs`).
 
-    Kept for as long as `freqs` lives and is not modified in place; angles that require grad
-    (trained ones) are not kept, so that each forward differentiates its own.
+    Kept for as long as `freqs` lives and is not modified in place (every layer's queries and
+    keys reuse them); angles that require grad (trained ones) are not kept, so that each forward
+    differentiates its own.
     """
     if freqs.requires_grad:
-        return _compute_tables(freqs, dtype)
-    version, by_dtype = _tables.get(freqs, (None, None))
+        return _compute_tables(freqs, dtype, interleaved)
+    version, tables_by_key = _tables.get(freqs, (None, None))
     if version != freqs._version:
-        by_dtype = {}
-        _tables[freqs] = (freqs._version, by_dtype)
-    tables = by_dtype.get(dtype)
+        tables_by_key = {}
+        _tables[freqs] = (freqs._version, tables_by_key)
+    key = (dtype, interleaved)
+    tables = tables_by_key.get(key)
     if tables is None:
-        tables = by_dtype[dtype] = _compute_tables(freqs, dtype)
+        tables = tables_by_key[key] = _compute_tables(freqs, dtype, interleaved)
     return tables
 
 
-def _compute_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    half = freqs.shape[-1] // 2
+def _compute_tables(
+    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     sin = torch.sin(freqs)
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    if interleaved:
+        signed_sin = torch.stack((-sin[..., ::2], sin[..., 1::2]), dim=-1).flatten(-2)
+    else:
+        half = freqs.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     return torch.cos(freqs).to(dtype), signed_sin.to(dtype)
+
+
+def _swap_pairs(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Exchanges the channels of each rotated pair: adjacent ones (`interleaved`), or the two
+    halves (Megatron's default layout; a roll by half the width)."""
+    if interleaved:
+        return t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return t.roll(t.shape[-1] // 2, dims=-1)
 
 
 def apply_rotary_pos_emb(
@@ -201,11 +219,6 @@ def apply_rotary_pos_emb(
     rot_dim = freqs.shape[-1]
     partial = rot_dim < t.shape[-1]
     t_rot = t[..., :rot_dim] if partial else t
-    if rotary_interleaved:
-        cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
-        rotated = torch.stack((-t_rot[..., 1::2], t_rot[..., ::2]), dim=-1).flatten(-2)
-        t_rot = t_rot * cos + rotated * sin
-    else:
-        cos, sin = _rotation_tables(freqs, t.dtype)
-        t_rot = t_rot * cos + t_rot.roll(rot_dim // 2, dims=-1) * sin
+    cos, sin = _rotation_tables(freqs, t.dtype, rotary_interleaved)
+    t_rot = t_rot * cos + _swap_pairs(t_rot, rotary_interleaved) * sin
     return torch.cat((t_rot, t[..., rot_dim:]), dim=-1) if partial else t_rot
