@@ -47,4 +47,5 @@ def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tenso
     total = num_tokens.detach().float().clone()
     dist.all_reduce(total, group=group)
     # The engines average over the group: times its size undoes that, before dividing.
-    model.scale_gradients(dist.get_world_size(group) / max(total.item(), 1.0))
+    # A device tensor: no host synchronisation.
+    model.scale_gradients(dist.get_world_size(group) / total.clamp(min=1.0))

@@ -298,7 +298,7 @@ def train_step(
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
     num_microbatches: int | None = None,
-) -> tuple[dict[str, float], bool, float]:
+) -> tuple[dict[str, float], bool, float | None, int | None]:
     """One iteration: every microbatch's forward and backward, then the optimizer step.
 
     Args:
@@ -312,9 +312,10 @@ def train_step(
         num_microbatches: this iteration's (a batch-size schedule's); None: `args`'.
 
     Returns:
-        (losses, skipped, grad_norm): the averaged reported losses, whether the optimizer step
-        was skipped (a gradient norm that is not finite, or an fp16 overflow), and that norm
-        (None when the loss scaler skipped the step before taking it).
+        (losses, skipped, grad_norm, num_zeros_in_grad): the averaged reported losses, whether
+        the optimizer step was skipped (a gradient norm that is not finite, or an fp16
+        overflow), that norm (None when the loss scaler skipped the step before taking it),
+        and the number of zero gradient elements (None without `--log-num-zeros-in-grad`).
 
     Raises:
         RuntimeError: a loss or the global gradient norm is not finite and
@@ -338,7 +339,7 @@ def train_step(
     model.finish_grad_sync()
     if args.calculate_per_token_loss:
         divide_gradients_by_tokens(model, num_tokens)
-    update_successful, grad_norm, _ = optimizer.step()
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     if update_successful:
         # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
         scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
@@ -359,7 +360,7 @@ def train_step(
                 f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
                 f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
             )
-    return losses, not update_successful, grad_norm
+    return losses, not update_successful, grad_norm, num_zeros_in_grad
 
 
 def train(
@@ -410,7 +411,7 @@ def train(
         operations.before_iteration(iteration)
         start = time.perf_counter()
         global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
-        losses, skipped, grad_norm = train_step(
+        losses, skipped, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func,
             train_data_iterator,
             model,
@@ -455,6 +456,8 @@ def train(
             seconds,
             last=exiting or iteration == args.train_iters,
             loss_scale=loss_scale,
+            num_zeros_in_grad=num_zeros_in_grad,
+            params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
         )
         operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
 

@@ -11,11 +11,12 @@ such as::
 
 Times cover training steps only, not evaluation. The loss is averaged over the interval's
 non-skipped iterations (each already averaged over its microbatches and the data-parallel
-ranks), the time over its iterations; the loss scale (1.0 without fp16 / `--loss-scale`) and
-the grad norm are the last iteration's (no grad norm when fp16's loss scaler skipped it on an
-overflow), and the learning rate the one after its schedule step (Megatron-LM's convention: the
-next iteration's). On GPU the line also has TFLOP/s per GPU (on CPU too with `--log-throughput`)
-and the peak memory allocated so far.
+ranks), the time over its iterations. The loss scale (1.0 without fp16 / `--loss-scale`), the
+grad norm (none when fp16's loss scaler skipped the step on an overflow), and where
+`--log-num-zeros-in-grad` and `--log-params-norm` ask for them the zero-gradient count and the
+parameters' norm are the last iteration's; the learning rate is the one after its schedule step
+(Megatron-LM's convention: the next iteration's). On GPU the line also has TFLOP/s per GPU (on
+CPU too with `--log-throughput`) and the peak memory allocated so far.
 """
 
 from __future__ import annotations
@@ -103,6 +104,17 @@ class MetricWriter:
             self.wandb_run.finish()
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepValues:
+    """One iteration's values that the log reports as they are (the last of an interval)."""
+
+    grad_norm: float | None
+    learning_rate: float
+    loss_scale: float
+    num_zeros_in_grad: int | None
+    params_norm: float | None
+
+
 @dataclasses.dataclass
 class _Interval:
     """What happened since the last log line."""
@@ -143,6 +155,8 @@ class TrainingLog:
         *,
         last: bool = False,
         loss_scale: float = 1.0,
+        num_zeros_in_grad: int | None = None,
+        params_norm: float | None = None,
     ) -> None:
         """Adds one training iteration; logs the line when `iteration` ends an interval.
 
@@ -156,7 +170,12 @@ class TrainingLog:
             last: it is the last iteration of training: log the interval so far even when it
                 is shorter than `--log-interval`.
             loss_scale: the loss scale after its step (1.0 without loss scaling).
+            num_zeros_in_grad: its zero gradient elements (`--log-num-zeros-in-grad`).
+            params_norm: the main weights' norm after its step (`--log-params-norm`).
         """
+        values = _StepValues(
+            grad_norm, learning_rate, loss_scale, num_zeros_in_grad, params_norm
+        )
         interval = self.interval
         interval.iterations += 1
         interval.seconds += seconds
@@ -170,9 +189,9 @@ class TrainingLog:
             for key, value in losses.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
-            self._write_iteration_scalars(iteration, losses, grad_norm, learning_rate, loss_scale)
+            self._write_iteration_scalars(iteration, losses, values)
         if last or iteration % self.args.log_interval == 0:
-            print_rank_0(self._format_line(iteration, grad_norm, learning_rate, loss_scale))
+            print_rank_0(self._format_line(iteration, values))
             if self.args.log_timers_to_tensorboard:
                 seconds_per_iteration = interval.seconds / interval.iterations
                 timers = {"iteration-time": seconds_per_iteration}
@@ -182,24 +201,27 @@ class TrainingLog:
             self.interval = _Interval()
 
     def _write_iteration_scalars(
-        self,
-        iteration: int,
-        losses: dict[str, float],
-        grad_norm: float | None,
-        learning_rate: float,
-        loss_scale: float,
+        self, iteration: int, losses: dict[str, float], values: _StepValues
     ) -> None:
         """One iteration's TensorBoard / wandb scalars, under Megatron-LM's tag names."""
         if not self.writer.active:
             return  # most ranks: skip the memory statistics too
         args = self.args
-        scalars = {"learning-rate": learning_rate, "batch-size": args.global_batch_size, **losses}
+        scalars = {
+            "learning-rate": values.learning_rate,
+            "batch-size": args.global_batch_size,
+            **losses,
+        }
         if args.log_loss_scale_to_tensorboard:
-            scalars["loss-scale"] = loss_scale
+            scalars["loss-scale"] = values.loss_scale
         if args.log_world_size_to_tensorboard:
             scalars["world-size"] = args.world_size
-        if grad_norm is not None:
-            scalars["grad-norm"] = grad_norm
+        optional = {
+            "grad-norm": values.grad_norm,
+            "num-zeros": values.num_zeros_in_grad,
+            "params-norm": values.params_norm,
+        }
+        scalars.update((tag, value) for tag, value in optional.items() if value is not None)
         self.writer.add_scalars(scalars, iteration, samples=args.consumed_train_samples)
         if args.log_memory_to_tensorboard and self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
@@ -215,9 +237,7 @@ class TrainingLog:
         """Model TFLOP/s per GPU of an iteration taking `seconds_per_iteration`."""
         return self.flops_per_iteration / seconds_per_iteration / self.args.world_size / 1e12
 
-    def _format_line(
-        self, iteration: int, grad_norm: float | None, learning_rate: float, loss_scale: float
-    ) -> str:
+    def _format_line(self, iteration: int, values: _StepValues) -> str:
         args, interval = self.args, self.interval
         seconds_per_iteration = interval.seconds / interval.iterations
         tokens = args.global_batch_size * args.seq_length
@@ -231,17 +251,21 @@ class TrainingLog:
             tflops = self._tflops_per_gpu(seconds_per_iteration)
             fields.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
         fields += [
-            f"learning rate: {learning_rate:.6E}",
+            f"learning rate: {values.learning_rate:.6E}",
             f"global batch size: {args.global_batch_size:5d}",
         ]
         fields += [
             f"{k}: {v / (interval.iterations - interval.skipped):.6E}"
             for k, v in interval.loss_sums.items()
         ]
-        # Megatron-LM's fields: the loss scale always, the grad norm when the step took one.
-        fields.append(f"loss scale: {loss_scale:.1f}")
-        if grad_norm is not None:
-            fields.append(f"grad norm: {grad_norm:.3f}")
+        # Megatron-LM's fields: the loss scale always, the others when the step has them.
+        fields.append(f"loss scale: {values.loss_scale:.1f}")
+        if values.grad_norm is not None:
+            fields.append(f"grad norm: {values.grad_norm:.3f}")
+        if values.num_zeros_in_grad is not None:
+            fields.append(f"num zeros: {values.num_zeros_in_grad:.1f}")
+        if values.params_norm is not None:
+            fields.append(f"params norm: {values.params_norm:.3f}")
         fields += [
             f"number of skipped iterations: {interval.skipped:3d}",
             f"number of nan iterations: {interval.nan:3d}",

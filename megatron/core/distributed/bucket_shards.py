@@ -118,7 +118,7 @@ class BucketShards:
                 _chunk_copies(param, blocks, layout, j, targets, sources)
         torch._foreach_copy_(targets, sources)
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float | torch.Tensor) -> None:
         """Multiplies the reduced gradient shard by `factor`."""
         self.grad_shard.data.mul_(factor)
 

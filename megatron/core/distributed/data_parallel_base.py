@@ -64,8 +64,9 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         """Waits until every gradient is reduced (launching what has not been launched)."""
 
     @abc.abstractmethod
-    def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiplies every gradient by `scaling_factor`."""
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
+        """Multiplies every gradient by `scaling_factor` (a number, or a one-element tensor on
+        the gradients' device, which needs no host synchronisation)."""
 
     @abc.abstractmethod
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:

@@ -258,7 +258,7 @@ class DistributedDataParallel(_BaseDataParallel):
             param.grad = param.main_grad.to(param.dtype)
             self._handed.add(param)
 
-    def scale_gradients(self, scaling_factor: float) -> None:
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiplies every `main_grad` (and reduced gradient shard) by `scaling_factor`."""
         for buffer in self.buffers:
             buffer.data.mul_(scaling_factor)

@@ -114,6 +114,10 @@ class DistributedOptimizer(MegatronOptimizer):
             if main.grad is not None
         ]
 
+    def get_main_params(self) -> list[torch.Tensor]:
+        """The fp32 main shards as `Shard(0)` DTensors (every element counted once)."""
+        return list(self._dtensors.values())
+
     def _copy_main_params_to_model_params(self) -> None:
         """Writes the fp32 master shards into the rows of the parameters that have them (fp32
         parameters were stepped in place), then all-gathers every parameter."""

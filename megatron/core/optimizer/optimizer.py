@@ -42,6 +42,7 @@ from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
+    get_params_norm_fp32,
 )
 from megatron.core.optimizer.grad_scaler import (
     MegatronGradScaler,
@@ -122,6 +123,18 @@ class MegatronOptimizer:
         if self._is_fsdp:
             return [p.grad for p in self.model.parameters() if p.grad is not None]
         return [main.grad for main in self._main_params.values() if main.grad is not None]
+
+    def get_main_params(self) -> list[torch.Tensor]:
+        """The weights the optimizer steps, each once, placed as `get_main_grads()`' gradients:
+        Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
+        if self._is_fsdp:
+            return [p for p in self.model.parameters() if p.requires_grad]
+        return list(self._main_params.values())
+
+    def get_params_norm(self) -> float:
+        """The global L2 norm of the main weights in fp32, the same on every rank (what
+        `--log-params-norm` logs; Megatron-LM's `calc_params_l2_norm`)."""
+        return get_params_norm_fp32(self.get_main_params())
 
     def _set_main_grads(self) -> list[torch.Tensor]:
         """Gives each main parameter its model parameter's gradient in fp32: the DDP engine's

@@ -113,7 +113,7 @@ class TransformerConfig(ModelParallelConfig):
         qk_layernorm: Normalise each query and key head (`normalization`, over the head width)
             after the QKV projection, before the rotary embedding.
         qk_l2_norm: Llama-4's QK norm instead: each query and key head scaled to unit RMS, with
-            no weight (exclusive with `qk_layernorm`).
+            no weight (it wins over `qk_layernorm` when both are set, as in Megatron-core).
         rotary_interleaved: Rotate pairs of adjacent channels (RoFormer / GPT-J) instead of the
             first half against the second (GPT-NeoX / Llama).
         apply_query_key_layer_scaling: Divide the attention scores by the layer number before
@@ -276,11 +276,6 @@ class TransformerConfig(ModelParallelConfig):
                     )
 
     def _check_attention_options(self) -> None:
-        if self.qk_layernorm and self.qk_l2_norm:
-            raise ValueError(
-                "qk_layernorm and qk_l2_norm are both set; they are two kinds of QK norm, "
-                "choose one."
-            )
         if not isinstance(self.attention_backend, AttnBackend):
             raise ValueError(
                 f"attention_backend must be an AttnBackend, got {self.attention_backend!r}; "

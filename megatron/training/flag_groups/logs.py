@@ -1,5 +1,5 @@
 """Logging flags: the log line, TensorBoard and Weights & Biases (Megatron-LM's "logging"
-group; the flags of its unbuilt features, such as `--log-params-norm`, are refused in
+group; the flags of its unbuilt features, such as `--log-straggler`, are refused in
 `flag_groups.unbuilt`), `validate_logging`, and `set_logging_level`."""
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--log-world-size-to-tensorboard", action="store_true", help="Write 'world-size'."
+    )
+    group.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="Log the main weights' global L2 norm after each step ('params-norm').",
+    )
+    group.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Log the number of zero gradient elements of each step ('num-zeros').",
     )
     group.add_argument("--wandb-project", help="Needs the wandb package.")
     group.add_argument("--wandb-exp-name", help="Run name.")

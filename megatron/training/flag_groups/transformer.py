@@ -9,6 +9,7 @@ ignore or cannot run, naming the flags and the fix.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 
@@ -18,6 +19,7 @@ from megatron.core.transformer.transformer_config import (
     RECOMPUTE_MODULES,
     recompute_module_refusal,
 )
+from megatron.training.utils import print_rank_0
 
 
 def _attn_backend(name: str) -> AttnBackend:
@@ -114,7 +116,11 @@ def validate_transformer_options(args: argparse.Namespace) -> None:
     _validate_recompute(args)
     _validate_attention_backend(args)
     if args.qk_layernorm and args.qk_l2_norm:
-        raise ValueError("--qk-layernorm and --qk-l2-norm are two kinds of QK norm; choose one.")
+        print_rank_0(
+            "WARNING: --qk-layernorm and --qk-l2-norm are both set: the QK norm is --qk-l2-norm's "
+            "(no weights), as in Megatron-core; drop --qk-layernorm to silence this.",
+            logging.WARNING,
+        )
     if args.rotary_interleaved and args.position_embedding_type != "rope":
         raise ValueError(
             f"--rotary-interleaved applies to --position-embedding-type rope, not "

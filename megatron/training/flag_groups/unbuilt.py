@@ -148,8 +148,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--use-precision-aware-optimizer",),
         ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"),
     ),
-    Unbuilt("the parameters' norm in the log", "drop the flag", ("--log-params-norm",)),
-    Unbuilt("the zero-gradient count in the log", "drop the flag", ("--log-num-zeros-in-grad",)),
     Unbuilt("progress.txt (tokens and FLOPs per job)", "drop the flag", ("--log-progress",)),
     Unbuilt(
         "the straggler detector (nvidia-resiliency-ext)", "drop the flag", ("--log-straggler",)

@@ -18,6 +18,7 @@ from megatron.training.arguments import (
 from megatron.training.flag_groups.training import FUSION_TOGGLES
 from tests.unit_tests.training.flag_checks import BASE
 from tests.unit_tests.training.flag_checks import validated as validated_on
+from tests.unit_tests.training.log_capture import capture_training_log
 
 
 def validated(*flags: str):
@@ -136,7 +137,6 @@ BAD = [
         "--recompute-granularity selective --recompute-method uniform",
         "--recompute-method applies to --recompute-granularity full",
     ),
-    ("--qk-layernorm --qk-l2-norm", "--qk-layernorm and --qk-l2-norm"),
     ("--rotary-interleaved", "--rotary-interleaved applies to --position-embedding-type rope"),
     ("--use-rope-scaling", "--use-rope-scaling applies to --position-embedding-type rope"),
     (
@@ -201,3 +201,10 @@ def test_model_built_from_rope_flags():
         position_embedding_type="rope",
     )
     assert plain.decoder.layers[0].self_attention.q_layernorm is None
+
+
+def test_both_qk_norms_warn_and_build_the_l2_norm():
+    with capture_training_log() as messages:
+        config = core_transformer_config_from_args(validated("--qk-layernorm", "--qk-l2-norm"))
+    assert config.qk_l2_norm and config.qk_layernorm
+    assert any("the QK norm is --qk-l2-norm's" in message for message in messages)

@@ -122,6 +122,7 @@ def test_tensorboard_scalars_under_megatron_tags(tmp_path):
         *"--global-batch-size 8 --eval-interval 2 --eval-iters 1".split(),
         *"--log-timers-to-tensorboard --log-validation-ppl-to-tensorboard".split(),
         "--log-world-size-to-tensorboard",
+        *"--log-params-norm --log-num-zeros-in-grad".split(),
         "--tensorboard-dir",
         str(tmp_path / "tb"),
     ]
@@ -142,6 +143,9 @@ def test_tensorboard_scalars_under_megatron_tags(tmp_path):
     assert series("world-size") == {i: 2 for i in iterations}
     assert series("loss-scale") == {i: 1.0 for i in iterations}
     assert set(series("iteration-time")) == {2, 4}
+    # Their values are checked against one process in tests/unit_tests/optimizer.
+    assert set(series("params-norm")) == set(series("num-zeros")) == set(iterations)
+    assert all(norm > 0 for norm in series("params-norm").values())
     # The periodic evaluations, then the end-of-training one (also at the last iteration).
     validation = [
         (i, losses["lm loss"]) for i, losses in sorted(history.validation_losses.items())
@@ -202,13 +206,11 @@ def test_logging_level_flag_wins_over_the_environment(monkeypatch, flag, environ
     "flags, message",
     [
         ("--timing-log-level 1", "--timing-log-level 1"),
-        ("--log-num-zeros-in-grad", "--log-num-zeros-in-grad"),
         ("--tensorboard-queue-size 0", "--tensorboard-queue-size 0"),
         ("--pytorch-profiler-collect-chakra", "--pytorch-profiler-collect-chakra"),
         ("--manual-gc --manual-gc-interval -1", "--manual-gc-interval -1"),
         ("--log-straggler", "--log-straggler"),
         ("--log-progress", "--log-progress"),
-        ("--log-params-norm", "--log-params-norm"),
         ("--profile --profile-step-start 5 --profile-step-end 5", "--profile-step-start 5"),
         ("--profile --profile-ranks 3", "--profile-ranks 3"),
         ("--manual-gc-interval 5", "--manual-gc-interval needs --manual-gc"),

@@ -449,7 +449,7 @@ def _per_token_step(engine: str, num_microbatches: int) -> dict:
             shard_batch(tokens, rank, world).chunk(num_microbatches),
             shard_batch(labels, rank, world).chunk(num_microbatches),
         )
-        losses, skipped, _ = train_step(
+        losses, skipped, _, _ = train_step(
             _masked_forward_step, iter(list(micro)), wrapped, optimizer, scheduler, args
         )
     finally:
@@ -552,11 +552,16 @@ def _sigterm_at_call(call: int, data_iterator, model):
     return pretrain_gpt.forward_step(data_iterator, model)
 
 
-def _sleep_then_step(seconds: float, data_iterator, model):
-    _forward_calls.append(1)
-    if len(_forward_calls) == 1:
-        time.sleep(seconds)
-    return pretrain_gpt.forward_step(data_iterator, model)
+def _pretrain_with_the_exit_clock_ahead(seconds: float, flags: list[str]) -> dict:
+    """`_pretrain` with the clock the exit conditions read `seconds` ahead of the one the run's
+    start was taken from: the first iteration seems to last that long (no real wait)."""
+    ahead = types.SimpleNamespace(time=lambda: time.time() + seconds)
+    real = dist_signal_handler.time
+    dist_signal_handler.time = ahead
+    try:
+        return _pretrain(flags)
+    finally:
+        dist_signal_handler.time = real
 
 
 def _saved_iteration(root: Path) -> int:
@@ -578,6 +583,6 @@ def test_exit_duration_saves_and_stops_every_rank(tmp_path):
     """The first iteration outlasts --exit-duration-in-mins 1: both ranks save it and stop."""
     flags = [*TINY, "--global-batch-size", "4", "--train-iters", "6"]
     flags += ["--exit-duration-in-mins", "1", "--save", str(tmp_path)]
-    results = run_distributed(_pretrain, 2, flags, functools.partial(_sleep_then_step, 61.0))
+    results = run_distributed(_pretrain_with_the_exit_clock_ahead, 2, 61.0, flags)
     assert [result["iterations"] for result in results] == [1, 1]
     assert _saved_iteration(tmp_path) == 1

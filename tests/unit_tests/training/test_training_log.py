@@ -70,6 +70,16 @@ def test_line_averages_the_interval_and_counts_skipped_and_nan_iterations(messag
     assert "TFLOP/s/GPU" not in second and "peak memory" not in second  # GPU only
 
 
+def test_zero_count_and_params_norm_follow_the_grad_norm(messages):
+    log = _training_log("--log-interval", "1")
+    log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
+    log.record_iteration(
+        2, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5, num_zeros_in_grad=12, params_norm=3.25
+    )
+    assert "num zeros" not in messages[0] and "params norm" not in messages[0]
+    assert "| grad norm: 1.000 | num zeros: 12.0 | params norm: 3.250 |" in messages[1]
+
+
 def test_log_throughput_adds_tflops_on_cpu(messages):
     log = _training_log("--log-throughput")
     log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)

@@ -13,6 +13,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.torch_norm import (
+    L2Norm,
     WrappedTorchNorm,
     ZeroCenteredLayerNorm,
     ZeroCenteredRMSNorm,
@@ -126,9 +127,9 @@ def test_without_qk_norm_no_modules_are_built():
     assert attention.q_layernorm is None and attention.k_layernorm is None
 
 
-def test_qk_norm_kinds_are_exclusive():
-    with pytest.raises(ValueError, match="qk_layernorm and qk_l2_norm"):
-        _config(qk_layernorm=True, qk_l2_norm=True)
+def test_qk_l2_norm_wins_over_qk_layernorm_as_upstream():
+    both = _block(_config(qk_layernorm=True, qk_l2_norm=True)).layers[0].self_attention
+    assert isinstance(both.q_layernorm, L2Norm) and isinstance(both.k_layernorm, L2Norm)
 
 
 # --- squared ReLU ---

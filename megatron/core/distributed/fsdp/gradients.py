@@ -362,7 +362,7 @@ class GroupGrads:
         if self.state is GradState.READY:
             self.state = GradState.CONSUMED
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float | torch.Tensor) -> None:
         """Multiplies the gradients (accumulated and handed to the optimizer) by `factor`."""
         for buffer in (self.main_grad, self.optim_grad):
             if buffer is not None and buffer.is_allocated:

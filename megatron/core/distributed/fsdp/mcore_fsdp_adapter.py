@@ -133,7 +133,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         for context in self._contexts:
             context.finalize_grads()
 
-    def scale_gradients(self, scaling_factor: float) -> None:
+    def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""
         for group in self._groups:
             if group.grads is not None:
