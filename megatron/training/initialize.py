@@ -16,6 +16,7 @@ import os
 import random
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -38,15 +39,26 @@ class InvalidFlagsError(ValueError):
     exists (the message names the flag and the fix)."""
 
 
+FLAG_ERROR_GRACE_S = 60.0
+"""How long a rank other than 0 waits for rank 0 to print a flag error and end the job."""
+
+
 @contextlib.contextmanager
 def report_flag_errors() -> Iterator[None]:
     """For a script's entry point: bad flags end the job with exit code 2 (argparse's) and their
-    message printed once, by rank 0, instead of a traceback from every rank."""
+    message printed once, by rank 0, instead of a traceback from every rank.
+
+    The other ranks wait up to `FLAG_ERROR_GRACE_S` before they exit: torchrun stops the whole
+    job when the first rank exits, and a rank that found the error before rank 0 had printed it
+    would otherwise end the job with no message at all. Rank 0's exit ends their wait.
+    """
     try:
         yield
     except InvalidFlagsError as error:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            time.sleep(FLAG_ERROR_GRACE_S)
         sys.exit(2)
 
 

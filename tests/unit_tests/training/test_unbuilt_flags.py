@@ -4,6 +4,7 @@ strictness; a bad flag ends a script with one short message."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -93,3 +94,25 @@ def test_rope_type_rope_is_accepted_and_yarn_refused():
     assert validated("--rope-type", "rope").rope_type == "rope"
     with pytest.raises(ValueError, match="--rope-type yarn: YaRN RoPE scaling"):
         validated("--rope-type", "yarn")
+
+
+def test_a_bad_flag_under_torchrun_prints_rank_0s_message_once(tmp_path):
+    """Rank 1 alone finds the error at once (rank 0 is held back, as a slow start would):
+    it waits for rank 0's message instead of ending the job before it is printed."""
+    slow_rank_0 = tmp_path / "slow_rank_0.py"
+    slow_rank_0.write_text(
+        "import os, runpy, sys, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    time.sleep(5)\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, "--num-experts", "4"]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("error: --num-experts 4: Mixture of Experts is not built") == 1
