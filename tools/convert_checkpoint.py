@@ -49,17 +49,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
@@ -68,21 +63,16 @@ from megatron.training.checkpoint_layout import (  # noqa: E402
     CHECKPOINT_VERSION,
     COMMON_FILENAME,
     COMMON_KEYS,
-    REPLACED_SUFFIX,
-    STAGING_SUFFIX,
-    TRACKER_FILENAME,
     CheckpointError,
     atomic_torch_save,
-    checkpoint_dir,
-    commit_checkpoint,
-    committed_iterations,
     make_common,
     read_common,
-    read_metadata,
-    read_tracker,
-    require_complete,
-    saved_entries,
-    write_tracker,
+)
+from megatron.training.offline_checkpoint import (  # noqa: E402
+    check_save_root,
+    find_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
 )
 
 FULL_KEYS = ("model", "optimizer", "common")
@@ -95,9 +85,6 @@ OPTIMIZER_KEYS = ("state", "fp32_from_fp16_params")
 EXTRA_STATE_SUFFIX = "_extra_state"
 """Model state entries that may hold any object (Transformer Engine's); DCP saves them as
 bytes."""
-
-_NO_PROCESS_GROUP = "torch.distributed is disabled"
-"""The start of DCP's warning that it runs in one process: this tool's intent, not news."""
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -185,7 +172,7 @@ def to_torch(
     _check_output_file(output, force)
     print(f"> reading {path}{' (model only)' if model_only else ''}")
     common = None if model_only else read_common(path)
-    state = read_checkpoint(path, model_only)
+    state = read_checkpoint(path, (lambda nesting: nesting[0] == "model") if model_only else None)
     if model_only:
         contents: dict[str, Any] = state["model"]
     else:
@@ -208,8 +195,7 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
         CheckpointError: `input_path` is missing or not a convertible file, `root` is not a
             directory, or the checkpoint exists and not `force`.
     """
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise CheckpointError(f"--save {root} is a file, not a directory; pass a directory.")
+    check_save_root(root)
     contents = _load_input(input_path)
     model, optimizer, common = parse_contents(contents, input_path)
     if common is None:
@@ -222,131 +208,11 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
             f"{iteration} (its schedule and consumed samples are kept as they are)"
         )
         common = {**common, "iteration": iteration}
-
-    final = checkpoint_dir(root, iteration)
-    if os.path.exists(final) and not force:
-        raise CheckpointError(
-            f"{final} exists already; pass --force to replace it, another --iteration, or "
-            "another --save directory."
-        )
-    _check_no_replaced_leftover(final)
-    previous = read_tracker(root) if os.path.isdir(root) else None
-    if previous is not None and previous > iteration and not force:
-        raise CheckpointError(
-            f"{root}'s {TRACKER_FILENAME} names iteration {previous}, newer than {iteration}: "
-            "pointing it at this one would make --load take the older checkpoint. Pass --force "
-            "to do so, a higher --iteration, or another --save directory."
-        )
-    staging = final + STAGING_SUFFIX
-    os.makedirs(root, exist_ok=True)
-    if os.path.exists(staging):
-        # This tool's own leftover (an interrupted conversion): never committed. Other
-        # iterations' staging directories may be a running job's save in progress: left alone.
-        shutil.rmtree(staging)
-    os.makedirs(staging)
     state: dict[str, Any] = {"model": model}
     if optimizer:
         state["optimizer"] = optimizer
-    # As load_checkpoint() tells them apart: by the parameter groups, as an optimizer may have
-    # no tensor to save (SGD without momentum).
-    weights_only = common["param_groups"] is None
-    print(f"> writing {final}{' (model weights only)' if weights_only else ''}")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
-            dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True)
-        atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    commit_checkpoint(staging, final)  # replaces an existing `final` (--force) as a save does
-    write_tracker(root, iteration)
-    if previous is not None and previous != iteration:
-        print(f"> {TRACKER_FILENAME} named iteration {previous}, now {iteration}")
-    if weights_only:
-        print(
-            "> the checkpoint has no optimizer state: load it with --finetune (or --no-load-optim)"
-        )
+    final = write_checkpoint(root, state, common, force)
     return {**_summary(final, state), "iteration": iteration}
-
-
-def find_checkpoint(root: str, ckpt_step: int | None) -> str:
-    """The directory of the complete checkpoint of `ckpt_step` (None: the tracker's) under
-    `root`.
-
-    Raises:
-        CheckpointError: `root` or the checkpoint is missing, or the checkpoint is incomplete.
-    """
-    if not os.path.exists(root):
-        raise CheckpointError(
-            f"--load {root}: no such directory. Pass the --save directory of a training run."
-        )
-    if not os.path.isdir(root):
-        raise CheckpointError(
-            f"--load {root} is a file, not a checkpoint directory; pass the --save directory "
-            "of a training run (to convert a torch.save file, use from-torch)."
-        )
-    committed = committed_iterations(root)
-    if ckpt_step is None:
-        ckpt_step = read_tracker(root)
-    if ckpt_step is None:
-        if _is_checkpoint(root):
-            raise CheckpointError(
-                f"--load {root} is one checkpoint's directory: pass the directory it is in, "
-                f"--load {os.path.dirname(os.path.abspath(root))}, with --ckpt-step."
-            )
-        held = f"; it holds iterations {committed}: pass --ckpt-step" if committed else ""
-        raise CheckpointError(
-            f"--load {root} is not a checkpoint directory: it has no {TRACKER_FILENAME}{held}. "
-            "Pass the --save directory of a training run."
-        )
-    path = checkpoint_dir(root, ckpt_step)
-    if not os.path.isdir(path):
-        held = f"it holds iterations {committed}" if committed else "it holds no checkpoint"
-        raise CheckpointError(
-            f"{path} does not exist ({held}); pass --ckpt-step with one of those iterations."
-        )
-    require_complete(path, "Convert another iteration with --ckpt-step.")
-    return path
-
-
-def read_checkpoint(path: str, model_only: bool = False) -> dict[str, Any]:
-    """The tensors of the checkpoint directory `path`, whole and on the CPU, nested as they
-    were saved: `{"model": {...}, "optimizer": {...}}` ("model" only with `model_only`).
-
-    Raises:
-        CheckpointError: the tensors cannot be read (a missing or damaged file).
-    """
-    metadata = read_metadata(path)  # also checks that every data file is there, long enough
-    state: dict[str, Any] = {}
-    for nesting, item in saved_entries(metadata).items():
-        if model_only and nesting[0] != "model":
-            continue
-        # A whole tensor of the global shape: DCP fills it from every rank's shards. Anything
-        # else was saved as bytes; DCP puts the object itself in place of the None.
-        value = None
-        if isinstance(item, TensorStorageMetadata):
-            value = torch.empty(item.size, dtype=item.properties.dtype)
-        node = state
-        for name in nesting[:-1]:
-            node = node.setdefault(name, {})
-        node[nesting[-1]] = value
-    if "model" not in state:
-        raise CheckpointError(f"{path} holds no model tensors: it is not a training checkpoint.")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
-            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
-    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-        cause = error
-        if isinstance(error, CheckpointException) and error.failures:
-            cause = next(iter(error.failures.values()))[0]  # the one process's error
-        first_line = (str(cause).splitlines() or [""])[0]
-        raise CheckpointError(
-            f"The tensors of {path} cannot be read ({type(cause).__name__}: {first_line}); its "
-            "files are damaged. Convert another iteration with --ckpt-step."
-        ) from error
-    return state
 
 
 def parse_contents(
@@ -490,27 +356,6 @@ def _check_output_file(output: str, force: bool) -> None:
         raise CheckpointError(
             f"--output {output} exists already; pass --force to replace it, or another --output."
         )
-
-
-def _check_no_replaced_leftover(final: str) -> None:
-    """Refuses to write `final` next to the leftover of an interrupted replacement of it (a
-    save or `--force` conversion stopped inside `commit_checkpoint()`), which may be its only
-    copy."""
-    leftover = final + REPLACED_SUFFIX
-    if not os.path.exists(leftover):
-        return
-    fix = (
-        f"remove it ({final} replaced it)"
-        if os.path.exists(final)
-        else f"rename it {final} (its replacement never took its place)"
-    )
-    raise CheckpointError(
-        f"{leftover} is left from an interrupted replacement of {final}: {fix}, then convert again."
-    )
-
-
-def _is_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, COMMON_FILENAME))
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

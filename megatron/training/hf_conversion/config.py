@@ -1,0 +1,439 @@
+"""Hugging Face `config.json` <-> the flags of this project's GPT model, for Llama-family models.
+
+`model_args_from_hf_config` reads a `config.json` (as transformers 4 or 5 writes it) of one of
+`SUPPORTED_ARCHITECTURES` into the values `pretrain_gpt.py`'s flags give (their `argparse`
+destinations: `num_layers`, `rotary_base`, ...), refusing by name what this model does not
+compute; `model_flags` spells those values as the flags to train with, and
+`hf_config_from_model_args` goes back, for a checkpoint that has no Hugging Face config.
+
+A Llama-family model here is: RoPE in the rotate-half layout (Megatron's default), RMSNorm
+before attention and MLP, a SwiGLU MLP, no biases except Qwen2's on the query, key and value
+projections, optionally grouped-query attention, Llama 3's RoPE frequency scaling and tied
+embeddings.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from megatron.core.models.common.embeddings.rotary_pos_embedding import llama3_inv_freq
+from megatron.training.checkpoint_layout import CheckpointError
+from megatron.training.checkpointing import MODEL_ARGS
+from megatron.training.configs_from_args import flag
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""What `import` converts: Llama 2 and 3 (and other Llama-architecture models), Mistral, Qwen2."""
+
+_NOT_BUILT = {"MixtralForCausalLM": "MoE"}
+"""Architectures of the family whose layers this project does not build yet."""
+
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+"""`model_type` -> architecture, for a `config.json` without `architectures`."""
+
+CONFIG_FILENAME = "config.json"
+
+DEFAULT_SEQ_LENGTH = 4096
+"""`--seq-length` printed for models whose context is longer (a later flag overrides it)."""
+
+_NOT_FUNCTION_ARGS = ("padded_vocab_size", "max_position_embeddings")
+"""Checkpoint model flags that do not change what a RoPE model computes (the vocabulary rows
+are checked against the config on their own)."""
+
+LLAMA_FAMILY_ARGS: dict[str, Any] = {
+    "position_embedding_type": "rope",
+    "rotary_percent": 1.0,
+    "rotary_interleaved": False,
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "squared_relu": False,
+    "add_bias_linear": False,
+    "qk_layernorm": False,
+    "qk_l2_norm": False,
+    "layernorm_zero_centered_gamma": False,
+    "apply_residual_connection_post_layernorm": False,
+    "transformer_impl": "local",
+}
+"""The model flags' values every Llama-family model has (`transformer_impl`: the local layers'
+tensor names are the ones converted)."""
+
+ARCHITECTURE_ARGS = tuple(
+    dict.fromkeys(
+        [
+            *(name for name in MODEL_ARGS if name not in _NOT_FUNCTION_ARGS),
+            *LLAMA_FAMILY_ARGS,
+            "use_rope_scaling",
+            "rotary_seq_len_interpolation_factor",
+            "layernorm_epsilon",
+        ]
+    )
+)
+"""The flags that decide the function the weights compute (with `rope_scaling_factor` under
+`use_rope_scaling`): a checkpoint exported with a Hugging Face config must agree on them."""
+
+_LLAMA3_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(llama3_inv_freq).parameters.items()
+    if name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+}
+"""Llama 3's RoPE scaling parameters the model uses; only the factor is a flag."""
+
+
+class HFConversionError(CheckpointError):
+    """A Hugging Face checkpoint or config this project cannot convert; the message says why
+    and what to do."""
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The `config.json` of the Hugging Face model directory `path` (or the file itself).
+
+    Raises:
+        HFConversionError: no such directory or file, or it is not a JSON object.
+    """
+    file = os.path.join(path, CONFIG_FILENAME) if os.path.isdir(path) else path
+    if not os.path.exists(path):
+        raise HFConversionError(
+            f"{path}: no such directory. Pass a Hugging Face model directory (as "
+            "save_pretrained() writes it: config.json and *.safetensors)."
+        )
+    if not os.path.isfile(file):
+        raise HFConversionError(
+            f"{path} has no {CONFIG_FILENAME}: pass a Hugging Face model directory (as "
+            "save_pretrained() writes it: config.json and *.safetensors)."
+        )
+    try:
+        with open(file, encoding="utf-8") as stream:
+            config = json.load(stream)
+    except (OSError, ValueError) as error:
+        raise HFConversionError(f"{file} is not readable JSON ({error}).") from error
+    if not isinstance(config, dict):
+        raise HFConversionError(f"{file} holds a {type(config).__name__}, not a JSON object.")
+    return config
+
+
+def architecture(config: Mapping[str, Any]) -> str:
+    """The config's architecture, one of `SUPPORTED_ARCHITECTURES`.
+
+    Raises:
+        HFConversionError: another architecture (named), or none stated.
+    """
+    names = config.get("architectures") or []
+    name = names[0] if len(names) == 1 else _MODEL_TYPES.get(config.get("model_type", ""))
+    if name in _NOT_BUILT:
+        raise HFConversionError(
+            f"{name} needs {_NOT_BUILT[name]}, which is not built yet; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    if name not in SUPPORTED_ARCHITECTURES:
+        stated = name or names or config.get("model_type") or "no architecture"
+        raise HFConversionError(
+            f"{stated} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    return name
+
+
+def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of `pretrain_gpt.py`'s model flags (by destination) for this config.
+
+    Returns:
+        `LLAMA_FAMILY_ARGS` and the model's sizes, attention, RoPE and norm values,
+        `max_position_embeddings`, `attention_dropout` and `hidden_dropout`; the vocabulary's
+        are `vocab_args`'s.
+
+    Raises:
+        HFConversionError: an unsupported architecture or a feature this project does not
+            compute (named, with the supported alternative).
+    """
+    name = architecture(config)
+    heads = _integer(config, "num_attention_heads")
+    hidden = _integer(config, "hidden_size")
+    groups = (
+        heads
+        if config.get("num_key_value_heads") is None
+        else _integer(config, "num_key_value_heads")
+    )
+    head_dim = _integer(config, "head_dim") if config.get("head_dim") else hidden // heads
+    if heads % groups:
+        raise HFConversionError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}."
+        )
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise HFConversionError(
+            f"hidden_act {config['hidden_act']!r}: only SiLU (SwiGLU's gate) is built."
+        )
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFConversionError(
+            f"partial_rotary_factor {config['partial_rotary_factor']}: only full-width RoPE is "
+            "converted."
+        )
+    _check_biases(config, name)
+    _check_full_attention(config, name)
+    max_positions = _integer(config, "max_position_embeddings")
+    args = {
+        **LLAMA_FAMILY_ARGS,
+        "num_layers": _integer(config, "num_hidden_layers"),
+        "hidden_size": hidden,
+        "ffn_hidden_size": _integer(config, "intermediate_size"),
+        "num_attention_heads": heads,
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups,
+        "kv_channels": head_dim,
+        "max_position_embeddings": max_positions,
+        "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        "add_qkv_bias": name == "Qwen2ForCausalLM",
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "attention_dropout": float(config.get("attention_dropout", 0.0)),
+        "hidden_dropout": 0.0,
+    }
+    args.update(_rope_args(config))
+    return args
+
+
+def hf_vocab_size(config: Mapping[str, Any]) -> int:
+    """The config's `vocab_size`: the embedding's rows.
+
+    Raises:
+        HFConversionError: it is missing or not a positive integer.
+    """
+    return _integer(config, "vocab_size")
+
+
+def vocab_args(
+    model_vocab: int, tokenizer_vocab: int | None, tokenizer_dir: str | None
+) -> dict[str, Any]:
+    """The vocabulary flags' values: the tokenizer's (or `--vocab-size`) and the padding that
+    makes the model's vocabulary exactly the embedding's `model_vocab` rows.
+
+    `pretrain_gpt.py` pads the tokenizer's `tokenizer_vocab` ids (all of `model_vocab` without
+    a tokenizer) to a multiple of `--make-vocab-size-divisible-by`; the divisor chosen makes
+    that `model_vocab`. A tokenizer with more ids than the embedding has rows pads the
+    embedding instead (`padded_vocab_size` > `model_vocab`; the added rows are zeros).
+
+    Returns:
+        `make_vocab_size_divisible_by`, `padded_vocab_size` and either `tokenizer_type` and
+        `tokenizer_model` (`tokenizer_dir`) or `vocab_size`.
+    """
+    ids = tokenizer_vocab or model_vocab
+    if ids > model_vocab:
+        divisor = 128  # the flag's default
+        padded = -(-ids // divisor) * divisor
+    else:
+        # A power of two where one fits (GEMM-friendly shapes), else the smallest divisor of
+        # the vocabulary that pads the tokenizer's ids to it (the vocabulary itself at worst).
+        candidates = [2**k for k in range(7, -1, -1)]
+        candidates += [d for d in range(1, model_vocab + 1) if model_vocab % d == 0]
+        divisor = next(d for d in candidates if -(-ids // d) * d == model_vocab)
+        padded = model_vocab
+    args: dict[str, Any] = {"make_vocab_size_divisible_by": divisor, "padded_vocab_size": padded}
+    if tokenizer_vocab is None:
+        args["vocab_size"] = model_vocab
+    else:
+        args.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+    return args
+
+
+def model_flags(args: Mapping[str, Any]) -> list[str]:
+    """`pretrain_gpt.py`'s flags for the values `model_args_from_hf_config` and `vocab_args`
+    give (the flags that are at their defaults are left out), and a `--seq-length` of at most
+    `DEFAULT_SEQ_LENGTH`."""
+    flags = [
+        "--num-layers", args["num_layers"],
+        "--hidden-size", args["hidden_size"],
+        "--ffn-hidden-size", args["ffn_hidden_size"],
+        "--num-attention-heads", args["num_attention_heads"],
+    ]  # fmt: skip
+    if args["group_query_attention"]:
+        flags += ["--group-query-attention", "--num-query-groups", args["num_query_groups"]]
+    if args["kv_channels"] * args["num_attention_heads"] != args["hidden_size"]:
+        flags += ["--kv-channels", args["kv_channels"]]
+    flags += [
+        "--seq-length", min(args["max_position_embeddings"], DEFAULT_SEQ_LENGTH),
+        "--max-position-embeddings", args["max_position_embeddings"],
+        "--position-embedding-type", "rope",
+        "--rotary-base", args["rotary_base"],
+    ]  # fmt: skip
+    if args["use_rope_scaling"]:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", args["rope_scaling_factor"]]
+    if args["rotary_seq_len_interpolation_factor"] is not None:
+        flags += ["--rotary-seq-len-interpolation-factor"]
+        flags += [args["rotary_seq_len_interpolation_factor"]]
+    flags += [
+        "--normalization", "RMSNorm",
+        "--norm-epsilon", args["layernorm_epsilon"],
+        "--swiglu",
+        "--disable-bias-linear",
+    ]  # fmt: skip
+    if args["add_qkv_bias"]:
+        flags.append("--add-qkv-bias")
+    if args["untie_embeddings_and_output_weights"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    flags += ["--attention-dropout", args["attention_dropout"]]
+    flags += ["--hidden-dropout", args["hidden_dropout"]]
+    if "tokenizer_type" in args:
+        flags += ["--tokenizer-type", args["tokenizer_type"]]
+        flags += ["--tokenizer-model", args["tokenizer_model"]]
+    else:
+        flags += ["--vocab-size", args["vocab_size"]]
+    flags += ["--make-vocab-size-divisible-by", args["make_vocab_size_divisible_by"]]
+    return [str(flag) for flag in flags]
+
+
+def hf_config_from_model_args(
+    args: Mapping[str, Any], vocab_size: int, dtype: str
+) -> dict[str, Any]:
+    """A `config.json` for weights of the model the flag values `args` describe: Qwen2's with
+    a QKV bias, else Llama's, in the keys transformers 4 and 5 both read.
+
+    Args:
+        args: The model's flag values (a checkpoint's saved arguments).
+        vocab_size: The embedding's rows.
+        dtype: The weights' dtype ("bfloat16", ...).
+
+    Raises:
+        HFConversionError: the flags describe a model no Llama or Qwen2 config computes.
+    """
+    check_llama_family(args)
+    qwen2 = args["add_qkv_bias"]
+    config: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "hidden_size": args["hidden_size"],
+        "intermediate_size": args["ffn_hidden_size"],
+        "num_hidden_layers": args["num_layers"],
+        "num_attention_heads": args["num_attention_heads"],
+        "num_key_value_heads": args["num_query_groups"],
+        "head_dim": args["kv_channels"],
+        "hidden_act": "silu",
+        "max_position_embeddings": args["max_position_embeddings"],
+        "rms_norm_eps": args["layernorm_epsilon"],
+        "rope_theta": float(args["rotary_base"]),
+        "rope_scaling": None,
+        "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
+        "vocab_size": vocab_size,
+        "attention_dropout": args.get("attention_dropout", 0.0),
+        "torch_dtype": dtype,
+    }
+    if not qwen2:
+        config.update(attention_bias=False, mlp_bias=False)
+    if args["use_rope_scaling"]:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args["rope_scaling_factor"],
+            **_LLAMA3_DEFAULTS,
+        }
+    elif args["rotary_seq_len_interpolation_factor"] is not None:
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(args["rotary_seq_len_interpolation_factor"]),
+        }
+    return config
+
+
+def check_llama_family(args: Mapping[str, Any]) -> None:
+    """Raises `HFConversionError` naming the flags of `args` (saved arguments) that no
+    Llama-family Hugging Face model has."""
+    differ = [
+        f"{flag(name)} {args[name]} (Llama's: {value})"
+        for name, value in LLAMA_FAMILY_ARGS.items()
+        if name in args and args[name] != value
+    ]
+    if differ:
+        raise HFConversionError(
+            f"the checkpoint's model is not of the Llama family: {'; '.join(differ)}. Only "
+            "Llama-family models (as `import` writes them) are exported."
+        )
+
+
+def _integer(config: Mapping[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HFConversionError(f"config.json's {key} is {value!r}; a positive integer is needed.")
+    return value
+
+
+def _check_biases(config: Mapping[str, Any], name: str) -> None:
+    if name == "Qwen2ForCausalLM":
+        return  # always a QKV bias, never another
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise HFConversionError(
+                f"{name} with {key}=true: biases in the attention output or MLP projections "
+                "of a Llama model are not converted (--add-qkv-bias covers Qwen2's only)."
+            )
+
+
+def _check_full_attention(config: Mapping[str, Any], name: str) -> None:
+    """Refuses sliding-window attention, which this project does not build."""
+    layer_types = config.get("layer_types") or []
+    windowed = any(kind != "full_attention" for kind in layer_types)
+    window = config.get("sliding_window")
+    if name == "Qwen2ForCausalLM":
+        windowed = windowed or bool(config.get("use_sliding_window"))
+    elif window is not None and window < config.get("max_position_embeddings", 0):
+        windowed = True
+    if windowed:
+        raise HFConversionError(
+            f"{name} with sliding-window attention (sliding_window {window}, "
+            f"max_position_embeddings {config.get('max_position_embeddings')}): windowed "
+            "attention is not built; only models attending to the whole sequence convert "
+            "(sliding_window null or >= max_position_embeddings)."
+        )
+
+
+def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE flags' values: from `rope_parameters` (transformers 5) or `rope_theta` and
+    `rope_scaling` (transformers 4)."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, Mapping) and "rope_theta" in parameters:
+        theta = parameters["rope_theta"]
+        scaling = parameters
+    elif parameters is not None and not isinstance(parameters, Mapping):
+        raise HFConversionError(f"rope_parameters {parameters!r} are not understood.")
+    elif isinstance(parameters, Mapping):
+        raise HFConversionError(
+            "rope_parameters per layer type are not converted (every layer must share one RoPE)."
+        )
+    else:
+        theta = config.get("rope_theta", 10000.0)
+        scaling = config.get("rope_scaling") or {}
+    if not isinstance(theta, (int, float)) or theta <= 0 or theta != int(theta):
+        raise HFConversionError(
+            f"rope_theta {theta!r}: --rotary-base takes a positive integer; this one is not."
+        )
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    args = {
+        "rotary_base": int(theta),
+        "use_rope_scaling": False,
+        "rope_scaling_factor": 8.0,  # the flag's default, read only with --use-rope-scaling
+        "rotary_seq_len_interpolation_factor": None,
+    }
+    if kind == "llama3":
+        for key, built in _LLAMA3_DEFAULTS.items():
+            if scaling.get(key, built) != built:
+                raise HFConversionError(
+                    f"rope_scaling {key} {scaling[key]}: Llama 3's RoPE scaling is built with "
+                    f"{key} {built} only (--use-rope-scaling takes the factor alone)."
+                )
+        args.update(use_rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+    elif kind == "linear":
+        factor = scaling.get("factor")
+        if not isinstance(factor, (int, float)) or factor < 1 or factor != int(factor):
+            raise HFConversionError(
+                f"linear rope_scaling factor {factor!r}: --rotary-seq-len-interpolation-factor "
+                "takes an integer >= 1."
+            )
+        args["rotary_seq_len_interpolation_factor"] = int(factor)
+    elif kind != "default":
+        raise HFConversionError(
+            f"rope_scaling of rope_type {kind!r} is not built; Llama 3's (llama3) and linear "
+            "interpolation (linear) are."
+        )
+    return args

@@ -1,0 +1,340 @@
+"""`tools/convert_hf.py` on tiny random Hugging Face models saved locally (`hf_models.py`): Llama
+2 and 3 (RoPE scaling), Mistral (sharded files, wide heads), Qwen2 (QKV bias, tied and padded
+embeddings).
+
+`import` gives flags that `pretrain_gpt.py`'s own parser turns into the arguments recorded in
+the checkpoint, and a checkpoint whose model computes transformers' logits (fp32, max abs
+difference < 1e-4, while a wrong RoPE layout or scaling is off by far more); `export` gives back
+the original tensors bit for bit and a directory transformers loads; `pretrain_gpt.py --load
+--finetune` trains from the import, starting from the loss transformers computes; and every
+refusal names the problem and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import pretrain_gpt
+from megatron.core.datasets import MockGPTDataset
+from megatron.training.checkpoint_layout import COMMON_FILENAME, CheckpointError
+from megatron.training.hf_conversion import HF_CONFIG_KEY, HFConversionError
+from megatron.training.hf_conversion.config import model_args_from_hf_config
+from megatron.training.offline_checkpoint import read_checkpoint
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.tools.hf_models import (
+    MODELS,
+    SEQ_LENGTH,
+    hf_config,
+    hf_logits,
+    load_hf_model,
+    parse_flags,
+    project_model,
+    safetensors_of,
+    save_hf_model,
+)
+from tests.unit_tests.training.log_capture import capture_training_log
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+REPO = Path(__file__).resolve().parents[3]
+TOOL = REPO / "tools" / "convert_hf.py"
+
+if str(REPO / "tools") not in sys.path:  # the tool is a script: import it by path
+    sys.path.insert(0, str(REPO / "tools"))
+convert_hf = importlib.import_module("convert_hf")
+
+PARITY = 1e-4
+"""The largest max-abs logit difference to transformers accepted (fp32)."""
+
+
+def convert(*argv: Any) -> dict[str, Any]:
+    return convert_hf.main([str(arg) for arg in argv])
+
+
+def tokens_for(vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ_LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def checkpoint_logits(flags: list[str], path: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of this project's model built from `flags`, with the checkpoint's weights."""
+    model = project_model(flags)
+    model.load_state_dict(read_checkpoint(path, lambda nesting: nesting[0] == "model")["model"])
+    with torch.no_grad():
+        return model(tokens)
+
+
+def digest(directory: Path) -> dict[str, str]:
+    """Every file under `directory` -> the SHA-256 of its bytes."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def imported(request, tmp_path_factory) -> dict[str, Any]:
+    """A test model saved by transformers and imported, with its flags written to a file."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = save_hf_model(request.param, root / "hf")
+    summary = convert(
+        "import", "--hf-dir", root / "hf", "--save", root / "ckpt",
+        "--flags-file", root / "model.flags",
+    )  # fmt: skip
+    if "max_shard_size" in MODELS[request.param]:  # the index and several files are read
+        assert len(list((root / "hf").glob("model-*.safetensors"))) > 1
+    vocab = model.config.vocab_size
+    return {"name": request.param, "model": model, "root": root, "vocab": vocab, **summary}
+
+
+def test_flags_give_the_recorded_arguments(imported):
+    root = imported["root"]
+    assert (root / "model.flags").read_text() == shlex.join(imported["flags"]) + "\n"
+    parsed = parse_flags(imported["flags"])
+    for name, value in imported["args"].items():
+        assert getattr(parsed, name) == value, name
+    common = torch.load(Path(imported["path"]) / COMMON_FILENAME, weights_only=False)
+    assert common["args"] == imported["args"]
+    assert common["param_groups"] is None  # weights only: loads with --finetune
+    assert common[HF_CONFIG_KEY] == json.loads((root / "hf" / "config.json").read_text())
+    assert parsed.padded_vocab_size >= imported["vocab"]
+    if imported["name"] != "qwen2":  # the one tokenizer with more ids than embedding rows
+        assert parsed.padded_vocab_size == imported["vocab"]
+
+
+def test_logits_match_transformers(imported):
+    tokens = tokens_for(imported["vocab"])
+    expected = hf_logits(imported["model"], tokens)
+    logits = checkpoint_logits(imported["flags"], imported["path"], tokens)
+    vocab = imported["vocab"]
+    assert torch.equal(logits[..., vocab:], torch.zeros_like(logits[..., vocab:]))  # padding
+    difference = (logits[..., :vocab] - expected).abs().max().item()
+    print(f"{imported['name']}: max abs logit difference to transformers {difference:.3g}")
+    assert difference < PARITY
+
+    # The tolerance tells layouts apart: the other RoPE channel pairing, or Llama 3 without
+    # its frequency scaling, moves the logits by far more.
+    wrong = [[*imported["flags"], "--rotary-interleaved"]]
+    if "--use-rope-scaling" in imported["flags"]:
+        wrong.append([flag for flag in imported["flags"] if flag != "--use-rope-scaling"])
+    for flags in wrong:
+        off = checkpoint_logits(flags, imported["path"], tokens)[..., :vocab] - expected
+        assert off.abs().max().item() > 100 * PARITY
+
+
+def test_export_gives_back_the_original(imported, tmp_path):
+    original = imported["root"] / "hf"
+    summary = convert("export", "--load", imported["root"] / "ckpt", "--hf-dir", tmp_path / "out")
+    exported = safetensors_of(tmp_path / "out")
+    assert sorted(exported) == sorted(safetensors_of(original))
+    for name, tensor in safetensors_of(original).items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == imported["model"].config.architectures
+    assert summary["architecture"] == config["architectures"][0]
+
+    tokens = tokens_for(imported["vocab"])
+    reloaded = load_hf_model(tmp_path / "out")
+    assert torch.equal(hf_logits(reloaded, tokens), hf_logits(imported["model"], tokens))
+
+
+def test_export_derives_a_config_from_the_saved_flags(imported, tmp_path):
+    """A checkpoint without the recorded config (as a training run saves them): Llama's, or
+    Qwen2's for the QKV bias, from the saved flags, with every padded row kept."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(imported["root"] / "ckpt", checkpoint)
+    common_file = checkpoint / "iter_0000000" / COMMON_FILENAME
+    common = torch.load(common_file, weights_only=False)
+    del common[HF_CONFIG_KEY]
+    torch.save(common, common_file)
+
+    convert("export", "--load", checkpoint, "--hf-dir", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    qwen2 = imported["name"] == "qwen2"
+    assert config["architectures"] == ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"]
+    exported, original = safetensors_of(tmp_path / "out"), safetensors_of(imported["root"] / "hf")
+    assert sorted(exported) == sorted(original)
+    vocab = imported["vocab"]
+    for name, tensor in original.items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(exported[name][:vocab], tensor), name
+            assert not exported[name][vocab:].any(), name  # the zero rows import padded
+        else:
+            assert torch.equal(exported[name], tensor), name
+
+    tokens = tokens_for(vocab)
+    logits = hf_logits(load_hf_model(tmp_path / "out"), tokens)
+    if not qwen2:  # Qwen2's padded rows add logits (zeros) to the vocabulary
+        assert torch.equal(logits, hf_logits(imported["model"], tokens))
+
+
+def _finetune(flags: list[str]) -> dict[str, Any]:
+    with capture_training_log() as log:
+        history = pretrain_gpt.main([*flags, "--distributed-backend", dist.get_backend()])
+    return {"losses": history.loss_curve(), "log": log}
+
+
+def test_pretrain_gpt_finetunes_the_import(tmp_path):
+    """Iteration 1's loss is transformers' on the same batch; with --lr 0 the saved
+    checkpoint exports back to the same model (its config derived from the run's flags)."""
+    model = save_hf_model("llama2", tmp_path / "hf")
+    summary = convert("import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt")
+    flags = [
+        *summary["flags"], "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "2", "--lr", "0", "--mock-data",
+        "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+        "--load", tmp_path / "ckpt", "--finetune", "--save", tmp_path / "finetuned",
+    ]  # fmt: skip
+    (result,) = run_distributed(_finetune, 1, [str(flag) for flag in flags])
+    assert any("loaded checkpoint of iteration 0" in line for line in result["log"])
+
+    vocab = model.config.vocab_size
+    samples = [MockGPTDataset(2, 16, vocab, seed=1234)[i] for i in range(2)]
+    tokens = torch.stack([sample["tokens"] for sample in samples])
+    labels = torch.stack([sample["labels"] for sample in samples])
+    expected = F.cross_entropy(hf_logits(model, tokens).flatten(0, 1), labels.flatten())
+    assert len(result["losses"]) == 2
+    torch.testing.assert_close(torch.tensor(result["losses"][0]), expected)
+
+    convert("export", "--load", tmp_path / "finetuned", "--hf-dir", tmp_path / "out")
+    check = tokens_for(vocab)
+    exported = hf_logits(load_hf_model(tmp_path / "out"), check)
+    assert torch.equal(exported, hf_logits(model, check))
+
+    other = hf_config("llama2", rope_theta=20000.0).to_dict()
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(HFConversionError, match="rotary_base 10000 .the config's: 20000"):
+        convert(
+            "export", "--load", tmp_path / "finetuned", "--hf-dir", tmp_path / "no",
+            "--hf-config", tmp_path / "other.json",
+        )  # fmt: skip
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.fixture(scope="module")
+def llama2_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("llama2_only") / "hf"
+    save_hf_model("llama2", directory)
+    return directory
+
+
+def _config_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+REFUSALS = {
+    "mixtral": ("MixtralForCausalLM needs MoE, which is not built yet; supported: "
+                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
+    "gpt2": ("GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, "
+             "MistralForCausalLM, Qwen2ForCausalLM"),
+    "tp": "--target-tp 2: tensor parallelism is not built yet",
+    "ep": "--target-ep 2: expert parallelism is not built yet",
+    "no_config": "has no config.json",
+    "sliding_window": "windowed attention is not built",
+    "no_weights": "holds no safetensors weights",
+    "weights_misfit": "weights do not fit its config.json: missing ['model.layers.2.",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_import_refusals(case, llama2_dir, tmp_path):
+    config = hf_config("llama2").to_dict()
+    options: list[Any] = []
+    if case == "mixtral":
+        directory = _config_dir(tmp_path, {**config, "architectures": ["MixtralForCausalLM"]})
+    elif case == "gpt2":
+        directory = _config_dir(tmp_path, {**config, "architectures": ["GPT2LMHeadModel"]})
+    elif case in ("tp", "ep"):
+        directory, options = llama2_dir, [f"--target-{case}", 2]
+    elif case == "no_config":
+        directory = tmp_path / "hf"
+        directory.mkdir()
+        (directory / "model.safetensors").write_bytes(
+            (llama2_dir / "model.safetensors").read_bytes()
+        )
+    elif case == "sliding_window":
+        directory = _config_dir(tmp_path, hf_config("mistral", sliding_window=64).to_dict())
+    elif case == "no_weights":
+        directory = _config_dir(tmp_path, config)
+    else:
+        directory = _config_dir(tmp_path, {**config, "num_hidden_layers": 3})
+        (directory / "model.safetensors").write_bytes(
+            (llama2_dir / "model.safetensors").read_bytes()
+        )
+    with pytest.raises(HFConversionError, match=REFUSALS[case].replace("[", r"\[")):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "ckpt", *options)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_nothing_is_overwritten_without_force(llama2_dir, tmp_path):
+    save, flags_file, out = tmp_path / "ckpt", tmp_path / "model.flags", tmp_path / "out"
+    convert("import", "--hf-dir", llama2_dir, "--save", save, "--flags-file", flags_file)
+    convert("export", "--load", save, "--hf-dir", out)
+    before = digest(tmp_path)
+
+    with pytest.raises(CheckpointError, match="iter_0000000 exists already; pass --force"):
+        convert("import", "--hf-dir", llama2_dir, "--save", save)
+    with pytest.raises(HFConversionError, match="--flags-file .* exists already"):
+        convert("import", "--hf-dir", llama2_dir, "--save", tmp_path / "new", "--flags-file",
+                flags_file)  # fmt: skip
+    with pytest.raises(HFConversionError, match="exists and is not empty; pass --force"):
+        convert("export", "--load", save, "--hf-dir", out)
+    with pytest.raises(HFConversionError, match="one inside the other"):
+        convert("export", "--load", save, "--hf-dir", save / "iter_0000000", "--force")
+    assert digest(tmp_path) == before
+
+    convert("import", "--hf-dir", llama2_dir, "--save", save, "--flags-file", flags_file, "--force")
+    convert("export", "--load", save, "--hf-dir", out, "--force")
+    again = digest(tmp_path)
+    assert again.keys() == before.keys()
+    metadata = "ckpt/iter_0000000/.metadata"  # DCP's, with a new save id in every save
+    assert {k: v for k, v in again.items() if k != metadata} == {
+        k: v for k, v in before.items() if k != metadata
+    }
+
+
+def test_transformers_4_and_5_config_keys_read_alike():
+    """transformers 5's `rope_parameters` and 4's `rope_theta` with `rope_scaling` (whose
+    kind older versions call `type`) give the same flags."""
+    config = hf_config("llama3").to_dict()
+    parameters = config.pop("rope_parameters", None) or {
+        **config.pop("rope_scaling"),
+        "rope_theta": config.pop("rope_theta"),
+    }
+    scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
+    newer = {**config, "rope_parameters": parameters}
+    older = {**config, "rope_theta": parameters["rope_theta"], "rope_scaling": scaling}
+    oldest = {**older, "rope_scaling": {"type": "llama3", **scaling}}
+    del oldest["rope_scaling"]["rope_type"]
+    args = model_args_from_hf_config(newer)
+    assert args["use_rope_scaling"] and args["rotary_base"] == 500000
+    assert model_args_from_hf_config(older) == args == model_args_from_hf_config(oldest)
+
+
+def test_command_line_error_exit(tmp_path):
+    """Run as a script: an error is one line on stderr and exit status 1, no traceback."""
+    process = subprocess.run(
+        [sys.executable, str(TOOL), "import", "--hf-dir", str(tmp_path / "nowhere"), "--save",
+         str(tmp_path / "ckpt")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert process.returncode == 1
+    assert process.stderr.startswith("convert_hf.py: error: ")
+    assert "no such directory" in process.stderr and "Traceback" not in process.stderr
