@@ -21,7 +21,12 @@ import functools
 import torch
 from torch.utils.data import Dataset
 
-from megatron.core.datasets import GPTDatasetConfig, MockGPTDataset, build_gpt_datasets
+from megatron.core.datasets import (
+    GPTDatasetConfig,
+    MockGPTDataset,
+    build_gpt_datasets,
+    pad_token_of,
+)
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.training.arguments import core_transformer_config_from_args
@@ -56,8 +61,11 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
 
 def get_batch(data_iterator: DataIterator) -> dict[str, torch.Tensor]:
     """The next micro-batch on this rank's device: tokens, labels, loss_mask, position_ids, and
-    attention_mask with `--reset-attention-mask`."""
+    attention_mask with `--reset-attention-mask` (otherwise the dataset's mask is the causal
+    one, which the model applies itself, faster, so it stays on the host)."""
     data = next(data_iterator)
+    if not get_args().reset_attention_mask:
+        data.pop("attention_mask", None)
     device = get_device()
     return {key: value.to(device, non_blocking=True) for key, value in data.items()}
 
@@ -100,7 +108,9 @@ def forward_step(
 
 
 def core_gpt_dataset_config_from_args(args: argparse.Namespace) -> GPTDatasetConfig:
-    """The `GPTDatasetConfig` of `--data-path` runs (Megatron-LM's function of that name)."""
+    """The `GPTDatasetConfig` of `--data-path` runs (Megatron-LM's function of that name): the
+    tokenizer's EOD, pad id (upstream's rule) and vocabulary size come with the flags."""
+    tokenizer = get_tokenizer()
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -110,7 +120,10 @@ def core_gpt_dataset_config_from_args(args: argparse.Namespace) -> GPTDatasetCon
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        eod_token=get_tokenizer().eod,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        eod_token=tokenizer.eod,
+        pad_token=pad_token_of(tokenizer),
+        vocab_size=tokenizer.vocab_size,
     )
 
 

@@ -30,7 +30,7 @@ from megatron.training.configs_from_args import (
     optimizer_config_from_flags,
 )
 from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
-from megatron.training.flag_groups.data import validate_tokenizer
+from megatron.training.flag_groups.data import validate_data, validate_tokenizer
 from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
 from megatron.training.flag_groups.network import validate_network_options
@@ -88,6 +88,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     validate_profiling(args)
     validate_training_operations(args)
     validate_tokenizer(args)
+    validate_data(args)
     _check_required(args)
     _validate_parallelism(args)
     _validate_model(args)

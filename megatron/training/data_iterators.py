@@ -4,6 +4,7 @@ sizes them, starting where a resumed run stopped."""
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 
 from torch.utils.data import Dataset
@@ -20,25 +21,16 @@ split, each of at least the given number of samples."""
 SPLITS = ("train", "validation", "test")
 
 
-def build_train_valid_test_data_iterators(
-    train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
-) -> tuple[LoaderIterator | None, LoaderIterator | None, LoaderIterator | None]:
-    """Iterators over this rank's micro-batches of each split (None for an absent split).
+def train_valid_test_num_samples(args: argparse.Namespace) -> list[int]:
+    """The samples each split must hold (Megatron-LM's `get_train_valid_test_num_samples`):
+    train for every iteration; validation for `--eval-iters` iterations at every
+    `--eval-interval` and once more at the end; test for one evaluation.
 
-    The splits are sized as Megatron-LM sizes them: train for every iteration; validation for
-    `--eval-iters` iterations at every `--eval-interval` and once more at the end; test for
-    one evaluation. Training and validation start after `args.consumed_train_samples` and
-    `args.consumed_valid_samples` (a resumed run's data continues where it stopped); no
-    training iterator when no training iteration is left. `close()` the iterators to stop
-    their loaders' worker processes.
-
-    Raises:
-        ValueError: no training dataset, or a dataset shorter than the run needs.
+    What was consumed before a resume, plus what the iterations left consume: the sizes of an
+    uninterrupted run when the batch size is unchanged (so the datasets, whose sample order
+    depends on their size, are the same), and enough when it changed.
     """
     global_batch = args.global_batch_size
-    # What was consumed before a resume, plus what the iterations left consume: the sizes of an
-    # uninterrupted run when the batch size is unchanged (so the datasets, whose sample order
-    # depends on their size, are the same), and enough when it changed.
     iterations_left = max(args.train_iters - args.iteration, 0)
     evaluations_left = 0  # without --eval-interval: only the one at the end
     if args.eval_interval is not None:
@@ -51,15 +43,47 @@ def build_train_valid_test_data_iterators(
     if args.train_samples is not None:
         # Megatron-LM sizes the split by --train-samples (the last batch may not fill it).
         train_samples = max(train_samples, args.train_samples)
-    num_samples = [
+    return [
         train_samples,
         args.consumed_valid_samples + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
         args.eval_iters * global_batch,
     ]
+
+
+def build_train_valid_test_data_iterators(
+    train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
+) -> tuple[LoaderIterator | None, LoaderIterator | None, LoaderIterator | None]:
+    """Iterators over this rank's micro-batches of each split (None for an absent split).
+
+    The splits are sized by `train_valid_test_num_samples`. Training and validation start
+    after `args.consumed_train_samples` and `args.consumed_valid_samples` (a resumed run's data
+    continues where it stopped); no training iterator when no training iteration is left.
+    `close()` the iterators to stop their loaders' worker processes. Validation asked for
+    (`--eval-iters` > 0) from a dataset provider that gives no validation split is said once,
+    as a warning from rank 0 (no validation runs then).
+
+    Raises:
+        ValueError: no training dataset, or a dataset shorter than the run needs.
+    """
+    num_samples = train_valid_test_num_samples(args)
     print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
     datasets = train_valid_test_dataset_provider(num_samples)
     if datasets[0] is None:
         raise ValueError("The dataset provider returned no training dataset.")
+    if datasets[1] is None and num_samples[1] > args.consumed_valid_samples:
+        split = getattr(args, "split", None)
+        why = (
+            f"the validation split is empty (--split {split} gives it no weight, or the corpus "
+            "too few documents for its share)"
+            if split
+            else "the dataset provider returned no validation dataset"
+        )
+        print_rank_0(
+            f"WARNING: --eval-iters {args.eval_iters} asks for validation, but {why}, so no "
+            "validation runs; give the validation split a weight and documents (e.g. --split "
+            "98,2,0), or set --eval-iters 0.",
+            logging.WARNING,
+        )
     sizing = (
         "--train-iters x --global-batch-size, with a checkpoint's consumed samples",
         "(--train-iters // --eval-interval + 1) x --eval-iters x --global-batch-size",

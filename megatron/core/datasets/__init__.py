@@ -7,9 +7,11 @@ from megatron.core.datasets.data_samplers import (
 )
 from megatron.core.datasets.dataset_builder import build_gpt_datasets, parse_data_path
 from megatron.core.datasets.gpt_dataset import (
+    PAD_TOKEN_ID,
     GPTDataset,
     GPTDatasetConfig,
     get_split_indices,
+    pad_token_of,
     parse_and_normalize_split,
 )
 from megatron.core.datasets.indexed_dataset import (
@@ -22,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import (
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 
 __all__ = [
+    "PAD_TOKEN_ID",
     "BlendedDataset",
     "GPTDataset",
     "GPTDatasetConfig",
@@ -36,6 +39,7 @@ __all__ = [
     "get_idx_path",
     "get_split_indices",
     "optimal_dtype",
+    "pad_token_of",
     "parse_and_normalize_split",
     "parse_data_path",
 ]

@@ -16,21 +16,17 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy
 import torch
 
 from megatron.core.datasets import index_cache
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.splits import normalize
 
 MAX_DATASETS = 32767
 """The dataset index is int16, as Megatron-LM's."""
-
-
-def normalize(weights: Sequence[float]) -> list[float]:
-    """Weights divided by their sum, as Megatron-LM's `normalize` (float64 arithmetic)."""
-    array = numpy.array(weights, dtype=numpy.float64)
-    return (array / numpy.sum(array)).tolist()
 
 
 def build_blending_indices(
@@ -72,9 +68,9 @@ def build_blending_indices(
 class BlendedDataset(torch.utils.data.Dataset):
     """`size` samples of `datasets`, mixed in proportion to `weights`.
 
-    A sample is the chosen dataset's sample, unchanged (no `dataset_id` key is added, so the
-    batch format is the datasets' own). With `torch.distributed` initialised, construction is
-    a collective, like `GPTDataset`'s.
+    A sample is the chosen dataset's sample with `dataset_id` (the dataset's number, int16)
+    first, as upstream's. With `torch.distributed` initialised, construction is a collective,
+    like `GPTDataset`'s.
 
     Args:
         datasets: the datasets to blend; those with a `unique_description` and a
@@ -137,8 +133,16 @@ class BlendedDataset(torch.utils.data.Dataset):
             cache_dir = config.path_to_cache or index_cache.default_cache_dir(
                 first_path, type(self).__name__
             )
-            base_name = (
-                f"{index_cache.description_hash(self.unique_description)}-{type(self).__name__}"
+            # Upstream's file names: <hash>-BlendedDataset-<split>-dataset_index.npy.
+            split = getattr(datasets[0], "index_split", None)
+            base_name = "-".join(
+                part
+                for part in (
+                    index_cache.description_hash(self.unique_description),
+                    type(self).__name__,
+                    split,
+                )
+                if part
             )
             arrays, self.built_anew_on_cache_miss = index_cache.load_or_build(
                 cache_dir,
@@ -166,8 +170,9 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, idx: int) -> dict[str, Any]:
         if not 0 <= idx < self.size:
             raise IndexError(f"BlendedDataset index {idx} out of range [0, {self.size}).")
-        dataset = int(self.dataset_index[idx])
-        return self.datasets[dataset][int(self.dataset_sample_index[idx])]
+        dataset_id = self.dataset_index[idx]
+        sample = self.datasets[int(dataset_id)][int(self.dataset_sample_index[idx])]
+        return {"dataset_id": dataset_id, **sample}

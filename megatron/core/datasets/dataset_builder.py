@@ -1,11 +1,22 @@
 """`build_gpt_datasets()`: the train, validation and test datasets of a `--data-path` blend.
 
-As Megatron-LM's `BlendedMegatronDatasetBuilder` for GPT: each dataset prefix is split over
-its documents by the normalised `--split` weights (`get_split_indices`), one `GPTDataset` is
-built per prefix per split, and several prefixes are mixed by a `BlendedDataset`, each asked
-for `ceil(weight * samples * 1.005)` samples (Megatron-LM's 0.5% margin, so the greedy blend
-never runs a dataset dry). Per-split blends (`GPTDatasetConfig.blend_per_split`) use each
-prefix whole for their split.
+As Megatron-core's `BlendedMegatronDatasetBuilder` for GPT (0.19.2): each dataset prefix is
+split over its documents by the `--split` book-ends (`splits`: each boundary `round(c_k * n)`),
+one `GPTDataset` is built per prefix per split, and several prefixes, or one prefix with a
+weight, are mixed by a `BlendedDataset`. A weighted blend of `N` samples takes `ceil(N * w)`
+from a dataset of weight `w` (its length is the sum of those) and builds that dataset with
+`ceil(ceil(N * w) * 1.005)` samples (upstream's margin, `mid_level_dataset_surplus`, so the
+greedy blend never runs a dataset dry); a blend without weights mixes one epoch of each dataset
+by their lengths. Per-split blends (`GPTDatasetConfig.blend_per_split`) use each prefix whole
+for their split.
+
+Where upstream differs, it is on inputs it cannot build: a split of positive weight without
+documents (upstream loops forever) is None here for a lone prefix, an error in a blend; a split
+asked for 0 samples is None (upstream builds one epoch of it that nothing reads).
+
+When `config.vocab_size` is set, each corpus's largest token id is checked against it (once per
+corpus: the result is cached beside the indices), on every rank, so data tokenized with another
+tokenizer is refused with the same error everywhere instead of an `IndexError` on one rank.
 
 With `torch.distributed` initialised, every rank must call the builder (the datasets' index
 caches are built on rank 0 while the other ranks wait).
@@ -13,6 +24,7 @@ caches are built on rank 0 while the other ranks wait).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -20,19 +32,17 @@ from collections.abc import Sequence
 import numpy
 from torch.utils.data import Dataset
 
-from megatron.core.datasets.blended_dataset import BlendedDataset, normalize
-from megatron.core.datasets.gpt_dataset import (
+from megatron.core.datasets import index_cache
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.gpt_dataset import Blend, GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatron.core.datasets.splits import (
     DEFAULT_SPLIT,
     SPLIT_NAMES,
-    Blend,
-    GPTDataset,
-    GPTDatasetConfig,
-    get_split_indices,
+    SplitMatrix,
+    document_range,
+    normalize,
 )
-from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-
-BLEND_SURPLUS = 0.005
-"""The share of extra samples each blended dataset is built with (Megatron-LM's)."""
 
 _DATA_PATH_FORMS = (
     "give prefixes (--data-path corpus_a corpus_b: weighted by their sizes), or weight-prefix "
@@ -96,7 +106,7 @@ def _check_weights(weights: Sequence[float], prefixes: Sequence[str]) -> None:
 
 
 def check_blend(blend: Blend) -> Blend:
-    """The blend's prefixes (checked to exist) and weights (checked; None for one prefix),
+    """The blend's prefixes (checked to exist) and weights (checked; None when not given),
     without the prefixes of weight 0.
 
     Raises:
@@ -131,25 +141,73 @@ def check_blend(blend: Blend) -> Blend:
                 "missing (a prefix is the path without .bin/.idx); create it with "
                 "tools/preprocess_data.py or fix --data-path."
             )
-    return prefixes, (None if len(prefixes) == 1 else weights)
+    return prefixes, weights
+
+
+def _check_token_ids(indexed: IndexedDataset, prefix: str, config: GPTDatasetConfig) -> None:
+    """Refuses a corpus holding a token id at or beyond `config.vocab_size`, on every rank.
+
+    The largest id is found once per corpus (a chunked scan of the .bin, rank 0 while the
+    others wait) and cached beside the indices, keyed by the .idx content and the .bin's size
+    and modification time; every rank then reads the same number and raises the same error.
+    Skipped when the .bin's dtype cannot hold an id that large.
+    """
+    vocab_size = config.vocab_size
+    if vocab_size is None:
+        return
+    dtype = indexed.dtype
+    if dtype.kind in "iu" and numpy.iinfo(dtype).max < vocab_size:
+        return
+    status = os.stat(get_bin_path(prefix))
+    description = json.dumps(
+        {
+            "class": "MaxTokenId",
+            "dataset_path": prefix,
+            "idx_sha256": indexed.index_digest,
+            "bin_bytes": status.st_size,
+            "bin_mtime_ns": status.st_mtime_ns,
+        },
+        indent=4,
+    )
+    cache_dir = config.path_to_cache or index_cache.default_cache_dir(prefix, "GPTDataset")
+    base_name = f"{index_cache.description_hash(description)}-MaxTokenId"
+
+    def scan() -> dict[str, numpy.ndarray]:
+        largest = indexed.max_token_id()
+        return {"max_token_id": numpy.array([-1 if largest is None else largest], numpy.int64)}
+
+    arrays, _ = index_cache.load_or_build(
+        cache_dir, base_name, description, ("max_token_id",), scan
+    )
+    largest = int(arrays["max_token_id"][0])
+    if largest >= vocab_size:
+        raise ValueError(
+            f"Dataset {prefix!r} holds token id {largest}, but the tokenizer's vocabulary has "
+            f"{vocab_size} ids (0 to {vocab_size - 1}): the data was tokenized with another "
+            "tokenizer. Train with the one it was preprocessed with (--tokenizer-type, and its "
+            "files or --vocab-size for NullTokenizer), or preprocess the data again with this one."
+        )
 
 
 def _build_prefix_splits(
     prefix: str,
-    split_vector: Sequence[float],
+    matrix: SplitMatrix,
     sizes: Sequence[int | None],
     config: GPTDatasetConfig,
     in_blend: bool,
 ) -> list[GPTDataset | None]:
-    """One `GPTDataset` per split of one prefix (None where no samples or no split weight)."""
+    """One `GPTDataset` per split of one prefix (None where the split has no book-ends or no
+    samples are asked for, or, for a lone prefix, no documents)."""
     indexed = IndexedDataset(prefix, mmap=config.mmap_bin_files)
-    bounds = get_split_indices(list(split_vector), len(indexed))
+    _check_token_ids(indexed, prefix, config)
     datasets: list[GPTDataset | None] = []
     for number, name in enumerate(SPLIT_NAMES):
-        documents = numpy.arange(bounds[number], bounds[number + 1], dtype=numpy.int32)
-        if sizes[number] == 0 or split_vector[number] == 0:
+        if matrix[number] is None or sizes[number] == 0:
             datasets.append(None)
-        elif documents.size == 0:
+            continue
+        begin, end = document_range(matrix[number], len(indexed))
+        if begin == end:
+            # Upstream loops forever on a split without documents.
             if in_blend:
                 raise ValueError(
                     f"Dataset {prefix!r} has no document in the {name} split (its "
@@ -157,41 +215,53 @@ def _build_prefix_splits(
                     "that split more weight, or use a larger dataset."
                 )
             datasets.append(None)
-        else:
-            datasets.append(GPTDataset(indexed, prefix, documents, sizes[number], name, config))
+            continue
+        documents = numpy.arange(begin, end, dtype=numpy.int32)
+        datasets.append(GPTDataset(indexed, prefix, documents, sizes[number], name, config))
     return datasets
 
 
 def _build_blend_splits(
-    blend: Blend, split_vector: Sequence[float], sizes: Sequence[int], config: GPTDatasetConfig
+    blend: Blend, matrix: SplitMatrix, sizes: Sequence[int], config: GPTDatasetConfig
 ) -> list[Dataset | None]:
     prefixes, weights = blend
-    if len(prefixes) == 1:
-        return list(_build_prefix_splits(prefixes[0], split_vector, sizes, config, False))
+    if len(prefixes) == 1 and weights is None:
+        return list(_build_prefix_splits(prefixes[0], matrix, sizes, config, False))
     if weights is not None:
         weights = normalize(weights)
+        # Upstream's sizing: the samples used per dataset, and the samples built (with margin).
+        targets = [[int(math.ceil(size * weight)) for size in sizes] for weight in weights]
+        surplus = 1 + config.mid_level_dataset_surplus
         per_prefix_sizes = [
-            [int(math.ceil(size * weight * (1 + BLEND_SURPLUS))) for size in sizes]
-            for weight in weights
+            [int(math.ceil(target * surplus)) for target in prefix_targets]
+            for prefix_targets in targets
         ]
     else:
         # Unweighted blends (config.blend only) mix the datasets by their one-epoch lengths.
         per_prefix_sizes = [[None if size else 0 for size in sizes] for _ in prefixes]
     per_prefix = [
-        _build_prefix_splits(prefix, split_vector, prefix_sizes, config, True)
+        _build_prefix_splits(prefix, matrix, prefix_sizes, config, True)
         for prefix, prefix_sizes in zip(prefixes, per_prefix_sizes)
     ]
     blended: list[Dataset | None] = []
-    for number in range(len(SPLIT_NAMES)):
+    for number, name in enumerate(SPLIT_NAMES):
         parts = [datasets[number] for datasets in per_prefix]
-        if sizes[number] == 0 or split_vector[number] == 0:
+        if sizes[number] == 0 or matrix[number] is None:
             blended.append(None)
         elif weights is None:
             lengths = [len(part) for part in parts]
+            for prefix, length in zip(prefixes, lengths):
+                if length == 0:
+                    raise ValueError(
+                        f"Dataset {prefix!r} has fewer tokens in the {name} split than one sample "
+                        f"({config.sequence_length} + 1), so a blend by sizes gives it weight 0; "
+                        "give it weights (--data-path W1 P1 W2 P2 ...) or more data."
+                    )
             size = min(sizes[number], sum(lengths))
             blended.append(BlendedDataset(parts, lengths, size, config))
         else:
-            blended.append(BlendedDataset(parts, weights, sizes[number], config))
+            size = sum(prefix_targets[number] for prefix_targets in targets)
+            blended.append(BlendedDataset(parts, weights, size, config))
     return blended
 
 
@@ -203,7 +273,7 @@ def build_gpt_datasets(
     """The train, validation and test datasets (a `GPTDataset`, a `BlendedDataset`, or None).
 
     A split is None when it is asked for 0 samples, has split weight 0, or (for a lone prefix)
-    gets no document, as in Megatron-LM.
+    gets no document.
 
     Args:
         config: the configuration; its `blend` or `blend_per_split` is the data unless
@@ -216,8 +286,8 @@ def build_gpt_datasets(
         ValueError: no data, or the data twice (`data_path` and a config blend); a bad
             `--data-path` (odd length, a weight that is not a number or is negative); a
             missing prefix (the message names the files); a blended prefix with no document
-            in a split that needs it; a split whose documents hold fewer tokens than one
-            sample; a negative sample count.
+            in a split that needs it; a split whose documents hold no token; a token id beyond
+            `config.vocab_size`; a negative sample count.
     """
     sizes = list(train_val_test_num_samples)
     if len(sizes) != len(SPLIT_NAMES) or any(int(size) != size or size < 0 for size in sizes):
@@ -228,7 +298,7 @@ def build_gpt_datasets(
         )
     blend = parse_data_path(data_path) if data_path is not None else config.blend
     if blend is not None:
-        return tuple(_build_blend_splits(check_blend(blend), config.split_vector, sizes, config))
+        return tuple(_build_blend_splits(check_blend(blend), config.split_matrix, sizes, config))
     if config.blend_per_split is None:
         raise ValueError(
             "No data: give data_path (--data-path) or the config's blend / blend_per_split."
@@ -239,8 +309,8 @@ def build_gpt_datasets(
             datasets.append(None)
             continue
         # The split's prefixes serve this split alone, with all their documents.
-        only_this = [0.0] * len(SPLIT_NAMES)
-        only_this[number] = 1.0
+        only_this: SplitMatrix = [None] * len(SPLIT_NAMES)
+        only_this[number] = (0.0, 1.0)
         only_these_samples = [0] * len(SPLIT_NAMES)
         only_these_samples[number] = sizes[number]
         splits = _build_blend_splits(check_blend(blend), only_this, only_these_samples, config)

@@ -14,46 +14,67 @@ this, built as Megatron-LM builds them and cached (`index_cache`):
   index, token offset in that document); row `i + 1` is where sample `i` ends.
 - shuffle index: a permutation of the samples (the final separate epoch again on its own).
 
-Identical arrays come out of Megatron-LM for the same corpus, split, seed and sizes, so a run
-can move between the two projects and read the same data order.
+Identical arrays come out of Megatron-core (0.19.2, checked against its own output in
+`tests/unit_tests/datasets/test_upstream_parity.py`) for the same corpus, split, seed and sizes,
+and so do the samples (the pad rule and the dense attention mask included), so a run can move
+between the two projects and read the same data in the same order.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy
 import torch
 
 from megatron.core.datasets import index_cache
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.splits import (
+    DEFAULT_SPLIT,
+    SPLIT_NAMES,
+    SplitMatrix,
+    get_split_indices,
+    parse_and_normalize_split,
+    split_matrix,
+)
 
-SPLIT_NAMES = ("train", "valid", "test")
-
-DEFAULT_SPLIT = "969,30,1"
-"""Megatron-LM's `--split` default: train, validation and test weights."""
+__all__ = [
+    "DEFAULT_SPLIT",
+    "PAD_TOKEN_ID",
+    "SPLIT_NAMES",
+    "Blend",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "get_split_indices",
+    "pad_token_of",
+    "parse_and_normalize_split",
+]
 
 Blend = tuple[list[str], list[float] | None]
-"""Dataset prefixes and their weights (None: each prefix alone, or weights from sizes)."""
+"""Dataset prefixes and their weights (None: a single prefix, or weights from sizes)."""
+
+PAD_TOKEN_ID = -1
+"""Megatron-core's pad id when the tokenizer has none (or an ambiguous one): no token has it."""
 
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
 @dataclass
 class GPTDatasetConfig:
-    """What the GPT datasets are built from, and how samples are masked.
+    """What the GPT datasets are built from, and how samples are masked (Megatron-core's
+    `GPTDatasetConfig`, with the tokenizer's ids given directly).
 
     Attributes:
         random_seed: seeds the document and sample shuffles.
         sequence_length: tokens per sample (the model's input length).
-        blend: the datasets all splits draw from: prefixes and their weights (weights None
-            for a single prefix). `build_gpt_datasets` can take Megatron-LM's `--data-path`
-            list instead.
+        blend: the datasets all splits draw from: prefixes and their weights (None: one
+            prefix alone, or several weighted by their sizes; one weighted prefix is a blend
+            of one dataset, as upstream). `build_gpt_datasets` can take Megatron-LM's
+            `--data-path` list instead.
         blend_per_split: one blend (or None) per split, train, valid, test, each using its
             datasets whole (Megatron-LM's `--train-data-path` etc.); excludes `blend`/`split`.
         split: the train/valid/test weights of `blend`'s documents, e.g. "969,30,1"
@@ -62,15 +83,26 @@ class GPTDatasetConfig:
             each dataset's files, and `cache/BlendedDataset_indices` beside the first one's).
         mmap_bin_files: memory-map the .bin files, else read them with file reads.
         reset_position_ids: positions restart at 0 after each EOD token.
-        reset_attention_mask: tokens do not attend across an EOD token; samples then carry an
-            `attention_mask`.
+        reset_attention_mask: tokens do not attend across an EOD token (in `attention_mask`).
         eod_mask_loss: no loss where the input token is EOD.
+        create_attention_mask: samples carry the dense `attention_mask` [1, s, s] (upstream's
+            default; `--no-create-attention-mask-in-dataloader` turns it off).
         eod_token: the EOD token id; needed by the three options above.
+        pad_token: where the label is this id the loss is 0, and where a token or label is it
+            the id becomes 0 (upstream's pad rule; `pad_token_of(tokenizer)` picks it as
+            upstream does). `PAD_TOKEN_ID` (-1) matches nothing.
+        vocab_size: the tokenizer's vocabulary; a dataset holding a larger id is refused when
+            it is built (None: not checked).
+        mid_level_dataset_surplus: the share of extra samples each dataset of a weighted blend
+            is built with (upstream's 0.005, so the blend never runs a dataset dry).
         split_vector: the normalised `split` (set from it; None with `blend_per_split`).
+        split_matrix: each split's book-ends (`splits.split_matrix`; None with
+            `blend_per_split`).
 
     Raises:
         ValueError: a size or the seed is out of range, the split does not parse, `blend` and
-            `blend_per_split` are both given, or an EOD option has no `eod_token`.
+            `blend_per_split` are both given, an EOD option has no `eod_token`, or
+            `reset_attention_mask` without `create_attention_mask`.
     """
 
     random_seed: int
@@ -83,14 +115,23 @@ class GPTDatasetConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    create_attention_mask: bool = True
     eod_token: int | None = None
+    pad_token: int = PAD_TOKEN_ID
+    vocab_size: int | None = None
+    mid_level_dataset_surplus: float = 0.005
     split_vector: list[float] | None = field(init=False, default=None)
+    split_matrix: SplitMatrix | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.sequence_length < 1:
             raise ValueError(f"sequence_length={self.sequence_length} must be >= 1.")
         if not 0 <= self.random_seed < 2**32:
             raise ValueError(f"random_seed={self.random_seed} must be in [0, 2**32).")
+        if not self.mid_level_dataset_surplus >= 0:
+            raise ValueError(
+                f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0."
+            )
         if self.blend_per_split is not None:
             if self.blend is not None or self.split is not None:
                 raise ValueError(
@@ -104,51 +145,38 @@ class GPTDatasetConfig:
                 )
         else:
             self.split_vector = parse_and_normalize_split(self.split or DEFAULT_SPLIT)
+            self.split_matrix = split_matrix(self.split_vector)
         for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
             if getattr(self, flag) and self.eod_token is None:
                 raise ValueError(f"{flag} needs eod_token, the tokenizer's EOD id.")
+        if self.reset_attention_mask and not self.create_attention_mask:
+            raise ValueError(
+                "--reset-attention-mask keeps attention within documents through the dataset's "
+                "attention mask, which --no-create-attention-mask-in-dataloader switches off "
+                "(upstream then silently attends across documents); drop one of the two flags."
+            )
 
 
-def parse_and_normalize_split(split: str) -> list[float]:
-    """Megatron-LM's split string as weights summing to 1: "969,30,1" -> [0.969, 0.03, 0.001].
-
-    Weights are separated by commas (or slashes); missing ones are 0 ("99,1" = "99,1,0").
-
-    Raises:
-        ValueError: more than three weights, one is not a finite number >= 0, or all are 0.
-    """
-    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
-    hint = "e.g. --split 969,30,1 (train, validation and test weights)"
-    if len(pieces) > len(SPLIT_NAMES):
-        raise ValueError(f"split {split!r} has {len(pieces)} weights, at most 3; {hint}.")
-    weights = []
-    for piece in pieces:
+def pad_token_of(tokenizer: Any, allow_ambiguous: bool = False) -> int:
+    """The pad id Megatron-core's GPT dataset masks for `tokenizer`: its `pad`, unless it has
+    none (`PAD_TOKEN_ID`) or the pad id is also its EOS or EOD id (then `PAD_TOKEN_ID` too, so
+    real EOD tokens keep their loss, unless `allow_ambiguous`, upstream's
+    `--allow-ambiguous-pad-tokens`)."""
+    try:
+        pad = tokenizer.pad
+    except Exception:  # upstream's rule: a tokenizer without a pad id raises anything
+        return PAD_TOKEN_ID
+    if pad is None:
+        return PAD_TOKEN_ID
+    special = []
+    for name in ("eos", "eod"):
         try:
-            weight = float(piece)
-        except ValueError:
-            raise ValueError(f"split {split!r}: {piece!r} is not a number; {hint}.") from None
-        if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"split {split!r}: {piece!r} must be a finite number >= 0; {hint}.")
-        weights.append(weight)
-    weights += [0.0] * (len(SPLIT_NAMES) - len(weights))
-    total = sum(weights)
-    if total <= 0:
-        raise ValueError(f"split {split!r} gives every split weight 0; {hint}.")
-    return [weight / total for weight in weights]
-
-
-def get_split_indices(split_vector: list[float], num_documents: int) -> list[int]:
-    """The document boundaries of the splits: split `k` is documents `[b[k], b[k + 1])`.
-
-    Megatron-LM's rule: each split gets its weight times the documents, rounded; the rounding
-    surplus (or deficit) is then taken off every boundary after the first, so the last one is
-    the number of documents (the first split absorbs it).
-    """
-    bounds = [0]
-    for weight in split_vector:
-        bounds.append(bounds[-1] + int(round(weight * float(num_documents))))
-    surplus = bounds[-1] - num_documents
-    return [0, *(bound - surplus for bound in bounds[1:])]
+            special.append(getattr(tokenizer, name))
+        except (AttributeError, NotImplementedError):
+            pass
+    if pad in special and not allow_ambiguous:
+        return PAD_TOKEN_ID
+    return int(pad)
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -170,11 +198,12 @@ class GPTDataset(torch.utils.data.Dataset):
 
     Attributes:
         built_anew_on_cache_miss: whether this construction built the indices (False: loaded).
-        unique_description: what the indices depend on (JSON); its MD5 names the cache files.
+        unique_description: what the indices depend on (JSON), the content of the .idx
+            included; its MD5 names the cache files.
 
     Raises:
-        ValueError: a bad split name or document id, or the documents hold fewer tokens than
-            one sample (`sequence_length + 1`).
+        ValueError: a bad split name or document id, or documents without any token (a split
+            with fewer tokens than one sample is fine: its epochs repeat, as upstream).
         OSError: the cache folder cannot be written.
     """
 
@@ -207,12 +236,11 @@ class GPTDataset(torch.utils.data.Dataset):
             )
         lengths = indexed_dataset.sequence_lengths
         self.tokens_per_epoch = int(lengths[self.indices].sum(dtype=numpy.int64))
-        if self.tokens_per_epoch < config.sequence_length + 1:
+        if self.tokens_per_epoch == 0:
+            # Upstream loops forever here (no number of epochs reaches a sample).
             raise ValueError(
                 f"The {index_split} split of {self.dataset_path} has {self.indices.size} "
-                f"documents of {self.tokens_per_epoch} tokens in all, fewer than one sample "
-                f"needs ({config.sequence_length} + 1); give that split more documents (--split) "
-                "or more data, or shorten --seq-length."
+                "documents and no token; give that split documents (--split) or more data."
             )
 
         self.unique_identifiers = OrderedDict(
@@ -223,11 +251,12 @@ class GPTDataset(torch.utils.data.Dataset):
                 ("index_split", index_split),
                 ("random_seed", config.random_seed),
                 ("sequence_length", config.sequence_length),
-                # The documents and the corpus size rather than the split string: they are
-                # what the indices depend on, and a re-tokenized corpus changes them.
+                # The documents and the content of the .idx rather than the split string: they
+                # are what the indices depend on, and a re-tokenized (or reordered) corpus
+                # changes them even when its document and token counts stay the same.
                 ("num_documents", int(self.indices.size)),
                 ("documents_md5", hashlib.md5(self.indices.tobytes()).hexdigest()),
-                ("corpus_sequences", len(indexed_dataset)),
+                ("idx_sha256", indexed_dataset.index_digest),
                 ("tokens_per_epoch", self.tokens_per_epoch),
             ]
         )
@@ -249,6 +278,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
+        self._cached_masks: tuple | None = None
 
     def _build_indices(self) -> dict[str, numpy.ndarray]:
         """The document, sample and shuffle indices, exactly as Megatron-LM builds them."""
@@ -290,29 +320,45 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        """Sample `idx` in `MockGPTDataset`'s format: `tokens` and `labels` (shifted by one),
-        int64 [s]; `loss_mask` float32 [s]; `position_ids` int64 [s]; with
-        `reset_attention_mask`, also `attention_mask` bool [1, s, s] (True = masked out)."""
-        if not 0 <= idx < len(self):
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        """Sample `idx` as Megatron-core's: `tokens` and `labels` (shifted by one), int64 [s];
+        `attention_mask` bool [1, s, s] (True = masked out; with `create_attention_mask`);
+        `loss_mask` float32 [s]; `position_ids` int64 [s]. Where a label is the pad id the
+        loss is 0, and pad ids become 0. `idx` None: a padding sample (sample 0, no loss)."""
+        if idx is not None and not 0 <= idx < len(self):
             raise IndexError(f"GPTDataset index {idx} out of range [0, {len(self)}).")
-        text = torch.from_numpy(self._sample_tokens(int(idx)))
+        text = torch.from_numpy(self._sample_tokens(0 if idx is None else int(idx)))
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
-        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens,
-            self.config.eod_token,
-            self.config.reset_position_ids,
-            self.config.reset_attention_mask,
-            self.config.eod_mask_loss,
+        config = self.config
+        cacheable = not (
+            config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss
         )
-        sample = {
-            "tokens": tokens,
-            "labels": labels,
-            "loss_mask": loss_mask,
-            "position_ids": position_ids,
-        }
+        if cacheable and self._cached_masks is not None:
+            attention_mask, loss_mask, position_ids = self._cached_masks
+            loss_mask = loss_mask.clone()
+        else:
+            attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+                tokens,
+                config.eod_token,
+                config.reset_position_ids,
+                config.reset_attention_mask,
+                config.eod_mask_loss,
+                config.create_attention_mask,
+            )
+            if cacheable:
+                # Upstream's cache: without the EOD options, every sample has the same ones.
+                self._cached_masks = (attention_mask, loss_mask.clone(), position_ids)
+        pad = config.pad_token
+        loss_mask[labels == pad] = 0.0
+        tokens[tokens == pad] = 0
+        labels[labels == pad] = 0
+        if idx is None:
+            loss_mask = torch.zeros_like(loss_mask)
+        sample = {"tokens": tokens, "labels": labels}
         if attention_mask is not None:
             sample["attention_mask"] = attention_mask
+        sample["loss_mask"] = loss_mask
+        sample["position_ids"] = position_ids
         return sample
 
     def _sample_tokens(self, idx: int) -> numpy.ndarray:
@@ -405,9 +451,10 @@ def get_ltor_masks_and_position_ids(
     reset_position_ids: bool,
     reset_attention_mask: bool,
     eod_mask_loss: bool,
+    create_attention_mask: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Masks and positions of a left-to-right sample, as Megatron-LM's
-    `_get_ltor_masks_and_position_ids`.
+    """Masks and positions of a left-to-right sample, as Megatron-core's
+    `_get_ltor_masks_and_position_ids` computes them (vectorised instead of its loop over EODs).
 
     Args:
         tokens: int64 [s], the sample's input tokens.
@@ -416,30 +463,32 @@ def get_ltor_masks_and_position_ids(
         reset_attention_mask: a token attends only to earlier tokens of its own document (the
             EOD closes a document).
         eod_mask_loss: zero loss where the input token is EOD.
+        create_attention_mask: build the dense mask (without it `reset_attention_mask` has no
+            effect here, as upstream).
 
     Returns:
-        `attention_mask` bool [1, s, s] (query, key; True = masked out, causal part included,
-        GPTModel's convention) or None without `reset_attention_mask`; `loss_mask` float32
-        [s]; `position_ids` int64 [s].
+        `attention_mask` bool [1, s, s] (query, key; True = masked out, the causal part
+        included, GPTModel's convention) or None without `create_attention_mask`;
+        `loss_mask` float32 [s]; `position_ids` int64 [s].
     """
     seq_length = tokens.numel()
     positions = torch.arange(seq_length, dtype=torch.int64)
     loss_mask = torch.ones(seq_length, dtype=torch.float32)
-    if not (reset_position_ids or reset_attention_mask or eod_mask_loss):
-        return None, loss_mask, positions
-    is_eod = tokens == eod_token
     if eod_mask_loss:
-        loss_mask[is_eod] = 0.0
-    # Where each token's document starts: one past the last EOD strictly before it.
-    after_eod = torch.where(is_eod, positions + 1, 0)
-    document_start = torch.cummax(
-        torch.cat([torch.zeros(1, dtype=torch.int64), after_eod[:-1]]), dim=0
-    ).values
-    position_ids = positions - document_start if reset_position_ids else positions
+        loss_mask[tokens == eod_token] = 0.0
+    position_ids, document_start = positions, None
+    if reset_position_ids or (reset_attention_mask and create_attention_mask):
+        # Where each token's document starts: one past the last EOD strictly before it.
+        after_eod = torch.where(tokens == eod_token, positions + 1, 0)
+        document_start = torch.cummax(
+            torch.cat([torch.zeros(1, dtype=torch.int64), after_eod[:-1]]), dim=0
+        ).values
+        if reset_position_ids:
+            position_ids = positions - document_start
     attention_mask = None
-    if reset_attention_mask:
-        visible = (positions[None, :] <= positions[:, None]) & (
-            document_start[None, :] == document_start[:, None]
-        )
+    if create_attention_mask:
+        visible = positions[None, :] <= positions[:, None]
+        if reset_attention_mask:
+            visible &= document_start[None, :] == document_start[:, None]
         attention_mask = (~visible).unsqueeze(0)
     return attention_mask, loss_mask, position_ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT
+from megatron.core.datasets.splits import DEFAULT_SPLIT
 from megatron.core.datasets.tokenizers import TOKENIZER_TYPES
 from megatron.core.datasets.tokenizers.tiktoken_tokenizer import (
     DEFAULT_NUM_SPECIAL_TOKENS,
@@ -50,8 +50,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         "--no-create-attention-mask-in-dataloader",
         action="store_false",
         dest="create_attention_mask_in_dataloader",
-        help="No effect here: the model applies the causal mask itself either way (samples carry "
-        "a mask only with --reset-attention-mask).",
+        help="Samples carry no dense [1, s, s] attention mask (upstream's samples do by default; "
+        "the model applies the causal mask itself and reads the dataset's mask only with "
+        "--reset-attention-mask, which therefore needs it).",
     )
 
 
@@ -95,6 +96,22 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         "<sep>).",
     )
     return group
+
+
+def validate_data(args: argparse.Namespace) -> None:
+    """Refuses `--reset-attention-mask` with `--no-create-attention-mask-in-dataloader`: the
+    documents are kept apart by the dataset's mask, which the second flag switches off
+    (upstream then silently attends across documents).
+
+    Raises:
+        ValueError: both flags are given.
+    """
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        raise ValueError(
+            "--reset-attention-mask keeps attention within documents through the dataset's "
+            "attention mask, which --no-create-attention-mask-in-dataloader switches off; drop "
+            "one of the two flags."
+        )
 
 
 def validate_tokenizer(args: argparse.Namespace) -> None:

@@ -71,8 +71,11 @@ def test_samples_come_from_the_chosen_dataset(two_datasets, tmp_path):
     for idx in range(len(blend)):
         expected = two_datasets[blend.dataset_index[idx]][blend.dataset_sample_index[idx]]
         sample = blend[idx]
-        assert sample.keys() == expected.keys()
-        assert all(torch.equal(sample[key], expected[key]) for key in sample)
+        # Upstream's format: the dataset's number first, then the dataset's sample.
+        assert list(sample) == ["dataset_id", *expected]
+        assert sample["dataset_id"] == blend.dataset_index[idx]
+        assert sample["dataset_id"].dtype == numpy.int16
+        assert all(torch.equal(sample[key], expected[key]) for key in expected)
     with pytest.raises(IndexError):
         blend[90]
 

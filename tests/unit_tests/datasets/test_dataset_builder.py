@@ -17,6 +17,7 @@ from megatron.core.datasets import (
     parse_and_normalize_split,
     parse_data_path,
 )
+from megatron.core.datasets.splits import split_matrix
 from tests.unit_tests.datasets.corpus import random_documents, write_corpus
 
 SEQ = 8
@@ -77,17 +78,18 @@ def test_parse_and_normalize_split():
 
 
 def test_split_boundaries():
-    # Each split's rounded share, the surplus taken off every boundary after the first.
+    # Megatron-core's cumulative rule: boundary k is round(c_k * n) of the accumulated weights.
     # 969,30,1 of 1000: 969, 30 and 1 exactly.
     assert get_split_indices(parse_and_normalize_split("969,30,1"), 1000) == [0, 969, 999, 1000]
-    # 1,1,1 of 10: shares 3.33 -> 3 each, 9 in all; the deficit of 1 shifts the boundaries.
-    assert get_split_indices(parse_and_normalize_split("1,1,1"), 10) == [0, 4, 7, 10]
-    # 969,30,1 of 49: 47.48 -> 47, 1.47 -> 1, 0.05 -> 0: 48 in all, so [0, 48, 49, 49]
-    # (rounding the cumulative weights instead would give [0, 47, 49, 49]).
-    assert get_split_indices(parse_and_normalize_split("969,30,1"), 49) == [0, 48, 49, 49]
-    # 2,2,1 of 9: 3.6 -> 4, 3.6 -> 4, 1.8 -> 2: a surplus of 1 taken off after the first.
-    assert get_split_indices(parse_and_normalize_split("2,2,1"), 9) == [0, 3, 7, 9]
+    # 1,1,1 of 10: 3.33 -> 3, 6.67 -> 7 (the legacy rule, each share rounded, gave 4 and 7).
+    assert get_split_indices(parse_and_normalize_split("1,1,1"), 10) == [0, 3, 7, 10]
+    # 969,30,1 of 49: 47.48 -> 47, 48.95 -> 49 (the legacy rule gave [0, 48, 49, 49]).
+    assert get_split_indices(parse_and_normalize_split("969,30,1"), 49) == [0, 47, 49, 49]
+    # 2,2,1 of 9: 3.6 -> 4, 7.2 -> 7.
+    assert get_split_indices(parse_and_normalize_split("2,2,1"), 9) == [0, 4, 7, 9]
     assert get_split_indices(parse_and_normalize_split("1,0,0"), 7) == [0, 7, 7, 7]
+    # A split of weight 0 has no book-ends at all (no dataset), not an empty range.
+    assert split_matrix(parse_and_normalize_split("1,0,1")) == [(0, 0.5), None, (0.5, 1.0)]
 
 
 def test_single_prefix_splits_documents(corpora, tmp_path):
@@ -108,32 +110,35 @@ def test_absent_splits_are_none(corpora, tmp_path):
         _config(tmp_path, split="90,10,0"), [50, 0, 10], [corpora[0]]
     )
     assert valid is None and test is None
-    # 10 documents at 969,30,1: the boundaries round to 10 and 10, so no valid/test document.
+    # 10 documents at 969,30,1: the boundaries round to 10 and 10, so no valid/test document
+    # (upstream never returns then: its epoch loop cannot reach a sample without tokens).
     tiny = write_corpus(str(tmp_path / "tiny"), random_documents(10, seed=5, max_length=60))
     train, valid, test = build_gpt_datasets(_config(tmp_path), [20, 5, 5], [tiny])
     assert isinstance(train, GPTDataset) and valid is None and test is None
 
 
 def test_blend_asks_each_dataset_for_its_share_plus_half_a_percent(corpora, tmp_path):
-    sizes = [400, 40, 8]
+    sizes = [401, 41, 9]
     datasets = build_gpt_datasets(
         _config(tmp_path, split="90,8,2"), sizes, ["1", corpora[0], "3", corpora[1]]
     )
     for blend, size in zip(datasets, sizes):
-        assert isinstance(blend, BlendedDataset) and len(blend) == size
+        # Upstream's sizing: ceil(size * w) samples used per dataset (the blend's length is
+        # their sum), each built with ceil(ceil(size * w) * 1.005).
+        targets = [math.ceil(size * 0.25), math.ceil(size * 0.75)]
+        assert isinstance(blend, BlendedDataset) and len(blend) == sum(targets) > size
         assert [d.num_samples for d in blend.datasets] == [
-            math.ceil(size * 0.25 * 1.005),
-            math.ceil(size * 0.75 * 1.005),
+            math.ceil(target * 1.005) for target in targets
         ]
         assert [d.dataset_path for d in blend.datasets] == corpora
         counts = numpy.bincount(blend.dataset_index, minlength=2)
-        assert abs(counts[0] - 0.25 * size) <= 1 and counts.sum() == size
+        assert abs(counts[0] - 0.25 * len(blend)) <= 1 and counts.sum() == len(blend)
     # Deterministic: the same call gives the same samples (loaded from the cache).
     again = build_gpt_datasets(
         _config(tmp_path, split="90,8,2"), sizes, ["1", corpora[0], "3", corpora[1]]
     )
     assert not again[0].built_anew_on_cache_miss
-    for idx in (0, 17, 399):
+    for idx in (0, 17, 400):
         assert again[0][idx]["tokens"].tolist() == datasets[0][idx]["tokens"].tolist()
 
 
@@ -141,7 +146,21 @@ def test_zero_weight_prefix_is_left_out(corpora, tmp_path):
     train, _, _ = build_gpt_datasets(
         _config(tmp_path), [30, 0, 0], ["0", corpora[0], "1", corpora[1]]
     )
-    assert isinstance(train, GPTDataset) and train.dataset_path == corpora[1]
+    # The one weighted prefix left is a blend of one dataset, as `--data-path 1 PREFIX`.
+    assert isinstance(train, BlendedDataset) and len(train.datasets) == 1
+    assert train.datasets[0].dataset_path == corpora[1]
+
+
+def test_one_weighted_prefix_is_a_blend(corpora, tmp_path):
+    """Upstream's `--data-path 1.0 PREFIX`: a blend of one dataset, built with its margin, so
+    another length and order than the prefix alone."""
+    blend = build_gpt_datasets(_config(tmp_path, split="90,10,0"), [50, 5, 0], ["1", corpora[0]])
+    plain = build_gpt_datasets(_config(tmp_path, split="90,10,0"), [50, 5, 0], [corpora[0]])
+    for weighted, alone, size in zip(blend[:2], plain[:2], (50, 5)):
+        assert isinstance(weighted, BlendedDataset) and len(weighted) == size
+        assert weighted.datasets[0].num_samples == math.ceil(size * 1.005)
+        assert isinstance(alone, GPTDataset) and alone.num_samples == size
+        assert weighted[0]["dataset_id"] == 0 and "dataset_id" not in alone[0]
 
 
 def test_blend_per_split(corpora, tmp_path):
@@ -198,9 +217,9 @@ def test_builder_errors(corpora, tmp_path):
         build_gpt_datasets(config, [1, -1, 1], corpora[:1])
     with pytest.raises(ValueError, match="has no prefix after it"):
         build_gpt_datasets(config, [1, 1, 1], ["1", corpora[0], "2"])
-    # 20 documents at 80,10,10: the test split gets the last two, of 2 tokens each.
-    short = write_corpus(str(tmp_path / "short"), [numpy.arange(1, 40)] * 18 + [[1, 0], [2, 0]])
-    with pytest.raises(ValueError, match="test split of .*short has 2 documents of 4 tokens"):
+    # 20 documents at 80,10,10: the test split gets the last two, both empty.
+    short = write_corpus(str(tmp_path / "short"), [numpy.arange(1, 40)] * 18 + [[], []])
+    with pytest.raises(ValueError, match="test split of .*short has 2 documents and no token"):
         build_gpt_datasets(_config(tmp_path, split="80,10,10"), [10, 1, 1], [short])
     # In a blend, a prefix with no document in a split that needs one is an error.
     tiny = write_corpus(str(tmp_path / "tiny"), random_documents(10, seed=5, max_length=60))

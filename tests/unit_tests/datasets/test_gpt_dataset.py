@@ -9,8 +9,15 @@ import numpy
 import pytest
 import torch
 
-from megatron.core.datasets import GPTDataset, GPTDatasetConfig, IndexedDataset
+from megatron.core.datasets import (
+    PAD_TOKEN_ID,
+    GPTDataset,
+    GPTDatasetConfig,
+    IndexedDataset,
+    pad_token_of,
+)
 from megatron.core.datasets.gpt_dataset import build_sample_index, get_ltor_masks_and_position_ids
+from megatron.core.datasets.tokenizers import ByteLevelTokenizer
 from tests.unit_tests.datasets.corpus import (
     EOD,
     random_documents,
@@ -146,10 +153,39 @@ def test_rank_zero_builds_and_the_others_load(corpus, tmp_path):
     assert results[0][1] == results[1][1]
 
 
-def test_too_few_tokens_for_one_sample(tmp_path):
+def test_reordered_corpus_of_the_same_size_is_not_served_a_stale_cache(tmp_path):
+    """The cache is keyed by the .idx content: a corpus re-tokenised into the same prefix with
+    its documents reordered (same document count, same token count) gets new indices, and the
+    samples follow the new files (a stale cache gave an IndexError or wrong samples)."""
+    documents = random_documents(40, seed=9)
+    prefix = write_corpus(str(tmp_path / "data" / "corpus"), documents)
+    first = _dataset(prefix, 60)
+    assert first.built_anew_on_cache_miss
+    reordered = documents[::-1]
+    write_corpus(prefix, reordered)
+    again = _dataset(prefix, 60)
+    assert again.built_anew_on_cache_miss
+    assert again.tokens_per_epoch == first.tokens_per_epoch
+    stream = numpy.concatenate([reordered[int(d)] for d in again.document_index])
+    for idx in range(len(again)):
+        start = int(again.shuffle_index[idx]) * SEQ
+        assert _text(again[idx]) == stream[start : start + SEQ + 1].tolist()
+    # The old files are still valid for the old corpus: writing it back loads them.
+    write_corpus(prefix, documents)
+    assert not _dataset(prefix, 60).built_anew_on_cache_miss
+
+
+def test_fewer_tokens_than_one_sample_repeat_epochs(tmp_path):
+    # 8 tokens, samples of 16 + 1: upstream repeats the documents for enough epochs.
     prefix = write_corpus(str(tmp_path / "tiny"), [[1, 2, EOD], [3, 4, 5, 6, EOD]])
-    with pytest.raises(ValueError, match=r"train split .*tiny has 2 documents of 8 tokens"):
-        _dataset(prefix, 10)
+    dataset = _dataset(prefix, 10)
+    assert len(dataset) >= 10
+    assert numpy.bincount(dataset.document_index).tolist() == [21, 21]
+    # One epoch of too few tokens: no sample at all.
+    assert len(_dataset(prefix, None)) == 0
+    empty = write_corpus(str(tmp_path / "empty"), [[], []])
+    with pytest.raises(ValueError, match=r"train split of .*empty has 2 documents and no token"):
+        _dataset(empty, 10)
 
 
 # Hand-worked example: EOD = 0 at positions 1 and 4, so the documents (for attention and
@@ -159,23 +195,28 @@ TOKENS = torch.tensor([5, EOD, 7, 8, EOD, 3])
 
 def test_masks_without_eod_options_are_plain():
     mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        TOKENS, EOD, False, False, False
+        TOKENS, EOD, False, False, False, False
     )
     assert mask is None
     assert torch.equal(loss_mask, torch.ones(6))
     assert torch.equal(position_ids, torch.arange(6))
+    # Upstream's default: the dense causal mask (True = masked out).
+    mask, _, _ = get_ltor_masks_and_position_ids(TOKENS, EOD, False, False, False, True)
+    assert torch.equal(mask[0], ~torch.ones(6, 6, dtype=torch.bool).tril())
 
 
 def test_eod_mask_loss_and_reset_position_ids():
-    _, loss_mask, position_ids = get_ltor_masks_and_position_ids(TOKENS, EOD, True, False, True)
+    _, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        TOKENS, EOD, True, False, True, False
+    )
     assert loss_mask.tolist() == [1, 0, 1, 1, 0, 1] and loss_mask.dtype == torch.float32
     assert position_ids.tolist() == [0, 1, 0, 1, 2, 0]
-    _, _, position_ids = get_ltor_masks_and_position_ids(TOKENS, EOD, False, False, True)
+    _, _, position_ids = get_ltor_masks_and_position_ids(TOKENS, EOD, False, False, True, False)
     assert position_ids.tolist() == list(range(6))
 
 
 def test_reset_attention_mask_is_causal_within_documents():
-    mask, _, position_ids = get_ltor_masks_and_position_ids(TOKENS, EOD, False, True, False)
+    mask, _, position_ids = get_ltor_masks_and_position_ids(TOKENS, EOD, False, True, False, True)
     visible = [  # row = query, column = key; 1 = may attend
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -188,13 +229,19 @@ def test_reset_attention_mask_is_causal_within_documents():
     assert torch.equal(mask[0], torch.tensor(visible) == 0)
     assert position_ids.tolist() == list(range(6))
     # With no EOD in the sample it is GPTModel's own causal mask.
-    plain, _, _ = get_ltor_masks_and_position_ids(torch.tensor([4, 5, 6]), EOD, False, True, False)
+    plain, _, _ = get_ltor_masks_and_position_ids(
+        torch.tensor([4, 5, 6]), EOD, False, True, False, True
+    )
     assert torch.equal(plain[0], ~torch.ones(3, 3, dtype=torch.bool).tril())
 
 
 def test_dataset_samples_carry_the_masks(corpus, tmp_path):
     plain = _dataset(corpus, 40, cache=str(tmp_path / "c"))
-    assert plain[0].keys() == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert list(plain[0]) == ["tokens", "labels", "attention_mask", "loss_mask", "position_ids"]
+    assert torch.equal(plain[3]["attention_mask"][0], ~torch.ones(SEQ, SEQ).bool().tril())
+    assert torch.equal(plain[3]["loss_mask"], torch.ones(SEQ))
+    no_mask = _dataset(corpus, 40, cache=str(tmp_path / "c"), create_attention_mask=False)
+    assert list(no_mask[0]) == ["tokens", "labels", "loss_mask", "position_ids"]
     masked = _dataset(
         corpus,
         40,
@@ -210,12 +257,66 @@ def test_dataset_samples_carry_the_masks(corpus, tmp_path):
         assert torch.equal(sample["tokens"], plain[idx]["tokens"])
         is_eod = sample["tokens"] == EOD
         assert torch.equal(sample["loss_mask"], (~is_eod).float())
-        expected = get_ltor_masks_and_position_ids(sample["tokens"], EOD, True, True, True)
+        expected = get_ltor_masks_and_position_ids(sample["tokens"], EOD, True, True, True, True)
         assert torch.equal(sample["attention_mask"], expected[0])
         assert torch.equal(sample["position_ids"], expected[2])
 
 
+def test_pad_id_is_masked_and_zeroed(tmp_path):
+    """Upstream's pad rule: no loss where the label is the pad id, and the pad id becomes 0 in
+    tokens and labels; `ds[None]` is a padding sample without loss."""
+    prefix = write_corpus(
+        str(tmp_path / "padded"), [numpy.array([5, 3, 3, 7, 3, EOD])] * 10, dtype=numpy.uint16
+    )
+    dataset = _dataset(prefix, 10, pad_token=3)
+    plain = _dataset(prefix, 10)
+    for idx in range(len(dataset)):
+        text = torch.tensor(_text(plain[idx]))
+        sample = dataset[idx]
+        assert torch.equal(sample["loss_mask"], (text[1:] != 3).float())
+        assert torch.equal(sample["tokens"], torch.where(text[:-1] == 3, 0, text[:-1]))
+        assert torch.equal(sample["labels"], torch.where(text[1:] == 3, 0, text[1:]))
+    padding = dataset[None]
+    assert torch.equal(padding["tokens"], dataset[0]["tokens"])
+    assert not padding["loss_mask"].any()
+
+
+class _Tokenizer:
+    def __init__(self, pad, eod=0, eos=None):
+        self._pad, self.eod, self._eos = pad, eod, eos
+
+    @property
+    def pad(self):
+        if self._pad is None:
+            raise NotImplementedError("no pad")
+        return self._pad
+
+    @property
+    def eos(self):
+        if self._eos is None:
+            raise NotImplementedError("no eos")
+        return self._eos
+
+
+def test_pad_token_of_follows_upstreams_rule():
+    assert pad_token_of(_Tokenizer(pad=5)) == 5
+    assert pad_token_of(_Tokenizer(pad=None)) == PAD_TOKEN_ID == -1
+    # A pad id that is also EOD's or EOS's would mask real EODs: upstream ignores it.
+    assert pad_token_of(_Tokenizer(pad=0, eod=0)) == -1
+    assert pad_token_of(_Tokenizer(pad=2, eos=2)) == -1
+    assert pad_token_of(_Tokenizer(pad=2, eos=2), allow_ambiguous=True) == 2
+    assert pad_token_of(ByteLevelTokenizer()) == 256
+
+
 def test_config_errors():
+    with pytest.raises(ValueError, match="no-create-attention-mask-in-dataloader"):
+        GPTDatasetConfig(
+            random_seed=1,
+            sequence_length=8,
+            eod_token=0,
+            reset_attention_mask=True,
+            create_attention_mask=False,
+        )
     with pytest.raises(ValueError, match="eod_mask_loss needs eod_token"):
         GPTDatasetConfig(random_seed=1, sequence_length=8, eod_mask_loss=True)
     with pytest.raises(ValueError, match="sequence_length=0"):

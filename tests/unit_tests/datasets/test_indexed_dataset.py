@@ -3,6 +3,7 @@ errors for missing or damaged files."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import struct
@@ -93,6 +94,84 @@ def test_round_trip(tmp_path, mmap):
     # Pickling (data-loader workers) reopens the files instead of copying the data.
     assert len(pickle.dumps(dataset)) < 500
     assert pickle.loads(pickle.dumps(dataset))[5].tolist() == sequences[5]
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_slices_read_lists_of_sequences(tmp_path, mmap):
+    """Megatron-LM's `dataset[a:b]`: the sequences a to b, read at once (step 1 only)."""
+    prefix = str(tmp_path / "corpus")
+    documents = _build_two_sentence_corpus(prefix, numpy.uint16)
+    sequences = [sequence for document in documents for sequence in document]
+    dataset = IndexedDataset(prefix, mmap=mmap)
+    assert [s.tolist() for s in dataset[1:5]] == sequences[1:5]
+    assert [s.tolist() for s in dataset[:]] == sequences
+    assert [s.tolist() for s in dataset[-2:]] == sequences[-2:]
+    assert dataset[3:3] == [] and dataset[4:2] == []
+    assert dataset[numpy.int64(2)].tolist() == sequences[2]
+    with pytest.raises(ValueError, match="contiguous"):
+        dataset[::2]
+    with pytest.raises(TypeError, match="an integer or a slice"):
+        dataset["1"]
+
+
+def test_multimodal_index_round_trip(tmp_path):
+    """A multimodal index ends with one int8 mode per sequence (Megatron-LM's layout): read
+    with its modes when asked, as text otherwise; merged with its modes."""
+    prefix = str(tmp_path / "mm")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.uint16, multimodal=True)
+    builder.add_item([1, 2, 3], mode=2)
+    builder.add_item([4], mode=1)
+    builder.end_document()
+    builder.add_document([5, 6, 7], [1, 2], modes=[0, 3])
+    builder.add_document([8], [1])
+    builder.finalize(get_idx_path(prefix))
+    with open(get_idx_path(prefix), "rb") as stream:
+        assert stream.read()[-5:] == bytes([2, 1, 0, 3, 0])
+    dataset = IndexedDataset(prefix, multimodal=True)
+    assert dataset.sequence_modes.tolist() == [2, 1, 0, 3, 0]
+    tokens, mode = dataset[3]
+    assert tokens.tolist() == [6, 7] and mode == 3
+    tokens, mode = dataset.get(0, offset=1, length=2)
+    assert tokens.tolist() == [2, 3] and mode == 2
+    sequences, modes = dataset[1:4]
+    assert [s.tolist() for s in sequences] == [[4], [5], [6, 7]] and modes.tolist() == [1, 0, 3]
+    text = IndexedDataset(prefix)
+    assert text[3].tolist() == [6, 7] and len(text) == 5
+    assert pickle.loads(pickle.dumps(dataset))[3][1] == 3
+
+    merged = str(tmp_path / "merged")
+    builder = IndexedDatasetBuilder(get_bin_path(merged), dtype=numpy.uint16, multimodal=True)
+    builder.add_index(prefix)
+    builder.add_index(prefix)
+    builder.finalize(get_idx_path(merged))
+    assert IndexedDataset(merged, multimodal=True).sequence_modes.tolist() == [2, 1, 0, 3, 0] * 2
+    plain = write_corpus(str(tmp_path / "plain"), [[1, 2]])
+    with pytest.raises(ValueError, match="not a multimodal index"):
+        IndexedDataset(plain, multimodal=True)
+    builder = IndexedDatasetBuilder(str(tmp_path / "x.bin"), multimodal=True)
+    with pytest.raises(ValueError, match="2 modes for 1 sequences"):
+        builder.add_document([1], [1], modes=[0, 1])
+    builder.abort()
+
+
+def test_index_digest_is_the_idx_content(tmp_path):
+    first = write_corpus(str(tmp_path / "a"), [[1, 2, 3], [4]])
+    same = write_corpus(str(tmp_path / "b"), [[5, 6, 7], [8]])
+    reordered = write_corpus(str(tmp_path / "c"), [[4], [1, 2, 3]])
+    digests = [IndexedDataset(prefix).index_digest for prefix in (first, same, reordered)]
+    # Same lengths and documents: the same indices, whatever the tokens; reordered: not.
+    assert digests[0] == digests[1] != digests[2]
+    with open(get_idx_path(first), "rb") as stream:
+        assert digests[0] == hashlib.sha256(stream.read()).hexdigest()
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_max_token_id(tmp_path, mmap):
+    prefix = write_corpus(str(tmp_path / "a"), [[1, 900, 3], [], [4]], dtype=numpy.uint16)
+    dataset = IndexedDataset(prefix, mmap=mmap)
+    assert dataset.max_token_id() == dataset.max_token_id(chunk_tokens=2) == 900
+    empty = write_corpus(str(tmp_path / "e"), [[]], dtype=numpy.uint16)
+    assert IndexedDataset(empty, mmap=mmap).max_token_id() is None
 
 
 def test_add_index_merges_datasets(tmp_path):

@@ -1,7 +1,8 @@
 """`pretrain_gpt.py` on data from disk, in-process on spawned ranks: the quick-start corpus
 tokenized into Megatron's indexed format trains (loss falls, evaluation runs) with the EOD
 options, and a run resumed from a checkpoint reads the same samples in the same order as one
-that never stopped, for a single dataset and for a blend."""
+that never stopped, for a single dataset and for a blend. The flags build Megatron-core's
+datasets (its golden arrays); validation asked of an empty split is said, once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron.core.datasets import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron.core.datasets.tokenizers import ByteLevelTokenizer
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.data_iterators import train_valid_test_num_samples
+from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
+from tests.unit_tests.datasets import upstream_parity
+from tests.unit_tests.datasets.fixtures import parity_cases
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.log_capture import capture_training_log
 
 CORPUS = (
     Path(__file__).resolve().parents[3] / "examples" / "data" / "pride_and_prejudice_vol1.jsonl"
@@ -125,3 +132,88 @@ def test_resume_with_another_batch_size_reads_on_from_the_consumed_samples(corpo
     flags.append("--override-opt_param-scheduler")
     (resumed,) = run_distributed(_history, 1, [*flags, "--load", str(tmp_path / "checkpoints")])
     assert resumed["start"] == 3 and len(resumed["losses"]) == 3
+
+
+@pytest.mark.parametrize("case", ["flag_path_blend", "flag_path_single"])
+def test_flags_build_upstreams_datasets(case, tmp_path):
+    """The flag path (`--data-path`, `--split`, `--seed`, `--seq-length`, the EOD flags, the
+    tokenizer; the split sizes from `--train-iters`, `--eval-interval`, `--eval-iters`,
+    `--global-batch-size`) gives Megatron-core 0.19.2's datasets, index arrays and samples."""
+    spec = upstream_parity.CASES[case]
+    folder = upstream_parity.write_corpora(str(tmp_path / "data"), ["bytes_a", "bytes_b"])
+    flags = [*MODEL, "--distributed-backend", "gloo"]  # global batch 8
+    flags += ["--data-path", *parity_cases.with_prefixes(spec["data"], folder)]
+    flags += ["--split", spec["split"], "--seq-length", str(spec["seq"]), "--seed", "1234"]
+    flags += ["--train-iters", "20", "--eval-interval", "10", "--eval-iters", "2"]
+    flags += ["--data-cache-path", str(tmp_path / "cache")]
+    flags += [
+        f"--{name.replace('_', '-')}"
+        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+        if spec[name]
+    ]
+    args = parse_args(args=flags)
+    validate_args(args, world_size=1)
+    build_tokenizer(args)
+    set_args(args)
+    args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0  # pretrain's
+    try:
+        sizes = train_valid_test_num_samples(args)
+        assert sizes == spec["sizes"]
+        datasets = pretrain_gpt.train_valid_test_datasets_provider(sizes)
+        assert upstream_parity.assert_matches_upstream(case, datasets) == ["identical"] * 3
+    finally:
+        set_args(None)
+        unset_tokenizer()
+
+
+def _error_of_run(flags: list[str]) -> str | None:
+    try:
+        _history(flags)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_token_id_beyond_the_vocabulary_is_refused_on_every_rank(corpora, tmp_path):
+    """Byte-level data (EOD 258) trained with NullTokenizer --vocab-size 200 (ids 0 to 200):
+    every rank raises the same error at dataset build, naming the data, the largest id, the
+    vocabulary and the fix (before: an IndexError on one rank, the other left hanging)."""
+    flags = [*MODEL, *ZERO3, "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
+    flags += ["--data-path", corpora[0], "--split", "90,10,0", "--train-iters", "2"]
+    flags += ["--data-cache-path", str(tmp_path / "cache")]
+    errors = run_distributed(_error_of_run, 2, flags)
+    for error in errors:
+        assert error is not None and corpora[0] in error
+        assert "token id 258" in error and "vocabulary has 201 ids" in error
+        assert "--tokenizer-type" in error and "--vocab-size" in error
+
+
+def _warnings_of_run(flags: list[str]) -> list[str]:
+    with capture_training_log() as messages:
+        _history(flags)
+    return [message for message in messages if "asks for validation" in message]
+
+
+@pytest.mark.parametrize("why", ["split_without_validation", "corpus_too_small", "fine"])
+def test_validation_asked_of_an_empty_split_is_said_once(corpora, tmp_path, why):
+    """`--eval-iters 2` with no validation data: one warning from rank 0 naming --split and
+    --eval-iters (before: validation silently skipped)."""
+    split, data = "100,0,0", corpora[0]
+    if why == "corpus_too_small":
+        # 98,2,0 of 12 documents: the validation book-ends both round to 12, no document.
+        with open(CORPUS, encoding="utf-8") as lines:
+            texts = [json.loads(line)["text"] for _, line in zip(range(12), lines)]
+        data, split = _write_dataset(str(tmp_path / "small_text_document"), texts), "98,2,0"
+    elif why == "fine":
+        split = "90,10,0"
+    flags = [*MODEL, *ZERO3, "--data-path", data, "--split", split, "--train-iters", "4"]
+    flags += ["--eval-interval", "2", "--eval-iters", "2", "--seq-length", "16"]
+    flags += ["--data-cache-path", str(tmp_path / "cache")]
+    ranks = run_distributed(_warnings_of_run, 2, flags)
+    assert ranks[1] == []  # rank 0 says it
+    if why == "fine":
+        assert ranks[0] == []
+        return
+    (warning,) = ranks[0]
+    assert f"--split {split}" in warning and "--eval-iters 2" in warning
+    assert "no validation runs" in warning
