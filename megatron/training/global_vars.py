@@ -80,6 +80,11 @@ def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
         tiktoken_pattern=args.tiktoken_pattern,
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
         special_tokens=args.special_tokens,
+        **(
+            dict(null_eod_id=args.null_tokenizer_eod_id, null_pad_id=args.null_tokenizer_pad_id)
+            if args.tokenizer_type == "NullTokenizer"
+            else {}
+        ),
     )
 
 

@@ -62,9 +62,20 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument(
         "--vocab-size",
         type=int,
-        help="Token ids of --mock-data without a tokenizer; NullTokenizer's vocabulary.",
+        help="Token ids of --mock-data without a tokenizer; NullTokenizer's whole vocabulary.",
     )
     group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, help="The tokenizer.")
+    group.add_argument(
+        "--null-tokenizer-eod-id",
+        type=int,
+        help="NullTokenizer's end-of-document id (default: --vocab-size - 1).",
+    )
+    group.add_argument(
+        "--null-tokenizer-pad-id",
+        type=int,
+        default=-1,
+        help="NullTokenizer's pad id (-1: none); its tokens get no loss.",
+    )
     group.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json.")
     group.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt.")
     group.add_argument(

@@ -23,6 +23,8 @@ from megatron.core.datasets.tokenizers import (
     build_tokenizer,
 )
 from megatron.core.datasets.tokenizers.gpt2_bpe import bytes_to_unicode
+from megatron.training.arguments import parse_args
+from megatron.training.global_vars import tokenizer_from_args
 
 TEXTS = [
     "Hello, world!",
@@ -106,16 +108,18 @@ def test_byte_level_takes_no_arguments():
 # NullTokenizer -----------------------------------------------------------------------------
 
 
-def test_null_tokenizer_follows_megatron():
+def test_null_tokenizer_follows_megatron_core():
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=10)
     assert isinstance(tokenizer, NullTokenizer)
-    # Megatron-LM: --vocab-size counts the text's ids; EOD is one more id after them.
-    assert tokenizer.vocab_size == 11
-    assert tokenizer.eod == tokenizer.eos == 10
+    # Megatron-core: --vocab-size is the whole vocabulary; EOD is its last id; no pad id.
+    assert tokenizer.vocab_size == 10
+    assert tokenizer.eod == tokenizer.eos == 9
+    with pytest.raises(NotImplementedError, match="no attribute 'pad'"):
+        tokenizer.pad  # noqa: B018
     assert tokenizer.tokenize("5 9 0") == [5, 9, 0]
     assert tokenizer.tokenize(" 5  9\n0\t1 ") == [5, 9, 0, 1]
     assert tokenizer.tokenize("") == []
-    assert tokenizer.detokenize([5, 9, 10]) == "5 9 10"
+    assert tokenizer.detokenize([5, 9, 3]) == "5 9 3"
     assert tokenizer.detokenize(numpy.array([3, 4])) == "3 4"
     with pytest.raises(NotImplementedError, match="vocab"):
         tokenizer.vocab  # noqa: B018
@@ -123,8 +127,23 @@ def test_null_tokenizer_follows_megatron():
         tokenizer.bos  # noqa: B018
 
 
+def test_null_tokenizer_eod_and_pad_ids_from_the_flags():
+    args = parse_args(
+        args="--tokenizer-type NullTokenizer --vocab-size 10 --null-tokenizer-eod-id 0 "
+        "--null-tokenizer-pad-id 7".split()
+    )
+    tokenizer = tokenizer_from_args(args)
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (10, 0, 7)
+    for flag, value in (("--null-tokenizer-eod-id", 10), ("--null-tokenizer-pad-id", -2)):
+        key = "null_eod_id" if "eod" in flag else "null_pad_id"
+        with pytest.raises(ValueError, match=f"{flag} {value}"):
+            build_tokenizer("NullTokenizer", vocab_size=10, **{key: value})
+    with pytest.raises(ValueError, match="does not read --null-tokenizer-eod-id"):
+        build_tokenizer("ByteLevelTokenizer", null_eod_id=3)
+
+
 @pytest.mark.parametrize(
-    ("text", "message"), [("1 x 2", "'x' is not an integer"), ("3 11", "id 11 is not in")]
+    ("text", "message"), [("1 x 2", "'x' is not an integer"), ("3 10", "id 10 is not in")]
 )
 def test_null_tokenizer_rejects_bad_ids(text, message):
     with pytest.raises(ValueError, match=message):

@@ -147,7 +147,7 @@ def test_gpt2_bpe_and_null_tokenizers(tmp_path):
     assert documents == [with_eod(tokenizer.tokenize(row["text"]), 256) for row in DOCUMENTS]
     assert documents[0][:2] == [vocab["I"], vocab["t"]] and 257 in documents[0]  # "truth"
 
-    ids_input = write_jsonl(tmp_path / "ids.jsonl", [{"text": "1 2 3"}, {"text": "99 0"}])
+    ids_input = write_jsonl(tmp_path / "ids.jsonl", [{"text": "1 2 3"}, {"text": "98 0"}])
     null = run(
         tmp_path,
         "--tokenizer-type",
@@ -157,7 +157,7 @@ def test_gpt2_bpe_and_null_tokenizers(tmp_path):
         "--append-eod",
         input_path=ids_input,
     )
-    assert read_documents(null["text"]) == [[1, 2, 3, 100], [99, 0, 100]]
+    assert read_documents(null["text"]) == [[1, 2, 3, 99], [98, 0, 99]]  # EOD: the last id
 
 
 def test_empty_input_gives_empty_datasets(tmp_path, capsys):

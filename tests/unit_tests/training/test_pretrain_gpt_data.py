@@ -175,7 +175,7 @@ def _error_of_run(flags: list[str]) -> str | None:
 
 
 def test_token_id_beyond_the_vocabulary_is_refused_on_every_rank(corpora, tmp_path):
-    """Byte-level data (EOD 258) trained with NullTokenizer --vocab-size 200 (ids 0 to 200):
+    """Byte-level data (EOD 258) trained with NullTokenizer --vocab-size 200 (ids 0 to 199):
     every rank raises the same error at dataset build, naming the data, the largest id, the
     vocabulary and the fix (before: an IndexError on one rank, the other left hanging)."""
     flags = [*MODEL, *ZERO3, "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
@@ -184,7 +184,7 @@ def test_token_id_beyond_the_vocabulary_is_refused_on_every_rank(corpora, tmp_pa
     errors = run_distributed(_error_of_run, 2, flags)
     for error in errors:
         assert error is not None and corpora[0] in error
-        assert "token id 258" in error and "vocabulary has 201 ids" in error
+        assert "token id 258" in error and "vocabulary has 200 ids" in error
         assert "--tokenizer-type" in error and "--vocab-size" in error
 
 

@@ -10,7 +10,7 @@
 | `Llama2Tokenizer` | `--tokenizer-model` (Llama 2's `tokenizer.model`; `sentencepiece`) | EOS |
 | `TikTokenizer` | `--tokenizer-model` (a `.tiktoken` / `.json` rank file; `tiktoken`) | `</s>` |
 | `HuggingFaceTokenizer` | `--tokenizer-model` (a local directory; `transformers`) | EOS |
-| `NullTokenizer` | `--vocab-size N` (text is ids) | N |
+| `NullTokenizer` | `--vocab-size N` (text is ids 0 to N - 1) | N - 1 (`--null-tokenizer-eod-id`) |
 
 `TikTokenizer` also reads `--vocab-size` (optional), `--tiktoken-pattern`,
 `--tiktoken-num-special-tokens` and `--tokenizer-special-tokens`; the other types ignore the two
@@ -55,6 +55,8 @@ _FLAGS = {
     "tokenizer_model": "--tokenizer-model",
     "vocab_size": "--vocab-size",
     "special_tokens": "--tokenizer-special-tokens",
+    "null_eod_id": "--null-tokenizer-eod-id",
+    "null_pad_id": "--null-tokenizer-pad-id",
 }
 
 _REQUIRED = {
@@ -69,7 +71,10 @@ _REQUIRED = {
 }
 """The arguments each type needs."""
 
-_OPTIONAL = {"TikTokenizer": ("vocab_size", "special_tokens")}
+_OPTIONAL = {
+    "TikTokenizer": ("vocab_size", "special_tokens"),
+    "NullTokenizer": ("null_eod_id", "null_pad_id"),
+}
 """The arguments a type reads when given; a type takes no argument outside these two tables."""
 
 _HINTS = {
@@ -78,7 +83,7 @@ _HINTS = {
     "tokenizer_model": (
         "a SentencePiece .model file, a .tiktoken rank file or a HuggingFace tokenizer directory"
     ),
-    "vocab_size": "the number of distinct ids in the pre-tokenized text",
+    "vocab_size": "the number of ids of the pre-tokenized text, its EOD id included",
     "special_tokens": "the special tokens' texts",
 }
 
@@ -93,6 +98,8 @@ def build_tokenizer(
     tiktoken_pattern: str | None = None,
     tiktoken_num_special_tokens: int = DEFAULT_NUM_SPECIAL_TOKENS,
     special_tokens: list[str] | None = None,
+    null_eod_id: int | None = None,
+    null_pad_id: int | None = None,
 ) -> MegatronTokenizer:
     """The tokenizer Megatron-LM's flags describe.
 
@@ -101,12 +108,13 @@ def build_tokenizer(
         vocab_file: `--vocab-file` (GPT2BPETokenizer).
         merge_file: `--merge-file` (GPT2BPETokenizer).
         tokenizer_model: `--tokenizer-model` (SentencePieceTokenizer, HuggingFaceTokenizer).
-        vocab_size: `--vocab-size` (NullTokenizer: ids in the text, without the EOD id;
-            TikTokenizer: the whole vocabulary).
+        vocab_size: `--vocab-size` (NullTokenizer and TikTokenizer: the whole vocabulary).
         tiktoken_pattern: `--tiktoken-pattern` (TikTokenizer; ignored by the other types).
         tiktoken_num_special_tokens: `--tiktoken-num-special-tokens` (TikTokenizer; ignored by
             the other types).
         special_tokens: `--tokenizer-special-tokens` (TikTokenizer).
+        null_eod_id: `--null-tokenizer-eod-id` (NullTokenizer; None: vocab_size - 1).
+        null_pad_id: `--null-tokenizer-pad-id` (NullTokenizer; None or -1: no pad id).
 
     Raises:
         ValueError: an unknown type, a missing argument the type needs, or one it does not
@@ -123,6 +131,8 @@ def build_tokenizer(
         "tokenizer_model": tokenizer_model,
         "vocab_size": vocab_size,
         "special_tokens": special_tokens,
+        "null_eod_id": null_eod_id,
+        "null_pad_id": null_pad_id,
     }
     needed = _REQUIRED[tokenizer_type]
     read = needed + _OPTIONAL.get(tokenizer_type, ())
@@ -157,7 +167,7 @@ def build_tokenizer(
         )
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
-    return NullTokenizer(vocab_size)
+    return NullTokenizer(vocab_size, null_eod_id, -1 if null_pad_id is None else null_pad_id)
 
 
 __all__ = [
