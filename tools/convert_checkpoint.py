@@ -42,7 +42,9 @@ an error, and so is a tracker that names a newer iteration than the one written 
 back would make `--load` take the older checkpoint). Writes are atomic: `to-torch` renames a
 finished temporary file, `from-torch` writes `iter_N.tmp` and renames it (as a training save
 does) before it points the tracker at it. A missing or incomplete checkpoint, and an input
-file that is not one of these formats, are errors that name the fix.
+file that is not one of these formats, are errors that name the fix. Checksums: `from-torch`
+records those of every file it writes, as a training save does, and `to-torch` checks a
+checkpoint's files against them before it reads a tensor.
 """
 
 from __future__ import annotations

@@ -34,7 +34,10 @@ from megatron.training.flag_groups.data import validate_data, validate_tokenizer
 from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
 from megatron.training.flag_groups.network import validate_network_options
-from megatron.training.flag_groups.optimization import validate_lr_schedule
+from megatron.training.flag_groups.optimization import (
+    validate_lr_schedule,
+    validate_optimizer_values,
+)
 from megatron.training.flag_groups.precision import validate_precision
 from megatron.training.flag_groups.profiling import validate_profiling
 from megatron.training.flag_groups.training import validate_training_operations
@@ -95,6 +98,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     validate_network_options(args)
     validate_transformer_options(args)
     validate_batch_schedule(args)
+    validate_optimizer_values(args)
     _validate_batch_and_optimizer(args)
     validate_training_length(args)
     validate_lr_schedule(args)
@@ -412,6 +416,7 @@ def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
         for dest in ("ckpt_step", "no_load_optim", "no_load_rng", "finetune"):
             if getattr(args, dest) not in (None, False):
                 raise ValueError(f"{flag(dest)} needs --load (the checkpoint directory).")
+    _validate_finetune_directories(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both "
@@ -428,6 +433,40 @@ def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
             "--ckpt-format fsdp_dtensor holds Megatron-FSDP's sharded state; add "
             "--use-megatron-fsdp or use --ckpt-format torch_dist."
         )
+
+
+def _validate_finetune_directories(args: argparse.Namespace) -> None:
+    """Refuses a finetuning run whose `--save` is the directory it finetunes from: its saves
+    (from iteration 0) would replace that checkpoint, or point the tracker away from it, and a
+    restart would finetune again from the run's own checkpoint."""
+    pretrained = args.pretrained_checkpoint
+    if pretrained is not None:
+        if args.load is None:
+            raise ValueError(
+                "--pretrained-checkpoint needs --load: the directory a restarted job resumes "
+                "from (normally the --save directory). The run finetunes from "
+                "--pretrained-checkpoint while --load holds no checkpoint."
+            )
+        if args.save is not None and _same_directory(pretrained, args.save):
+            raise ValueError(
+                f"--pretrained-checkpoint {pretrained} is the --save directory: the run would "
+                "write its checkpoints over the one it finetunes from. Pass a new --save "
+                "directory, and the same as --load."
+            )
+    if args.finetune and args.save is not None and _same_directory(args.load, args.save):
+        raise ValueError(
+            f"--finetune with --load {args.load} as --save: the new run (from iteration 0) "
+            "would write its checkpoints over the one it starts from, and a restart would "
+            "finetune again from its own. Pass a new --save directory; for a job that restarts "
+            f"itself, --pretrained-checkpoint {args.load} --load NEW --save NEW instead of "
+            "--finetune (it finetunes from --pretrained-checkpoint until NEW holds a "
+            "checkpoint, then resumes from NEW)."
+        )
+
+
+def _same_directory(first: str, second: str) -> bool:
+    """Whether two paths name one directory, however spelled (symbolic links resolved)."""
+    return os.path.realpath(first) == os.path.realpath(second)
 
 
 def _require_module(module: str, flag: str, package: str) -> None:

@@ -9,6 +9,9 @@ A `--save` directory holds::
         common.pt                       the rest (`make_common`): iteration, consumed samples,
                                         arguments, schedule, optimizer hyperparameters, every
                                         rank's RNG states
+        checksums.json                  the size and CRC-32 of each file above
+                                        (`checkpoint_checksums`; absent from checkpoints saved
+                                        before checksums were recorded)
 
 A checkpoint is written into `iter_N.tmp` and renamed `iter_N` (`commit_checkpoint`) before the
 tracker is replaced (`write_tracker`); `remove_leftovers` clears what an interrupted save

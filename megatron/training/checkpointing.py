@@ -15,9 +15,14 @@ have finished and it has checked that every rank's files are there, before it re
 tracker. A crash or kill at any point leaves the previous checkpoint and the tracker as they
 were; the next save removes the leftover `.tmp` directories (and puts back a checkpoint it was
 replacing, if killed between the two renames). A step that fails on rank 0 fails the save on
-every rank. Loading reads only, and checks the checkpoint (its files, the model's arguments,
-tensor names and shapes, the schedule, the optimizer's parameter groups) before it reads a
-tensor, naming what differs.
+every rank. Each rank records the checksums of the files it writes (`checkpoint_checksums`),
+and rank 0 lists them all in `checksums.json` before the commit.
+
+Loading reads only, and checks the checkpoint (its files and their checksums, the model's
+arguments, tensor names and shapes, the schedule, the optimizer's parameter groups) before it
+reads a tensor, naming what differs; every rank raises the same error. A run that finetunes
+(`--finetune`, or `--pretrained-checkpoint` while `--load` holds no checkpoint) never writes
+into a directory holding checkpoints: the one it starts from, or another run's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +44,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.checkpoint_checksums import (
+    ChecksumWriter,
+    FileChecksum,
+    damaged,
+    read_manifest,
+    save_with_checksum,
+    unverified_note,
+    verify_files,
+    write_manifest,
+)
 from megatron.training.checkpoint_layout import (
     CHECKPOINT_VERSION,
     COMMON_FILENAME,
@@ -45,7 +61,6 @@ from megatron.training.checkpoint_layout import (
     STAGING_SUFFIX,
     TRACKER_FILENAME,
     CheckpointError,
-    atomic_torch_save,
     checkpoint_dir,
     commit_checkpoint,
     committed_iterations,
@@ -80,9 +95,23 @@ MODEL_ARGS = (
     "untie_embeddings_and_output_weights",
     "apply_residual_connection_post_layernorm",
     "transformer_impl",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "qk_layernorm",
+    "qk_l2_norm",
+    "squared_relu",
+    "rotary_interleaved",
+    "use_rope_scaling",
+    "rotary_seq_len_interpolation_factor",
 )
 """Arguments a checkpoint's model must share with the model loading it: they fix its shapes
 or what its weights mean."""
+
+_FLAG_NAMES = {
+    "layernorm_epsilon": "--norm-epsilon",
+    "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
+}
+"""The flags of the `MODEL_ARGS` whose names are not their destinations'."""
 
 
 def save_checkpoint(
@@ -91,6 +120,8 @@ def save_checkpoint(
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
+    *,
+    checksums: bool = True,
 ) -> None:
     """Saves the training state after `iteration` under `args.save`; every rank calls it.
 
@@ -101,6 +132,8 @@ def save_checkpoint(
         scheduler: the learning-rate and weight-decay schedule.
         args: `save`, `ckpt_format`, `consumed_train_samples`, `consumed_valid_samples`, and
             the arguments `load_checkpoint()` checks.
+        checksums: record the files' checksums; False only to measure what they cost
+            (`tools/benchmark_checkpoint.py`): the checkpoint then loads unverified.
     """
     root = args.save
     final = checkpoint_dir(root, iteration)
@@ -117,36 +150,42 @@ def save_checkpoint(
     _on_rank_0(prepare, f"creating {staging}")
     optimizer_state = optimizer.sharded_state_dict()
     param_groups = optimizer_state.pop("param_groups")
-    dcp.save(
-        {"model": model.state_dict(), "optimizer": optimizer_state},
-        storage_writer=FileSystemWriter(staging),
-    )
-    rng_states: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(_rng_state(), rng_states, dst=0)
-    common = make_common(
-        iteration,
-        ckpt_format=args.ckpt_format,
-        consumed_train_samples=args.consumed_train_samples,
-        consumed_valid_samples=args.consumed_valid_samples,
-        args=vars(args).copy(),
-        opt_param_scheduler=scheduler.state_dict(),
-        param_groups=param_groups,
-        rng_state=rng_states,
-    )
-    _on_rank_0(
-        lambda: atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME)),
-        f"writing {COMMON_FILENAME}",
-    )
+    writer = ChecksumWriter(staging) if checksums else FileSystemWriter(staging)
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer_state}, storage_writer=writer)
+    # Per rank: its RNG states, and the checksums of the files it wrote.
+    per_rank: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    written = writer.checksums if checksums else {}
+    dist.gather_object((_rng_state(), written), per_rank, dst=0)
+    files: dict[str, FileChecksum] = {}
+
+    def write_common() -> None:
+        common = make_common(
+            iteration,
+            ckpt_format=args.ckpt_format,
+            consumed_train_samples=args.consumed_train_samples,
+            consumed_valid_samples=args.consumed_valid_samples,
+            args=vars(args).copy(),
+            opt_param_scheduler=scheduler.state_dict(),
+            param_groups=param_groups,
+            rng_state=[states for states, _ in per_rank],
+        )
+        for _, rank_files in per_rank:
+            files.update(rank_files)
+        files[COMMON_FILENAME] = save_with_checksum(common, os.path.join(staging, COMMON_FILENAME))
+
+    _on_rank_0(write_common, f"writing {COMMON_FILENAME}")
 
     def commit() -> None:
         # Every rank's files must be where rank 0 sees them before the tracker names them.
         try:
-            read_metadata(staging)
+            metadata = read_metadata(staging)
         except CheckpointError as error:
             raise CheckpointError(
                 f"{error} Every rank wrote its shards, but not all are in {staging} as rank 0 "
                 "sees it: --save must be a directory every rank shares (a shared filesystem)."
             ) from error
+        if checksums:
+            write_manifest(staging, files, metadata)
         commit_checkpoint(staging, final)
         write_tracker(root, iteration)
 
@@ -163,32 +202,51 @@ def load_checkpoint(
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
+    *,
+    checksums: bool = True,
 ) -> int:
     """Loads the checkpoint `args.load` names into the model, optimizer and schedule, and sets
     `args.consumed_train_samples` and `args.consumed_valid_samples`; every rank calls it.
 
-    Which checkpoint: iteration `args.ckpt_step` if set, else the tracker's. With
+    Which checkpoint: iteration `args.ckpt_step` if set, else the tracker's, of `args.load`; of
+    `args.pretrained_checkpoint` (as with `finetune`) while `args.load` holds none. With
     `args.finetune` only the model's weights load and training starts at iteration 0; with
     `args.no_load_optim` the optimizer state and schedule do not load; with `args.no_load_rng`
     the random generators keep their state. When `--load` is the `--save` directory and holds
     no checkpoint yet, nothing loads (the first run of a job that resumes itself).
 
+    Args:
+        model: the wrapped model the weights load into.
+        optimizer: loads the optimizer state (unless finetuning or `no_load_optim`).
+        scheduler: loads the learning-rate and weight-decay schedule (likewise).
+        args: the flags above, and those `_check_arguments` compares.
+        checksums: verify the files against the checksums their save recorded; False only to
+            measure what that costs (`tools/benchmark_checkpoint.py`).
+
     Returns:
-        The iteration to continue after (0 when nothing loaded or with `finetune`).
+        The iteration to continue after (0 when nothing loaded or when finetuning).
 
     Raises:
-        CheckpointError: the checkpoint is missing, incomplete, or of another model; nothing
-            is written, and the model is unchanged if the error is about the checkpoint.
+        CheckpointError: the checkpoint is missing, incomplete, damaged, or of another model,
+            or a finetuning run's `--save` holds checkpoints; nothing is written, and the
+            model is unchanged if the error is about the checkpoint.
     """
-    root = args.load
-    iteration = args.ckpt_step if args.ckpt_step is not None else _tracked_iteration(args)
+    root, flag_name, finetune = _checkpoint_source(args)
+    if finetune:
+        _check_finetune_target(root, args.save)
+    iteration = args.ckpt_step
+    if iteration is None:
+        iteration = _tracked_iteration(root, flag_name, args.save)
     if iteration is None:
         print_rank_0(f"> no checkpoint in {root} yet: training starts from scratch")
         return 0
     path = checkpoint_dir(root, iteration)
-    _check_complete(path, iteration, args)
+    _check_complete(path, iteration, root, args.ckpt_step)
     print_rank_0(f"> loading checkpoint from {path}")
     start = time.perf_counter()
+    metadata = read_metadata(path)  # first: a missing or short file is named as such
+    if checksums:
+        _verify_checksums(path, _another_iteration(root, iteration))
     common = read_common(path)
     if common.get("iteration") != iteration:
         # Training would go on from one iteration with the schedule and data of another.
@@ -198,12 +256,11 @@ def load_checkpoint(
             "with tools/convert_checkpoint.py (--iteration)."
         )
     _check_arguments(common, path, args)
-    metadata = read_metadata(path)
     saved = _saved_tensors(metadata)
     model_state = model.state_dict()
     _check_model_tensors(model_state, saved.get("model", {}), path)
 
-    load_optimizer = not (args.finetune or args.no_load_optim)
+    load_optimizer = not (finetune or args.no_load_optim)
     state: dict[str, Any] = {"model": model_state}
     groups = None
     if load_optimizer:
@@ -232,7 +289,7 @@ def load_checkpoint(
     else:
         optimizer.reload_model_params()
 
-    if args.finetune:
+    if finetune:
         iteration = 0
         args.consumed_train_samples = args.consumed_valid_samples = 0
     else:
@@ -247,34 +304,72 @@ def load_checkpoint(
     return iteration
 
 
-def _tracked_iteration(args: argparse.Namespace) -> int | None:
-    """The tracker's iteration; None when `--load` is the `--save` directory with nothing in it
-    yet.
+def _checkpoint_source(args: argparse.Namespace) -> tuple[str, str, bool]:
+    """The directory to load from, its flag, and whether the run finetunes from it:
+    `--pretrained-checkpoint` while `--load` holds no checkpoint (Megatron-LM's rule), else
+    `--load`."""
+    pretrained = args.pretrained_checkpoint
+    if pretrained is not None and not _holds_checkpoint(args.load):
+        print_rank_0(
+            f"> --load {args.load} holds no checkpoint yet: finetuning from "
+            f"--pretrained-checkpoint {pretrained}"
+        )
+        return pretrained, "--pretrained-checkpoint", True
+    return args.load, "--load", args.finetune
+
+
+def _holds_checkpoint(root: str) -> bool:
+    return read_tracker(root) is not None or bool(committed_iterations(root))
+
+
+def _check_finetune_target(source: str, save: str | None) -> None:
+    """Refuses to finetune into a `--save` directory that holds checkpoints: the run starts
+    again at iteration 0, and its saves would replace them (a restart of a `--finetune` job
+    would throw its progress away this way).
 
     Raises:
-        CheckpointError: `--load` does not exist or holds no tracker.
+        CheckpointError: `save` holds a tracker or a committed checkpoint.
     """
-    root = args.load
+    if save is None or not _holds_checkpoint(save):
+        return
+    raise CheckpointError(
+        f"--save {save} holds checkpoints already (iterations {committed_iterations(save)}), "
+        f"and this run finetunes from {source}: it starts again at iteration 0, and its saves "
+        f"would replace them. To continue the run that saved them, load it with --load {save} "
+        f"(a job that restarts itself: --pretrained-checkpoint {source} --load {save} --save "
+        f"{save}, without --finetune); to start a new run, pass a new --save directory."
+    )
+
+
+def _tracked_iteration(root: str, flag_name: str, save: str | None) -> int | None:
+    """The tracker's iteration under `root` (the directory of `flag_name`); None when `root`
+    is the `save` directory with nothing in it yet.
+
+    Raises:
+        CheckpointError: `root` does not exist or holds no tracker.
+    """
     iteration = read_tracker(root)
     if iteration is not None:
         return iteration
-    fresh = args.save is not None and os.path.abspath(root) == os.path.abspath(args.save)
+    fresh = save is not None and os.path.abspath(root) == os.path.abspath(save)
     committed = committed_iterations(root)
     if fresh and not committed:
         return None
     if not os.path.isdir(root):
         raise CheckpointError(
-            f"--load {root}: no such directory. Pass the --save directory of an earlier run."
+            f"{flag_name} {root}: no such directory. Pass the --save directory of an earlier run."
         )
     hint = f" It holds iterations {committed}: pass --ckpt-step to load one." if committed else ""
-    raise CheckpointError(f"--load {root} holds no {TRACKER_FILENAME}, so no checkpoint.{hint}")
+    raise CheckpointError(
+        f"{flag_name} {root} holds no {TRACKER_FILENAME}, so no checkpoint.{hint}"
+    )
 
 
-def _check_complete(path: str, iteration: int, args: argparse.Namespace) -> None:
+def _check_complete(path: str, iteration: int, root: str, ckpt_step: int | None) -> None:
     source = (
         f"--ckpt-step {iteration}"
-        if args.ckpt_step is not None
-        else os.path.join(args.load, TRACKER_FILENAME)
+        if ckpt_step is not None
+        else os.path.join(root, TRACKER_FILENAME)
     )
     if not os.path.isdir(path):
         replaced = (
@@ -290,6 +385,50 @@ def _check_complete(path: str, iteration: int, args: argparse.Namespace) -> None
     require_complete(path, "Load another iteration with --ckpt-step.")
 
 
+def _another_iteration(root: str, iteration: int) -> str:
+    """The advice to load another checkpoint of `root` than the one of `iteration`."""
+    others = [other for other in committed_iterations(root) if other != iteration]
+    held = f"{root} holds iterations {others}" if others else f"{root} holds no other"
+    return f"Load another iteration with --ckpt-step ({held})."
+
+
+def _verify_checksums(path: str, fix: str) -> None:
+    """Checks the files of the checkpoint `path` against the checksums its save recorded:
+    each file once, by one rank (a rank's own shards by that rank, so that at the same world
+    size they are in its page cache for the load), and every rank raises the same error.
+
+    Raises:
+        CheckpointError: the checksums file is damaged, or a file does not match (`fix` ends
+            the message).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    manifest: list[Any] = [None]
+    if rank == 0:
+        try:
+            manifest[0] = read_manifest(path)
+        except CheckpointError as error:
+            manifest[0] = f"{error} {fix}"
+    dist.broadcast_object_list(manifest, src=0)
+    checksums = manifest[0]
+    if isinstance(checksums, str):
+        raise CheckpointError(checksums)
+    if checksums is None:
+        print_rank_0(unverified_note(path))
+        return
+    mine = [name for name in checksums if _verifying_rank(name, world_size) == rank]
+    problems: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(problems, verify_files(path, checksums, mine))
+    found = sorted(problem for rank_problems in problems for problem in rank_problems)
+    if found:
+        raise damaged(path, found, fix)
+
+
+def _verifying_rank(name: str, world_size: int) -> int:
+    """The rank that verifies the file `name`: DCP names rank r's shards `__r_N.distcp`."""
+    writer = re.match(r"__(\d+)_", name)
+    return int(writer.group(1)) % world_size if writer else 0
+
+
 def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace) -> None:
     version = common.get("checkpoint_version")
     if version != CHECKPOINT_VERSION:
@@ -300,7 +439,8 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
         )
     saved = common["args"]
     differ = [
-        f"--{name.replace('_', '-')} {saved.get(name)} (here {getattr(args, name)})"
+        f"{_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))} {saved.get(name)} "
+        f"(here {getattr(args, name)})"
         for name in MODEL_ARGS
         if name in saved and saved.get(name) != getattr(args, name, None)
     ]

@@ -5,7 +5,8 @@ tools share (`tools/convert_checkpoint.py`, `tools/convert_hf.py`).
 `read_checkpoint` reads its tensors whole (all of them, or those a caller selects), and
 `write_checkpoint` writes one in the layout `checkpoint_layout` describes, atomically: into
 `iter_N.tmp`, renamed `iter_N` before the tracker file names it. Nothing is overwritten without
-`force` (`check_writable` says what would be).
+`force` (`check_writable` says what would be). Like a training save, `write_checkpoint` records
+the checksums of every file it writes, and `find_checkpoint` verifies them.
 """
 
 from __future__ import annotations
@@ -18,17 +19,22 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlanner
 
+from megatron.training.checkpoint_checksums import (
+    ChecksumWriter,
+    save_with_checksum,
+    verify_checkpoint,
+    write_manifest,
+)
 from megatron.training.checkpoint_layout import (
     COMMON_FILENAME,
     REPLACED_SUFFIX,
     STAGING_SUFFIX,
     TRACKER_FILENAME,
     CheckpointError,
-    atomic_torch_save,
     checkpoint_dir,
     commit_checkpoint,
     committed_iterations,
@@ -45,10 +51,12 @@ _NO_PROCESS_GROUP = "torch.distributed is disabled"
 
 def find_checkpoint(root: str, ckpt_step: int | None) -> str:
     """The directory of the complete checkpoint of `ckpt_step` (None: the tracker's) under
-    `root`.
+    `root`, its files checked against the checksums of its save (a checkpoint saved without
+    them gets a note).
 
     Raises:
-        CheckpointError: `root` or the checkpoint is missing, or the checkpoint is incomplete.
+        CheckpointError: `root` or the checkpoint is missing, or the checkpoint is incomplete
+            or damaged.
     """
     if not os.path.exists(root):
         raise CheckpointError(
@@ -80,6 +88,8 @@ def find_checkpoint(root: str, ckpt_step: int | None) -> str:
             f"{path} does not exist ({held}); pass --ckpt-step with one of those iterations."
         )
     require_complete(path, "Convert another iteration with --ckpt-step.")
+    read_metadata(path)  # first: a missing or short file is named as such
+    verify_checkpoint(path, "Convert another iteration with --ckpt-step.", print)
     return path
 
 
@@ -213,12 +223,16 @@ def write_checkpoint(
     # no tensor to save (SGD without momentum).
     weights_only = common["param_groups"] is None
     print(f"> writing {final}{' (model weights only)' if weights_only else ''}")
-    writer = FileSystemWriter(staging, single_file_per_rank=not one_file_per_tensor)
+    writer = ChecksumWriter(staging, single_file_per_rank=not one_file_per_tensor)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_PROCESS_GROUP)
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
-        atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
+        checksums = writer.checksums
+        checksums[COMMON_FILENAME] = save_with_checksum(
+            common, os.path.join(staging, COMMON_FILENAME)
+        )
+        write_manifest(staging, checksums, read_metadata(staging))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

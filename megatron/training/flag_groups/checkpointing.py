@@ -47,6 +47,11 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         help="Load the weights only and start at iteration 0 (a new run from them).",
     )
     group.add_argument(
+        "--pretrained-checkpoint",
+        help="Checkpoint directory to finetune from (as --finetune) while --load holds no "
+        "checkpoint; once it holds one, a restarted job resumes from --load.",
+    )
+    group.add_argument(
         "--ckpt-format",
         default="torch_dist",
         choices=CKPT_FORMATS,

@@ -97,9 +97,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_distributed(args: argparse.Namespace) -> None:
-    """Refuses a `--data-parallel-sharding-strategy` other than its default without
-    `--use-megatron-fsdp` (the DDP engine does not shard, so the value would be ignored), and
-    applies upstream's rule for `--overlap-param-gather` with the distributed optimizer.
+    """Refuses a `--distributed-timeout-minutes` below 1 and a `--data-parallel-sharding-strategy`
+    other than its default without `--use-megatron-fsdp` (the DDP engine does not shard, so the
+    value would be ignored), and applies upstream's rule for `--overlap-param-gather` with the
+    distributed optimizer.
 
     The default (`optim_grads_params`, Megatron-LM's) cannot be told from the same value given
     explicitly; the DDP engine ignores it, as Megatron-LM's does. `--use-distributed-optimizer`
@@ -107,10 +108,17 @@ def validate_distributed(args: argparse.Namespace) -> None:
     says what is sharded); upstream's Megatron-FSDP requires it.
 
     Raises:
-        ValueError: a sharding strategy is chosen for the DDP engine, or
+        ValueError: a sharding strategy is chosen for the DDP engine,
             `--overlap-param-gather` with the DDP engine's distributed optimizer but without
-            `--overlap-grad-reduce`.
+            `--overlap-grad-reduce`, or `--distributed-timeout-minutes` below 1.
     """
+    if args.distributed_timeout_minutes < 1:
+        # Else the rendezvous fails at once, blaming the network (DistNetworkError: "timed out
+        # after 0ms while trying to connect").
+        raise ValueError(
+            f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be >= 1: "
+            "how long a collective may wait for the other ranks before the job fails."
+        )
     if args.use_megatron_fsdp:
         return
     default = "optim_grads_params"

@@ -135,8 +135,10 @@ def validate_network_options(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: an unbuilt position encoding, a RoPE option without RoPE, a deprecated
-            `--no-position-embedding` without RoPE, or two MLP activations.
+            `--no-position-embedding` without RoPE, two MLP activations, or a value out of
+            range (`--rotary-base`, `--rotary-percent`, `--norm-epsilon`).
     """
+    _validate_ranges(args)
     kind = args.position_embedding_type
     if kind in _UNBUILT_POSITION_EMBEDDINGS:
         raise ValueError(
@@ -169,3 +171,20 @@ def validate_network_options(args: argparse.Namespace) -> None:
             )
     if args.swiglu and args.squared_relu:
         raise ValueError("--swiglu and --squared-relu are two MLP activations; choose one.")
+
+
+def _validate_ranges(args: argparse.Namespace) -> None:
+    # Checked whatever the position encoding: a value no run can use is a mistake either way.
+    if args.rotary_base <= 0:
+        raise ValueError(
+            f"--rotary-base {args.rotary_base} must be > 0 (RoPE's frequencies are powers of "
+            "1 / base); the usual value is 10000."
+        )
+    if not 0 < args.rotary_percent <= 1:
+        raise ValueError(
+            f"--rotary-percent {args.rotary_percent} must be in (0, 1]: the fraction of each "
+            "head's channels RoPE rotates."
+        )
+    # TransformerConfig refuses it too, under its field's name (layernorm_epsilon).
+    if args.layernorm_epsilon <= 0:
+        raise ValueError(f"--norm-epsilon {args.layernorm_epsilon} must be > 0.")

@@ -102,6 +102,19 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def validate_optimizer_values(args: argparse.Namespace) -> None:
+    """Checks the ranges of the learning rates and the weight decay, naming the flag (the
+    checks between them, such as `--min-lr` <= `--lr`, come after).
+
+    Raises:
+        ValueError: `--lr`, `--decoupled-lr` or `--weight-decay` is negative.
+    """
+    for dest in ("lr", "decoupled_lr", "weight_decay"):
+        value = getattr(args, dest)
+        if value is not None and value < 0:
+            raise ValueError(f"{_flag(dest)} {value} must be >= 0.")
+
+
 def lr_schedule_steps(args: argparse.Namespace) -> dict[str, float | int | None]:
     """The schedule's lengths in samples, as Megatron-LM's `get_optimizer_param_scheduler`:
     iteration flags times `--global-batch-size`, sample flags as given, `--lr-warmup-fraction`

@@ -259,6 +259,7 @@ def _ckpt_args(root: str) -> argparse.Namespace:
         ckpt_format="torch_dist",
         ckpt_step=None,
         finetune=False,
+        pretrained_checkpoint=None,
         no_load_optim=False,
         no_load_rng=True,
         consumed_train_samples=16,

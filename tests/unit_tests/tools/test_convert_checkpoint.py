@@ -390,7 +390,11 @@ def _checkpoint_copy(zero3_run: dict[str, Any], tmp_path: Path) -> Path:
         ("no_metadata", r"iter_0000002 is incomplete \(no \.metadata\).*--ckpt-step"),
         ("no_common", r"iter_0000002 is incomplete \(no common\.pt\)"),
         ("short_shard", r"iter_0000002 is incomplete: __0_0\.distcp has 100 of \d+ bytes"),
-        ("corrupt_shard", r"The tensors of .*iter_0000002 cannot be read \(.*\); its files are"),
+        ("corrupt_shard", r"iter_0000002 is damaged: __0_0\.distcp bytes \[0, \d+\) have CRC-32"),
+        (
+            "corrupt_shard_no_checksums",
+            r"The tensors of .*iter_0000002 cannot be read \(.*\); its files are",
+        ),
         ("ckpt_step", r"iter_0000009 does not exist \(it holds iterations \[2\]\); pass --ckpt"),
     ],
 )
@@ -417,7 +421,9 @@ def test_to_torch_errors(zero3_run, tmp_path, damage, message):
         (iteration / COMMON_FILENAME).unlink()
     elif damage == "short_shard":
         (iteration / "__0_0.distcp").write_bytes(b"x" * 100)
-    elif damage == "corrupt_shard":
+    elif damage.startswith("corrupt_shard"):
+        if damage == "corrupt_shard_no_checksums":  # saved before checksums were recorded
+            (iteration / "checksums.json").unlink()
         for shard in iteration.glob("*.distcp"):
             shard.write_bytes(bytes(shard.stat().st_size))
     elif damage == "ckpt_step":

@@ -45,6 +45,7 @@ from tests.unit_tests.tools.hf_models import (
     safetensors_of,
     save_hf_model,
 )
+from tests.unit_tests.training.checkpoint_checks import edit_common
 from tests.unit_tests.training.log_capture import capture_training_log
 
 pytest.importorskip("transformers")
@@ -157,10 +158,7 @@ def test_export_derives_a_config_from_the_saved_flags(imported, tmp_path):
     Qwen2's for the QKV bias, from the saved flags, with every padded row kept."""
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(imported["root"] / "ckpt", checkpoint)
-    common_file = checkpoint / "iter_0000000" / COMMON_FILENAME
-    common = torch.load(common_file, weights_only=False)
-    del common[HF_CONFIG_KEY]
-    torch.save(common, common_file)
+    edit_common(str(checkpoint / "iter_0000000"), lambda common: common.pop(HF_CONFIG_KEY))
 
     convert("export", "--load", checkpoint, "--hf-dir", tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -304,9 +302,10 @@ def test_nothing_is_overwritten_without_force(llama2_dir, tmp_path):
     convert("export", "--load", save, "--hf-dir", out, "--force")
     again = digest(tmp_path)
     assert again.keys() == before.keys()
-    metadata = "ckpt/iter_0000000/.metadata"  # DCP's, with a new save id in every save
-    assert {k: v for k, v in again.items() if k != metadata} == {
-        k: v for k, v in before.items() if k != metadata
+    # DCP's .metadata has a new save id in every save, and checksums.json its checksum.
+    changing = {"ckpt/iter_0000000/.metadata", "ckpt/iter_0000000/checksums.json"}
+    assert {k: v for k, v in again.items() if k not in changing} == {
+        k: v for k, v in before.items() if k not in changing
     }
 
 

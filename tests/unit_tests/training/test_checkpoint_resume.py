@@ -3,15 +3,14 @@
 - Training resumed from a checkpoint is bitwise the uninterrupted run.
 - A save killed part-way, or failing on rank 0, leaves the previous checkpoint, which resumes
   exactly.
-- Missing, damaged and mismatched checkpoints fail naming what differs, and leave the
-  directory byte-identical; --finetune, --no-load-optim and --no-load-rng load what they say.
+- Missing, damaged (a flipped byte included: the file checksums) and mismatched checkpoints
+  fail naming what differs, and leave the directory byte-identical; --finetune,
+  --no-load-optim and --no-load-rng load what they say.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -26,8 +25,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-import pretrain_gpt
 from megatron.training import checkpoint_layout, checkpointing, training
+from megatron.training.checkpoint_checksums import (
+    CHECKSUMS_FILENAME,
+    ChecksumWriter,
+)
 from megatron.training.checkpointing import (
     TRACKER_FILENAME,
     CheckpointError,
@@ -35,40 +37,27 @@ from megatron.training.checkpointing import (
 from megatron.training.training import TrainingHistory
 from tests.unit_tests.distributed_harness import DistributedTestError, run_distributed
 from tests.unit_tests.training.checkpoint_checks import (
+    RUN,
+    ZERO3,
+    assert_histories_equal,
     assert_same,
+    directory_hashes,
+    edit_common,
+    flip_byte,
+    main,
+    main_error,
+    read_tracker_text,
     read_whole_checkpoint,
+    resumed_part,
     whole_tensor,
 )
 
-RUN = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 6 --lr 1e-2 --lr-warmup-iters 2 "
-    "--lr-decay-style cosine --min-lr 1e-3 --mock-data --vocab-size 64 --hidden-dropout 0.1 "
-    "--attention-dropout 0.1 --num-workers 0 --eval-interval 2 --eval-iters 1 "
-    "--log-interval 10 --clip-grad 1.0"
-).split()
-"""6 iterations of 2 microbatches per rank at 2 ranks, dropout on, validation every 2."""
-
-ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 ENGINES = {
     "fsdp_zero3": ZERO3,
     "ddp": [],
     "fsdp_zero3_bf16": [*ZERO3, "--bf16"],
     "ddp_bf16": ["--bf16"],  # the optimizer's fp32 masters are state to restore
 }
-
-
-def _main(flags: list[str]) -> TrainingHistory:
-    return pretrain_gpt.main([*flags, "--distributed-backend", dist.get_backend()])
-
-
-def _main_error(flags: list[str]) -> tuple[str, str] | None:
-    """(exception type, message) of a run that fails; None if it trains."""
-    try:
-        _main(flags)
-    except Exception as error:  # noqa: BLE001 - the test checks which
-        return type(error).__name__, str(error)
-    return None
 
 
 def _dropout_rng() -> str:
@@ -104,47 +93,8 @@ def _main_observing_load(flags: list[str]) -> tuple[TrainingHistory, dict[str, A
         return iteration
 
     with mock.patch.object(training, "load_checkpoint", observe):
-        history = _main(flags)
+        history = main(flags)
     return history, observed
-
-
-def _read_tracker(root: str) -> str:
-    with open(os.path.join(root, TRACKER_FILENAME)) as tracker:
-        return tracker.read()
-
-
-def _hashes(root: str) -> dict[str, str]:
-    """Every file under `root` -> the SHA-256 of its bytes."""
-    hashes = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as file:
-                hashes[os.path.relpath(path, root)] = hashlib.sha256(file.read()).hexdigest()
-    return hashes
-
-
-def _assert_histories_equal(actual: TrainingHistory, expected: TrainingHistory) -> None:
-    """Bitwise: Python floats compare exactly."""
-    assert actual.losses == expected.losses
-    assert actual.grad_norms == expected.grad_norms
-    assert actual.learning_rates == expected.learning_rates
-    assert actual.validation_losses == expected.validation_losses
-    assert actual.final_validation_losses == expected.final_validation_losses
-    assert actual.test_losses == expected.test_losses
-
-
-def _resumed_part(straight: TrainingHistory, after: int) -> TrainingHistory:
-    """What a run resumed after iteration `after` must report of `straight`."""
-    return TrainingHistory(
-        start_iteration=after,
-        losses=straight.losses[after:],
-        grad_norms=straight.grad_norms[after:],
-        learning_rates=straight.learning_rates[after:],
-        validation_losses={i: v for i, v in straight.validation_losses.items() if i > after},
-        final_validation_losses=straight.final_validation_losses,
-        test_losses=straight.test_losses,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +104,7 @@ def straight_runs() -> Callable[[str], TrainingHistory]:
 
     def get(engine: str) -> TrainingHistory:
         if engine not in cache:
-            histories = run_distributed(_main, 2, [*RUN, *ENGINES[engine]])
+            histories = run_distributed(main, 2, [*RUN, *ENGINES[engine]])
             assert histories[0].losses == histories[1].losses
             cache[engine] = histories[0]
         return cache[engine]
@@ -167,7 +117,7 @@ def zero3_first_half(tmp_path_factory) -> str:
     """A --save directory of ZeRO-3 stopped by --exit-interval 3: iterations 2 and 3 saved."""
     root = str(tmp_path_factory.mktemp("first-half"))
     flags = [*RUN, *ZERO3, "--exit-interval", "3", "--save", root, "--save-interval", "2"]
-    history = run_distributed(_main, 2, flags)[0]
+    history = run_distributed(main, 2, flags)[0]
     assert len(history.losses) == 3
     return root
 
@@ -183,25 +133,25 @@ def test_resumed_training_is_bitwise_the_uninterrupted_run(
         root = str(tmp_path)
         flags = [*RUN, *ENGINES[engine], "--exit-interval", "3", "--save", root]
         flags += ["--save-interval", "2"]
-        first = run_distributed(_main, 2, flags)[0]
+        first = run_distributed(main, 2, flags)[0]
         # Saving changes nothing in training; the first half evaluated at iteration 2.
         assert first.losses == straight.losses[:3]
         assert first.validation_losses == {2: straight.validation_losses[2]}
-    assert _read_tracker(root) == "3\n"
+    assert read_tracker_text(root) == "3\n"
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", TRACKER_FILENAME]
     # Resuming into a copy: the module's first half stays as it was for the other tests.
     resume_root = str(tmp_path / "resume")
     shutil.copytree(root, resume_root)
     flags = [*RUN, *ENGINES[engine], "--load", resume_root, "--save", resume_root]
-    second = run_distributed(_main, 2, flags)
+    second = run_distributed(main, 2, flags)
     assert second[0].start_iteration == 3
     # The data order too: each iteration's loss is of its own samples and dropout masks.
-    _assert_histories_equal(second[0], _resumed_part(straight, 3))
-    _assert_histories_equal(second[1], second[0])
-    assert _read_tracker(resume_root) == "6\n"
+    assert_histories_equal(second[0], resumed_part(straight, 3))
+    assert_histories_equal(second[1], second[0])
+    assert read_tracker_text(resume_root) == "6\n"
 
 
-class _DyingWriter(FileSystemWriter):
+class _DyingWriter(ChecksumWriter):
     """Writes this rank's shards of the save into `iter_0000004.tmp`, then SIGKILLs its own
     process: before it reports them, so no rank can finish the save."""
 
@@ -218,7 +168,7 @@ def _main_killed_in_save(flags: list[str], where: str) -> TrainingHistory:
     ("writing"), or rank 0 after the commit, before the tracker names it ("tracker")."""
     rank = dist.get_rank()
     if where == "writing" and rank == 1:
-        patch = mock.patch.object(checkpointing, "FileSystemWriter", _DyingWriter)
+        patch = mock.patch.object(checkpointing, "ChecksumWriter", _DyingWriter)
     elif where == "tracker" and rank == 0:
         original = checkpointing.write_tracker
 
@@ -231,7 +181,7 @@ def _main_killed_in_save(flags: list[str], where: str) -> TrainingHistory:
     else:
         patch = contextlib.nullcontext()
     with patch:
-        return _main(flags)
+        return main(flags)
 
 
 @pytest.mark.parametrize("where", ["writing", "tracker"])
@@ -241,7 +191,7 @@ def test_save_killed_part_way_leaves_the_previous_checkpoint(where, tmp_path, st
     dying = 1 if where == "writing" else 0
     with pytest.raises(DistributedTestError, match=f"rank {dying} died"):
         run_distributed(_main_killed_in_save, 2, flags, where)
-    assert _read_tracker(root) == "2\n"
+    assert read_tracker_text(root) == "2\n"
     if where == "writing":
         staging = os.path.join(root, "iter_0000004.tmp")
         assert not os.path.exists(os.path.join(root, "iter_0000004"))
@@ -251,22 +201,22 @@ def test_save_killed_part_way_leaves_the_previous_checkpoint(where, tmp_path, st
     else:
         # Committed but never tracked: not loaded, and replaced by the next save of 4.
         assert os.path.isfile(os.path.join(root, "iter_0000004", "common.pt"))
-    previous = _hashes(os.path.join(root, "iter_0000002"))
+    previous = directory_hashes(os.path.join(root, "iter_0000002"))
 
     flags = [*flags, "--load", root]
-    resumed = run_distributed(_main, 2, flags)[0]
-    _assert_histories_equal(resumed, _resumed_part(straight_runs("fsdp_zero3"), 2))
-    assert _hashes(os.path.join(root, "iter_0000002")) == previous
+    resumed = run_distributed(main, 2, flags)[0]
+    assert_histories_equal(resumed, resumed_part(straight_runs("fsdp_zero3"), 2))
+    assert directory_hashes(os.path.join(root, "iter_0000002")) == previous
     assert sorted(os.listdir(root)) == [
         "iter_0000002",
         "iter_0000004",
         "iter_0000006",
         TRACKER_FILENAME,
     ]
-    assert _read_tracker(root) == "6\n"
+    assert read_tracker_text(root) == "6\n"
 
 
-class _NodeLocalWriter(FileSystemWriter):
+class _NodeLocalWriter(ChecksumWriter):
     """Writes this rank's shards into a directory of its own, as on a node whose `--save` is
     not the filesystem rank 0 sees."""
 
@@ -277,9 +227,9 @@ class _NodeLocalWriter(FileSystemWriter):
 
 
 def _main_with_node_local_save(flags: list[str]) -> tuple[str, str] | None:
-    writer = _NodeLocalWriter if dist.get_rank() == 1 else FileSystemWriter
-    with mock.patch.object(checkpointing, "FileSystemWriter", writer):
-        return _main_error(flags)
+    writer = _NodeLocalWriter if dist.get_rank() == 1 else ChecksumWriter
+    with mock.patch.object(checkpointing, "ChecksumWriter", writer):
+        return main_error(flags)
 
 
 def test_save_with_shards_rank_0_cannot_see_fails_on_every_rank(tmp_path):
@@ -299,7 +249,7 @@ def test_save_failing_on_rank_0_fails_on_every_rank(tmp_path):
     error (instead of the others waiting at a barrier), and the file is left as it was."""
     target = tmp_path / "not_a_directory"
     target.write_text("keep me")
-    errors = run_distributed(_main_error, 2, [*RUN, *ZERO3, "--save", str(target)])
+    errors = run_distributed(main_error, 2, [*RUN, *ZERO3, "--save", str(target)])
     for kind, message in errors:
         assert kind == CheckpointError.__name__, message
         assert "Saving failed on rank 0 while creating" in message, message
@@ -333,10 +283,9 @@ def _truncate(path: str) -> None:
         file.truncate(os.path.getsize(path) // 2)
 
 
-def _drop_model_args(path: str) -> None:
-    common = torch.load(path, weights_only=False)
-    common["args"] = {}
-    torch.save(common, path)
+def _drop_model_args(directory: str) -> None:
+    """Empties the arguments in the checkpoint's common.pt (a checkpoint saved without them)."""
+    edit_common(directory, lambda common: common.update(args={}))
 
 
 ITER_3 = "iter_0000003"
@@ -345,7 +294,7 @@ BAD_LOADS = {
     "hidden-size": (None, ["--hidden-size", "64"], ["--hidden-size 32 (here 64)"]),
     "num-layers": (None, ["--num-layers", "3"], ["--num-layers 2 (here 3)"]),
     "tensor-shapes": (
-        lambda root: _drop_model_args(os.path.join(root, ITER_3, "common.pt")),
+        lambda root: _drop_model_args(os.path.join(root, ITER_3)),
         ["--hidden-size", "64"],
         ["differ in shape", "embedding.word_embeddings.weight: saved [128, 32], model [128, 64]"],
     ),
@@ -379,7 +328,34 @@ BAD_LOADS = {
     "truncated-common": (
         lambda root: _truncate(os.path.join(root, ITER_3, "common.pt")),
         [],
+        ["iter_0000003 is damaged: common.pt has ", "Load another iteration with --ckpt-step"],
+    ),
+    "truncated-common-saved-without-checksums": (
+        lambda root: (
+            os.remove(os.path.join(root, ITER_3, CHECKSUMS_FILENAME)),
+            _truncate(os.path.join(root, ITER_3, "common.pt")),
+        ),
+        [],
         ["common.pt cannot be read", "damaged"],
+    ),
+    "flipped-byte-in-shard": (
+        lambda root: flip_byte(os.path.join(root, ITER_3, "__1_0.distcp")),
+        [],
+        [
+            "iter_0000003 is damaged: __1_0.distcp bytes [0, ",
+            "Load another iteration with --ckpt-step (",
+            "holds iterations [2])",
+        ],
+    ),
+    "flipped-byte-in-common": (
+        lambda root: flip_byte(os.path.join(root, ITER_3, "common.pt")),
+        [],
+        ["iter_0000003 is damaged: common.pt bytes [0, ", "have CRC-32", "--ckpt-step"],
+    ),
+    "damaged-checksums-file": (
+        lambda root: _edit(os.path.join(root, ITER_3, CHECKSUMS_FILENAME), '{"files": '),
+        [],
+        ["checksums.json cannot be read", "damaged", "--ckpt-step"],
     ),
     "missing-shard": (
         lambda root: os.remove(os.path.join(root, ITER_3, "__1_0.distcp")),
@@ -434,17 +410,17 @@ def test_bad_load_fails_naming_the_difference_and_leaves_the_directory(
     shutil.copytree(zero3_first_half, root)
     if edit is not None:
         edit(root)
-    before = _hashes(root)
+    before = directory_hashes(root)
     engine = [] if case in DDP_ENGINE_LOADS else ZERO3
     flags = [*RUN, *engine, "--load", root, *(f.format(root=root) for f in extra)]
-    errors = run_distributed(_main_error, 2, flags)
+    errors = run_distributed(main_error, 2, flags)
     for error in errors:
         assert error is not None, "loaded a bad checkpoint"
         kind, message = error
         assert kind == CheckpointError.__name__, message
         for fragment in fragments:
             assert fragment in message, message
-    assert _hashes(root) == before
+    assert directory_hashes(root) == before
 
 
 def test_weights_only_checkpoint_loads_with_no_load_optim(tmp_path, zero3_first_half):
@@ -464,10 +440,10 @@ def test_weights_only_checkpoint_loads_with_no_load_optim(tmp_path, zero3_first_
 def test_load_of_the_empty_save_directory_starts_from_scratch(tmp_path, straight_runs):
     root = str(tmp_path)
     assert os.listdir(root) == []
-    history = run_distributed(_main, 2, [*RUN, *ZERO3, "--load", root, "--save", root])[0]
+    history = run_distributed(main, 2, [*RUN, *ZERO3, "--load", root, "--save", root])[0]
     assert history.start_iteration == 0
-    _assert_histories_equal(history, straight_runs("fsdp_zero3"))
-    assert _read_tracker(root) == "6\n"
+    assert_histories_equal(history, straight_runs("fsdp_zero3"))
+    assert read_tracker_text(root) == "6\n"
 
 
 LOAD_OPTIONS = ["--finetune", "--no-load-optim", "--no-load-rng"]
@@ -480,7 +456,7 @@ def test_load_options(option, tmp_path, straight_runs, zero3_first_half):
     everything but the RNG states."""
     straight = straight_runs("fsdp_zero3")
     path = os.path.join(zero3_first_half, ITER_3)
-    before = _hashes(zero3_first_half)
+    before = directory_hashes(zero3_first_half)
     flags = [*RUN, *ZERO3, "--load", zero3_first_half, option]
     results = run_distributed(_main_observing_load, 2, flags)
     saved = read_whole_checkpoint(path, str(tmp_path))
@@ -516,7 +492,7 @@ def test_load_options(option, tmp_path, straight_runs, zero3_first_half):
             # The same weights and samples, other dropout masks.
             assert history.losses[0] != straight.losses[3]
             assert history.learning_rates == straight.learning_rates[3:]
-    assert _hashes(zero3_first_half) == before
+    assert directory_hashes(zero3_first_half) == before
 
 
 # --- Without processes ---
@@ -534,9 +510,8 @@ def test_interrupted_replacement_is_restored_by_the_next_save(tmp_path):
     ]:
         os.makedirs(os.path.join(root, name))
         _edit(os.path.join(root, name, "common.pt"), content)
-    args = argparse.Namespace(load=root, save=None, ckpt_step=4)
     with pytest.raises(CheckpointError, match="rename .*iter_0000004.replaced.tmp to"):
-        checkpointing._check_complete(os.path.join(root, "iter_0000004"), 4, args)
+        checkpointing._check_complete(os.path.join(root, "iter_0000004"), 4, root, 4)
     checkpoint_layout.remove_leftovers(root)
     assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006"]
     with open(os.path.join(root, "iter_0000004", "common.pt")) as file:
@@ -577,7 +552,7 @@ def test_which_checkpoint_the_tracker_names(tmp_path):
     root = str(tmp_path / "ckpt")
 
     def tracked(load: str, save: str | None) -> int | None:
-        return checkpointing._tracked_iteration(argparse.Namespace(load=load, save=save))
+        return checkpointing._tracked_iteration(load, "--load", save)
 
     assert tracked(root, root) is None  # not created yet
     os.makedirs(os.path.join(root, "iter_0000002.tmp"))

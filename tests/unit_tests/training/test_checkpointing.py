@@ -139,6 +139,7 @@ def _args(root: str, **overrides: Any) -> argparse.Namespace:
         ckpt_format="torch_dist",
         ckpt_step=None,
         finetune=False,
+        pretrained_checkpoint=None,
         no_load_optim=False,
         no_load_rng=False,
         consumed_train_samples=0,
