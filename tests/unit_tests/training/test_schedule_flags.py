@@ -30,8 +30,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import dist_signal_handler, global_vars
 from megatron.training.arguments import get_megatron_optimizer_config, parse_args, validate_args
 from megatron.training.dist_signal_handler import ExitConditions
-from megatron.training.flag_groups.optimization import lr_schedule_steps
-from megatron.training.training import pretrain, train_step
+from megatron.training.training import get_optimizer_param_scheduler, pretrain, train_step
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
@@ -172,25 +171,10 @@ class _Groups:
         self.param_groups = [dict(group) for group in groups]
 
 
-def _scheduler(args: argparse.Namespace, groups: _Groups) -> OptimizerParamScheduler:
-    return OptimizerParamScheduler(
-        groups,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay,
-        wd_incr_style=args.weight_decay_incr_style,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-        **lr_schedule_steps(args),
-    )
-
-
 def _lr_and_wd_curve(flags: str, iterations: int, batch: int = 8) -> list[tuple[float, float]]:
     args = validated(*flags.split(), "--global-batch-size", str(batch))
     groups = _Groups({"wd_mult": 1.0})
-    scheduler = _scheduler(args, groups)
+    scheduler = get_optimizer_param_scheduler(groups, args)
     curve = []
     for _ in range(iterations):
         scheduler.step(batch)
@@ -378,7 +362,7 @@ def test_decoupled_lr_follows_the_schedule_between_its_bounds(decoupled_min_lr):
     args = validated(*flags.split(), "--global-batch-size", "8")
     decoupled = {"max_lr": 0.5} | ({} if decoupled_min_lr is None else {"min_lr": decoupled_min_lr})
     groups = _Groups({"wd_mult": 1.0}, {"wd_mult": 1.0, **decoupled})
-    scheduler = _scheduler(args, groups)
+    scheduler = get_optimizer_param_scheduler(groups, args)
     group_min = 1e-3 if decoupled_min_lr is None else decoupled_min_lr
     for iteration in range(1, 12):
         scheduler.step(8)
