@@ -259,12 +259,14 @@ class DistributedDataParallel(_BaseDataParallel):
             self._handed.add(param)
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
-        """Multiplies every `main_grad` (and reduced gradient shard) by `scaling_factor`."""
+        """Multiplies every `main_grad` by `scaling_factor`; with the distributed optimizer, the
+        reduced gradient shards instead (all the optimizer reads after the reduction)."""
+        if self.ddp_config.use_distributed_optimizer:
+            for bucket in self.buckets:
+                bucket.shards.scale(scaling_factor)
+            return
         for buffer in self.buffers:
             buffer.data.mul_(scaling_factor)
-        for bucket in self.buckets:
-            if bucket.shards is not None:
-                bucket.shards.scale(scaling_factor)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """With the distributed optimizer and `force_sync`, all-gathers every parameter from

@@ -6,8 +6,9 @@ before casting it to the logits' dtype: with bf16 logits, five times their size.
 `--cross-entropy-loss-fusion` computes the loss in one fused kernel instead. `fused_cross_entropy`
 gets the same result by working through the tokens in chunks: each chunk's logits are upcast,
 reduced to the loss (forward) or turned into the gradient (backward) and dropped, so the
-whole-vocabulary fp32 tensors exist for one chunk at a time. Backward saves only the logits
-(which the output layer's backward holds anyway), the targets and one fp32 log-sum-exp per token.
+whole-vocabulary fp32 tensors exist for one chunk at a time. Backward saves the logits in their
+own dtype (the one whole-vocabulary tensor kept: half the size of the fp32 log-probabilities the
+unfused loss saves, for bf16 logits), the targets and one fp32 log-sum-exp per token.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The global gradient norm, gradient clipping and zero counting, for both data-parallel engines
-(and the parameters' norm, which sums the same way).
+(`get_grad_norm_fp32` also takes the parameters' norm, which sums the same way).
 
 A gradient enters as the tensor the optimizer steps with:
 
@@ -105,16 +105,6 @@ def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
     """
     total = _global_sum(grads, _sum_of_squares)
     return 0.0 if total is None else math.sqrt(total.item())
-
-
-def get_params_norm_fp32(params: Iterable[torch.Tensor]) -> float:
-    """The L2 norm of all parameters together (`--log-params-norm`), as `get_grad_norm_fp32`.
-
-    Args:
-        params: each main parameter once, placed like the gradients `get_grad_norm_fp32`
-            takes: plain replicated tensors or sharded DTensors.
-    """
-    return get_grad_norm_fp32(params)
 
 
 @torch.no_grad()

@@ -42,7 +42,6 @@ from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
-    get_params_norm_fp32,
 )
 from megatron.core.optimizer.grad_scaler import (
     MegatronGradScaler,
@@ -134,7 +133,8 @@ class MegatronOptimizer:
     def get_params_norm(self) -> float:
         """The global L2 norm of the main weights in fp32, the same on every rank (what
         `--log-params-norm` logs; Megatron-LM's `calc_params_l2_norm`)."""
-        return get_params_norm_fp32(self.get_main_params())
+        # Placed like the gradients, so they sum the same way.
+        return get_grad_norm_fp32(self.get_main_params())
 
     def _set_main_grads(self) -> list[torch.Tensor]:
         """Gives each main parameter its model parameter's gradient in fp32: the DDP engine's

@@ -153,7 +153,7 @@ class SelfAttention(MegatronModule):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, rotary_interleaved=interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, rotary_interleaved=interleaved)
 
-        if self.recompute_core_attention and self.training:
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Recompute the attention in backward instead of storing its activations; the RNG
             # state is replayed, so attention dropout draws the same mask again.
             context = checkpoint(

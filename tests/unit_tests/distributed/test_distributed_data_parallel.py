@@ -185,22 +185,26 @@ def test_check_for_nan_in_grad_raises_before_communication():
     assert all("check_for_nan_in_grad" in message for message in messages)
 
 
-def _scale_and_zero() -> tuple[float, float, float]:
+def _scale_and_zero(distributed_optimizer: bool) -> tuple[float, float, float]:
     model = build_tiny_gpt()
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
+    ddp = DistributedDataParallel(model.config, config, model)
     tokens, labels = device_batch(4)
     ddp(tokens, labels=labels).mean().backward()
     ddp.finish_grad_sync()
     param = next(model.parameters())
-    before = param.main_grad.norm().item()
+    # What the optimizer reads: the reduced shard of this rank's rows, or the whole main_grad.
+    grad = ddp.grad_shard(param) if distributed_optimizer else param.main_grad
+    before = grad.norm().item()
     ddp.scale_gradients(0.5)
-    scaled = param.main_grad.norm().item()
+    scaled = grad.norm().item()
     ddp.zero_grad_buffer()
     return before, scaled, param.main_grad.norm().item()
 
 
-def test_scale_gradients_and_zero_grad_buffer():
-    for before, scaled, zeroed in run_distributed(_scale_and_zero, 2):
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_scale_gradients_and_zero_grad_buffer(distributed_optimizer):
+    for before, scaled, zeroed in run_distributed(_scale_and_zero, 2, distributed_optimizer):
         assert before > 0
         assert scaled == pytest.approx(before / 2)
         assert zeroed == 0.0
