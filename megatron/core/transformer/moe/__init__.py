@@ -1,0 +1,1 @@
+"""Mixture of Experts: router, token dispatchers, experts and the MoE layer."""
