@@ -1,9 +1,9 @@
 """Parallelism and precision settings shared by every model-building class.
 
 `ModelParallelConfig` is the base of `TransformerConfig` (as in Megatron-LM), so one config object
-tells a module both its shape and how it is parallelised and stored. Only data parallelism (and
-the FSDP engine built on it) is implemented; the other degrees are kept under their Megatron names
-so that later work can fill them in, and are rejected loudly until then.
+tells a module both its shape and how it is parallelised and stored. Data parallelism (and the
+FSDP engine built on it) and expert parallelism are implemented; the other degrees are kept under
+their Megatron names so that later work can fill them in, and are rejected loudly until then.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ from dataclasses import dataclass
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """Raises `ValueError` naming config field `name` unless `value` is an integer >= 1."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}; set {name}.")
 
 
 @dataclass
@@ -31,6 +37,10 @@ class ModelParallelConfig:
             sets nothing: it requires `params_dtype=torch.float16` (`ValueError` otherwise), so a
             config asking for fp16 cannot silently train in another dtype.
         bf16: Megatron's `--bf16` flag; likewise requires `params_dtype=torch.bfloat16`.
+        expert_model_parallel_size: Expert parallel degree (EP): the ranks that split the experts
+            of each MoE layer among them; `num_moe_experts` must be divisible by it.
+        expert_tensor_parallel_size: Tensor parallel degree of the experts; only None or 1 (no
+            tensor parallelism yet).
     """
 
     tensor_model_parallel_size: int = 1
@@ -40,16 +50,17 @@ class ModelParallelConfig:
     params_dtype: torch.dtype = torch.float32
     fp16: bool = False
     bf16: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_positive_int(name, getattr(self, name))
         if self.tensor_model_parallel_size != 1:
             raise ValueError(
                 f"tensor_model_parallel_size={self.tensor_model_parallel_size} is not supported "
@@ -59,6 +70,12 @@ class ModelParallelConfig:
             raise ValueError(
                 f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not "
                 "supported yet; set pipeline_model_parallel_size=1."
+            )
+        if self.expert_tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} is not "
+                "supported yet (no tensor parallelism); set it to None or 1 and split the experts "
+                "with expert_model_parallel_size instead."
             )
         if self.sequence_parallel:
             raise ValueError(

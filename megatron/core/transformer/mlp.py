@@ -33,11 +33,20 @@ class MLP(MegatronModule):
     Args:
         config: The transformer configuration.
         submodules: Specs of `linear_fc1` and `linear_fc2`.
+        ffn_hidden_size: Width of the MLP; None means `config.ffn_hidden_size` (MoE's shared
+            experts pass theirs).
     """
 
-    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        ffn_hidden_size: int | None = None,
+    ):
         super().__init__(config)
-        fc1_output_size = config.ffn_hidden_size
+        if ffn_hidden_size is None:
+            ffn_hidden_size = config.ffn_hidden_size
+        fc1_output_size = ffn_hidden_size
         if config.gated_linear_unit:
             fc1_output_size *= 2
         self.linear_fc1 = build_module(
@@ -53,7 +62,7 @@ class MLP(MegatronModule):
         # The bias is handed back to the layer, which adds it together with dropout and residual.
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
-            config.ffn_hidden_size,
+            ffn_hidden_size,
             config.hidden_size,
             config=config,
             init_method=config.output_layer_init_method,

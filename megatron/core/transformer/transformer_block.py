@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_config import moe_layer_pattern
+from megatron.core.transformer.recompute import recompute as recompute_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -66,6 +68,11 @@ class TransformerBlock(MegatronModule):
         config: The transformer configuration.
         spec: A `TransformerLayer` spec (repeated for every layer) or `TransformerBlockSubmodules`.
         post_layer_norm: Whether to apply the final norm (`final_layernorm`).
+        pg_collection: Process groups of the MoE layers; None means parallel_state's.
+
+    Raises:
+        ValueError: with `config.num_moe_experts`, the layers that are MoE layers differ from
+            those `config.moe_layer_freq` names (e.g. a dense layer spec was given).
     """
 
     def __init__(
@@ -73,14 +80,19 @@ class TransformerBlock(MegatronModule):
         config: TransformerConfig,
         spec: TransformerBlockSubmodules | ModuleSpec,
         post_layer_norm: bool = True,
+        *,
+        pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__(config)
         self.submodules = _get_block_submodules(config, spec)
         self.post_layer_norm = post_layer_norm
         self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=number + 1)
+            build_module(
+                layer_spec, config=config, layer_number=number + 1, pg_collection=pg_collection
+            )
             for number, layer_spec in enumerate(self.submodules.layer_specs)
         )
+        self._check_moe_layers()
         if post_layer_norm:
             self.final_layernorm = build_module(
                 self.submodules.layer_norm,
@@ -90,6 +102,20 @@ class TransformerBlock(MegatronModule):
             )
         else:
             self.final_layernorm = None
+
+    def _check_moe_layers(self) -> None:
+        if self.config.num_moe_experts is None:
+            return
+        expected = moe_layer_pattern(self.config)
+        built = [getattr(layer, "is_moe_layer", False) for layer in self.layers]
+        if built != expected:
+            raise ValueError(
+                f"config.num_moe_experts={self.config.num_moe_experts} with moe_layer_freq="
+                f"{self.config.moe_layer_freq} asks for MoE layers at {_ones(expected)}, but "
+                f"the layer spec builds them at {_ones(built)}; build the model with "
+                "get_gpt_decoder_block_spec(config, use_transformer_engine=False), which follows "
+                "the config."
+            )
 
     def forward(
         self,
@@ -120,14 +146,8 @@ class TransformerBlock(MegatronModule):
         chunks = self.recompute_chunks() if recompute else [(0, len(self.layers), False)]
         for start, end, checkpointed in chunks:
             if checkpointed:
-                hidden_states = checkpoint(
-                    self._run_layers,
-                    start,
-                    end,
-                    hidden_states,
-                    attention_mask,
-                    rotary_pos_emb,
-                    use_reentrant=False,
+                hidden_states = recompute_checkpoint(
+                    self._run_layers, start, end, hidden_states, attention_mask, rotary_pos_emb
                 )
             else:
                 hidden_states = self._run_layers(
@@ -169,3 +189,7 @@ class TransformerBlock(MegatronModule):
             # cross-attention, so only the hidden states go on to the next layer.
             hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb)
         return hidden_states
+
+
+def _ones(pattern: list[bool]) -> list[int]:
+    return [index for index, flag in enumerate(pattern) if flag]

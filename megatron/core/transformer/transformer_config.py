@@ -16,18 +16,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.model_parallel_config import ModelParallelConfig, check_positive_int
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.moe.moe_config import check_moe_config
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 """Values of `recompute_modules` the local layers implement."""
 UNBUILT_RECOMPUTE_MODULES = {
-    "moe_act": "there are no MoE layers",
-    "moe": "there are no MoE layers",
-    "shared_experts": "there are no MoE layers",
+    "moe_act": (
+        "the output-discarding checkpoint of the expert activation is not built; recompute the "
+        "whole MoE layer with 'moe' instead"
+    ),
     "mla_up_proj": "there is no multi-latent attention",
     "gdn_norm_out": "there are no GatedDeltaNet layers",
     "gdp_in_proj": "there are no GatedDeltaProduct layers",
@@ -73,14 +75,12 @@ def recomputes(config: TransformerConfig, module: str) -> bool:
     return config.recompute_granularity == "selective" and module in config.recompute_modules
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}; set {name}.")
-
-
 @dataclass
 class TransformerConfig(ModelParallelConfig):
     """Configuration of a GPT-style decoder stack.
+
+    The `moe_*` fields and `num_moe_experts` configure Mixture of Experts layers with
+    Megatron-core's names and defaults; `check_moe_config` validates them.
 
     Attributes:
         num_layers: Number of transformer layers.
@@ -139,6 +139,47 @@ class TransformerConfig(ModelParallelConfig):
             refused, as Megatron-LM refuses it (numerically unstable).
         seq_length: Training sequence length, when known when the model is built; lets the
             model check it against its position-embedding table early.
+        calculate_per_token_loss: The training loss is a sum over tokens divided by the global
+            token count (Megatron-LM's `--calculate-per-token-loss`); the MoE auxiliary losses
+            are then scaled by the local token count so that their gradients keep their weight.
+        num_moe_experts: Experts per MoE layer; None builds a dense model.
+        moe_ffn_hidden_size: Width of each expert's MLP; None means `ffn_hidden_size`.
+        moe_router_topk: Experts each token is sent to.
+        moe_router_score_function: "softmax" or "sigmoid" over the router logits.
+        moe_router_pre_softmax: Softmax over all experts before the top-k (else over the k).
+        moe_router_topk_scaling_factor: Multiplies the routing probabilities; None leaves them.
+        moe_router_dtype: Router logits and probabilities in None (the input dtype), "fp32" or
+            "fp64"; the weight stays in `params_dtype`.
+        moe_router_num_groups: Expert groups for group-limited routing (DeepSeek's
+            device-limited routing); needs `moe_router_group_topk`.
+        moe_router_group_topk: Groups each token may use.
+        moe_router_enable_expert_bias: Aux-loss-free balancing: a per-expert bias added to the
+            scores for the top-k selection only, moved after each step toward balance.
+        moe_router_bias_update_rate: Step of that bias update.
+        moe_router_load_balancing_type: "aux_loss" (over the micro-batch), "seq_aux_loss" (per
+            sequence) or "none".
+        moe_aux_loss_coeff: Weight of the load-balancing loss; 0 disables it.
+        moe_z_loss_coeff: Weight of the router z-loss; None disables it.
+        moe_input_jitter_eps: Multiplies the router input by U(1 - eps, 1 + eps) in training.
+        moe_router_force_load_balancing: Route by random logits (a benchmark aid).
+        moe_token_dispatcher_type: "allgather" or "alltoall" exchange of tokens over the
+            expert-parallel group.
+        moe_expert_capacity_factor: Capacity of each expert as a multiple of the even share of
+            the tokens; tokens over it are dropped. None: dropless.
+        moe_token_drop_policy: Which tokens an expert over capacity keeps: "probs" (the highest
+            probabilities) or "position" (the first ones).
+        moe_pad_expert_input_to_capacity: Every expert processes exactly its capacity (padding
+            with zero-weight tokens).
+        moe_grouped_gemm: The experts run one grouped GEMM per projection (`torch._grouped_mm`)
+            instead of a loop of GEMMs; read by `get_gpt_decoder_block_spec`.
+        moe_shared_expert_intermediate_size: Width of the shared experts' MLP (every token goes
+            through it); None: no shared experts.
+        moe_shared_expert_overlap: Overlap the shared experts with the token exchange; not built
+            (refused).
+        moe_shared_expert_gate: Scale the shared experts' output by a sigmoid gate (Qwen2-MoE).
+        moe_layer_freq: Which layers are MoE layers: an int N (every N-th layer, starting with the
+            first) or a list of 0/1 per layer.
+        moe_per_layer_logging: Log the MoE metrics of every layer, not only their mean.
     """
 
     num_layers: int = 0
@@ -173,17 +214,45 @@ class TransformerConfig(ModelParallelConfig):
     cross_entropy_loss_fusion: bool = False
     cross_entropy_fusion_impl: str = "native"
     seq_length: int | None = None
+    calculate_per_token_loss: bool = False
+
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_dtype: str | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_input_jitter_eps: float | None = None
+    moe_router_force_load_balancing: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: int | list[int] = 1
+    moe_per_layer_logging: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
 
         # The head counts and widths size tensor views, where a float (e.g. 2.0) would only fail
         # deep inside the first forward.
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        _check_positive_int("num_query_groups", self.num_query_groups)
+        check_positive_int("num_query_groups", self.num_query_groups)
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
@@ -199,11 +268,11 @@ class TransformerConfig(ModelParallelConfig):
                     "or set kv_channels explicitly."
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
-        _check_positive_int("kv_channels", self.kv_channels)
+        check_positive_int("kv_channels", self.kv_channels)
 
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        _check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
+        check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
 
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
@@ -217,6 +286,7 @@ class TransformerConfig(ModelParallelConfig):
             )
         self._check_recompute()
         self._check_attention_options()
+        check_moe_config(self)
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}.")
         if self.seq_length is not None and self.seq_length < 1:
@@ -252,7 +322,7 @@ class TransformerConfig(ModelParallelConfig):
                         f"only (got {self.recompute_granularity!r}); set it to None."
                     )
         if self.recompute_num_layers is not None:
-            _check_positive_int("recompute_num_layers", self.recompute_num_layers)
+            check_positive_int("recompute_num_layers", self.recompute_num_layers)
             if self.recompute_num_layers > self.num_layers:
                 raise ValueError(
                     f"recompute_num_layers ({self.recompute_num_layers}) exceeds num_layers "

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.recompute import recompute as recompute_checkpoint
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.transformer_config import TransformerConfig, recomputes
 
 
@@ -26,7 +28,7 @@ class TransformerLayerSubmodules:
         input_layernorm: Norm before attention; `IdentityOp` when the QKV projection fuses it.
         self_attention: The attention block (e.g. a `SelfAttention` spec).
         pre_mlp_layernorm: Norm before the MLP; `IdentityOp` when fc1 fuses it.
-        mlp: The MLP block (e.g. an `MLP` spec).
+        mlp: The MLP block (e.g. an `MLP` or `MoELayer` spec).
     """
 
     input_layernorm: ModuleSpec | type = IdentityOp
@@ -43,6 +45,8 @@ class TransformerLayer(MegatronModule):
         submodules: Specs of the layer's parts.
         layer_number: 1-based index of the layer in the model.
         hidden_dropout: Dropout on the residual branches; None means `config.hidden_dropout`.
+        pg_collection: Process groups of an `MoELayer` MLP (its expert-parallel group); None
+            means parallel_state's.
 
     Raises:
         ValueError: `apply_residual_connection_post_layernorm` is asked of a spec whose norms are
@@ -55,6 +59,8 @@ class TransformerLayer(MegatronModule):
         submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
         hidden_dropout: float | None = None,
+        *,
+        pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__(config)
         self.layer_number = layer_number
@@ -68,7 +74,16 @@ class TransformerLayer(MegatronModule):
             submodules.self_attention, config=config, layer_number=layer_number
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
-        self.mlp = build_module(submodules.mlp, config=config)
+        self.is_moe_layer = issubclass(get_module(submodules.mlp), MoELayer)
+        if self.is_moe_layer:
+            self.mlp = build_module(
+                submodules.mlp,
+                config=config,
+                layer_number=layer_number,
+                pg_collection=pg_collection,
+            )
+        else:
+            self.mlp = build_module(submodules.mlp, config=config)
 
         fused_norm = isinstance(self.input_layernorm, IdentityOp) or isinstance(
             self.pre_mlp_layernorm, IdentityOp
@@ -88,7 +103,8 @@ class TransformerLayer(MegatronModule):
         self.recompute_pre_mlp_layernorm = recompute_norms and not isinstance(
             self.pre_mlp_layernorm, IdentityOp
         )
-        self.recompute_mlp = recomputes(config, "mlp")
+        # "mlp" is the dense MLP; an MoE layer recomputes itself ("moe", "shared_experts").
+        self.recompute_mlp = recomputes(config, "mlp") and not self.is_moe_layer
 
     def _bias_dropout_add(
         self, output: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
@@ -137,5 +153,5 @@ class TransformerLayer(MegatronModule):
         the input is stored, and the module runs again in backward (non-reentrant, so hooks and
         the RNG state are replayed)."""
         if recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(module, inputs, use_reentrant=False)
+            return recompute_checkpoint(module, inputs)
         return module(inputs)

@@ -318,7 +318,10 @@ def test_recompute_chunks():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(recompute_granularity="selective", recompute_modules=["moe"]), "'moe' is not built"),
+        (
+            dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+            "'moe_act' is not built",
+        ),
         (
             dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
             "multi-latent",

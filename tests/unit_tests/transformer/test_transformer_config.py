@@ -105,10 +105,13 @@ def test_precision_flags_need_the_matching_params_dtype():
     assert not TransformerConfig(**BASE, params_dtype=torch.bfloat16).bf16
 
 
-def test_expert_model_parallel_size_is_not_a_model_field():
-    # parallel_state takes the expert-parallel size itself; a config field would be dead.
-    with pytest.raises(TypeError, match="expert_model_parallel_size"):
+def test_expert_model_parallel_size_needs_experts_it_divides():
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 needs MoE layers"):
         TransformerConfig(**BASE, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"num_moe_experts \(6\) must be divisible"):
+        TransformerConfig(**BASE, num_moe_experts=6, expert_model_parallel_size=4)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported"):
+        TransformerConfig(**BASE, num_moe_experts=4, expert_tensor_parallel_size=2)
 
 
 def test_model_parallel_config_alone_validates():

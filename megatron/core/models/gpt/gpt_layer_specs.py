@@ -4,7 +4,9 @@
 installed); `get_gpt_layer_with_transformer_engine_spec()` uses Transformer Engine's fused
 norm + linear modules and fails with install instructions when TE is missing.
 `get_gpt_decoder_block_spec()` wraps either into a whole-decoder spec whose final norm comes from
-the same backend (`TENorm` with Transformer Engine), as in Megatron-LM.
+the same backend (`TENorm` with Transformer Engine), as in Megatron-LM, and makes the layers that
+`config.moe_layer_freq` names Mixture of Experts layers when `config.num_moe_experts` is set (MoE
+layers are built with the local spec only).
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megatron.core.transformer.moe.moe_config import moe_layer_pattern
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
@@ -25,13 +32,37 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 
-def get_gpt_layer_local_spec(*, normalization: str | None = None) -> ModuleSpec:
+def get_moe_module_spec(*, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """Spec of an `MoELayer` from PyTorch modules: `TopKRouter`, `SequentialMLP` experts (or
+    `GroupedMLP` with `moe_grouped_gemm`) and `SharedExpertMLP` shared experts."""
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            router=TopKRouter,
+            experts=GroupedMLP if moe_grouped_gemm else SequentialMLP,
+            shared_experts=ModuleSpec(
+                module=SharedExpertMLP,
+                submodules=MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear),
+            ),
+        ),
+    )
+
+
+def get_gpt_layer_local_spec(
+    *,
+    normalization: str | None = None,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+) -> ModuleSpec:
     """Spec of a GPT layer built from PyTorch modules (apex's fused norms when available).
 
     Args:
         normalization: "LayerNorm" or "RMSNorm" to pin the spec to that normalisation (building
             it with a config that says otherwise raises `ValueError`); None follows
             `config.normalization`.
+        num_experts: None: a dense MLP; set: an `MoELayer` (the count itself comes from
+            `config.num_moe_experts`, as in Megatron-core).
+        moe_grouped_gemm: The MoE experts run grouped GEMMs (`GroupedMLP`).
 
     Returns:
         A `TransformerLayer` `ModuleSpec`.
@@ -60,18 +91,28 @@ def get_gpt_layer_local_spec(*, normalization: str | None = None) -> ModuleSpec:
                 ),
             ),
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(
-                module=MLP, submodules=MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear)
+            mlp=(
+                ModuleSpec(
+                    module=MLP, submodules=MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear)
+                )
+                if num_experts is None
+                else get_moe_module_spec(moe_grouped_gemm=moe_grouped_gemm)
             ),
         ),
     )
 
 
-def get_gpt_layer_with_transformer_engine_spec() -> ModuleSpec:
+def get_gpt_layer_with_transformer_engine_spec(
+    *, num_experts: int | None = None, moe_grouped_gemm: bool = False
+) -> ModuleSpec:
     """Spec of a GPT layer using Transformer Engine's fused norm + linear modules.
 
     The norms are fused into the QKV projection and fc1 (`TELayerNormLinear`), so the layer's
     own norm slots hold `IdentityOp`. The core attention stays PyTorch SDPA.
+
+    Args:
+        num_experts: Must be None: MoE layers with Transformer Engine are not built.
+        moe_grouped_gemm: Must be False (likewise).
 
     Returns:
         A `TransformerLayer` `ModuleSpec`.
@@ -79,7 +120,9 @@ def get_gpt_layer_with_transformer_engine_spec() -> ModuleSpec:
     Raises:
         ImportError: transformer-engine is not installed; the message says how to install it
             and how to fall back to the local spec.
+        ValueError: `num_experts` or `moe_grouped_gemm` is set.
     """
+    _refuse_te_moe(num_experts is not None or moe_grouped_gemm)
     # Imported here so that importing this module never pays for (or trips over) TE.
     from megatron.core.extensions.transformer_engine import (
         TELayerNormLinear,
@@ -121,8 +164,12 @@ def get_gpt_decoder_block_spec(
     takes the final norm from the layers' backend, so a Transformer Engine model normalises its
     output with TE too (`TENorm`), as Megatron-LM's `get_gpt_decoder_block_spec` does.
 
+    With `config.num_moe_experts`, the layers `config.moe_layer_freq` names (an int N: layers
+    0, N, 2N, ...; a list: its 1s) get an `MoELayer` (`GroupedMLP` experts with
+    `config.moe_grouped_gemm`), the others the dense MLP.
+
     Args:
-        config: The transformer configuration (`num_layers`).
+        config: The transformer configuration (`num_layers`, the MoE fields).
         use_transformer_engine: Build from `get_gpt_layer_with_transformer_engine_spec()` and
             `TENorm` instead of `get_gpt_layer_local_spec()` and `LayerNormImpl`.
 
@@ -132,13 +179,29 @@ def get_gpt_decoder_block_spec(
 
     Raises:
         ImportError: `use_transformer_engine` without transformer-engine installed.
+        ValueError: `use_transformer_engine` with MoE layers (not built).
     """
     if use_transformer_engine:
+        _refuse_te_moe(config.num_moe_experts is not None)
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer_spec, layer_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+        dense_spec, layer_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+        moe_spec = None
     else:
-        layer_spec, layer_norm = get_gpt_layer_local_spec(), LayerNormImpl
+        dense_spec, layer_norm = get_gpt_layer_local_spec(), LayerNormImpl
+        moe_spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
+        )
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * config.num_layers, layer_norm=layer_norm
+        layer_specs=[moe_spec if moe else dense_spec for moe in moe_layer_pattern(config)],
+        layer_norm=layer_norm,
     )
+
+
+def _refuse_te_moe(moe: bool) -> None:
+    if moe:
+        raise ValueError(
+            "Mixture of Experts layers with Transformer Engine are not built; build them with "
+            "the local spec (--transformer-impl local, get_gpt_layer_local_spec(num_experts=...) "
+            "or get_gpt_decoder_block_spec(config, use_transformer_engine=False))."
+        )

@@ -16,6 +16,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -52,6 +53,8 @@ class GPTModel(MegatronModule):
         rope_scaling_factor: Its factor (Megatron-LM's default 8).
         seq_len_interpolation_factor: Divide the RoPE positions by it (linear interpolation);
             None leaves them. `config.rotary_interleaved` picks the RoPE channel pairing.
+        pg_collection: Process groups of the MoE layers (their expert-parallel group `ep`);
+            None means parallel_state's, or expert-parallel size 1 without it.
 
     Raises:
         ValueError: Inconsistent arguments (see messages).
@@ -73,6 +76,7 @@ class GPTModel(MegatronModule):
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
         seq_len_interpolation_factor: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -121,7 +125,10 @@ class GPTModel(MegatronModule):
                 rope_scaling_factor=rope_scaling_factor,
             )
         self.decoder = TransformerBlock(
-            config, transformer_layer_spec, post_layer_norm=post_process
+            config,
+            transformer_layer_spec,
+            post_layer_norm=post_process,
+            pg_collection=pg_collection,
         )
         if post_process and not share_embeddings_and_output_weights:
             self.output_layer = Linear(

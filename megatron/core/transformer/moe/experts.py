@@ -1,0 +1,226 @@
+"""The routed experts of an MoE layer: this rank's expert MLPs as stacked parameters.
+
+Each projection is ONE parameter whose dim 0 is the local expert index:
+`linear_fc1.weight` [num_local_experts, fc1_out, hidden] (fc1_out = 2 * moe_ffn_hidden_size
+with `gated_linear_unit`, the `[x W | x V]` halves of the dense MLP) and `linear_fc2.weight`
+[num_local_experts, hidden, moe_ffn_hidden_size], plus `.bias` [num_local_experts, out] with
+`add_bias_linear`. Local expert i is global expert `first_expert + i`. `SequentialMLP` (a loop of
+GEMMs) and `GroupedMLP` (one grouped GEMM per projection) hold the same parameters, so
+checkpoints do not depend on the choice.
+
+Initialisation does not depend on the expert-parallel size: one seed is drawn from the default
+generator (identically on every rank, whatever the layout), and each global expert's weights come
+from a generator seeded by it and the expert index, so a model built at EP 1, 2 or 4 starts from
+the same global weights.
+
+The routing weights multiply each token's activation (and fc2 bias) inside the experts, as in
+Megatron-core, so the dispatcher's combine only sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The default generator of `device` seeded with `seed`, restored afterwards."""
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        if cuda:
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs on `device` in `dtype` (tried once, then cached)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        works = _grouped_mm is not None
+        if works:
+            try:
+                a = torch.ones(16, 16, device=device, dtype=dtype)
+                b = torch.ones(1, 16, 16, device=device, dtype=dtype).transpose(1, 2)
+                offsets = torch.tensor([16], device=device, dtype=torch.int32)
+                _grouped_mm(a, b, offs=offsets)
+            except (RuntimeError, NotImplementedError):
+                works = False
+        _GROUPED_MM_WORKS[key] = works
+    return _GROUPED_MM_WORKS[key]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: `_grouped_mm`'s backward rejects
+    broadcast gradients (stride 0, e.g. from a `sum()`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class ExpertLinear(torch.nn.Module):
+    """The stacked weights (and biases) of one projection of every local expert.
+
+    Args:
+        num_local_experts: Experts on this rank (dim 0).
+        input_size: In-features of each expert.
+        output_size: Out-features of each expert.
+        config: The transformer configuration (`params_dtype`).
+        bias: Whether each expert has a bias.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        input_size: int,
+        output_size: int,
+        config: TransformerConfig,
+        bias: bool,
+    ):
+        super().__init__()
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(
+            torch.empty(num_local_experts, output_size, input_size, dtype=dtype)
+        )
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(num_local_experts, output_size, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def reset_expert(
+        self, index: int, init_method: Callable[[torch.Tensor], torch.Tensor], seed: int
+    ) -> None:
+        """Initialises local expert `index` from `seed` (weight by `init_method`, bias zero)."""
+        with torch.no_grad(), _seeded(seed, self.weight.device):
+            init_method(self.weight[index])
+            if self.bias is not None:
+                self.bias[index].zero_()
+
+    def loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `x` grouped by expert (`counts` each) times their expert's weight, one GEMM per
+        expert with tokens (bias not added)."""
+        chunks = torch.split(x, counts)
+        # With no token at all, one empty GEMM still ties the weight to the graph, so every
+        # rank produces a (zero) gradient for it.
+        used = [i for i, count in enumerate(counts) if count] or [0]
+        outputs = [F.linear(chunks[i], self.weight[i]) for i in used]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The same as `loop`, as one grouped GEMM (`offsets`: int32 cumulative counts)."""
+        return _ContiguousGrad.apply(_grouped_mm(x, self.weight.transpose(1, 2), offs=offsets))
+
+    def token_bias(self, counts: torch.Tensor) -> torch.Tensor:
+        """[tokens, out] bias of each row's expert (`counts`: tokens per expert)."""
+        return self.bias.repeat_interleave(counts.to(self.bias.device), dim=0)
+
+
+class SequentialMLP(MegatronModule):
+    """This rank's experts, computed as a loop of GEMMs over the experts that got tokens.
+
+    Args:
+        num_local_experts: Experts on this rank.
+        config: The transformer configuration (`moe_ffn_hidden_size`, `gated_linear_unit`,
+            `activation_func`, `add_bias_linear`, the init methods).
+        first_expert: Global index of local expert 0.
+    """
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, first_expert: int = 0):
+        super().__init__(config)
+        self.num_local_experts = num_local_experts
+        ffn = config.moe_ffn_hidden_size
+        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
+        bias = config.add_bias_linear
+        self.linear_fc1 = ExpertLinear(num_local_experts, config.hidden_size, fc1_out, config, bias)
+        self.linear_fc2 = ExpertLinear(num_local_experts, ffn, config.hidden_size, config, bias)
+        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+        for index in range(num_local_experts):
+            expert = first_expert + index
+            self.linear_fc1.reset_expert(index, config.init_method, seed + 2 * expert)
+            self.linear_fc2.reset_expert(
+                index, config.output_layer_init_method, seed + 2 * expert + 1
+            )
+
+    def forward(
+        self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor
+    ) -> torch.Tensor:
+        """Applies each token's expert, scaled by its routing weight.
+
+        Args:
+            tokens: [N, hidden], grouped by local expert.
+            tokens_per_expert: [num_local_experts] counts, on the host.
+            probs: [N] routing weights.
+
+        Returns:
+            [N, hidden]: probs * expert(token) per row, in the tokens' dtype.
+        """
+        counts = tokens_per_expert.tolist()
+        intermediate = self._project(self.linear_fc1, tokens, counts, tokens_per_expert)
+        if self.linear_fc1.bias is not None:
+            intermediate = intermediate + self.linear_fc1.token_bias(tokens_per_expert)
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(intermediate, 2, dim=-1)
+            intermediate = self.config.activation_func(gate) * up
+        else:
+            intermediate = self.config.activation_func(intermediate)
+        weights = probs.unsqueeze(-1)
+        intermediate = (intermediate * weights).to(tokens.dtype)
+        output = self._project(self.linear_fc2, intermediate, counts, tokens_per_expert)
+        if self.linear_fc2.bias is not None:
+            output = output + self.linear_fc2.token_bias(tokens_per_expert) * weights
+        return output.to(tokens.dtype)
+
+    def _project(
+        self,
+        linear: ExpertLinear,
+        x: torch.Tensor,
+        counts: list[int],
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        return linear.loop(x, counts)
+
+
+class GroupedMLP(SequentialMLP):
+    """`SequentialMLP` computed with one grouped GEMM per projection (`moe_grouped_gemm`).
+
+    Uses `torch._grouped_mm` (`torch.nn.functional.grouped_mm` where it exists) with the
+    per-expert offsets on the device. On CUDA it must be available for the parameters' dtype
+    (bf16 on Hopper and newer): the forward otherwise raises `RuntimeError`. On CPU,
+    where some PyTorch builds lack it, the layer falls back to `SequentialMLP`'s loop.
+    """
+
+    def _project(
+        self,
+        linear: ExpertLinear,
+        x: torch.Tensor,
+        counts: list[int],
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        if not grouped_mm_available(x.device, x.dtype):
+            if x.device.type == "cuda":
+                raise RuntimeError(
+                    f"moe_grouped_gemm needs torch._grouped_mm on this GPU for {x.dtype}, which "
+                    f"PyTorch {torch.__version__} does not provide; use bf16 on Hopper or newer, "
+                    "a newer PyTorch, or set moe_grouped_gemm=False."
+                )
+            return super()._project(linear, x, counts, tokens_per_expert)
+        if not x.shape[0]:  # the loop's empty GEMM still yields the weight's (zero) gradient
+            return super()._project(linear, x, counts, tokens_per_expert)
+        offsets = torch.cumsum(tokens_per_expert, 0).to(x.device, torch.int32, non_blocking=True)
+        return linear.grouped(x, offsets)

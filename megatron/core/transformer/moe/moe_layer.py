@@ -1,0 +1,135 @@
+"""The Mixture of Experts layer, in the MLP slot of a transformer layer.
+
+`MoELayer`: router -> token dispatch over the expert-parallel group -> this rank's experts ->
+combine, plus the shared experts when configured. Its state-dict names are Megatron-core's:
+`router.weight`, `experts.linear_fc1.weight` ([num_local_experts, ...], see `experts.py`),
+`experts.linear_fc2.weight`, `shared_experts.*`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+from megatron.core.transformer.recompute import recompute
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig, recomputes
+
+_DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
+
+
+@dataclass
+class MoESubmodules:
+    """Specs of the parts of an `MoELayer`.
+
+    Attributes:
+        router: The router (`TopKRouter`).
+        experts: The routed experts (`SequentialMLP` or `GroupedMLP`).
+        shared_experts: The shared experts (`SharedExpertMLP` spec); built only with
+            `moe_shared_expert_intermediate_size`.
+    """
+
+    router: ModuleSpec | type = TopKRouter
+    experts: ModuleSpec | type | None = None
+    shared_experts: ModuleSpec | type | None = None
+
+
+def resolve_ep_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
+    """The expert-parallel group: `pg_collection.ep`, else parallel_state's when initialised,
+    else None (expert-parallel size 1)."""
+    if pg_collection is not None and pg_collection.ep is not None:
+        return pg_collection.ep
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_expert_model_parallel_group()
+    return None
+
+
+class MoELayer(MegatronModule):
+    """Routes each token to its top-k experts and sums their weighted outputs.
+
+    Each rank of the expert-parallel (EP) group holds `num_moe_experts / EP` experts, global
+    experts `ep_rank * num_local_experts + i`; the router and the shared experts are replicated.
+    Selective recompute: "moe" checkpoints the whole layer, "shared_experts" the shared experts.
+
+    Args:
+        config: The transformer configuration (`num_moe_experts` set).
+        submodules: Specs of the router, experts and shared experts.
+        layer_number: 1-based layer number (the metrics are recorded per layer).
+        pg_collection: Process groups; its `ep` is the EP group (see `resolve_ep_group`).
+
+    Raises:
+        ValueError: the config has no experts, or `expert_model_parallel_size` differs from the
+            EP group's size.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MoESubmodules,
+        layer_number: int = 1,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config)
+        if config.num_moe_experts is None:
+            raise ValueError(
+                "an MoE layer spec needs config.num_moe_experts; set it, or build the layers "
+                "with a dense spec (get_gpt_layer_local_spec() without num_experts)."
+            )
+        ep_group = resolve_ep_group(pg_collection)
+        ep_size = 1 if ep_group is None else ep_group.size()
+        if ep_size != config.expert_model_parallel_size:
+            raise ValueError(
+                f"config.expert_model_parallel_size ({config.expert_model_parallel_size}) "
+                f"differs from the size of the expert-parallel group ({ep_size}); initialise "
+                "parallel_state (or pass a pg_collection) with the same "
+                "expert_model_parallel_size."
+            )
+        self.layer_number = layer_number
+        self.num_local_experts = config.num_moe_experts // ep_size
+        first_expert = (0 if ep_group is None else ep_group.rank()) * self.num_local_experts
+        self.local_expert_indices = list(range(first_expert, first_expert + self.num_local_experts))
+        self.router = build_module(submodules.router, config=config, layer_number=layer_number)
+        self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](config, ep_group)
+        self.experts = build_module(
+            submodules.experts, self.num_local_experts, config, first_expert=first_expert
+        )
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = build_module(submodules.shared_experts, config=config)
+        else:
+            self.shared_experts = None
+        self.recompute_moe = recomputes(config, "moe")
+        self.recompute_shared_experts = recomputes(config, "shared_experts")
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Applies the layer to [s, b, h] hidden states.
+
+        Returns:
+            `(output, None)`: output [s, b, h] and no bias (the `MLP` calling convention; the
+            experts' biases are already added).
+        """
+        if self.recompute_moe and self.training and torch.is_grad_enabled():
+            return recompute(self._forward, hidden_states), None
+        return self._forward(hidden_states), None
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        probs, routing_map = self.router(hidden_states)
+        dispatcher = self.token_dispatcher
+        tokens, tokens_per_expert, probs = dispatcher.dispatch(hidden_states, probs, routing_map)
+        output = dispatcher.combine(self.experts(tokens, tokens_per_expert, probs))
+        if self.shared_experts is not None:
+            checkpointed = self.recompute_shared_experts and not self.recompute_moe
+            if checkpointed and self.training and torch.is_grad_enabled():
+                output = output + recompute(self.shared_experts, hidden_states)
+            else:
+                output = output + self.shared_experts(hidden_states)
+        return output

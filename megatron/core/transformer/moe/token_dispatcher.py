@@ -1,0 +1,238 @@
+"""Token dispatchers: bring each routed token to the rank holding its expert, and bring it back.
+
+A dispatcher's `dispatch(hidden_states, probs, routing_map)` returns this rank's expert input:
+tokens sorted by local expert, the count per local expert, and each token's routing weight;
+`combine(expert_output)` returns the [s, b, h] layer output on the tokens' own rank, each
+token's expert outputs summed (the experts have already multiplied them by the weights, as in
+Megatron-core). Both run over the expert-parallel (EP) group with gloo or NCCL; at EP 1 they
+only sort and unsort.
+
+- `MoEAllGatherTokenDispatcher`: every rank all-gathers the tokens (and routing) of its EP
+  group, keeps those routed to its experts, and the outputs return by a reduce-scatter.
+  Simple; communication grows with EP.
+- `MoEAlltoAllTokenDispatcher`: each token travels only to the ranks of its experts
+  (all-to-all with per-rank split sizes), then is sorted by local expert.
+
+Both are dropless unless the router applied a capacity. Each forward makes one host
+synchronisation: the per-expert token counts are copied to the host once (they size the
+exchange and the expert GEMMs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] * group.size(), *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+class _GatherAlongFirstDim(torch.autograd.Function):
+    """All-gather along dim 0 (equal shares); backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterAlongFirstDim(torch.autograd.Function):
+    """Reduce-scatter (sum) along dim 0; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` along dim 0 with split sizes; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        group: dist.ProcessGroup,
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(
+            out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
+        )
+        return out, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, group: dist.ProcessGroup, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    """Differentiable `all_to_all_single` of `x` along dim 0: `input_splits[r]` rows go to rank
+    r of `group`, `output_splits[r]` rows come from it."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)
+
+
+def permute(
+    tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_out: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copies each token once per expert it is routed to, grouped by expert.
+
+    Args:
+        tokens: [T, h].
+        routing_map: [T, E] boolean.
+        probs: [T, E] routing weights.
+        num_out: routing_map.sum(), known on the host (a stable argsort with a fixed-size
+            result needs no device-to-host copy, unlike `nonzero`).
+
+    Returns:
+        `(permuted_tokens [num_out, h], permuted_probs [num_out], token_index [num_out])`:
+        expert 0's tokens first, each expert's in token order; `token_index` maps each row back
+        to its token.
+    """
+    flat = routing_map.t().reshape(-1).to(torch.int8)
+    order = torch.argsort(flat, descending=True, stable=True)[:num_out]
+    token_index = order % routing_map.shape[0]
+    return tokens.index_select(0, token_index), probs.t().reshape(-1)[order], token_index
+
+
+def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Inverse of `permute`: sums the rows of each token into [num_tokens, h]."""
+    out = rows.new_zeros((num_tokens, rows.shape[-1]))
+    return out.index_add(0, token_index, rows)
+
+
+def _sort_chunks(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Reorders the chunks of `x` laid out [i][j] by `sizes` [I, J] to [j][i] order."""
+    chunks = torch.split(x, sizes.reshape(-1).tolist())
+    rows, cols = sizes.shape
+    return torch.cat([chunks[i * cols + j] for j in range(cols) for i in range(rows)])
+
+
+class MoETokenDispatcher:
+    """State shared by the dispatchers: the EP group and this rank's experts.
+
+    Args:
+        config: The transformer configuration.
+        ep_group: The expert-parallel group, or None for EP 1.
+    """
+
+    def __init__(self, config: TransformerConfig, ep_group: dist.ProcessGroup | None):
+        self.config = config
+        self.ep_group = ep_group
+        self.ep_size = 1 if ep_group is None else ep_group.size()
+        self.ep_rank = 0 if ep_group is None else ep_group.rank()
+        self.num_local_experts = config.num_moe_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.num_local_experts
+
+
+class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
+    """All-gather dispatch, reduce-scatter combine (see the module docstring). Every rank of the
+    EP group must hold the same number of tokens."""
+
+    def dispatch(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns `(expert_input, tokens_per_expert, expert_probs)`, the counts on the host."""
+        self.hidden_shape = hidden_states.shape
+        self.probs_dtype = probs.dtype
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if self.ep_size > 1:
+            tokens = _GatherAlongFirstDim.apply(tokens, self.ep_group)
+            probs = _GatherAlongFirstDim.apply(probs, self.ep_group)
+            routing_map = _gather(routing_map, self.ep_group)
+        local = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        local_map = routing_map[:, local]
+        tokens_per_expert = local_map.sum(dim=0).cpu()
+        self.num_gathered = tokens.shape[0]
+        expert_input, expert_probs, self.token_index = permute(
+            tokens, local_map, probs[:, local], int(tokens_per_expert.sum())
+        )
+        return expert_input, tokens_per_expert, expert_probs
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        """Returns the [s, b, h] sum of each token's expert outputs."""
+        output = unpermute(expert_output, self.token_index, self.num_gathered)
+        if self.ep_size > 1:
+            # Summed in the routing weights' precision (fp32 with moe_router_dtype), as
+            # Megatron-core does.
+            dtype = output.dtype
+            output = _ReduceScatterAlongFirstDim.apply(output.to(self.probs_dtype), self.ep_group)
+            output = output.to(dtype)
+        return output.view(self.hidden_shape)
+
+
+class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
+    """All-to-all dispatch and combine (see the module docstring)."""
+
+    def dispatch(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns `(expert_input, tokens_per_expert, expert_probs)`, the counts on the host."""
+        self.hidden_shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        counts = routing_map.sum(dim=0)
+        if self.ep_size > 1:
+            counts = _gather(counts, self.ep_group)
+        # The host synchronisation: [source rank, global expert] counts of the whole group.
+        counts = counts.view(self.ep_size, -1).cpu()
+        own = counts[self.ep_rank]
+        local = counts[:, self.first_expert : self.first_expert + self.num_local_experts]
+        self.input_splits = own.view(self.ep_size, -1).sum(dim=1).tolist()
+        self.output_splits = local.sum(dim=1).tolist()
+        self.local_counts = local
+        self.num_tokens = tokens.shape[0]
+        expert_input, expert_probs, self.token_index = permute(
+            tokens, routing_map, probs, int(own.sum())
+        )
+        if self.ep_size > 1:
+            expert_input = all_to_all(
+                expert_input, self.ep_group, self.output_splits, self.input_splits
+            )
+            expert_probs = all_to_all(
+                expert_probs, self.ep_group, self.output_splits, self.input_splits
+            )
+            if self.num_local_experts > 1:
+                # Received by source rank, then expert; the experts want expert, then rank.
+                expert_input = _sort_chunks(expert_input, local)
+                expert_probs = _sort_chunks(expert_probs, local)
+        return expert_input, local.sum(dim=0), expert_probs
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        """Returns the [s, b, h] sum of each token's expert outputs."""
+        if self.ep_size > 1:
+            if self.num_local_experts > 1:
+                expert_output = _sort_chunks(expert_output, self.local_counts.t())
+            expert_output = all_to_all(
+                expert_output, self.ep_group, self.input_splits, self.output_splits
+            )
+        output = unpermute(expert_output, self.token_index, self.num_tokens)
+        return output.view(self.hidden_shape)

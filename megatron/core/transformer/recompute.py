@@ -1,0 +1,45 @@
+"""Activation checkpointing that tells modules when they run a second time.
+
+Non-reentrant `torch.utils.checkpoint` runs a checkpointed function twice with autograd on: in
+forward, and again in backward to rebuild what it did not store. Work with side effects that
+must happen once per forward (the MoE router's metrics and expert-bias token counts) asks
+`is_recomputing()` and skips them in the second run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.checkpoint import checkpoint
+
+_recompute_depth = 0
+"""Checkpointed functions being recomputed now; a module global rather than thread-local, since
+autograd runs CUDA backward (and with it the recomputation) on its own threads."""
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    global _recompute_depth
+    _recompute_depth += 1
+    try:
+        yield
+    finally:
+        _recompute_depth -= 1
+
+
+def is_recomputing() -> bool:
+    """Whether a `recompute()` checkpoint is running its function again in backward."""
+    return _recompute_depth > 0
+
+
+def recompute(function: Callable, *args: Any) -> Any:
+    """`function(*args)` under a non-reentrant checkpoint whose backward recomputation runs with
+    `is_recomputing()` True. The RNG state is replayed, so dropout masks match."""
+    return checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _recomputing()),
+    )

@@ -1,0 +1,256 @@
+"""MoELayer and its token dispatchers at expert-parallel sizes 1, 2 and 4 (4 spawned ranks) against
+a plain reference written here: for each token, its top-k experts' MLPs weighted by the routing
+probabilities, from the same global weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+
+WORLD = 4
+SEQ, BATCH, HIDDEN, EXPERTS, TOPK = 4, 2, 32, 8, 2
+DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
+VARIANTS = [
+    dict(  # SwiGLU experts, shared experts with their gate, all-to-all
+        moe_token_dispatcher_type="alltoall",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        moe_shared_expert_intermediate_size=24,
+        moe_shared_expert_gate=True,
+    ),
+    dict(moe_token_dispatcher_type="allgather", moe_router_pre_softmax=True, moe_grouped_gemm=True),
+    dict(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True),
+]
+
+
+def _config(ep: int, **overrides) -> TransformerConfig:
+    fields = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=16,
+        moe_router_topk=TOPK,
+        expert_model_parallel_size=ep,
+    )
+    return TransformerConfig(**{**fields, **overrides})
+
+
+def _layer(config: TransformerConfig) -> MoELayer:
+    torch.manual_seed(123)
+    spec = get_moe_module_spec(moe_grouped_gemm=config.moe_grouped_gemm)
+    return MoELayer(config, spec.submodules, layer_number=1).to(current_device())
+
+
+def _data(rank: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randn(SEQ, BATCH, HIDDEN, generator=generator).to(current_device())
+
+
+def _mlp(x, fc1, fc2, config, b1=None, b2=None) -> torch.Tensor:
+    hidden = F.linear(x, fc1, b1)
+    if config.gated_linear_unit:
+        gate, up = hidden.chunk(2, dim=-1)
+        hidden = config.activation_func(gate) * up
+    else:
+        hidden = config.activation_func(hidden)
+    return F.linear(hidden, fc2, b2)
+
+
+def _reference(x: torch.Tensor, params: dict[str, torch.Tensor], config) -> torch.Tensor:
+    """The MoE layer on [s, b, h] written token-wise: top-k, weighted sum of expert MLPs."""
+    x = x.reshape(-1, HIDDEN)
+    logits = F.linear(x, params["router.weight"], params.get("router.bias"))
+    if config.moe_router_pre_softmax:
+        top = logits.softmax(dim=-1).topk(TOPK, dim=-1)
+        weights = top.values
+    else:
+        top = logits.topk(TOPK, dim=-1)
+        weights = top.values.softmax(dim=-1)
+    output = torch.zeros_like(x)
+    for expert in range(EXPERTS):
+        weight = (weights * (top.indices == expert)).sum(dim=-1, keepdim=True)
+        bias = [params.get(f"experts.linear_fc{i}.bias") for i in (1, 2)]
+        output = output + weight * _mlp(
+            x,
+            params["experts.linear_fc1.weight"][expert],
+            params["experts.linear_fc2.weight"][expert],
+            config,
+            None if bias[0] is None else bias[0][expert],
+            None if bias[1] is None else bias[1][expert],
+        )
+    if config.moe_shared_expert_intermediate_size:
+        shared = _mlp(
+            x,
+            params["shared_experts.linear_fc1.weight"],
+            params["shared_experts.linear_fc2.weight"],
+            config,
+        )
+        output = output + torch.sigmoid(F.linear(x, params["shared_experts.gate_weight"])) * shared
+    return output.view(SEQ, BATCH, HIDDEN)
+
+
+def _moe_layer_matches_reference(ep: int) -> None:
+    rank = dist.get_rank()
+    # Built before the groups exist: expert-parallel size 1, all experts, the global weights.
+    references = [_layer(_config(1, **variant)) for variant in VARIANTS]
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    group_ranks = parallel_state.get_group_ranks("ep")
+    for seed, (variant, reference) in enumerate(zip(VARIANTS, references)):
+        config = _config(ep, **variant)
+        layer = _layer(config)
+        local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
+        global_params = dict(reference.named_parameters())
+        for name, param in layer.named_parameters():
+            expected = global_params[name]
+            if name.startswith("experts."):
+                expected = expected[local]
+            assert torch.equal(param, expected), f"{name} depends on the expert-parallel size"
+
+        x = _data(rank, seed).requires_grad_()
+        output, bias = layer(x)
+        assert bias is None
+        (output * _data(rank, seed + 10)).sum().backward()
+
+        params = {n: p.detach().clone().requires_grad_() for n, p in global_params.items()}
+        for source in group_ranks:  # expert grads sum over the tokens of the whole EP group
+            ref_x = _data(source, seed).requires_grad_()
+            ref_output = _reference(ref_x, params, config)
+            if source == rank:  # the replicated parameters see this rank's tokens only
+                torch.testing.assert_close(output, ref_output)
+                dense = [n for n in params if not n.startswith("experts.")]
+                own = torch.autograd.grad(
+                    (ref_output * _data(rank, seed + 10)).sum(),
+                    [ref_x] + [params[n] for n in dense],
+                    retain_graph=True,
+                )
+                torch.testing.assert_close(x.grad, own[0])
+                layer_params = dict(layer.named_parameters())
+                for name, grad in zip(dense, own[1:]):
+                    torch.testing.assert_close(layer_params[name].grad, grad)
+            (ref_output * _data(source, seed + 10)).sum().backward()
+        for name, param in layer.experts.named_parameters():
+            torch.testing.assert_close(param.grad, params[f"experts.{name}"].grad[local])
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_moe_layer_matches_reference(ep):
+    run_distributed(_moe_layer_matches_reference, WORLD, ep)
+
+
+def _skewed_routing(rank: int) -> torch.Tensor:
+    """Uneven routing: expert 0 popular, expert 7 never chosen, token 0 dropped."""
+    generator = torch.Generator().manual_seed(rank)
+    logits = torch.randn(SEQ * BATCH, EXPERTS, generator=generator)
+    logits[:, 0] += 2.0
+    logits[:, EXPERTS - 1] -= 100.0
+    indices = logits.topk(TOPK, dim=-1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    routing_map[0] = False
+    return routing_map.to(current_device())
+
+
+def _dispatch_round_trip(ep: int, kind: str) -> None:
+    rank = dist.get_rank()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    group = parallel_state.get_expert_model_parallel_group()
+    config = _config(ep, moe_token_dispatcher_type=kind)
+    dispatcher = DISPATCHERS[kind](config, group)
+    hidden = _data(rank, 0).requires_grad_()
+    routing_map = _skewed_routing(rank)
+    tokens, tokens_per_expert, probs = dispatcher.dispatch(
+        hidden, routing_map.to(hidden.dtype), routing_map
+    )
+    group_maps = [_skewed_routing(source) for source in parallel_state.get_group_ranks("ep")]
+    first = dispatcher.first_expert
+    routed = torch.stack(group_maps).sum(dim=(0, 1))[first : first + dispatcher.num_local_experts]
+    assert tokens_per_expert.tolist() == routed.tolist()
+    assert probs.eq(1).all()
+    # A stand-in expert e multiplies by e + 1, so a token sent to the wrong expert shows.
+    chunks = torch.split(tokens, tokens_per_expert.tolist())
+    output = dispatcher.combine(
+        torch.cat([chunk * (first + i + 1) for i, chunk in enumerate(chunks)])
+    )
+    factor = routing_map.to(hidden.dtype) @ torch.arange(1.0, EXPERTS + 1, device=hidden.device)
+    expected = hidden.detach() * factor.view(SEQ, BATCH, 1)
+    torch.testing.assert_close(output, expected)
+    assert output[0, 0].eq(0).all()  # the dropped token
+    output.sum().backward()
+    torch.testing.assert_close(hidden.grad, factor.view(SEQ, BATCH, 1).expand_as(hidden))
+
+
+@pytest.mark.parametrize("kind", ["allgather", "alltoall"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_dispatch_then_combine_returns_each_token(ep, kind):
+    run_distributed(_dispatch_round_trip, WORLD, ep, kind)
+
+
+def _experts(cls: type, config: TransformerConfig) -> SequentialMLP:
+    torch.manual_seed(7)
+    return cls(4, config, first_expert=4)
+
+
+def test_grouped_and_sequential_experts_agree():
+    config = _config(1, add_bias_linear=True, gated_linear_unit=True, activation_func=F.silu)
+    counts = torch.tensor([3, 0, 5, 1])  # an expert without tokens
+    tokens = torch.randn(9, HIDDEN, requires_grad=True)
+    probs = torch.rand(9)
+    outputs, grads = [], []
+    for cls in (SequentialMLP, GroupedMLP):
+        experts = _experts(cls, config)
+        output = experts(tokens, counts, probs)
+        output.sum().backward()
+        outputs.append(output)
+        grads.append([tokens.grad.clone()] + [p.grad for p in experts.parameters()])
+        tokens.grad = None
+    torch.testing.assert_close(outputs[0], outputs[1])
+    for sequential, grouped in zip(*grads):
+        torch.testing.assert_close(sequential, grouped)
+    assert grads[0][1][1].eq(0).all()  # the empty expert's fc1 weight gets a zero gradient
+
+
+def test_experts_without_tokens_still_get_gradients():
+    experts = _experts(SequentialMLP, _config(1))
+    output = experts(torch.zeros(0, HIDDEN), torch.zeros(4, dtype=torch.long), torch.zeros(0))
+    output.sum().backward()
+    assert all(p.grad is not None and p.grad.eq(0).all() for p in experts.parameters())
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_matches_the_loop_in_bf16_on_cuda():
+    config = _config(1, params_dtype=torch.bfloat16, bf16=True, add_bias_linear=False)
+    counts = torch.tensor([64, 0, 48, 16])
+    tokens = torch.randn(128, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(128, device="cuda")
+    outputs = []
+    for cls in (SequentialMLP, GroupedMLP):
+        experts = _experts(cls, config).cuda()
+        outputs.append(experts(tokens, counts, probs))
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+
+def test_layer_refuses_a_mismatched_expert_parallel_size():
+    with pytest.raises(ValueError, match="expert_model_parallel_size \\(2\\) differs"):
+        _layer(_config(2))
+
+
+def test_layer_builds_on_the_meta_device():
+    config = _config(1, moe_shared_expert_intermediate_size=16, add_bias_linear=False)
+    spec = get_moe_module_spec()
+    with torch.device("meta"):
+        layer = MoELayer(config, spec.submodules)
+    assert all(param.is_meta for param in layer.parameters())
