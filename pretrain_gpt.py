@@ -38,7 +38,8 @@ from megatron.training.utils import get_device, print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """The GPT the flags describe, on the current default device."""
+    """The GPT the flags describe, on the current default device (with `--num-experts`, the
+    block spec makes the MoE layers `--moe-layer-freq` selects)."""
     args = get_args()
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"

@@ -3,7 +3,8 @@
 # unchanged; the sbatch/srun wrapper left out) with the model scaled down to 2 ranks (GPUs, or CPU
 # with --distributed-backend gloo).
 # Usage: OUTPUT_PATH=DIR [DATA_PATH=PREFIX] bash examples/megatron_lm/deepseek_v3_fsdp.sh [extra flags...]
-# It asks for Mixture of Experts, multi-latent attention and multi-token prediction.
+# It asks for the flex (HybridEP) token dispatcher, multi-latent attention and multi-token
+# prediction, which are not built; its other MoE flags are.
 
 OUTPUT_PATH=${OUTPUT_PATH:-"output_deepseek_v3"}
 DATA_PATH=${DATA_PATH:-MOCK}

@@ -13,8 +13,9 @@ and the fix, and the `*_from_args` / `get_*` functions build what the library ta
     config = core_transformer_config_from_args(args)
     ddp_config = get_megatron_ddp_config(args)
 
-There is no tensor, pipeline, context or expert parallelism yet, so the data-parallel size is
-the world size.
+There is no tensor, pipeline or context parallelism yet, so the data-parallel size is the world
+size; expert parallelism (`--expert-model-parallel-size`) splits the experts of MoE layers over
+ranks of it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from megatron.training.flag_groups import (
     data,
     distributed,
     logs,
+    moe,
     network,
     optimization,
     precision,
@@ -104,6 +106,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         add_tokenizer_args,
         logs.add_logging_args,
         profiling.add_profiling_args,
+        moe.add_moe_args,
         unbuilt.add_unbuilt_args,
     ):
         add_group(parser)

@@ -7,7 +7,7 @@ and the fix. The configs the validated flags describe are built in `configs_from
 
 Each flag group's own checks live beside its flags (`flag_groups/*.py`, `validate_*`), called
 from here; features not built are refused by name in `flag_groups/unbuilt.py`, and the parallel
-sizes not built yet (context and expert parallelism) in `_validate_parallelism`.
+sizes not built yet (context parallelism) in `_validate_parallelism`.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
 from megatron.training.configs_from_args import (
-    core_transformer_config_from_args,
     ddp_config_from_flags,
     flag,
     given,
     optimizer_config_from_flags,
+    transformer_config_from_flags,
 )
 from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
 from megatron.training.flag_groups.data import validate_data, validate_tokenizer
 from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
+from megatron.training.flag_groups.moe import validate_moe
 from megatron.training.flag_groups.network import validate_network_options
 from megatron.training.flag_groups.optimization import (
     validate_lr_schedule,
@@ -76,7 +77,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
         `max_position_embeddings`, `padded_vocab_size` (without a `--tokenizer-type`: the
         tokenizer sets it), `params_dtype`, `lr_decay_iters` (or with `--train-samples`:
         `train_iters` and `lr_decay_samples`), `split` (with `--data-path`),
-        `start_weight_decay` and `end_weight_decay`.
+        `start_weight_decay` and `end_weight_decay`; `num_experts` 0 becomes None and a
+        one-element `moe_router_load_balancing_type` / `moe_aux_loss_coeff` its element
+        (`validate_moe`).
 
     Raises:
         ValueError: a flag is missing, out of range, contradicts another or needs something
@@ -95,6 +98,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _check_required(args)
     _validate_parallelism(args)
     _validate_model(args)
+    validate_moe(args)
     validate_network_options(args)
     validate_transformer_options(args)
     validate_batch_schedule(args)
@@ -107,7 +111,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _validate_logging_and_checkpointing(args)
     # The transformer config checks its own fields too; building it here turns any remaining error
     # into one at start-up rather than after the process groups exist.
-    core_transformer_config_from_args(args)
+    transformer_config_from_flags(args)
     return args
 
 
@@ -160,16 +164,13 @@ def _validate_parallelism(args: argparse.Namespace) -> None:
                 f"supported; set {flag(dest)} 1 and scale with data parallelism "
                 "(--use-megatron-fsdp)."
             )
-    # Not built yet: lift these checks when context-parallel attention / MoE layers land.
-    for dest, missing in (
-        ("context_parallel_size", "attention has no context-parallel implementation"),
-        ("expert_model_parallel_size", "the GPT model has no MoE layers (--num-experts)"),
-    ):
-        if getattr(args, dest) != 1:
-            raise ValueError(
-                f"{flag(dest)} {getattr(args, dest)} is not supported yet: {missing}; set "
-                f"{flag(dest)} 1 and scale with data parallelism."
-            )
+    # Not built yet: lift this check when context-parallel attention lands.
+    if args.context_parallel_size != 1:
+        raise ValueError(
+            f"--context-parallel-size {args.context_parallel_size} is not supported yet: "
+            "attention has no context-parallel implementation; set --context-parallel-size 1 "
+            "and scale with data parallelism."
+        )
     args.data_parallel_size = args.world_size // args.context_parallel_size
     _check_engine_flags(args)
 

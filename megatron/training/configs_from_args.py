@@ -3,8 +3,9 @@
 `core_transformer_config_from_args`, `get_megatron_ddp_config`, `get_megatron_optimizer_config`
 and `get_parallel_state_kwargs` build what the library takes from flags `validate_args()` has
 checked; `megatron.training.arguments` re-exports them. A config's own `ValueError` names its
-fields; `ddp_config_from_flags` and `optimizer_config_from_flags` re-raise it naming the flags
-that set them, as the user typed them.
+fields; `ddp_config_from_flags`, `optimizer_config_from_flags` and
+`transformer_config_from_flags` (for the MoE fields) re-raise it naming the flags that set them,
+as the user typed them.
 """
 
 from __future__ import annotations
@@ -109,6 +110,34 @@ def optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
         raise ValueError(message) from error
 
 
+def transformer_config_from_flags(args: argparse.Namespace) -> TransformerConfig:
+    """`core_transformer_config_from_args(args)`; its `ValueError` is re-raised naming the MoE
+    and expert-parallel flags instead of the config fields they set."""
+    try:
+        return core_transformer_config_from_args(args)
+    except ValueError as error:
+        fields = "|".join(_MOE_FIELD_DESTS) + r"|moe_\w+"
+
+        def spell(match: re.Match) -> str:
+            dest = _MOE_FIELD_DESTS.get(match[1], match[1])
+            if match[2] is None:
+                return flag(dest)
+            value = match[2].strip("'")
+            return given(dest, {"True": True, "False": False}.get(value, value))
+
+        pattern = rf"\b({fields})\b(?:=('[^']*'|[\w.]*\w))?"
+        raise ValueError(re.sub(pattern, spell, str(error))) from error
+
+
+_MOE_FIELD_DESTS = {
+    "num_moe_experts": "num_experts",
+    "expert_model_parallel_size": "expert_model_parallel_size",
+    "expert_tensor_parallel_size": "expert_tensor_parallel_size",
+}
+"""The MoE `TransformerConfig` fields whose flag is not `--<field>` with dashes, or that are
+not named `moe_*`."""
+
+
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     """The `TransformerConfig` the flags describe.
 
@@ -155,6 +184,35 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         seq_length=args.seq_length,
+        num_moe_experts=args.num_experts,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        # Read by the routers: their auxiliary losses keep their weight against a summed loss.
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_input_jitter_eps=args.moe_input_jitter_eps,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_per_layer_logging=args.moe_per_layer_logging,
     )
 
 
@@ -234,6 +292,7 @@ def get_parallel_state_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         create_all_gather_group=args.create_all_gather_group,
         distributed_timeout_minutes=args.distributed_timeout_minutes,

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
@@ -113,7 +115,8 @@ def initialize_megatron(
 
 
 def destroy_megatron(destroy_default_group: bool) -> None:
-    """Tears down what `initialize_megatron()` created, so another job can start in-process.
+    """Tears down what `initialize_megatron()` and the training loop created, so another job
+    can start in-process.
 
     Args:
         destroy_default_group: Also leave the default process group (when this job created it,
@@ -124,6 +127,9 @@ def destroy_megatron(destroy_default_group: bool) -> None:
         dist.destroy_process_group()
     set_args(None)
     unset_tokenizer()
+    # Process-wide MoE state the training loop set: the next job or model starts from defaults.
+    destroy_moe_metrics_tracker()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))
 
 
 def setup_logging() -> None:

@@ -10,13 +10,16 @@ One iteration (`train_step`) on either engine::
 
     model.zero_grad_buffer(); optimizer.zero_grad()
     model.start_param_sync()           # Megatron-FSDP: gather the first unit early
+    MoEAuxLossAutoScaler.set_loss_scale(loss scale / num_microbatches)  # MoE models
     for each of the num_microbatches = global batch / (micro batch x data-parallel size):
         with microbatch(...) / no_sync():  # reductions run once, after the last one
             forward, loss / num_microbatches, backward
     model.finish_grad_sync()
+    update_expert_bias(...)            # --moe-router-enable-expert-bias
     optimizer.step()                   # global grad norm; skip if not finite; clip; step
     scheduler.step(global batch)       # in samples, only after a real update, as Megatron-LM's
     # with --check-for-nan-in-loss-and-grad (the default): raise on a non-finite loss or norm
+    get_moe_metrics_tracker().report(...)  # every step: the MoE losses of the log, cleared
 
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
 where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
@@ -52,6 +55,8 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data_iterators import DatasetProvider, build_train_valid_test_data_iterators
@@ -81,7 +86,8 @@ class TrainingHistory:
         start_iteration: the iteration training resumed after (0 without a checkpoint).
         losses: per iteration (index i is iteration start_iteration + i + 1), the reported
             losses averaged over the microbatches and the data-parallel ranks (skipped
-            iterations included).
+            iterations included); with MoE layers also their auxiliary losses
+            ("load_balancing_loss", "z_loss", ...: the mean over the MoE layers).
         grad_norms: per iteration, the global gradient norm before clipping (None where
             fp16's loss scaler skipped the step on an overflow).
         loss_scales: per iteration, the loss scale after its step (1.0 without loss scaling).
@@ -327,6 +333,8 @@ def train_step(
     model.start_param_sync()
     if num_microbatches is None:
         num_microbatches = args.num_microbatches
+    if model.config.num_moe_experts is not None:
+        _set_moe_aux_loss_scale(optimizer, num_microbatches, args)
     loss_dicts, num_tokens = forward_backward(
         forward_step_func,
         data_iterator,
@@ -339,6 +347,12 @@ def train_step(
     model.finish_grad_sync()
     if args.calculate_per_token_loss:
         divide_gradients_by_tokens(model, num_tokens)
+    if model.config.moe_router_enable_expert_bias:
+        # Megatron-core's place: once the gradients are final, before the step; every step
+        # counts, skipped or not.
+        update_expert_bias(
+            [model], parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     if update_successful:
         # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
@@ -361,6 +375,18 @@ def train_step(
                 f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
             )
     return losses, not update_successful, grad_norm, num_zeros_in_grad
+
+
+def _set_moe_aux_loss_scale(
+    optimizer: MegatronOptimizer, num_microbatches: int, args: argparse.Namespace
+) -> None:
+    """Gives the MoE auxiliary losses the gradient scale of the main loss: the loss scale,
+    divided by the microbatches unless the loss is summed over tokens (as Megatron-core's
+    schedule). Their backward bypasses the loss, so it cannot inherit the scale."""
+    scale = optimizer.scale_loss(torch.ones((), device=get_device()))
+    if not args.calculate_per_token_loss:
+        scale = scale / num_microbatches
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def train(
@@ -411,6 +437,7 @@ def train(
         operations.before_iteration(iteration)
         start = time.perf_counter()
         global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
+        num_microbatches = global_batch_size // (args.micro_batch_size * args.data_parallel_size)
         losses, skipped, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func,
             train_data_iterator,
@@ -418,9 +445,11 @@ def train(
             optimizer,
             scheduler,
             args,
-            num_microbatches=global_batch_size // (args.micro_batch_size * args.data_parallel_size),
+            num_microbatches=num_microbatches,
         )
         seconds = time.perf_counter() - start
+        # Every step, on every rank (it all-reduces and clears the step's metrics).
+        moe_losses = log.report_moe_metrics(iteration, num_microbatches)
         # After the step: the scale the next iteration uses (Megatron-LM logs the same).
         loss_scale = optimizer.get_loss_scale()
         args.iteration = iteration
@@ -443,7 +472,7 @@ def train(
                 "weights and learning rate are unchanged.",
                 logging.WARNING,
             )
-        history.losses.append(losses)
+        history.losses.append({**losses, **moe_losses})
         history.grad_norms.append(grad_norm)
         history.loss_scales.append(loss_scale)
         history.learning_rates.append(learning_rate)
@@ -458,6 +487,7 @@ def train(
             loss_scale=loss_scale,
             num_zeros_in_grad=num_zeros_in_grad,
             params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
+            moe_losses=moe_losses,
         )
         operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
 
@@ -519,6 +549,8 @@ def evaluate(
         for key, value in average_loss_dicts(loss_dicts).items():
             totals[key] = totals.get(key, 0.0) + value
     model.train()
+    # As Megatron-LM: whatever evaluation recorded stays out of the next step's report.
+    get_moe_metrics_tracker().clear()
     return {key: total / args.eval_iters for key, total in totals.items()}
 
 

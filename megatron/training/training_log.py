@@ -16,7 +16,8 @@ grad norm (none when fp16's loss scaler skipped the step on an overflow), and wh
 `--log-num-zeros-in-grad` and `--log-params-norm` ask for them the zero-gradient count and the
 parameters' norm are the last iteration's; the learning rate is the one after its schedule step
 (Megatron-LM's convention: the next iteration's). On GPU the line also has TFLOP/s per GPU (on
-CPU too with `--log-throughput`) and the peak memory allocated so far.
+CPU too with `--log-throughput`) and the peak memory allocated so far. An MoE model's auxiliary
+losses (`report_moe_metrics`, every step) follow the language-model loss, averaged like it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 
 import torch
 
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.utils import is_rank_0, print_rank_0
@@ -157,6 +159,7 @@ class TrainingLog:
         loss_scale: float = 1.0,
         num_zeros_in_grad: int | None = None,
         params_norm: float | None = None,
+        moe_losses: dict[str, float] | None = None,
     ) -> None:
         """Adds one training iteration; logs the line when `iteration` ends an interval.
 
@@ -172,6 +175,8 @@ class TrainingLog:
             loss_scale: the loss scale after its step (1.0 without loss scaling).
             num_zeros_in_grad: its zero gradient elements (`--log-num-zeros-in-grad`).
             params_norm: the main weights' norm after its step (`--log-params-norm`).
+            moe_losses: its MoE auxiliary losses (`report_moe_metrics`): averaged in the line
+                like `losses`; their scalars are written by the report already.
         """
         values = _StepValues(
             grad_norm, learning_rate, loss_scale, num_zeros_in_grad, params_norm
@@ -186,7 +191,7 @@ class TrainingLog:
             if not all(math.isfinite(value) for value in losses.values()):
                 interval.nan += 1
         else:
-            for key, value in losses.items():
+            for key, value in {**losses, **(moe_losses or {})}.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, values)
@@ -199,6 +204,46 @@ class TrainingLog:
                     timers["throughput"] = self._tflops_per_gpu(seconds_per_iteration)
                 self.writer.add_scalars(timers, iteration)
             self.interval = _Interval()
+
+    def report_moe_metrics(self, iteration: int, num_microbatches: int) -> dict[str, float]:
+        """The step's MoE auxiliary losses, averaged over microbatches, data-parallel ranks and
+        MoE layers (`MoEMetricsTracker.report`, which then clears them); every
+        `--tensorboard-log-interval` also written as scalars, with each layer's under
+        `--moe-per-layer-logging`. Call it on every rank after every training step.
+
+        Args:
+            iteration: the step's number.
+            num_microbatches: the step's microbatches (the recorded values are their sums).
+
+        Returns:
+            name -> value, as Megatron-LM names them ("load_balancing_loss",
+            "seq_load_balancing_loss", "z_loss"); empty for a dense model.
+        """
+        args = self.args
+        if args.num_experts is None:
+            return {}
+        track_names = {
+            "aux_loss": ["load_balancing_loss"],
+            "seq_aux_loss": ["seq_load_balancing_loss"],
+            "none": [],
+        }[args.moe_router_load_balancing_type]
+        if args.moe_z_loss_coeff is not None:
+            track_names.append("z_loss")
+        writing = iteration % args.tensorboard_log_interval == 0
+        moe_losses: dict[str, float] = {}
+        get_moe_metrics_tracker().report(
+            loss_scale=1 / num_microbatches,
+            iteration=iteration,
+            writer=self.writer.tensorboard if writing else None,
+            wandb_writer=self.writer.wandb_run if writing else None,
+            per_layer_logging=args.moe_per_layer_logging,
+            track_names=track_names,
+            num_layers=args.num_layers,
+            moe_layer_freq=args.moe_layer_freq,
+            total_loss_dict=moe_losses,
+            device=self.device,
+        )
+        return moe_losses
 
     def _write_iteration_scalars(
         self, iteration: int, losses: dict[str, float], values: _StepValues

@@ -18,7 +18,15 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1.")
     group.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 for now.")
     group.add_argument(
-        "--expert-model-parallel-size", type=int, default=1, help="Only 1 (no MoE layers yet)."
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        help="Ranks that split the experts of each MoE layer (EP).",
+    )
+    group.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        help="Only 1 (None: the tensor-parallel size, 1).",
     )
     group.add_argument(
         "--distributed-backend", default="nccl", choices=("nccl", "gloo"), help="gloo on CPU."

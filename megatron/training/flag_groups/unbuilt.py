@@ -30,41 +30,91 @@ class Unbuilt:
     valued: tuple[str, ...] = ()
 
 
-_MOE_SWITCHES = tuple(
-    "--moe-" + name
-    for name in (
-        "shared-expert-gate shared-expert-overlap enable-routing-replay "
-        "router-padding-for-quantization router-padding-for-fp8 router-pre-softmax "
-        "router-enable-expert-bias router-force-load-balancing grouped-gemm use-grouped-tensor "
-        "single-grouped-weight single-grouped-bias token-dropping enable-deepep "
-        "permute-fusion-into-hybridep hybridep-pad-uneven-dispatch-inputs per-layer-logging "
-        "pad-expert-input-to-capacity pad-experts-for-cuda-graph-inference layer-recompute "
-        "permute-fusion router-fusion apply-probs-on-input ncclep-zero-copy paged-stash"
-    ).split()
-)
-_MOE_VALUED = ("--num-experts", "--expert-tensor-parallel-size") + tuple(
-    "--moe-" + name
-    for name in (
-        "shared-expert-intermediate-size shared-expert-glu-interleave-size layer-freq "
-        "ffn-hidden-size router-load-balancing-type router-topk router-topk-limited-devices "
-        "router-num-groups router-group-topk router-topk-scaling-factor router-score-function "
-        "router-dtype router-bias-update-rate router-quantile-balancing-ema router-force-biased "
-        "aux-loss-coeff z-loss-coeff input-jitter-eps token-dispatcher-type "
-        "flex-dispatcher-backend expert-capacity-factor token-drop-policy latent-size "
-        "flex-dispatcher-num-sms deepep-num-sms hybridep-num-sms hybridep-num-blocks-permute "
-        "hybridep-num-blocks-unpermute hybridep-num-sms-preprocessing dispatch-fwd-dtype "
-        "combine-bwd-dtype mlp-glu-interleave-size expert-rank-capacity-factor "
-        "paged-stash-page-size paged-stash-buffer-size-factor-cuda "
-        "paged-stash-buffer-size-factor-cpu"
-    ).split()
-)
-
 UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt(
-        "Mixture of Experts",
-        "train a dense model: drop --num-experts and every --moe-* flag",
-        _MOE_SWITCHES,
-        _MOE_VALUED,
+        "the flex token dispatcher (DeepEP / HybridEP / NCCL EP)",
+        "use --moe-token-dispatcher-type alltoall (or allgather) and drop these flags",
+        (
+            "--moe-enable-deepep",
+            "--moe-permute-fusion-into-hybridep",
+            "--moe-hybridep-pad-uneven-dispatch-inputs",
+            "--moe-ncclep-static-shape",
+            "--moe-ncclep-zero-copy",
+        ),
+        (
+            "--moe-flex-dispatcher-backend",
+            "--moe-flex-dispatcher-num-sms",
+            "--moe-deepep-num-sms",
+            "--moe-hybridep-num-sms",
+            "--moe-hybridep-num-blocks-permute",
+            "--moe-hybridep-num-blocks-unpermute",
+            "--moe-hybridep-num-sms-preprocessing",
+            "--moe-expert-rank-capacity-factor",
+        ),
+    ),
+    Unbuilt(
+        "MoE quantization padding and low-precision token dispatch",
+        "drop these flags: tokens are dispatched in the model's dtype, unpadded",
+        ("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8"),
+        ("--moe-dispatch-fwd-dtype", "--moe-combine-bwd-dtype"),
+    ),
+    Unbuilt(
+        "Transformer Engine grouped-tensor expert weights",
+        "drop these flags: --moe-grouped-gemm runs the experts as grouped GEMMs over one "
+        "stacked weight per projection",
+        ("--moe-use-grouped-tensor", "--moe-single-grouped-weight", "--moe-single-grouped-bias"),
+        ("--moe-mlp-glu-interleave-size", "--moe-shared-expert-glu-interleave-size"),
+    ),
+    Unbuilt(
+        "overlapping the MoE token exchange with computation",
+        "drop these flags: the shared experts run before the router, and the token exchange "
+        "is not overlapped",
+        ("--moe-shared-expert-overlap", "--overlap-moe-expert-parallel-comm"),
+    ),
+    Unbuilt(
+        "upstream's switch for recomputing MoE layers",
+        "use --recompute-granularity selective --recompute-modules moe",
+        ("--moe-layer-recompute",),
+    ),
+    Unbuilt(
+        "MoE latent projections",
+        "drop the flag: the experts work at --hidden-size",
+        (),
+        ("--moe-latent-size",),
+    ),
+    Unbuilt(
+        "the MoE paged stash",
+        "drop these flags",
+        ("--moe-paged-stash",),
+        (
+            "--moe-paged-stash-page-size",
+            "--moe-paged-stash-buffer-size-factor-cuda",
+            "--moe-paged-stash-buffer-size-factor-cpu",
+        ),
+    ),
+    Unbuilt(
+        "upcycling a dense checkpoint into an MoE model",
+        "drop these flags and train the MoE model from scratch",
+        ("--moe-use-upcycling",),
+        ("--moe-upcycling-granularity",),
+    ),
+    Unbuilt(
+        "an MoE routing option (routing replay, token dropping without a capacity, biased or "
+        "quantile-balanced routing, device-limited top-k, probabilities on the expert input, "
+        "or CUDA-graph inference padding)",
+        "drop them (for device-limited routing use --moe-router-num-groups with "
+        "--moe-router-group-topk; for dropping, --moe-expert-capacity-factor)",
+        (
+            "--moe-enable-routing-replay",
+            "--moe-token-dropping",
+            "--moe-apply-probs-on-input",
+            "--moe-pad-experts-for-cuda-graph-inference",
+        ),
+        (
+            "--moe-router-topk-limited-devices",
+            "--moe-router-force-biased",
+            "--moe-router-quantile-balancing-ema",
+        ),
     ),
     Unbuilt(
         "sequence parallelism with tensor parallelism",

@@ -94,6 +94,11 @@ def test_nan_check_flag_leaves_the_ddp_engine_check_off(flag):
     assert get_megatron_ddp_config(validated(*flag.split())).check_for_nan_in_grad is False
 
 
+_GROUPS = "--moe-router-num-groups 2 --moe-router-group-topk 1"
+_EXPERT_BIAS = "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"
+_PAD = "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity"
+_SHARED = "--disable-bias-linear --moe-shared-expert-intermediate-size 32"
+
 TRANSFORMER_CONFIG_CASES = [
     ("--num-layers 3", "num_layers", 3),
     ("--hidden-size 96", "hidden_size", 96),
@@ -150,6 +155,43 @@ TRANSFORMER_CONFIG_CASES = [
     ("--bf16", "bf16", True),
     ("--bf16", "params_dtype", torch.bfloat16),
     ("--fp16", "fp16", True),
+    ("--calculate-per-token-loss", "calculate_per_token_loss", True),
+    ("--expert-tensor-parallel-size 1", "expert_tensor_parallel_size", 1),
+    *(
+        (f"--num-experts 4 {flags}".strip(), field, value)
+        for flags, field, value in [
+            ("", "num_moe_experts", 4),
+            ("--expert-model-parallel-size 2", "expert_model_parallel_size", 2),
+            ("--moe-ffn-hidden-size 48", "moe_ffn_hidden_size", 48),
+            ("--moe-router-topk 3", "moe_router_topk", 3),
+            ("--moe-router-score-function sigmoid", "moe_router_score_function", "sigmoid"),
+            ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
+            ("--moe-router-topk-scaling-factor 2.5", "moe_router_topk_scaling_factor", 2.5),
+            ("--moe-router-dtype fp32", "moe_router_dtype", "fp32"),
+            (_GROUPS, "moe_router_num_groups", 2),
+            (_GROUPS, "moe_router_group_topk", 1),
+            (_EXPERT_BIAS, "moe_router_enable_expert_bias", True),
+            ("--moe-router-bias-update-rate 1e-2", "moe_router_bias_update_rate", 1e-2),
+            (
+                "--moe-router-load-balancing-type seq_aux_loss",
+                "moe_router_load_balancing_type",
+                "seq_aux_loss",
+            ),
+            ("--moe-aux-loss-coeff 1e-2", "moe_aux_loss_coeff", 1e-2),
+            ("--moe-z-loss-coeff 1e-3", "moe_z_loss_coeff", 1e-3),
+            ("--moe-input-jitter-eps 0.1", "moe_input_jitter_eps", 0.1),
+            ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", True),
+            ("--moe-token-dispatcher-type alltoall", "moe_token_dispatcher_type", "alltoall"),
+            ("--moe-expert-capacity-factor 1.5", "moe_expert_capacity_factor", 1.5),
+            ("--moe-token-drop-policy position", "moe_token_drop_policy", "position"),
+            (_PAD, "moe_pad_expert_input_to_capacity", True),
+            ("--moe-grouped-gemm", "moe_grouped_gemm", True),
+            (_SHARED, "moe_shared_expert_intermediate_size", 32),
+            (f"{_SHARED} --moe-shared-expert-gate", "moe_shared_expert_gate", True),
+            ("--moe-layer-freq [0,1]", "moe_layer_freq", [0, 1]),
+            ("--moe-per-layer-logging", "moe_per_layer_logging", True),
+        ]
+    ),
 ]
 """(flags, TransformerConfig field, value the flags give it)."""
 # Set from the flags only at their single supported value, or derived by TransformerConfig.
@@ -158,6 +200,7 @@ _NOT_FROM_A_FLAG = {
     "pipeline_model_parallel_size",
     "context_parallel_size",
     "sequence_parallel",
+    "moe_shared_expert_overlap",  # its flag is refused (not built)
     "init_method",
     "output_layer_init_method",
 }
@@ -188,6 +231,7 @@ def test_parallel_state_kwargs_match_initialize_model_parallel():
         pipeline_model_parallel_size=1,
         context_parallel_size=1,
         expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
         num_distributed_optimizer_instances=2,
         create_all_gather_group=True,
         distributed_timeout_minutes=5,

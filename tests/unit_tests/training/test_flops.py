@@ -18,22 +18,77 @@ def test_gpt_matches_megatrons_closed_form():
     assert num_floating_point_operations(config, V, s, B) == pytest.approx(expected, rel=1e-12)
 
 
-def test_gqa_swiglu_matches_megatrons_general_formula():
-    """Megatron-LM's `num_floating_point_operations` (training.py) for a dense model:
-    12 B s L h^2 ((1 + g/n + s/h) q/h + (F/h) 3/2 + V / 2Lh), q = n x head width."""
-    B, s, L, h, V = 2, 1024, 4, 512, 32000
-    n, g, ffn = 8, 2, 1408
-    config = TransformerConfig(
+def _gqa_config(
+    L: int, h: int, n: int, g: int, ffn: int, swiglu: bool, **fields
+) -> TransformerConfig:
+    """L layers of width h, n heads in g query groups, an MLP of width ffn (SwiGLU or GELU)."""
+    return TransformerConfig(
         num_layers=L,
         hidden_size=h,
         num_attention_heads=n,
         num_query_groups=g,
         ffn_hidden_size=ffn,
-        gated_linear_unit=True,
-        activation_func=F.silu,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        **fields,
     )
+
+
+def test_gqa_swiglu_matches_megatrons_general_formula():
+    """Megatron-LM's `num_floating_point_operations` (training.py) for a dense model:
+    12 B s L h^2 ((1 + g/n + s/h) q/h + (F/h) 3/2 + V / 2Lh), q = n x head width."""
+    B, s, L, h, V = 2, 1024, 4, 512, 32000
+    n, g, ffn = 8, 2, 1408
+    config = _gqa_config(L, h, n, g, ffn, swiglu=True)
     q = n * (h // n)
     expected = (
         12 * B * s * L * h**2 * ((1 + g / n + s / h) * q / h + ffn / h * 3 / 2 + V / (2 * L * h))
     )
     assert num_floating_point_operations(config, V, s, B) == pytest.approx(expected, rel=1e-12)
+
+
+def _upstream_mlp_flops(B, s, h, L, ffn, swiglu, moe_pattern, topk, moe_ffn, shared) -> float:
+    """Megatron-LM's `transformer_flops` MLP term, as written there: 3 (fwd + 2 bwd) x 2 (FMA)
+    x h x (dense layers' ffn + MoE layers' routed and shared experts), per token."""
+    num_moe_layers = sum(moe_pattern)
+    num_dense_layers = L - num_moe_layers
+    ffn_expansion_factor = 3 if swiglu else 2
+    per_token = (3 * 2 * h) * (
+        ffn * ffn_expansion_factor * num_dense_layers
+        + moe_ffn * topk * ffn_expansion_factor * num_moe_layers
+        + shared * ffn_expansion_factor * num_moe_layers
+    )
+    return B * s * per_token
+
+
+@pytest.mark.parametrize(
+    ("swiglu", "freq", "shared"),
+    [(True, [0, 1, 1, 1], 48), (False, 2, None), (True, 1, 32)],
+)
+def test_moe_counts_the_experts_each_token_uses_as_megatron(swiglu, freq, shared):
+    """Megatron-LM's formula for an MoE model: dense layers per --moe-layer-freq, top-k routed
+    experts of --moe-ffn-hidden-size and the shared experts per MoE layer; attention and
+    logits as in `test_gqa_swiglu_matches_megatrons_general_formula`."""
+    B, s, L, h, V = 2, 256, 4, 64, 1000
+    n, g, ffn, moe_ffn, topk, experts = 4, 2, 160, 24, 2, 8
+    config = _gqa_config(
+        L,
+        h,
+        n,
+        g,
+        ffn,
+        swiglu,
+        add_bias_linear=False,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
+        moe_shared_expert_intermediate_size=shared,
+        moe_layer_freq=freq,
+    )
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(L)]
+    q = n * (h // n)
+    attention_and_logits = 12 * B * s * L * h**2 * ((1 + g / n + s / h) * q / h + V / (2 * L * h))
+    mlp = _upstream_mlp_flops(B, s, h, L, ffn, swiglu, pattern, topk, moe_ffn, shared or 0)
+    assert num_floating_point_operations(config, V, s, B) == pytest.approx(
+        attention_and_logits + mlp, rel=1e-12
+    )

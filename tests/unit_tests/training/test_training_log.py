@@ -9,6 +9,10 @@ import types
 import pytest
 import torch
 
+from megatron.core.transformer.moe.moe_logging import (
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+)
 from megatron.training.arguments import (
     core_transformer_config_from_args,
     parse_args,
@@ -138,3 +142,47 @@ def test_last_iteration_logs_the_partial_interval(messages):
     assert second.startswith("iteration        5/       5 |")
     assert "elapsed time per iteration (ms): 400.0 |" in second
     assert "| lm loss: 1.500000E+00 |" in second and "100.0% done" in second
+
+
+class _FakeTensorBoard:
+    def __init__(self):
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, value, step))
+
+    def close(self) -> None:
+        pass
+
+
+def test_moe_losses_join_the_line_and_are_written_every_tensorboard_interval(messages):
+    """Two microbatches recorded per step on both MoE layers: the report is their mean; the
+    tracker is cleared every step, and its scalars (per layer too) are written at step 2 only
+    (--tensorboard-log-interval 2), each once."""
+    destroy_moe_metrics_tracker()
+    log = _training_log(
+        *"--num-experts 4 --moe-z-loss-coeff 1e-3 --moe-per-layer-logging".split(),
+        *"--tensorboard-log-interval 2".split(),
+    )
+    tensorboard = log.writer.tensorboard = _FakeTensorBoard()
+    tracker = get_moe_metrics_tracker()
+    per_step = {1: 2.0, 2: 3.0}  # each layer's value in every microbatch of the step
+    for iteration, value in per_step.items():
+        for layer in (1, 2):
+            for _ in range(2):
+                tracker.record("load_balancing_loss", torch.tensor(value), layer, 2)
+        moe_losses = log.report_moe_metrics(iteration, num_microbatches=2)
+        assert moe_losses == pytest.approx({"load_balancing_loss": value, "z_loss": 0.0})
+        log.record_iteration(
+            iteration, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.1, moe_losses=moe_losses
+        )
+    (line,) = messages
+    mean = sum(per_step.values()) / 2
+    assert f"| lm loss: 4.000000E+00 | load_balancing_loss: {mean:.6E} | z_loss: 0.000" in line
+    moe_names = ("load_balancing_loss", "z_loss", "moe/")
+    moe_scalars = [s for s in tensorboard.scalars if s[0].startswith(moe_names)]
+    expected = [("load_balancing_loss", 3.0, 2), ("z_loss", 0.0, 2)]
+    # Each layer's value: its two microbatches' sum x 1/2, the same on both layers here.
+    expected += [(f"moe/{name}_layer_{i}", v, 2) for name, v, _ in expected[:2] for i in (0, 1)]
+    assert sorted(moe_scalars) == sorted(expected)
+    destroy_moe_metrics_tracker()

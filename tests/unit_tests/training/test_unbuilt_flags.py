@@ -43,17 +43,15 @@ def test_sequence_parallel_without_tensor_parallelism_is_off_as_upstream():
 
 def test_all_the_flags_of_a_feature_are_named_together():
     with pytest.raises(ValueError) as error:
-        validated("--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm")
+        validated("--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank", "4")
     message = str(error.value)
-    for given in ("--moe-grouped-gemm", "--num-experts 8", "--moe-router-topk 2"):
+    for given in ("--multi-latent-attention", "--q-lora-rank 8", "--kv-lora-rank 4"):
         assert given in message
-    assert "drop --num-experts and every --moe-* flag" in message
+    assert "use standard attention" in message
 
 
-def test_values_upstream_writes_as_lists_or_expressions_parse():
-    args = parse_args(args=[*BASE, "--moe-layer-freq", "[0]*3+[1]*58", "--window-size", "127,0"])
-    assert args.moe_layer_freq == ["[0]*3+[1]*58"]
-    assert args.window_size == ["127,0"]
+def test_values_upstream_writes_as_lists_parse():
+    assert parse_args(args=[*BASE, "--window-size", "127,0"]).window_size == ["127,0"]
 
 
 def test_performance_hints_are_accepted_and_documented_as_no_ops():
@@ -77,7 +75,7 @@ def test_tolerant_checkpoint_strictness_is_refused(strictness):
 
 def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
     done = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *BASE, "--num-experts", "4"],
+        [sys.executable, "pretrain_gpt.py", *BASE, "--mtp-num-layers", "4"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -85,8 +83,8 @@ def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: --num-experts 4: Mixture of Experts is not built in this project; train a dense "
-        "model: drop --num-experts and every --moe-* flag."
+        "error: --mtp-num-layers 4: multi-token prediction is not built in this project; drop "
+        "these flags (one next-token head)."
     ]
 
 
@@ -109,10 +107,10 @@ def test_a_bad_flag_under_torchrun_prints_rank_0s_message_once(tmp_path):
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, "--num-experts", "4"]
+    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, "--mtp-num-layers", "4"]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode != 0
-    assert done.stderr.count("error: --num-experts 4: Mixture of Experts is not built") == 1
+    assert done.stderr.count("error: --mtp-num-layers 4: multi-token prediction is not") == 1
