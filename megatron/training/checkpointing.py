@@ -107,6 +107,16 @@ MODEL_ARGS = (
 """Arguments a checkpoint's model must share with the model loading it: they fix its shapes
 or what its weights mean."""
 
+MOE_MODEL_ARGS = (
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+)
+"""The same for the MoE layers (checked where the checkpoint recorded them; a dense model's
+exports need none). Not the parallel sizes: expert tensors are saved whole (`[num_experts,
+...]`), so a checkpoint loads at any --expert-model-parallel-size."""
+
 _FLAG_NAMES = {
     "layernorm_epsilon": "--norm-epsilon",
     "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
@@ -441,7 +451,7 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
     differ = [
         f"{_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))} {saved.get(name)} "
         f"(here {getattr(args, name)})"
-        for name in MODEL_ARGS
+        for name in (*MODEL_ARGS, *MOE_MODEL_ARGS)
         if name in saved and saved.get(name) != getattr(args, name, None)
     ]
     if differ:
@@ -480,6 +490,16 @@ def _check_model_tensors(
     problems = []
     if reshaped:
         problems.append(f"{len(reshaped)} tensor(s) differ in shape ({'; '.join(reshaped[:3])})")
+    experts = [
+        (shapes[name][0], shape[0])
+        for name, shape in expected.items()
+        if ".experts." in name and name in shapes and shapes[name][0] != shape[0]
+    ]
+    if experts:
+        problems.append(
+            f"its MoE layers have {experts[0][0]} experts, this model {experts[0][1]} "
+            "(--num-experts; the expert-parallel size may differ, the number of experts not)"
+        )
     if missing:
         problems.append(f"missing from it: {missing[:5]}")
     if unexpected:

@@ -25,6 +25,10 @@ With `use_distributed_optimizer` each bucket is reduce-scattered instead (`Bucke
 this rank's rows of each parameter get their reduced gradient (`grad_shard()`), no `.grad` is
 handed out, and `get_megatron_optimizer` builds a `DistributedOptimizer`, which steps those rows
 (`param_shard()`) and calls `start_param_sync(force_sync=True)` to all-gather the parameters.
+
+Expert parameters split by expert parallelism (`expert_parallel.py`) get buffers of their own,
+reduced (and sharded) over the expert data-parallel group and divided by the dp x cp size;
+`state_dict()` shows them as global DTensors `[num_experts, ...]` split over the ep group.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -46,6 +51,12 @@ from megatron.core.distributed.data_parallel_base import (
 )
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
+)
+from megatron.core.distributed.expert_parallel import (
+    ExpertLayout,
+    expert_groups,
+    is_expert_param,
+    local_expert_rows,
 )
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -77,7 +88,16 @@ class DistributedDataParallel(_BaseDataParallel):
             `broadcast_params()`).
         disable_bucketing: one bucket per gradient dtype whatever `bucket_size` says.
         pg_collection: process groups; gradients are averaged over `pg_collection.dp_cp`
-            (default: parallel_state's data-parallel-with-context group, else the world).
+            (default: parallel_state's data-parallel-with-context group, else the world);
+            with `ep` of two or more ranks, expert gradients are reduced over `expt_dp`.
+
+    Attributes:
+        expert_layout: the expert groups and global DTensors of expert parameters (None: no
+            expert parallelism).
+
+    Raises:
+        ValueError: the model has expert parameters, `ep` has two or more ranks, and there is
+            no `expt_dp` group.
     """
 
     def __init__(
@@ -115,21 +135,26 @@ class DistributedDataParallel(_BaseDataParallel):
                     f"Parameter {names[param]!r} is already wrapped by another "
                     "DistributedDataParallel; wrap the model once and reuse that wrapper."
                 )
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        experts = {p for p, name in names.items() if is_expert_param(name, p)}
+        self.expert_layout = self._expert_layout(pg_collection, experts)
+        by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for param in params:
-            by_dtype.setdefault(self._grad_dtype(param), []).append(param)
+            expert = self.expert_layout is not None and param in experts
+            by_kind.setdefault((self._grad_dtype(param), expert), []).append(param)
         self.buffers = [
             GradBuffer(
                 group_params,
                 dtype,
                 bucket_size,
-                self.data_parallel_group,
+                self.expert_layout.expt_dp if expert else self.data_parallel_group,
                 ddp_config.average_in_collective,
                 ddp_config.check_for_nan_in_grad,
                 shard_buckets=ddp_config.use_distributed_optimizer,
+                divisor=dp_size,
             )
-            for dtype, group_params in by_dtype.items()
+            for (dtype, expert), group_params in by_kind.items()
         ]
+        self._experts = experts if self.expert_layout is not None else set()
         self.buckets: list[GradBucket] = [b for buf in self.buffers for b in buf.buckets]
         self._bucket_of: dict[torch.nn.Parameter, GradBucket] = {
             param: bucket for bucket in self.buckets for param in bucket.params
@@ -159,6 +184,25 @@ class DistributedDataParallel(_BaseDataParallel):
                 param.main_grad = main_grad
                 param.register_post_accumulate_grad_hook(accumulate_grad_hook)
                 _wrapping_engine[param] = engine
+
+    @staticmethod
+    def _expert_layout(
+        pg_collection: ProcessGroupCollection | None, experts: set[torch.nn.Parameter]
+    ) -> ExpertLayout | None:
+        ep, expt_dp = expert_groups(pg_collection)
+        if not experts or ep is None or ep.size() == 1:
+            return None
+        if expt_dp is None:
+            raise ValueError(
+                "The model's experts are split over an ep group of two or more ranks, but "
+                "pg_collection has no expt_dp group to reduce their gradients over: pass "
+                "ProcessGroupCollection.use_mpu_process_groups() or set expt_dp."
+            )
+        return ExpertLayout(ep, expt_dp, next(iter(experts)).device.type)
+
+    def is_expert(self, param: torch.nn.Parameter) -> bool:
+        """Whether `param` is an expert parameter split by expert parallelism."""
+        return param in self._experts
 
     def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
         return torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
@@ -296,7 +340,41 @@ class DistributedDataParallel(_BaseDataParallel):
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
-        """Copies every parameter from the first rank of the data-parallel group."""
-        src = dist.get_global_rank(self.data_parallel_group, 0)
+        """Copies every parameter from the first rank of the data-parallel group (expert
+        parameters: of the expert data-parallel group, the ranks holding the same experts)."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+            group = self.data_parallel_group
+            if self.is_expert(param):
+                group = self.expert_layout.expt_dp
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict; expert parameters split by expert parallelism as
+        global DTensors `[num_experts, ...]` (views of this rank's experts), so that a
+        checkpoint holds every expert once and loads at another ep size."""
+        state = self.module.state_dict(*args, **kwargs)
+        if self.expert_layout is None:
+            return state
+        prefix = kwargs.get("prefix", "")
+        for name, param in self.module.named_parameters():
+            if self.is_expert(param) and prefix + name in state:
+                state[prefix + name] = self.expert_layout.replicated(state[prefix + name])
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Loads a state dict of `state_dict()`'s form; an expert parameter's value may also be
+        the whole global tensor (this rank keeps its experts)."""
+        if self.expert_layout is None:
+            return self.module.load_state_dict(state_dict, strict=strict)
+        local = dict(state_dict)
+        for name, param in self.module.named_parameters():
+            value = local.get(name)
+            if value is None or not self.is_expert(param):
+                continue
+            if isinstance(value, DTensor):
+                ours = value.device_mesh is self.expert_layout.replicated_mesh
+                value = value.to_local() if ours else value.full_tensor()
+            if value.shape != param.shape:
+                value = local_expert_rows(value, self.expert_layout.ep)
+            local[name] = value
+        return self.module.load_state_dict(local, strict=strict)

@@ -27,6 +27,8 @@ class GradBucket:
         check_for_nan_in_grad: raise before communicating a gradient with NaN/Inf.
         shards: reduce-scatter into these shards instead of all-reducing (the distributed
             optimizer); None to all-reduce.
+        divisor: what the sum is divided by (None: the group's size; expert gradients, reduced
+            over the expert data-parallel group: the dp x cp size).
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class GradBucket:
         average_in_collective: bool,
         check_for_nan_in_grad: bool,
         shards: BucketShards | None = None,
+        divisor: int | None = None,
     ):
         self.params = tuple(params)
         self.data = data
@@ -44,6 +47,7 @@ class GradBucket:
         self.group = group
         self.check_for_nan_in_grad = check_for_nan_in_grad
         self._group_size = dist.get_world_size(group)
+        self._divisor = divisor or self._group_size
         self._use_avg_op = average_in_collective and dist.get_backend(group) == "nccl"
         self._pending = set(self.params)
         self._work: dist.Work | None = None
@@ -82,9 +86,11 @@ class GradBucket:
             )
         if self._use_avg_op:
             op = dist.ReduceOp.AVG
+            if self._divisor != self._group_size:  # AVG divides by the group's size only
+                self.data.mul_(self._group_size / self._divisor)
         else:
             # Dividing first keeps bf16/fp16 sums in range at large data-parallel sizes.
-            self.data.mul_(1.0 / self._group_size)
+            self.data.mul_(1.0 / self._divisor)
             op = dist.ReduceOp.SUM
         if self.shards is not None:
             self._work = self.shards.start_reduce_scatter(op, async_op)
@@ -121,7 +127,7 @@ class GradBuffer:
         dtype: gradient accumulation and communication dtype.
         bucket_size: maximum elements per bucket (a parameter is never split); None for one
             bucket.
-        group, average_in_collective, check_for_nan_in_grad: see `GradBucket`.
+        group, average_in_collective, check_for_nan_in_grad, divisor: see `GradBucket`.
         shard_buckets: give each bucket `BucketShards` over `group` (the distributed optimizer).
     """
 
@@ -134,6 +140,7 @@ class GradBuffer:
         average_in_collective: bool,
         check_for_nan_in_grad: bool,
         shard_buckets: bool = False,
+        divisor: int | None = None,
     ):
         numel = sum(p.numel() for p in params)
         self.dtype = dtype
@@ -146,7 +153,7 @@ class GradBuffer:
             if shard_buckets:
                 shards = BucketShards(params, [self.main_grads[p] for p in params], group)
             return GradBucket(
-                params, data, group, average_in_collective, check_for_nan_in_grad, shards
+                params, data, group, average_in_collective, check_for_nan_in_grad, shards, divisor
             )
 
         bucket_params: list[torch.nn.Parameter] = []

@@ -16,9 +16,11 @@ one fp32 scalar is all-reduced over each of its groups: typically one all-reduce
 shard group, plus one over the expert shard group when a model has experts, plus one over the
 outer group under HFSDP. Plain tensors count as replicated: no collective at all.
 
-Not covered: gradients that differ across ranks outside their DTensor mesh, i.e. tensor-parallel
-shards (unsupported here) and experts split by expert parallelism (no MoE layer exists yet):
-their partial sums would also need an all-reduce over that model-parallel group.
+Experts split by expert parallelism differ across the ep group: both engines hand their
+gradients over as global DTensors whose mesh starts with an ep dimension placed `Shard(0)`
+(`expert_parallel.py`), so their partial sums are all-reduced over ep (each expert once) and
+over the expert shard group, never over expert data-parallel replicas. Not covered: gradients
+that differ across ranks outside their DTensor mesh, i.e. tensor-parallel shards (unsupported).
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ the norm all-reduce the partial sums over the group.
 
 fp32 parameters are their own main weights: the optimizer steps views of this rank's rows of
 them. Others (bf16) get fp32 copies of their rows (`fp32_from_fp16_params` in checkpoints).
+
+Expert parameters split by expert parallelism are sharded over the expert data-parallel group
+(their buckets' group); their shards are the local tensors of global DTensors `[num_experts,
+...]` over (ep, expt_dp), placed `(Shard(0), Shard(0))`: the experts split over ep, then this
+rank's experts chunked along dim 0 over expt_dp (`expert_parallel.py`).
 """
 
 from __future__ import annotations
@@ -88,7 +93,10 @@ class DistributedOptimizer(MegatronOptimizer):
         ]
 
     def _as_dtensor(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
-        """`local`, this rank's rows of a tensor shaped like `param`, as a `Shard(0)` DTensor."""
+        """`local`, this rank's rows of a tensor shaped like `param`, as a `Shard(0)` DTensor
+        (an expert split by expert parallelism: the global DTensor of its experts)."""
+        if self.model.is_expert(param):
+            return self.model.expert_layout.sharded(local, param.shape)
         return DTensor.from_local(
             local,
             self._mesh,
@@ -133,6 +141,10 @@ class DistributedOptimizer(MegatronOptimizer):
         with torch.no_grad():
             for param, _ in self._masters:
                 self._shards[param].copy_(self.model.param_shard(param))
+
+    def _expert_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        """Its main shards and masters are DTensors placed as they are sharded already."""
+        return tensor
 
     def _parameter_names(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id of each main shard and of its DTensor -> (the parameter's name, the DTensor),

@@ -20,7 +20,10 @@ keeps fp32 main weights itself). Under the DDP engine (or a plain module) it kee
 copy of every parameter that is not fp32, as Megatron-LM's `Float16OptimizerWithFloat16Params`:
 the torch optimizer steps the masters, with `param.main_grad` (which the DDP engine keeps apart
 from `param.grad`) upcast to fp32 as their gradient, and the masters are then copied back into
-the model's parameters. fp32 parameters are their own masters.
+the model's parameters. fp32 parameters are their own masters. Under the DDP engine with
+expert parallelism, the gradients, weights and states of expert parameters are read as global
+DTensors split over the ep group (`expert_parallel.py`), so the norm counts every expert once
+and checkpoints hold every expert.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.distributed.fsdp import (
     fsdp_contexts,
     fsdp_roots,
@@ -97,6 +101,19 @@ class MegatronOptimizer:
                     self._main_params[param] = main
         # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
         self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
+        self._expert_engine = (
+            model
+            if isinstance(model, DistributedDataParallel) and model.expert_layout is not None
+            else None
+        )
+
+    def _expert_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
+        where `param` is an expert split by the DDP engine's expert parallelism; else as is."""
+        engine = self._expert_engine
+        if engine is None or not engine.is_expert(param):
+            return tensor
+        return engine.expert_layout.replicated(tensor)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -121,14 +138,18 @@ class MegatronOptimizer:
         """
         if self._is_fsdp:
             return [p.grad for p in self.model.parameters() if p.grad is not None]
-        return [main.grad for main in self._main_params.values() if main.grad is not None]
+        return [
+            self._expert_view(param, main.grad)
+            for param, main in self._main_params.items()
+            if main.grad is not None
+        ]
 
     def get_main_params(self) -> list[torch.Tensor]:
         """The weights the optimizer steps, each once, placed as `get_main_grads()`' gradients:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
         if self._is_fsdp:
             return [p for p in self.model.parameters() if p.requires_grad]
-        return list(self._main_params.values())
+        return [self._expert_view(param, main) for param, main in self._main_params.items()]
 
     def get_params_norm(self) -> float:
         """The global L2 norm of the main weights in fp32, the same on every rank (what
@@ -259,9 +280,10 @@ class MegatronOptimizer:
         local = local_main_weights(module) if self._is_fsdp else {}
         names = {}
         for name, param in module.named_parameters():
+            placed = self._expert_view(param, param)
             for held in (param, local.get(param), self._main_params.get(param)):
                 if held is not None:
-                    names[id(held)] = (name, param)
+                    names[id(held)] = (name, placed)
         return names
 
     def _held(self) -> list[torch.Tensor]:
@@ -302,7 +324,7 @@ class MegatronOptimizer:
             }
             for group in self.optimizer.param_groups
         ]
-        masters = {names[id(main)][0]: main for _, main in self._masters}
+        masters = {names[id(main)][0]: self._expert_view(p, main) for p, main in self._masters}
         sharded = {"state": state, "fp32_from_fp16_params": masters, "param_groups": param_groups}
         if self.grad_scaler is not None and self.grad_scaler.state_dict():
             sharded["grad_scaler"] = self.grad_scaler.state_dict()
@@ -327,7 +349,7 @@ class MegatronOptimizer:
         names = self._parameter_names()
         params = dict(names.values())
         held = {names[id(tensor)][0]: tensor for tensor in self._held()}
-        masters = {names[id(main)][0]: main for _, main in self._masters}
+        masters = {names[id(main)][0]: self._expert_view(p, main) for p, main in self._masters}
         state: dict[str, dict[str, torch.Tensor]] = {}
         loaded_masters = {}
         scaler: dict[str, torch.Tensor] = {}

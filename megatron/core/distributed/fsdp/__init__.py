@@ -11,11 +11,12 @@ Library use::
 or, for a Megatron model from a `DistributedDataParallelConfig`, `FullyShardedDataParallel`.
 """
 
+from megatron.core.distributed.expert_parallel import is_expert_param
 from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex, ShardGroups
-from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard, is_expert_param
-from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard
 from megatron.core.distributed.fsdp.gradients import GradState
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.microbatch import (
     fsdp_contexts,
     fsdp_roots,

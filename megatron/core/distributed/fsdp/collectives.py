@@ -2,8 +2,10 @@
 
 Every all-gather, reduce-scatter and all-reduce of the engine goes through `Collectives`, so the
 policy of how they run lives here: which reduction op averages (NCCL has `AVG`, gloo and NCCL's
-symmetric kernels do not), skipping communication on single-rank groups, and where staging
-buffers come from (the caching allocator, or NCCL symmetric memory with `use_symm_mem`). The
+symmetric kernels do not; nor does any when the average is over more ranks than the group's, as
+for expert gradients, see `expert_parallel.py`), skipping communication on single-rank groups,
+and where staging buffers come from (the caching allocator, or NCCL symmetric memory with
+`use_symm_mem`). The
 calls are synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
 reduce-scatter stream on GPU), so the same code runs on CPU and GPU.
 
@@ -110,15 +112,19 @@ class Collectives:
         group: dist.ProcessGroup,
         *,
         average: bool,
+        divisor: int | None = None,
     ) -> None:
         """Reduces each of `inputs` (1-D, N equal blocks) over `group` into `outputs[i]`, this
-        rank's block of it, as one grouped collective: NCCL launches one kernel for all."""
+        rank's block of it, as one grouped collective: NCCL launches one kernel for all.
+        `average` divides the sum by `divisor` (default: the group's size)."""
+        divisor = divisor or group.size()
         if group.size() == 1:
             torch._foreach_copy_(outputs, inputs)
+            _finish_average(outputs, dist.ReduceOp.SUM, divisor, average)
             return
-        op = self._op(group, average, symmetric=False)
+        op = self._op(group, average, divisor, symmetric=False)
         _reduce_scatter_coalesced(outputs, inputs, op=op, group=group)
-        _finish_average(outputs, op, group, average)
+        _finish_average(outputs, op, divisor, average)
 
     def reduce_scatter(
         self,
@@ -127,34 +133,50 @@ class Collectives:
         group: dist.ProcessGroup,
         *,
         average: bool,
+        divisor: int | None = None,
     ) -> None:
-        """Reduces `input` over `group` and leaves this rank's 1/N slice of it in `output`."""
+        """Reduces `input` over `group` and leaves this rank's 1/N slice of it in `output`;
+        `average` divides the sum by `divisor` (default: the group's size)."""
+        divisor = divisor or group.size()
         if group.size() == 1:
             output.copy_(input)
+            _finish_average([output], dist.ReduceOp.SUM, divisor, average)
             return
         symmetric = self._is_symmetric(input)
-        op = self._op(group, average, symmetric)
+        op = self._op(group, average, divisor, symmetric)
         if symmetric:
             own = _own_block(input, group)
             _reduce_scatter_single(own, input, op=op, group=group)
             output.copy_(own)
         else:
             _reduce_scatter_single(output, input, op=op, group=group)
-        _finish_average([output], op, group, average)
+        _finish_average([output], op, divisor, average)
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, *, average: bool) -> None:
-        """Reduces `tensor` over `group` in place."""
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        average: bool,
+        divisor: int | None = None,
+    ) -> None:
+        """Reduces `tensor` over `group` in place; `average` divides the sum by `divisor`
+        (default: the group's size)."""
+        divisor = divisor or group.size()
         if group.size() == 1:
+            _finish_average([tensor], dist.ReduceOp.SUM, divisor, average)
             return
-        op = self._op(group, average, symmetric=False)
+        op = self._op(group, average, divisor, symmetric=False)
         dist.all_reduce(tensor, op=op, group=group)
-        _finish_average([tensor], op, group, average)
+        _finish_average([tensor], op, divisor, average)
 
     def _is_symmetric(self, tensor: torch.Tensor) -> bool:
         return self.symmetric is not None and self.symmetric.owns(tensor)
 
-    def _op(self, group: dist.ProcessGroup, average: bool, symmetric: bool) -> dist.ReduceOp:
-        if not average or symmetric:
+    def _op(
+        self, group: dist.ProcessGroup, average: bool, divisor: int, symmetric: bool
+    ) -> dist.ReduceOp:
+        if not average or symmetric or divisor != group.size():
             return dist.ReduceOp.SUM
         op = self._averages.get(group)
         if op is None:  # looked up once per group: `get_backend` costs a few us per call
@@ -221,8 +243,8 @@ def _wait(work: dist.Work | None) -> None:
 
 
 def _finish_average(
-    tensors: list[torch.Tensor], op: dist.ReduceOp, group: dist.ProcessGroup, average: bool
+    tensors: list[torch.Tensor], op: dist.ReduceOp, divisor: int, average: bool
 ) -> None:
-    """Divides SUMs into averages where `op` could not average itself."""
-    if average and op != dist.ReduceOp.AVG:
-        torch._foreach_div_(tensors, group.size())
+    """Divides SUMs into averages over `divisor` ranks where `op` could not average itself."""
+    if average and op != dist.ReduceOp.AVG and divisor != 1:
+        torch._foreach_div_(tensors, divisor)

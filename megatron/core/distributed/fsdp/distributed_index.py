@@ -6,6 +6,11 @@ the outer group across replicas (hybrid sharding), the group parameter all-gathe
 separate communicator when one was created, so all-gathers and reduce-scatters can overlap), and
 the `DeviceMesh` the main weights are DTensors over. A parameter group asks once, when it builds
 its buffers, and keeps the answer.
+
+Expert parameters (see `expert_parallel.py`) are sharded over the expert shard group (`expt_dp`,
+`intra_expt_dp` under hybrid sharding) and gathered over `expt_dp_ag`; with expert parallelism
+their mesh gains a first dimension, `ep`, over which the global experts are split, and their
+gradients' shard-level reductions divide by the dp x cp size rather than the group's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import resolve_data_parallel_group
+from megatron.core.distributed.expert_parallel import ep_size, expert_mesh
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 SHARD_DIM = "shard"
@@ -32,13 +38,16 @@ class ShardGroups:
         shard: the group model weights / gradients / main weights are sharded over.
         outer: the group across hybrid-sharding replicas, or None.
         all_gather: the communicator parameter all-gathers use (same ranks as `shard`).
-        mesh: (shard,) or (shard, outer) device mesh; main weights are DTensors over it.
+        mesh: (shard,) or (shard, outer) device mesh, with `ep` in front for experts split by
+            expert parallelism; main weights are DTensors over it.
+        ep: the expert-model-parallel group of experts split over two or more ranks, else None.
     """
 
     shard: dist.ProcessGroup
     outer: dist.ProcessGroup | None
     all_gather: dist.ProcessGroup
     mesh: DeviceMesh
+    ep: dist.ProcessGroup | None = None
 
     @property
     def shard_size(self) -> int:
@@ -47,6 +56,13 @@ class ShardGroups:
     @property
     def outer_size(self) -> int:
         return 1 if self.outer is None else self.outer.size()
+
+    @property
+    def grad_divisor(self) -> int:
+        """What a shard-level gradient reduction divides the sum by: the shard group's size,
+        times EP for experts, whose shard group holds 1/EP of the data-parallel ranks (the
+        outer reduction divides by the outer size, so the product is the dp x cp size)."""
+        return self.shard_size * ep_size(self.ep)
 
 
 class FSDPDistributedIndex:
@@ -58,6 +74,8 @@ class FSDPDistributedIndex:
         expert_shard_group: shard group of expert parameters (None: the model has none).
         all_gather_group: separate communicator for dense all-gathers (None: `shard_group`).
         expert_all_gather_group: separate communicator for expert all-gathers.
+        expert_model_parallel_group: the `ep` group splitting the experts (None or size 1:
+            every rank holds every expert).
         device: where buffers live; default: the current CUDA device under NCCL, else CPU.
 
     Raises:
@@ -72,10 +90,13 @@ class FSDPDistributedIndex:
         expert_shard_group: dist.ProcessGroup | None = None,
         all_gather_group: dist.ProcessGroup | None = None,
         expert_all_gather_group: dist.ProcessGroup | None = None,
+        expert_model_parallel_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
     ):
         if outer_group is not None and outer_group.size() == 1:
             outer_group = None
+        if expert_model_parallel_group is not None and expert_model_parallel_group.size() == 1:
+            expert_model_parallel_group = None
         _check_same_ranks(all_gather_group, shard_group, "dp_cp_ag", "the dense shard group")
         _check_same_ranks(
             expert_all_gather_group, expert_shard_group, "expt_dp_ag", "the expert shard group"
@@ -85,6 +106,7 @@ class FSDPDistributedIndex:
         self.expert_shard_group = expert_shard_group
         self.all_gather_group = all_gather_group
         self.expert_all_gather_group = expert_all_gather_group
+        self.expert_model_parallel_group = expert_model_parallel_group
         if device is None:
             on_gpu = dist.get_backend(shard_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
@@ -98,7 +120,8 @@ class FSDPDistributedIndex:
         """Reads the groups of `pg_collection` (None: parallel_state's, else the world).
 
         The dense shard group is `intra_dp_cp` when set (hybrid sharding), else `dp_cp`; the
-        outer group is `inter_dist_opt`; the all-gather groups are `dp_cp_ag` / `expt_dp_ag`.
+        outer group is `inter_dist_opt`; the all-gather groups are `dp_cp_ag` / `expt_dp_ag`;
+        experts are split over `ep`.
         """
         if pg_collection is None:
             if not parallel_state.model_parallel_is_initialized():
@@ -111,6 +134,7 @@ class FSDPDistributedIndex:
             expert_shard_group=pg_collection.intra_expt_dp or pg_collection.expt_dp,
             all_gather_group=pg_collection.dp_cp_ag,
             expert_all_gather_group=pg_collection.expt_dp_ag,
+            expert_model_parallel_group=pg_collection.ep,
             device=device,
         )
 
@@ -163,35 +187,43 @@ class FSDPDistributedIndex:
                     "intra_expt_dp), or initialise parallel_state."
                 )
             shard, all_gather = self.expert_shard_group, self.expert_all_gather_group
+            ep = self.expert_model_parallel_group
         else:
             shard, all_gather = self.shard_group, self.all_gather_group
+            ep = None
         return ShardGroups(
             shard=shard,
             outer=self.outer_group,
             all_gather=all_gather or shard,
-            mesh=_device_mesh(shard, self.outer_group, self.device.type),
+            mesh=_device_mesh(shard, self.outer_group, self.device.type, ep),
+            ep=ep,
         )
 
 
 def _device_mesh(
-    shard: dist.ProcessGroup, outer: dist.ProcessGroup | None, device_type: str
+    shard: dist.ProcessGroup,
+    outer: dist.ProcessGroup | None,
+    device_type: str,
+    ep: dist.ProcessGroup | None = None,
 ) -> DeviceMesh:
     # DeviceMesh equality ignores which communicators a mesh holds, and DTensor caches sharding
     # results by mesh; dimension names that carry the group names keep a mesh over destroyed
     # groups (same ranks, earlier `parallel_state`) from being served for this one.
-    shard_dim = f"{SHARD_DIM}:{shard.group_name}"
+    names = [f"{SHARD_DIM}:{shard.group_name}"]
+    groups = [shard]
+    ranks = torch.tensor(dist.get_process_group_ranks(shard), dtype=torch.int)
+    if outer is not None:
+        # A 2-D mesh needs every replica's shard ranks; each outer peer holds one replica.
+        replicas: list[list[int] | None] = [None] * outer.size()
+        dist.all_gather_object(replicas, ranks.tolist(), group=outer)
+        ranks = torch.tensor(replicas, dtype=torch.int).T  # [shard rank, outer rank]
+        names.append(f"{OUTER_DIM}:{outer.group_name}")
+        groups.append(outer)
+    if ep is not None:
+        return expert_mesh(ep, groups, ranks, device_type, tuple(names))
     if outer is None:
-        return DeviceMesh.from_group(shard, device_type, mesh_dim_names=(shard_dim,))
-    # A 2-D mesh needs every replica's shard ranks; each outer peer holds one replica.
-    replicas: list[list[int] | None] = [None] * outer.size()
-    dist.all_gather_object(replicas, dist.get_process_group_ranks(shard), group=outer)
-    mesh = torch.tensor(replicas, dtype=torch.int).T  # [shard rank, outer rank]
-    return DeviceMesh.from_group(
-        [shard, outer],
-        device_type,
-        mesh=mesh,
-        mesh_dim_names=(shard_dim, f"{OUTER_DIM}:{outer.group_name}"),
-    )
+        return DeviceMesh.from_group(shard, device_type, mesh_dim_names=tuple(names))
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=tuple(names))
 
 
 def _check_same_ranks(

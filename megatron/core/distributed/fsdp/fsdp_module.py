@@ -28,10 +28,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megatron.core.distributed.expert_parallel import is_expert_param
+from megatron.core.distributed.fsdp import optimizer_steps
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.context import FsdpContext
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
-from megatron.core.distributed.fsdp import optimizer_steps
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
@@ -39,11 +40,6 @@ from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 
 _owner_unit = WeakIdKeyDictionary()
 """Original parameter -> weakref of the unit that took it (to refuse sharing across units)."""
-
-
-def is_expert_param(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's rule: parameters under an `experts` module, or marked `allreduce=False`."""
-    return ".experts." in f".{name}." or getattr(param, "allreduce", True) is False
 
 
 class FsdpModule:

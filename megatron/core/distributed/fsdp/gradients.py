@@ -20,8 +20,10 @@ States (`GradState`) and transitions::
   (the all-reduce or reduce-scatter of locally accumulated gradients, the outer reduction of
   hybrid sharding) have not run. Every backward pass adds to it, however many run per forward
   or per step.
-- READY: finalised: the optimizer's `.grad` hold the reduced gradients. A further backward adds
-  to them (as torch accumulates into `.grad`), and finalising again adds its reduction.
+- READY: finalised: the optimizer's `.grad` hold the reduced gradients (averaged over the
+  data-parallel ranks; expert gradients over the dp x cp ranks too, see `expert_parallel.py`).
+  A further backward adds to them (as torch accumulates into `.grad`), and finalising again
+  adds its reduction.
 - CONSUMED: READY, after an optimizer step connected by `fully_shard_optimizer`: the next
   reduction replaces the gradients instead of adding to them.
 
@@ -257,10 +259,14 @@ class GroupGrads:
             else torch.empty(self._layout.shard_numel, dtype=comm_dtype, device=self._device)
         )
         if symmetric:
-            self.comm.reduce_scatter(out, sends[0], group, average=True)
+            self.comm.reduce_scatter(
+                out, sends[0], group, average=True, divisor=self._groups.grad_divisor
+            )
         else:
             outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
-            self.comm.reduce_scatter_tensors(outputs, sends, group, average=True)
+            self.comm.reduce_scatter_tensors(
+                outputs, sends, group, average=True, divisor=self._groups.grad_divisor
+            )
         if direct:
             return
         if fresh:
@@ -284,15 +290,19 @@ class GroupGrads:
                 self._layout.shard_numel, dtype=plan.precision.grad_comm, device=self._device
             )
             self.comm.reduce_scatter(
-                reduced, self._in_comm_dtype(main_grad.full), groups.shard, average=True
+                reduced,
+                self._in_comm_dtype(main_grad.full),
+                groups.shard,
+                average=True,
+                divisor=groups.grad_divisor,
             )
         else:
-            self._all_reduce(main_grad.full, groups.shard)
+            self._all_reduce(main_grad.full, groups.shard, groups.grad_divisor)
             reduced = main_grad.full
         if plan.outer_sharded:
             reduced = self._reduce_scatter_outer()
         elif plan.reduces_outer:
-            self._all_reduce(reduced, groups.outer)
+            self._all_reduce(reduced, groups.outer, groups.outer_size)
         if self.optim_grad is not None:
             self.optim_grad.data.add_(reduced)
             main_grad.release_storage()
@@ -301,9 +311,9 @@ class GroupGrads:
     def _in_comm_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.plan.precision.grad_comm)
 
-    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, divisor: int) -> None:
         staging = self._in_comm_dtype(tensor)
-        self.comm.all_reduce(staging, group, average=True)
+        self.comm.all_reduce(staging, group, average=True, divisor=divisor)
         if staging is not tensor:
             tensor.copy_(staging)
 

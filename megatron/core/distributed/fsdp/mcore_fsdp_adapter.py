@@ -157,7 +157,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads weights given as DTensors (as `state_dict()` returns) or as whole tensors
-        (each rank keeps its shard); compute weights refresh before the next forward.
+        of the DTensors' global shapes (each rank keeps its shard; of an expert parameter, all
+        experts); compute weights refresh before the next forward.
 
         Raises:
             ValueError: a whole tensor's shape differs from its parameter's.
@@ -176,7 +177,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
                         f"parameter has {tuple(param.shape)}; the checkpoint is of another model."
                     )
                 group, index = location[param]
-                group.load_full_tensor(index, value.to(group.device))
+                group.weights.load_global_tensor(index, value.to(group.device))
                 converted[key] = param
         return self.module.load_state_dict(converted, strict=strict)
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megatron.core.distributed.expert_parallel import global_expert_shape, local_expert_rows
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
@@ -174,9 +175,14 @@ class GroupWeights:
         self._observed_version = self.main_version()
         self._made_version = self._observed_version
 
+    def global_shape(self, index: int) -> torch.Size:
+        """The shape of parameter `index` as its DTensors show it: the module's, or for experts
+        split by expert parallelism the global `[num_experts, ...]`."""
+        return global_expert_shape(self.layout.shapes[index], self.groups.ep)
+
     def dtensor(self, local: torch.Tensor, index: int) -> DTensor:
         """`local` (this rank's part of parameter `index`) as a DTensor over the group's mesh."""
-        shape = self.layout.shapes[index]
+        shape = self.global_shape(index)
         with torch.no_grad():
             return DTensor.from_local(
                 local,
@@ -209,8 +215,15 @@ class GroupWeights:
     # Loading.
 
     @torch.no_grad()
+    def load_global_tensor(self, index: int, full: torch.Tensor) -> None:
+        """Writes parameter `index` from its global value (`global_shape(index)`: all experts
+        of an expert parameter), keeping only what this rank holds."""
+        self.load_full_tensor(index, local_expert_rows(full, self.groups.ep))
+
+    @torch.no_grad()
     def load_full_tensor(self, index: int, full: torch.Tensor) -> None:
-        """Writes parameter `index` from its whole value, keeping only what this rank holds.
+        """Writes parameter `index` from its whole value on this rank (the module's parameter:
+        for an expert parameter, this rank's experts), keeping only what this rank holds.
 
         The main weights get this rank's part, and the compute weights that persist are written
         directly (no communication), so weights in sync before stay in sync.

@@ -1,0 +1,141 @@
+"""How the data-parallel engines see expert parameters split by expert parallelism (EP).
+
+An expert parameter (`is_expert_param`: its name contains `.experts.`) holds the experts of this
+rank only: its dim 0 is the *local* expert index, and rank `r` of the expert-model-parallel
+group (`ep`) holds the global experts `r * E_local ... (r + 1) * E_local - 1`. Ranks with the
+same experts form the expert data-parallel group (`expt_dp`, the world over EP ranks); expert
+gradients are reduced there, dense ones over the whole data x context group.
+
+Everything the engines show outside (main weights, gradients and optimizer states as DTensors,
+checkpoints) is the *global* tensor `[num_experts, ...]`, split over `ep` along dim 0 first
+(`Shard(0)` on the mesh's first dimension), then as the engine shards it over `expt_dp`. So a
+checkpoint holds global experts and loads at any EP size, and the gradient norm all-reduces the
+expert partial sums over `ep` (different experts) but not over `expt_dp` replicas.
+
+Gradient scaling: an expert's gradient is the sum of what every rank's tokens contributed, and
+it must equal what it would be if the expert were replicated, i.e. averaged over the data x
+context ranks. The reduction over `expt_dp` therefore divides by the dp x cp size (the expert
+data-parallel size times EP), not by its own size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+def is_expert_param(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: parameters under an `experts` module, or marked `allreduce=False`."""
+    return ".experts." in f".{name}." or getattr(param, "allreduce", True) is False
+
+
+def expert_groups(
+    pg_collection: ProcessGroupCollection | None,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(ep, expt_dp) of `pg_collection`, else of `parallel_state` when initialised, else
+    (None, None): one rank holds every expert (EP = 1)."""
+    if pg_collection is None:
+        if not parallel_state.model_parallel_is_initialized():
+            return None, None
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    return pg_collection.ep, pg_collection.expt_dp
+
+
+def ep_size(group: dist.ProcessGroup | None) -> int:
+    """The size of an ep group (None: 1)."""
+    return 1 if group is None else group.size()
+
+
+def global_expert_shape(local_shape: torch.Size, ep: dist.ProcessGroup | None) -> torch.Size:
+    """The global shape `[num_experts, ...]` of an expert parameter of `local_shape`."""
+    return torch.Size((local_shape[0] * ep_size(ep), *local_shape[1:]))
+
+
+def local_expert_rows(full: torch.Tensor, ep: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's experts (a view) of a global expert tensor `[num_experts, ...]`."""
+    size = ep_size(ep)
+    if size == 1:
+        return full
+    rows = full.shape[0] // size
+    return full.narrow(0, ep.rank() * rows, rows)
+
+
+def expert_mesh(
+    ep: dist.ProcessGroup,
+    inner: list[dist.ProcessGroup],
+    inner_ranks: torch.Tensor,
+    device_type: str,
+    inner_names: tuple[str, ...],
+) -> DeviceMesh:
+    """A mesh (ep, *inner dims) for the global expert DTensors.
+
+    Args:
+        ep: the expert-model-parallel group (the mesh's first dimension).
+        inner: the groups of the other dimensions, in mesh order (e.g. expt_dp; or the expert
+            shard group and the outer group of hybrid sharding).
+        inner_ranks: this rank's global ranks of the inner dimensions, shaped like them.
+        device_type: "cpu" or "cuda".
+        inner_names: the names of the inner dimensions.
+
+    Every rank of `ep` must call it (the ep peers' inner ranks are all-gathered).
+    """
+    peers: list[list | None] = [None] * ep.size()
+    dist.all_gather_object(peers, inner_ranks.tolist(), group=ep)
+    return DeviceMesh.from_group(
+        [ep, *inner],
+        device_type,
+        mesh=torch.tensor(peers, dtype=torch.int),
+        mesh_dim_names=(f"ep:{ep.group_name}", *inner_names),
+    )
+
+
+class ExpertLayout:
+    """The expert groups of the DDP engine and the DTensors it shows its experts as.
+
+    Args:
+        ep: the expert-model-parallel group (size > 1).
+        expt_dp: the expert data-parallel group.
+        device_type: "cpu" or "cuda".
+    """
+
+    def __init__(self, ep: dist.ProcessGroup, expt_dp: dist.ProcessGroup, device_type: str):
+        self.ep = ep
+        self.expt_dp = expt_dp
+        # Group names in the dimension names: DTensor caches sharding decisions by mesh, and
+        # meshes over destroyed groups with the same ranks compare equal otherwise.
+        self.replicated_mesh = DeviceMesh.from_group(
+            ep, device_type, mesh_dim_names=(f"ep:{ep.group_name}",)
+        )
+        own = torch.tensor(dist.get_process_group_ranks(expt_dp), dtype=torch.int)
+        self.sharded_mesh = expert_mesh(
+            ep, [expt_dp], own, device_type, (f"expt_dp:{expt_dp.group_name}",)
+        )
+
+    def replicated(self, local: torch.Tensor) -> DTensor:
+        """`local`, this rank's experts (replicated over expt_dp), as the global DTensor."""
+        shape = global_expert_shape(local.shape, self.ep)
+        return _from_local(local, self.replicated_mesh, (Shard(0),), shape)
+
+    def sharded(self, rows: torch.Tensor, local_shape: torch.Size) -> DTensor:
+        """`rows`, this rank's dim-0 chunk over expt_dp of a parameter of `local_shape` (this
+        rank's experts), as the global DTensor."""
+        shape = global_expert_shape(local_shape, self.ep)
+        return _from_local(rows, self.sharded_mesh, (Shard(0), Shard(0)), shape)
+
+
+def _from_local(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size
+) -> DTensor:
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
+    )

@@ -1,0 +1,175 @@
+"""Training runs of an MoE model under each engine with expert parallelism, and the
+single-process reference they must match (shared by the engine and checkpoint tests).
+
+`Builder` is the model-builder signature (`moe_toy.build_toy_moe`): `builder(ep_group, device=)`
+returns a model taking `(inputs, labels, route)` and returning per-sample losses, whose MoE
+layers are of `layer_class`; a real GPT-MoE builder can be passed instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    FullyShardedDataParallel,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.distributed.moe_toy import ToyMoELayer, build_toy_moe, make_moe_batches
+
+Builder = Callable[..., torch.nn.Module]
+NUM_EXPERTS = 4
+MICROBATCHES = 2
+MICRO_BATCH = 2  # samples per rank and microbatch
+STEPS = 2
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine and its settings: "ddp" (optionally with the distributed optimizer) or
+    "fsdp" with a sharding strategy (and R outer replicas: hybrid sharding)."""
+
+    kind: str
+    strategy: str = "no_shard"
+    distributed_optimizer: bool = False
+    outer_strategy: str = "no_shard"
+    replicas: int = 1
+
+
+@dataclass
+class RunResult:
+    """What a run records: the global mean loss and grad norm of each step, and the final
+    global weights by name."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def optimizer_config(momentum: float = 0.0) -> OptimizerConfig:
+    # SGD is linear in the gradient: scaling errors show in the weights (Adam would normalise
+    # them away). Momentum gives the optimizer a state for checkpoints to carry.
+    return OptimizerConfig(
+        optimizer="sgd", lr=0.1, weight_decay=0.0, sgd_momentum=momentum, clip_grad=0.0
+    )
+
+
+def global_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole (global) value of a state-dict tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+
+
+def global_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: global_tensor(value) for name, value in state.items()}
+
+
+def init_groups(ep: int, replicas: int = 1) -> None:
+    """parallel_state with expert parallelism `ep` and all-gather communicators."""
+    parallel_state.initialize_model_parallel(
+        expert_model_parallel_size=ep,
+        num_distributed_optimizer_instances=replicas,
+        create_all_gather_group=True,
+    )
+
+
+def wrap(
+    module: torch.nn.Module, engine: Engine, layer_class: type = ToyMoELayer
+) -> torch.nn.Module:
+    """`module` under `engine`, over parallel_state's groups."""
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if engine.kind == "ddp":
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=engine.distributed_optimizer
+        )
+        return DistributedDataParallel(config, ddp_config, module, pg_collection=pg_collection)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=engine.strategy,
+        outer_dp_sharding_strategy=engine.outer_strategy,
+        num_distributed_optimizer_instances=engine.replicas,
+    )
+    return FullyShardedDataParallel(
+        config, ddp_config, module, fsdp_unit_modules=[layer_class], pg_collection=pg_collection
+    )
+
+
+def train_steps(
+    model: torch.nn.Module,
+    optimizer: MegatronOptimizer,
+    batches: list[tuple[torch.Tensor, ...]],
+    result: RunResult,
+    rank: int = 0,
+    world: int = 1,
+) -> None:
+    """One optimizer step per global batch, in `MICROBATCHES` microbatches (all but the last
+    under `no_sync()`), on this rank's share of each; appends to `result`."""
+    distributed = hasattr(model, "no_sync")
+    for batch in batches:
+        if distributed:
+            model.zero_grad_buffer()
+        optimizer.zero_grad()
+        total = torch.zeros(())
+        micro = [part.chunk(MICROBATCHES) for part in batch]
+        for m in range(MICROBATCHES):
+            inputs, labels, route = (part[m].chunk(world)[rank] for part in micro)
+            last = m == MICROBATCHES - 1
+            scope = model.no_sync() if distributed and not last else contextlib.nullcontext()
+            with scope:
+                loss = model(inputs, labels, route).mean() / MICROBATCHES
+                loss.backward()
+            total += loss.detach()
+        if distributed:
+            model.finish_grad_sync()
+            dist.all_reduce(total)
+            total /= world
+        _, grad_norm, _ = optimizer.step()
+        result.losses.append(float(total))
+        result.grad_norms.append(grad_norm)
+
+
+def global_batches(
+    world: int, steps: int = STEPS, num_experts: int = NUM_EXPERTS
+) -> list[tuple[torch.Tensor, ...]]:
+    return make_moe_batches(steps, world * MICROBATCHES * MICRO_BATCH, num_experts)
+
+
+def reference_run(
+    builder: Builder, batches: list[tuple[torch.Tensor, ...]], momentum: float = 0.0
+) -> RunResult:
+    """The model on one process (every expert local) over the whole global batches."""
+    model = builder(None)
+    result = RunResult()
+    train_steps(model, get_megatron_optimizer(optimizer_config(momentum), model), batches, result)
+    result.weights = global_state(model.state_dict())
+    return result
+
+
+def engine_run(
+    builder: Builder, engine: Engine, ep: int, batches: list[tuple[torch.Tensor, ...]]
+) -> RunResult:
+    """The model under `engine` with expert parallelism `ep` on every rank of the world."""
+    init_groups(ep, engine.replicas)
+    model = wrap(builder(parallel_state.get_expert_model_parallel_group()), engine)
+    result = RunResult()
+    optimizer = get_megatron_optimizer(optimizer_config(), model)
+    train_steps(model, optimizer, batches, result, dist.get_rank(), dist.get_world_size())
+    result.weights = global_state(model.state_dict())
+    return result
+
+
+def default_builder(
+    ep_group: dist.ProcessGroup | None, num_experts: int = NUM_EXPERTS, **kwargs
+) -> torch.nn.Module:
+    return build_toy_moe(ep_group, num_experts=num_experts, **kwargs)
