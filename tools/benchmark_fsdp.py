@@ -77,8 +77,8 @@ StepFn = Callable[[list[Batch]], torch.Tensor]
 """Runs one training step (every microbatch, then the optimizer); returns the detached loss."""
 
 
-def parse_args() -> argparse.Namespace:
-    """The flags, checked (bad ones exit through `parser.error`)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (`tools/benchmark_moe.py` adds its own)."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -120,7 +120,11 @@ def parse_args() -> argparse.Namespace:
         help="Megatron-FSDP gathers over its own process group (so all-gathers and "
         "reduce-scatters run concurrently), as Megatron-LM's --create-all-gather-group",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` checked and resolved (bad ones exit through `parser.error`)."""
     args.engines = [name.strip() for name in args.engines.split(",") if name.strip()]
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown or not args.engines or len(set(args.engines)) != len(args.engines):
@@ -547,7 +551,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     """Runs every requested engine in turn; rank 0 prints (and writes) the results."""
-    args = parse_args()
+    parser = build_parser()
+    args = check_args(parser, parser.parse_args())
     if args.deterministic:
         # cuBLAS reads this when it initialises (deterministic mode refuses to run without it).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -1,7 +1,9 @@
 """The GPT the benchmarking tools build: its command-line flags and its construction.
 
 Defaults are the 1.34B benchmark configuration (hidden 2048, 24 layers, 16 heads, vocab 32000,
-RoPE). Imported by the scripts in this folder (`python tools/<script>.py` puts it on the path).
+RoPE). With `--num-experts` every layer's MLP is a Mixture of Experts, split over the expert-
+parallel group `parallel_state` holds when the model is built. Imported by the scripts in this
+folder (`python tools/<script>.py` puts it on the path).
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -23,6 +28,16 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=micro_batch_size)
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    parser.add_argument("--swiglu", action="store_true", help="gated SiLU MLPs (Llama, Mixtral)")
+    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    parser.add_argument("--num-experts", type=int, default=None, help="MoE MLPs (default dense)")
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    parser.add_argument("--moe-grouped-gemm", action="store_true", help="one grouped GEMM")
+    parser.add_argument(
+        "--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall"
+    )
 
 
 def build_gpt(
@@ -40,16 +55,42 @@ def build_gpt(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
+        **_moe_fields(args),
     )
+    if config.num_moe_experts is None:
+        spec = get_gpt_layer_local_spec()
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(),
+        spec,
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
     )
     return config, model
+
+
+def _moe_fields(args: argparse.Namespace) -> dict:
+    """The MoE fields of the config (none for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    ep = 1
+    if parallel_state.model_parallel_is_initialized():
+        ep = parallel_state.get_expert_model_parallel_world_size()
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        expert_model_parallel_size=ep,
+    )

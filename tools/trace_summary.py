@@ -3,10 +3,11 @@
     python tools/trace_summary.py traces/megatron_fsdp_zero3_rank0.json [--steps 3]
 
 Prints, per step: the kernel time of each category (GEMM, attention, all-gather, reduce-scatter,
-other NCCL, optimizer, copies, other), how long the compute stream (the one running most GEMMs)
-was busy and idle, how much NCCL time ran while the compute stream was idle (exposed
-communication), the largest idle gaps of the compute stream with what the other streams ran
-meanwhile, and the CPU time spent blocked in CUDA runtime calls (synchronisation, allocation).
+all-to-all (NCCL's send/receive kernels: MoE token dispatch), other NCCL, optimizer, copies, other),
+how long the compute stream (the one running most GEMMs) was busy and idle, how much NCCL time ran
+while the compute stream was idle (exposed communication), the largest idle gaps of the compute
+stream with what the other streams ran meanwhile, and the CPU time spent blocked in CUDA runtime
+calls (synchronisation, allocation).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 _CATEGORIES = (
     ("all_gather", ("allgather",)),
     ("reduce_scatter", ("reducescatter",)),
+    ("all_to_all", ("sendrecv", "alltoall")),
     ("nccl_other", ("nccl",)),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass")),
     ("attention", ("flash", "fmha", "attention")),
@@ -59,7 +61,8 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return length(union(a)) - covered
 
 
-def summarize(path: str, steps: int) -> None:
+def read_kernels(path: str) -> tuple[list[dict], list[dict]]:
+    """(every event, the GPU kernel / memcpy / memset events) of a chrome trace."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [
@@ -67,10 +70,22 @@ def summarize(path: str, steps: int) -> None:
     ]
     if not kernels:
         raise SystemExit(f"{path} holds no GPU kernels: was it profiled with CUDA activity?")
-    by_category: collections.Counter[str] = collections.Counter()
+    return events, kernels
+
+
+def category_times(kernels: list[dict]) -> collections.Counter[str]:
+    """Kernel time (us) by category."""
+    times: collections.Counter[str] = collections.Counter()
+    for k in kernels:
+        times[category(k["name"])] += k["dur"]
+    return times
+
+
+def summarize(path: str, steps: int) -> None:
+    events, kernels = read_kernels(path)
+    by_category = category_times(kernels)
     gemm_time: collections.Counter[int] = collections.Counter()
     for k in kernels:
-        by_category[category(k["name"])] += k["dur"]
         if category(k["name"]) == "gemm":
             gemm_time[k["args"].get("stream", -1)] += k["dur"]
     compute = gemm_time.most_common(1)[0][0]

@@ -157,11 +157,16 @@ def reference_run(
 
 
 def engine_run(
-    builder: Builder, engine: Engine, ep: int, batches: list[tuple[torch.Tensor, ...]]
+    builder: Builder,
+    engine: Engine,
+    ep: int,
+    batches: list[tuple[torch.Tensor, ...]],
+    layer_class: type = ToyMoELayer,
 ) -> RunResult:
-    """The model under `engine` with expert parallelism `ep` on every rank of the world."""
+    """The model under `engine` with expert parallelism `ep` on every rank of the world (FSDP
+    units: the `layer_class` modules)."""
     init_groups(ep, engine.replicas)
-    model = wrap(builder(parallel_state.get_expert_model_parallel_group()), engine)
+    model = wrap(builder(parallel_state.get_expert_model_parallel_group()), engine, layer_class)
     result = RunResult()
     optimizer = get_megatron_optimizer(optimizer_config(), model)
     train_steps(model, optimizer, batches, result, dist.get_rank(), dist.get_world_size())

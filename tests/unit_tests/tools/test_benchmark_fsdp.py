@@ -26,11 +26,11 @@ TINY = (
 
 
 def run_tool(
-    *args: str, nproc: int | None = 2, timeout: float = 120
+    *args: str, nproc: int | None = 2, timeout: float = 120, tool: Path = TOOL
 ) -> subprocess.CompletedProcess:
-    """Runs the tool (through torchrun when `nproc` is given) from the repository root."""
+    """Runs `tool` (through torchrun when `nproc` is given) from the repository root."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command = [sys.executable, *(launcher if nproc else []), str(TOOL), *args]
+    command = [sys.executable, *(launcher if nproc else []), str(tool), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(

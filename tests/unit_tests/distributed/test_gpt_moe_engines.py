@@ -1,0 +1,114 @@
+"""The GPT with MoE layers (router, all-to-all dispatch, stacked experts) under the data-parallel
+engines: at EP 1, 2 and 4 on 4 gloo ranks, under the DDP engine and the Megatron-FSDP strategies,
+it trains exactly as one process running the whole global batch with every expert local (losses,
+gradient norms, global weights after SGD steps with gradient accumulation)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from tests.unit_tests.distributed.moe_training import (
+    MICRO_BATCH,
+    MICROBATCHES,
+    STEPS,
+    Engine,
+    engine_run,
+    reference_run,
+)
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, tiny_gpt_config
+
+WORLD = 4
+NUM_EXPERTS = 4
+
+
+class GPTLosses(torch.nn.Module):
+    """A GPT whose forward takes the engine tests' `(inputs, labels, route)` and returns the
+    per-sample mean loss (the GPT routes tokens itself: `route` is unused)."""
+
+    def __init__(self, gpt: GPTModel):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, route: torch.Tensor):
+        return self.gpt(tokens, labels=labels).mean(dim=1)
+
+
+def build_gpt_moe(
+    ep_group: dist.ProcessGroup | None, dispatcher: str, device: str = "cpu"
+) -> GPTLosses:
+    """A 2-layer GPT whose second layer is MoE (4 experts, top-2, SwiGLU, a z-loss), the same
+    global weights at every EP size."""
+    config = tiny_gpt_config(
+        num_moe_experts=NUM_EXPERTS,
+        moe_ffn_hidden_size=24,
+        moe_router_topk=2,
+        moe_layer_freq=[0, 1],
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type="none",
+        moe_z_loss_coeff=1e-2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        expert_model_parallel_size=1 if ep_group is None else ep_group.size(),
+    )
+    torch.manual_seed(1234)
+    with torch.device(device):
+        gpt = GPTModel(
+            config,
+            get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+            vocab_size=VOCAB_SIZE,
+            max_sequence_length=SEQ_LENGTH,
+            position_embedding_type="rope",
+        )
+    return GPTLosses(gpt)
+
+
+def token_batches() -> list[tuple[torch.Tensor, ...]]:
+    """(tokens, labels, unused route) global batches."""
+    generator = torch.Generator().manual_seed(0)
+    size = WORLD * MICROBATCHES * MICRO_BATCH
+    batches = []
+    for _ in range(STEPS):
+        data = torch.randint(0, VOCAB_SIZE, (size, SEQ_LENGTH + 1), generator=generator)
+        batches.append((data[:, :-1], data[:, 1:], torch.zeros(size, dtype=torch.long)))
+    return batches
+
+
+def _compare(engine: Engine, ep_sizes: tuple[int, ...], dispatcher: str) -> None:
+    batches = token_batches()
+    builder = functools.partial(build_gpt_moe, dispatcher=dispatcher)
+    expected = reference_run(builder, batches)
+    for ep in ep_sizes:
+        actual = engine_run(builder, engine, ep, batches, layer_class=TransformerLayer)
+        parallel_state.destroy_model_parallel()
+        torch.testing.assert_close(actual.losses, expected.losses, msg=f"EP={ep} losses")
+        torch.testing.assert_close(actual.grad_norms, expected.grad_norms, msg=f"EP={ep} norms")
+        assert actual.weights.keys() == expected.weights.keys()
+        for name, weight in expected.weights.items():
+            torch.testing.assert_close(actual.weights[name], weight, msg=f"EP={ep} {name}")
+
+
+@pytest.mark.parametrize(
+    "engine, ep_sizes, dispatcher",
+    [
+        (Engine("ddp"), (1, 2, 4), "alltoall"),
+        (Engine("ddp", distributed_optimizer=True), (2,), "allgather"),
+        (Engine("fsdp", "no_shard"), (4,), "alltoall"),
+        (Engine("fsdp", "optim"), (2,), "alltoall"),
+        (Engine("fsdp", "optim_grads"), (4,), "allgather"),
+        (Engine("fsdp", "optim_grads_params"), (1, 2, 4), "alltoall"),
+        (Engine("fsdp", "optim_grads_params", replicas=2), (2,), "alltoall"),
+    ],
+    ids=["ddp", "ddp_distopt", "no_shard", "optim", "optim_grads", "zero3", "hsdp"],
+)
+def test_gpt_moe_trains_as_one_process_at_every_ep_size(engine, ep_sizes, dispatcher):
+    run_distributed(_compare, WORLD, engine, ep_sizes, dispatcher)

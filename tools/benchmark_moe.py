@@ -1,0 +1,162 @@
+"""Trains one Mixture-of-Experts GPT under Megatron-FSDP at several expert-parallel sizes and under
+PyTorch FSDP2, and compares their step times, rates and the time spent in the token all-to-all.
+
+The model defaults to the MoE benchmark configuration: hidden 2048, 16 layers, 16 heads, 8 experts
+with SwiGLU width 5632 (Mixtral's shape, scaled), top-2 routing, vocab 32000, seq 2048,
+micro-batch 2. Megatron-FSDP engines (and `ddp`) run once per expert-parallel size of
+`--expert-parallel-sizes` (default: the world size, halved down to 1); at EP 1 the experts are
+sharded like dense weights and no token leaves its rank. `fsdp2` (and `single`) run at EP 1:
+FSDP2 shards the stacked expert weights like any other and routes tokens locally.
+
+TFLOP/s/GPU counts the FLOPs of the active parameters (the top-k experts a token visits), as
+Megatron-LM's formula does. The all-to-all column is the GPU time of NCCL's send/receive kernels
+per step, from `PROFILED_STEPS` profiled steps after the timed ones (rank 0's trace).
+
+    torchrun --nproc-per-node 4 tools/benchmark_moe.py --bf16 --moe-grouped-gemm
+    # tiny, on CPU (gloo):
+    torchrun --nproc-per-node 2 tools/benchmark_moe.py --num-layers 2 --hidden-size 64 \\
+        --num-attention-heads 4 --vocab-size 128 --seq-length 32 --num-experts 4 \\
+        --moe-ffn-hidden-size 64 --steps 2 --warmup-steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+# Runnable from a checkout without installing the package (as Megatron-LM's tools are).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import benchmark_fsdp as bench
+from gpt_benchmark_model import build_gpt
+from trace_summary import category_times, read_kernels
+
+from megatron.core import parallel_state
+
+EXPERT_PARALLEL_ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "ddp")
+"""Engines that split experts over the expert-parallel group; the others run at EP 1."""
+
+
+def parse_args() -> argparse.Namespace:
+    """The flags of `benchmark_fsdp.py` with the MoE model's defaults, and the EP sizes."""
+    parser = bench.build_parser()
+    parser.description = __doc__.splitlines()[0]
+    parser.set_defaults(
+        engines="megatron_fsdp_zero3,fsdp2",
+        num_layers=16,
+        num_experts=8,
+        moe_ffn_hidden_size=5632,
+        swiglu=True,
+    )
+    parser.add_argument(
+        "--expert-parallel-sizes",
+        default=None,
+        help="comma-separated EP sizes for the expert-parallel engines (default: the world size "
+        "halved down to 1)",
+    )
+    args = bench.check_args(parser, parser.parse_args())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.expert_parallel_sizes is None:
+        sizes, size = [], world
+        while size >= 1:
+            sizes.append(size)
+            size //= 2
+    else:
+        sizes = [int(size) for size in args.expert_parallel_sizes.split(",") if size.strip()]
+    bad = [size for size in sizes if size < 1 or world % size or args.num_experts % size]
+    if not sizes or bad:
+        parser.error(
+            f"--expert-parallel-sizes {sizes}: each must divide the world size ({world}) and "
+            f"--num-experts ({args.num_experts})."
+        )
+    args.expert_parallel_sizes = sizes
+    return args
+
+
+def set_expert_parallel_size(size: int, create_all_gather_group: bool) -> None:
+    """(Re)initialises `parallel_state` with `size` ranks splitting the experts."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        expert_model_parallel_size=size, create_all_gather_group=create_all_gather_group
+    )
+
+
+def run(name: str, ep: int, args: argparse.Namespace, device: torch.device, traces: str) -> dict:
+    """One table row: engine `name` at expert-parallel size `ep`, profiled into `traces`."""
+    set_expert_parallel_size(ep, args.create_all_gather_group)
+    with torch.device("meta"):
+        config, _ = build_gpt(args)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    label = f"{name}_ep{ep}" if name in EXPERT_PARALLEL_ENGINES else name
+    run_args = copy.copy(args)
+    # The all-to-all time comes from the GPU kernels of a trace: CPU runs profile on request only.
+    if device.type == "cuda" or args.profile:
+        run_args.profile = os.path.join(traces, label)
+    row = bench.summarize(name, bench.run_engine(name, run_args, device), args, config, device)
+    row["engine"] = label
+    row["all_to_all_ms"] = None
+    if device.type == "cuda":
+        trace = os.path.join(run_args.profile, f"{name}_rank{dist.get_rank()}.json")
+        _, kernels = read_kernels(trace)
+        row["all_to_all_ms"] = category_times(kernels)["all_to_all"] / 1e3 / bench.PROFILED_STEPS
+    return row
+
+
+def main() -> None:
+    """Runs every engine at each of its EP sizes; rank 0 prints (and writes) the results."""
+    args = parse_args()
+    device = bench.init_distributed(torch.device(args.device).type)
+    traces = args.profile or tempfile.mkdtemp(prefix="benchmark_moe_")  # GPU runs profile always
+    set_expert_parallel_size(1, args.create_all_gather_group)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in build_gpt(args)[1].parameters())
+    rows = []
+    for name in args.engines:
+        sizes = args.expert_parallel_sizes if name in EXPERT_PARALLEL_ENGINES else [1]
+        rows.extend(run(name, ep, args, device, traces) for ep in sizes)
+    single = next((r["step_ms"] for r in rows if r["engine"] == "single"), None)
+    fsdp2 = next((r for r in rows if r["engine"] == "fsdp2"), None)
+    for row in rows:
+        row["vs_single"] = row["step_ms"] / single if single else None
+        if fsdp2 is not None:
+            row["tokens_vs_fsdp2"] = row["tokens_per_s_per_gpu"] / fsdp2["tokens_per_s_per_gpu"]
+    if dist.get_rank() == 0:
+        result = {
+            "config": {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "world_size": dist.get_world_size(),
+                "torch": torch.__version__,
+                "params": num_params,
+                **{k: v for k, v in vars(args).items() if k not in ("json_out", "profile")},
+            },
+            "rows": rows,
+        }
+        bench.print_table(rows)
+        for row in rows:
+            a2a = "-" if row["all_to_all_ms"] is None else f"{row['all_to_all_ms']:.2f} ms"
+            ratio = row.get("tokens_vs_fsdp2")
+            versus = "" if ratio is None else f", tokens/s {ratio:.2f}x fsdp2's"
+            print(f"  {row['engine']}: all-to-all {a2a} per step{versus}")
+        print(json.dumps(result))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f, indent=1)
+    gc.collect()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
