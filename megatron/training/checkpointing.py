@@ -107,6 +107,25 @@ MODEL_ARGS = (
 """Arguments a checkpoint's model must share with the model loading it: they fix its shapes
 or what its weights mean."""
 
+MOE_MODEL_ARGS = (
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_gate",
+)
+"""The same for the MoE layers: their shapes, which layers they are, and the routing the router
+weights were trained for (checked where the checkpoint recorded them). Not the parallel sizes:
+expert tensors are saved whole (`[num_experts, ...]`), so a checkpoint loads at any
+--expert-model-parallel-size."""
+
 _FLAG_NAMES = {
     "layernorm_epsilon": "--norm-epsilon",
     "layernorm_zero_centered_gamma": "--apply-layernorm-1p",
@@ -441,7 +460,7 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
     differ = [
         f"{_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))} {saved.get(name)} "
         f"(here {getattr(args, name)})"
-        for name in MODEL_ARGS
+        for name in (*MODEL_ARGS, *MOE_MODEL_ARGS)
         if name in saved and saved.get(name) != getattr(args, name, None)
     ]
     if differ:
