@@ -1,19 +1,23 @@
-"""Converts Hugging Face Llama-family checkpoints to this project's checkpoints, and back.
+"""Converts Hugging Face Llama-family checkpoints (and Mixtral, Qwen2-MoE) to this project's
+checkpoints, and back.
 
     # A local Hugging Face model directory (config.json, *.safetensors, its tokenizer) ->
     # a weights-only checkpoint, and the model flags that build the matching model:
     python tools/convert_hf.py import --hf-dir Llama-3.2-1B --save ckpts/llama \\
         --flags-file llama.flags
-    python pretrain_gpt.py $(cat llama.flags) --load ckpts/llama --finetune --save ckpts/ft ...
+    eval "flags=($(cat llama.flags))"  # the file is one line of shell words
+    python pretrain_gpt.py "${flags[@]}" --load ckpts/llama --finetune --save ckpts/ft ...
 
     # A checkpoint (the tracker's iteration, or --ckpt-step) -> a directory that
     # transformers.AutoModelForCausalLM.from_pretrained() loads:
     python tools/convert_hf.py export --load ckpts/ft --hf-dir llama-ft
 
 Supported: LlamaForCausalLM (Llama 2 and 3, with Llama 3's RoPE scaling), MistralForCausalLM
-(without sliding-window attention) and Qwen2ForCausalLM (its QKV bias), tied or untied
-embeddings. Both directions stream: a tensor (import) or a transformer layer (export) at a
-time is in memory, never the model. Nothing is overwritten without --force.
+(without sliding-window attention), Qwen2ForCausalLM (its QKV bias), tied or untied
+embeddings, and the Mixture-of-Experts MixtralForCausalLM and Qwen2MoeForCausalLM (shared
+expert, dense layers). Both directions stream: a tensor (import; an MoE layer's stacked experts)
+or a transformer layer (export) at a time is in memory, never the model. Nothing is
+overwritten without --force.
 `docs/hugging_face.md` explains the use; `megatron.training.hf_conversion` does the work.
 """
 
@@ -33,7 +37,8 @@ from megatron.training.hf_conversion import export_hf, import_hf  # noqa: E402
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses the subcommand and its flags."""
     parser = argparse.ArgumentParser(
-        description="Convert Hugging Face Llama-family checkpoints to this project's and back."
+        description="Convert Hugging Face Llama-family (and Mixtral, Qwen2-MoE) checkpoints to "
+        "this project's and back."
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -49,7 +54,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--target-tp", type=int, default=1, help="tensor-parallel size (only 1: not built)."
     )
     to_ours.add_argument(
-        "--target-ep", type=int, default=1, help="expert-parallel size (only 1: not built)."
+        "--target-ep",
+        type=int,
+        default=1,
+        help="expert-parallel size to train at: checked against the experts and added to the "
+        "flags (the checkpoint loads at any).",
     )
     to_ours.add_argument(
         "--force", action="store_true", help="replace an existing checkpoint and flags file."

@@ -112,10 +112,19 @@ MOE_MODEL_ARGS = (
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
     "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_gate",
 )
-"""The same for the MoE layers (checked where the checkpoint recorded them; a dense model's
-exports need none). Not the parallel sizes: expert tensors are saved whole (`[num_experts,
-...]`), so a checkpoint loads at any --expert-model-parallel-size."""
+"""The same for the MoE layers: their shapes, which layers they are, and the routing the router
+weights were trained for (checked where the checkpoint recorded them). Not the parallel sizes:
+expert tensors are saved whole (`[num_experts, ...]`), so a checkpoint loads at any
+--expert-model-parallel-size."""
 
 _FLAG_NAMES = {
     "layernorm_epsilon": "--norm-epsilon",

@@ -1,5 +1,5 @@
-"""Hugging Face Llama-family checkpoints to this project's checkpoints and back
-(`tools/convert_hf.py`; `docs/hugging_face.md` describes the use)."""
+"""Hugging Face Llama-family checkpoints (and Mixtral, Qwen2-MoE) to this project's checkpoints
+and back (`tools/convert_hf.py`; `docs/hugging_face.md` describes the use)."""
 
 from megatron.training.hf_conversion.config import (
     SUPPORTED_ARCHITECTURES,

@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> the flags of this project's GPT model, for Llama-family models.
+"""Hugging Face `config.json` <-> the flags of this project's GPT model, for Llama-family models
+(and their Mixture-of-Experts kin, Mixtral and Qwen2-MoE, whose MoE fields `moe.py` converts).
 
 `model_args_from_hf_config` reads a `config.json` (as transformers 4 or 5 writes it) of one of
 `SUPPORTED_ARCHITECTURES` into the values `pretrain_gpt.py`'s flags give (their `argparse`
@@ -7,9 +8,9 @@ compute; `model_flags` spells those values as the flags to train with, and
 `hf_config_from_model_args` goes back, for a checkpoint that has no Hugging Face config.
 
 A Llama-family model here is: RoPE in the rotate-half layout (Megatron's default), RMSNorm
-before attention and MLP, a SwiGLU MLP, no biases except Qwen2's on the query, key and value
-projections, optionally grouped-query attention, Llama 3's RoPE frequency scaling and tied
-embeddings.
+before attention and MLP, a SwiGLU MLP (or SwiGLU experts), no biases except Qwen2's (and
+Qwen2-MoE's) on the query, key and value projections, optionally grouped-query attention,
+Llama 3's RoPE frequency scaling and tied embeddings.
 """
 
 from __future__ import annotations
@@ -21,21 +22,36 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import llama3_inv_freq
-from megatron.training.checkpoint_layout import CheckpointError
 from megatron.training.checkpointing import MODEL_ARGS
 from megatron.training.configs_from_args import flag
+from megatron.training.hf_conversion.config_fields import HFConversionError, integer_field
+from megatron.training.hf_conversion.moe import (
+    MOE_ARCHITECTURES,
+    MOE_MODEL_ARGS,
+    QWEN2_MOE,
+    moe_args_from_hf_config,
+    moe_flags,
+    moe_hf_config,
+)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-"""What `import` converts: Llama 2 and 3 (and other Llama-architecture models), Mistral, Qwen2."""
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    *MOE_ARCHITECTURES,
+)
+"""What `import` converts: Llama 2 and 3 (and other Llama-architecture models), Mistral, Qwen2,
+Mixtral and Qwen2-MoE."""
 
-_NOT_BUILT = {"MixtralForCausalLM": "MoE"}
-"""Architectures of the family whose layers this project does not build yet."""
+_QKV_BIAS = ("Qwen2ForCausalLM", QWEN2_MOE)
+"""The architectures whose query, key and value projections have biases."""
 
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": QWEN2_MOE,
 }
 """`model_type` -> architecture, for a `config.json` without `architectures`."""
 
@@ -69,6 +85,7 @@ ARCHITECTURE_ARGS = tuple(
     dict.fromkeys(
         [
             *(name for name in MODEL_ARGS if name not in _NOT_FUNCTION_ARGS),
+            *MOE_MODEL_ARGS,
             *LLAMA_FAMILY_ARGS,
             "use_rope_scaling",
             "rotary_seq_len_interpolation_factor",
@@ -85,11 +102,6 @@ _LLAMA3_DEFAULTS = {
     if name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 }
 """Llama 3's RoPE scaling parameters the model uses; only the factor is a flag."""
-
-
-class HFConversionError(CheckpointError):
-    """A Hugging Face checkpoint or config this project cannot convert; the message says why
-    and what to do."""
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -127,11 +139,6 @@ def architecture(config: Mapping[str, Any]) -> str:
     """
     names = config.get("architectures") or []
     name = names[0] if len(names) == 1 else _MODEL_TYPES.get(config.get("model_type", ""))
-    if name in _NOT_BUILT:
-        raise HFConversionError(
-            f"{name} needs {_NOT_BUILT[name]}, which is not built yet; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
     if name not in SUPPORTED_ARCHITECTURES:
         stated = name or names or config.get("model_type") or "no architecture"
         raise HFConversionError(
@@ -145,22 +152,23 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
     Returns:
         `LLAMA_FAMILY_ARGS` and the model's sizes, attention, RoPE and norm values,
-        `max_position_embeddings`, `attention_dropout` and `hidden_dropout`; the vocabulary's
-        are `vocab_args`'s.
+        `max_position_embeddings`, `attention_dropout`, `hidden_dropout` and the MoE flags'
+        (`moe.MOE_ARGS`, their defaults for a dense model); the vocabulary's are
+        `vocab_args`'s.
 
     Raises:
         HFConversionError: an unsupported architecture or a feature this project does not
             compute (named, with the supported alternative).
     """
     name = architecture(config)
-    heads = _integer(config, "num_attention_heads")
-    hidden = _integer(config, "hidden_size")
+    heads = integer_field(config, "num_attention_heads")
+    hidden = integer_field(config, "hidden_size")
     groups = (
         heads
         if config.get("num_key_value_heads") is None
-        else _integer(config, "num_key_value_heads")
+        else integer_field(config, "num_key_value_heads")
     )
-    head_dim = _integer(config, "head_dim") if config.get("head_dim") else hidden // heads
+    head_dim = integer_field(config, "head_dim") if config.get("head_dim") else hidden // heads
     if heads % groups:
         raise HFConversionError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}."
@@ -176,24 +184,25 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     _check_biases(config, name)
     _check_full_attention(config, name)
-    max_positions = _integer(config, "max_position_embeddings")
+    max_positions = integer_field(config, "max_position_embeddings")
     args = {
         **LLAMA_FAMILY_ARGS,
-        "num_layers": _integer(config, "num_hidden_layers"),
+        "num_layers": integer_field(config, "num_hidden_layers"),
         "hidden_size": hidden,
-        "ffn_hidden_size": _integer(config, "intermediate_size"),
+        "ffn_hidden_size": integer_field(config, "intermediate_size"),
         "num_attention_heads": heads,
         "group_query_attention": groups != heads,
         "num_query_groups": groups,
         "kv_channels": head_dim,
         "max_position_embeddings": max_positions,
         "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
-        "add_qkv_bias": name == "Qwen2ForCausalLM",
+        "add_qkv_bias": name in _QKV_BIAS and bool(config.get("qkv_bias", True)),
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         "attention_dropout": float(config.get("attention_dropout", 0.0)),
         "hidden_dropout": 0.0,
     }
     args.update(_rope_args(config))
+    args.update(moe_args_from_hf_config(config, name))
     return args
 
 
@@ -203,7 +212,7 @@ def hf_vocab_size(config: Mapping[str, Any]) -> int:
     Raises:
         HFConversionError: it is missing or not a positive integer.
     """
-    return _integer(config, "vocab_size")
+    return integer_field(config, "vocab_size")
 
 
 def vocab_args(
@@ -275,6 +284,7 @@ def model_flags(args: Mapping[str, Any]) -> list[str]:
         flags.append("--add-qkv-bias")
     if args["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += moe_flags(args)
     flags += ["--attention-dropout", args["attention_dropout"]]
     flags += ["--hidden-dropout", args["hidden_dropout"]]
     if "tokenizer_type" in args:
@@ -289,8 +299,9 @@ def model_flags(args: Mapping[str, Any]) -> list[str]:
 def hf_config_from_model_args(
     args: Mapping[str, Any], vocab_size: int, dtype: str
 ) -> dict[str, Any]:
-    """A `config.json` for weights of the model the flag values `args` describe: Qwen2's with
-    a QKV bias, else Llama's, in the keys transformers 4 and 5 both read.
+    """A `config.json` for weights of the model the flag values `args` describe: for a dense
+    model Qwen2's with a QKV bias, else Llama's; for an MoE model Qwen2-MoE's with shared
+    experts, else Mixtral's (`moe.moe_hf_config`); in the keys transformers 4 and 5 both read.
 
     Args:
         args: The model's flag values (a checkpoint's saved arguments).
@@ -298,9 +309,10 @@ def hf_config_from_model_args(
         dtype: The weights' dtype ("bfloat16", ...).
 
     Raises:
-        HFConversionError: the flags describe a model no Llama or Qwen2 config computes.
+        HFConversionError: the flags describe a model none of those configs computes.
     """
     check_llama_family(args)
+    moe = args.get("num_experts") is not None
     qwen2 = args["add_qkv_bias"]
     config: dict[str, Any] = {
         "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
@@ -321,7 +333,9 @@ def hf_config_from_model_args(
         "attention_dropout": args.get("attention_dropout", 0.0),
         "torch_dtype": dtype,
     }
-    if not qwen2:
+    if moe:
+        config.update(moe_hf_config(args))
+    elif not qwen2:
         config.update(attention_bias=False, mlp_bias=False)
     if args["use_rope_scaling"]:
         config["rope_scaling"] = {
@@ -352,16 +366,9 @@ def check_llama_family(args: Mapping[str, Any]) -> None:
         )
 
 
-def _integer(config: Mapping[str, Any], key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise HFConversionError(f"config.json's {key} is {value!r}; a positive integer is needed.")
-    return value
-
-
 def _check_biases(config: Mapping[str, Any], name: str) -> None:
-    if name == "Qwen2ForCausalLM":
-        return  # always a QKV bias, never another
+    if name in _QKV_BIAS:
+        return  # a QKV bias (or not: qkv_bias), never another
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise HFConversionError(
@@ -375,7 +382,7 @@ def _check_full_attention(config: Mapping[str, Any], name: str) -> None:
     layer_types = config.get("layer_types") or []
     windowed = any(kind != "full_attention" for kind in layer_types)
     window = config.get("sliding_window")
-    if name == "Qwen2ForCausalLM":
+    if name in _QKV_BIAS:  # Qwen2's and Qwen2-MoE's window applies with use_sliding_window
         windowed = windowed or bool(config.get("use_sliding_window"))
     elif window is not None and window < config.get("max_position_embeddings", 0):
         windowed = True

@@ -4,13 +4,15 @@
 (iteration 0) that `pretrain_gpt.py --load DIR --finetune` trains, and returns the model flags
 that build the matching model. Each tensor of the checkpoint is made from its Hugging Face
 tensors only when torch.distributed.checkpoint writes it, into a data file of its own, so the
-memory held is one tensor and its sources (a fused QKV or fc1 matrix and its parts), never the
-model. The checkpoint's `common.pt` records the model flags' values (`args`, which loading
-checks against the model's) and the Hugging Face `config.json` (`HF_CONFIG_KEY`).
+memory held is one tensor and its sources (a fused QKV or fc1 matrix and its parts, or an MoE
+layer's stacked experts and each expert's matrices), never the model. The checkpoint's
+`common.pt` records the model flags' values (`args`, which loading checks against the model's)
+and the Hugging Face `config.json` (`HF_CONFIG_KEY`). Expert tensors are written whole
+([num_experts, ...]), so the checkpoint loads at any expert-parallel size.
 
 `export_hf` writes a checkpoint's model weights as a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads: `config.json` (the one recorded at
-import, one given, or Llama's or Qwen2's derived from the saved flags), one safetensors file
+import, one given, or one derived from the saved flags), one safetensors file
 per transformer layer (plus one for the embedding and one for the final norm and output
 layer) and their index. It reads and writes one such group at a time.
 """
@@ -50,6 +52,7 @@ from megatron.training.hf_conversion.config import (
     read_hf_config,
     vocab_args,
 )
+from megatron.training.hf_conversion.moe import DENSE_MOE_ARGS
 from megatron.training.hf_conversion.safetensors_files import HFWeights, write_index, write_shard
 from megatron.training.hf_conversion.tensors import (
     IGNORED_SUFFIXES,
@@ -106,15 +109,14 @@ def import_hf(
             config; nothing was written.
         CheckpointError: the checkpoint or `flags_file` exists (without `force`).
     """
-    parallel = {"--target-tp": (target_tp, "tensor"), "--target-ep": (target_ep, "expert")}
-    for option, (size, kind) in parallel.items():
-        if size != 1:
-            raise HFConversionError(
-                f"{option} {size}: {kind} parallelism is not built yet; convert with {option} 1 "
-                "(the checkpoint loads at any data-parallel size)."
-            )
+    if target_tp != 1:
+        raise HFConversionError(
+            f"--target-tp {target_tp}: tensor parallelism is not built yet; convert with "
+            "--target-tp 1 (the checkpoint loads at any data-parallel size)."
+        )
     config = read_hf_config(hf_dir)
     args = model_args_from_hf_config(config)
+    _check_target_ep(target_ep, args["num_experts"])
     weights = HFWeights(hf_dir)
     model_vocab = hf_vocab_size(config)
     tokenizer_vocab = _tokenizer_vocab(hf_dir)
@@ -156,6 +158,8 @@ def import_hf(
         iteration_option=None,
     )
     flags = model_flags(args)
+    if target_ep != 1:
+        flags += ["--expert-model-parallel-size", str(target_ep)]
     _report_flags(flags, args, model_vocab, save, flags_file)
     return {
         "path": final,
@@ -265,6 +269,24 @@ def _produce(weights: HFWeights, conversion: Conversion, args: Mapping[str, Any]
     return to_megatron(conversion, [weights.read(name) for name in conversion.hf_names], args)
 
 
+def _check_target_ep(target_ep: int, experts: int | None) -> None:
+    """Checks `--target-ep` against the model's experts (None: a dense model). The checkpoint
+    is the same at any value: it holds each expert tensor whole."""
+    if target_ep < 1:
+        raise HFConversionError(f"--target-ep {target_ep}: give a positive expert-parallel size.")
+    if target_ep != 1 and experts is None:
+        raise HFConversionError(
+            f"--target-ep {target_ep}: the model is dense (no experts to split); convert with "
+            "--target-ep 1."
+        )
+    if experts is not None and experts % target_ep:
+        raise HFConversionError(
+            f"--target-ep {target_ep} does not divide the model's {experts} experts (each "
+            "expert-parallel rank holds as many); choose a divisor of "
+            f"{experts}."
+        )
+
+
 def _tokenizer_vocab(hf_dir: str) -> int | None:
     """The number of ids of the tokenizer saved in `hf_dir` (None without one)."""
     if not any(os.path.isfile(os.path.join(hf_dir, name)) for name in TOKENIZER_FILES):
@@ -338,7 +360,10 @@ def _export_config(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `config.json` to export and the model flags' values it gives, checked against the
     checkpoint's saved flags."""
-    saved = common.get("args") or {}
+    # A checkpoint saved before the MoE flags existed is of a dense model.
+    saved = {**DENSE_MOE_ARGS, **(common.get("args") or {})}
+    if saved["num_experts"] is not None and saved["moe_ffn_hidden_size"] is None:
+        saved["moe_ffn_hidden_size"] = saved.get("ffn_hidden_size")  # the flag's meaning of None
     if hf_config is not None:
         config, source = read_hf_config(hf_config), f"--hf-config {hf_config}"
     elif HF_CONFIG_KEY in common:

@@ -8,6 +8,13 @@ gate projection followed by its up projection (`MLP.forward` chunks it in two). 
 embedding and output layer have `padded_vocab_size` rows; rows past the Hugging Face
 vocabulary are zeros (`to_megatron`) and are dropped again (`to_hf`).
 
+An MoE layer's experts are stacked: `mlp.experts.linear_fc1.weight` is the global
+[num_experts, 2 * moe_ffn_hidden_size, hidden] tensor whose row e is expert e's gate then up
+projection (Mixtral's `w1` and `w3`), `linear_fc2.weight` the [num_experts, hidden,
+moe_ffn_hidden_size] stack of the down projections (`w2`), as checkpoints hold expert tensors
+at any expert-parallel size. The router and Qwen2-MoE's shared expert and its gate are renamed
+(the shared expert's `linear_fc1` fused as the dense MLP's).
+
 Every function takes the model's flag values (`config.model_args_from_hf_config`'s, or a
 checkpoint's saved arguments).
 """
@@ -20,6 +27,8 @@ from typing import Any
 
 import torch
 
+from megatron.training.hf_conversion.moe import moe_layers
+
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Hugging Face entries that are not weights (buffers some older checkpoints hold)."""
 
@@ -31,8 +40,9 @@ class Conversion:
     Attributes:
         name: Its name in `GPTModel.state_dict()`.
         hf_names: The Hugging Face tensors, in the order the layout concatenates them.
-        layout: "same" (one tensor, renamed), "qkv", "fc1" (fused, see the module docstring)
-            or "vocab" (one tensor with the rows padded to `padded_vocab_size`).
+        layout: "same" (one tensor, renamed), "qkv", "fc1", "experts_fc1", "experts_fc2"
+            (fused or stacked, see the module docstring) or "vocab" (one tensor with the rows
+            padded to `padded_vocab_size`).
         group: What export writes into one file: "embedding", "layer N" or "output".
     """
 
@@ -42,17 +52,63 @@ class Conversion:
     group: str
 
 
-_LAYER_TENSORS = (
+_ATTENTION_TENSORS = (
     ("input_layernorm.weight", ("input_layernorm.weight",), "same"),
     ("self_attention.linear_qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
     ("self_attention.linear_qkv.bias", tuple(f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
     ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "same"),
     ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "same"),
+)
+"""Each layer's tensors up to its MLP: the name below `decoder.layers.N.`, those below
+`model.layers.N.`, the layout."""
+
+_DENSE_MLP_TENSORS = (
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "same"),
 )
-"""Each layer's tensors: the name below `decoder.layers.N.`, those below `model.layers.N.`, the
-layout."""
+"""A dense layer's MLP tensors, named as `_ATTENTION_TENSORS`."""
+
+_SHARED_EXPERT_TENSORS = (
+    (
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "fc1",
+    ),
+    ("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_expert.down_proj.weight",), "same"),
+)
+"""Qwen2-MoE's shared expert, named as `_ATTENTION_TENSORS`."""
+
+
+def _moe_tensors(args: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], str]]:
+    """An MoE layer's MLP tensors, named as `_ATTENTION_TENSORS`: Qwen2-MoE's names with shared
+    experts, else Mixtral's."""
+    experts = range(args["num_experts"])
+    shared = args["moe_shared_expert_intermediate_size"] is not None
+    block, gate, up, down = (
+        ("mlp", "gate_proj", "up_proj", "down_proj")
+        if shared
+        else ("block_sparse_moe", "w1", "w3", "w2")
+    )
+    tensors = [
+        ("mlp.router.weight", (f"{block}.gate.weight",), "same"),
+        (
+            "mlp.experts.linear_fc1.weight",
+            tuple(f"{block}.experts.{e}.{p}.weight" for e in experts for p in (gate, up)),
+            "experts_fc1",
+        ),
+        (
+            "mlp.experts.linear_fc2.weight",
+            tuple(f"{block}.experts.{e}.{down}.weight" for e in experts),
+            "experts_fc2",
+        ),
+    ]
+    if shared:
+        tensors += _SHARED_EXPERT_TENSORS
+    if args["moe_shared_expert_gate"]:
+        tensors.append(
+            ("mlp.shared_experts.gate_weight", ("mlp.shared_expert_gate.weight",), "same")
+        )
+    return tensors
 
 
 def conversions(args: Mapping[str, Any]) -> list[Conversion]:
@@ -62,8 +118,12 @@ def conversions(args: Mapping[str, Any]) -> list[Conversion]:
             "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "embedding"
         )
     ]
-    for index in range(args["num_layers"]):
-        for ours, theirs, layout in _LAYER_TENSORS:
+    moe_tensors = _moe_tensors(args) if args["num_experts"] is not None else []
+    for index, moe in enumerate(moe_layers(args)):
+        for ours, theirs, layout in [
+            *_ATTENTION_TENSORS,
+            *(moe_tensors if moe else _DENSE_MLP_TENSORS),
+        ]:
             if ours.endswith(".bias") and not args["add_qkv_bias"]:
                 continue
             result.append(
@@ -85,9 +145,23 @@ def conversions(args: Mapping[str, Any]) -> list[Conversion]:
 def hf_shapes(args: Mapping[str, Any], vocab_size: int) -> dict[str, tuple[int, ...]]:
     """The shape of every Hugging Face tensor of the model `args` describes, with
     `vocab_size` embedding rows."""
-    hidden, ffn = args["hidden_size"], args["ffn_hidden_size"]
+    return {
+        name: _hf_shape(name, args, vocab_size)
+        for conversion in conversions(args)
+        for name in conversion.hf_names
+    }
+
+
+def _hf_shape(name: str, args: Mapping[str, Any], vocab_size: int) -> tuple[int, ...]:
+    hidden = args["hidden_size"]
     queries = args["num_attention_heads"] * args["kv_channels"]
     keys = args["num_query_groups"] * args["kv_channels"]
+    if ".shared_expert." in name:
+        ffn = args["moe_shared_expert_intermediate_size"]
+    elif ".experts." in name:
+        ffn = args["moe_ffn_hidden_size"]
+    else:
+        ffn = args["ffn_hidden_size"]
     by_suffix = {
         "embed_tokens.weight": (vocab_size, hidden),
         "lm_head.weight": (vocab_size, hidden),
@@ -103,13 +177,13 @@ def hf_shapes(args: Mapping[str, Any], vocab_size: int) -> dict[str, tuple[int, 
         "gate_proj.weight": (ffn, hidden),
         "up_proj.weight": (ffn, hidden),
         "down_proj.weight": (hidden, ffn),
+        "w1.weight": (ffn, hidden),
+        "w3.weight": (ffn, hidden),
+        "w2.weight": (hidden, ffn),
+        "shared_expert_gate.weight": (1, hidden),  # before the router's, whose suffix it has
+        "gate.weight": (args["num_experts"], hidden),
     }
-    shapes = {}
-    for conversion in conversions(args):
-        for name in conversion.hf_names:
-            suffix = next(key for key in by_suffix if name.endswith(key))
-            shapes[name] = by_suffix[suffix]
-    return shapes
+    return by_suffix[next(key for key in by_suffix if name.endswith(key))]
 
 
 def to_megatron(
@@ -130,6 +204,10 @@ def to_megatron(
         return torch.cat([tensor, tensor.new_zeros(padding, *tensor.shape[1:])])
     if conversion.layout == "fc1":
         return torch.cat(tensors)
+    if conversion.layout == "experts_fc1":  # (gate, up) per expert
+        return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
+    if conversion.layout == "experts_fc2":
+        return torch.stack(tensors)
     query, key, value = tensors
     groups, head_dim = args["num_query_groups"], args["kv_channels"]
     rest = query.shape[1:]  # (hidden,) for the weight, () for the bias
@@ -153,6 +231,10 @@ def to_hf(
         return [tensor if tensor.shape[0] == vocab_size else tensor[:vocab_size].clone()]
     if conversion.layout == "fc1":
         return [part.clone() for part in tensor.chunk(2)]
+    if conversion.layout == "experts_fc1":
+        return [part.clone() for expert in tensor for part in expert.chunk(2)]
+    if conversion.layout == "experts_fc2":
+        return [expert.clone() for expert in tensor]
     groups, head_dim = args["num_query_groups"], args["kv_channels"]
     heads_per_group = args["num_attention_heads"] // groups
     rest = tensor.shape[1:]

@@ -1,5 +1,6 @@
-"""Tiny random Hugging Face models, saved as `save_pretrained()` saves them (no download), and
-this project's model built from `tools/convert_hf.py`'s flags as `pretrain_gpt.py` builds it.
+"""Tiny random Hugging Face models (dense and MoE), saved as `save_pretrained()` saves them (no
+download), and this project's model built from `tools/convert_hf.py`'s flags as
+`pretrain_gpt.py` builds it.
 
 The weights are drawn wide (std 0.2, norm scales around 1, random biases) so that attention is
 far from uniform: a RoPE or QKV layout error then moves the logits by far more than the parity
@@ -20,7 +21,7 @@ from megatron.training.arguments import parse_args, validate_args
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
 
 TRAINING_FLAGS = (
-    "--micro-batch-size 2 --global-batch-size 2 --lr 1e-4 --train-iters 1 --mock-data "
+    "--micro-batch-size 2 --lr 1e-4 --train-iters 1 --mock-data "
     "--num-workers 0 --eval-iters 0 --distributed-backend gloo"
 ).split()
 """Training flags `pretrain_gpt.py` needs besides the model's."""
@@ -62,6 +63,18 @@ MODELS: dict[str, dict[str, Any]] = {
     # Qwen2: QKV bias, tied embeddings, a tokenizer with more ids than the embedding has rows
     # (the embedding is padded with zero rows).
     "qwen2": dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=True, tokenizer_ids=100),
+    # Mixtral: 4 experts, top-2 with renormalised weights, in several files.
+    "mixtral": dict(
+        architecture="MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=None, tie_word_embeddings=False, max_shard_size="60KB",
+    ),
+    # Qwen2-MoE: top-2 without renormalisation, a gated shared expert, QKV bias, and layer 0
+    # dense (decoder_sparse_step 2) with its own width.
+    "qwen2_moe": dict(
+        architecture="Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, shared_expert_intermediate_size=80, decoder_sparse_step=2,
+        norm_topk_prob=False, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 """Each architecture's test model: `_SMALL` with these config fields; `tokenizer_ids` saves a
 tokenizer of that many ids, `max_shard_size` several safetensors files."""
@@ -110,19 +123,21 @@ def save_tokenizer(directory: Path, ids: int) -> None:
     wrapped.save_pretrained(str(directory))
 
 
-def parse_flags(flags: list[str]) -> argparse.Namespace:
-    """`pretrain_gpt.py`'s validated arguments for the model `flags` (the tokenizer's padded
-    vocabulary set, as `initialize_megatron()` sets it)."""
-    args = parse_args(args=[*flags, *TRAINING_FLAGS, "--seq-length", str(SEQ_LENGTH)])
-    validate_args(args, world_size=1)
+def parse_flags(flags: list[str], world_size: int = 1) -> argparse.Namespace:
+    """`pretrain_gpt.py`'s validated arguments for the model `flags` on `world_size` ranks
+    (the tokenizer's padded vocabulary set, as `initialize_megatron()` sets it)."""
+    batch = ["--global-batch-size", str(2 * world_size)]  # a micro-batch of 2 per rank
+    args = parse_args(args=[*flags, *TRAINING_FLAGS, *batch, "--seq-length", str(SEQ_LENGTH)])
+    validate_args(args, world_size=world_size)
     build_tokenizer(args)
     unset_tokenizer()
     return args
 
 
-def project_model(flags: list[str]) -> GPTModel:
-    """This project's model for the model `flags`, built by `pretrain_gpt.model_provider`."""
-    set_args(parse_flags(flags))
+def project_model(flags: list[str], world_size: int = 1) -> GPTModel:
+    """This project's model for the model `flags`, built by `pretrain_gpt.model_provider` (on
+    each of `world_size` ranks: its expert-parallel groups initialised by the caller)."""
+    set_args(parse_flags(flags, world_size))
     try:
         return pretrain_gpt.model_provider().eval()
     finally:

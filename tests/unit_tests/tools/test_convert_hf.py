@@ -1,10 +1,11 @@
 """`tools/convert_hf.py` on tiny random Hugging Face models saved locally (`hf_models.py`): Llama
 2 and 3 (RoPE scaling), Mistral (sharded files, wide heads), Qwen2 (QKV bias, tied and padded
-embeddings).
+embeddings), Mixtral and Qwen2-MoE (experts, shared expert, a dense layer).
 
 `import` gives flags that `pretrain_gpt.py`'s own parser turns into the arguments recorded in
 the checkpoint, and a checkpoint whose model computes transformers' logits (fp32, max abs
-difference < 1e-4, while a wrong RoPE layout or scaling is off by far more); `export` gives back
+difference < 1e-4, while a wrong RoPE layout or scaling, or the other routing normalisation, is
+off by far more), also with the experts split over 2 expert-parallel ranks; `export` gives back
 the original tensors bit for bit and a directory transformers loads; `pretrain_gpt.py --load
 --finetune` trains from the import, starting from the loss transformers computes; and every
 refusal names the problem and writes nothing.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -28,10 +31,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pretrain_gpt
+from megatron.core import parallel_state
 from megatron.core.datasets import MockGPTDataset
+from megatron.training import checkpointing
 from megatron.training.checkpoint_layout import COMMON_FILENAME, CheckpointError
 from megatron.training.hf_conversion import HF_CONFIG_KEY, HFConversionError
-from megatron.training.hf_conversion.config import model_args_from_hf_config
+from megatron.training.hf_conversion.config import (
+    model_args_from_hf_config,
+    model_flags,
+    vocab_args,
+)
 from megatron.training.offline_checkpoint import read_checkpoint
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.tools.hf_models import (
@@ -132,6 +141,14 @@ def test_logits_match_transformers(imported):
     wrong = [[*imported["flags"], "--rotary-interleaved"]]
     if "--use-rope-scaling" in imported["flags"]:
         wrong.append([flag for flag in imported["flags"] if flag != "--use-rope-scaling"])
+    if "--num-experts" in imported["flags"]:  # routing weights renormalised or not
+        pre_softmax = "--moe-router-pre-softmax"
+        flags = imported["flags"]
+        wrong.append(
+            [flag for flag in flags if flag != pre_softmax]
+            if pre_softmax in flags
+            else [*flags, pre_softmax]
+        )
     for flags in wrong:
         off = checkpoint_logits(flags, imported["path"], tokens)[..., :vocab] - expected
         assert off.abs().max().item() > 100 * PARITY
@@ -153,17 +170,26 @@ def test_export_gives_back_the_original(imported, tmp_path):
     assert torch.equal(hf_logits(reloaded, tokens), hf_logits(imported["model"], tokens))
 
 
+DERIVED_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+"""The architecture of the config derived from each test model's flags (else Llama's)."""
+
+
 def test_export_derives_a_config_from_the_saved_flags(imported, tmp_path):
     """A checkpoint without the recorded config (as a training run saves them): Llama's, or
-    Qwen2's for the QKV bias, from the saved flags, with every padded row kept."""
+    Qwen2's for the QKV bias, Mixtral's or Qwen2-MoE's for experts, from the saved flags, with
+    every padded row kept."""
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(imported["root"] / "ckpt", checkpoint)
     edit_common(str(checkpoint / "iter_0000000"), lambda common: common.pop(HF_CONFIG_KEY))
 
     convert("export", "--load", checkpoint, "--hf-dir", tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    qwen2 = imported["name"] == "qwen2"
-    assert config["architectures"] == ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"]
+    derived = DERIVED_ARCHITECTURES.get(imported["name"], "LlamaForCausalLM")
+    assert config["architectures"] == [derived]
     exported, original = safetensors_of(tmp_path / "out"), safetensors_of(imported["root"] / "hf")
     assert sorted(exported) == sorted(original)
     vocab = imported["vocab"]
@@ -176,7 +202,7 @@ def test_export_derives_a_config_from_the_saved_flags(imported, tmp_path):
 
     tokens = tokens_for(vocab)
     logits = hf_logits(load_hf_model(tmp_path / "out"), tokens)
-    if not qwen2:  # Qwen2's padded rows add logits (zeros) to the vocabulary
+    if imported["args"]["padded_vocab_size"] == vocab:  # padded rows add (zero) logits
         assert torch.equal(logits, hf_logits(imported["model"], tokens))
 
 
@@ -223,6 +249,108 @@ def test_pretrain_gpt_finetunes_the_import(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
+def _expert_parallel_logits(flags: list[str], path: str, tokens: torch.Tensor) -> torch.Tensor:
+    """On each rank: logits of the model `flags` build (with their expert-parallel size), each
+    rank's experts taken from the checkpoint's global expert tensors."""
+    ep = int(flags[flags.index("--expert-model-parallel-size") + 1])
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    model = project_model(flags, world_size=dist.get_world_size())
+    state = read_checkpoint(path, lambda nesting: nesting[0] == "model")["model"]
+    rank = parallel_state.get_expert_model_parallel_rank()
+    for name, tensor in state.items():
+        if ".experts." in name:
+            local = tensor.shape[0] // ep
+            state[name] = tensor[rank * local : (rank + 1) * local]
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_moe_import_at_expert_parallel_size_2(tmp_path):
+    """--target-ep 2 writes the checkpoint --target-ep 1 writes (global expert tensors) and adds
+    --expert-model-parallel-size 2 to the flags; the model they build on 2 ranks, each with
+    half of the experts, computes transformers' logits."""
+    model = save_hf_model("mixtral", tmp_path / "hf")
+    whole = convert("import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ep1")
+    split = convert(
+        "import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ep2", "--target-ep", 2
+    )  # fmt: skip
+    assert split["flags"] == [*whole["flags"], "--expert-model-parallel-size", "2"]
+    # DCP's .metadata has a new save id in every save, and checksums.json its checksum.
+    changing = {"iter_0000000/.metadata", "iter_0000000/checksums.json"}
+    assert {k: v for k, v in digest(tmp_path / "ep1").items() if k not in changing} == {
+        k: v for k, v in digest(tmp_path / "ep2").items() if k not in changing
+    }
+
+    tokens = tokens_for(model.config.vocab_size)
+    expected = hf_logits(model, tokens)
+    for logits in run_distributed(
+        _expert_parallel_logits, 2, split["flags"], split["path"], tokens
+    ):
+        assert (logits - expected).abs().max().item() < PARITY
+
+
+def test_loading_checks_the_recorded_moe_flags(tmp_path):
+    """The import records the MoE flags; a run whose flags route otherwise (weights not
+    renormalised) is refused by name, one with the printed flags is not."""
+    save_hf_model("mixtral", tmp_path / "hf")
+    summary = convert("import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt")
+    common = torch.load(Path(summary["path"]) / COMMON_FILENAME, weights_only=False)
+    checkpointing._check_arguments(common, summary["path"], parse_flags(summary["flags"]))
+    other = parse_flags([*summary["flags"], "--moe-router-pre-softmax"])
+    refused = re.escape("--moe-router-pre-softmax False (here True)")
+    with pytest.raises(CheckpointError, match=refused):
+        checkpointing._check_arguments(common, summary["path"], other)
+
+
+def test_pretrain_gpt_finetunes_an_moe_import_at_expert_parallel_size_2(tmp_path):
+    """`pretrain_gpt.py --load --finetune` on 2 ranks at --expert-model-parallel-size 2 (the
+    data-parallel engine splits the checkpoint's global expert tensors): iteration 1's loss is
+    transformers' on the same batch."""
+    model = save_hf_model("qwen2_moe", tmp_path / "hf")
+    summary = convert(
+        "import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt", "--target-ep", 2
+    )  # fmt: skip
+    flags = [
+        *summary["flags"], "--seq-length", "16", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--train-iters", "1", "--lr", "0", "--mock-data",
+        "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+        "--load", tmp_path / "ckpt", "--finetune",
+    ]  # fmt: skip
+    results = run_distributed(_finetune, 2, [str(flag) for flag in flags])
+
+    samples = [MockGPTDataset(2, 16, model.config.vocab_size, seed=1234)[i] for i in range(2)]
+    tokens = torch.stack([sample["tokens"] for sample in samples])
+    labels = torch.stack([sample["labels"] for sample in samples])
+    expected = F.cross_entropy(hf_logits(model, tokens).flatten(0, 1), labels.flatten())
+    logs = [line for result in results for line in result["log"]]
+    assert any("loaded checkpoint of iteration 0" in line for line in logs)
+    losses = [result["losses"] for result in results if result["losses"]]
+    assert losses
+    for loss_curve in losses:
+        torch.testing.assert_close(torch.tensor(loss_curve[0]), expected)
+
+
+@pytest.mark.parametrize("step, dense_layers", [(1, []), (2, []), (3, [0]), (1, [1, 2])])
+def test_qwen2_moe_sparse_layers_are_the_moe_layers(step, dense_layers):
+    """--moe-layer-freq makes MoE layers of exactly the layers transformers makes sparse."""
+    import transformers
+
+    config = hf_config(
+        "qwen2_moe", num_hidden_layers=4, decoder_sparse_step=step, mlp_only_layers=dense_layers
+    )
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    sparse = [
+        type(layer.mlp).__name__ == "Qwen2MoeSparseMoeBlock" for layer in hf_model.model.layers
+    ]
+    args = model_args_from_hf_config(config.to_dict())
+    flags = model_flags({**args, **vocab_args(config.vocab_size, None, None)})
+    with torch.device("meta"):
+        ours = project_model(flags)
+    assert [hasattr(layer.mlp, "router") for layer in ours.decoder.layers] == sparse
+
+
 @pytest.fixture(scope="module")
 def llama2_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("llama2_only") / "hf"
@@ -238,12 +366,14 @@ def _config_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
 
 
 REFUSALS = {
-    "mixtral": ("MixtralForCausalLM needs MoE, which is not built yet; supported: "
-                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
     "gpt2": ("GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, "
-             "MistralForCausalLM, Qwen2ForCausalLM"),
+             "MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM"),
     "tp": "--target-tp 2: tensor parallelism is not built yet",
-    "ep": "--target-ep 2: expert parallelism is not built yet",
+    "ep": "--target-ep 2: the model is dense (no experts to split)",
+    "ep_divisor": "--target-ep 3 does not divide the model's 4 experts",
+    "jitter": "router_jitter_noise 0.1: transformers multiplies the input of the router and",
+    "top1": "num_experts_per_tok 1 and renormalised routing weights",
+    "no_sparse_layer": "leave no sparse layer: it is a dense model; convert it as Qwen2ForCausalLM",
     "no_config": "has no config.json",
     "sliding_window": "windowed attention is not built",
     "no_weights": "holds no safetensors weights",
@@ -255,8 +385,15 @@ REFUSALS = {
 def test_import_refusals(case, llama2_dir, tmp_path):
     config = hf_config("llama2").to_dict()
     options: list[Any] = []
-    if case == "mixtral":
-        directory = _config_dir(tmp_path, {**config, "architectures": ["MixtralForCausalLM"]})
+    moe_configs = {
+        "ep_divisor": hf_config("mixtral"),
+        "jitter": hf_config("mixtral", router_jitter_noise=0.1),
+        "top1": hf_config("mixtral", num_experts_per_tok=1),
+        "no_sparse_layer": hf_config("qwen2_moe", decoder_sparse_step=3),
+    }
+    if case in moe_configs:
+        directory = _config_dir(tmp_path, moe_configs[case].to_dict())
+        options = ["--target-ep", 3] if case == "ep_divisor" else []
     elif case == "gpt2":
         directory = _config_dir(tmp_path, {**config, "architectures": ["GPT2LMHeadModel"]})
     elif case in ("tp", "ep"):
@@ -276,7 +413,7 @@ def test_import_refusals(case, llama2_dir, tmp_path):
         (directory / "model.safetensors").write_bytes(
             (llama2_dir / "model.safetensors").read_bytes()
         )
-    with pytest.raises(HFConversionError, match=REFUSALS[case].replace("[", r"\[")):
+    with pytest.raises(HFConversionError, match=re.escape(REFUSALS[case])):
         convert("import", "--hf-dir", directory, "--save", tmp_path / "ckpt", *options)
     assert not (tmp_path / "ckpt").exists()
 
