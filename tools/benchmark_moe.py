@@ -107,7 +107,7 @@ def run(name: str, ep: int, args: argparse.Namespace, device: torch.device, trac
     row = bench.summarize(name, bench.run_engine(name, run_args, device), args, config, device)
     row["engine"] = label
     row["all_to_all_ms"] = None
-    if device.type == "cuda":
+    if device.type == "cuda" and (name != "single" or dist.get_rank() == 0):  # single: rank 0
         trace = os.path.join(run_args.profile, f"{name}_rank{dist.get_rank()}.json")
         _, kernels = read_kernels(trace)
         row["all_to_all_ms"] = category_times(kernels)["all_to_all"] / 1e3 / bench.PROFILED_STEPS

@@ -224,14 +224,26 @@ class ConfigSources:
         if self._git_dir is None:
             return None
         listed = subprocess.run(
-            ["git", f"--git-dir={self._git_dir}", "grep", "-l", f"^class {name}\\b", self._rev,
-             "--", "megatron"],
-            capture_output=True, text=True, check=False,
+            [
+                "git",
+                f"--git-dir={self._git_dir}",
+                "grep",
+                "-l",
+                f"^class {name}\\b",
+                self._rev,
+                "--",
+                "megatron",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout.split()
         for blob in listed:
             source = subprocess.run(
                 ["git", f"--git-dir={self._git_dir}", "show", blob],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
             tree = ast.parse(source)
             self._trees.append(tree)
@@ -368,6 +380,7 @@ def _same(field: str, upstream: Any, ours: Any) -> bool:
         last = str(upstream).split(".")[-1]
         return str(upstream) == str(ours) or last in (str(ours), getattr(ours, "name", None))
     if field == "choices" and upstream is not None and ours is not None:
+
         def names(values: tuple[Any, ...]) -> set[str]:
             return {getattr(value, "name", str(value)) for value in values}
 
@@ -393,9 +406,7 @@ def compare(upstream: list[Flag], ours: list[Flag]) -> tuple[list[str], list[str
             if field == "type" and (theirs is None or here is None):
                 continue  # a missing type is str on both sides
             if not _same(field, theirs, here):
-                differences.append(
-                    f"{flag.names[0]}: {field} upstream={theirs!r} here={here!r}"
-                )
+                differences.append(f"{flag.names[0]}: {field} upstream={theirs!r} here={here!r}")
     return differences, missing
 
 

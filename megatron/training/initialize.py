@@ -28,8 +28,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
+from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
 from megatron.training.utils import get_device, logger, print_rank_0
 

@@ -10,7 +10,6 @@ import argparse
 from megatron.core.optimizer.optimizer_config import OPTIMIZERS
 from megatron.training.flag_groups.training_schedule import add_training_schedule_args
 
-
 FUSION_TOGGLES: tuple[tuple[str, str], ...] = (
     ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
     ("--no-bias-gelu-fusion", "bias_gelu_fusion"),

@@ -20,7 +20,9 @@ def _signal_by_name(name: str) -> signal.Signals:
     try:
         return signal.Signals[name]
     except KeyError:
-        raise argparse.ArgumentTypeError(f"{name!r} is not a signal name such as SIGTERM")
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a signal name such as SIGTERM"
+        ) from None
 
 
 def add_training_schedule_args(group: argparse._ArgumentGroup) -> None:

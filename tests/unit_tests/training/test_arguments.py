@@ -24,7 +24,6 @@ from megatron.training.initialize import _with_defaults
 from tests.unit_tests.training.flag_checks import BASE, FSDP, HFSDP, ZERO3
 from tests.unit_tests.training.flag_checks import validated as validated_on
 
-
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "flags.md"
 
 

@@ -9,7 +9,6 @@ from megatron.training.arguments import get_megatron_ddp_config
 from tests.unit_tests.training.flag_checks import validated as validated_on
 
 
-
 def validated(*flags: str):
     return validated_on(*flags, world_size=4)
 

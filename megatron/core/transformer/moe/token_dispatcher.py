@@ -101,6 +101,22 @@ def all_to_all(
     return _AllToAll.apply(x, group, output_splits, input_splits)
 
 
+def route_order(
+    routing_map: torch.Tensor, probs: torch.Tensor, num_out: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order of `permute`'s rows: `(permuted_probs [num_out], token_index [num_out])`.
+
+    Args:
+        routing_map: [T, E] boolean.
+        probs: [T, E] routing weights.
+        num_out: routing_map.sum(), known on the host (a stable argsort with a fixed-size
+            result needs no device-to-host copy, unlike `nonzero`).
+    """
+    flat = routing_map.t().reshape(-1).to(torch.int8)
+    order = torch.argsort(flat, descending=True, stable=True)[:num_out]
+    return probs.t().reshape(-1)[order], order % routing_map.shape[0]
+
+
 def permute(
     tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_out: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,26 +124,53 @@ def permute(
 
     Args:
         tokens: [T, h].
-        routing_map: [T, E] boolean.
-        probs: [T, E] routing weights.
-        num_out: routing_map.sum(), known on the host (a stable argsort with a fixed-size
-            result needs no device-to-host copy, unlike `nonzero`).
+        routing_map, probs, num_out: as `route_order`'s.
 
     Returns:
         `(permuted_tokens [num_out, h], permuted_probs [num_out], token_index [num_out])`:
         expert 0's tokens first, each expert's in token order; `token_index` maps each row back
         to its token.
     """
-    flat = routing_map.t().reshape(-1).to(torch.int8)
-    order = torch.argsort(flat, descending=True, stable=True)[:num_out]
-    token_index = order % routing_map.shape[0]
-    return tokens.index_select(0, token_index), probs.t().reshape(-1)[order], token_index
+    permuted_probs, token_index = route_order(routing_map, probs, num_out)
+    return tokens.index_select(0, token_index), permuted_probs, token_index
 
 
 def unpermute(rows: torch.Tensor, token_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Inverse of `permute`: sums the rows of each token into [num_tokens, h]."""
     out = rows.new_zeros((num_tokens, rows.shape[-1]))
     return out.index_add(0, token_index, rows)
+
+
+class _CopyRows(torch.autograd.Function):
+    """`tokens[token_index]` where every token has exactly `k` rows (dropless top-k); backward
+    sums each token's rows by a gather in token order (`by_token`), not by atomic adds."""
+
+    @staticmethod
+    def forward(ctx, tokens, token_index, by_token, k):
+        ctx.save_for_backward(by_token)
+        ctx.k = k
+        return tokens.index_select(0, token_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (by_token,) = ctx.saved_tensors
+        summed = grad.index_select(0, by_token).view(-1, ctx.k, grad.shape[-1]).sum(dim=1)
+        return summed, None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """Inverse of `_CopyRows`: each token's `k` rows summed, gathered in token order
+    (`by_token`); backward copies each token's gradient to its rows (`token_index`)."""
+
+    @staticmethod
+    def forward(ctx, rows, token_index, by_token, k):
+        ctx.save_for_backward(token_index)
+        return rows.index_select(0, by_token).view(-1, k, rows.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_index,) = ctx.saved_tensors
+        return grad.index_select(0, token_index), None, None, None
 
 
 def _sort_chunks(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -210,9 +253,17 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.output_splits = local.sum(dim=1).tolist()
         self.local_counts = local
         self.num_tokens = tokens.shape[0]
-        expert_input, expert_probs, self.token_index = permute(
-            tokens, routing_map, probs, int(own.sum())
-        )
+        num_rows, topk = int(own.sum()), self.config.moe_router_topk
+        expert_probs, self.token_index = route_order(routing_map, probs, num_rows)
+        self.by_token = None
+        if num_rows == self.num_tokens * topk:
+            # Nothing dropped: a top-k routing with T * k rows gives every token exactly k, so
+            # copying tokens to rows and summing them back are gathers (index_add's atomics
+            # cost ~10% of a step on GPU).
+            self.by_token = torch.argsort(self.token_index, stable=True)
+            expert_input = _CopyRows.apply(tokens, self.token_index, self.by_token, topk)
+        else:
+            expert_input = tokens.index_select(0, self.token_index)
         if self.ep_size > 1:
             expert_input = all_to_all(
                 expert_input, self.ep_group, self.output_splits, self.input_splits
@@ -234,5 +285,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             expert_output = all_to_all(
                 expert_output, self.ep_group, self.input_splits, self.output_splits
             )
-        output = unpermute(expert_output, self.token_index, self.num_tokens)
+        if self.by_token is None:
+            output = unpermute(expert_output, self.token_index, self.num_tokens)
+        else:
+            output = _SumRows.apply(
+                expert_output, self.token_index, self.by_token, self.config.moe_router_topk
+            )
         return output.view(self.hidden_shape)
