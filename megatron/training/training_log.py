@@ -31,7 +31,9 @@ import os
 
 import torch
 
+from megatron.core.transformer.moe.moe_config import layer_pattern
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.router import tracked_metrics
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.utils import is_rank_0, print_rank_0
@@ -222,28 +224,25 @@ class TrainingLog:
         args = self.args
         if args.num_experts is None:
             return {}
-        track_names = {
-            "aux_loss": ["load_balancing_loss"],
-            "seq_aux_loss": ["seq_load_balancing_loss"],
-            "none": [],
-        }[args.moe_router_load_balancing_type]
-        if args.moe_z_loss_coeff is not None:
-            track_names.append("z_loss")
-        writing = iteration % args.tensorboard_log_interval == 0
-        moe_losses: dict[str, float] = {}
-        get_moe_metrics_tracker().report(
+        means, per_layer = get_moe_metrics_tracker().report(
+            tracked_metrics(args.moe_router_load_balancing_type, args.moe_z_loss_coeff),
+            args.num_layers,
+            sum(layer_pattern(args.num_layers, args.num_experts, args.moe_layer_freq)),
             loss_scale=1 / num_microbatches,
-            iteration=iteration,
-            writer=self.writer.tensorboard if writing else None,
-            wandb_writer=self.writer.wandb_run if writing else None,
-            per_layer_logging=args.moe_per_layer_logging,
-            track_names=track_names,
-            num_layers=args.num_layers,
-            moe_layer_freq=args.moe_layer_freq,
-            total_loss_dict=moe_losses,
             device=self.device,
         )
-        return moe_losses
+        if iteration % args.tensorboard_log_interval == 0:
+            self.writer.add_scalars(means, iteration)
+            if args.moe_per_layer_logging:
+                self.writer.add_scalars(
+                    {
+                        f"moe/{name}_layer_{layer}": value
+                        for name, values in per_layer.items()
+                        for layer, value in enumerate(values)
+                    },
+                    iteration,
+                )
+        return means
 
     def _write_iteration_scalars(
         self, iteration: int, losses: dict[str, float], values: _StepValues

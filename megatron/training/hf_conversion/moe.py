@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megatron.core.transformer.moe.moe_config import layer_pattern
 from megatron.training.checkpointing import MOE_MODEL_ARGS
 from megatron.training.configs_from_args import flag
 from megatron.training.flag_groups.moe import DEFAULTS as MOE_FLAG_DEFAULTS
@@ -119,14 +120,8 @@ def qwen2_moe_layer_pattern(config: Mapping[str, Any]) -> list[int]:
 
 
 def moe_layers(args: Mapping[str, Any]) -> list[bool]:
-    """Whether each layer of the model `args` describes is an MoE layer (`--moe-layer-freq`:
-    an int N makes layers 0, N, 2N, ... MoE layers; a list has a 1 for each)."""
-    if args.get("num_experts") is None:
-        return [False] * args["num_layers"]
-    freq = args["moe_layer_freq"]
-    if isinstance(freq, list):
-        return [bool(value) for value in freq]
-    return [index % freq == 0 for index in range(args["num_layers"])]
+    """Whether each layer of the model `args` describes is an MoE layer (`--moe-layer-freq`)."""
+    return layer_pattern(args["num_layers"], args.get("num_experts"), args.get("moe_layer_freq", 1))
 
 
 def moe_flags(args: Mapping[str, Any]) -> list[str]:

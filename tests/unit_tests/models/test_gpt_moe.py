@@ -88,7 +88,7 @@ def _train_step(config: TransformerConfig) -> tuple[torch.Tensor, dict, dict]:
     loss = model(tokens, labels=labels).mean()
     loss.backward()
     grads = {name: param.grad for name, param in model.named_parameters()}
-    metrics = {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
+    metrics = {name: values.clone() for name, values in get_moe_metrics_tracker().metrics.items()}
     counts = [layer.mlp.router.local_tokens_per_expert for layer in model.decoder.layers]
     return loss, grads, metrics | {"counts": torch.stack(counts)}
 

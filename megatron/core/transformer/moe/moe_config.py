@@ -214,12 +214,18 @@ def _check_layer_freq(config: TransformerConfig) -> None:
         )
 
 
-def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
-    """Whether each layer (0-based) is an MoE layer: all False for a dense config, else per
+def layer_pattern(
+    num_layers: int, num_moe_experts: int | None, moe_layer_freq: int | list[int]
+) -> list[bool]:
+    """Whether each layer (0-based) is an MoE layer: all False without experts, else per
     `moe_layer_freq` (an int N: layers 0, N, 2N, ...; a list: its 1s)."""
-    if config.num_moe_experts is None:
-        return [False] * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, list):
-        return [bool(v) for v in freq]
-    return [i % freq == 0 for i in range(config.num_layers)]
+    if num_moe_experts is None:
+        return [False] * num_layers
+    if isinstance(moe_layer_freq, list):
+        return [bool(v) for v in moe_layer_freq]
+    return [i % moe_layer_freq == 0 for i in range(num_layers)]
+
+
+def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """`layer_pattern` of a config."""
+    return layer_pattern(config.num_layers, config.num_moe_experts, config.moe_layer_freq)

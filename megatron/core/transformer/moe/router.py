@@ -34,6 +34,19 @@ from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+LOAD_BALANCING_METRICS = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+}
+"""The tracker name of each load-balancing loss (Megatron-LM's log names)."""
+Z_LOSS_METRIC = "z_loss"
+
+
+def tracked_metrics(load_balancing_type: str, z_loss_coeff: float | None) -> list[str]:
+    """The metrics the routers of a model with these settings record (`moe_logging`), for the
+    training log to report on every rank alike."""
+    names = [LOAD_BALANCING_METRICS[load_balancing_type]] if load_balancing_type != "none" else []
+    return names + ([Z_LOSS_METRIC] if z_loss_coeff is not None else [])
 
 
 def group_limited_topk(
@@ -237,7 +250,7 @@ class TopKRouter(MegatronModule):
             probs, routing_map = drop_tokens_over_capacity(probs, routing_map, config)
         if training and config.moe_aux_loss_coeff > 0:
             probs = self._attach_load_balancing_loss(probs, logits, seq_length, batch)
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+        if self.local_tokens_per_expert is not None and training:
             if not is_recomputing():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
@@ -245,7 +258,7 @@ class TopKRouter(MegatronModule):
     def _attach_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         coeff = self.config.moe_z_loss_coeff
         z_loss = z_loss_func(logits, coeff)
-        self._record("z_loss", z_loss, coeff)
+        self._record(Z_LOSS_METRIC, z_loss, coeff)
         return MoEAuxLossAutoScaler.apply(logits, self._per_token_scaled(z_loss, logits))
 
     def _attach_load_balancing_loss(
@@ -255,15 +268,14 @@ class TopKRouter(MegatronModule):
         topk, experts = config.moe_router_topk, config.num_moe_experts
         aux_map, scores = scores_for_aux_loss(logits, topk, config.moe_router_score_function)
         coeff = config.moe_aux_loss_coeff
+        name = LOAD_BALANCING_METRICS[config.moe_router_load_balancing_type]
         if config.moe_router_load_balancing_type == "aux_loss":
-            name = "load_balancing_loss"
             aux_loss = switch_load_balancing_loss_func(
                 scores, aux_map.sum(dim=0), logits.shape[0], topk, experts, coeff
             )
         else:
             # Each sequence of the micro-batch on its own: [s, b * E] columns are
             # (sequence, expert) pairs, so one call sums the per-sequence losses.
-            name = "seq_load_balancing_loss"
             aux_loss = (
                 switch_load_balancing_loss_func(
                     scores.reshape(seq_length, -1),
