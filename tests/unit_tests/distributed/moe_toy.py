@@ -21,45 +21,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron.core.transformer.moe.token_dispatcher import (
+    gather_along_first_dim,
+    reduce_scatter_along_first_dim,
+)
+
 IN_FEATURES, HIDDEN, FFN, OUT_FEATURES = 6, 16, 12, 3
-
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gathers tokens over the ep group; backward reduce-scatters (sums) their gradients."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        out = tokens.new_empty((tokens.shape[0] * group.size(), *tokens.shape[1:]))
-        _all_gather_single(out, tokens.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
-        out = grad.new_empty((grad.shape[0] // group.size(), *grad.shape[1:]))
-        _reduce_scatter_single(out, grad.contiguous(), group=group)
-        return out, None
-
-
-class _ScatterTokens(torch.autograd.Function):
-    """Sums the experts' outputs over the ep group and keeps this rank's tokens; backward
-    all-gathers the gradients."""
-
-    @staticmethod
-    def forward(ctx, outputs: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        out = outputs.new_empty((outputs.shape[0] // group.size(), *outputs.shape[1:]))
-        _reduce_scatter_single(out, outputs.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _GatherTokens.apply(grad, ctx.group), None
 
 
 class StackedLinear(torch.nn.Module):
@@ -107,11 +74,9 @@ class ToyMoE(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         gate = torch.softmax(self.router(tokens), dim=-1).gather(1, route[:, None])
         if self.ep_group is not None:
-            tokens = _GatherTokens.apply(tokens, self.ep_group)
-            gate = _GatherTokens.apply(gate, self.ep_group)
-            routes = route.new_empty(route.shape[0] * self.ep_group.size())
-            _all_gather_single(routes, route, group=self.ep_group)
-            route = routes
+            tokens = gather_along_first_dim(tokens, self.ep_group)
+            gate = gather_along_first_dim(gate, self.ep_group)
+            route = gather_along_first_dim(route, self.ep_group)
         out = torch.zeros_like(tokens)
         fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
         for i in range(self.num_local):
@@ -119,7 +84,7 @@ class ToyMoE(torch.nn.Module):
             hidden = torch.nn.functional.gelu(tokens[index] @ fc1[i].T)
             out = out.index_add(0, index, (hidden @ fc2[i].T) * gate[index])
         if self.ep_group is not None:
-            out = _ScatterTokens.apply(out, self.ep_group)
+            out = reduce_scatter_along_first_dim(out, self.ep_group)
         return out
 
 

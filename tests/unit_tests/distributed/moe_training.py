@@ -107,7 +107,7 @@ def wrap(
 
 def train_steps(
     model: torch.nn.Module,
-    optimizer: MegatronOptimizer,
+    optimizer: MegatronOptimizer | PlainSGD,
     batches: list[tuple[torch.Tensor, ...]],
     result: RunResult,
     rank: int = 0,
@@ -145,13 +145,35 @@ def global_batches(
     return make_moe_batches(steps, world * MICROBATCHES * MICRO_BATCH, num_experts)
 
 
+class PlainSGD:
+    """The reference optimizer: `torch.optim.SGD` with `optimizer_config`'s settings and the
+    global gradient norm of `torch.nn.utils.get_total_norm`, stepped as `train_steps` steps a
+    `MegatronOptimizer`."""
+
+    def __init__(self, model: torch.nn.Module, momentum: float):
+        config = optimizer_config(momentum)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sgd = torch.optim.SGD(
+            self.params, lr=config.lr, momentum=momentum, weight_decay=config.weight_decay
+        )
+
+    def zero_grad(self) -> None:
+        self.sgd.zero_grad()
+
+    def step(self) -> tuple[bool, float, None]:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        self.sgd.step()
+        return True, float(norm), None
+
+
 def reference_run(
     builder: Builder, batches: list[tuple[torch.Tensor, ...]], momentum: float = 0.0
 ) -> RunResult:
-    """The model on one process (every expert local) over the whole global batches."""
+    """The model on one process (every expert local) over the whole global batches, trained by
+    plain PyTorch (`PlainSGD`)."""
     model = builder(None)
     result = RunResult()
-    train_steps(model, get_megatron_optimizer(optimizer_config(momentum), model), batches, result)
+    train_steps(model, PlainSGD(model, momentum), batches, result)
     result.weights = global_state(model.state_dict())
     return result
 

@@ -93,6 +93,18 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather of `x` along dim 0 (equal shares from every rank of `group`);
+    the gradient is reduce-scattered (summed) back."""
+    return _GatherAlongFirstDim.apply(x, group)
+
+
+def reduce_scatter_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable reduce-scatter (sum) of `x` along dim 0 over `group`; the gradient is
+    all-gathered back."""
+    return _ReduceScatterAlongFirstDim.apply(x, group)
+
+
 def all_to_all(
     x: torch.Tensor, group: dist.ProcessGroup, output_splits: list[int], input_splits: list[int]
 ) -> torch.Tensor:
@@ -209,8 +221,8 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.probs_dtype = probs.dtype
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.ep_size > 1:
-            tokens = _GatherAlongFirstDim.apply(tokens, self.ep_group)
-            probs = _GatherAlongFirstDim.apply(probs, self.ep_group)
+            tokens = gather_along_first_dim(tokens, self.ep_group)
+            probs = gather_along_first_dim(probs, self.ep_group)
             routing_map = _gather(routing_map, self.ep_group)
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         local_map = routing_map[:, local]
@@ -228,7 +240,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             # Summed in the routing weights' precision (fp32 with moe_router_dtype), as
             # Megatron-core does.
             dtype = output.dtype
-            output = _ReduceScatterAlongFirstDim.apply(output.to(self.probs_dtype), self.ep_group)
+            output = reduce_scatter_along_first_dim(output.to(self.probs_dtype), self.ep_group)
             output = output.to(dtype)
         return output.view(self.hidden_shape)
 
