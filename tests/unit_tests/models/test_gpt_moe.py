@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,7 @@ from megatron.core.models.gpt import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer import recompute as recompute_module
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
@@ -89,7 +92,11 @@ def _train_step(config: TransformerConfig) -> tuple[torch.Tensor, dict, dict]:
     loss.backward()
     grads = {name: param.grad for name, param in model.named_parameters()}
     metrics = {name: values.clone() for name, values in get_moe_metrics_tracker().metrics.items()}
-    counts = [layer.mlp.router.local_tokens_per_expert for layer in model.decoder.layers]
+    counts = [
+        layer.mlp.router.local_tokens_per_expert
+        for layer in model.decoder.layers
+        if isinstance(layer.mlp, MoELayer)
+    ]
     return loss, grads, metrics | {"counts": torch.stack(counts)}
 
 
@@ -105,13 +112,23 @@ def _train_step(config: TransformerConfig) -> tuple[torch.Tensor, dict, dict]:
 def test_recompute_keeps_gradients_and_records_metrics_once(recompute):
     moe = dict(
         num_layers=2,
+        moe_layer_freq=[1, 0],  # a dense layer too, for the "mlp" of the shared_experts case
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_shared_expert_intermediate_size=16,
         moe_input_jitter_eps=0.1,  # random: the recomputation must replay it
     )
     loss, grads, metrics = _train_step(_config(**moe))
-    loss_r, grads_r, metrics_r = _train_step(_config(**moe, **recompute))
+    recomputations = []
+    count = recompute_module._recomputing
+
+    def counted():
+        recomputations.append(1)
+        return count()
+
+    with mock.patch.object(recompute_module, "_recomputing", counted):
+        loss_r, grads_r, metrics_r = _train_step(_config(**moe, **recompute))
+    assert recomputations  # backward really ran the checkpointed modules again
     torch.testing.assert_close(loss_r, loss)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_r[name], grad, msg=name)

@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+Projection = Callable[["ExpertLinear", torch.Tensor], torch.Tensor]
+"""Multiplies rows grouped by expert by one projection's expert weights."""
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -126,9 +129,11 @@ class ExpertLinear(torch.nn.Module):
         """The same as `loop`, as one grouped GEMM (`offsets`: int32 cumulative counts)."""
         return _ContiguousGrad.apply(_grouped_mm(x, self.weight.transpose(1, 2), offs=offsets))
 
-    def token_bias(self, counts: torch.Tensor) -> torch.Tensor:
-        """[tokens, out] bias of each row's expert (`counts`: tokens per expert)."""
-        return self.bias.repeat_interleave(counts.to(self.bias.device), dim=0)
+    def token_bias(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[num_rows, out] bias of each row's expert (`counts`: tokens per expert; the known
+        total spares the device a host sync)."""
+        counts = counts.to(self.bias.device)
+        return self.bias.repeat_interleave(counts, dim=0, output_size=num_rows)
 
 
 class SequentialMLP(MegatronModule):
@@ -170,10 +175,11 @@ class SequentialMLP(MegatronModule):
         Returns:
             [N, hidden]: probs * expert(token) per row, in the tokens' dtype.
         """
-        counts = tokens_per_expert.tolist()
-        intermediate = self._project(self.linear_fc1, tokens, counts, tokens_per_expert)
+        project = self._projection(tokens, tokens_per_expert)
+        rows = tokens.shape[0]
+        intermediate = project(self.linear_fc1, tokens)
         if self.linear_fc1.bias is not None:
-            intermediate = intermediate + self.linear_fc1.token_bias(tokens_per_expert)
+            intermediate = intermediate + self.linear_fc1.token_bias(tokens_per_expert, rows)
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(intermediate, 2, dim=-1)
             intermediate = self.config.activation_func(gate) * up
@@ -181,19 +187,16 @@ class SequentialMLP(MegatronModule):
             intermediate = self.config.activation_func(intermediate)
         weights = probs.unsqueeze(-1)
         intermediate = (intermediate * weights).to(tokens.dtype)
-        output = self._project(self.linear_fc2, intermediate, counts, tokens_per_expert)
+        output = project(self.linear_fc2, intermediate)
         if self.linear_fc2.bias is not None:
-            output = output + self.linear_fc2.token_bias(tokens_per_expert) * weights
+            output = output + self.linear_fc2.token_bias(tokens_per_expert, rows) * weights
         return output.to(tokens.dtype)
 
-    def _project(
-        self,
-        linear: ExpertLinear,
-        x: torch.Tensor,
-        counts: list[int],
-        tokens_per_expert: torch.Tensor,
-    ) -> torch.Tensor:
-        return linear.loop(x, counts)
+    def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:
+        """How this forward multiplies rows by their experts' weights, decided once for both
+        projections: one GEMM per expert with tokens."""
+        counts = tokens_per_expert.tolist()
+        return lambda linear, x: linear.loop(x, counts)
 
 
 class GroupedMLP(SequentialMLP):
@@ -205,22 +208,18 @@ class GroupedMLP(SequentialMLP):
     where some PyTorch builds lack it, the layer falls back to `SequentialMLP`'s loop.
     """
 
-    def _project(
-        self,
-        linear: ExpertLinear,
-        x: torch.Tensor,
-        counts: list[int],
-        tokens_per_expert: torch.Tensor,
-    ) -> torch.Tensor:
-        if not grouped_mm_available(x.device, x.dtype):
-            if x.device.type == "cuda":
+    def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:
+        if not grouped_mm_available(tokens.device, tokens.dtype):
+            if tokens.device.type == "cuda":
                 raise RuntimeError(
-                    f"moe_grouped_gemm needs torch._grouped_mm on this GPU for {x.dtype}, which "
-                    f"PyTorch {torch.__version__} does not provide; use bf16 on Hopper or newer, "
-                    "a newer PyTorch, or set moe_grouped_gemm=False."
+                    f"moe_grouped_gemm needs torch._grouped_mm on this GPU for {tokens.dtype}, "
+                    f"which PyTorch {torch.__version__} does not provide; use bf16 on Hopper or "
+                    "newer, a newer PyTorch, or set moe_grouped_gemm=False."
                 )
-            return super()._project(linear, x, counts, tokens_per_expert)
-        if not x.shape[0]:  # the loop's empty GEMM still yields the weight's (zero) gradient
-            return super()._project(linear, x, counts, tokens_per_expert)
-        offsets = torch.cumsum(tokens_per_expert, 0).to(x.device, torch.int32, non_blocking=True)
-        return linear.grouped(x, offsets)
+            return super()._projection(tokens, tokens_per_expert)
+        if not tokens.shape[0]:  # the loop's empty GEMM still yields the weights' zero gradient
+            return super()._projection(tokens, tokens_per_expert)
+        offsets = torch.cumsum(tokens_per_expert, 0).to(
+            tokens.device, torch.int32, non_blocking=True
+        )
+        return lambda linear, x: linear.grouped(x, offsets)
