@@ -2,8 +2,8 @@
 
 `ModelParallelConfig` is the base of `TransformerConfig` (as in Megatron-LM), so one config object
 tells a module both its shape and how it is parallelised and stored. Data parallelism (and the
-FSDP engine built on it) and expert parallelism are implemented; the other degrees are kept under
-their Megatron names so that later work can fill them in, and are rejected loudly until then.
+FSDP engine built on it), tensor and sequence parallelism and expert parallelism are implemented;
+pipeline parallelism is kept under its Megatron name and rejected loudly.
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ class ModelParallelConfig:
     """How a model is split across ranks and in which dtype its parameters live.
 
     Attributes:
-        tensor_model_parallel_size: Tensor (intra-layer) parallel degree. Only 1 is supported.
+        tensor_model_parallel_size: Tensor (intra-layer) parallel degree (TP): attention heads,
+            the MLP width and the vocabulary are split over this many ranks.
         pipeline_model_parallel_size: Pipeline (inter-layer) parallel degree. Only 1 is supported.
         context_parallel_size: Degree of sequence splitting across ranks. The process groups
             may use it; attention itself does not implement it yet.
-        sequence_parallel: Megatron sequence parallelism; it needs tensor parallelism.
+        sequence_parallel: Megatron sequence parallelism: outside the tensor-parallel GEMMs
+            (norms, dropout, residuals) each TP rank keeps 1/TP of the sequence; it needs
+            `tensor_model_parallel_size > 1`.
         params_dtype: dtype the parameters are created in; the only setting that decides the
             training precision.
         fp16: Megatron's `--fp16` flag, which also sets `params_dtype=torch.float16`. Here it
@@ -39,8 +42,8 @@ class ModelParallelConfig:
         bf16: Megatron's `--bf16` flag; likewise requires `params_dtype=torch.bfloat16`.
         expert_model_parallel_size: Expert parallel degree (EP): the ranks that split the experts
             of each MoE layer among them; `num_moe_experts` must be divisible by it.
-        expert_tensor_parallel_size: Tensor parallel degree of the experts; only None or 1 (no
-            tensor parallelism yet).
+        expert_tensor_parallel_size: Tensor parallel degree of the experts; None means 1 here
+            (experts are not split by tensor parallelism yet).
     """
 
     tensor_model_parallel_size: int = 1
@@ -61,11 +64,6 @@ class ModelParallelConfig:
             "expert_model_parallel_size",
         ):
             check_positive_int(name, getattr(self, name))
-        if self.tensor_model_parallel_size != 1:
-            raise ValueError(
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size} is not supported "
-                "yet; set tensor_model_parallel_size=1 (scale with data parallelism / FSDP)."
-            )
         if self.pipeline_model_parallel_size != 1:
             raise ValueError(
                 f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not "
@@ -74,13 +72,13 @@ class ModelParallelConfig:
         if self.expert_tensor_parallel_size not in (None, 1):
             raise ValueError(
                 f"expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} is not "
-                "supported yet (no tensor parallelism); set it to None or 1 and split the experts "
-                "with expert_model_parallel_size instead."
+                "supported yet (experts are not split by tensor parallelism); set it to None or "
+                "1 and split the experts with expert_model_parallel_size instead."
             )
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(
-                "sequence_parallel=True needs tensor_model_parallel_size > 1, which is not "
-                "supported yet; set sequence_parallel=False."
+                "sequence_parallel=True needs tensor_model_parallel_size > 1; set "
+                "sequence_parallel=False or raise tensor_model_parallel_size."
             )
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both set; choose at most one of them.")

@@ -80,7 +80,7 @@ def test_config_survives_pickling():
         (dict(recompute_granularity="partial"), "recompute_granularity"),
         (dict(init_method_std=0.0), "init_method_std"),
         (dict(seq_length=0), "seq_length"),
-        (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size"),
+        (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size"),
         (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size"),
         (dict(context_parallel_size=0), "context_parallel_size"),
         (dict(sequence_parallel=True), "sequence_parallel"),
@@ -119,4 +119,5 @@ def test_model_parallel_config_alone_validates():
     with pytest.raises(ValueError, match="bf16=True needs params_dtype"):
         ModelParallelConfig(bf16=True)
     with pytest.raises(ValueError, match="not supported yet"):
-        ModelParallelConfig(tensor_model_parallel_size=4)
+        ModelParallelConfig(pipeline_model_parallel_size=4)
+    assert ModelParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True).sequence_parallel
