@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
@@ -209,10 +210,12 @@ def default_rendezvous() -> dict[str, Any]:
 
 def _set_random_seed(seed: int) -> None:
     """The same seed on every rank: identical initial weights, which the DDP engine needs and
-    from which Megatron-FSDP materialises each rank's shards."""
+    from which Megatron-FSDP materialises each rank's shards. The RNG tracker's
+    model-parallel state (dropout inside tensor-parallel regions) differs per tp rank."""
     random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
     numpy.random.seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def _format_args(args: argparse.Namespace) -> str:
