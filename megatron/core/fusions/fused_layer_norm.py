@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron.core.tensor_parallel.utils import group_size
+
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 try:
@@ -38,6 +42,10 @@ class FusedLayerNorm:
         hidden_size: Size of the normalised (last) dimension.
         eps: Epsilon added to the variance.
         normalization: Normalisation the spec expects; must match `config.normalization`.
+        tp_group: The tensor-parallel group over which the parameters' gradients are summed
+            (sequence parallelism, QK norms on a rank's heads). apex's modules cannot route
+            their parameters through that sum, so with a group of more than one rank this
+            returns `WrappedTorchNorm`'s norm (PyTorch's kernels, the same maths) instead.
 
     Raises:
         ImportError: apex (with its CUDA extensions) is not installed.
@@ -49,6 +57,7 @@ class FusedLayerNorm:
         hidden_size: int,
         eps: float = 1e-5,
         normalization: str | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> torch.nn.Module:
         if not HAVE_APEX:
             raise ImportError(
@@ -58,9 +67,10 @@ class FusedLayerNorm:
         # would be circular.
         from megatron.core.transformer.torch_norm import WrappedTorchNorm, resolve_normalization
 
-        if config.layernorm_zero_centered_gamma:
-            # apex's modules have no zero-centred weight; PyTorch's kernels do the same maths.
-            return WrappedTorchNorm(config, hidden_size, eps, normalization)
+        if config.layernorm_zero_centered_gamma or group_size(tp_group) > 1:
+            # apex's modules have no zero-centred weight and use their parameters directly (no
+            # gradient sum over tp); PyTorch's kernels do the same maths.
+            return WrappedTorchNorm(config, hidden_size, eps, normalization, tp_group)
 
         kind = resolve_normalization(config, normalization)
         norm_cls = ApexFusedLayerNorm if kind == "LayerNorm" else ApexFusedRMSNorm

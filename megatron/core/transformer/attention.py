@@ -4,6 +4,11 @@ The QKV projection uses Megatron-LM's grouped layout, so checkpoints and Transfo
 modules line up with Megatron's: per token the projection output is `num_query_groups` blocks,
 each holding that group's query heads followed by its one key head and one value head,
 `[ng, (nh / ng + 2) * d]`.
+
+With tensor parallelism over T ranks the QKV projection is column-parallel: the grouped layout
+splits by query group, so each rank holds `ng / T` whole groups (their `nh / T` query heads and
+`ng / T` key and value heads) and attends over them alone; the output projection is
+row-parallel and sums the ranks' parts.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.utils import divide, group_size
+from megatron.core.transformer.module import MegatronModule, resolve_tp_group
+from megatron.core.transformer.recompute import recompute
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_config import TransformerConfig, recomputes
@@ -45,12 +52,14 @@ class SelfAttention(MegatronModule):
     With `config.qk_layernorm` each query and key head is normalised (the spec's
     `q_layernorm` / `k_layernorm`, over the head width) and with `config.qk_l2_norm` scaled to
     unit RMS (`L2Norm`), after the projection and before the rotary embedding, as in
-    Megatron-LM.
+    Megatron-LM. Under tensor parallelism the QK norms act on this rank's heads, so their
+    weights' gradients are summed over the tensor-parallel group (as Megatron-LM sums them).
 
     Args:
         config: The transformer configuration.
         submodules: Specs of `linear_qkv`, `core_attention`, `linear_proj` and the QK norms.
         layer_number: 1-based index of the layer this attention belongs to.
+        pg_collection: Process groups; its `tp` splits the heads (see `resolve_tp_group`).
 
     Raises:
         ValueError: `config.qk_layernorm` with a spec that has no `q_layernorm`/`k_layernorm`.
@@ -61,14 +70,18 @@ class SelfAttention(MegatronModule):
         config: TransformerConfig,
         submodules: SelfAttentionSubmodules,
         layer_number: int = 1,
+        pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__(config)
         self.layer_number = layer_number
-        self.num_attention_heads = config.num_attention_heads
-        self.num_query_groups = config.num_query_groups
+        self.tp_group = resolve_tp_group(pg_collection)
+        tp_size = group_size(self.tp_group)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
         self.head_dim = config.kv_channels
-        self.query_projection_size = self.num_attention_heads * self.head_dim
-        self.kv_projection_size = self.num_query_groups * self.head_dim
+        # Sizes of the whole layer (all tp ranks), as the parallel linears take them.
+        self.query_projection_size = config.num_attention_heads * self.head_dim
+        self.kv_projection_size = config.num_query_groups * self.head_dim
 
         self.linear_qkv = build_module(
             submodules.linear_qkv,
@@ -76,8 +89,12 @@ class SelfAttention(MegatronModule):
             self.query_projection_size + 2 * self.kv_projection_size,
             config=config,
             init_method=config.init_method,
+            gather_output=False,
             bias=config.add_bias_linear or config.add_qkv_bias,
             skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="qkv",
+            tp_group=self.tp_group,
         )
         self.core_attention = build_module(
             submodules.core_attention, config=config, layer_number=layer_number
@@ -90,7 +107,11 @@ class SelfAttention(MegatronModule):
             config=config,
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
+            input_is_parallel=True,
             skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
         )
         self.q_layernorm, self.k_layernorm = self._build_qk_norms(config, submodules)
         # Decided once, not in every layer's forward.
@@ -110,22 +131,31 @@ class SelfAttention(MegatronModule):
                 )
         else:
             return None, None
-        kwargs = dict(config=config, hidden_size=self.head_dim, eps=config.layernorm_epsilon)
+        kwargs = dict(
+            config=config,
+            hidden_size=self.head_dim,
+            eps=config.layernorm_epsilon,
+            tp_group=self.tp_group,
+        )
         return tuple(build_module(spec, **kwargs) for spec in specs)
 
     def get_query_key_value_tensors(
         self, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projects [s, b, h] hidden states to q [s, b, nh, d] and k, v [s, b, ng, d]."""
+        """Projects [s, b, h] hidden states (under sequence parallelism this rank's [s/T, b, h])
+        to this rank's heads: q [s, b, nh/T, d] and k, v [s, b, ng/T, d]."""
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-        heads_per_group = self.num_attention_heads // self.num_query_groups
+        groups = self.num_query_groups_per_partition
+        heads_per_group = self.num_attention_heads_per_partition // groups
         mixed_qkv = mixed_qkv.view(
-            *mixed_qkv.shape[:-1], self.num_query_groups, (heads_per_group + 2) * self.head_dim
+            *mixed_qkv.shape[:-1], groups, (heads_per_group + 2) * self.head_dim
         )
         query, key, value = torch.split(
             mixed_qkv, [heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
         )
-        query = query.reshape(*query.shape[:2], self.num_attention_heads, self.head_dim)
+        query = query.reshape(
+            *query.shape[:2], self.num_attention_heads_per_partition, self.head_dim
+        )
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
             key = self.k_layernorm(key)
@@ -140,12 +170,14 @@ class SelfAttention(MegatronModule):
         """Attends over the sequence.
 
         Args:
-            hidden_states: [s, b, h] (already normalised, unless the QKV projection fuses it).
+            hidden_states: [s, b, h] (already normalised, unless the QKV projection fuses it);
+                under sequence parallelism this rank's [s/T, b, h].
             attention_mask: None for causal attention, or a boolean mask (True = masked out).
             rotary_pos_emb: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim], or None.
 
         Returns:
-            `(output, bias)`: output [s, b, h] and the not-yet-added projection bias (or None).
+            `(output, bias)`: output [s, b, h] (under sequence parallelism [s/T, b, h]) and the
+            not-yet-added projection bias (or None).
         """
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
@@ -155,10 +187,8 @@ class SelfAttention(MegatronModule):
 
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Recompute the attention in backward instead of storing its activations; the RNG
-            # state is replayed, so attention dropout draws the same mask again.
-            context = checkpoint(
-                self.core_attention, query, key, value, attention_mask, use_reentrant=False
-            )
+            # states are replayed, so attention dropout draws the same mask again.
+            context = recompute(self.core_attention, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)

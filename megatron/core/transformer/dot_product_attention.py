@@ -5,16 +5,23 @@ with the backend SDPA chooses (`auto`) or the one named (`flash`, `fused` = cuDN
 math), or the explicit `local` implementation, which materialises the [s, s] scores and honours
 `attention_softmax_in_fp32` and `apply_query_key_layer_scaling` as Megatron-core's local
 attention does.
+
+Under tensor parallelism each rank attends over its own heads, so attention dropout must draw a
+different mask on each rank: it runs in the RNG tracker's tensor-parallel state, as in
+Megatron-core (under sequence parallelism the whole decoder already runs in that state). At
+tensor-parallel size 1 it draws from the default generator, so the tracker need not be seeded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -73,6 +80,9 @@ class DotProductAttention(MegatronModule):
         self.softmax_in_fp32 = (
             config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
         )
+        self.fork_tensor_parallel_rng = (
+            config.tensor_model_parallel_size > 1 and not config.sequence_parallel
+        )
 
     def forward(
         self,
@@ -84,15 +94,16 @@ class DotProductAttention(MegatronModule):
         """Attends each query position to the key positions it may see.
 
         Args:
-            query: [s, b, num_attention_heads, d].
-            key: [s, b, num_query_groups, d].
-            value: [s, b, num_query_groups, d].
+            query: [s, b, n, d]: this rank's query heads (all of them without tensor
+                parallelism).
+            key: [s, b, g, d]: this rank's key heads (g divides n).
+            value: [s, b, g, d].
             attention_mask: None for causal attention. Otherwise a boolean mask broadcastable to
                 [b, num_attention_heads, s, s] where True means "masked out" (Megatron's
                 convention); it replaces the causal mask, so it must include causality.
 
         Returns:
-            Context of shape [s, b, num_attention_heads * d].
+            Context of shape [s, b, n * d].
         """
         seq_len, batch, num_heads, head_dim = query.shape
         groups = key.shape[2]
@@ -108,13 +119,19 @@ class DotProductAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d] as views: SDPA only needs the last dimension contiguous.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.local_attention:
-            context = self._local_attention(query, key, value, attention_mask, dropout_p)
-        elif self.sdpa_backend is None:
-            context = self._sdpa(query, key, value, attention_mask, dropout_p)
-        else:
-            with sdpa_kernel(self.sdpa_backend):
+        rng_context = (
+            get_cuda_rng_tracker().fork()
+            if dropout_p > 0 and self.fork_tensor_parallel_rng
+            else contextlib.nullcontext()
+        )
+        with rng_context:
+            if self.local_attention:
+                context = self._local_attention(query, key, value, attention_mask, dropout_p)
+            elif self.sdpa_backend is None:
                 context = self._sdpa(query, key, value, attention_mask, dropout_p)
+            else:
+                with sdpa_kernel(self.sdpa_backend):
+                    context = self._sdpa(query, key, value, attention_mask, dropout_p)
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * head_dim)
 

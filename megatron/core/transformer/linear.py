@@ -1,9 +1,11 @@
-"""The dense projection used by attention and MLP in the torch-only layer spec.
+"""A dense projection that is never split over tensor-parallel ranks, with the calling
+convention of the parallel linears.
 
-Megatron-LM uses `ColumnParallelLinear` / `RowParallelLinear` here; with tensor parallelism out of
-scope a single `Linear` takes their place but keeps their calling convention: the forward returns
-`(output, bias)`, where `bias` is None unless `skip_bias_add` asks the caller to add it (so that a
-later fused bias-dropout-add can absorb it). Transformer Engine's wrappers share this contract.
+The local layer spec uses `ColumnParallelLinear` / `RowParallelLinear`
+(`megatron.core.tensor_parallel`), which compute exactly what `Linear` does at tensor-parallel
+size 1 (same parameters, initialisation and outputs). `Linear` stays for projections that must
+stay whole on every rank: the forward returns `(output, bias)`, where `bias` is None unless
+`skip_bias_add` asks the caller to add it (so that a later fused bias-dropout-add can absorb it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
-"""The feed-forward block of a transformer layer: fc1, activation (optionally gated), fc2."""
+"""The feed-forward block of a transformer layer: fc1, activation (optionally gated), fc2.
+
+Under tensor parallelism over T ranks fc1 is column-parallel and fc2 row-parallel: each rank
+computes `ffn / T` of the intermediate features and fc2 sums the ranks' parts.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -28,13 +33,16 @@ class MLP(MegatronModule):
     """fc2(act(fc1(x))), or with `gated_linear_unit` fc2(act(x W) * (x V)) (SwiGLU with SiLU).
 
     In the gated case fc1 computes both halves in one GEMM: its output is `[x W | x V]` along
-    the last dimension, as in Megatron-LM.
+    the last dimension, as in Megatron-LM. Under tensor parallelism fc1 is built with stride 2,
+    so tp rank t holds `[W_t; V_t]` (its part of each half) and its output is `[x W_t | x V_t]`.
 
     Args:
         config: The transformer configuration.
         submodules: Specs of `linear_fc1` and `linear_fc2`.
-        ffn_hidden_size: Width of the MLP; None means `config.ffn_hidden_size` (MoE's shared
-            experts pass theirs).
+        ffn_hidden_size: Width of the MLP (all tp ranks); None means `config.ffn_hidden_size`
+            (MoE's shared experts pass theirs).
+        tp_group: The tensor-parallel group the width is split over; None resolves to
+            parallel_state's when initialised, else no split.
     """
 
     def __init__(
@@ -42,6 +50,8 @@ class MLP(MegatronModule):
         config: TransformerConfig,
         submodules: MLPSubmodules,
         ffn_hidden_size: int | None = None,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__(config)
         if ffn_hidden_size is None:
@@ -55,8 +65,13 @@ class MLP(MegatronModule):
             fc1_output_size,
             config=config,
             init_method=config.init_method,
+            gather_output=False,
             bias=config.add_bias_linear,
             skip_bias_add=False,
+            stride=2 if config.gated_linear_unit else 1,
+            is_expert=False,
+            tp_comm_buffer_name="fc1",
+            tp_group=tp_group,
         )
         self.activation_func = config.activation_func
         # The bias is handed back to the layer, which adds it together with dropout and residual.
@@ -67,14 +82,20 @@ class MLP(MegatronModule):
             config=config,
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
+            input_is_parallel=True,
             skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc2",
+            tp_group=tp_group,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Applies the MLP to [s, b, h] hidden states.
+        """Applies the MLP to [s, b, h] hidden states (under sequence parallelism this rank's
+        [s/T, b, h]).
 
         Returns:
-            `(output, bias)`: output [s, b, h] and the not-yet-added fc2 bias (or None).
+            `(output, bias)`: output of the input's shape and the not-yet-added fc2 bias (or
+            None).
         """
         intermediate, _ = self.linear_fc1(hidden_states)
         if self.config.gated_linear_unit:

@@ -4,6 +4,10 @@ Non-reentrant `torch.utils.checkpoint` runs a checkpointed function twice with a
 forward, and again in backward to rebuild what it did not store. Work with side effects that
 must happen once per forward (the MoE router's metrics and expert-bias token counts) asks
 `is_recomputing()` and skips them in the second run.
+
+The checkpoint replays the default generator itself; the tensor-parallel RNG tracker's states
+(forked by dropout inside tensor-parallel regions) are replayed here too, so recomputed dropout
+masks match the forward's at any tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.checkpoint import checkpoint
+
+from megatron.core.tensor_parallel.random import rng_tracker_replay_contexts
 
 _recompute_depth = 0
 """Checkpointed functions being recomputed now; a module global rather than thread-local, since
@@ -34,12 +40,19 @@ def is_recomputing() -> bool:
     return _recompute_depth > 0
 
 
+@contextlib.contextmanager
+def _recompute_context(replay_tracker: contextlib.AbstractContextManager) -> Iterator[None]:
+    with replay_tracker, _recomputing():
+        yield
+
+
+def _checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    forward, replay_tracker = rng_tracker_replay_contexts()
+    return forward, _recompute_context(replay_tracker)
+
+
 def recompute(function: Callable, *args: Any) -> Any:
     """`function(*args)` under a non-reentrant checkpoint whose backward recomputation runs with
-    `is_recomputing()` True. The RNG state is replayed, so dropout masks match."""
-    return checkpoint(
-        function,
-        *args,
-        use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _recomputing()),
-    )
+    `is_recomputing()` True. The RNG states (the default generator's and the tensor-parallel
+    tracker's) are replayed, so dropout masks match."""
+    return checkpoint(function, *args, use_reentrant=False, context_fn=_checkpoint_contexts)

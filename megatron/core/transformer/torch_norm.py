@@ -2,14 +2,20 @@
 
 This is the norm of the torch-only ("local") layer spec, used whenever neither apex nor
 Transformer Engine provides a fused one. It also holds the zero-centred-gamma variants
-(`--apply-layernorm-1p`) and the weightless `L2Norm` of `qk_l2_norm`.
+(`--apply-layernorm-1p`), the weightless `L2Norm` of `qk_l2_norm`, and the variants whose
+replicated parameters see only part of the activations on each tensor-parallel rank (norms on
+sequence-parallel activations, QK norms on the rank's heads): their gradients are summed over
+the tensor-parallel group in backward.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
+from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.transformer.transformer_config import NORMALIZATIONS, TransformerConfig
 
 
@@ -35,14 +41,18 @@ def resolve_normalization(config: TransformerConfig, normalization: str | None) 
 class WrappedTorchNorm:
     """Factory returning `torch.nn.LayerNorm` or `torch.nn.RMSNorm` as `config` asks.
 
-    It returns the torch module itself (not a wrapper), so parameter names are `weight` and
-    `bias` and the module's own `reset_parameters()` (weight one, bias zero) is Megatron's init.
+    Without a tensor-parallel group to sum over it returns the torch module itself (not a
+    wrapper), so parameter names are `weight` and `bias` and the module's own
+    `reset_parameters()` (weight one, bias zero) is Megatron's init. With one (of more than one
+    rank) it returns a subclass that sums the parameters' gradients over that group.
 
     Args:
         config: The transformer configuration (`normalization`, `params_dtype`).
         hidden_size: Size of the normalised (last) dimension.
         eps: Epsilon added to the variance.
         normalization: Normalisation the spec expects; must match `config.normalization`.
+        tp_group: The tensor-parallel group over which the parameters' gradients are summed
+            (each rank normalising part of the activations); None: no sum.
     """
 
     def __new__(
@@ -51,19 +61,52 @@ class WrappedTorchNorm:
         hidden_size: int,
         eps: float = 1e-5,
         normalization: str | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> torch.nn.Module:
         kind = resolve_normalization(config, normalization)
         assert kind in NORMALIZATIONS
+        layer_norm = kind == "LayerNorm"
+        kwargs = dict(eps=eps, dtype=config.params_dtype)
         if config.layernorm_zero_centered_gamma:
-            norm_cls = ZeroCenteredLayerNorm if kind == "LayerNorm" else ZeroCenteredRMSNorm
+            norm_cls = ZeroCenteredLayerNorm if layer_norm else ZeroCenteredRMSNorm
+        elif group_size(tp_group) > 1:
+            norm_cls = TensorParallelLayerNorm if layer_norm else TensorParallelRMSNorm
         else:
-            norm_cls = torch.nn.LayerNorm if kind == "LayerNorm" else torch.nn.RMSNorm
-        return norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+            return (torch.nn.LayerNorm if layer_norm else torch.nn.RMSNorm)(hidden_size, **kwargs)
+        return norm_cls(hidden_size, tp_group=tp_group, **kwargs)
 
 
-class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+class _GradSumOverTp:
+    """Mixin of a norm holding `tp_group`: `_summed(param)` is the parameter to compute with,
+    whose gradient is summed over the group in backward (identity without a group)."""
+
+    def __init__(self, *args, tp_group: dist.ProcessGroup | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp_group = tp_group
+
+    def _summed(self, param: torch.Tensor | None) -> torch.Tensor | None:
+        return None if param is None else grad_sum_over_tp(param, self.tp_group)
+
+
+class TensorParallelLayerNorm(_GradSumOverTp, torch.nn.LayerNorm):
+    """`torch.nn.LayerNorm` whose weight and bias gradients are summed over `tp_group`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._summed(self.weight), self._summed(self.bias)
+        return F.layer_norm(input, self.normalized_shape, weight, bias, self.eps)
+
+
+class TensorParallelRMSNorm(_GradSumOverTp, torch.nn.RMSNorm):
+    """`torch.nn.RMSNorm` whose weight gradient is summed over `tp_group`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(input, self.normalized_shape, self._summed(self.weight), self.eps)
+
+
+class ZeroCenteredLayerNorm(_GradSumOverTp, torch.nn.LayerNorm):
     """LayerNorm whose scale is `1 + weight`, the weight initialised to zero (Megatron-LM's
-    `apply_layernorm_1p`): weight decay then pulls the scale towards 1 rather than 0."""
+    `apply_layernorm_1p`): weight decay then pulls the scale towards 1 rather than 0. Gradients
+    are summed over `tp_group` when one is given."""
 
     def reset_parameters(self) -> None:
         """Weight and bias zero: the norm starts as the identity scale."""
@@ -71,19 +114,21 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
         torch.nn.init.zeros_(self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(input, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+        weight, bias = self._summed(self.weight), self._summed(self.bias)
+        return F.layer_norm(input, self.normalized_shape, weight + 1, bias, self.eps)
 
 
-class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+class ZeroCenteredRMSNorm(_GradSumOverTp, torch.nn.RMSNorm):
     """RMSNorm whose scale is `1 + weight`, the weight initialised to zero (as TE's
-    `zero_centered_gamma`)."""
+    `zero_centered_gamma`). Gradients are summed over `tp_group` when one is given."""
 
     def reset_parameters(self) -> None:
         """Weight zero: the norm starts as the identity scale."""
         torch.nn.init.zeros_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(input, self.normalized_shape, self.weight + 1, self.eps)
+        weight = self._summed(self.weight)
+        return F.rms_norm(input, self.normalized_shape, weight + 1, self.eps)
 
 
 class L2Norm(torch.nn.Module):

@@ -3,17 +3,23 @@
 Full activation recompute (`recompute_granularity="full"`) is applied here, with Megatron-LM's
 two methods: "uniform" checkpoints the layers in chunks of `recompute_num_layers`, "block" the
 first `recompute_num_layers` layers one by one.
+
+Under sequence parallelism the layers run in training in the RNG tracker's tensor-parallel state
+(as in Megatron-core; seed it with `model_parallel_cuda_manual_seed`): each rank holds a
+different part of the sequence, so its dropout masks must differ from the other ranks'.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
@@ -68,7 +74,8 @@ class TransformerBlock(MegatronModule):
         config: The transformer configuration.
         spec: A `TransformerLayer` spec (repeated for every layer) or `TransformerBlockSubmodules`.
         post_layer_norm: Whether to apply the final norm (`final_layernorm`).
-        pg_collection: Process groups of the MoE layers; None means parallel_state's.
+        pg_collection: Process groups of the layers (`tp`, and `ep` of the MoE layers); None
+            means parallel_state's.
 
     Raises:
         ValueError: with `config.num_moe_experts`, the layers that are MoE layers differ from
@@ -99,6 +106,7 @@ class TransformerBlock(MegatronModule):
                 config=config,
                 hidden_size=config.hidden_size,
                 eps=config.layernorm_epsilon,
+                tp_group=resolve_tp_group(pg_collection) if config.sequence_parallel else None,
             )
         else:
             self.final_layernorm = None
@@ -131,12 +139,12 @@ class TransformerBlock(MegatronModule):
         included, run again in backward. Dropout masks are replayed.
 
         Args:
-            hidden_states: [s, b, h].
+            hidden_states: [s, b, h] ([s/T, b, h] under sequence parallelism).
             attention_mask: None for causal attention, or a boolean mask (True = masked out).
             rotary_pos_emb: Rotary angles [s, 1, 1, rot_dim], or None.
 
         Returns:
-            Hidden states [s, b, h].
+            Hidden states of the input's shape.
         """
         recompute = (
             self.config.recompute_granularity == "full"
@@ -144,15 +152,18 @@ class TransformerBlock(MegatronModule):
             and torch.is_grad_enabled()
         )
         chunks = self.recompute_chunks() if recompute else [(0, len(self.layers), False)]
-        for start, end, checkpointed in chunks:
-            if checkpointed:
-                hidden_states = recompute_checkpoint(
-                    self._run_layers, start, end, hidden_states, attention_mask, rotary_pos_emb
-                )
-            else:
-                hidden_states = self._run_layers(
-                    start, end, hidden_states, attention_mask, rotary_pos_emb
-                )
+        rng_context = (
+            get_cuda_rng_tracker().fork()
+            if self.config.sequence_parallel and self.training
+            else contextlib.nullcontext()
+        )
+        with rng_context:
+            for start, end, checkpointed in chunks:
+                args = (start, end, hidden_states, attention_mask, rotary_pos_emb)
+                if checkpointed:
+                    hidden_states = recompute_checkpoint(self._run_layers, *args)
+                else:
+                    hidden_states = self._run_layers(*args)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -82,6 +82,11 @@ class TransformerConfig(ModelParallelConfig):
     The `moe_*` fields and `num_moe_experts` configure Mixture of Experts layers with
     Megatron-core's names and defaults; `check_moe_config` validates them.
 
+    With `tensor_model_parallel_size` T > 1, `num_attention_heads`, `num_query_groups`,
+    `ffn_hidden_size` and `moe_shared_expert_intermediate_size` must be multiples of T (each
+    rank holds an equal part), `seq_length` too under `sequence_parallel`; MoE layers are not
+    built with T > 1 yet.
+
     Attributes:
         num_layers: Number of transformer layers.
         hidden_size: Width of the residual stream.
@@ -134,7 +139,9 @@ class TransformerConfig(ModelParallelConfig):
             `RECOMPUTE_MODULES`; None means `["core_attn"]` (Megatron-LM's default).
         cross_entropy_loss_fusion: Compute the language-model loss with the chunked
             cross-entropy (`fused_cross_entropy`), which never holds fp32 logits or
-            probabilities for the whole vocabulary and batch at once.
+            probabilities for the whole vocabulary and batch at once. With tensor parallelism
+            the loss is the vocabulary-parallel cross-entropy either way (each rank holds fp32
+            statistics of its V/T logits only).
         cross_entropy_fusion_impl: "native" (the chunked PyTorch implementation); "te" is
             refused, as Megatron-LM refuses it (numerically unstable).
         seq_length: Training sequence length, when known when the model is built; lets the
@@ -287,6 +294,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_recompute()
         self._check_attention_options()
         check_moe_config(self)
+        self._check_tensor_parallel()
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}.")
         if self.seq_length is not None and self.seq_length < 1:
@@ -344,6 +352,35 @@ class TransformerConfig(ModelParallelConfig):
                         f"recompute_modules value {module!r} {refusal}; choose among "
                         f"{RECOMPUTE_MODULES}."
                     )
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_model_parallel_size
+        # Each tp rank holds whole heads, whole query groups (the grouped QKV layout splits by
+        # group) and an equal slice of every MLP width.
+        split_fields = ["num_attention_heads", "num_query_groups", "ffn_hidden_size"]
+        if self.moe_shared_expert_intermediate_size is not None:
+            split_fields.append("moe_shared_expert_intermediate_size")
+        for name in split_fields:
+            value = getattr(self, name)
+            if value % tp:
+                raise ValueError(
+                    f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp}): "
+                    f"each tensor-parallel rank holds {name} / {tp} of it; change {name} or "
+                    "tensor_model_parallel_size."
+                )
+        if self.sequence_parallel and self.seq_length is not None and self.seq_length % tp:
+            raise ValueError(
+                f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size "
+                f"({tp}) with sequence_parallel: each rank keeps seq_length / {tp} positions; "
+                "change seq_length or set sequence_parallel=False."
+            )
+        if self.num_moe_experts is not None and tp > 1:
+            raise ValueError(
+                f"MoE layers (num_moe_experts={self.num_moe_experts}) with "
+                f"tensor_model_parallel_size={tp} are not built yet; set "
+                "tensor_model_parallel_size=1 and split the experts with "
+                "expert_model_parallel_size instead."
+            )
 
     def _check_attention_options(self) -> None:
         if not isinstance(self.attention_backend, AttnBackend):

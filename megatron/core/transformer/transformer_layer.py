@@ -1,7 +1,8 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
-Hidden states are in Megatron's [s, b, h] layout. Each `TransformerLayer` is the unit that data
-parallel engines shard (FSDP) and that full activation recompute checkpoints.
+Hidden states are in Megatron's [s, b, h] layout ([s/T, b, h] on each of T tensor-parallel
+ranks under sequence parallelism). Each `TransformerLayer` is the unit that data parallel
+engines shard (FSDP) and that full activation recompute checkpoints.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
@@ -45,8 +46,9 @@ class TransformerLayer(MegatronModule):
         submodules: Specs of the layer's parts.
         layer_number: 1-based index of the layer in the model.
         hidden_dropout: Dropout on the residual branches; None means `config.hidden_dropout`.
-        pg_collection: Process groups of an `MoELayer` MLP (its expert-parallel group); None
-            means parallel_state's.
+        pg_collection: Process groups: `tp` splits attention and the MLP (see
+            `resolve_tp_group`), `ep` the experts of an `MoELayer` MLP; None means
+            parallel_state's.
 
     Raises:
         ValueError: `apply_residual_connection_post_layernorm` is asked of a spec whose norms are
@@ -66,12 +68,20 @@ class TransformerLayer(MegatronModule):
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
 
+        tp_group = resolve_tp_group(pg_collection)
         norm_kwargs = dict(
-            config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            config=config,
+            hidden_size=config.hidden_size,
+            eps=config.layernorm_epsilon,
+            # Under sequence parallelism each rank normalises its part of the sequence.
+            tp_group=tp_group if config.sequence_parallel else None,
         )
         self.input_layernorm = build_module(submodules.input_layernorm, **norm_kwargs)
         self.self_attention = build_module(
-            submodules.self_attention, config=config, layer_number=layer_number
+            submodules.self_attention,
+            config=config,
+            layer_number=layer_number,
+            pg_collection=pg_collection,
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, **norm_kwargs)
         self.is_moe_layer = issubclass(get_module(submodules.mlp), MoELayer)
@@ -83,7 +93,7 @@ class TransformerLayer(MegatronModule):
                 pg_collection=pg_collection,
             )
         else:
-            self.mlp = build_module(submodules.mlp, config=config)
+            self.mlp = build_module(submodules.mlp, config=config, tp_group=tp_group)
 
         fused_norm = isinstance(self.input_layernorm, IdentityOp) or isinstance(
             self.pre_mlp_layernorm, IdentityOp
@@ -124,7 +134,7 @@ class TransformerLayer(MegatronModule):
         """Runs attention and MLP, each with its residual connection.
 
         Args:
-            hidden_states: [s, b, h].
+            hidden_states: [s, b, h] ([s/T, b, h] under sequence parallelism).
             attention_mask: None for causal attention, or a boolean mask (True = masked out).
             rotary_pos_emb: Rotary angles [s, 1, 1, rot_dim], or None.
 

@@ -13,8 +13,8 @@ from megatron.core.models.gpt import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import (
-    Linear,
     TransformerBlockSubmodules,
     TransformerConfig,
     TransformerLayer,
@@ -29,8 +29,10 @@ def test_local_spec_uses_torch_modules():
     spec = get_gpt_layer_local_spec()
     assert spec.module is TransformerLayer
     submodules = spec.submodules
-    assert submodules.self_attention.submodules.linear_qkv is Linear
-    assert submodules.mlp.submodules.linear_fc2 is Linear
+    assert submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
+    assert submodules.self_attention.submodules.linear_proj is RowParallelLinear
+    assert submodules.mlp.submodules.linear_fc1 is ColumnParallelLinear
+    assert submodules.mlp.submodules.linear_fc2 is RowParallelLinear
     if not HAVE_APEX:
         assert submodules.input_layernorm.module is WrappedTorchNorm
 

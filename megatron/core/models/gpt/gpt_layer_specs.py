@@ -1,8 +1,10 @@
 """Layer specs for GPT: which classes fill the slots of a `TransformerLayer`.
 
 `get_gpt_layer_local_spec()` needs only PyTorch (apex's fused norms are used when apex is
-installed); `get_gpt_layer_with_transformer_engine_spec()` uses Transformer Engine's fused
-norm + linear modules and fails with install instructions when TE is missing.
+installed) and splits attention and the MLP over the tensor-parallel group
+(`ColumnParallelLinear` / `RowParallelLinear`, which are plain projections at size 1);
+`get_gpt_layer_with_transformer_engine_spec()` uses Transformer Engine's fused norm + linear
+modules (tensor-parallel size 1 only) and fails with install instructions when TE is missing.
 `get_gpt_decoder_block_spec()` wraps either into a whole-decoder spec whose final norm comes from
 the same backend (`TENorm` with Transformer Engine), as in Megatron-LM, and makes the layers that
 `config.moe_layer_freq` names Mixture of Experts layers when `config.num_moe_experts` is set (MoE
@@ -12,10 +14,10 @@ layers are built with the local spec only).
 from __future__ import annotations
 
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
@@ -32,6 +34,11 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 
+def _local_mlp_submodules() -> MLPSubmodules:
+    """The local spec's MLP projections (the dense MLP's and the shared experts')."""
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
 def get_moe_module_spec(*, moe_grouped_gemm: bool = False) -> ModuleSpec:
     """Spec of an `MoELayer` from PyTorch modules: `TopKRouter`, `SequentialMLP` experts (or
     `GroupedMLP` with `moe_grouped_gemm`) and `SharedExpertMLP` shared experts."""
@@ -42,7 +49,7 @@ def get_moe_module_spec(*, moe_grouped_gemm: bool = False) -> ModuleSpec:
             experts=GroupedMLP if moe_grouped_gemm else SequentialMLP,
             shared_experts=ModuleSpec(
                 module=SharedExpertMLP,
-                submodules=MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear),
+                submodules=_local_mlp_submodules(),
             ),
         ),
     )
@@ -82,9 +89,9 @@ def get_gpt_layer_local_spec(
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=Linear,
+                    linear_qkv=ColumnParallelLinear,
                     core_attention=DotProductAttention,
-                    linear_proj=Linear,
+                    linear_proj=RowParallelLinear,
                     # Built only with config.qk_layernorm.
                     q_layernorm=norm,
                     k_layernorm=norm,
@@ -92,9 +99,7 @@ def get_gpt_layer_local_spec(
             ),
             pre_mlp_layernorm=norm,
             mlp=(
-                ModuleSpec(
-                    module=MLP, submodules=MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear)
-                )
+                ModuleSpec(module=MLP, submodules=_local_mlp_submodules())
                 if num_experts is None
                 else get_moe_module_spec(moe_grouped_gemm=moe_grouped_gemm)
             ),

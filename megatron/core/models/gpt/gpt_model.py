@@ -3,6 +3,11 @@
 Inputs and outputs are batch-first ([b, s]); inside, hidden states use Megatron's [s, b, h]
 layout. With labels the model returns the per-token cross-entropy in float32, which the training
 loop masks and reduces; without labels it returns the logits.
+
+Under tensor parallelism over T ranks the vocabulary is split: the embedding table and the output
+layer hold V/T rows each, the logits are the rank's [.., V/T] part and the loss is the
+vocabulary-parallel cross-entropy (identical on every tp rank). Under sequence parallelism the
+decoder's hidden states are [s/T, b, h] and are all-gathered before the output layer.
 """
 
 from __future__ import annotations
@@ -17,8 +22,15 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 )
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.linear import Linear
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.utils import group_size
+from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -38,7 +50,8 @@ class GPTModel(MegatronModule):
         config: The transformer configuration.
         transformer_layer_spec: Spec of one layer (e.g. `get_gpt_layer_local_spec()`), or a
             `TransformerBlockSubmodules` with one spec per layer.
-        vocab_size: Number of token ids (rows of the embedding, columns of the logits).
+        vocab_size: Number of token ids (rows of the embedding, columns of the logits); a
+            multiple of the tensor-parallel size.
         max_sequence_length: Number of learned positions (for "learned_absolute").
         pre_process: Build the embedding (first pipeline stage). Without it, the decoder input
             comes from `set_input_tensor`.
@@ -53,8 +66,10 @@ class GPTModel(MegatronModule):
         rope_scaling_factor: Its factor (Megatron-LM's default 8).
         seq_len_interpolation_factor: Divide the RoPE positions by it (linear interpolation);
             None leaves them. `config.rotary_interleaved` picks the RoPE channel pairing.
-        pg_collection: Process groups of the MoE layers (their expert-parallel group `ep`);
-            None means parallel_state's, or expert-parallel size 1 without it.
+        parallel_output: Without labels, return this tensor-parallel rank's part of the logits
+            ([b, s, V/T]) rather than all-gathering the whole vocabulary; the same at T = 1.
+        pg_collection: Process groups: `tp` splits the layers and the vocabulary, `ep` the
+            experts of the MoE layers; None means parallel_state's, or size 1 without it.
 
     Raises:
         ValueError: Inconsistent arguments (see messages).
@@ -76,9 +91,20 @@ class GPTModel(MegatronModule):
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
         seq_len_interpolation_factor: float | None = None,
+        parallel_output: bool = True,
         pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__(config)
+        self.tp_group = resolve_tp_group(pg_collection)
+        tp_size = group_size(self.tp_group)
+        if vocab_size % tp_size:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be divisible by the tensor-parallel size "
+                f"({tp_size}): each rank holds vocab_size / {tp_size} rows of the embedding and "
+                "of the output layer; pad the vocabulary to a multiple of it (the training "
+                "script pads to a multiple of make_vocab_size_divisible_by x "
+                "tensor_model_parallel_size)."
+            )
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, got "
@@ -108,11 +134,16 @@ class GPTModel(MegatronModule):
         self.post_process = post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        self.parallel_output = parallel_output
         self.input_tensor: torch.Tensor | None = None
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config, vocab_size, max_sequence_length, position_embedding_type
+                config,
+                vocab_size,
+                max_sequence_length,
+                position_embedding_type,
+                tp_group=self.tp_group,
             )
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
@@ -131,12 +162,16 @@ class GPTModel(MegatronModule):
             pg_collection=pg_collection,
         )
         if post_process and not share_embeddings_and_output_weights:
-            self.output_layer = Linear(
+            self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
                 vocab_size,
                 config=config,
                 init_method=config.init_method,
                 bias=False,
+                gather_output=False,
+                skip_bias_add=False,
+                tp_comm_buffer_name="lm_head",
+                tp_group=self.tp_group,
             )
         else:
             self.output_layer = None
@@ -179,8 +214,10 @@ class GPTModel(MegatronModule):
 
         Returns:
             With `labels`: per-token cross-entropy loss, float32, [b, s] (positions whose label is
-            -100 get 0). Without: logits [b, s, vocab_size] in the parameter dtype. Without
-            `post_process`: decoder hidden states [s, b, h].
+            -100 get 0), the same on every tensor-parallel rank. Without: logits in the
+            parameter dtype, [b, s, vocab_size / T] with `parallel_output`, else
+            [b, s, vocab_size]. Without `post_process`: decoder hidden states [s, b, h]
+            ([s/T, b, h] under sequence parallelism).
         """
         if self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
@@ -194,21 +231,27 @@ class GPTModel(MegatronModule):
 
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
-            rotary_pos_emb = self.rotary_pos_emb(
-                decoder_input.shape[0], device=decoder_input.device
-            )
+            # Attention sees the whole sequence, also when the layers hold a part of it.
+            seq_len = decoder_input.shape[0]
+            if self.config.sequence_parallel:
+                seq_len *= group_size(self.tp_group)
+            rotary_pos_emb = self.rotary_pos_emb(seq_len, device=decoder_input.device)
         hidden_states = self.decoder(
             decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
         if not self.post_process:
             return hidden_states
 
-        if self.share_embeddings_and_output_weights:
-            logits = F.linear(hidden_states, self.shared_embedding_or_output_weight())
-        else:
-            logits, _ = self.output_layer(hidden_states)
+        logits = self._logits(hidden_states)
         if labels is None:
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits.transpose(0, 1).contiguous()
+        if group_size(self.tp_group) > 1:
+            # The vocabulary-parallel loss needs only per-token sums over tp, never the whole
+            # vocabulary's logits (the memory the fused loss saves at T = 1).
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
+            return loss.t().contiguous()
 
         seq_len, batch = logits.shape[:2]
         logits = logits.view(seq_len * batch, -1)
@@ -220,3 +263,16 @@ class GPTModel(MegatronModule):
         else:
             loss = F.cross_entropy(logits.float(), labels, reduction="none")
         return loss.view(seq_len, batch).t().contiguous()
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's [s, b, V/T] logits of the final hidden states ([s/T, b, h] under sequence
+        parallelism: the output layer gathers the sequence)."""
+        if self.output_layer is not None:
+            logits, _ = self.output_layer(hidden_states)
+            return logits
+        # Tied: the embedding's vocabulary rows, entered like the column-parallel output layer.
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group)
+        else:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
+        return F.linear(hidden_states, self.shared_embedding_or_output_weight())

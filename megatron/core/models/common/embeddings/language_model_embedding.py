@@ -1,15 +1,25 @@
 """Input embedding of a language model: token embedding, optional learned positions, dropout.
 
-The output is in Megatron's [s, b, h] layout, the layout of the whole transformer stack.
+The output is in Megatron's [s, b, h] layout, the layout of the whole transformer stack. Under
+tensor parallelism the token table is split over the vocabulary (`VocabParallelEmbedding`) and
+the learned positions are replicated; under sequence parallelism each rank keeps its [s/T, b, h]
+part of the sequence (the partial lookups are reduce-scattered, or, with learned positions, the
+sum is scattered) and its dropout runs in the RNG tracker's tensor-parallel state, as in
+Megatron-core.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -19,9 +29,8 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 class Embedding(torch.nn.Module):
     """A lookup table initialised with a Megatron init method (in place of torch's N(0, 1)).
 
-    It stands in for Megatron-LM's `VocabParallelEmbedding` (no tensor parallelism here) and
-    for the `torch.nn.Embedding` of learned positions, whose own `reset_parameters()` would
-    re-draw the weights from N(0, 1).
+    It stands in for the `torch.nn.Embedding` of learned positions, whose own
+    `reset_parameters()` would re-draw the weights from N(0, 1).
 
     Args:
         num_embeddings: Number of rows.
@@ -64,6 +73,8 @@ class LanguageModelEmbedding(MegatronModule):
         max_sequence_length: Number of learned positions.
         position_embedding_type: "learned_absolute" adds a learned position table; "rope" and
             "none" add nothing here (rotary embeddings are applied inside attention).
+        tp_group: The tensor-parallel group the vocabulary is split over; None resolves to
+            parallel_state's when initialised, else no split.
     """
 
     def __init__(
@@ -72,6 +83,8 @@ class LanguageModelEmbedding(MegatronModule):
         vocab_size: int,
         max_sequence_length: int,
         position_embedding_type: str = "learned_absolute",
+        *,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__(config)
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -83,10 +96,26 @@ class LanguageModelEmbedding(MegatronModule):
         self.max_sequence_length = max_sequence_length
         self.position_embedding_type = position_embedding_type
         self.add_position_embedding = position_embedding_type == "learned_absolute"
-        kwargs = dict(init_method=config.init_method, dtype=config.params_dtype)
-        self.word_embeddings = Embedding(vocab_size, config.hidden_size, **kwargs)
+        # Without positions to add, the partial lookups go straight to the sequence-parallel
+        # region (one reduce-scatter instead of an all-reduce and a split).
+        self.reduce_scatter_embeddings = (
+            config.sequence_parallel and not self.add_position_embedding
+        )
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size,
+            config.hidden_size,
+            init_method=config.init_method,
+            config=config,
+            reduce_scatter_embeddings=self.reduce_scatter_embeddings,
+            tp_group=tp_group,
+        )
         if self.add_position_embedding:
-            self.position_embeddings = Embedding(max_sequence_length, config.hidden_size, **kwargs)
+            self.position_embeddings = Embedding(
+                max_sequence_length,
+                config.hidden_size,
+                init_method=config.init_method,
+                dtype=config.params_dtype,
+            )
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -100,8 +129,12 @@ class LanguageModelEmbedding(MegatronModule):
                 means 0 .. s-1 for every sequence. Ignored without learned positions.
 
         Returns:
-            Embeddings of shape [s, b, h].
+            Embeddings of shape [s, b, h] ([s/T, b, h] under sequence parallelism).
         """
+        if self.reduce_scatter_embeddings:
+            # The layer transposes to [s, b, h] itself before the reduce-scatter.
+            embeddings = self.word_embeddings(input_ids)
+            return self._dropout(embeddings)
         # Looking up the transposed ids yields [s, b, h] directly, with no transpose copy.
         embeddings = self.word_embeddings(input_ids.t())
         if self.add_position_embedding:
@@ -115,4 +148,17 @@ class LanguageModelEmbedding(MegatronModule):
                     )
                 position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
             embeddings = embeddings + self.position_embeddings(position_ids.t())
-        return self.embedding_dropout(embeddings)
+        if self.config.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(
+                embeddings, self.word_embeddings.tp_group
+            )
+        return self._dropout(embeddings)
+
+    def _dropout(self, embeddings: torch.Tensor) -> torch.Tensor:
+        if self.config.sequence_parallel and self.training:
+            # Each rank holds a different part of the sequence: its mask must differ too.
+            rng_context = get_cuda_rng_tracker().fork()
+        else:
+            rng_context = contextlib.nullcontext()
+        with rng_context:
+            return self.embedding_dropout(embeddings)
