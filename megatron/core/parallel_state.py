@@ -1,29 +1,38 @@
-"""Process groups for data, context and expert parallelism, with Megatron-LM's getter API.
+"""Process groups for tensor, data, context and expert parallelism, with Megatron-LM's getters.
 
 `initialize_model_parallel()` splits the default process group (gloo or NCCL) into the groups the
 model and the data-parallel engines communicate over; the `get_*` functions return this rank's
 group of each kind, and `destroy_model_parallel()` tears them down.
 
-Ranks follow Megatron's default order tp-cp-ep-dp-pp with tensor and pipeline parallelism fixed
-at 1: context-parallel groups are contiguous ranks and data-parallel groups stride by cp, so the
-data x context group ("dp_cp") is every rank; expert-model-parallel groups are contiguous ranks and
-expert data-parallel groups stride by ep. With R = `num_distributed_optimizer_instances` > 1
-(hybrid sharding), every data-parallel group of n ranks is cut into R contiguous chunks of n / R
-ranks (the "intra" group FSDP shards over) and the ranks holding the same position in each chunk
-form the "inter" group FSDP replicates over. Example, 8 ranks, cp=2, ep=2, R=2:
+Ranks follow Megatron's default order tp-cp-ep-dp-pp with pipeline parallelism fixed at 1:
+tensor-parallel groups are contiguous ranks, context-parallel groups stride by tp inside blocks
+of tp x cp ranks, and data-parallel groups stride by tp x cp, so the data x context group
+("dp_cp") holds one rank of each tensor-parallel group. Experts follow etp-ep-dp with expert
+tensor parallelism fixed at 1: expert-model-parallel groups are contiguous ranks and expert
+data-parallel groups stride by ep (so they do contain tensor-parallel peers). With
+R = `num_distributed_optimizer_instances` > 1 (hybrid sharding), every data-parallel group of n
+ranks is cut into R contiguous chunks of n / R ranks (the "intra" group FSDP shards over) and
+the ranks holding the same position in each chunk form the "inter" group FSDP replicates over.
+Example, 8 ranks, tp=2, cp=2, ep=2, R=2 (so dp = 8 / (tp x cp) = 2):
 
     name             groups (each rank is in exactly one group of each name)
-    cp               [0,1] [2,3] [4,5] [6,7]
-    dp               [0,2,4,6] [1,3,5,7]
-    dp_cp            [0..7]
-    intra_dp_cp      [0,1,2,3] [4,5,6,7]
+    tp, mp           [0,1] [2,3] [4,5] [6,7]
+    cp               [0,2] [1,3] [4,6] [5,7]
+    dp               [0,4] [1,5] [2,6] [3,7]
+    dp_cp            [0,2,4,6] [1,3,5,7]
+    intra_dp_cp      [0,2] [4,6] [1,3] [5,7]
     inter_dist_opt   [0,4] [1,5] [2,6] [3,7]
-    ep               [0,1] [2,3] [4,5] [6,7]
+    intra_dist_opt   [0,1,2,3] [4,5,6,7]
+    tp_cp            [0,1,2,3] [4,5,6,7]
+    tp_dp            [0,1,4,5] [2,3,6,7]
+    tp_dp_cp         [0..7]
+    ep, tp_ep        [0,1] [2,3] [4,5] [6,7]
     expt_dp          [0,2,4,6] [1,3,5,7]
     intra_expt_dp    [0,2] [4,6] [1,3] [5,7]
-    tp, pp           [0] [1] ... [7]
+    pp, embd, expt_tp  [0] [1] ... [7]
 
-Group names are those of `ProcessGroupCollection`'s fields (see `GROUP_NAMES`). Conventions:
+Group names are those of `ProcessGroupCollection`'s fields (see `GROUP_NAMES`); the layout
+itself is computed in `megatron.core.rank_layout`. Conventions:
 
 - With R == 1, `intra_dp_cp` is the `dp_cp` group object and `intra_expt_dp` the `expt_dp` one,
   as in Megatron-LM; `inter_dist_opt` is then a group of one rank, so callers can always test
@@ -31,7 +40,10 @@ Group names are those of `ProcessGroupCollection`'s fields (see `GROUP_NAMES`). 
 - Splitting the expert data-parallel group by R yields the same inter groups as splitting dp_cp
   (ranks r, r + W/R, r + 2W/R, ... for W ranks), so dense and expert parameters share
   `inter_dist_opt`, as in Megatron-LM.
-- `tp` and `pp` are groups of one rank each, so Megatron code asking for their size gets 1.
+- A group whose ranks coincide with another group's is that group's object (`mp` is `tp`,
+  `embd` is `pp`, `tp_cp` is `tp` when cp == 1, ...), so no communicator is created twice.
+- `pp`, `embd` and `expt_tp` are groups of one rank each, so Megatron code asking for their
+  size gets 1.
 - Getters raise RuntimeError before initialization; those Megatron-LM gives a
   `check_initialized` argument return None instead when it is False.
 - `create_all_gather_group=True` adds `dp_cp_ag` and `expt_dp_ag`: second communicators over the
@@ -50,16 +62,26 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron.core.rank_layout import rank_groups
+
 GROUP_NAMES = (
     "dp",
     "dp_cp",
     "dp_cp_ag",
     "intra_dp_cp",
     "inter_dist_opt",
+    "intra_dist_opt",
     "cp",
     "tp",
     "pp",
+    "mp",
+    "tp_cp",
+    "tp_dp",
+    "tp_dp_cp",
+    "embd",
     "ep",
+    "expt_tp",
+    "tp_ep",
     "expt_dp",
     "expt_dp_ag",
     "intra_expt_dp",
@@ -83,52 +105,6 @@ class _ParallelState:
 _STATE: _ParallelState | None = None
 
 
-def _contiguous(ranks: list[int], size: int) -> list[list[int]]:
-    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
-
-
-def _strided(ranks: list[int], stride: int) -> list[list[int]]:
-    return [ranks[i::stride] for i in range(stride)]
-
-
-def _shards(groups: list[list[int]], instances: int) -> list[list[int]]:
-    """Each group cut into `instances` contiguous chunks (the intra groups)."""
-    return [chunk for g in groups for chunk in _contiguous(g, len(g) // instances)]
-
-
-def _replicas(groups: list[list[int]], instances: int) -> list[list[int]]:
-    """The ranks at the same position of each chunk (the inter groups)."""
-    return [same for g in groups for same in _strided(g, len(g) // instances)]
-
-
-def _rank_groups(
-    world_size: int, cp: int, ep: int, instances: int, all_gather: bool
-) -> tuple[dict[str, list[list[int]]], dict[str, str]]:
-    """Every group of each name, in creation order, and the names that alias another name."""
-    ranks = list(range(world_size))
-    layout = {
-        "dp_cp": [ranks],
-        "dp": _strided(ranks, cp),
-        "cp": _contiguous(ranks, cp),
-        "tp": _contiguous(ranks, 1),
-        "pp": _contiguous(ranks, 1),
-        "ep": _contiguous(ranks, ep),
-        "expt_dp": _strided(ranks, ep),
-        "inter_dist_opt": _replicas([ranks], instances),
-    }
-    # Splitting the expert groups yields the same inter groups, so experts share inter_dist_opt.
-    assert sorted(_replicas(layout["expt_dp"], instances)) == sorted(layout["inter_dist_opt"])
-    aliases = {}
-    for base in ("dp_cp", "expt_dp"):
-        if instances > 1:
-            layout[f"intra_{base}"] = _shards(layout[base], instances)
-        else:
-            aliases[f"intra_{base}"] = base
-        if all_gather:
-            layout[f"{base}_ag"] = layout[f"intra_{base}" if instances > 1 else base]
-    return layout, aliases
-
-
 def _check_sizes(
     world_size: int,
     tensor_model_parallel_size: int,
@@ -139,26 +115,23 @@ def _check_sizes(
     num_distributed_optimizer_instances: int,
 ) -> None:
     unsupported = {
-        "tensor_model_parallel_size": tensor_model_parallel_size,
-        "pipeline_model_parallel_size": pipeline_model_parallel_size,
-        "expert_tensor_parallel_size": expert_tensor_parallel_size or 1,
+        "pipeline_model_parallel_size": (pipeline_model_parallel_size, "pipeline parallelism"),
+        "expert_tensor_parallel_size": (
+            expert_tensor_parallel_size or 1,
+            "tensor parallelism of the experts",
+        ),
     }
-    for name, size in unsupported.items():
+    for name, (size, kind) in unsupported.items():
         if size != 1:
-            kind = name.removesuffix("_size").replace("_", " ")
             raise ValueError(
-                f"{name}={size}: {kind}ism is not supported yet; set it to 1 and use data, "
-                "context (context_parallel_size) or expert (expert_model_parallel_size) "
-                "parallelism instead."
+                f"{name}={size}: {kind} is not supported yet; set it to 1 (None for "
+                "expert_tensor_parallel_size) and use tensor, data, context or expert "
+                "(expert_model_parallel_size) parallelism instead."
             )
-    # With tp = pp = 1 the dp x cp group is every rank, so R must divide the world size too.
     divisors = {
+        "tensor_model_parallel_size": (tensor_model_parallel_size, ""),
         "context_parallel_size": (context_parallel_size, ""),
         "expert_model_parallel_size": (expert_model_parallel_size, ""),
-        "num_distributed_optimizer_instances": (
-            num_distributed_optimizer_instances,
-            " (the data x context parallel size)",
-        ),
     }
     for name, (size, what) in divisors.items():
         if size < 1 or world_size % size:
@@ -166,13 +139,30 @@ def _check_sizes(
                 f"{name}={size} does not divide the world size {world_size}{what}; "
                 f"choose a divisor of {world_size}."
             )
-    expert_dp_size = world_size // expert_model_parallel_size
-    if expert_dp_size % num_distributed_optimizer_instances:
+    model_size = tensor_model_parallel_size * context_parallel_size
+    if world_size % model_size:
         raise ValueError(
-            f"num_distributed_optimizer_instances={num_distributed_optimizer_instances} does not "
-            f"divide the expert data-parallel size {expert_dp_size} (world size {world_size} / "
-            f"expert_model_parallel_size={expert_model_parallel_size}); lower one of the two."
+            f"tensor_model_parallel_size={tensor_model_parallel_size} x context_parallel_size="
+            f"{context_parallel_size} = {model_size} does not divide the world size "
+            f"{world_size}; choose sizes whose product divides {world_size}."
         )
+    instances = num_distributed_optimizer_instances
+    data_sizes = {
+        "data x context parallel size": (
+            world_size // tensor_model_parallel_size,
+            f"world size {world_size} / tensor_model_parallel_size={tensor_model_parallel_size}",
+        ),
+        "expert data-parallel size": (
+            world_size // expert_model_parallel_size,
+            f"world size {world_size} / expert_model_parallel_size={expert_model_parallel_size}",
+        ),
+    }
+    for what, (size, derivation) in data_sizes.items():
+        if instances < 1 or size % instances:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={instances} does not divide the {what} "
+                f"{size} ({derivation}); lower one of the two."
+            )
 
 
 def initialize_model_parallel(
@@ -192,14 +182,17 @@ def initialize_model_parallel(
     requires all ranks to call `new_group` in the same order) and keeps the ones it belongs to.
 
     Args:
-        tensor_model_parallel_size: must be 1 (not supported yet).
+        tensor_model_parallel_size: ranks that split each layer's weights (tp); tp x cp divides
+            the world size.
         pipeline_model_parallel_size: must be 1 (not supported yet).
-        context_parallel_size: ranks that split each sequence; divides the world size.
+        context_parallel_size: ranks that split each sequence; tp x cp divides the world size.
         expert_model_parallel_size: ranks that split the experts of an MoE layer; divides the
             world size.
-        expert_tensor_parallel_size: must be None or 1 (not supported yet).
+        expert_tensor_parallel_size: must be None or 1 (not supported yet); unlike Megatron-LM,
+            where None means the tensor-parallel size, None means 1 here.
         num_distributed_optimizer_instances: R outer replicas for hybrid sharding (HSDP); R must
-            divide both the dp x cp size and the expert data-parallel size.
+            divide both the dp x cp size (world / tp) and the expert data-parallel size
+            (world / ep).
         create_all_gather_group: also create `dp_cp_ag` and `expt_dp_ag`, the all-gather
             communicators of the FSDP shard groups.
         distributed_timeout_minutes: timeout of the new groups; None keeps the default
@@ -230,8 +223,9 @@ def initialize_model_parallel(
         expert_tensor_parallel_size,
         num_distributed_optimizer_instances,
     )
-    layout, aliases = _rank_groups(
+    layout, aliases = rank_groups(
         world_size,
+        tensor_model_parallel_size,
         context_parallel_size,
         expert_model_parallel_size,
         num_distributed_optimizer_instances,
@@ -401,18 +395,63 @@ def get_context_parallel_rank() -> int:
 
 
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """A group of this rank alone: tensor parallelism is not supported yet."""
+    """This rank's tensor-parallel group (the ranks splitting each layer's weights)."""
     return _group("tp", check_initialized)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """Always 1 for now."""
+    """Number of ranks splitting each layer's weights."""
     return _world_size("tp")
 
 
 def get_tensor_model_parallel_rank() -> int:
-    """Always 0 for now."""
+    """This rank's index in its tensor-parallel group."""
     return _rank("tp")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel rank 0 of this rank's group (Megatron's broadcast source)."""
+    return _state().groups["tp"].ranks[0]
+
+
+def get_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """This rank's model-parallel group: tensor x pipeline, which is `tp` with one stage."""
+    return _group("mp", check_initialized)
+
+
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+) -> dist.ProcessGroup | None:
+    """This rank's tensor x data-parallel group (`tp_dp`; `tp_dp_cp` with context parallel)."""
+    return _group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
+
+
+def get_tensor_and_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Size of the group `get_tensor_and_data_parallel_group()` returns for this flag."""
+    return _world_size("tp_dp_cp" if with_context_parallel else "tp_dp")
+
+
+def get_tensor_and_context_parallel_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
+    """This rank's tensor x context-parallel group (`tp_cp`)."""
+    return _group("tp_cp", check_initialized)
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Number of ranks in this rank's tensor x context-parallel group."""
+    return _world_size("tp_cp")
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """This rank's index in its tensor x context-parallel group."""
+    return _rank("tp_cp")
+
+
+def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """The ranks holding word embeddings that must stay tied: the first and last pipeline stage
+    of this rank's pipeline, so this rank alone with one stage."""
+    return _group("embd", check_initialized)
 
 
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
@@ -453,6 +492,39 @@ def get_expert_model_parallel_world_size() -> int:
 def get_expert_model_parallel_rank() -> int:
     """This rank's index in its expert-model-parallel group."""
     return _rank("ep")
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """This rank's expert tensor-parallel group: this rank alone (expert tp is 1 here)."""
+    return _group("expt_tp", check_initialized)
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Always 1: expert tensor parallelism is not supported yet."""
+    return _world_size("expt_tp")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """Always 0: expert tensor parallelism is not supported yet."""
+    return _rank("expt_tp")
+
+
+def get_expert_tensor_and_model_parallel_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
+    """This rank's expert tensor x expert-model-parallel group (`tp_ep`; `ep` while expert tp
+    is 1)."""
+    return _group("tp_ep", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Number of ranks in this rank's expert tensor x expert-model-parallel group."""
+    return _world_size("tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's index in its expert tensor x expert-model-parallel group."""
+    return _rank("tp_ep")
 
 
 def get_expert_data_parallel_group(
@@ -499,9 +571,6 @@ def get_inter_distributed_optimizer_instance_group(
 def get_intra_distributed_optimizer_instance_group(
     check_initialized: bool = True,
 ) -> dist.ProcessGroup | None:
-    """Every rank of this rank's optimizer instance.
-
-    With tensor and pipeline parallelism at 1 an instance is exactly one `intra_dp_cp` chunk, so
-    this is that group (`dp_cp` when R == 1).
-    """
-    return _group("intra_dp_cp", check_initialized)
+    """Every rank of this rank's optimizer instance: W / R contiguous ranks, tensor-parallel
+    peers included (one `intra_dp_cp` chunk and its tp peers; every rank when R == 1)."""
+    return _group("intra_dist_opt", check_initialized)

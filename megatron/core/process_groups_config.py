@@ -35,9 +35,15 @@ class ProcessGroupCollection:
         inter_dist_opt: the HSDP replicate group (one rank per instance; size 1 when R == 1).
         intra_dist_opt: every rank of this rank's optimizer instance.
         cp: context-parallel group.
-        tp: tensor-parallel group.
+        tp: tensor-parallel group (the ranks splitting each layer's weights).
         pp: pipeline-parallel group.
+        mp: model-parallel group (tensor x pipeline; `tp` with one pipeline stage).
+        tp_cp: tensor x context parallel group.
+        tp_dp_cp: tensor x data x context parallel group (every rank with one pipeline stage).
+        embd: the ranks holding tied word embeddings (this rank alone with one pipeline stage).
         ep: expert-model-parallel group.
+        expt_tp: expert tensor-parallel group (size 1 here).
+        tp_ep: expert tensor x expert-model-parallel group.
         expt_dp: expert data-parallel group (ranks holding replicas of the same experts).
         expt_dp_ag: all-gather communicator over the expert FSDP shard group's ranks.
         intra_expt_dp: the expert FSDP shard group under HSDP.
@@ -52,7 +58,13 @@ class ProcessGroupCollection:
     cp: dist.ProcessGroup | None = None
     tp: dist.ProcessGroup | None = None
     pp: dist.ProcessGroup | None = None
+    mp: dist.ProcessGroup | None = None
+    tp_cp: dist.ProcessGroup | None = None
+    tp_dp_cp: dist.ProcessGroup | None = None
+    embd: dist.ProcessGroup | None = None
     ep: dist.ProcessGroup | None = None
+    expt_tp: dist.ProcessGroup | None = None
+    tp_ep: dist.ProcessGroup | None = None
     expt_dp: dist.ProcessGroup | None = None
     expt_dp_ag: dist.ProcessGroup | None = None
     intra_expt_dp: dist.ProcessGroup | None = None
@@ -133,7 +145,13 @@ def _mpu_getters() -> dict[str, Callable[[], dist.ProcessGroup | None]]:
         "cp": ps.get_context_parallel_group,
         "tp": ps.get_tensor_model_parallel_group,
         "pp": ps.get_pipeline_model_parallel_group,
+        "mp": ps.get_model_parallel_group,
+        "tp_cp": ps.get_tensor_and_context_parallel_group,
+        "tp_dp_cp": lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        "embd": ps.get_embedding_group,
         "ep": ps.get_expert_model_parallel_group,
+        "expt_tp": ps.get_expert_tensor_parallel_group,
+        "tp_ep": ps.get_expert_tensor_and_model_parallel_group,
         "expt_dp": ps.get_expert_data_parallel_group,
         "expt_dp_ag": lambda: ps.get_expert_data_parallel_group(
             partial_expert_data_parallel=True, independent_all_gather=True

@@ -99,6 +99,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _validate_parallelism(args)
     _validate_model(args)
     validate_moe(args)
+    _validate_tensor_parallelism(args)
     validate_network_options(args)
     validate_transformer_options(args)
     validate_batch_schedule(args)
@@ -132,6 +133,7 @@ def _check_required(args: argparse.Namespace) -> None:
         *_REQUIRED,
         "train_iters",
         "global_batch_size",
+        "tensor_model_parallel_size",
         "context_parallel_size",
         "expert_model_parallel_size",
         "num_distributed_optimizer_instances",
@@ -157,13 +159,12 @@ def _check_required(args: argparse.Namespace) -> None:
 
 
 def _validate_parallelism(args: argparse.Namespace) -> None:
-    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(args, dest) != 1:
-            raise ValueError(
-                f"{flag(dest)}={getattr(args, dest)}: tensor and pipeline parallelism are not "
-                f"supported; set {flag(dest)} 1 and scale with data parallelism "
-                "(--use-megatron-fsdp)."
-            )
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}: pipeline "
+            "parallelism is not supported; set --pipeline-model-parallel-size 1 and scale with "
+            "tensor (--tensor-model-parallel-size) or data parallelism (--use-megatron-fsdp)."
+        )
     # Not built yet: lift this check when context-parallel attention lands.
     if args.context_parallel_size != 1:
         raise ValueError(
@@ -171,16 +172,35 @@ def _validate_parallelism(args: argparse.Namespace) -> None:
             "attention has no context-parallel implementation; set --context-parallel-size 1 "
             "and scale with data parallelism."
         )
-    args.data_parallel_size = args.world_size // args.context_parallel_size
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    model_parallel = tp * cp * args.pipeline_model_parallel_size
+    if args.world_size % model_parallel:
+        raise ValueError(
+            f"The world size {args.world_size} is not a multiple of --tensor-model-parallel-size "
+            f"{tp} x --context-parallel-size {cp} x --pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size} = {model_parallel}; launch a multiple of "
+            f"{model_parallel} ranks or lower these sizes."
+        )
+    args.data_parallel_size = args.world_size // model_parallel
+    if tp == 1 and args.sequence_parallel:
+        # As upstream: sequence parallelism splits what tensor parallelism shares, so without
+        # it there is nothing to split and the flag changes no result.
+        print_rank_0(
+            "WARNING: --sequence-parallel needs --tensor-model-parallel-size > 1; disabling "
+            "sequence parallelism.",
+            logging.WARNING,
+        )
+        args.sequence_parallel = False
     _check_engine_flags(args)
 
-    # The outer replicas cut the data x context-parallel group (every rank, as tp = pp = 1).
+    # The outer replicas cut the data x context-parallel group (world / tp ranks, as pp = 1).
     instances = args.num_distributed_optimizer_instances
-    if args.world_size % instances:
+    dp_cp = args.data_parallel_size * cp
+    if dp_cp % instances:
         raise ValueError(
             f"--num-distributed-optimizer-instances {instances} does not divide the "
-            f"data-parallel x context-parallel size {args.world_size}; choose a divisor of "
-            f"{args.world_size}."
+            f"data-parallel x context-parallel size {dp_cp} (world size {args.world_size} / "
+            f"--tensor-model-parallel-size {tp}); choose a divisor of {dp_cp}."
         )
     if args.use_symm_mem:
         if not torch.cuda.is_available():
@@ -197,6 +217,39 @@ def _validate_parallelism(args: argparse.Namespace) -> None:
         raise ValueError(
             "--distributed-backend nccl needs CUDA, which is not available; use "
             "--distributed-backend gloo on CPU."
+        )
+
+
+def _validate_tensor_parallelism(args: argparse.Namespace) -> None:
+    """Upstream's rules for splitting the model over `--tensor-model-parallel-size` ranks."""
+    tp = args.tensor_model_parallel_size
+    if tp == 1:
+        return
+    split = {
+        "num_attention_heads": "attention heads",
+        "num_query_groups": "key/value heads",
+        "ffn_hidden_size": "MLP columns",
+    }
+    for dest, what in split.items():
+        # Without --group-query-attention the query groups are the heads, checked first.
+        if getattr(args, dest) % tp:
+            raise ValueError(
+                f"{flag(dest)} {getattr(args, dest)} is not divisible by "
+                f"--tensor-model-parallel-size {tp}: each tensor-parallel rank holds an equal "
+                f"share of the {what}; choose sizes where {tp} divides it."
+            )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ValueError(
+            f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
+            f"use a multiple of {tp}."
+        )
+    if args.num_experts is not None and not args.sequence_parallel:
+        # Megatron-LM's MoE layer refuses to train this way: without sequence parallelism every
+        # tensor-parallel rank would route the same tokens.
+        raise ValueError(
+            f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+            "(as in Megatron-LM): add --sequence-parallel."
         )
 
 
@@ -300,7 +353,8 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
             f"--global-batch-size {args.global_batch_size} is not divisible by "
             f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
             f"{args.data_parallel_size} (world size {args.world_size} / "
-            f"--context-parallel-size {args.context_parallel_size}) = {per_step}; use a "
+            f"(--tensor-model-parallel-size {args.tensor_model_parallel_size} x "
+            f"--context-parallel-size {args.context_parallel_size})) = {per_step}; use a "
             f"multiple of {per_step}."
         )
     args.num_microbatches = args.global_batch_size // per_step
@@ -367,7 +421,7 @@ def _validate_data_path(args: argparse.Namespace) -> None:
             # Megatron-LM's legacy default, with its warning.
             print_rank_0(
                 f"WARNING: Please specify --split when using --data-path. Using legacy default "
-                f"value of \"{DEFAULT_SPLIT}\"",
+                f'value of "{DEFAULT_SPLIT}"',
                 logging.WARNING,
             )
             args.split = DEFAULT_SPLIT
@@ -400,9 +454,10 @@ def _validate_mock_data(args: argparse.Namespace) -> None:
 
 
 def vocab_size_with_padding(vocab_size: int, args: argparse.Namespace) -> int:
-    """`vocab_size` rounded up to a multiple of `--make-vocab-size-divisible-by` (Megatron-LM's
-    padding: efficient GEMM shapes for the embedding and the logits)."""
-    multiple = args.make_vocab_size_divisible_by
+    """`vocab_size` rounded up to a multiple of `--make-vocab-size-divisible-by` x
+    `--tensor-model-parallel-size` (Megatron-LM's padding: efficient GEMM shapes for the
+    embedding and the logits, and equal vocabulary shards on every tensor-parallel rank)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 

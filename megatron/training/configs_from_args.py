@@ -149,6 +149,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
     """
     return TransformerConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         params_dtype=args.params_dtype,

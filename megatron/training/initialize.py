@@ -108,7 +108,8 @@ def initialize_megatron(
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     print_rank_0(
         f"> initialized {args.distributed_backend} on {args.world_size} rank(s) "
-        f"({get_device().type}): data-parallel size {args.data_parallel_size}, "
+        f"({get_device().type}): tensor-parallel size {args.tensor_model_parallel_size}, "
+        f"data-parallel size {args.data_parallel_size}, "
         f"context-parallel size {args.context_parallel_size}"
     )
     print_rank_0(_format_args(args))

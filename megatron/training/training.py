@@ -239,7 +239,12 @@ def get_model(
     with device:
         module = model_provider(pre_process=True, post_process=True)
     num_parameters = _num_parameters(module)
-    print_rank_0(f"> number of parameters: {num_parameters:,} ({_short_count(num_parameters)})")
+    # As Megatron-LM: with tensor parallelism, rank 0 holds (and reports) its share only.
+    where = f" on tensor-parallel rank 0 of {args.tensor_model_parallel_size}"
+    print_rank_0(
+        f"> number of parameters{where if args.tensor_model_parallel_size > 1 else ''}: "
+        f"{num_parameters:,} ({_short_count(num_parameters)})"
+    )
 
     ddp_config = get_megatron_ddp_config(args)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -349,9 +354,12 @@ def train_step(
         divide_gradients_by_tokens(model, num_tokens)
     if model.config.moe_router_enable_expert_bias:
         # Megatron-core's place: once the gradients are final, before the step; every step
-        # counts, skipped or not.
+        # counts, skipped or not. Under sequence parallelism each tensor-parallel rank routes
+        # its own part of the sequence, so the counts are summed over tp x dp x cp (upstream's
+        # group; every token once).
         update_expert_bias(
-            [model], parallel_state.get_data_parallel_group(with_context_parallel=True)
+            [model],
+            parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
         )
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     if update_successful:

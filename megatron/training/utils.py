@@ -40,6 +40,9 @@ def print_rank_0(message: str, level: int = logging.INFO) -> None:
 def average_losses_across_data_parallel_group(losses: torch.Tensor) -> torch.Tensor:
     """The mean of `losses` (any shape) over the data-parallel ranks, the same on every rank.
 
+    The data x context group only: the tensor-parallel peers of a rank compute the same losses
+    from the same samples, so they add nothing to the mean.
+
     SUM then divide rather than `ReduceOp.AVG`, which gloo lacks.
     """
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -1,13 +1,17 @@
 """parallel_state lays groups out as documented, builds real communicators and rejects bad input."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
+from megatron.core.rank_layout import rank_groups
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 
-CP, EP, R, AG = (
+TP, CP, EP, R, AG = (
+    "tensor_model_parallel_size",
     "context_parallel_size",
     "expert_model_parallel_size",
     "num_distributed_optimizer_instances",
@@ -24,23 +28,38 @@ LAYOUTS = [
     pytest.param(4, {CP: 2, R: 4}, id="w4-cp2-hsdp4"),
     pytest.param(2, {CP: 2, EP: 2, AG: True}, id="w2-cp2-ep2-ag"),
     pytest.param(2, {R: 2, AG: True}, id="w2-hsdp2-ag"),
+    pytest.param(4, {TP: 2, EP: 2, R: 2, AG: True}, id="w4-tp2-ep2-hsdp2-ag"),
+    pytest.param(4, {TP: 2, CP: 2}, id="w4-tp2-cp2"),
+    pytest.param(4, {TP: 4, EP: 4, AG: True}, id="w4-tp4-ep4-ag"),
+    pytest.param(2, {TP: 2}, id="w2-tp2"),
 ]
 
 
 def _expected_members(name: str, rank: int, world_size: int, config: dict) -> list[int]:
-    """The documented layout, stated as 'ranks that share a coordinate with `rank`'."""
-    cp, ep, instances = config.get(CP, 1), config.get(EP, 1), config.get(R, 1)
-    instance_size = world_size // instances
+    """The documented layout, stated as 'ranks that share a coordinate with `rank`'.
+
+    Dense rank r = t + tp * (c + cp * d) (tp-cp-dp order); expert rank r = e + ep * d_e.
+    """
+    tp, cp, ep = config.get(TP, 1), config.get(CP, 1), config.get(EP, 1)
+    instance_size = world_size // config.get(R, 1)
     key = {
-        "dp": lambda r: r % cp,
-        "dp_cp": lambda r: 0,
-        "intra_dp_cp": lambda r: r // instance_size,
-        "dp_cp_ag": lambda r: r // instance_size,
+        "dp": lambda r: (r % tp, r // tp % cp),
+        "dp_cp": lambda r: r % tp,
+        "intra_dp_cp": lambda r: (r % tp, r // instance_size),
+        "dp_cp_ag": lambda r: (r % tp, r // instance_size),
         "inter_dist_opt": lambda r: r % instance_size,
-        "cp": lambda r: r // cp,
-        "tp": lambda r: r,
+        "intra_dist_opt": lambda r: r // instance_size,
+        "cp": lambda r: (r % tp, r // (tp * cp)),
+        "tp": lambda r: r // tp,
+        "mp": lambda r: r // tp,
+        "tp_cp": lambda r: r // (tp * cp),
+        "tp_dp": lambda r: r // tp % cp,
+        "tp_dp_cp": lambda r: 0,
         "pp": lambda r: r,
+        "embd": lambda r: r,
+        "expt_tp": lambda r: r,
         "ep": lambda r: r // ep,
+        "tp_ep": lambda r: r // ep,
         "expt_dp": lambda r: r % ep,
         "intra_expt_dp": lambda r: (r % ep, r // instance_size),
         "expt_dp_ag": lambda r: (r % ep, r // instance_size),
@@ -56,10 +75,18 @@ def _groups_by_name() -> dict[str, dist.ProcessGroup]:
             with_context_parallel=True, partial_data_parallel=True
         ),
         "inter_dist_opt": ps.get_inter_distributed_optimizer_instance_group(),
+        "intra_dist_opt": ps.get_intra_distributed_optimizer_instance_group(),
         "cp": ps.get_context_parallel_group(),
         "tp": ps.get_tensor_model_parallel_group(),
+        "mp": ps.get_model_parallel_group(),
+        "tp_cp": ps.get_tensor_and_context_parallel_group(),
+        "tp_dp": ps.get_tensor_and_data_parallel_group(),
+        "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
         "pp": ps.get_pipeline_model_parallel_group(),
+        "embd": ps.get_embedding_group(),
         "ep": ps.get_expert_model_parallel_group(),
+        "expt_tp": ps.get_expert_tensor_parallel_group(),
+        "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
         "expt_dp": ps.get_expert_data_parallel_group(),
         "intra_expt_dp": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
     }
@@ -106,6 +133,19 @@ def _describe_groups(config: dict) -> dict:
             ),
             "cp": (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()),
             "tp": (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()),
+            "tp_cp": (
+                ps.get_tensor_and_context_parallel_world_size(),
+                ps.get_tensor_and_context_parallel_rank(),
+            ),
+            "tp_dp_cp": (ps.get_tensor_and_data_parallel_world_size(True), dist.get_rank()),
+            "expt_tp": (
+                ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_rank(),
+            ),
+            "tp_ep": (
+                ps.get_expert_tensor_and_model_parallel_world_size(),
+                ps.get_expert_tensor_and_model_parallel_rank(),
+            ),
             "pp": (
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_rank(),
@@ -129,9 +169,7 @@ def _describe_groups(config: dict) -> dict:
         "ag_differs_from_shard_groups": [
             groups[ag] is not groups[other] for ag, other in _ALL_GATHER_PAIRS if ag in groups
         ],
-        "intra_dist_opt": dist.get_process_group_ranks(
-            ps.get_intra_distributed_optimizer_instance_group()
-        ),
+        "tp_src_rank": ps.get_tensor_model_parallel_src_rank(),
     }
 
 
@@ -161,7 +199,9 @@ def test_groups_follow_documented_layout(world_size, config):
         for name, size_and_rank in result["size_and_rank"].items():
             expected = _expected_members(name, rank, world_size, config)
             assert size_and_rank == (len(expected), expected.index(rank)), (rank, name)
-        assert result["intra_dist_opt"] == result["recorded"]["intra_dp_cp"]
+        assert result["tp_src_rank"] == result["recorded"]["tp"][0]
+        # FSDP shards never hold two tensor-parallel peers: their tp shards differ.
+        assert not set(result["recorded"]["intra_dp_cp"]) & set(result["recorded"]["tp"]) - {rank}
         assert result["has_separate_all_gather_group"] == all_gather
         # Same ranks as the shard group (checked above), but a communicator of its own.
         assert result["ag_differs_from_shard_groups"] == [True] * 4 * all_gather
@@ -171,23 +211,38 @@ def test_groups_follow_documented_layout(world_size, config):
 
 
 def test_docstring_example_layout():
-    layout, aliases = ps._rank_groups(8, cp=2, ep=2, instances=2, all_gather=True)
-    assert layout["cp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert layout["dp_cp"] == [list(range(8))]
-    assert layout["intra_dp_cp"] == layout["dp_cp_ag"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert layout["inter_dist_opt"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout["expt_dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert layout["intra_expt_dp"] == layout["expt_dp_ag"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
-    assert layout["tp"] == layout["pp"] == [[r] for r in range(8)]
-    assert aliases == {}
+    """The module docstring's table, read from the docstring itself."""
+    layout, aliases = rank_groups(8, tp=2, cp=2, ep=2, instances=2, all_gather=True)
+    table = ps.__doc__.split("each rank is in exactly one group of each name)\n")[1]
+    rows = {}
+    for line in table.split("\n\n")[0].splitlines():
+        names, groups = re.match(r"\s+([a-z_, ]+?)\s+(\[.*)", line).groups()
+        for name in names.split(", "):
+            rows[name] = groups
+    assert set(rows) == set(ps.GROUP_NAMES) - {"dp_cp_ag", "expt_dp_ag"}
+
+    def parsed(row: str) -> list[list[int]]:
+        if row == "[0..7]":
+            return [list(range(8))]
+        if row == "[0] [1] ... [7]":
+            return [[r] for r in range(8)]
+        return [[int(r) for r in g.split(",")] for g in re.findall(r"\[([\d,]+)\]", row)]
+
+    for name, row in rows.items():
+        assert sorted(parsed(row)) == sorted(layout[aliases.get(name, name)]), name
+    assert layout["intra_dp_cp"] == layout["dp_cp_ag"]
+    assert layout["intra_expt_dp"] == layout["expt_dp_ag"]
+    assert aliases["mp"] == "tp" and aliases["embd"] == "pp"
 
 
 BAD_SIZES = [
-    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size=2", "not supported"),
+    ({TP: 3}, "tensor_model_parallel_size=3", "world size 4"),
+    ({TP: 2, CP: 4}, "context_parallel_size=4 = 8", "world size 4"),
+    # dp x cp is 4 / 2 = 2 ranks: 4 instances cannot cut it.
+    ({TP: 2, R: 4}, "num_distributed_optimizer_instances=4", "data x context parallel size 2"),
     ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2", "not supported"),
     ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size=2", "not supported"),
+    ({"expert_tensor_parallel_size": 2, TP: 2}, "expert_tensor_parallel_size=2", "not supported"),
     ({CP: 3}, "context_parallel_size=3", "world size 4"),
     ({EP: 3}, "expert_model_parallel_size=3", "world size 4"),
     ({R: 3}, "num_distributed_optimizer_instances=3", "world size 4"),

@@ -31,7 +31,13 @@ def _parallel_state_groups() -> dict[str, dist.ProcessGroup | None]:
         "cp": ps.get_context_parallel_group(),
         "tp": ps.get_tensor_model_parallel_group(),
         "pp": ps.get_pipeline_model_parallel_group(),
+        "mp": ps.get_model_parallel_group(),
+        "tp_cp": ps.get_tensor_and_context_parallel_group(),
+        "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        "embd": ps.get_embedding_group(),
         "ep": ps.get_expert_model_parallel_group(),
+        "expt_tp": ps.get_expert_tensor_parallel_group(),
+        "tp_ep": ps.get_expert_tensor_and_model_parallel_group(),
         "expt_dp": ps.get_expert_data_parallel_group(),
         "expt_dp_ag": ps.get_expert_data_parallel_group(
             partial_expert_data_parallel=True, independent_all_gather=True
@@ -80,6 +86,15 @@ def _check_use_mpu_process_groups(config: dict) -> dict[str, int | None]:
             {"intra_dp_cp": 2, "inter_dist_opt": 2, "dp_cp_ag": 2, "expt_dp_ag": 1},
             id="cp2-ep2-hsdp2-ag",
         ),
+        pytest.param(
+            {
+                "tensor_model_parallel_size": 2,
+                "expert_model_parallel_size": 2,
+                "num_distributed_optimizer_instances": 2,
+            },
+            {"tp": 2, "dp_cp": 2, "intra_dp_cp": 1, "intra_dist_opt": 2, "tp_dp_cp": 4},
+            id="tp2-ep2-hsdp2",
+        ),
     ],
 )
 def test_use_mpu_process_groups_matches_parallel_state(config, some_sizes):
@@ -105,7 +120,10 @@ def test_explicit_construction():
 
 def test_fields_default_to_none():
     collection = ProcessGroupCollection()
-    required = "dp dp_cp dp_cp_ag intra_dp_cp inter_dist_opt cp ep expt_dp expt_dp_ag tp pp"
+    required = (
+        "dp dp_cp dp_cp_ag intra_dp_cp inter_dist_opt cp ep expt_dp expt_dp_ag tp pp mp tp_cp "
+        "tp_dp_cp embd expt_tp tp_ep"
+    )
     assert set(FIELDS) >= set(required.split())
     assert all(getattr(collection, name) is None for name in FIELDS)
 

@@ -14,7 +14,17 @@ from megatron.training.configs_from_args import FSDP_DTYPES
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     """The "distributed" group: parallel sizes and the data-parallel engine."""
     group = parser.add_argument_group(title="distributed")
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Only 1.")
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Ranks that split each layer's weights (TP); data-parallel size = world / (TP x CP).",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Split the activations outside the TP GEMMs along the sequence (TP > 1; off at 1).",
+    )
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1.")
     group.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 for now.")
     group.add_argument(
@@ -26,7 +36,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--expert-tensor-parallel-size",
         type=int,
-        help="Only 1 (None: the tensor-parallel size, 1).",
+        help="Only 1; unset means 1 here (upstream: the tensor-parallel size).",
     )
     group.add_argument(
         "--distributed-backend", default="nccl", choices=("nccl", "gloo"), help="gloo on CPU."

@@ -117,9 +117,9 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ),
     ),
     Unbuilt(
-        "sequence parallelism with tensor parallelism",
-        "drop it: the data-parallel engines shard instead (--use-megatron-fsdp)",
-        ("--sequence-parallel", "--tp-comm-overlap"),
+        "tensor-parallel communication overlap (Transformer Engine userbuffers)",
+        "drop it: tensor-parallel collectives run unoverlapped",
+        ("--tp-comm-overlap",),
     ),
     Unbuilt(
         "pipeline parallelism",
@@ -257,7 +257,6 @@ def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
 
 def validate_unbuilt(args: argparse.Namespace) -> None:
     """Refuses the first feature any of whose flags is set, naming all of them that are.
-    `--sequence-parallel` without tensor parallelism is turned off, as upstream does.
 
     Raises:
         ValueError: a flag of a feature that is not built is set.
@@ -267,10 +266,6 @@ def validate_unbuilt(args: argparse.Namespace) -> None:
             "--rope-type yarn: YaRN RoPE scaling (multi-latent attention's) is not built in this "
             "project; use --rope-type rope (or --use-rope-scaling for Llama 3's)."
         )
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        # As upstream: sequence parallelism splits what tensor parallelism shares, so without
-        # it there is nothing to split and the flag changes no result.
-        args.sequence_parallel = False
     for unbuilt in UNBUILT:
         given = [flag for flag in unbuilt.switches if getattr(args, _dest(flag))]
         given += [

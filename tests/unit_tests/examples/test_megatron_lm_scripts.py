@@ -1,13 +1,17 @@
 """Upstream Megatron-LM's launch scripts, scaled down in `examples/megatron_lm/` with their flag
 sets unchanged: each parses with no unknown flag, and each either trains on 2 CPU ranks or stops
-with an error that names the feature it asks for and this project does not build."""
+with an error that names the feature it asks for and this project does not build. Upstream's
+GPT-3 175B script, at its own sizes in `examples/gpt3/`, validates as written and trains scaled
+down with tensor parallelism 2."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,28 +20,36 @@ import torch.distributed as dist
 
 import pretrain_gpt
 from megatron.core.enums import ModelType
-from megatron.training.arguments import add_megatron_arguments
+from megatron.training.arguments import add_megatron_arguments, parse_args, validate_args
+from megatron.training.global_vars import set_args
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.log_capture import capture_training_log
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PRINT_ARGV = pathlib.Path(__file__).with_name("print_argv.py")
+GPT3 = "train_gpt3_175b_distributed.sh"
 
 
 def _positional(script: str, tmp: pathlib.Path) -> list[str]:
     """The script's own arguments (checkpoint and log folders under `tmp`, mock data)."""
     if script == "gpt_oss.sh":
         return ["--checkpoint-path", str(tmp)]
-    if script in ("gpt3_175b.sh", "llama3_8b_fp8.sh", "llama3_8b_fsdp_fp8.sh"):
+    if script in (GPT3, "llama3_8b_fp8.sh", "llama3_8b_fsdp_fp8.sh"):
         return [str(tmp / "checkpoints"), str(tmp / "tensorboard")]
     if script == "mixtral_8x7b.sh":
         return [str(tmp / "checkpoints")]
     return []
 
 
-def script_flags(script: str, tmp: pathlib.Path, env: dict[str, str] | None = None) -> list[str]:
-    """The flags `script` passes to pretrain_gpt.py, read by running it with a launcher that
-    prints its arguments."""
+def script_flags(
+    script: str,
+    tmp: pathlib.Path,
+    env: dict[str, str] | None = None,
+    folder: str = "megatron_lm",
+) -> list[str]:
+    """The flags `examples/<folder>/<script>` passes to pretrain_gpt.py, read by running it
+    with a launcher that prints its arguments."""
     environment = dict(
         os.environ,
         LAUNCHER=f"{sys.executable} {PRINT_ARGV}",
@@ -46,7 +58,7 @@ def script_flags(script: str, tmp: pathlib.Path, env: dict[str, str] | None = No
         **(env or {}),
     )
     done = subprocess.run(
-        ["bash", str(ROOT / "examples" / "megatron_lm" / script), *_positional(script, tmp)],
+        ["bash", str(ROOT / "examples" / folder / script), *_positional(script, tmp)],
         cwd=ROOT,
         env=environment,
         capture_output=True,
@@ -60,7 +72,6 @@ def script_flags(script: str, tmp: pathlib.Path, env: dict[str, str] | None = No
 SCRIPTS = sorted(path.name for path in (ROOT / "examples" / "megatron_lm").glob("*.sh"))
 
 OUTCOMES: dict[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], str | None] = {
-    ("gpt3_175b.sh", (), ()): "tensor and pipeline parallelism are not supported",
     ("llama3_8b_fp8.sh", (), ()): "FP8",
     ("llama3_8b_fp8.sh", (("DTYPE", "bf16"),), ()): "--profile without --use-pytorch-profiler",
     (
@@ -75,7 +86,7 @@ OUTCOMES: dict[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], str | N
         (),
     ): "--attention-backend fused needs a CUDA GPU",
     ("llama3_8b_fsdp_fp8.sh", (("DTYPE", "bf16"),), ("--attention-backend", "auto")): None,
-    ("mixtral_8x7b.sh", (), ()): "tensor and pipeline parallelism are not supported",
+    ("mixtral_8x7b.sh", (), ()): "pipeline parallelism is not supported",
     ("deepseek_v3_fsdp.sh", (), ()): "the flex token dispatcher (DeepEP / HybridEP / NCCL EP)",
     ("gpt_oss.sh", (), ()): "windowed (sliding-window) attention is not built",
 }
@@ -89,7 +100,7 @@ default; with `PP=1` it trains (see `test_mixtral_trains_with_expert_parallelism
 
 def test_every_upstream_script_is_here():
     assert {script for script, _, _ in OUTCOMES} == set(SCRIPTS)
-    assert len(SCRIPTS) == 6
+    assert len(SCRIPTS) == 5
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -163,3 +174,64 @@ def test_mixtral_trains_with_expert_parallelism_and_its_loss_falls(tmp_path):
     assert sum(losses[-4:]) / 4 < losses[0] - 0.5, losses
     # Megatron-core's load-balancing loss is 1 for an evenly balanced router, at most 4 here.
     assert all(0.5 < value < 4 for value in balancing), balancing
+
+
+def test_gpt3_175b_validates_at_its_own_sizes(tmp_path):
+    """Upstream's 175B flags as written (TP 8 on one node of 8 GPUs; PP 1, as pipelines are not
+    built): they validate, and the GPT-2 vocabulary pads to 51200 rows, the size Megatron-LM
+    reports for it at TP 8 (a multiple of 128 x 8)."""
+    flags = [*script_flags(GPT3, tmp_path, folder="gpt3"), "--distributed-backend", "gloo"]
+    args = validate_args(parse_args(args=flags), world_size=8)
+    assert (args.tensor_model_parallel_size, args.data_parallel_size) == (8, 1)
+    assert (args.num_layers, args.hidden_size, args.fp16) == (96, 12288, True)
+    assert args.padded_vocab_size == 51200
+
+
+GPT3_SCALED_DOWN = [
+    "--step-batch-size-schedule",
+    "0:4 64:8",
+    *"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --global-batch-size 8 "
+    "--train-iters 4 --lr-decay-iters 4 --log-interval 1 --save-interval 2 --eval-interval 2 "
+    "--eval-iters 1 --vocab-size 512 --num-workers 0".split(),
+]
+"""The 175B run at a size 2 CPU ranks train in seconds: tiny model and batch, 4 iterations;
+the rest of upstream's flags (fp16, Adam, clipping, cosine decay, the batch-size ramp, saves,
+evaluation) as written."""
+
+
+def _logged_history(flags: list[str]) -> tuple[TrainingHistory, list[str]]:
+    with capture_training_log() as messages:
+        history = _history(flags)
+    return history, messages
+
+
+def _whole_model_parameters(flags: list[str]) -> int:
+    """The parameter count of the model `flags` describe at TP 1 (built here, no ranks)."""
+    args = validate_args(parse_args(args=[*flags, "--distributed-backend", "gloo"]), world_size=1)
+    set_args(args)
+    try:
+        return sum(param.numel() for param in pretrain_gpt.model_provider().parameters())
+    finally:
+        set_args(None)
+
+
+def test_gpt3_175b_scaled_down_trains_with_tensor_parallelism(tmp_path):
+    """Needs the tensor-parallel model: TP 2 on 2 ranks (one data-parallel rank). Each rank
+    holds part of the weights, and both report the same losses."""
+    flags = [
+        *script_flags(GPT3, tmp_path, {"TP": "2"}, folder="gpt3"),
+        *GPT3_SCALED_DOWN,
+    ]
+    ranks = run_distributed(_logged_history, 2, flags)
+    curves = [history.loss_curve() for history, _ in ranks]
+    assert len(curves[0]) == 4
+    assert all(math.isfinite(loss) for loss in curves[0])
+    # The two ranks are the tensor-parallel halves of one model: they report one loss.
+    assert curves[1] == curves[0]
+    logged = next(m for m in ranks[0][1] if m.startswith("> number of parameters"))
+    match = re.match(r"> number of parameters on tensor-parallel rank 0 of 2: ([\d,]+)", logged)
+    assert match, logged
+    whole = _whole_model_parameters([*flags, "--tensor-model-parallel-size", "1"])
+    # The split weights (QKV, projections, MLP, vocabulary) hold most of the parameters.
+    assert int(match[1].replace(",", "")) < 0.6 * whole, (logged, whole)

@@ -221,7 +221,7 @@ BAD = [
     ("--lr-warmup-iters -1", "--lr-warmup-iters -1 must be in"),
     ("--lr-decay-iters 5 --lr-warmup-iters 7", "--lr-warmup-iters 7 .* --lr-decay-iters 5"),
     ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor .* --use-megatron-fsdp"),
-    ("--tensor-model-parallel-size 2", "--tensor-model-parallel-size"),
+    ("--tensor-model-parallel-size 3", "world size 4 is not a multiple of --tensor-model-par"),
     ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size"),
     ("--micro-batch-size 0", "--micro-batch-size must be >= 1"),
     ("--recompute-method uniform", "--recompute-method applies to --recompute-granularity full"),
