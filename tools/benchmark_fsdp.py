@@ -418,8 +418,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(name: str, args: argparse.Namespace, device: torch.device) -> dict:
-    """Builds and times `name` on this rank; the per-step times are not yet max-reduced."""
+def run_engine(name: str, args: argparse.Namespace, device: torch.device, build=None) -> dict:
+    """Builds (with `build(name, args)`, default `build_engine`) and times `name` on this rank;
+    the per-step times are not yet max-reduced."""
     active = name != "single" or dist.get_rank() == 0
     times = torch.zeros(args.steps, dtype=torch.float64)
     launch = torch.zeros(args.steps, dtype=torch.float64)
@@ -428,7 +429,7 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device) -> dic
         batches = make_batches(args, device)
         torch.manual_seed(args.seed)
         with device:
-            step = build_engine(name, args)
+            step = (build or build_engine)(name, args)
         if args.cuda_graph:
             step = capture_step(step, batches)
         for i in range(args.warmup_steps + args.steps):

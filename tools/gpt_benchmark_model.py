@@ -1,9 +1,10 @@
 """The GPT the benchmarking tools build: its command-line flags and its construction.
 
 Defaults are the 1.34B benchmark configuration (hidden 2048, 24 layers, 16 heads, vocab 32000,
-RoPE). With `--num-experts` every layer's MLP is a Mixture of Experts, split over the expert-
-parallel group `parallel_state` holds when the model is built. Imported by the scripts in this
-folder (`python tools/<script>.py` puts it on the path).
+RoPE). The tensor-parallel size is the one `parallel_state` holds when the model is built. With
+`--num-experts` every layer's MLP is a Mixture of Experts, split over the expert-parallel group
+`parallel_state` holds then too. Imported by the scripts in this folder (`python tools/<script>.py`
+puts it on the path).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=micro_batch_size)
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="sequence parallelism under tensor parallelism (off at TP 1, as Megatron-LM)",
+    )
     parser.add_argument("--swiglu", action="store_true", help="gated SiLU MLPs (Llama, Mixtral)")
     parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
     parser.add_argument("--num-experts", type=int, default=None, help="MoE MLPs (default dense)")
@@ -51,6 +57,9 @@ def build_gpt(
         bf16: overrides `args.bf16` (e.g. an fp32 model whose engine casts to bf16 itself).
     """
     bf16 = args.bf16 if bf16 is None else bf16
+    tp = 1
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
     config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -62,6 +71,8 @@ def build_gpt(
         attention_dropout=0.0,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=args.sequence_parallel and tp > 1,
         **_moe_fields(args),
     )
     if config.num_moe_experts is None:

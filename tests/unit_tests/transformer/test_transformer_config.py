@@ -120,4 +120,5 @@ def test_model_parallel_config_alone_validates():
         ModelParallelConfig(bf16=True)
     with pytest.raises(ValueError, match="not supported yet"):
         ModelParallelConfig(pipeline_model_parallel_size=4)
-    assert ModelParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True).sequence_parallel
+    config = ModelParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True)
+    assert config.sequence_parallel
