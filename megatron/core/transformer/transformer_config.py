@@ -375,11 +375,28 @@ class TransformerConfig(ModelParallelConfig):
                 "change seq_length or set sequence_parallel=False."
             )
         if self.num_moe_experts is not None and tp > 1:
+            self._check_moe_tensor_parallel()
+
+    def _check_moe_tensor_parallel(self) -> None:
+        tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
+        # Each tp rank routes its own part of the sequence (Megatron-core requires it too):
+        # without it the tp ranks would route and compute the same tokens twice.
+        if not self.sequence_parallel:
             raise ValueError(
                 f"MoE layers (num_moe_experts={self.num_moe_experts}) with "
-                f"tensor_model_parallel_size={tp} are not built yet; set "
-                "tensor_model_parallel_size=1 and split the experts with "
-                "expert_model_parallel_size instead."
+                f"tensor_model_parallel_size={tp} need sequence_parallel=True "
+                "(--sequence-parallel), as in Megatron-core; set it, or set "
+                "tensor_model_parallel_size=1."
+            )
+        # Experts are not split by tp (expert tensor parallelism 1). At EP 1 every tp rank holds
+        # all experts and the layer sums their gradients over tp; with EP >= TP the tp ranks of
+        # one group hold different experts. In between, tp ranks would hold copies of the same
+        # experts without a group of just those copies to sum over.
+        if 1 < ep < tp:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} with tensor_model_parallel_size={tp} is not "
+                "built: the tensor-parallel ranks would hold copies of the same experts; use "
+                f"expert_model_parallel_size=1 or >= {tp}."
             )
 
     def _check_attention_options(self) -> None:

@@ -21,9 +21,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron.core.transformer.moe.token_dispatcher import (
-    gather_along_first_dim,
-    reduce_scatter_along_first_dim,
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 IN_FEATURES, HIDDEN, FFN, OUT_FEATURES = 6, 16, 12, 3
@@ -74,9 +74,9 @@ class ToyMoE(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         gate = torch.softmax(self.router(tokens), dim=-1).gather(1, route[:, None])
         if self.ep_group is not None:
-            tokens = gather_along_first_dim(tokens, self.ep_group)
-            gate = gather_along_first_dim(gate, self.ep_group)
-            route = gather_along_first_dim(route, self.ep_group)
+            tokens = gather_from_sequence_parallel_region(tokens, self.ep_group)
+            gate = gather_from_sequence_parallel_region(gate, self.ep_group)
+            route = gather_from_sequence_parallel_region(route, self.ep_group)
         out = torch.zeros_like(tokens)
         fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
         for i in range(self.num_local):
@@ -84,7 +84,7 @@ class ToyMoE(torch.nn.Module):
             hidden = torch.nn.functional.gelu(tokens[index] @ fc1[i].T)
             out = out.index_add(0, index, (hidden @ fc2[i].T) * gate[index])
         if self.ep_group is not None:
-            out = reduce_scatter_along_first_dim(out, self.ep_group)
+            out = reduce_scatter_to_sequence_parallel_region(out, self.ep_group)
         return out
 
 

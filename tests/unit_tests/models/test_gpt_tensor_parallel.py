@@ -191,10 +191,6 @@ def test_vocab_size_not_divisible_and_te_layers_are_refused_on_every_rank():
             "moe_shared_expert_intermediate_size",
         ),
         (dict(seq_length=6, tensor_model_parallel_size=4, sequence_parallel=True), "seq_length"),
-        (
-            dict(num_moe_experts=4, tensor_model_parallel_size=2, sequence_parallel=True),
-            "MoE layers",
-        ),
     ],
 )
 def test_sizes_not_divisible_by_tp_are_refused(overrides, field):

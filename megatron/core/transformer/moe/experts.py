@@ -15,6 +15,11 @@ the same global weights.
 
 The routing weights multiply each token's activation (and fc2 bias) inside the experts, as in
 Megatron-core, so the dispatcher's combine only sums.
+
+Experts are never split by tensor parallelism (expert tensor parallelism 1). At expert-parallel
+size 1 under sequence parallelism every tp rank holds all experts and feeds them its own part of
+the sequence: the layer then passes the tp group (`tp_group`) and the experts' gradients are
+summed over it in backward (`grad_sum_over_tp`), as for any replicated parameter.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -86,6 +93,8 @@ class ExpertLinear(torch.nn.Module):
         output_size: Out-features of each expert.
         config: The transformer configuration (`params_dtype`).
         bias: Whether each expert has a bias.
+        tp_group: The tp ranks holding these same experts for other tokens, over which the
+            gradients are summed; None: none.
     """
 
     def __init__(
@@ -95,8 +104,10 @@ class ExpertLinear(torch.nn.Module):
         output_size: int,
         config: TransformerConfig,
         bias: bool,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
+        self.tp_group = tp_group
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(
             torch.empty(num_local_experts, output_size, input_size, dtype=dtype)
@@ -122,18 +133,21 @@ class ExpertLinear(torch.nn.Module):
         # With no token at all, one empty GEMM still ties the weight to the graph, so every
         # rank produces a (zero) gradient for it.
         used = [i for i, count in enumerate(counts) if count] or [0]
-        outputs = [F.linear(chunks[i], self.weight[i]) for i in used]
+        weight = grad_sum_over_tp(self.weight, self.tp_group)
+        outputs = [F.linear(chunks[i], weight[i]) for i in used]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The same as `loop`, as one grouped GEMM (`offsets`: int32 cumulative counts)."""
-        return _ContiguousGrad.apply(_grouped_mm(x, self.weight.transpose(1, 2), offs=offsets))
+        weight = grad_sum_over_tp(self.weight, self.tp_group)
+        return _ContiguousGrad.apply(_grouped_mm(x, weight.transpose(1, 2), offs=offsets))
 
     def token_bias(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
         """[num_rows, out] bias of each row's expert (`counts`: tokens per expert; the known
         total spares the device a host sync)."""
         counts = counts.to(self.bias.device)
-        return self.bias.repeat_interleave(counts, dim=0, output_size=num_rows)
+        bias = grad_sum_over_tp(self.bias, self.tp_group)
+        return bias.repeat_interleave(counts, dim=0, output_size=num_rows)
 
 
 class SequentialMLP(MegatronModule):
@@ -144,16 +158,27 @@ class SequentialMLP(MegatronModule):
         config: The transformer configuration (`moe_ffn_hidden_size`, `gated_linear_unit`,
             `activation_func`, `add_bias_linear`, the init methods).
         first_expert: Global index of local expert 0.
+        tp_group: The tp group when every tp rank holds these same experts (expert-parallel
+            size 1 under sequence parallelism): their gradients are summed over it. None
+            otherwise.
     """
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig, first_expert: int = 0):
+    def __init__(
+        self,
+        num_local_experts: int,
+        config: TransformerConfig,
+        first_expert: int = 0,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(config)
         self.num_local_experts = num_local_experts
         ffn = config.moe_ffn_hidden_size
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         bias = config.add_bias_linear
-        self.linear_fc1 = ExpertLinear(num_local_experts, config.hidden_size, fc1_out, config, bias)
-        self.linear_fc2 = ExpertLinear(num_local_experts, ffn, config.hidden_size, config, bias)
+        hidden = config.hidden_size
+        self.linear_fc1 = ExpertLinear(num_local_experts, hidden, fc1_out, config, bias, tp_group)
+        self.linear_fc2 = ExpertLinear(num_local_experts, ffn, hidden, config, bias, tp_group)
         seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         for index in range(num_local_experts):
             expert = first_expert + index

@@ -4,6 +4,13 @@
 combine, plus the shared experts when configured. Its state-dict names are Megatron-core's:
 `router.weight`, `experts.linear_fc1.weight` ([num_local_experts, ...], see `experts.py`),
 `experts.linear_fc2.weight`, `shared_experts.*`.
+
+Tensor parallelism (TP > 1, which needs sequence parallelism): each tp rank routes and dispatches
+its own [s/T, b, h] tokens; the experts are not split by tp (expert tensor parallelism 1) and the
+expert-parallel group follows Megatron-core's expert rank order (etp-ep-dp: with EP >= TP the
+ep group holds whole tp groups, so each tp rank holds other experts; at EP 1 every tp rank holds
+all experts and their gradients are summed over tp). The shared experts are split over tp as the
+dense MLP is.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.tensor_parallel.utils import group_size
+from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
@@ -65,11 +73,12 @@ class MoELayer(MegatronModule):
         config: The transformer configuration (`num_moe_experts` set).
         submodules: Specs of the router, experts and shared experts.
         layer_number: 1-based layer number (the metrics are recorded per layer).
-        pg_collection: Process groups; its `ep` is the EP group (see `resolve_ep_group`).
+        pg_collection: Process groups; its `ep` is the EP group (see `resolve_ep_group`), its
+            `tp` the tensor-parallel group (see `resolve_tp_group`).
 
     Raises:
-        ValueError: the config has no experts, or `expert_model_parallel_size` differs from the
-            EP group's size.
+        ValueError: the config has no experts, or `expert_model_parallel_size` or
+            `tensor_model_parallel_size` differs from its group's size.
     """
 
     def __init__(
@@ -94,24 +103,42 @@ class MoELayer(MegatronModule):
                 "parallel_state (or pass a pg_collection) with the same "
                 "expert_model_parallel_size."
             )
+        tp_group = resolve_tp_group(pg_collection)
+        if group_size(tp_group) != config.tensor_model_parallel_size:
+            raise ValueError(
+                f"config.tensor_model_parallel_size ({config.tensor_model_parallel_size}) "
+                f"differs from the size of the tensor-parallel group ({group_size(tp_group)}); "
+                "initialise parallel_state (or pass a pg_collection) with the same "
+                "tensor_model_parallel_size."
+            )
         self.layer_number = layer_number
         self.num_local_experts = config.num_moe_experts // ep_size
         first_expert = (0 if ep_group is None else ep_group.rank()) * self.num_local_experts
         self.local_expert_indices = list(range(first_expert, first_expert + self.num_local_experts))
-        self.router = build_module(submodules.router, config=config, layer_number=layer_number)
+        self.router = build_module(
+            submodules.router, config=config, layer_number=layer_number, tp_group=tp_group
+        )
         self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](config, ep_group)
         self.experts = build_module(
-            submodules.experts, self.num_local_experts, config, first_expert=first_expert
+            submodules.experts,
+            self.num_local_experts,
+            config,
+            first_expert=first_expert,
+            # The config allows EP 1 or EP >= TP: only at EP 1 do tp ranks share experts.
+            tp_group=tp_group if ep_size == 1 else None,
         )
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = build_module(submodules.shared_experts, config=config)
+            self.shared_experts = build_module(
+                submodules.shared_experts, config=config, tp_group=tp_group
+            )
         else:
             self.shared_experts = None
         self.recompute_moe = recomputes(config, "moe")
         self.recompute_shared_experts = recomputes(config, "shared_experts")
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Applies the layer to [s, b, h] hidden states.
+        """Applies the layer to [s, b, h] hidden states ([s/T, b, h] under sequence
+        parallelism).
 
         Returns:
             `(output, None)`: output [s, b, h] and no bias (the `MLP` calling convention; the

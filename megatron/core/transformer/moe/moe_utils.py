@@ -110,25 +110,37 @@ def update_expert_bias(
 ) -> None:
     """Moves each router's expert bias toward balance and zeroes its token counts.
 
-    The counts since the last update are summed over `group` (every count of every router in
-    one all-reduce); an expert with fewer tokens than the mean gets `+rate`, one with more
-    `-rate`. Call it once per step, after the gradients are finalised and before the optimizer
-    step, on every rank of `group`.
+    The counts since the last update are summed over `group` and over the routers'
+    tensor-parallel group, whose ranks route different parts of the sequence under sequence
+    parallelism (every count of every router in one all-reduce per group); an expert with fewer
+    tokens than the mean gets `+rate`, one with more `-rate`. Call it once per step, after the
+    gradients are finalised and before the optimizer step, on every rank of both groups.
 
     Args:
         model_chunks: the model (chunks); routers without expert bias are skipped.
-        group: the ranks whose tokens are counted together (the data-parallel x context group);
-            None means parallel_state's when initialised, else no reduction (one process).
+        group: the ranks whose tokens are counted together (the data-parallel x context group,
+            without the tp ranks: the routers know their tp group); None means parallel_state's
+            when initialised, else no reduction (one process).
+
+    Raises:
+        ValueError: the routers do not share one tp group.
     """
     routers = _routers_with_expert_bias(model_chunks)
     if not routers:
         return
     if group is None and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    tp_groups = {router.tp_group for router in routers}
+    if len(tp_groups) > 1:
+        raise ValueError(
+            "update_expert_bias: the routers have different tensor-parallel groups; call it "
+            "once per model, whose layers share one tp group."
+        )
     with torch.no_grad():
         counts = torch.stack([router.local_tokens_per_expert for router in routers])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, group=group)
+        for reduce_group in (group, *tp_groups):
+            if reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+                dist.all_reduce(counts, group=reduce_group)
         mean = counts.mean(dim=-1, keepdim=True)
         for router, offset in zip(routers, torch.sign(mean - counts)):
             router.expert_bias.add_(offset * router.config.moe_router_bias_update_rate)

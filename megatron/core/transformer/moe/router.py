@@ -14,6 +14,13 @@
 - capacity: with `moe_expert_capacity_factor`, each expert keeps at most
   ceil(tokens * topk / experts * factor) tokens (by probability or by position), optionally
   padded up to exactly that many.
+
+Under sequence parallelism each tensor-parallel (tp) rank routes its own part of the sequence,
+as in Megatron-core: the weight's gradient is summed over tp (`grad_sum_over_tp`), the
+load-balancing statistics (routed-token counts, token totals) are those of the whole sequence
+(summed over tp), and each rank's share of a balancing loss is summed over tp in forward, so every
+rank attaches and records the loss a TP 1 router computes; its gradient reaches each rank's own
+tokens only. The capacity is applied to each rank's tokens (Megatron-core does the same).
 """
 
 from __future__ import annotations
@@ -21,8 +28,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.mappings import (
+    grad_sum_over_tp,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.utils import get_tensor_model_parallel_group_if_none, group_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import (
@@ -176,17 +189,26 @@ class TopKRouter(MegatronModule):
     Parameters: `weight` [num_experts, hidden] (and `bias` [num_experts] with
     `add_bias_linear`, as Megatron-core), initialised with `config.init_method` in fp32 and
     stored in `params_dtype`. Buffers with `moe_router_enable_expert_bias`: `expert_bias`
-    (fp32, saved in checkpoints) and `local_tokens_per_expert` (fp32, the routed-token counts
-    since the last `update_expert_bias`, not saved).
+    (fp32, saved in checkpoints) and `local_tokens_per_expert` (fp32, the counts of this rank's
+    routed tokens since the last `update_expert_bias`, which sums them; not saved).
 
     Args:
         config: The transformer configuration (`num_moe_experts` set).
         layer_number: 1-based layer number, under which the metrics are recorded.
+        tp_group: The tensor-parallel group the tokens are split over (sequence parallelism);
+            None resolves to parallel_state's when initialised, else no split.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int = 1,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(config)
         self.layer_number = layer_number
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         experts = config.num_moe_experts
         weight = torch.empty(experts, config.hidden_size, dtype=torch.float32)
         config.init_method(weight)
@@ -220,8 +242,9 @@ class TopKRouter(MegatronModule):
     def gating(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Router logits [..., num_experts] in `moe_router_dtype` (else the input's dtype)."""
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, hidden_states.dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
+        weight = grad_sum_over_tp(self.weight, self.tp_group)
+        bias = None if self.bias is None else grad_sum_over_tp(self.bias, self.tp_group).to(dtype)
+        return F.linear(hidden_states.to(dtype), weight.to(dtype), bias)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routes [s, b, h] hidden states.
@@ -255,9 +278,15 @@ class TopKRouter(MegatronModule):
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
 
+    def _sum_over_tp(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the tp ranks (each holds its part of the sequence's); the
+        gradient passes through to this rank's part."""
+        return reduce_from_tensor_model_parallel_region(value, self.tp_group)
+
     def _attach_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         coeff = self.config.moe_z_loss_coeff
-        z_loss = z_loss_func(logits, coeff)
+        # This rank's tokens' share of the mean over the whole sequence.
+        z_loss = self._sum_over_tp(z_loss_func(logits, coeff) / group_size(self.tp_group))
         self._record(Z_LOSS_METRIC, z_loss, coeff)
         return MoEAuxLossAutoScaler.apply(logits, self._per_token_scaled(z_loss, logits))
 
@@ -269,9 +298,15 @@ class TopKRouter(MegatronModule):
         aux_map, scores = scores_for_aux_loss(logits, topk, config.moe_router_score_function)
         coeff = config.moe_aux_loss_coeff
         name = LOAD_BALANCING_METRICS[config.moe_router_load_balancing_type]
+        tp_size = group_size(self.tp_group)
         if config.moe_router_load_balancing_type == "aux_loss":
             aux_loss = switch_load_balancing_loss_func(
-                scores, aux_map.sum(dim=0), logits.shape[0], topk, experts, coeff
+                scores,
+                self._sum_over_tp(aux_map.sum(dim=0)),
+                logits.shape[0] * tp_size,
+                topk,
+                experts,
+                coeff,
             )
         else:
             # Each sequence of the micro-batch on its own: [s, b * E] columns are
@@ -279,22 +314,25 @@ class TopKRouter(MegatronModule):
             aux_loss = (
                 switch_load_balancing_loss_func(
                     scores.reshape(seq_length, -1),
-                    aux_map.reshape(seq_length, -1).sum(dim=0),
-                    seq_length,
+                    self._sum_over_tp(aux_map.reshape(seq_length, -1).sum(dim=0)),
+                    seq_length * tp_size,
                     topk,
                     experts,
                     coeff,
                 )
                 / batch
             )
+        # Linear in the scores: the tp ranks' parts add up to the whole sequence's loss.
+        aux_loss = self._sum_over_tp(aux_loss)
         self._record(name, aux_loss, coeff)
         return MoEAuxLossAutoScaler.apply(probs, self._per_token_scaled(aux_loss, logits))
 
     def _per_token_scaled(self, loss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         # With per-token losses every gradient is divided by the global token count later;
-        # multiplying by the local count keeps the auxiliary loss a per-micro-batch mean.
+        # multiplying by the micro-batch's count (all tp ranks' tokens) keeps the auxiliary loss
+        # a per-micro-batch mean.
         if self.config.calculate_per_token_loss:
-            return loss * logits.shape[0]
+            return loss * (logits.shape[0] * group_size(self.tp_group))
         return loss
 
     def _record(self, name: str, loss: torch.Tensor, coeff: float) -> None:

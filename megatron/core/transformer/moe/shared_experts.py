@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
+from megatron.core.tensor_parallel.utils import get_tensor_model_parallel_group_if_none
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -13,16 +16,30 @@ class SharedExpertMLP(MLP):
     """The dense MLP of width `moe_shared_expert_intermediate_size`, without biases, optionally
     scaled per token by a sigmoid gate (`moe_shared_expert_gate`, Qwen2-MoE's).
 
-    Parameters: `linear_fc1.weight`, `linear_fc2.weight` as the dense MLP, and `gate_weight`
-    [1, hidden] with the gate (initialised with `config.init_method`).
+    Parameters: `linear_fc1.weight`, `linear_fc2.weight` as the dense MLP (split over tp as
+    its column- and row-parallel projections), and `gate_weight` [1, hidden] with the gate
+    (initialised with `config.init_method`, replicated over tp).
 
     Args:
         config: The transformer configuration.
         submodules: Specs of the two projections.
+        tp_group: The tensor-parallel group; None resolves to parallel_state's when initialised,
+            else no split. MoE layers with more than one tp rank run sequence parallel (the
+            config requires it), so each rank gates its own part of the sequence.
     """
 
-    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules):
-        super().__init__(config, submodules, config.moe_shared_expert_intermediate_size)
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        super().__init__(
+            config, submodules, config.moe_shared_expert_intermediate_size, tp_group=tp_group
+        )
+        self.tp_group = tp_group
         if config.moe_shared_expert_gate:
             gate = torch.empty(1, config.hidden_size, dtype=torch.float32)
             config.init_method(gate)
@@ -31,8 +48,10 @@ class SharedExpertMLP(MLP):
             self.register_parameter("gate_weight", None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Returns the shared experts' [s, b, h] output (gated when configured)."""
+        """Returns the shared experts' [s, b, h] output (gated when configured); [s/T, b, h]
+        in and out under sequence parallelism."""
         output, _ = super().forward(hidden_states)  # no fc2 bias: the config refuses biases
         if self.gate_weight is not None:
-            output = output * torch.sigmoid(F.linear(hidden_states, self.gate_weight))
+            gate_weight = grad_sum_over_tp(self.gate_weight, self.tp_group)
+            output = output * torch.sigmoid(F.linear(hidden_states, gate_weight))
         return output

@@ -13,6 +13,11 @@ only sort and unsort.
 - `MoEAlltoAllTokenDispatcher`: each token travels only to the ranks of its experts
   (all-to-all with per-rank split sizes), then is sorted by local expert.
 
+The all-gather and reduce-scatter along dim 0 are `tensor_parallel.mappings`' sequence-parallel
+ones, applied to the EP group. With tensor + sequence parallelism (expert tensor parallelism 1)
+each tp rank dispatches its own part of the sequence over its EP group, exactly as a rank of its
+own: nothing here depends on the tp size.
+
 Both are dropless unless the router applied a capacity. Each forward makes one host
 synchronisation: the per-expert token counts are copied to the host once (they size the
 exchange and the expert GEMMs).
@@ -23,49 +28,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] * group.size(), *x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), group=group)
-    return out
-
-
-class _GatherAlongFirstDim(torch.autograd.Function):
-    """All-gather along dim 0 (equal shares); backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class _ReduceScatterAlongFirstDim(torch.autograd.Function):
-    """Reduce-scatter (sum) along dim 0; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,18 +58,6 @@ class _AllToAll(torch.autograd.Function):
             out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
         )
         return out, None, None, None
-
-
-def gather_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable all-gather of `x` along dim 0 (equal shares from every rank of `group`);
-    the gradient is reduce-scattered (summed) back."""
-    return _GatherAlongFirstDim.apply(x, group)
-
-
-def reduce_scatter_along_first_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable reduce-scatter (sum) of `x` along dim 0 over `group`; the gradient is
-    all-gathered back."""
-    return _ReduceScatterAlongFirstDim.apply(x, group)
 
 
 def all_to_all(
@@ -221,9 +176,10 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.probs_dtype = probs.dtype
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         if self.ep_size > 1:
-            tokens = gather_along_first_dim(tokens, self.ep_group)
-            probs = gather_along_first_dim(probs, self.ep_group)
-            routing_map = _gather(routing_map, self.ep_group)
+            # The gathered tokens feed this rank's experts only: their gradient is summed back.
+            tokens = gather_from_sequence_parallel_region(tokens, self.ep_group)
+            probs = gather_from_sequence_parallel_region(probs, self.ep_group)
+            routing_map = gather_from_sequence_parallel_region(routing_map, self.ep_group)
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         local_map = routing_map[:, local]
         tokens_per_expert = local_map.sum(dim=0).cpu()
@@ -240,7 +196,9 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             # Summed in the routing weights' precision (fp32 with moe_router_dtype), as
             # Megatron-core does.
             dtype = output.dtype
-            output = reduce_scatter_along_first_dim(output.to(self.probs_dtype), self.ep_group)
+            output = reduce_scatter_to_sequence_parallel_region(
+                output.to(self.probs_dtype), self.ep_group
+            )
             output = output.to(dtype)
         return output.view(self.hidden_shape)
 
@@ -256,7 +214,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         counts = routing_map.sum(dim=0)
         if self.ep_size > 1:
-            counts = _gather(counts, self.ep_group)
+            counts = gather_from_sequence_parallel_region(counts, self.ep_group)
         # The host synchronisation: [source rank, global expert] counts of the whole group.
         counts = counts.view(self.ep_size, -1).cpu()
         own = counts[self.ep_rank]

@@ -1,0 +1,181 @@
+"""MoE layers under tensor + sequence parallelism (expert tensor parallelism 1) compute what the
+TP 1 model computes: on 4 gloo ranks (tp groups [0, 1] [2, 3], ep groups in Megatron-core's
+expert order), a tiny MoE GPT at TP 2 + SP with EP 2 or EP 1 gives the per-token losses, the
+auxiliary and z-loss metrics, the full gradients (tp parts gathered by their layouts, experts
+over ep) and the aux-loss-free expert-bias update of a TP 1, EP 1 model built from the same seed
+on the same tokens. Also the refusals: MoE with TP but without SP, EP between 1 and TP, and
+expert tensor parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import (
+    model_parallel_cuda_manual_seed,
+    named_tensor_parallel_layouts,
+)
+from megatron.core.transformer.moe.moe_logging import (
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+)
+from megatron.core.transformer.moe.moe_utils import update_expert_bias
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import tiny_gpt_config
+from tests.unit_tests.models.test_gpt_moe import MOE as GPT_MOE
+from tests.unit_tests.models.test_gpt_tensor_parallel import _gather_full, _tp_group
+
+WORLD = 4
+TP = 2
+VOCAB = 64
+SEQ = 8
+BATCH = 2
+
+# 4 experts, top-2, SwiGLU, aux loss and z-loss; plus a gated shared expert.
+MOE = dict(**GPT_MOE, moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+
+VARIANTS = {
+    # Softmax routing with the micro-batch load-balancing loss.
+    "softmax_aux_loss": {},
+    # Sigmoid routing with aux-loss-free balancing (the expert bias), the per-sequence
+    # load-balancing loss and per-token loss scaling.
+    "sigmoid_bias_seq_aux_loss": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="seq_aux_loss",
+        calculate_per_token_loss=True,
+    ),
+}
+
+
+def _config(tp: int, ep: int, dispatcher: str, variant: str) -> TransformerConfig:
+    return tiny_gpt_config(
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher,
+        seq_length=SEQ,
+        **MOE,
+        **VARIANTS[variant],
+    )
+
+
+def _build(config: TransformerConfig, pg_collection: ProcessGroupCollection | None) -> GPTModel:
+    torch.manual_seed(1234)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(
+        config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pg_collection=pg_collection
+    )
+
+
+def _ep_group(ep: int) -> dist.ProcessGroup | None:
+    """This rank's group of `ep` consecutive ranks (Megatron-core's etp-ep-dp order with expert
+    tensor parallelism 1); None for EP 1."""
+    mine = None
+    for start in range(0, WORLD, ep):
+        group = dist.new_group(list(range(start, start + ep)))
+        if start <= dist.get_rank() < start + ep:
+            mine = group
+    return mine if ep > 1 else None
+
+
+def _step(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """Per-token loss, MoE metrics and expert biases after one forward, backward and bias
+    update."""
+    destroy_moe_metrics_tracker()
+    loss = model(tokens, labels=labels)
+    loss.sum().backward()
+    metrics = {name: values.clone() for name, values in get_moe_metrics_tracker().metrics.items()}
+    update_expert_bias([model], group=None)
+    biases = [
+        layer.mlp.router.expert_bias
+        for layer in model.decoder.layers
+        if layer.mlp.router.expert_bias is not None
+    ]
+    return loss.detach(), metrics, biases
+
+
+def _global(name: str, tensor: torch.Tensor, layouts: dict, tp_group, ep_group) -> torch.Tensor:
+    if name in layouts:
+        return _gather_full(tensor, layouts[name], tp_group)
+    if ".experts." in name and ep_group is not None:
+        parts = [torch.empty_like(tensor) for _ in range(ep_group.size())]
+        dist.all_gather(parts, tensor.contiguous(), group=ep_group)
+        return torch.cat(parts)
+    return tensor
+
+
+def _check_against_reference(ep: int, dispatcher: str, variant: str) -> None:
+    tp_group, ep_group = _tp_group(TP), _ep_group(ep)
+    model_parallel_cuda_manual_seed(1234, tp_rank=tp_group.rank())
+    # One batch per tp group (a data-parallel replica), the same on its two ranks.
+    generator = torch.Generator().manual_seed(dist.get_rank() // TP)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+
+    reference = _build(_config(1, 1, dispatcher, variant), None)
+    model = _build(
+        _config(TP, ep, dispatcher, variant), ProcessGroupCollection(tp=tp_group, ep=ep_group)
+    )
+    expected_loss, expected_metrics, expected_biases = _step(reference, tokens, labels)
+    loss, metrics, biases = _step(model, tokens, labels)
+
+    torch.testing.assert_close(loss, expected_loss)
+    assert metrics.keys() == expected_metrics.keys() and len(metrics) == 2
+    for name, values in metrics.items():
+        torch.testing.assert_close(values, expected_metrics[name], msg=name)
+    assert len(biases) == len(expected_biases)
+    for bias, expected in zip(biases, expected_biases):
+        torch.testing.assert_close(bias, expected)
+        assert expected.abs().sum() > 0  # the update moved the biases
+
+    layouts = named_tensor_parallel_layouts(model)
+    assert any(".shared_experts.linear_fc1." in name for name in layouts)
+    reference_params = dict(reference.named_parameters())
+    assert reference_params.keys() == dict(model.named_parameters()).keys()
+    for name, param in model.named_parameters():
+        weight = _global(name, param.detach(), layouts, tp_group, ep_group)
+        grad = _global(name, param.grad, layouts, tp_group, ep_group)
+        torch.testing.assert_close(weight, reference_params[name].detach(), msg=name)
+        torch.testing.assert_close(grad, reference_params[name].grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    "ep, dispatcher, variant",
+    [
+        (2, "alltoall", "softmax_aux_loss"),
+        (2, "allgather", "sigmoid_bias_seq_aux_loss"),
+        (1, "alltoall", "softmax_aux_loss"),
+        (1, "allgather", "sigmoid_bias_seq_aux_loss"),
+    ],
+)
+def test_moe_gpt_under_tensor_and_sequence_parallelism_matches_tp1(ep, dispatcher, variant):
+    run_distributed(_check_against_reference, WORLD, ep, dispatcher, variant)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(tensor_model_parallel_size=2), "need sequence_parallel=True"),
+        (
+            dict(
+                tensor_model_parallel_size=4, sequence_parallel=True, expert_model_parallel_size=2
+            ),
+            "expert_model_parallel_size=1 or >= 4",
+        ),
+        (
+            dict(
+                tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2
+            ),
+            "expert_tensor_parallel_size=2 is not supported",
+        ),
+    ],
+    ids=["no_sequence_parallel", "ep_between_1_and_tp", "expert_tensor_parallel"],
+)
+def test_unsupported_moe_tensor_parallel_configs_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_gpt_config(**MOE, **overrides)
