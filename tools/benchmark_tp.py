@@ -1,0 +1,220 @@
+"""Trains one GPT under Megatron-FSDP at several tensor-parallel sizes (2-D: TP inside, FSDP over
+the rest), under FSDP2 alone, and under PyTorch's own 2-D composition, and compares step time,
+tokens/s/GPU, MFU and peak memory.
+
+Engines (`--engines`, run in the order given):
+
+- `megatron_fsdp`: the model's tensor-parallel layers (`--sequence-parallel` optional) inside
+  Megatron-FSDP ZeRO-3 over the data-parallel ranks, once per size in `--tensor-parallel-sizes`
+  (default: the world size, halved down to 1); a row per size, `megatron_fsdp_tp<T>`;
+- `fsdp2`: PyTorch FSDP2 on the same model at TP 1;
+- `torch_2d`: the same architecture as plain PyTorch modules (`torch_2d_model.py`), tensor-
+  parallel with `parallelize_module` (torchtitan's recipe, sequence parallel, loss on vocabulary-
+  sharded logits) inside FSDP2 over the data-parallel ranks, at the largest TP size.
+
+All run bf16 compute with fp32 main weights and AdamW, fp32 gradient reduction. tokens/s/GPU and
+TFLOP/s/GPU count each GPU's share (a tensor-parallel group works on one micro-batch together);
+MFU divides by `--peak-tflops` (989: dense bf16 on H100/H200 SXM).
+
+    # 1.34B (L), 2 GPUs: TP 2 x FSDP 1 against FSDP 2
+    torchrun --nproc-per-node 2 tools/benchmark_tp.py --bf16 --sequence-parallel
+    # ~6.7B (hidden 4096, 32 layers), seq 8192, micro-batch 1, against PyTorch's 2-D composition
+    torchrun --nproc-per-node 2 tools/benchmark_tp.py --bf16 --sequence-parallel \\
+        --hidden-size 4096 --num-layers 32 --num-attention-heads 32 --seq-length 8192 \\
+        --micro-batch-size 1 --engines megatron_fsdp,torch_2d --tensor-parallel-sizes 2
+    # tiny, on CPU (gloo):
+    torchrun --nproc-per-node 2 tools/benchmark_tp.py --num-layers 2 --hidden-size 64 \\
+        --num-attention-heads 4 --vocab-size 128 --seq-length 32 --steps 2 --warmup-steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+# Runnable from a checkout without installing the package (as Megatron-LM's tools are).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import benchmark_fsdp as bench
+from gpt_benchmark_model import build_gpt
+from torch_2d_model import TorchGPT, parallelize
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+ENGINES = ("megatron_fsdp", "fsdp2", "torch_2d")
+
+
+def parse_args() -> argparse.Namespace:
+    """The flags of `benchmark_fsdp.py` (engines and TP sizes of this benchmark)."""
+    parser = bench.build_parser()
+    parser.description = __doc__.splitlines()[0]
+    parser.set_defaults(engines=",".join(ENGINES))
+    parser.add_argument(
+        "--tensor-parallel-sizes",
+        default=None,
+        help="comma-separated TP sizes for megatron_fsdp (default: the world size halved down "
+        "to 1); torch_2d runs at the largest",
+    )
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="for the MFU column")
+    args = parser.parse_args()
+    # benchmark_fsdp's check knows its own engine names only: it checks the rest with one.
+    engines, args.engines = args.engines, "single"
+    args = bench.check_args(parser, args)
+    args.engines = [name.strip() for name in engines.split(",") if name.strip()]
+    unknown = sorted(set(args.engines) - set(ENGINES))
+    if unknown or not args.engines:
+        parser.error(f"--engines: give names from {', '.join(ENGINES)} (unknown: {unknown}).")
+    if args.cuda_graph:
+        parser.error("--cuda-graph is not offered here (torch_2d cannot be captured).")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tensor_parallel_sizes is None:
+        sizes, size = [], world
+        while size >= 1:
+            sizes.append(size)
+            size //= 2
+    else:
+        sizes = [int(s) for s in args.tensor_parallel_sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s < 1 or world % s or args.num_attention_heads % s]
+    if not sizes or bad:
+        parser.error(
+            f"--tensor-parallel-sizes {sizes}: each must divide the world size ({world}) and "
+            f"--num-attention-heads ({args.num_attention_heads})."
+        )
+    args.tensor_parallel_sizes = sizes
+    return args
+
+
+def set_tensor_parallel_size(size: int, create_all_gather_group: bool) -> None:
+    """(Re)initialises `parallel_state` with `size` ranks per tensor-parallel group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=size, create_all_gather_group=create_all_gather_group
+    )
+
+
+def build_torch_2d(args: argparse.Namespace) -> bench.StepFn:
+    """PyTorch's TP x FSDP2 composition of the plain-PyTorch GPT (module docstring)."""
+    tp = args.torch_2d_tp
+    device_type = torch.device(args.device).type
+    mesh = init_device_mesh(
+        device_type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp")
+    )
+    with torch.device("meta"):
+        model = TorchGPT(args)
+    parallelize(model, mesh["tp"], mesh["dp"], args.bf16)
+    model.to_empty(device=torch.get_default_device())
+    model.init_weights()
+    optimizer = bench.make_adamw(model.parameters(), args)
+
+    def step(batches: list[bench.Batch]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=batches[0][0].device)
+        for i, (tokens, labels) in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            with loss_parallel():
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / len(batches)
+                loss.backward()
+            total += loss.full_tensor().detach()
+        optimizer.step()
+        return total
+
+    return step
+
+
+def build(name: str, args: argparse.Namespace) -> bench.StepFn:
+    """The step function of `name` (the parallel state is set by the caller)."""
+    # Sequence-parallel layers draw from the tracker's tensor-parallel state in training.
+    model_parallel_cuda_manual_seed(args.seed)
+    if name == "torch_2d":
+        return build_torch_2d(args)
+    return bench.build_engine("megatron_fsdp_zero3" if name == "megatron_fsdp" else name, args)
+
+
+def run(name: str, tp: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """One table row: engine `name` at tensor-parallel size `tp`."""
+    set_tensor_parallel_size(1 if name == "torch_2d" else tp, args.create_all_gather_group)
+    run_args = copy.copy(args)
+    run_args.torch_2d_tp = tp
+    with torch.device("meta"):
+        config, _ = build_gpt(run_args)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    measured = bench.run_engine(name, run_args, device, build=build)
+    row = bench.summarize(name, measured, args, config, device)
+    row["engine"] = f"{name}_tp{tp}"
+    if name == "torch_2d":
+        compute = "bf16 compute (FSDP2 mp_policy)" if args.bf16 else "fp32 compute"
+        row["precision"] = (
+            f"fp32 sharded params = main weights (AdamW on DTensors), {compute}, TP by "
+            "parallelize_module, grads reduced in fp32"
+        )
+    # A tensor-parallel group computes one micro-batch together: each GPU does 1/TP of it.
+    row["tokens_per_s_per_gpu"] /= tp
+    row["tflops_per_s_per_gpu"] /= tp
+    row["mfu"] = row["tflops_per_s_per_gpu"] / args.peak_tflops
+    row["vs_single"] = None
+    return row
+
+
+def main() -> None:
+    """Runs every engine at its TP sizes; rank 0 prints (and writes) the results."""
+    args = parse_args()
+    device = bench.init_distributed(torch.device(args.device).type)
+    set_tensor_parallel_size(1, args.create_all_gather_group)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in build_gpt(args)[1].parameters())
+    rows = []
+    for name in args.engines:
+        if name == "megatron_fsdp":
+            rows.extend(run(name, tp, args, device) for tp in args.tensor_parallel_sizes)
+        else:
+            tp = max(args.tensor_parallel_sizes) if name == "torch_2d" else 1
+            rows.append(run(name, tp, args, device))
+    reference = next((r for r in rows if r["engine"].startswith("torch_2d")), None)
+    for row in rows:
+        if reference is not None:
+            row["tokens_vs_torch_2d"] = (
+                row["tokens_per_s_per_gpu"] / reference["tokens_per_s_per_gpu"]
+            )
+    if dist.get_rank() == 0:
+        result = {
+            "config": {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "world_size": dist.get_world_size(),
+                "torch": torch.__version__,
+                "params": num_params,
+                **{k: v for k, v in vars(args).items() if k not in ("json_out", "profile")},
+            },
+            "rows": rows,
+        }
+        bench.print_table(rows)
+        for row in rows:
+            ratio = row.get("tokens_vs_torch_2d")
+            versus = "" if ratio is None else f", tokens/s {ratio:.2f}x torch_2d's"
+            print(f"  {row['engine']}: MFU {row['mfu']:.1%}{versus}")
+        print(json.dumps(result))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f, indent=1)
+    gc.collect()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
