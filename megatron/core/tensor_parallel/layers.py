@@ -31,14 +31,13 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     grad_sum_over_tp,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.core.tensor_parallel.overlapped_linear import column_parallel_linear
 from megatron.core.tensor_parallel.utils import (
     VocabUtility,
     divide,
@@ -284,11 +283,13 @@ class ColumnParallelLinear(_ParallelLinear):
             un-added bias when `skip_bias_add`, else None.
         """
         weight = self._resolve_weight(weight)
-        if self.sequence_parallel:
-            input_ = gather_from_sequence_parallel_region(input_, self.tp_group)
-        elif not self.is_expert:
-            input_ = copy_to_tensor_model_parallel_region(input_, self.tp_group)
-        output = F.linear(input_, weight, None if self.skip_bias_add else self.bias)
+        bias = None if self.skip_bias_add else self.bias
+        if self.is_expert and not self.sequence_parallel:
+            output = F.linear(input_, weight, bias)
+        else:
+            output = column_parallel_linear(
+                input_, weight, bias, self.tp_group, self.sequence_parallel
+            )
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

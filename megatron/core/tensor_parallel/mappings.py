@@ -46,10 +46,16 @@ def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.narrow(-1, group_rank(group) * width, width).contiguous()
 
 
+def gather_first_async(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the all-gather of `x` along dim 0 over `group`; the output is valid once the
+    returned work is waited for."""
+    out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
+    return out, _all_gather_single(out, x.contiguous(), group=group, async_op=True)
+
+
 def _gather_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    size = group_size(group)
-    out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)
+    out, work = gather_first_async(x, group)
+    work.wait()
     return out
 
 
@@ -65,10 +71,18 @@ def _split_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.narrow(0, group_rank(group) * rows, rows).contiguous()
 
 
+def reduce_scatter_first_async(
+    x: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, dist.Work]:
+    """Starts the sum over `group` of `x`, scattered along dim 0; the output is valid once the
+    returned work is waited for."""
+    out = x.new_empty((_rows_per_rank(x, group_size(group)), *x.shape[1:]))
+    return out, _reduce_scatter_single(out, x.contiguous(), group=group, async_op=True)
+
+
 def _reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    size = group_size(group)
-    out = x.new_empty((_rows_per_rank(x, size), *x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    out, work = reduce_scatter_first_async(x, group)
+    work.wait()
     return out
 
 

@@ -172,6 +172,24 @@ def test_gather_output_and_row_split_input():
     run_distributed(_check_column_gather_output_and_row_split_input, 2)
 
 
+def _saved_for_backward_by_column_layer() -> list[torch.Size]:
+    layer = ColumnParallelLinear(
+        16, 24, config=_config(True), init_method=INIT, tp_group=dist.group.WORLD
+    )
+    x = torch.randn(SEQ // 2, BATCH, 16, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(t.shape) or t, id):
+        layer(x)
+    return shapes
+
+
+def test_sequence_parallel_column_layer_keeps_only_its_part_of_the_input_for_backward():
+    # Backward gathers the sequence again, so the gathered [s, b, h] input is not kept alive.
+    for shapes in run_distributed(_saved_for_backward_by_column_layer, 2):
+        assert torch.Size([SEQ // 2, BATCH, 16]) in shapes
+        assert torch.Size([SEQ, BATCH, 16]) not in shapes
+
+
 def _padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron-LM's vocabulary padding: up to a multiple of divisible_by x tp."""
     multiple = divisible_by * tp
