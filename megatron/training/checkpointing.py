@@ -42,6 +42,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from megatron.core.distributed.tensor_parallel_params import (
+    restore_after_load,
+    stride_free_for_checkpoint,
+)
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpoint_checksums import (
@@ -170,7 +174,9 @@ def save_checkpoint(
     optimizer_state = optimizer.sharded_state_dict()
     param_groups = optimizer_state.pop("param_groups")
     writer = ChecksumWriter(staging) if checksums else FileSystemWriter(staging)
-    dcp.save({"model": model.state_dict(), "optimizer": optimizer_state}, storage_writer=writer)
+    state = {"model": model.state_dict(), "optimizer": optimizer_state}
+    stride_free_for_checkpoint(state)
+    dcp.save(state, storage_writer=writer)
     # Per rank: its RNG states, and the checksums of the files it wrote.
     per_rank: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     written = writer.checksums if checksums else {}
@@ -300,7 +306,9 @@ def load_checkpoint(
             )
         except ValueError as error:
             raise CheckpointError(f"{path}: {error}") from error
+    swaps = stride_free_for_checkpoint(state)
     dcp.load(state, storage_reader=FileSystemReader(path))
+    restore_after_load(swaps)
     model.load_state_dict(model_state)  # marks Megatron-FSDP's compute weights stale
     if load_optimizer:
         optimizer.load_sharded_state_dict({**state["optimizer"], "param_groups": groups})

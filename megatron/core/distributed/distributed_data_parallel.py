@@ -29,6 +29,11 @@ handed out, and `get_megatron_optimizer` builds a `DistributedOptimizer`, which 
 Expert parameters split by expert parallelism (`expert_parallel.py`) get buffers of their own,
 reduced (and sharded) over the expert data-parallel group and divided by the dp x cp size;
 `state_dict()` shows them as global DTensors `[num_experts, ...]` split over the ep group.
+
+Under tensor parallelism (`tensor_parallel_params.py`) the data-parallel group excludes the TP
+peers, and every dense parameter is shown (`state_dict()`, `global_view()`, the distributed
+optimizer's shards) as the global DTensor over a mesh whose first dimension is `tp`, placed as
+the parameter's layout says (`Replicate` for the parameters not split).
 """
 
 from __future__ import annotations
@@ -59,7 +64,14 @@ from megatron.core.distributed.expert_parallel import (
     local_expert_rows,
 )
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
+from megatron.core.distributed.tensor_parallel_params import (
+    TensorParallelView,
+    check_data_parallel_chunks,
+    check_excludes_tp_peers,
+    tensor_parallel_group,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _wrapping_engine = WeakIdKeyDictionary()
@@ -89,15 +101,21 @@ class DistributedDataParallel(_BaseDataParallel):
         disable_bucketing: one bucket per gradient dtype whatever `bucket_size` says.
         pg_collection: process groups; gradients are averaged over `pg_collection.dp_cp`
             (default: parallel_state's data-parallel-with-context group, else the world);
-            with `ep` of two or more ranks, expert gradients are reduced over `expt_dp`.
+            with `ep` of two or more ranks, expert gradients are reduced over `expt_dp`;
+            with `tp` of two or more ranks, parameters are split over it as the model's
+            `named_tensor_parallel_layouts` say.
 
     Attributes:
         expert_layout: the expert groups and global DTensors of expert parameters (None: no
             expert parallelism).
+        tensor_parallel: the global DTensors of dense parameters under tensor parallelism
+            (None: no tensor parallelism).
 
     Raises:
         ValueError: the model has expert parameters, `ep` has two or more ranks, and there is
-            no `expt_dp` group.
+            no `expt_dp` group; the data-parallel group holds tensor-parallel peers; an expert
+            parameter is split over tp; with the distributed optimizer, a strided parameter's
+            dim-0 chunk spans two of its blocks.
     """
 
     def __init__(
@@ -137,6 +155,7 @@ class DistributedDataParallel(_BaseDataParallel):
                 )
         experts = {p for p, name in names.items() if is_expert_param(name, p)}
         self.expert_layout = self._expert_layout(pg_collection, experts)
+        self.tensor_parallel = self._tensor_parallel_view(pg_collection, module, experts)
         by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for param in params:
             expert = self.expert_layout is not None and param in experts
@@ -199,6 +218,41 @@ class DistributedDataParallel(_BaseDataParallel):
                 "ProcessGroupCollection.use_mpu_process_groups() or set expt_dp."
             )
         return ExpertLayout(ep, expt_dp, next(iter(experts)).device.type)
+
+    def _tensor_parallel_view(
+        self,
+        pg_collection: ProcessGroupCollection | None,
+        module: torch.nn.Module,
+        experts: set[torch.nn.Parameter],
+    ) -> TensorParallelView | None:
+        tp = tensor_parallel_group(pg_collection)
+        if tp is None:
+            return None
+        check_excludes_tp_peers(tp, self.data_parallel_group)
+        params = dict(module.named_parameters())
+        layouts = named_tensor_parallel_layouts(module)
+        dp_size = self.data_parallel_group.size()
+        for name, layout in layouts.items():
+            if params[name] in experts:
+                raise ValueError(
+                    f"Expert parameter {name!r} is split over tensor parallelism; the DDP "
+                    "engine supports experts with expert tensor parallel size 1 only: build "
+                    "the experts unsplit (expert_tensor_parallel_size=1)."
+                )
+            if self.ddp_config.use_distributed_optimizer:
+                check_data_parallel_chunks(name, params[name].shape, layout, [dp_size])
+        device_type = next(iter(params.values())).device.type
+        by_param = {params[name]: layout for name, layout in layouts.items()}
+        return TensorParallelView(tp, self.data_parallel_group, by_param, device_type)
+
+    def global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
+        where `param` is split by expert or tensor parallelism; else as it is."""
+        if self.is_expert(param):
+            return self.expert_layout.replicated(tensor)
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel.replicated(tensor, param)
+        return tensor
 
     def is_expert(self, param: torch.nn.Parameter) -> bool:
         """Whether `param` is an expert parameter split by expert parallelism."""
@@ -349,27 +403,32 @@ class DistributedDataParallel(_BaseDataParallel):
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped module's state dict; expert parameters split by expert parallelism as
-        global DTensors `[num_experts, ...]` (views of this rank's experts), so that a
-        checkpoint holds every expert once and loads at another ep size."""
+        """The wrapped module's state dict; parameters split by expert or tensor parallelism
+        as global DTensors (`global_view()`: views of this rank's part), so that a checkpoint
+        holds every element once and loads at other ep and tp sizes."""
         state = self.module.state_dict(*args, **kwargs)
-        if self.expert_layout is None:
+        if self.expert_layout is None and self.tensor_parallel is None:
             return state
         prefix = kwargs.get("prefix", "")
         for name, param in self.module.named_parameters():
-            if self.is_expert(param) and prefix + name in state:
-                state[prefix + name] = self.expert_layout.replicated(state[prefix + name])
+            if prefix + name in state:
+                state[prefix + name] = self.global_view(param, state[prefix + name])
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Loads a state dict of `state_dict()`'s form; an expert parameter's value may also be
-        the whole global tensor (this rank keeps its experts)."""
-        if self.expert_layout is None:
+        """Loads a state dict of `state_dict()`'s form; the value of a parameter split by
+        expert or tensor parallelism may also be the whole global tensor (this rank keeps its
+        part)."""
+        if self.expert_layout is None and self.tensor_parallel is None:
             return self.module.load_state_dict(state_dict, strict=strict)
         local = dict(state_dict)
         for name, param in self.module.named_parameters():
             value = local.get(name)
-            if value is None or not self.is_expert(param):
+            if value is None:
+                continue
+            if not self.is_expert(param):
+                if self.tensor_parallel is not None:
+                    local[name] = self.tensor_parallel.local_value(value, param)
                 continue
             if isinstance(value, DTensor):
                 ours = value.device_mesh is self.expert_layout.replicated_mesh

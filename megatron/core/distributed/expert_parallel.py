@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron.core import parallel_state
+from megatron.core.distributed.tensor_parallel_params import dtensor, mesh_with_leading_group
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 
@@ -72,26 +73,9 @@ def expert_mesh(
     device_type: str,
     inner_names: tuple[str, ...],
 ) -> DeviceMesh:
-    """A mesh (ep, *inner dims) for the global expert DTensors.
-
-    Args:
-        ep: the expert-model-parallel group (the mesh's first dimension).
-        inner: the groups of the other dimensions, in mesh order (e.g. expt_dp; or the expert
-            shard group and the outer group of hybrid sharding).
-        inner_ranks: this rank's global ranks of the inner dimensions, shaped like them.
-        device_type: "cpu" or "cuda".
-        inner_names: the names of the inner dimensions.
-
-    Every rank of `ep` must call it (the ep peers' inner ranks are all-gathered).
-    """
-    peers: list[list | None] = [None] * ep.size()
-    dist.all_gather_object(peers, inner_ranks.tolist(), group=ep)
-    return DeviceMesh.from_group(
-        [ep, *inner],
-        device_type,
-        mesh=torch.tensor(peers, dtype=torch.int),
-        mesh_dim_names=(f"ep:{ep.group_name}", *inner_names),
-    )
+    """A mesh (ep, *inner dims) for the global expert DTensors (see `mesh_with_leading_group`;
+    every rank of `ep` must call it)."""
+    return mesh_with_leading_group(ep, "ep", inner, inner_ranks, device_type, inner_names)
 
 
 class ExpertLayout:
@@ -119,23 +103,11 @@ class ExpertLayout:
     def replicated(self, local: torch.Tensor) -> DTensor:
         """`local`, this rank's experts (replicated over expt_dp), as the global DTensor."""
         shape = global_expert_shape(local.shape, self.ep)
-        return _from_local(local, self.replicated_mesh, (Shard(0),), shape)
+        return dtensor(local, self.replicated_mesh, (Shard(0),), shape)
 
     def sharded(self, rows: torch.Tensor, local_shape: torch.Size) -> DTensor:
         """`rows`, this rank's dim-0 chunk over expt_dp of a parameter of `local_shape` (this
         rank's experts), as the global DTensor."""
         shape = global_expert_shape(local_shape, self.ep)
-        return _from_local(rows, self.sharded_mesh, (Shard(0), Shard(0)), shape)
+        return dtensor(rows, self.sharded_mesh, (Shard(0), Shard(0)), shape)
 
-
-def _from_local(
-    local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size
-) -> DTensor:
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=shape,
-        stride=torch.empty(shape, device="meta").stride(),
-    )

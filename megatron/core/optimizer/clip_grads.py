@@ -19,8 +19,10 @@ outer group under HFSDP. Plain tensors count as replicated: no collective at all
 Experts split by expert parallelism differ across the ep group: both engines hand their
 gradients over as global DTensors whose mesh starts with an ep dimension placed `Shard(0)`
 (`expert_parallel.py`), so their partial sums are all-reduced over ep (each expert once) and
-over the expert shard group, never over expert data-parallel replicas. Not covered: gradients
-that differ across ranks outside their DTensor mesh, i.e. tensor-parallel shards (unsupported).
+over the expert shard group, never over expert data-parallel replicas. Tensor parallelism
+likewise: parameters split over tp are global DTensors with a `tp` mesh dimension placed
+`Shard` (or `_StridedShard`, a shard too: each element on one rank) and are summed over it;
+replicated ones are placed `Replicate` there and counted once.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # The groups a gradient's local sum is all-reduced over: () for replicated gradients.
 GroupKey = tuple[dist.ProcessGroup, ...]
@@ -52,7 +55,8 @@ def _local_and_groups(grad: torch.Tensor) -> tuple[torch.Tensor, GroupKey]:
                 "reduced yet. Finish the gradient reduction (model.finish_grad_sync()) before "
                 "computing its norm."
             )
-        if placement.is_shard():
+        # Newer torch does not count a strided shard as `is_shard()`.
+        if placement.is_shard() or isinstance(placement, _StridedShard):
             group = grad.device_mesh.get_group(dim)
             if group.size() > 1:
                 groups.append(group)

@@ -23,7 +23,10 @@ them. Others (bf16) get fp32 copies of their rows (`fp32_from_fp16_params` in ch
 Expert parameters split by expert parallelism are sharded over the expert data-parallel group
 (their buckets' group); their shards are the local tensors of global DTensors `[num_experts,
 ...]` over (ep, expt_dp), placed `(Shard(0), Shard(0))`: the experts split over ep, then this
-rank's experts chunked along dim 0 over expt_dp (`expert_parallel.py`).
+rank's experts chunked along dim 0 over expt_dp (`expert_parallel.py`). Under tensor
+parallelism each shard is a dim-0 chunk of the TP-local parameter, the local tensor of a global
+DTensor over (tp, dp) placed (the parameter's tp placement, `Shard(0)`)
+(`tensor_parallel_params.py`).
 """
 
 from __future__ import annotations
@@ -94,9 +97,12 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _as_dtensor(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
         """`local`, this rank's rows of a tensor shaped like `param`, as a `Shard(0)` DTensor
-        (an expert split by expert parallelism: the global DTensor of its experts)."""
+        (an expert split by expert parallelism: the global DTensor of its experts; under tensor
+        parallelism the global DTensor over (tp, dp))."""
         if self.model.is_expert(param):
             return self.model.expert_layout.sharded(local, param.shape)
+        if self.model.tensor_parallel is not None:
+            return self.model.tensor_parallel.sharded(local, param)
         return DTensor.from_local(
             local,
             self._mesh,
@@ -142,7 +148,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for param, _ in self._masters:
                 self._shards[param].copy_(self.model.param_shard(param))
 
-    def _expert_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    def _global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """Its main shards and masters are DTensors placed as they are sharded already."""
         return tensor
 

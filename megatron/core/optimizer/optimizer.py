@@ -101,19 +101,14 @@ class MegatronOptimizer:
                     self._main_params[param] = main
         # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
         self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
-        self._expert_engine = (
-            model
-            if isinstance(model, DistributedDataParallel) and model.expert_layout is not None
-            else None
-        )
+        self._ddp_engine = model if isinstance(model, DistributedDataParallel) else None
 
-    def _expert_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    def _global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
-        where `param` is an expert split by the DDP engine's expert parallelism; else as is."""
-        engine = self._expert_engine
-        if engine is None or not engine.is_expert(param):
+        where `param` is split by the DDP engine's expert or tensor parallelism; else as is."""
+        if self._ddp_engine is None:
             return tensor
-        return engine.expert_layout.replicated(tensor)
+        return self._ddp_engine.global_view(param, tensor)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -139,7 +134,7 @@ class MegatronOptimizer:
         if self._is_fsdp:
             return [p.grad for p in self.model.parameters() if p.grad is not None]
         return [
-            self._expert_view(param, main.grad)
+            self._global_view(param, main.grad)
             for param, main in self._main_params.items()
             if main.grad is not None
         ]
@@ -149,7 +144,7 @@ class MegatronOptimizer:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
         if self._is_fsdp:
             return [p for p in self.model.parameters() if p.requires_grad]
-        return [self._expert_view(param, main) for param, main in self._main_params.items()]
+        return [self._global_view(param, main) for param, main in self._main_params.items()]
 
     def get_params_norm(self) -> float:
         """The global L2 norm of the main weights in fp32, the same on every rank (what
@@ -280,7 +275,7 @@ class MegatronOptimizer:
         local = local_main_weights(module) if self._is_fsdp else {}
         names = {}
         for name, param in module.named_parameters():
-            placed = self._expert_view(param, param)
+            placed = self._global_view(param, param)
             for held in (param, local.get(param), self._main_params.get(param)):
                 if held is not None:
                     names[id(held)] = (name, placed)
@@ -324,7 +319,7 @@ class MegatronOptimizer:
             }
             for group in self.optimizer.param_groups
         ]
-        masters = {names[id(main)][0]: self._expert_view(p, main) for p, main in self._masters}
+        masters = {names[id(main)][0]: self._global_view(p, main) for p, main in self._masters}
         sharded = {"state": state, "fp32_from_fp16_params": masters, "param_groups": param_groups}
         if self.grad_scaler is not None and self.grad_scaler.state_dict():
             sharded["grad_scaler"] = self.grad_scaler.state_dict()
@@ -349,7 +344,7 @@ class MegatronOptimizer:
         names = self._parameter_names()
         params = dict(names.values())
         held = {names[id(tensor)][0]: tensor for tensor in self._held()}
-        masters = {names[id(main)][0]: self._expert_view(p, main) for p, main in self._masters}
+        masters = {names[id(main)][0]: self._global_view(p, main) for p, main in self._masters}
         state: dict[str, dict[str, torch.Tensor]] = {}
         loaded_masters = {}
         scaler: dict[str, torch.Tensor] = {}

@@ -84,11 +84,14 @@ def init_groups(ep: int, replicas: int = 1) -> None:
 
 
 def wrap(
-    module: torch.nn.Module, engine: Engine, layer_class: type = ToyMoELayer
+    module: torch.nn.Module,
+    engine: Engine,
+    layer_class: type = ToyMoELayer,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> torch.nn.Module:
-    """`module` under `engine`, over parallel_state's groups."""
+    """`module` under `engine`, over `pg_collection` (default: parallel_state's groups)."""
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     if engine.kind == "ddp":
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=engine.distributed_optimizer
@@ -112,9 +115,12 @@ def train_steps(
     result: RunResult,
     rank: int = 0,
     world: int = 1,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """One optimizer step per global batch, in `MICROBATCHES` microbatches (all but the last
-    under `no_sync()`), on this rank's share of each; appends to `result`."""
+    under `no_sync()`), on data-parallel rank `rank`'s share (of `world`) of each; appends to
+    `result`. The model takes the batch's parts; the loss is averaged over `group` (default:
+    every rank), the data-parallel ranks."""
     distributed = hasattr(model, "no_sync")
     for batch in batches:
         if distributed:
@@ -123,16 +129,16 @@ def train_steps(
         total = torch.zeros(())
         micro = [part.chunk(MICROBATCHES) for part in batch]
         for m in range(MICROBATCHES):
-            inputs, labels, route = (part[m].chunk(world)[rank] for part in micro)
+            parts = [part[m].chunk(world)[rank] for part in micro]
             last = m == MICROBATCHES - 1
             scope = model.no_sync() if distributed and not last else contextlib.nullcontext()
             with scope:
-                loss = model(inputs, labels, route).mean() / MICROBATCHES
+                loss = model(*parts).mean() / MICROBATCHES
                 loss.backward()
             total += loss.detach()
         if distributed:
             model.finish_grad_sync()
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=group)
             total /= world
         _, grad_norm, _ = optimizer.step()
         result.losses.append(float(total))

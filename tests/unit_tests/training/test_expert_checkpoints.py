@@ -52,12 +52,13 @@ def _args(root: str, load: str | None = None, num_experts: int = 4) -> argparse.
     )
 
 
-def _scheduler(optimizer) -> OptimizerParamScheduler:
+def _scheduler(optimizer, lr: float = 0.1) -> OptimizerParamScheduler:
+    """A constant learning rate `lr`."""
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.1,
-        max_lr=0.1,
-        min_lr=0.1,
+        init_lr=lr,
+        max_lr=lr,
+        min_lr=lr,
         lr_warmup_steps=0,
         lr_decay_steps=10,
         lr_decay_style="constant",

@@ -11,6 +11,11 @@ Expert parameters (see `expert_parallel.py`) are sharded over the expert shard g
 `intra_expt_dp` under hybrid sharding) and gathered over `expt_dp_ag`; with expert parallelism
 their mesh gains a first dimension, `ep`, over which the global experts are split, and their
 gradients' shard-level reductions divide by the dp x cp size rather than the group's.
+
+With tensor parallelism (`tensor_parallel_params.py`) the data-parallel groups exclude the TP
+peers, and the dense mesh gains a first dimension, `tp`, over which the global tensors are split
+as each parameter's layout says. Experts are not split over tp (expert tensor parallel size 1):
+their mesh is the expert one.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import resolve_data_parallel_group
-from megatron.core.distributed.expert_parallel import ep_size, expert_mesh
+from megatron.core.distributed.expert_parallel import ep_size
+from megatron.core.distributed.tensor_parallel_params import (
+    check_excludes_tp_peers,
+    mesh_with_leading_group,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 SHARD_DIM = "shard"
@@ -39,8 +48,11 @@ class ShardGroups:
         outer: the group across hybrid-sharding replicas, or None.
         all_gather: the communicator parameter all-gathers use (same ranks as `shard`).
         mesh: (shard,) or (shard, outer) device mesh, with `ep` in front for experts split by
-            expert parallelism; main weights are DTensors over it.
+            expert parallelism, `tp` in front for dense parameters under tensor parallelism;
+            main weights are DTensors over it.
         ep: the expert-model-parallel group of experts split over two or more ranks, else None.
+        tp: the tensor-parallel group of dense parameters when it has two or more ranks, else
+            None.
     """
 
     shard: dist.ProcessGroup
@@ -48,6 +60,7 @@ class ShardGroups:
     all_gather: dist.ProcessGroup
     mesh: DeviceMesh
     ep: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
 
     @property
     def shard_size(self) -> int:
@@ -76,10 +89,13 @@ class FSDPDistributedIndex:
         expert_all_gather_group: separate communicator for expert all-gathers.
         expert_model_parallel_group: the `ep` group splitting the experts (None or size 1:
             every rank holds every expert).
+        tensor_model_parallel_group: the `tp` group of dense parameters (None or size 1: no
+            tensor parallelism); it must not overlap the shard group.
         device: where buffers live; default: the current CUDA device under NCCL, else CPU.
 
     Raises:
-        ValueError: an all-gather group does not span the same ranks as its shard group.
+        ValueError: an all-gather group does not span the same ranks as its shard group; the
+            tp group shares ranks other than this one with the shard group.
     """
 
     def __init__(
@@ -91,22 +107,27 @@ class FSDPDistributedIndex:
         all_gather_group: dist.ProcessGroup | None = None,
         expert_all_gather_group: dist.ProcessGroup | None = None,
         expert_model_parallel_group: dist.ProcessGroup | None = None,
+        tensor_model_parallel_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
     ):
         if outer_group is not None and outer_group.size() == 1:
             outer_group = None
         if expert_model_parallel_group is not None and expert_model_parallel_group.size() == 1:
             expert_model_parallel_group = None
+        if tensor_model_parallel_group is not None and tensor_model_parallel_group.size() == 1:
+            tensor_model_parallel_group = None
         _check_same_ranks(all_gather_group, shard_group, "dp_cp_ag", "the dense shard group")
         _check_same_ranks(
             expert_all_gather_group, expert_shard_group, "expt_dp_ag", "the expert shard group"
         )
+        check_excludes_tp_peers(tensor_model_parallel_group, shard_group)
         self.shard_group = shard_group
         self.outer_group = outer_group
         self.expert_shard_group = expert_shard_group
         self.all_gather_group = all_gather_group
         self.expert_all_gather_group = expert_all_gather_group
         self.expert_model_parallel_group = expert_model_parallel_group
+        self.tensor_model_parallel_group = tensor_model_parallel_group
         if device is None:
             on_gpu = dist.get_backend(shard_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
@@ -121,7 +142,7 @@ class FSDPDistributedIndex:
 
         The dense shard group is `intra_dp_cp` when set (hybrid sharding), else `dp_cp`; the
         outer group is `inter_dist_opt`; the all-gather groups are `dp_cp_ag` / `expt_dp_ag`;
-        experts are split over `ep`.
+        experts are split over `ep`; dense parameters over `tp`.
         """
         if pg_collection is None:
             if not parallel_state.model_parallel_is_initialized():
@@ -135,6 +156,7 @@ class FSDPDistributedIndex:
             all_gather_group=pg_collection.dp_cp_ag,
             expert_all_gather_group=pg_collection.expt_dp_ag,
             expert_model_parallel_group=pg_collection.ep,
+            tensor_model_parallel_group=pg_collection.tp,
             device=device,
         )
 
@@ -187,16 +209,18 @@ class FSDPDistributedIndex:
                     "intra_expt_dp), or initialise parallel_state."
                 )
             shard, all_gather = self.expert_shard_group, self.expert_all_gather_group
-            ep = self.expert_model_parallel_group
+            ep, tp = self.expert_model_parallel_group, None
         else:
             shard, all_gather = self.shard_group, self.all_gather_group
-            ep = None
+            ep, tp = None, self.tensor_model_parallel_group
+        lead = ("ep", ep) if ep is not None else ("tp", tp)
         return ShardGroups(
             shard=shard,
             outer=self.outer_group,
             all_gather=all_gather or shard,
-            mesh=_device_mesh(shard, self.outer_group, self.device.type, ep),
+            mesh=_device_mesh(shard, self.outer_group, self.device.type, *lead),
             ep=ep,
+            tp=tp,
         )
 
 
@@ -204,7 +228,8 @@ def _device_mesh(
     shard: dist.ProcessGroup,
     outer: dist.ProcessGroup | None,
     device_type: str,
-    ep: dist.ProcessGroup | None = None,
+    lead_name: str,
+    lead: dist.ProcessGroup | None,
 ) -> DeviceMesh:
     # DeviceMesh equality ignores which communicators a mesh holds, and DTensor caches sharding
     # results by mesh; dimension names that carry the group names keep a mesh over destroyed
@@ -219,8 +244,8 @@ def _device_mesh(
         ranks = torch.tensor(replicas, dtype=torch.int).T  # [shard rank, outer rank]
         names.append(f"{OUTER_DIM}:{outer.group_name}")
         groups.append(outer)
-    if ep is not None:
-        return expert_mesh(ep, groups, ranks, device_type, tuple(names))
+    if lead is not None:
+        return mesh_with_leading_group(lead, lead_name, groups, ranks, device_type, tuple(names))
     if outer is None:
         return DeviceMesh.from_group(shard, device_type, mesh_dim_names=tuple(names))
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=tuple(names))
@@ -238,3 +263,4 @@ def _check_same_ranks(
             "same ranks (create it with parallel_state.initialize_model_parallel("
             "create_all_gather_group=True))."
         )
+

@@ -37,6 +37,10 @@ from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.tensor_parallel.layout import (
+    TensorParallelLayout,
+    named_tensor_parallel_layouts,
+)
 
 _owner_unit = WeakIdKeyDictionary()
 """Original parameter -> weakref of the unit that took it (to refuse sharing across units)."""
@@ -274,10 +278,19 @@ def fully_shard(
     index = distributed_index or FSDPDistributedIndex.from_pg_collection(None)
     mp_policy = mp_policy or MixedPrecisionPolicy()
 
-    slots, params = _collect_params(module)
+    layouts = {}
+    if index.tensor_model_parallel_group is not None:
+        layouts = named_tensor_parallel_layouts(module)
+    slots, params = _collect_params(module, layouts)
     members: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
     for i, (slot, param) in enumerate(zip(slots, params)):
         key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param))
+        if key[2] and slot.tp_layout is not None:
+            raise ValueError(
+                f"Expert parameter {slot.fqn!r} of {type(module).__name__} is split over "
+                "tensor parallelism; Megatron-FSDP supports experts with expert tensor "
+                "parallel size 1 only: build the experts unsplit (expert_tensor_parallel_size=1)."
+            )
         members.setdefault(key, []).append(i)
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) > 1:
@@ -325,9 +338,10 @@ def fully_shard(
 
 
 def _collect_params(
-    module: torch.nn.Module,
+    module: torch.nn.Module, layouts: dict[str, TensorParallelLayout]
 ) -> tuple[list[ParamSlot], list[torch.nn.Parameter]]:
-    """The parameters `module` holds outside nested units, with every place each is registered.
+    """The parameters `module` holds outside nested units, with every place each is registered
+    and its tensor-parallel layout (from `layouts`, by name; absent: replicated).
 
     Raises:
         ValueError: a parameter here is held by another unit (shared across units).
@@ -346,7 +360,7 @@ def _collect_params(
                     "wrap the lowest common ancestor of its users instead of one of them."
                 )
             if param not in slots:
-                slots[param] = ParamSlot(fqn, [])
+                slots[param] = ParamSlot(fqn, [], layouts.get(fqn))
             slots[param].registrations.append((weakref.ref(owner), name))
     return list(slots.values()), list(slots)
 

@@ -11,6 +11,11 @@ counters; `optimizer_steps.py` counts their steps in `untracked_writes`, as does
 refresh). The compute weights remember the version they were made from and are refreshed, or
 gathered again, when it differs. Writes through `.data` bypass version counters (as they bypass
 autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)`).
+
+Under tensor parallelism each parameter is this rank's TP part of a global tensor
+(`tensor_parallel_params.py`): the buffers hold and shard that part like any parameter, and the
+DTensors show the global tensor, placed over the mesh's `tp` dimension as the parameter's
+layout says, then as the plan shards it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from megatron.core.distributed.expert_parallel import global_expert_shape, local_expert_rows
 from megatron.core.distributed.fsdp.collectives import Collectives
@@ -34,6 +40,13 @@ from megatron.core.distributed.fsdp.dbuffer import (
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
 from megatron.core.distributed.fsdp.symmetric_memory import ALL_GATHER, REDUCE_SCATTER
+from megatron.core.distributed.tensor_parallel_params import (
+    check_data_parallel_chunks,
+    dtensor,
+    global_shape,
+    local_part,
+)
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, tensor_parallel_placement
 
 _version = operator.attrgetter("_version")
 
@@ -46,10 +59,12 @@ class ParamSlot:
         fqn: its name relative to the FSDP unit (the first registration, for messages).
         registrations: every (module, attribute name) that holds it, weakly (a tied parameter
             has several).
+        tp_layout: how it is split over tensor parallelism (None: replicated, or no TP).
     """
 
     fqn: str
     registrations: list[tuple[weakref.ref[torch.nn.Module], str]]
+    tp_layout: TensorParallelLayout | None = None
 
     def parameter_entries(self) -> list[tuple[dict[str, torch.nn.Parameter | None], str]]:
         """(`module._parameters`, attribute name) of every live registering module."""
@@ -110,6 +125,8 @@ class GroupWeights:
         self.comm = comm
         self.device = device
         self.rank = groups.shard.rank() if layout.num_shards > 1 else 0
+        self._tp_layouts = [slot.tp_layout for slot in slots]
+        self._placements = self._param_placements(slots)
         self.unsharded = DBuffer(
             layout.unsharded(),
             plan.model_dtype,
@@ -175,22 +192,34 @@ class GroupWeights:
         self._observed_version = self.main_version()
         self._made_version = self._observed_version
 
+    def _param_placements(self, slots: list[ParamSlot]) -> list[tuple[Placement, ...]]:
+        """Each parameter's placements: the plan's, after its tp placement under TP.
+
+        Raises:
+            ValueError: a strided TP parameter's data-parallel chunk spans two blocks.
+        """
+        if self.groups.tp is None:
+            return [self.plan.placements] * len(slots)
+        sizes = (self.groups.shard_size, self.groups.outer_size)
+        counts = [n for p, n in zip(self.plan.placements, sizes) if p.is_shard()]
+        for slot, shape in zip(slots, self.layout.shapes):
+            check_data_parallel_chunks(slot.fqn, shape, slot.tp_layout, counts)
+        return [
+            (tensor_parallel_placement(slot.tp_layout), *self.plan.placements) for slot in slots
+        ]
+
     def global_shape(self, index: int) -> torch.Size:
-        """The shape of parameter `index` as its DTensors show it: the module's, or for experts
-        split by expert parallelism the global `[num_experts, ...]`."""
-        return global_expert_shape(self.layout.shapes[index], self.groups.ep)
+        """The shape of parameter `index` as its DTensors show it: the module's; for experts
+        split by expert parallelism the global `[num_experts, ...]`; for a parameter split by
+        tensor parallelism the global (TP = 1) shape."""
+        shape = global_expert_shape(self.layout.shapes[index], self.groups.ep)
+        return global_shape(shape, self._tp_layouts[index], self.groups.tp)
 
     def dtensor(self, local: torch.Tensor, index: int) -> DTensor:
         """`local` (this rank's part of parameter `index`) as a DTensor over the group's mesh."""
-        shape = self.global_shape(index)
         with torch.no_grad():
-            return DTensor.from_local(
-                local,
-                self.groups.mesh,
-                self.plan.placements,
-                run_check=False,
-                shape=shape,
-                stride=torch.empty(shape, device="meta").stride(),
+            return dtensor(
+                local, self.groups.mesh, self._placements[index], self.global_shape(index)
             )
 
     # The main version.
@@ -217,8 +246,9 @@ class GroupWeights:
     @torch.no_grad()
     def load_global_tensor(self, index: int, full: torch.Tensor) -> None:
         """Writes parameter `index` from its global value (`global_shape(index)`: all experts
-        of an expert parameter), keeping only what this rank holds."""
-        self.load_full_tensor(index, local_expert_rows(full, self.groups.ep))
+        of an expert parameter, every TP rank's part), keeping only what this rank holds."""
+        full = local_expert_rows(full, self.groups.ep)
+        self.load_full_tensor(index, local_part(full, self._tp_layouts[index], self.groups.tp))
 
     @torch.no_grad()
     def load_full_tensor(self, index: int, full: torch.Tensor) -> None:

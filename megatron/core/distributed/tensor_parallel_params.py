@@ -1,0 +1,287 @@
+"""How the data-parallel engines see parameters split by tensor parallelism (TP).
+
+A module parameter under TP holds this rank's part of a *global* (TP = 1) tensor, as its module
+declares with a `TensorParallelLayout` (`named_tensor_parallel_layouts`): split along one dim
+over the tensor-parallel group (`Shard(dim)`), in `stride` blocks each split separately
+(`_StridedShard(dim, split_factor=stride)`), or replicated. The engines shard and replicate
+that TP-local tensor over the data-parallel groups, which exclude the TP peers, as they would a
+whole parameter; everything they show outside (main weights, gradients, optimizer states,
+checkpoints) is the global tensor, a DTensor over a mesh whose first dimension is `tp` (placed
+as the layout says), then the data-parallel dimensions. So a checkpoint holds global tensors
+and loads at any TP size, and the gradient norm all-reduces partial sums over `tp` only for
+TP-split parameters (replicated ones are counted once).
+
+The engines shard along dim 0. A strided parameter split along dim 0 whose data-parallel chunk
+spans two of its blocks has no DTensor description (torch rejects it in `full_tensor()` and
+checkpoint planning): `check_data_parallel_chunks` refuses it when the model is wrapped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layout import (
+    TensorParallelLayout,
+    tensor_parallel_placement,
+)
+
+
+def tensor_parallel_group(
+    pg_collection: ProcessGroupCollection | None,
+) -> dist.ProcessGroup | None:
+    """`pg_collection.tp`, else parallel_state's tp group when initialised; None when there is
+    no group of two or more ranks (TP = 1)."""
+    if pg_collection is None:
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    group = pg_collection.tp
+    return group if group is not None and group.size() > 1 else None
+
+
+def is_split(layout: TensorParallelLayout | None) -> bool:
+    """Whether `layout` splits its parameter over tp (rather than replicating it)."""
+    return layout is not None and layout.partition_dim is not None
+
+
+def global_shape(
+    local_shape: torch.Size, layout: TensorParallelLayout | None, tp: dist.ProcessGroup | None
+) -> torch.Size:
+    """The global shape of a module parameter of `local_shape` split as `layout` says."""
+    if tp is None or not is_split(layout):
+        return torch.Size(local_shape)
+    shape = list(local_shape)
+    shape[layout.partition_dim] *= tp.size()
+    return torch.Size(shape)
+
+
+def local_part(
+    full: torch.Tensor, layout: TensorParallelLayout | None, tp: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """This rank's part of the global tensor `full` (the module parameter's value)."""
+    if tp is None or not is_split(layout):
+        return full
+    dim, size, rank = layout.partition_dim, tp.size(), tp.rank()
+    if layout.partition_stride == 1:
+        return full.chunk(size, dim)[rank]
+    blocks = full.chunk(layout.partition_stride, dim)
+    return torch.cat([block.chunk(size, dim)[rank] for block in blocks], dim)
+
+
+def mesh_with_leading_group(
+    lead: dist.ProcessGroup,
+    lead_name: str,
+    inner: list[dist.ProcessGroup],
+    inner_ranks: torch.Tensor,
+    device_type: str,
+    inner_names: tuple[str, ...],
+) -> DeviceMesh:
+    """A mesh (lead, *inner dims): every rank of `lead` holds its own inner dimensions.
+
+    Args:
+        lead: the group of the first dimension (tp, or ep for experts).
+        lead_name: its dimension's name; the group's name is appended (DTensor caches sharding
+            decisions by mesh, and meshes over destroyed groups with the same ranks compare
+            equal otherwise).
+        inner: the groups of the other dimensions, in mesh order.
+        inner_ranks: this rank's global ranks of the inner dimensions, shaped like them.
+        device_type: "cpu" or "cuda".
+        inner_names: the names of the inner dimensions.
+
+    Every rank of `lead` must call it (the peers' inner ranks are all-gathered).
+    """
+    peers: list[list | None] = [None] * lead.size()
+    dist.all_gather_object(peers, inner_ranks.tolist(), group=lead)
+    return DeviceMesh.from_group(
+        [lead, *inner],
+        device_type,
+        mesh=torch.tensor(peers, dtype=torch.int),
+        mesh_dim_names=(f"{lead_name}:{lead.group_name}", *inner_names),
+    )
+
+
+def check_excludes_tp_peers(tp: dist.ProcessGroup | None, dp: dist.ProcessGroup) -> None:
+    """Refuses a data-parallel group `dp` that holds tensor-parallel peers of this rank.
+
+    Raises:
+        ValueError: `tp` and `dp` share ranks other than this one.
+    """
+    if tp is None:
+        return
+    shared = set(dist.get_process_group_ranks(tp)) & set(dist.get_process_group_ranks(dp))
+    if len(shared) > 1:
+        raise ValueError(
+            f"The tensor-parallel group {dist.get_process_group_ranks(tp)} shares ranks "
+            f"{sorted(shared)} with the data-parallel group {dist.get_process_group_ranks(dp)}"
+            ": the data-parallel groups must exclude the tensor-parallel peers "
+            "(parallel_state.initialize_model_parallel(tensor_model_parallel_size=...) builds "
+            "them so)."
+        )
+
+
+def check_data_parallel_chunks(
+    name: str,
+    local_shape: torch.Size,
+    layout: TensorParallelLayout | None,
+    chunk_counts: list[int],
+) -> None:
+    """Refuses a strided dim-0 layout whose data-parallel chunks span two of its blocks.
+
+    Args:
+        name: the parameter's name (for the message).
+        local_shape: the module parameter's (TP-local) shape.
+        layout: its tensor-parallel layout.
+        chunk_counts: how many dim-0 chunks each data-parallel sharding level cuts it into, in
+            mesh order (`torch.chunk` of the previous level's chunk).
+
+    Raises:
+        ValueError: a chunk spans a block boundary.
+    """
+    if layout is None or layout.partition_dim != 0 or layout.partition_stride == 1:
+        return
+    rows = local_shape[0]
+    block = rows // layout.partition_stride
+    ranges = [(0, rows)]
+    for count in chunk_counts:
+        ranges = [piece for start, end in ranges for piece in _chunks(start, end, count)]
+    for start, end in ranges:
+        # A rank holding every row holds every block whole: no chunk to describe.
+        if (start, end) != (0, rows) and start // block != (end - 1) // block:
+            raise ValueError(
+                f"Parameter {name!r} (tensor-parallel shape {tuple(local_shape)}) holds "
+                f"{layout.partition_stride} blocks of {block} rows, each split over tensor "
+                f"parallelism; sharding it over {' x '.join(map(str, chunk_counts))} data-"
+                f"parallel ranks gives a chunk of rows {start}..{end - 1}, which spans two "
+                "blocks and has no DTensor placement. Choose a data-parallel size whose chunk "
+                f"of the {rows} rows (ceil({rows} / size)) divides {block}, or a sharding "
+                "that keeps this parameter whole (no_shard, or the DDP engine without the "
+                "distributed optimizer)."
+            )
+
+
+def _chunks(start: int, end: int, count: int) -> list[tuple[int, int]]:
+    """The non-empty [start, end) row ranges `torch.chunk` cuts [start, end) into."""
+    size = math.ceil((end - start) / count)
+    if size == 0:
+        return []
+    return [(s, min(s + size, end)) for s in range(start, end, size)]
+
+
+def dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size
+) -> DTensor:
+    """`local` as the DTensor of global `shape` over `mesh` (no communication, no check)."""
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+
+
+class TensorParallelView:
+    """The global DTensors the DDP engine and the distributed optimizer show TP parameters as.
+
+    Args:
+        tp: the tensor-parallel group (two or more ranks).
+        dp: the data-parallel group parameters are replicated (DDP) or sharded (distributed
+            optimizer) over.
+        layouts: each parameter's layout; parameters not in it are replicated over tp.
+        device_type: "cpu" or "cuda".
+    """
+
+    def __init__(
+        self,
+        tp: dist.ProcessGroup,
+        dp: dist.ProcessGroup,
+        layouts: dict[torch.nn.Parameter, TensorParallelLayout],
+        device_type: str,
+    ):
+        self.tp = tp
+        self.layouts = layouts
+        self.replicated_mesh = DeviceMesh.from_group(
+            tp, device_type, mesh_dim_names=(f"tp:{tp.group_name}",)
+        )
+        own = torch.tensor(dist.get_process_group_ranks(dp), dtype=torch.int)
+        self.sharded_mesh = mesh_with_leading_group(
+            tp, "tp", [dp], own, device_type, (f"dp:{dp.group_name}",)
+        )
+
+    def placement(self, param: torch.nn.Parameter) -> Placement:
+        """`param`'s placement over the tp dimension."""
+        return tensor_parallel_placement(self.layouts.get(param))
+
+    def replicated(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
+        """`local` (shaped like `param`, replicated over dp) as the global DTensor."""
+        shape = global_shape(param.shape, self.layouts.get(param), self.tp)
+        return dtensor(local, self.replicated_mesh, (self.placement(param),), shape)
+
+    def sharded(self, rows: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
+        """`rows`, this rank's dim-0 chunk over dp of a tensor shaped like `param`, as the
+        global DTensor."""
+        shape = global_shape(param.shape, self.layouts.get(param), self.tp)
+        return dtensor(rows, self.sharded_mesh, (self.placement(param), Shard(0)), shape)
+
+    def local_value(self, value: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+        """`param`'s part of `value`: a DTensor of `replicated()`'s form, another global
+        DTensor, or a whole global tensor (a module-shaped tensor is taken as it is)."""
+        if isinstance(value, DTensor):
+            if value.device_mesh is self.replicated_mesh:
+                return value.to_local()
+            value = value.full_tensor()
+        if value.shape == param.shape:
+            return value
+        return local_part(value, self.layouts.get(param), self.tp)
+
+
+# Checkpoints. torch.distributed.checkpoint describes a rank's part of a DTensor as one box
+# (offset, shape); a `_StridedShard` part spans several boxes whenever it holds rows of two or
+# more blocks, and is then saved at the wrong place. Such DTensors are checkpointed as their
+# `Shard` redistribution (contiguous parts; the same global tensor) and loaded back through it.
+
+
+def _stride_free(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+
+
+def stride_free_for_checkpoint(
+    tree: dict | list,
+) -> list[tuple[dict | list, str | int, DTensor]]:
+    """Replaces, in place in the nested dicts and lists `tree`, every DTensor placed
+    `_StridedShard` with its redistribution to `Shard` (a copy) for checkpointing.
+
+    Returns:
+        (container, key, original DTensor) of each replacement, for `restore_after_load`.
+    """
+    swaps = []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in list(items):
+        if isinstance(value, (dict, list)):
+            swaps.extend(stride_free_for_checkpoint(value))
+        elif isinstance(value, DTensor) and value.placements != _stride_free(value.placements):
+            with torch.no_grad():
+                tree[key] = value.detach().redistribute(
+                    value.device_mesh, _stride_free(value.placements)
+                )
+            swaps.append((tree, key, value))
+    return swaps
+
+
+@torch.no_grad()
+def restore_after_load(swaps: list[tuple[dict | list, str | int, DTensor]]) -> None:
+    """Copies what a checkpoint load wrote into the replacements of
+    `stride_free_for_checkpoint` back into the original DTensors, and puts those back."""
+    for container, key, original in swaps:
+        loaded = container[key].redistribute(original.device_mesh, original.placements)
+        original.to_local().copy_(loaded.to_local())
+        container[key] = original

@@ -1,0 +1,63 @@
+"""Checkpoints of tensor-parallel models hold global tensors: a checkpoint written at TP 2 x DP 2
+(Megatron-FSDP) loads at TP 1 x DP 4 (DDP engine, distributed optimizer), then TP 4 x DP 1
+(Megatron-FSDP, sharded optimizer) and back at TP 2 x DP 2 (DDP engine) with the same weights
+and optimizer state, bit for bit, and each resumed step has the loss and weights of an
+uninterrupted single-process run. 4 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from tests.unit_tests.distributed.moe_training import Engine, RunResult, train_steps
+from tests.unit_tests.distributed.tp_training import build, global_batches, reference_run
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.test_expert_checkpoints import (
+    _args,
+    _assert_equal,
+    _scheduler,
+    _snapshot,
+)
+
+WORLD = 4
+STAGES = [
+    (2, Engine("fsdp", "optim_grads_params")),
+    (1, Engine("ddp", distributed_optimizer=True)),
+    (4, Engine("fsdp", "optim")),
+    (2, Engine("ddp")),
+]
+
+
+def _reshard_across_tp(root: str) -> None:
+    batches = global_batches(len(STAGES))
+    uninterrupted = reference_run(batches, "sgd")
+    save = os.path.join(root, "save")
+    saved, load_dir = None, None
+    for step, (tp_size, engine) in enumerate(STAGES):
+        model, optimizer, groups = build(tp_size, engine, "sgd")
+        scheduler = _scheduler(optimizer, optimizer.param_groups[0]["lr"])
+        args = _args(root, load_dir)
+        if load_dir is not None:
+            assert load_checkpoint(model, optimizer, scheduler, args) == step
+            _assert_equal(_snapshot(model, optimizer), saved)
+        result = RunResult()
+        dp = groups.dp_cp
+        train_steps(model, optimizer, batches[step : step + 1], result, dp.rank(), dp.size(), dp)
+        where = f"TP{tp_size} x DP{dp.size()} {engine}"
+        torch.testing.assert_close(
+            torch.tensor(result.losses), torch.tensor(uninterrupted.losses[step : step + 1])
+        )
+        save_checkpoint(step + 1, model, optimizer, scheduler, args)
+        saved = _snapshot(model, optimizer)
+        expected = reference_run(batches[: step + 1], "sgd").weights
+        for name, value in expected.items():
+            torch.testing.assert_close(saved[f"model.{name}"], value, msg=f"{where} {name}")
+        load_dir = save
+        dist.barrier()
+
+
+def test_checkpoint_reshards_across_tensor_parallel_sizes(tmp_path):
+    run_distributed(_reshard_across_tp, WORLD, str(tmp_path))
