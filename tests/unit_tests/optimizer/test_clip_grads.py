@@ -122,7 +122,7 @@ def test_fsdp_norm_matches_unsharded_at_world_size_4(case):
 
 
 class _WithExperts(torch.nn.Module):
-    """A dense layer and an `experts` module: their parameters use different shard groups."""
+    """A dense layer and an `experts` module (expert parameters by name)."""
 
     def __init__(self):
         super().__init__()
@@ -143,21 +143,22 @@ def _expert_grad_norm(strategy: str) -> tuple[float, float]:
     reference = _WithExperts().to(device)
     reference(inputs).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
-    # Same ranks, another communicator: as expt_dp is when expert parallelism is 1.
+    # Same ranks, another communicator, as expt_dp is when expert parallelism is 1: unused,
+    # since experts not split over an ep group are dense parameters.
     expert_group = dist.new_group(list(range(world_size)))
     try:
         index = FSDPDistributedIndex(dist.group.WORLD, expert_shard_group=expert_group)
         model = fully_shard(_WithExperts().to(device), index, sharding_strategy=strategy)
         model(shard_batch(inputs, rank, world_size)).backward()
         meshes = {p.grad.device_mesh.get_group(0) for p in model.parameters()}
-        assert len(meshes) == 2, "dense and expert gradients should use different groups"
+        assert len(meshes) == 1, "experts without expert parallelism should be dense"
         return get_grad_norm_fp32([p.grad for p in model.parameters()]), expected.item()
     finally:
         dist.destroy_process_group(expert_group)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_expert_gradients_are_summed_over_the_expert_group(strategy):
+def test_experts_without_expert_parallelism_are_counted_once(strategy):
     for norm, expected in run_distributed(_expert_grad_norm, 2, strategy):
         assert norm == pytest.approx(expected, rel=1e-5)
 

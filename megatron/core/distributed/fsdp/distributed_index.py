@@ -10,7 +10,8 @@ its buffers, and keeps the answer.
 Expert parameters (see `expert_parallel.py`) are sharded over the expert shard group (`expt_dp`,
 `intra_expt_dp` under hybrid sharding) and gathered over `expt_dp_ag`; with expert parallelism
 their mesh gains a first dimension, `ep`, over which the global experts are split, and their
-gradients' shard-level reductions divide by the dp x cp size rather than the group's.
+gradients' shard-level reductions divide by the dp x cp size rather than the group's. Without
+expert parallelism (EP 1) experts are dense parameters.
 
 With tensor parallelism (`tensor_parallel_params.py`) the data-parallel groups exclude the TP
 peers, and the dense mesh gains a first dimension, `tp`, over which the global tensors are split
@@ -28,7 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import resolve_data_parallel_group
-from megatron.core.distributed.expert_parallel import ep_size
 from megatron.core.distributed.tensor_parallel_params import (
     check_excludes_tp_peers,
     mesh_with_leading_group,
@@ -70,12 +70,11 @@ class ShardGroups:
     def outer_size(self) -> int:
         return 1 if self.outer is None else self.outer.size()
 
-    @property
-    def grad_divisor(self) -> int:
-        """What a shard-level gradient reduction divides the sum by: the shard group's size,
-        times EP for experts, whose shard group holds 1/EP of the data-parallel ranks (the
-        outer reduction divides by the outer size, so the product is the dp x cp size)."""
-        return self.shard_size * ep_size(self.ep)
+    grad_divisor: int = 0
+    """What a shard-level gradient reduction divides the sum by: the dense shard group's size
+    (dp x cp over the hybrid-sharding replicas, whose reduction divides by the outer size), also
+    for experts, whose shard group holds 1/EP of the data-parallel ranks (and, under tensor
+    parallelism, ranks of other tp groups)."""
 
 
 class FSDPDistributedIndex:
@@ -201,6 +200,10 @@ class FSDPDistributedIndex:
         return self._groups[is_expert]
 
     def _build(self, is_expert: bool) -> ShardGroups:
+        if is_expert and self.expert_model_parallel_group is None:
+            # Every rank holds every expert: they are dense parameters (which also keeps the
+            # tensor-parallel peers, which hold copies, out of their reductions).
+            return self.groups(False)
         if is_expert:
             if self.expert_shard_group is None:
                 raise ValueError(
@@ -221,6 +224,7 @@ class FSDPDistributedIndex:
             mesh=_device_mesh(shard, self.outer_group, self.device.type, *lead),
             ep=ep,
             tp=tp,
+            grad_divisor=self.shard_group.size(),
         )
 
 

@@ -241,22 +241,28 @@ def test_strategy_flags_and_errors():
 def _index_groups() -> dict:
     world = dist.group.WORLD
     ranks = list(range(dist.get_world_size()))
-    expert = dist.new_group(ranks)
+    ep = dist.new_group(ranks)
+    singles = [dist.new_group([rank]) for rank in ranks]
+    expert = singles[dist.get_rank()]
     other_ranks = dist.new_group(ranks[:1])
-    index = FSDPDistributedIndex(world, expert_shard_group=expert)
+    index = FSDPDistributedIndex(world, expert_shard_group=expert, expert_model_parallel_group=ep)
+    without_ep = FSDPDistributedIndex(world, expert_shard_group=world)
     errors = []
     try:
         FSDPDistributedIndex(world, all_gather_group=other_ranks)
     except ValueError as error:
         errors.append(str(error))
     try:
-        FSDPDistributedIndex(world).groups(is_expert=True)
+        FSDPDistributedIndex(world, expert_model_parallel_group=ep).groups(is_expert=True)
     except ValueError as error:
         errors.append(str(error))
     no_expert = FSDPDistributedIndex.from_pg_collection(ProcessGroupCollection(dp_cp=world))
     return dict(
         dense_is_world=index.groups(False).shard is world,
         expert_is_expert=index.groups(True).shard is expert,
+        # Experts split over ep divide by the dense dp x cp size, not their shard group's.
+        expert_divisor=index.groups(True).grad_divisor == len(ranks),
+        experts_without_ep_are_dense=without_ep.groups(True) is without_ep.groups(False),
         all_gather_defaults_to_shard=index.groups(False).all_gather is world,
         cached=index.groups(False) is index.groups(False),
         outer_none=no_expert.outer_group is None,

@@ -1,0 +1,148 @@
+"""The tensor-parallel GPT under the data-parallel engines: at TP 2 x DP 2 (sequence parallel,
+GQA, SwiGLU, RoPE, untied output; and a Mixture-of-Experts GPT at EP 2 and 1) it trains exactly
+as one process running the whole global batch at TP 1: losses, global gradient norms and every
+global weight after two SGD-with-momentum steps of two microbatches each (the MoE GPT with a
+z-loss and no load-balancing loss, which depends on how the batch is split). 4 gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from tests.unit_tests.distributed.moe_training import (
+    MICRO_BATCH,
+    MICROBATCHES,
+    Engine,
+    RunResult,
+    global_state,
+    train_steps,
+    wrap,
+)
+from tests.unit_tests.distributed.tp_training import (
+    PlainOptimizer,
+    optimizer_config,
+    tp_process_groups,
+)
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, tiny_gpt_config
+from tests.unit_tests.models.test_gpt_moe import MOE
+
+WORLD, TP, STEPS = 4, 2, 2
+DENSE = dict(
+    num_attention_heads=4,
+    num_query_groups=2,
+    gated_linear_unit=True,
+    activation_func=F.silu,
+    normalization="RMSNorm",
+)
+
+
+class GPTLosses(torch.nn.Module):
+    """A GPT taking the engine tests' `(tokens, labels)`, returning per-sample mean losses."""
+
+    def __init__(self, gpt: GPTModel):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.gpt(tokens, labels=labels).mean(dim=1)
+
+
+def _build(moe: bool, groups: ProcessGroupCollection | None) -> GPTLosses:
+    tp = 1 if groups is None else groups.tp.size()
+    # The load-balancing loss of a micro-batch is not the mean of its parts' (unlike the z-loss),
+    # so it is off: data parallelism changes it, as in the EP engine tests.
+    moe_fields = dict(MOE, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    fields = dict(DENSE, **moe_fields) if moe else DENSE
+    config = tiny_gpt_config(
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=1 if groups is None or groups.ep is None else groups.ep.size(),
+        seq_length=SEQ_LENGTH,
+        **fields,
+    )
+    model_parallel_cuda_manual_seed(1234, tp_rank=0 if groups is None else groups.tp.rank())
+    gpt = GPTModel(
+        config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=SEQ_LENGTH,
+        position_embedding_type="rope",
+        pg_collection=groups,
+    )
+    return GPTLosses(gpt)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    size = WORLD // TP * MICROBATCHES * MICRO_BATCH
+    data = [
+        torch.randint(0, VOCAB_SIZE, (size, SEQ_LENGTH + 1), generator=generator)
+        for _ in range(STEPS)
+    ]
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def _train(moe: bool, engine: Engine, ep: int = 1) -> RunResult:
+    groups = tp_process_groups(TP, engine.replicas)
+    if ep > 1:
+        # Upstream's expert order etp-ep-dp with etp 1: the ep groups are the tp groups' ranks
+        # and the expert data-parallel groups the dense ones.
+        fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(groups)}
+        groups = ProcessGroupCollection(**dict(fields, ep=groups.tp, expt_dp=groups.dp_cp))
+    model = wrap(_build(moe, groups), engine, TransformerLayer, pg_collection=groups)
+    optimizer = get_megatron_optimizer(optimizer_config("sgd"), model)
+    result = RunResult()
+    dp = groups.dp_cp
+    train_steps(model, optimizer, _batches(), result, dp.rank(), dp.size(), dp)
+    result.weights = global_state(model.state_dict())
+    return result
+
+
+def _reference(moe: bool) -> RunResult:
+    model = _build(moe, None)
+    result = RunResult()
+    train_steps(model, PlainOptimizer(model, "sgd"), _batches(), result)
+    result.weights = global_state(model.state_dict())
+    return result
+
+
+@pytest.mark.parametrize(
+    "moe, engine, ep",
+    [
+        (False, Engine("fsdp", "optim_grads_params"), 1),
+        (False, Engine("fsdp", "optim_grads"), 1),
+        (False, Engine("fsdp", "no_shard"), 1),
+        (False, Engine("ddp", distributed_optimizer=True), 1),
+        (True, Engine("fsdp", "optim_grads_params"), 2),
+        (True, Engine("fsdp", "optim_grads_params"), 1),
+        (True, Engine("ddp"), 2),
+    ],
+    ids=[
+        "zero3",
+        "optim_grads",
+        "no_shard",
+        "ddp_distopt",
+        "moe_ep2_zero3",
+        "moe_ep1_zero3",
+        "moe_ep2_ddp",
+    ],
+)
+def test_tensor_parallel_gpt_trains_as_one_process(moe, engine, ep):
+    expected = _reference(moe)
+    for rank, actual in enumerate(run_distributed(_train, WORLD, moe, engine, ep)):
+        where = f"rank {rank}"
+        torch.testing.assert_close(actual.losses, expected.losses, msg=f"{where} losses")
+        torch.testing.assert_close(actual.grad_norms, expected.grad_norms, msg=f"{where} norms")
+        assert actual.weights.keys() == expected.weights.keys()
+        for name, weight in expected.weights.items():
+            torch.testing.assert_close(actual.weights[name], weight, msg=f"{where} {name}")
