@@ -51,7 +51,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_ours.add_argument("--save", required=True, help="checkpoint directory to write into.")
     to_ours.add_argument("--flags-file", help="also write the model flags into this file.")
     to_ours.add_argument(
-        "--target-tp", type=int, default=1, help="tensor-parallel size (only 1: not built)."
+        "--target-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size to train at: checked against the sizes it splits and added "
+        "to the flags with --sequence-parallel (the checkpoint loads at any).",
     )
     to_ours.add_argument(
         "--target-ep",

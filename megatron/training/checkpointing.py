@@ -474,8 +474,22 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
     if differ:
         raise CheckpointError(
             f"{path} is of another model: it was saved with {'; '.join(differ)}. Pass the "
-            "checkpoint's values, or load another checkpoint."
+            f"checkpoint's values, or load another checkpoint.{_vocab_hint(saved, args)}"
         )
+
+
+def _vocab_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
+    """How to pad the vocabulary as the checkpoint did, when only the padding differs: it is a
+    multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size, so a checkpoint
+    saved at another TP size can pad to another size."""
+    padded, tp = saved.get("padded_vocab_size"), args.tensor_model_parallel_size
+    if padded in (None, args.padded_vocab_size) or padded % tp:
+        return ""
+    return (
+        f" The vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "
+        f"--tensor-model-parallel-size; --make-vocab-size-divisible-by {padded // tp} pads it "
+        f"to the checkpoint's {padded} at tensor-parallel size {tp}."
+    )
 
 
 def _saved_tensors(metadata: Metadata) -> dict[str, dict[tuple[str, ...], tuple]]:

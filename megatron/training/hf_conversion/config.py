@@ -216,14 +216,18 @@ def hf_vocab_size(config: Mapping[str, Any]) -> int:
 
 
 def vocab_args(
-    model_vocab: int, tokenizer_vocab: int | None, tokenizer_dir: str | None
+    model_vocab: int,
+    tokenizer_vocab: int | None,
+    tokenizer_dir: str | None,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """The vocabulary flags' values: the tokenizer's (or `--vocab-size`) and the padding that
     makes the model's vocabulary exactly the embedding's `model_vocab` rows.
 
     `pretrain_gpt.py` pads the tokenizer's `tokenizer_vocab` ids (all of `model_vocab` without
-    a tokenizer) to a multiple of `--make-vocab-size-divisible-by`; the divisor chosen makes
-    that `model_vocab`. A tokenizer with more ids than the embedding has rows pads the
+    a tokenizer) to a multiple of `--make-vocab-size-divisible-by` times the tensor-parallel
+    size (`tensor_parallel`, which must divide `model_vocab`); the divisor chosen makes that
+    `model_vocab`. A tokenizer with more ids than the embedding has rows pads the
     embedding instead (`padded_vocab_size` > `model_vocab`; the added rows are zeros).
 
     Returns:
@@ -231,15 +235,16 @@ def vocab_args(
         `tokenizer_model` (`tokenizer_dir`) or `vocab_size`.
     """
     ids = tokenizer_vocab or model_vocab
+    tp = tensor_parallel
     if ids > model_vocab:
         divisor = 128  # the flag's default
-        padded = -(-ids // divisor) * divisor
+        padded = -(-ids // (divisor * tp)) * divisor * tp
     else:
         # A power of two where one fits (GEMM-friendly shapes), else the smallest divisor of
-        # the vocabulary that pads the tokenizer's ids to it (the vocabulary itself at worst).
+        # the vocabulary that pads the tokenizer's ids to it (model_vocab / tp at worst).
         candidates = [2**k for k in range(7, -1, -1)]
         candidates += [d for d in range(1, model_vocab + 1) if model_vocab % d == 0]
-        divisor = next(d for d in candidates if -(-ids // d) * d == model_vocab)
+        divisor = next(d for d in candidates if -(-ids // (d * tp)) * d * tp == model_vocab)
         padded = model_vocab
     args: dict[str, Any] = {"make_vocab_size_divisible_by": divisor, "padded_vocab_size": padded}
     if tokenizer_vocab is None:

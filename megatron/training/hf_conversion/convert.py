@@ -109,18 +109,14 @@ def import_hf(
             config; nothing was written.
         CheckpointError: the checkpoint or `flags_file` exists (without `force`).
     """
-    if target_tp != 1:
-        raise HFConversionError(
-            f"--target-tp {target_tp}: tensor parallelism is not built yet; convert with "
-            "--target-tp 1 (the checkpoint loads at any data-parallel size)."
-        )
     config = read_hf_config(hf_dir)
     args = model_args_from_hf_config(config)
+    model_vocab = hf_vocab_size(config)
+    _check_target_tp(target_tp, args, model_vocab)
     _check_target_ep(target_ep, args["num_experts"])
     weights = HFWeights(hf_dir)
-    model_vocab = hf_vocab_size(config)
     tokenizer_vocab = _tokenizer_vocab(hf_dir)
-    args.update(vocab_args(model_vocab, tokenizer_vocab, os.path.abspath(hf_dir)))
+    args.update(vocab_args(model_vocab, tokenizer_vocab, os.path.abspath(hf_dir), target_tp))
     plan = conversions(args)
     _check_weights(weights, args, model_vocab, hf_dir)
     check_writable(save, 0, force, iteration_option=None)
@@ -158,6 +154,9 @@ def import_hf(
         iteration_option=None,
     )
     flags = model_flags(args)
+    if target_tp != 1:
+        # Sequence parallelism: Megatron-LM's choice with TP, and MoE layers need it there.
+        flags += ["--tensor-model-parallel-size", str(target_tp), "--sequence-parallel"]
     if target_ep != 1:
         flags += ["--expert-model-parallel-size", str(target_ep)]
     _report_flags(flags, args, model_vocab, save, flags_file)
@@ -267,6 +266,27 @@ def export_hf(
 
 def _produce(weights: HFWeights, conversion: Conversion, args: Mapping[str, Any]) -> torch.Tensor:
     return to_megatron(conversion, [weights.read(name) for name in conversion.hf_names], args)
+
+
+def _check_target_tp(target_tp: int, args: dict[str, Any], model_vocab: int) -> None:
+    """Checks `--target-tp` against the sizes it splits. The checkpoint holds whole (global)
+    tensors whatever the size: it loads at any tensor-parallel size that divides them."""
+    if target_tp < 1:
+        raise HFConversionError(f"--target-tp {target_tp}: give a positive tensor-parallel size.")
+    sizes = {
+        "num_attention_heads": args["num_attention_heads"],
+        "num_key_value_heads": args["num_query_groups"],
+        "intermediate_size": args["ffn_hidden_size"],
+        "vocab_size": model_vocab,
+        "shared_expert_intermediate_size": args.get("moe_shared_expert_intermediate_size"),
+    }
+    misfits = [f"{name} {size}" for name, size in sizes.items() if size and size % target_tp]
+    if misfits:
+        raise HFConversionError(
+            f"--target-tp {target_tp} does not divide the model's {', '.join(misfits)} (each "
+            "tensor-parallel rank holds an equal part); choose a tensor-parallel size that "
+            "divides them."
+        )
 
 
 def _check_target_ep(target_ep: int, experts: int | None) -> None:

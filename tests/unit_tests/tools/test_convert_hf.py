@@ -330,6 +330,34 @@ def test_pretrain_gpt_finetunes_an_moe_import_at_expert_parallel_size_2(tmp_path
         torch.testing.assert_close(torch.tensor(loss_curve[0]), expected)
 
 
+def test_pretrain_gpt_finetunes_an_import_at_tensor_parallel_size_2(tmp_path):
+    """--target-tp 2 adds --tensor-model-parallel-size 2 --sequence-parallel to the flags and
+    pads the vocabulary for TP 2; `pretrain_gpt.py --load --finetune` on 2 ranks splits the
+    checkpoint's whole tensors: iteration 1's loss is transformers' on the same batch (Llama 3:
+    GQA, a tokenizer with fewer ids than the embedding has rows)."""
+    model = save_hf_model("llama3", tmp_path / "hf")
+    summary = convert(
+        "import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt", "--target-tp", 2
+    )  # fmt: skip
+    assert summary["flags"][-3:] == ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    flags = [
+        *summary["flags"], "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "1", "--lr", "0", "--mock-data",
+        "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+        "--load", tmp_path / "ckpt", "--finetune",
+    ]  # fmt: skip
+    results = run_distributed(_finetune, 2, [str(flag) for flag in flags])
+
+    samples = [MockGPTDataset(2, 16, 100, seed=1234)[i] for i in range(2)]
+    tokens = torch.stack([sample["tokens"] for sample in samples])
+    labels = torch.stack([sample["labels"] for sample in samples])
+    expected = F.cross_entropy(hf_logits(model, tokens).flatten(0, 1), labels.flatten())
+    losses = [result["losses"] for result in results if result["losses"]]
+    assert losses
+    for loss_curve in losses:
+        torch.testing.assert_close(torch.tensor(loss_curve[0]), expected)
+
+
 @pytest.mark.parametrize("step, dense_layers", [(1, []), (2, []), (3, [0]), (1, [1, 2])])
 def test_qwen2_moe_sparse_layers_are_the_moe_layers(step, dense_layers):
     """--moe-layer-freq makes MoE layers of exactly the layers transformers makes sparse."""
@@ -367,7 +395,7 @@ def _config_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
 REFUSALS = {
     "gpt2": ("GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, "
              "MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM"),
-    "tp": "--target-tp 2: tensor parallelism is not built yet",
+    "tp": "--target-tp 3 does not divide the model's num_attention_heads 4",
     "ep": "--target-ep 2: the model is dense (no experts to split)",
     "ep_divisor": "--target-ep 3 does not divide the model's 4 experts",
     "jitter": "router_jitter_noise 0.1: transformers multiplies the input of the router and",
@@ -396,7 +424,7 @@ def test_import_refusals(case, llama2_dir, tmp_path):
     elif case == "gpt2":
         directory = _config_dir(tmp_path, {**config, "architectures": ["GPT2LMHeadModel"]})
     elif case in ("tp", "ep"):
-        directory, options = llama2_dir, [f"--target-{case}", 2]
+        directory, options = llama2_dir, [f"--target-{case}", 3 if case == "tp" else 2]
     elif case == "no_config":
         directory = tmp_path / "hf"
         directory.mkdir()

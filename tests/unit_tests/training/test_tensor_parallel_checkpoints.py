@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpoint_layout import CHECKPOINT_VERSION, CheckpointError
+from megatron.training.checkpointing import _check_arguments, load_checkpoint, save_checkpoint
 from tests.unit_tests.distributed.moe_training import Engine, RunResult, train_steps
 from tests.unit_tests.distributed.tp_training import build, global_batches, reference_run
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.tools.hf_models import parse_flags
 from tests.unit_tests.training.test_expert_checkpoints import (
     _args,
     _assert_equal,
@@ -61,3 +64,18 @@ def _reshard_across_tp(root: str) -> None:
 
 def test_checkpoint_reshards_across_tensor_parallel_sizes(tmp_path):
     run_distributed(_reshard_across_tp, WORLD, str(tmp_path))
+
+
+def test_a_vocabulary_padded_for_another_tensor_parallel_size_names_the_divisor():
+    """The padding is a multiple of --make-vocab-size-divisible-by x TP: a checkpoint saved at
+    TP 2 (GPT-2's 50257 ids padded to 50432) refused at TP 1 (50304) says which divisor pads
+    to its size, and that divisor loads."""
+    model = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 50257".split()
+    saved = parse_flags([*model, "--tensor-model-parallel-size", "2"], 2)
+    common = {"checkpoint_version": CHECKPOINT_VERSION, "args": vars(saved)}
+    assert saved.padded_vocab_size == 50432
+    here = parse_flags(model)
+    with pytest.raises(CheckpointError, match="--make-vocab-size-divisible-by 50432 pads it"):
+        _check_arguments(common, "ckpt", here)
+    fixed = parse_flags([*model, "--make-vocab-size-divisible-by", "50432"])
+    _check_arguments(common, "ckpt", fixed)
