@@ -482,8 +482,9 @@ def _vocab_hint(saved: dict[str, Any], args: argparse.Namespace) -> str:
     """How to pad the vocabulary as the checkpoint did, when only the padding differs: it is a
     multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size, so a checkpoint
     saved at another TP size can pad to another size."""
-    padded, tp = saved.get("padded_vocab_size"), args.tensor_model_parallel_size
-    if padded in (None, args.padded_vocab_size) or padded % tp:
+    padded = saved.get("padded_vocab_size")
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if padded in (None, getattr(args, "padded_vocab_size", None)) or padded % tp:
         return ""
     return (
         f" The vocabulary is padded to a multiple of --make-vocab-size-divisible-by x "

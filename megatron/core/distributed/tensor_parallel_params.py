@@ -24,12 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
+    copy_from_shard,
+    full_tensor,
+    strided_to_shard,
     tensor_parallel_placement,
 )
 
@@ -238,7 +241,7 @@ class TensorParallelView:
         if isinstance(value, DTensor):
             if value.device_mesh is self.replicated_mesh:
                 return value.to_local()
-            value = value.full_tensor()
+            value = full_tensor(value)
         if value.shape == param.shape:
             return value
         return local_part(value, self.layouts.get(param), self.tp)
@@ -248,10 +251,6 @@ class TensorParallelView:
 # (offset, shape); a `_StridedShard` part spans several boxes whenever it holds rows of two or
 # more blocks, and is then saved at the wrong place. Such DTensors are checkpointed as their
 # `Shard` redistribution (contiguous parts; the same global tensor) and loaded back through it.
-
-
-def _stride_free(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
 
 
 def stride_free_for_checkpoint(
@@ -268,12 +267,12 @@ def stride_free_for_checkpoint(
     for key, value in list(items):
         if isinstance(value, (dict, list)):
             swaps.extend(stride_free_for_checkpoint(value))
-        elif isinstance(value, DTensor) and value.placements != _stride_free(value.placements):
+        elif isinstance(value, DTensor):
             with torch.no_grad():
-                tree[key] = value.detach().redistribute(
-                    value.device_mesh, _stride_free(value.placements)
-                )
-            swaps.append((tree, key, value))
+                converted = strided_to_shard(value)
+            if converted is not value:
+                tree[key] = converted
+                swaps.append((tree, key, value))
     return swaps
 
 
@@ -282,6 +281,5 @@ def restore_after_load(swaps: list[tuple[dict | list, str | int, DTensor]]) -> N
     """Copies what a checkpoint load wrote into the replacements of
     `stride_free_for_checkpoint` back into the original DTensors, and puts those back."""
     for container, key, original in swaps:
-        loaded = container[key].redistribute(original.device_mesh, original.placements)
-        original.to_local().copy_(loaded.to_local())
+        copy_from_shard(original, container[key])
         container[key] = original

@@ -8,9 +8,12 @@ parallelism holds) to the module parameter `P` of tp rank `t` of `T`:
   `P = cat([block.chunk(T, dim)[t] for block in G.chunk(k, dim)], dim)`.
 
 The strided form is DTensor's `_StridedShard(dim, split_factor=k)`, which is how engines and
-checkpoints describe these parameters as global DTensors. Layers say how their own parameters are
-split through `tensor_parallel_layouts()`; `named_tensor_parallel_layouts` collects them for a
-whole model under `named_parameters()` names.
+checkpoints describe these parameters as global DTensors. Some torch releases (2.11) cannot
+redistribute a `_StridedShard` that is not followed by another shard of the same dimension, so
+`full_tensor(dtensor)` here gathers such DTensors without asking torch to, and
+`strided_to_shard` / `copy_from_shard` convert them for checkpoints. Layers say how their own
+parameters are split through `tensor_parallel_layouts()`; `named_tensor_parallel_layouts`
+collects them for a whole model under `named_parameters()` names.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
@@ -130,3 +133,80 @@ def named_tensor_parallel_layouts(module: torch.nn.Module) -> dict[str, TensorPa
                     f"and {layout}; modules sharing a parameter must split it the same way."
                 )
     return layouts
+
+
+def _stride_free(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+
+
+def _strided(dtensor: DTensor) -> tuple[int, int, int] | None:
+    """(mesh dimension, tensor dimension, blocks) of `dtensor`'s `_StridedShard`, or None."""
+    for mesh_dim, placement in enumerate(dtensor.placements):
+        if isinstance(placement, _StridedShard):
+            return mesh_dim, placement.dim, placement.split_factor
+    return None
+
+
+def _regroup(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """`x`'s `dim` as [outer, inner, rest] parts, regrouped as [inner, outer, rest]."""
+    return x.unflatten(dim, (outer, inner, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def full_tensor(dtensor: DTensor) -> torch.Tensor:
+    """`dtensor.full_tensor()`, also for a `_StridedShard` placement on any torch release.
+
+    The ranks' parts of a strided tensor, laid end to end in rank order, are a `Shard` DTensor
+    of a tensor whose blocks' parts are grouped by rank; that one is gathered, then regrouped
+    by block (every rank of the mesh must call it, as `full_tensor()`)."""
+    strided = _strided(dtensor)
+    if strided is None:
+        return dtensor.full_tensor()
+    mesh_dim, dim, blocks = strided
+    by_rank = DTensor.from_local(
+        dtensor.to_local(),
+        dtensor.device_mesh,
+        _stride_free(dtensor.placements),
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
+    ).full_tensor()
+    return _regroup(by_rank, dim, dtensor.device_mesh.size(mesh_dim), blocks)
+
+
+def strided_to_shard(dtensor: DTensor) -> DTensor:
+    """The same global tensor as `dtensor`, its `_StridedShard` placement made `Shard` (every
+    rank's part one contiguous box, as checkpoints need); `dtensor` itself if it has none."""
+    if _strided(dtensor) is None:
+        return dtensor
+    placements = _stride_free(dtensor.placements)
+    return _distribute(full_tensor(dtensor), dtensor, placements)
+
+
+def copy_from_shard(dtensor: DTensor, source: DTensor) -> None:
+    """Writes into `dtensor` (placed `_StridedShard`) the values of `source`, the same global
+    tensor placed as `strided_to_shard(dtensor)` is (every rank of the mesh must call it)."""
+    mesh_dim, dim, blocks = _strided(dtensor)
+    by_rank = _regroup(source.full_tensor(), dim, blocks, dtensor.device_mesh.size(mesh_dim))
+    local = _distribute(by_rank, dtensor, _stride_free(dtensor.placements)).to_local()
+    with torch.no_grad():
+        dtensor.to_local().copy_(local)
+
+
+def _distribute(full: torch.Tensor, like: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+    """This rank's part of `full` (on every rank), placed `placements` over `like`'s mesh."""
+    local = full
+    mesh = like.device_mesh
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            rank, size = mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
+            chunks = list(torch.chunk(local, size, dim=placement.dim))
+            empty = local.narrow(placement.dim, 0, 0)
+            local = chunks[rank] if rank < len(chunks) else empty
+    return DTensor.from_local(
+        local.contiguous(),
+        mesh,
+        placements,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )

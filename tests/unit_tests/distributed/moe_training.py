@@ -25,6 +25,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layout import full_tensor
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed.moe_toy import ToyMoELayer, build_toy_moe, make_moe_batches
 
@@ -67,7 +68,7 @@ def optimizer_config(momentum: float = 0.0) -> OptimizerConfig:
 
 def global_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole (global) value of a state-dict tensor."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+    return full_tensor(tensor) if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
 def global_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layout import full_tensor
 from tests.unit_tests.distributed.moe_training import (
     MICRO_BATCH,
     MICROBATCHES,
@@ -125,7 +126,7 @@ def engine_run(tp_size: int, engine: Engine, kind: str, batches, builder=build_t
     train_steps(model, optimizer, batches, result, dp.rank(), dp.size(), dp)
     result.weights = global_state(model.state_dict())
     mains = [
-        main.detach().full_tensor() if isinstance(main, DTensor) else main.detach().clone()
+        full_tensor(main.detach()) if isinstance(main, DTensor) else main.detach().clone()
         for main in optimizer.get_main_params()
     ]
     return result, mains, optimizer.get_params_norm()
