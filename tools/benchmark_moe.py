@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
-from gpt_benchmark_model import build_gpt
+from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
 from trace_summary import category_times, read_kernels
 
 from megatron.core import parallel_state
@@ -63,36 +63,16 @@ def parse_args() -> argparse.Namespace:
         "halved down to 1)",
     )
     args = bench.check_args(parser, parser.parse_args())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.expert_parallel_sizes is None:
-        sizes, size = [], world
-        while size >= 1:
-            sizes.append(size)
-            size //= 2
-    else:
-        sizes = [int(size) for size in args.expert_parallel_sizes.split(",") if size.strip()]
-    bad = [size for size in sizes if size < 1 or world % size or args.num_experts % size]
-    if not sizes or bad:
-        parser.error(
-            f"--expert-parallel-sizes {sizes}: each must divide the world size ({world}) and "
-            f"--num-experts ({args.num_experts})."
-        )
-    args.expert_parallel_sizes = sizes
+    args.expert_parallel_sizes = parallel_sizes(
+        parser, "--expert-parallel-sizes", args.expert_parallel_sizes,
+        ("--num-experts", args.num_experts),
+    )  # fmt: skip
     return args
-
-
-def set_expert_parallel_size(size: int, create_all_gather_group: bool) -> None:
-    """(Re)initialises `parallel_state` with `size` ranks splitting the experts."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        expert_model_parallel_size=size, create_all_gather_group=create_all_gather_group
-    )
 
 
 def run(name: str, ep: int, args: argparse.Namespace, device: torch.device, traces: str) -> dict:
     """One table row: engine `name` at expert-parallel size `ep`, profiled into `traces`."""
-    set_expert_parallel_size(ep, args.create_all_gather_group)
+    set_parallel_state(args.create_all_gather_group, expert_model_parallel_size=ep)
     with torch.device("meta"):
         config, _ = build_gpt(args)
     gc.collect()
@@ -119,7 +99,7 @@ def main() -> None:
     args = parse_args()
     device = bench.init_distributed(torch.device(args.device).type)
     traces = args.profile or tempfile.mkdtemp(prefix="benchmark_moe_")  # GPU runs profile always
-    set_expert_parallel_size(1, args.create_all_gather_group)
+    set_parallel_state(args.create_all_gather_group)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in build_gpt(args)[1].parameters())
     rows = []

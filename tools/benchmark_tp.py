@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
-from gpt_benchmark_model import build_gpt
+from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
 from torch_2d_model import TorchGPT, parallelize
 
 from megatron.core import parallel_state
@@ -77,31 +77,13 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--engines: give names from {', '.join(ENGINES)} (unknown: {unknown}).")
     if args.cuda_graph:
         parser.error("--cuda-graph is not offered here (torch_2d cannot be captured).")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tensor_parallel_sizes is None:
-        sizes, size = [], world
-        while size >= 1:
-            sizes.append(size)
-            size //= 2
-    else:
-        sizes = [int(s) for s in args.tensor_parallel_sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s < 1 or world % s or args.num_attention_heads % s]
-    if not sizes or bad:
-        parser.error(
-            f"--tensor-parallel-sizes {sizes}: each must divide the world size ({world}) and "
-            f"--num-attention-heads ({args.num_attention_heads})."
-        )
-    args.tensor_parallel_sizes = sizes
-    return args
-
-
-def set_tensor_parallel_size(size: int, create_all_gather_group: bool) -> None:
-    """(Re)initialises `parallel_state` with `size` ranks per tensor-parallel group."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=size, create_all_gather_group=create_all_gather_group
+    args.tensor_parallel_sizes = parallel_sizes(
+        parser,
+        "--tensor-parallel-sizes",
+        args.tensor_parallel_sizes,
+        ("--num-attention-heads", args.num_attention_heads),
     )
+    return args
 
 
 def build_torch_2d(args: argparse.Namespace) -> bench.StepFn:
@@ -145,7 +127,8 @@ def build(name: str, args: argparse.Namespace) -> bench.StepFn:
 
 def run(name: str, tp: int, args: argparse.Namespace, device: torch.device) -> dict:
     """One table row: engine `name` at tensor-parallel size `tp`."""
-    set_tensor_parallel_size(1 if name == "torch_2d" else tp, args.create_all_gather_group)
+    tp_size = 1 if name == "torch_2d" else tp
+    set_parallel_state(args.create_all_gather_group, tensor_model_parallel_size=tp_size)
     run_args = copy.copy(args)
     run_args.torch_2d_tp = tp
     with torch.device("meta"):
@@ -175,7 +158,7 @@ def main() -> None:
     """Runs every engine at its TP sizes; rank 0 prints (and writes) the results."""
     args = parse_args()
     device = bench.init_distributed(torch.device(args.device).type)
-    set_tensor_parallel_size(1, args.create_all_gather_group)
+    set_parallel_state(args.create_all_gather_group)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in build_gpt(args)[1].parameters())
     rows = []

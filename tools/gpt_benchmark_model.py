@@ -10,6 +10,7 @@ puts it on the path).
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,37 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     parser.add_argument("--moe-grouped-gemm", action="store_true", help="one grouped GEMM")
     parser.add_argument(
         "--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall"
+    )
+
+
+def parallel_sizes(
+    parser: argparse.ArgumentParser, flag: str, spec: str | None, divided: tuple[str, int]
+) -> list[int]:
+    """The sizes the comma-separated `flag` names (None: the world size, halved down to 1),
+    each checked to divide the world size and `divided` (a flag's name and value); bad ones
+    exit through `parser.error`."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if spec is not None:
+        sizes = [int(size) for size in spec.split(",") if size.strip()]
+    else:
+        sizes, size = [], world
+        while size >= 1:
+            sizes.append(size)
+            size //= 2
+    name, value = divided
+    if not sizes or any(size < 1 or world % size or value % size for size in sizes):
+        parser.error(
+            f"{flag} {sizes}: each must divide the world size ({world}) and {name} ({value})."
+        )
+    return sizes
+
+
+def set_parallel_state(create_all_gather_group: bool, **sizes: int) -> None:
+    """(Re)initialises `parallel_state` with the given `*_model_parallel_size`s."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        create_all_gather_group=create_all_gather_group, **sizes
     )
 
 
