@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ from torch.distributed.device_mesh import init_device_mesh
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from benchmark_report import report
 from gpt_benchmark_model import add_model_args, build_gpt
 
 from megatron.core import parallel_state
@@ -534,22 +534,6 @@ def summarize(
     }
 
 
-def print_table(rows: list[dict]) -> None:
-    """The aligned table, then one precision footnote per engine."""
-    header = f"{'engine':<21}{'step ms':>10}{'tok/s/GPU':>12}{'TFLOP/s/GPU':>13}{'peak GiB':>10}"
-    print(header + f"{'cpu ms':>9}{'x single':>10}{'loss':>10}")
-    for r in rows:
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        ratio = "-" if r["vs_single"] is None else f"{r['vs_single']:.3f}"
-        print(
-            f"{r['engine']:<21}{r['step_ms']:>10.2f}{r['tokens_per_s_per_gpu']:>12,.0f}"
-            f"{r['tflops_per_s_per_gpu']:>13.2f}{peak:>10}{r['cpu_ms']:>9.1f}{ratio:>10}"
-            f"{r['final_loss']:>10.4f}"
-        )
-    for r in rows:
-        print(f"  {r['engine']}: {r['precision']}")
-
-
 def main() -> None:
     """Runs every requested engine in turn; rank 0 prints (and writes) the results."""
     parser = build_parser()
@@ -573,23 +557,7 @@ def main() -> None:
     single = next((r["step_ms"] for r in rows if r["engine"] == "single"), None)
     for row in rows:
         row["vs_single"] = row["step_ms"] / single if single else None
-    if dist.get_rank() == 0:
-        result = {
-            "config": {
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "world_size": dist.get_world_size(),
-                "backend": dist.get_backend(),
-                "torch": torch.__version__,
-                "params": num_params,
-                **{k: v for k, v in vars(args).items() if k not in ("json_out", "profile")},
-            },
-            "rows": rows,
-        }
-        print_table(rows)
-        print(json.dumps(result))
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f, indent=1)
+    report(rows, args, device, num_params)
     gc.collect()  # free the last engine before its process groups go
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

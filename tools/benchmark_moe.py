@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
+from benchmark_report import report
 from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
 from trace_summary import category_times, read_kernels
 
@@ -112,27 +112,13 @@ def main() -> None:
         row["vs_single"] = row["step_ms"] / single if single else None
         if fsdp2 is not None:
             row["tokens_vs_fsdp2"] = row["tokens_per_s_per_gpu"] / fsdp2["tokens_per_s_per_gpu"]
-    if dist.get_rank() == 0:
-        result = {
-            "config": {
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "world_size": dist.get_world_size(),
-                "torch": torch.__version__,
-                "params": num_params,
-                **{k: v for k, v in vars(args).items() if k not in ("json_out", "profile")},
-            },
-            "rows": rows,
-        }
-        bench.print_table(rows)
-        for row in rows:
-            a2a = "-" if row["all_to_all_ms"] is None else f"{row['all_to_all_ms']:.2f} ms"
-            ratio = row.get("tokens_vs_fsdp2")
-            versus = "" if ratio is None else f", tokens/s {ratio:.2f}x fsdp2's"
-            print(f"  {row['engine']}: all-to-all {a2a} per step{versus}")
-        print(json.dumps(result))
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f, indent=1)
+    notes = []
+    for row in rows:
+        a2a = "-" if row["all_to_all_ms"] is None else f"{row['all_to_all_ms']:.2f} ms"
+        ratio = row.get("tokens_vs_fsdp2")
+        versus = "" if ratio is None else f", tokens/s {ratio:.2f}x fsdp2's"
+        notes.append(f"{row['engine']}: all-to-all {a2a} per step{versus}")
+    report(rows, args, device, num_params, notes)
     gc.collect()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

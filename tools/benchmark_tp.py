@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
 import sys
 
@@ -46,6 +45,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
+from benchmark_report import report
 from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
 from torch_2d_model import TorchGPT, parallelize
 
@@ -174,26 +174,12 @@ def main() -> None:
             row["tokens_vs_torch_2d"] = (
                 row["tokens_per_s_per_gpu"] / reference["tokens_per_s_per_gpu"]
             )
-    if dist.get_rank() == 0:
-        result = {
-            "config": {
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "world_size": dist.get_world_size(),
-                "torch": torch.__version__,
-                "params": num_params,
-                **{k: v for k, v in vars(args).items() if k not in ("json_out", "profile")},
-            },
-            "rows": rows,
-        }
-        bench.print_table(rows)
-        for row in rows:
-            ratio = row.get("tokens_vs_torch_2d")
-            versus = "" if ratio is None else f", tokens/s {ratio:.2f}x torch_2d's"
-            print(f"  {row['engine']}: MFU {row['mfu']:.1%}{versus}")
-        print(json.dumps(result))
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f, indent=1)
+    notes = []
+    for row in rows:
+        ratio = row.get("tokens_vs_torch_2d")
+        versus = "" if ratio is None else f", tokens/s {ratio:.2f}x torch_2d's"
+        notes.append(f"{row['engine']}: MFU {row['mfu']:.1%}{versus}")
+    report(rows, args, device, num_params, notes)
     gc.collect()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron.core import parallel_state
-from megatron.core.distributed.tensor_parallel_params import dtensor, mesh_with_leading_group
+from megatron.core.distributed.tensor_parallel_params import LeadingGroupMeshes, dtensor
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 
@@ -69,19 +68,7 @@ def local_expert_rows(full: torch.Tensor, ep: dist.ProcessGroup | None) -> torch
     return full.narrow(0, ep.rank() * rows, rows)
 
 
-def expert_mesh(
-    ep: dist.ProcessGroup,
-    inner: list[dist.ProcessGroup],
-    inner_ranks: torch.Tensor,
-    device_type: str,
-    inner_names: tuple[str, ...],
-) -> DeviceMesh:
-    """A mesh (ep, *inner dims) for the global expert DTensors (see `mesh_with_leading_group`;
-    every rank of `ep` must call it)."""
-    return mesh_with_leading_group(ep, "ep", inner, inner_ranks, device_type, inner_names)
-
-
-class ExpertLayout:
+class ExpertLayout(LeadingGroupMeshes):
     """The expert groups of the DDP engine and the DTensors it shows its experts as.
 
     Args:
@@ -91,17 +78,9 @@ class ExpertLayout:
     """
 
     def __init__(self, ep: dist.ProcessGroup, expt_dp: dist.ProcessGroup, device_type: str):
+        super().__init__(ep, "ep", expt_dp, "expt_dp", device_type)
         self.ep = ep
         self.expt_dp = expt_dp
-        # Group names in the dimension names: DTensor caches sharding decisions by mesh, and
-        # meshes over destroyed groups with the same ranks compare equal otherwise.
-        self.replicated_mesh = DeviceMesh.from_group(
-            ep, device_type, mesh_dim_names=(f"ep:{ep.group_name}",)
-        )
-        own = torch.tensor(dist.get_process_group_ranks(expt_dp), dtype=torch.int)
-        self.sharded_mesh = expert_mesh(
-            ep, [expt_dp], own, device_type, (f"expt_dp:{expt_dp.group_name}",)
-        )
 
     def replicated(self, local: torch.Tensor) -> DTensor:
         """`local`, this rank's experts (replicated over expt_dp), as the global DTensor."""
@@ -113,4 +92,3 @@ class ExpertLayout:
         rank's experts), as the global DTensor."""
         shape = global_expert_shape(local_shape, self.ep)
         return dtensor(rows, self.sharded_mesh, (Shard(0), Shard(0)), shape)
-

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
     copy_from_shard,
     full_tensor,
+    shard_tensor,
     strided_to_shard,
     tensor_parallel_placement,
 )
@@ -70,13 +71,9 @@ def local_part(
     full: torch.Tensor, layout: TensorParallelLayout | None, tp: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """This rank's part of the global tensor `full` (the module parameter's value)."""
-    if tp is None or not is_split(layout):
+    if tp is None:
         return full
-    dim, size, rank = layout.partition_dim, tp.size(), tp.rank()
-    if layout.partition_stride == 1:
-        return full.chunk(size, dim)[rank]
-    blocks = full.chunk(layout.partition_stride, dim)
-    return torch.cat([block.chunk(size, dim)[rank] for block in blocks], dim)
+    return shard_tensor(full, layout, tp.rank(), tp.size())
 
 
 def mesh_with_leading_group(
@@ -192,7 +189,39 @@ def dtensor(
     )
 
 
-class TensorParallelView:
+class LeadingGroupMeshes:
+    """The two meshes the DDP engine and the distributed optimizer show a parameter kind split
+    over a leading group (tp, or ep for experts) on: `(lead,)` for values replicated over the
+    data-parallel group, `(lead, dp)` for their dim-0 chunks over it.
+
+    Args:
+        lead: the leading group (two or more ranks).
+        lead_name: its dimension's name ("tp", "ep").
+        dp: the data-parallel group of this kind of parameter.
+        dp_name: its dimension's name.
+        device_type: "cpu" or "cuda".
+    """
+
+    def __init__(
+        self,
+        lead: dist.ProcessGroup,
+        lead_name: str,
+        dp: dist.ProcessGroup,
+        dp_name: str,
+        device_type: str,
+    ):
+        # Group names in the dimension names: DTensor caches sharding decisions by mesh, and
+        # meshes over destroyed groups with the same ranks compare equal otherwise.
+        self.replicated_mesh = DeviceMesh.from_group(
+            lead, device_type, mesh_dim_names=(f"{lead_name}:{lead.group_name}",)
+        )
+        own = torch.tensor(dist.get_process_group_ranks(dp), dtype=torch.int)
+        self.sharded_mesh = mesh_with_leading_group(
+            lead, lead_name, [dp], own, device_type, (f"{dp_name}:{dp.group_name}",)
+        )
+
+
+class TensorParallelView(LeadingGroupMeshes):
     """The global DTensors the DDP engine and the distributed optimizer show TP parameters as.
 
     Args:
@@ -210,15 +239,9 @@ class TensorParallelView:
         layouts: dict[torch.nn.Parameter, TensorParallelLayout],
         device_type: str,
     ):
+        super().__init__(tp, "tp", dp, "dp", device_type)
         self.tp = tp
         self.layouts = layouts
-        self.replicated_mesh = DeviceMesh.from_group(
-            tp, device_type, mesh_dim_names=(f"tp:{tp.group_name}",)
-        )
-        own = torch.tensor(dist.get_process_group_ranks(dp), dtype=torch.int)
-        self.sharded_mesh = mesh_with_leading_group(
-            tp, "tp", [dp], own, device_type, (f"dp:{dp.group_name}",)
-        )
 
     def placement(self, param: torch.nn.Parameter) -> Placement:
         """`param`'s placement over the tp dimension."""
