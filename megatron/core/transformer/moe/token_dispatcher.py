@@ -215,21 +215,26 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         counts = routing_map.sum(dim=0)
         if self.ep_size > 1:
             counts = gather_from_sequence_parallel_region(counts, self.ep_group)
+        topk = self.config.moe_router_topk
+        # Whether every token has exactly k rows (capacity drops and pads rows, and callers may
+        # pass any map): read in the same host synchronisation as the counts.
+        exact = routing_map.sum(dim=1).eq(topk).all().to(counts.dtype).view(1)
         # The host synchronisation: [source rank, global expert] counts of the whole group.
-        counts = counts.view(self.ep_size, -1).cpu()
+        host = torch.cat([counts, exact]).cpu()
+        counts, every_token_k = host[:-1].view(self.ep_size, -1), bool(host[-1])
         own = counts[self.ep_rank]
         local = counts[:, self.first_expert : self.first_expert + self.num_local_experts]
         self.input_splits = own.view(self.ep_size, -1).sum(dim=1).tolist()
         self.output_splits = local.sum(dim=1).tolist()
         self.local_counts = local
         self.num_tokens = tokens.shape[0]
-        num_rows, topk = int(own.sum()), self.config.moe_router_topk
+        num_rows = int(own.sum())
         expert_probs, self.token_index = route_order(routing_map, probs, num_rows)
         self.by_token = None
-        if num_rows == self.num_tokens * topk:
-            # Nothing dropped: a top-k routing with T * k rows gives every token exactly k, so
-            # copying tokens to rows and summing them back are gathers (index_add's atomics
-            # cost ~10% of a step on GPU).
+        if every_token_k:
+            # Copying tokens to rows and summing them back are then gathers (index_add's
+            # atomics cost ~10% of a step on GPU). A row count of T * k would not say so: with
+            # capacity, some tokens lose rows and others gain padding rows.
             self.by_token = torch.argsort(self.token_index, stable=True)
             expert_input = _CopyRows.apply(tokens, self.token_index, self.by_token, topk)
         else:

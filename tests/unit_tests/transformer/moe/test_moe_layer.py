@@ -230,6 +230,41 @@ def test_experts_without_tokens_still_get_gradients():
     assert all(p.grad is not None and p.grad.eq(0).all() for p in experts.parameters())
 
 
+@pytest.mark.parametrize("kind", ["allgather", "alltoall"])
+def test_padded_capacity_combines_each_token_from_its_own_rows(kind):
+    """Capacity factor 1 with padding makes E x capacity = T x k rows, yet tokens hold
+    different numbers of them (dropped routes, padding rows of probability 0): each token's
+    output is still the sum of its kept experts' MLPs weighted by its router probabilities."""
+    config = _config(
+        1,
+        moe_token_dispatcher_type=kind,
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+    )
+    layer = _layer(config)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        probs, routing_map = layer.router(x)
+        output, _ = layer(x)
+    tokens = x.reshape(-1, HIDDEN)
+    assert routing_map.sum() == tokens.shape[0] * TOPK  # the case a row count cannot tell
+    assert not routing_map.sum(dim=1).eq(TOPK).all()
+    params = dict(layer.experts.named_parameters())
+    biases = [params.get(f"linear_fc{i}.bias") for i in (1, 2)]
+    expected = sum(
+        probs[:, e : e + 1]
+        * _mlp(
+            tokens,
+            params["linear_fc1.weight"][e],
+            params["linear_fc2.weight"][e],
+            config,
+            *(None if bias is None else bias[e] for bias in biases),
+        )
+        for e in range(EXPERTS)
+    )
+    torch.testing.assert_close(output.reshape(-1, HIDDEN), expected)
+
+
 @pytest.mark.gpu
 def test_grouped_gemm_matches_the_loop_in_bf16_on_cuda():
     config = _config(1, params_dtype=torch.bfloat16, bf16=True, add_bias_linear=False)
