@@ -1,5 +1,5 @@
 """Small helpers shared across the library: writing files so that a crash never leaves a partial
-one where a reader looks."""
+one where a reader looks, and the tensor-in, tensor-out collectives under either torch's name."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import os
 import uuid
 from collections.abc import Callable
 from typing import BinaryIO
+
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def write_atomically(

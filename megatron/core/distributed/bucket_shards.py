@@ -24,10 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, copy_chunks_in
-
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from megatron.core.utils import all_gather_single, reduce_scatter_single
 
 
 class BucketShards:
@@ -91,7 +88,7 @@ class BucketShards:
         copy_chunks_in(self.main_grads, staging, self.layout)
         # Kept until finish(): an asynchronous collective still reads it.
         self._staging = staging
-        return _reduce_scatter_single(
+        return reduce_scatter_single(
             self.grad_shard.data, staging, op=op, group=self.group, async_op=async_op
         )
 
@@ -113,7 +110,7 @@ class BucketShards:
             torch._foreach_copy_(
                 layout.local_views(own, self.rank), [self.param_shards[p] for p in params]
             )
-            _all_gather_single(staging, own, group=self.group)
+            all_gather_single(staging, own, group=self.group)
             for j, param in enumerate(params):
                 _chunk_copies(param, blocks, layout, j, targets, sources)
         torch._foreach_copy_(targets, sources)

@@ -18,15 +18,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.fusions.fused_cross_entropy import IGNORE_INDEX
 from megatron.core.tensor_parallel.utils import (
     VocabUtility,
     get_tensor_model_parallel_group_if_none,
     group_rank,
     group_size,
 )
-
-IGNORE_INDEX = -100
-"""Targets equal to it get loss 0 and no gradient (as `F.cross_entropy`'s default)."""
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> None:

@@ -40,7 +40,6 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.overlapped_linear import column_parallel_linear
 from megatron.core.tensor_parallel.utils import (
     VocabUtility,
-    divide,
     get_tensor_model_parallel_group_if_none,
     group_rank,
     group_size,
@@ -433,23 +432,15 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.embedding_dim = embedding_dim
         self.init_method = init_method
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.vocab_range = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, self.tp_rank, self.tp_size
+        )
+        """`[first, last)` token ids whose rows this rank holds."""
         start, end = self.vocab_range
         self.weight = torch.nn.Parameter(
             torch.empty(end - start, embedding_dim, dtype=config.params_dtype)
         )
         self.reset_parameters()
-
-    @property
-    def vocab_range(self) -> tuple[int, int]:
-        """`[first, last)` token ids whose rows this rank holds."""
-        return VocabUtility.vocab_range_from_global_vocab_size(
-            self.num_embeddings, self.tp_rank, self.tp_size
-        )
-
-    @property
-    def num_embeddings_per_partition(self) -> int:
-        """Rows of the table on this rank."""
-        return divide(self.num_embeddings, self.tp_size)
 
     def tensor_parallel_layouts(self) -> dict[str, TensorParallelLayout]:
         """The table split along the vocabulary (its first dimension)."""

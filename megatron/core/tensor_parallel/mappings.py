@@ -22,11 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
-
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
+from megatron.core.utils import all_gather_single, reduce_scatter_single
 
 # The helpers below run only for groups of more than one rank: the public functions return
 # their input unchanged otherwise, so a T = 1 model's autograd graph is a plain one.
@@ -50,7 +46,7 @@ def gather_first_async(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch
     """Starts the all-gather of `x` along dim 0 over `group`; the output is valid once the
     returned work is waited for."""
     out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
-    return out, _all_gather_single(out, x.contiguous(), group=group, async_op=True)
+    return out, all_gather_single(out, x.contiguous(), group=group, async_op=True)
 
 
 def _gather_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -77,7 +73,7 @@ def reduce_scatter_first_async(
     """Starts the sum over `group` of `x`, scattered along dim 0; the output is valid once the
     returned work is waited for."""
     out = x.new_empty((_rows_per_rank(x, group_size(group)), *x.shape[1:]))
-    return out, _reduce_scatter_single(out, x.contiguous(), group=group, async_op=True)
+    return out, reduce_scatter_single(out, x.contiguous(), group=group, async_op=True)
 
 
 def _reduce_scatter_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

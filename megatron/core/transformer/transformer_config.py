@@ -84,8 +84,8 @@ class TransformerConfig(ModelParallelConfig):
 
     With `tensor_model_parallel_size` T > 1, `num_attention_heads`, `num_query_groups`,
     `ffn_hidden_size` and `moe_shared_expert_intermediate_size` must be multiples of T (each
-    rank holds an equal part), `seq_length` too under `sequence_parallel`; MoE layers are not
-    built with T > 1 yet.
+    rank holds an equal part), `seq_length` too under `sequence_parallel`; MoE layers with T > 1
+    need `sequence_parallel` (see `_check_moe_tensor_parallel`).
 
     Attributes:
         num_layers: Number of transformer layers.

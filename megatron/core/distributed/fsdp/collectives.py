@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from megatron.core.distributed.fsdp.symmetric_memory import SymmetricStaging
+from megatron.core.utils import all_gather_single
 
 
 class Collectives:
@@ -76,7 +77,7 @@ class Collectives:
             return
         own = _own_block(output, group)
         own.copy_(input)
-        _all_gather_single(output, own, group=group)
+        all_gather_single(output, own, group=group)
 
     def all_gather_tensors(
         self,
@@ -185,8 +186,7 @@ class Collectives:
         return op
 
 
-# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.13 renamed the process-group collectives too; older releases have the old names.
 _ALL_GATHER_COALESCED, _REDUCE_SCATTER_SINGLE, _REDUCE_SCATTER_COALESCED = (
     new if hasattr(dist.ProcessGroup, new) else old
     for new, old in (

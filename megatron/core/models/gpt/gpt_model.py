@@ -24,11 +24,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.overlapped_linear import column_parallel_linear
 from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -270,9 +267,11 @@ class GPTModel(MegatronModule):
         if self.output_layer is not None:
             logits, _ = self.output_layer(hidden_states)
             return logits
-        # Tied: the embedding's vocabulary rows, entered like the column-parallel output layer.
-        if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group)
-        else:
-            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
-        return F.linear(hidden_states, self.shared_embedding_or_output_weight())
+        # Tied: the embedding's vocabulary rows, projected as the column-parallel output layer.
+        return column_parallel_linear(
+            hidden_states,
+            self.shared_embedding_or_output_weight(),
+            None,
+            self.tp_group,
+            self.config.sequence_parallel,
+        )
