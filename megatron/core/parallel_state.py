@@ -9,7 +9,7 @@ tensor-parallel groups are contiguous ranks, context-parallel groups stride by t
 of tp x cp ranks, and data-parallel groups stride by tp x cp, so the data x context group
 ("dp_cp") holds one rank of each tensor-parallel group. Experts follow etp-ep-dp with expert
 tensor parallelism fixed at 1: expert-model-parallel groups are contiguous ranks and expert
-data-parallel groups stride by ep (so they do contain tensor-parallel peers). With
+data-parallel groups stride by ep (so they hold tensor-parallel peers only when ep < tp). With
 R = `num_distributed_optimizer_instances` > 1 (hybrid sharding), every data-parallel group of n
 ranks is cut into R contiguous chunks of n / R ranks (the "intra" group FSDP shards over) and
 the ranks holding the same position in each chunk form the "inter" group FSDP replicates over.

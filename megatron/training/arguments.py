@@ -13,9 +13,9 @@ and the fix, and the `*_from_args` / `get_*` functions build what the library ta
     config = core_transformer_config_from_args(args)
     ddp_config = get_megatron_ddp_config(args)
 
-There is no tensor, pipeline or context parallelism yet, so the data-parallel size is the world
-size; expert parallelism (`--expert-model-parallel-size`) splits the experts of MoE layers over
-ranks of it.
+The data-parallel size is the world size over the tensor- and context-parallel sizes (pipeline
+parallelism is 1); expert parallelism (`--expert-model-parallel-size`) splits the experts of MoE
+layers over ranks.
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def load_checkpoint(
             )
         except ValueError as error:
             raise CheckpointError(f"{path}: {error}") from error
-    swaps = stride_free_for_checkpoint(state)
+    swaps = stride_free_for_checkpoint(state, values=False)
     dcp.load(state, storage_reader=FileSystemReader(path))
     restore_after_load(swaps)
     model.load_state_dict(model_state)  # marks Megatron-FSDP's compute weights stale

@@ -16,7 +16,7 @@ Gradient scaling: an expert's gradient is the sum of what every rank's tokens co
 it must equal what it would be if the expert were replicated, i.e. averaged over the data x
 context ranks. The reduction over `expt_dp` therefore divides by the dp x cp size (the expert
 data-parallel size times EP, over the tensor-parallel size), not by its own size. Under tensor
-parallelism the ranks of one tp group hold different experts (EP is a multiple of TP) and route
+parallelism the ranks of one tp group hold different experts (EP is at least TP) and route
 different parts of the sequence, so `expt_dp` holds no tp peers. With EP 1 there is no expert
 parallelism: experts are dense parameters.
 """

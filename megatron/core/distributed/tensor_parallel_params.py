@@ -277,10 +277,15 @@ class TensorParallelView(LeadingGroupMeshes):
 
 
 def stride_free_for_checkpoint(
-    tree: dict | list,
+    tree: dict | list, *, values: bool = True
 ) -> list[tuple[dict | list, str | int, DTensor]]:
     """Replaces, in place in the nested dicts and lists `tree`, every DTensor placed
     `_StridedShard` with its redistribution to `Shard` (a copy) for checkpointing.
+
+    Args:
+        tree: The state dict.
+        values: Copy the values (saving); False leaves the replacements uninitialised, with no
+            communication (loading, which overwrites them).
 
     Returns:
         (container, key, original DTensor) of each replacement, for `restore_after_load`.
@@ -289,10 +294,10 @@ def stride_free_for_checkpoint(
     items = tree.items() if isinstance(tree, dict) else enumerate(tree)
     for key, value in list(items):
         if isinstance(value, (dict, list)):
-            swaps.extend(stride_free_for_checkpoint(value))
+            swaps.extend(stride_free_for_checkpoint(value, values=values))
         elif isinstance(value, DTensor):
             with torch.no_grad():
-                converted = strided_to_shard(value)
+                converted = strided_to_shard(value, values=values)
             if converted is not value:
                 tree[key] = converted
                 swaps.append((tree, key, value))

@@ -173,13 +173,26 @@ def full_tensor(dtensor: DTensor) -> torch.Tensor:
     return _regroup(by_rank, dim, dtensor.device_mesh.size(mesh_dim), blocks)
 
 
-def strided_to_shard(dtensor: DTensor) -> DTensor:
+def strided_to_shard(dtensor: DTensor, *, values: bool = True) -> DTensor:
     """The same global tensor as `dtensor`, its `_StridedShard` placement made `Shard` (every
-    rank's part one contiguous box, as checkpoints need); `dtensor` itself if it has none."""
+    rank's part one contiguous box, as checkpoints need); `dtensor` itself if it has none.
+
+    Args:
+        dtensor: The DTensor.
+        values: Gather and place its values; False gives an uninitialised one of the same
+            placement and no communication (a destination a checkpoint load fills).
+    """
     if _strided(dtensor) is None:
         return dtensor
     placements = _stride_free(dtensor.placements)
-    return _distribute(full_tensor(dtensor), dtensor, placements)
+    if values:
+        return _distribute(full_tensor(dtensor), dtensor, placements)
+    shaped = _distribute(torch.empty(dtensor.shape, device="meta"), dtensor, placements)
+    local = torch.empty_like(shaped.to_local(), dtype=dtensor.dtype, device=dtensor.device)
+    return DTensor.from_local(
+        local, dtensor.device_mesh, placements, run_check=False, shape=dtensor.shape,
+        stride=dtensor.stride(),
+    )  # fmt: skip
 
 
 def copy_from_shard(dtensor: DTensor, source: DTensor) -> None:
