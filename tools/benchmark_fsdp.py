@@ -123,14 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """`args` checked and resolved (bad ones exit through `parser.error`)."""
+def check_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, engines: tuple[str, ...] = ENGINES
+) -> argparse.Namespace:
+    """`args` checked and resolved (bad ones exit through `parser.error`); `engines` are the
+    names `--engines` may give."""
     args.engines = [name.strip() for name in args.engines.split(",") if name.strip()]
-    unknown = sorted(set(args.engines) - set(ENGINES))
+    unknown = sorted(set(args.engines) - set(engines))
     if unknown or not args.engines or len(set(args.engines)) != len(args.engines):
         parser.error(
             f"--engines {','.join(args.engines)!r}: give one or more distinct names from "
-            f"{', '.join(ENGINES)}" + (f" ({', '.join(unknown)} unknown)." if unknown else ".")
+            f"{', '.join(engines)}" + (f" ({', '.join(unknown)} unknown)." if unknown else ".")
         )
     check_batch(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     if args.grad_reduce_dtype == "bf16" and not args.bf16:

@@ -30,7 +30,7 @@ MFU divides by `--peak-tflops` (989: dense bf16 on H100/H200 SXM).
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
 import gc
 import os
 import sys
@@ -67,14 +67,12 @@ def parse_args() -> argparse.Namespace:
         "to 1); torch_2d runs at the largest",
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="for the MFU column")
-    args = parser.parse_args()
-    # benchmark_fsdp's check knows its own engine names only: it checks the rest with one.
-    engines, args.engines = args.engines, "single"
-    args = bench.check_args(parser, args)
-    args.engines = [name.strip() for name in engines.split(",") if name.strip()]
-    unknown = sorted(set(args.engines) - set(ENGINES))
-    if unknown or not args.engines:
-        parser.error(f"--engines: give names from {', '.join(ENGINES)} (unknown: {unknown}).")
+    args = bench.check_args(parser, parser.parse_args(), ENGINES)
+    if args.global_batch_size is not None:
+        parser.error(
+            "--global-batch-size: each TP size has its own data-parallel size, so one global "
+            "batch means other microbatch counts per row; give --num-microbatches instead."
+        )
     if args.cuda_graph:
         parser.error("--cuda-graph is not offered here (torch_2d cannot be captured).")
     args.tensor_parallel_sizes = parallel_sizes(
@@ -86,9 +84,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def build_torch_2d(args: argparse.Namespace) -> bench.StepFn:
-    """PyTorch's TP x FSDP2 composition of the plain-PyTorch GPT (module docstring)."""
-    tp = args.torch_2d_tp
+def build_torch_2d(args: argparse.Namespace, tp: int) -> bench.StepFn:
+    """PyTorch's TP x FSDP2 composition of the plain-PyTorch GPT (module docstring) at TP `tp`."""
     device_type = torch.device(args.device).type
     mesh = init_device_mesh(
         device_type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp")
@@ -116,12 +113,12 @@ def build_torch_2d(args: argparse.Namespace) -> bench.StepFn:
     return step
 
 
-def build(name: str, args: argparse.Namespace) -> bench.StepFn:
-    """The step function of `name` (the parallel state is set by the caller)."""
+def build(name: str, args: argparse.Namespace, tp: int) -> bench.StepFn:
+    """The step function of `name` at TP `tp` (parallel_state is set by the caller)."""
     # Sequence-parallel layers draw from the tracker's tensor-parallel state in training.
     model_parallel_cuda_manual_seed(args.seed)
     if name == "torch_2d":
-        return build_torch_2d(args)
+        return build_torch_2d(args, tp)
     return bench.build_engine("megatron_fsdp_zero3" if name == "megatron_fsdp" else name, args)
 
 
@@ -129,15 +126,13 @@ def run(name: str, tp: int, args: argparse.Namespace, device: torch.device) -> d
     """One table row: engine `name` at tensor-parallel size `tp`."""
     tp_size = 1 if name == "torch_2d" else tp
     set_parallel_state(args.create_all_gather_group, tensor_model_parallel_size=tp_size)
-    run_args = copy.copy(args)
-    run_args.torch_2d_tp = tp
     with torch.device("meta"):
-        config, _ = build_gpt(run_args)
+        config, _ = build_gpt(args)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    measured = bench.run_engine(name, run_args, device, build=build)
+    measured = bench.run_engine(name, args, device, build=functools.partial(build, tp=tp))
     row = bench.summarize(name, measured, args, config, device)
     row["engine"] = f"{name}_tp{tp}"
     if name == "torch_2d":

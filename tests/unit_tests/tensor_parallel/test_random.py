@@ -134,7 +134,8 @@ FLAGS = (
 
 
 def _initialized_draws() -> tuple[torch.Tensor, torch.Tensor, int]:
-    initialize_megatron(argv=[*FLAGS, "--distributed-backend", dist.get_backend()])
+    backend = ["--distributed-backend", dist.get_backend()]
+    initialize_megatron(argv=[*FLAGS, "--tensor-model-parallel-size", "2", *backend])
     try:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         default = torch.rand(4)
@@ -148,6 +149,8 @@ def _initialized_draws() -> tuple[torch.Tensor, torch.Tensor, int]:
 def test_initialize_megatron_seeds_the_tracker():
     if torch.cuda.is_available():
         pytest.skip("the draws below are CPU-generator draws")
-    for default, model_parallel, tp_rank in run_distributed(_initialized_draws, 2):
+    results = run_distributed(_initialized_draws, 2)
+    assert [tp_rank for _, _, tp_rank in results] == [0, 1]  # one TP group of both ranks
+    for default, model_parallel, tp_rank in results:
         torch.testing.assert_close(default, _stream(77, 4))
         torch.testing.assert_close(model_parallel, _stream(77 + 2718 + tp_rank, 4))

@@ -6,11 +6,14 @@ the same loss; PyTorch's model draws its own initial weights, so its loss is onl
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
 
@@ -58,3 +61,21 @@ def test_tensor_parallel_size_must_divide_the_heads():
     proc = run_tool(*TINY, "--tensor-parallel-sizes", "3", tool=TOOL, nproc=None, timeout=60)
     assert proc.returncode != 0
     assert "--tensor-parallel-sizes" in proc.stderr
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_the_pytorch_model_has_the_benchmark_gpts_parameters(swiglu):
+    """torch_2d times the same architecture: as many parameters as the benchmark GPT."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from gpt_benchmark_model import add_model_args, build_gpt
+    from torch_2d_model import TorchGPT
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    args = parser.parse_args([*TINY[:10], *(["--swiglu"] if swiglu else [])])
+    with torch.device("meta"):
+        ours = build_gpt(args)[1]
+        theirs = TorchGPT(args)
+    assert sum(p.numel() for p in theirs.parameters()) == sum(
+        p.numel() for p in ours.parameters()
+    )

@@ -24,8 +24,9 @@ def test_tensor_parallelism_sets_the_data_parallel_size_and_pads_the_vocabulary(
     )
     assert args.data_parallel_size == 4
     assert args.num_microbatches == 1
-    # Upstream's padding: a multiple of --make-vocab-size-divisible-by x TP.
-    assert args.padded_vocab_size % 16 == 0 and args.padded_vocab_size - 16 < 100
+    # Upstream's padding: the vocabulary of 100 up to a multiple of
+    # --make-vocab-size-divisible-by x TP = 16 (at TP 1 it would be 104).
+    assert args.padded_vocab_size == 112
     config = core_transformer_config_from_args(args)
     assert (config.tensor_model_parallel_size, config.sequence_parallel) == (2, True)
     assert validated(*TP2, world_size=2).data_parallel_size == 1
