@@ -59,6 +59,31 @@ def test_shard_tensor_is_dtensor_sharding():
         assert results == [True, True, True]
 
 
+def _strided_under_data_parallel_shards() -> list[bool]:
+    """(tp=2, dp=2) mesh, stride-2 rows split over tp then chunked over dp: DTensor's own
+    `full_tensor()` (which every torch release runs when another shard of the dimension
+    follows the `_StridedShard`) and `full_tensor` here both rebuild the global tensor."""
+    # tp first, as the engines' meshes are.
+    mesh = init_device_mesh(current_device().type, (2, 2), mesh_dim_names=("tp", "dp"))
+    tp_rank, dp_rank = mesh.get_coordinate()
+    full = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)
+    layout = TensorParallelLayout(0, 2)
+    local = shard_tensor(full, layout, tp_rank, 2).chunk(2)[dp_rank].to(current_device())
+    dtensor = DTensor.from_local(
+        local, mesh, [tensor_parallel_placement(layout), Shard(0)], run_check=False,
+        shape=full.shape, stride=full.stride(),
+    )  # fmt: skip
+    return [
+        torch.equal(dtensor.full_tensor().cpu(), full),
+        torch.equal(full_tensor(dtensor).cpu(), full),
+    ]
+
+
+def test_strided_layout_is_dtensors_strided_shard():
+    for results in run_distributed(_strided_under_data_parallel_shards, 4):
+        assert results == [True, True]
+
+
 class _Tied(torch.nn.Module):
     """An output projection whose weight is the embedding's, declaring `layouts`."""
 
