@@ -42,8 +42,9 @@ class ModelParallelConfig:
         bf16: Megatron's `--bf16` flag; likewise requires `params_dtype=torch.bfloat16`.
         expert_model_parallel_size: Expert parallel degree (EP): the ranks that split the experts
             of each MoE layer among them; `num_moe_experts` must be divisible by it.
-        expert_tensor_parallel_size: Tensor parallel degree of the experts; None means 1 here
-            (experts are not split by tensor parallelism yet).
+        expert_tensor_parallel_size: Tensor parallel degree of the experts (ETP): the ranks
+            that split each expert's weights; None means `tensor_model_parallel_size`, as in
+            Megatron-core (set so by `__post_init__`).
     """
 
     tensor_model_parallel_size: int = 1
@@ -69,12 +70,9 @@ class ModelParallelConfig:
                 f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not "
                 "supported yet; set pipeline_model_parallel_size=1."
             )
-        if self.expert_tensor_parallel_size not in (None, 1):
-            raise ValueError(
-                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size!r} is not "
-                "supported yet (experts are not split by tensor parallelism); set it to None or "
-                "1 and split the experts with expert_model_parallel_size instead."
-            )
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        check_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(
                 "sequence_parallel=True needs tensor_model_parallel_size > 1; set "

@@ -7,13 +7,14 @@ group of each kind, and `destroy_model_parallel()` tears them down.
 Ranks follow Megatron's default order tp-cp-ep-dp-pp with pipeline parallelism fixed at 1:
 tensor-parallel groups are contiguous ranks, context-parallel groups stride by tp inside blocks
 of tp x cp ranks, and data-parallel groups stride by tp x cp, so the data x context group
-("dp_cp") holds one rank of each tensor-parallel group. Experts follow etp-ep-dp with expert
-tensor parallelism fixed at 1: expert-model-parallel groups are contiguous ranks and expert
-data-parallel groups stride by ep (so they hold tensor-parallel peers only when ep < tp). With
+("dp_cp") holds one rank of each tensor-parallel group. Experts follow etp-ep-dp: expert
+tensor-parallel groups (`expt_tp`, etp ranks; etp defaults to tp, as in Megatron-LM) are
+contiguous ranks, expert-model-parallel groups stride by etp, and expert data-parallel groups
+(the ranks holding the same part of the same experts) stride by etp x ep. With
 R = `num_distributed_optimizer_instances` > 1 (hybrid sharding), every data-parallel group of n
 ranks is cut into R contiguous chunks of n / R ranks (the "intra" group FSDP shards over) and
 the ranks holding the same position in each chunk form the "inter" group FSDP replicates over.
-Example, 8 ranks, tp=2, cp=2, ep=2, R=2 (so dp = 8 / (tp x cp) = 2):
+Example, 8 ranks, tp=2, cp=2, ep=2, etp=1, R=2 (so dp = 8 / (tp x cp) = 2):
 
     name             groups (each rank is in exactly one group of each name)
     tp, mp           [0,1] [2,3] [4,5] [6,7]
@@ -31,6 +32,9 @@ Example, 8 ranks, tp=2, cp=2, ep=2, R=2 (so dp = 8 / (tp x cp) = 2):
     intra_expt_dp    [0,2] [4,6] [1,3] [5,7]
     pp, embd, expt_tp  [0] [1] ... [7]
 
+With etp=2 instead, `expt_tp` would be [0,1] [2,3] ..., `ep` [0,2] [1,3] [4,6] [5,7], `tp_ep`
+[0,1,2,3] [4,5,6,7] and `expt_dp` [0,4] [1,5] [2,6] [3,7].
+
 Group names are those of `ProcessGroupCollection`'s fields (see `GROUP_NAMES`); the layout
 itself is computed in `megatron.core.rank_layout`. Conventions:
 
@@ -42,8 +46,8 @@ itself is computed in `megatron.core.rank_layout`. Conventions:
   `inter_dist_opt`, as in Megatron-LM.
 - A group whose ranks coincide with another group's is that group's object (`mp` is `tp`,
   `embd` is `pp`, `tp_cp` is `tp` when cp == 1, ...), so no communicator is created twice.
-- `pp`, `embd` and `expt_tp` are groups of one rank each, so Megatron code asking for their
-  size gets 1.
+- `pp` and `embd` are groups of one rank each, so Megatron code asking for their size gets 1;
+  so is `expt_tp` with `expert_tensor_parallel_size=1`.
 - Getters raise RuntimeError before initialization; those Megatron-LM gives a
   `check_initialized` argument return None instead when it is False.
 - `create_all_gather_group=True` adds `dp_cp_ag` and `expt_dp_ag`: second communicators over the
@@ -111,27 +115,25 @@ def _check_sizes(
     pipeline_model_parallel_size: int,
     context_parallel_size: int,
     expert_model_parallel_size: int,
-    expert_tensor_parallel_size: int | None,
+    expert_tensor_parallel_size: int,
     num_distributed_optimizer_instances: int,
 ) -> None:
-    unsupported = {
-        "pipeline_model_parallel_size": (pipeline_model_parallel_size, "pipeline parallelism"),
-        "expert_tensor_parallel_size": (
-            expert_tensor_parallel_size or 1,
-            "tensor parallelism of the experts",
-        ),
-    }
-    for name, (size, kind) in unsupported.items():
-        if size != 1:
-            raise ValueError(
-                f"{name}={size}: {kind} is not supported yet; set it to 1 (None for "
-                "expert_tensor_parallel_size) and use tensor, data, context or expert "
-                "(expert_model_parallel_size) parallelism instead."
-            )
+    if pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size}: pipeline parallelism "
+            "is not supported yet; set it to 1 and use tensor, data, context or expert "
+            "parallelism instead."
+        )
+    etp = expert_tensor_parallel_size
     divisors = {
         "tensor_model_parallel_size": (tensor_model_parallel_size, ""),
         "context_parallel_size": (context_parallel_size, ""),
         "expert_model_parallel_size": (expert_model_parallel_size, ""),
+        "expert_tensor_parallel_size": (etp, ""),
+        "expert_tensor_parallel_size x expert_model_parallel_size": (
+            etp * expert_model_parallel_size,
+            f" ({etp} x {expert_model_parallel_size})",
+        ),
     }
     for name, (size, what) in divisors.items():
         if size < 1 or world_size % size:
@@ -153,8 +155,9 @@ def _check_sizes(
             f"world size {world_size} / tensor_model_parallel_size={tensor_model_parallel_size}",
         ),
         "expert data-parallel size": (
-            world_size // expert_model_parallel_size,
-            f"world size {world_size} / expert_model_parallel_size={expert_model_parallel_size}",
+            world_size // (etp * expert_model_parallel_size),
+            f"world size {world_size} / (expert_tensor_parallel_size={etp} x "
+            f"expert_model_parallel_size={expert_model_parallel_size})",
         ),
     }
     for what, (size, derivation) in data_sizes.items():
@@ -188,11 +191,12 @@ def initialize_model_parallel(
         context_parallel_size: ranks that split each sequence; tp x cp divides the world size.
         expert_model_parallel_size: ranks that split the experts of an MoE layer; divides the
             world size.
-        expert_tensor_parallel_size: must be None or 1 (not supported yet); unlike Megatron-LM,
-            where None means the tensor-parallel size, None means 1 here.
+        expert_tensor_parallel_size: ranks that split each expert's weights (expt_tp); None
+            means tensor_model_parallel_size, as in Megatron-LM. etp x ep divides the world
+            size.
         num_distributed_optimizer_instances: R outer replicas for hybrid sharding (HSDP); R must
             divide both the dp x cp size (world / tp) and the expert data-parallel size
-            (world / ep).
+            (world / (etp x ep)).
         create_all_gather_group: also create `dp_cp_ag` and `expt_dp_ag`, the all-gather
             communicators of the FSDP shard groups.
         distributed_timeout_minutes: timeout of the new groups; None keeps the default
@@ -214,6 +218,8 @@ def initialize_model_parallel(
             "before initialize_model_parallel() again."
         )
     world_size = dist.get_world_size()
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = tensor_model_parallel_size
     _check_sizes(
         world_size,
         tensor_model_parallel_size,
@@ -230,6 +236,7 @@ def initialize_model_parallel(
         expert_model_parallel_size,
         num_distributed_optimizer_instances,
         create_all_gather_group,
+        etp=expert_tensor_parallel_size,
     )
     timeout = None
     if distributed_timeout_minutes is not None:
@@ -495,17 +502,17 @@ def get_expert_model_parallel_rank() -> int:
 
 
 def get_expert_tensor_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """This rank's expert tensor-parallel group: this rank alone (expert tp is 1 here)."""
+    """This rank's expert tensor-parallel group (the ranks splitting each expert's weights)."""
     return _group("expt_tp", check_initialized)
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    """Always 1: expert tensor parallelism is not supported yet."""
+    """The size of this rank's expert tensor-parallel group."""
     return _world_size("expt_tp")
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    """Always 0: expert tensor parallelism is not supported yet."""
+    """This rank's index in its expert tensor-parallel group."""
     return _rank("expt_tp")
 
 

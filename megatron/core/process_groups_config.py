@@ -42,7 +42,7 @@ class ProcessGroupCollection:
         tp_dp_cp: tensor x data x context parallel group (every rank with one pipeline stage).
         embd: the ranks holding tied word embeddings (this rank alone with one pipeline stage).
         ep: expert-model-parallel group.
-        expt_tp: expert tensor-parallel group (size 1 here).
+        expt_tp: expert tensor-parallel group (the ranks splitting each expert's weights).
         tp_ep: expert tensor x expert-model-parallel group.
         expt_dp: expert data-parallel group (ranks holding replicas of the same experts).
         expt_dp_ag: all-gather communicator over the expert FSDP shard group's ranks.

@@ -5,7 +5,7 @@ world size without starting ranks. `megatron.core.parallel_state` creates commun
 groups `rank_groups()` returns; its module docstring shows the layout with an example.
 
 Ranks follow Megatron-LM's orders: tp-cp-ep-dp-pp for the dense part (tp fastest; ep is 1 there)
-and etp-ep-dp-pp for the experts (etp = 1 here), with pp = 1. A group over some dimensions is the
+and etp-ep-dp-pp for the experts, with pp = 1. A group over some dimensions is the
 set of ranks that share every other coordinate; its ranks are listed in increasing order.
 """
 
@@ -65,25 +65,26 @@ def orthogonal_groups(order: Sequence[tuple[str, int]], dims: Sequence[str]) -> 
 
 
 def rank_groups(
-    world_size: int, tp: int, cp: int, ep: int, instances: int, all_gather: bool
+    world_size: int, tp: int, cp: int, ep: int, instances: int, all_gather: bool, etp: int = 1
 ) -> tuple[dict[str, Partition], dict[str, str]]:
     """Every group of each name, in creation order, and the names that alias another name.
 
     Args:
-        world_size: number of ranks; a multiple of tp x cp and of ep.
+        world_size: number of ranks; a multiple of tp x cp and of etp x ep.
         tp: tensor-parallel size.
         cp: context-parallel size.
         ep: expert-model-parallel size.
         instances: distributed optimizer instances R (HSDP outer replicas); divides the
-            dp x cp size (world / tp) and the expert data-parallel size (world / ep).
+            dp x cp size (world / tp) and the expert data-parallel size (world / (etp x ep)).
         all_gather: also lay out the `*_ag` all-gather groups.
+        etp: expert tensor-parallel size.
 
     Returns:
         (layout, aliases): `layout` maps each name with its own communicators to its partition;
         `aliases` maps each other name to the layout name whose groups it shares.
     """
     dense = (("tp", tp), ("cp", cp), ("dp", world_size // (tp * cp)))
-    expert = (("etp", 1), ("ep", ep), ("edp", world_size // ep))
+    expert = (("etp", etp), ("ep", ep), ("edp", world_size // (etp * ep)))
     ranks = list(range(world_size))
     layout = {
         "dp_cp": orthogonal_groups(dense, ("cp", "dp")),

@@ -10,10 +10,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.rank_layout import rank_groups
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 
-TP, CP, EP, R, AG = (
+TP, CP, EP, ETP, R, AG = (
     "tensor_model_parallel_size",
     "context_parallel_size",
     "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
     "num_distributed_optimizer_instances",
     "create_all_gather_group",
 )
@@ -28,19 +29,26 @@ LAYOUTS = [
     pytest.param(4, {CP: 2, R: 4}, id="w4-cp2-hsdp4"),
     pytest.param(2, {CP: 2, EP: 2, AG: True}, id="w2-cp2-ep2-ag"),
     pytest.param(2, {R: 2, AG: True}, id="w2-hsdp2-ag"),
-    pytest.param(4, {TP: 2, EP: 2, R: 2, AG: True}, id="w4-tp2-ep2-hsdp2-ag"),
+    pytest.param(4, {TP: 2, EP: 2, ETP: 1, R: 2, AG: True}, id="w4-tp2-ep2-etp1-hsdp2-ag"),
     pytest.param(4, {TP: 2, CP: 2}, id="w4-tp2-cp2"),
-    pytest.param(4, {TP: 4, EP: 4, AG: True}, id="w4-tp4-ep4-ag"),
+    pytest.param(4, {TP: 4, EP: 4, ETP: 1, AG: True}, id="w4-tp4-ep4-etp1-ag"),
     pytest.param(2, {TP: 2}, id="w2-tp2"),
+    # Expert tensor parallelism: etp defaults to tp; etp-ep-dp order.
+    pytest.param(4, {TP: 2, EP: 2, AG: True}, id="w4-tp2-ep2-etp2-ag"),
+    pytest.param(4, {ETP: 2, R: 2, AG: True}, id="w4-etp2-hsdp2-ag"),
+    pytest.param(4, {TP: 2, CP: 2, ETP: 1, EP: 2}, id="w4-tp2-cp2-ep2-etp1"),
 ]
 
 
 def _expected_members(name: str, rank: int, world_size: int, config: dict) -> list[int]:
     """The documented layout, stated as 'ranks that share a coordinate with `rank`'.
 
-    Dense rank r = t + tp * (c + cp * d) (tp-cp-dp order); expert rank r = e + ep * d_e.
+    Dense rank r = t + tp * (c + cp * d) (tp-cp-dp order); expert rank
+    r = t_e + etp * (e + ep * d_e) (etp-ep-dp order; etp defaults to tp).
     """
     tp, cp, ep = config.get(TP, 1), config.get(CP, 1), config.get(EP, 1)
+    etp = config.get(ETP, tp)
+    experts = etp * ep
     instance_size = world_size // config.get(R, 1)
     key = {
         "dp": lambda r: (r % tp, r // tp % cp),
@@ -57,12 +65,12 @@ def _expected_members(name: str, rank: int, world_size: int, config: dict) -> li
         "tp_dp_cp": lambda r: 0,
         "pp": lambda r: r,
         "embd": lambda r: r,
-        "expt_tp": lambda r: r,
-        "ep": lambda r: r // ep,
-        "tp_ep": lambda r: r // ep,
-        "expt_dp": lambda r: r % ep,
-        "intra_expt_dp": lambda r: (r % ep, r // instance_size),
-        "expt_dp_ag": lambda r: (r % ep, r // instance_size),
+        "expt_tp": lambda r: r // etp,
+        "ep": lambda r: (r % etp, r // experts),
+        "tp_ep": lambda r: r // experts,
+        "expt_dp": lambda r: r % experts,
+        "intra_expt_dp": lambda r: (r % experts, r // instance_size),
+        "expt_dp_ag": lambda r: (r % experts, r // instance_size),
     }[name]
     return [other for other in range(world_size) if key(other) == key(rank)]
 
@@ -241,8 +249,10 @@ BAD_SIZES = [
     # dp x cp is 4 / 2 = 2 ranks: 4 instances cannot cut it.
     ({TP: 2, R: 4}, "num_distributed_optimizer_instances=4", "data x context parallel size 2"),
     ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2", "not supported"),
-    ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size=2", "not supported"),
-    ({"expert_tensor_parallel_size": 2, TP: 2}, "expert_tensor_parallel_size=2", "not supported"),
+    ({ETP: 3}, "expert_tensor_parallel_size=3", "world size 4"),
+    ({ETP: 2, EP: 4}, "expert_tensor_parallel_size x expert_model_parallel_size=8", "(2 x 4)"),
+    # etp defaults to tp: 2 x 2 experts ranks leave an expert data-parallel size of 1.
+    ({TP: 2, EP: 2, R: 2}, "num_distributed_optimizer_instances=2", "expert data-parallel size 1"),
     ({CP: 3}, "context_parallel_size=3", "world size 4"),
     ({EP: 3}, "expert_model_parallel_size=3", "world size 4"),
     ({R: 3}, "num_distributed_optimizer_instances=3", "world size 4"),

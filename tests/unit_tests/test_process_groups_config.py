@@ -90,10 +90,16 @@ def _check_use_mpu_process_groups(config: dict) -> dict[str, int | None]:
             {
                 "tensor_model_parallel_size": 2,
                 "expert_model_parallel_size": 2,
+                "expert_tensor_parallel_size": 1,
                 "num_distributed_optimizer_instances": 2,
             },
             {"tp": 2, "dp_cp": 2, "intra_dp_cp": 1, "intra_dist_opt": 2, "tp_dp_cp": 4},
-            id="tp2-ep2-hsdp2",
+            id="tp2-ep2-etp1-hsdp2",
+        ),
+        pytest.param(
+            {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2},
+            {"tp": 2, "expt_tp": 2, "ep": 2, "tp_ep": 4, "expt_dp": 1},
+            id="tp2-ep2-etp2",
         ),
     ],
 )

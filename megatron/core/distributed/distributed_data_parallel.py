@@ -26,9 +26,10 @@ this rank's rows of each parameter get their reduced gradient (`grad_shard()`), 
 handed out, and `get_megatron_optimizer` builds a `DistributedOptimizer`, which steps those rows
 (`param_shard()`) and calls `start_param_sync(force_sync=True)` to all-gather the parameters.
 
-Expert parameters split by expert parallelism (`expert_parallel.py`) get buffers of their own,
-reduced (and sharded) over the expert data-parallel group and divided by the dp x cp size;
-`state_dict()` shows them as global DTensors `[num_experts, ...]` split over the ep group.
+Expert parameters with groups of their own (split by expert or expert tensor parallelism,
+`expert_parallel.py`) get buffers of their own, reduced (and sharded) over the expert
+data-parallel group and divided by the dp x cp size; `state_dict()` shows them as global
+DTensors `[num_experts, ...]` split over the ep and expt_tp groups (`global_view.py`).
 
 Under tensor parallelism (`tensor_parallel_params.py`) the data-parallel group excludes the TP
 peers, and every dense parameter is shown (`state_dict()`, `global_view()`, the distributed
@@ -45,7 +46,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -58,20 +58,22 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.distributed.expert_parallel import (
-    ExpertLayout,
     expert_groups,
+    experts_are_dense,
     is_expert_param,
-    local_expert_rows,
 )
+from megatron.core.distributed.global_view import GlobalView
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.distributed.tensor_parallel_params import (
-    TensorParallelView,
     check_data_parallel_chunks,
     check_excludes_tp_peers,
     tensor_parallel_group,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
+from megatron.core.tensor_parallel.layout import (
+    TensorParallelLayout,
+    named_tensor_parallel_layouts,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _wrapping_engine = WeakIdKeyDictionary()
@@ -101,21 +103,21 @@ class DistributedDataParallel(_BaseDataParallel):
         disable_bucketing: one bucket per gradient dtype whatever `bucket_size` says.
         pg_collection: process groups; gradients are averaged over `pg_collection.dp_cp`
             (default: parallel_state's data-parallel-with-context group, else the world);
-            with `ep` of two or more ranks, expert gradients are reduced over `expt_dp`;
-            with `tp` of two or more ranks, parameters are split over it as the model's
+            with `ep` or `expt_tp` of two or more ranks (other than the tp group), expert
+            gradients are reduced over `expt_dp`; with `tp` (`expt_tp` for experts) of two or
+            more ranks, parameters are split over it as the model's
             `named_tensor_parallel_layouts` say.
 
     Attributes:
-        expert_layout: the expert groups and global DTensors of expert parameters (None: no
-            expert parallelism).
-        tensor_parallel: the global DTensors of dense parameters under tensor parallelism
-            (None: no tensor parallelism).
+        dense_view: the global DTensors of dense parameters under tensor parallelism (None: no
+            tensor parallelism).
+        expert_view: the expert data-parallel group and the global DTensors of expert
+            parameters with groups of their own (None: experts are dense parameters).
 
     Raises:
-        ValueError: the model has expert parameters, `ep` has two or more ranks, and there is
-            no `expt_dp` group; the data-parallel group holds tensor-parallel peers; an expert
-            parameter is split over tp; with the distributed optimizer, a strided parameter's
-            dim-0 chunk spans two of its blocks.
+        ValueError: the model has expert parameters with groups of their own and there is no
+            `expt_dp` group; the data-parallel group holds tensor-parallel peers; with the
+            distributed optimizer, a strided parameter's dim-0 chunk spans two of its blocks.
     """
 
     def __init__(
@@ -154,18 +156,17 @@ class DistributedDataParallel(_BaseDataParallel):
                     "DistributedDataParallel; wrap the model once and reuse that wrapper."
                 )
         experts = {p for p, name in names.items() if is_expert_param(name, p)}
-        self.expert_layout = self._expert_layout(pg_collection, experts)
-        self.tensor_parallel = self._tensor_parallel_view(pg_collection, module, experts)
+        self.dense_view, self.expert_view = self._global_views(pg_collection, module, experts)
+        self._experts = experts if self.expert_view is not None else set()
         by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for param in params:
-            expert = self.expert_layout is not None and param in experts
-            by_kind.setdefault((self._grad_dtype(param), expert), []).append(param)
+            by_kind.setdefault((self._grad_dtype(param), self.is_expert(param)), []).append(param)
         self.buffers = [
             GradBuffer(
                 group_params,
                 dtype,
                 bucket_size,
-                self.expert_layout.expt_dp if expert else self.data_parallel_group,
+                self.expert_view.dp if expert else self.data_parallel_group,
                 ddp_config.average_in_collective,
                 ddp_config.check_for_nan_in_grad,
                 shard_buckets=ddp_config.use_distributed_optimizer,
@@ -173,7 +174,6 @@ class DistributedDataParallel(_BaseDataParallel):
             )
             for (dtype, expert), group_params in by_kind.items()
         ]
-        self._experts = experts if self.expert_layout is not None else set()
         self.buckets: list[GradBucket] = [b for buf in self.buffers for b in buf.buckets]
         self._bucket_of: dict[torch.nn.Parameter, GradBucket] = {
             param: bucket for bucket in self.buckets for param in bucket.params
@@ -204,58 +204,55 @@ class DistributedDataParallel(_BaseDataParallel):
                 param.register_post_accumulate_grad_hook(accumulate_grad_hook)
                 _wrapping_engine[param] = engine
 
-    @staticmethod
-    def _expert_layout(
-        pg_collection: ProcessGroupCollection | None, experts: set[torch.nn.Parameter]
-    ) -> ExpertLayout | None:
-        ep, expt_dp = expert_groups(pg_collection)
-        if not experts or ep is None or ep.size() == 1:
-            return None
-        if expt_dp is None:
-            raise ValueError(
-                "The model's experts are split over an ep group of two or more ranks, but "
-                "pg_collection has no expt_dp group to reduce their gradients over: pass "
-                "ProcessGroupCollection.use_mpu_process_groups() or set expt_dp."
-            )
-        return ExpertLayout(ep, expt_dp, next(iter(experts)).device.type)
-
-    def _tensor_parallel_view(
+    def _global_views(
         self,
         pg_collection: ProcessGroupCollection | None,
         module: torch.nn.Module,
         experts: set[torch.nn.Parameter],
-    ) -> TensorParallelView | None:
+    ) -> tuple[GlobalView | None, GlobalView | None]:
+        """(dense view, expert view): each None where its parameters are not split."""
         tp = tensor_parallel_group(pg_collection)
-        if tp is None:
-            return None
-        check_excludes_tp_peers(tp, self.data_parallel_group)
+        groups = expert_groups(pg_collection)
+        own_groups = bool(experts) and not experts_are_dense(groups.ep, groups.etp, tp)
+        if own_groups and groups.expt_dp is None:
+            raise ValueError(
+                "The model's experts are split over an ep or expt_tp group of two or more "
+                "ranks, but pg_collection has no expt_dp group to reduce their gradients over: "
+                "pass ProcessGroupCollection.use_mpu_process_groups() or set expt_dp."
+            )
         params = dict(module.named_parameters())
-        layouts = named_tensor_parallel_layouts(module)
-        dp_size = self.data_parallel_group.size()
-        for name, layout in layouts.items():
-            if params[name] in experts:
-                raise ValueError(
-                    f"Expert parameter {name!r} is split over tensor parallelism; the DDP "
-                    "engine supports experts with expert tensor parallel size 1 only: build "
-                    "the experts unsplit (expert_tensor_parallel_size=1)."
-                )
+        layouts: dict[bool, dict[torch.nn.Parameter, TensorParallelLayout]] = {False: {}, True: {}}
+        for name, layout in named_tensor_parallel_layouts(module).items():
+            expert = own_groups and params[name] in experts
             if self.ddp_config.use_distributed_optimizer:
-                check_data_parallel_chunks(name, params[name].shape, layout, [dp_size])
+                dp = groups.expt_dp if expert else self.data_parallel_group
+                check_data_parallel_chunks(name, params[name].shape, layout, [dp.size()])
+            layouts[expert][params[name]] = layout
         device_type = next(iter(params.values())).device.type
-        by_param = {params[name]: layout for name, layout in layouts.items()}
-        return TensorParallelView(tp, self.data_parallel_group, by_param, device_type)
+        dense_view = expert_view = None
+        if tp is not None:
+            check_excludes_tp_peers(tp, self.data_parallel_group)
+            dense_view = GlobalView(
+                self.data_parallel_group, device_type, tp=tp, layouts=layouts[False]
+            )
+        if own_groups:
+            expert_view = GlobalView(
+                groups.expt_dp, device_type, tp=groups.etp, layouts=layouts[True], ep=groups.ep
+            )
+        return dense_view, expert_view
+
+    def view_of(self, param: torch.nn.Parameter) -> GlobalView | None:
+        """The global view `param` is shown in, None where it is not split."""
+        return self.expert_view if self.is_expert(param) else self.dense_view
 
     def global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
         where `param` is split by expert or tensor parallelism; else as it is."""
-        if self.is_expert(param):
-            return self.expert_layout.replicated(tensor)
-        if self.tensor_parallel is not None:
-            return self.tensor_parallel.replicated(tensor, param)
-        return tensor
+        view = self.view_of(param)
+        return tensor if view is None else view.replicated(tensor, param)
 
     def is_expert(self, param: torch.nn.Parameter) -> bool:
-        """Whether `param` is an expert parameter split by expert parallelism."""
+        """Whether `param` is an expert parameter with groups of its own."""
         return param in self._experts
 
     def _grad_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
@@ -399,7 +396,7 @@ class DistributedDataParallel(_BaseDataParallel):
         for param in self.module.parameters():
             group = self.data_parallel_group
             if self.is_expert(param):
-                group = self.expert_layout.expt_dp
+                group = self.expert_view.dp
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -407,7 +404,7 @@ class DistributedDataParallel(_BaseDataParallel):
         as global DTensors (`global_view()`: views of this rank's part), so that a checkpoint
         holds every element once and loads at other ep and tp sizes."""
         state = self.module.state_dict(*args, **kwargs)
-        if self.expert_layout is None and self.tensor_parallel is None:
+        if self.dense_view is None and self.expert_view is None:
             return state
         prefix = kwargs.get("prefix", "")
         for name, param in self.module.named_parameters():
@@ -419,21 +416,11 @@ class DistributedDataParallel(_BaseDataParallel):
         """Loads a state dict of `state_dict()`'s form; the value of a parameter split by
         expert or tensor parallelism may also be the whole global tensor (this rank keeps its
         part)."""
-        if self.expert_layout is None and self.tensor_parallel is None:
+        if self.dense_view is None and self.expert_view is None:
             return self.module.load_state_dict(state_dict, strict=strict)
         local = dict(state_dict)
         for name, param in self.module.named_parameters():
-            value = local.get(name)
-            if value is None:
-                continue
-            if not self.is_expert(param):
-                if self.tensor_parallel is not None:
-                    local[name] = self.tensor_parallel.local_value(value, param)
-                continue
-            if isinstance(value, DTensor):
-                ours = value.device_mesh is self.expert_layout.replicated_mesh
-                value = value.to_local() if ours else value.full_tensor()
-            if value.shape != param.shape:
-                value = local_expert_rows(value, self.expert_layout.ep)
-            local[name] = value
+            view = self.view_of(param)
+            if view is not None and local.get(name) is not None:
+                local[name] = view.local_value(local[name], param)
         return self.module.load_state_dict(local, strict=strict)

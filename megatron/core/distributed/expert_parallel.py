@@ -1,34 +1,40 @@
-"""How the data-parallel engines see expert parameters split by expert parallelism (EP).
+"""How the data-parallel engines see expert parameters split by expert and expert tensor
+parallelism.
 
 An expert parameter (`is_expert_param`: its name contains `.experts.`) holds the experts of this
 rank only: its dim 0 is the *local* expert index, and rank `r` of the expert-model-parallel
-group (`ep`) holds the global experts `r * E_local ... (r + 1) * E_local - 1`. Ranks with the
-same experts form the expert data-parallel group (`expt_dp`, the world over EP ranks); expert
-gradients are reduced there, dense ones over the whole data x context group.
+group (`ep`) holds the global experts `r * E_local ... (r + 1) * E_local - 1`. With expert tensor
+parallelism each expert's weights are further split over the expert tensor-parallel group
+(`expt_tp`), as the experts' `TensorParallelLayout`s say (those layouts are relative to
+`expt_tp`, not to the dense `tp` group). Ranks holding the same part of the same experts form the
+expert data-parallel group (`expt_dp`); expert gradients are reduced there, dense ones over the
+whole data x context group.
 
 Everything the engines show outside (main weights, gradients and optimizer states as DTensors,
-checkpoints) is the *global* tensor `[num_experts, ...]`, split over `ep` along dim 0 first
-(`Shard(0)` on the mesh's first dimension), then as the engine shards it over `expt_dp`. So a
-checkpoint holds global experts and loads at any EP size, and the gradient norm all-reduces the
-expert partial sums over `ep` (different experts) but not over `expt_dp` replicas.
+checkpoints) is the *global* tensor `[num_experts, ...]`: split over `expt_tp` as its layout says
+and over `ep` along dim 0 (the mesh's leading dimensions), then as the engine shards it over
+`expt_dp`. So a checkpoint holds global experts and loads at any EP or ETP size, and the gradient
+norm all-reduces the expert partial sums over `ep` and `expt_tp` but not over `expt_dp` replicas.
 
 Gradient scaling: an expert's gradient is the sum of what every rank's tokens contributed, and
 it must equal what it would be if the expert were replicated, i.e. averaged over the data x
-context ranks. The reduction over `expt_dp` therefore divides by the dp x cp size (the expert
-data-parallel size times EP, over the tensor-parallel size), not by its own size. Under tensor
-parallelism the ranks of one tp group hold different experts (EP is at least TP) and route
-different parts of the sequence, so `expt_dp` holds no tp peers. With EP 1 there is no expert
-parallelism: experts are dense parameters.
+context ranks. The reduction over `expt_dp` therefore divides by the dp x cp size, not by its
+own size.
+
+Experts are dense parameters, with the dense groups, when they have no groups of their own
+(`experts_are_dense`): no expert parallelism and an `expt_tp` group that is none (every tp rank
+then holds all experts whole, and the layer sums their gradients over tp) or the dense tp group
+itself (they are then split over tp like any dense parameter).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from megatron.core import parallel_state
-from megatron.core.distributed.tensor_parallel_params import LeadingGroupMeshes, dtensor
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 
@@ -37,16 +43,53 @@ def is_expert_param(name: str, param: torch.nn.Parameter) -> bool:
     return ".experts." in f".{name}." or getattr(param, "allreduce", True) is False
 
 
-def expert_groups(
-    pg_collection: ProcessGroupCollection | None,
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """(ep, expt_dp) of `pg_collection`, else of `parallel_state` when initialised, else
-    (None, None): one rank holds every expert (EP = 1)."""
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The groups expert parameters are split and replicated over; None for a size of 1.
+
+    Attributes:
+        ep: the expert-model-parallel group.
+        etp: the expert tensor-parallel group (`expt_tp`).
+        expt_dp: the expert data-parallel group.
+    """
+
+    ep: dist.ProcessGroup | None = None
+    etp: dist.ProcessGroup | None = None
+    expt_dp: dist.ProcessGroup | None = None
+
+
+def expert_groups(pg_collection: ProcessGroupCollection | None) -> ExpertGroups:
+    """The expert groups of `pg_collection`, else of `parallel_state` when initialised, else
+    none: one rank holds every expert whole."""
     if pg_collection is None:
         if not parallel_state.model_parallel_is_initialized():
-            return None, None
+            return ExpertGroups()
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    return pg_collection.ep, pg_collection.expt_dp
+    return ExpertGroups(
+        ep=_multi_rank(pg_collection.ep),
+        etp=_multi_rank(pg_collection.expt_tp),
+        expt_dp=pg_collection.expt_dp,
+    )
+
+
+def _multi_rank(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    return group if group is not None and group.size() > 1 else None
+
+
+def experts_are_dense(
+    ep: dist.ProcessGroup | None, etp: dist.ProcessGroup | None, tp: dist.ProcessGroup | None
+) -> bool:
+    """Whether expert parameters use the dense groups (see the module docstring).
+
+    Args:
+        ep, etp, tp: the expert-model-parallel, expert tensor-parallel and tensor-parallel
+            groups, None for a size of 1.
+    """
+    if ep is not None:
+        return False
+    if etp is None:
+        return True
+    return tp is not None and dist.get_process_group_ranks(etp) == dist.get_process_group_ranks(tp)
 
 
 def ep_size(group: dist.ProcessGroup | None) -> int:
@@ -66,29 +109,3 @@ def local_expert_rows(full: torch.Tensor, ep: dist.ProcessGroup | None) -> torch
         return full
     rows = full.shape[0] // size
     return full.narrow(0, ep.rank() * rows, rows)
-
-
-class ExpertLayout(LeadingGroupMeshes):
-    """The expert groups of the DDP engine and the DTensors it shows its experts as.
-
-    Args:
-        ep: the expert-model-parallel group (size > 1).
-        expt_dp: the expert data-parallel group.
-        device_type: "cpu" or "cuda".
-    """
-
-    def __init__(self, ep: dist.ProcessGroup, expt_dp: dist.ProcessGroup, device_type: str):
-        super().__init__(ep, "ep", expt_dp, "expt_dp", device_type)
-        self.ep = ep
-        self.expt_dp = expt_dp
-
-    def replicated(self, local: torch.Tensor) -> DTensor:
-        """`local`, this rank's experts (replicated over expt_dp), as the global DTensor."""
-        shape = global_expert_shape(local.shape, self.ep)
-        return dtensor(local, self.replicated_mesh, (Shard(0),), shape)
-
-    def sharded(self, rows: torch.Tensor, local_shape: torch.Size) -> DTensor:
-        """`rows`, this rank's dim-0 chunk over expt_dp of a parameter of `local_shape` (this
-        rank's experts), as the global DTensor."""
-        shape = global_expert_shape(local_shape, self.ep)
-        return dtensor(rows, self.sharded_mesh, (Shard(0), Shard(0)), shape)

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from megatron.core import parallel_state
@@ -31,10 +31,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
     copy_from_shard,
-    full_tensor,
     shard_tensor,
     strided_to_shard,
-    tensor_parallel_placement,
 )
 
 
@@ -76,35 +74,39 @@ def local_part(
     return shard_tensor(full, layout, tp.rank(), tp.size())
 
 
-def mesh_with_leading_group(
-    lead: dist.ProcessGroup,
-    lead_name: str,
+def mesh_with_leading_groups(
+    leads: list[tuple[str, dist.ProcessGroup]],
     inner: list[dist.ProcessGroup],
     inner_ranks: torch.Tensor,
     device_type: str,
     inner_names: tuple[str, ...],
 ) -> DeviceMesh:
-    """A mesh (lead, *inner dims): every rank of `lead` holds its own inner dimensions.
+    """A mesh (*leads, *inner dims): every rank of the leading groups holds its own inner ones.
 
     Args:
-        lead: the group of the first dimension (tp, or ep for experts).
-        lead_name: its dimension's name; the group's name is appended (DTensor caches sharding
-            decisions by mesh, and meshes over destroyed groups with the same ranks compare
-            equal otherwise).
-        inner: the groups of the other dimensions, in mesh order.
-        inner_ranks: this rank's global ranks of the inner dimensions, shaped like them.
+        leads: (dimension name, group) of the first dimensions, outermost first (tp, then ep for
+            experts split by both); each group's name is appended to its dimension's name
+            (DTensor caches sharding decisions by mesh, and meshes over destroyed groups with
+            the same ranks compare equal otherwise).
+        inner: the groups of the other dimensions, in mesh order (may be empty).
+        inner_ranks: this rank's global ranks of the inner dimensions, shaped like them (a 0-d
+            tensor of this rank when there are none).
         device_type: "cpu" or "cuda".
         inner_names: the names of the inner dimensions.
 
-    Every rank of `lead` must call it (the peers' inner ranks are all-gathered).
+    Every rank of every leading group must call it (the peers' ranks are all-gathered).
     """
-    peers: list[list | None] = [None] * lead.size()
-    dist.all_gather_object(peers, inner_ranks.tolist(), group=lead)
+    ranks = inner_ranks
+    for _, lead in reversed(leads):
+        peers: list[list | int | None] = [None] * lead.size()
+        dist.all_gather_object(peers, ranks.tolist(), group=lead)
+        ranks = torch.tensor(peers, dtype=torch.int)
+    names = tuple(f"{name}:{lead.group_name}" for name, lead in leads)
     return DeviceMesh.from_group(
-        [lead, *inner],
+        [lead for _, lead in leads] + list(inner),
         device_type,
-        mesh=torch.tensor(peers, dtype=torch.int),
-        mesh_dim_names=(f"{lead_name}:{lead.group_name}", *inner_names),
+        mesh=ranks,
+        mesh_dim_names=names + tuple(inner_names),
     )
 
 
@@ -187,87 +189,6 @@ def dtensor(
         shape=shape,
         stride=torch.empty(shape, device="meta").stride(),
     )
-
-
-class LeadingGroupMeshes:
-    """The two meshes the DDP engine and the distributed optimizer show a parameter kind split
-    over a leading group (tp, or ep for experts) on: `(lead,)` for values replicated over the
-    data-parallel group, `(lead, dp)` for their dim-0 chunks over it.
-
-    Args:
-        lead: the leading group (two or more ranks).
-        lead_name: its dimension's name ("tp", "ep").
-        dp: the data-parallel group of this kind of parameter.
-        dp_name: its dimension's name.
-        device_type: "cpu" or "cuda".
-    """
-
-    def __init__(
-        self,
-        lead: dist.ProcessGroup,
-        lead_name: str,
-        dp: dist.ProcessGroup,
-        dp_name: str,
-        device_type: str,
-    ):
-        # Group names in the dimension names: DTensor caches sharding decisions by mesh, and
-        # meshes over destroyed groups with the same ranks compare equal otherwise.
-        self.replicated_mesh = DeviceMesh.from_group(
-            lead, device_type, mesh_dim_names=(f"{lead_name}:{lead.group_name}",)
-        )
-        own = torch.tensor(dist.get_process_group_ranks(dp), dtype=torch.int)
-        self.sharded_mesh = mesh_with_leading_group(
-            lead, lead_name, [dp], own, device_type, (f"{dp_name}:{dp.group_name}",)
-        )
-
-
-class TensorParallelView(LeadingGroupMeshes):
-    """The global DTensors the DDP engine and the distributed optimizer show TP parameters as.
-
-    Args:
-        tp: the tensor-parallel group (two or more ranks).
-        dp: the data-parallel group parameters are replicated (DDP) or sharded (distributed
-            optimizer) over.
-        layouts: each parameter's layout; parameters not in it are replicated over tp.
-        device_type: "cpu" or "cuda".
-    """
-
-    def __init__(
-        self,
-        tp: dist.ProcessGroup,
-        dp: dist.ProcessGroup,
-        layouts: dict[torch.nn.Parameter, TensorParallelLayout],
-        device_type: str,
-    ):
-        super().__init__(tp, "tp", dp, "dp", device_type)
-        self.tp = tp
-        self.layouts = layouts
-
-    def placement(self, param: torch.nn.Parameter) -> Placement:
-        """`param`'s placement over the tp dimension."""
-        return tensor_parallel_placement(self.layouts.get(param))
-
-    def replicated(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
-        """`local` (shaped like `param`, replicated over dp) as the global DTensor."""
-        shape = global_shape(param.shape, self.layouts.get(param), self.tp)
-        return dtensor(local, self.replicated_mesh, (self.placement(param),), shape)
-
-    def sharded(self, rows: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
-        """`rows`, this rank's dim-0 chunk over dp of a tensor shaped like `param`, as the
-        global DTensor."""
-        shape = global_shape(param.shape, self.layouts.get(param), self.tp)
-        return dtensor(rows, self.sharded_mesh, (self.placement(param), Shard(0)), shape)
-
-    def local_value(self, value: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-        """`param`'s part of `value`: a DTensor of `replicated()`'s form, another global
-        DTensor, or a whole global tensor (a module-shaped tensor is taken as it is)."""
-        if isinstance(value, DTensor):
-            if value.device_mesh is self.replicated_mesh:
-                return value.to_local()
-            value = full_tensor(value)
-        if value.shape == param.shape:
-            return value
-        return local_part(value, self.layouts.get(param), self.tp)
 
 
 # Checkpoints. torch.distributed.checkpoint describes a rank's part of a DTensor as one box

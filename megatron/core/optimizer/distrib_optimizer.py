@@ -91,18 +91,15 @@ class DistributedOptimizer(MegatronOptimizer):
         )
         self._dtensors = {p: self._as_dtensor(main, p) for p, main in self._shards.items()}
         # (model parameter, DTensor of its fp32 master shard) where the parameter is not fp32.
-        self._masters = [
-            (p, self._dtensors[p]) for p in self._shards if p.dtype != torch.float32
-        ]
+        self._masters = [(p, self._dtensors[p]) for p in self._shards if p.dtype != torch.float32]
 
     def _as_dtensor(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
         """`local`, this rank's rows of a tensor shaped like `param`, as a `Shard(0)` DTensor
         (an expert split by expert parallelism: the global DTensor of its experts; under tensor
         parallelism the global DTensor over (tp, dp))."""
-        if self.model.is_expert(param):
-            return self.model.expert_layout.sharded(local, param.shape)
-        if self.model.tensor_parallel is not None:
-            return self.model.tensor_parallel.sharded(local, param)
+        view = self.model.view_of(param)
+        if view is not None:
+            return view.sharded(local, param)
         return DTensor.from_local(
             local,
             self._mesh,

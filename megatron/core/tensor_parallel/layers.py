@@ -113,7 +113,7 @@ class _ParallelLinear(_TensorParallelModule):
         tp_group: dist.ProcessGroup | None,
         skip_weight_param_allocation: bool = False,
     ):
-        # Expert layers take their tp group explicitly: expert tensor parallelism is 1 here.
+        # Expert layers take their (expert tensor-parallel) group explicitly, never the dense tp.
         if not is_expert:
             tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         super().__init__(config, tp_group)

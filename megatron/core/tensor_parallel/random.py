@@ -150,7 +150,7 @@ def model_parallel_cuda_manual_seed(
         seed: The training seed.
         tp_rank: Tensor-parallel rank; None: parallel_state's when initialised, else 0.
         ep_rank: Expert-parallel rank; None: parallel_state's when initialised, else 0.
-        etp_rank: Expert tensor-parallel rank; None: 0 (expert tensor parallelism is 1 here).
+        etp_rank: Expert tensor-parallel rank; None: parallel_state's when initialised, else 0.
     """
     initialized = parallel_state.model_parallel_is_initialized()
     if tp_rank is None:
@@ -158,7 +158,7 @@ def model_parallel_cuda_manual_seed(
     if ep_rank is None:
         ep_rank = parallel_state.get_expert_model_parallel_rank() if initialized else 0
     if etp_rank is None:
-        etp_rank = 0
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank() if initialized else 0
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     _device_manual_seed(seed)

@@ -374,29 +374,38 @@ class TransformerConfig(ModelParallelConfig):
                 f"({tp}) with sequence_parallel: each rank keeps seq_length / {tp} positions; "
                 "change seq_length or set sequence_parallel=False."
             )
-        if self.num_moe_experts is not None and tp > 1:
+        if self.num_moe_experts is not None:
             self._check_moe_tensor_parallel()
 
     def _check_moe_tensor_parallel(self) -> None:
         tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
+        etp = self.expert_tensor_parallel_size
         # Each tp rank routes its own part of the sequence (Megatron-core requires it too):
         # without it the tp ranks would route and compute the same tokens twice.
-        if not self.sequence_parallel:
+        if tp > 1 and not self.sequence_parallel:
             raise ValueError(
                 f"MoE layers (num_moe_experts={self.num_moe_experts}) with "
                 f"tensor_model_parallel_size={tp} need sequence_parallel=True "
                 "(--sequence-parallel), as in Megatron-core; set it, or set "
                 "tensor_model_parallel_size=1."
             )
-        # Experts are not split by tp (expert tensor parallelism 1). At EP 1 every tp rank holds
-        # all experts and the layer sums their gradients over tp; with EP >= TP the tp ranks of
-        # one group hold different experts. In between, tp ranks would hold copies of the same
-        # experts without a group of just those copies to sum over.
-        if 1 < ep < tp:
+        if self.moe_ffn_hidden_size % etp:
             raise ValueError(
-                f"expert_model_parallel_size={ep} with tensor_model_parallel_size={tp} is not "
-                "built: the tensor-parallel ranks would hold copies of the same experts; use "
-                f"expert_model_parallel_size=1 or >= {tp}."
+                f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible by "
+                f"expert_tensor_parallel_size ({etp}): each expert's MLP width is split over "
+                "the expert tensor-parallel ranks; change one of them."
+            )
+        # The etp x ep ranks of an expert group hold different parts of the experts, and tp
+        # ranks route different tokens. With one rank per expert group every tp rank holds all
+        # experts and the layer sums their gradients over tp; with at least tp ranks the tp
+        # ranks of one group hold different parts. In between, tp ranks would hold copies of
+        # the same part without a group of just those copies to sum over.
+        if 1 < etp * ep < tp:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} with "
+                f"tensor_model_parallel_size={tp} is not built: the tensor-parallel ranks would "
+                "hold copies of the same expert weights; make expert_tensor_parallel_size x "
+                f"expert_model_parallel_size 1 or at least {tp}."
             )
 
     def _check_attention_options(self) -> None:

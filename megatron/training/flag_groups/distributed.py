@@ -36,7 +36,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--expert-tensor-parallel-size",
         type=int,
-        help="Only 1; unset means 1 here (upstream: the tensor-parallel size).",
+        help="Ranks that split each expert's weights (ETP); unset: the tensor-parallel size.",
     )
     group.add_argument(
         "--distributed-backend", default="nccl", choices=("nccl", "gloo"), help="gloo on CPU."

@@ -212,15 +212,11 @@ def validate_moe(args: argparse.Namespace) -> None:
     errors `validate_args` reports with these flags' names.
 
     Raises:
-        ValueError: an MoE flag without `--num-experts`, several load-balancing losses,
-            expert tensor parallelism, or an expert-parallel size the ranks do not allow.
+        ValueError: an MoE flag without `--num-experts`, several load-balancing losses, or
+            expert-parallel sizes the ranks do not allow.
     """
-    if args.expert_tensor_parallel_size not in (None, 1):
-        raise ValueError(
-            f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: tensor "
-            "parallelism of the experts is not built in this project; set it to 1 and split "
-            "the experts with --expert-model-parallel-size."
-        )
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.num_experts == 0:
         args.num_experts = None
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
@@ -248,17 +244,19 @@ def validate_moe(args: argparse.Namespace) -> None:
 
 
 def _validate_expert_parallelism(args: argparse.Namespace) -> None:
-    ep = args.expert_model_parallel_size
-    if args.world_size % ep:
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if etp < 1 or args.world_size % (etp * ep):
         raise ValueError(
-            f"--expert-model-parallel-size {ep} does not divide the world size "
-            f"{args.world_size}; choose a divisor of {args.world_size}."
+            f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} does not "
+            f"divide the world size {args.world_size}; choose sizes whose product divides "
+            f"{args.world_size}."
         )
-    expert_data_parallel = args.world_size // ep
+    expert_data_parallel = args.world_size // (etp * ep)
     instances = args.num_distributed_optimizer_instances
     if expert_data_parallel % instances:
         raise ValueError(
             f"--num-distributed-optimizer-instances {instances} does not divide the expert "
             f"data-parallel size {expert_data_parallel} (world size {args.world_size} / "
-            f"--expert-model-parallel-size {ep}); lower one of the two."
+            f"(--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep})); "
+            "lower one of them."
         )

@@ -1,8 +1,9 @@
 """The tensor-parallel GPT under the data-parallel engines: at TP 2 x DP 2 (sequence parallel,
-GQA, SwiGLU, RoPE, untied output; and a Mixture-of-Experts GPT at EP 2 and 1) it trains exactly
-as one process running the whole global batch at TP 1: losses, global gradient norms and every
-global weight after two SGD-with-momentum steps of two microbatches each (the MoE GPT with a
-z-loss and no load-balancing loss, which depends on how the batch is split). 4 gloo ranks."""
+GQA, SwiGLU, RoPE, untied output; and a Mixture-of-Experts GPT at EP 2 and 1, with experts whole
+or split by expert tensor parallelism, also at TP 1) it trains exactly as one process running the
+whole global batch at TP 1: losses, global gradient norms and every global weight after two
+SGD-with-momentum steps of two microbatches each (the MoE GPT with a z-loss and no
+load-balancing loss, which depends on how the batch is split). 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.optimizer import get_megatron_optimizer
@@ -57,7 +59,8 @@ class GPTLosses(torch.nn.Module):
         return self.gpt(tokens, labels=labels).mean(dim=1)
 
 
-def _build(moe: bool, groups: ProcessGroupCollection | None) -> GPTLosses:
+def build_gpt(moe: bool, groups: ProcessGroupCollection | None) -> GPTLosses:
+    """The (MoE) GPT split as `groups` say (None: one process, TP 1)."""
     tp = 1 if groups is None else groups.tp.size()
     # The load-balancing loss of a micro-batch is not the mean of its parts' (unlike the z-loss),
     # so it is off: data parallelism changes it, as in the EP engine tests.
@@ -66,7 +69,8 @@ def _build(moe: bool, groups: ProcessGroupCollection | None) -> GPTLosses:
     config = tiny_gpt_config(
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
-        expert_model_parallel_size=1 if groups is None or groups.ep is None else groups.ep.size(),
+        expert_model_parallel_size=_size(groups, "ep"),
+        expert_tensor_parallel_size=_size(groups, "expt_tp"),
         seq_length=SEQ_LENGTH,
         **fields,
     )
@@ -82,50 +86,84 @@ def _build(moe: bool, groups: ProcessGroupCollection | None) -> GPTLosses:
     return GPTLosses(gpt)
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _size(groups: ProcessGroupCollection | None, name: str) -> int:
+    group = None if groups is None else getattr(groups, name)
+    return 1 if group is None else group.size()
+
+
+def gpt_batches(dp: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` global batches of (tokens, labels) for `dp` data-parallel ranks."""
     generator = torch.Generator().manual_seed(0)
-    size = WORLD // TP * MICROBATCHES * MICRO_BATCH
+    size = dp * MICROBATCHES * MICRO_BATCH
     data = [
         torch.randint(0, VOCAB_SIZE, (size, SEQ_LENGTH + 1), generator=generator)
-        for _ in range(STEPS)
+        for _ in range(steps)
     ]
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def _train(moe: bool, engine: Engine, ep: int = 1) -> RunResult:
-    groups = tp_process_groups(TP, engine.replicas)
-    if ep > 1:
-        # Upstream's expert order etp-ep-dp with etp 1: the ep groups are the tp groups' ranks
-        # and the expert data-parallel groups the dense ones.
-        fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(groups)}
-        groups = ProcessGroupCollection(**dict(fields, ep=groups.tp, expt_dp=groups.dp_cp))
-    model = wrap(_build(moe, groups), engine, TransformerLayer, pg_collection=groups)
+def _train(moe: bool, engine: Engine, ep: int, etp: int | None, tp: int) -> RunResult:
+    if etp is None:
+        # Experts whole (expert tensor parallelism 1), groups made by hand once per process.
+        groups = tp_process_groups(TP, engine.replicas)
+        if ep > 1:
+            # Upstream's expert order etp-ep-dp with etp 1: the ep groups are the tp groups'
+            # ranks and the expert data-parallel groups the dense ones.
+            fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(groups)}
+            groups = ProcessGroupCollection(**dict(fields, ep=groups.tp, expt_dp=groups.dp_cp))
+        return _run(moe, engine, groups)
+    parallel_state.initialize_model_parallel(
+        tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        num_distributed_optimizer_instances=engine.replicas,
+    )
+    try:
+        return _run(moe, engine, ProcessGroupCollection.use_mpu_process_groups())
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _run(moe: bool, engine: Engine, groups: ProcessGroupCollection) -> RunResult:
+    model = wrap(build_gpt(moe, groups), engine, TransformerLayer, pg_collection=groups)
     optimizer = get_megatron_optimizer(optimizer_config("sgd"), model)
     result = RunResult()
     dp = groups.dp_cp
-    train_steps(model, optimizer, _batches(), result, dp.rank(), dp.size(), dp)
+    train_steps(model, optimizer, gpt_batches(dp.size()), result, dp.rank(), dp.size(), dp)
     result.weights = global_state(model.state_dict())
     return result
 
 
-def _reference(moe: bool) -> RunResult:
-    model = _build(moe, None)
+def reference_gpt_run(moe: bool, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> RunResult:
+    """The GPT at TP 1 on one process, trained by plain PyTorch on `batches`."""
+    model = build_gpt(moe, None)
     result = RunResult()
-    train_steps(model, PlainOptimizer(model, "sgd"), _batches(), result)
+    train_steps(model, PlainOptimizer(model, "sgd"), batches, result)
     result.weights = global_state(model.state_dict())
     return result
+
+
+ZERO3 = Engine("fsdp", "optim_grads_params")
 
 
 @pytest.mark.parametrize(
-    "moe, engine, ep",
+    "moe, engine, ep, etp, tp",
     [
-        (False, Engine("fsdp", "optim_grads_params"), 1),
-        (False, Engine("fsdp", "optim_grads"), 1),
-        (False, Engine("fsdp", "no_shard"), 1),
-        (False, Engine("ddp", distributed_optimizer=True), 1),
-        (True, Engine("fsdp", "optim_grads_params"), 2),
-        (True, Engine("fsdp", "optim_grads_params"), 1),
-        (True, Engine("ddp"), 2),
+        (False, ZERO3, 1, None, TP),
+        (False, Engine("fsdp", "optim_grads"), 1, None, TP),
+        (False, Engine("fsdp", "no_shard"), 1, None, TP),
+        (False, Engine("ddp", distributed_optimizer=True), 1, None, TP),
+        (True, ZERO3, 2, None, TP),
+        (True, ZERO3, 1, None, TP),
+        (True, Engine("ddp"), 2, None, TP),
+        # Experts split over expt_tp (the tp ranks here) and ep: mesh (expt_tp, ep, expt_dp).
+        (True, ZERO3, 2, 2, TP),
+        (True, Engine("ddp", distributed_optimizer=True), 2, 2, TP),
+        # At EP 1 with expt_tp the tp group, experts are dense parameters split over tp.
+        (True, Engine("fsdp", "optim_grads"), 1, 2, TP),
+        # Dense data parallelism over all 4 ranks, experts split over 2 x 2.
+        (True, ZERO3, 2, 2, 1),
+        (True, Engine("ddp"), 1, 2, 1),
     ],
     ids=[
         "zero3",
@@ -135,11 +173,17 @@ def _reference(moe: bool) -> RunResult:
         "moe_ep2_zero3",
         "moe_ep1_zero3",
         "moe_ep2_ddp",
+        "moe_etp2_ep2_zero3",
+        "moe_etp2_ep2_ddp_distopt",
+        "moe_etp2_ep1_optim_grads",
+        "moe_tp1_etp2_ep2_zero3",
+        "moe_tp1_etp2_ep1_ddp",
     ],
 )
-def test_tensor_parallel_gpt_trains_as_one_process(moe, engine, ep):
-    expected = _reference(moe)
-    for rank, actual in enumerate(run_distributed(_train, WORLD, moe, engine, ep)):
+def test_tensor_parallel_gpt_trains_as_one_process(moe, engine, ep, etp, tp):
+    expected = reference_gpt_run(moe, gpt_batches(WORLD // tp))
+    results = run_distributed(_train, WORLD, moe, engine, ep, etp, tp)
+    for rank, actual in enumerate(results):
         where = f"rank {rank}"
         torch.testing.assert_close(actual.losses, expected.losses, msg=f"{where} losses")
         torch.testing.assert_close(actual.grad_norms, expected.grad_norms, msg=f"{where} norms")

@@ -1,10 +1,11 @@
-"""MoE layers under tensor + sequence parallelism (expert tensor parallelism 1) compute what the
-TP 1 model computes: on 4 gloo ranks (tp groups [0, 1] [2, 3], ep groups in Megatron-core's
-expert order), a tiny MoE GPT at TP 2 + SP with EP 2 or EP 1 gives the per-token losses, the
-auxiliary and z-loss metrics, the full gradients (tp parts gathered by their layouts, experts
-over ep) and the aux-loss-free expert-bias update of a TP 1, EP 1 model built from the same seed
-on the same tokens. Also the refusals: MoE with TP but without SP, EP between 1 and TP, and
-expert tensor parallelism."""
+"""MoE layers under tensor + sequence parallelism with expert tensor parallelism 1 (set explicitly:
+the default is the tp size) compute what the TP 1 model computes: on 4 gloo ranks (tp groups
+[0, 1] [2, 3], ep groups in Megatron-core's expert order), a tiny MoE GPT at TP 2 + SP with EP 2
+or EP 1 gives the per-token losses, the auxiliary and z-loss metrics, the full gradients (tp
+parts gathered by their layouts, experts over ep) and the aux-loss-free expert-bias update of a
+TP 1, EP 1 model built from the same seed on the same tokens. Also the config's refusals: MoE
+with TP but without SP, 1 < ETP x EP < TP, and an MLP width not divisible by ETP.
+(`test_gpt_moe_expert_tensor_parallel.py` covers ETP 2.)"""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def _config(tp: int, ep: int, dispatcher: str, variant: str) -> TransformerConfi
     return tiny_gpt_config(
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
+        expert_tensor_parallel_size=1,
         expert_model_parallel_size=ep,
         moe_token_dispatcher_type=dispatcher,
         seq_length=SEQ,
@@ -99,6 +101,23 @@ def _step(model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor) -> tuple:
     return loss.detach(), metrics, biases
 
 
+def check_step(
+    reference: GPTModel, model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor
+) -> None:
+    """One `_step` of each model on the same tokens gives the same per-token losses, MoE
+    metrics and expert biases."""
+    expected_loss, expected_metrics, expected_biases = _step(reference, tokens, labels)
+    loss, metrics, biases = _step(model, tokens, labels)
+    torch.testing.assert_close(loss, expected_loss)
+    assert metrics.keys() == expected_metrics.keys() and len(metrics) == 2
+    for name, values in metrics.items():
+        torch.testing.assert_close(values, expected_metrics[name], msg=name)
+    assert len(biases) == len(expected_biases)
+    for bias, expected in zip(biases, expected_biases):
+        torch.testing.assert_close(bias, expected)
+        assert expected.abs().sum() > 0  # the update moved the biases
+
+
 def _global(name: str, tensor: torch.Tensor, layouts: dict, tp_group, ep_group) -> torch.Tensor:
     if name in layouts:
         return _gather_full(tensor, layouts[name], tp_group)
@@ -121,17 +140,7 @@ def _check_against_reference(ep: int, dispatcher: str, variant: str) -> None:
     model = _build(
         _config(TP, ep, dispatcher, variant), ProcessGroupCollection(tp=tp_group, ep=ep_group)
     )
-    expected_loss, expected_metrics, expected_biases = _step(reference, tokens, labels)
-    loss, metrics, biases = _step(model, tokens, labels)
-
-    torch.testing.assert_close(loss, expected_loss)
-    assert metrics.keys() == expected_metrics.keys() and len(metrics) == 2
-    for name, values in metrics.items():
-        torch.testing.assert_close(values, expected_metrics[name], msg=name)
-    assert len(biases) == len(expected_biases)
-    for bias, expected in zip(biases, expected_biases):
-        torch.testing.assert_close(bias, expected)
-        assert expected.abs().sum() > 0  # the update moved the biases
+    check_step(reference, model, tokens, labels)
 
     layouts = named_tensor_parallel_layouts(model)
     assert any(".shared_experts.linear_fc1." in name for name in layouts)
@@ -157,24 +166,29 @@ def test_moe_gpt_under_tensor_and_sequence_parallelism_matches_tp1(ep, dispatche
     run_distributed(_check_against_reference, WORLD, ep, dispatcher, variant)
 
 
+TP4_SP = dict(tensor_model_parallel_size=4, sequence_parallel=True)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (dict(tensor_model_parallel_size=2), "need sequence_parallel=True"),
         (
-            dict(
-                tensor_model_parallel_size=4, sequence_parallel=True, expert_model_parallel_size=2
-            ),
-            "expert_model_parallel_size=1 or >= 4",
+            dict(**TP4_SP, expert_tensor_parallel_size=1, expert_model_parallel_size=2),
+            "expert_tensor_parallel_size=1 x expert_model_parallel_size=2 with "
+            "tensor_model_parallel_size=4 is not built",
         ),
         (
-            dict(
-                tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2
-            ),
-            "expert_tensor_parallel_size=2 is not supported",
+            dict(**TP4_SP, expert_tensor_parallel_size=2, expert_model_parallel_size=1),
+            "expert_tensor_parallel_size=2 x expert_model_parallel_size=1 with "
+            "tensor_model_parallel_size=4 is not built",
+        ),
+        (
+            dict(expert_tensor_parallel_size=3),
+            r"moe_ffn_hidden_size \(16\) must be divisible by expert_tensor_parallel_size \(3\)",
         ),
     ],
-    ids=["no_sequence_parallel", "ep_between_1_and_tp", "expert_tensor_parallel"],
+    ids=["no_sequence_parallel", "etp1_ep2_below_tp4", "etp2_ep1_below_tp4", "ffn_not_divisible"],
 )
 def test_unsupported_moe_tensor_parallel_configs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -156,7 +156,7 @@ TRANSFORMER_CONFIG_CASES = [
     ("--bf16", "params_dtype", torch.bfloat16),
     ("--fp16", "fp16", True),
     ("--calculate-per-token-loss", "calculate_per_token_loss", True),
-    ("--expert-tensor-parallel-size 1", "expert_tensor_parallel_size", 1),
+    ("--expert-tensor-parallel-size 2", "expert_tensor_parallel_size", 2),
     *(
         (f"--num-experts 4 {flags}".strip(), field, value)
         for flags, field, value in [
@@ -231,7 +231,8 @@ def test_parallel_state_kwargs_match_initialize_model_parallel():
         pipeline_model_parallel_size=1,
         context_parallel_size=1,
         expert_model_parallel_size=1,
-        expert_tensor_parallel_size=None,
+        # Unset, it is the tensor-parallel size (upstream's default).
+        expert_tensor_parallel_size=1,
         num_distributed_optimizer_instances=2,
         create_all_gather_group=True,
         distributed_timeout_minutes=5,

@@ -117,8 +117,9 @@ def test_moe_ffn_width_defaults_to_the_ffn_width_and_zero_experts_is_dense():
             "--num-experts (3) must be divisible by --expert-model-parallel-size (2)",
         ),
         (
-            "--num-experts 4 --expert-tensor-parallel-size 2",
-            "--expert-tensor-parallel-size 2: tensor parallelism of the experts is not built",
+            "--num-experts 4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 2",
+            "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 2 does not divide "
+            "the world size 2",
         ),
         (
             "--num-experts 4 --moe-router-load-balancing-type aux_loss seq_aux_loss",

@@ -2,7 +2,10 @@
 (Megatron-FSDP) loads at TP 1 x DP 4 (DDP engine, distributed optimizer), then TP 4 x DP 1
 (Megatron-FSDP, sharded optimizer) and back at TP 2 x DP 2 (DDP engine) with the same weights
 and optimizer state, bit for bit, and each resumed step has the loss and weights of an
-uninterrupted single-process run. 4 gloo ranks."""
+uninterrupted single-process run. Likewise a Mixture-of-Experts GPT whose experts are split by
+expert tensor parallelism: saved at TP 2 x ETP 2 x EP 2 (Megatron-FSDP), it loads at TP 1 with
+whole experts (DDP engine, distributed optimizer), then TP 1 x ETP 2 x EP 2 (Megatron-FSDP,
+sharded optimizer) and TP 2 x ETP 2 x EP 1 (DDP engine). 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -12,10 +15,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.training.checkpoint_layout import CHECKPOINT_VERSION, CheckpointError
 from megatron.training.checkpointing import _check_arguments, load_checkpoint, save_checkpoint
-from tests.unit_tests.distributed.moe_training import Engine, RunResult, train_steps
-from tests.unit_tests.distributed.tp_training import build, global_batches, reference_run
+from tests.unit_tests.distributed.moe_training import Engine, RunResult, train_steps, wrap
+from tests.unit_tests.distributed.test_gpt_tensor_parallel_engines import (
+    build_gpt,
+    gpt_batches,
+    reference_gpt_run,
+)
+from tests.unit_tests.distributed.tp_training import (
+    build,
+    global_batches,
+    optimizer_config,
+    reference_run,
+)
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.tools.hf_models import parse_flags
 from tests.unit_tests.training.test_expert_checkpoints import (
@@ -64,6 +81,59 @@ def _reshard_across_tp(root: str) -> None:
 
 def test_checkpoint_reshards_across_tensor_parallel_sizes(tmp_path):
     run_distributed(_reshard_across_tp, WORLD, str(tmp_path))
+
+
+EXPERT_STAGES = [  # (tp, ep, etp, engine)
+    (2, 2, 2, Engine("fsdp", "optim_grads_params")),
+    (1, 1, 1, Engine("ddp", distributed_optimizer=True)),
+    (1, 2, 2, Engine("fsdp", "optim")),
+    (2, 1, 2, Engine("ddp")),
+]
+
+
+def _expert_stage(root, step, stage, load_dir, saved, batches, losses, expected) -> dict:
+    tp, ep, etp, engine = stage
+    parallel_state.initialize_model_parallel(
+        tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
+    try:
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        model = wrap(build_gpt(True, groups), engine, TransformerLayer, pg_collection=groups)
+        optimizer = get_megatron_optimizer(optimizer_config("sgd"), model)
+        scheduler = _scheduler(optimizer, optimizer.param_groups[0]["lr"])
+        args = _args(root, load_dir)
+        if load_dir is not None:
+            assert load_checkpoint(model, optimizer, scheduler, args) == step
+            _assert_equal(_snapshot(model, optimizer), saved)
+        result = RunResult()
+        dp = groups.dp_cp
+        train_steps(model, optimizer, batches[step : step + 1], result, dp.rank(), dp.size(), dp)
+        torch.testing.assert_close(result.losses, losses[step : step + 1])
+        save_checkpoint(step + 1, model, optimizer, scheduler, args)
+        saved = _snapshot(model, optimizer)
+        for name, value in expected.items():
+            torch.testing.assert_close(saved[f"model.{name}"], value, msg=f"{stage} {name}")
+        dist.barrier()
+        return saved
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _reshard_across_expert_tp(root: str) -> None:
+    batches = gpt_batches(WORLD, len(EXPERT_STAGES))
+    # The single-process runs first: with parallel_state initialised the layers would take its
+    # groups.
+    losses = reference_gpt_run(True, batches).losses
+    steps = range(len(EXPERT_STAGES))
+    weights = [reference_gpt_run(True, batches[: step + 1]).weights for step in steps]
+    saved, load_dir = None, None
+    for step, stage in enumerate(EXPERT_STAGES):
+        saved = _expert_stage(root, step, stage, load_dir, saved, batches, losses, weights[step])
+        load_dir = os.path.join(root, "save")
+
+
+def test_checkpoint_reshards_across_expert_tensor_parallel_sizes(tmp_path):
+    run_distributed(_reshard_across_expert_tp, WORLD, str(tmp_path))
 
 
 def test_a_vocabulary_padded_for_another_tensor_parallel_size_names_the_divisor():

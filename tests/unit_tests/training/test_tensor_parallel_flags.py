@@ -57,9 +57,17 @@ BAD = [
     ((*TP2, "--num-experts", "4"), 4, "needs --sequence-parallel"),
     ((*TP2, "--sequence-parallel", "--tp-comm-overlap"), 4, "--tp-comm-overlap: tensor-parallel"),
     (
-        ("--num-experts", "4", "--expert-tensor-parallel-size", "2"),
+        ("--num-experts", "4", "--expert-tensor-parallel-size", "2", "--ffn-hidden-size", "33"),
         4,
-        "--expert-tensor-parallel-size 2: tensor parallelism of the experts is not built",
+        r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2\)",
+    ),
+    (
+        (
+            *("--tensor-model-parallel-size", "4", "--sequence-parallel", "--num-experts", "4"),
+            *("--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2"),
+        ),
+        4,
+        "tensor-parallel ranks would hold copies",
     ),
     (
         (*TP2, "--use-megatron-fsdp", "--num-distributed-optimizer-instances", "4"),

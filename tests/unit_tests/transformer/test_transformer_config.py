@@ -110,8 +110,20 @@ def test_expert_model_parallel_size_needs_experts_it_divides():
         TransformerConfig(**BASE, expert_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"num_moe_experts \(6\) must be divisible"):
         TransformerConfig(**BASE, num_moe_experts=6, expert_model_parallel_size=4)
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 is not supported"):
-        TransformerConfig(**BASE, num_moe_experts=4, expert_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"moe_ffn_hidden_size \(6\) must be divisible by exp"):
+        TransformerConfig(
+            **BASE, num_moe_experts=4, moe_ffn_hidden_size=6, expert_tensor_parallel_size=4
+        )
+
+
+def test_expert_tensor_parallel_size_defaults_to_the_tensor_parallel_size():
+    config = TransformerConfig(
+        **BASE, num_moe_experts=4, tensor_model_parallel_size=2, sequence_parallel=True
+    )
+    assert config.expert_tensor_parallel_size == 2
+    assert ModelParallelConfig(expert_tensor_parallel_size=4).expert_tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size must be an integer >= 1"):
+        ModelParallelConfig(expert_tensor_parallel_size=0)
 
 
 def test_model_parallel_config_alone_validates():

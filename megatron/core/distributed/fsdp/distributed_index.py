@@ -7,16 +7,16 @@ separate communicator when one was created, so all-gathers and reduce-scatters c
 the `DeviceMesh` the main weights are DTensors over. A parameter group asks once, when it builds
 its buffers, and keeps the answer.
 
-Expert parameters (see `expert_parallel.py`) are sharded over the expert shard group (`expt_dp`,
-`intra_expt_dp` under hybrid sharding) and gathered over `expt_dp_ag`; with expert parallelism
-their mesh gains a first dimension, `ep`, over which the global experts are split, and their
-gradients' shard-level reductions divide by the dp x cp size rather than the group's. Without
-expert parallelism (EP 1) experts are dense parameters.
-
 With tensor parallelism (`tensor_parallel_params.py`) the data-parallel groups exclude the TP
 peers, and the dense mesh gains a first dimension, `tp`, over which the global tensors are split
-as each parameter's layout says. Experts are not split over tp (expert tensor parallel size 1):
-their mesh is the expert one.
+as each parameter's layout says.
+
+Expert parameters with groups of their own (see `expert_parallel.py`: split by expert or expert
+tensor parallelism) are sharded over the expert shard group (`expt_dp`, `intra_expt_dp` under
+hybrid sharding) and gathered over `expt_dp_ag`; their mesh leads with `tp` (the `expt_tp`
+group, as their layouts say) and `ep` (the global experts split along dim 0), and their
+gradients' shard-level reductions divide by the dp x cp size rather than the group's. Otherwise
+experts are dense parameters.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import resolve_data_parallel_group
+from megatron.core.distributed.expert_parallel import experts_are_dense
 from megatron.core.distributed.tensor_parallel_params import (
     check_excludes_tp_peers,
-    mesh_with_leading_group,
+    mesh_with_leading_groups,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -47,12 +48,11 @@ class ShardGroups:
         shard: the group model weights / gradients / main weights are sharded over.
         outer: the group across hybrid-sharding replicas, or None.
         all_gather: the communicator parameter all-gathers use (same ranks as `shard`).
-        mesh: (shard,) or (shard, outer) device mesh, with `ep` in front for experts split by
-            expert parallelism, `tp` in front for dense parameters under tensor parallelism;
-            main weights are DTensors over it.
+        mesh: (shard,) or (shard, outer) device mesh, led by `tp` when `tp` is set and then `ep`
+            when `ep` is set; main weights are DTensors over it.
         ep: the expert-model-parallel group of experts split over two or more ranks, else None.
-        tp: the tensor-parallel group of dense parameters when it has two or more ranks, else
-            None.
+        tp: the group the parameters' tensor-parallel layouts split over (`tp` for dense
+            parameters, `expt_tp` for experts) when it has two or more ranks, else None.
     """
 
     shard: dist.ProcessGroup
@@ -90,6 +90,8 @@ class FSDPDistributedIndex:
             every rank holds every expert).
         tensor_model_parallel_group: the `tp` group of dense parameters (None or size 1: no
             tensor parallelism); it must not overlap the shard group.
+        expert_tensor_parallel_group: the `expt_tp` group splitting each expert (None or size
+            1: experts are not split by tensor parallelism).
         device: where buffers live; default: the current CUDA device under NCCL, else CPU.
 
     Raises:
@@ -107,6 +109,7 @@ class FSDPDistributedIndex:
         expert_all_gather_group: dist.ProcessGroup | None = None,
         expert_model_parallel_group: dist.ProcessGroup | None = None,
         tensor_model_parallel_group: dist.ProcessGroup | None = None,
+        expert_tensor_parallel_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
     ):
         if outer_group is not None and outer_group.size() == 1:
@@ -115,6 +118,8 @@ class FSDPDistributedIndex:
             expert_model_parallel_group = None
         if tensor_model_parallel_group is not None and tensor_model_parallel_group.size() == 1:
             tensor_model_parallel_group = None
+        if expert_tensor_parallel_group is not None and expert_tensor_parallel_group.size() == 1:
+            expert_tensor_parallel_group = None
         _check_same_ranks(all_gather_group, shard_group, "dp_cp_ag", "the dense shard group")
         _check_same_ranks(
             expert_all_gather_group, expert_shard_group, "expt_dp_ag", "the expert shard group"
@@ -127,6 +132,7 @@ class FSDPDistributedIndex:
         self.expert_all_gather_group = expert_all_gather_group
         self.expert_model_parallel_group = expert_model_parallel_group
         self.tensor_model_parallel_group = tensor_model_parallel_group
+        self.expert_tensor_parallel_group = expert_tensor_parallel_group
         if device is None:
             on_gpu = dist.get_backend(shard_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
@@ -141,7 +147,7 @@ class FSDPDistributedIndex:
 
         The dense shard group is `intra_dp_cp` when set (hybrid sharding), else `dp_cp`; the
         outer group is `inter_dist_opt`; the all-gather groups are `dp_cp_ag` / `expt_dp_ag`;
-        experts are split over `ep`; dense parameters over `tp`.
+        experts are split over `ep` and `expt_tp`; dense parameters over `tp`.
         """
         if pg_collection is None:
             if not parallel_state.model_parallel_is_initialized():
@@ -156,6 +162,7 @@ class FSDPDistributedIndex:
             expert_all_gather_group=pg_collection.expt_dp_ag,
             expert_model_parallel_group=pg_collection.ep,
             tensor_model_parallel_group=pg_collection.tp,
+            expert_tensor_parallel_group=pg_collection.expt_tp,
             device=device,
         )
 
@@ -200,9 +207,11 @@ class FSDPDistributedIndex:
         return self._groups[is_expert]
 
     def _build(self, is_expert: bool) -> ShardGroups:
-        if is_expert and self.expert_model_parallel_group is None:
-            # Every rank holds every expert: they are dense parameters (which also keeps the
-            # tensor-parallel peers, which hold copies, out of their reductions).
+        ep, etp = self.expert_model_parallel_group, self.expert_tensor_parallel_group
+        if is_expert and experts_are_dense(ep, etp, self.tensor_model_parallel_group):
+            # Every rank holds every expert, whole or split over the dense tp group: they are
+            # dense parameters (which also keeps tp peers holding copies out of their
+            # reductions).
             return self.groups(False)
         if is_expert:
             if self.expert_shard_group is None:
@@ -211,17 +220,16 @@ class FSDPDistributedIndex:
                     "group was given: pass a ProcessGroupCollection with expt_dp (or "
                     "intra_expt_dp), or initialise parallel_state."
                 )
-            shard, all_gather = self.expert_shard_group, self.expert_all_gather_group
-            ep, tp = self.expert_model_parallel_group, None
+            shard, all_gather, tp = self.expert_shard_group, self.expert_all_gather_group, etp
         else:
             shard, all_gather = self.shard_group, self.all_gather_group
             ep, tp = None, self.tensor_model_parallel_group
-        lead = ("ep", ep) if ep is not None else ("tp", tp)
+        leads = [(name, group) for name, group in (("tp", tp), ("ep", ep)) if group is not None]
         return ShardGroups(
             shard=shard,
             outer=self.outer_group,
             all_gather=all_gather or shard,
-            mesh=_device_mesh(shard, self.outer_group, self.device.type, *lead),
+            mesh=_device_mesh(shard, self.outer_group, self.device.type, leads),
             ep=ep,
             tp=tp,
             grad_divisor=self.shard_group.size(),
@@ -232,8 +240,7 @@ def _device_mesh(
     shard: dist.ProcessGroup,
     outer: dist.ProcessGroup | None,
     device_type: str,
-    lead_name: str,
-    lead: dist.ProcessGroup | None,
+    leads: list[tuple[str, dist.ProcessGroup]],
 ) -> DeviceMesh:
     # DeviceMesh equality ignores which communicators a mesh holds, and DTensor caches sharding
     # results by mesh; dimension names that carry the group names keep a mesh over destroyed
@@ -248,8 +255,8 @@ def _device_mesh(
         ranks = torch.tensor(replicas, dtype=torch.int).T  # [shard rank, outer rank]
         names.append(f"{OUTER_DIM}:{outer.group_name}")
         groups.append(outer)
-    if lead is not None:
-        return mesh_with_leading_group(lead, lead_name, groups, ranks, device_type, tuple(names))
+    if leads:
+        return mesh_with_leading_groups(leads, groups, ranks, device_type, tuple(names))
     if outer is None:
         return DeviceMesh.from_group(shard, device_type, mesh_dim_names=tuple(names))
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=tuple(names))
@@ -267,4 +274,3 @@ def _check_same_ranks(
             "same ranks (create it with parallel_state.initialize_model_parallel("
             "create_all_gather_group=True))."
         )
-

@@ -278,19 +278,10 @@ def fully_shard(
     index = distributed_index or FSDPDistributedIndex.from_pg_collection(None)
     mp_policy = mp_policy or MixedPrecisionPolicy()
 
-    layouts = {}
-    if index.tensor_model_parallel_group is not None:
-        layouts = named_tensor_parallel_layouts(module)
-    slots, params = _collect_params(module, layouts)
+    slots, params = _collect_params(module, named_tensor_parallel_layouts(module))
     members: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
     for i, (slot, param) in enumerate(zip(slots, params)):
         key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param))
-        if key[2] and slot.tp_layout is not None:
-            raise ValueError(
-                f"Expert parameter {slot.fqn!r} of {type(module).__name__} is split over "
-                "tensor parallelism; Megatron-FSDP supports experts with expert tensor "
-                "parallel size 1 only: build the experts unsplit (expert_tensor_parallel_size=1)."
-            )
         members.setdefault(key, []).append(i)
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) > 1:

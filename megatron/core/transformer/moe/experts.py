@@ -1,6 +1,6 @@
 """The routed experts of an MoE layer: this rank's expert MLPs as stacked parameters.
 
-Each projection is ONE parameter whose dim 0 is the local expert index:
+Each projection is ONE parameter whose dim 0 is the local expert index (shapes at ETP 1):
 `linear_fc1.weight` [num_local_experts, fc1_out, hidden] (fc1_out = 2 * moe_ffn_hidden_size
 with `gated_linear_unit`, the `[x W | x V]` halves of the dense MLP) and `linear_fc2.weight`
 [num_local_experts, hidden, moe_ffn_hidden_size], plus `.bias` [num_local_experts, out] with
@@ -8,18 +8,28 @@ with `gated_linear_unit`, the `[x W | x V]` halves of the dense MLP) and `linear
 GEMMs) and `GroupedMLP` (one grouped GEMM per projection) hold the same parameters, so
 checkpoints do not depend on the choice.
 
-Initialisation does not depend on the expert-parallel size: one seed is drawn from the default
-generator (identically on every rank, whatever the layout), and each global expert's weights come
-from a generator seeded by it and the expert index, so a model built at EP 1, 2 or 4 starts from
-the same global weights.
+Expert tensor parallelism (ETP, the `expt_tp` group) splits each expert's MLP width over etp
+ranks, as the dense MLP splits its width over tp: fc1 is column-parallel per expert (local weight
+[num_local_experts, fc1_out / etp, hidden]; with `gated_linear_unit` in stride 2, so rank t holds
+`[W_t; V_t]`, its part of each half), fc2 row-parallel per expert (local weight
+[num_local_experts, hidden, moe_ffn_hidden_size / etp]). Each rank's fc2 output is a partial sum
+that the dispatcher's combine adds up over `expt_tp`. The fc2 bias is therefore replicated over
+`expt_tp` and added on its rank 0 only; its gradient is summed over `expt_tp` so every replica
+gets the same one. `ExpertLinear.tensor_parallel_layouts()` states these splits relative to
+`expt_tp` (nothing at ETP 1).
+
+Initialisation depends on neither the expert-parallel nor the expert tensor-parallel size: one
+seed is drawn from the default generator (identically on every rank, whatever the layout), each
+global expert's whole weights are drawn from a generator seeded by it and the expert index, and
+each rank keeps its part, so a model built at any EP and ETP starts from the same global weights.
 
 The routing weights multiply each token's activation (and fc2 bias) inside the experts, as in
 Megatron-core, so the dispatcher's combine only sums.
 
-Experts are never split by tensor parallelism (expert tensor parallelism 1). At expert-parallel
-size 1 under sequence parallelism every tp rank holds all experts and feeds them its own part of
-the sequence: the layer then passes the tp group (`tp_group`) and the experts' gradients are
-summed over it in backward (`grad_sum_over_tp`), as for any replicated parameter.
+With ETP x EP = 1 under tensor + sequence parallelism every tp rank holds all experts whole and
+feeds them its own part of the sequence: the layer then passes the tp group (`tp_group`) and the
+experts' gradients are summed over it in backward (`grad_sum_over_tp`), as for any replicated
+parameter.
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
+from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -87,13 +99,21 @@ class _ContiguousGrad(torch.autograd.Function):
 class ExpertLinear(torch.nn.Module):
     """The stacked weights (and biases) of one projection of every local expert.
 
+    Each expert's `[out, in]` weight is split over `expt_tp_group` along `split_dim` (0: out
+    features, column-parallel; 1: in features, row-parallel), in `stride` blocks each split
+    separately (`TensorParallelLayout`'s rule). A row-parallel projection's outputs are partial
+    sums over `expt_tp_group`: its bias is replicated and added on the group's rank 0 only.
+
     Args:
         num_local_experts: Experts on this rank (dim 0).
-        input_size: In-features of each expert.
-        output_size: Out-features of each expert.
+        input_size: In-features of each expert (all expt_tp ranks).
+        output_size: Out-features of each expert (all expt_tp ranks).
         config: The transformer configuration (`params_dtype`).
         bias: Whether each expert has a bias.
-        tp_group: The tp ranks holding these same experts for other tokens, over which the
+        split_dim: Dimension of each expert's `[out, in]` weight split over `expt_tp_group`.
+        stride: Number of blocks along `split_dim`, each split over `expt_tp_group` on its own.
+        expt_tp_group: The expert tensor-parallel group; None: not split.
+        tp_group: The tp ranks holding these same experts whole for other tokens, over which all
             gradients are summed; None: none.
     """
 
@@ -104,25 +124,55 @@ class ExpertLinear(torch.nn.Module):
         output_size: int,
         config: TransformerConfig,
         bias: bool,
+        *,
+        split_dim: int,
+        stride: int = 1,
+        expt_tp_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
+        self.split_dim = split_dim
+        self.stride = stride
+        self.expt_tp_group = expt_tp_group
         self.tp_group = tp_group
+        shape = [output_size, input_size]
+        shape[split_dim] = divide(shape[split_dim], group_size(expt_tp_group))
         dtype = config.params_dtype
-        self.weight = torch.nn.Parameter(
-            torch.empty(num_local_experts, output_size, input_size, dtype=dtype)
-        )
+        self.weight = torch.nn.Parameter(torch.empty(num_local_experts, *shape, dtype=dtype))
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(num_local_experts, output_size, dtype=dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(num_local_experts, shape[0], dtype=dtype))
         else:
             self.register_parameter("bias", None)
+
+    def _expert_layout(self) -> TensorParallelLayout:
+        """The split of one expert's `[out, in]` weight (and of its `[out]` bias when
+        `split_dim` is 0)."""
+        return TensorParallelLayout(self.split_dim, self.stride)
+
+    def tensor_parallel_layouts(self) -> dict[str, TensorParallelLayout]:
+        """The stacked parameters' splits over `expt_tp_group` (not over the dense tp group);
+        none without an expert tensor-parallel group of two or more ranks."""
+        if group_size(self.expt_tp_group) == 1:
+            return {}
+        layout = TensorParallelLayout(self.split_dim + 1, self.stride)
+        layouts = {"weight": layout}
+        if self.bias is not None and self.split_dim == 0:
+            layouts["bias"] = layout
+        return layouts
 
     def reset_expert(
         self, index: int, init_method: Callable[[torch.Tensor], torch.Tensor], seed: int
     ) -> None:
-        """Initialises local expert `index` from `seed` (weight by `init_method`, bias zero)."""
-        with torch.no_grad(), _seeded(seed, self.weight.device):
-            init_method(self.weight[index])
+        """Initialises local expert `index` from `seed`: `init_method` applied to the expert's
+        whole `[out, in]` weight, of which this rank keeps its part; bias zero."""
+        full_shape = list(self.weight.shape[1:])
+        full_shape[self.split_dim] *= group_size(self.expt_tp_group)
+        weight = self.weight[index]
+        with torch.no_grad(), _seeded(seed, weight.device):
+            full = torch.empty(full_shape, dtype=weight.dtype, device=weight.device)
+            init_method(full)
+            rank, size = group_rank(self.expt_tp_group), group_size(self.expt_tp_group)
+            weight.copy_(shard_tensor(full, self._expert_layout(), rank, size))
             if self.bias is not None:
                 self.bias[index].zero_()
 
@@ -147,6 +197,13 @@ class ExpertLinear(torch.nn.Module):
         total spares the device a host sync)."""
         counts = counts.to(self.bias.device)
         bias = grad_sum_over_tp(self.bias, self.tp_group)
+        if self.split_dim == 1 and group_size(self.expt_tp_group) > 1:
+            # The outputs are summed over expt_tp, so the bias is added once, on rank 0. The
+            # other ranks keep it in their graph (times 0): the sum of its gradient over expt_tp
+            # in backward is a collective every rank must join.
+            bias = grad_sum_over_tp(bias, self.expt_tp_group)
+            if group_rank(self.expt_tp_group) != 0:
+                bias = bias * 0
         return bias.repeat_interleave(counts, dim=0, output_size=num_rows)
 
 
@@ -158,9 +215,11 @@ class SequentialMLP(MegatronModule):
         config: The transformer configuration (`moe_ffn_hidden_size`, `gated_linear_unit`,
             `activation_func`, `add_bias_linear`, the init methods).
         first_expert: Global index of local expert 0.
-        tp_group: The tp group when every tp rank holds these same experts (expert-parallel
-            size 1 under sequence parallelism): their gradients are summed over it. None
-            otherwise.
+        tp_group: The tp group when every tp rank holds these same experts whole (expert tensor
+            x expert-model-parallel size 1 under sequence parallelism): their gradients are
+            summed over it. None otherwise.
+        expt_tp_group: The expert tensor-parallel group each expert's MLP width is split over;
+            None: not split.
     """
 
     def __init__(
@@ -170,15 +229,22 @@ class SequentialMLP(MegatronModule):
         first_expert: int = 0,
         *,
         tp_group: dist.ProcessGroup | None = None,
+        expt_tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__(config)
         self.num_local_experts = num_local_experts
         ffn = config.moe_ffn_hidden_size
-        fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         bias = config.add_bias_linear
         hidden = config.hidden_size
-        self.linear_fc1 = ExpertLinear(num_local_experts, hidden, fc1_out, config, bias, tp_group)
-        self.linear_fc2 = ExpertLinear(num_local_experts, ffn, hidden, config, bias, tp_group)
+        groups = dict(expt_tp_group=expt_tp_group, tp_group=tp_group)
+        # Gated: the [W; V] halves are split over expt_tp each on its own (stride 2), so every
+        # rank holds matching parts of both, as the dense MLP's fc1.
+        halves = 2 if config.gated_linear_unit else 1
+        experts = num_local_experts
+        self.linear_fc1 = ExpertLinear(
+            experts, hidden, halves * ffn, config, bias, split_dim=0, stride=halves, **groups
+        )
+        self.linear_fc2 = ExpertLinear(experts, ffn, hidden, config, bias, split_dim=1, **groups)
         seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         for index in range(num_local_experts):
             expert = first_expert + index

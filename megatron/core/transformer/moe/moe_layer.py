@@ -1,20 +1,23 @@
 """The Mixture of Experts layer, in the MLP slot of a transformer layer.
 
-`MoELayer`: router -> token dispatch over the expert-parallel group -> this rank's experts ->
-combine, plus the shared experts when configured. Its state-dict names are Megatron-core's:
+`MoELayer`: router -> token dispatch over the expert groups -> this rank's experts -> combine,
+plus the shared experts when configured. Its state-dict names are Megatron-core's:
 `router.weight`, `experts.linear_fc1.weight` ([num_local_experts, ...], see `experts.py`),
 `experts.linear_fc2.weight`, `shared_experts.*`.
 
-Tensor parallelism (TP > 1, which needs sequence parallelism): each tp rank routes and dispatches
-its own [s/T, b, h] tokens; the experts are not split by tp (expert tensor parallelism 1) and the
-expert-parallel group follows Megatron-core's expert rank order (etp-ep-dp: with EP >= TP the
-ep group holds whole tp groups, so each tp rank holds other experts; at EP 1 every tp rank holds
-all experts and their gradients are summed over tp). The shared experts are split over tp as the
-dense MLP is.
+The experts follow Megatron-core's expert rank order (etp-ep-dp): the expert tensor-parallel
+group `expt_tp` (`expert_tensor_parallel_size`, ETP; Megatron's default is the tp size) splits
+each expert's weights, the expert-parallel group `ep` splits the experts, and the tokens travel
+in `tp_ep`, the etp x ep ranks of both. Under tensor parallelism (which needs sequence
+parallelism) each tp rank routes and dispatches its own [s/T, b, h] tokens; the shared experts
+are split over tp as the dense MLP is. With ETP x EP = 1 every tp rank holds all experts whole
+and their gradients are summed over tp; the config refuses 1 < ETP x EP < TP (tp ranks would
+hold copies of the same expert parts with no group of just those copies).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,33 +55,62 @@ class MoESubmodules:
     shared_experts: ModuleSpec | type | None = None
 
 
+def _resolve_group(
+    pg_collection: ProcessGroupCollection | None,
+    name: str,
+    getter: Callable[[], dist.ProcessGroup | None],
+) -> dist.ProcessGroup | None:
+    """`pg_collection.<name>` when given, else parallel_state's (`getter`) when initialised,
+    else None (a group of one rank)."""
+    group = None if pg_collection is None else getattr(pg_collection, name)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = getter()
+    return group
+
+
 def resolve_ep_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
     """The expert-parallel group: `pg_collection.ep`, else parallel_state's when initialised,
     else None (expert-parallel size 1)."""
-    if pg_collection is not None and pg_collection.ep is not None:
-        return pg_collection.ep
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_expert_model_parallel_group()
-    return None
+    return _resolve_group(pg_collection, "ep", parallel_state.get_expert_model_parallel_group)
+
+
+def resolve_expt_tp_group(
+    pg_collection: ProcessGroupCollection | None,
+) -> dist.ProcessGroup | None:
+    """The expert tensor-parallel group: `pg_collection.expt_tp`, else parallel_state's when
+    initialised, else None (expert tensor-parallel size 1)."""
+    getter = parallel_state.get_expert_tensor_parallel_group
+    return _resolve_group(pg_collection, "expt_tp", getter)
+
+
+def resolve_tp_ep_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
+    """The group of the etp x ep ranks of an expert group: `pg_collection.tp_ep`, else
+    parallel_state's when initialised, else None (see `token_exchange_group` for when it may be
+    left out)."""
+    getter = parallel_state.get_expert_tensor_and_model_parallel_group
+    return _resolve_group(pg_collection, "tp_ep", getter)
 
 
 class MoELayer(MegatronModule):
     """Routes each token to its top-k experts and sums their weighted outputs.
 
     Each rank of the expert-parallel (EP) group holds `num_moe_experts / EP` experts, global
-    experts `ep_rank * num_local_experts + i`; the router and the shared experts are replicated.
-    Selective recompute: "moe" checkpoints the whole layer, "shared_experts" the shared experts.
+    experts `ep_rank * num_local_experts + i`, each split over the expert tensor-parallel
+    (ETP) group; the router and the shared experts are replicated. Selective recompute: "moe"
+    checkpoints the whole layer, "shared_experts" the shared experts.
 
     Args:
         config: The transformer configuration (`num_moe_experts` set).
         submodules: Specs of the router, experts and shared experts.
         layer_number: 1-based layer number (the metrics are recorded per layer).
-        pg_collection: Process groups; its `ep` is the EP group (see `resolve_ep_group`), its
-            `tp` the tensor-parallel group (see `resolve_tp_group`).
+        pg_collection: Process groups; its `ep`, `expt_tp` and `tp_ep` are the expert groups
+            (see `resolve_ep_group`, `resolve_expt_tp_group`, `resolve_tp_ep_group`), its `tp`
+            the tensor-parallel group (see `resolve_tp_group`).
 
     Raises:
-        ValueError: the config has no experts, or `expert_model_parallel_size` or
-            `tensor_model_parallel_size` differs from its group's size.
+        ValueError: the config has no experts; `expert_model_parallel_size`,
+            `expert_tensor_parallel_size` or `tensor_model_parallel_size` differs from its
+            group's size; or the tp_ep group is missing or of the wrong size.
     """
 
     def __init__(
@@ -103,6 +135,15 @@ class MoELayer(MegatronModule):
                 "parallel_state (or pass a pg_collection) with the same "
                 "expert_model_parallel_size."
             )
+        expt_tp_group = resolve_expt_tp_group(pg_collection)
+        etp_size = group_size(expt_tp_group)
+        if etp_size != config.expert_tensor_parallel_size:
+            raise ValueError(
+                f"config.expert_tensor_parallel_size ({config.expert_tensor_parallel_size}) "
+                f"differs from the size of the expert tensor-parallel group ({etp_size}); "
+                "initialise parallel_state (or pass a pg_collection with expt_tp) with the same "
+                "expert_tensor_parallel_size."
+            )
         tp_group = resolve_tp_group(pg_collection)
         if group_size(tp_group) != config.tensor_model_parallel_size:
             raise ValueError(
@@ -118,14 +159,17 @@ class MoELayer(MegatronModule):
         self.router = build_module(
             submodules.router, config=config, layer_number=layer_number, tp_group=tp_group
         )
-        self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](config, ep_group)
+        self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
+            config, ep_group, expt_tp_group, resolve_tp_ep_group(pg_collection)
+        )
         self.experts = build_module(
             submodules.experts,
             self.num_local_experts,
             config,
             first_expert=first_expert,
-            # The config allows EP 1 or EP >= TP: only at EP 1 do tp ranks share experts.
-            tp_group=tp_group if ep_size == 1 else None,
+            # The config allows ETP x EP = 1 or >= TP: only at 1 do tp ranks share experts.
+            tp_group=tp_group if etp_size * ep_size == 1 else None,
+            expt_tp_group=expt_tp_group,
         )
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = build_module(

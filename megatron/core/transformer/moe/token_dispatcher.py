@@ -1,26 +1,35 @@
-"""Token dispatchers: bring each routed token to the rank holding its expert, and bring it back.
+"""Token dispatchers: bring each routed token to the ranks holding its expert, and bring it back.
 
 A dispatcher's `dispatch(hidden_states, probs, routing_map)` returns this rank's expert input:
 tokens sorted by local expert, the count per local expert, and each token's routing weight;
 `combine(expert_output)` returns the [s, b, h] layer output on the tokens' own rank, each
 token's expert outputs summed (the experts have already multiplied them by the weights, as in
-Megatron-core). Both run over the expert-parallel (EP) group with gloo or NCCL; at EP 1 they
-only sort and unsort.
+Megatron-core). Both run with gloo or NCCL; with one rank per expert group they only sort and
+unsort.
 
-- `MoEAllGatherTokenDispatcher`: every rank all-gathers the tokens (and routing) of its EP
-  group, keeps those routed to its experts, and the outputs return by a reduce-scatter.
-  Simple; communication grows with EP.
-- `MoEAlltoAllTokenDispatcher`: each token travels only to the ranks of its experts
-  (all-to-all with per-rank split sizes), then is sorted by local expert.
+Experts are split over two groups (Megatron-core's etp-ep-dp rank order): the expert-parallel
+group `ep` splits the experts among its ranks, and the expert tensor-parallel group `expt_tp`
+splits each expert's weights (see `experts.py`), so every rank of `expt_tp` must see the same
+tokens and its partial outputs are summed. `tp_ep`, the etp x ep ranks of both (index
+`ep_rank * etp + etp_rank`), is the group the tokens travel in.
 
-The all-gather and reduce-scatter along dim 0 are `tensor_parallel.mappings`' sequence-parallel
-ones, applied to the EP group. With tensor + sequence parallelism (expert tensor parallelism 1)
-each tp rank dispatches its own part of the sequence over its EP group, exactly as a rank of its
-own: nothing here depends on the tp size.
+- `MoEAllGatherTokenDispatcher`: every rank all-gathers the tokens (and routing) of its `tp_ep`
+  group, keeps those routed to its experts, and the outputs return by a reduce-scatter over
+  `tp_ep` (which also sums the expt_tp parts). Simple; communication grows with etp x ep.
+- `MoEAlltoAllTokenDispatcher`: each token travels only to the ranks of its experts: an
+  all-to-all over `ep` (with per-rank split sizes; each expt_tp rank with its own ep peers),
+  then an all-gather over `expt_tp` of the rows received, of uneven sizes
+  (`gather_uneven`), then a sort by local expert. Combine undoes them in reverse, the
+  all-gather becoming a reduce-scatter (`reduce_scatter_uneven`, summed in fp32).
+
+The even all-gather and reduce-scatter along dim 0 are `tensor_parallel.mappings`'
+sequence-parallel ones, applied to `tp_ep`. With tensor + sequence parallelism each tp rank
+dispatches its own part of the sequence, exactly as a rank of its own: nothing here depends on
+the dense tp size.
 
 Both are dropless unless the router applied a capacity. Each forward makes one host
-synchronisation: the per-expert token counts are copied to the host once (they size the
-exchange and the expert GEMMs).
+synchronisation: the per-expert token counts of the whole `tp_ep` group are copied to the host
+once (they size the exchanges and the expert GEMMs).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.tensor_parallel.utils import group_rank, group_size
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -66,6 +76,52 @@ def all_to_all(
     """Differentiable `all_to_all_single` of `x` along dim 0: `input_splits[r]` rows go to rank
     r of `group`, `output_splits[r]` rows come from it."""
     return _AllToAll.apply(x, group, output_splits, input_splits)
+
+
+def gather_uneven(
+    x: torch.Tensor, group: dist.ProcessGroup | None, sizes: list[int]
+) -> torch.Tensor:
+    """All-gather along dim 0 of parts of different sizes, differentiable.
+
+    Args:
+        x: This rank's part, `sizes[rank]` rows.
+        group: The group; None or a group of one rank returns `x`.
+        sizes: Rows of every rank's part, in rank order (known on every rank).
+
+    Returns:
+        The parts concatenated in rank order, [sum(sizes), ...]. In backward each rank's rows
+        of the gradient are summed over the group (a reduce-scatter): every rank's consumer
+        holds a partial gradient.
+    """
+    ranks = group_size(group)
+    if ranks == 1:
+        return x
+    # An all-to-all sending this rank's part whole to every rank: its backward returns each
+    # rank's gradient rows for it, which the copies' backward sums.
+    return all_to_all(torch.cat([x] * ranks), group, sizes, [x.shape[0]] * ranks)
+
+
+def reduce_scatter_uneven(
+    x: torch.Tensor, group: dist.ProcessGroup | None, sizes: list[int]
+) -> torch.Tensor:
+    """Sum over the group, scattered along dim 0 in parts of different sizes; differentiable.
+
+    Args:
+        x: [sum(sizes), ...], this rank's addend of the whole.
+        group: The group; None or a group of one rank returns `x`.
+        sizes: Rows of every rank's part, in rank order.
+
+    Returns:
+        This rank's part of the sum, [sizes[rank], ...], summed in fp32 and returned in `x`'s
+        dtype. In backward the parts' gradients are all-gathered: every rank's addend gets the
+        gradient of the whole.
+    """
+    ranks = group_size(group)
+    if ranks == 1:
+        return x
+    mine = sizes[group.rank()]
+    parts = all_to_all(x, group, [mine] * ranks, sizes)
+    return parts.view(ranks, mine, *x.shape[1:]).float().sum(dim=0).to(x.dtype)
 
 
 def route_order(
@@ -147,26 +203,72 @@ def _sort_chunks(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks[i * cols + j] for j in range(cols) for i in range(rows)])
 
 
+def token_exchange_group(
+    ep_group: dist.ProcessGroup | None,
+    expt_tp_group: dist.ProcessGroup | None,
+    tp_ep_group: dist.ProcessGroup | None,
+) -> dist.ProcessGroup | None:
+    """The group the tokens travel in: `tp_ep_group`, the etp x ep ranks of one expert group.
+
+    When one of `ep_group` and `expt_tp_group` has a single rank, `tp_ep` is the other one and
+    need not be given.
+
+    Raises:
+        ValueError: `tp_ep_group` is missing while both groups have several ranks, or its size
+            is not their product.
+    """
+    etp, ep = group_size(expt_tp_group), group_size(ep_group)
+    if tp_ep_group is None:
+        if etp == 1:
+            return ep_group
+        if ep == 1:
+            return expt_tp_group
+        raise ValueError(
+            f"expert tensor parallelism {etp} with expert parallelism {ep} needs the tp_ep "
+            "group (the etp x ep ranks exchanging tokens, in etp-ep order); pass it as "
+            "ProcessGroupCollection(tp_ep=...) or initialise parallel_state."
+        )
+    if group_size(tp_ep_group) != etp * ep:
+        raise ValueError(
+            f"the tp_ep group has {group_size(tp_ep_group)} ranks, but the expert tensor-parallel "
+            f"({etp}) x expert-parallel ({ep}) groups make {etp * ep}; pass the tp_ep group of "
+            "the same layout (etp-ep order) as the expt_tp and ep groups."
+        )
+    return tp_ep_group
+
+
 class MoETokenDispatcher:
-    """State shared by the dispatchers: the EP group and this rank's experts.
+    """State shared by the dispatchers: the expert groups and this rank's experts.
 
     Args:
         config: The transformer configuration.
         ep_group: The expert-parallel group, or None for EP 1.
+        expt_tp_group: The expert tensor-parallel group (the ranks holding the other parts of
+            this rank's experts), or None for ETP 1.
+        tp_ep_group: The etp x ep ranks of both, with index `ep_rank * etp + etp_rank`; may be
+            None when ETP or EP is 1 (see `token_exchange_group`).
     """
 
-    def __init__(self, config: TransformerConfig, ep_group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ep_group: dist.ProcessGroup | None,
+        expt_tp_group: dist.ProcessGroup | None = None,
+        tp_ep_group: dist.ProcessGroup | None = None,
+    ):
         self.config = config
         self.ep_group = ep_group
-        self.ep_size = 1 if ep_group is None else ep_group.size()
-        self.ep_rank = 0 if ep_group is None else ep_group.rank()
+        self.expt_tp_group = expt_tp_group
+        self.tp_ep_group = token_exchange_group(ep_group, expt_tp_group, tp_ep_group)
+        self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
+        self.etp_size, self.etp_rank = group_size(expt_tp_group), group_rank(expt_tp_group)
         self.num_local_experts = config.num_moe_experts // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts
 
 
 class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     """All-gather dispatch, reduce-scatter combine (see the module docstring). Every rank of the
-    EP group must hold the same number of tokens."""
+    tp_ep group must hold the same number of tokens."""
 
     def dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
@@ -175,11 +277,11 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         self.probs_dtype = probs.dtype
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.ep_size > 1:
-            # The gathered tokens feed this rank's experts only: their gradient is summed back.
-            tokens = gather_from_sequence_parallel_region(tokens, self.ep_group)
-            probs = gather_from_sequence_parallel_region(probs, self.ep_group)
-            routing_map = gather_from_sequence_parallel_region(routing_map, self.ep_group)
+        # The gathered tokens feed this rank's experts (or their parts) only: their gradient is
+        # summed back (identities for a group of one rank).
+        tokens = gather_from_sequence_parallel_region(tokens, self.tp_ep_group)
+        probs = gather_from_sequence_parallel_region(probs, self.tp_ep_group)
+        routing_map = gather_from_sequence_parallel_region(routing_map, self.tp_ep_group)
         local = slice(self.first_expert, self.first_expert + self.num_local_experts)
         local_map = routing_map[:, local]
         tokens_per_expert = local_map.sum(dim=0).cpu()
@@ -192,12 +294,12 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         """Returns the [s, b, h] sum of each token's expert outputs."""
         output = unpermute(expert_output, self.token_index, self.num_gathered)
-        if self.ep_size > 1:
+        if group_size(self.tp_ep_group) > 1:
             # Summed in the routing weights' precision (fp32 with moe_router_dtype), as
             # Megatron-core does.
             dtype = output.dtype
             output = reduce_scatter_to_sequence_parallel_region(
-                output.to(self.probs_dtype), self.ep_group
+                output.to(self.probs_dtype), self.tp_ep_group
             )
             output = output.to(dtype)
         return output.view(self.hidden_shape)
@@ -212,21 +314,23 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         """Returns `(expert_input, tokens_per_expert, expert_probs)`, the counts on the host."""
         self.hidden_shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        counts = routing_map.sum(dim=0)
-        if self.ep_size > 1:
-            counts = gather_from_sequence_parallel_region(counts, self.ep_group)
+        counts = gather_from_sequence_parallel_region(routing_map.sum(dim=0), self.tp_ep_group)
         topk = self.config.moe_router_topk
         # Whether every token has exactly k rows (capacity drops and pads rows, and callers may
         # pass any map): read in the same host synchronisation as the counts.
         exact = routing_map.sum(dim=1).eq(topk).all().to(counts.dtype).view(1)
-        # The host synchronisation: [source rank, global expert] counts of the whole group.
+        # The host synchronisation: [ep source, etp source, global expert] counts of tp_ep.
         host = torch.cat([counts, exact]).cpu()
-        counts, every_token_k = host[:-1].view(self.ep_size, -1), bool(host[-1])
-        own = counts[self.ep_rank]
-        local = counts[:, self.first_expert : self.first_expert + self.num_local_experts]
+        counts = host[:-1].view(self.ep_size, self.etp_size, -1)
+        every_token_k = bool(host[-1])
+        own = counts[self.ep_rank, self.etp_rank]
+        local = counts[..., self.first_expert : self.first_expert + self.num_local_experts]
         self.input_splits = own.view(self.ep_size, -1).sum(dim=1).tolist()
-        self.output_splits = local.sum(dim=1).tolist()
-        self.local_counts = local
+        # From each ep peer with this expt_tp rank, then the rows each expt_tp rank received.
+        self.output_splits = local[:, self.etp_rank].sum(dim=1).tolist()
+        self.etp_splits = local.sum(dim=(0, 2)).tolist()
+        # After the expt_tp gather the rows come by expt_tp source, ep source, local expert.
+        self.local_counts = local.transpose(0, 1).reshape(-1, self.num_local_experts)
         self.num_tokens = tokens.shape[0]
         num_rows = int(own.sum())
         expert_probs, self.token_index = route_order(routing_map, probs, num_rows)
@@ -246,17 +350,20 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             expert_probs = all_to_all(
                 expert_probs, self.ep_group, self.output_splits, self.input_splits
             )
-            if self.num_local_experts > 1:
-                # Received by source rank, then expert; the experts want expert, then rank.
-                expert_input = _sort_chunks(expert_input, local)
-                expert_probs = _sort_chunks(expert_probs, local)
-        return expert_input, local.sum(dim=0), expert_probs
+        expert_input = gather_uneven(expert_input, self.expt_tp_group, self.etp_splits)
+        expert_probs = gather_uneven(expert_probs, self.expt_tp_group, self.etp_splits)
+        if self._sorts():
+            # Received by source rank, then expert; the experts want expert, then rank.
+            expert_input = _sort_chunks(expert_input, self.local_counts)
+            expert_probs = _sort_chunks(expert_probs, self.local_counts)
+        return expert_input, self.local_counts.sum(dim=0), expert_probs
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         """Returns the [s, b, h] sum of each token's expert outputs."""
+        if self._sorts():
+            expert_output = _sort_chunks(expert_output, self.local_counts.t())
+        expert_output = reduce_scatter_uneven(expert_output, self.expt_tp_group, self.etp_splits)
         if self.ep_size > 1:
-            if self.num_local_experts > 1:
-                expert_output = _sort_chunks(expert_output, self.local_counts.t())
             expert_output = all_to_all(
                 expert_output, self.ep_group, self.input_splits, self.output_splits
             )
@@ -267,3 +374,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
                 expert_output, self.token_index, self.by_token, self.config.moe_router_topk
             )
         return output.view(self.hidden_shape)
+
+    def _sorts(self) -> bool:
+        """Whether rows from several ranks for several local experts need regrouping."""
+        return self.num_local_experts > 1 and self.local_counts.shape[0] > 1

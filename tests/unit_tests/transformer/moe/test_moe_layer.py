@@ -1,6 +1,7 @@
 """MoELayer and its token dispatchers at expert-parallel sizes 1, 2 and 4 (4 spawned ranks) against
 a plain reference written here: for each token, its top-k experts' MLPs weighted by the routing
-probabilities, from the same global weights."""
+probabilities, from the same global weights. The dispatchers' round trip also runs with expert
+tensor parallelism 2 (every part of an expert gets the same tokens, the parts' outputs summed)."""
 
 from __future__ import annotations
 
@@ -164,26 +165,34 @@ def _skewed_routing(rank: int) -> torch.Tensor:
     return routing_map.to(current_device())
 
 
-def _dispatch_round_trip(ep: int, kind: str) -> None:
+def _dispatch_round_trip(ep: int, etp: int, kind: str) -> None:
     rank = dist.get_rank()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-    group = parallel_state.get_expert_model_parallel_group()
-    config = _config(ep, moe_token_dispatcher_type=kind)
-    dispatcher = DISPATCHERS[kind](config, group)
+    parallel_state.initialize_model_parallel(
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
+    config = _config(ep, moe_token_dispatcher_type=kind, expert_tensor_parallel_size=etp)
+    dispatcher = DISPATCHERS[kind](
+        config,
+        parallel_state.get_expert_model_parallel_group(),
+        parallel_state.get_expert_tensor_parallel_group(),
+        parallel_state.get_expert_tensor_and_model_parallel_group(),
+    )
     hidden = _data(rank, 0).requires_grad_()
     routing_map = _skewed_routing(rank)
     tokens, tokens_per_expert, probs = dispatcher.dispatch(
         hidden, routing_map.to(hidden.dtype), routing_map
     )
-    group_maps = [_skewed_routing(source) for source in parallel_state.get_group_ranks("ep")]
+    group_maps = [_skewed_routing(source) for source in parallel_state.get_group_ranks("tp_ep")]
     first = dispatcher.first_expert
     routed = torch.stack(group_maps).sum(dim=(0, 1))[first : first + dispatcher.num_local_experts]
     assert tokens_per_expert.tolist() == routed.tolist()
     assert probs.eq(1).all()
-    # A stand-in expert e multiplies by e + 1, so a token sent to the wrong expert shows.
+    # A stand-in expert e multiplies by e + 1, so a token sent to the wrong expert shows; each of
+    # the etp ranks holding a part of it gives 1 / etp of that (exact for etp 2), which combine
+    # sums.
     chunks = torch.split(tokens, tokens_per_expert.tolist())
     output = dispatcher.combine(
-        torch.cat([chunk * (first + i + 1) for i, chunk in enumerate(chunks)])
+        torch.cat([chunk * ((first + i + 1) / etp) for i, chunk in enumerate(chunks)])
     )
     factor = routing_map.to(hidden.dtype) @ torch.arange(1.0, EXPERTS + 1, device=hidden.device)
     expected = hidden.detach() * factor.view(SEQ, BATCH, 1)
@@ -194,9 +203,9 @@ def _dispatch_round_trip(ep: int, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["allgather", "alltoall"])
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_dispatch_then_combine_returns_each_token(ep, kind):
-    run_distributed(_dispatch_round_trip, WORLD, ep, kind)
+@pytest.mark.parametrize("ep, etp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_dispatch_then_combine_returns_each_token(ep, etp, kind):
+    run_distributed(_dispatch_round_trip, WORLD, ep, etp, kind)
 
 
 def _experts(cls: type, config: TransformerConfig) -> SequentialMLP:
