@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,41 @@ def _symmetric(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return tensor
 
 
+def _paths(
+    name: str,
+    whole: torch.Tensor,
+    part: torch.Tensor,
+    symmetric: torch.Tensor,
+    mine: torch.Tensor,
+) -> dict[str, Callable[[], None]]:
+    """The three ways to run collective `name` between this rank's `part` and the `whole`:
+    plain tensors, in place in `symmetric` (`mine` is this rank's slice of it), and in place
+    with the engine's copy into or out of the staging buffer."""
+    if name == "all_gather":
+
+        def copied() -> None:
+            mine.copy_(part)
+            dist.all_gather_into_tensor(symmetric, mine)
+            whole.copy_(symmetric)
+
+        return {
+            "plain": lambda: dist.all_gather_into_tensor(whole, part),
+            "symm": lambda: dist.all_gather_into_tensor(symmetric, mine),
+            "symm+copy": copied,
+        }
+
+    def packed() -> None:
+        symmetric.copy_(whole)
+        dist.reduce_scatter_tensor(mine, symmetric)
+        part.copy_(mine)
+
+    return {
+        "plain": lambda: dist.reduce_scatter_tensor(part, whole),
+        "symm": lambda: dist.reduce_scatter_tensor(mine, symmetric),
+        "symm+copy": packed,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--min-kib", type=int, default=64)
@@ -74,29 +110,11 @@ def main() -> None:
             chunk = numel // world
             whole = torch.randn(numel, device=device).to(dtype)
             part = torch.randn(chunk, device=device).to(dtype)
-            target = torch.empty_like(whole)
             symmetric = _symmetric(numel, dtype, device)
             mine = symmetric[rank * chunk : (rank + 1) * chunk]
-            if name == "all_gather":
-                plain = lambda: dist.all_gather_into_tensor(whole, part)  # noqa: E731
-                symm = lambda: dist.all_gather_into_tensor(symmetric, mine)  # noqa: E731
-
-                def copied() -> None:
-                    mine.copy_(part)
-                    dist.all_gather_into_tensor(symmetric, mine)
-                    target.copy_(symmetric)
-
-            else:
-                plain = lambda: dist.reduce_scatter_tensor(part, whole)  # noqa: E731
-                symm = lambda: dist.reduce_scatter_tensor(mine, symmetric)  # noqa: E731
-
-                def copied() -> None:
-                    symmetric.copy_(whole)
-                    dist.reduce_scatter_tensor(mine, symmetric)
-                    part.copy_(mine)
-
+            paths = _paths(name, whole, part, symmetric, mine)
             row = {"collective": name, "bytes": size}
-            for label, fn in (("plain", plain), ("symm", symm), ("symm+copy", copied)):
+            for label, fn in paths.items():
                 row[label] = _time(fn, args.iters)
             rows.append(row)
             del symmetric
