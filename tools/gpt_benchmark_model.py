@@ -45,6 +45,12 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     parser.add_argument(
         "--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall"
     )
+    parser.add_argument(
+        "--compile",
+        choices=("none", "layers", "sublayers"),
+        default="none",
+        help="torch.compile each transformer layer, or its attention and MLP (an experiment)",
+    )
 
 
 def parallel_sizes(
@@ -118,6 +124,12 @@ def build_gpt(
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
     )
+    for layer in model.decoder.layers:
+        if args.compile == "layers":
+            layer.compile()
+        elif args.compile == "sublayers":
+            layer.self_attention.compile()
+            layer.mlp.compile()
     return config, model
 
 
