@@ -27,6 +27,10 @@ Prints a table and one JSON object (rank 0). The configurations reported in docs
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --micro-batch-size 1 --seq-length 1024 \\
         --bf16 --json-out s.json --profile traces/   # model flags default to L's model
 
+With `--num-microbatches` > 1, `--megatron-fsdp-keep-unsharded-params` (ZeRO-3 only) and
+`--megatron-fsdp-accumulate-unsharded-grads` turn on Megatron-FSDP's gradient-accumulation options
+(`docs/architecture.md`); rank 0 prints what they hold.
+
 On CPU (gloo) with a tiny model; without torchrun it runs as a world of one:
 
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --num-layers 2 --hidden-size 64 \\
@@ -59,6 +63,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
+    accumulation_memory,
     fully_shard_optimizer,
     local_main_weights,
     microbatch,
@@ -114,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
         "timing",
     )
     parser.add_argument(
+        "--megatron-fsdp-keep-unsharded-params",
+        action="store_true",
+        help="megatron_fsdp_zero3: keep whole weights across the microbatches of a step",
+    )
+    parser.add_argument(
+        "--megatron-fsdp-accumulate-unsharded-grads",
+        action="store_true",
+        help="Megatron-FSDP engines: sum whole gradients, reduce-scatter once per step",
+    )
+    parser.add_argument(
         "--create-all-gather-group",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -146,6 +161,11 @@ def check_args(
                 f"(got --device {args.device}, --engines {','.join(args.engines)}); run the "
                 "others without it."
             )
+    if args.megatron_fsdp_keep_unsharded_params and "megatron_fsdp_zero2" in args.engines:
+        parser.error(
+            "--megatron-fsdp-keep-unsharded-params applies to megatron_fsdp_zero3 only (ZeRO-2 "
+            "keeps whole weights anyway): drop megatron_fsdp_zero2 from --engines."
+        )
     if args.steps < 1 or args.warmup_steps < 0:
         parser.error("--steps must be >= 1 and --warmup-steps >= 0.")
     return args
@@ -276,10 +296,15 @@ def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
         overlap_param_gather=True,
         overlap_grad_reduce=True,
         fsdp_all_gather_in_start_param_sync=not args.cuda_graph,
+        megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
+        megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
         **grads,
     )
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     fsdp = FullyShardedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
+    for option, nbytes in accumulation_memory(fsdp).items():
+        if getattr(args, f"megatron_fsdp_{option}") and dist.get_rank() == 0:
+            print(f"{strategy}: {option} holds up to {nbytes / 2**20:,.1f} MiB per rank")
     # The local shards of the main weights: the optimizer skips DTensor dispatch.
     params = local_main_weights(fsdp).values()
     optimizer = fully_shard_optimizer(make_adamw(params, args), fsdp)

@@ -251,6 +251,8 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         megatron_fsdp_main_params_dtype=FSDP_DTYPES[args.megatron_fsdp_main_params_dtype],
         megatron_fsdp_main_grads_dtype=FSDP_DTYPES[args.megatron_fsdp_main_grads_dtype],
         megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],
+        megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
+        megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
     )
 
 

@@ -70,6 +70,7 @@ from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_b
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
     LoaderIterator,
+    accumulation_memory_note,
     get_device,
     logger,
     print_rank_0,
@@ -255,7 +256,8 @@ def get_model(
         # random numbers differently on some rank (Megatron-LM broadcasts too).
         model.broadcast_params()
     engine = (
-        f"Megatron-FSDP ({args.data_parallel_sharding_strategy})"
+        f"Megatron-FSDP ({args.data_parallel_sharding_strategy}"
+        f"{accumulation_memory_note(model, args)})"
         if args.use_megatron_fsdp
         else "the DDP engine"
     )

@@ -1,8 +1,9 @@
 """Small helpers of the training loop: the compute device, rank-0 logging, loss averaging, data
-iterators that can be closed."""
+iterators that can be closed, the memory cost of Megatron-FSDP's accumulation options."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from megatron.core import parallel_state
+from megatron.core.distributed.fsdp import accumulation_memory
 
 logger = logging.getLogger("megatron.training")
 """Everything the training loop reports goes through this logger (tests attach handlers)."""
@@ -49,6 +51,19 @@ def average_losses_across_data_parallel_group(losses: torch.Tensor) -> torch.Ten
     averaged = losses.detach().clone()
     dist.all_reduce(averaged, group=group)
     return averaged / dist.get_world_size(group)
+
+
+def accumulation_memory_note(model: torch.nn.Module, args: argparse.Namespace) -> str:
+    """What each Megatron-FSDP gradient-accumulation option the flags turn on holds
+    (`accumulation_memory`), as "; --flag holds up to X MiB ...", or "" (none, or DDP)."""
+    if not args.use_megatron_fsdp:
+        return ""
+    return "".join(
+        f"; --megatron-fsdp-{option.replace('_', '-')} holds up to {nbytes / 2**20:,.1f} MiB per "
+        "rank across a step's microbatches"
+        for option, nbytes in accumulation_memory(model).items()
+        if getattr(args, f"megatron_fsdp_{option}")
+    )
 
 
 class LoaderIterator:

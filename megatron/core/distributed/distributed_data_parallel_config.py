@@ -87,6 +87,20 @@ class DistributedDataParallelConfig:
     megatron_fsdp_grad_comm_dtype: torch.dtype | None = None
     """Dtype gradients are communicated in. None: the main-grads dtype."""
 
+    megatron_fsdp_keep_unsharded_params: bool = False
+    """Megatron-FSDP, `optim_grads_params` only: under gradient accumulation each unit keeps its
+    whole compute weights from their first all-gather in a step until the last microbatch's
+    backward has used them (one all-gather per unit and step instead of two per microbatch), at
+    the cost of holding every unit's whole weights at once (`accumulation_memory()`). Changes
+    nothing in a step of one microbatch."""
+
+    megatron_fsdp_accumulate_unsharded_grads: bool = False
+    """Megatron-FSDP, `optim_grads` / `optim_grads_params` only: under gradient accumulation
+    gradients are summed whole, in the main-grads dtype, and reduce-scattered once, in the last
+    microbatch's backward (one reduce-scatter per unit and step instead of one per microbatch),
+    at the cost of holding every unit's whole gradients from the first microbatch's backward to
+    the last's (`accumulation_memory()`). Changes nothing in a step of one microbatch."""
+
     def __post_init__(self) -> None:
         self._check_choice("data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         self._check_choice("outer_dp_sharding_strategy", OUTER_SHARDING_STRATEGIES)
@@ -139,6 +153,26 @@ class DistributedDataParallelConfig:
                     "requires data_parallel_sharding_strategy='optim_grads_params', got "
                     f"{self.data_parallel_sharding_strategy!r}."
                 )
+        self._check_accumulation_options()
+
+    def _check_accumulation_options(self) -> None:
+        """Rejects an accumulation option for a strategy it would not change."""
+        strategy = self.data_parallel_sharding_strategy
+        if self.megatron_fsdp_keep_unsharded_params and strategy != "optim_grads_params":
+            raise ValueError(
+                f"megatron_fsdp_keep_unsharded_params=True needs "
+                f"data_parallel_sharding_strategy='optim_grads_params' (got {strategy!r}, whose "
+                "whole weights are kept anyway): drop megatron_fsdp_keep_unsharded_params or "
+                "shard the parameters."
+            )
+        sharded_grads = ("optim_grads", "optim_grads_params")
+        if self.megatron_fsdp_accumulate_unsharded_grads and strategy not in sharded_grads:
+            raise ValueError(
+                f"megatron_fsdp_accumulate_unsharded_grads=True needs sharded gradients, "
+                f"data_parallel_sharding_strategy 'optim_grads' or 'optim_grads_params' (got "
+                f"{strategy!r}, which accumulates whole gradients and reduces them once a step "
+                "anyway): drop megatron_fsdp_accumulate_unsharded_grads."
+            )
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)
@@ -173,6 +207,8 @@ _FSDP_ONLY_FIELDS = frozenset(
         "megatron_fsdp_main_params_dtype",
         "megatron_fsdp_main_grads_dtype",
         "megatron_fsdp_grad_comm_dtype",
+        "megatron_fsdp_keep_unsharded_params",
+        "megatron_fsdp_accumulate_unsharded_grads",
     }
 )
 """Fields only Megatron-FSDP reads."""

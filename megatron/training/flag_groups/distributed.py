@@ -108,6 +108,18 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         help="Gradient reduction.",
     )
     group.add_argument(
+        "--megatron-fsdp-keep-unsharded-params",
+        action="store_true",
+        help="ZeRO-3 with gradient accumulation: gather each layer once per step and hold "
+        "every layer's whole weights until the last microbatch's backward (more memory).",
+    )
+    group.add_argument(
+        "--megatron-fsdp-accumulate-unsharded-grads",
+        action="store_true",
+        help="ZeRO-2/3 with gradient accumulation: sum whole gradients and reduce-scatter once "
+        "per step, in the last microbatch (more memory).",
+    )
+    group.add_argument(
         "--init-model-with-meta-device",
         action="store_true",
         help="Build on meta; Megatron-FSDP materialises shards.",

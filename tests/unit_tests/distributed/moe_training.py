@@ -39,13 +39,16 @@ STEPS = 2
 @dataclass(frozen=True)
 class Engine:
     """An engine and its settings: "ddp" (optionally with the distributed optimizer) or
-    "fsdp" with a sharding strategy (and R outer replicas: hybrid sharding)."""
+    "fsdp" with a sharding strategy (and R outer replicas: hybrid sharding, and the
+    gradient-accumulation options)."""
 
     kind: str
     strategy: str = "no_shard"
     distributed_optimizer: bool = False
     outer_strategy: str = "no_shard"
     replicas: int = 1
+    keep_unsharded_params: bool = False
+    accumulate_unsharded_grads: bool = False
 
 
 @dataclass
@@ -103,6 +106,8 @@ def wrap(
         data_parallel_sharding_strategy=engine.strategy,
         outer_dp_sharding_strategy=engine.outer_strategy,
         num_distributed_optimizer_instances=engine.replicas,
+        megatron_fsdp_keep_unsharded_params=engine.keep_unsharded_params,
+        megatron_fsdp_accumulate_unsharded_grads=engine.accumulate_unsharded_grads,
     )
     return FullyShardedDataParallel(
         config, ddp_config, module, fsdp_unit_modules=[layer_class], pg_collection=pg_collection

@@ -90,6 +90,28 @@ def test_every_engine_trains_bitwise_like_one_gpu_with_deterministic_kernels(tmp
     assert_same_loss(rows)
 
 
+def test_accumulation_options_train_like_one_rank_and_report_their_memory(tmp_path):
+    out = tmp_path / "result.json"
+    options = [
+        "--megatron-fsdp-keep-unsharded-params",
+        "--megatron-fsdp-accumulate-unsharded-grads",
+    ]
+    engines = ["--engines", "megatron_fsdp_zero3,single", "--json-out", str(out)]
+    proc = run_tool(*TINY, *options, *engines, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["engine"]: row["final_loss"] for row in json.loads(out.read_text())["rows"]}
+    assert rows["megatron_fsdp_zero3"] == rows["single"]
+    for option in ("keep_unsharded_params", "accumulate_unsharded_grads"):
+        assert f"optim_grads_params: {option} holds up to" in proc.stdout, option
+
+
+def test_keeping_unsharded_params_under_zero2_is_a_usage_error():
+    flags = ["--megatron-fsdp-keep-unsharded-params", "--engines", "megatron_fsdp_zero2"]
+    proc = run_tool(*flags, nproc=None, timeout=60)
+    assert proc.returncode != 0
+    assert "megatron_fsdp_zero3 only" in proc.stderr
+
+
 def test_unknown_engine_is_a_usage_error():
     proc = run_tool("--engines", "fsdp2,zero4", nproc=None, timeout=60)
     assert proc.returncode != 0

@@ -208,6 +208,18 @@ BAD = [
         "--outer-dp-sharding-strategy optim .* --data-parallel-sharding-strategy optim_grads_",
     ),
     (f"{ZERO3} --outer-dp-sharding-strategy optim", "--num-distributed-optimizer-instances > 1"),
+    (
+        f"{FSDP} --data-parallel-sharding-strategy optim_grads "
+        "--megatron-fsdp-keep-unsharded-params",
+        "--megatron-fsdp-keep-unsharded-params needs --data-parallel-sharding-strategy "
+        "optim_grads_params \\(got 'optim_grads'",
+    ),
+    (
+        f"{FSDP} --data-parallel-sharding-strategy optim "
+        "--megatron-fsdp-accumulate-unsharded-grads",
+        "--megatron-fsdp-accumulate-unsharded-grads needs sharded gradients, "
+        "--data-parallel-sharding-strategy 'optim_grads' or 'optim_grads_params' \\(got 'optim'",
+    ),
     ("--bf16 --fp16", "--fp16 and --bf16 are both given"),
     ("--hidden-size 30", "--hidden-size 30 .* --num-attention-heads 4; .* --kv-channels"),
     (
@@ -308,6 +320,8 @@ def test_bad_combination_names_the_flag(flags, message):
         "--megatron-fsdp-main-params-dtype auto",
         "--megatron-fsdp-main-grads-dtype bf16",
         "--megatron-fsdp-grad-comm-dtype bf16",
+        "--megatron-fsdp-keep-unsharded-params",
+        "--megatron-fsdp-accumulate-unsharded-grads",
         "--init-model-with-meta-device",
     ],
 )

@@ -67,6 +67,16 @@ DDP_CONFIG_CASES = [
         "megatron_fsdp_grad_comm_dtype",
         torch.float16,
     ),
+    (
+        f"{ZERO3} --megatron-fsdp-keep-unsharded-params",
+        "megatron_fsdp_keep_unsharded_params",
+        True,
+    ),
+    (
+        f"{FSDP} --megatron-fsdp-accumulate-unsharded-grads",
+        "megatron_fsdp_accumulate_unsharded_grads",
+        True,
+    ),
     ("--ddp-bucket-size 1000", "bucket_size", 1000),
     ("--ddp-average-in-collective", "average_in_collective", True),
     ("--use-distributed-optimizer", "use_distributed_optimizer", True),

@@ -18,6 +18,7 @@ from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard
 from megatron.core.distributed.fsdp.gradients import GradState
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.microbatch import (
+    accumulation_memory,
     fsdp_contexts,
     fsdp_roots,
     microbatch,
@@ -45,6 +46,7 @@ __all__ = [
     "ShardGroups",
     "ShardLayout",
     "ShardingStrategy",
+    "accumulation_memory",
     "fsdp_contexts",
     "fsdp_roots",
     "fully_shard",

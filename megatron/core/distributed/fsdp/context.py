@@ -26,6 +26,13 @@ post-backward (the root, units whose inputs need no gradient) are reduced, howev
 backward passes run per forward; outside `no_sync()` / `microbatch(is_last=False)` the
 gradients are then finalised (`finalize_grads`, the one place that finalises).
 
+With the root's gradient-accumulation options (`OverlapPolicy.keep_unsharded_params`,
+`accumulate_unsharded_grads`), a microbatch that is not the last keeps the units it gathers
+(`residency.py`) and defers its sharded reductions (`gradients.py`); the last microbatch's
+backward frees each kept unit after its own backward and reduces the deferred sums, and
+`finalize_grads` completes whatever a step left (no last microbatch). With `is_last` True, as
+outside `microbatch()`, they change nothing.
+
 Memory discipline (GPU): see `residency.py` for unsharded weights; reduce-scatter inputs
 (gradients cast to the reduction dtype) are allocated and freed on the compute stream, which
 waits for the reduce-scatter that read them before casting the next. The all-gather stream waits
@@ -247,9 +254,12 @@ class FsdpContext:
         self._check.after_forward(pre)
 
     def _use(self, unit: ScheduledUnit, phase: str, successors: dict[int, int] | None = None):
-        """Makes `unit`'s compute weights whole and ready for the current stream, then (with
-        `successors` and the policy's prefetch) starts gathering the unit that computes next."""
-        self.residency.unshard(unit, phase)
+        """Makes `unit`'s compute weights whole and ready for the current stream (kept until
+        the step's last backward with `keep_unsharded_params` in a microbatch that is not the
+        last), then (with `successors` and the policy's prefetch) starts gathering the unit
+        that computes next."""
+        keep = self.policy.keep_unsharded_params and not self.is_last
+        self.residency.unshard(unit, phase, keep=keep)
         self.residency.wait(unit)
         if successors is None or not self.policy.prefetch:
             return
@@ -303,11 +313,12 @@ class FsdpContext:
     def post_backward(self, unit: ScheduledUnit) -> None:
         """After `unit`'s backward: reduce its gradients (missing ones as zeros, so every rank
         reduces the same groups in the same order), release its unsharded weights (all
-        released ones after the unit backward runs last), register the main weights."""
+        released ones after the unit backward runs last; kept ones in the last microbatch),
+        register the main weights."""
         self.reduce(unit)
         self._reduced.add(unit.position)
         self.residency.release(
-            unit, free_released=unit.position not in self._next_backward
+            unit, free_released=unit.position not in self._next_backward, ends_keep=self.is_last
         )
         self._register(unit, unsharded=False)
 
@@ -319,11 +330,14 @@ class FsdpContext:
         waits for the previous unit's (issued a whole unit's backward earlier) before casting
         this one's, so only one unit's reduction inputs are ever held. With symmetric memory
         (one buffer per process group and dtype) a unit's groups also wait for each other.
+        With `accumulate_unsharded_grads` in a microbatch that is not the last, sharded
+        gradients are summed whole instead (`GroupGrads.reduce`), which issues nothing.
         """
         position = unit.position
         if self._unreduced_forwards[position] > 0:
             self._unreduced_forwards[position] -= 1
         streams = self.streams if self.policy.overlap_grad_reduce else None
+        defer = self.policy.accumulate_unsharded_grads and not self.is_last
         grads = [group.grads for group in unit.groups if group.grads is not None]
         if not grads:
             return
@@ -332,7 +346,7 @@ class FsdpContext:
             for group_grads in grads:
                 if self.comm.symmetric is not None:
                     self._wait_pending_reductions()
-                sends = group_grads.reduce(streams)
+                sends = group_grads.reduce(streams, defer=defer)
                 if sends is not None:
                     self._reduced_event.record(streams.reduce_scatter)
                     self._reductions.append(sends)
@@ -370,16 +384,17 @@ class FsdpContext:
 
     @torch.no_grad()
     def end_of_backward(self) -> None:
-        """Waits for the reduce-scatters, reshards every unit, reduces the units that entered
-        this backward (or ran a forward) without a reduction of their own, registers the main
-        weights, and outside `no_sync()` finalises the gradients."""
+        """Waits for the reduce-scatters, reshards every unit (but those kept for a later
+        microbatch), reduces the units that entered this backward (or ran a forward) without a
+        reduction of their own, registers the main weights, and outside `no_sync()` finalises
+        the gradients."""
         self._callback_task = None
         units = list(self.units())
         # Unsharded weights and the inputs of finished reduce-scatters are freed before the
         # root's gradients (often the largest: embeddings, output layer) are cast, so the end
         # of the step does not hold all of them at once.
         self._wait_all_reductions()
-        self.residency.reshard_all()
+        self.residency.reshard_all(except_kept=not self.is_last)
         for unit in units:
             position = unit.position
             entered_only = position in self._entered and position not in self._reduced
@@ -419,16 +434,22 @@ class FsdpContext:
 
     def finalize_grads(self) -> None:
         """Runs every unit's deferred gradient reductions: each group still ACCUMULATING
-        becomes READY (the one place that finalises; a READY group has nothing to run).
+        becomes READY (the one place that finalises; a READY group has nothing to run), after
+        reduce-scattering gradients still summed whole (a step whose last microbatch did not
+        run them, `accumulate_unsharded_grads`). Frees the whole weights kept for the step.
         Reads the last forward's rank check first: gradients from mismatched reductions must
         not reach the optimizer."""
         self._recover_failed_pass()
         self._check.resolve()
         self._wait_all_reductions()
+        self.residency.drop_kept()
         for unit in self.units():
             for group in unit.groups:
                 grads = group.grads
-                if grads is not None and grads.state is GradState.ACCUMULATING:
+                if grads is None:
+                    continue
+                grads.reduce_deferred()
+                if grads.state is GradState.ACCUMULATING:
                     grads.finalize()
 
     def zero_grad(self) -> None:

@@ -27,6 +27,12 @@ States (`GradState`) and transitions::
 - CONSUMED: READY, after an optimizer step connected by `fully_shard_optimizer`: the next
   reduction replaces the gradients instead of adding to them.
 
+With `OverlapPolicy.accumulate_unsharded_grads`, the sharded gradients of the microbatches
+before a step's last wait outside this machine, summed whole in `main_grads_dtype` (the
+*deferred* sums, freed by the reduce-scatter that consumes them or by `zero_grad`); the last
+microbatch's reduction adds its gradients and reduce-scatters the sum once, a reduction like
+any other above.
+
 An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
 reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
 for some parameters only restarts those. `zero_grad(set_to_none=False)` zeroes the views in
@@ -107,6 +113,9 @@ class GroupGrads:
             self.optim_grad = DBuffer(
                 layout, precision.main_params, device, sharded=True, rank=weights.rank, zeroed=False
             )
+        # The whole gradient sums of a step's microbatches not yet reduce-scattered
+        # (`reduce(defer=True)`), one per parameter; None when there are none.
+        self._deferred: list[torch.Tensor] | None = None
         # What the optimizer reads, as views of persistent storage: made once, while allocated.
         self._local_grads = (self.optim_grad or self.main_grad).local_views()
         self._grad_dtensors: list[DTensor] = [
@@ -123,13 +132,16 @@ class GroupGrads:
 
     @property
     def holds_memory(self) -> bool:
-        """Whether gradient memory is held (from a step's first reduction to `zero_grad`)."""
-        return self.state is not GradState.EMPTY
+        """Whether gradient memory is held (from a step's first reduction, or deferred sum, to
+        `zero_grad`)."""
+        return self.state is not GradState.EMPTY or self._deferred is not None
 
     # Reduction (every backward).
 
     @torch.no_grad()
-    def reduce(self, streams: CommStreams | None = None) -> list[torch.Tensor] | None:
+    def reduce(
+        self, streams: CommStreams | None = None, *, defer: bool = False
+    ) -> list[torch.Tensor] | None:
         """Moves the gradients of the backward that just ended into `main_grad`.
 
         With sharded gradients they are reduce-scattered now; otherwise they accumulate locally
@@ -140,6 +152,9 @@ class GroupGrads:
             streams: run the reduce-scatter on `streams.reduce_scatter` (GPU overlap); None:
                 on the current stream. The gradients are cast (or packed) on the current
                 stream either way.
+            defer: sharded gradients are added to whole sums in the main-grads dtype instead
+                (`OverlapPolicy.accumulate_unsharded_grads`), which the next reduction without
+                `defer` (or `reduce_deferred`) reduce-scatters together with its own.
 
         Returns:
             The tensors a reduce-scatter on the reduce-scatter stream still reads: the caller
@@ -150,6 +165,33 @@ class GroupGrads:
             grad = param.grad
             grads.append(grad if grad is not None else torch.zeros_like(param))
             param.grad = None
+        if self.plan.shards_grads and (defer or self._deferred is not None):
+            self._deferred = self._summed_with_deferred(grads)
+            if defer:
+                return None
+            grads, self._deferred = self._deferred, None
+        return self._reduce_grads(grads, streams)
+
+    def reduce_deferred(self) -> None:
+        """Reduce-scatters the whole sums `reduce(defer=True)` left, if any, on the current
+        stream (a step whose last microbatch did not)."""
+        if self._deferred is not None:
+            grads, self._deferred = self._deferred, None
+            self._reduce_grads(grads, None)
+
+    def _summed_with_deferred(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads` added to the deferred sums, or, for the step's first, as the sums: in the
+        main-grads dtype, autograd's own tensors where they already have it (no copy)."""
+        if self._deferred is None:
+            dtype = self.plan.precision.main_grads
+            return [grad if grad.dtype == dtype else grad.to(dtype) for grad in grads]
+        torch._foreach_add_(self._deferred, grads)
+        return self._deferred
+
+    def _reduce_grads(
+        self, grads: list[torch.Tensor], streams: CommStreams | None
+    ) -> list[torch.Tensor] | None:
+        """`reduce` of the whole gradients `grads` (the list is emptied where they are cast)."""
         fresh = self._begin_accumulating()
         if self.plan.shards_grads:
             return self._reduce_scatter(grads, fresh, streams)
@@ -373,16 +415,20 @@ class GroupGrads:
             self.state = GradState.CONSUMED
 
     def scale(self, factor: float | torch.Tensor) -> None:
-        """Multiplies the gradients (accumulated and handed to the optimizer) by `factor`."""
+        """Multiplies the gradients (accumulated, deferred and handed to the optimizer) by
+        `factor`."""
         for buffer in (self.main_grad, self.optim_grad):
             if buffer is not None and buffer.is_allocated:
                 buffer.data.mul_(factor)
+        if self._deferred is not None:
+            torch._foreach_mul_(self._deferred, factor)
 
     def zero_grad(self) -> None:
         """Forgets every gradient, the unreduced ones of the compute weights included, and
         frees their memory (on the compute stream, which has waited for every reduction)."""
         for param in self.weights.unsharded_params:
             param.grad = None
+        self._deferred = None
         self._drop()
 
     def _drop(self) -> None:

@@ -90,6 +90,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
             prefetch=ddp_config.overlap_param_gather,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce,
             use_symm_mem=ddp_config.use_symm_mem,
+            keep_unsharded_params=ddp_config.megatron_fsdp_keep_unsharded_params,
+            accumulate_unsharded_grads=ddp_config.megatron_fsdp_accumulate_unsharded_grads,
         )
         if fsdp_unit_modules is None:
             units = default_fsdp_units(module)
@@ -113,7 +115,9 @@ class FullyShardedDataParallel(_BaseDataParallel):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate into `main_grad`, deferring the once-per-step
-        reductions to `finish_grad_sync()` or the first backward outside."""
+        reductions to `finish_grad_sync()` or the first backward outside (as
+        `microbatch(is_last=False)`, also for `megatron_fsdp_keep_unsharded_params` and
+        `megatron_fsdp_accumulate_unsharded_grads`)."""
         with contextlib.ExitStack() as stack:
             for context in self._contexts:
                 stack.enter_context(context.microbatch_state(is_last=False))

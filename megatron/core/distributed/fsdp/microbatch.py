@@ -1,5 +1,6 @@
 """`microbatch()`: tells Megatron-FSDP where a backward sits in gradient accumulation; and the
-other root-level controls (`fsdp_roots`, `fsdp_contexts`, `set_profiler_labels`).
+other root-level controls (`fsdp_roots`, `fsdp_contexts`, `set_profiler_labels`,
+`accumulation_memory`).
 
     for i, batch in enumerate(batches):
         with microbatch(model, is_last=i == len(batches) - 1):
@@ -11,6 +12,12 @@ Reductions that only need to happen once per step (the all-reduce or reduce-scat
 backward. Outside the helper every backward is treated as the last, so code that never uses it
 is correct, only slower. Refreshing the compute weights needs no help: the engine sees by itself
 whether the main weights changed.
+
+Two options of the root's `OverlapPolicy` trade memory for traffic across the microbatches of a
+step (both off by default, the leanest in memory; `accumulation_memory` says what they hold):
+`keep_unsharded_params` gathers each ZeRO-3 unit once per step instead of twice per microbatch,
+`accumulate_unsharded_grads` reduce-scatters each ZeRO-2/3 unit's gradients once per step
+instead of once per microbatch.
 """
 
 from __future__ import annotations
@@ -80,3 +87,30 @@ def set_profiler_labels(module: torch.nn.Module, enabled: bool = True) -> None:
     phase, named like "MFSDP decoder.layers.3 forward all-gather" (`profiling.py`)."""
     for context in fsdp_contexts(module):
         context.labels.enabled = enabled
+
+
+def accumulation_memory(module: torch.nn.Module) -> dict[str, int]:
+    """The most each gradient-accumulation option of `OverlapPolicy` holds, in bytes on this
+    rank, whether it is on or not.
+
+    - "keep_unsharded_params": the whole compute weights of every unit whose weights are sharded
+      (ZeRO-3), all at once from a step's first microbatch to its last backward (without it:
+      `max_unsharded_units` units and the root at a time);
+    - "accumulate_unsharded_grads": the whole gradients, in the main-grads dtype, of every
+      trainable group whose gradients are sharded (ZeRO-2/3), from the first microbatch's
+      backward to the last microbatch's reduce-scatter (without it: their 1/N shards).
+
+    Raises:
+        ValueError: there is no Megatron-FSDP unit under `module`.
+    """
+    weights = grads = 0
+    for context in fsdp_contexts(module):
+        for unit in context.units():
+            for group in unit.groups:
+                plan, layout = group.plan, group.weights.layout
+                if plan.transient_unsharded:
+                    weights += layout.numel * plan.model_dtype.itemsize
+                if plan.requires_grad and plan.shards_grads:
+                    numel = sum(shape.numel() for shape in layout.shapes)
+                    grads += numel * plan.precision.main_grads.itemsize
+    return {"keep_unsharded_params": weights, "accumulate_unsharded_grads": grads}

@@ -29,12 +29,28 @@ class OverlapPolicy:
             computing unit and the next; 1 never prefetches. Only units in use at once (nested
             in each other) can exceed it.
         use_symm_mem: staging buffers from NCCL symmetric memory (see `symmetric_memory.py`).
+        keep_unsharded_params: under gradient accumulation (`microbatch(is_last=False)`,
+            `no_sync()`), a unit whose weights are sharded (ZeRO-3) keeps its whole weights
+            from their first gather in the step until the last microbatch's backward has used
+            them: one all-gather per unit and step instead of two per microbatch, for the memory
+            of every unit's whole weights at once (`accumulation_memory()`). Kept units do not
+            count against `max_unsharded_units`. Changes nothing outside gradient accumulation
+            (every backward is then the last).
+        accumulate_unsharded_grads: under gradient accumulation, groups that shard their
+            gradients (ZeRO-2/3) sum them whole, in the main-grads dtype, and reduce-scatter the
+            sum once, in the last microbatch's backward: one reduce-scatter per unit and step
+            instead of one per microbatch, for the memory of every unit's whole gradients from
+            the first microbatch's backward to the last's (`accumulation_memory()`). Changes
+            nothing outside gradient accumulation, nor for ZeRO-0/1, which accumulate whole
+            gradients anyway.
     """
 
     prefetch: bool = True
     overlap_grad_reduce: bool = True
     max_unsharded_units: int = 2
     use_symm_mem: bool = False
+    keep_unsharded_params: bool = False
+    accumulate_unsharded_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.max_unsharded_units < 1:

@@ -9,6 +9,13 @@ freed on the all-gather stream, which waits for the event recorded after a unit'
 before freeing it; the compute stream waits for the event recorded after a unit's gather before
 using it. Nothing relies on `record_stream`. On CPU there are no streams and every step runs in
 program order.
+
+Under gradient accumulation with `OverlapPolicy.keep_unsharded_params` a unit gathered in a
+microbatch that is not the step's last is *kept*: its uses do not release it and the end of that
+backward does not free it, so later microbatches reuse it without gathering; kept units do not
+count against the bound. The last microbatch's backward frees each kept unit right after its own
+backward (the all-gather stream first waits for the compute stream, as for any free), and the end
+of that backward, or of the step (`drop_kept`), frees the rest.
 """
 
 from __future__ import annotations
@@ -57,10 +64,12 @@ class Residency:
         self._streams = streams
         self._labels = labels
         # Units holding unsharded weights (ordered set), those whose last use is done (oldest
-        # release first), and those whose gather was not yet waited for.
+        # release first), those whose gather was not yet waited for, and those kept until the
+        # step's last backward (a subset of the resident ones, never releasable).
         self._resident: dict[int, None] = {}
         self._releasable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ready: set[int] = set()
+        self._kept: set[int] = set()
         # The event after each unit's gather and after its last use (GPU): a wait queued on an
         # event is not affected by later records.
         if streams is not None:
@@ -89,24 +98,29 @@ class Residency:
             self._ready_events[unit.position].record(self._streams.all_gather)
             self._ready.add(unit.position)
 
-    def unshard(self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False) -> None:
+    def unshard(
+        self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False, keep: bool = False
+    ) -> None:
         """Starts all-gathering `unit`'s unsharded weights (ZeRO-3), on the all-gather stream;
         weights still held from an earlier use are kept (`refresh` reshards those made from
         older main weights). A prefetch is skipped when the bound leaves no room (the units held
-        are all in use). `phase` names the pass in the profiler label."""
+        are all in use). `phase` names the pass in the profiler label; with `keep` the weights
+        are kept until the step's last backward (module docstring)."""
         position = unit.position
         if position in self._resident:
             self._releasable.pop(position, None)
+        elif not unit.has_transient_weights or (not self._make_room() and prefetch):
             return
-        if not unit.has_transient_weights or (not self._make_room() and prefetch):
-            return
-        with self._on_all_gather_stream(), self._labels(unit, f"{phase} all-gather"):
-            for group in unit.groups:
-                group.weights.unshard()
-        self._resident[position] = None
-        if self._streams is not None:
-            self._ready_events[position].record(self._streams.all_gather)
-            self._ready.add(position)
+        else:
+            with self._on_all_gather_stream(), self._labels(unit, f"{phase} all-gather"):
+                for group in unit.groups:
+                    group.weights.unshard()
+            self._resident[position] = None
+            if self._streams is not None:
+                self._ready_events[position].record(self._streams.all_gather)
+                self._ready.add(position)
+        if keep:
+            self._kept.add(position)
 
     def wait(self, unit: ScheduledUnit) -> None:
         """Makes the current stream wait for `unit`'s gather, if not done already."""
@@ -115,12 +129,18 @@ class Residency:
             self._ready.remove(position)
             self._streams.current().wait_event(self._ready_events[position])
 
-    def release(self, unit: ScheduledUnit, *, free_released: bool = False) -> None:
+    def release(
+        self, unit: ScheduledUnit, *, free_released: bool = False, ends_keep: bool = False
+    ) -> None:
         """`unit`'s use is over (its forward or backward is queued): its weights may be
         resharded once the bound requires it; with `free_released`, every released unit is
-        resharded now."""
+        resharded now. A kept unit stays unless `ends_keep` (its last use in the step), which
+        reshards it now: no gather of the step is left to make room."""
         position = unit.position
-        if position in self._resident:
+        if position in self._kept:
+            if ends_keep:
+                self.reshard(unit)
+        elif position in self._resident:
             if self._streams is not None:
                 self._release_events[position].record(self._streams.current())
             self._releasable[position] = None
@@ -148,23 +168,33 @@ class Residency:
             group.weights.reshard()
         del self._resident[position]
         self._ready.discard(position)
+        self._kept.discard(position)
 
-    def reshard_all(self) -> None:
-        """Frees every unit's unsharded weights after the current stream's queued work; the
-        current stream then also waits for whatever the all-gather stream still runs (a
-        prefetch nobody used), which rejoins it in a CUDA graph capture."""
+    def reshard_all(self, *, except_kept: bool = False) -> None:
+        """Frees every unit's unsharded weights (with `except_kept`, those of units not kept)
+        after the current stream's queued work; the current stream then also waits for
+        whatever the all-gather stream still runs (a prefetch nobody used), which rejoins it in
+        a CUDA graph capture."""
         streams = self._streams
         if streams is not None:
             streams.all_gather.wait_stream(streams.current())
+        kept = self._kept if except_kept else set()
         for position in self._resident:
-            if (unit := self._unit(position)) is not None:
+            if position not in kept and (unit := self._unit(position)) is not None:
                 for group in unit.groups:
                     group.weights.reshard()
-        self._resident.clear()
+        self._resident = dict.fromkeys(kept)
         self._releasable.clear()
-        self._ready.clear()
+        self._ready &= kept
+        self._kept = set(kept)
         if streams is not None:
             streams.current().wait_stream(streams.all_gather)
+
+    def drop_kept(self) -> None:
+        """Frees the kept units' weights (the step is over), after the current stream's
+        queued work."""
+        for position in list(self._kept):
+            self._reshard_position(position)
 
     def keep_last_released(self) -> None:
         """Reshards every released unit but the last (the first whose backward runs)."""
@@ -180,16 +210,22 @@ class Residency:
         return self._num_held() < bound
 
     def _reshard_oldest_released(self) -> None:
-        oldest = next(iter(self._releasable))
-        unit = self._unit(oldest)
-        if unit is None:  # freed with its module
-            self._releasable.pop(oldest)
-            self._resident.pop(oldest, None)
+        self._reshard_position(next(iter(self._releasable)))
+
+    def _reshard_position(self, position: int) -> None:
+        """Reshards the unit at `position`, or forgets it if it was freed with its module."""
+        unit = self._unit(position)
+        if unit is None:
+            self._releasable.pop(position, None)
+            self._resident.pop(position, None)
+            self._kept.discard(position)
         else:
             self.reshard(unit)
 
     def _num_held(self) -> int:
-        return len(self._resident) - (0 in self._resident)
+        """Units under the bound: resident, neither the root nor kept."""
+        root = 0 in self._resident and 0 not in self._kept
+        return len(self._resident) - len(self._kept) - root
 
     def _on_all_gather_stream(self) -> contextlib.AbstractContextManager:
         """Runs the body on the all-gather stream; on CPU (no streams) inline."""
