@@ -225,8 +225,8 @@ class MainWeightsAdamW:
     """AdamW on fp32 main weights for parameters whose gradients are in `param.main_grad`
     (Megatron-LM's DDP convention; a minimal Float16OptimizerWithFloat16Params). fp32
     parameters are their own main weights; bf16 ones get fp32 copies, copied back each step.
-    Not `MegatronOptimizer`, which also takes the global grad norm (a host sync per step) and
-    could not be captured in a CUDA graph."""
+    Not `MegatronOptimizer`, whose `step()` also takes the global grad norm (a host sync per
+    step); the training loop captures its `step_on_device()` instead."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], args: argparse.Namespace):
         self.params = [p for p in params if p.requires_grad]

@@ -33,6 +33,7 @@ from megatron.training.configs_from_args import (
 )
 from megatron.training.flag_groups import (
     checkpointing,
+    cuda_graphs,
     data,
     distributed,
     logs,
@@ -107,6 +108,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
         logs.add_logging_args,
         profiling.add_profiling_args,
         moe.add_moe_args,
+        cuda_graphs.add_cuda_graph_args,
         unbuilt.add_unbuilt_args,
     ):
         add_group(parser)

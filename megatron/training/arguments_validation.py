@@ -30,6 +30,7 @@ from megatron.training.configs_from_args import (
     transformer_config_from_flags,
 )
 from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
+from megatron.training.flag_groups.cuda_graphs import validate_cuda_graphs
 from megatron.training.flag_groups.data import validate_data, validate_tokenizer
 from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
@@ -107,6 +108,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     _validate_batch_and_optimizer(args)
     validate_training_length(args)
     validate_lr_schedule(args)
+    validate_cuda_graphs(args)
     optimizer_config_from_flags(args)
     _validate_data(args)
     _validate_logging_and_checkpointing(args)

@@ -11,28 +11,46 @@ from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.training.utils import average_losses_across_data_parallel_group
 
+LossLayout = list[tuple[str, int]]
+"""Each reported loss's key and width in a `reduce_loss_dicts` tensor: 1 for a mean, 2 for
+Megatron-LM's `[sum, count]`."""
 
-def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Averages each reported loss over the microbatches, then the data-parallel ranks.
+
+def reduce_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, LossLayout]:
+    """Each reported loss over the microbatches, then averaged over the data-parallel ranks, as
+    one flat device tensor (no host synchronisation: a CUDA graph captures it), and its layout
+    for `loss_values`.
 
     A value of two elements is Megatron-LM's `[sum, count]` (`--calculate-per-token-loss`):
-    its sums and counts are added over microbatches and ranks, and the result is sum / count.
-    One all-reduce for all the losses.
+    its sums and counts are added over microbatches (averaging them over ranks leaves their
+    ratio unchanged); other values are averaged. One all-reduce for all the losses.
     """
     local = []
     for key in loss_dicts[0]:
         values = torch.stack([d[key].detach().float().reshape(-1) for d in loss_dicts])
         local.append(values.sum(dim=0) if values.shape[1] == 2 else values.mean(dim=0))
-    # Averaging the sums and counts over ranks leaves their ratio unchanged.
-    reduced = average_losses_across_data_parallel_group(torch.cat(local)).tolist()
+    layout = [(key, value.numel()) for key, value in zip(loss_dicts[0], local)]
+    return average_losses_across_data_parallel_group(torch.cat(local)), layout
+
+
+def loss_values(layout: LossLayout, reduced: list[float]) -> dict[str, float]:
+    """The losses a `reduce_loss_dicts` tensor (read to the host) holds: `[sum, count]` pairs
+    become sum / count."""
     result, offset = {}, 0
-    for key, value in zip(loss_dicts[0], local):
-        if value.numel() == 2:
+    for key, width in layout:
+        if width == 2:
             result[key] = reduced[offset] / reduced[offset + 1]
         else:
             result[key] = reduced[offset]
-        offset += value.numel()
+        offset += width
     return result
+
+
+def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Averages each reported loss over the microbatches, then the data-parallel ranks
+    (`reduce_loss_dicts`, read to the host)."""
+    reduced, layout = reduce_loss_dicts(loss_dicts)
+    return loss_values(layout, reduced.tolist())
 
 
 def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:

@@ -27,6 +27,11 @@ backpropagate (this microbatch's mean) and the values to report, which the loop 
 microbatches and data-parallel ranks (or, with `--calculate-per-token-loss`, Megatron-LM's
 `(loss sum, num_tokens, report)`: `megatron.training.schedules`).
 
+With `--cuda-graph-impl full_iteration` the device work of an iteration (everything above up to
+the optimizer step, which then runs on the device) is captured in one CUDA graph after
+`--cuda-graph-warmup-steps` eager iterations and replayed (`megatron.training.cuda_graphs`);
+the schedule, the checks, logging and evaluation stay on the host, outside the graph.
+
 With `--load`, training resumes from a checkpoint (weights, optimizer state, schedule, RNG
 states, and the data position: the checkpoint's consumed-sample counts); with `--save`, a
 checkpoint is written every `--save-interval` iterations and when training stops
@@ -55,12 +60,14 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.cuda_graphs import GraphedIteration
 from megatron.training.data_iterators import DatasetProvider, build_train_valid_test_data_iterators
 from megatron.training.dist_signal_handler import ExitConditions
+from megatron.training.evaluation import evaluate_and_print_results
+from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.optimization import lr_schedule_steps
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
@@ -295,10 +302,13 @@ def setup_model_and_optimizer(
 ) -> tuple[_BaseDataParallel, MegatronOptimizer, OptimizerParamScheduler]:
     """Builds the wrapped model, then its optimizer and the learning-rate schedule.
 
-    The optimizer is built after wrapping, over what the engine steps.
+    The optimizer is built after wrapping, over what the engine steps; with a full-iteration
+    CUDA graph, with kernels a graph can capture (`get_megatron_optimizer(capturable=True)`).
     """
     model = get_model(model_provider, model_type, args)
-    optimizer = get_megatron_optimizer(get_megatron_optimizer_config(args), model)
+    optimizer = get_megatron_optimizer(
+        get_megatron_optimizer_config(args), model, capturable=full_iteration_cuda_graph(args)
+    )
     scheduler = get_optimizer_param_scheduler(optimizer, args)
     return model, optimizer, scheduler
 
@@ -311,6 +321,7 @@ def train_step(
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
     num_microbatches: int | None = None,
+    graph: GraphedIteration | None = None,
 ) -> tuple[dict[str, float], bool, float | None, int | None]:
     """One iteration: every microbatch's forward and backward, then the optimizer step.
 
@@ -323,6 +334,8 @@ def train_step(
         args: validated arguments (`num_microbatches`, `check_for_nan_in_loss_and_grad`,
             `calculate_per_token_loss`).
         num_microbatches: this iteration's (a batch-size schedule's); None: `args`'.
+        graph: with a full-iteration CUDA graph, runs the iteration's device work (the same
+            computation, the optimizer stepping on the device: `megatron.training.cuda_graphs`).
 
     Returns:
         (losses, skipped, grad_norm, num_zeros_in_grad): the averaged reported losses, whether
@@ -335,11 +348,54 @@ def train_step(
             `--check-for-nan-in-loss-and-grad` is on. Both are the same on every rank (reduced
             over the data-parallel group), so every rank raises.
     """
+    if num_microbatches is None:
+        num_microbatches = args.num_microbatches
+    if graph is not None:
+        losses, update_successful, grad_norm, num_zeros_in_grad = graph(
+            data_iterator, num_microbatches
+        )
+    else:
+        loss_dicts = compute_gradients(
+            forward_step_func, model, optimizer, args, data_iterator, num_microbatches
+        )
+        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+        empty_unused_memory(args, level=2)
+        losses = average_loss_dicts(loss_dicts)
+    if update_successful:
+        # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
+        scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
+    # Checked after the step (which synchronises anyway) to add no wait of its own; a
+    # non-finite loss or norm means the step was skipped.
+    if args.check_for_nan_in_loss_and_grad:
+        skip = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
+        if not all(map(math.isfinite, losses.values())):
+            raise RuntimeError(
+                f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower "
+                f"--lr or check the data; {skip}"
+            )
+        # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            raise RuntimeError(
+                f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
+                f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
+            )
+    return losses, not update_successful, grad_norm, num_zeros_in_grad
+
+
+def compute_gradients(
+    forward_step_func: ForwardStepFunc,
+    model: _BaseDataParallel,
+    optimizer: MegatronOptimizer,
+    args: argparse.Namespace,
+    data_iterator: DataIterator,
+    num_microbatches: int,
+) -> list[dict[str, torch.Tensor]]:
+    """Every microbatch's forward and backward, then the reduced gradients, ready for the
+    optimizer step (a full-iteration CUDA graph captures this too). Returns each microbatch's
+    reported losses (this rank's)."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     model.start_param_sync()
-    if num_microbatches is None:
-        num_microbatches = args.num_microbatches
     if model.config.num_moe_experts is not None:
         _set_moe_aux_loss_scale(optimizer, num_microbatches, args)
     loss_dicts, num_tokens = forward_backward(
@@ -363,28 +419,7 @@ def train_step(
             [model],
             parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
         )
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-    if update_successful:
-        # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
-        scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
-    empty_unused_memory(args, level=2)
-    losses = average_loss_dicts(loss_dicts)
-    # Checked after the step (which synchronises anyway) to add no wait of its own; a
-    # non-finite loss or norm means the step was skipped.
-    if args.check_for_nan_in_loss_and_grad:
-        skip = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
-        if not all(map(math.isfinite, losses.values())):
-            raise RuntimeError(
-                f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower "
-                f"--lr or check the data; {skip}"
-            )
-        # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            raise RuntimeError(
-                f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
-                f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
-            )
-    return losses, not update_successful, grad_norm, num_zeros_in_grad
+    return loss_dicts
 
 
 def _set_moe_aux_loss_scale(
@@ -443,6 +478,15 @@ def train(
     model.train()
     print_rank_0("> training ...")
     batch_sizes = batch_size_schedule(args)
+    graph = None
+    if full_iteration_cuda_graph(args):
+        graph = GraphedIteration(
+            functools.partial(compute_gradients, forward_step_func, model, optimizer, args),
+            model,
+            optimizer,
+            args,
+            get_device(),
+        )
     for iteration in range(args.iteration + 1, args.train_iters + 1):
         operations.before_iteration(iteration)
         start = time.perf_counter()
@@ -456,6 +500,7 @@ def train(
             scheduler,
             args,
             num_microbatches=num_microbatches,
+            graph=graph,
         )
         seconds = time.perf_counter() - start
         # Every step, on every rank (it all-reduces and clears the step's metrics).
@@ -506,6 +551,8 @@ def train(
             and args.eval_interval is not None
             and iteration % args.eval_interval == 0
         ):
+            if graph is not None:
+                graph.before_eager_use()
             with operations.evaluation():
                 history.validation_losses[iteration] = evaluate_and_print_results(
                     forward_step_func,
@@ -527,58 +574,9 @@ def train(
         if exiting:
             print_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
             break
+    if graph is not None:
+        graph.before_eager_use()  # the end-of-training evaluations follow
     return history
-
-
-@torch.no_grad()
-def evaluate(
-    forward_step_func: ForwardStepFunc,
-    data_iterator: DataIterator,
-    model: _BaseDataParallel,
-    args: argparse.Namespace,
-) -> dict[str, float]:
-    """The reported losses over `--eval-iters` global batches, in eval mode (no dropout).
-
-    Args:
-        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
-        data_iterator: this rank's micro-batches of the split.
-        model: the wrapped model; back in train mode on return.
-        args: validated arguments (`eval_iters`, `num_microbatches`).
-
-    Returns:
-        Each reported loss averaged over the batches, microbatches and data-parallel ranks.
-    """
-    model.eval()
-    totals: dict[str, float] = {}
-    for _ in range(args.eval_iters):
-        # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
-        loss_dicts, _ = forward_backward(
-            forward_step_func, data_iterator, model, args.num_microbatches, forward_only=True
-        )
-        empty_unused_memory(args, level=1)
-        for key, value in average_loss_dicts(loss_dicts).items():
-            totals[key] = totals.get(key, 0.0) + value
-    model.train()
-    # As Megatron-LM: whatever evaluation recorded stays out of the next step's report.
-    get_moe_metrics_tracker().clear()
-    return {key: total / args.eval_iters for key, total in totals.items()}
-
-
-def evaluate_and_print_results(
-    forward_step_func: ForwardStepFunc,
-    data_iterator: DataIterator,
-    model: _BaseDataParallel,
-    args: argparse.Namespace,
-    log: TrainingLog,
-    *,
-    split: str,
-    when: str,
-    iteration: int,
-) -> dict[str, float]:
-    """Evaluates on `data_iterator` and logs the result (see `TrainingLog.log_evaluation`)."""
-    losses = evaluate(forward_step_func, data_iterator, model, args)
-    log.log_evaluation(split, when, iteration, losses)
-    return losses
 
 
 def _short_count(count: int) -> str:

@@ -23,11 +23,13 @@ over the expert shard group, never over expert data-parallel replicas. Tensor pa
 likewise: parameters split over tp are global DTensors with a `tp` mesh dimension placed
 `Shard` (or `_StridedShard`, a shard too: each element on one rank) and are summed over it;
 replicated ones are placed `Replicate` there and counted once.
+
+The `*_on_device` variants compute the same values as device tensors, with no host
+synchronisation, for a step a CUDA graph captures (`MegatronOptimizer.step_on_device`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -110,7 +112,9 @@ def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
         ValueError: a gradient is a DTensor with a `Partial` placement.
     """
     total = _global_sum(grads, _sum_of_squares)
-    return 0.0 if total is None else math.sqrt(total.item())
+    # Square-rooted by torch as `grad_norm_on_device` does, so the two agree bitwise on every
+    # device (torch's CPU square root of a float64 is not always math.sqrt's, CUDA's is).
+    return 0.0 if total is None else total.double().sqrt().item()
 
 
 @torch.no_grad()
@@ -140,3 +144,51 @@ def count_zeros_fp32(grads: Iterable[torch.Tensor]) -> int:
     """
     total = _global_sum(grads, _num_zeros)
     return 0 if total is None else int(total.item())
+
+
+@torch.no_grad()
+def grad_norm_on_device(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`get_grad_norm_fp32` as a 0-dim float64 tensor on `device`, with no host synchronisation.
+
+    The same fp32 sum of squares, square-rooted in float64: the value equals
+    `get_grad_norm_fp32`'s exactly.
+
+    Args:
+        grads: as for `get_grad_norm_fp32`.
+        device: where the result lives when there is no gradient (the gradients' otherwise).
+    """
+    total = _global_sum(grads, _sum_of_squares)
+    if total is None:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return total.double().sqrt()
+
+
+@torch.no_grad()
+def clip_grad_by_norm_on_device(
+    grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor
+) -> None:
+    """`clip_grad_by_total_norm_fp32` with the norm a device tensor (`grad_norm_on_device`).
+
+    The coefficient is computed as the host computes it (in float64, then 1 where it is not
+    below 1, a multiplication that changes nothing) and applied in fp32, as `_foreach_mul_`
+    applies a host number, so the clipped gradients equal the host path's bitwise.
+    """
+    # full_like, not new_tensor: a copy from host memory cannot be captured.
+    clip_coeff = torch.full_like(total_norm, max_norm) / (total_norm + 1.0e-6)
+    clip_coeff = torch.clamp(clip_coeff, max=1.0).float()
+    locals_ = [_local_and_groups(grad)[0] for grad in grads]
+    fp32 = [t for t in locals_ if t.dtype == torch.float32]
+    if fp32:
+        torch._foreach_mul_(fp32, clip_coeff)
+    # Other dtypes: the product in fp32, rounded once to the gradient's dtype, as the host
+    # path's foreach kernel does (a device scalar in their own dtype would be rounded first).
+    for tensor in locals_:
+        if tensor.dtype != torch.float32:
+            tensor.copy_(tensor.float().mul_(clip_coeff))
+
+
+@torch.no_grad()
+def count_zeros_on_device(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`count_zeros_fp32` as a 0-dim int64 tensor on `device`, with no host synchronisation."""
+    total = _global_sum(grads, _num_zeros)
+    return torch.zeros((), dtype=torch.int64, device=device) if total is None else total

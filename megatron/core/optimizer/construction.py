@@ -53,7 +53,9 @@ def get_param_groups(
     return [group for group in groups if group["params"]]
 
 
-def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MegatronOptimizer:
+def get_megatron_optimizer(
+    config: OptimizerConfig, model: torch.nn.Module, capturable: bool = False
+) -> MegatronOptimizer:
     """Builds the optimizer `config` names over `model`'s trainable parameters.
 
     Call it after wrapping the model: under Megatron-FSDP the optimizer steps the local shards
@@ -66,9 +68,13 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> M
     Args:
         config: the optimizer and its hyperparameters.
         model: see `MegatronOptimizer`.
+        capturable: the step may be captured in a CUDA graph (`MegatronOptimizer.
+            step_on_device`): torch's fused kernels, which skip a step on the device and read
+            the learning rate from a device tensor, for SGD too; Adam with `capturable=True`.
 
     Raises:
-        ValueError: `config.lr` is not set, or `model` has no trainable parameter.
+        ValueError: `config.lr` is not set, `model` has no trainable parameter, or
+            `capturable` with a parameter torch's fused kernels do not take.
     """
     if config.lr is None:
         raise ValueError(
@@ -89,6 +95,12 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> M
         raise ValueError(
             f"{type(model).__name__} has no parameter with requires_grad=True to optimize."
         )
+    fused = all(_fusable(p) for p in params)
+    if capturable and not fused:
+        raise ValueError(
+            "A step captured in a CUDA graph needs torch's fused optimizer kernels, which take "
+            "floating-point parameters on CPU or CUDA only; this model has others."
+        )
     if config.optimizer == "adam":
         adam = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         optimizer = adam(
@@ -96,10 +108,15 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> M
             lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
-            fused=all(_fusable(p) for p in params),
+            fused=fused,
+            capturable=capturable,
         )
     else:
-        optimizer = torch.optim.SGD(param_groups, lr=config.lr, momentum=config.sgd_momentum)
+        # SGD's default (foreach) kernels can skip no step on the device: fused only then.
+        sgd_kernels = {"fused": True} if capturable else {}
+        optimizer = torch.optim.SGD(
+            param_groups, lr=config.lr, momentum=config.sgd_momentum, **sgd_kernels
+        )
     if is_fsdp:
         fully_shard_optimizer(optimizer, model)
     if main_shards is not None:

@@ -10,26 +10,28 @@ A Megatron training step with it::
     update_successful, grad_norm, num_zeros = optimizer.step()
     scheduler.step(1)
 
-`step()` computes the global gradient norm, skips the update when the norm is not finite (the
-caller logs it), else clips the gradients to `clip_grad` and steps. Under Megatron-FSDP the torch
-optimizer steps the local shards of the DTensor main weights (`local_main_weights`: plain
+`step()` computes the global gradient norm, skips the update when the norm is not finite (the caller
+logs it), else clips the gradients to `clip_grad` and steps. `step_on_device()` does the same with
+no host synchronisation, for a CUDA graph to capture (`device_step.py`). Under Megatron-FSDP the
+torch optimizer steps the local shards of the DTensor main weights (`local_main_weights`: plain
 tensors on the same storage, so the step pays no DTensor dispatch), connected with
 `fully_shard_optimizer`, which hands them their gradient shards for the step; the norm and the
-clipping read the DTensor gradients, whose placements say how they are sharded (Megatron-FSDP
-keeps fp32 main weights itself). Under the DDP engine (or a plain module) it keeps an fp32 master
-copy of every parameter that is not fp32, as Megatron-LM's `Float16OptimizerWithFloat16Params`:
-the torch optimizer steps the masters, with `param.main_grad` (which the DDP engine keeps apart
-from `param.grad`) upcast to fp32 as their gradient, and the masters are then copied back into
-the model's parameters. fp32 parameters are their own masters. Under the DDP engine with
-expert parallelism, the gradients, weights and states of expert parameters are read as global
-DTensors split over the ep group (`expert_parallel.py`), so the norm counts every expert once
-and checkpoints hold every expert.
+clipping read the DTensor gradients, whose placements say how they are sharded (Megatron-FSDP keeps
+fp32 main weights itself). Under the DDP engine (or a plain module) it keeps an fp32 master copy of
+every parameter that is not fp32, as Megatron-LM's `Float16OptimizerWithFloat16Params`: the torch
+optimizer steps the masters, with `param.main_grad` (which the DDP engine keeps apart from
+`param.grad`) upcast to fp32 as their gradient, and the masters are then copied back into the
+model's parameters. fp32 parameters are their own masters. Under the DDP engine with expert
+parallelism, the gradients, weights and states of expert parameters are read as global DTensors
+split over the ep group (`expert_parallel.py`), so the norm counts every expert once and checkpoints
+hold every expert.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,6 +49,7 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer.device_step import DeviceLearningRates, DeviceStepResult, device_step
 from megatron.core.optimizer.grad_scaler import (
     MegatronGradScaler,
     unscale_and_check_for_inf,
@@ -102,6 +105,8 @@ class MegatronOptimizer:
         # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
         self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
         self._ddp_engine = model if isinstance(model, DistributedDataParallel) else None
+        # The rates `step_on_device` reads, made by the first `write_learning_rates_to_device`.
+        self._device_learning_rates: DeviceLearningRates | None = None
 
     def _global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
@@ -176,6 +181,22 @@ class MegatronOptimizer:
             for context in fsdp_contexts(self.model):
                 context.finalize_grads()
 
+    @contextlib.contextmanager
+    def _main_grads_for_step(self) -> Iterator[list[torch.Tensor]]:
+        """The main gradients (`get_main_grads()`), once the reduction finished; on exit the
+        step has consumed them: the `.grad` the DDP engine handed out (views of `main_grad`)
+        and the masters' are dropped, as `zero_grad()` would."""
+        self.finish_grad_sync()
+        assigned = [] if self._is_fsdp else self._set_main_grads()
+        try:
+            yield self.get_main_grads()
+        finally:
+            for main in assigned:
+                main.grad = None
+            if not self._is_fsdp:
+                for param in self._main_params:
+                    param.grad = None
+
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int | None]:
         """Clips the gradients to `config.clip_grad` and updates the parameters, unless the
@@ -192,10 +213,7 @@ class MegatronOptimizer:
             skipped the step, as Megatron-LM's), and the number of zero gradient elements
             (None unless `config.log_num_zeros_in_grad`, or when the loss scaler skipped).
         """
-        self.finish_grad_sync()
-        assigned = [] if self._is_fsdp else self._set_main_grads()
-        try:
-            grads = self.get_main_grads()
+        with self._main_grads_for_step() as grads:
             if self.grad_scaler is not None:
                 found_inf = unscale_and_check_for_inf(
                     grads, self.grad_scaler.inv_scale, self._flag_device()
@@ -211,15 +229,55 @@ class MegatronOptimizer:
                 clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
             self.optimizer.step()
             self._copy_main_params_to_model_params()
-        finally:
-            # The step consumed the gradients: the `.grad` the DDP engine handed out (views of
-            # `main_grad`) and the masters' are dropped, as `zero_grad()` would.
-            for main in assigned:
-                main.grad = None
-            if not self._is_fsdp:
-                for param in self._main_params:
-                    param.grad = None
         return True, grad_norm, num_zeros
+
+    def write_learning_rates_to_device(self) -> None:
+        """Copies each parameter group's `"lr"` (set on the host by the scheduler) into the
+        device tensor `step_on_device()` reads. Call it before every `step_on_device()` (a
+        replayed graph of one included), outside any CUDA graph capture."""
+        if self._device_learning_rates is None:
+            self._device_learning_rates = DeviceLearningRates(self.optimizer, self._flag_device())
+        self._device_learning_rates.write()
+
+    @torch.no_grad()
+    def step_on_device(self) -> DeviceStepResult:
+        """`step()` with no host synchronisation, for a CUDA graph to capture: the norm stays
+        on the device, a non-finite norm makes the torch optimizer's fused kernels skip the
+        step (weights and optimizer state unchanged, as `step()` leaves them), the clipping
+        coefficient is computed on the device, and the learning rates are read from the
+        tensors `write_learning_rates_to_device()` filled (`device_step.py`). The values equal
+        `step()`'s, but for a learning rate fp32 cannot represent (read in fp32).
+
+        The torch optimizer must skip on the device: Adam/AdamW with `fused=True,
+        capturable=True`, or SGD with `fused=True` (`get_megatron_optimizer(...,
+        capturable=True)`). Run one step eagerly before capturing one: the first creates the
+        optimizer's state.
+
+        Raises:
+            ValueError: a grad scaler (its skip decision and scale live on the host), or a torch
+                optimizer that cannot skip on the device.
+            RuntimeError: `write_learning_rates_to_device()` was never called.
+        """
+        if self.grad_scaler is not None:
+            raise ValueError(
+                "step_on_device() cannot scale the loss: the loss scaler decides on the host. "
+                "Train with bf16 or fp32 (no --fp16, no --loss-scale)."
+            )
+        if self._device_learning_rates is None:
+            raise RuntimeError(
+                "step_on_device() reads the learning rates from the device: call "
+                "write_learning_rates_to_device() before it (and before every replay)."
+            )
+        with self._main_grads_for_step() as grads:
+            result = device_step(
+                self.optimizer,
+                grads,
+                self.config,
+                self._flag_device(),
+                self._device_learning_rates,
+            )
+            self._copy_main_params_to_model_params()
+        return result
 
     def _copy_main_params_to_model_params(self) -> None:
         """Writes the stepped fp32 masters back into the model's parameters (Megatron-LM's

@@ -187,10 +187,10 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--experimental-attention-variant",),
     ),
     Unbuilt(
-        "CUDA graphs in the training loop",
-        "drop these flags (tools/benchmark_fsdp.py --cuda-graph captures a benchmark step)",
+        "per-layer CUDA graphs",
+        "use --cuda-graph-impl full_iteration (the whole training iteration in one graph)",
         ("--enable-cuda-graph", "--external-cuda-graph"),
-        ("--cuda-graph-impl", "--cuda-graph-scope", "--cuda-graph-warmup-steps"),
+        ("--cuda-graph-modules",),
     ),
     Unbuilt(
         "the precision-aware optimizer",

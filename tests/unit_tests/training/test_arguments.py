@@ -31,16 +31,6 @@ def validated(*flags: str, world_size: int = 4, base: tuple[str, ...] = tuple(BA
     return validated_on(*flags, world_size=world_size, base=base)
 
 
-@pytest.fixture
-def cuda_available(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-
-@pytest.fixture
-def cuda_unavailable(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 def test_defaults_follow_megatron_except_transformer_impl():
     """Megatron-LM's defaults, but `--transformer-impl local` (Megatron-LM: transformer_engine),
     a deliberate difference documented in docs/flags.md: runs on CPU work without flags."""

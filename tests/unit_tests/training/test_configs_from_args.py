@@ -27,11 +27,6 @@ def validated(*flags: str):
     return validated_on(*flags, world_size=4)
 
 
-@pytest.fixture
-def cuda_available(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-
 DDP_CONFIG_CASES = [
     (FSDP, "use_megatron_fsdp", True),
     (ZERO3, "data_parallel_sharding_strategy", "optim_grads_params"),

@@ -1,0 +1,66 @@
+"""Evaluation during and after training: the reported losses over `--eval-iters` global batches
+of a split, in eval mode, run eagerly (outside any CUDA graph of the training iteration)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.training.loss_reduction import average_loss_dicts
+from megatron.training.profiling import empty_unused_memory
+from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
+from megatron.training.training_log import TrainingLog
+
+
+@torch.no_grad()
+def evaluate(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: _BaseDataParallel,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """The reported losses over `--eval-iters` global batches, in eval mode (no dropout).
+
+    Args:
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
+        data_iterator: this rank's micro-batches of the split.
+        model: the wrapped model; back in train mode on return.
+        args: validated arguments (`eval_iters`, `num_microbatches`).
+
+    Returns:
+        Each reported loss averaged over the batches, microbatches and data-parallel ranks.
+    """
+    model.eval()
+    totals: dict[str, float] = {}
+    for _ in range(args.eval_iters):
+        # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
+        loss_dicts, _ = forward_backward(
+            forward_step_func, data_iterator, model, args.num_microbatches, forward_only=True
+        )
+        empty_unused_memory(args, level=1)
+        for key, value in average_loss_dicts(loss_dicts).items():
+            totals[key] = totals.get(key, 0.0) + value
+    model.train()
+    # As Megatron-LM: whatever evaluation recorded stays out of the next step's report.
+    get_moe_metrics_tracker().clear()
+    return {key: total / args.eval_iters for key, total in totals.items()}
+
+
+def evaluate_and_print_results(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: _BaseDataParallel,
+    args: argparse.Namespace,
+    log: TrainingLog,
+    *,
+    split: str,
+    when: str,
+    iteration: int,
+) -> dict[str, float]:
+    """Evaluates on `data_iterator` and logs the result (see `TrainingLog.log_evaluation`)."""
+    losses = evaluate(forward_step_func, data_iterator, model, args)
+    log.log_evaluation(split, when, iteration, losses)
+    return losses

@@ -1,0 +1,189 @@
+"""CUDA-graph flags, with Megatron-LM's names: `--cuda-graph-impl`, `--cuda-graph-scope`,
+`--cuda-graph-warmup-steps`, and what a graphed training iteration needs of the other flags.
+
+Built: the whole training iteration in one CUDA graph (`megatron.training.cuda_graphs`), asked
+for as `--cuda-graph-impl full_iteration` (upstream's current spelling) or `--cuda-graph-impl
+local --cuda-graph-scope full_iteration` (its earlier one, which upstream still accepts).
+Per-layer graphs (`local` with another scope, `transformer_engine`) and inference graphs are not
+built; asking for them is refused with what to use instead, as is every flag whose work needs the
+host inside the iteration (`validate_cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+CUDA_GRAPH_SCOPES = (
+    "full",
+    "attn",
+    "mlp",
+    "moe",
+    "moe_router",
+    "moe_preprocess",
+    "mamba",
+    "full_iteration",
+    "full_iteration_inference",
+)
+"""Upstream's values (`full`: the deprecated name of the whole layer; `full_iteration*`: the
+deprecated spelling of whole-iteration graphs)."""
+
+DEFAULT_WARMUP_STEPS = 3
+
+
+def add_cuda_graph_args(parser: argparse.ArgumentParser) -> None:
+    """The "cuda graphs" group."""
+    group = parser.add_argument_group(title="cuda graphs")
+    group.add_argument(
+        "--cuda-graph-impl",
+        default="none",
+        choices=CUDA_GRAPH_IMPLS,
+        help="full_iteration (or local with --cuda-graph-scope full_iteration): capture the "
+        "whole training iteration in one CUDA graph and replay it; local's per-layer graphs and "
+        "transformer_engine are not built.",
+    )
+    group.add_argument(
+        "--cuda-graph-scope",
+        nargs="+",
+        choices=CUDA_GRAPH_SCOPES,
+        help="With --cuda-graph-impl local: full_iteration, the only scope built.",
+    )
+    group.add_argument(
+        "--cuda-graph-warmup-steps",
+        type=int,
+        default=DEFAULT_WARMUP_STEPS,
+        help="Training iterations run eagerly before the capture.",
+    )
+
+
+def full_iteration_cuda_graph(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for the whole training iteration in a CUDA graph."""
+    if args.cuda_graph_impl == "full_iteration":
+        return True
+    return args.cuda_graph_impl == "local" and "full_iteration" in (args.cuda_graph_scope or ())
+
+
+def _spelled(args: argparse.Namespace) -> str:
+    """The graph flags as given, for messages."""
+    spelled = f"--cuda-graph-impl {args.cuda_graph_impl}"
+    if args.cuda_graph_scope:
+        spelled += f" --cuda-graph-scope {' '.join(args.cuda_graph_scope)}"
+    return spelled
+
+
+def validate_cuda_graphs(args: argparse.Namespace) -> None:
+    """Refuses the graph flags that ask for what is not built, and with a full-iteration graph
+    every flag whose work needs the host inside the iteration (a graph replays device work
+    only) or changes between iterations what the graph holds fixed.
+
+    Raises:
+        ValueError: the message names the flag(s) and the fix.
+    """
+    _validate_impl_and_scope(args)
+    if not full_iteration_cuda_graph(args):
+        if args.cuda_graph_warmup_steps != DEFAULT_WARMUP_STEPS:
+            raise ValueError(
+                f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps} applies to CUDA "
+                "graphs only: add --cuda-graph-impl full_iteration or drop the flag."
+            )
+        return
+    graphs = _spelled(args)
+    if args.cuda_graph_warmup_steps < 1:
+        raise ValueError(
+            f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps} must be >= 1: the "
+            "optimizer creates its state in its first step, which a graph cannot capture."
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{graphs} needs CUDA, which is not available; drop it to train without graphs."
+        )
+    if args.distributed_backend != "nccl":
+        raise ValueError(
+            f"{graphs} needs --distributed-backend nccl (a graph captures NCCL collectives), "
+            f"not {args.distributed_backend}."
+        )
+    for refused, message in _refusals(args):
+        if refused:
+            raise ValueError(f"{graphs}: {message}.")
+
+
+def _validate_impl_and_scope(args: argparse.Namespace) -> None:
+    """Refuses the implementations and scopes that are not built, and a scope that would be
+    ignored."""
+    scopes = args.cuda_graph_scope or []
+    impl = args.cuda_graph_impl
+    if impl == "transformer_engine":
+        raise ValueError(
+            "--cuda-graph-impl transformer_engine: Transformer Engine's per-layer CUDA graphs "
+            "are not built in this project; use --cuda-graph-impl full_iteration (the whole "
+            "training iteration in one graph) or drop the flag."
+        )
+    if scopes and impl == "none":
+        raise ValueError(
+            f"--cuda-graph-scope {' '.join(scopes)} needs --cuda-graph-impl local; for the whole "
+            "training iteration in one graph pass --cuda-graph-impl full_iteration alone."
+        )
+    others = [scope for scope in scopes if scope != "full_iteration"]
+    if others:
+        raise ValueError(
+            f"{_spelled(args)}: only the full_iteration scope is built (the whole training "
+            f"iteration in one graph); per-layer and inference graphs ({', '.join(others)}) "
+            "are not. Pass --cuda-graph-scope full_iteration."
+        )
+    if impl == "local" and not scopes:
+        raise ValueError(
+            "--cuda-graph-impl local without --cuda-graph-scope asks for per-layer CUDA graphs, "
+            "which are not built in this project; add --cuda-graph-scope full_iteration (the "
+            "whole training iteration in one graph), or use --cuda-graph-impl full_iteration."
+        )
+
+
+def _refusals(args: argparse.Namespace) -> list[tuple[bool, str]]:
+    """(set, why and what to do) for each flag a full-iteration graph cannot honour."""
+    tp = args.tensor_model_parallel_size > 1
+    return [
+        (
+            args.use_megatron_fsdp and args.fsdp_all_gather_in_start_param_sync,
+            "--fsdp-all-gather-in-start-param-sync (on by default) starts the first unit's "
+            "all-gather before the iteration, on a stream the graph does not capture; pass "
+            "--no-fsdp-all-gather-in-start-param-sync",
+        ),
+        (
+            args.fp16 or args.loss_scale is not None,
+            "loss scaling (--fp16, --loss-scale) decides on the host whether a step overflowed; "
+            "train with --bf16 (without --loss-scale) or fp32",
+        ),
+        (
+            args.rampup_batch_size is not None or args.step_batch_size_schedule is not None,
+            "a batch-size schedule (--rampup-batch-size, --step-batch-size-schedule) changes "
+            "the number of microbatches, which a graph holds fixed; drop the schedule",
+        ),
+        (
+            args.num_experts is not None,
+            "MoE layers (--num-experts) size their token exchange on the host; train a dense "
+            "model or drop the graph flags",
+        ),
+        (
+            args.recompute_granularity is not None,
+            "activation recomputation (--recompute-granularity) saves the random-generator "
+            "state on the host; drop it or the graph flags",
+        ),
+        (
+            args.sequence_parallel or (tp and args.attention_dropout > 0),
+            "the tensor-parallel random-generator states (used under --sequence-parallel, and "
+            "by attention dropout under tensor parallelism) are swapped on the host; drop "
+            "--sequence-parallel and set --attention-dropout 0",
+        ),
+        (
+            args.empty_unused_memory_level > 0,
+            f"--empty-unused-memory-level {args.empty_unused_memory_level} empties the "
+            "allocator's cache inside the iteration; drop it",
+        ),
+        (
+            args.weight_decay_incr_style != "constant",
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} changes the weight "
+            "decay, which the graph's optimizer step holds fixed; use a constant weight decay",
+        ),
+    ]
