@@ -161,6 +161,15 @@ def check_args(
                 f"(got --device {args.device}, --engines {','.join(args.engines)}); run the "
                 "others without it."
             )
+    accumulation = (
+        args.megatron_fsdp_keep_unsharded_params or args.megatron_fsdp_accumulate_unsharded_grads
+    )
+    if args.cuda_graph and accumulation:
+        parser.error(
+            "--cuda-graph with --megatron-fsdp-keep-unsharded-params or "
+            "--megatron-fsdp-accumulate-unsharded-grads fails to capture (an all-gather stream "
+            "dependency left outside the graph); run them eagerly."
+        )
     if args.megatron_fsdp_keep_unsharded_params and "megatron_fsdp_zero2" in args.engines:
         parser.error(
             "--megatron-fsdp-keep-unsharded-params applies to megatron_fsdp_zero3 only (ZeRO-2 "
