@@ -9,16 +9,15 @@ Engines (`--engines`, default all, run in the order given):
 - `single`: rank 0 alone, no communication, the same per-GPU batch: the compute-only reference.
 
 With `--cuda-graph` (Megatron-FSDP and `single` only) each engine's whole training step, every
-microbatch and the optimizer, is captured in one CUDA graph after eager warm-up and replayed:
-the step then costs what the GPU does, not what the host launches (Megatron-LM's full-iteration
-graphs). Megatron-FSDP then leaves `fsdp_all_gather_in_start_param_sync` off, as capture needs.
+microbatch and the optimizer, is captured in one CUDA graph after eager warm-up and replayed
+(`fsdp_all_gather_in_start_param_sync` off, as capture needs): the step costs what the GPU does.
 
 Every rank draws the same tokens (fixed seed), so every engine computes the same training step as
 `single` and the final losses must agree (a sanity check; token values do not change timings):
 bitwise on CPU, and on GPU with `--deterministic`. Without it the sharded engines' losses differ
 from the second step on, and from run to run: flash attention's backward accumulates with atomics,
-in an order that changes with the collectives running beside it.
-Prints a table and one JSON object (rank 0). The configurations reported in docs, on 2 GPUs:
+in an order that changes with the collectives running beside it. Prints a table and one JSON
+object (rank 0). The configurations reported in docs, on 2 GPUs:
 
     # L (~1.34B params, micro-batch 2, seq 2048)
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --hidden-size 2048 --num-layers 24 \\
@@ -161,14 +160,12 @@ def check_args(
                 f"(got --device {args.device}, --engines {','.join(args.engines)}); run the "
                 "others without it."
             )
-    accumulation = (
+    if args.cuda_graph and (
         args.megatron_fsdp_keep_unsharded_params or args.megatron_fsdp_accumulate_unsharded_grads
-    )
-    if args.cuda_graph and accumulation:
+    ):
         parser.error(
-            "--cuda-graph with --megatron-fsdp-keep-unsharded-params or "
-            "--megatron-fsdp-accumulate-unsharded-grads fails to capture (an all-gather stream "
-            "dependency left outside the graph); run them eagerly."
+            "--cuda-graph cannot capture the --megatron-fsdp-* accumulation options "
+            "(a stream dependency outside the graph); run them eagerly."
         )
     if args.megatron_fsdp_keep_unsharded_params and "megatron_fsdp_zero2" in args.engines:
         parser.error(
