@@ -28,9 +28,7 @@ object (rank 0). The configurations reported in docs, on 2 GPUs:
 
 With `--num-microbatches` > 1, `--megatron-fsdp-keep-unsharded-params` (ZeRO-3 only) and
 `--megatron-fsdp-accumulate-unsharded-grads` turn on Megatron-FSDP's gradient-accumulation options
-(`docs/architecture.md`); rank 0 prints what they hold.
-
-On CPU (gloo) with a tiny model; without torchrun it runs as a world of one:
+(`docs/architecture.md`); rank 0 prints what they hold. On CPU (gloo) with a tiny model; without torchrun it runs as a world of one:
 
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --num-layers 2 --hidden-size 64 \\
         --num-attention-heads 4 --vocab-size 128 --seq-length 32 --num-microbatches 2
