@@ -58,25 +58,36 @@ def _reshard_across_tp(root: str) -> None:
     saved, load_dir = None, None
     for step, (tp_size, engine) in enumerate(STAGES):
         model, optimizer, groups = build(tp_size, engine, "sgd")
-        scheduler = _scheduler(optimizer, optimizer.param_groups[0]["lr"])
-        args = _args(root, load_dir)
-        if load_dir is not None:
-            assert load_checkpoint(model, optimizer, scheduler, args) == step
-            _assert_equal(_snapshot(model, optimizer), saved)
-        result = RunResult()
-        dp = groups.dp_cp
-        train_steps(model, optimizer, batches[step : step + 1], result, dp.rank(), dp.size(), dp)
-        where = f"TP{tp_size} x DP{dp.size()} {engine}"
-        torch.testing.assert_close(
-            torch.tensor(result.losses), torch.tensor(uninterrupted.losses[step : step + 1])
-        )
-        save_checkpoint(step + 1, model, optimizer, scheduler, args)
-        saved = _snapshot(model, optimizer)
         expected = reference_run(batches[: step + 1], "sgd").weights
-        for name, value in expected.items():
-            torch.testing.assert_close(saved[f"model.{name}"], value, msg=f"{where} {name}")
+        where = f"TP{tp_size} x DP{groups.dp_cp.size()} {engine}"
+        saved, loss = _resume_one_step(
+            root, step, (model, optimizer, groups), load_dir, saved, batches, expected, where
+        )
+        torch.testing.assert_close(
+            torch.tensor(loss), torch.tensor(uninterrupted.losses[step : step + 1])
+        )
         load_dir = save
-        dist.barrier()
+
+
+def _resume_one_step(root, step, built, load_dir, saved, batches, expected, where):
+    """Loads `load_dir` into the built (model, optimizer, groups) (if any, checking the global
+    weights and optimizer state equal `saved` bit for bit), trains global batch `step`, saves,
+    and checks the weights against `expected`; returns the new snapshot and the step's loss."""
+    model, optimizer, groups = built
+    scheduler = _scheduler(optimizer, optimizer.param_groups[0]["lr"])
+    args = _args(root, load_dir)
+    if load_dir is not None:
+        assert load_checkpoint(model, optimizer, scheduler, args) == step
+        _assert_equal(_snapshot(model, optimizer), saved)
+    result = RunResult()
+    dp = groups.dp_cp
+    train_steps(model, optimizer, batches[step : step + 1], result, dp.rank(), dp.size(), dp)
+    save_checkpoint(step + 1, model, optimizer, scheduler, args)
+    saved = _snapshot(model, optimizer)
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[f"model.{name}"], value, msg=f"{where} {name}")
+    dist.barrier()
+    return saved, result.losses
 
 
 def test_checkpoint_reshards_across_tensor_parallel_sizes(tmp_path):
@@ -100,20 +111,11 @@ def _expert_stage(root, step, stage, load_dir, saved, batches, losses, expected)
         groups = ProcessGroupCollection.use_mpu_process_groups()
         model = wrap(build_gpt(True, groups), engine, TransformerLayer, pg_collection=groups)
         optimizer = get_megatron_optimizer(optimizer_config("sgd"), model)
-        scheduler = _scheduler(optimizer, optimizer.param_groups[0]["lr"])
-        args = _args(root, load_dir)
-        if load_dir is not None:
-            assert load_checkpoint(model, optimizer, scheduler, args) == step
-            _assert_equal(_snapshot(model, optimizer), saved)
-        result = RunResult()
-        dp = groups.dp_cp
-        train_steps(model, optimizer, batches[step : step + 1], result, dp.rank(), dp.size(), dp)
-        torch.testing.assert_close(result.losses, losses[step : step + 1])
-        save_checkpoint(step + 1, model, optimizer, scheduler, args)
-        saved = _snapshot(model, optimizer)
-        for name, value in expected.items():
-            torch.testing.assert_close(saved[f"model.{name}"], value, msg=f"{stage} {name}")
-        dist.barrier()
+        built = (model, optimizer, groups)
+        saved, loss = _resume_one_step(
+            root, step, built, load_dir, saved, batches, expected, str(stage)
+        )
+        torch.testing.assert_close(loss, losses[step : step + 1])
         return saved
     finally:
         parallel_state.destroy_model_parallel()
