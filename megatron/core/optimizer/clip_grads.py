@@ -97,6 +97,10 @@ def _num_zeros(tensors: list[torch.Tensor]) -> torch.Tensor:
     return sum(t.numel() - torch.count_nonzero(t) for t in tensors)
 
 
+_CLIP_EPS = 1.0e-6
+"""Megatron-LM's epsilon: the clipped norm is max_norm * total / (total + 1e-6)."""
+
+
 @torch.no_grad()
 def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
     """The L2 norm of all gradients together, computed in fp32, the same on every rank.
@@ -111,10 +115,7 @@ def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
     Raises:
         ValueError: a gradient is a DTensor with a `Partial` placement.
     """
-    total = _global_sum(grads, _sum_of_squares)
-    # Square-rooted by torch as `grad_norm_on_device` does, so the two agree bitwise on every
-    # device (torch's CPU square root of a float64 is not always math.sqrt's, CUDA's is).
-    return 0.0 if total is None else total.double().sqrt().item()
+    return grad_norm_on_device(grads, torch.device("cpu")).item()
 
 
 @torch.no_grad()
@@ -128,8 +129,7 @@ def clip_grad_by_total_norm_fp32(
         max_norm: the largest norm allowed.
         total_norm: their global norm, from `get_grad_norm_fp32`.
     """
-    # Megatron-LM's epsilon: the clipped norm is max_norm * total / (total + 1e-6).
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    clip_coeff = max_norm / (total_norm + _CLIP_EPS)
     if clip_coeff < 1.0:
         locals_ = [_local_and_groups(grad)[0] for grad in grads]
         torch._foreach_mul_(locals_, clip_coeff)
@@ -142,8 +142,7 @@ def count_zeros_fp32(grads: Iterable[torch.Tensor]) -> int:
     Args:
         grads: as for `get_grad_norm_fp32`.
     """
-    total = _global_sum(grads, _num_zeros)
-    return 0 if total is None else int(total.item())
+    return int(count_zeros_on_device(grads, torch.device("cpu")).item())
 
 
 @torch.no_grad()
@@ -174,7 +173,7 @@ def clip_grad_by_norm_on_device(
     applies a host number, so the clipped gradients equal the host path's bitwise.
     """
     # full_like, not new_tensor: a copy from host memory cannot be captured.
-    clip_coeff = torch.full_like(total_norm, max_norm) / (total_norm + 1.0e-6)
+    clip_coeff = torch.full_like(total_norm, max_norm) / (total_norm + _CLIP_EPS)
     clip_coeff = torch.clamp(clip_coeff, max=1.0).float()
     locals_ = [_local_and_groups(grad)[0] for grad in grads]
     fp32 = [t for t in locals_ if t.dtype == torch.float32]

@@ -113,9 +113,9 @@ def get_megatron_optimizer(
         )
     else:
         # SGD's default (foreach) kernels can skip no step on the device: fused only then.
-        sgd_kernels = {"fused": True} if capturable else {}
+        fused = True if capturable else None  # None: torch's default kernels
         optimizer = torch.optim.SGD(
-            param_groups, lr=config.lr, momentum=config.sgd_momentum, **sgd_kernels
+            param_groups, lr=config.lr, momentum=config.sgd_momentum, fused=fused
         )
     if is_fsdp:
         fully_shard_optimizer(optimizer, model)
