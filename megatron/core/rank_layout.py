@@ -65,7 +65,7 @@ def orthogonal_groups(order: Sequence[tuple[str, int]], dims: Sequence[str]) -> 
 
 
 def rank_groups(
-    world_size: int, tp: int, cp: int, ep: int, instances: int, all_gather: bool, etp: int = 1
+    world_size: int, tp: int, cp: int, ep: int, instances: int, all_gather: bool, etp: int
 ) -> tuple[dict[str, Partition], dict[str, str]]:
     """Every group of each name, in creation order, and the names that alias another name.
 

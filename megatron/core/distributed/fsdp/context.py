@@ -344,7 +344,7 @@ class FsdpContext:
         self._wait_pending_reductions()
         with self.labels(unit, "reduce-scatter"):
             for group_grads in grads:
-                if self.comm.symmetric is not None:
+                if self.comm.symmetric is not None and not defer:
                     self._wait_pending_reductions()
                 sends = group_grads.reduce(streams, defer=defer)
                 if sends is not None:
