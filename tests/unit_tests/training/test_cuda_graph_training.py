@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -78,6 +79,27 @@ def _pretrain(
         torch.use_deterministic_algorithms(False)
 
 
+def _pretrain_graphed(flags: list[str]) -> tuple[TrainingHistory | str, int]:
+    """`_pretrain` with graph flags, and how many times a CUDA graph replayed (counted in this
+    test only), so a run that silently trained eagerly fails."""
+    replay = torch.cuda.CUDAGraph.replay
+    calls = []
+
+    def counted(graph: torch.cuda.CUDAGraph) -> None:
+        calls.append(1)
+        replay(graph)
+
+    with mock.patch.object(torch.cuda.CUDAGraph, "replay", counted):
+        return _pretrain(flags), len(calls)
+
+
+def _graphed_histories(flags: list[str]) -> list[TrainingHistory | str]:
+    """Every rank's history of the graphed run, each rank having replayed a graph."""
+    results = run_distributed(_pretrain_graphed, 2, flags)
+    assert all(replays > 0 for _, replays in results), [replays for _, replays in results]
+    return [history for history, _ in results]
+
+
 def _same(first: object, second: object) -> bool:
     """Equal, where nan equals nan (a skipped step's norm)."""
     if isinstance(first, float) and isinstance(second, float):
@@ -105,7 +127,7 @@ def test_graphed_training_equals_eager_training(engine, num_microbatches):
     flags = [*BASE, *NO_DROPOUT, *ENGINES[engine]]
     flags += ["--global-batch-size", str(2 * 2 * num_microbatches)]
     eager = run_distributed(_pretrain, 2, flags)
-    graphed = run_distributed(_pretrain, 2, [*flags, *GRAPHED])
+    graphed = _graphed_histories([*flags, *GRAPHED])
     _assert_same_training(eager, graphed)
     history = eager[0]
     assert len(history.losses) == 8 and len(set(history.loss_curve())) == 8  # it trained
@@ -118,7 +140,7 @@ def test_graphed_training_with_dropout_equals_eager_training():
     kernels do: the same masks."""
     flags = [*BASE, *ENGINES["fsdp_zero3"], "--global-batch-size", "16"]
     eager = run_distributed(_pretrain, 2, flags)
-    graphed = run_distributed(_pretrain, 2, [*flags, *GRAPHED])
+    graphed = _graphed_histories([*flags, *GRAPHED])
     _assert_same_training(eager, graphed)
 
 
@@ -127,7 +149,7 @@ def test_the_local_spelling_graphs_the_iteration_too():
     flags = [*BASE, *NO_DROPOUT, *ENGINES["ddp"], "--global-batch-size", "8"]
     local = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
     eager = run_distributed(_pretrain, 2, flags)
-    graphed = run_distributed(_pretrain, 2, [*flags, *local, "--cuda-graph-warmup-steps", "2"])
+    graphed = _graphed_histories([*flags, *local, "--cuda-graph-warmup-steps", "2"])
     _assert_same_training(eager, graphed)
 
 
