@@ -158,13 +158,6 @@ def check_args(
                 f"(got --device {args.device}, --engines {','.join(args.engines)}); run the "
                 "others without it."
             )
-    if args.cuda_graph and (
-        args.megatron_fsdp_keep_unsharded_params or args.megatron_fsdp_accumulate_unsharded_grads
-    ):
-        parser.error(
-            "--cuda-graph cannot capture the --megatron-fsdp-* accumulation options "
-            "(a stream dependency outside the graph); run them eagerly."
-        )
     if args.megatron_fsdp_keep_unsharded_params and "megatron_fsdp_zero2" in args.engines:
         parser.error(
             "--megatron-fsdp-keep-unsharded-params applies to megatron_fsdp_zero3 only (ZeRO-2 "

@@ -180,6 +180,14 @@ class GraphedIteration:
             self._model.start_param_sync(force_sync=True)
             self._replayed = False
 
+    def close(self) -> None:
+        """Frees the graph (its memory pool, and its hold on the NCCL communicators it
+        captured) once training ends or fails; no collective runs (a failure may be this
+        rank's alone)."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._graph = self._readout = None
+
     def _work(self) -> torch.Tensor:
         """The iteration's device work; returns the float64 readout `_decode` reads."""
         loss_dicts = self._compute_gradients(self._batches.iterator(), self._num_microbatches)

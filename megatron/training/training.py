@@ -487,95 +487,102 @@ def train(
             args,
             get_device(),
         )
-    for iteration in range(args.iteration + 1, args.train_iters + 1):
-        operations.before_iteration(iteration)
-        start = time.perf_counter()
-        global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
-        num_microbatches = global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-        losses, skipped, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func,
-            train_data_iterator,
-            model,
-            optimizer,
-            scheduler,
-            args,
-            num_microbatches=num_microbatches,
-            graph=graph,
-        )
-        seconds = time.perf_counter() - start
-        # Every step, on every rank (it all-reduces and clears the step's metrics).
-        moe_losses = log.report_moe_metrics(iteration, num_microbatches)
-        # After the step: the scale the next iteration uses (Megatron-LM logs the same).
-        loss_scale = optimizer.get_loss_scale()
-        args.iteration = iteration
-        args.consumed_train_samples += global_batch_size
-        # Megatron-LM's convention: the rate after this step's schedule update (the next one's).
-        learning_rate = optimizer.param_groups[0]["lr"]
-        stop_reason = None if exits is None else exits.reason()
-        if args.exit_interval is not None and iteration % args.exit_interval == 0:
-            stop_reason = "--exit-interval"
-        exiting = stop_reason is not None
-        if skipped:
-            history.skipped_iterations.append(iteration)
-            why = (
-                f"the gradients overflowed at loss scale {loss_scale:g}"
-                if grad_norm is None
-                else f"the gradient norm is {grad_norm}"
+    try:
+        for iteration in range(args.iteration + 1, args.train_iters + 1):
+            operations.before_iteration(iteration)
+            start = time.perf_counter()
+            global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
+            samples_per_microbatch = args.micro_batch_size * args.data_parallel_size
+            num_microbatches = global_batch_size // samples_per_microbatch
+            losses, skipped, grad_norm, num_zeros_in_grad = train_step(
+                forward_step_func,
+                train_data_iterator,
+                model,
+                optimizer,
+                scheduler,
+                args,
+                num_microbatches=num_microbatches,
+                graph=graph,
             )
-            print_rank_0(
-                f"iteration {iteration}: skipped the optimizer step, {why} (losses {losses}); "
-                "weights and learning rate are unchanged.",
-                logging.WARNING,
-            )
-        history.losses.append({**losses, **moe_losses})
-        history.grad_norms.append(grad_norm)
-        history.loss_scales.append(loss_scale)
-        history.learning_rates.append(learning_rate)
-        log.record_iteration(
-            iteration,
-            losses,
-            skipped,
-            grad_norm,
-            learning_rate,
-            seconds,
-            last=exiting or iteration == args.train_iters,
-            loss_scale=loss_scale,
-            num_zeros_in_grad=num_zeros_in_grad,
-            params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
-            moe_losses=moe_losses,
-        )
-        operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
-
-        if (
-            valid_data_iterator is not None
-            and args.eval_interval is not None
-            and iteration % args.eval_interval == 0
-        ):
-            if graph is not None:
-                graph.before_eager_use()
-            with operations.evaluation():
-                history.validation_losses[iteration] = evaluate_and_print_results(
-                    forward_step_func,
-                    valid_data_iterator,
-                    model,
-                    args,
-                    log,
-                    split="validation",
-                    when=f"iteration {iteration}",
-                    iteration=iteration,
+            seconds = time.perf_counter() - start
+            # Every step, on every rank (it all-reduces and clears the step's metrics).
+            moe_losses = log.report_moe_metrics(iteration, num_microbatches)
+            # After the step: the scale the next iteration uses (Megatron-LM logs the same).
+            loss_scale = optimizer.get_loss_scale()
+            args.iteration = iteration
+            args.consumed_train_samples += global_batch_size
+            # Megatron-LM's convention: the rate after this step's schedule update (the next one's).
+            learning_rate = optimizer.param_groups[0]["lr"]
+            stop_reason = None if exits is None else exits.reason()
+            if args.exit_interval is not None and iteration % args.exit_interval == 0:
+                stop_reason = "--exit-interval"
+            exiting = stop_reason is not None
+            if skipped:
+                history.skipped_iterations.append(iteration)
+                why = (
+                    f"the gradients overflowed at loss scale {loss_scale:g}"
+                    if grad_norm is None
+                    else f"the gradient norm is {grad_norm}"
                 )
-            args.consumed_valid_samples += args.eval_iters * args.global_batch_size
-        if args.save is not None and (
-            exiting
-            or iteration == args.train_iters
-            or (args.save_interval is not None and iteration % args.save_interval == 0)
-        ):
-            save_checkpoint(iteration, model, optimizer, scheduler, args)
-        if exiting:
-            print_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
-            break
-    if graph is not None:
-        graph.before_eager_use()  # the end-of-training evaluations follow
+                print_rank_0(
+                    f"iteration {iteration}: skipped the optimizer step, {why} (losses {losses}); "
+                    "weights and learning rate are unchanged.",
+                    logging.WARNING,
+                )
+            history.losses.append({**losses, **moe_losses})
+            history.grad_norms.append(grad_norm)
+            history.loss_scales.append(loss_scale)
+            history.learning_rates.append(learning_rate)
+            log.record_iteration(
+                iteration,
+                losses,
+                skipped,
+                grad_norm,
+                learning_rate,
+                seconds,
+                last=exiting or iteration == args.train_iters,
+                loss_scale=loss_scale,
+                num_zeros_in_grad=num_zeros_in_grad,
+                params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
+                moe_losses=moe_losses,
+            )
+            operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
+
+            if (
+                valid_data_iterator is not None
+                and args.eval_interval is not None
+                and iteration % args.eval_interval == 0
+            ):
+                if graph is not None:
+                    graph.before_eager_use()
+                with operations.evaluation():
+                    history.validation_losses[iteration] = evaluate_and_print_results(
+                        forward_step_func,
+                        valid_data_iterator,
+                        model,
+                        args,
+                        log,
+                        split="validation",
+                        when=f"iteration {iteration}",
+                        iteration=iteration,
+                    )
+                args.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            if args.save is not None and (
+                exiting
+                or iteration == args.train_iters
+                or (args.save_interval is not None and iteration % args.save_interval == 0)
+            ):
+                save_checkpoint(iteration, model, optimizer, scheduler, args)
+            if exiting:
+                print_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
+                break
+        if graph is not None:
+            graph.before_eager_use()  # the end-of-training evaluations follow
+    finally:
+        if graph is not None:
+            # Also on an error: a live graph holds the NCCL communicators it captured, and
+            # destroying the process groups would wait for it.
+            graph.close()
     return history
 
 

@@ -177,16 +177,6 @@ def _refusals(args: argparse.Namespace) -> list[tuple[bool, str]]:
             "--sequence-parallel and set --attention-dropout 0",
         ),
         (
-            args.use_megatron_fsdp
-            and (
-                args.megatron_fsdp_keep_unsharded_params
-                or args.megatron_fsdp_accumulate_unsharded_grads
-            ),
-            "--megatron-fsdp-keep-unsharded-params and --megatron-fsdp-accumulate-unsharded-grads "
-            "are not captured yet (their state crosses the all-gather stream outside the graph); "
-            "drop them or the graph flags",
-        ),
-        (
             args.empty_unused_memory_level > 0,
             f"--empty-unused-memory-level {args.empty_unused_memory_level} empties the "
             "allocator's cache inside the iteration; drop it",

@@ -124,13 +124,6 @@ def test_cuda_graph_needs_cuda_and_graphable_engines():
     assert "--cuda-graph" in proc.stderr and "fsdp2" in proc.stderr
 
 
-def test_cuda_graph_refuses_the_accumulation_options():
-    flags = ("--cuda-graph", "--device", "cuda", "--megatron-fsdp-accumulate-unsharded-grads")
-    proc = run_tool(*flags, "--engines", "megatron_fsdp_zero3", nproc=None)
-    assert proc.returncode != 0
-    assert "run them eagerly" in proc.stderr
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"

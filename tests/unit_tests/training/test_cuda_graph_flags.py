@@ -112,14 +112,6 @@ def test_what_is_not_built_is_refused(cuda_available, flags, message):
         (("--empty-unused-memory-level", "1"), "--empty-unused-memory-level 1 empties"),
         (
             (
-                FSDP,
-                "--no-fsdp-all-gather-in-start-param-sync",
-                "--megatron-fsdp-keep-unsharded-params",
-            ),
-            "--megatron-fsdp-accumulate-unsharded-grads are not captured yet",
-        ),
-        (
-            (
                 "--start-weight-decay",
                 "0",
                 "--end-weight-decay",

@@ -352,17 +352,18 @@ class FsdpContext:
                     self._reductions.append(sends)
 
     def _wait_pending_reductions(self) -> None:
-        """Makes the current stream wait for the reduce-scatters not yet waited for (in stream
-        order: the last one's record covers all) and drops what they read, which frees it."""
+        """Makes the current stream wait for the reduce-scatters not yet waited for and drops
+        what they read, which frees it.
+
+        Every piece of work on the reduce-scatter stream is followed by a record of
+        `_reduced_event`, so the last record covers all of it (stream order), and nothing is
+        waited for when nothing was issued since the last wait: inside a CUDA graph capture a
+        wait on the stream's earlier, uncaptured work would fail it (a microbatch whose
+        reductions are deferred issues none).
+        """
         if self._reductions:
             self.streams.current().wait_event(self._reduced_event)
             self._reductions.clear()
-
-    def _wait_all_reductions(self) -> None:
-        """Makes the current stream wait for every reduce-scatter issued so far."""
-        if self.streams is not None:
-            self.streams.current().wait_stream(self.streams.reduce_scatter)
-        self._reductions.clear()
 
     def _queue_end_of_backward(self) -> None:
         """Makes the current backward call `end_of_backward` once when it finishes."""
@@ -393,14 +394,14 @@ class FsdpContext:
         # Unsharded weights and the inputs of finished reduce-scatters are freed before the
         # root's gradients (often the largest: embeddings, output layer) are cast, so the end
         # of the step does not hold all of them at once.
-        self._wait_all_reductions()
+        self._wait_pending_reductions()
         self.residency.reshard_all(except_kept=not self.is_last)
         for unit in units:
             position = unit.position
             entered_only = position in self._entered and position not in self._reduced
             if entered_only or self._unreduced_forwards[position] > 0:
                 self.reduce(unit)
-        self._wait_all_reductions()
+        self._wait_pending_reductions()
         for unit in units:
             self._register(unit, unsharded=False)
         self._entered.clear()
@@ -416,7 +417,7 @@ class FsdpContext:
         failed backward's gradients in `.grad`."""
         if self.state is TrainingState.IDLE or in_backward():
             return
-        self._wait_all_reductions()
+        self._wait_pending_reductions()
         self.residency.reshard_all()
         for unit in self.units():
             self._register(unit, unsharded=False)
@@ -441,7 +442,7 @@ class FsdpContext:
         not reach the optimizer."""
         self._recover_failed_pass()
         self._check.resolve()
-        self._wait_all_reductions()
+        self._wait_pending_reductions()
         self.residency.drop_kept()
         for unit in self.units():
             for group in unit.groups:
