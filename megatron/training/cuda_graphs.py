@@ -145,21 +145,16 @@ class GraphedIteration:
         self._runs = 0
         self._replayed = False
 
-    def __call__(self, data_iterator: DataIterator, num_microbatches: int) -> StepResult:
+    def __call__(self, data_iterator: DataIterator) -> StepResult:
         """Runs one iteration on the next `num_microbatches` micro-batches of `data_iterator`
-        (each taken whole: the forward step must take one item per microbatch).
+        (each taken whole: the forward step must take one item per microbatch; the flags refuse
+        a batch-size schedule, which would change their number).
 
         Raises:
-            ValueError: another number of microbatches than the graph's, or batches of another
-                form (see `StaticBatches.copy_in`).
+            ValueError: batches of another form (see `StaticBatches.copy_in`).
             RuntimeError: the capture failed (see `CAPTURE_FAILED`).
         """
-        if num_microbatches != self._num_microbatches:
-            raise ValueError(
-                f"A graphed iteration of {num_microbatches} microbatches, but the CUDA graph "
-                f"runs {self._num_microbatches}; drop the batch-size schedule or the graph flags."
-            )
-        self._batches.copy_in([next(data_iterator) for _ in range(num_microbatches)])
+        self._batches.copy_in([next(data_iterator) for _ in range(self._num_microbatches)])
         self._optimizer.write_learning_rates_to_device()
         if self._runs < self._warmup_steps:
             readout = self._run_on_side_stream()

@@ -351,9 +351,7 @@ def train_step(
     if num_microbatches is None:
         num_microbatches = args.num_microbatches
     if graph is not None:
-        losses, update_successful, grad_norm, num_zeros_in_grad = graph(
-            data_iterator, num_microbatches
-        )
+        losses, update_successful, grad_norm, num_zeros_in_grad = graph(data_iterator)
     else:
         loss_dicts = compute_gradients(
             forward_step_func, model, optimizer, args, data_iterator, num_microbatches

@@ -161,6 +161,13 @@ def test_step_on_device_refuses_what_needs_the_host():
     eager_sgd.write_learning_rates_to_device()
     with pytest.raises(ValueError, match="fused=True"):
         eager_sgd.step_on_device()
+    # A group changed after construction (the optimizer's param_groups are the user's to edit).
+    sgd_config = OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.9)
+    damped = get_megatron_optimizer(sgd_config, model, capturable=True)
+    damped.optimizer.param_groups[0]["dampening"] = 0.5
+    damped.write_learning_rates_to_device()
+    with pytest.raises(ValueError, match="dampening 0.5"):
+        damped.step_on_device()
 
 
 NON_FINITE_STEP = 1
