@@ -60,12 +60,12 @@ def _resolve_group(
     name: str,
     getter: Callable[[], dist.ProcessGroup | None],
 ) -> dist.ProcessGroup | None:
-    """`pg_collection.<name>` when given, else parallel_state's (`getter`) when initialised,
-    else None (a group of one rank)."""
-    group = None if pg_collection is None else getattr(pg_collection, name)
-    if group is None and parallel_state.model_parallel_is_initialized():
-        group = getter()
-    return group
+    """`pg_collection.<name>` when a collection is given (None where it has none: a group of
+    one rank), else parallel_state's (`getter`) when initialised, else None. The groups of a
+    layer come from one source: a collection's groups are never mixed with parallel_state's."""
+    if pg_collection is not None:
+        return getattr(pg_collection, name)
+    return getter() if parallel_state.model_parallel_is_initialized() else None
 
 
 def resolve_ep_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
