@@ -62,28 +62,22 @@ def _paths(
     """The three ways to run collective `name` between this rank's `part` and the `whole`:
     plain tensors, in place in `symmetric` (`mine` is this rank's slice of it), and in place
     with the engine's copy into or out of the staging buffer."""
-    if name == "all_gather":
+    gathers = name == "all_gather"
+    collective = dist.all_gather_into_tensor if gathers else dist.reduce_scatter_tensor
+    # Each way's (output, input): the gather writes the whole from the part, the reduce-scatter
+    # the part from the whole.
+    src, dst = (part, whole) if gathers else (whole, part)
+    symm_src, symm_dst = (mine, symmetric) if gathers else (symmetric, mine)
 
-        def copied() -> None:
-            mine.copy_(part)
-            dist.all_gather_into_tensor(symmetric, mine)
-            whole.copy_(symmetric)
-
-        return {
-            "plain": lambda: dist.all_gather_into_tensor(whole, part),
-            "symm": lambda: dist.all_gather_into_tensor(symmetric, mine),
-            "symm+copy": copied,
-        }
-
-    def packed() -> None:
-        symmetric.copy_(whole)
-        dist.reduce_scatter_tensor(mine, symmetric)
-        part.copy_(mine)
+    def staged() -> None:
+        symm_src.copy_(src)
+        collective(symm_dst, symm_src)
+        dst.copy_(symm_dst)
 
     return {
-        "plain": lambda: dist.reduce_scatter_tensor(part, whole),
-        "symm": lambda: dist.reduce_scatter_tensor(mine, symmetric),
-        "symm+copy": packed,
+        "plain": lambda: collective(dst, src),
+        "symm": lambda: collective(symm_dst, symm_src),
+        "symm+copy": staged,
     }
 
 
