@@ -96,6 +96,21 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ZeroGradFor(torch.autograd.Function):
+    """`x` itself (no copy); backward also gives `param` a zero gradient: `param` stays in the
+    graph, so the collectives on its gradient's path run here too, without a [rows, out] zero
+    tensor added to `x`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        ctx.param_shape, ctx.param_dtype = param.shape, param.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(ctx.param_shape, dtype=ctx.param_dtype)
+
+
 class ExpertLinear(torch.nn.Module):
     """The stacked weights (and biases) of one projection of every local expert.
 
@@ -192,19 +207,22 @@ class ExpertLinear(torch.nn.Module):
         weight = grad_sum_over_tp(self.weight, self.tp_group)
         return _ContiguousGrad.apply(_grouped_mm(x, weight.transpose(1, 2), offs=offsets))
 
-    def token_bias(self, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """[num_rows, out] bias of each row's expert (`counts`: tokens per expert; the known
-        total spares the device a host sync)."""
-        counts = counts.to(self.bias.device)
+    def add_bias(
+        self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x` [rows, out], grouped by expert (`counts`: tokens per expert), plus each row's
+        expert bias, times the row's routing weight when `weights` [rows, 1] is given."""
         bias = grad_sum_over_tp(self.bias, self.tp_group)
         if self.split_dim == 1 and group_size(self.expt_tp_group) > 1:
             # The outputs are summed over expt_tp, so the bias is added once, on rank 0. The
-            # other ranks keep it in their graph (times 0): the sum of its gradient over expt_tp
-            # in backward is a collective every rank must join.
+            # other ranks keep it in their graph: the sum of its gradient over expt_tp in
+            # backward is a collective every rank must join.
             bias = grad_sum_over_tp(bias, self.expt_tp_group)
             if group_rank(self.expt_tp_group) != 0:
-                bias = bias * 0
-        return bias.repeat_interleave(counts, dim=0, output_size=num_rows)
+                return _ZeroGradFor.apply(x, bias)
+        # The known row count spares the device a host sync.
+        rows = bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=x.shape[0])
+        return x + (rows if weights is None else rows * weights)
 
 
 class SequentialMLP(MegatronModule):
@@ -267,10 +285,9 @@ class SequentialMLP(MegatronModule):
             [N, hidden]: probs * expert(token) per row, in the tokens' dtype.
         """
         project = self._projection(tokens, tokens_per_expert)
-        rows = tokens.shape[0]
         intermediate = project(self.linear_fc1, tokens)
         if self.linear_fc1.bias is not None:
-            intermediate = intermediate + self.linear_fc1.token_bias(tokens_per_expert, rows)
+            intermediate = self.linear_fc1.add_bias(intermediate, tokens_per_expert)
         if self.config.gated_linear_unit:
             gate, up = torch.chunk(intermediate, 2, dim=-1)
             intermediate = self.config.activation_func(gate) * up
@@ -280,7 +297,7 @@ class SequentialMLP(MegatronModule):
         intermediate = (intermediate * weights).to(tokens.dtype)
         output = project(self.linear_fc2, intermediate)
         if self.linear_fc2.bias is not None:
-            output = output + self.linear_fc2.token_bias(tokens_per_expert, rows) * weights
+            output = self.linear_fc2.add_bias(output, tokens_per_expert, weights)
         return output.to(tokens.dtype)
 
     def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:

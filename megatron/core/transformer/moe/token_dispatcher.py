@@ -18,14 +18,14 @@ tokens and its partial outputs are summed. `tp_ep`, the etp x ep ranks of both (
   `tp_ep` (which also sums the expt_tp parts). Simple; communication grows with etp x ep.
 - `MoEAlltoAllTokenDispatcher`: each token travels only to the ranks of its experts: an
   all-to-all over `ep` (with per-rank split sizes; each expt_tp rank with its own ep peers),
-  then an all-gather over `expt_tp` of the rows received, of uneven sizes
-  (`gather_uneven`), then a sort by local expert. Combine undoes them in reverse, the
-  all-gather becoming a reduce-scatter (`reduce_scatter_uneven`, summed in fp32).
+  then an all-gather over `expt_tp` of the rows received, of different sizes per rank, then a
+  sort by local expert. Combine undoes them in reverse, the all-gather becoming a
+  reduce-scatter of the same parts (summed in fp32).
 
-The even all-gather and reduce-scatter along dim 0 are `tensor_parallel.mappings`'
-sequence-parallel ones, applied to `tp_ep`. With tensor + sequence parallelism each tp rank
-dispatches its own part of the sequence, exactly as a rank of its own: nothing here depends on
-the dense tp size.
+The all-gathers and reduce-scatters along dim 0 are `tensor_parallel.mappings`' sequence-parallel
+ones, applied to `tp_ep` (equal parts) or to `expt_tp` with split sizes (parts of different
+sizes). With tensor + sequence parallelism each tp rank dispatches its own part of the sequence,
+exactly as a rank of its own: nothing here depends on the dense tp size.
 
 Both are dropless unless the router applied a capacity. Each forward makes one host
 synchronisation: the per-expert token counts of the whole `tp_ep` group are copied to the host
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all_first,
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -57,16 +58,11 @@ class _AllToAll(torch.autograd.Function):
         input_splits: list[int],
     ) -> torch.Tensor:
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
+        return all_to_all_first(x, group, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        out = grad.new_empty((sum(ctx.input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(
-            out, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
-        )
+        out = all_to_all_first(grad, ctx.group, ctx.input_splits, ctx.output_splits)
         return out, None, None, None
 
 
@@ -76,52 +72,6 @@ def all_to_all(
     """Differentiable `all_to_all_single` of `x` along dim 0: `input_splits[r]` rows go to rank
     r of `group`, `output_splits[r]` rows come from it."""
     return _AllToAll.apply(x, group, output_splits, input_splits)
-
-
-def gather_uneven(
-    x: torch.Tensor, group: dist.ProcessGroup | None, sizes: list[int]
-) -> torch.Tensor:
-    """All-gather along dim 0 of parts of different sizes, differentiable.
-
-    Args:
-        x: This rank's part, `sizes[rank]` rows.
-        group: The group; None or a group of one rank returns `x`.
-        sizes: Rows of every rank's part, in rank order (known on every rank).
-
-    Returns:
-        The parts concatenated in rank order, [sum(sizes), ...]. In backward each rank's rows
-        of the gradient are summed over the group (a reduce-scatter): every rank's consumer
-        holds a partial gradient.
-    """
-    ranks = group_size(group)
-    if ranks == 1:
-        return x
-    # An all-to-all sending this rank's part whole to every rank: its backward returns each
-    # rank's gradient rows for it, which the copies' backward sums.
-    return all_to_all(torch.cat([x] * ranks), group, sizes, [x.shape[0]] * ranks)
-
-
-def reduce_scatter_uneven(
-    x: torch.Tensor, group: dist.ProcessGroup | None, sizes: list[int]
-) -> torch.Tensor:
-    """Sum over the group, scattered along dim 0 in parts of different sizes; differentiable.
-
-    Args:
-        x: [sum(sizes), ...], this rank's addend of the whole.
-        group: The group; None or a group of one rank returns `x`.
-        sizes: Rows of every rank's part, in rank order.
-
-    Returns:
-        This rank's part of the sum, [sizes[rank], ...], summed in fp32 and returned in `x`'s
-        dtype. In backward the parts' gradients are all-gathered: every rank's addend gets the
-        gradient of the whole.
-    """
-    ranks = group_size(group)
-    if ranks == 1:
-        return x
-    mine = sizes[group.rank()]
-    parts = all_to_all(x, group, [mine] * ranks, sizes)
-    return parts.view(ranks, mine, *x.shape[1:]).float().sum(dim=0).to(x.dtype)
 
 
 def route_order(
@@ -350,8 +300,14 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
             expert_probs = all_to_all(
                 expert_probs, self.ep_group, self.output_splits, self.input_splits
             )
-        expert_input = gather_uneven(expert_input, self.expt_tp_group, self.etp_splits)
-        expert_probs = gather_uneven(expert_probs, self.expt_tp_group, self.etp_splits)
+        # Every expt_tp rank computes its part of every row received, so each row's gradient is
+        # partial there and summed back (the default tensor_parallel_output_grad).
+        expert_input = gather_from_sequence_parallel_region(
+            expert_input, self.expt_tp_group, output_split_sizes=self.etp_splits
+        )
+        expert_probs = gather_from_sequence_parallel_region(
+            expert_probs, self.expt_tp_group, output_split_sizes=self.etp_splits
+        )
         if self._sorts():
             # Received by source rank, then expert; the experts want expert, then rank.
             expert_input = _sort_chunks(expert_input, self.local_counts)
@@ -362,7 +318,9 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         """Returns the [s, b, h] sum of each token's expert outputs."""
         if self._sorts():
             expert_output = _sort_chunks(expert_output, self.local_counts.t())
-        expert_output = reduce_scatter_uneven(expert_output, self.expt_tp_group, self.etp_splits)
+        expert_output = reduce_scatter_to_sequence_parallel_region(
+            expert_output, self.expt_tp_group, input_split_sizes=self.etp_splits
+        )
         if self.ep_size > 1:
             expert_output = all_to_all(
                 expert_output, self.ep_group, self.input_splits, self.output_splits
