@@ -1,11 +1,12 @@
 """The global DTensors the DDP engine and the distributed optimizer show split parameters as.
 
-A module parameter split by tensor parallelism (over `tp`, or `expt_tp` for experts, as its
-`TensorParallelLayout` says) and, for experts, by expert parallelism (dim 0 over `ep`) holds a
-part of a global tensor. A `GlobalView` describes one kind of parameters (dense or expert) of the
-DDP engine: the meshes (the leading tp and ep dimensions, then the data-parallel one), each
-parameter's placements and global shape, and the way back from a global value (a checkpoint's) to
-this rank's part. Megatron-FSDP builds the same placements in its own parameter groups.
+A module parameter split by tensor parallelism and, for experts, by expert parallelism holds a
+part of a global tensor, placed over the leading `tp` and `ep` mesh dimensions as
+`LeadingGroups` (`leading_groups.py`) says. A `GlobalView` describes one kind of parameters
+(dense or expert) of the DDP engine: its two meshes (the leading dimensions alone, for the
+replicated values, and then the data-parallel one, for the distributed optimizer's shards), each
+parameter's placements and global shape, and the way back from a global value (a checkpoint's)
+to this rank's part. Megatron-FSDP's parameter groups build on the same `LeadingGroups`.
 """
 
 from __future__ import annotations
@@ -15,18 +16,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from megatron.core.distributed.expert_parallel import global_expert_shape, local_expert_rows
-from megatron.core.distributed.tensor_parallel_params import (
-    dtensor,
-    global_shape,
-    local_part,
-    mesh_with_leading_groups,
-)
-from megatron.core.tensor_parallel.layout import (
-    TensorParallelLayout,
-    full_tensor,
-    tensor_parallel_placement,
-)
+from megatron.core.distributed.leading_groups import LeadingGroups
+from megatron.core.distributed.tensor_parallel_params import dtensor
+from megatron.core.tensor_parallel.layout import TensorParallelLayout, full_tensor
 
 
 class GlobalView:
@@ -52,27 +44,23 @@ class GlobalView:
         layouts: dict[torch.nn.Parameter, TensorParallelLayout] | None = None,
         ep: dist.ProcessGroup | None = None,
     ):
-        leads = [(name, group) for name, group in (("tp", tp), ("ep", ep)) if group is not None]
-        if not leads:
+        self.leading = LeadingGroups(tp=tp, ep=ep)
+        if not self.leading.dims:
             raise ValueError("A GlobalView needs a tp or an ep group of two or more ranks.")
-        self.tp, self.ep, self.dp = tp, ep, dp
+        self.dp = dp
         self.layouts = layouts or {}
         own = torch.tensor(dist.get_rank(), dtype=torch.int)
-        self.replicated_mesh = mesh_with_leading_groups(leads, [], own, device_type, ())
+        self.replicated_mesh = self.leading.mesh([], own, device_type, ())
         dp_ranks = torch.tensor(dist.get_process_group_ranks(dp), dtype=torch.int)
-        self.sharded_mesh = mesh_with_leading_groups(
-            leads, [dp], dp_ranks, device_type, (f"dp:{dp.group_name}",)
-        )
+        self.sharded_mesh = self.leading.mesh([dp], dp_ranks, device_type, (f"dp:{dp.group_name}",))
 
     def placements(self, param: torch.nn.Parameter) -> tuple[Placement, ...]:
         """`param`'s placements over the leading dimensions (tp, then ep)."""
-        tp = (tensor_parallel_placement(self.layouts.get(param)),) if self.tp else ()
-        return (*tp, Shard(0)) if self.ep else tp
+        return self.leading.placements(self.layouts.get(param))
 
     def global_shape(self, param: torch.nn.Parameter) -> torch.Size:
         """The shape of the global tensor `param` holds a part of."""
-        shape = global_expert_shape(param.shape, self.ep)
-        return global_shape(shape, self.layouts.get(param), self.tp)
+        return self.leading.global_shape(param.shape, self.layouts.get(param))
 
     def replicated(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
         """`local` (shaped like `param`, replicated over dp) as the global DTensor."""
@@ -95,5 +83,4 @@ class GlobalView:
             value = full_tensor(value)
         if value.shape == param.shape:
             return value
-        value = local_expert_rows(value, self.ep)
-        return local_part(value, self.layouts.get(param), self.tp)
+        return self.leading.local_part(value, self.layouts.get(param))

@@ -74,42 +74,6 @@ def local_part(
     return shard_tensor(full, layout, tp.rank(), tp.size())
 
 
-def mesh_with_leading_groups(
-    leads: list[tuple[str, dist.ProcessGroup]],
-    inner: list[dist.ProcessGroup],
-    inner_ranks: torch.Tensor,
-    device_type: str,
-    inner_names: tuple[str, ...],
-) -> DeviceMesh:
-    """A mesh (*leads, *inner dims): every rank of the leading groups holds its own inner ones.
-
-    Args:
-        leads: (dimension name, group) of the first dimensions, outermost first (tp, then ep for
-            experts split by both); each group's name is appended to its dimension's name
-            (DTensor caches sharding decisions by mesh, and meshes over destroyed groups with
-            the same ranks compare equal otherwise).
-        inner: the groups of the other dimensions, in mesh order (may be empty).
-        inner_ranks: this rank's global ranks of the inner dimensions, shaped like them (a 0-d
-            tensor of this rank when there are none).
-        device_type: "cpu" or "cuda".
-        inner_names: the names of the inner dimensions.
-
-    Every rank of every leading group must call it (the peers' ranks are all-gathered).
-    """
-    ranks = inner_ranks
-    for _, lead in reversed(leads):
-        peers: list[list | int | None] = [None] * lead.size()
-        dist.all_gather_object(peers, ranks.tolist(), group=lead)
-        ranks = torch.tensor(peers, dtype=torch.int)
-    names = tuple(f"{name}:{lead.group_name}" for name, lead in leads)
-    return DeviceMesh.from_group(
-        [lead for _, lead in leads] + list(inner),
-        device_type,
-        mesh=ranks,
-        mesh_dim_names=names + tuple(inner_names),
-    )
-
-
 def check_excludes_tp_peers(tp: dist.ProcessGroup | None, dp: dist.ProcessGroup) -> None:
     """Refuses a data-parallel group `dp` that holds tensor-parallel peers of this rank.
 

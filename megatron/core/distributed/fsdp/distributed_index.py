@@ -16,7 +16,8 @@ tensor parallelism) are sharded over the expert shard group (`expt_dp`, `intra_e
 hybrid sharding) and gathered over `expt_dp_ag`; their mesh leads with `tp` (the `expt_tp`
 group, as their layouts say) and `ep` (the global experts split along dim 0), and their
 gradients' shard-level reductions divide by the dp x cp size rather than the group's. Otherwise
-experts are dense parameters.
+experts are dense parameters. The leading dimensions, and how each parameter is placed over
+them, are `LeadingGroups`' (`leading_groups.py`), shared with the DDP engine.
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import resolve_data_parallel_group
 from megatron.core.distributed.expert_parallel import experts_are_dense
-from megatron.core.distributed.tensor_parallel_params import (
-    check_excludes_tp_peers,
-    mesh_with_leading_groups,
-)
+from megatron.core.distributed.leading_groups import LeadingGroups
+from megatron.core.distributed.tensor_parallel_params import check_excludes_tp_peers
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 SHARD_DIM = "shard"
@@ -48,19 +47,17 @@ class ShardGroups:
         shard: the group model weights / gradients / main weights are sharded over.
         outer: the group across hybrid-sharding replicas, or None.
         all_gather: the communicator parameter all-gathers use (same ranks as `shard`).
-        mesh: (shard,) or (shard, outer) device mesh, led by `tp` when `tp` is set and then `ep`
-            when `ep` is set; main weights are DTensors over it.
-        ep: the expert-model-parallel group of experts split over two or more ranks, else None.
-        tp: the group the parameters' tensor-parallel layouts split over (`tp` for dense
-            parameters, `expt_tp` for experts) when it has two or more ranks, else None.
+        mesh: (shard,) or (shard, outer) device mesh, led by the dimensions of `leading`;
+            main weights are DTensors over it.
+        leading: the model-parallel groups the parameters are split over (`tp` for dense
+            parameters; `expt_tp` and `ep` for experts), which lead the mesh.
     """
 
     shard: dist.ProcessGroup
     outer: dist.ProcessGroup | None
     all_gather: dist.ProcessGroup
     mesh: DeviceMesh
-    ep: dist.ProcessGroup | None = None
-    tp: dist.ProcessGroup | None = None
+    leading: LeadingGroups = LeadingGroups()
 
     @property
     def shard_size(self) -> int:
@@ -224,14 +221,13 @@ class FSDPDistributedIndex:
         else:
             shard, all_gather = self.shard_group, self.all_gather_group
             ep, tp = None, self.tensor_model_parallel_group
-        leads = [(name, group) for name, group in (("tp", tp), ("ep", ep)) if group is not None]
+        leading = LeadingGroups(tp=tp, ep=ep)
         return ShardGroups(
             shard=shard,
             outer=self.outer_group,
             all_gather=all_gather or shard,
-            mesh=_device_mesh(shard, self.outer_group, self.device.type, leads),
-            ep=ep,
-            tp=tp,
+            mesh=_device_mesh(shard, self.outer_group, self.device.type, leading),
+            leading=leading,
             grad_divisor=self.shard_group.size(),
         )
 
@@ -240,7 +236,7 @@ def _device_mesh(
     shard: dist.ProcessGroup,
     outer: dist.ProcessGroup | None,
     device_type: str,
-    leads: list[tuple[str, dist.ProcessGroup]],
+    leading: LeadingGroups,
 ) -> DeviceMesh:
     # DeviceMesh equality ignores which communicators a mesh holds, and DTensor caches sharding
     # results by mesh; dimension names that carry the group names keep a mesh over destroyed
@@ -255,8 +251,8 @@ def _device_mesh(
         ranks = torch.tensor(replicas, dtype=torch.int).T  # [shard rank, outer rank]
         names.append(f"{OUTER_DIM}:{outer.group_name}")
         groups.append(outer)
-    if leads:
-        return mesh_with_leading_groups(leads, groups, ranks, device_type, tuple(names))
+    if leading.dims:
+        return leading.mesh(groups, ranks, device_type, tuple(names))
     if outer is None:
         return DeviceMesh.from_group(shard, device_type, mesh_dim_names=tuple(names))
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=tuple(names))

@@ -66,8 +66,9 @@ class GroupPlan:
         separate_optim_grad: the optimizer reads its gradients from a buffer of its own (another
             dtype than the accumulation, a shard of locally accumulated gradients, or HFSDP's
             outer shard) instead of views of the accumulation buffer.
-        placements: the DTensor placements of main weights and their gradients (over
-            `ShardGroups.mesh`).
+        placements: the DTensor placements of main weights and their gradients over the
+            data-parallel dimensions of `ShardGroups.mesh` (those after its leading dimensions,
+            over which each parameter is placed as `LeadingGroups.placements` says).
     """
 
     requires_grad: bool
@@ -125,9 +126,6 @@ class GroupPlan:
             placements = (Shard(0),) if shards_main else (Replicate(),)
             if groups.outer is not None:
                 placements = (*placements, Replicate())
-        if groups.ep is not None:
-            # The global experts are split over ep first, then as the group shards them.
-            placements = (Shard(0), *placements)
         return cls(
             requires_grad=requires_grad,
             model_dtype=model_dtype,

@@ -12,10 +12,10 @@ refresh). The compute weights remember the version they were made from and are r
 gathered again, when it differs. Writes through `.data` bypass version counters (as they bypass
 autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)`).
 
-Under tensor parallelism each parameter is this rank's TP part of a global tensor
-(`tensor_parallel_params.py`): the buffers hold and shard that part like any parameter, and the
-DTensors show the global tensor, placed over the mesh's `tp` dimension as the parameter's
-layout says, then as the plan shards it.
+Under tensor or expert parallelism each parameter is this rank's part of a global tensor: the
+buffers hold and shard that part like any parameter, and the DTensors show the global tensor,
+placed over the mesh's leading dimensions as `LeadingGroups` (`leading_groups.py`) says for the
+parameter's layout, then as the plan shards it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from megatron.core.distributed.expert_parallel import global_expert_shape, local_expert_rows
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
     DBuffer,
@@ -40,13 +39,8 @@ from megatron.core.distributed.fsdp.dbuffer import (
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
 from megatron.core.distributed.fsdp.symmetric_memory import ALL_GATHER, REDUCE_SCATTER
-from megatron.core.distributed.tensor_parallel_params import (
-    check_data_parallel_chunks,
-    dtensor,
-    global_shape,
-    local_part,
-)
-from megatron.core.tensor_parallel.layout import TensorParallelLayout, tensor_parallel_placement
+from megatron.core.distributed.tensor_parallel_params import check_data_parallel_chunks, dtensor
+from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
 _version = operator.attrgetter("_version")
 
@@ -193,27 +187,24 @@ class GroupWeights:
         self._made_version = self._observed_version
 
     def _param_placements(self, slots: list[ParamSlot]) -> list[tuple[Placement, ...]]:
-        """Each parameter's placements: the plan's, after its tp placement under TP.
+        """Each parameter's placements: over the leading dimensions, then the plan's.
 
         Raises:
             ValueError: a strided TP parameter's data-parallel chunk spans two blocks.
         """
-        if self.groups.tp is None:
-            return [self.plan.placements] * len(slots)
-        sizes = (self.groups.shard_size, self.groups.outer_size)
-        counts = [n for p, n in zip(self.plan.placements, sizes) if p.is_shard()]
-        for slot, shape in zip(slots, self.layout.shapes):
-            check_data_parallel_chunks(slot.fqn, shape, slot.tp_layout, counts)
-        return [
-            (tensor_parallel_placement(slot.tp_layout), *self.plan.placements) for slot in slots
-        ]
+        leading = self.groups.leading
+        if leading.tp is not None:
+            sizes = (self.groups.shard_size, self.groups.outer_size)
+            counts = [n for p, n in zip(self.plan.placements, sizes) if p.is_shard()]
+            for slot, shape in zip(slots, self.layout.shapes):
+                check_data_parallel_chunks(slot.fqn, shape, slot.tp_layout, counts)
+        return [(*leading.placements(slot.tp_layout), *self.plan.placements) for slot in slots]
 
     def global_shape(self, index: int) -> torch.Size:
         """The shape of parameter `index` as its DTensors show it: the module's; for experts
         split by expert parallelism the global `[num_experts, ...]`; for a parameter split by
         tensor parallelism the global (TP = 1) shape."""
-        shape = global_expert_shape(self.layout.shapes[index], self.groups.ep)
-        return global_shape(shape, self._tp_layouts[index], self.groups.tp)
+        return self.groups.leading.global_shape(self.layout.shapes[index], self._tp_layouts[index])
 
     def dtensor(self, local: torch.Tensor, index: int) -> DTensor:
         """`local` (this rank's part of parameter `index`) as a DTensor over the group's mesh."""
@@ -247,8 +238,8 @@ class GroupWeights:
     def load_global_tensor(self, index: int, full: torch.Tensor) -> None:
         """Writes parameter `index` from its global value (`global_shape(index)`: all experts
         of an expert parameter, every TP rank's part), keeping only what this rank holds."""
-        full = local_expert_rows(full, self.groups.ep)
-        self.load_full_tensor(index, local_part(full, self._tp_layouts[index], self.groups.tp))
+        local = self.groups.leading.local_part(full, self._tp_layouts[index])
+        self.load_full_tensor(index, local)
 
     @torch.no_grad()
     def load_full_tensor(self, index: int, full: torch.Tensor) -> None:
