@@ -4,6 +4,10 @@ Engines (`--engines`, default all, run in the order given):
 
 - `megatron_fsdp_zero3` / `megatron_fsdp_zero2`: Megatron-FSDP (`FullyShardedDataParallel`)
   sharding optimizer state, gradients and parameters / optimizer state and gradients;
+- `megatron_fsdp_hsdp` / `megatron_fsdp_hfsdp` (not in the default list): Megatron-FSDP ZeRO-3
+  inside each of `--num-distributed-optimizer-instances` R instances (default 2) of world / R
+  ranks, replicated across them (HSDP), or with main weights and optimizer state also sharded
+  across them (HFSDP); R >= 2 must divide the world size, and they are not CUDA-graphed;
 - `fsdp2`: PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) on each layer, then the root;
 - `ddp`: the project's `DistributedDataParallel` (bucketed all-reduce overlapped with backward);
 - `single`: rank 0 alone, no communication, the same per-GPU batch: the compute-only reference.
@@ -28,55 +32,54 @@ object (rank 0). The configurations reported in docs, on 2 GPUs:
 
 With `--num-microbatches` > 1, `--megatron-fsdp-keep-unsharded-params` (ZeRO-3 only) and
 `--megatron-fsdp-accumulate-unsharded-grads` turn on Megatron-FSDP's gradient-accumulation options
-(`docs/architecture.md`); rank 0 prints what they hold. On CPU (gloo) with a tiny model; without torchrun it runs as a world of one:
+(`docs/architecture.md`); rank 0 prints what they hold. On CPU (gloo) with a tiny model;
+without torchrun it runs as a world of one:
 
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --num-layers 2 --hidden-size 64 \\
         --num-attention-heads 4 --vocab-size 128 --seq-length 32 --num-microbatches 2
+
+Hybrid sharding against ZeRO-3 over all ranks (the table names each layout, e.g. "HSDP 2 x 4"):
+
+    torchrun --nproc-per-node 8 tools/benchmark_fsdp.py --bf16 \\
+        --engines megatron_fsdp_zero3,megatron_fsdp_hsdp,megatron_fsdp_hfsdp \\
+        --num-distributed-optimizer-instances 2
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp as torch_fsdp
-from torch.distributed.device_mesh import init_device_mesh
 
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from benchmark_fsdp_engines import (
+    ENGINES,
+    GRAPHABLE,
+    HYBRID_ENGINES,
+    Batch,
+    StepFn,
+    build_engine,
+    instances,
+    layout,
+    precision_note,
+)
 from benchmark_report import report
-from gpt_benchmark_model import add_model_args, build_gpt
+from gpt_benchmark_model import add_model_args, build_gpt, set_parallel_state
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.fsdp import (
-    FullyShardedDataParallel,
-    accumulation_memory,
-    fully_shard_optimizer,
-    local_main_weights,
-    microbatch,
-)
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.initialize import default_rendezvous
 
-ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single")
-GRAPHABLE = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "single")
-"""Engines whose whole step captures in a CUDA graph (`--cuda-graph`)."""
 PROFILED_STEPS = 3
-Batch = tuple[torch.Tensor, torch.Tensor]
-StepFn = Callable[[list[Batch]], torch.Tensor]
-"""Runs one training step (every microbatch, then the optimizer); returns the detached loss."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--megatron-fsdp-keep-unsharded-params",
         action="store_true",
-        help="megatron_fsdp_zero3: keep whole weights across the microbatches of a step",
+        help="ZeRO-3 engines: keep whole weights across the microbatches of a step",
     )
     parser.add_argument(
         "--megatron-fsdp-accumulate-unsharded-grads",
@@ -160,12 +163,50 @@ def check_args(
             )
     if args.megatron_fsdp_keep_unsharded_params and "megatron_fsdp_zero2" in args.engines:
         parser.error(
-            "--megatron-fsdp-keep-unsharded-params applies to megatron_fsdp_zero3 only (ZeRO-2 "
+            "--megatron-fsdp-keep-unsharded-params applies to the ZeRO-3 engines only (ZeRO-2 "
             "keeps whole weights anyway): drop megatron_fsdp_zero2 from --engines."
         )
     if args.steps < 1 or args.warmup_steps < 0:
         parser.error("--steps must be >= 1 and --warmup-steps >= 0.")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This benchmark's flags (`build_parser`'s and the hybrid engines'), checked."""
+    parser = build_parser()
+    parser.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=None,
+        help=f"{', '.join(HYBRID_ENGINES)} only: data-parallel instances R (default 2), each of "
+        "world / R >= 2 ranks; the other engines run over all ranks",
+    )
+    args = check_args(parser, parser.parse_args(argv), ENGINES + HYBRID_ENGINES)
+    check_instances(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
+    return args
+
+
+def check_instances(parser: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """Resolves `--num-distributed-optimizer-instances`: given only with a hybrid engine, and
+    splitting the `world` ranks into instances of two or more ranks."""
+    hybrid = [name for name in args.engines if name in HYBRID_ENGINES]
+    if not hybrid:
+        if args.num_distributed_optimizer_instances is not None:
+            parser.error(
+                "--num-distributed-optimizer-instances applies to "
+                f"{' and '.join(HYBRID_ENGINES)} only: add one to --engines or drop the flag."
+            )
+        return
+    if args.num_distributed_optimizer_instances is None:
+        args.num_distributed_optimizer_instances = 2
+    count = args.num_distributed_optimizer_instances
+    # One rank per instance leaves nothing to shard inside it: not the layout these engines name.
+    if count < 2 or world % count or world // count < 2:
+        parser.error(
+            f"--num-distributed-optimizer-instances {count} with {', '.join(hybrid)} on {world} "
+            "rank(s): give R >= 2 dividing the world size into instances of two or more ranks "
+            "(e.g. 2 on 4 or 8 ranks), or drop those engines."
+        )
 
 
 def check_batch(parser: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
@@ -203,230 +244,6 @@ def init_distributed(device_type: str) -> torch.device:
     else:
         dist.init_process_group("gloo", **kwargs)
     return device
-
-
-def make_adamw(params: Iterable[torch.nn.Parameter], args: argparse.Namespace) -> torch.optim.AdamW:
-    """The one AdamW configuration every engine uses."""
-    impl = {"fused": True} if args.adamw == "fused" else {"foreach": True}
-    return torch.optim.AdamW(
-        params,
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        weight_decay=0.1,
-        capturable=args.cuda_graph,
-        **impl,
-    )
-
-
-class MainWeightsAdamW:
-    """AdamW on fp32 main weights for parameters whose gradients are in `param.main_grad`
-    (Megatron-LM's DDP convention; a minimal Float16OptimizerWithFloat16Params). fp32
-    parameters are their own main weights; bf16 ones get fp32 copies, copied back each step.
-    Not `MegatronOptimizer`, whose `step()` also takes the global grad norm (a host sync per
-    step); the training loop captures its `step_on_device()` instead."""
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], args: argparse.Namespace):
-        self.params = [p for p in params if p.requires_grad]
-        self.main = [
-            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float())
-            for p in self.params
-        ]
-        self.optimizer = make_adamw(self.main, args)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Steps the main weights with the accumulated `main_grad`s, then refreshes the params."""
-        for param, main in zip(self.params, self.main):
-            main.grad = param.main_grad.to(main.dtype)  # a view when already fp32
-        self.optimizer.step()
-        # Detached again: fp32 parameters are their own main weights, and backward must not
-        # accumulate into a `.grad` that is a view of `main_grad`.
-        self.optimizer.zero_grad(set_to_none=True)
-        copies = [(p, m) for p, m in zip(self.params, self.main) if p is not m]
-        if copies:
-            torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
-
-
-def attach_local_main_grads(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """Gives every parameter a `main_grad` view of one flat buffer that backward accumulates
-    into (as the DDP engine does, without communication); returns the buffer."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-
-    def accumulate(param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
-
-    offset = 0
-    for param in params:
-        param.main_grad = buffer[offset : offset + param.numel()].view_as(param)
-        param.register_post_accumulate_grad_hook(accumulate)
-        offset += param.numel()
-    return buffer
-
-
-def forward_backward(
-    model: torch.nn.Module,
-    batches: list[Batch],
-    scope: Callable[[int], contextlib.AbstractContextManager],
-) -> torch.Tensor:
-    """Forward and backward of every microbatch, each inside `scope(index)`; the mean loss."""
-    total = torch.zeros((), device=batches[0][0].device)
-    for i, (tokens, labels) in enumerate(batches):
-        with scope(i):
-            loss = model(tokens, labels=labels).mean() / len(batches)
-            loss.backward()
-        total += loss.detach()
-    return total
-
-
-def build_megatron_fsdp(args: argparse.Namespace, strategy: str) -> StepFn:
-    """bf16 model, fp32 sharded main weights (the default MixedPrecisionPolicy)."""
-    config, model = build_gpt(args)
-    if args.grad_reduce_dtype == "fp32":
-        grads = dict(grad_reduce_in_fp32=True)
-    else:
-        grads = dict(megatron_fsdp_main_grads_dtype=torch.bfloat16)
-    ddp_config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True,
-        data_parallel_sharding_strategy=strategy,
-        overlap_param_gather=True,
-        overlap_grad_reduce=True,
-        fsdp_all_gather_in_start_param_sync=not args.cuda_graph,
-        megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
-        megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
-        **grads,
-    )
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    fsdp = FullyShardedDataParallel(config, ddp_config, model, pg_collection=pg_collection)
-    for option, nbytes in accumulation_memory(fsdp).items():
-        if getattr(args, f"megatron_fsdp_{option}") and dist.get_rank() == 0:
-            print(f"{strategy}: {option} holds up to {nbytes / 2**20:,.1f} MiB per rank")
-    # The local shards of the main weights: the optimizer skips DTensor dispatch.
-    params = local_main_weights(fsdp).values()
-    optimizer = fully_shard_optimizer(make_adamw(params, args), fsdp)
-    n = args.num_microbatches
-
-    def scope(i: int) -> contextlib.AbstractContextManager:
-        if n == 1:
-            return contextlib.nullcontext()
-        return microbatch(fsdp.module, is_last=i == n - 1)
-
-    def step(batches: list[Batch]) -> torch.Tensor:
-        # The training loop's order: gradient memory is freed before the first gather.
-        fsdp.zero_grad_buffer()
-        fsdp.start_param_sync()
-        loss = forward_backward(fsdp, batches, scope)
-        fsdp.finish_grad_sync()
-        optimizer.step()
-        return loss
-
-    return step
-
-
-def build_fsdp2(args: argparse.Namespace) -> StepFn:
-    """fp32 model (FSDP2's sharded fp32 parameters are its main weights), bf16 compute."""
-    # Built as the other engines are, then upcast: the main weights start from exactly their
-    # initial weights (an fp32 build draws in another dtype, which need not round to them).
-    _, model = build_gpt(args)
-    model.float()
-    policy = torch_fsdp.MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if args.bf16 else None,
-        reduce_dtype=torch.bfloat16 if args.grad_reduce_dtype == "bf16" else torch.float32,
-        # The layers' floating-point inputs keep their dtype, as under the other engines: the
-        # hidden states are bf16 already, and the rotary angles must stay fp32 (bf16 rounds an
-        # angle past 1024 radians to a multiple of 8, scrambling the fastest-turning channels).
-        cast_forward_inputs=False,
-    )
-    mesh = init_device_mesh(torch.device(args.device).type, (dist.get_world_size(),))
-    for layer in model.decoder.layers:
-        torch_fsdp.fully_shard(layer, mesh=mesh, mp_policy=policy)
-    torch_fsdp.fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = make_adamw(model.parameters(), args)
-    n = args.num_microbatches
-
-    @contextlib.contextmanager
-    def scope(i: int) -> Iterator[None]:
-        model.set_requires_gradient_sync(i == n - 1)
-        yield
-
-    def step(batches: list[Batch]) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, batches, scope)
-        optimizer.step()
-        return loss
-
-    return step
-
-
-def build_ddp(args: argparse.Namespace) -> StepFn:
-    """bf16 replicated model; fp32 replicated main weights kept by `MainWeightsAdamW` (the DDP
-    engine reduces gradients into `main_grad`; see that class for why not `MegatronOptimizer`)."""
-    config, model = build_gpt(args)
-    ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=True, grad_reduce_in_fp32=args.grad_reduce_dtype == "fp32"
-    )
-    ddp = DistributedDataParallel(config, ddp_config, model)
-    optimizer = MainWeightsAdamW(model.parameters(), args)
-    n = args.num_microbatches
-
-    def scope(i: int) -> contextlib.AbstractContextManager:
-        return ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
-
-    def step(batches: list[Batch]) -> torch.Tensor:
-        ddp.zero_grad_buffer()
-        loss = forward_backward(ddp, batches, scope)
-        ddp.finish_grad_sync()
-        optimizer.step()
-        return loss
-
-    return step
-
-
-def build_single(args: argparse.Namespace) -> StepFn:
-    """The `ddp` arrangement on one rank, gradients accumulated locally, no communication."""
-    _, model = build_gpt(args)
-    grad_dtype = torch.bfloat16 if args.grad_reduce_dtype == "bf16" else torch.float32
-    main_grads = attach_local_main_grads(model, grad_dtype)
-    optimizer = MainWeightsAdamW(model.parameters(), args)
-
-    def step(batches: list[Batch]) -> torch.Tensor:
-        main_grads.zero_()
-        loss = forward_backward(model, batches, lambda i: contextlib.nullcontext())
-        optimizer.step()
-        return loss
-
-    return step
-
-
-def build_engine(name: str, args: argparse.Namespace) -> StepFn:
-    """The step function of engine `name`, its model built on the current default device."""
-    if name.startswith("megatron_fsdp_"):
-        strategy = {"zero3": "optim_grads_params", "zero2": "optim_grads"}[name.split("_")[-1]]
-        return build_megatron_fsdp(args, strategy)
-    return {"fsdp2": build_fsdp2, "ddp": build_ddp, "single": build_single}[name](args)
-
-
-def precision_note(name: str, args: argparse.Namespace) -> str:
-    """How `name` holds weights and gradients in this run (the table's footnote)."""
-    note = _precision(name, args)
-    return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
-
-
-def _precision(name: str, args: argparse.Namespace) -> str:
-    grads = f"grads reduced in {args.grad_reduce_dtype}"
-    if not args.bf16:
-        return f"fp32 weights and compute, {grads}"
-    return {
-        "fsdp2": f"fp32 sharded params = main weights (AdamW on DTensors), bf16 compute "
-        f"(mp_policy), {grads}",
-        "ddp": f"bf16 params + fp32 main weights and AdamW state, all replicated, {grads}",
-        "single": f"bf16 params + fp32 main weights, grads accumulated in {args.grad_reduce_dtype}",
-    }.get(
-        name,
-        f"bf16 compute weights, fp32 sharded main weights (default policy; AdamW on their "
-        f"local shards), {grads}",
-    )
 
 
 def make_batches(args: argparse.Namespace, device: torch.device) -> list[Batch]:
@@ -561,14 +378,13 @@ def summarize(
 
 def main() -> None:
     """Runs every requested engine in turn; rank 0 prints (and writes) the results."""
-    parser = build_parser()
-    args = check_args(parser, parser.parse_args())
+    args = parse_args()
     if args.deterministic:
         # cuBLAS reads this when it initialises (deterministic mode refuses to run without it).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     device = init_distributed(torch.device(args.device).type)
-    parallel_state.initialize_model_parallel(create_all_gather_group=args.create_all_gather_group)
+    set_parallel_state(args.create_all_gather_group)
     with torch.device("meta"):
         config, model = build_gpt(args)
     num_params = sum(p.numel() for p in model.parameters())
@@ -578,7 +394,11 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+        # Each engine over its own instances: the plain ones shard over all ranks.
+        count = instances(name, args)
+        set_parallel_state(args.create_all_gather_group, num_distributed_optimizer_instances=count)
         rows.append(summarize(name, run_engine(name, args, device), args, config, device))
+        rows[-1]["layout"] = layout(name, args, dist.get_world_size())
     single = next((r["step_ms"] for r in rows if r["engine"] == "single"), None)
     for row in rows:
         row["vs_single"] = row["step_ms"] / single if single else None

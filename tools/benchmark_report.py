@@ -25,7 +25,8 @@ def print_table(rows: list[dict]) -> None:
             f"{r['final_loss']:>10.4f}"
         )
     for r in rows:
-        print(f"  {r['engine']}: {r['precision']}")
+        where = f" [{r['layout']}]" if r.get("layout") else ""
+        print(f"  {r['engine']}{where}: {r['precision']}")
 
 
 def report(

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
+import benchmark_fsdp_engines as engines
 from benchmark_report import report
 from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
 from torch_2d_model import TorchGPT, parallelize
@@ -84,7 +85,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def build_torch_2d(args: argparse.Namespace, tp: int) -> bench.StepFn:
+def build_torch_2d(args: argparse.Namespace, tp: int) -> engines.StepFn:
     """PyTorch's TP x FSDP2 composition of the plain-PyTorch GPT (module docstring) at TP `tp`."""
     device_type = torch.device(args.device).type
     mesh = init_device_mesh(
@@ -95,9 +96,9 @@ def build_torch_2d(args: argparse.Namespace, tp: int) -> bench.StepFn:
     parallelize(model, mesh["tp"], mesh["dp"], args.bf16)
     model.to_empty(device=torch.get_default_device())
     model.init_weights()
-    optimizer = bench.make_adamw(model.parameters(), args)
+    optimizer = engines.make_adamw(model.parameters(), args)
 
-    def step(batches: list[bench.Batch]) -> torch.Tensor:
+    def step(batches: list[engines.Batch]) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=batches[0][0].device)
         for i, (tokens, labels) in enumerate(batches):
@@ -113,13 +114,13 @@ def build_torch_2d(args: argparse.Namespace, tp: int) -> bench.StepFn:
     return step
 
 
-def build(name: str, args: argparse.Namespace, tp: int) -> bench.StepFn:
+def build(name: str, args: argparse.Namespace, tp: int) -> engines.StepFn:
     """The step function of `name` at TP `tp` (parallel_state is set by the caller)."""
     # Sequence-parallel layers draw from the tracker's tensor-parallel state in training.
     model_parallel_cuda_manual_seed(args.seed)
     if name == "torch_2d":
         return build_torch_2d(args, tp)
-    return bench.build_engine("megatron_fsdp_zero3" if name == "megatron_fsdp" else name, args)
+    return engines.build_engine("megatron_fsdp_zero3" if name == "megatron_fsdp" else name, args)
 
 
 def run(name: str, tp: int, args: argparse.Namespace, device: torch.device) -> dict:

@@ -76,7 +76,8 @@ def parallel_sizes(
 
 
 def set_parallel_state(create_all_gather_group: bool, **sizes: int) -> None:
-    """(Re)initialises `parallel_state` with the given `*_model_parallel_size`s."""
+    """(Re)initialises `parallel_state` with the given `*_model_parallel_size`s (and
+    `num_distributed_optimizer_instances`)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -5,6 +5,7 @@ lost microbatch, a race between streams or a difference in precision shows up th
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -102,14 +103,14 @@ def test_accumulation_options_train_like_one_rank_and_report_their_memory(tmp_pa
     rows = {row["engine"]: row["final_loss"] for row in json.loads(out.read_text())["rows"]}
     assert rows["megatron_fsdp_zero3"] == rows["single"]
     for option in ("keep_unsharded_params", "accumulate_unsharded_grads"):
-        assert f"optim_grads_params: {option} holds up to" in proc.stdout, option
+        assert f"megatron_fsdp_zero3: {option} holds up to" in proc.stdout, option
 
 
 def test_keeping_unsharded_params_under_zero2_is_a_usage_error():
     flags = ["--megatron-fsdp-keep-unsharded-params", "--engines", "megatron_fsdp_zero2"]
     proc = run_tool(*flags, nproc=None, timeout=60)
     assert proc.returncode != 0
-    assert "megatron_fsdp_zero3 only" in proc.stderr
+    assert "ZeRO-3 engines only" in proc.stderr
 
 
 def test_unknown_engine_is_a_usage_error():
@@ -122,6 +123,63 @@ def test_cuda_graph_needs_cuda_and_graphable_engines():
     proc = run_tool("--cuda-graph", "--engines", "fsdp2", "--device", "cpu", nproc=None)
     assert proc.returncode != 0
     assert "--cuda-graph" in proc.stderr and "fsdp2" in proc.stderr
+
+
+def test_hybrid_engines_train_like_zero3_over_all_ranks(tmp_path):
+    # 4 ranks: HSDP and HFSDP as 2 instances x 2, in the same run as ZeRO-3 over all 4 (which
+    # its adapter would refuse were parallel_state still holding the instances).
+    engines = ["megatron_fsdp_zero3", "megatron_fsdp_hsdp", "megatron_fsdp_hfsdp"]
+    out = tmp_path / "result.json"
+    flags = ["--engines", ",".join(engines), "--json-out", str(out)]
+    proc = run_tool(*TINY, *flags, nproc=4, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["world_size"] == 4
+    assert result["config"]["num_distributed_optimizer_instances"] == 2
+    rows = {row["engine"]: row for row in result["rows"]}
+    assert list(rows) == engines
+    layouts = {name: row["layout"] for name, row in rows.items()}
+    assert layouts == dict(zip(engines, ["ZeRO-3 over 4", "HSDP 2 x 2", "HFSDP 2 x 2"]))
+    assert all(f"{name} [{layouts[name]}]:" in proc.stdout for name in engines)
+    reference = rows["megatron_fsdp_zero3"]["final_loss"]
+    assert math.isfinite(reference)
+    assert {name: row["final_loss"] for name, row in rows.items()} == dict.fromkeys(
+        engines, reference
+    )
+
+
+@pytest.fixture
+def benchmark_fsdp(monkeypatch):
+    """The tool's module, imported here (its parser reads the world size from WORLD_SIZE)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    return importlib.import_module("benchmark_fsdp")
+
+
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        ("--engines megatron_fsdp_hsdp --num-distributed-optimizer-instances 3", 4, "R >= 2"),
+        ("--engines megatron_fsdp_hfsdp --num-distributed-optimizer-instances 1", 4, "R >= 2"),
+        ("--engines megatron_fsdp_hsdp", 2, "instances of two or more ranks"),
+        ("--engines megatron_fsdp_hfsdp", 1, "instances of two or more ranks"),
+        ("--engines ddp --num-distributed-optimizer-instances 2", 4, "megatron_fsdp_hsdp and"),
+        ("--engines megatron_fsdp_hsdp --cuda-graph --device cuda", 4, "--cuda-graph needs"),
+    ],
+)
+def test_hybrid_engines_refuse_a_layout_they_cannot_run(
+    benchmark_fsdp, monkeypatch, capsys, flags, world, message
+):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit):
+        benchmark_fsdp.parse_args(flags.split())
+    assert message in capsys.readouterr().err
+
+
+def test_hybrid_engines_default_to_two_instances(benchmark_fsdp, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = benchmark_fsdp.parse_args(["--engines", "megatron_fsdp_zero3,megatron_fsdp_hfsdp"])
+    assert args.num_distributed_optimizer_instances == 2
+    assert "megatron_fsdp_hsdp" not in benchmark_fsdp.parse_args([]).engines
 
 
 @pytest.mark.gpu
