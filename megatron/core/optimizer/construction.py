@@ -112,10 +112,13 @@ def get_megatron_optimizer(
             capturable=capturable,
         )
     else:
-        # SGD's default (foreach) kernels can skip no step on the device: fused only then.
-        fused = True if capturable else None  # None: torch's default kernels
+        # SGD's default (foreach) kernels can skip no step on the device: fused only then
+        # (None: torch's default kernels).
         optimizer = torch.optim.SGD(
-            param_groups, lr=config.lr, momentum=config.sgd_momentum, fused=fused
+            param_groups,
+            lr=config.lr,
+            momentum=config.sgd_momentum,
+            fused=True if capturable else None,
         )
     if is_fsdp:
         fully_shard_optimizer(optimizer, model)

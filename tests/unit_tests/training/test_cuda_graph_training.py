@@ -80,9 +80,9 @@ def _pretrain(
         torch.use_deterministic_algorithms(False)
 
 
-def _pretrain_graphed(flags: list[str]) -> tuple[TrainingHistory | str, int]:
-    """`_pretrain` with graph flags, and how many times a CUDA graph replayed (counted in this
-    test only), so a run that silently trained eagerly fails."""
+def _pretrain_graphed(flags: list[str], *steps) -> tuple[TrainingHistory | str, int]:
+    """`_pretrain(flags, *steps)` with graph flags, and how many times a CUDA graph replayed
+    (counted in this test only), so a run that silently trained eagerly fails."""
     replay = torch.cuda.CUDAGraph.replay
     calls = []
 
@@ -91,12 +91,13 @@ def _pretrain_graphed(flags: list[str]) -> tuple[TrainingHistory | str, int]:
         replay(graph)
 
     with mock.patch.object(torch.cuda.CUDAGraph, "replay", counted):
-        return _pretrain(flags), len(calls)
+        return _pretrain(flags, *steps), len(calls)
 
 
-def _graphed_histories(flags: list[str]) -> list[TrainingHistory | str]:
-    """Every rank's history of the graphed run, each rank having replayed a graph."""
-    results = run_distributed(_pretrain_graphed, 2, flags)
+def _graphed_histories(flags: list[str], *steps) -> list[TrainingHistory | str]:
+    """Every rank's history (or error message) of the graphed run, each rank having replayed a
+    graph; `steps`: `_pretrain`'s forward step and dataset provider."""
+    results = run_distributed(_pretrain_graphed, 2, flags, *steps)
     assert all(replays > 0 for _, replays in results), [replays for _, replays in results]
     return [history for history, _ in results]
 
@@ -209,7 +210,7 @@ def test_a_non_finite_step_is_skipped_on_the_device(engine):
     flags += ["--no-check-for-nan-in-loss-and-grad"]
     poisoned = (_poisoned_forward_step, _poisoned_provider)
     eager = run_distributed(_pretrain, 2, flags, *poisoned)
-    graphed = run_distributed(_pretrain, 2, [*flags, *GRAPHED], *poisoned)
+    graphed = _graphed_histories([*flags, *GRAPHED], *poisoned)
     _assert_same_training(eager, graphed)
     history = graphed[0]
     assert history.skipped_iterations == [NON_FINITE_ITERATION]
@@ -219,7 +220,8 @@ def test_a_non_finite_step_is_skipped_on_the_device(engine):
 
 def test_a_non_finite_step_raises_with_the_check_on():
     flags = [*BASE, *NO_DROPOUT, *ENGINES["fsdp_zero3"], "--global-batch-size", "8", *GRAPHED]
-    for message in run_distributed(_pretrain, 2, flags, _poisoned_forward_step, _poisoned_provider):
+    # The graph replays from iteration 3; the poisoned iteration 5 is a replay.
+    for message in _graphed_histories(flags, _poisoned_forward_step, _poisoned_provider):
         assert isinstance(message, str) and "The loss is not finite" in message
         assert "--no-check-for-nan-in-loss-and-grad" in message
 

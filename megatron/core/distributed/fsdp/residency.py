@@ -178,7 +178,9 @@ class Residency:
         streams = self._streams
         if streams is not None:
             streams.all_gather.wait_stream(streams.current())
-        kept = self._kept if except_kept else set()
+        if not except_kept:
+            self._kept.clear()
+        kept = self._kept
         for position in self._resident:
             if position not in kept and (unit := self._unit(position)) is not None:
                 for group in unit.groups:
@@ -186,7 +188,6 @@ class Residency:
         self._resident = dict.fromkeys(kept)
         self._releasable.clear()
         self._ready &= kept
-        self._kept = set(kept)
         if streams is not None:
             streams.current().wait_stream(streams.all_gather)
 
