@@ -236,6 +236,7 @@ class DistributedDataParallel(_BaseDataParallel):
                 self.data_parallel_group, device_type, tp=tp, layouts=layouts[False]
             )
         if own_groups:
+            check_excludes_tp_peers(groups.etp, groups.expt_dp)
             expert_view = GlobalView(
                 groups.expt_dp, device_type, tp=groups.etp, layouts=layouts[True], ep=groups.ep
             )

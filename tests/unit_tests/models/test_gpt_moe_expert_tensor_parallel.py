@@ -168,11 +168,18 @@ def _refusals() -> list[str]:
     ep = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
     etp1 = _config(1, 1, 1, "alltoall", "softmax_aux_loss")
     etp2 = _config(1, ETP, 2, "alltoall", "softmax_aux_loss")
+    # Strided expt_tp and contiguous ep: the whole world as tp_ep is then in ep-etp order.
+    strided_etp = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
+    contiguous_ep = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
+    world = dist.new_group(list(range(WORLD)))
+    misordered = ProcessGroupCollection(expt_tp=strided_etp, ep=contiguous_ep, tp_ep=world)
     cases = [
         (etp1, ProcessGroupCollection(expt_tp=expt_tp), r"expert_tensor_parallel_size \(1\)"),
         (etp2, ProcessGroupCollection(expt_tp=expt_tp, ep=ep), "needs the tp_ep group"),
         (etp2, ProcessGroupCollection(expt_tp=expt_tp, ep=ep, tp_ep=ep), "tp_ep group has 2"),
     ]
+    if rank in (1, 2):  # ranks 0 and 3 sit at the same place in both orders
+        cases.append((etp2, misordered, "in etp-ep order"))
     messages = []
     for config, groups, match in cases:
         with pytest.raises(ValueError, match=match) as refused:

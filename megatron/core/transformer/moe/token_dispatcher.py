@@ -165,7 +165,7 @@ def token_exchange_group(
 
     Raises:
         ValueError: `tp_ep_group` is missing while both groups have several ranks, or its size
-            is not their product.
+            is not their product, or this rank's place in it is not the etp-ep order's.
     """
     etp, ep = group_size(expt_tp_group), group_size(ep_group)
     if tp_ep_group is None:
@@ -183,6 +183,15 @@ def token_exchange_group(
             f"the tp_ep group has {group_size(tp_ep_group)} ranks, but the expert tensor-parallel "
             f"({etp}) x expert-parallel ({ep}) groups make {etp * ep}; pass the tp_ep group of "
             "the same layout (etp-ep order) as the expt_tp and ep groups."
+        )
+    # The dispatch reads the gathered counts as [ep, etp]: this rank must sit at
+    # ep_rank * etp + etp_rank.
+    expected = group_rank(ep_group) * etp + group_rank(expt_tp_group)
+    if group_rank(tp_ep_group) != expected:
+        raise ValueError(
+            f"this rank is {group_rank(tp_ep_group)} in the tp_ep group but {expected} in etp-ep "
+            "order (ep rank x expert tensor-parallel size + expt_tp rank); build tp_ep in that "
+            "order, as parallel_state does."
         )
     return tp_ep_group
 
