@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.utils import group_size
 
 
 def is_expert_param(name: str, param: torch.nn.Parameter) -> bool:
@@ -92,19 +93,14 @@ def experts_are_dense(
     return tp is not None and dist.get_process_group_ranks(etp) == dist.get_process_group_ranks(tp)
 
 
-def ep_size(group: dist.ProcessGroup | None) -> int:
-    """The size of an ep group (None: 1)."""
-    return 1 if group is None else group.size()
-
-
 def global_expert_shape(local_shape: torch.Size, ep: dist.ProcessGroup | None) -> torch.Size:
     """The global shape `[num_experts, ...]` of an expert parameter of `local_shape`."""
-    return torch.Size((local_shape[0] * ep_size(ep), *local_shape[1:]))
+    return torch.Size((local_shape[0] * group_size(ep), *local_shape[1:]))
 
 
 def local_expert_rows(full: torch.Tensor, ep: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's experts (a view) of a global expert tensor `[num_experts, ...]`."""
-    size = ep_size(ep)
+    size = group_size(ep)
     if size == 1:
         return full
     rows = full.shape[0] // size
