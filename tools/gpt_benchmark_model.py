@@ -46,6 +46,12 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         "--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall"
     )
     parser.add_argument(
+        "--no-rope-fusion",
+        action="store_false",
+        dest="apply_rope_fusion",
+        help="rotate queries and keys with PyTorch's ops instead of the fused Triton kernel",
+    )
+    parser.add_argument(
         "--compile",
         choices=("none", "layers", "sublayers"),
         default="none",
@@ -110,6 +116,7 @@ def build_gpt(
         attention_dropout=0.0,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
+        apply_rope_fusion=args.apply_rope_fusion,
         tensor_model_parallel_size=tp,
         sequence_parallel=args.sequence_parallel and tp > 1,
         **_moe_fields(args),

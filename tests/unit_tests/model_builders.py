@@ -72,3 +72,20 @@ def wrap_for_engine(model: GPTModel, engine: str, **fsdp_fields) -> torch.nn.Mod
         use_megatron_fsdp=True, data_parallel_sharding_strategy=engine, **fsdp_fields
     )
     return FullyShardedDataParallel(model.config, ddp_config, model)
+
+
+def assert_same_training_signal(configs: list[TransformerConfig], **build_kwargs) -> None:
+    """Builds `build_tiny_gpt(config, **build_kwargs)` for each config (same seed, so the same
+    weights) and asserts that one batch gives each the same per-token losses and gradients."""
+    tokens, labels = (t.to(current_device()) for t in make_token_batches(1, 3)[0])
+    results = []
+    for config in configs:
+        model = build_tiny_gpt(config, **build_kwargs)
+        loss = model(tokens, labels=labels)
+        loss.mean().backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    (expected_loss, expected_grads), *others = results
+    for loss, grads in others:
+        torch.testing.assert_close(loss, expected_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], msg=name)

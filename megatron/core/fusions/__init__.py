@@ -1,1 +1,2 @@
-"""Fused kernels from optional libraries (apex), each guarded so that torch alone suffices."""
+"""Fused kernels, from optional libraries (apex, Triton) or chunked PyTorch, each guarded so
+that torch alone suffices."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import rotate_query_and_key
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.utils import divide, group_size
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
@@ -181,9 +181,13 @@ class SelfAttention(MegatronModule):
         """
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
-            interleaved = self.config.rotary_interleaved
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, rotary_interleaved=interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, rotary_interleaved=interleaved)
+            query, key = rotate_query_and_key(
+                query,
+                key,
+                rotary_pos_emb,
+                rotary_interleaved=self.config.rotary_interleaved,
+                fused=self.config.apply_rope_fusion,
+            )
 
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Recompute the attention in backward instead of storing its activations; the RNG

@@ -121,6 +121,9 @@ class TransformerConfig(ModelParallelConfig):
             no weight (it wins over `qk_layernorm` when both are set, as in Megatron-core).
         rotary_interleaved: Rotate pairs of adjacent channels (RoFormer / GPT-J) instead of the
             first half against the second (GPT-NeoX / Llama).
+        apply_rope_fusion: Rotate queries and keys in one Triton kernel per direction where
+            Triton and CUDA are present (`megatron.core.fusions.fused_rope`); the PyTorch ops
+            elsewhere. The training flags turn it on unless `--no-rope-fusion`.
         apply_query_key_layer_scaling: Divide the attention scores by the layer number before
             the softmax and multiply them back inside it, in fp32 (Megatron's fp16 trick; exact
             in real arithmetic). Read by the `local` attention backend only: the SDPA kernels
@@ -211,6 +214,7 @@ class TransformerConfig(ModelParallelConfig):
     qk_layernorm: bool = False
     qk_l2_norm: bool = False
     rotary_interleaved: bool = False
+    apply_rope_fusion: bool = False
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True
     attention_backend: AttnBackend = AttnBackend.auto

@@ -15,7 +15,6 @@ FUSION_TOGGLES: tuple[tuple[str, str], ...] = (
     ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
     ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
     ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
-    ("--no-rope-fusion", "apply_rope_fusion"),
     ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
 )
 """Upstream's kernel-fusion switches (flag, dest), all `store_false` (fusion on by default)."""
@@ -35,6 +34,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     # runs PyTorch's kernels whatever they say, and no result depends on them: accepted, no-ops.
     for flag, dest in FUSION_TOGGLES:
         group.add_argument(flag, action="store_false", dest=dest, help="Accepted; a no-op here.")
+    group.add_argument(
+        "--no-rope-fusion",
+        action="store_false",
+        dest="apply_rope_fusion",
+        help="Rotate queries and keys with PyTorch's elementwise ops instead of the fused Triton "
+        "kernel (used by default where Triton and CUDA are present).",
+    )
     group.add_argument(
         "--use-mcore-models",
         action="store_true",

@@ -186,9 +186,7 @@ def _refusals() -> list[str]:
             _layer(config, groups)
         messages.append(str(refused.value))
     # parallel_state's groups never fill in what a collection lacks.
-    ps.initialize_model_parallel(
-        expert_model_parallel_size=2, expert_tensor_parallel_size=ETP
-    )
+    ps.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=ETP)
     try:
         with pytest.raises(ValueError, match="needs the tp_ep group"):
             _layer(etp2, ProcessGroupCollection(expt_tp=expt_tp, ep=ep))

@@ -7,6 +7,13 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     RotaryEmbedding,
     apply_rotary_pos_emb,
+    rotate_query_and_key,
 )
 
-__all__ = ["Embedding", "LanguageModelEmbedding", "RotaryEmbedding", "apply_rotary_pos_emb"]
+__all__ = [
+    "Embedding",
+    "LanguageModelEmbedding",
+    "RotaryEmbedding",
+    "apply_rotary_pos_emb",
+    "rotate_query_and_key",
+]

@@ -7,9 +7,10 @@ so a model built on the `meta` device needs no re-initialisation here, and casti
 bf16 cannot degrade them.
 
 The cosines and sines of the angles are computed once per angles tensor (every layer of a forward
-gets the same one), and the rotation is four elementwise kernels: the host launches them for every
-query and key of every layer, forward and backward, so their count is part of the step's launch
-overhead.
+gets the same one). `rotate_query_and_key` rotates a layer's queries and keys in one Triton
+kernel per direction with `fused=True` (the config's `apply_rope_fusion`) where `fused_rope`
+supports the call; otherwise, and in `apply_rotary_pos_emb`, the rotation of each tensor is four
+elementwise PyTorch kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import math
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from megatron.core.fusions.fused_rope import fused_rope_supported, fused_rotary_pos_emb
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -222,3 +225,32 @@ def apply_rotary_pos_emb(
     cos, sin = _rotation_tables(freqs, t.dtype, rotary_interleaved)
     t_rot = t_rot * cos + _swap_pairs(t_rot, rotary_interleaved) * sin
     return torch.cat((t_rot, t[..., rot_dim:]), dim=-1) if partial else t_rot
+
+
+def rotate_query_and_key(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    rotary_interleaved: bool = False,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary_pos_emb` of the queries and of the keys.
+
+    Args:
+        query: [s, b, nq, d].
+        key: [s, b, nk, d].
+        freqs: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim].
+        rotary_interleaved: As in `apply_rotary_pos_emb`.
+        fused: Rotate both in one Triton kernel (in fp32, rounded once) where
+            `fused_rope_supported` says it can; the PyTorch ops otherwise.
+
+    Returns:
+        The rotated queries and keys.
+    """
+    if fused and fused_rope_supported(query, key, freqs):
+        cos, sin = _rotation_tables(freqs, torch.float32, rotary_interleaved)
+        return fused_rotary_pos_emb(query, key, cos, sin, rotary_interleaved)
+    return tuple(
+        apply_rotary_pos_emb(t, freqs, rotary_interleaved=rotary_interleaved) for t in (query, key)
+    )

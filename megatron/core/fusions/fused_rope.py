@@ -1,0 +1,178 @@
+"""Rotary position embedding of queries and keys in one Triton kernel per direction
+(`--no-rope-fusion` turns it off).
+
+The unfused rotation `t * cos + swap(t) * sin` is four elementwise kernels forward and four
+backward for each of the queries and the keys of every layer, each reading and writing the whole
+tensor in the compute dtype (and the swap, a roll by half the head width, is a slow gather). The
+kernel here rotates the queries and the keys of a layer in one launch, reading each element once,
+rotating it in fp32 with its pair partner and writing it once; backward is the same kernel
+rotating the other way (the rotation's transpose): for output channel j with pair partner p(j)
+(the channel `swap` exchanges it with),
+
+    forward:   y[j] = x[j]  * cos[j] + x[p(j)]  * sin[j]
+    backward: dx[j] = dy[j] * cos[j] + dy[p(j)] * sin[p(j)]
+
+with `sin` the signed sine table of `rotary_pos_embedding` (each pair's first sine negated).
+One launch for both tensors halves the host's launch work, which bounds small-batch steps.
+Triton ships with PyTorch's CUDA builds; without it, or off CUDA, callers use the PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only PyTorch builds
+    triton = None
+
+_ELEMENTS_PER_PROGRAM = 4096
+"""Heads x head width one program rotates at most (16 heads of 128 channels)."""
+
+
+def fused_rope_supported(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether `fused_rotary_pos_emb` can rotate `query` and `key` [s, b, n, d] by `freqs`.
+
+    It needs Triton and CUDA tensors, angles [s, 1, 1, rot] shared by the batch and the heads
+    that need no gradient (learned angles take the PyTorch ops, which differentiate them), and
+    no `torch.compile` tracing (the compiler fuses the PyTorch ops itself).
+    """
+    return (
+        triton is not None
+        and query.is_cuda
+        and query.dim() == key.dim() == freqs.dim() == 4
+        and query.shape[:2] == key.shape[:2]
+        and query.shape[-1] == key.shape[-1]
+        and freqs.shape[:3] == (query.shape[0], 1, 1)
+        and not freqs.requires_grad
+        and not torch.compiler.is_compiling()
+    )
+
+
+def fused_rotary_pos_emb(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`t * cos + swap(t) * sin` on the first `cos.shape[-1]` channels of the queries and the
+    keys, in one kernel (and one in backward).
+
+    Args:
+        query: [s, b, nq, d], any strides.
+        key: [s, b, nk, d], any strides.
+        cos: Cosines [s, 1, 1, rot] (rot even, <= d), fp32.
+        sin: Signed sines like `cos`.
+        interleaved: Pairs are adjacent channels instead of channel i and i + rot / 2.
+
+    Returns:
+        The rotated queries and keys, contiguous, in their dtype; channels past `rot` unchanged.
+    """
+    return _FusedRotary.apply(query, key, cos, sin, interleaved)
+
+
+class _FusedRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, cos, sin, interleaved):  # noqa: D102 (autograd.Function)
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotate(query, key, cos, sin, interleaved, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad_query, grad_key):  # noqa: D102
+        cos, sin = ctx.saved_tensors
+        grads = _rotate(grad_query, grad_key, cos, sin, ctx.interleaved, transpose=True)
+        return *grads, None, None, None
+
+
+def _rotate(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    query, key = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key))
+    seq, batch, q_heads, dim = query.shape
+    k_heads = key.shape[2]
+    rot_dim = cos.shape[-1]
+    cos = cos.reshape(seq, rot_dim).contiguous()
+    sin = sin.reshape(seq, rot_dim).contiguous()
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    block_d = triton.next_power_of_2(dim)
+    heads_per_program = max(1, _ELEMENTS_PER_PROGRAM // block_d)
+    block_n = min(triton.next_power_of_2(max(q_heads, k_heads)), heads_per_program)
+    q_blocks = triton.cdiv(q_heads, block_n)
+    grid = (seq * batch, q_blocks + triton.cdiv(k_heads, block_n))
+    _rotate_kernel[grid](
+        query, key, q_out, k_out, cos, sin,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        batch, q_heads, k_heads, q_blocks, dim, rot_dim,
+        BLOCK_N=block_n, BLOCK_D=block_d, INTERLEAVED=interleaved, TRANSPOSE=transpose,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr, out_ptr, cos_ptr, sin_ptr, stride_n, heads, first_head, dim, rot_dim,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ):  # fmt: skip
+        """Rotates heads [first_head, first_head + BLOCK_N) of one (position, batch entry):
+        `x_ptr` and `out_ptr` point at its head 0, `cos_ptr` and `sin_ptr` at its position."""
+        n = first_head + tl.arange(0, BLOCK_N)[:, None]
+        j = tl.arange(0, BLOCK_D)[None, :]
+        if INTERLEAVED:
+            partner = j ^ 1
+        else:
+            half = rot_dim // 2
+            partner = tl.where(j < half, j + half, j - half)
+        rotated = j < rot_dim
+        mask = (n < heads) & (j < dim)
+        x = tl.load(x_ptr + n * stride_n + j, mask=mask, other=0.0).to(tl.float32)
+        x_partner = tl.load(x_ptr + n * stride_n + partner, mask=mask & rotated, other=0.0)
+        # Channels past rot_dim pass through: cos 1, sin 0.
+        cos = tl.load(cos_ptr + j, mask=rotated, other=1.0)
+        if TRANSPOSE:
+            sin = tl.load(sin_ptr + partner, mask=rotated, other=0.0)
+        else:
+            sin = tl.load(sin_ptr + j, mask=rotated, other=0.0)
+        y = x * cos + x_partner.to(tl.float32) * sin
+        tl.store(out_ptr + n * dim + j, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_kernel(
+        q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+        q_stride_s, q_stride_b, q_stride_n, k_stride_s, k_stride_b, k_stride_n,
+        batch, q_heads, k_heads, q_blocks, dim, rot_dim,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, block): one (position, batch entry) row of the queries' head blocks,
+        then of the keys'."""
+        row = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements
+        s = row // batch
+        b = row % batch
+        block = tl.program_id(1)
+        cos_ptr += s * rot_dim
+        sin_ptr += s * rot_dim
+        if block < q_blocks:
+            _rotate_heads(
+                q_ptr + s * q_stride_s + b * q_stride_b, q_out_ptr + row * q_heads * dim,
+                cos_ptr, sin_ptr, q_stride_n, q_heads, block * BLOCK_N, dim, rot_dim,
+                BLOCK_N, BLOCK_D, INTERLEAVED, TRANSPOSE,
+            )  # fmt: skip
+        else:
+            _rotate_heads(
+                k_ptr + s * k_stride_s + b * k_stride_b, k_out_ptr + row * k_heads * dim,
+                cos_ptr, sin_ptr, k_stride_n, k_heads, (block - q_blocks) * BLOCK_N, dim, rot_dim,
+                BLOCK_N, BLOCK_D, INTERLEAVED, TRANSPOSE,
+            )  # fmt: skip
