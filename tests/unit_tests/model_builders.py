@@ -74,13 +74,17 @@ def wrap_for_engine(model: GPTModel, engine: str, **fsdp_fields) -> torch.nn.Mod
     return FullyShardedDataParallel(model.config, ddp_config, model)
 
 
-def assert_same_training_signal(configs: list[TransformerConfig], **build_kwargs) -> None:
+def assert_same_training_signal(
+    configs: list[TransformerConfig], device: torch.device | str | None = None, **build_kwargs
+) -> None:
     """Builds `build_tiny_gpt(config, **build_kwargs)` for each config (same seed, so the same
-    weights) and asserts that one batch gives each the same per-token losses and gradients."""
-    tokens, labels = (t.to(current_device()) for t in make_token_batches(1, 3)[0])
+    weights) on `device` (None: `current_device()`) and asserts that one batch gives each the
+    same per-token losses and gradients."""
+    device = device or current_device()
+    tokens, labels = (t.to(device) for t in make_token_batches(1, 3)[0])
     results = []
     for config in configs:
-        model = build_tiny_gpt(config, **build_kwargs)
+        model = build_tiny_gpt(config, **build_kwargs).to(device)
         loss = model(tokens, labels=labels)
         loss.mean().backward()
         results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))

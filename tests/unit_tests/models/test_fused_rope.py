@@ -9,7 +9,12 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     RotaryEmbedding,
     rotate_query_and_key,
 )
-from tests.unit_tests.model_builders import assert_same_training_signal, tiny_gpt_config
+from tests.unit_tests.model_builders import (
+    assert_same_training_signal,
+    build_tiny_gpt,
+    make_token_batches,
+    tiny_gpt_config,
+)
 
 # (seq, batch, query heads, key heads, head width, rotary percent): the 1.34B model's heads;
 # more query heads than one program takes (grouped keys); odd head counts; partial rotation
@@ -86,7 +91,19 @@ def test_model_with_rope_fusion_matches_unfused(interleaved):
         tiny_gpt_config(apply_rope_fusion=fusion, rotary_interleaved=interleaved)
         for fusion in (False, True)
     ]
-    assert_same_training_signal(configs, position_embedding_type="rope")
+    assert_same_training_signal(configs, "cuda", position_embedding_type="rope")
+
+
+@pytest.mark.gpu
+def test_model_with_rope_fusion_runs_the_kernel():
+    model = build_tiny_gpt(tiny_gpt_config(apply_rope_fusion=True), position_embedding_type="rope")
+    tokens, labels = (t.cuda() for t in make_token_batches(1, 2)[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        model.cuda()(tokens, labels=labels).sum().backward()
+        torch.cuda.synchronize()
+    launches = [event.name for event in profiler.events() if "_rotate_kernel" in event.name]
+    # One per layer forward and one backward (2 layers).
+    assert len(launches) == 4, launches
 
 
 def test_fused_falls_back_to_the_pytorch_ops_off_cuda():
