@@ -20,6 +20,7 @@ Triton ships with PyTorch's CUDA builds; without it, or off CUDA, callers use th
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 try:
     import triton
@@ -28,25 +29,43 @@ except ImportError:  # CPU-only PyTorch builds
     triton = None
 
 _ELEMENTS_PER_PROGRAM = 4096
-"""Heads x head width one program rotates at most (16 heads of 128 channels)."""
+"""Heads x head width one program rotates at most (32 heads of 128 channels)."""
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes the kernel rotates (in fp32: float64 keeps the PyTorch ops' precision)."""
 
 
 def fused_rope_supported(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> bool:
-    """Whether `fused_rotary_pos_emb` can rotate `query` and `key` [s, b, n, d] by `freqs`.
+    """Whether `fused_rotary_pos_emb` can rotate `query` and `key` by `freqs`.
 
-    It needs Triton and CUDA tensors, angles [s, 1, 1, rot] shared by the batch and the heads
-    that need no gradient (learned angles take the PyTorch ops, which differentiate them), and
-    no `torch.compile` tracing (the compiler fuses the PyTorch ops itself).
+    It needs Triton, CUDA tensors on the current device, the shapes of `rope_shapes_fusable`,
+    angles that need no gradient (learned angles take the PyTorch ops, which differentiate
+    them), and no `torch.compile` tracing (the compiler fuses the PyTorch ops itself).
     """
     return (
         triton is not None
         and query.is_cuda
-        and query.dim() == key.dim() == freqs.dim() == 4
+        and query.device == key.device == freqs.device
+        and query.device.index == torch.cuda.current_device()  # where Triton launches
+        and rope_shapes_fusable(query, key, freqs)
+        and not freqs.requires_grad
+        and not torch.compiler.is_compiling()
+    )
+
+
+def rope_shapes_fusable(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether the kernel covers these shapes and dtypes: `query` [s, b, nq, d] and `key`
+    [s, b, nk, d] in fp16, bf16 or fp32, angles [s, 1, 1, rot] shared by the batch and the
+    heads, with rot even and at most d."""
+    return (
+        query.dim() == key.dim() == freqs.dim() == 4
         and query.shape[:2] == key.shape[:2]
         and query.shape[-1] == key.shape[-1]
         and freqs.shape[:3] == (query.shape[0], 1, 1)
-        and not freqs.requires_grad
-        and not torch.compiler.is_compiling()
+        and freqs.shape[-1] % 2 == 0
+        and freqs.shape[-1] <= query.shape[-1]
+        and query.dtype in _DTYPES
+        and key.dtype == query.dtype
     )
 
 
@@ -74,14 +93,18 @@ def fused_rotary_pos_emb(
 
 
 class _FusedRotary(torch.autograd.Function):
+    """The rotation forward, its transpose backward (a first derivative only: the kernel is
+    not differentiable again)."""
+
     @staticmethod
-    def forward(ctx, query, key, cos, sin, interleaved):  # noqa: D102 (autograd.Function)
+    def forward(ctx, query, key, cos, sin, interleaved):
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
         return _rotate(query, key, cos, sin, interleaved, transpose=False)
 
     @staticmethod
-    def backward(ctx, grad_query, grad_key):  # noqa: D102
+    @once_differentiable
+    def backward(ctx, grad_query, grad_key):
         cos, sin = ctx.saved_tensors
         grads = _rotate(grad_query, grad_key, cos, sin, ctx.interleaved, transpose=True)
         return *grads, None, None, None
@@ -95,7 +118,9 @@ def _rotate(
     interleaved: bool,
     transpose: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    query, key = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key))
+    """Launches the kernel on `query` and `key`; `transpose` rotates by the opposite angles
+    (backward)."""
+    query, key = (_as_kernel_input(t) for t in (query, key))
     seq, batch, q_heads, dim = query.shape
     k_heads = key.shape[2]
     rot_dim = cos.shape[-1]
@@ -116,6 +141,14 @@ def _rotate(
         BLOCK_N=block_n, BLOCK_D=block_d, INTERLEAVED=interleaved, TRANSPOSE=transpose,
     )  # fmt: skip
     return q_out, k_out
+
+
+def _as_kernel_input(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy where the kernel cannot address it: channels must be adjacent,
+    and head offsets (int32 in the kernel) below 2**31 elements."""
+    if t.stride(-1) == 1 and t.shape[2] * t.stride(2) < 2**31:
+        return t
+    return t.contiguous()
 
 
 if triton is not None:

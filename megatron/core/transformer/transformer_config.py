@@ -122,8 +122,9 @@ class TransformerConfig(ModelParallelConfig):
         rotary_interleaved: Rotate pairs of adjacent channels (RoFormer / GPT-J) instead of the
             first half against the second (GPT-NeoX / Llama).
         apply_rope_fusion: Rotate queries and keys in one Triton kernel per direction where
-            Triton and CUDA are present (`megatron.core.fusions.fused_rope`); the PyTorch ops
-            elsewhere. The training flags turn it on unless `--no-rope-fusion`.
+            `megatron.core.fusions.fused_rope.fused_rope_supported` allows (Triton, CUDA, angles
+            without gradient, no `torch.compile` tracing); the PyTorch ops elsewhere. The
+            training flags turn it on unless `--no-rope-fusion`.
         apply_query_key_layer_scaling: Divide the attention scores by the layer number before
             the softmax and multiply them back inside it, in fp32 (Megatron's fp16 trick; exact
             in real arithmetic). Read by the `local` attention backend only: the SDPA kernels

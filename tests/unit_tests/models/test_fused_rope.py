@@ -4,7 +4,7 @@ float64, forward and backward, and inside the model against the PyTorch ops."""
 import pytest
 import torch
 
-from megatron.core.fusions.fused_rope import fused_rope_supported
+from megatron.core.fusions.fused_rope import fused_rope_supported, rope_shapes_fusable
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     RotaryEmbedding,
     rotate_query_and_key,
@@ -15,6 +15,8 @@ from tests.unit_tests.model_builders import (
     make_token_batches,
     tiny_gpt_config,
 )
+
+DEVICE = "cuda"
 
 # (seq, batch, query heads, key heads, head width, rotary percent): the 1.34B model's heads;
 # more query heads than one program takes (grouped keys); odd head counts; partial rotation
@@ -30,45 +32,58 @@ SHAPES = [
 def _rotate_and_backward(query, key, freqs, grads, interleaved, fused):
     query, key = (t.detach().requires_grad_() for t in (query, key))
     outs = rotate_query_and_key(query, key, freqs, rotary_interleaved=interleaved, fused=fused)
-    torch.autograd.backward(outs, grads)
+    used = [(out, grad) for out, grad in zip(outs, grads) if grad is not None]
+    torch.autograd.backward(*zip(*used))
     return (*outs, query.grad, key.grad)
+
+
+def _compare_with_float64(query, key, freqs, grads, interleaved):
+    """Fused against the PyTorch ops in float64 (and, in half precision, more accurate than the
+    PyTorch ops in that precision); returns the fused outputs and gradients."""
+    fused = _rotate_and_backward(query, key, freqs, grads, interleaved, fused=True)
+    eager = _rotate_and_backward(query, key, freqs, grads, interleaved, fused=False)
+    grads64 = [None if g is None else g.double() for g in grads]
+    ref = _rotate_and_backward(
+        query.double(), key.double(), freqs.double(), grads64, interleaved, fused=False
+    )
+    for name, got, unfused, expected in zip(("q", "k", "dq", "dk"), fused, eager, ref):
+        if expected is None:  # an output the loss does not use: no gradient, or zeros
+            assert got is None or not got.any(), name
+            continue
+        torch.testing.assert_close(got, expected.to(got.dtype), msg=name)
+        if got.dtype != torch.float32:
+            # fp32 tables and arithmetic, rounded once: more accurate on average than the
+            # unfused ops (tables in the tensors' dtype, three roundings). The largest errors
+            # are half a unit in the last place for both; in fp32 both err at rounding level.
+            errors = [(t.double() - expected).square().mean() for t in (got, unfused)]
+            assert errors[0] < errors[1], (name, errors)
+    return fused
+
+
+def _freqs(seq, dim, percent=1.0, interleaved=False):
+    rope = RotaryEmbedding(dim, rotary_percent=percent, rotary_interleaved=interleaved)
+    return rope(seq).to(DEVICE)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_rotation_matches_float64(shape, interleaved, dtype):
     seq, batch, q_heads, k_heads, dim, percent = shape
     torch.manual_seed(0)
-    freqs = RotaryEmbedding(dim, rotary_percent=percent, rotary_interleaved=interleaved)(seq)
-    freqs = freqs.cuda()
-    # Strided views, as the queries and keys are of the QKV projection's output.
-    query = torch.randn(seq, batch, q_heads, 2 * dim, device="cuda", dtype=dtype)[..., dim:]
-    key = torch.randn(seq, batch, 3 * dim, k_heads, device="cuda", dtype=dtype)[:, :, :dim]
-    key = key.transpose(2, 3)
-    grads = [torch.randn_like(t, memory_format=torch.contiguous_format) for t in (query, key)]
+    freqs = _freqs(seq, dim, percent, interleaved)
+    # Strided views, as the queries and keys are of the QKV projection's output: channels of
+    # the queries' heads far apart, every other head of the keys.
+    query = torch.randn(seq, batch, q_heads, 2 * dim, device=DEVICE, dtype=dtype)[..., dim:]
+    key = torch.randn(seq, batch, 2 * k_heads, dim, device=DEVICE, dtype=dtype)[:, :, ::2]
+    # Gradients as backward may deliver them: not contiguous.
+    grads = [torch.randn(dim, *t.shape[:-1], device=DEVICE, dtype=dtype) for t in (query, key)]
+    grads = [g.movedim(0, -1) for g in grads]
     assert fused_rope_supported(query, key, freqs)
 
-    fused = _rotate_and_backward(query, key, freqs, grads, interleaved, fused=True)
-    eager = _rotate_and_backward(query, key, freqs, grads, interleaved, fused=False)
-    ref = _rotate_and_backward(
-        query.double(),
-        key.double(),
-        freqs.double(),
-        [g.double() for g in grads],
-        interleaved,
-        False,
-    )
-
+    fused = _compare_with_float64(query, key, freqs, grads, interleaved)
     assert all(t.dtype == dtype and t.is_contiguous() for t in fused)
-    for name, got, unfused, expected in zip(("q", "k", "dq", "dk"), fused, eager, ref):
-        torch.testing.assert_close(got, expected.to(dtype), msg=name)
-        if dtype == torch.bfloat16:
-            # fp32 tables and arithmetic, rounded once: more accurate than the unfused ops on
-            # bf16 (bf16 tables, three roundings). In fp32 both err at rounding level.
-            error = (got.double() - expected).abs().max()
-            assert error <= (unfused.double() - expected).abs().max()
     if percent < 1:
         rot = freqs.shape[-1]
         for got, original in zip(fused, (query, key, *grads)):
@@ -76,37 +91,76 @@ def test_fused_rotation_matches_float64(shape, interleaved, dtype):
 
 
 @pytest.mark.gpu
+def test_channels_not_adjacent_and_one_output_unused():
+    """Keys whose channels are not adjacent (copied for the kernel), and a loss that uses the
+    rotated queries only (the keys' incoming gradient is zeros)."""
+    seq, batch, heads, dim = 8, 2, 4, 32
+    torch.manual_seed(1)
+    freqs = _freqs(seq, dim)
+    query = torch.randn(seq, batch, heads, dim, device=DEVICE)
+    key = torch.randn(seq, batch, dim, heads, device=DEVICE).transpose(2, 3)
+    assert key.stride(-1) != 1 and fused_rope_supported(query, key, freqs)
+    grad = torch.randn(seq, batch, heads, dim, device=DEVICE)
+    _, _, _, key_grad = _compare_with_float64(query, key, freqs, [grad, None], False)
+    assert torch.equal(key_grad, torch.zeros_like(key_grad))
+
+
+@pytest.mark.gpu
 def test_learned_angles_take_the_differentiable_ops():
-    freqs = RotaryEmbedding(32)(8).cuda().requires_grad_()
-    query, key = torch.randn(2, 8, 2, 4, 32, device="cuda")
+    freqs = RotaryEmbedding(32)(8).to(DEVICE).requires_grad_()
+    query, key = torch.randn(2, 8, 2, 4, 32, device=DEVICE)
     assert not fused_rope_supported(query, key, freqs)
     sum(t.sum() for t in rotate_query_and_key(query, key, freqs, fused=True)).backward()
     assert freqs.grad is not None and freqs.grad.abs().sum() > 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_model_with_rope_fusion_matches_unfused(interleaved):
-    configs = [
-        tiny_gpt_config(apply_rope_fusion=fusion, rotary_interleaved=interleaved)
-        for fusion in (False, True)
-    ]
-    assert_same_training_signal(configs, "cuda", position_embedding_type="rope")
+@pytest.mark.parametrize(
+    "overrides, rotary_percent",
+    [
+        (dict(), 1.0),
+        (dict(rotary_interleaved=True), 1.0),
+        # Grouped keys, normalised queries and keys, half the channels rotated.
+        (dict(num_query_groups=2, qk_layernorm=True), 0.5),
+    ],
+)
+def test_model_with_rope_fusion_matches_unfused(overrides, rotary_percent):
+    configs = [tiny_gpt_config(apply_rope_fusion=fusion, **overrides) for fusion in (False, True)]
+    assert_same_training_signal(
+        configs, DEVICE, position_embedding_type="rope", rotary_percent=rotary_percent
+    )
 
 
 @pytest.mark.gpu
 def test_model_with_rope_fusion_runs_the_kernel():
     model = build_tiny_gpt(tiny_gpt_config(apply_rope_fusion=True), position_embedding_type="rope")
-    tokens, labels = (t.cuda() for t in make_token_batches(1, 2)[0])
+    tokens, labels = (t.to(DEVICE) for t in make_token_batches(1, 2)[0])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        model.cuda()(tokens, labels=labels).sum().backward()
+        model.to(DEVICE)(tokens, labels=labels).sum().backward()
         torch.cuda.synchronize()
     launches = [event.name for event in profiler.events() if "_rotate_kernel" in event.name]
     # One per layer forward and one backward (2 layers).
     assert len(launches) == 4, launches
 
 
-def test_fused_falls_back_to_the_pytorch_ops_off_cuda():
+def test_shapes_the_kernel_does_not_cover():
+    query, key = torch.randn(2, 8, 2, 4, 32)
+    freqs = RotaryEmbedding(32)(8)
+    assert rope_shapes_fusable(query, key, freqs)
+    assert rope_shapes_fusable(query, key[:, :, :1], RotaryEmbedding(32, rotary_percent=0.5)(8))
+    refused = {
+        "keys of another length": (query, key[:4], freqs),
+        "angles per batch entry": (query, key, freqs.expand(8, 2, 1, 32)),
+        "more angles than channels": (query[..., :16], key[..., :16], freqs),
+        "an odd number of angles": (query, key, freqs[..., :31]),
+        "float64": (query.double(), key.double(), freqs),
+        "mixed dtypes": (query.half(), key, freqs),
+    }
+    for case, (q, k, f) in refused.items():
+        assert not rope_shapes_fusable(q, k, f), case
+
+
+def test_off_cuda_the_pytorch_ops_run():
     freqs = RotaryEmbedding(16)(8)
     query, key = torch.randn(2, 8, 2, 3, 16)
     assert not fused_rope_supported(query, key, freqs)
