@@ -128,11 +128,13 @@ def _rotate(
     sin = sin.reshape(seq, rot_dim).contiguous()
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    block_d = triton.next_power_of_2(dim)
+    # Plain integer arithmetic: triton.next_power_of_2 and triton.cdiv go through Triton's
+    # constexpr wrappers, several microseconds of host time per launch.
+    block_d = 1 << (dim - 1).bit_length()
     heads_per_program = max(1, _ELEMENTS_PER_PROGRAM // block_d)
-    block_n = min(triton.next_power_of_2(max(q_heads, k_heads)), heads_per_program)
-    q_blocks = triton.cdiv(q_heads, block_n)
-    grid = (seq * batch, q_blocks + triton.cdiv(k_heads, block_n))
+    block_n = min(1 << (max(q_heads, k_heads) - 1).bit_length(), heads_per_program)
+    q_blocks = (q_heads + block_n - 1) // block_n
+    grid = (seq * batch, q_blocks + (k_heads + block_n - 1) // block_n)
     _rotate_kernel[grid](
         query, key, q_out, k_out, cos, sin,
         query.stride(0), query.stride(1), query.stride(2),
