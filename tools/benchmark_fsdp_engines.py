@@ -31,6 +31,7 @@ from megatron.core.distributed.fsdp import (
     microbatch,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
 
 ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single")
 """The engines that run at every world size: `--engines`' default."""
@@ -113,22 +114,31 @@ class MainWeightsAdamW:
             torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
 
 
-def attach_local_main_grads(model: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+class LocalMainGrads:
     """Gives every parameter a `main_grad` view of one flat buffer that backward accumulates
-    into (as the DDP engine does, without communication); returns the buffer."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+    into (as the DDP engine does, without communication); with `fusion`, linear layers add
+    their weight gradients to it in their GEMMs (gradient-accumulation fusion)."""
 
-    def accumulate(param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, fusion: bool):
+        params = [p for p in model.parameters() if p.requires_grad]
+        device = params[0].device
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        offset = 0
+        for param in params:
+            param.main_grad = self.buffer[offset : offset + param.numel()].view_as(param)
+            param.register_post_accumulate_grad_hook(self._accumulate)
+            if fusion:
+                register_main_grad(param, self._main_grad_of)
+            offset += param.numel()
 
-    offset = 0
-    for param in params:
-        param.main_grad = buffer[offset : offset + param.numel()].view_as(param)
-        param.register_post_accumulate_grad_hook(accumulate)
-        offset += param.numel()
-    return buffer
+    @staticmethod
+    def _accumulate(param: torch.nn.Parameter) -> None:
+        if param.grad is not None:  # None: fused into main_grad already
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+    def _main_grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return param.main_grad
 
 
 def forward_backward(
@@ -263,13 +273,13 @@ def build_ddp(args: argparse.Namespace) -> StepFn:
 
 def build_single(args: argparse.Namespace) -> StepFn:
     """The `ddp` arrangement on one rank, gradients accumulated locally, no communication."""
-    _, model = build_gpt(args)
+    config, model = build_gpt(args)
     grad_dtype = torch.bfloat16 if args.grad_reduce_dtype == "bf16" else torch.float32
-    main_grads = attach_local_main_grads(model, grad_dtype)
+    main_grads = LocalMainGrads(model, grad_dtype, config.gradient_accumulation_fusion)
     optimizer = MainWeightsAdamW(model.parameters(), args)
 
     def step(batches: list[Batch]) -> torch.Tensor:
-        main_grads.zero_()
+        main_grads.buffer.zero_()
         loss = forward_backward(model, batches, lambda i: contextlib.nullcontext())
         optimizer.step()
         return loss
@@ -287,6 +297,8 @@ def build_engine(name: str, args: argparse.Namespace) -> StepFn:
 def precision_note(name: str, args: argparse.Namespace) -> str:
     """How `name` holds weights and gradients in this run (the table's footnote)."""
     note = _precision(name, args)
+    if name in ("ddp", "single") and args.gradient_accumulation_fusion:
+        note += " (weight gradients accumulated in the GEMMs)"
     return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
 
 

@@ -52,6 +52,13 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         help="rotate queries and keys with PyTorch's ops instead of the fused Triton kernel",
     )
     parser.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="one-GPU and DDP engines: add bf16 weight gradients to the fp32 main_grad after "
+        "backward instead of accumulating them there in the GEMM",
+    )
+    parser.add_argument(
         "--compile",
         choices=("none", "layers", "sublayers"),
         default="none",
@@ -117,6 +124,7 @@ def build_gpt(
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
         apply_rope_fusion=args.apply_rope_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         tensor_model_parallel_size=tp,
         sequence_parallel=args.sequence_parallel and tp > 1,
         **_moe_fields(args),

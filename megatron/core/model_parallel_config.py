@@ -45,6 +45,11 @@ class ModelParallelConfig:
         expert_tensor_parallel_size: Tensor parallel degree of the experts (ETP): the ranks
             that split each expert's weights; None means `tensor_model_parallel_size`, as in
             Megatron-core (set so by `__post_init__`).
+        gradient_accumulation_fusion: Linear layers add their weight gradients straight into
+            the `main_grad` a data-parallel engine keeps (fp32 under `grad_reduce_in_fp32`), in
+            the GEMM, instead of handing autograd a gradient in the parameters' dtype for the
+            engine to add (`megatron.core.tensor_parallel.grad_accumulation`). The DDP engine
+            honours it; Megatron-FSDP, which keeps no whole-model gradient buffer, ignores it.
     """
 
     tensor_model_parallel_size: int = 1
@@ -56,6 +61,7 @@ class ModelParallelConfig:
     bf16: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
+    gradient_accumulation_fusion: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -180,6 +180,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         qk_l2_norm=args.qk_l2_norm,
         rotary_interleaved=args.rotary_interleaved,
         apply_rope_fusion=args.apply_rope_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         attention_backend=args.attention_backend,

@@ -70,6 +70,7 @@ from megatron.core.distributed.tensor_parallel_params import (
     tensor_parallel_group,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
 from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
     named_tensor_parallel_layouts,
@@ -203,6 +204,8 @@ class DistributedDataParallel(_BaseDataParallel):
                 param.main_grad = main_grad
                 param.register_post_accumulate_grad_hook(accumulate_grad_hook)
                 _wrapping_engine[param] = engine
+                if config.gradient_accumulation_fusion:
+                    register_main_grad(param, self._main_grad_to_fuse_into)
 
     def _global_views(
         self,
@@ -263,12 +266,14 @@ class DistributedDataParallel(_BaseDataParallel):
         """Moves the fresh gradient into `main_grad`; launches the bucket once it is complete.
 
         Where `.grad` still is the view `finish_grad_sync()` handed out, autograd accumulated
-        into `main_grad` itself. Where it was handed out and then replaced (dropped by
-        `zero_grad()`, or a copy autograd accumulated into), it holds the whole gradient.
+        into `main_grad` itself; where it is None, gradient-accumulation fusion did. Where it
+        was handed out and then replaced (dropped by `zero_grad()`, or a copy autograd
+        accumulated into), it holds the whole gradient.
         """
         self._synced = False
         grad = param.grad
-        if grad is not param.main_grad:
+        # None: a linear layer added the whole gradient to `main_grad` itself (fusion).
+        if grad is not None and grad is not param.main_grad:
             if param in self._handed:
                 self._handed.discard(param)
                 param.main_grad.copy_(grad)
@@ -279,6 +284,15 @@ class DistributedDataParallel(_BaseDataParallel):
             bucket = self._bucket_of[param]
             if bucket.mark_ready(param):
                 bucket.start_reduce(async_op=True)
+
+    def _main_grad_to_fuse_into(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """`param`'s `main_grad`, for a linear layer about to add its weight gradient
+        (gradient-accumulation fusion, while `param.grad` is None); started afresh where the
+        `.grad` handed out was dropped, as `_accumulate_grad` does."""
+        if param in self._handed:
+            self._handed.discard(param)
+            param.main_grad.zero_()
+        return param.main_grad
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

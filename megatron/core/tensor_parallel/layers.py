@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.grad_accumulation import linear
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -284,7 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
         weight = self._resolve_weight(weight)
         bias = None if self.skip_bias_add else self.bias
         if self.is_expert and not self.sequence_parallel:
-            output = F.linear(input_, weight, bias)
+            output = linear(input_, weight, bias)
         else:
             output = column_parallel_linear(
                 input_, weight, bias, self.tp_group, self.sequence_parallel
@@ -382,9 +383,9 @@ class RowParallelLinear(_ParallelLinear):
         if self.tp_size == 1 or self.is_expert:
             # Nothing to sum: the bias can join the GEMM, as in a plain linear.
             if self.skip_bias_add:
-                return F.linear(input_, self.weight), bias
-            return F.linear(input_, self.weight, bias), None
-        output = F.linear(input_, self.weight)
+                return linear(input_, self.weight), bias
+            return linear(input_, self.weight, bias), None
+        output = linear(input_, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
             if bias is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.grad_accumulation import linear, weight_grad
 from megatron.core.tensor_parallel.mappings import gather_first_async, reduce_scatter_first_async
 
 
@@ -62,11 +63,10 @@ class _ColumnParallelLinear(torch.autograd.Function):
         if gathering is not None:
             gathering.wait()
         grad_weight = grad_bias = None
-        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+            grad_weight = weight_grad(grad_output, total, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.sum(dim=0)
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if reducing is not None:
             reducing.wait()
         return grad_input, grad_weight, grad_bias, None, None
@@ -93,5 +93,5 @@ def column_parallel_linear(
         [s, b, out/T] (the whole sequence).
     """
     if group is None or group.size() == 1:
-        return F.linear(input_, weight, bias)
+        return linear(input_, weight, bias)
     return _ColumnParallelLinear.apply(input_, weight, bias, group, sequence_parallel)

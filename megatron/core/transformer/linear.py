@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.grad_accumulation import linear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -70,8 +70,8 @@ class Linear(torch.nn.Module):
             `skip_bias_add`, else None.
         """
         if self.skip_bias_add:
-            return F.linear(x, self.weight), self.bias
-        return F.linear(x, self.weight, self.bias), None
+            return linear(x, self.weight), self.bias
+        return linear(x, self.weight, self.bias), None
 
     def extra_repr(self) -> str:
         return (

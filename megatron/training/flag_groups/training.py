@@ -15,7 +15,6 @@ FUSION_TOGGLES: tuple[tuple[str, str], ...] = (
     ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
     ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
     ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
-    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
 )
 """Upstream's kernel-fusion switches (flag, dest), all `store_false` (fusion on by default)."""
 
@@ -40,6 +39,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         dest="apply_rope_fusion",
         help="Rotate queries and keys with PyTorch's elementwise ops instead of the fused Triton "
         "kernel (used by default where Triton and CUDA are present).",
+    )
+    group.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="Under the DDP engine, compute linear layers' weight gradients in the parameters' "
+        "dtype and add them to main_grad afterwards, instead of accumulating them into main_grad "
+        "in the GEMM.",
     )
     group.add_argument(
         "--use-mcore-models",

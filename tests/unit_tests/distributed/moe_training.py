@@ -38,9 +38,9 @@ STEPS = 2
 
 @dataclass(frozen=True)
 class Engine:
-    """An engine and its settings: "ddp" (optionally with the distributed optimizer) or
-    "fsdp" with a sharding strategy (and R outer replicas: hybrid sharding, and the
-    gradient-accumulation options)."""
+    """An engine and its settings: "ddp" (optionally with the distributed optimizer and
+    gradient-accumulation fusion) or "fsdp" with a sharding strategy (and R outer replicas:
+    hybrid sharding, and the gradient-accumulation options)."""
 
     kind: str
     strategy: str = "no_shard"
@@ -49,6 +49,7 @@ class Engine:
     replicas: int = 1
     keep_unsharded_params: bool = False
     accumulate_unsharded_grads: bool = False
+    gradient_accumulation_fusion: bool = False
 
 
 @dataclass
@@ -94,7 +95,12 @@ def wrap(
     pg_collection: ProcessGroupCollection | None = None,
 ) -> torch.nn.Module:
     """`module` under `engine`, over `pg_collection` (default: parallel_state's groups)."""
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=1,
+        gradient_accumulation_fusion=engine.gradient_accumulation_fusion,
+    )
     pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     if engine.kind == "ddp":
         ddp_config = DistributedDataParallelConfig(

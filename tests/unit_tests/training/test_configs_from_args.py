@@ -151,6 +151,7 @@ TRANSFORMER_CONFIG_CASES = [
     ("--qk-l2-norm", "qk_l2_norm", True),
     ("--position-embedding-type rope --rotary-interleaved", "rotary_interleaved", True),
     ("--no-rope-fusion", "apply_rope_fusion", False),
+    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
     ("--apply-query-key-layer-scaling", "apply_query_key_layer_scaling", True),
     # Megatron-LM's flag defaults to off although the config field defaults to on.
     ("--attention-softmax-in-fp32", "attention_softmax_in_fp32", True),

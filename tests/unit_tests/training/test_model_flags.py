@@ -51,6 +51,7 @@ def test_upstream_defaults_and_dests():
         deprecated_use_mcore_models=False,
         make_vocab_size_divisible_by=128,
         apply_rope_fusion=True,
+        gradient_accumulation_fusion=True,
         **{dest: True for _, dest in FUSION_TOGGLES},
     )
     assert {name: getattr(args, name) for name in expected} == expected

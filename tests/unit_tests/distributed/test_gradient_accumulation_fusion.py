@@ -1,0 +1,186 @@
+"""Gradient-accumulation fusion under the DDP engine: the same gradients and torch `.grad`
+semantics as without it, off the training loop's happy path too."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.tensor_parallel.grad_accumulation import linear, register_main_grad
+from tests.unit_tests.distributed.test_distributed_data_parallel import (
+    _train_ddp,
+    _train_single_process,
+)
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import build_tiny_gpt, device_batch, tiny_gpt_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _wrapped(
+    fusion: bool, dtype: torch.dtype, tied: bool = True, **ddp_fields
+) -> DistributedDataParallel:
+    config = tiny_gpt_config(
+        gradient_accumulation_fusion=fusion,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+    )
+    model = build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **ddp_fields)
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def _backward(ddp: DistributedDataParallel, seed: int, penalty: bool = False) -> str:
+    """One backward; the name of the fc1 output's autograd node (which linear ran)."""
+    tokens, labels = device_batch(4, seed)
+    fc1 = ddp.module.decoder.layers[0].mlp.linear_fc1
+    nodes = []
+    handle = fc1.register_forward_hook(lambda m, i, out: nodes.append(type(out[0].grad_fn)))
+    loss = ddp(tokens, labels=labels).float().mean()
+    handle.remove()
+    if penalty:  # a second use of a fused weight in the same graph
+        loss = loss + fc1.weight.float().square().sum()
+    loss.backward()
+    return nodes[0].__name__
+
+
+def _scenario(fusion: bool, scenario: str, dtype: torch.dtype) -> tuple[dict, dict, set]:
+    """(main_grads, .grads, autograd nodes of fc1) after `scenario` (test docstring)."""
+    resumed = scenario in ("dropped", "kept")
+    ddp = _wrapped(
+        fusion,
+        dtype,
+        tied=scenario != "untied",
+        # Overlapped buckets refuse a second synchronised backward without zero_grad_buffer().
+        overlap_grad_reduce=not resumed,
+        bucket_size=2000,
+        use_distributed_optimizer=scenario == "distopt",
+    )
+    nodes = set()
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        nodes.add(_backward(ddp, seed=1))
+    nodes.add(_backward(ddp, seed=2, penalty=scenario == "penalty"))
+    ddp.finish_grad_sync()
+    if resumed:
+        # A torch optimizer steps, then the step's gradients are dropped (or kept), and a
+        # backward runs without `zero_grad_buffer()`.
+        optimizer = torch.optim.SGD(ddp.module.parameters(), lr=0.1)
+        optimizer.step()
+        if scenario == "dropped":
+            optimizer.zero_grad(set_to_none=True)
+        nodes.add(_backward(ddp, seed=3))
+        ddp.finish_grad_sync()
+    params = dict(ddp.module.named_parameters())
+    main_grads = {name: p.main_grad.clone() for name, p in params.items()}
+    grads = {name: p.grad.clone() for name, p in params.items() if p.grad is not None}
+    return main_grads, grads, nodes
+
+
+def _fused_and_plain(scenario: str, dtype: torch.dtype) -> tuple:
+    return _scenario(True, scenario, dtype), _scenario(False, scenario, dtype)
+
+
+@pytest.mark.parametrize("scenario", ["microbatches", "penalty", "distopt", "dropped", "kept"])
+def test_fused_gradients_equal_unfused_fp32(scenario):
+    """Two microbatches with tied embeddings (overlapped buckets); "penalty" adds a term on a
+    fused weight; "distopt" reduce-scatters for the distributed optimizer; "dropped" and "kept"
+    (not overlapped) run a further backward after a torch optimizer's step, with its `.grad`
+    dropped by `zero_grad()` (the next backward starts afresh) or kept (it accumulates)."""
+    for fused, plain in run_distributed(_fused_and_plain, 2, scenario, torch.float32):
+        (fused_main, fused_grads, fused_nodes), (plain_main, plain_grads, plain_nodes) = (
+            fused,
+            plain,
+        )
+        assert fused_nodes == {"_LinearIntoMainGradBackward"}
+        assert "_LinearIntoMainGradBackward" not in plain_nodes
+        assert fused_main.keys() == plain_main.keys() and fused_grads.keys() == plain_grads.keys()
+        for name in plain_main:
+            torch.testing.assert_close(fused_main[name], plain_main[name], msg=name)
+        for name in plain_grads:
+            torch.testing.assert_close(fused_grads[name], plain_grads[name], msg=name)
+        assert any(g.abs().sum() > 0 for g in fused_main.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU arithmetic (the CUDA test is below)")
+def test_fused_bf16_gradients_in_fp32_main_grads_on_cpu():
+    """bf16 weights, fp32 `main_grad`: on CPU the fused path forms the same bf16 products and
+    adds them in fp32, so the sums are bitwise equal (untied: autograd would sum a tied
+    weight's two bf16 gradients in bf16 first, where fusion adds them in fp32)."""
+    for fused, plain in run_distributed(_fused_and_plain, 2, "untied", torch.bfloat16):
+        fused_main, plain_main = fused[0], plain[0]
+        for name in plain_main:
+            assert torch.equal(fused_main[name], plain_main[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_weight_grad_accumulates_in_fp32(dtype):
+    """On CUDA the product is accumulated into the fp32 `main_grad` by the GEMM, unrounded: it
+    equals the fp32 product of the same (exactly representable) inputs added in fp32."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=dtype))
+    main_grad = torch.randn(96, 64, device="cuda")
+    expected = main_grad.clone()
+    owner = _MainGrads({weight: main_grad})
+    register_main_grad(weight, owner.of)
+    x = torch.randn(4, 33, 64, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(4, 33, 96, device="cuda", dtype=dtype)
+    linear(x, weight).backward(g)
+    expected += g.reshape(-1, 96).float().t() @ x.detach().reshape(-1, 64).float()
+    assert weight.grad is None
+    torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(x.grad, (g @ weight.detach()).to(dtype))
+
+
+class _MainGrads:
+    def __init__(self, main_grads: dict):
+        self.main_grads = main_grads
+
+    def of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return self.main_grads[param]
+
+
+def _after_engine_deleted() -> tuple[bool, bool]:
+    """A deleted engine's weights train as plain parameters: `.grad` set by autograd."""
+    ddp = _wrapped(True, torch.float32)
+    model = ddp.module
+    del ddp
+    gc.collect()
+    tokens, labels = device_batch(4, 1)
+    weight = model.decoder.layers[0].mlp.linear_fc1.weight
+    stale = weight.main_grad.clone()
+    model(tokens, labels=labels).mean().backward()
+    return weight.grad is not None and weight.grad.abs().sum().item() > 0, torch.equal(
+        weight.main_grad, stale
+    )
+
+
+def test_deleted_engine_leaves_plain_gradients():
+    assert run_distributed(_after_engine_deleted, 2) == [(True, True), (True, True)]
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs, num_microbatches",
+    [
+        pytest.param({"overlap_grad_reduce": True, "bucket_size": 2000}, 3, id="overlap-3mb"),
+        pytest.param({"average_in_collective": True}, 2, id="average-in-collective-2mb"),
+    ],
+)
+def test_training_with_fusion_matches_single_process(ddp_kwargs, num_microbatches):
+    """Three AdamW steps on two ranks, fused, equal one process training the whole batch."""
+    model_kwargs = {
+        "config": tiny_gpt_config(gradient_accumulation_fusion=True),
+        "share_embeddings_and_output_weights": True,
+    }
+    results = run_distributed(_train_ddp, 2, ddp_kwargs, num_microbatches, model_kwargs)
+    expected = _train_single_process(model_kwargs)
+    initial = build_tiny_gpt(**model_kwargs).state_dict()
+    assert any(not torch.equal(initial[n], expected[n]) for n in expected), "training did nothing"
+    for rank_state in results:
+        for name in expected:
+            torch.testing.assert_close(rank_state[name], expected[name], msg=name)
