@@ -97,7 +97,8 @@ class DistributedDataParallel(_BaseDataParallel):
     """Wraps `module` for data-parallel training with a contiguous, bucketed gradient buffer.
 
     Args:
-        config: the model's transformer config.
+        config: the model's transformer config (its `gradient_accumulation_fusion` is read);
+            None for a model without one.
         ddp_config: data-parallel switches (`use_megatron_fsdp` must be False).
         module: the model; every rank must hold identical weights (same seed, or call
             `broadcast_params()`).
@@ -123,7 +124,7 @@ class DistributedDataParallel(_BaseDataParallel):
 
     def __init__(
         self,
-        config: TransformerConfig,
+        config: TransformerConfig | None,
         ddp_config: DistributedDataParallelConfig,
         module: torch.nn.Module,
         disable_bucketing: bool = False,
@@ -198,13 +199,15 @@ class DistributedDataParallel(_BaseDataParallel):
             if ddp is not None:
                 ddp._accumulate_grad(param)
 
+        # A model without a TransformerConfig (config None) has no fusion switch: unfused.
+        fuse = config is not None and config.gradient_accumulation_fusion
         for buffer in self.buffers:
             for param, main_grad in buffer.main_grads.items():
                 # Megatron's optimizers and grad-norm code read `param.main_grad`.
                 param.main_grad = main_grad
                 param.register_post_accumulate_grad_hook(accumulate_grad_hook)
                 _wrapping_engine[param] = engine
-                if config.gradient_accumulation_fusion:
+                if fuse:
                     register_main_grad(param, self._main_grad_to_fuse_into)
 
     def _global_views(
@@ -286,9 +289,11 @@ class DistributedDataParallel(_BaseDataParallel):
                 bucket.start_reduce(async_op=True)
 
     def _main_grad_to_fuse_into(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """`param`'s `main_grad`, for a linear layer about to add its weight gradient
-        (gradient-accumulation fusion, while `param.grad` is None); started afresh where the
-        `.grad` handed out was dropped, as `_accumulate_grad` does."""
+        """`param`'s `main_grad`, for a linear layer about to add its weight gradient.
+
+        Gradient-accumulation fusion asks while `param.grad` is None; where that is a `.grad`
+        handed out and dropped since, `main_grad` starts afresh, as in `_accumulate_grad`.
+        """
         if param in self._handed:
             self._handed.discard(param)
             param.main_grad.zero_()

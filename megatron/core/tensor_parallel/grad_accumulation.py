@@ -1,6 +1,6 @@
 """Gradient-accumulation fusion: a linear layer's weight gradient added by its GEMM straight into
-the `main_grad` a data-parallel engine keeps for the weight (Megatron-LM's
-`--gradient-accumulation-fusion`).
+the `main_grad` a data-parallel engine keeps for the weight (Megatron-LM's gradient-accumulation
+fusion, which `--no-gradient-accumulation-fusion` turns off).
 
 Without it, backward computes each weight gradient in the parameters' dtype (bf16) and the engine
 then adds it into its fp32 `main_grad`: a rounding to bf16, a gradient-sized allocation, and an
@@ -14,13 +14,17 @@ through `linear()` and `weight_grad()`, which fuse only while:
 
 - the engine is alive: a deleted engine's parameters train as plain parameters again;
 - the weight's `.grad` is None when its gradient is computed: a `.grad` kept from an earlier
-  backward is accumulated into by autograd, as torch does, so the gradient is not split in two.
+  backward is accumulated into by autograd, as torch does, so the gradient is not split in two;
+- the backward accumulates into the weight: `torch.autograd.grad(..., inputs)` with the weight
+  among the inputs gets its gradient returned, one without it (or `backward(inputs=...)` without
+  it) gets no weight gradient computed, and `main_grad` is left alone in both.
 
 Autograd still runs the weight's `AccumulateGrad`, with no gradient from the fused layer, and the
 parameter's post-accumulate-grad hooks fire as usual: the engine learns there that the gradient is
 complete. Other uses of the weight in the same graph (a tied output layer's embedding lookup, a
 penalty on the weight) reach `.grad` as usual and the engine adds them, so the sum is whole.
-Tensor hooks on the weight (`register_hook`) see only those other contributions.
+Tensor hooks on the weight (`register_hook`) see only those other contributions (or None). A
+fused layer is differentiable once: `create_graph=True` through it raises.
 
 On CUDA the fp32 accumulation is one `addmm` with an fp32 output; elsewhere the product is
 formed in the inputs' dtype and added (the unfused arithmetic, in one place).
@@ -43,8 +47,10 @@ _targets: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def register_main_grad(
     param: torch.nn.Parameter, main_grad_of: Callable[[torch.nn.Parameter], torch.Tensor]
 ) -> None:
-    """Sends the weight gradients of `param` (where a linear layer computes them) into the
-    tensor `main_grad_of(param)` returns, while the object `main_grad_of` is bound to lives.
+    """Sends `param`'s weight gradients into `main_grad_of(param)` while its engine lives.
+
+    Where a linear layer (`linear`, `weight_grad`) computes them; the engine is the object
+    `main_grad_of` is bound to.
 
     Args:
         param: a trainable parameter.
@@ -68,43 +74,88 @@ def _target(weight: torch.Tensor) -> Callable[[torch.nn.Parameter], torch.Tensor
 def linear(
     input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear(input_, weight, bias)`; the weight gradient fused into its registered
-    `main_grad` (module docstring) where there is one, outside `torch.compile` (which traces
-    `F.linear`, its gradient added by the engine)."""
+    """`F.linear(input_, weight, bias)`, its weight gradient fused into the weight's registered
+    `main_grad` (module docstring) where there is one.
+
+    `F.linear` itself runs under `torch.compile` (which traces it; the engine adds its
+    gradient), `torch.autocast` (which casts its operands) and `torch.func` transforms.
+
+    Args:
+        input_: [..., in].
+        weight: [out, in].
+        bias: [out], or None.
+
+    Returns:
+        [..., out].
+    """
     if (
         weight.requires_grad
         and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
         and _target(weight) is not None
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(input_.device.type)
+        and not torch._C._are_functorch_transforms_active()
     ):
         return _LinearIntoMainGrad.apply(input_, weight, bias)
     return F.linear(input_, weight, bias)
 
 
 def weight_grad(
-    grad_output: torch.Tensor, input_: torch.Tensor, weight: torch.Tensor
+    grad_output: torch.Tensor,
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    weight_node: torch.autograd.graph.Node,
 ) -> torch.Tensor | None:
     """The gradient of `weight` in `input_ @ weight.T = output`, or None where it went into the
-    weight's registered `main_grad` instead.
+    weight's registered `main_grad` instead, or where this backward does not want it.
+
+    Returning None where it was fused is safe for the engine: autograd still runs the weight's
+    `AccumulateGrad` (and its post-accumulate hook, which may launch a reduction of
+    `main_grad`) after this node, on this device's stream (torch >= 2.6 queues a node by its
+    device even when every gradient it receives is None).
 
     Args:
         grad_output: [..., out].
         input_: [..., in], the same leading shape.
-        weight: [out, in].
+        weight: [out, in], the parameter itself (not a tensor a checkpoint saved for it).
+        weight_node: the autograd node the weight's gradient flows to (the backward's
+            `ctx.next_functions[i][0]`): fusion only where the engine will run it, i.e. where
+            this backward accumulates into the weight (`.backward()`); `torch.autograd.grad`
+            asking for the weight gets its gradient returned, as torch does.
+
+    Returns:
+        [out, in] in the inputs' dtype, or None.
     """
-    grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-    input_2d = input_.reshape(-1, input_.shape[-1])
     main_grad_of = _target(weight)
-    if main_grad_of is None or weight.grad is not None:
-        return grad_2d.t().matmul(input_2d)
-    main_grad = main_grad_of(weight)
+    if main_grad_of is not None and weight.grad is None:
+        # `needs_input_grad` was fixed at forward time; whether this backward reaches the
+        # weight is the engine's to say. It raises for a leaf that `torch.autograd.grad`
+        # captures (its gradient is returned, never accumulated), so that case computes it.
+        try:
+            accumulates = torch._C._will_engine_execute_node(weight_node)
+        except RuntimeError:
+            accumulates = None
+        if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
+            return None
+        if accumulates:
+            _accumulate(main_grad_of(weight), grad_output, input_)
+            return None
+    return _flat(grad_output).t().matmul(_flat(input_))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
+    """`main_grad += grad_output^T @ input_` (flattened), in `main_grad`'s dtype."""
+    grad_2d, input_2d = _flat(grad_output), _flat(input_)
     if main_grad.dtype == grad_2d.dtype:
         main_grad.addmm_(grad_2d.t(), input_2d)
     elif main_grad.is_cuda:
         torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     else:
         main_grad.add_(grad_2d.t().matmul(input_2d))
-    return None
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
@@ -115,6 +166,8 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         ctx, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         ctx.save_for_backward(input_, weight)
+        # The parameter itself: a checkpoint's recomputation saves another tensor object.
+        ctx.weight = weight
         ctx.has_bias = bias is not None
         return F.linear(input_, weight, bias)
 
@@ -126,7 +179,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_input = grad_output.matmul(weight)
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(grad_output, input_, weight)
+            grad_weight = weight_grad(grad_output, input_, ctx.weight, ctx.next_functions[1][0])
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+            grad_bias = _flat(grad_output).sum(dim=0)
         return grad_input, grad_weight, grad_bias

@@ -34,6 +34,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
         sequence_parallel: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(input_, weight)
+        # The parameter itself, for gradient-accumulation fusion (a checkpoint's recomputation
+        # saves another tensor object).
+        ctx.weight = weight
         ctx.has_bias = bias is not None
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         total = input_
@@ -64,7 +67,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             gathering.wait()
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(grad_output, total, weight)
+            grad_weight = weight_grad(grad_output, total, ctx.weight, ctx.next_functions[1][0])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if reducing is not None:

@@ -157,6 +157,7 @@ ZERO3 = Engine("fsdp", "optim_grads_params")
         (True, ZERO3, 2, None, TP),
         (True, ZERO3, 1, None, TP),
         (True, Engine("ddp"), 2, None, TP),
+        (True, Engine("ddp", gradient_accumulation_fusion=True), 2, None, TP),
         # Experts split over expt_tp (the tp ranks here) and ep: mesh (expt_tp, ep, expt_dp).
         (True, ZERO3, 2, 2, TP),
         (True, Engine("ddp", distributed_optimizer=True), 2, 2, TP),
@@ -175,6 +176,7 @@ ZERO3 = Engine("fsdp", "optim_grads_params")
         "moe_ep2_zero3",
         "moe_ep1_zero3",
         "moe_ep2_ddp",
+        "moe_ep2_ddp_gradient_accumulation_fusion",
         "moe_etp2_ep2_zero3",
         "moe_etp2_ep2_ddp_distopt",
         "moe_etp2_ep1_optim_grads",

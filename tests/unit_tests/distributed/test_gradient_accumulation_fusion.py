@@ -21,39 +21,48 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def _wrapped(
-    fusion: bool, dtype: torch.dtype, tied: bool = True, **ddp_fields
+    fusion: bool, dtype: torch.dtype, scenario: str, **ddp_fields
 ) -> DistributedDataParallel:
+    recompute = {}
+    if scenario == "recompute":
+        recompute = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     config = tiny_gpt_config(
         gradient_accumulation_fusion=fusion,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        **recompute,
     )
-    model = build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+    model = build_tiny_gpt(config, share_embeddings_and_output_weights=scenario != "untied")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **ddp_fields)
     return DistributedDataParallel(config, ddp_config, model)
 
 
-def _backward(ddp: DistributedDataParallel, seed: int, penalty: bool = False) -> str:
-    """One backward; the name of the fc1 output's autograd node (which linear ran)."""
+def _backward(ddp: DistributedDataParallel, seed: int, penalty: bool = False) -> tuple[str, bool]:
+    """One backward; the name of the fc1 output's autograd node (which linear ran) and whether
+    autograd produced a gradient for fc1's weight (a hook on it fired)."""
     tokens, labels = device_batch(4, seed)
     fc1 = ddp.module.decoder.layers[0].mlp.linear_fc1
-    nodes = []
-    handle = fc1.register_forward_hook(lambda m, i, out: nodes.append(type(out[0].grad_fn)))
+    nodes, grads = [], []
+    forward = fc1.register_forward_hook(lambda m, i, out: nodes.append(type(out[0].grad_fn)))
+    hook = fc1.weight.register_hook(lambda grad: grads.append(grad is not None))
     loss = ddp(tokens, labels=labels).float().mean()
-    handle.remove()
+    forward.remove()
     if penalty:  # a second use of a fused weight in the same graph
         loss = loss + fc1.weight.float().square().sum()
     loss.backward()
-    return nodes[0].__name__
+    hook.remove()
+    return nodes[0].__name__, any(grads)
 
 
 def _scenario(fusion: bool, scenario: str, dtype: torch.dtype) -> tuple[dict, dict, set]:
-    """(main_grads, .grads, autograd nodes of fc1) after `scenario` (test docstring)."""
+    """(main_grads, .grads, what `_backward` saw) after `scenario` (test docstring)."""
     resumed = scenario in ("dropped", "kept")
     ddp = _wrapped(
         fusion,
         dtype,
-        tied=scenario != "untied",
+        scenario,
         # Overlapped buckets refuse a second synchronised backward without zero_grad_buffer().
         overlap_grad_reduce=not resumed,
         bucket_size=2000,
@@ -84,19 +93,30 @@ def _fused_and_plain(scenario: str, dtype: torch.dtype) -> tuple:
     return _scenario(True, scenario, dtype), _scenario(False, scenario, dtype)
 
 
-@pytest.mark.parametrize("scenario", ["microbatches", "penalty", "distopt", "dropped", "kept"])
+FUSED = "_LinearIntoMainGradBackward"
+# What the fused model's backward passes show for fc1 (its weight untied): its weight gets no
+# gradient from autograd, but for a penalty term, or where a kept `.grad` turns fusion off.
+FUSED_BACKWARDS = {
+    "microbatches": {(FUSED, False)},
+    "recompute": {(FUSED, False)},
+    "penalty": {(FUSED, False), (FUSED, True)},
+    "distopt": {(FUSED, False)},
+    "dropped": {(FUSED, False)},
+    "kept": {(FUSED, False), (FUSED, True)},
+}
+
+
+@pytest.mark.parametrize("scenario", list(FUSED_BACKWARDS))
 def test_fused_gradients_equal_unfused_fp32(scenario):
-    """Two microbatches with tied embeddings (overlapped buckets); "penalty" adds a term on a
-    fused weight; "distopt" reduce-scatters for the distributed optimizer; "dropped" and "kept"
-    (not overlapped) run a further backward after a torch optimizer's step, with its `.grad`
-    dropped by `zero_grad()` (the next backward starts afresh) or kept (it accumulates)."""
+    """Two microbatches with tied embeddings (overlapped buckets); "recompute" checkpoints every
+    layer; "penalty" adds a term on a fused weight; "distopt" reduce-scatters for the
+    distributed optimizer; "dropped" and "kept" (not overlapped) run a further backward after a
+    torch optimizer's step, with its `.grad` dropped by `zero_grad()` (the next backward starts
+    afresh) or kept (it accumulates)."""
     for fused, plain in run_distributed(_fused_and_plain, 2, scenario, torch.float32):
-        (fused_main, fused_grads, fused_nodes), (plain_main, plain_grads, plain_nodes) = (
-            fused,
-            plain,
-        )
-        assert fused_nodes == {"_LinearIntoMainGradBackward"}
-        assert "_LinearIntoMainGradBackward" not in plain_nodes
+        (fused_main, fused_grads, fused_seen), (plain_main, plain_grads, plain_seen) = fused, plain
+        assert fused_seen == FUSED_BACKWARDS[scenario]
+        assert all(name != FUSED and autograd_grad for name, autograd_grad in plain_seen)
         assert fused_main.keys() == plain_main.keys() and fused_grads.keys() == plain_grads.keys()
         for name in plain_main:
             torch.testing.assert_close(fused_main[name], plain_main[name], msg=name)
@@ -137,6 +157,61 @@ def test_cuda_weight_grad_accumulates_in_fp32(dtype):
     torch.testing.assert_close(x.grad, (g @ weight.detach()).to(dtype))
 
 
+def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
+    main_grad = torch.zeros(6, 5, dtype=torch.float64)
+    owner = _MainGrads({weight: main_grad})
+    register_main_grad(weight, owner.of)
+    return weight, main_grad, owner
+
+
+def test_autograd_grad_and_backward_inputs_leave_main_grad_alone():
+    """Only a backward that accumulates into the weight fuses: `torch.autograd.grad` returns
+    the weight's gradient when asked for it, and neither it nor `backward(inputs=...)` without
+    the weight writes `main_grad`; recomputation (non-reentrant checkpoint) fuses once."""
+    weight, main_grad, owner = _registered_linear()
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+
+    def loss_of(x):
+        return linear(x, weight).square().sum()
+
+    expected_w, expected_x = torch.autograd.grad(x.matmul(weight.t()).square().sum(), (weight, x))
+    (grad_x,) = torch.autograd.grad(loss_of(x), x)
+    grad_w, grad_x2 = torch.autograd.grad(loss_of(x), (weight, x))
+    loss_of(x).backward(inputs=[x])
+    assert torch.count_nonzero(main_grad) == 0 and weight.grad is None
+    torch.testing.assert_close(grad_w, expected_w)
+    for grad in (grad_x, grad_x2, x.grad):
+        torch.testing.assert_close(grad, expected_x)
+    torch.utils.checkpoint.checkpoint(loss_of, x, use_reentrant=False).backward()
+    loss_of(x).backward()
+    assert weight.grad is None
+    torch.testing.assert_close(main_grad, 2 * expected_w)
+    del owner
+
+
+def test_autocast_and_torch_func_use_plain_linear():
+    """Under `torch.autocast` (bf16 operands for an fp32 weight) and `torch.func.grad`, the
+    registered weight trains through `F.linear`: gradients as without registration, and
+    `main_grad` untouched."""
+    weight, main_grad, owner = _registered_linear()
+    weight.data = weight.data.float()
+    main_grad = owner.main_grads[weight] = main_grad.float()
+    x = torch.randn(3, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        linear(x, weight).float().square().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (expected,) = torch.autograd.grad(
+            torch.nn.functional.linear(x, weight).float().square().sum(), weight
+        )
+    torch.testing.assert_close(weight.grad, expected)
+    weight.grad = None
+    grad_x = torch.func.grad(lambda x: linear(x, weight).square().sum())(x)
+    torch.testing.assert_close(grad_x, 2 * (x @ weight.detach().t()) @ weight.detach())
+    assert torch.count_nonzero(main_grad) == 0
+
+
 class _MainGrads:
     def __init__(self, main_grads: dict):
         self.main_grads = main_grads
@@ -147,7 +222,7 @@ class _MainGrads:
 
 def _after_engine_deleted() -> tuple[bool, bool]:
     """A deleted engine's weights train as plain parameters: `.grad` set by autograd."""
-    ddp = _wrapped(True, torch.float32)
+    ddp = _wrapped(True, torch.float32, "microbatches")
     model = ddp.module
     del ddp
     gc.collect()
