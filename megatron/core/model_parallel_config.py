@@ -49,7 +49,8 @@ class ModelParallelConfig:
             the `main_grad` a data-parallel engine keeps (fp32 under `grad_reduce_in_fp32`), in
             the GEMM, instead of handing autograd a gradient in the parameters' dtype for the
             engine to add (`megatron.core.tensor_parallel.grad_accumulation`). The DDP engine
-            honours it; Megatron-FSDP, which keeps no whole-model gradient buffer, ignores it.
+            honours it, and Megatron-FSDP where it sums whole gradients across microbatches
+            (`megatron_fsdp_accumulate_unsharded_grads`).
     """
 
     tensor_model_parallel_size: int = 1

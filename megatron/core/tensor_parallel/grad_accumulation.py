@@ -8,9 +8,10 @@ elementwise kernel reading both and writing the sum. With it, the weight-gradien
 into `main_grad` in its epilogue (`main_grad += dY^T X`, in fp32), and the layer hands autograd no
 gradient for the weight.
 
-An engine opts a parameter in with `register_main_grad(param, engine_method)` (the DDP engine does
-so when the model's config sets `gradient_accumulation_fusion`). The parallel linears route
-through `linear()` and `weight_grad()`, which fuse only while:
+An engine opts a parameter in with `register_main_grad(param, engine_method)` when the model's
+config sets `gradient_accumulation_fusion`: the DDP engine for its `main_grad`s, Megatron-FSDP for
+the whole gradient sums `accumulate_unsharded_grads` keeps across a step's microbatches. The
+parallel linears route through `linear()` and `weight_grad()`, which fuse only while:
 
 - the engine is alive: a deleted engine's parameters train as plain parameters again;
 - the weight's `.grad` is None when its gradient is computed: a `.grad` kept from an earlier
@@ -45,7 +46,7 @@ _targets: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_main_grad(
-    param: torch.nn.Parameter, main_grad_of: Callable[[torch.nn.Parameter], torch.Tensor]
+    param: torch.nn.Parameter, main_grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None]
 ) -> None:
     """Sends `param`'s weight gradients into `main_grad_of(param)` while its engine lives.
 
@@ -56,7 +57,8 @@ def register_main_grad(
         param: a trainable parameter.
         main_grad_of: a bound method (held weakly), called before each fused accumulation; it
             returns a tensor of `param`'s shape, in fp32 or `param`'s dtype, on its device
-            (and may first reset it, e.g. where `zero_grad()` dropped a `.grad` it handed out).
+            (and may first reset it, e.g. where `zero_grad()` dropped a `.grad` it handed out),
+            or None where there is none to add to now (autograd gets the gradient).
     """
     _targets[param] = weakref.WeakMethod(main_grad_of)
 
@@ -66,7 +68,9 @@ def unregister_main_grad(param: torch.nn.Parameter) -> None:
     _targets.pop(param, None)
 
 
-def _target(weight: torch.Tensor) -> Callable[[torch.nn.Parameter], torch.Tensor] | None:
+def _target(
+    weight: torch.Tensor,
+) -> Callable[[torch.nn.Parameter], torch.Tensor | None] | None:
     ref = _targets.get(weight)
     return None if ref is None else ref()
 
@@ -137,8 +141,9 @@ def weight_grad(
             accumulates = None
         if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
             return None
-        if accumulates:
-            _accumulate(main_grad_of(weight), grad_output, input_)
+        main_grad = main_grad_of(weight) if accumulates else None
+        if main_grad is not None:
+            _accumulate(main_grad, grad_output, input_)
             return None
     return _flat(grad_output).t().matmul(_flat(input_))
 

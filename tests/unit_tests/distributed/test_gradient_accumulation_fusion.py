@@ -3,10 +3,12 @@ semantics as without it, off the training loop's happy path too."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.tensor_parallel.grad_accumulation import linear, register_main_grad
@@ -155,6 +157,62 @@ def test_cuda_weight_grad_accumulates_in_fp32(dtype):
     assert weight.grad is None
     torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(x.grad, (g @ weight.detach()).to(dtype))
+
+
+def _fsdp_microbatches(fusion: bool, strategy: str, keep: bool) -> tuple[dict, list]:
+    """Megatron-FSDP with `accumulate_unsharded_grads`, three microbatches: the global
+    gradients the optimizer sees, and per backward whether autograd produced a gradient for
+    fc1's (whole) weight."""
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+
+    config = tiny_gpt_config(gradient_accumulation_fusion=fusion)
+    model = build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        grad_reduce_in_fp32=True,
+        megatron_fsdp_accumulate_unsharded_grads=True,
+        megatron_fsdp_keep_unsharded_params=keep,
+    )
+    fsdp = FullyShardedDataParallel(config, ddp_config, model)
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    autograd_grads = []
+
+    def watch(module, args, output) -> None:  # the whole weight exists only inside the pass
+        seen = []
+        autograd_grads.append(seen)
+        module.weight.register_hook(lambda grad: seen.append(grad is not None))
+
+    fc1.register_forward_hook(watch)
+    fsdp.zero_grad_buffer()
+    for i in range(3):
+        tokens, labels = device_batch(4, i)
+        with fsdp.no_sync() if i < 2 else contextlib.nullcontext():
+            fsdp(tokens, labels=labels).float().mean().backward()
+    fsdp.finish_grad_sync()
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+        for name, p in model.named_parameters()
+    }
+    return grads, [any(seen) for seen in autograd_grads]
+
+
+@pytest.mark.parametrize(
+    "strategy, keep",
+    [("optim_grads_params", False), ("optim_grads_params", True), ("optim_grads", False)],
+)
+def test_fsdp_fuses_into_the_deferred_sums(strategy, keep):
+    """From the second microbatch on, the whole sums exist and fc1's weight gets no gradient
+    from autograd; the gradients equal the unfused run's."""
+    for fused, plain in zip(
+        run_distributed(_fsdp_microbatches, 2, True, strategy, keep),
+        run_distributed(_fsdp_microbatches, 2, False, strategy, keep),
+    ):
+        assert fused[1] == [True, False, False] and plain[1] == [True, True, True]
+        assert fused[0].keys() == plain[0].keys()
+        for name in plain[0]:
+            torch.testing.assert_close(fused[0][name], plain[0][name], msg=name)
+        assert any(g.abs().sum() > 0 for g in fused[0].values())
 
 
 def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:

@@ -31,7 +31,8 @@ With `OverlapPolicy.accumulate_unsharded_grads`, the sharded gradients of the mi
 before a step's last wait outside this machine, summed whole in `main_grads_dtype` (the
 *deferred* sums, freed by the reduce-scatter that consumes them or by `zero_grad`); the last
 microbatch's reduction adds its gradients and reduce-scatters the sum once, a reduction like
-any other above.
+any other above. With gradient-accumulation fusion (`fuse_into_deferred_sums`), linear layers
+add their weight gradients into the sums themselves once they exist, leaving `.grad` None.
 
 An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
 reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
@@ -58,6 +59,7 @@ from megatron.core.distributed.fsdp.overlap import CommStreams
 from megatron.core.distributed.fsdp.plan import GroupPlan
 from megatron.core.distributed.fsdp.symmetric_memory import REDUCE_SCATTER
 from megatron.core.distributed.fsdp.weights import GroupWeights
+from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
 
 
 class GradState(enum.Enum):
@@ -162,15 +164,33 @@ class GroupGrads:
         """
         grads = []
         for param in self.weights.unsharded_params:
-            grad = param.grad
-            grads.append(grad if grad is not None else torch.zeros_like(param))
+            grads.append(param.grad)
             param.grad = None
         if self.plan.shards_grads and (defer or self._deferred is not None):
             self._deferred = self._summed_with_deferred(grads)
             if defer:
                 return None
             grads, self._deferred = self._deferred, None
+        grads = [
+            g if g is not None else torch.zeros_like(p)
+            for g, p in zip(grads, self.weights.unsharded_params)
+        ]
         return self._reduce_grads(grads, streams)
+
+    def fuse_into_deferred_sums(self) -> None:
+        """Lets linear layers add their weight gradients straight into the whole sums of
+        `reduce(defer=True)` while a step has them (gradient-accumulation fusion, from the
+        second microbatch on), instead of handing autograd a gradient to add."""
+        for param in self.weights.unsharded_params:
+            if param.requires_grad:
+                register_main_grad(param, self._deferred_sum_of)
+
+    def _deferred_sum_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        if self._deferred is None:
+            return None
+        # By identity (`list.index` would compare tensors elementwise).
+        index = next(i for i, p in enumerate(self.weights.unsharded_params) if p is param)
+        return self._deferred[index]
 
     def reduce_deferred(self) -> None:
         """Reduce-scatters the whole sums `reduce(defer=True)` left, if any, on the current
@@ -179,13 +199,23 @@ class GroupGrads:
             grads, self._deferred = self._deferred, None
             self._reduce_grads(grads, None)
 
-    def _summed_with_deferred(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`grads` added to the deferred sums, or, for the step's first, as the sums: in the
-        main-grads dtype, autograd's own tensors where they already have it (no copy)."""
+    def _summed_with_deferred(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """`grads` (None: none, or fused into the sum already) added to the deferred sums, or,
+        for the step's first, as the sums: in the main-grads dtype, autograd's own tensors
+        where they already have it (no copy)."""
         if self._deferred is None:
             dtype = self.plan.precision.main_grads
-            return [grad if grad.dtype == dtype else grad.to(dtype) for grad in grads]
-        torch._foreach_add_(self._deferred, grads)
+            return [
+                torch.zeros_like(param, dtype=dtype)
+                if grad is None
+                else grad
+                if grad.dtype == dtype
+                else grad.to(dtype)
+                for grad, param in zip(grads, self.weights.unsharded_params)
+            ]
+        added = [(s, g) for s, g in zip(self._deferred, grads) if g is not None]
+        if added:
+            torch._foreach_add_([s for s, _ in added], [g for _, g in added])
         return self._deferred
 
     def _reduce_grads(

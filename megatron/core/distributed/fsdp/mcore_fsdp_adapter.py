@@ -38,7 +38,9 @@ class FullyShardedDataParallel(_BaseDataParallel):
     """Wraps `module` with Megatron-FSDP.
 
     Args:
-        config: the model's transformer config.
+        config: the model's transformer config (with `gradient_accumulation_fusion` and
+            `megatron_fsdp_accumulate_unsharded_grads`, linear layers add their weight
+            gradients into the whole sums from a step's second microbatch on).
         ddp_config: data-parallel switches; `use_megatron_fsdp` must be True.
         module: the model (may live on the `meta` device: it is materialised shard by shard).
         fsdp_unit_modules: module classes that each become a unit; everything else belongs to
@@ -108,6 +110,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 overlap_policy=overlap_policy,
             )
         self._groups = parameter_groups(module)
+        if config.gradient_accumulation_fusion and overlap_policy.accumulate_unsharded_grads:
+            for group in self._groups:
+                if group.grads is not None:
+                    group.grads.fuse_into_deferred_sums()
         # The root's context now (which materialises meta-device weights), kept for the
         # per-step calls below.
         self._contexts = fsdp_contexts(module)
