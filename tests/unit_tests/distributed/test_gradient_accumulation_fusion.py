@@ -159,10 +159,18 @@ def test_cuda_weight_grad_accumulates_in_fp32(dtype):
     torch.testing.assert_close(x.grad, (g @ weight.detach()).to(dtype))
 
 
-def _fsdp_microbatches(fusion: bool, strategy: str, keep: bool) -> tuple[dict, list]:
+def _fsdp_microbatches(
+    fusion: bool,
+    strategy: str,
+    keep: bool,
+    main_grads_dtype: torch.dtype | None = None,
+    fail_at: int | None = None,
+) -> tuple[dict, list] | str:
     """Megatron-FSDP with `accumulate_unsharded_grads`, three microbatches: the global
     gradients the optimizer sees, and per backward whether autograd produced a gradient for
-    fc1's (whole) weight."""
+    fc1's (whole) weight. With `fail_at`, that microbatch's backward raises in the second
+    layer (after the last layer's linears ran) and is run again; returns the error the retry
+    raised, if any."""
     from megatron.core.distributed.fsdp import FullyShardedDataParallel
 
     config = tiny_gpt_config(gradient_accumulation_fusion=fusion)
@@ -170,7 +178,8 @@ def _fsdp_microbatches(fusion: bool, strategy: str, keep: bool) -> tuple[dict, l
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=main_grads_dtype is None,
+        megatron_fsdp_main_grads_dtype=main_grads_dtype,
         megatron_fsdp_accumulate_unsharded_grads=True,
         megatron_fsdp_keep_unsharded_params=keep,
     )
@@ -183,12 +192,24 @@ def _fsdp_microbatches(fusion: bool, strategy: str, keep: bool) -> tuple[dict, l
         autograd_grads.append(seen)
         module.weight.register_hook(lambda grad: seen.append(grad is not None))
 
+    def fail(module, grad_input, grad_output) -> None:
+        raise ValueError("injected")
+
     fc1.register_forward_hook(watch)
     fsdp.zero_grad_buffer()
     for i in range(3):
         tokens, labels = device_batch(4, i)
         with fsdp.no_sync() if i < 2 else contextlib.nullcontext():
-            fsdp(tokens, labels=labels).float().mean().backward()
+            if i == fail_at:
+                handle = model.decoder.layers[0].register_full_backward_hook(fail)
+                with pytest.raises(ValueError, match="injected"):
+                    fsdp(tokens, labels=labels).float().mean().backward()
+                handle.remove()
+                autograd_grads.pop()
+            try:
+                fsdp(tokens, labels=labels).float().mean().backward()
+            except RuntimeError as error:
+                return str(error)
     fsdp.finish_grad_sync()
     grads = {
         name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
@@ -213,6 +234,18 @@ def test_fsdp_fuses_into_the_deferred_sums(strategy, keep):
         for name in plain[0]:
             torch.testing.assert_close(fused[0][name], plain[0][name], msg=name)
         assert any(g.abs().sum() > 0 for g in fused[0].values())
+
+
+def test_fsdp_sums_a_gemm_cannot_write_stay_unfused():
+    """bf16 sums for an fp32 model: no GEMM writes them (CUDA's addmm takes fp32 outputs or
+    the inputs' dtype), so autograd keeps every gradient; the result equals the unfused run."""
+    args = ("optim_grads_params", False, torch.bfloat16)
+    fused = run_distributed(_fsdp_microbatches, 2, True, *args)
+    plain = run_distributed(_fsdp_microbatches, 2, False, *args)
+    for (fused_grads, fused_seen), (plain_grads, _) in zip(fused, plain):
+        assert fused_seen == [True, True, True]
+        for name in plain_grads:
+            assert torch.equal(fused_grads[name], plain_grads[name]), name
 
 
 def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:

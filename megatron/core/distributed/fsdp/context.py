@@ -414,7 +414,8 @@ class FsdpContext:
         """After a forward or backward that raised (the state is not IDLE outside a pass):
         reshards every unit, registers the main weights, drops the gradients the failed pass
         left unreduced; what it reduced stays, in the main weights' `.grad`, as torch leaves a
-        failed backward's gradients in `.grad`."""
+        failed backward's gradients in `.grad` (and so does what linear layers added to whole
+        gradient sums themselves, gradient-accumulation fusion)."""
         if self.state is TrainingState.IDLE or in_backward():
             return
         self._wait_pending_reductions()

@@ -32,7 +32,8 @@ before a step's last wait outside this machine, summed whole in `main_grads_dtyp
 *deferred* sums, freed by the reduce-scatter that consumes them or by `zero_grad`); the last
 microbatch's reduction adds its gradients and reduce-scatters the sum once, a reduction like
 any other above. With gradient-accumulation fusion (`fuse_into_deferred_sums`), linear layers
-add their weight gradients into the sums themselves once they exist, leaving `.grad` None.
+add their weight gradients into the sums themselves once they exist, leaving `.grad` None (so a
+backward that fails leaves those in the sums, as torch leaves the `.grad` it accumulated).
 
 An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
 reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
@@ -118,6 +119,9 @@ class GroupGrads:
         # The whole gradient sums of a step's microbatches not yet reduce-scattered
         # (`reduce(defer=True)`), one per parameter; None when there are none.
         self._deferred: list[torch.Tensor] | None = None
+        # Each compute weight's index there, by identity, for gradient-accumulation fusion
+        # into them (`fuse_into_deferred_sums`).
+        self._sum_index: dict[int, int] = {}
         # What the optimizer reads, as views of persistent storage: made once, while allocated.
         self._local_grads = (self.optim_grad or self.main_grad).local_views()
         self._grad_dtensors: list[DTensor] = [
@@ -180,17 +184,21 @@ class GroupGrads:
     def fuse_into_deferred_sums(self) -> None:
         """Lets linear layers add their weight gradients straight into the whole sums of
         `reduce(defer=True)` while a step has them (gradient-accumulation fusion, from the
-        second microbatch on), instead of handing autograd a gradient to add."""
-        for param in self.weights.unsharded_params:
-            if param.requires_grad:
+        second microbatch on), instead of handing autograd a gradient to add. Parameters whose
+        sums have a dtype a GEMM cannot write (other than fp32 and their own) stay unfused."""
+        dtype = self.plan.precision.main_grads
+        params = self.weights.unsharded_params
+        self._sum_index = {id(param): i for i, param in enumerate(params)}
+        for param in params:
+            if param.requires_grad and dtype in (torch.float32, param.dtype):
                 register_main_grad(param, self._deferred_sum_of)
 
     def _deferred_sum_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """`param`'s whole gradient sum for a fused accumulation, None before the step has
+        sums (its first microbatch)."""
         if self._deferred is None:
             return None
-        # By identity (`list.index` would compare tensors elementwise).
-        index = next(i for i, p in enumerate(self.weights.unsharded_params) if p is param)
-        return self._deferred[index]
+        return self._deferred[self._sum_index[id(param)]]
 
     def reduce_deferred(self) -> None:
         """Reduce-scatters the whole sums `reduce(defer=True)` left, if any, on the current
@@ -205,14 +213,13 @@ class GroupGrads:
         where they already have it (no copy)."""
         if self._deferred is None:
             dtype = self.plan.precision.main_grads
-            return [
-                torch.zeros_like(param, dtype=dtype)
-                if grad is None
-                else grad
-                if grad.dtype == dtype
-                else grad.to(dtype)
-                for grad, param in zip(grads, self.weights.unsharded_params)
-            ]
+            sums = []
+            for grad, param in zip(grads, self.weights.unsharded_params):
+                if grad is None:
+                    sums.append(torch.zeros_like(param, dtype=dtype))
+                else:
+                    sums.append(grad if grad.dtype == dtype else grad.to(dtype))
+            return sums
         added = [(s, g) for s, g in zip(self._deferred, grads) if g is not None]
         if added:
             torch._foreach_add_([s for s, _ in added], [g for _, g in added])
