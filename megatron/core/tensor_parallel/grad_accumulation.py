@@ -42,16 +42,19 @@ from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
 _targets: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Parameter -> weak reference to the engine method that returns its `main_grad`."""
+"""Parameter -> weak references to the engine's methods: the one that returns its `main_grad`,
+and the one asked at forward whether the backward may fuse (None: always)."""
 
 
 def register_main_grad(
-    param: torch.nn.Parameter, main_grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None]
+    param: torch.nn.Parameter,
+    main_grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+    may_fuse: Callable[[], bool] | None = None,
 ) -> None:
     """Sends `param`'s weight gradients into `main_grad_of(param)` while its engine lives.
 
     Where a linear layer (`linear`, `weight_grad`) computes them; the engine is the object
-    `main_grad_of` is bound to.
+    the methods are bound to.
 
     Args:
         param: a trainable parameter.
@@ -59,8 +62,12 @@ def register_main_grad(
             returns a tensor of `param`'s shape, in fp32 or `param`'s dtype, on its device
             (and may first reset it, e.g. where `zero_grad()` dropped a `.grad` it handed out),
             or None where there is none to add to now (autograd gets the gradient).
+        may_fuse: a bound method (held weakly) asked at each forward; False where the backward
+            cannot fuse, so that the layer runs plain `F.linear` and skips the host cost of
+            the fusing autograd function. None: it always may.
     """
-    _targets[param] = weakref.WeakMethod(main_grad_of)
+    ask = None if may_fuse is None else weakref.WeakMethod(may_fuse)
+    _targets[param] = (weakref.WeakMethod(main_grad_of), ask)
 
 
 def unregister_main_grad(param: torch.nn.Parameter) -> None:
@@ -71,8 +78,16 @@ def unregister_main_grad(param: torch.nn.Parameter) -> None:
 def _target(
     weight: torch.Tensor,
 ) -> Callable[[torch.nn.Parameter], torch.Tensor | None] | None:
-    ref = _targets.get(weight)
-    return None if ref is None else ref()
+    entry = _targets.get(weight)
+    return None if entry is None else entry[0]()
+
+
+def _may_fuse(weight: torch.Tensor) -> bool:
+    entry = _targets.get(weight)
+    if entry is None or entry[0]() is None:
+        return False
+    may_fuse = None if entry[1] is None else entry[1]()
+    return may_fuse is None or may_fuse()
 
 
 def linear(
@@ -95,7 +110,7 @@ def linear(
     if (
         weight.requires_grad
         and torch.is_grad_enabled()
-        and _target(weight) is not None
+        and _may_fuse(weight)
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled(input_.device.type)
         and not torch._C._are_functorch_transforms_active()

@@ -191,7 +191,10 @@ class GroupGrads:
         self._sum_index = {id(param): i for i, param in enumerate(params)}
         for param in params:
             if param.requires_grad and dtype in (torch.float32, param.dtype):
-                register_main_grad(param, self._deferred_sum_of)
+                register_main_grad(param, self._deferred_sum_of, self._has_deferred_sums)
+
+    def _has_deferred_sums(self) -> bool:
+        return self._deferred is not None
 
     def _deferred_sum_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """`param`'s whole gradient sum for a fused accumulation, None before the step has
