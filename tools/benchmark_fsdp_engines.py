@@ -297,7 +297,8 @@ def build_engine(name: str, args: argparse.Namespace) -> StepFn:
 def precision_note(name: str, args: argparse.Namespace) -> str:
     """How `name` holds weights and gradients in this run (the table's footnote)."""
     note = _precision(name, args)
-    if name in ("ddp", "single") and args.gradient_accumulation_fusion:
+    sums = name in MEGATRON_FSDP and args.megatron_fsdp_accumulate_unsharded_grads
+    if args.gradient_accumulation_fusion and (name in ("ddp", "single") or sums):
         note += " (weight gradients accumulated in the GEMMs)"
     return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
 

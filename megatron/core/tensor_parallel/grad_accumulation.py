@@ -70,11 +70,6 @@ def register_main_grad(
     _targets[param] = (weakref.WeakMethod(main_grad_of), ask)
 
 
-def unregister_main_grad(param: torch.nn.Parameter) -> None:
-    """Undoes `register_main_grad` (a no-op for a parameter never registered)."""
-    _targets.pop(param, None)
-
-
 def _target(
     weight: torch.Tensor,
 ) -> Callable[[torch.nn.Parameter], torch.Tensor | None] | None:

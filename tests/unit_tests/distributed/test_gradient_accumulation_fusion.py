@@ -1,5 +1,6 @@
-"""Gradient-accumulation fusion under the DDP engine: the same gradients and torch `.grad`
-semantics as without it, off the training loop's happy path too."""
+"""Gradient-accumulation fusion under the DDP engine and Megatron-FSDP's whole gradient sums:
+the same gradients and torch `.grad` semantics as without it, off the training loop's happy path
+too (`torch.autograd.grad`, recompute, autocast, `torch.func`, penalties, tied weights)."""
 
 from __future__ import annotations
 
