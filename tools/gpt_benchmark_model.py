@@ -55,8 +55,9 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         "--no-gradient-accumulation-fusion",
         action="store_false",
         dest="gradient_accumulation_fusion",
-        help="one-GPU and DDP engines: add bf16 weight gradients to the fp32 main_grad after "
-        "backward instead of accumulating them there in the GEMM",
+        help="one-GPU and DDP engines (and Megatron-FSDP's whole sums with "
+        "--megatron-fsdp-accumulate-unsharded-grads): add bf16 weight gradients to the fp32 "
+        "main_grad after backward instead of accumulating them there in the GEMM",
     )
     parser.add_argument(
         "--compile",

@@ -211,11 +211,20 @@ def _fsdp_microbatches(
 )
 def test_fsdp_fuses_into_the_deferred_sums(strategy, keep):
     """From the second microbatch on, the whole sums exist and fc1's weight gets no gradient
-    from autograd; the gradients equal the unfused run's."""
+    from autograd; the gradients equal the unfused run's and plain PyTorch's (every rank sees
+    the same microbatches, so their average is one process's sum over them)."""
+    model = build_tiny_gpt(tiny_gpt_config(), share_embeddings_and_output_weights=True)
+    for i in range(3):
+        tokens, labels = device_batch(4, i)
+        model(tokens, labels=labels).float().mean().backward()
+    reference = {name: p.grad for name, p in model.named_parameters()}
     for fused, plain in zip(
         run_distributed(_fsdp_microbatches, 2, True, strategy, keep),
         run_distributed(_fsdp_microbatches, 2, False, strategy, keep),
     ):
+        assert fused[0].keys() == reference.keys()
+        for name, grad in reference.items():
+            torch.testing.assert_close(fused[0][name], grad, msg=name)
         assert fused[1] == [True, False, False] and plain[1] == [True, True, True]
         # No sums yet in the first microbatch: plain F.linear, without the fusing function.
         assert fused[2][0] != FUSED and fused[2][1:] == [FUSED, FUSED]
