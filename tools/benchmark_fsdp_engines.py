@@ -30,6 +30,7 @@ from megatron.core.distributed.fsdp import (
     local_main_weights,
     microbatch,
 )
+from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
 
@@ -99,19 +100,18 @@ class MainWeightsAdamW:
             for p in self.params
         ]
         self.optimizer = make_adamw(self.main, args)
+        self.copies = [(p, m) for p, m in zip(self.params, self.main) if p is not m]
 
     @torch.no_grad()
     def step(self) -> None:
-        """Steps the main weights with the accumulated `main_grad`s, then refreshes the params."""
+        """Steps the main weights with the accumulated `main_grad`s and refreshes the params
+        (in one kernel where `step_and_copy` can)."""
         for param, main in zip(self.params, self.main):
             main.grad = param.main_grad.to(main.dtype)  # a view when already fp32
-        self.optimizer.step()
+        step_and_copy(self.optimizer, self.copies)
         # Detached again: fp32 parameters are their own main weights, and backward must not
         # accumulate into a `.grad` that is a view of `main_grad`.
         self.optimizer.zero_grad(set_to_none=True)
-        copies = [(p, m) for p, m in zip(self.params, self.main) if p is not m]
-        if copies:
-            torch._foreach_copy_([p for p, _ in copies], [m for _, m in copies])
 
 
 class LocalMainGrads:
@@ -169,7 +169,10 @@ def wrapper_step(
         wrapper.start_param_sync()
         loss = forward_backward(wrapper, batches, scope)
         wrapper.finish_grad_sync()
-        optimizer.step()
+        if isinstance(optimizer, MainWeightsAdamW):
+            optimizer.step()
+        else:  # Megatron-FSDP's hooked torch optimizer, stepped as MegatronOptimizer steps it
+            step_and_copy(optimizer)
         return loss
 
     return step

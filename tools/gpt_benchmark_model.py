@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -58,6 +59,12 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         help="one-GPU and DDP engines (and Megatron-FSDP's whole sums with "
         "--megatron-fsdp-accumulate-unsharded-grads): add bf16 weight gradients to the fp32 "
         "main_grad after backward instead of accumulating them there in the GEMM",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=[backend.name for backend in AttnBackend],
+        default=AttnBackend.auto.name,
+        help="attention kernel: SDPA's choice (auto), flash, fused (cuDNN), unfused or local",
     )
     parser.add_argument(
         "--compile",
@@ -125,6 +132,7 @@ def build_gpt(
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
         apply_rope_fusion=args.apply_rope_fusion,
+        attention_backend=AttnBackend[args.attention_backend],
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         tensor_model_parallel_size=tp,
         sequence_parallel=args.sequence_parallel and tp > 1,

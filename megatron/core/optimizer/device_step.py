@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_norm_on_device,
     count_zeros_on_device,
@@ -153,15 +154,20 @@ def check_state_exists(optimizer: torch.optim.Optimizer) -> None:
                 )
 
 
-def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """`optimizer.step()`, skipped by its kernels where `found_inf` (0-dim fp32) is 1.
+def step_skipping_on_device(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> None:
+    """`step_and_copy(optimizer, copies)`, the step skipped by its kernels where `found_inf`
+    (0-dim fp32) is 1 (the model then keeps the weights it has).
 
     torch's optimizers read `found_inf` from the attribute of that name, which its
     `GradScaler` sets around `step()` the same way.
     """
     optimizer.found_inf = found_inf
     try:
-        optimizer.step()
+        step_and_copy(optimizer, copies)
     finally:
         del optimizer.found_inf
 
@@ -172,8 +178,10 @@ def device_step(
     config: OptimizerConfig,
     device: torch.device,
     learning_rates: DeviceLearningRates,
+    copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> DeviceStepResult:
-    """`MegatronOptimizer.step()`'s norm, skip, clip and step, all on the device.
+    """`MegatronOptimizer.step()`'s norm, skip, clip, step and copy into the model's weights,
+    all on the device.
 
     Args:
         optimizer: the torch optimizer (see `check_skips_on_device`).
@@ -181,6 +189,8 @@ def device_step(
         config: read for `clip_grad` and `log_num_zeros_in_grad`.
         device: where the results live.
         learning_rates: the rates the step reads (written before the step).
+        copies: (model weight, fp32 main weight) pairs written after the step
+            (`step_and_copy`).
     """
     check_skips_on_device(optimizer)
     grad_norm = grad_norm_on_device(grads, device)
@@ -192,5 +202,5 @@ def device_step(
     check_state_exists(optimizer)
     zero_momentum_buffers(optimizer)
     with learning_rates.in_groups():
-        step_skipping_on_device(optimizer, found_inf)
+        step_skipping_on_device(optimizer, found_inf, copies)
     return DeviceStepResult(grad_norm, found_inf, num_zeros)

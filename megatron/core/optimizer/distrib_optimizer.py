@@ -129,14 +129,13 @@ class DistributedOptimizer(MegatronOptimizer):
         """The fp32 main shards as `Shard(0)` DTensors (every element counted once)."""
         return list(self._dtensors.values())
 
-    def _copy_main_params_to_model_params(self) -> None:
-        """Writes the fp32 master shards into the rows of the parameters that have them (fp32
-        parameters were stepped in place), then all-gathers every parameter."""
-        if self._masters:
-            torch._foreach_copy_(
-                [self.model.param_shard(p) for p, _ in self._masters],
-                [self._shards[p] for p, _ in self._masters],
-            )
+    def _model_weight_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rows of the parameters that have fp32 master shards, and those shards (fp32
+        parameters are stepped in place)."""
+        return [(self.model.param_shard(p), self._shards[p]) for p, _ in self._masters]
+
+    def _model_weights_written(self) -> None:
+        """All-gathers every parameter from the rows each rank wrote."""
         self.model.start_param_sync(force_sync=True)
 
     def reload_model_params(self) -> None:

@@ -44,6 +44,7 @@ from megatron.core.distributed.fsdp import (
     fsdp_roots,
     local_main_weights,
 )
+from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -227,8 +228,8 @@ class MegatronOptimizer:
                 return False, grad_norm, num_zeros
             if self.config.clip_grad > 0.0:
                 clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
-            self.optimizer.step()
-            self._copy_main_params_to_model_params()
+            step_and_copy(self.optimizer, self._model_weight_copies())
+            self._model_weights_written()
         return True, grad_norm, num_zeros
 
     def write_learning_rates_to_device(self) -> None:
@@ -275,15 +276,19 @@ class MegatronOptimizer:
                 self.config,
                 self._flag_device(),
                 self._device_learning_rates,
+                self._model_weight_copies(),
             )
-            self._copy_main_params_to_model_params()
+            self._model_weights_written()
         return result
 
-    def _copy_main_params_to_model_params(self) -> None:
-        """Writes the stepped fp32 masters back into the model's parameters (Megatron-LM's
-        name); `DistributedOptimizer` overrides it to write its shards and all-gather."""
-        if self._masters:
-            torch._foreach_copy_([p for p, _ in self._masters], [m for _, m in self._masters])
+    def _model_weight_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model weight, fp32 master) pairs the step writes the stepped masters back into
+        (Megatron-LM's `_copy_main_params_to_model_params`; `step_and_copy` fuses the copy into
+        the step where it can)."""
+        return self._masters
+
+    def _model_weights_written(self) -> None:
+        """Runs once the step wrote the model's weights (`DistributedOptimizer` all-gathers)."""
 
     def _flag_device(self) -> torch.device:
         """Where the overflow flag is reduced: the model's device (NCCL reduces CUDA tensors)."""

@@ -1,0 +1,389 @@
+"""Adam and AdamW steps that also write the model's low-precision weights: one Triton kernel per
+parameter group updates the fp32 main weights and their moments and rounds the new weights into
+the model's bf16 (or fp16) weights.
+
+Mixed-precision training steps fp32 main weights and then copies them into the model's weights.
+torch's fused Adam reads each weight, gradient and both moments and writes back the weight and
+the moments (28 bytes per element); the copy reads the weight again and writes its rounding (6
+more). `step_and_copy` does both in one pass over memory (30 bytes per element), every tensor of
+a parameter group in one launch.
+
+The update is torch's Adam / AdamW (decay, moments, bias corrections from each tensor's step
+count, `eps` added after the square root), its intermediates in float64 and its square roots and
+divisions correctly rounded: weights and moments equal `optimizer.step()`'s up to fp32 rounding
+(a unit or two in the last place), step counts exactly, and the model weights are the new main
+weights rounded, as `copy_` rounds them. Like torch's fused kernels it reads a learning rate held
+in a device tensor and skips the step on the device where the optimizer's `found_inf` is 1
+(`device_step.py`), so a CUDA graph can capture it.
+
+It runs where the torch optimizer is `Adam` or `AdamW` built with `fused=True` (no amsgrad,
+maximize or gradient scaling), on CUDA with Triton, over contiguous fp32 tensors that start on
+16-byte boundaries, from the second step on (the first creates the moments). Anywhere else
+`step_and_copy` is the torch step followed by one foreach copy. The optimizer's step hooks
+(Megatron-FSDP's `fully_shard_optimizer`, the DDP engine's) run in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_hooks
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU-only PyTorch builds
+    triton = None
+
+_BLOCK = 512
+"""Elements one program updates per iteration: four per thread of four warps (16-byte loads)."""
+
+_BLOCKS_PER_PROGRAM = 32
+"""Iterations per program: enough work to hide the loads of its tensor's addresses."""
+
+_CHUNK = _BLOCK * _BLOCKS_PER_PROGRAM
+
+_ROW = 7
+"""Entries of a tensor's row in the address table: weight, gradient, first moment, second
+moment, model weight (0: none), step count, number of elements."""
+
+
+if triton is not None:
+
+    @triton.jit
+    def _adam_kernel(
+        tensors,
+        programs,
+        hyper,
+        lr_ptr,
+        found_inf_ptr,
+        DECOUPLED: tl.constexpr,
+        DECAY: tl.constexpr,
+        LR_ON_DEVICE: tl.constexpr,
+        SKIP_ON_DEVICE: tl.constexpr,
+        COPY_DTYPE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCKS: tl.constexpr,
+    ):
+        if SKIP_ON_DEVICE:
+            if tl.load(found_inf_ptr) == 1.0:
+                return
+        program = tl.program_id(0)
+        row = tensors + tl.load(programs + 2 * program).to(tl.int64) * 7
+        start = tl.load(programs + 2 * program + 1).to(tl.int64) * (BLOCK * BLOCKS)
+        # Every address starts on a 16-byte boundary (`_aligned`): vector loads and stores.
+        param = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
+        grad = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg_sq = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
+        model_address = tl.load(row + 4)
+        model = tl.multiple_of(model_address.to(tl.pointer_type(COPY_DTYPE)), 16)
+        step = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32))).to(tl.float64)
+        numel = tl.load(row + 6)
+
+        beta1 = tl.load(hyper)
+        beta2 = tl.load(hyper + 1)
+        eps = tl.load(hyper + 2)
+        weight_decay = tl.load(hyper + 3)
+        if LR_ON_DEVICE:
+            lr = tl.load(lr_ptr).to(tl.float64)
+        else:
+            lr = tl.load(hyper + 4)
+        # Corrections in float64, handed to the fp32 arithmetic rounded (as torch's kernel).
+        bias_correction1 = (1.0 - libdevice.pow(beta1, step)).to(tl.float32)
+        bias_correction2_sqrt = tl.sqrt(1.0 - libdevice.pow(beta2, step)).to(tl.float32)
+        step_size = (lr / bias_correction1.to(tl.float64)).to(tl.float32)
+
+        for block in range(BLOCKS):
+            offsets = start + block * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < numel
+            p = tl.load(param + offsets, mask=mask)
+            g = tl.load(grad + offsets, mask=mask)
+            m = tl.load(exp_avg + offsets, mask=mask)
+            v = tl.load(exp_avg_sq + offsets, mask=mask)
+            if DECAY:
+                if DECOUPLED:
+                    p = (p.to(tl.float64) - lr * weight_decay * p.to(tl.float64)).to(tl.float32)
+                else:
+                    g = (g.to(tl.float64) + p.to(tl.float64) * weight_decay).to(tl.float32)
+            g64 = g.to(tl.float64)
+            m = (beta1 * m.to(tl.float64) + (1.0 - beta1) * g64).to(tl.float32)
+            v = (beta2 * v.to(tl.float64) + (1.0 - beta2) * g64 * g64).to(tl.float32)
+            denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt).to(tl.float64) + eps
+            p = p - tl.div_rn(step_size * m, denom.to(tl.float32))
+            tl.store(param + offsets, p, mask=mask)
+            tl.store(exp_avg + offsets, m, mask=mask)
+            tl.store(exp_avg_sq + offsets, v, mask=mask)
+            if model_address != 0:
+                tl.store(model + offsets, p.to(COPY_DTYPE), mask=mask)
+
+
+_TRITON_DTYPES = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+"""Model-weight dtypes the kernel writes (fp32 weights are their own main weights)."""
+
+
+def step_and_copy(
+    optimizer: torch.optim.Optimizer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+) -> None:
+    """`optimizer.step()`, then `model.copy_(main)` for each `(model, main)` of `copies`: in one
+    kernel per parameter group where the module docstring's conditions hold. The step hooks
+    registered on the optimizer (and on every optimizer) run around it as around `step()`.
+
+    Args:
+        optimizer: the torch optimizer; its `found_inf` attribute, where set, skips the step on
+            the device (as torch's fused kernels read it).
+        copies: (model weight, the fp32 main weight the optimizer steps) pairs, same shapes;
+            each main weight at most once.
+    """
+    # torch wraps each optimizer class's `step` in the hook runner; the wrapped function is
+    # the update alone, for a step the kernel cannot take once the hooks ran.
+    hooked_step = type(optimizer).step
+    update = getattr(hooked_step, "__wrapped__", None)
+    if (
+        triton is None
+        or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW)
+        or not getattr(hooked_step, "hooked", False)
+        or getattr(optimizer, "grad_scale", None) is not None
+    ):
+        optimizer.step()
+        _copy(copies)
+        return
+    written = set()
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        args, kwargs = (optimizer,), {}
+        for hook in (*_global_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
+            result = hook(optimizer, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        try:
+            if args != (optimizer,) or kwargs:  # a closure to evaluate
+                raise _Unfusable
+            launches = _plan(optimizer, copies)
+        except _Unfusable:
+            update(*args, **kwargs)
+        else:
+            found_inf = getattr(optimizer, "found_inf", None)
+            for launch in launches:
+                torch._foreach_add_(launch.steps, 1)
+                launch.run(found_inf)
+                if found_inf is not None:  # torch takes the count back the same way
+                    torch._foreach_sub_(launch.steps, [found_inf] * len(launch.steps))
+                written.update(id(main) for main in launch.mains)
+        for hook in (*optimizer._optimizer_step_post_hooks.values(), *_global_post_hooks.values()):
+            hook(optimizer, args, kwargs)
+    # Main weights the kernel did not write (torch's step, or no gradient): copied as after
+    # step().
+    _copy([(model, main) for model, main in copies if id(main) not in written])
+
+
+def _copy(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if copies:
+        torch._foreach_copy_([model for model, _ in copies], [main for _, main in copies])
+
+
+class _Unfusable(Exception):
+    """The step cannot take the fused kernel (module docstring); torch's step runs instead."""
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One parameter group's kernel launch: its tables on the device and its flags."""
+
+    tables: _Tables
+    mains: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    lr: torch.Tensor | None
+    decoupled: bool
+    decay: bool
+    copy_dtype: torch.dtype
+
+    def run(self, found_inf: torch.Tensor | None) -> None:
+        hyper = self.tables.hyper
+        _adam_kernel[(self.tables.num_programs,)](
+            self.tables.tensors,
+            self.tables.programs,
+            hyper,
+            hyper if self.lr is None else self.lr,
+            hyper if found_inf is None else found_inf,
+            DECOUPLED=self.decoupled,
+            DECAY=self.decay,
+            LR_ON_DEVICE=self.lr is not None,
+            SKIP_ON_DEVICE=found_inf is not None,
+            COPY_DTYPE=_TRITON_DTYPES[self.copy_dtype],
+            BLOCK=_BLOCK,
+            BLOCKS=_BLOCKS_PER_PROGRAM,
+            num_warps=4,
+        )
+
+
+@dataclasses.dataclass
+class _Tables:
+    """A parameter group's address table, program map and hyperparameters on the device, with
+    the host values they were built from (rebuilt when those change)."""
+
+    key: tuple
+    tensors: torch.Tensor
+    programs: torch.Tensor
+    num_programs: int
+    hyper_values: tuple[float, ...]
+    hyper: torch.Tensor
+
+
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Optimizer -> its groups' `_Tables` (index: group)."""
+
+_captured: list[_Tables] = []
+"""Tables a CUDA graph captured a launch with: its replays read them, so they are never freed."""
+
+
+def _plan(
+    optimizer: torch.optim.Optimizer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> list[_Launch]:
+    """The launches of the fused step, one per group with gradients.
+
+    Raises:
+        _Unfusable: the step does not meet the module docstring's conditions.
+    """
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is not None and not _is_device_scalar(found_inf):
+        raise _Unfusable
+    model_of = {id(main): model for model, main in copies}
+    cache = _tables.setdefault(optimizer, {})
+    capturing = torch.cuda.is_current_stream_capturing()
+    launches = []
+    for index, group in enumerate(optimizer.param_groups):
+        launch = _plan_group(optimizer, group, model_of, cache.get(index), capturing)
+        if launch is None:
+            continue
+        cache[index] = launch.tables
+        if capturing and all(launch.tables is not t for t in _captured):
+            _captured.append(launch.tables)
+        launches.append(launch)
+    return launches
+
+
+def _plan_group(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    model_of: dict[int, torch.Tensor],
+    tables: _Tables | None,
+    capturing: bool,
+) -> _Launch | None:
+    """A group's launch (None: no gradients to step with), reusing `tables` where they still
+    describe it.
+
+    Raises:
+        _Unfusable: the group does not meet the module docstring's conditions.
+    """
+    if (
+        not group.get("fused")
+        or group.get("amsgrad")
+        or group.get("maximize")
+        or group.get("differentiable")
+        or any(isinstance(beta, torch.Tensor) for beta in group["betas"])
+    ):
+        raise _Unfusable
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and not _is_device_scalar(lr):
+        raise _Unfusable
+    rows, mains, steps, copy_dtypes = [], [], [], set()
+    for param in group["params"]:
+        if param.grad is None:
+            continue
+        state = optimizer.state.get(param)
+        if not state or "exp_avg" not in state:  # the first step creates the moments
+            raise _Unfusable
+        model = model_of.get(id(param))
+        tensors = [param, param.grad, state["exp_avg"], state["exp_avg_sq"]]
+        if not _fusable(tensors, model, state["step"]):
+            raise _Unfusable
+        if model is not None:
+            copy_dtypes.add(model.dtype)
+        rows.append(
+            [t.data_ptr() for t in tensors]
+            + [0 if model is None else model.data_ptr(), state["step"].data_ptr(), param.numel()]
+        )
+        mains.append(param)
+        steps.append(state["step"])
+    if not rows:
+        return None
+    if len(copy_dtypes) > 1:
+        raise _Unfusable
+    beta1, beta2 = group["betas"]
+    hyper_values = (beta1, beta2, group["eps"], group["weight_decay"])
+    if not isinstance(lr, torch.Tensor):
+        hyper_values += (lr,)
+    key = tuple(map(tuple, rows))
+    if tables is None or tables.key != key:
+        if capturing:  # a table built now would be copied from host memory inside the graph
+            raise _Unfusable
+        tables = _build_tables(key, rows, mains[0].device, hyper_values)
+    elif tables.hyper_values != hyper_values:
+        if capturing:
+            raise _Unfusable
+        tables.hyper.copy_(torch.tensor(hyper_values, dtype=torch.float64), non_blocking=True)
+        tables.hyper_values = hyper_values
+    return _Launch(
+        tables=tables,
+        mains=mains,
+        steps=steps,
+        lr=lr if isinstance(lr, torch.Tensor) else None,
+        decoupled=bool(
+            group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        ),
+        decay=group["weight_decay"] != 0,
+        copy_dtype=copy_dtypes.pop() if copy_dtypes else torch.bfloat16,
+    )
+
+
+def _build_tables(
+    key: tuple, rows: list[list[int]], device: torch.device, hyper_values: tuple[float, ...]
+) -> _Tables:
+    numels = torch.tensor([row[-1] for row in rows])
+    chunks = (numels + _CHUNK - 1) // _CHUNK
+    tensor_of = torch.repeat_interleave(torch.arange(len(rows)), chunks)
+    first = torch.cumsum(chunks, 0) - chunks
+    chunk_of = torch.arange(len(tensor_of)) - first[tensor_of]
+    programs = torch.stack([tensor_of, chunk_of], dim=1).to(torch.int32)
+    return _Tables(
+        key=key,
+        tensors=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+        programs=programs.to(device, non_blocking=True),
+        num_programs=len(tensor_of),
+        hyper_values=hyper_values,
+        hyper=torch.tensor(hyper_values, dtype=torch.float64).to(device, non_blocking=True),
+    )
+
+
+def _fusable(tensors: list[torch.Tensor], model: torch.Tensor | None, step: torch.Tensor) -> bool:
+    """fp32 main weight, gradient and moments (and a bf16 / fp16 model weight) of one shape,
+    contiguous and 16-byte aligned on the current CUDA device, with a device step count."""
+    main = tensors[0]
+    if not (main.is_cuda and main.device.index == torch.cuda.current_device()):
+        return False
+    same = all(
+        t.dtype == torch.float32 and t.device == main.device and t.shape == main.shape
+        for t in tensors
+    )
+    if model is not None:
+        same = same and (
+            model.dtype in _TRITON_DTYPES
+            and model.device == main.device
+            and model.shape == main.shape
+        )
+        tensors = tensors + [model]
+    return (
+        same
+        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+        and _is_device_scalar(step)
+        and step.device == main.device
+    )
+
+
+def _is_device_scalar(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and tensor.dtype == torch.float32 and tensor.numel() == 1

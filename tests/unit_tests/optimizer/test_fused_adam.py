@@ -1,0 +1,232 @@
+"""`step_and_copy` (`megatron.core.fusions.fused_adam`) against torch's fused Adam / AdamW step
+followed by `copy_`: the fused kernel's weights and moments equal torch's up to fp32 rounding (a
+unit or two in the last place, far below the 1e-2 learning rate's updates that a wrong formula
+would change), its step counts exactly, and its model weights are its main weights rounded; every
+case that falls back to torch is torch's bit for bit."""
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from megatron.core.fusions import fused_adam
+from megatron.core.fusions.fused_adam import step_and_copy
+
+# Sizes over several programs (40000 > one program's 16384 elements), below one vector (3), and
+# not a multiple of the vector width (1001).
+SHAPES = [(40000,), (3,), (7, 143), (64, 32)]
+
+
+def _problem(device, model_dtype, seed=0):
+    """fp32 main weights in two groups, their model copies, and a gradient per step."""
+    gen = torch.Generator().manual_seed(seed)
+    mains = [torch.randn(s, generator=gen).to(device) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen).to(device) for s in SHAPES] for _ in range(4)]
+    models = [m.to(model_dtype) for m in mains]
+    return mains, grads, models
+
+
+def _optimizer(kind, mains, lr, weight_decay, **kwargs):
+    groups = [
+        {"params": mains[:2], "weight_decay": weight_decay},
+        {"params": mains[2:], "weight_decay": 0.0, "betas": (0.8, 0.99), "eps": 1e-6},
+    ]
+    return kind(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True, **kwargs)
+
+
+def _run(kind, lr, weight_decay, model_dtype, fused, device="cuda", capturable=False):
+    """Four steps; each step's weights, moments, counts and model copies."""
+    mains, grads, models = _problem(device, model_dtype)
+    mains = [m.requires_grad_() for m in mains]
+    rate = lr.to(device) if isinstance(lr, torch.Tensor) else lr
+    optimizer = _optimizer(kind, mains, rate, weight_decay, capturable=capturable)
+    copies = list(zip(models, mains))
+    history = []
+    with torch.no_grad():
+        for step_grads in grads:
+            for main, grad in zip(mains, step_grads):
+                main.grad = grad.clone()
+            if fused:
+                step_and_copy(optimizer, copies)
+            else:
+                optimizer.step()
+                torch._foreach_copy_(models, [m.detach() for m in mains])
+            history.append(_snapshot(optimizer, mains, models))
+    return history, optimizer
+
+
+def _snapshot(optimizer, mains, models):
+    out = []
+    for main, model in zip(mains, models):
+        state = optimizer.state[main]
+        out += [main.detach().clone(), model.clone()]
+        out += [state[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")]
+    return out
+
+
+def _assert_equal_histories(got, expected):
+    for step, (a, b) in enumerate(zip(got, expected)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.dtype == y.dtype and torch.equal(x, y), (step, i, (x - y).abs().max())
+
+
+def _assert_close_histories(got, expected):
+    """Weights and moments within fp32 rounding, step counts equal, model weights the rounded
+    main weights (and so within their own rounding of torch's)."""
+    for step, (a, b) in enumerate(zip(got, expected)):
+        for i in range(0, len(a), 5):
+            main, model, exp_avg, exp_avg_sq, count = a[i : i + 5]
+            torch.testing.assert_close(main, b[i], msg=f"step {step} main {i}")
+            assert torch.equal(model, main.to(model.dtype)), (step, i)
+            torch.testing.assert_close(model, b[i + 1], msg=f"step {step} model {i}")
+            torch.testing.assert_close(exp_avg, b[i + 2], msg=f"step {step} exp_avg {i}")
+            torch.testing.assert_close(exp_avg_sq, b[i + 3], msg=f"step {step} exp_avg_sq {i}")
+            assert torch.equal(count, b[i + 4]), (step, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("lr_on_device", [False, True])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernel_equals_torch(kind, weight_decay, lr_on_device, model_dtype):
+    lr = torch.tensor(1e-2) if lr_on_device else 1e-2
+    got, optimizer = _run(kind, lr, weight_decay, model_dtype, fused=True, capturable=True)
+    expected, _ = _run(kind, lr, weight_decay, model_dtype, fused=False, capturable=True)
+    _assert_close_histories(got, expected)
+    # Steps 2-4 took the kernel (the first creates the moments in torch's step).
+    assert len(fused_adam._tables[optimizer]) == 2
+
+
+@pytest.mark.gpu
+def test_found_inf_skips_the_step_and_counts():
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-3, 0.1, capturable=True)
+    copies = list(zip(models, mains))
+    with torch.no_grad():
+        for skip in (0.0, 0.0, 1.0, 0.0):
+            for main, grad in zip(mains, grads[0]):
+                main.grad = grad.clone()
+            before = _snapshot(optimizer, mains, models) if optimizer.state else None
+            optimizer.found_inf = torch.tensor(skip, device="cuda")
+            step_and_copy(optimizer, copies)
+            del optimizer.found_inf
+            after = _snapshot(optimizer, mains, models)
+            if skip:
+                _assert_equal_histories([after], [before])
+    assert optimizer.state[mains[0]]["step"].item() == 3
+    assert len(fused_adam._tables[optimizer]) == 2
+
+
+@pytest.mark.gpu
+def test_step_hooks_run_once_around_the_kernel():
+    """A global pre-hook that sets the gradients (as the DDP engine's hands out `.grad`) runs
+    before the kernel reads them and the optimizer's post-hook after it, once each per step;
+    the result is torch's step with the same hooks."""
+    results = []
+    for fused in (True, False):
+        mains, grads, models = _problem("cuda", torch.bfloat16)
+        optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+        calls = []
+
+        def set_grads(opt, args, kwargs, mains=mains, grads=grads, calls=calls):
+            calls.append("pre")
+            for main, grad in zip(mains, grads[len(calls) % 4]):
+                main.grad = grad.clone()
+
+        handles = [
+            register_optimizer_step_pre_hook(set_grads),
+            optimizer.register_step_post_hook(lambda *unused, calls=calls: calls.append("post")),
+        ]
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    if fused:
+                        step_and_copy(optimizer, list(zip(models, mains)))
+                    else:
+                        optimizer.step()
+                        torch._foreach_copy_(models, mains)
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert calls == ["pre", "post"] * 3
+        results.append(_snapshot(optimizer, mains, models))
+        if fused:
+            assert len(fused_adam._tables[optimizer]) == 2
+    _assert_close_histories([results[0]], [results[1]])
+
+
+@pytest.mark.gpu
+def test_unaligned_and_gradless_weights_take_torch_step():
+    """A main weight that starts off a 16-byte boundary makes the step torch's; a weight
+    without a gradient is copied all the same."""
+    buffer = torch.randn(1 + 1000, device="cuda")
+    odd = buffer[1:].view(10, 100)  # 4 bytes past an aligned start
+    mains = [odd, torch.randn(64, device="cuda"), torch.randn(8, device="cuda")]
+    results = []
+    for fused in (True, False):
+        params = [m.clone() if i else buffer.clone()[1:].view(10, 100) for i, m in enumerate(mains)]
+        models = [p.to(torch.bfloat16) for p in params]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        with torch.no_grad():
+            for _ in range(3):
+                for p in params[:2]:
+                    p.grad = torch.ones_like(p)
+                params[2].add_(1.0)  # no gradient: only the copy changes the model
+                if fused:
+                    step_and_copy(optimizer, list(zip(models, params)))
+                else:
+                    optimizer.step()
+                    torch._foreach_copy_(models, params)
+        results.append([t.clone() for t in params + models])
+        if fused:
+            assert optimizer not in fused_adam._tables or not fused_adam._tables[optimizer]
+    _assert_equal_histories([results[0]], [results[1]])
+
+
+@pytest.mark.gpu
+def test_captured_step_replays_with_new_learning_rates():
+    """The kernel captured in a CUDA graph reads the learning rate from its device tensor and
+    the step counts it advances: replays equal eager torch steps with those rates."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    reference = [m.clone() for m in mains]
+    ref_models = [m.clone() for m in models]
+    lr = torch.tensor(1e-3, device="cuda")
+    optimizer = _optimizer(torch.optim.AdamW, mains, lr, 0.1, capturable=True)
+    ref_optimizer = _optimizer(
+        torch.optim.AdamW, reference, torch.tensor(1e-3, device="cuda"), 0.1, capturable=True
+    )
+    copies = list(zip(models, mains))
+    with torch.no_grad():
+        for params in (mains, reference):
+            for main, grad in zip(params, grads[0]):
+                main.grad = grad.clone()
+        step_and_copy(optimizer, copies)  # the first, eager step creates the state
+        ref_optimizer.step()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step_and_copy(optimizer, copies)  # warm-up on a side stream, as capture wants
+        torch.cuda.current_stream().wait_stream(stream)
+        ref_optimizer.step()
+        with torch.cuda.graph(graph):
+            step_and_copy(optimizer, copies)
+        for rate in (2e-3, 5e-4, 1e-3):
+            lr.fill_(rate)
+            ref_optimizer.param_groups[0]["lr"].fill_(rate)
+            ref_optimizer.param_groups[1]["lr"].fill_(rate)
+            graph.replay()
+            ref_optimizer.step()
+            torch._foreach_copy_(ref_models, reference)
+    torch.cuda.synchronize()
+    for got, expected in zip(mains + models, reference + ref_models):
+        torch.testing.assert_close(got, expected)
+    for main, model in zip(mains, models):
+        assert torch.equal(model, main.to(model.dtype))
+    assert optimizer.state[mains[0]]["step"].item() == 5
+
+
+def test_cpu_is_torch_step_then_copy():
+    got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
+    expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
+    _assert_equal_histories(got, expected)
