@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -158,7 +159,7 @@ def forward_backward(
 
 def wrapper_step(
     wrapper: _BaseDataParallel,
-    optimizer: torch.optim.Optimizer | MainWeightsAdamW,
+    optimizer_step: Callable[[], None],
     scope: Callable[[int], contextlib.AbstractContextManager],
 ) -> StepFn:
     """The step of a Megatron data-parallel `wrapper` (DDP or Megatron-FSDP), in the training
@@ -169,10 +170,7 @@ def wrapper_step(
         wrapper.start_param_sync()
         loss = forward_backward(wrapper, batches, scope)
         wrapper.finish_grad_sync()
-        if isinstance(optimizer, MainWeightsAdamW):
-            optimizer.step()
-        else:  # Megatron-FSDP's hooked torch optimizer, stepped as MegatronOptimizer steps it
-            step_and_copy(optimizer)
+        optimizer_step()
         return loss
 
     return step
@@ -219,7 +217,8 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
             return contextlib.nullcontext()
         return microbatch(fsdp.module, is_last=i == n - 1)
 
-    return wrapper_step(fsdp, optimizer, scope)
+    # Stepped as MegatronOptimizer steps it (the fused kernel where it applies).
+    return wrapper_step(fsdp, functools.partial(step_and_copy, optimizer), scope)
 
 
 def build_fsdp2(args: argparse.Namespace) -> StepFn:
@@ -271,7 +270,7 @@ def build_ddp(args: argparse.Namespace) -> StepFn:
     def scope(i: int) -> contextlib.AbstractContextManager:
         return ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
 
-    return wrapper_step(ddp, optimizer, scope)
+    return wrapper_step(ddp, optimizer.step, scope)
 
 
 def build_single(args: argparse.Namespace) -> StepFn:

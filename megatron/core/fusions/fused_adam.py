@@ -204,7 +204,7 @@ class _Launch:
 
     def run(self, found_inf: torch.Tensor | None) -> None:
         hyper = self.tables.hyper
-        _adam_kernel[(self.tables.num_programs,)](
+        _adam_kernel[(len(self.tables.programs),)](
             self.tables.tensors,
             self.tables.programs,
             hyper,
@@ -229,7 +229,6 @@ class _Tables:
     key: tuple
     tensors: torch.Tensor
     programs: torch.Tensor
-    num_programs: int
     hyper_values: tuple[float, ...]
     hyper: torch.Tensor
 
@@ -354,7 +353,6 @@ def _build_tables(
         key=key,
         tensors=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
         programs=programs.to(device, non_blocking=True),
-        num_programs=len(tensor_of),
         hyper_values=hyper_values,
         hyper=torch.tensor(hyper_values, dtype=torch.float64).to(device, non_blocking=True),
     )

@@ -44,9 +44,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--no-gradient-accumulation-fusion",
         action="store_false",
         dest="gradient_accumulation_fusion",
-        help="Under the DDP engine, compute linear layers' weight gradients in the parameters' "
-        "dtype and add them to main_grad afterwards, instead of accumulating them into main_grad "
-        "in the GEMM.",
+        help="Compute linear layers' weight gradients in the parameters' dtype and add them to "
+        "main_grad afterwards, instead of accumulating them into main_grad in the GEMM (DDP "
+        "engine; Megatron-FSDP's whole sums with --megatron-fsdp-accumulate-unsharded-grads).",
     )
     group.add_argument(
         "--use-mcore-models",
