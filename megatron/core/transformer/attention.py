@@ -99,7 +99,7 @@ class SelfAttention(MegatronModule):
         self.core_attention = build_module(
             submodules.core_attention, config=config, layer_number=layer_number
         )
-        # The bias is handed back to the layer, which adds it together with dropout and residual.
+        # The linear adds its own bias, as `MLP.linear_fc2` does (see there).
         self.linear_proj = build_module(
             submodules.linear_proj,
             self.query_projection_size,
@@ -108,7 +108,7 @@ class SelfAttention(MegatronModule):
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=True,
+            skip_bias_add=False,
             is_expert=False,
             tp_comm_buffer_name="proj",
             tp_group=self.tp_group,
@@ -176,8 +176,8 @@ class SelfAttention(MegatronModule):
             rotary_pos_emb: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim], or None.
 
         Returns:
-            `(output, bias)`: output [s, b, h] (under sequence parallelism [s/T, b, h]) and the
-            not-yet-added projection bias (or None).
+            `(output, None)`: output [s, b, h] (under sequence parallelism [s/T, b, h]), the
+            projection's bias added.
         """
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:

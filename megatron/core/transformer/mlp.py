@@ -74,7 +74,9 @@ class MLP(MegatronModule):
             tp_group=tp_group,
         )
         self.activation_func = config.activation_func
-        # The bias is handed back to the layer, which adds it together with dropout and residual.
+        # The linear adds its own bias (in the GEMM's epilogue at tp 1, after the sum over tp
+        # otherwise) rather than handing it to the layer's bias-dropout-add, as upstream does for
+        # its fused kernel: unfused, that is one more pass over the activations.
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
             ffn_hidden_size,
@@ -83,7 +85,7 @@ class MLP(MegatronModule):
             init_method=config.output_layer_init_method,
             bias=config.add_bias_linear,
             input_is_parallel=True,
-            skip_bias_add=True,
+            skip_bias_add=False,
             is_expert=False,
             tp_comm_buffer_name="fc2",
             tp_group=tp_group,
@@ -94,8 +96,8 @@ class MLP(MegatronModule):
         [s/T, b, h]).
 
         Returns:
-            `(output, bias)`: output of the input's shape and the not-yet-added fc2 bias (or
-            None).
+            `(output, None)`: output of the input's shape, fc2's bias added (Megatron-LM's
+            calling convention: the second entry is a bias left for the caller to add).
         """
         intermediate, _ = self.linear_fc1(hidden_states)
         if self.config.gated_linear_unit:

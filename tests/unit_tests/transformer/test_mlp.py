@@ -26,9 +26,9 @@ def test_plain_mlp():
     x = torch.randn(16, 2, 32)
     output, bias = mlp(x)
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-    expected = F.gelu(x @ fc1.weight.T + fc1.bias) @ fc2.weight.T
+    expected = F.gelu(x @ fc1.weight.T + fc1.bias) @ fc2.weight.T + fc2.bias
     torch.testing.assert_close(output, expected)
-    assert bias is fc2.bias  # returned for the layer's bias-dropout-add
+    assert bias is None  # fc2 adds its own bias
 
 
 def test_swiglu_mlp():
