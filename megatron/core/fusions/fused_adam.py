@@ -43,8 +43,10 @@ except ImportError:  # CPU-only PyTorch builds
 _BLOCK = 512
 """Elements one program updates per iteration: four per thread of four warps (16-byte loads)."""
 
-_BLOCKS_PER_PROGRAM = 32
-"""Iterations per program: enough work to hide the loads of its tensor's addresses."""
+_BLOCKS_PER_PROGRAM = 4
+"""Iterations per program: enough work to amortise the loads of its tensor's addresses, few
+enough that a program's loads are not serialised behind one another's (longer loops were
+slower on an H200)."""
 
 _CHUNK = _BLOCK * _BLOCKS_PER_PROGRAM
 

@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from megatron.core.fusions import fused_adam
 from megatron.core.fusions.fused_adam import step_and_copy
 
-# Sizes over several programs (40000 > one program's 16384 elements), below one vector (3), and
+# Sizes over several programs (40000 > one program's 2048 elements), below one vector (3), and
 # not a multiple of the vector width (1001).
 SHAPES = [(40000,), (3,), (7, 143), (64, 32)]
 
