@@ -233,13 +233,39 @@ class _Tables:
     programs: torch.Tensor
     hyper_values: tuple[float, ...]
     hyper: torch.Tensor
+    staging: torch.Tensor | None
+    """Pinned host memory for the address table of one CUDA-graph capture (`recapture`), None
+    once a capture took it."""
+
+    def recapture(self, key: tuple, rows: list[list[int]]) -> _Tables:
+        """These tables with the address table of `rows` (the same tensors' sizes at other
+        addresses), during a CUDA-graph capture.
+
+        An engine that frees its gradient buffers between steps (Megatron-FSDP) hands the
+        optimizer gradients at other addresses inside the capture than in the eager steps
+        before it. The capture cannot copy a table from pageable host memory; it records a copy
+        from `staging`, which its replays repeat: the buffer is handed over to `_captured`,
+        never written or freed again.
+
+        Raises:
+            _Unfusable: the sizes differ (another program map), or a capture took `staging`.
+        """
+        if self.staging is None or [row[-1] for row in rows] != [row[-1] for row in self.key]:
+            raise _Unfusable
+        staging, self.staging = self.staging, None
+        staging.copy_(torch.tensor(rows, dtype=torch.int64))
+        _captured.append(staging)
+        tensors = torch.empty_like(self.tensors)
+        tensors.copy_(staging, non_blocking=True)
+        return dataclasses.replace(self, key=key, tensors=tensors)
 
 
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Optimizer -> its groups' `_Tables` (index: group)."""
 
-_captured: list[_Tables] = []
-"""Tables a CUDA graph captured a launch with: its replays read them, so they are never freed."""
+_captured: list[_Tables | torch.Tensor] = []
+"""Tables a CUDA graph captured a launch with, and the host buffers it copies tables from: its
+replays read them, so they are never freed."""
 
 
 def _plan(
@@ -321,10 +347,13 @@ def _plan_group(
         hyper_values += (lr,)
     key = tuple(map(tuple, rows))
     if tables is None or tables.key != key:
-        if capturing:  # a table built now would be copied from host memory inside the graph
+        if not capturing:
+            tables = _build_tables(key, rows, mains[0].device, hyper_values)
+        elif tables is None:
             raise _Unfusable
-        tables = _build_tables(key, rows, mains[0].device, hyper_values)
-    elif tables.hyper_values != hyper_values:
+        else:
+            tables = tables.recapture(key, rows)
+    if tables.hyper_values != hyper_values:
         if capturing:
             raise _Unfusable
         tables.hyper.copy_(torch.tensor(hyper_values, dtype=torch.float64), non_blocking=True)
@@ -357,6 +386,7 @@ def _build_tables(
         programs=programs.to(device, non_blocking=True),
         hyper_values=hyper_values,
         hyper=torch.tensor(hyper_values, dtype=torch.float64).to(device, non_blocking=True),
+        staging=torch.empty((len(rows), _ROW), dtype=torch.int64, pin_memory=True),
     )
 
 

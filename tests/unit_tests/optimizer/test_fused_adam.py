@@ -226,6 +226,54 @@ def test_captured_step_replays_with_new_learning_rates():
     assert optimizer.state[mains[0]]["step"].item() == 5
 
 
+@pytest.mark.gpu
+def test_capture_after_the_gradient_buffer_moved():
+    """Gradients that are views of one buffer, allocated anew between steps (as Megatron-FSDP's
+    are): the capture takes the kernel, with an address table of the capture's addresses, and
+    its replays equal eager torch steps."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    reference = [m.clone() for m in mains]
+    ref_models = [m.clone() for m in models]
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+    ref_optimizer = _optimizer(torch.optim.AdamW, reference, 1e-2, 0.1)
+    copies = list(zip(models, mains))
+    numels = [m.numel() for m in mains]
+    sizes = [-(-n // 4) * 4 for n in numels]  # each view on a 16-byte boundary
+    buffers = []  # all kept alive: every buffer at another address
+
+    def attach():
+        buffers.append(torch.empty(sum(sizes), device="cuda"))
+        for main, chunk, numel in zip(mains, buffers[-1].split(sizes), numels):
+            main.grad = chunk[:numel].view_as(main)
+
+    def step_both(step_grads, step):
+        for main, ref, grad in zip(mains, reference, step_grads):
+            main.grad.copy_(grad)
+            ref.grad = grad.clone()
+        step()
+        ref_optimizer.step()
+        torch._foreach_copy_(ref_models, reference)
+
+    with torch.no_grad():
+        for step_grads in grads[:2]:  # torch's first step, then the kernel's
+            attach()
+            step_both(step_grads, lambda: step_and_copy(optimizer, copies))
+        tables = fused_adam._tables[optimizer][0]
+        attach()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step_and_copy(optimizer, copies)
+        recaptured = fused_adam._tables[optimizer][0]
+        assert recaptured is not tables and recaptured.programs is tables.programs
+        assert any(captured is recaptured for captured in fused_adam._captured)
+        for step_grads in grads[2:]:
+            step_both(step_grads, graph.replay)
+    torch.cuda.synchronize()
+    for got, expected in zip(mains + models, reference + ref_models):
+        torch.testing.assert_close(got, expected)
+    assert optimizer.state[mains[0]]["step"].item() == 4
+
+
 def test_cpu_is_torch_step_then_copy():
     got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
     expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
