@@ -226,7 +226,7 @@ class _Launch:
 @dataclasses.dataclass
 class _Tables:
     """A parameter group's address table, program map and hyperparameters on the device, with
-    the host values they were built from (rebuilt when those change)."""
+    the host values they were made from (remade when those change)."""
 
     key: tuple
     tensors: torch.Tensor
@@ -234,27 +234,31 @@ class _Tables:
     hyper_values: tuple[float, ...]
     hyper: torch.Tensor
     staging: torch.Tensor | None
-    """Pinned host memory for the address table of one CUDA-graph capture (`recapture`), None
-    once a capture took it."""
+    """Pinned host memory for the address table of one CUDA-graph capture (`readdressed`),
+    None once a capture took it."""
 
-    def recapture(self, key: tuple, rows: list[list[int]]) -> _Tables:
-        """These tables with the address table of `rows` (the same tensors' sizes at other
-        addresses), during a CUDA-graph capture.
+    def readdressed(self, key: tuple, capturing: bool) -> _Tables:
+        """These tables for the same tensor sizes at other addresses (`key`): the program map
+        and hyperparameters are kept, the address table is copied from pinned host memory.
 
         An engine that frees its gradient buffers between steps (Megatron-FSDP) hands the
-        optimizer gradients at other addresses inside the capture than in the eager steps
-        before it. The capture cannot copy a table from pageable host memory; it records a copy
-        from `staging`, which its replays repeat: the buffer is handed over to `_captured`,
-        never written or freed again.
+        optimizer its gradients at other addresses each step, and inside a CUDA-graph capture
+        at others than in the eager steps before it. A capture must not allocate the pinned
+        buffer: it takes `staging`, made with the tables, and records a copy that its replays
+        repeat, so the buffer goes to `_captured`, never written or freed again.
 
         Raises:
-            _Unfusable: the sizes differ (another program map), or a capture took `staging`.
+            _Unfusable: a capture, where an earlier one took `staging`.
         """
-        if self.staging is None or [row[-1] for row in rows] != [row[-1] for row in self.key]:
+        addresses = torch.tensor(key, dtype=torch.int64)
+        if not capturing:
+            staging = addresses.pin_memory()
+        elif self.staging is None:
             raise _Unfusable
-        staging, self.staging = self.staging, None
-        staging.copy_(torch.tensor(rows, dtype=torch.int64))
-        _captured.append(staging)
+        else:
+            staging, self.staging = self.staging, None
+            staging.copy_(addresses)
+            _captured.append(staging)
         tensors = torch.empty_like(self.tensors)
         tensors.copy_(staging, non_blocking=True)
         return dataclasses.replace(self, key=key, tensors=tensors)
@@ -346,13 +350,12 @@ def _plan_group(
     if not isinstance(lr, torch.Tensor):
         hyper_values += (lr,)
     key = tuple(map(tuple, rows))
-    if tables is None or tables.key != key:
-        if not capturing:
-            tables = _build_tables(key, rows, mains[0].device, hyper_values)
-        elif tables is None:
+    if tables is None or [row[-1] for row in tables.key] != [row[-1] for row in key]:
+        if capturing:  # a program map made now would be copied from pageable host memory
             raise _Unfusable
-        else:
-            tables = tables.recapture(key, rows)
+        tables = _build_tables(key, mains[0].device, hyper_values)
+    elif tables.key != key:
+        tables = tables.readdressed(key, capturing)
     if tables.hyper_values != hyper_values:
         if capturing:
             raise _Unfusable
@@ -371,22 +374,20 @@ def _plan_group(
     )
 
 
-def _build_tables(
-    key: tuple, rows: list[list[int]], device: torch.device, hyper_values: tuple[float, ...]
-) -> _Tables:
-    numels = torch.tensor([row[-1] for row in rows])
+def _build_tables(key: tuple, device: torch.device, hyper_values: tuple[float, ...]) -> _Tables:
+    numels = torch.tensor([row[-1] for row in key])
     chunks = (numels + _CHUNK - 1) // _CHUNK
-    tensor_of = torch.repeat_interleave(torch.arange(len(rows)), chunks)
+    tensor_of = torch.repeat_interleave(torch.arange(len(key)), chunks)
     first = torch.cumsum(chunks, 0) - chunks
     chunk_of = torch.arange(len(tensor_of)) - first[tensor_of]
     programs = torch.stack([tensor_of, chunk_of], dim=1).to(torch.int32)
     return _Tables(
         key=key,
-        tensors=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+        tensors=torch.tensor(key, dtype=torch.int64).to(device, non_blocking=True),
         programs=programs.to(device, non_blocking=True),
         hyper_values=hyper_values,
         hyper=torch.tensor(hyper_values, dtype=torch.float64).to(device, non_blocking=True),
-        staging=torch.empty((len(rows), _ROW), dtype=torch.int64, pin_memory=True),
+        staging=torch.empty((len(key), _ROW), dtype=torch.int64, pin_memory=True),
     )
 
 

@@ -229,8 +229,9 @@ def test_captured_step_replays_with_new_learning_rates():
 @pytest.mark.gpu
 def test_capture_after_the_gradient_buffer_moved():
     """Gradients that are views of one buffer, allocated anew between steps (as Megatron-FSDP's
-    are): the capture takes the kernel, with an address table of the capture's addresses, and
-    its replays equal eager torch steps."""
+    are): eager steps and the capture take the kernel, each with an address table of its
+    addresses and the program map made once, and the steps and replays equal eager torch
+    steps."""
     mains, grads, models = _problem("cuda", torch.bfloat16)
     reference = [m.clone() for m in mains]
     ref_models = [m.clone() for m in models]
@@ -255,10 +256,14 @@ def test_capture_after_the_gradient_buffer_moved():
         torch._foreach_copy_(ref_models, reference)
 
     with torch.no_grad():
-        for step_grads in grads[:2]:  # torch's first step, then the kernel's
+        made = []
+        for step_grads in grads[:3]:  # torch's first step, then the kernel's
             attach()
             step_both(step_grads, lambda: step_and_copy(optimizer, copies))
-        tables = fused_adam._tables[optimizer][0]
+            made.append(fused_adam._tables[optimizer].get(0))
+        assert made[0] is None and made[1] is not made[2]
+        assert made[2].programs is made[1].programs
+        tables = made[2]
         attach()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -266,12 +271,12 @@ def test_capture_after_the_gradient_buffer_moved():
         recaptured = fused_adam._tables[optimizer][0]
         assert recaptured is not tables and recaptured.programs is tables.programs
         assert any(captured is recaptured for captured in fused_adam._captured)
-        for step_grads in grads[2:]:
+        for step_grads in grads[3:] + grads[:1]:
             step_both(step_grads, graph.replay)
     torch.cuda.synchronize()
     for got, expected in zip(mains + models, reference + ref_models):
         torch.testing.assert_close(got, expected)
-    assert optimizer.state[mains[0]]["step"].item() == 4
+    assert optimizer.state[mains[0]]["step"].item() == 5
 
 
 def test_cpu_is_torch_step_then_copy():

@@ -175,11 +175,8 @@ class GroupGrads:
             if defer:
                 return None
             grads, self._deferred = self._deferred, None
-        grads = [
-            g if g is not None else torch.zeros_like(p)
-            for g, p in zip(grads, self.weights.unsharded_params)
-        ]
-        return self._reduce_grads(grads, streams)
+            return self._reduce_grads(grads, streams)
+        return self._reduce_grads(self._or_zeros(grads), streams)
 
     def fuse_into_deferred_sums(self) -> None:
         """Lets linear layers add their weight gradients straight into the whole sums of
@@ -210,19 +207,23 @@ class GroupGrads:
             grads, self._deferred = self._deferred, None
             self._reduce_grads(grads, None)
 
+    def _or_zeros(
+        self, grads: list[torch.Tensor | None], dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
+        """Each gradient, or zeros of its parameter's shape (in `dtype`, default the
+        parameter's) where it is None."""
+        return [
+            grad if grad is not None else torch.zeros_like(param, dtype=dtype)
+            for grad, param in zip(grads, self.weights.unsharded_params)
+        ]
+
     def _summed_with_deferred(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """`grads` (None: none, or fused into the sum already) added to the deferred sums, or,
         for the step's first, as the sums: in the main-grads dtype, autograd's own tensors
         where they already have it (no copy)."""
         if self._deferred is None:
             dtype = self.plan.precision.main_grads
-            sums = []
-            for grad, param in zip(grads, self.weights.unsharded_params):
-                if grad is None:
-                    sums.append(torch.zeros_like(param, dtype=dtype))
-                else:
-                    sums.append(grad if grad.dtype == dtype else grad.to(dtype))
-            return sums
+            return [g if g.dtype == dtype else g.to(dtype) for g in self._or_zeros(grads, dtype)]
         added = [(s, g) for s, g in zip(self._deferred, grads) if g is not None]
         if added:
             torch._foreach_add_([s for s, _ in added], [g for _, g in added])
