@@ -67,10 +67,9 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         help="attention kernel: SDPA's choice (auto), flash, fused (cuDNN), unfused or local",
     )
     parser.add_argument(
-        "--compile",
-        choices=("none", "layers", "sublayers"),
-        default="none",
-        help="torch.compile each transformer layer, or its attention and MLP (an experiment)",
+        "--compile-layers",
+        action="store_true",
+        help="torch.compile each transformer layer (TransformerConfig.compile_layers, inductor)",
     )
 
 
@@ -134,6 +133,7 @@ def build_gpt(
         apply_rope_fusion=args.apply_rope_fusion,
         attention_backend=AttnBackend[args.attention_backend],
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        compile_layers=args.compile_layers,
         tensor_model_parallel_size=tp,
         sequence_parallel=args.sequence_parallel and tp > 1,
         **_moe_fields(args),
@@ -149,12 +149,6 @@ def build_gpt(
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
     )
-    for layer in model.decoder.layers:
-        if args.compile == "layers":
-            layer.compile()
-        elif args.compile == "sublayers":
-            layer.self_attention.compile()
-            layer.mlp.compile()
     return config, model
 
 

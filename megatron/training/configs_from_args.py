@@ -186,6 +186,8 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         attention_backend=args.attention_backend,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        compile_layers=args.compile_layers,
+        compile_backend=args.compile_backend,
         seq_length=args.seq_length,
         num_moe_experts=args.num_experts,
         expert_model_parallel_size=args.expert_model_parallel_size,

@@ -91,8 +91,11 @@ def linear(
     """`F.linear(input_, weight, bias)`, its weight gradient fused into the weight's registered
     `main_grad` (module docstring) where there is one.
 
-    `F.linear` itself runs under `torch.compile` (which traces it; the engine adds its
-    gradient), `torch.autocast` (which casts its operands) and `torch.func` transforms.
+    Under `torch.compile` a linear whose weight gets a gradient runs outside the compiled graph
+    (a graph break: the compiled graphs are the work between the linears), so that its weight
+    gradient can still go into `main_grad` (its bias stays in the GEMM's epilogue: added in
+    the graph instead, it cost more than its fusion saved). `F.linear` itself runs under
+    `torch.autocast` (which casts its operands) and `torch.func` transforms.
 
     Args:
         input_: [..., in].
@@ -102,16 +105,22 @@ def linear(
     Returns:
         [..., out].
     """
+    if not (weight.requires_grad and torch.is_grad_enabled()):
+        return F.linear(input_, weight, bias)
+    if torch.compiler.is_compiling():
+        return _linear_outside_graph(input_, weight, bias)
     if (
-        weight.requires_grad
-        and torch.is_grad_enabled()
-        and _may_fuse(weight)
-        and not torch.compiler.is_compiling()
+        _may_fuse(weight)
         and not torch.is_autocast_enabled(input_.device.type)
         and not torch._C._are_functorch_transforms_active()
     ):
         return _LinearIntoMainGrad.apply(input_, weight, bias)
     return F.linear(input_, weight, bias)
+
+
+# The same function, run by Python: whether a weight's gradient fuses is decided per call from
+# state a compiled graph cannot guard (the engine's registry, `.grad`, the backward's inputs).
+_linear_outside_graph = torch.compiler.disable(linear)
 
 
 def weight_grad(

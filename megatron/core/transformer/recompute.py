@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core.tensor_parallel.random import rng_tracker_replay_contexts
@@ -54,5 +55,19 @@ def _checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
 def recompute(function: Callable, *args: Any) -> Any:
     """`function(*args)` under a non-reentrant checkpoint whose backward recomputation runs with
     `is_recomputing()` True. The RNG states (the default generator's and the tensor-parallel
-    tracker's) are replayed, so dropout masks match."""
+    tracker's) are replayed, so dropout masks match.
+
+    Inside code that `torch.compile` traces (`compile_layers`), the checkpointed function runs
+    outside the compiled graph, by PyTorch's kernels in forward and recomputation alike:
+    `torch.compile` refuses the checkpoint's contexts (the RNG tracker's replay), and a
+    recomputation must run the forward's kernels to rebuild what it saved."""
+    if torch.compiler.is_compiling():
+        return _recompute_outside_graph(function, *args)
+    return _checkpoint(function, *args)
+
+
+def _checkpoint(function: Callable, *args: Any) -> Any:
     return checkpoint(function, *args, use_reentrant=False, context_fn=_checkpoint_contexts)
+
+
+_recompute_outside_graph = torch.compiler.disable(_checkpoint)

@@ -148,6 +148,16 @@ class TransformerConfig(ModelParallelConfig):
             statistics of its V/T logits only).
         cross_entropy_fusion_impl: "native" (the chunked PyTorch implementation); "te" is
             refused, as Megatron-LM refuses it (numerically unstable).
+        compile_layers: Compile each transformer layer's forward (and with it its backward) with
+            `torch.compile`: norms, residual adds, dropout, rotary embeddings, activations and
+            attention fuse into generated kernels. The hooks of the modules (a data-parallel
+            engine's) stay outside the compiled code, and linear layers whose weights get
+            gradients run between the compiled graphs, so that gradient-accumulation fusion
+            keeps working. Compiling costs time at the first steps, and each graph boundary host
+            time at every step: it pays where the GPU, not the host, bounds the step (large
+            batches, CUDA-graphed steps).
+        compile_backend: The `torch.compile` backend of `compile_layers` ("inductor" generates
+            Triton and C++ kernels; "aot_eager" traces without generating code, for checking).
         seq_length: Training sequence length, when known when the model is built; lets the
             model check it against its position-embedding table early.
         calculate_per_token_loss: The training loss is a sum over tokens divided by the global
@@ -225,6 +235,8 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: list[str] | None = None
     cross_entropy_loss_fusion: bool = False
     cross_entropy_fusion_impl: str = "native"
+    compile_layers: bool = False
+    compile_backend: str = "inductor"
     seq_length: int | None = None
     calculate_per_token_loss: bool = False
 
@@ -298,6 +310,7 @@ class TransformerConfig(ModelParallelConfig):
             )
         self._check_recompute()
         self._check_attention_options()
+        self._check_compile()
         check_moe_config(self)
         self._check_tensor_parallel()
         if not callable(self.activation_func):
@@ -357,6 +370,16 @@ class TransformerConfig(ModelParallelConfig):
                         f"recompute_modules value {module!r} {refusal}; choose among "
                         f"{RECOMPUTE_MODULES}."
                     )
+
+    def _check_compile(self) -> None:
+        if not self.compile_layers:
+            return
+        if self.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
+            raise ValueError(
+                f"compile_backend {self.compile_backend!r} is not a torch.compile backend; use "
+                "'inductor' (generates kernels), 'aot_eager' (traces without generating them) "
+                "or another of torch.compiler.list_backends(exclude_tags=())."
+            )
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

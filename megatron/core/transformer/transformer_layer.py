@@ -7,6 +7,8 @@ engines shard (FSDP) and that full activation recompute checkpoints.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +133,9 @@ class TransformerLayer(MegatronModule):
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs attention and MLP, each with its residual connection.
+        """Runs attention and MLP, each with its residual connection; compiled with
+        `torch.compile` when `config.compile_layers` (the module's hooks, e.g. a data-parallel
+        engine's, run outside the compiled code).
 
         Args:
             hidden_states: [s, b, h] ([s/T, b, h] under sequence parallelism).
@@ -142,6 +146,17 @@ class TransformerLayer(MegatronModule):
             `(hidden_states, context)`, Megatron-LM's layer output: hidden states [s, b, h] and
             the cross-attention context, always None here (self-attention only).
         """
+        run = type(self)._forward
+        if self.config.compile_layers:
+            run = _compiled(run, self.config.compile_backend)
+        return run(self, hidden_states, attention_mask, rotary_pos_emb), None
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rotary_pos_emb: torch.Tensor | None,
+    ) -> torch.Tensor:
         post_norm_residual = self.config.apply_residual_connection_post_layernorm
 
         normed = self._run(self.input_layernorm, self.recompute_input_layernorm, hidden_states)
@@ -154,7 +169,7 @@ class TransformerLayer(MegatronModule):
         normed = self._run(self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, hidden_states)
         residual = normed if post_norm_residual else hidden_states
         output, bias = self._run(self.mlp, self.recompute_mlp, normed)
-        return self._bias_dropout_add(output, bias, residual), None
+        return self._bias_dropout_add(output, bias, residual)
 
     def _run(
         self, module: torch.nn.Module, recompute: bool, inputs: torch.Tensor
@@ -165,3 +180,11 @@ class TransformerLayer(MegatronModule):
         if recompute and self.training and torch.is_grad_enabled():
             return recompute_checkpoint(module, inputs)
         return module(inputs)
+
+
+@functools.cache
+def _compiled(function: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
+    """`function` (a layer class's `_forward`) compiled with `backend`: one compiled function
+    for every layer, whose graphs the layers of one shape share (their parameters are inputs of
+    the graphs, not constants)."""
+    return torch.compile(function, backend=backend)

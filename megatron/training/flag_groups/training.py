@@ -49,6 +49,20 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "engine; Megatron-FSDP's whole sums with --megatron-fsdp-accumulate-unsharded-grads).",
     )
     group.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="torch.compile each transformer layer (norms, residual adds, rotary embeddings, "
+        "activations and attention fuse; the linears run between the compiled graphs). Costs "
+        "compile time at the first steps and host time per layer: for GPU-bound or CUDA-graphed "
+        "steps. Not a Megatron-LM flag.",
+    )
+    group.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="The torch.compile backend of --compile-layers (aot_eager: trace without "
+        "generating kernels, to tell a compiler problem from a model one).",
+    )
+    group.add_argument(
         "--use-mcore-models",
         action="store_true",
         dest="deprecated_use_mcore_models",

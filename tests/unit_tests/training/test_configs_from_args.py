@@ -158,6 +158,8 @@ TRANSFORMER_CONFIG_CASES = [
     ("--attention-backend local", "attention_backend", AttnBackend.local),
     ("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion", True),
     ("--cross-entropy-fusion-impl te", "cross_entropy_fusion_impl", "te"),
+    ("--compile-layers", "compile_layers", True),
+    ("--compile-layers --compile-backend aot_eager", "compile_backend", "aot_eager"),
     ("--seq-length 16", "seq_length", 16),
     ("--bf16", "bf16", True),
     ("--bf16", "params_dtype", torch.bfloat16),
@@ -219,6 +221,11 @@ def test_flag_reaches_transformer_config(flags, field, value):
     assert getattr(config, field) == value
     baseline = core_transformer_config_from_args(validated())
     assert getattr(baseline, field) != value, "the flags must change the field"
+
+
+def test_an_unknown_compile_backend_names_the_flag_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"compile_backend 'inductr' is not .*'inductor'"):
+        validated("--compile-layers", "--compile-backend", "inductr")
 
 
 def test_every_transformer_config_field_has_a_flag():

@@ -167,9 +167,10 @@ def _rotation_tables(
 
     Kept for as long as `freqs` lives and is not modified in place (every layer's queries and
     keys reuse them); angles that require grad (trained ones) are not kept, so that each forward
-    differentiates its own.
+    differentiates its own. Nor are they under `torch.compile`, which fuses computing them into
+    the rotation.
     """
-    if freqs.requires_grad:
+    if freqs.requires_grad or torch.compiler.is_compiling():
         return _compute_tables(freqs, dtype, interleaved)
     version, tables_by_key = _tables.get(freqs, (None, None))
     if version != freqs._version:

@@ -1,0 +1,229 @@
+"""`compile_layers`: transformer layers compiled by `torch.compile` train as the eager model
+does, alone (recompute, dropout, MoE) and under the DDP engine and Megatron-FSDP, whose hooks stay
+outside the compiled code; gradient-accumulation fusion keeps working (the linears run between
+the compiled graphs).
+
+Most cases compile with the `aot_eager` backend: it traces, splits at the graph breaks and
+differentiates as `inductor` does, but runs PyTorch's own kernels, so the results equal the
+eager model's. `inductor` itself is checked once on CPU (where a C++ compiler exists) and on GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import FullyShardedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.model_builders import (
+    SEQ_LENGTH,
+    VOCAB_SIZE,
+    build_tiny_gpt,
+    make_token_batches,
+    shard_batch,
+    tiny_gpt_config,
+)
+from tests.unit_tests.models.test_gpt_moe import MOE
+from tests.unit_tests.training.test_cuda_graph_training import (
+    BASE,
+    ENGINES,
+    GRAPHED,
+    NO_DROPOUT,
+    _assert_same_training,
+    _pretrain,
+    _pretrain_graphed,
+)
+
+STEPS, GLOBAL_BATCH, MICROBATCHES = 3, 8, 2
+
+CASES = {
+    "plain": {},
+    "selective-recompute": dict(
+        recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]
+    ),
+    "full-recompute": dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    ),
+    "dropout": dict(hidden_dropout=0.1, attention_dropout=0.1),
+    "swiglu-rmsnorm": dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm"),
+    "moe": MOE,
+}
+
+
+def _build(fields: dict, compiled: bool, backend: str = "aot_eager") -> GPTModel:
+    config = tiny_gpt_config(compile_layers=compiled, compile_backend=backend, **fields)
+    if config.num_moe_experts is None:
+        return build_tiny_gpt(config, position_embedding_type="rope")
+    torch.manual_seed(1234)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=SEQ_LENGTH,
+        position_embedding_type="rope",
+    ).to(current_device())
+
+
+def _train_alone(fields: dict, compiled: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """AdamW steps on the whole batch in one process: the losses and the final weights."""
+    model = _build(fields, compiled)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step, (tokens, labels) in enumerate(make_token_batches(STEPS, GLOBAL_BATCH)):
+        torch.manual_seed(step)  # the same dropout masks in both runs
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_layers_train_like_eager_ones(case):
+    eager_losses, eager_weights = _train_alone(CASES[case], compiled=False)
+    losses, weights = _train_alone(CASES[case], compiled=True)
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    initial = _build(CASES[case], compiled=False).state_dict()
+    assert all(not torch.equal(weight, initial[name]) for name, weight in weights.items())
+    for name, weight in eager_weights.items():
+        torch.testing.assert_close(weights[name], weight, msg=name)
+
+
+def _has_cpp_compiler() -> bool:
+    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and not _has_cpp_compiler(),
+    reason="inductor on CPU needs a C++ compiler",
+)
+def test_inductor_layers_compute_the_eager_loss_and_gradients():
+    """Generated kernels reorder fp32 sums (a layer norm's, a fused bias gradient's), so the
+    bound is fp32 reassociation across a 2-layer model, not bitwise equality."""
+    tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
+    tokens, labels = tokens.to(current_device()), labels.to(current_device())
+    results = []
+    for compiled in (False, True):
+        model = _build({}, compiled, backend="inductor")
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _fused_linears(loss: torch.Tensor) -> int:
+    """How many linears in `loss`'s autograd graph send their weight gradient into the
+    engine's sums (the fusing function's backward nodes)."""
+    seen, stack, fused = set(), [loss.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        fused += type(node).__name__ == "_LinearIntoMainGradBackward"
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return fused
+
+
+def _train_engine(engine: str, compiled: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Two microbatches per step under `engine` ("ddp", or a Megatron-FSDP sharding strategy
+    with the whole gradient sums its fusion writes into), SGD on the engine's gradients.
+
+    Returns every global weight, and per backward how many linears fused their weight
+    gradient into the engine's sums."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _build(dict(gradient_accumulation_fusion=True), compiled)
+    if engine == "ddp":
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        wrapped = DistributedDataParallel(model.config, ddp_config, model)
+    else:
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=engine,
+            grad_reduce_in_fp32=True,
+            megatron_fsdp_accumulate_unsharded_grads=True,
+        )
+        wrapped = FullyShardedDataParallel(model.config, ddp_config, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    fused = []
+    for tokens, labels in make_token_batches(STEPS, GLOBAL_BATCH):
+        tokens = shard_batch(tokens, rank, world_size).chunk(MICROBATCHES)
+        labels = shard_batch(labels, rank, world_size).chunk(MICROBATCHES)
+        wrapped.zero_grad_buffer()
+        for i in range(MICROBATCHES):
+            last = i == MICROBATCHES - 1
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                loss = wrapped(tokens[i], labels=labels[i]).mean() / MICROBATCHES
+                fused.append(_fused_linears(loss))
+                loss.backward()
+        wrapped.finish_grad_sync()
+        if engine == "ddp":
+            for param in model.parameters():
+                param.grad = param.main_grad
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+    return state, fused
+
+
+def _train_reference() -> dict[str, torch.Tensor]:
+    """Plain PyTorch, one process, eager: SGD on the whole batch of each step."""
+    model = _build({}, compiled=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for tokens, labels in make_token_batches(STEPS, GLOBAL_BATCH):
+        model(tokens, labels=labels).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# Linears fusing per backward: every one of the 2 layers' 4 linears and the output layer's
+# under DDP; under Megatron-FSDP none in a step's first microbatch (its whole sums do not exist
+# yet), all from the second on.
+FUSED = {"ddp": [9] * MICROBATCHES, "optim_grads_params": [0, 9]}
+
+
+@pytest.mark.parametrize("engine", list(FUSED))
+def test_compiled_layers_under_an_engine_equal_one_eager_process(engine):
+    expected = _train_reference()
+    for state, fused in run_distributed(_train_engine, 2, engine, True):
+        assert fused == FUSED[engine] * STEPS
+        assert state.keys() == expected.keys()
+        for name, weight in expected.items():
+            torch.testing.assert_close(state[name], weight, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("engine", ["fsdp_zero3", "ddp"])
+def test_compiled_layers_in_a_graphed_iteration_train_as_they_do_eagerly(engine):
+    """`pretrain_gpt.py --compile-layers` (inductor) on one GPU, 2 microbatches: the whole
+    iteration in a CUDA graph trains bitwise as the eager iteration (deterministic kernels; the
+    layers compile in the eager warm-up steps, before the capture), and the compiled training
+    follows the uncompiled one to bf16 precision."""
+    flags = [*BASE, *NO_DROPOUT, *ENGINES[engine], "--global-batch-size", "4"]
+    compiled = [*flags, "--compile-layers"]
+    eager = run_distributed(_pretrain, 1, compiled)
+    ((graphed, replays),) = run_distributed(_pretrain_graphed, 1, [*compiled, *GRAPHED])
+    assert replays > 0
+    _assert_same_training(eager, [graphed])
+    (uncompiled,) = run_distributed(_pretrain, 1, flags)
+    assert len(set(uncompiled.loss_curve())) == 8  # it trained
+    assert eager[0].loss_curve() == pytest.approx(uncompiled.loss_curve(), rel=2e-3)
