@@ -322,40 +322,61 @@ def _plan_group(
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and not _is_device_scalar(lr):
         raise _Unfusable
+    device = torch.cuda.current_device()
+    # A weight whose tensors other than its gradient are where they were in the last step's
+    # table was checked then: only its gradient is checked again (engines that free their
+    # gradient buffers between steps hand the optimizer new gradients every step).
+    previous = () if tables is None else tables.key
     rows, mains, steps, copy_dtypes = [], [], [], set()
     for param in group["params"]:
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             continue
         state = optimizer.state.get(param)
         if not state or "exp_avg" not in state:  # the first step creates the moments
             raise _Unfusable
-        model = model_of.get(id(param))
-        tensors = [param, param.grad, state["exp_avg"], state["exp_avg_sq"]]
-        if not _fusable(tensors, model, state["step"]):
+        model, step = model_of.get(id(param)), state["step"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        row = (
+            param.data_ptr(),
+            grad.data_ptr(),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            0 if model is None else model.data_ptr(),
+            step.data_ptr(),
+            param.numel(),
+        )
+        seen = previous[len(rows)] if len(rows) < len(previous) else None
+        if seen is not None and seen[0] == row[0] and seen[2:] == row[2:]:
+            fusable = _gradient_fusable(grad)
+        else:
+            fusable = _fusable((param, grad, exp_avg, exp_avg_sq), model, step, device)
+        if not fusable:
             raise _Unfusable
         if model is not None:
             copy_dtypes.add(model.dtype)
-        rows.append(
-            [t.data_ptr() for t in tensors]
-            + [0 if model is None else model.data_ptr(), state["step"].data_ptr(), param.numel()]
-        )
+        rows.append(row)
         mains.append(param)
-        steps.append(state["step"])
+        steps.append(step)
     if not rows:
         return None
-    if len(copy_dtypes) > 1:
+    if len(copy_dtypes) > 1 or mains[0].device.index != device:
         raise _Unfusable
     beta1, beta2 = group["betas"]
     hyper_values = (beta1, beta2, group["eps"], group["weight_decay"])
     if not isinstance(lr, torch.Tensor):
         hyper_values += (lr,)
-    key = tuple(map(tuple, rows))
-    if tables is None or [row[-1] for row in tables.key] != [row[-1] for row in key]:
-        if capturing:  # a program map made now would be copied from pageable host memory
+    key = tuple(rows)
+    if key != previous:
+        sizes_kept = len(key) == len(previous) and all(
+            row[-1] == old[-1] for row, old in zip(key, previous)
+        )
+        if sizes_kept:
+            tables = tables.readdressed(key, capturing)
+        elif capturing:  # a program map made now would be copied from pageable host memory
             raise _Unfusable
-        tables = _build_tables(key, mains[0].device, hyper_values)
-    elif tables.key != key:
-        tables = tables.readdressed(key, capturing)
+        else:
+            tables = _build_tables(key, mains[0].device, hyper_values)
     if tables.hyper_values != hyper_values:
         if capturing:
             raise _Unfusable
@@ -391,29 +412,35 @@ def _build_tables(key: tuple, device: torch.device, hyper_values: tuple[float, .
     )
 
 
-def _fusable(tensors: list[torch.Tensor], model: torch.Tensor | None, step: torch.Tensor) -> bool:
+def _fusable(
+    tensors: tuple[torch.Tensor, ...], model: torch.Tensor | None, step: torch.Tensor, device: int
+) -> bool:
     """fp32 main weight, gradient and moments (and a bf16 / fp16 model weight) of one shape,
-    contiguous and 16-byte aligned on the current CUDA device, with a device step count."""
+    contiguous and 16-byte aligned on CUDA device `device`, with a device step count there."""
     main = tensors[0]
-    if not (main.is_cuda and main.device.index == torch.cuda.current_device()):
+    if not (main.is_cuda and main.device.index == device):
         return False
-    same = all(
-        t.dtype == torch.float32 and t.device == main.device and t.shape == main.shape
+    if not (_is_device_scalar(step) and step.device == main.device):
+        return False
+    if any(t.dtype != torch.float32 for t in tensors):
+        return False
+    if model is not None:
+        if model.dtype not in _TRITON_DTYPES:
+            return False
+        tensors = (*tensors, model)
+    return all(
+        t.device == main.device
+        and t.shape == main.shape
+        and t.is_contiguous()
+        and t.data_ptr() % 16 == 0
         for t in tensors
     )
-    if model is not None:
-        same = same and (
-            model.dtype in _TRITON_DTYPES
-            and model.device == main.device
-            and model.shape == main.shape
-        )
-        tensors = tensors + [model]
-    return (
-        same
-        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
-        and _is_device_scalar(step)
-        and step.device == main.device
-    )
+
+
+def _gradient_fusable(grad: torch.Tensor) -> bool:
+    """`_fusable` for a gradient whose weight passed it: `.grad` takes only tensors of its
+    weight's dtype, shape and device, so its layout and alignment are what is left to check."""
+    return grad.dtype == torch.float32 and grad.is_contiguous() and grad.data_ptr() % 16 == 0
 
 
 def _is_device_scalar(tensor: torch.Tensor) -> bool:

@@ -4,6 +4,8 @@ unit or two in the last place, far below the 1e-2 learning rate's updates that a
 would change), its step counts exactly, and its model weights are its main weights rounded; every
 case that falls back to torch is torch's bit for bit."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -277,6 +279,52 @@ def test_capture_after_the_gradient_buffer_moved():
     for got, expected in zip(mains + models, reference + ref_models):
         torch.testing.assert_close(got, expected)
     assert optimizer.state[mains[0]]["step"].item() == 5
+
+
+@pytest.mark.gpu
+def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
+    """Gradients in a buffer allocated anew each step (as Megatron-FSDP's are): after the first
+    fused step only the gradients are checked, which still catches a step whose gradients
+    start off a 16-byte boundary (torch's step takes it); every step equals torch's."""
+    torch.manual_seed(0)
+    mains = [torch.randn(shape, device="cuda") for shape in SHAPES]
+    grads = [[torch.randn_like(m) for m in mains] for _ in range(5)]
+    sizes = [-(-m.numel() // 4) * 4 for m in mains]  # each view on a 16-byte boundary
+    runs = []
+    for fused in (True, False):
+        params = [m.clone() for m in mains]
+        models = [m.to(torch.bfloat16) for m in mains]
+        optimizer = _optimizer(torch.optim.AdamW, params, 1e-2, 0.1)
+        checked, launched = [], []
+        with torch.no_grad():
+            for step, values in enumerate(grads):
+                offset = 1 if step == 3 else 0  # 4 bytes past an aligned start
+                buffer = torch.empty(sum(sizes) + offset, device="cuda")[offset:]
+                for param, chunk, value in zip(params, buffer.split(sizes), values):
+                    param.grad = chunk[: param.numel()].view_as(param).copy_(value)
+                with (
+                    mock.patch.object(fused_adam, "_fusable", wraps=fused_adam._fusable) as full,
+                    mock.patch.object(fused_adam._Launch, "run", autospec=True) as run,
+                ):
+                    run.side_effect = _LAUNCH_RUN
+                    if fused:
+                        step_and_copy(optimizer, list(zip(models, params)))
+                    else:
+                        optimizer.step()
+                        torch._foreach_copy_(models, params)
+                checked.append(full.call_count)
+                launched.append(run.call_count)
+        runs.append([t.clone() for t in params + models])
+        if fused:
+            # Step 1 creates the moments (torch's step); step 2 checks each weight in full;
+            # step 4's unaligned gradients send it to torch's step.
+            assert checked == [0, 4, 0, 0, 0]
+            assert launched == [0, 2, 2, 0, 2]
+    for got, expected in zip(*runs):
+        torch.testing.assert_close(got, expected)
+
+
+_LAUNCH_RUN = fused_adam._Launch.run
 
 
 def test_cpu_is_torch_step_then_copy():
