@@ -10,12 +10,10 @@ eager model's. `inductor` itself is checked once on CPU (where a C++ compiler ex
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -23,13 +21,18 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from tests.unit_tests.distributed.fsdp.fsdp_training import (
+    GLOBAL_BATCH,
+    MEGATRON_LOOP_MICROBATCHES,
+    STEPS,
+    megatron_loop,
+)
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.model_builders import (
     SEQ_LENGTH,
     VOCAB_SIZE,
     build_tiny_gpt,
     make_token_batches,
-    shard_batch,
     tiny_gpt_config,
 )
 from tests.unit_tests.models.test_gpt_moe import MOE
@@ -42,8 +45,6 @@ from tests.unit_tests.training.test_cuda_graph_training import (
     _pretrain,
     _pretrain_graphed,
 )
-
-STEPS, GLOBAL_BATCH, MICROBATCHES = 3, 8, 2
 
 CASES = {
     "plain": {},
@@ -139,14 +140,14 @@ def _fused_linears(loss: torch.Tensor) -> int:
     return fused
 
 
-def _train_engine(engine: str, compiled: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Two microbatches per step under `engine` ("ddp", or a Megatron-FSDP sharding strategy
-    with the whole gradient sums its fusion writes into), SGD on the engine's gradients.
+def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Compiled layers under `engine` ("ddp", or a Megatron-FSDP sharding strategy with the
+    whole gradient sums its fusion writes into) in Megatron's loop, SGD on the engine's
+    gradients.
 
-    Returns every global weight, and per backward how many linears fused their weight
-    gradient into the engine's sums."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = _build(dict(gradient_accumulation_fusion=True), compiled)
+    Returns every global weight, and per forward how many linears of its autograd graph fuse
+    their weight gradient into the engine's sums."""
+    model = _build(dict(gradient_accumulation_fusion=True), compiled=True)
     if engine == "ddp":
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
         wrapped = DistributedDataParallel(model.config, ddp_config, model)
@@ -158,24 +159,17 @@ def _train_engine(engine: str, compiled: bool) -> tuple[dict[str, torch.Tensor],
             megatron_fsdp_accumulate_unsharded_grads=True,
         )
         wrapped = FullyShardedDataParallel(model.config, ddp_config, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     fused = []
-    for tokens, labels in make_token_batches(STEPS, GLOBAL_BATCH):
-        tokens = shard_batch(tokens, rank, world_size).chunk(MICROBATCHES)
-        labels = shard_batch(labels, rank, world_size).chunk(MICROBATCHES)
-        wrapped.zero_grad_buffer()
-        for i in range(MICROBATCHES):
-            last = i == MICROBATCHES - 1
-            with contextlib.nullcontext() if last else wrapped.no_sync():
-                loss = wrapped(tokens[i], labels=labels[i]).mean() / MICROBATCHES
-                fused.append(_fused_linears(loss))
-                loss.backward()
-        wrapped.finish_grad_sync()
-        if engine == "ddp":
+    model.register_forward_hook(lambda module, args, output: fused.append(_fused_linears(output)))
+
+    def step(optimizer: torch.optim.Optimizer) -> None:
+        if engine == "ddp":  # its reduced gradients are in `main_grad`
             for param in model.parameters():
                 param.grad = param.main_grad
         optimizer.step()
         optimizer.zero_grad()
+
+    megatron_loop(wrapped, torch.optim.SGD(model.parameters(), lr=0.5), step)
     state = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
@@ -197,13 +191,14 @@ def _train_reference() -> dict[str, torch.Tensor]:
 # Linears fusing per backward: every one of the 2 layers' 4 linears and the output layer's
 # under DDP; under Megatron-FSDP none in a step's first microbatch (its whole sums do not exist
 # yet), all from the second on.
-FUSED = {"ddp": [9] * MICROBATCHES, "optim_grads_params": [0, 9]}
+N = MEGATRON_LOOP_MICROBATCHES
+FUSED = {"ddp": [9] * N, "optim_grads_params": [0] + [9] * (N - 1)}
 
 
 @pytest.mark.parametrize("engine", list(FUSED))
 def test_compiled_layers_under_an_engine_equal_one_eager_process(engine):
     expected = _train_reference()
-    for state, fused in run_distributed(_train_engine, 2, engine, True):
+    for state, fused in run_distributed(_train_engine, 2, engine):
         assert fused == FUSED[engine] * STEPS
         assert state.keys() == expected.keys()
         for name, weight in expected.items():

@@ -304,9 +304,10 @@ def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
                     param.grad = chunk[: param.numel()].view_as(param).copy_(value)
                 with (
                     mock.patch.object(fused_adam, "_fusable", wraps=fused_adam._fusable) as full,
-                    mock.patch.object(fused_adam._Launch, "run", autospec=True) as run,
+                    mock.patch.object(
+                        fused_adam._Launch, "run", autospec=True, side_effect=fused_adam._Launch.run
+                    ) as run,
                 ):
-                    run.side_effect = _LAUNCH_RUN
                     if fused:
                         step_and_copy(optimizer, list(zip(models, params)))
                     else:
@@ -322,9 +323,6 @@ def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
             assert launched == [0, 2, 2, 0, 2]
     for got, expected in zip(*runs):
         torch.testing.assert_close(got, expected)
-
-
-_LAUNCH_RUN = fused_adam._Launch.run
 
 
 def test_cpu_is_torch_step_then_copy():

@@ -204,6 +204,31 @@ def train_fsdp(
         return full_state(model)
 
 
+MEGATRON_LOOP_MICROBATCHES = 3
+
+
+def megatron_loop(wrapper, optimizer, step_fn) -> list[float]:
+    """Megatron's order of calls on a data-parallel wrapper (DDP engine or Megatron-FSDP):
+    STEPS steps of MEGATRON_LOOP_MICROBATCHES microbatches of this rank's share of each global
+    batch, `step_fn(optimizer)` after each; every microbatch's loss."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    n = MEGATRON_LOOP_MICROBATCHES
+    losses = []
+    for tokens, labels in make_token_batches(STEPS, GLOBAL_BATCH):
+        tokens = shard_batch(tokens, rank, world_size).chunk(n)
+        labels = shard_batch(labels, rank, world_size).chunk(n)
+        wrapper.zero_grad_buffer()
+        for i in range(n):
+            with contextlib.nullcontext() if i == n - 1 else wrapper.no_sync():
+                loss = wrapper(tokens[i], labels=labels[i]).mean() / n
+                loss.backward()
+            losses.append(loss.item())
+        wrapper.finish_grad_sync()
+        step_fn(optimizer)
+        wrapper.start_param_sync()
+    return losses
+
+
 def freeze(model: torch.nn.Module, names: tuple[str, ...]) -> None:
     for name, param in model.named_parameters():
         if name in names:

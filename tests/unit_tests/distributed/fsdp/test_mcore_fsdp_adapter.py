@@ -3,11 +3,8 @@ Megatron-style loop, and puts parameter all-gathers on the separate all-gather g
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.distributed import (
@@ -22,36 +19,12 @@ from megatron.core.distributed.fsdp import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
-from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
+from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, megatron_loop
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
     device_batch,
-    make_token_batches,
-    shard_batch,
 )
-
-NUM_MICROBATCHES = 3
-
-
-def _megatron_loop(wrapper, optimizer, step_fn) -> list[float]:
-    """Megatron's order of calls on a data-parallel wrapper."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for tokens, labels in make_token_batches(3, 12):
-        tokens = shard_batch(tokens, rank, world_size).chunk(NUM_MICROBATCHES)
-        labels = shard_batch(labels, rank, world_size).chunk(NUM_MICROBATCHES)
-        wrapper.zero_grad_buffer()
-        for i in range(NUM_MICROBATCHES):
-            last = i == NUM_MICROBATCHES - 1
-            with contextlib.nullcontext() if last else wrapper.no_sync():
-                loss = wrapper(tokens[i], labels=labels[i]).mean() / NUM_MICROBATCHES
-                loss.backward()
-            losses.append(loss.item())
-        wrapper.finish_grad_sync()
-        step_fn(optimizer)
-        wrapper.start_param_sync()
-    return losses
 
 
 def _train_adapter(ddp_kwargs: dict, tied: bool = False) -> dict:
@@ -59,7 +32,7 @@ def _train_adapter(ddp_kwargs: dict, tied: bool = False) -> dict:
     config = DistributedDataParallelConfig(use_megatron_fsdp=True, **ddp_kwargs)
     fsdp = FullyShardedDataParallel(model.config, config, model)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
-    losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
+    losses = megatron_loop(fsdp, optimizer, lambda opt: opt.step())
     units = {
         "layers": all(isinstance(m, FsdpModule) for m in model.decoder.layers),
         "embedding": isinstance(model.embedding, FsdpModule),
@@ -78,7 +51,7 @@ def _train_ddp(tied: bool = False) -> dict:
             param.grad = param.main_grad
         opt.step()
 
-    losses = _megatron_loop(ddp, optimizer, step)
+    losses = megatron_loop(ddp, optimizer, step)
     return dict(state=full_state(model), losses=losses)
 
 
@@ -135,7 +108,7 @@ def _collective_groups(create_all_gather_group: bool) -> dict:
         fsdp = FullyShardedDataParallel(model.config, config, model, pg_collection=pgs)
         optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
         with spy_on_engine() as calls:
-            losses = _megatron_loop(fsdp, optimizer, lambda opt: opt.step())
+            losses = megatron_loop(fsdp, optimizer, lambda opt: opt.step())
         ag_group = pgs.dp_cp_ag if create_all_gather_group else pgs.dp_cp
         return dict(
             gathers_on_ag=[group is ag_group for group in calls.gather_groups],
