@@ -20,11 +20,12 @@ A root forward that finds the state not IDLE knows that the previous forward or 
 it reshards every unit, registers the main weights again and drops the gradients that pass left
 unreduced (`zero_grad_buffer()` and `finish_grad_sync()` do the same), so a failed pass leaves
 nothing behind. At the start of each root forward the main version of every group is read once
-(`weights.py`), stale compute weights are refreshed, and gradients an optimizer dropped are
-freed. At the end of each backward the units that entered it but were not reduced by their own
-post-backward (the root, units whose inputs need no gradient) are reduced, however many
-backward passes run per forward; outside `no_sync()` / `microbatch(is_last=False)` the
-gradients are then finalised (`finalize_grads`, the one place that finalises).
+(`weights.py`), with which weights are frozen, stale compute weights are refreshed, and
+gradients an optimizer dropped are freed. At the end of each backward the units that entered
+it but were not reduced by their own post-backward (the root, units whose inputs need no
+gradient) are reduced, however many backward passes run per forward; outside `no_sync()` /
+`microbatch(is_last=False)` the gradients are then finalised (`finalize_grads`, the one place
+that finalises).
 
 With the root's gradient-accumulation options (`OverlapPolicy.keep_unsharded_params`,
 `accumulate_unsharded_grads`), a microbatch that is not the last keeps the units it gathers
@@ -54,7 +55,7 @@ import torch
 from torch.autograd import Variable
 
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.gradients import GradState
+from megatron.core.distributed.fsdp.gradients import GradState, GroupGrads
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.profiling import PhaseLabels
 from megatron.core.distributed.fsdp.rank_check import UnitsRunCheck
@@ -123,9 +124,10 @@ class FsdpContext:
         self._entered: set[int] = set()
         self._reduced: set[int] = set()
         self._unreduced_forwards: collections.Counter[int] = collections.Counter()
-        # The reduce-scatters of the last unit reduced, in flight on their stream: the tensors
-        # they read (kept alive, unwritten, until the compute stream waits for `_reduced_event`).
-        self._reductions: list[list[torch.Tensor]] = []
+        # The groups of the last unit reduced whose reduce-scatters are in flight on their
+        # stream (what they read is kept, unwritten, until the compute stream waits for
+        # `_reduced_event`).
+        self._reducing: list[GroupGrads] = []
         if self.streams is not None:
             self._reduced_event = torch.cuda.Event()
         # Orders of the last complete forward (initially module order), and the one recording.
@@ -196,7 +198,8 @@ class FsdpContext:
 
     def _begin_pass(self) -> None:
         """The root's forward starts: recover from a failed pass, read every group's main
-        version, refresh stale compute weights, free gradients an optimizer dropped."""
+        version and frozen weights, refresh stale compute weights, free gradients an optimizer
+        dropped."""
         self._recover_failed_pass()
         self._check.resolve()
         self.state = TrainingState.FORWARD
@@ -205,7 +208,7 @@ class FsdpContext:
         self.residency.order_gathers()
         for unit in self.units():
             for group in unit.groups:
-                group.weights.observe_main_version()
+                group.weights.observe_main_weights()
                 if group.grads is not None:
                     group.grads.release_if_dropped()
             self.residency.refresh(unit)
@@ -214,7 +217,7 @@ class FsdpContext:
         """A unit used outside the root's forward: its gathers follow the latest writes, and
         its compute weights follow the main weights."""
         for group in unit.groups:
-            group.weights.observe_main_version()
+            group.weights.observe_main_weights()
         self.residency.order_gathers()
         self.residency.refresh(unit)
 
@@ -346,14 +349,13 @@ class FsdpContext:
             for group_grads in grads:
                 if self.comm.symmetric is not None and not defer:
                     self._wait_pending_reductions()
-                sends = group_grads.reduce(streams, defer=defer)
-                if sends is not None:
+                if group_grads.reduce(streams, defer=defer):
                     self._reduced_event.record(streams.reduce_scatter)
-                    self._reductions.append(sends)
+                    self._reducing.append(group_grads)
 
     def _wait_pending_reductions(self) -> None:
-        """Makes the current stream wait for the reduce-scatters not yet waited for and drops
-        what they read, which frees it.
+        """Makes the current stream wait for the reduce-scatters not yet waited for and frees
+        what they read.
 
         Every piece of work on the reduce-scatter stream is followed by a record of
         `_reduced_event`, so the last record covers all of it (stream order), and nothing is
@@ -361,9 +363,11 @@ class FsdpContext:
         wait on the stream's earlier, uncaptured work would fail it (a microbatch whose
         reductions are deferred issues none).
         """
-        if self._reductions:
+        if self._reducing:
             self.streams.current().wait_event(self._reduced_event)
-            self._reductions.clear()
+            for grads in self._reducing:
+                grads.reduction_done()
+            self._reducing.clear()
 
     def _queue_end_of_backward(self) -> None:
         """Makes the current backward call `end_of_backward` once when it finishes."""

@@ -102,6 +102,10 @@ class GroupGrads:
             # Each tensor's chunk in this rank's gradient shard: the outputs of its
             # reduce-scatter (views of persistent storage: made once).
             self._grad_chunks = list(self.main_grad.shard.split(layout.chunk_numels))
+            self._init_send_buffer()
+        # What the reduce-scatter issued last on the reduce-scatter stream reads, until
+        # `reduction_done`.
+        self._in_flight: list[torch.Tensor] | None = None
         self.optim_grad: DBuffer | None = None
         if weights.outer_layout is not None:
             self.optim_grad = DBuffer(
@@ -129,6 +133,28 @@ class GroupGrads:
         ]
         self._release()
 
+    def _init_send_buffer(self) -> None:
+        """The whole buffer gradients are cast into for their reduce-scatter (each tensor padded
+        to N full chunks, in the reduction dtype), allocated for each reduction and freed once
+        the reduce-scatter has read it, and its views, made once: where each gradient is cast
+        to, the padding to zero, and the reduce-scatter's inputs."""
+        layout = self._layout
+        self._sends = DBuffer(
+            layout.unsharded(),
+            self.plan.precision.grad_comm,
+            self._device,
+            sharded=False,
+            rank=0,
+            zeroed=False,
+        )
+        padded = self._sends.tensor_views()
+        self._send_inputs = [view.view(-1) for view in padded]
+        self._cast_targets = [view[: shape[0]] for view, shape in zip(padded, layout.shapes)]
+        self._send_padding = [
+            view[shape[0] :] for view, shape in zip(padded, layout.shapes) if len(view) > shape[0]
+        ]
+        self._sends.release_storage()
+
     def _assert_in(self, *states: GradState) -> None:
         if self.state not in states:
             raise RuntimeError(
@@ -145,9 +171,7 @@ class GroupGrads:
     # Reduction (every backward).
 
     @torch.no_grad()
-    def reduce(
-        self, streams: CommStreams | None = None, *, defer: bool = False
-    ) -> list[torch.Tensor] | None:
+    def reduce(self, streams: CommStreams | None = None, *, defer: bool = False) -> bool:
         """Moves the gradients of the backward that just ended into `main_grad`.
 
         With sharded gradients they are reduce-scattered now; otherwise they accumulate locally
@@ -163,8 +187,9 @@ class GroupGrads:
                 `defer` (or `reduce_deferred`) reduce-scatters together with its own.
 
         Returns:
-            The tensors a reduce-scatter on the reduce-scatter stream still reads: the caller
-            keeps them alive, unwritten, until that stream's work is done. None otherwise.
+            Whether a reduce-scatter on `streams.reduce_scatter` still reads what this group
+            holds for it: the caller calls `reduction_done()` once the current stream has
+            waited for that stream's work.
         """
         grads = []
         for param in self.weights.unsharded_params:
@@ -173,7 +198,7 @@ class GroupGrads:
         if self.plan.shards_grads and (defer or self._deferred is not None):
             self._deferred = self._summed_with_deferred(grads)
             if defer:
-                return None
+                return False
             grads, self._deferred = self._deferred, None
             return self._reduce_grads(grads, streams)
         return self._reduce_grads(self._or_zeros(grads), streams)
@@ -229,9 +254,7 @@ class GroupGrads:
             torch._foreach_add_([s for s, _ in added], [g for _, g in added])
         return self._deferred
 
-    def _reduce_grads(
-        self, grads: list[torch.Tensor], streams: CommStreams | None
-    ) -> list[torch.Tensor] | None:
+    def _reduce_grads(self, grads: list[torch.Tensor], streams: CommStreams | None) -> bool:
         """`reduce` of the whole gradients `grads` (the list is emptied where they are cast)."""
         fresh = self._begin_accumulating()
         if self.plan.shards_grads:
@@ -243,7 +266,7 @@ class GroupGrads:
             local = torch.empty_like(self.main_grad.full)
             copy_chunks_in(grads, local, self._layout)
             self.main_grad.full.add_(local)
-        return None
+        return False
 
     def _begin_accumulating(self) -> bool:
         """Moves to ACCUMULATING; returns whether `main_grad` starts afresh (overwritten, not
@@ -268,9 +291,10 @@ class GroupGrads:
 
     def _reduce_scatter(
         self, grads: list[torch.Tensor], fresh: bool, streams: CommStreams | None
-    ) -> list[torch.Tensor] | None:
-        """Reduce-scatters `grads` (emptying the list) into `main_grad`; returns what a
-        reduction on `streams.reduce_scatter` still reads (None without `streams`)."""
+    ) -> bool:
+        """Reduce-scatters `grads` (emptying the list) into `main_grad`; returns whether the
+        reduction on `streams.reduce_scatter` still reads its inputs (False without
+        `streams`: done on the current stream)."""
         symmetric = self.comm.uses_symmetric_memory(self._groups.shard)
         sends = [self._pack_grads(grads)] if symmetric else self._scatter_inputs(grads)
         # The whole gradients are freed (where cast) before the step's first reduction
@@ -280,35 +304,38 @@ class GroupGrads:
             self.main_grad.reallocate_storage()
         if streams is None:
             self._reduce_scatter_into_main_grad(sends, fresh, symmetric)
-            return None
+            self._sends.release_storage()
+            return False
         with streams.running_on(streams.reduce_scatter) as compute:
-            streams.reduce_scatter.wait_stream(compute)
+            streams.wait(streams.reduce_scatter, compute)
             self._reduce_scatter_into_main_grad(sends, fresh, symmetric)
-        return sends
+        self._in_flight = sends
+        return True
+
+    def reduction_done(self) -> None:
+        """The current stream has waited for the reduce-scatter `reduce` left in flight: frees
+        what it read (the cast gradients, on the stream that allocated them; or autograd's,
+        reduced as they were)."""
+        self._in_flight = None
+        self._sends.release_storage()
 
     def _scatter_inputs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each gradient flat, padded to N full chunks, in the reduction dtype: the gradients
-        themselves where they already are that (no copy), else cast into one transient buffer
-        in a single pass, after which the gradients are freed. Empties the list.
+        themselves where they already are that (no copy), else cast into the send buffer in a
+        single pass, after which the gradients are freed. Empties the list.
 
         Each input is a whole tensor, whose N row blocks the reduce-scatter splits: no packing
         into the shard-major layout, which would move every byte once more (and, fused with the
         cast as `_chunk_cat`, cost host time that grows with the bytes moved).
         """
-        layout = self._layout
-        comm_dtype = self.plan.precision.grad_comm
-        if grads[0].dtype == comm_dtype and concatenates(grads, layout):
+        if grads[0].dtype == self._sends.dtype and concatenates(grads, self._layout):
             sends = [g.view(-1) for g in grads]
         else:
-            staging = torch.empty(layout.numel, dtype=comm_dtype, device=self._device)
-            sends = list(staging.split(layout.unsharded().chunk_numels))
-            flat = [g.reshape(-1) for g in grads]
-            if layout.splits_evenly:
-                torch._foreach_copy_(sends, flat)
-            else:
-                torch._foreach_copy_([s[: g.numel()] for s, g in zip(sends, flat)], flat)
-                for send, grad in zip(sends, flat):
-                    send[grad.numel() :].zero_()
+            self._sends.reallocate_storage()
+            torch._foreach_copy_(self._cast_targets, grads)
+            if self._send_padding:
+                torch._foreach_zero_(self._send_padding)
+            sends = self._send_inputs
         grads.clear()
         return sends
 

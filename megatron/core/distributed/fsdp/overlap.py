@@ -73,6 +73,7 @@ class CommStreams:
         self.all_gather = torch.cuda.Stream(device, priority=-1)
         self.reduce_scatter = torch.cuda.Stream(device, priority=-1)
         self._known: dict[int, torch.cuda.Stream] = {}
+        self._order_event = torch.cuda.Event()
 
     def current(self) -> torch.cuda.Stream:
         """The stream the caller computes on (not necessarily the default one).
@@ -89,6 +90,16 @@ class CommStreams:
             )
             self._known[stream_id] = stream
         return stream
+
+    def wait(self, waiter: torch.cuda.Stream, producer: torch.cuda.Stream) -> None:
+        """Makes `waiter` wait for the work queued on `producer` so far.
+
+        `Stream.wait_stream` without its new event per call: a queued wait is not affected by
+        later records of its event, so one event serves every call (the engine orders its
+        streams a few times per unit).
+        """
+        self._order_event.record(producer)
+        waiter.wait_event(self._order_event)
 
     def running_on(self, stream: torch.cuda.Stream) -> _RunningOn:
         """A context manager that makes `stream` current for its body and yields the stream it

@@ -81,7 +81,7 @@ class Residency:
         stream's queued work (an optimizer step or a load that wrote the main weights, or the
         unit computing when a backward prefetch is issued)."""
         if self._streams is not None:
-            self._streams.all_gather.wait_stream(self._streams.current())
+            self._streams.wait(self._streams.all_gather, self._streams.current())
 
     def refresh(self, unit: ScheduledUnit) -> None:
         """Makes `unit`'s stale compute weights follow the main weights now, on the all-gather
@@ -161,7 +161,7 @@ class Residency:
             if released:
                 self._streams.all_gather.wait_event(self._release_events[position])
             else:
-                self._streams.all_gather.wait_stream(self._streams.current())
+                self._streams.wait(self._streams.all_gather, self._streams.current())
         # Freed on the CPU now, the memory returns to the all-gather stream, which only reuses
         # it after the wait just queued.
         for group in unit.groups:
@@ -177,7 +177,7 @@ class Residency:
         a CUDA graph capture."""
         streams = self._streams
         if streams is not None:
-            streams.all_gather.wait_stream(streams.current())
+            streams.wait(streams.all_gather, streams.current())
         if not except_kept:
             self._kept.clear()
         kept = self._kept
@@ -189,7 +189,7 @@ class Residency:
         self._releasable.clear()
         self._ready &= kept
         if streams is not None:
-            streams.current().wait_stream(streams.all_gather)
+            streams.wait(streams.current(), streams.all_gather)
 
     def drop_kept(self) -> None:
         """Frees the kept units' weights (the step is over), after the current stream's

@@ -223,9 +223,14 @@ class GroupWeights:
         """Records a write to the main weights that bumped no version counter."""
         self.untracked_writes += 1
 
-    def observe_main_version(self) -> None:
-        """Reads the main version now (once per root forward: the reads cost host time)."""
+    def observe_main_weights(self) -> None:
+        """Reads the main version now, and makes each compute weight require a gradient where
+        its main weight does (a main weight frozen since wrapping freezes its compute weight).
+        Once per root forward (and per use of a unit outside one): the reads cost host time."""
         self._observed_version = self.main_version()
+        for param, main in zip(self.unsharded_params, self.dist_params):
+            if param.requires_grad != main.requires_grad:
+                param.requires_grad_(main.requires_grad)
 
     @property
     def is_stale(self) -> bool:
@@ -353,11 +358,7 @@ class GroupWeights:
     # Registration.
 
     def register_unsharded(self) -> None:
-        """Registers the compute weights on their modules (for forward and backward); a main
-        weight frozen since wrapping freezes its compute weight too."""
-        for param, main in zip(self.unsharded_params, self.dist_params):
-            if param.requires_grad != main.requires_grad:
-                param.requires_grad_(main.requires_grad)
+        """Registers the compute weights on their modules (for forward and backward)."""
         self._unsharded_registration.register()
 
     def register_sharded(self) -> None:

@@ -525,6 +525,43 @@ def test_forward_memory_is_bounded_and_freed_with_the_model():
         assert r["leftover"] == 0, "the model's GPU memory outlived it"
 
 
+def _memory_held_after_backward() -> dict:
+    tokens, labels = _gpu_batch(seq=512)
+    # A plain model's pass first, so that lazily made state (cuBLAS workspaces) is in the
+    # baseline below.
+    plain = _gpu_model(hidden=512, seq=512)
+    plain(tokens, labels=labels).mean().backward()
+    del plain
+    gc.collect()
+    fsdp = _adapter(
+        {"overlap_param_gather": True, "overlap_grad_reduce": True, "grad_reduce_in_fp32": True},
+        model=_gpu_model(hidden=512, seq=512),
+    )
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    fsdp(tokens, labels=labels).mean().backward()
+    fsdp.finish_grad_sync()
+    torch.cuda.synchronize()
+    grads = [group.grads for group in parameter_groups(fsdp.module)]
+    layer = fsdp.module.decoder.layers[0].fsdp_unit.groups[0]
+    return dict(
+        held=torch.cuda.memory_allocated() - before,
+        shards=sum(g.main_grad.data.untyped_storage().nbytes() for g in grads),
+        # What one layer's bf16 gradients take cast to fp32 for their reduce-scatter.
+        layer_cast=4 * layer.weights.layout.numel,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gradients_cast_for_a_reduce_scatter_are_freed_once_it_has_run():
+    # Reduced on their own stream, the cast gradients live until the compute stream waits for
+    # that stream; after backward the reduced gradient shards remain (and small lazily made
+    # state), nothing as large as one layer's cast gradients.
+    for r in run_distributed(_memory_held_after_backward, min(torch.cuda.device_count(), 2)):
+        assert r["shards"] <= r["held"] < r["shards"] + r["layer_cast"], r
+
+
 def _graph_step_losses() -> dict:
     tokens, labels = _gpu_batch(seq=512)
     ddp_kwargs = {
