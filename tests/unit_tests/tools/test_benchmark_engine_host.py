@@ -1,0 +1,41 @@
+"""Smoke tests of `tools/benchmark_engine_host.py`: one rank, a small GPT, the engine's host
+overhead over one GPU's step reported; bad usage refused with a message."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
+
+TOOL = REPO / "tools" / "benchmark_engine_host.py"
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --vocab-size 128 --seq-length 16 "
+    "--bursts 2 --burst-steps 2 --warmup-steps 1"
+).split()
+REPORT = re.compile(
+    r"host ms per step: single (?P<single>\S+), megatron_fsdp_zero2 (?P<engine>\S+); "
+    r"overhead (?P<overhead>\S+) ms .* (?P<per_unit>\S+) us per unit \(3 units\)"
+)
+
+
+def test_reports_the_engines_host_overhead_per_step_and_unit():
+    proc = run_tool(*TINY, "--engine", "megatron_fsdp_zero2", nproc=1, tool=TOOL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = REPORT.search(proc.stdout)
+    assert match, proc.stdout
+    values = {name: float(value) for name, value in match.groupdict().items()}
+    assert values["single"] > 0 and values["engine"] > 0, values
+    assert all(math.isfinite(value) for value in values.values()), values
+
+
+def test_more_than_one_rank_is_refused():
+    proc = run_tool(*TINY, nproc=2, tool=TOOL)
+    assert proc.returncode != 0
+    assert "it runs on one rank: launch it with --nproc-per-node 1." in proc.stderr
+
+
+def test_fewer_than_two_bursts_is_a_usage_error():
+    proc = run_tool(*TINY, "--bursts", "1", nproc=None, tool=TOOL)
+    assert proc.returncode == 2
+    assert "--bursts must be >= 2" in proc.stderr

@@ -1,0 +1,160 @@
+"""Host and GPU time of the ways to all-gather and reduce-scatter one transformer layer's weights.
+
+Megatron-FSDP gathers each tensor of a unit straight into the tensor the layer computes with and
+reduce-scatters each gradient straight out of its tensor: one grouped NCCL call per unit, with no
+packing kernel. A flat collective (one buffer for the whole unit, as FSDP2 issues) costs one NCCL
+call but needs the shard-major layout: a copy out of the gathered buffer, and gradients packed
+into it (with their cast to the reduction dtype). Where the step is bound by the host, the host
+time of each matters; where it is bound by the GPU, the GPU time. This tool times both for a
+layer of the GPT of `--hidden-size` (its 12 tensors: QKV, projection, two MLP linears with
+biases, two layer norms), bf16 weights and gradients reduced in fp32:
+
+    torchrun --nproc-per-node N tools/benchmark_collective_host.py [--hidden-size 2048]
+
+Rank 0 prints, per operation, the host microseconds per call (the least of 5 rounds of
+`--calls` calls, queued back to back) and the GPU microseconds per call (CUDA events over one
+round). One rank (N = 1) runs NCCL's single-rank path: the host cost of issuing is what it
+measures there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.core.distributed.fsdp.collectives import (
+    _all_gather_coalesced,
+    _reduce_scatter_coalesced,
+    _reduce_scatter_single,
+)
+from megatron.training.initialize import default_rendezvous
+
+
+def layer_shapes(hidden: int) -> list[tuple[int, ...]]:
+    """A GPT layer's tensors (GELU MLP of 4 x hidden), in module order."""
+    return [
+        (hidden,), (hidden,), (3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,),
+        (hidden,), (hidden,), (4 * hidden, hidden), (4 * hidden,), (hidden, 4 * hidden), (hidden,),
+    ]  # fmt: skip
+
+
+def operations(hidden: int, group: dist.ProcessGroup) -> dict[str, Callable[[], None]]:
+    """Each way to move one layer's tensors, as a function that issues it once."""
+    n, rank = group.size(), group.rank()
+    numels = [torch.Size(shape).numel() for shape in layer_shapes(hidden)]
+    chunks = [numel // n for numel in numels]
+    shard = sum(chunks)
+
+    def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="cuda")
+
+    # All-gather: each tensor's chunk from the fp32 main shard into its bf16 compute tensor.
+    main = empty(shard, torch.float32)
+    main_chunks = list(main.split(chunks))
+    whole = [empty(numel, torch.bfloat16) for numel in numels]
+    own = [tensor.view(n, -1)[rank] for tensor in whole]
+    gathered = empty(n * shard, torch.bfloat16)
+    own_shard = gathered.view(n, shard)[rank]
+    targets = [tensor.view(n, chunk) for tensor, chunk in zip(whole, chunks)]
+    # Reduce-scatter: bf16 gradients, reduced in fp32 into the main gradient shard.
+    grads = [torch.randn(numel, dtype=torch.bfloat16, device="cuda") for numel in numels]
+    cast = [empty(numel, torch.float32) for numel in numels]
+    packed = empty(n * shard, torch.float32)
+    rows = packed.view(n, shard)
+    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+    blocks = [rows[r, o : o + c] for o, c in zip(offsets, chunks) for r in range(n)]
+    main_grad = empty(shard, torch.float32)
+    main_grad_chunks = list(main_grad.split(chunks))
+    total = dist.ReduceOp.SUM
+
+    def pack_blocks() -> None:
+        sources = [b for g, c in zip(grads, chunks) for b in g.view(n, c).unbind(0)]
+        torch._foreach_copy_(blocks, sources)
+
+    return {
+        "cast main chunks into own blocks (foreach)": lambda: torch._foreach_copy_(
+            own, main_chunks
+        ),
+        "grouped all-gather, 12 tensors": lambda: _all_gather_coalesced(whole, own, group=group),
+        "grouped all-gather, 1 tensor": lambda: _all_gather_coalesced(
+            whole[2:3], own[2:3], group=group
+        ),
+        "cast main shard into own shard (copy_)": lambda: own_shard.copy_(main),
+        "flat all-gather": lambda: _all_gather_coalesced([gathered], [own_shard], group=group),
+        "copy out of the flat buffer (split_with_sizes_copy)": lambda: torch.split_with_sizes_copy(
+            gathered.view(n, shard), chunks, dim=1, out=targets
+        ),
+        "cast gradients, tensor-major (foreach)": lambda: torch._foreach_copy_(cast, grads),
+        "grouped reduce-scatter, 12 tensors": lambda: _reduce_scatter_coalesced(
+            main_grad_chunks, cast, op=total, group=group
+        ),
+        "cast and pack gradients (_chunk_cat)": lambda: torch._chunk_cat(
+            grads, dim=0, num_chunks=n, out=rows
+        ),
+        "cast and pack gradients (foreach of blocks)": pack_blocks,
+        "flat reduce-scatter": lambda: _reduce_scatter_single(
+            main_grad, packed, op=total, group=group
+        ),
+    }
+
+
+def time_host_and_gpu(fn: Callable[[], None], calls: int) -> tuple[float, float]:
+    """Host microseconds per call (least of 5 rounds) and GPU microseconds per call."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return min(host), begin.elapsed_time(end) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--calls", type=int, default=100, help="calls per timed round")
+    args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not torch.cuda.is_available():
+        parser.error("it times NCCL collectives: run it on GPUs.")
+    if args.hidden_size % (4 * world) or args.calls < 1:
+        parser.error("--hidden-size must be a multiple of 4 x ranks and --calls >= 1.")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "nccl", device_id=torch.device("cuda", local_rank), **default_rendezvous()
+    )
+    group = dist.group.WORLD
+    rows = [
+        (name, *time_host_and_gpu(fn, args.calls))
+        for name, fn in operations(args.hidden_size, group).items()
+    ]
+    if dist.get_rank() == 0:
+        print(f"one layer of hidden {args.hidden_size}, {world} rank(s): host / GPU us per call")
+        for name, host, gpu in rows:
+            print(f"  {name:52s} {host:8.1f} {gpu:8.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

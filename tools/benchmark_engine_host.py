@@ -1,0 +1,116 @@
+"""Measures the host time a data-parallel engine adds to one GPU's training step.
+
+Where the per-GPU batch is small the step is bound by the host, and the engine's hooks (gathers,
+reduce-scatters, stream and event bookkeeping) add to the model's own host time. This tool runs
+`single` (the model alone) and an engine (default `megatron_fsdp_zero3`) on the same model and
+batch in one process, in alternating bursts of steps, and reports the per-step difference of
+their host times (launch to launch, the GPU synchronised before each step): on shared machines
+the host's speed drifts over tens of seconds, and adjacent bursts see the same drift, which
+separate runs do not.
+
+Use a model whose GPU work is small against its host work (the default: 24 layers of width
+256), so both steps are bound by the host:
+
+    torchrun --nproc-per-node 1 tools/benchmark_engine_host.py --bf16 [--engine NAME]
+
+Rank 0 prints the median host ms per step of each, the engine's overhead (median of the
+per-burst differences, with its quartiles) and that overhead per unit (layers + root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from benchmark_fsdp import (
+    build_parser,
+    check_args,
+    init_distributed,
+    make_batches,
+    synchronize,
+)
+from benchmark_fsdp_engines import ENGINES, build_engine
+from gpt_benchmark_model import add_model_args, set_parallel_state
+
+from megatron.core import parallel_state
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_args(parser, micro_batch_size=1)
+    parser.set_defaults(hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=256)
+    parser.add_argument(
+        "--engine",
+        default="megatron_fsdp_zero3",
+        choices=[name for name in ENGINES if name != "single"],
+    )
+    parser.add_argument("--bursts", type=int, default=30, help="bursts of each, alternating")
+    parser.add_argument("--burst-steps", type=int, default=15, help="steps per burst")
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.bursts < 2 or args.burst_steps < 1 or args.warmup_steps < 0:
+        parser.error("--bursts must be >= 2, --burst-steps >= 1 and --warmup-steps >= 0.")
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        parser.error("it runs on one rank: launch it with --nproc-per-node 1.")
+    # The rest of what `build_engine` reads, at `tools/benchmark_fsdp.py`'s defaults.
+    for name, value in vars(build_parser().parse_args([])).items():
+        args.__dict__.setdefault(name, value)
+    args.engines = f"single,{args.engine}"
+    return check_args(parser, args)
+
+
+def host_ms(step, batches, device: torch.device, count: int) -> float:
+    """Median host milliseconds of `count` steps, each started on an idle GPU."""
+    times = []
+    for _ in range(count):
+        synchronize(device)
+        start = time.perf_counter()
+        step(batches)
+        times.append(time.perf_counter() - start)
+    synchronize(device)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed(torch.device(args.device).type)
+    set_parallel_state(args.create_all_gather_group)
+    batches = make_batches(args, device)
+    steps = {}
+    for name in args.engines:
+        torch.manual_seed(args.seed)
+        with device:
+            steps[name] = build_engine(name, args)
+        host_ms(steps[name], batches, device, args.warmup_steps)
+    bursts: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.bursts):
+        for name, step in steps.items():
+            bursts[name].append(host_ms(step, batches, device, args.burst_steps))
+    overhead = [e - s for e, s in zip(bursts[args.engine], bursts["single"])]
+    quartiles = statistics.quantiles(overhead)
+    units = args.num_layers + 1
+    print(
+        f"host ms per step: single {statistics.median(bursts['single']):.2f}, {args.engine} "
+        f"{statistics.median(bursts[args.engine]):.2f}; overhead {statistics.median(overhead):.2f}"
+        f" ms (quartiles {quartiles[0]:.2f} / {quartiles[2]:.2f}), "
+        f"{statistics.median(overhead) / units * 1e3:.0f} us per unit ({units} units)"
+    )
+    del steps
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
