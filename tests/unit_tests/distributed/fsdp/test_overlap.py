@@ -4,7 +4,8 @@ capture and NCCL symmetric memory.
 
 The CPU tests check the schedule (what is gathered when, what is held, that results do not
 depend on it); the `gpu` tests check on 2 GPUs, with the profiler, that collectives run on side
-streams while GEMMs run, and count them.
+streams while GEMMs run, and count them, and (on one GPU or two) that what a reduce-scatter on
+its stream read is freed once the compute stream has waited for it.
 """
 
 from __future__ import annotations
