@@ -5,9 +5,10 @@ reduce-scatters each gradient straight out of its tensor: one grouped NCCL call 
 packing kernel. A flat collective (one buffer for the whole unit, as FSDP2 issues) costs one NCCL
 call but needs the shard-major layout: a copy out of the gathered buffer, and gradients packed
 into it (with their cast to the reduction dtype). Where the step is bound by the host, the host
-time of each matters; where it is bound by the GPU, the GPU time. This tool times both for a
-layer of the GPT of `--hidden-size` (its 12 tensors: QKV, projection, two MLP linears with
-biases, two layer norms), bf16 weights and gradients reduced in fp32:
+time of each matters; where it is bound by the GPU, the GPU time. This tool times both for the
+first transformer layer of the GPT its model flags describe (those of `tools/benchmark_fsdp.py`;
+by default the 1.34B GPT, whose layer holds 12 tensors), bf16 weights, gradients reduced in fp32,
+laid out and padded as Megatron-FSDP lays them out (`ShardLayout`):
 
     torchrun --nproc-per-node N tools/benchmark_collective_host.py [--hidden-size 2048]
 
@@ -30,28 +31,30 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from gpt_benchmark_model import add_model_args, build_gpt
+
 from megatron.core.distributed.fsdp.collectives import (
     _all_gather_coalesced,
     _reduce_scatter_coalesced,
     _reduce_scatter_single,
 )
+from megatron.core.distributed.fsdp.dbuffer import ShardLayout
 from megatron.training.initialize import default_rendezvous
 
 
-def layer_shapes(hidden: int) -> list[tuple[int, ...]]:
-    """A GPT layer's tensors (GELU MLP of 4 x hidden), in module order."""
-    return [
-        (hidden,), (hidden,), (3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,),
-        (hidden,), (hidden,), (4 * hidden, hidden), (4 * hidden,), (hidden, 4 * hidden), (hidden,),
-    ]  # fmt: skip
+def layer_shapes(args: argparse.Namespace) -> list[torch.Size]:
+    """The shapes of the first transformer layer's parameters, in module order."""
+    with torch.device("meta"):
+        _, model = build_gpt(args)
+    return [param.shape for param in model.decoder.layers[0].parameters()]
 
 
-def operations(hidden: int, group: dist.ProcessGroup) -> dict[str, Callable[[], None]]:
+def operations(shapes: list[torch.Size], group: dist.ProcessGroup) -> dict[str, Callable[[], None]]:
     """Each way to move one layer's tensors, as a function that issues it once."""
     n, rank = group.size(), group.rank()
-    numels = [torch.Size(shape).numel() for shape in layer_shapes(hidden)]
-    chunks = [numel // n for numel in numels]
-    shard = sum(chunks)
+    layout = ShardLayout(shapes, n)
+    chunks, shard = layout.chunk_numels, layout.shard_numel
+    numels = [chunk * n for chunk in chunks]  # each tensor padded to N full chunks
 
     def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device="cuda")
@@ -69,11 +72,12 @@ def operations(hidden: int, group: dist.ProcessGroup) -> dict[str, Callable[[], 
     cast = [empty(numel, torch.float32) for numel in numels]
     packed = empty(n * shard, torch.float32)
     rows = packed.view(n, shard)
-    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
-    blocks = [rows[r, o : o + c] for o, c in zip(offsets, chunks) for r in range(n)]
+    blocks = [rows[r, o : o + c] for o, c in zip(layout.offsets, chunks) for r in range(n)]
     main_grad = empty(shard, torch.float32)
     main_grad_chunks = list(main_grad.split(chunks))
     total = dist.ReduceOp.SUM
+    count = f"{len(shapes)} tensors"
+    largest = slice(i := numels.index(max(numels)), i + 1)
 
     def pack_blocks() -> None:
         sources = [b for g, c in zip(grads, chunks) for b in g.view(n, c).unbind(0)]
@@ -83,9 +87,9 @@ def operations(hidden: int, group: dist.ProcessGroup) -> dict[str, Callable[[], 
         "cast main chunks into own blocks (foreach)": lambda: torch._foreach_copy_(
             own, main_chunks
         ),
-        "grouped all-gather, 12 tensors": lambda: _all_gather_coalesced(whole, own, group=group),
-        "grouped all-gather, 1 tensor": lambda: _all_gather_coalesced(
-            whole[2:3], own[2:3], group=group
+        f"grouped all-gather, {count}": lambda: _all_gather_coalesced(whole, own, group=group),
+        "grouped all-gather, the largest tensor": lambda: _all_gather_coalesced(
+            whole[largest], own[largest], group=group
         ),
         "cast main shard into own shard (copy_)": lambda: own_shard.copy_(main),
         "flat all-gather": lambda: _all_gather_coalesced([gathered], [own_shard], group=group),
@@ -93,7 +97,7 @@ def operations(hidden: int, group: dist.ProcessGroup) -> dict[str, Callable[[], 
             gathered.view(n, shard), chunks, dim=1, out=targets
         ),
         "cast gradients, tensor-major (foreach)": lambda: torch._foreach_copy_(cast, grads),
-        "grouped reduce-scatter, 12 tensors": lambda: _reduce_scatter_coalesced(
+        f"grouped reduce-scatter, {count}": lambda: _reduce_scatter_coalesced(
             main_grad_chunks, cast, op=total, group=group
         ),
         "cast and pack gradients (_chunk_cat)": lambda: torch._chunk_cat(
@@ -131,14 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--hidden-size", type=int, default=2048)
+    add_model_args(parser)
     parser.add_argument("--calls", type=int, default=100, help="calls per timed round")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not torch.cuda.is_available():
         parser.error("it times NCCL collectives: run it on GPUs.")
-    if args.hidden_size % (4 * world) or args.calls < 1:
-        parser.error("--hidden-size must be a multiple of 4 x ranks and --calls >= 1.")
+    if args.calls < 1:
+        parser.error("--calls must be >= 1.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group(
@@ -147,7 +151,7 @@ def main() -> None:
     group = dist.group.WORLD
     rows = [
         (name, *time_host_and_gpu(fn, args.calls))
-        for name, fn in operations(args.hidden_size, group).items()
+        for name, fn in operations(layer_shapes(args), group).items()
     ]
     if dist.get_rank() == 0:
         print(f"one layer of hidden {args.hidden_size}, {world} rank(s): host / GPU us per call")
