@@ -1,14 +1,16 @@
 """Host and GPU time of the ways to all-gather and reduce-scatter one transformer layer's weights.
 
-Megatron-FSDP gathers each tensor of a unit straight into the tensor the layer computes with and
-reduce-scatters each gradient straight out of its tensor: one grouped NCCL call per unit, with no
-packing kernel. A flat collective (one buffer for the whole unit, as FSDP2 issues) costs one NCCL
-call but needs the shard-major layout: a copy out of the gathered buffer, and gradients packed
-into it (with their cast to the reduction dtype). Where the step is bound by the host, the host
-time of each matters; where it is bound by the GPU, the GPU time. This tool times both for the
-first transformer layer of the GPT its model flags describe (those of `tools/benchmark_fsdp.py`;
-by default the 1.34B GPT, whose layer holds 12 tensors), bf16 weights, gradients reduced in fp32,
-laid out and padded as Megatron-FSDP lays them out (`ShardLayout`):
+Megatron-FSDP gathers each tensor of a unit straight into the tensor the layer computes with: one
+grouped NCCL call per unit, with no unpacking kernel. Its gradients, where they are cast to the
+reduction dtype, are packed shard-major during the cast (one `_foreach_copy_` into (N, chunk)
+column views of the send buffer) and reduce-scattered flat; gradients that need no cast are
+reduce-scattered as they are, one grouped call. A flat all-gather (one buffer for the whole unit,
+as FSDP2 issues) costs one NCCL call but needs a copy out of the gathered buffer. Where the
+step is bound by the host, the host time of each matters; where it is bound by the GPU, the GPU
+time. This tool times both for the first transformer layer of the GPT its model flags describe
+(those of `tools/benchmark_fsdp.py`; by default the 1.34B GPT, whose layer holds 12 tensors), bf16
+weights, gradients reduced in fp32, laid out and padded as Megatron-FSDP lays them out
+(`ShardLayout`):
 
     torchrun --nproc-per-node N tools/benchmark_collective_host.py [--hidden-size 2048]
 
@@ -73,11 +75,15 @@ def operations(shapes: list[torch.Size], group: dist.ProcessGroup) -> dict[str, 
     packed = empty(n * shard, torch.float32)
     rows = packed.view(n, shard)
     blocks = [rows[r, o : o + c] for o, c in zip(layout.offsets, chunks) for r in range(n)]
+    columns = [rows[:, o : o + c] for o, c in zip(layout.offsets, chunks)]
     main_grad = empty(shard, torch.float32)
     main_grad_chunks = list(main_grad.split(chunks))
     total = dist.ReduceOp.SUM
     count = f"{len(shapes)} tensors"
     largest = slice(i := numels.index(max(numels)), i + 1)
+
+    def by_rank() -> list[torch.Tensor]:
+        return [g.view(n, c) for g, c in zip(grads, chunks)]
 
     def pack_blocks() -> None:
         sources = [b for g, c in zip(grads, chunks) for b in g.view(n, c).unbind(0)]
@@ -104,6 +110,12 @@ def operations(shapes: list[torch.Size], group: dist.ProcessGroup) -> dict[str, 
             grads, dim=0, num_chunks=n, out=rows
         ),
         "cast and pack gradients (foreach of blocks)": pack_blocks,
+        "cast and pack gradients (foreach of [N, chunk] columns)": lambda: torch._foreach_copy_(
+            columns, by_rank()
+        ),
+        "cast and pack gradients (cat of [N, chunk] views)": lambda: torch.cat(
+            by_rank(), dim=1, out=rows
+        ),
         "flat reduce-scatter": lambda: _reduce_scatter_single(
             main_grad, packed, op=total, group=group
         ),

@@ -9,11 +9,13 @@ and where staging buffers come from (the caching allocator, or NCCL symmetric me
 calls are synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
 reduce-scatter stream on GPU), so the same code runs on CPU and GPU.
 
-Weights are gathered and gradients reduce-scattered tensor by tensor, straight into and out of the
-whole tensors (`all_gather_tensors`, `reduce_scatter_tensors`: one NCCL group launch each): going
-through one flat shard-major buffer would need a packing or unpacking kernel, which moves every
-byte once more, and whose fused form (`split_with_sizes_copy`, `_chunk_cat`) builds per-block
-metadata on the host at a cost that grows with the bytes moved.
+Weights are gathered tensor by tensor, straight into the whole tensors the modules compute with
+(`all_gather_tensors`: one NCCL group launch): going through one flat shard-major buffer would
+need an unpacking kernel, which moves every byte once more. Gradients are reduce-scattered
+either the same way, straight out of autograd's tensors where they need no cast
+(`reduce_scatter_tensors` of each), or, where they are cast anyway, as one shard-major buffer
+they were packed into during the cast (`GroupGrads`): one collective whose host cost does not
+grow with the number of tensors.
 
 The process-group methods are called directly rather than through `torch.distributed`'s
 wrappers, whose argument checks cost as much host time as the launch itself; these calls run per

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
+    ChunkPacker,
     DBuffer,
     concatenates,
     copy_chunks_in,
@@ -134,25 +135,19 @@ class GroupGrads:
         self._release()
 
     def _init_send_buffer(self) -> None:
-        """The whole buffer gradients are cast into for their reduce-scatter (each tensor padded
-        to N full chunks, in the reduction dtype), allocated for each reduction and freed once
-        the reduce-scatter has read it, and its views, made once: where each gradient is cast
-        to, the padding to zero, and the reduce-scatter's inputs."""
-        layout = self._layout
+        """The buffer gradients are cast into for their reduce-scatter: shard-major (the
+        layout's N x S, the input of one flat reduce-scatter) in the reduction dtype, allocated
+        for each reduction and freed once the reduce-scatter has read it; its packer's views
+        are made once."""
         self._sends = DBuffer(
-            layout.unsharded(),
+            self._layout,
             self.plan.precision.grad_comm,
             self._device,
             sharded=False,
             rank=0,
             zeroed=False,
         )
-        padded = self._sends.tensor_views()
-        self._send_inputs = [view.view(-1) for view in padded]
-        self._cast_targets = [view[: shape[0]] for view, shape in zip(padded, layout.shapes)]
-        self._send_padding = [
-            view[shape[0] :] for view, shape in zip(padded, layout.shapes) if len(view) > shape[0]
-        ]
+        self._send_packer = ChunkPacker(self._sends.full, self._layout)
         self._sends.release_storage()
 
     def _assert_in(self, *states: GradState) -> None:
@@ -320,22 +315,17 @@ class GroupGrads:
         self._sends.release_storage()
 
     def _scatter_inputs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each gradient flat, padded to N full chunks, in the reduction dtype: the gradients
-        themselves where they already are that (no copy), else cast into the send buffer in a
-        single pass, after which the gradients are freed. Empties the list.
-
-        Each input is a whole tensor, whose N row blocks the reduce-scatter splits: no packing
-        into the shard-major layout, which would move every byte once more (and, fused with the
-        cast as `_chunk_cat`, cost host time that grows with the bytes moved).
-        """
+        """The reduce-scatter's inputs, emptying the list: each gradient flat, where all are
+        already their own N full chunks in the reduction dtype (no copy: one grouped
+        reduce-scatter reads them); else one shard-major buffer they are cast and packed into
+        in a single pass, after which they are freed (one flat reduce-scatter, whose host cost
+        does not grow with the number of tensors)."""
         if grads[0].dtype == self._sends.dtype and concatenates(grads, self._layout):
             sends = [g.view(-1) for g in grads]
         else:
             self._sends.reallocate_storage()
-            torch._foreach_copy_(self._cast_targets, grads)
-            if self._send_padding:
-                torch._foreach_zero_(self._send_padding)
-            sends = self._send_inputs
+            self._send_packer.pack(grads)
+            sends = [self._sends.full]
         grads.clear()
         return sends
 
@@ -357,9 +347,9 @@ class GroupGrads:
     def _reduce_scatter_into_main_grad(
         self, sends: list[torch.Tensor], fresh: bool, symmetric: bool
     ) -> None:
-        """Reduces `sends` (the packed window, or each whole gradient) into this rank's shard
-        of `main_grad`: straight into it when it starts afresh in its dtype, else through a
-        transient shard that is copied (cast) or added."""
+        """Reduces `sends` (one shard-major buffer, or each whole gradient) into this rank's
+        shard of `main_grad`: straight into it when it starts afresh in its dtype, else through
+        a transient shard that is copied (cast) or added."""
         group = self._groups.shard
         comm_dtype = sends[0].dtype
         direct = fresh and comm_dtype == self.main_grad.dtype
@@ -373,7 +363,12 @@ class GroupGrads:
                 out, sends[0], group, average=True, divisor=self._groups.grad_divisor
             )
         else:
-            outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
+            # One input is shard-major (a packed buffer, or a group's only tensor): its
+            # reduction is the whole shard.
+            if len(sends) == 1:
+                outputs = [out]
+            else:
+                outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
             self.comm.reduce_scatter_tensors(
                 outputs, sends, group, average=True, divisor=self._groups.grad_divisor
             )

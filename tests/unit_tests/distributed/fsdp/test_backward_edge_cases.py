@@ -393,11 +393,11 @@ def test_deleting_the_model_frees_it_without_garbage_collection(strategy):
 
 def _reduce_in(
     model_dtype: torch.dtype, comm_dtype: torch.dtype
-) -> tuple[dict, dict, tuple[int, int]]:
+) -> tuple[dict, dict, int, list[int]]:
     """One backward of a `model_dtype` Net reducing in `comm_dtype`: its gradients, the
     unsharded Net's (averaged over ranks in fp32), how many casts into a reduction buffer
     (`torch._foreach_copy_` outside the all-gathers, which cast the weights with it) it made,
-    and how many shard-major packings (`torch.cat`, `torch._chunk_cat`)."""
+    and how many inputs each reduce-scatter read."""
     torch.manual_seed(0)
     reference = Net().to(current_device(), model_dtype)
     torch.manual_seed(0)
@@ -406,8 +406,10 @@ def _reduce_in(
         fully_shard(unit, mp_policy=MixedPrecisionPolicy(grad_comm_dtype=comm_dtype))
     x = _inputs(dist.get_rank(), model_dtype)
     foreach_copy, all_gather_tensors = torch._foreach_copy_, Collectives.all_gather_tensors
+    reduce_scatter_tensors = Collectives.reduce_scatter_tensors
     gathering = [False]
     num_casts = [0]
+    num_inputs = []
 
     def cast(*args, **kwargs):
         num_casts[0] += not gathering[0]
@@ -420,12 +422,14 @@ def _reduce_in(
         finally:
             gathering[0] = False
 
-    packs = [mock.Mock(wraps=torch.cat), mock.Mock(wraps=torch._chunk_cat)]
+    def reduce_scatter(self, outputs, inputs, *args, **kwargs):
+        num_inputs.append(len(inputs))
+        return reduce_scatter_tensors(self, outputs, inputs, *args, **kwargs)
+
     with (
         mock.patch.object(torch, "_foreach_copy_", cast),
         mock.patch.object(Collectives, "all_gather_tensors", gather),
-        mock.patch.object(torch, "cat", packs[0]),
-        mock.patch.object(torch, "_chunk_cat", packs[1]),
+        mock.patch.object(Collectives, "reduce_scatter_tensors", reduce_scatter),
     ):
         model(x).backward()
     reference(x).backward()
@@ -434,25 +438,27 @@ def _reduce_in(
         grad = param.grad.float()
         dist.all_reduce(grad)
         expected[name] = grad / dist.get_world_size()
-    return _grads(model), expected, (num_casts[0], sum(p.call_count for p in packs))
+    return _grads(model), expected, num_casts[0], num_inputs
 
 
 @pytest.mark.parametrize(
-    "model_dtype, comm_dtype, num_casts",
+    "model_dtype, comm_dtype, num_casts, num_inputs",
     [
-        # Each unit's gradients are cast once, whole, into the reduction buffer.
-        (torch.bfloat16, torch.float32, 3),
-        (torch.float32, torch.bfloat16, 3),
-        # Already in the reduction dtype: the blocks' gradients are reduced in place; the
-        # root's head (1 row over 2 ranks) has a padded chunk, so it is copied (padding zeroed).
-        (torch.float32, torch.float32, 1),
+        # Each unit's gradients are cast once, packed shard-major on the way, into the
+        # reduction buffer, which one flat reduce-scatter reads.
+        (torch.bfloat16, torch.float32, 3, [1, 1, 1]),
+        (torch.float32, torch.bfloat16, 3, [1, 1, 1]),
+        # Already in the reduction dtype: the blocks' gradients (4 tensors each) are
+        # reduce-scattered as they are; the root's head (1 row over 2 ranks) has a padded
+        # chunk, so it is packed (padding zeroed). Inputs per reduce-scatter, in any order.
+        (torch.float32, torch.float32, 1, [1, 4, 4]),
     ],
 )
-def test_gradients_reduce_scatter_from_the_whole_tensors_in_any_dtype(
-    model_dtype, comm_dtype, num_casts
+def test_gradients_are_cast_and_packed_for_one_reduce_scatter_or_reduced_as_they_are(
+    model_dtype, comm_dtype, num_casts, num_inputs
 ):
-    for grads, expected, taken in run_distributed(_reduce_in, 2, model_dtype, comm_dtype):
-        assert taken == (num_casts, 0)  # never packed shard-major
+    for grads, expected, casts, inputs in run_distributed(_reduce_in, 2, model_dtype, comm_dtype):
+        assert (casts, sorted(inputs)) == (num_casts, num_inputs)
         assert grads.keys() == expected.keys()
         if model_dtype == comm_dtype == torch.float32:
             for name in expected:

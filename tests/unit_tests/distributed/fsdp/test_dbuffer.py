@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +13,12 @@ from megatron.core.distributed.fsdp import (
     ShardLayout,
 )
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.dbuffer import chunk_targets, copy_chunks_in, copy_chunks_out
+from megatron.core.distributed.fsdp.dbuffer import (
+    ChunkPacker,
+    chunk_targets,
+    copy_chunks_in,
+    copy_chunks_out,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 
@@ -59,37 +62,39 @@ def test_layout_chunks_like_torch_chunk_and_round_trips(num_shards):
     assert gathered.full.count_nonzero() == 0
 
 
-@pytest.mark.parametrize("num_shards", [2, 4])
-def test_packing_takes_the_concatenation_only_where_it_equals_chunk_cat(num_shards):
-    # Every tensor splits into full chunks: the same-dtype pack is a plain concatenation of
-    # each tensor's (N, chunk) rows; a cast, a short chunk or a strided tensor takes
-    # `_chunk_cat`. All must equal chunking each tensor and laying the chunks out by shard.
+@pytest.mark.parametrize("num_shards", [2, 3, 4])
+def test_packing_lays_out_each_tensors_chunks_by_shard_and_zeroes_the_padding(num_shards):
+    # Whatever the dtypes, strides and shapes (chunks that split evenly, a short last chunk,
+    # fewer rows than shards, no elements), a packed buffer must equal chunking each tensor
+    # and laying the chunks out by shard, cast, with zeros where a chunk is short. The buffer
+    # starts as NaN and its storage is freed and reallocated between packs: the packer's views
+    # of it, made once, must follow.
     even = [torch.Size((8, 3)), torch.Size((4,)), torch.Size((num_shards, 5))]
+    odd = [*SHAPES, torch.Size((num_shards - 1, 4)), torch.Size((0, 3)), torch.Size((5, 0))]
     generator = torch.Generator().manual_seed(1)
     cases = {
-        "concatenated": ([torch.randn(s, generator=generator) for s in even], torch.float32),
+        "same dtype": ([torch.randn(s, generator=generator) for s in even], torch.float32),
         "cast": ([torch.randn(s, generator=generator) for s in even], torch.float64),
         "strided": ([torch.randn(s[::-1], generator=generator).t() for s in even], torch.float32),
-        "short chunk": (_tensors(), torch.float32),
+        "short chunks, cast": ([torch.randn(s, generator=generator) for s in odd], torch.float64),
     }
     for name, (tensors, dtype) in cases.items():
         layout = ShardLayout([t.shape for t in tensors], num_shards)
-        assert layout.splits_evenly == (name != "short chunk")
-        out = torch.full((layout.numel,), float("nan"), dtype=dtype)
-        concatenation = mock.Mock(wraps=torch.cat)
-        chunk_cat = mock.Mock(wraps=torch._chunk_cat)
-        with (
-            mock.patch.object(torch, "cat", concatenation),
-            mock.patch.object(torch, "_chunk_cat", chunk_cat),
-        ):
-            copy_chunks_in(tensors, out, layout)
-        concatenated = name == "concatenated"
-        assert (concatenation.call_count, chunk_cat.call_count) == (concatenated, 1 - concatenated)
+        buffer = DBuffer(layout, dtype, torch.device("cpu"), sharded=False, rank=0, zeroed=False)
+        packer = ChunkPacker(buffer.full, layout)
         expected = torch.zeros(num_shards, layout.shard_numel, dtype=dtype)
         for i, tensor in enumerate(tensors):
             for shard, chunk in enumerate(torch.chunk(tensor, num_shards)):
                 start = layout.offsets[i]
                 expected[shard, start : start + chunk.numel()] = chunk.reshape(-1).to(dtype)
+        for _ in range(2):
+            buffer.full.fill_(float("nan"))
+            packer.pack(tensors)
+            assert torch.equal(buffer.full.view(num_shards, -1), expected), name
+            buffer.release_storage()
+            buffer.reallocate_storage()
+        out = torch.full((layout.numel,), float("nan"), dtype=dtype)
+        copy_chunks_in(tensors, out, layout)
         assert torch.equal(out.view(num_shards, -1), expected), name
 
 
