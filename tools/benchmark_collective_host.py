@@ -168,7 +168,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"one layer of hidden {args.hidden_size}, {world} rank(s): host / GPU us per call")
         for name, host, gpu in rows:
-            print(f"  {name:52s} {host:8.1f} {gpu:8.1f}")
+            print(f"  {name:56s} {host:8.1f} {gpu:8.1f}")
     dist.destroy_process_group()
 
 

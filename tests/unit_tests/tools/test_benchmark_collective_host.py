@@ -26,5 +26,5 @@ def test_times_every_way_of_moving_a_layer():
     proc = run_tool("--hidden-size", "256", "--calls", "5", nproc=1, tool=TOOL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     timed = re.findall(r"^  (.+?)\s+(\d+\.\d)\s+(\d+\.\d)$", proc.stdout, flags=re.M)
-    assert len(timed) == 11, proc.stdout
+    assert len(timed) == 13, proc.stdout
     assert all(float(host) > 0 and float(gpu) >= 0 for _, host, gpu in timed), proc.stdout
