@@ -439,7 +439,8 @@ def _fusable(
 
 def _gradient_fusable(grad: torch.Tensor) -> bool:
     """`_fusable` for a gradient whose weight passed it: `.grad` takes only tensors of its
-    weight's dtype, shape and device, so its layout and alignment are what is left to check."""
+    weight's shape and device, so its dtype (which a write through `.data` can change), layout
+    and alignment are what is left to check."""
     return grad.dtype == torch.float32 and grad.is_contiguous() and grad.data_ptr() % 16 == 0
 
 
