@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron-FSDP engines: sum whole gradients, reduce-scatter once per step",
     )
     parser.add_argument(
+        "--use-symm-mem",
+        action="store_true",
+        help="Megatron-FSDP engines: whole weights in NCCL symmetric memory, gathered there by "
+        "NCCL's symmetric kernels (CUDA, NCCL >= 2.27)",
+    )
+    parser.add_argument(
         "--create-all-gather-group",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -161,6 +167,8 @@ def check_args(
                 f"(got --device {args.device}, --engines {','.join(args.engines)}); run the "
                 "others without it."
             )
+    if args.use_symm_mem and not args.device.startswith("cuda"):
+        parser.error(f"--use-symm-mem needs CUDA (got --device {args.device}); drop it.")
     if args.megatron_fsdp_keep_unsharded_params and "megatron_fsdp_zero2" in args.engines:
         parser.error(
             "--megatron-fsdp-keep-unsharded-params applies to the ZeRO-3 engines only (ZeRO-2 "

@@ -199,6 +199,7 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
         fsdp_all_gather_in_start_param_sync=not args.cuda_graph,
         megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
         megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
+        use_symm_mem=args.use_symm_mem,
         **grads,
         **hybrid,
     )

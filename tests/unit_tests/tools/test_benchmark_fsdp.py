@@ -39,6 +39,13 @@ def run_tool(
     )
 
 
+def check_needs_gpus(tool: Path) -> None:
+    """Without CUDA, `tool` (which times NCCL collectives) exits with a usage error saying so."""
+    proc = run_tool(nproc=None, tool=tool)
+    assert proc.returncode == 2
+    assert "it times NCCL collectives: run it on GPUs." in proc.stderr
+
+
 def run_every_engine(tmp_path: Path, *args: str) -> dict[str, dict]:
     """Runs every engine on 2 ranks; checks each row is sane and returns the rows by engine."""
     out = tmp_path / "result.json"
@@ -123,6 +130,12 @@ def test_cuda_graph_needs_cuda_and_graphable_engines():
     proc = run_tool("--cuda-graph", "--engines", "fsdp2", "--device", "cpu", nproc=None)
     assert proc.returncode != 0
     assert "--cuda-graph" in proc.stderr and "fsdp2" in proc.stderr
+
+
+def test_symm_mem_without_cuda_is_a_usage_error():
+    proc = run_tool("--use-symm-mem", "--device", "cpu", nproc=None, timeout=60)
+    assert proc.returncode != 0
+    assert "--use-symm-mem needs CUDA" in proc.stderr
 
 
 def test_hybrid_engines_train_like_zero3_over_all_ranks(tmp_path):

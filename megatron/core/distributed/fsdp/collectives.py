@@ -1,21 +1,19 @@
 """The one place Megatron-FSDP issues collectives from.
 
 Every all-gather, reduce-scatter and all-reduce of the engine goes through `Collectives`, so the
-policy of how they run lives here: which reduction op averages (NCCL has `AVG`, gloo and NCCL's
-symmetric kernels do not; nor does any when the average is over more ranks than the group's, as
-for expert gradients, see `expert_parallel.py`), skipping communication on single-rank groups,
-and where staging buffers come from (the caching allocator, or NCCL symmetric memory with
-`use_symm_mem`). The
-calls are synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
+policy of how they run lives here: which reduction op averages (NCCL has `AVG`, gloo does not;
+nor does any when the average is over more ranks than the group's, as for expert gradients, see
+`expert_parallel.py`), and skipping communication on single-rank groups. The calls are
+synchronous on the current stream; `FsdpContext` picks that stream (the all-gather or
 reduce-scatter stream on GPU), so the same code runs on CPU and GPU.
 
-Weights are gathered tensor by tensor, straight into the whole tensors the modules compute with
-(`all_gather_tensors`: one NCCL group launch): going through one flat shard-major buffer would
-need an unpacking kernel, which moves every byte once more. Gradients are reduce-scattered
-either the same way, straight out of autograd's tensors where they need no cast
-(`reduce_scatter_tensors` of each), or, where they are cast anyway, as one shard-major buffer
-they were packed into during the cast (`GroupGrads`): one collective whose host cost does not
-grow with the number of tensors.
+Weights are gathered and gradients reduce-scattered tensor by tensor, straight into and out of the
+whole tensors (`all_gather_tensors`, `reduce_scatter_tensors`: one NCCL group launch each): going
+through one flat shard-major buffer would need a packing or unpacking kernel, which moves every
+byte once more, in strided blocks that copy at half the bandwidth of whole tensors on 2 ranks
+(`tools/benchmark_collective_host.py`). With `use_symm_mem` the whole weights lie in NCCL
+symmetric windows (`symmetric_memory.py`), so the same grouped all-gather runs NCCL's symmetric
+kernel.
 
 The process-group methods are called directly rather than through `torch.distributed`'s
 wrappers, whose argument checks cost as much host time as the launch itself; these calls run per
@@ -29,40 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
-from megatron.core.distributed.fsdp.symmetric_memory import SymmetricStaging
 from megatron.core.utils import all_gather_single
 
 
 class Collectives:
-    """Issues the engine's collectives; outputs are preallocated (`out=` style).
+    """Issues the engine's collectives; outputs are preallocated (`out=` style)."""
 
-    Args:
-        symmetric: persistent NCCL symmetric-memory staging buffers (`use_symm_mem`), or None
-            for staging from the caching allocator.
-    """
-
-    def __init__(self, symmetric: SymmetricStaging | None = None):
-        self.symmetric = symmetric
+    def __init__(self):
         self._averages: dict[dist.ProcessGroup, dist.ReduceOp] = {}
-
-    def uses_symmetric_memory(self, group: dist.ProcessGroup) -> bool:
-        """Whether collectives over `group` stage in symmetric memory (a group of one rank
-        communicates nothing, so it never does)."""
-        return self.symmetric is not None and group.size() > 1
-
-    def staging(
-        self,
-        role: str,
-        group: dist.ProcessGroup,
-        dtype: torch.dtype,
-        numel: int,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """An uninitialised buffer of `numel` elements for the `role` collective over `group`
-        (`symmetric_memory.ALL_GATHER` output or `REDUCE_SCATTER` input)."""
-        if self.uses_symmetric_memory(group):
-            return self.symmetric.buffer(role, group, dtype, numel)
-        return torch.empty(numel, dtype=dtype, device=device)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup
@@ -71,8 +43,8 @@ class Collectives:
         `output`'s dtype.
 
         Always in place: `input` is first copied (and cast) into this rank's slot of `output`,
-        so a cast needs no buffer of its own, and a symmetric `output` has its input inside the
-        registered window as NCCL's symmetric kernels require.
+        so a cast needs no buffer of its own, and an `output` in a symmetric window has its
+        input there too, as NCCL's symmetric kernels require.
         """
         if group.size() == 1:
             output.copy_(input)
@@ -125,7 +97,7 @@ class Collectives:
             torch._foreach_copy_(outputs, inputs)
             _finish_average(outputs, dist.ReduceOp.SUM, divisor, average)
             return
-        op = self._op(group, average, divisor, symmetric=False)
+        op = self._op(group, average, divisor)
         _reduce_scatter_coalesced(outputs, inputs, op=op, group=group)
         _finish_average(outputs, op, divisor, average)
 
@@ -145,14 +117,8 @@ class Collectives:
             output.copy_(input)
             _finish_average([output], dist.ReduceOp.SUM, divisor, average)
             return
-        symmetric = self._is_symmetric(input)
-        op = self._op(group, average, divisor, symmetric)
-        if symmetric:
-            own = _own_block(input, group)
-            _reduce_scatter_single(own, input, op=op, group=group)
-            output.copy_(own)
-        else:
-            _reduce_scatter_single(output, input, op=op, group=group)
+        op = self._op(group, average, divisor)
+        _reduce_scatter_single(output, input, op=op, group=group)
         _finish_average([output], op, divisor, average)
 
     def all_reduce(
@@ -169,17 +135,12 @@ class Collectives:
         if group.size() == 1:
             _finish_average([tensor], dist.ReduceOp.SUM, divisor, average)
             return
-        op = self._op(group, average, divisor, symmetric=False)
+        op = self._op(group, average, divisor)
         dist.all_reduce(tensor, op=op, group=group)
         _finish_average([tensor], op, divisor, average)
 
-    def _is_symmetric(self, tensor: torch.Tensor) -> bool:
-        return self.symmetric is not None and self.symmetric.owns(tensor)
-
-    def _op(
-        self, group: dist.ProcessGroup, average: bool, divisor: int, symmetric: bool
-    ) -> dist.ReduceOp:
-        if not average or symmetric or divisor != group.size():
+    def _op(self, group: dist.ProcessGroup, average: bool, divisor: int) -> dist.ReduceOp:
+        if not average or divisor != group.size():
             return dist.ReduceOp.SUM
         op = self._averages.get(group)
         if op is None:  # looked up once per group: `get_backend` costs a few us per call

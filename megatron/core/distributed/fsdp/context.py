@@ -60,10 +60,7 @@ from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.profiling import PhaseLabels
 from megatron.core.distributed.fsdp.rank_check import UnitsRunCheck
 from megatron.core.distributed.fsdp.residency import Residency, ScheduledUnit
-from megatron.core.distributed.fsdp.symmetric_memory import (
-    SymmetricStaging,
-    check_symm_mem_support,
-)
+from megatron.core.distributed.fsdp.symmetric_memory import place_weights_in_windows
 
 
 class TrainingState(enum.Enum):
@@ -100,8 +97,7 @@ class FsdpContext:
     def __init__(self, units: list[ScheduledUnit], policy: OverlapPolicy, device: torch.device):
         self.policy = policy
         self.streams = CommStreams(device) if device.type == "cuda" else None
-        symmetric = self._symmetric_staging(units, device) if policy.use_symm_mem else None
-        self.comm = Collectives(symmetric)
+        self.comm = Collectives()
         self.labels = PhaseLabels(device)
         self.state = TrainingState.IDLE
         self.is_last = True
@@ -109,7 +105,10 @@ class FsdpContext:
         # `units` (0: the root, `FsdpUnit.position`), which keeps the context from holding the
         # root strongly.
         self._units = [weakref.ref(unit) for unit in units]
-        self.residency = Residency(len(units), self._unit, policy, self.streams, self.labels)
+        window_slots = self._place_in_windows(units, device) if policy.use_symm_mem else {}
+        self.residency = Residency(
+            len(units), self._unit, policy, self.streams, self.labels, window_slots
+        )
         groups = [group for unit in units for group in unit.groups]
         shard_groups = groups[0].weights.groups if groups else None
         check_groups = [] if shard_groups is None else [shard_groups.shard, shard_groups.outer]
@@ -137,17 +136,13 @@ class FsdpContext:
         self._first_unit = 0
         self._recording: tuple[list[int], list[int]] | None = None
 
-    @staticmethod
-    def _symmetric_staging(units: list[ScheduledUnit], device: torch.device) -> SymmetricStaging:
-        requests = [
-            r for unit in units for group in unit.groups for r in group.weights.staging_requests()
-        ]
-        check_symm_mem_support(device, [group for _, group, _, _ in requests])
-        staging = SymmetricStaging(device)
-        for request in requests:
-            staging.reserve(*request)
-        staging.allocate()
-        return staging
+    def _place_in_windows(self, units: list[ScheduledUnit], device: torch.device) -> dict[int, int]:
+        """Moves the whole weights into symmetric windows (`symmetric_memory.py`): with
+        `keep_unsharded_params` each unit has its own place (all may be kept at once), else
+        transient weights share `max_unsharded_units` + 1 slots. Returns the units' slots."""
+        policy = self.policy
+        ring_size = None if policy.keep_unsharded_params else policy.max_unsharded_units + 1
+        return place_weights_in_windows(units, ring_size, device)
 
     def units(self) -> Iterator[ScheduledUnit]:
         """The live units, root first, then in module order."""
@@ -331,9 +326,8 @@ class FsdpContext:
 
         One unit's reduce-scatters are in flight at a time, as in FSDP2: the compute stream
         waits for the previous unit's (issued a whole unit's backward earlier) before casting
-        this one's, so only one unit's reduction inputs are ever held. With symmetric memory
-        (one buffer per process group and dtype) a unit's groups also wait for each other.
-        With `accumulate_unsharded_grads` in a microbatch that is not the last, sharded
+        this one's, so only one unit's reduction inputs are ever held. With
+        `accumulate_unsharded_grads` in a microbatch that is not the last, sharded
         gradients are summed whole instead (`GroupGrads.reduce`), which issues nothing.
         """
         position = unit.position
@@ -347,8 +341,6 @@ class FsdpContext:
         self._wait_pending_reductions()
         with self.labels(unit, "reduce-scatter"):
             for group_grads in grads:
-                if self.comm.symmetric is not None and not defer:
-                    self._wait_pending_reductions()
                 if group_grads.reduce(streams, defer=defer):
                     self._reduced_event.record(streams.reduce_scatter)
                     self._reducing.append(group_grads)

@@ -11,15 +11,16 @@ This is the layout NCCL's all-gather and reduce-scatter produce and consume, so 
 buffer is shard-major. The tensors of the module want the opposite, each tensor contiguous:
 `ShardLayout.unsharded()` is that layout (one shard, each tensor padded to N chunks).
 `copy_chunks_out` rearranges a gathered buffer into it; `ChunkPacker` (and `copy_chunks_in`)
-packs whole tensors into a shard-major buffer, casting on the way. (Weights skip the shard-major
-buffer: chunk r of a padded tensor is its row block r, so each tensor's chunks are all-gathered
-straight into it, `Collectives.all_gather_tensors`. Gradients that must be cast for their
-reduce-scatter are packed during the cast, which moves the same bytes, so that one flat
-reduce-scatter reads them; see `GroupGrads`.)
+packs whole tensors into a shard-major buffer, casting on the way, for the reductions that run
+once per step. (The per-unit collectives skip the shard-major buffer: chunk r of a padded tensor
+is its row block r, so each tensor's chunks are all-gathered straight into it and
+reduce-scattered straight out of it, `Collectives.all_gather_tensors` and
+`reduce_scatter_tensors`.)
 
 `DBuffer` is one 1-D storage in a layout: either this rank's shard only (`sharded=True`) or all
 N shards (replicated, or gathered). Its storage can be released and reallocated in place, which
-keeps views saved by autograd valid across the free.
+keeps views saved by autograd valid across the free; a buffer in memory other buffers share (a
+symmetric window) is only marked free.
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ class DBuffer:
         rank: this rank's shard index.
         zeroed: start from zeros (padding reads as zero); False for staging buffers that a
             collective overwrites entirely.
-        data: existing storage to use instead of allocating (`layout`-sized, e.g. a staging
-            buffer from `Collectives.staging`).
+        data: existing memory to use instead of allocating (`layout`-sized).
+        shared: `data` is part of memory that other buffers use at other times (a symmetric
+            window, `symmetric_memory.py`): releasing only marks the buffer free, and
+            reallocating marks it in use again, holding whatever the memory holds.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class DBuffer:
         rank: int,
         zeroed: bool = True,
         data: torch.Tensor | None = None,
+        shared: bool = False,
     ):
         self.layout = layout
         self.sharded = sharded
@@ -134,6 +138,7 @@ class DBuffer:
         elif data.numel() != numel or data.dtype != dtype:
             raise ValueError(f"DBuffer data must be {numel} elements of {dtype}.")
         self.data = data
+        self._shared = shared
         self._nbytes = self.data.untyped_storage().nbytes()
         # Tracked here rather than read from the storage (a new Python object per read): only
         # `release_storage` / `reallocate_storage` resize it.
@@ -184,13 +189,15 @@ class DBuffer:
     def release_storage(self) -> None:
         """Frees the memory; views stay valid objects but must not be read until reallocated."""
         if self._allocated:
-            self.data.untyped_storage().resize_(0)
+            if not self._shared:
+                self.data.untyped_storage().resize_(0)
             self._allocated = False
 
     def reallocate_storage(self) -> None:
         """Allocates the memory again (uninitialised) under the same tensor and views."""
         if not self._allocated:
-            self.data.untyped_storage().resize_(self._nbytes)
+            if not self._shared:
+                self.data.untyped_storage().resize_(self._nbytes)
             self._allocated = True
 
 

@@ -51,7 +51,6 @@ from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
-    ChunkPacker,
     DBuffer,
     concatenates,
     copy_chunks_in,
@@ -59,7 +58,6 @@ from megatron.core.distributed.fsdp.dbuffer import (
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.overlap import CommStreams
 from megatron.core.distributed.fsdp.plan import GroupPlan
-from megatron.core.distributed.fsdp.symmetric_memory import REDUCE_SCATTER
 from megatron.core.distributed.fsdp.weights import GroupWeights
 from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
 
@@ -135,19 +133,25 @@ class GroupGrads:
         self._release()
 
     def _init_send_buffer(self) -> None:
-        """The buffer gradients are cast into for their reduce-scatter: shard-major (the
-        layout's N x S, the input of one flat reduce-scatter) in the reduction dtype, allocated
-        for each reduction and freed once the reduce-scatter has read it; its packer's views
-        are made once."""
+        """The whole buffer gradients are cast into for their reduce-scatter (each tensor padded
+        to N full chunks, in the reduction dtype), allocated for each reduction and freed once
+        the reduce-scatter has read it, and its views, made once: where each gradient is cast
+        to, the padding to zero, and the reduce-scatter's inputs."""
+        layout = self._layout
         self._sends = DBuffer(
-            self._layout,
+            layout.unsharded(),
             self.plan.precision.grad_comm,
             self._device,
             sharded=False,
             rank=0,
             zeroed=False,
         )
-        self._send_packer = ChunkPacker(self._sends.full, self._layout)
+        padded = self._sends.tensor_views()
+        self._send_inputs = [view.view(-1) for view in padded]
+        self._cast_targets = [view[: shape[0]] for view, shape in zip(padded, layout.shapes)]
+        self._send_padding = [
+            view[shape[0] :] for view, shape in zip(padded, layout.shapes) if len(view) > shape[0]
+        ]
         self._sends.release_storage()
 
     def _assert_in(self, *states: GradState) -> None:
@@ -290,20 +294,19 @@ class GroupGrads:
         """Reduce-scatters `grads` (emptying the list) into `main_grad`; returns whether the
         reduction on `streams.reduce_scatter` still reads its inputs (False without
         `streams`: done on the current stream)."""
-        symmetric = self.comm.uses_symmetric_memory(self._groups.shard)
-        sends = [self._pack_grads(grads)] if symmetric else self._scatter_inputs(grads)
+        sends = self._scatter_inputs(grads)
         # The whole gradients are freed (where cast) before the step's first reduction
         # allocates the gradient shards: at the root's (the largest unit's) they would peak
         # together.
         if fresh:
             self.main_grad.reallocate_storage()
         if streams is None:
-            self._reduce_scatter_into_main_grad(sends, fresh, symmetric)
+            self._reduce_scatter_into_main_grad(sends, fresh)
             self._sends.release_storage()
             return False
         with streams.running_on(streams.reduce_scatter) as compute:
             streams.wait(streams.reduce_scatter, compute)
-            self._reduce_scatter_into_main_grad(sends, fresh, symmetric)
+            self._reduce_scatter_into_main_grad(sends, fresh)
         self._in_flight = sends
         return True
 
@@ -315,41 +318,29 @@ class GroupGrads:
         self._sends.release_storage()
 
     def _scatter_inputs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The reduce-scatter's inputs, emptying the list: each gradient flat, where all are
-        already their own N full chunks in the reduction dtype (no copy: one grouped
-        reduce-scatter reads them); else one shard-major buffer they are cast and packed into
-        in a single pass, after which they are freed (one flat reduce-scatter, whose host cost
-        does not grow with the number of tensors)."""
+        """Each gradient flat, padded to N full chunks, in the reduction dtype: the gradients
+        themselves where they already are that (no copy), else cast into the send buffer in a
+        single pass, after which the gradients are freed. Empties the list.
+
+        Each input is a whole tensor, whose N row blocks the reduce-scatter splits: no packing
+        into the shard-major layout, which would move every byte once more (and, fused with the
+        cast as `_chunk_cat`, cost host time that grows with the bytes moved).
+        """
         if grads[0].dtype == self._sends.dtype and concatenates(grads, self._layout):
             sends = [g.view(-1) for g in grads]
         else:
             self._sends.reallocate_storage()
-            self._send_packer.pack(grads)
-            sends = [self._sends.full]
+            torch._foreach_copy_(self._cast_targets, grads)
+            if self._send_padding:
+                torch._foreach_zero_(self._send_padding)
+            sends = self._send_inputs
         grads.clear()
         return sends
 
-    def _pack_grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """`grads` packed N x S (shard-major) in the reduction dtype into the symmetric
-        reduce-scatter window, cast on the way; empties the list, which frees them. The
-        symmetric kernels need the collective's whole input in the registered window."""
-        data = self.comm.staging(
-            REDUCE_SCATTER,
-            self._groups.shard,
-            self.plan.precision.grad_comm,
-            self._layout.numel,
-            self._device,
-        )
-        copy_chunks_in(grads, data, self._layout)
-        grads.clear()
-        return data
-
-    def _reduce_scatter_into_main_grad(
-        self, sends: list[torch.Tensor], fresh: bool, symmetric: bool
-    ) -> None:
-        """Reduces `sends` (one shard-major buffer, or each whole gradient) into this rank's
-        shard of `main_grad`: straight into it when it starts afresh in its dtype, else through
-        a transient shard that is copied (cast) or added."""
+    def _reduce_scatter_into_main_grad(self, sends: list[torch.Tensor], fresh: bool) -> None:
+        """Reduces `sends` (each whole gradient, padded) into this rank's shard of
+        `main_grad`: straight into it when it starts afresh in its dtype, else through a
+        transient shard that is copied (cast) or added."""
         group = self._groups.shard
         comm_dtype = sends[0].dtype
         direct = fresh and comm_dtype == self.main_grad.dtype
@@ -358,20 +349,10 @@ class GroupGrads:
             if direct
             else torch.empty(self._layout.shard_numel, dtype=comm_dtype, device=self._device)
         )
-        if symmetric:
-            self.comm.reduce_scatter(
-                out, sends[0], group, average=True, divisor=self._groups.grad_divisor
-            )
-        else:
-            # One input is shard-major (a packed buffer, or a group's only tensor): its
-            # reduction is the whole shard.
-            if len(sends) == 1:
-                outputs = [out]
-            else:
-                outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
-            self.comm.reduce_scatter_tensors(
-                outputs, sends, group, average=True, divisor=self._groups.grad_divisor
-            )
+        outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
+        self.comm.reduce_scatter_tensors(
+            outputs, sends, group, average=True, divisor=self._groups.grad_divisor
+        )
         if direct:
             return
         if fresh:

@@ -28,7 +28,8 @@ class OverlapPolicy:
             this (delayed release), and a prefetch that would exceed it is skipped: 2 holds the
             computing unit and the next; 1 never prefetches. Only units in use at once (nested
             in each other) can exceed it.
-        use_symm_mem: staging buffers from NCCL symmetric memory (see `symmetric_memory.py`).
+        use_symm_mem: the whole weights live in NCCL symmetric memory, where NCCL gathers
+            them with its symmetric kernels (`symmetric_memory.py`).
         keep_unsharded_params: under gradient accumulation (`microbatch(is_last=False)`,
             `no_sync()`), a unit whose weights are sharded (ZeRO-3) keeps its whole weights
             from their first gather in the step until the last microbatch's backward has used

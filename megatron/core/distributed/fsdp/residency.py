@@ -16,6 +16,11 @@ backward does not free it, so later microbatches reuse it without gathering; kep
 count against the bound. The last microbatch's backward frees each kept unit right after its own
 backward (the all-gather stream first waits for the compute stream, as for any free), and the end
 of that backward, or of the step (`drop_kept`), frees the rest.
+
+With `use_symm_mem` the whole weights of several units share one symmetric-memory slot
+(`symmetric_memory.py`): a unit is gathered into its slot only once the unit holding it is
+resharded, as a released unit is when the bound needs room; a prefetch whose slot a unit in use
+holds is skipped.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Residency:
         policy: the bound on units held.
         streams: the side streams (None on CPU).
         labels: opens a profiler range (`profiling.PhaseLabels`).
+        window_slots: position -> the symmetric-memory slot its whole weights live in (units
+            of one slot never hold them at once); empty without `use_symm_mem`.
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class Residency:
         policy: OverlapPolicy,
         streams: CommStreams | None,
         labels: Callable[[ScheduledUnit, str], contextlib.AbstractContextManager],
+        window_slots: dict[int, int] | None = None,
     ):
         self._unit = unit
         self._policy = policy
@@ -70,6 +78,8 @@ class Residency:
         self._releasable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ready: set[int] = set()
         self._kept: set[int] = set()
+        self._window_slots = window_slots or {}
+        self._slot_holders: dict[int, int] = {}  # slot -> the resident unit in it
         # The event after each unit's gather and after its last use (GPU): a wait queued on an
         # event is not affected by later records.
         if streams is not None:
@@ -110,6 +120,8 @@ class Residency:
         if position in self._resident:
             self._releasable.pop(position, None)
         elif not unit.has_transient_weights or (not self._make_room() and prefetch):
+            return
+        elif not self._claim_slot(unit, prefetch):
             return
         else:
             with self._on_all_gather_stream(), self._labels(unit, f"{phase} all-gather"):
@@ -166,9 +178,7 @@ class Residency:
         # it after the wait just queued.
         for group in unit.groups:
             group.weights.reshard()
-        del self._resident[position]
-        self._ready.discard(position)
-        self._kept.discard(position)
+        self._forget(position)
 
     def reshard_all(self, *, except_kept: bool = False) -> None:
         """Frees every unit's unsharded weights (with `except_kept`, those of units not kept)
@@ -186,6 +196,9 @@ class Residency:
                 for group in unit.groups:
                     group.weights.reshard()
         self._resident = dict.fromkeys(kept)
+        self._slot_holders = {
+            slot: holder for slot, holder in self._slot_holders.items() if holder in kept
+        }
         self._releasable.clear()
         self._ready &= kept
         if streams is not None:
@@ -218,10 +231,47 @@ class Residency:
         unit = self._unit(position)
         if unit is None:
             self._releasable.pop(position, None)
-            self._resident.pop(position, None)
-            self._kept.discard(position)
+            self._forget(position)
         else:
             self.reshard(unit)
+
+    def _forget(self, position: int) -> None:
+        """Records that the unit at `position` holds no whole weights (any more)."""
+        self._resident.pop(position, None)
+        self._ready.discard(position)
+        self._kept.discard(position)
+        slot = self._window_slots.get(position)
+        if self._slot_holders.get(slot) == position:
+            del self._slot_holders[slot]
+
+    def _claim_slot(self, unit: ScheduledUnit, prefetch: bool) -> bool:
+        """Makes `unit`'s symmetric-memory slot (if any) its own before its gather, resharding
+        the unit that holds it if its use is over or has not begun (a prefetch this pass did
+        not follow); False for a prefetch whose slot a unit in use holds.
+
+        Raises:
+            RuntimeError: a unit in use holds the slot that `unit` needs now.
+        """
+        slot = self._window_slots.get(unit.position)
+        if slot is None:
+            return True
+        holder = self._slot_holders.get(slot)
+        if holder is not None and (holder in self._releasable or holder in self._ready):
+            self._reshard_position(holder)
+            holder = None
+        if holder is None:
+            self._slot_holders[slot] = unit.position
+            return True
+        if prefetch:
+            return False
+        other = self._unit(holder)
+        raise RuntimeError(
+            f"use_symm_mem: units {unit.name} and {other.name if other else holder} share a "
+            f"symmetric-memory slot for their whole weights, and {unit.name} is needed while "
+            "the other is still in use (units nested, or run out of module order, more than "
+            "max_unsharded_units + 1 deep). Raise OverlapPolicy.max_unsharded_units, or set "
+            "use_symm_mem=False (--use-symm-mem off)."
+        )
 
     def _num_held(self) -> int:
         """Units under the bound: resident, neither the root nor kept."""

@@ -1,37 +1,48 @@
-"""Staging buffers from PyTorch's NCCL symmetric-memory pool (`use_symm_mem`).
+"""Persistent NCCL symmetric windows that Megatron-FSDP gathers whole weights into (`use_symm_mem`).
 
-NCCL (2.27+) runs its symmetric kernels, which copy over NVLink with fewer SMs and lower
-latency than the ring kernels, when every buffer of a collective lies in a window that all ranks
-registered at the same offset. Such memory is costly to make (allocation from the pool, then a
-collective `rendezvous`), so it cannot be allocated per collective as the default staging is.
-`SymmetricStaging` therefore holds one persistent buffer per (role, process group, dtype), sized
-for the largest parameter group that uses it and made once, on every rank in the same order,
-when the root's context is built:
+NCCL (2.27+) runs its symmetric kernels, which copy over NVLink with fewer SMs and lower latency
+than its ring kernels, when every buffer of a collective lies in a window that all ranks
+registered, at the same offset on each. A window is costly to make (an allocation from
+PyTorch's NCCL pool, then a collective `rendezvous`), so the windows are made once, when the
+root's context is built, and the whole weights the modules compute with *live* in them: each
+tensor's chunks are all-gathered in place there (`Collectives.all_gather_tensors`), exactly as
+into memory from the caching allocator, with no staging buffer and no copy.
 
-- all-gather output: the all-gather stream orders its reuse (gather, copy out, gather the next
-  unit);
-- reduce-scatter input: the context has one reduce-scatter in flight at a time and the compute
-  stream waits for it before packing the next, so it never writes the buffer while a collective
-  still reads it.
+`place_weights_in_windows` lays them out:
 
-The collectives run in place (the input is this rank's slice of the symmetric output, or the
-output a slice of the symmetric input), so both their buffers lie in the window. Symmetric
-kernels reduce only with SUM: averaging becomes SUM plus a local divide (`Collectives`).
+- weights that persist between uses (ZeRO-1/2 compute weights, refreshed by an all-gather after
+  each optimizer step, and the root's) each have a place of their own;
+- weights gathered for each use and freed after (ZeRO-3) share a ring of slots, one unit's
+  weights per slot: the unit that is i-th in module order among them uses slot i mod K, with K
+  = `max_unsharded_units` + 1 (the units held at once, and one more for a use out of module
+  order). `Residency` never lets two units of one slot hold their weights at once: it reshards
+  the holder before gathering into its slot (a prefetch whose slot is still in use is skipped).
+  With `keep_unsharded_params` every unit may be kept at once, so each has its own place.
+
+Every rank lays out the same units the same way, so each window and offset is the same on all.
+Gradients are reduce-scattered from the caching allocator's memory as without `use_symm_mem`:
+NCCL's symmetric reduce-scatter is no faster than its ring kernel for these sizes, and slower
+for large ones (`docs/performance.md`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-ALL_GATHER = "all_gather"
-REDUCE_SCATTER = "reduce_scatter"
+from megatron.core.distributed.fsdp.residency import ScheduledUnit
+
 _MIN_NCCL = (2, 27)
+# Where each group's weights start in a window: a multiple of this many bytes (alignment for the
+# widest vector loads of any dtype).
+_ALIGN = 512
+# The "slot" of the weights that have a place of their own.
+_OWN = -1
 
 
-def check_symm_mem_support(device: torch.device, groups: list[dist.ProcessGroup]) -> None:
+def check_symm_mem_support(device: torch.device, groups: Sequence[dist.ProcessGroup]) -> None:
     """Raises a `ValueError` naming what is missing when `use_symm_mem` cannot work here."""
     problem = None
     if device.type != "cuda":
@@ -54,62 +65,64 @@ def check_symm_mem_support(device: torch.device, groups: list[dist.ProcessGroup]
         )
 
 
-@dataclass(frozen=True)
-class _Key:
-    role: str
-    group_name: str
-    dtype: torch.dtype
+def place_weights_in_windows(
+    units: Sequence[ScheduledUnit], ring_size: int | None, device: torch.device
+) -> dict[int, int]:
+    """Makes the windows and moves every whole-weights buffer that is all-gathered into them.
 
-
-class SymmetricStaging:
-    """Persistent symmetric staging buffers: `reserve()` sizes them, `allocate()` makes them
-    (collective), `buffer()` hands out views.
+    Collective over every all-gather group, in an order all ranks share; before any forward
+    (no autograd graph refers to the buffers yet).
 
     Args:
+        units: the root first, then every unit below it in module order.
+        ring_size: K, the slots that transient weights share; None gives each unit its own.
         device: the CUDA device of the parameters.
+
+    Returns:
+        The ring slot of each unit (by position) whose weights live in one.
     """
+    ring = [
+        unit.position
+        for unit in units
+        if unit.position != 0
+        and any(g.weights.gathers and g.plan.transient_unsharded for g in unit.groups)
+    ]
+    slots = {position: i % (ring_size or len(ring)) for i, position in enumerate(ring)}
+    sizes: dict[tuple[str, int], int] = {}  # bytes of each (process group, slot) window
+    places = []
+    process_groups: dict[str, dist.ProcessGroup] = {}
+    for unit in units:
+        taken: dict[tuple[str, int], int] = {}  # bytes this unit takes in each ring window
+        for group in unit.groups:
+            weights = group.weights
+            if not weights.gathers:
+                continue
+            process_group = weights.groups.all_gather
+            process_groups[process_group.group_name] = process_group
+            shared = weights.plan.transient_unsharded and unit.position in slots
+            key = (process_group.group_name, slots[unit.position] if shared else _OWN)
+            offset = taken.get(key, 0) if shared else sizes.get(key, 0)
+            end = offset + -(-weights.unsharded.data.nbytes // _ALIGN) * _ALIGN
+            if shared:
+                taken[key] = end
+            sizes[key] = max(sizes.get(key, 0), end)
+            places.append((weights, key, offset))
+    check_symm_mem_support(device, list(process_groups.values()))
+    windows = {key: _window(sizes[key], process_groups[key[0]], device) for key in sorted(sizes)}
+    for weights, key, offset in places:
+        weights.place_unsharded(windows[key], offset)
+    return slots
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._sizes: dict[_Key, int] = {}
-        self._groups: dict[str, dist.ProcessGroup] = {}
-        self._buffers: dict[_Key, torch.Tensor] = {}
 
-    def reserve(self, role: str, group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> None:
-        """Makes the buffers of (role, group, dtype) hold at least `numel` elements."""
-        key = _Key(role, group.group_name, dtype)
-        self._sizes[key] = max(self._sizes.get(key, 0), numel)
-        self._groups[group.group_name] = group
+def _window(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """`nbytes` of symmetric memory registered with `group` (collective over it)."""
+    from torch.distributed import _symmetric_memory as symm_mem
 
-    def allocate(self) -> None:
-        """Allocates every reserved buffer from the NCCL pool and registers it with its group.
-
-        Collective over each group, in an order every rank shares. Each group first runs a
-        one-element all-reduce, so its NCCL communicator exists before the rendezvous.
-        """
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        if symm_mem.get_backend(self.device) != "NCCL":
-            symm_mem.set_backend("NCCL")
-        for name in sorted(self._groups):
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self._groups[name])
-        pool = symm_mem.get_mem_pool(self.device)
-        for key in sorted(self._sizes, key=lambda k: (k.role, k.group_name, str(k.dtype))):
-            with torch.cuda.use_mem_pool(pool):
-                tensor = torch.empty(self._sizes[key], dtype=key.dtype, device=self.device)
-            symm_mem.rendezvous(tensor, self._groups[key.group_name])
-            self._buffers[key] = tensor
-
-    def buffer(
-        self, role: str, group: dist.ProcessGroup, dtype: torch.dtype, numel: int
-    ) -> torch.Tensor:
-        """The first `numel` elements of the buffer of (role, group, dtype)."""
-        return self._buffers[_Key(role, group.group_name, dtype)][:numel]
-
-    def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` lies in one of these buffers."""
-        address = tensor.data_ptr()
-        return any(
-            buf.data_ptr() <= address < buf.data_ptr() + buf.numel() * buf.element_size()
-            for buf in self._buffers.values()
-        )
+    if symm_mem.get_backend(device) != "NCCL":
+        symm_mem.set_backend("NCCL")
+    # The group's NCCL communicator must exist before the rendezvous.
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+        window = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(window, group)
+    return window

@@ -25,7 +25,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
@@ -38,7 +37,6 @@ from megatron.core.distributed.fsdp.dbuffer import (
 )
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
-from megatron.core.distributed.fsdp.symmetric_memory import ALL_GATHER, REDUCE_SCATTER
 from megatron.core.distributed.tensor_parallel_params import check_data_parallel_chunks, dtensor
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
@@ -149,21 +147,12 @@ class GroupWeights:
                 layout, plan.main_dtype, device, sharded=True, rank=self.rank
             )
 
-        # Views stay valid across release / reallocate (same storage), so they are made once.
-        self._compute_views = [
-            view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), layout.shapes)
-        ]
+        self._bind_unsharded_views()
         self._main_views = (
             self._compute_views if plan.main_is_unsharded else self.sharded_main.local_views()
         )
-        # The tensor-wise all-gather's outputs, this rank's block of each (where its input is
-        # cast to), and its inputs: the chunks of the shard it gathers from.
-        self._gather_targets = chunk_targets(self.unsharded, layout)
-        self._gather_outputs = [target.view(-1) for target in self._gather_targets]
-        gather_rank = groups.all_gather.rank() if layout.num_shards > 1 else 0
-        self._gather_blocks = [target[gather_rank] for target in self._gather_targets]
+        # The tensor-wise all-gather's inputs: the chunks of the shard it gathers from.
         source = self.inner_shard if self.inner_shard is not None else self.sharded_main
-        self._gather_source = source
         self._gather_inputs = (
             list(source.shard.split(layout.chunk_numels)) if source.sharded else None
         )
@@ -185,6 +174,20 @@ class GroupWeights:
         self.untracked_writes = 0
         self._observed_version = self.main_version()
         self._made_version = self._observed_version
+
+    def _bind_unsharded_views(self) -> None:
+        """Makes the views of the unsharded buffer that every use reads: each compute weight
+        (its real rows), and the tensor-wise all-gather's outputs and this rank's block of each
+        (where its input is cast to). They stay valid across release / reallocate (same
+        storage), so they are made once, and again only if the buffer moves."""
+        layout = self.layout
+        self._compute_views = [
+            view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), layout.shapes)
+        ]
+        targets = chunk_targets(self.unsharded, layout)
+        self._gather_outputs = [target.view(-1) for target in targets]
+        gather_rank = self.groups.all_gather.rank() if layout.num_shards > 1 else 0
+        self._gather_blocks = [target[gather_rank] for target in targets]
 
     def _param_placements(self, slots: list[ParamSlot]) -> list[tuple[Placement, ...]]:
         """Each parameter's placements: over the leading dimensions, then the plan's.
@@ -302,24 +305,19 @@ class GroupWeights:
     def _gather_into_unsharded(self) -> None:
         """All-gathers the sharded weights (HFSDP's inner shard, else the main weights) over
         the all-gather group into the unsharded weights, cast to the compute dtype: each
-        tensor's chunks straight into the tensor, or, with symmetric memory, through the
-        registered window and unpacked from it.
+        tensor's chunks straight into the tensor (with `use_symm_mem` the buffer lies in a
+        symmetric window, `place_unsharded`, and NCCL runs its symmetric kernel).
 
         The writes do not bump the unsharded weights' version counter: refilling weights that
         autograd saved in forward (and that were freed in between) restores the values it
         saved, which must not read as an in-place modification in backward.
         """
-        dtype = self.unsharded.dtype
-        group = self.groups.all_gather
-        if self.comm.uses_symmetric_memory(group):
-            data = self.comm.staging(ALL_GATHER, group, dtype, self.layout.numel, self.device)
-            gathered = _staging(self.layout, dtype, self.device, data)
-            self.comm.all_gather(gathered.full, self._gather_source.shard, group)
-            copy_chunks_out(gathered, self.unsharded, self._gather_targets)
-            return
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             self.comm.all_gather_tensors(
-                self._gather_outputs, self._gather_inputs, group, own_blocks=self._gather_blocks
+                self._gather_outputs,
+                self._gather_inputs,
+                self.groups.all_gather,
+                own_blocks=self._gather_blocks,
             )
 
     def unshard(self) -> None:
@@ -340,20 +338,36 @@ class GroupWeights:
         """Whether the whole compute weights are in memory now."""
         return self.unsharded.is_allocated
 
-    def staging_requests(self) -> list[tuple[str, dist.ProcessGroup, torch.dtype, int]]:
-        """The symmetric-memory staging this group's collectives need: (role, group, dtype,
-        elements). A group of one rank communicates nothing, so it stages nothing."""
+    @property
+    def gathers(self) -> bool:
+        """Whether the whole compute weights are all-gathered over more than one rank: for
+        each use (ZeRO-3), or after each change of the main weights (ZeRO-1/2)."""
         plan = self.plan
-        requests = []
-        if plan.transient_unsharded or plan.shards_main:
-            requests.append(
-                (ALL_GATHER, self.groups.all_gather, self.unsharded.dtype, self.layout.numel)
-            )
-        if plan.requires_grad and plan.shards_grads:
-            requests.append(
-                (REDUCE_SCATTER, self.groups.shard, plan.precision.grad_comm, self.layout.numel)
-            )
-        return [request for request in requests if request[1].size() > 1]
+        gathered = plan.transient_unsharded or plan.refresh is Refresh.GATHER
+        return gathered and self.groups.all_gather.size() > 1
+
+    @torch.no_grad()
+    def place_unsharded(self, window: torch.Tensor, offset: int) -> None:
+        """Moves the unsharded weights into `window` (the bytes of a symmetric window) at byte
+        `offset`: the buffer, its views and the compute weights, which stay the same
+        `Parameter` objects. Weights that persist keep their values. The window is shared with
+        other units' weights, so releasing the buffer only marks it free (`DBuffer` `shared`);
+        `symmetric_memory.py` says who may use it when. Before any forward: no autograd graph
+        may refer to the old buffer.
+        """
+        old = self.unsharded
+        nbytes = old.data.nbytes
+        data = window.narrow(0, offset, nbytes).view(old.dtype)
+        self.unsharded = DBuffer(
+            old.layout, old.dtype, self.device, sharded=False, rank=0, data=data, shared=True
+        )
+        if old.is_allocated:
+            data.copy_(old.data)
+        else:
+            self.unsharded.release_storage()
+        self._bind_unsharded_views()
+        for param, view in zip(self.unsharded_params, self._compute_views):
+            param.data = view
 
     # Registration.
 
@@ -366,12 +380,9 @@ class GroupWeights:
         self._sharded_registration.register()
 
 
-def _staging(
-    layout: ShardLayout, dtype: torch.dtype, device: torch.device, data: torch.Tensor | None = None
-) -> DBuffer:
-    """A whole buffer of `layout` for one collective: `data` (from `Collectives.staging`), or
-    fresh uninitialised memory."""
-    return DBuffer(layout, dtype, device, sharded=False, rank=0, zeroed=False, data=data)
+def _staging(layout: ShardLayout, dtype: torch.dtype, device: torch.device) -> DBuffer:
+    """A whole buffer of `layout` for one collective, uninitialised."""
+    return DBuffer(layout, dtype, device, sharded=False, rank=0, zeroed=False)
 
 
 def _chunk(full: torch.Tensor, layout: ShardLayout, index: int, shard: int) -> torch.Tensor:

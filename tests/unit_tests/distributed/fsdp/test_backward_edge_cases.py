@@ -442,23 +442,22 @@ def _reduce_in(
 
 
 @pytest.mark.parametrize(
-    "model_dtype, comm_dtype, num_casts, num_inputs",
+    "model_dtype, comm_dtype, num_casts",
     [
-        # Each unit's gradients are cast once, packed shard-major on the way, into the
-        # reduction buffer, which one flat reduce-scatter reads.
-        (torch.bfloat16, torch.float32, 3, [1, 1, 1]),
-        (torch.float32, torch.bfloat16, 3, [1, 1, 1]),
-        # Already in the reduction dtype: the blocks' gradients (4 tensors each) are
-        # reduce-scattered as they are; the root's head (1 row over 2 ranks) has a padded
-        # chunk, so it is packed (padding zeroed). Inputs per reduce-scatter, in any order.
-        (torch.float32, torch.float32, 1, [1, 4, 4]),
+        # Each unit's gradients are cast once, whole, into the reduction buffer.
+        (torch.bfloat16, torch.float32, 3),
+        (torch.float32, torch.bfloat16, 3),
+        # Already in the reduction dtype: the blocks' gradients are reduced in place; the
+        # root's head (1 row over 2 ranks) has a padded chunk, so it is copied (padding zeroed).
+        (torch.float32, torch.float32, 1),
     ],
 )
-def test_gradients_are_cast_and_packed_for_one_reduce_scatter_or_reduced_as_they_are(
-    model_dtype, comm_dtype, num_casts, num_inputs
+def test_gradients_reduce_scatter_from_the_whole_tensors_in_any_dtype(
+    model_dtype, comm_dtype, num_casts
 ):
     for grads, expected, casts, inputs in run_distributed(_reduce_in, 2, model_dtype, comm_dtype):
-        assert (casts, sorted(inputs)) == (num_casts, num_inputs)
+        # One input per tensor (4 per block, the head's weight and bias), none packed.
+        assert (casts, sorted(inputs)) == (num_casts, [2, 4, 4])
         assert grads.keys() == expected.keys()
         if model_dtype == comm_dtype == torch.float32:
             for name in expected:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from megatron.core.distributed.fsdp import (
     fully_shard_optimizer,
     microbatch,
     parameter_groups,
+    symmetric_memory,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
@@ -38,6 +40,7 @@ from tests.unit_tests.distributed.fsdp.kernel_trace import (
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
+    device_batch,
     make_token_batches,
     shard_batch,
     tiny_gpt_config,
@@ -59,9 +62,7 @@ def _sharded_gpt(policy: OverlapPolicy, strategy: str = "optim_grads_params"):
 def _held_layers(model) -> int:
     """Layers whose whole weights are allocated now."""
     return sum(
-        group.holds_unsharded
-        for layer in model.decoder.layers
-        for group in layer.fsdp_unit.groups
+        group.holds_unsharded for layer in model.decoder.layers for group in layer.fsdp_unit.groups
     )
 
 
@@ -129,8 +130,14 @@ _POLICIES = {
 
 
 def _train_with_policy(policy_name: str, strategy: str) -> dict:
+    return _train(_POLICIES[policy_name], strategy)
+
+
+def _train(policy: OverlapPolicy, strategy: str) -> dict:
+    """3 steps of 2 microbatches: the losses, the final weights, and where each unit's whole
+    weights live (the data pointer of its first group's unsharded buffer, root first)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = _sharded_gpt(_POLICIES[policy_name], strategy)
+    model = _sharded_gpt(policy, strategy)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
     losses = []
     for tokens, labels in make_token_batches(3, 8):
@@ -143,7 +150,9 @@ def _train_with_policy(policy_name: str, strategy: str) -> dict:
             losses.append(loss.detach())
         optimizer.step()
         optimizer.zero_grad()
-    return dict(losses=torch.stack(losses), state=full_state(model))
+    units = [model, *model.decoder.layers]
+    places = [unit.fsdp_unit.groups[0].weights.unsharded.data.data_ptr() for unit in units]
+    return dict(losses=torch.stack(losses), state=full_state(model), places=places)
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
@@ -166,7 +175,7 @@ def _first_forward_with_a_layer_policy(root_policy: OverlapPolicy | None) -> str
     for layer in model.decoder.layers:
         fully_shard(layer, overlap_policy=OverlapPolicy(max_unsharded_units=1))
     fully_shard(model, overlap_policy=root_policy)
-    tokens, labels = make_token_batches(1, 2)[0]
+    tokens, labels = device_batch(2)
     try:
         model(tokens, labels=labels)
     except ValueError as error:
@@ -191,7 +200,7 @@ def _orders_and_gathers() -> dict:
     stream, `gather`) after a backward, after an optimizer step, and after a load."""
     model = _sharded_gpt(OverlapPolicy())
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
-    tokens, labels = make_token_batches(1, 4)[0]
+    tokens, labels = device_batch(4)
     model(tokens, labels=labels).mean().backward()
     first, second = model.decoder.layers[1], model.decoder.layers[2]
     seen = {}
@@ -271,18 +280,97 @@ def _symm_mem_on_cpu() -> str:
     return str(error.value)
 
 
-def _staging_requests() -> list[int]:
-    return [
-        len(group.weights.staging_requests())
-        for group in parameter_groups(_sharded_gpt(OverlapPolicy()))
-    ]
+# Symmetric-memory windows. On CPU, plain memory stands in for them (filled with 0xFF bytes, NaN
+# in floating point, so a read of weights never gathered shows), which runs the placement and the
+# slot discipline under gloo; the GPU test below runs NCCL's symmetric kernels.
 
 
-def test_symmetric_staging_is_reserved_only_for_groups_that_communicate():
-    # ZeRO-3 groups all-gather weights and reduce-scatter gradients over 2 ranks; over 1 rank
-    # they copy, and symmetric memory reserved for them would be wasted.
-    assert run_distributed(_staging_requests, 2)[0] == [2] * (NUM_LAYERS + 1)
-    assert run_distributed(_staging_requests, 1)[0] == [0] * (NUM_LAYERS + 1)
+@contextlib.contextmanager
+def _plain_windows():
+    def window(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+        return torch.full((nbytes,), 255, dtype=torch.uint8, device=device)
+
+    with (
+        mock.patch.object(symmetric_memory, "_window", window),
+        mock.patch.object(symmetric_memory, "check_symm_mem_support"),
+    ):
+        yield
+
+
+def _train_in_windows(policy: OverlapPolicy, strategy: str) -> dict:
+    with _plain_windows():
+        return _train(policy, strategy)
+
+
+@pytest.mark.parametrize(
+    "strategy, policy, layer_slots",
+    [
+        # ZeRO-3: the 4 layers share max_unsharded_units + 1 slots, in module order.
+        ("optim_grads_params", OverlapPolicy(max_unsharded_units=1, use_symm_mem=True), "abab"),
+        ("optim_grads_params", OverlapPolicy(use_symm_mem=True), "abca"),
+        ("optim_grads_params", OverlapPolicy(prefetch=False, use_symm_mem=True), "abca"),
+        # Kept across microbatches, every unit may hold its weights at once.
+        (
+            "optim_grads_params",
+            OverlapPolicy(use_symm_mem=True, keep_unsharded_params=True),
+            "abcd",
+        ),
+        # ZeRO-2: whole weights persist, each in a place of its own.
+        ("optim_grads", OverlapPolicy(max_unsharded_units=1, use_symm_mem=True), "abcd"),
+    ],
+)
+def test_weights_in_symmetric_windows_train_bitwise_as_without(strategy, policy, layer_slots):
+    reference = run_distributed(_train_with_policy, 2, "no_overlap", strategy)
+    for r, ref in zip(run_distributed(_train_in_windows, 2, policy, strategy), reference):
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=0)
+        for key, value in ref["state"].items():
+            torch.testing.assert_close(r["state"][key], value, rtol=0, atol=0, msg=key)
+        root, *layers = r["places"]
+        # Layers with one letter share their place; no layer shares the root's.
+        assert [layers.index(place) for place in layers] == [
+            layer_slots.index(slot) for slot in layer_slots
+        ]
+        assert root not in layers
+
+
+class _Nested(torch.nn.Module):
+    """A linear layer, then the module nested in it (units in use at once)."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.inner = _Nested(depth - 1) if depth > 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.linear(x))
+        return x if self.inner is None else self.inner(x)
+
+
+def _nested_in_windows(max_units: int) -> str:
+    torch.manual_seed(0)
+    model = _Nested(4)
+    units = [model.inner, model.inner.inner, model.inner.inner.inner]
+    policy = OverlapPolicy(max_unsharded_units=max_units, use_symm_mem=True)
+    for unit in reversed(units):
+        fully_shard(unit, overlap_policy=policy)
+    fully_shard(model, overlap_policy=policy)
+    with _plain_windows():
+        try:
+            loss = model(torch.ones(2, 8)).sum()
+        except RuntimeError as error:
+            return str(error)
+        loss.backward()
+    return f"ran {loss.item():.6f}"
+
+
+def test_units_of_one_window_slot_in_use_at_once_are_refused_by_name():
+    # 3 nested units in use at once: with max_unsharded_units=1 (2 slots) the first and third
+    # share a slot, which would make one overwrite the other's weights.
+    for message in run_distributed(_nested_in_windows, 2, 1):
+        assert "use_symm_mem" in message and "max_unsharded_units" in message, message
+        assert "inner.inner" in message, message
+    # With 3 slots each has its own, and the forward runs.
+    assert all(m.startswith("ran") for m in run_distributed(_nested_in_windows, 2, 2))
 
 
 def test_use_symm_mem_without_cuda_names_the_flag():
@@ -627,7 +715,7 @@ def _symm_mem_run(use_symm_mem: bool) -> dict:
 
 @pytest.mark.gpu
 @_needs_2_gpus
-def test_symmetric_memory_matches_default_and_runs_symmetric_kernels():
+def test_symmetric_memory_matches_default_and_gathers_with_symmetric_kernels():
     symmetric = run_distributed(_symm_mem_run, 2, True)
     default = run_distributed(_symm_mem_run, 2, False)
     for r_symm, r_default in zip(symmetric, default):
@@ -635,6 +723,8 @@ def test_symmetric_memory_matches_default_and_runs_symmetric_kernels():
         torch.testing.assert_close(r_symm["losses"], r_default["losses"], rtol=0, atol=0)
         symk = [name.lower().replace("_", "") for name in r_symm["nccl_kernels"]]
         symk = [name for name in symk if "symk" in name]
+        # The weights are gathered in their windows by the symmetric kernel; gradients are
+        # reduce-scattered by the default kernels (the symmetric one is no faster for them).
         assert any("allgather" in name for name in symk), r_symm["nccl_kernels"]
-        assert any("reducescatter" in name for name in symk), r_symm["nccl_kernels"]
+        assert not any("reducescatter" in name for name in symk), r_symm["nccl_kernels"]
         assert not any("symk" in name.lower() for name in r_default["nccl_kernels"])
