@@ -12,8 +12,8 @@ what that choice is worth:
 - for one transformer layer of the GPT its model flags describe (those of
   `tools/benchmark_fsdp.py`; by default the 1.34B GPT's, 12 tensors), laid out and padded as
   Megatron-FSDP lays them out: the grouped all-gather of its bf16 weights into ordinary memory
-  (the default) and into one window (`use_symm_mem`), and the reduce-scatter of its fp32
-  gradients from each.
+  (the default) and into one window (`use_symm_mem`), and the grouped reduce-scatter of its
+  fp32 gradients from each (the engine's is from ordinary memory).
 
     torchrun --nproc-per-node 2 tools/benchmark_symm_mem.py [--json-out FILE]
 
@@ -92,12 +92,16 @@ def _gather(numel: int, dtype: torch.dtype, symmetric: bool) -> Callable[[], Non
 
 
 def _reduce_scatter(numels: list[int], symmetric: bool) -> Callable[[], None]:
-    """A grouped reduce-scatter of fp32 tensors of `numels` elements (laid out back to back,
-    in a window if `symmetric`) into this rank's blocks of them."""
+    """A grouped reduce-scatter of fp32 tensors of `numels` elements (laid out back to back)
+    into this rank's share of each: in a window if `symmetric`, in place (each output is this
+    rank's block of its input, so both lie in the window, as the symmetric kernels need)."""
     group = dist.group.WORLD
     whole = _empty(sum(numels), torch.float32, symmetric=symmetric).normal_()
     inputs = list(whole.split(numels))
-    outputs = [torch.empty(n // group.size(), device="cuda") for n in numels]
+    if symmetric:
+        outputs = [tensor.view(group.size(), -1)[group.rank()] for tensor in inputs]
+    else:
+        outputs = [torch.empty(n // group.size(), device="cuda") for n in numels]
     total = dist.ReduceOp.SUM
     return lambda: _reduce_scatter_coalesced(outputs, inputs, op=total, group=group)
 

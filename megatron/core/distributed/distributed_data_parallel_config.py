@@ -74,8 +74,9 @@ class DistributedDataParallelConfig:
     loop starts. Turn off for CUDA-graph capture; the first forward then gathers on demand."""
 
     use_symm_mem: bool = False
-    """Megatron-FSDP: take all-gather / reduce-scatter staging buffers from PyTorch's NCCL
-    symmetric-memory pool (CUDA and NCCL only)."""
+    """Megatron-FSDP: the whole compute weights live in persistent windows from PyTorch's NCCL
+    symmetric-memory pool, where NCCL all-gathers them with its symmetric kernels (CUDA and
+    NCCL >= 2.27 only; the windows' memory is held for the whole run)."""
 
     megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
     """Dtype of the main (optimizer) weights. None: the model weights are the main weights."""

@@ -23,13 +23,15 @@ def test_without_cuda_it_says_it_needs_gpus():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_times_each_size_and_a_layer_in_and_out_of_a_window(tmp_path):
     out = tmp_path / "symm.json"
-    args = ("--hidden-size", "256", "--max-mib", "1", "--iters", "3", "--json-out", str(out))
+    sizes = ("--min-kib", "256", "--max-mib", "1")
+    args = ("--hidden-size", "256", *sizes, "--iters", "3", "--json-out", str(out))
     proc = run_tool(*args, nproc=2, tool=TOOL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [row["bytes"] for row in result["rows"]] == [64 * 1024] * 2 + [2**20] * 2
+    assert [row["bytes"] for row in result["rows"]] == [256 * 1024] * 2 + [2**20] * 2
     assert all(row["plain"] > 0 and row["symm"] > 0 for row in result["rows"])
     layer = result["layer"]
     assert layer["plain"]["all_gather_us"] > 0 and layer["symm"]["all_gather_us"] > 0
-    assert any("symk" in name.lower() for name in layer["symm"]["all_gather_kernels"])
-    assert not any("symk" in name.lower() for name in layer["plain"]["all_gather_kernels"])
+    for collective in ("all_gather_kernels", "reduce_scatter_kernels"):
+        assert any("symk" in name.lower() for name in layer["symm"][collective]), layer
+        assert not any("symk" in name.lower() for name in layer["plain"][collective]), layer

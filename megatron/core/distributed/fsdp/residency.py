@@ -79,7 +79,6 @@ class Residency:
         self._ready: set[int] = set()
         self._kept: set[int] = set()
         self._window_slots = window_slots or {}
-        self._slot_holders: dict[int, int] = {}  # slot -> the resident unit in it
         # The event after each unit's gather and after its last use (GPU): a wait queued on an
         # event is not affected by later records.
         if streams is not None:
@@ -106,7 +105,7 @@ class Residency:
                 weights.refresh()
         if self._streams is not None:
             self._ready_events[unit.position].record(self._streams.all_gather)
-            self._ready.add(unit.position)
+        self._ready.add(unit.position)
 
     def unshard(
         self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False, keep: bool = False
@@ -130,7 +129,7 @@ class Residency:
             self._resident[position] = None
             if self._streams is not None:
                 self._ready_events[position].record(self._streams.all_gather)
-                self._ready.add(position)
+            self._ready.add(position)
         if keep:
             self._kept.add(position)
 
@@ -139,7 +138,8 @@ class Residency:
         position = unit.position
         if position in self._ready:
             self._ready.remove(position)
-            self._streams.current().wait_event(self._ready_events[position])
+            if self._streams is not None:
+                self._streams.current().wait_event(self._ready_events[position])
 
     def release(
         self, unit: ScheduledUnit, *, free_released: bool = False, ends_keep: bool = False
@@ -196,9 +196,6 @@ class Residency:
                 for group in unit.groups:
                     group.weights.reshard()
         self._resident = dict.fromkeys(kept)
-        self._slot_holders = {
-            slot: holder for slot, holder in self._slot_holders.items() if holder in kept
-        }
         self._releasable.clear()
         self._ready &= kept
         if streams is not None:
@@ -240,9 +237,6 @@ class Residency:
         self._resident.pop(position, None)
         self._ready.discard(position)
         self._kept.discard(position)
-        slot = self._window_slots.get(position)
-        if self._slot_holders.get(slot) == position:
-            del self._slot_holders[slot]
 
     def _claim_slot(self, unit: ScheduledUnit, prefetch: bool) -> bool:
         """Makes `unit`'s symmetric-memory slot (if any) its own before its gather, resharding
@@ -255,12 +249,11 @@ class Residency:
         slot = self._window_slots.get(unit.position)
         if slot is None:
             return True
-        holder = self._slot_holders.get(slot)
-        if holder is not None and (holder in self._releasable or holder in self._ready):
-            self._reshard_position(holder)
-            holder = None
+        holder = next((p for p in self._resident if self._window_slots.get(p) == slot), None)
         if holder is None:
-            self._slot_holders[slot] = unit.position
+            return True
+        if holder in self._releasable or holder in self._ready:
+            self._reshard_position(holder)
             return True
         if prefetch:
             return False
@@ -268,9 +261,10 @@ class Residency:
         raise RuntimeError(
             f"use_symm_mem: units {unit.name} and {other.name if other else holder} share a "
             f"symmetric-memory slot for their whole weights, and {unit.name} is needed while "
-            "the other is still in use (units nested, or run out of module order, more than "
-            "max_unsharded_units + 1 deep). Raise OverlapPolicy.max_unsharded_units, or set "
-            "use_symm_mem=False (--use-symm-mem off)."
+            "the other is still in use (more than max_unsharded_units + 1 units that contain "
+            "no other unit in use at once: one calls another that is not its submodule, or "
+            "FSDPModule.unshard() was called on several). Raise "
+            "OverlapPolicy.max_unsharded_units, or set use_symm_mem=False (--use-symm-mem off)."
         )
 
     def _num_held(self) -> int:

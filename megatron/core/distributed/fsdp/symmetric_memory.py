@@ -13,11 +13,18 @@ into memory from the caching allocator, with no staging buffer and no copy.
 - weights that persist between uses (ZeRO-1/2 compute weights, refreshed by an all-gather after
   each optimizer step, and the root's) each have a place of their own;
 - weights gathered for each use and freed after (ZeRO-3) share a ring of slots, one unit's
-  weights per slot: the unit that is i-th in module order among them uses slot i mod K, with K
-  = `max_unsharded_units` + 1 (the units held at once, and one more for a use out of module
-  order). `Residency` never lets two units of one slot hold their weights at once: it reshards
-  the holder before gathering into its slot (a prefetch whose slot is still in use is skipped).
-  With `keep_unsharded_params` every unit may be kept at once, so each has its own place.
+  weights per slot: the unit that is i-th in module order among the units that contain no
+  other unit uses slot i mod K, with K = `max_unsharded_units` + 1 (the units held at once, and
+  one more for a use out of module order); a unit that contains others is in use while they
+  all run, so it has a place of its own. `Residency` never lets two units of one slot hold
+  their weights at once: it reshards the holder before gathering into its slot (a prefetch
+  whose slot is still in use is skipped). With `keep_unsharded_params` every unit may be kept
+  at once, so each has its own place.
+
+The windows are never freed: every place of its own, and K ring slots each the size of the
+largest unit in it, are held for the whole run, between steps too. A unit's released weights
+are therefore not freed memory but a slot another unit may overwrite: the engine gathers before
+every use, and nothing else may read them while the unit holds none.
 
 Every rank lays out the same units the same way, so each window and offset is the same on all.
 Gradients are reduce-scattered from the caching allocator's memory as without `use_symm_mem`:
@@ -75,19 +82,15 @@ def place_weights_in_windows(
 
     Args:
         units: the root first, then every unit below it in module order.
-        ring_size: K, the slots that transient weights share; None gives each unit its own.
+        ring_size: K, the slots that the transient weights of leaf units share; None gives
+            every unit a place of its own.
         device: the CUDA device of the parameters.
 
     Returns:
         The ring slot of each unit (by position) whose weights live in one.
     """
-    ring = [
-        unit.position
-        for unit in units
-        if unit.position != 0
-        and any(g.weights.gathers and g.plan.transient_unsharded for g in unit.groups)
-    ]
-    slots = {position: i % (ring_size or len(ring)) for i, position in enumerate(ring)}
+    ring = [] if ring_size is None else [unit.position for unit in _ring_units(units)]
+    slots = {position: i % ring_size for i, position in enumerate(ring)}
     sizes: dict[tuple[str, int], int] = {}  # bytes of each (process group, slot) window
     places = []
     process_groups: dict[str, dist.ProcessGroup] = {}
@@ -108,10 +111,26 @@ def place_weights_in_windows(
             sizes[key] = max(sizes.get(key, 0), end)
             places.append((weights, key, offset))
     check_symm_mem_support(device, list(process_groups.values()))
+    # Each group's NCCL communicator must exist before its first rendezvous.
+    for name in sorted(process_groups):
+        dist.all_reduce(torch.zeros(1, device=device), group=process_groups[name])
     windows = {key: _window(sizes[key], process_groups[key[0]], device) for key in sorted(sizes)}
     for weights, key, offset in places:
         weights.place_unsharded(windows[key], offset)
     return slots
+
+
+def _ring_units(units: Sequence[ScheduledUnit]) -> list[ScheduledUnit]:
+    """The units whose transient weights share the ring, in module order: those other than
+    the root that contain no other unit. A unit that contains others is in use while they run,
+    however many, so it has a place of its own, as the root has."""
+    names = [unit.name for unit in units[1:]]
+    return [
+        unit
+        for unit in units[1:]
+        if not any(name.startswith(unit.name + ".") for name in names)
+        and any(g.weights.gathers and g.plan.transient_unsharded for g in unit.groups)
+    ]
 
 
 def _window(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -120,8 +139,6 @@ def _window(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> torc
 
     if symm_mem.get_backend(device) != "NCCL":
         symm_mem.set_backend("NCCL")
-    # The group's NCCL communicator must exist before the rendezvous.
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
     with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
         window = torch.empty(nbytes, dtype=torch.uint8, device=device)
     symm_mem.rendezvous(window, group)

@@ -333,44 +333,125 @@ def test_weights_in_symmetric_windows_train_bitwise_as_without(strategy, policy,
         assert root not in layers
 
 
-class _Nested(torch.nn.Module):
-    """A linear layer, then the module nested in it (units in use at once)."""
+class _Step(torch.nn.Module):
+    """A linear layer and tanh, then `then` (another step, run inside this one) if given."""
 
-    def __init__(self, depth: int):
+    def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(8, 8)
-        self.inner = _Nested(depth - 1) if depth > 1 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, then: torch.nn.Module | None = None) -> torch.Tensor:
         x = torch.tanh(self.linear(x))
-        return x if self.inner is None else self.inner(x)
+        return x if then is None else then(x)
 
 
-def _nested_in_windows(max_units: int) -> str:
+class _Flow(torch.nn.Module):
+    """A linear layer, then `num_steps` steps, run in the order each forward is given: (i, j)
+    runs step i and, inside it, step j (None: none)."""
+
+    def __init__(self, num_steps: int = 4):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.steps = torch.nn.ModuleList(_Step() for _ in range(num_steps))
+
+    def forward(self, x: torch.Tensor, flow: list[tuple[int, int | None]]) -> torch.Tensor:
+        x = torch.tanh(self.linear(x))
+        for i, j in flow:
+            x = self.steps[i](x, None if j is None else self.steps[j])
+        return x.pow(2).mean()
+
+
+class _Parent(torch.nn.Module):
+    """A linear layer, then a `_Flow` body: with the body a unit, it is in use while all 4
+    steps run."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.body = _Flow()
+
+    def forward(self, x: torch.Tensor, flow: list[tuple[int, int | None]]) -> torch.Tensor:
+        return self.body(torch.tanh(self.linear(x)), flow)
+
+
+def _in_order(num_steps: int) -> list[tuple[int, None]]:
+    return [(i, None) for i in range(num_steps)]
+
+
+def _flows_in_windows(parent: bool, flows: list, max_units: int, use_symm_mem: bool) -> dict:
+    """Trains 2 ranks' `_Flow` of the steps `flows` run (4 steps under a `_Parent` whose body
+    is a unit, if `parent`), each step a unit, one SGD step per flow: the losses and where each
+    unit's whole weights live, or the error raised."""
     torch.manual_seed(0)
-    model = _Nested(4)
-    units = [model.inner, model.inner.inner, model.inner.inner.inner]
-    policy = OverlapPolicy(max_unsharded_units=max_units, use_symm_mem=True)
-    for unit in reversed(units):
-        fully_shard(unit, overlap_policy=policy)
+    num_steps = 1 + max(max(i, j or 0) for flow in flows for i, j in flow)
+    model = _Parent() if parent else _Flow(num_steps)
+    flow_module = model.body if parent else model
+    policy = OverlapPolicy(max_unsharded_units=max_units, use_symm_mem=use_symm_mem)
+    for step in flow_module.steps:
+        fully_shard(step, overlap_policy=policy)
+    if parent:
+        fully_shard(model.body, overlap_policy=policy)
     fully_shard(model, overlap_policy=policy)
-    with _plain_windows():
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses = []
+    with _plain_windows():  # the context (and its windows) is built with the optimizer
+        optimizer = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
         try:
-            loss = model(torch.ones(2, 8)).sum()
+            for flow in flows:
+                loss = model(x, flow)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
         except RuntimeError as error:
-            return str(error)
-        loss.backward()
-    return f"ran {loss.item():.6f}"
+            return dict(error=str(error))
+    places = {
+        name: module.fsdp_unit.groups[0].weights.unsharded.data.data_ptr()
+        for name, module in model.named_modules()
+        if hasattr(module, "fsdp_unit") and module is not model
+    }
+    return dict(losses=torch.stack(losses), places=places)
+
+
+_OUT_OF_ORDER = [(0, None), (4, None), (2, None), (3, None), (1, None)]
+
+
+@pytest.mark.parametrize(
+    "parent, flows, max_units, step_slots",
+    [
+        # A unit in use while its 4 child units run (more than the 2 slots of
+        # max_unsharded_units=1) has a place of its own; its children share the slots.
+        (True, [_in_order(4)] * 3, 1, "abab"),
+        # The second forward runs the steps out of the first's order: the prefetch that
+        # followed step 0 the first time (step 1) is never used, and step 4, in its slot,
+        # takes the slot.
+        (False, [_in_order(5), _OUT_OF_ORDER, _in_order(5)], 2, "abcab"),
+    ],
+)
+def test_windows_follow_units_nested_or_run_out_of_order(parent, flows, max_units, step_slots):
+    windows = run_distributed(_flows_in_windows, 2, parent, flows, max_units, True)
+    default = run_distributed(_flows_in_windows, 2, parent, flows, max_units, False)
+    for r, ref in zip(windows, default):
+        assert "error" not in r, r.get("error")
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=0)
+        names = sorted(name for name in r["places"] if "steps." in name)
+        steps = [r["places"][name] for name in names]
+        assert [steps.index(p) for p in steps] == [step_slots.index(c) for c in step_slots]
+        if parent:
+            assert r["places"]["body"] not in steps
 
 
 def test_units_of_one_window_slot_in_use_at_once_are_refused_by_name():
-    # 3 nested units in use at once: with max_unsharded_units=1 (2 slots) the first and third
-    # share a slot, which would make one overwrite the other's weights.
-    for message in run_distributed(_nested_in_windows, 2, 1):
-        assert "use_symm_mem" in message and "max_unsharded_units" in message, message
-        assert "inner.inner" in message, message
-    # With 3 slots each has its own, and the forward runs.
-    assert all(m.startswith("ran") for m in run_distributed(_nested_in_windows, 2, 2))
+    # Step 0 runs step 2, not its submodule, inside it: with max_unsharded_units=1 (2 slots)
+    # both are in slot 0 and in use at once, so one would overwrite the other's weights.
+    flows = [[(0, 2), (1, None), (3, None)]]
+    for r in run_distributed(_flows_in_windows, 2, False, flows, 1, True):
+        message = r.get("error", "")
+        assert "use_symm_mem" in message and "max_unsharded_units" in message, r
+        assert "steps.2" in message and "steps.0" in message, message
+    # With 3 slots step 2 has one of its own, and training runs.
+    for r in run_distributed(_flows_in_windows, 2, False, flows, 2, True):
+        assert "error" not in r, r.get("error")
 
 
 def test_use_symm_mem_without_cuda_names_the_flag():
