@@ -83,14 +83,6 @@ def _empty(numel: int, dtype: torch.dtype, *, symmetric: bool) -> torch.Tensor:
     return tensor
 
 
-def _gather(numel: int, dtype: torch.dtype, symmetric: bool) -> Callable[[], None]:
-    """An in-place all-gather of `numel` elements (this rank's block is its input)."""
-    group = dist.group.WORLD
-    whole = _empty(numel, dtype, symmetric=symmetric)
-    own = whole.view(group.size(), -1)[group.rank()]
-    return lambda: _all_gather_coalesced([whole], [own], group=group)
-
-
 def _reduce_scatter(numels: list[int], symmetric: bool) -> Callable[[], None]:
     """A grouped reduce-scatter of fp32 tensors of `numels` elements (laid out back to back)
     into this rank's share of each: in a window if `symmetric`, in place (each output is this
@@ -106,9 +98,9 @@ def _reduce_scatter(numels: list[int], symmetric: bool) -> Callable[[], None]:
     return lambda: _reduce_scatter_coalesced(outputs, inputs, op=total, group=group)
 
 
-def _layer_gather(shapes: list[torch.Size], symmetric: bool) -> Callable[[], None]:
-    """The grouped all-gather of one layer's bf16 weights into one buffer, each tensor padded
-    to N chunks and gathered in place, as `GroupWeights` does."""
+def _grouped_gather(shapes: list[torch.Size], symmetric: bool) -> Callable[[], None]:
+    """The grouped all-gather of bf16 tensors of `shapes` into one buffer (a layer's weights,
+    or one tensor), each padded to N chunks and gathered in place, as `GroupWeights` does."""
     group = dist.group.WORLD
     n, rank = group.size(), group.rank()
     layout = ShardLayout(shapes, n)
@@ -147,7 +139,7 @@ def main() -> None:
             row = {"collective": name, "bytes": size}
             for label, symmetric in (("plain", False), ("symm", True)):
                 if name == "all_gather":
-                    fn = _gather(numel, dtype, symmetric)
+                    fn = _grouped_gather([torch.Size([numel])], symmetric)
                 else:
                     fn = _reduce_scatter([numel], symmetric)
                 row[label] = _time(fn, args.iters)
@@ -158,7 +150,7 @@ def main() -> None:
     padded = [chunk * world for chunk in layout.chunk_numels]
     layer = {}
     for label, symmetric in (("plain", False), ("symm", True)):
-        gather = _layer_gather(shapes, symmetric)
+        gather = _grouped_gather(shapes, symmetric)
         scatter = _reduce_scatter(padded, symmetric)
         layer[label] = {
             "all_gather_us": _time(gather, args.iters),

@@ -43,8 +43,7 @@ class Collectives:
         `output`'s dtype.
 
         Always in place: `input` is first copied (and cast) into this rank's slot of `output`,
-        so a cast needs no buffer of its own, and an `output` in a symmetric window has its
-        input there too, as NCCL's symmetric kernels require.
+        so a cast needs no buffer of its own.
         """
         if group.size() == 1:
             output.copy_(input)

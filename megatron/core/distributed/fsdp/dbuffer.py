@@ -10,12 +10,13 @@ last holding 1 row and 15 elements of padding.
 This is the layout NCCL's all-gather and reduce-scatter produce and consume, so a gathered
 buffer is shard-major. The tensors of the module want the opposite, each tensor contiguous:
 `ShardLayout.unsharded()` is that layout (one shard, each tensor padded to N chunks).
-`copy_chunks_out` rearranges a gathered buffer into it; `ChunkPacker` (and `copy_chunks_in`)
-packs whole tensors into a shard-major buffer, casting on the way, for the reductions that run
-once per step. (The per-unit collectives skip the shard-major buffer: chunk r of a padded tensor
-is its row block r, so each tensor's chunks are all-gathered straight into it and
-reduce-scattered straight out of it, `Collectives.all_gather_tensors` and
-`reduce_scatter_tensors`.)
+`copy_chunks_out` rearranges a gathered buffer into it (HFSDP's inner shard) and
+`copy_chunks_in` packs whole tensors into a shard-major buffer, casting on the way, for the
+reductions of locally accumulated gradients (ZeRO-1, HFSDP's outer reduction, the distributed
+optimizer's buckets). The per-unit collectives skip the shard-major buffer: chunk r of a padded
+tensor is its row block r, so each tensor's chunks are all-gathered straight into it and
+reduce-scattered straight out of it (`Collectives.all_gather_tensors` and
+`reduce_scatter_tensors`).
 
 `DBuffer` is one 1-D storage in a layout: either this rank's shard only (`sharded=True`) or all
 N shards (replicated, or gathered). Its storage can be released and reallocated in place, which
@@ -211,29 +212,21 @@ def chunk_targets(unsharded: DBuffer, layout: ShardLayout) -> list[torch.Tensor]
     ]
 
 
-def copy_chunks_out(
-    gathered: DBuffer, unsharded: DBuffer, targets: list[torch.Tensor] | None = None
-) -> None:
-    """Rearranges a gathered (shard-major) buffer into `unsharded` (tensor-major, padded).
-
-    Args:
-        gathered: all N shards.
-        unsharded: the destination.
-        targets: `chunk_targets(unsharded, gathered.layout)`, if already made.
+def copy_chunks_out(gathered: DBuffer, unsharded: DBuffer) -> None:
+    """Rearranges a gathered (shard-major) buffer (all N shards) into `unsharded`
+    (tensor-major, padded).
 
     The write does not bump `unsharded`'s version counter: refilling weights that autograd
     saved in forward (and that were freed in between) restores the values it saved, which
     must not read as an in-place modification in backward.
     """
     layout = gathered.layout
-    if targets is None:
-        targets = chunk_targets(unsharded, layout)
     with torch.autograd._unsafe_preserve_version_counter(unsharded.data):
         torch.split_with_sizes_copy(
             gathered.full.view(layout.num_shards, layout.shard_numel),
             layout.chunk_numels,
             dim=1,
-            out=targets,
+            out=chunk_targets(unsharded, layout),
         )
 
 
@@ -244,69 +237,23 @@ def concatenates(tensors: Sequence[torch.Tensor], layout: ShardLayout) -> bool:
     return layout.splits_evenly and all(t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
-class ChunkPacker:
-    """Packs whole tensors into `out`, an N x S buffer of `layout` (shard-major), casting to
-    `out`'s dtype and zeroing the padding: what a flat reduce-scatter reads.
-
-    Tensor i's N chunks are the rows of an (N, chunk numel) view of it, and its place in `out`
-    is the (N, chunk numel) column block at its offset in every shard, so one `_foreach_copy_`
-    packs every tensor. The views of `out` are made once (they stay valid across
-    `DBuffer.release_storage` / `reallocate_storage`); a call makes at most one view of each
-    tensor, whatever its size (none of a tensor that is one chunk, as every tensor is at N = 1),
-    where `torch._chunk_cat` builds per-block metadata on the host at a cost that grows with the
-    bytes moved. A tensor whose last chunk is short fills its full chunks and the short one
-    separately.
-
-    Args:
-        out: the N x S buffer (1-D, `layout.numel` elements).
-        layout: where each tensor goes.
-    """
-
-    def __init__(self, out: torch.Tensor, layout: ShardLayout):
-        rows = out.view(layout.num_shards, layout.shard_numel)
-        self._targets: list[torch.Tensor] = []
-        # Per target, its source: (tensor index, first element or None for the whole tensor,
-        # the shape to view it in or None for its own).
-        self._sources: list[tuple[int, int | None, tuple[int, ...] | None]] = []
-        self._padding: list[torch.Tensor] = []
-        for index, (offset, chunk) in enumerate(zip(layout.offsets, layout.chunk_numels)):
-            if chunk == 0:
-                continue
-            column = rows[:, offset : offset + chunk]
-            full, short = divmod(layout.shapes[index].numel(), chunk)
-            if full == 1 and short == 0:
-                # The tensor is one chunk (N = 1, or a single row): its place is a contiguous
-                # view of its shape, which takes the tensor as it is (no view per call).
-                self._targets.append(column[0].view(layout.shapes[index]))
-                self._sources.append((index, None, None))
-            elif full:
-                self._targets.append(column[:full])
-                self._sources.append((index, None if short == 0 else 0, (full, chunk)))
-            if short:
-                self._targets.append(column[full, :short])
-                self._sources.append((index, full * chunk, (short,)))
-                self._padding.append(column[full, short:])
-            unfilled = full + (short > 0)
-            if unfilled < layout.num_shards:
-                self._padding.append(column[unfilled:])
-
-    def pack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Writes `tensors` (the layout's shapes, any dtype and strides) into the buffer."""
-        sources = [_piece(tensors[index], start, shape) for index, start, shape in self._sources]
-        torch._foreach_copy_(self._targets, sources)
-        if self._padding:
-            torch._foreach_zero_(self._padding)
-
-
-def _piece(tensor: torch.Tensor, start: int | None, shape: tuple[int, ...] | None) -> torch.Tensor:
-    """`tensor` viewed as `shape` (None: as it is) from element `start` (None: all of it)."""
-    if shape is None:
-        return tensor
-    if start is None:
-        return tensor.reshape(shape)
-    return tensor.reshape(-1).narrow(0, start, math.prod(shape)).view(shape)
-
-
 def copy_chunks_in(tensors: Sequence[torch.Tensor], out: torch.Tensor, layout: ShardLayout):
-    """`ChunkPacker(out, layout).pack(tensors)`, for a buffer packed once."""
-    ChunkPacker(out, layout).pack(tensors)
+    """Writes whole tensors into `out`, an N x S buffer of `layout`, zero-padding short chunks
+    and casting to `out`'s dtype, in one kernel.
+
+    `torch.cat` of each tensor's (N, chunk) rows where no chunk is short and no cast is needed:
+    its host cost does not grow with the bytes moved, unlike `torch._chunk_cat`'s (which builds
+    per-block metadata on the host and copies it to the device), the general case here.
+    """
+    rows = out.view(layout.num_shards, layout.shard_numel)
+    if concatenates(tensors, layout) and tensors[0].dtype == out.dtype:
+        torch.cat(
+            [t.view(layout.num_shards, n) for t, n in zip(tensors, layout.chunk_numels)],
+            dim=1,
+            out=rows,
+        )
+    else:
+        # A tensor with no elements takes no room in the layout, and `_chunk_cat` refuses it.
+        nonempty = [t for t in tensors if t.numel() > 0]
+        if nonempty:
+            torch._chunk_cat(nonempty, dim=0, num_chunks=layout.num_shards, out=rows)

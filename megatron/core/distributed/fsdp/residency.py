@@ -120,7 +120,7 @@ class Residency:
             self._releasable.pop(position, None)
         elif not unit.has_transient_weights or (not self._make_room() and prefetch):
             return
-        elif not self._claim_slot(unit, prefetch):
+        elif self._window_slots and not self._claim_slot(unit, prefetch):
             return
         else:
             with self._on_all_gather_stream(), self._labels(unit, f"{phase} all-gather"):
@@ -248,7 +248,7 @@ class Residency:
         """
         slot = self._window_slots.get(unit.position)
         if slot is None:
-            return True
+            return True  # a unit with a place of its own
         holder = next((p for p in self._resident if self._window_slots.get(p) == slot), None)
         if holder is None:
             return True

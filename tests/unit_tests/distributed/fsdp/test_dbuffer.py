@@ -14,7 +14,6 @@ from megatron.core.distributed.fsdp import (
 )
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
-    ChunkPacker,
     chunk_targets,
     copy_chunks_in,
     copy_chunks_out,
@@ -66,9 +65,8 @@ def test_layout_chunks_like_torch_chunk_and_round_trips(num_shards):
 def test_packing_lays_out_each_tensors_chunks_by_shard_and_zeroes_the_padding(num_shards):
     # Whatever the dtypes, strides and shapes (chunks that split evenly, a short last chunk,
     # fewer rows than shards, no elements), a packed buffer must equal chunking each tensor
-    # and laying the chunks out by shard, cast, with zeros where a chunk is short. The buffer
-    # starts as NaN and its storage is freed and reallocated between packs: the packer's views
-    # of it, made once, must follow.
+    # and laying the chunks out by shard, cast, with zeros where a chunk is short (the buffer
+    # starts as NaN).
     even = [torch.Size((8, 3)), torch.Size((4,)), torch.Size((num_shards, 5))]
     odd = [*SHAPES, torch.Size((num_shards - 1, 4)), torch.Size((0, 3)), torch.Size((5, 0))]
     generator = torch.Generator().manual_seed(1)
@@ -80,19 +78,11 @@ def test_packing_lays_out_each_tensors_chunks_by_shard_and_zeroes_the_padding(nu
     }
     for name, (tensors, dtype) in cases.items():
         layout = ShardLayout([t.shape for t in tensors], num_shards)
-        buffer = DBuffer(layout, dtype, torch.device("cpu"), sharded=False, rank=0, zeroed=False)
-        packer = ChunkPacker(buffer.full, layout)
         expected = torch.zeros(num_shards, layout.shard_numel, dtype=dtype)
         for i, tensor in enumerate(tensors):
             for shard, chunk in enumerate(torch.chunk(tensor, num_shards)):
                 start = layout.offsets[i]
                 expected[shard, start : start + chunk.numel()] = chunk.reshape(-1).to(dtype)
-        for _ in range(2):
-            buffer.full.fill_(float("nan"))
-            packer.pack(tensors)
-            assert torch.equal(buffer.full.view(num_shards, -1), expected), name
-            buffer.release_storage()
-            buffer.reallocate_storage()
         out = torch.full((layout.numel,), float("nan"), dtype=dtype)
         copy_chunks_in(tensors, out, layout)
         assert torch.equal(out.view(num_shards, -1), expected), name

@@ -378,13 +378,18 @@ def _in_order(num_steps: int) -> list[tuple[int, None]]:
     return [(i, None) for i in range(num_steps)]
 
 
+def _flow_model(parent: bool, flows: list) -> torch.nn.Module:
+    """A `_Flow` of the steps `flows` run (a `_Parent` of 4 steps if `parent`), seeded."""
+    torch.manual_seed(0)
+    num_steps = 1 + max(max(i, j or 0) for flow in flows for i, j in flow)
+    return _Parent() if parent else _Flow(num_steps)
+
+
 def _flows_in_windows(parent: bool, flows: list, max_units: int, use_symm_mem: bool) -> dict:
     """Trains 2 ranks' `_Flow` of the steps `flows` run (4 steps under a `_Parent` whose body
     is a unit, if `parent`), each step a unit, one SGD step per flow: the losses and where each
     unit's whole weights live, or the error raised."""
-    torch.manual_seed(0)
-    num_steps = 1 + max(max(i, j or 0) for flow in flows for i, j in flow)
-    model = _Parent() if parent else _Flow(num_steps)
+    model = _flow_model(parent, flows)
     flow_module = model.body if parent else model
     policy = OverlapPolicy(max_unsharded_units=max_units, use_symm_mem=use_symm_mem)
     for step in flow_module.steps:
@@ -393,16 +398,10 @@ def _flows_in_windows(parent: bool, flows: list, max_units: int, use_symm_mem: b
         fully_shard(model.body, overlap_policy=policy)
     fully_shard(model, overlap_policy=policy)
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
-    losses = []
     with _plain_windows():  # the context (and its windows) is built with the optimizer
         optimizer = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
         try:
-            for flow in flows:
-                loss = model(x, flow)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.detach())
+            losses = _train_flows(model, optimizer, x, flows)
         except RuntimeError as error:
             return dict(error=str(error))
     places = {
@@ -410,7 +409,28 @@ def _flows_in_windows(parent: bool, flows: list, max_units: int, use_symm_mem: b
         for name, module in model.named_modules()
         if hasattr(module, "fsdp_unit") and module is not model
     }
-    return dict(losses=torch.stack(losses), places=places)
+    return dict(losses=losses, places=places)
+
+
+def _train_flows(model, optimizer, x: torch.Tensor, flows: list) -> torch.Tensor:
+    """One optimizer step per flow; the losses."""
+    losses = []
+    for flow in flows:
+        loss = model(x, flow)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _plain_flow_losses(parent: bool, flows: list) -> torch.Tensor:
+    """`_flows_in_windows`'s training in one process without Megatron-FSDP, on the inputs of
+    both ranks together."""
+    model = _flow_model(parent, flows)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.cat([torch.randn(2, 8, generator=torch.Generator().manual_seed(r)) for r in (0, 1)])
+    return _train_flows(model, optimizer, x, flows)
 
 
 _OUT_OF_ORDER = [(0, None), (4, None), (2, None), (3, None), (1, None)]
@@ -431,6 +451,10 @@ _OUT_OF_ORDER = [(0, None), (4, None), (2, None), (3, None), (1, None)]
 def test_windows_follow_units_nested_or_run_out_of_order(parent, flows, max_units, step_slots):
     windows = run_distributed(_flows_in_windows, 2, parent, flows, max_units, True)
     default = run_distributed(_flows_in_windows, 2, parent, flows, max_units, False)
+    # Plain PyTorch on both ranks' inputs at once: its loss is the ranks' mean.
+    torch.testing.assert_close(
+        (windows[0]["losses"] + windows[1]["losses"]) / 2, _plain_flow_losses(parent, flows)
+    )
     for r, ref in zip(windows, default):
         assert "error" not in r, r.get("error")
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=0)
