@@ -33,7 +33,7 @@ from megatron.core.distributed.fsdp import (
 )
 from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
+from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
 
 ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single")
 """The engines that run at every world size: `--engines`' default."""
@@ -138,8 +138,8 @@ class LocalMainGrads:
             param.main_grad.add_(param.grad)
             param.grad = None
 
-    def _main_grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
-        return param.main_grad
+    def _main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
+        return FusionTarget(param.main_grad)
 
 
 def forward_backward(
@@ -300,9 +300,11 @@ def build_engine(name: str, args: argparse.Namespace) -> StepFn:
 def precision_note(name: str, args: argparse.Namespace) -> str:
     """How `name` holds weights and gradients in this run (the table's footnote)."""
     note = _precision(name, args)
-    sums = name in MEGATRON_FSDP and args.megatron_fsdp_accumulate_unsharded_grads
-    if args.gradient_accumulation_fusion and (name in ("ddp", "single") or sums):
-        note += " (weight gradients accumulated in the GEMMs)"
+    if args.gradient_accumulation_fusion:
+        if name in MEGATRON_FSDP and not args.megatron_fsdp_accumulate_unsharded_grads:
+            note += " (weight gradients written by the GEMMs into the reduce-scatter input)"
+        elif name != "fsdp2":
+            note += " (weight gradients accumulated in the GEMMs)"
     return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
 
 

@@ -70,7 +70,7 @@ from megatron.core.distributed.tensor_parallel_params import (
     tensor_parallel_group,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
+from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
 from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
     named_tensor_parallel_layouts,
@@ -288,16 +288,16 @@ class DistributedDataParallel(_BaseDataParallel):
             if bucket.mark_ready(param):
                 bucket.start_reduce(async_op=True)
 
-    def _main_grad_to_fuse_into(self, param: torch.nn.Parameter) -> torch.Tensor:
+    def _main_grad_to_fuse_into(self, param: torch.nn.Parameter) -> FusionTarget:
         """`param`'s `main_grad`, for a linear layer about to add its weight gradient.
 
         Gradient-accumulation fusion asks while `param.grad` is None; where that is a `.grad`
-        handed out and dropped since, `main_grad` starts afresh, as in `_accumulate_grad`.
+        handed out and dropped since, `main_grad` starts afresh (overwritten), as in
+        `_accumulate_grad`.
         """
-        if param in self._handed:
-            self._handed.discard(param)
-            param.main_grad.zero_()
-        return param.main_grad
+        fresh = param in self._handed
+        self._handed.discard(param)
+        return FusionTarget(param.main_grad, overwrite=fresh)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -10,7 +10,11 @@ gradient for the weight.
 
 An engine opts a parameter in with `register_main_grad(param, engine_method)` when the model's
 config sets `gradient_accumulation_fusion`: the DDP engine for its `main_grad`s, Megatron-FSDP for
-the whole gradient sums `accumulate_unsharded_grads` keeps across a step's microbatches. The
+the buffer its sharded gradients are reduce-scattered from, or the whole gradient sums
+`accumulate_unsharded_grads` keeps across a step's microbatches. The engine's method says where
+the gradient goes (`FusionTarget`): added to a tensor, or written over one whose contents are not
+yet a gradient (a buffer allocated for this backward, a `main_grad` whose `.grad` was dropped),
+which spares zeroing it first. The
 parallel linears route through `linear()` and `weight_grad()`, which fuse only while:
 
 - the engine is alive: a deleted engine's parameters train as plain parameters again;
@@ -27,19 +31,35 @@ penalty on the weight) reach `.grad` as usual and the engine adds them, so the s
 Tensor hooks on the weight (`register_hook`) see only those other contributions (or None). A
 fused layer is differentiable once: `create_graph=True` through it raises.
 
-On CUDA the fp32 accumulation is one `addmm` with an fp32 output; elsewhere the product is
-formed in the inputs' dtype and added (the unfused arithmetic, in one place).
+On CUDA the fp32 accumulation is one `addmm` with an fp32 output (`beta=0` to overwrite: the
+target is not read); elsewhere the product is formed in the inputs' dtype and added or copied
+(the unfused arithmetic, in one place).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
+
+
+class FusionTarget(NamedTuple):
+    """Where a linear layer's weight gradient goes.
+
+    Attributes:
+        tensor: of the weight's shape, in fp32 or the weight's dtype, on its device.
+        overwrite: the gradient replaces `tensor`'s contents, which are not read (they may be
+            uninitialised); else it is added to them.
+    """
+
+    tensor: torch.Tensor
+    overwrite: bool = False
+
 
 _targets: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Parameter -> weak references to the engine's methods: the one that returns its `main_grad`,
@@ -48,7 +68,7 @@ and the one asked at forward whether the backward may fuse (None: always)."""
 
 def register_main_grad(
     param: torch.nn.Parameter,
-    main_grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+    main_grad_of: Callable[[torch.nn.Parameter], FusionTarget | None],
     may_fuse: Callable[[], bool] | None = None,
 ) -> None:
     """Sends `param`'s weight gradients into `main_grad_of(param)` while its engine lives.
@@ -58,10 +78,9 @@ def register_main_grad(
 
     Args:
         param: a trainable parameter.
-        main_grad_of: a bound method (held weakly), called before each fused accumulation; it
-            returns a tensor of `param`'s shape, in fp32 or `param`'s dtype, on its device
-            (and may first reset it, e.g. where `zero_grad()` dropped a `.grad` it handed out),
-            or None where there is none to add to now (autograd gets the gradient).
+        main_grad_of: a bound method (held weakly), called before each fused gradient; it
+            returns where the gradient goes, or None where it has no place for it now
+            (autograd gets the gradient).
         may_fuse: a bound method (held weakly) asked at each forward; False where the backward
             cannot fuse, so that the layer runs plain `F.linear` and skips the host cost of
             the fusing autograd function. None: it always may.
@@ -72,7 +91,7 @@ def register_main_grad(
 
 def _target(
     weight: torch.Tensor,
-) -> Callable[[torch.nn.Parameter], torch.Tensor | None] | None:
+) -> Callable[[torch.nn.Parameter], FusionTarget | None] | None:
     entry = _targets.get(weight)
     return None if entry is None else entry[0]()
 
@@ -160,9 +179,9 @@ def weight_grad(
             accumulates = None
         if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
             return None
-        main_grad = main_grad_of(weight) if accumulates else None
-        if main_grad is not None:
-            _accumulate(main_grad, grad_output, input_)
+        target = main_grad_of(weight) if accumulates else None
+        if target is not None:
+            _fuse(target, grad_output, input_)
             return None
     return _flat(grad_output).t().matmul(_flat(input_))
 
@@ -171,13 +190,18 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1, tensor.shape[-1])
 
 
-def _accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
-    """`main_grad += grad_output^T @ input_` (flattened), in `main_grad`'s dtype."""
+def _fuse(target: FusionTarget, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
+    """`target.tensor (+)= grad_output^T @ input_` (flattened), in the target's dtype."""
+    main_grad, beta = target.tensor, 0 if target.overwrite else 1
     grad_2d, input_2d = _flat(grad_output), _flat(input_)
     if main_grad.dtype == grad_2d.dtype:
-        main_grad.addmm_(grad_2d.t(), input_2d)
+        main_grad.addmm_(grad_2d.t(), input_2d, beta=beta)
     elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(
+            main_grad, grad_2d.t(), input_2d, beta=beta, out_dtype=main_grad.dtype, out=main_grad
+        )
+    elif target.overwrite:
+        main_grad.copy_(grad_2d.t().matmul(input_2d))
     else:
         main_grad.add_(grad_2d.t().matmul(input_2d))
 

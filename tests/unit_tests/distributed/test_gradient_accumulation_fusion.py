@@ -12,12 +12,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.tensor_parallel.grad_accumulation import linear, register_main_grad
+from megatron.core.tensor_parallel.grad_accumulation import (
+    FusionTarget,
+    _may_fuse,
+    linear,
+    register_main_grad,
+)
 from tests.unit_tests.distributed.test_distributed_data_parallel import (
     _train_ddp,
     _train_single_process,
 )
-from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.model_builders import build_tiny_gpt, device_batch, tiny_gpt_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -141,15 +146,19 @@ def test_fused_bf16_gradients_in_fp32_main_grads_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_weight_grad_accumulates_in_fp32(dtype):
+def test_cuda_weight_grad_accumulates_in_fp32(dtype, overwrite):
     """On CUDA the product is accumulated into the fp32 `main_grad` by the GEMM, unrounded: it
-    equals the fp32 product of the same (exactly representable) inputs added in fp32."""
+    equals the fp32 product of the same (exactly representable) inputs added in fp32, or,
+    overwriting, the product alone, whatever the target held (NaN here)."""
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=dtype))
-    main_grad = torch.randn(96, 64, device="cuda")
-    expected = main_grad.clone()
-    owner = _MainGrads({weight: main_grad})
+    main_grad = torch.full((96, 64), torch.nan, device="cuda") if overwrite else None
+    if main_grad is None:
+        main_grad = torch.randn(96, 64, device="cuda")
+    expected = torch.zeros_like(main_grad) if overwrite else main_grad.clone()
+    owner = _MainGrads({weight: main_grad}, overwrite)
     register_main_grad(weight, owner.of)
     x = torch.randn(4, 33, 64, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn(4, 33, 96, device="cuda", dtype=dtype)
@@ -158,6 +167,28 @@ def test_cuda_weight_grad_accumulates_in_fp32(dtype):
     assert weight.grad is None
     torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(x.grad, (g @ weight.detach()).to(dtype))
+
+
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+def test_an_overwritten_target_is_not_read(main_dtype):
+    """`FusionTarget(overwrite=True)`: the weight gradient replaces the target's contents (NaN
+    here, as uninitialised memory may be), computed as autograd computes it; in bf16 that is
+    also the plain weight gradient's dtype."""
+    torch.manual_seed(0)
+    device = current_device()
+    weight = torch.nn.Parameter(torch.randn(24, 16, device=device, dtype=torch.bfloat16))
+    main_grad = torch.full((24, 16), torch.nan, device=device, dtype=main_dtype)
+    owner = _MainGrads({weight: main_grad}, overwrite=True)
+    register_main_grad(weight, owner.of)
+    x = torch.randn(3, 5, 16, device=device, dtype=torch.bfloat16)
+    g = torch.randn(3, 5, 24, device=device, dtype=torch.bfloat16)
+    linear(x, weight).backward(g)
+    assert weight.grad is None
+    plain = torch.nn.Parameter(weight.detach().clone())
+    torch.nn.functional.linear(x, plain).backward(g)
+    torch.testing.assert_close(main_grad, plain.grad.to(main_dtype), rtol=1e-2, atol=1e-2)
+    if not main_grad.is_cuda:  # the CPU arithmetic is autograd's: bitwise
+        assert torch.equal(main_grad, plain.grad.to(main_dtype))
 
 
 def _fsdp_microbatches(
@@ -246,6 +277,153 @@ def test_fsdp_sums_a_gemm_cannot_write_stay_unfused():
             assert torch.equal(fused_grads[name], plain_grads[name]), name
 
 
+def _fsdp_sends(
+    fusion: bool, strategy: str, dtype: torch.dtype, scenario: str
+) -> tuple[dict, list, list, bool, bool]:
+    """Megatron-FSDP without whole sums (gradients reduce-scattered at every backward, in
+    fp32), tied weights, the backward passes of `scenario` (`SEND_SCENARIOS`): the global
+    gradients, per backward whether autograd produced a gradient for fc1's (whole) weight, the
+    autograd node of fc1's output per forward, whether a weight of the root may fuse, and
+    whether gradient memory is held after `zero_grad_buffer()`."""
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.optimizer import parameter_groups
+
+    recompute = {}
+    if scenario == "recompute":
+        recompute = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    config = tiny_gpt_config(
+        gradient_accumulation_fusion=fusion,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        **recompute,
+    )
+    model = build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=True,
+    )
+    fsdp = FullyShardedDataParallel(config, ddp_config, model)
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    autograd_grads, nodes = [], []
+
+    def watch(module, args, output) -> None:
+        seen = []
+        autograd_grads.append(seen)
+        module.weight.register_hook(lambda grad: seen.append(grad is not None))
+        nodes.append(type(output[0].grad_fn).__name__)
+
+    fc1.register_forward_hook(watch)
+    penalties = _penalize(fc1) if scenario == "penalty" else []
+
+    def loss_of(seed: int) -> torch.Tensor:
+        tokens, labels = device_batch(4, seed)
+        return fsdp(tokens, labels=labels).float().mean() + sum(penalties)
+
+    fsdp.zero_grad_buffer()
+    if scenario == "failed":
+        # Raises in layer 0's backward after its fc2 wrote its gradient into the send buffer
+        # (layer 1's was reduced already); the next backward must not see either.
+        def fail(module, args, output) -> None:
+            output[0].register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
+
+        handle = fc1.register_forward_hook(fail)
+        with pytest.raises(RuntimeError, match="boom"):
+            loss_of(9).backward()
+        handle.remove()
+        fsdp.zero_grad_buffer()
+    if scenario == "twice":
+        loss = loss_of(0)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    else:
+        for i in range(3 if scenario == "microbatches" else 1):
+            loss_of(i).backward()
+    fsdp.finish_grad_sync()
+    grads = {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+        for name, p in model.named_parameters()
+    }
+    seen = [any(s) for s in autograd_grads]
+    fsdp.zero_grad_buffer()
+    holds = any(group.holds_grads for group in parameter_groups(model))
+    # The root (embedding, output layer) reduces at the end of backward: never fused.
+    root = [p for group in model.fsdp_unit.groups for p in group.weights.unsharded_params]
+    root_fused = any(map(_may_fuse, root))
+    return grads, seen, nodes, root_fused, holds
+
+
+TIED = "embedding.word_embeddings.weight"
+def _penalize(fc1: torch.nn.Module) -> list[torch.Tensor]:
+    """A penalty on fc1's weight, taken before fc1 runs: its gradient reaches the weight's
+    `.grad` after fc1's own backward wrote into the send buffer (a second use of a fused
+    weight, summed there). Returns the list the penalty of the latest forward is put in."""
+    penalties = []
+
+    def penalize(module, args) -> None:
+        penalties[:] = [module.weight.float().square().sum() * 1e-2]
+
+    fc1.register_forward_pre_hook(penalize)
+    return penalties
+
+
+# The backward passes each `_fsdp_sends` scenario runs, as seeds of `device_batch`.
+SEND_SCENARIOS = {"one": [0], "microbatches": [0, 1, 2], "twice": [0, 0], "failed": [0]}
+SEND_SCENARIOS["recompute"] = SEND_SCENARIOS["penalty"] = SEND_SCENARIOS["one"]
+
+
+@pytest.mark.parametrize(
+    "strategy, dtype, scenario",
+    [
+        ("optim_grads_params", torch.float32, "one"),
+        ("optim_grads_params", torch.bfloat16, "microbatches"),
+        ("optim_grads", torch.float32, "microbatches"),
+        ("optim_grads_params", torch.float32, "twice"),
+        ("optim_grads_params", torch.float32, "failed"),
+        ("optim_grads_params", torch.float32, "recompute"),
+        ("optim_grads_params", torch.float32, "penalty"),
+    ],
+)
+def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(strategy, dtype, scenario):
+    """Gradients reduce-scattered at every backward: fc1's weight never gets a gradient from
+    autograd (its GEMM writes it into the send buffer, in fp32); the gradients equal the
+    unfused run's bitwise (on CPU the fused path forms the same products) and plain PyTorch's
+    (every rank sees the same batches, so their average is one process's sum), after a failed
+    backward too; nothing is held after `zero_grad_buffer()`."""
+    reference = build_tiny_gpt(
+        tiny_gpt_config(params_dtype=dtype, bf16=dtype == torch.bfloat16),
+        share_embeddings_and_output_weights=True,
+    )
+    fc1 = reference.decoder.layers[0].mlp.linear_fc1
+    penalties = _penalize(fc1) if scenario == "penalty" else []
+    for seed in SEND_SCENARIOS[scenario]:
+        tokens, labels = device_batch(4, seed)
+        (reference(tokens, labels=labels).float().mean() + sum(penalties)).backward()
+    expected = {name: p.grad.float() for name, p in reference.named_parameters()}
+    args = (strategy, dtype, scenario)
+    for fused, plain in zip(
+        run_distributed(_fsdp_sends, 2, True, *args), run_distributed(_fsdp_sends, 2, False, *args)
+    ):
+        grads, seen, nodes, _, holds = fused
+        assert not holds and not plain[4]
+        assert grads.keys() == expected.keys() == plain[0].keys()
+        tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        for name, grad in expected.items():
+            if dtype == torch.float32 or name != TIED:
+                assert torch.equal(grads[name], plain[0][name]), name
+            else:  # autograd sums the tied weight's two bf16 gradients in bf16, fusion in fp32
+                torch.testing.assert_close(grads[name], plain[0][name], msg=name, **tolerance)
+            torch.testing.assert_close(grads[name].float(), grad, msg=name, **tolerance)
+        # The penalty's gradient reaches fc1's weight through autograd.
+        assert any(seen) == (scenario == "penalty") and all(plain[1])
+        assert set(nodes) == {FUSED} and FUSED not in plain[2]
+        assert fused[3] is False
+        assert any(g.abs().sum() > 0 for g in grads.values())
+
+
 def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
@@ -302,11 +480,12 @@ def test_autocast_and_torch_func_use_plain_linear():
 
 
 class _MainGrads:
-    def __init__(self, main_grads: dict):
+    def __init__(self, main_grads: dict, overwrite: bool = False):
         self.main_grads = main_grads
+        self.overwrite = overwrite
 
-    def of(self, param: torch.nn.Parameter) -> torch.Tensor:
-        return self.main_grads[param]
+    def of(self, param: torch.nn.Parameter) -> FusionTarget:
+        return FusionTarget(self.main_grads[param], self.overwrite)
 
 
 def _after_engine_deleted() -> tuple[bool, bool]:

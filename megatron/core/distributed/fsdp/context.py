@@ -419,8 +419,8 @@ class FsdpContext:
         for unit in self.units():
             self._register(unit, unsharded=False)
             for group in unit.groups:
-                for param in group.weights.unsharded_params:
-                    param.grad = None
+                if group.grads is not None:
+                    group.grads.drop_unreduced()
         self._callback_task = None
         self._recording = None
         self._entered.clear()

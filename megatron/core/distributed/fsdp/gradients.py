@@ -34,6 +34,9 @@ microbatch's reduction adds its gradients and reduce-scatters the sum once, a re
 any other above. With gradient-accumulation fusion (`fuse_into_deferred_sums`), linear layers
 add their weight gradients into the sums themselves once they exist, leaving `.grad` None (so a
 backward that fails leaves those in the sums, as torch leaves the `.grad` it accumulated).
+Without the sums, fusion (`fuse_into_sends`) has linear layers write their weight gradients
+straight into the buffer the backward's reduce-scatter reads, in its dtype: no gradient in the
+compute dtype, no cast pass; a failed backward's are dropped with autograd's (`drop_unreduced`).
 
 An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
 reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
@@ -44,6 +47,7 @@ place, which the next reduction adds to. Only `FsdpContext.finalize_grads` final
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,7 +63,7 @@ from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.overlap import CommStreams
 from megatron.core.distributed.fsdp.plan import GroupPlan
 from megatron.core.distributed.fsdp.weights import GroupWeights
-from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
+from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
 
 
 class GradState(enum.Enum):
@@ -105,6 +109,9 @@ class GroupGrads:
         # What the reduce-scatter issued last on the reduce-scatter stream reads, until
         # `reduction_done`.
         self._in_flight: list[torch.Tensor] | None = None
+        # While linear layers write the current backward's weight gradients into the send
+        # buffer (`fuse_into_sends`): per parameter, whether one was written there.
+        self._written: list[bool] | None = None
         self.optim_grad: DBuffer | None = None
         if weights.outer_layout is not None:
             self.optim_grad = DBuffer(
@@ -122,9 +129,8 @@ class GroupGrads:
         # The whole gradient sums of a step's microbatches not yet reduce-scattered
         # (`reduce(defer=True)`), one per parameter; None when there are none.
         self._deferred: list[torch.Tensor] | None = None
-        # Each compute weight's index there, by identity, for gradient-accumulation fusion
-        # into them (`fuse_into_deferred_sums`).
-        self._sum_index: dict[int, int] = {}
+        # Each compute weight's index, by identity, for gradient-accumulation fusion.
+        self._param_index: dict[int, int] = {}
         # What the optimizer reads, as views of persistent storage: made once, while allocated.
         self._local_grads = (self.optim_grad or self.main_grad).local_views()
         self._grad_dtensors: list[DTensor] = [
@@ -165,7 +171,11 @@ class GroupGrads:
     def holds_memory(self) -> bool:
         """Whether gradient memory is held (from a step's first reduction, or deferred sum, to
         `zero_grad`)."""
-        return self.state is not GradState.EMPTY or self._deferred is not None
+        return (
+            self.state is not GradState.EMPTY
+            or self._deferred is not None
+            or self._written is not None
+        )
 
     # Reduction (every backward).
 
@@ -199,30 +209,63 @@ class GroupGrads:
             if defer:
                 return False
             grads, self._deferred = self._deferred, None
-            return self._reduce_grads(grads, streams)
-        return self._reduce_grads(self._or_zeros(grads), streams)
+        return self._reduce_grads(grads, streams)
 
     def fuse_into_deferred_sums(self) -> None:
         """Lets linear layers add their weight gradients straight into the whole sums of
         `reduce(defer=True)` while a step has them (gradient-accumulation fusion, from the
         second microbatch on), instead of handing autograd a gradient to add. Parameters whose
         sums have a dtype a GEMM cannot write (other than fp32 and their own) stay unfused."""
-        dtype = self.plan.precision.main_grads
+        self._fuse(self.plan.precision.main_grads, self._deferred_sum_of, self._has_deferred_sums)
+
+    def fuse_into_sends(self) -> None:
+        """Lets linear layers write their weight gradients straight into the buffer each
+        backward's reduce-scatter reads (gradient-accumulation fusion where gradients are
+        sharded and not summed whole): the GEMM writes the reduction dtype, and neither a
+        gradient in the compute dtype nor its cast exists. The buffer is allocated at the
+        backward's first fused gradient instead of at the reduction. Parameters whose reduction
+        dtype a GEMM cannot write (other than fp32 and their own) stay unfused; so does
+        everything without sharded gradients."""
+        if self.plan.shards_grads:
+            self._fuse(self._sends.dtype, self._send_of)
+
+    def _fuse(
+        self,
+        dtype: torch.dtype,
+        target_of: Callable[[torch.nn.Parameter], FusionTarget | None],
+        may_fuse: Callable[[], bool] | None = None,
+    ) -> None:
         params = self.weights.unsharded_params
-        self._sum_index = {id(param): i for i, param in enumerate(params)}
+        self._param_index = {id(param): i for i, param in enumerate(params)}
         for param in params:
             if param.requires_grad and dtype in (torch.float32, param.dtype):
-                register_main_grad(param, self._deferred_sum_of, self._has_deferred_sums)
+                register_main_grad(param, target_of, may_fuse)
 
     def _has_deferred_sums(self) -> bool:
         return self._deferred is not None
 
-    def _deferred_sum_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def _deferred_sum_of(self, param: torch.nn.Parameter) -> FusionTarget | None:
         """`param`'s whole gradient sum for a fused accumulation, None before the step has
         sums (its first microbatch)."""
         if self._deferred is None:
             return None
-        return self._deferred[self._sum_index[id(param)]]
+        return FusionTarget(self._deferred[self._param_index[id(param)]])
+
+    def _send_of(self, param: torch.nn.Parameter) -> FusionTarget | None:
+        """Where `param`'s gradient is cast to for this backward's reduce-scatter: written over
+        at its first fused gradient, added to at further ones (a weight used twice). None while
+        the send buffer is still read by the group's previous reduce-scatter (a unit that runs
+        its backward twice in one pass): autograd keeps the gradient then."""
+        if self._in_flight is not None:
+            return None
+        written = self._written
+        if written is None:
+            self._sends.reallocate_storage()
+            written = self._written = [False] * len(self._cast_targets)
+        index = self._param_index[id(param)]
+        overwrite = not written[index]
+        written[index] = True
+        return FusionTarget(self._cast_targets[index], overwrite)
 
     def reduce_deferred(self) -> None:
         """Reduce-scatters the whole sums `reduce(defer=True)` left, if any, on the current
@@ -253,11 +296,13 @@ class GroupGrads:
             torch._foreach_add_([s for s, _ in added], [g for _, g in added])
         return self._deferred
 
-    def _reduce_grads(self, grads: list[torch.Tensor], streams: CommStreams | None) -> bool:
-        """`reduce` of the whole gradients `grads` (the list is emptied where they are cast)."""
+    def _reduce_grads(self, grads: list[torch.Tensor | None], streams: CommStreams | None) -> bool:
+        """`reduce` of the whole gradients `grads` (None: zeros, or written into the send
+        buffer; the list is emptied where they are cast)."""
         fresh = self._begin_accumulating()
         if self.plan.shards_grads:
             return self._reduce_scatter(grads, fresh, streams)
+        grads = self._or_zeros(grads)
         if fresh:
             self.main_grad.reallocate_storage()
             copy_chunks_in(grads, self.main_grad.full, self._layout)
@@ -289,7 +334,7 @@ class GroupGrads:
         return not self.main_grad.is_allocated
 
     def _reduce_scatter(
-        self, grads: list[torch.Tensor], fresh: bool, streams: CommStreams | None
+        self, grads: list[torch.Tensor | None], fresh: bool, streams: CommStreams | None
     ) -> bool:
         """Reduce-scatters `grads` (emptying the list) into `main_grad`; returns whether the
         reduction on `streams.reduce_scatter` still reads its inputs (False without
@@ -317,25 +362,51 @@ class GroupGrads:
         self._in_flight = None
         self._sends.release_storage()
 
-    def _scatter_inputs(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _scatter_inputs(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """Each gradient flat, padded to N full chunks, in the reduction dtype: the gradients
-        themselves where they already are that (no copy), else cast into the send buffer in a
-        single pass, after which the gradients are freed. Empties the list.
+        themselves where they already are that (no copy), else the send buffer, into which they
+        are cast in a single pass (zeros for None; added to what linear layers wrote there
+        themselves, `fuse_into_sends`), after which they are freed. Empties the list.
 
         Each input is a whole tensor, whose N row blocks the reduce-scatter splits: no packing
         into the shard-major layout, which would move every byte once more (and, fused with the
         cast as `_chunk_cat`, cost host time that grows with the bytes moved).
         """
-        if grads[0].dtype == self._sends.dtype and concatenates(grads, self._layout):
-            sends = [g.view(-1) for g in grads]
-        else:
+        written, self._written = self._written, None
+        if written is None:
+            if (
+                None not in grads
+                and grads[0].dtype == self._sends.dtype
+                and concatenates(grads, self._layout)
+            ):
+                sends = [g.view(-1) for g in grads]
+                grads.clear()
+                return sends
             self._sends.reallocate_storage()
-            torch._foreach_copy_(self._cast_targets, grads)
-            if self._send_padding:
-                torch._foreach_zero_(self._send_padding)
-            sends = self._send_inputs
+            written = [False] * len(grads)
+        self._cast_into_sends(grads, written)
+        if self._send_padding:
+            torch._foreach_zero_(self._send_padding)
         grads.clear()
-        return sends
+        return self._send_inputs
+
+    def _cast_into_sends(self, grads: list[torch.Tensor | None], written: list[bool]) -> None:
+        """Each gradient cast into its place in the send buffer, or added where a linear layer
+        wrote one there (`written`); zeros where there is neither."""
+        copies, adds, zeros = ([], []), ([], []), []
+        for target, grad, fused in zip(self._cast_targets, grads, written):
+            if grad is not None:
+                into = adds if fused else copies
+                into[0].append(target)
+                into[1].append(grad)
+            elif not fused:
+                zeros.append(target)
+        if copies[0]:
+            torch._foreach_copy_(*copies)
+        if adds[0]:
+            torch._foreach_add_(*adds)
+        if zeros:
+            torch._foreach_zero_(zeros)
 
     def _reduce_scatter_into_main_grad(self, sends: list[torch.Tensor], fresh: bool) -> None:
         """Reduces `sends` (each whole gradient, padded) into this rank's shard of
@@ -470,10 +541,18 @@ class GroupGrads:
     def zero_grad(self) -> None:
         """Forgets every gradient, the unreduced ones of the compute weights included, and
         frees their memory (on the compute stream, which has waited for every reduction)."""
-        for param in self.weights.unsharded_params:
-            param.grad = None
+        self.drop_unreduced()
         self._deferred = None
         self._drop()
+
+    def drop_unreduced(self) -> None:
+        """Forgets the gradients a backward left for a reduction that did not run (a failed
+        pass): autograd's, and what linear layers wrote into the send buffer."""
+        for param in self.weights.unsharded_params:
+            param.grad = None
+        if self._written is not None:
+            self._written = None
+            self._sends.release_storage()
 
     def _drop(self) -> None:
         weights = self.weights
