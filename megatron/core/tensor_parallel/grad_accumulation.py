@@ -14,8 +14,8 @@ the buffer its sharded gradients are reduce-scattered from, or the whole gradien
 `accumulate_unsharded_grads` keeps across a step's microbatches. The engine's method says where
 the gradient goes (`FusionTarget`): added to a tensor, or written over one whose contents are not
 yet a gradient (a buffer allocated for this backward, a `main_grad` whose `.grad` was dropped),
-which spares zeroing it first. The
-parallel linears route through `linear()` and `weight_grad()`, which fuse only while:
+which spares zeroing it first. The parallel linears route through `linear()` and
+`weight_grad()`, which fuse only while:
 
 - the engine is alive: a deleted engine's parameters train as plain parameters again;
 - the weight's `.grad` is None when its gradient is computed: a `.grad` kept from an earlier

@@ -22,15 +22,15 @@ from tests.unit_tests.distributed.test_distributed_data_parallel import (
     _train_ddp,
     _train_single_process,
 )
-from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.distributed_harness import run_distributed, select_backend
 from tests.unit_tests.model_builders import build_tiny_gpt, device_batch, tiny_gpt_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _wrapped(
-    fusion: bool, dtype: torch.dtype, scenario: str, **ddp_fields
-) -> DistributedDataParallel:
+def _tiny_gpt(fusion: bool, dtype: torch.dtype, scenario: str):
+    """The tiny GPT in `dtype`, fusing or not; its weights tied but in the "untied" scenario,
+    each layer recomputed in the "recompute" one."""
     recompute = {}
     if scenario == "recompute":
         recompute = dict(
@@ -42,7 +42,14 @@ def _wrapped(
         bf16=dtype == torch.bfloat16,
         **recompute,
     )
-    model = build_tiny_gpt(config, share_embeddings_and_output_weights=scenario != "untied")
+    return build_tiny_gpt(config, share_embeddings_and_output_weights=scenario != "untied")
+
+
+def _wrapped(
+    fusion: bool, dtype: torch.dtype, scenario: str, **ddp_fields
+) -> DistributedDataParallel:
+    model = _tiny_gpt(fusion, dtype, scenario)
+    config = model.config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **ddp_fields)
     return DistributedDataParallel(config, ddp_config, model)
 
@@ -171,24 +178,38 @@ def test_cuda_weight_grad_accumulates_in_fp32(dtype, overwrite):
 
 @pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
 def test_an_overwritten_target_is_not_read(main_dtype):
-    """`FusionTarget(overwrite=True)`: the weight gradient replaces the target's contents (NaN
-    here, as uninitialised memory may be), computed as autograd computes it; in bf16 that is
-    also the plain weight gradient's dtype."""
+    """`FusionTarget(overwrite=True)` on CPU: the weight gradient replaces the target's
+    contents (NaN here, as uninitialised memory may be), bitwise as autograd computes it (a
+    bf16 target through `addmm_(beta=0)`, an fp32 one through a copy; the CUDA kernels are
+    checked on a GPU above)."""
     torch.manual_seed(0)
-    device = current_device()
-    weight = torch.nn.Parameter(torch.randn(24, 16, device=device, dtype=torch.bfloat16))
-    main_grad = torch.full((24, 16), torch.nan, device=device, dtype=main_dtype)
+    weight = torch.nn.Parameter(torch.randn(24, 16, dtype=torch.bfloat16))
+    main_grad = torch.full((24, 16), torch.nan, dtype=main_dtype)
     owner = _MainGrads({weight: main_grad}, overwrite=True)
     register_main_grad(weight, owner.of)
-    x = torch.randn(3, 5, 16, device=device, dtype=torch.bfloat16)
-    g = torch.randn(3, 5, 24, device=device, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    g = torch.randn(3, 5, 24, dtype=torch.bfloat16)
     linear(x, weight).backward(g)
     assert weight.grad is None
     plain = torch.nn.Parameter(weight.detach().clone())
     torch.nn.functional.linear(x, plain).backward(g)
-    torch.testing.assert_close(main_grad, plain.grad.to(main_dtype), rtol=1e-2, atol=1e-2)
-    if not main_grad.is_cuda:  # the CPU arithmetic is autograd's: bitwise
-        assert torch.equal(main_grad, plain.grad.to(main_dtype))
+    assert torch.equal(main_grad, plain.grad.to(main_dtype))
+
+
+def _watch(fc1: torch.nn.Module) -> tuple[list[list[bool]], list[str]]:
+    """Records, per forward of `fc1`, whether autograd produced a gradient for its weight (a
+    list per backward, filled by a hook on the whole weight, which exists only inside the
+    pass) and the name of its output's autograd node."""
+    autograd_grads, nodes = [], []
+
+    def watch(module, args, output) -> None:
+        seen = []
+        autograd_grads.append(seen)
+        module.weight.register_hook(lambda grad: seen.append(grad is not None))
+        nodes.append(type(output[0].grad_fn).__name__)
+
+    fc1.register_forward_hook(watch)
+    return autograd_grads, nodes
 
 
 def _fsdp_microbatches(
@@ -213,16 +234,7 @@ def _fsdp_microbatches(
         megatron_fsdp_keep_unsharded_params=keep,
     )
     fsdp = FullyShardedDataParallel(config, ddp_config, model)
-    fc1 = model.decoder.layers[0].mlp.linear_fc1
-    autograd_grads, nodes = [], []
-
-    def watch(module, args, output) -> None:  # the whole weight exists only inside the pass
-        seen = []
-        autograd_grads.append(seen)
-        module.weight.register_hook(lambda grad: seen.append(grad is not None))
-        nodes.append(type(output[0].grad_fn).__name__)
-
-    fc1.register_forward_hook(watch)
+    autograd_grads, nodes = _watch(model.decoder.layers[0].mlp.linear_fc1)
     fsdp.zero_grad_buffer()
     for i in range(3):
         tokens, labels = device_batch(4, i)
@@ -278,45 +290,27 @@ def test_fsdp_sums_a_gemm_cannot_write_stay_unfused():
 
 
 def _fsdp_sends(
-    fusion: bool, strategy: str, dtype: torch.dtype, scenario: str
-) -> tuple[dict, list, list, bool, bool]:
-    """Megatron-FSDP without whole sums (gradients reduce-scattered at every backward, in
-    fp32), tied weights, the backward passes of `scenario` (`SEND_SCENARIOS`): the global
-    gradients, per backward whether autograd produced a gradient for fc1's (whole) weight, the
-    autograd node of fc1's output per forward, whether a weight of the root may fuse, and
-    whether gradient memory is held after `zero_grad_buffer()`."""
+    fusion: bool, strategy: str, dtype: torch.dtype, reduce_in_fp32: bool, scenario: str
+) -> dict:
+    """Megatron-FSDP without whole sums (gradients reduce-scattered at every backward), tied
+    weights, the backward passes of `scenario` (`SEND_SCENARIOS`); returns the global
+    gradients ("grads"), per backward whether autograd produced a gradient for fc1's (whole)
+    weight ("seen"), the autograd node of fc1's output per forward ("nodes"), whether a weight
+    of the root may fuse ("root_fuses"), and whether a send buffer was left written after
+    `finish_grad_sync()` ("leaked")."""
     from megatron.core.distributed.fsdp import FullyShardedDataParallel
     from megatron.core.distributed.fsdp.optimizer import parameter_groups
 
-    recompute = {}
-    if scenario == "recompute":
-        recompute = dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
-    config = tiny_gpt_config(
-        gradient_accumulation_fusion=fusion,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        **recompute,
-    )
-    model = build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+    model = _tiny_gpt(fusion, dtype, scenario)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=reduce_in_fp32,
         overlap_grad_reduce=True,
     )
-    fsdp = FullyShardedDataParallel(config, ddp_config, model)
+    fsdp = FullyShardedDataParallel(model.config, ddp_config, model)
     fc1 = model.decoder.layers[0].mlp.linear_fc1
-    autograd_grads, nodes = [], []
-
-    def watch(module, args, output) -> None:
-        seen = []
-        autograd_grads.append(seen)
-        module.weight.register_hook(lambda grad: seen.append(grad is not None))
-        nodes.append(type(output[0].grad_fn).__name__)
-
-    fc1.register_forward_hook(watch)
+    autograd_grads, nodes = _watch(fc1)
     penalties = _penalize(fc1) if scenario == "penalty" else []
 
     def loss_of(seed: int) -> torch.Tensor:
@@ -324,9 +318,10 @@ def _fsdp_sends(
         return fsdp(tokens, labels=labels).float().mean() + sum(penalties)
 
     fsdp.zero_grad_buffer()
-    if scenario == "failed":
+    if scenario.startswith("failed"):
         # Raises in layer 0's backward after its fc2 wrote its gradient into the send buffer
-        # (layer 1's was reduced already); the next backward must not see either.
+        # (layer 1's was reduced already): the next backward must not see that buffer, after
+        # `zero_grad_buffer()` or after a new forward alone (which keeps layer 1's reduction).
         def fail(module, args, output) -> None:
             output[0].register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
 
@@ -334,29 +329,35 @@ def _fsdp_sends(
         with pytest.raises(RuntimeError, match="boom"):
             loss_of(9).backward()
         handle.remove()
-        fsdp.zero_grad_buffer()
+        if scenario == "failed":
+            fsdp.zero_grad_buffer()
     if scenario == "twice":
         loss = loss_of(0)
         loss.backward(retain_graph=True)
         loss.backward()
     else:
-        for i in range(3 if scenario == "microbatches" else 1):
-            loss_of(i).backward()
+        seeds = SEND_SCENARIOS.get(scenario, [0])
+        for i, seed in enumerate(seeds):
+            with fsdp.no_sync() if i < len(seeds) - 1 else contextlib.nullcontext():
+                loss_of(seed).backward()
     fsdp.finish_grad_sync()
-    grads = {
-        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-        for name, p in model.named_parameters()
-    }
-    seen = [any(s) for s in autograd_grads]
-    fsdp.zero_grad_buffer()
-    holds = any(group.holds_grads for group in parameter_groups(model))
-    # The root (embedding, output layer) reduces at the end of backward: never fused.
+    groups = [group.grads for group in parameter_groups(model) if group.grads is not None]
     root = [p for group in model.fsdp_unit.groups for p in group.weights.unsharded_params]
-    root_fused = any(map(_may_fuse, root))
-    return grads, seen, nodes, root_fused, holds
+    return {
+        "grads": {
+            name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+            for name, p in model.named_parameters()
+        },
+        "seen": [any(s) for s in autograd_grads],
+        "nodes": nodes,
+        "root_fuses": any(map(_may_fuse, root)),
+        "leaked": any(grads._written is not None for grads in groups),
+    }
 
 
 TIED = "embedding.word_embeddings.weight"
+
+
 def _penalize(fc1: torch.nn.Module) -> list[torch.Tensor]:
     """A penalty on fc1's weight, taken before fc1 runs: its gradient reaches the weight's
     `.grad` after fc1's own backward wrote into the send buffer (a second use of a fused
@@ -370,57 +371,70 @@ def _penalize(fc1: torch.nn.Module) -> list[torch.Tensor]:
     return penalties
 
 
-# The backward passes each `_fsdp_sends` scenario runs, as seeds of `device_batch`.
+# The backward passes each `_fsdp_sends` scenario runs, as seeds of `device_batch` ("failed"
+# runs one more before them that raises; "failed_then_forward" keeps what that one reduced,
+# which plain PyTorch's failed backward does not match, so it is compared with the unfused run
+# only).
 SEND_SCENARIOS = {"one": [0], "microbatches": [0, 1, 2], "twice": [0, 0], "failed": [0]}
 SEND_SCENARIOS["recompute"] = SEND_SCENARIOS["penalty"] = SEND_SCENARIOS["one"]
 
 
 @pytest.mark.parametrize(
-    "strategy, dtype, scenario",
+    "strategy, dtype, reduce_in_fp32, scenario, world_size",
     [
-        ("optim_grads_params", torch.float32, "one"),
-        ("optim_grads_params", torch.bfloat16, "microbatches"),
-        ("optim_grads", torch.float32, "microbatches"),
-        ("optim_grads_params", torch.float32, "twice"),
-        ("optim_grads_params", torch.float32, "failed"),
-        ("optim_grads_params", torch.float32, "recompute"),
-        ("optim_grads_params", torch.float32, "penalty"),
+        ("optim_grads_params", torch.float32, True, "one", 2),
+        ("optim_grads_params", torch.float32, True, "one", 3),  # padded chunks
+        ("optim_grads_params", torch.bfloat16, True, "microbatches", 2),
+        ("optim_grads_params", torch.bfloat16, False, "microbatches", 2),  # bf16 send buffer
+        ("optim_grads", torch.float32, True, "microbatches", 2),
+        ("optim_grads_params", torch.float32, True, "twice", 2),
+        ("optim_grads_params", torch.float32, True, "failed", 2),
+        ("optim_grads_params", torch.float32, True, "failed_then_forward", 2),
+        ("optim_grads_params", torch.float32, True, "recompute", 2),
+        ("optim_grads_params", torch.float32, True, "penalty", 2),
     ],
 )
-def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(strategy, dtype, scenario):
+def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
+    strategy, dtype, reduce_in_fp32, scenario, world_size
+):
     """Gradients reduce-scattered at every backward: fc1's weight never gets a gradient from
-    autograd (its GEMM writes it into the send buffer, in fp32); the gradients equal the
-    unfused run's bitwise (on CPU the fused path forms the same products) and plain PyTorch's
-    (every rank sees the same batches, so their average is one process's sum), after a failed
-    backward too; nothing is held after `zero_grad_buffer()`."""
-    reference = build_tiny_gpt(
-        tiny_gpt_config(params_dtype=dtype, bf16=dtype == torch.bfloat16),
-        share_embeddings_and_output_weights=True,
-    )
-    fc1 = reference.decoder.layers[0].mlp.linear_fc1
-    penalties = _penalize(fc1) if scenario == "penalty" else []
-    for seed in SEND_SCENARIOS[scenario]:
-        tokens, labels = device_batch(4, seed)
-        (reference(tokens, labels=labels).float().mean() + sum(penalties)).backward()
-    expected = {name: p.grad.float() for name, p in reference.named_parameters()}
-    args = (strategy, dtype, scenario)
-    for fused, plain in zip(
-        run_distributed(_fsdp_sends, 2, True, *args), run_distributed(_fsdp_sends, 2, False, *args)
-    ):
-        grads, seen, nodes, _, holds = fused
-        assert not holds and not plain[4]
-        assert grads.keys() == expected.keys() == plain[0].keys()
-        tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
-        for name, grad in expected.items():
-            if dtype == torch.float32 or name != TIED:
-                assert torch.equal(grads[name], plain[0][name]), name
-            else:  # autograd sums the tied weight's two bf16 gradients in bf16, fusion in fp32
-                torch.testing.assert_close(grads[name], plain[0][name], msg=name, **tolerance)
-            torch.testing.assert_close(grads[name].float(), grad, msg=name, **tolerance)
+    autograd (its GEMM writes it into the send buffer), the root's linears do not fuse (it
+    reduces at the end of backward), and no written buffer outlives the step. The gradients
+    equal the unfused run's (bitwise on CPU, where the fused path forms the same products; on
+    GPU fusion accumulates bf16 products in fp32, which the unfused run rounds first) and plain
+    PyTorch's (every rank sees the same batches, so their average is one process's sum)."""
+    args = (strategy, dtype, reduce_in_fp32, scenario)
+    fused_ranks = run_distributed(_fsdp_sends, world_size, True, *args)
+    plain_ranks = run_distributed(_fsdp_sends, world_size, False, *args)
+    expected = None
+    if scenario in SEND_SCENARIOS:
+        reference = build_tiny_gpt(
+            tiny_gpt_config(params_dtype=dtype, bf16=dtype == torch.bfloat16),
+            share_embeddings_and_output_weights=True,
+        )
+        fc1 = reference.decoder.layers[0].mlp.linear_fc1
+        penalties = _penalize(fc1) if scenario == "penalty" else []
+        for seed in SEND_SCENARIOS[scenario]:
+            tokens, labels = device_batch(4, seed)
+            (reference(tokens, labels=labels).float().mean() + sum(penalties)).backward()
+        expected = {name: p.grad.float() for name, p in reference.named_parameters()}
+    on_cpu = select_backend(world_size) == "gloo"
+    tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    for fused, plain in zip(fused_ranks, plain_ranks):
+        grads = fused["grads"]
+        assert grads.keys() == plain["grads"].keys()
+        for name, grad in grads.items():
+            # Autograd sums the tied weight's two bf16 gradients in bf16, fusion in fp32.
+            if on_cpu and (dtype == torch.float32 or name != TIED):
+                assert torch.equal(grad, plain["grads"][name]), name
+            else:
+                torch.testing.assert_close(grad, plain["grads"][name], msg=name, **tolerance)
+            if expected is not None:
+                torch.testing.assert_close(grad.float(), expected[name], msg=name, **tolerance)
         # The penalty's gradient reaches fc1's weight through autograd.
-        assert any(seen) == (scenario == "penalty") and all(plain[1])
-        assert set(nodes) == {FUSED} and FUSED not in plain[2]
-        assert fused[3] is False
+        assert any(fused["seen"]) == (scenario == "penalty") and all(plain["seen"])
+        assert set(fused["nodes"]) == {FUSED} and FUSED not in plain["nodes"]
+        assert not fused["root_fuses"] and not fused["leaked"]
         assert any(g.abs().sum() > 0 for g in grads.values())
 
 

@@ -35,8 +35,9 @@ backward frees each kept unit after its own backward and reduces the deferred su
 outside `microbatch()`, they change nothing.
 
 Memory discipline (GPU): see `residency.py` for unsharded weights; reduce-scatter inputs
-(gradients cast to the reduction dtype) are allocated and freed on the compute stream, which
-waits for the reduce-scatter that read them before casting the next. The all-gather stream waits
+(gradients cast to the reduction dtype, or written there by linear layers during the unit's
+backward) are allocated and freed on the compute stream, which waits for the reduce-scatter that
+read them before casting the next. The all-gather stream waits
 for the compute stream's queued work at the start of each root forward (and wherever gathers
 start outside one), not before every gather: all-gathers read the main weights, which change
 only between passes; in backward each prefetch also waits, to stay under the unit computing when
@@ -326,7 +327,8 @@ class FsdpContext:
 
         One unit's reduce-scatters are in flight at a time, as in FSDP2: the compute stream
         waits for the previous unit's (issued a whole unit's backward earlier) before casting
-        this one's, so only one unit's reduction inputs are ever held. With
+        this one's, so at most two units' reduction inputs are held (one, and this unit's
+        gradients in the compute dtype, where linear layers do not write them there). With
         `accumulate_unsharded_grads` in a microbatch that is not the last, sharded
         gradients are summed whole instead (`GroupGrads.reduce`), which issues nothing.
         """

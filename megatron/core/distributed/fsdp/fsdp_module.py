@@ -154,9 +154,13 @@ class FsdpUnit:
     def pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.lazy_init().pre_forward(self):
-            return _register_post_backward(self, args, kwargs)
-        return args, kwargs
+        if not self.lazy_init().pre_forward(self):
+            return args, kwargs
+        routed = _register_post_backward(self, args, kwargs)
+        for group in self.groups:
+            if group.grads is not None:
+                group.grads.reduced_after_own_backward = routed is not None
+        return (args, kwargs) if routed is None else routed
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if not self.context.post_forward(self):
@@ -225,13 +229,14 @@ class _PostBackward(torch.autograd.Function):
 
 def _register_post_backward(
     unit: FsdpUnit, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Routes the unit's floating-point inputs that require grad through `_PostBackward`. A
-    unit with none (the root, fed token ids) is reduced by the end-of-backward callback."""
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Routes the unit's floating-point inputs that require grad through `_PostBackward` and
+    returns the new (args, kwargs). None for a unit with none (the root, fed token ids): the
+    end-of-backward callback reduces it."""
     flat, rebuild = _flatten(args) if not kwargs else _flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
-        return args, kwargs
+        return None
     outputs = _PostBackward.apply(weakref.ref(unit), *(flat[i] for i in positions))
     for i, tensor in zip(positions, outputs):
         flat[i] = tensor

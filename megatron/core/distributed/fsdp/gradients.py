@@ -36,7 +36,9 @@ add their weight gradients into the sums themselves once they exist, leaving `.g
 backward that fails leaves those in the sums, as torch leaves the `.grad` it accumulated).
 Without the sums, fusion (`fuse_into_sends`) has linear layers write their weight gradients
 straight into the buffer the backward's reduce-scatter reads, in its dtype: no gradient in the
-compute dtype, no cast pass; a failed backward's are dropped with autograd's (`drop_unreduced`).
+compute dtype, no cast pass. Only where the unit's reduction follows its own backward
+(`reduced_after_own_backward`); a failed backward's are dropped with autograd's
+(`drop_unreduced`, at the next forward, `zero_grad` or finalisation).
 
 An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
 reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
@@ -112,6 +114,12 @@ class GroupGrads:
         # While linear layers write the current backward's weight gradients into the send
         # buffer (`fuse_into_sends`): per parameter, whether one was written there.
         self._written: list[bool] | None = None
+        # Whether the unit's latest forward routed inputs through its post-backward hook, so
+        # that its reduction follows its own backward (set by the unit at each forward). Units
+        # without (the root, fed token ids) reduce at the end of the whole backward, and their
+        # linear layers do not write into the send buffer, which would then hold their
+        # gradients in the reduction dtype through all of it.
+        self.reduced_after_own_backward = False
         self.optim_grad: DBuffer | None = None
         if weights.outer_layout is not None:
             self.optim_grad = DBuffer(
@@ -140,9 +148,10 @@ class GroupGrads:
 
     def _init_send_buffer(self) -> None:
         """The whole buffer gradients are cast into for their reduce-scatter (each tensor padded
-        to N full chunks, in the reduction dtype), allocated for each reduction and freed once
-        the reduce-scatter has read it, and its views, made once: where each gradient is cast
-        to, the padding to zero, and the reduce-scatter's inputs."""
+        to N full chunks, in the reduction dtype), allocated for each reduction (or at the
+        backward's first weight gradient a linear layer writes there, `fuse_into_sends`) and
+        freed once the reduce-scatter has read it, and its views, made once: where each
+        gradient goes, the padding to zero, and the reduce-scatter's inputs."""
         layout = self._layout
         self._sends = DBuffer(
             layout.unsharded(),
@@ -169,8 +178,8 @@ class GroupGrads:
 
     @property
     def holds_memory(self) -> bool:
-        """Whether gradient memory is held (from a step's first reduction, or deferred sum, to
-        `zero_grad`)."""
+        """Whether gradient memory is held (from a step's first reduction, deferred sum or
+        fused weight gradient, to `zero_grad`)."""
         return (
             self.state is not GradState.EMPTY
             or self._deferred is not None
@@ -221,13 +230,18 @@ class GroupGrads:
     def fuse_into_sends(self) -> None:
         """Lets linear layers write their weight gradients straight into the buffer each
         backward's reduce-scatter reads (gradient-accumulation fusion where gradients are
-        sharded and not summed whole): the GEMM writes the reduction dtype, and neither a
-        gradient in the compute dtype nor its cast exists. The buffer is allocated at the
-        backward's first fused gradient instead of at the reduction. Parameters whose reduction
-        dtype a GEMM cannot write (other than fp32 and their own) stay unfused; so does
-        everything without sharded gradients."""
+        sharded and not summed whole), in forwards `reduced_after_own_backward`: the GEMM
+        writes the reduction dtype, and neither a gradient in the compute dtype nor its cast
+        exists. The buffer is then allocated at the backward's first fused gradient instead of
+        at the reduction, so up to two units' buffers are held at once (this unit's and the
+        previous unit's, still in flight) instead of one and this unit's gradients in the
+        compute dtype. Parameters whose reduction dtype a GEMM cannot write (other than fp32
+        and their own) stay unfused; so does everything without sharded gradients."""
         if self.plan.shards_grads:
-            self._fuse(self._sends.dtype, self._send_of)
+            self._fuse(self._sends.dtype, self._send_of, self._reduced_after_own_backward)
+
+    def _reduced_after_own_backward(self) -> bool:
+        return self.reduced_after_own_backward
 
     def _fuse(
         self,
@@ -252,10 +266,12 @@ class GroupGrads:
         return FusionTarget(self._deferred[self._param_index[id(param)]])
 
     def _send_of(self, param: torch.nn.Parameter) -> FusionTarget | None:
-        """Where `param`'s gradient is cast to for this backward's reduce-scatter: written over
-        at its first fused gradient, added to at further ones (a weight used twice). None while
-        the send buffer is still read by the group's previous reduce-scatter (a unit that runs
-        its backward twice in one pass): autograd keeps the gradient then."""
+        """Where a linear layer writes `param`'s gradient for this backward's reduce-scatter:
+        written over at its first fused gradient, added to at further ones (a weight used
+        twice). None while the send buffer is still read by the group's previous reduce-scatter
+        (a unit that runs its backward twice in one pass): autograd keeps the gradient then.
+        The buffer is allocated on the current stream, the one the unit's backward and its
+        reduction run on (as autograd's own gradients are)."""
         if self._in_flight is not None:
             return None
         written = self._written
@@ -315,9 +331,11 @@ class GroupGrads:
     def _begin_accumulating(self) -> bool:
         """Moves to ACCUMULATING; returns whether `main_grad` starts afresh (overwritten, not
         added to). Gradients the optimizer dropped since the last reduction restart."""
-        if self.state is not GradState.EMPTY:
+        if self.state is GradState.CONSUMED:
+            self._drop()
+        elif self.state is not GradState.EMPTY:
             dropped = self._dropped()
-            if self.state is GradState.CONSUMED or len(dropped) == self._num_trainable():
+            if len(dropped) == self._num_trainable():
                 self._drop()
             elif dropped:
                 for index in dropped:

@@ -39,9 +39,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
 
     Args:
         config: the model's transformer config (with `gradient_accumulation_fusion`, linear
-            layers of the units below the root write their weight gradients into the buffer
-            they are reduce-scattered from, or, with `megatron_fsdp_accumulate_unsharded_grads`,
-            all add them into the whole sums from a step's second microbatch on).
+            layers write their weight gradients into the buffer they are reduce-scattered from
+            where their unit reduces right after its own backward (not the root), or, with
+            `megatron_fsdp_accumulate_unsharded_grads`, add them into the whole sums from a
+            step's second microbatch on).
         ddp_config: data-parallel switches; `use_megatron_fsdp` must be True.
         module: the model (may live on the `meta` device: it is materialised shard by shard).
         fsdp_unit_modules: module classes that each become a unit; everything else belongs to
@@ -112,16 +113,12 @@ class FullyShardedDataParallel(_BaseDataParallel):
             )
         self._groups = parameter_groups(module)
         if config.gradient_accumulation_fusion:
-            # The root reduces at the end of the backward (its embedding is used at both ends):
-            # a send buffer filled from the output layer's backward on would hold its
-            # gradients in the reduction dtype through the whole backward, at its memory peak.
-            root = set(map(id, module.fsdp_unit.groups))
             for group in self._groups:
                 if group.grads is None:
                     continue
                 if overlap_policy.accumulate_unsharded_grads:
                     group.grads.fuse_into_deferred_sums()
-                elif id(group) not in root:
+                else:
                     group.grads.fuse_into_sends()
         # The root's context now (which materialises meta-device weights), kept for the
         # per-step calls below.
