@@ -37,11 +37,11 @@ outside `microbatch()`, they change nothing.
 Memory discipline (GPU): see `residency.py` for unsharded weights; reduce-scatter inputs
 (gradients cast to the reduction dtype, or written there by linear layers during the unit's
 backward) are allocated and freed on the compute stream, which waits for the reduce-scatter that
-read them before casting the next. The all-gather stream waits
-for the compute stream's queued work at the start of each root forward (and wherever gathers
-start outside one), not before every gather: all-gathers read the main weights, which change
-only between passes; in backward each prefetch also waits, to stay under the unit computing when
-it is issued. On CPU there are no streams and every step runs in program order.
+read them before casting the next. The all-gather stream waits for the compute stream's queued
+work at the start of each root forward (and wherever gathers start outside one), not before
+every gather: all-gathers read the main weights, which change only between passes; in backward
+each prefetch also waits, to stay under the unit computing when it is issued. On CPU there are
+no streams and every step runs in program order.
 """
 
 from __future__ import annotations
