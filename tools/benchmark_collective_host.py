@@ -1,13 +1,12 @@
 """Host and GPU time of the ways to all-gather and reduce-scatter one transformer layer's weights.
 
-Megatron-FSDP gathers each tensor of a unit straight into the tensor the layer computes with: one
-grouped NCCL call per unit, with no unpacking kernel. Its gradients, where they are cast to the
-reduction dtype, are packed shard-major during the cast (one `_foreach_copy_` into (N, chunk)
-column views of the send buffer) and reduce-scattered flat; gradients that need no cast are
-reduce-scattered as they are, one grouped call. A flat all-gather (one buffer for the whole unit,
-as FSDP2 issues) costs one NCCL call but needs a copy out of the gathered buffer. Where the
-step is bound by the host, the host time of each matters; where it is bound by the GPU, the GPU
-time. This tool times both for the first transformer layer of the GPT its model flags describe
+Megatron-FSDP gathers each tensor of a unit straight into the tensor the layer computes with, and
+reduce-scatters each gradient straight out of its whole tensor (cast tensor by tensor into a send
+buffer where the reduction dtype differs): one grouped NCCL call each per unit, with no packing or
+unpacking kernel. A flat collective (one buffer for the whole unit, as FSDP2 issues) costs one
+NCCL call but needs the shard-major layout: a copy out of the gathered buffer, and gradients
+packed into it (several ways of packing are timed). Where the step is bound by the host, the host
+time of each matters; where it is bound by the GPU, the GPU time. This tool times both for the first transformer layer of the GPT its model flags describe
 (those of `tools/benchmark_fsdp.py`; by default the 1.34B GPT, whose layer holds 12 tensors), bf16
 weights, gradients reduced in fp32, laid out and padded as Megatron-FSDP lays them out
 (`ShardLayout`):

@@ -302,7 +302,7 @@ def precision_note(name: str, args: argparse.Namespace) -> str:
     note = _precision(name, args)
     if args.gradient_accumulation_fusion:
         if name in MEGATRON_FSDP and not args.megatron_fsdp_accumulate_unsharded_grads:
-            note += " (weight gradients written by the GEMMs into the reduce-scatter input)"
+            note += " (layers' weight gradients written by the GEMMs into the reduce-scatter input)"
         elif name != "fsdp2":
             note += " (weight gradients accumulated in the GEMMs)"
     return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note

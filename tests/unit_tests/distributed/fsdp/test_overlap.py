@@ -297,6 +297,21 @@ def _plain_windows():
         yield
 
 
+def _plain_losses() -> torch.Tensor:
+    """`_train`'s steps in one process without Megatron-FSDP, each on the whole batch (what the
+    ranks' microbatches average to): the loss of each step."""
+    model = build_tiny_gpt(tiny_gpt_config(num_layers=NUM_LAYERS))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for tokens, labels in make_token_batches(3, 8):
+        loss = model(tokens, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
 def _train_in_windows(policy: OverlapPolicy, strategy: str) -> dict:
     with _plain_windows():
         return _train(policy, strategy)
@@ -321,7 +336,11 @@ def _train_in_windows(policy: OverlapPolicy, strategy: str) -> dict:
 )
 def test_weights_in_symmetric_windows_train_bitwise_as_without(strategy, policy, layer_slots):
     reference = run_distributed(_train_with_policy, 2, "no_overlap", strategy)
-    for r, ref in zip(run_distributed(_train_in_windows, 2, policy, strategy), reference):
+    windows = run_distributed(_train_in_windows, 2, policy, strategy)
+    # Each step's loss over the whole batch: the ranks' mean of their two microbatches' halves.
+    losses = sum(r["losses"].view(-1, 2).sum(dim=1) for r in windows) / 2
+    torch.testing.assert_close(losses, _plain_losses())
+    for r, ref in zip(windows, reference):
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=0)
         for key, value in ref["state"].items():
             torch.testing.assert_close(r["state"][key], value, rtol=0, atol=0, msg=key)
