@@ -45,7 +45,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.utils.weak import WeakIdKeyDictionary
 
 
 class FusionTarget(NamedTuple):
@@ -61,9 +60,12 @@ class FusionTarget(NamedTuple):
     overwrite: bool = False
 
 
-_targets: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Parameter -> weak references to the engine's methods: the one that returns its `main_grad`,
-and the one asked at forward whether the backward may fuse (None: always)."""
+_targets: dict[int, tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | None]] = {}
+"""id(parameter) -> a weak reference to it, and weak references to the engine's methods: the
+one that returns its `main_grad`, and the one asked at forward whether the backward may fuse
+(None: always). Keyed by id, not by a `WeakIdKeyDictionary`, whose lookups build a Python
+reference object each: every linear layer looks its weight up at forward and at backward. The
+entry leaves with the parameter, and an id reused by a new tensor misses its referent check."""
 
 
 def register_main_grad(
@@ -85,22 +87,36 @@ def register_main_grad(
             cannot fuse, so that the layer runs plain `F.linear` and skips the host cost of
             the fusing autograd function. None: it always may.
     """
+    key = id(param)
+
+    def forget(ref: weakref.ref) -> None:
+        entry = _targets.get(key)
+        if entry is not None and entry[0] is ref:  # not a later registration's
+            del _targets[key]
+
     ask = None if may_fuse is None else weakref.WeakMethod(may_fuse)
-    _targets[param] = (weakref.WeakMethod(main_grad_of), ask)
+    _targets[key] = (weakref.ref(param, forget), weakref.WeakMethod(main_grad_of), ask)
+
+
+def _entry(
+    weight: torch.Tensor,
+) -> tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | None] | None:
+    entry = _targets.get(id(weight))
+    return entry if entry is not None and entry[0]() is weight else None
 
 
 def _target(
     weight: torch.Tensor,
 ) -> Callable[[torch.nn.Parameter], FusionTarget | None] | None:
-    entry = _targets.get(weight)
-    return None if entry is None else entry[0]()
+    entry = _entry(weight)
+    return None if entry is None else entry[1]()
 
 
 def _may_fuse(weight: torch.Tensor) -> bool:
-    entry = _targets.get(weight)
-    if entry is None or entry[0]() is None:
+    entry = _entry(weight)
+    if entry is None or entry[1]() is None:
         return False
-    may_fuse = None if entry[1] is None else entry[1]()
+    may_fuse = None if entry[2] is None else entry[2]()
     return may_fuse is None or may_fuse()
 
 

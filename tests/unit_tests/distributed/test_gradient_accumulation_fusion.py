@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.tensor_parallel import grad_accumulation
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
     _may_fuse,
@@ -500,6 +501,30 @@ class _MainGrads:
 
     def of(self, param: torch.nn.Parameter) -> FusionTarget:
         return FusionTarget(self.main_grads[param], self.overwrite)
+
+
+class _Targets:
+    def __init__(self):
+        self.main_grad = torch.zeros(3, 2)
+
+    def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
+        return FusionTarget(self.main_grad)
+
+
+def test_the_registry_forgets_a_freed_weight():
+    """Entries are keyed by id: a weight's entry leaves with it, and a tensor that is not the
+    registered weight (a new one, which may reuse a freed weight's id) is never fused."""
+    engine = _Targets()
+    registered = len(grad_accumulation._targets)
+    weights = [torch.nn.Parameter(torch.ones(3, 2)) for _ in range(8)]
+    for weight in weights:
+        register_main_grad(weight, engine.main_grad_of)
+    assert all(_may_fuse(weight) for weight in weights)
+    register_main_grad(weights[0], engine.main_grad_of)  # again: one entry, still fused
+    assert len(grad_accumulation._targets) == registered + 8 and _may_fuse(weights[0])
+    del weight, weights
+    assert len(grad_accumulation._targets) == registered
+    assert not any(_may_fuse(torch.nn.Parameter(torch.ones(3, 2))) for _ in range(64))
 
 
 def _after_engine_deleted() -> tuple[bool, bool]:

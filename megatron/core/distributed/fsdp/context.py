@@ -308,12 +308,17 @@ class FsdpContext:
             self._use(unit, "backward", self._next_backward)
         self._register(unit, unsharded=True)
 
-    @torch.no_grad()
     def post_backward(self, unit: ScheduledUnit) -> None:
         """After `unit`'s backward: reduce its gradients (missing ones as zeros, so every rank
         reduces the same groups in the same order), release its unsharded weights (all
         released ones after the unit backward runs last; kept ones in the last microbatch),
         register the main weights."""
+        if torch.is_grad_enabled():
+            # A backward with `create_graph=True`; others run without grad, and skip the cost
+            # of entering `no_grad` once per unit.
+            with torch.no_grad():
+                self.post_backward(unit)
+            return
         self.reduce(unit)
         self._reduced.add(unit.position)
         self.residency.release(
@@ -358,7 +363,7 @@ class FsdpContext:
         reductions are deferred issues none).
         """
         if self._reducing:
-            self.streams.current().wait_event(self._reduced_event)
+            self._reduced_event.wait(self.streams.current())
             for grads in self._reducing:
                 grads.reduction_done()
             self._reducing.clear()

@@ -201,33 +201,45 @@ class DBuffer:
                 self.data.untyped_storage().resize_(self._nbytes)
             self._allocated = True
 
+    def untracked(self) -> torch.Tensor:
+        """`data` again, as a tensor of its own over the same storage: a new version counter,
+        so that writes through it (and its views) bump none of `data`'s or its views'.
+
+        Where the engine refills memory whose earlier values autograd saved (the whole
+        weights, gathered again for backward), the refill restores those values, and must not
+        read as an in-place modification. An autograd view would share `data`'s counter;
+        `_unsafe_preserve_version_counter` around each write would cost host time per gather.
+        """
+        alias = torch.empty(0, dtype=self.data.dtype, device=self.data.device)
+        with torch.no_grad():
+            alias.set_(self.data.untyped_storage(), self.data.storage_offset(), self.data.shape)
+        return alias
+
 
 def chunk_targets(unsharded: DBuffer, layout: ShardLayout) -> list[torch.Tensor]:
-    """Each tensor of `unsharded` viewed as (N, chunk numel) of `layout`: where
-    `copy_chunks_out` writes the chunks of a gathered buffer. The views stay valid across
-    `release_storage` / `reallocate_storage`, so they can be made once."""
-    return [
-        view.view(layout.num_shards, numel)
-        for view, numel in zip(unsharded.tensor_views(), layout.chunk_numels)
-    ]
+    """Each tensor of `unsharded` viewed as (N, chunk numel) of `layout`: where gathered
+    chunks are written. The views stay valid across `release_storage` / `reallocate_storage`,
+    so they can be made once.
+
+    Writes through them bump no version counter of `unsharded.data` or its views (they view
+    `unsharded.untracked()`): refilling weights that autograd saved in forward (and that were
+    freed in between) restores the values it saved, which must not read as an in-place
+    modification in backward.
+    """
+    views = unsharded.layout.local_views(unsharded.untracked(), 0)
+    return [view.view(layout.num_shards, n) for view, n in zip(views, layout.chunk_numels)]
 
 
 def copy_chunks_out(gathered: DBuffer, unsharded: DBuffer) -> None:
     """Rearranges a gathered (shard-major) buffer (all N shards) into `unsharded`
-    (tensor-major, padded).
-
-    The write does not bump `unsharded`'s version counter: refilling weights that autograd
-    saved in forward (and that were freed in between) restores the values it saved, which
-    must not read as an in-place modification in backward.
-    """
+    (tensor-major, padded), bumping none of its version counters (`chunk_targets`)."""
     layout = gathered.layout
-    with torch.autograd._unsafe_preserve_version_counter(unsharded.data):
-        torch.split_with_sizes_copy(
-            gathered.full.view(layout.num_shards, layout.shard_numel),
-            layout.chunk_numels,
-            dim=1,
-            out=chunk_targets(unsharded, layout),
-        )
+    torch.split_with_sizes_copy(
+        gathered.full.view(layout.num_shards, layout.shard_numel),
+        layout.chunk_numels,
+        dim=1,
+        out=chunk_targets(unsharded, layout),
+    )
 
 
 def concatenates(tensors: Sequence[torch.Tensor], layout: ShardLayout) -> bool:

@@ -195,13 +195,19 @@ class _PreBackwardHook:
             unit.context.pre_backward(unit)
 
 
+# Leaf types told apart without pytree's per-item type checks (a layer's usual inputs).
+_PLAIN_LEAVES = (torch.Tensor, type(None))
+
+
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """`tree`'s leaves and the function that rebuilds it from new ones. A tensor or a plain
     tuple/list of leaves (a layer's usual inputs and outputs) skips pytree's cost, paid on
     every unit's forward."""
     if isinstance(tree, torch.Tensor):
         return [tree], lambda leaves: leaves[0]
-    if type(tree) in (tuple, list) and all(tree_is_leaf(item) for item in tree):
+    if type(tree) in (tuple, list) and all(
+        type(item) in _PLAIN_LEAVES or tree_is_leaf(item) for item in tree
+    ):
         return list(tree), type(tree)
     flat, spec = tree_flatten(tree)
     return flat, lambda leaves: tree_unflatten(leaves, spec)

@@ -188,9 +188,9 @@ class GroupGrads:
 
     # Reduction (every backward).
 
-    @torch.no_grad()
     def reduce(self, streams: CommStreams | None = None, *, defer: bool = False) -> bool:
-        """Moves the gradients of the backward that just ended into `main_grad`.
+        """Moves the gradients of the backward that just ended into `main_grad`. Called under
+        `torch.no_grad()` (the context's backward hooks, which set it once per unit).
 
         With sharded gradients they are reduce-scattered now; otherwise they accumulate locally
         and `finalize` reduces them once. Parameters that got no gradient count as zeros, so

@@ -3,7 +3,9 @@
 On GPU the engine issues its all-gathers and reduce-scatters from two side streams, so that they
 run while the compute stream runs the GEMMs of neighbouring units. Streams only order work; the
 memory each stream touches is managed by `FsdpContext`, which allocates and frees every buffer
-on one stream and orders the others against it with events (no `record_stream`).
+on one stream and orders the others against it with events (no `record_stream`). The engine
+waits with `event.wait(stream)`: `stream.wait_event(event)` only forwards to it, at the cost of
+one more Python call, several times per unit.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class CommStreams:
         streams a few times per unit).
         """
         self._order_event.record(producer)
-        waiter.wait_event(self._order_event)
+        self._order_event.wait(waiter)
 
     def running_on(self, stream: torch.cuda.Stream) -> _RunningOn:
         """A context manager that makes `stream` current for its body and yields the stream it
@@ -114,7 +116,12 @@ class CommStreams:
 
 
 class _RunningOn:
-    """`CommStreams.running_on`'s context manager (a class: a generator costs more to enter)."""
+    """`CommStreams.running_on`'s context manager (a class: a generator costs more to enter).
+
+    It calls what `torch.cuda.current_device()` and `torch.cuda.set_stream()` call, without
+    their Python wrappers (lazy initialisation, done once the streams exist; argument
+    forwarding), which cost as much host time again at a few switches per unit.
+    """
 
     __slots__ = ("_streams", "_stream", "_previous", "_device")
 
@@ -123,12 +130,20 @@ class _RunningOn:
         self._stream = stream
 
     def __enter__(self) -> torch.cuda.Stream:
-        self._device = torch.cuda.current_device()
+        self._device = torch._C._cuda_getDevice()
         self._previous = self._streams.current()
-        torch.cuda.set_stream(self._stream)
+        _set_stream(self._stream)
         return self._previous
 
     def __exit__(self, *exc_info: object) -> None:
-        torch.cuda.set_stream(self._previous)
+        _set_stream(self._previous)
         if self._device != self._streams.device_index:
             torch.cuda.set_device(self._device)
+
+
+def _set_stream(stream: torch.cuda.Stream) -> None:
+    torch._C._cuda_setStream(
+        stream_id=stream.stream_id,
+        device_index=stream.device_index,
+        device_type=stream.device_type,
+    )

@@ -139,7 +139,7 @@ class Residency:
         if position in self._ready:
             self._ready.remove(position)
             if self._streams is not None:
-                self._streams.current().wait_event(self._ready_events[position])
+                self._ready_events[position].wait(self._streams.current())
 
     def release(
         self, unit: ScheduledUnit, *, free_released: bool = False, ends_keep: bool = False
@@ -171,7 +171,7 @@ class Residency:
             del self._releasable[position]
         if self._streams is not None:
             if released:
-                self._streams.all_gather.wait_event(self._release_events[position])
+                self._release_events[position].wait(self._streams.all_gather)
             else:
                 self._streams.wait(self._streams.all_gather, self._streams.current())
         # Freed on the CPU now, the memory returns to the all-gather stream, which only reuses

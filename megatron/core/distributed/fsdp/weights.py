@@ -306,19 +306,14 @@ class GroupWeights:
         """All-gathers the sharded weights (HFSDP's inner shard, else the main weights) over
         the all-gather group into the unsharded weights, cast to the compute dtype: each
         tensor's chunks straight into the tensor (with `use_symm_mem` the buffer lies in a
-        symmetric window, `place_unsharded`, and NCCL runs its symmetric kernel).
-
-        The writes do not bump the unsharded weights' version counter: refilling weights that
-        autograd saved in forward (and that were freed in between) restores the values it
-        saved, which must not read as an in-place modification in backward.
-        """
-        with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
-            self.comm.all_gather_tensors(
-                self._gather_outputs,
-                self._gather_inputs,
-                self.groups.all_gather,
-                own_blocks=self._gather_blocks,
-            )
+        symmetric window, `place_unsharded`, and NCCL runs its symmetric kernel). The writes
+        bump none of the compute weights' version counters (`chunk_targets`)."""
+        self.comm.all_gather_tensors(
+            self._gather_outputs,
+            self._gather_inputs,
+            self.groups.all_gather,
+            own_blocks=self._gather_blocks,
+        )
 
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gathers them; otherwise they are)."""

@@ -314,6 +314,22 @@ def test_backward_after_a_failed_backward_is_complete(strategy):
     _assert_grads_match(run_distributed(_after_failed_backward, 2, strategy))
 
 
+def _backward_with_create_graph(strategy: str) -> tuple[dict, dict]:
+    """`backward(create_graph=True)` runs the engine's hooks with grad mode on: the reductions
+    must record nothing, so the gradients handed to the optimizer carry no history."""
+    x = _inputs(dist.get_rank())
+    model = _build(strategy)
+    model(x).backward(create_graph=True)
+    with_history = [n for n, p in model.named_parameters() if p.grad.requires_grad]
+    assert with_history == [], f"gradients with autograd history: {with_history}"
+    return _grads(model), _averaged_reference_grads([(x, (True, True))])
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "no_shard"])
+def test_backward_with_create_graph_reduces_without_recording(strategy):
+    _assert_grads_match(run_distributed(_backward_with_create_graph, 2, strategy))
+
+
 def _second_step_grads(dtype_name: str, strategy: str, set_to_none: bool) -> dict:
     dtype = getattr(torch, dtype_name)
     model = _build(strategy, dtype)

@@ -120,6 +120,37 @@ def test_release_and_reallocate_keep_autograd_saved_views_valid():
     torch.testing.assert_close(x.grad, values[0].sum(0))
 
 
+def test_chunk_targets_refill_saved_weights_without_bumping_their_versions():
+    """The engine gathers weights into `chunk_targets` made once: a refill after a free must
+    restore what autograd saved without reading as an in-place modification."""
+    layout = ShardLayout(SHAPES, 2)
+    buffer = DBuffer(layout.unsharded(), torch.float32, torch.device("cpu"), sharded=False, rank=0)
+    targets = chunk_targets(buffer, layout)
+    weights = [
+        torch.nn.Parameter(view[: shape[0]]) for view, shape in zip(buffer.tensor_views(), SHAPES)
+    ]
+    values = _tensors(2)
+
+    def refill():
+        for target, value, rows in zip(targets, values, layout.chunk_rows):
+            padded = torch.zeros(layout.num_shards * rows, *value.shape[1:])
+            padded[: value.shape[0]] = value
+            target.copy_(padded.view_as(target))
+
+    refill()
+    versions = [buffer.data._version, *(weight._version for weight in weights)]
+    x = torch.randn(15, requires_grad=True)
+    y = (weights[0] @ x).sum()  # saves weights[0] for x's gradient
+    buffer.release_storage()
+    buffer.reallocate_storage()
+    refill()
+    assert [buffer.data._version, *(weight._version for weight in weights)] == versions
+    for weight, value in zip(weights, values):
+        torch.testing.assert_close(weight.detach(), value)
+    y.backward()
+    torch.testing.assert_close(x.grad, values[0].sum(0))
+
+
 def _collectives() -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
