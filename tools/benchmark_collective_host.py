@@ -6,10 +6,10 @@ buffer where the reduction dtype differs): one grouped NCCL call each per unit, 
 unpacking kernel. A flat collective (one buffer for the whole unit, as FSDP2 issues) costs one
 NCCL call but needs the shard-major layout: a copy out of the gathered buffer, and gradients
 packed into it (several ways of packing are timed). Where the step is bound by the host, the host
-time of each matters; where it is bound by the GPU, the GPU time. This tool times both for the first transformer layer of the GPT its model flags describe
-(those of `tools/benchmark_fsdp.py`; by default the 1.34B GPT, whose layer holds 12 tensors), bf16
-weights, gradients reduced in fp32, laid out and padded as Megatron-FSDP lays them out
-(`ShardLayout`):
+time of each matters; where it is bound by the GPU, the GPU time. This tool times both for the
+first transformer layer of the GPT its model flags describe (those of `tools/benchmark_fsdp.py`;
+by default the 1.34B GPT, whose layer holds 12 tensors), bf16 weights, gradients reduced in
+fp32, laid out and padded as Megatron-FSDP lays them out (`ShardLayout`):
 
     torchrun --nproc-per-node N tools/benchmark_collective_host.py [--hidden-size 2048]
 

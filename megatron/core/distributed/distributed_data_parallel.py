@@ -289,7 +289,7 @@ class DistributedDataParallel(_BaseDataParallel):
                 bucket.start_reduce(async_op=True)
 
     def _main_grad_to_fuse_into(self, param: torch.nn.Parameter) -> FusionTarget:
-        """`param`'s `main_grad`, for a linear layer about to add its weight gradient.
+        """`param`'s `main_grad`, for a linear layer about to add or write its weight gradient.
 
         Gradient-accumulation fusion asks while `param.grad` is None; where that is a `.grad`
         handed out and dropped since, `main_grad` starts afresh (overwritten), as in

@@ -65,7 +65,7 @@ _targets: dict[int, tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | 
 one that returns its `main_grad`, and the one asked at forward whether the backward may fuse
 (None: always). Keyed by id, not by a `WeakIdKeyDictionary`, whose lookups build a Python
 reference object each: every linear layer looks its weight up at forward and at backward. The
-entry leaves with the parameter, and an id reused by a new tensor misses its referent check."""
+reference's callback removes the entry as the parameter dies, before its id can be reused."""
 
 
 def register_main_grad(
@@ -98,22 +98,15 @@ def register_main_grad(
     _targets[key] = (weakref.ref(param, forget), weakref.WeakMethod(main_grad_of), ask)
 
 
-def _entry(
-    weight: torch.Tensor,
-) -> tuple[weakref.ref, weakref.WeakMethod, weakref.WeakMethod | None] | None:
-    entry = _targets.get(id(weight))
-    return entry if entry is not None and entry[0]() is weight else None
-
-
 def _target(
     weight: torch.Tensor,
 ) -> Callable[[torch.nn.Parameter], FusionTarget | None] | None:
-    entry = _entry(weight)
+    entry = _targets.get(id(weight))
     return None if entry is None else entry[1]()
 
 
 def _may_fuse(weight: torch.Tensor) -> bool:
-    entry = _entry(weight)
+    entry = _targets.get(id(weight))
     if entry is None or entry[1]() is None:
         return False
     may_fuse = None if entry[2] is None else entry[2]()

@@ -162,8 +162,9 @@ def test_cuda_weight_grad_accumulates_in_fp32(dtype, overwrite):
     overwriting, the product alone, whatever the target held (NaN here)."""
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=dtype))
-    main_grad = torch.full((96, 64), torch.nan, device="cuda") if overwrite else None
-    if main_grad is None:
+    if overwrite:
+        main_grad = torch.full((96, 64), torch.nan, device="cuda")
+    else:
         main_grad = torch.randn(96, 64, device="cuda")
     expected = torch.zeros_like(main_grad) if overwrite else main_grad.clone()
     owner = _MainGrads({weight: main_grad}, overwrite)
@@ -512,8 +513,8 @@ class _Targets:
 
 
 def test_the_registry_forgets_a_freed_weight():
-    """Entries are keyed by id: a weight's entry leaves with it, and a tensor that is not the
-    registered weight (a new one, which may reuse a freed weight's id) is never fused."""
+    """Entries are keyed by id: a weight's entry leaves with it, so a new tensor (which may
+    reuse a freed weight's id) is never fused."""
     engine = _Targets()
     registered = len(grad_accumulation._targets)
     weights = [torch.nn.Parameter(torch.ones(3, 2)) for _ in range(8)]

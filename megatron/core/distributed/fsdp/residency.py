@@ -65,7 +65,7 @@ class Residency:
         policy: OverlapPolicy,
         streams: CommStreams | None,
         labels: Callable[[ScheduledUnit, str], contextlib.AbstractContextManager],
-        window_slots: dict[int, int] | None = None,
+        window_slots: dict[int, int],
     ):
         self._unit = unit
         self._policy = policy
@@ -78,7 +78,7 @@ class Residency:
         self._releasable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ready: set[int] = set()
         self._kept: set[int] = set()
-        self._window_slots = window_slots or {}
+        self._window_slots = window_slots
         # The event after each unit's gather and after its last use (GPU): a wait queued on an
         # event is not affected by later records.
         if streams is not None:
