@@ -1,18 +1,65 @@
 """Small helpers shared across the library: writing files so that a crash never leaves a partial
-one where a reader looks, and the tensor-in, tensor-out collectives under either torch's name."""
+one where a reader looks, the tensor-in, tensor-out collectives under either torch's name, and
+autograd functions applied (and differentiated once) without the Python wrappers that cost host
+time per layer and step."""
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """`function.apply` for autograd functions applied per layer and step: torch's C
+    implementation, without the Python wrapper of `torch.autograd.Function.apply`, whose checks
+    (default arguments of `setup_context`, functorch's transforms and the wrappers they leave
+    behind) cost host time on every call. Under an active `torch.func` transform, where the
+    wrapper dispatches elsewhere, `function.apply` itself runs.
+
+    Args:
+        function: defines `forward(ctx, ...)` and `backward`, no `setup_context`.
+
+    Raises:
+        TypeError: `function` defines `setup_context`, whose default arguments only the wrapper
+            binds.
+    """
+    if function.setup_context is not torch.autograd.Function.setup_context:
+        raise TypeError(f"{function.__name__} defines setup_context: use its apply().")
+    apply_in_c = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args: Any) -> Any:
+        if transforms_active():
+            return function.apply(*args)
+        return apply_in_c(*args)
+
+    return apply
+
+
+def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.autograd.function.once_differentiable` for a `backward` run per layer and step:
+    its wrapper (a `no_grad` scope, then the outputs made to raise if differentiated) runs only
+    under `create_graph=True`; otherwise autograd already runs `backward` with grad mode off,
+    where the wrapper would only cost host time."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def dispatch(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            return wrapped(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return dispatch
 
 
 def write_atomically(

@@ -20,7 +20,8 @@ Triton ships with PyTorch's CUDA builds; without it, or off CUDA, callers use th
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+
+from megatron.core.utils import direct_apply, once_differentiable
 
 try:
     import triton
@@ -89,7 +90,7 @@ def fused_rotary_pos_emb(
     Returns:
         The rotated queries and keys, contiguous, in their dtype; channels past `rot` unchanged.
     """
-    return _FusedRotary.apply(query, key, cos, sin, interleaved)
+    return _apply_rotary(query, key, cos, sin, interleaved)
 
 
 class _FusedRotary(torch.autograd.Function):
@@ -108,6 +109,9 @@ class _FusedRotary(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         grads = _rotate(grad_query, grad_key, cos, sin, ctx.interleaved, transpose=True)
         return *grads, None, None, None
+
+
+_apply_rotary = direct_apply(_FusedRotary)
 
 
 def _rotate(

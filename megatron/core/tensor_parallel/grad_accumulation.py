@@ -29,7 +29,8 @@ parameter's post-accumulate-grad hooks fire as usual: the engine learns there th
 complete. Other uses of the weight in the same graph (a tied output layer's embedding lookup, a
 penalty on the weight) reach `.grad` as usual and the engine adds them, so the sum is whole.
 Tensor hooks on the weight (`register_hook`) see only those other contributions (or None). A
-fused layer is differentiable once: `create_graph=True` through it raises.
+fused layer is differentiable once: the gradients a `create_graph=True` backward computes through
+it raise if differentiated again.
 
 On CUDA the fp32 accumulation is one `addmm` with an fp32 output (`beta=0` to overwrite: the
 target is not read); elsewhere the product is formed in the inputs' dtype and added or copied
@@ -44,7 +45,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+
+from megatron.core.utils import direct_apply, once_differentiable
 
 
 class FusionTarget(NamedTuple):
@@ -142,7 +144,7 @@ def linear(
         and not torch.is_autocast_enabled(input_.device.type)
         and not torch._C._are_functorch_transforms_active()
     ):
-        return _LinearIntoMainGrad.apply(input_, weight, bias)
+        return _apply_into_main_grad(input_, weight, bias)
     return F.linear(input_, weight, bias)
 
 
@@ -196,7 +198,7 @@ def weight_grad(
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1, tensor.shape[-1])
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, tensor.shape[-1])
 
 
 def _fuse(target: FusionTarget, grad_output: torch.Tensor, input_: torch.Tensor) -> None:
@@ -232,11 +234,14 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         input_, weight = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output.matmul(weight)
-        if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(grad_output, input_, ctx.weight, ctx.next_functions[1][0])
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = _flat(grad_output).sum(dim=0)
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad
+        grad_2d = _flat(grad_output)
+        grad_input = grad_output.matmul(weight) if needs_input else None
+        grad_weight = None
+        if needs_weight:
+            grad_weight = weight_grad(grad_2d, input_, ctx.weight, ctx.next_functions[1][0])
+        grad_bias = grad_2d.sum(dim=0) if ctx.has_bias and needs_bias else None
         return grad_input, grad_weight, grad_bias
+
+
+_apply_into_main_grad = direct_apply(_LinearIntoMainGrad)

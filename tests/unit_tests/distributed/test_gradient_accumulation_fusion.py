@@ -474,6 +474,25 @@ def test_autograd_grad_and_backward_inputs_leave_main_grad_alone():
     del owner
 
 
+def test_backward_with_create_graph_fuses_once_differentiable():
+    """`backward(create_graph=True)` through a fused linear: its weight's gradient goes into
+    `main_grad`, its input's (and bias's) equal `F.linear`'s and differentiating them again
+    raises, as the fused layer is differentiable once (its 3-D input is flattened once)."""
+    weight, main_grad, owner = _registered_linear()
+    bias = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(
+        torch.nn.functional.linear(x, weight, bias).square().sum(), (weight, x, bias)
+    )
+    linear(x, weight, bias).square().sum().backward(create_graph=True)
+    assert weight.grad is None
+    for grad, want in zip((main_grad, x.grad, bias.grad), expected):
+        torch.testing.assert_close(grad, want)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        x.grad.sum().backward()
+    del owner
+
+
 def test_autocast_and_torch_func_use_plain_linear():
     """Under `torch.autocast` (bf16 operands for an fp32 weight) and `torch.func.grad`, the
     registered weight trains through `F.linear`: gradients as without registration, and

@@ -41,6 +41,7 @@ from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
     named_tensor_parallel_layouts,
 )
+from megatron.core.utils import direct_apply
 
 _owner_unit = WeakIdKeyDictionary()
 """Original parameter -> weakref of the unit that took it (to refuse sharing across units)."""
@@ -233,6 +234,9 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+_apply_post_backward = direct_apply(_PostBackward)
+
+
 def _register_post_backward(
     unit: FsdpUnit, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -243,7 +247,7 @@ def _register_post_backward(
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return None
-    outputs = _PostBackward.apply(weakref.ref(unit), *(flat[i] for i in positions))
+    outputs = _apply_post_backward(weakref.ref(unit), *(flat[i] for i in positions))
     for i, tensor in zip(positions, outputs):
         flat[i] = tensor
     return (rebuild(flat), kwargs) if not kwargs else rebuild(flat)

@@ -1,0 +1,72 @@
+"""The autograd helpers of `megatron.core.utils`: a function applied through `direct_apply` and
+differentiated through `once_differentiable` behaves as torch's own `apply` and decorator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.utils import direct_apply, once_differentiable
+
+
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return scale * x**3
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * ctx.scale * x**2, None
+
+
+_cube = direct_apply(_Cube)
+
+
+def _input() -> torch.Tensor:
+    return torch.linspace(-1.0, 2.0, 7, dtype=torch.float64, requires_grad=True)
+
+
+def test_direct_apply_equals_apply():
+    for apply in (_Cube.apply, _cube):
+        x = _input()
+        y = apply(x, 0.5)
+        assert type(y.grad_fn).__name__ == "_CubeBackward"
+        y.sum().backward()
+        torch.testing.assert_close(y, 0.5 * x.detach() ** 3)
+        torch.testing.assert_close(x.grad, 1.5 * x.detach() ** 2)
+
+
+def test_direct_apply_defers_to_apply_under_functorch_transforms():
+    """`torch.func` needs `setup_context`; the error is `apply`'s, not a silent C-level run."""
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: _cube(x, 0.5).sum())(_input())
+
+
+def test_direct_apply_refuses_functions_with_setup_context():
+    class WithContext(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+    with pytest.raises(TypeError, match="setup_context"):
+        direct_apply(WithContext)
+
+
+def test_once_differentiable_under_create_graph():
+    """First derivatives with `create_graph=True` are torch's; differentiating again raises,
+    as torch's decorator makes it (the undecorated backward would differentiate the power).
+    The cube's incoming gradient is `x`, which requires grad: only then does torch's decorator
+    mark the outputs."""
+    x = _input()
+    (grad,) = torch.autograd.grad((_cube(x, 0.5) * x).sum(), x, create_graph=True)
+    torch.testing.assert_close(grad, 2 * x.detach() ** 3)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
