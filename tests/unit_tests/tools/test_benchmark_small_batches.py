@@ -1,0 +1,72 @@
+"""`tools/benchmark_small_batches.py`: runs each row once (a small GPT on 2 CPU ranks), keeps
+going past a row that fails, reports what it ran against its target, and reads training logs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+
+import pytest
+
+from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
+
+TOOL = REPO / "tools" / "benchmark_small_batches.py"
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
+    "--micro-batch-size 2 --warmup-steps 1 --steps 2"
+)
+
+
+def _table(stdout: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in stdout.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path):
+    args = ["--out", str(tmp_path), "--rows", "L,L-graphed,L-4mb", "--model-args", TINY]
+    proc = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # --cuda-graph needs CUDA: that row fails (its output kept), the others run and are reported.
+    assert "[L-graphed] exit 1" in proc.stdout
+    assert "--cuda-graph needs" in (tmp_path / "L-graphed.json.partial").read_text()
+    table = _table(proc.stdout)
+    assert table["L-graphed"][0] == "not run"
+    for name, target in (("L", 1.03), ("L-4mb", 1.05)):
+        rows = {r["engine"]: r for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
+        zero3, single = rows["megatron_fsdp_zero3"]["step_ms"], rows["single"]["step_ms"]
+        cells = table[name]
+        assert float(cells[0]) == pytest.approx(zero3, abs=0.005)
+        assert float(cells[2]) == pytest.approx(zero3 / single, abs=0.0005)
+        assert cells[3] == f"<= {target}"
+        assert cells[4] == ("yes" if zero3 / single <= target else "no")
+    again = run_tool(*args, "--report-only", nproc=None, tool=TOOL)
+    assert again.returncode == 0 and "[L]" not in again.stdout
+    assert _table(again.stdout) == table
+
+
+def test_bad_rows_and_a_single_gpu_are_usage_errors(tmp_path):
+    for bad in (["--rows", "L,M"], ["--nproc-per-node", "1"]):
+        proc = run_tool("--out", str(tmp_path), *bad, nproc=None, tool=TOOL)
+        assert proc.returncode == 2
+        assert "unknown rows ['M']" in proc.stderr or "--nproc-per-node must be >= 2" in proc.stderr
+
+
+def test_training_logs_give_the_median_after_the_first_interval(tmp_path, monkeypatch):
+    """The fields as `pretrain_gpt.py` logs them (`training_log.py`)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    tool = importlib.import_module("benchmark_small_batches")
+    times, peaks = [900.0, 43.1, 44.0, 43.5], [10.1, 10.2, 10.2, 10.2]
+    log = tmp_path / "run.log"
+    log.write_text(
+        "".join(
+            f" iteration {10 * i:8d}/{40:8d} | elapsed time per iteration (ms): {ms:.1f} | "
+            f"peak memory (GiB): {gib:.2f} | 25.0% done\n"
+            for i, (ms, gib) in enumerate(zip(times, peaks), 1)
+        )
+    )
+    parsed = tool._pretrain(str(log))
+    assert parsed == {"step_ms": statistics.median(times[1:]), "peak_gib": max(peaks)}
+    log.write_text(" iteration 10/40 | elapsed time per iteration (ms): 900.0\n")
+    with pytest.raises(ValueError, match="after the first interval"):
+        tool._pretrain(str(log))
