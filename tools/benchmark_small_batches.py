@@ -2,29 +2,34 @@
 
 Each row runs ZeRO-3 over N GPUs against one GPU's step at the same per-GPU batch (the 1.34B
 GPT of `tools/gpt_benchmark_model.py`): `tools/benchmark_fsdp.py` for the benchmark rows (one
-process runs both engines), `pretrain_gpt.py` with the whole iteration CUDA-graphed for the
-training-loop rows (N GPUs, then one GPU with the same micro-batches). `--use-symm-mem` rows run
-ZeRO-3 again with symmetric memory, against the same row without it.
+process runs both engines, so their ratio shares the host's drift), `pretrain_gpt.py` with the
+whole iteration CUDA-graphed for the training-loop rows (N GPUs, then one GPU with the same
+micro-batches: two processes). Each row has a `--use-symm-mem` twin (`NAME+symm`), which must be
+no slower than the row without it: its ratio to one GPU is compared with the row's.
 
-Results land in `--out` (one JSON or log per row and device count); rows already there are not
+Results land in `--out`, one file per row, device count and command (a hash of the command is in
+the name, so other flags or another model never stand in for these); rows already there are not
 run again, so a long table can be filled over several invocations (`--max-seconds` stops
-starting rows after that long), and `--report-only` prints what is there:
+starting rows after that long), and `--report-only` prints what is there. Results of separate
+invocations may come from different machine starts, whose hosts differ in speed: compare rows
+from one start.
 
     python tools/benchmark_small_batches.py --out DIR [--nproc-per-node 2] [--rows S,L,...]
 
-`--list` prints the rows' commands (each also a command of `docs/performance.md`).
-
-The table gives ZeRO-3's and one GPU's ms per step (or per iteration), their ratio, the target
-and whether it is met, ZeRO-3's peak GiB and host ms per step.
+`--list` prints each row's commands. The table gives ZeRO-3's and one GPU's ms per step (or per
+iteration), their ratio, the target and whether it is met, ZeRO-3's peak GiB and host ms per
+step. The exit status is 1 when a row failed to run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -67,21 +72,28 @@ ROWS = {
     "L": Row((), 1.03),
     "L-graphed": Row(GRAPHED, 1.02),
     "L-4mb": Row(FOUR, 1.05),
-    "L-4mb-options": Row(FOUR + OPTIONS),
+    "L-4mb-options": Row(FOUR + OPTIONS, 1.05),
     "S": Row(S, 1.25),
     "S-graphed": Row(S + GRAPHED),
     "S-4mb": Row(S + FOUR, 1.6),
-    "S-4mb-options": Row(S + FOUR + OPTIONS),
+    "S-4mb-options": Row(S + FOUR + OPTIONS, 1.6),
     "pretrain-S-graphed": Row(microbatches=1, target=1.05),
     "pretrain-S-4mb-graphed": Row(microbatches=4, target=1.05),
 }
-"""The targets of the small-batch work (`docs/performance.md`)."""
+"""The small-batch targets on 2 GPUs (`docs/performance.md`, "Small batches"; 4 GPUs aim at the
+same table). The accumulation options are a choice of the run, so their rows have the targets of
+the rows without them."""
 
 SYMM = "+symm"
-"""Suffix of a row's `--use-symm-mem` twin; its target: no slower than the row without."""
+"""Suffix of a row's `--use-symm-mem` twin."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked.
+
+    Raises:
+        SystemExit: unknown rows, or fewer than 2 GPUs per node.
+    """
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -91,11 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(names), help="comma-separated, in order")
     parser.add_argument("--max-seconds", type=float, default=None, help="start no row after")
     parser.add_argument("--report-only", action="store_true", help="print the table, run none")
-    parser.add_argument("--list", action="store_true", help="print the rows and their flags")
+    parser.add_argument("--list", action="store_true", help="print the rows' commands, run none")
     parser.add_argument(
         "--model-args",
         default="",
-        help="replaces the benchmark rows' model (for example a smaller one to try the tool)",
+        help="appended to the benchmark rows' flags, which they override (a smaller model to "
+        "try the tool; its results are kept apart from the real model's)",
     )
     args = parser.parse_args(argv)
     args.rows = [row for row in args.rows.split(",") if row]
@@ -108,50 +121,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _row(name: str) -> tuple[Row, bool]:
-    symm = name.endswith(SYMM)
-    return ROWS[name.removesuffix(SYMM)], symm
+    """The row of `name` and whether `name` is its `--use-symm-mem` twin."""
+    return ROWS[name.removesuffix(SYMM)], name.endswith(SYMM)
 
 
-def _commands(name: str, args: argparse.Namespace) -> dict[str, list[str]]:
-    """The runs of row `name`: result file name -> command."""
+def _runs(name: str, args: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
+    """The runs of row `name` by role ("both": a benchmark row's one run; "zero3" and "single":
+    a training-loop row's two): (result file, command)."""
     row, symm = _row(name)
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     symm_flags = ["--use-symm-mem"] if symm else []
     if row.microbatches is None:
-        out = os.path.join(args.out, f"{name}.json")
-        engines = "megatron_fsdp_zero3" if symm else "megatron_fsdp_zero3,single"
-        command = [*run, str(args.nproc_per_node), "tools/benchmark_fsdp.py", "--bf16"]
-        command += ["--engines", engines, *row.flags, *symm_flags, "--json-out", out]
-        return {out: command + args.model_args.split()}
-    commands = {}
-    counts = [args.nproc_per_node] if symm else [args.nproc_per_node, 1]
-    for n in counts:
+        command = [*launch, str(args.nproc_per_node), "tools/benchmark_fsdp.py", "--bf16"]
+        command += ["--engines", "megatron_fsdp_zero3,single", *row.flags, *symm_flags]
+        command += shlex.split(args.model_args)
+        out = _result_path(args.out, name, args.nproc_per_node, command, "json")
+        return {"both": (out, [*command, "--json-out", out + ".partial"])}
+    runs = {}
+    # One GPU has no symmetric memory to use: the twin's reference is the row's own.
+    for role, n in (("zero3", args.nproc_per_node), ("single", 1)):
+        base = name.removesuffix(SYMM) if role == "single" else name
+        flags = symm_flags if role == "zero3" else []
         batch = str(row.microbatches * n)
-        out = os.path.join(args.out, f"{name}-{n}gpu.log")
-        commands[out] = [*run, str(n), "pretrain_gpt.py", *PRETRAIN, "--global-batch-size", batch]
-        commands[out] += symm_flags
-    return commands
+        command = [*launch, str(n), "pretrain_gpt.py", *PRETRAIN, "--global-batch-size", batch]
+        command += flags
+        runs[role] = (_result_path(args.out, base, n, command, "log"), command)
+    return runs
 
 
-def run_rows(args: argparse.Namespace) -> None:
-    start = time.monotonic()
+def _result_path(out: str, name: str, nproc: int, command: list[str], suffix: str) -> str:
+    """Where the run of `command` keeps its result: named by the row, the device count and a
+    hash of the command (without the interpreter's path)."""
+    digest = hashlib.sha1(" ".join(command[1:]).encode()).hexdigest()[:8]
+    return os.path.join(out, f"{name}-{nproc}gpu-{digest}.{suffix}")
+
+
+def run_rows(args: argparse.Namespace) -> bool:
+    """Runs every run of `args.rows` whose result is missing, in order, until `--max-seconds`.
+    Each writes to `<result>.partial`, renamed to the result when it exits with 0 (a failed or
+    killed run is never taken for a result, and its output stays for reading). Returns whether
+    every run started succeeded."""
+    start, ok = time.monotonic(), True
     for name in args.rows:
-        for out, command in _commands(name, args).items():
+        for out, command in _runs(name, args).values():
             if os.path.exists(out):
                 continue
             if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
                 print(f"--max-seconds reached before {os.path.basename(out)}", flush=True)
-                return
-            print(f"[{name}] {' '.join(command)}", flush=True)
-            with open(out + ".partial", "w") as log:
-                result = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                return ok
+            print(f"[{name}] {shlex.join(command)}", flush=True)
+            partial = out + ".partial"
+            log = partial if out.endswith(".log") else out + ".out"
+            with open(log, "w") as stream:
+                result = subprocess.run(command, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT)
             if result.returncode != 0:
-                print(f"[{name}] exit {result.returncode}: see {out}.partial", flush=True)
-                continue
-            if out.endswith(".log"):
-                os.replace(out + ".partial", out)
-            else:
-                os.remove(out + ".partial")  # the benchmark wrote the JSON itself
+                print(f"[{name}] exit {result.returncode}: see {log}", flush=True)
+                ok = False
+            elif os.path.exists(partial):
+                os.replace(partial, out)
+    return ok
 
 
 def _benchmark(path: str) -> dict[str, dict]:
@@ -165,7 +193,11 @@ _PEAK = re.compile(r"peak memory \(GiB\): ([0-9.]+)")
 
 def _pretrain(path: str) -> dict[str, float | None]:
     """The median ms per iteration of the logged intervals after the first (which holds the
-    warm-up and the capture), and the peak GiB (None: not logged, off CUDA)."""
+    warm-up and the capture), and the peak GiB (None: not logged, off CUDA).
+
+    Raises:
+        ValueError: the log has no interval after the first.
+    """
     with open(path) as f:
         text = f.read()
     times = [float(ms) for ms in _ITERATION.findall(text)][1:]
@@ -175,60 +207,89 @@ def _pretrain(path: str) -> dict[str, float | None]:
     return {"step_ms": statistics.median(times), "peak_gib": max(peaks) if peaks else None}
 
 
-def _result(name: str, args: argparse.Namespace) -> tuple[float, float, float | None, float | None]:
-    """(ZeRO-3 ms, one GPU's ms, ZeRO-3 peak GiB, ZeRO-3 host ms) of row `name`; raises
-    FileNotFoundError where a run is missing."""
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    zero3_ms: float
+    single_ms: float
+    peak_gib: float | None
+    host_ms: float | None
+
+    @property
+    def ratio(self) -> float:
+        return self.zero3_ms / self.single_ms
+
+
+def _result(name: str, args: argparse.Namespace) -> _Result:
+    """Row `name`'s result.
+
+    Raises:
+        FileNotFoundError: a run of it is missing.
+        ValueError, KeyError: a result that cannot be read.
+    """
+    runs = _runs(name, args)
+    if "both" in runs:
+        rows = _benchmark(runs["both"][0])
+        zero3, single = rows["megatron_fsdp_zero3"], rows["single"]
+        return _Result(zero3["step_ms"], single["step_ms"], zero3["peak_gib"], zero3["cpu_ms"])
+    zero3, single = _pretrain(runs["zero3"][0]), _pretrain(runs["single"][0])
+    return _Result(zero3["step_ms"], single["step_ms"], zero3["peak_gib"], None)
+
+
+def _verdict(name: str, result: _Result, args: argparse.Namespace) -> tuple[str, str]:
+    """The target cell and whether it is met ("" without a target, "?" without the result
+    to compare with)."""
     row, symm = _row(name)
-    base = name.removesuffix(SYMM)
-    if row.microbatches is None:
-        zero3 = _benchmark(os.path.join(args.out, f"{name}.json"))["megatron_fsdp_zero3"]
-        single = _benchmark(os.path.join(args.out, f"{base}.json"))["single"]
-        return zero3["step_ms"], single["step_ms"], zero3["peak_gib"], zero3["cpu_ms"]
-    zero3 = _pretrain(os.path.join(args.out, f"{name}-{args.nproc_per_node}gpu.log"))
-    single = _pretrain(os.path.join(args.out, f"{base}-1gpu.log"))
-    return zero3["step_ms"], single["step_ms"], zero3["peak_gib"], None
+    if not symm:
+        if row.target is None:
+            return "", ""
+        return f"<= {row.target}", "yes" if result.ratio <= row.target else "no"
+    try:
+        without = _result(name.removesuffix(SYMM), args)
+    except (OSError, ValueError, KeyError):
+        return "<= without", "?"
+    return "<= without", "yes" if result.ratio <= without.ratio else "no"
 
 
 def report(args: argparse.Namespace) -> None:
-    n = args.nproc_per_node
+    """Prints the table of `args.rows` (Markdown), a row whose result is missing as not run,
+    one that cannot be read as unreadable."""
     print(
-        f"| row | ZeRO-3 on {n} GPUs, ms | one GPU, ms | x one GPU | target | met | peak GiB "
-        "| host ms |"
+        f"| row | ZeRO-3 on {args.nproc_per_node} GPUs, ms | one GPU, ms | x one GPU | target "
+        "| met | peak GiB | host ms |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    steps = {}
     for name in args.rows:
         try:
-            zero3, single, peak, host = _result(name, args)
+            result = _result(name, args)
         except FileNotFoundError:
             print(f"| {name} | not run | | | | | | |")
             continue
-        steps[name] = zero3
-        row, symm = _row(name)
-        ratio = zero3 / single
-        if symm:
-            without = steps.get(name.removesuffix(SYMM))
-            target = "<= without"
-            met = "?" if without is None else ("yes" if zero3 <= without else "no")
-        else:
-            target = "" if row.target is None else f"<= {row.target}"
-            met = "" if row.target is None else ("yes" if ratio <= row.target else "no")
-        cells = [f"{zero3:.2f}", f"{single:.2f}", f"{ratio:.3f}", target, met]
-        cells += ["-" if peak is None else f"{peak:.2f}", "-" if host is None else f"{host:.1f}"]
+        except (ValueError, KeyError) as error:
+            print(f"| {name} | unreadable: {error} | | | | | | |")
+            continue
+        target, met = _verdict(name, result, args)
+        cells = [f"{result.zero3_ms:.2f}", f"{result.single_ms:.2f}", f"{result.ratio:.3f}"]
+        cells += [target, met]
+        cells += [_cell(result.peak_gib, ".2f"), _cell(result.host_ms, ".1f")]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def main() -> None:
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> int:
+    """Lists, runs and reports the rows; 1 if a run failed, else 0."""
     args = parse_args()
     if args.list:
         for name in args.rows:
-            for command in _commands(name, args).values():
-                print(f"{name}: {' '.join(command)}")
-        return
+            for _, command in _runs(name, args).values():
+                print(f"{name}: {shlex.join(command)}")
+        return 0
     os.makedirs(args.out, exist_ok=True)
-    if not args.report_only:
-        run_rows(args)
+    ok = args.report_only or run_rows(args)
     report(args)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -20,14 +20,20 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """`function.apply` for autograd functions applied per layer and step: torch's C
-    implementation, without the Python wrapper of `torch.autograd.Function.apply`, whose checks
-    (default arguments of `setup_context`, functorch's transforms and the wrappers they leave
-    behind) cost host time on every call. Under an active `torch.func` transform, where the
-    wrapper dispatches elsewhere, `function.apply` itself runs.
+    """`function.apply` without the Python wrapper of `torch.autograd.Function.apply`.
+
+    For autograd functions applied per layer and step: the wrapper's checks (default arguments
+    of `setup_context`, functorch's transforms and the dead wrappers they leave) cost host time
+    on every call, so this calls torch's C implementation. Under an active `torch.func`
+    transform, or while `torch.compile` traces the call (Dynamo traces `apply`, not the C
+    function), `function.apply` itself runs. A tensor left over from a finished `torch.func`
+    transform is not unwrapped: pass it through `apply` instead.
 
     Args:
         function: defines `forward(ctx, ...)` and `backward`, no `setup_context`.
+
+    Returns:
+        A function taking `function.apply`'s positional arguments.
 
     Raises:
         TypeError: `function` defines `setup_context`, whose default arguments only the wrapper
@@ -37,9 +43,10 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
         raise TypeError(f"{function.__name__} defines setup_context: use its apply().")
     apply_in_c = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
     transforms_active = torch._C._are_functorch_transforms_active
+    is_compiling = torch.compiler.is_compiling
 
     def apply(*args: Any) -> Any:
-        if transforms_active():
+        if transforms_active() or is_compiling():
             return function.apply(*args)
         return apply_in_c(*args)
 
@@ -47,10 +54,19 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
 
 
 def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.autograd.function.once_differentiable` for a `backward` run per layer and step:
-    its wrapper (a `no_grad` scope, then the outputs made to raise if differentiated) runs only
-    under `create_graph=True`; otherwise autograd already runs `backward` with grad mode off,
-    where the wrapper would only cost host time."""
+    """`torch.autograd.function.once_differentiable`, its wrapper entered only where needed.
+
+    Torch's wrapper runs `backward` under `no_grad` and makes its outputs raise if
+    differentiated again; autograd runs a backward with grad mode off unless
+    `create_graph=True`, so only then is the wrapper entered, and otherwise its cost in host
+    time per layer and step is saved.
+
+    Args:
+        backward: an autograd function's `backward(ctx, *grads)`.
+
+    Returns:
+        `backward`, differentiable once.
+    """
     wrapped = torch.autograd.function.once_differentiable(backward)
 
     @functools.wraps(backward)

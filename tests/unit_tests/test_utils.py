@@ -46,6 +46,14 @@ def test_direct_apply_defers_to_apply_under_functorch_transforms():
         torch.func.grad(lambda x: _cube(x, 0.5).sum())(_input())
 
 
+def test_direct_apply_traces_under_torch_compile():
+    """Dynamo traces `apply` (torch 2.11 cannot trace the C function): one graph, no break."""
+    x = _input()
+    y = torch.compile(lambda x: _cube(x, 0.5), backend="eager", fullgraph=True)(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 1.5 * x.detach() ** 2)
+
+
 def test_direct_apply_refuses_functions_with_setup_context():
     class WithContext(torch.autograd.Function):
         @staticmethod

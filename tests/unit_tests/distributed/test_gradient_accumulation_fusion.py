@@ -477,7 +477,7 @@ def test_autograd_grad_and_backward_inputs_leave_main_grad_alone():
 def test_backward_with_create_graph_fuses_once_differentiable():
     """`backward(create_graph=True)` through a fused linear: its weight's gradient goes into
     `main_grad`, its input's (and bias's) equal `F.linear`'s and differentiating them again
-    raises, as the fused layer is differentiable once (its 3-D input is flattened once)."""
+    raises, as the fused layer is differentiable once."""
     weight, main_grad, owner = _registered_linear()
     bias = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
     x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)

@@ -26,30 +26,45 @@ def _table(stdout: str) -> dict[str, list[str]]:
 def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path):
     args = ["--out", str(tmp_path), "--rows", "L,L-graphed,L-4mb", "--model-args", TINY]
     proc = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # --cuda-graph needs CUDA: that row fails (its output kept), the others run and are reported.
+    # --cuda-graph needs CUDA: that row fails (exit 1, its output kept), the others are reported.
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[L-graphed] exit 1" in proc.stdout
-    assert "--cuda-graph needs" in (tmp_path / "L-graphed.json.partial").read_text()
+    (failed,) = tmp_path.glob("L-graphed-2gpu-*.json.out")
+    assert "--cuda-graph needs" in failed.read_text()
     table = _table(proc.stdout)
     assert table["L-graphed"][0] == "not run"
     for name, target in (("L", 1.03), ("L-4mb", 1.05)):
-        rows = {r["engine"]: r for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]}
+        (result,) = tmp_path.glob(f"{name}-2gpu-*.json")
+        rows = {r["engine"]: r for r in json.loads(result.read_text())["rows"]}
         zero3, single = rows["megatron_fsdp_zero3"]["step_ms"], rows["single"]["step_ms"]
         cells = table[name]
         assert float(cells[0]) == pytest.approx(zero3, abs=0.005)
         assert float(cells[2]) == pytest.approx(zero3 / single, abs=0.0005)
         assert cells[3] == f"<= {target}"
         assert cells[4] == ("yes" if zero3 / single <= target else "no")
-    again = run_tool(*args, "--report-only", nproc=None, tool=TOOL)
-    assert again.returncode == 0 and "[L]" not in again.stdout
-    assert _table(again.stdout) == table
+    # Again: only the failed row runs; then only the table is printed.
+    again = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
+    assert again.returncode == 1
+    assert "[L-graphed]" in again.stdout and "[L]" not in again.stdout
+    assert "[L-4mb]" not in again.stdout and _table(again.stdout) == table
+    report = run_tool(*args, "--report-only", nproc=None, tool=TOOL)
+    assert report.returncode == 0 and "[" not in report.stdout.split("|")[0]
+    assert _table(report.stdout) == table
+    # Another model is another command, whose result this one's does not stand in for (and
+    # --max-seconds 0 starts nothing).
+    other = ["--out", str(tmp_path), "--rows", "L", "--model-args", TINY + " --num-layers 1"]
+    proc = run_tool(*other, "--max-seconds", "0", nproc=None, tool=TOOL)
+    assert "--max-seconds reached before L-2gpu-" in proc.stdout
+    assert _table(proc.stdout)["L"][0] == "not run"
 
 
 def test_bad_rows_and_a_single_gpu_are_usage_errors(tmp_path):
-    for bad in (["--rows", "L,M"], ["--nproc-per-node", "1"]):
+    for bad, message in (
+        (["--rows", "L,M"], "unknown rows ['M']"),
+        (["--nproc-per-node", "1"], "--nproc-per-node must be >= 2"),
+    ):
         proc = run_tool("--out", str(tmp_path), *bad, nproc=None, tool=TOOL)
-        assert proc.returncode == 2
-        assert "unknown rows ['M']" in proc.stderr or "--nproc-per-node must be >= 2" in proc.stderr
+        assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_training_logs_give_the_median_after_the_first_interval(tmp_path, monkeypatch):
