@@ -150,10 +150,11 @@ def _runs(name: str, args: argparse.Namespace) -> dict[str, tuple[str, list[str]
 
 
 def _result_path(out: str, name: str, nproc: int, command: list[str], suffix: str) -> str:
-    """Where the run of `command` keeps its result: named by the row, the device count and a
-    hash of the command (without the interpreter's path)."""
+    """Where the run of `command` keeps its result: named by the row (`+` spelt `_`, which
+    file transfers refuse less often), the device count and a hash of the command (without the
+    interpreter's path)."""
     digest = hashlib.sha1(" ".join(command[1:]).encode()).hexdigest()[:8]
-    return os.path.join(out, f"{name}-{nproc}gpu-{digest}.{suffix}")
+    return os.path.join(out, f"{name.replace('+', '_')}-{nproc}gpu-{digest}.{suffix}")
 
 
 def run_rows(args: argparse.Namespace) -> bool:
