@@ -51,8 +51,9 @@ slower on an H200)."""
 _CHUNK = _BLOCK * _BLOCKS_PER_PROGRAM
 
 _ROW = 7
-"""Entries of a tensor's row in the address table: weight, gradient, first moment, second
-moment, model weight (0: none), step count, number of elements."""
+"""Entries of a tensor's row in the address table: weight, first moment, second moment, model
+weight (0: none), step count, number of elements, gradient (last: the one entry that changes
+from step to step where an engine frees its gradient buffers between steps)."""
 
 
 if triton is not None:
@@ -80,13 +81,13 @@ if triton is not None:
         start = tl.load(programs + 2 * program + 1).to(tl.int64) * (BLOCK * BLOCKS)
         # Every address starts on a 16-byte boundary (`_aligned`): vector loads and stores.
         param = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
-        grad = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg_sq = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
-        model_address = tl.load(row + 4)
+        exp_avg = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg_sq = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
+        model_address = tl.load(row + 3)
         model = tl.multiple_of(model_address.to(tl.pointer_type(COPY_DTYPE)), 16)
-        step = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32))).to(tl.float64)
-        numel = tl.load(row + 6)
+        step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
+        numel = tl.load(row + 5)
+        grad = tl.multiple_of(tl.load(row + 6).to(tl.pointer_type(tl.float32)), 16)
 
         beta1 = tl.load(hyper)
         beta2 = tl.load(hyper + 1)
@@ -155,7 +156,7 @@ def step_and_copy(
         optimizer.step()
         _copy(copies)
         return
-    written = set()
+    launches: list[_Launch] = []
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
         args, kwargs = (optimizer,), {}
         for hook in (*_global_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
@@ -175,12 +176,14 @@ def step_and_copy(
                 launch.run(found_inf)
                 if found_inf is not None:  # torch takes the count back the same way
                     torch._foreach_sub_(launch.steps, [found_inf] * len(launch.steps))
-                written.update(id(main) for main in launch.mains)
         for hook in (*optimizer._optimizer_step_post_hooks.values(), *_global_post_hooks.values()):
             hook(optimizer, args, kwargs)
     # Main weights the kernel did not write (torch's step, or no gradient): copied as after
-    # step().
-    _copy([(model, main) for model, main in copies if id(main) not in written])
+    # step(). Each main weight is in one launch and one copy at most, so equal counts mean
+    # that the kernel wrote them all.
+    if sum(launch.copies for launch in launches) != len(copies):
+        written = {id(main) for launch in launches for main in launch.mains}
+        _copy([(model, main) for model, main in copies if id(main) not in written])
 
 
 def _copy(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -199,6 +202,8 @@ class _Launch:
     tables: _Tables
     mains: list[torch.Tensor]
     steps: list[torch.Tensor]
+    copies: int
+    """How many of `mains` have a model weight the kernel writes."""
     lr: torch.Tensor | None
     decoupled: bool
     decay: bool
@@ -228,7 +233,12 @@ class _Tables:
     """A parameter group's address table, program map and hyperparameters on the device, with
     the host values they were made from (remade when those change)."""
 
-    key: tuple
+    fixed: list[tuple[int, ...]]
+    """Each tensor's row without its gradient's address (`_ROW`'s first six entries)."""
+    fixed_rows: torch.Tensor
+    """`fixed` as an int64 host tensor, the part of each address table that readdressing keeps."""
+    grads: list[int]
+    """The gradients' addresses, the last column."""
     tensors: torch.Tensor
     programs: torch.Tensor
     hyper_values: tuple[float, ...]
@@ -237,9 +247,12 @@ class _Tables:
     """Pinned host memory for the address table of one CUDA-graph capture (`readdressed`),
     None once a capture took it."""
 
-    def readdressed(self, key: tuple, capturing: bool) -> _Tables:
-        """These tables for the same tensor sizes at other addresses (`key`): the program map
-        and hyperparameters are kept, the address table is copied from pinned host memory.
+    def readdressed(
+        self, grads: list[int], capturing: bool, fixed: list[tuple[int, ...]] | None = None
+    ) -> _Tables:
+        """These tables for tensors of the same sizes at other addresses: the gradients at
+        `grads`, the other tensors where they were, or at `fixed`. The program map and
+        hyperparameters are kept, the address table is copied from pinned host memory.
 
         An engine that frees its gradient buffers between steps (Megatron-FSDP) hands the
         optimizer its gradients at other addresses each step, and inside a CUDA-graph capture
@@ -250,7 +263,8 @@ class _Tables:
         Raises:
             _Unfusable: a capture, where an earlier one took `staging`.
         """
-        addresses = torch.tensor(key, dtype=torch.int64)
+        fixed_rows = self.fixed_rows if fixed is None else torch.tensor(fixed, dtype=torch.int64)
+        addresses = _address_table(fixed_rows, grads)
         if not capturing:
             staging = addresses.pin_memory()
         elif self.staging is None:
@@ -261,7 +275,18 @@ class _Tables:
             _captured.append(staging)
         tensors = torch.empty_like(self.tensors)
         tensors.copy_(staging, non_blocking=True)
-        return dataclasses.replace(self, key=key, tensors=tensors)
+        return dataclasses.replace(
+            self,
+            fixed=self.fixed if fixed is None else fixed,
+            fixed_rows=fixed_rows,
+            grads=grads,
+            tensors=tensors,
+        )
+
+
+def _address_table(fixed_rows: torch.Tensor, grads: list[int]) -> torch.Tensor:
+    """The host address table: `fixed_rows` with the gradients' addresses as last column."""
+    return torch.cat((fixed_rows, torch.tensor(grads, dtype=torch.int64).unsqueeze(1)), dim=1)
 
 
 _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -298,6 +323,9 @@ def _plan(
     return launches
 
 
+_address = torch.Tensor.data_ptr
+
+
 def _plan_group(
     optimizer: torch.optim.Optimizer,
     group: dict,
@@ -307,6 +335,9 @@ def _plan_group(
 ) -> _Launch | None:
     """A group's launch (None: no gradients to step with), reusing `tables` where they still
     describe it.
+
+    This runs before every step, over every weight: it gathers each column of the address
+    table with one pass of C-level calls rather than one Python loop body per weight.
 
     Raises:
         _Unfusable: the group does not meet the module docstring's conditions.
@@ -322,61 +353,67 @@ def _plan_group(
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and not _is_device_scalar(lr):
         raise _Unfusable
-    device = torch.cuda.current_device()
-    # A weight whose tensors other than its gradient are where they were in the last step's
-    # table was checked then: only its gradient is checked again (engines that free their
-    # gradient buffers between steps hand the optimizer new gradients every step).
-    previous = () if tables is None else tables.key
-    rows, mains, steps, copy_dtypes = [], [], [], set()
-    for param in group["params"]:
-        grad = param.grad
-        if grad is None:
-            continue
-        state = optimizer.state.get(param)
-        if not state or "exp_avg" not in state:  # the first step creates the moments
-            raise _Unfusable
-        model, step = model_of.get(id(param)), state["step"]
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        row = (
-            param.data_ptr(),
-            grad.data_ptr(),
-            exp_avg.data_ptr(),
-            exp_avg_sq.data_ptr(),
-            0 if model is None else model.data_ptr(),
-            step.data_ptr(),
-            param.numel(),
-        )
-        seen = previous[len(rows)] if len(rows) < len(previous) else None
-        if seen is not None and seen[0] == row[0] and seen[2:] == row[2:]:
-            fusable = _gradient_fusable(grad)
-        else:
-            fusable = _fusable((param, grad, exp_avg, exp_avg_sq), model, step, device)
-        if not fusable:
-            raise _Unfusable
-        if model is not None:
-            copy_dtypes.add(model.dtype)
-        rows.append(row)
-        mains.append(param)
-        steps.append(step)
-    if not rows:
+    mains = [param for param in group["params"] if param.grad is not None]
+    if not mains:
         return None
-    if len(copy_dtypes) > 1 or mains[0].device.index != device:
+    grads = [param.grad for param in mains]
+    models = [model_of.get(id(param)) for param in mains]
+    try:
+        states = list(map(optimizer.state.get, mains))
+        exp_avgs = [state["exp_avg"] for state in states]
+        exp_avg_sqs = [state["exp_avg_sq"] for state in states]
+        steps = [state["step"] for state in states]
+        fixed = list(
+            zip(
+                map(_address, mains),
+                map(_address, exp_avgs),
+                map(_address, exp_avg_sqs),
+                [0 if model is None else model.data_ptr() for model in models],
+                map(_address, steps),
+                map(torch.Tensor.numel, mains),
+            )
+        )
+    except (KeyError, TypeError):  # no moments yet (the first step creates them)
+        raise _Unfusable from None
+    device = torch.cuda.current_device()
+    if mains[0].device.index != device:
+        raise _Unfusable
+    # A weight whose other tensors are where they were in the last step's table was checked
+    # then: only the gradients are checked again (engines that free their gradient buffers
+    # between steps hand the optimizer new gradients every step).
+    previous = [] if tables is None else tables.fixed
+    moved = fixed != previous
+    if moved:
+        for i, row in enumerate(fixed):
+            if i < len(previous) and row == previous[i]:
+                continue
+            weight = (mains[i], grads[i], exp_avgs[i], exp_avg_sqs[i])
+            if not _fusable(weight, models[i], steps[i], device):
+                raise _Unfusable
+    grad_addresses = list(map(_address, grads))
+    if not _gradients_fusable(grads, grad_addresses):
+        raise _Unfusable
+    # Not `models.count(None)`: that compares each tensor with None through `Tensor.__eq__`.
+    copies = [model for model in models if model is not None]
+    copy_dtypes = {model.dtype for model in copies}
+    if len(copy_dtypes) > 1:
         raise _Unfusable
     beta1, beta2 = group["betas"]
     hyper_values = (beta1, beta2, group["eps"], group["weight_decay"])
     if not isinstance(lr, torch.Tensor):
         hyper_values += (lr,)
-    key = tuple(rows)
-    if key != previous:
-        sizes_kept = len(key) == len(previous) and all(
-            row[-1] == old[-1] for row, old in zip(key, previous)
+    if moved:
+        sizes_kept = len(fixed) == len(previous) and all(
+            row[-1] == old[-1] for row, old in zip(fixed, previous)
         )
         if sizes_kept:
-            tables = tables.readdressed(key, capturing)
+            tables = tables.readdressed(grad_addresses, capturing, fixed)
         elif capturing:  # a program map made now would be copied from pageable host memory
             raise _Unfusable
         else:
-            tables = _build_tables(key, mains[0].device, hyper_values)
+            tables = _build_tables(fixed, grad_addresses, mains[0].device, hyper_values)
+    elif grad_addresses != tables.grads:
+        tables = tables.readdressed(grad_addresses, capturing)
     if tables.hyper_values != hyper_values:
         if capturing:
             raise _Unfusable
@@ -386,6 +423,7 @@ def _plan_group(
         tables=tables,
         mains=mains,
         steps=steps,
+        copies=len(copies),
         lr=lr if isinstance(lr, torch.Tensor) else None,
         decoupled=bool(
             group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
@@ -395,20 +433,28 @@ def _plan_group(
     )
 
 
-def _build_tables(key: tuple, device: torch.device, hyper_values: tuple[float, ...]) -> _Tables:
-    numels = torch.tensor([row[-1] for row in key])
+def _build_tables(
+    fixed: list[tuple[int, ...]],
+    grads: list[int],
+    device: torch.device,
+    hyper_values: tuple[float, ...],
+) -> _Tables:
+    fixed_rows = torch.tensor(fixed, dtype=torch.int64)
+    numels = fixed_rows[:, 5]
     chunks = (numels + _CHUNK - 1) // _CHUNK
-    tensor_of = torch.repeat_interleave(torch.arange(len(key)), chunks)
+    tensor_of = torch.repeat_interleave(torch.arange(len(fixed)), chunks)
     first = torch.cumsum(chunks, 0) - chunks
     chunk_of = torch.arange(len(tensor_of)) - first[tensor_of]
     programs = torch.stack([tensor_of, chunk_of], dim=1).to(torch.int32)
     return _Tables(
-        key=key,
-        tensors=torch.tensor(key, dtype=torch.int64).to(device, non_blocking=True),
+        fixed=fixed,
+        fixed_rows=fixed_rows,
+        grads=grads,
+        tensors=_address_table(fixed_rows, grads).to(device, non_blocking=True),
         programs=programs.to(device, non_blocking=True),
         hyper_values=hyper_values,
         hyper=torch.tensor(hyper_values, dtype=torch.float64).to(device, non_blocking=True),
-        staging=torch.empty((len(key), _ROW), dtype=torch.int64, pin_memory=True),
+        staging=torch.empty((len(fixed), _ROW), dtype=torch.int64, pin_memory=True),
     )
 
 
@@ -437,11 +483,15 @@ def _fusable(
     )
 
 
-def _gradient_fusable(grad: torch.Tensor) -> bool:
-    """`_fusable` for a gradient whose weight passed it: `.grad` takes only tensors of its
-    weight's shape and device, so its dtype (which a write through `.data` can change), layout
-    and alignment are what is left to check."""
-    return grad.dtype == torch.float32 and grad.is_contiguous() and grad.data_ptr() % 16 == 0
+def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int]) -> bool:
+    """`_fusable` for gradients (at `addresses`) whose weights passed it: `.grad` takes only
+    tensors of its weight's shape and device, so their dtype (which a write through `.data`
+    can change), layout and alignment are what is left to check."""
+    return (
+        all(grad.dtype == torch.float32 for grad in grads)
+        and all(map(torch.Tensor.is_contiguous, grads))
+        and not any(address % 16 for address in addresses)
+    )
 
 
 def _is_device_scalar(tensor: torch.Tensor) -> bool:

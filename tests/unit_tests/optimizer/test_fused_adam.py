@@ -325,6 +325,53 @@ def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.gpu
+def test_a_moved_moment_is_checked_again_and_a_gradless_weight_copied():
+    """A moment replaced between fused steps by one at another address (as a state-dict load
+    replaces them) is checked again, alone, and stepped where it now is; a weight without a
+    gradient in a step the kernel takes is copied into its model weight all the same. Every
+    step equals torch's step followed by the copies."""
+    torch.manual_seed(0)
+    mains = [torch.randn(shape, device="cuda") for shape in SHAPES]
+    grads = [[torch.randn_like(m) for m in mains] for _ in range(4)]
+    runs = []
+    for fused in (True, False):
+        params = [m.clone() for m in mains]
+        models = [m.to(torch.bfloat16) for m in mains]
+        optimizer = _optimizer(torch.optim.AdamW, params, 1e-2, 0.1)
+        checked, launched = [], []
+        with torch.no_grad():
+            for step, values in enumerate(grads):
+                for param, value in zip(params, values):
+                    param.grad = value.clone()
+                if step == 2:
+                    state = optimizer.state[params[2]]
+                    state["exp_avg"] = state["exp_avg"].clone()
+                if step == 3:
+                    params[1].grad = None
+                    params[1].add_(1.0)  # only the copy carries this into the model
+                with (
+                    mock.patch.object(fused_adam, "_fusable", wraps=fused_adam._fusable) as full,
+                    mock.patch.object(
+                        fused_adam._Launch, "run", autospec=True, side_effect=fused_adam._Launch.run
+                    ) as run,
+                ):
+                    if fused:
+                        step_and_copy(optimizer, list(zip(models, params)))
+                    else:
+                        optimizer.step()
+                        torch._foreach_copy_(models, params)
+                checked.append(full.call_count)
+                launched.append(run.call_count)
+        runs.append([t.clone() for t in params + models])
+        runs[-1] += [optimizer.state[p][k].clone() for p in params for k in ("exp_avg", "step")]
+        if fused:
+            assert checked == [0, 4, 1, 0]
+            assert launched == [0, 2, 2, 2]
+    for got, expected in zip(*runs):
+        torch.testing.assert_close(got, expected)
+
+
 def test_cpu_is_torch_step_then_copy():
     got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
     expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
