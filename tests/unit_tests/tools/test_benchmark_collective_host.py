@@ -21,7 +21,7 @@ def test_without_cuda_it_says_it_needs_gpus():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_times_every_way_of_moving_a_layer():
-    proc = run_tool("--hidden-size", "256", "--calls", "5", nproc=1, tool=TOOL)
+    proc = run_tool("--hidden-size", "256", "--calls", "5", nproc=1, tool=TOOL, cuda=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     timed = re.findall(r"^  (.+?)\s+(\d+\.\d)\s+(\d+\.\d)$", proc.stdout, flags=re.M)
     assert len(timed) == 13, proc.stdout

@@ -27,13 +27,21 @@ TINY = (
 
 
 def run_tool(
-    *args: str, nproc: int | None = 2, timeout: float = 120, tool: Path = TOOL
+    *args: str,
+    nproc: int | None = 2,
+    timeout: float = 120,
+    tool: Path = TOOL,
+    cuda: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Runs `tool` (through torchrun when `nproc` is given) from the repository root."""
+    """Runs `tool` (through torchrun when `nproc` is given) from the repository root, on CPU
+    unless `cuda` (GPU tests): the tools default to CUDA wherever there is a GPU, and a CPU
+    test's ranks may outnumber the GPUs of the machine the suite runs on."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command = [sys.executable, *(launcher if nproc else []), str(tool), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run(
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -46,10 +54,11 @@ def check_needs_gpus(tool: Path) -> None:
     assert "it times NCCL collectives: run it on GPUs." in proc.stderr
 
 
-def run_every_engine(tmp_path: Path, *args: str) -> dict[str, dict]:
+def run_every_engine(tmp_path: Path, *args: str, cuda: bool = False) -> dict[str, dict]:
     """Runs every engine on 2 ranks; checks each row is sane and returns the rows by engine."""
     out = tmp_path / "result.json"
-    proc = run_tool(*args, "--engines", ",".join(ENGINES), "--json-out", str(out), timeout=300)
+    flags = ["--engines", ",".join(ENGINES), "--json-out", str(out)]
+    proc = run_tool(*args, *flags, timeout=300, cuda=cuda)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["config"]["world_size"] == 2
@@ -92,7 +101,7 @@ def test_every_engine_trains_bitwise_like_one_gpu_with_deterministic_kernels(tmp
         "--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --vocab-size 4096 "
         "--seq-length 1024 --micro-batch-size 2 --num-microbatches 2 --steps 4"
     ).split()
-    rows = run_every_engine(tmp_path, *TINY, *model, "--bf16", "--deterministic")
+    rows = run_every_engine(tmp_path, *TINY, *model, "--bf16", "--deterministic", cuda=True)
     # Every block holds at least the bytes asked for, so neither peak can pass the other's.
     assert all(0 < row["peak_requested_gib"] <= row["peak_gib"] for row in rows.values())
     assert_same_loss(rows)
@@ -210,7 +219,7 @@ def test_cuda_graph_replays_train_like_eager_steps(tmp_path):
         out = tmp_path / f"{mode}.json"
         engine_list = ",".join(engines)
         flags = [*TINY, "--bf16", "--deterministic", "--engines", engine_list, *extra]
-        proc = run_tool(*flags, "--json-out", str(out))
+        proc = run_tool(*flags, "--json-out", str(out), cuda=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows = json.loads(out.read_text())["rows"]
         losses[mode] = {row["engine"]: row["final_loss"] for row in rows}

@@ -25,7 +25,7 @@ def test_times_each_size_and_a_layer_in_and_out_of_a_window(tmp_path):
     out = tmp_path / "symm.json"
     sizes = ("--min-kib", "256", "--max-mib", "1")
     args = ("--hidden-size", "256", *sizes, "--iters", "3", "--json-out", str(out))
-    proc = run_tool(*args, nproc=2, tool=TOOL)
+    proc = run_tool(*args, nproc=2, tool=TOOL, cuda=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [row["bytes"] for row in result["rows"]] == [256 * 1024] * 2 + [2**20] * 2
