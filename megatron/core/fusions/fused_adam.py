@@ -17,8 +17,9 @@ in a device tensor and skips the step on the device where the optimizer's `found
 (`device_step.py`), so a CUDA graph can capture it.
 
 It runs where the torch optimizer is `Adam` or `AdamW` built with `fused=True` (no amsgrad,
-maximize or gradient scaling), on CUDA with Triton, over contiguous fp32 tensors that start on
-16-byte boundaries, from the second step on (the first creates the moments). Anywhere else
+maximize or gradient scaling), on CUDA with Triton, over plain contiguous fp32 tensors (not
+DTensors: Megatron-FSDP's optimizers step the local shards) that start on 16-byte boundaries,
+from the second step on (the first creates the moments). Anywhere else
 `step_and_copy` is the torch step followed by one foreach copy. The optimizer's step hooks
 (Megatron-FSDP's `fully_shard_optimizer`, the DDP engine's) run in both.
 """
@@ -462,7 +463,8 @@ def _fusable(
     tensors: tuple[torch.Tensor, ...], model: torch.Tensor | None, step: torch.Tensor, device: int
 ) -> bool:
     """fp32 main weight, gradient and moments (and a bf16 / fp16 model weight) of one shape,
-    contiguous and 16-byte aligned on CUDA device `device`, with a device step count there."""
+    contiguous and 16-byte aligned in memory of their own on CUDA device `device`, with a
+    device step count there."""
     main = tensors[0]
     if not (main.is_cuda and main.device.index == device):
         return False
@@ -478,7 +480,7 @@ def _fusable(
         t.device == main.device
         and t.shape == main.shape
         and t.is_contiguous()
-        and t.data_ptr() % 16 == 0
+        and _aligned(t.data_ptr())
         for t in tensors
     )
 
@@ -490,8 +492,14 @@ def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int]) -> bool:
     return (
         all(grad.dtype == torch.float32 for grad in grads)
         and all(map(torch.Tensor.is_contiguous, grads))
-        and not any(address % 16 for address in addresses)
+        and all(map(_aligned, addresses))
     )
+
+
+def _aligned(address: int) -> bool:
+    """A 16-byte boundary of real memory: tensors without storage of their own (a DTensor, an
+    empty tensor) report address 0, which the kernel must not be handed."""
+    return address != 0 and address % 16 == 0
 
 
 def _is_device_scalar(tensor: torch.Tensor) -> bool:

@@ -372,6 +372,45 @@ def test_a_moved_moment_is_checked_again_and_a_gradless_weight_copied():
         torch.testing.assert_close(got, expected)
 
 
+def _step_dtensors(steps: int) -> list[bool]:
+    """On one rank: `steps` fused-AdamW steps over DTensor weights through `step_and_copy`
+    and through torch; whether each weight and moment of the two is equal."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    runs = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        params = [
+            torch.nn.Parameter(distribute_tensor(torch.randn(s, device="cuda"), mesh, [Shard(0)]))
+            for s in SHAPES
+        ]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        with torch.no_grad():
+            for _ in range(steps):
+                for param in params:
+                    param.grad = torch.ones_like(param)
+                if fused:
+                    step_and_copy(optimizer)
+                else:
+                    optimizer.step()
+        states = [optimizer.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")]
+        runs.append([t.to_local().clone() for t in params + states])
+        if fused:
+            assert optimizer not in fused_adam._tables or not fused_adam._tables[optimizer]
+    return [torch.equal(a, b) for a, b in zip(*runs)]
+
+
+@pytest.mark.gpu
+def test_dtensor_weights_take_torch_step():
+    """DTensors have no storage of their own (their address reads 0): the kernel must not be
+    handed them; torch's fused step takes them, bit for bit."""
+    from tests.unit_tests.distributed_harness import run_distributed
+
+    (equal,) = run_distributed(_step_dtensors, 1, 3)
+    assert equal and all(equal)
+
+
 def test_cpu_is_torch_step_then_copy():
     got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
     expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
