@@ -1,13 +1,20 @@
 """Says where the GPU time of a profiled training run goes, from a torch.profiler chrome trace.
 
     python tools/trace_summary.py traces/megatron_fsdp_zero3_rank0.json [--steps 3]
+    python tools/trace_summary.py traces/single_rank0.json traces/megatron_fsdp_zero3_rank0.json \
+        --compare
 
 Prints, per step: the kernel time of each category (GEMM, attention, all-gather, reduce-scatter,
 all-to-all (NCCL's send/receive kernels: MoE token dispatch), other NCCL, optimizer, copies, other),
 how long the compute stream (the one running most GEMMs) was busy and idle, how much NCCL time ran
 while the compute stream was idle (exposed communication), the largest idle gaps of the compute
 stream with what the other streams ran meanwhile, and the CPU time spent blocked in CUDA runtime
-calls (synchronisation, allocation).
+calls (synchronisation, allocation). A CUDA-graph replay shows each branch of the graph as a
+stream of its own, so the compute-stream figures describe eager steps only.
+
+With `--compare` and two traces it prints instead each kernel's time and launches per step in
+both, the kernels whose time differs most first: what one engine's step runs that the other's
+does not, and which shared kernels ran slower beside its other streams' work.
 """
 
 from __future__ import annotations
@@ -127,11 +134,47 @@ def summarize(path: str, steps: int) -> None:
         print(f"  CPU in {name:<28}{total / per:8.2f}")
 
 
+def kernel_times(kernels: list[dict]) -> dict[str, tuple[float, int]]:
+    """Each kernel name's total time (us) and launch count."""
+    times: dict[str, tuple[float, int]] = {}
+    for k in kernels:
+        total, count = times.get(k["name"], (0.0, 0))
+        times[k["name"]] = (total + k["dur"], count + 1)
+    return times
+
+
+def compare(first: str, second: str, steps: int, rows: int) -> None:
+    """Prints the `rows` kernels whose time per step differs most between two traces."""
+    a, b = (kernel_times(read_kernels(path)[1]) for path in (first, second))
+    per = 1000.0 * steps
+    print(f"ms and launches per step: (1) {first}, (2) {second}")
+    print(f"  {'(2) - (1)':>9} {'(1)':>8} {'(2)':>8} {'n (1)':>6} {'n (2)':>6}  kernel")
+    none = (0.0, 0)
+    names = sorted(a.keys() | b.keys(), key=lambda n: -abs(b.get(n, none)[0] - a.get(n, none)[0]))
+    for name in names[:rows]:
+        (t1, n1), (t2, n2) = a.get(name, none), b.get(name, none)
+        print(
+            f"  {(t2 - t1) / per:+9.2f} {t1 / per:8.2f} {t2 / per:8.2f} {n1 / steps:6.0f} "
+            f"{n2 / steps:6.0f}  {name[:90]}"
+        )
+    total_a, total_b = (sum(t for t, _ in times.values()) / per for times in (a, b))
+    print(f"  {total_b - total_a:+9.2f} {total_a:8.2f} {total_b:8.2f}  (all kernels)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--steps", type=int, default=3, help="steps the trace holds")
+    parser.add_argument(
+        "--compare", action="store_true", help="two traces: their kernels side by side"
+    )
+    parser.add_argument("--rows", type=int, default=30, help="kernels --compare prints")
     args = parser.parse_args()
+    if args.compare:
+        if len(args.traces) != 2:
+            parser.error(f"--compare takes two traces, got {len(args.traces)}.")
+        compare(*args.traces, args.steps, args.rows)
+        return
     for path in args.traces:
         summarize(path, args.steps)
 
