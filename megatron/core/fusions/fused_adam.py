@@ -53,8 +53,13 @@ _CHUNK = _BLOCK * _BLOCKS_PER_PROGRAM
 
 _ROW = 7
 """Entries of a tensor's row in the address table: weight, first moment, second moment, model
-weight (0: none), step count, number of elements, gradient (last: the one entry that changes
+weight (-1: none), step count, number of elements, gradient (last: the one entry that changes
 from step to step where an engine frees its gradient buffers between steps)."""
+
+_NO_MODEL = -1
+"""The model-weight entry of a row without one: not 0, the address that tensors without storage
+of their own report, so that a row which gains such a model weight differs from the last step's
+and is checked in full."""
 
 
 if triton is not None:
@@ -123,7 +128,7 @@ if triton is not None:
             tl.store(param + offsets, p, mask=mask)
             tl.store(exp_avg + offsets, m, mask=mask)
             tl.store(exp_avg_sq + offsets, v, mask=mask)
-            if model_address != 0:
+            if model_address > 0:
                 tl.store(model + offsets, p.to(COPY_DTYPE), mask=mask)
 
 
@@ -369,7 +374,7 @@ def _plan_group(
                 map(_address, mains),
                 map(_address, exp_avgs),
                 map(_address, exp_avg_sqs),
-                [0 if model is None else model.data_ptr() for model in models],
+                [_NO_MODEL if model is None else model.data_ptr() for model in models],
                 map(_address, steps),
                 map(torch.Tensor.numel, mains),
             )
@@ -385,6 +390,8 @@ def _plan_group(
     previous = [] if tables is None else tables.fixed
     moved = fixed != previous
     if moved:
+        if len(set(map(id, mains))) != len(mains):  # its rows would race in the kernel
+            raise _Unfusable
         for i, row in enumerate(fixed):
             if i < len(previous) and row == previous[i]:
                 continue
@@ -392,7 +399,7 @@ def _plan_group(
             if not _fusable(weight, models[i], steps[i], device):
                 raise _Unfusable
     grad_addresses = list(map(_address, grads))
-    if not _gradients_fusable(grads, grad_addresses):
+    if not _gradients_fusable(grads, grad_addresses, [row[5] for row in fixed]):
         raise _Unfusable
     # Not `models.count(None)`: that compares each tensor with None through `Tensor.__eq__`.
     copies = [model for model in models if model is not None]
@@ -413,13 +420,16 @@ def _plan_group(
             raise _Unfusable
         else:
             tables = _build_tables(fixed, grad_addresses, mains[0].device, hyper_values)
-    elif grad_addresses != tables.grads:
+    elif grad_addresses != tables.grads or (not capturing and _is_captured(tables)):
+        # A table a capture made is filled by the graph's replays, not by the capture itself.
         tables = tables.readdressed(grad_addresses, capturing)
     if tables.hyper_values != hyper_values:
         if capturing:
             raise _Unfusable
-        tables.hyper.copy_(torch.tensor(hyper_values, dtype=torch.float64), non_blocking=True)
-        tables.hyper_values = hyper_values
+        # New memory, not written over: a graph may have captured a launch that reads this.
+        hyper = torch.tensor(hyper_values, dtype=torch.float64)
+        hyper = hyper.to(tables.hyper.device, non_blocking=True)
+        tables = dataclasses.replace(tables, hyper_values=hyper_values, hyper=hyper)
     return _Launch(
         tables=tables,
         mains=mains,
@@ -480,26 +490,32 @@ def _fusable(
         t.device == main.device
         and t.shape == main.shape
         and t.is_contiguous()
-        and _aligned(t.data_ptr())
+        and _aligned(t.data_ptr(), t.numel())
         for t in tensors
     )
 
 
-def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int]) -> bool:
-    """`_fusable` for gradients (at `addresses`) whose weights passed it: `.grad` takes only
-    tensors of its weight's shape and device, so their dtype (which a write through `.data`
-    can change), layout and alignment are what is left to check."""
+def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int], numels: list[int]) -> bool:
+    """`_fusable` for gradients (at `addresses`) whose weights (of `numels` elements) passed it:
+    `.grad` takes only tensors of its weight's shape and device, but a write through `.data`
+    can change their dtype and size; those, layout and alignment are what is left to check."""
     return (
         all(grad.dtype == torch.float32 for grad in grads)
         and all(map(torch.Tensor.is_contiguous, grads))
-        and all(map(_aligned, addresses))
+        and list(map(torch.Tensor.numel, grads)) == numels
+        and all(_aligned(address, numel) for address, numel in zip(addresses, numels))
     )
 
 
-def _aligned(address: int) -> bool:
-    """A 16-byte boundary of real memory: tensors without storage of their own (a DTensor, an
-    empty tensor) report address 0, which the kernel must not be handed."""
-    return address != 0 and address % 16 == 0
+def _aligned(address: int, numel: int) -> bool:
+    """`numel` elements at `address` start on a 16-byte boundary of real memory. Tensors without
+    storage of their own (a DTensor, an empty tensor) report address 0, which the kernel must
+    not be handed; an empty tensor gets no programs, so its address is never read."""
+    return numel == 0 or (address != 0 and address % 16 == 0)
+
+
+def _is_captured(tables: _Tables) -> bool:
+    return any(tables is captured for captured in _captured)
 
 
 def _is_device_scalar(tensor: torch.Tensor) -> bool:

@@ -4,6 +4,7 @@ unit or two in the last place, far below the 1e-2 learning rate's updates that a
 would change), its step counts exactly, and its model weights are its main weights rounded; every
 case that falls back to torch is torch's bit for bit."""
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -279,6 +280,86 @@ def test_capture_after_the_gradient_buffer_moved():
     for got, expected in zip(mains + models, reference + ref_models):
         torch.testing.assert_close(got, expected)
     assert optimizer.state[mains[0]]["step"].item() == 5
+
+
+@pytest.mark.gpu
+def test_eager_steps_after_a_capture_leave_its_tables_alone():
+    """A capture records the copy that fills its address table, which only its replays run:
+    an eager step after it, with the gradients where the capture saw them, fills a table of
+    its own; and it writes a new Python-float learning rate into new memory, so replays keep
+    the rate they were captured with (as torch's captured kernels keep theirs). Every step and
+    replay equals eager torch steps with those rates."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    reference = [m.clone() for m in mains]
+    ref_models = [m.clone() for m in models]
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+    ref_optimizer = _optimizer(torch.optim.AdamW, reference, 1e-2, 0.1)
+    copies = list(zip(models, mains))
+    sizes = [-(-m.numel() // 4) * 4 for m in mains]  # each view on a 16-byte boundary
+    buffers = []  # all kept alive: every buffer at another address
+
+    def attach():
+        buffers.append(torch.empty(sum(sizes), device="cuda"))
+        for main, chunk in zip(mains, buffers[-1].split(sizes)):
+            main.grad = chunk[: main.numel()].view_as(main)
+
+    def set_lr(opt, lr):
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+    def step_both(step_grads, step, lr):
+        for main, ref, grad in zip(mains, reference, step_grads):
+            main.grad.copy_(grad)
+            ref.grad = grad.clone()
+        step()
+        set_lr(ref_optimizer, lr)
+        ref_optimizer.step()
+        torch._foreach_copy_(ref_models, reference)
+
+    with torch.no_grad():
+        for step_grads in grads[:2]:  # torch's first step, then the kernel's
+            attach()
+            step_both(step_grads, lambda: step_and_copy(optimizer, copies), 1e-2)
+        attach()  # the capture sees the gradients at new addresses
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step_and_copy(optimizer, copies)
+        set_lr(optimizer, 1e-3)
+        step_both(grads[2], lambda: step_and_copy(optimizer, copies), 1e-3)
+        step_both(grads[3], graph.replay, 1e-2)
+    torch.cuda.synchronize()
+    for got, expected in zip(mains + models, reference + ref_models):
+        torch.testing.assert_close(got, expected)
+    assert optimizer.state[mains[0]]["step"].item() == 4
+
+
+@pytest.mark.gpu
+def test_duplicate_and_resized_weights_never_reach_the_kernel():
+    """A weight listed twice in a group (which torch allows, with a warning) would race with
+    itself in the kernel; a gradient resized through `.data` no longer has the size its row in
+    the address table says. Steps with either are torch's (which may refuse the second)."""
+    mains, grads, _ = _problem("cuda", torch.bfloat16)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            optimizer = torch.optim.AdamW([mains[0], *mains], lr=1e-2, fused=True)
+        with mock.patch.object(fused_adam._Launch, "run") as run:
+            for step_grads in grads[:3]:
+                for main, grad in zip(mains, step_grads):
+                    main.grad = grad.clone()
+                step_and_copy(optimizer)
+        assert run.call_count == 0
+        params = [m.clone() for m in mains]
+        optimizer = _optimizer(torch.optim.AdamW, params, 1e-2, 0.1)
+        with mock.patch.object(fused_adam._Launch, "run", autospec=True) as run:
+            for step_grads in grads[:2]:  # torch's first step, then the kernel's
+                for param, grad in zip(params, step_grads):
+                    param.grad = grad.clone()
+                step_and_copy(optimizer)
+            assert run.call_count == 2
+            params[0].grad.data = torch.zeros(3, device="cuda")
+            with contextlib.suppress(RuntimeError):
+                step_and_copy(optimizer)
+        assert run.call_count == 2
 
 
 @pytest.mark.gpu
