@@ -5,6 +5,7 @@ would change), its step counts exactly, and its model weights are its main weigh
 case that falls back to torch is torch's bit for bit."""
 
 import contextlib
+import math
 from unittest import mock
 
 import pytest
@@ -233,8 +234,11 @@ def test_captured_step_replays_with_new_learning_rates():
 def test_capture_after_the_gradient_buffer_moved():
     """Gradients that are views of one buffer, allocated anew between steps (as Megatron-FSDP's
     are): eager steps and the capture take the kernel, each with an address table of its
-    addresses and the program map made once, and the steps and replays equal eager torch
-    steps."""
+    addresses and the program map made once. The capture's table is filled by its replays only,
+    so an eager step after it with the gradients where the capture saw them fills one of its
+    own; that step's new Python-float learning rate goes into new memory, and the replays keep
+    the rate they were captured with (as torch's captured kernels keep theirs). The steps and
+    replays equal eager torch steps with those rates."""
     mains, grads, models = _problem("cuda", torch.bfloat16)
     reference = [m.clone() for m in mains]
     ref_models = [m.clone() for m in models]
@@ -250,11 +254,13 @@ def test_capture_after_the_gradient_buffer_moved():
         for main, chunk, numel in zip(mains, buffers[-1].split(sizes), numels):
             main.grad = chunk[:numel].view_as(main)
 
-    def step_both(step_grads, step):
+    def step_both(step_grads, step, lr=1e-2):
         for main, ref, grad in zip(mains, reference, step_grads):
             main.grad.copy_(grad)
             ref.grad = grad.clone()
         step()
+        for group in ref_optimizer.param_groups:
+            group["lr"] = lr
         ref_optimizer.step()
         torch._foreach_copy_(ref_models, reference)
 
@@ -274,63 +280,15 @@ def test_capture_after_the_gradient_buffer_moved():
         recaptured = fused_adam._tables[optimizer][0]
         assert recaptured is not tables and recaptured.programs is tables.programs
         assert any(captured is recaptured for captured in fused_adam._captured)
-        for step_grads in grads[3:] + grads[:1]:
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3
+        step_both(grads[3], lambda: step_and_copy(optimizer, copies), lr=1e-3)
+        for step_grads in grads[:2]:
             step_both(step_grads, graph.replay)
     torch.cuda.synchronize()
     for got, expected in zip(mains + models, reference + ref_models):
         torch.testing.assert_close(got, expected)
-    assert optimizer.state[mains[0]]["step"].item() == 5
-
-
-@pytest.mark.gpu
-def test_eager_steps_after_a_capture_leave_its_tables_alone():
-    """A capture records the copy that fills its address table, which only its replays run:
-    an eager step after it, with the gradients where the capture saw them, fills a table of
-    its own; and it writes a new Python-float learning rate into new memory, so replays keep
-    the rate they were captured with (as torch's captured kernels keep theirs). Every step and
-    replay equals eager torch steps with those rates."""
-    mains, grads, models = _problem("cuda", torch.bfloat16)
-    reference = [m.clone() for m in mains]
-    ref_models = [m.clone() for m in models]
-    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
-    ref_optimizer = _optimizer(torch.optim.AdamW, reference, 1e-2, 0.1)
-    copies = list(zip(models, mains))
-    sizes = [-(-m.numel() // 4) * 4 for m in mains]  # each view on a 16-byte boundary
-    buffers = []  # all kept alive: every buffer at another address
-
-    def attach():
-        buffers.append(torch.empty(sum(sizes), device="cuda"))
-        for main, chunk in zip(mains, buffers[-1].split(sizes)):
-            main.grad = chunk[: main.numel()].view_as(main)
-
-    def set_lr(opt, lr):
-        for group in opt.param_groups:
-            group["lr"] = lr
-
-    def step_both(step_grads, step, lr):
-        for main, ref, grad in zip(mains, reference, step_grads):
-            main.grad.copy_(grad)
-            ref.grad = grad.clone()
-        step()
-        set_lr(ref_optimizer, lr)
-        ref_optimizer.step()
-        torch._foreach_copy_(ref_models, reference)
-
-    with torch.no_grad():
-        for step_grads in grads[:2]:  # torch's first step, then the kernel's
-            attach()
-            step_both(step_grads, lambda: step_and_copy(optimizer, copies), 1e-2)
-        attach()  # the capture sees the gradients at new addresses
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step_and_copy(optimizer, copies)
-        set_lr(optimizer, 1e-3)
-        step_both(grads[2], lambda: step_and_copy(optimizer, copies), 1e-3)
-        step_both(grads[3], graph.replay, 1e-2)
-    torch.cuda.synchronize()
-    for got, expected in zip(mains + models, reference + ref_models):
-        torch.testing.assert_close(got, expected)
-    assert optimizer.state[mains[0]]["step"].item() == 4
+    assert optimizer.state[mains[0]]["step"].item() == 6
 
 
 @pytest.mark.gpu
@@ -362,16 +320,15 @@ def test_duplicate_and_resized_weights_never_reach_the_kernel():
         assert run.call_count == 2
 
 
-@pytest.mark.gpu
-def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
-    """Gradients in a buffer allocated anew each step (as Megatron-FSDP's are): after the first
-    fused step only the gradients are checked, which still catches a step whose gradients
-    start off a 16-byte boundary (torch's step takes it); every step equals torch's."""
+def _checked_and_launched(steps: int, prepare) -> tuple[list[int], list[int]]:
+    """Runs `steps` steps of SHAPES' weights through `step_and_copy` and through torch's step
+    and copy, `prepare(step, params, values, optimizer)` setting each step's gradients (random
+    `values`); asserts that both end equal (weights, model weights, moments, counts) and
+    returns the fused run's full checks (`_fusable` calls) and kernel launches per step."""
     torch.manual_seed(0)
     mains = [torch.randn(shape, device="cuda") for shape in SHAPES]
-    grads = [[torch.randn_like(m) for m in mains] for _ in range(5)]
-    sizes = [-(-m.numel() // 4) * 4 for m in mains]  # each view on a 16-byte boundary
-    runs = []
+    grads = [[torch.randn_like(m) for m in mains] for _ in range(steps)]
+    runs, counts = [], []
     for fused in (True, False):
         params = [m.clone() for m in mains]
         models = [m.to(torch.bfloat16) for m in mains]
@@ -379,10 +336,7 @@ def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
         checked, launched = [], []
         with torch.no_grad():
             for step, values in enumerate(grads):
-                offset = 1 if step == 3 else 0  # 4 bytes past an aligned start
-                buffer = torch.empty(sum(sizes) + offset, device="cuda")[offset:]
-                for param, chunk, value in zip(params, buffer.split(sizes), values):
-                    param.grad = chunk[: param.numel()].view_as(param).copy_(value)
+                prepare(step, params, values, optimizer)
                 with (
                     mock.patch.object(fused_adam, "_fusable", wraps=fused_adam._fusable) as full,
                     mock.patch.object(
@@ -396,14 +350,32 @@ def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
                         torch._foreach_copy_(models, params)
                 checked.append(full.call_count)
                 launched.append(run.call_count)
-        runs.append([t.clone() for t in params + models])
-        if fused:
-            # Step 1 creates the moments (torch's step); step 2 checks each weight in full;
-            # step 4's unaligned gradients send it to torch's step.
-            assert checked == [0, 4, 0, 0, 0]
-            assert launched == [0, 2, 2, 0, 2]
+        states = [optimizer.state[p][k] for p in params for k in ("exp_avg", "step")]
+        runs.append([t.clone() for t in params + models + states])
+        counts.append((checked, launched))
     for got, expected in zip(*runs):
         torch.testing.assert_close(got, expected)
+    return counts[0]
+
+
+@pytest.mark.gpu
+def test_a_weight_is_checked_once_and_its_moving_gradients_every_step():
+    """Gradients in a buffer allocated anew each step (as Megatron-FSDP's are): after the first
+    fused step only the gradients are checked, which still catches a step whose gradients
+    start off a 16-byte boundary (torch's step takes it); every step equals torch's."""
+    sizes = [-(-math.prod(shape) // 4) * 4 for shape in SHAPES]  # views on 16-byte boundaries
+
+    def prepare(step, params, values, optimizer):
+        offset = 1 if step == 3 else 0  # 4 bytes past an aligned start
+        buffer = torch.empty(sum(sizes) + offset, device="cuda")[offset:]
+        for param, chunk, value in zip(params, buffer.split(sizes), values):
+            param.grad = chunk[: param.numel()].view_as(param).copy_(value)
+
+    checked, launched = _checked_and_launched(5, prepare)
+    # Step 1 creates the moments (torch's step); step 2 checks each weight in full; step 4's
+    # unaligned gradients send it to torch's step.
+    assert checked == [0, 4, 0, 0, 0]
+    assert launched == [0, 2, 2, 0, 2]
 
 
 @pytest.mark.gpu
@@ -412,45 +384,20 @@ def test_a_moved_moment_is_checked_again_and_a_gradless_weight_copied():
     replaces them) is checked again, alone, and stepped where it now is; a weight without a
     gradient in a step the kernel takes is copied into its model weight all the same. Every
     step equals torch's step followed by the copies."""
-    torch.manual_seed(0)
-    mains = [torch.randn(shape, device="cuda") for shape in SHAPES]
-    grads = [[torch.randn_like(m) for m in mains] for _ in range(4)]
-    runs = []
-    for fused in (True, False):
-        params = [m.clone() for m in mains]
-        models = [m.to(torch.bfloat16) for m in mains]
-        optimizer = _optimizer(torch.optim.AdamW, params, 1e-2, 0.1)
-        checked, launched = [], []
-        with torch.no_grad():
-            for step, values in enumerate(grads):
-                for param, value in zip(params, values):
-                    param.grad = value.clone()
-                if step == 2:
-                    state = optimizer.state[params[2]]
-                    state["exp_avg"] = state["exp_avg"].clone()
-                if step == 3:
-                    params[1].grad = None
-                    params[1].add_(1.0)  # only the copy carries this into the model
-                with (
-                    mock.patch.object(fused_adam, "_fusable", wraps=fused_adam._fusable) as full,
-                    mock.patch.object(
-                        fused_adam._Launch, "run", autospec=True, side_effect=fused_adam._Launch.run
-                    ) as run,
-                ):
-                    if fused:
-                        step_and_copy(optimizer, list(zip(models, params)))
-                    else:
-                        optimizer.step()
-                        torch._foreach_copy_(models, params)
-                checked.append(full.call_count)
-                launched.append(run.call_count)
-        runs.append([t.clone() for t in params + models])
-        runs[-1] += [optimizer.state[p][k].clone() for p in params for k in ("exp_avg", "step")]
-        if fused:
-            assert checked == [0, 4, 1, 0]
-            assert launched == [0, 2, 2, 2]
-    for got, expected in zip(*runs):
-        torch.testing.assert_close(got, expected)
+
+    def prepare(step, params, values, optimizer):
+        for param, value in zip(params, values):
+            param.grad = value.clone()
+        if step == 2:
+            state = optimizer.state[params[2]]
+            state["exp_avg"] = state["exp_avg"].clone()
+        if step == 3:
+            params[1].grad = None
+            params[1].add_(1.0)  # only the copy carries this into the model
+
+    checked, launched = _checked_and_launched(4, prepare)
+    assert checked == [0, 4, 1, 0]
+    assert launched == [0, 2, 2, 2]
 
 
 def _step_dtensors(steps: int) -> list[bool]:
