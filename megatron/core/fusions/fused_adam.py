@@ -379,7 +379,7 @@ def _plan_group(
                 map(torch.Tensor.numel, mains),
             )
         )
-    except (KeyError, TypeError):  # no moments yet (the first step creates them)
+    except (KeyError, TypeError):  # no moments yet (the first step makes them), or not tensors
         raise _Unfusable from None
     device = torch.cuda.current_device()
     if mains[0].device.index != device:
@@ -508,13 +508,14 @@ def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int], numels: 
 
 
 def _aligned(address: int, numel: int) -> bool:
-    """`numel` elements at `address` start on a 16-byte boundary of real memory. Tensors without
-    storage of their own (a DTensor, an empty tensor) report address 0, which the kernel must
-    not be handed; an empty tensor gets no programs, so its address is never read."""
+    """`numel` elements at `address` start on a 16-byte boundary of real memory. A DTensor, with
+    no storage of its own, reports address 0, which the kernel must not be handed; an empty
+    tensor reports 0 too, but gets no programs, so its address is never read."""
     return numel == 0 or (address != 0 and address % 16 == 0)
 
 
 def _is_captured(tables: _Tables) -> bool:
+    """Whether a CUDA graph captured a launch with `tables`."""
     return any(tables is captured for captured in _captured)
 
 
