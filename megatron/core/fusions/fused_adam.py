@@ -369,6 +369,7 @@ def _plan_group(
         exp_avgs = [state["exp_avg"] for state in states]
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
         steps = [state["step"] for state in states]
+        numels = list(map(torch.Tensor.numel, mains))
         fixed = list(
             zip(
                 map(_address, mains),
@@ -376,7 +377,7 @@ def _plan_group(
                 map(_address, exp_avg_sqs),
                 [_NO_MODEL if model is None else model.data_ptr() for model in models],
                 map(_address, steps),
-                map(torch.Tensor.numel, mains),
+                numels,
             )
         )
     except (KeyError, TypeError):  # no moments yet (the first step makes them), or not tensors
@@ -399,7 +400,7 @@ def _plan_group(
             if not _fusable(weight, models[i], steps[i], device):
                 raise _Unfusable
     grad_addresses = list(map(_address, grads))
-    if not _gradients_fusable(grads, grad_addresses, [row[5] for row in fixed]):
+    if not _gradients_fusable(grads, grad_addresses, numels):
         raise _Unfusable
     # Not `models.count(None)`: that compares each tensor with None through `Tensor.__eq__`.
     copies = [model for model in models if model is not None]
