@@ -34,6 +34,10 @@ measured on CPU for DDP and ZeRO-3)."""
 def _build(engine: str, fp16: bool, initial_loss_scale: float = 2.0**10, hysteresis: int = 2):
     dtypes = dict(fp16=True, params_dtype=torch.float16) if fp16 else {}
     model = build_tiny_gpt(tiny_gpt_config(**dtypes))
+    if fp16:
+        # The fp32 model's weights, rounded: torch draws `normal_` differently per dtype in some
+        # releases (2.11 on CPU), which would make the two runs start from different models.
+        model.load_state_dict(build_tiny_gpt().state_dict())
     if engine == DISTRIBUTED_OPTIMIZER:
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
         model = DistributedDataParallel(model.config, ddp_config, model)
