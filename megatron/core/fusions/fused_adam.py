@@ -316,7 +316,8 @@ def _plan(
         raise _Unfusable
     model_of = {id(main): model for model, main in copies}
     cache = _tables.setdefault(optimizer, {})
-    capturing = torch.cuda.is_current_stream_capturing()
+    # A CUDA build of torch raises here where no GPU is visible; CPU weights are torch's step.
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     launches = []
     for index, group in enumerate(optimizer.param_groups):
         launch = _plan_group(optimizer, group, model_of, cache.get(index), capturing)
@@ -382,9 +383,9 @@ def _plan_group(
         )
     except (KeyError, TypeError):  # no moments yet (the first step makes them), or not tensors
         raise _Unfusable from None
-    device = torch.cuda.current_device()
-    if mains[0].device.index != device:
+    if not mains[0].is_cuda or mains[0].device.index != torch.cuda.current_device():
         raise _Unfusable
+    device = mains[0].device.index
     # A weight whose other tensors are where they were in the last step's table was checked
     # then: only the gradients are checked again (engines that free their gradient buffers
     # between steps hand the optimizer new gradients every step).

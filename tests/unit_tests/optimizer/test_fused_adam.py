@@ -439,7 +439,18 @@ def test_dtensor_weights_take_torch_step():
     assert equal and all(equal)
 
 
-def test_cpu_is_torch_step_then_copy():
-    got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
+@pytest.mark.parametrize("planned", [False, True])
+def test_cpu_is_torch_step_then_copy(planned):
+    """`planned`: as where Triton imports but no GPU is visible (a CUDA build of torch on a
+    CPU-only host, where CUDA queries raise): the planning refuses CPU weights without them."""
+    with contextlib.ExitStack() as stack:
+        if planned:
+            triton = fused_adam.triton or mock.sentinel.triton
+            stack.enter_context(mock.patch.object(fused_adam, "triton", triton))
+            stack.enter_context(mock.patch.object(torch.cuda, "is_available", return_value=False))
+            for query in ("is_current_stream_capturing", "current_device"):
+                error = RuntimeError("CUDA error: no CUDA-capable device is detected")
+                stack.enter_context(mock.patch.object(torch.cuda, query, side_effect=error))
+        got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
     expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
     _assert_equal_histories(got, expected)
