@@ -1,7 +1,7 @@
 """Small helpers shared across the library: writing files so that a crash never leaves a partial
-one where a reader looks, the tensor-in, tensor-out collectives under either torch's name, and
-autograd functions applied (and differentiated once) without the Python wrappers that cost host
-time per layer and step."""
+one where a reader looks, the tensor-in, tensor-out collectives under either torch's name, whether
+a CUDA graph is being captured, and autograd functions applied (and differentiated once) without
+the Python wrappers that cost host time per layer and step."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ import torch.distributed as dist
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def cuda_graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph. False where no GPU is visible,
+    where a CUDA build of torch raises on the query itself."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

@@ -34,6 +34,8 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
 
+from megatron.core.utils import cuda_graph_capturing
+
 try:
     import triton
     import triton.language as tl
@@ -316,8 +318,7 @@ def _plan(
         raise _Unfusable
     model_of = {id(main): model for model, main in copies}
     cache = _tables.setdefault(optimizer, {})
-    # A CUDA build of torch raises here where no GPU is visible; CPU weights are torch's step.
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    capturing = cuda_graph_capturing()
     launches = []
     for index, group in enumerate(optimizer.param_groups):
         launch = _plan_group(optimizer, group, model_of, cache.get(index), capturing)

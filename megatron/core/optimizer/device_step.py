@@ -33,6 +33,7 @@ from megatron.core.optimizer.clip_grads import (
     grad_norm_on_device,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.utils import cuda_graph_capturing
 
 
 @dataclasses.dataclass
@@ -139,7 +140,7 @@ def check_state_exists(optimizer: torch.optim.Optimizer) -> None:
     Raises:
         RuntimeError: capturing a step before the first one ran.
     """
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not cuda_graph_capturing():
         return
     for group in optimizer.param_groups:
         if group.get("momentum") == 0:  # SGD without momentum keeps no state
