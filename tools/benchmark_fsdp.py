@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Megatron-FSDP engines: sum whole gradients, reduce-scatter once per step",
     )
     parser.add_argument(
+        "--suggested-communication-unit-size",
+        type=int,
+        default=None,
+        help="Megatron-FSDP engines: gather and reduce consecutive layers together, up to this "
+        "many parameter elements per unit (default: one layer per unit)",
+    )
+    parser.add_argument(
         "--use-symm-mem",
         action="store_true",
         help="Megatron-FSDP engines: whole weights in NCCL symmetric memory, gathered there by "

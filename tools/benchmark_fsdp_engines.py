@@ -200,6 +200,7 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
         megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
         megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
         use_symm_mem=args.use_symm_mem,
+        suggested_communication_unit_size=args.suggested_communication_unit_size,
         **grads,
         **hybrid,
     )

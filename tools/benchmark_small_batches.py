@@ -41,6 +41,9 @@ S = ("--micro-batch-size", "1", "--seq-length", "1024")
 FOUR = ("--num-microbatches", "4")
 OPTIONS = ("--megatron-fsdp-keep-unsharded-params", "--megatron-fsdp-accumulate-unsharded-grads")
 GRAPHED = ("--cuda-graph",)
+TWO_LAYERS = ("--suggested-communication-unit-size", "101000000")
+FOUR_LAYERS = ("--suggested-communication-unit-size", "202000000")
+"""Units of two and of four of the 1.34B GPT's layers (50,368,272 elements each)."""
 
 PRETRAIN = (
     "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
@@ -75,14 +78,17 @@ ROWS = {
     "L-4mb-options": Row(FOUR + OPTIONS, 1.05),
     "S": Row(S, 1.25),
     "S-graphed": Row(S + GRAPHED),
+    "S-2-layer-units": Row(S + TWO_LAYERS, 1.25),
+    "S-4-layer-units": Row(S + FOUR_LAYERS, 1.25),
+    "L-2-layer-units": Row(TWO_LAYERS, 1.03),
     "S-4mb": Row(S + FOUR, 1.6),
     "S-4mb-options": Row(S + FOUR + OPTIONS, 1.6),
     "pretrain-S-graphed": Row(microbatches=1, target=1.05),
     "pretrain-S-4mb-graphed": Row(microbatches=4, target=1.05),
 }
 """The small-batch targets on 2 GPUs (`docs/performance.md`, "Small batches"; 4 GPUs aim at the
-same table). The accumulation options are a choice of the run, so their rows have the targets of
-the rows without them."""
+same table). The accumulation options and units of two layers are a choice of the run, so their
+rows have the targets of the rows without them."""
 
 SYMM = "+symm"
 """Suffix of a row's `--use-symm-mem` twin."""

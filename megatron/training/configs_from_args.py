@@ -252,6 +252,7 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
         fsdp_all_gather_in_start_param_sync=args.fsdp_all_gather_in_start_param_sync,
         use_symm_mem=args.use_symm_mem,
+        suggested_communication_unit_size=args.suggested_communication_unit_size,
         megatron_fsdp_main_params_dtype=FSDP_DTYPES[args.megatron_fsdp_main_params_dtype],
         megatron_fsdp_main_grads_dtype=FSDP_DTYPES[args.megatron_fsdp_main_grads_dtype],
         megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],

@@ -78,6 +78,15 @@ class DistributedDataParallelConfig:
     symmetric-memory pool, where NCCL all-gathers them with its symmetric kernels (CUDA and
     NCCL >= 2.27 only; the windows' memory is held for the whole run)."""
 
+    suggested_communication_unit_size: int | None = None
+    """Megatron-FSDP: the number of parameter elements (per rank, before sharding) to gather
+    and reduce at once. Consecutive transformer layers (of one parent) become one unit while
+    their parameters total at most this many: one set of collectives and hooks per unit
+    instead of per layer, for the memory of that many whole weights (and gradients, while
+    reduced) per unit, with two units held at once. None, or less than one layer: each layer
+    is a unit of its own. Upstream Megatron-FSDP reads it as the size of its all-gather
+    prefetch."""
+
     megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
     """Dtype of the main (optimizer) weights. None: the model weights are the main weights."""
 
@@ -120,6 +129,12 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "DistributedDataParallelConfig.num_distributed_optimizer_instances must be >= 1, "
                 f"got {self.num_distributed_optimizer_instances}."
+            )
+        size = self.suggested_communication_unit_size
+        if size is not None and size <= 0:
+            raise ValueError(
+                "DistributedDataParallelConfig.suggested_communication_unit_size must be a "
+                f"positive number of elements or None (one layer per unit), got {size}."
             )
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(
@@ -205,6 +220,7 @@ _FSDP_ONLY_FIELDS = frozenset(
         "outer_dp_sharding_strategy",
         "fsdp_all_gather_in_start_param_sync",
         "use_symm_mem",
+        "suggested_communication_unit_size",
         "megatron_fsdp_main_params_dtype",
         "megatron_fsdp_main_grads_dtype",
         "megatron_fsdp_grad_comm_dtype",

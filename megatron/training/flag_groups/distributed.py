@@ -88,6 +88,13 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--create-all-gather-group", action="store_true", help="Separate all-gather communicator."
     )
     group.add_argument("--use-symm-mem", action="store_true", help="CUDA and NCCL only.")
+    group.add_argument(
+        "--suggested-communication-unit-size",
+        type=int,
+        default=None,
+        help="Megatron-FSDP: parameter elements per unit; consecutive layers are gathered and "
+        "reduced together up to this many (default: one layer per unit).",
+    )
     dtypes = tuple(FSDP_DTYPES)
     group.add_argument(
         "--megatron-fsdp-main-params-dtype",

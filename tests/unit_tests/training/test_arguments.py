@@ -193,6 +193,10 @@ BAD = [
         "--num-distributed-optimizer-instances 3 does not divide",
     ),
     (
+        f"{FSDP} --suggested-communication-unit-size 0",
+        "--suggested-communication-unit-size must be a positive number of elements",
+    ),
+    (
         f"{FSDP} --data-parallel-sharding-strategy optim --outer-dp-sharding-strategy optim "
         "--num-distributed-optimizer-instances 2",
         "--outer-dp-sharding-strategy optim .* --data-parallel-sharding-strategy optim_grads_",
@@ -306,6 +310,7 @@ def test_bad_combination_names_the_flag(flags, message):
         "--no-fsdp-all-gather-in-start-param-sync",
         "--create-all-gather-group",
         "--use-symm-mem",
+        "--suggested-communication-unit-size 1000000",
         "--overlap-param-gather",
         "--megatron-fsdp-main-params-dtype auto",
         "--megatron-fsdp-main-grads-dtype bf16",

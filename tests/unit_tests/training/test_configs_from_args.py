@@ -39,6 +39,11 @@ DDP_CONFIG_CASES = [
     ),
     (f"{FSDP} --use-symm-mem --distributed-backend nccl", "use_symm_mem", True),
     (f"{FSDP} --overlap-param-gather", "overlap_param_gather", True),
+    (
+        f"{FSDP} --suggested-communication-unit-size 1000000",
+        "suggested_communication_unit_size",
+        1000000,
+    ),
     ("--overlap-grad-reduce", "overlap_grad_reduce", True),
     ("--grad-reduce-in-fp32", "grad_reduce_in_fp32", True),
     (

@@ -11,6 +11,13 @@ hooks. Before the forward, inputs that need a gradient are routed through `_Post
 whose backward marks the end of the unit's backward; after it, every output that needs a
 gradient gets a hook whose first call marks the start of the unit's backward.
 
+A unit may be several modules (`fully_shard([layer_0, layer_1])`, as in FSDP2), gathered and
+reduced together: one set of collectives and hooks' work for all of them, for the memory of
+their whole weights at once. Its forward starts at the first of them to run and ends when all
+have run (or the root's forward ends). Only inputs that are not outputs of the unit's earlier
+modules are routed, and its backward is complete once every routed input has its gradient;
+every module's outputs announce its backward.
+
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
 in module order with its `reset_parameters()`, each rank keeping only its shards: no rank ever
@@ -20,7 +27,7 @@ holds the whole model, and the weights equal an eager build's with the same seed
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,16 +38,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from megatron.core.distributed.expert_parallel import is_expert_param
 from megatron.core.distributed.fsdp import optimizer_steps
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.context import FsdpContext
+from megatron.core.distributed.fsdp.context import FsdpContext, in_backward
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
-from megatron.core.tensor_parallel.layout import (
-    TensorParallelLayout,
-    named_tensor_parallel_layouts,
-)
+from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
 from megatron.core.utils import direct_apply
 
 _owner_unit = WeakIdKeyDictionary()
@@ -76,8 +80,9 @@ class FsdpUnit:
         groups: the unit's parameter groups.
         overlap_policy: the schedule given to `fully_shard` (None: not given). The root's, or
             the default, applies to every unit below it.
-        name: the unit's module name under its root (the root: its class name), set when it
-            binds; used in messages and profiler labels.
+        name: the unit's module name under its root (the root: its class name; several
+            modules: their names joined by "+"), set when it binds; used in messages and
+            profiler labels.
         position: where the context lists this unit (0: the root), set when it binds.
         has_transient_weights: whether some group gathers its whole weights for each use and
             frees them after (ZeRO-3).
@@ -85,23 +90,33 @@ class FsdpUnit:
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        modules: list[torch.nn.Module],
         groups: list[FsdpParameterGroup],
         overlap_policy: OverlapPolicy | None,
     ):
-        self._module = weakref.ref(module)
+        self._modules = [weakref.ref(module) for module in modules]
         self.groups = groups
         self.overlap_policy = overlap_policy
-        self.name = type(module).__name__
+        self.name = "+".join(type(module).__name__ for module in modules)
         self.position = 0
         self.has_transient_weights = any(group.has_transient_weights for group in groups)
         self._context: FsdpContext | None = None  # owned by the root only
         self._context_ref: weakref.ref[FsdpContext] | None = None
         self.pending_meta: list[PendingParam] = []
+        # A unit of several modules: its forward in progress (module docstring). The root:
+        # its units of several modules, whose open forwards it ends with its own.
+        self._forward: _GroupForward | None = None
+        self._grouped: list[weakref.ref[FsdpUnit]] = []
 
     @property
     def module(self) -> torch.nn.Module | None:
-        return self._module()
+        """The unit's module (of several: the first given)."""
+        return self._modules[0]()
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The unit's live modules, in the order given to `fully_shard`."""
+        return [module for ref in self._modules if (module := ref()) is not None]
 
     @property
     def context(self) -> FsdpContext | None:
@@ -122,9 +137,17 @@ class FsdpUnit:
         context = self.context
         if context is not None:
             return context
+        if len(self._modules) > 1:
+            raise ValueError(
+                f"The Megatron-FSDP unit {self.name} of several modules ran without a root. "
+                "Call fully_shard() on a module that contains them all (the model) after them."
+            )
         module = self.module
         names = {id(m): name for name, m in module.named_modules()}
-        units = [m._fsdp_unit for m in module.modules() if isinstance(m, FsdpModule)]
+        # A unit of several modules once, at its first module.
+        units = list(
+            dict.fromkeys(m._fsdp_unit for m in module.modules() if isinstance(m, FsdpModule))
+        )
         policy = self.overlap_policy or OverlapPolicy()
         for unit in units[1:]:
             if unit.overlap_policy is not None and unit.overlap_policy != policy:
@@ -137,7 +160,8 @@ class FsdpUnit:
         _materialize_meta(module, units)
         for position, unit in enumerate(units):
             unit.position = position
-            unit.name = names[id(unit.module)] or type(module).__name__
+            unit.name = "+".join(names.get(id(m)) or type(m).__name__ for m in unit.modules)
+        self._grouped = [weakref.ref(unit) for unit in units if len(unit._modules) > 1]
         devices = [group.device for unit in units for group in unit.groups]
         context = FsdpContext(units, policy, devices[0] if devices else torch.device("cpu"))
         for unit in units:
@@ -155,24 +179,104 @@ class FsdpUnit:
     def pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if not self.lazy_init().pre_forward(self):
+        context = self.lazy_init()
+        recompute = in_backward()
+        if self._grouped and not recompute:
+            # The root's forward starts: what a failed one left open is over.
+            for unit in self._live_grouped():
+                unit._forward = None
+        forward = self._forward
+        if forward is None or recompute:
+            with_autograd = context.pre_forward(self)
+            if recompute:
+                return args, kwargs
+            if len(self._modules) > 1:
+                forward = self._forward = _GroupForward(self)
+            elif not with_autograd:
+                return args, kwargs
+        if forward is None:
+            return self._route(_BackwardEnd(self), args, kwargs)
+        if not torch.is_grad_enabled():
+            # A module of a unit of several run without autograd (a reentrant checkpoint's
+            # first pass; or an inference forward): its backward, if any, runs outside what
+            # the routed inputs can tell, so the end of the whole backward reduces the unit.
+            forward.end.unreachable = True
+            self._set_reduction_point(forward.end)
             return args, kwargs
-        routed = _register_post_backward(self, args, kwargs)
+        # A module of a unit of several: its inputs made by the unit's earlier modules are
+        # reached by the backward before those modules' inputs.
+        return self._route(forward.end, args, kwargs, skip=forward.produced_inside)
+
+    def _route(
+        self,
+        end: _BackwardEnd,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        skip: Callable[[torch.Tensor], bool] | None = None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Routes inputs through `_PostBackward` (`_route_inputs`); the unit's gradients are
+        then reduced at the end of its own backward if any input was routed, else at the end
+        of the whole backward."""
+        routed = _route_inputs(end, args, kwargs, skip)
+        self._set_reduction_point(end)
+        return routed
+
+    def _set_reduction_point(self, end: _BackwardEnd) -> None:
         for group in self.groups:
             if group.grads is not None:
-                group.grads.reduced_after_own_backward = routed is not None
-        return (args, kwargs) if routed is None else routed
+                group.grads.reduced_after_own_backward = end.reachable
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        forward = self._forward
+        if forward is not None and not in_backward():
+            forward.pending.discard(id(module))
+            forward.produced.extend(_announce_backward(output, forward.hook))
+            if forward.pending:
+                return output
+            self._forward = None
+            self.context.post_forward(self)
+            return output
+        if self._grouped:
+            # The root's forward ends: so do its units' whose modules did not all run.
+            for unit in self._live_grouped():
+                if unit._forward is not None:
+                    unit._forward = None
+                    self.context.post_forward(unit)
         if not self.context.post_forward(self):
             return output
-        flat, _ = _flatten(output)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            hook = _PreBackwardHook(self)
-            for tensor in tensors:
-                tensor.register_hook(hook)
+        _announce_backward(output, _PreBackwardHook(self))
         return output
+
+    def _live_grouped(self) -> Iterator[FsdpUnit]:
+        for ref in self._grouped:
+            unit = ref()
+            if unit is not None:
+                yield unit
+
+
+class _GroupForward:
+    """One forward of a unit of several modules, from the first of them to run until all have.
+
+    Attributes:
+        end: counts the inputs routed through `_PostBackward`, which the unit's backward must
+            reach before it is complete.
+        pending: the ids of the unit's modules that have yet to run.
+        produced: the outputs of the unit's modules so far (that need a gradient), held until
+            the forward ends.
+        hook: announces the unit's backward, registered on every module's outputs.
+    """
+
+    __slots__ = ("end", "pending", "produced", "hook")
+
+    def __init__(self, unit: FsdpUnit):
+        self.end = _BackwardEnd(unit)
+        self.pending = {id(module) for module in unit.modules}
+        self.produced: list[torch.Tensor] = []
+        self.hook = _PreBackwardHook(unit)
+
+    def produced_inside(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is an output of one of the unit's modules in this forward."""
+        return any(tensor is output for output in self.produced)
 
 
 class _PreBackwardHook:
@@ -214,47 +318,99 @@ def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     return flat, lambda leaves: tree_unflatten(leaves, spec)
 
 
+def _announce_backward(output: Any, hook: _PreBackwardHook) -> list[torch.Tensor]:
+    """Registers `hook` on every tensor of `output` that needs a gradient; returns them."""
+    flat, _ = _flatten(output)
+    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    for tensor in tensors:
+        tensor.register_hook(hook)
+    return tensors
+
+
+class _BackwardEnd:
+    """The end of one forward's backward of a unit: reached once the gradients of every input
+    routed through `_PostBackward` in that forward exist (one routing, but for units of several
+    modules). Counted per backward pass (graph task), so each backward through the same forward
+    (`retain_graph=True`) reaches it.
+
+    Attributes:
+        routed: how many `_PostBackward`s the forward routed inputs through.
+        unreachable: the forward ran a module of the unit without autograd, whose backward
+            the routed inputs cannot tell the end of (`FsdpUnit.pre_forward`).
+    """
+
+    __slots__ = ("_unit", "routed", "unreachable", "_task", "_arrived")
+
+    def __init__(self, unit: FsdpUnit):
+        self._unit = weakref.ref(unit)
+        self.routed = 0
+        self.unreachable = False
+        self._task: int | None = None
+        self._arrived = 0
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the unit's backward ends here (else at the end of the whole backward)."""
+        return self.routed > 0 and not self.unreachable
+
+    def arrive(self) -> None:
+        """One routing's inputs have their gradients; the last runs the unit's post-backward."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            self._arrived = 0
+        self._arrived += 1
+        if self._arrived == self.routed and self.reachable and (unit := self._unit()) is not None:
+            unit.context.post_backward(unit)
+
+
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is complete
-    (its inputs' gradients exist; parameter gradients are accumulated first, as autograd runs
+    """Identity on a unit's inputs whose backward runs once the unit's backward has reached
+    them (their gradients exist; parameter gradients are accumulated first, as autograd runs
     AccumulateGrad nodes ahead of others). Reducing there, not when each parameter's gradient
     arrives, keeps the order of collectives the same on every rank even where data leaves
     some parameters unused on some ranks."""
 
     @staticmethod
-    def forward(ctx, unit_ref: weakref.ref[FsdpUnit], *tensors: torch.Tensor):
-        ctx.unit_ref = unit_ref
+    def forward(ctx, end: _BackwardEnd, *tensors: torch.Tensor):
+        ctx.end = end
         return tensors
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        unit = ctx.unit_ref()
-        if unit is not None:
-            unit.context.post_backward(unit)
+        ctx.end.arrive()
         return (None, *grads)
 
 
 _apply_post_backward = direct_apply(_PostBackward)
 
 
-def _register_post_backward(
-    unit: FsdpUnit, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Routes the unit's floating-point inputs that require grad through `_PostBackward` and
-    returns the new (args, kwargs). None for a unit with none (the root, fed token ids): the
-    end-of-backward callback reduces it."""
+def _route_inputs(
+    end: _BackwardEnd,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    skip: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Routes the floating-point inputs that require grad (but those `skip` names) through
+    one `_PostBackward` counted by `end`; returns the new (args, kwargs). Routes nothing where
+    there is none (the root, fed token ids): the end-of-backward callback reduces such units."""
     flat, rebuild = _flatten(args) if not kwargs else _flatten((args, kwargs))
-    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    positions = [
+        i
+        for i, t in enumerate(flat)
+        if isinstance(t, torch.Tensor) and t.requires_grad and (skip is None or not skip(t))
+    ]
     if not positions:
-        return None
-    outputs = _apply_post_backward(weakref.ref(unit), *(flat[i] for i in positions))
+        return args, kwargs
+    end.routed += 1
+    outputs = _apply_post_backward(end, *(flat[i] for i in positions))
     for i, tensor in zip(positions, outputs):
         flat[i] = tensor
     return (rebuild(flat), kwargs) if not kwargs else rebuild(flat)
 
 
 def fully_shard(
-    module: torch.nn.Module,
+    module: torch.nn.Module | Sequence[torch.nn.Module],
     distributed_index: FSDPDistributedIndex | None = None,
     *,
     sharding_strategy: str | ShardingStrategy = "optim_grads_params",
@@ -266,7 +422,9 @@ def fully_shard(
     """Makes `module` a Megatron-FSDP unit in place and returns it.
 
     Args:
-        module: the unit; units below it must already be wrapped.
+        module: the unit; units below it must already be wrapped. A sequence of modules
+            (below one root, none inside another) makes one unit of them all: their weights
+            are gathered and their gradients reduced together (module docstring).
         distributed_index: process groups (default: parallel_state's, else the world).
         sharding_strategy: `no_shard`, `optim`, `optim_grads` or `optim_grads_params`, or a
             `ShardingStrategy` (which then also carries the outer strategy).
@@ -279,21 +437,20 @@ def fully_shard(
         is_expert: tells expert parameters (which use the expert groups) from dense ones.
 
     Raises:
-        ValueError: `module` is already a unit; a strategy does not exist or needs an outer
-            group there is none of; a parameter is shared with a module outside this unit that
-            another unit holds; a `meta` module has no `reset_parameters()`.
+        ValueError: a module is already a unit, or given twice, or inside another given; no
+            module is given; a strategy does not exist or needs an outer group there is none
+            of; a parameter is shared with a module outside this unit that another unit holds;
+            a `meta` module has no `reset_parameters()`.
     """
-    if isinstance(module, FsdpModule):
-        raise ValueError(
-            f"{type(module).__name__} is already a Megatron-FSDP unit; call fully_shard() once "
-            "per module."
-        )
+    modules = [module] if isinstance(module, torch.nn.Module) else list(module)
+    _check_unit_modules(modules)
     if isinstance(sharding_strategy, str):
         sharding_strategy = ShardingStrategy(sharding_strategy, outer_dp_sharding_strategy)
     index = distributed_index or FSDPDistributedIndex.from_pg_collection(None)
     mp_policy = mp_policy or MixedPrecisionPolicy()
 
-    slots, params = _collect_params(module, named_tensor_parallel_layouts(module))
+    slots, params = _collect_params(modules)
+    name = "+".join(type(m).__name__ for m in modules)
     members: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
     for i, (slot, param) in enumerate(zip(slots, params)):
         key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param))
@@ -301,8 +458,8 @@ def fully_shard(
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) > 1:
         raise ValueError(
-            f"The parameters of {type(module).__name__} are on several devices {devices}; move "
-            "the module to one device before fully_shard()."
+            f"The parameters of {name} are on several devices {devices}; move the module to "
+            "one device before fully_shard()."
         )
     device = devices.pop() if devices else index.device
     groups: list[FsdpParameterGroup] = []
@@ -323,7 +480,7 @@ def fully_shard(
                 device=device,
             )
         )
-    unit = FsdpUnit(module, groups, overlap_policy)
+    unit = FsdpUnit(modules, groups, overlap_policy)
     with torch.no_grad():
         for group, indices in zip(groups, members.values()):
             for k, i in enumerate(indices):
@@ -336,38 +493,67 @@ def fully_shard(
     for group in groups:
         group.weights.register_sharded()
         optimizer_steps.track(group.weights)
-    module.__class__ = _fsdp_class(type(module))
-    module._fsdp_unit = unit
-    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward, with_kwargs=True)
+    for member in modules:
+        member.__class__ = _fsdp_class(type(member))
+        member._fsdp_unit = unit
+        member.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+        member.register_forward_hook(unit.post_forward, with_kwargs=True)
     return module
 
 
+def _check_unit_modules(modules: list[torch.nn.Module]) -> None:
+    """Refuses modules that cannot make one unit (`fully_shard`'s Raises)."""
+    if not modules:
+        raise ValueError("fully_shard() got an empty list of modules; give at least one.")
+    for member in modules:
+        if isinstance(member, FsdpModule):
+            raise ValueError(
+                f"{type(member).__name__} is already a Megatron-FSDP unit; call fully_shard() "
+                "once per module."
+            )
+    ids = {id(member) for member in modules}
+    if len(ids) < len(modules):
+        raise ValueError("fully_shard() got the same module twice; give each module once.")
+    for member in modules:
+        inner = next((m for m in member.modules() if m is not member and id(m) in ids), None)
+        if inner is not None:
+            raise ValueError(
+                f"fully_shard() got {type(inner).__name__} and {type(member).__name__}, which "
+                "contains it; give modules of which none contains another (wrap the inner one "
+                "as a unit of its own first if it should gather on its own)."
+            )
+
+
 def _collect_params(
-    module: torch.nn.Module, layouts: dict[str, TensorParallelLayout]
+    modules: list[torch.nn.Module],
 ) -> tuple[list[ParamSlot], list[torch.nn.Parameter]]:
-    """The parameters `module` holds outside nested units, with every place each is registered
-    and its tensor-parallel layout (from `layouts`, by name; absent: replicated).
+    """The parameters `modules` hold outside nested units, with every place each is registered
+    and its tensor-parallel layout (absent: replicated). Names are relative to their module,
+    prefixed with its index among several.
 
     Raises:
         ValueError: a parameter here is held by another unit (shared across units).
     """
     slots: dict[torch.nn.Parameter, ParamSlot] = {}
-    for prefix, owner in _modules_outside_units(module):
-        for name, param in owner._parameters.items():
-            if param is None:
-                continue
-            fqn = f"{prefix}{name}"
-            taken = _owner_unit.get(param)
-            if taken is not None and taken() is not None:
-                raise ValueError(
-                    f"Parameter {fqn!r} of {type(module).__name__} is shared with a module of "
-                    "another Megatron-FSDP unit. A shared parameter must belong to one unit: "
-                    "wrap the lowest common ancestor of its users instead of one of them."
-                )
-            if param not in slots:
-                slots[param] = ParamSlot(fqn, [], layouts.get(fqn))
-            slots[param].registrations.append((weakref.ref(owner), name))
+    for i, module in enumerate(modules):
+        layouts = named_tensor_parallel_layouts(module)
+        prefix_of_module = f"{i}." if len(modules) > 1 else ""
+        for prefix, owner in _modules_outside_units(module):
+            for name, param in owner._parameters.items():
+                if param is None:
+                    continue
+                fqn = f"{prefix}{name}"
+                taken = _owner_unit.get(param)
+                if taken is not None and taken() is not None:
+                    raise ValueError(
+                        f"Parameter {fqn!r} of {type(module).__name__} is shared with a module "
+                        "of another Megatron-FSDP unit. A shared parameter must belong to one "
+                        "unit: wrap the lowest common ancestor of its users instead of one of "
+                        "them."
+                    )
+                if param not in slots:
+                    slots[param] = ParamSlot(prefix_of_module + fqn, [], layouts.get(fqn))
+                slots[param].registrations.append((weakref.ref(owner), name))
     return list(slots.values()), list(slots)
 
 

@@ -102,6 +102,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         else:
             classes = tuple(fsdp_unit_modules)
             units = [m for m in module.modules() if isinstance(m, classes) and m is not module]
+        units = group_layers(module, units, ddp_config.suggested_communication_unit_size)
         # Children before parents: a unit takes what no unit below it holds.
         for unit in [*reversed(units), module]:
             fully_shard(
@@ -216,3 +217,38 @@ def default_fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
         for m in model.modules()
         if m is not model and (isinstance(m, TransformerLayer) or any(m is e for e in ends))
     ]
+
+
+def group_layers(
+    model: torch.nn.Module, units: list[torch.nn.Module], size: int | None
+) -> list[torch.nn.Module | list[torch.nn.Module]]:
+    """`units` (in module order), with runs of consecutive `TransformerLayer`s of one parent
+    merged into units of several modules while their parameters total at most `size` elements
+    (`suggested_communication_unit_size`; None: none merged). A layer larger than `size` stays
+    alone, and so does every other module."""
+    if size is None:
+        return list(units)
+    parents = {id(child): id(parent) for parent in model.modules() for child in parent.children()}
+    grouped: list[torch.nn.Module | list[torch.nn.Module]] = []
+    run: list[torch.nn.Module] = []
+    run_numel = 0
+    for unit in units:
+        numel = sum(p.numel() for p in unit.parameters())
+        joins = (
+            bool(run)
+            and isinstance(unit, TransformerLayer)
+            and parents.get(id(unit)) == parents.get(id(run[-1]))
+            and run_numel + numel <= size
+        )
+        if not joins:
+            if run:
+                grouped.append(run if len(run) > 1 else run[0])
+            run, run_numel = [], 0
+            if not isinstance(unit, TransformerLayer):
+                grouped.append(unit)
+                continue
+        run.append(unit)
+        run_numel += numel
+    if run:
+        grouped.append(run if len(run) > 1 else run[0])
+    return grouped

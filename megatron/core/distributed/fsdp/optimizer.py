@@ -26,13 +26,10 @@ from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 
 
 def parameter_groups(module: torch.nn.Module) -> list[FsdpParameterGroup]:
-    """Every parameter group of every Megatron-FSDP unit in `module`."""
-    return [
-        group
-        for submodule in module.modules()
-        if isinstance(submodule, FsdpModule)
-        for group in submodule.fsdp_unit.groups
-    ]
+    """Every parameter group of every Megatron-FSDP unit in `module` (a unit of several
+    modules once)."""
+    units = dict.fromkeys(m.fsdp_unit for m in module.modules() if isinstance(m, FsdpModule))
+    return [group for unit in units for group in unit.groups]
 
 
 def local_main_weights(module: torch.nn.Module) -> dict[torch.nn.Parameter, torch.Tensor]:

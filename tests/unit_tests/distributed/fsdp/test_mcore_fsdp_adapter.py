@@ -18,6 +18,7 @@ from megatron.core.distributed.fsdp import (
     fully_shard_optimizer,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, megatron_loop
 from tests.unit_tests.distributed_harness import run_distributed
@@ -41,8 +42,8 @@ def _train_adapter(ddp_kwargs: dict, tied: bool = False) -> dict:
     return dict(state=full_state(model), losses=losses, units=units)
 
 
-def _train_ddp(tied: bool = False) -> dict:
-    model = build_tiny_gpt(share_embeddings_and_output_weights=tied)
+def _train_ddp(tied: bool = False, config: TransformerConfig | None = None) -> dict:
+    model = build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 

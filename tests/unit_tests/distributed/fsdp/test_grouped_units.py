@@ -1,0 +1,220 @@
+"""Units of several modules (`fully_shard([m0, m1])`, the adapter's
+`suggested_communication_unit_size`): gradients equal an unsharded model's whatever the modules
+do in a forward (run in a chain or side by side, one skipped, one recomputed, a forward that
+fails midway, several backward passes), the adapter's grouped GPT trains like the DDP engine,
+and bad groupings are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import (
+    FullyShardedDataParallel,
+    fsdp_contexts,
+    fully_shard,
+    fully_shard_optimizer,
+)
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import group_layers
+from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, megatron_loop
+from tests.unit_tests.distributed.fsdp.test_backward_edge_cases import (
+    Block,
+    _assert_grads_match,
+    _averaged_grads,
+    _grads,
+    _inputs,
+)
+from tests.unit_tests.distributed.fsdp.test_mcore_fsdp_adapter import (
+    _assert_matches_ddp,
+    _train_ddp,
+)
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.model_builders import build_tiny_gpt, tiny_gpt_config
+
+DIM = 8
+
+
+class Blocks(torch.nn.Module):
+    """An input layer, four blocks and a head; `mode` says how the blocks run in a forward.
+    (The input layer makes the blocks' inputs need gradients: a unit's backward then ends when
+    they have them, not at the end of the whole backward.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(DIM, DIM)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, mode: str = "chain", fail: bool = False) -> torch.Tensor:
+        b = self.blocks
+        x = self.inp(x)
+        if mode == "side_by_side":  # both read x: each one's input is routed
+            x = b[0](x) + b[1](x)
+        elif mode == "recompute":  # the second block's forward runs again inside backward
+            x = checkpoint(b[1], b[0](x), use_reentrant=False)
+        elif mode == "reentrant":  # the first block's forward runs without autograd, then again
+            x = b[1](checkpoint(b[0], x, use_reentrant=True))
+        else:
+            x = b[0](x)
+            if fail:  # leaves the first unit's forward open
+                raise RuntimeError("simulated failure between a unit's modules")
+            x = b[1](x)
+        x = b[2](x)
+        if mode != "skip":  # the second unit ends with the root's forward
+            x = b[3](x)
+        return self.head(x).pow(2).mean()
+
+
+def _grouped(strategy: str) -> Blocks:
+    torch.manual_seed(0)
+    model = Blocks().to(current_device())
+    fully_shard(list(model.blocks[:2]), sharding_strategy=strategy)
+    fully_shard(list(model.blocks[2:]), sharding_strategy=strategy)
+    return fully_shard(model, sharding_strategy=strategy)
+
+
+def _reference() -> Blocks:
+    torch.manual_seed(0)
+    return Blocks().to(current_device())
+
+
+def _two_backwards(strategy: str, mode: str) -> tuple[dict, dict, bool]:
+    """Two forwards and backwards (gradients accumulated): the second forward must find
+    the first one's units closed, whichever modules ran. Also whether the main weights were
+    registered again after each forward, as between any unit's forward and backward."""
+    model, reference = _grouped(strategy), _reference()
+    registered = True
+    for seed in (0, 1):
+        x = _inputs(10 * dist.get_rank() + seed)
+        loss = model(x, mode)
+        registered &= all(isinstance(p, DTensor) for p in model.parameters())
+        loss.backward()
+        reference(x, mode).backward()
+    return _grads(model), _averaged_grads(reference), registered
+
+
+@pytest.mark.parametrize("mode", ["chain", "side_by_side", "skip", "recompute", "reentrant"])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
+def test_grouped_units_get_the_unsharded_models_gradients(strategy, mode):
+    results = run_distributed(_two_backwards, 2, strategy, mode)
+    _assert_grads_match([(grads, expected) for grads, expected, _ in results])
+    assert all(registered for _, _, registered in results)
+
+
+def _passes(strategy: str) -> tuple[dict, dict, list[str]]:
+    """A failed forward, an inference forward, two forwards then two backwards (1F1B order),
+    and a backward run twice through one forward."""
+    model, reference = _grouped(strategy), _reference()
+    rank = dist.get_rank()
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        model(_inputs(rank), fail=True)
+    with torch.no_grad():
+        model(_inputs(rank + 10))
+    inputs = [_inputs(rank + 20), _inputs(rank + 30)]
+    for loss in [model(x) for x in inputs]:
+        loss.backward()
+    twice = model(_inputs(rank + 40))
+    twice.backward(retain_graph=True)
+    twice.backward()
+    for x in [*inputs, _inputs(rank + 40), _inputs(rank + 40)]:
+        reference(x).backward()
+    names = [unit.name for unit in fsdp_contexts(model)[0].units()]
+    return _grads(model), _averaged_grads(reference), names
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_grouped_units_survive_failures_inference_and_several_backwards(strategy):
+    results = run_distributed(_passes, 2, strategy)
+    _assert_grads_match([(grads, expected) for grads, expected, _ in results])
+    for _, _, names in results:
+        assert names[1:] == ["blocks.0+blocks.1", "blocks.2+blocks.3"]
+
+
+def _train_grouped(ddp_kwargs: dict, layers_per_unit: int) -> dict:
+    model = build_tiny_gpt(tiny_gpt_config(num_layers=4))
+    layer_numel = sum(p.numel() for p in model.decoder.layers[0].parameters())
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        suggested_communication_unit_size=layers_per_unit * layer_numel,
+        **ddp_kwargs,
+    )
+    fsdp = FullyShardedDataParallel(model.config, config, model)
+    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    losses = megatron_loop(fsdp, optimizer, lambda opt: opt.step())
+    names = [unit.name for unit in fsdp_contexts(fsdp.module)[0].units()]
+    return dict(state=full_state(model), losses=losses, names=names)
+
+
+def _train_ddp_4_layers() -> dict:
+    return _train_ddp(config=tiny_gpt_config(num_layers=4))
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [
+        {"data_parallel_sharding_strategy": "optim_grads_params"},
+        {"data_parallel_sharding_strategy": "optim_grads", "grad_reduce_in_fp32": True},
+    ],
+    ids=lambda kwargs: kwargs["data_parallel_sharding_strategy"],
+)
+def test_adapter_groups_layers_up_to_the_suggested_size_and_trains_like_ddp(ddp_kwargs):
+    fsdp = run_distributed(_train_grouped, 2, ddp_kwargs, 2)
+    for rank in fsdp:
+        layers = rank["names"][2:-1]  # after the root and the embedding, before the output
+        assert layers == ["decoder.layers.0+decoder.layers.1", "decoder.layers.2+decoder.layers.3"]
+    _assert_matches_ddp(fsdp, run_distributed(_train_ddp_4_layers, 2))
+
+
+def test_group_layers_keeps_other_modules_alone_and_layers_larger_than_the_size():
+    model = build_tiny_gpt(tiny_gpt_config(num_layers=5))
+    layers = list(model.decoder.layers)
+    layer = sum(p.numel() for p in layers[0].parameters())
+    units = [model.embedding, *layers, model.output_layer]
+    assert group_layers(model, units, None) == units
+    assert group_layers(model, units, layer - 1) == units
+    assert group_layers(model, units, 3 * layer) == [
+        model.embedding,
+        layers[:3],
+        layers[3:],
+        model.output_layer,
+    ]
+
+
+def _bad_groupings() -> dict[str, str]:
+    block = Block()
+    messages = {}
+
+    def message(fn) -> None:
+        with pytest.raises(ValueError) as error:
+            fn()
+        messages[fn.__name__] = str(error.value)
+
+    def empty():
+        fully_shard([])
+
+    def twice():
+        fully_shard([block, block])
+
+    def nested():
+        fully_shard([block, block.a])
+
+    def without_root():
+        model = Blocks()
+        fully_shard(list(model.blocks[:2]))
+        model.blocks[0](torch.randn(2, DIM))
+
+    for fn in (empty, twice, nested, without_root):
+        message(fn)
+    return messages
+
+
+def test_bad_groupings_raise_with_the_fix():
+    messages = run_distributed(_bad_groupings, 1)[0]
+    assert "give at least one" in messages["empty"]
+    assert "same module twice" in messages["twice"]
+    assert "contains it" in messages["nested"]
+    assert "without a root" in messages["without_root"]
