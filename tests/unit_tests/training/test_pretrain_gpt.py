@@ -74,6 +74,11 @@ def test_fsdp_losses_match_ddp(strategy):
     _assert_fsdp_matches_ddp(2, fsdp_flags)
 
 
+def test_fsdp_with_both_layers_in_one_unit_matches_ddp():
+    # Each of TINY's layers holds 12,704 elements.
+    _assert_fsdp_matches_ddp(2, [*ZERO3, "--suggested-communication-unit-size", "30000"])
+
+
 def test_fsdp_on_meta_device_matches_ddp_on_4_ranks():
     _assert_fsdp_matches_ddp(4, [*ZERO3, "--init-model-with-meta-device"])
 
