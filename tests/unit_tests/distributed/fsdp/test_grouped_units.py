@@ -32,6 +32,7 @@ from tests.unit_tests.distributed.fsdp.test_mcore_fsdp_adapter import (
     _assert_matches_ddp,
     _train_ddp,
 )
+from tests.unit_tests.distributed.fsdp.test_overlap import _gpu_losses
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.model_builders import build_tiny_gpt, tiny_gpt_config
 
@@ -218,3 +219,21 @@ def test_bad_groupings_raise_with_the_fix():
     assert "same module twice" in messages["twice"]
     assert "contains it" in messages["nested"]
     assert "without a root" in messages["without_root"]
+
+
+# GPU: the side streams and their events around units of several layers.
+
+# Two of `_gpu_losses`' layers (width 1024: 12,596,224 elements each), not three.
+_TWO_GPU_LAYERS = 26_000_000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_units_of_two_layers_train_bitwise_as_units_of_one_on_gpu(world_size):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs (run on the GPU machine)")
+    one = dict(overlap_param_gather=True, overlap_grad_reduce=True)
+    two = dict(one, suggested_communication_unit_size=_TWO_GPU_LAYERS)
+    grouped, single = (run_distributed(_gpu_losses, world_size, kw) for kw in (two, one))
+    for r_two, r_one in zip(grouped, single):
+        torch.testing.assert_close(r_two, r_one, rtol=0, atol=0)
