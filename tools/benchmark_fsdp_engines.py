@@ -30,6 +30,7 @@ from megatron.core.distributed.fsdp import (
     fully_shard_optimizer,
     local_main_weights,
     microbatch,
+    unit_memory,
 )
 from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -209,6 +210,9 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
     for option, nbytes in accumulation_memory(fsdp).items():
         if getattr(args, f"megatron_fsdp_{option}") and dist.get_rank() == 0:
             print(f"{name}: {option} holds up to {nbytes / 2**20:,.1f} MiB per rank")
+    if args.suggested_communication_unit_size is not None and dist.get_rank() == 0:
+        held = ", ".join(f"{kind} {n / 2**20:,.1f} MiB" for kind, n in unit_memory(fsdp).items())
+        print(f"{name}: one unit holds up to (whole, per rank) {held}")
     # The local shards of the main weights: the optimizer skips DTensor dispatch.
     params = local_main_weights(fsdp).values()
     optimizer = fully_shard_optimizer(make_adamw(params, args), fsdp)

@@ -81,6 +81,7 @@ from megatron.training.utils import (
     get_device,
     logger,
     print_rank_0,
+    unit_memory_note,
 )
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -264,7 +265,7 @@ def get_model(
         model.broadcast_params()
     engine = (
         f"Megatron-FSDP ({args.data_parallel_sharding_strategy}"
-        f"{accumulation_memory_note(model, args)})"
+        f"{accumulation_memory_note(model, args)}{unit_memory_note(model, args)})"
         if args.use_megatron_fsdp
         else "the DDP engine"
     )

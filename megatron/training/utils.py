@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from megatron.core import parallel_state
-from megatron.core.distributed.fsdp import accumulation_memory
+from megatron.core.distributed.fsdp import accumulation_memory, unit_memory
 
 logger = logging.getLogger("megatron.training")
 """Everything the training loop reports goes through this logger (tests attach handlers)."""
@@ -63,6 +63,20 @@ def accumulation_memory_note(model: torch.nn.Module, args: argparse.Namespace) -
         "rank across a step's microbatches"
         for option, nbytes in accumulation_memory(model).items()
         if getattr(args, f"megatron_fsdp_{option}")
+    )
+
+
+def unit_memory_note(model: torch.nn.Module, args: argparse.Namespace) -> str:
+    """What one unit holds whole with `--suggested-communication-unit-size` (`unit_memory`),
+    as "; --suggested-communication-unit-size N: a unit holds up to X MiB ...", or ""."""
+    size = getattr(args, "suggested_communication_unit_size", None)
+    if not args.use_megatron_fsdp or size is None:
+        return ""
+    memory = unit_memory(model)
+    return (
+        f"; --suggested-communication-unit-size {size}: a unit holds up to "
+        f"{memory['weights'] / 2**20:,.1f} MiB of whole weights while gathered and "
+        f"{memory['grads'] / 2**20:,.1f} MiB of whole gradients while reduced, per rank"
     )
 
 

@@ -23,6 +23,7 @@ from megatron.core.distributed.fsdp.microbatch import (
     fsdp_roots,
     microbatch,
     set_profiler_labels,
+    unit_memory,
 )
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.optimizer import (
@@ -56,4 +57,5 @@ __all__ = [
     "microbatch",
     "parameter_groups",
     "set_profiler_labels",
+    "unit_memory",
 ]

@@ -1,6 +1,6 @@
 """`microbatch()`: tells Megatron-FSDP where a backward sits in gradient accumulation; and the
 other root-level controls (`fsdp_roots`, `fsdp_contexts`, `set_profiler_labels`,
-`accumulation_memory`).
+`accumulation_memory`, `unit_memory`).
 
     for i, batch in enumerate(batches):
         with microbatch(model, is_last=i == len(batches) - 1):
@@ -114,3 +114,31 @@ def accumulation_memory(module: torch.nn.Module) -> dict[str, int]:
                     numel = sum(shape.numel() for shape in layout.shapes)
                     grads += numel * plan.precision.main_grads.itemsize
     return {"keep_unsharded_params": weights, "accumulate_unsharded_grads": grads}
+
+
+def unit_memory(module: torch.nn.Module) -> dict[str, int]:
+    """The most one unit other than a root holds whole, in bytes on this rank (what units of
+    several layers, `suggested_communication_unit_size`, raise):
+
+    - "weights": its compute weights while gathered (ZeRO-3), up to `max_unsharded_units`
+      units' at once;
+    - "grads": its gradients in the reduction dtype while reduce-scattered (ZeRO-2/3), the unit
+      whose backward runs and the one reduced before it at once.
+
+    Raises:
+        ValueError: there is no Megatron-FSDP unit under `module`.
+    """
+    weights = grads = 0
+    for context in fsdp_contexts(module):
+        for unit in context.units():
+            if unit.position == 0:
+                continue
+            unit_weights = unit_grads = 0
+            for group in unit.groups:
+                plan, numel = group.plan, group.weights.layout.numel
+                if plan.transient_unsharded:
+                    unit_weights += numel * plan.model_dtype.itemsize
+                if plan.requires_grad and plan.shards_grads:
+                    unit_grads += numel * plan.precision.grad_comm.itemsize
+            weights, grads = max(weights, unit_weights), max(grads, unit_grads)
+    return {"weights": weights, "grads": grads}

@@ -6,6 +6,8 @@ and bad groupings are refused."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,8 +20,10 @@ from megatron.core.distributed.fsdp import (
     fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
+    unit_memory,
 )
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import group_layers
+from megatron.training.utils import unit_memory_note
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, megatron_loop
 from tests.unit_tests.distributed.fsdp.test_backward_edge_cases import (
     Block,
@@ -168,6 +172,33 @@ def test_adapter_groups_layers_up_to_the_suggested_size_and_trains_like_ddp(ddp_
         layers = rank["names"][2:-1]  # after the root and the embedding, before the output
         assert layers == ["decoder.layers.0+decoder.layers.1", "decoder.layers.2+decoder.layers.3"]
     _assert_matches_ddp(fsdp, run_distributed(_train_ddp_4_layers, 2))
+
+
+def _unit_memory(layers_per_unit: int) -> tuple[dict[str, int], int, str]:
+    """`unit_memory` of a 4-layer GPT (fp32) in units of `layers_per_unit` layers, the bytes of
+    that many layers' weights padded to N chunks (computed here), and the start-up note."""
+    model = build_tiny_gpt(tiny_gpt_config(num_layers=4))
+    layers = model.decoder.layers[:layers_per_unit]
+    size = layers_per_unit * sum(p.numel() for p in layers[0].parameters())
+    world = dist.get_world_size()
+    params = [p for layer in layers for p in layer.parameters()]
+    padded = sum(-(-p.shape[0] // world) * world * p[0].numel() for p in params)
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        suggested_communication_unit_size=size,
+    )
+    fsdp = FullyShardedDataParallel(model.config, config, model)
+    args = argparse.Namespace(use_megatron_fsdp=True, suggested_communication_unit_size=size)
+    return unit_memory(fsdp), padded * 4, unit_memory_note(fsdp, args)
+
+
+def test_unit_memory_is_the_largest_units_whole_weights_and_gradients():
+    for layers_per_unit in (1, 2):
+        memory, expected, note = run_distributed(_unit_memory, 2, layers_per_unit)[0]
+        assert memory == {"weights": expected, "grads": expected}  # fp32 weights and gradients
+        mib = f"{expected / 2**20:,.1f} MiB"
+        assert f"up to {mib} of whole weights while gathered and {mib} of whole gradients" in note
 
 
 def test_group_layers_keeps_other_modules_alone_and_layers_larger_than_the_size():
