@@ -69,7 +69,7 @@ def accumulation_memory_note(model: torch.nn.Module, args: argparse.Namespace) -
 def unit_memory_note(model: torch.nn.Module, args: argparse.Namespace) -> str:
     """What one unit holds whole with `--suggested-communication-unit-size` (`unit_memory`),
     as "; --suggested-communication-unit-size N: a unit holds up to X MiB ...", or ""."""
-    size = getattr(args, "suggested_communication_unit_size", None)
+    size = args.suggested_communication_unit_size
     if not args.use_megatron_fsdp or size is None:
         return ""
     memory = unit_memory(model)

@@ -172,7 +172,11 @@ class FsdpContext:
         next unit's. Returns whether the unit's inputs must report the end of its backward
         (a forward with autograd, not an activation-recompute rerun)."""
         if in_backward():
-            # An activation-recompute rerun: the unit's weights are already in use.
+            # An activation-recompute rerun: the unit's weights are already in use, unless its
+            # forward ran without autograd (a reentrant checkpoint's first pass), whose backward
+            # no hook announced: the end of this backward reduces it.
+            self._queue_end_of_backward()
+            self._entered.add(unit.position)
             self._use(unit, "recompute")
             self._register(unit, unsharded=True)
             return False

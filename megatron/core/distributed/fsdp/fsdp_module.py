@@ -13,10 +13,13 @@ gradient gets a hook whose first call marks the start of the unit's backward.
 
 A unit may be several modules (`fully_shard([layer_0, layer_1])`, as in FSDP2), gathered and
 reduced together: one set of collectives and hooks' work for all of them, for the memory of
-their whole weights at once. Its forward starts at the first of them to run and ends when all
-have run (or the root's forward ends). Only inputs that are not outputs of the unit's earlier
-modules are routed, and its backward is complete once every routed input has its gradient;
-every module's outputs announce its backward.
+their whole weights at once. Inside the root's forward, the unit's forward starts at the first
+of them to run and ends when all have run (or the root's forward ends); outside it, each call of
+one of them is a whole forward of the unit. Only inputs that are not outputs of the unit's
+earlier modules are routed, its backward is complete once every routed input has its gradient,
+and every module's outputs announce it. Where a module runs without autograd or without an
+input that needs a gradient, no routed input can tell when its backward is over: the end of the
+whole backward then reduces the unit, as it does a unit fed token ids.
 
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
@@ -29,7 +32,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
@@ -38,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from megatron.core.distributed.expert_parallel import is_expert_param
 from megatron.core.distributed.fsdp import optimizer_steps
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.context import FsdpContext, in_backward
+from megatron.core.distributed.fsdp.context import FsdpContext, TrainingState, in_backward
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
@@ -46,6 +49,9 @@ from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, Param
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
 from megatron.core.utils import direct_apply
+
+_Modules = TypeVar("_Modules", torch.nn.Module, Sequence[torch.nn.Module])
+"""What `fully_shard` takes and returns: a module, or the modules of one unit."""
 
 _owner_unit = WeakIdKeyDictionary()
 """Original parameter -> weakref of the unit that took it (to refuse sharing across units)."""
@@ -139,8 +145,9 @@ class FsdpUnit:
             return context
         if len(self._modules) > 1:
             raise ValueError(
-                f"The Megatron-FSDP unit {self.name} of several modules ran without a root. "
-                "Call fully_shard() on a module that contains them all (the model) after them."
+                f"The Megatron-FSDP unit {self.name} of several modules has no root yet: call "
+                "fully_shard() on a module that contains them all (the model) after them, and "
+                "use the model (its forward, microbatch() or fully_shard_optimizer()) first."
             )
         module = self.module
         names = {id(m): name for name, m in module.named_modules()}
@@ -152,7 +159,7 @@ class FsdpUnit:
         for unit in units[1:]:
             if unit.overlap_policy is not None and unit.overlap_policy != policy:
                 raise ValueError(
-                    f"The Megatron-FSDP unit {type(unit.module).__name__} was given "
+                    f"The Megatron-FSDP unit {unit.name} was given "
                     f"{unit.overlap_policy}, but its root {type(module).__name__} uses {policy}: "
                     "the root's schedule applies to every unit below it. Pass the same "
                     "OverlapPolicy to both, or only to the root."
@@ -180,72 +187,86 @@ class FsdpUnit:
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         context = self.lazy_init()
-        recompute = in_backward()
-        if self._grouped and not recompute:
+        if in_backward():
+            context.pre_forward(self)  # an activation-recompute rerun
+            return args, kwargs
+        if self._grouped:
             # The root's forward starts: what a failed one left open is over.
             for unit in self._live_grouped():
                 unit._forward = None
-        forward = self._forward
-        if forward is None or recompute:
-            with_autograd = context.pre_forward(self)
-            if recompute:
-                return args, kwargs
-            if len(self._modules) > 1:
-                forward = self._forward = _GroupForward(self)
-            elif not with_autograd:
-                return args, kwargs
-        if forward is None:
-            return self._route(_BackwardEnd(self), args, kwargs)
-        if not torch.is_grad_enabled():
-            # A module of a unit of several run without autograd (a reentrant checkpoint's
-            # first pass; or an inference forward): its backward, if any, runs outside what
-            # the routed inputs can tell, so the end of the whole backward reduces the unit.
-            forward.end.unreachable = True
-            self._set_reduction_point(forward.end)
+        if len(self._modules) > 1:
+            return self._pre_forward_of_member(context, args, kwargs)
+        if not context.pre_forward(self):
             return args, kwargs
-        # A module of a unit of several: its inputs made by the unit's earlier modules are
-        # reached by the backward before those modules' inputs.
-        return self._route(forward.end, args, kwargs, skip=forward.produced_inside)
-
-    def _route(
-        self,
-        end: _BackwardEnd,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        skip: Callable[[torch.Tensor], bool] | None = None,
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Routes inputs through `_PostBackward` (`_route_inputs`); the unit's gradients are
-        then reduced at the end of its own backward if any input was routed, else at the end
-        of the whole backward."""
-        routed = _route_inputs(end, args, kwargs, skip)
+        end = _BackwardEnd(self)
+        routed, _ = _route_inputs(end, args, kwargs)
         self._set_reduction_point(end)
         return routed
 
+    def _pre_forward_of_member(
+        self, context: FsdpContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The pre-forward of one module of a unit of several: the first to run opens the
+        unit's forward; each routes its inputs not made inside the unit (those are reached by
+        the backward before the inputs of the modules that made them)."""
+        forward = self._forward
+        if forward is None or context.state is not TrainingState.FORWARD:
+            # Outside the root's forward every call of a module is a forward of the unit.
+            context.pre_forward(self)
+            forward = self._forward = _GroupForward(self)
+        if not torch.is_grad_enabled():
+            # Run without autograd (a reentrant checkpoint's first pass, or inference): its
+            # backward, if any, runs where no routed input can tell its end.
+            forward.end.unreachable = True
+            return args, kwargs
+        forward.with_autograd = True
+        routed, needs_grad = _route_inputs(forward.end, args, kwargs, forward.produced_inside)
+        if not needs_grad:
+            # No input needs a gradient, so none tells when this module's backward is over.
+            forward.end.unreachable = True
+        return routed
+
     def _set_reduction_point(self, end: _BackwardEnd) -> None:
+        """The unit's gradients are reduced at the end of its own backward where `end` is
+        reachable, else at the end of the whole backward."""
         for group in self.groups:
             if group.grads is not None:
                 group.grads.reduced_after_own_backward = end.reachable
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        forward = self._forward
-        if forward is not None and not in_backward():
-            forward.pending.discard(id(module))
-            forward.produced.extend(_announce_backward(output, forward.hook))
-            if forward.pending:
-                return output
-            self._forward = None
-            self.context.post_forward(self)
-            return output
+        if len(self._modules) > 1 and not in_backward():
+            return self._post_forward_of_member(module, output)
         if self._grouped:
             # The root's forward ends: so do its units' whose modules did not all run.
             for unit in self._live_grouped():
                 if unit._forward is not None:
-                    unit._forward = None
-                    self.context.post_forward(unit)
+                    unit._end_forward()
         if not self.context.post_forward(self):
             return output
         _announce_backward(output, _PreBackwardHook(self))
         return output
+
+    def _post_forward_of_member(self, module: torch.nn.Module, output: Any) -> Any:
+        """The post-forward of one module of a unit of several: its outputs announce the
+        unit's backward; the last module to run (or any, outside the root's forward) ends
+        the unit's forward."""
+        forward = self._forward
+        if forward is None:
+            # Ended already: outside the root's forward, by a module of the unit it called.
+            return output
+        forward.pending.discard(id(module))
+        forward.produced.extend(_announce_backward(output, forward.hook))
+        if not forward.pending or self.context.state is not TrainingState.FORWARD:
+            self._end_forward()
+        return output
+
+    def _end_forward(self) -> None:
+        """Ends the open forward of this unit of several modules: its reduction point (unless
+        it ran without autograd), then the context's post-forward."""
+        forward, self._forward = self._forward, None
+        if forward.with_autograd:
+            self._set_reduction_point(forward.end)
+        self.context.post_forward(self)
 
     def _live_grouped(self) -> Iterator[FsdpUnit]:
         for ref in self._grouped:
@@ -264,15 +285,17 @@ class _GroupForward:
         produced: the outputs of the unit's modules so far (that need a gradient), held until
             the forward ends.
         hook: announces the unit's backward, registered on every module's outputs.
+        with_autograd: whether some module ran with autograd (not an inference forward).
     """
 
-    __slots__ = ("end", "pending", "produced", "hook")
+    __slots__ = ("end", "pending", "produced", "hook", "with_autograd")
 
     def __init__(self, unit: FsdpUnit):
         self.end = _BackwardEnd(unit)
         self.pending = {id(module) for module in unit.modules}
         self.produced: list[torch.Tensor] = []
         self.hook = _PreBackwardHook(unit)
+        self.with_autograd = False
 
     def produced_inside(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is an output of one of the unit's modules in this forward."""
@@ -329,14 +352,15 @@ def _announce_backward(output: Any, hook: _PreBackwardHook) -> list[torch.Tensor
 
 class _BackwardEnd:
     """The end of one forward's backward of a unit: reached once the gradients of every input
-    routed through `_PostBackward` in that forward exist (one routing, but for units of several
-    modules). Counted per backward pass (graph task), so each backward through the same forward
-    (`retain_graph=True`) reaches it.
+    routed through `_PostBackward` in that forward exist (one routing per module that routed
+    any: one for a unit of one module). Counted per backward pass (graph task), so each
+    backward through the same forward (`retain_graph=True`) reaches it.
 
     Attributes:
         routed: how many `_PostBackward`s the forward routed inputs through.
-        unreachable: the forward ran a module of the unit without autograd, whose backward
-            the routed inputs cannot tell the end of (`FsdpUnit.pre_forward`).
+        unreachable: a module of the unit ran whose backward's end no routed input tells (run
+            without autograd, or with no input that needs a gradient); the end of the whole
+            backward then reduces the unit.
     """
 
     __slots__ = ("_unit", "routed", "unreachable", "_task", "_arrived")
@@ -390,27 +414,28 @@ def _route_inputs(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     skip: Callable[[torch.Tensor], bool] | None = None,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Routes the floating-point inputs that require grad (but those `skip` names) through
-    one `_PostBackward` counted by `end`; returns the new (args, kwargs). Routes nothing where
-    there is none (the root, fed token ids): the end-of-backward callback reduces such units."""
+) -> tuple[tuple[tuple[Any, ...], dict[str, Any]], bool]:
+    """Routes the inputs that need a gradient (but those `skip` names) through one
+    `_PostBackward` counted by `end`. Routes nothing where there is none (the root, fed token
+    ids): the end-of-backward callback reduces such units.
+
+    Returns:
+        The new (args, kwargs), and whether any input needs a gradient (skipped ones too).
+    """
     flat, rebuild = _flatten(args) if not kwargs else _flatten((args, kwargs))
-    positions = [
-        i
-        for i, t in enumerate(flat)
-        if isinstance(t, torch.Tensor) and t.requires_grad and (skip is None or not skip(t))
-    ]
+    needing = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    positions = needing if skip is None else [i for i in needing if not skip(flat[i])]
     if not positions:
-        return args, kwargs
+        return (args, kwargs), bool(needing)
     end.routed += 1
     outputs = _apply_post_backward(end, *(flat[i] for i in positions))
     for i, tensor in zip(positions, outputs):
         flat[i] = tensor
-    return (rebuild(flat), kwargs) if not kwargs else rebuild(flat)
+    return ((rebuild(flat), kwargs) if not kwargs else rebuild(flat)), True
 
 
 def fully_shard(
-    module: torch.nn.Module | Sequence[torch.nn.Module],
+    module: _Modules,
     distributed_index: FSDPDistributedIndex | None = None,
     *,
     sharding_strategy: str | ShardingStrategy = "optim_grads_params",
@@ -418,7 +443,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     overlap_policy: OverlapPolicy | None = None,
     is_expert: Callable[[str, torch.nn.Parameter], bool] = is_expert_param,
-) -> torch.nn.Module:
+) -> _Modules:
     """Makes `module` a Megatron-FSDP unit in place and returns it.
 
     Args:

@@ -63,6 +63,10 @@ class Blocks(torch.nn.Module):
             x = checkpoint(b[1], b[0](x), use_reentrant=False)
         elif mode == "reentrant":  # the first block's forward runs without autograd, then again
             x = b[1](checkpoint(b[0], x, use_reentrant=True))
+        elif mode == "reentrant_whole":  # both blocks: no hook sees their backward
+            x = checkpoint(lambda y: b[1](b[0](y)), x, use_reentrant=True)
+        elif mode == "detached_view":  # only the second block's input is routed
+            x = b[1](b[0](x.detach()).view_as(x))
         else:
             x = b[0](x)
             if fail:  # leaves the first unit's forward open
@@ -74,11 +78,13 @@ class Blocks(torch.nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def _grouped(strategy: str) -> Blocks:
+def _grouped(strategy: str, grouped: bool = True) -> Blocks:
+    """The blocks in units of two (or, not `grouped`, of one), and the root."""
     torch.manual_seed(0)
     model = Blocks().to(current_device())
-    fully_shard(list(model.blocks[:2]), sharding_strategy=strategy)
-    fully_shard(list(model.blocks[2:]), sharding_strategy=strategy)
+    blocks = list(model.blocks)
+    for unit in [blocks[:2], blocks[2:]] if grouped else blocks:
+        fully_shard(unit, sharding_strategy=strategy)
     return fully_shard(model, sharding_strategy=strategy)
 
 
@@ -87,11 +93,11 @@ def _reference() -> Blocks:
     return Blocks().to(current_device())
 
 
-def _two_backwards(strategy: str, mode: str) -> tuple[dict, dict, bool]:
+def _two_backwards(strategy: str, mode: str, grouped: bool = True) -> tuple[dict, dict, bool]:
     """Two forwards and backwards (gradients accumulated): the second forward must find
     the first one's units closed, whichever modules ran. Also whether the main weights were
     registered again after each forward, as between any unit's forward and backward."""
-    model, reference = _grouped(strategy), _reference()
+    model, reference = _grouped(strategy, grouped), _reference()
     registered = True
     for seed in (0, 1):
         x = _inputs(10 * dist.get_rank() + seed)
@@ -102,7 +108,10 @@ def _two_backwards(strategy: str, mode: str) -> tuple[dict, dict, bool]:
     return _grads(model), _averaged_grads(reference), registered
 
 
-@pytest.mark.parametrize("mode", ["chain", "side_by_side", "skip", "recompute", "reentrant"])
+@pytest.mark.parametrize(
+    "mode",
+    ["chain", "side_by_side", "skip", "recompute", "reentrant", "reentrant_whole", "detached_view"],
+)
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
 def test_grouped_units_get_the_unsharded_models_gradients(strategy, mode):
     results = run_distributed(_two_backwards, 2, strategy, mode)
@@ -110,7 +119,15 @@ def test_grouped_units_get_the_unsharded_models_gradients(strategy, mode):
     assert all(registered for _, _, registered in results)
 
 
-def _passes(strategy: str) -> tuple[dict, dict, list[str]]:
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_units_of_one_module_whose_backward_no_hook_announces_are_reduced(strategy):
+    # Both blocks inside one reentrant checkpoint: their forward runs without autograd, and
+    # their backward inside the checkpoint's; the end of the whole backward reduces them.
+    results = run_distributed(_two_backwards, 2, strategy, "reentrant_whole", False)
+    _assert_grads_match([(grads, expected) for grads, expected, _ in results])
+
+
+def _passes(strategy: str) -> tuple[dict, dict, list[str], bool]:
     """A failed forward, an inference forward, two forwards then two backwards (1F1B order),
     and a backward run twice through one forward."""
     model, reference = _grouped(strategy), _reference()
@@ -119,6 +136,8 @@ def _passes(strategy: str) -> tuple[dict, dict, list[str]]:
         model(_inputs(rank), fail=True)
     with torch.no_grad():
         model(_inputs(rank + 10))
+    model.blocks[0](_inputs(rank + 50))  # alone: a whole forward of its unit
+    registered_after_alone = all(isinstance(p, DTensor) for p in model.parameters())
     inputs = [_inputs(rank + 20), _inputs(rank + 30)]
     for loss in [model(x) for x in inputs]:
         loss.backward()
@@ -128,15 +147,18 @@ def _passes(strategy: str) -> tuple[dict, dict, list[str]]:
     for x in [*inputs, _inputs(rank + 40), _inputs(rank + 40)]:
         reference(x).backward()
     names = [unit.name for unit in fsdp_contexts(model)[0].units()]
-    return _grads(model), _averaged_grads(reference), names
+    return _grads(model), _averaged_grads(reference), names, registered_after_alone
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
 def test_grouped_units_survive_failures_inference_and_several_backwards(strategy):
+    """Also a module of a unit run alone, outside the root's forward, which is a whole forward
+    of the unit: the main weights are registered again after it."""
     results = run_distributed(_passes, 2, strategy)
-    _assert_grads_match([(grads, expected) for grads, expected, _ in results])
-    for _, _, names in results:
+    _assert_grads_match([(grads, expected) for grads, expected, _, _ in results])
+    for _, _, names, registered_after_alone in results:
         assert names[1:] == ["blocks.0+blocks.1", "blocks.2+blocks.3"]
+        assert registered_after_alone
 
 
 def _train_grouped(ddp_kwargs: dict, layers_per_unit: int) -> dict:
@@ -249,7 +271,7 @@ def test_bad_groupings_raise_with_the_fix():
     assert "give at least one" in messages["empty"]
     assert "same module twice" in messages["twice"]
     assert "contains it" in messages["nested"]
-    assert "without a root" in messages["without_root"]
+    assert "has no root yet" in messages["without_root"]
 
 
 # GPU: the side streams and their events around units of several layers.
