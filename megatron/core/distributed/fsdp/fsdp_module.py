@@ -218,17 +218,22 @@ class FsdpUnit:
             # Run without autograd (a reentrant checkpoint's first pass, or inference): its
             # backward, if any, runs where no routed input can tell its end.
             forward.end.unreachable = True
+            if forward.with_autograd:
+                self._set_reduction_point(forward.end)
             return args, kwargs
         forward.with_autograd = True
         routed, needs_grad = _route_inputs(forward.end, args, kwargs, forward.produced_inside)
         if not needs_grad:
             # No input needs a gradient, so none tells when this module's backward is over.
             forward.end.unreachable = True
+        self._set_reduction_point(forward.end)
         return routed
 
     def _set_reduction_point(self, end: _BackwardEnd) -> None:
         """The unit's gradients are reduced at the end of its own backward where `end` is
-        reachable, else at the end of the whole backward."""
+        reachable, else at the end of the whole backward. Set before each module's forward
+        with autograd: linear layers ask it there whether to write their weight gradients into
+        the reduction's input (not an inference forward's, which has no backward)."""
         for group in self.groups:
             if group.grads is not None:
                 group.grads.reduced_after_own_backward = end.reachable
@@ -261,11 +266,8 @@ class FsdpUnit:
         return output
 
     def _end_forward(self) -> None:
-        """Ends the open forward of this unit of several modules: its reduction point (unless
-        it ran without autograd), then the context's post-forward."""
-        forward, self._forward = self._forward, None
-        if forward.with_autograd:
-            self._set_reduction_point(forward.end)
+        """Ends the open forward of this unit of several modules (the context's post-forward)."""
+        self._forward = None
         self.context.post_forward(self)
 
     def _live_grouped(self) -> Iterator[FsdpUnit]:

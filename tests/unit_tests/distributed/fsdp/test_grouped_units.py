@@ -7,6 +7,7 @@ and bad groupings are refused."""
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from megatron.core.distributed.fsdp import (
     fully_shard_optimizer,
     unit_memory,
 )
+from megatron.core.distributed.fsdp.gradients import GroupGrads
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import group_layers
 from megatron.training.utils import unit_memory_note
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, megatron_loop
@@ -38,7 +40,11 @@ from tests.unit_tests.distributed.fsdp.test_mcore_fsdp_adapter import (
 )
 from tests.unit_tests.distributed.fsdp.test_overlap import _gpu_losses
 from tests.unit_tests.distributed_harness import current_device, run_distributed
-from tests.unit_tests.model_builders import build_tiny_gpt, tiny_gpt_config
+from tests.unit_tests.model_builders import (
+    build_tiny_gpt,
+    device_batch,
+    tiny_gpt_config,
+)
 
 DIM = 8
 
@@ -221,6 +227,38 @@ def test_unit_memory_is_the_largest_units_whole_weights_and_gradients():
         assert memory == {"weights": expected, "grads": expected}  # fp32 weights and gradients
         mib = f"{expected / 2**20:,.1f} MiB"
         assert f"up to {mib} of whole weights while gathered and {mib} of whole gradients" in note
+
+
+def _fused_weight_gradients(layers_per_unit: int) -> int:
+    """How many weight gradients linear layers wrote into reduce-scatter inputs themselves (no
+    gradient left to autograd) in the first backward of a 4-layer GPT with gradient-accumulation
+    fusion, in units of that many layers. The layers ask at their forward whether to: a unit of
+    several modules must answer before the first of them runs."""
+    model = build_tiny_gpt(tiny_gpt_config(num_layers=4, gradient_accumulation_fusion=True))
+    layer_numel = sum(p.numel() for p in model.decoder.layers[0].parameters())
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        suggested_communication_unit_size=layers_per_unit * layer_numel,
+    )
+    fsdp = FullyShardedDataParallel(model.config, config, model)
+    tokens, labels = device_batch(2, seed=dist.get_rank())
+    fused = []
+    reduce = GroupGrads.reduce
+
+    def counting(grads: GroupGrads, *args, **kwargs):
+        params = grads.weights.unsharded_params
+        fused.append(sum(p.grad is None and p.requires_grad for p in params))
+        return reduce(grads, *args, **kwargs)
+
+    with mock.patch.object(GroupGrads, "reduce", counting):
+        fsdp(tokens, labels=labels).mean().backward()
+    return sum(fused)
+
+
+def test_linear_layers_of_a_unit_of_several_fuse_from_the_first_step():
+    one, two = (run_distributed(_fused_weight_gradients, 2, n)[0] for n in (1, 2))
+    assert one == two >= 4 * 4  # at least each layer's four linear weights
 
 
 def test_group_layers_keeps_other_modules_alone_and_layers_larger_than_the_size():
