@@ -3,7 +3,8 @@ pass: what happens before and after each unit's forward and backward.
 
 The root is the outermost unit: the first whose forward runs (or the one `microbatch()` finds),
 and it creates the context lazily. `fsdp_module.py` only registers hooks that call
-`pre_forward`, `post_forward`, `pre_backward` and `post_backward` here. The context holds:
+`pre_forward`, `post_forward`, `pre_recompute`, `pre_backward` and `post_backward` here. The
+context holds:
 
 - the collectives issuer and, on GPU, the all-gather and reduce-scatter streams;
 - the units' unsharded weights (`Residency`) and the order of the units, recorded in each
@@ -167,19 +168,20 @@ class FsdpContext:
 
     # Forward.
 
+    def pre_recompute(self, unit: ScheduledUnit) -> None:
+        """Before an activation-recompute rerun of `unit`'s forward, inside a backward: its
+        weights are already in use, unless its forward ran without autograd (a reentrant
+        checkpoint's first pass), whose backward no hook announced: the end of this backward
+        then reduces it."""
+        self._queue_end_of_backward()
+        self._entered.add(unit.position)
+        self._use(unit, "recompute")
+        self._register(unit, unsharded=True)
+
     def pre_forward(self, unit: ScheduledUnit) -> bool:
-        """Before `unit`'s forward: unshard and register its compute weights, prefetch the
-        next unit's. Returns whether the unit's inputs must report the end of its backward
-        (a forward with autograd, not an activation-recompute rerun)."""
-        if in_backward():
-            # An activation-recompute rerun: the unit's weights are already in use, unless its
-            # forward ran without autograd (a reentrant checkpoint's first pass), whose backward
-            # no hook announced: the end of this backward reduces it.
-            self._queue_end_of_backward()
-            self._entered.add(unit.position)
-            self._use(unit, "recompute")
-            self._register(unit, unsharded=True)
-            return False
+        """Before `unit`'s forward (outside a backward: `pre_recompute` there): unshard and
+        register its compute weights, prefetch the next unit's. Returns whether the unit's
+        inputs must report the end of its backward (a forward with autograd)."""
         position = unit.position
         if position == 0:
             self._begin_pass()
@@ -221,20 +223,17 @@ class FsdpContext:
         self.residency.order_gathers()
         self.residency.refresh(unit)
 
-    def post_forward(self, unit: ScheduledUnit) -> bool:
-        """After `unit`'s forward: register the main weights, release (or, at the root's end,
-        reshard) unsharded weights. Returns whether the outputs must announce the unit's
-        backward (not inside a backward, where this is a recompute rerun that backward needs
-        registered as it is)."""
-        if in_backward():
-            return False
+    def post_forward(self, unit: ScheduledUnit) -> None:
+        """After `unit`'s forward (not a recompute rerun, after which the backward needs the
+        weights registered as they are): register the main weights, release (or, at the
+        root's end, reshard) unsharded weights."""
         self._register(unit, unsharded=False)
         position = unit.position
         if self._recording is not None:
             self._recording[1].append(position)
         if position != 0:
             self.residency.release(unit)
-            return True
+            return
         self._end_pass()
         if torch.is_grad_enabled():
             # Keeps only the unit released last, the first whose backward runs, and the root
@@ -242,7 +241,6 @@ class FsdpContext:
             self.residency.keep_last_released()
         else:
             self.residency.reshard_all()  # the end of an inference forward
-        return True
 
     def _end_pass(self) -> None:
         """The root's forward ended: the recorded order takes effect (forward prefetching

@@ -7,19 +7,13 @@ DTensor main weights (the sharded fp32 weights the optimizer steps, what `parame
 `state_dict()` return). Around each forward the unit registers the whole compute-dtype weights
 instead. The unit's hooks hand each phase to the root's `FsdpContext`, which decides what runs
 (unshard, prefetch, register, reduce, reshard): this module only wraps modules and registers
-hooks. Before the forward, inputs that need a gradient are routed through `_PostBackward`,
-whose backward marks the end of the unit's backward; after it, every output that needs a
-gradient gets a hook whose first call marks the start of the unit's backward.
+hooks; how they tell where a unit's backward begins and ends is `unit_boundaries.py`.
 
 A unit may be several modules (`fully_shard([layer_0, layer_1])`, as in FSDP2), gathered and
 reduced together: one set of collectives and hooks' work for all of them, for the memory of
 their whole weights at once. Inside the root's forward, the unit's forward starts at the first
 of them to run and ends when all have run (or the root's forward ends); outside it, each call of
-one of them is a whole forward of the unit. Only inputs that are not outputs of the unit's
-earlier modules are routed, its backward is complete once every routed input has its gradient,
-and every module's outputs announce it. Where a module runs without autograd or without an
-input that needs a gradient, no routed input can tell when its backward is over: the end of the
-whole backward then reduces the unit, as it does a unit fed token ids.
+one of them is a whole forward of the unit.
 
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
@@ -35,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron.core.distributed.expert_parallel import is_expert_param
@@ -47,8 +40,14 @@ from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.distributed.fsdp.unit_boundaries import (
+    BackwardEnd,
+    GroupForward,
+    PreBackwardHook,
+    announce_backward,
+    route_inputs,
+)
 from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
-from megatron.core.utils import direct_apply
 
 _Modules = TypeVar("_Modules", torch.nn.Module, Sequence[torch.nn.Module])
 """What `fully_shard` takes and returns: a module, or the modules of one unit."""
@@ -111,7 +110,7 @@ class FsdpUnit:
         self.pending_meta: list[PendingParam] = []
         # A unit of several modules: its forward in progress (module docstring). The root:
         # its units of several modules, whose open forwards it ends with its own.
-        self._forward: _GroupForward | None = None
+        self._forward: GroupForward | None = None
         self._grouped: list[weakref.ref[FsdpUnit]] = []
 
     @property
@@ -188,7 +187,7 @@ class FsdpUnit:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         context = self.lazy_init()
         if in_backward():
-            context.pre_forward(self)  # an activation-recompute rerun
+            context.pre_recompute(self)  # an activation-recompute rerun
             return args, kwargs
         if self._grouped:
             # The root's forward starts: what a failed one left open is over.
@@ -198,8 +197,8 @@ class FsdpUnit:
             return self._pre_forward_of_member(context, args, kwargs)
         if not context.pre_forward(self):
             return args, kwargs
-        end = _BackwardEnd(self)
-        routed, _ = _route_inputs(end, args, kwargs)
+        end = BackwardEnd(self)
+        routed, _ = route_inputs(end, args, kwargs)
         self._set_reduction_point(end)
         return routed
 
@@ -213,7 +212,7 @@ class FsdpUnit:
         if forward is None or context.state is not TrainingState.FORWARD:
             # Outside the root's forward every call of a module is a forward of the unit.
             context.pre_forward(self)
-            forward = self._forward = _GroupForward(self)
+            forward = self._forward = GroupForward(self)
         if not torch.is_grad_enabled():
             # Run without autograd (a reentrant checkpoint's first pass, or inference): its
             # backward, if any, runs where no routed input can tell its end.
@@ -222,14 +221,14 @@ class FsdpUnit:
                 self._set_reduction_point(forward.end)
             return args, kwargs
         forward.with_autograd = True
-        routed, needs_grad = _route_inputs(forward.end, args, kwargs, forward.produced_inside)
+        routed, needs_grad = route_inputs(forward.end, args, kwargs, forward.produced_inside)
         if not needs_grad:
             # No input needs a gradient, so none tells when this module's backward is over.
             forward.end.unreachable = True
         self._set_reduction_point(forward.end)
         return routed
 
-    def _set_reduction_point(self, end: _BackwardEnd) -> None:
+    def _set_reduction_point(self, end: BackwardEnd) -> None:
         """The unit's gradients are reduced at the end of its own backward where `end` is
         reachable, else at the end of the whole backward. Set before each module's forward
         with autograd: linear layers ask it there whether to write their weight gradients into
@@ -239,16 +238,17 @@ class FsdpUnit:
                 group.grads.reduced_after_own_backward = end.reachable
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        if len(self._modules) > 1 and not in_backward():
+        if in_backward():
+            return output  # a recompute rerun: the backward needs the weights as registered
+        if len(self._modules) > 1:
             return self._post_forward_of_member(module, output)
         if self._grouped:
             # The root's forward ends: so do its units' whose modules did not all run.
             for unit in self._live_grouped():
                 if unit._forward is not None:
                     unit._end_forward()
-        if not self.context.post_forward(self):
-            return output
-        _announce_backward(output, _PreBackwardHook(self))
+        self.context.post_forward(self)
+        announce_backward(output, PreBackwardHook(self))
         return output
 
     def _post_forward_of_member(self, module: torch.nn.Module, output: Any) -> Any:
@@ -260,7 +260,7 @@ class FsdpUnit:
             # Ended already: outside the root's forward, by a module of the unit it called.
             return output
         forward.pending.discard(id(module))
-        forward.produced.extend(_announce_backward(output, forward.hook))
+        forward.produced.extend(announce_backward(output, forward.hook))
         if not forward.pending or self.context.state is not TrainingState.FORWARD:
             self._end_forward()
         return output
@@ -275,165 +275,6 @@ class FsdpUnit:
             unit = ref()
             if unit is not None:
                 yield unit
-
-
-class _GroupForward:
-    """One forward of a unit of several modules, from the first of them to run until all have.
-
-    Attributes:
-        end: counts the inputs routed through `_PostBackward`, which the unit's backward must
-            reach before it is complete.
-        pending: the ids of the unit's modules that have yet to run.
-        produced: the outputs of the unit's modules so far (that need a gradient), held until
-            the forward ends.
-        hook: announces the unit's backward, registered on every module's outputs.
-        with_autograd: whether some module ran with autograd (not an inference forward).
-    """
-
-    __slots__ = ("end", "pending", "produced", "hook", "with_autograd")
-
-    def __init__(self, unit: FsdpUnit):
-        self.end = _BackwardEnd(unit)
-        self.pending = {id(module) for module in unit.modules}
-        self.produced: list[torch.Tensor] = []
-        self.hook = _PreBackwardHook(unit)
-        self.with_autograd = False
-
-    def produced_inside(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is an output of one of the unit's modules in this forward."""
-        return any(tensor is output for output in self.produced)
-
-
-class _PreBackwardHook:
-    """A gradient hook on every output of one forward of a unit: the first to fire in a
-    backward runs the unit's pre-backward (FSDP2's per-tensor hooks; cheaper than
-    `register_multi_grad_hook`). One per forward, so a unit run twice is prepared twice."""
-
-    __slots__ = ("_unit", "_task")
-
-    def __init__(self, unit: FsdpUnit):
-        self._unit = weakref.ref(unit)
-        self._task: int | None = None
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == self._task:
-            return
-        self._task = task
-        unit = self._unit()
-        if unit is not None:
-            unit.context.pre_backward(unit)
-
-
-# Leaf types told apart without pytree's per-item type checks (a layer's usual inputs).
-_PLAIN_LEAVES = (torch.Tensor, type(None))
-
-
-def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """`tree`'s leaves and the function that rebuilds it from new ones. A tensor or a plain
-    tuple/list of leaves (a layer's usual inputs and outputs) skips pytree's cost, paid on
-    every unit's forward."""
-    if isinstance(tree, torch.Tensor):
-        return [tree], lambda leaves: leaves[0]
-    if type(tree) in (tuple, list) and all(
-        type(item) in _PLAIN_LEAVES or tree_is_leaf(item) for item in tree
-    ):
-        return list(tree), type(tree)
-    flat, spec = tree_flatten(tree)
-    return flat, lambda leaves: tree_unflatten(leaves, spec)
-
-
-def _announce_backward(output: Any, hook: _PreBackwardHook) -> list[torch.Tensor]:
-    """Registers `hook` on every tensor of `output` that needs a gradient; returns them."""
-    flat, _ = _flatten(output)
-    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-    for tensor in tensors:
-        tensor.register_hook(hook)
-    return tensors
-
-
-class _BackwardEnd:
-    """The end of one forward's backward of a unit: reached once the gradients of every input
-    routed through `_PostBackward` in that forward exist (one routing per module that routed
-    any: one for a unit of one module). Counted per backward pass (graph task), so each
-    backward through the same forward (`retain_graph=True`) reaches it.
-
-    Attributes:
-        routed: how many `_PostBackward`s the forward routed inputs through.
-        unreachable: a module of the unit ran whose backward's end no routed input tells (run
-            without autograd, or with no input that needs a gradient); the end of the whole
-            backward then reduces the unit.
-    """
-
-    __slots__ = ("_unit", "routed", "unreachable", "_task", "_arrived")
-
-    def __init__(self, unit: FsdpUnit):
-        self._unit = weakref.ref(unit)
-        self.routed = 0
-        self.unreachable = False
-        self._task: int | None = None
-        self._arrived = 0
-
-    @property
-    def reachable(self) -> bool:
-        """Whether the unit's backward ends here (else at the end of the whole backward)."""
-        return self.routed > 0 and not self.unreachable
-
-    def arrive(self) -> None:
-        """One routing's inputs have their gradients; the last runs the unit's post-backward."""
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._task = task
-            self._arrived = 0
-        self._arrived += 1
-        if self._arrived == self.routed and self.reachable and (unit := self._unit()) is not None:
-            unit.context.post_backward(unit)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward has reached
-    them (their gradients exist; parameter gradients are accumulated first, as autograd runs
-    AccumulateGrad nodes ahead of others). Reducing there, not when each parameter's gradient
-    arrives, keeps the order of collectives the same on every rank even where data leaves
-    some parameters unused on some ranks."""
-
-    @staticmethod
-    def forward(ctx, end: _BackwardEnd, *tensors: torch.Tensor):
-        ctx.end = end
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.end.arrive()
-        return (None, *grads)
-
-
-_apply_post_backward = direct_apply(_PostBackward)
-
-
-def _route_inputs(
-    end: _BackwardEnd,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    skip: Callable[[torch.Tensor], bool] | None = None,
-) -> tuple[tuple[tuple[Any, ...], dict[str, Any]], bool]:
-    """Routes the inputs that need a gradient (but those `skip` names) through one
-    `_PostBackward` counted by `end`. Routes nothing where there is none (the root, fed token
-    ids): the end-of-backward callback reduces such units.
-
-    Returns:
-        The new (args, kwargs), and whether any input needs a gradient (skipped ones too).
-    """
-    flat, rebuild = _flatten(args) if not kwargs else _flatten((args, kwargs))
-    needing = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    positions = needing if skip is None else [i for i in needing if not skip(flat[i])]
-    if not positions:
-        return (args, kwargs), bool(needing)
-    end.routed += 1
-    outputs = _apply_post_backward(end, *(flat[i] for i in positions))
-    for i, tensor in zip(positions, outputs):
-        flat[i] = tensor
-    return ((rebuild(flat), kwargs) if not kwargs else rebuild(flat)), True
 
 
 def fully_shard(

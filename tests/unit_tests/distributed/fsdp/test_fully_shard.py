@@ -348,6 +348,14 @@ def _bad_inputs() -> dict[str, str]:
     shared.blocks[1].fc1.weight = shared.blocks[0].fc1.weight
     fully_shard(shared.blocks[0])
     catch("shared", lambda: fully_shard(shared.blocks[1]))
+
+    # Units of several modules.
+    net = UnevenNet()
+    catch("empty_list", lambda: fully_shard([]))
+    catch("listed_twice", lambda: fully_shard([net.blocks[0], net.blocks[0]]))
+    catch("nested", lambda: fully_shard([net.blocks[0], net.blocks[0].fc1]))
+    fully_shard(list(net.blocks))
+    catch("no_root", lambda: net.blocks[0].unshard())
     return errors
 
 
@@ -360,6 +368,10 @@ def test_bad_inputs_raise_value_errors_with_the_fix():
     assert "Build the optimizer after fully_shard()" in errors["optimizer"]
     assert "No Megatron-FSDP unit" in errors["microbatch"]
     assert "lowest common ancestor" in errors["shared"]
+    assert "give at least one" in errors["empty_list"]
+    assert "same module twice" in errors["listed_twice"]
+    assert "contains it" in errors["nested"]
+    assert "has no root yet" in errors["no_root"]
 
 
 def test_wrapped_module_keeps_identity_and_gains_the_mixin():

@@ -1,8 +1,8 @@
 """Units of several modules (`fully_shard([m0, m1])`, the adapter's
 `suggested_communication_unit_size`): gradients equal an unsharded model's whatever the modules
 do in a forward (run in a chain or side by side, one skipped, one recomputed, a forward that
-fails midway, several backward passes), the adapter's grouped GPT trains like the DDP engine,
-and bad groupings are refused."""
+fails midway, several backward passes), and the adapter's grouped GPT trains like the DDP
+engine (bad groupings: `test_fully_shard.py`)."""
 
 from __future__ import annotations
 
@@ -274,42 +274,6 @@ def test_group_layers_keeps_other_modules_alone_and_layers_larger_than_the_size(
         layers[3:],
         model.output_layer,
     ]
-
-
-def _bad_groupings() -> dict[str, str]:
-    block = Block()
-    messages = {}
-
-    def message(fn) -> None:
-        with pytest.raises(ValueError) as error:
-            fn()
-        messages[fn.__name__] = str(error.value)
-
-    def empty():
-        fully_shard([])
-
-    def twice():
-        fully_shard([block, block])
-
-    def nested():
-        fully_shard([block, block.a])
-
-    def without_root():
-        model = Blocks()
-        fully_shard(list(model.blocks[:2]))
-        model.blocks[0](torch.randn(2, DIM))
-
-    for fn in (empty, twice, nested, without_root):
-        message(fn)
-    return messages
-
-
-def test_bad_groupings_raise_with_the_fix():
-    messages = run_distributed(_bad_groupings, 1)[0]
-    assert "give at least one" in messages["empty"]
-    assert "same module twice" in messages["twice"]
-    assert "contains it" in messages["nested"]
-    assert "has no root yet" in messages["without_root"]
 
 
 # GPU: the side streams and their events around units of several layers.
