@@ -24,7 +24,11 @@ from typing import Any
 from megatron.core.models.common.embeddings.rotary_pos_embedding import llama3_inv_freq
 from megatron.training.checkpointing import MODEL_ARGS
 from megatron.training.configs_from_args import flag
-from megatron.training.hf_conversion.config_fields import HFConversionError, integer_field
+from megatron.training.hf_conversion.config_fields import (
+    HFConversionError,
+    integer_field,
+    with_defaults,
+)
 from megatron.training.hf_conversion.moe import (
     MOE_ARCHITECTURES,
     MOE_MODEL_ARGS,
@@ -161,11 +165,12 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
             compute (named, with the supported alternative).
     """
     name = architecture(config)
+    config = with_defaults(config, name)
     heads = integer_field(config, "num_attention_heads")
     hidden = integer_field(config, "hidden_size")
     groups = (
         heads
-        if config.get("num_key_value_heads") is None
+        if config["num_key_value_heads"] is None
         else integer_field(config, "num_key_value_heads")
     )
     head_dim = integer_field(config, "head_dim") if config.get("head_dim") else hidden // heads
@@ -173,7 +178,7 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise HFConversionError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}."
         )
-    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+    if config["hidden_act"] not in ("silu", "swish"):
         raise HFConversionError(
             f"hidden_act {config['hidden_act']!r}: only SiLU (SwiGLU's gate) is built."
         )
@@ -195,10 +200,10 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "num_query_groups": groups,
         "kv_channels": head_dim,
         "max_position_embeddings": max_positions,
-        "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        "layernorm_epsilon": float(config["rms_norm_eps"]),
         "add_qkv_bias": name in _QKV_BIAS and bool(config.get("qkv_bias", True)),
-        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
-        "attention_dropout": float(config.get("attention_dropout", 0.0)),
+        "untie_embeddings_and_output_weights": not config["tie_word_embeddings"],
+        "attention_dropout": float(config["attention_dropout"]),
         "hidden_dropout": 0.0,
     }
     args.update(_rope_args(config))
@@ -402,20 +407,22 @@ def _check_full_attention(config: Mapping[str, Any], name: str) -> None:
 
 def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE flags' values: from `rope_parameters` (transformers 5) or `rope_theta` and
-    `rope_scaling` (transformers 4)."""
+    `rope_scaling` (transformers 4); the RoPE base is the top-level `rope_theta` (or the
+    architecture's default) where `rope_parameters` leaves it out, as transformers 5 reads it."""
     parameters = config.get("rope_parameters")
-    if isinstance(parameters, Mapping) and "rope_theta" in parameters:
-        theta = parameters["rope_theta"]
-        scaling = parameters
-    elif parameters is not None and not isinstance(parameters, Mapping):
+    if parameters is not None and not isinstance(parameters, Mapping):
         raise HFConversionError(f"rope_parameters {parameters!r} are not understood.")
-    elif isinstance(parameters, Mapping):
+    if parameters and any(isinstance(value, Mapping) for value in parameters.values()):
         raise HFConversionError(
             "rope_parameters per layer type are not converted (every layer must share one RoPE)."
         )
-    else:
-        theta = config.get("rope_theta", 10000.0)
-        scaling = config.get("rope_scaling") or {}
+    scaling = parameters or config.get("rope_scaling") or {}
+    theta = scaling.get("rope_theta", config["rope_theta"])
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFConversionError(
+            f"partial_rotary_factor {scaling['partial_rotary_factor']}: only full-width RoPE is "
+            "converted."
+        )
     if not isinstance(theta, (int, float)) or theta <= 0 or theta != int(theta):
         raise HFConversionError(
             f"rope_theta {theta!r}: --rotary-base takes a positive integer; this one is not."
@@ -428,13 +435,7 @@ def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
         "rotary_seq_len_interpolation_factor": None,
     }
     if kind == "llama3":
-        for key, built in _LLAMA3_DEFAULTS.items():
-            if scaling.get(key, built) != built:
-                raise HFConversionError(
-                    f"rope_scaling {key} {scaling[key]}: Llama 3's RoPE scaling is built with "
-                    f"{key} {built} only (--use-rope-scaling takes the factor alone)."
-                )
-        args.update(use_rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+        args.update(use_rope_scaling=True, rope_scaling_factor=_llama3_factor(config, scaling))
     elif kind == "linear":
         factor = scaling.get("factor")
         if not isinstance(factor, (int, float)) or factor < 1 or factor != int(factor):
@@ -449,3 +450,41 @@ def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
             "interpolation (linear) are."
         )
     return args
+
+
+def _llama3_factor(config: Mapping[str, Any], scaling: Mapping[str, Any]) -> float:
+    """Llama 3's RoPE scaling factor, once its other parameters are checked to be the ones
+    this project builds (`--use-rope-scaling` takes the factor alone).
+
+    As transformers 5 does, a top-level `original_max_position_embeddings` takes precedence
+    over the scaling's, and `max_position_embeddings` stands in where both leave it out.
+    """
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+        raise HFConversionError(
+            f"llama3 rope_scaling factor {factor!r}: a positive number is needed."
+        )
+    original = "original_max_position_embeddings"
+    stated = {
+        "low_freq_factor": scaling.get("low_freq_factor"),
+        "high_freq_factor": scaling.get("high_freq_factor"),
+        original: config.get(original, scaling.get(original)),
+    }
+    if stated[original] is None:
+        stated[original] = integer_field(config, "max_position_embeddings")
+        note = f" (config.json leaves {original} out: transformers takes max_position_embeddings)"
+    else:
+        note = ""
+    for key, value in stated.items():
+        if value is None:
+            raise HFConversionError(
+                f"llama3 rope_scaling without {key}: transformers needs it to load the model; "
+                "add it to config.json."
+            )
+        if value != _LLAMA3_DEFAULTS[key]:
+            raise HFConversionError(
+                f"llama3 rope_scaling {key} {value}{note if key == original else ''}: Llama 3's "
+                f"RoPE scaling is built with {key} {_LLAMA3_DEFAULTS[key]} only "
+                "(--use-rope-scaling takes the factor alone)."
+            )
+    return float(factor)

@@ -280,6 +280,9 @@ def _check_target_tp(target_tp: int, args: dict[str, Any], model_vocab: int) -> 
         "vocab_size": model_vocab,
         "shared_expert_intermediate_size": args.get("moe_shared_expert_intermediate_size"),
     }
+    if args.get("moe_ffn_hidden_size") not in (None, args["ffn_hidden_size"]):
+        # Qwen2-MoE's routed experts: expert tensor parallelism splits them by the same size.
+        sizes["moe_intermediate_size"] = args["moe_ffn_hidden_size"]
     misfits = [f"{name} {size}" for name, size in sizes.items() if size and size % target_tp]
     if misfits:
         raise HFConversionError(

@@ -49,7 +49,7 @@ _BUILT_ROUTING = {
 
 def moe_args_from_hf_config(config: Mapping[str, Any], name: str) -> dict[str, Any]:
     """The values of `MOE_ARGS` for a config of architecture `name` (the dense defaults for a
-    dense architecture).
+    dense architecture), its left-out fields filled in (`config_fields.with_defaults`).
 
     Raises:
         HFConversionError: a field this project's MoE layer does not compute (named).
@@ -62,7 +62,7 @@ def moe_args_from_hf_config(config: Mapping[str, Any], name: str) -> dict[str, A
         experts = integer_field(config, "num_local_experts")
         width = integer_field(config, "intermediate_size")
         renormalised, shared, pattern = True, None, [1] * layers
-        jitter = config.get("router_jitter_noise") or 0.0
+        jitter = config["router_jitter_noise"] or 0.0
         if jitter:
             raise HFConversionError(
                 f"{name} with router_jitter_noise {jitter}: transformers multiplies the "
@@ -73,7 +73,7 @@ def moe_args_from_hf_config(config: Mapping[str, Any], name: str) -> dict[str, A
     else:
         experts = integer_field(config, "num_experts")
         width = integer_field(config, "moe_intermediate_size")
-        renormalised = bool(config.get("norm_topk_prob", False))
+        renormalised = bool(config["norm_topk_prob"])
         shared = integer_field(config, "shared_expert_intermediate_size")
         pattern = qwen2_moe_layer_pattern(config)
     if topk > experts:
@@ -101,13 +101,14 @@ def moe_args_from_hf_config(config: Mapping[str, Any], name: str) -> dict[str, A
 
 def qwen2_moe_layer_pattern(config: Mapping[str, Any]) -> list[int]:
     """1 for each Qwen2-MoE layer that is sparse, 0 for a dense one: a layer i is sparse when
-    (i + 1) is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers`.
+    (i + 1) is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers` (a config
+    with its left-out fields filled in).
 
     Raises:
         HFConversionError: no layer is sparse.
     """
-    step = integer_field(config, "decoder_sparse_step") if "decoder_sparse_step" in config else 1
-    dense = set(config.get("mlp_only_layers") or [])
+    step = integer_field(config, "decoder_sparse_step")
+    dense = set(config["mlp_only_layers"] or [])
     layers = integer_field(config, "num_hidden_layers")
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     if not any(pattern):

@@ -40,6 +40,7 @@ from megatron.training.hf_conversion.config import (
     model_flags,
     vocab_args,
 )
+from megatron.training.hf_conversion.config_fields import ARCHITECTURE_DEFAULTS
 from megatron.training.offline_checkpoint import read_checkpoint
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.tools.hf_models import (
@@ -396,6 +397,7 @@ REFUSALS = {
     "gpt2": ("GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, "
              "MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM"),
     "tp": "--target-tp 3 does not divide the model's num_attention_heads 4",
+    "tp_experts": "--target-tp 2 does not divide the model's moe_intermediate_size 33",
     "ep": "--target-ep 2: the model is dense (no experts to split)",
     "ep_divisor": "--target-ep 3 does not divide the model's 4 experts",
     "jitter": "router_jitter_noise 0.1: transformers multiplies the input of the router and",
@@ -417,10 +419,11 @@ def test_import_refusals(case, llama2_dir, tmp_path):
         "jitter": hf_config("mixtral", router_jitter_noise=0.1),
         "top1": hf_config("mixtral", num_experts_per_tok=1),
         "no_sparse_layer": hf_config("qwen2_moe", decoder_sparse_step=3),
+        "tp_experts": hf_config("qwen2_moe", moe_intermediate_size=33),
     }
     if case in moe_configs:
         directory = _config_dir(tmp_path, moe_configs[case].to_dict())
-        options = ["--target-ep", 3] if case == "ep_divisor" else []
+        options = {"ep_divisor": ["--target-ep", 3], "tp_experts": ["--target-tp", 2]}.get(case, [])
     elif case == "gpt2":
         directory = _config_dir(tmp_path, {**config, "architectures": ["GPT2LMHeadModel"]})
     elif case in ("tp", "ep"):
@@ -489,6 +492,83 @@ def test_transformers_4_and_5_config_keys_read_alike():
     args = model_args_from_hf_config(newer)
     assert args["use_rope_scaling"] and args["rotary_base"] == 500000
     assert model_args_from_hf_config(older) == args == model_args_from_hf_config(oldest)
+
+
+def _read_as(config: dict[str, Any]) -> dict[str, Any] | str:
+    """The flag values `config` imports as, or "refused"."""
+    try:
+        return model_args_from_hf_config(config)
+    except HFConversionError:
+        return "refused"
+
+
+def _transformers_reads(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """`config` written as a `config.json` and read back by transformers, every field filled."""
+    import transformers
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return transformers.AutoConfig.from_pretrained(directory).to_dict()
+
+
+def _left_out(config: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    config = json.loads(json.dumps(config))
+    *parents, key = path
+    inner = config
+    for parent in parents:
+        inner = inner[parent]
+    del inner[key]
+    return config
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("max_positions", [None, 8192])
+def test_left_out_fields_read_as_transformers_reads_them(name, max_positions, tmp_path):
+    """A `config.json` that leaves out a field the conversion reads imports as the config
+    transformers makes of it (its class's default for the architecture), or is refused where
+    that config is. 8192 positions make Mistral's default window (4096) a window."""
+    config = hf_config(name).to_dict()
+    if max_positions is not None:
+        config["max_position_embeddings"] = max_positions
+    assert _read_as(config) != "refused"
+    paths = [(key,) for key in ARCHITECTURE_DEFAULTS[config["architectures"][0]] if key in config]
+    paths += [("rope_parameters", key) for key in ("rope_theta", "original_max_position_embeddings")
+              if key in config["rope_parameters"]]  # fmt: skip
+    assert len(paths) >= 4
+    for index, path in enumerate(paths):
+        edited = _left_out(config, path)
+        full = _transformers_reads(edited, tmp_path / str(index))
+        assert _read_as(edited) == _read_as(full), path
+
+
+def test_left_out_fields_that_used_to_convert_wrong(tmp_path):
+    """Mixtral's RoPE base and norm epsilon, Mistral's window and Llama 3's original context
+    where `config.json` leaves them out (each was read with another model's default)."""
+    mixtral = hf_config("mixtral").to_dict()
+    args = model_args_from_hf_config(_left_out(mixtral, ("rope_parameters", "rope_theta")))
+    assert args["rotary_base"] == 1_000_000
+    assert (
+        model_args_from_hf_config(_left_out(mixtral, ("rms_norm_eps",)))["layernorm_epsilon"]
+        == 1e-5
+    )
+    mistral = {**hf_config("mistral").to_dict(), "max_position_embeddings": 8192}
+    with pytest.raises(
+        HFConversionError, match=r"sliding_window 4096, max_position_embeddings 8192"
+    ):
+        model_args_from_hf_config(_left_out(mistral, ("sliding_window",)))
+    llama3 = _left_out(
+        hf_config("llama3").to_dict(), ("rope_parameters", "original_max_position_embeddings")
+    )
+    with pytest.raises(
+        HFConversionError, match="original_max_position_embeddings 16384 .config.json leaves"
+    ):
+        model_args_from_hf_config(llama3)
+    at_8192 = model_args_from_hf_config({**llama3, "max_position_embeddings": 8192})
+    assert at_8192["use_rope_scaling"] and at_8192["rope_scaling_factor"] == 8.0
+    top_level = {**llama3, "original_max_position_embeddings": 8192}  # precedes the scaling's
+    assert model_args_from_hf_config(top_level)["use_rope_scaling"]
+    with pytest.raises(HFConversionError, match="llama3 rope_scaling without low_freq_factor"):
+        model_args_from_hf_config(_left_out(llama3, ("rope_parameters", "low_freq_factor")))
 
 
 def test_command_line_error_exit(tmp_path):
