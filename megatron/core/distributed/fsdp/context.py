@@ -51,7 +51,7 @@ import collections
 import contextlib
 import enum
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.autograd import Variable
@@ -118,6 +118,7 @@ class FsdpContext:
             [g for g in check_groups if g is not None], device, [unit.name for unit in units]
         )
         self._callback_task: int | None = None
+        self._creates_graph = False  # the backward in progress has `create_graph=True`
         # Units whose pre-backward / post-backward ran in the current backward, and how many
         # forwards with autograd of each unit no reduction has matched yet (a unit run twice
         # gets its parameters' gradients only after both runs' backward, after its first
@@ -316,10 +317,13 @@ class FsdpContext:
         released ones after the unit backward runs last; kept ones in the last microbatch),
         register the main weights."""
         if torch.is_grad_enabled():
-            # A backward with `create_graph=True`; others run without grad, and skip the cost
-            # of entering `no_grad` once per unit.
+            # A backward with `create_graph=True` (others run without grad, and skip the cost
+            # of entering `no_grad` once per unit): the gradients' graph holds the whole
+            # weights, which stay until the end of the next backward without it.
             with torch.no_grad():
-                self.post_backward(unit)
+                self.reduce(unit)
+                self._reduced.add(unit.position)
+                self._register(unit, unsharded=False)
             return
         self.reduce(unit)
         self._reduced.add(unit.position)
@@ -378,6 +382,7 @@ class FsdpContext:
         if self._callback_task == task:
             return
         self._callback_task = task
+        self._creates_graph = torch.is_grad_enabled()
         self.state = TrainingState.BACKWARD
         context = weakref.ref(self)
 
@@ -400,7 +405,8 @@ class FsdpContext:
         # root's gradients (often the largest: embeddings, output layer) are cast, so the end
         # of the step does not hold all of them at once.
         self._wait_pending_reductions()
-        self.residency.reshard_all(except_kept=not self.is_last)
+        if not self._creates_graph:
+            self.residency.reshard_all(except_kept=not self.is_last)
         for unit in units:
             position = unit.position
             entered_only = position in self._entered and position not in self._reduced
@@ -467,6 +473,15 @@ class FsdpContext:
             for group in unit.groups:
                 if group.grads is not None:
                     group.grads.zero_grad()
+
+    def drop_held_grads(self, units: Iterable[ScheduledUnit]) -> None:
+        """Forgets the gradients `units` hold outside any `.grad` (`FsdpModule.zero_grad`)."""
+        self._recover_failed_pass()
+        self._wait_pending_reductions()
+        for unit in units:
+            for group in unit.groups:
+                if group.grads is not None:
+                    group.grads.drop_held()
 
 
 def _successors(order: list[int]) -> dict[int, int]:

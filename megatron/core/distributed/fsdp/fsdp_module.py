@@ -76,6 +76,17 @@ class FsdpModule:
         unit = self._fsdp_unit
         unit.lazy_init().residency.reshard(unit)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`torch.nn.Module.zero_grad`, which also forgets the gradients the units in this
+        module hold outside `.grad`, where an optimizer's `zero_grad()` cannot reach them: the
+        whole sums of a step's earlier microbatches (`accumulate_unsharded_grads`) and those
+        a failed backward left unreduced. Use it to abandon a step midway."""
+        context = self._fsdp_unit.context
+        if context is not None:
+            units = dict.fromkeys(m._fsdp_unit for m in self.modules() if isinstance(m, FsdpModule))
+            context.drop_held_grads(units)
+        super().zero_grad(set_to_none)
+
 
 class FsdpUnit:
     """The FSDP state of one unit: its parameter groups and the hooks that hand its forward and
@@ -138,6 +149,7 @@ class FsdpUnit:
         Raises:
             ValueError: a unit below was given an overlap policy other than the root's (one
                 schedule governs them all, so it would be ignored).
+                Or a unit below was used before this root, and became a root itself.
         """
         context = self.context
         if context is not None:
@@ -156,6 +168,14 @@ class FsdpUnit:
         )
         policy = self.overlap_policy or OverlapPolicy()
         for unit in units[1:]:
+            if unit.is_root:
+                # As in FSDP2: its context (open reductions, whole weights held) would be lost.
+                raise ValueError(
+                    f"The Megatron-FSDP unit {names.get(id(unit.module)) or unit.name} was "
+                    f"used before the root {self.name} that contains it, so it "
+                    "was set up as a root of its own. Use the root first (its forward, "
+                    "microbatch() or fully_shard_optimizer()): that sets up every unit below it."
+                )
             if unit.overlap_policy is not None and unit.overlap_policy != policy:
                 raise ValueError(
                     f"The Megatron-FSDP unit {unit.name} was given "
@@ -366,7 +386,38 @@ def fully_shard(
         member._fsdp_unit = unit
         member.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
         member.register_forward_hook(unit.post_forward, with_kwargs=True)
+        member.register_state_dict_post_hook(_share_main_versions)
     return module
+
+
+def _share_main_versions(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """`state_dict()`'s post-hook on a unit's modules: the values it returns alias the main
+    weights, and writes into them (`torch.distributed.checkpoint.load` writes there) must reach
+    the compute weights.
+
+    `Module.state_dict()` detaches each DTensor parameter, and a detached DTensor's local tensor
+    counts its writes apart; so the unit's main weights in it become DTensors over the main
+    weights' own local tensors, whose writes count. And the unit's compute weights are refreshed
+    at its next use whatever the versions say: a rank whose shard of a tensor is empty sees no
+    write to count, yet must refresh with the ranks that do (the refresh is a collective), and
+    every rank builds the state dict (`torch.distributed.checkpoint` needs them all).
+    """
+    del local_metadata
+    unit = module._fsdp_unit
+    owners = {}
+    for group in unit.groups:
+        group.weights.mark_written()
+        owners.update(
+            (id(param), (group.weights, index))
+            for index, param in enumerate(group.weights.dist_params)
+        )
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        if id(param) in owners and key in state_dict and state_dict[key] is not param:
+            weights, index = owners[id(param)]
+            state_dict[key] = weights.shared_version_dtensor(index)
 
 
 def _check_unit_modules(modules: list[torch.nn.Module]) -> None:

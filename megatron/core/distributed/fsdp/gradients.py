@@ -562,9 +562,14 @@ class GroupGrads:
     def zero_grad(self) -> None:
         """Forgets every gradient, the unreduced ones of the compute weights included, and
         frees their memory (on the compute stream, which has waited for every reduction)."""
+        self.drop_held()
+        self._drop()
+
+    def drop_held(self) -> None:
+        """Forgets the gradients held outside any `.grad`: the unreduced ones and the whole sums
+        of a step's earlier microbatches (`accumulate_unsharded_grads`)."""
         self.drop_unreduced()
         self._deferred = None
-        self._drop()
 
     def drop_unreduced(self) -> None:
         """Forgets the gradients a backward left for a reduction that did not run (a failed

@@ -216,6 +216,11 @@ class GroupWeights:
                 local, self.groups.mesh, self._placements[index], self.global_shape(index)
             )
 
+    def shared_version_dtensor(self, index: int) -> DTensor:
+        """Main weight `index` as a new DTensor whose local tensor is a view of the main
+        weight's, so that writes through it count as writes to the main weights."""
+        return self.dtensor(self.local_main_weights[index], index)
+
     # The main version.
 
     def main_version(self) -> int:

@@ -1,6 +1,7 @@
 """Backward passes that are not one plain forward + backward: data-dependent unused
 parameters, a unit run twice or with several outputs, activation recompute, 1F1B order, a failed
-backward, zero_grad modes, loading weights, freezing after wrapping, and deleting a model."""
+backward, zero_grad modes, loading weights (also through the values `state_dict()` returns),
+freezing after wrapping, and deleting a model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.utils._pytree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -330,6 +332,46 @@ def test_backward_with_create_graph_reduces_without_recording(strategy):
     _assert_grads_match(run_distributed(_backward_with_create_graph, 2, strategy))
 
 
+def _gradient_penalty(strategy: str, units: bool) -> tuple[dict, dict, list[bool]]:
+    """A double backward: the loss plus a penalty on its gradient to the input (made with
+    `create_graph=True`), one backward through both. Returns the gradients, an unsharded
+    Net's averaged over ranks, and whether each group still holds whole weights after it."""
+
+    def penalised(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        loss = model(x)
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        return loss + grad.pow(2).sum()
+
+    x = _inputs(dist.get_rank())
+    torch.manual_seed(0)
+    model = Net().to(current_device())
+    for unit in [*model.blocks, model] if units else [model]:
+        fully_shard(unit, sharding_strategy=strategy)
+    penalised(model, x).backward()
+    torch.manual_seed(0)
+    reference = Net().to(current_device())
+    penalised(reference, x).backward()
+    whole = [
+        group.weights.unsharded.is_allocated
+        for context in fsdp_contexts(model)
+        for unit in context.units()
+        for group in unit.groups
+    ]
+    return _grads(model), _averaged_grads(reference), whole
+
+
+@pytest.mark.parametrize("units", [True, False], ids=["units", "root-only"])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
+def test_a_gradient_penalty_trains_like_single_process(strategy, units):
+    """ZeRO-3 keeps the whole weights the penalty's graph saved until the backward through it
+    (it freed them, and that backward read freed memory), and frees them then."""
+    results = run_distributed(_gradient_penalty, 2, strategy, units)
+    _assert_grads_match([(grads, expected) for grads, expected, _ in results])
+    if strategy == "optim_grads_params":
+        assert [whole for _, _, whole in results] == [[False] * len(results[0][2])] * 2
+
+
 def _second_step_grads(dtype_name: str, strategy: str, set_to_none: bool) -> dict:
     dtype = getattr(torch, dtype_name)
     model = _build(strategy, dtype)
@@ -371,6 +413,46 @@ def _load_zeros(dtype_name: str, strategy: str) -> float:
 )
 def test_load_state_dict_refreshes_compute_weights(dtype_name, strategy):
     assert run_distributed(_load_zeros, 2, dtype_name, strategy) == [0.0, 0.0]
+
+
+def _written_through_state_dict(dtype_name: str, strategy: str, path: str) -> list[float]:
+    """Losses after zeros are written into the values `state_dict()` returns, which alias the
+    main weights: in place into their local tensors after a forward that followed
+    `state_dict()`, then by `torch.distributed.checkpoint`'s load of a checkpoint of zeros
+    (after ones). Each time a forward with autograd whose backward never ran came first
+    (ZeRO-3's units then still hold whole weights)."""
+    dtype = getattr(torch, dtype_name)
+    model = _build(strategy, dtype)
+    x = _inputs(0, dtype)
+    values = model.state_dict().values()
+    model(x)
+    for value in values:
+        value.to_local().zero_()
+    losses = [model(x).item()]
+    dcp.save({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, checkpoint_id=path)
+    for value in model.state_dict().values():
+        value.to_local().fill_(1.0)
+    model(x)
+    dcp.load(model.state_dict(), checkpoint_id=path)
+    with torch.no_grad():
+        losses.append(model(x).item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    "dtype_name, strategy",
+    [
+        ("float32", "optim"),
+        ("float32", "optim_grads"),
+        ("float32", "optim_grads_params"),
+        ("bfloat16", "no_shard"),
+    ],
+)
+def test_writes_into_state_dict_values_refresh_compute_weights(dtype_name, strategy, tmp_path):
+    """What `dcp.load(model.state_dict())` does on resume: the next forward computes with the
+    loaded weights."""
+    results = run_distributed(_written_through_state_dict, 2, dtype_name, strategy, str(tmp_path))
+    assert results == [[0.0, 0.0]] * 2
 
 
 def _freeze_after_wrap() -> dict:

@@ -356,6 +356,13 @@ def _bad_inputs() -> dict[str, str]:
     catch("nested", lambda: fully_shard([net.blocks[0], net.blocks[0].fc1]))
     fully_shard(list(net.blocks))
     catch("no_root", lambda: net.blocks[0].unshard())
+
+    # A unit used before its root: its own root's state would be lost when the root binds it.
+    early = _shard_model(build_model("uneven", False))
+    inputs, labels = make_batches("uneven")[0]
+    inputs, labels = inputs.to(current_device()), labels.to(current_device())
+    early.blocks[0](inputs @ torch.ones(inputs.shape[-1], 15, device=inputs.device))
+    catch("unit_first", lambda: early(inputs, labels=labels))
     return errors
 
 
@@ -372,6 +379,8 @@ def test_bad_inputs_raise_value_errors_with_the_fix():
     assert "same module twice" in errors["listed_twice"]
     assert "contains it" in errors["nested"]
     assert "has no root yet" in errors["no_root"]
+    assert "blocks.0 was used before the root UnevenNet" in errors["unit_first"]
+    assert "Use the root first" in errors["unit_first"]
 
 
 def test_wrapped_module_keeps_identity_and_gains_the_mixin():

@@ -36,6 +36,7 @@ from megatron.training.utils import accumulation_memory_note
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     LR,
+    build_model,
     full_state,
     hybrid_groups,
     loss_of,
@@ -264,6 +265,49 @@ def test_a_step_without_a_last_microbatch_is_completed_by_finalising():
             _assert_same_training(run, off, option == "keep", option)
             _assert_matches_reference(run["state"], reference, option)
             _assert_traffic_and_memory(run, off, option)
+
+
+def _abandoned_step(strategy: str, option: str) -> tuple[dict, dict]:
+    """A step abandoned after its first microbatch (`model.zero_grad()`), then a step of one
+    microbatch: its gradients, and those of a fresh model's first step on the same batch."""
+    grads = []
+    for abandon in (True, False):
+        model = build_model("uneven", False)
+        for unit in [*unit_modules(model), model]:
+            fully_shard(
+                unit, sharding_strategy=strategy, overlap_policy=OverlapPolicy(**OPTIONS[option])
+            )
+        rank, size = dist.get_rank(), dist.get_world_size()
+        (first, first_labels), (second, second_labels) = make_batches("uneven")[:2]
+        if abandon:
+            with microbatch(model, is_last=False):
+                loss_of(
+                    model,
+                    shard_batch(first, rank, size),
+                    shard_batch(first_labels, rank, size),
+                    False,
+                ).backward()
+            model.zero_grad()
+        with microbatch(model, is_last=True):
+            loss_of(
+                model,
+                shard_batch(second, rank, size),
+                shard_batch(second_labels, rank, size),
+                False,
+            ).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    return grads[0], grads[1]
+
+
+@pytest.mark.parametrize("option", ["accumulate", "both"])
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_model_zero_grad_abandons_a_step_midway(strategy, option):
+    """The whole sums of the earlier microbatches are not in `.grad`, so an optimizer's
+    `zero_grad()` cannot reach them; the module's does."""
+    for abandoned, fresh in run_distributed(_abandoned_step, 2, strategy, option):
+        assert abandoned.keys() == fresh.keys()
+        for name in fresh:
+            torch.testing.assert_close(abandoned[name], fresh[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize(
