@@ -198,6 +198,35 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--use-precision-aware-optimizer",),
         ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"),
     ),
+    Unbuilt(
+        "checkpoints without the optimizer or RNG states",
+        "drop these flags: a checkpoint holds both, and --no-load-optim and --no-load-rng skip "
+        "them when loading",
+        ("--no-save-optim", "--no-save-rng"),
+    ),
+    Unbuilt(
+        "asynchronous and non-persistent (local) checkpoints",
+        "drop these flags: --save-interval saves to --save, synchronously",
+        ("--async-save", "--use-persistent-ckpt-worker"),
+        (
+            "--non-persistent-save-interval",
+            "--non-persistent-ckpt-type",
+            "--non-persistent-global-ckpt-dir",
+            "--non-persistent-local-ckpt-dir",
+            "--non-persistent-local-ckpt-algo",
+        ),
+    ),
+    Unbuilt(
+        "model flags taken from the checkpoint",
+        "pass the model flags on the command line (tools/convert_hf.py --flags-file writes "
+        "them for an import); loading refuses, by name, flags that differ from the "
+        "checkpoint's",
+        (
+            "--use-checkpoint-args",
+            "--use-mp-args-from-checkpoint-args",
+            "--use-tokenizer-model-from-checkpoint-args",
+        ),
+    ),
     Unbuilt("progress.txt (tokens and FLOPs per job)", "drop the flag", ("--log-progress",)),
     Unbuilt(
         "the straggler detector (nvidia-resiliency-ext)", "drop the flag", ("--log-straggler",)
@@ -223,10 +252,12 @@ PERFORMANCE_HINTS: tuple[tuple[str, str], ...] = (
     ("--fsdp-db-use-persist-buf-on-alloc-fail", "fsdp_db_use_persist_buf_on_alloc_fail"),
     ("--megatron-fsdp-max-pool-double-buffer", "megatron_fsdp_max_pool_double_buffer"),
     ("--enable-experimental", "enable_experimental"),
+    ("--ckpt-fully-parallel-load", "ckpt_fully_parallel_load"),
+    ("--ckpt-assume-constant-structure", "ckpt_assume_constant_structure"),
 )
-"""Upstream switches (flag, dest) that only tune buffers or registration for speed, or enable
-experimental code paths this project does not have: accepted and ignored, since no result
-depends on them."""
+"""Upstream switches (flag, dest) that only tune buffers, registration or checkpoint loading
+for speed, or enable experimental code paths this project does not have: accepted and ignored,
+since no result depends on them."""
 
 
 def _dest(flag: str) -> str:
