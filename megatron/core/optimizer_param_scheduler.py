@@ -9,7 +9,9 @@ Steps are whatever unit the caller counts in. The training loop counts samples, 
 (`step(global_batch_size)` after each update, every `*_steps` in samples:
 `flag_groups.optimization.lr_schedule_steps`); with a constant global batch size that is the
 schedule of counting iterations (`step(1)`, lengths in iterations). A parameter group with its
-own `max_lr` / `min_lr` (`--decoupled-lr`) follows the same curve between its own bounds.
+own `max_lr` / `min_lr` (`--decoupled-lr`) follows the same curve between its own bounds; those
+bounds are part of the schedule a checkpoint is checked against and resumes (`load_state_dict`
+with the saved parameter groups).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ _STATE_KEYS = (
     "wd_incr_style",
     "num_steps",
 )
+
+GROUP_BOUND_FLAGS = {"max_lr": "--decoupled-lr", "min_lr": "--decoupled-min-lr"}
+"""The bounds a parameter group may set for itself (Megatron-LM gives them to the word
+embeddings' and output layer's groups), by the flag that sets them. A group without one follows
+the scheduler's `max_lr` / `min_lr` (`--lr` / `--min-lr`)."""
 
 
 class HasParamGroups(Protocol):
@@ -217,12 +224,24 @@ class OptimizerParamScheduler:
         """The schedule and its position (Megatron-LM's keys, plus the WSD ones)."""
         return {key: getattr(self, key) for key in _STATE_KEYS}
 
-    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Checks that `load_state_dict(state_dict)` would succeed, changing nothing.
+    def check_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        param_groups: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Checks that `load_state_dict(state_dict, param_groups)` would succeed, changing
+        nothing.
+
+        Args:
+            state_dict: a `state_dict()`.
+            param_groups: the checkpoint's parameter groups, in the order of the optimizer's
+                (`MegatronOptimizer.check_param_groups` checks that they hold the same
+                parameters): their own bounds (`GROUP_BOUND_FLAGS`) are compared with the
+                optimizer's groups'. None: only the scheduler's values are.
 
         Raises:
-            ValueError: a key is missing, or the checkpoint's schedule differs from the
-                arguments (neither option of the constructor set).
+            ValueError: a key is missing, or the checkpoint's schedule (a group's bounds
+                included) differs from the arguments (neither option of the constructor set).
         """
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if missing:
@@ -237,24 +256,56 @@ class OptimizerParamScheduler:
             for key in _STATE_KEYS
             if key != "num_steps" and getattr(self, key) != state_dict[key]
         ]
+        differ += self._group_bound_differences(state_dict, param_groups or [])
         if differ:
             raise ValueError(
                 f"The checkpoint's learning-rate schedule differs ({'; '.join(differ)}). "
-                "Pass --override-opt_param-scheduler to keep the flags' schedule, or "
+                "Pass the checkpoint's values to resume its schedule, "
+                "--override-opt_param-scheduler to keep the flags' schedule, or "
                 "--use-checkpoint-opt_param-scheduler to take the checkpoint's."
             )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _group_bound_differences(
+        self, state_dict: dict[str, Any], param_groups: list[dict[str, Any]]
+    ) -> list[str]:
+        """Each group bound that differs from the checkpoint's, once per flag. A bound a group
+        does not set is the scheduler's (the checkpoint's scheduler's for a saved group), so
+        that --decoupled-min-lr equal to --min-lr matches a group without it."""
+        differ: dict[str, str] = {}
+        for group, saved in zip(self.optimizer.param_groups, param_groups):
+            for key, flag in GROUP_BOUND_FLAGS.items():
+                if key not in group and key not in saved:
+                    continue
+                here = group.get(key, getattr(self, key))
+                there = saved.get(key, state_dict[key])
+                if here != there and flag not in differ:
+                    differ[flag] = f"{flag}: {here!r} here, {there!r} in the checkpoint"
+        return list(differ.values())
+
+    def load_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        param_groups: list[dict[str, Any]] | None = None,
+    ) -> None:
         """Resumes the schedule of a checkpoint at its step; the parameter groups get that
-        step's values. Which schedule: see the constructor's last two arguments.
+        step's values. Which schedule: see the constructor's last two arguments. With
+        `use_checkpoint_opt_param_scheduler` the optimizer's groups also take the bounds of
+        `param_groups` (the checkpoint's, as `check_state_dict` takes them); otherwise they
+        keep their own, which are the checkpoint's unless `override_opt_param_scheduler`.
 
         Raises:
             ValueError: see `check_state_dict`; or the loaded schedule is inconsistent.
         """
-        self.check_state_dict(state_dict)
+        self.check_state_dict(state_dict, param_groups)
         if self.use_checkpoint_opt_param_scheduler:
             for key in _STATE_KEYS:
                 setattr(self, key, state_dict[key])
+            for group, saved in zip(self.optimizer.param_groups, param_groups or []):
+                for key in GROUP_BOUND_FLAGS:
+                    if key in saved:
+                        group[key] = saved[key]
+                    else:
+                        group.pop(key, None)
         self.num_steps = state_dict["num_steps"]
         self._validate()
         self.step(0)

@@ -544,6 +544,7 @@ def train(
                 num_zeros_in_grad=num_zeros_in_grad,
                 params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
                 moe_losses=moe_losses,
+                global_batch_size=global_batch_size,
             )
             operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
 

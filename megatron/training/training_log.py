@@ -11,13 +11,16 @@ such as::
 
 Times cover training steps only, not evaluation. The loss is averaged over the interval's
 non-skipped iterations (each already averaged over its microbatches and the data-parallel
-ranks), the time over its iterations. The loss scale (1.0 without fp16 / `--loss-scale`), the
-grad norm (none when fp16's loss scaler skipped the step on an overflow), and where
-`--log-num-zeros-in-grad` and `--log-params-norm` ask for them the zero-gradient count and the
-parameters' norm are the last iteration's; the learning rate is the one after its schedule step
-(Megatron-LM's convention: the next iteration's). On GPU the line also has TFLOP/s per GPU (on
-CPU too with `--log-throughput`) and the peak memory allocated so far. An MoE model's auxiliary
-losses (`report_moe_metrics`, every step) follow the language-model loss, averaged like it.
+ranks), the time over its iterations; tokens/s and TFLOP/s count the samples its iterations
+trained, each at its own global batch size (smaller during a `--rampup-batch-size` ramp). The
+global batch size (TensorBoard's `batch-size`: its iteration's), the loss scale (1.0 without
+fp16 / `--loss-scale`), the grad norm (none when fp16's loss scaler skipped the step on an
+overflow), and where `--log-num-zeros-in-grad` and `--log-params-norm` ask for them the
+zero-gradient count and the parameters' norm are the last iteration's; the learning rate is the
+one after its schedule step (Megatron-LM's convention: the next iteration's). On GPU the line
+also has TFLOP/s per GPU (on CPU too with `--log-throughput`) and the peak memory allocated so
+far. An MoE model's auxiliary losses (`report_moe_metrics`, every step) follow the
+language-model loss, averaged like it.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class _StepValues:
     grad_norm: float | None
     learning_rate: float
     loss_scale: float
+    global_batch_size: int
     num_zeros_in_grad: int | None
     params_norm: float | None
 
@@ -125,6 +129,7 @@ class _Interval:
 
     iterations: int = 0
     seconds: float = 0.0
+    samples: int = 0
     loss_sums: dict[str, float] = dataclasses.field(default_factory=dict)
     skipped: int = 0
     nan: int = 0
@@ -143,8 +148,9 @@ class TrainingLog:
         self.args = args
         self.device = device
         self.writer = MetricWriter(args)
-        self.flops_per_iteration = num_floating_point_operations(
-            config, args.padded_vocab_size, args.seq_length, args.global_batch_size
+        # FLOPs are linear in the batch: a ramp's iterations are counted at their own size.
+        self.flops_per_sample = num_floating_point_operations(
+            config, args.padded_vocab_size, args.seq_length, 1
         )
         self.interval = _Interval()
 
@@ -162,6 +168,7 @@ class TrainingLog:
         num_zeros_in_grad: int | None = None,
         params_norm: float | None = None,
         moe_losses: dict[str, float] | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         """Adds one training iteration; logs the line when `iteration` ends an interval.
 
@@ -179,13 +186,23 @@ class TrainingLog:
             params_norm: the main weights' norm after its step (`--log-params-norm`).
             moe_losses: its MoE auxiliary losses (`report_moe_metrics`): averaged in the line
                 like `losses`; their scalars are written by the report already.
+            global_batch_size: its global batch size, which a batch-size ramp
+                (`--rampup-batch-size`) makes smaller than `--global-batch-size`; None: that.
         """
+        if global_batch_size is None:
+            global_batch_size = self.args.global_batch_size
         values = _StepValues(
-            grad_norm, learning_rate, loss_scale, num_zeros_in_grad, params_norm
+            grad_norm,
+            learning_rate,
+            loss_scale,
+            global_batch_size,
+            num_zeros_in_grad,
+            params_norm,
         )
         interval = self.interval
         interval.iterations += 1
         interval.seconds += seconds
+        interval.samples += global_batch_size
         if skipped:
             # Megatron-LM's rule: a skipped iteration's loss stays out of the average, and it
             # counts as a nan iteration when that loss is not finite.
@@ -203,7 +220,7 @@ class TrainingLog:
                 seconds_per_iteration = interval.seconds / interval.iterations
                 timers = {"iteration-time": seconds_per_iteration}
                 if self.args.log_throughput:
-                    timers["throughput"] = self._tflops_per_gpu(seconds_per_iteration)
+                    timers["throughput"] = self._tflops_per_gpu(interval)
                 self.writer.add_scalars(timers, iteration)
             self.interval = _Interval()
 
@@ -253,7 +270,7 @@ class TrainingLog:
         args = self.args
         scalars = {
             "learning-rate": values.learning_rate,
-            "batch-size": args.global_batch_size,
+            "batch-size": values.global_batch_size,
             **losses,
         }
         if args.log_loss_scale_to_tensorboard:
@@ -277,26 +294,27 @@ class TrainingLog:
             }
             self.writer.add_scalars(memory, iteration)
 
-    def _tflops_per_gpu(self, seconds_per_iteration: float) -> float:
-        """Model TFLOP/s per GPU of an iteration taking `seconds_per_iteration`."""
-        return self.flops_per_iteration / seconds_per_iteration / self.args.world_size / 1e12
+    def _tflops_per_gpu(self, interval: _Interval) -> float:
+        """Model TFLOP/s per GPU over the iterations of `interval`."""
+        flops = self.flops_per_sample * interval.samples
+        return flops / interval.seconds / self.args.world_size / 1e12
 
     def _format_line(self, iteration: int, values: _StepValues) -> str:
         args, interval = self.args, self.interval
         seconds_per_iteration = interval.seconds / interval.iterations
-        tokens = args.global_batch_size * args.seq_length
+        tokens = interval.samples * args.seq_length
         fields = [
             f"iteration {iteration:8d}/{args.train_iters:8d}",
             f"consumed samples: {args.consumed_train_samples:12d}",
             f"elapsed time per iteration (ms): {seconds_per_iteration * 1000:.1f}",
-            f"tokens/s/GPU: {tokens / seconds_per_iteration / args.world_size:.1f}",
+            f"tokens/s/GPU: {tokens / interval.seconds / args.world_size:.1f}",
         ]
         if self.device.type == "cuda" or args.log_throughput:
-            tflops = self._tflops_per_gpu(seconds_per_iteration)
+            tflops = self._tflops_per_gpu(interval)
             fields.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
         fields += [
             f"learning rate: {values.learning_rate:.6E}",
-            f"global batch size: {args.global_batch_size:5d}",
+            f"global batch size: {values.global_batch_size:5d}",
         ]
         fields += [
             f"{k}: {v / (interval.iterations - interval.skipped):.6E}"

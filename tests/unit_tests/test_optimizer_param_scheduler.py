@@ -22,7 +22,9 @@ def _optimizer() -> torch.optim.Optimizer:
     )
 
 
-def _scheduler(style: str = "linear", **kwargs) -> OptimizerParamScheduler:
+def _scheduler(
+    style: str = "linear", optimizer: torch.optim.Optimizer | None = None, **kwargs
+) -> OptimizerParamScheduler:
     args = dict(
         init_lr=INIT_LR,
         max_lr=MAX_LR,
@@ -36,7 +38,7 @@ def _scheduler(style: str = "linear", **kwargs) -> OptimizerParamScheduler:
         wd_incr_style="linear",
     )
     args.update(kwargs)
-    return OptimizerParamScheduler(_optimizer(), **args)
+    return OptimizerParamScheduler(optimizer or _optimizer(), **args)
 
 
 def _lr_at(scheduler: OptimizerParamScheduler, step: int) -> float:
@@ -168,6 +170,58 @@ def test_loading_another_schedule_needs_a_choice():
     assert (kept.num_steps, kept.lr_decay_style, kept.max_lr) == (37, "linear", 5e-3)
     with pytest.raises(ValueError, match="both"):
         _scheduler(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True)
+
+
+def _decoupled_scheduler(bounds: dict, **kwargs) -> OptimizerParamScheduler:
+    """A scheduler over a plain group and a group with its own `bounds` (--decoupled-lr's)."""
+    weight, embedding = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD(
+        [{"params": [weight], "wd_mult": 1.0}, {"params": [embedding], "wd_mult": 1.0, **bounds}],
+        lr=1.0,
+    )
+    return _scheduler("cosine", optimizer=optimizer, **kwargs)
+
+
+def _saved_groups(scheduler: OptimizerParamScheduler) -> list[dict]:
+    return [
+        {k: v for k, v in group.items() if k != "params"}
+        for group in scheduler.optimizer.param_groups
+    ]
+
+
+def test_loading_other_decoupled_bounds_needs_a_choice():
+    """A group's own bounds are part of the schedule: changed, they are refused naming the
+    flag and both values, unless the arguments' are kept (override) or the checkpoint's taken."""
+    saved = _decoupled_scheduler({"max_lr": 2e-2, "min_lr": 2e-3})
+    saved.step(37)
+    state, groups = saved.state_dict(), _saved_groups(saved)
+    changed = {"max_lr": 5e-2}
+    with pytest.raises(ValueError) as error:
+        _decoupled_scheduler(changed).load_state_dict(state, groups)
+    message = str(error.value)
+    assert "--decoupled-lr: 0.05 here, 0.02 in the checkpoint" in message
+    # No --decoupled-min-lr: the group follows --min-lr.
+    assert f"--decoupled-min-lr: {MIN_LR!r} here, 0.002 in the checkpoint" in message
+    assert "--override-opt_param-scheduler" in message
+    assert "--use-checkpoint-opt_param-scheduler" in message
+    kept = _decoupled_scheduler(changed, override_opt_param_scheduler=True)
+    kept.load_state_dict(state, groups)
+    group = kept.optimizer.param_groups[1]
+    assert (group["max_lr"], "min_lr" in group) == (5e-2, False)
+    assert group["lr"] == pytest.approx(kept.get_lr(group)) and kept.get_lr(group) > 2e-2
+    taken = _decoupled_scheduler(changed, use_checkpoint_opt_param_scheduler=True)
+    taken.load_state_dict(state, groups)
+    group = taken.optimizer.param_groups[1]
+    assert (group["max_lr"], group["min_lr"]) == (2e-2, 2e-3)
+    assert group["lr"] == saved.optimizer.param_groups[1]["lr"]
+
+
+def test_a_decoupled_min_lr_equal_to_min_lr_is_no_change():
+    saved = _decoupled_scheduler({"max_lr": 2e-2})
+    state, groups = saved.state_dict(), _saved_groups(saved)
+    _decoupled_scheduler({"max_lr": 2e-2, "min_lr": MIN_LR}).load_state_dict(state, groups)
+    with pytest.raises(ValueError, match="--decoupled-min-lr: 0.0002 here, 1e-05 in the"):
+        _decoupled_scheduler({"max_lr": 2e-2, "min_lr": 2e-4}).load_state_dict(state, groups)
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,9 @@ _HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 
 _PREPROCESS_HINT = "create it with tools/preprocess_data.py"
 
+_CHECK_BLOCK = 1 << 22
+"""Sequences checked at a time: bounds the temporary arrays of an index's check to ~100 MiB."""
+
 
 def get_idx_path(path_prefix: str) -> str:
     """The index file of the dataset at `path_prefix`: `<prefix>.idx`."""
@@ -101,9 +104,20 @@ def _dtype_from_code(code: int, idx_path: str) -> numpy.dtype:
 
 class _Index:
     """The parsed .idx file: dtype and the three index arrays (read-only, memory-mapped), and
-    the sequence modes of a multimodal index (None otherwise)."""
+    the sequence modes of a multimodal index (None otherwise).
 
-    def __init__(self, idx_path: str, multimodal: bool = False):
+    Args:
+        idx_path: the .idx file.
+        multimodal: read the sequence modes that end a multimodal index.
+        check_sequences: check every sequence's length and pointer, and the document indices'
+            order (`_check_sequences`); False where this process's parent checked the file.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: the file is not a valid index (the message names it and the fix).
+    """
+
+    def __init__(self, idx_path: str, multimodal: bool = False, check_sequences: bool = True):
         if not os.path.isfile(idx_path):
             raise FileNotFoundError(f"{idx_path} does not exist; {_PREPROCESS_HINT}.")
         size = os.path.getsize(idx_path)
@@ -166,6 +180,57 @@ class _Index:
                 f"{idx_path}: the document indices must run from 0 to the sequence count "
                 f"({sequence_count}); the file is corrupt; {_PREPROCESS_HINT}."
             )
+        if check_sequences:
+            self._check_sequences(idx_path)
+
+    def _check_sequences(self, idx_path: str) -> None:
+        """Checks that the sequences tile the .bin from its start, each beginning where the one
+        before ends (as Megatron-LM's writer lays them out), and that the document indices do
+        not decrease: a damaged length or pointer would otherwise read another sequence's
+        tokens, or past the end of the .bin, far from here. Vectorised, in blocks of
+        `_CHECK_BLOCK` sequences, so that memory stays bounded on indexes of billions.
+
+        Raises:
+            ValueError: naming the file, the first bad sequence (or document) and the fix.
+        """
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        itemsize = self.dtype.itemsize
+
+        def corrupt(what: str) -> ValueError:
+            return ValueError(f"{idx_path}: {what}; the file is corrupt; {_PREPROCESS_HINT}.")
+
+        if len(pointers) and pointers[0] != 0:
+            raise corrupt(f"sequence 0 starts at byte {int(pointers[0])} of the .bin, not 0")
+        for start in range(0, len(lengths), _CHECK_BLOCK):
+            block = lengths[start : start + _CHECK_BLOCK]
+            negative = numpy.flatnonzero(block < 0)
+            if negative.size:
+                i = start + int(negative[0])
+                raise corrupt(f"sequence {i} has a negative length ({int(lengths[i])})")
+            # Each pointer against the previous sequence's end (the last one's end is the
+            # .bin's size, which IndexedDataset checks).
+            stop = min(start + _CHECK_BLOCK, len(lengths) - 1)
+            if stop <= start:
+                break
+            ends = pointers[start:stop] + lengths[start:stop].astype(numpy.int64) * itemsize
+            bad = numpy.flatnonzero(pointers[start + 1 : stop + 1] != ends)
+            if bad.size:
+                i = start + int(bad[0])
+                raise corrupt(
+                    f"sequence {i} ({int(lengths[i])} tokens of {itemsize} bytes from byte "
+                    f"{int(pointers[i])}) ends at byte {int(ends[bad[0]])}, but sequence "
+                    f"{i + 1} starts at byte {int(pointers[i + 1])}"
+                )
+        documents = self.document_indices
+        for start in range(0, len(documents) - 1, _CHECK_BLOCK):
+            block = documents[start : start + _CHECK_BLOCK + 1]
+            steps = numpy.flatnonzero(block[1:] < block[:-1])
+            if steps.size:
+                i = start + int(steps[0])
+                raise corrupt(
+                    f"document {i + 1} starts at sequence {int(documents[i + 1])}, before "
+                    f"document {i} (sequence {int(documents[i])})"
+                )
 
     def num_bytes(self) -> int:
         """Size the .bin must have: the end of the last sequence."""
@@ -202,17 +267,17 @@ class IndexedDataset(torch.utils.data.Dataset):
         self.mmap = mmap
         self._open()
 
-    def _open(self) -> None:
+    def _open(self, check_sequences: bool = True) -> None:
         bin_path = get_bin_path(self.path_prefix)
-        self.index = _Index(get_idx_path(self.path_prefix), self.multimodal)
+        self.index = _Index(get_idx_path(self.path_prefix), self.multimodal, check_sequences)
         if not os.path.isfile(bin_path):
             raise FileNotFoundError(f"{bin_path} does not exist; {_PREPROCESS_HINT}.")
         actual, expected = os.path.getsize(bin_path), self.index.num_bytes()
         if actual != expected:
             raise ValueError(
                 f"{bin_path} holds {actual} bytes, but {get_idx_path(self.path_prefix)} "
-                f"describes {expected}: the pair is truncated or from different runs; "
-                f"{_PREPROCESS_HINT}."
+                f"describes {expected}: the pair is truncated or from different runs, or the "
+                f"last sequence's length is damaged; {_PREPROCESS_HINT}."
             )
         self._tokens: numpy.ndarray | None = None
         if self.mmap and actual > 0:
@@ -226,7 +291,9 @@ class IndexedDataset(torch.utils.data.Dataset):
         self.path_prefix = state["path_prefix"]
         self.multimodal = state["multimodal"]
         self.mmap = state["mmap"]
-        self._open()
+        # The process that pickled it checked every sequence already: a data-loader worker
+        # need not read the whole index again.
+        self._open(check_sequences=False)
 
     @property
     def dtype(self) -> numpy.dtype:

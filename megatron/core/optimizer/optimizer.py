@@ -56,6 +56,7 @@ from megatron.core.optimizer.grad_scaler import (
     unscale_and_check_for_inf,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import GROUP_BOUND_FLAGS
 
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 """Parameter-group entries that say how this process steps, not what: kept on loading."""
@@ -495,13 +496,17 @@ class MegatronOptimizer:
 
         Returns:
             The saved groups as the torch optimizer's `load_state_dict()` takes them: saved
-            hyperparameters, this optimizer's parameters (by index) and implementation
-            switches (`fused`, ...: how this process steps, not what).
+            hyperparameters, this optimizer's parameters (by index), implementation switches
+            (`fused`, ...: how this process steps, not what) and learning-rate bounds
+            (`max_lr`, `min_lr`: the schedule's, which `OptimizerParamScheduler` checks against
+            the checkpoint's and replaces with them where told to).
 
         Raises:
-            ValueError: the groups hold other parameters, there are more or fewer of them, or
-                they are another kind of optimizer's (other hyperparameters).
+            ValueError: the groups hold other parameters (the word embeddings and output layer
+                in groups of their own in one only: --decoupled-lr), there are more or fewer of
+                them, or they are another kind of optimizer's (other hyperparameters).
         """
+        self._check_decoupled_groups(saved_groups)
         names = self._parameter_names()
         index = {names[id(tensor)][0]: i for i, tensor in enumerate(self._held())}
         groups = []
@@ -517,8 +522,8 @@ class MegatronOptimizer:
                     "it was saved from, or pass --no-load-optim."
                 )
             ignored = {"params", *IMPLEMENTATION_KEYS}
-            saved_keys = saved_groups[i].keys() - ignored
-            own_keys = group.keys() - ignored
+            saved_keys = saved_groups[i].keys() - ignored - GROUP_BOUND_FLAGS.keys()
+            own_keys = group.keys() - ignored - GROUP_BOUND_FLAGS.keys()
             if saved_keys - own_keys and own_keys - saved_keys:
                 # Another kind of optimizer (Adam's betas against SGD's momentum): its
                 # hyperparameters and states mean nothing to this one.
@@ -529,7 +534,9 @@ class MegatronOptimizer:
                     "(--optimizer), or pass --no-load-optim."
                 )
             # The saved hyperparameters win; keys only this one has (added to torch since
-            # the save) keep their values here, as torch's `__setstate__` defaults them.
+            # the save) keep their values here, as torch's `__setstate__` defaults them. The
+            # bounds stay the flags': which schedule resumes is the scheduler's choice.
+            ignored |= GROUP_BOUND_FLAGS.keys()
             hyperparameters = {
                 **{k: v for k, v in group.items() if k != "params"},
                 **{k: v for k, v in saved_groups[i].items() if k not in ignored},
@@ -542,6 +549,32 @@ class MegatronOptimizer:
                 "--no-load-optim."
             )
         return groups
+
+    def _check_decoupled_groups(self, saved_groups: list[dict[str, Any]]) -> None:
+        """Raises a ValueError naming --decoupled-lr when it put the word embeddings and output
+        layer into groups of their own (groups with a `max_lr`) in the checkpoint or in this
+        optimizer, but not in both: the groups then hold other parameters, and only the flag
+        can make them fit."""
+        saved = next((group for group in saved_groups if "max_lr" in group), None)
+        own = next((group for group in self.optimizer.param_groups if "max_lr" in group), None)
+        if (saved is None) == (own is None):
+            return
+        fresh = "or pass --no-load-optim to load the weights with a fresh optimizer and schedule"
+        if saved is not None:
+            flags = f"--decoupled-lr {saved['max_lr']}"
+            if "min_lr" in saved:
+                flags += f" --decoupled-min-lr {saved['min_lr']}"
+            raise ValueError(
+                f"The checkpoint was saved with {flags}: its optimizer holds the word "
+                "embeddings and output layer in parameter groups of their own, which this run, "
+                f"without --decoupled-lr, does not have. Pass {flags} to resume it, {fresh}."
+            )
+        raise ValueError(
+            f"This run has --decoupled-lr {own['max_lr']}, but the checkpoint was saved "
+            "without it: its optimizer holds the word embeddings and output layer in the "
+            "groups of the other parameters. Drop --decoupled-lr (and --decoupled-min-lr) to "
+            f"resume it, {fresh}."
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict saved by `state_dict()`: the torch optimizer's state and the fp32

@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel.random import (
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
+    rng_tracker_device_type,
     rng_tracker_replay_contexts,
 )
 from megatron.core.tensor_parallel.utils import (
@@ -63,6 +64,7 @@ __all__ = [
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
     "model_parallel_cuda_manual_seed",
+    "rng_tracker_device_type",
     "rng_tracker_replay_contexts",
     # utils.py
     "VocabUtility",

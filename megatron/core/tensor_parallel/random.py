@@ -11,7 +11,9 @@ one in for the duration of `fork(name)`:
 - "data-parallel-rng": seed, the default generator's own seed.
 
 The states belong to the current device's generator: CUDA's when available, else the CPU
-generator (so the same code runs on gloo/CPU ranks).
+generator (so the same code runs on gloo/CPU ranks); `rng_tracker_device_type()` says which.
+The two kinds of state are not interchangeable (a CUDA state is a seed and an offset, a CPU
+state a Mersenne Twister's), so a checkpoint keeps the device type beside the states.
 
 Activation recompute: non-reentrant `torch.utils.checkpoint` replays the default generator
 only. A checkpointed function that forks the tracker would draw new masks in its recomputation
@@ -36,21 +38,27 @@ _TENSOR_PARALLEL_SEED_OFFSET = 2718
 _EXPERT_PARALLEL_SEED_OFFSET = 1024
 
 
+def rng_tracker_device_type() -> str:
+    """The device whose generator states the tracker holds: "cuda" when available, else
+    "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _get_device_rng_state() -> torch.Tensor:
-    if torch.cuda.is_available():
+    if rng_tracker_device_type() == "cuda":
         return torch.cuda.get_rng_state()
     return torch.get_rng_state()
 
 
 def _set_device_rng_state(state: torch.Tensor) -> None:
-    if torch.cuda.is_available():
+    if rng_tracker_device_type() == "cuda":
         torch.cuda.set_rng_state(state)
     else:
         torch.set_rng_state(state)
 
 
 def _device_manual_seed(seed: int) -> None:
-    if torch.cuda.is_available():
+    if rng_tracker_device_type() == "cuda":
         torch.cuda.manual_seed(seed)
     else:
         torch.default_generator.manual_seed(seed)
@@ -61,7 +69,7 @@ class CudaRNGStatesTracker:
 
     def __init__(self) -> None:
         self.states_: dict[str, torch.Tensor] = {}
-        self.seeds_: set[int] = set()
+        self.seeds_: dict[str, int] = {}  # name -> the seed its state started from
 
     def is_initialized(self) -> bool:
         """Whether any state was added since the last reset."""
@@ -70,7 +78,7 @@ class CudaRNGStatesTracker:
     def reset(self) -> None:
         """Forgets every state and seed."""
         self.states_ = {}
-        self.seeds_ = set()
+        self.seeds_ = {}
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of the name -> state map (states are never modified in place)."""
@@ -80,17 +88,23 @@ class CudaRNGStatesTracker:
         """Replaces every state (from `get_states()`, e.g. a checkpoint or a recompute)."""
         self.states_ = dict(states)
 
+    def get_seeds(self) -> dict[str, int]:
+        """Name -> the seed `add()` gave that state: states of equal name and seed are one
+        stream (those of the ranks of one tensor-parallel rank, say), which a checkpoint
+        loaded at another layout matches by."""
+        return dict(self.seeds_)
+
     def add(self, name: str, seed: int) -> None:
         """Adds a state `name` seeded with `seed`, leaving the device generator as it was.
 
         Raises:
             ValueError: `name` or `seed` is already tracked.
         """
-        if seed in self.seeds_:
+        if seed in self.seeds_.values():
             raise ValueError(f"RNG seed {seed} is already tracked; give each state its own seed.")
         if name in self.states_:
             raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first.")
-        self.seeds_.add(seed)
+        self.seeds_[name] = seed
         original = _get_device_rng_state()
         _device_manual_seed(seed)
         self.states_[name] = _get_device_rng_state()

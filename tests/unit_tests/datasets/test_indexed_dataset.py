@@ -17,6 +17,7 @@ from megatron.core.datasets import (
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
+    indexed_dataset,
     optimal_dtype,
 )
 from tests.unit_tests.datasets.corpus import write_corpus
@@ -278,4 +279,63 @@ def test_missing_and_damaged_files_name_the_file_and_fix(tmp_path):
         IndexedDataset(prefix)
     os.remove(bin_)
     with pytest.raises(FileNotFoundError, match=r"corpus\.bin does not exist"):
+        IndexedDataset(prefix)
+
+
+# Byte offsets in the .idx of a corpus of 4 sequences (one per document): the header is 34
+# bytes, then 4 int32 lengths, 4 int64 pointers and 5 int64 document indices.
+_LENGTHS, _POINTERS, _DOCUMENTS = 34, 34 + 4 * 4, 34 + 4 * 4 + 4 * 8
+
+DAMAGED_SEQUENCES = {
+    # id: (offset, value, its struct format, the message's fragments)
+    "length-grown": (
+        _LENGTHS + 4 * 1,
+        10**6,
+        "<i",
+        "sequence 1 (1000000 tokens of 2 bytes from byte 6) ends at byte 2000006, but "
+        "sequence 2 starts at byte 10",
+    ),
+    "length-negative": (_LENGTHS + 4 * 2, -3, "<i", "sequence 2 has a negative length (-3)"),
+    "first-pointer": (_POINTERS, 4, "<q", "sequence 0 starts at byte 4 of the .bin, not 0"),
+    "pointer": (
+        _POINTERS + 8 * 3,
+        14,
+        "<q",
+        "sequence 2 (1 tokens of 2 bytes from byte 10) ends at byte 12, but sequence 3 starts "
+        "at byte 14",
+    ),
+    "document-order": (
+        _DOCUMENTS + 8 * 2,
+        0,
+        "<q",
+        "document 2 starts at sequence 0, before document 1 (sequence 1)",
+    ),
+}
+
+
+@pytest.mark.parametrize("block", [1 << 22, 1])
+@pytest.mark.parametrize("case", DAMAGED_SEQUENCES)
+def test_damaged_sequence_lengths_and_pointers_name_the_sequence(
+    case, block, tmp_path, monkeypatch
+):
+    """Damage that keeps the file sizes (a length, a pointer, a document index) is found when
+    the dataset opens, naming the file, the first bad sequence and the fix; checked in blocks
+    (of one sequence here too, so that every block boundary is crossed)."""
+    monkeypatch.setattr(indexed_dataset, "_CHECK_BLOCK", block)
+    prefix = write_corpus(str(tmp_path / "corpus"), [[1, 2, 3], [4, 5], [6], [7, 8]])
+    assert IndexedDataset(prefix).sequence_pointers.tolist() == [0, 6, 10, 12]
+    offset, value, fmt, fragment = DAMAGED_SEQUENCES[case]
+    _corrupt(get_idx_path(prefix), offset, struct.pack(fmt, value))
+    with pytest.raises(ValueError) as error:
+        IndexedDataset(prefix)
+    message = str(error.value)
+    assert message.startswith(f"{get_idx_path(prefix)}: {fragment}; the file is corrupt"), message
+    assert "tools/preprocess_data.py" in message
+
+
+def test_damaged_last_length_names_the_pair(tmp_path):
+    """The last sequence's end is the .bin's size, which the dataset checks."""
+    prefix = write_corpus(str(tmp_path / "corpus"), [[1, 2, 3], [4, 5]])
+    _corrupt(get_idx_path(prefix), _LENGTHS + 4, struct.pack("<i", 7))
+    with pytest.raises(ValueError, match=r"corpus\.bin holds 10 bytes.*describes 20.*damaged"):
         IndexedDataset(prefix)

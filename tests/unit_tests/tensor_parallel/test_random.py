@@ -63,6 +63,19 @@ def test_seeding_gives_each_state_its_upstream_seed():
     torch.testing.assert_close(draws["data_parallel"], _stream(SEED))
 
 
+def test_tracker_reports_the_seed_of_each_state():
+    """What a checkpoint loaded at another layout matches saved states by."""
+    model_parallel_cuda_manual_seed(SEED, tp_rank=1, ep_rank=2, etp_rank=1)
+    tracker = get_cuda_rng_tracker()
+    assert tracker.get_seeds() == {
+        get_data_parallel_rng_tracker_name(): SEED,
+        "model-parallel-rng": SEED + 2718 + 1,
+        get_expert_parallel_rng_tracker_name(): SEED + 1024 + 100 * 2 + 1,
+    }
+    tracker.reset()
+    assert tracker.get_seeds() == {}
+
+
 def test_tp_ranks_share_the_default_stream_but_not_the_model_parallel_one():
     rank0, rank1 = _draws(tp_rank=0, ep_rank=0), _draws(tp_rank=1, ep_rank=0)
     torch.testing.assert_close(rank0["default_before"], rank1["default_before"])

@@ -38,6 +38,7 @@ from tests.unit_tests.model_builders import (
     shard_batch,
     wrap_for_engine,
 )
+from tests.unit_tests.training.log_capture import capture_training_log
 
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -304,12 +305,25 @@ def _pretrain(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> 
     )
 
 
+def _pretrain_logging(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> dict:
+    """`_pretrain`, with the log lines of the iterations (rank 0's; none elsewhere)."""
+    with capture_training_log() as messages:
+        result = _pretrain(flags, forward_step_func)
+    return {**result, "lines": [m for m in messages if m.startswith("iteration ")]}
+
+
 def test_rampup_batch_size_trains_the_scheduled_batches():
     flags = [*TINY, "--rampup-batch-size", "4", "4", "16", "--global-batch-size", "12"]
-    flags += ["--train-samples", "48"]
-    results = run_distributed(_pretrain, 2, flags, _counting_forward_step)
+    flags += ["--train-samples", "48", "--log-interval", "1"]
+    results = run_distributed(_pretrain_logging, 2, flags, _counting_forward_step)
     batches = [4, 4, 8, 12, 12, 12]  # _upstream_rampup(4, 4, 16, 12, consumed) per iteration
     consumed = [sum(batches[: i + 1]) for i in range(len(batches))]
+    # The log reports each iteration's batch (its tokens/s too: test_training_log.py).
+    lines = results[0].pop("lines")
+    assert [line.split("global batch size:")[1].split("|")[0].strip() for line in lines] == [
+        str(batch) for batch in batches
+    ]
+    assert results[1].pop("lines") == []
     for result in results:
         assert result["iterations"] == 6
         # Each rank runs batch / (micro batch 2 x 2 ranks) microbatches per iteration.
@@ -395,6 +409,105 @@ def test_engines_give_the_decoupled_group_its_rate(engine):
     for held in run_distributed(_decoupled_groups_of_engine, 2, engine):
         assert [max_lr for _, max_lr in held] == [None, None, 0.5]
         assert held[2][0] == expected
+
+
+def _decoupled_optimizer(decoupled_lr: float | None, decoupled_min_lr: float | None = None):
+    model = build_tiny_gpt(share_embeddings_and_output_weights=False)
+    config = OptimizerConfig(lr=1e-2, decoupled_lr=decoupled_lr, decoupled_min_lr=decoupled_min_lr)
+    return get_megatron_optimizer(config, model)
+
+
+@pytest.mark.parametrize(
+    "saved, here, fragments",
+    [
+        (
+            (0.02, 0.002),
+            (None, None),
+            [
+                "saved with --decoupled-lr 0.02 --decoupled-min-lr 0.002",
+                "without --decoupled-lr",
+                "Pass --decoupled-lr 0.02 --decoupled-min-lr 0.002 to resume it",
+                "--no-load-optim",
+            ],
+        ),
+        (
+            (None, None),
+            (0.05, None),
+            ["This run has --decoupled-lr 0.05", "saved without it", "Drop --decoupled-lr"],
+        ),
+    ],
+)
+def test_decoupled_lr_dropped_or_added_on_resume_is_named(saved, here, fragments):
+    """The groups then hold other parameters: the message names the flag, not another model."""
+    saved_groups = _decoupled_optimizer(*saved).sharded_state_dict()["param_groups"]
+    with pytest.raises(ValueError) as error:
+        _decoupled_optimizer(*here).check_param_groups(saved_groups)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+    assert "model it was saved from" not in str(error.value)
+
+
+def test_decoupled_bounds_of_the_saved_groups_are_left_to_the_scheduler():
+    """`check_param_groups` keeps this optimizer's `max_lr` / `min_lr` (the flags'): the
+    scheduler checks them against the checkpoint's and replaces them where told to."""
+    saved_groups = _decoupled_optimizer(0.02, 0.002).sharded_state_dict()["param_groups"]
+    optimizer = _decoupled_optimizer(0.05)
+    groups = optimizer.check_param_groups(saved_groups)
+    assert [(g.get("max_lr"), g.get("min_lr")) for g in groups] == [
+        (g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups
+    ]
+    assert [g.get("max_lr") for g in groups] == [None, None, 0.05]
+
+
+DECOUPLED_RESUME = [
+    *TINY,
+    *"--global-batch-size 4 --train-iters 6 --lr-decay-style constant --min-lr 1e-3".split(),
+]
+
+
+def _decoupled_group(root: Path, iteration: int) -> tuple[float, float, float | None]:
+    """(lr, max_lr, min_lr) of the decoupled group the checkpoint of `iteration` saved."""
+    common = torch.load(root / f"iter_{iteration:07d}" / "common.pt", weights_only=False)
+    (group,) = [g for g in common["param_groups"] if "max_lr" in g]
+    return group["lr"], group["max_lr"], group.get("min_lr")
+
+
+def _main_error(flags: list[str]) -> str | None:
+    try:
+        pretrain_gpt.main(flags)
+    except Exception as error:  # noqa: BLE001 - the test checks the message
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def test_resume_with_another_decoupled_lr_needs_a_choice(tmp_path):
+    """As a changed --lr: refused naming the flag and both rates;
+    --override-opt_param-scheduler trains at the flag's rate, --use-checkpoint-opt_param-scheduler
+    at the checkpoint's (read back from the next checkpoint's parameter groups). Dropped, the
+    refusal names the flag to pass."""
+    first = tmp_path / "first"
+    flags = [*DECOUPLED_RESUME, "--decoupled-lr", "0.02"]
+    run_distributed(pretrain_gpt.main, 2, [*flags, "--save", str(first), "--exit-interval", "3"])
+    assert _decoupled_group(first, 3) == (0.02, 0.02, None)
+    changed = [*DECOUPLED_RESUME, "--decoupled-lr", "0.05", "--load", str(first)]
+    for error in run_distributed(_main_error, 2, changed):
+        assert error is not None and error.startswith("CheckpointError"), error
+        assert "--decoupled-lr: 0.05 here, 0.02 in the checkpoint" in error, error
+        assert "--override-opt_param-scheduler" in error, error
+    dropped = [*DECOUPLED_RESUME, "--load", str(first)]
+    for error in run_distributed(_main_error, 2, dropped):
+        assert error is not None and "Pass --decoupled-lr 0.02 to resume it" in error, error
+    for option, expected in [
+        ("--override-opt_param-scheduler", 0.05),
+        ("--use-checkpoint-opt_param-scheduler", 0.02),
+    ]:
+        save = tmp_path / option.strip("-")
+        run_distributed(pretrain_gpt.main, 2, [*changed, option, "--save", str(save)])
+        assert _decoupled_group(save, 6) == (expected, expected, None), option
+    # A --decoupled-min-lr equal to the --min-lr the checkpoint's group followed is no change.
+    same = [*flags, "--decoupled-min-lr", "1e-3", "--load", str(first)]
+    run_distributed(pretrain_gpt.main, 2, [*same, "--save", str(tmp_path / "same")])
+    assert _decoupled_group(tmp_path / "same", 6) == (0.02, 0.02, 1e-3)
 
 
 # ----------------------------------------------------------------------- per-token loss
@@ -504,9 +617,7 @@ def test_exit_signal_stops_every_rank_when_one_received_it():
     assert all("SIGUSR1 (--exit-signal-handler)" in reason for reason in reasons)
 
 
-@pytest.mark.parametrize(
-    "duration, signal_handler, collectives", [(None, False, 0), (1, True, 1)]
-)
+@pytest.mark.parametrize("duration, signal_handler, collectives", [(None, False, 0), (1, True, 1)])
 def test_exits_take_one_all_reduce_per_iteration_and_none_without_flags(
     monkeypatch, duration, signal_handler, collectives
 ):

@@ -5,11 +5,17 @@ and optimizer state, bit for bit, and each resumed step has the loss and weights
 uninterrupted single-process run. Likewise a Mixture-of-Experts GPT whose experts are split by
 expert tensor parallelism: saved at TP 2 x ETP 2 x EP 2 (Megatron-FSDP), it loads at TP 1 with
 whole experts (DDP engine, distributed optimizer), then TP 1 x ETP 2 x EP 2 (Megatron-FSDP,
-sharded optimizer) and TP 2 x ETP 2 x EP 1 (DDP engine). 4 gloo ranks."""
+sharded optimizer) and TP 2 x ETP 2 x EP 1 (DDP engine). 4 gloo ranks.
+
+Training at TP 2 with dropout inside tensor-parallel regions (attention dropout; hidden dropout
+under sequence parallelism), stopped by --exit-interval and resumed, is bitwise the
+uninterrupted run: the checkpoint holds the RNG tracker's states (2 gloo ranks through
+`pretrain_gpt.main`). A checkpoint saved without them still loads."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -18,9 +24,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    rng_tracker_device_type,
+)
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.training.checkpoint_layout import CHECKPOINT_VERSION, CheckpointError
-from megatron.training.checkpointing import _check_arguments, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (
+    _check_arguments,
+    _set_rng_tracker_states,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.unit_tests.distributed.moe_training import Engine, RunResult, train_steps, wrap
 from tests.unit_tests.distributed.test_gpt_tensor_parallel_engines import (
     build_gpt,
@@ -35,6 +51,13 @@ from tests.unit_tests.distributed.tp_training import (
 )
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.tools.hf_models import parse_flags
+from tests.unit_tests.training.checkpoint_checks import (
+    RUN,
+    assert_histories_equal,
+    edit_common,
+    main,
+    resumed_part,
+)
 from tests.unit_tests.training.test_expert_checkpoints import (
     _args,
     _assert_equal,
@@ -151,3 +174,91 @@ def test_a_vocabulary_padded_for_another_tensor_parallel_size_names_the_divisor(
         _check_arguments(common, "ckpt", here)
     fixed = parse_flags([*model, "--make-vocab-size-divisible-by", "50432"])
     _check_arguments(common, "ckpt", fixed)
+
+
+TP2_DROPOUT = {
+    # RUN has --attention-dropout 0.1 and --hidden-dropout 0.1: at TP 2 the attention dropout
+    # forks the tracker; under sequence parallelism every dropout of the layers does.
+    "attention-dropout": ["--tensor-model-parallel-size", "2"],
+    "sequence-parallel": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+}
+
+
+@pytest.mark.parametrize("case", TP2_DROPOUT)
+def test_resume_at_tensor_parallel_size_2_with_dropout_is_bitwise_the_uninterrupted_run(
+    case, tmp_path
+):
+    flags = [*RUN, *TP2_DROPOUT[case]]
+    straight = run_distributed(main, 2, flags)[0]
+    root = str(tmp_path / "ckpt")
+    first = run_distributed(main, 2, [*flags, "--exit-interval", "3", "--save", root])[0]
+    assert first.losses == straight.losses[:3]
+    if case == "sequence-parallel":
+        # A checkpoint saved before the tracker's states were: it loads, and only the dropout
+        # masks of the tensor-parallel regions differ from the uninterrupted run's.
+        old = str(tmp_path / "old")
+        shutil.copytree(root, old)
+        edit_common(os.path.join(old, "iter_0000003"), _drop_rng_tracker_states)
+        resumed_old = run_distributed(main, 2, [*flags, "--load", old])[0]
+        assert resumed_old.start_iteration == 3
+        assert resumed_old.losses[0] != straight.losses[3]
+    resumed = run_distributed(main, 2, [*flags, "--load", root, "--save", root])
+    assert resumed[0].start_iteration == 3
+    assert_histories_equal(resumed[0], resumed_part(straight, 3))
+    assert_histories_equal(resumed[1], resumed[0])
+
+
+def _drop_rng_tracker_states(common: dict) -> None:
+    for state in common["rng_state"]:
+        for key in ("rng_tracker_states", "rng_tracker_seeds", "rng_tracker_device"):
+            del state[key]
+
+
+def _saved_tracker(tp_rank: int, draws: int) -> dict:
+    """A rank's RNG states as a checkpoint holds them: its tracker seeded at `tp_rank` with
+    `draws` numbers drawn in each state."""
+    model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank)
+    tracker = get_cuda_rng_tracker()
+    for name in tracker.get_states():
+        with tracker.fork(name):
+            torch.rand(draws, device=rng_tracker_device_type())
+    return {
+        "rng_tracker_states": tracker.get_states(),
+        "rng_tracker_seeds": tracker.get_seeds(),
+        "rng_tracker_device": rng_tracker_device_type(),
+    }
+
+
+def test_tracker_states_load_from_the_rank_seeded_alike():
+    """Rank 1 of a TP-2 run that is resumed at another layout (the rank's own states seeded for
+    another tp rank, or another world size) takes the states of the saved tp rank 1, so that
+    tp ranks keep drawing different dropout masks; a state no saved rank seeded alike (tp rank
+    2 of TP 4), and states of another kind of generator, keep their seeded values."""
+    saved = [_saved_tracker(0, 5), _saved_tracker(1, 7)]
+    tracker = get_cuda_rng_tracker()
+    model_name = "model-parallel-rng"
+    try:
+        for rank in (None, 0):  # another world size; this rank's states seeded otherwise
+            model_parallel_cuda_manual_seed(1234, tp_rank=1)
+            _set_rng_tracker_states(saved, rank, "ckpt")
+            assert torch.equal(
+                tracker.get_states()[model_name], saved[1]["rng_tracker_states"][model_name]
+            )
+        model_parallel_cuda_manual_seed(1234, tp_rank=2)
+        seeded = tracker.get_states()
+        _set_rng_tracker_states(saved, None, "ckpt")
+        assert torch.equal(tracker.get_states()[model_name], seeded[model_name])
+        # The data-parallel state is seeded alike on every rank: taken from the checkpoint.
+        assert torch.equal(
+            tracker.get_states()["data-parallel-rng"],
+            saved[0]["rng_tracker_states"]["data-parallel-rng"],
+        )
+        other_device = "cpu" if rng_tracker_device_type() == "cuda" else "cuda"
+        foreign = [{**state, "rng_tracker_device": other_device} for state in saved]
+        model_parallel_cuda_manual_seed(1234, tp_rank=1)
+        seeded = tracker.get_states()
+        _set_rng_tracker_states(foreign, 1, "ckpt")
+        for name, state in tracker.get_states().items():
+            assert torch.equal(state, seeded[name]), name
+    finally:
+        tracker.reset()

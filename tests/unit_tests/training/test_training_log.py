@@ -18,6 +18,7 @@ from megatron.training.arguments import (
     parse_args,
     validate_args,
 )
+from megatron.training.flops import num_floating_point_operations
 from megatron.training.training_log import TrainingLog
 from tests.unit_tests.training.log_capture import capture_training_log
 
@@ -88,8 +89,31 @@ def test_log_throughput_adds_tflops_on_cpu(messages):
     log = _training_log("--log-throughput")
     log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
     log.record_iteration(2, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
-    tflops = log.flops_per_iteration / 0.5 / 2 / 1e12
+    tflops = log.flops_per_sample * 8 / 0.5 / 2 / 1e12
     assert f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" in messages[0]
+
+
+def test_a_batch_size_ramp_is_reported_at_each_iterations_batch(messages):
+    """--rampup-batch-size: the line's tokens/s and the TFLOP/s count the interval's iterations
+    at their own global batch sizes (4 then 8 samples of 16 tokens in 0.5 s each, over 2
+    ranks), its global batch size is the last iteration's, and TensorBoard's each
+    iteration's."""
+    log = _training_log(
+        *"--rampup-batch-size 4 4 16 --log-throughput --log-timers-to-tensorboard".split(),
+        *"--tensorboard-log-interval 1".split(),
+    )
+    assert log.args.global_batch_size == 8  # the ramp's final size
+    tensorboard = log.writer.tensorboard = _FakeTensorBoard()
+    log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5, global_batch_size=4)
+    log.record_iteration(2, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5, global_batch_size=8)
+    (line,) = messages
+    assert f"tokens/s/GPU: {(4 + 8) * 16 / 1.0 / 2:.1f} |" in line
+    assert "| global batch size:     8 |" in line
+    scalars = {(tag, step): value for tag, value, step in tensorboard.scalars}
+    assert (scalars["batch-size", 1], scalars["batch-size", 2]) == (4, 8)
+    config = core_transformer_config_from_args(log.args)
+    flops = num_floating_point_operations(config, log.args.padded_vocab_size, 16, 4 + 8)
+    assert scalars["throughput", 2] == pytest.approx(flops / 1.0 / 2 / 1e12)
 
 
 def test_evaluation_box_and_wandb_scalars(messages, monkeypatch):
