@@ -471,7 +471,13 @@ def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save (the directory to save to).")
     if args.load is None:
-        for dest in ("ckpt_step", "no_load_optim", "no_load_rng", "finetune"):
+        for dest in (
+            "ckpt_step",
+            "no_load_optim",
+            "no_load_rng",
+            "finetune",
+            "exit_on_missing_checkpoint",
+        ):
             if getattr(args, dest) not in (None, False):
                 raise ValueError(f"{flag(dest)} needs --load (the checkpoint directory).")
     _validate_finetune_directories(args)

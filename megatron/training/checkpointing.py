@@ -239,7 +239,8 @@ def load_checkpoint(
     `args.finetune` only the model's weights load and training starts at iteration 0; with
     `args.no_load_optim` the optimizer state and schedule do not load; with `args.no_load_rng`
     the random generators keep their state. When `--load` is the `--save` directory and holds
-    no checkpoint yet, nothing loads (the first run of a job that resumes itself).
+    no checkpoint yet, nothing loads (the first run of a job that resumes itself), unless
+    `args.exit_on_missing_checkpoint`.
 
     Args:
         model: the wrapped model the weights load into.
@@ -264,6 +265,12 @@ def load_checkpoint(
     if iteration is None:
         iteration = _tracked_iteration(root, flag_name, args.save)
     if iteration is None:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(
+                f"{flag_name} {root} holds no checkpoint yet, and --exit-on-missing-checkpoint "
+                "is set: pass the --save directory of an earlier run, or drop the flag to train "
+                "from scratch."
+            )
         print_rank_0(f"> no checkpoint in {root} yet: training starts from scratch")
         return 0
     path = checkpoint_dir(root, iteration)

@@ -42,6 +42,12 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         "--no-load-rng", action="store_true", help="Keep the seeded RNG states on loading."
     )
     group.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="Stop with an error where --load holds no checkpoint, instead of training from "
+        "scratch (the first run of a job whose --load is its --save).",
+    )
+    group.add_argument(
         "--finetune",
         action="store_true",
         help="Load the weights only and start at iteration 0 (a new run from them).",
@@ -68,8 +74,7 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         "--dist-ckpt-strictness",
         default="assume_ok_unexpected",
         choices=DIST_CKPT_STRICTNESS,
-        help="Key mismatches on loading: raise (the three raising values) or tolerate (not "
-        "built).",
+        help="Key mismatches on loading: raise (the three raising values) or tolerate (not built).",
     )
 
 

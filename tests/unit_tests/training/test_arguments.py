@@ -274,6 +274,7 @@ BAD = [
     ("--no-load-optim", "--no-load-optim needs --load"),
     ("--no-load-rng", "--no-load-rng needs --load"),
     ("--finetune", "--finetune needs --load"),
+    ("--exit-on-missing-checkpoint", "--exit-on-missing-checkpoint needs --load"),
     ("--ckpt-step 3", "--ckpt-step needs --load"),
     ("--load ckpt --ckpt-step -1", "--ckpt-step -1 must be >= 0"),
     (

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from megatron.training import checkpoint_layout, checkpointing, training
+from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_checksums import (
     CHECKSUMS_FILENAME,
     ChecksumWriter,
@@ -51,6 +52,7 @@ from tests.unit_tests.training.checkpoint_checks import (
     resumed_part,
     whole_tensor,
 )
+from tests.unit_tests.training.flag_checks import BASE
 
 ENGINES = {
     "fsdp_zero3": ZERO3,
@@ -544,6 +546,17 @@ def test_saved_tensor_paths_are_read_from_the_metadata(tmp_path):
         ("state", "a.weight", "exp_avg"): (torch.Size([2, 3]), torch.float32),
         ("state", "a.weight", "step"): (torch.Size([]), torch.float32),
     }
+
+
+def test_exit_on_missing_checkpoint_refuses_to_train_from_scratch(tmp_path):
+    """The one case that trains from scratch, `--load` the `--save` directory holding nothing
+    yet, is an error with the flag."""
+    root = str(tmp_path / "ckpt")
+    flags = [*BASE, "--load", root, "--save", root]
+    assert checkpointing.load_checkpoint(None, None, None, parse_args(args=flags)) == 0
+    args = parse_args(args=[*flags, "--exit-on-missing-checkpoint"])
+    with pytest.raises(CheckpointError, match="holds no checkpoint yet, and --exit-on-missing"):
+        checkpointing.load_checkpoint(None, None, None, args)
 
 
 def test_which_checkpoint_the_tracker_names(tmp_path):
