@@ -270,6 +270,11 @@ def test_a_step_without_a_last_microbatch_is_completed_by_finalising():
 def _abandoned_step(strategy: str, option: str) -> tuple[dict, dict]:
     """A step abandoned after its first microbatch (`model.zero_grad()`), then a step of one
     microbatch: its gradients, and those of a fresh model's first step on the same batch."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    batches = [
+        [shard_batch(tensor, rank, size) for tensor in batch]
+        for batch in make_batches("uneven")[:2]
+    ]
     grads = []
     for abandon in (True, False):
         model = build_model("uneven", False)
@@ -277,24 +282,12 @@ def _abandoned_step(strategy: str, option: str) -> tuple[dict, dict]:
             fully_shard(
                 unit, sharding_strategy=strategy, overlap_policy=OverlapPolicy(**OPTIONS[option])
             )
-        rank, size = dist.get_rank(), dist.get_world_size()
-        (first, first_labels), (second, second_labels) = make_batches("uneven")[:2]
-        if abandon:
-            with microbatch(model, is_last=False):
-                loss_of(
-                    model,
-                    shard_batch(first, rank, size),
-                    shard_batch(first_labels, rank, size),
-                    False,
-                ).backward()
-            model.zero_grad()
-        with microbatch(model, is_last=True):
-            loss_of(
-                model,
-                shard_batch(second, rank, size),
-                shard_batch(second_labels, rank, size),
-                False,
-            ).backward()
+        for inputs, labels in batches[0 if abandon else 1 :]:
+            last = inputs is batches[1][0]
+            with microbatch(model, is_last=last):
+                loss_of(model, inputs, labels, False).backward()
+            if not last:
+                model.zero_grad()
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
     return grads[0], grads[1]
 
