@@ -182,11 +182,6 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise HFConversionError(
             f"hidden_act {config['hidden_act']!r}: only SiLU (SwiGLU's gate) is built."
         )
-    if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFConversionError(
-            f"partial_rotary_factor {config['partial_rotary_factor']}: only full-width RoPE is "
-            "converted."
-        )
     _check_biases(config, name)
     _check_full_attention(config, name)
     max_positions = integer_field(config, "max_position_embeddings")
@@ -418,10 +413,10 @@ def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     scaling = parameters or config.get("rope_scaling") or {}
     theta = scaling.get("rope_theta", config["rope_theta"])
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+    partial = scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
         raise HFConversionError(
-            f"partial_rotary_factor {scaling['partial_rotary_factor']}: only full-width RoPE is "
-            "converted."
+            f"partial_rotary_factor {partial}: only full-width RoPE is converted."
         )
     if not isinstance(theta, (int, float)) or theta <= 0 or theta != int(theta):
         raise HFConversionError(

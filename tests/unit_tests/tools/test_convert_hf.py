@@ -571,6 +571,17 @@ def test_left_out_fields_that_used_to_convert_wrong(tmp_path):
         model_args_from_hf_config(_left_out(llama3, ("rope_parameters", "low_freq_factor")))
 
 
+def test_partial_rotary_factor_is_refused_where_it_is_stated():
+    """At the top level (transformers 4) or inside `rope_parameters` (5)."""
+    config = hf_config("llama3").to_dict()
+    for stated in (
+        {**config, "partial_rotary_factor": 0.5},
+        {**config, "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": 0.5}},
+    ):
+        with pytest.raises(HFConversionError, match="partial_rotary_factor 0.5: only full-width"):
+            model_args_from_hf_config(stated)
+
+
 def test_command_line_error_exit(tmp_path):
     """Run as a script: an error is one line on stderr and exit status 1, no traceback."""
     process = subprocess.run(

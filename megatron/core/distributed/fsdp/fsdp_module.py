@@ -148,8 +148,8 @@ class FsdpUnit:
 
         Raises:
             ValueError: a unit below was given an overlap policy other than the root's (one
-                schedule governs them all, so it would be ignored).
-                Or a unit below was used before this root, and became a root itself.
+                schedule governs them all, so it would be ignored), or was used before this
+                root (and became a root itself).
         """
         context = self.context
         if context is not None:
