@@ -90,13 +90,15 @@ class Collectives:
     ) -> None:
         """Reduces each of `inputs` (1-D, N equal blocks) over `group` into `outputs[i]`, this
         rank's block of it, as one grouped collective: NCCL launches one kernel for all.
-        `average` divides the sum by `divisor` (default: the group's size)."""
+        `average` divides the sum by `divisor` (default: the group's size); fp16 inputs are
+        divided in place first where the collective sums (`_average_first`)."""
         divisor = divisor or group.size()
         if group.size() == 1:
             torch._foreach_copy_(outputs, inputs)
             _finish_average(outputs, dist.ReduceOp.SUM, divisor, average)
             return
         op = self._op(group, average, divisor)
+        average = _average_first(inputs, op, divisor, average)
         _reduce_scatter_coalesced(outputs, inputs, op=op, group=group)
         _finish_average(outputs, op, divisor, average)
 
@@ -110,13 +112,15 @@ class Collectives:
         divisor: int | None = None,
     ) -> None:
         """Reduces `input` over `group` and leaves this rank's 1/N slice of it in `output`;
-        `average` divides the sum by `divisor` (default: the group's size)."""
+        `average` divides the sum by `divisor` (default: the group's size; fp16 inputs in place
+        first, `_average_first`)."""
         divisor = divisor or group.size()
         if group.size() == 1:
             output.copy_(input)
             _finish_average([output], dist.ReduceOp.SUM, divisor, average)
             return
         op = self._op(group, average, divisor)
+        average = _average_first([input], op, divisor, average)
         _reduce_scatter_single(output, input, op=op, group=group)
         _finish_average([output], op, divisor, average)
 
@@ -135,6 +139,7 @@ class Collectives:
             _finish_average([tensor], dist.ReduceOp.SUM, divisor, average)
             return
         op = self._op(group, average, divisor)
+        average = _average_first([tensor], op, divisor, average)
         dist.all_reduce(tensor, op=op, group=group)
         _finish_average([tensor], op, divisor, average)
 
@@ -202,6 +207,20 @@ def _wait(work: dist.Work | None) -> None:
     wrappers do (gloo: waits for it); a build that ran it on the current stream returns none."""
     if work is not None:
         work.wait()
+
+
+def _average_first(
+    inputs: list[torch.Tensor], op: dist.ReduceOp, divisor: int, average: bool
+) -> bool:
+    """Divides fp16 inputs by `divisor` before a SUM that is to average them, and returns
+    whether the SUM's result still needs dividing. An fp16 sum over N ranks overflows where
+    the average does not (loss-scaled gradients sit near the top of fp16's range), so a step
+    other engines take would be skipped as overflowed; Megatron-LM scales gradients before
+    their collective for this. Other dtypes are divided after, on the smaller output."""
+    if average and op != dist.ReduceOp.AVG and divisor != 1 and inputs[0].dtype == torch.float16:
+        torch._foreach_div_(inputs, divisor)
+        return False
+    return average
 
 
 def _finish_average(

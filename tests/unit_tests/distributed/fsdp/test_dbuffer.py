@@ -228,6 +228,26 @@ def test_collectives_into_preallocated_buffers(world_size):
         )
 
 
+def _fp16_averages(divisor: int | None) -> list[float]:
+    """Averages of fp16 values whose sum over the ranks overflows fp16 (max 65504)."""
+    group, comm = dist.group.WORLD, Collectives()
+    size = group.size()
+    values = [torch.full((2 * size,), 40000.0, dtype=torch.float16) for _ in range(3)]
+    outputs = [torch.empty(2, dtype=torch.float16) for _ in range(2)]
+    comm.reduce_scatter_tensors(outputs[:1], values[:1], group, average=True, divisor=divisor)
+    comm.reduce_scatter(outputs[1], values[1], group, average=True, divisor=divisor)
+    comm.all_reduce(values[2], group, average=True, divisor=divisor)
+    return [tensor.float().max().item() for tensor in (*outputs, values[2])]
+
+
+@pytest.mark.parametrize("divisor", [None, 4], ids=["group-size", "larger"])
+def test_fp16_averages_do_not_overflow_where_the_sum_would(divisor):
+    """gloo sums (it has no average), as NCCL does for a divisor other than the group's size
+    (expert gradients): fp16 inputs are divided first."""
+    expected = 40000.0 * 2 / (divisor or 2)
+    assert run_distributed(_fp16_averages, 2, divisor) == [[expected] * 3] * 2
+
+
 def test_strategy_flags_and_errors():
     zero3 = ShardingStrategy("optim_grads_params")
     assert (zero3.shards_optimizer, zero3.shards_grads, zero3.shards_params) == (True,) * 3
