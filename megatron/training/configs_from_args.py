@@ -270,6 +270,7 @@ def get_megatron_optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.start_weight_decay,
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,

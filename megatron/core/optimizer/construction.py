@@ -23,10 +23,12 @@ def get_param_groups(
     weight_decay: float,
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
+    apply_wd_to_qk_layernorm: bool = False,
 ) -> list[dict[str, Any]]:
     """The trainable parameters split into a decayed and a non-decayed group (Megatron's default
-    rule: biases and 1-D parameters, i.e. norm weights, get no weight decay), and with
-    `decoupled_lr` the word embeddings and output layer into groups of their own.
+    rule: biases and 1-D parameters, i.e. norm weights, get no weight decay; with
+    `apply_wd_to_qk_layernorm` the query and key norms' weights do), and with `decoupled_lr` the
+    word embeddings and output layer into groups of their own.
 
     Each group has `wd_mult` (1.0 or 0.0), by which `OptimizerParamScheduler` multiplies its
     weight decay; a decoupled group has `max_lr` = `decoupled_lr` (and `min_lr` =
@@ -36,7 +38,9 @@ def get_param_groups(
     decay, no_decay, decoupled_decay, decoupled_no_decay = [], [], [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            no_wd = name.endswith(".bias") or param.ndim == 1
+            no_wd = (name.endswith(".bias") or param.ndim == 1) and not (
+                apply_wd_to_qk_layernorm and (".q_layernorm." in name or ".k_layernorm." in name)
+            )
             if decoupled_lr is not None and name.endswith(EMBEDDING_OR_OUTPUT_WEIGHTS):
                 (decoupled_no_decay if no_wd else decoupled_decay).append(param)
             else:
@@ -82,7 +86,11 @@ def get_megatron_optimizer(
             "OptimizerConfig(lr=3e-4)."
         )
     param_groups = get_param_groups(
-        model, config.weight_decay, config.decoupled_lr, config.decoupled_min_lr
+        model,
+        config.weight_decay,
+        config.decoupled_lr,
+        config.decoupled_min_lr,
+        config.apply_wd_to_qk_layernorm,
     )
     is_fsdp = bool(fsdp_roots(model))
     main_shards = main_param_shards(model)

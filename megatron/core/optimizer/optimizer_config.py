@@ -24,6 +24,8 @@ class OptimizerConfig:
         decoupled_min_lr: their own floor (the group's `min_lr`); None: `min_lr`.
         weight_decay: decay coefficient of weights; biases and other 1-D parameters (norm
             weights) get none.
+        apply_wd_to_qk_layernorm: the query and key norms' weights decay too (Qwen3-Next's
+            rule; Megatron-LM's `--apply-wd-to-qk-layernorm`).
         adam_beta1: Adam's first-moment coefficient.
         adam_beta2: Adam's second-moment coefficient.
         adam_eps: Adam's denominator term.
@@ -49,6 +51,7 @@ class OptimizerConfig:
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

@@ -27,6 +27,11 @@ def add_regularization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--start-weight-decay", type=float, help="Weight decay at iteration 0.")
     group.add_argument("--end-weight-decay", type=float, help="Weight decay at the end.")
     group.add_argument(
+        "--apply-wd-to-qk-layernorm",
+        action="store_true",
+        help="Decay the query and key norms' weights too (other norms and biases never decay).",
+    )
+    group.add_argument(
         "--weight-decay-incr-style",
         default="constant",
         choices=WD_INCR_STYLES,
@@ -71,9 +76,7 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lr-warmup-iters", type=int, default=0, help="Iterations of linear warmup."
     )
-    group.add_argument(
-        "--lr-warmup-samples", type=int, default=0, help="Samples of linear warmup."
-    )
+    group.add_argument("--lr-warmup-samples", type=int, default=0, help="Samples of linear warmup.")
     group.add_argument(
         "--lr-warmup-init", type=float, default=0.0, help="Learning rate warmup starts from."
     )

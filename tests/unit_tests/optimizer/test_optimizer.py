@@ -51,6 +51,21 @@ def test_no_weight_decay_on_biases_and_norm_weights():
     assert {names[p] for p in decay["params"]} == set(names.values()) - expected
 
 
+def test_apply_wd_to_qk_layernorm_decays_the_query_and_key_norms_only():
+    model = build_tiny_gpt(tiny_gpt_config(qk_layernorm=True))
+    names = {p: n for n, p in model.named_parameters()}
+    qk_norms = {n for n in names.values() if ".q_layernorm." in n or ".k_layernorm." in n}
+    assert len(qk_norms) == 8  # a weight and a bias (LayerNorm) per norm and layer, as upstream
+    default = get_param_groups(model, 0.1)
+    decay, no_decay = get_param_groups(model, 0.1, apply_wd_to_qk_layernorm=True)
+    assert {names[p] for p in decay["params"]} == {
+        names[p] for p in default[0]["params"]
+    } | qk_norms
+    assert {names[p] for p in no_decay["params"]} == {
+        names[p] for p in default[1]["params"]
+    } - qk_norms
+
+
 def test_adamw_decays_only_weights_and_keeps_zero_wd_under_the_scheduler():
     model = build_tiny_gpt()
     lr, wd = 0.1, 0.5
