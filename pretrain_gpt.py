@@ -26,10 +26,12 @@ from megatron.core.datasets import (
     MockGPTDataset,
     build_gpt_datasets,
     pad_token_of,
+    parse_data_path,
 )
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.flag_groups.data import PER_SPLIT_FLAGS
 from megatron.training.global_vars import get_args, get_tokenizer
 from megatron.training.initialize import report_flag_errors
 from megatron.training.schedules import DataIterator, LossFunc
@@ -109,12 +111,17 @@ def forward_step(
 
 
 def core_gpt_dataset_config_from_args(args: argparse.Namespace) -> GPTDatasetConfig:
-    """The `GPTDatasetConfig` of `--data-path` runs (Megatron-LM's function of that name): the
-    tokenizer's EOD, pad id (upstream's rule) and vocabulary size come with the flags."""
+    """The `GPTDatasetConfig` of `--data-path` runs, or of `--train-data-path` etc. (its
+    `blend_per_split`; Megatron-LM's function of that name): the tokenizer's EOD, pad id
+    (upstream's rule) and vocabulary size come with the flags."""
     tokenizer = get_tokenizer()
+    per_split = [getattr(args, f"{split}_data_path") for split in PER_SPLIT_FLAGS]
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
+        blend_per_split=(
+            None if args.data_path else [parse_data_path(p) if p else None for p in per_split]
+        ),
         split=args.split,
         path_to_cache=args.data_cache_path,
         mmap_bin_files=args.mmap_bin_files,
@@ -123,21 +130,28 @@ def core_gpt_dataset_config_from_args(args: argparse.Namespace) -> GPTDatasetCon
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         eod_token=tokenizer.eod,
-        pad_token=pad_token_of(tokenizer),
+        pad_token=pad_token_of(tokenizer, args.allow_ambiguous_pad_tokens),
         vocab_size=tokenizer.vocab_size,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
     )
 
 
 def train_valid_test_datasets_provider(
     train_val_test_num_samples: list[int],
 ) -> tuple[Dataset | None, ...]:
-    """The datasets of `--data-path` (split by `--split`, blended by its weights), or
+    """The datasets of `--data-path` (split by `--split`, blended by its weights), of
+    `--train-data-path`, `--valid-data-path` and `--test-data-path` (each split's own), or
     `--mock-data` datasets of the requested sizes (each split draws other sequences)."""
     args = get_args()
     if args.data_path:
         print_rank_0(f"> building GPT datasets from {' '.join(args.data_path)} ...")
         return build_gpt_datasets(
             core_gpt_dataset_config_from_args(args), train_val_test_num_samples, args.data_path
+        )
+    if args.train_data_path:
+        print_rank_0("> building GPT datasets from --train-data-path etc. ...")
+        return build_gpt_datasets(
+            core_gpt_dataset_config_from_args(args), train_val_test_num_samples
         )
     print_rank_0("> building mock GPT datasets (train, validation, test) ...")
     vocab_size = get_tokenizer().vocab_size if args.tokenizer_type else args.vocab_size

@@ -31,7 +31,7 @@ from megatron.training.configs_from_args import (
 )
 from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
 from megatron.training.flag_groups.cuda_graphs import validate_cuda_graphs
-from megatron.training.flag_groups.data import validate_data, validate_tokenizer
+from megatron.training.flag_groups.data import PER_SPLIT_FLAGS, validate_data, validate_tokenizer
 from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
 from megatron.training.flag_groups.moe import validate_moe
@@ -391,12 +391,20 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
 
 
 def _validate_data(args: argparse.Namespace) -> None:
-    if args.mock_data and args.data_path:
-        raise ValueError("--mock-data and --data-path are both set; choose one.")
-    if not args.mock_data and not args.data_path:
+    per_split = [f"--{s}-data-path" for s in PER_SPLIT_FLAGS if getattr(args, f"{s}_data_path")]
+    choices = (
+        ("--mock-data", args.mock_data),
+        ("--data-path", args.data_path),
+        (" ".join(per_split), per_split),
+    )
+    sources = [name for name, chosen in choices if chosen]
+    if len(sources) > 1:
+        raise ValueError(f"{' and '.join(sources)} are all data sources; choose one.")
+    if not sources:
         raise ValueError(
             "No training data: pass --data-path PREFIX (a dataset tools/preprocess_data.py "
-            "wrote) with its --tokenizer-type, or --mock-data (synthetic tokens)."
+            "wrote) with its --tokenizer-type, --train-data-path (and --valid-data-path, "
+            "--test-data-path) for datasets of each split, or --mock-data (synthetic tokens)."
         )
     if args.tokenizer_type is None:
         for dest in ("vocab_file", "merge_file", "tokenizer_model"):
@@ -404,6 +412,8 @@ def _validate_data(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag(dest)} needs --tokenizer-type (which reads it).")
     if args.data_path:
         _validate_data_path(args)
+    elif per_split:
+        _validate_per_split_data_paths(args, per_split)
     else:
         _validate_mock_data(args)
     if args.tokenizer_type is None:
@@ -430,6 +440,29 @@ def _validate_data_path(args: argparse.Namespace) -> None:
         parse_and_normalize_split(args.split)
     except ValueError as error:
         raise ValueError(f"--data-path / --split: {error}") from None
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
+
+
+def _validate_per_split_data_paths(args: argparse.Namespace, given: list[str]) -> None:
+    if args.tokenizer_type is None:
+        raise ValueError(
+            f"{given[0]} needs --tokenizer-type: the tokenizer the data was preprocessed with."
+        )
+    if not args.train_data_path:
+        raise ValueError(f"{', '.join(given)} without --train-data-path: give the training data.")
+    if args.split is not None:
+        raise ValueError(
+            f"--split {args.split} divides --data-path's datasets; the datasets of "
+            f"{', '.join(given)} serve their split whole: drop --split."
+        )
+    for split in PER_SPLIT_FLAGS:
+        paths = getattr(args, f"{split}_data_path")
+        if paths:
+            try:
+                check_blend(parse_data_path(paths))
+            except ValueError as error:
+                raise ValueError(f"--{split}-data-path: {error}") from None
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
 

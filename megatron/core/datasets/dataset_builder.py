@@ -8,7 +8,7 @@ from a dataset of weight `w` (its length is the sum of those) and builds that da
 `ceil(ceil(N * w) * 1.005)` samples (upstream's margin, `mid_level_dataset_surplus`, so the
 greedy blend never runs a dataset dry); a blend without weights mixes one epoch of each dataset
 by their lengths. Per-split blends (`GPTDatasetConfig.blend_per_split`) use each prefix whole
-for their split.
+for their split; a per-split blend of one prefix, weighted or not, is that prefix's dataset.
 
 Where upstream differs, it is on inputs it cannot build: a split of positive weight without
 documents (upstream loops forever) is None here for a lone prefix, an error in a blend; a split
@@ -313,6 +313,12 @@ def build_gpt_datasets(
         only_this[number] = (0.0, 1.0)
         only_these_samples = [0] * len(SPLIT_NAMES)
         only_these_samples[number] = sizes[number]
-        splits = _build_blend_splits(check_blend(blend), only_this, only_these_samples, config)
+        prefixes, _ = check_blend(blend)
+        if len(prefixes) == 1:  # weighted or not, as upstream: the dataset itself
+            splits = _build_prefix_splits(
+                prefixes[0], only_this, only_these_samples, config, in_blend=False
+            )
+        else:
+            splits = _build_blend_splits(blend, only_this, only_these_samples, config)
         datasets.append(splits[number])
     return tuple(datasets)

@@ -11,6 +11,9 @@ from megatron.core.datasets.tokenizers.tiktoken_tokenizer import (
     PATTERNS,
 )
 
+PER_SPLIT_FLAGS = ("train", "valid", "test")
+"""The splits of `--train-data-path`, `--valid-data-path` and `--test-data-path`."""
+
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     """The "data and dataloader" group."""
@@ -25,6 +28,36 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--split",
         help=f"Train, validation and test weights of --data-path; None: {DEFAULT_SPLIT}.",
+    )
+    for split in PER_SPLIT_FLAGS:
+        group.add_argument(
+            f"--{split}-data-path",
+            nargs="*",
+            help=f"The {split} split's own datasets, whole (as --data-path, not split); "
+            "instead of --data-path.",
+        )
+    group.add_argument(
+        "--mid-level-dataset-surplus",
+        type=float,
+        default=0.005,
+        help="Share of extra samples each dataset of a weighted blend is built with.",
+    )
+    group.add_argument(
+        "--allow-ambiguous-pad-tokens",
+        action="store_true",
+        help="Mask the tokenizer's pad id even where it is also its EOS or EOD id.",
+    )
+    group.add_argument(
+        "--dataloader-type",
+        choices=("single", "cyclic", "external"),
+        help="single (None: the same): each sample once per epoch, in the datasets' order; "
+        "cyclic and external are not built.",
+    )
+    group.add_argument(
+        "--num-dataset-builder-threads",
+        type=int,
+        default=1,
+        help="Accepted; the datasets are built one after another.",
     )
     group.add_argument(
         "--data-cache-path", help="Folder of cached sample indices; None: beside the data."
@@ -112,11 +145,17 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
 def validate_data(args: argparse.Namespace) -> None:
     """Refuses `--reset-attention-mask` with `--no-create-attention-mask-in-dataloader`: the
     documents are kept apart by the dataset's mask, which the second flag switches off
-    (upstream then silently attends across documents).
+    (upstream then silently attends across documents). And the data loaders not built.
 
     Raises:
-        ValueError: both flags are given.
+        ValueError: both flags are given; `--dataloader-type` cyclic or external.
     """
+    if args.dataloader_type not in (None, "single"):
+        raise ValueError(
+            f"--dataloader-type {args.dataloader_type} is not built in this project: samples "
+            "are read once per epoch in the datasets' order (single, the default); drop the "
+            "flag."
+        )
     if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
         raise ValueError(
             "--reset-attention-mask keeps attention within documents through the dataset's "

@@ -227,6 +227,13 @@ UNBUILT: tuple[Unbuilt, ...] = (
             "--use-tokenizer-model-from-checkpoint-args",
         ),
     ),
+    Unbuilt(
+        "data paths read from files, and object-storage data",
+        "give the datasets on the command line (--data-path, or --train-data-path, "
+        "--valid-data-path and --test-data-path), on a file system",
+        (),
+        ("--data-args-path", "--per-split-data-args-path", "--object-storage-cache-path"),
+    ),
     Unbuilt("progress.txt (tokens and FLOPs per job)", "drop the flag", ("--log-progress",)),
     Unbuilt(
         "the straggler detector (nvidia-resiliency-ext)", "drop the flag", ("--log-straggler",)

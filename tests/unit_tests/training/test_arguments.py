@@ -433,6 +433,21 @@ BYTES = ("--tokenizer-type", "ByteLevelTokenizer")
         (("--data-path", "{corpus}", "--split", "9,x", *BYTES), "--data-path / --split: .*'x'"),
         (("--data-path", "{corpus}", "--seed", "-1", *BYTES), r"--seed -1 must be in \[0, 2\*\*32"),
         (("--mock-data", "--tokenizer-model", "m.model"), "--tokenizer-model needs --tokenizer"),
+        (
+            ("--data-path", "{corpus}", "--train-data-path", "{corpus}", *BYTES),
+            "--data-path and --train-data-path are all data sources; choose one",
+        ),
+        (("--valid-data-path", "{corpus}", *BYTES), "--valid-data-path without --train-data-path"),
+        (("--train-data-path", "{corpus}"), "--train-data-path needs --tokenizer-type"),
+        (
+            ("--train-data-path", "{corpus}", "--split", "9,1,0", *BYTES),
+            "--split 9,1,0 divides --data-path's datasets; .* drop --split",
+        ),
+        (("--train-data-path", "{corpus}x", *BYTES), "--train-data-path: Dataset prefix"),
+        (
+            ("--mock-data", "--vocab-size", "100", "--dataloader-type", "cyclic"),
+            "--dataloader-type cyclic is not built",
+        ),
     ],
 )
 def test_training_data(corpus, flags, message):

@@ -134,16 +134,22 @@ def test_resume_with_another_batch_size_reads_on_from_the_consumed_samples(corpo
     assert resumed["start"] == 3 and len(resumed["losses"]) == 3
 
 
-@pytest.mark.parametrize("case", ["flag_path_blend", "flag_path_single"])
+@pytest.mark.parametrize("case", ["flag_path_blend", "flag_path_single", "flag_path_per_split"])
 def test_flags_build_upstreams_datasets(case, tmp_path):
-    """The flag path (`--data-path`, `--split`, `--seed`, `--seq-length`, the EOD flags, the
-    tokenizer; the split sizes from `--train-iters`, `--eval-interval`, `--eval-iters`,
-    `--global-batch-size`) gives Megatron-core 0.19.2's datasets, index arrays and samples."""
+    """The flag path (`--data-path` and `--split`, or `--train-data-path`, `--valid-data-path`
+    and `--test-data-path`; `--seed`, `--seq-length`, the EOD flags, the tokenizer; the split
+    sizes from `--train-iters`, `--eval-interval`, `--eval-iters`, `--global-batch-size`) gives
+    Megatron-core 0.19.2's datasets, index arrays and samples."""
     spec = upstream_parity.CASES[case]
     folder = upstream_parity.write_corpora(str(tmp_path / "data"), ["bytes_a", "bytes_b"])
     flags = [*MODEL, "--distributed-backend", "gloo"]  # global batch 8
-    flags += ["--data-path", *parity_cases.with_prefixes(spec["data"], folder)]
-    flags += ["--split", spec["split"], "--seq-length", str(spec["seq"]), "--seed", "1234"]
+    if spec["per_split"] is None:
+        flags += ["--data-path", *parity_cases.with_prefixes(spec["data"], folder)]
+        flags += ["--split", spec["split"]]
+    else:
+        for split, data in zip(("train", "valid", "test"), spec["per_split"]):
+            flags += [f"--{split}-data-path", *parity_cases.with_prefixes(data, folder)]
+    flags += ["--seq-length", str(spec["seq"]), "--seed", "1234"]
     flags += ["--train-iters", "20", "--eval-interval", "10", "--eval-iters", "2"]
     flags += ["--data-cache-path", str(tmp_path / "cache")]
     flags += [
