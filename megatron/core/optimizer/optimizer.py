@@ -56,10 +56,7 @@ from megatron.core.optimizer.grad_scaler import (
     unscale_and_check_for_inf,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer_param_scheduler import GROUP_BOUND_FLAGS
-
-IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
-"""Parameter-group entries that say how this process steps, not what: kept on loading."""
+from megatron.core.optimizer.saved_param_groups import loadable_param_groups
 
 SavedTensor = tuple[torch.Size, torch.dtype]
 """A tensor's global shape and dtype as a checkpoint recorded them."""
@@ -492,88 +489,17 @@ class MegatronOptimizer:
 
     def check_param_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Checks the parameter groups `sharded_state_dict()` saved against this optimizer's,
-        before anything is loaded.
+        before anything is loaded (`saved_param_groups.loadable_param_groups`).
 
         Returns:
-            The saved groups as the torch optimizer's `load_state_dict()` takes them: saved
-            hyperparameters, this optimizer's parameters (by index), implementation switches
-            (`fused`, ...: how this process steps, not what) and learning-rate bounds
-            (`max_lr`, `min_lr`: the schedule's, which `OptimizerParamScheduler` checks against
-            the checkpoint's and replaces with them where told to).
+            The saved groups as the torch optimizer's `load_state_dict()` takes them.
 
         Raises:
-            ValueError: the groups hold other parameters (the word embeddings and output layer
-                in groups of their own in one only: --decoupled-lr), there are more or fewer of
-                them, or they are another kind of optimizer's (other hyperparameters).
+            ValueError: they do not fit this optimizer (named, with the fix).
         """
-        self._check_decoupled_groups(saved_groups)
         names = self._parameter_names()
-        index = {names[id(tensor)][0]: i for i, tensor in enumerate(self._held())}
-        groups = []
-        for i, group in enumerate(self.optimizer.param_groups):
-            current = [names[id(p)][0] for p in group["params"]]
-            saved = set(saved_groups[i]["params"]) if i < len(saved_groups) else set()
-            if saved != set(current):
-                differ = sorted(saved.symmetric_difference(current))
-                raise ValueError(
-                    f"The checkpoint's optimizer has {len(saved_groups)} parameter group(s) "
-                    f"and this one {len(self.optimizer.param_groups)}; group {i} holds other "
-                    f"parameters (in one of them only: {differ[:3]}). Load it into the model "
-                    "it was saved from, or pass --no-load-optim."
-                )
-            ignored = {"params", *IMPLEMENTATION_KEYS}
-            saved_keys = saved_groups[i].keys() - ignored - GROUP_BOUND_FLAGS.keys()
-            own_keys = group.keys() - ignored - GROUP_BOUND_FLAGS.keys()
-            if saved_keys - own_keys and own_keys - saved_keys:
-                # Another kind of optimizer (Adam's betas against SGD's momentum): its
-                # hyperparameters and states mean nothing to this one.
-                raise ValueError(
-                    f"The checkpoint's optimizer is of another kind: its parameter groups have "
-                    f"{sorted(saved_keys - own_keys)}, this {type(self.optimizer).__name__}'s "
-                    f"{sorted(own_keys - saved_keys)}. Build the optimizer it was saved with "
-                    "(--optimizer), or pass --no-load-optim."
-                )
-            # The saved hyperparameters win; keys only this one has (added to torch since
-            # the save) keep their values here, as torch's `__setstate__` defaults them. The
-            # bounds stay the flags': which schedule resumes is the scheduler's choice.
-            ignored |= GROUP_BOUND_FLAGS.keys()
-            hyperparameters = {
-                **{k: v for k, v in group.items() if k != "params"},
-                **{k: v for k, v in saved_groups[i].items() if k not in ignored},
-            }
-            groups.append({**hyperparameters, "params": [index[name] for name in current]})
-        if len(saved_groups) != len(groups):
-            raise ValueError(
-                f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
-                f"{len(groups)}: load it into the model it was saved from, or pass "
-                "--no-load-optim."
-            )
-        return groups
-
-    def _check_decoupled_groups(self, saved_groups: list[dict[str, Any]]) -> None:
-        """Raises a ValueError naming --decoupled-lr when it put the word embeddings and output
-        layer into groups of their own (groups with a `max_lr`) in the checkpoint or in this
-        optimizer, but not in both: the groups then hold other parameters, and only the flag
-        can make them fit."""
-        saved = next((group for group in saved_groups if "max_lr" in group), None)
-        own = next((group for group in self.optimizer.param_groups if "max_lr" in group), None)
-        if (saved is None) == (own is None):
-            return
-        fresh = "or pass --no-load-optim to load the weights with a fresh optimizer and schedule"
-        if saved is not None:
-            flags = f"--decoupled-lr {saved['max_lr']}"
-            if "min_lr" in saved:
-                flags += f" --decoupled-min-lr {saved['min_lr']}"
-            raise ValueError(
-                f"The checkpoint was saved with {flags}: its optimizer holds the word "
-                "embeddings and output layer in parameter groups of their own, which this run, "
-                f"without --decoupled-lr, does not have. Pass {flags} to resume it, {fresh}."
-            )
-        raise ValueError(
-            f"This run has --decoupled-lr {own['max_lr']}, but the checkpoint was saved "
-            "without it: its optimizer holds the word embeddings and output layer in the "
-            "groups of the other parameters. Drop --decoupled-lr (and --decoupled-min-lr) to "
-            f"resume it, {fresh}."
+        return loadable_param_groups(
+            self.optimizer, lambda tensor: names[id(tensor)][0], self._held(), saved_groups
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.optimizer import IMPLEMENTATION_KEYS
+from megatron.core.optimizer.saved_param_groups import IMPLEMENTATION_KEYS
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import (
     CheckpointError,

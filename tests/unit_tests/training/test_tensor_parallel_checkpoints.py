@@ -31,9 +31,9 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.training.checkpoint_layout import CHECKPOINT_VERSION, CheckpointError
+from megatron.training.checkpoint_rng import set_tracker_states
 from megatron.training.checkpointing import (
     _check_arguments,
-    _set_rng_tracker_states,
     load_checkpoint,
     save_checkpoint,
 )
@@ -240,13 +240,13 @@ def test_tracker_states_load_from_the_rank_seeded_alike():
     try:
         for rank in (None, 0):  # another world size; this rank's states seeded otherwise
             model_parallel_cuda_manual_seed(1234, tp_rank=1)
-            _set_rng_tracker_states(saved, rank, "ckpt")
+            set_tracker_states(saved, rank, "ckpt")
             assert torch.equal(
                 tracker.get_states()[model_name], saved[1]["rng_tracker_states"][model_name]
             )
         model_parallel_cuda_manual_seed(1234, tp_rank=2)
         seeded = tracker.get_states()
-        _set_rng_tracker_states(saved, None, "ckpt")
+        set_tracker_states(saved, None, "ckpt")
         assert torch.equal(tracker.get_states()[model_name], seeded[model_name])
         # The data-parallel state is seeded alike on every rank: taken from the checkpoint.
         assert torch.equal(
@@ -257,7 +257,7 @@ def test_tracker_states_load_from_the_rank_seeded_alike():
         foreign = [{**state, "rng_tracker_device": other_device} for state in saved]
         model_parallel_cuda_manual_seed(1234, tp_rank=1)
         seeded = tracker.get_states()
-        _set_rng_tracker_states(foreign, 1, "ckpt")
+        set_tracker_states(foreign, 1, "ckpt")
         for name, state in tracker.get_states().items():
             assert torch.equal(state, seeded[name]), name
     finally:
