@@ -34,13 +34,17 @@ def normalize(weights: Sequence[float]) -> list[float]:
 def parse_and_normalize_split(split: str) -> list[float]:
     """Megatron-LM's split string as weights summing to 1: "969,30,1" -> [0.969, 0.03, 0.001].
 
-    Weights are separated by commas (or slashes); missing ones are 0 ("99,1" = "99,1,0").
+    Weights are separated by anything but a number's characters, as upstream reads them
+    ("969,30,1", "98/2/0", "98 2 0", "98:2:0"); missing ones are 0 ("99,1" = "99,1,0"). Unlike
+    upstream, which keeps only the numbers it finds, a piece that is not a number is an error.
 
     Raises:
         ValueError: more than three weights, one is not a finite number >= 0, or all are 0.
     """
-    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
+    pieces = [piece for piece in re.split(r"[^\w.+-]+", split.strip()) if piece]
     hint = "e.g. --split 969,30,1 (train, validation and test weights)"
+    if not pieces:
+        raise ValueError(f"split {split!r} holds no weight; {hint}.")
     if len(pieces) > len(SPLIT_NAMES):
         raise ValueError(f"split {split!r} has {len(pieces)} weights, at most 3; {hint}.")
     weights = []

@@ -63,12 +63,15 @@ def test_parse_and_normalize_split():
     assert parse_and_normalize_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
     assert parse_and_normalize_split("99, 1") == pytest.approx([0.99, 0.01, 0.0])
     assert parse_and_normalize_split("1/1/2") == pytest.approx([0.25, 0.25, 0.5])
+    for separated in ("98 2 0", "98:2:0", "98;2;0", " 98 , 2 "):  # as upstream reads them
+        assert parse_and_normalize_split(separated) == pytest.approx([0.98, 0.02, 0.0])
     for bad, message in [
         ("a,b", "'a' is not a number"),
         ("1,2,3,4", "4 weights"),
         ("-1,2", "'-1' must be a finite number >= 0"),
         ("0,0,0", "every split weight 0"),
-        ("", "'' is not a number"),
+        ("", "holds no weight"),
+        ("9,x", "'x' is not a number"),
         ("1,nan", "'nan' must be a finite"),
     ]:
         with pytest.raises(ValueError, match=message):
