@@ -416,6 +416,8 @@ def _validate_data(args: argparse.Namespace) -> None:
         _validate_per_split_data_paths(args, per_split)
     else:
         _validate_mock_data(args)
+    if not args.mock_data and not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
     if args.tokenizer_type is None:
         args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args)
     # Else the tokenizer, which initialize_megatron() builds, sets it (Megatron-LM's order).
@@ -440,8 +442,6 @@ def _validate_data_path(args: argparse.Namespace) -> None:
         parse_and_normalize_split(args.split)
     except ValueError as error:
         raise ValueError(f"--data-path / --split: {error}") from None
-    if not 0 <= args.seed < 2**32:
-        raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
 
 
 def _validate_per_split_data_paths(args: argparse.Namespace, given: list[str]) -> None:
@@ -463,8 +463,6 @@ def _validate_per_split_data_paths(args: argparse.Namespace, given: list[str]) -
                 check_blend(parse_data_path(paths))
             except ValueError as error:
                 raise ValueError(f"--{split}-data-path: {error}") from None
-    if not 0 <= args.seed < 2**32:
-        raise ValueError(f"--seed {args.seed} must be in [0, 2**32) (it shuffles the data).")
 
 
 def _validate_mock_data(args: argparse.Namespace) -> None:
