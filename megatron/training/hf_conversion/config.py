@@ -196,7 +196,7 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "kv_channels": head_dim,
         "max_position_embeddings": max_positions,
         "layernorm_epsilon": float(config["rms_norm_eps"]),
-        "add_qkv_bias": name in _QKV_BIAS and bool(config.get("qkv_bias", True)),
+        "add_qkv_bias": name in _QKV_BIAS and bool(config["qkv_bias"]),
         "untie_embeddings_and_output_weights": not config["tie_word_embeddings"],
         "attention_dropout": float(config["attention_dropout"]),
         "hidden_dropout": 0.0,
@@ -383,12 +383,13 @@ def _check_biases(config: Mapping[str, Any], name: str) -> None:
 
 
 def _check_full_attention(config: Mapping[str, Any], name: str) -> None:
-    """Refuses sliding-window attention, which this project does not build."""
+    """Refuses sliding-window attention, which this project does not build (`config` with its
+    left-out fields filled in)."""
     layer_types = config.get("layer_types") or []
     windowed = any(kind != "full_attention" for kind in layer_types)
-    window = config.get("sliding_window")
+    window = config["sliding_window"]
     if name in _QKV_BIAS:  # Qwen2's and Qwen2-MoE's window applies with use_sliding_window
-        windowed = windowed or bool(config.get("use_sliding_window"))
+        windowed = windowed or bool(config["use_sliding_window"])
     elif window is not None and window < config.get("max_position_embeddings", 0):
         windowed = True
     if windowed:

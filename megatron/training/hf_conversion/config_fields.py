@@ -34,7 +34,12 @@ architecture has no default of its own."""
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": _DEFAULTS,
     "MistralForCausalLM": {**_DEFAULTS, "sliding_window": 4096, "num_key_value_heads": 8},
-    "Qwen2ForCausalLM": {**_DEFAULTS, "num_key_value_heads": 32, "use_sliding_window": False},
+    "Qwen2ForCausalLM": {
+        **_DEFAULTS,
+        "num_key_value_heads": 32,
+        "use_sliding_window": False,
+        "qkv_bias": True,  # Qwen2's projections always have one: no field of its own
+    },
     "MixtralForCausalLM": {
         **_DEFAULTS,
         "rope_theta": 1e6,
