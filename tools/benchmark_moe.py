@@ -22,6 +22,7 @@ per step, from `PROFILED_STEPS` profiled steps after the timed ones (rank 0's tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -98,14 +99,20 @@ def main() -> None:
     """Runs every engine at each of its EP sizes; rank 0 prints (and writes) the results."""
     args = parse_args()
     device = bench.init_distributed(torch.device(args.device).type)
-    traces = args.profile or tempfile.mkdtemp(prefix="benchmark_moe_")  # GPU runs profile always
     set_parallel_state(args.create_all_gather_group)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in build_gpt(args)[1].parameters())
     rows = []
-    for name in args.engines:
-        sizes = args.expert_parallel_sizes if name in EXPERT_PARALLEL_ENGINES else [1]
-        rows.extend(run(name, ep, args, device, traces) for ep in sizes)
+    # GPU runs profile always; without --profile their traces last only as long as the run.
+    traces = (
+        contextlib.nullcontext(args.profile)
+        if args.profile
+        else tempfile.TemporaryDirectory(prefix="benchmark_moe_")
+    )
+    with traces as trace_dir:
+        for name in args.engines:
+            sizes = args.expert_parallel_sizes if name in EXPERT_PARALLEL_ENGINES else [1]
+            rows.extend(run(name, ep, args, device, trace_dir) for ep in sizes)
     single = next((r["step_ms"] for r in rows if r["engine"] == "single"), None)
     fsdp2 = next((r for r in rows if r["engine"] == "fsdp2"), None)
     for row in rows:

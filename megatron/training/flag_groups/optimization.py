@@ -29,7 +29,14 @@ def add_regularization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--apply-wd-to-qk-layernorm",
         action="store_true",
-        help="Decay the query and key norms' weights too (other norms and biases never decay).",
+        help="Decay the query and key norms' weights and biases too (other 1-D ones never decay).",
+    )
+    group.add_argument(
+        "--no-weight-decay-cond-type",
+        type=_qk_layernorm_decay_condition,
+        dest="apply_wd_to_qk_layernorm",
+        metavar="apply_wd_to_qk_layernorm",
+        help="Deprecated upstream: the same as --apply-wd-to-qk-layernorm.",
     )
     group.add_argument(
         "--weight-decay-incr-style",
@@ -42,6 +49,16 @@ def add_regularization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     group.add_argument("--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
+
+
+def _qk_layernorm_decay_condition(value: str) -> bool:
+    """`--no-weight-decay-cond-type`'s one value, which turns on `--apply-wd-to-qk-layernorm`."""
+    if value != "apply_wd_to_qk_layernorm":
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {value!r}: the only condition is apply_wd_to_qk_layernorm (or use "
+            "--apply-wd-to-qk-layernorm)"
+        )
+    return True
 
 
 def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:

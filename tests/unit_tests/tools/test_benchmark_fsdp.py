@@ -32,16 +32,20 @@ def run_tool(
     timeout: float = 120,
     tool: Path = TOOL,
     cuda: bool = False,
+    tmpdir: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """Runs `tool` (through torchrun when `nproc` is given) from the repository root, on CPU
     unless `cuda` (GPU tests): the tools default to CUDA wherever there is a GPU, and a CPU
-    test's ranks may outnumber the GPUs of the machine the suite runs on."""
+    test's ranks may outnumber the GPUs of the machine the suite runs on. `tmpdir` becomes the
+    tool's temporary directory."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command = [sys.executable, *(launcher if nproc else []), str(tool), *args]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run(
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )

@@ -24,8 +24,13 @@ TINY = (
 def test_every_expert_parallel_size_reports_a_row_and_the_same_loss(tmp_path: Path):
     out = tmp_path / "result.json"
     engines = "megatron_fsdp_zero3,ddp,fsdp2"
-    proc = run_tool(*TINY, "--engines", engines, "--json-out", str(out), tool=TOOL, timeout=300)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = run_tool(
+        *TINY, "--engines", engines, "--json-out", str(out), tool=TOOL, timeout=300, tmpdir=scratch
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list(scratch.glob("benchmark_moe_*")), "the run left its trace directory behind"
     rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
     expected = ["megatron_fsdp_zero3_ep2", "megatron_fsdp_zero3_ep1", "ddp_ep2", "ddp_ep1"]
     assert list(rows) == [*expected, "fsdp2"]

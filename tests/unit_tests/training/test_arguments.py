@@ -150,6 +150,17 @@ def test_extra_args_provider_and_unknown_args():
         parse_args(args=[*BASE, "--hidden", "128"])
 
 
+def test_no_weight_decay_cond_type_is_the_deprecated_spelling_of_apply_wd_to_qk_layernorm(
+    capsys,
+):
+    assert validated().apply_wd_to_qk_layernorm is False
+    flag = ("--no-weight-decay-cond-type", "apply_wd_to_qk_layernorm")
+    assert validated(*flag).apply_wd_to_qk_layernorm is True
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--no-weight-decay-cond-type", "qwen3_next"])
+    assert "the only condition is apply_wd_to_qk_layernorm" in capsys.readouterr().err
+
+
 def test_no_fsdp_all_gather_in_start_param_sync():
     args = validated("--use-megatron-fsdp", "--no-fsdp-all-gather-in-start-param-sync")
     assert args.fsdp_all_gather_in_start_param_sync is False
