@@ -188,11 +188,12 @@ def test_plain_tensors_match_torch_and_clip_only_above_max_norm():
     assert get_grad_norm_fp32(grads) == math.inf
 
 
-def _step_with_non_finite_grad(engine: str, bad: float):
-    """Rank 0's loss is non-finite; the reduction spreads it, so every rank must skip."""
+def _step_with_non_finite_grad(engine: str, bad: float, clip_grad: float):
+    """Rank 0's loss is non-finite; the reduction spreads it, so every rank must skip (with
+    clipping off too: the norm is still taken)."""
     model = build_tiny_gpt()
     wrapper = wrap_for_engine(model, engine)
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=1.0), wrapper)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=clip_grad), wrapper)
     before = full_state(model)
     loss = _local_loss(wrapper, "gpt")
     if dist.get_rank() == 0:
@@ -206,10 +207,13 @@ def _step_with_non_finite_grad(engine: str, bad: float):
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
-@pytest.mark.parametrize("engine", ["ddp", "no_shard", "optim_grads_params"])
-def test_non_finite_grad_skips_step_on_every_rank(engine, bad):
+@pytest.mark.parametrize(
+    "engine, clip_grad",
+    [("ddp", 1.0), ("no_shard", 1.0), ("optim_grads_params", 1.0), ("optim_grads_params", 0.0)],
+)
+def test_non_finite_grad_skips_step_on_every_rank(engine, clip_grad, bad):
     for update_successful, grad_norm, unchanged in run_distributed(
-        _step_with_non_finite_grad, 2, engine, bad
+        _step_with_non_finite_grad, 2, engine, bad, clip_grad
     ):
         assert not update_successful
         assert not math.isfinite(grad_norm)
