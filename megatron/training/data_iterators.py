@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 from megatron.core import parallel_state
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
+from megatron.training.flag_groups.data import PER_SPLIT_FLAGS
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.utils import LoaderIterator, get_device, print_rank_0
 
@@ -50,6 +51,20 @@ def train_valid_test_num_samples(args: argparse.Namespace) -> list[int]:
     ]
 
 
+def _why_no_dataset(args: argparse.Namespace, number: int) -> str:
+    """Why the dataset provider gave split `number` no dataset, as far as the flags tell."""
+    name = SPLITS[number]
+    if getattr(args, "data_path", None) and getattr(args, "split", None):
+        return (
+            f"the {name} split is empty (--split {args.split} gives it no weight, or the corpus "
+            "too few documents for its share)"
+        )
+    per_split = [getattr(args, f"{split}_data_path", None) for split in PER_SPLIT_FLAGS]
+    if any(per_split) and not per_split[number]:
+        return f"no --{PER_SPLIT_FLAGS[number]}-data-path was given"
+    return f"the dataset provider returned no {name} dataset"
+
+
 def build_train_valid_test_data_iterators(
     train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
 ) -> tuple[LoaderIterator | None, LoaderIterator | None, LoaderIterator | None]:
@@ -69,15 +84,11 @@ def build_train_valid_test_data_iterators(
     print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
     datasets = train_valid_test_dataset_provider(num_samples)
     if datasets[0] is None:
-        raise ValueError("The dataset provider returned no training dataset.")
-    if datasets[1] is None and num_samples[1] > args.consumed_valid_samples:
-        split = getattr(args, "split", None)
-        why = (
-            f"the validation split is empty (--split {split} gives it no weight, or the corpus "
-            "too few documents for its share)"
-            if split
-            else "the dataset provider returned no validation dataset"
+        raise ValueError(
+            f"No training data: {_why_no_dataset(args, 0)}; give the training split data."
         )
+    if datasets[1] is None and num_samples[1] > args.consumed_valid_samples:
+        why = _why_no_dataset(args, 1)
         print_rank_0(
             f"WARNING: --eval-iters {args.eval_iters} asks for validation, but {why}, so no "
             "validation runs; give the validation split a weight and documents (e.g. --split "

@@ -199,6 +199,11 @@ def _build_prefix_splits(
     """One `GPTDataset` per split of one prefix (None where the split has no book-ends or no
     samples are asked for, or, for a lone prefix, no documents)."""
     indexed = IndexedDataset(prefix, mmap=config.mmap_bin_files)
+    if len(indexed) == 0:
+        raise ValueError(
+            f"Dataset {prefix!r} holds no document ({get_idx_path(prefix)} lists none); "
+            "tokenize data into it (tools/preprocess_data.py) or leave it out."
+        )
     _check_token_ids(indexed, prefix, config)
     datasets: list[GPTDataset | None] = []
     for number, name in enumerate(SPLIT_NAMES):
@@ -285,7 +290,8 @@ def build_gpt_datasets(
     Raises:
         ValueError: no data, or the data twice (`data_path` and a config blend); a bad
             `--data-path` (odd length, a weight that is not a number or is negative); a
-            missing prefix (the message names the files); a blended prefix with no document
+            missing prefix (the message names the files), or one without documents; a blended
+            prefix with no document
             in a split that needs it; a split whose documents hold no token; a token id beyond
             `config.vocab_size`; a negative sample count.
     """

@@ -224,6 +224,10 @@ def test_builder_errors(corpora, tmp_path):
     short = write_corpus(str(tmp_path / "short"), [numpy.arange(1, 40)] * 18 + [[], []])
     with pytest.raises(ValueError, match="test split of .*short has 2 documents and no token"):
         build_gpt_datasets(_config(tmp_path, split="80,10,10"), [10, 1, 1], [short])
+    empty = write_corpus(str(tmp_path / "empty"), [])
+    for data_path in ([empty], ["1", corpora[0], "1", empty]):
+        with pytest.raises(ValueError, match=r"empty' holds no document .*empty\.idx lists none"):
+            build_gpt_datasets(config, [10, 1, 0], data_path)
     # In a blend, a prefix with no document in a split that needs one is an error.
     tiny = write_corpus(str(tmp_path / "tiny"), random_documents(10, seed=5, max_length=60))
     with pytest.raises(ValueError, match="tiny' has no document in the valid split"):

@@ -194,16 +194,28 @@ def test_token_id_beyond_the_vocabulary_is_refused_on_every_rank(corpora, tmp_pa
         assert "--tokenizer-type" in error and "--vocab-size" in error
 
 
+def test_no_training_data_says_why_on_every_rank(corpora, tmp_path):
+    """A training split without data names the flag that left it empty (before: "the dataset
+    provider returned no training dataset")."""
+    flags = [*MODEL, *ZERO3, "--train-iters", "2", "--data-cache-path", str(tmp_path / "cache")]
+    flags += ["--data-path", corpora[0], "--split", "0,100,0"]
+    expected = "No training data: the train split is empty (--split 0,100,0 gives it no weight"
+    for error in run_distributed(_error_of_run, 2, flags):
+        assert error is not None and error.startswith(expected)
+
+
 def _warnings_of_run(flags: list[str]) -> list[str]:
     with capture_training_log() as messages:
         _history(flags)
     return [message for message in messages if "asks for validation" in message]
 
 
-@pytest.mark.parametrize("why", ["split_without_validation", "corpus_too_small", "fine"])
+@pytest.mark.parametrize(
+    "why", ["split_without_validation", "corpus_too_small", "no_valid_data_path", "fine"]
+)
 def test_validation_asked_of_an_empty_split_is_said_once(corpora, tmp_path, why):
-    """`--eval-iters 2` with no validation data: one warning from rank 0 naming --split and
-    --eval-iters (before: validation silently skipped)."""
+    """`--eval-iters 2` with no validation data: one warning from rank 0 naming --split (or
+    the missing --valid-data-path) and --eval-iters (before: validation silently skipped)."""
     split, data = "100,0,0", corpora[0]
     if why == "corpus_too_small":
         # 98,2,0 of 12 documents: the validation book-ends both round to 12, no document.
@@ -212,7 +224,10 @@ def test_validation_asked_of_an_empty_split_is_said_once(corpora, tmp_path, why)
         data, split = _write_dataset(str(tmp_path / "small_text_document"), texts), "98,2,0"
     elif why == "fine":
         split = "90,10,0"
-    flags = [*MODEL, *ZERO3, "--data-path", data, "--split", split, "--train-iters", "4"]
+    data_flags = ["--data-path", data, "--split", split]
+    if why == "no_valid_data_path":
+        data_flags = ["--train-data-path", data]
+    flags = [*MODEL, *ZERO3, *data_flags, "--train-iters", "4"]
     flags += ["--eval-interval", "2", "--eval-iters", "2", "--seq-length", "16"]
     flags += ["--data-cache-path", str(tmp_path / "cache")]
     ranks = run_distributed(_warnings_of_run, 2, flags)
@@ -221,5 +236,6 @@ def test_validation_asked_of_an_empty_split_is_said_once(corpora, tmp_path, why)
         assert ranks[0] == []
         return
     (warning,) = ranks[0]
-    assert f"--split {split}" in warning and "--eval-iters 2" in warning
+    expected = f"--split {split}" if why != "no_valid_data_path" else "no --valid-data-path"
+    assert expected in warning and "--eval-iters 2" in warning
     assert "no validation runs" in warning
