@@ -4,14 +4,18 @@ The documents of one split (for GPT, the indexed dataset's sequences, as Megatro
 them; `tools/preprocess_data.py` writes one sequence per document unless it splits sentences)
 are concatenated, in an order shuffled per epoch, into one token stream. Sample `i` of that
 stream is its tokens `[i * s, (i + 1) * s]`: `s + 1` tokens, so consecutive samples share one
-boundary token, the last label of one being the first input of the next. Three arrays describe
-this, built as Megatron-LM builds them and cached (`index_cache`):
+boundary token, the last label of one being the first input of the next (without
+`add_extra_token_to_sequence`, the `s` tokens `[i * s, (i + 1) * s)`, whose last label is the
+pad id). Three arrays describe this, built as Megatron-LM builds them and cached
+(`index_cache`):
 
 - document index: the split's documents repeated for enough epochs and shuffled
   (`numpy.random.RandomState(random_seed)`); when the last epoch would be under 80% used it is
   shuffled on its own, so the partial epoch still draws from all documents evenly.
 - sample index `[num_samples + 1, 2]`: where each sample starts, as (position in the document
-  index, token offset in that document); row `i + 1` is where sample `i` ends.
+  index, token offset in that document); row `i + 1` is where sample `i` ends. The stream's
+  last partial sample is dropped, but in the validation split without
+  `drop_last_partial_validation_sequence`, where it is padded with the pad id.
 - shuffle index: a permutation of the samples (the final separate epoch again on its own).
 
 Identical arrays come out of Megatron-core (0.19.2, checked against its own output in
@@ -95,6 +99,11 @@ class GPTDatasetConfig:
             it is built (None: not checked).
         mid_level_dataset_surplus: the share of extra samples each dataset of a weighted blend
             is built with (upstream's 0.005, so the blend never runs a dataset dry).
+        drop_last_partial_validation_sequence: the validation split drops the stream's last,
+            partial sample (else it is padded with the pad id, which carries no loss).
+        add_extra_token_to_sequence: samples read `sequence_length + 1` tokens, the labels
+            being the inputs shifted by one; else `sequence_length`, the last label being the
+            pad id (no loss).
         split_vector: the normalised `split` (set from it; None with `blend_per_split`).
         split_matrix: each split's book-ends (`splits.split_matrix`; None with
             `blend_per_split`).
@@ -120,6 +129,8 @@ class GPTDatasetConfig:
     pad_token: int = PAD_TOKEN_ID
     vocab_size: int | None = None
     mid_level_dataset_surplus: float = 0.005
+    drop_last_partial_validation_sequence: bool = True
+    add_extra_token_to_sequence: bool = True
     split_vector: list[float] | None = field(init=False, default=None)
     split_matrix: SplitMatrix | None = field(init=False, default=None)
 
@@ -258,6 +269,8 @@ class GPTDataset(torch.utils.data.Dataset):
                 ("documents_md5", hashlib.md5(self.indices.tobytes()).hexdigest()),
                 ("idx_sha256", indexed_dataset.index_digest),
                 ("tokens_per_epoch", self.tokens_per_epoch),
+                ("add_extra_token_to_sequence", config.add_extra_token_to_sequence),
+                ("drops_last_partial_sample", self._drops_last_partial_sample),
             ]
         )
         self.unique_description = json.dumps(self.unique_identifiers, indent=4)
@@ -280,20 +293,25 @@ class GPTDataset(torch.utils.data.Dataset):
         self.shuffle_index = arrays["shuffle_index"]
         self._cached_masks: tuple | None = None
 
+    @property
+    def _drops_last_partial_sample(self) -> bool:
+        return self.index_split != "valid" or self.config.drop_last_partial_validation_sequence
+
     def _build_indices(self) -> dict[str, numpy.ndarray]:
         """The document, sample and shuffle indices, exactly as Megatron-LM builds them."""
         sequence_length = self.config.sequence_length
         tokens_per_epoch = self.tokens_per_epoch
+        # The token after the last sample's inputs, which its labels need.
+        extra = int(self.config.add_extra_token_to_sequence)
         num_epochs = 1
         if self.num_samples is not None:
-            # Samples of s tokens plus the one extra token the last sample's labels need.
-            tokens_wanted = self.num_samples * sequence_length + 1
+            tokens_wanted = self.num_samples * sequence_length + extra
             num_epochs = max(1, -(-tokens_wanted // tokens_per_epoch))
         separate_final_epoch = False
         if num_epochs > 1:
-            samples_before_final = ((num_epochs - 1) * tokens_per_epoch - 1) // sequence_length
+            samples_before_final = ((num_epochs - 1) * tokens_per_epoch - extra) // sequence_length
             samples_from_final = self.num_samples - samples_before_final
-            samples_per_epoch = (tokens_per_epoch - 1) // sequence_length
+            samples_per_epoch = (tokens_per_epoch - extra) // sequence_length
             separate_final_epoch = samples_from_final < int(
                 _SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch
             )
@@ -307,6 +325,8 @@ class GPTDataset(torch.utils.data.Dataset):
             sequence_length,
             num_epochs,
             tokens_per_epoch,
+            drop_last_partial_sample=self._drops_last_partial_sample,
+            add_extra_token=self.config.add_extra_token_to_sequence,
         )
         num_samples_total = sample_index.shape[0] - 1
         first_shuffled = samples_before_final if separate_final_epoch else num_samples_total
@@ -321,15 +341,20 @@ class GPTDataset(torch.utils.data.Dataset):
         return self.sample_index.shape[0] - 1
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
-        """Sample `idx` as Megatron-core's: `tokens` and `labels` (shifted by one), int64 [s];
+        """Sample `idx` as Megatron-core's: `tokens` and `labels` (shifted by one, the last
+        one the pad id without `add_extra_token_to_sequence`), int64 [s];
         `attention_mask` bool [1, s, s] (True = masked out; with `create_attention_mask`);
         `loss_mask` float32 [s]; `position_ids` int64 [s]. Where a label is the pad id the
         loss is 0, and pad ids become 0. `idx` None: a padding sample (sample 0, no loss)."""
         if idx is not None and not 0 <= idx < len(self):
             raise IndexError(f"GPTDataset index {idx} out of range [0, {len(self)}).")
-        text = torch.from_numpy(self._sample_tokens(0 if idx is None else int(idx)))
-        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         config = self.config
+        text = torch.from_numpy(self._sample_tokens(0 if idx is None else int(idx)))
+        if config.add_extra_token_to_sequence:
+            tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        else:
+            tokens, labels = text, torch.roll(text, shifts=-1)
+            labels[-1] = config.pad_token
         cacheable = not (
             config.reset_position_ids or config.reset_attention_mask or config.eod_mask_loss
         )
@@ -362,18 +387,23 @@ class GPTDataset(torch.utils.data.Dataset):
         return sample
 
     def _sample_tokens(self, idx: int) -> numpy.ndarray:
-        """The `sequence_length + 1` tokens of sample `idx`, int64."""
+        """The `sequence_length + 1` tokens of sample `idx` (`sequence_length` without
+        `add_extra_token_to_sequence`; a partial last sample padded with the pad id), int64."""
+        extra = int(self.config.add_extra_token_to_sequence)
         position = int(self.shuffle_index[idx])
         first, first_offset = (int(v) for v in self.sample_index[position])
         last, last_offset = (int(v) for v in self.sample_index[position + 1])
         documents = self.document_index
         if first == last:
-            length = last_offset - first_offset + 1
+            length = last_offset - first_offset + extra
             parts = [self.dataset.get(int(documents[first]), first_offset, length)]
         else:
             parts = [self.dataset.get(int(documents[first]), first_offset)]
             parts += [self.dataset.get(int(documents[d])) for d in range(first + 1, last)]
-            parts.append(self.dataset.get(int(documents[last]), 0, last_offset + 1))
+            parts.append(self.dataset.get(int(documents[last]), 0, last_offset + extra))
+        missing = self.config.sequence_length + extra - sum(len(part) for part in parts)
+        if missing:
+            parts.append(numpy.full(missing, self.config.pad_token))
         return numpy.concatenate(parts, dtype=numpy.int64)
 
 
@@ -383,31 +413,49 @@ def build_sample_index(
     sequence_length: int,
     num_epochs: int,
     tokens_per_epoch: int,
+    drop_last_partial_sample: bool = True,
+    add_extra_token: bool = True,
 ) -> numpy.ndarray:
-    """Megatron-LM's `build_sample_idx` (its C++ helper, with the last partial sample dropped).
+    """Megatron-LM's `build_sample_idx` (its C++ helper).
 
     Row `i` is the position of stream token `i * sequence_length`, as (index into
-    `document_index`, offset in that document), the document being the one that holds the
-    token; row 0 is (0, 0). Vectorised: one binary search per sample.
+    `document_index`, offset in that document); row 0 is (0, 0). With `add_extra_token` the
+    document is the one that holds the token (each sample reads up to it, inclusive), else the
+    one the sample before it ends in (up to it, exclusive: the offset may be that document's
+    length). A partial last sample ends where the stream does, as (the last position,
+    its document's length less the extra token). Vectorised: one binary search per sample.
 
     Args:
         sequence_lengths: the corpus's tokens per document (sequence).
         document_index: the documents of the stream, in order.
         sequence_length: tokens per sample, beside the shared boundary token.
         num_epochs, tokens_per_epoch: the stream holds `num_epochs * tokens_per_epoch` tokens.
+        drop_last_partial_sample: no sample of fewer tokens at the stream's end.
+        add_extra_token: samples read `sequence_length + 1` tokens, the labels' last one too.
 
     Returns:
-        [num_samples + 1, 2], num_samples = (stream tokens - 1) // sequence_length; int32 when
+        [num_samples + 1, 2], num_samples = (stream tokens - extra) / sequence_length rounded
+        down (up with a partial last sample), extra being 1 with `add_extra_token`; int32 when
         every value fits (as Megatron-LM), else int64.
     """
-    num_samples = (num_epochs * tokens_per_epoch - 1) // sequence_length
+    extra = int(add_extra_token)
+    stream = num_epochs * tokens_per_epoch
+    num_samples = (stream - extra) // sequence_length
+    if not drop_last_partial_sample:
+        num_samples = -(-(stream - extra) // sequence_length)
     lengths = sequence_lengths[document_index].astype(numpy.int64)
     ends = numpy.cumsum(lengths)
-    assert ends[-1] == num_epochs * tokens_per_epoch, "document index and token count disagree"
+    assert ends[-1] == stream, "document index and token count disagree"
     starts = numpy.arange(num_samples + 1, dtype=numpy.int64) * sequence_length
-    # The first document whose end lies beyond the token: empty documents are skipped.
-    documents = numpy.searchsorted(ends, starts, side="right")
+    # The first document whose end lies beyond the token (with the extra token; without it,
+    # reaches the position): empty documents are skipped.
+    documents = numpy.searchsorted(ends, starts, side="right" if add_extra_token else "left")
+    partial = starts[-1] > stream - extra
+    if partial:  # the helper stops at the stream's end
+        documents[-1] = len(document_index) - 1
     offsets = starts - (ends[documents] - lengths[documents])
+    if partial:
+        offsets[-1] = lengths[-1] - extra
     documents[0], offsets[0] = 0, 0
     largest = max(len(document_index), int(sequence_lengths.max()))
     dtype = numpy.int32 if largest <= numpy.iinfo(numpy.int32).max else numpy.int64

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy
@@ -43,25 +44,30 @@ def reference_sample_index(
     seq_length: int,
     num_epochs: int,
     tokens_per_epoch: int,
+    drop_last_partial_sequence: bool = True,
+    add_extra_token_to_sequence: int = 1,
 ) -> numpy.ndarray:
-    """Line-by-line port of Megatron-LM's C++ `build_sample_idx` (drop_last_partial_sequence,
-    add_extra_token_to_sequence = 1)."""
-    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    """Line-by-line port of Megatron-LM's C++ `build_sample_idx`."""
+    extra = add_extra_token_to_sequence
+    if drop_last_partial_sequence:
+        num_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
+    else:
+        num_samples = math.ceil(float(num_epochs * tokens_per_epoch - extra) / seq_length)
     # int32, as Megatron-LM's helper picks for indices that fit.
     sample_idx = numpy.zeros((num_samples + 1, 2), dtype=numpy.int32)
     sample_idx_index, document_idx_index, doc_offset = 1, 0, 0
     while sample_idx_index <= num_samples:
-        remaining_seq_length = seq_length + 1
+        remaining_seq_length = seq_length + extra
         while remaining_seq_length != 0:
             document_length = int(sizes[document_index[document_idx_index]]) - doc_offset
             remaining_seq_length -= document_length
             if remaining_seq_length <= 0:
-                doc_offset += remaining_seq_length + document_length - 1
+                doc_offset += remaining_seq_length + document_length - extra
                 remaining_seq_length = 0
             else:
                 if document_idx_index == len(document_index) - 1:
                     assert sample_idx_index == num_samples
-                    doc_offset = int(sizes[document_index[document_idx_index]]) - 1
+                    doc_offset = int(sizes[document_index[document_idx_index]]) - extra
                     break
                 document_idx_index += 1
                 doc_offset = 0

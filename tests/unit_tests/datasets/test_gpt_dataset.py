@@ -48,8 +48,13 @@ def _text(sample: dict) -> list[int]:
     return sample["tokens"].tolist() + sample["labels"][-1:].tolist()
 
 
+@pytest.mark.parametrize(
+    "drop_last, extra", [(True, 1), (False, 1), (True, 0), (False, 0)], ids=str
+)
 @pytest.mark.parametrize("seq_length", [1, 3, 16, 50])
-def test_sample_index_matches_megatrons_loop(seq_length):
+def test_sample_index_matches_megatrons_loop(seq_length, drop_last, extra):
+    """Also for a partial last sample kept, and samples without the extra token (whose ends
+    fall on document ends and after empty documents: 0-sized ones are drawn often)."""
     rng = numpy.random.default_rng(seq_length)
     # Empty documents and documents longer than a sample, over several epochs.
     sizes = rng.integers(0, 40, size=30).astype(numpy.int32)
@@ -58,10 +63,11 @@ def test_sample_index_matches_megatrons_loop(seq_length):
     for num_epochs in (1, 3):
         document_index = numpy.tile(documents, num_epochs)
         rng.shuffle(document_index)
-        expected = reference_sample_index(
-            sizes, document_index, seq_length, num_epochs, tokens_per_epoch
+        arguments = (sizes, document_index, seq_length, num_epochs, tokens_per_epoch)
+        expected = reference_sample_index(*arguments, drop_last, extra)
+        actual = build_sample_index(
+            *arguments, drop_last_partial_sample=drop_last, add_extra_token=bool(extra)
         )
-        actual = build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch)
         assert actual.dtype == numpy.int32
         numpy.testing.assert_array_equal(actual, expected)
 
@@ -131,11 +137,14 @@ def test_cache_is_reused_and_keyed_by_what_the_indices_depend_on(corpus):
     assert {n: os.stat(os.path.join(cache_dir, n)).st_mtime_ns for n in files} == mtimes
     assert all(_text(first[i]) == _text(again[i]) for i in range(len(first)))
 
-    # Another sample count, seed or split gets its own files.
+    # Another sample count, seed, split or way of cutting samples gets its own files.
     assert _dataset(corpus, 101).built_anew_on_cache_miss
     assert _dataset(corpus, 100, seed=1).built_anew_on_cache_miss
     assert _dataset(corpus, 100, split="valid").built_anew_on_cache_miss
-    assert len(os.listdir(cache_dir)) == 16
+    assert _dataset(corpus, 100, add_extra_token_to_sequence=False).built_anew_on_cache_miss
+    partial = dict(split="valid", drop_last_partial_validation_sequence=False)
+    assert _dataset(corpus, 100, **partial).built_anew_on_cache_miss
+    assert len(os.listdir(cache_dir)) == 24
     # A cache missing a file (a run killed between writes) is rebuilt, not half-loaded.
     os.remove(os.path.join(cache_dir, files[-1]))
     assert _dataset(corpus, 100).built_anew_on_cache_miss

@@ -58,6 +58,8 @@ def _build(case: dict, folder: str, cache: str):
         reset_attention_mask=case["reset_attention_mask"],
         eod_mask_loss=case["eod_mask_loss"],
         create_attention_mask=case["create_attention_mask"],
+        add_extra_token_to_sequence=case["add_extra_token"],
+        drop_last_partial_validation_sequence=case["drop_last_valid"],
         eod_token=case["eod"],
         # The fixture's tokenizer has no EOS: upstream drops a pad id equal to EOD's.
         pad_token=PAD_TOKEN_ID if case["pad"] in (None, case["eod"]) else case["pad"],
