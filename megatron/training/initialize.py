@@ -216,7 +216,9 @@ def _set_random_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
     numpy.random.seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    # Dropout draws from the generator of the device the model computes on (the CPU's on gloo
+    # ranks, GPUs present or not).
+    model_parallel_cuda_manual_seed(seed, device_type=get_device().type)
 
 
 def _format_args(args: argparse.Namespace) -> str:

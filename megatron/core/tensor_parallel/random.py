@@ -10,10 +10,11 @@ one in for the duration of `fork(name)`:
 - "expert-parallel-rng": seed + 1024 + 100 * ep rank + etp rank;
 - "data-parallel-rng": seed, the default generator's own seed.
 
-The states belong to the current device's generator: CUDA's when available, else the CPU
-generator (so the same code runs on gloo/CPU ranks); `rng_tracker_device_type()` says which.
-The two kinds of state are not interchangeable (a CUDA state is a seed and an offset, a CPU
-state a Mersenne Twister's), so a checkpoint keeps the device type beside the states.
+The states belong to the generator of the device the process computes on, CUDA's or the
+CPU's (so the same code runs on gloo/CPU ranks, GPUs present or not), chosen when the tracker
+is seeded; `rng_tracker_device_type()` says which. The two kinds of state are not
+interchangeable (a CUDA state is a seed and an offset, a CPU state a Mersenne Twister's), so a
+checkpoint keeps the device type beside the states.
 
 Activation recompute: non-reentrant `torch.utils.checkpoint` replays the default generator
 only. A checkpointed function that forks the tracker would draw new masks in its recomputation
@@ -39,37 +40,51 @@ _EXPERT_PARALLEL_SEED_OFFSET = 1024
 
 
 def rng_tracker_device_type() -> str:
-    """The device whose generator states the tracker holds: "cuda" when available, else
-    "cpu"."""
+    """The device whose generator states the tracker holds, "cuda" or "cpu"."""
+    return get_cuda_rng_tracker().device_type
+
+
+def _compute_device_type() -> str:
+    """The device this process computes on: CUDA under an NCCL process group (or, without a
+    process group, wherever CUDA is available), else the CPU (a gloo group's ranks compute on
+    CPU tensors even where GPUs are present)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "cuda" if "nccl" in torch.distributed.get_backend() else "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _get_device_rng_state() -> torch.Tensor:
-    if rng_tracker_device_type() == "cuda":
+def _get_rng_state(device_type: str) -> torch.Tensor:
+    if device_type == "cuda":
         return torch.cuda.get_rng_state()
     return torch.get_rng_state()
 
 
-def _set_device_rng_state(state: torch.Tensor) -> None:
-    if rng_tracker_device_type() == "cuda":
+def _set_rng_state(state: torch.Tensor, device_type: str) -> None:
+    if device_type == "cuda":
         torch.cuda.set_rng_state(state)
     else:
         torch.set_rng_state(state)
 
 
-def _device_manual_seed(seed: int) -> None:
-    if rng_tracker_device_type() == "cuda":
+def _manual_seed(seed: int, device_type: str) -> None:
+    if device_type == "cuda":
         torch.cuda.manual_seed(seed)
     else:
         torch.default_generator.manual_seed(seed)
 
 
 class CudaRNGStatesTracker:
-    """Named states of the current device's generator, swapped in by `fork(name)`."""
+    """Named states of one device's generator, swapped in by `fork(name)`.
+
+    Attributes:
+        device_type: whose generator, "cuda" or "cpu" (set by `model_parallel_cuda_manual_seed`;
+            initially CUDA's where it is available).
+    """
 
     def __init__(self) -> None:
         self.states_: dict[str, torch.Tensor] = {}
         self.seeds_: dict[str, int] = {}  # name -> the seed its state started from
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
     def is_initialized(self) -> bool:
         """Whether any state was added since the last reset."""
@@ -105,10 +120,10 @@ class CudaRNGStatesTracker:
         if name in self.states_:
             raise ValueError(f"RNG state {name!r} already exists; reset() the tracker first.")
         self.seeds_[name] = seed
-        original = _get_device_rng_state()
-        _device_manual_seed(seed)
-        self.states_[name] = _get_device_rng_state()
-        _set_device_rng_state(original)
+        original = _get_rng_state(self.device_type)
+        _manual_seed(seed, self.device_type)
+        self.states_[name] = _get_rng_state(self.device_type)
+        _set_rng_state(original, self.device_type)
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
@@ -123,13 +138,13 @@ class CudaRNGStatesTracker:
                 f"RNG state {name!r} is not tracked; seed the tracker with "
                 "megatron.core.tensor_parallel.model_parallel_cuda_manual_seed() first."
             )
-        original = _get_device_rng_state()
-        _set_device_rng_state(self.states_[name])
+        original = _get_rng_state(self.device_type)
+        _set_rng_state(self.states_[name], self.device_type)
         try:
             yield
         finally:
-            self.states_[name] = _get_device_rng_state()
-            _set_device_rng_state(original)
+            self.states_[name] = _get_rng_state(self.device_type)
+            _set_rng_state(original, self.device_type)
 
 
 _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
@@ -156,16 +171,30 @@ def model_parallel_cuda_manual_seed(
     tp_rank: int | None = None,
     ep_rank: int | None = None,
     etp_rank: int | None = None,
+    device_type: str | None = None,
 ) -> None:
-    """Seeds the current device's default generator with `seed` and resets the tracker with
-    the model-parallel, expert-parallel and data-parallel states.
+    """Seeds the compute device's default generator with `seed` and resets the tracker with
+    the model-parallel, expert-parallel and data-parallel states of that device's generator.
 
     Args:
         seed: The training seed.
         tp_rank: Tensor-parallel rank; None: parallel_state's when initialised, else 0.
         ep_rank: Expert-parallel rank; None: parallel_state's when initialised, else 0.
         etp_rank: Expert tensor-parallel rank; None: parallel_state's when initialised, else 0.
+        device_type: "cuda" or "cpu", where dropout draws; None: CUDA under an NCCL
+            process group (or, without a process group, wherever CUDA is available), else the
+            CPU.
+
+    Raises:
+        ValueError: `device_type` is neither, or "cuda" without CUDA.
     """
+    device_type = device_type or _compute_device_type()
+    if device_type not in ("cuda", "cpu") or (
+        device_type == "cuda" and not torch.cuda.is_available()
+    ):
+        raise ValueError(
+            f"device_type={device_type!r}: give 'cuda' (with CUDA available) or 'cpu'."
+        )
     initialized = parallel_state.model_parallel_is_initialized()
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank() if initialized else 0
@@ -175,7 +204,8 @@ def model_parallel_cuda_manual_seed(
         etp_rank = parallel_state.get_expert_tensor_parallel_rank() if initialized else 0
     tracker = get_cuda_rng_tracker()
     tracker.reset()
-    _device_manual_seed(seed)
+    tracker.device_type = device_type
+    _manual_seed(seed, device_type)
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
     expert_seed = seed + _EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + etp_rank

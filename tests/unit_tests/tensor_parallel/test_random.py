@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel import (
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
+    rng_tracker_device_type,
     rng_tracker_replay_contexts,
 )
 from megatron.training.initialize import destroy_megatron, initialize_megatron
@@ -39,7 +40,7 @@ def _stream(seed: int, n: int = 6) -> torch.Tensor:
 
 
 def _draws(tp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
-    model_parallel_cuda_manual_seed(SEED, tp_rank=tp_rank, ep_rank=ep_rank)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=tp_rank, ep_rank=ep_rank, device_type="cpu")
     tracker = get_cuda_rng_tracker()
     draws = {"default_before": torch.rand(3)}
     with tracker.fork():
@@ -65,7 +66,7 @@ def test_seeding_gives_each_state_its_upstream_seed():
 
 def test_tracker_reports_the_seed_of_each_state():
     """What a checkpoint loaded at another layout matches saved states by."""
-    model_parallel_cuda_manual_seed(SEED, tp_rank=1, ep_rank=2, etp_rank=1)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=1, ep_rank=2, etp_rank=1, device_type="cpu")
     tracker = get_cuda_rng_tracker()
     assert tracker.get_seeds() == {
         get_data_parallel_rng_tracker_name(): SEED,
@@ -84,7 +85,7 @@ def test_tp_ranks_share_the_default_stream_but_not_the_model_parallel_one():
 
 
 def test_fork_continues_its_stream_and_states_restore():
-    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, device_type="cpu")
     tracker = get_cuda_rng_tracker()
     with tracker.fork():
         first = torch.rand(3)
@@ -110,7 +111,7 @@ def _forked_dropout(x: torch.Tensor) -> torch.Tensor:
 
 def _train_step(**checkpoint_kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Output, input gradient and the next model-parallel draw of one step from the seed."""
-    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0)
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, device_type="cpu")
     x = torch.linspace(0.5, 1.5, 512).requires_grad_()
     if checkpoint_kwargs:
         y = checkpoint(_forked_dropout, x, use_reentrant=False, **checkpoint_kwargs)
@@ -160,10 +161,19 @@ def _initialized_draws() -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def test_initialize_megatron_seeds_the_tracker():
-    if torch.cuda.is_available():
-        pytest.skip("the draws below are CPU-generator draws")
+    """On gloo ranks the tracker holds CPU generator states, GPUs present or not (where the
+    tracker followed CUDA's availability, its forks left CPU dropout unchanged on GPU
+    machines)."""
     results = run_distributed(_initialized_draws, 2)
     assert [tp_rank for _, _, tp_rank in results] == [0, 1]  # one TP group of both ranks
     for default, model_parallel, tp_rank in results:
         torch.testing.assert_close(default, _stream(77, 4))
         torch.testing.assert_close(model_parallel, _stream(77 + 2718 + tp_rank, 4))
+
+
+def test_device_type_must_be_one_the_process_has():
+    for device_type in ("tpu", *(() if torch.cuda.is_available() else ("cuda",))):
+        with pytest.raises(ValueError, match=f"device_type='{device_type}'"):
+            model_parallel_cuda_manual_seed(SEED, device_type=device_type)
+    model_parallel_cuda_manual_seed(SEED, device_type="cpu")
+    assert rng_tracker_device_type() == "cpu"
