@@ -75,25 +75,18 @@ def get_batch(data_iterator: DataIterator) -> dict[str, torch.Tensor]:
 
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> (
-    tuple[torch.Tensor, dict[str, torch.Tensor]]
-    | tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-):
-    """The mean per-token loss over the unmasked tokens, to backpropagate and to report.
-
-    With `--calculate-per-token-loss`, Megatron-LM's `(loss sum, token count, {"lm loss":
-    [sum, count]})`: the loop backpropagates the sum and divides the gradients by the global
-    batch's tokens, and reports the sum of the sums over the sum of the counts.
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron-LM's `(loss sum, token count, {"lm loss": [sum, count]})` over the unmasked
+    tokens. The loop backpropagates each micro-batch's mean (the sum over at least one token),
+    or with `--calculate-per-token-loss` the sum, dividing the gradients by the global batch's
+    tokens; either way it reports the global batch's loss per token: the sum of the sums over
+    the sum of the counts.
     """
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.float().view(-1)
     loss_sum = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum()
-    if get_args().calculate_per_token_loss:
-        report = torch.stack([loss_sum.detach(), num_tokens.detach()])
-        return loss_sum, num_tokens.detach(), {"lm loss": report}
-    loss = loss_sum / num_tokens
-    return loss, {"lm loss": loss.detach()}
+    num_tokens = loss_mask.sum().detach()
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens])}
 
 
 def forward_step(

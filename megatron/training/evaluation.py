@@ -9,7 +9,7 @@ import torch
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.training.loss_reduction import average_loss_dicts
+from megatron.training.loss_reduction import loss_values, reduce_loss_dicts
 from megatron.training.profiling import empty_unused_memory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.training_log import TrainingLog
@@ -31,22 +31,27 @@ def evaluate(
         args: validated arguments (`eval_iters`, `num_microbatches`).
 
     Returns:
-        Each reported loss averaged over the batches, microbatches and data-parallel ranks.
+        Each reported loss over the batches, microbatches and data-parallel ranks: a mean
+        averaged, a `[sum, count]` pair pooled (the sum of the sums over the sum of the
+        counts, as Megatron-LM).
     """
     model.eval()
-    totals: dict[str, float] = {}
+    total = None
     for _ in range(args.eval_iters):
         # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
         loss_dicts, _ = forward_backward(
             forward_step_func, data_iterator, model, args.num_microbatches, forward_only=True
         )
         empty_unused_memory(args, level=1)
-        for key, value in average_loss_dicts(loss_dicts).items():
-            totals[key] = totals.get(key, 0.0) + value
+        reduced, layout = reduce_loss_dicts(loss_dicts)
+        total = reduced if total is None else total + reduced
     model.train()
     # As Megatron-LM: whatever evaluation recorded stays out of the next step's report.
     get_moe_metrics_tracker().clear()
-    return {key: total / args.eval_iters for key, total in totals.items()}
+    if total is None:
+        return {}  # --eval-iters 0
+    # Dividing a pair's sums and counts alike leaves its ratio as pooled.
+    return loss_values(layout, (total / args.eval_iters).tolist())
 
 
 def evaluate_and_print_results(

@@ -4,6 +4,8 @@ data-parallel ranks: the reported losses (means, or Megatron-LM's `[sum, count]`
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -35,11 +37,12 @@ def reduce_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> tuple[torch.
 
 def loss_values(layout: LossLayout, reduced: list[float]) -> dict[str, float]:
     """The losses a `reduce_loss_dicts` tensor (read to the host) holds: `[sum, count]` pairs
-    become sum / count."""
+    become sum / count (nan without a count, as Megatron-LM's division)."""
     result, offset = {}, 0
     for key, width in layout:
         if width == 2:
-            result[key] = reduced[offset] / reduced[offset + 1]
+            total, count = reduced[offset : offset + 2]
+            result[key] = total / count if count else math.nan
         else:
             result[key] = reduced[offset]
         offset += width

@@ -60,8 +60,8 @@ def forward_backward(
             batch's tokens afterwards.
 
     A `loss_func` returns `(loss, report)` (loss: the micro-batch's mean), or Megatron-LM's
-    `(loss, num_tokens, report)` (loss: the sum over its `num_tokens` tokens, divided by them
-    here unless `calculate_per_token_loss`).
+    `(loss, num_tokens, report)` (loss: the sum over its `num_tokens` tokens, divided by them,
+    at least one, here unless `calculate_per_token_loss`).
 
     Returns:
         Each microbatch's reported losses (this rank's), and this rank's token count (None when
@@ -82,7 +82,8 @@ def forward_backward(
                 loss, tokens, loss_dict = outputs
                 num_tokens = tokens.detach() if num_tokens is None else num_tokens + tokens
                 if not calculate_per_token_loss:
-                    loss = loss / tokens
+                    # As Megatron-LM: a micro-batch whose tokens are all masked adds nothing.
+                    loss = loss / tokens.clamp(min=1)
             else:
                 loss, loss_dict = outputs
             if not forward_only:

@@ -153,6 +153,9 @@ class TrainingLog:
             config, args.padded_vocab_size, args.seq_length, 1
         )
         self.interval = _Interval()
+        # As Megatron-LM, the run's first iteration logs its line (its time shows the start's
+        # one-off costs), leaving the interval's totals to the line that ends it.
+        self._first_line_pending = True
 
     def record_iteration(
         self,
@@ -170,7 +173,8 @@ class TrainingLog:
         moe_losses: dict[str, float] | None = None,
         global_batch_size: int | None = None,
     ) -> None:
-        """Adds one training iteration; logs the line when `iteration` ends an interval.
+        """Adds one training iteration; logs the line when `iteration` ends an interval, or
+        is the first of the run (resumed or not).
 
         Args:
             iteration: its number, from 1.
@@ -214,8 +218,11 @@ class TrainingLog:
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, values)
-        if last or iteration % self.args.log_interval == 0:
+        ends_interval = last or iteration % self.args.log_interval == 0
+        if ends_interval or self._first_line_pending:
             print_rank_0(self._format_line(iteration, values))
+        self._first_line_pending = False
+        if ends_interval:
             if self.args.log_timers_to_tensorboard:
                 seconds_per_iteration = interval.seconds / interval.iterations
                 timers = {"iteration-time": seconds_per_iteration}

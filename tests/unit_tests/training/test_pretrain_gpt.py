@@ -125,8 +125,11 @@ def test_loss_falls_on_mock_data(mock_run):
 
 def test_log_line_has_megatron_fields(mock_run):
     lines = _log_lines(mock_run["log"])
-    assert len(lines) == 5  # every --log-interval 10 of 50 iterations
-    fields = lines[1].split(" | ")
+    # The first iteration, then every --log-interval 10 of 50 iterations.
+    assert [line.split(" | ")[0] for line in lines] == [
+        f"iteration {iteration:8d}/      50" for iteration in (1, 10, 20, 30, 40, 50)
+    ]
+    fields = lines[2].split(" | ")
     assert fields[0] == "iteration       20/      50"
     assert fields[1] == "consumed samples:          320"
     expected_prefixes = [
@@ -141,7 +144,7 @@ def test_log_line_has_megatron_fields(mock_run):
         "40.0% done, ETA ",
     ]
     for prefix in expected_prefixes:
-        assert any(f.startswith(prefix) for f in fields), (prefix, lines[1])
+        assert any(f.startswith(prefix) for f in fields), (prefix, lines[2])
     # Averaged over iterations 11..20 (the interval), as the history has them.
     reported = float(next(f for f in fields if f.startswith("lm loss: ")).split(": ")[1])
     interval = mock_run["history"].loss_curve()[10:20]
@@ -233,7 +236,7 @@ def test_non_finite_loss_or_gradient_skips_the_step_and_training_continues(where
         assert lrs[k - 1] == lrs[k - 2] and lrs[k] < lrs[k - 1]
     log = results[0]["log"]
     assert any(m.startswith(f"iteration {k}: skipped the optimizer step") for m in log)
-    (line,) = _log_lines(log)
+    _, line = _log_lines(log)  # the first iteration's, then the interval's
     assert "number of skipped iterations:   1" in line
     assert f"number of nan iterations:   {int(where == 'loss')}" in line
 
@@ -258,8 +261,9 @@ def _iterations_and_log_lines(flags: list[str]) -> tuple[int, list[str]]:
 def test_exit_interval_stops_training():
     flags = [*TINY, "--global-batch-size", "8", "--train-iters", "10", "--exit-interval", "3"]
     results = run_distributed(_iterations_and_log_lines, 2, flags)
-    # --log-interval 2: a line at 2, and one for the partial interval at the exit.
-    lines = ["iteration        2/      10", "iteration        3/      10"]
+    # The first iteration; --log-interval 2: a line at 2, and one for the partial interval at
+    # the exit.
+    lines = [f"iteration {iteration:8d}/      10" for iteration in (1, 2, 3)]
     assert results == [(3, lines), (3, [])]
 
 
@@ -267,7 +271,7 @@ def test_last_partial_log_interval_is_logged():
     flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "3"]
     (iterations, lines), _ = run_distributed(_iterations_and_log_lines, 2, flags)
     assert iterations == 5
-    assert lines == ["iteration        3/       5", "iteration        5/       5"]
+    assert lines == [f"iteration {iteration:8d}/       5" for iteration in (1, 3, 5)]
 
 
 @pytest.mark.skipif(

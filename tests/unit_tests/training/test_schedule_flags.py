@@ -30,6 +30,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import dist_signal_handler, global_vars
 from megatron.training.arguments import get_megatron_optimizer_config, parse_args, validate_args
 from megatron.training.dist_signal_handler import ExitConditions
+from megatron.training.evaluation import evaluate
 from megatron.training.training import get_optimizer_param_scheduler, pretrain, train_step
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
@@ -336,15 +337,21 @@ def test_sample_based_training_equals_iteration_based_training():
 
 
 def _masked_forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    mask = (tokens % 3 != 0).float()  # uneven token counts per micro-batch and rank
+    tokens, labels, mask = next(data_iterator)
     return model(tokens, labels=labels), functools.partial(pretrain_gpt.loss_func, mask)
 
 
-def _per_token_step(engine: str, num_microbatches: int) -> dict:
+def _per_token_step(
+    engine: str, num_microbatches: int, per_token: bool, first_masked: bool
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     parallel_state.initialize_model_parallel()
     tokens, labels = make_token_batches(1, 8, seed=3)[0]
+    # Uneven token counts per micro-batch and rank; optionally none in the first micro-batch.
+    mask = (tokens % 3 != 0).float()
+    micro_batches = world * num_microbatches
+    if first_masked:
+        mask[: len(tokens) // micro_batches] = 0.0
     model = build_tiny_gpt()
     reference = build_tiny_gpt()
     wrapped = wrap_for_engine(model, engine)
@@ -356,34 +363,40 @@ def _per_token_step(engine: str, num_microbatches: int) -> dict:
     )
     args = argparse.Namespace(
         num_microbatches=num_microbatches,
-        micro_batch_size=8 // (world * num_microbatches),
+        micro_batch_size=8 // micro_batches,
         data_parallel_size=world,
         check_for_nan_in_loss_and_grad=True,
-        calculate_per_token_loss=True,
+        calculate_per_token_loss=per_token,
         empty_unused_memory_level=0,
     )
     global_vars.set_args(args)
     try:
         micro = zip(
-            shard_batch(tokens, rank, world).chunk(num_microbatches),
-            shard_batch(labels, rank, world).chunk(num_microbatches),
+            *(shard_batch(t, rank, world).chunk(num_microbatches) for t in (tokens, labels, mask))
         )
         losses, skipped, _, _ = train_step(
             _masked_forward_step, iter(list(micro)), wrapped, optimizer, scheduler, args
         )
     finally:
         global_vars.set_args(None)
-    # The plain computation: every unmasked token of the global batch weighs the same.
-    mask = (tokens % 3 != 0).float()
-    per_token = reference(tokens, labels=labels).float()
-    loss = (per_token * mask).sum() / mask.sum()
+    # The plain computation, in one process: the reported loss is the global batch's per
+    # token; the gradient is its gradient with `per_token`, else that of the mean over the
+    # micro-batches of each one's loss per token (a micro-batch without tokens adds 0).
+    per_token_losses = reference(tokens, labels=labels).float() * mask
+    reported = per_token_losses.sum() / mask.sum()
+    if per_token:
+        loss = reported
+    else:
+        pieces = zip(per_token_losses.chunk(micro_batches), mask.chunk(micro_batches))
+        loss = sum(part.sum() / count.sum().clamp(min=1) for part, count in pieces)
+        loss = loss / micro_batches
     loss.backward()
     expected = {name: p.detach() - p.grad for name, p in reference.named_parameters()}
     got = {name: _full(value) for name, value in wrapped.state_dict().items()}
     return dict(
         skipped=skipped,
         loss=losses["lm loss"],
-        expected_loss=loss.item(),
+        expected_loss=reported.item(),
         got=got,
         expected=expected,
     )
@@ -394,15 +407,62 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-@pytest.mark.parametrize("engine", ["ddp", "optim_grads_params"])
-@pytest.mark.parametrize("num_microbatches", [1, 2])
-def test_per_token_loss_equals_a_plain_computation(engine, num_microbatches):
+@pytest.mark.parametrize(
+    "engine, num_microbatches, per_token, first_masked",
+    [
+        ("ddp", 1, True, False),
+        ("ddp", 2, True, False),
+        ("optim_grads_params", 1, True, False),
+        ("optim_grads_params", 2, True, False),
+        ("optim_grads_params", 2, True, True),
+        ("optim_grads_params", 2, False, False),
+        ("optim_grads_params", 2, False, True),
+        ("ddp", 1, False, True),
+    ],
+)
+def test_per_token_loss_equals_a_plain_computation(
+    engine, num_microbatches, per_token, first_masked
+):
     """One SGD step (lr 1) on either engine (DDP; Megatron-FSDP, ZeRO-3) moves the weights by
-    the gradient of the global batch's mean over its unmasked tokens, computed in one process."""
-    for result in run_distributed(_per_token_step, 2, engine, num_microbatches):
+    the gradient of the global batch's mean over its unmasked tokens (`--calculate-per-token-
+    loss`), or else of the mean of the micro-batches' means, computed in one process; a
+    micro-batch whose tokens are all masked adds nothing (before: a nan loss). The reported
+    loss is the global batch's per token either way, as Megatron-LM's (before: the mean of the
+    micro-batch means without the flag)."""
+    for result in run_distributed(
+        _per_token_step, 2, engine, num_microbatches, per_token, first_masked
+    ):
         assert not result["skipped"]
         assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-5)
         torch.testing.assert_close(result["got"], result["expected"])
+
+
+def _evaluation_losses() -> dict[str, float]:
+    """`evaluate` over 2 batches of one micro-batch per rank, each reporting a `[sum, count]`
+    pair (`lm loss`) and a plain value (`other`)."""
+    parallel_state.initialize_model_parallel()
+    # (loss sum, token count, plain value) of each batch on this rank.
+    reports = {0: [(6.0, 2.0, 1.0), (1.0, 1.0, 2.0)], 1: [(3.0, 3.0, 3.0), (20.0, 9.0, 6.0)]}
+
+    def forward_step(data_iterator, model):
+        total, count, value = next(data_iterator)
+
+        def loss_func(output):
+            report = {"lm loss": torch.tensor([total, count]), "other": torch.tensor(value)}
+            return torch.tensor(total), torch.tensor(count), report
+
+        return None, loss_func
+
+    args = argparse.Namespace(eval_iters=2, num_microbatches=1, empty_unused_memory_level=0)
+    return evaluate(forward_step, iter(reports[dist.get_rank()]), torch.nn.Linear(1, 1), args)
+
+
+def test_evaluation_pools_the_token_counts_of_its_batches():
+    """Megatron-LM's rule: the validation loss is the sum of every batch's loss sums over the
+    sum of their token counts, 30 / 15 (before: the mean of each batch's per-token loss, (9 / 5
+    + 21 / 10) / 2 = 1.95); a plain value is averaged, (2 + 4) / 2."""
+    for losses in run_distributed(_evaluation_losses, 2):
+        assert losses == pytest.approx({"lm loss": 2.0, "other": 3.0})
 
 
 # ---------------------------------------------------------------------------- the exits

@@ -62,7 +62,11 @@ def test_line_averages_the_interval_and_counts_skipped_and_nan_iterations(messag
     log.record_iteration(2, {"lm loss": 2.0}, False, 0.5, 9e-3, 0.3)
     log.record_iteration(3, {"lm loss": float("inf")}, True, float("nan"), 8e-3, 0.2)
     log.record_iteration(4, {"lm loss": 1.0}, False, 0.25, 8e-3, 0.2)
-    first, second = messages
+    start, first, second = messages
+    # The run's first iteration logs its own line (Megatron-LM's), without resetting the
+    # interval, whose line still averages iterations 1 and 2.
+    assert start.startswith("iteration        1/       4 |")
+    assert "(ms): 100.0 |" in start and "| lm loss: 4.000000E+00 |" in start
     assert first == (
         "iteration        2/       4 | consumed samples:           16 | elapsed time per "
         "iteration (ms): 200.0 | tokens/s/GPU: 320.0 | learning rate: 9.000000E-03 | global "
@@ -106,7 +110,7 @@ def test_a_batch_size_ramp_is_reported_at_each_iterations_batch(messages):
     tensorboard = log.writer.tensorboard = _FakeTensorBoard()
     log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5, global_batch_size=4)
     log.record_iteration(2, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5, global_batch_size=8)
-    (line,) = messages
+    _, line = messages
     assert f"tokens/s/GPU: {(4 + 8) * 16 / 1.0 / 2:.1f} |" in line
     assert "| global batch size:     8 |" in line
     scalars = {(tag, step): value for tag, value, step in tensorboard.scalars}
@@ -132,7 +136,7 @@ def test_evaluation_box_and_wandb_scalars(messages, monkeypatch):
     log.close()
     assert (
         "validation loss at iteration 1 | lm loss value: 2.000000E+00 | lm loss PPL: "
-        in (messages[0])
+        in (messages[1])
     )
     (run,) = runs
     assert run.init_kwargs["project"] == "proj" and run.init_kwargs["name"] == "run"
@@ -160,7 +164,7 @@ def test_last_iteration_logs_the_partial_interval(messages):
         log.record_iteration(iteration, {"lm loss": loss}, False, 1.0, 1e-2, seconds)
     log.record_iteration(4, {"lm loss": 2.0}, False, 1.0, 1e-2, 0.3)
     log.record_iteration(5, {"lm loss": 1.0}, False, 1.0, 1e-2, 0.5, last=True)
-    first, second = messages
+    _, first, second = messages
     assert first.startswith("iteration        3/       5 |")
     assert "elapsed time per iteration (ms): 100.0 |" in first and "lm loss: 6.0000" in first
     assert second.startswith("iteration        5/       5 |")
@@ -200,7 +204,7 @@ def test_moe_losses_join_the_line_and_are_written_every_tensorboard_interval(mes
         log.record_iteration(
             iteration, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.1, moe_losses=moe_losses
         )
-    (line,) = messages
+    _, line = messages
     mean = sum(per_step.values()) / 2
     assert f"| lm loss: 4.000000E+00 | load_balancing_loss: {mean:.6E} | z_loss: 0.000" in line
     moe_names = ("load_balancing_loss", "z_loss", "moe/")
