@@ -22,11 +22,12 @@ process, without a process group and at any size the host memory holds:
 The files:
 
 - full (`to-torch`): `{"model": {name: tensor}, "optimizer": {"state": {param name: {state
-  name: tensor}}, "fp32_from_fp16_params": {param name: tensor}}, "common": {...}}`, where
-  "common" is the checkpoint's `common.pt` dict (iteration, consumed samples, arguments,
-  schedule, optimizer hyperparameters, RNG states). "optimizer" is left out for a checkpoint
-  without optimizer state, and its "fp32_from_fp16_params" where the optimizer keeps no fp32
-  masters. "common" holds Python objects: read the file with `torch.load(path,
+  name: tensor}}, "fp32_from_fp16_params": {param name: tensor}, "grad_scaler": {name:
+  tensor}}, "common": {...}}`, where "common" is the checkpoint's `common.pt` dict (iteration,
+  consumed samples, arguments, schedule, optimizer hyperparameters, RNG states). "optimizer"
+  is left out for a checkpoint without optimizer state, its "fp32_from_fp16_params" where the
+  optimizer keeps no fp32 masters, and its "grad_scaler" (the dynamic loss scale of `--fp16`)
+  where there is none. "common" holds Python objects: read the file with `torch.load(path,
   weights_only=False)`, as this tool does, only if you trust where it came from.
 - model only (`to-torch --model-only`): `{name: tensor}`, exactly the unwrapped model's
   `state_dict()`; `model.load_state_dict(torch.load(path))` takes it (it loads with
@@ -80,7 +81,7 @@ from megatron.training.offline_checkpoint import (  # noqa: E402
 FULL_KEYS = ("model", "optimizer", "common")
 """The entries of a full file; "model" is required."""
 
-OPTIMIZER_KEYS = ("state", "fp32_from_fp16_params")
+OPTIMIZER_KEYS = ("state", "fp32_from_fp16_params", "grad_scaler")
 """The optimizer's tensor entries (`MegatronOptimizer.sharded_state_dict()` less its
 "param_groups", which live in "common")."""
 
@@ -277,8 +278,8 @@ def _check_optimizer(optimizer: Any, model: Mapping, source: str) -> dict[str, A
     def fail(problem: str) -> CheckpointError:
         return CheckpointError(
             f"{source}'s 'optimizer' {problem}; it must be {{'state': {{param name: {{state "
-            "name: tensor}}}}, 'fp32_from_fp16_params': {{param name: tensor}}}} as `to-torch` "
-            "writes it. Convert the checkpoint again."
+            "name: tensor}}, 'fp32_from_fp16_params': {param name: tensor}, 'grad_scaler': "
+            "{name: tensor}} as `to-torch` writes it. Convert the checkpoint again."
         )
 
     if not isinstance(optimizer, Mapping):
@@ -288,6 +289,11 @@ def _check_optimizer(optimizer: Any, model: Mapping, source: str) -> dict[str, A
         raise fail(f"has entries {unknown}")
     state = optimizer.get("state", {})
     masters = optimizer.get("fp32_from_fp16_params", {})
+    scaler = optimizer.get("grad_scaler", {})
+    if not isinstance(scaler, Mapping) or not all(
+        isinstance(v, torch.Tensor) for v in scaler.values()
+    ):
+        raise fail("has a 'grad_scaler' that is not {name: tensor}")
     if not isinstance(state, Mapping) or not all(
         isinstance(values, Mapping) and all(isinstance(v, torch.Tensor) for v in values.values())
         for values in state.values()

@@ -58,9 +58,11 @@ ENGINES = {
     "zero3": ZERO3,
     "ddp_bf16": ["--bf16"],
     "zero3_sgd": [*ZERO3, "--optimizer", "sgd", "--sgd-momentum", "0"],
+    "zero3_fp16": [*ZERO3, "--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1"],
 }
 """Megatron-FSDP ZeRO-3 (sharded DTensors), the DDP engine with bf16 weights (fp32 masters
-in the optimizer state), and an optimizer without state tensors (only parameter groups)."""
+in the optimizer state), an optimizer without state tensors (only parameter groups), and
+`--fp16`, whose dynamic loss scale (doubled after every step here) is optimizer state too."""
 
 WORLD_SIZE = 2
 PADDED_VOCAB_SIZE = 128  # --vocab-size 64 padded to a multiple of 128, as pretrain_gpt does
@@ -181,6 +183,8 @@ def test_to_torch_gives_the_full_tensors_of_every_rank(run, tmp_path, capsys):
             assert_tensors_equal(contents["optimizer"], without_empty(expected["optimizer"]))
         if run["engine"] == "ddp_bf16":
             assert len(contents["optimizer"]["fp32_from_fp16_params"]) == len(contents["model"])
+        if run["engine"] == "zero3_fp16":  # 1024 doubled after each of `step` steps
+            assert contents["optimizer"]["grad_scaler"]["scale"] == 1024 * 2**step
         common = load(checkpoint_dir(run["save"], step) + f"/{COMMON_FILENAME}")
         assert contents["common"]["iteration"] == step
         assert contents["common"]["consumed_train_samples"] == 4 * step
@@ -191,6 +195,7 @@ def test_to_torch_gives_the_full_tensors_of_every_rank(run, tmp_path, capsys):
         tensors = [t for values in optimizer.get("state", {}).values() for t in values.values()]
         tensors += [*contents["model"].values()]
         tensors += [*optimizer.get("fp32_from_fp16_params", {}).values()]
+        tensors += [*optimizer.get("grad_scaler", {}).values()]
         assert summary["tensors"] == len(tensors)
         assert summary["bytes"] == sum(t.numel() * t.element_size() for t in tensors)
         assert summary["parameters"] == sum(t.numel() for t in contents["model"].values())
