@@ -214,6 +214,7 @@ def remove_leftovers(root: str) -> None:
 def commit_checkpoint(staging: str, final: str) -> None:
     """Renames the finished `staging` directory `final`, replacing an older one (moved aside
     first, so a kill between the renames leaves it to `remove_leftovers` to put back)."""
+    final = os.path.normpath(final)  # "dir/" would be renamed into itself
     replaced = final + REPLACED_SUFFIX
     if os.path.exists(final):
         os.rename(final, replaced)

@@ -120,11 +120,8 @@ def import_hf(
     plan = conversions(args)
     _check_weights(weights, args, model_vocab, hf_dir)
     check_writable(save, 0, force, iteration_option=None)
-    if flags_file is not None and os.path.exists(flags_file) and not force:
-        raise HFConversionError(
-            f"--flags-file {flags_file} exists already; pass --force to replace it, or another "
-            "--flags-file."
-        )
+    if flags_file is not None:
+        _check_flags_file(flags_file, force)
 
     shapes: dict[str, torch.Tensor] = {}
     producers: dict[str, Callable[[], torch.Tensor]] = {}
@@ -347,6 +344,23 @@ def _check_weights(weights: HFWeights, args: Mapping[str, Any], vocab: int, hf_d
         raise HFConversionError(
             f"{hf_dir}'s weights do not fit its config.json: {'; '.join(problems)}. Pass a "
             "directory whose config.json describes its weights."
+        )
+
+
+def _check_flags_file(flags_file: str, force: bool) -> None:
+    """Refuses a `--flags-file` that could not be written, before the checkpoint is."""
+    if os.path.isdir(flags_file):
+        raise HFConversionError(f"--flags-file {flags_file} is a directory; pass a file path.")
+    if os.path.exists(flags_file) and not force:
+        raise HFConversionError(
+            f"--flags-file {flags_file} exists already; pass --force to replace it, or another "
+            "--flags-file."
+        )
+    folder = os.path.dirname(os.path.abspath(flags_file))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise HFConversionError(
+            f"--flags-file {flags_file}: its directory {folder} does not exist or is not "
+            "writable; create it, or pass another --flags-file."
         )
 
 

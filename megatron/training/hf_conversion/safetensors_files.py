@@ -48,16 +48,22 @@ class HFWeights:
         directory: The model directory.
 
     Raises:
-        HFConversionError: it holds no safetensors weights, the index names a missing file, or
-            a tensor has a dtype that does not convert.
+        HFConversionError: it holds no safetensors weights, the index or a weights file is
+            damaged or names a missing file, or a tensor has a dtype that does not convert.
     """
 
     def __init__(self, directory: str):
         safetensors = _safetensors()
         index = os.path.join(directory, INDEX_FILENAME)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as stream:
-                weight_map = json.load(stream).get("weight_map")
+            try:
+                with open(index, encoding="utf-8") as stream:
+                    contents = json.load(stream)
+            except ValueError as error:  # not JSON, or not UTF-8
+                raise HFConversionError(
+                    f"{index} is not JSON ({error}); it is damaged: save the model again."
+                ) from error
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise HFConversionError(f"{index} has no weight_map; it is damaged.")
             files = sorted(set(weight_map.values()))
@@ -78,18 +84,28 @@ class HFWeights:
             path = os.path.join(directory, file)
             if not os.path.isfile(path):
                 raise HFConversionError(f"{index} names {file}, which is not in {directory}.")
-            with safetensors.safe_open(path, framework="pt") as handle:
-                for name in handle.keys():
-                    entry = handle.get_slice(name)
-                    dtype = entry.get_dtype()
-                    if dtype not in _DTYPES:
-                        raise HFConversionError(
-                            f"{name} in {path} is of dtype {dtype}; only floating-point weights "
-                            f"({', '.join(_DTYPES)}) convert, not quantised ones."
-                        )
-                    self.files[name] = path
-                    self.shapes[name] = tuple(entry.get_shape())
-                    self.dtypes[name] = _DTYPES[dtype]
+            try:
+                self._read_header(safetensors, path)
+            except safetensors.SafetensorError as error:
+                raise HFConversionError(
+                    f"{path} is not a readable safetensors file ({error}); it is damaged or "
+                    "incomplete: save or download the model again."
+                ) from error
+
+    def _read_header(self, safetensors, path: str) -> None:
+        """Records the names, shapes and dtypes of the tensors in the file `path`."""
+        with safetensors.safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                entry = handle.get_slice(name)
+                dtype = entry.get_dtype()
+                if dtype not in _DTYPES:
+                    raise HFConversionError(
+                        f"{name} in {path} is of dtype {dtype}; only floating-point weights "
+                        f"({', '.join(_DTYPES)}) convert, not quantised ones."
+                    )
+                self.files[name] = path
+                self.shapes[name] = tuple(entry.get_shape())
+                self.dtypes[name] = _DTYPES[dtype]
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name` (backed by its file's pages until it is freed)."""
