@@ -5,10 +5,23 @@ forward-step functions take no `args` parameter."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from megatron.core.datasets.tokenizers import MegatronTokenizer
 from megatron.core.datasets.tokenizers import build_tokenizer as build_core_tokenizer
 from megatron.training.arguments_validation import vocab_size_with_padding
+from megatron.training.utils import print_rank_0
+
+VOCABULARY_FROM_FILES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+)
+"""Tokenizer types whose vocabulary their files give: Megatron-LM ignores `--vocab-size` with
+them (its own launch scripts pass it with `HuggingFaceTokenizer`), and so does this project,
+saying so."""
 
 _GLOBAL_ARGS: argparse.Namespace | None = None
 _GLOBAL_TOKENIZER: MegatronTokenizer | None = None
@@ -67,16 +80,25 @@ def build_tokenizer(args: argparse.Namespace) -> MegatronTokenizer | None:
 
 def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
     """The tokenizer the tokenizer flags (`add_tokenizer_args`) name; no global state.
+    `--vocab-size` with a type of `VOCABULARY_FROM_FILES` is ignored, with a warning.
 
     Raises:
         ValueError, FileNotFoundError: as `megatron.core.datasets.tokenizers.build_tokenizer`.
     """
+    vocab_size = args.vocab_size
+    if vocab_size is not None and args.tokenizer_type in VOCABULARY_FROM_FILES:
+        print_rank_0(
+            f"WARNING: --tokenizer-type {args.tokenizer_type} takes its vocabulary from its "
+            f"files; --vocab-size {vocab_size} is ignored, as Megatron-LM ignores it.",
+            logging.WARNING,
+        )
+        vocab_size = None
     return build_core_tokenizer(
         args.tokenizer_type,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
-        vocab_size=args.vocab_size,
+        vocab_size=vocab_size,
         tiktoken_pattern=args.tiktoken_pattern,
         tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
         special_tokens=args.special_tokens,

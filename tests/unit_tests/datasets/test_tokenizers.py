@@ -188,8 +188,10 @@ def test_gpt2_bpe_hand_made_merges(hand_bpe):
     assert tokenizer.tokenize("the the they") == [258, 259, 259, byte_id[ord("y")]]
     # Space and newline are bytes 32 and 10, mapped to Ġ and Ċ.
     assert tokenizer.tokenize("a\n") == [byte_id[ord("a")], byte_id[10]]
-    # The end-of-document text inside a document is ordinary text, as in Megatron-LM.
-    assert 256 not in tokenizer.tokenize("<|endoftext|>")
+    # The end-of-document text inside a document is its id, as in Megatron-LM 0.19 (whose
+    # GPT2BPETokenizer is HuggingFace's), and the text around it is encoded apart.
+    assert tokenizer.tokenize("the<|endoftext|> the") == [258, 256, 259]
+    assert tokenizer.bos == 256
     assert tokenizer.detokenize([258, 259, 256]) == "the the<|endoftext|>"
     # Bytes of a character cut in half decode to U+FFFD.
     assert tokenizer.detokenize(tokenizer.tokenize("é")[:1]) == "\ufffd"
@@ -306,7 +308,8 @@ def test_gpt2_bpe_matches_transformers_gpt2_tokenizer(trained_bpe):
     tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     assert tokenizer.eod == reference.convert_tokens_to_ids("<|endoftext|>")
     assert tokenizer.vocab_size == len(reference)
-    for text in TEXTS + TRICKY:
+    eod_texts = ["a <|endoftext|> b", "<|endoftext|>", "x<|endoftext|><|endoftext|>y \n"]
+    for text in TEXTS + TRICKY + eod_texts:
         expected = reference(text, add_special_tokens=False).input_ids
         assert tokenizer.tokenize(text) == expected, text
 
@@ -343,30 +346,23 @@ def test_sentencepiece_round_trip(sentencepiece_model, text):
     assert tokenizer.detokenize(ids) == text
 
 
-def test_sentencepiece_special_tokens(sentencepiece_model):
+def test_sentencepiece_tokenizer_reads_the_models_own_ids(sentencepiece_model):
+    """Megatron-LM 0.19's `SentencePieceTokenizer`: nothing appended to the vocabulary, EOS is
+    the end of document, and a special piece's text is encoded as text (before: `<CLS> <SEP>
+    <EOD> <MASK> <PAD>` appended, `<EOD>` the end of document, special text its id)."""
     import sentencepiece
 
     processor = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
     tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
-    pieces = len(processor)
-    # Megatron-LM's order: <CLS> <SEP> <EOD> <MASK> after the model's pieces, then <PAD> (the
-    # model has no pad piece); the model's own <s> and </s> are bos and eos.
-    assert (tokenizer.cls, tokenizer.sep, tokenizer.eod, tokenizer.mask) == tuple(
-        range(pieces, pieces + 4)
+    assert tokenizer.vocab_size == len(processor) == 320
+    assert (tokenizer.eod, tokenizer.eos, tokenizer.bos) == (
+        processor.eos_id(),
+        processor.eos_id(),
+        processor.bos_id(),
     )
-    assert tokenizer.pad == pieces + 4
-    assert tokenizer.vocab_size == pieces + 5
-    assert (tokenizer.bos, tokenizer.eos) == (processor.bos_id(), processor.eos_id())
-    assert tokenizer.inv_vocab[tokenizer.eod] == "<EOD>"
-    assert tokenizer.vocab["<EOD>"] == tokenizer.eod
-    # Special-token text becomes its id; the model's ids match encoding without it.
-    ids = tokenizer.tokenize("the cat<EOD>the dog")
-    assert ids == [
-        *processor.encode_as_ids("the cat"),
-        tokenizer.eod,
-        *processor.encode_as_ids("the dog"),
-    ]
-    assert tokenizer.detokenize(ids) == "the cat <EOD> the dog"
+    text = "x <s> y </s> z<EOD>"
+    assert tokenizer.tokenize(text) == processor.encode_as_ids(text)
+    assert tokenizer.eod not in tokenizer.tokenize(text)
 
 
 def test_sentencepiece_errors(tmp_path, sentencepiece_model):
@@ -392,7 +388,9 @@ def test_sentencepiece_missing_package_message(tmp_path, monkeypatch):
 # GPTSentencePieceTokenizer / Llama2Tokenizer -------------------------------------------------
 
 
-@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+@pytest.mark.parametrize(
+    "tokenizer_type", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
+)
 @pytest.mark.parametrize("text", TEXTS + TRICKY)
 def test_sentencepiece_model_ids_are_the_models(sentencepiece_model, tokenizer_type, text):
     import sentencepiece
@@ -482,6 +480,35 @@ def test_huggingface_without_eos_has_no_eod(tmp_path, trained_bpe):
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)
     with pytest.raises(NotImplementedError, match="eos_token"):
         tokenizer.eod  # noqa: B018
+
+
+def test_huggingface_without_eos_ends_documents_with_sep(tmp_path, trained_bpe):
+    """A BERT-style tokenizer (SEP and CLS, no EOS or BOS): Megatron-LM's fallbacks make SEP
+    the end of document and CLS the beginning (before: no end-of-document id)."""
+    save_huggingface_tokenizer(tmp_path, trained_bpe, sep_token="<|endoftext|>", cls_token="Ġthe")
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)
+    model = trained_bpe[1]
+    assert tokenizer.eod == tokenizer.eos == model.token_to_id("<|endoftext|>")
+    assert tokenizer.bos == model.token_to_id("Ġthe")
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_vocab_size_flag_is_ignored_where_the_files_give_the_vocabulary(
+    tokenizer_type, hand_bpe, huggingface_dir, caplog
+):
+    """As Megatron-LM (whose Llama 3 launch scripts pass --vocab-size with
+    HuggingFaceTokenizer), with a warning; the library's `build_tokenizer` still refuses it."""
+    files = {
+        "GPT2BPETokenizer": ["--vocab-file", str(hand_bpe[0]), "--merge-file", str(hand_bpe[1])],
+        "HuggingFaceTokenizer": ["--tokenizer-model", str(huggingface_dir)],
+    }[tokenizer_type]
+    flags = ["--tokenizer-type", tokenizer_type, *files]
+    expected = tokenizer_from_args(parse_args(args=flags)).vocab_size
+    with caplog.at_level("WARNING"):
+        tokenizer = tokenizer_from_args(parse_args(args=[*flags, "--vocab-size", "1000"]))
+    assert tokenizer.vocab_size == expected != 1000
+    assert f"--tokenizer-type {tokenizer_type} takes its vocabulary from its files" in caplog.text
+    assert "--vocab-size 1000 is ignored" in caplog.text
 
 
 def test_huggingface_errors(tmp_path):

@@ -5,7 +5,7 @@
 |---|---|---|
 | `ByteLevelTokenizer` | nothing (UTF-8 bytes; the quick start's) | `<eos>` (258) |
 | `GPT2BPETokenizer` | `--vocab-file`, `--merge-file` | `<\\|endoftext\\|>` |
-| `SentencePieceTokenizer` | `--tokenizer-model` (a `.model` file; `sentencepiece`) | `<EOD>` |
+| `SentencePieceTokenizer` | `--tokenizer-model` (a `.model` file; `sentencepiece`) | EOS |
 | `GPTSentencePieceTokenizer` | `--tokenizer-model` (a `.model` file; `sentencepiece`) | EOS |
 | `Llama2Tokenizer` | `--tokenizer-model` (Llama 2's `tokenizer.model`; `sentencepiece`) | EOS |
 | `TikTokenizer` | `--tokenizer-model` (a `.tiktoken` / `.json` rank file; `tiktoken`) | `</s>` |
@@ -30,8 +30,8 @@ from megatron.core.datasets.tokenizers.null import NullTokenizer
 from megatron.core.datasets.tokenizers.sentencepiece_model import (
     GPTSentencePieceTokenizer,
     Llama2Tokenizer,
+    SentencePieceTokenizer,
 )
-from megatron.core.datasets.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 from megatron.core.datasets.tokenizers.tiktoken_tokenizer import (
     DEFAULT_NUM_SPECIAL_TOKENS,
     TikTokenizer,

@@ -4,8 +4,9 @@ The algorithm of OpenAI's GPT-2 `encoder.py` (which Megatron-LM's `GPT2BPETokeni
 text is split into words by GPT-2's pre-tokenisation regex, each word's UTF-8 bytes are mapped
 to printable characters (`bytes_to_unicode()`), and the adjacent pair of lowest merge rank is
 merged until no ranked pair is left. The result matches HuggingFace's GPT-2 tokenizers for the
-same files. As in Megatron-LM, `<|endoftext|>` inside text is ordinary text, not the
-end-of-document id: only `eod` (appended by the caller) produces that id.
+same files, which Megatron-LM (0.19) builds for this type: `<|endoftext|>` inside text is the
+end-of-document id (the text around it is encoded apart), as it is `bos` and `eos` too. (Before
+0.19 Megatron-LM encoded it as ordinary text.)
 """
 
 from __future__ import annotations
@@ -75,12 +76,22 @@ class GPT2BPETokenizer(MegatronTokenizer):
                 f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} token, which GPT2BPETokenizer "
                 "uses as its end-of-document id; add it to the vocabulary."
             )
-        super().__init__(vocab, eod=vocab[EOD_TOKEN], eos=vocab[EOD_TOKEN])
+        eod = vocab[EOD_TOKEN]
+        super().__init__(vocab, eod=eod, bos=eod, eos=eod)
         self._byte_encoder = bytes_to_unicode()
         self._byte_decoder = {char: byte for byte, char in self._byte_encoder.items()}
         self._cache: dict[str, tuple[str, ...]] = {}
 
     def tokenize(self, text: str) -> list[int]:
+        ids = []
+        for number, piece in enumerate(text.split(EOD_TOKEN)):
+            if number:
+                ids.append(self.eod)
+            ids += self._encode(piece)
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        """The ids of text without the end-of-document token."""
         ids = []
         for word in self._pattern.findall(text):
             mapped = "".join(self._byte_encoder[byte] for byte in word.encode("utf-8"))

@@ -5,8 +5,9 @@ Megatron-LM's `HuggingFaceTokenizer`: `--tokenizer-model` is a directory written
 Nothing is downloaded (`local_files_only=True`): training machines often have no network, and
 a download in every data-loader worker would be slow where they do. Remote code is never run.
 As in Megatron-LM, `tokenize()` adds the tokenizer's own special tokens (a Llama tokenizer's
-BOS, say) and the end-of-document id is the tokenizer's EOS. `transformers` is imported only
-when a tokenizer is built.
+BOS, say) and the end-of-document id is the tokenizer's EOS; a tokenizer without EOS or BOS
+tokens (BERT-style) uses its SEP and CLS tokens for them. `transformers` is imported only when
+a tokenizer is built.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ class HuggingFaceTokenizer(MegatronTokenizer):
                 "HuggingFace tokenizer; it must hold tokenizer files as written by a "
                 f"tokenizer's save_pretrained(directory) ({error})"
             ) from error
+        tokenizer = self._tokenizer
+        # Megatron-LM's fallbacks: SEP ends a sequence, CLS begins one, where EOS / BOS lack.
+        eos = tokenizer.sep_token_id if tokenizer.eos_token is None else tokenizer.eos_token_id
+        bos = tokenizer.cls_token_id if tokenizer.bos_token is None else tokenizer.bos_token_id
         super().__init__(
-            self._tokenizer.get_vocab(),
-            eod=self._tokenizer.eos_token_id,
-            bos=self._tokenizer.bos_token_id,
-            eos=self._tokenizer.eos_token_id,
-            pad=self._tokenizer.pad_token_id,
+            tokenizer.get_vocab(), eod=eos, bos=bos, eos=eos, pad=tokenizer.pad_token_id
         )
 
     def tokenize(self, text: str) -> list[int]:
@@ -79,6 +80,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         if name != "eod":
             return super()._missing(name)
         return NotImplementedError(
-            "HuggingFaceTokenizer has no attribute 'eod': the tokenizer has no eos_token, "
-            "which is its end-of-document id; save it with an eos_token set."
+            "HuggingFaceTokenizer has no attribute 'eod': the tokenizer has no eos_token (nor a "
+            "sep_token), which is its end-of-document id; save it with an eos_token set."
         )
