@@ -41,6 +41,12 @@ from megatron.core.datasets.indexed_dataset import (  # noqa: E402
 )
 from megatron.core.datasets.tokenizers import MegatronTokenizer  # noqa: E402
 from megatron.training.arguments import add_tokenizer_args  # noqa: E402
+from megatron.training.flag_groups.unbuilt import (  # noqa: E402
+    TOKENIZER_UNBUILT,
+    Unbuilt,
+    add_unbuilt_flags,
+    refuse_unbuilt,
+)
 from megatron.training.global_vars import tokenizer_from_args  # noqa: E402
 
 LEVEL = "document"
@@ -50,6 +56,23 @@ splitting)."""
 CHUNK_SIZE = 32
 """Lines per task sent to a worker: enough to amortise the inter-process round trip, few
 enough that a small corpus still spreads over all workers."""
+
+UNBUILT = (
+    Unbuilt(
+        "sentence splitting (nltk, for BERT-style data)",
+        "drop these flags: each JSON value is tokenized whole, as one document",
+        ("--split-sentences", "--keep-newlines"),
+        ("--lang",),
+    ),
+    Unbuilt(
+        "input partitions, document limits and the worker-count search",
+        "drop these flags: --workers processes tokenize the whole --input, in order",
+        ("--keep-sequential-samples", "--find-optimal-num-workers"),
+        ("--partitions", "--workers-to-check", "--max-documents"),
+    ),
+    *TOKENIZER_UNBUILT,
+)
+"""Megatron-LM's preprocessing flags of features not built here, refused by name."""
 
 Encoded = tuple[int, "dict[str, numpy.ndarray] | str"]
 """A line's result: its size in bytes, and its token ids per key or an error message."""
@@ -83,7 +106,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument(
         "--log-interval", type=int, default=1000, help="print progress every N documents."
     )
+    add_unbuilt_flags(parser, UNBUILT)
     args = parser.parse_args(argv)
+    refuse_unbuilt(args, UNBUILT)
     if args.tokenizer_type is None:
         parser.error("--tokenizer-type is required: the tokenizer training will name too.")
     if args.workers < 1:

@@ -243,14 +243,44 @@ UNBUILT: tuple[Unbuilt, ...] = (
         "drop these flags (--profile --use-pytorch-profiler writes a torch.profiler trace)",
         ("--pytorch-profiler-collect-chakra", "--nvtx-ranges"),
     ),
+)
+"""Every refused feature of training (and `TOKENIZER_UNBUILT`), in the order its flags are
+listed in `--help`."""
+
+TOKENIZER_UNBUILT: tuple[Unbuilt, ...] = (
     Unbuilt(
         "Megatron-LM's MultimodalTokenizer (--tokenizer-prompt-format)",
         "drop the flag",
         (),
         ("--tokenizer-prompt-format",),
     ),
+    Unbuilt(
+        "remote code of HuggingFace tokenizers",
+        "drop the flag: tokenizers load from local files and never run remote code",
+        ("--trust-remote-code",),
+    ),
+    Unbuilt(
+        "slow or special-token-free HuggingFace tokenizers",
+        "drop these flags: HuggingFaceTokenizer loads the fast tokenizer and adds its special "
+        "tokens (upstream's defaults)",
+        ("--tokenizer-hf-no-use-fast", "--tokenizer-hf-no-include-special-tokens"),
+    ),
+    Unbuilt(
+        "chat templates and tokenizer metadata files",
+        "drop these flags: GPT pretraining tokenizes plain text with the tokenizer's files",
+        (),
+        ("--chat-template", "--tokenizer-metadata"),
+    ),
+    Unbuilt(
+        "SentencePiece's legacy and whitespace options",
+        "drop these flags: SentencePiece models encode with the settings they were trained with",
+        (
+            "--tokenizer-sentencepiece-legacy",
+            "--no-tokenizer-sentencepiece-ignore-extra-whitespaces",
+        ),
+    ),
 )
-"""Every refused feature, in the order its flags are listed in `--help`."""
+"""Refused tokenizer features: flags of both `pretrain_gpt.py` and `tools/preprocess_data.py`."""
 
 PERFORMANCE_HINTS: tuple[tuple[str, str], ...] = (
     ("--use-nccl-ub", "nccl_ub"),
@@ -271,19 +301,48 @@ def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
-    """The "not built" group: upstream flags refused by `validate_unbuilt`, and the accepted
-    performance hints."""
+def add_unbuilt_flags(
+    parser: argparse.ArgumentParser, features: tuple[Unbuilt, ...]
+) -> argparse._ArgumentGroup:
+    """Adds a "not built" group of the flags of `features` (`refuse_unbuilt` refuses them);
+    returns it."""
     group = parser.add_argument_group(
         title="not built",
         description="Upstream Megatron-LM flags of features this project does not build: "
         "setting one is an error that says what to do instead.",
     )
-    for unbuilt in UNBUILT:
+    for unbuilt in features:
         for flag in unbuilt.switches:
             group.add_argument(flag, action="store_true", help=f"Not built: {unbuilt.feature}.")
         for flag in unbuilt.valued:
             group.add_argument(flag, nargs="+", help=f"Not built: {unbuilt.feature}.")
+    return group
+
+
+def refuse_unbuilt(args: argparse.Namespace, features: tuple[Unbuilt, ...]) -> None:
+    """Refuses the first of `features` any of whose flags is set, naming all of them that are.
+
+    Raises:
+        ValueError: a flag of a feature that is not built is set.
+    """
+    for unbuilt in features:
+        given = [flag for flag in unbuilt.switches if getattr(args, _dest(flag))]
+        given += [
+            f"{flag} {' '.join(values)}"
+            for flag in unbuilt.valued
+            if (values := getattr(args, _dest(flag))) is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: {unbuilt.feature} is not built in this project; "
+                f"{unbuilt.instead}."
+            )
+
+
+def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
+    """The "not built" group: upstream flags refused by `validate_unbuilt`, and the accepted
+    performance hints."""
+    group = add_unbuilt_flags(parser, UNBUILT + TOKENIZER_UNBUILT)
     group.add_argument(
         "--rope-type",
         choices=("rope", "yarn"),
@@ -304,15 +363,4 @@ def validate_unbuilt(args: argparse.Namespace) -> None:
             "--rope-type yarn: YaRN RoPE scaling (multi-latent attention's) is not built in this "
             "project; use --rope-type rope (or --use-rope-scaling for Llama 3's)."
         )
-    for unbuilt in UNBUILT:
-        given = [flag for flag in unbuilt.switches if getattr(args, _dest(flag))]
-        given += [
-            f"{flag} {' '.join(values)}"
-            for flag in unbuilt.valued
-            if (values := getattr(args, _dest(flag))) is not None
-        ]
-        if given:
-            raise ValueError(
-                f"{', '.join(given)}: {unbuilt.feature} is not built in this project; "
-                f"{unbuilt.instead}."
-            )
+    refuse_unbuilt(args, UNBUILT + TOKENIZER_UNBUILT)

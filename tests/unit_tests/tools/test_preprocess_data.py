@@ -228,8 +228,14 @@ def test_flag_errors(tmp_path):
         )
     with pytest.raises(SystemExit):
         run(tmp_path, "--tokenizer-type", "NoSuchTokenizer")
-    with pytest.raises(SystemExit):
-        run(tmp_path, "--split-sentences")
+    # Upstream's flags of features not built here are refused naming the feature.
+    for flags, feature in (
+        (["--split-sentences", "--lang", "english"], "sentence splitting"),
+        (["--partitions", "2"], "input partitions"),
+        (["--trust-remote-code"], "remote code of HuggingFace tokenizers"),
+    ):
+        with pytest.raises(ValueError, match=f"{flags[0]}.*: {feature}.* is not built"):
+            run(tmp_path, *flags)
 
 
 def test_tokenizer_type_is_required(tmp_path, capsys):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import parse_args
-from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, UNBUILT
+from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, TOKENIZER_UNBUILT, UNBUILT
 from tests.unit_tests.training.flag_checks import BASE, validated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -23,7 +23,7 @@ def test_no_unbuilt_flag_is_set_by_default():
     validated()  # raises if any default counted as "set"
 
 
-@pytest.mark.parametrize("unbuilt", UNBUILT, ids=lambda u: u.feature)
+@pytest.mark.parametrize("unbuilt", UNBUILT + TOKENIZER_UNBUILT, ids=lambda u: u.feature)
 def test_every_flag_of_an_unbuilt_feature_is_refused_naming_it(unbuilt):
     # Tensor parallelism is asked for too, where sequence parallelism needs it to mean anything.
     tp = ["--tensor-model-parallel-size", "2"] if "tensor" in unbuilt.feature else []
