@@ -291,9 +291,8 @@ def build_gpt_datasets(
         ValueError: no data, or the data twice (`data_path` and a config blend); a bad
             `--data-path` (odd length, a weight that is not a number or is negative); a
             missing prefix (the message names the files), or one without documents; a blended
-            prefix with no document
-            in a split that needs it; a split whose documents hold no token; a token id beyond
-            `config.vocab_size`; a negative sample count.
+            prefix with no document in a split that needs it; a split whose documents hold no
+            token; a token id beyond `config.vocab_size`; a negative sample count.
     """
     sizes = list(train_val_test_num_samples)
     if len(sizes) != len(SPLIT_NAMES) or any(int(size) != size or size < 0 for size in sizes):
