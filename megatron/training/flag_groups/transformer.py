@@ -194,10 +194,15 @@ def _validate_attention_backend(args: argparse.Namespace) -> None:
     spelled = f"--attention-backend {backend.name}"
     if args.use_flash_attn:
         spelled = "--use-flash-attn"
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or args.distributed_backend != "nccl":
+        where = (
+            "which is not available"
+            if not torch.cuda.is_available()
+            else f"and --distributed-backend {args.distributed_backend} computes on the CPU"
+        )
         raise ValueError(
-            f"{spelled} needs a CUDA GPU, which is not available; use --attention-backend auto "
-            "(or local / unfused)."
+            f"{spelled} needs a CUDA GPU, {where}; use --attention-backend auto (or local / "
+            "unfused)."
         )
     if backend == AttnBackend.flash and not torch.backends.cuda.is_flash_attention_available():
         raise ValueError(

@@ -74,7 +74,9 @@ def build_gpt(moe: bool, groups: ProcessGroupCollection | None) -> GPTLosses:
         seq_length=SEQ_LENGTH,
         **fields,
     )
-    model_parallel_cuda_manual_seed(1234, tp_rank=0 if groups is None else groups.tp.rank())
+    # CPU tensors, on the reference's process (no group) as on the gloo ranks.
+    tp_rank = 0 if groups is None else groups.tp.rank()
+    model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, device_type="cpu")
     gpt = GPTModel(
         config,
         get_gpt_decoder_block_spec(config, use_transformer_engine=False),

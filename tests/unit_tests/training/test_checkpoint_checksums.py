@@ -181,7 +181,7 @@ def test_benchmark_tool_runs_on_two_cpu_ranks(tmp_path):
     proc = subprocess.run(
         command,
         cwd=REPO,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env={**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},  # CPU ranks, GPUs or not
         capture_output=True,
         text=True,
         timeout=300,

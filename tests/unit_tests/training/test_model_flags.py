@@ -108,17 +108,27 @@ def test_gpu_backends_without_cuda(flags, monkeypatch):
         validated(*flags.split())
 
 
+def test_gpu_backends_on_gloo_ranks(monkeypatch):
+    """GPUs present, but gloo ranks compute on CPU tensors, where the kernels do not exist
+    (before: accepted, then SDPA's "no viable backend" at the first forward)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    message = "--attention-backend fused needs a CUDA GPU, and --distributed-backend gloo computes"
+    with pytest.raises(ValueError, match=message):
+        validated("--attention-backend", "fused")
+
+
 def test_flash_needs_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    nccl = ("--distributed-backend", "nccl")
     with pytest.raises(ValueError, match="--attention-backend flash: .* add --bf16"):
-        validated("--attention-backend", "flash")
+        validated("--attention-backend", "flash", *nccl)
     for precision in ("--bf16", "--fp16"):  # the kernel's two half-precision dtypes
-        assert validated("--attention-backend", "flash", precision).attention_backend == (
+        assert validated("--attention-backend", "flash", precision, *nccl).attention_backend == (
             AttnBackend.flash
         )
     with pytest.raises(ValueError, match="--use-flash-attn: .* no attention mask"):
-        validated("--use-flash-attn", "--bf16", "--reset-attention-mask")
+        validated("--use-flash-attn", "--bf16", "--reset-attention-mask", *nccl)
 
 
 BAD = [
