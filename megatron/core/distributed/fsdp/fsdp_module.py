@@ -398,11 +398,13 @@ def _share_main_versions(
     the compute weights.
 
     `Module.state_dict()` detaches each DTensor parameter, and a detached DTensor's local tensor
-    counts its writes apart; so the unit's main weights in it become DTensors over the main
-    weights' own local tensors, whose writes count. And the unit's compute weights are refreshed
-    at its next use whatever the versions say: a rank whose shard of a tensor is empty sees no
-    write to count, yet must refresh with the ranks that do (the refresh is a collective), and
-    every rank builds the state dict (`torch.distributed.checkpoint` needs them all).
+    counts its writes apart; so the unit's main weights in it become DTensors over aliases of
+    the main weights' memory whose writes the unit counts (`GroupWeights.aliased_dtensor`,
+    which `torch.save` and `copy.deepcopy` handle too). And the unit's compute weights are
+    refreshed at its next use whatever the versions say: a rank whose shard of a tensor is empty
+    sees no write to count, yet must refresh with the ranks that do (the refresh is a
+    collective), and every rank builds the state dict (`torch.distributed.checkpoint` needs
+    them all).
     """
     del local_metadata
     unit = module._fsdp_unit
@@ -417,7 +419,7 @@ def _share_main_versions(
         key = prefix + name
         if id(param) in owners and key in state_dict and state_dict[key] is not param:
             weights, index = owners[id(param)]
-            state_dict[key] = weights.shared_version_dtensor(index)
+            state_dict[key] = weights.aliased_dtensor(index)
 
 
 def _check_unit_modules(modules: list[torch.nn.Module]) -> None:

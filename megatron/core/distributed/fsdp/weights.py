@@ -172,6 +172,8 @@ class GroupWeights:
         if plan.transient_unsharded:
             self.unsharded.release_storage()
         self.untracked_writes = 0
+        # id -> (weakref, version counted) of each live `aliased_dtensor` local tensor.
+        self._aliases: dict[int, tuple[weakref.ref, int]] = {}
         self._observed_version = self.main_version()
         self._made_version = self._observed_version
 
@@ -216,16 +218,38 @@ class GroupWeights:
                 local, self.groups.mesh, self._placements[index], self.global_shape(index)
             )
 
-    def shared_version_dtensor(self, index: int) -> DTensor:
-        """Main weight `index` as a new DTensor whose local tensor is a view of the main
-        weight's, so that writes through it count as writes to the main weights."""
-        return self.dtensor(self.local_main_weights[index], index)
+    def aliased_dtensor(self, index: int) -> DTensor:
+        """Main weight `index` as a new DTensor over a tensor of its own that aliases the main
+        weight's memory at storage offset 0; `main_version` counts the writes through it.
+
+        The main weights are views into one buffer, and a DTensor takes its local tensor's
+        storage offset, which `torch.save` and `copy.deepcopy` cannot handle (they fail on
+        "an invalid python storage"); a `state_dict()` value must survive both.
+        """
+        self._count_alias_writes()  # before an id of a dead alias can be reused
+        with torch.no_grad():
+            alias = torch.from_dlpack(self.local_main_weights[index].detach())
+        self._aliases[id(alias)] = (weakref.ref(alias), alias._version)
+        return self.dtensor(alias, index)
 
     # The main version.
 
     def main_version(self) -> int:
         """A number that changes whenever the main weights are written (module docstring)."""
+        self._count_alias_writes()
         return self.untracked_writes + sum(map(_version, self._writable))
+
+    def _count_alias_writes(self) -> None:
+        """Adds the writes through the live `aliased_dtensor` tensors since last counted to
+        `untracked_writes` (a running count, so an alias that dies takes nothing back), and
+        forgets the dead ones."""
+        for key, (ref, counted) in list(self._aliases.items()):
+            alias = ref()
+            if alias is None:
+                del self._aliases[key]
+            elif alias._version != counted:
+                self.untracked_writes += alias._version - counted
+                self._aliases[key] = (ref, alias._version)
 
     def mark_written(self) -> None:
         """Records a write to the main weights that bumped no version counter."""

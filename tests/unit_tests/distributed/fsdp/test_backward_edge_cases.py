@@ -5,8 +5,10 @@ freezing after wrapping, and deleting a model."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import io
 import weakref
 from unittest import mock
 
@@ -453,6 +455,34 @@ def test_writes_into_state_dict_values_refresh_compute_weights(dtype_name, strat
     loaded weights."""
     results = run_distributed(_written_through_state_dict, 2, dtype_name, strategy, str(tmp_path))
     assert results == [[0.0, 0.0]] * 2
+
+
+def _saved_with_torch_save(strategy: str) -> list[float]:
+    """`torch.save(model.state_dict())` and `copy.deepcopy` of it (before: "invalid python
+    storage" for every tensor after the first of a group), then loaded into a model of other
+    weights: the same output as the saved model's."""
+    model = _build(strategy)
+    x = _inputs(0)
+    with torch.no_grad():
+        expected = model(x).item()
+    stream = io.BytesIO()
+    torch.save(model.state_dict(), stream)
+    copies = copy.deepcopy(model.state_dict())
+    outputs = []
+    for state in (torch.load(io.BytesIO(stream.getvalue())), copies):
+        other = _build(strategy)
+        with torch.no_grad():
+            for param in other.parameters():
+                param.add_(1.0)
+        other.load_state_dict(state)
+        with torch.no_grad():
+            outputs.append(other(x).item() - expected)
+    return outputs
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params", "no_shard"])
+def test_state_dict_saves_with_torch_save_and_deepcopies(strategy):
+    assert run_distributed(_saved_with_torch_save, 2, strategy) == [[0.0, 0.0]] * 2
 
 
 def _freeze_after_wrap() -> dict:
