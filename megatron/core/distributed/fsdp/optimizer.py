@@ -47,14 +47,17 @@ def fully_shard_optimizer(
 ) -> torch.optim.Optimizer:
     """Checks `optimizer` against `module`'s main weights and hooks it; returns it.
 
+    The optimizer's step consumes the gradients of the parameter groups it holds weights of,
+    and only those: another optimizer over the module's other weights may step at other times
+    (over several backwards' gradients, say).
+
     Raises:
         ValueError: `module` has no trainable Megatron-FSDP unit, or the optimizer holds
             parameters that are not its main weights (typically the unsharded parameters, from an
             optimizer built before `fully_shard()`).
     """
     all_groups = parameter_groups(module)
-    groups = [group for group in all_groups if group.requires_grad]
-    if not groups:
+    if not any(group.requires_grad for group in all_groups):
         raise ValueError(
             f"{type(module).__name__} has no trainable Megatron-FSDP parameters: call "
             "fully_shard() on it before fully_shard_optimizer()."
@@ -73,6 +76,13 @@ def fully_shard_optimizer(
             "before fully_shard(). Build the optimizer after fully_shard(), from "
             "module.parameters() or local_main_weights(module)."
         )
+    held_set = set(held)
+    groups = [
+        group
+        for group in all_groups
+        if group.requires_grad
+        and any(p in held_set for p in (*group.dist_params, *group.local_main_weights))
+    ]
     # Made now, which materialises meta-device weights before anything steps them.
     context_refs = [weakref.ref(context) for context in fsdp_contexts(module)]
     refs = [weakref.ref(group.grads) for group in groups]

@@ -139,6 +139,46 @@ def _reference(case: str) -> tuple[list[float], dict]:
     return losses, full_state(model)
 
 
+def _two_optimizers(strategy: str | None) -> dict:
+    """The blocks' optimizer (given to `fully_shard_optimizer`) steps every iteration, the
+    other weights' every second one, over two backwards' summed gradients (torch's rule while
+    nothing zeroes them); `strategy` None: one process on the whole batch."""
+    model = build_model("uneven", False)
+    if strategy is not None:
+        model = _sharded(strategy, None, model)
+    blocks = list(model.blocks.parameters())
+    others = [p for p in model.parameters() if all(p is not b for b in blocks)]
+    every_step = torch.optim.SGD(blocks, lr=0.1)
+    every_other = torch.optim.SGD(others, lr=0.1)
+    if strategy is not None:
+        fully_shard_optimizer(every_step, model)
+    for step, (inputs, labels) in enumerate(make_batches("uneven")):
+        if strategy is None:
+            inputs, labels = inputs.to(current_device()), labels.to(current_device())
+        else:
+            inputs, labels = _local_batch(inputs, labels)
+        model(inputs, labels=labels).mean().backward()
+        every_step.step()
+        every_step.zero_grad()
+        if step % 2 == 1:
+            every_other.step()
+            every_other.zero_grad()
+    return full_state(model)
+
+
+def _two_optimizers_on_every_strategy() -> list[dict]:
+    return [_two_optimizers(None), *map(_two_optimizers, SHARDING_STRATEGIES)]
+
+
+def test_an_optimizer_consumes_only_its_own_gradients():
+    """Before: `fully_shard_optimizer(every_step, model)` marked every group's gradients used at
+    its step, so the other optimizer stepped on the last backward's gradients alone."""
+    for reference, *sharded in run_distributed(_two_optimizers_on_every_strategy, 2):
+        for strategy, state in zip(SHARDING_STRATEGIES, sharded):
+            for name in reference:
+                torch.testing.assert_close(state[name], reference[name], msg=f"{strategy} {name}")
+
+
 def _case_on_every_layout(case: str) -> list[tuple[list[float], dict]]:
     results = []
     for strategy, replicas in LAYOUTS:
