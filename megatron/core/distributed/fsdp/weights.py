@@ -118,6 +118,7 @@ class GroupWeights:
         self.device = device
         self.rank = groups.shard.rank() if layout.num_shards > 1 else 0
         self._tp_layouts = [slot.tp_layout for slot in slots]
+        self._fqns = [slot.fqn for slot in slots]  # for messages
         self._placements = self._param_placements(slots)
         self.unsharded = DBuffer(
             layout.unsharded(),
@@ -258,10 +259,22 @@ class GroupWeights:
     def observe_main_weights(self) -> None:
         """Reads the main version now, and makes each compute weight require a gradient where
         its main weight does (a main weight frozen since wrapping freezes its compute weight).
-        Once per root forward (and per use of a unit outside one): the reads cost host time."""
+        Once per root forward (and per use of a unit outside one): the reads cost host time.
+
+        Raises:
+            ValueError: a main weight frozen when its group was made (which keeps no
+                gradients) was unfrozen since.
+        """
         self._observed_version = self.main_version()
-        for param, main in zip(self.unsharded_params, self.dist_params):
+        for param, main, fqn in zip(self.unsharded_params, self.dist_params, self._fqns):
             if param.requires_grad != main.requires_grad:
+                if main.requires_grad and not self.plan.requires_grad:
+                    raise ValueError(
+                        f"{fqn} was frozen (requires_grad=False) when fully_shard() grouped it, "
+                        "so Megatron-FSDP keeps no gradients for it, and it was unfrozen since. "
+                        "Set requires_grad before fully_shard(): wrap it trainable and freeze it "
+                        "for the steps that leave it unused."
+                    )
                 param.requires_grad_(main.requires_grad)
 
     @property

@@ -502,6 +502,27 @@ def test_freezing_a_main_weight_after_wrapping_stops_its_updates():
     assert run_distributed(_freeze_after_wrap, 2) == [dict(grad_is_none=True, unchanged=True)] * 2
 
 
+def _unfreeze_after_wrap() -> str:
+    torch.manual_seed(0)
+    model = Net().to(current_device())
+    model.blocks[0].requires_grad_(False)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.blocks[0].requires_grad_(True)
+    with pytest.raises(ValueError) as error:
+        model(_inputs(dist.get_rank()))
+    return str(error.value)
+
+
+def test_unfreezing_a_weight_frozen_before_wrapping_is_refused():
+    """Its group keeps no gradients (before: it silently never trained again, while whole
+    gradients piled up on its compute weights)."""
+    for message in run_distributed(_unfreeze_after_wrap, 2):
+        assert message.startswith("a.weight was frozen (requires_grad=False) when fully_shard")
+        assert "Set requires_grad before fully_shard()" in message
+
+
 def _deleted_model_is_freed(strategy: str) -> bool:
     model = _build(strategy)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()), model)
