@@ -202,6 +202,9 @@ class FsdpUnit:
         for group in self.groups:
             group.bind(context.comm)
 
+    # The unit hooks run eagerly under torch.compile (a graph break at each unit's edges): they
+    # issue collectives through process-group methods that Dynamo cannot trace.
+    @torch.compiler.disable
     def pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -257,6 +260,7 @@ class FsdpUnit:
             if group.grads is not None:
                 group.grads.reduced_after_own_backward = end.reachable
 
+    @torch.compiler.disable
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if in_backward():
             return output  # a recompute rerun: the backward needs the weights as registered
