@@ -332,7 +332,7 @@ def fully_shard(
         ValueError: a module is already a unit, or given twice, or inside another given; no
             module is given; a strategy does not exist or needs an outer group there is none
             of; a parameter is shared with a module outside this unit that another unit holds;
-            a `meta` module has no `reset_parameters()`.
+            a `meta` module has no `reset_parameters()`; an embedding makes sparse gradients.
     """
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     _check_unit_modules(modules)
@@ -447,6 +447,15 @@ def _check_unit_modules(modules: list[torch.nn.Module]) -> None:
                 "contains it; give modules of which none contains another (wrap the inner one "
                 "as a unit of its own first if it should gather on its own)."
             )
+        for name, inner in member.named_modules():
+            if getattr(inner, "sparse", False) and isinstance(
+                inner, (torch.nn.Embedding, torch.nn.EmbeddingBag)
+            ):
+                raise ValueError(
+                    f"{name or type(member).__name__} ({type(inner).__name__}) makes sparse "
+                    "gradients, which Megatron-FSDP does not reduce (nor does FSDP2); build it "
+                    "with sparse=False."
+                )
 
 
 def _collect_params(

@@ -523,6 +523,12 @@ def test_unfreezing_a_weight_frozen_before_wrapping_is_refused():
         assert "Set requires_grad before fully_shard()" in message
 
 
+def test_sparse_embeddings_are_refused():
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4, sparse=True), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"0 \(Embedding\) makes sparse gradients"):
+        fully_shard(model)
+
+
 def _deleted_model_is_freed(strategy: str) -> bool:
     model = _build(strategy)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()), model)
