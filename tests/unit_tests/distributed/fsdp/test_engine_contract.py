@@ -139,6 +139,13 @@ def _reference(case: str) -> tuple[list[float], dict]:
     return losses, full_state(model)
 
 
+def _batch_of(strategy: str | None, inputs: torch.Tensor, labels: torch.Tensor):
+    """This rank's shard of a global batch, or the whole batch for one process (None)."""
+    if strategy is None:
+        return inputs.to(current_device()), labels.to(current_device())
+    return _local_batch(inputs, labels)
+
+
 def _two_optimizers(strategy: str | None) -> dict:
     """The blocks' optimizer (given to `fully_shard_optimizer`) steps every iteration, the
     other weights' every second one, over two backwards' summed gradients (torch's rule while
@@ -153,10 +160,7 @@ def _two_optimizers(strategy: str | None) -> dict:
     if strategy is not None:
         fully_shard_optimizer(every_step, model)
     for step, (inputs, labels) in enumerate(make_batches("uneven")):
-        if strategy is None:
-            inputs, labels = inputs.to(current_device()), labels.to(current_device())
-        else:
-            inputs, labels = _local_batch(inputs, labels)
+        inputs, labels = _batch_of(strategy, inputs, labels)
         model(inputs, labels=labels).mean().backward()
         every_step.step()
         every_step.zero_grad()
@@ -188,10 +192,7 @@ def _compiled(strategy: str | None) -> dict:
     compiled = torch.compile(model, backend="aot_eager") if strategy is not None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for inputs, labels in make_batches("uneven"):
-        if strategy is None:
-            inputs, labels = inputs.to(current_device()), labels.to(current_device())
-        else:
-            inputs, labels = _local_batch(inputs, labels)
+        inputs, labels = _batch_of(strategy, inputs, labels)
         compiled(inputs, labels=labels).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
