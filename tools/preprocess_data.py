@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import sys
@@ -187,8 +188,10 @@ argument of each task, so tasks carry only their lines)."""
 
 
 def _init_worker(args: argparse.Namespace, dtype: type[numpy.number]) -> None:
-    """`Pool` initializer: builds the worker's tokenizer once."""
+    """`Pool` initializer: builds the worker's tokenizer once (its warnings, said by the main
+    process already, silenced)."""
     global _worker_encoder
+    logging.disable(logging.WARNING)
     tokenizer = tokenizer_from_args(args)
     _worker_encoder = Encoder(args, tokenizer, dtype)
 

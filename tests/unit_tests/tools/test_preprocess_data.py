@@ -263,6 +263,31 @@ def test_append_eod_needs_an_eod_token(tmp_path):
     assert read_documents(prefix)[0] == model.encode(DOCUMENTS[0]["text"]).ids
 
 
+def test_ignored_vocab_size_is_said_once_not_per_worker(tmp_path):
+    """`--vocab-size` with a tokenizer whose files give the vocabulary (upstream's scripts pass
+    it): one warning on the command line, from the main process, none from the 2 workers."""
+    import subprocess
+
+    from megatron.core.datasets.tokenizers.gpt2_bpe import bytes_to_unicode
+
+    vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
+    vocab["<|endoftext|>"] = 256
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    flags = ["--input", str(write_jsonl(tmp_path / "input.jsonl", DOCUMENTS))]
+    flags += ["--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer"]
+    flags += ["--vocab-file", str(tmp_path / "vocab.json"), "--workers", "2"]
+    flags += ["--merge-file", str(tmp_path / "merges.txt"), "--vocab-size", "1000"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("--vocab-size 1000 is ignored, as Megatron-LM ignores it") == 1
+
+
 def test_command_line_error_is_one_line(tmp_path):
     import subprocess
 
