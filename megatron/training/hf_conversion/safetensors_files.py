@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Mapping
 
 import torch
@@ -92,7 +93,7 @@ class HFWeights:
                     "incomplete: save or download the model again."
                 ) from error
 
-    def _read_header(self, safetensors, path: str) -> None:
+    def _read_header(self, safetensors: types.ModuleType, path: str) -> None:
         """Records the names, shapes and dtypes of the tensors in the file `path`."""
         with safetensors.safe_open(path, framework="pt") as handle:
             for name in handle.keys():

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import argparse
+import functools
 
-from megatron.training.arguments import parse_args, validate_args
+from tests.unit_tests.training import flag_checks
 
 BASE = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -15,9 +15,8 @@ TINY = [*BASE, *"--hidden-dropout 0 --attention-dropout 0 --num-workers 0 --eval
 """A tiny fp32 mock-data run for `pretrain` (2 ranks); each test adds its batch and length."""
 
 
-def validated(*flags: str, world_size: int = 2) -> argparse.Namespace:
-    """`BASE` plus `flags`, parsed and validated for `world_size` ranks."""
-    return validate_args(parse_args(args=[*BASE, *flags]), world_size=world_size)
+validated = functools.partial(flag_checks.validated, base=tuple(BASE))
+"""`BASE` plus the flags, parsed and validated (`flag_checks.validated`)."""
 
 
 class ParamGroups:

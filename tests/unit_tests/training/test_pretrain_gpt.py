@@ -19,7 +19,7 @@ from megatron.core.distributed.distributed_data_parallel_config import SHARDING_
 from megatron.core.distributed.fsdp import local_main_weights
 from megatron.core.enums import ModelType
 from megatron.training.training import TrainingHistory, pretrain
-from tests.unit_tests.distributed_harness import run_distributed, select_backend
+from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.log_capture import capture_training_log
 
 TINY = (
@@ -84,10 +84,10 @@ def test_fsdp_on_meta_device_matches_ddp_on_4_ranks():
 
 
 @pytest.mark.parametrize("engine_flags", [ZERO3, []], ids=["fsdp_zero3", "ddp"])
-def test_data_parallel_size_does_not_change_training(engine_flags):
-    """A global batch of 8: 4 microbatches of 2 on one rank, or 2 on each of 2 ranks."""
-    if select_backend(1) != select_backend(2):
-        pytest.skip("one GPU: one rank would compute on it, two ranks on the CPU")
+def test_data_parallel_size_does_not_change_training(engine_flags, monkeypatch):
+    """A global batch of 8: 4 microbatches of 2 on one rank, or 2 on each of 2 ranks (both on
+    gloo CPU ranks: where one GPU would take the single rank, the runs would differ by device)."""
+    monkeypatch.setenv("MEGATRON_TEST_BACKEND", "gloo")
     flags = [*TINY, "--global-batch-size", "8", *engine_flags]
     (one_rank,) = run_distributed(_losses_and_norms, 1, flags)
     two_ranks = run_distributed(_losses_and_norms, 2, flags)

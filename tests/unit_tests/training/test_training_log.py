@@ -93,7 +93,9 @@ def test_log_throughput_adds_tflops_on_cpu(messages):
     log = _training_log("--log-throughput")
     log.record_iteration(1, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
     log.record_iteration(2, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.5)
-    tflops = log.flops_per_sample * 8 / 0.5 / 2 / 1e12
+    config = core_transformer_config_from_args(log.args)
+    flops = num_floating_point_operations(config, log.args.padded_vocab_size, 16, 8)
+    tflops = flops / 0.5 / 2 / 1e12  # one global batch of 8 in 0.5 s, over 2 ranks
     assert f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" in messages[0]
 
 

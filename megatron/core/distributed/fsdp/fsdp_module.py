@@ -390,11 +390,11 @@ def fully_shard(
         member._fsdp_unit = unit
         member.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
         member.register_forward_hook(unit.post_forward, with_kwargs=True)
-        member.register_state_dict_post_hook(_share_main_versions)
+        member.register_state_dict_post_hook(_alias_main_weights)
     return module
 
 
-def _share_main_versions(
+def _alias_main_weights(
     module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
     """`state_dict()`'s post-hook on a unit's modules: the values it returns alias the main
@@ -448,9 +448,7 @@ def _check_unit_modules(modules: list[torch.nn.Module]) -> None:
                 "as a unit of its own first if it should gather on its own)."
             )
         for name, inner in member.named_modules():
-            if getattr(inner, "sparse", False) and isinstance(
-                inner, (torch.nn.Embedding, torch.nn.EmbeddingBag)
-            ):
+            if isinstance(inner, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and inner.sparse:
                 raise ValueError(
                     f"{name or type(member).__name__} ({type(inner).__name__}) makes sparse "
                     "gradients, which Megatron-FSDP does not reduce (nor does FSDP2); build it "

@@ -244,6 +244,8 @@ class GroupWeights:
         """Adds the writes through the live `aliased_dtensor` tensors since last counted to
         `untracked_writes` (a running count, so an alias that dies takes nothing back), and
         forgets the dead ones."""
+        if not self._aliases:  # the common case, once per root forward: no state_dict() alive
+            return
         for key, (ref, counted) in list(self._aliases.items()):
             alias = ref()
             if alias is None:
