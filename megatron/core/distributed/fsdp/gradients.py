@@ -3,9 +3,8 @@
 Two buffers hold them: `main_grad`, where a step's reductions accumulate in `main_grads_dtype`
 (this rank's reduced shard when gradients are sharded, else the whole local sum), and, where the
 optimizer cannot read views of it, `optim_grad` (another dtype, the shard of locally accumulated
-gradients under ZeRO-1, or HFSDP's outer shard). The `.grad` of every trainable main weight, the
-DTensor and its local shard alike, is a view of the optimizer's buffer, so any optimizer over
-either finds its gradient without being told.
+gradients under ZeRO-1, or HFSDP's outer shard). The `.grad` of every trainable main weight is a
+view of the optimizer's buffer (`GradViews`).
 
 States (`GradState`) and transitions::
 
@@ -42,8 +41,9 @@ compute dtype, no cast pass. Only where the unit's reduction follows its own bac
 
 An optimizer's `zero_grad()` (set_to_none) drops `.grad`; the group notices at its next
 reduction (or before the next forward, to free the memory) and starts afresh; a `.grad` dropped
-for some parameters only restarts those. `zero_grad(set_to_none=False)` zeroes the views in
-place, which the next reduction adds to. Only `FsdpContext.finalize_grads` finalises.
+for some parameters only restarts those, and one replaced by a tensor of the user's restarts from
+its values. `zero_grad(set_to_none=False)` zeroes the views in place, which the next reduction
+adds to. Only `FsdpContext.finalize_grads` finalises.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
@@ -62,6 +61,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
     copy_chunks_in,
 )
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
+from megatron.core.distributed.fsdp.grad_views import GradViews
 from megatron.core.distributed.fsdp.overlap import CommStreams
 from megatron.core.distributed.fsdp.plan import GroupPlan
 from megatron.core.distributed.fsdp.weights import GroupWeights
@@ -139,11 +139,7 @@ class GroupGrads:
         self._deferred: list[torch.Tensor] | None = None
         # Each compute weight's index, by identity, for gradient-accumulation fusion.
         self._param_index: dict[int, int] = {}
-        # What the optimizer reads, as views of persistent storage: made once, while allocated.
-        self._local_grads = (self.optim_grad or self.main_grad).local_views()
-        self._grad_dtensors: list[DTensor] = [
-            weights.dtensor(local, index) for index, local in enumerate(self._local_grads)
-        ]
+        self.views = GradViews(weights, self.optim_grad or self.main_grad)
         self._release()
 
     def _init_send_buffer(self) -> None:
@@ -331,23 +327,17 @@ class GroupGrads:
     def _begin_accumulating(self) -> bool:
         """Moves to ACCUMULATING; returns whether `main_grad` starts afresh (overwritten, not
         added to). Gradients the optimizer dropped since the last reduction restart."""
-        if self.state is GradState.CONSUMED:
+        if self.state is GradState.CONSUMED or (
+            self.state is not GradState.EMPTY and not self.views.reattach()
+        ):
             self._drop()
-        elif self.state is not GradState.EMPTY:
-            dropped = self._dropped()
-            if len(dropped) == self._num_trainable():
-                self._drop()
-            elif dropped:
-                for index in dropped:
-                    self._local_grads[index].zero_()
-                self._attach()
         if self.state is GradState.EMPTY:
             # The optimizer's own buffer starts at zero, as finalising adds to it; allocated on
             # the current (compute) stream, which also frees it.
             if self.optim_grad is not None:
                 self.optim_grad.reallocate_storage()
                 self.optim_grad.data.zero_()
-            self._attach()
+            self.views.attach()
         self.state = GradState.ACCUMULATING
         return not self.main_grad.is_allocated
 
@@ -507,42 +497,12 @@ class GroupGrads:
 
     # What the optimizer sees.
 
-    def _attach(self) -> None:
-        """Points the `.grad` of each trainable main weight (the DTensor and its local shard)
-        at its part of the optimizer's buffer; a weight frozen after wrapping gets none."""
-        weights = self.weights
-        for param, local, grad, local_grad in zip(
-            weights.dist_params, weights.local_main_weights, self._grad_dtensors, self._local_grads
-        ):
-            trainable = param.requires_grad
-            param.grad = grad if trainable else None
-            local.grad = local_grad if trainable else None
-
-    def _num_trainable(self) -> int:
-        return sum(param.requires_grad for param in self.weights.dist_params)
-
-    def _dropped(self) -> list[int]:
-        """The trainable parameters whose `.grad` (the DTensor's or the local shard's) an
-        optimizer dropped."""
-        weights = self.weights
-        return [
-            index
-            for index, (param, local) in enumerate(
-                zip(weights.dist_params, weights.local_main_weights)
-            )
-            if param.requires_grad and (param.grad is None or local.grad is None)
-        ]
-
     def release_if_dropped(self) -> None:
         """Frees the gradient memory once an optimizer dropped every `.grad` it reads (checked
         before a forward, where activations peak)."""
-        if self.state is GradState.EMPTY:
+        if self.state is GradState.EMPTY or self.views.first_attached():
             return
-        # The common case, nothing dropped, shows at the first parameter.
-        first, local = self.weights.dist_params[0], self.weights.local_main_weights[0]
-        if first.requires_grad and first.grad is not None and local.grad is not None:
-            return
-        if len(self._dropped()) == self._num_trainable():
+        if self.views.num_dropped() == self.views.num_trainable():
             self._drop()
 
     def consumed(self) -> None:
@@ -581,9 +541,7 @@ class GroupGrads:
             self._sends.release_storage()
 
     def _drop(self) -> None:
-        weights = self.weights
-        for param in (*weights.dist_params, *weights.local_main_weights):
-            param.grad = None
+        self.views.detach()
         self._release()
         self.state = GradState.EMPTY
 

@@ -118,7 +118,7 @@ class GroupWeights:
         self.device = device
         self.rank = groups.shard.rank() if layout.num_shards > 1 else 0
         self._tp_layouts = [slot.tp_layout for slot in slots]
-        self._fqns = [slot.fqn for slot in slots]  # for messages
+        self.fqns = [slot.fqn for slot in slots]  # for messages
         self._placements = self._param_placements(slots)
         self.unsharded = DBuffer(
             layout.unsharded(),
@@ -268,7 +268,7 @@ class GroupWeights:
                 gradients) was unfrozen since.
         """
         self._observed_version = self.main_version()
-        for param, main, fqn in zip(self.unsharded_params, self.dist_params, self._fqns):
+        for param, main, fqn in zip(self.unsharded_params, self.dist_params, self.fqns):
             if param.requires_grad != main.requires_grad:
                 if main.requires_grad and not self.plan.requires_grad:
                     raise ValueError(

@@ -42,6 +42,8 @@ from tests.unit_tests.model_builders import (
 # Every strategy, and HSDP (ZeRO-3 inside two replicas of world_size / 2 ranks).
 LAYOUTS = [(s, 1) for s in SHARDING_STRATEGIES] + [("optim_grads_params", 2)]
 WORLD_SIZES = [2, 4]
+# Below the uneven model's gradient norms (1.2 to 2.1): every step is clipped.
+CLIP_NORM = 0.05
 
 
 class _FailInBackward(torch.autograd.Function):
@@ -69,6 +71,15 @@ def _global_mean(loss: torch.Tensor) -> float:
     loss = loss.detach().clone()
     dist.all_reduce(loss)
     return loss.item() / dist.get_world_size()
+
+
+def _backward_twice_over_replaced_grads(model, loss, inputs, labels) -> None:
+    """Backward, `.grad` replaced by new tensors (half of it), then another backward, which
+    torch adds to what `.grad` holds."""
+    loss.backward()
+    for param in model.parameters():
+        param.grad = param.grad * 0.5
+    model(inputs, labels=labels).mean().backward()
 
 
 def _train(case: str, strategy: str, replicas: int) -> tuple[list[float], dict]:
@@ -111,10 +122,16 @@ def _train(case: str, strategy: str, replicas: int) -> tuple[list[float], dict]:
                 loss_a.backward(retain_graph=True)
                 loss_b.backward()
                 losses.append(_global_mean(loss_a + loss_b))
+            elif case == "replaced_grad":
+                loss = model(inputs, labels=labels).mean()
+                _backward_twice_over_replaced_grads(model, loss, inputs, labels)
+                losses.append(_global_mean(loss))
             else:
                 loss = model(inputs, labels=labels).mean()
                 loss.backward()
                 losses.append(_global_mean(loss))
+            if case == "clip_grad_norm":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             optimizer.step()
             optimizer.zero_grad()
         return losses, full_state(model)
@@ -132,8 +149,13 @@ def _reference(case: str) -> tuple[list[float], dict]:
                 for param in model.parameters():
                     param.mul_(0.5)
         loss = model(inputs, labels=labels).mean()
-        loss.backward()
+        if case == "replaced_grad":
+            _backward_twice_over_replaced_grads(model, loss, inputs, labels)
+        else:
+            loss.backward()
         losses.append(loss.item())
+        if case == "clip_grad_norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         optimizer.step()
         optimizer.zero_grad()
     return losses, full_state(model)
@@ -212,6 +234,23 @@ def test_torch_compile_of_the_wrapped_model_trains_like_one_process():
                 torch.testing.assert_close(state[name], reference[name], msg=name)
 
 
+def _plain_tensor_as_grad() -> str:
+    model = _sharded("optim_grads_params", None, build_model("uneven", False))
+    inputs, labels = _local_batch(*make_batches("uneven")[0])
+    model(inputs, labels=labels).mean().backward()
+    param = next(model.parameters())
+    param.grad = torch.zeros(param.shape, device=param.device)
+    with pytest.raises(ValueError) as error:
+        model(inputs, labels=labels).mean().backward()
+    return str(error.value)
+
+
+def test_a_plain_tensor_assigned_to_a_sharded_grad_is_refused_by_name():
+    """Its values are the whole tensor's, not this rank's shard's: adding to them is refused."""
+    for message in run_distributed(_plain_tensor_as_grad, 2):
+        assert "the .grad assigned to inp.weight is not a DTensor placed like" in message
+
+
 def _case_on_every_layout(case: str) -> list[tuple[list[float], dict]]:
     results = []
     for strategy, replicas in LAYOUTS:
@@ -230,13 +269,17 @@ def _case_on_every_layout(case: str) -> list[tuple[list[float], dict]]:
         "is_first_false",
         "two_backwards",
         "failed_backward",
+        "replaced_grad",
+        "clip_grad_norm",
     ],
 )
 def test_library_use_equals_single_process(case, world_size):
     """Cases 1-6: a stock optimizer over `parameters()` or `local_main_weights()` (no
     `fully_shard_optimizer`), an in-place write after a no_grad forward, `is_first=False` on
     every microbatch, two backward passes through one forward, and a backward that raised then
-    `zero_grad()`: every strategy and HSDP train as one process does."""
+    `zero_grad()`; and a backward onto `.grad` the user replaced (before: the replacement was
+    kept and the later backward's gradients lost), and torch's `clip_grad_norm_` over the
+    DTensor gradients: every strategy and HSDP train as one process does."""
     for rank_results in run_distributed(_case_on_every_layout, world_size, case):
         *layouts, (ref_losses, ref_state) = rank_results
         assert len(layouts) == len(LAYOUTS) - (world_size == 2)
