@@ -38,6 +38,21 @@ _STATE_KEYS = (
     "num_steps",
 )
 
+# The checked keys by the flags that set them (steps in samples). Like Megatron-LM, a resumed run
+# may change `--lr-wsd-decay-iters` / `--lr-wsd-decay-style` freely (when to start a WSD run's
+# decay is often chosen after its stable phase), and `num_steps` is the checkpoint's.
+_CHECKED_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters/-samples/-fraction",
+    "lr_decay_steps": "--lr-decay-iters/-samples",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--start-weight-decay",
+    "end_wd": "--end-weight-decay",
+    "wd_incr_steps": "--train-iters/-samples",
+    "wd_incr_style": "--weight-decay-incr-style",
+}
+
 GROUP_BOUND_FLAGS = {"max_lr": "--decoupled-lr", "min_lr": "--decoupled-min-lr"}
 """The bounds a parameter group may set for itself (Megatron-LM gives them to the word
 embeddings' and output layer's groups), by the flag that sets them. A group without one follows
@@ -252,9 +267,9 @@ class OptimizerParamScheduler:
         if self.use_checkpoint_opt_param_scheduler or self.override_opt_param_scheduler:
             return
         differ = [
-            f"{key}: {getattr(self, key)!r} here, {state_dict[key]!r} in the checkpoint"
-            for key in _STATE_KEYS
-            if key != "num_steps" and getattr(self, key) != state_dict[key]
+            f"{key} ({flag}): {getattr(self, key)!r} here, {state_dict[key]!r} in the checkpoint"
+            for key, flag in _CHECKED_FLAGS.items()
+            if getattr(self, key) != state_dict[key]
         ]
         differ += self._group_bound_differences(state_dict, param_groups or [])
         if differ:
@@ -291,7 +306,9 @@ class OptimizerParamScheduler:
         step's values. Which schedule: see the constructor's last two arguments. With
         `use_checkpoint_opt_param_scheduler` the optimizer's groups also take the bounds of
         `param_groups` (the checkpoint's, as `check_state_dict` takes them); otherwise they
-        keep their own, which are the checkpoint's unless `override_opt_param_scheduler`.
+        keep their own, which are the checkpoint's unless `override_opt_param_scheduler`. The
+        WSD decay's length and style are this run's either way but with
+        `use_checkpoint_opt_param_scheduler` (Megatron-LM saves neither).
 
         Raises:
             ValueError: see `check_state_dict`; or the loaded schedule is inconsistent.

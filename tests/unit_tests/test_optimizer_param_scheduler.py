@@ -160,7 +160,7 @@ def test_loading_another_schedule_needs_a_choice():
     saved = _scheduler("cosine")
     saved.step(37)
     state = saved.state_dict()
-    with pytest.raises(ValueError, match="lr_decay_style: 'linear' here, 'cosine' in the"):
+    with pytest.raises(ValueError, match=r"lr_decay_style \(--lr-decay-style\): 'linear' here"):
         _scheduler("linear", max_lr=5e-3, min_lr=0.0).load_state_dict(state)
     taken = _scheduler("linear", max_lr=5e-3, min_lr=0.0, use_checkpoint_opt_param_scheduler=True)
     taken.load_state_dict(state)
@@ -170,6 +170,24 @@ def test_loading_another_schedule_needs_a_choice():
     assert (kept.num_steps, kept.lr_decay_style, kept.max_lr) == (37, "linear", 5e-3)
     with pytest.raises(ValueError, match="both"):
         _scheduler(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True)
+
+
+def test_a_resumed_wsd_run_may_choose_its_decay():
+    """As Megatron-LM (which saves neither): the WSD decay's length and style are this run's,
+    and they never matter to another decay style. Before: refused without a flag."""
+    saved = _scheduler("WSD", wsd_decay_steps=20, lr_wsd_decay_style="linear")
+    saved.step(50)
+    state = saved.state_dict()
+    resumed = _scheduler("WSD", wsd_decay_steps=40, lr_wsd_decay_style="cosine")
+    resumed.load_state_dict(state)
+    assert (resumed.wsd_decay_steps, resumed.lr_wsd_decay_style) == (40, "cosine")
+    assert resumed.get_lr() == MAX_LR  # still stable at step 50 of 110
+    assert _lr_at(resumed, 90) == pytest.approx(MIN_LR + DELTA * 0.5 * (1 + math.cos(math.pi / 2)))
+    cosine = _scheduler("cosine")
+    cosine.step(5)
+    _scheduler("cosine", wsd_decay_steps=8, lr_wsd_decay_style="linear").load_state_dict(
+        cosine.state_dict()
+    )
 
 
 def _decoupled_scheduler(bounds: dict, **kwargs) -> OptimizerParamScheduler:

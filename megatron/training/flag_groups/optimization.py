@@ -112,11 +112,13 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
         action="store_true",
         help="On loading, keep these flags' schedule (the checkpoint's step count only).",
     )
     group.add_argument(
         "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
         action="store_true",
         help="On loading, take the checkpoint's schedule over these flags.",
     )

@@ -161,6 +161,13 @@ def test_no_weight_decay_cond_type_is_the_deprecated_spelling_of_apply_wd_to_qk_
     assert "the only condition is apply_wd_to_qk_layernorm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["override", "use-checkpoint"])
+def test_opt_param_scheduler_flags_take_upstreams_dashed_spelling(name):
+    attribute = f"{name.replace('-', '_')}_opt_param_scheduler"
+    assert getattr(parse_args(args=[*BASE, f"--{name}-opt-param-scheduler"]), attribute)
+    assert getattr(parse_args(args=[*BASE, f"--{name}-opt_param-scheduler"]), attribute)
+
+
 def test_no_fsdp_all_gather_in_start_param_sync():
     args = validated("--use-megatron-fsdp", "--no-fsdp-all-gather-in-start-param-sync")
     assert args.fsdp_all_gather_in_start_param_sync is False
