@@ -411,12 +411,11 @@ def compute_gradients(
         divide_gradients_by_tokens(model, num_tokens)
     if model.config.moe_router_enable_expert_bias:
         # Megatron-core's place: once the gradients are final, before the step; every step
-        # counts, skipped or not. Under sequence parallelism each tensor-parallel rank routes
-        # its own part of the sequence, so the counts are summed over tp x dp x cp (upstream's
-        # group; every token once).
+        # counts, skipped or not. The counts are summed over dp x cp here and over tp by the
+        # routers' own group (under sequence parallelism each tp rank routes its own part of
+        # the sequence): upstream's tp x dp x cp.
         update_expert_bias(
-            [model],
-            parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+            [model], parallel_state.get_data_parallel_group(with_context_parallel=True)
         )
     return loss_dicts
 
