@@ -76,6 +76,14 @@ class FsdpModule:
         unit = self._fsdp_unit
         unit.lazy_init().residency.reshard(unit)
 
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(
+            f"A module wrapped by fully_shard ({type(self).__name__}) cannot be deep-copied: its "
+            "parameters are views of its units' shared buffers and its state holds process "
+            "groups (FSDP2 refuses it too). Build and wrap another model, then "
+            "load_state_dict(copy.deepcopy(model.state_dict()))."
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`torch.nn.Module.zero_grad`, which also forgets the gradients the units in this
         module hold outside `.grad`, where an optimizer's `zero_grad()` cannot reach them: the

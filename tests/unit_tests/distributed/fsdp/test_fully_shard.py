@@ -3,6 +3,7 @@ frozen parameters, meta-device initialisation, unwrapped parents, and errors on 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -330,8 +331,8 @@ def test_microbatch_finds_roots_under_an_unwrapped_parent():
 def _bad_inputs() -> dict[str, str]:
     errors = {}
 
-    def catch(key, fn):
-        with pytest.raises(ValueError) as info:
+    def catch(key, fn, error=ValueError):
+        with pytest.raises(error) as info:
             fn()
         errors[key] = str(info.value)
 
@@ -339,6 +340,7 @@ def _bad_inputs() -> dict[str, str]:
     stale_optimizer = torch.optim.AdamW(model.parameters())
     _shard_model(model)
     catch("twice", lambda: fully_shard(model))
+    catch("deepcopy", lambda: copy.deepcopy(model), TypeError)
     catch("strategy", lambda: fully_shard(UnevenNet(), sharding_strategy="zero3"))
     catch("hfsdp", lambda: fully_shard(UnevenNet(), outer_dp_sharding_strategy="optim"))
     catch("optimizer", lambda: fully_shard_optimizer(stale_optimizer, model))
@@ -368,6 +370,7 @@ def _bad_inputs() -> dict[str, str]:
 
 BAD_INPUT_MESSAGES = {
     "twice": ["already a Megatron-FSDP unit"],
+    "deepcopy": ["cannot be deep-copied", "load_state_dict(copy.deepcopy(model.state_dict()))"],
     "strategy": ["'zero3' does not exist", "optim_grads_params"],
     "hfsdp": ["num_distributed_optimizer_instances > 1"],
     "optimizer": ["Build the optimizer after fully_shard()"],
