@@ -492,6 +492,7 @@ def train(
             global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
             samples_per_microbatch = args.micro_batch_size * args.data_parallel_size
             num_microbatches = global_batch_size // samples_per_microbatch
+            step_loss_scale = optimizer.get_loss_scale()  # what an overflow is reported at
             losses, skipped, grad_norm, num_zeros_in_grad = train_step(
                 forward_step_func,
                 train_data_iterator,
@@ -518,7 +519,7 @@ def train(
             if skipped:
                 history.skipped_iterations.append(iteration)
                 why = (
-                    f"the gradients overflowed at loss scale {loss_scale:g}"
+                    f"the gradients overflowed at loss scale {step_loss_scale:g}"
                     if grad_norm is None
                     else f"the gradient norm is {grad_norm}"
                 )

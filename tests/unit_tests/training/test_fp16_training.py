@@ -59,6 +59,12 @@ def test_overflowed_steps_are_skipped_counted_and_keep_the_schedule(world_of_one
         previous_lr = lr
     steps_taken = 24 - len(skipped)
     assert history.learning_rates[-1] == pytest.approx(1e-2 * steps_taken / 20)
+    # Each skip names the scale the step ran at: the one left by the steps before it.
+    for i in sorted(skipped):
+        at = INITIAL_SCALE * 0.5 ** sum(1 for j in skipped if j < i)
+        assert any(
+            m.startswith(f"iteration {i}: skipped") and f"scale {at:g} " in m for m in messages
+        )
     (line,) = [m for m in messages if m.startswith("iteration       24/")]
     assert f"loss scale: {history.loss_scales[-1]:.1f} |" in line
     assert f"number of skipped iterations: {len(skipped):3d} |" in line
