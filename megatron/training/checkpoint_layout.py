@@ -200,8 +200,11 @@ def read_metadata(path: str) -> Metadata:
 def remove_leftovers(root: str) -> None:
     """Removes what interrupted saves left under `root`: their staging directories (never
     committed) and replaced checkpoints, except one whose replacement never took its place
-    (interrupted between `commit_checkpoint()`'s two renames), which goes back where it was."""
+    (interrupted between `commit_checkpoint()`'s two renames), which goes back where it was.
+    Files of those names were not written by a save: they stay."""
     for leftover in sorted(glob.glob(os.path.join(root, f"iter_*{STAGING_SUFFIX}"))):
+        if not os.path.isdir(leftover) or os.path.islink(leftover):
+            continue
         if leftover.endswith(REPLACED_SUFFIX):
             original = leftover[: -len(REPLACED_SUFFIX)]
             if not os.path.exists(original):
@@ -211,10 +214,21 @@ def remove_leftovers(root: str) -> None:
         shutil.rmtree(leftover)
 
 
+def check_replaceable(path: str) -> None:
+    """Raises `NotADirectoryError` if something other than a directory is at `path`, where a
+    checkpoint directory goes (replacing a file would delete what no save wrote)."""
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+        raise NotADirectoryError(
+            f"{path} is not a directory, where a checkpoint directory goes: move it away or "
+            "write the checkpoint elsewhere."
+        )
+
+
 def commit_checkpoint(staging: str, final: str) -> None:
     """Renames the finished `staging` directory `final`, replacing an older one (moved aside
     first, so a kill between the renames leaves it to `remove_leftovers` to put back)."""
     final = os.path.normpath(final)  # "dir/" would be renamed into itself
+    check_replaceable(final)
     replaced = final + REPLACED_SUFFIX
     if os.path.exists(final):
         os.rename(final, replaced)

@@ -63,6 +63,7 @@ from megatron.training.checkpoint_layout import (
     STAGING_SUFFIX,
     TRACKER_FILENAME,
     CheckpointError,
+    check_replaceable,
     checkpoint_dir,
     commit_checkpoint,
     committed_iterations,
@@ -167,6 +168,8 @@ def save_checkpoint(
     def prepare() -> None:
         os.makedirs(root, exist_ok=True)
         remove_leftovers(root)
+        check_replaceable(final)
+        check_replaceable(staging)
         os.makedirs(staging)
 
     _on_rank_0(prepare, f"creating {staging}")

@@ -53,15 +53,19 @@ def report_flag_errors() -> Iterator[None]:
 
     The other ranks wait up to `FLAG_ERROR_GRACE_S` before they exit: torchrun stops the whole
     job when the first rank exits, and a rank that found the error before rank 0 had printed it
-    would otherwise end the job with no message at all. Rank 0's exit ends their wait.
+    would otherwise end the job with no message at all. Rank 0's exit ends their wait; a rank
+    still there after it found what rank 0 did not (a data path its node cannot see), and
+    prints it, naming itself.
     """
     try:
         yield
     except InvalidFlagsError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             time.sleep(FLAG_ERROR_GRACE_S)
+            print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

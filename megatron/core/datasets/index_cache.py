@@ -98,5 +98,20 @@ def load_or_build(
             return arrays, True
         torch.distributed.barrier()
     if cached():
-        return {name: numpy.load(path, mmap_mode="r") for name, path in paths.items()}, False
+        return {name: _load(path) for name, path in paths.items()}, False
     return build_and_save(), True
+
+
+def _load(path: str) -> numpy.ndarray:
+    """A cached array, memory-mapped.
+
+    Raises:
+        ValueError: the file is damaged (truncated, overwritten); the message names it.
+    """
+    try:
+        return numpy.load(path, mmap_mode="r")
+    except (ValueError, OSError) as error:
+        raise ValueError(
+            f"The dataset index cache file {path} is damaged ({error}); delete it, or its "
+            "folder, and it is built again."
+        ) from error

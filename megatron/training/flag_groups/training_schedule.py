@@ -15,14 +15,20 @@ import signal
 
 from megatron.core.num_microbatches_calculator import BatchSizeSchedule, rampup_schedule
 
+_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
 
 def _signal_by_name(name: str) -> signal.Signals:
     try:
-        return signal.Signals[name]
+        sig = signal.Signals[name]
     except KeyError:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a signal name such as SIGTERM") from None
+    if sig in _UNCATCHABLE:
         raise argparse.ArgumentTypeError(
-            f"{name!r} is not a signal name such as SIGTERM"
-        ) from None
+            f"{name} cannot be caught by a process; name one it can handle, such as SIGTERM or "
+            "SIGUSR1"
+        )
+    return sig
 
 
 def add_training_schedule_args(group: argparse._ArgumentGroup) -> None:
@@ -55,7 +61,7 @@ def add_training_schedule_args(group: argparse._ArgumentGroup) -> None:
         "--exit-signal",
         type=_signal_by_name,
         default=signal.SIGTERM,
-        choices=list(signal.Signals),
+        choices=[sig for sig in signal.Signals if sig not in _UNCATCHABLE],
         metavar="SIGNAL",
         help="The signal --exit-signal-handler waits for.",
     )

@@ -151,6 +151,17 @@ def test_cache_is_reused_and_keyed_by_what_the_indices_depend_on(corpus):
     assert not any(name.endswith(".tmp") for name in os.listdir(cache_dir))
 
 
+def test_a_damaged_cache_file_is_named_with_the_fix(corpus, tmp_path):
+    """Before: numpy's "EOF: reading array header" naming no file."""
+    cache = str(tmp_path / "c")
+    _dataset(corpus, 100, cache=cache)
+    (damaged,) = [name for name in os.listdir(cache) if name.endswith("sample_index.npy")]
+    with open(os.path.join(cache, damaged), "r+b") as file:
+        file.truncate(100)
+    with pytest.raises(ValueError, match=f"cache file .*{damaged} is damaged .*delete it"):
+        _dataset(corpus, 100, cache=cache)
+
+
 def _build_on_ranks(prefix: str, cache: str) -> tuple[bool, list[int]]:
     dataset = _dataset(prefix, 50, cache=cache)
     return dataset.built_anew_on_cache_miss, _text(dataset[7])

@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.saved_param_groups import IMPLEMENTATION_KEYS
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training import checkpoint_layout
 from megatron.training.checkpointing import (
     CheckpointError,
     load_checkpoint,
@@ -424,3 +425,22 @@ def test_checkpoint_on_disk_holds_the_whole_tensors(saved_checkpoints, tmp_path)
     assert_same(whole["model"], saved["weights"], "model")
     assert_same(whole["optimizer"]["state"], saved["optimizer"], "optimizer")
     assert "fp32_from_fp16_params" not in whole["optimizer"]  # fp32 main weights: no masters
+
+
+def test_files_named_like_checkpoint_directories_are_left_alone(tmp_path):
+    """A file where a save's directory goes is refused by name before anything moves (before:
+    the save renamed it aside, committed, then failed deleting it; leftover cleanup deleted
+    files named like staging directories)."""
+    root = str(tmp_path)
+    for name in ("iter_0000004", "iter_0000006.tmp"):
+        with open(os.path.join(root, name), "w") as file:
+            file.write("user notes")
+    checkpoint_layout.remove_leftovers(root)
+    staging = os.path.join(root, "iter_0000004.tmp")
+    os.makedirs(staging)
+    with pytest.raises(NotADirectoryError, match="iter_0000004 is not a directory"):
+        checkpoint_layout.commit_checkpoint(staging, os.path.join(root, "iter_0000004"))
+    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000004.tmp", "iter_0000006.tmp"]
+    for name in ("iter_0000004", "iter_0000006.tmp"):
+        with open(os.path.join(root, name)) as file:
+            assert file.read() == "user notes"

@@ -95,6 +95,14 @@ def test_exit_signal_must_be_a_signal_name():
         parse_args(args=[*BASE, "--exit-signal", "NOT_A_SIGNAL"])
 
 
+@pytest.mark.parametrize("name", ["SIGKILL", "SIGSTOP"])
+def test_exit_signal_must_be_one_a_process_can_catch(name, capsys):
+    """Before: accepted, then an OSError naming no flag once training was about to start."""
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--exit-signal", name])
+    assert f"--exit-signal: {name} cannot be caught by a process" in capsys.readouterr().err
+
+
 def test_train_samples_derives_the_iterations():
     args = validated("--train-samples", "70", "--global-batch-size", "8")
     assert (args.train_iters, args.lr_decay_samples, args.lr_decay_iters) == (8, 70, None)
