@@ -72,9 +72,12 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """Brings parameters up to date before the next forward (after an optimizer step)."""
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped module's state dict (no wrapper prefix in the keys)."""
-        return self.module.state_dict(*args, **kwargs)
+    def state_dict(
+        self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None
+    ) -> dict[str, Any]:
+        """The wrapped module's state dict (no wrapper prefix in the keys; upstream's
+        signature, whose first positional argument is the prefix)."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads a state dict saved by `state_dict()` into the wrapped module."""

@@ -274,6 +274,9 @@ class DistributedDataParallel(_BaseDataParallel):
         accumulated into), it holds the whole gradient.
         """
         self._synced = False
+        bucket = self._bucket_of[param]
+        if bucket.started and not self.ddp_config.overlap_grad_reduce:
+            self._reopen(bucket)
         grad = param.grad
         # None: a linear layer added the whole gradient to `main_grad` itself (fusion).
         if grad is not None and grad is not param.main_grad:
@@ -284,9 +287,25 @@ class DistributedDataParallel(_BaseDataParallel):
                 param.main_grad.add_(grad)
             param.grad = None
         if self._grad_sync_enabled and self.ddp_config.overlap_grad_reduce:
-            bucket = self._bucket_of[param]
             if bucket.mark_ready(param):
                 bucket.start_reduce(async_op=True)
+
+    def _reopen(self, bucket: GradBucket) -> None:
+        """A gradient arrived at a bucket reduced since the last `zero_grad_buffer()` (a loop
+        of torch's shape: backward, step, backward...): the next `finish_grad_sync()` reduces
+        it again, the reduced gradients (equal on every rank, so unchanged by the average) plus
+        the new ones, as torch's accumulation into `.grad` would.
+
+        Raises:
+            RuntimeError: with the distributed optimizer, whose reduce-scatter leaves the
+                buffer holding no reduced gradients to add to.
+        """
+        if self.ddp_config.use_distributed_optimizer:
+            raise RuntimeError(
+                "A gradient arrived after finish_grad_sync() reduced its bucket, with "
+                "use_distributed_optimizer=True: call zero_grad_buffer() before each step."
+            )
+        bucket.reset()
 
     def _main_grad_to_fuse_into(self, param: torch.nn.Parameter) -> FusionTarget:
         """`param`'s `main_grad`, for a linear layer about to add or write its weight gradient.
@@ -310,11 +329,12 @@ class DistributedDataParallel(_BaseDataParallel):
             self._grad_sync_enabled = previous
 
     def zero_grad_buffer(self) -> None:
-        """Zeroes every `main_grad` before the first microbatch of a step."""
-        for buffer in self.buffers:
-            buffer.data.zero_()
+        """Zeroes every `main_grad` before the first microbatch of a step (once the reductions
+        still in flight, from a step abandoned midway, have ended)."""
         for bucket in self.buckets:
             bucket.reset()
+        for buffer in self.buffers:
+            buffer.data.zero_()
         for param in self._bucket_of:
             param.grad = None
         self._handed.clear()
@@ -374,14 +394,11 @@ class DistributedDataParallel(_BaseDataParallel):
             self._handed.add(param)
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
-        """Multiplies every `main_grad` by `scaling_factor`; with the distributed optimizer, the
-        reduced gradient shards instead (all the optimizer reads after the reduction)."""
-        if self.ddp_config.use_distributed_optimizer:
-            for bucket in self.buckets:
-                bucket.shards.scale(scaling_factor)
-            return
-        for buffer in self.buffers:
-            buffer.data.mul_(scaling_factor)
+        """Multiplies every gradient by `scaling_factor`, before or after `finish_grad_sync()`
+        (each bucket's reduced gradients once its reduction was launched: with the distributed
+        optimizer its gradient shards, all the optimizer reads; else its local ones)."""
+        for bucket in self.buckets:
+            bucket.scale(scaling_factor)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """With the distributed optimizer and `force_sync`, all-gathers every parameter from
@@ -419,14 +436,15 @@ class DistributedDataParallel(_BaseDataParallel):
                 group = self.expert_view.dp
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(
+        self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None
+    ) -> dict[str, Any]:
         """The wrapped module's state dict; parameters split by expert or tensor parallelism
         as global DTensors (`global_view()`: views of this rank's part), so that a checkpoint
         holds every element once and loads at other ep and tp sizes."""
-        state = self.module.state_dict(*args, **kwargs)
+        state = super().state_dict(prefix, keep_vars, destination)
         if self.dense_view is None and self.expert_view is None:
             return state
-        prefix = kwargs.get("prefix", "")
         for name, param in self.module.named_parameters():
             if prefix + name in state:
                 state[prefix + name] = self.global_view(param, state[prefix + name])

@@ -107,6 +107,16 @@ class GradBucket:
         if self.shards is not None:
             self.shards.finish()
 
+    def scale(self, factor: float | torch.Tensor) -> None:
+        """Multiplies the bucket's gradients by `factor`: the reduced ones once its reduction
+        was launched (waiting for it to end), else the local ones it will reduce."""
+        if self._started:
+            self.finish_reduce()
+            if self.shards is not None:
+                self.shards.scale(factor)
+                return
+        self.data.mul_(factor)
+
     def reset(self) -> None:
         """Prepares for the next step, first waiting for a reduction still in flight (it would
         otherwise keep writing into the buffer being zeroed)."""

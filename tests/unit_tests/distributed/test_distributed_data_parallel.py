@@ -210,6 +210,104 @@ def test_scale_gradients_and_zero_grad_buffer(distributed_optimizer):
         assert zeroed == 0.0
 
 
+def _scaled_before_the_reduction(distributed_optimizer: bool) -> tuple[float, float]:
+    """The reduced gradient's norm, and its norm when `scale_gradients(0.5)` ran between the
+    backward and `finish_grad_sync()` (before: lost with the distributed optimizer)."""
+    model = build_tiny_gpt()
+    config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
+    ddp = DistributedDataParallel(model.config, config, model)
+    tokens, labels = device_batch(4)
+    param = next(model.parameters())
+    norms = []
+    for scale_first in (False, True):
+        ddp.zero_grad_buffer()
+        ddp(tokens, labels=labels).mean().backward()
+        if scale_first:
+            ddp.scale_gradients(0.5)
+        ddp.finish_grad_sync()
+        grad = ddp.grad_shard(param) if distributed_optimizer else param.main_grad
+        norms.append(grad.norm().item())
+    return norms[0], norms[1]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_scale_gradients_before_the_reduction(distributed_optimizer):
+    for unscaled, scaled in run_distributed(_scaled_before_the_reduction, 2, distributed_optimizer):
+        assert unscaled > 0 and scaled == pytest.approx(unscaled / 2)
+
+
+def _abandoned_step_then_a_fresh_one() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A backward whose overlapped all-reduces are in flight, abandoned by `zero_grad_buffer()`
+    (before: zeroed before waiting, so the reductions wrote old sums into the next step), then
+    a fresh step; and the fresh step alone."""
+    model = build_tiny_gpt()
+    config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2000)
+    ddp = DistributedDataParallel(model.config, config, model)
+    tokens, labels = device_batch(4)
+    grads = []
+    for abandon_first in (True, False):
+        if abandon_first:
+            ddp(tokens, labels=labels).mean().mul(1000.0).backward()
+        ddp.zero_grad_buffer()
+        ddp(tokens, labels=labels).mean().backward()
+        ddp.finish_grad_sync()
+        grads.append([p.main_grad.clone() for p in model.parameters()])
+    return grads[0], grads[1]
+
+
+def test_zero_grad_buffer_waits_for_reductions_in_flight():
+    for after_abandoned, fresh in run_distributed(_abandoned_step_then_a_fresh_one, 2):
+        for actual, expected in zip(after_abandoned, fresh):
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def _torch_shaped_loop(distributed_optimizer: bool) -> dict[str, torch.Tensor]:
+    """Stock SGD over `ddp.parameters()` in torch's loop (zero_grad, backward, step) with
+    `finish_grad_sync()` but no `zero_grad_buffer()` (before: every step after the first
+    skipped its all-reduce and the ranks drifted apart)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_tiny_gpt()
+    config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
+    ddp = DistributedDataParallel(model.config, config, model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    for tokens, labels in make_token_batches(STEPS, GLOBAL_BATCH):
+        optimizer.zero_grad()
+        tokens, labels = (
+            shard_batch(tokens, rank, world_size),
+            shard_batch(labels, rank, world_size),
+        )
+        ddp(tokens, labels=labels).mean().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_a_loop_without_zero_grad_buffer_reduces_every_step():
+    reference = build_tiny_gpt()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for tokens, labels in make_token_batches(STEPS, GLOBAL_BATCH):
+        optimizer.zero_grad()
+        reference(tokens, labels=labels).mean().backward()
+        optimizer.step()
+    for state in run_distributed(_torch_shaped_loop, 2, False):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, msg=name)
+    with pytest.raises(DistributedTestError, match="call zero_grad_buffer"):
+        run_distributed(_torch_shaped_loop, 2, True)
+
+
+def _prefixed_keys() -> bool:
+    model = build_tiny_gpt()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    expected = {f"x.{key}" for key in model.state_dict()}
+    return set(ddp.state_dict("x.")) == expected == set(ddp.state_dict(prefix="x."))
+
+
+def test_state_dict_takes_upstreams_positional_prefix():
+    """Before: torch read the prefix as the destination dict and failed."""
+    assert run_distributed(_prefixed_keys, 2) == [True, True]
+
+
 def _double_sync_without_zeroing() -> None:
     model = build_tiny_gpt()
     ddp = DistributedDataParallel(
