@@ -5,6 +5,7 @@ the Python wrappers that cost host time per layer and step."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import uuid
@@ -82,6 +83,25 @@ def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
         return backward(ctx, *grads)
 
     return dispatch
+
+
+class FreshContext:
+    """A context manager that enters a new context made by `factory` each time it is entered,
+    so that it can be entered again, and nested: what `torch.utils.checkpoint`'s `context_fn`
+    must return for its recomputation context, entered once per backward that recomputes
+    (a generator-based context can be entered once only)."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]):
+        self._factory = factory
+        self._entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        context = self._factory()
+        self._entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._entered.pop().__exit__(*exc_info)
 
 
 def write_atomically(

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.utils import FreshContext
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -242,6 +243,7 @@ def rng_tracker_replay_contexts() -> tuple[
     contextlib.AbstractContextManager, contextlib.AbstractContextManager
 ]:
     """`(forward_context, recompute_context)` for non-reentrant `torch.utils.checkpoint`'s
-    `context_fn`, so that recomputation forks the tracker states the forward forked."""
+    `context_fn`, so that recomputation forks the tracker states the forward forked (in every
+    backward that recomputes: `retain_graph=True` allows more than one)."""
     replay = _ReplayTrackerStates()
-    return replay.forward(), replay.recompute()
+    return replay.forward(), FreshContext(replay.recompute)

@@ -20,6 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron.core.tensor_parallel.random import rng_tracker_replay_contexts
+from megatron.core.utils import FreshContext
 
 _recompute_depth = 0
 """Checkpointed functions being recomputed now; a module global rather than thread-local, since
@@ -49,7 +50,7 @@ def _recompute_context(replay_tracker: contextlib.AbstractContextManager) -> Ite
 
 def _checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
     forward, replay_tracker = rng_tracker_replay_contexts()
-    return forward, _recompute_context(replay_tracker)
+    return forward, FreshContext(lambda: _recompute_context(replay_tracker))
 
 
 def recompute(function: Callable, *args: Any) -> Any:

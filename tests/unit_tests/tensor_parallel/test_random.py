@@ -117,7 +117,9 @@ def _train_step(**checkpoint_kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.
         y = checkpoint(_forked_dropout, x, use_reentrant=False, **checkpoint_kwargs)
     else:
         y = _forked_dropout(x)
-    (y * y).sum().backward()
+    loss = (y * y).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()  # recomputes again: the recompute context is entered once more
     with get_cuda_rng_tracker().fork():
         after = torch.rand(4)
     return y.detach(), x.grad, after

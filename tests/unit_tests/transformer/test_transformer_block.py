@@ -83,7 +83,11 @@ def test_recompute_gives_the_same_gradients(granularity):
         torch.manual_seed(1)
         x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
         out = block(x)
-        out.square().sum().backward()
+        # Two backward passes through one graph: each recomputes (before: the second raised,
+        # its recomputation context was a generator that can be entered once only).
+        loss = out.square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
         results.append([out.detach(), x.grad] + [p.grad for p in block.parameters()])
     for plain, recomputed in zip(*results):
         torch.testing.assert_close(recomputed, plain)
