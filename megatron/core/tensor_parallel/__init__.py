@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import (
     CudaRNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
@@ -60,6 +61,7 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     # random.py
     "CudaRNGStatesTracker",
+    "checkpoint",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",

@@ -25,7 +25,8 @@ combine its pair with your own contexts) to replay the tracker states too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -247,3 +248,24 @@ def rng_tracker_replay_contexts() -> tuple[
     backward that recomputes: `retain_graph=True` allows more than one)."""
     replay = _ReplayTrackerStates()
     return replay.forward(), FreshContext(replay.recompute)
+
+
+def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+    """Megatron-core's `tensor_parallel.checkpoint`: `function(*args)` with its activations
+    recomputed in backward, the default generator's and the tracker's states replayed
+    (`megatron.core.transformer.recompute.recompute`, a non-reentrant checkpoint: unlike
+    upstream's it also works under `torch.autograd.grad` and with inputs that need no grad).
+
+    Raises:
+        ValueError: `distribute_saved_activations` (splitting the saved inputs over the
+            tensor-parallel ranks) is not built.
+    """
+    if distribute_saved_activations:
+        raise ValueError(
+            "checkpoint(distribute_saved_activations=True) is not built: pass False (with "
+            "sequence parallelism the saved inputs are split over the ranks already)."
+        )
+    # Imported here: `recompute` builds on this module's replay contexts.
+    from megatron.core.transformer.recompute import recompute
+
+    return recompute(function, *args)

@@ -77,6 +77,11 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--moe-layer-recompute",),
     ),
     Unbuilt(
+        "distributing the saved inputs of recomputed layers over tensor-parallel ranks",
+        "drop the flag (with --sequence-parallel those inputs are split over the ranks already)",
+        ("--distribute-saved-activations",),
+    ),
+    Unbuilt(
         "MoE latent projections",
         "drop the flag: the experts work at --hidden-size",
         (),

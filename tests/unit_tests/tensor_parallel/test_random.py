@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import (
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
@@ -131,6 +131,19 @@ def test_recompute_replays_the_tracker_with_the_replay_contexts():
     torch.testing.assert_close(y, expected_y, rtol=0, atol=0)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
     torch.testing.assert_close(after, expected_after, rtol=0, atol=0)
+
+
+def test_upstreams_tensor_parallel_checkpoint_replays_the_tracker():
+    """`tensor_parallel.checkpoint(fn, distribute_saved_activations, *args)`, upstream's name."""
+    expected_y, expected_grad, expected_after = _train_step()
+    model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, device_type="cpu")
+    x = torch.linspace(0.5, 1.5, 512).requires_grad_()
+    y = tensor_parallel.checkpoint(_forked_dropout, False, x)
+    (y * y).sum().mul(2).backward()  # as `_train_step`'s two backward passes
+    torch.testing.assert_close(y.detach(), expected_y, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, expected_grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"distribute_saved_activations=True\) is not built"):
+        tensor_parallel.checkpoint(_forked_dropout, True, x)
 
 
 def test_plain_checkpoint_does_not_replay_the_tracker():
