@@ -31,9 +31,9 @@ from megatron.core.datasets import (
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.flag_errors import report_flag_errors
 from megatron.training.flag_groups.data import PER_SPLIT_FLAGS
 from megatron.training.global_vars import get_args, get_tokenizer
-from megatron.training.initialize import report_flag_errors
 from megatron.training.schedules import DataIterator, LossFunc
 from megatron.training.training import TrainingHistory, pretrain
 from megatron.training.utils import get_device, print_rank_0

@@ -31,6 +31,7 @@ from megatron.training.configs_from_args import (
     get_megatron_optimizer_config,
     get_parallel_state_kwargs,
 )
+from megatron.training.flag_errors import FlagParser
 from megatron.training.flag_groups import (
     checkpointing,
     cuda_graphs,
@@ -77,7 +78,7 @@ def parse_args(
     Returns:
         The namespace; derived values are filled in by `validate_args`.
     """
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="Megatron-LM arguments; docs/flags.md explains each flag.",
         allow_abbrev=False,  # a typo must not silently select another flag
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

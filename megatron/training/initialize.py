@@ -10,14 +10,12 @@ already exists (a test harness, a notebook) is reused as it is.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import random
 import socket
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,43 +28,12 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
+from megatron.training.flag_errors import InvalidFlagsError
 from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
 from megatron.training.utils import get_device, logger, print_rank_0
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-
-
-class InvalidFlagsError(ValueError):
-    """The flags are bad: raised, with the same message on every rank, before any process group
-    exists (the message names the flag and the fix)."""
-
-
-FLAG_ERROR_GRACE_S = 60.0
-"""How long a rank other than 0 waits for rank 0 to print a flag error and end the job."""
-
-
-@contextlib.contextmanager
-def report_flag_errors() -> Iterator[None]:
-    """For a script's entry point: bad flags end the job with exit code 2 (argparse's) and their
-    message printed once, by rank 0, instead of a traceback from every rank.
-
-    The other ranks wait up to `FLAG_ERROR_GRACE_S` before they exit: torchrun stops the whole
-    job when the first rank exits, and a rank that found the error before rank 0 had printed it
-    would otherwise end the job with no message at all. Rank 0's exit ends their wait; a rank
-    still there after it found what rank 0 did not (a data path its node cannot see), and
-    prints it, naming itself.
-    """
-    try:
-        yield
-    except InvalidFlagsError as error:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            time.sleep(FLAG_ERROR_GRACE_S)
-            print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def initialize_megatron(

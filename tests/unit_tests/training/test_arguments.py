@@ -13,15 +13,16 @@ import torch
 
 from megatron.core.datasets import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron.core.extensions import transformer_engine
-from megatron.training import initialize
+from megatron.training import flag_errors
 from megatron.training.arguments import (
     add_megatron_arguments,
     get_megatron_ddp_config,
     parse_args,
     validate_args,
 )
+from megatron.training.flag_errors import InvalidFlagsError, report_flag_errors
 from megatron.training.global_vars import build_tokenizer
-from megatron.training.initialize import InvalidFlagsError, _with_defaults, report_flag_errors
+from megatron.training.initialize import _with_defaults
 from tests.unit_tests.training.flag_checks import BASE, FSDP, HFSDP, ZERO3
 from tests.unit_tests.training.flag_checks import validated as validated_on
 
@@ -169,20 +170,39 @@ def test_opt_param_scheduler_flags_take_upstreams_dashed_spelling(name):
     assert getattr(parse_args(args=[*BASE, f"--{name}-opt_param-scheduler"]), attribute)
 
 
+def _flag_error_output(rank: int, monkeypatch, capsys, bad) -> str:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(flag_errors, "FLAG_ERROR_GRACE_S", 0.0)
+    with pytest.raises(SystemExit) as exit_info, report_flag_errors():
+        bad()
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def _invalid() -> None:
+    raise InvalidFlagsError("--data-path x names no indexed dataset")
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_flag_error_is_printed_by_rank_0_or_after_the_grace_by_the_rank_that_found_it(
     rank, monkeypatch, capsys
 ):
     """Before: a rank other than 0 exited silently after the grace, so an error only it found
     (a data path its node cannot see) ended the job with no message."""
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(initialize, "FLAG_ERROR_GRACE_S", 0.0)
-    with pytest.raises(SystemExit) as exit_info, report_flag_errors():
-        raise InvalidFlagsError("--data-path x names no indexed dataset")
-    assert exit_info.value.code == 2
+    err = _flag_error_output(rank, monkeypatch, capsys, _invalid)
     prefix = "error:" if rank == 0 else f"error (rank {rank}):"
-    assert capsys.readouterr().err == f"{prefix} --data-path x names no indexed dataset\n"
+    assert err == f"{prefix} --data-path x names no indexed dataset\n"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unknown_flag_is_printed_once_by_rank_0(rank, monkeypatch, capsys):
+    """argparse's errors too (before: usage and error printed by every rank at once)."""
+    err = _flag_error_output(rank, monkeypatch, capsys, lambda: parse_args(args=["--bogus"]))
+    if rank == 0:
+        assert err.startswith("usage:") and "error: unrecognized arguments: --bogus" in err
+    else:
+        assert err == "error (rank 1): unrecognized arguments: --bogus\n"
 
 
 def test_no_fsdp_all_gather_in_start_param_sync():

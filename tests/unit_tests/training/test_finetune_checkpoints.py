@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 from megatron.training.checkpoint_layout import TRACKER_FILENAME, CheckpointError
-from megatron.training.initialize import InvalidFlagsError
+from megatron.training.flag_errors import InvalidFlagsError
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.checkpoint_checks import (
     RUN,
