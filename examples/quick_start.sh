@@ -4,7 +4,8 @@
 # pretrain a tiny GPT on it with Megatron-FSDP (ZeRO-3) on ${NPROC:-2} ranks through
 # pretrain_gpt.py: GPUs with NCCL when every rank has one, else CPU with gloo. Checkpoints go to
 # runs/quick_start/checkpoints (every 100 iterations and at the end); a second run resumes from
-# the latest of them (raise --train-iters to train further) instead of starting over.
+# the latest of them instead of starting over (to train further, raise --train-iters and add
+# --override-opt_param-scheduler, docs/running.md).
 # Extra arguments go to pretrain_gpt.py and win over these (e.g. --train-iters 50).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,6 +1,6 @@
 """Compares this project's flags with upstream Megatron-LM's, from upstream's source, by AST.
 
-    UPSTREAM=/work/.mirror/NVIDIA+Megatron-LM/repo  # a clone's .git works as well
+    UPSTREAM=/path/to/Megatron-LM/.git  # a bare mirror works as well
     git --git-dir=$UPSTREAM show HEAD:megatron/training/arguments.py > /tmp/arguments.py
     python tools/compare_flag_defaults.py /tmp/arguments.py --git-dir $UPSTREAM
 

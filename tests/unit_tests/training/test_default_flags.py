@@ -3,6 +3,7 @@ tool that compares them (`tools/compare_flag_defaults.py`)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from tools import compare_flag_defaults
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "flags.md"
-UPSTREAM_GIT_DIR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
-"""Upstream's git directory: the audit reads its `arguments.py` and config dataclasses."""
+UPSTREAM_GIT_DIR = Path(os.environ.get("MEGATRON_LM_GIT_DIR", "/nonexistent"))
+"""Upstream Megatron-LM's git directory (a clone's `.git`), from `MEGATRON_LM_GIT_DIR`: the audit
+reads its `arguments.py` and config dataclasses."""
 
 BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -188,7 +190,9 @@ def test_audit_tool_reads_literal_flags_and_dataclass_factories(tmp_path):
     assert missing == ["--no-such-flag-here"]
 
 
-@pytest.mark.skipif(not UPSTREAM_GIT_DIR.exists(), reason="needs upstream's git mirror")
+@pytest.mark.skipif(
+    not UPSTREAM_GIT_DIR.exists(), reason="set MEGATRON_LM_GIT_DIR to upstream's git directory"
+)
 def test_every_remaining_difference_from_upstream_is_documented(tmp_path):
     upstream_arguments = tmp_path / "arguments.py"
     upstream_arguments.write_bytes(

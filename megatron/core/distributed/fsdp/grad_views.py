@@ -11,6 +11,8 @@ reduction adds to it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -34,7 +36,10 @@ class GradViews:
             weights.dtensor(local, index) for index, local in enumerate(self._locals)
         ]
 
-    def _pairs(self):
+    def _pairs(
+        self,
+    ) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, DTensor, torch.Tensor]]:
+        """Each main weight, its local shard, and their `.grad` views."""
         weights = self._weights
         return zip(weights.dist_params, weights.local_main_weights, self._dtensors, self._locals)
 

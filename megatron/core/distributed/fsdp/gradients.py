@@ -326,7 +326,8 @@ class GroupGrads:
 
     def _begin_accumulating(self) -> bool:
         """Moves to ACCUMULATING; returns whether `main_grad` starts afresh (overwritten, not
-        added to). Gradients the optimizer dropped since the last reduction restart."""
+        added to). Gradients dropped or replaced since the last reduction restart
+        (`GradViews.reattach`)."""
         if self.state is GradState.CONSUMED or (
             self.state is not GradState.EMPTY and not self.views.reattach()
         ):
