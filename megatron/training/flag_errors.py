@@ -41,11 +41,17 @@ def _exit_after_rank_0(message: str) -> NoReturn:
     sys.exit(2)
 
 
+_in_entry_point = False
+"""Whether `report_flag_errors` is active: only a script's entry point waits for rank 0 (library
+code and tests that parse flags on several ranks get argparse's own exit at once)."""
+
+
 class FlagParser(argparse.ArgumentParser):
-    """`argparse.ArgumentParser` whose errors rank 0 alone prints at once (module docstring)."""
+    """`argparse.ArgumentParser` whose errors, under `report_flag_errors`, rank 0 alone prints
+    at once (module docstring)."""
 
     def error(self, message: str) -> NoReturn:
-        if _another_rank_reports():
+        if _in_entry_point and _another_rank_reports():
             _exit_after_rank_0(message)
         super().error(message)
 
@@ -55,6 +61,8 @@ def report_flag_errors() -> Iterator[None]:
     """For a script's entry point: an `InvalidFlagsError` ends the job with exit code 2
     (argparse's) and its message printed once, by rank 0, instead of a traceback from every
     rank (module docstring)."""
+    global _in_entry_point
+    _in_entry_point = True
     try:
         yield
     except InvalidFlagsError as error:
@@ -62,3 +70,5 @@ def report_flag_errors() -> Iterator[None]:
             _exit_after_rank_0(str(error))
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    finally:
+        _in_entry_point = False
