@@ -303,7 +303,7 @@ BAD_LOADS = {
     "schedule": (
         None,
         ["--min-lr", "2e-3"],
-        ["learning-rate schedule differs (min_lr: 0.002 here, 0.001 in the checkpoint)"],
+        ["learning-rate schedule differs (min_lr (--min-lr): 0.002 here, 0.001 in the checkpoint)"],
     ),
     "no-such-directory": (None, ["--load", "{root}/missing"], ["missing: no such directory"]),
     "tracker-to-missing": (
