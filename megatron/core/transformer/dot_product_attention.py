@@ -34,6 +34,10 @@ SDPA_BACKENDS: dict[AttnBackend, SDPBackend] = {
 """The SDPA kernel each named backend pins (`auto` pins none; `local` does not use SDPA)."""
 
 
+MASKED_SCORE = -10000.0
+"""The `local` backend's score at masked-out positions (Megatron-core's)."""
+
+
 class DotProductAttention(MegatronModule):
     """Multi-head / grouped-query attention over [s, b, n, d] queries, keys and values.
 
@@ -72,14 +76,12 @@ class DotProductAttention(MegatronModule):
         self.sdpa_backend = SDPA_BACKENDS.get(config.attention_backend)
         # The `local` backend's options, resolved once. Query-key layer scaling divides the
         # scores by the layer number before the softmax and multiplies it back in fp32, keeping
-        # fp16 scores of deep layers in range; it needs the fp32 softmax (Megatron-LM forces it).
+        # fp16 scores of deep layers in range (the config then asks for the fp32 softmax).
         self.local_attention = config.attention_backend == AttnBackend.local
         self.softmax_scale_coeff = (
             float(layer_number) if config.apply_query_key_layer_scaling else 1.0
         )
-        self.softmax_in_fp32 = (
-            config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
-        )
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
         self.fork_tensor_parallel_rng = (
             config.tensor_model_parallel_size > 1 and not config.sequence_parallel
         )
@@ -174,7 +176,9 @@ class DotProductAttention(MegatronModule):
             scores = scores.float()
         if coeff != 1.0:
             scores = scores * coeff
-        scores = scores.masked_fill(attention_mask, float("-inf"))
+        # Megatron-core's fill (`attention_mask_func`): a row masked entirely (a padded query)
+        # then attends evenly instead of turning NaN, which would spread through the layers.
+        scores = scores.masked_fill(attention_mask, MASKED_SCORE)
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p)

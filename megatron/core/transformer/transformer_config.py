@@ -130,7 +130,8 @@ class TransformerConfig(ModelParallelConfig):
             in real arithmetic). Read by the `local` attention backend only: the SDPA kernels
             compute the softmax in fp32 in any case.
         attention_softmax_in_fp32: Run the attention softmax in fp32 with half-precision inputs
-            (the `local` backend; the SDPA kernels always do, except `unfused` on CUDA).
+            (the `local` backend; the SDPA kernels always do, except `unfused` on CUDA); set
+            by `apply_query_key_layer_scaling`.
         attention_backend: The attention kernel (`AttnBackend`); `auto` lets SDPA choose.
         recompute_granularity: None, "full" (recompute whole transformer layers in backward, as
             `recompute_method` says) or "selective" (recompute the `recompute_modules`).
@@ -297,6 +298,9 @@ class TransformerConfig(ModelParallelConfig):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         check_positive_int("ffn_hidden_size", self.ffn_hidden_size)
+
+        if self.apply_query_key_layer_scaling:  # it needs the fp32 softmax (Megatron-core's rule)
+            self.attention_softmax_in_fp32 = True
 
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)

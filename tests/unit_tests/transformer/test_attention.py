@@ -6,6 +6,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -100,6 +101,23 @@ def test_explicit_mask_follows_megatron_convention():
     torch.testing.assert_close(_run(attention, x, attention_mask=causal), _run(attention, x))
     full = torch.zeros_like(causal)
     assert not torch.allclose(_run(attention, x, attention_mask=full), _run(attention, x))
+
+
+def test_local_attention_keeps_queries_masked_entirely_finite():
+    """Left padding masks every key of the first queries: Megatron-core's fill (-10000) makes
+    them attend evenly (before: -inf, NaN that spread to every position of the sample); the
+    other queries match SDPA's math kernel."""
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    mask = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    mask[0, :, :, :4] = True  # sample 0: its first 4 tokens are padding
+    outputs = {
+        backend.name: _run(
+            _attention(_config(attention_backend=backend)).eval(), x, attention_mask=mask
+        )
+        for backend in (AttnBackend.local, AttnBackend.unfused)
+    }
+    assert torch.isfinite(outputs["local"]).all()
+    torch.testing.assert_close(outputs["local"][4:], outputs["unfused"][4:])
 
 
 def test_rotary_embeddings_change_attention_but_not_shapes():

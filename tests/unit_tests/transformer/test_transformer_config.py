@@ -21,6 +21,15 @@ def test_derived_defaults():
     assert config.params_dtype == torch.float32
 
 
+def test_query_key_layer_scaling_sets_the_fp32_softmax_as_upstream():
+    scaled = dict(BASE, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False)
+    assert TransformerConfig(**scaled).attention_softmax_in_fp32 is True
+    assert (
+        TransformerConfig(**BASE, attention_softmax_in_fp32=False).attention_softmax_in_fp32
+        is False
+    )
+
+
 def test_explicit_kv_channels_lift_the_divisibility_requirement():
     config = TransformerConfig(num_layers=1, hidden_size=30, num_attention_heads=4, kv_channels=8)
     assert config.kv_channels == 8
