@@ -20,6 +20,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import rotate_query_and_key
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.utils import divide, group_size
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.recompute import recompute
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -35,8 +36,9 @@ class SelfAttentionSubmodules:
         linear_qkv: Input projection to queries, keys and values (may fuse the input norm).
         core_attention: The attention itself (e.g. `DotProductAttention`).
         linear_proj: Output projection back to the hidden size.
-        q_layernorm: Norm of each query head, built when `config.qk_layernorm`.
-        k_layernorm: Norm of each key head, built when `config.qk_layernorm`.
+        q_layernorm: Norm of each query head, built when `config.qk_layernorm` (`L2Norm` in
+            its place with `config.qk_l2_norm`).
+        k_layernorm: Norm of each key head, likewise.
     """
 
     linear_qkv: ModuleSpec | type | None = None
@@ -62,7 +64,8 @@ class SelfAttention(MegatronModule):
         pg_collection: Process groups; its `tp` splits the heads (see `resolve_tp_group`).
 
     Raises:
-        ValueError: `config.qk_layernorm` with a spec that has no `q_layernorm`/`k_layernorm`.
+        ValueError: `config.qk_layernorm` or `config.qk_l2_norm` with a spec whose
+            `q_layernorm`/`k_layernorm` are empty (None or `IdentityOp`).
     """
 
     def __init__(
@@ -120,17 +123,18 @@ class SelfAttention(MegatronModule):
     def _build_qk_norms(
         self, config: TransformerConfig, submodules: SelfAttentionSubmodules
     ) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+        if not (config.qk_l2_norm or config.qk_layernorm):
+            return None, None
+        specs = (submodules.q_layernorm, submodules.k_layernorm)
+        if any(spec is None or spec is IdentityOp for spec in specs):
+            raise ValueError(
+                "config.qk_layernorm / qk_l2_norm asks for query-key norms, but the layer spec "
+                "has none (get_gpt_layer_local_spec(qk_layernorm=False) puts IdentityOp there, "
+                "where Megatron-core would silently build none): pass qk_layernorm=True (or "
+                "qk_l2_norm=True) to the spec, or leave them None to follow the config."
+            )
         if config.qk_l2_norm:
             specs = (L2Norm, L2Norm)
-        elif config.qk_layernorm:
-            specs = (submodules.q_layernorm, submodules.k_layernorm)
-            if None in specs:
-                raise ValueError(
-                    "qk_layernorm=True but the layer spec has no q_layernorm/k_layernorm; use "
-                    "get_gpt_layer_local_spec() or set both in SelfAttentionSubmodules."
-                )
-        else:
-            return None, None
         kwargs = dict(
             config=config,
             hidden_size=self.head_dim,

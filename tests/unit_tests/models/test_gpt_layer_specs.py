@@ -42,6 +42,31 @@ def test_local_spec_rejects_unknown_normalization():
         get_gpt_layer_local_spec(normalization="BatchNorm")
 
 
+def _qk_norms(spec, **config) -> list[str]:
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, **config)
+    model = GPTModel(config, spec, 64, 8)
+    return [name for name, _ in model.named_parameters() if "q_layernorm" in name]
+
+
+def test_local_spec_takes_upstreams_arguments_in_order():
+    """(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
+    normalization, qk_l2_norm). Before: keyword-only, without the query-key norm arguments."""
+    assert _qk_norms(get_gpt_layer_local_spec(None, False, True), qk_layernorm=True)
+    assert not _qk_norms(get_gpt_layer_local_spec(None, False, True))  # the config decides
+    assert _qk_norms(get_gpt_layer_local_spec(), qk_layernorm=True)  # None follows the config
+    # Told there is no norm, a config asking for one is refused (upstream builds none silently).
+    for no_norm in (
+        get_gpt_layer_local_spec(qk_layernorm=False),
+        get_gpt_layer_local_spec(None, False, False, False, None, None, False),
+    ):
+        with pytest.raises(ValueError, match="asks for query-key norms, but the layer spec"):
+            _qk_norms(no_norm, qk_layernorm=True)
+    with pytest.raises(ValueError, match="multi-latent attention is not built"):
+        get_gpt_layer_local_spec(None, False, False, True)
+    with pytest.warns(UserWarning, match="fp8 argument"):
+        get_gpt_layer_local_spec(fp8="e4m3")
+
+
 @pytest.mark.skipif(HAVE_TE, reason="transformer-engine is installed")
 def test_te_spec_without_te_explains_how_to_install_or_fall_back():
     with pytest.raises(ImportError) as info:

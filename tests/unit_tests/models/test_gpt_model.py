@@ -82,11 +82,26 @@ def test_shared_embedding_or_output_weight_follows_megatron():
     assert middle.shared_embedding_or_output_weight() is None
 
 
-def test_arguments_after_post_process_are_keyword_only():
-    # Megatron-LM's seventh positional argument is fp16_lm_cross_entropy; a call ported from
-    # there must fail instead of tying the embeddings.
-    with pytest.raises(TypeError):
-        GPTModel(_config(), get_gpt_layer_local_spec(), VOCAB, SEQ, True, True, True)
+def test_megatron_cores_positional_arguments():
+    """Constructor: (..., pre_process, post_process, fp16_lm_cross_entropy, parallel_output,
+    share_embeddings_and_output_weights, ...); forward: (input_ids, position_ids,
+    attention_mask, decoder_input, labels, ...). Before: keyword-only, and the fourth forward
+    argument was the labels."""
+    spec = get_gpt_layer_local_spec(None, False, False)  # num_experts, grouped GEMM, qk norm
+    torch.manual_seed(0)
+    tied = GPTModel(_config(), spec, VOCAB, SEQ, True, True, False, True, True).eval()
+    assert tied.output_layer is None and tied.share_embeddings_and_output_weights
+    ids, labels = _batch()
+    torch.testing.assert_close(tied(ids, None, None, None, labels), tied(ids, labels=labels))
+    # decoder_input replaces the embedding's output.
+    embedded = tied.embedding(ids, None)
+    torch.testing.assert_close(tied(None, None, None, embedded), tied(ids))
+    loss_mask = torch.ones(BATCH, SEQ)  # upstream's, for multi-token prediction only
+    torch.testing.assert_close(
+        tied(ids, labels=labels, loss_mask=loss_mask), tied(ids, None, None, None, labels)
+    )
+    with pytest.raises(ValueError, match="packed_seq_params=.* \\(not built\\)"):
+        tied(ids, packed_seq_params=object())
 
 
 def test_untied_output_layer_is_separate():
@@ -281,6 +296,10 @@ def test_pipeline_style_split_matches_the_full_model():
     [
         (dict(position_embedding_type="alibi"), "position_embedding_type"),
         (dict(share_embeddings_and_output_weights=True, post_process=False), "share_embeddings"),
+        (dict(fp16_lm_cross_entropy=True), "fp16_lm_cross_entropy=True .the loss is computed"),
+        (dict(scatter_embedding_sequence_parallel=False), "scatter_embedding_sequence_parallel"),
+        (dict(mtp_block_spec=get_gpt_layer_local_spec()), "multi-token prediction"),
+        (dict(vp_stage=0), "vp_stage=0 .pipeline parallelism"),
     ],
 )
 def test_bad_model_arguments_raise(kwargs, message):

@@ -13,6 +13,8 @@ layers are built with the local spec only).
 
 from __future__ import annotations
 
+import warnings
+
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -56,20 +58,30 @@ def get_moe_module_spec(*, moe_grouped_gemm: bool = False) -> ModuleSpec:
 
 
 def get_gpt_layer_local_spec(
-    *,
-    normalization: str | None = None,
     num_experts: int | None = None,
     moe_grouped_gemm: bool = False,
+    qk_layernorm: bool | None = None,
+    multi_latent_attention: bool = False,
+    fp8: str | None = None,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = None,
 ) -> ModuleSpec:
-    """Spec of a GPT layer built from PyTorch modules (apex's fused norms when available).
+    """Spec of a GPT layer built from PyTorch modules (apex's fused norms when available), with
+    Megatron-core's arguments in its order.
 
     Args:
-        normalization: "LayerNorm" or "RMSNorm" to pin the spec to that normalisation (building
-            it with a config that says otherwise raises `ValueError`); None follows
-            `config.normalization`.
         num_experts: None: a dense MLP; set: an `MoELayer` (the count itself comes from
             `config.num_moe_experts`, as in Megatron-core).
         moe_grouped_gemm: The MoE experts run grouped GEMMs (`GroupedMLP`).
+        qk_layernorm, qk_l2_norm: None (the default here): the query-key norms follow
+            `config.qk_layernorm` / `config.qk_l2_norm`. False for both: the spec has none
+            (`IdentityOp`), and a config asking for them is refused when the layer is built
+            (Megatron-core would silently build none). True: as None.
+        multi_latent_attention: Must be False (not built).
+        fp8: Ignored with a warning, as Megatron-core (deprecated there).
+        normalization: "LayerNorm" or "RMSNorm" to pin the spec to that normalisation (building
+            it with a config that says otherwise raises `ValueError`); None follows
+            `config.normalization`.
 
     Returns:
         A `TransformerLayer` `ModuleSpec`.
@@ -78,10 +90,13 @@ def get_gpt_layer_local_spec(
         raise ValueError(
             f"normalization must be one of {NORMALIZATIONS} or None, got {normalization!r}."
         )
+    _refuse_mla(multi_latent_attention)
+    _warn_fp8(fp8)
     norm = ModuleSpec(
         module=FusedLayerNorm if HAVE_APEX else WrappedTorchNorm,
         params={"normalization": normalization},
     )
+    qk_norm = _qk_norm_slot(norm, qk_layernorm, qk_l2_norm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -92,9 +107,9 @@ def get_gpt_layer_local_spec(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=DotProductAttention,
                     linear_proj=RowParallelLinear,
-                    # Built only with config.qk_layernorm.
-                    q_layernorm=norm,
-                    k_layernorm=norm,
+                    # Built only with config.qk_layernorm (or qk_l2_norm).
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             pre_mlp_layernorm=norm,
@@ -108,9 +123,15 @@ def get_gpt_layer_local_spec(
 
 
 def get_gpt_layer_with_transformer_engine_spec(
-    *, num_experts: int | None = None, moe_grouped_gemm: bool = False
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool | None = None,
+    multi_latent_attention: bool = False,
+    fp8: str | None = None,
+    qk_l2_norm: bool | None = None,
 ) -> ModuleSpec:
-    """Spec of a GPT layer using Transformer Engine's fused norm + linear modules.
+    """Spec of a GPT layer using Transformer Engine's fused norm + linear modules, with
+    Megatron-core's leading arguments in its order.
 
     The norms are fused into the QKV projection and fc1 (`TELayerNormLinear`), so the layer's
     own norm slots hold `IdentityOp`. The core attention stays PyTorch SDPA.
@@ -118,6 +139,7 @@ def get_gpt_layer_with_transformer_engine_spec(
     Args:
         num_experts: Must be None: MoE layers with Transformer Engine are not built.
         moe_grouped_gemm: Must be False (likewise).
+        qk_layernorm, qk_l2_norm, multi_latent_attention, fp8: as `get_gpt_layer_local_spec`.
 
     Returns:
         A `TransformerLayer` `ModuleSpec`.
@@ -128,6 +150,8 @@ def get_gpt_layer_with_transformer_engine_spec(
         ValueError: `num_experts` or `moe_grouped_gemm` is set.
     """
     _refuse_te_moe(num_experts is not None or moe_grouped_gemm)
+    _refuse_mla(multi_latent_attention)
+    _warn_fp8(fp8)
     # Imported here so that importing this module never pays for (or trips over) TE.
     from megatron.core.extensions.transformer_engine import (
         TELayerNormLinear,
@@ -147,8 +171,8 @@ def get_gpt_layer_with_transformer_engine_spec(
                     linear_qkv=TELayerNormLinear,
                     core_attention=DotProductAttention,
                     linear_proj=TELinear,
-                    q_layernorm=TENorm,
-                    k_layernorm=TENorm,
+                    q_layernorm=_qk_norm_slot(TENorm, qk_layernorm, qk_l2_norm),
+                    k_layernorm=_qk_norm_slot(TENorm, qk_layernorm, qk_l2_norm),
                 ),
             ),
             pre_mlp_layernorm=IdentityOp,
@@ -201,6 +225,32 @@ def get_gpt_decoder_block_spec(
         layer_specs=[moe_spec if moe else dense_spec for moe in moe_layer_pattern(config)],
         layer_norm=layer_norm,
     )
+
+
+def _qk_norm_slot(
+    norm: ModuleSpec | type, qk_layernorm: bool | None, qk_l2_norm: bool | None
+) -> ModuleSpec | type:
+    """What the query-key norm slots hold: `IdentityOp` where the caller said no norm (both
+    False, or one False and the other left None), else `norm` (built if the config asks)."""
+    if qk_layernorm is None and qk_l2_norm is None:
+        return norm
+    return norm if (qk_layernorm or qk_l2_norm) else IdentityOp
+
+
+def _refuse_mla(multi_latent_attention: bool) -> None:
+    if multi_latent_attention:
+        raise ValueError(
+            "multi_latent_attention=True: multi-latent attention is not built; leave it False."
+        )
+
+
+def _warn_fp8(fp8: str | None) -> None:
+    if fp8 is not None:
+        warnings.warn(
+            "The fp8 argument of the GPT layer specs is ignored (Megatron-core deprecated it); "
+            "FP8 is the config's fp8 field.",
+            stacklevel=3,
+        )
 
 
 def _refuse_te_moe(moe: bool) -> None:

@@ -12,6 +12,8 @@ decoder's hidden states are [s/T, b, h] and are all-gathered before the output l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -37,11 +39,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class GPTModel(MegatronModule):
-    """A decoder-only transformer language model.
+    """A decoder-only transformer language model, with Megatron-core's arguments in its order.
 
-    The arguments after `post_process` are keyword-only: Megatron-LM's seventh positional
-    argument is `fp16_lm_cross_entropy`, so a positional call ported from there must fail rather
-    than set `share_embeddings_and_output_weights`.
+    Arguments of features not built here (`fp16_lm_cross_entropy`, unscattered sequence-parallel
+    embeddings, multi-token prediction, virtual pipeline stages) are accepted at their defaults
+    and refused otherwise, naming them.
 
     Args:
         config: The transformer configuration.
@@ -54,6 +56,8 @@ class GPTModel(MegatronModule):
             comes from `set_input_tensor`.
         post_process: Build the final norm and output layer (last pipeline stage). Without it,
             `forward` returns the decoder's [s, b, h] hidden states.
+        fp16_lm_cross_entropy, scatter_embedding_sequence_parallel, mtp_block_spec, vp_stage:
+            not built: their defaults (False, True, None, None) only.
         share_embeddings_and_output_weights: Compute the logits with the word-embedding matrix
             (one Parameter, used twice); there is then no `output_layer`.
         position_embedding_type: "learned_absolute", "rope" or "none".
@@ -80,18 +84,31 @@ class GPTModel(MegatronModule):
         max_sequence_length: int,
         pre_process: bool = True,
         post_process: bool = True,
-        *,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
         share_embeddings_and_output_weights: bool = False,
         position_embedding_type: str = "learned_absolute",
         rotary_percent: float = 1.0,
         rotary_base: int = 10000,
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
         seq_len_interpolation_factor: float | None = None,
-        parallel_output: bool = True,
+        mtp_block_spec: ModuleSpec | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
     ):
         super().__init__(config)
+        _refuse_unbuilt(
+            fp16_lm_cross_entropy=(fp16_lm_cross_entropy, False, "the loss is computed in fp32"),
+            scatter_embedding_sequence_parallel=(
+                scatter_embedding_sequence_parallel,
+                True,
+                "under sequence parallelism the embedding output is always scattered",
+            ),
+            mtp_block_spec=(mtp_block_spec, None, "multi-token prediction is not built"),
+            vp_stage=(vp_stage, None, "pipeline parallelism is not built"),
+        )
         self.tp_group = resolve_tp_group(pg_collection)
         tp_size = group_size(self.tp_group)
         if vocab_size % tp_size:
@@ -197,17 +214,33 @@ class GPTModel(MegatronModule):
         input_ids: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        extra_block_kwargs: dict | None = None,
+        runtime_gather_output: bool | None = None,
+        *,
+        inference_params: Any = None,
+        loss_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Runs the model.
+        """Runs the model (Megatron-core's arguments, in its order).
 
         Args:
-            input_ids: [b, s] token ids (unused without `pre_process`).
+            input_ids: [b, s] token ids (unused without `pre_process`, or with `decoder_input`).
             position_ids: [b, s] positions for learned position embeddings; None means 0..s-1.
                 Rotary embeddings always use 0..s-1 (as in Megatron-LM).
             attention_mask: None for causal attention, or a boolean mask broadcastable to
                 [b, heads, s, s] with True = masked out; it replaces the causal mask.
+            decoder_input: [s, b, h] decoder input to use instead of the embedding's output.
             labels: [b, s] target ids, or None.
+            inference_context, packed_seq_params, extra_block_kwargs, inference_params,
+                padding_mask: not built: None only.
+            runtime_gather_output: Without labels, all-gather the vocabulary (True) or not
+                (False) this call; None follows `parallel_output`.
+            loss_mask: Accepted and unused, as upstream's GPTModel uses it for multi-token
+                prediction only (the training loop applies it to the returned loss).
 
         Returns:
             With `labels`: per-token cross-entropy loss, float32, [b, s] (positions whose label is
@@ -216,7 +249,21 @@ class GPTModel(MegatronModule):
             [b, s, vocab_size]. Without `post_process`: decoder hidden states [s, b, h]
             ([s/T, b, h] under sequence parallelism).
         """
-        if self.pre_process:
+        _refuse_unbuilt(
+            **{
+                name: (value, None, "not built")
+                for name, value in dict(
+                    inference_context=inference_context,
+                    packed_seq_params=packed_seq_params,
+                    extra_block_kwargs=extra_block_kwargs,
+                    inference_params=inference_params,
+                    padding_mask=padding_mask,
+                ).items()
+            }
+        )
+        if decoder_input is not None:
+            pass
+        elif self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
         elif self.input_tensor is not None:
             decoder_input = self.input_tensor
@@ -241,7 +288,10 @@ class GPTModel(MegatronModule):
 
         logits = self._logits(hidden_states)
         if labels is None:
-            if not self.parallel_output:
+            gather = (
+                not self.parallel_output if runtime_gather_output is None else runtime_gather_output
+            )
+            if gather:
                 logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
             return logits.transpose(0, 1).contiguous()
         if group_size(self.tp_group) > 1:
@@ -274,4 +324,22 @@ class GPTModel(MegatronModule):
             None,
             self.tp_group,
             self.config.sequence_parallel,
+        )
+
+
+def _refuse_unbuilt(**arguments: tuple[Any, Any, str]) -> None:
+    """Raises `ValueError` naming each argument given other than its default.
+
+    Args:
+        arguments: name -> (value, the default, why only the default works).
+    """
+    given = [
+        f"{name}={value!r} ({why})"
+        for name, (value, default, why) in arguments.items()
+        if (value is not None if default is None else value != default)
+    ]
+    if given:
+        raise ValueError(
+            f"GPTModel: {'; '.join(given)}. Leave these at their defaults (Megatron-core's "
+            "arguments of features this project does not build)."
         )
