@@ -51,6 +51,9 @@ class ModelParallelConfig:
             engine to add (`megatron.core.tensor_parallel.grad_accumulation`). The DDP engine
             honours it, and Megatron-FSDP where it sums whole gradients across microbatches
             (`megatron_fsdp_accumulate_unsharded_grads`).
+        perform_initialization, use_cpu_initialization, pipeline_dtype: Megatron-core's, accepted
+            with no effect (upstream's minimal examples pass them): parameters are always
+            initialised, on the device they are built on, and there are no pipeline stages.
     """
 
     tensor_model_parallel_size: int = 1
@@ -63,6 +66,9 @@ class ModelParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     gradient_accumulation_fusion: bool = False
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+    pipeline_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in (

@@ -82,6 +82,7 @@ class DotProductAttention(MegatronModule):
             float(layer_number) if config.apply_query_key_layer_scaling else 1.0
         )
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        self.softmax_scale = config.softmax_scale  # None: 1 / sqrt(head width), SDPA's default
         self.fork_tensor_parallel_rng = (
             config.tensor_model_parallel_size > 1 and not config.sequence_parallel
         )
@@ -137,8 +138,8 @@ class DotProductAttention(MegatronModule):
         # [b, n, s, d] -> [s, b, n * d]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, num_heads * head_dim)
 
-    @staticmethod
     def _sdpa(
+        self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -147,11 +148,16 @@ class DotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_mask is None:
             return F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout_p, is_causal=True
+                query, key, value, dropout_p=dropout_p, is_causal=True, scale=self.softmax_scale
             )
         # SDPA's boolean mask marks the positions that take part, Megatron's the opposite.
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=~attention_mask, dropout_p=dropout_p
+            query,
+            key,
+            value,
+            attn_mask=~attention_mask,
+            dropout_p=dropout_p,
+            scale=self.softmax_scale,
         )
 
     def _local_attention(
@@ -165,13 +171,13 @@ class DotProductAttention(MegatronModule):
         """Unfused attention over [b, n, s, d]: scores in the input dtype, softmax in fp32 when
         `attention_softmax_in_fp32` (or `apply_query_key_layer_scaling`, which needs it)."""
         coeff = self.softmax_scale_coeff
-        scale = 1.0 / math.sqrt(query.shape[-1])
+        scale = self.softmax_scale or 1.0 / math.sqrt(query.shape[-1])
         scores = torch.matmul(query, key.transpose(-2, -1)) * (scale / coeff)
         if attention_mask is None:
             seq_q, seq_k = scores.shape[-2:]
-            attention_mask = torch.ones(
-                seq_q, seq_k, dtype=torch.bool, device=scores.device
-            ).triu(1)
+            attention_mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).triu(
+                1
+            )
         if self.softmax_in_fp32:
             scores = scores.float()
         if coeff != 1.0:

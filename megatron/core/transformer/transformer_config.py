@@ -202,6 +202,12 @@ class TransformerConfig(ModelParallelConfig):
         moe_layer_freq: Which layers are MoE layers: an int N (every N-th layer, starting with the
             first) or a list of 0/1 per layer.
         moe_per_layer_logging: Log the MoE metrics of every layer, not only their mean.
+        softmax_scale: The attention scores' scale; None means 1 / sqrt(kv_channels).
+        bias_activation_fusion, masked_softmax_fusion, bias_dropout_fusion, persist_layer_norm,
+            memory_efficient_layer_norm: Megatron-core's kernel-fusion switches, accepted with no
+            effect (they change speed only; here PyTorch or `torch.compile` picks the kernels).
+        fp32_residual_connection, window_size: Megatron-core's fp32 residual stream and sliding
+            window attention, not built: their defaults (False, None) only.
     """
 
     num_layers: int = 0
@@ -267,6 +273,15 @@ class TransformerConfig(ModelParallelConfig):
     moe_shared_expert_gate: bool = False
     moe_layer_freq: int | list[int] = 1
     moe_per_layer_logging: bool = False
+
+    softmax_scale: float | None = None
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    persist_layer_norm: bool = False
+    memory_efficient_layer_norm: bool = False
+    fp32_residual_connection: bool = False
+    window_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -441,6 +456,14 @@ class TransformerConfig(ModelParallelConfig):
             )
 
     def _check_attention_options(self) -> None:
+        if self.fp32_residual_connection or self.window_size is not None:
+            raise ValueError(
+                f"fp32_residual_connection={self.fp32_residual_connection}, window_size="
+                f"{self.window_size}: an fp32 residual stream and sliding-window attention are "
+                "not built; leave them False and None."
+            )
+        if self.softmax_scale is not None and self.softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be > 0 or None, got {self.softmax_scale}.")
         if not isinstance(self.attention_backend, AttnBackend):
             raise ValueError(
                 f"attention_backend must be an AttnBackend, got {self.attention_backend!r}; "

@@ -77,6 +77,11 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--moe-layer-recompute",),
     ),
     Unbuilt(
+        "an fp32 residual stream",
+        "drop the flag: the residual stream is in the parameters' dtype",
+        ("--fp32-residual-connection",),
+    ),
+    Unbuilt(
         "distributing the saved inputs of recomputed layers over tensor-parallel ranks",
         "drop the flag (with --sequence-parallel those inputs are split over the ranks already)",
         ("--distribute-saved-activations",),

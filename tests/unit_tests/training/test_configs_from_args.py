@@ -217,6 +217,19 @@ _NOT_FROM_A_FLAG = {
     "moe_shared_expert_overlap",  # its flag is refused (not built)
     "init_method",
     "output_layer_init_method",
+    # Megatron-core's fields for library code: no flag upstream (softmax_scale), flags that
+    # change nothing here or are refused (not built), or no effect.
+    "softmax_scale",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "memory_efficient_layer_norm",
+    "fp32_residual_connection",
+    "window_size",
+    "perform_initialization",
+    "use_cpu_initialization",
+    "pipeline_dtype",
 }
 
 

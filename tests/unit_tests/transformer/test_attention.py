@@ -120,6 +120,16 @@ def test_local_attention_keeps_queries_masked_entirely_finite():
     torch.testing.assert_close(outputs["local"][4:], outputs["unfused"][4:])
 
 
+@pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.unfused])
+def test_softmax_scale_replaces_the_default_scale(backend):
+    """`softmax_scale` s on every backend: as scaling the default 1/sqrt(d) by s * sqrt(d)."""
+    attention = DotProductAttention(_config(attention_backend=backend, softmax_scale=0.7)).eval()
+    default = DotProductAttention(_config(attention_backend=backend)).eval()
+    q, k, v = (torch.randn(SEQ, BATCH, HEADS, HEAD_DIM) for _ in range(3))
+    factor = 0.7 * HEAD_DIM**0.5
+    torch.testing.assert_close(attention(q, k, v), default(q * factor, k, v))
+
+
 def test_rotary_embeddings_change_attention_but_not_shapes():
     attention = _attention(_config(num_query_groups=2)).eval()
     x = torch.randn(SEQ, BATCH, HIDDEN)

@@ -30,6 +30,27 @@ def test_query_key_layer_scaling_sets_the_fp32_softmax_as_upstream():
     )
 
 
+def test_megatron_cores_minimal_example_config_builds():
+    """Upstream's `run_simple_mcore_train_loop.py` config (before: TypeError on its fields)."""
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=12,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+    )
+    assert config.perform_initialization and config.masked_softmax_fusion is False
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [(dict(fp32_residual_connection=True), "fp32 residual"), (dict(window_size=(8, 0)), "window")],
+)
+def test_unbuilt_fields_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**BASE, **overrides)
+
+
 def test_explicit_kv_channels_lift_the_divisibility_requirement():
     config = TransformerConfig(num_layers=1, hidden_size=30, num_attention_heads=4, kv_channels=8)
     assert config.kv_channels == 8
