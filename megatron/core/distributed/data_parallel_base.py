@@ -60,8 +60,13 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         """Launches the gradient reduction of every bucket."""
 
     @abc.abstractmethod
-    def finish_grad_sync(self) -> None:
-        """Waits until every gradient is reduced (launching what has not been launched)."""
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        """Waits until every gradient is reduced (launching what has not been launched).
+
+        Args:
+            force_all_reduce: Megatron-core's; accepted, no effect (every gradient an optimizer
+                reads is reduced either way).
+        """
 
     @abc.abstractmethod
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
@@ -69,8 +74,16 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         the gradients' device, which needs no host synchronisation)."""
 
     @abc.abstractmethod
-    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
-        """Brings parameters up to date before the next forward (after an optimizer step)."""
+    def start_param_sync(
+        self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
+        """Brings parameters up to date before the next forward (after an optimizer step).
+
+        Args:
+            force_sync: refresh every parameter, even where no write to it was seen.
+            force_dispatch: Megatron-core's; accepted, no effect (what is issued here is issued
+                at once).
+        """
 
     def state_dict(
         self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None
@@ -78,6 +91,12 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         """The wrapped module's state dict (no wrapper prefix in the keys; upstream's
         signature, whose first positional argument is the prefix)."""
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(
+        self, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Megatron-core's name for `state_dict()` in checkpoint code."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads a state dict saved by `state_dict()` into the wrapped module."""

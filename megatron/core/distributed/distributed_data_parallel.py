@@ -346,7 +346,7 @@ class DistributedDataParallel(_BaseDataParallel):
         for bucket in self.buckets:
             bucket.start_reduce(async_op=self.ddp_config.overlap_grad_reduce)
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Waits until every gradient is averaged over the data-parallel group.
 
         Raises:
@@ -400,7 +400,9 @@ class DistributedDataParallel(_BaseDataParallel):
         for bucket in self.buckets:
             bucket.scale(scaling_factor)
 
-    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+    def start_param_sync(
+        self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
         """With the distributed optimizer and `force_sync`, all-gathers every parameter from
         the rows each rank updated (`param_shard()`); the optimizer calls it after its step.
         Otherwise nothing to do: every rank holds whole, identical parameters between steps."""

@@ -3,6 +3,7 @@ either engine, and `get_param_groups()`, Megatron's weight-decay and decoupled-r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,7 +59,9 @@ def get_param_groups(
 
 
 def get_megatron_optimizer(
-    config: OptimizerConfig, model: torch.nn.Module, capturable: bool = False
+    config: OptimizerConfig,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    capturable: bool = False,
 ) -> MegatronOptimizer:
     """Builds the optimizer `config` names over `model`'s trainable parameters.
 
@@ -71,7 +74,8 @@ def get_megatron_optimizer(
 
     Args:
         config: the optimizer and its hyperparameters.
-        model: see `MegatronOptimizer`.
+        model: see `MegatronOptimizer`; or Megatron-core's list of model chunks, of one chunk
+            (several are virtual pipeline stages, not built).
         capturable: the step may be captured in a CUDA graph (`MegatronOptimizer.
             step_on_device`): torch's fused kernels, which skip a step on the device and read
             the learning rate from a device tensor, for SGD too; Adam with `capturable=True`.
@@ -85,6 +89,13 @@ def get_megatron_optimizer(
             "OptimizerConfig.lr is None: set the (initial/maximum) learning rate, e.g. "
             "OptimizerConfig(lr=3e-4)."
         )
+    if isinstance(model, Sequence):
+        if len(model) != 1:
+            raise ValueError(
+                f"get_megatron_optimizer got {len(model)} model chunks; pass one (several are "
+                "virtual pipeline stages, which are not built)."
+            )
+        (model,) = model
     param_groups = get_param_groups(
         model,
         config.weight_decay,

@@ -47,6 +47,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
         module: the model (may live on the `meta` device: it is materialised shard by shard).
         fsdp_unit_modules: module classes that each become a unit; everything else belongs to
             the root. Default: see `default_fsdp_units`.
+        disable_bucketing: Megatron-core's; accepted, no effect (each unit's parameters are
+            gathered and reduced together).
+        device: where buffers live; None, or the device the process groups imply (the
+            current CUDA device under NCCL, else the CPU).
         pg_collection: process groups (default: parallel_state's, else the world).
 
     Raises:
@@ -60,6 +64,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
         ddp_config: DistributedDataParallelConfig,
         module: torch.nn.Module,
         fsdp_unit_modules: Sequence[type[torch.nn.Module]] | None = None,
+        disable_bucketing: bool = False,
+        device: torch.device | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ):
         super().__init__(config, module)
@@ -70,6 +76,11 @@ class FullyShardedDataParallel(_BaseDataParallel):
             )
         self.ddp_config = ddp_config
         self.distributed_index = FSDPDistributedIndex.from_pg_collection(pg_collection)
+        if device is not None and torch.device(device).type != self.distributed_index.device.type:
+            raise ValueError(
+                f"device={device}, but the process groups' buffers live on "
+                f"{self.distributed_index.device}; pass that device or None."
+            )
         outer = self.distributed_index.outer_group
         replicas = 1 if outer is None else outer.size()
         if replicas != ddp_config.num_distributed_optimizer_instances:
@@ -145,7 +156,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         """Runs the reductions deferred to the end of the step (same as `finish_grad_sync`)."""
         self.finish_grad_sync()
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """Completes every gradient reduction; the optimizer may step afterwards."""
         for context in self._contexts:
             context.finalize_grads()
@@ -156,7 +167,9 @@ class FullyShardedDataParallel(_BaseDataParallel):
             if group.grads is not None:
                 group.grads.scale(scaling_factor)
 
-    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+    def start_param_sync(
+        self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
         """With `fsdp_all_gather_in_start_param_sync`, starts the first unit's all-gather (and
         the refresh of its weights after an optimizer step) now, before the forward loop
         starts; otherwise issues nothing (each unit then gathers when its forward needs it,

@@ -100,9 +100,7 @@ class GroupPlan:
         transient = strategy.shards_params
         main_dtype = precision.main_params if requires_grad else model_dtype
         # Frozen main weights follow the compute weights: no optimizer state to shard.
-        shards_main = (
-            strategy.shards_optimizer and num_shards > 1 if requires_grad else transient
-        )
+        shards_main = strategy.shards_optimizer and num_shards > 1 if requires_grad else transient
         outer_sharded = requires_grad and strategy.shards_outer
         main_is_unsharded = (
             not outer_sharded and main_dtype == model_dtype and not shards_main and not transient

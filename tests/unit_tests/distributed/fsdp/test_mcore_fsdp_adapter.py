@@ -17,6 +17,7 @@ from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
     fully_shard_optimizer,
 )
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
@@ -185,3 +186,40 @@ def test_use_megatron_fsdp_selects_the_wrapper():
         FullyShardedDataParallel
     )
     assert data_parallel_class(DistributedDataParallelConfig()) is DistributedDataParallel
+
+
+def _upstream_calls() -> tuple[float, set[str], str, str]:
+    """A step written as Megatron-core code writes it: positional constructor arguments
+    (..., fsdp_unit_modules, disable_bucketing, device, pg_collection), the optimizer over the
+    model chunks' list, and the engine calls' keyword arguments (before: TypeErrors)."""
+    model = build_tiny_gpt()
+    ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True)
+    fsdp = FullyShardedDataParallel(model.config, ddp_config, model, None, False, None, None)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, optimizer="sgd"), [fsdp])
+    tokens, labels = device_batch(4)
+    fsdp.zero_grad_buffer()
+    fsdp(tokens, labels=labels).mean().backward()
+    fsdp.finish_grad_sync(force_all_reduce=False)
+    optimizer.step()
+    fsdp.start_param_sync(force_dispatch=True)
+    with torch.no_grad():
+        after = fsdp(tokens, labels=labels).mean().item()
+    keys = set(fsdp.state_dict_for_save_checkpoint()) ^ set(fsdp.state_dict())
+    errors = []
+    for bad in (
+        lambda: FullyShardedDataParallel(
+            model.config, ddp_config, build_tiny_gpt(), None, False, torch.device("meta")
+        ),
+        lambda: get_megatron_optimizer(OptimizerConfig(lr=0.1), [fsdp, fsdp]),
+    ):
+        with pytest.raises(ValueError) as error:
+            bad()
+        errors.append(str(error.value))
+    return after, keys, *errors
+
+
+def test_megatron_core_style_calls():
+    for after, keys, device_error, chunks_error in run_distributed(_upstream_calls, 2):
+        assert after > 0 and not keys
+        assert "device=meta, but the process groups' buffers live on cpu" in device_error
+        assert "got 2 model chunks; pass one" in chunks_error
