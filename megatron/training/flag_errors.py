@@ -2,9 +2,9 @@
 
 torchrun stops the whole job when the first rank exits, so a rank that found a bad flag before
 rank 0 had printed it would end the job with no message at all. Every rank but 0 therefore waits
-up to `FLAG_ERROR_GRACE_S` before it exits (rank 0's exit ends the wait), and a rank still there
-after it found what rank 0 did not (a data path its node cannot see), and prints it, naming
-itself. This holds for argparse's errors (`FlagParser`: an unknown or malformed flag) and for
+up to `FLAG_ERROR_GRACE_S` before it exits (rank 0's exit ends the wait); a rank still running
+after the wait found an error rank 0 did not (a data path its node cannot see), and prints it,
+naming itself. This holds for argparse's errors (`FlagParser`: an unknown or malformed flag) and for
 `InvalidFlagsError`, which validation raises, ended by `report_flag_errors`.
 """
 
@@ -31,7 +31,7 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _another_rank_reports() -> bool:
+def _is_another_rank() -> bool:
     return _rank() != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -51,7 +51,7 @@ class FlagParser(argparse.ArgumentParser):
     at once (module docstring)."""
 
     def error(self, message: str) -> NoReturn:
-        if _in_entry_point and _another_rank_reports():
+        if _in_entry_point and _is_another_rank():
             _exit_after_rank_0(message)
         super().error(message)
 
@@ -66,7 +66,7 @@ def report_flag_errors() -> Iterator[None]:
     try:
         yield
     except InvalidFlagsError as error:
-        if _another_rank_reports():
+        if _is_another_rank():
             _exit_after_rank_0(str(error))
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -247,8 +247,8 @@ def _refuse_mla(multi_latent_attention: bool) -> None:
 def _warn_fp8(fp8: str | None) -> None:
     if fp8 is not None:
         warnings.warn(
-            "The fp8 argument of the GPT layer specs is ignored (Megatron-core deprecated it); "
-            "FP8 is the config's fp8 field.",
+            "The fp8 argument of the GPT layer specs is ignored, as Megatron-core ignores it "
+            "(deprecated there).",
             stacklevel=3,
         )
 

@@ -249,29 +249,16 @@ class GPTModel(MegatronModule):
             [b, s, vocab_size]. Without `post_process`: decoder hidden states [s, b, h]
             ([s/T, b, h] under sequence parallelism).
         """
-        _refuse_unbuilt(
-            **{
-                name: (value, None, "not built")
-                for name, value in dict(
-                    inference_context=inference_context,
-                    packed_seq_params=packed_seq_params,
-                    extra_block_kwargs=extra_block_kwargs,
-                    inference_params=inference_params,
-                    padding_mask=padding_mask,
-                ).items()
-            }
+        unbuilt = dict(
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs,
+            inference_params=inference_params,
+            padding_mask=padding_mask,
         )
-        if decoder_input is not None:
-            pass
-        elif self.pre_process:
-            decoder_input = self.embedding(input_ids, position_ids)
-        elif self.input_tensor is not None:
-            decoder_input = self.input_tensor
-        else:
-            raise ValueError(
-                "GPTModel was built with pre_process=False; call set_input_tensor() with the "
-                "[s, b, h] decoder input before forward."
-            )
+        _refuse_unbuilt(**{name: (value, None, "not built") for name, value in unbuilt.items()})
+        if decoder_input is None:
+            decoder_input = self._decoder_input(input_ids, position_ids)
 
         rotary_pos_emb = None
         if self.position_embedding_type == "rope":
@@ -310,6 +297,18 @@ class GPTModel(MegatronModule):
         else:
             loss = F.cross_entropy(logits.float(), labels, reduction="none")
         return loss.view(seq_len, batch).t().contiguous()
+
+    def _decoder_input(
+        self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.pre_process:
+            return self.embedding(input_ids, position_ids)
+        if self.input_tensor is None:
+            raise ValueError(
+                "GPTModel was built with pre_process=False; call set_input_tensor() with the "
+                "[s, b, h] decoder input before forward."
+            )
+        return self.input_tensor
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's [s, b, V/T] logits of the final hidden states ([s/T, b, h] under sequence
