@@ -111,7 +111,43 @@ class DistributedDataParallelConfig:
     at the cost of holding every unit's whole gradients from the first microbatch's backward to
     the last's (`accumulation_memory()`). Changes nothing in a step of one microbatch."""
 
+    # Megatron-core's fields that only tune buckets, buffers or registration for speed: accepted
+    # with any value and no effect, as their flags are (`docs/flags.md`, "Accepted with no
+    # effect"), so that upstream code constructing this config runs.
+    num_buckets: int | None = None
+    align_param_gather: bool = False
+    pad_buckets_for_high_nccl_busbw: bool = False
+    gradient_reduce_div_fusion: bool = True
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    fsdp_manual_registration: bool = False
+    disable_symmetric_registration: bool = False
+    megatron_fsdp_max_pool_double_buffer: bool = False
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+
+    # Megatron-core's fields of features not built here: their defaults only
+    # (`UNBUILT_FIELDS` says what each asks for).
+    check_for_large_grads: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
+    fp8_param_gather: bool = False
+    fp4_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    keep_fp8_transpose_cache: bool = False
+    use_custom_fsdp: bool = False
+    delay_wgrad_compute: bool = False
+    megatron_fsdp_use_decoupled_grad: bool = False
+    megatron_fsdp_cuda_graph_mode: bool = False
+
     def __post_init__(self) -> None:
+        for name, feature in UNBUILT_FIELDS.items():
+            value = getattr(self, name)
+            if value != type(self).__dataclass_fields__[name].default:
+                raise ValueError(
+                    f"DistributedDataParallelConfig.{name}={value!r} asks for {feature}, which "
+                    "is not built; leave it at its default."
+                )
         self._check_choice("data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         self._check_choice("outer_dp_sharding_strategy", OUTER_SHARDING_STRATEGIES)
         for name in (
@@ -229,3 +265,22 @@ _FSDP_ONLY_FIELDS = frozenset(
     }
 )
 """Fields only Megatron-FSDP reads."""
+
+UNBUILT_FIELDS = {
+    "check_for_large_grads": "a check of the local gradients for large values",
+    "reduce_scatter_with_fp32_accumulation": "fp32 accumulation inside the reduce-scatter "
+    "(use grad_reduce_in_fp32)",
+    "param_name_patterns_for_fp32_local_accumulation": "fp32 local accumulation by name "
+    "(use grad_reduce_in_fp32)",
+    "fp8_param_gather": "FP8 parameter all-gathers",
+    "fp4_param_gather": "FP4 parameter all-gathers",
+    "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 parameter all-gathers",
+    "keep_fp8_transpose_cache": "Transformer Engine's FP8 transpose cache",
+    "use_custom_fsdp": "Megatron-FSDP by its old name (use use_megatron_fsdp)",
+    "delay_wgrad_compute": "delayed weight-gradient computation",
+    "megatron_fsdp_use_decoupled_grad": "decoupled Megatron-FSDP gradients",
+    "megatron_fsdp_cuda_graph_mode": "Megatron-FSDP's CUDA-graph mode (graph the whole "
+    "iteration with --cuda-graph-impl local)",
+}
+"""Megatron-core's fields of features not built here, by what they ask for: refused unless
+left at their defaults."""

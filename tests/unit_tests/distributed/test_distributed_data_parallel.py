@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.distributed_data_parallel_config import UNBUILT_FIELDS
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed_harness import (
     DistributedTestError,
@@ -358,6 +359,24 @@ def test_overlap_second_synced_backward_without_zero_grad_buffer_is_an_error():
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         DistributedDataParallelConfig(**kwargs)
+
+
+def test_megatron_cores_config_fields_are_accepted_or_refused_by_name():
+    """Upstream's Megatron-FSDP tests build the config with these (before: TypeError)."""
+    config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        num_buckets=None,
+        fsdp_double_buffer=True,  # speed only: any value
+        nccl_ub=True,
+        check_for_large_grads=False,
+        align_param_gather=False,
+    )
+    assert config.fsdp_double_buffer and config.nccl_ub
+    for name in UNBUILT_FIELDS:
+        default = DistributedDataParallelConfig.__dataclass_fields__[name].default
+        bad = ("x",) if isinstance(default, tuple) else not default
+        with pytest.raises(ValueError, match=f"DistributedDataParallelConfig.{name}=.* not built"):
+            DistributedDataParallelConfig(**{name: bad})
 
 
 def _wrap_with_fsdp_config() -> None:
