@@ -57,16 +57,23 @@ def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, f
 
 
 def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:
-    """`--calculate-per-token-loss`: the reduced gradients (the data-parallel mean of each rank's
-    summed losses' gradients) become the gradient of the global batch's loss per token."""
+    """`--calculate-per-token-loss`: the reduced gradients (the data-parallel sum of each rank's
+    summed losses' gradients: the engines sum under the config's `calculate_per_token_loss`)
+    become the gradient of the global batch's loss per token."""
     if num_tokens is None:
         raise RuntimeError(
             "--calculate-per-token-loss needs the loss function to return (loss, num_tokens, "
             "report), the loss summed over num_tokens tokens; drop the flag or return the count."
         )
+    if not model.config.calculate_per_token_loss:
+        raise ValueError(
+            "--calculate-per-token-loss, but the wrapped model's config has "
+            "calculate_per_token_loss=False, so its engine averages the gradients instead of "
+            "summing them: build the model's TransformerConfig with the flag (core_transformer_"
+            "config_from_args does)."
+        )
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     total = num_tokens.detach().float().clone()
     dist.all_reduce(total, group=group)
-    # The engines average over the group: times its size undoes that, before dividing.
     # A device tensor: no host synchronisation.
-    model.scale_gradients(dist.get_world_size(group) / total.clamp(min=1.0))
+    model.scale_gradients(1.0 / total.clamp(min=1.0))

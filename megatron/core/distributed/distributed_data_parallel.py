@@ -139,6 +139,15 @@ class DistributedDataParallel(_BaseDataParallel):
         self.ddp_config = ddp_config
         self.data_parallel_group = resolve_data_parallel_group(pg_collection)
         dp_size = dist.get_world_size(self.data_parallel_group)
+        # Megatron-core's rule: with per-token losses the loop divides the summed gradients by
+        # the global token count, so the reductions sum (divide by 1) rather than average.
+        divisor = 1 if config.calculate_per_token_loss else dp_size
+        if config.calculate_per_token_loss and ddp_config.average_in_collective:
+            raise ValueError(
+                "average_in_collective=True averages the gradients, but calculate_per_token_loss "
+                "sums them (the loop divides by the global token count): set "
+                "average_in_collective=False (drop --ddp-average-in-collective)."
+            )
 
         bucket_size = ddp_config.bucket_size
         if bucket_size is None and ddp_config.overlap_grad_reduce:
@@ -172,7 +181,7 @@ class DistributedDataParallel(_BaseDataParallel):
                 ddp_config.average_in_collective,
                 ddp_config.check_for_nan_in_grad,
                 shard_buckets=ddp_config.use_distributed_optimizer,
-                divisor=dp_size,
+                divisor=divisor,
             )
             for (dtype, expert), group_params in by_kind.items()
         ]

@@ -37,6 +37,7 @@ from tests.unit_tests.model_builders import (
     build_tiny_gpt,
     make_token_batches,
     shard_batch,
+    tiny_gpt_config,
     wrap_for_engine,
 )
 from tests.unit_tests.training.log_capture import capture_training_log
@@ -360,7 +361,8 @@ def _per_token_step(
     micro_batches = world * num_microbatches
     if first_masked:
         mask[: len(tokens) // micro_batches] = 0.0
-    model = build_tiny_gpt()
+    # The engines sum the gradients (not average them) under the config's flag, as upstream's.
+    model = build_tiny_gpt(tiny_gpt_config(calculate_per_token_loss=per_token))
     reference = build_tiny_gpt()
     wrapped = wrap_for_engine(model, engine)
     config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0)

@@ -71,7 +71,11 @@ class ShardGroups:
     """What a shard-level gradient reduction divides the sum by: the dense shard group's size
     (dp x cp over the hybrid-sharding replicas, whose reduction divides by the outer size), also
     for experts, whose shard group holds 1/EP of the data-parallel ranks (and, under tensor
-    parallelism, ranks of other tp groups)."""
+    parallelism, ranks of other tp groups); unused where `average_grads` is False."""
+
+    average_grads: bool = True
+    """Whether gradient reductions average over the data-parallel ranks (False: they sum, as
+    Megatron-core's engines do under `calculate_per_token_loss`)."""
 
 
 class FSDPDistributedIndex:
@@ -90,6 +94,9 @@ class FSDPDistributedIndex:
         expert_tensor_parallel_group: the `expt_tp` group splitting each expert (None or size
             1: experts are not split by tensor parallelism).
         device: where buffers live; default: the current CUDA device under NCCL, else CPU.
+        average_grads: gradient reductions average over the data-parallel ranks; False: they
+            sum (Megatron-core's rule under `calculate_per_token_loss`, whose loop then divides
+            by the global token count).
 
     Raises:
         ValueError: an all-gather group does not span the same ranks as its shard group; the
@@ -108,6 +115,7 @@ class FSDPDistributedIndex:
         tensor_model_parallel_group: dist.ProcessGroup | None = None,
         expert_tensor_parallel_group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        average_grads: bool = True,
     ):
         if outer_group is not None and outer_group.size() == 1:
             outer_group = None
@@ -134,11 +142,15 @@ class FSDPDistributedIndex:
             on_gpu = dist.get_backend(shard_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
         self.device = device or torch.device("cpu")
+        self.average_grads = average_grads
         self._groups: dict[bool, ShardGroups] = {}
 
     @classmethod
     def from_pg_collection(
-        cls, pg_collection: ProcessGroupCollection | None, device: torch.device | None = None
+        cls,
+        pg_collection: ProcessGroupCollection | None,
+        device: torch.device | None = None,
+        average_grads: bool = True,
     ) -> FSDPDistributedIndex:
         """Reads the groups of `pg_collection` (None: parallel_state's, else the world).
 
@@ -148,7 +160,9 @@ class FSDPDistributedIndex:
         """
         if pg_collection is None:
             if not parallel_state.model_parallel_is_initialized():
-                return cls(resolve_data_parallel_group(None), device=device)
+                return cls(
+                    resolve_data_parallel_group(None), device=device, average_grads=average_grads
+                )
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         dp_cp = resolve_data_parallel_group(pg_collection)
         return cls(
@@ -161,6 +175,7 @@ class FSDPDistributedIndex:
             tensor_model_parallel_group=pg_collection.tp,
             expert_tensor_parallel_group=pg_collection.expt_tp,
             device=device,
+            average_grads=average_grads,
         )
 
     @classmethod
@@ -229,6 +244,7 @@ class FSDPDistributedIndex:
             mesh=_device_mesh(shard, self.outer_group, self.device.type, leading),
             leading=leading,
             grad_divisor=self.shard_group.size(),
+            average_grads=self.average_grads,
         )
 
 

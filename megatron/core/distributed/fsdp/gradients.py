@@ -20,7 +20,8 @@ States (`GradState`) and transitions::
   hybrid sharding) have not run. Every backward pass adds to it, however many run per forward
   or per step.
 - READY: finalised: the optimizer's `.grad` hold the reduced gradients (averaged over the
-  data-parallel ranks; expert gradients over the dp x cp ranks too, see `expert_parallel.py`).
+  data-parallel ranks; expert gradients over the dp x cp ranks too, see `expert_parallel.py`;
+  summed instead where `ShardGroups.average_grads` is False).
   A further backward adds to them (as torch accumulates into `.grad`), and finalising again
   adds its reduction.
 - CONSUMED: READY, after an optimizer step connected by `fully_shard_optimizer`: the next
@@ -434,7 +435,11 @@ class GroupGrads:
         )
         outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
         self.comm.reduce_scatter_tensors(
-            outputs, sends, group, average=True, divisor=self._groups.grad_divisor
+            outputs,
+            sends,
+            group,
+            average=self._groups.average_grads,
+            divisor=self._groups.grad_divisor,
         )
         if direct:
             return
@@ -462,7 +467,7 @@ class GroupGrads:
                 reduced,
                 self._in_comm_dtype(main_grad.full),
                 groups.shard,
-                average=True,
+                average=groups.average_grads,
                 divisor=groups.grad_divisor,
             )
         else:
@@ -482,7 +487,7 @@ class GroupGrads:
 
     def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, divisor: int) -> None:
         staging = self._in_comm_dtype(tensor)
-        self.comm.all_reduce(staging, group, average=True, divisor=divisor)
+        self.comm.all_reduce(staging, group, average=self._groups.average_grads, divisor=divisor)
         if staging is not tensor:
             tensor.copy_(staging)
 
@@ -493,7 +498,9 @@ class GroupGrads:
         staging = torch.empty(layout.numel, dtype=comm_dtype, device=self._device)
         copy_chunks_in(self.main_grad.local_views(), staging, layout)
         out = torch.empty(layout.shard_numel, dtype=comm_dtype, device=self._device)
-        self.comm.reduce_scatter(out, staging, self._groups.outer, average=True)
+        self.comm.reduce_scatter(
+            out, staging, self._groups.outer, average=self._groups.average_grads
+        )
         return out
 
     # What the optimizer sees.

@@ -75,7 +75,11 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 "data parallelism wrap the model with DistributedDataParallel instead."
             )
         self.ddp_config = ddp_config
-        self.distributed_index = FSDPDistributedIndex.from_pg_collection(pg_collection)
+        # Megatron-core's rule: with per-token losses the loop divides the summed gradients by
+        # the global token count, so the reductions sum rather than average.
+        self.distributed_index = FSDPDistributedIndex.from_pg_collection(
+            pg_collection, average_grads=not config.calculate_per_token_loss
+        )
         if device is not None and torch.device(device).type != self.distributed_index.device.type:
             raise ValueError(
                 f"device={device}, but the process groups' buffers live on "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron.core import parallel_state
 from megatron.core.distributed import (
@@ -26,6 +28,10 @@ from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
     device_batch,
+    make_token_batches,
+    shard_batch,
+    tiny_gpt_config,
+    wrap_for_engine,
 )
 
 
@@ -223,3 +229,36 @@ def test_megatron_core_style_calls():
         assert after > 0 and not keys
         assert "device=meta, but the process groups' buffers live on cpu" in device_error
         assert "got 2 model chunks; pass one" in chunks_error
+
+
+def _upstream_per_token_recipe(engine: str) -> tuple[dict, dict]:
+    """Megatron-core's per-token recipe in a loop of one's own: each rank backpropagates the
+    sum of its tokens' losses, the engine reduces, and `scale_gradients(1 / global tokens)`
+    (before: the engines averaged, so the gradients came out 1 / dp too small)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, labels = make_token_batches(1, 8, seed=5)[0]
+    mask = (tokens % 3 != 0).float()  # uneven token counts per rank
+    model = build_tiny_gpt(tiny_gpt_config(calculate_per_token_loss=True))
+    wrapped = wrap_for_engine(model, engine)
+    local = [shard_batch(t, rank, world) for t in (tokens, labels, mask)]
+    (wrapped(local[0], labels=local[1]) * local[2]).sum().backward()
+    wrapped.finish_grad_sync()
+    count = local[2].sum()
+    dist.all_reduce(count)
+    wrapped.scale_gradients(1.0 / count)
+    reference = build_tiny_gpt()
+    ((reference(tokens, labels=labels) * mask).sum() / mask.sum()).backward()
+    grads = {name: _full_grad(wrapped, param) for name, param in model.named_parameters()}
+    return grads, {name: p.grad for name, p in reference.named_parameters()}
+
+
+def _full_grad(wrapped, param: torch.Tensor) -> torch.Tensor:
+    grad = param.main_grad if isinstance(wrapped, DistributedDataParallel) else param.grad
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+@pytest.mark.parametrize("engine", ["ddp", "no_shard", "optim", "optim_grads_params"])
+def test_upstreams_per_token_recipe_gives_the_per_token_gradient(engine):
+    for grads, expected in run_distributed(_upstream_per_token_recipe, 2, engine):
+        for name, value in expected.items():
+            torch.testing.assert_close(grads[name], value, msg=name)
