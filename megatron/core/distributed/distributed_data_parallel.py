@@ -141,8 +141,9 @@ class DistributedDataParallel(_BaseDataParallel):
         dp_size = dist.get_world_size(self.data_parallel_group)
         # Megatron-core's rule: with per-token losses the loop divides the summed gradients by
         # the global token count, so the reductions sum (divide by 1) rather than average.
-        divisor = 1 if config.calculate_per_token_loss else dp_size
-        if config.calculate_per_token_loss and ddp_config.average_in_collective:
+        per_token = config is not None and config.calculate_per_token_loss
+        divisor = 1 if per_token else dp_size
+        if per_token and ddp_config.average_in_collective:
             raise ValueError(
                 "average_in_collective=True averages the gradients, but calculate_per_token_loss "
                 "sums them (the loop divides by the global token count): set "

@@ -111,9 +111,9 @@ class DistributedDataParallelConfig:
     at the cost of holding every unit's whole gradients from the first microbatch's backward to
     the last's (`accumulation_memory()`). Changes nothing in a step of one microbatch."""
 
-    # Megatron-core's fields that only tune buckets, buffers or registration for speed: accepted
-    # with any value and no effect, as their flags are (`docs/flags.md`, "Accepted with no
-    # effect"), so that upstream code constructing this config runs.
+    # Megatron-core's fields that only tune buckets, buffers or registration for speed
+    # (`SPEED_ONLY_FIELDS`): accepted with any value and no effect, as their flags are, so that
+    # upstream code constructing this config runs.
     num_buckets: int | None = None
     align_param_gather: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
@@ -265,6 +265,23 @@ _FSDP_ONLY_FIELDS = frozenset(
     }
 )
 """Fields only Megatron-FSDP reads."""
+
+SPEED_ONLY_FIELDS = frozenset(
+    {
+        "num_buckets",
+        "align_param_gather",
+        "pad_buckets_for_high_nccl_busbw",
+        "gradient_reduce_div_fusion",
+        "nccl_ub",
+        "fsdp_double_buffer",
+        "fsdp_db_use_persist_buf_on_alloc_fail",
+        "fsdp_manual_registration",
+        "disable_symmetric_registration",
+        "megatron_fsdp_max_pool_double_buffer",
+        "megatron_fsdp_enable_fine_grained_param_gather",
+    }
+)
+"""Megatron-core's fields that only tune buckets, buffers or registration: no effect here."""
 
 UNBUILT_FIELDS = {
     "check_for_large_grads": "a check of the local gradients for large values",

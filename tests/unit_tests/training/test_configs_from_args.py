@@ -11,6 +11,10 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.distributed_data_parallel_config import (
+    SPEED_ONLY_FIELDS,
+    UNBUILT_FIELDS,
+)
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
@@ -94,7 +98,14 @@ def test_flag_reaches_ddp_config(cuda_available, flags, field, value):
 
 def test_every_ddp_config_field_has_a_flag():
     # check_for_nan_in_grad stays off: the training loop checks the global grad norm instead.
-    covered = {field for _, field, _ in DDP_CONFIG_CASES} | {"check_for_nan_in_grad"}
+    # Megatron-core's fields with no effect or of unbuilt features: their flags are documented
+    # no-ops or refused by name (`flag_groups/unbuilt.py`), and the config keeps its defaults.
+    covered = (
+        {field for _, field, _ in DDP_CONFIG_CASES}
+        | {"check_for_nan_in_grad"}
+        | SPEED_ONLY_FIELDS
+        | set(UNBUILT_FIELDS)
+    )
     assert covered == {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
 
 
