@@ -85,6 +85,11 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
                 at once).
         """
 
+    @abc.abstractmethod
+    def broadcast_params(self) -> None:
+        """Gives every data-parallel rank the first rank's weights (after an initialisation that
+        differed across ranks)."""
+
     def state_dict(
         self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None
     ) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
@@ -189,6 +190,27 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 context.mark_main_weights_written()
             if self.ddp_config.fsdp_all_gather_in_start_param_sync:
                 context.unshard_first_unit()
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Gives every rank the first rank's weights where they are replicated (Megatron-core's
+        call after an initialisation that differed across ranks): main weights replicated over
+        the shard group (`no_shard`) or over the hybrid-sharding replicas (HSDP) are broadcast
+        from that group's first rank. Sharded main weights exist once already."""
+        for group in self._groups:
+            weights, plan = group.weights, group.plan
+            groups = weights.groups
+            replicated_over = [] if plan.shards_main else [groups.shard]
+            if groups.outer is not None and not plan.outer_sharded:
+                replicated_over.append(groups.outer)
+            for process_group in replicated_over:
+                dist.broadcast(
+                    weights.sharded_main.data,
+                    src=dist.get_global_rank(process_group, 0),
+                    group=process_group,
+                )
+        for context in self._contexts:
+            context.mark_main_weights_written()
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads weights given as DTensors (as `state_dict()` returns) or as whole tensors

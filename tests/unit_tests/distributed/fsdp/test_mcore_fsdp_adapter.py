@@ -262,3 +262,26 @@ def test_upstreams_per_token_recipe_gives_the_per_token_gradient(engine):
     for grads, expected in run_distributed(_upstream_per_token_recipe, 2, engine):
         for name, value in expected.items():
             torch.testing.assert_close(grads[name], value, msg=name)
+
+
+def _after_broadcast(strategy: str) -> tuple[float, dict, dict]:
+    """Each rank builds other weights (its own seed), then `broadcast_params()`."""
+    model = build_tiny_gpt(seed=dist.get_rank())
+    rank0_weights = full_state(build_tiny_gpt(seed=0))
+    wrapped = wrap_for_engine(model, strategy)
+    wrapped.broadcast_params()
+    tokens, labels = device_batch(4)
+    with torch.no_grad():
+        loss = wrapped(tokens, labels=labels).mean().item()
+    return loss, full_state(model), rank0_weights
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_broadcast_params_gives_every_rank_the_same_weights(strategy):
+    """Before: AttributeError, and ranks of a replicated engine stayed apart for good."""
+    (loss0, state0, rank0), (loss1, state1, _) = run_distributed(_after_broadcast, 2, strategy)
+    assert loss0 == loss1
+    for name in state0:
+        torch.testing.assert_close(state0[name], state1[name], rtol=0, atol=0)
+        if strategy == "no_shard":  # replicated: rank 0's own weights
+            torch.testing.assert_close(state0[name], rank0[name], rtol=0, atol=0)
