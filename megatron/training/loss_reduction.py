@@ -58,14 +58,14 @@ def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, f
 
 def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:
     """`--calculate-per-token-loss`: the reduced gradients (the data-parallel sum of each rank's
-    summed losses' gradients: the engines sum under the config's `calculate_per_token_loss`)
-    become the gradient of the global batch's loss per token."""
+    summed losses' gradients: `model.sums_grads`) become the gradient of the global batch's loss
+    per token."""
     if num_tokens is None:
         raise RuntimeError(
             "--calculate-per-token-loss needs the loss function to return (loss, num_tokens, "
             "report), the loss summed over num_tokens tokens; drop the flag or return the count."
         )
-    if not model.config.calculate_per_token_loss:
+    if not model.sums_grads:
         raise ValueError(
             "--calculate-per-token-loss, but the wrapped model's config has "
             "calculate_per_token_loss=False, so its engine averages the gradients instead of "

@@ -8,7 +8,11 @@ import re
 import pytest
 import torch
 
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import (
+    _CHECKED_FLAGS,
+    _STATE_KEYS,
+    OptimizerParamScheduler,
+)
 
 INIT_LR, MAX_LR, MIN_LR = 1e-4, 1e-3, 1e-5
 WARMUP, DECAY = 10, 110  # the decay phase spans steps 10..110: 100 steps
@@ -170,6 +174,14 @@ def test_loading_another_schedule_needs_a_choice():
     assert (kept.num_steps, kept.lr_decay_style, kept.max_lr) == (37, "linear", 5e-3)
     with pytest.raises(ValueError, match="both"):
         _scheduler(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True)
+
+
+def test_every_saved_value_but_the_free_ones_is_checked_on_resume():
+    """A value added to the state dict is compared with the checkpoint's unless it is one of
+    those a resumed run may change (the step count, the WSD decay), as Megatron-LM."""
+    free = {"num_steps", "wsd_decay_steps", "lr_wsd_decay_style"}
+    assert set(_CHECKED_FLAGS) | free == set(_STATE_KEYS)
+    assert not set(_CHECKED_FLAGS) & free
 
 
 def test_a_resumed_wsd_run_may_choose_its_decay():

@@ -42,6 +42,10 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         super().__init__()
         self.config = config
         self.module = module
+        # Megatron-core's rule, fixed when the engine is built: under the config's
+        # `calculate_per_token_loss` gradient reductions sum over the data-parallel ranks instead
+        # of averaging, and the loop divides them by the global token count.
+        self.sums_grads = config is not None and config.calculate_per_token_loss
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module."""

@@ -103,7 +103,8 @@ class DistributedDataParallel(_BaseDataParallel):
         module: the model; every rank must hold identical weights (same seed, or call
             `broadcast_params()`).
         disable_bucketing: one bucket per gradient dtype whatever `bucket_size` says.
-        pg_collection: process groups; gradients are averaged over `pg_collection.dp_cp`
+        pg_collection: process groups; gradients are averaged (summed under `sums_grads`) over
+            `pg_collection.dp_cp`
             (default: parallel_state's data-parallel-with-context group, else the world);
             with `ep` or `expt_tp` of two or more ranks (other than the tp group), expert
             gradients are reduced over `expt_dp`; with `tp` (`expt_tp` for experts) of two or
@@ -139,11 +140,8 @@ class DistributedDataParallel(_BaseDataParallel):
         self.ddp_config = ddp_config
         self.data_parallel_group = resolve_data_parallel_group(pg_collection)
         dp_size = dist.get_world_size(self.data_parallel_group)
-        # Megatron-core's rule: with per-token losses the loop divides the summed gradients by
-        # the global token count, so the reductions sum (divide by 1) rather than average.
-        per_token = config is not None and config.calculate_per_token_loss
-        divisor = 1 if per_token else dp_size
-        if per_token and ddp_config.average_in_collective:
+        divisor = 1 if self.sums_grads else dp_size
+        if self.sums_grads and ddp_config.average_in_collective:
             raise ValueError(
                 "average_in_collective=True averages the gradients, but calculate_per_token_loss "
                 "sums them (the loop divides by the global token count): set "
@@ -308,12 +306,18 @@ class DistributedDataParallel(_BaseDataParallel):
 
         Raises:
             RuntimeError: with the distributed optimizer, whose reduce-scatter leaves the
-                buffer holding no reduced gradients to add to.
+                buffer holding no reduced gradients to add to; or when the reductions sum
+                (`sums_grads`), which would count the reduced gradients once per rank.
         """
-        if self.ddp_config.use_distributed_optimizer:
+        if self.ddp_config.use_distributed_optimizer or self.sums_grads:
+            why = (
+                "calculate_per_token_loss (summed gradients)"
+                if self.sums_grads
+                else "use_distributed_optimizer=True"
+            )
             raise RuntimeError(
-                "A gradient arrived after finish_grad_sync() reduced its bucket, with "
-                "use_distributed_optimizer=True: call zero_grad_buffer() before each step."
+                f"A gradient arrived after finish_grad_sync() reduced its bucket, with {why}: "
+                "call zero_grad_buffer() before each step."
             )
         bucket.reset()
 
@@ -357,7 +361,8 @@ class DistributedDataParallel(_BaseDataParallel):
             bucket.start_reduce(async_op=self.ddp_config.overlap_grad_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
-        """Waits until every gradient is averaged over the data-parallel group.
+        """Waits until every gradient is reduced over the data-parallel group (averaged, or
+        summed under `sums_grads`).
 
         Raises:
             RuntimeError: with `overlap_grad_reduce`, some parameters got no gradient in the
@@ -435,7 +440,7 @@ class DistributedDataParallel(_BaseDataParallel):
         return self._shards_of(param).param_shards[param]
 
     def grad_shard(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The reduced (averaged) gradient of `param_shard(param)`, after `finish_grad_sync()`."""
+        """The reduced gradient of `param_shard(param)`, after `finish_grad_sync()`."""
         return self._shards_of(param).grads[param]
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,16 @@ OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 """Over the outer (inter-replica) group: replicate (HSDP), or shard optimizer state (HFSDP)."""
 
 _PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _no_effect(default: Any) -> Any:
+    """A Megatron-core field that only tunes speed here: any value, no effect."""
+    return dataclasses.field(default=default, metadata={"no_effect": True})
+
+
+def _unbuilt(default: Any, feature: str) -> Any:
+    """A Megatron-core field asking for `feature`, which is not built: its default only."""
+    return dataclasses.field(default=default, metadata={"unbuilt": feature})
 
 
 @dataclass
@@ -111,42 +122,49 @@ class DistributedDataParallelConfig:
     at the cost of holding every unit's whole gradients from the first microbatch's backward to
     the last's (`accumulation_memory()`). Changes nothing in a step of one microbatch."""
 
-    # Megatron-core's fields that only tune buckets, buffers or registration for speed
-    # (`SPEED_ONLY_FIELDS`): accepted with any value and no effect, as their flags are, so that
-    # upstream code constructing this config runs.
-    num_buckets: int | None = None
-    align_param_gather: bool = False
-    pad_buckets_for_high_nccl_busbw: bool = False
-    gradient_reduce_div_fusion: bool = True
-    nccl_ub: bool = False
-    fsdp_double_buffer: bool = False
-    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
-    fsdp_manual_registration: bool = False
-    disable_symmetric_registration: bool = False
-    megatron_fsdp_max_pool_double_buffer: bool = False
-    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    # Megatron-core's fields that only tune buckets, buffers or registration for speed: accepted
+    # with any value and no effect, so that upstream code building this config runs
+    # (`SPEED_ONLY_FIELDS`; the flags of a few are accepted likewise, `PERFORMANCE_HINTS`).
+    num_buckets: int | None = _no_effect(None)
+    align_param_gather: bool = _no_effect(False)
+    pad_buckets_for_high_nccl_busbw: bool = _no_effect(False)
+    gradient_reduce_div_fusion: bool = _no_effect(True)
+    nccl_ub: bool = _no_effect(False)
+    fsdp_double_buffer: bool = _no_effect(False)
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = _no_effect(False)
+    fsdp_manual_registration: bool = _no_effect(False)
+    disable_symmetric_registration: bool = _no_effect(False)
+    megatron_fsdp_max_pool_double_buffer: bool = _no_effect(False)
+    megatron_fsdp_enable_fine_grained_param_gather: bool = _no_effect(False)
 
-    # Megatron-core's fields of features not built here: their defaults only
-    # (`UNBUILT_FIELDS` says what each asks for).
-    check_for_large_grads: bool = False
-    reduce_scatter_with_fp32_accumulation: bool = False
-    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = ()
-    fp8_param_gather: bool = False
-    fp4_param_gather: bool = False
-    reuse_grad_buf_for_mxfp8_param_ag: bool = False
-    keep_fp8_transpose_cache: bool = False
-    use_custom_fsdp: bool = False
-    delay_wgrad_compute: bool = False
-    megatron_fsdp_use_decoupled_grad: bool = False
-    megatron_fsdp_cuda_graph_mode: bool = False
+    # Megatron-core's fields of features not built here: refused unless at their defaults
+    # (`UNBUILT_FIELDS`).
+    check_for_large_grads: bool = _unbuilt(False, "a check of the local gradients for large values")
+    reduce_scatter_with_fp32_accumulation: bool = _unbuilt(
+        False, "fp32 accumulation inside the reduce-scatter (use grad_reduce_in_fp32)"
+    )
+    param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = _unbuilt(
+        (), "fp32 local accumulation by name (use grad_reduce_in_fp32)"
+    )
+    fp8_param_gather: bool = _unbuilt(False, "FP8 parameter all-gathers")
+    fp4_param_gather: bool = _unbuilt(False, "FP4 parameter all-gathers")
+    reuse_grad_buf_for_mxfp8_param_ag: bool = _unbuilt(False, "MXFP8 parameter all-gathers")
+    keep_fp8_transpose_cache: bool = _unbuilt(False, "Transformer Engine's FP8 transpose cache")
+    use_custom_fsdp: bool = _unbuilt(False, "Megatron-FSDP by its old name (use use_megatron_fsdp)")
+    delay_wgrad_compute: bool = _unbuilt(False, "delayed weight-gradient computation")
+    megatron_fsdp_use_decoupled_grad: bool = _unbuilt(False, "decoupled Megatron-FSDP gradients")
+    megatron_fsdp_cuda_graph_mode: bool = _unbuilt(
+        False,
+        "Megatron-FSDP's CUDA-graph mode (graph the whole iteration with --cuda-graph-impl local)",
+    )
 
     def __post_init__(self) -> None:
-        for name, feature in UNBUILT_FIELDS.items():
-            value = getattr(self, name)
-            if value != type(self).__dataclass_fields__[name].default:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if "unbuilt" in field.metadata and value != field.default:
                 raise ValueError(
-                    f"DistributedDataParallelConfig.{name}={value!r} asks for {feature}, which "
-                    "is not built; leave it at its default."
+                    f"DistributedDataParallelConfig.{field.name}={value!r} asks for "
+                    f"{field.metadata['unbuilt']}, which is not built; leave it at its default."
                 )
         self._check_choice("data_parallel_sharding_strategy", SHARDING_STRATEGIES)
         self._check_choice("outer_dp_sharding_strategy", OUTER_SHARDING_STRATEGIES)
@@ -267,37 +285,16 @@ _FSDP_ONLY_FIELDS = frozenset(
 """Fields only Megatron-FSDP reads."""
 
 SPEED_ONLY_FIELDS = frozenset(
-    {
-        "num_buckets",
-        "align_param_gather",
-        "pad_buckets_for_high_nccl_busbw",
-        "gradient_reduce_div_fusion",
-        "nccl_ub",
-        "fsdp_double_buffer",
-        "fsdp_db_use_persist_buf_on_alloc_fail",
-        "fsdp_manual_registration",
-        "disable_symmetric_registration",
-        "megatron_fsdp_max_pool_double_buffer",
-        "megatron_fsdp_enable_fine_grained_param_gather",
-    }
+    field.name
+    for field in dataclasses.fields(DistributedDataParallelConfig)
+    if field.metadata.get("no_effect")
 )
 """Megatron-core's fields that only tune buckets, buffers or registration: no effect here."""
 
 UNBUILT_FIELDS = {
-    "check_for_large_grads": "a check of the local gradients for large values",
-    "reduce_scatter_with_fp32_accumulation": "fp32 accumulation inside the reduce-scatter "
-    "(use grad_reduce_in_fp32)",
-    "param_name_patterns_for_fp32_local_accumulation": "fp32 local accumulation by name "
-    "(use grad_reduce_in_fp32)",
-    "fp8_param_gather": "FP8 parameter all-gathers",
-    "fp4_param_gather": "FP4 parameter all-gathers",
-    "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 parameter all-gathers",
-    "keep_fp8_transpose_cache": "Transformer Engine's FP8 transpose cache",
-    "use_custom_fsdp": "Megatron-FSDP by its old name (use use_megatron_fsdp)",
-    "delay_wgrad_compute": "delayed weight-gradient computation",
-    "megatron_fsdp_use_decoupled_grad": "decoupled Megatron-FSDP gradients",
-    "megatron_fsdp_cuda_graph_mode": "Megatron-FSDP's CUDA-graph mode (graph the whole "
-    "iteration with --cuda-graph-impl local)",
+    field.name: field.metadata["unbuilt"]
+    for field in dataclasses.fields(DistributedDataParallelConfig)
+    if "unbuilt" in field.metadata
 }
 """Megatron-core's fields of features not built here, by what they ask for: refused unless
 left at their defaults."""

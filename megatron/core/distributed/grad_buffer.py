@@ -90,7 +90,8 @@ class GradBucket:
                 self.data.mul_(self._group_size / self._divisor)
         else:
             # Dividing first keeps bf16/fp16 sums in range at large data-parallel sizes.
-            self.data.mul_(1.0 / self._divisor)
+            if self._divisor != 1:  # 1: the gradients are summed (calculate_per_token_loss)
+                self.data.mul_(1.0 / self._divisor)
             op = dist.ReduceOp.SUM
         if self.shards is not None:
             self._work = self.shards.start_reduce_scatter(op, async_op)

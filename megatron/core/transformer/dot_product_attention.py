@@ -1,4 +1,5 @@
-"""Core attention: softmax(q k^T / sqrt(d)) v over causal (or explicitly masked) positions.
+"""Core attention: softmax(q k^T * scale) v over causal (or explicitly masked) positions, the
+scale 1 / sqrt(d) unless `config.softmax_scale` sets it.
 
 `config.attention_backend` picks the kernel: `torch.nn.functional.scaled_dot_product_attention`
 with the backend SDPA chooses (`auto`) or the one named (`flash`, `fused` = cuDNN, `unfused` =
@@ -175,9 +176,8 @@ class DotProductAttention(MegatronModule):
         scores = torch.matmul(query, key.transpose(-2, -1)) * (scale / coeff)
         if attention_mask is None:
             seq_q, seq_k = scores.shape[-2:]
-            attention_mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).triu(
-                1
-            )
+            attention_mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device)
+            attention_mask = attention_mask.triu(1)
         if self.softmax_in_fp32:
             scores = scores.float()
         if coeff != 1.0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import pytest
@@ -262,12 +263,14 @@ def test_zero_grad_buffer_waits_for_reductions_in_flight():
             torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
-def _torch_shaped_loop(distributed_optimizer: bool) -> dict[str, torch.Tensor]:
+def _torch_shaped_loop(
+    distributed_optimizer: bool, per_token: bool = False
+) -> dict[str, torch.Tensor]:
     """Stock SGD over `ddp.parameters()` in torch's loop (zero_grad, backward, step) with
     `finish_grad_sync()` but no `zero_grad_buffer()` (before: every step after the first
     skipped its all-reduce and the ranks drifted apart)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_tiny_gpt()
+    model = build_tiny_gpt(tiny_gpt_config(calculate_per_token_loss=per_token))
     config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     ddp = DistributedDataParallel(model.config, config, model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
@@ -295,6 +298,9 @@ def test_a_loop_without_zero_grad_buffer_reduces_every_step():
             torch.testing.assert_close(state[name], value, msg=name)
     with pytest.raises(DistributedTestError, match="call zero_grad_buffer"):
         run_distributed(_torch_shaped_loop, 2, True)
+    # Summed reductions would count the reduced gradients once per rank: refused too.
+    with pytest.raises(DistributedTestError, match="calculate_per_token_loss .summed gradients"):
+        run_distributed(_torch_shaped_loop, 2, False, True)
 
 
 def _prefixed_keys() -> bool:
@@ -372,9 +378,9 @@ def test_megatron_cores_config_fields_are_accepted_or_refused_by_name():
         align_param_gather=False,
     )
     assert config.fsdp_double_buffer and config.nccl_ub
+    defaults = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
     for name in UNBUILT_FIELDS:
-        default = DistributedDataParallelConfig.__dataclass_fields__[name].default
-        bad = ("x",) if isinstance(default, tuple) else not default
+        bad = ("x",) if isinstance(defaults[name], tuple) else not defaults[name]
         with pytest.raises(ValueError, match=f"DistributedDataParallelConfig.{name}=.* not built"):
             DistributedDataParallelConfig(**{name: bad})
 

@@ -98,8 +98,9 @@ def test_flag_reaches_ddp_config(cuda_available, flags, field, value):
 
 def test_every_ddp_config_field_has_a_flag():
     # check_for_nan_in_grad stays off: the training loop checks the global grad norm instead.
-    # Megatron-core's fields with no effect or of unbuilt features: their flags are documented
-    # no-ops or refused by name (`flag_groups/unbuilt.py`), and the config keeps its defaults.
+    # Megatron-core's fields with no effect or of unbuilt features, for library code: most have
+    # no flag here (those that do are documented no-ops or refused by name), and the flags
+    # leave them at their defaults.
     covered = (
         {field for _, field, _ in DDP_CONFIG_CASES}
         | {"check_for_nan_in_grad"}

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -122,12 +123,14 @@ def test_local_attention_keeps_queries_masked_entirely_finite():
 
 @pytest.mark.parametrize("backend", [AttnBackend.local, AttnBackend.unfused])
 def test_softmax_scale_replaces_the_default_scale(backend):
-    """`softmax_scale` s on every backend: as scaling the default 1/sqrt(d) by s * sqrt(d)."""
+    """`softmax_scale` on every backend, against torch's causal attention with that scale."""
     attention = DotProductAttention(_config(attention_backend=backend, softmax_scale=0.7)).eval()
-    default = DotProductAttention(_config(attention_backend=backend)).eval()
     q, k, v = (torch.randn(SEQ, BATCH, HEADS, HEAD_DIM) for _ in range(3))
-    factor = 0.7 * HEAD_DIM**0.5
-    torch.testing.assert_close(attention(q, k, v), default(q * factor, k, v))
+    expected = F.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, scale=0.7
+    )
+    expected = expected.permute(2, 0, 1, 3).reshape(SEQ, BATCH, HEADS * HEAD_DIM)
+    torch.testing.assert_close(attention(q, k, v), expected)
 
 
 def test_rotary_embeddings_change_attention_but_not_shapes():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -76,7 +76,7 @@ class FsdpModule:
         unit = self._fsdp_unit
         unit.lazy_init().residency.reshard(unit)
 
-    def __deepcopy__(self, memo: dict) -> None:
+    def __deepcopy__(self, memo: dict) -> NoReturn:
         raise TypeError(
             f"A module wrapped by fully_shard ({type(self).__name__}) cannot be deep-copied: its "
             "parameters are views of its units' shared buffers and its state holds process "

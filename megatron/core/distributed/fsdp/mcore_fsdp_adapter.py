@@ -76,11 +76,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 "data parallelism wrap the model with DistributedDataParallel instead."
             )
         self.ddp_config = ddp_config
-        # Megatron-core's rule: with per-token losses the loop divides the summed gradients by
-        # the global token count, so the reductions sum rather than average.
         self.distributed_index = FSDPDistributedIndex.from_pg_collection(
-            pg_collection,
-            average_grads=not (config is not None and config.calculate_per_token_loss),
+            pg_collection, average_grads=not self.sums_grads
         )
         if device is not None and torch.device(device).type != self.distributed_index.device.type:
             raise ValueError(

@@ -249,14 +249,16 @@ class GPTModel(MegatronModule):
             [b, s, vocab_size]. Without `post_process`: decoder hidden states [s, b, h]
             ([s/T, b, h] under sequence parallelism).
         """
-        unbuilt = dict(
-            inference_context=inference_context,
-            packed_seq_params=packed_seq_params,
-            extra_block_kwargs=extra_block_kwargs,
-            inference_params=inference_params,
-            padding_mask=padding_mask,
+        unbuilt = (
+            inference_context,
+            packed_seq_params,
+            extra_block_kwargs,
+            inference_params,
+            padding_mask,
         )
-        _refuse_unbuilt(**{name: (value, None, "not built") for name, value in unbuilt.items()})
+        if any(value is not None for value in unbuilt):  # per micro-batch: checked cheaply first
+            names = _UNBUILT_FORWARD_ARGUMENTS
+            _refuse_unbuilt(**{n: (v, None, "not built") for n, v in zip(names, unbuilt)})
         if decoder_input is None:
             decoder_input = self._decoder_input(input_ids, position_ids)
 
@@ -324,6 +326,16 @@ class GPTModel(MegatronModule):
             self.tp_group,
             self.config.sequence_parallel,
         )
+
+
+_UNBUILT_FORWARD_ARGUMENTS = (
+    "inference_context",
+    "packed_seq_params",
+    "extra_block_kwargs",
+    "inference_params",
+    "padding_mask",
+)
+"""`GPTModel.forward`'s arguments of features not built here, in the order it checks them."""
 
 
 def _refuse_unbuilt(**arguments: tuple[Any, Any, str]) -> None:

@@ -194,15 +194,22 @@ def test_use_megatron_fsdp_selects_the_wrapper():
     assert data_parallel_class(DistributedDataParallelConfig()) is DistributedDataParallel
 
 
-def _upstream_calls() -> tuple[float, set[str], str, str]:
+def _upstream_calls() -> tuple[float, float, set[str], str, str]:
     """A step written as Megatron-core code writes it: positional constructor arguments
     (..., fsdp_unit_modules, disable_bucketing, device, pg_collection), the optimizer over the
-    model chunks' list, and the engine calls' keyword arguments (before: TypeErrors)."""
+    model chunks' list, and the engine calls' keyword arguments (before: TypeErrors); and the
+    same SGD step in one process."""
     model = build_tiny_gpt()
     ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True)
     fsdp = FullyShardedDataParallel(model.config, ddp_config, model, None, False, None, None)
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, optimizer="sgd"), [fsdp])
+    plain_sgd = dict(lr=0.1, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
+    optimizer = get_megatron_optimizer(OptimizerConfig(**plain_sgd), [fsdp])
     tokens, labels = device_batch(4)
+    reference = build_tiny_gpt()
+    reference(tokens, labels=labels).mean().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        expected = reference(tokens, labels=labels).mean().item()
     fsdp.zero_grad_buffer()
     fsdp(tokens, labels=labels).mean().backward()
     fsdp.finish_grad_sync(force_all_reduce=False)
@@ -221,12 +228,12 @@ def _upstream_calls() -> tuple[float, set[str], str, str]:
         with pytest.raises(ValueError) as error:
             bad()
         errors.append(str(error.value))
-    return after, keys, *errors
+    return after, expected, keys, *errors
 
 
 def test_megatron_core_style_calls():
-    for after, keys, device_error, chunks_error in run_distributed(_upstream_calls, 2):
-        assert after > 0 and not keys
+    for after, expected, keys, device_error, chunks_error in run_distributed(_upstream_calls, 2):
+        assert after == pytest.approx(expected, rel=1e-5) and not keys
         assert "device=meta, but the process groups' buffers live on cpu" in device_error
         assert "got 2 model chunks; pass one" in chunks_error
 
@@ -276,12 +283,13 @@ def _after_broadcast(strategy: str) -> tuple[float, dict, dict]:
     return loss, full_state(model), rank0_weights
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+@pytest.mark.parametrize("strategy", ["ddp", "no_shard", "optim"])
 def test_broadcast_params_gives_every_rank_the_same_weights(strategy):
-    """Before: AttributeError, and ranks of a replicated engine stayed apart for good."""
+    """Before: AttributeError under Megatron-FSDP, and ranks of a replicated engine stayed apart
+    for good. ZeRO-1 refreshes its compute weights from the one sharded copy."""
     (loss0, state0, rank0), (loss1, state1, _) = run_distributed(_after_broadcast, 2, strategy)
     assert loss0 == loss1
     for name in state0:
         torch.testing.assert_close(state0[name], state1[name], rtol=0, atol=0)
-        if strategy == "no_shard":  # replicated: rank 0's own weights
+        if strategy != "optim":  # replicated: rank 0's own weights
             torch.testing.assert_close(state0[name], rank0[name], rtol=0, atol=0)
