@@ -10,10 +10,9 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-2}"
 run_dir=runs/quick_start
-bash tools/setup_env.sh
+source tools/setup_env.sh  # sets PYTHON
 
 prefix="$run_dir/data/austen"
 if [[ ! -f "${prefix}_text_document.idx" ]]; then

@@ -3,6 +3,5 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-PYTHON="${PYTHON:-python3}"
-bash tools/setup_env.sh
+source tools/setup_env.sh  # sets PYTHON
 exec "$PYTHON" -m pytest tests/unit_tests -q "$@"
