@@ -582,6 +582,116 @@ def test_partial_rotary_factor_is_refused_where_it_is_stated():
             model_args_from_hf_config(stated)
 
 
+def _edit_config(directory: Path, **fields: Any) -> None:
+    """Sets `fields` in the `config.json` of the model directory `directory`."""
+    file = directory / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}))
+
+
+def _import_matches_transformers(directory: Path, save: Path) -> None:
+    """Imports `directory` and checks the checkpoint's logits against transformers' from it."""
+    summary = convert("import", "--hf-dir", directory, "--save", save)
+    model = load_hf_model(directory)
+    vocab = model.config.vocab_size
+    tokens = tokens_for(vocab)
+    logits = checkpoint_logits(summary["flags"], summary["path"], tokens)[..., :vocab]
+    assert (logits - hf_logits(model, tokens)).abs().max().item() < PARITY
+
+
+_LLAMA3_SCALING = dict(
+    rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)  # fmt: skip
+
+ROPE_STATED_TWICE = {
+    "blocks": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "rope_scaling": _LLAMA3_SCALING},
+        "config.json states RoPE twice, differently: rope_parameters {'rope_type': 'default', "
+        "'rope_theta': 500000.0} and rope_scaling {'rope_type': 'llama3', 'factor': 32.0",
+    ),
+    "blocks_bases": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "rope_scaling": {"rope_type": "default"}},
+        "states RoPE twice, differently: rope_parameters",
+    ),
+    "theta": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "rope_theta": 10000.0},
+        "states rope_theta twice, differently: 10000.0 at the top level and 500000.0 in "
+        "rope_parameters",
+    ),
+    "theta_in_scaling": (
+        {"rope_scaling": {**_LLAMA3_SCALING, "rope_theta": 500000.0}, "rope_theta": 10000.0},
+        "states rope_theta twice, differently: 10000.0 at the top level and 500000.0 in "
+        "rope_scaling",
+    ),
+    "partial": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 1.0},
+         "partial_rotary_factor": 0.5},
+        "states partial_rotary_factor twice, differently: 0.5 at the top level and 1.0 in "
+        "rope_parameters",
+    ),
+    "original_context": (
+        {"rope_parameters": {**_LLAMA3_SCALING, "rope_theta": 500000.0},
+         "original_max_position_embeddings": 4096, "max_position_embeddings": 16384},
+        "states original_max_position_embeddings twice, differently: 4096 at the top level and "
+        "8192 in rope_parameters",
+    ),
+}  # fmt: skip
+"""Configs stating a RoPE parameter twice with different values (the fields replacing
+Llama 2's), and the start of the refusal."""
+
+
+@pytest.mark.parametrize("case", list(ROPE_STATED_TWICE))
+def test_rope_stated_twice_differently_is_refused(case):
+    """transformers 5 reads `rope_scaling` where a config also has `rope_parameters`, the
+    block's `rope_theta` and `partial_rotary_factor` but the top-level
+    `original_max_position_embeddings`; transformers 4 the other ones (the import read
+    `rope_parameters`, silently)."""
+    config = {key: value for key, value in hf_config("llama2").to_dict().items()
+              if key not in ("rope_parameters", "rope_scaling", "rope_theta")}  # fmt: skip
+    fields, refused = ROPE_STATED_TWICE[case]
+    with pytest.raises(HFConversionError, match=re.escape(refused)):
+        model_args_from_hf_config({**config, **fields})
+
+
+def test_rope_stated_twice_refused_before_anything_is_written(llama2_dir, tmp_path):
+    directory = tmp_path / "hf"
+    shutil.copytree(llama2_dir, directory)
+    fields = ROPE_STATED_TWICE["blocks"][0]
+    _edit_config(directory, **fields)
+    with pytest.raises(HFConversionError, match="rope_parameters .* and rope_scaling .*delete"):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+    checkpoint = tmp_path / "imported"
+    convert("import", "--hf-dir", llama2_dir, "--save", checkpoint)
+    with pytest.raises(HFConversionError, match="states RoPE twice, differently"):
+        convert("export", "--load", checkpoint, "--hf-dir", tmp_path / "out",
+                "--hf-config", directory)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_rope_stated_twice_alike_imports_as_transformers_reads_it(tmp_path):
+    """Llama 3's scaling in `rope_parameters` and again in `rope_scaling` (as `type`, its
+    base at the top level), with the top-level `original_max_position_embeddings` the
+    same: the model transformers loads from the directory."""
+    directory = tmp_path / "hf"
+    save_hf_model("llama3", directory)
+    parameters = json.loads((directory / "config.json").read_text())["rope_parameters"]
+    scaling = {"type": "llama3", **parameters}
+    del scaling["rope_type"], scaling["rope_theta"]
+    _edit_config(
+        directory,
+        rope_scaling=scaling,
+        rope_theta=parameters["rope_theta"],
+        original_max_position_embeddings=parameters["original_max_position_embeddings"],
+    )
+    _import_matches_transformers(directory, tmp_path / "ckpt")
+
+
 def test_command_line_error_exit(tmp_path):
     """Run as a script: an error is one line on stderr and exit status 1, no traceback."""
     process = subprocess.run(
