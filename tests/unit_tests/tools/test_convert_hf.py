@@ -588,6 +588,28 @@ def _edit_config(directory: Path, **fields: Any) -> None:
     file.write_text(json.dumps({**json.loads(file.read_text()), **fields}))
 
 
+def _edit_weights(directory: Path, name: str, tensor: torch.Tensor | None) -> None:
+    """Adds (or replaces) the tensor `name` in the weights of `directory`, or deletes it
+    (`tensor` None), keeping an index true to its files."""
+    from safetensors.torch import load_file, save_file
+
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    file = directory / (index["weight_map"].get(name, "model-extra.safetensors") if index else
+                        "model.safetensors")  # fmt: skip
+    tensors = load_file(file) if file.exists() else {}
+    if tensor is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensor
+    save_file(tensors, file, metadata={"format": "pt"})
+    if index:
+        index["weight_map"].pop(name, None)
+        if tensor is not None:
+            index["weight_map"][name] = file.name
+        index_file.write_text(json.dumps(index))
+
+
 def _import_matches_transformers(directory: Path, save: Path) -> None:
     """Imports `directory` and checks the checkpoint's logits against transformers' from it."""
     summary = convert("import", "--hf-dir", directory, "--save", save)
@@ -596,6 +618,80 @@ def _import_matches_transformers(directory: Path, save: Path) -> None:
     tokens = tokens_for(vocab)
     logits = checkpoint_logits(summary["flags"], summary["path"], tokens)[..., :vocab]
     assert (logits - hf_logits(model, tokens)).abs().max().item() < PARITY
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tied_config_with_an_lm_head_of_its_own_is_refused(name, tmp_path):
+    """`tie_word_embeddings` true, and an `lm_head.weight` that is not the embedding:
+    transformers 5 loads an output layer of its own, transformers 4 the tied embedding (it
+    used to be imported tied, silently). Refused naming both; each fix the message names
+    imports the model transformers then loads from the directory."""
+    directory = tmp_path / "hf"
+    save_hf_model(name, directory, tie_word_embeddings=True)
+    embedding = safetensors_of(directory)["model.embed_tokens.weight"]
+    head = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(1))
+    _edit_weights(directory, "lm_head.weight", head.to(embedding.dtype))
+    before = digest(directory)
+    refused = (
+        "config.json's tie_word_embeddings is true, but its weights hold an lm_head.weight that "
+        "differs from model.embed_tokens.weight"
+    )
+    with pytest.raises(HFConversionError, match=re.escape(refused)):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists() and digest(directory) == before
+
+    untied = tmp_path / "untied"
+    shutil.copytree(directory, untied)
+    _edit_config(untied, tie_word_embeddings=False)
+    _import_matches_transformers(untied, tmp_path / "untied_ckpt")
+    _edit_weights(directory, "lm_head.weight", None)
+    _import_matches_transformers(directory, tmp_path / "tied_ckpt")
+
+
+def test_tied_config_with_a_copy_of_the_embedding_imports_tied(tmp_path):
+    """An `lm_head.weight` equal to the embedding (as some tools save tied weights, here in
+    another dtype) is the tied output layer transformers loads."""
+    directory = tmp_path / "hf"
+    save_hf_model("qwen2", directory)
+    embedding = safetensors_of(directory)["model.embed_tokens.weight"]
+    _edit_weights(directory, "lm_head.weight", embedding.double())
+    _import_matches_transformers(directory, tmp_path / "ckpt")
+
+
+def test_weights_compare_block_by_block(tmp_path):
+    """`HFWeights.equal` reads blocks of rows: a difference in the last block (here one row of
+    two) counts, across files and dtypes."""
+    from safetensors.torch import save_file
+
+    from megatron.training.hf_conversion.safetensors_files import HFWeights
+
+    first = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    last_row_off = first.clone()
+    last_row_off[-1, -1] += 1
+    save_file({"a": first, "b": last_row_off}, tmp_path / "model-1.safetensors")
+    save_file({"c": first.double(), "d": first[:6]}, tmp_path / "model-2.safetensors")
+    weight_map = {name: f"model-{1 if name in 'ab' else 2}.safetensors" for name in "abcd"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    weights = HFWeights(str(tmp_path))
+    for block_bytes in (2 * 5 * 8, 10**6):  # two rows a block, or all of them
+        assert weights.equal("a", "c", block_bytes)
+        assert not weights.equal("a", "b", block_bytes)
+        assert not weights.equal("a", "d", block_bytes)
+
+
+def test_untied_config_without_lm_head_is_refused(tmp_path):
+    """`tie_word_embeddings` false and no `lm_head.weight`: transformers would initialise the
+    output layer at random. Refused naming both; with the fix the message names, the import
+    computes transformers' logits."""
+    directory = tmp_path / "hf"
+    save_hf_model("llama2", directory)
+    _edit_weights(directory, "lm_head.weight", None)
+    refused = "tie_word_embeddings is false (transformers' default where it is left out), but"
+    with pytest.raises(HFConversionError, match=re.escape(refused) + ".* no lm_head.weight"):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    _edit_config(directory, tie_word_embeddings=True)
+    _import_matches_transformers(directory, tmp_path / "ckpt")
 
 
 _LLAMA3_SCALING = dict(
