@@ -108,6 +108,16 @@ _LLAMA3_DEFAULTS = {
 """Llama 3's RoPE scaling parameters the model uses; only the factor is a flag."""
 
 
+_ROPE_KEYS_ALSO_AT_TOP_LEVEL = {
+    "rope_theta": ("the block's", "the top-level one"),
+    "partial_rotary_factor": ("the block's", "the top-level one"),
+    "original_max_position_embeddings": ("the top-level one", "the block's"),
+}
+"""RoPE parameters a `config.json` may state at its top level and in its `rope_parameters`
+or `rope_scaling` block -> the one transformers 5 reads and the one transformers 4 reads,
+where both are stated."""
+
+
 def read_hf_config(path: str) -> dict[str, Any]:
     """The `config.json` of the Hugging Face model directory `path` (or the file itself).
 
@@ -165,6 +175,7 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
             compute (named, with the supported alternative).
     """
     name = architecture(config)
+    _check_rope_stated_once(config, name)
     config = with_defaults(config, name)
     heads = integer_field(config, "num_attention_heads")
     hidden = integer_field(config, "hidden_size")
@@ -401,13 +412,62 @@ def _check_full_attention(config: Mapping[str, Any], name: str) -> None:
         )
 
 
+def _check_rope_stated_once(config: Mapping[str, Any], name: str) -> None:
+    """Refuses a `config.json` (as written, before defaults) that states its RoPE twice with
+    different values: transformers takes one statement, transformers 4 and 5 mostly different
+    ones, and which one the model was trained with is not in the file.
+
+    transformers 5 renamed `rope_scaling` to `rope_parameters`, which also holds `rope_theta`
+    and `partial_rotary_factor`: of a config holding both blocks transformers 5 reads
+    `rope_scaling` (as 4 does, which ignores `rope_parameters`), where this conversion read
+    `rope_parameters`; a parameter stated both at the top level and in the block is read from
+    one place by transformers 5 and from the other by transformers 4
+    (`_ROPE_KEYS_ALSO_AT_TOP_LEVEL`). Statements that agree are accepted.
+    """
+    blocks = {key: config.get(key) for key in ("rope_parameters", "rope_scaling")}
+    for key, block in blocks.items():
+        if block is not None and not isinstance(block, Mapping):
+            raise HFConversionError(
+                f"config.json's {key} {block!r} is not understood: a JSON object (or null) is."
+            )
+    parameters, scaling = blocks["rope_parameters"], blocks["rope_scaling"]
+    if parameters and scaling:
+        theta = with_defaults(config, name)["rope_theta"]
+        if _rope_block(parameters, theta) != _rope_block(scaling, theta):
+            raise HFConversionError(
+                f"config.json states RoPE twice, differently: rope_parameters {dict(parameters)} "
+                f"and rope_scaling {dict(scaling)}. transformers 5 reads rope_scaling, the older "
+                "name of rope_parameters, and ignores rope_parameters; keep the one the model was "
+                "trained with (transformers 5 writes rope_parameters alone) and delete the other."
+            )
+    block_name = "rope_parameters" if parameters else "rope_scaling"
+    block = parameters or scaling or {}
+    for key, (newer_reads, older_reads) in _ROPE_KEYS_ALSO_AT_TOP_LEVEL.items():
+        if key in config and key in block and config[key] != block[key]:
+            raise HFConversionError(
+                f"config.json states {key} twice, differently: {config[key]!r} at the top level "
+                f"and {block[key]!r} in {block_name}. transformers 5 reads {newer_reads}, "
+                f"transformers 4 {older_reads}; state it once: keep the value the model was "
+                f"trained with in {block_name} and delete the top-level {key}."
+            )
+
+
+def _rope_block(block: Mapping[str, Any], theta: Any) -> dict[str, Any]:
+    """A RoPE block as transformers 5 completes it: its kind named `rope_type` (older configs
+    say `type`, default RoPE where neither is stated) and the top-level base (`theta`) where
+    the block states none."""
+    completed = {key: value for key, value in block.items() if key != "type"}
+    completed["rope_type"] = block.get("rope_type", block.get("type", "default"))
+    completed.setdefault("rope_theta", theta)
+    return completed
+
+
 def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE flags' values: from `rope_parameters` (transformers 5) or `rope_theta` and
     `rope_scaling` (transformers 4); the RoPE base is the top-level `rope_theta` (or the
-    architecture's default) where `rope_parameters` leaves it out, as transformers 5 reads it."""
+    architecture's default) where `rope_parameters` leaves it out, as transformers 5 reads it
+    (`_check_rope_stated_once` has refused the configs where the two ways differ)."""
     parameters = config.get("rope_parameters")
-    if parameters is not None and not isinstance(parameters, Mapping):
-        raise HFConversionError(f"rope_parameters {parameters!r} are not understood.")
     if parameters and any(isinstance(value, Mapping) for value in parameters.values()):
         raise HFConversionError(
             "rope_parameters per layer type are not converted (every layer must share one RoPE)."

@@ -325,10 +325,11 @@ def _tokenizer_vocab(hf_dir: str) -> int | None:
 
 
 def _check_weights(weights: HFWeights, args: Mapping[str, Any], vocab: int, hf_dir: str) -> None:
+    _check_output_layer(weights, args, hf_dir)
     expected = hf_shapes(args, vocab)
     present = {name for name in weights.shapes if not name.endswith(IGNORED_SUFFIXES)}
     if not args["untie_embeddings_and_output_weights"]:
-        present.discard("lm_head.weight")  # a copy of the tied embedding, if saved at all
+        present.discard("lm_head.weight")  # a copy of the tied embedding
     problems = []
     missing, unexpected = sorted(expected.keys() - present), sorted(present - expected.keys())
     if missing:
@@ -344,6 +345,36 @@ def _check_weights(weights: HFWeights, args: Mapping[str, Any], vocab: int, hf_d
         raise HFConversionError(
             f"{hf_dir}'s weights do not fit its config.json: {'; '.join(problems)}. Pass a "
             "directory whose config.json describes its weights."
+        )
+
+
+def _check_output_layer(weights: HFWeights, args: Mapping[str, Any], hf_dir: str) -> None:
+    """Refuses an output layer that `config.json`'s `tie_word_embeddings` contradicts.
+
+    With `tie_word_embeddings` true and an `lm_head.weight` that is not the embedding,
+    transformers 5 loads the two apart (and warns) while transformers 4 ties them and drops
+    `lm_head.weight`: the directory is two different models, and which one was meant only the
+    user knows (importing transformers 5's would also make export contradict the recorded
+    config). With it false and no `lm_head.weight`, transformers initialises the output layer
+    at random.
+    """
+    head, embedding = "lm_head.weight", "model.embed_tokens.weight"
+    tied = not args["untie_embeddings_and_output_weights"]
+    if tied and head in weights.shapes and embedding in weights.shapes:
+        if not weights.equal(head, embedding):
+            raise HFConversionError(
+                f"{hf_dir}: config.json's tie_word_embeddings is true, but its weights hold an "
+                f"{head} that differs from {embedding} (transformers 5 loads the two apart, "
+                f"transformers 4 ties {head} to {embedding} and ignores the file's). Set "
+                f"tie_word_embeddings to false in config.json if the model has an output layer "
+                f"of its own, or delete {head} from the safetensors if it shares the embedding."
+            )
+    if not tied and head not in weights.shapes:
+        raise HFConversionError(
+            f"{hf_dir}: config.json's tie_word_embeddings is false (transformers' default where "
+            f"it is left out), but its weights hold no {head} (transformers would initialise the "
+            "output layer at random). Set tie_word_embeddings to true in config.json if the "
+            f"output layer shares {embedding}, or add the model's {head}."
         )
 
 

@@ -29,6 +29,9 @@ _DTYPES = {
 }
 """The safetensors dtypes of weights that convert (others: integer or quantised data)."""
 
+_COMPARED_BYTES = 64 * 2**20
+"""The float64 bytes of each block of rows `HFWeights.equal` compares by default."""
+
 
 def _safetensors():
     try:
@@ -112,6 +115,28 @@ class HFWeights:
         """The tensor `name` (backed by its file's pages until it is freed)."""
         with _safetensors().safe_open(self.files[name], framework="pt") as handle:
             return handle.get_tensor(name)
+
+    def equal(self, first: str, second: str, block_bytes: int = _COMPARED_BYTES) -> bool:
+        """Whether the tensors `first` and `second` (of one dimension or more) hold the same
+        values in the same shape, in any dtypes; read a block of rows at a time (about
+        `block_bytes` in float64), not whole."""
+        shape = self.shapes[first]
+        if shape != self.shapes[second]:
+            return False
+        row = max(1, torch.Size(shape[1:]).numel()) * 8  # bytes of a row in float64
+        step = max(1, block_bytes // row)
+        safetensors = _safetensors()
+        with (
+            safetensors.safe_open(self.files[first], framework="pt") as one,
+            safetensors.safe_open(self.files[second], framework="pt") as other,
+        ):
+            rows, other_rows = one.get_slice(first), other.get_slice(second)
+            for start in range(0, shape[0], step):
+                block = slice(start, start + step)
+                # float64 holds every value of the other dtypes exactly.
+                if not torch.equal(rows[block].double(), other_rows[block].double()):
+                    return False
+        return True
 
 
 def write_shard(path: str, tensors: Mapping[str, torch.Tensor]) -> None:

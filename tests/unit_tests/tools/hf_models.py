@@ -92,12 +92,14 @@ def hf_config(name: str, **overrides: Any):
     return config_class(**fields, architectures=[architecture])
 
 
-def save_hf_model(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    """Saves random test model `name` (and its tokenizer) into `directory`; returns it."""
+def save_hf_model(name: str, directory: Path, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Saves random test model `name` (with the config fields `overrides`) and its tokenizer
+    into `directory`; returns it."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(name)).eval()
+    config = hf_config(name, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             parameter.normal_(0.0, 0.2)

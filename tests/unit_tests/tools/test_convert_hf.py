@@ -582,6 +582,212 @@ def test_partial_rotary_factor_is_refused_where_it_is_stated():
             model_args_from_hf_config(stated)
 
 
+def _edit_config(directory: Path, **fields: Any) -> None:
+    """Sets `fields` in the `config.json` of the model directory `directory`."""
+    file = directory / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}))
+
+
+def _edit_weights(directory: Path, name: str, tensor: torch.Tensor | None) -> None:
+    """Adds (or replaces) the tensor `name` in the weights of `directory`, or deletes it
+    (`tensor` None), keeping an index true to its files."""
+    from safetensors.torch import load_file, save_file
+
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.exists() else None
+    file = directory / (index["weight_map"].get(name, "model-extra.safetensors") if index else
+                        "model.safetensors")  # fmt: skip
+    tensors = load_file(file) if file.exists() else {}
+    if tensor is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensor
+    save_file(tensors, file, metadata={"format": "pt"})
+    if index:
+        index["weight_map"].pop(name, None)
+        if tensor is not None:
+            index["weight_map"][name] = file.name
+        index_file.write_text(json.dumps(index))
+
+
+def _import_matches_transformers(directory: Path, save: Path) -> None:
+    """Imports `directory` and checks the checkpoint's logits against transformers' from it."""
+    summary = convert("import", "--hf-dir", directory, "--save", save)
+    model = load_hf_model(directory)
+    vocab = model.config.vocab_size
+    tokens = tokens_for(vocab)
+    logits = checkpoint_logits(summary["flags"], summary["path"], tokens)[..., :vocab]
+    assert (logits - hf_logits(model, tokens)).abs().max().item() < PARITY
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tied_config_with_an_lm_head_of_its_own_is_refused(name, tmp_path):
+    """`tie_word_embeddings` true, and an `lm_head.weight` that is not the embedding:
+    transformers 5 loads an output layer of its own, transformers 4 the tied embedding (it
+    used to be imported tied, silently). Refused naming both; each fix the message names
+    imports the model transformers then loads from the directory."""
+    directory = tmp_path / "hf"
+    save_hf_model(name, directory, tie_word_embeddings=True)
+    embedding = safetensors_of(directory)["model.embed_tokens.weight"]
+    head = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(1))
+    _edit_weights(directory, "lm_head.weight", head.to(embedding.dtype))
+    before = digest(directory)
+    refused = (
+        "config.json's tie_word_embeddings is true, but its weights hold an lm_head.weight that "
+        "differs from model.embed_tokens.weight"
+    )
+    with pytest.raises(HFConversionError, match=re.escape(refused)):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists() and digest(directory) == before
+
+    untied = tmp_path / "untied"
+    shutil.copytree(directory, untied)
+    _edit_config(untied, tie_word_embeddings=False)
+    _import_matches_transformers(untied, tmp_path / "untied_ckpt")
+    _edit_weights(directory, "lm_head.weight", None)
+    _import_matches_transformers(directory, tmp_path / "tied_ckpt")
+
+
+def test_tied_config_with_a_copy_of_the_embedding_imports_tied(tmp_path):
+    """An `lm_head.weight` equal to the embedding (as some tools save tied weights, here in
+    another dtype) is the tied output layer transformers loads."""
+    directory = tmp_path / "hf"
+    save_hf_model("qwen2", directory)
+    embedding = safetensors_of(directory)["model.embed_tokens.weight"]
+    _edit_weights(directory, "lm_head.weight", embedding.double())
+    _import_matches_transformers(directory, tmp_path / "ckpt")
+
+
+def test_weights_compare_block_by_block(tmp_path):
+    """`HFWeights.equal` reads blocks of rows: a difference in the last block (here one row of
+    two) counts, across files and dtypes."""
+    from safetensors.torch import save_file
+
+    from megatron.training.hf_conversion.safetensors_files import HFWeights
+
+    first = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    last_row_off = first.clone()
+    last_row_off[-1, -1] += 1
+    save_file({"a": first, "b": last_row_off}, tmp_path / "model-1.safetensors")
+    save_file({"c": first.double(), "d": first[:6]}, tmp_path / "model-2.safetensors")
+    weight_map = {name: f"model-{1 if name in 'ab' else 2}.safetensors" for name in "abcd"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    weights = HFWeights(str(tmp_path))
+    for block_bytes in (2 * 5 * 8, 10**6):  # two rows a block, or all of them
+        assert weights.equal("a", "c", block_bytes)
+        assert not weights.equal("a", "b", block_bytes)
+        assert not weights.equal("a", "d", block_bytes)
+
+
+def test_untied_config_without_lm_head_is_refused(tmp_path):
+    """`tie_word_embeddings` false and no `lm_head.weight`: transformers would initialise the
+    output layer at random. Refused naming both; with the fix the message names, the import
+    computes transformers' logits."""
+    directory = tmp_path / "hf"
+    save_hf_model("llama2", directory)
+    _edit_weights(directory, "lm_head.weight", None)
+    refused = "tie_word_embeddings is false (transformers' default where it is left out), but"
+    with pytest.raises(HFConversionError, match=re.escape(refused) + ".* no lm_head.weight"):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    _edit_config(directory, tie_word_embeddings=True)
+    _import_matches_transformers(directory, tmp_path / "ckpt")
+
+
+_LLAMA3_SCALING = dict(
+    rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)  # fmt: skip
+
+ROPE_STATED_TWICE = {
+    "blocks": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "rope_scaling": _LLAMA3_SCALING},
+        "config.json states RoPE twice, differently: rope_parameters {'rope_type': 'default', "
+        "'rope_theta': 500000.0} and rope_scaling {'rope_type': 'llama3', 'factor': 32.0",
+    ),
+    "blocks_bases": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "rope_scaling": {"rope_type": "default"}},
+        "states RoPE twice, differently: rope_parameters",
+    ),
+    "theta": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+         "rope_theta": 10000.0},
+        "states rope_theta twice, differently: 10000.0 at the top level and 500000.0 in "
+        "rope_parameters",
+    ),
+    "theta_in_scaling": (
+        {"rope_scaling": {**_LLAMA3_SCALING, "rope_theta": 500000.0}, "rope_theta": 10000.0},
+        "states rope_theta twice, differently: 10000.0 at the top level and 500000.0 in "
+        "rope_scaling",
+    ),
+    "partial": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 1.0},
+         "partial_rotary_factor": 0.5},
+        "states partial_rotary_factor twice, differently: 0.5 at the top level and 1.0 in "
+        "rope_parameters",
+    ),
+    "original_context": (
+        {"rope_parameters": {**_LLAMA3_SCALING, "rope_theta": 500000.0},
+         "original_max_position_embeddings": 4096, "max_position_embeddings": 16384},
+        "states original_max_position_embeddings twice, differently: 4096 at the top level and "
+        "8192 in rope_parameters",
+    ),
+}  # fmt: skip
+"""Configs stating a RoPE parameter twice with different values (the fields replacing
+Llama 2's), and the start of the refusal."""
+
+
+@pytest.mark.parametrize("case", list(ROPE_STATED_TWICE))
+def test_rope_stated_twice_differently_is_refused(case):
+    """transformers 5 reads `rope_scaling` where a config also has `rope_parameters`, the
+    block's `rope_theta` and `partial_rotary_factor` but the top-level
+    `original_max_position_embeddings`; transformers 4 the other ones (the import read
+    `rope_parameters`, silently)."""
+    config = {key: value for key, value in hf_config("llama2").to_dict().items()
+              if key not in ("rope_parameters", "rope_scaling", "rope_theta")}  # fmt: skip
+    fields, refused = ROPE_STATED_TWICE[case]
+    with pytest.raises(HFConversionError, match=re.escape(refused)):
+        model_args_from_hf_config({**config, **fields})
+
+
+def test_rope_stated_twice_refused_before_anything_is_written(llama2_dir, tmp_path):
+    directory = tmp_path / "hf"
+    shutil.copytree(llama2_dir, directory)
+    fields = ROPE_STATED_TWICE["blocks"][0]
+    _edit_config(directory, **fields)
+    with pytest.raises(HFConversionError, match="rope_parameters .* and rope_scaling .*delete"):
+        convert("import", "--hf-dir", directory, "--save", tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+    checkpoint = tmp_path / "imported"
+    convert("import", "--hf-dir", llama2_dir, "--save", checkpoint)
+    with pytest.raises(HFConversionError, match="states RoPE twice, differently"):
+        convert("export", "--load", checkpoint, "--hf-dir", tmp_path / "out",
+                "--hf-config", directory)  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_rope_stated_twice_alike_imports_as_transformers_reads_it(tmp_path):
+    """Llama 3's scaling in `rope_parameters` and again in `rope_scaling` (as `type`, its
+    base at the top level), with the top-level `original_max_position_embeddings` the
+    same: the model transformers loads from the directory."""
+    directory = tmp_path / "hf"
+    save_hf_model("llama3", directory)
+    parameters = json.loads((directory / "config.json").read_text())["rope_parameters"]
+    scaling = {"type": "llama3", **parameters}
+    del scaling["rope_type"], scaling["rope_theta"]
+    _edit_config(
+        directory,
+        rope_scaling=scaling,
+        rope_theta=parameters["rope_theta"],
+        original_max_position_embeddings=parameters["original_max_position_embeddings"],
+    )
+    _import_matches_transformers(directory, tmp_path / "ckpt")
+
+
 def test_command_line_error_exit(tmp_path):
     """Run as a script: an error is one line on stderr and exit status 1, no traceback."""
     process = subprocess.run(
