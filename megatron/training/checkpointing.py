@@ -20,7 +20,8 @@ and rank 0 lists them all in `checksums.json` before the commit.
 
 Loading reads only, and checks the checkpoint (its files and their checksums, the model's
 arguments, tensor names and shapes, the schedule, the optimizer's parameter groups) before it
-reads a tensor, naming what differs; every rank raises the same error. A run that finetunes
+reads a tensor, naming what differs (a schedule in the flags that set it); every rank raises
+the same error. A run that finetunes
 (`--finetune`, or `--pretrained-checkpoint` while `--load` holds no checkpoint) never writes
 into a directory holding checkpoints: the one it starts from, or another run's.
 """
@@ -45,7 +46,7 @@ from megatron.core.distributed.tensor_parallel_params import (
     stride_free_for_checkpoint,
 )
 from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ScheduleMismatchError
 from megatron.training.checkpoint_checksums import (
     ChecksumWriter,
     FileChecksum,
@@ -78,6 +79,7 @@ from megatron.training.checkpoint_layout import (
     write_tracker,
 )
 from megatron.training.checkpoint_rng import rng_state, set_rng_state
+from megatron.training.flag_groups.optimization import describe_schedule_mismatch
 from megatron.training.utils import print_rank_0
 
 MODEL_ARGS = (
@@ -314,6 +316,11 @@ def load_checkpoint(
             state["optimizer"] = optimizer.sharded_state_dict_for_loading(
                 saved.get("optimizer", {})
             )
+        except ScheduleMismatchError as error:
+            raise CheckpointError(
+                f"{path} was saved with another learning-rate schedule: "
+                f"{describe_schedule_mismatch(error, common.get('args') or {}, args)}"
+            ) from error
         except ValueError as error:
             raise CheckpointError(f"{path}: {error}") from error
     swaps = stride_free_for_checkpoint(state, values=False)

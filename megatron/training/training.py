@@ -62,11 +62,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.training.cuda_graphs import GraphedIteration
 from megatron.training.data_iterators import DatasetProvider, build_train_valid_test_data_iterators
 from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.evaluation import evaluate_and_print_results
+from megatron.training.flag_errors import reported_as_flag_errors
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.optimization import lr_schedule_steps
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
@@ -151,7 +152,8 @@ def pretrain(
         The per-iteration losses, gradient norms and learning rates and the evaluations.
 
     Raises:
-        ValueError: a flag is bad, or a dataset is too small; the message names the fix.
+        ValueError: a flag, a dataset or the checkpoint (`CheckpointError`) does not fit the
+            run; the message names the fix.
         RuntimeError: with `--check-for-nan-in-loss-and-grad` (the default), a loss or the
             global gradient norm is not finite; or the `parallel_state` groups exist already.
     """
@@ -168,7 +170,8 @@ def pretrain(
         model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
         args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
         if args.load is not None:
-            args.iteration = load_checkpoint(model, optimizer, scheduler, args)
+            with reported_as_flag_errors(CheckpointError):
+                args.iteration = load_checkpoint(model, optimizer, scheduler, args)
         data_iterators = build_train_valid_test_data_iterators(
             train_valid_test_dataset_provider, args
         )
