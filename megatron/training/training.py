@@ -35,7 +35,7 @@ the schedule, the checks, logging and evaluation stay on the host, outside the g
 With `--load`, training resumes from a checkpoint (weights, optimizer state, schedule, RNG
 states, and the data position: the checkpoint's consumed-sample counts); with `--save`, a
 checkpoint is written every `--save-interval` iterations and when training stops
-(`megatron.training.checkpointing`).
+(`megatron.training.checkpointing`) into a directory the run holds (`save_directory`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
 from megatron.training.loss_reduction import average_loss_dicts, divide_gradients_by_tokens
 from megatron.training.profiling import TrainingOperations, empty_unused_memory
+from megatron.training.save_directory import claim_save_directory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
@@ -152,8 +153,8 @@ def pretrain(
         The per-iteration losses, gradient norms and learning rates and the evaluations.
 
     Raises:
-        ValueError: a flag, a dataset or the checkpoint (`CheckpointError`) does not fit the
-            run; the message names the fix.
+        ValueError: a flag, a dataset, the checkpoint or the `--save` directory (these two:
+            `CheckpointError`) does not fit the run; the message names the fix.
         RuntimeError: with `--check-for-nan-in-loss-and-grad` (the default), a loss or the
             global gradient norm is not finite; or the `parallel_state` groups exist already.
     """
@@ -165,8 +166,11 @@ def pretrain(
     owns_default_group = not dist.is_initialized()
     start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's
     data_iterators: tuple[LoaderIterator | None, ...] = ()
+    save_directory = contextlib.ExitStack()  # holds --save's lock until the end
     try:
         args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
+        with reported_as_flag_errors(CheckpointError):
+            save_directory.enter_context(claim_save_directory(args))
         model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
         args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
         if args.load is not None:
@@ -208,16 +212,21 @@ def pretrain(
                 history.test_losses = evaluate(test_iterator, split="test")
     except BaseException:
         try:
-            _teardown(data_iterators, owns_default_group)
+            _teardown(data_iterators, owns_default_group, save_directory)
         except Exception:  # logged: the error being raised must not be replaced
             logger.exception("pretrain(): tearing down after an error failed too:")
         raise
-    _teardown(data_iterators, owns_default_group)
+    _teardown(data_iterators, owns_default_group, save_directory)
     return history
 
 
-def _teardown(data_iterators: tuple[LoaderIterator | None, ...], owns_default_group: bool) -> None:
-    """Stops the data loaders' workers and destroys what `initialize_megatron()` created."""
+def _teardown(
+    data_iterators: tuple[LoaderIterator | None, ...],
+    owns_default_group: bool,
+    save_directory: contextlib.ExitStack,
+) -> None:
+    """Releases `--save`, stops the data loaders' workers, destroys `initialize_megatron()`'s."""
+    save_directory.close()
     for iterator in data_iterators:
         if iterator is not None:
             iterator.close()
