@@ -16,6 +16,7 @@ with the saved parameter groups).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Protocol
 
@@ -57,6 +58,49 @@ GROUP_BOUND_FLAGS = {"max_lr": "--decoupled-lr", "min_lr": "--decoupled-min-lr"}
 """The bounds a parameter group may set for itself (Megatron-LM gives them to the word
 embeddings' and output layer's groups), by the flag that sets them. A group without one follows
 the scheduler's `max_lr` / `min_lr` (`--lr` / `--min-lr`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleDifference:
+    """One value of a checkpoint's schedule that differs from the arguments'.
+
+    Attributes:
+        key: the state-dict key (`"lr_decay_steps"`), or the bound (`"max_lr"`, `"min_lr"`) of
+            a parameter group where `group`.
+        flag: the flag(s) that set it (`_CHECKED_FLAGS`, `GROUP_BOUND_FLAGS`).
+        here: the arguments' value.
+        saved: the checkpoint's value.
+        group: a parameter group's own bound rather than the scheduler's value.
+    """
+
+    key: str
+    flag: str
+    here: Any
+    saved: Any
+    group: bool = False
+
+    def __str__(self) -> str:
+        name = self.flag if self.group else f"{self.key} ({self.flag})"
+        return f"{name}: {self.here!r} here, {self.saved!r} in the checkpoint"
+
+
+class ScheduleMismatchError(ValueError):
+    """A checkpoint's schedule differs from the arguments' while neither option of the
+    constructor chooses one; `differences` says where (a caller that knows the flags behind the
+    steps can name them in its own terms).
+
+    Args:
+        differences: every value that differs, the scheduler's before the groups'.
+    """
+
+    def __init__(self, differences: list[ScheduleDifference]):
+        self.differences = differences
+        super().__init__(
+            f"The checkpoint's learning-rate schedule differs ({'; '.join(map(str, differences))})"
+            ". Pass the checkpoint's values to resume its schedule, "
+            "--override-opt_param-scheduler to keep the flags' schedule, or "
+            "--use-checkpoint-opt_param-scheduler to take the checkpoint's."
+        )
 
 
 class HasParamGroups(Protocol):
@@ -255,8 +299,9 @@ class OptimizerParamScheduler:
                 optimizer's groups'. None: only the scheduler's values are.
 
         Raises:
-            ValueError: a key is missing, or the checkpoint's schedule (a group's bounds
-                included) differs from the arguments (neither option of the constructor set).
+            ValueError: a key is missing.
+            ScheduleMismatchError: the checkpoint's schedule (a group's bounds included)
+                differs from the arguments (neither option of the constructor set).
         """
         missing = [key for key in _STATE_KEYS if key not in state_dict]
         if missing:
@@ -267,26 +312,21 @@ class OptimizerParamScheduler:
         if self.use_checkpoint_opt_param_scheduler or self.override_opt_param_scheduler:
             return
         differ = [
-            f"{key} ({flag}): {getattr(self, key)!r} here, {state_dict[key]!r} in the checkpoint"
+            ScheduleDifference(key, flag, getattr(self, key), state_dict[key])
             for key, flag in _CHECKED_FLAGS.items()
             if getattr(self, key) != state_dict[key]
         ]
         differ += self._group_bound_differences(state_dict, param_groups or [])
         if differ:
-            raise ValueError(
-                f"The checkpoint's learning-rate schedule differs ({'; '.join(differ)}). "
-                "Pass the checkpoint's values to resume its schedule, "
-                "--override-opt_param-scheduler to keep the flags' schedule, or "
-                "--use-checkpoint-opt_param-scheduler to take the checkpoint's."
-            )
+            raise ScheduleMismatchError(differ)
 
     def _group_bound_differences(
         self, state_dict: dict[str, Any], param_groups: list[dict[str, Any]]
-    ) -> list[str]:
+    ) -> list[ScheduleDifference]:
         """Each group bound that differs from the checkpoint's, once per flag. A bound a group
         does not set is the scheduler's (the checkpoint's scheduler's for a saved group), so
         that --decoupled-min-lr equal to --min-lr matches a group without it."""
-        differ: dict[str, str] = {}
+        differ: dict[str, ScheduleDifference] = {}
         for group, saved in zip(self.optimizer.param_groups, param_groups):
             for key, flag in GROUP_BOUND_FLAGS.items():
                 if key not in group and key not in saved:
@@ -294,7 +334,7 @@ class OptimizerParamScheduler:
                 here = group.get(key, getattr(self, key))
                 there = saved.get(key, state_dict[key])
                 if here != there and flag not in differ:
-                    differ[flag] = f"{flag}: {here!r} here, {there!r} in the checkpoint"
+                    differ[flag] = ScheduleDifference(key, flag, here, there, group=True)
         return list(differ.values())
 
     def load_state_dict(

@@ -107,6 +107,11 @@ def committed_iterations(root: str) -> list[int]:
     return sorted(int(name[5:]) for name in names if name[5:].isdigit())
 
 
+def holds_checkpoint(root: str) -> bool:
+    """Whether `root` holds a tracker file or a committed checkpoint directory."""
+    return os.path.isfile(os.path.join(root, TRACKER_FILENAME)) or bool(committed_iterations(root))
+
+
 SavedEntry = TensorStorageMetadata | BytesStorageMetadata
 """What DCP's metadata records of one saved entry: a tensor's shape and dtype, or bytes."""
 

@@ -14,20 +14,22 @@ A save is atomic: every rank writes into `iter_N.tmp`, which rank 0 renames `ite
 have finished and it has checked that every rank's files are there, before it replaces the
 tracker. A crash or kill at any point leaves the previous checkpoint and the tracker as they
 were; the next save removes the leftover `.tmp` directories (and puts back a checkpoint it was
-replacing, if killed between the two renames). A step that fails on rank 0 fails the save on
-every rank. Each rank records the checksums of the files it writes (`checkpoint_checksums`),
-and rank 0 lists them all in `checksums.json` before the commit.
+replacing, if killed between the two renames), holding the directory's lock (`checkpoint_lock`:
+the run's, or its own), so never another job's save in progress. A step that fails on rank 0
+fails the save on every rank. Each rank records the checksums of the files it writes
+(`checkpoint_checksums`), and rank 0 lists them all in `checksums.json` before the commit.
 
 Loading reads only, and checks the checkpoint (its files and their checksums, the model's
 arguments, tensor names and shapes, the schedule, the optimizer's parameter groups) before it
-reads a tensor, naming what differs; every rank raises the same error. A run that finetunes
-(`--finetune`, or `--pretrained-checkpoint` while `--load` holds no checkpoint) never writes
-into a directory holding checkpoints: the one it starts from, or another run's.
+reads a tensor, naming what differs (a schedule in the flags that set it); every rank raises
+the same error. Which runs may save into a directory that holds checkpoints (those that resume
+them) is `save_directory`'s rule.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import time
@@ -45,7 +47,7 @@ from megatron.core.distributed.tensor_parallel_params import (
     stride_free_for_checkpoint,
 )
 from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ScheduleMismatchError
 from megatron.training.checkpoint_checksums import (
     ChecksumWriter,
     FileChecksum,
@@ -68,6 +70,7 @@ from megatron.training.checkpoint_layout import (
     commit_checkpoint,
     committed_iterations,
     directory_bytes,
+    holds_checkpoint,
     make_common,
     read_common,
     read_metadata,
@@ -77,7 +80,9 @@ from megatron.training.checkpoint_layout import (
     saved_entries,
     write_tracker,
 )
+from megatron.training.checkpoint_lock import hold_save_lock
 from megatron.training.checkpoint_rng import rng_state, set_rng_state
+from megatron.training.flag_groups.optimization import describe_schedule_mismatch
 from megatron.training.utils import print_rank_0
 
 MODEL_ARGS = (
@@ -158,6 +163,22 @@ def save_checkpoint(
         checksums: record the files' checksums; False only to measure what they cost
             (`tools/benchmark_checkpoint.py`): the checkpoint then loads unverified.
     """
+    # Rank 0 holds the lock of --save while it saves: the run's (`pretrain()` holds it), else
+    # its own. Leftovers are removed only under it, so never another job's save in progress.
+    with contextlib.ExitStack() as lock:
+        _save(iteration, model, optimizer, scheduler, args, checksums, lock)
+
+
+def _save(
+    iteration: int,
+    model: torch.nn.Module,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    args: argparse.Namespace,
+    checksums: bool,
+    lock: contextlib.ExitStack,
+) -> None:
+    """`save_checkpoint()`, whose rank 0 enters the lock of `--save` into `lock`."""
     root = args.save
     final = checkpoint_dir(root, iteration)
     staging = final + STAGING_SUFFIX
@@ -166,7 +187,7 @@ def save_checkpoint(
     rank = dist.get_rank()
 
     def prepare() -> None:
-        os.makedirs(root, exist_ok=True)
+        lock.enter_context(hold_save_lock(root))  # creates root
         remove_leftovers(root)
         check_replaceable(final)
         check_replaceable(staging)
@@ -255,13 +276,10 @@ def load_checkpoint(
         The iteration to continue after (0 when nothing loaded or when finetuning).
 
     Raises:
-        CheckpointError: the checkpoint is missing, incomplete, damaged, or of another model,
-            or a finetuning run's `--save` holds checkpoints; nothing is written, and the
-            model is unchanged if the error is about the checkpoint.
+        CheckpointError: the checkpoint is missing, incomplete, damaged, or of another model;
+            nothing is written, and the model is unchanged.
     """
     root, flag_name, finetune = _checkpoint_source(args)
-    if finetune:
-        _check_finetune_target(root, args.save)
     iteration = args.ckpt_step
     if iteration is None:
         iteration = _tracked_iteration(root, flag_name, args.save)
@@ -314,6 +332,11 @@ def load_checkpoint(
             state["optimizer"] = optimizer.sharded_state_dict_for_loading(
                 saved.get("optimizer", {})
             )
+        except ScheduleMismatchError as error:
+            raise CheckpointError(
+                f"{path} was saved with another learning-rate schedule: "
+                f"{describe_schedule_mismatch(error, common.get('args') or {}, args)}"
+            ) from error
         except ValueError as error:
             raise CheckpointError(f"{path}: {error}") from error
     swaps = stride_free_for_checkpoint(state, values=False)
@@ -346,36 +369,13 @@ def _checkpoint_source(args: argparse.Namespace) -> tuple[str, str, bool]:
     `--pretrained-checkpoint` while `--load` holds no checkpoint (Megatron-LM's rule), else
     `--load`."""
     pretrained = args.pretrained_checkpoint
-    if pretrained is not None and not _holds_checkpoint(args.load):
+    if pretrained is not None and not holds_checkpoint(args.load):
         print_rank_0(
             f"> --load {args.load} holds no checkpoint yet: finetuning from "
             f"--pretrained-checkpoint {pretrained}"
         )
         return pretrained, "--pretrained-checkpoint", True
     return args.load, "--load", args.finetune
-
-
-def _holds_checkpoint(root: str) -> bool:
-    return read_tracker(root) is not None or bool(committed_iterations(root))
-
-
-def _check_finetune_target(source: str, save: str | None) -> None:
-    """Refuses to finetune into a `--save` directory that holds checkpoints: the run starts
-    again at iteration 0, and its saves would replace them (a restart of a `--finetune` job
-    would throw its progress away this way).
-
-    Raises:
-        CheckpointError: `save` holds a tracker or a committed checkpoint.
-    """
-    if save is None or not _holds_checkpoint(save):
-        return
-    raise CheckpointError(
-        f"--save {save} holds checkpoints already (iterations {committed_iterations(save)}), "
-        f"and this run finetunes from {source}: it starts again at iteration 0, and its saves "
-        f"would replace them. To continue the run that saved them, load it with --load {save} "
-        f"(a job that restarts itself: --pretrained-checkpoint {source} --load {save} --save "
-        f"{save}, without --finetune); to start a new run, pass a new --save directory."
-    )
 
 
 def _tracked_iteration(root: str, flag_name: str, save: str | None) -> int | None:
@@ -554,22 +554,39 @@ def _check_model_tensors(
 
 
 def _on_rank_0(step: Callable[[], None], what: str) -> None:
-    """Runs `step` on rank 0 alone; every rank returns when it is done, or raises its error
-    (rather than waiting at the next collective until the timeout).
+    """A step of a save on rank 0 alone (`on_rank_0`).
 
     Raises:
         CheckpointError: `step` raised on rank 0.
     """
-    failure: Exception | None = None
+    on_rank_0(
+        step,
+        lambda error: (
+            f"Saving failed on rank 0 while {what} ({type(error).__name__}: {error}); the "
+            "previous checkpoint and the tracker are unchanged."
+        ),
+    )
+
+
+def on_rank_0(step: Callable[[], None], failure: Callable[[Exception], str]) -> None:
+    """Runs `step` on rank 0 alone; every rank returns when it is done, or raises the same
+    error (rather than waiting at the next collective until the timeout).
+
+    Args:
+        step: what rank 0 does.
+        failure: the message of the error, from rank 0's exception.
+
+    Raises:
+        CheckpointError: `step` raised on rank 0.
+    """
+    error: Exception | None = None
+    outcome: list[str | None] = [None]
     if dist.get_rank() == 0:
         try:
             step()
-        except Exception as error:  # every kind: all ranks must learn that the save failed
-            failure = error
-    outcome = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        except Exception as raised:  # every kind: all ranks must learn that the step failed
+            error = raised
+            outcome[0] = failure(raised)
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise CheckpointError(
-            f"Saving failed on rank 0 while {what} ({outcome[0]}); the previous checkpoint "
-            "and the tracker are unchanged."
-        ) from failure
+        raise CheckpointError(outcome[0]) from error

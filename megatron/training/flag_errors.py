@@ -6,6 +6,12 @@ up to `FLAG_ERROR_GRACE_S` before it exits (rank 0's exit ends the wait); a rank
 after the wait found an error rank 0 did not (a data path its node cannot see), and prints it,
 naming itself. This holds for argparse's errors (`FlagParser`: an unknown or malformed flag) and for
 `InvalidFlagsError`, which validation raises, ended by `report_flag_errors`.
+
+Some flags are refused only once the process group exists, by every rank alike: a checkpoint
+saved with another schedule or model, a `--save` directory that holds another run's checkpoints
+(`reported_as_flag_errors`). The ranks then wait at a barrier instead of the grace: rank 0 prints
+the message and every rank exits with code 2 as soon as all have arrived; a rank still waiting
+after `FLAG_ERROR_GRACE_S` prints the message itself, as above.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import sys
 import time
 from collections.abc import Iterator
 from typing import NoReturn
+
+import torch.distributed as dist
 
 FLAG_ERROR_GRACE_S = 60.0
 """How long a rank other than 0 waits for rank 0 to print a flag error and end the job."""
@@ -35,9 +43,15 @@ def _is_another_rank() -> bool:
     return _rank() != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def _print_error(message: str, rank: int | None = None) -> None:
+    """argparse's format: `error: message` (rank 0), or naming the rank that prints it."""
+    where = "" if rank is None else f" (rank {rank})"
+    print(f"error{where}: {message}", file=sys.stderr, flush=True)
+
+
 def _exit_after_rank_0(message: str) -> NoReturn:
     time.sleep(FLAG_ERROR_GRACE_S)
-    print(f"error (rank {_rank()}): {message}", file=sys.stderr, flush=True)
+    _print_error(message, _rank())
     sys.exit(2)
 
 
@@ -68,7 +82,49 @@ def report_flag_errors() -> Iterator[None]:
     except InvalidFlagsError as error:
         if _is_another_rank():
             _exit_after_rank_0(str(error))
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        _print_error(str(error))
         sys.exit(2)
     finally:
         _in_entry_point = False
+
+
+@contextlib.contextmanager
+def reported_as_flag_errors(*errors: type[Exception]) -> Iterator[None]:
+    """Around a step that every rank of the default process group runs, and whose `errors` all
+    ranks raise alike (checks of a checkpoint or a `--save` directory against the flags):
+    under `report_flag_errors` such an error ends the job as a bad flag does, its message
+    printed once by rank 0 and exit code 2 on every rank, without a traceback (module
+    docstring); elsewhere (a library call, a test) it propagates unchanged.
+
+    Raises:
+        SystemExit: code 2, under `report_flag_errors`, once rank 0 has printed the message.
+    """
+    try:
+        yield
+    except errors as error:
+        if not _in_entry_point:
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            _print_error(str(error))
+        if not _every_rank_arrives(FLAG_ERROR_GRACE_S) and rank != 0:
+            _print_error(str(error), rank)  # rank 0 did not fail here: this rank tells why
+        raise SystemExit(2) from error
+
+
+def _every_rank_arrives(timeout_s: float) -> bool:
+    """Whether every rank of the default group reaches this barrier within `timeout_s` (polled:
+    a rank that never comes must not hold the others past the grace)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    work = dist.barrier(async_op=True)
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001 - a rank that died: the message must still be printed
+        return False
+    return True

@@ -44,6 +44,7 @@ from megatron.training.checkpoint_layout import (
     saved_entries,
     write_tracker,
 )
+from megatron.training.checkpoint_lock import hold_save_lock
 
 _NO_PROCESS_GROUP = "torch.distributed is disabled"
 """The start of DCP's warning that it runs in one process: this module's intent, not news."""
@@ -207,8 +208,27 @@ def write_checkpoint(
         The checkpoint's directory.
 
     Raises:
-        CheckpointError: as `check_writable`; nothing was written.
+        CheckpointError: as `check_writable`, or a training run holds the directory's lock
+            (`checkpoint_lock`); nothing was written.
     """
+    check_save_root(root)  # before the lock creates it
+    # Under the directory's lock: never beside a training run (or another conversion) there.
+    with hold_save_lock(root):
+        return _write_checkpoint(
+            root, state, common, force, planner, one_file_per_tensor, iteration_option
+        )
+
+
+def _write_checkpoint(
+    root: str,
+    state: dict[str, Any],
+    common: dict[str, Any],
+    force: bool,
+    planner: SavePlanner | None,
+    one_file_per_tensor: bool,
+    iteration_option: str | None,
+) -> str:
+    """`write_checkpoint()`, under the lock of `root`."""
     iteration = common["iteration"]
     final = check_writable(root, iteration, force, iteration_option)
     previous = read_tracker(root) if os.path.isdir(root) else None
@@ -216,7 +236,7 @@ def write_checkpoint(
     os.makedirs(root, exist_ok=True)
     if os.path.exists(staging):
         # This tool's own leftover (an interrupted conversion): never committed. Other
-        # iterations' staging directories may be a running job's save in progress: left alone.
+        # iterations' leftovers are left to the next training save.
         shutil.rmtree(staging)
     os.makedirs(staging)
     # As load_checkpoint() tells them apart: by the parameter groups, as an optimizer may have

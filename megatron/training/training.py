@@ -35,7 +35,7 @@ the schedule, the checks, logging and evaluation stay on the host, outside the g
 With `--load`, training resumes from a checkpoint (weights, optimizer state, schedule, RNG
 states, and the data position: the checkpoint's consumed-sample counts); with `--save`, a
 checkpoint is written every `--save-interval` iterations and when training stops
-(`megatron.training.checkpointing`).
+(`megatron.training.checkpointing`) into a directory the run holds (`save_directory`).
 """
 
 from __future__ import annotations
@@ -62,17 +62,19 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.training.cuda_graphs import GraphedIteration
 from megatron.training.data_iterators import DatasetProvider, build_train_valid_test_data_iterators
 from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.evaluation import evaluate_and_print_results
+from megatron.training.flag_errors import reported_as_flag_errors
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.optimization import lr_schedule_steps
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
 from megatron.training.loss_reduction import average_loss_dicts, divide_gradients_by_tokens
 from megatron.training.profiling import TrainingOperations, empty_unused_memory
+from megatron.training.save_directory import claim_save_directory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import (
@@ -151,7 +153,8 @@ def pretrain(
         The per-iteration losses, gradient norms and learning rates and the evaluations.
 
     Raises:
-        ValueError: a flag is bad, or a dataset is too small; the message names the fix.
+        ValueError: a flag, a dataset, the checkpoint or the `--save` directory (these two:
+            `CheckpointError`) does not fit the run; the message names the fix.
         RuntimeError: with `--check-for-nan-in-loss-and-grad` (the default), a loss or the
             global gradient norm is not finite; or the `parallel_state` groups exist already.
     """
@@ -163,12 +166,16 @@ def pretrain(
     owns_default_group = not dist.is_initialized()
     start_time = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's
     data_iterators: tuple[LoaderIterator | None, ...] = ()
+    save_directory = contextlib.ExitStack()  # holds --save's lock until the end
     try:
         args = initialize_megatron(extra_args_provider, args_defaults, argv=argv)
+        with reported_as_flag_errors(CheckpointError):
+            save_directory.enter_context(claim_save_directory(args))
         model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
         args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
         if args.load is not None:
-            args.iteration = load_checkpoint(model, optimizer, scheduler, args)
+            with reported_as_flag_errors(CheckpointError):
+                args.iteration = load_checkpoint(model, optimizer, scheduler, args)
         data_iterators = build_train_valid_test_data_iterators(
             train_valid_test_dataset_provider, args
         )
@@ -205,16 +212,21 @@ def pretrain(
                 history.test_losses = evaluate(test_iterator, split="test")
     except BaseException:
         try:
-            _teardown(data_iterators, owns_default_group)
+            _teardown(data_iterators, owns_default_group, save_directory)
         except Exception:  # logged: the error being raised must not be replaced
             logger.exception("pretrain(): tearing down after an error failed too:")
         raise
-    _teardown(data_iterators, owns_default_group)
+    _teardown(data_iterators, owns_default_group, save_directory)
     return history
 
 
-def _teardown(data_iterators: tuple[LoaderIterator | None, ...], owns_default_group: bool) -> None:
-    """Stops the data loaders' workers and destroys what `initialize_megatron()` created."""
+def _teardown(
+    data_iterators: tuple[LoaderIterator | None, ...],
+    owns_default_group: bool,
+    save_directory: contextlib.ExitStack,
+) -> None:
+    """Releases `--save`, stops the data loaders' workers, destroys `initialize_megatron()`'s."""
+    save_directory.close()
     for iterator in data_iterators:
         if iterator is not None:
             iterator.close()

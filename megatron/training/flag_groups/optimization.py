@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from megatron.core.optimizer_param_scheduler import (
     LR_DECAY_STYLES,
     LR_WSD_DECAY_STYLES,
     WD_INCR_STYLES,
+    ScheduleMismatchError,
 )
 
 
@@ -160,6 +162,100 @@ def lr_schedule_steps(args: argparse.Namespace) -> dict[str, float | int | None]
     return dict(
         lr_warmup_steps=warmup, lr_decay_steps=decay, wsd_decay_steps=wsd, wd_incr_steps=wd_incr
     )
+
+
+_SCHEDULE_SOURCES = {
+    "max_lr": ("lr",),
+    "min_lr": ("min_lr",),
+    "lr_warmup_steps": (
+        "lr_warmup_iters",
+        "lr_warmup_samples",
+        "lr_warmup_fraction",
+        "lr_decay_iters",
+        "lr_decay_samples",
+        "train_iters",
+        "train_samples",
+        "global_batch_size",
+    ),
+    "lr_decay_steps": (
+        "lr_decay_iters",
+        "lr_decay_samples",
+        "train_iters",
+        "train_samples",
+        "global_batch_size",
+    ),
+    "lr_decay_style": ("lr_decay_style",),
+    "start_wd": ("start_weight_decay", "weight_decay"),
+    "end_wd": ("end_weight_decay", "weight_decay"),
+    "wd_incr_steps": ("train_iters", "train_samples", "global_batch_size"),
+    "wd_incr_style": ("weight_decay_incr_style",),
+}
+"""The flags (destinations) each value of the schedule a checkpoint is checked against comes
+from (`lr_schedule_steps`, and the defaults validation fills in)."""
+
+_DEFAULTS_TO = {
+    "lr_decay_iters": "train_iters",
+    "lr_decay_samples": "train_samples",
+    "start_weight_decay": "weight_decay",
+    "end_weight_decay": "weight_decay",
+}
+"""Flags whose default is another flag's value."""
+
+
+def describe_schedule_mismatch(
+    error: ScheduleMismatchError, saved: dict[str, Any], args: argparse.Namespace
+) -> str:
+    """What differs between a checkpoint's schedule and this run's, in the flags that set it
+    rather than the schedule's samples, and how to resume: e.g. "--train-iters 250 here, 200 in
+    the checkpoint". A difference no flag recorded in `saved` (the checkpoint's arguments)
+    explains, and a parameter group's bound, keep the scheduler's words.
+
+    Args:
+        error: the scheduler's refusal.
+        saved: the arguments the checkpoint was saved with (empty for one converted from
+            weights).
+        args: this run's.
+    """
+    dests: list[str] = []
+    texts: list[str] = []
+    for difference in error.differences:
+        sources = () if difference.group else _SCHEDULE_SOURCES.get(difference.key, ())
+        differing = [d for d in sources if d in saved and saved[d] != getattr(args, d, None)]
+        if not differing:
+            texts.append(str(difference))
+        dests += [dest for dest in differing if dest not in dests]
+
+    def follows(dest: str, source: str | None) -> bool:
+        """Whether `dest` differs as its default `source` does, taking its value on both sides."""
+        return (
+            dest in dests
+            and source in dests
+            and all(values.get(dest) == values.get(source) for values in (saved, vars(args)))
+        )
+
+    flag_texts = []
+    for dest in dests:
+        if follows(dest, _DEFAULTS_TO.get(dest)):
+            continue  # named with the flag it defaults to
+        followers = [
+            _flag(other)
+            for other, source in _DEFAULTS_TO.items()
+            if source == dest and follows(other, dest)
+        ]
+        verb = "defaults" if len(followers) == 1 else "default"
+        also = f" (and {' and '.join(followers)}, which {verb} to it)" if followers else ""
+        here, there = (_value(values.get(dest)) for values in (vars(args), saved))
+        flag_texts.append(f"{_flag(dest)} {here} here, {there} in the checkpoint{also}")
+    return (
+        f"{'; '.join(flag_texts + texts)}. To resume it, pass --override-opt_param-scheduler "
+        "to follow this run's flags from the checkpoint's step, "
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, or the "
+        "checkpoint's values."
+    )
+
+
+def _value(value: Any) -> str:
+    return "unset" if value is None else str(value)
 
 
 _ITERATION_FLAGS = ("lr_decay_iters", "lr_wsd_decay_iters", "lr_warmup_iters")

@@ -1,13 +1,17 @@
 """What the checkpoint tests share: tiny training runs through `pretrain_gpt.main` on the
 spawned ranks, and what they compare: whole tensors (DTensors gathered), exact equality of
 nested state and of training histories, a checkpoint's tensors read without the code that wrote
-them, and the bytes of every file of a directory."""
+them, and the bytes of every file of a directory; and another job's process holding the lock of a
+`--save` directory."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +53,34 @@ def main_error(flags: list[str]) -> tuple[str, str] | None:
     except Exception as error:  # noqa: BLE001 - the test checks which
         return type(error).__name__, str(error)
     return None
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(root: str) -> Iterator[int]:
+    """A live process of this host holding the lock of the directory `root` (as another job's
+    rank 0 does) for the block; yields its pid."""
+    code = (
+        "import sys\n"
+        "from megatron.training.checkpoint_lock import hold_save_lock\n"
+        f"with hold_save_lock({root!r}):\n"
+        "    print('held', flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    repository = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=repository,
+        env={**os.environ, "PYTHONPATH": repository},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.stdin.close()  # ends its block: it releases the lock
+        assert holder.wait(timeout=120) == 0
 
 
 def read_tracker_text(root: str) -> str:

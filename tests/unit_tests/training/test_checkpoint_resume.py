@@ -14,8 +14,12 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -25,6 +29,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+import pretrain_gpt
+from megatron.core.optimizer_param_scheduler import ScheduleMismatchError
 from megatron.training import checkpoint_layout, checkpointing, training
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_checksums import (
@@ -35,6 +41,7 @@ from megatron.training.checkpointing import (
     TRACKER_FILENAME,
     CheckpointError,
 )
+from megatron.training.flag_groups.optimization import describe_schedule_mismatch
 from megatron.training.training import TrainingHistory
 from tests.unit_tests.distributed_harness import DistributedTestError, run_distributed
 from tests.unit_tests.training.checkpoint_checks import (
@@ -52,7 +59,9 @@ from tests.unit_tests.training.checkpoint_checks import (
     resumed_part,
     whole_tensor,
 )
-from tests.unit_tests.training.flag_checks import BASE
+from tests.unit_tests.training.flag_checks import BASE, validated
+
+REPOSITORY = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
 
 ENGINES = {
     "fsdp_zero3": ZERO3,
@@ -246,16 +255,16 @@ def test_save_with_shards_rank_0_cannot_see_fails_on_every_rank(tmp_path):
     assert sorted(os.listdir(root)) == ["iter_0000006.tmp", "iter_0000006.tmp.node-local"]
 
 
-def test_save_failing_on_rank_0_fails_on_every_rank(tmp_path):
-    """--save is a file: rank 0 cannot create the checkpoint directory; every rank raises its
-    error (instead of the others waiting at a barrier), and the file is left as it was."""
+def test_save_directory_rank_0_cannot_create_fails_on_every_rank(tmp_path):
+    """--save is a file: rank 0 cannot create the directory (nor its lock) at the start; every
+    rank raises its error (instead of the others waiting at a barrier), and the file is left as
+    it was."""
     target = tmp_path / "not_a_directory"
     target.write_text("keep me")
     errors = run_distributed(main_error, 2, [*RUN, *ZERO3, "--save", str(target)])
     for kind, message in errors:
         assert kind == CheckpointError.__name__, message
-        assert "Saving failed on rank 0 while creating" in message, message
-        assert "FileExistsError" in message or "NotADirectoryError" in message, message
+        assert f"--save {target} cannot be used (FileExistsError: " in message, message
     assert target.read_text() == "keep me"
 
 
@@ -303,7 +312,18 @@ BAD_LOADS = {
     "schedule": (
         None,
         ["--min-lr", "2e-3"],
-        ["learning-rate schedule differs (min_lr (--min-lr): 0.002 here, 0.001 in the checkpoint)"],
+        ["saved with another learning-rate schedule: --min-lr 0.002 here, 0.001 in the checkpo"],
+    ),
+    "schedule-length": (
+        None,
+        ["--train-iters", "8"],
+        [
+            f"{ITER_3} was saved with another learning-rate schedule: --train-iters 8 here, 6 in "
+            "the checkpoint (and --lr-decay-iters, which defaults to it). To resume it, pass "
+            "--override-opt_param-scheduler to follow this run's flags from the checkpoint's "
+            "step, --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, or "
+            "the checkpoint's values."
+        ],
     ),
     "no-such-directory": (None, ["--load", "{root}/missing"], ["missing: no such directory"]),
     "tracker-to-missing": (
@@ -422,6 +442,45 @@ def test_bad_load_fails_naming_the_difference_and_leaves_the_directory(
         assert kind == CheckpointError.__name__, message
         for fragment in fragments:
             assert fragment in message, message
+    assert directory_hashes(root) == before
+
+
+def test_a_resume_with_another_schedule_ends_pretrain_gpt_as_a_flag_error(
+    tmp_path, zero3_first_half
+):
+    """Two ranks of pretrain_gpt.py, started as torchrun starts them: before, every rank printed
+    the traceback of a CheckpointError that spoke in samples ("lr_decay_steps ...: 32 here, 24
+    in the checkpoint") and exited with code 1."""
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(zero3_first_half, root)
+    before = directory_hashes(root)
+    flags = [*RUN, *ZERO3, "--train-iters", "8", "--load", root, "--save", root]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    environment.update(WORLD_SIZE="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "pretrain_gpt.py", *flags, "--distributed-backend", "gloo"],
+            cwd=REPOSITORY,
+            env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    stderr = "".join(rank.communicate(timeout=600)[1] for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [2, 2], stderr
+    assert "Traceback" not in stderr, stderr
+    assert [line for line in stderr.splitlines() if "error" in line] == [
+        f"error: {root}/{ITER_3} was saved with another learning-rate schedule: --train-iters 8 "
+        "here, 6 in the checkpoint (and --lr-decay-iters, which defaults to it). To resume it, "
+        "pass --override-opt_param-scheduler to follow this run's flags from the checkpoint's "
+        "step, --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule, or the "
+        "checkpoint's values."
+    ]
     assert directory_hashes(root) == before
 
 
@@ -557,6 +616,82 @@ def test_exit_on_missing_checkpoint_refuses_to_train_from_scratch(tmp_path):
     args = parse_args(args=[*flags, "--exit-on-missing-checkpoint"])
     with pytest.raises(CheckpointError, match="holds no checkpoint yet, and --exit-on-missing"):
         checkpointing.load_checkpoint(None, None, None, args)
+
+
+def _schedule_mismatch(saved_flags: list[str], flags: list[str], saved_args: bool = True) -> str:
+    """How a run of `flags` describes resuming a checkpoint saved by a run of `saved_flags`."""
+    saved, here = validated(*saved_flags), validated(*flags)
+    schedules = [
+        training.get_optimizer_param_scheduler(SimpleNamespace(param_groups=[{}]), args)
+        for args in (saved, here)
+    ]
+    with pytest.raises(ScheduleMismatchError) as error:
+        schedules[1].check_state_dict(schedules[0].state_dict())
+    return describe_schedule_mismatch(error.value, vars(saved) if saved_args else {}, here)
+
+
+SCHEDULE_MISMATCHES = {
+    # id: (the checkpoint's flags, this run's, the start of the description)
+    "train-iters": (
+        ["--train-iters", "200"],
+        ["--train-iters", "250"],
+        "--train-iters 250 here, 200 in the checkpoint (and --lr-decay-iters, which defaults to "
+        "it). To resume it, pass --override-opt_param-scheduler",
+    ),
+    "lr-decay-iters": (
+        ["--lr-decay-iters", "8"],
+        ["--lr-decay-iters", "9"],
+        "--lr-decay-iters 9 here, 8 in the checkpoint. ",
+    ),
+    "global-batch-size": (
+        ["--global-batch-size", "8"],
+        ["--global-batch-size", "16"],
+        "--global-batch-size 16 here, 8 in the checkpoint. ",
+    ),
+    "weight-decay": (
+        ["--weight-decay", "0.01"],
+        ["--weight-decay", "0.1"],
+        "--weight-decay 0.1 here, 0.01 in the checkpoint (and --start-weight-decay and "
+        "--end-weight-decay, which default to it). ",
+    ),
+    "warmup-fraction": (
+        ["--lr-warmup-fraction", "0.1"],
+        ["--lr-warmup-fraction", "0.2", "--lr-decay-style", "cosine"],
+        "--lr-warmup-fraction 0.2 here, 0.1 in the checkpoint; --lr-decay-style cosine here, "
+        "linear in the checkpoint. ",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SCHEDULE_MISMATCHES)
+def test_a_changed_schedule_is_described_in_the_flags_the_user_changed(case):
+    """Before: in the schedule's samples ("lr_decay_steps ...: 4000 here, 3200 in the
+    checkpoint") after a changed --train-iters."""
+    saved_flags, flags, description = SCHEDULE_MISMATCHES[case]
+    assert _schedule_mismatch(saved_flags, flags).startswith(description)
+
+
+def test_a_schedule_in_the_same_samples_resumes_as_upstream():
+    """The schedule counts samples (Megatron-LM's): half the iterations of twice the batch is
+    the same schedule."""
+    saved, here = (
+        validated("--train-iters", "20", "--global-batch-size", "8"),
+        validated("--train-iters", "10", "--global-batch-size", "16"),
+    )
+    schedules = [
+        training.get_optimizer_param_scheduler(SimpleNamespace(param_groups=[{}]), args)
+        for args in (saved, here)
+    ]
+    schedules[1].check_state_dict(schedules[0].state_dict())
+
+
+def test_a_changed_schedule_without_the_checkpoints_flags_keeps_the_schedules_words():
+    """A checkpoint converted from weights records no arguments."""
+    description = _schedule_mismatch(["--train-iters", "200"], ["--train-iters", "250"], False)
+    assert description.startswith(
+        "lr_decay_steps (--lr-decay-iters/-samples): 1000 here, 800 in the checkpoint; "
+        "wd_incr_steps (--train-iters/-samples): 1000 here, 800 in the checkpoint. "
+    )
 
 
 def test_which_checkpoint_the_tracker_names(tmp_path):

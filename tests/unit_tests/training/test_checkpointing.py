@@ -5,6 +5,7 @@
   from the saved and the loaded state is the same step.
 - Loading at another data-parallel size, strategy or hybrid layout reshards exactly.
 - A mismatched optimizer state fails before the model changes.
+- A save beside another job writing into the directory is refused and removes nothing of it.
 
 `test_checkpoint_resume.py` covers whole runs: exact resume, killed saves, bad checkpoints.
 """
@@ -43,6 +44,8 @@ from tests.unit_tests.model_builders import (
 )
 from tests.unit_tests.training.checkpoint_checks import (
     assert_same,
+    directory_hashes,
+    lock_held_by_another_process,
     read_whole_checkpoint,
     whole_tensor,
 )
@@ -444,3 +447,31 @@ def test_files_named_like_checkpoint_directories_are_left_alone(tmp_path):
     for name in ("iter_0000004", "iter_0000006.tmp"):
         with open(os.path.join(root, name)) as file:
             assert file.read() == "user notes"
+
+
+def _save_error(root: str) -> str | None:
+    try:
+        save_checkpoint(2, *_build("optim_grads_params"), _args(root))
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_a_save_beside_another_writer_is_refused_and_removes_nothing(tmp_path):
+    """A save outside a training run takes the directory's lock for itself (before: it removed
+    every leftover iter_*.tmp, another job's save in progress among them)."""
+    root = str(tmp_path / "save")
+    with lock_held_by_another_process(root) as pid:
+        os.makedirs(os.path.join(root, "iter_0000007.tmp"))
+        with open(os.path.join(root, "iter_0000007.tmp", "__0_0.distcp"), "wb") as shard:
+            shard.write(b"the other job's shard")
+        before = directory_hashes(root)
+        for message in run_distributed(_save_error, 2, root):
+            assert message is not None, "saved beside another writer"
+            assert "Saving failed on rank 0 while creating" in message, message
+            assert "is in use by another job (host " in message, message
+            assert f", pid {pid}, started " in message, message
+        assert directory_hashes(root) == before
+    # Without a holder it takes the lock for the save alone, and leaves no lock behind.
+    assert run_distributed(_save_error, 2, root) == [None, None]
+    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -48,18 +48,6 @@ def test_datasets_shorter_than_the_run_are_refused(sizes, message):
         build_train_valid_test_data_iterators(provider, args)
 
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """`pretrain()` joins (and must leave) a default group of its own in this process."""
-    if dist.is_initialized():
-        pytest.skip("this process is in a process group already")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    yield
-    if dist.is_initialized():  # the test failed: do not leak the group into later tests
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
 def _pretrain(flags: list[str], forward_step=pretrain_gpt.forward_step, model_provider=None):
     return pretrain(
         pretrain_gpt.train_valid_test_datasets_provider,

@@ -1,0 +1,303 @@
+"""The `--save` directory of a run (`megatron.training.save_directory`, `checkpoint_lock`).
+
+- A run that would replace another run's checkpoints (one from scratch, one resuming from
+  another directory, one finetuning) is refused on every rank before it builds anything, naming
+  the directory, its latest iteration and the fixes, and leaves it byte-identical; `--load`
+  equal to `--save` resumes.
+- One job writes into a directory at a time: a second is refused, naming the holder (host, pid,
+  start time), and nothing of the first's is removed; a stale lock (its process gone, its host
+  silent, an earlier attempt of the job) is taken over with a warning; a run holds the lock
+  from its start and releases it at its end, after an error too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import pretrain_gpt
+from megatron.core.enums import ModelType
+from megatron.training import checkpoint_lock
+from megatron.training.checkpoint_layout import TRACKER_FILENAME, CheckpointError
+from megatron.training.checkpoint_lock import LOCK_FILENAME, STALE_AFTER_S, hold_save_lock
+from megatron.training.save_directory import check_save_target
+from megatron.training.training import pretrain
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.checkpoint_checks import (
+    RUN,
+    ZERO3,
+    directory_hashes,
+    lock_held_by_another_process,
+    main,
+    main_error,
+    read_tracker_text,
+)
+from tests.unit_tests.training.log_capture import capture_training_log
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """A --save directory of a ZeRO-3 run stopped by --exit-interval 3: iterations 2 and 3."""
+    root = str(tmp_path_factory.mktemp("saved"))
+    flags = [*RUN, *ZERO3, "--exit-interval", "3", "--save", root, "--save-interval", "2"]
+    run_distributed(main, 2, flags)
+    assert read_tracker_text(root) == "3\n"
+    return root
+
+
+@pytest.mark.parametrize("load", [None, "other"])
+def test_a_run_that_would_replace_another_runs_checkpoints_is_refused(load, saved, tmp_path):
+    """Before: a run from scratch (or from another directory) saved over them and pointed the
+    tracker at its own iterations."""
+    save = str(tmp_path / "save")
+    shutil.copytree(saved, save)
+    flags = [*RUN, *ZERO3, "--save", save, "--save-interval", "2"]
+    if load is not None:
+        load = str(tmp_path / load)
+        shutil.copytree(saved, load)
+        flags += ["--load", load]
+    before = directory_hashes(save)
+    this_run = "starts from scratch (no --load)" if load is None else f"loads --load {load}"
+    for kind, message in run_distributed(main_error, 2, flags):
+        assert kind == CheckpointError.__name__, message
+        assert f"--save {save} holds the checkpoints of another run (iterations [2, 3]; the " in (
+            message
+        )
+        assert "the latest is iteration 3" in message and this_run in message, message
+        assert f"pass --load {save}; to start another, pass a new or empty --save" in message
+    assert directory_hashes(save) == before
+
+
+def _args(
+    save: str | None, load: str | None = None, finetune: bool = False, pretrained: str | None = None
+) -> argparse.Namespace:
+    return argparse.Namespace(
+        save=save, load=load, finetune=finetune, pretrained_checkpoint=pretrained
+    )
+
+
+def _make(root: str, *names: str) -> None:
+    for name in names:
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+
+
+def test_which_save_directories_a_run_may_write_into(tmp_path):
+    save, other = str(tmp_path / "save"), str(tmp_path / "other")
+    check_save_target(_args(save))  # not created yet
+    _make(save, "iter_0000004.tmp")  # an interrupted first save: nothing committed
+    check_save_target(_args(save))
+    check_save_target(_args(None, load=save))
+    _make(save, "iter_0000002", "iter_0000004")
+    with open(os.path.join(save, TRACKER_FILENAME), "w") as tracker:
+        tracker.write("4\n")
+    os.symlink(save, str(tmp_path / "link"))
+    check_save_target(_args(save, load=str(tmp_path / "link")))  # resumes it
+    check_save_target(_args(save, load=save + "/"))
+    with pytest.raises(CheckpointError, match=r"\(iterations \[2, 4\]; the latest is iteration 4"):
+        check_save_target(_args(save))
+    with pytest.raises(CheckpointError, match=f"this run loads --load {other}:"):
+        check_save_target(_args(save, load=other))
+    with pytest.raises(CheckpointError, match=r"holds checkpoints already \(iterations \[2, 4\]"):
+        check_save_target(_args(save, load=other, finetune=True))
+    with pytest.raises(CheckpointError, match=f"finetunes from --pretrained-checkpoint {other} "):
+        check_save_target(_args(save, load=str(tmp_path / "new"), pretrained=other))
+    _make(save, *(f"iter_000001{i}" for i in range(5)))
+    with pytest.raises(CheckpointError, match="7 checkpoints, iterations 2 to 14; the latest"):
+        check_save_target(_args(save))
+
+
+# --- The lock ---
+
+
+def test_a_second_writer_is_refused_by_name_and_the_first_ones_save_kept(tmp_path):
+    """Before: the second job's first save removed the first job's save in progress (every
+    `iter_*.tmp`), and the two replaced each other's checkpoints."""
+    root = str(tmp_path / "save")
+    with lock_held_by_another_process(root) as pid:
+        _make(root, "iter_0000007.tmp")  # the first job's save in progress
+        with open(os.path.join(root, "iter_0000007.tmp", "__0_0.distcp"), "wb") as shard:
+            shard.write(b"shard")
+        before = directory_hashes(root)
+        holder = f"(host {socket.gethostname()}, pid {pid}, started "
+        for kind, message in run_distributed(main_error, 2, [*RUN, *ZERO3, "--save", root]):
+            assert kind == CheckpointError.__name__, message
+            assert f"--save {root} is in use by another job {holder}" in message, message
+            assert "Pass another --save directory, or wait for that job to end" in message
+        assert directory_hashes(root) == before
+    assert os.listdir(root) == ["iter_0000007.tmp"]  # the first job released its lock
+
+
+def _lock_path(root: str) -> str:
+    return os.path.join(root, LOCK_FILENAME)
+
+
+def _write_lock(root: str, holder: dict | str, age: float = 0.0) -> None:
+    """A lock file naming `holder` (a dict, or any text), whose last heartbeat was `age`
+    seconds ago."""
+    os.makedirs(root, exist_ok=True)
+    with open(_lock_path(root), "w") as file:
+        file.write(holder if isinstance(holder, str) else json.dumps(holder))
+    when = time.time() - age
+    os.utime(_lock_path(root), (when, when))
+
+
+def _read_lock(root: str) -> dict:
+    with open(_lock_path(root)) as file:
+        return json.load(file)
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+@pytest.fixture
+def job_environment(monkeypatch) -> Iterator[None]:
+    """This process as part of no torchrun or Slurm job; a test sets what it needs."""
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+
+
+HOST = socket.gethostname()
+TORCHRUN_RESTART = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "1"}
+STALE_LOCKS = {
+    # id: (holder, age of its heartbeat, this job's environment, the reason logged)
+    "process-gone": (lambda: {"host": HOST, "pid": _dead_pid()}, 0.0, {}, "its process is gone"),
+    "host-silent": (
+        lambda: {"host": "elsewhere", "pid": 1},
+        STALE_AFTER_S + 5,
+        {},
+        f"its last heartbeat is {STALE_AFTER_S + 5:.0f} s old",
+    ),
+    "earlier-attempt-of-this-job": (
+        lambda: {"host": "elsewhere", "pid": 1, "job": ["torchrun abc", "0"]},
+        0.0,
+        TORCHRUN_RESTART,
+        "it is of an earlier attempt of this job (torchrun abc, attempt 0)",
+    ),
+    "pid-reused-by-this-process": (
+        lambda: {"host": HOST, "pid": os.getpid(), "token": "an earlier process's"},
+        0.0,
+        {},
+        "this process has its pid, so it ended",
+    ),
+    "unreadable-and-silent": (lambda: "not json", STALE_AFTER_S + 5, {}, "heartbeat is"),
+}
+
+
+@pytest.mark.parametrize("case", STALE_LOCKS)
+def test_a_stale_lock_is_taken_over_with_a_warning(case, tmp_path, monkeypatch, job_environment):
+    holder, age, environment, reason = STALE_LOCKS[case]
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    root = str(tmp_path)
+    _write_lock(root, holder(), age)
+    with capture_training_log() as messages, hold_save_lock(root):
+        assert _read_lock(root)["pid"] == os.getpid()
+    assert any(
+        m.startswith(f"> taking over {_lock_path(root)} from ") and reason in m for m in messages
+    ), messages
+    assert os.listdir(root) == []
+
+
+LIVE_LOCKS = {
+    # id: (holder, age of its heartbeat, this job's environment, how the message names it)
+    "another-host": (
+        {"host": "elsewhere", "pid": 7, "started": "2026-11-24T10:00:00+00:00"},
+        STALE_AFTER_S - 30,
+        {},
+        "(host elsewhere, pid 7, started 2026-11-24T10:00:00+00:00; its last heartbeat "
+        f"{STALE_AFTER_S - 30:.0f} s ago)",
+    ),
+    "this-attempt-of-this-job": (
+        {"host": "elsewhere", "pid": 7, "started": "t", "job": ["torchrun abc", "1"]},
+        0.0,
+        TORCHRUN_RESTART,
+        "(host elsewhere, pid 7, started t, job torchrun abc attempt 1; its last heartbeat",
+    ),
+    "being-written": ("", 0.0, {}, "(an unreadable lock file; its last heartbeat 0 s ago)"),
+}
+
+
+@pytest.mark.parametrize("case", LIVE_LOCKS)
+def test_a_live_lock_is_not_taken_over(case, tmp_path, monkeypatch, job_environment):
+    holder, age, environment, named = LIVE_LOCKS[case]
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    root = str(tmp_path)
+    _write_lock(root, holder, age)
+    before = directory_hashes(root)
+    with pytest.raises(CheckpointError) as error, hold_save_lock(root):
+        pass
+    assert f"--save {root} is in use by another job {named}" in str(error.value)
+    assert f"delete {_lock_path(root)}; a lock without a heartbeat for" in str(error.value)
+    assert directory_hashes(root) == before
+
+
+def test_the_lock_is_held_once_per_process_and_its_heartbeat_refreshed(tmp_path, monkeypatch):
+    """A save during a run holds the run's lock (it neither takes it again nor releases it);
+    the heartbeat keeps the lock's time recent."""
+    monkeypatch.setattr(checkpoint_lock, "HEARTBEAT_S", 0.05)
+    root = str(tmp_path / "save")
+    with hold_save_lock(root):
+        holder = _read_lock(root)
+        with hold_save_lock(root):
+            assert _read_lock(root) == holder
+        assert _read_lock(root) == holder
+        os.utime(_lock_path(root), (0, 0))
+        deadline = time.monotonic() + 30
+        while os.stat(_lock_path(root)).st_mtime == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert time.time() - os.stat(_lock_path(root)).st_mtime < 30
+    assert os.listdir(root) == []
+
+
+FLAGS = (
+    "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+    "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-2 --mock-data "
+    "--vocab-size 32 --num-workers 0 --distributed-backend gloo"
+).split()
+
+
+def test_a_run_holds_the_lock_from_start_to_end_and_releases_it_after_an_error(
+    world_of_one, tmp_path
+):
+    root = str(tmp_path / "save")
+    holders: list[int] = []
+    failing = itertools.count()
+
+    def forward_step(data_iterator, model, fail: bool = False):
+        holders.append(_read_lock(root)["pid"])
+        if fail and next(failing) == 1:
+            raise RuntimeError("forward failed")
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    def run(flags: list[str], step) -> None:
+        pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            ModelType.encoder_or_decoder,
+            step,
+            argv=[*FLAGS, *flags],
+        )
+
+    run(["--save", root, "--exit-interval", "1"], forward_step)
+    assert holders and set(holders) == {os.getpid()}
+    assert sorted(os.listdir(root)) == ["iter_0000001", TRACKER_FILENAME]
+    holders.clear()
+    with pytest.raises(RuntimeError, match="forward failed"):
+        run(["--save", root, "--load", root], lambda *a: forward_step(*a, fail=True))
+    assert holders == [os.getpid()] * 2
+    assert sorted(os.listdir(root)) == ["iter_0000001", TRACKER_FILENAME]
