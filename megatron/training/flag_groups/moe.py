@@ -211,12 +211,13 @@ def validate_moe(args: argparse.Namespace) -> None:
     experts against `--expert-model-parallel-size`) are checked by `TransformerConfig`, whose
     errors `validate_args` reports with these flags' names.
 
+    `--expert-tensor-parallel-size` unset (None) becomes the tensor-parallel size, as upstream;
+    another size without `--num-experts` is refused with the MoE flags.
+
     Raises:
         ValueError: an MoE flag without `--num-experts`, several load-balancing losses, or
             expert-parallel sizes the ranks do not allow.
     """
-    if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.num_experts == 0:
         args.num_experts = None
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
@@ -235,11 +236,16 @@ def validate_moe(args: argparse.Namespace) -> None:
             if dest != "num_experts" and getattr(args, dest) != default
         ]
         given += [name for name, dest in KERNEL_TOGGLES if getattr(args, dest)]
+        etp = args.expert_tensor_parallel_size
+        if etp not in (None, args.tensor_model_parallel_size):
+            given.append(f"--expert-tensor-parallel-size {etp}")
         if given:
             raise ValueError(
                 f"{', '.join(given)}: MoE flags without --num-experts (the model is dense, so "
                 "they would be ignored); add --num-experts or drop them."
             )
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     _validate_expert_parallelism(args)
 
 

@@ -18,6 +18,7 @@ from megatron.training.arguments import (
     core_transformer_config_from_args,
     get_parallel_state_kwargs,
     parse_args,
+    validate_args,
 )
 from megatron.training.flag_groups.moe import DEFAULTS, KERNEL_TOGGLES, moe_layer_freq_type
 from tests.unit_tests.training.flag_checks import BASE, validated
@@ -105,6 +106,23 @@ def test_moe_ffn_width_defaults_to_the_ffn_width_and_zero_experts_is_dense():
         ("--moe-layer-freq [1,0]", "--moe-layer-freq: MoE flags without --num-experts"),
         ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2 needs MoE layers"),
         (
+            "--expert-tensor-parallel-size 2",
+            "--expert-tensor-parallel-size 2: MoE flags without --num-experts",
+        ),
+        ("--num-experts 4 --moe-aux-loss-coeff nan", "--moe-aux-loss-coeff nan must be >= 0"),
+        (
+            "--num-experts 4 --moe-router-topk-scaling-factor 0",
+            "--moe-router-topk-scaling-factor 0.0 must be > 0",
+        ),
+        (
+            "--num-experts 4 --moe-router-topk-scaling-factor nan",
+            "--moe-router-topk-scaling-factor nan must be > 0",
+        ),
+        (
+            "--num-experts 4 --moe-expert-capacity-factor inf",
+            "--moe-expert-capacity-factor inf must be > 0 and finite",
+        ),
+        (
             "--num-experts 4 --expert-model-parallel-size 4",
             "--expert-model-parallel-size 4 does not divide the world size 2",
         ),
@@ -143,6 +161,26 @@ def test_moe_ffn_width_defaults_to_the_ffn_width_and_zero_experts_is_dense():
 def test_bad_moe_flags_are_refused_naming_them(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         validated(*flags.split())
+
+
+def test_expert_sizes_between_one_and_the_tensor_parallel_size_are_refused_naming_the_flags():
+    flags = "--tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2"
+    with pytest.raises(ValueError) as error:
+        validated(*MOE, *flags.split(), world_size=4)
+    assert (
+        "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 1 with "
+        "--tensor-model-parallel-size 4 is not built"
+    ) in str(error.value)
+    assert "_size" not in str(error.value)  # no config field names
+
+
+def test_expert_tensor_parallel_size_of_a_dense_model_may_be_the_tensor_parallel_size():
+    """Unset, it resolves to the tensor-parallel size: given as that, it asks for nothing else
+    (and a validated namespace validates again)."""
+    flags = "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2"
+    args = validated(*flags.split())
+    assert args.expert_tensor_parallel_size == 2
+    validate_args(args, world_size=2)
 
 
 def test_expert_data_parallel_size_must_take_the_replicas():
