@@ -1,6 +1,7 @@
 """The MoE and expert-parallel flags: `--moe-layer-freq`'s safe parser, the defaults against
-`TransformerConfig`'s, the mapping onto the config and the process groups, and the refusals
-(MoE flags on a dense model, unbuilt values, sizes that do not divide), each naming the flags."""
+`TransformerConfig`'s, the mapping onto the config and the process groups, the refusals (MoE
+flags on a dense model, unbuilt values, sizes that do not divide), each naming the flags, and
+the comparison of a checkpoint's MoE flags with a resumed run's (values, not spellings)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from megatron.training.arguments import (
     parse_args,
     validate_args,
 )
+from megatron.training.checkpoint_layout import CHECKPOINT_VERSION, CheckpointError
+from megatron.training.checkpointing import _check_arguments
 from megatron.training.flag_groups.moe import DEFAULTS, KERNEL_TOGGLES, moe_layer_freq_type
 from tests.unit_tests.training.flag_checks import BASE, validated
 
@@ -193,3 +196,43 @@ def test_every_moe_flag_and_kernel_toggle_is_documented():
     docs = "".join(path.read_text() for path in (ROOT / "docs").glob("flags*.md"))
     for dest in [*DEFAULTS, *(dest for _, dest in KERNEL_TOGGLES)]:
         assert f"`--{dest.replace('_', '-')}`" in docs, dest
+
+
+def _checkpoint_of(flags: str) -> dict:
+    """The `common.pt` a run with `MOE` and `flags` saves (its validated arguments)."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "args": vars(validated(*MOE, *flags.split()))}
+
+
+SAME_MODEL = [
+    # (saved with, loaded with): two spellings of one model
+    ("--ffn-hidden-size 64", "--ffn-hidden-size 64 --moe-ffn-hidden-size 64"),
+    ("--ffn-hidden-size 64 --moe-ffn-hidden-size 64", "--ffn-hidden-size 64"),
+    ("--moe-layer-freq 1", "--moe-layer-freq [1,1]"),
+    ("--moe-layer-freq [1,0]", "--moe-layer-freq 2"),
+    ("", "--moe-router-topk-scaling-factor 1"),
+]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), SAME_MODEL)
+def test_a_checkpoint_loads_into_the_same_model_spelled_otherwise(saved, loaded):
+    _check_arguments(_checkpoint_of(saved), "ckpt", validated(*MOE, *loaded.split()))
+
+
+OTHER_MODEL = [
+    # (saved with, loaded with, the difference named)
+    ("", "--moe-ffn-hidden-size 64", "--moe-ffn-hidden-size 256 (here 64)"),
+    ("--moe-layer-freq 2", "--moe-layer-freq [1,1]", "--moe-layer-freq [1, 0] (here [1, 1])"),
+    (
+        "",
+        "--moe-router-topk-scaling-factor 2",
+        "--moe-router-topk-scaling-factor 1.0 (here 2.0)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("saved", "loaded", "difference"), OTHER_MODEL)
+def test_a_checkpoint_of_another_moe_model_is_refused_naming_the_difference(
+    saved, loaded, difference
+):
+    with pytest.raises(CheckpointError, match=re.escape(f"it was saved with {difference}")):
+        _check_arguments(_checkpoint_of(saved), "ckpt", validated(*MOE, *loaded.split()))
