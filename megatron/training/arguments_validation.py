@@ -6,8 +6,9 @@ and the fix. The configs the validated flags describe are built in `configs_from
 `megatron.training.arguments` re-exports both: import them from there.
 
 Each flag group's own checks live beside its flags (`flag_groups/*.py`, `validate_*`), called
-from here; features not built are refused by name in `flag_groups/unbuilt.py`, and the parallel
-sizes not built yet (context parallelism) in `_validate_parallelism`.
+from here; the range of every float flag is checked first (`flag_ranges.py`), features not built
+are refused by name in `flag_groups/unbuilt.py`, and the parallel sizes not built yet (context
+parallelism) in `_validate_parallelism`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,7 @@ from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
 from megatron.training.flag_groups.moe import validate_moe
 from megatron.training.flag_groups.network import validate_network_options
-from megatron.training.flag_groups.optimization import (
-    validate_lr_schedule,
-    validate_optimizer_values,
-)
+from megatron.training.flag_groups.optimization import validate_lr_schedule
 from megatron.training.flag_groups.precision import validate_precision
 from megatron.training.flag_groups.profiling import validate_profiling
 from megatron.training.flag_groups.training import validate_training_operations
@@ -49,6 +47,7 @@ from megatron.training.flag_groups.training_schedule import (
 )
 from megatron.training.flag_groups.transformer import validate_transformer_options
 from megatron.training.flag_groups.unbuilt import validate_unbuilt
+from megatron.training.flag_ranges import check_float_flags
 from megatron.training.utils import print_rank_0
 
 NUM_SPLITS = 3
@@ -88,6 +87,7 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     """
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     validate_unbuilt(args)
+    check_float_flags(args)
     validate_checkpointing(args)
     validate_distributed(args)
     validate_precision(args)
@@ -104,7 +104,6 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     validate_network_options(args)
     validate_transformer_options(args)
     validate_batch_schedule(args)
-    validate_optimizer_values(args)
     _validate_batch_and_optimizer(args)
     validate_training_length(args)
     validate_lr_schedule(args)

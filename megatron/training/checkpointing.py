@@ -82,6 +82,7 @@ from megatron.training.checkpoint_layout import (
 )
 from megatron.training.checkpoint_lock import hold_save_lock
 from megatron.training.checkpoint_rng import rng_state, set_rng_state
+from megatron.training.flag_groups.moe import resolved_moe_args
 from megatron.training.flag_groups.optimization import describe_schedule_mismatch
 from megatron.training.utils import print_rank_0
 
@@ -475,11 +476,13 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
             "--model-only, then from-torch) and load them with --finetune."
         )
     saved = common["args"]
+    # What the model reads, not how it was spelled (--moe-ffn-hidden-size unset or its value).
+    was, now = ({**values, **resolved_moe_args(values)} for values in (saved, vars(args)))
     differ = [
-        f"{_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))} {saved.get(name)} "
-        f"(here {getattr(args, name)})"
+        f"{_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))} {was.get(name)} "
+        f"(here {now.get(name)})"
         for name in (*MODEL_ARGS, *MOE_MODEL_ARGS)
-        if name in saved and saved.get(name) != getattr(args, name, None)
+        if name in saved and was.get(name) != now.get(name)
     ]
     if differ:
         raise CheckpointError(

@@ -112,7 +112,7 @@ def optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
 
 def transformer_config_from_flags(args: argparse.Namespace) -> TransformerConfig:
     """`core_transformer_config_from_args(args)`; its `ValueError` is re-raised naming the MoE
-    and expert-parallel flags instead of the config fields they set."""
+    and the (expert and tensor) parallel-size flags instead of the config fields they set."""
     try:
         return core_transformer_config_from_args(args)
     except ValueError as error:
@@ -133,6 +133,7 @@ _MOE_FIELD_DESTS = {
     "num_moe_experts": "num_experts",
     "expert_model_parallel_size": "expert_model_parallel_size",
     "expert_tensor_parallel_size": "expert_tensor_parallel_size",
+    "tensor_model_parallel_size": "tensor_model_parallel_size",
 }
 """The MoE `TransformerConfig` fields whose flag is not `--<field>` with dashes, or that are
 not named `moe_*`."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+from collections.abc import Mapping
 from typing import Any
 
+from megatron.core.transformer.moe.moe_config import layer_pattern
 from megatron.training.configs_from_args import flag
 
 _MAX_PATTERN_LENGTH = 100_000
@@ -211,12 +213,13 @@ def validate_moe(args: argparse.Namespace) -> None:
     experts against `--expert-model-parallel-size`) are checked by `TransformerConfig`, whose
     errors `validate_args` reports with these flags' names.
 
+    `--expert-tensor-parallel-size` unset (None) becomes the tensor-parallel size, as upstream;
+    another size without `--num-experts` is refused with the MoE flags.
+
     Raises:
         ValueError: an MoE flag without `--num-experts`, several load-balancing losses, or
             expert-parallel sizes the ranks do not allow.
     """
-    if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.num_experts == 0:
         args.num_experts = None
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
@@ -235,11 +238,16 @@ def validate_moe(args: argparse.Namespace) -> None:
             if dest != "num_experts" and getattr(args, dest) != default
         ]
         given += [name for name, dest in KERNEL_TOGGLES if getattr(args, dest)]
+        etp = args.expert_tensor_parallel_size
+        if etp not in (None, args.tensor_model_parallel_size):
+            given.append(f"--expert-tensor-parallel-size {etp}")
         if given:
             raise ValueError(
                 f"{', '.join(given)}: MoE flags without --num-experts (the model is dense, so "
                 "they would be ignored); add --num-experts or drop them."
             )
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     _validate_expert_parallelism(args)
 
 
@@ -260,3 +268,29 @@ def _validate_expert_parallelism(args: argparse.Namespace) -> None:
             f"(--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep})); "
             "lower one of them."
         )
+
+
+def resolved_moe_args(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE model flags among the validated flags `values` that several spellings can give,
+    as the model reads them, so that two runs of one model compare equal: the expert width
+    (`moe_ffn_hidden_size` None is `ffn_hidden_size`, as `TransformerConfig` resolves it), the
+    MoE layers (`moe_layer_freq` as its per-layer 0/1 list) and the routing weights' scale
+    (`moe_router_topk_scaling_factor` None scales nothing, as 1 does). Empty for a dense model,
+    and each left out where `values` lacks what it derives from (an older checkpoint's)."""
+    experts = values.get("num_experts")
+    if experts is None:
+        return {}
+    resolved: dict[str, Any] = {}
+    if "ffn_hidden_size" in values and _unset(values, "moe_ffn_hidden_size"):
+        resolved["moe_ffn_hidden_size"] = values["ffn_hidden_size"]
+    if "moe_layer_freq" in values and "num_layers" in values:
+        pattern = layer_pattern(values["num_layers"], experts, values["moe_layer_freq"])
+        resolved["moe_layer_freq"] = [int(is_moe) for is_moe in pattern]
+    if _unset(values, "moe_router_topk_scaling_factor"):
+        resolved["moe_router_topk_scaling_factor"] = 1.0
+    return resolved
+
+
+def _unset(values: Mapping[str, Any], dest: str) -> bool:
+    """Whether `values` holds `dest` as None."""
+    return dest in values and values[dest] is None

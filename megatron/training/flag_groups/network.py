@@ -135,8 +135,8 @@ def validate_network_options(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: an unbuilt position encoding, a RoPE option without RoPE, a deprecated
-            `--no-position-embedding` without RoPE, two MLP activations, or a value out of
-            range (`--rotary-base`, `--rotary-percent`, `--norm-epsilon`).
+            `--no-position-embedding` without RoPE, two MLP activations, or `--rotary-base`
+            out of range (the float flags' ranges are `flag_ranges.py`'s).
     """
     _validate_ranges(args)
     kind = args.position_embedding_type
@@ -161,8 +161,6 @@ def validate_network_options(args: argparse.Namespace) -> None:
                 f"{name} applies to --position-embedding-type rope, not {kind}; add "
                 f"--position-embedding-type rope or drop {name}."
             )
-    if args.rope_scaling_factor <= 0:
-        raise ValueError(f"--rope-scaling-factor {args.rope_scaling_factor} must be > 0.")
     if args.rotary_seq_len_interpolation_factor is not None:
         if args.rotary_seq_len_interpolation_factor < 1:
             raise ValueError(
@@ -180,11 +178,3 @@ def _validate_ranges(args: argparse.Namespace) -> None:
             f"--rotary-base {args.rotary_base} must be > 0 (RoPE's frequencies are powers of "
             "1 / base); the usual value is 10000."
         )
-    if not 0 < args.rotary_percent <= 1:
-        raise ValueError(
-            f"--rotary-percent {args.rotary_percent} must be in (0, 1]: the fraction of each "
-            "head's channels RoPE rotates."
-        )
-    # TransformerConfig refuses it too, under its field's name (layernorm_epsilon).
-    if args.layernorm_epsilon <= 0:
-        raise ValueError(f"--norm-epsilon {args.layernorm_epsilon} must be > 0.")

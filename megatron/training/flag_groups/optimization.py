@@ -126,19 +126,6 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def validate_optimizer_values(args: argparse.Namespace) -> None:
-    """Checks the ranges of the learning rates and the weight decay, naming the flag (the
-    checks between them, such as `--min-lr` <= `--lr`, come after).
-
-    Raises:
-        ValueError: `--lr`, `--decoupled-lr` or `--weight-decay` is negative.
-    """
-    for dest in ("lr", "decoupled_lr", "weight_decay"):
-        value = getattr(args, dest)
-        if value is not None and value < 0:
-            raise ValueError(f"{_flag(dest)} {value} must be >= 0.")
-
-
 def lr_schedule_steps(args: argparse.Namespace) -> dict[str, float | int | None]:
     """The schedule's lengths in samples, as Megatron-LM's `get_optimizer_param_scheduler`:
     iteration flags times `--global-batch-size`, sample flags as given, `--lr-warmup-fraction`
@@ -289,11 +276,6 @@ def validate_lr_schedule(args: argparse.Namespace) -> None:
         if getattr(args, warmup_dest):
             raise ValueError(
                 f"--lr-warmup-fraction and {_flag(warmup_dest)} are both set; keep one."
-            )
-        if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            raise ValueError(
-                f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1): the warmup "
-                "is part of the decay length."
             )
     decay_dest = f"lr_decay_{unit}"
     if getattr(args, decay_dest) is None:

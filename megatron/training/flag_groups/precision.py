@@ -219,8 +219,6 @@ def validate_precision(args: argparse.Namespace) -> None:
 
 def _validate_loss_scaling(args: argparse.Namespace) -> None:
     if args.loss_scale is not None:
-        if not args.loss_scale > 0:
-            raise ValueError(f"--loss-scale {args.loss_scale} must be > 0.")
         if not (args.fp16 or args.bf16):
             raise ValueError(
                 f"--loss-scale {args.loss_scale} applies to --fp16 or --bf16 only (fp32 "
@@ -234,15 +232,13 @@ def _validate_loss_scaling(args: argparse.Namespace) -> None:
                 f"{_flag(dest)} {value} applies to dynamic loss scaling only (--fp16 without "
                 "--loss-scale); drop it, or use --fp16 without --loss-scale."
             )
-    if not args.initial_loss_scale > 0:
-        raise ValueError(f"--initial-loss-scale {args.initial_loss_scale} must be > 0.")
-    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+    if args.min_loss_scale > args.initial_loss_scale:
         raise ValueError(
             f"--min-loss-scale {args.min_loss_scale} must be in (0, --initial-loss-scale "
             f"{args.initial_loss_scale}]."
         )
     window = args.loss_scale_window
-    if window < 1 or window != int(window):
-        raise ValueError(f"--loss-scale-window {window} must be a whole number >= 1.")
+    if window != int(window):
+        raise ValueError(f"--loss-scale-window {window} must be a whole number.")
     if args.hysteresis < 1:
         raise ValueError(f"--hysteresis {args.hysteresis} must be >= 1.")

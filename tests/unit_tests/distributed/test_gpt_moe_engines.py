@@ -1,7 +1,9 @@
 """The GPT with MoE layers (router, all-to-all dispatch, stacked experts) under the data-parallel
 engines: at EP 1, 2 and 4 on 4 gloo ranks, under the DDP engine and the Megatron-FSDP strategies,
 it trains exactly as one process running the whole global batch with every expert local (losses,
-gradient norms, global weights after SGD steps with gradient accumulation)."""
+gradient norms, global weights after SGD steps with gradient accumulation). Built on the `meta`
+device and materialised by Megatron-FSDP, it starts from the eager build's weights, bit for bit,
+and trains as it does."""
 
 from __future__ import annotations
 
@@ -15,14 +17,21 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from tests.unit_tests.distributed.moe_training import (
     MICRO_BATCH,
     MICROBATCHES,
     STEPS,
     Engine,
+    RunResult,
     engine_run,
+    global_state,
+    init_groups,
+    optimizer_config,
     reference_run,
+    train_steps,
+    wrap,
 )
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, tiny_gpt_config
@@ -44,11 +53,11 @@ class GPTLosses(torch.nn.Module):
 
 
 def build_gpt_moe(
-    ep_group: dist.ProcessGroup | None, dispatcher: str, device: str = "cpu"
+    ep_group: dist.ProcessGroup | None, dispatcher: str, device: str = "cpu", **overrides
 ) -> GPTLosses:
-    """A 2-layer GPT whose second layer is MoE (4 experts, top-2, SwiGLU, a z-loss), the same
-    global weights at every EP size."""
-    config = tiny_gpt_config(
+    """A 2-layer GPT whose second layer is MoE (4 experts, top-2, SwiGLU, a z-loss; `overrides`
+    of its config fields), the same global weights at every EP size."""
+    fields = dict(
         num_moe_experts=NUM_EXPERTS,
         moe_ffn_hidden_size=24,
         moe_router_topk=2,
@@ -60,6 +69,7 @@ def build_gpt_moe(
         activation_func=F.silu,
         expert_model_parallel_size=1 if ep_group is None else ep_group.size(),
     )
+    config = tiny_gpt_config(**{**fields, **overrides})
     torch.manual_seed(1234)
     with torch.device(device):
         gpt = GPTModel(
@@ -112,3 +122,45 @@ def _compare(engine: Engine, ep_sizes: tuple[int, ...], dispatcher: str) -> None
 )
 def test_gpt_moe_trains_as_one_process_at_every_ep_size(engine, ep_sizes, dispatcher):
     run_distributed(_compare, WORLD, engine, ep_sizes, dispatcher)
+
+
+META_VARIANTS = {
+    # Every MoE part that holds parameters or buffers: the router's weight and expert bias
+    # (a buffer), the experts, the shared experts and their gate.
+    "shared_experts_gate_expert_bias": dict(
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_gate=True,
+        add_bias_linear=False,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    ),
+    # The router's and the experts' biases.
+    "biases": dict(add_bias_linear=True),
+}
+
+
+def _meta_init_matches_eager(variant: str, ep: int) -> None:
+    batches = token_batches()
+    builder = functools.partial(build_gpt_moe, dispatcher="alltoall", **META_VARIANTS[variant])
+    eager_weights = global_state(builder(None).gpt.state_dict())
+    expected = reference_run(builder, batches)
+    init_groups(ep)
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    model = wrap(
+        builder(ep_group, device="meta"), Engine("fsdp", "optim_grads_params"), TransformerLayer
+    )
+    weights = global_state(model.module.gpt.state_dict())
+    assert weights.keys() == eager_weights.keys()
+    for name, weight in eager_weights.items():
+        assert torch.equal(weights[name], weight), name
+    actual = RunResult()
+    optimizer = get_megatron_optimizer(optimizer_config(), model)
+    train_steps(model, optimizer, batches, actual, dist.get_rank(), dist.get_world_size())
+    parallel_state.destroy_model_parallel()
+    torch.testing.assert_close(actual.losses, expected.losses)
+    torch.testing.assert_close(actual.grad_norms, expected.grad_norms)
+
+
+@pytest.mark.parametrize("variant", META_VARIANTS)
+def test_gpt_moe_built_on_meta_starts_as_the_eager_build(variant):
+    run_distributed(_meta_init_matches_eager, WORLD, variant, 2)

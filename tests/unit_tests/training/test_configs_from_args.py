@@ -182,12 +182,12 @@ TRANSFORMER_CONFIG_CASES = [
     ("--bf16", "params_dtype", torch.bfloat16),
     ("--fp16", "fp16", True),
     ("--calculate-per-token-loss", "calculate_per_token_loss", True),
-    ("--expert-tensor-parallel-size 2", "expert_tensor_parallel_size", 2),
     *(
         (f"--num-experts 4 {flags}".strip(), field, value)
         for flags, field, value in [
             ("", "num_moe_experts", 4),
             ("--expert-model-parallel-size 2", "expert_model_parallel_size", 2),
+            ("--expert-tensor-parallel-size 2", "expert_tensor_parallel_size", 2),
             ("--moe-ffn-hidden-size 48", "moe_ffn_hidden_size", 48),
             ("--moe-router-topk 3", "moe_router_topk", 3),
             ("--moe-router-score-function sigmoid", "moe_router_score_function", "sigmoid"),

@@ -1,11 +1,18 @@
 """Numeric flags out of range are refused by validation, naming the flag (rather than failing
-later with a message that blames something else), and the edges of each range are accepted."""
+later with a message that blames something else), and the edges of each range are accepted.
+Every float flag of the parser has a range: NaN, infinities and values just outside it are
+refused, values at (or just inside) its edges pass."""
 
 from __future__ import annotations
 
+import argparse
+import math
+
 import pytest
 
-from tests.unit_tests.training.flag_checks import validated
+from megatron.training.arguments import add_megatron_arguments, parse_args
+from megatron.training.flag_ranges import FLOAT_FLAG_RANGES, Range, check_float_flags
+from tests.unit_tests.training.flag_checks import BASE, validated
 
 ROPE = ("--position-embedding-type", "rope")
 
@@ -39,7 +46,11 @@ REFUSED = {
     "clip-grad-negative": (("--clip-grad=-1",), "--clip-grad -1.0 must be >= 0"),
     "adam-eps-0": (("--adam-eps", "0"), "--adam-eps 0.0 must be > 0"),
     "seq-length-0": (("--seq-length", "0"), "--seq-length must be >= 1, got 0"),
-    "min-lr-negative": (("--min-lr=-0.1",), "--min-lr -0.1 must be in [0, --lr 0.001]"),
+    "min-lr-above-lr": (("--min-lr", "0.01"), "--min-lr 0.01 must be in [0, --lr 0.001]"),
+    "lr-nan": (("--lr", "nan"), "--lr nan must be >= 0 and finite"),
+    "min-loss-scale-nan": (("--min-loss-scale", "nan"), "--min-loss-scale nan must be > 0"),
+    "hidden-dropout-1": (("--hidden-dropout", "1"), "--hidden-dropout 1.0 must be in [0, 1)"),
+    "adam-beta2-inf": (("--adam-beta2", "inf"), "--adam-beta2 inf must be in [0, 1)"),
 }
 
 
@@ -68,3 +79,60 @@ def test_edge_of_range_is_accepted(flag, value, dest):
     extra = ("--min-lr", "0") if flag == "--lr" else ()
     args = validated(*ROPE, flag, value, *extra)
     assert getattr(args, dest) == type(getattr(args, dest))(value)
+
+
+def _float_flags() -> dict[str, str]:
+    """Each float flag of the parser (its first option string) and its destination."""
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    return {
+        action.option_strings[0]: action.dest
+        for action in parser._actions
+        if action.type is float or isinstance(action.default, float)
+    }
+
+
+FLOAT_FLAGS = _float_flags()
+
+
+def test_every_float_flag_has_a_range():
+    assert sorted(FLOAT_FLAGS.values()) == sorted(FLOAT_FLAG_RANGES)
+
+
+def _outside(allowed: Range) -> list[float]:
+    """The finite values nearest to the range that it excludes."""
+    values = []
+    if allowed.low is not None:
+        values.append(allowed.low if allowed.low_open else math.nextafter(allowed.low, -math.inf))
+    if allowed.high is not None:
+        high = allowed.high
+        values.append(high if allowed.high_open else math.nextafter(high, math.inf))
+    return values
+
+
+def _edges(allowed: Range) -> list[float]:
+    """The values at the range's closed edges and just inside its open ones."""
+    values = []
+    if allowed.low is not None:
+        low = allowed.low
+        values.append(math.nextafter(low, math.inf) if allowed.low_open else low)
+    if allowed.high is not None:
+        high = allowed.high
+        values.append(math.nextafter(high, -math.inf) if allowed.high_open else high)
+    return values
+
+
+@pytest.mark.parametrize("option", FLOAT_FLAGS)
+def test_float_flag_refuses_non_finite_and_out_of_range_values_naming_itself(option):
+    allowed = FLOAT_FLAG_RANGES[FLOAT_FLAGS[option]]
+    for value in ["nan", "inf", "-inf", *map(repr, _outside(allowed))]:
+        with pytest.raises(ValueError) as error:
+            validated(f"{option}={value}")
+        message = str(error.value)
+        assert message.startswith(f"{option} ") and f" must be {allowed}." in message, message
+
+
+@pytest.mark.parametrize("option", FLOAT_FLAGS)
+def test_float_flag_accepts_the_edges_of_its_range(option):
+    allowed = FLOAT_FLAG_RANGES[FLOAT_FLAGS[option]]
+    for value in _edges(allowed):
+        check_float_flags(parse_args(args=[*BASE, f"{option}={value!r}"]))

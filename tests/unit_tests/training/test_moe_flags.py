@@ -1,6 +1,7 @@
 """The MoE and expert-parallel flags: `--moe-layer-freq`'s safe parser, the defaults against
-`TransformerConfig`'s, the mapping onto the config and the process groups, and the refusals
-(MoE flags on a dense model, unbuilt values, sizes that do not divide), each naming the flags."""
+`TransformerConfig`'s, the mapping onto the config and the process groups, the refusals (MoE
+flags on a dense model, unbuilt values, sizes that do not divide), each naming the flags, and
+the comparison of a checkpoint's MoE flags with a resumed run's (values, not spellings)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from megatron.training.arguments import (
     core_transformer_config_from_args,
     get_parallel_state_kwargs,
     parse_args,
+    validate_args,
 )
+from megatron.training.checkpoint_layout import CHECKPOINT_VERSION, CheckpointError
+from megatron.training.checkpointing import _check_arguments
 from megatron.training.flag_groups.moe import DEFAULTS, KERNEL_TOGGLES, moe_layer_freq_type
 from tests.unit_tests.training.flag_checks import BASE, validated
 
@@ -105,6 +109,23 @@ def test_moe_ffn_width_defaults_to_the_ffn_width_and_zero_experts_is_dense():
         ("--moe-layer-freq [1,0]", "--moe-layer-freq: MoE flags without --num-experts"),
         ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2 needs MoE layers"),
         (
+            "--expert-tensor-parallel-size 2",
+            "--expert-tensor-parallel-size 2: MoE flags without --num-experts",
+        ),
+        ("--num-experts 4 --moe-aux-loss-coeff nan", "--moe-aux-loss-coeff nan must be >= 0"),
+        (
+            "--num-experts 4 --moe-router-topk-scaling-factor 0",
+            "--moe-router-topk-scaling-factor 0.0 must be > 0",
+        ),
+        (
+            "--num-experts 4 --moe-router-topk-scaling-factor nan",
+            "--moe-router-topk-scaling-factor nan must be > 0",
+        ),
+        (
+            "--num-experts 4 --moe-expert-capacity-factor inf",
+            "--moe-expert-capacity-factor inf must be > 0 and finite",
+        ),
+        (
             "--num-experts 4 --expert-model-parallel-size 4",
             "--expert-model-parallel-size 4 does not divide the world size 2",
         ),
@@ -145,6 +166,26 @@ def test_bad_moe_flags_are_refused_naming_them(flags, message):
         validated(*flags.split())
 
 
+def test_expert_sizes_between_one_and_the_tensor_parallel_size_are_refused_naming_the_flags():
+    flags = "--tensor-model-parallel-size 4 --sequence-parallel --expert-tensor-parallel-size 2"
+    with pytest.raises(ValueError) as error:
+        validated(*MOE, *flags.split(), world_size=4)
+    assert (
+        "--expert-tensor-parallel-size 2 x --expert-model-parallel-size 1 with "
+        "--tensor-model-parallel-size 4 is not built"
+    ) in str(error.value)
+    assert "_size" not in str(error.value)  # no config field names
+
+
+def test_expert_tensor_parallel_size_of_a_dense_model_may_be_the_tensor_parallel_size():
+    """Unset, it resolves to the tensor-parallel size: given as that, it asks for nothing else
+    (and a validated namespace validates again)."""
+    flags = "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2"
+    args = validated(*flags.split())
+    assert args.expert_tensor_parallel_size == 2
+    validate_args(args, world_size=2)
+
+
 def test_expert_data_parallel_size_must_take_the_replicas():
     flags = "--use-megatron-fsdp --num-distributed-optimizer-instances 2"
     with pytest.raises(ValueError, match="does not divide the expert data-parallel size 1"):
@@ -155,3 +196,43 @@ def test_every_moe_flag_and_kernel_toggle_is_documented():
     docs = "".join(path.read_text() for path in (ROOT / "docs").glob("flags*.md"))
     for dest in [*DEFAULTS, *(dest for _, dest in KERNEL_TOGGLES)]:
         assert f"`--{dest.replace('_', '-')}`" in docs, dest
+
+
+def _checkpoint_of(flags: str) -> dict:
+    """The `common.pt` a run with `MOE` and `flags` saves (its validated arguments)."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "args": vars(validated(*MOE, *flags.split()))}
+
+
+SAME_MODEL = [
+    # (saved with, loaded with): two spellings of one model
+    ("--ffn-hidden-size 64", "--ffn-hidden-size 64 --moe-ffn-hidden-size 64"),
+    ("--ffn-hidden-size 64 --moe-ffn-hidden-size 64", "--ffn-hidden-size 64"),
+    ("--moe-layer-freq 1", "--moe-layer-freq [1,1]"),
+    ("--moe-layer-freq [1,0]", "--moe-layer-freq 2"),
+    ("", "--moe-router-topk-scaling-factor 1"),
+]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), SAME_MODEL)
+def test_a_checkpoint_loads_into_the_same_model_spelled_otherwise(saved, loaded):
+    _check_arguments(_checkpoint_of(saved), "ckpt", validated(*MOE, *loaded.split()))
+
+
+OTHER_MODEL = [
+    # (saved with, loaded with, the difference named)
+    ("", "--moe-ffn-hidden-size 64", "--moe-ffn-hidden-size 256 (here 64)"),
+    ("--moe-layer-freq 2", "--moe-layer-freq [1,1]", "--moe-layer-freq [1, 0] (here [1, 1])"),
+    (
+        "",
+        "--moe-router-topk-scaling-factor 2",
+        "--moe-router-topk-scaling-factor 1.0 (here 2.0)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("saved", "loaded", "difference"), OTHER_MODEL)
+def test_a_checkpoint_of_another_moe_model_is_refused_naming_the_difference(
+    saved, loaded, difference
+):
+    with pytest.raises(CheckpointError, match=re.escape(f"it was saved with {difference}")):
+        _check_arguments(_checkpoint_of(saved), "ckpt", validated(*MOE, *loaded.split()))

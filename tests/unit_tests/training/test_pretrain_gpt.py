@@ -57,8 +57,10 @@ def _losses_and_norms(flags: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(history.loss_curve()), torch.tensor(history.grad_norms)
 
 
-def _assert_fsdp_matches_ddp(world_size: int, fsdp_flags: list[str]) -> None:
-    base = [*TINY, "--global-batch-size", str(4 * world_size)]  # 2 microbatches of 2
+def _assert_fsdp_matches_ddp(
+    world_size: int, fsdp_flags: list[str], model_flags: tuple[str, ...] = ()
+) -> None:
+    base = [*TINY, *model_flags, "--global-batch-size", str(4 * world_size)]  # 2 microbatches
     fsdp = run_distributed(_losses_and_norms, world_size, [*base, *fsdp_flags])
     ddp = run_distributed(_losses_and_norms, world_size, base)
     losses, grad_norms = ddp[0]
@@ -81,6 +83,24 @@ def test_fsdp_with_both_layers_in_one_unit_matches_ddp():
 
 def test_fsdp_on_meta_device_matches_ddp_on_4_ranks():
     _assert_fsdp_matches_ddp(4, [*ZERO3, "--init-model-with-meta-device"])
+
+
+MOE = tuple(
+    (
+        "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
+        "--moe-token-dispatcher-type alltoall --swiglu --disable-bias-linear "
+        "--moe-shared-expert-intermediate-size 16 --moe-shared-expert-gate "
+        "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-aux-loss-coeff 1e-2"
+    ).split()
+)
+"""An MoE model with every part that holds parameters or buffers: router, expert bias,
+experts, shared experts and their gate."""
+
+
+def test_moe_fsdp_on_meta_device_matches_ddp():
+    # The DDP engine builds the model eagerly: the same seed gives the same weights.
+    _assert_fsdp_matches_ddp(2, [*ZERO3, "--init-model-with-meta-device"], MOE)
 
 
 @pytest.mark.parametrize("engine_flags", [ZERO3, []], ids=["fsdp_zero3", "ddp"])

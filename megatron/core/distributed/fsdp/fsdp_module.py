@@ -17,8 +17,9 @@ one of them is a whole forward of the unit.
 
 Parameters built on the `meta` device are materialised when the root is first used (forward,
 `microbatch()`, `fully_shard_optimizer()`, the adapter), one parameter-owning module at a time
-in module order with its `reset_parameters()`, each rank keeping only its shards: no rank ever
-holds the whole model, and the weights equal an eager build's with the same seed.
+in module order with its `reset_parameters()` (which also sets the module's `meta` buffers),
+each rank keeping only its shards: no rank ever holds the whole model, and the weights equal an
+eager build's with the same seed.
 """
 
 from __future__ import annotations
@@ -529,10 +530,12 @@ class PendingParam:
 def _materialize_meta(module: torch.nn.Module, units: list[FsdpUnit]) -> None:
     """Initialises the `meta` parameters of `units`, one owning module at a time in
     `module.modules()` order (the order an eager build initialises in, so the same seed gives
-    the same weights), keeping only this rank's shards.
+    the same weights), keeping only this rank's shards. The `meta` buffers of any module are
+    allocated whole on the units' device and set by the same `reset_parameters()` (as
+    `torch.nn.BatchNorm`'s resets its running statistics).
 
     Raises:
-        ValueError: an owning module has no `reset_parameters()`.
+        ValueError: a module holding `meta` parameters or buffers has no `reset_parameters()`.
     """
     by_owner: dict[int, list[tuple[str, PendingParam]]] = {}
     for unit in units:
@@ -542,26 +545,35 @@ def _materialize_meta(module: torch.nn.Module, units: list[FsdpUnit]) -> None:
         unit.pending_meta = []
     if not by_owner:
         return
+    # Buffers are not sharded: each goes whole to the device the units' groups live on.
+    device = next(pending.group.device for entries in by_owner.values() for _, pending in entries)
     for owner in module.modules():
-        entries = by_owner.pop(id(owner), None)
-        if entries is None:
+        entries = by_owner.pop(id(owner), [])
+        buffers = [name for name, buffer in owner._buffers.items() if _is_meta(buffer)]
+        if not entries and not buffers:
             continue
         reset = getattr(owner, "reset_parameters", None)
         if reset is None:
             raise ValueError(
-                f"{type(owner).__name__} holds parameters on the meta device but has no "
-                "reset_parameters(); give it one, or build the model on a real device."
+                f"{type(owner).__name__} holds parameters or buffers on the meta device but has "
+                "no reset_parameters(); give it one, or build the model on a real device."
             )
         for name, pending in entries:
             owner._parameters[name] = torch.nn.Parameter(
                 torch.empty_like(pending.param, device=pending.group.device),
                 requires_grad=pending.param.requires_grad,
             )
+        for name in buffers:
+            owner._buffers[name] = torch.empty_like(owner._buffers[name], device=device)
         reset()
         for name, pending in entries:
             pending.group.load_full_tensor(pending.index, owner._parameters[name])
             # Drop the whole tensor now: only one module's are ever alive at once.
             owner._parameters[name] = pending.group.dist_params[pending.index]
+
+
+def _is_meta(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.is_meta
 
 
 _fsdp_classes: dict[type, type] = {}

@@ -18,10 +18,12 @@ that the dispatcher's combine adds up over `expt_tp`. The fc2 bias is therefore 
 gets the same one. `ExpertLinear.tensor_parallel_layouts()` states these splits relative to
 `expt_tp` (nothing at ETP 1).
 
-Initialisation depends on neither the expert-parallel nor the expert tensor-parallel size: one
-seed is drawn from the default generator (identically on every rank, whatever the layout), each
-global expert's whole weights are drawn from a generator seeded by it and the expert index, and
-each rank keeps its part, so a model built at any EP and ETP starts from the same global weights.
+Initialisation depends on neither the expert-parallel nor the expert tensor-parallel size: each
+projection draws one seed from the CPU's default generator (identically on every rank, whatever
+the layout), each global expert's whole weights are drawn from a generator seeded by it and the
+expert index, and each rank keeps its part, so a model built at any EP and ETP starts from the
+same global weights. `ExpertLinear.reset_parameters()` does this, at construction and again when
+a model built on the `meta` device is materialised, so both draw the same weights.
 
 The routing weights multiply each token's activation (and fc2 bias) inside the experts, as in
 Megatron-core, so the dispatcher's combine only sums.
@@ -125,6 +127,8 @@ class ExpertLinear(torch.nn.Module):
         output_size: Out-features of each expert (all expt_tp ranks).
         config: The transformer configuration (`params_dtype`).
         bias: Whether each expert has a bias.
+        init_method: In-place initialiser of each expert's whole `[out, in]` weight.
+        first_expert: Global index of local expert 0.
         split_dim: Dimension of each expert's `[out, in]` weight split over `expt_tp_group`.
         stride: Number of blocks along `split_dim`, each split over `expt_tp_group` on its own.
         expt_tp_group: The expert tensor-parallel group; None: not split.
@@ -140,12 +144,16 @@ class ExpertLinear(torch.nn.Module):
         config: TransformerConfig,
         bias: bool,
         *,
+        init_method: Callable[[torch.Tensor], torch.Tensor],
+        first_expert: int = 0,
         split_dim: int,
         stride: int = 1,
         expt_tp_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
+        self.init_method = init_method
+        self.first_expert = first_expert
         self.split_dim = split_dim
         self.stride = stride
         self.expt_tp_group = expt_tp_group
@@ -155,9 +163,10 @@ class ExpertLinear(torch.nn.Module):
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(torch.empty(num_local_experts, *shape, dtype=dtype))
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(num_local_experts, shape[0], dtype=dtype))
+            self.bias = torch.nn.Parameter(torch.empty(num_local_experts, shape[0], dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
 
     def _expert_layout(self) -> TensorParallelLayout:
         """The split of one expert's `[out, in]` weight (and of its `[out]` bias when
@@ -175,9 +184,20 @@ class ExpertLinear(torch.nn.Module):
             layouts["bias"] = layout
         return layouts
 
-    def reset_expert(
-        self, index: int, init_method: Callable[[torch.Tensor], torch.Tensor], seed: int
-    ) -> None:
+    def reset_parameters(self) -> None:
+        """Draws one seed from the CPU's default generator, then initialises each local expert
+        from it and its global index (`_reset_expert`); biases zero.
+
+        On the `meta` device it draws nothing: the model is initialised when it is
+        materialised, and a seed drawn now would shift every later draw of the generator.
+        """
+        if self.weight.is_meta:
+            return
+        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+        for index in range(self.weight.shape[0]):
+            self._reset_expert(index, seed + self.first_expert + index)
+
+    def _reset_expert(self, index: int, seed: int) -> None:
         """Initialises local expert `index` from `seed`: `init_method` applied to the expert's
         whole `[out, in]` weight, of which this rank keeps its part; bias zero."""
         full_shape = list(self.weight.shape[1:])
@@ -185,7 +205,7 @@ class ExpertLinear(torch.nn.Module):
         weight = self.weight[index]
         with torch.no_grad(), _seeded(seed, weight.device):
             full = torch.empty(full_shape, dtype=weight.dtype, device=weight.device)
-            init_method(full)
+            self.init_method(full)
             rank, size = group_rank(self.expt_tp_group), group_size(self.expt_tp_group)
             weight.copy_(shard_tensor(full, self._expert_layout(), rank, size))
             if self.bias is not None:
@@ -260,16 +280,28 @@ class SequentialMLP(MegatronModule):
         halves = 2 if config.gated_linear_unit else 1
         experts = num_local_experts
         self.linear_fc1 = ExpertLinear(
-            experts, hidden, halves * ffn, config, bias, split_dim=0, stride=halves, **groups
+            experts,
+            hidden,
+            halves * ffn,
+            config,
+            bias,
+            init_method=config.init_method,
+            first_expert=first_expert,
+            split_dim=0,
+            stride=halves,
+            **groups,
         )
-        self.linear_fc2 = ExpertLinear(experts, ffn, hidden, config, bias, split_dim=1, **groups)
-        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
-        for index in range(num_local_experts):
-            expert = first_expert + index
-            self.linear_fc1.reset_expert(index, config.init_method, seed + 2 * expert)
-            self.linear_fc2.reset_expert(
-                index, config.output_layer_init_method, seed + 2 * expert + 1
-            )
+        self.linear_fc2 = ExpertLinear(
+            experts,
+            ffn,
+            hidden,
+            config,
+            bias,
+            init_method=config.output_layer_init_method,
+            first_expert=first_expert,
+            split_dim=1,
+            **groups,
+        )
 
     def forward(
         self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor

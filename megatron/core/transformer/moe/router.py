@@ -188,9 +188,10 @@ class TopKRouter(MegatronModule):
 
     Parameters: `weight` [num_experts, hidden] (and `bias` [num_experts] with
     `add_bias_linear`, as Megatron-core), initialised with `config.init_method` in fp32 and
-    stored in `params_dtype`. Buffers with `moe_router_enable_expert_bias`: `expert_bias`
-    (fp32, saved in checkpoints) and `local_tokens_per_expert` (fp32, the counts of this rank's
-    routed tokens since the last `update_expert_bias`, which sums them; not saved).
+    stored in `params_dtype` (`reset_parameters`). Buffers with `moe_router_enable_expert_bias`:
+    `expert_bias` (fp32, saved in checkpoints) and `local_tokens_per_expert` (fp32, the counts
+    of this rank's routed tokens since the last `update_expert_bias`, which sums them; not
+    saved), zero after `reset_parameters`.
 
     Args:
         config: The transformer configuration (`num_moe_experts` set).
@@ -210,13 +211,10 @@ class TopKRouter(MegatronModule):
         self.layer_number = layer_number
         self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         experts = config.num_moe_experts
-        weight = torch.empty(experts, config.hidden_size, dtype=torch.float32)
-        config.init_method(weight)
-        self.weight = torch.nn.Parameter(weight.to(config.params_dtype))
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.empty(experts, config.hidden_size, dtype=dtype))
         if config.add_bias_linear:
-            bias = torch.empty(experts, dtype=torch.float32)
-            config.init_method(bias)
-            self.bias = torch.nn.Parameter(bias.to(config.params_dtype))
+            self.bias = torch.nn.Parameter(torch.empty(experts, dtype=dtype))
         else:
             self.register_parameter("bias", None)
         if config.moe_router_enable_expert_bias:
@@ -229,6 +227,20 @@ class TopKRouter(MegatronModule):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Weight (and bias) from `config.init_method`, drawn in fp32 and stored in
+        `params_dtype`; the expert bias and the token counts zero."""
+        for param in (self.weight, self.bias):
+            if param is not None:
+                drawn = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                self.config.init_method(drawn)
+                param.copy_(drawn)
+        for buffer in (self.expert_bias, self.local_tokens_per_expert):
+            if buffer is not None:
+                buffer.zero_()
 
     def _apply(self, fn, recurse=True):
         # `model.bfloat16()` / `.half()` would round the bias and the counts; they stay fp32.

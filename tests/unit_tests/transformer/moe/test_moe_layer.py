@@ -292,9 +292,34 @@ def test_layer_refuses_a_mismatched_expert_parallel_size():
         _layer(_config(2))
 
 
-def test_layer_builds_on_the_meta_device():
-    config = _config(1, moe_shared_expert_intermediate_size=16, add_bias_linear=False)
+META_VARIANTS = {
+    "shared_experts_gate_expert_bias": dict(
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_gate=True,
+        add_bias_linear=False,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    ),
+    "biases": dict(add_bias_linear=True),
+}
+
+
+@pytest.mark.parametrize("variant", META_VARIANTS)
+def test_layer_built_on_meta_then_reset_in_module_order_is_the_eager_build(variant):
+    """What Megatron-FSDP's materialisation does (`module.modules()` order, each module's
+    `reset_parameters()`): the weights and buffers of an eager build with the same seed."""
+    config = _config(1, **META_VARIANTS[variant])
     spec = get_moe_module_spec()
+    torch.manual_seed(123)
+    eager = MoELayer(config, spec.submodules).state_dict()
     with torch.device("meta"):
         layer = MoELayer(config, spec.submodules)
-    assert all(param.is_meta for param in layer.parameters())
+    assert all(tensor.is_meta for tensor in layer.state_dict().values())
+    layer.to_empty(device="cpu")
+    torch.manual_seed(123)
+    for module in layer.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert layer.state_dict().keys() == eager.keys()
+    for name, tensor in eager.items():
+        assert torch.equal(layer.state_dict()[name], tensor), name

@@ -4,6 +4,7 @@ fixtures/make_router_fixture.py) and against the formulas written out here."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -202,7 +203,12 @@ def test_router_dtype_and_force_load_balancing():
         (dict(moe_router_group_topk=2), "needs both moe_router_num_groups"),
         (dict(moe_router_num_groups=3, moe_router_group_topk=1), "divisible by moe_router_num"),
         (dict(moe_router_num_groups=4, moe_router_group_topk=3), "must be <= moe_router_topk"),
-        (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be > 0"),
+        (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be finite and"),
+        (dict(moe_expert_capacity_factor=math.inf), "moe_expert_capacity_factor must be finite"),
+        (dict(moe_router_topk_scaling_factor=0.0), "moe_router_topk_scaling_factor must be"),
+        (dict(moe_router_topk_scaling_factor=math.nan), "moe_router_topk_scaling_factor must"),
+        (dict(moe_aux_loss_coeff=math.nan), "moe_aux_loss_coeff must be finite and >= 0"),
+        (dict(moe_aux_loss_coeff=-0.1), "moe_aux_loss_coeff must be finite and >= 0"),
         (dict(moe_router_score_function="sqrtsoftplus"), "'sqrtsoftplus' .* is not built"),
         (dict(moe_router_load_balancing_type="sinkhorn"), "'sinkhorn' .* is not built"),
         (dict(moe_router_load_balancing_type="global_aux_loss"), "is not built"),
@@ -217,7 +223,16 @@ def test_router_dtype_and_force_load_balancing():
         (dict(moe_shared_expert_gate=True), "needs shared experts"),
         (dict(moe_layer_freq=[1, 0, 1]), "one 0 \\(dense\\) or 1 \\(MoE\\) per layer"),
         (dict(moe_layer_freq="([1]*3+[0])*2"), "expand a pattern string"),
-        (dict(moe_z_loss_coeff=0.0), "moe_z_loss_coeff must be > 0"),
+        (dict(moe_z_loss_coeff=0.0), "moe_z_loss_coeff must be finite and > 0"),
+        (dict(moe_z_loss_coeff=math.inf), "moe_z_loss_coeff must be finite and > 0"),
+        (
+            dict(
+                moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=math.inf,
+            ),
+            "moe_router_bias_update_rate must be finite and > 0",
+        ),
     ],
 )
 def test_config_rejects(overrides, match):
