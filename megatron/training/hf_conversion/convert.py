@@ -41,6 +41,7 @@ from megatron.training.checkpoint_layout import (
     read_metadata,
     saved_entries,
 )
+from megatron.training.flag_groups.moe import resolved_moe_args
 from megatron.training.hf_conversion.config import (
     ARCHITECTURE_ARGS,
     CONFIG_FILENAME,
@@ -451,10 +452,12 @@ def _export_config(
         return config, model_args_from_hf_config(config)
     args = model_args_from_hf_config(config)
     names = [*ARCHITECTURE_ARGS, *(("rope_scaling_factor",) if args["use_rope_scaling"] else ())]
+    # The model each side describes, not how its flags spell it (--moe-layer-freq 1 or [1,1]).
+    was, now = ({**values, **resolved_moe_args(values)} for values in (saved, args))
     differ = [
-        f"{name} {saved[name]!r} (the config's: {args[name]!r})"
+        f"{name} {was[name]!r} (the config's: {now[name]!r})"
         for name in names
-        if name in saved and saved[name] != args[name]
+        if name in saved and was[name] != now[name]
     ]
     if differ:
         raise HFConversionError(

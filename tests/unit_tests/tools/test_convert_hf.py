@@ -303,6 +303,28 @@ def test_loading_checks_the_recorded_moe_flags(tmp_path):
         checkpointing._check_arguments(common, summary["path"], other)
 
 
+def test_export_compares_the_moe_model_not_its_spelling(tmp_path):
+    """A training run's checkpoint spells the MoE layers and the expert width its own way
+    (`--moe-layer-freq [1,1]`, `--moe-ffn-hidden-size` unset): export takes it as the config's
+    model, and still refuses another expert width."""
+    save_hf_model("mixtral", tmp_path / "hf")
+    summary = convert("import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt")
+    args = torch.load(Path(summary["path"]) / COMMON_FILENAME, weights_only=False)["args"]
+    layers, width = args["num_layers"], args["moe_ffn_hidden_size"]
+
+    def respell(common: dict[str, Any]) -> None:
+        common["args"].update(moe_layer_freq=[1] * layers, moe_ffn_hidden_size=None)
+        common["args"].update(ffn_hidden_size=width)
+
+    edit_common(summary["path"], respell)
+    convert("export", "--load", tmp_path / "ckpt", "--hf-dir", tmp_path / "out")
+    assert sorted(safetensors_of(tmp_path / "out")) == sorted(safetensors_of(tmp_path / "hf"))
+
+    edit_common(summary["path"], lambda common: common["args"].update(ffn_hidden_size=2 * width))
+    with pytest.raises(HFConversionError, match="moe_ffn_hidden_size"):
+        convert("export", "--load", tmp_path / "ckpt", "--hf-dir", tmp_path / "out2")
+
+
 def test_pretrain_gpt_finetunes_an_moe_import_at_expert_parallel_size_2(tmp_path):
     """`pretrain_gpt.py --load --finetune` on 2 ranks at --expert-model-parallel-size 2 (the
     data-parallel engine splits the checkpoint's global expert tensors): iteration 1's loss is
