@@ -81,6 +81,7 @@ from megatron.training.utils import (
     get_device,
     logger,
     print_rank_0,
+    report_rank_0,
     unit_memory_note,
 )
 
@@ -574,7 +575,7 @@ def train(
             ):
                 save_checkpoint(iteration, model, optimizer, scheduler, args)
             if exiting:
-                print_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
+                report_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
                 break
         if graph is not None:
             graph.before_eager_use()  # the end-of-training evaluations follow

@@ -175,11 +175,28 @@ def _logging_level_run(flags: list[str]) -> tuple[int, list[str]]:
         logger.setLevel(own_level)
 
 
-def test_logging_level_sets_the_loggers():
-    flags = [*TINY, "--global-batch-size", "2", "--logging-level", "40"]
-    root, log = run_distributed(_logging_level_run, 1, flags)[0]
+def test_logging_level_hides_messages_but_not_the_training_report():
+    """At --logging-level 40 (ERROR, as upstream's CI configs pass it) the INFO messages are
+    hidden, while the report Megatron-LM prints shows: the iteration lines, the periodic and
+    end-of-training evaluations."""
+    flags = [*TINY, *"--global-batch-size 2 --eval-interval 2 --eval-iters 1".split()]
+    root, log = run_distributed(_logging_level_run, 1, [*flags, "--logging-level", "40"])[0]
     assert root == 40
-    assert not any(message.startswith("iteration ") for message in log)
+    assert [m.split(" |")[0] for m in log if m.startswith("iteration ")] == [
+        f"iteration {i:8d}/       4" for i in (1, 2, 4)
+    ]
+    assert "lm loss: " in next(m for m in log if m.startswith("iteration "))
+    for evaluation in (
+        "validation loss at iteration 2",
+        "validation loss at iteration 4",
+        "validation loss at the end of training",
+        "test loss at the end of training",
+    ):
+        assert sum(f" {evaluation} | lm loss value: " in m for m in log) == 1, (evaluation, log)
+    assert not any(m.startswith("> training") for m in log)  # an INFO message
+    # Without the flag, the same run shows that INFO message: the level is what hid it.
+    _, default_log = run_distributed(_logging_level_run, 1, flags)[0]
+    assert "> training ..." in default_log
 
 
 @pytest.mark.parametrize(
