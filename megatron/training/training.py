@@ -191,6 +191,7 @@ def pretrain(
                     operations,
                     exits,
                 )
+            last_iteration = history.start_iteration + len(history.losses)
             evaluate = functools.partial(
                 evaluate_and_print_results,
                 forward_step_func,
@@ -198,10 +199,17 @@ def pretrain(
                 args=args,
                 log=log,
                 when="the end of training",
-                iteration=history.start_iteration + len(history.losses),
+                iteration=last_iteration,
             )
             if valid_iterator is not None:
-                history.final_validation_losses = evaluate(valid_iterator, split="validation")
+                # As Megatron-LM, on the validation batches after the periodic ones; when the
+                # last iteration was evaluated already, its point stays TensorBoard's only one at
+                # that step (upstream writes a second, different value there).
+                history.final_validation_losses = evaluate(
+                    valid_iterator,
+                    split="validation",
+                    write_to_tensorboard=last_iteration not in history.validation_losses,
+                )
             if test_iterator is not None:
                 history.test_losses = evaluate(test_iterator, split="test")
     except BaseException:

@@ -348,7 +348,12 @@ class TrainingLog:
         return " | ".join(fields)
 
     def log_evaluation(
-        self, split: str, when: str, iteration: int, losses: dict[str, float]
+        self,
+        split: str,
+        when: str,
+        iteration: int,
+        losses: dict[str, float],
+        write_to_tensorboard: bool = True,
     ) -> None:
         """Logs an evaluation's losses and perplexities in Megatron-LM's box.
 
@@ -357,6 +362,8 @@ class TrainingLog:
             when: e.g. "iteration 20" or "the end of training".
             iteration: the training iteration the scalars are written at.
             losses: the evaluation's averaged losses.
+            write_to_tensorboard: also write the scalars (TensorBoard and wandb); False logs the
+                box only.
         """
         # Megatron-LM caps the exponent at 20 too: exp overflows for a diverged loss.
         perplexities = {key: math.exp(min(20.0, value)) for key, value in losses.items()}
@@ -366,6 +373,8 @@ class TrainingLog:
         line = " | ".join(fields)
         rule = "-" * (len(line) + 1)
         report_rank_0(f"{rule}\n{line}\n{rule}")
+        if not write_to_tensorboard:
+            return
         samples = self.args.consumed_train_samples
         self.writer.add_scalars(
             {f"{key} {split}": v for key, v in losses.items()}, iteration, samples=samples

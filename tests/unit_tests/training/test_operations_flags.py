@@ -146,21 +146,49 @@ def test_tensorboard_scalars_under_megatron_tags(tmp_path):
     # Their values are checked against one process in tests/unit_tests/optimizer.
     assert set(series("params-norm")) == set(series("num-zeros")) == set(iterations)
     assert all(norm > 0 for norm in series("params-norm").values())
-    # The periodic evaluations, then the end-of-training one (also at the last iteration).
-    validation = [
-        (i, losses["lm loss"]) for i, losses in sorted(history.validation_losses.items())
-    ] + [(4, history.final_validation_losses["lm loss"])]
+    # The periodic evaluations only: the end-of-training one, on other batches, is logged but
+    # would be a second point at step 4 (Megatron-LM writes it there too).
+    assert history.final_validation_losses != history.validation_losses[4]
+    _assert_validation_points(accumulator, history.validation_losses)
+
+
+def _assert_validation_points(accumulator, expected: dict[int, dict[str, float]]) -> None:
+    """Every scalar tag of the event file has one point per step, and the validation tags hold
+    `expected` (step -> losses) in step order."""
+    for tag in accumulator.Tags()["scalars"]:
+        steps = [event.step for event in accumulator.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
 
     def events(tag: str) -> list[tuple[int, float]]:
         return [(event.step, event.value) for event in accumulator.Scalars(tag)]
 
-    steps = [i for i, _ in validation]
-    for tag, expected in (
+    validation = [(i, losses["lm loss"]) for i, losses in sorted(expected.items())]
+    for tag, values in (
         ("lm loss validation", [v for _, v in validation]),
         ("lm loss validation ppl", [math.exp(v) for _, v in validation]),
     ):
-        assert [step for step, _ in events(tag)] == steps
-        assert [value for _, value in events(tag)] == pytest.approx(expected)
+        assert [step for step, _ in events(tag)] == [i for i, _ in validation]
+        assert [value for _, value in events(tag)] == pytest.approx(values)
+
+
+def test_end_of_training_validation_is_written_when_the_last_iteration_was_not(tmp_path):
+    """--eval-interval 2 of 3 iterations: the point at 3 is the end-of-training validation's."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    flags = [
+        *TINY,
+        *"--global-batch-size 4 --train-iters 3 --eval-interval 2 --eval-iters 1".split(),
+        *"--log-validation-ppl-to-tensorboard --tensorboard-dir".split(),
+        str(tmp_path / "tb"),
+    ]
+    history = run_distributed(_pretrain, 1, flags)[0]["history"]
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert list(history.validation_losses) == [2]
+    _assert_validation_points(
+        accumulator, {**history.validation_losses, 3: history.final_validation_losses}
+    )
 
 
 def _logging_level_run(flags: list[str]) -> tuple[int, list[str]]:
