@@ -113,7 +113,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument(
         "--log-interval", type=int, default=1000, help="print progress every N documents."
     )
-    add_unbuilt_flags(parser, UNBUILT)
+    add_unbuilt_flags(parser, UNBUILT, listed_in="docs/data.md (the tokenizer's: docs/flags.md)")
     args = parser.parse_args(argv)
     refuse_unbuilt(args, UNBUILT)
     if args.tokenizer_type is None:

@@ -312,17 +312,19 @@ def _dest(flag: str) -> str:
 
 
 def add_unbuilt_flags(
-    parser: argparse.ArgumentParser, features: tuple[Unbuilt, ...]
+    parser: argparse.ArgumentParser,
+    features: tuple[Unbuilt, ...],
+    listed_in: str = "docs/flags.md ('Not built: refused by name')",
 ) -> argparse._ArgumentGroup:
     """Adds a "not built" group of the flags of `features` (`refuse_unbuilt` refuses them),
     left out of `--help` and the usage, where they would outnumber the built flags; returns
-    the group, whose description says they exist."""
+    the group, whose description says they exist and that `listed_in` (a docs page) lists them."""
     group = parser.add_argument_group(
         title="not built",
         description=f"{sum(len(u.switches) + len(u.valued) for u in features)} upstream "
         "Megatron-LM flags of features this project does not build are recognised but not "
-        "listed here (docs/flags.md, 'Not built: refused by name', lists them): setting one is "
-        "an error that names the feature and says what to do instead.",
+        f"listed here; {listed_in} lists them. Setting one is an error that names the feature "
+        "and says what to do instead.",
     )
     for unbuilt in features:
         for flag in unbuilt.switches:
