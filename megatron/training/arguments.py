@@ -68,7 +68,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     for flags without one (None)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False):
+        if action.default is None or action.default is False:  # 0 is a default to show
             return action.help
         return super()._get_help_string(action)
 

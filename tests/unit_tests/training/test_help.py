@@ -44,6 +44,9 @@ def test_help_lists_the_built_flags_only(help_text):
     flat = " ".join(help_text.split())
     assert f"{len(UNBUILT_FLAGS)} upstream Megatron-LM flags of features this project" in flat
     assert "docs/flags.md" in flat
+    # Defaults are shown where they say something: a 0, but not a switch's off nor a None.
+    assert "--lr-warmup-iters LR_WARMUP_ITERS Iterations of linear warmup. (default: 0)" in flat
+    assert "(default: False)" not in flat and "(default: None)" not in flat
     # About 260 flags: 2.5 lines each, and a one-line usage.
     assert len(help_text.splitlines()) < 700
     assert help_text.splitlines()[0] == "usage: pretrain_gpt.py [-h] [--flag [VALUE ...] ...]"
