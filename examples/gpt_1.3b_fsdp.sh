@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pretrains the 1.34B GPT of the benchmark's configuration L with Megatron-FSDP ZeRO-3 on
-# ${NPROC:-2} GPUs (NCCL): the model of tools/gpt_benchmark_model.py (hidden 2048, 24 layers,
+# ${NPROC:-2} GPUs (NCCL): the model of tools/benchmark_lib/gpt_model.py (hidden 2048, 24 layers,
 # 16 heads, vocab 32000, seq 2048, RoPE, untied output layer, LayerNorm, GELU MLP, biases, no
 # dropout), micro-batch 2 per GPU, bf16 compute with fp32 main weights and fp32 gradient
 # reduction, all-gathers prefetched on their own communicator and reduce-scatters overlapped

@@ -1,9 +1,20 @@
-"""Test-session setup: the `gpu` marker and the multi-rank worker pools."""
+"""Test-session setup: the `gpu` marker, the multi-rank worker pools, and a check that the
+tests leave nothing behind in the repository."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.unit_tests.distributed_harness import shutdown_pools
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_UNTRACKED_BEFORE = pytest.StashKey[frozenset]()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -15,5 +26,51 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def _git(*command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", *command], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def _untracked() -> frozenset[str] | None:
+    """What git neither tracks nor ignores in the repository: untracked files, and empty
+    top-level folders (which git does not list, such as one a script creates with `mkdir -p`).
+    None outside a git checkout."""
+    try:
+        status = _git("status", "--porcelain", "--untracked-files=all", "-z")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if status.returncode != 0:
+        return None
+    files = {entry[3:] for entry in status.stdout.split("\0") if entry.startswith("?? ")}
+    empty = {
+        name
+        for name in os.listdir(ROOT)
+        if (ROOT / name).is_dir() and not any((ROOT / name).iterdir())
+    }
+    # `git check-ignore` names those of them that are ignored.
+    ignored = set(_git("check-ignore", *empty).stdout.split()) if empty else set()
+    return frozenset(files | (empty - ignored))
+
+
+def pytest_sessionstart(session):
+    untracked = _untracked()
+    if untracked is not None:
+        session.stash[_UNTRACKED_BEFORE] = untracked
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutdown_pools()
+    before = session.stash.get(_UNTRACKED_BEFORE, None)
+    after = None if before is None else _untracked()
+    if after is None or not after - before:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = (
+        "The tests left new untracked files or folders in the repository (write to tmp_path, "
+        f"not the working directory): {', '.join(sorted(after - before))}"
+    )
+    if reporter is not None:
+        reporter.write_line("")  # ends the progress line
+        reporter.write_line(f"ERROR: {message}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

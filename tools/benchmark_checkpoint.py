@@ -4,7 +4,7 @@ Builds the model under Megatron-FSDP ZeRO-3 with its optimizer (AdamW, after one
 so that its moments exist), then saves it with `save_checkpoint()` and loads it back with
 `load_checkpoint()`, `--repeats` times each way: with the checksums recorded and verified (what
 training does) and without them (the functions' `checksums=False`, there for this comparison
-only). The model defaults to benchmark configuration L of `tools/gpt_benchmark_model.py`, the
+only). The model defaults to benchmark configuration L of `tools/benchmark_lib/gpt_model.py`, the
 1.34B GPT of `examples/gpt_1.3b_fsdp.sh` (untied output layer; its checkpoint holds fp32 main
 weights and two Adam moments):
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from gpt_benchmark_model import add_model_args
+from benchmark_lib.gpt_model import add_model_args
 
 import pretrain_gpt
 from megatron.core.enums import ModelType

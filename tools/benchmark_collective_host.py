@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from gpt_benchmark_model import add_model_args, build_gpt
+from benchmark_lib.gpt_model import add_model_args, build_gpt
 
 from megatron.core.distributed.fsdp.collectives import (
     _all_gather_coalesced,

@@ -37,8 +37,8 @@ from benchmark_fsdp import (
     make_batches,
     synchronize,
 )
-from benchmark_fsdp_engines import ENGINES, build_engine
-from gpt_benchmark_model import add_model_args, set_parallel_state
+from benchmark_lib.engines import ENGINES, build_engine
+from benchmark_lib.gpt_model import add_model_args, set_parallel_state
 
 from megatron.core import parallel_state
 

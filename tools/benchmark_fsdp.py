@@ -60,7 +60,7 @@ import torch.distributed as dist
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from benchmark_fsdp_engines import (
+from benchmark_lib.engines import (
     ENGINES,
     GRAPHABLE,
     HYBRID_ENGINES,
@@ -71,8 +71,8 @@ from benchmark_fsdp_engines import (
     layout,
     precision_note,
 )
-from benchmark_report import report
-from gpt_benchmark_model import add_model_args, build_gpt, set_parallel_state
+from benchmark_lib.gpt_model import add_model_args, build_gpt, set_parallel_state
+from benchmark_lib.report import report
 
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig

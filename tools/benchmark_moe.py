@@ -36,8 +36,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
-from benchmark_report import report
-from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
+from benchmark_lib.gpt_model import build_gpt, parallel_sizes, set_parallel_state
+from benchmark_lib.report import report
 from trace_summary import category_times, read_kernels
 
 from megatron.core import parallel_state

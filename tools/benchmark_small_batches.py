@@ -1,7 +1,7 @@
 """Runs the small-batch performance targets in one go and prints them as one table.
 
 Each row runs ZeRO-3 over N GPUs against one GPU's step at the same per-GPU batch (the 1.34B
-GPT of `tools/gpt_benchmark_model.py`): `tools/benchmark_fsdp.py` for the benchmark rows (one
+GPT of `tools/benchmark_lib/gpt_model.py`): `tools/benchmark_fsdp.py` for the benchmark rows (one
 process runs both engines, so their ratio shares the host's drift), `pretrain_gpt.py` with the
 whole iteration CUDA-graphed for the training-loop rows (N GPUs, then one GPU with the same
 micro-batches: two processes). Each row has a `--use-symm-mem` twin (`NAME+symm`), which must be

@@ -8,9 +8,10 @@ Engines (`--engines`, run in the order given):
   Megatron-FSDP ZeRO-3 over the data-parallel ranks, once per size in `--tensor-parallel-sizes`
   (default: the world size, halved down to 1); a row per size, `megatron_fsdp_tp<T>`;
 - `fsdp2`: PyTorch FSDP2 on the same model at TP 1;
-- `torch_2d`: the same architecture as plain PyTorch modules (`torch_2d_model.py`), tensor-
-  parallel with `parallelize_module` (torchtitan's recipe, sequence parallel, loss on vocabulary-
-  sharded logits) inside FSDP2 over the data-parallel ranks, at the largest TP size.
+- `torch_2d`: the same architecture as plain PyTorch modules
+  (`benchmark_lib/torch_2d_model.py`), tensor-parallel with `parallelize_module` (torchtitan's
+  recipe, sequence parallel, loss on vocabulary-sharded logits) inside FSDP2 over the
+  data-parallel ranks, at the largest TP size.
 
 All run bf16 compute with fp32 main weights and AdamW, fp32 gradient reduction. tokens/s/GPU and
 TFLOP/s/GPU count each GPU's share (a tensor-parallel group works on one micro-batch together);
@@ -45,10 +46,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 import benchmark_fsdp as bench
-import benchmark_fsdp_engines as engines
-from benchmark_report import report
-from gpt_benchmark_model import build_gpt, parallel_sizes, set_parallel_state
-from torch_2d_model import TorchGPT, parallelize
+import benchmark_lib.engines as engines
+from benchmark_lib.gpt_model import build_gpt, parallel_sizes, set_parallel_state
+from benchmark_lib.report import report
+from benchmark_lib.torch_2d_model import TorchGPT, parallelize
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from gpt_benchmark_model import add_model_args, build_gpt
+from benchmark_lib.gpt_model import add_model_args, build_gpt
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES

@@ -18,7 +18,7 @@ import gc
 import sys
 
 import torch
-from gpt_benchmark_model import add_model_args, build_gpt
+from benchmark_lib.gpt_model import add_model_args, build_gpt
 
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 

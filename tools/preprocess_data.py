@@ -21,6 +21,7 @@ output is left behind. Sentence splitting (`--split-sentences`) is not supported
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import logging
@@ -75,8 +76,13 @@ UNBUILT = (
 )
 """Megatron-LM's preprocessing flags of features not built here, refused by name."""
 
+Line = tuple[int, bytes, int]
+"""A non-blank line of `--input`: its 1-based number, its bytes, and the input's byte offset
+after it (how far the input is read once it is written: the progress)."""
+
 Encoded = tuple[int, "dict[str, numpy.ndarray] | str"]
-"""A line's result: its size in bytes, and its token ids per key or an error message."""
+"""A line's result: the input's byte offset after it, and its token ids per key or an error
+message."""
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,7 +113,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument(
         "--log-interval", type=int, default=1000, help="print progress every N documents."
     )
-    add_unbuilt_flags(parser, UNBUILT)
+    add_unbuilt_flags(parser, UNBUILT, listed_in="docs/data.md (the tokenizer's: docs/flags.md)")
     args = parser.parse_args(argv)
     refuse_unbuilt(args, UNBUILT)
     if args.tokenizer_type is None:
@@ -149,37 +155,37 @@ class Encoder:
         self.tokenizer = tokenizer
         self.dtype = dtype
 
-    def encode(self, item: tuple[int, bytes]) -> Encoded:
-        """Token ids of each key of line `item = (line number, line)`. Errors are returned as
-        messages, not raised, so the writer reports them in input order and stops cleanly."""
-        number, line = item
+    def encode(self, item: Line) -> Encoded:
+        """Token ids of each key of line `item`. Errors are returned as messages, not raised, so
+        the writer reports them in input order and stops cleanly."""
+        number, line, end = item
         try:
             document = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            return len(line), f"--input line {number} is not valid JSON ({error})."
+            return end, f"--input line {number} is not valid JSON ({error})."
         if not isinstance(document, dict):
-            return len(line), f"--input line {number} is not a JSON object."
+            return end, f"--input line {number} is not a JSON object."
         ids = {}
         for key in self.json_keys:
             if key not in document:
-                return len(line), (
+                return end, (
                     f"--input line {number} has no key {key!r} (its keys: "
                     f"{sorted(document)}); choose keys with --json-keys."
                 )
             text = document[key]
             if not isinstance(text, str):
-                return len(line), (
+                return end, (
                     f"--input line {number}: key {key!r} holds a {type(text).__name__}, "
                     "not a string."
                 )
             try:
                 tokens = self.tokenizer.tokenize(text)
             except ValueError as error:
-                return len(line), f"--input line {number}, key {key!r}: {error}"
+                return end, f"--input line {number}, key {key!r}: {error}"
             if self.append_eod and tokens:  # Megatron-LM's rule: no EOD ends an empty text
                 tokens.append(self.tokenizer.eod)
             ids[key] = numpy.asarray(tokens, dtype=self.dtype)
-        return len(line), ids
+        return end, ids
 
 
 _worker_encoder: Encoder | None = None
@@ -196,17 +202,32 @@ def _init_worker(args: argparse.Namespace, dtype: type[numpy.number]) -> None:
     _worker_encoder = Encoder(args, tokenizer, dtype)
 
 
-def _encode_in_worker(item: tuple[int, bytes]) -> Encoded:
+def _encode_in_worker(item: Line) -> Encoded:
     return _worker_encoder.encode(item)
 
 
-def _numbered_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """The non-blank lines of `path` with their 1-based line numbers. Bytes, decoded in the
-    workers, so the reading process does no per-character work."""
+def _numbered_lines(path: str) -> Iterator[Line]:
+    """The non-blank lines of `path` (`Line`). Bytes, decoded in the workers, so the reading
+    process does no per-character work."""
+    end = 0
     with open(path, "rb") as stream:
         for number, line in enumerate(stream, start=1):
+            end += len(line)
             if line.strip():
-                yield number, line
+                yield number, line, end
+
+
+def progress_line(documents: int, done_bytes: int, total_bytes: int, elapsed: float) -> str:
+    """Megatron-LM's progress line (documents, docs/s, MB/s) with how much of the input is
+    done, out of its size, and the time left at the rate so far."""
+    rate = done_bytes / max(elapsed, 1e-9)
+    left = (total_bytes - done_bytes) / rate if rate > 0 else 0.0
+    percent = 100 * done_bytes / total_bytes if total_bytes else 100.0
+    return (
+        f"Processed {documents} documents, {done_bytes / 1024**2:.2f} of "
+        f"{total_bytes / 1024**2:.2f} MB ({percent:.1f}%) ({documents / max(elapsed, 1e-9):.1f} "
+        f"docs/s, {rate / 1024**2:.2f} MB/s, ETA {datetime.timedelta(seconds=round(left))})."
+    )
 
 
 def _log(message: str) -> None:
@@ -257,22 +278,18 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             builders[key] = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
         tokens = dict.fromkeys(prefixes, 0)
         start = time.perf_counter()
-        total_bytes = 0
+        input_bytes = os.path.getsize(args.input)
         documents = 0
-        for documents, (size, encoded) in zip(itertools.count(1), results):
+        for documents, (done_bytes, encoded) in zip(itertools.count(1), results):
             if isinstance(encoded, str):
                 raise ValueError(encoded)
-            total_bytes += size
             for key, ids in encoded.items():
                 # An empty document has no sequence (not one of length 0), as in Megatron-LM.
                 builders[key].add_document(ids, lengths=[len(ids)] if len(ids) else [])
                 tokens[key] += len(ids)
             if documents % args.log_interval == 0:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                _log(
-                    f"Processed {documents} documents ({documents / elapsed:.1f} docs/s, "
-                    f"{total_bytes / elapsed / 1024**2:.2f} MB/s)."
-                )
+                elapsed = time.perf_counter() - start
+                _log(progress_line(documents, done_bytes, input_bytes, elapsed))
         for key, prefix in prefixes.items():
             builders[key].finalize(get_idx_path(prefix))
     except BaseException:

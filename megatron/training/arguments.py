@@ -63,6 +63,16 @@ __all__ = [
 ]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it says something: not for switches (off by default) nor
+    for flags without one (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:  # 0 is a default to show
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(
     extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
     ignore_unknown_args: bool = False,
@@ -79,9 +89,11 @@ def parse_args(
         The namespace; derived values are filled in by `validate_args`.
     """
     parser = FlagParser(
+        # The generated usage lists every flag: hundreds of lines before each error message.
+        usage="%(prog)s [-h] [--flag [VALUE ...] ...]",
         description="Megatron-LM arguments; docs/flags.md explains each flag.",
         allow_abbrev=False,  # a typo must not silently select another flag
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser = add_megatron_arguments(parser)
     if extra_args_provider is not None:

@@ -64,8 +64,10 @@ def evaluate_and_print_results(
     split: str,
     when: str,
     iteration: int,
+    write_to_tensorboard: bool = True,
 ) -> dict[str, float]:
-    """Evaluates on `data_iterator` and logs the result (see `TrainingLog.log_evaluation`)."""
+    """Evaluates on `data_iterator` and logs the result (see `TrainingLog.log_evaluation`;
+    `write_to_tensorboard=False` logs the box without writing scalars)."""
     losses = evaluate(forward_step_func, data_iterator, model, args)
-    log.log_evaluation(split, when, iteration, losses)
+    log.log_evaluation(split, when, iteration, losses, write_to_tensorboard)
     return losses

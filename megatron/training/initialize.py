@@ -10,6 +10,7 @@ already exists (a test harness, a notebook) is reused as it is.
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
 from megatron.training.flag_errors import InvalidFlagsError
 from megatron.training.flag_groups.logs import set_logging_level
+from megatron.training.flag_groups.unbuilt import TOKENIZER_UNBUILT, UNBUILT, unbuilt_dests
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
 from megatron.training.utils import get_device, logger, print_rank_0
 
@@ -193,9 +195,15 @@ def _set_random_seed(seed: int) -> None:
 
 
 def _format_args(args: argparse.Namespace) -> str:
-    """Every argument, one per line, as Megatron-LM prints them at start-up."""
+    """Every argument, one per line, as Megatron-LM prints them at start-up; enum values by
+    the names the flags take. Those of features not built are left out: validation refused
+    any that was set, so they all hold their defaults."""
+    unbuilt = unbuilt_dests(UNBUILT + TOKENIZER_UNBUILT)
     lines = ["------------------------ arguments ------------------------"]
     for name, value in sorted(vars(args).items()):
-        lines.append(f"  {name} {'.' * (48 - len(name))} {value}")
+        if name in unbuilt:
+            continue
+        shown = value.name if isinstance(value, enum.Enum) else value
+        lines.append(f"  {name} {'.' * (48 - len(name))} {shown}")
     lines.append("-------------------- end of arguments ---------------------")
     return "\n".join(lines)

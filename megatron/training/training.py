@@ -83,6 +83,7 @@ from megatron.training.utils import (
     get_device,
     logger,
     print_rank_0,
+    report_rank_0,
     unit_memory_note,
 )
 
@@ -197,6 +198,7 @@ def pretrain(
                     operations,
                     exits,
                 )
+            last_iteration = history.start_iteration + len(history.losses)
             evaluate = functools.partial(
                 evaluate_and_print_results,
                 forward_step_func,
@@ -204,10 +206,17 @@ def pretrain(
                 args=args,
                 log=log,
                 when="the end of training",
-                iteration=history.start_iteration + len(history.losses),
+                iteration=last_iteration,
             )
             if valid_iterator is not None:
-                history.final_validation_losses = evaluate(valid_iterator, split="validation")
+                # As Megatron-LM, on the validation batches after the periodic ones; when the
+                # last iteration was evaluated already, its point stays TensorBoard's only one at
+                # that step (upstream writes a second, different value there).
+                history.final_validation_losses = evaluate(
+                    valid_iterator,
+                    split="validation",
+                    write_to_tensorboard=last_iteration not in history.validation_losses,
+                )
             if test_iterator is not None:
                 history.test_losses = evaluate(test_iterator, split="test")
     except BaseException:
@@ -586,7 +595,7 @@ def train(
             ):
                 save_checkpoint(iteration, model, optimizer, scheduler, args)
             if exiting:
-                print_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
+                report_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
                 break
         if graph is not None:
             graph.before_eager_use()  # the end-of-training evaluations follow

@@ -1,8 +1,8 @@
 """What the training loop reports: Megatron-LM's periodic log line, the evaluation summaries,
 and the TensorBoard / Weights & Biases scalars.
 
-Every `--log-interval` iterations, and at the last one, rank 0 logs one line (wrapped here)
-such as::
+Every `--log-interval` iterations, and at the last one, rank 0 logs one line (wrapped here;
+like the evaluations, at any `--logging-level`: `report_rank_0`) such as::
 
     iteration       20/     200 | consumed samples:          320 | elapsed time per iteration
     (ms): 115.3 | tokens/s/GPU: 4442.5 | learning rate: 1.990053E-03 | global batch size:    16
@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import tracked_metrics
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
-from megatron.training.utils import is_rank_0, print_rank_0
+from megatron.training.utils import is_rank_0, print_rank_0, report_rank_0
 
 
 class MetricWriter:
@@ -220,7 +220,7 @@ class TrainingLog:
             self._write_iteration_scalars(iteration, losses, values)
         ends_interval = last or iteration % self.args.log_interval == 0
         if ends_interval or self._first_line_pending:
-            print_rank_0(self._format_line(iteration, values))
+            report_rank_0(self._format_line(iteration, values))
         self._first_line_pending = False
         if ends_interval:
             if self.args.log_timers_to_tensorboard:
@@ -348,7 +348,12 @@ class TrainingLog:
         return " | ".join(fields)
 
     def log_evaluation(
-        self, split: str, when: str, iteration: int, losses: dict[str, float]
+        self,
+        split: str,
+        when: str,
+        iteration: int,
+        losses: dict[str, float],
+        write_to_tensorboard: bool = True,
     ) -> None:
         """Logs an evaluation's losses and perplexities in Megatron-LM's box.
 
@@ -357,6 +362,8 @@ class TrainingLog:
             when: e.g. "iteration 20" or "the end of training".
             iteration: the training iteration the scalars are written at.
             losses: the evaluation's averaged losses.
+            write_to_tensorboard: also write the scalars (TensorBoard and wandb); False logs the
+                box only.
         """
         # Megatron-LM caps the exponent at 20 too: exp overflows for a diverged loss.
         perplexities = {key: math.exp(min(20.0, value)) for key, value in losses.items()}
@@ -365,7 +372,9 @@ class TrainingLog:
             fields.append(f"{key} value: {value:.6E} | {key} PPL: {perplexities[key]:.6E}")
         line = " | ".join(fields)
         rule = "-" * (len(line) + 1)
-        print_rank_0(f"{rule}\n{line}\n{rule}")
+        report_rank_0(f"{rule}\n{line}\n{rule}")
+        if not write_to_tensorboard:
+            return
         samples = self.args.consumed_train_samples
         self.writer.add_scalars(
             {f"{key} {split}": v for key, v in losses.items()}, iteration, samples=samples

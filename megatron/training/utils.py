@@ -16,7 +16,14 @@ from megatron.core import parallel_state
 from megatron.core.distributed.fsdp import accumulation_memory, unit_memory
 
 logger = logging.getLogger("megatron.training")
-"""Everything the training loop reports goes through this logger (tests attach handlers)."""
+"""Everything the training loop reports goes through this logger or its child `report_logger`
+(tests attach handlers here)."""
+
+report_logger = logging.getLogger("megatron.training.report")
+"""The training report: the iteration lines, the evaluations, where training stopped. Megatron-LM
+prints these, so they show whatever `--logging-level` says; this logger has a level of its own,
+which `--logging-level` leaves alone, and hands its records to `logger`'s handlers."""
+report_logger.setLevel(logging.INFO)
 
 
 def get_device() -> torch.device:
@@ -32,11 +39,19 @@ def is_rank_0() -> bool:
 
 
 def print_rank_0(message: str, level: int = logging.INFO) -> None:
-    """Logs `message` once for the job, from rank 0. Every rank holds the same (reduced)
-    values, so one reporting rank suffices; Megatron-LM's last rank plays this part only
-    because of pipeline parallelism, which does not exist here."""
+    """Logs `message` once for the job, from rank 0, at `level` (which `--logging-level` may
+    hide). Every rank holds the same (reduced) values, so one reporting rank suffices;
+    Megatron-LM's last rank plays this part only because of pipeline parallelism, which does not
+    exist here."""
     if is_rank_0():
         logger.log(level, message)
+
+
+def report_rank_0(message: str) -> None:
+    """Writes a line of the training report once for the job, from rank 0 (see
+    `report_logger`): shown at any `--logging-level`, as Megatron-LM's `print_rank_last`."""
+    if is_rank_0():
+        report_logger.info(message)
 
 
 def average_losses_across_data_parallel_group(losses: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ def validate_logging(args: argparse.Namespace) -> None:
 def set_logging_level(args: argparse.Namespace) -> None:
     """Applies `--logging-level`, else the `MEGATRON_LOGGING_LEVEL` environment variable, to the
     root logger and the training loop's (Megatron-LM's `setup_logging`); without either the
-    levels are left as they are."""
+    levels are left as they are. The training report (`report_logger`) keeps its own level:
+    Megatron-LM prints it, whatever the level."""
     level = os.environ.get("MEGATRON_LOGGING_LEVEL")
     level = args.logging_level if args.logging_level is not None else level
     if level is None:

@@ -60,7 +60,7 @@ def add_training_schedule_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--exit-signal",
         type=_signal_by_name,
-        default=signal.SIGTERM,
+        default=signal.SIGTERM.name,  # a name, which argparse converts with `type`
         choices=[sig for sig in signal.Signals if sig not in _UNCATCHABLE],
         metavar="SIGNAL",
         help="The signal --exit-signal-handler waits for.",

@@ -62,8 +62,11 @@ def add_transformer_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--attention-backend",
         type=_attn_backend,
-        default=AttnBackend.auto,
+        # A name, which argparse converts with `type`, and a metavar of names: --help and the
+        # arguments print show what a user types, not `AttnBackend.auto`.
+        default=AttnBackend.auto.name,
         choices=list(AttnBackend),
+        metavar="{" + ",".join(backend.name for backend in AttnBackend) + "}",
         help="Attention kernel: flash, fused (cuDNN), unfused (SDPA math), local, auto.",
     )
     group.add_argument(

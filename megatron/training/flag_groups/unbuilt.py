@@ -312,21 +312,31 @@ def _dest(flag: str) -> str:
 
 
 def add_unbuilt_flags(
-    parser: argparse.ArgumentParser, features: tuple[Unbuilt, ...]
+    parser: argparse.ArgumentParser,
+    features: tuple[Unbuilt, ...],
+    listed_in: str = "docs/flags.md ('Not built: refused by name')",
 ) -> argparse._ArgumentGroup:
-    """Adds a "not built" group of the flags of `features` (`refuse_unbuilt` refuses them);
-    returns it."""
+    """Adds a "not built" group of the flags of `features` (`refuse_unbuilt` refuses them),
+    left out of `--help` and the usage, where they would outnumber the built flags; returns
+    the group, whose description says they exist and that `listed_in` (a docs page) lists them."""
     group = parser.add_argument_group(
         title="not built",
-        description="Upstream Megatron-LM flags of features this project does not build: "
-        "setting one is an error that says what to do instead.",
+        description=f"{sum(len(u.switches) + len(u.valued) for u in features)} upstream "
+        "Megatron-LM flags of features this project does not build are recognised but not "
+        f"listed here; {listed_in} lists them. Setting one is an error that names the feature "
+        "and says what to do instead.",
     )
     for unbuilt in features:
         for flag in unbuilt.switches:
-            group.add_argument(flag, action="store_true", help=f"Not built: {unbuilt.feature}.")
+            group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
         for flag in unbuilt.valued:
-            group.add_argument(flag, nargs="+", help=f"Not built: {unbuilt.feature}.")
+            group.add_argument(flag, nargs="+", help=argparse.SUPPRESS)
     return group
+
+
+def unbuilt_dests(features: tuple[Unbuilt, ...]) -> frozenset[str]:
+    """The argument names (dests) of the flags of `features`."""
+    return frozenset(_dest(flag) for u in features for flag in (*u.switches, *u.valued))
 
 
 def refuse_unbuilt(args: argparse.Namespace, features: tuple[Unbuilt, ...]) -> None:

@@ -34,7 +34,8 @@ GPT3 = "train_gpt3_175b_distributed.sh"
 def _positional(script: str, tmp: pathlib.Path) -> list[str]:
     """The script's own arguments (checkpoint and log folders under `tmp`, mock data)."""
     if script == "gpt_oss.sh":
-        return ["--checkpoint-path", str(tmp)]
+        # Its TensorBoard folder defaults to ./tensorboard_logs/, which it creates.
+        return ["--checkpoint-path", str(tmp), "--tensorboard-logs-path", str(tmp / "tensorboard")]
     if script in (GPT3, "llama3_8b_fp8.sh", "llama3_8b_fsdp_fp8.sh"):
         return [str(tmp / "checkpoints"), str(tmp / "tensorboard")]
     if script == "mixtral_8x7b.sh":

@@ -67,8 +67,8 @@ def test_tensor_parallel_size_must_divide_the_heads():
 def test_the_pytorch_model_has_the_benchmark_gpts_parameters(swiglu):
     """torch_2d times the same architecture: as many parameters as the benchmark GPT."""
     sys.path.insert(0, str(REPO / "tools"))
-    from gpt_benchmark_model import add_model_args, build_gpt
-    from torch_2d_model import TorchGPT
+    from benchmark_lib.gpt_model import add_model_args, build_gpt
+    from benchmark_lib.torch_2d_model import TorchGPT
 
     parser = argparse.ArgumentParser()
     add_model_args(parser)
@@ -76,6 +76,4 @@ def test_the_pytorch_model_has_the_benchmark_gpts_parameters(swiglu):
     with torch.device("meta"):
         ours = build_gpt(args)[1]
         theirs = TorchGPT(args)
-    assert sum(p.numel() for p in theirs.parameters()) == sum(
-        p.numel() for p in ours.parameters()
-    )
+    assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters())

@@ -121,9 +121,31 @@ def test_multiple_keys_blank_lines_and_progress(tmp_path, capsys):
     for key in ("text", "title"):
         expected = [with_eod(tokenizer.tokenize(row[key]), tokenizer.eod) for row in DOCUMENTS]
         assert read_documents(prefixes[key]) == expected
-    log = capsys.readouterr().err
-    assert log.count("Processed ") == len(DOCUMENTS) // 25
-    assert "Processed 25 documents (" in log and "docs/s" in log and "MB/s" in log
+    progress = [line for line in capsys.readouterr().err.splitlines() if "Processed " in line]
+    assert len(progress) == len(DOCUMENTS) // 25
+    # Each line says how much of the input is done, out of its size: the bytes up to the last
+    # document written, blank lines included.
+    data = input_path.read_bytes()
+    lines = data.splitlines(keepends=True)
+    for count, line in zip((25, 50, 75), progress):
+        last = [i for i, text in enumerate(lines) if text.strip()][count - 1]
+        done = sum(map(len, lines[: last + 1]))
+        assert line.startswith(
+            f"Processed {count} documents, {done / 1024**2:.2f} of {len(data) / 1024**2:.2f} MB "
+            f"({100 * done / len(data):.1f}%) ("
+        ), line
+        assert " docs/s, " in line and " MB/s, ETA " in line
+
+
+def test_progress_line_has_the_rates_and_the_time_left():
+    mib = 1024**2
+    # 1 of 4 MiB and 10 documents in 2 s: 0.5 MiB/s, so the other 3 MiB take 6 s more.
+    assert preprocess_data.progress_line(10, mib, 4 * mib, 2.0) == (
+        "Processed 10 documents, 1.00 of 4.00 MB (25.0%) (5.0 docs/s, 0.50 MB/s, ETA 0:00:06)."
+    )
+    # 2 hours in, a tenth done: 18 hours left.
+    line = preprocess_data.progress_line(1000, 100 * mib, 1000 * mib, 7200.0)
+    assert line.endswith("(10.0%) (0.1 docs/s, 0.01 MB/s, ETA 18:00:00).")
 
 
 def test_gpt2_bpe_and_null_tokenizers(tmp_path):

@@ -146,21 +146,49 @@ def test_tensorboard_scalars_under_megatron_tags(tmp_path):
     # Their values are checked against one process in tests/unit_tests/optimizer.
     assert set(series("params-norm")) == set(series("num-zeros")) == set(iterations)
     assert all(norm > 0 for norm in series("params-norm").values())
-    # The periodic evaluations, then the end-of-training one (also at the last iteration).
-    validation = [
-        (i, losses["lm loss"]) for i, losses in sorted(history.validation_losses.items())
-    ] + [(4, history.final_validation_losses["lm loss"])]
+    # The periodic evaluations only: the end-of-training one, on other batches, is logged but
+    # would be a second point at step 4 (Megatron-LM writes it there too).
+    assert history.final_validation_losses != history.validation_losses[4]
+    _assert_validation_points(accumulator, history.validation_losses)
+
+
+def _assert_validation_points(accumulator, expected: dict[int, dict[str, float]]) -> None:
+    """Every scalar tag of the event file has one point per step, and the validation tags hold
+    `expected` (step -> losses) in step order."""
+    for tag in accumulator.Tags()["scalars"]:
+        steps = [event.step for event in accumulator.Scalars(tag)]
+        assert len(steps) == len(set(steps)), (tag, steps)
 
     def events(tag: str) -> list[tuple[int, float]]:
         return [(event.step, event.value) for event in accumulator.Scalars(tag)]
 
-    steps = [i for i, _ in validation]
-    for tag, expected in (
+    validation = [(i, losses["lm loss"]) for i, losses in sorted(expected.items())]
+    for tag, values in (
         ("lm loss validation", [v for _, v in validation]),
         ("lm loss validation ppl", [math.exp(v) for _, v in validation]),
     ):
-        assert [step for step, _ in events(tag)] == steps
-        assert [value for _, value in events(tag)] == pytest.approx(expected)
+        assert [step for step, _ in events(tag)] == [i for i, _ in validation]
+        assert [value for _, value in events(tag)] == pytest.approx(values)
+
+
+def test_end_of_training_validation_is_written_when_the_last_iteration_was_not(tmp_path):
+    """--eval-interval 2 of 3 iterations: the point at 3 is the end-of-training validation's."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    flags = [
+        *TINY,
+        *"--global-batch-size 4 --train-iters 3 --eval-interval 2 --eval-iters 1".split(),
+        *"--log-validation-ppl-to-tensorboard --tensorboard-dir".split(),
+        str(tmp_path / "tb"),
+    ]
+    history = run_distributed(_pretrain, 1, flags)[0]["history"]
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert list(history.validation_losses) == [2]
+    _assert_validation_points(
+        accumulator, {**history.validation_losses, 3: history.final_validation_losses}
+    )
 
 
 def _logging_level_run(flags: list[str]) -> tuple[int, list[str]]:
@@ -175,11 +203,28 @@ def _logging_level_run(flags: list[str]) -> tuple[int, list[str]]:
         logger.setLevel(own_level)
 
 
-def test_logging_level_sets_the_loggers():
-    flags = [*TINY, "--global-batch-size", "2", "--logging-level", "40"]
-    root, log = run_distributed(_logging_level_run, 1, flags)[0]
+def test_logging_level_hides_messages_but_not_the_training_report():
+    """At --logging-level 40 (ERROR, as upstream's CI configs pass it) the INFO messages are
+    hidden, while the report Megatron-LM prints shows: the iteration lines, the periodic and
+    end-of-training evaluations."""
+    flags = [*TINY, *"--global-batch-size 2 --eval-interval 2 --eval-iters 1".split()]
+    root, log = run_distributed(_logging_level_run, 1, [*flags, "--logging-level", "40"])[0]
     assert root == 40
-    assert not any(message.startswith("iteration ") for message in log)
+    assert [m.split(" |")[0] for m in log if m.startswith("iteration ")] == [
+        f"iteration {i:8d}/       4" for i in (1, 2, 4)
+    ]
+    assert "lm loss: " in next(m for m in log if m.startswith("iteration "))
+    for evaluation in (
+        "validation loss at iteration 2",
+        "validation loss at iteration 4",
+        "validation loss at the end of training",
+        "test loss at the end of training",
+    ):
+        assert sum(f" {evaluation} | lm loss value: " in m for m in log) == 1, (evaluation, log)
+    assert not any(m.startswith("> training") for m in log)  # an INFO message
+    # Without the flag, the same run shows that INFO message: the level is what hid it.
+    _, default_log = run_distributed(_logging_level_run, 1, flags)[0]
+    assert "> training ..." in default_log
 
 
 @pytest.mark.parametrize(

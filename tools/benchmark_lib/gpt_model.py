@@ -3,8 +3,8 @@
 Defaults are the 1.34B benchmark configuration (hidden 2048, 24 layers, 16 heads, vocab 32000,
 RoPE). The tensor-parallel size is the one `parallel_state` holds when the model is built. With
 `--num-experts` every layer's MLP is a Mixture of Experts, split over the expert-parallel group
-`parallel_state` holds then too. Imported by the scripts in this folder (`python tools/<script>.py`
-puts it on the path).
+`parallel_state` holds then too. Imported by the benchmark scripts in `tools/` (`python
+tools/<script>.py` puts `tools/` on the path).
 """
 
 from __future__ import annotations

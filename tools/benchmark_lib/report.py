@@ -1,6 +1,6 @@
 """What the GPT benchmarks print: the aligned table of their rows, notes per row, and one JSON
-object (the configuration and the rows), also written to `--json-out`. Imported by the scripts
-in this folder."""
+object (the configuration and the rows), also written to `--json-out`. Imported by the benchmark
+scripts in `tools/`."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ each of `--num-distributed-optimizer-instances` instances of world / instances r
 replicate across the instances (HSDP) or also shard the optimizer state across them (HFSDP); they
 take their groups from `parallel_state`, which the caller initialises with that many instances
 (`instances()`); every other engine runs over all ranks with one instance. Imported by the
-benchmarks in this folder.
+benchmark scripts in `tools/`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
-from gpt_benchmark_model import build_gpt
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -35,6 +34,8 @@ from megatron.core.distributed.fsdp import (
 from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
+
+from .gpt_model import build_gpt
 
 ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single")
 """The engines that run at every world size: `--engines`' default."""

@@ -1,4 +1,4 @@
-"""The GPT of `gpt_benchmark_model.py` written as plain PyTorch modules, and PyTorch's own 2-D
+"""The GPT of `gpt_model.py` written as plain PyTorch modules, and PyTorch's own 2-D
 composition of it: tensor parallelism with `parallelize_module` (`ColwiseParallel`,
 `RowwiseParallel`, `SequenceParallel`; torchtitan's plan for Llama) inside, FSDP2's
 `fully_shard` across the data-parallel ranks outside, and the loss computed on vocabulary-sharded

@@ -1,0 +1,88 @@
+"""What a user reads about the flags: `pretrain_gpt.py --help` lists the built flags (those of
+features not built are recognised and refused, and said to exist), a flag error is short, enum
+flags show the values users type, and the arguments print at start-up lists the built flags."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import add_megatron_arguments, parse_args
+from megatron.training.flag_groups.unbuilt import TOKENIZER_UNBUILT, UNBUILT, unbuilt_dests
+from megatron.training.initialize import _format_args
+from tests.unit_tests.training.flag_checks import BASE, validated
+
+ROOT = Path(__file__).resolve().parents[3]
+UNBUILT_FLAGS = {flag for u in UNBUILT + TOKENIZER_UNBUILT for flag in (*u.switches, *u.valued)}
+FLAG = re.compile(r"(?<![\w-])--[a-z0-9][\w-]*")
+
+
+@pytest.fixture(scope="module")
+def help_text() -> str:
+    done = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_help_lists_the_built_flags_only(help_text):
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    flags = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
+    shown = set(FLAG.findall(help_text))
+    assert flags - UNBUILT_FLAGS <= shown
+    assert not shown & UNBUILT_FLAGS
+    flat = " ".join(help_text.split())
+    assert f"{len(UNBUILT_FLAGS)} upstream Megatron-LM flags of features this project" in flat
+    assert "docs/flags.md" in flat
+    # Defaults are shown where they say something: a 0, but not a switch's off nor a None.
+    assert "--lr-warmup-iters LR_WARMUP_ITERS Iterations of linear warmup. (default: 0)" in flat
+    assert "(default: False)" not in flat and "(default: None)" not in flat
+    # About 260 flags: 2.5 lines each, and a one-line usage.
+    assert len(help_text.splitlines()) < 700
+    assert help_text.splitlines()[0] == "usage: pretrain_gpt.py [-h] [--flag [VALUE ...] ...]"
+
+
+def test_unbuilt_flags_are_still_recognised():
+    args = parse_args(args=[*BASE, "--mtp-num-layers", "2", "--multi-latent-attention"])
+    assert (args.mtp_num_layers, args.multi_latent_attention) == (["2"], True)
+
+
+def test_a_flag_error_is_short(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--no-such-flag"])
+    usage, error = capsys.readouterr().err.splitlines()
+    assert usage.startswith("usage: ") and usage.endswith(" [-h] [--flag [VALUE ...] ...]")
+    assert error.endswith(": error: unrecognized arguments: --no-such-flag")
+
+
+def test_enum_flags_show_the_values_users_type(help_text, capsys):
+    flat = " ".join(help_text.split())
+    assert "--attention-backend {flash,fused,unfused,local,auto} " in flat
+    assert "local, auto. (default: auto)" in flat
+    assert "The signal --exit-signal-handler waits for. (default: SIGTERM)" in flat
+    assert "AttnBackend" not in help_text and "Signals" not in help_text
+    with pytest.raises(SystemExit):
+        parse_args(args=[*BASE, "--attention-backend", "flash-attn"])
+    error = capsys.readouterr().err
+    assert "invalid choice 'flash-attn' (choose from flash, fused, unfused, local, auto)" in error
+
+
+def test_the_arguments_print_lists_the_built_flags_by_the_values_users_type():
+    args = validated("--attention-backend", "unfused", "--exit-signal", "SIGUSR1")
+    printed = dict(
+        re.fullmatch(r"  (\w+) \.+ (.*)", line).groups()
+        for line in _format_args(args).splitlines()[1:-1]
+    )
+    assert (printed["attention_backend"], printed["exit_signal"]) == ("unfused", "SIGUSR1")
+    # Validation refused any that was set: they would all print their defaults.
+    assert set(printed) == set(vars(args)) - unbuilt_dests(UNBUILT + TOKENIZER_UNBUILT)
