@@ -11,6 +11,21 @@ from tests.unit_tests.distributed_harness import current_device
 VOCAB_SIZE = 64
 SEQ_LENGTH = 8
 
+MOE_STATE_VARIANTS = {
+    # Every MoE part that holds parameters or buffers: the router's weight and expert bias
+    # (a buffer), the experts, the shared experts and their gate.
+    "shared_experts_gate_expert_bias": dict(
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_gate=True,
+        add_bias_linear=False,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    ),
+    # The router's and the experts' biases.
+    "biases": dict(add_bias_linear=True),
+}
+"""MoE config fields (over a config with experts) that give each part with state its own."""
+
 
 def tiny_gpt_config(**overrides) -> TransformerConfig:
     """A 2-layer, hidden-32 config without dropout, so runs are deterministic."""

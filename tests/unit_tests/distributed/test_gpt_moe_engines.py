@@ -34,7 +34,12 @@ from tests.unit_tests.distributed.moe_training import (
     wrap,
 )
 from tests.unit_tests.distributed_harness import run_distributed
-from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, tiny_gpt_config
+from tests.unit_tests.model_builders import (
+    MOE_STATE_VARIANTS,
+    SEQ_LENGTH,
+    VOCAB_SIZE,
+    tiny_gpt_config,
+)
 
 WORLD = 4
 NUM_EXPERTS = 4
@@ -124,24 +129,9 @@ def test_gpt_moe_trains_as_one_process_at_every_ep_size(engine, ep_sizes, dispat
     run_distributed(_compare, WORLD, engine, ep_sizes, dispatcher)
 
 
-META_VARIANTS = {
-    # Every MoE part that holds parameters or buffers: the router's weight and expert bias
-    # (a buffer), the experts, the shared experts and their gate.
-    "shared_experts_gate_expert_bias": dict(
-        moe_shared_expert_intermediate_size=16,
-        moe_shared_expert_gate=True,
-        add_bias_linear=False,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-    ),
-    # The router's and the experts' biases.
-    "biases": dict(add_bias_linear=True),
-}
-
-
 def _meta_init_matches_eager(variant: str, ep: int) -> None:
     batches = token_batches()
-    builder = functools.partial(build_gpt_moe, dispatcher="alltoall", **META_VARIANTS[variant])
+    builder = functools.partial(build_gpt_moe, dispatcher="alltoall", **MOE_STATE_VARIANTS[variant])
     eager_weights = global_state(builder(None).gpt.state_dict())
     expected = reference_run(builder, batches)
     init_groups(ep)
@@ -161,6 +151,6 @@ def _meta_init_matches_eager(variant: str, ep: int) -> None:
     torch.testing.assert_close(actual.grad_norms, expected.grad_norms)
 
 
-@pytest.mark.parametrize("variant", META_VARIANTS)
+@pytest.mark.parametrize("variant", MOE_STATE_VARIANTS)
 def test_gpt_moe_built_on_meta_starts_as_the_eager_build(variant):
     run_distributed(_meta_init_matches_eager, WORLD, variant, 2)

@@ -7,7 +7,6 @@ import pytest
 import torch.distributed as dist
 
 import pretrain_gpt
-from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.training.training import pretrain
 from tests.unit_tests.training.log_capture import capture_training_log
@@ -21,17 +20,6 @@ FLAGS = (
     f"--initial-loss-scale {INITIAL_SCALE}"
 ).split()
 """2**40 times the gradients overflows fp16 (max 65504): the first steps are skipped."""
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    if dist.is_initialized():
-        pytest.skip("this process is in a process group already")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    yield
-    if dist.is_initialized():
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def test_overflowed_steps_are_skipped_counted_and_keep_the_schedule(world_of_one):

@@ -20,6 +20,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.model_builders import MOE_STATE_VARIANTS
 
 WORLD = 4
 SEQ, BATCH, HIDDEN, EXPERTS, TOPK = 4, 2, 32, 8, 2
@@ -292,23 +293,11 @@ def test_layer_refuses_a_mismatched_expert_parallel_size():
         _layer(_config(2))
 
 
-META_VARIANTS = {
-    "shared_experts_gate_expert_bias": dict(
-        moe_shared_expert_intermediate_size=16,
-        moe_shared_expert_gate=True,
-        add_bias_linear=False,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-    ),
-    "biases": dict(add_bias_linear=True),
-}
-
-
-@pytest.mark.parametrize("variant", META_VARIANTS)
+@pytest.mark.parametrize("variant", MOE_STATE_VARIANTS)
 def test_layer_built_on_meta_then_reset_in_module_order_is_the_eager_build(variant):
     """What Megatron-FSDP's materialisation does (`module.modules()` order, each module's
     `reset_parameters()`): the weights and buffers of an eager build with the same seed."""
-    config = _config(1, **META_VARIANTS[variant])
+    config = _config(1, **MOE_STATE_VARIANTS[variant])
     spec = get_moe_module_spec()
     torch.manual_seed(123)
     eager = MoELayer(config, spec.submodules).state_dict()
