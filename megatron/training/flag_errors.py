@@ -7,17 +7,21 @@ after the wait found an error rank 0 did not (a data path its node cannot see), 
 naming itself. This holds for argparse's errors (`FlagParser`: an unknown or malformed flag) and for
 `InvalidFlagsError`, which validation raises, ended by `report_flag_errors`.
 
-Some flags are refused only once the process group exists, by every rank alike: a checkpoint
-saved with another schedule or model, a `--save` directory that holds another run's checkpoints
-(`reported_as_flag_errors`). The ranks then wait at a barrier instead of the grace: rank 0 prints
-the message and every rank exits with code 2 as soon as all have arrived; a rank still waiting
-after `FLAG_ERROR_GRACE_S` prints the message itself, as above.
+Some flags are refused only once the process group exists: a checkpoint saved with another
+schedule or model, a `--save` directory that holds another run's checkpoints
+(`reported_as_flag_errors`). Rank 0 prints the message, posts it in the process group's store and
+exits with code 2; every other rank that raised exits with code 2 as soon as rank 0's message is
+there, printing its own only if rank 0 posted another one or none within `FLAG_ERROR_GRACE_S` (a
+rank that alone found the error: a directory its node cannot see). The store, not a collective:
+ranks that raised nothing have gone on to their next collective, which a barrier of the raising
+ranks would be matched with.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -88,43 +92,56 @@ def report_flag_errors() -> Iterator[None]:
         _in_entry_point = False
 
 
+_reports = itertools.count()
+"""Numbers the `reported_as_flag_errors` blocks of this process: every rank enters the same
+blocks in the same order, so the number names one block's store key on every rank."""
+
+
 @contextlib.contextmanager
 def reported_as_flag_errors(*errors: type[Exception]) -> Iterator[None]:
-    """Around a step that every rank of the default process group runs, and whose `errors` all
-    ranks raise alike (checks of a checkpoint or a `--save` directory against the flags):
-    under `report_flag_errors` such an error ends the job as a bad flag does, its message
-    printed once by rank 0 and exit code 2 on every rank, without a traceback (module
+    """Around a step that every rank of the default process group runs, and whose `errors` name
+    bad flags (checks of a checkpoint or a `--save` directory against the flags): under
+    `report_flag_errors` such an error ends the job as a bad flag does, its message printed
+    once by rank 0 and exit code 2 on every rank that raised, without a traceback (module
     docstring); elsewhere (a library call, a test) it propagates unchanged.
 
     Raises:
-        SystemExit: code 2, under `report_flag_errors`, once rank 0 has printed the message.
+        SystemExit: code 2, under `report_flag_errors`, once the message is printed.
     """
+    key = f"megatron/flag_error/{next(_reports)}"
     try:
         yield
     except errors as error:
         if not _in_entry_point:
             raise
+        message = str(error)
+        store = _default_store()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
-            _print_error(str(error))
-        if not _every_rank_arrives(FLAG_ERROR_GRACE_S) and rank != 0:
-            _print_error(str(error), rank)  # rank 0 did not fail here: this rank tells why
+            _print_error(message)
+            if store is not None:
+                store.set(key, message)
+        elif store is None or _posted(store, key, FLAG_ERROR_GRACE_S) != message:
+            _print_error(message, rank)  # rank 0 did not fail so: this rank tells why
         raise SystemExit(2) from error
 
 
-def _every_rank_arrives(timeout_s: float) -> bool:
-    """Whether every rank of the default group reaches this barrier within `timeout_s` (polled:
-    a rank that never comes must not hold the others past the grace)."""
+def _default_store() -> dist.Store | None:
+    """The default process group's store; None without a group of several ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    work = dist.barrier(async_op=True)
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def _posted(store: dist.Store, key: str, timeout_s: float) -> str | None:
+    """What rank 0 posted under `key` within `timeout_s` (polled: `Store.wait`'s timeout logs
+    warnings); None if nothing, or if the store is gone (rank 0's process hosted it)."""
     deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
     try:
-        work.wait()
-    except Exception:  # noqa: BLE001 - a rank that died: the message must still be printed
-        return False
-    return True
+        while not store.check([key]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return store.get(key).decode()
+    except RuntimeError:  # torch's store errors (DistError) among them
+        return None

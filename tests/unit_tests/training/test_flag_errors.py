@@ -1,7 +1,8 @@
-"""Errors that every rank finds alike once the process group exists (`reported_as_flag_errors`)
-end a job as a bad flag does: rank 0 prints the message once, every rank exits with code 2, no
-traceback; a rank that alone found one prints it after the grace; outside a script's entry
-point they propagate unchanged."""
+"""Errors of bad flags found once the process group exists (`reported_as_flag_errors`) end a job
+as a bad flag does: rank 0 prints the message once, every rank that raised exits with code 2, no
+traceback; a rank that alone found one prints it after the grace, without a collective that the
+ranks which found nothing could mismatch; outside a script's entry point they propagate
+unchanged."""
 
 from __future__ import annotations
 
@@ -47,9 +48,41 @@ def _raised_by_rank_1_alone() -> tuple[int | None, str]:
 
 
 def test_an_error_rank_0_did_not_find_is_printed_after_the_grace_by_the_rank_that_did():
-    """Rank 0 never comes to the barrier: rank 1 waits the grace only, and says why it ends."""
+    """Rank 0 posts no message: rank 1 waits the grace only, and says why it ends."""
     results = run_distributed(_raised_by_rank_1_alone, 2, reuse_pool=False)
     assert results == [(None, ""), (2, f"error (rank 1): {MESSAGE}\n")]
+
+
+def _rank_0_goes_on_to_its_next_collective() -> tuple[object, str | None]:
+    """Rank 1 alone raises; rank 0 has gone on to a broadcast from rank 1, which rank 1 sends
+    after its report (a job's other ranks would be ended by the launcher instead)."""
+    if dist.get_rank() == 0:
+        received: list[object] = [None]
+        dist.broadcast_object_list(received, src=1)
+        return received[0], None
+    outcome = _exit_of(True, grace_s=0.5)
+    dist.broadcast_object_list(["sent after the report"], src=1)
+    return outcome
+
+
+def test_a_lone_error_is_not_matched_with_the_other_ranks_next_collective():
+    results = run_distributed(_rank_0_goes_on_to_its_next_collective, 2, reuse_pool=False)
+    assert results == [("sent after the report", None), (2, f"error (rank 1): {MESSAGE}\n")]
+
+
+def _rank_0_reports_another_error() -> tuple[int | None, str]:
+    if dist.get_rank() == 0:
+        with contextlib.redirect_stderr(io.StringIO()) as stderr:
+            with pytest.raises(SystemExit):
+                with report_flag_errors(), reported_as_flag_errors(CheckpointError):
+                    raise CheckpointError("another problem")
+        return 2, stderr.getvalue()
+    return _exit_of(True, grace_s=30.0)
+
+
+def test_a_rank_whose_error_differs_from_rank_0s_prints_its_own_at_once():
+    results = run_distributed(_rank_0_reports_another_error, 2, timeout=20.0)
+    assert results == [(2, "error: another problem\n"), (2, f"error (rank 1): {MESSAGE}\n")]
 
 
 def test_outside_an_entry_point_the_error_propagates_unchanged(capsys):
