@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.core.value_ranges import (
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    Range,
+    check_ranges,
+    ranged,
+)
+
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -46,25 +55,25 @@ class OptimizerConfig:
     """
 
     optimizer: str = "adam"
-    lr: float | None = None
-    min_lr: float | None = None
-    decoupled_lr: float | None = None
-    decoupled_min_lr: float | None = None
-    weight_decay: float = 0.01
+    lr: float | None = ranged(None, NON_NEGATIVE)
+    min_lr: float | None = ranged(None, NON_NEGATIVE)
+    decoupled_lr: float | None = ranged(None, NON_NEGATIVE)
+    decoupled_min_lr: float | None = ranged(None, NON_NEGATIVE)
+    weight_decay: float = ranged(0.01, NON_NEGATIVE)
     apply_wd_to_qk_layernorm: bool = False
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    adam_beta1: float = ranged(0.9, PROBABILITY)
+    adam_beta2: float = ranged(0.999, PROBABILITY)
+    adam_eps: float = ranged(1e-8, NON_NEGATIVE)
     decoupled_weight_decay: bool = True
-    sgd_momentum: float = 0.9
-    clip_grad: float = 1.0
+    sgd_momentum: float = ranged(0.9, NON_NEGATIVE)
+    clip_grad: float = ranged(1.0, NON_NEGATIVE)
     log_num_zeros_in_grad: bool = False
     fp16: bool = False
     bf16: bool = False
-    loss_scale: float | None = None
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: float = 1000
+    loss_scale: float | None = ranged(None, POSITIVE)
+    initial_loss_scale: float = ranged(2.0**32, POSITIVE)
+    min_loss_scale: float = ranged(1.0, POSITIVE)
+    loss_scale_window: float = ranged(1000, Range(1))
     hysteresis: int = 2
 
     def __post_init__(self) -> None:
@@ -73,26 +82,9 @@ class OptimizerConfig:
                 f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; choose one of "
                 f"{', '.join(OPTIMIZERS)}."
             )
-        non_negative = {
-            "lr": self.lr,
-            "min_lr": self.min_lr,
-            "decoupled_lr": self.decoupled_lr,
-            "decoupled_min_lr": self.decoupled_min_lr,
-            "weight_decay": self.weight_decay,
-            "sgd_momentum": self.sgd_momentum,
-            "clip_grad": self.clip_grad,
-        }
-        for name, value in non_negative.items():
-            if value is not None and value < 0:
-                raise ValueError(f"OptimizerConfig.{name}={value} must be >= 0.")
-        for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"OptimizerConfig.{name}={value} must be in [0, 1).")
+        check_ranges(self, "OptimizerConfig.")
         if self.fp16 and self.bf16:
             raise ValueError("OptimizerConfig.fp16 and bf16 are both True; set one of them.")
-        if self.adam_eps <= 0:
-            raise ValueError(f"OptimizerConfig.adam_eps={self.adam_eps} must be > 0.")
         if self.lr is not None and self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(
                 f"OptimizerConfig.min_lr={self.min_lr} exceeds lr={self.lr}; the schedule "

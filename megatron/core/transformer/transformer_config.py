@@ -19,6 +19,15 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig, check_positive_int
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.moe_config import check_moe_config
+from megatron.core.value_ranges import (
+    FINITE,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    Range,
+    check_ranges,
+    ranged,
+)
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -187,7 +196,8 @@ class TransformerConfig(ModelParallelConfig):
         moe_token_dispatcher_type: "allgather" or "alltoall" exchange of tokens over the
             expert-parallel group.
         moe_expert_capacity_factor: Capacity of each expert as a multiple of the even share of
-            the tokens; tokens over it are dropped. None: dropless.
+            the tokens; tokens over it are dropped. None (or a negative value, which becomes
+            None, as in Megatron-core): dropless.
         moe_token_drop_policy: Which tokens an expert over capacity keeps: "probs" (the highest
             probabilities) or "position" (the first ones).
         moe_pad_expert_input_to_capacity: Every expert processes exactly its capacity (padding
@@ -216,15 +226,15 @@ class TransformerConfig(ModelParallelConfig):
     num_query_groups: int | None = None
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
+    hidden_dropout: float = ranged(0.1, PROBABILITY)
+    attention_dropout: float = ranged(0.1, PROBABILITY)
+    layernorm_epsilon: float = ranged(1e-5, POSITIVE)
     normalization: str = "LayerNorm"
     gated_linear_unit: bool = False
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
-    init_method_std: float = 0.02
+    init_method_std: float = ranged(0.02, NON_NEGATIVE)
     init_method: Callable[[torch.Tensor], torch.Tensor] | None = None
     output_layer_init_method: Callable[[torch.Tensor], torch.Tensor] | None = None
     apply_residual_connection_post_layernorm: bool = False
@@ -252,19 +262,19 @@ class TransformerConfig(ModelParallelConfig):
     moe_router_topk: int = 2
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
-    moe_router_topk_scaling_factor: float | None = None
+    moe_router_topk_scaling_factor: float | None = ranged(None, POSITIVE)
     moe_router_dtype: str | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
+    moe_router_bias_update_rate: float = ranged(1e-3, FINITE)
     moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float | None = None
-    moe_input_jitter_eps: float | None = None
+    moe_aux_loss_coeff: float = ranged(0.0, NON_NEGATIVE)
+    moe_z_loss_coeff: float | None = ranged(None, NON_NEGATIVE)
+    moe_input_jitter_eps: float | None = ranged(None, Range(0, 1, low_open=True, high_open=True))
     moe_router_force_load_balancing: bool = False
     moe_token_dispatcher_type: str = "allgather"
-    moe_expert_capacity_factor: float | None = None
+    moe_expert_capacity_factor: float | None = ranged(None, POSITIVE)
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
     moe_grouped_gemm: bool = False
@@ -274,7 +284,7 @@ class TransformerConfig(ModelParallelConfig):
     moe_layer_freq: int | list[int] = 1
     moe_per_layer_logging: bool = False
 
-    softmax_scale: float | None = None
+    softmax_scale: float | None = ranged(None, POSITIVE)
     bias_activation_fusion: bool = False
     masked_softmax_fusion: bool = False
     bias_dropout_fusion: bool = False
@@ -317,12 +327,9 @@ class TransformerConfig(ModelParallelConfig):
         if self.apply_query_key_layer_scaling:  # it needs the fp32 softmax (Megatron-core's rule)
             self.attention_softmax_in_fp32 = True
 
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {value}.")
-        if self.layernorm_epsilon <= 0:
-            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}.")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            self.moe_expert_capacity_factor = None  # Megatron-core's spelling of dropless
+        check_ranges(self)
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}."
@@ -337,8 +344,6 @@ class TransformerConfig(ModelParallelConfig):
         if self.seq_length is not None and self.seq_length < 1:
             raise ValueError(f"seq_length must be >= 1 or None, got {self.seq_length}.")
 
-        if self.init_method_std <= 0:
-            raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}.")
         # Megatron-LM semantics: derived once, only when None. `dataclasses.replace(config,
         # num_layers=...)` therefore keeps the old depth's scale unless it also passes None.
         if self.init_method is None:
@@ -462,8 +467,6 @@ class TransformerConfig(ModelParallelConfig):
                 f"{self.window_size}: an fp32 residual stream and sliding-window attention are "
                 "not built; leave them False and None."
             )
-        if self.softmax_scale is not None and self.softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be > 0 or None, got {self.softmax_scale}.")
         if not isinstance(self.attention_backend, AttnBackend):
             raise ValueError(
                 f"attention_backend must be an AttnBackend, got {self.attention_backend!r}; "

@@ -304,7 +304,7 @@ BAD = [
     ("--lr-decay-iters 0", "--lr-decay-iters must be >= 1"),
     # OptimizerConfig's own checks, at validation and spelled as flags.
     ("--adam-beta1 1.5", r"--adam-beta1 1.5 must be in \[0, 1\)"),
-    ("--adam-eps 0", "--adam-eps 0.0 must be > 0"),
+    ("--adam-eps=-1", "--adam-eps -1.0 must be >= 0"),
     ("--clip-grad -1", "--clip-grad -1.0 must be >= 0"),
     ("--optimizer sgd --sgd-momentum -1", "--sgd-momentum -1.0 must be >= 0"),
     (

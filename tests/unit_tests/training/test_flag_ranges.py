@@ -10,8 +10,10 @@ import math
 
 import pytest
 
+from megatron.core.value_ranges import Range
 from megatron.training.arguments import add_megatron_arguments, parse_args
-from megatron.training.flag_ranges import FLOAT_FLAG_RANGES, Range, check_float_flags
+from megatron.training.configs_from_args import transformer_config_from_flags
+from megatron.training.flag_ranges import _FLAG_ONLY_RANGES, FLOAT_FLAG_RANGES, check_float_flags
 from tests.unit_tests.training.flag_checks import BASE, validated
 
 ROPE = ("--position-embedding-type", "rope")
@@ -44,7 +46,7 @@ REFUSED = {
     # Refused already (by the optimizer or transformer config, or the required-flag checks);
     # here so that each keeps naming its flag.
     "clip-grad-negative": (("--clip-grad=-1",), "--clip-grad -1.0 must be >= 0"),
-    "adam-eps-0": (("--adam-eps", "0"), "--adam-eps 0.0 must be > 0"),
+    "adam-eps-negative": (("--adam-eps=-1e-8",), "--adam-eps -1e-08 must be >= 0"),
     "seq-length-0": (("--seq-length", "0"), "--seq-length must be >= 1, got 0"),
     "min-lr-above-lr": (("--min-lr", "0.01"), "--min-lr 0.01 must be in [0, --lr 0.001]"),
     "lr-nan": (("--lr", "nan"), "--lr nan must be >= 0 and finite"),
@@ -71,6 +73,9 @@ ACCEPTED = [
     ("--weight-decay", "0", "weight_decay"),
     ("--clip-grad", "0", "clip_grad"),
     ("--norm-epsilon", "1e-12", "layernorm_epsilon"),
+    # What torch and Megatron-LM accept, though they are seldom useful.
+    ("--adam-eps", "0", "adam_eps"),
+    ("--init-method-std", "0", "init_method_std"),
 ]
 
 
@@ -95,7 +100,8 @@ FLOAT_FLAGS = _float_flags()
 
 
 def test_every_float_flag_has_a_range():
-    assert sorted(FLOAT_FLAGS.values()) == sorted(FLOAT_FLAG_RANGES)
+    assert set(FLOAT_FLAGS.values()) <= set(FLOAT_FLAG_RANGES)
+    assert set(_FLAG_ONLY_RANGES) <= set(FLOAT_FLAGS.values())  # none for a removed flag
 
 
 def _outside(allowed: Range) -> list[float]:
@@ -136,3 +142,21 @@ def test_float_flag_accepts_the_edges_of_its_range(option):
     allowed = FLOAT_FLAG_RANGES[FLOAT_FLAGS[option]]
     for value in _edges(allowed):
         check_float_flags(parse_args(args=[*BASE, f"{option}={value!r}"]))
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+
+
+@pytest.mark.parametrize(
+    "flags, dest, value",
+    [
+        # Megatron-core's dropless: a negative capacity factor becomes None.
+        (("--moe-expert-capacity-factor=-1",), "moe_expert_capacity_factor", None),
+        (("--moe-z-loss-coeff", "0"), "moe_z_loss_coeff", 0.0),
+        # The bias update rate matters only with the expert bias.
+        (("--moe-router-bias-update-rate", "0"), "moe_router_bias_update_rate", 0.0),
+    ],
+)
+def test_moe_values_megatron_core_accepts_are_accepted(flags, dest, value):
+    config = transformer_config_from_flags(validated(*MOE, *flags))
+    assert getattr(config, dest) == value

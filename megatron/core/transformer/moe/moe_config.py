@@ -112,30 +112,12 @@ def _check_router(config: TransformerConfig) -> None:
                 "moe_router_bias_update_rate must be finite and > 0 with the expert bias, got "
                 f"{config.moe_router_bias_update_rate}."
             )
-    factor = config.moe_router_topk_scaling_factor
-    if factor is not None and not 0 < factor < math.inf:
-        raise ValueError(
-            "moe_router_topk_scaling_factor must be finite and > 0, or None to leave the routing "
-            f"weights unscaled, got {factor}."
-        )
-    if not 0 <= config.moe_aux_loss_coeff < math.inf:
-        raise ValueError(
-            f"moe_aux_loss_coeff must be finite and >= 0, got {config.moe_aux_loss_coeff}."
-        )
     if config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type == "none":
         raise ValueError(
             f"moe_aux_loss_coeff={config.moe_aux_loss_coeff} has no effect with "
             "moe_router_load_balancing_type='none'; choose 'aux_loss' or 'seq_aux_loss', or set "
             "moe_aux_loss_coeff=0."
         )
-    if config.moe_z_loss_coeff is not None and not 0 < config.moe_z_loss_coeff < math.inf:
-        raise ValueError(
-            f"moe_z_loss_coeff must be finite and > 0, or None to disable the z-loss, got "
-            f"{config.moe_z_loss_coeff}."
-        )
-    eps = config.moe_input_jitter_eps
-    if eps is not None and not 0 < eps < 1:
-        raise ValueError(f"moe_input_jitter_eps must be in (0, 1) or None, got {eps}.")
 
 
 def _check_groups(config: TransformerConfig) -> None:
@@ -172,13 +154,7 @@ def _check_groups(config: TransformerConfig) -> None:
 def _check_dispatch(config: TransformerConfig) -> None:
     _choice(config, "moe_token_dispatcher_type", TOKEN_DISPATCHER_TYPES)
     _choice(config, "moe_token_drop_policy", TOKEN_DROP_POLICIES)
-    factor = config.moe_expert_capacity_factor
-    if factor is not None and not 0 < factor < math.inf:
-        raise ValueError(
-            f"moe_expert_capacity_factor must be finite and > 0, or None for dropless MoE, got "
-            f"{factor}."
-        )
-    if config.moe_pad_expert_input_to_capacity and factor is None:
+    if config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor is None:
         raise ValueError(
             "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (the capacity to "
             "pad to); set it, or disable the padding."
