@@ -24,7 +24,7 @@ from megatron.training.checkpoint_layout import (
     read_tracker,
 )
 from megatron.training.checkpoint_lock import hold_save_lock
-from megatron.training.checkpointing import on_rank_0
+from megatron.training.rank_0_step import on_rank_0
 
 
 @contextlib.contextmanager
