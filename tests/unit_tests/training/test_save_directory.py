@@ -264,6 +264,40 @@ def test_the_lock_is_held_once_per_process_and_its_heartbeat_refreshed(tmp_path,
     assert os.listdir(root) == []
 
 
+def _in_a_mount_namespace(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a Python process of its own mount namespace (its bind mounts end with
+    it); skips the test where this machine allows none."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode:
+        pytest.skip("no mount namespace of its own for a test here")
+    repository = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
+    return subprocess.run(
+        ["unshare", "--mount", sys.executable, "-c", code],
+        cwd=repository,
+        env={**os.environ, "PYTHONPATH": repository},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_bind_mount_of_the_save_directory_is_that_directory(tmp_path):
+    """--load through a bind mount of --save resumes it. Before: refused (the real paths
+    differ)."""
+    save, mounted = str(tmp_path / "save"), str(tmp_path / "mounted")
+    _make(save, "iter_0000002")
+    os.makedirs(mounted)
+    ran = _in_a_mount_namespace(
+        "import argparse, subprocess\n"
+        "from megatron.training.save_directory import check_save_target\n"
+        f"subprocess.run(['mount', '--bind', {save!r}, {mounted!r}], check=True)\n"
+        f"args = argparse.Namespace(save={save!r}, load={mounted!r}, finetune=False, "
+        "pretrained_checkpoint=None)\n"
+        "check_save_target(args)\n"
+        "print('resumes', flush=True)\n"
+    )
+    assert (ran.returncode, ran.stdout) == (0, "resumes\n"), ran.stderr
+
+
 FLAGS = (
     "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
     "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-2 --mock-data "
