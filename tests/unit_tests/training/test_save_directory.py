@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -24,6 +25,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import pretrain_gpt
 from megatron.core.enums import ModelType
@@ -31,7 +34,8 @@ from megatron.training import checkpoint_lock
 from megatron.training.checkpoint_layout import TRACKER_FILENAME, CheckpointError
 from megatron.training.checkpoint_lock import LOCK_FILENAME, STALE_AFTER_S, hold_save_lock
 from megatron.training.save_directory import check_save_target
-from megatron.training.training import pretrain
+from megatron.training.training import _teardown, pretrain
+from megatron.training.utils import LoaderIterator
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.checkpoint_checks import (
     RUN,
@@ -335,3 +339,22 @@ def test_a_run_holds_the_lock_from_start_to_end_and_releases_it_after_an_error(
         run(["--save", root, "--load", root], lambda *a: forward_step(*a, fail=True))
     assert holders == [os.getpid()] * 2
     assert sorted(os.listdir(root)) == ["iter_0000001", TRACKER_FILENAME]
+
+
+def test_a_failing_teardown_step_skips_none_of_the_others(world_of_one, tmp_path):
+    """Releasing --save failing still stops the loaders and destroys the process group (a later
+    `pretrain()` in this process needs it gone). Before: it skipped both."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    loader = LoaderIterator(torch.utils.data.DataLoader(range(4)))
+    save_directory = contextlib.ExitStack()
+    save_directory.callback(_raise, OSError("release failed"))
+    with pytest.raises(OSError, match="release failed"):
+        _teardown((None, loader), True, save_directory)
+    assert not dist.is_initialized()
+    assert list(loader) == []
+
+
+def _raise(error: Exception) -> None:
+    raise error
