@@ -23,6 +23,7 @@ import torch
 from megatron.core.datasets.dataset_builder import check_blend, parse_data_path
 from megatron.core.datasets.gpt_dataset import DEFAULT_SPLIT, parse_and_normalize_split
 from megatron.core.datasets.mock_dataset import SEED_LIMIT
+from megatron.training.checkpoint_layout import same_directory
 from megatron.training.configs_from_args import (
     ddp_config_from_flags,
     flag,
@@ -541,13 +542,13 @@ def _validate_finetune_directories(args: argparse.Namespace) -> None:
                 "from (normally the --save directory). The run finetunes from "
                 "--pretrained-checkpoint while --load holds no checkpoint."
             )
-        if args.save is not None and _same_directory(pretrained, args.save):
+        if args.save is not None and same_directory(pretrained, args.save):
             raise ValueError(
                 f"--pretrained-checkpoint {pretrained} is the --save directory: the run would "
                 "write its checkpoints over the one it finetunes from. Pass a new --save "
                 "directory, and the same as --load."
             )
-    if args.finetune and args.save is not None and _same_directory(args.load, args.save):
+    if args.finetune and args.save is not None and same_directory(args.load, args.save):
         raise ValueError(
             f"--finetune with --load {args.load} as --save: the new run (from iteration 0) "
             "would write its checkpoints over the one it starts from, and a restart would "
@@ -556,11 +557,6 @@ def _validate_finetune_directories(args: argparse.Namespace) -> None:
             "--finetune (it finetunes from --pretrained-checkpoint until NEW holds a "
             "checkpoint, then resumes from NEW)."
         )
-
-
-def _same_directory(first: str, second: str) -> bool:
-    """Whether two paths name one directory, however spelled (symbolic links resolved)."""
-    return os.path.realpath(first) == os.path.realpath(second)
 
 
 def _require_module(module: str, flag: str, package: str) -> None:

@@ -116,6 +116,15 @@ SavedEntry = TensorStorageMetadata | BytesStorageMetadata
 """What DCP's metadata records of one saved entry: a tensor's shape and dtype, or bytes."""
 
 
+def same_directory(first: str, second: str) -> bool:
+    """Whether the two paths reach one directory, however spelled: the same file where both
+    exist (a bind mount reaches a directory under another path, which no symbolic link
+    tells), else the same path once symbolic links are resolved."""
+    if os.path.exists(first) and os.path.exists(second):
+        return os.path.samefile(first, second)
+    return os.path.realpath(first) == os.path.realpath(second)
+
+
 def saved_entries(metadata: Metadata) -> dict[tuple[str, ...], SavedEntry]:
     """Each saved entry's path in the nested state dict DCP flattened (e.g. `("model",
     "decoder.final_layernorm.weight")`) -> its storage metadata (tensor or bytes)."""

@@ -84,6 +84,7 @@ from megatron.training.checkpoint_lock import hold_save_lock
 from megatron.training.checkpoint_rng import rng_state, set_rng_state
 from megatron.training.flag_groups.moe import resolved_moe_args
 from megatron.training.flag_groups.optimization import describe_schedule_mismatch
+from megatron.training.rank_0_step import on_rank_0
 from megatron.training.utils import print_rank_0
 
 MODEL_ARGS = (
@@ -569,27 +570,3 @@ def _on_rank_0(step: Callable[[], None], what: str) -> None:
             "previous checkpoint and the tracker are unchanged."
         ),
     )
-
-
-def on_rank_0(step: Callable[[], None], failure: Callable[[Exception], str]) -> None:
-    """Runs `step` on rank 0 alone; every rank returns when it is done, or raises the same
-    error (rather than waiting at the next collective until the timeout).
-
-    Args:
-        step: what rank 0 does.
-        failure: the message of the error, from rank 0's exception.
-
-    Raises:
-        CheckpointError: `step` raised on rank 0.
-    """
-    error: Exception | None = None
-    outcome: list[str | None] = [None]
-    if dist.get_rank() == 0:
-        try:
-            step()
-        except Exception as raised:  # every kind: all ranks must learn that the step failed
-            error = raised
-            outcome[0] = failure(raised)
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise CheckpointError(outcome[0]) from error

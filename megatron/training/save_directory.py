@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Iterator
 
 from megatron.training.checkpoint_layout import (
@@ -22,9 +21,10 @@ from megatron.training.checkpoint_layout import (
     committed_iterations,
     holds_checkpoint,
     read_tracker,
+    same_directory,
 )
 from megatron.training.checkpoint_lock import hold_save_lock
-from megatron.training.checkpointing import on_rank_0
+from megatron.training.rank_0_step import on_rank_0
 
 
 @contextlib.contextmanager
@@ -58,7 +58,7 @@ def _claim_failure(save: str, error: Exception) -> str:
 
 def check_save_target(args: argparse.Namespace) -> None:
     """Refuses a `--save` directory that holds checkpoints this run does not continue: unless
-    `--load` is that directory (however spelled: symbolic links resolved) and the run resumes
+    `--load` is that directory (however reached: symbolic links, bind mounts) and the run resumes
     from it (no `--finetune`; `--pretrained-checkpoint` loads `--load` once it holds one).
 
     Raises:
@@ -67,8 +67,7 @@ def check_save_target(args: argparse.Namespace) -> None:
     save = args.save
     if save is None or not holds_checkpoint(save):
         return
-    resumes_it = args.load is not None and os.path.realpath(args.load) == os.path.realpath(save)
-    if resumes_it and not args.finetune:
+    if args.load is not None and same_directory(args.load, save) and not args.finetune:
         return
     iterations = committed_iterations(save)
     tracked = read_tracker(save)

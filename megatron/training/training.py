@@ -234,12 +234,16 @@ def _teardown(
     owns_default_group: bool,
     save_directory: contextlib.ExitStack,
 ) -> None:
-    """Releases `--save`, stops the data loaders' workers, destroys `initialize_megatron()`'s."""
-    save_directory.close()
-    for iterator in data_iterators:
-        if iterator is not None:
-            iterator.close()
-    destroy_megatron(destroy_default_group=owns_default_group)
+    """Releases `--save`, stops the data loaders' workers, destroys `initialize_megatron()`'s.
+    Each step runs though an earlier one raised (as nested `with` blocks do: an error is raised
+    after them all, chained to the earlier ones): a later `pretrain()` in this process needs
+    the process group destroyed."""
+    with contextlib.ExitStack() as steps:  # runs its callbacks last in, first out
+        steps.callback(destroy_megatron, destroy_default_group=owns_default_group)
+        for iterator in reversed(data_iterators):
+            if iterator is not None:
+                steps.callback(iterator.close)
+        steps.callback(save_directory.close)
 
 
 def get_model(
