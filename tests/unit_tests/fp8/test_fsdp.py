@@ -51,7 +51,7 @@ def _logits_after_an_in_place_write(strategy: str) -> list[bool]:
     return [torch.equal(logits, plain(tokens))]
 
 
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_fp8_weights_follow_the_engines_refreshed_weights(strategy):
     assert run_distributed(_logits_after_an_in_place_write, 2, strategy) == [[True]] * 2
 
