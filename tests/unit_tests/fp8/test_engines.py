@@ -1,6 +1,6 @@
-"""FP8 compute under Megatron-FSDP (2 ranks, weights gathered in bf16): the FP8 weight copies
-follow the engine's refreshed weights, and a tiny ZeRO-3 run in FP8 (hybrid, delayed) ends
-within a few percent of its bf16 twin's loss."""
+"""FP8 compute under the data-parallel engines (2 ranks, weights gathered in bf16): the FP8
+weight copies follow the weights the engines refresh, and a tiny ZeRO-3 run in FP8 (hybrid,
+delayed) ends within a few percent of its bf16 twin's loss."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel, fully_shard_optimizer
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
@@ -54,6 +54,31 @@ def _logits_after_an_in_place_write(strategy: str) -> list[bool]:
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_fp8_weights_follow_the_engines_refreshed_weights(strategy):
     assert run_distributed(_logits_after_an_in_place_write, 2, strategy) == [[True]] * 2
+
+
+def _ddp_logits_after_an_unseen_write() -> list[bool]:
+    """A write no version counter sees (as a replayed CUDA graph's optimizer step), then
+    `start_param_sync(force_sync=True)`, the engine's signal that weights changed: the next
+    forward casts the new weights."""
+    config = tiny_gpt_config(**BF16, **FP8)
+    model = build_tiny_gpt(config)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    tokens, _ = make_token_batches(1, 2, seed=3)[0]
+    ddp(tokens)
+    for param in model.parameters():
+        param.data.mul_(0.5)  # `.data` bumps no version counter
+    ddp.start_param_sync(force_sync=True)
+    logits = ddp(tokens)
+    plain = build_tiny_gpt(config)
+    plain(tokens)
+    with torch.no_grad():
+        for param in plain.parameters():
+            param.mul_(0.5)
+    return [torch.equal(logits, plain(tokens))]
+
+
+def test_fp8_weights_follow_the_ddp_engines_forced_sync():
+    assert run_distributed(_ddp_logits_after_an_unseen_write, 2) == [[True]] * 2
 
 
 def _zero3_losses(fp8: bool, steps: int = 12) -> list[float]:
