@@ -112,7 +112,11 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fprop(
-    x: Fp8Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    x: Fp8Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    recipe: Fp8Recipe,
 ) -> torch.Tensor:
     """`X W^T + b`, the bias in the GEMM where cuBLASLt takes it (bf16 / fp16 output), else
     added after (exactly: the GEMM adds it in fp32 before rounding to fp32 alike)."""
@@ -122,7 +126,7 @@ def _fprop(
         x,
         w.fprop_operand(),
         out_dtype=out_dtype,
-        fast_accum=True,
+        fast_accum=recipe.fprop_fast_accum,
         bias=bias if fused_bias else None,
     )
     if bias is not None and not fused_bias:
@@ -172,7 +176,7 @@ class _Fp8Linear(torch.autograd.Function):
         needs_weight = ctx.needs_input_grad[1]
         fp8_wgrad = needs_weight and slots.recipe.wgrad
         x = slots.quantize_input(x2d, transpose=fp8_wgrad)
-        out = _fprop(x, weight, bias, input_.dtype)
+        out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
         if fp8_wgrad:
             ctx.save_for_backward(x.transposed, x.scale_inv, weight)
         else:
@@ -246,7 +250,7 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
                 ctx.save_for_backward(x.transposed, x.scale_inv, weight)
             else:
                 ctx.save_for_backward(input_ if needs_weight else None, None, weight)
-        out = _fprop(x, weight, bias, input_.dtype)
+        out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
         ctx.weight = weight
         ctx.slots, ctx.fp8_wgrad, ctx.has_bias = slots, fp8_wgrad, bias is not None
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
