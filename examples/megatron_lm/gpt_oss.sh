@@ -4,8 +4,8 @@
 # come first; anything after `--` goes to pretrain_gpt.py.
 # Usage: bash examples/megatron_lm/gpt_oss.sh --checkpoint-path DIR [--tensorboard-logs-path DIR]
 #            [--tokenizer PATH|MOCK] [--data PATH|MOCK] [-- extra flags...]
-# It asks for gpt-oss's model options, windowed attention and FP8, which are not built (its MoE
-# flags are).
+# It asks for gpt-oss's model options, windowed attention, FP8 parameter all-gathers and FP8
+# experts, which are not built (its MoE flags are, and FP8 for dense layers).
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 

@@ -4,8 +4,8 @@
 and `get_parallel_state_kwargs` build what the library takes from flags `validate_args()` has
 checked; `megatron.training.arguments` re-exports them. A config's own `ValueError` names its
 fields; `ddp_config_from_flags`, `optimizer_config_from_flags` and
-`transformer_config_from_flags` (for the MoE fields) re-raise it naming the flags that set them,
-as the user typed them.
+`transformer_config_from_flags` (for the MoE and FP8 fields) re-raise it naming the flags that
+set them, as the user typed them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.flag_groups.precision import grad_reduce_in_fp32
+from megatron.training.flag_groups.precision import FP8_FIELDS, grad_reduce_in_fp32
 
 FSDP_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
@@ -111,15 +111,15 @@ def optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def transformer_config_from_flags(args: argparse.Namespace) -> TransformerConfig:
-    """`core_transformer_config_from_args(args)`; its `ValueError` is re-raised naming the MoE
-    and the (expert and tensor) parallel-size flags instead of the config fields they set."""
+    """`core_transformer_config_from_args(args)`; its `ValueError` is re-raised naming the MoE,
+    FP8 and (expert and tensor) parallel-size flags instead of the config fields they set."""
     try:
         return core_transformer_config_from_args(args)
     except ValueError as error:
-        fields = "|".join(_MOE_FIELD_DESTS) + r"|moe_\w+"
+        fields = "|".join(_FIELD_DESTS) + "|" + _FIELD_PATTERNS
 
         def spell(match: re.Match) -> str:
-            dest = _MOE_FIELD_DESTS.get(match[1], match[1])
+            dest = _FIELD_DESTS.get(match[1], match[1])
             if match[2] is None:
                 return flag(dest)
             value = match[2].strip("'")
@@ -129,14 +129,19 @@ def transformer_config_from_flags(args: argparse.Namespace) -> TransformerConfig
         raise ValueError(re.sub(pattern, spell, str(error))) from error
 
 
-_MOE_FIELD_DESTS = {
+_FIELD_DESTS = {
     "num_moe_experts": "num_experts",
     "expert_model_parallel_size": "expert_model_parallel_size",
     "expert_tensor_parallel_size": "expert_tensor_parallel_size",
     "tensor_model_parallel_size": "tensor_model_parallel_size",
+    "fp8": "fp8_format",
 }
-"""The MoE `TransformerConfig` fields whose flag is not `--<field>` with dashes, or that are
-not named `moe_*`."""
+"""The MoE and FP8 `TransformerConfig` fields whose flag is not `--<field>` with dashes, or that
+`_FIELD_PATTERNS` does not match; a value maps to the flag of that name."""
+
+_FIELD_PATTERNS = r"moe_\w+|fp8_\w+|first_last_layers_bf16|num_layers_at_(?:start|end)_in_bf16"
+"""The other MoE and FP8 fields, each set by `--<field>` with dashes (`fp8_wgrad=False` by
+`--no-fp8-wgrad`)."""
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
@@ -219,6 +224,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_layer_freq=args.moe_layer_freq,
         moe_per_layer_logging=args.moe_per_layer_logging,
+        **{name: getattr(args, name) for name in FP8_FIELDS},
     )
 
 

@@ -76,7 +76,7 @@ from megatron.training.loss_reduction import average_loss_dicts, divide_gradient
 from megatron.training.profiling import TrainingOperations, empty_unused_memory
 from megatron.training.save_directory import claim_save_directory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
-from megatron.training.training_log import TrainingLog
+from megatron.training.training_log import TrainingLog, fp8_startup_line
 from megatron.training.utils import (
     LoaderIterator,
     accumulation_memory_note,
@@ -299,6 +299,9 @@ def get_model(
         f"{args.num_microbatches} microbatch(es) x micro batch {args.micro_batch_size} x "
         f"data-parallel size {args.data_parallel_size}"
     )
+    fp8_line = fp8_startup_line(module.config)
+    if fp8_line is not None:
+        print_rank_0(fp8_line)
     return model
 
 

@@ -20,7 +20,10 @@ zero-gradient count and the parameters' norm are the last iteration's; the learn
 one after its schedule step (Megatron-LM's convention: the next iteration's). On GPU the line
 also has TFLOP/s per GPU (on CPU too with `--log-throughput`) and the peak memory allocated so
 far. An MoE model's auxiliary losses (`report_moe_metrics`, every step) follow the
-language-model loss, averaged like it.
+language-model loss, averaged like it. An FP8 run names its format and recipe after the global
+batch size (`fp8: hybrid delayed`), and says at start-up which layers train in FP8
+(`fp8_startup_line`); TFLOP/s count the same FLOPs as in bf16 (upstream's formula), so FP8's
+speed shows as more TFLOP/s.
 """
 
 from __future__ import annotations
@@ -34,12 +37,28 @@ import os
 
 import torch
 
+from megatron.core.fp8.recipe import is_first_last_bf16_layer, recipe_from_config
 from megatron.core.transformer.moe.moe_config import layer_pattern
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import tracked_metrics
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.utils import is_rank_0, print_rank_0, report_rank_0
+
+
+def fp8_startup_line(config: TransformerConfig) -> str | None:
+    """What an FP8 run trains in FP8, for the start-up log (None without FP8): "> FP8 (hybrid
+    format, delayed scaling (...)) in the linear layers of 4 of 4 transformer layers; ..."."""
+    recipe = recipe_from_config(config)
+    if recipe is None:
+        return None
+    layers = config.num_layers
+    in_fp8 = sum(not is_first_last_bf16_layer(config, n) for n in range(layers))
+    return (
+        f"> FP8 ({recipe.describe()}) in the linear layers of {in_fp8} of {layers} transformer "
+        "layers; the embedding, the output layer, attention and norms in "
+        f"{str(config.params_dtype).removeprefix('torch.')}"
+    )
 
 
 class MetricWriter:
@@ -152,6 +171,7 @@ class TrainingLog:
         self.flops_per_sample = num_floating_point_operations(
             config, args.padded_vocab_size, args.seq_length, 1
         )
+        self.fp8 = recipe_from_config(config)
         self.interval = _Interval()
         # As Megatron-LM, the run's first iteration logs its line (its time shows the start's
         # one-off costs), leaving the interval's totals to the line that ends it.
@@ -323,6 +343,8 @@ class TrainingLog:
             f"learning rate: {values.learning_rate:.6E}",
             f"global batch size: {values.global_batch_size:5d}",
         ]
+        if self.fp8 is not None:
+            fields.append(f"fp8: {self.fp8.format} {self.fp8.kind}")
         fields += [
             f"{k}: {v / (interval.iterations - interval.skipped):.6E}"
             for k, v in interval.loss_sums.items()

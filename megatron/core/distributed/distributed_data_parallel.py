@@ -69,6 +69,7 @@ from megatron.core.distributed.tensor_parallel_params import (
     check_excludes_tp_peers,
     tensor_parallel_group,
 )
+from megatron.core.fp8.weights import forget_fp8_weights
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
 from megatron.core.tensor_parallel.layout import (
@@ -420,8 +421,14 @@ class DistributedDataParallel(_BaseDataParallel):
     ) -> None:
         """With the distributed optimizer and `force_sync`, all-gathers every parameter from
         the rows each rank updated (`param_shard()`); the optimizer calls it after its step.
-        Otherwise nothing to do: every rank holds whole, identical parameters between steps."""
-        if force_sync and self.ddp_config.use_distributed_optimizer:
+        Otherwise nothing to do: every rank holds whole, identical parameters between steps.
+        `force_sync` also drops the parameters' FP8 copies (`megatron.core.fp8.weights`): the
+        parameters may have been written where no version counter saw it (a replayed CUDA
+        graph's optimizer step)."""
+        if not force_sync:
+            return
+        forget_fp8_weights(self.module.parameters())
+        if self.ddp_config.use_distributed_optimizer:
             for bucket in self.buckets:
                 bucket.shards.all_gather_params()
 

@@ -15,7 +15,7 @@ the buffer its sharded gradients are reduce-scattered from, or the whole gradien
 the gradient goes (`FusionTarget`): added to a tensor, or written over one whose contents are not
 yet a gradient (a buffer allocated for this backward, a `main_grad` whose `.grad` was dropped),
 which spares zeroing it first. The parallel linears route through `linear()` and
-`weight_grad()`, which fuse only while:
+`weight_grad()`, and the FP8 linears decide with `weight_grad_target()`; they fuse only while:
 
 - the engine is alive: a deleted engine's parameters train as plain parameters again;
 - the weight's `.grad` is None when its gradient is computed: a `.grad` kept from an earlier
@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.utils import direct_apply, once_differentiable
+
+if TYPE_CHECKING:
+    from megatron.core.fp8.linear import Fp8LinearSlots
 
 
 class FusionTarget(NamedTuple):
@@ -116,10 +119,14 @@ def _may_fuse(weight: torch.Tensor) -> bool:
 
 
 def linear(
-    input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fp8: Fp8LinearSlots | None = None,
 ) -> torch.Tensor:
     """`F.linear(input_, weight, bias)`, its weight gradient fused into the weight's registered
-    `main_grad` (module docstring) where there is one.
+    `main_grad` (module docstring) where there is one; its three GEMMs in FP8 where the layer
+    has `fp8` settings (`megatron.core.fp8.linear`, which fuses the same way).
 
     Under `torch.compile` a linear whose weight gets a gradient runs outside the compiled graph
     (a graph break: the compiled graphs are the work between the linears), so that its weight
@@ -131,10 +138,16 @@ def linear(
         input_: [..., in].
         weight: [out, in].
         bias: [out], or None.
+        fp8: the layer's FP8 settings; None: high precision.
 
     Returns:
         [..., out].
     """
+    if fp8 is not None:
+        # Outside any compiled graph: the FP8 weight cache and the scaling state are host state.
+        if torch.compiler.is_compiling():
+            return _linear_outside_graph(input_, weight, bias, fp8)
+        return fp8.linear(input_, weight, bias)
     if not (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(input_, weight, bias)
     if torch.compiler.is_compiling():
@@ -172,28 +185,57 @@ def weight_grad(
         input_: [..., in], the same leading shape.
         weight: [out, in], the parameter itself (not a tensor a checkpoint saved for it).
         weight_node: the autograd node the weight's gradient flows to (the backward's
-            `ctx.next_functions[i][0]`): fusion only where the engine will run it, i.e. where
-            this backward accumulates into the weight (`.backward()`); `torch.autograd.grad`
-            asking for the weight gets its gradient returned, as torch does.
+            `ctx.next_functions[i][0]`): see `weight_grad_target`.
 
     Returns:
         [out, in] in the inputs' dtype, or None.
     """
+    wanted, target = weight_grad_target(weight, weight_node)
+    if not wanted:
+        return None
+    return weight_grad_into(target, grad_output, input_)
+
+
+def weight_grad_target(
+    weight: torch.Tensor, weight_node: torch.autograd.graph.Node
+) -> tuple[bool, FusionTarget | None]:
+    """Where this backward's gradient of `weight` goes: whether the backward wants it at all,
+    and the target it is fused into (None: it is returned to autograd). Asks the engine for
+    the target, so call it once per gradient; every linear layer's backward decides here,
+    whatever precision its GEMM runs in.
+
+    Fusion only where the engine will run the weight's node, i.e. where this backward
+    accumulates into the weight (`.backward()`): `torch.autograd.grad` asking for the weight
+    gets its gradient returned, as torch does, and a backward whose inputs leave the weight out
+    wants none.
+
+    Args:
+        weight: [out, in], the parameter itself.
+        weight_node: the autograd node the weight's gradient flows to.
+    """
     main_grad_of = _target(weight)
-    if main_grad_of is not None and weight.grad is None:
-        # `needs_input_grad` was fixed at forward time; whether this backward reaches the
-        # weight is the engine's to say. It raises for a leaf that `torch.autograd.grad`
-        # captures (its gradient is returned, never accumulated), so that case computes it.
-        try:
-            accumulates = torch._C._will_engine_execute_node(weight_node)
-        except RuntimeError:
-            accumulates = None
-        if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
-            return None
-        target = main_grad_of(weight) if accumulates else None
-        if target is not None:
-            _fuse(target, grad_output, input_)
-            return None
+    if main_grad_of is None or weight.grad is not None:
+        return True, None
+    # `needs_input_grad` was fixed at forward time; whether this backward reaches the
+    # weight is the engine's to say. It raises for a leaf that `torch.autograd.grad`
+    # captures (its gradient is returned, never accumulated), so that case computes it.
+    try:
+        accumulates = torch._C._will_engine_execute_node(weight_node)
+    except RuntimeError:
+        accumulates = None
+    if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
+        return False, None
+    return True, main_grad_of(weight) if accumulates else None
+
+
+def weight_grad_into(
+    target: FusionTarget | None, grad_output: torch.Tensor, input_: torch.Tensor
+) -> torch.Tensor | None:
+    """`grad_output^T @ input_` (flattened) fused into `target`, or returned where it is None
+    (in the inputs' dtype)."""
+    if target is not None:
+        _fuse(target, grad_output, input_)
+        return None
     return _flat(grad_output).t().matmul(_flat(input_))
 
 

@@ -23,6 +23,7 @@ Each layer says how its parameters are split through `tensor_parallel_layouts()`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,9 @@ from megatron.core.tensor_parallel.utils import (
     group_rank,
     group_size,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.fp8.linear import Fp8LinearSlots
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -146,6 +150,9 @@ class _ParallelLinear(_TensorParallelModule):
             self.bias = torch.nn.Parameter(torch.empty(bias_size, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.fp8: Fp8LinearSlots | None = None
+        """FP8 settings when the layer's GEMMs run in FP8 (given by the transformer block
+        that holds it, `megatron.core.fp8`); None: high precision."""
         self.reset_parameters()
 
     @property
@@ -183,6 +190,7 @@ class _ParallelLinear(_TensorParallelModule):
             f"bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}, "
             f"stride={self.stride}, tp_size={self.tp_size}, "
             f"sequence_parallel={self.sequence_parallel}"
+            + (f", fp8={self.fp8.recipe.format}/{self.fp8.recipe.kind}" if self.fp8 else "")
         )
 
 
@@ -285,10 +293,10 @@ class ColumnParallelLinear(_ParallelLinear):
         weight = self._resolve_weight(weight)
         bias = None if self.skip_bias_add else self.bias
         if self.is_expert and not self.sequence_parallel:
-            output = linear(input_, weight, bias)
+            output = linear(input_, weight, bias, self.fp8)
         else:
             output = column_parallel_linear(
-                input_, weight, bias, self.tp_group, self.sequence_parallel
+                input_, weight, bias, self.tp_group, self.sequence_parallel, self.fp8
             )
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
@@ -383,9 +391,9 @@ class RowParallelLinear(_ParallelLinear):
         if self.tp_size == 1 or self.is_expert:
             # Nothing to sum: the bias can join the GEMM, as in a plain linear.
             if self.skip_bias_add:
-                return linear(input_, self.weight), bias
-            return linear(input_, self.weight, bias), None
-        output = linear(input_, self.weight)
+                return linear(input_, self.weight, fp8=self.fp8), bias
+            return linear(input_, self.weight, bias, self.fp8), None
+        output = linear(input_, self.weight, fp8=self.fp8)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
             if bias is not None:

@@ -15,12 +15,17 @@ region` followed by `F.linear`: only the order and the overlap of the collective
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.grad_accumulation import linear, weight_grad
 from megatron.core.tensor_parallel.mappings import gather_first_async, reduce_scatter_first_async
+
+if TYPE_CHECKING:
+    from megatron.core.fp8.linear import Fp8LinearSlots
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -81,6 +86,7 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     sequence_parallel: bool,
+    fp8: Fp8LinearSlots | None = None,
 ) -> torch.Tensor:
     """`F.linear` of a column-parallel weight shard, with the tp communication around it.
 
@@ -91,10 +97,14 @@ def column_parallel_linear(
         group: The tp group (None or one rank: a plain `F.linear`).
         sequence_parallel: The input is split along the sequence (all-gathered here; its
             gradient reduce-scattered), else replicated (its gradient all-reduced).
+        fp8: The layer's FP8 settings: the same communication around FP8 GEMMs
+            (`megatron.core.fp8.linear`); None: high precision.
 
     Returns:
         [s, b, out/T] (the whole sequence).
     """
     if group is None or group.size() == 1:
-        return linear(input_, weight, bias)
+        return linear(input_, weight, bias, fp8)
+    if fp8 is not None:
+        return fp8.column_parallel_linear(input_, weight, bias, group, sequence_parallel)
     return _ColumnParallelLinear.apply(input_, weight, bias, group, sequence_parallel)

@@ -11,11 +11,15 @@ stay whole on every rank: the forward returns `(output, bias)`, where `bias` is 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron.core.tensor_parallel.grad_accumulation import linear
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+if TYPE_CHECKING:
+    from megatron.core.fp8.linear import Fp8LinearSlots
 
 
 class Linear(torch.nn.Module):
@@ -51,6 +55,9 @@ class Linear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.empty(output_size, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.fp8: Fp8LinearSlots | None = None
+        """FP8 settings when the layer's GEMMs run in FP8 (given by the transformer block
+        that holds it, `megatron.core.fp8`); None: high precision."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -70,8 +77,8 @@ class Linear(torch.nn.Module):
             `skip_bias_add`, else None.
         """
         if self.skip_bias_add:
-            return linear(x, self.weight), self.bias
-        return linear(x, self.weight, self.bias), None
+            return linear(x, self.weight, fp8=self.fp8), self.bias
+        return linear(x, self.weight, self.bias, self.fp8), None
 
     def extra_repr(self) -> str:
         return (

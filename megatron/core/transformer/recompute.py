@@ -7,7 +7,8 @@ must happen once per forward (the MoE router's metrics and expert-bias token cou
 
 The checkpoint replays the default generator itself; the tensor-parallel RNG tracker's states
 (forked by dropout inside tensor-parallel regions) are replayed here too, so recomputed dropout
-masks match the forward's at any tensor-parallel size.
+masks match the forward's at any tensor-parallel size, and so are the FP8 delayed-scaling scales
+the forward cast with (`megatron.core.fp8.scaling`), so recomputed FP8 casts match the forward's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.fp8.scaling import scale_replay_contexts
 from megatron.core.tensor_parallel.random import rng_tracker_replay_contexts
 from megatron.core.utils import FreshContext
 
@@ -43,14 +45,29 @@ def is_recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def _recompute_context(replay_tracker: contextlib.AbstractContextManager) -> Iterator[None]:
-    with replay_tracker, _recomputing():
+def _recompute_context(*replays: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for replay in replays:
+            stack.enter_context(replay)
+        with _recomputing():
+            yield
+
+
+@contextlib.contextmanager
+def _forward_context(*forwards: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for forward in forwards:
+            stack.enter_context(forward)
         yield
 
 
 def _checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
-    forward, replay_tracker = rng_tracker_replay_contexts()
-    return forward, FreshContext(lambda: _recompute_context(replay_tracker))
+    forward_rng, replay_rng = rng_tracker_replay_contexts()
+    forward_scales, replay_scales = scale_replay_contexts()
+    return (
+        _forward_context(forward_rng, forward_scales),
+        FreshContext(lambda: _recompute_context(replay_rng, replay_scales)),
+    )
 
 
 def recompute(function: Callable, *args: Any) -> Any:

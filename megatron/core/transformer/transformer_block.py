@@ -7,6 +7,12 @@ first `recompute_num_layers` layers one by one.
 Under sequence parallelism the layers run in training in the RNG tracker's tensor-parallel state
 (as in Megatron-core; seed it with `model_parallel_cuda_manual_seed`): each rank holds a
 different part of the sequence, so its dropout masks must differ from the other ranks'.
+
+With `config.fp8` the block gives the linear layers of its FP8 layers (all but the high-precision
+first / last ones of `first_last_layers_bf16`) their FP8 settings as it builds them, and under
+delayed scaling owns the model's `DelayedScalingState`: its forward slots are reduced and updated
+after the layer loop, its backward slots once the backward of every layer is done (Transformer
+Engine's autocast exit and end of backward).
 """
 
 from __future__ import annotations
@@ -15,12 +21,20 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.core.fp8.linear import Fp8LinearSlots, check_fp8_dims
+from megatron.core.fp8.recipe import Fp8Recipe, is_first_last_bf16_layer, recipe_from_config
+from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
+from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -29,6 +43,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 LayerNormImpl = FusedLayerNorm if HAVE_APEX else WrappedTorchNorm
 """Norm of the final layer norm when the spec names none: apex's fused one when available."""
+
+FP8_LINEARS = (ColumnParallelLinear, RowParallelLinear, Linear)
+"""The linear layers that run in FP8 inside an FP8 transformer layer."""
 
 
 @dataclass
@@ -74,12 +91,13 @@ class TransformerBlock(MegatronModule):
         config: The transformer configuration.
         spec: A `TransformerLayer` spec (repeated for every layer) or `TransformerBlockSubmodules`.
         post_layer_norm: Whether to apply the final norm (`final_layernorm`).
-        pg_collection: Process groups of the layers (`tp`, and `ep` of the MoE layers); None
-            means parallel_state's.
+        pg_collection: Process groups of the layers (`tp`, and `ep` of the MoE layers; `tp_dp_cp`
+            reduces FP8 amaxes); None means parallel_state's.
 
     Raises:
         ValueError: with `config.num_moe_experts`, the layers that are MoE layers differ from
-            those `config.moe_layer_freq` names (e.g. a dense layer spec was given).
+            those `config.moe_layer_freq` names (e.g. a dense layer spec was given); with
+            `config.fp8`, a linear layer's sizes are not multiples of 16.
     """
 
     def __init__(
@@ -100,6 +118,11 @@ class TransformerBlock(MegatronModule):
             for number, layer_spec in enumerate(self.submodules.layer_specs)
         )
         self._check_moe_layers()
+        self.fp8_state: DelayedScalingState | None = None
+        """The model's delayed-scaling state (`fp8_recipe="delayed"`), else None."""
+        recipe = recipe_from_config(config)
+        if recipe is not None:
+            self.fp8_state = self._enable_fp8(recipe, pg_collection)
         if post_layer_norm:
             self.final_layernorm = build_module(
                 self.submodules.layer_norm,
@@ -124,6 +147,23 @@ class TransformerBlock(MegatronModule):
                 "get_gpt_decoder_block_spec(config, use_transformer_engine=False), which follows "
                 "the config."
             )
+
+    def _enable_fp8(
+        self, recipe: Fp8Recipe, pg_collection: ProcessGroupCollection | None
+    ) -> DelayedScalingState | None:
+        """Gives the linear layers of each FP8 layer their FP8 settings; returns the
+        delayed-scaling state they share (None for current scaling)."""
+        state = None
+        if recipe.delayed:
+            state = DelayedScalingState(recipe, _amax_group(pg_collection))
+        for index, layer in enumerate(self.layers):
+            if is_first_last_bf16_layer(self.config, layer.layer_number - 1):
+                continue
+            for name, module in layer.named_modules():
+                if isinstance(module, FP8_LINEARS) and module.weight is not None:
+                    check_fp8_dims(f"layers.{index}.{name}", module.weight.shape)
+                    module.fp8 = Fp8LinearSlots(recipe, state)
+        return state
 
     def forward(
         self,
@@ -152,6 +192,9 @@ class TransformerBlock(MegatronModule):
             and torch.is_grad_enabled()
         )
         chunks = self.recompute_chunks() if recompute else [(0, len(self.layers), False)]
+        fp8_state = None if is_recomputing() else self.fp8_state
+        if fp8_state is not None and torch.is_grad_enabled():
+            hidden_states = _end_backward_after(hidden_states, fp8_state)
         rng_context = (
             get_cuda_rng_tracker().fork()
             if self.config.sequence_parallel and self.training
@@ -164,6 +207,8 @@ class TransformerBlock(MegatronModule):
                     hidden_states = recompute_checkpoint(self._run_layers, *args)
                 else:
                     hidden_states = self._run_layers(*args)
+        if fp8_state is not None:
+            fp8_state.end_forward()
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -204,3 +249,40 @@ class TransformerBlock(MegatronModule):
 
 def _ones(pattern: list[bool]) -> list[int]:
     return [index for index, flag in enumerate(pattern) if flag]
+
+
+def _amax_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
+    """Where FP8 amaxes are reduced: every rank of the pipeline stage (tensor x data x context
+    parallel, Megatron-LM's amax reduction group), from `pg_collection`, else parallel_state,
+    else the default group (one stage); None without torch.distributed."""
+    if pg_collection is not None and pg_collection.tp_dp_cp is not None:
+        return pg_collection.tp_dp_cp
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+class _EndOfBackward(torch.autograd.Function):
+    """Identity whose backward ends the delayed-scaling backward pass: at the block's input, it
+    runs after the backward of every layer."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, anchor: torch.Tensor | None, state: DelayedScalingState
+    ) -> torch.Tensor:
+        ctx.state = state
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.state.end_backward()
+        return grad, None, None
+
+
+def _end_backward_after(x: torch.Tensor, state: DelayedScalingState) -> torch.Tensor:
+    """`x`, through `_EndOfBackward`. An input that needs no gradient (the layers' weights do)
+    gets an empty anchor that does, so that the node is part of the backward."""
+    anchor = None if x.requires_grad else torch.empty(0, device=x.device, requires_grad=True)
+    return _EndOfBackward.apply(x, anchor, state)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8.recipe import check_fp8_config
 from megatron.core.model_parallel_config import ModelParallelConfig, check_positive_int
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.moe_config import check_moe_config
@@ -212,6 +213,22 @@ class TransformerConfig(ModelParallelConfig):
         moe_layer_freq: Which layers are MoE layers: an int N (every N-th layer, starting with the
             first) or a list of 0/1 per layer.
         moe_per_layer_logging: Log the MoE metrics of every layer, not only their mean.
+        fp8: FP8 format of the linear layers of the transformer layers (`--fp8-format`): None
+            (high precision), "e4m3" (E4M3 throughout) or "hybrid" (E5M2 output gradients).
+            The embedding, the output layer, the router, norms and attention stay in high
+            precision, as upstream (`megatron.core.fp8`).
+        fp8_recipe: "delayed" (scales from an amax history) or "tensorwise" (current
+            scaling); upstream's "blockwise", "mxfp8" and "custom" are refused.
+        fp8_margin: Delayed scaling's scale is `fp8_max * 2**-fp8_margin / amax`.
+        fp8_interval: Deprecated upstream and ignored (a warning when not 1).
+        fp8_amax_history_len: Delayed scaling's window of absolute maxima.
+        fp8_amax_compute_algo: "most_recent" or "max" (over the window).
+        fp8_wgrad: The weight-gradient GEMMs run in FP8; False (`--no-fp8-wgrad`): in the
+            input's precision.
+        first_last_layers_bf16: Keep the first `num_layers_at_start_in_bf16` and the last
+            `num_layers_at_end_in_bf16` transformer layers in high precision (not with delayed
+            scaling, as upstream).
+        num_layers_at_start_in_bf16, num_layers_at_end_in_bf16: See `first_last_layers_bf16`.
         softmax_scale: The attention scores' scale; None means 1 / sqrt(kv_channels).
         bias_activation_fusion, masked_softmax_fusion, bias_dropout_fusion, persist_layer_norm,
             memory_efficient_layer_norm: Megatron-core's kernel-fusion switches, accepted with no
@@ -284,6 +301,17 @@ class TransformerConfig(ModelParallelConfig):
     moe_layer_freq: int | list[int] = 1
     moe_per_layer_logging: bool = False
 
+    fp8: str | None = None
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_interval: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+
     softmax_scale: float | None = ranged(None, POSITIVE)
     bias_activation_fusion: bool = False
     masked_softmax_fusion: bool = False
@@ -338,6 +366,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_attention_options()
         self._check_compile()
         check_moe_config(self)
+        check_fp8_config(self)
         self._check_tensor_parallel()
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}.")

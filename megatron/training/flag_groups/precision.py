@@ -7,8 +7,12 @@ and reduce in fp32 with `--accumulate-allreduce-grads-in-fp32` (or this project'
 `--grad-reduce-in-fp32`), and, as in Megatron-LM, by default under `--bf16` with the DDP engine
 unless `--grad-reduce-in-bf16` (see `grad_reduce_in_fp32`).
 
-No FP8 or FP4 path is built: their flags parse with Megatron-LM's names, types and defaults so
-that launch scripts parse, and `validate_precision` refuses any value other than the default.
+FP8 training of the transformer layers' linears is built (`megatron.core.fp8`): `--fp8-format`,
+`--fp8-recipe` (delayed, tensorwise) and their options set `TransformerConfig` fields, which check
+them (`configs_from_args` names the flags in their errors). FP8 parameter all-gathers, the
+MXFP8 / custom-recipe flags and FP4 are not built: their flags parse with Megatron-LM's names,
+types and defaults so that launch scripts parse, and `validate_precision` refuses any value other
+than the default, naming what is not built.
 """
 
 from __future__ import annotations
@@ -24,28 +28,42 @@ DYNAMIC_LOSS_SCALE_DEFAULTS: dict[str, Any] = {
 }
 """The dynamic loss-scaling flags and Megatron-LM's defaults for them."""
 
-FP8_DEFAULTS: dict[str, Any] = {
-    "fp8": None,
-    "fp8_recipe": "delayed",
-    "fp8_param_gather": False,
-    "fp8_quantizer_factory": None,
-    "fp8_margin": 0,
-    "fp8_interval": 1,
-    "fp8_amax_history_len": 1,
-    "fp8_amax_compute_algo": "most_recent",
-    "fp8_wgrad": True,
-    "fp8_output_proj": False,
-    "first_last_layers_bf16": False,
-    "num_layers_at_start_in_bf16": 1,
-    "num_layers_at_end_in_bf16": 1,
-    "keep_fp8_transpose_cache": False,
-    "reuse_grad_buf_for_mxfp8_param_ag": False,
-    "fp4": None,
-    "fp4_recipe": "nvfp4",
-    "fp4_param_gather": False,
-    "fp4_quantizer_factory": None,
+FP8_FIELDS = (
+    "fp8",
+    "fp8_recipe",
+    "fp8_margin",
+    "fp8_interval",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_wgrad",
+    "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16",
+)
+"""The FP8 flags that set `TransformerConfig` fields of the same names (which check them)."""
+
+_PARAM_GATHER = (
+    "FP8 parameter all-gather is not built yet (--fp8-format trains in FP8 with the weights "
+    "gathered in their own dtype)"
+)
+_FP4 = "FP4 training is not built in this project (train with --bf16 or --fp8-format)"
+
+UNBUILT_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "fp8_param_gather": (False, _PARAM_GATHER),
+    "keep_fp8_transpose_cache": (False, _PARAM_GATHER),
+    "fp8_quantizer_factory": (
+        None,
+        "custom FP8 recipes need Transformer Engine's quantizer factories, which are not built",
+    ),
+    "fp8_output_proj": (False, "the MXFP8 output projection is not built"),
+    "reuse_grad_buf_for_mxfp8_param_ag": (False, "MXFP8 parameter all-gathers are not built"),
+    "fp4": (None, _FP4),
+    "fp4_recipe": ("nvfp4", _FP4),
+    "fp4_param_gather": (False, _FP4),
+    "fp4_quantizer_factory": (None, _FP4),
 }
-"""Each FP8 / FP4 flag's destination and Megatron-LM's default: any other value is refused."""
+"""Each unbuilt FP8 / FP4 flag's destination, Megatron-LM's default (any other value is
+refused) and what is not built."""
 
 _FLAG_NAMES = {
     "fp8": "--fp8-format",
@@ -128,29 +146,65 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="fp8 / fp4 (not built: refused unless default)")
-    group.add_argument("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], default=None)
+    group = parser.add_argument_group(title="fp8 / fp4")
+    group.add_argument(
+        "--fp8-format",
+        dest="fp8",
+        choices=["e4m3", "hybrid"],
+        default=None,
+        help="Train the linear layers of the transformer layers in FP8: e4m3 throughout, or "
+        "hybrid (E5M2 output gradients).",
+    )
     group.add_argument(
         "--fp8-recipe",
         choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
         default="delayed",
+        help="How FP8 scales are chosen: delayed (amax history) or tensorwise (current "
+        "scaling); mxfp8, blockwise and custom are not built.",
     )
-    group.add_argument("--fp8-param-gather", action="store_true")
+    group.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="All-gather the weights in FP8 (not built yet).",
+    )
     group.add_argument("--fp8-quantizer-factory", type=str, default=None)
-    group.add_argument("--fp8-margin", type=int, default=0)
-    group.add_argument("--fp8-interval", type=int, default=1)
-    group.add_argument("--fp8-amax-history-len", type=int, default=1)
     group.add_argument(
-        "--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent"
+        "--fp8-margin", type=int, default=0, help="Delayed scaling: scale margin (powers of 2)."
     )
     group.add_argument(
-        "--no-fp8-wgrad", "--disable-fp8-wgrad", dest="fp8_wgrad", action="store_false"
+        "--fp8-interval", type=int, default=1, help="Deprecated and ignored, as upstream."
+    )
+    group.add_argument(
+        "--fp8-amax-history-len",
+        type=int,
+        default=1,
+        help="Delayed scaling: length of the amax history window.",
+    )
+    group.add_argument(
+        "--fp8-amax-compute-algo",
+        choices=["most_recent", "max"],
+        default="most_recent",
+        help="Delayed scaling: the amax the scale comes from.",
+    )
+    group.add_argument(
+        "--no-fp8-wgrad",
+        "--disable-fp8-wgrad",
+        dest="fp8_wgrad",
+        action="store_false",
+        help="Compute the weight gradients in high precision.",
     )
     group.add_argument("--fp8-output-proj", action="store_true")
-    group.add_argument("--first-last-layers-bf16", action="store_true")
+    group.add_argument(
+        "--first-last-layers-bf16",
+        action="store_true",
+        help="Keep the first and last transformer layers in high precision (not with delayed "
+        "scaling).",
+    )
     group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     group.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
-    group.add_argument("--keep-fp8-transpose-cache", action="store_true")
+    group.add_argument(
+        "--keep-fp8-transpose-cache", action="store_true", help="Part of --fp8-param-gather."
+    )
     group.add_argument("--reuse-grad-buf-for-mxfp8-param-ag", action="store_true")
     group.add_argument("--fp4-format", dest="fp4", choices=["e2m1"], default=None)
     group.add_argument("--fp4-recipe", choices=["nvfp4", "custom"], default="nvfp4")
@@ -178,21 +232,19 @@ def grad_reduce_in_fp32(args: argparse.Namespace) -> bool:
 
 
 def validate_precision(args: argparse.Namespace) -> None:
-    """Refuses contradictory or unused precision flags and any FP8 / FP4 flag.
+    """Refuses contradictory or unused precision flags and the unbuilt FP8 / FP4 flags (the
+    built FP8 flags are checked by `TransformerConfig`).
 
     Raises:
         ValueError: the message names the flag and the fix.
     """
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are both given; keep one of them.")
-    for dest, default in FP8_DEFAULTS.items():
+    for dest, (default, unbuilt) in UNBUILT_DEFAULTS.items():
         value = getattr(args, dest)
         if value != default:
             spelled = _flag(dest) if isinstance(value, bool) else f"{_flag(dest)} {value}"
-            raise ValueError(
-                f"{spelled}: FP8 / FP4 training is not built in this project; drop "
-                f"{_flag(dest)} (and the other --fp8-* / --fp4-* flags) and train with --bf16."
-            )
+            raise ValueError(f"{spelled}: {unbuilt}; drop {_flag(dest)}.")
     _validate_loss_scaling(args)
     fp32_flags = [
         _flag(dest)

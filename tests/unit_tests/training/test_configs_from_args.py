@@ -218,6 +218,30 @@ TRANSFORMER_CONFIG_CASES = [
             ("--moe-per-layer-logging", "moe_per_layer_logging", True),
         ]
     ),
+    ("--fp8-format hybrid", "fp8", "hybrid"),
+    ("--fp8-format e4m3 --fp8-recipe tensorwise", "fp8_recipe", "tensorwise"),
+    ("--fp8-format e4m3 --fp8-margin 1", "fp8_margin", 1),
+    ("--fp8-format e4m3 --fp8-interval 2", "fp8_interval", 2),  # warns, as upstream
+    ("--fp8-format e4m3 --fp8-amax-history-len 16", "fp8_amax_history_len", 16),
+    ("--fp8-format e4m3 --fp8-amax-compute-algo max", "fp8_amax_compute_algo", "max"),
+    ("--fp8-format e4m3 --no-fp8-wgrad", "fp8_wgrad", False),
+    (
+        "--fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16",
+        "first_last_layers_bf16",
+        True,
+    ),
+    (
+        "--fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16 "
+        "--num-layers-at-start-in-bf16 2",
+        "num_layers_at_start_in_bf16",
+        2,
+    ),
+    (
+        "--fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16 "
+        "--num-layers-at-end-in-bf16 0",
+        "num_layers_at_end_in_bf16",
+        0,
+    ),
 ]
 """(flags, TransformerConfig field, value the flags give it)."""
 # Set from the flags only at their single supported value, or derived by TransformerConfig.

@@ -1,5 +1,6 @@
 """The mixed-precision flags: Megatron-LM's names, defaults and dests, where they reach the
-configs, and what is refused (FP8 / FP4 at any non-default value)."""
+configs, and what is refused (the FP8 flags of what is not built, FP4, FP8 config errors spelled
+as flags)."""
 
 from __future__ import annotations
 
@@ -154,34 +155,91 @@ def test_bad_combination_names_the_flag(flags, message):
 
 
 @pytest.mark.parametrize(
-    "flags, named",
+    "flags, named, unbuilt",
     [
-        ("--fp8-format hybrid", "--fp8-format hybrid"),
-        ("--fp8-format e4m3", "--fp8-format e4m3"),
-        ("--fp8-recipe mxfp8", "--fp8-recipe mxfp8"),
-        ("--fp8-param-gather", "--fp8-param-gather"),
-        ("--fp8-quantizer-factory a.b", "--fp8-quantizer-factory a.b"),
-        ("--fp8-margin 1", "--fp8-margin 1"),
-        ("--fp8-interval 2", "--fp8-interval 2"),
-        ("--fp8-amax-history-len 1024", "--fp8-amax-history-len 1024"),
-        ("--fp8-amax-compute-algo max", "--fp8-amax-compute-algo max"),
-        ("--no-fp8-wgrad", "--no-fp8-wgrad"),
-        ("--disable-fp8-wgrad", "--no-fp8-wgrad"),
-        ("--fp8-output-proj", "--fp8-output-proj"),
-        ("--first-last-layers-bf16", "--first-last-layers-bf16"),
-        ("--num-layers-at-start-in-bf16 2", "--num-layers-at-start-in-bf16 2"),
-        ("--num-layers-at-end-in-bf16 2", "--num-layers-at-end-in-bf16 2"),
-        ("--keep-fp8-transpose-cache", "--keep-fp8-transpose-cache"),
-        ("--reuse-grad-buf-for-mxfp8-param-ag", "--reuse-grad-buf-for-mxfp8-param-ag"),
-        ("--fp4-format e2m1", "--fp4-format e2m1"),
-        ("--fp4-recipe custom", "--fp4-recipe custom"),
-        ("--fp4-param-gather", "--fp4-param-gather"),
-        ("--fp4-quantizer-factory a.b", "--fp4-quantizer-factory a.b"),
+        ("--fp8-param-gather", "--fp8-param-gather", "FP8 parameter all-gather is not built"),
+        ("--keep-fp8-transpose-cache", "--keep-fp8-transpose-cache", "FP8 parameter all-gather"),
+        ("--fp8-quantizer-factory a.b", "--fp8-quantizer-factory a.b", "custom FP8 recipes"),
+        ("--fp8-output-proj", "--fp8-output-proj", "the MXFP8 output projection is not built"),
+        (
+            "--reuse-grad-buf-for-mxfp8-param-ag",
+            "--reuse-grad-buf-for-mxfp8-param-ag",
+            "MXFP8 parameter all-gathers are not built",
+        ),
+        ("--fp4-format e2m1", "--fp4-format e2m1", "FP4 training is not built"),
+        ("--fp4-recipe custom", "--fp4-recipe custom", "FP4 training is not built"),
+        ("--fp4-param-gather", "--fp4-param-gather", "FP4 training is not built"),
+        ("--fp4-quantizer-factory a.b", "--fp4-quantizer-factory a.b", "FP4 training"),
     ],
 )
-def test_fp8_and_fp4_flags_are_refused_by_name(flags, named):
-    with pytest.raises(ValueError, match=f"^{named}: FP8 / FP4 training is not built.*--bf16"):
+def test_unbuilt_fp8_and_fp4_flags_are_refused_by_name(flags, named, unbuilt):
+    with pytest.raises(ValueError, match=f"^{named}: {unbuilt}.*; drop "):
+        validated(f"--bf16 --fp8-format hybrid {flags}")
+
+
+@pytest.mark.parametrize(
+    "flags, field, value",
+    [
+        ("--fp8-format hybrid", "fp8", "hybrid"),
+        ("--fp8-format e4m3 --fp8-recipe tensorwise", "fp8_recipe", "tensorwise"),
+        ("--fp8-format e4m3 --fp8-margin 2", "fp8_margin", 2),
+        ("--fp8-format e4m3 --fp8-amax-history-len 1024", "fp8_amax_history_len", 1024),
+        ("--fp8-format e4m3 --fp8-amax-compute-algo max", "fp8_amax_compute_algo", "max"),
+        ("--fp8-format e4m3 --no-fp8-wgrad", "fp8_wgrad", False),
+        ("--fp8-format e4m3 --disable-fp8-wgrad", "fp8_wgrad", False),
+        (
+            "--fp8-format e4m3 --fp8-recipe tensorwise --first-last-layers-bf16 "
+            "--num-layers-at-start-in-bf16 0 --num-layers-at-end-in-bf16 2",
+            "num_layers_at_end_in_bf16",
+            2,
+        ),
+    ],
+)
+def test_fp8_flags_reach_the_transformer_config(flags, field, value):
+    config = core_transformer_config_from_args(validated(f"--bf16 {flags}"))
+    assert getattr(config, field) == value
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--fp8-recipe tensorwise", "^--fp8-recipe tensorwise applies to FP8 training only; set "),
+        ("--no-fp8-wgrad", "^--no-fp8-wgrad applies to FP8 training only; set --fp8-format"),
+        ("--fp8-format hybrid --fp8-recipe blockwise", "^--fp8-recipe blockwise: blockwise"),
+        (
+            "--fp8-format hybrid --fp8-recipe mxfp8",
+            "^--fp8-recipe mxfp8: Device compute capability 10.0 or higher required",
+        ),
+        ("--fp8-format hybrid --fp8-recipe custom", "^--fp8-recipe custom: custom recipes"),
+        (
+            "--fp8-format hybrid --fp8-recipe tensorwise --fp8-amax-history-len 1024",
+            "^--fp8-amax-history-len 1024 applies to delayed scaling only",
+        ),
+        (
+            "--fp8-format hybrid --first-last-layers-bf16",
+            r"Delayed scaling does not support first / last layer in BF16 "
+            r"\(--first-last-layers-bf16 with --fp8-recipe delayed\)",
+        ),
+        (
+            "--fp8-format hybrid --fp8-recipe tensorwise --first-last-layers-bf16 "
+            "--num-layers-at-end-in-bf16 3",
+            r"^--num-layers-at-end-in-bf16 3 must be between 0 and .* \(2\)",
+        ),
+        ("--fp8-format e4m3 --fp8-amax-history-len 0", "^--fp8-amax-history-len 0 must be"),
+        (
+            "--fp8-format hybrid --num-experts 4",
+            "^--fp8-format hybrid with --num-experts 4: FP8 experts are not built yet",
+        ),
+    ],
+)
+def test_fp8_config_errors_name_the_flags(flags, message):
+    with pytest.raises(ValueError, match=message):
         validated(f"--bf16 {flags}")
+
+
+def test_fp8_interval_is_ignored_with_upstreams_warning():
+    with pytest.warns(UserWarning, match="fp8_interval is deprecated and ignored"):
+        validated("--bf16 --fp8-format hybrid --fp8-interval 2")
 
 
 def test_fp8_flags_at_their_defaults_are_accepted():

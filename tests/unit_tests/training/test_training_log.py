@@ -19,7 +19,7 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.flops import num_floating_point_operations
-from megatron.training.training_log import TrainingLog
+from megatron.training.training_log import TrainingLog, fp8_startup_line
 from tests.unit_tests.training.log_capture import capture_training_log
 
 FLAGS = (
@@ -216,3 +216,21 @@ def test_moe_losses_join_the_line_and_are_written_every_tensorboard_interval(mes
     expected += [(f"moe/{name}_layer_{i}", v, 2) for name, v, _ in expected[:2] for i in (0, 1)]
     assert sorted(moe_scalars) == sorted(expected)
     destroy_moe_metrics_tracker()
+
+
+def test_an_fp8_run_names_its_recipe_and_counts_bf16_flops(messages):
+    """The line says the format and recipe; TFLOP/s count the same FLOPs as the bf16 run's."""
+    fp8 = _training_log("--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16")
+    bf16 = _training_log("--bf16")
+    assert fp8.flops_per_sample == bf16.flops_per_sample
+    fp8.record_iteration(1, {"lm loss": 4.0}, False, 1.5, 1e-2, 0.1)
+    bf16.record_iteration(1, {"lm loss": 4.0}, False, 1.5, 1e-2, 0.1)
+    fp8_line, bf16_line = messages
+    assert "| global batch size:     8 | fp8: hybrid delayed | lm loss:" in fp8_line
+    assert "fp8" not in bf16_line
+    assert fp8_startup_line(core_transformer_config_from_args(fp8.args)) == (
+        "> FP8 (hybrid format, delayed scaling (amax history 16, most_recent, margin 0)) in the "
+        "linear layers of 2 of 2 transformer layers; the embedding, the output layer, "
+        "attention and norms in bfloat16"
+    )
+    assert fp8_startup_line(core_transformer_config_from_args(bf16.args)) is None

@@ -10,7 +10,10 @@ count of optimizer steps over them (fused and foreach kernels write without bump
 counters; `optimizer_steps.py` counts their steps in `untracked_writes`, as does a forced
 refresh). The compute weights remember the version they were made from and are refreshed, or
 gathered again, when it differs. Writes through `.data` bypass version counters (as they bypass
-autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)`).
+autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)`). Wherever the
+compute weights are rewritten or freed, their FP8 copies (`megatron.core.fp8.weights`, which
+cannot see these writes: they bump no version counter) are dropped, to be made again from the
+new values at their next use.
 
 Under tensor or expert parallelism each parameter is this rank's part of a global tensor: the
 buffers hold and shard that part like any parameter, and the DTensors show the global tensor,
@@ -38,6 +41,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
 from megatron.core.distributed.tensor_parallel_params import check_data_parallel_chunks, dtensor
+from megatron.core.fp8.weights import forget_fp8_weights
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
 _version = operator.attrgetter("_version")
@@ -314,6 +318,7 @@ class GroupWeights:
             self.inner_shard.local_views()[index].copy_(inner)
         elif not self.plan.transient_unsharded and not self.plan.main_is_unsharded:
             self._compute_views[index].copy_(full)
+        forget_fp8_weights(self.unsharded_params[index : index + 1])
         if in_sync:
             self._made_version = self._observed_version = self.main_version()
 
@@ -325,6 +330,7 @@ class GroupWeights:
         ZeRO-3 nothing but HFSDP's inner shard: every `unshard()` gathers from the main weights,
         and whole weights made from older ones must have been freed first)."""
         self._made_version = self._observed_version
+        forget_fp8_weights(self.unsharded_params)
         refresh = self.plan.refresh
         if refresh is Refresh.OUTER_GATHER:
             self._gather_inner_shard()
@@ -364,13 +370,15 @@ class GroupWeights:
         if not self.plan.transient_unsharded or self.unsharded.is_allocated:
             return
         self._made_version = self._observed_version
+        forget_fp8_weights(self.unsharded_params)
         self.unsharded.reallocate_storage()
         self._gather_into_unsharded()
 
     def reshard(self) -> None:
-        """Frees the whole compute weights (ZeRO-3 only)."""
+        """Frees the whole compute weights (ZeRO-3 only), and their FP8 copies."""
         if self.plan.transient_unsharded:
             self.unsharded.release_storage()
+            forget_fp8_weights(self.unsharded_params)
 
     @property
     def holds_unsharded(self) -> bool:

@@ -1,0 +1,325 @@
+"""FP8 linear layers: the three GEMMs of `y = x W^T + b` in FP8.
+
+With X `[M, K]` the input (flattened), W `[N, K]` the weight and dY `[M, N]` the output gradient,
+and Hopper's FP8 GEMM taking a row-major first and a column-major second operand (`gemm.py`):
+
+| GEMM  | computes     | first operand (row-major) | second operand (column-major)        |
+|-------|--------------|---------------------------|--------------------------------------|
+| fprop | `Y = X W^T`  | X                         | `W.t()` (W row-major: a free view)   |
+| dgrad | `dX = dY W`  | dY                        | `Wt.t()`, Wt = W^T contiguous        |
+| wgrad | `dW = dY^T X`| dYt = dY^T contiguous     | `Xt.t()`, Xt = X^T contiguous        |
+
+X and W are E4M3; dY is E5M2 under the `hybrid` format, E4M3 under `e4m3`. The wgrad GEMM
+contracts over the tokens, so dYt and Xt are padded with zero columns to a multiple of 16 tokens.
+Forward saves the FP8 Xt for backward (1 byte per element) rather than the input. Only the
+forward GEMM uses fast accumulation (upstream's choice). The bias gradient is the sum of the
+high-precision output gradient; `fp8_wgrad=False` (`--no-fp8-wgrad`) computes wgrad from the
+high-precision input and output gradient instead.
+
+The weight gradient goes where `grad_accumulation.weight_grad_target` says, as for the
+high-precision linears: fused into an engine's `main_grad` (the GEMM writes over an `overwrite`
+target, and adds a temporary to an accumulating one), returned to autograd, or not computed.
+
+A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
+`enable_fp8_linears` gives the linear layers of the transformer layers that train in FP8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8.gemm import fp8_mm
+from megatron.core.fp8.quantize import GEMM_ALIGNMENT, amax_of, compute_scale, quantize
+from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
+from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
+from megatron.core.fp8.tensor import Fp8Tensor
+from megatron.core.fp8.weights import fp8_weight_of
+from megatron.core.tensor_parallel.grad_accumulation import (
+    FusionTarget,
+    weight_grad_into,
+    weight_grad_target,
+)
+from megatron.core.tensor_parallel.mappings import gather_first_async, reduce_scatter_first_async
+from megatron.core.utils import direct_apply, once_differentiable
+
+_GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Fp8LinearSlots:
+    """A linear layer's FP8 settings: the recipe, and under delayed scaling the model's state and
+    the layer's slots in it (one for its input, one for its output gradient).
+
+    Args:
+        recipe: the model's FP8 recipe.
+        state: the model's delayed-scaling state (delayed recipes), else None.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, state: DelayedScalingState | None = None) -> None:
+        if recipe.delayed != (state is not None):
+            raise ValueError("Fp8LinearSlots: a delayed recipe needs a DelayedScalingState.")
+        self.recipe = recipe
+        self.state = state
+        self.input_slot = state.new_slot(FORWARD) if state is not None else None
+        self.grad_slot = state.new_slot(BACKWARD) if state is not None else None
+
+    def input_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scale a cast of the input `x` uses now (a tensor of its own) and where its amax
+        is recorded (None: nowhere)."""
+        if self.state is None:
+            return compute_scale(amax_of(x), fp8_max(self.recipe.forward_dtype)), None
+        scale = self.state.scale(FORWARD, self.input_slot, x.device).clone()
+        return scale, self.state.amax_record(FORWARD, self.input_slot)
+
+    def quantize_input(self, x: torch.Tensor, transpose: bool) -> Fp8Tensor:
+        """The 2-D input `x` in FP8 (and its padded transpose when `transpose`)."""
+        dtype = self.recipe.forward_dtype
+        if self.state is None:
+            return quantize(x, dtype, transpose=transpose)
+        scale = self.state.scale(FORWARD, self.input_slot, x.device)
+        record = self.state.amax_record(FORWARD, self.input_slot)
+        return quantize(x, dtype, scale=scale, amax_out=record, transpose=transpose)
+
+    def quantize_grad(self, grad: torch.Tensor, transpose: bool) -> Fp8Tensor:
+        """The 2-D output gradient `grad` in FP8 (and its padded transpose when `transpose`)."""
+        dtype = self.recipe.backward_dtype
+        if self.state is None:
+            return quantize(grad, dtype, transpose=transpose)
+        scale = self.state.scale(BACKWARD, self.grad_slot, grad.device)
+        record = self.state.amax_record(BACKWARD, self.grad_slot)
+        return quantize(grad, dtype, scale=scale, amax_out=record, transpose=transpose)
+
+    def linear(
+        self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`F.linear(input_, weight, bias)` with its GEMMs in FP8 (module docstring)."""
+        return _apply_linear(input_, weight, bias, self)
+
+    def column_parallel_linear(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool,
+    ) -> torch.Tensor:
+        """`overlapped_linear.column_parallel_linear` (tp > 1) with its GEMMs in FP8."""
+        return _apply_column_parallel(input_, weight, bias, group, sequence_parallel, self)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dim() == 2 else tensor.reshape(-1, tensor.shape[-1])
+
+
+def _fprop(
+    x: Fp8Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    recipe: Fp8Recipe,
+) -> torch.Tensor:
+    """`X W^T + b`, the bias in the GEMM where cuBLASLt takes it (bf16 / fp16 output), else
+    added after (exactly: the GEMM adds it in fp32 before rounding to fp32 alike)."""
+    w = fp8_weight_of(weight)
+    fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
+    out = fp8_mm(
+        x,
+        w.fprop_operand(),
+        out_dtype=out_dtype,
+        fast_accum=recipe.fprop_fast_accum,
+        bias=bias if fused_bias else None,
+    )
+    if bias is not None and not fused_bias:
+        out = out + bias
+    return out
+
+
+def _dgrad(grad: Fp8Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`dY W`, flattened."""
+    return fp8_mm(grad, fp8_weight_of(weight).dgrad_operand(), out_dtype=out_dtype)
+
+
+def _fp8_wgrad(
+    grad: Fp8Tensor, input_t: Fp8Tensor, target: FusionTarget | None, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """`dY^T X` from dY's and X's padded transposes, into `target` (None: returned in
+    `dtype`)."""
+    a, b = grad.transposed_operand(), input_t.t()
+    if target is None:
+        return fp8_mm(a, b, out_dtype=dtype)
+    main_grad = target.tensor
+    if main_grad.dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(
+            f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {main_grad.dtype}."
+        )
+    if target.overwrite and main_grad.is_contiguous():
+        fp8_mm(a, b, out_dtype=main_grad.dtype, out=main_grad)
+    elif target.overwrite:
+        main_grad.copy_(fp8_mm(a, b, out_dtype=main_grad.dtype))
+    else:
+        main_grad.add_(fp8_mm(a, b, out_dtype=main_grad.dtype))
+    return None
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """`F.linear` with its three GEMMs in FP8 (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slots: Fp8LinearSlots,
+    ) -> torch.Tensor:
+        x2d = _flat(input_)
+        needs_weight = ctx.needs_input_grad[1]
+        fp8_wgrad = needs_weight and slots.recipe.wgrad
+        x = slots.quantize_input(x2d, transpose=fp8_wgrad)
+        out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
+        if fp8_wgrad:
+            ctx.save_for_backward(x.transposed, x.scale_inv, weight)
+        else:
+            ctx.save_for_backward(input_ if needs_weight else None, None, weight)
+        # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
+        # recomputation saves another tensor object).
+        ctx.weight = weight
+        ctx.slots, ctx.fp8_wgrad, ctx.has_bias = slots, fp8_wgrad, bias is not None
+        ctx.input_shape, ctx.input_dtype = input_.shape, input_.dtype
+        return out.view(*input_.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        saved_input, input_scale_inv, _ = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        grad_2d = _flat(grad_output)
+        wanted, target = False, None
+        if needs_weight:
+            wanted, target = weight_grad_target(ctx.weight, ctx.next_functions[1][0])
+        fp8_wgrad = wanted and ctx.fp8_wgrad
+        grad_input = grad_weight = grad_bias = None
+        if needs_input or fp8_wgrad:
+            grad = ctx.slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
+        if needs_input:
+            grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype).view(ctx.input_shape)
+        if fp8_wgrad:
+            input_t = Fp8Tensor(saved_input, input_scale_inv)
+            grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
+        elif wanted:
+            grad_weight = weight_grad_into(target, grad_2d, saved_input)
+        if ctx.has_bias and needs_bias:
+            grad_bias = grad_2d.sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None
+
+
+_apply_linear = direct_apply(_Fp8Linear)
+
+
+class _Fp8ColumnParallelLinear(torch.autograd.Function):
+    """`overlapped_linear._ColumnParallelLinear` with its GEMMs in FP8: the same communication
+    and overlap. Under sequence parallelism the gathered input is quantised whole (its
+    amax is the whole tensor's, the same on every tp rank), only this rank's part of the
+    high-precision input is kept, and backward gathers it again and re-quantises its transpose
+    with the forward's scale (the forward's values, bit for bit)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool,
+        slots: Fp8LinearSlots,
+    ) -> torch.Tensor:
+        needs_weight = ctx.needs_input_grad[1]
+        fp8_wgrad = needs_weight and slots.recipe.wgrad
+        total = input_
+        if sequence_parallel:
+            total, gathering = gather_first_async(input_, group)
+            gathering.wait()
+            x2d = _flat(total)
+            scale, record = slots.input_scale(x2d)
+            x = quantize(x2d, slots.recipe.forward_dtype, scale=scale, amax_out=record)
+            ctx.save_for_backward(input_, scale if fp8_wgrad else None, weight)
+        else:
+            x2d = _flat(input_)
+            x = slots.quantize_input(x2d, transpose=fp8_wgrad)
+            if fp8_wgrad:
+                ctx.save_for_backward(x.transposed, x.scale_inv, weight)
+            else:
+                ctx.save_for_backward(input_ if needs_weight else None, None, weight)
+        out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
+        ctx.weight = weight
+        ctx.slots, ctx.fp8_wgrad, ctx.has_bias = slots, fp8_wgrad, bias is not None
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.input_dtype = input_.dtype
+        return out.view(*total.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        saved, saved_scale, _ = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        group, sequence_parallel = ctx.group, ctx.sequence_parallel
+        grad_2d = _flat(grad_output)
+        wanted, target = False, None
+        if needs_weight:
+            wanted, target = weight_grad_target(ctx.weight, ctx.next_functions[1][0])
+        fp8_wgrad = wanted and ctx.fp8_wgrad
+        total, gathering = saved, None
+        if sequence_parallel and wanted:
+            total, gathering = gather_first_async(saved, group)
+        grad = None
+        if needs_input or fp8_wgrad:
+            grad = ctx.slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
+        grad_input = reducing = None
+        if needs_input:
+            grad_total = _dgrad(grad, ctx.weight, ctx.input_dtype)
+            grad_total = grad_total.view(*grad_output.shape[:-1], grad_total.shape[-1])
+            if sequence_parallel:
+                if gathering is not None:
+                    gathering.wait()
+                    gathering = None
+                grad_input, reducing = reduce_scatter_first_async(grad_total, group)
+            else:
+                grad_input = grad_total
+                reducing = dist.all_reduce(grad_input, group=group, async_op=True)
+        if gathering is not None:
+            gathering.wait()
+        grad_weight = grad_bias = None
+        if fp8_wgrad:
+            if sequence_parallel:
+                input_t = quantize(
+                    _flat(total), ctx.slots.recipe.forward_dtype, scale=saved_scale, transpose=True
+                ).transposed_operand()
+            else:
+                input_t = Fp8Tensor(saved, saved_scale)
+            grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
+        elif wanted:
+            grad_weight = weight_grad_into(target, grad_2d, total)
+        if ctx.has_bias and needs_bias:
+            grad_bias = grad_2d.sum(dim=0)
+        if reducing is not None:
+            reducing.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+_apply_column_parallel = direct_apply(_Fp8ColumnParallelLinear)
+
+
+def check_fp8_dims(name: str, weight_shape: torch.Size) -> None:
+    """Refuses a linear layer whose FP8 GEMMs Hopper cannot run.
+
+    Raises:
+        ValueError: its (this rank's) in or out features are not multiples of 16.
+    """
+    out_features, in_features = weight_shape
+    if out_features % GEMM_ALIGNMENT or in_features % GEMM_ALIGNMENT:
+        raise ValueError(
+            f"FP8 GEMMs need in and out features in multiples of {GEMM_ALIGNMENT} "
+            f"(layer {name}: weight [{out_features}, {in_features}] on this rank); choose "
+            "hidden, FFN, head and query-group sizes that give multiples of 16 per "
+            "tensor-parallel rank, or train without --fp8-format."
+        )

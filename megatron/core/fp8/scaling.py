@@ -1,0 +1,266 @@
+"""Delayed scaling: the amax histories and scales of a model's FP8 tensors, Transformer Engine's
+`DelayedScaling` recipe.
+
+Each FP8 linear layer of a model owns one forward slot (its input) and one backward slot (its
+output gradient) in the model's `DelayedScalingState`. A cast during a pass uses the slot's
+current scale and max-es the tensor's absolute maximum into row 0 of the slot's history. At the
+end of each pass, forward at the end of the block's forward and backward once the block's
+backward is done (`end_forward` / `end_backward`), the row 0 of every slot of that direction is
+all-reduced with MAX over the amax group in ONE collective, and every slot is updated as
+Transformer Engine's `delayed_scaling.cu` (`kernel_bulk`) does, with `a` the reduced amax:
+
+- `a == 0` (the slot was not used): nothing changes;
+- else the history rolls: `h'[j] = h[j + 1]` for `j < H - 1`, `h'[H - 1] = a`; the amax of the
+  window is `max(h')` ("max", NaN ignored as `fmaxf` does) or `a` ("most_recent"); then
+  `h'[0] = 0`, ready for the next pass's record;
+- the scale becomes `fp8_max * 2**-margin / amax` where that amax is finite and > 0, else it
+  keeps its value; an infinite scale becomes the largest fp32.
+
+Histories start at 0 and scales at 1 (the first pass casts with scale 1, as upstream).
+
+The amax group is every rank of the model's pipeline stage (tensor x data x context parallel,
+Megatron-LM's `get_amax_reduction_group`), so all ranks cast with the same scales.
+
+Recomputation: a checkpointed forward runs again in backward, after `end_forward` changed the
+scales. `scale_replay_contexts()` (entered by `transformer.recompute`) keeps the scales a
+checkpoint's forward started with and gives them back while it is recomputed, during which no
+amax is recorded: the recomputed casts are the forward's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8.quantize import FLT_MAX
+from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
+from megatron.core.utils import FreshContext
+
+FORWARD, BACKWARD = "forward", "backward"
+
+_live_states: weakref.WeakSet[DelayedScalingState] = weakref.WeakSet()
+"""Every state alive, for the recompute contexts (a module global, as the RNG tracker is:
+checkpoints do not know which models they run)."""
+
+
+class _Slots:
+    """The amax history `[H, n]` and scales `[n]` of one direction's slots."""
+
+    def __init__(self, max_value: float) -> None:
+        self.count = 0
+        self.max_value = max_value
+        self.history: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+
+    def materialize(self, history_len: int, device: torch.device) -> None:
+        self.history = torch.zeros(history_len, self.count, dtype=torch.float32, device=device)
+        self.scale = torch.ones(self.count, dtype=torch.float32, device=device)
+
+
+class DelayedScalingState:
+    """The delayed-scaling state of one model's FP8 linear layers (module docstring).
+
+    Its tensors are made at the first cast, on that cast's device (a model built on the meta
+    device gets them where it computes). Slots are handed out before that, as layers are built.
+
+    Args:
+        recipe: a delayed recipe (history length, compute algorithm, margin, dtypes).
+        group: the amax group; None: no reduction (one rank).
+    """
+
+    def __init__(self, recipe: Fp8Recipe, group: dist.ProcessGroup | None) -> None:
+        if not recipe.delayed:
+            raise ValueError(f"DelayedScalingState needs a delayed recipe, got {recipe.kind!r}.")
+        self.recipe = recipe
+        self.group = group
+        self._slots = {
+            FORWARD: _Slots(fp8_max(recipe.forward_dtype)),
+            BACKWARD: _Slots(fp8_max(recipe.backward_dtype)),
+        }
+        # The scale snapshots of the checkpoints being recomputed (innermost last); None
+        # stands for the initial scales (a checkpoint run before the first cast).
+        self._replays: list[torch.Tensor | None] = []
+        _live_states.add(self)
+
+    @property
+    def materialized(self) -> bool:
+        """Whether the tensors exist (a cast happened)."""
+        return self._slots[FORWARD].history is not None
+
+    def new_slot(self, direction: str) -> int:
+        """A new slot of `direction` ("forward" or "backward"); before the first cast.
+
+        Raises:
+            RuntimeError: the tensors exist already.
+        """
+        if self.materialized:
+            raise RuntimeError("FP8 slots must all be made before the first FP8 cast.")
+        slots = self._slots[direction]
+        slots.count += 1
+        return slots.count - 1
+
+    def _materialize(self, device: torch.device) -> None:
+        for slots in self._slots.values():
+            slots.materialize(self.recipe.amax_history_len, device)
+
+    def scale(self, direction: str, slot: int, device: torch.device) -> torch.Tensor:
+        """The scale a cast of `slot` uses now: a one-element view of the state (during a
+        recomputation, of the checkpoint's snapshot)."""
+        if not self.materialized:
+            self._materialize(device)
+        if direction == FORWARD and self._replays:
+            snapshot = self._replays[-1]
+            if snapshot is None:
+                return torch.ones(1, dtype=torch.float32, device=device)
+            return snapshot.narrow(0, slot, 1)
+        return self._slots[direction].scale.narrow(0, slot, 1)
+
+    def amax_record(self, direction: str, slot: int) -> torch.Tensor | None:
+        """Where a cast of `slot` max-es its absolute maximum (a one-element view of history
+        row 0), or None during a recomputation (its forward recorded it already)."""
+        if direction == FORWARD and self._replays:
+            return None
+        return self._slots[direction].history[0].narrow(0, slot, 1)
+
+    def end_forward(self) -> None:
+        """Reduces and updates the forward slots (after the block's forward)."""
+        self._end_pass(FORWARD)
+
+    def end_backward(self) -> None:
+        """Reduces and updates the backward slots (after the block's backward)."""
+        self._end_pass(BACKWARD)
+
+    def _end_pass(self, direction: str) -> None:
+        if not self.materialized:
+            return
+        slots = self._slots[direction]
+        if slots.count == 0:
+            return
+        self._reduce_amaxes(slots.history[0])
+        update_delayed_scaling(
+            slots.history,
+            slots.scale,
+            slots.max_value * 2.0**-self.recipe.margin,
+            self.recipe.amax_compute_algo,
+        )
+
+    def _reduce_amaxes(self, amaxes: torch.Tensor) -> None:
+        """All-reduces `amaxes` (row 0 of a direction's history) with MAX over the amax group:
+        one collective per pass."""
+        if self.group is not None and self.group.size() > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+
+    # Recomputation.
+
+    def snapshot(self) -> torch.Tensor | None:
+        """A copy of the forward scales (None before the first cast: the initial ones)."""
+        if not self.materialized:
+            return None
+        return self._slots[FORWARD].scale.clone()
+
+    @contextlib.contextmanager
+    def replaying(self, snapshot: torch.Tensor | None) -> Iterator[None]:
+        """Forward casts use `snapshot`'s scales and record nothing."""
+        self._replays.append(snapshot)
+        try:
+            yield
+        finally:
+            self._replays.pop()
+
+    # Checkpoints.
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the histories and scales (Transformer Engine's extra-state names); empty
+        before the first cast."""
+        if not self.materialized:
+            return {}
+        forward, backward = self._slots[FORWARD], self._slots[BACKWARD]
+        return {
+            "amax_history_fwd": forward.history.clone(),
+            "scale_fwd": forward.scale.clone(),
+            "amax_history_bwd": backward.history.clone(),
+            "scale_bwd": backward.scale.clone(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restores `state_dict()`'s values (an empty one: the initial state).
+
+        Raises:
+            ValueError: a missing entry or a shape that differs (another model or history
+                length).
+        """
+        if not state_dict:
+            if self.materialized:
+                for slots in self._slots.values():
+                    slots.history.zero_()
+                    slots.scale.fill_(1.0)
+            return
+        if not self.materialized:
+            self._materialize(state_dict["scale_fwd"].device)
+        for direction, suffix in ((FORWARD, "fwd"), (BACKWARD, "bwd")):
+            slots = self._slots[direction]
+            for name, tensor in (("amax_history", slots.history), ("scale", slots.scale)):
+                key = f"{name}_{suffix}"
+                if key not in state_dict:
+                    raise ValueError(f"the FP8 delayed-scaling state has no {key!r}.")
+                value = state_dict[key]
+                if value.shape != tensor.shape:
+                    raise ValueError(
+                        f"the FP8 delayed-scaling state's {key!r} is {list(value.shape)}, this "
+                        f"model's {list(tensor.shape)} (amax history length x slots); resume "
+                        "with the same model and --fp8-amax-history-len."
+                    )
+                tensor.copy_(value)
+
+
+@torch.no_grad()
+def update_delayed_scaling(
+    history: torch.Tensor, scale: torch.Tensor, scaled_max: float, compute_algo: str
+) -> None:
+    """Transformer Engine's delayed-scaling update of every slot, in place (module docstring).
+
+    Args:
+        history: `[H, n]` fp32; row 0 holds this pass's (reduced) amaxes.
+        scale: `[n]` fp32.
+        scaled_max: `fp8_max * 2**-margin`.
+        compute_algo: "max" or "most_recent".
+    """
+    amax = history[0].clone()
+    used = amax != 0  # NaN counts as used, as in the kernel
+    rolled = torch.roll(history, -1, dims=0)  # rolled[H - 1] = history[0] = amax
+    if compute_algo == "max":
+        # fmaxf from 0: NaNs are skipped.
+        amax = torch.where(torch.isnan(rolled), 0.0, rolled).amax(dim=0)
+    rolled[0] = 0.0
+    history.copy_(torch.where(used, rolled, history))
+    new_scale = torch.full_like(amax, scaled_max) / amax  # a true division (`compute_scale`)
+    new_scale = torch.where(torch.isfinite(amax) & (amax > 0) & used, new_scale, scale)
+    scale.copy_(torch.where(torch.isinf(new_scale), FLT_MAX, new_scale))
+
+
+def scale_replay_contexts() -> tuple[
+    contextlib.AbstractContextManager, contextlib.AbstractContextManager
+]:
+    """`(forward_context, recompute_context)` for a non-reentrant checkpoint's `context_fn`:
+    the first snapshots the forward scales of every delayed-scaling state as the checkpoint's
+    forward starts, the second replays them in each recomputation (module docstring)."""
+    snapshots: dict[DelayedScalingState, torch.Tensor | None] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        for state in list(_live_states):
+            snapshots[state] = state.snapshot()
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for state, snapshot in snapshots.items():
+                stack.enter_context(state.replaying(snapshot))
+            yield
+
+    return forward(), FreshContext(recompute)

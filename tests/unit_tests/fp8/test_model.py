@@ -1,0 +1,210 @@
+"""FP8 in a GPT model: which linears run in FP8, the model end to end against a fake-quant twin,
+full recompute, and the amax reduction over ranks (one all-reduce per pass)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8.linear import Fp8LinearSlots
+from megatron.core.fp8.scaling import BACKWARD, FORWARD
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, q
+from tests.unit_tests.model_builders import build_tiny_gpt, make_token_batches, tiny_gpt_config
+
+BF16 = dict(params_dtype=torch.bfloat16, bf16=True)
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _fp8_config(fmt="hybrid", recipe="delayed", **overrides):
+    fields = dict(fp8=fmt, fp8_recipe=recipe, **BF16)
+    if recipe == "delayed":
+        fields.update(fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+    fields.update(overrides)
+    return tiny_gpt_config(**fields)
+
+
+def _fp8_flags(model: GPTModel) -> dict[str, bool]:
+    return {
+        name: module.fp8 is not None
+        for name, module in model.named_modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+    }
+
+
+def test_only_the_linears_of_fp8_layers_get_fp8_settings():
+    """The four linears of every layer but the bf16 first / last ones; never the output layer."""
+    config = _fp8_config(
+        recipe="tensorwise",
+        num_layers=4,
+        first_last_layers_bf16=True,
+        num_layers_at_start_in_bf16=1,
+        num_layers_at_end_in_bf16=2,
+    )
+    flags = _fp8_flags(build_tiny_gpt(config, share_embeddings_and_output_weights=False))
+    expected = {"output_layer": False}
+    for layer in range(4):
+        for name in LINEARS:
+            prefix = "self_attention" if name in LINEARS[:2] else "mlp"
+            expected[f"decoder.layers.{layer}.{prefix}.{name}"] = layer == 1
+    assert flags == expected
+
+
+def test_a_layer_whose_sizes_are_not_multiples_of_16_is_refused_by_name():
+    config = _fp8_config(hidden_size=40, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"layer layers\.0\.self_attention\.linear_qkv: weight"):
+        build_tiny_gpt(config)
+
+
+class _FakeQuantSlots(Fp8LinearSlots):
+    """A layer's FP8 settings whose GEMMs run as the plain-torch reference: quantise with the
+    scale the recipe gives, dequantise, multiply in fp32."""
+
+    @classmethod
+    def replacing(cls, slots: Fp8LinearSlots) -> _FakeQuantSlots:
+        fake = cls.__new__(cls)
+        fake.__dict__.update(slots.__dict__)
+        return fake
+
+    def scale_for(self, direction: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.state is None:
+            return current_scale(x, dtype)
+        slot = self.input_slot if direction == FORWARD else self.grad_slot
+        scale = self.state.scale(direction, slot, x.device).clone().reshape(())
+        record = self.state.amax_record(direction, slot)
+        if record is not None:
+            record.copy_(torch.maximum(record, x.detach().abs().amax().float()))
+        return scale
+
+    def linear(self, input_, weight, bias):
+        return _FakeQuantLinear.apply(input_, weight, bias, self)
+
+
+class _FakeQuantLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, slots):
+        x2d = x.reshape(-1, x.shape[-1])
+        sx = slots.scale_for(FORWARD, x2d, E4M3)
+        sw = current_scale(weight, E4M3)
+        xd = dq(q(x2d, sx, E4M3), sx.reciprocal())
+        wd = dq(q(weight, sw, E4M3), sw.reciprocal())
+        product = xd @ wd.t()
+        if bias is not None:
+            product = product + bias.float()
+        ctx.save_for_backward(xd, wd)
+        ctx.slots, ctx.shape, ctx.dtype, ctx.has_bias = slots, x.shape, x.dtype, bias is not None
+        return product.to(x.dtype).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xd, wd = ctx.saved_tensors
+        g2d = grad.reshape(-1, grad.shape[-1])
+        dtype = ctx.slots.recipe.backward_dtype
+        sg = ctx.slots.scale_for(BACKWARD, g2d, dtype)
+        gd = dq(q(g2d, sg, dtype), sg.reciprocal())
+        dx = (gd @ wd).to(ctx.dtype).view(ctx.shape)
+        dw = (gd.t() @ xd).to(ctx.dtype)
+        return dx, dw, g2d.sum(0) if ctx.has_bias else None, None
+
+
+def _train(model: GPTModel, steps: int = 4) -> list[torch.Tensor]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for tokens, labels in make_token_batches(steps, 3, seed=5):
+        loss = model(tokens, labels=labels).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_gpt_equals_its_fake_quant_twin(fmt, recipe):
+    """A tiny bf16 GPT trained a few steps in FP8 and its twin whose FP8 linears run the
+    plain-torch reference: the same losses and weights, bit for bit."""
+    fp8 = build_tiny_gpt(_fp8_config(fmt, recipe))
+    twin = build_tiny_gpt(_fp8_config(fmt, recipe))
+    for module in twin.modules():
+        if getattr(module, "fp8", None) is not None:
+            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
+    assert _train(fp8) == _train(twin)
+    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+    if recipe == "delayed":
+        for key, value in fp8.decoder.fp8_state.state_dict().items():
+            assert torch.equal(value, twin.decoder.fp8_state.state_dict()[key]), key
+
+
+def test_fp8_training_stays_close_to_bf16():
+    """The same tiny model in bf16 and in FP8: the losses of a few steps agree closely."""
+    bf16 = _train(build_tiny_gpt(tiny_gpt_config(**BF16)), steps=6)
+    fp8 = _train(build_tiny_gpt(_fp8_config()), steps=6)
+    assert fp8 != bf16
+    for a, b in zip(fp8, bf16):
+        assert abs(a - b) < 0.02 * b
+
+
+def test_full_recompute_gives_the_same_gradients_and_amax_history():
+    """Recomputed forwards cast with the forward's scales and record nothing: gradients and the
+    delayed-scaling state are those of the run that stores its activations."""
+    recompute = dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    results = []
+    for overrides in ({}, recompute):
+        model = build_tiny_gpt(_fp8_config(**overrides))
+        _train(model, steps=2)
+        tokens, labels = make_token_batches(1, 3, seed=9)[0]
+        model(tokens, labels=labels).float().mean().backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((grads, model.decoder.fp8_state.state_dict()))
+    (grads, state), (recomputed_grads, recomputed_state) = results
+    for name, grad in grads.items():
+        assert torch.equal(grad, recomputed_grads[name]), name
+    for key, value in state.items():
+        assert torch.equal(value, recomputed_state[key]), key
+
+
+def _amax_reduction_run() -> tuple[dict[str, torch.Tensor], int]:
+    """A forward and backward of the tiny FP8 GPT on this rank's own batch (no engine): the
+    state after them, and the all-reduces issued."""
+    model = build_tiny_gpt(_fp8_config())
+    tokens, labels = make_token_batches(1, 2, seed=dist.get_rank())[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(tokens, labels=labels).float().mean().backward()
+    reduces = sum(event.name == "c10d::allreduce_" for event in profile.events())
+    return model.decoder.fp8_state.state_dict(), reduces
+
+
+def test_amaxes_are_reduced_over_ranks_once_per_pass():
+    """Two ranks with different data end with the same histories and scales, after one
+    all-reduce for the forward pass and one for the backward."""
+    (state0, reduces0), (state1, reduces1) = run_distributed(_amax_reduction_run, 2)
+    assert reduces0 == reduces1 == 2
+    for key, value in state0.items():
+        assert torch.equal(value, state1[key]), key
+    assert (state0["scale_fwd"] != 1).all() and (state0["scale_bwd"] != 1).all()
+
+
+def test_compiled_layers_run_the_same_fp8_linears():
+    """With `compile_layers` the FP8 linears run between the compiled graphs: the same losses
+    and gradients as eager."""
+    results = []
+    for compile_layers in (False, True):
+        config = _fp8_config(compile_layers=compile_layers, compile_backend="aot_eager")
+        model = build_tiny_gpt(config)
+        tokens, labels = make_token_batches(1, 2, seed=4)[0]
+        losses = []
+        for _ in range(2):  # the second pass casts with updated delayed scales
+            loss = model(tokens, labels=labels).float().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, [param.grad for param in model.parameters()]))
+    (eager_losses, eager_grads), (compiled_losses, compiled_grads) = results
+    assert eager_losses == compiled_losses
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))
