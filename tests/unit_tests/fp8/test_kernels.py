@@ -1,0 +1,97 @@
+"""The CUDA FP8 casts (`megatron.core.fp8.kernels`) give the reference quantiser's bytes, scale
+inverse and recorded absolute maximum bit for bit: `fp8(clamp(x * scale, -max, max))` with the
+product in fp32, the transposed copy zero-padded to 16 rows, current scaling's scale
+`max / amax` correctly rounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8 import kernels
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+SHAPES = [(1, 16), (17, 48), (100, 4096), (1000, 1024), (4096, 1408)]
+
+
+def _reference(x, dtype, scale, amax_out, transpose):
+    limit = torch.finfo(dtype).max
+    amax = x.abs().amax().float().reshape(1)
+    if scale is None:
+        scale = torch.full_like(amax, limit) / amax
+        scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+        scale = torch.where((amax == 0) | ~torch.isfinite(amax), 1.0, scale)
+    if amax_out is not None:
+        torch.maximum(amax_out, amax, out=amax_out)
+    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
+    transposed = None
+    if transpose:
+        rows = x.shape[0]
+        transposed = torch.zeros(x.shape[1], -(-rows // 16) * 16, dtype=dtype, device=x.device)
+        transposed[:, :rows] = data.t()
+    return data, scale.reciprocal().reshape(1), transposed
+
+
+def _input(shape, dtype, seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    # A wide range of magnitudes: some products overflow the FP8 maximum and saturate.
+    x = torch.randn(shape, device="cuda", generator=generator) * 10.0 ** torch.randint(
+        -3, 4, shape, device="cuda", generator=generator
+    )
+    return x.to(dtype)
+
+
+def _bytes(tensor):
+    return None if tensor is None else tensor.view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_cast_is_the_reference_bit_for_bit(fmt, shape, source, delayed):
+    dtype = FORMATS[fmt]
+    x = _input(shape, source, seed=shape[0] * shape[1])
+    scale = torch.tensor([3.7], device="cuda") if delayed else None
+    amax_kernel = torch.tensor([0.5], device="cuda")
+    amax_reference = amax_kernel.clone()
+    data, scale_inv, transposed = kernels.cast_to_fp8(x, dtype, scale, amax_kernel, transpose=True)
+    expected = _reference(x, dtype, scale, amax_reference, transpose=True)
+    assert torch.equal(_bytes(data), _bytes(expected[0]))
+    assert torch.equal(scale_inv, expected[1])
+    assert torch.equal(_bytes(transposed), _bytes(expected[2]))
+    assert torch.equal(amax_kernel, amax_reference)
+
+
+def test_only_the_copies_asked_for_are_made():
+    x = _input((33, 64), torch.bfloat16, seed=1)
+    data, _, transposed = kernels.cast_to_fp8(
+        x, torch.float8_e4m3fn, None, None, rowwise=False, transpose=True
+    )
+    assert data is None and transposed.shape == (64, 48)
+    data, _, transposed = kernels.cast_to_fp8(x, torch.float8_e4m3fn, None, None)
+    assert transposed is None and data.shape == (33, 64)
+
+
+@pytest.mark.parametrize("amax", [0.0, float("inf")])
+def test_current_scaling_of_a_zero_or_infinite_maximum_uses_scale_one(amax):
+    x = torch.zeros(16, 32, device="cuda")
+    x[3, 5] = amax
+    _, scale_inv, _ = kernels.cast_to_fp8(x, torch.float8_e4m3fn, None, None)
+    assert scale_inv.item() == 1.0
+
+
+def test_a_nan_is_recorded_as_a_non_finite_maximum():
+    x = torch.ones(16, 32, device="cuda")
+    x[0, 0] = float("nan")
+    amax = torch.zeros(1, device="cuda")
+    kernels.cast_to_fp8(x, torch.float8_e4m3fn, torch.ones(1, device="cuda"), amax)
+    assert not torch.isfinite(amax).item()
+
+
+def test_kernels_need_a_cuda_tensor_of_two_dimensions():
+    assert kernels.kernels_available(torch.ones(4, 16, device="cuda"))
+    assert not kernels.kernels_available(torch.ones(4, 16))
+    assert not kernels.kernels_available(torch.ones(2, 4, 16, device="cuda"))
