@@ -78,14 +78,14 @@ def cast_to_fp8(
             columns beyond `rows` zero.
 
     Returns:
-        (the row-major FP8 copy or None, the scale's inverse as a new one-element fp32 tensor,
-        the transposed copy or None).
+        (the row-major FP8 copy or None, the scale's inverse as a new fp32 tensor of the
+        scale's shape (0-d under current scaling), the transposed copy or None).
     """
     rows, cols = x.shape
     x = x.contiguous()
     limit = _FP8_MAX[dtype]
     if scale is None:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        amax = torch.zeros((), dtype=torch.float32, device=x.device)
         _record_amax(x, amax)
         if amax_out is not None:
             torch.maximum(amax_out, amax, out=amax_out)
@@ -95,7 +95,10 @@ def cast_to_fp8(
     data = torch.empty(rows, cols, dtype=dtype, device=x.device) if rowwise else None
     padded_rows = -(-rows // GEMM_ALIGNMENT) * GEMM_ALIGNMENT
     transposed = torch.empty(cols, padded_rows, dtype=dtype, device=x.device) if transpose else None
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    # Shaped as the reference quantiser's `scale.reciprocal()`.
+    scale_inv = torch.empty(
+        () if scale is None else scale.shape, dtype=torch.float32, device=x.device
+    )
     grid = (triton.cdiv(padded_rows, _BLOCK_ROWS), triton.cdiv(cols, _BLOCK_COLS))
     # The row-major and transposed outputs' byte views: Triton stores FP8 values as their bytes.
     dummy = scale_inv  # an unused pointer argument (never written when its flag is off)

@@ -1,9 +1,9 @@
 """Quantisation to FP8 with one scale per tensor.
 
-`quantize` is the one entry point of the linear layers. It runs the reference quantisers here,
-written in torch ops, on every device; this is the seam where fused CUDA kernels (one pass that
-casts, records the absolute maximum and writes the transposed copy) take over on GPUs, with the
-same results bit for bit.
+`quantize` is the one entry point of the linear layers. On CUDA it runs the fused kernels of
+`kernels.py` (one pass that casts, records the absolute maximum and writes the transposed copy),
+elsewhere the reference quantisers here, written in torch ops: the results are the same bit for
+bit (an absolute maximum over a NaN aside, which the kernels record as inf: both non-finite).
 
 Conventions (Transformer Engine's): `q = fp8(clamp(x * scale, -max, max))`, dequantised as
 `q * scale_inv` with `scale_inv = 1 / scale`. The product is taken in fp32 (`x.float() * scale`:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fp8 import kernels
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fp8.tensor import Fp8Tensor
 
@@ -94,7 +95,11 @@ def quantize(
         The FP8 tensor; its `scale_inv` is a new tensor (a later change of the scale `scale`
         views leaves it as it was).
     """
-    # The seam: a CUDA kernel fusing the amax, the cast and the transpose goes here.
+    if kernels.kernels_available(x):
+        data, scale_inv, transposed = kernels.cast_to_fp8(
+            x, dtype, scale, amax_out, transpose=transpose
+        )
+        return Fp8Tensor(data, scale_inv, transposed)
     return _quantize_reference(x, dtype, scale, amax_out, transpose)
 
 

@@ -1,37 +1,19 @@
-"""The CUDA FP8 casts (`megatron.core.fp8.kernels`) give the reference quantiser's bytes, scale
-inverse and recorded absolute maximum bit for bit: `fp8(clamp(x * scale, -max, max))` with the
-product in fp32, the transposed copy zero-padded to 16 rows, current scaling's scale
-`max / amax` correctly rounded."""
+"""The CUDA FP8 casts (`megatron.core.fp8.kernels`) give the reference quantiser's
+(`quantize._quantize_reference`) bytes, scale inverse and recorded absolute maximum bit for bit:
+`fp8(clamp(x * scale, -max, max))` with the product in fp32, the transposed copy zero-padded to
+16 rows, current scaling's scale `max / amax` correctly rounded; and the CPU's results too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron.core.fp8 import kernels
+from megatron.core.fp8 import kernels, quantize
 
 pytestmark = pytest.mark.gpu
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SHAPES = [(1, 16), (17, 48), (100, 4096), (1000, 1024), (4096, 1408)]
-
-
-def _reference(x, dtype, scale, amax_out, transpose):
-    limit = torch.finfo(dtype).max
-    amax = x.abs().amax().float().reshape(1)
-    if scale is None:
-        scale = torch.full_like(amax, limit) / amax
-        scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
-        scale = torch.where((amax == 0) | ~torch.isfinite(amax), 1.0, scale)
-    if amax_out is not None:
-        torch.maximum(amax_out, amax, out=amax_out)
-    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
-    transposed = None
-    if transpose:
-        rows = x.shape[0]
-        transposed = torch.zeros(x.shape[1], -(-rows // 16) * 16, dtype=dtype, device=x.device)
-        transposed[:, :rows] = data.t()
-    return data, scale.reciprocal().reshape(1), transposed
 
 
 def _input(shape, dtype, seed):
@@ -54,15 +36,25 @@ def _bytes(tensor):
 def test_cast_is_the_reference_bit_for_bit(fmt, shape, source, delayed):
     dtype = FORMATS[fmt]
     x = _input(shape, source, seed=shape[0] * shape[1])
-    scale = torch.tensor([3.7], device="cuda") if delayed else None
-    amax_kernel = torch.tensor([0.5], device="cuda")
+    # A delayed scale and amax record are views into a state's vectors (0-d, offset).
+    scale = torch.tensor([1.0, 3.7], device="cuda")[1] if delayed else None
+    amax_kernel = torch.tensor([0.0, 0.5], device="cuda")[1]
     amax_reference = amax_kernel.clone()
     data, scale_inv, transposed = kernels.cast_to_fp8(x, dtype, scale, amax_kernel, transpose=True)
-    expected = _reference(x, dtype, scale, amax_reference, transpose=True)
-    assert torch.equal(_bytes(data), _bytes(expected[0]))
-    assert torch.equal(scale_inv, expected[1])
-    assert torch.equal(_bytes(transposed), _bytes(expected[2]))
+    expected = quantize._quantize_reference(x, dtype, scale, amax_reference, transpose=True)
+    assert torch.equal(_bytes(data), _bytes(expected.data))
+    assert torch.equal(scale_inv, expected.scale_inv)
+    assert torch.equal(_bytes(transposed), _bytes(expected.transposed))
     assert torch.equal(amax_kernel, amax_reference)
+
+
+def test_quantize_runs_the_kernels_on_cuda_and_the_reference_elsewhere():
+    x = _input((40, 64), torch.bfloat16, seed=3)
+    on_gpu = quantize.quantize(x, torch.float8_e5m2, transpose=True)
+    on_cpu = quantize.quantize(x.cpu(), torch.float8_e5m2, transpose=True)
+    assert torch.equal(_bytes(on_gpu.data).cpu(), _bytes(on_cpu.data))
+    assert torch.equal(_bytes(on_gpu.transposed).cpu(), _bytes(on_cpu.transposed))
+    assert torch.equal(on_gpu.scale_inv.cpu(), on_cpu.scale_inv)
 
 
 def test_only_the_copies_asked_for_are_made():
