@@ -9,7 +9,7 @@ import torch
 from megatron.core.fp8.gemm import fp8_mm
 from megatron.core.fp8.quantize import quantize
 from megatron.core.fp8.tensor import Fp8Tensor
-from tests.unit_tests.fp8.reference import E4M3, E5M2, dq
+from tests.unit_tests.fp8.reference import E4M3, E5M2, dq, exact_cpu_scaled_mm
 
 
 def _operands(m=40, k=64, n=48, a_dtype=E4M3, b_dtype=E4M3):
@@ -18,6 +18,7 @@ def _operands(m=40, k=64, n=48, a_dtype=E4M3, b_dtype=E4M3):
     return a, w.t()
 
 
+@exact_cpu_scaled_mm
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
 def test_equals_the_dequantised_fp32_product(out_dtype, dtypes):
@@ -26,6 +27,7 @@ def test_equals_the_dequantised_fp32_product(out_dtype, dtypes):
     assert torch.equal(fp8_mm(a, b, out_dtype=out_dtype), expected)
 
 
+@exact_cpu_scaled_mm
 def test_bias_is_added_before_rounding_and_out_is_written():
     a, b = _operands()
     bias = torch.randn(48).bfloat16()

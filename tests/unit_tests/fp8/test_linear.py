@@ -17,7 +17,7 @@ from megatron.core.tensor_parallel.grad_accumulation import (
     linear,
     register_main_grad,
 )
-from tests.unit_tests.fp8.reference import E4M3, E5M2, current_scale, dq, q
+from tests.unit_tests.fp8.reference import E4M3, E5M2, current_scale, dq, exact_cpu_scaled_mm, q
 
 BF16 = torch.bfloat16
 SCALE_FWD, SCALE_BWD = 3.0, 2.0**12
@@ -74,6 +74,7 @@ def _reference(slots, weight, bias, x, grad):
     return y, dx, dw
 
 
+@exact_cpu_scaled_mm
 @pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_three_gemms_equal_the_reference(fmt, kind):
@@ -140,6 +141,7 @@ def test_weight_gradient_is_fused_into_an_fp32_main_grad(overwrite):
     assert torch.equal(engine.main_grad, expected if overwrite else expected + 0.5)
 
 
+@exact_cpu_scaled_mm
 def test_autograd_grad_and_backward_inputs_leave_main_grad_alone():
     """`torch.autograd.grad` asking for the weight gets its gradient; without it (or
     `backward(inputs=...)` without the weight) none is computed; `main_grad` stays untouched."""

@@ -12,7 +12,7 @@ from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.unit_tests.distributed_harness import run_distributed
-from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, q
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
 from tests.unit_tests.model_builders import build_tiny_gpt, make_token_batches, tiny_gpt_config
 
 BF16 = dict(params_dtype=torch.bfloat16, bf16=True)
@@ -122,6 +122,7 @@ def _train(model: GPTModel, steps: int = 4) -> list[torch.Tensor]:
     return losses
 
 
+@exact_cpu_scaled_mm
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_fp8_gpt_equals_its_fake_quant_twin(fmt, recipe):
