@@ -391,6 +391,15 @@ def summarize(
     }
 
 
+def precision_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The flags each engine runs with: as given, and with `--fp8-format` a bf16 twin first
+    (the same flags without FP8), so that one run compares both on the same machine state."""
+    if args.fp8_format is None:
+        return [args]
+    bf16 = {"fp8_format": None, "fp8_recipe": build_parser().get_default("fp8_recipe")}
+    return [argparse.Namespace(**{**vars(args), **bf16}), args]
+
+
 def main() -> None:
     """Runs every requested engine in turn; rank 0 prints (and writes) the results."""
     args = parse_args()
@@ -404,7 +413,7 @@ def main() -> None:
         config, model = build_gpt(args)
     num_params = sum(p.numel() for p in model.parameters())
     rows = []
-    for name in args.engines:
+    for name, variant in [(n, v) for n in args.engines for v in precision_variants(args)]:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -412,8 +421,11 @@ def main() -> None:
         # Each engine over its own instances: the plain ones shard over all ranks.
         count = instances(name, args)
         set_parallel_state(args.create_all_gather_group, num_distributed_optimizer_instances=count)
-        rows.append(summarize(name, run_engine(name, args, device), args, config, device))
+        rows.append(summarize(name, run_engine(name, variant, device), variant, config, device))
         rows[-1]["layout"] = layout(name, args, dist.get_world_size())
+        if variant.fp8_format:
+            rows[-1]["engine"] += " fp8"
+    # The ratios are to the bf16 single-GPU step (FP8's speed-up shows as a ratio below it).
     single = next((r["step_ms"] for r in rows if r["engine"] == "single"), None)
     for row in rows:
         row["vs_single"] = row["step_ms"] / single if single else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 
@@ -282,7 +283,14 @@ def build_ddp(args: argparse.Namespace) -> StepFn:
 
 def build_single(args: argparse.Namespace) -> StepFn:
     """The `ddp` arrangement on one rank, gradients accumulated locally, no communication."""
-    config, model = build_gpt(args)
+    groups = None
+    if args.fp8_format:
+        # FP8's amaxes are reduced over the model's tp x dp x cp ranks: this rank alone here.
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        groups = dataclasses.replace(
+            ProcessGroupCollection.use_mpu_process_groups(), tp_dp_cp=alone
+        )
+    config, model = build_gpt(args, pg_collection=groups)
     grad_dtype = torch.bfloat16 if args.grad_reduce_dtype == "bf16" else torch.float32
     main_grads = LocalMainGrads(model, grad_dtype, config.gradient_accumulation_fusion)
     optimizer = MainWeightsAdamW(model.parameters(), args)
@@ -311,6 +319,8 @@ def precision_note(name: str, args: argparse.Namespace) -> str:
             note += " (layers' weight gradients written by the GEMMs into the reduce-scatter input)"
         elif name != "fsdp2":
             note += " (weight gradients accumulated in the GEMMs)"
+    if args.fp8_format:
+        note += f"; transformer layers' linears in FP8 ({args.fp8_format}, {args.fp8_recipe})"
     return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -27,6 +28,9 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     parser.add_argument("--num-layers", type=int, default=24)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument(
+        "--num-query-groups", type=int, default=None, help="grouped-query attention (default MHA)"
+    )
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=micro_batch_size)
@@ -67,6 +71,13 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         help="attention kernel: SDPA's choice (auto), flash, fused (cuDNN), unfused or local",
     )
     parser.add_argument(
+        "--fp8-format",
+        choices=("e4m3", "hybrid"),
+        default=None,
+        help="also time each engine with the transformer layers' linears in FP8 (bf16 first)",
+    )
+    parser.add_argument("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
+    parser.add_argument(
         "--compile-layers",
         action="store_true",
         help="torch.compile each transformer layer (TransformerConfig.compile_layers, inductor)",
@@ -106,7 +117,9 @@ def set_parallel_state(create_all_gather_group: bool, **sizes: int) -> None:
 
 
 def build_gpt(
-    args: argparse.Namespace, bf16: bool | None = None
+    args: argparse.Namespace,
+    bf16: bool | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
 ) -> tuple[TransformerConfig, GPTModel]:
     """The config and model the flags describe, on the current default device (use
     `with torch.device(...)`, `meta` included).
@@ -114,6 +127,7 @@ def build_gpt(
     Args:
         args: the flags of `add_model_args`.
         bf16: overrides `args.bf16` (e.g. an fp32 model whose engine casts to bf16 itself).
+        pg_collection: the model's process groups; None: parallel_state's.
     """
     bf16 = args.bf16 if bf16 is None else bf16
     tp = 1
@@ -123,6 +137,7 @@ def build_gpt(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
         ffn_hidden_size=args.ffn_hidden_size,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
@@ -134,6 +149,8 @@ def build_gpt(
         attention_backend=AttnBackend[args.attention_backend],
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         compile_layers=args.compile_layers,
+        fp8=args.fp8_format,
+        fp8_recipe=args.fp8_recipe,
         tensor_model_parallel_size=tp,
         sequence_parallel=args.sequence_parallel and tp > 1,
         **_moe_fields(args),
@@ -148,6 +165,7 @@ def build_gpt(
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_length,
         position_embedding_type="rope",
+        pg_collection=pg_collection,
     )
     return config, model
 

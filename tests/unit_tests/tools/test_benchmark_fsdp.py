@@ -230,3 +230,20 @@ def test_cuda_graph_replays_train_like_eager_steps(tmp_path):
     for name in engines:
         expected = losses["eager"][name]
         assert losses["graph"][name] == expected, name
+
+
+def test_fp8_format_times_each_engine_in_bf16_then_fp8(tmp_path):
+    """`--fp8-format`: a bf16 row, then an FP8 row, per engine; the FP8 rows agree with each
+    other to the bit as the bf16 ones do (the one-rank engine reduces its amaxes over itself:
+    over all ranks its collectives would wait for ranks that run nothing) and differ from them."""
+    out = tmp_path / "result.json"
+    flags = ["--engines", "megatron_fsdp_zero3,ddp,single", "--json-out", str(out)]
+    proc = run_tool(*TINY, "--fp8-format", "hybrid", *flags, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
+    names = ["megatron_fsdp_zero3", "ddp", "single"]
+    assert list(rows) == [f"{name}{suffix}" for name in names for suffix in ("", " fp8")]
+    bf16 = {rows[name]["final_loss"] for name in names}
+    fp8 = {rows[f"{name} fp8"]["final_loss"] for name in names}
+    assert len(bf16) == 1 and len(fp8) == 1 and bf16 != fp8
+    assert "FP8 (hybrid, delayed)" in rows["single fp8"]["precision"]
