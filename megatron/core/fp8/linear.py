@@ -73,21 +73,22 @@ class Fp8LinearSlots:
 
     def quantize_input(self, x: torch.Tensor, transpose: bool) -> Fp8Tensor:
         """The 2-D input `x` in FP8 (and its padded transpose when `transpose`)."""
-        dtype = self.recipe.forward_dtype
-        if self.state is None:
-            return quantize(x, dtype, transpose=transpose)
-        scale = self.state.scale(FORWARD, self.input_slot, x.device)
-        record = self.state.amax_record(FORWARD, self.input_slot)
-        return quantize(x, dtype, scale=scale, amax_out=record, transpose=transpose)
+        return self._quantize(x, FORWARD, self.input_slot, transpose)
 
     def quantize_grad(self, grad: torch.Tensor, transpose: bool) -> Fp8Tensor:
         """The 2-D output gradient `grad` in FP8 (and its padded transpose when `transpose`)."""
-        dtype = self.recipe.backward_dtype
+        return self._quantize(grad, BACKWARD, self.grad_slot, transpose)
+
+    def _quantize(
+        self, x: torch.Tensor, direction: str, slot: int | None, transpose: bool
+    ) -> Fp8Tensor:
+        forward = direction == FORWARD
+        dtype = self.recipe.forward_dtype if forward else self.recipe.backward_dtype
         if self.state is None:
-            return quantize(grad, dtype, transpose=transpose)
-        scale = self.state.scale(BACKWARD, self.grad_slot, grad.device)
-        record = self.state.amax_record(BACKWARD, self.grad_slot)
-        return quantize(grad, dtype, scale=scale, amax_out=record, transpose=transpose)
+            return quantize(x, dtype, transpose=transpose)
+        scale = self.state.scale(direction, slot, x.device)
+        record = self.state.amax_record(direction, slot)
+        return quantize(x, dtype, scale=scale, amax_out=record, transpose=transpose)
 
     def linear(
         self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
