@@ -94,7 +94,7 @@ class Fp8LinearSlots:
         self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """`F.linear(input_, weight, bias)` with its GEMMs in FP8 (module docstring)."""
-        return _apply_linear(input_, weight, bias, self)
+        return _apply_linear(input_, weight, bias, self, _weight_needs_grad(weight))
 
     def column_parallel_linear(
         self,
@@ -105,7 +105,16 @@ class Fp8LinearSlots:
         sequence_parallel: bool,
     ) -> torch.Tensor:
         """`overlapped_linear.column_parallel_linear` (tp > 1) with its GEMMs in FP8."""
-        return _apply_column_parallel(input_, weight, bias, group, sequence_parallel, self)
+        return _apply_column_parallel(
+            input_, weight, bias, group, sequence_parallel, self, _weight_needs_grad(weight)
+        )
+
+
+def _weight_needs_grad(weight: torch.Tensor) -> bool:
+    """Whether a backward can ask for `weight`'s gradient: read before the autograd function,
+    whose `needs_input_grad` says True under `torch.no_grad()` too (an evaluation forward would
+    make and keep the transposed input for nothing)."""
+    return torch.is_grad_enabled() and weight.requires_grad
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,9 +181,10 @@ class _Fp8Linear(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         slots: Fp8LinearSlots,
+        weight_needs_grad: bool,
     ) -> torch.Tensor:
         x2d = _flat(input_)
-        needs_weight = ctx.needs_input_grad[1]
+        needs_weight = weight_needs_grad
         fp8_wgrad = needs_weight and slots.recipe.wgrad
         x = slots.quantize_input(x2d, transpose=fp8_wgrad)
         out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
@@ -193,7 +203,7 @@ class _Fp8Linear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         saved_input, input_scale_inv, _ = ctx.saved_tensors
-        needs_input, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_2d = _flat(grad_output)
         wanted, target = False, None
         if needs_weight:
@@ -211,7 +221,7 @@ class _Fp8Linear(torch.autograd.Function):
             grad_weight = weight_grad_into(target, grad_2d, saved_input)
         if ctx.has_bias and needs_bias:
             grad_bias = grad_2d.sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 _apply_linear = direct_apply(_Fp8Linear)
@@ -233,8 +243,9 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
         group: dist.ProcessGroup,
         sequence_parallel: bool,
         slots: Fp8LinearSlots,
+        weight_needs_grad: bool,
     ) -> torch.Tensor:
-        needs_weight = ctx.needs_input_grad[1]
+        needs_weight = weight_needs_grad
         fp8_wgrad = needs_weight and slots.recipe.wgrad
         total = input_
         if sequence_parallel:
@@ -304,7 +315,7 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
             grad_bias = grad_2d.sum(dim=0)
         if reducing is not None:
             reducing.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 _apply_column_parallel = direct_apply(_Fp8ColumnParallelLinear)

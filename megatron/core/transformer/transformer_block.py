@@ -193,7 +193,13 @@ class TransformerBlock(MegatronModule):
         )
         chunks = self.recompute_chunks() if recompute else [(0, len(self.layers), False)]
         fp8_state = None if is_recomputing() else self.fp8_state
-        if fp8_state is not None and torch.is_grad_enabled():
+        # Only where a backward through the layers can come (a frozen model's outputs must not
+        # start needing gradients).
+        if (
+            fp8_state is not None
+            and torch.is_grad_enabled()
+            and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
+        ):
             hidden_states = _end_backward_after(hidden_states, fp8_state)
         rng_context = (
             get_cuda_rng_tracker().fork()

@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.core.fp8 import linear
 from megatron.core.fp8.linear import Fp8LinearSlots
+from megatron.core.fp8.quantize import quantize
 from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -209,3 +211,32 @@ def test_compiled_layers_run_the_same_fp8_linears():
     (eager_losses, eager_grads), (compiled_losses, compiled_grads) = results
     assert eager_losses == compiled_losses
     assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))
+
+
+def test_a_frozen_fp8_model_gives_outputs_that_need_no_gradient():
+    """As in bf16: the delayed-scaling backward hook is added only where a backward can come."""
+    tokens, labels = make_token_batches(1, 2)[0]
+    for config in (_fp8_config(), tiny_gpt_config(**BF16)):
+        model = build_tiny_gpt(config)
+        model.requires_grad_(False)
+        assert not model(tokens, labels=labels).requires_grad
+
+
+def test_an_evaluation_forward_makes_no_transposed_copies(monkeypatch):
+    """Under `torch.no_grad()` no weight gradient can be asked for: no cast makes the transposed
+    input (a training forward does)."""
+    transposes = []
+
+    def recording_quantize(x, dtype, **kwargs):
+        transposes.append(kwargs.get("transpose", False))
+        return quantize(x, dtype, **kwargs)
+
+    monkeypatch.setattr(linear, "quantize", recording_quantize)
+    model = build_tiny_gpt(_fp8_config(recipe="tensorwise"))
+    tokens, labels = make_token_batches(1, 2)[0]
+    with torch.no_grad():
+        model(tokens, labels=labels)
+    assert transposes and not any(transposes)
+    transposes.clear()
+    model(tokens, labels=labels)
+    assert all(transposes)
