@@ -12,8 +12,7 @@ tensor's absolute maximum with an atomic max on the way:
 
 The results are those of `megatron.core.fp8.quantize`'s reference quantiser bit for bit
 (`fp8(clamp(x * scale, -max, max))`, the product in fp32, the division in the scale correctly
-rounded), except that an absolute maximum over a NaN is recorded as inf rather than NaN: both are
-non-finite, which every consumer treats alike (the scale stays, or becomes 1).
+rounded; a NaN stays NaN, and the absolute maximum skips NaNs as Transformer Engine's does).
 
 Triton ships with PyTorch's CUDA builds; without it, or off CUDA, the reference runs.
 """
@@ -147,9 +146,9 @@ if triton is not None:
 
     @triton.jit
     def _tile_amax(values):
-        """`max |values|`, a NaN counted as inf."""
+        """`max |values|`, NaNs skipped (Transformer Engine's `fmaxf`)."""
         magnitude = tl.abs(values)
-        magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))
+        magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)
         return tl.max(tl.max(magnitude, axis=1), axis=0)
 
     @triton.jit
@@ -163,10 +162,11 @@ if triton is not None:
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        # 64-bit offsets: tensors of 2**31 elements and more exist (a long sequence's gradients).
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         values = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
         magnitude = tl.abs(values)
-        magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))
+        magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaNs skipped
         tl.atomic_max(amax_ptr, tl.max(magnitude, axis=0))
 
     @triton.jit
@@ -189,7 +189,8 @@ if triton is not None:
         BLOCK_ROWS: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
     ):
-        row_block, col_block = tl.program_id(0), tl.program_id(1)
+        # 64-bit offsets: tensors of 2**31 elements and more exist (a long sequence's gradients).
+        row_block, col_block = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         row = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
         col = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
         inside = (row < rows) & (col < cols)
@@ -203,7 +204,7 @@ if triton is not None:
         if RECORD_AMAX:
             tl.atomic_max(amax_ptr, _tile_amax(values))
 
-        scaled = tl.minimum(tl.maximum(values * scale, -limit), limit)
+        scaled = tl.clamp(values * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
         if ROWWISE:
             tl.store(out_ptr + row * cols + col, _to_fp8_bytes(scaled, E4M3), mask=inside)
         if TRANSPOSE:
@@ -214,7 +215,9 @@ if triton is not None:
             col_t = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[:, None]
             inside_t = (row_t < rows) & (col_t < cols)
             values_t = tl.load(x_ptr + row_t * cols + col_t, mask=inside_t, other=0.0)
-            scaled_t = tl.minimum(tl.maximum(values_t.to(tl.float32) * scale, -limit), limit)
+            scaled_t = tl.clamp(
+                values_t.to(tl.float32) * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL
+            )
             # Rows beyond `rows` (up to `padded_rows`) were loaded as 0: their bytes are zero.
             tl.store(
                 out_t_ptr + col_t * padded_rows + row_t,

@@ -3,7 +3,7 @@
 `quantize` is the one entry point of the linear layers. On CUDA it runs the fused kernels of
 `kernels.py` (one pass that casts, records the absolute maximum and writes the transposed copy),
 elsewhere the reference quantisers here, written in torch ops: the results are the same bit for
-bit (an absolute maximum over a NaN aside, which the kernels record as inf: both non-finite).
+bit. The absolute maximum skips NaNs (Transformer Engine's `fmaxf`); the cast keeps them NaN.
 
 Conventions (Transformer Engine's): `q = fp8(clamp(x * scale, -max, max))`, dequantised as
 `q * scale_inv` with `scale_inv = 1 / scale`. The product is taken in fp32 (`x.float() * scale`:
@@ -48,10 +48,11 @@ def compute_scale(amax: torch.Tensor, max_value: float) -> torch.Tensor:
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
-    """`max |x|` as a 0-d fp32 tensor (0 for an empty tensor; NaN where `x` has one)."""
+    """`max |x|` as a 0-d fp32 tensor, NaNs skipped (Transformer Engine's `fmaxf`: one NaN does
+    not make the scale, or a delayed history, non-finite); 0 for an empty tensor."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.abs().amax().float()
+    return x.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax().float()
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -75,12 +75,39 @@ def test_current_scaling_of_a_zero_or_infinite_maximum_uses_scale_one(amax):
     assert scale_inv.item() == 1.0
 
 
-def test_a_nan_is_recorded_as_a_non_finite_maximum():
-    x = torch.ones(16, 32, device="cuda")
-    x[0, 0] = float("nan")
-    amax = torch.zeros(1, device="cuda")
-    kernels.cast_to_fp8(x, torch.float8_e4m3fn, torch.ones(1, device="cuda"), amax)
-    assert not torch.isfinite(amax).item()
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_nans_stay_nan_and_the_maximum_skips_them_as_the_reference(delayed):
+    x = _input((40, 64), torch.bfloat16, seed=5)
+    x[0, 0], x[7, 3], x[20, 9] = float("nan"), float("inf"), float("-inf")
+    scale = torch.tensor([3.0], device="cuda") if delayed else None
+    amax_kernel, amax_reference = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    data, scale_inv, transposed = kernels.cast_to_fp8(
+        x, torch.float8_e4m3fn, scale, amax_kernel, transpose=True
+    )
+    expected = quantize._quantize_reference(
+        x, torch.float8_e4m3fn, scale, amax_reference, transpose=True
+    )
+    assert torch.equal(amax_kernel, amax_reference) and amax_kernel.item() == float("inf")
+    assert torch.equal(scale_inv, expected.scale_inv)
+    for actual, reference in ((data, expected.data), (transposed, expected.transposed)):
+        nan = reference.float().isnan()
+        assert torch.equal(actual.float().isnan(), nan) and nan.any()
+        assert torch.equal(_bytes(actual)[~nan], _bytes(reference)[~nan])
+
+
+def test_a_tensor_of_more_than_2_to_the_31_elements_is_cast_whole():
+    """64-bit offsets: the last rows land where they belong (32-bit ones wrapped, faulting)."""
+    rows, cols = 2**31 // 4096 + 64, 4096
+    x = torch.ones(rows, cols, device="cuda", dtype=torch.bfloat16)
+    x[-16:] = _input((16, cols), torch.bfloat16, seed=11)
+    scale = torch.tensor([2.0], device="cuda")
+    data, _, transposed = kernels.cast_to_fp8(x, torch.float8_e4m3fn, scale, None, transpose=True)
+    tail = quantize._quantize_reference(x[-16:], torch.float8_e4m3fn, scale, None, True)
+    assert torch.equal(_bytes(data[-16:]), _bytes(tail.data))
+    assert torch.equal(_bytes(transposed[:, rows - 16 :]), _bytes(tail.transposed))
+    one_times_two = torch.tensor(2.0).to(torch.float8_e4m3fn).view(torch.uint8).item()
+    for row in (0, rows // 2, rows - 17):  # (a sample: CUB's reductions stop at 2**31)
+        assert bool((_bytes(data[row]) == one_times_two).all())
 
 
 def test_kernels_need_a_cuda_tensor_of_two_dimensions():
