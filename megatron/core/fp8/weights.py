@@ -10,14 +10,15 @@ Where the copy comes from:
 - a provider an engine registered for the parameter (`register_fp8_weight`): the seam for an
   engine that keeps the FP8 weights itself (e.g. one that all-gathers FP8 bytes);
 - otherwise a cache kept here per parameter, made at the first use and made again once the
-  weight may have changed. "May have changed" is read from two signals, since no single one
+  weight may have changed. "May have changed" is read from three signals, since no single one
   sees every write:
 
   * the parameter's version counter, which in-place writes through it bump (`copy_`,
     `load_state_dict`, torch's for-loop and foreach optimizers);
   * a count of optimizer steps, from torch's global step hook: fused optimizer kernels (torch's
     `fused=True`, this project's `step_and_copy`) write without bumping version counters,
-    and the DDP engine's distributed optimizer gathers the stepped weights after its step.
+    and the DDP engine's distributed optimizer gathers the stepped weights after its step;
+  * the parameter's address and dtype, which a `.data` swap (`model.cuda()`) changes.
 
   An engine that rewrites compute weights without either (Megatron-FSDP's gathers keep version
   counters as they are, on purpose) calls `forget_fp8_weights(params)` where it does.
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from megatron.core.fp8 import kernels
 from megatron.core.fp8.quantize import quantize
 from megatron.core.fp8.tensor import Fp8Tensor
 from megatron.core.utils import cuda_graph_capturing
@@ -45,13 +47,18 @@ class Fp8Weight:
     """A weight `[out, in]` in FP8, and its transpose, made at the first use.
 
     Args:
-        weight: the high-precision weight it is made from (2-D).
+        tensor: the weight's FP8 bytes (row-major `[out, in]`) and scale.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.tensor = quantize(weight.detach(), WEIGHT_DTYPE)
+    def __init__(self, tensor: Fp8Tensor) -> None:
+        self.tensor = tensor
         self._transposed: Fp8Tensor | None = None
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor) -> Fp8Weight:
+        """The high-precision `weight` (2-D) cast to FP8, scaled by its current amax."""
+        with torch.no_grad():
+            return cls(quantize(weight.detach(), WEIGHT_DTYPE))
 
     def fprop_operand(self) -> Fp8Tensor:
         """`W^T` `[in, out]` column-major: the second operand of `X W^T`."""
@@ -61,8 +68,12 @@ class Fp8Weight:
         """`W` `[out, in]` column-major: the second operand of `dY W`, the transposed view of
         the contiguous transpose (made once per copy)."""
         if self._transposed is None:
-            data = self.tensor.data.t().contiguous()
-            self._transposed = Fp8Tensor(data, self.tensor.scale_inv)
+            data = self.tensor.data
+            if kernels.triton is not None and data.is_cuda and data.is_contiguous():
+                transposed = kernels.transpose_fp8(data)
+            else:
+                transposed = data.t().contiguous()
+            self._transposed = Fp8Tensor(transposed, self.tensor.scale_inv)
         return self._transposed.t()
 
 
@@ -71,7 +82,7 @@ Provider = Callable[[torch.nn.Parameter], Fp8Weight]
 _providers: dict[int, tuple[weakref.ref, weakref.WeakMethod | Callable]] = {}
 """id(parameter) -> (a weak reference to it, its provider)."""
 
-_cache: dict[int, tuple[weakref.ref, tuple[int, int], Fp8Weight]] = {}
+_cache: dict[int, tuple[weakref.ref, tuple, Fp8Weight]] = {}
 """id(parameter) -> (a weak reference to it, the signals its copy was made at, the copy)."""
 
 _optimizer_steps = 0
@@ -107,13 +118,14 @@ def fp8_weight_of(weight: torch.Tensor) -> Fp8Weight:
         if provider is not None:
             return provider(weight)
     if not isinstance(weight, torch.nn.Parameter) or cuda_graph_capturing():
-        return Fp8Weight(weight)
+        return Fp8Weight.quantized(weight)
     _watch_optimizer_steps()
-    signals = (weight._version, _optimizer_steps)
+    # The address too: a `.data` swap (`model.cuda()`, `model.to(dtype)`) bumps no version.
+    signals = (weight._version, _optimizer_steps, weight.data_ptr(), weight.dtype)
     cached = _cache.get(key)
     if cached is not None and cached[1] == signals:
         return cached[2]
-    made = Fp8Weight(weight)
+    made = Fp8Weight.quantized(weight)
     _cache[key] = (weakref.ref(weight, _forgetter(_cache, key)), signals, made)
     return made
 

@@ -114,3 +114,13 @@ def test_kernels_need_a_cuda_tensor_of_two_dimensions():
     assert kernels.kernels_available(torch.ones(4, 16, device="cuda"))
     assert not kernels.kernels_available(torch.ones(4, 16))
     assert not kernels.kernels_available(torch.ones(2, 4, 16, device="cuda"))
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 16), (17, 48), (100, 4096), (4096, 14336), (130, 70)], ids=str
+)
+def test_transpose_is_torchs_transpose_bit_for_bit(shape):
+    data = _input(shape, torch.float32, seed=7).to(torch.float8_e4m3fn)
+    transposed = kernels.transpose_fp8(data)
+    assert transposed.shape == (shape[1], shape[0]) and transposed.is_contiguous()
+    assert torch.equal(_bytes(transposed), _bytes(data.t().contiguous()))

@@ -61,6 +61,19 @@ def test_made_once_until_the_weight_may_have_changed(optimizer):
     assert fp8_weight_of(weight) is not third
 
 
+def test_a_data_swap_makes_the_copy_again():
+    """`.data` assignments (`model.cuda()`, `model.to(dtype)`) bump no version counter: the
+    copy follows the new tensor all the same."""
+    weight = _weight()
+    first = fp8_weight_of(weight)
+    weight.data = weight.data * 2
+    second = fp8_weight_of(weight)
+    assert second is not first
+    assert torch.equal(second.tensor.scale_inv, current_scale(weight, E4M3).reciprocal())
+    weight.data = weight.data.float()  # the same values in another dtype
+    assert fp8_weight_of(weight) is not second
+
+
 def test_tensors_that_are_not_parameters_are_not_cached():
     plain = torch.randn(16, 16)
     assert fp8_weight_of(plain) is not fp8_weight_of(plain)
@@ -73,7 +86,7 @@ def test_a_registered_provider_is_asked_while_its_engine_lives():
 
         def fp8_weight(self, param):
             self.made.append(param)
-            return Fp8Weight(torch.zeros_like(param))
+            return Fp8Weight.quantized(torch.zeros_like(param))
 
     weight, engine = _weight(), Engine()
     register_fp8_weight(weight, engine.fp8_weight)
