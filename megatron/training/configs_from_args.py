@@ -265,6 +265,7 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         megatron_fsdp_grad_comm_dtype=FSDP_DTYPES[args.megatron_fsdp_grad_comm_dtype],
         megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
         megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
+        fp8_param_gather=args.fp8_param_gather,
     )
 
 

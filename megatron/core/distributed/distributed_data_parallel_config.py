@@ -127,6 +127,12 @@ class DistributedDataParallelConfig:
     # (`SPEED_ONLY_FIELDS`; the flags of a few are accepted likewise, `PERFORMANCE_HINTS`).
     num_buckets: int | None = _no_effect(None)
     align_param_gather: bool = _no_effect(False)
+    fp8_param_gather: bool = False
+    """Megatron-FSDP: keep and all-gather the compute weights of the linear layers that train
+    in FP8 (`TransformerConfig.fp8`) as FP8 bytes with one scale per tensor, cast once per
+    optimizer step from the main weights (half of bf16's all-gather traffic and whole-weight
+    memory); the arithmetic is that of FP8 training without it."""
+
     pad_buckets_for_high_nccl_busbw: bool = _no_effect(False)
     gradient_reduce_div_fusion: bool = _no_effect(True)
     nccl_ub: bool = _no_effect(False)
@@ -146,7 +152,6 @@ class DistributedDataParallelConfig:
     param_name_patterns_for_fp32_local_accumulation: tuple[str, ...] = _unbuilt(
         (), "fp32 local accumulation by name (use grad_reduce_in_fp32)"
     )
-    fp8_param_gather: bool = _unbuilt(False, "FP8 parameter all-gathers")
     fp4_param_gather: bool = _unbuilt(False, "FP4 parameter all-gathers")
     reuse_grad_buf_for_mxfp8_param_ag: bool = _unbuilt(False, "MXFP8 parameter all-gathers")
     keep_fp8_transpose_cache: bool = _unbuilt(False, "Transformer Engine's FP8 transpose cache")
@@ -280,6 +285,7 @@ _FSDP_ONLY_FIELDS = frozenset(
         "megatron_fsdp_grad_comm_dtype",
         "megatron_fsdp_keep_unsharded_params",
         "megatron_fsdp_accumulate_unsharded_grads",
+        "fp8_param_gather",
     }
 )
 """Fields only Megatron-FSDP reads."""

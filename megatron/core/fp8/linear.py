@@ -110,6 +110,12 @@ class Fp8LinearSlots:
         )
 
 
+def computes_in_fp8(module: torch.nn.Module, name: str) -> bool:
+    """Whether `module`'s parameter `name` is the weight of a linear layer that runs its GEMMs
+    in FP8 (an engine may then keep it as FP8 bytes: `fp8_param_gather`)."""
+    return name == "weight" and isinstance(getattr(module, "fp8", None), Fp8LinearSlots)
+
+
 def _weight_needs_grad(weight: torch.Tensor) -> bool:
     """Whether a backward can ask for `weight`'s gradient: read before the autograd function,
     whose `needs_input_grad` says True under `torch.no_grad()` too (an evaluation forward would

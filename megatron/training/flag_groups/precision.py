@@ -9,10 +9,11 @@ unless `--grad-reduce-in-bf16` (see `grad_reduce_in_fp32`).
 
 FP8 training of the transformer layers' linears is built (`megatron.core.fp8`): `--fp8-format`,
 `--fp8-recipe` (delayed, tensorwise) and their options set `TransformerConfig` fields, which check
-them (`configs_from_args` names the flags in their errors). FP8 parameter all-gathers, the
-MXFP8 / custom-recipe flags and FP4 are not built: their flags parse with Megatron-LM's names,
-types and defaults so that launch scripts parse, and `validate_precision` refuses any value other
-than the default, naming what is not built.
+them (`configs_from_args` names the flags in their errors); `--fp8-param-gather` sets the
+`DistributedDataParallelConfig` field of its name. The transpose cache, the MXFP8 /
+custom-recipe flags and FP4 are not built: their flags parse with Megatron-LM's names, types and
+defaults so that launch scripts parse, and `validate_precision` refuses any value other than the
+default, naming what is not built.
 """
 
 from __future__ import annotations
@@ -42,15 +43,14 @@ FP8_FIELDS = (
 )
 """The FP8 flags that set `TransformerConfig` fields of the same names (which check them)."""
 
-_PARAM_GATHER = (
-    "FP8 parameter all-gather is not built yet (--fp8-format trains in FP8 with the weights "
-    "gathered in their own dtype)"
-)
 _FP4 = "FP4 training is not built in this project (train with --bf16 or --fp8-format)"
 
 UNBUILT_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "fp8_param_gather": (False, _PARAM_GATHER),
-    "keep_fp8_transpose_cache": (False, _PARAM_GATHER),
+    "keep_fp8_transpose_cache": (
+        False,
+        "keeping FP8 weight transposes beyond their gathered weights is not built (they live "
+        "as long as the whole FP8 weights, as upstream's default)",
+    ),
     "fp8_quantizer_factory": (
         None,
         "custom FP8 recipes need Transformer Engine's quantizer factories, which are not built",
@@ -165,7 +165,8 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fp8-param-gather",
         action="store_true",
-        help="All-gather the weights in FP8 (not built yet).",
+        help="Megatron-FSDP: keep and all-gather the weights of the FP8 linear layers in FP8, "
+        "cast once per step.",
     )
     group.add_argument("--fp8-quantizer-factory", type=str, default=None)
     group.add_argument(
@@ -202,9 +203,7 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     group.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
-    group.add_argument(
-        "--keep-fp8-transpose-cache", action="store_true", help="Part of --fp8-param-gather."
-    )
+    group.add_argument("--keep-fp8-transpose-cache", action="store_true", help="Not built.")
     group.add_argument("--reuse-grad-buf-for-mxfp8-param-ag", action="store_true")
     group.add_argument("--fp4-format", dest="fp4", choices=["e2m1"], default=None)
     group.add_argument("--fp4-recipe", choices=["nvfp4", "custom"], default="nvfp4")

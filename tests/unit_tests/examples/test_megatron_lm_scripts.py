@@ -73,14 +73,20 @@ def script_flags(
 SCRIPTS = sorted(path.name for path in (ROOT / "examples" / "megatron_lm").glob("*.sh"))
 
 OUTCOMES: dict[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], str | None] = {
-    ("llama3_8b_fp8.sh", (), ()): "--fp8-param-gather: FP8 parameter all-gather is not built yet",
+    ("llama3_8b_fp8.sh", (), ()): "--profile without --use-pytorch-profiler",
+    (
+        "llama3_8b_fp8.sh",
+        (),
+        ("--attention-backend", "auto", "--use-pytorch-profiler"),
+    ): "--fp8-param-gather needs Megatron-FSDP",
     ("llama3_8b_fp8.sh", (("DTYPE", "bf16"),), ()): "--profile without --use-pytorch-profiler",
     (
         "llama3_8b_fp8.sh",
         (("DTYPE", "bf16"),),
         ("--attention-backend", "auto", "--use-pytorch-profiler"),
     ): None,
-    ("llama3_8b_fsdp_fp8.sh", (), ()): "--fp8-param-gather: FP8 parameter all-gather is not built",
+    ("llama3_8b_fsdp_fp8.sh", (), ()): "--attention-backend fused needs a CUDA GPU",
+    ("llama3_8b_fsdp_fp8.sh", (), ("--attention-backend", "auto")): None,
     (
         "llama3_8b_fsdp_fp8.sh",
         (("DTYPE", "bf16"),),
@@ -96,8 +102,9 @@ trains; otherwise a part of the error it stops with. The Llama-3 scripts ask for
 attention, which a CPU lacks, and the H100 one for an nsys profile (`--profile` alone): with
 `--attention-backend auto` (and `--use-pytorch-profiler`) added after their own flags (argparse
 keeps the last value) the rest of their flags train. Their FP8 setting (`DTYPE=fp8`) asks for
-FP8 parameter all-gathers, not built yet: without `--fp8-param-gather` the rest of their FP8
-flags train (`test_fp8_scripts_train_in_fp8_without_fp8_param_gather`). Mixtral asks for 4
+FP8 parameter all-gathers (`--fp8-param-gather`), built for Megatron-FSDP: the FSDP script
+trains with all its FP8 flags, the DDP one without that flag
+(`test_fp8_scripts_train_in_fp8`). Mixtral asks for 4
 pipeline stages by default; with `PP=1` it trains (see
 `test_mixtral_trains_with_expert_parallelism_...`)."""
 
@@ -160,10 +167,13 @@ CPU_FLAGS = {
 
 
 @pytest.mark.parametrize("script", sorted(CPU_FLAGS))
-def test_fp8_scripts_train_in_fp8_without_fp8_param_gather(script, tmp_path):
-    """Upstream's FP8 flags (hybrid, delayed scaling over a 1024-long amax history, max) but
-    `--fp8-param-gather`: the run says it trains in FP8 and every loss is finite."""
-    flags = [flag for flag in script_flags(script, tmp_path) if flag != "--fp8-param-gather"]
+def test_fp8_scripts_train_in_fp8(script, tmp_path):
+    """Upstream's FP8 flags (hybrid, delayed scaling over a 1024-long amax history, max, and
+    under Megatron-FSDP `--fp8-param-gather`): the run says it trains in FP8 and every loss is
+    finite."""
+    flags = script_flags(script, tmp_path)
+    if "--use-megatron-fsdp" not in flags:
+        flags = [flag for flag in flags if flag != "--fp8-param-gather"]
     flags += [*CPU_FLAGS[script], "--num-workers", "0"]
     history, messages = run_distributed(_logged_history, 2, flags)[0]
     losses = history.loss_curve()

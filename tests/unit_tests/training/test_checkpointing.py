@@ -77,18 +77,28 @@ def _build(
     optimizer: str = "adam",
     momentum: float = 0.0,
     frozen: tuple[str, ...] = (),
+    fp8_recipe: str | None = None,
+    fp8_param_gather: bool = False,
 ) -> tuple[torch.nn.Module, Any, OptimizerParamScheduler]:
     """A tiny GPT with dropout and tied embeddings under `engine` ("ddp" or a sharding
-    strategy; HSDP / HFSDP with `replicas` > 1), its optimizer and a warmup-cosine schedule."""
+    strategy; HSDP / HFSDP with `replicas` > 1), its optimizer and a warmup-cosine schedule;
+    with `fp8_recipe`, its transformer layers' linears in FP8 (hybrid format)."""
     dtypes = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
+    if fp8_recipe is not None:
+        dtypes.update(fp8="hybrid", fp8_recipe=fp8_recipe)
+        if fp8_recipe == "delayed":
+            dtypes.update(fp8_amax_history_len=4, fp8_amax_compute_algo="max")
     config = tiny_gpt_config(hidden_dropout=0.1, attention_dropout=0.1, **dtypes)
     model = build_tiny_gpt(
         config, seed, max_sequence_length=POSITIONS, share_embeddings_and_output_weights=True
     )
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)
-    hybrid = dict(outer_dp_sharding_strategy=outer, num_distributed_optimizer_instances=replicas)
-    wrapped = wrap_for_engine(model, engine, **(hybrid if replicas > 1 else {}))
+    fields = dict(outer_dp_sharding_strategy=outer, num_distributed_optimizer_instances=replicas)
+    fields = fields if replicas > 1 else {}
+    if fp8_param_gather:
+        fields["fp8_param_gather"] = True
+    wrapped = wrap_for_engine(model, engine, **fields)
     config = OptimizerConfig(optimizer=optimizer, lr=LR, sgd_momentum=momentum, clip_grad=1.0)
     megatron_optimizer = get_megatron_optimizer(config, wrapped)
     scheduler = OptimizerParamScheduler(
@@ -239,6 +249,13 @@ ROUND_TRIPS = {
     "optim_grads_params-sgd-no-momentum": ("optim_grads_params", {"optimizer": "sgd"}),
     "optim_grads-sgd-momentum": ("optim_grads", {"optimizer": "sgd", "momentum": 0.9}),
     "ddp-bf16-frozen": ("ddp", {"bf16": True, "frozen": ("decoder.final_layernorm.weight",)}),
+    **{
+        f"{e}-fp8-param-gather": (
+            e,
+            dict(bf16=True, fp8_recipe="tensorwise", fp8_param_gather=True),
+        )
+        for e in ("optim", "optim_grads_params")
+    },
     "optim_grads_params-frozen": (
         "optim_grads_params",
         {"frozen": ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.final_layernorm.bias")},

@@ -147,6 +147,7 @@ def test_gradient_reduction_dtype(flags, reduce_in_fp32):
             "--accumulate-allreduce-grads-in-fp32 contradicts --megatron-fsdp-main-grads-dtype",
         ),
         (f"--fp16 {FSDP} --megatron-fsdp-main-params-dtype fp16", "fp16 main weights"),
+        ("--fp8-format hybrid --fp8-param-gather", "--fp8-param-gather needs Megatron-FSDP"),
     ],
 )
 def test_bad_combination_names_the_flag(flags, message):
@@ -157,8 +158,7 @@ def test_bad_combination_names_the_flag(flags, message):
 @pytest.mark.parametrize(
     "flags, named, unbuilt",
     [
-        ("--fp8-param-gather", "--fp8-param-gather", "FP8 parameter all-gather is not built"),
-        ("--keep-fp8-transpose-cache", "--keep-fp8-transpose-cache", "FP8 parameter all-gather"),
+        ("--keep-fp8-transpose-cache", "--keep-fp8-transpose-cache", "keeping FP8 weight"),
         ("--fp8-quantizer-factory a.b", "--fp8-quantizer-factory a.b", "custom FP8 recipes"),
         ("--fp8-output-proj", "--fp8-output-proj", "the MXFP8 output projection is not built"),
         (

@@ -85,6 +85,23 @@ def test_fsdp_on_meta_device_matches_ddp_on_4_ranks():
     _assert_fsdp_matches_ddp(4, [*ZERO3, "--init-model-with-meta-device"])
 
 
+FP8 = "--bf16 --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max".split()
+
+
+def test_fp8_param_gather_from_the_meta_device_trains_as_without_it():
+    """`--fp8-param-gather` with `--init-model-with-meta-device`: the FP8 weights are cast from
+    the materialised shards at the first forward; losses and gradient norms are those of an
+    eager FP8 run without it, bit for bit."""
+    base = [*TINY, *ZERO3, *FP8, "--global-batch-size", "8"]
+    gathered = run_distributed(
+        _losses_and_norms, 2, [*base, "--fp8-param-gather", "--init-model-with-meta-device"]
+    )
+    plain = run_distributed(_losses_and_norms, 2, base)
+    assert plain[0][0][-1] < plain[0][0][0]
+    for rank_result in gathered:
+        assert all(torch.equal(a, b) for a, b in zip(rank_result, plain[0]))
+
+
 MOE = tuple(
     (
         "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "

@@ -143,6 +143,11 @@ class Collectives:
         dist.all_reduce(tensor, op=op, group=group)
         _finish_average([tensor], op, divisor, average)
 
+    def all_reduce_max(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Replaces `tensor` in place by its elementwise maximum over `group`."""
+        if group.size() > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
     def _op(self, group: dist.ProcessGroup, average: bool, divisor: int) -> dist.ReduceOp:
         if not average or divisor != group.size():
             return dist.ReduceOp.SUM

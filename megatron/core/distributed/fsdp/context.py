@@ -209,12 +209,13 @@ class FsdpContext:
         self._recording = ([], [])
         self._wait_pending_reductions()
         self.residency.order_gathers()
-        for unit in self.units():
+        units = list(self.units())
+        for unit in units:
             for group in unit.groups:
                 group.weights.observe_main_weights()
                 if group.grads is not None:
                     group.grads.release_if_dropped()
-            self.residency.refresh(unit)
+        self.residency.refresh(units)
 
     def _prepare_outside_pass(self, unit: ScheduledUnit) -> None:
         """A unit used outside the root's forward: its gathers follow the latest writes, and
@@ -222,7 +223,7 @@ class FsdpContext:
         for group in unit.groups:
             group.weights.observe_main_weights()
         self.residency.order_gathers()
-        self.residency.refresh(unit)
+        self.residency.refresh([unit])
 
     def post_forward(self, unit: ScheduledUnit) -> None:
         """After `unit`'s forward (not a recompute rerun, after which the backward needs the

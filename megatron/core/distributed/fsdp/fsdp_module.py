@@ -48,6 +48,7 @@ from megatron.core.distributed.fsdp.unit_boundaries import (
     announce_backward,
     route_inputs,
 )
+from megatron.core.fp8.linear import computes_in_fp8
 from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
 
 _Modules = TypeVar("_Modules", torch.nn.Module, Sequence[torch.nn.Module])
@@ -352,9 +353,10 @@ def fully_shard(
 
     slots, params = _collect_params(modules)
     name = "+".join(type(m).__name__ for m in modules)
-    members: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+    members: dict[tuple[torch.dtype, bool, bool, bool], list[int]] = {}
     for i, (slot, param) in enumerate(zip(slots, params)):
-        key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param))
+        fp8 = mp_policy.fp8_param_gather and param.requires_grad and _computes_in_fp8(slot)
+        key = (param.dtype, param.requires_grad, is_expert(slot.fqn, param), fp8)
         members.setdefault(key, []).append(i)
     devices = {p.device for p in params if p.device.type != "meta"}
     if len(devices) > 1:
@@ -364,7 +366,7 @@ def fully_shard(
         )
     device = devices.pop() if devices else index.device
     groups: list[FsdpParameterGroup] = []
-    for (dtype, requires_grad, expert), indices in members.items():
+    for (dtype, requires_grad, expert, fp8), indices in members.items():
         shard_groups = index.groups(expert)
         sharding_strategy.check_outer_group(shard_groups.outer_size)
         groups.append(
@@ -373,6 +375,7 @@ def fully_shard(
                 [slots[i] for i in indices],
                 model_dtype=dtype,
                 requires_grad=requires_grad,
+                fp8_gather=fp8,
                 groups=shard_groups,
                 strategy=sharding_strategy,
                 precision=mp_policy.resolve(dtype),
@@ -496,6 +499,12 @@ def _collect_params(
                     slots[param] = ParamSlot(prefix_of_module + fqn, [], layouts.get(fqn))
                 slots[param].registrations.append((weakref.ref(owner), name))
     return list(slots.values()), list(slots)
+
+
+def _computes_in_fp8(slot: ParamSlot) -> bool:
+    """Whether every module that registers the parameter computes with it in FP8."""
+    modules = [(module_ref(), name) for module_ref, name in slot.registrations]
+    return all(module is not None and computes_in_fp8(module, name) for module, name in modules)
 
 
 def _modules_outside_units(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:

@@ -75,6 +75,12 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 "FullyShardedDataParallel needs ddp_config.use_megatron_fsdp=True; for plain "
                 "data parallelism wrap the model with DistributedDataParallel instead."
             )
+        if ddp_config.fp8_param_gather and not config.fp8:
+            raise ValueError(
+                "ddp_config.fp8_param_gather (--fp8-param-gather) gathers the weights of FP8 "
+                "linear layers, and this model has none: set config.fp8 (--fp8-format), or "
+                "drop fp8_param_gather."
+            )
         self.ddp_config = ddp_config
         self.distributed_index = FSDPDistributedIndex.from_pg_collection(
             pg_collection, average_grads=not self.sums_grads
@@ -103,6 +109,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
             main_grads_dtype=main_grads_dtype,
             grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
+            fp8_param_gather=ddp_config.fp8_param_gather,
         )
         overlap_policy = OverlapPolicy(
             prefetch=ddp_config.overlap_param_gather,

@@ -4,7 +4,9 @@ Three dtypes are in play per parameter group. The *model* (compute) weights keep
 module was built in (bf16 for a bf16 model); the *main* weights, which the optimizer steps, are
 kept in `main_params_dtype` (fp32 by default, so small updates are not lost to bf16 rounding);
 gradients accumulate across microbatches in `main_grads_dtype` and travel over the network in
-`grad_comm_dtype`.
+`grad_comm_dtype`. With `fp8_param_gather` the compute weights of FP8 linear layers
+(`megatron.core.fp8`) are kept and all-gathered as FP8 bytes with one scale each, instead of in
+the model dtype (`fp8_gather.py`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ class MixedPrecisionPolicy:
         main_grads_dtype: dtype gradients accumulate in across microbatches. None: the model
             dtype.
         grad_comm_dtype: dtype of gradient reductions. None: `main_grads_dtype`.
+        fp8_param_gather: the weights of linear layers that compute in FP8 are cast to FP8 once
+            per change of the main weights and travel (and stay whole) as FP8; the other
+            parameters are unaffected (Megatron-LM's `fp8_param_gather`).
     """
 
     main_params_dtype: torch.dtype | None = torch.float32
     main_grads_dtype: torch.dtype | None = None
     grad_comm_dtype: torch.dtype | None = None
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):

@@ -23,13 +23,14 @@ __all__ = ["FsdpParameterGroup", "ParamSlot"]
 
 
 class FsdpParameterGroup:
-    """The parameters of one unit with the same (dtype, requires_grad, is_expert).
+    """The parameters of one unit with the same (dtype, requires_grad, is_expert, FP8 gather).
 
     Args:
         shapes: each parameter's shape.
         slots: where each parameter is registered.
         model_dtype: dtype of the compute weights (the dtype the module was built in).
         requires_grad: whether the parameters train.
+        fp8_gather: the compute weights are FP8 (`fp8_gather.py`).
         groups: the process groups to shard and communicate over.
         strategy: what to shard.
         precision: the resolved dtypes.
@@ -49,6 +50,7 @@ class FsdpParameterGroup:
         *,
         model_dtype: torch.dtype,
         requires_grad: bool,
+        fp8_gather: bool = False,
         groups: ShardGroups,
         strategy: ShardingStrategy,
         precision: ResolvedPrecision,
@@ -56,7 +58,12 @@ class FsdpParameterGroup:
         device: torch.device,
     ):
         self.plan = GroupPlan.make(
-            strategy, precision, groups, model_dtype=model_dtype, requires_grad=requires_grad
+            strategy,
+            precision,
+            groups,
+            model_dtype=model_dtype,
+            requires_grad=requires_grad,
+            fp8_gather=fp8_gather,
         )
         layout = ShardLayout(shapes, self.plan.num_shards)
         self.weights = GroupWeights(self.plan, layout, slots, groups, comm, device)

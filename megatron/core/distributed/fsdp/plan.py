@@ -15,6 +15,11 @@ Two buffers hold weights:
 HFSDP adds the *inner shard*: this replica's shard of the compute-dtype weights, gathered over
 the replicas from the (outer-sharded) main weights once per change, and all-gathered from for
 each use.
+
+A group with `fp8_gather` (trainable weights of FP8 linear layers under `fp8_param_gather`)
+computes with FP8 weights: its main weights are always a buffer of their own, and its compute
+weights are FP8 bytes made from them once per change (`fp8_gather.py`), gathered like the
+unsharded buffer would be; the unsharded buffer of the model dtype is never allocated.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class GroupPlan:
         placements: the DTensor placements of main weights and their gradients over the
             data-parallel dimensions of `ShardGroups.mesh` (those after its leading dimensions,
             over which each parameter is placed as `LeadingGroups.placements` says).
+        fp8_gather: the compute weights are FP8 (module docstring).
     """
 
     requires_grad: bool
@@ -85,6 +91,12 @@ class GroupPlan:
     reduces_outer: bool
     separate_optim_grad: bool
     placements: tuple[Placement, ...]
+    fp8_gather: bool = False
+
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element of the whole compute weights (what a gather moves and holds)."""
+        return 1 if self.fp8_gather else self.model_dtype.itemsize
 
     @classmethod
     def make(
@@ -95,6 +107,7 @@ class GroupPlan:
         *,
         model_dtype: torch.dtype,
         requires_grad: bool,
+        fp8_gather: bool = False,
     ) -> GroupPlan:
         num_shards = groups.shard_size if strategy.shards_optimizer else 1
         transient = strategy.shards_params
@@ -102,8 +115,14 @@ class GroupPlan:
         # Frozen main weights follow the compute weights: no optimizer state to shard.
         shards_main = strategy.shards_optimizer and num_shards > 1 if requires_grad else transient
         outer_sharded = requires_grad and strategy.shards_outer
+        if fp8_gather and not requires_grad:
+            raise ValueError("fp8_gather is for trainable parameter groups only.")
         main_is_unsharded = (
-            not outer_sharded and main_dtype == model_dtype and not shards_main and not transient
+            not outer_sharded
+            and main_dtype == model_dtype
+            and not shards_main
+            and not transient
+            and not fp8_gather
         )
         if outer_sharded:
             refresh = Refresh.OUTER_GATHER
@@ -139,4 +158,5 @@ class GroupPlan:
             reduces_outer=groups.outer is not None and not outer_sharded,
             separate_optim_grad=requires_grad and separate,
             placements=placements,
+            fp8_gather=fp8_gather,
         )

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
+from megatron.core.distributed.fsdp.fp8_gather import finish_refreshes
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 
@@ -92,20 +93,30 @@ class Residency:
         if self._streams is not None:
             self._streams.wait(self._streams.all_gather, self._streams.current())
 
-    def refresh(self, unit: ScheduledUnit) -> None:
-        """Makes `unit`'s stale compute weights follow the main weights now, on the all-gather
-        stream (unsharded weights held from older main weights are resharded, to be gathered
-        again when used)."""
-        stale = [group.weights for group in unit.groups if group.weights.is_stale]
+    def refresh(self, units: Iterable[ScheduledUnit]) -> None:
+        """Makes the stale compute weights of `units` follow the main weights now, on the
+        all-gather stream (unsharded weights held from older main weights are resharded, to be
+        gathered again when used). FP8 compute weights (`fp8_gather.py`) reduce the amaxes of
+        all of them in one collective per shard group."""
+        stale = [
+            (unit, [group.weights for group in unit.groups if group.weights.is_stale])
+            for unit in units
+        ]
+        stale = [(unit, weights) for unit, weights in stale if weights]
         if not stale:
             return
-        self.reshard(unit)
-        with self._on_all_gather_stream(), self._labels(unit, "refresh"):
-            for weights in stale:
-                weights.refresh()
-        if self._streams is not None:
-            self._ready_events[unit.position].record(self._streams.all_gather)
-        self._ready.add(unit.position)
+        for unit, _ in stale:
+            self.reshard(unit)
+        with self._on_all_gather_stream():
+            for unit, weights in stale:
+                with self._labels(unit, "refresh"):
+                    for group_weights in weights:
+                        group_weights.refresh()
+            finish_refreshes([w.fp8 for _, weights in stale for w in weights if w.fp8])
+        for unit, _ in stale:
+            if self._streams is not None:
+                self._ready_events[unit.position].record(self._streams.all_gather)
+            self._ready.add(unit.position)
 
     def unshard(
         self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False, keep: bool = False

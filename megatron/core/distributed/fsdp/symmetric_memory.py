@@ -94,6 +94,12 @@ def place_weights_in_windows(
     sizes: dict[tuple[str, int], int] = {}  # bytes of each (process group, slot) window
     places = []
     process_groups: dict[str, dist.ProcessGroup] = {}
+    if any(group.plan.fp8_gather for unit in units for group in unit.groups):
+        raise ValueError(
+            "use_symm_mem=True with fp8_param_gather is not built: the FP8 weights are gathered "
+            "outside the symmetric windows. Drop one of them (--use-symm-mem, or "
+            "--fp8-param-gather)."
+        )
     for unit in units:
         taken: dict[tuple[str, int], int] = {}  # bytes this unit takes in each ring window
         for group in unit.groups:

@@ -13,7 +13,9 @@ gathered again, when it differs. Writes through `.data` bypass version counters 
 autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)`). Wherever the
 compute weights are rewritten or freed, their FP8 copies (`megatron.core.fp8.weights`, which
 cannot see these writes: they bump no version counter) are dropped, to be made again from the
-new values at their next use.
+new values at their next use. A group with `plan.fp8_gather` keeps FP8 compute weights instead
+(`Fp8ComputeWeights`, `fp8_gather.py`): refresh casts them, unshard and reshard gather and free
+them, and its model-dtype compute weights stay without memory.
 
 Under tensor or expert parallelism each parameter is this rank's part of a global tensor: the
 buffers hold and shard that part like any parameter, and the DTensors show the global tensor,
@@ -39,6 +41,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
     copy_chunks_out,
 )
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
+from megatron.core.distributed.fsdp.fp8_gather import Fp8ComputeWeights
 from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
 from megatron.core.distributed.tensor_parallel_params import check_data_parallel_chunks, dtensor
 from megatron.core.fp8.weights import forget_fp8_weights
@@ -104,6 +107,7 @@ class GroupWeights:
         dist_params: the DTensor main weights, registered between forwards.
         local_main_weights: each DTensor's local tensor (its shard, a view of the main buffer).
         untracked_writes: writes to the main weights that bumped no version counter.
+        fp8: the FP8 compute weights (`plan.fp8_gather`), else None.
     """
 
     def __init__(
@@ -174,13 +178,27 @@ class GroupWeights:
         self._writable = [self.sharded_main.data, *self.dist_params, *self.local_main_weights]
         self._unsharded_registration = _Registration(slots, self.unsharded_params)
         self._sharded_registration = _Registration(slots, self.dist_params)
-        if plan.transient_unsharded:
+        self.fp8: Fp8ComputeWeights | None = None
+        if plan.fp8_gather:
+            self.fp8 = Fp8ComputeWeights(
+                layout,
+                self.rank,
+                self.unsharded_params,
+                self.fqns,
+                model_dtype=plan.model_dtype,
+                transient=plan.transient_unsharded,
+                amax_group=groups.shard if layout.num_shards > 1 else None,
+                gather_group=groups.all_gather,
+                device=device,
+            )
+        if plan.transient_unsharded or plan.fp8_gather:
             self.unsharded.release_storage()
         self.untracked_writes = 0
         # id -> (weakref, version counted) of each live `aliased_dtensor` local tensor.
         self._aliases: dict[int, tuple[weakref.ref, int]] = {}
         self._observed_version = self.main_version()
-        self._made_version = self._observed_version
+        # FP8 compute weights are made by the first refresh.
+        self._made_version = -1 if plan.fp8_gather else self._observed_version
 
     def _bind_unsharded_views(self) -> None:
         """Makes the views of the unsharded buffer that every use reads: each compute weight
@@ -314,6 +332,8 @@ class GroupWeights:
             main.copy_(inner)
         else:
             main.copy_(full)
+        if self.fp8 is not None:
+            return  # stale: the next refresh casts (a collective, as loads are)
         if self.inner_shard is not None:
             self.inner_shard.local_views()[index].copy_(inner)
         elif not self.plan.transient_unsharded and not self.plan.main_is_unsharded:
@@ -328,12 +348,16 @@ class GroupWeights:
         """Makes the compute weights follow the main weights observed last (a cast, or an
         all-gather where the compute weights are replicated and the main weights sharded; under
         ZeRO-3 nothing but HFSDP's inner shard: every `unshard()` gathers from the main weights,
-        and whole weights made from older ones must have been freed first)."""
+        and whole weights made from older ones must have been freed first). FP8 compute weights
+        only start their refresh here: `fp8_gather.finish_refreshes` completes it."""
         self._made_version = self._observed_version
         forget_fp8_weights(self.unsharded_params)
         refresh = self.plan.refresh
         if refresh is Refresh.OUTER_GATHER:
             self._gather_inner_shard()
+        if self.fp8 is not None:
+            source = self.inner_shard.local_views() if self.inner_shard else self._main_views
+            self.fp8.start_refresh(source, self.comm)
         elif refresh is Refresh.GATHER:
             self._gather_into_unsharded()
         elif refresh is Refresh.CAST:
@@ -367,6 +391,10 @@ class GroupWeights:
 
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gathers them; otherwise they are)."""
+        if self.fp8 is not None:
+            if self.plan.transient_unsharded:
+                self.fp8.unshard(self.comm)  # the FP8 shards the last refresh made
+            return
         if not self.plan.transient_unsharded or self.unsharded.is_allocated:
             return
         self._made_version = self._observed_version
@@ -376,14 +404,18 @@ class GroupWeights:
 
     def reshard(self) -> None:
         """Frees the whole compute weights (ZeRO-3 only), and their FP8 copies."""
-        if self.plan.transient_unsharded:
+        if self.fp8 is not None:
+            if self.plan.transient_unsharded:
+                self.fp8.reshard()
+        elif self.plan.transient_unsharded:
             self.unsharded.release_storage()
             forget_fp8_weights(self.unsharded_params)
 
     @property
     def holds_unsharded(self) -> bool:
         """Whether the whole compute weights are in memory now."""
-        return self.unsharded.is_allocated
+        whole = self.unsharded if self.fp8 is None else self.fp8.unsharded
+        return whole.is_allocated
 
     @property
     def gathers(self) -> bool:

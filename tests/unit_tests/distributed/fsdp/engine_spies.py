@@ -24,15 +24,19 @@ class EngineCalls:
 
     Attributes:
         log: "gather", "reduce_scatter", "order" (a gather ordered after the compute stream's
-            queued writes) and "refresh" (compute weights rebuilt from the main weights), in
-            call order.
+            queued writes), "refresh" (compute weights rebuilt from the main weights) and
+            "amax_reduce" (FP8 weights' amaxes all-reduced), in call order.
         gather_groups: the process group of each all-gather.
+        gather_bytes: the bytes each all-gather writes on this rank (all ranks' blocks).
+        gather_dtypes: the dtype of each all-gather's outputs.
         scatter_groups: the process group of each reduce-scatter.
         refreshes: per parameter group's `GroupWeights` (by id), how often it was refreshed.
     """
 
     log: list[str] = dataclasses.field(default_factory=list)
     gather_groups: list[Any] = dataclasses.field(default_factory=list)
+    gather_bytes: list[int] = dataclasses.field(default_factory=list)
+    gather_dtypes: list[Any] = dataclasses.field(default_factory=list)
     scatter_groups: list[Any] = dataclasses.field(default_factory=list)
     refreshes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
 
@@ -48,10 +52,13 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     calls = EngineCalls()
     gather, scatter = collectives._all_gather_coalesced, collectives._reduce_scatter_coalesced
     order, refresh = Residency.order_gathers, GroupWeights.refresh
+    amax_reduce = collectives.Collectives.all_reduce_max
 
     def spied_gather(*args, **kwargs):
         calls.log.append("gather")
         calls.gather_groups.append(kwargs["group"])
+        calls.gather_bytes.append(sum(out.numel() * out.element_size() for out in args[0]))
+        calls.gather_dtypes.append(args[0][0].dtype)
         return gather(*args, **kwargs)
 
     def spied_scatter(*args, **kwargs):
@@ -68,7 +75,12 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.refreshes[id(weights)] += 1
         return refresh(weights)
 
+    def spied_amax_reduce(comm, *args, **kwargs) -> None:
+        calls.log.append("amax_reduce")
+        return amax_reduce(comm, *args, **kwargs)
+
     with (
+        mock.patch.object(collectives.Collectives, "all_reduce_max", spied_amax_reduce),
         mock.patch.object(collectives, "_all_gather_coalesced", spied_gather),
         mock.patch.object(collectives, "_reduce_scatter_coalesced", spied_scatter),
         mock.patch.object(Residency, "order_gathers", spied_order),

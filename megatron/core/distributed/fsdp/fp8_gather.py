@@ -1,0 +1,220 @@
+"""`Fp8ComputeWeights`: a parameter group's compute weights as FP8 bytes (`fp8_param_gather`).
+
+With `MixedPrecisionPolicy(fp8_param_gather=True)` the trainable weights of linear layers that
+compute in FP8 (`megatron.core.fp8`) form groups of their own, whose compute weights are E4M3
+bytes with one scale per tensor instead of model-dtype values:
+
+- *refresh*, once per change of the main weights: each rank takes the absolute maximum of its
+  part of each tensor (the main shard, HFSDP's inner shard, or the replicated main weights, as
+  rounded to the model dtype); the groups refreshed together all-reduce those amaxes with MAX
+  in one collective per shard group (`finish_refreshes`), so every rank holds each whole
+  tensor's amax; each rank then casts its part with the scale `448 / amax` into its FP8 shard.
+  Weights that stay whole (ZeRO-1/2) are all-gathered right after.
+- *unshard* (ZeRO-3): the FP8 shards are all-gathered into the whole FP8 weights, 1 byte per
+  element where bf16 moves 2; *reshard* frees them.
+- *use*: the FP8 linear layers ask `fp8_weight_of(weight)`, which this object answers
+  (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale.
+  Its transposed copy, for the input-gradient GEMM, is made at the first backward that needs
+  it and lives as long as the whole FP8 weights.
+
+The bytes equal the cast of the whole model-dtype weight that an FP8 linear layer makes
+without `fp8_param_gather` (`Fp8Weight.quantized`): the amax of a tensor is the largest of its
+parts' amaxes, and rounding to the model dtype and the cast are elementwise. So the option
+changes what travels and what is held, not the arithmetic. The model-dtype compute weights of
+such a group are never allocated: the parameters the modules see during a pass keep their
+shapes and dtypes for autograd, over no memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, chunk_targets
+from megatron.core.fp8.quantize import amax_of, compute_scale, quantize
+from megatron.core.fp8.recipe import fp8_max
+from megatron.core.fp8.tensor import Fp8Tensor
+from megatron.core.fp8.weights import WEIGHT_DTYPE, Fp8Weight, register_fp8_weight
+
+
+class Fp8ComputeWeights:
+    """The FP8 compute weights of one parameter group (module docstring).
+
+    Args:
+        layout: the group's layout over its shard group.
+        rank: this rank's shard.
+        params: the group's compute-weight parameters (what the modules compute with).
+        fqns: their names, for messages.
+        model_dtype: the dtype the weights are rounded to before the cast.
+        transient: the whole weights are gathered for each use and freed after (ZeRO-3).
+        amax_group: the shard group, over which each tensor's parts lie (None: not sharded).
+        gather_group: the group the FP8 shards are all-gathered over.
+        device: where the buffers live.
+    """
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        rank: int,
+        params: Sequence[torch.nn.Parameter],
+        fqns: Sequence[str],
+        *,
+        model_dtype: torch.dtype,
+        transient: bool,
+        amax_group: dist.ProcessGroup | None,
+        gather_group: dist.ProcessGroup,
+        device: torch.device,
+    ):
+        self._layout = layout
+        self._fqns = list(fqns)
+        self._model_dtype = model_dtype
+        # Unsharded, the whole FP8 weights are the shard itself: nothing to gather or free.
+        self._transient = transient and layout.num_shards > 1
+        self.amax_group = amax_group
+        self._gather_group = gather_group
+        # FP8 lives in uint8 buffers: collectives move bytes, whatever the backend's dtypes.
+        self.unsharded = DBuffer(
+            layout.unsharded(),
+            torch.uint8,
+            device,
+            sharded=False,
+            rank=0,
+            zeroed=not self._transient,
+        )
+        whole = [
+            view[: shape[0]] for view, shape in zip(self.unsharded.tensor_views(), layout.shapes)
+        ]
+        self._weights = [view.view(WEIGHT_DTYPE) for view in whole]
+        self._shard: DBuffer | None = None
+        if layout.num_shards > 1:
+            self._shard = DBuffer(layout, torch.uint8, device, sharded=True, rank=rank)
+            targets = chunk_targets(self.unsharded, layout)
+            self._gather_outputs = [target.view(-1) for target in targets]
+            self._gather_blocks = [target[gather_group.rank()] for target in targets]
+            self._gather_inputs = list(self._shard.data.split(layout.chunk_numels))
+            casts = self._shard.local_views()
+        else:
+            casts = whole
+        self._cast_targets = [view.view(WEIGHT_DTYPE) for view in casts]
+        # One 16-byte row per tensor: cuBLASLt refuses scale pointers that are not 16-byte
+        # aligned (CUBLAS_STATUS_NOT_SUPPORTED).
+        self._scale_inv_rows = torch.ones(len(layout), 4, dtype=torch.float32, device=device)
+        self._scale_invs = [row[:1] for row in self._scale_inv_rows]
+        self._index = {id(param): i for i, param in enumerate(params)}
+        self._made: list[Fp8Weight | None] = [None] * len(layout)
+        self._sources: list[torch.Tensor] | None = None
+        self._amaxes: torch.Tensor | None = None
+        self._comm: Collectives | None = None
+        if self._transient:
+            self.unsharded.release_storage()
+        for param in params:
+            register_fp8_weight(param, self.weight_of)
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole FP8 weights."""
+        return self.unsharded.data.nbytes
+
+    # Use.
+
+    def weight_of(self, param: torch.nn.Parameter) -> Fp8Weight:
+        """The FP8 weight of `param` (one of the group's compute weights), over the gathered
+        bytes; made once per gather.
+
+        Raises:
+            RuntimeError: the whole FP8 weights are not gathered (the weight is used outside
+                its unit's forward and backward).
+        """
+        index = self._index[id(param)]
+        made = self._made[index]
+        if made is not None:
+            return made
+        if not self.unsharded.is_allocated:
+            raise RuntimeError(
+                f"The FP8 weight {self._fqns[index]} is used while Megatron-FSDP holds only its "
+                "shard (fp8_param_gather): call its unit (or FSDPModule.unshard()) to compute "
+                "with it."
+            )
+        data = self._weights[index]
+        made = Fp8Weight(Fp8Tensor(data, self._scale_invs[index]))
+        self._made[index] = made
+        return made
+
+    # Refresh.
+
+    def start_refresh(self, sources: Sequence[torch.Tensor], comm: Collectives) -> None:
+        """First half of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
+        main dtype, or the model dtype). `finish_refreshes` completes it."""
+        self._forget()
+        self._sources = list(sources)
+        self._comm = comm
+        # Rounding is monotonic: the amax of the rounded values is the rounded amax.
+        self._amaxes = torch.stack([amax_of(source) for source in self._sources])
+        self._amaxes = self._amaxes.to(self._model_dtype).float()
+
+    def _finish_refresh(self, amaxes: torch.Tensor) -> None:
+        """Casts this rank's parts with the whole tensors' `amaxes`, and gathers the weights
+        that stay whole."""
+        scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
+        # In place: GEMMs captured in a CUDA graph read these tensors at every replay.
+        self._scale_inv_rows[:, 0].copy_(scales.reciprocal())
+        for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
+            if source.numel() > 0:
+                cast = quantize(
+                    source.to(self._model_dtype), WEIGHT_DTYPE, scale=scales.narrow(0, i, 1)
+                )
+                target.copy_(cast.data)
+        comm, self._sources, self._amaxes, self._comm = self._comm, None, None, None
+        if not self._transient:
+            self._gather(comm)
+
+    # Unshard, reshard.
+
+    def unshard(self, comm: Collectives) -> None:
+        """All-gathers the whole FP8 weights (ZeRO-3), if not held."""
+        if self.unsharded.is_allocated:
+            return
+        self.unsharded.reallocate_storage()
+        self._gather(comm)
+
+    def reshard(self) -> None:
+        """Frees the whole FP8 weights (ZeRO-3 over several ranks) and their transposes."""
+        if self._transient:
+            self.unsharded.release_storage()
+        self._forget()
+
+    def _gather(self, comm: Collectives) -> None:
+        if self._shard is not None:
+            comm.all_gather_tensors(
+                self._gather_outputs,
+                self._gather_inputs,
+                self._gather_group,
+                own_blocks=self._gather_blocks,
+            )
+
+    def _forget(self) -> None:
+        self._made = [None] * len(self._made)
+
+
+def finish_refreshes(pending: Sequence[Fp8ComputeWeights]) -> None:
+    """Completes the refreshes `start_refresh` began: one MAX all-reduce of the amaxes of all
+    of them that share a shard group, then each casts (module docstring).
+
+    Every rank of a shard group must pass the same groups' weights in the same order (the
+    units' order), as for any collective.
+    """
+    by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
+    for weights in pending:
+        by_group.setdefault(weights.amax_group, []).append(weights)
+    for group, members in by_group.items():
+        amaxes = torch.cat([weights._amaxes for weights in members])
+        if group is not None:
+            members[0]._comm.all_reduce_max(amaxes, group)
+        for weights, part in zip(members, amaxes.split([len(w) for w in members])):
+            weights._finish_refresh(part)
