@@ -45,6 +45,7 @@ _TRANSPOSE_BLOCK = 64
 _TRANSPOSE_WARPS = 4
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_ROUNDINGS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def kernels_available(x: torch.Tensor) -> bool:
@@ -68,6 +69,8 @@ def cast_to_fp8(
     *,
     rowwise: bool = True,
     transpose: bool = False,
+    rounding: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """`x` cast to FP8 in one pass (two under current scaling).
 
@@ -81,6 +84,10 @@ def cast_to_fp8(
         rowwise: make the row-major copy.
         transpose: make the transposed copy, `[cols, rows]` with `rows` rounded up to 16, the
             columns beyond `rows` zero.
+        rounding: `torch.bfloat16` or `torch.float16`: cast `x` rounded to that dtype first
+            (the cast of `x.to(rounding)`, without making it); None: as it is.
+        out: where the row-major copy goes (contiguous, `[rows, cols]`, of `dtype`); None: a
+            new tensor.
 
     Returns:
         (the row-major FP8 copy or None, the scale's inverse as a new fp32 tensor of the
@@ -91,13 +98,15 @@ def cast_to_fp8(
     limit = _FP8_MAX[dtype]
     if scale is None:
         amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        _record_amax(x, amax)
+        record_amax(x, amax)
         if amax_out is not None:
             torch.maximum(amax_out, amax, out=amax_out)
         scale_source, from_amax, record = amax, True, None
     else:
         scale_source, from_amax, record = scale, False, amax_out
-    data = torch.empty(rows, cols, dtype=dtype, device=x.device) if rowwise else None
+    data = out
+    if rowwise and data is None:
+        data = torch.empty(rows, cols, dtype=dtype, device=x.device)
     padded_rows = -(-rows // GEMM_ALIGNMENT) * GEMM_ALIGNMENT
     transposed = torch.empty(cols, padded_rows, dtype=dtype, device=x.device) if transpose else None
     # Shaped as the reference quantiser's `scale.reciprocal()`.
@@ -123,6 +132,7 @@ def cast_to_fp8(
         ROWWISE=rowwise,
         TRANSPOSE=transpose,
         E4M3=dtype == torch.float8_e4m3fn,
+        ROUNDING=_ROUNDINGS[rounding],
         BLOCK_ROWS=_BLOCK_ROWS,
         BLOCK_COLS=_BLOCK_COLS,
         num_warps=_CAST_WARPS,
@@ -151,8 +161,8 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
-    """Max-es `max |x|` into `amax` (one fp32 element)."""
+def record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
+    """Max-es `max |x|` (NaNs skipped) into `amax` (one fp32 element), `x` contiguous."""
     numel = x.numel()
     if numel:
         grid = (triton.cdiv(numel, _AMAX_BLOCK),)
@@ -177,6 +187,15 @@ if triton is not None:
         magnitude = tl.abs(values)
         magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)
         return tl.max(tl.max(magnitude, axis=1), axis=0)
+
+    @triton.jit
+    def _rounded(values, ROUNDING: tl.constexpr):
+        """`values` (fp32) rounded to bf16 (1) or fp16 (2) and back, or as they are (0)."""
+        if ROUNDING == 1:
+            values = values.to(tl.bfloat16).to(tl.float32)
+        elif ROUNDING == 2:
+            values = values.to(tl.float16).to(tl.float32)
+        return values
 
     @triton.jit
     def _to_fp8_bytes(values, E4M3: tl.constexpr):
@@ -224,6 +243,7 @@ if triton is not None:
         ROWWISE: tl.constexpr,
         TRANSPOSE: tl.constexpr,
         E4M3: tl.constexpr,
+        ROUNDING: tl.constexpr,
         BLOCK_ROWS: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
     ):
@@ -233,6 +253,7 @@ if triton is not None:
         col = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
         inside = (row < rows) & (col < cols)
         values = tl.load(x_ptr + row * cols + col, mask=inside, other=0.0).to(tl.float32)
+        values = _rounded(values, ROUNDING)
 
         scale = tl.load(scale_ptr)
         if SCALE_FROM_AMAX:
@@ -253,9 +274,8 @@ if triton is not None:
             col_t = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[:, None]
             inside_t = (row_t < rows) & (col_t < cols)
             values_t = tl.load(x_ptr + row_t * cols + col_t, mask=inside_t, other=0.0)
-            scaled_t = tl.clamp(
-                values_t.to(tl.float32) * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL
-            )
+            values_t = _rounded(values_t.to(tl.float32), ROUNDING)
+            scaled_t = tl.clamp(values_t * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
             # Rows beyond `rows` (up to `padded_rows`) were loaded as 0: their bytes are zero.
             tl.store(
                 out_t_ptr + col_t * padded_rows + row_t,

@@ -55,6 +55,15 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
     return x.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax().float()
 
 
+def record_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
+    """Max-es `max |x|` (NaNs skipped, as `amax_of`) into `amax_out`, one fp32 element; on
+    CUDA in one kernel."""
+    if kernels.kernels_available(x) and x.is_contiguous():
+        kernels.record_amax(x, amax_out)
+    else:
+        torch.maximum(amax_out, amax_of(x), out=amax_out)
+
+
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`fp8(clamp(x * scale, -max, max))` of `dtype`, the product in fp32."""
     limit = fp8_max(dtype)
@@ -80,6 +89,8 @@ def quantize(
     scale: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
     transpose: bool = False,
+    rounding: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> Fp8Tensor:
     """`x` (2-D) quantised to `dtype` with one scale.
 
@@ -91,17 +102,25 @@ def quantize(
         amax_out: a one-element fp32 tensor that `max |x|` is max-ed into (delayed scaling's
             record of this pass); None: nothing recorded.
         transpose: also make the zero-padded transposed copy (`Fp8Tensor.transposed`).
+        rounding: quantise `x.to(rounding)` (bf16 or fp16), without making that copy on CUDA.
+        out: where the FP8 values go (`[rows, cols]` of `dtype`, contiguous); None: new.
 
     Returns:
         The FP8 tensor; its `scale_inv` is a new tensor (a later change of the scale `scale`
         views leaves it as it was).
     """
-    if kernels.kernels_available(x):
+    if kernels.kernels_available(x) and (out is None or out.is_contiguous()):
         data, scale_inv, transposed = kernels.cast_to_fp8(
-            x, dtype, scale, amax_out, transpose=transpose
+            x, dtype, scale, amax_out, transpose=transpose, rounding=rounding, out=out
         )
         return Fp8Tensor(data, scale_inv, transposed)
-    return _quantize_reference(x, dtype, scale, amax_out, transpose)
+    if rounding is not None:
+        x = x.to(rounding)
+    quantized = _quantize_reference(x, dtype, scale, amax_out, transpose)
+    if out is None:
+        return quantized
+    out.copy_(quantized.data)
+    return quantized._replace(data=out)
 
 
 def _quantize_reference(

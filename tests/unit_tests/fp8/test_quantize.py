@@ -65,3 +65,16 @@ def test_the_transposed_copy_is_padded_with_zero_columns(rows):
     assert not out.transposed[:, rows:].view(torch.uint8).any()
     again = transpose_padded(out.data)
     assert torch.equal(again.view(torch.uint8), out.transposed.view(torch.uint8))
+
+
+def test_a_cast_through_a_rounding_into_a_given_tensor():
+    """CPU: `rounding` casts the rounded copy, `out` receives the bytes. 1.0625 + 2**-20 casts
+    to E4M3's 1.125 directly, but rounds to bf16's 1.0625 first, an E4M3 tie that goes to
+    1.0 (even)."""
+    x = torch.full((16, 16), 1.0625 + 2.0**-20)
+    scale = torch.ones(1)
+    out = torch.empty(16, 16, dtype=torch.float8_e4m3fn)
+    cast = quantize(x, torch.float8_e4m3fn, scale=scale, rounding=torch.bfloat16, out=out)
+    assert cast.data is out
+    assert (out.float() == 1.0).all()
+    assert (quantize(x, torch.float8_e4m3fn, scale=scale).data.float() == 1.125).all()

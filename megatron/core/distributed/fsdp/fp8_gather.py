@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, chunk_targets
-from megatron.core.fp8.quantize import amax_of, compute_scale, quantize
+from megatron.core.fp8.quantize import compute_scale, quantize, record_amax
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fp8.tensor import Fp8Tensor
 from megatron.core.fp8.weights import WEIGHT_DTYPE, Fp8Weight, register_fp8_weight
@@ -71,6 +71,7 @@ class Fp8ComputeWeights:
         self._layout = layout
         self._fqns = list(fqns)
         self._model_dtype = model_dtype
+        self._device = device
         # Unsharded, the whole FP8 weights are the shard itself: nothing to gather or free.
         self._transient = transient and layout.num_shards > 1
         self.amax_group = amax_group
@@ -116,11 +117,6 @@ class Fp8ComputeWeights:
     def __len__(self) -> int:
         return len(self._layout)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole FP8 weights."""
-        return self.unsharded.data.nbytes
-
     # Use.
 
     def weight_of(self, param: torch.nn.Parameter) -> Fp8Weight:
@@ -154,9 +150,12 @@ class Fp8ComputeWeights:
         self._forget()
         self._sources = list(sources)
         self._comm = comm
+        amaxes = torch.zeros(len(self), dtype=torch.float32, device=self._device)
+        for i, source in enumerate(self._sources):
+            if source.numel() > 0:
+                record_amax(source, amaxes.narrow(0, i, 1))
         # Rounding is monotonic: the amax of the rounded values is the rounded amax.
-        self._amaxes = torch.stack([amax_of(source) for source in self._sources])
-        self._amaxes = self._amaxes.to(self._model_dtype).float()
+        self._amaxes = amaxes.to(self._model_dtype).float()
 
     def _finish_refresh(self, amaxes: torch.Tensor) -> None:
         """Casts this rank's parts with the whole tensors' `amaxes`, and gathers the weights
@@ -166,10 +165,8 @@ class Fp8ComputeWeights:
         self._scale_inv_rows[:, 0].copy_(scales.reciprocal())
         for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
             if source.numel() > 0:
-                cast = quantize(
-                    source.to(self._model_dtype), WEIGHT_DTYPE, scale=scales.narrow(0, i, 1)
-                )
-                target.copy_(cast.data)
+                scale = scales.narrow(0, i, 1)
+                quantize(source, WEIGHT_DTYPE, scale=scale, rounding=self._model_dtype, out=target)
         comm, self._sources, self._amaxes, self._comm = self._comm, None, None, None
         if not self._transient:
             self._gather(comm)
