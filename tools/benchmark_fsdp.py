@@ -300,7 +300,8 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device, build=
                 launch[i - args.warmup_steps] = launched - start
         loss = step_loss.item()
         if args.profile:
-            profile_steps(step, batches, name, args.profile, device)
+            trace = f"{name}_fp8" if args.fp8_format else name  # beside its bf16 twin's
+            profile_steps(step, batches, trace, args.profile, device)
         del step, batches
     if name == "single":
         dist.barrier()

@@ -204,6 +204,7 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
         megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
         use_symm_mem=args.use_symm_mem,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
+        fp8_param_gather=args.fp8_param_gather and args.fp8_format is not None,
         **grads,
         **hybrid,
     )
@@ -321,6 +322,8 @@ def precision_note(name: str, args: argparse.Namespace) -> str:
             note += " (weight gradients accumulated in the GEMMs)"
     if args.fp8_format:
         note += f"; transformer layers' linears in FP8 ({args.fp8_format}, {args.fp8_recipe})"
+        if args.fp8_param_gather and name in MEGATRON_FSDP:
+            note += ", their weights gathered in FP8"
     return f"{note}; whole step replayed from a CUDA graph" if args.cuda_graph else note
 
 

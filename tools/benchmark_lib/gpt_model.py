@@ -78,6 +78,11 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
     )
     parser.add_argument("--fp8-recipe", choices=("delayed", "tensorwise"), default="delayed")
     parser.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="Megatron-FSDP's FP8 runs keep and gather the FP8 layers' weights in FP8",
+    )
+    parser.add_argument(
         "--compile-layers",
         action="store_true",
         help="torch.compile each transformer layer (TransformerConfig.compile_layers, inductor)",
