@@ -8,10 +8,12 @@ bytes with one scale per tensor instead of model-dtype values:
   part of each tensor (the main shard, HFSDP's inner shard, or the replicated main weights, as
   rounded to the model dtype); the groups refreshed together all-reduce those amaxes with MAX
   in one collective per shard group (`finish_refreshes`), so every rank holds each whole
-  tensor's amax; each rank then casts its part with the scale `448 / amax` into its FP8 shard.
-  Weights that stay whole (ZeRO-1/2) are all-gathered right after.
-- *unshard* (ZeRO-3): the FP8 shards are all-gathered into the whole FP8 weights, 1 byte per
-  element where bf16 moves 2; *reshard* frees them.
+  tensor's amax, and the scale `448 / amax`. Weights that stay whole (ZeRO-1/2) are cast and
+  all-gathered right after.
+- *unshard* (ZeRO-3): the first after a refresh casts this rank's part into its FP8 shard
+  (on the all-gather stream, ahead of the unit's use as its gather is); then the FP8 shards
+  are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
+  *reshard* frees them.
 - *use*: the FP8 linear layers ask `fp8_weight_of(weight)`, which this object answers
   (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale.
   Its transposed copy, for the input-gradient GEMM, is made at the first backward that needs
@@ -106,7 +108,10 @@ class Fp8ComputeWeights:
         self._scale_invs = [row[:1] for row in self._scale_inv_rows]
         self._index = {id(param): i for i, param in enumerate(params)}
         self._made: list[Fp8Weight | None] = [None] * len(layout)
+        # Between a refresh and the cast it leaves to the next gather: the parts to cast, and
+        # the scales to cast them with.
         self._sources: list[torch.Tensor] | None = None
+        self._scales: torch.Tensor | None = None
         self._amaxes: torch.Tensor | None = None
         self._comm: Collectives | None = None
         if self._transient:
@@ -158,23 +163,33 @@ class Fp8ComputeWeights:
         self._amaxes = amaxes.to(self._model_dtype).float()
 
     def _finish_refresh(self, amaxes: torch.Tensor) -> None:
-        """Casts this rank's parts with the whole tensors' `amaxes`, and gathers the weights
-        that stay whole."""
-        scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
+        """Sets the scales from the whole tensors' `amaxes`; casts, and gathers, the weights
+        that stay whole now, and those gathered for each use at their next gather (so that the
+        casts of ZeRO-3 units overlap the compute of the units before them, as their gathers
+        do)."""
+        self._scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
         # In place: GEMMs captured in a CUDA graph read these tensors at every replay.
-        self._scale_inv_rows[:, 0].copy_(scales.reciprocal())
+        self._scale_inv_rows[:, 0].copy_(self._scales.reciprocal())
+        self._amaxes = None
+        if not self._transient:
+            self._cast()
+            self._gather(self._comm)
+
+    def _cast(self) -> None:
+        """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
         for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
             if source.numel() > 0:
-                scale = scales.narrow(0, i, 1)
+                scale = self._scales.narrow(0, i, 1)
                 quantize(source, WEIGHT_DTYPE, scale=scale, rounding=self._model_dtype, out=target)
-        comm, self._sources, self._amaxes, self._comm = self._comm, None, None, None
-        if not self._transient:
-            self._gather(comm)
+        self._sources = self._scales = None
 
     # Unshard, reshard.
 
     def unshard(self, comm: Collectives) -> None:
-        """All-gathers the whole FP8 weights (ZeRO-3), if not held."""
+        """All-gathers the whole FP8 weights (ZeRO-3), if not held, casting the shard first
+        after a refresh."""
+        if self._sources is not None:
+            self._cast()
         if self.unsharded.is_allocated:
             return
         self.unsharded.reallocate_storage()
