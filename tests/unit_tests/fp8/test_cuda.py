@@ -41,9 +41,9 @@ def test_cuda_fp8_linear_computes_the_reference(fmt, kind):
     expected = test_linear._reference(test_linear._slots(fmt, kind), weight, bias, x, grad)
     slots = test_linear._slots(fmt, kind)
     if slots.state is not None:  # the same scales, in a state on the GPU
-        state_dict = {key: value.cuda() for key, value in slots.state.state_dict().items()}
+        state_dict = {key: value.cuda() for key, value in slots.state.scaling_tensors().items()}
         slots = Fp8LinearSlots(slots.recipe, DelayedScalingState(slots.recipe, group=None))
-        slots.state.load_state_dict(state_dict)
+        slots.state.load_scaling_tensors(state_dict)
     weight, bias, x, grad = _on_cuda(weight, bias, x, grad)
     y = slots.linear(x, weight, bias)
     y.backward(grad)
