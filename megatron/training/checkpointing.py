@@ -352,8 +352,10 @@ def load_checkpoint(
     try:
         model.load_state_dict(model_state)  # marks Megatron-FSDP's compute weights stale
     except ValueError as error:
-        # A module's extra state that does not fit it (an FP8 delayed-scaling state of another
-        # number of layers); tensor names and shapes were checked before anything was read.
+        # A module's extra state that does not fit it (an FP8 delayed-scaling state with
+        # another number of slots). The tensor check above refuses another model before
+        # anything is read, so only an extra state written by other code gets here, after the
+        # weights were read.
         raise CheckpointError(f"{path} does not fit this model: {error}") from error
     if load_optimizer:
         optimizer.load_sharded_state_dict({**state["optimizer"], "param_groups": groups})
