@@ -214,3 +214,18 @@ def assert_same_values(actual: dict[str, torch.Tensor], expected: dict[str, torc
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
         assert actual[key].dtype == F32 and torch.equal(actual[key], value), key
+
+
+def test_a_state_loaded_before_the_first_cast_moves_to_that_casts_device():
+    """Loaded into a state without tensors, the values wait on the CPU (the state does not know
+    where its model computes) and move to the first cast's device (the meta device here, for a
+    GPU), the scales a recomputed checkpoint replays too."""
+    state = _fresh_state(history_len=3)
+    state.load_state_dict(_trained_state().state_dict())
+    assert state.scaling_tensors()["scale_fwd"].device.type == "cpu"
+    snapshot = state.snapshot()  # a checkpoint's forward starting before the first cast
+    meta = torch.device("meta")
+    assert state.scale(BACKWARD, 0, meta).device == meta
+    assert {value.device for value in state.scaling_tensors().values()} == {meta}
+    with state.replaying(snapshot):
+        assert state.scale(FORWARD, 0, meta).device == meta
