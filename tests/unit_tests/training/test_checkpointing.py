@@ -185,8 +185,8 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 def _snapshot(state: tuple) -> dict[str, Any]:
     """Everything a checkpoint holds, whole: weights as the model keeps them (fp32 DTensor main
     weights gathered, or the DDP engine's parameters) and the FP8 delayed-scaling state's
-    tensors (`FP8_STATE`), fp32 masters and optimizer states by
-    parameter name, hyperparameters, schedule, and this rank's RNG states."""
+    tensors (`FP8_STATE`), fp32 masters and optimizer states by parameter name,
+    hyperparameters, schedule, and this rank's RNG states."""
     model, optimizer, scheduler = state
     sharded = optimizer.sharded_state_dict()
     return {
