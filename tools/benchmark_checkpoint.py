@@ -10,7 +10,9 @@ weights and two Adam moments):
 
     torchrun --nproc-per-node 2 tools/benchmark_checkpoint.py --bf16 --dir /scratch/ckpt-bench
 
-On CPU (gloo) with a tiny model; without torchrun it runs as a world of one:
+`--fp8-format` (with `--fp8-recipe`) trains the model's transformer layers in FP8; under
+delayed scaling its checkpoint also holds the amax histories and scales. On CPU (gloo) with a
+tiny model; without torchrun it runs as a world of one:
 
     torchrun --nproc-per-node 2 tools/benchmark_checkpoint.py --num-layers 2 --hidden-size 64 \\
         --num-attention-heads 4 --vocab-size 128 --seq-length 32 --dir /tmp/ckpt-bench
@@ -86,7 +88,10 @@ def training_flags(args: argparse.Namespace, world_size: int) -> list[str]:
         f"--train-iters {ITERATION} --lr 1e-4 --mock-data --vocab-size {args.vocab_size} "
         f"--distributed-backend {backend} --logging-level {logging.WARNING}"
     ).split()
-    return [*flags, "--save", args.dir, "--load", args.dir, *(["--bf16"] if args.bf16 else [])]
+    flags += ["--save", args.dir, "--load", args.dir, *(["--bf16"] if args.bf16 else [])]
+    if args.fp8_format is not None:
+        flags += ["--fp8-format", args.fp8_format, "--fp8-recipe", args.fp8_recipe]
+    return flags
 
 
 def take_one_step(model, optimizer, scheduler, args: argparse.Namespace) -> None:
@@ -172,8 +177,13 @@ def main() -> None:
         margs.consumed_train_samples = margs.consumed_valid_samples = 0
         take_one_step(model, optimizer, scheduler, margs)
         result = measure(model, optimizer, scheduler, margs, args.repeats)
-        # Global sizes: the state dict's DTensors have the shapes of the whole tensors.
-        params = sum(tensor.numel() for tensor in model.state_dict().values())
+        # Global sizes: the state dict's DTensors have the shapes of the whole tensors. Its
+        # non-tensor values (the FP8 delayed-scaling state) are no parameters.
+        params = sum(
+            value.numel()
+            for value in model.state_dict().values()
+            if isinstance(value, torch.Tensor)
+        )
         config = {
             "params": params,
             "world_size": dist.get_world_size(),

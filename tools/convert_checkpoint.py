@@ -27,11 +27,17 @@ The files:
   consumed samples, arguments, schedule, optimizer hyperparameters, RNG states). "optimizer"
   is left out for a checkpoint without optimizer state, its "fp32_from_fp16_params" where the
   optimizer keeps no fp32 masters, and its "grad_scaler" (the dynamic loss scale of `--fp16`)
-  where there is none. "common" holds Python objects: read the file with `torch.load(path,
-  weights_only=False)`, as this tool does, only if you trust where it came from.
-- model only (`to-torch --model-only`): `{name: tensor}`, exactly the unwrapped model's
-  `state_dict()`; `model.load_state_dict(torch.load(path))` takes it (it loads with
-  `weights_only=True`).
+  where there is none. "model" is exactly the unwrapped model's `state_dict()`: of a model
+  trained with FP8 delayed scaling it also holds `decoder.fp8_state._extra_state`, the amax
+  histories and scales (an `io.BytesIO`), which `from-torch` writes back, so training resumes
+  from the converted checkpoint exactly. "common" holds Python objects: read the file with
+  `torch.load(path, weights_only=False)`, as this tool does, only if you trust where it came
+  from.
+- model only (`to-torch --model-only`): `{name: tensor}`, the unwrapped model's `state_dict()`
+  less its non-tensor `_extra_state` entries (the FP8 delayed-scaling state): the file holds
+  tensors only, so `model.load_state_dict(torch.load(path))` takes it with
+  `weights_only=True`; a model trained with FP8 delayed scaling that loads it starts from fresh
+  amax histories and scales of 1.
 
 `from-torch` takes either (and also `{"model": {...}}` without the rest). Without "common" it
 writes what loading reads and nothing else: no arguments (so only the tensor names and shapes
@@ -86,8 +92,8 @@ OPTIMIZER_KEYS = ("state", "fp32_from_fp16_params", "grad_scaler")
 "param_groups", which live in "common")."""
 
 EXTRA_STATE_SUFFIX = "_extra_state"
-"""Model state entries that may hold any object (Transformer Engine's); DCP saves them as
-bytes."""
+"""Model state entries that may hold any object (modules' extra states: Transformer Engine's,
+and the FP8 delayed-scaling state); DCP saves them as bytes."""
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -177,13 +183,26 @@ def to_torch(
     common = None if model_only else read_common(path)
     state = read_checkpoint(path, (lambda nesting: nesting[0] == "model") if model_only else None)
     if model_only:
-        contents: dict[str, Any] = state["model"]
+        contents: dict[str, Any] = _weights(state["model"])
     else:
         contents = {key: state[key] for key in ("model", "optimizer") if key in state}
         contents["common"] = common
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     atomic_torch_save(contents, output)
     return _summary(output, state)
+
+
+def _weights(model: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of the model state dict `model`: its `_extra_state` entries are pickled
+    objects, which `torch.load(weights_only=True)` refuses."""
+    left_out = sorted(name for name, value in model.items() if not isinstance(value, torch.Tensor))
+    if left_out:
+        print(
+            f"> left out {', '.join(left_out)}: not a tensor (a module's extra state, such as "
+            "the FP8 delayed-scaling state); a model loading the file starts from its initial "
+            "one"
+        )
+    return {name: value for name, value in model.items() if isinstance(value, torch.Tensor)}
 
 
 def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -> dict[str, Any]:

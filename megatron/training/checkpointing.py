@@ -4,7 +4,11 @@ A checkpoint (`checkpoint_layout` describes the files) holds the tensors `"model
 unwrapped model's state dict, and `"optimizer"`, `MegatronOptimizer.sharded_state_dict()`:
 states keyed by parameter name, sharded as the parameters are. Under Megatron-FSDP the model's
 state dict is its DTensor main weights, so each rank writes only its shards and no rank gathers
-the model; under the DDP engine the (replicated) tensors are written once. Both
+the model; under the DDP engine the (replicated) tensors are written once. The model's state
+dict also holds non-tensor values, modules' `_extra_state` (the FP8 delayed-scaling state,
+`decoder.fp8_state._extra_state`), which DCP writes once as bytes; an entry the checkpoint
+lacks (one saved without FP8 delayed scaling) is not read and its module starts from its
+initial state, and an entry this model lacks is not read either. Both
 `--ckpt-format`s, `fsdp_dtensor` (Megatron-FSDP's) and `torch_dist`, are this layout. Loading
 asks torch.distributed.checkpoint for this rank's shards of the tensors of the model and
 optimizer it has now, so a checkpoint loads at another data-parallel size or sharding strategy
@@ -313,6 +317,7 @@ def load_checkpoint(
     saved = _saved_tensors(metadata)
     model_state = model.state_dict()
     _check_model_tensors(model_state, saved.get("model", {}), path)
+    _leave_out_unsaved_objects(model_state, metadata)
 
     load_optimizer = not (finetune or args.no_load_optim)
     state: dict[str, Any] = {"model": model_state}
@@ -344,7 +349,14 @@ def load_checkpoint(
     swaps = stride_free_for_checkpoint(state, values=False)
     dcp.load(state, storage_reader=FileSystemReader(path))
     restore_after_load(swaps)
-    model.load_state_dict(model_state)  # marks Megatron-FSDP's compute weights stale
+    try:
+        model.load_state_dict(model_state)  # marks Megatron-FSDP's compute weights stale
+    except ValueError as error:
+        # A module's extra state that does not fit it (an FP8 delayed-scaling state with
+        # another number of slots). The tensor check above refuses another model before
+        # anything is read, so only an extra state written by other code gets here, after the
+        # weights were read.
+        raise CheckpointError(f"{path} does not fit this model: {error}") from error
     if load_optimizer:
         optimizer.load_sharded_state_dict({**state["optimizer"], "param_groups": groups})
         scheduler.load_state_dict(common["opt_param_scheduler"], groups)
@@ -515,6 +527,20 @@ def _saved_tensors(metadata: Metadata) -> dict[str, dict[tuple[str, ...], tuple]
         if isinstance(item, TensorStorageMetadata):
             saved.setdefault(path[0], {})[path[1:]] = (item.size, item.properties.dtype)
     return saved
+
+
+def _leave_out_unsaved_objects(model_state: dict[str, Any], metadata: Metadata) -> None:
+    """Removes from `model_state` its non-tensor entries (modules' `_extra_state`) that the
+    checkpoint does not hold, so that DCP is not asked for them: the checkpoint of a run
+    without FP8 delayed scaling loads into one with it, whose state module takes the missing
+    entry as its initial state (`DelayedScalingState._load_from_state_dict`)."""
+    saved = {path[1:] for path in saved_entries(metadata) if path[0] == "model"}
+    for name in [
+        name
+        for name, value in model_state.items()
+        if not isinstance(value, torch.Tensor) and (name,) not in saved
+    ]:
+        del model_state[name]
 
 
 def _check_model_tensors(

@@ -25,13 +25,22 @@ Recomputation: a checkpointed forward runs again in backward, after `end_forward
 scales. `scale_replay_contexts()` (entered by `transformer.recompute`) keeps the scales a
 checkpoint's forward started with and gives them back while it is recomputed, during which no
 amax is recorded: the recomputed casts are the forward's, bit for bit.
+
+Checkpoints: the state is a submodule of the transformer block (`decoder.fp8_state`) whose
+histories and scales are its `_extra_state` in the model's state dict, the bytes of a
+`torch.save` of CPU copies (Transformer Engine's way), so a resumed run casts as the
+uninterrupted one. Loading resizes a history saved with another length as Transformer Engine
+does; a state dict without the entry (a model trained in bf16 or with current scaling) loads as
+the initial state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +50,12 @@ from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
 from megatron.core.utils import FreshContext
 
 FORWARD, BACKWARD = "forward", "backward"
+
+STATE_KEYS = ("amax_history_fwd", "scale_fwd", "amax_history_bwd", "scale_bwd")
+"""The entries of the saved state: Transformer Engine's extra-state names."""
+
+_EXTRA_STATE_KEY_SUFFIX = "_extra_state"
+"""The name `torch.nn.Module.state_dict()` gives a module's `get_extra_state()` value."""
 
 _live_states: weakref.WeakSet[DelayedScalingState] = weakref.WeakSet()
 """Every state alive, for the recompute contexts (a module global, as the RNG tracker is:
@@ -61,11 +76,15 @@ class _Slots:
         self.scale = torch.ones(self.count, dtype=torch.float32, device=device)
 
 
-class DelayedScalingState:
+class DelayedScalingState(torch.nn.Module):
     """The delayed-scaling state of one model's FP8 linear layers (module docstring).
 
     Its tensors are made at the first cast, on that cast's device (a model built on the meta
     device gets them where it computes). Slots are handed out before that, as layers are built.
+
+    A module without parameters or buffers: its histories and scales travel in the model's
+    state dict as its `_extra_state` (`get_extra_state`), a non-tensor value, as Transformer
+    Engine keeps its FP8 metadata, so the state dict's tensors are the same as without FP8.
 
     Args:
         recipe: a delayed recipe (history length, compute algorithm, margin, dtypes).
@@ -75,12 +94,16 @@ class DelayedScalingState:
     def __init__(self, recipe: Fp8Recipe, group: dist.ProcessGroup | None) -> None:
         if not recipe.delayed:
             raise ValueError(f"DelayedScalingState needs a delayed recipe, got {recipe.kind!r}.")
+        super().__init__()
         self.recipe = recipe
         self.group = group
         self._slots = {
             FORWARD: _Slots(fp8_max(recipe.forward_dtype)),
             BACKWARD: _Slots(fp8_max(recipe.backward_dtype)),
         }
+        # Where the casts use the tensors; None until the first cast, and after a load into a
+        # state without tensors (the loaded ones wait on the CPU for the first cast).
+        self._device: torch.device | None = None
         # The scale snapshots of the checkpoints being recomputed (innermost last); None
         # stands for the initial scales (a checkpoint run before the first cast).
         self._replays: list[torch.Tensor | None] = []
@@ -88,7 +111,7 @@ class DelayedScalingState:
 
     @property
     def materialized(self) -> bool:
-        """Whether the tensors exist (a cast happened)."""
+        """Whether the tensors exist (a cast or a load happened)."""
         return self._slots[FORWARD].history is not None
 
     def new_slot(self, direction: str) -> int:
@@ -103,20 +126,27 @@ class DelayedScalingState:
         slots.count += 1
         return slots.count - 1
 
-    def _materialize(self, device: torch.device) -> None:
+    def _place(self, device: torch.device) -> None:
+        """Makes the tensors on `device` (initial values), or moves the loaded ones there."""
         for slots in self._slots.values():
-            slots.materialize(self.recipe.amax_history_len, device)
+            if slots.history is None:
+                slots.materialize(self.recipe.amax_history_len, device)
+            else:
+                slots.history, slots.scale = slots.history.to(device), slots.scale.to(device)
+        self._device = device
 
     def scale(self, direction: str, slot: int, device: torch.device) -> torch.Tensor:
         """The scale a cast of `slot` uses now: a one-element view of the state (during a
-        recomputation, of the checkpoint's snapshot)."""
-        if not self.materialized:
-            self._materialize(device)
+        recomputation, of the checkpoint's snapshot). Each cast asks for it before
+        `amax_record`: it puts the tensors on the cast's device."""
+        if device != self._device:
+            self._place(device)
         if direction == FORWARD and self._replays:
             snapshot = self._replays[-1]
             if snapshot is None:
                 return torch.ones(1, dtype=torch.float32, device=device)
-            return snapshot.narrow(0, slot, 1)
+            # A snapshot taken before the first cast after a load is still on the CPU.
+            return snapshot.narrow(0, slot, 1).to(device)
         return self._slots[direction].scale.narrow(0, slot, 1)
 
     def amax_record(self, direction: str, slot: int) -> torch.Tensor | None:
@@ -135,7 +165,7 @@ class DelayedScalingState:
         self._end_pass(BACKWARD)
 
     def _end_pass(self, direction: str) -> None:
-        if not self.materialized:
+        if self._device is None:  # no cast recorded an amax
             return
         slots = self._slots[direction]
         if slots.count == 0:
@@ -173,9 +203,9 @@ class DelayedScalingState:
 
     # Checkpoints.
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the histories and scales (Transformer Engine's extra-state names); empty
-        before the first cast."""
+    def scaling_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the histories and scales, on their device, under Transformer Engine's
+        extra-state names (`STATE_KEYS`); empty before the first cast (the initial state)."""
         if not self.materialized:
             return {}
         forward, backward = self._slots[FORWARD], self._slots[BACKWARD]
@@ -186,35 +216,117 @@ class DelayedScalingState:
             "scale_bwd": backward.scale.clone(),
         }
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Restores `state_dict()`'s values (an empty one: the initial state).
+    def load_scaling_tensors(self, values: dict[str, torch.Tensor]) -> None:
+        """Restores `scaling_tensors()`'s values; an empty dict restores the initial state.
+
+        A history of another length (a changed `--fp8-amax-history-len`) is resized as
+        Transformer Engine's `adjust_amax_history_length` does (`adjust_amax_history_length`);
+        the scales are kept.
 
         Raises:
-            ValueError: a missing entry or a shape that differs (another model or history
-                length).
+            ValueError: a missing entry, or another number of slots (the state of another
+                model).
         """
-        if not state_dict:
+        if not values:
             if self.materialized:
                 for slots in self._slots.values():
                     slots.history.zero_()
                     slots.scale.fill_(1.0)
             return
-        if not self.materialized:
-            self._materialize(state_dict["scale_fwd"].device)
+        missing = [key for key in STATE_KEYS if key not in values]
+        if missing:
+            raise ValueError(
+                f"the FP8 delayed-scaling state lacks {missing}: it was not saved by "
+                "DelayedScalingState. Load a checkpoint saved by this code, or one without FP8 "
+                "state (which starts from the initial state)."
+            )
+        loaded = {}
         for direction, suffix in ((FORWARD, "fwd"), (BACKWARD, "bwd")):
+            history, scale = values[f"amax_history_{suffix}"], values[f"scale_{suffix}"]
+            count = self._slots[direction].count
+            if history.dim() != 2 or scale.shape != (count,) or history.shape[1] != count:
+                raise ValueError(
+                    f"the FP8 delayed-scaling state holds {direction} amax histories "
+                    f"{list(history.shape)} and scales {list(scale.shape)} (history length x "
+                    f"slots); this model has {count} {direction} slots (one per FP8 linear "
+                    "layer): the state is of another model. Load a checkpoint of this model."
+                )
+            history = adjust_amax_history_length(history, self.recipe.amax_history_len)
+            loaded[direction] = (history, scale)
+        for direction, (history, scale) in loaded.items():
             slots = self._slots[direction]
-            for name, tensor in (("amax_history", slots.history), ("scale", slots.scale)):
-                key = f"{name}_{suffix}"
-                if key not in state_dict:
-                    raise ValueError(f"the FP8 delayed-scaling state has no {key!r}.")
-                value = state_dict[key]
-                if value.shape != tensor.shape:
-                    raise ValueError(
-                        f"the FP8 delayed-scaling state's {key!r} is {list(value.shape)}, this "
-                        f"model's {list(tensor.shape)} (amax history length x slots); resume "
-                        "with the same model and --fp8-amax-history-len."
-                    )
-                tensor.copy_(value)
+            if slots.history is None:  # placed on the first cast's device
+                slots.history = history.to(torch.float32, copy=True)
+                slots.scale = scale.to(torch.float32, copy=True)
+            else:
+                slots.history.copy_(history)
+                slots.scale.copy_(scale)
+
+    def get_extra_state(self) -> io.BytesIO:
+        """The histories and scales for the model's state dict: the bytes of a `torch.save` of
+        CPU copies of `scaling_tensors()` (an empty dict before the first cast), as Transformer
+        Engine saves its FP8 metadata."""
+        buffer = io.BytesIO()
+        torch.save({key: value.cpu() for key, value in self.scaling_tensors().items()}, buffer)
+        buffer.seek(0)
+        return buffer
+
+    def set_extra_state(self, state: io.BytesIO | None) -> None:
+        """Restores `get_extra_state()`'s value (None: the initial state).
+
+        Raises:
+            TypeError: `state` is not `get_extra_state()`'s.
+            ValueError: as `load_scaling_tensors`.
+        """
+        if state is None:
+            self.load_scaling_tensors({})
+            return
+        if not isinstance(state, io.BytesIO):
+            raise TypeError(
+                f"the FP8 delayed-scaling state is a {type(state).__name__}, not the "
+                "io.BytesIO DelayedScalingState.get_extra_state() returns; load a state dict "
+                "saved by this code."
+            )
+        # A copy of the bytes: the caller's stream keeps its position.
+        values = torch.load(io.BytesIO(state.getvalue()), map_location="cpu", weights_only=True)
+        self.load_scaling_tensors(values)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """As `torch.nn.Module`'s, except that a state dict without this state's entry (of a
+        model trained without delayed scaling, or weights only) loads as the initial state
+        rather than missing a key."""
+        key = prefix + _EXTRA_STATE_KEY_SUFFIX
+        absent = key not in state_dict
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if absent:
+            if key in missing_keys:
+                missing_keys.remove(key)
+            self.set_extra_state(None)
+
+    def extra_repr(self) -> str:
+        forward, backward = self._slots[FORWARD].count, self._slots[BACKWARD].count
+        return f"{self.recipe.describe()}, {forward} forward and {backward} backward slots"
+
+
+def adjust_amax_history_length(history: torch.Tensor, length: int) -> torch.Tensor:
+    """`history` (`[H, n]`) with `length` rows, as Transformer Engine's
+    `adjust_amax_history_length`: a shorter one keeps the first `length` rows, a longer one gets
+    rows of zeros at the end (the same tensor when `H == length`)."""
+    rows = history.shape[0]
+    if length <= rows:
+        return history[:length]
+    return torch.nn.functional.pad(history, (0, 0, 0, length - rows))
 
 
 @torch.no_grad()

@@ -10,9 +10,10 @@ different part of the sequence, so its dropout masks must differ from the other 
 
 With `config.fp8` the block gives the linear layers of its FP8 layers (all but the high-precision
 first / last ones of `first_last_layers_bf16`) their FP8 settings as it builds them, and under
-delayed scaling owns the model's `DelayedScalingState`: its forward slots are reduced and updated
-after the layer loop, its backward slots once the backward of every layer is done (Transformer
-Engine's autocast exit and end of backward).
+delayed scaling owns the model's `DelayedScalingState` (the submodule `fp8_state`, whose
+histories and scales the model's state dict holds as `decoder.fp8_state._extra_state`): its
+forward slots are reduced and updated after the layer loop, its backward slots once the backward
+of every layer is done (Transformer Engine's autocast exit and end of backward).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class TransformerBlock(MegatronModule):
         )
         self._check_moe_layers()
         self.fp8_state: DelayedScalingState | None = None
-        """The model's delayed-scaling state (`fp8_recipe="delayed"`), else None."""
+        """The model's delayed-scaling state (`fp8_recipe="delayed"`, a submodule: checkpoints
+        hold it), else None."""
         recipe = recipe_from_config(config)
         if recipe is not None:
             self.fp8_state = self._enable_fp8(recipe, pg_collection)

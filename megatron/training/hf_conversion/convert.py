@@ -10,7 +10,8 @@ layer's stacked experts and each expert's matrices), never the model. The checkp
 and the Hugging Face `config.json` (`HF_CONFIG_KEY`). Expert tensors are written whole
 ([num_experts, ...]), so the checkpoint loads at any expert-parallel size.
 
-`export_hf` writes a checkpoint's model weights as a directory that
+`export_hf` writes a checkpoint's model weights (not the FP8 delayed-scaling state of a run
+trained with it: amax histories and scales are no Hugging Face weights) as a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads: `config.json` (the one recorded at
 import, one given, or one derived from the saved flags), one safetensors file
 per transformer layer (plus one for the embedding and one for the final norm and output
@@ -198,6 +199,8 @@ def export_hf(
     path = find_checkpoint(load, ckpt_step)
     _check_output_dir(hf_dir, load, force)
     common = read_common(path)
+    # The weights only: a module's extra state saved as bytes (the FP8 delayed-scaling state,
+    # `decoder.fp8_state._extra_state`) has no place in Hugging Face files.
     saved = {
         nesting[1]: item
         for nesting, item in saved_entries(read_metadata(path)).items()

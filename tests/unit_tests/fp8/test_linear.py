@@ -30,7 +30,7 @@ def _slots(fmt: str, kind: str, wgrad: bool = True) -> Fp8LinearSlots:
         return Fp8LinearSlots(recipe)
     state = DelayedScalingState(recipe, group=None)
     slots = Fp8LinearSlots(recipe, state)
-    state.load_state_dict(
+    state.load_scaling_tensors(
         {
             "amax_history_fwd": torch.zeros(1, 1),
             "scale_fwd": torch.tensor([SCALE_FWD]),
@@ -88,7 +88,7 @@ def test_three_gemms_equal_the_reference(fmt, kind):
     assert torch.equal(weight.grad, expected_dw.to(BF16))
     assert torch.equal(bias.grad, grad.reshape(-1, 48).sum(0))
     if kind == "delayed":  # this pass's amaxes recorded for the update
-        recorded = slots.state.state_dict()
+        recorded = slots.state.scaling_tensors()
         assert recorded["amax_history_fwd"][0, 0] == x.detach().abs().max().float()
         assert recorded["amax_history_bwd"][0, 0] == grad.abs().max().float()
 
@@ -174,13 +174,13 @@ def test_a_checkpointed_linear_recomputes_the_forwards_cast():
             y = recompute(linear, x, weight, bias, slots)
         else:
             y = linear(x, weight, bias, slots)
-        recorded = slots.state.state_dict()["amax_history_fwd"].clone()
-        changed = slots.state.state_dict()  # as an update between the passes would
+        recorded = slots.state.scaling_tensors()["amax_history_fwd"].clone()
+        changed = slots.state.scaling_tensors()  # as an update between the passes would
         changed["scale_fwd"].fill_(100.0)
-        slots.state.load_state_dict(changed)
+        slots.state.load_scaling_tensors(changed)
         x.grad = weight.grad = bias.grad = None
         y.backward(grad)
-        results.append((y, x.grad, weight.grad, bias.grad, recorded, slots.state.state_dict()))
+        results.append((y, x.grad, weight.grad, bias.grad, recorded, slots.state.scaling_tensors()))
     (plain, checkpointed) = results
     for a, b in zip(plain[:4], checkpointed[:4]):
         assert torch.equal(a, b)

@@ -139,8 +139,8 @@ def test_fp8_gpt_equals_its_fake_quant_twin(fmt, recipe):
     for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
         assert torch.equal(a, b), name
     if recipe == "delayed":
-        for key, value in fp8.decoder.fp8_state.state_dict().items():
-            assert torch.equal(value, twin.decoder.fp8_state.state_dict()[key]), key
+        for key, value in fp8.decoder.fp8_state.scaling_tensors().items():
+            assert torch.equal(value, twin.decoder.fp8_state.scaling_tensors()[key]), key
 
 
 def test_fp8_training_stays_close_to_bf16():
@@ -165,7 +165,7 @@ def test_full_recompute_gives_the_same_gradients_and_amax_history():
         tokens, labels = make_token_batches(1, 3, seed=9)[0]
         model(tokens, labels=labels).float().mean().backward()
         grads = {name: p.grad for name, p in model.named_parameters()}
-        results.append((grads, model.decoder.fp8_state.state_dict()))
+        results.append((grads, model.decoder.fp8_state.scaling_tensors()))
     (grads, state), (recomputed_grads, recomputed_state) = results
     for name, grad in grads.items():
         assert torch.equal(grad, recomputed_grads[name]), name
@@ -181,7 +181,7 @@ def _amax_reduction_run() -> tuple[dict[str, torch.Tensor], int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         model(tokens, labels=labels).float().mean().backward()
     reduces = sum(event.name == "c10d::allreduce_" for event in profile.events())
-    return model.decoder.fp8_state.state_dict(), reduces
+    return model.decoder.fp8_state.scaling_tensors(), reduces
 
 
 def test_amaxes_are_reduced_over_ranks_once_per_pass():

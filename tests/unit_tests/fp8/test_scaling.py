@@ -1,7 +1,8 @@
 """Delayed scaling's update against a direct formula: per slot, the window of the last H amaxes
 of the passes that used the slot, `max` (NaN skipped) or the most recent, the scale
 `fp8_max * 2^-margin / amax` where finite and positive, else unchanged, an infinite scale
-clamped to the largest fp32. Plus the state's checkpoint round trip."""
+clamped to the largest fp32. Plus the state's checkpoint round trip (its `_extra_state`),
+against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_update_matches_the_direct_formula(history_len, algo, margin, fmt):
             for slot, amax in enumerate(amaxes):
                 state.amax_record(direction, slot).fill_(amax)
             end()
-            stored = state.state_dict()
+            stored = state.scaling_tensors()
             suffix = "fwd" if direction == FORWARD else "bwd"
             for slot, (reference, amax) in enumerate(zip(references[direction], amaxes)):
                 reference.update(amax)
@@ -109,21 +110,122 @@ def test_a_fresh_state_casts_with_scale_one_and_keeps_unused_slots():
         state.new_slot(FORWARD)
 
 
-def test_state_dict_round_trip_and_a_mismatch_is_refused():
-    recipe = Fp8Recipe("hybrid", "delayed", amax_history_len=3, amax_compute_algo="max")
-    source = DelayedScalingState(recipe, group=None)
-    target = DelayedScalingState(recipe, group=None)
-    for state in (source, target):
-        state.new_slot(FORWARD), state.new_slot(BACKWARD)
-    source.scale(FORWARD, 0, torch.device("cpu"))
+def _trained_state(history_len: int = 3, forward_slots: int = 1) -> DelayedScalingState:
+    """A state of `forward_slots` forward slots and one backward slot after two passes whose
+    slot-0 amaxes were 5 then 7 (forward) and 2.5 then 3.5 (backward), `max` over the window."""
+    recipe = Fp8Recipe("hybrid", "delayed", amax_history_len=history_len, amax_compute_algo="max")
+    state = DelayedScalingState(recipe, group=None)
+    for _ in range(forward_slots):
+        state.new_slot(FORWARD)
+    state.new_slot(BACKWARD)
+    state.scale(FORWARD, 0, torch.device("cpu"))
     for value in (5.0, 7.0):
-        source.amax_record(FORWARD, 0).fill_(value)
-        source.amax_record(BACKWARD, 0).fill_(value / 2)
-        source.end_forward(), source.end_backward()
-    target.load_state_dict(source.state_dict())
-    for key, value in source.state_dict().items():
-        assert torch.equal(target.state_dict()[key], value), key
-    other = DelayedScalingState(Fp8Recipe("hybrid", "delayed", amax_history_len=4), group=None)
-    other.new_slot(FORWARD), other.new_slot(BACKWARD)
-    with pytest.raises(ValueError, match="--fp8-amax-history-len"):
-        other.load_state_dict(source.state_dict())
+        state.amax_record(FORWARD, 0).fill_(value)
+        state.amax_record(BACKWARD, 0).fill_(value / 2)
+        state.end_forward(), state.end_backward()
+    return state
+
+
+TRAINED = {
+    # Row 0 cleared for the next pass, then the window, oldest first; the scales are
+    # 448 / 7 (E4M3) and 57344 / 3.5 (E5M2), both exact in fp32.
+    "amax_history_fwd": torch.tensor([[0.0], [5.0], [7.0]]),
+    "scale_fwd": torch.tensor([64.0]),
+    "amax_history_bwd": torch.tensor([[0.0], [2.5], [3.5]]),
+    "scale_bwd": torch.tensor([16384.0]),
+}
+"""`_trained_state()`'s histories and scales, worked out by hand."""
+
+
+def _saved_values(state_dict: dict) -> dict[str, torch.Tensor]:
+    """The histories and scales a state dict of the state holds, decoded."""
+    assert list(state_dict) == ["_extra_state"]  # no tensors: the model's stay as they are
+    return torch.load(state_dict["_extra_state"], weights_only=True)
+
+
+def test_state_dict_round_trip_holds_the_histories_and_scales():
+    source = _trained_state()
+    saved = source.state_dict()
+    assert_same_values(_saved_values(source.state_dict()), TRAINED)
+    target = _trained_state()
+    target.load_scaling_tensors({})  # back to the initial state first
+    target.load_state_dict(saved)
+    assert_same_values(target.scaling_tensors(), TRAINED)
+    # The next cast uses the loaded scale, and the next pass continues the loaded window.
+    assert target.scale(FORWARD, 0, torch.device("cpu")).item() == 64.0
+    target.amax_record(FORWARD, 0).fill_(1.0)
+    target.end_forward()
+    assert target.scaling_tensors()["amax_history_fwd"].flatten().tolist() == [0.0, 7.0, 1.0]
+    assert target.scale(FORWARD, 0, torch.device("cpu")).item() == 64.0
+
+
+def test_a_state_before_the_first_cast_saves_and_loads_the_initial_state():
+    fresh = _fresh_state(history_len=3)
+    assert _saved_values(fresh.state_dict()) == {}
+    for state_dict in (fresh.state_dict(), {}):  # an empty state, or none (a bf16 model's)
+        state = _trained_state()
+        state.load_state_dict(state_dict)
+        assert_same_values(
+            state.scaling_tensors(),
+            {
+                "amax_history_fwd": torch.zeros(3, 1),
+                "scale_fwd": torch.ones(1),
+                "amax_history_bwd": torch.zeros(3, 1),
+                "scale_bwd": torch.ones(1),
+            },
+        )
+
+
+@pytest.mark.parametrize(
+    "length, rows",
+    [
+        (2, [[0.0], [5.0]]),  # shorter: the first rows
+        (3, [[0.0], [5.0], [7.0]]),
+        (5, [[0.0], [5.0], [7.0], [0.0], [0.0]]),  # longer: zero rows at the end
+    ],
+)
+def test_a_changed_history_length_resizes_as_transformer_engine(length, rows):
+    state = _fresh_state(history_len=length)
+    state.load_state_dict(_trained_state().state_dict())
+    values = state.scaling_tensors()
+    assert values["amax_history_fwd"].tolist() == rows
+    assert values["amax_history_bwd"].tolist() == [[r[0] / 2] for r in rows]
+    assert torch.equal(values["scale_fwd"], TRAINED["scale_fwd"])
+    assert torch.equal(values["scale_bwd"], TRAINED["scale_bwd"])
+
+
+def test_the_state_of_another_model_is_refused():
+    target = _fresh_state(history_len=3, forward_slots=2)
+    with pytest.raises(ValueError, match=r"this model has 2 forward slots .* another model"):
+        target.load_state_dict(_trained_state().state_dict())
+    assert not target.materialized  # nothing was loaded
+
+
+def _fresh_state(history_len: int, forward_slots: int = 1) -> DelayedScalingState:
+    recipe = Fp8Recipe("hybrid", "delayed", amax_history_len=history_len, amax_compute_algo="max")
+    state = DelayedScalingState(recipe, group=None)
+    for _ in range(forward_slots):
+        state.new_slot(FORWARD)
+    state.new_slot(BACKWARD)
+    return state
+
+
+def assert_same_values(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]):
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert actual[key].dtype == F32 and torch.equal(actual[key], value), key
+
+
+def test_a_state_loaded_before_the_first_cast_moves_to_that_casts_device():
+    """Loaded into a state without tensors, the values wait on the CPU (the state does not know
+    where its model computes) and move to the first cast's device (the meta device here, for a
+    GPU), the scales a recomputed checkpoint replays too."""
+    state = _fresh_state(history_len=3)
+    state.load_state_dict(_trained_state().state_dict())
+    assert state.scaling_tensors()["scale_fwd"].device.type == "cpu"
+    snapshot = state.snapshot()  # a checkpoint's forward starting before the first cast
+    meta = torch.device("meta")
+    assert state.scale(BACKWARD, 0, meta).device == meta
+    assert {value.device for value in state.scaling_tensors().values()} == {meta}
+    with state.replaying(snapshot):
+        assert state.scale(FORWARD, 0, meta).device == meta

@@ -21,9 +21,9 @@ from tests.unit_tests.distributed_harness import run_distributed
 def _change_forward_scales(slots: Fp8LinearSlots) -> None:
     """What the end of the block's forward does before backward under delayed scaling."""
     if slots.state is not None:
-        changed = slots.state.state_dict()
+        changed = slots.state.scaling_tensors()
         changed["scale_fwd"].fill_(100.0)
-        slots.state.load_state_dict(changed)
+        slots.state.load_scaling_tensors(changed)
 
 
 def _slots(kind: str) -> Fp8LinearSlots:

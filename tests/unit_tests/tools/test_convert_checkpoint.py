@@ -1,6 +1,7 @@
 """`tools/convert_checkpoint.py` end to end, on checkpoints of real (tiny) training runs on two
-ranks: Megatron-FSDP ZeRO-3, whose tensors are saved as sharded DTensors, and the DDP engine
-with `--bf16` (fp32 master weights in the optimizer state).
+ranks: Megatron-FSDP ZeRO-3, whose tensors are saved as sharded DTensors, the DDP engine
+with `--bf16` (fp32 master weights in the optimizer state), and ZeRO-3 with FP8 delayed
+scaling, whose state the full file carries and `--model-only` leaves out.
 
 `to-torch` gives the full tensors the ranks held (gathered at save time, independently of the
 checkpoint); `to-torch` -> `from-torch` -> `--load` resumes training with exactly the losses of
@@ -12,6 +13,7 @@ process group (as it would from the command line)."""
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import shutil
 import subprocess
@@ -59,10 +61,24 @@ ENGINES = {
     "ddp_bf16": ["--bf16"],
     "zero3_sgd": [*ZERO3, "--optimizer", "sgd", "--sgd-momentum", "0"],
     "zero3_fp16": [*ZERO3, "--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "1"],
+    "zero3_fp8_delayed": [
+        *ZERO3,
+        "--bf16",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-amax-history-len",
+        "4",
+        "--fp8-amax-compute-algo",
+        "max",
+    ],  # fmt: skip
 }
 """Megatron-FSDP ZeRO-3 (sharded DTensors), the DDP engine with bf16 weights (fp32 masters
-in the optimizer state), an optimizer without state tensors (only parameter groups), and
-`--fp16`, whose dynamic loss scale (doubled after every step here) is optimizer state too."""
+in the optimizer state), an optimizer without state tensors (only parameter groups),
+`--fp16`, whose dynamic loss scale (doubled after every step here) is optimizer state too, and
+FP8 delayed scaling, whose amax histories and scales are a non-tensor entry of the model's
+state dict (`FP8_STATE`)."""
+
+FP8_STATE = "decoder.fp8_state._extra_state"
 
 WORLD_SIZE = 2
 PADDED_VOCAB_SIZE = 128  # --vocab-size 64 padded to a multiple of 128, as pretrain_gpt does
@@ -122,8 +138,12 @@ def load(path: Path) -> Any:
 
 
 def assert_tensors_equal(actual: Any, expected: Any, where: str = "") -> None:
-    """Nested dicts of tensors with the same keys, and tensors equal in dtype and value."""
-    if isinstance(expected, dict):
+    """Nested dicts of tensors with the same keys, and tensors equal in dtype and value; a
+    module's extra state (the bytes of a `torch.save`) holding such a dict."""
+    if isinstance(expected, io.BytesIO):
+        assert isinstance(actual, io.BytesIO), where
+        assert_tensors_equal(_extra_state(actual), _extra_state(expected), where)
+    elif isinstance(expected, dict):
         assert isinstance(actual, dict), where
         assert sorted(actual) == sorted(expected), where
         for key in expected:
@@ -132,6 +152,14 @@ def assert_tensors_equal(actual: Any, expected: Any, where: str = "") -> None:
         assert isinstance(actual, torch.Tensor), where
         assert actual.dtype == expected.dtype, where
         assert torch.equal(actual, expected), where
+
+
+def _extra_state(value: io.BytesIO) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+
+
+def _model_tensors(model: dict[str, Any]) -> list[torch.Tensor]:
+    return [value for value in model.values() if isinstance(value, torch.Tensor)]
 
 
 def without_empty(tree: dict[str, Any]) -> dict[str, Any]:
@@ -193,12 +221,14 @@ def test_to_torch_gives_the_full_tensors_of_every_rank(run, tmp_path, capsys):
 
         optimizer = contents.get("optimizer", {})
         tensors = [t for values in optimizer.get("state", {}).values() for t in values.values()]
-        tensors += [*contents["model"].values()]
+        tensors += _model_tensors(contents["model"])
         tensors += [*optimizer.get("fp32_from_fp16_params", {}).values()]
         tensors += [*optimizer.get("grad_scaler", {}).values()]
         assert summary["tensors"] == len(tensors)
         assert summary["bytes"] == sum(t.numel() * t.element_size() for t in tensors)
-        assert summary["parameters"] == sum(t.numel() for t in contents["model"].values())
+        assert summary["parameters"] == sum(t.numel() for t in _model_tensors(contents["model"]))
+        if run["engine"] == "zero3_fp8_delayed":  # the state is carried, not the initial one
+            assert (_extra_state(contents["model"][FP8_STATE])["scale_fwd"] != 1).all()
         printed = capsys.readouterr().out
         assert f"{summary['tensors']} tensors, {summary['parameters']:,} model parameters" in (
             printed
@@ -216,6 +246,35 @@ def test_model_only_is_a_gpt_model_state_dict(zero3_run, tmp_path):
     model = _tiny_gpt(seed=5)
     model.load_state_dict(state_dict, strict=True)
     assert_tensors_equal(dict(model.state_dict()), state_dict)
+
+
+def test_model_only_leaves_out_extra_states(run, tmp_path, capsys):
+    """`--model-only` of every engine's checkpoint holds the model's tensors, loadable with
+    `weights_only=True`: the FP8 delayed-scaling state, a pickled object, is left out (the
+    tool says so), and a delayed-scaling model loading the file starts from its initial
+    state."""
+    output = tmp_path / "model.pt"
+    convert("to-torch", "--load", run["save"], "--output", output, "--model-only")
+    state_dict = torch.load(output, weights_only=True)
+    expected = run["gathered"][4]["model"]
+    delayed = run["engine"] == "zero3_fp8_delayed"
+    assert (expected.pop(FP8_STATE, None) is not None) == delayed
+    assert_tensors_equal(state_dict, expected)
+    assert (f"left out {FP8_STATE}" in capsys.readouterr().out) == delayed
+    if not delayed:
+        return
+    model = _tiny_gpt(seed=5, fp8="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+    model(torch.zeros(1, 16, dtype=torch.long)).sum().backward()  # a state of its own
+    model.load_state_dict(state_dict, strict=True)
+    assert_tensors_equal(
+        model.decoder.fp8_state.scaling_tensors(),
+        {
+            "amax_history_fwd": torch.zeros(4, 8),
+            "scale_fwd": torch.ones(8),
+            "amax_history_bwd": torch.zeros(4, 8),
+            "scale_bwd": torch.ones(8),
+        },
+    )
 
 
 def test_round_trip_resumes_training_exactly(run, tmp_path):
@@ -252,10 +311,10 @@ def test_round_trip_resumes_training_exactly(run, tmp_path):
     torch.testing.assert_close(from_converted["losses"], run["losses"][2:])
 
 
-def _tiny_gpt(seed: int) -> GPTModel:
-    """The GPT that `TINY` trains, with weights from `seed`."""
+def _tiny_gpt(seed: int, **fp8: Any) -> GPTModel:
+    """The GPT that `TINY` trains, with weights from `seed`; `fp8`: the config's FP8 fields."""
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, **fp8
     )
     torch.manual_seed(seed)
     return GPTModel(

@@ -33,7 +33,12 @@ import pretrain_gpt
 from megatron.core import parallel_state
 from megatron.core.datasets import MockGPTDataset
 from megatron.training import checkpointing
-from megatron.training.checkpoint_layout import COMMON_FILENAME, CheckpointError
+from megatron.training.checkpoint_layout import (
+    COMMON_FILENAME,
+    CheckpointError,
+    checkpoint_dir,
+    read_metadata,
+)
 from megatron.training.hf_conversion import HF_CONFIG_KEY, HFConversionError
 from megatron.training.hf_conversion.config import (
     model_args_from_hf_config,
@@ -247,6 +252,30 @@ def test_pretrain_gpt_finetunes_the_import(tmp_path):
             "--hf-config", tmp_path / "other.json",
         )  # fmt: skip
     assert not (tmp_path / "no").exists()
+
+
+def test_export_of_an_fp8_delayed_scaling_run_writes_the_weights_only(tmp_path):
+    """The import (weights only) finetuned with FP8 delayed scaling at --lr 0: its checkpoint
+    also holds the amax histories and scales (`decoder.fp8_state._extra_state`), which have no
+    place in Hugging Face files; the export writes the original weights and nothing else."""
+    save_hf_model("llama2", tmp_path / "hf")
+    summary = convert("import", "--hf-dir", tmp_path / "hf", "--save", tmp_path / "ckpt")
+    flags = [
+        *summary["flags"], "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "2", "--lr", "0", "--mock-data",
+        "--num-workers", "0", "--eval-iters", "0", "--fp8-format", "hybrid",
+        "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max",
+        "--load", tmp_path / "ckpt", "--finetune", "--save", tmp_path / "finetuned",
+    ]  # fmt: skip
+    run_distributed(_finetune, 1, [str(flag) for flag in flags])
+    saved = read_metadata(checkpoint_dir(str(tmp_path / "finetuned"), 2)).state_dict_metadata
+    assert "model.decoder.fp8_state._extra_state" in saved  # the premise
+
+    convert("export", "--load", tmp_path / "finetuned", "--hf-dir", tmp_path / "out")
+    exported, original = safetensors_of(tmp_path / "out"), safetensors_of(tmp_path / "hf")
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def _expert_parallel_logits(flags: list[str], path: str, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -134,6 +135,14 @@ def resumed_part(straight: TrainingHistory, after: int) -> TrainingHistory:
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of `tensor`, gathered whole if it is a DTensor."""
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def whole_value(value: Any) -> Any:
+    """A copy of a model state dict's value: `whole_tensor` of a tensor; of a module's extra
+    state (the FP8 delayed-scaling state, the bytes of a `torch.save`), what it holds."""
+    if isinstance(value, io.BytesIO):
+        return torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+    return whole_tensor(value)
 
 
 def assert_same(actual: Any, expected: Any, where: str = "") -> None:

@@ -171,11 +171,19 @@ TINY = (
 ).split()
 
 
-def test_benchmark_tool_runs_on_two_cpu_ranks(tmp_path):
+TINY_PARAMETERS = 128 * 32 + 2 * 12_704 + 64 + 128 * 32
+"""The tiny model's parameters: embedding, 2 layers (norms, QKV, projection, MLP, with biases),
+final norm, output layer."""
+
+
+@pytest.mark.parametrize("fp8", [[], ["--bf16", "--fp8-format", "hybrid"]], ids=["bf16", "fp8"])
+def test_benchmark_tool_runs_on_two_cpu_ranks(fp8, tmp_path):
+    """Also with FP8 delayed scaling, whose checkpoint holds a non-tensor entry (its amax
+    histories and scales): not counted as parameters."""
     out = tmp_path / "result.json"
     scratch = tmp_path / "scratch"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", str(TOOL), *TINY, "--dir", str(scratch)]
+    command += ["--nproc-per-node=2", str(TOOL), *TINY, *fp8, "--dir", str(scratch)]
     command += ["--json-out", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     proc = subprocess.run(
@@ -190,6 +198,7 @@ def test_benchmark_tool_runs_on_two_cpu_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["config"]["world_size"] == 2 and result["bytes"] > 0
+    assert result["config"]["params"] == TINY_PARAMETERS
     for mode in ("checksums", "none"):
         for kind in ("save", "load"):
             assert len(result["seconds"][mode][kind]) == 1 and result["seconds"][mode][kind][0] > 0

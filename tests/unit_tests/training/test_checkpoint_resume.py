@@ -1,6 +1,7 @@
 """Checkpoints through `pretrain_gpt.main` on spawned gloo ranks (NCCL on GPUs).
 
-- Training resumed from a checkpoint is bitwise the uninterrupted run.
+- Training resumed from a checkpoint is bitwise the uninterrupted run (FP8 delayed scaling
+  included: its amax histories and scales are saved).
 - A save killed part-way, or failing on rank 0, leaves the previous checkpoint, which resumes
   exactly.
 - Missing, damaged (a flipped byte included: the file checksums) and mismatched checkpoints
@@ -63,11 +64,19 @@ from tests.unit_tests.training.flag_checks import BASE, validated
 
 REPOSITORY = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
 
+FP8_DELAYED = (
+    "--bf16 --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max".split()
+)
+"""FP8 with delayed scaling: the amax histories and scales are state to restore (a resume
+from fresh ones casts with other scales, and its losses differ)."""
+
 ENGINES = {
     "fsdp_zero3": ZERO3,
     "ddp": [],
     "fsdp_zero3_bf16": [*ZERO3, "--bf16"],
     "ddp_bf16": ["--bf16"],  # the optimizer's fp32 masters are state to restore
+    "fsdp_zero3_fp8_delayed": [*ZERO3, *FP8_DELAYED],
+    "ddp_fp8_delayed": FP8_DELAYED,
 }
 
 

@@ -5,6 +5,9 @@
   from the saved and the loaded state is the same step.
 - Loading at another data-parallel size, strategy or hybrid layout reshards exactly.
 - A mismatched optimizer state fails before the model changes.
+- The FP8 delayed-scaling state (amax histories and scales) loads exactly; a checkpoint without
+  it (bf16, current scaling) loads into a delayed-scaling model as the initial state and one
+  with it into a model without it; a history saved with another length is resized.
 - A save beside another job writing into the directory is refused and removes nothing of it.
 
 `test_checkpoint_resume.py` covers whole runs: exact resume, killed saves, bad checkpoints.
@@ -48,6 +51,7 @@ from tests.unit_tests.training.checkpoint_checks import (
     lock_held_by_another_process,
     read_whole_checkpoint,
     whole_tensor,
+    whole_value,
 )
 
 # --- Engine-level round trips: save_checkpoint() / load_checkpoint() on hand-built models ---
@@ -77,18 +81,14 @@ def _build(
     optimizer: str = "adam",
     momentum: float = 0.0,
     frozen: tuple[str, ...] = (),
-    fp8_recipe: str | None = None,
+    fp8: dict[str, Any] | None = None,
     fp8_param_gather: bool = False,
 ) -> tuple[torch.nn.Module, Any, OptimizerParamScheduler]:
     """A tiny GPT with dropout and tied embeddings under `engine` ("ddp" or a sharding
     strategy; HSDP / HFSDP with `replicas` > 1), its optimizer and a warmup-cosine schedule;
-    with `fp8_recipe`, its transformer layers' linears in FP8 (hybrid format)."""
+    `fp8`: the config's FP8 fields."""
     dtypes = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
-    if fp8_recipe is not None:
-        dtypes.update(fp8="hybrid", fp8_recipe=fp8_recipe)
-        if fp8_recipe == "delayed":
-            dtypes.update(fp8_amax_history_len=4, fp8_amax_compute_algo="max")
-    config = tiny_gpt_config(hidden_dropout=0.1, attention_dropout=0.1, **dtypes)
+    config = tiny_gpt_config(hidden_dropout=0.1, attention_dropout=0.1, **dtypes, **(fp8 or {}))
     model = build_tiny_gpt(
         config, seed, max_sequence_length=POSITIONS, share_embeddings_and_output_weights=True
     )
@@ -188,12 +188,13 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
 def _snapshot(state: tuple) -> dict[str, Any]:
     """Everything a checkpoint holds, whole: weights as the model keeps them (fp32 DTensor main
-    weights gathered, or the DDP engine's parameters), fp32 masters and optimizer states by
-    parameter name, hyperparameters, schedule, and this rank's RNG states."""
+    weights gathered, or the DDP engine's parameters) and the FP8 delayed-scaling state's
+    tensors (`FP8_STATE`), fp32 masters and optimizer states by parameter name,
+    hyperparameters, schedule, and this rank's RNG states."""
     model, optimizer, scheduler = state
     sharded = optimizer.sharded_state_dict()
     return {
-        "weights": {name: whole_tensor(t) for name, t in model.state_dict().items()},
+        "weights": {name: whole_value(value) for name, value in model.state_dict().items()},
         "masters": {name: whole_tensor(t) for name, t in sharded["fp32_from_fp16_params"].items()},
         "optimizer": {
             name: {key: whole_tensor(value) for key, value in values.items()}
@@ -241,6 +242,12 @@ def _round_trip(engine: str, root: str, build: dict[str, Any]) -> dict[str, Any]
     )
 
 
+FP8_DELAYED = dict(fp8="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+FP8_TENSORWISE = dict(fp8="hybrid", fp8_recipe="tensorwise")
+FP8_STATE = "decoder.fp8_state._extra_state"
+"""The model state dict's entry of the FP8 delayed-scaling state."""
+ENGINES_WITH_FP8 = ("ddp", "optim_grads_params")
+
 ROUND_TRIPS = {
     **{f"{engine}-fp32": (engine, {}) for engine in ("ddp", "no_shard", "optim", "optim_grads")},
     "optim_grads_params-fp32": ("optim_grads_params", {}),
@@ -250,16 +257,14 @@ ROUND_TRIPS = {
     "optim_grads-sgd-momentum": ("optim_grads", {"optimizer": "sgd", "momentum": 0.9}),
     "ddp-bf16-frozen": ("ddp", {"bf16": True, "frozen": ("decoder.final_layernorm.weight",)}),
     **{
-        f"{e}-fp8-param-gather": (
-            e,
-            dict(bf16=True, fp8_recipe="tensorwise", fp8_param_gather=True),
-        )
+        f"{e}-fp8-param-gather": (e, dict(bf16=True, fp8=FP8_DELAYED, fp8_param_gather=True))
         for e in ("optim", "optim_grads_params")
     },
     "optim_grads_params-frozen": (
         "optim_grads_params",
         {"frozen": ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.final_layernorm.bias")},
     ),
+    **{f"{e}-fp8-delayed": (e, {"bf16": True, "fp8": FP8_DELAYED}) for e in ENGINES_WITH_FP8},
 }
 
 
@@ -270,7 +275,14 @@ def test_save_load_round_trip(case, tmp_path):
     for rank, result in enumerate(results):
         assert result["iteration"] == 2 and result["consumed"] == 16
         saved = result["saved"]
-        trainable = {n for n in saved["weights"] if n not in build.get("frozen", ())}
+        trainable = {
+            name
+            for name, value in saved["weights"].items()
+            if isinstance(value, torch.Tensor) and name not in build.get("frozen", ())
+        }
+        if build.get("fp8"):  # the state two steps made: not the initial one
+            fp8_state = saved["weights"][FP8_STATE]
+            assert (fp8_state["scale_fwd"] != 1).all() and (fp8_state["scale_bwd"] != 1).all()
         if build.get("optimizer") == "sgd" and not build.get("momentum"):
             assert not any(saved["optimizer"].values())  # nothing but hyperparameters
         else:
@@ -359,6 +371,69 @@ def test_mismatched_optimizer_state_fails_before_the_model_changes(case, tmp_pat
         for fragment in fragments:
             assert fragment in result["error"], result["error"]
         assert_same(result["after"], result["before"], case)
+
+
+def _load_across_fp8_recipes(root: str, saving: dict, loading: dict) -> dict[str, Any]:
+    """Saves a bf16 ZeRO-3 model with the FP8 fields `saving` after two steps, loads it into
+    one with `loading` that took a step of its own first (so that its FP8 state after the load
+    comes from the load), and takes one more step from it."""
+    parallel_state.initialize_model_parallel()
+    batches = _batches(4)
+    saved_state = _build("optim_grads_params", bf16=True, fp8=saving)
+    _train(saved_state, batches[:2])
+    save_checkpoint(2, *saved_state, _args(root))
+    state = _build("optim_grads_params", seed=4321, bf16=True, fp8=loading)
+    _train(state, batches[3:])
+    load_checkpoint(*state, _args(root))
+    loaded = _snapshot(state)
+    _train(state, batches[2:3])
+    return dict(saved=_snapshot(saved_state), loaded=loaded)
+
+
+FP8_LOADS = {
+    # id: (the saving model's FP8 fields, the loading model's)
+    "bf16-to-delayed": ({}, FP8_DELAYED),
+    "tensorwise-to-delayed": (FP8_TENSORWISE, FP8_DELAYED),
+    "delayed-to-bf16": (FP8_DELAYED, {}),
+    "delayed-to-tensorwise": (FP8_DELAYED, FP8_TENSORWISE),
+    "history-4-to-2": (FP8_DELAYED, {**FP8_DELAYED, "fp8_amax_history_len": 2}),
+    "history-4-to-6": (FP8_DELAYED, {**FP8_DELAYED, "fp8_amax_history_len": 6}),
+}
+
+
+@pytest.mark.parametrize("case", FP8_LOADS)
+def test_fp8_state_loads_across_recipes_and_history_lengths(case, tmp_path):
+    """Weights and optimizer state load whatever the FP8 recipes; the delayed-scaling state:
+    the initial one from a checkpoint without it, none into a model without it, and a history
+    of another length resized as Transformer Engine does (the first rows kept, zero rows
+    added at the end), the scales kept."""
+    saving, loading = FP8_LOADS[case]
+    for result in run_distributed(_load_across_fp8_recipes, 2, str(tmp_path), saving, loading):
+        saved, loaded = result["saved"], result["loaded"]
+        saved_state = saved["weights"].pop(FP8_STATE, None)
+        loaded_state = loaded["weights"].pop(FP8_STATE, None)
+        assert_same(loaded["weights"], saved["weights"], f"{case} weights")
+        assert_same(loaded["optimizer"], saved["optimizer"], f"{case} optimizer")
+        if loading.get("fp8_recipe", "delayed") != "delayed" or not loading:
+            assert loaded_state is None
+            continue
+        if saved_state is None:  # the initial state
+            length, slots = FP8_DELAYED["fp8_amax_history_len"], 4 * 2  # 4 linears a layer
+            expected = {
+                "amax_history_fwd": torch.zeros(length, slots),
+                "scale_fwd": torch.ones(slots),
+                "amax_history_bwd": torch.zeros(length, slots),
+                "scale_bwd": torch.ones(slots),
+            }
+        else:
+            length = loading["fp8_amax_history_len"]
+            expected = dict(saved_state)
+            for key in ("amax_history_fwd", "amax_history_bwd"):
+                history = saved_state[key]
+                extra = torch.zeros(max(length - len(history), 0), history.shape[1])
+                expected[key] = torch.cat([history[:length], extra])
+            assert (saved_state["amax_history_fwd"][1:] != 0).all()  # a full window
+        assert_same(loaded_state, expected, f"{case} FP8 state")
 
 
 # --- Resharding: another data-parallel size, sharding strategy or hybrid layout ---
