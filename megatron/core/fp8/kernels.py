@@ -45,7 +45,7 @@ _TRANSPOSE_BLOCK = 64
 _TRANSPOSE_WARPS = 4
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-_ROUNDINGS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+_ROUNDINGS = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def kernels_available(x: torch.Tensor) -> bool:
@@ -85,7 +85,8 @@ def cast_to_fp8(
         transpose: make the transposed copy, `[cols, rows]` with `rows` rounded up to 16, the
             columns beyond `rows` zero.
         rounding: `torch.bfloat16` or `torch.float16`: cast `x` rounded to that dtype first
-            (the cast of `x.to(rounding)`, without making it); None: as it is.
+            (the cast of `x.to(rounding)`, without making it); None or `torch.float32`: as it
+            is.
         out: where the row-major copy goes (contiguous, `[rows, cols]`, of `dtype`); None: a
             new tensor.
 
@@ -104,6 +105,16 @@ def cast_to_fp8(
         scale_source, from_amax, record = amax, True, None
     else:
         scale_source, from_amax, record = scale, False, amax_out
+    if out is not None and (
+        out.shape != x.shape
+        or out.dtype != dtype
+        or out.device != x.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"cast_to_fp8: out must be a contiguous {list(x.shape)} {dtype} tensor on "
+            f"{x.device}, got {list(out.shape)} {out.dtype} on {out.device}."
+        )
     data = out
     if rowwise and data is None:
         data = torch.empty(rows, cols, dtype=dtype, device=x.device)

@@ -126,19 +126,19 @@ def test_transpose_is_torchs_transpose_bit_for_bit(shape):
     assert torch.equal(_bytes(transposed), _bytes(data.t().contiguous()))
 
 
-@pytest.mark.parametrize("rounding", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rounding", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_a_cast_through_a_rounding_is_the_cast_of_the_rounded_copy(rounding):
     """The weights' cast from fp32 main weights: the bytes of `x.to(rounding)`'s cast, written
     into a given tensor; and the amax kernel's record is the reference's."""
     x = _input((300, 272), torch.float32, seed=11)
-    x[0, :16] = 1.0625 + 2.0**-20  # an E4M3 tie once rounded to bf16 (or fp16): to 1.0
+    x[0, :16] = 1.0625 + 2.0**-20  # an E4M3 tie once rounded to bf16 or fp16: to 1.0
     scale = torch.tensor([0.0, 1.0], device="cuda")[1:]
     out = torch.empty(300, 272, dtype=torch.float8_e4m3fn, device="cuda")
     cast = quantize.quantize(x, torch.float8_e4m3fn, scale=scale, rounding=rounding, out=out)
     expected = quantize._quantize_reference(x.to(rounding), torch.float8_e4m3fn, scale, None, False)
     assert cast.data is out
     assert torch.equal(_bytes(out), _bytes(expected.data))
-    assert (out[0, :16].float() == 1.0).all()
+    assert (out[0, :16].float() == (1.125 if rounding == torch.float32 else 1.0)).all()
     amax = torch.zeros(1, device="cuda")
     quantize.record_amax(x, amax)
     assert torch.equal(amax, quantize.amax_of(x).reshape(1))

@@ -4,12 +4,15 @@ With `MixedPrecisionPolicy(fp8_param_gather=True)` the trainable weights of line
 compute in FP8 (`megatron.core.fp8`) form groups of their own, whose compute weights are E4M3
 bytes with one scale per tensor instead of model-dtype values:
 
-- *refresh*, once per change of the main weights: each rank takes the absolute maximum of its
-  part of each tensor (the main shard, HFSDP's inner shard, or the replicated main weights, as
-  rounded to the model dtype); the groups refreshed together all-reduce those amaxes with MAX
-  in one collective per shard group (`finish_refreshes`), so every rank holds each whole
-  tensor's amax, and the scale `448 / amax`. Weights that stay whole (ZeRO-1/2) are cast and
-  all-gathered right after.
+- *refresh*, once per change of the main weights, in two steps: each rank takes the absolute
+  maximum of its part of each tensor (the main shard, HFSDP's inner shard, or the replicated
+  main weights, as rounded to the model dtype: `start_refresh`), and the groups refreshed
+  together all-reduce those amaxes with MAX in one collective per shard group
+  (`reduce_amaxes`), so every rank holds each whole tensor's amax, and the scale `448 / amax`;
+  then, unit by unit, weights that stay whole (ZeRO-1/2) are cast and all-gathered
+  (`finish_refresh`). Like every refresh, it is collective: the ranks of a shard group refresh
+  the same groups, which they do as long as the main weights change on all of them (optimizer
+  steps, loads; an in-place write on some ranks only is `mark_written` on all).
 - *unshard* (ZeRO-3): the first after a refresh casts this rank's part into its FP8 shard
   (on the all-gather stream, ahead of the unit's use as its gather is); then the FP8 shards
   are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
@@ -108,12 +111,11 @@ class Fp8ComputeWeights:
         self._scale_invs = [row[:1] for row in self._scale_inv_rows]
         self._index = {id(param): i for i, param in enumerate(params)}
         self._made: list[Fp8Weight | None] = [None] * len(layout)
-        # Between a refresh and the cast it leaves to the next gather: the parts to cast, and
-        # the scales to cast them with.
+        # Between a refresh and the cast (which ZeRO-3 leaves to the next gather): the parts to
+        # cast, their amaxes until reduced, and the scales to cast them with.
         self._sources: list[torch.Tensor] | None = None
+        self.amaxes: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
-        self._amaxes: torch.Tensor | None = None
-        self._comm: Collectives | None = None
         if self._transient:
             self.unsharded.release_storage()
         for param in params:
@@ -126,7 +128,7 @@ class Fp8ComputeWeights:
 
     def weight_of(self, param: torch.nn.Parameter) -> Fp8Weight:
         """The FP8 weight of `param` (one of the group's compute weights), over the gathered
-        bytes; made once per gather.
+        bytes; made once per gather (ZeRO-3) or refresh.
 
         Raises:
             RuntimeError: the whole FP8 weights are not gathered (the weight is used outside
@@ -149,31 +151,32 @@ class Fp8ComputeWeights:
 
     # Refresh.
 
-    def start_refresh(self, sources: Sequence[torch.Tensor], comm: Collectives) -> None:
-        """First half of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
-        main dtype, or the model dtype). `finish_refreshes` completes it."""
+    def start_refresh(self, sources: Sequence[torch.Tensor]) -> None:
+        """First step of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
+        main dtype, or the model dtype), for `reduce_amaxes`."""
         self._forget()
         self._sources = list(sources)
-        self._comm = comm
         amaxes = torch.zeros(len(self), dtype=torch.float32, device=self._device)
         for i, source in enumerate(self._sources):
             if source.numel() > 0:
                 record_amax(source, amaxes.narrow(0, i, 1))
         # Rounding is monotonic: the amax of the rounded values is the rounded amax.
-        self._amaxes = amaxes.to(self._model_dtype).float()
+        self.amaxes = amaxes.to(self._model_dtype).float()
 
-    def _finish_refresh(self, amaxes: torch.Tensor) -> None:
-        """Sets the scales from the whole tensors' `amaxes`; casts, and gathers, the weights
-        that stay whole now, and those gathered for each use at their next gather (so that the
-        casts of ZeRO-3 units overlap the compute of the units before them, as their gathers
-        do)."""
+    def set_scales(self, amaxes: torch.Tensor) -> None:
+        """The scales from the whole tensors' `amaxes` (`reduce_amaxes`)."""
         self._scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
         # In place: GEMMs captured in a CUDA graph read these tensors at every replay.
         self._scale_inv_rows[:, 0].copy_(self._scales.reciprocal())
-        self._amaxes = None
+        self.amaxes = None
+
+    def finish_refresh(self, comm: Collectives) -> None:
+        """Last step of a refresh: casts and gathers the weights that stay whole now; those
+        gathered for each use are cast at their next gather (so that a ZeRO-3 unit's cast
+        overlaps the compute of the units before it, as its gather does)."""
         if not self._transient:
             self._cast()
-            self._gather(self._comm)
+            self._gather(comm)
 
     def _cast(self) -> None:
         """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
@@ -214,9 +217,9 @@ class Fp8ComputeWeights:
         self._made = [None] * len(self._made)
 
 
-def finish_refreshes(pending: Sequence[Fp8ComputeWeights]) -> None:
-    """Completes the refreshes `start_refresh` began: one MAX all-reduce of the amaxes of all
-    of them that share a shard group, then each casts (module docstring).
+def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
+    """Middle step of the refreshes `start_refresh` began: one MAX all-reduce of the amaxes
+    of all of them that share a shard group, then each sets its scales.
 
     Every rank of a shard group must pass the same groups' weights in the same order (the
     units' order), as for any collective.
@@ -225,8 +228,8 @@ def finish_refreshes(pending: Sequence[Fp8ComputeWeights]) -> None:
     for weights in pending:
         by_group.setdefault(weights.amax_group, []).append(weights)
     for group, members in by_group.items():
-        amaxes = torch.cat([weights._amaxes for weights in members])
+        amaxes = torch.cat([weights.amaxes for weights in members])
         if group is not None:
-            members[0]._comm.all_reduce_max(amaxes, group)
+            comm.all_reduce_max(amaxes, group)
         for weights, part in zip(members, amaxes.split([len(w) for w in members])):
-            weights._finish_refresh(part)
+            weights.set_scales(part)

@@ -109,7 +109,7 @@ def accumulation_memory(module: torch.nn.Module) -> dict[str, int]:
             for group in unit.groups:
                 plan, layout = group.plan, group.weights.layout
                 if plan.transient_unsharded:
-                    weights += layout.numel * plan.compute_itemsize
+                    weights += layout.numel * plan.held_itemsize
                 if plan.requires_grad and plan.shards_grads:
                     numel = sum(shape.numel() for shape in layout.shapes)
                     grads += numel * plan.precision.main_grads.itemsize
@@ -137,7 +137,7 @@ def unit_memory(module: torch.nn.Module) -> dict[str, int]:
             for group in unit.groups:
                 plan, numel = group.plan, group.weights.layout.numel
                 if plan.transient_unsharded:
-                    unit_weights += numel * plan.compute_itemsize
+                    unit_weights += numel * plan.held_itemsize
                 if plan.requires_grad and plan.shards_grads:
                     unit_grads += numel * plan.precision.grad_comm.itemsize
             weights, grads = max(weights, unit_weights), max(grads, unit_grads)

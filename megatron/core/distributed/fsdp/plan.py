@@ -19,7 +19,8 @@ each use.
 A group with `fp8_gather` (trainable weights of FP8 linear layers under `fp8_param_gather`)
 computes with FP8 weights: its main weights are always a buffer of their own, and its compute
 weights are FP8 bytes made from them once per change (`fp8_gather.py`), gathered like the
-unsharded buffer would be; the unsharded buffer of the model dtype is never allocated.
+unsharded buffer would be; the unsharded buffer of the model dtype is never used. `refresh` then
+says only whether HFSDP's inner shard is gathered first.
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ class GroupPlan:
     fp8_gather: bool = False
 
     @property
-    def compute_itemsize(self) -> int:
-        """Bytes per element of the whole compute weights (what a gather moves and holds)."""
-        return 1 if self.fp8_gather else self.model_dtype.itemsize
+    def held_itemsize(self) -> int:
+        """Bytes per element the whole compute weights hold while gathered: FP8 bytes and,
+        from the first backward on, their transposes; else the model dtype's."""
+        return 2 if self.fp8_gather else self.model_dtype.itemsize
 
     @classmethod
     def make(

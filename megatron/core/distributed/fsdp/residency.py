@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from megatron.core.distributed.fsdp.fp8_gather import finish_refreshes
+from megatron.core.distributed.fsdp.fp8_gather import reduce_amaxes
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 
@@ -96,8 +96,9 @@ class Residency:
     def refresh(self, units: Iterable[ScheduledUnit]) -> None:
         """Makes the stale compute weights of `units` follow the main weights now, on the
         all-gather stream (unsharded weights held from older main weights are resharded, to be
-        gathered again when used). FP8 compute weights (`fp8_gather.py`) reduce the amaxes of
-        all of them in one collective per shard group."""
+        gathered again when used), unit by unit, each unit's ready as soon as its own weights
+        are. FP8 compute weights (`fp8_gather.py`) first take their amaxes, all of them
+        reduced in one collective per shard group."""
         stale = [
             (unit, [group.weights for group in unit.groups if group.weights.is_stale])
             for unit in units
@@ -105,15 +106,15 @@ class Residency:
         stale = [(unit, weights) for unit, weights in stale if weights]
         if not stale:
             return
-        for unit, _ in stale:
+        fp8 = [w for _, weights in stale for w in weights if w.fp8 is not None]
+        if fp8:
+            with self._on_all_gather_stream():
+                reduce_amaxes([w.start_fp8_refresh() for w in fp8], fp8[0].comm)
+        for unit, weights in stale:
             self.reshard(unit)
-        with self._on_all_gather_stream():
-            for unit, weights in stale:
-                with self._labels(unit, "refresh"):
-                    for group_weights in weights:
-                        group_weights.refresh()
-            finish_refreshes([w.fp8 for _, weights in stale for w in weights if w.fp8])
-        for unit, _ in stale:
+            with self._on_all_gather_stream(), self._labels(unit, "refresh"):
+                for group_weights in weights:
+                    group_weights.refresh()
             if self._streams is not None:
                 self._ready_events[unit.position].record(self._streams.all_gather)
             self._ready.add(unit.position)

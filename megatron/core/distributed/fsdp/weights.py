@@ -14,8 +14,9 @@ autograd): follow them with `mark_written()` (`start_param_sync(force_sync=True)
 compute weights are rewritten or freed, their FP8 copies (`megatron.core.fp8.weights`, which
 cannot see these writes: they bump no version counter) are dropped, to be made again from the
 new values at their next use. A group with `plan.fp8_gather` keeps FP8 compute weights instead
-(`Fp8ComputeWeights`, `fp8_gather.py`): refresh casts them, unshard and reshard gather and free
-them, and its model-dtype compute weights stay without memory.
+(`Fp8ComputeWeights`, `fp8_gather.py`): its refresh starts with `start_fp8_refresh` (the
+amaxes, reduced with other groups' by the caller), unshard and reshard gather and free them,
+and its model-dtype compute weights are released at construction and never allocated again.
 
 Under tensor or expert parallelism each parameter is this rank's part of a global tensor: the
 buffers hold and shard that part like any parameter, and the DTensors show the global tensor,
@@ -134,7 +135,7 @@ class GroupWeights:
             device,
             sharded=False,
             rank=0,
-            zeroed=not plan.transient_unsharded,
+            zeroed=not (plan.transient_unsharded or plan.fp8_gather),
         )
         self.outer_layout: ShardLayout | None = None
         self.outer_rank = 0
@@ -344,20 +345,29 @@ class GroupWeights:
 
     # Refresh, unshard, reshard.
 
+    def start_fp8_refresh(self) -> Fp8ComputeWeights:
+        """First step of the refresh of FP8 compute weights (`plan.fp8_gather`): HFSDP's inner
+        shard, then this rank's amaxes; the caller reduces them with other groups'
+        (`fp8_gather.reduce_amaxes`) before `refresh()`."""
+        if self.plan.refresh is Refresh.OUTER_GATHER:
+            self._gather_inner_shard()
+        source = self._main_views if self.inner_shard is None else self.inner_shard.local_views()
+        self.fp8.start_refresh(source)
+        return self.fp8
+
     def refresh(self) -> None:
         """Makes the compute weights follow the main weights observed last (a cast, or an
         all-gather where the compute weights are replicated and the main weights sharded; under
         ZeRO-3 nothing but HFSDP's inner shard: every `unshard()` gathers from the main weights,
         and whole weights made from older ones must have been freed first). FP8 compute weights
-        only start their refresh here: `fp8_gather.finish_refreshes` completes it."""
+        finish the refresh `start_fp8_refresh` began."""
         self._made_version = self._observed_version
         forget_fp8_weights(self.unsharded_params)
         refresh = self.plan.refresh
-        if refresh is Refresh.OUTER_GATHER:
-            self._gather_inner_shard()
         if self.fp8 is not None:
-            source = self.inner_shard.local_views() if self.inner_shard else self._main_views
-            self.fp8.start_refresh(source, self.comm)
+            self.fp8.finish_refresh(self.comm)
+        elif refresh is Refresh.OUTER_GATHER:
+            self._gather_inner_shard()
         elif refresh is Refresh.GATHER:
             self._gather_into_unsharded()
         elif refresh is Refresh.CAST:
