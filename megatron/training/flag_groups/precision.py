@@ -239,6 +239,12 @@ def validate_precision(args: argparse.Namespace) -> None:
     """
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are both given; keep one of them.")
+    if args.fp8_param_gather and args.fp8 is None:
+        # Before the model exists: FullyShardedDataParallel refuses it too, for library code.
+        raise ValueError(
+            "--fp8-param-gather gathers the weights of FP8 linear layers, and without "
+            "--fp8-format there are none: add --fp8-format or drop --fp8-param-gather."
+        )
     for dest, (default, unbuilt) in UNBUILT_DEFAULTS.items():
         value = getattr(args, dest)
         if value != default:

@@ -103,11 +103,18 @@ def test_every_ddp_config_field_has_a_flag():
     # leave them at their defaults.
     covered = (
         {field for _, field, _ in DDP_CONFIG_CASES}
-        | {"check_for_nan_in_grad"}
+        | {"check_for_nan_in_grad", "fp8_param_gather"}
         | SPEED_ONLY_FIELDS
         | set(UNBUILT_FIELDS)
     )
     assert covered == {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+
+
+def test_fp8_param_gather_reaches_ddp_config(cuda_unavailable):
+    """On CPU: FP8 flags check the GPU's compute capability where CUDA is present."""
+    flags = f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather".split()
+    assert get_megatron_ddp_config(validated(*flags)).fp8_param_gather
+    assert not get_megatron_ddp_config(validated(*flags[:-1])).fp8_param_gather
 
 
 @pytest.mark.parametrize("flag", ["--check-for-nan-in-loss-and-grad", ""])

@@ -148,6 +148,7 @@ def test_gradient_reduction_dtype(flags, reduce_in_fp32):
         ),
         (f"--fp16 {FSDP} --megatron-fsdp-main-params-dtype fp16", "fp16 main weights"),
         ("--fp8-format hybrid --fp8-param-gather", "--fp8-param-gather needs Megatron-FSDP"),
+        (f"{FSDP} --fp8-param-gather", "without --fp8-format there are none"),
     ],
 )
 def test_bad_combination_names_the_flag(flags, message):
