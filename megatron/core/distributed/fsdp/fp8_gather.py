@@ -190,7 +190,7 @@ class Fp8ComputeWeights:
 
     def unshard(self, comm: Collectives) -> None:
         """All-gathers the whole FP8 weights (ZeRO-3), if not held, casting the shard first
-        after a refresh."""
+        after a refresh; weights that stay whole are held already."""
         if self._sources is not None:
             self._cast()
         if self.unsharded.is_allocated:

@@ -402,8 +402,7 @@ class GroupWeights:
     def unshard(self) -> None:
         """Makes the compute weights whole (ZeRO-3: all-gathers them; otherwise they are)."""
         if self.fp8 is not None:
-            if self.plan.transient_unsharded:
-                self.fp8.unshard(self.comm)  # the FP8 shards the last refresh made
+            self.fp8.unshard(self.comm)  # the FP8 shards the last refresh made
             return
         if not self.plan.transient_unsharded or self.unsharded.is_allocated:
             return
@@ -413,10 +412,10 @@ class GroupWeights:
         self._gather_into_unsharded()
 
     def reshard(self) -> None:
-        """Frees the whole compute weights (ZeRO-3 only), and their FP8 copies."""
+        """Frees the whole compute weights (ZeRO-3 only), and their FP8 copies (FP8 compute
+        weights: their transposes, and under ZeRO-3 the weights)."""
         if self.fp8 is not None:
-            if self.plan.transient_unsharded:
-                self.fp8.reshard()
+            self.fp8.reshard()
         elif self.plan.transient_unsharded:
             self.unsharded.release_storage()
             forget_fp8_weights(self.unsharded_params)
