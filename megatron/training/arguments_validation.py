@@ -92,9 +92,11 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
     """
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     errors = FlagErrorCollector()
-    # Checks of single flags and of features: independent of each other, all run.
+    # Checks of single flags and of features: independent of each other, all run (the precision
+    # checks read the loss-scale floats, so only once those are in range).
     for check in _INDEPENDENT_CHECKS:
-        errors.check(check, args)
+        needs = ("check_float_flags",) if check is validate_precision else ()
+        errors.check(check, args, needs=needs)
     # Derived values and combinations: each runs only once what it reads is known to be valid.
     for check, name, needs in _DERIVING_CHECKS:
         errors.check(check, args, name=name, needs=needs)
@@ -585,7 +587,7 @@ _DERIVING_CHECKS: tuple[tuple[Callable[[argparse.Namespace], None], str, tuple[s
     (_check_sizes, "sizes", ()),
     (_validate_parallelism, "parallelism", ("sizes",)),
     (_validate_model, "model", ("required", "sizes")),
-    (validate_moe, "moe", ("required", "sizes")),
+    (validate_moe, "moe", ("required", "sizes", "check_float_flags")),  # reads MoE floats
     (_validate_tensor_parallelism, "tensor parallelism", ("parallelism", "model", "moe")),
     (validate_network_options, "network", ("required", "sizes")),
     (validate_transformer_options, "transformer", ("model",)),
