@@ -331,11 +331,22 @@ def upstream_flags(arguments_py: Path, sources: ConfigSources) -> tuple[list[Fla
 
 def our_flags() -> list[Flag]:
     """This project's flags, from its parser, less those refused by name as not built (their
-    defaults and types are irrelevant: setting one is an error)."""
+    defaults and types are irrelevant: setting one is an error) and those accepted with no
+    effect (their values are ignored)."""
     from megatron.training.arguments import add_megatron_arguments
-    from megatron.training.flag_groups.unbuilt import UNBUILT
+    from megatron.training.flag_groups.unbuilt import (
+        PERFORMANCE_HINTS,
+        TOKENIZER_UNBUILT,
+        UNBUILT,
+        VALUED_HINTS,
+    )
 
-    refused = {name for unbuilt in UNBUILT for name in (*unbuilt.switches, *unbuilt.valued)}
+    refused = {
+        name
+        for unbuilt in UNBUILT + TOKENIZER_UNBUILT
+        for name in (*unbuilt.switches, *unbuilt.valued)
+    }
+    refused |= {flag for flag, *_ in PERFORMANCE_HINTS + VALUED_HINTS}
 
     parser = add_megatron_arguments(argparse.ArgumentParser(add_help=False))
     actions = {

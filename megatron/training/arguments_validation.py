@@ -2,7 +2,9 @@
 
 `validate_args()` fills the derived values of the flags `parse_args()` read (data-parallel size,
 FFN width, params dtype, ...) and rejects bad combinations with a `ValueError` that names the flag
-and the fix. The configs the validated flags describe are built in `configs_from_args`;
+and the fix; every independent error of a command line is reported in one `FlagErrors` (a
+`ValueError`), and a check that reads a value found bad is skipped (`_DERIVING_CHECKS`). The
+configs the validated flags describe are built in `configs_from_args`;
 `megatron.training.arguments` re-exports both: import them from there.
 
 Each flag group's own checks live beside its flags (`flag_groups/*.py`, `validate_*`), called
@@ -17,6 +19,7 @@ import argparse
 import importlib
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +34,7 @@ from megatron.training.configs_from_args import (
     optimizer_config_from_flags,
     transformer_config_from_flags,
 )
+from megatron.training.flag_errors import FlagErrorCollector
 from megatron.training.flag_groups.checkpointing import CKPT_FORMATS, validate_checkpointing
 from megatron.training.flag_groups.cuda_graphs import validate_cuda_graphs
 from megatron.training.flag_groups.data import PER_SPLIT_FLAGS, validate_data, validate_tokenizer
@@ -87,34 +91,23 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> ar
             this machine lacks; the message names the flag(s) and the fix.
     """
     args.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    validate_unbuilt(args)
-    check_float_flags(args)
-    validate_checkpointing(args)
-    validate_distributed(args)
-    validate_precision(args)
-    validate_logging(args)
-    validate_profiling(args)
-    validate_training_operations(args)
-    validate_tokenizer(args)
-    validate_data(args)
-    _check_required(args)
-    _validate_parallelism(args)
-    _validate_model(args)
-    validate_moe(args)
-    _validate_tensor_parallelism(args)
-    validate_network_options(args)
-    validate_transformer_options(args)
-    validate_batch_schedule(args)
-    _validate_batch_and_optimizer(args)
-    validate_training_length(args)
-    validate_lr_schedule(args)
-    validate_cuda_graphs(args)
-    optimizer_config_from_flags(args)
-    _validate_data(args)
-    _validate_logging_and_checkpointing(args)
-    # The transformer config checks its own fields too; building it here turns any remaining error
-    # into one at start-up rather than after the process groups exist.
-    transformer_config_from_flags(args)
+    errors = FlagErrorCollector()
+    # Checks of single flags and of features: independent of each other, all run (the precision
+    # checks read the loss-scale floats, so only once those are in range).
+    for check in _INDEPENDENT_CHECKS:
+        needs = ("check_float_flags",) if check is validate_precision else ()
+        errors.check(check, args, needs=needs)
+    # Derived values and combinations: each runs only once what it reads is known to be valid.
+    for check, name, needs in _DERIVING_CHECKS:
+        errors.check(check, args, name=name, needs=needs)
+    # The configs check their own fields too, among them the float ranges and combinations
+    # reported above: built only from valid flags, they turn any remaining error into one at
+    # start-up rather than after the process groups exist, without repeating one.
+    if not errors.messages:
+        errors.check(optimizer_config_from_flags, args)
+    if not errors.messages:
+        errors.check(transformer_config_from_flags, args)
+    errors.raise_errors()
     return args
 
 
@@ -131,6 +124,9 @@ def _check_required(args: argparse.Namespace) -> None:
     for dest in (*_REQUIRED, "lr"):
         if getattr(args, dest) is None:
             raise ValueError(f"{flag(dest)} is required; pass it on the command line.")
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
     for dest in (
         *_REQUIRED,
         "train_iters",
@@ -346,7 +342,7 @@ def _validate_model(args: argparse.Namespace) -> None:
             )
 
 
-def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
+def _validate_batch(args: argparse.Namespace) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -361,6 +357,8 @@ def _validate_batch_and_optimizer(args: argparse.Namespace) -> None:
         )
     args.num_microbatches = args.global_batch_size // per_step
 
+
+def _validate_weight_decay_and_lr_bounds(args: argparse.Namespace) -> None:
     if args.weight_decay_incr_style == "constant":
         for dest in ("start_weight_decay", "end_weight_decay"):
             if getattr(args, dest) not in (None, args.weight_decay):
@@ -567,3 +565,44 @@ def _require_module(module: str, flag: str, package: str) -> None:
             f"{flag} needs the {package} package, which is not importable ({error}); "
             f"pip install {package}, or drop {flag}."
         ) from error
+
+
+_INDEPENDENT_CHECKS: tuple[Callable[[argparse.Namespace], None], ...] = (
+    validate_unbuilt,
+    check_float_flags,
+    validate_checkpointing,
+    validate_distributed,
+    validate_precision,
+    validate_logging,
+    validate_profiling,
+    validate_training_operations,
+    validate_tokenizer,
+    validate_data,
+    _validate_logging_and_checkpointing,
+)
+"""Checks that read the flags as given (and the world size), each valid on its own."""
+
+_DERIVING_CHECKS: tuple[tuple[Callable[[argparse.Namespace], None], str, tuple[str, ...]], ...] = (
+    (_check_required, "required", ()),
+    (_check_sizes, "sizes", ()),
+    (_validate_parallelism, "parallelism", ("sizes",)),
+    (_validate_model, "model", ("required", "sizes")),
+    (validate_moe, "moe", ("required", "sizes", "check_float_flags")),  # reads MoE floats
+    (_validate_tensor_parallelism, "tensor parallelism", ("parallelism", "model", "moe")),
+    (validate_network_options, "network", ("required", "sizes")),
+    (validate_transformer_options, "transformer", ("model",)),
+    (validate_batch_schedule, "batch schedule", ("parallelism",)),
+    (_validate_batch, "batch", ("batch schedule",)),
+    # Compares float flags: a value out of range would be reported again, as out of bounds.
+    (
+        _validate_weight_decay_and_lr_bounds,
+        "weight decay and lr",
+        ("required", "check_float_flags"),
+    ),
+    (validate_training_length, "training length", ("batch",)),
+    (validate_lr_schedule, "lr schedule", ("training length", "weight decay and lr")),
+    (validate_cuda_graphs, "cuda graphs", ("parallelism", "moe")),
+    (_validate_data, "data sources", ("sizes", "validate_tokenizer", "validate_data")),
+)
+"""(check, name, the names of the checks it needs): checks that fill derived values, or read
+them, in the order they run; one is skipped when a check it needs failed or was skipped."""

@@ -5,7 +5,9 @@ rank 0 had printed it would end the job with no message at all. Every rank but 0
 up to `FLAG_ERROR_GRACE_S` before it exits (rank 0's exit ends the wait); a rank still running
 after the wait found an error rank 0 did not (a data path its node cannot see), and prints it,
 naming itself. This holds for argparse's errors (`FlagParser`: an unknown or malformed flag) and for
-`InvalidFlagsError`, which validation raises, ended by `report_flag_errors`.
+`InvalidFlagsError`, which validation raises, ended by `report_flag_errors`. Validation reports
+every independent error of a command line in that one message (`FlagErrors`, collected by
+`FlagErrorCollector`), so that one launch shows all that is to fix.
 
 Some flags are refused only once the process group exists: a checkpoint saved with another
 schedule or model, a `--save` directory that holds another run's checkpoints
@@ -25,7 +27,7 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -37,6 +39,70 @@ FLAG_ERROR_GRACE_S = 60.0
 class InvalidFlagsError(ValueError):
     """The flags are bad: raised, with the same message on every rank, before any process group
     exists (the message names the flag and the fix)."""
+
+
+class FlagErrors(ValueError):
+    """Several independent flag errors, reported together so that a user fixes them all after one
+    launch: the message of a single error is that error's own; of several, a count and then one
+    line each.
+
+    Attributes:
+        messages: Each error's message, in the order found.
+    """
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = list(messages)
+        if len(self.messages) == 1:
+            super().__init__(self.messages[0])
+        else:
+            lines = "\n".join(f"  - {message}" for message in self.messages)
+            super().__init__(f"{len(self.messages)} flag errors:\n{lines}")
+
+
+class FlagErrorCollector:
+    """Runs checks that raise `ValueError`, keeping every message instead of stopping at the
+    first, and raises them together (`raise_errors`).
+
+    A check named with `name` can be a prerequisite of later ones (`needs`): a check whose
+    prerequisite failed (or was skipped) is skipped too, since it reads values that are bad or
+    were never derived, and would report the same problem again, or a misleading one.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._failed: set[str] = set()
+
+    def check(
+        self,
+        function: Callable[..., object],
+        *args: object,
+        name: str | None = None,
+        needs: tuple[str, ...] = (),
+    ) -> None:
+        """Calls `function(*args)`, keeping the message of a `ValueError` it raises (each of a
+        `FlagErrors`); skips it if any check it `needs` failed or was skipped."""
+        if self._failed.intersection(needs):
+            self._failed.add(name or function.__name__)
+            return
+        try:
+            function(*args)
+        except FlagErrors as errors:
+            self._fail(name, function, errors.messages)
+        except ValueError as error:
+            self._fail(name, function, [str(error)])
+
+    def _fail(self, name: str | None, function: Callable[..., object], found: list[str]) -> None:
+        self._failed.add(name or function.__name__)
+        self.messages.extend(m for m in found if m not in self.messages)
+
+    def raise_errors(self) -> None:
+        """Raises the messages kept so far as one `FlagErrors`; does nothing if there are none.
+
+        Raises:
+            FlagErrors: one or more checks failed.
+        """
+        if self.messages:
+            raise FlagErrors(self.messages)
 
 
 def _rank() -> int:

@@ -2,7 +2,7 @@
 
 A flag that sets a config field of its name takes the range the field declares
 (`megatron.core.value_ranges`: one declaration for the library and the command line); the other
-float flags have theirs here. `check_float_flags()` refuses any value outside, naming the flag,
+float flags have theirs here. `check_float_flags()` refuses every value outside, naming the flag,
 the value and the range; None, the "off" of the flags whose default is None, passes. A float flag
 added to the parser without a range fails `test_flag_ranges.py`. Checks that relate two flags
 (`--min-lr` <= `--lr`, ...) stay with their flag groups.
@@ -23,6 +23,7 @@ from megatron.core.value_ranges import (
     field_ranges,
 )
 from megatron.training.configs_from_args import flag
+from megatron.training.flag_errors import FlagErrors
 
 _FLAG_ONLY_RANGES: dict[str, Range] = {
     "rotary_percent": Range(0, 1, low_open=True),
@@ -53,12 +54,15 @@ def check_float_flags(args: argparse.Namespace) -> None:
     """Refuses a float flag outside its range (`FLOAT_FLAG_RANGES`); None passes.
 
     Raises:
-        ValueError: naming the flag, its value and the range.
+        FlagErrors: a `ValueError` naming each flag out of range, its value and the range.
     """
+    messages = []
     for dest, allowed in FLOAT_FLAG_RANGES.items():
         value = getattr(args, dest, None)
         # `nargs="+"` flags (--moe-aux-loss-coeff) hold a list until validation takes its value.
         for item in value if isinstance(value, list) else [value]:
             if item is not None and item not in allowed:
                 name = _FLAG_NAMES.get(dest, flag(dest))
-                raise ValueError(f"{name} {item} must be {allowed}.")
+                messages.append(f"{name} {item} must be {allowed}.")
+    if messages:
+        raise FlagErrors(messages)

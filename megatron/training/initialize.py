@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.training.arguments import get_parallel_state_kwargs, parse_args, validate_args
+from megatron.training.determinism import apply_deterministic_mode, restore_nondeterministic_mode
 from megatron.training.flag_errors import InvalidFlagsError
 from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.flag_groups.unbuilt import TOKENIZER_UNBUILT, UNBUILT, unbuilt_dests
@@ -74,6 +75,9 @@ def initialize_megatron(
     set_args(args)
     setup_logging()
     set_logging_level(args)
+    if args.deterministic_mode:
+        # Before the process group: NCCL and cuBLAS read the environment when they start.
+        apply_deterministic_mode()
     _initialize_distributed(args)
     parallel_state.initialize_model_parallel(**get_parallel_state_kwargs(args))
     _set_random_seed(args.seed)
@@ -102,6 +106,7 @@ def destroy_megatron(destroy_default_group: bool) -> None:
         dist.destroy_process_group()
     set_args(None)
     unset_tokenizer()
+    restore_nondeterministic_mode()
     # Process-wide MoE state the training loop set: the next job or model starts from defaults.
     destroy_moe_metrics_tracker()
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))

@@ -29,7 +29,10 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="checkpointing")
     group.add_argument("--save", help="Checkpoint directory to save to.")
     group.add_argument(
-        "--save-interval", type=int, help="Iterations between saves (and one at the end)."
+        "--save-interval",
+        "--persistent-save-interval",  # upstream's alias
+        type=int,
+        help="Iterations between saves (and one at the end).",
     )
     group.add_argument("--load", help="Checkpoint directory to resume from.")
     group.add_argument(

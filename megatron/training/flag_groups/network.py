@@ -58,6 +58,13 @@ def add_network_size_args(parser: argparse.ArgumentParser) -> None:
         choices=UPSTREAM_POSITION_EMBEDDING_TYPES,
         help="Position encoding (yarn, mrope, relative: not built).",
     )
+    group.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_const",
+        const="rope",
+        dest="position_embedding_type",
+        help="Deprecated upstream: the same as --position-embedding-type rope.",
+    )
     group.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period.")
     group.add_argument(
         "--rotary-percent", type=float, default=1.0, help="Fraction of head channels RoPE rotates."

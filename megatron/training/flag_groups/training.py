@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.optimizer.optimizer_config import OPTIMIZERS
+from megatron.training.determinism import check_deterministic_mode
 from megatron.training.flag_groups.training_schedule import add_training_schedule_args
 
 FUSION_TOGGLES: tuple[tuple[str, str], ...] = (
@@ -68,6 +69,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         dest="deprecated_use_mcore_models",
         help="Deprecated upstream (Megatron-core models are the only ones); a no-op.",
     )
+    group.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="Bitwise-reproducible runs: torch.use_deterministic_algorithms(True) and upstream's "
+        "environment (NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, unless set to another deterministic value). Slower.",
+    )
     group.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="adam is AdamW.")
     group.add_argument(
         "--check-for-nan-in-loss-and-grad",
@@ -116,11 +124,13 @@ def add_validation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_training_operations(args: argparse.Namespace) -> None:
-    """Checks the garbage-collection flags.
+    """Checks the garbage-collection flags and `--deterministic-mode`.
 
     Raises:
-        ValueError: `--manual-gc-interval` is negative, or set without `--manual-gc`.
+        ValueError: `--manual-gc-interval` is negative, or set without `--manual-gc`; or
+            `--deterministic-mode` with what would break it (`check_deterministic_mode`).
     """
+    check_deterministic_mode(args)
     if args.manual_gc_interval < 0:
         raise ValueError(
             f"--manual-gc-interval {args.manual_gc_interval} must be at least 0 (0: collect "
