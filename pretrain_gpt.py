@@ -21,6 +21,7 @@ import functools
 import torch
 from torch.utils.data import Dataset
 
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.datasets import (
     GPTDatasetConfig,
     MockGPTDataset,
@@ -29,7 +30,11 @@ from megatron.core.datasets import (
     parse_data_path,
 )
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
+from megatron.core.models.gpt import (
+    GPTModel,
+    get_gpt_decoder_block_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.flag_errors import report_flag_errors
 from megatron.training.flag_groups.data import PER_SPLIT_FLAGS
@@ -41,13 +46,15 @@ from megatron.training.utils import get_device, print_rank_0
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
     """The GPT the flags describe, on the current default device (with `--num-experts`, the
-    block spec makes the MoE layers `--moe-layer-freq` selects)."""
+    block spec makes the MoE layers `--moe-layer-freq` selects; with `--mtp-num-layers`, the
+    multi-token prediction depths follow the decoder)."""
     args = get_args()
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
+    decoder_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
     return GPTModel(
         config,
-        get_gpt_decoder_block_spec(config, use_transformer_engine=use_te),
+        decoder_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -59,18 +66,22 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, decoder_spec, use_transformer_engine=use_te),
     )
 
 
 def get_batch(data_iterator: DataIterator) -> dict[str, torch.Tensor]:
     """The next micro-batch on this rank's device: tokens, labels, loss_mask, position_ids, and
     attention_mask with `--reset-attention-mask` (otherwise the dataset's mask is the causal
-    one, which the model applies itself, faster, so it stays on the host)."""
+    one, which the model applies itself, faster, so it stays on the host). With
+    `--context-parallel-size` this rank's two chunks of each sequence
+    (`get_batch_on_this_cp_rank`)."""
     data = next(data_iterator)
     if not get_args().reset_attention_mask:
         data.pop("attention_mask", None)
     device = get_device()
-    return {key: value.to(device, non_blocking=True) for key, value in data.items()}
+    batch = {key: value.to(device, non_blocking=True) for key, value in data.items()}
+    return get_batch_on_this_cp_rank(batch)
 
 
 def loss_func(
@@ -92,13 +103,15 @@ def loss_func(
 def forward_step(
     data_iterator: DataIterator, model: torch.nn.Module
 ) -> tuple[torch.Tensor, LossFunc]:
-    """Forward of one micro-batch: the per-token losses and the function that reduces them."""
+    """Forward of one micro-batch: the per-token losses and the function that reduces them
+    (the loss mask goes to the model too, for its multi-token prediction losses)."""
     batch = get_batch(data_iterator)
     output_tensor = model(
         batch["tokens"],
         batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
         labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
     )
     return output_tensor, functools.partial(loss_func, batch["loss_mask"])
 

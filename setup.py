@@ -18,7 +18,9 @@ setup(
             "pytest-timeout",
             "sentencepiece",
             "tokenizers",
-            "transformers",
+            # transformers 5's config keys; DeepSeek-V3's multi-token prediction layers as it
+            # reads them (`MtpModel`), against which the conversion is tested; GptOssForCausalLM.
+            "transformers>=5.24",
             "tiktoken",
             "tensorboard",
         ],

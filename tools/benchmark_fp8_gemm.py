@@ -8,24 +8,39 @@ FP8 with its transposed copy (forward, for the weight gradient) and the output g
 likewise (backward), by the fused CUDA kernels (`megatron.core.fp8.kernels`) and by plain torch
 ops. The weights' casts happen once per optimizer step, not per GEMM, and are left out.
 
-    python tools/benchmark_fp8_gemm.py [--tokens 4096] [--hidden-size 4096] [--ffn-hidden-size
-        14336] [--num-query-groups 8] [--kv-channels 128] [--num-attention-heads 32] [--json F]
+`--recipe blockwise` measures the blockwise recipe instead (`megatron.core.fp8.blockwise`): E4M3
+throughout, 1x128 scales for the input and output gradient, 128x128 for the weight, the GEMMs
+`torch.nn.functional.scaled_mm`'s blockwise ones (compute capability 9.0, sizes in multiples of
+128), the casts the one-pass kernels of `block_kernels.py` (each block's scale from its own
+values: no delayed variant) against the torch ops the CPU runs.
+
+    python tools/benchmark_fp8_gemm.py [--recipe tensorwise|blockwise] [--tokens 4096]
+        [--hidden-size 4096] [--ffn-hidden-size 14336] [--num-query-groups 8]
+        [--kv-channels 128] [--num-attention-heads 32] [--json F]
 
 Prints one row per layer GEMM: milliseconds of the three bf16 GEMMs, of the three FP8 GEMMs, of
-the fused casts (current scaling: two passes; delayed scaling: one) and of the torch-op casts,
-and the speed-up of FP8 with each kind of cast.
+the fused casts (current scaling: two passes; delayed scaling: one; blockwise: one) and of the
+torch-op casts, and the speed-up of FP8 with each kind of cast.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import warnings
+import sys
 from collections.abc import Callable
 
 import torch
 
-from megatron.core.fp8 import kernels
+# Runnable from a checkout without installing the package (as Megatron-LM's tools are).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.core.fp8 import block_kernels, blockwise, kernels
+from megatron.core.fp8.gemm import fp8_mm
+from megatron.core.fp8.weights import Fp8Weight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -104,6 +119,84 @@ def measure_gemm(tokens: int, out_features: int, in_features: int) -> dict[str, 
     }
 
 
+def measure_blockwise_gemm(tokens: int, out_features: int, in_features: int) -> dict[str, float]:
+    """Milliseconds of one linear layer's three GEMMs in bf16 and in blockwise FP8, and of its
+    blockwise casts.
+
+    Raises:
+        RuntimeError: the blockwise GEMM would run dequantised here (not Hopper, or a size not
+            a multiple of 128).
+    """
+    device = torch.device("cuda")
+    x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16)
+    w = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
+
+    bf16 = _time_ms(lambda: (x @ w.t(), dy @ w, dy.t() @ x))
+
+    x8 = blockwise.quantize_1x128(x, E4M3, transpose=True)
+    dy8 = blockwise.quantize_1x128(dy, E4M3, transpose=True)
+    w8 = Fp8Weight.quantized(w, blockwise=True)
+    fprop_w, dgrad_w = w8.fprop_operand(), w8.dgrad_operand()
+    dyt8, xt8 = dy8.transposed_operand(), x8.transposed_operand().t()
+
+    def fp8_gemms():
+        fp8_mm(x8, fprop_w, out_dtype=torch.bfloat16)
+        fp8_mm(dy8, dgrad_w, out_dtype=torch.bfloat16)
+        fp8_mm(dyt8, xt8, out_dtype=torch.float32)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            fp8_gemms()
+        except UserWarning as dequantised:
+            raise RuntimeError(f"no blockwise GEMM kernel to time: {dequantised}") from None
+    fp8 = _time_ms(fp8_gemms)
+
+    def fused_casts():
+        block_kernels.cast_1x128(x, E4M3, rowwise=True, transpose=True)
+        block_kernels.cast_1x128(dy, E4M3, rowwise=True, transpose=True)
+
+    def torch_casts():  # the torch ops the CPU runs
+        for tensor in (x, dy):
+            blockwise._quantize_reference(tensor, E4M3, blockwise.ROW_BLOCK)
+            blockwise._quantize_transposed_reference(tensor, E4M3)
+
+    fused, plain = _time_ms(fused_casts), _time_ms(torch_casts)
+    return {
+        "bf16_ms": bf16,
+        "fp8_gemm_ms": fp8,
+        "fused_cast_ms": fused,
+        "torch_cast_ms": plain,
+        "speedup_fused": bf16 / (fp8 + fused),
+        "speedup_torch_casts": bf16 / (fp8 + plain),
+        "tflops_bf16": 3 * 2 * tokens * out_features * in_features / bf16 / 1e9,
+    }
+
+
+COLUMNS = {
+    "tensorwise": [
+        ("bf16_ms", "bf16 ms", "{:7.3f}"),
+        ("fp8_gemm_ms", "fp8 ms", "{:7.3f}"),
+        ("fused_cast_ms", "fused cast", "{:10.3f}"),
+        ("delayed_cast_ms", "delayed", "{:8.3f}"),
+        ("torch_cast_ms", "torch cast", "{:11.3f}"),
+        ("speedup_fused", "x fused", "{:8.2f}"),
+        ("speedup_delayed", "x delayed", "{:10.2f}"),
+        ("speedup_torch_casts", "x torch", "{:8.2f}"),
+    ],
+    "blockwise": [
+        ("bf16_ms", "bf16 ms", "{:7.3f}"),
+        ("fp8_gemm_ms", "fp8 ms", "{:7.3f}"),
+        ("fused_cast_ms", "fused cast", "{:10.3f}"),
+        ("torch_cast_ms", "torch cast", "{:11.3f}"),
+        ("speedup_fused", "x fused", "{:8.2f}"),
+        ("speedup_torch_casts", "x torch", "{:8.2f}"),
+    ],
+}
+"""Each recipe's printed columns: (row key, header, format)."""
+
+
 def layer_gemms(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     """(out features, in features) of each linear layer of a transformer layer."""
     heads, groups, kv = args.num_attention_heads, args.num_query_groups, args.kv_channels
@@ -117,6 +210,13 @@ def layer_gemms(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--recipe",
+        choices=list(COLUMNS),
+        default="tensorwise",
+        help="tensorwise: per-tensor scales, hybrid format (current and delayed-scaling casts); "
+        "blockwise: 1x128 / 128x128 block scales, E4M3",
+    )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=4096)
     parser.add_argument("--ffn-hidden-size", type=int, default=14336)
@@ -127,32 +227,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (FP8 GEMMs run on Hopper or newer)")
+    measure = measure_blockwise_gemm if args.recipe == "blockwise" else measure_gemm
+    columns = COLUMNS[args.recipe]
     rows = []
-    header = (
-        "gemm   shape (out x in)   bf16 ms  fp8 ms  fused cast  delayed  torch cast"
-        "  x fused  x delayed  x torch"
-    )
-    print(header)
+    print("gemm   shape (out x in)   " + "  ".join(header for _, header, _ in columns))
     for name, (out_features, in_features) in layer_gemms(args).items():
-        row = {"gemm": name, "tokens": args.tokens, "out": out_features, "in": in_features}
-        row.update(measure_gemm(args.tokens, out_features, in_features))
+        row = {"gemm": name, "recipe": args.recipe, "tokens": args.tokens}
+        row.update({"out": out_features, "in": in_features})
+        row.update(measure(args.tokens, out_features, in_features))
         rows.append(row)
-        print(
-            f"{name:<6} {out_features:>6} x {in_features:<6}    {row['bf16_ms']:7.3f} "
-            f"{row['fp8_gemm_ms']:7.3f} {row['fused_cast_ms']:10.3f} {row['delayed_cast_ms']:8.3f}"
-            f" {row['torch_cast_ms']:11.3f} {row['speedup_fused']:8.2f}"
-            f" {row['speedup_delayed']:10.2f} {row['speedup_torch_casts']:8.2f}"
-        )
+        cells = " ".join(form.format(row[key]) for key, _, form in columns)
+        print(f"{name:<6} {out_features:>6} x {in_features:<6}    {cells}")
     total = {key: sum(row[key] for row in rows) for key in rows[0] if key.endswith("_ms")}
     bf16, gemms = total["bf16_ms"], total["fp8_gemm_ms"]
     fused, plain = total["fused_cast_ms"], total["torch_cast_ms"]
-    delayed = total["delayed_cast_ms"]
-    print(
+    summary = (
         f"layer: bf16 {bf16:.3f} ms; FP8 GEMMs {gemms:.3f} ms + fused casts {fused:.3f} ms "
-        f"({bf16 / (gemms + fused):.2f}x), + delayed-scaling casts {delayed:.3f} ms "
-        f"({bf16 / (gemms + delayed):.2f}x), or + torch casts {plain:.3f} ms "
-        f"({bf16 / (gemms + plain):.2f}x)"
+        f"({bf16 / (gemms + fused):.2f}x), "
     )
+    if "delayed_cast_ms" in total:
+        delayed = total["delayed_cast_ms"]
+        summary += f"+ delayed-scaling casts {delayed:.3f} ms ({bf16 / (gemms + delayed):.2f}x), "
+    print(summary + f"or + torch casts {plain:.3f} ms ({bf16 / (gemms + plain):.2f}x)")
     if args.json:
         with open(args.json, "w") as file:
             json.dump(rows, file, indent=1)

@@ -42,7 +42,11 @@ The files:
 `from-torch` takes either (and also `{"model": {...}}` without the rest). Without "common" it
 writes what loading reads and nothing else: no arguments (so only the tensor names and shapes
 are checked against the model), no schedule, no RNG states, 0 consumed samples. Tensors are
-written whole; loading reshards them.
+written whole; loading reshards them. A model state dict saved by Megatron-core converts too:
+its MoE experts' per-expert entries (`experts.local_experts.<i>.*`, or Transformer Engine's
+`experts.linear_fc1.weight<i>`, of all experts) are stacked into this project's tensors
+(`experts.linear_fc1.weight` [num_experts, ...]), and the None `_extra_state` entries of its
+linears are left out.
 
 Nothing is overwritten without `--force`: an existing output file or checkpoint directory is
 an error, and so is a tracker that names a newer iteration than the one written (pointing it
@@ -66,6 +70,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.core.transformer.moe.upstream_names import stack_upstream_experts  # noqa: E402
 
 # The layout is checkpointing.py's: its names, checks and atomic writes, not copies of them.
 from megatron.training.checkpoint_layout import (  # noqa: E402
@@ -290,7 +296,22 @@ def _check_model(state: Mapping, source: str) -> dict[str, Any]:
             f"not named tensors (e.g. {', '.join(bad[:3])}). Pass a file written by `to-torch` "
             "or by torch.save(model.state_dict(), ...)."
         )
-    return dict(state)
+    return _in_stacked_expert_names(dict(state), source)
+
+
+def _in_stacked_expert_names(state: dict[str, Any], source: str) -> dict[str, Any]:
+    """`state` with Megatron-core's per-expert MoE entries stacked as this project saves them,
+    and without the None `_extra_state` entries of Megatron-core's local linears (they hold
+    nothing; this project's extra states are never None)."""
+    try:
+        stack_upstream_experts(state)
+    except ValueError as error:
+        raise CheckpointError(f"{source}: {error}") from error
+    return {
+        name: value
+        for name, value in state.items()
+        if not (value is None and name.endswith(EXTRA_STATE_SUFFIX))
+    }
 
 
 def _check_optimizer(optimizer: Any, model: Mapping, source: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Converts Hugging Face Llama-family checkpoints (and Mixtral, Qwen2-MoE) to this project's
-checkpoints, and back.
+"""Converts Hugging Face Llama-family checkpoints (and Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V3 and gpt-oss) to this project's checkpoints, and back.
 
     # A local Hugging Face model directory (config.json, *.safetensors, its tokenizer) ->
     # a weights-only checkpoint, and the model flags that build the matching model:
@@ -13,11 +13,14 @@ checkpoints, and back.
     python tools/convert_hf.py export --load ckpts/ft --hf-dir llama-ft
 
 Supported: LlamaForCausalLM (Llama 2 and 3, with Llama 3's RoPE scaling), MistralForCausalLM
-(without sliding-window attention), Qwen2ForCausalLM (its QKV bias), tied or untied
-embeddings, and the Mixture-of-Experts MixtralForCausalLM and Qwen2MoeForCausalLM (shared
-expert, dense layers). Both directions stream: a tensor (import; an MoE layer's stacked experts)
-or a transformer layer (export) at a time is in memory, never the model. Nothing is
-overwritten without --force.
+(without sliding-window attention), Qwen2ForCausalLM (its QKV bias), Qwen3ForCausalLM (its
+query-key norms), YaRN RoPE, tied or untied embeddings, the Mixture-of-Experts
+MixtralForCausalLM, Qwen2MoeForCausalLM (shared expert, dense layers) and Qwen3MoeForCausalLM,
+DeepseekV3ForCausalLM (multi-latent attention, YaRN, grouped sigmoid routing with the expert
+bias, shared experts, multi-token prediction) and GptOssForCausalLM (sinks, sliding windows,
+clamped GLU experts). Both directions stream: a tensor (import; an MoE layer's stacked experts)
+or a transformer layer (export) at a time is in memory, never the model. Nothing is overwritten
+without --force.
 `docs/hugging_face.md` explains the use; `megatron.training.hf_conversion` does the work.
 """
 
@@ -37,8 +40,8 @@ from megatron.training.hf_conversion import export_hf, import_hf  # noqa: E402
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses the subcommand and its flags."""
     parser = argparse.ArgumentParser(
-        description="Convert Hugging Face Llama-family (and Mixtral, Qwen2-MoE) checkpoints to "
-        "this project's and back."
+        description="Convert Hugging Face Llama-family (and Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
+        "DeepSeek-V3, gpt-oss) checkpoints to this project's and back."
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -3,8 +3,11 @@
 # unchanged; the sbatch/srun wrapper left out) with the model scaled down to 2 ranks (GPUs, or CPU
 # with --distributed-backend gloo).
 # Usage: OUTPUT_PATH=DIR [DATA_PATH=PREFIX] bash examples/megatron_lm/deepseek_v3_fsdp.sh [extra flags...]
-# It asks for the flex (HybridEP) token dispatcher, multi-latent attention and multi-token
-# prediction, which are not built; its other MoE flags are.
+# It asks for the flex (HybridEP) token dispatcher, which is not built, and Transformer Engine
+# with flash attention (GPU only). On CPU, delete the --use-flash-attn line and add
+# --moe-token-dispatcher-type alltoall --transformer-impl local --distributed-backend gloo:
+# the rest (multi-latent attention, multi-token prediction, DeepSeek-V3's MoE routing,
+# Megatron-FSDP on the meta device) trains as written.
 
 OUTPUT_PATH=${OUTPUT_PATH:-"output_deepseek_v3"}
 DATA_PATH=${DATA_PATH:-MOCK}

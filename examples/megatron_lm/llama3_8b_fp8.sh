@@ -3,9 +3,8 @@
 # the model scaled down to run on 2 ranks (GPUs, or CPU with --distributed-backend gloo).
 # Usage: bash examples/megatron_lm/llama3_8b_fp8.sh [CHECKPOINT_PATH [TENSORBOARD_LOGS_PATH
 #            [TOKENIZER_MODEL|MOCK [DATA_PREFIX|MOCK]]]] [extra flags...]
-# DTYPE=fp8 (upstream's setting) trains in FP8 (hybrid format, delayed scaling) but also asks for
-# FP8 parameter all-gathers (--fp8-param-gather), built for Megatron-FSDP only: under this script's
-# DDP engine it stops with an error naming that flag. Its other FP8 flags train (docs/fp8.md);
+# DTYPE=fp8 (upstream's setting) trains in FP8 (hybrid format, delayed scaling), the distributed
+# optimizer all-gathering the FP8 layers' weights as FP8 (--fp8-param-gather, docs/fp8.md);
 # DTYPE=bf16 runs in bf16.
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

@@ -3,7 +3,7 @@
 `ModelParallelConfig` is the base of `TransformerConfig` (as in Megatron-LM), so one config object
 tells a module both its shape and how it is parallelised and stored. Data parallelism (and the
 FSDP engine built on it), tensor and sequence parallelism and expert parallelism are implemented;
-pipeline parallelism is kept under its Megatron name and rejected loudly.
+pipeline parallelism is configured here too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ class ModelParallelConfig:
     Attributes:
         tensor_model_parallel_size: Tensor (intra-layer) parallel degree (TP): attention heads,
             the MLP width and the vocabulary are split over this many ranks.
-        pipeline_model_parallel_size: Pipeline (inter-layer) parallel degree. Only 1 is supported.
+        pipeline_model_parallel_size: Pipeline (inter-layer) parallel degree: the decoder layers
+            are split over this many stages (`megatron.core.pipeline_parallel`).
+        virtual_pipeline_model_parallel_size: Model chunks (virtual stages) per pipeline rank,
+            for the interleaved schedule; None: one.
+        microbatch_group_size_per_vp_stage: Microbatches the interleaved schedule runs through
+            one virtual stage before the next; None: the pipeline size (Megatron-LM's default).
         context_parallel_size: Degree of sequence splitting across ranks. The process groups
             may use it; attention itself does not implement it yet.
         sequence_parallel: Megatron sequence parallelism: outside the tensor-parallel GEMMs
@@ -51,13 +56,16 @@ class ModelParallelConfig:
             engine to add (`megatron.core.tensor_parallel.grad_accumulation`). The DDP engine
             honours it, and Megatron-FSDP where it sums whole gradients across microbatches
             (`megatron_fsdp_accumulate_unsharded_grads`).
-        perform_initialization, use_cpu_initialization, pipeline_dtype: Megatron-core's, accepted
-            with no effect (upstream's minimal examples pass them): parameters are always
-            initialised, on the device they are built on, and there are no pipeline stages.
+        pipeline_dtype: The dtype of the tensors pipeline stages exchange; None: `params_dtype`.
+        perform_initialization, use_cpu_initialization: Megatron-core's, accepted with no
+            effect (upstream's minimal examples pass them): parameters are always initialised,
+            on the device they are built on.
     """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    microbatch_group_size_per_vp_stage: int | None = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
@@ -78,11 +86,15 @@ class ModelParallelConfig:
             "expert_model_parallel_size",
         ):
             check_positive_int(name, getattr(self, name))
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size} is not "
-                "supported yet; set pipeline_model_parallel_size=1."
+        if self.virtual_pipeline_model_parallel_size is not None:
+            check_positive_int(
+                "virtual_pipeline_model_parallel_size", self.virtual_pipeline_model_parallel_size
             )
+            if self.pipeline_model_parallel_size == 1:
+                raise ValueError(
+                    "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
+                    "(virtual stages interleave pipeline stages); set it to None."
+                )
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         check_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)

@@ -4,10 +4,11 @@
 model and the data-parallel engines communicate over; the `get_*` functions return this rank's
 group of each kind, and `destroy_model_parallel()` tears them down.
 
-Ranks follow Megatron's default order tp-cp-ep-dp-pp with pipeline parallelism fixed at 1:
-tensor-parallel groups are contiguous ranks, context-parallel groups stride by tp inside blocks
-of tp x cp ranks, and data-parallel groups stride by tp x cp, so the data x context group
-("dp_cp") holds one rank of each tensor-parallel group. Experts follow etp-ep-dp: expert
+Ranks follow Megatron's default order tp-cp-ep-dp-pp: pipeline stages are the slowest dimension
+(stage s holds W/pp contiguous ranks, laid out inside as below); tensor-parallel groups are
+contiguous ranks, context-parallel groups stride by tp inside blocks of tp x cp ranks, and
+data-parallel groups stride by tp x cp, so the data x context group ("dp_cp") holds one rank of
+each tensor-parallel group. Experts follow etp-ep-dp: expert
 tensor-parallel groups (`expt_tp`, etp ranks; etp defaults to tp, as in Megatron-LM) are
 contiguous ranks, expert-model-parallel groups stride by etp, and expert data-parallel groups
 (the ranks holding the same part of the same experts) stride by etp x ep. With
@@ -46,8 +47,9 @@ itself is computed in `megatron.core.rank_layout`. Conventions:
   `inter_dist_opt`, as in Megatron-LM.
 - A group whose ranks coincide with another group's is that group's object (`mp` is `tp`,
   `embd` is `pp`, `tp_cp` is `tp` when cp == 1, ...), so no communicator is created twice.
-- `pp` and `embd` are groups of one rank each, so Megatron code asking for their size gets 1;
-  so is `expt_tp` with `expert_tensor_parallel_size=1`.
+- With one stage `pp` and `embd` are groups of one rank each, so Megatron code asking for their
+  size gets 1; so is `expt_tp` with `expert_tensor_parallel_size=1`. With P stages, `pp` holds
+  one rank per stage and `embd` the first and last of them.
 - Getters raise RuntimeError before initialization; those Megatron-LM gives a
   `check_initialized` argument return None instead when it is False.
 - `create_all_gather_group=True` adds `dp_cp_ag` and `expt_dp_ag`: second communicators over the
@@ -118,12 +120,15 @@ def _check_sizes(
     expert_tensor_parallel_size: int,
     num_distributed_optimizer_instances: int,
 ) -> None:
-    if pipeline_model_parallel_size != 1:
+    pp = pipeline_model_parallel_size
+    if pp < 1 or world_size % pp:
         raise ValueError(
-            f"pipeline_model_parallel_size={pipeline_model_parallel_size}: pipeline parallelism "
-            "is not supported yet; set it to 1 and use tensor, data, context or expert "
-            "parallelism instead."
+            f"pipeline_model_parallel_size={pp} does not divide the world size {world_size}; "
+            f"choose a divisor of {world_size}."
         )
+    # Every other dimension splits the ranks of one pipeline stage.
+    world_size //= pp
+    ranks = f"world size {world_size}" if pp == 1 else f"{world_size} ranks of a pipeline stage"
     etp = expert_tensor_parallel_size
     divisors = {
         "tensor_model_parallel_size": (tensor_model_parallel_size, ""),
@@ -138,8 +143,8 @@ def _check_sizes(
     for name, (size, what) in divisors.items():
         if size < 1 or world_size % size:
             raise ValueError(
-                f"{name}={size} does not divide the world size {world_size}{what}; "
-                f"choose a divisor of {world_size}."
+                f"{name}={size} does not divide the {ranks}{what}; choose a divisor of "
+                f"{world_size}."
             )
     model_size = tensor_model_parallel_size * context_parallel_size
     if world_size % model_size:
@@ -187,7 +192,9 @@ def initialize_model_parallel(
     Args:
         tensor_model_parallel_size: ranks that split each layer's weights (tp); tp x cp divides
             the world size.
-        pipeline_model_parallel_size: must be 1 (not supported yet).
+        pipeline_model_parallel_size: pipeline stages (the slowest dimension: stage s holds
+            ranks s * W/pp .. (s+1) * W/pp - 1); divides the world size, and every other size
+            divides the ranks of one stage.
         context_parallel_size: ranks that split each sequence; tp x cp divides the world size.
         expert_model_parallel_size: ranks that split the experts of an MoE layer; divides the
             world size.
@@ -237,19 +244,27 @@ def initialize_model_parallel(
         num_distributed_optimizer_instances,
         create_all_gather_group,
         etp=expert_tensor_parallel_size,
+        pp=pipeline_model_parallel_size,
     )
     timeout = None
     if distributed_timeout_minutes is not None:
         timeout = timedelta(minutes=distributed_timeout_minutes)
     rank = dist.get_rank()
     groups = {}
+    created = {}
     for name, partition in layout.items():
         for ranks in partition:
             group = dist.new_group(ranks, timeout=timeout, group_desc=name)
+            created[name, tuple(ranks)] = group
             if rank in ranks:
                 groups[name] = _Group(group, tuple(ranks))
     for name, target in aliases.items():
         groups[name] = groups[target]
+    if "embd" not in groups:
+        # A middle pipeline stage: the embedding group of its pipeline, which it is not in.
+        pipeline = groups["pp"].ranks
+        ends = (pipeline[0], pipeline[-1])
+        groups["embd"] = _Group(created["embd", ends], ends)
     _STATE = _ParallelState(groups, num_distributed_optimizer_instances)
 
 
@@ -267,7 +282,9 @@ def destroy_model_parallel() -> None:
     # Aliases come after their targets, so this is creation order without repeats. Tearing down
     # in reverse creation order keeps every rank in step: NCCL teardown was collective in some
     # versions.
-    created = dict.fromkeys(g.group for g in state.groups.values())
+    created = dict.fromkeys(
+        g.group for g in state.groups.values() if g.group is not dist.GroupMember.NON_GROUP_MEMBER
+    )
     for group in reversed(created):
         dist.destroy_process_group(group)
 
@@ -457,33 +474,48 @@ def get_tensor_and_context_parallel_rank() -> int:
 
 def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
     """The ranks holding word embeddings that must stay tied: the first and last pipeline stage
-    of this rank's pipeline, so this rank alone with one stage."""
+    of this rank's pipeline (this rank alone with one stage). A middle stage gets a group of
+    the pipeline's first and last rank, which it is not in: check `is_rank_in_embedding_group`
+    first."""
     return _group("embd", check_initialized)
 
 
 def get_pipeline_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
-    """A group of this rank alone: pipeline parallelism is not supported yet."""
+    """This rank's pipeline group: one rank of each stage, in stage order."""
     return _group("pp", check_initialized)
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    """Always 1 for now."""
+    """Number of pipeline stages."""
     return _world_size("pp")
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    """Always 0 for now."""
+    """This rank's stage."""
     return _rank("pp")
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """Always True for now: there is one pipeline stage (arguments kept for Megatron callers)."""
-    return get_pipeline_model_parallel_rank() == 0
+    """Whether this rank is the first stage (and, unless `ignore_virtual`, `vp_stage` is its
+    first virtual stage: None counts as the first)."""
+    first_chunk = ignore_virtual or not vp_stage
+    return get_pipeline_model_parallel_rank() == 0 and first_chunk
 
 
-def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
-    """Always True for now: there is one pipeline stage (arguments kept for Megatron callers)."""
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+def is_pipeline_last_stage(
+    ignore_virtual: bool = True, vp_stage: int | None = None, vp_size: int | None = None
+) -> bool:
+    """Whether this rank is the last stage (and, unless `ignore_virtual`, `vp_stage` is the
+    last of its `vp_size` virtual stages: None counts as the last)."""
+    last_chunk = ignore_virtual or vp_stage is None or vp_stage == (vp_size or 1) - 1
+    last_rank = get_pipeline_model_parallel_world_size() - 1
+    return get_pipeline_model_parallel_rank() == last_rank and last_chunk
+
+
+def is_rank_in_embedding_group() -> bool:
+    """Whether this rank holds a tied word-embedding copy: it is its pipeline's first or last
+    stage."""
+    return dist.get_rank() in _state().groups["embd"].ranks
 
 
 def get_expert_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:

@@ -5,7 +5,7 @@ world size without starting ranks. `megatron.core.parallel_state` creates commun
 groups `rank_groups()` returns; its module docstring shows the layout with an example.
 
 Ranks follow Megatron-LM's orders: tp-cp-ep-dp-pp for the dense part (tp fastest; ep is 1 there)
-and etp-ep-dp-pp for the experts, with pp = 1. A group over some dimensions is the
+and etp-ep-dp-pp for the experts. A group over some dimensions is the
 set of ranks that share every other coordinate; its ranks are listed in increasing order.
 """
 
@@ -65,7 +65,14 @@ def orthogonal_groups(order: Sequence[tuple[str, int]], dims: Sequence[str]) -> 
 
 
 def rank_groups(
-    world_size: int, tp: int, cp: int, ep: int, instances: int, all_gather: bool, etp: int
+    world_size: int,
+    tp: int,
+    cp: int,
+    ep: int,
+    instances: int,
+    all_gather: bool,
+    etp: int,
+    pp: int = 1,
 ) -> tuple[dict[str, Partition], dict[str, str]]:
     """Every group of each name, in creation order, and the names that alias another name.
 
@@ -78,20 +85,23 @@ def rank_groups(
             dp x cp size (world / tp) and the expert data-parallel size (world / (etp x ep)).
         all_gather: also lay out the `*_ag` all-gather groups.
         etp: expert tensor-parallel size.
+        pp: pipeline-parallel size (the slowest dimension: stage s holds ranks
+            s * W/pp .. (s+1) * W/pp - 1).
 
     Returns:
         (layout, aliases): `layout` maps each name with its own communicators to its partition;
         `aliases` maps each other name to the layout name whose groups it shares.
     """
-    dense = (("tp", tp), ("cp", cp), ("dp", world_size // (tp * cp)))
-    expert = (("etp", etp), ("ep", ep), ("edp", world_size // (etp * ep)))
+    stage = world_size // pp
+    dense = (("tp", tp), ("cp", cp), ("dp", stage // (tp * cp)), ("pp", pp))
+    expert = (("etp", etp), ("ep", ep), ("edp", stage // (etp * ep)), ("pp", pp))
     ranks = list(range(world_size))
     layout = {
         "dp_cp": orthogonal_groups(dense, ("cp", "dp")),
         "dp": orthogonal_groups(dense, ("dp",)),
         "cp": orthogonal_groups(dense, ("cp",)),
         "tp": orthogonal_groups(dense, ("tp",)),
-        "pp": _contiguous(ranks, 1),
+        "pp": orthogonal_groups(dense, ("pp",)),
         "ep": orthogonal_groups(expert, ("ep",)),
         "expt_dp": orthogonal_groups(expert, ("edp",)),
     }
@@ -106,18 +116,20 @@ def rank_groups(
         else:
             aliases[f"intra_{base}"] = base
     derived = {
-        # Without pipeline parallelism the model-parallel group is the tensor-parallel one, and
-        # the embedding group (first and last pipeline stage) is each rank alone.
-        "mp": layout["tp"],
+        # The model-parallel group is tensor x pipeline (the tensor-parallel one with one
+        # stage); the embedding group holds the first and last stage of each pipeline (each
+        # rank alone with one stage).
+        "mp": orthogonal_groups(dense, ("tp", "pp")),
         "tp_cp": orthogonal_groups(dense, ("tp", "cp")),
         "tp_dp": orthogonal_groups(dense, ("tp", "dp")),
         "tp_dp_cp": orthogonal_groups(dense, ("tp", "cp", "dp")),
-        "embd": layout["pp"],
+        "embd": [sorted({g[0], g[-1]}) for g in layout["pp"]],
         "expt_tp": orthogonal_groups(expert, ("etp",)),
         "tp_ep": orthogonal_groups(expert, ("etp", "ep")),
-        # An optimizer instance: the contiguous W/R ranks of the tp x ep groups of one chunk of
-        # the expert data-parallel group (Megatron-LM's definition), tp peers included.
-        "intra_dist_opt": _contiguous(ranks, world_size // instances),
+        # An optimizer instance: the contiguous ranks of the tp x ep groups of one chunk of the
+        # expert data-parallel group (Megatron-LM's definition), tp peers included, in one
+        # pipeline stage.
+        "intra_dist_opt": _contiguous(ranks, stage // instances),
     }
     for name in DERIVED_GROUPS:
         partition = derived[name]

@@ -40,9 +40,11 @@ from megatron.training.flag_groups.cuda_graphs import validate_cuda_graphs
 from megatron.training.flag_groups.data import PER_SPLIT_FLAGS, validate_data, validate_tokenizer
 from megatron.training.flag_groups.distributed import validate_distributed
 from megatron.training.flag_groups.logs import validate_logging
+from megatron.training.flag_groups.mla import validate_mla
 from megatron.training.flag_groups.moe import validate_moe
 from megatron.training.flag_groups.network import validate_network_options
 from megatron.training.flag_groups.optimization import validate_lr_schedule
+from megatron.training.flag_groups.pipeline import validate_pipeline
 from megatron.training.flag_groups.precision import validate_precision
 from megatron.training.flag_groups.profiling import validate_profiling
 from megatron.training.flag_groups.training import validate_training_operations
@@ -52,6 +54,7 @@ from megatron.training.flag_groups.training_schedule import (
 )
 from megatron.training.flag_groups.transformer import validate_transformer_options
 from megatron.training.flag_groups.unbuilt import validate_unbuilt
+from megatron.training.flag_groups.yarn import resolve_positions, validate_yarn
 from megatron.training.flag_ranges import check_float_flags
 from megatron.training.utils import print_rank_0
 
@@ -157,18 +160,16 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def _validate_parallelism(args: argparse.Namespace) -> None:
-    if args.pipeline_model_parallel_size != 1:
+    if len(args.cp_comm_type) != 1:
         raise ValueError(
-            f"--pipeline-model-parallel-size={args.pipeline_model_parallel_size}: pipeline "
-            "parallelism is not supported; set --pipeline-model-parallel-size 1 and scale with "
-            "tensor (--tensor-model-parallel-size) or data parallelism (--use-megatron-fsdp)."
+            f"--cp-comm-type {' '.join(args.cp_comm_type)}: one value per layer is not built; "
+            "give one of p2p, a2a or allgather for every layer."
         )
-    # Not built yet: lift this check when context-parallel attention lands.
-    if args.context_parallel_size != 1:
+    if args.context_parallel_size > 1 and args.reset_attention_mask:
         raise ValueError(
-            f"--context-parallel-size {args.context_parallel_size} is not supported yet: "
-            "attention has no context-parallel implementation; set --context-parallel-size 1 "
-            "and scale with data parallelism."
+            "--reset-attention-mask with --context-parallel-size "
+            f"{args.context_parallel_size}: context-parallel attention computes the causal mask "
+            "itself and takes no per-document mask; drop one of the two."
         )
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     model_parallel = tp * cp * args.pipeline_model_parallel_size
@@ -236,11 +237,12 @@ def _validate_tensor_parallelism(args: argparse.Namespace) -> None:
                 f"--tensor-model-parallel-size {tp}: each tensor-parallel rank holds an equal "
                 f"share of the {what}; choose sizes where {tp} divides it."
             )
-    if args.sequence_parallel and args.seq_length % tp:
+    cp = args.context_parallel_size
+    if args.sequence_parallel and args.seq_length % (tp * cp):
         raise ValueError(
             f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
-            f"{tp}: --sequence-parallel splits each sequence over the tensor-parallel ranks; "
-            f"use a multiple of {tp}."
+            f"{tp} x --context-parallel-size {cp}: --sequence-parallel splits each rank's part "
+            f"of the sequence over the tensor-parallel ranks; use a multiple of {tp * cp}."
         )
     if args.num_experts is not None and not args.sequence_parallel:
         # Megatron-LM's MoE layer refuses to train this way: without sequence parallelism every
@@ -500,13 +502,9 @@ def _validate_logging_and_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save (the directory to save to).")
     if args.load is None:
-        for dest in (
-            "ckpt_step",
-            "no_load_optim",
-            "no_load_rng",
-            "finetune",
-            "exit_on_missing_checkpoint",
-        ):
+        # --no-load-optim and --no-load-rng hold without --load (nothing is loaded), as
+        # upstream: its gpt-oss script passes them with --save alone.
+        for dest in ("ckpt_step", "finetune", "exit_on_missing_checkpoint"):
             if getattr(args, dest) not in (None, False):
                 raise ValueError(f"{flag(dest)} needs --load (the checkpoint directory).")
     _validate_finetune_directories(args)
@@ -583,13 +581,17 @@ _INDEPENDENT_CHECKS: tuple[Callable[[argparse.Namespace], None], ...] = (
 """Checks that read the flags as given (and the world size), each valid on its own."""
 
 _DERIVING_CHECKS: tuple[tuple[Callable[[argparse.Namespace], None], str, tuple[str, ...]], ...] = (
+    (resolve_positions, "positions", ()),  # fills --position-embedding-type: first
     (_check_required, "required", ()),
     (_check_sizes, "sizes", ()),
     (_validate_parallelism, "parallelism", ("sizes",)),
-    (_validate_model, "model", ("required", "sizes")),
+    (_validate_model, "model", ("required", "sizes", "positions")),
     (validate_moe, "moe", ("required", "sizes", "check_float_flags")),  # reads MoE floats
+    (validate_pipeline, "pipeline", ("parallelism", "moe")),
     (_validate_tensor_parallelism, "tensor parallelism", ("parallelism", "model", "moe")),
-    (validate_network_options, "network", ("required", "sizes")),
+    (validate_network_options, "network", ("required", "sizes", "positions")),
+    (validate_yarn, "yarn", ("positions", "check_float_flags")),  # refuses YaRN floats
+    (validate_mla, "mla", ("required", "sizes", "positions", "check_float_flags")),
     (validate_transformer_options, "transformer", ("model",)),
     (validate_batch_schedule, "batch schedule", ("parallelism",)),
     (_validate_batch, "batch", ("batch schedule",)),

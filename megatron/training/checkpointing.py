@@ -26,8 +26,10 @@ fails the save on every rank. Each rank records the checksums of the files it wr
 Loading reads only, and checks the checkpoint (its files and their checksums, the model's
 arguments, tensor names and shapes, the schedule, the optimizer's parameter groups) before it
 reads a tensor, naming what differs (a schedule in the flags that set it); every rank raises
-the same error. Which runs may save into a directory that holds checkpoints (those that resume
-them) is `save_directory`'s rule.
+the same error. Tensors only the model or only the checkpoint holds are refused, logged or passed
+over as `--dist-ckpt-strictness` says (`checkpoint_strictness`): `log_all` loads the tensors both
+hold and logs the rest. Which runs may save into a directory that holds checkpoints (those that
+resume them) is `save_directory`'s rule.
 """
 
 from __future__ import annotations
@@ -86,10 +88,23 @@ from megatron.training.checkpoint_layout import (
 )
 from megatron.training.checkpoint_lock import hold_save_lock
 from megatron.training.checkpoint_rng import rng_state, set_rng_state
+from megatron.training.checkpoint_strictness import check_model_tensors, loading_strictness
 from megatron.training.flag_groups.moe import resolved_moe_args
 from megatron.training.flag_groups.optimization import describe_schedule_mismatch
+from megatron.training.flag_groups.yarn import YARN_DEFAULTS
 from megatron.training.rank_0_step import on_rank_0
 from megatron.training.utils import print_rank_0
+
+GPT_OSS_MODEL_ARGS: dict[str, Any] = {
+    "window_size": None,
+    "window_attn_skip_freq": None,
+    "softmax_type": "vanilla",
+    "quick_geglu": False,
+    "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None,
+}
+"""The sliding-window, softmax-sink and GLU flags (gpt-oss's) among the `MODEL_ARGS`, with their
+defaults: the model a checkpoint saved before these flags existed computes."""
 
 MODEL_ARGS = (
     "num_layers",
@@ -118,9 +133,32 @@ MODEL_ARGS = (
     "rotary_interleaved",
     "use_rope_scaling",
     "rotary_seq_len_interpolation_factor",
+    *GPT_OSS_MODEL_ARGS,
+    "multi_latent_attention",
 )
 """Arguments a checkpoint's model must share with the model loading it: they fix its shapes
 or what its weights mean."""
+
+MLA_MODEL_ARGS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+)
+"""The same for multi-latent attention: its shapes and its rotary embedding (checked where the
+checkpoint recorded them, when both models have it: without it these flags describe nothing)."""
+
+YARN_MODEL_ARGS = tuple(YARN_DEFAULTS)
+"""The same for YaRN positions (`--position-embedding-type yarn`, checked when both models
+have them): the flags that set its frequencies and concentration factor."""
 
 MOE_MODEL_ARGS = (
     "num_experts",
@@ -140,6 +178,10 @@ MOE_MODEL_ARGS = (
 weights were trained for (checked where the checkpoint recorded them). Not the parallel sizes:
 expert tensors are saved whole (`[num_experts, ...]`), so a checkpoint loads at any
 --expert-model-parallel-size."""
+
+MTP_MODEL_ARGS = ("mtp_num_layers",)
+"""The same for the multi-token prediction depths (checked where the checkpoint recorded them;
+a checkpoint saved before they existed has none, which the tensor check names)."""
 
 _FLAG_NAMES = {
     "layernorm_epsilon": "--norm-epsilon",
@@ -316,11 +358,22 @@ def load_checkpoint(
     _check_arguments(common, path, args)
     saved = _saved_tensors(metadata)
     model_state = model.state_dict()
-    _check_model_tensors(model_state, saved.get("model", {}), path)
+    strictness = loading_strictness(args.dist_ckpt_strictness)
+    absent, extra = check_model_tensors(model_state, saved.get("model", {}), path, strictness)
     _leave_out_unsaved_objects(model_state, metadata)
 
     load_optimizer = not (finetune or args.no_load_optim)
-    state: dict[str, Any] = {"model": model_state}
+    if load_optimizer and (absent or extra):
+        raise CheckpointError(
+            f"{path} and this model do not hold the same tensors (--dist-ckpt-strictness "
+            f"{strictness.value} tolerates it for the weights), so the optimizer state, kept "
+            "per parameter, does not load: pass --no-load-optim (or --finetune) to load the "
+            "weights that match."
+        )
+    # The model's tensors the checkpoint lacks keep their values (DCP is not asked for them).
+    state: dict[str, Any] = {
+        "model": {name: value for name, value in model_state.items() if name not in absent}
+    }
     groups = None
     if load_optimizer:
         # The parameter groups say whether optimizer state was saved: an optimizer may have
@@ -350,7 +403,10 @@ def load_checkpoint(
     dcp.load(state, storage_reader=FileSystemReader(path))
     restore_after_load(swaps)
     try:
-        model.load_state_dict(model_state)  # marks Megatron-FSDP's compute weights stale
+        # DCP fills tensors in place but replaces non-tensor entries (extra states) in
+        # `state`; the tensors the checkpoint lacks come from `model_state`, as they were.
+        # Marks Megatron-FSDP's compute weights stale.
+        model.load_state_dict({**model_state, **state["model"]})
     except ValueError as error:
         # A module's extra state that does not fit it (an FP8 delayed-scaling state with
         # another number of slots). The tensor check above refuses another model before
@@ -491,10 +547,18 @@ def _check_arguments(common: dict[str, Any], path: str, args: argparse.Namespace
     saved = common["args"]
     # What the model reads, not how it was spelled (--moe-ffn-hidden-size unset or its value).
     was, now = ({**values, **resolved_moe_args(values)} for values in (saved, vars(args)))
+    mla = was.get("multi_latent_attention") and now.get("multi_latent_attention")
+    yarn = was.get("position_embedding_type") == now.get("position_embedding_type") == "yarn"
     differ = [
         f"{_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))} {was.get(name)} "
         f"(here {now.get(name)})"
-        for name in (*MODEL_ARGS, *MOE_MODEL_ARGS)
+        for name in (
+            *MODEL_ARGS,
+            *MOE_MODEL_ARGS,
+            *MTP_MODEL_ARGS,
+            *(MLA_MODEL_ARGS if mla else ()),
+            *(YARN_MODEL_ARGS if yarn else ()),
+        )
         if name in saved and was.get(name) != now.get(name)
     ]
     if differ:
@@ -541,46 +605,6 @@ def _leave_out_unsaved_objects(model_state: dict[str, Any], metadata: Metadata) 
         if not isinstance(value, torch.Tensor) and (name,) not in saved
     ]:
         del model_state[name]
-
-
-def _check_model_tensors(
-    model_state: dict[str, Any], saved: dict[tuple[str, ...], tuple], path: str
-) -> None:
-    expected = {
-        name: tensor.shape
-        for name, tensor in model_state.items()
-        if isinstance(tensor, torch.Tensor)
-    }
-    shapes = {names[0]: size for names, (size, _) in saved.items()}
-    missing = sorted(expected.keys() - shapes.keys())
-    unexpected = sorted(shapes.keys() - expected.keys())
-    reshaped = [
-        f"{name}: saved {list(shapes[name])}, model {list(shape)}"
-        for name, shape in expected.items()
-        if name in shapes and shapes[name] != shape
-    ]
-    problems = []
-    if reshaped:
-        problems.append(f"{len(reshaped)} tensor(s) differ in shape ({'; '.join(reshaped[:3])})")
-    experts = [
-        (shapes[name][0], shape[0])
-        for name, shape in expected.items()
-        if ".experts." in name and name in shapes and shapes[name][0] != shape[0]
-    ]
-    if experts:
-        problems.append(
-            f"its MoE layers have {experts[0][0]} experts, this model {experts[0][1]} "
-            "(--num-experts; the expert-parallel size may differ, the number of experts not)"
-        )
-    if missing:
-        problems.append(f"missing from it: {missing[:5]}")
-    if unexpected:
-        problems.append(f"not in this model: {unexpected[:5]}")
-    if problems:
-        raise CheckpointError(
-            f"{path} does not fit this model: {', '.join(problems)}. Build the model with the "
-            "checkpoint's arguments, or load another checkpoint."
-        )
 
 
 def _on_rank_0(step: Callable[[], None], what: str) -> None:

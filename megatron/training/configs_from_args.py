@@ -4,8 +4,8 @@
 and `get_parallel_state_kwargs` build what the library takes from flags `validate_args()` has
 checked; `megatron.training.arguments` re-exports them. A config's own `ValueError` names its
 fields; `ddp_config_from_flags`, `optimizer_config_from_flags` and
-`transformer_config_from_flags` (for the MoE and FP8 fields) re-raise it naming the flags that
-set them, as the user typed them.
+`transformer_config_from_flags` (for the MoE, FP8, multi-token prediction, sliding-window,
+softmax and GLU fields) re-raise it naming the flags that set them, as the user typed them.
 """
 
 from __future__ import annotations
@@ -13,18 +13,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron.core.activations import squared_relu
+from megatron.core.activations import quick_gelu, squared_relu
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.training.flag_groups.mla import mla_config_fields
 from megatron.training.flag_groups.precision import FP8_FIELDS, grad_reduce_in_fp32
+from megatron.training.flag_groups.yarn import (
+    MLA_YARN_FIELDS,
+    YARN_CONFIG_FIELDS,
+    yarn_config_fields,
+)
+from megatron.training.flag_spelling import flag, given
 
 FSDP_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
@@ -48,20 +56,6 @@ _FLAG_VALUES: dict[str, Any] = {
     **{str(dtype): name for name, dtype in FSDP_DTYPES.items() if dtype is not None},
 }
 """How a value the config's messages print (`repr`) is spelled on the command line."""
-
-
-def flag(dest: str) -> str:
-    """The command-line flag whose destination is `dest`."""
-    return "--" + dest.replace("_", "-")
-
-
-def given(dest: str, value: Any) -> str:
-    """How the user spelled a flag that set `dest` to `value`."""
-    if value is True:
-        return flag(dest)
-    if value is False:
-        return "--no-" + flag(dest)[2:]
-    return f"{flag(dest)} {value}"
 
 
 def ddp_config_from_flags(args: argparse.Namespace) -> DistributedDataParallelConfig:
@@ -112,7 +106,9 @@ def optimizer_config_from_flags(args: argparse.Namespace) -> OptimizerConfig:
 
 def transformer_config_from_flags(args: argparse.Namespace) -> TransformerConfig:
     """`core_transformer_config_from_args(args)`; its `ValueError` is re-raised naming the MoE,
-    FP8 and (expert and tensor) parallel-size flags instead of the config fields they set."""
+    FP8, multi-latent attention, multi-token prediction, sliding-window, softmax, GLU,
+    attention-backend and (expert and tensor) parallel-size flags instead of the config fields
+    they set."""
     try:
         return core_transformer_config_from_args(args)
     except ValueError as error:
@@ -125,7 +121,7 @@ def transformer_config_from_flags(args: argparse.Namespace) -> TransformerConfig
             value = match[2].strip("'")
             return given(dest, {"True": True, "False": False}.get(value, value))
 
-        pattern = rf"\b({fields})\b(?:=('[^']*'|[\w.]*\w))?"
+        pattern = rf"\b({fields})\b(?:=('[^']*'|-?[\w.]*\w))?"
         raise ValueError(re.sub(pattern, spell, str(error))) from error
 
 
@@ -135,13 +131,23 @@ _FIELD_DESTS = {
     "expert_tensor_parallel_size": "expert_tensor_parallel_size",
     "tensor_model_parallel_size": "tensor_model_parallel_size",
     "fp8": "fp8_format",
+    **{field: dest for dest, field in MLA_YARN_FIELDS.items()},
+    **{field: dest for dest, field in YARN_CONFIG_FIELDS.items()},
 }
-"""The MoE and FP8 `TransformerConfig` fields whose flag is not `--<field>` with dashes, or that
-`_FIELD_PATTERNS` does not match; a value maps to the flag of that name."""
+"""The MoE, FP8 and YaRN (multi-latent attention's and standard attention's) `TransformerConfig`
+fields whose flag is not `--<field>` with dashes, or that `_FIELD_PATTERNS` does not match; a
+value maps to the flag of that name."""
 
-_FIELD_PATTERNS = r"moe_\w+|fp8_\w+|first_last_layers_bf16|num_layers_at_(?:start|end)_in_bf16"
-"""The other MoE and FP8 fields, each set by `--<field>` with dashes (`fp8_wgrad=False` by
-`--no-fp8-wgrad`)."""
+_FIELD_PATTERNS = (
+    r"moe_\w+|fp8_\w+|mtp_\w+|first_last_layers_bf16|num_layers_at_(?:start|end)_in_bf16|"
+    r"window_size|window_attn_skip_freq|softmax_type|glu_linear_offset|"
+    r"activation_func_clamp_value|attention_backend|"
+    r"q_lora_rank|kv_lora_rank|qk_head_dim|qk_pos_emb_head_dim|v_head_dim|rope_type|"
+    r"rotary_scaling_factor|mscale_all_dim|mscale|rotary_percent|rotary_interleaved|qk_l2_norm"
+)
+"""The other MoE, FP8, multi-latent attention and multi-token prediction fields, and the
+sliding-window, softmax, GLU and attention-backend ones, each set by `--<field>` with dashes
+(`fp8_wgrad=False` by `--no-fp8-wgrad`)."""
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
@@ -151,12 +157,17 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         args: Validated by `validate_args` (it fills `params_dtype` and the derived widths).
 
     Returns:
-        The model's config.
+        The model's config: an `MLATransformerConfig` with `--multi-latent-attention`.
     """
-    return TransformerConfig(
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
+    return config_class(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         context_parallel_size=args.context_parallel_size,
         params_dtype=args.params_dtype,
         fp16=args.fp16,
@@ -171,8 +182,10 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         attention_dropout=args.attention_dropout,
         layernorm_epsilon=args.layernorm_epsilon,
         normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu,
+        gated_linear_unit=args.swiglu or args.quick_geglu,
+        activation_func=mlp_activation_func(args),
+        glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_func_clamp_value,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         init_method_std=args.init_method_std,
@@ -190,6 +203,10 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         attention_backend=args.attention_backend,
+        cp_comm_type=args.cp_comm_type[0],
+        softmax_type=args.softmax_type,
+        window_size=args.window_size,
+        window_attn_skip_freq=args.window_attn_skip_freq,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         compile_layers=args.compile_layers,
@@ -200,6 +217,8 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         # Read by the routers: their auxiliary losses keep their weight against a summed loss.
         calculate_per_token_loss=args.calculate_per_token_loss,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_topk=args.moe_router_topk,
         moe_router_score_function=args.moe_router_score_function,
@@ -225,7 +244,19 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         moe_layer_freq=args.moe_layer_freq,
         moe_per_layer_logging=args.moe_per_layer_logging,
         **{name: getattr(args, name) for name in FP8_FIELDS},
+        **mla_config_fields(args),
+        **yarn_config_fields(args),
     )
+
+
+def mlp_activation_func(args: argparse.Namespace) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP activation the flags name (upstream's): SiLU for `--swiglu`, quick GELU for
+    `--quick-geglu` (both gated), relu^2 for `--squared-relu`, else GELU."""
+    if args.swiglu:
+        return F.silu
+    if args.quick_geglu:
+        return quick_gelu
+    return squared_relu if args.squared_relu else F.gelu
 
 
 def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
@@ -266,6 +297,7 @@ def get_megatron_ddp_config(args: argparse.Namespace) -> DistributedDataParallel
         megatron_fsdp_keep_unsharded_params=args.megatron_fsdp_keep_unsharded_params,
         megatron_fsdp_accumulate_unsharded_grads=args.megatron_fsdp_accumulate_unsharded_grads,
         fp8_param_gather=args.fp8_param_gather,
+        keep_fp8_transpose_cache=args.keep_fp8_transpose_cache,
     )
 
 

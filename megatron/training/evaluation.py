@@ -7,9 +7,10 @@ import argparse
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.training.loss_reduction import loss_values, reduce_loss_dicts
+from megatron.training.loss_reduction import from_last_stage, loss_values, reduce_loss_dicts
 from megatron.training.profiling import empty_unused_memory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.training_log import TrainingLog
@@ -40,18 +41,27 @@ def evaluate(
     for _ in range(args.eval_iters):
         # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
         loss_dicts, _ = forward_backward(
-            forward_step_func, data_iterator, model, args.num_microbatches, forward_only=True
+            forward_step_func,
+            data_iterator,
+            model,
+            args.num_microbatches,
+            forward_only=True,
+            cp_group=parallel_state.get_context_parallel_group(),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
         )
         empty_unused_memory(args, level=1)
+        if not loss_dicts:  # a pipeline stage other than the last
+            continue
         reduced, layout = reduce_loss_dicts(loss_dicts)
         total = reduced if total is None else total + reduced
     model.train()
     # As Megatron-LM: whatever evaluation recorded stays out of the next step's report.
     get_moe_metrics_tracker().clear()
-    if total is None:
-        return {}  # --eval-iters 0
+    # None: --eval-iters 0, or a pipeline stage without the loss (the last stage's follow).
     # Dividing a pair's sums and counts alike leaves its ratio as pooled.
-    return loss_values(layout, (total / args.eval_iters).tolist())
+    values = {} if total is None else loss_values(layout, (total / args.eval_iters).tolist())
+    return from_last_stage(values)
 
 
 def evaluate_and_print_results(

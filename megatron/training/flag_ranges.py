@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.value_ranges import (
     FINITE,
     NON_NEGATIVE,
@@ -39,7 +39,7 @@ _FLAG_ONLY_RANGES: dict[str, Range] = {
 """The float flags that set no config field of their name (or accept more than the field)."""
 
 FLOAT_FLAG_RANGES: dict[str, Range] = {
-    **field_ranges(TransformerConfig),
+    **field_ranges(MLATransformerConfig),  # TransformerConfig's fields and MLA's
     **field_ranges(OptimizerConfig),
     **_FLAG_ONLY_RANGES,
 }

@@ -51,9 +51,29 @@ def loss_values(layout: LossLayout, reduced: list[float]) -> dict[str, float]:
 
 def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Averages each reported loss over the microbatches, then the data-parallel ranks
-    (`reduce_loss_dicts`, read to the host)."""
-    reduced, layout = reduce_loss_dicts(loss_dicts)
-    return loss_values(layout, reduced.tolist())
+    (`reduce_loss_dicts`, read to the host). Under pipeline parallelism the last stage, the
+    one with losses, hands its values to the other stages (`from_last_stage`)."""
+    values = None
+    if loss_dicts:
+        reduced, layout = reduce_loss_dicts(loss_dicts)
+        values = loss_values(layout, reduced.tolist())
+    return from_last_stage(values)
+
+
+def from_last_stage(values: dict[str, float] | None) -> dict[str, float]:
+    """The last pipeline stage's `values` on every stage (one broadcast over the pipeline
+    group; `values` as they are with one stage), so that every rank logs and records the same
+    losses."""
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_pipeline_model_parallel_world_size() == 1
+    ):
+        return values
+    group = parallel_state.get_pipeline_model_parallel_group()
+    holder = [values]
+    last_stage = dist.get_global_rank(group, group.size() - 1)
+    dist.broadcast_object_list(holder, src=last_stage, group=group)
+    return holder[0]
 
 
 def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:

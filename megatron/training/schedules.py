@@ -4,6 +4,9 @@
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`;
 `loss_func(output_tensor)` returns `(loss, report)`, the micro-batch's mean loss and the values
 to report, or Megatron-LM's `(loss, num_tokens, report)` with the loss summed over its tokens.
+
+The loss each microbatch backpropagates (its scaling under context parallelism and per-token
+losses) is `megatron.core.pipeline_parallel.microbatch_loss`'s.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
-from megatron.core.distributed import FullyShardedDataParallel
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
-from megatron.core.distributed.fsdp import microbatch
+from megatron.core.pipeline_parallel.microbatch_loss import accumulation_scope, microbatch_loss
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.tensor_parallel.utils import group_size
 
 DataIterator = Iterator[dict[str, torch.Tensor]]
 Report = dict[str, torch.Tensor]
@@ -26,16 +31,6 @@ LossFunc = Callable[
 ForwardStepFunc = Callable[[DataIterator, torch.nn.Module], tuple[torch.Tensor, LossFunc]]
 
 
-def _microbatch_scope(
-    model: _BaseDataParallel, index: int, count: int
-) -> contextlib.AbstractContextManager:
-    """Where microbatch `index` of `count` sits in gradient accumulation, for the engine."""
-    is_last = index == count - 1
-    if isinstance(model, FullyShardedDataParallel):
-        return microbatch(model, is_last=is_last)
-    return contextlib.nullcontext() if is_last else model.no_sync()
-
-
 def forward_backward(
     forward_step_func: ForwardStepFunc,
     data_iterator: DataIterator,
@@ -44,8 +39,13 @@ def forward_backward(
     forward_only: bool = False,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     calculate_per_token_loss: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
-    """Runs every microbatch of one iteration (Megatron-LM's no-pipelining schedule).
+    """Runs every microbatch of one iteration: Megatron-LM's no-pipelining schedule, or with
+    several pipeline stages (parallel_state's) the 1F1B schedule of
+    `megatron.core.pipeline_parallel.schedules`, which reports losses on the last stage only.
 
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
@@ -58,6 +58,11 @@ def forward_backward(
         calculate_per_token_loss: backpropagate each loss as it is (a sum over tokens) instead
             of divided by the microbatches: `train_step` divides the gradients by the global
             batch's tokens afterwards.
+        cp_group: the context-parallel group (None: none); its size must be the model config's
+            `context_parallel_size`.
+        seq_length: the micro-batches' sequence length (pipeline stages exchange
+            [seq_length, micro_batch_size, hidden] tensors).
+        micro_batch_size: sequences per micro-batch.
 
     A `loss_func` returns `(loss, report)` (loss: the micro-batch's mean), or Megatron-LM's
     `(loss, num_tokens, report)` (loss: the sum over its `num_tokens` tokens, divided by them,
@@ -66,30 +71,54 @@ def forward_backward(
     Returns:
         Each microbatch's reported losses (this rank's), and this rank's token count (None when
         `loss_func` returns no count).
+
+    Raises:
+        ValueError: `cp_group`'s size is not the model's `context_parallel_size`.
     """
+    cp_size = group_size(cp_group)
+    config = getattr(model, "config", None)  # a model without one splits no sequences
+    expected = 1 if config is None else config.context_parallel_size
+    if cp_size != expected:
+        raise ValueError(
+            f"forward_backward: the model's context_parallel_size is {expected} but cp_group "
+            f"has {cp_size} ranks; pass the context-parallel group the model splits sequences "
+            "over."
+        )
+    if config is not None and config.pipeline_model_parallel_size > 1:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            scale_loss=scale_loss,
+            calculate_per_token_loss=calculate_per_token_loss,
+            cp_group=cp_group,
+        )
     loss_dicts = []
     num_tokens = None
     for index in range(num_microbatches):
         scope = (
             contextlib.nullcontext()
             if forward_only
-            else _microbatch_scope(model, index, num_microbatches)
+            else accumulation_scope(model, is_last=index == num_microbatches - 1)
         )
         with scope:
             output_tensor, loss_func = forward_step_func(data_iterator, model)
-            outputs = loss_func(output_tensor)
-            if len(outputs) == 3:
-                loss, tokens, loss_dict = outputs
-                num_tokens = tokens.detach() if num_tokens is None else num_tokens + tokens
-                if not calculate_per_token_loss:
-                    # As Megatron-LM: a micro-batch whose tokens are all masked adds nothing.
-                    loss = loss / tokens.clamp(min=1)
-            else:
-                loss, loss_dict = outputs
+            result = microbatch_loss(
+                loss_func(output_tensor),
+                num_microbatches,
+                forward_only,
+                calculate_per_token_loss,
+                cp_group,
+            )
+            if result.num_tokens is not None:
+                tokens = result.num_tokens
+                num_tokens = tokens if num_tokens is None else num_tokens + tokens
             if not forward_only:
-                if not calculate_per_token_loss:
-                    # The gradient of the mean over microbatches: accumulation adds them up.
-                    loss = loss / num_microbatches
+                loss = result.loss
                 (loss if scale_loss is None else scale_loss(loss)).backward()
-        loss_dicts.append(loss_dict)
+        loss_dicts.append(result.report)
     return loss_dicts, num_tokens

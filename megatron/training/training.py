@@ -10,7 +10,7 @@ One iteration (`train_step`) on either engine::
 
     model.zero_grad_buffer(); optimizer.zero_grad()
     model.start_param_sync()           # Megatron-FSDP: gather the first unit early
-    MoEAuxLossAutoScaler.set_loss_scale(loss scale / num_microbatches)  # MoE models
+    MoEAuxLossAutoScaler.set_loss_scale(loss scale x cp / num_microbatches)  # MoE and MTP
     for each of the num_microbatches = global batch / (micro batch x data-parallel size):
         with microbatch(...) / no_sync():  # reductions run once, after the last one
             forward, loss / num_microbatches, backward
@@ -20,6 +20,7 @@ One iteration (`train_step`) on either engine::
     scheduler.step(global batch)       # in samples, only after a real update, as Megatron-LM's
     # with --check-for-nan-in-loss-and-grad (the default): raise on a non-finite loss or norm
     get_moe_metrics_tracker().report(...)  # every step: the MoE losses of the log, cleared
+    get_mtp_loss_logging_helper().report(...)  # likewise the multi-token prediction losses
 
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
 where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
@@ -59,6 +60,10 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.tied_embeddings import (
+    allreduce_tied_embedding_grads,
+    broadcast_tied_embeddings,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
@@ -99,7 +104,8 @@ class TrainingHistory:
         losses: per iteration (index i is iteration start_iteration + i + 1), the reported
             losses averaged over the microbatches and the data-parallel ranks (skipped
             iterations included); with MoE layers also their auxiliary losses
-            ("load_balancing_loss", "z_loss", ...: the mean over the MoE layers).
+            ("load_balancing_loss", "z_loss", ...: the mean over the MoE layers), with
+            multi-token prediction each depth's loss ("mtp_1 loss", ...).
         grad_norms: per iteration, the global gradient norm before clipping (None where
             fp16's loss scaler skipped the step on an overflow).
         loss_scales: per iteration, the loss scale after its step (1.0 without loss scaling).
@@ -142,7 +148,8 @@ def pretrain(
             [train, valid, test], and returns the three datasets (None for a split not needed).
         model_provider: `model_provider(pre_process=True, post_process=True)` builds the
             unwrapped model on the current default device (`meta` with
-            `--init-model-with-meta-device`), reading its shape from `get_args()`.
+            `--init-model-with-meta-device`), reading its shape from `get_args()`; with
+            pipeline stages, this stage's (`pre_process`: the first, `post_process`: the last).
         model_type: `ModelType.encoder_or_decoder`.
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`; see the
             module docstring.
@@ -252,8 +259,9 @@ def get_model(
     """Builds the model and wraps it with the data-parallel engine the flags select.
 
     Args:
-        model_provider: `model_provider(pre_process=True, post_process=True)` builds the
-            unwrapped model on the current default device.
+        model_provider: `model_provider(pre_process=..., post_process=...)` builds the
+            unwrapped model (this pipeline stage's: the embedding on the first, the output
+            layer on the last) on the current default device.
         model_type: must be `ModelType.encoder_or_decoder`.
         args: validated arguments (engine, sharding strategy, meta-device initialisation).
 
@@ -271,7 +279,12 @@ def get_model(
     # On meta, no rank holds the whole model: Megatron-FSDP materialises each rank's shards.
     device = torch.device("meta") if args.init_model_with_meta_device else get_device()
     with device:
-        module = model_provider(pre_process=True, post_process=True)
+        module = model_provider(
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+        )
+    # The last stage's copy of tied embeddings starts as the first stage's.
+    broadcast_tied_embeddings([module], parallel_state.get_embedding_group())
     num_parameters = _num_parameters(module)
     # As Megatron-LM: with tensor parallelism, rank 0 holds (and reports) its share only.
     where = f" on tensor-parallel rank 0 of {args.tensor_model_parallel_size}"
@@ -299,7 +312,7 @@ def get_model(
         f"{args.num_microbatches} microbatch(es) x micro batch {args.micro_batch_size} x "
         f"data-parallel size {args.data_parallel_size}"
     )
-    fp8_line = fp8_startup_line(module.config)
+    fp8_line = fp8_startup_line(module.config, get_device())
     if fp8_line is not None:
         print_rank_0(fp8_line)
     return model
@@ -423,8 +436,8 @@ def compute_gradients(
     model.zero_grad_buffer()
     optimizer.zero_grad()
     model.start_param_sync()
-    if model.config.num_moe_experts is not None:
-        _set_moe_aux_loss_scale(optimizer, num_microbatches, args)
+    if model.config.num_moe_experts is not None or model.config.mtp_num_layers is not None:
+        _set_auxiliary_loss_scale(optimizer, num_microbatches, args)
     loss_dicts, num_tokens = forward_backward(
         forward_step_func,
         data_iterator,
@@ -432,9 +445,14 @@ def compute_gradients(
         num_microbatches,
         scale_loss=optimizer.scale_loss,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        cp_group=parallel_state.get_context_parallel_group(),
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
     )
     empty_unused_memory(args, level=1)
     model.finish_grad_sync()
+    # The two stages' copies of tied embeddings take the sum of their gradients.
+    allreduce_tied_embedding_grads([model], parallel_state.get_embedding_group())
     if args.calculate_per_token_loss:
         divide_gradients_by_tokens(model, num_tokens)
     if model.config.moe_router_enable_expert_bias:
@@ -448,15 +466,18 @@ def compute_gradients(
     return loss_dicts
 
 
-def _set_moe_aux_loss_scale(
+def _set_auxiliary_loss_scale(
     optimizer: MegatronOptimizer, num_microbatches: int, args: argparse.Namespace
 ) -> None:
-    """Gives the MoE auxiliary losses the gradient scale of the main loss: the loss scale,
-    divided by the microbatches unless the loss is summed over tokens (as Megatron-core's
-    schedule). Their backward bypasses the loss, so it cannot inherit the scale."""
+    """Gives the MoE auxiliary losses and the multi-token prediction losses the gradient scale
+    of the main loss: the loss scale, divided by the microbatches and multiplied by the
+    context-parallel size unless the loss is summed over tokens (as Megatron-core's schedule;
+    each cp rank backpropagates its share of those losses, and the engines average over the cp
+    ranks, as for the main loss). Their backward bypasses the loss, so it cannot inherit the
+    scale. `MTPLossAutoScaler` shares `MoEAuxLossAutoScaler`'s scale."""
     scale = optimizer.scale_loss(torch.ones((), device=get_device()))
     if not args.calculate_per_token_loss:
-        scale = scale / num_microbatches
+        scale = scale * args.context_parallel_size / num_microbatches
     MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
@@ -533,7 +554,10 @@ def train(
             )
             seconds = time.perf_counter() - start
             # Every step, on every rank (it all-reduces and clears the step's metrics).
-            moe_losses = log.report_moe_metrics(iteration, num_microbatches)
+            auxiliary_losses = {
+                **log.report_moe_metrics(iteration, num_microbatches),
+                **log.report_mtp_metrics(iteration, num_microbatches),
+            }
             # After the step: the scale the next iteration uses (Megatron-LM logs the same).
             loss_scale = optimizer.get_loss_scale()
             args.iteration = iteration
@@ -556,7 +580,7 @@ def train(
                     "weights and learning rate are unchanged.",
                     logging.WARNING,
                 )
-            history.losses.append({**losses, **moe_losses})
+            history.losses.append({**losses, **auxiliary_losses})
             history.grad_norms.append(grad_norm)
             history.loss_scales.append(loss_scale)
             history.learning_rates.append(learning_rate)
@@ -571,7 +595,7 @@ def train(
                 loss_scale=loss_scale,
                 num_zeros_in_grad=num_zeros_in_grad,
                 params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
-                moe_losses=moe_losses,
+                auxiliary_losses=auxiliary_losses,
                 global_batch_size=global_batch_size,
             )
             operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)

@@ -19,7 +19,8 @@ overflow), and where `--log-num-zeros-in-grad` and `--log-params-norm` ask for t
 zero-gradient count and the parameters' norm are the last iteration's; the learning rate is the
 one after its schedule step (Megatron-LM's convention: the next iteration's). On GPU the line
 also has TFLOP/s per GPU (on CPU too with `--log-throughput`) and the peak memory allocated so
-far. An MoE model's auxiliary losses (`report_moe_metrics`, every step) follow the
+far. An MoE model's auxiliary losses (`report_moe_metrics`, every step) and a multi-token
+prediction model's per-depth losses ("mtp_1 loss", ...: `report_mtp_metrics`) follow the
 language-model loss, averaged like it. An FP8 run names its format and recipe after the global
 batch size (`fp8: hybrid delayed`), and says at start-up which layers train in FP8
 (`fp8_startup_line`); TFLOP/s count the same FLOPs as in bf16 (upstream's formula), so FP8's
@@ -37,28 +38,37 @@ import os
 
 import torch
 
+from megatron.core.fp8.experts import describe_expert_gemms
 from megatron.core.fp8.recipe import is_first_last_bf16_layer, recipe_from_config
 from megatron.core.transformer.moe.moe_config import layer_pattern
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import tracked_metrics
+from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 from megatron.training.utils import is_rank_0, print_rank_0, report_rank_0
 
 
-def fp8_startup_line(config: TransformerConfig) -> str | None:
+def fp8_startup_line(config: TransformerConfig, device: torch.device) -> str | None:
     """What an FP8 run trains in FP8, for the start-up log (None without FP8): "> FP8 (hybrid
-    format, delayed scaling (...)) in the linear layers of 4 of 4 transformer layers; ..."."""
+    format, delayed scaling (...)) in the linear layers of 4 of 4 transformer layers; ...", and
+    for an MoE model how its experts' FP8 GEMMs run on `device` (where the grouped kernel is not
+    used, this is where the log says so)."""
     recipe = recipe_from_config(config)
     if recipe is None:
         return None
     layers = config.num_layers
     in_fp8 = sum(not is_first_last_bf16_layer(config, n) for n in range(layers))
-    return (
+    dtype = config.params_dtype
+    line = (
         f"> FP8 ({recipe.describe()}) in the linear layers of {in_fp8} of {layers} transformer "
         "layers; the embedding, the output layer, attention and norms in "
-        f"{str(config.params_dtype).removeprefix('torch.')}"
+        f"{str(dtype).removeprefix('torch.')}"
     )
+    if config.num_moe_experts is not None:
+        grouped = config.moe_grouped_gemm
+        line += f"; {describe_expert_gemms(recipe, grouped, device, dtype)}"
+    return line
 
 
 class MetricWriter:
@@ -190,7 +200,7 @@ class TrainingLog:
         loss_scale: float = 1.0,
         num_zeros_in_grad: int | None = None,
         params_norm: float | None = None,
-        moe_losses: dict[str, float] | None = None,
+        auxiliary_losses: dict[str, float] | None = None,
         global_batch_size: int | None = None,
     ) -> None:
         """Adds one training iteration; logs the line when `iteration` ends an interval, or
@@ -208,8 +218,9 @@ class TrainingLog:
             loss_scale: the loss scale after its step (1.0 without loss scaling).
             num_zeros_in_grad: its zero gradient elements (`--log-num-zeros-in-grad`).
             params_norm: the main weights' norm after its step (`--log-params-norm`).
-            moe_losses: its MoE auxiliary losses (`report_moe_metrics`): averaged in the line
-                like `losses`; their scalars are written by the report already.
+            auxiliary_losses: its MoE auxiliary losses and multi-token prediction losses
+                (`report_moe_metrics`, `report_mtp_metrics`): averaged in the line like
+                `losses`; their scalars are written by the reports already.
             global_batch_size: its global batch size, which a batch-size ramp
                 (`--rampup-batch-size`) makes smaller than `--global-batch-size`; None: that.
         """
@@ -234,7 +245,7 @@ class TrainingLog:
             if not all(math.isfinite(value) for value in losses.values()):
                 interval.nan += 1
         else:
-            for key, value in {**losses, **(moe_losses or {})}.items():
+            for key, value in {**losses, **(auxiliary_losses or {})}.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, values)
@@ -253,7 +264,8 @@ class TrainingLog:
 
     def report_moe_metrics(self, iteration: int, num_microbatches: int) -> dict[str, float]:
         """The step's MoE auxiliary losses, averaged over microbatches, data-parallel ranks and
-        MoE layers (`MoEMetricsTracker.report`, which then clears them); every
+        MoE layers, the multi-token prediction depths' included (`MoEMetricsTracker.report`,
+        which then clears them); every
         `--tensorboard-log-interval` also written as scalars, with each layer's under
         `--moe-per-layer-logging`. Call it on every rank after every training step.
 
@@ -268,10 +280,14 @@ class TrainingLog:
         args = self.args
         if args.num_experts is None:
             return {}
+        pattern = layer_pattern(args.num_layers, args.num_experts, args.moe_layer_freq)
+        # Each multi-token prediction depth has a layer like the decoder's last, numbered after
+        # the decoder's (Megatron-LM counts them so).
+        depths = args.mtp_num_layers or 0
         means, per_layer = get_moe_metrics_tracker().report(
             tracked_metrics(args.moe_router_load_balancing_type, args.moe_z_loss_coeff),
-            args.num_layers,
-            sum(layer_pattern(args.num_layers, args.num_experts, args.moe_layer_freq)),
+            args.num_layers + depths,
+            sum(pattern) + depths * pattern[-1],
             loss_scale=1 / num_microbatches,
             device=self.device,
         )
@@ -287,6 +303,29 @@ class TrainingLog:
                     iteration,
                 )
         return means
+
+    def report_mtp_metrics(self, iteration: int, num_microbatches: int) -> dict[str, float]:
+        """The step's multi-token prediction losses, one per depth, averaged over microbatches
+        and data-parallel ranks (`MTPLossLoggingHelper.report`, which then clears them); every
+        `--tensorboard-log-interval` also written as scalars. Call it on every rank after every
+        training step.
+
+        Args:
+            iteration: the step's number.
+            num_microbatches: the step's microbatches (the recorded values are their sums).
+
+        Returns:
+            name -> value, as Megatron-LM names them ("mtp_1 loss", "mtp_2 loss", ...); empty
+            without `--mtp-num-layers`.
+        """
+        if self.args.mtp_num_layers is None:
+            return {}
+        losses = get_mtp_loss_logging_helper().report(
+            self.args.mtp_num_layers, num_microbatches, device=self.device
+        )
+        if iteration % self.args.tensorboard_log_interval == 0:
+            self.writer.add_scalars(losses, iteration)
+        return losses
 
     def _write_iteration_scalars(
         self, iteration: int, losses: dict[str, float], values: _StepValues

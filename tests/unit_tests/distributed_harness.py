@@ -17,6 +17,9 @@ Failure handling is the point of this module:
 from __future__ import annotations
 
 import atexit
+import functools
+import gc
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -88,7 +91,9 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, conn: Conn
         try:
             message = conn.recv()
         except EOFError:
-            break
+            # The test process is gone: its peers may be too, so nothing collective is left to
+            # tear down, and a worker left waiting would live on, orphaned.
+            os._exit(1)
         if message is None:
             break
         fn, args, kwargs = message
@@ -120,6 +125,33 @@ def _reset_rank_state() -> None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()
+    _release_dtensor_caches()
+    gc.collect()  # the meshes and groups the caches held sit in reference cycles
+
+
+_DTENSOR_CACHE_CLEARERS = (
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+)
+"""Where DTensor's caches of sharding and redistribution plans are emptied: (module, callable)."""
+
+
+def _release_dtensor_caches() -> None:
+    """Empties DTensor's caches of sharding and redistribution plans.
+
+    Their entries hold the device meshes of the DTensors a test computed with, and through them
+    the process groups the test destroyed: a gloo group's threads keep polling while it lives,
+    so over a few hundred tests the kept groups would cost the workers a CPU core. The caches
+    are private to torch and differ between versions; each is cleared where it exists.
+    """
+    for module_name, path in _DTENSOR_CACHE_CLEARERS:
+        try:
+            clear = functools.reduce(getattr, path.split("."), importlib.import_module(module_name))
+        except (ImportError, AttributeError):
+            continue
+        clear()
 
 
 class _WorkerPool:

@@ -74,17 +74,18 @@ def device_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return tokens.to(current_device()), labels.to(current_device())
 
 
-def wrap_for_engine(model: GPTModel, engine: str, **fsdp_fields) -> torch.nn.Module:
+def wrap_for_engine(model: GPTModel, engine: str, **fields) -> torch.nn.Module:
     """`model` under the DDP engine (`engine` "ddp") or Megatron-FSDP with that sharding
-    strategy and `fsdp_fields` of `DistributedDataParallelConfig` (e.g. hybrid sharding),
-    default configs otherwise."""
+    strategy, with `fields` of `DistributedDataParallelConfig` (e.g. hybrid sharding, the
+    distributed optimizer), default configs otherwise."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.fsdp import FullyShardedDataParallel
 
     if engine == "ddp":
-        return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        ddp_config = DistributedDataParallelConfig(**fields)
+        return DistributedDataParallel(model.config, ddp_config, model)
     ddp_config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True, data_parallel_sharding_strategy=engine, **fsdp_fields
+        use_megatron_fsdp=True, data_parallel_sharding_strategy=engine, **fields
     )
     return FullyShardedDataParallel(model.config, ddp_config, model)
 

@@ -1,5 +1,7 @@
 """The multi-rank harness reports results, propagates failures and bounds hangs."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -46,3 +48,28 @@ def test_failing_rank_traceback_is_raised():
 def test_stuck_collective_fails_within_timeout():
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] did not finish"):
         run_distributed(_hang_on_rank_zero, 2, timeout=5)
+
+
+def _wrap_fsdp_and_count_threads() -> int:
+    """Wraps and steps a tiny Megatron-FSDP model, then counts this process's threads."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+    )
+    model = FullyShardedDataParallel(config, ddp_config, torch.nn.Linear(8, 8))
+    model(torch.ones(2, 8)).sum().backward()
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_test_leaves_no_process_group_alive():
+    # Every live gloo group owns polling threads; a group kept alive by a cache after its test
+    # destroyed it would add some on every call.
+    counts = [run_distributed(_wrap_fsdp_and_count_threads, 2)[0] for _ in range(3)]
+    assert counts[2] == counts[1], f"threads per call: {counts}"

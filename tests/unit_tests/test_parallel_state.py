@@ -248,7 +248,7 @@ BAD_SIZES = [
     ({TP: 2, CP: 4}, "context_parallel_size=4 = 8", "world size 4"),
     # dp x cp is 4 / 2 = 2 ranks: 4 instances cannot cut it.
     ({TP: 2, R: 4}, "num_distributed_optimizer_instances=4", "data x context parallel size 2"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2", "not supported"),
+    ({"pipeline_model_parallel_size": 3}, "pipeline_model_parallel_size=3", "world size 4"),
     ({ETP: 3}, "expert_tensor_parallel_size=3", "world size 4"),
     ({ETP: 2, EP: 4}, "expert_tensor_parallel_size x expert_model_parallel_size=8", "(2 x 4)"),
     # etp defaults to tp: 2 x 2 experts ranks leave an expert data-parallel size of 1.

@@ -13,17 +13,22 @@ One collective per bucket and direction, as Megatron-LM: the gradients are packe
 shard-major staging buffer (`copy_chunks_in`, zero-padding short chunks) and reduce-scattered into
 this rank's gradient shard; for the parameters, this rank's row blocks are copied into its block
 of one staging buffer per parameter dtype, all-gathered, and each parameter's chunks copied back
-into it (two row ranges per parameter at most, all in one `_foreach_copy_`).
+into it (two row ranges per parameter at most, all in one `_foreach_copy_`). With
+`fp8_param_gather` the weights of FP8 linear layers are gathered as FP8 bytes instead, one
+collective per bucket and dtype as well (`fp8_param_gather.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.fp8_param_gather import Fp8ParamGather
+from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, copy_chunks_in
+from megatron.core.distributed.fsdp.fp8_gather import Fp8ComputeWeights
 from megatron.core.utils import all_gather_single, reduce_scatter_single
 
 
@@ -34,6 +39,7 @@ class BucketShards:
         params: the bucket's parameters, in the order their gradients lie in the bucket.
         main_grads: each parameter's `main_grad` (the bucket's views), in the same order.
         group: the data-parallel group the bucket is sharded over.
+        fp8_names: the parameters gathered in FP8 (`fp8_param_gather`), with their names.
 
     Raises:
         ValueError: a parameter has no dimension to shard (0-dim).
@@ -44,6 +50,7 @@ class BucketShards:
         params: Sequence[torch.nn.Parameter],
         main_grads: Sequence[torch.Tensor],
         group: dist.ProcessGroup,
+        fp8_names: Mapping[torch.nn.Parameter, str] | None = None,
     ):
         for param in params:
             if param.dim() == 0:
@@ -65,13 +72,24 @@ class BucketShards:
         # This rank's rows of each parameter (views): what the optimizer updates.
         self.param_shards = {p: p.detach()[self._rows(i)] for i, p in enumerate(self.params)}
         # The parameters are gathered per dtype: a bucket holds one gradient dtype, and with
-        # grad_reduce_in_fp32 parameters of several dtypes may share it.
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        # grad_reduce_in_fp32 parameters of several dtypes may share it. FP8 weights apart.
+        fp8_names = fp8_names or {}
+        by_dtype: dict[tuple[torch.dtype, bool], list[int]] = {}
         for i, param in enumerate(self.params):
-            by_dtype.setdefault(param.dtype, []).append(i)
+            by_dtype.setdefault((param.dtype, param in fp8_names), []).append(i)
         self._gathers = [
             (indices, ShardLayout([self.params[i].shape for i in indices], group.size()))
-            for indices in by_dtype.values()
+            for (_, fp8), indices in by_dtype.items()
+            if not fp8
+        ]
+        self.fp8_gathers = [
+            Fp8ParamGather(
+                [self.params[i] for i in indices],
+                [fp8_names[self.params[i]] for i in indices],
+                group,
+            )
+            for (_, fp8), indices in by_dtype.items()
+            if fp8
         ]
         self._staging: torch.Tensor | None = None
 
@@ -96,10 +114,19 @@ class BucketShards:
         """Frees the reduce-scatter's staging buffer (its collective has completed)."""
         self._staging = None
 
+    def start_fp8_refresh(self) -> list[Fp8ComputeWeights]:
+        """This rank's amaxes of its rows of the FP8 weights (`fp8_param_gather`), for the one
+        reduction of all buckets' (`fp8_gather.reduce_amaxes`) before `all_gather_params`."""
+        return [gather.start_refresh() for gather in self.fp8_gathers]
+
     @torch.no_grad()
-    def all_gather_params(self) -> None:
+    def all_gather_params(self, comm: Collectives) -> None:
         """Gives every parameter of the bucket the rows the other ranks hold (`param_shards`,
-        which each rank has just updated), so every rank holds whole, identical parameters."""
+        which each rank has just updated), so every rank holds whole parameters: the same
+        values, but for FP8 weights, gathered as FP8 bytes once `start_fp8_refresh`'s amaxes
+        are reduced, which hold the dequantised weight on the rows other ranks own."""
+        for gather in self.fp8_gathers:
+            gather.finish_refresh(comm)
         size = self.group.size()
         targets, sources = [], []
         for indices, layout in self._gathers:
@@ -113,7 +140,8 @@ class BucketShards:
             all_gather_single(staging, own, group=self.group)
             for j, param in enumerate(params):
                 _chunk_copies(param, blocks, layout, j, targets, sources)
-        torch._foreach_copy_(targets, sources)
+        if targets:  # none where the bucket holds FP8 weights only
+            torch._foreach_copy_(targets, sources)
 
     def scale(self, factor: float | torch.Tensor) -> None:
         """Multiplies the reduced gradient shard by `factor`."""

@@ -25,6 +25,10 @@ With `use_distributed_optimizer` each bucket is reduce-scattered instead (`Bucke
 this rank's rows of each parameter get their reduced gradient (`grad_shard()`), no `.grad` is
 handed out, and `get_megatron_optimizer` builds a `DistributedOptimizer`, which steps those rows
 (`param_shard()`) and calls `start_param_sync(force_sync=True)` to all-gather the parameters.
+With `fp8_param_gather` too, the weights of linear layers that compute in FP8 are all-gathered as
+FP8 bytes with one scale each, which those layers compute with (`fp8_param_gather.py`); only the
+rank that steps a row of them holds its exact value, so `state_dict()` shows them as `Shard(0)`
+DTensors of each rank's rows.
 
 Expert parameters with groups of their own (split by expert or expert tensor parallelism,
 `expert_parallel.py`) get buffers of their own, reduced (and sharded) over the expert
@@ -46,6 +50,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -62,6 +68,9 @@ from megatron.core.distributed.expert_parallel import (
     experts_are_dense,
     is_expert_param,
 )
+from megatron.core.distributed.fp8_param_gather import fp8_gathered_weights
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.fp8_gather import reduce_amaxes
 from megatron.core.distributed.global_view import GlobalView
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.distributed.tensor_parallel_params import (
@@ -74,6 +83,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
 from megatron.core.tensor_parallel.layout import (
     TensorParallelLayout,
+    full_tensor,
     named_tensor_parallel_layouts,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -121,7 +131,8 @@ class DistributedDataParallel(_BaseDataParallel):
     Raises:
         ValueError: the model has expert parameters with groups of their own and there is no
             `expt_dp` group; the data-parallel group holds tensor-parallel peers; with the
-            distributed optimizer, a strided parameter's dim-0 chunk spans two of its blocks.
+            distributed optimizer, a strided parameter's dim-0 chunk spans two of its blocks;
+            `fp8_param_gather` without FP8 linear layers (`config.fp8`), or with fp32 ones.
     """
 
     def __init__(
@@ -172,6 +183,8 @@ class DistributedDataParallel(_BaseDataParallel):
         by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for param in params:
             by_kind.setdefault((self._grad_dtype(param), self.is_expert(param)), []).append(param)
+        fp8_names = _fp8_gathered(config, module) if ddp_config.fp8_param_gather else {}
+        self._fp8_gathered = frozenset(fp8_names)
         self.buffers = [
             GradBuffer(
                 group_params,
@@ -182,9 +195,20 @@ class DistributedDataParallel(_BaseDataParallel):
                 ddp_config.check_for_nan_in_grad,
                 shard_buckets=ddp_config.use_distributed_optimizer,
                 divisor=divisor,
+                fp8_names=fp8_names,
             )
             for (dtype, expert), group_params in by_kind.items()
         ]
+        self._collectives = Collectives()
+        self._dp_mesh: DeviceMesh | None = None
+        if ddp_config.use_distributed_optimizer:
+            group = self.data_parallel_group
+            # The group's name in the dimension name: DTensor caches sharding decisions by
+            # mesh, and meshes over destroyed groups with the same ranks compare equal otherwise.
+            device_type = next(iter(names)).device.type
+            self._dp_mesh = DeviceMesh.from_group(
+                group, device_type, mesh_dim_names=(f"dp:{group.group_name}",)
+            )
         self.buckets: list[GradBucket] = [b for buf in self.buffers for b in buf.buckets]
         self._bucket_of: dict[torch.nn.Parameter, GradBucket] = {
             param: bucket for bucket in self.buckets for param in bucket.params
@@ -421,16 +445,22 @@ class DistributedDataParallel(_BaseDataParallel):
     ) -> None:
         """With the distributed optimizer and `force_sync`, all-gathers every parameter from
         the rows each rank updated (`param_shard()`); the optimizer calls it after its step.
-        Otherwise nothing to do: every rank holds whole, identical parameters between steps.
+        Otherwise nothing to do: every rank holds whole parameters between steps.
         `force_sync` also drops the parameters' FP8 copies (`megatron.core.fp8.weights`): the
         parameters may have been written where no version counter saw it (a replayed CUDA
-        graph's optimizer step)."""
+        graph's optimizer step). With `fp8_param_gather` the FP8 weights are gathered as FP8
+        bytes, scaled by the amaxes of all of them, reduced in one MAX all-reduce per
+        data-parallel group; their parameters get the dequantised FP8 values on the rows other
+        ranks own (`fp8_param_gather.py`)."""
         if not force_sync:
             return
         forget_fp8_weights(self.module.parameters())
         if self.ddp_config.use_distributed_optimizer:
+            fp8 = [weights for b in self.buckets for weights in b.shards.start_fp8_refresh()]
+            if fp8:
+                reduce_amaxes(fp8, self._collectives)
             for bucket in self.buckets:
-                bucket.shards.all_gather_params()
+                bucket.shards.all_gather_params(self._collectives)
 
     def _shards_of(self, param: torch.nn.Parameter) -> BucketShards:
         bucket = self._bucket_of[param]
@@ -446,6 +476,28 @@ class DistributedDataParallel(_BaseDataParallel):
         the distributed optimizer updates, and `start_param_sync` gathers from."""
         return self._shards_of(param).param_shards[param]
 
+    def sharded_view(self, param: torch.nn.Parameter, rows: torch.Tensor) -> DTensor:
+        """`rows`, this rank's dim-0 chunk over the data-parallel group of a tensor shaped like
+        `param` (`param_shard(param)`, or the distributed optimizer's main shard, gradient or
+        state of it), as the global `Shard(0)` DTensor (over (tp, dp) under tensor
+        parallelism, (ep, expt_dp) for experts split by expert parallelism)."""
+        view = self.view_of(param)
+        if view is not None:
+            return view.sharded(rows, param)
+        if self._dp_mesh is None:
+            raise RuntimeError(
+                "Parameter shards exist with use_distributed_optimizer=True only "
+                "(--use-distributed-optimizer)."
+            )
+        return DTensor.from_local(
+            rows,
+            self._dp_mesh,
+            (Shard(0),),
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
     def grad_shard(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The reduced gradient of `param_shard(param)`, after `finish_grad_sync()`."""
         return self._shards_of(param).grads[param]
@@ -459,30 +511,74 @@ class DistributedDataParallel(_BaseDataParallel):
             if self.is_expert(param):
                 group = self.expert_view.dp
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+        # Written through `.data`, which bumps no version counter: FP8 copies cannot tell.
+        forget_fp8_weights(self.module.parameters())
+        for bucket in self.buckets:
+            for gather in bucket.shards.fp8_gathers if bucket.shards is not None else ():
+                gather.forget()
 
     def state_dict(
         self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None
     ) -> dict[str, Any]:
         """The wrapped module's state dict; parameters split by expert or tensor parallelism
         as global DTensors (`global_view()`: views of this rank's part), so that a checkpoint
-        holds every element once and loads at other ep and tp sizes."""
+        holds every element once and loads at other ep and tp sizes. With `fp8_param_gather`,
+        the weights gathered in FP8 as `Shard(0)` DTensors of this rank's rows
+        (`sharded_view(param, param_shard(param))`): only the rank that steps a row holds its
+        exact value, the others its FP8 one, so the state dict and a checkpoint hold the
+        weights of a run without the option."""
         state = super().state_dict(prefix, keep_vars, destination)
-        if self.dense_view is None and self.expert_view is None:
-            return state
         for name, param in self.module.named_parameters():
-            if prefix + name in state:
-                state[prefix + name] = self.global_view(param, state[prefix + name])
+            key = prefix + name
+            if key not in state:
+                continue
+            if param in self._fp8_gathered:
+                state[key] = self.sharded_view(param, self.param_shard(param))
+            elif self.view_of(param) is not None:
+                state[key] = self.global_view(param, state[key])
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads a state dict of `state_dict()`'s form; the value of a parameter split by
         expert or tensor parallelism may also be the whole global tensor (this rank keeps its
-        part)."""
-        if self.dense_view is None and self.expert_view is None:
-            return self.module.load_state_dict(state_dict, strict=strict)
+        part). DTensors other than the replicated views are gathered whole first (a collective:
+        every rank loads), so a weight of `fp8_param_gather` gets its exact value on every
+        row."""
         local = dict(state_dict)
         for name, param in self.module.named_parameters():
+            value = local.get(name)
+            if value is None:
+                continue
             view = self.view_of(param)
-            if view is not None and local.get(name) is not None:
-                local[name] = view.local_value(local[name], param)
+            if view is not None:
+                local[name] = view.local_value(value, param)
+            elif isinstance(value, DTensor):
+                local[name] = full_tensor(value)
         return self.module.load_state_dict(local, strict=strict)
+
+
+def _fp8_gathered(
+    config: TransformerConfig | None, module: torch.nn.Module
+) -> dict[torch.nn.Parameter, str]:
+    """The parameters `fp8_param_gather` gathers in FP8, with their names.
+
+    Raises:
+        ValueError: the model has no FP8 linear layers, or their weights are fp32.
+    """
+    if config is None or not config.fp8:
+        raise ValueError(
+            "ddp_config.fp8_param_gather (--fp8-param-gather) gathers the weights of FP8 "
+            "linear layers, and this model has none: set config.fp8 (--fp8-format), or drop "
+            "fp8_param_gather."
+        )
+    names = fp8_gathered_weights(module)
+    fp32 = [name for param, name in names.items() if param.dtype == torch.float32]
+    if fp32:
+        raise ValueError(
+            f"ddp_config.fp8_param_gather (--fp8-param-gather) with the distributed optimizer "
+            f"needs bf16 or fp16 weights, and {fp32[0]} is fp32: fp32 parameters are the "
+            "optimizer's main weights themselves, whose rows of the other ranks the FP8 "
+            "all-gather would replace by their FP8 values. Train with --bf16 (params_dtype="
+            "torch.bfloat16), or drop fp8_param_gather."
+        )
+    return names

@@ -128,10 +128,20 @@ class DistributedDataParallelConfig:
     num_buckets: int | None = _no_effect(None)
     align_param_gather: bool = _no_effect(False)
     fp8_param_gather: bool = False
-    """Megatron-FSDP: keep and all-gather the compute weights of the linear layers that train
-    in FP8 (`TransformerConfig.fp8`) as FP8 bytes with one scale per tensor, cast once per
-    optimizer step from the main weights (half of bf16's all-gather traffic and whole-weight
-    memory); the arithmetic is that of FP8 training without it."""
+    """All-gather the compute weights of the linear layers that train in FP8
+    (`TransformerConfig.fp8`) as FP8 bytes with one scale per tensor, cast once per optimizer
+    step from the main weights (half of bf16's all-gather traffic); the arithmetic is that of FP8
+    training without it. Megatron-FSDP keeps them as FP8 too (half the whole-weight memory); the
+    DDP engine gathers them so after its distributed optimizer's step, and needs
+    `use_distributed_optimizer` (plain DDP all-reduces gradients and gathers no parameter)."""
+
+    keep_fp8_transpose_cache: bool = False
+    """Megatron-FSDP with `fp8_param_gather`: the transposed copy of each FP8 compute weight
+    (the input-gradient GEMM's operand) is made once per optimizer step and kept until the
+    next, instead of made in each backward that gathers the weight (ZeRO-3) and freed with it:
+    one transpose per weight and step instead of one per microbatch, for 1 byte per element of
+    the whole FP8 weights held for the whole step. ZeRO-0/1/2 keep the transposes that long
+    anyway."""
 
     pad_buckets_for_high_nccl_busbw: bool = _no_effect(False)
     gradient_reduce_div_fusion: bool = _no_effect(True)
@@ -154,7 +164,6 @@ class DistributedDataParallelConfig:
     )
     fp4_param_gather: bool = _unbuilt(False, "FP4 parameter all-gathers")
     reuse_grad_buf_for_mxfp8_param_ag: bool = _unbuilt(False, "MXFP8 parameter all-gathers")
-    keep_fp8_transpose_cache: bool = _unbuilt(False, "Transformer Engine's FP8 transpose cache")
     use_custom_fsdp: bool = _unbuilt(False, "Megatron-FSDP by its old name (use use_megatron_fsdp)")
     delay_wgrad_compute: bool = _unbuilt(False, "delayed weight-gradient computation")
     megatron_fsdp_use_decoupled_grad: bool = _unbuilt(False, "decoupled Megatron-FSDP gradients")
@@ -229,6 +238,13 @@ class DistributedDataParallelConfig:
                     f"{self.data_parallel_sharding_strategy!r}."
                 )
         self._check_accumulation_options()
+        if self.keep_fp8_transpose_cache and not self.fp8_param_gather:
+            raise ValueError(
+                "DistributedDataParallelConfig.keep_fp8_transpose_cache=True keeps the "
+                "transposes of the FP8 weights that fp8_param_gather keeps, and without it "
+                "Megatron-FSDP keeps none (each FP8 layer casts its weight after the gather): "
+                "add fp8_param_gather or drop keep_fp8_transpose_cache."
+            )
 
     def _check_accumulation_options(self) -> None:
         """Rejects an accumulation option for a strategy it would not change."""
@@ -259,6 +275,15 @@ class DistributedDataParallelConfig:
 
     def _check_ddp_only(self) -> None:
         """Rejects Megatron-FSDP options given to the plain DDP engine, which would ignore them."""
+        if self.fp8_param_gather and not self.use_distributed_optimizer:
+            # Megatron-LM refuses it too ("only supported with distributed optimizer").
+            raise ValueError(
+                "DistributedDataParallelConfig.fp8_param_gather=True needs "
+                "use_distributed_optimizer=True or Megatron-FSDP (use_megatron_fsdp=True): the "
+                "DDP engine without the distributed optimizer all-reduces gradients and gathers "
+                "no parameter, so there is nothing to gather in FP8. Add one of them, or drop "
+                "fp8_param_gather."
+            )
         for field in dataclasses.fields(self):
             # The distributed optimizer gathers parameters too (after its step, not overlapped).
             if field.name == "overlap_param_gather" and self.use_distributed_optimizer:
@@ -285,7 +310,7 @@ _FSDP_ONLY_FIELDS = frozenset(
         "megatron_fsdp_grad_comm_dtype",
         "megatron_fsdp_keep_unsharded_params",
         "megatron_fsdp_accumulate_unsharded_grads",
-        "fp8_param_gather",
+        "keep_fp8_transpose_cache",
     }
 )
 """Fields only Megatron-FSDP reads."""

@@ -8,7 +8,7 @@ into its `BucketShards` (this rank's rows of each parameter).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,6 +140,8 @@ class GradBuffer:
             bucket.
         group, average_in_collective, check_for_nan_in_grad, divisor: see `GradBucket`.
         shard_buckets: give each bucket `BucketShards` over `group` (the distributed optimizer).
+        fp8_names: with `shard_buckets`, the parameters the shards gather in FP8
+            (`fp8_param_gather`), with their names.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class GradBuffer:
         check_for_nan_in_grad: bool,
         shard_buckets: bool = False,
         divisor: int | None = None,
+        fp8_names: Mapping[torch.nn.Parameter, str] | None = None,
     ):
         numel = sum(p.numel() for p in params)
         self.dtype = dtype
@@ -162,7 +165,8 @@ class GradBuffer:
         def make_bucket(params: list[torch.nn.Parameter], data: torch.Tensor) -> GradBucket:
             shards = None
             if shard_buckets:
-                shards = BucketShards(params, [self.main_grads[p] for p in params], group)
+                fp8 = {p: fp8_names[p] for p in params if p in (fp8_names or {})}
+                shards = BucketShards(params, [self.main_grads[p] for p in params], group, fp8)
             return GradBucket(
                 params, data, group, average_in_collective, check_for_nan_in_grad, shards, divisor
             )

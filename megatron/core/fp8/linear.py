@@ -10,7 +10,9 @@ and Hopper's FP8 GEMM taking a row-major first and a column-major second operand
 | wgrad | `dW = dY^T X`| dYt = dY^T contiguous     | `Xt.t()`, Xt = X^T contiguous        |
 
 X and W are E4M3; dY is E5M2 under the `hybrid` format, E4M3 under `e4m3`. The wgrad GEMM
-contracts over the tokens, so dYt and Xt are padded with zero columns to a multiple of 16 tokens.
+contracts over the tokens, so dYt and Xt are padded with zero columns to a multiple of 16 tokens
+(128 under the blockwise recipe, whose dYt and Xt are quantised again in 1x128 blocks along the
+tokens, and whose W and Wt have the same 128x128 blocks: `blockwise.py`).
 Forward saves the FP8 Xt for backward (1 byte per element) rather than the input. Only the
 forward GEMM uses fast accumulation (upstream's choice). The bias gradient is the sum of the
 high-precision output gradient; `fp8_wgrad=False` (`--no-fp8-wgrad`) computes wgrad from the
@@ -29,11 +31,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.fp8.blockwise import ROW_BLOCK, quantize_1x128, quantize_1x128_transposed
+from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.gemm import fp8_mm
 from megatron.core.fp8.quantize import GEMM_ALIGNMENT, amax_of, compute_scale, quantize
 from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
 from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
-from megatron.core.fp8.tensor import Fp8Tensor
+from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
 from megatron.core.fp8.weights import fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
@@ -68,26 +72,60 @@ class Fp8LinearSlots:
         is recorded (None: nowhere)."""
         if self.state is None:
             return compute_scale(amax_of(x), fp8_max(self.recipe.forward_dtype)), None
-        scale = self.state.scale(FORWARD, self.input_slot, x.device).clone()
-        return scale, self.state.amax_record(FORWARD, self.input_slot)
+        scale, record = self.state.cast_tensors(FORWARD, self.input_slot, x.device)
+        return scale.clone(), record
 
-    def quantize_input(self, x: torch.Tensor, transpose: bool) -> Fp8Tensor:
+    def quantize_input(self, x: torch.Tensor, transpose: bool) -> Fp8Tensor | BlockFp8Tensor:
         """The 2-D input `x` in FP8 (and its padded transpose when `transpose`)."""
-        return self._quantize(x, FORWARD, self.input_slot, transpose)
+        return self._quantize(x, FORWARD, self.input_slot, self.recipe.forward_dtype, transpose)
 
-    def quantize_grad(self, grad: torch.Tensor, transpose: bool) -> Fp8Tensor:
+    def quantize_grad(self, grad: torch.Tensor, transpose: bool) -> Fp8Tensor | BlockFp8Tensor:
         """The 2-D output gradient `grad` in FP8 (and its padded transpose when `transpose`)."""
-        return self._quantize(grad, BACKWARD, self.grad_slot, transpose)
+        dtype = self.recipe.backward_dtype
+        return self._quantize(grad, BACKWARD, self.grad_slot, dtype, transpose)
+
+    def quantize_gathered_input(
+        self, x: torch.Tensor
+    ) -> tuple[Fp8Tensor | BlockFp8Tensor, torch.Tensor | None]:
+        """The 2-D input `x` a sequence-parallel layer gathered, in FP8 without its transpose,
+        and what `transposed_input` casts that transpose with again in backward: the scale
+        (None under the blockwise recipe, whose scales come from the values again)."""
+        if self.recipe.blockwise:
+            return quantize_1x128(x, self.recipe.forward_dtype), None
+        scale, record = self.input_scale(x)
+        return quantize(x, self.recipe.forward_dtype, scale=scale, amax_out=record), scale
+
+    def transposed_input(
+        self, x: torch.Tensor, scale: torch.Tensor | None
+    ) -> Fp8Tensor | BlockFp8Tensor:
+        """The weight-gradient operand of the gathered input `x`, bit for bit the one forward
+        would have made (`quantize_gathered_input`)."""
+        dtype = self.recipe.forward_dtype
+        if self.recipe.blockwise:
+            return quantize_1x128_transposed(x, dtype)
+        return quantize(x, dtype, scale=scale, transpose=True).transposed_operand()
+
+    def saved_input_t(
+        self, data: torch.Tensor, scale_inv: torch.Tensor
+    ) -> Fp8Tensor | BlockFp8Tensor:
+        """The transposed input's operand from the tensors forward saved for backward."""
+        if self.recipe.blockwise:
+            return BlockFp8Tensor(data, scale_inv, ROW_BLOCK)
+        return Fp8Tensor(data, scale_inv)
 
     def _quantize(
-        self, x: torch.Tensor, direction: str, slot: int | None, transpose: bool
-    ) -> Fp8Tensor:
-        forward = direction == FORWARD
-        dtype = self.recipe.forward_dtype if forward else self.recipe.backward_dtype
+        self,
+        x: torch.Tensor,
+        direction: str,
+        slot: int | None,
+        dtype: torch.dtype,
+        transpose: bool,
+    ) -> Fp8Tensor | BlockFp8Tensor:
+        if self.recipe.blockwise:
+            return quantize_1x128(x, dtype, transpose=transpose)
         if self.state is None:
             return quantize(x, dtype, transpose=transpose)
-        scale = self.state.scale(direction, slot, x.device)
-        record = self.state.amax_record(direction, slot)
+        scale, record = self.state.cast_tensors(direction, slot, x.device)
         return quantize(x, dtype, scale=scale, amax_out=record, transpose=transpose)
 
     def linear(
@@ -111,9 +149,11 @@ class Fp8LinearSlots:
 
 
 def computes_in_fp8(module: torch.nn.Module, name: str) -> bool:
-    """Whether `module`'s parameter `name` is the weight of a linear layer that runs its GEMMs
-    in FP8 (an engine may then keep it as FP8 bytes: `fp8_param_gather`)."""
-    return name == "weight" and isinstance(getattr(module, "fp8", None), Fp8LinearSlots)
+    """Whether `module`'s parameter `name` is the weight of a linear layer (or the stacked
+    weights of MoE experts, `megatron.core.fp8.experts`) that runs its GEMMs in FP8 (an engine
+    may then keep it as FP8 bytes: `fp8_param_gather`)."""
+    slots = getattr(module, "fp8", None)
+    return name == "weight" and isinstance(slots, (Fp8LinearSlots, Fp8ExpertSlots))
 
 
 def _weight_needs_grad(weight: torch.Tensor) -> bool:
@@ -128,7 +168,7 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fprop(
-    x: Fp8Tensor,
+    x: Fp8Tensor | BlockFp8Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
@@ -136,7 +176,7 @@ def _fprop(
 ) -> torch.Tensor:
     """`X W^T + b`, the bias in the GEMM where cuBLASLt takes it (bf16 / fp16 output), else
     added after (exactly: the GEMM adds it in fp32 before rounding to fp32 alike)."""
-    w = fp8_weight_of(weight)
+    w = fp8_weight_of(weight, recipe.blockwise)
     fused_bias = bias is not None and out_dtype != torch.float32 and bias.dtype == out_dtype
     out = fp8_mm(
         x,
@@ -150,13 +190,22 @@ def _fprop(
     return out
 
 
-def _dgrad(grad: Fp8Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _dgrad(
+    grad: Fp8Tensor | BlockFp8Tensor,
+    weight: torch.Tensor,
+    out_dtype: torch.dtype,
+    recipe: Fp8Recipe,
+) -> torch.Tensor:
     """`dY W`, flattened."""
-    return fp8_mm(grad, fp8_weight_of(weight).dgrad_operand(), out_dtype=out_dtype)
+    w = fp8_weight_of(weight, recipe.blockwise)
+    return fp8_mm(grad, w.dgrad_operand(), out_dtype=out_dtype)
 
 
 def _fp8_wgrad(
-    grad: Fp8Tensor, input_t: Fp8Tensor, target: FusionTarget | None, dtype: torch.dtype
+    grad: Fp8Tensor | BlockFp8Tensor,
+    input_t: Fp8Tensor | BlockFp8Tensor,
+    target: FusionTarget | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor | None:
     """`dY^T X` from dY's and X's padded transposes, into `target` (None: returned in
     `dtype`)."""
@@ -195,7 +244,8 @@ class _Fp8Linear(torch.autograd.Function):
         x = slots.quantize_input(x2d, transpose=fp8_wgrad)
         out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
         if fp8_wgrad:
-            ctx.save_for_backward(x.transposed, x.scale_inv, weight)
+            input_t = x.transposed_operand()
+            ctx.save_for_backward(input_t.data, input_t.scale_inv, weight)
         else:
             ctx.save_for_backward(input_ if needs_weight else None, None, weight)
         # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
@@ -219,9 +269,10 @@ class _Fp8Linear(torch.autograd.Function):
         if needs_input or fp8_wgrad:
             grad = ctx.slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
         if needs_input:
-            grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype).view(ctx.input_shape)
+            grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype, ctx.slots.recipe)
+            grad_input = grad_input.view(ctx.input_shape)
         if fp8_wgrad:
-            input_t = Fp8Tensor(saved_input, input_scale_inv)
+            input_t = ctx.slots.saved_input_t(saved_input, input_scale_inv)
             grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
         elif wanted:
             grad_weight = weight_grad_into(target, grad_2d, saved_input)
@@ -238,7 +289,8 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
     and overlap. Under sequence parallelism the gathered input is quantised whole (its
     amax is the whole tensor's, the same on every tp rank), only this rank's part of the
     high-precision input is kept, and backward gathers it again and re-quantises its transpose
-    with the forward's scale (the forward's values, bit for bit)."""
+    as forward would have (with the forward's scale, or in blocks from the same values: the
+    forward's values, bit for bit)."""
 
     @staticmethod
     def forward(
@@ -257,15 +309,14 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
         if sequence_parallel:
             total, gathering = gather_first_async(input_, group)
             gathering.wait()
-            x2d = _flat(total)
-            scale, record = slots.input_scale(x2d)
-            x = quantize(x2d, slots.recipe.forward_dtype, scale=scale, amax_out=record)
+            x, scale = slots.quantize_gathered_input(_flat(total))
             ctx.save_for_backward(input_, scale if fp8_wgrad else None, weight)
         else:
             x2d = _flat(input_)
             x = slots.quantize_input(x2d, transpose=fp8_wgrad)
             if fp8_wgrad:
-                ctx.save_for_backward(x.transposed, x.scale_inv, weight)
+                input_t = x.transposed_operand()
+                ctx.save_for_backward(input_t.data, input_t.scale_inv, weight)
             else:
                 ctx.save_for_backward(input_ if needs_weight else None, None, weight)
         out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
@@ -294,7 +345,7 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
             grad = ctx.slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
         grad_input = reducing = None
         if needs_input:
-            grad_total = _dgrad(grad, ctx.weight, ctx.input_dtype)
+            grad_total = _dgrad(grad, ctx.weight, ctx.input_dtype, ctx.slots.recipe)
             grad_total = grad_total.view(*grad_output.shape[:-1], grad_total.shape[-1])
             if sequence_parallel:
                 if gathering is not None:
@@ -309,11 +360,9 @@ class _Fp8ColumnParallelLinear(torch.autograd.Function):
         grad_weight = grad_bias = None
         if fp8_wgrad:
             if sequence_parallel:
-                input_t = quantize(
-                    _flat(total), ctx.slots.recipe.forward_dtype, scale=saved_scale, transpose=True
-                ).transposed_operand()
+                input_t = ctx.slots.transposed_input(_flat(total), saved_scale)
             else:
-                input_t = Fp8Tensor(saved, saved_scale)
+                input_t = ctx.slots.saved_input_t(saved, saved_scale)
             grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
         elif wanted:
             grad_weight = weight_grad_into(target, grad_2d, total)

@@ -114,13 +114,7 @@ def quantize(
             x, dtype, scale, amax_out, transpose=transpose, rounding=rounding, out=out
         )
         return Fp8Tensor(data, scale_inv, transposed)
-    if rounding is not None:
-        x = x.to(rounding)
-    quantized = _quantize_reference(x, dtype, scale, amax_out, transpose)
-    if out is None:
-        return quantized
-    out.copy_(quantized.data)
-    return quantized._replace(data=out)
+    return _quantize_reference(x, dtype, scale, amax_out, transpose, rounding=rounding, out=out)
 
 
 def _quantize_reference(
@@ -129,7 +123,12 @@ def _quantize_reference(
     scale: torch.Tensor | None,
     amax_out: torch.Tensor | None,
     transpose: bool,
+    rounding: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> Fp8Tensor:
+    """`quantize` in torch ops (off CUDA, and the reference of the CUDA kernels' bytes)."""
+    if rounding is not None:
+        x = x.to(rounding)
     amax = amax_of(x) if scale is None or amax_out is not None else None
     if scale is None:
         scale = compute_scale(amax, fp8_max(dtype))
@@ -137,4 +136,6 @@ def _quantize_reference(
         torch.maximum(amax_out, amax, out=amax_out)
     data = cast_to_fp8(x, scale, dtype)
     transposed = transpose_padded(data) if transpose else None
+    if out is not None:
+        data = out.copy_(data)
     return Fp8Tensor(data, scale.reciprocal(), transposed)

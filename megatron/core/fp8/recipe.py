@@ -7,15 +7,21 @@ backward (Transformer Engine's `Format.HYBRID`). A recipe says how each tensor's
 
 - `delayed`: from the history of the tensor's absolute maxima in earlier passes
   (`--fp8-amax-history-len`, `--fp8-amax-compute-algo`, `--fp8-margin`; `scaling.py`);
-- `tensorwise`: from the tensor's own absolute maximum, when it is cast ("current scaling").
+- `tensorwise`: from the tensor's own absolute maximum, when it is cast ("current scaling");
+- `blockwise`: DeepSeek-V3's, Transformer Engine's `Float8BlockScaling`: a power-of-2 scale per
+  1x128 block of each activation and output gradient and per 128x128 block of each weight, from
+  the block's own absolute maximum (`blockwise.py`). E4M3 throughout: torch's blockwise GEMM
+  multiplies E4M3 only, so the `hybrid` format is refused with it.
 
-Weights are scaled from their current absolute maximum under both (`weights.py`). Upstream's
-`blockwise`, `mxfp8` and `custom` recipes are refused by name (`check_fp8_config`).
+Weights are scaled from their current absolute maximum under the per-tensor recipes
+(`weights.py`). Upstream's `mxfp8` and `custom` recipes are refused by name
+(`check_fp8_config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import TYPE_CHECKING
 
@@ -27,7 +33,7 @@ if TYPE_CHECKING:
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
 """Upstream's `--fp8-recipe` choices."""
-BUILT_RECIPES = ("tensorwise", "delayed")
+BUILT_RECIPES = ("tensorwise", "delayed", "blockwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
 _DELAYED_ONLY = {"fp8_margin": 0, "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent"}
@@ -56,13 +62,11 @@ class Fp8Recipe:
 
     Attributes:
         format: "e4m3" or "hybrid".
-        kind: "delayed" or "tensorwise".
+        kind: "delayed", "tensorwise" or "blockwise".
         margin: delayed scaling's scale is `fp8_max * 2**-margin / amax`.
         amax_history_len: delayed scaling's window of absolute maxima.
         amax_compute_algo: "max" (over the window) or "most_recent".
         wgrad: the weight-gradient GEMM runs in FP8 (else in the input's precision).
-        fprop_fast_accum: the forward GEMM accumulates with Hopper's fast FP8 accumulation, as
-            upstream (the two backward GEMMs never do).
     """
 
     format: str
@@ -71,22 +75,36 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     wgrad: bool = True
-    fprop_fast_accum: bool = True
 
-    @property
+    # The derived attributes are computed once per recipe: the linear layers read them at
+    # every call.
+
+    @functools.cached_property
     def forward_dtype(self) -> torch.dtype:
         """The dtype of inputs and weights."""
         return torch.float8_e4m3fn
 
-    @property
+    @functools.cached_property
     def backward_dtype(self) -> torch.dtype:
         """The dtype of output gradients: E5M2 under `hybrid`."""
         return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
 
-    @property
+    @functools.cached_property
     def delayed(self) -> bool:
         """Whether activations and gradients are scaled from their amax history."""
         return self.kind == "delayed"
+
+    @functools.cached_property
+    def blockwise(self) -> bool:
+        """Whether tensors are scaled per block (1x128, weights 128x128)."""
+        return self.kind == "blockwise"
+
+    @functools.cached_property
+    def fprop_fast_accum(self) -> bool:
+        """Whether the forward GEMM accumulates with Hopper's fast FP8 accumulation, as upstream
+        (the two backward GEMMs never do, and no blockwise GEMM: Transformer Engine's recipe
+        requires split accumulation)."""
+        return not self.blockwise
 
     def describe(self) -> str:
         """The recipe in words, for logs: "hybrid format, delayed scaling (amax history 1024,
@@ -97,6 +115,8 @@ class Fp8Recipe:
                 f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, "
                 f"margin {self.margin})"
             )
+        if self.blockwise:
+            text += " (1x128 activations and gradients, 128x128 weights)"
         if not self.wgrad:
             text += ", weight gradients in high precision"
         return text
@@ -172,16 +192,12 @@ def check_fp8_config(config: TransformerConfig) -> None:
             stacklevel=3,
         )
     _check_bf16_layers(config)
-    if config.num_moe_experts is not None:
-        raise ValueError(
-            f"fp8={config.fp8!r} with num_moe_experts={config.num_moe_experts}: FP8 experts "
-            "are not built yet; train the MoE model without fp8, or a dense model in FP8."
-        )
+    if config.fp8_recipe == "blockwise":
+        _check_blockwise(config)
 
 
 def _check_recipe(recipe: str) -> None:
     refusals = {
-        "blockwise": "blockwise scaling (1x128 / 128x128 blocks) is not built yet",
         "mxfp8": _mxfp8_refusal(),
         "custom": (
             "custom recipes need Transformer Engine's quantizer factories, which are not built here"
@@ -189,11 +205,27 @@ def _check_recipe(recipe: str) -> None:
     }
     if recipe in refusals:
         raise ValueError(
-            f"fp8_recipe={recipe!r}: {refusals[recipe]}; choose tensorwise or delayed for "
-            "fp8_recipe."
+            f"fp8_recipe={recipe!r}: {refusals[recipe]}; choose tensorwise, delayed or "
+            "blockwise for fp8_recipe."
         )
     if recipe not in BUILT_RECIPES:
         raise ValueError(f"fp8_recipe={recipe!r}: choose among {RECIPES}.")
+
+
+def _check_blockwise(config: TransformerConfig) -> None:
+    if config.fp8 == "hybrid":
+        raise ValueError(
+            "fp8_recipe='blockwise' with fp8='hybrid': torch's blockwise-scaled GEMM multiplies "
+            "E4M3 operands only, and hybrid casts output gradients to E5M2; use fp8='e4m3' "
+            "(the blockwise recipe's default format in Transformer Engine) or another "
+            "fp8_recipe."
+        )
+    if config.num_moe_experts is not None:
+        raise ValueError(
+            f"fp8_recipe='blockwise' with num_moe_experts={config.num_moe_experts}: blockwise "
+            "FP8 experts are not built; use fp8_recipe 'tensorwise' or 'delayed' for an MoE "
+            "model."
+        )
 
 
 def _mxfp8_refusal() -> str:

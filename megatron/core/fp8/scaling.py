@@ -63,17 +63,28 @@ checkpoints do not know which models they run)."""
 
 
 class _Slots:
-    """The amax history `[H, n]` and scales `[n]` of one direction's slots."""
+    """The amax history `[H, n]` and scales `[n]` of one direction's slots, and each slot's
+    one-element views of them that its casts use."""
 
     def __init__(self, max_value: float) -> None:
         self.count = 0
         self.max_value = max_value
         self.history: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
+        self.cast_views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per slot, (its scale, its record in history row 0): made once per placement of
+        the tensors, which are then only written in place, rather than at every cast."""
 
     def materialize(self, history_len: int, device: torch.device) -> None:
         self.history = torch.zeros(history_len, self.count, dtype=torch.float32, device=device)
         self.scale = torch.ones(self.count, dtype=torch.float32, device=device)
+
+    def make_cast_views(self) -> None:
+        records = self.history[0]
+        self.cast_views = [
+            (self.scale.narrow(0, slot, 1), records.narrow(0, slot, 1))
+            for slot in range(self.count)
+        ]
 
 
 class DelayedScalingState(torch.nn.Module):
@@ -104,9 +115,10 @@ class DelayedScalingState(torch.nn.Module):
         # Where the casts use the tensors; None until the first cast, and after a load into a
         # state without tensors (the loaded ones wait on the CPU for the first cast).
         self._device: torch.device | None = None
-        # The scale snapshots of the checkpoints being recomputed (innermost last); None
-        # stands for the initial scales (a checkpoint run before the first cast).
-        self._replays: list[torch.Tensor | None] = []
+        # The checkpoints being recomputed (innermost last): each one's scale snapshot (None
+        # stands for the initial scales: a checkpoint run before the first cast) and the views
+        # of it that its casts use (None until the tensors are placed).
+        self._replays: list[tuple[torch.Tensor | None, list[torch.Tensor] | None]] = []
         _live_states.add(self)
 
     @property
@@ -133,28 +145,48 @@ class DelayedScalingState(torch.nn.Module):
                 slots.materialize(self.recipe.amax_history_len, device)
             else:
                 slots.history, slots.scale = slots.history.to(device), slots.scale.to(device)
+            slots.make_cast_views()
         self._device = device
+
+    def cast_tensors(
+        self, direction: str, slot: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(scale(direction, slot, device), amax_record(direction, slot))`: what a cast of
+        `slot` on `device` uses now, in one call (the linear layers' per-cast path)."""
+        if device != self._device:
+            self._place(device)
+        if direction == FORWARD and self._replays:
+            snapshot, views = self._replays[-1]
+            if views is None:
+                views = self._replay_views(snapshot, device)
+                self._replays[-1] = (snapshot, views)
+            return views[slot], None
+        return self._slots[direction].cast_views[slot]
 
     def scale(self, direction: str, slot: int, device: torch.device) -> torch.Tensor:
         """The scale a cast of `slot` uses now: a one-element view of the state (during a
         recomputation, of the checkpoint's snapshot). Each cast asks for it before
         `amax_record`: it puts the tensors on the cast's device."""
-        if device != self._device:
-            self._place(device)
-        if direction == FORWARD and self._replays:
-            snapshot = self._replays[-1]
-            if snapshot is None:
-                return torch.ones(1, dtype=torch.float32, device=device)
-            # A snapshot taken before the first cast after a load is still on the CPU.
-            return snapshot.narrow(0, slot, 1).to(device)
-        return self._slots[direction].scale.narrow(0, slot, 1)
+        return self.cast_tensors(direction, slot, device)[0]
 
     def amax_record(self, direction: str, slot: int) -> torch.Tensor | None:
         """Where a cast of `slot` max-es its absolute maximum (a one-element view of history
         row 0), or None during a recomputation (its forward recorded it already)."""
         if direction == FORWARD and self._replays:
             return None
-        return self._slots[direction].history[0].narrow(0, slot, 1)
+        return self._slots[direction].cast_views[slot][1]
+
+    def _replay_views(
+        self, snapshot: torch.Tensor | None, device: torch.device
+    ) -> list[torch.Tensor]:
+        """One view per forward slot of the scales in `snapshot` (None: the initial ones), on
+        `device`."""
+        if snapshot is None:
+            scales = torch.ones(self._slots[FORWARD].count, dtype=torch.float32, device=device)
+        else:
+            # A snapshot taken before the first cast after a load is still on the CPU.
+            scales = snapshot.to(device)
+        return list(scales.split(1))
 
     def end_forward(self) -> None:
         """Reduces and updates the forward slots (after the block's forward)."""
@@ -194,8 +226,13 @@ class DelayedScalingState(torch.nn.Module):
 
     @contextlib.contextmanager
     def replaying(self, snapshot: torch.Tensor | None) -> Iterator[None]:
-        """Forward casts use `snapshot`'s scales and record nothing."""
-        self._replays.append(snapshot)
+        """Forward casts use `snapshot`'s scales and record nothing.
+
+        The views of the scales are made here where the tensors are placed already, not by
+        the recomputed casts: a recomputation may dispatch no op its forward did not (a
+        selective checkpoint stores the forward's outputs by op and count)."""
+        views = None if self._device is None else self._replay_views(snapshot, self._device)
+        self._replays.append((snapshot, views))
         try:
             yield
         finally:
@@ -258,6 +295,7 @@ class DelayedScalingState(torch.nn.Module):
             if slots.history is None:  # placed on the first cast's device
                 slots.history = history.to(torch.float32, copy=True)
                 slots.scale = scale.to(torch.float32, copy=True)
+                slots.make_cast_views()
             else:
                 slots.history.copy_(history)
                 slots.scale.copy_(scale)

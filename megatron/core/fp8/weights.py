@@ -3,12 +3,20 @@
 Weights are scaled from their current absolute maximum under every recipe (delayed scaling
 included: a cast made once per optimizer step gains nothing from a delayed scale, and cannot
 overflow), per tensor, so the FP8 copy is a function of the weight alone:
-`fp8(clamp(w * 448 / max|w|))`, each tensor-parallel shard scaled on its own, as upstream.
+`fp8(clamp(w * 448 / max|w|))`, each tensor-parallel shard scaled on its own, as upstream. The
+blockwise recipe scales each 128x128 block by its own (`blockwise.quantize_128x128`,
+`fp8_weight_of(weight, blockwise=True)`). The stacked weights of an MoE layer's experts
+(`[num_experts, out, in]`) are scaled per expert (`Fp8ExpertWeights`): each expert's
+`[out, in]` is a weight of its own, as Transformer Engine's grouped linear layers keep one weight
+per expert.
 
 Where the copy comes from:
 
 - a provider an engine registered for the parameter (`register_fp8_weight`): the seam for an
-  engine that keeps the FP8 weights itself (e.g. one that all-gathers FP8 bytes);
+  engine that keeps the FP8 weights itself (e.g. one that all-gathers FP8 bytes), per tensor
+  only: a blockwise layer whose weight has one is refused. A provider answers None where its
+  copy no longer follows the parameter (written since it was made): the cache below then
+  makes one from the parameter;
 - otherwise a cache kept here per parameter, made at the first use and made again once the
   weight may have changed. "May have changed" is read from three signals, since no single one
   sees every write:
@@ -35,8 +43,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.core.fp8 import kernels
+from megatron.core.fp8.blockwise import quantize_128x128, square_block_layout
 from megatron.core.fp8.quantize import quantize
-from megatron.core.fp8.tensor import Fp8Tensor
+from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
 from megatron.core.utils import cuda_graph_capturing
 
 WEIGHT_DTYPE = torch.float8_e4m3fn
@@ -47,42 +56,152 @@ class Fp8Weight:
     """A weight `[out, in]` in FP8, and its transpose, made at the first use.
 
     Args:
-        tensor: the weight's FP8 bytes (row-major `[out, in]`) and scale.
+        tensor: the weight's FP8 bytes (row-major `[out, in]`) and scale, or scales of its
+            128x128 blocks.
     """
 
-    def __init__(self, tensor: Fp8Tensor) -> None:
+    def __init__(self, tensor: Fp8Tensor | BlockFp8Tensor) -> None:
         self.tensor = tensor
-        self._transposed: Fp8Tensor | None = None
+        self._transposed: Fp8Tensor | BlockFp8Tensor | None = None
+        # The GEMM operands, views made at their first use rather than at every GEMM.
+        self._fprop: Fp8Tensor | BlockFp8Tensor | None = None
+        self._dgrad: Fp8Tensor | BlockFp8Tensor | None = None
 
     @classmethod
-    def quantized(cls, weight: torch.Tensor) -> Fp8Weight:
-        """The high-precision `weight` (2-D) cast to FP8, scaled by its current amax."""
+    def quantized(cls, weight: torch.Tensor, blockwise: bool = False) -> Fp8Weight:
+        """The high-precision `weight` (2-D) cast to FP8, scaled by its current amax (of each
+        128x128 block where `blockwise`)."""
         with torch.no_grad():
+            if blockwise:
+                return cls(quantize_128x128(weight.detach(), WEIGHT_DTYPE))
             return cls(quantize(weight.detach(), WEIGHT_DTYPE))
 
-    def fprop_operand(self) -> Fp8Tensor:
+    def fprop_operand(self) -> Fp8Tensor | BlockFp8Tensor:
         """`W^T` `[in, out]` column-major: the second operand of `X W^T`."""
-        return self.tensor.t()
+        if self._fprop is None:
+            self._fprop = self.tensor.t()
+        return self._fprop
 
-    def dgrad_operand(self) -> Fp8Tensor:
+    def dgrad_operand(self) -> Fp8Tensor | BlockFp8Tensor:
         """`W` `[out, in]` column-major: the second operand of `dY W`, the transposed view of
-        the contiguous transpose (made once per copy)."""
-        if self._transposed is None:
-            data = self.tensor.data
-            if kernels.triton is not None and data.is_cuda and data.is_contiguous():
-                transposed = kernels.transpose_fp8(data)
-            else:
-                transposed = data.t().contiguous()
-            self._transposed = Fp8Tensor(transposed, self.tensor.scale_inv)
-        return self._transposed.t()
+        the contiguous transpose (made once per copy; a 128x128 block transposes whole, so
+        its scales are the transposed ones)."""
+        if self._dgrad is None:
+            if self._transposed is None:
+                self._transposed = self._transpose()
+            self._dgrad = self._transposed.t()
+        return self._dgrad
+
+    def hold_transpose(self, transposed: Fp8Tensor) -> None:
+        """Makes `transposed` (the same bytes as the contiguous transpose, held elsewhere) the
+        one the input-gradient GEMM multiplies by, instead of a copy of its own."""
+        self._transposed, self._dgrad = transposed, None
+
+    def _transpose(self) -> Fp8Tensor | BlockFp8Tensor:
+        """The weight's contiguous transpose, `[in, out]` row-major, and its scales: 1 byte per
+        element read and written."""
+        data = self.tensor.data
+        if kernels.triton is not None and data.is_cuda and data.is_contiguous():
+            transposed = kernels.transpose_fp8(data)
+        else:
+            transposed = data.t().contiguous()
+        if isinstance(self.tensor, BlockFp8Tensor):
+            scale_inv = square_block_layout(self.tensor.scale_inv.t())
+            return BlockFp8Tensor(transposed, scale_inv, self.tensor.block)
+        return Fp8Tensor(transposed, self.tensor.scale_inv)
 
 
-Provider = Callable[[torch.nn.Parameter], Fp8Weight]
+class Fp8ExpertWeights:
+    """The stacked weights of an MoE projection's experts, `[num_experts, out, in]`, in FP8 with
+    one scale per expert.
+
+    Args:
+        data: the FP8 bytes, `[num_experts, out, in]` contiguous.
+        scale_invs: each expert's dequantisation multiplier (one fp32 element each, tensors of
+            their own: cuBLASLt reads a scale from a 16-byte aligned address).
+    """
+
+    def __init__(self, data: torch.Tensor, scale_invs: list[torch.Tensor]) -> None:
+        if data.dim() != 3 or len(scale_invs) != data.shape[0]:
+            raise ValueError(
+                f"Fp8ExpertWeights: {len(scale_invs)} scales for stacked weights "
+                f"{list(data.shape)}; give one scale per expert of a 3-D tensor."
+            )
+        self.data = data
+        self.experts = [Fp8Weight(Fp8Tensor(data[i], s)) for i, s in enumerate(scale_invs)]
+        self._stacked_scale_invs: torch.Tensor | None = None
+        self._stacked_transposes: torch.Tensor | None = None
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor) -> Fp8ExpertWeights:
+        """The high-precision `weight` (`[num_experts, out, in]`) cast to FP8, each expert
+        scaled by its own current amax."""
+        data = torch.empty(weight.shape, dtype=WEIGHT_DTYPE, device=weight.device)
+        with torch.no_grad():
+            scale_invs = [
+                quantize(expert, WEIGHT_DTYPE, out=out).scale_inv
+                for expert, out in zip(weight.detach(), data)
+            ]
+        return cls(data, scale_invs)
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __getitem__(self, index: int) -> Fp8Weight:
+        """Expert `index`'s weight (a view of the stacked bytes)."""
+        return self.experts[index]
+
+    def scale_invs(self) -> torch.Tensor:
+        """The experts' multipliers, `[num_experts]` fp32 (made once per copy)."""
+        if self._stacked_scale_invs is None:
+            parts = [expert.tensor.scale_inv.reshape(1) for expert in self.experts]
+            self._stacked_scale_invs = torch.cat(parts)
+        return self._stacked_scale_invs
+
+    def grouped_fprop_operand(self) -> torch.Tensor:
+        """`W^T` per expert, `[num_experts, in, out]` column-major in its last two dimensions:
+        the second operand of a grouped `X W^T`."""
+        return self.data.transpose(1, 2)
+
+    def grouped_dgrad_operand(self) -> torch.Tensor:
+        """`W` per expert, `[num_experts, out, in]` column-major in its last two dimensions:
+        the second operand of a grouped `dY W`, a view of the experts' contiguous transposes
+        (made once per copy)."""
+        if self._stacked_transposes is None:
+            # As bytes: every build's copy kernels take them.
+            transposes = [e.dgrad_operand().data.t().view(torch.uint8) for e in self.experts]
+            stacked = torch.stack(transposes).view(WEIGHT_DTYPE)
+            # The experts' own transposes become views of the stack: one copy is held.
+            for expert, transposed in zip(self.experts, stacked):
+                expert.hold_transpose(Fp8Tensor(transposed, expert.tensor.scale_inv))
+            self._stacked_transposes = stacked
+        return self._stacked_transposes.transpose(1, 2)
+
+
+def quantized_weight(weight: torch.Tensor, blockwise: bool = False) -> Fp8Weight | Fp8ExpertWeights:
+    """`weight` cast to FP8: per tensor (2-D; per 128x128 block where `blockwise`), or per expert
+    (3-D, stacked expert weights).
+
+    Raises:
+        ValueError: `blockwise` stacked expert weights (not built).
+    """
+    if weight.dim() != 3:
+        return Fp8Weight.quantized(weight, blockwise)
+    if blockwise:
+        raise ValueError(
+            "blockwise FP8 experts are not built; use fp8_recipe 'tensorwise' or 'delayed' for "
+            "an MoE model."
+        )
+    return Fp8ExpertWeights.quantized(weight)
+
+
+Provider = Callable[[torch.nn.Parameter], "Fp8Weight | Fp8ExpertWeights | None"]
+"""The engine's FP8 copy of a parameter, or None where it does not follow the parameter now."""
 
 _providers: dict[int, tuple[weakref.ref, weakref.WeakMethod | Callable]] = {}
 """id(parameter) -> (a weak reference to it, its provider)."""
 
-_cache: dict[int, tuple[weakref.ref, tuple, Fp8Weight]] = {}
+_cache: dict[int, tuple[weakref.ref, tuple, Fp8Weight | Fp8ExpertWeights]] = {}
 """id(parameter) -> (a weak reference to it, the signals its copy was made at, the copy)."""
 
 _optimizer_steps = 0
@@ -95,8 +214,9 @@ def _count_step(*unused: Any) -> None:
 
 
 def register_fp8_weight(param: torch.nn.Parameter, provider: Provider) -> None:
-    """Makes `fp8_weight_of(param)` return `provider(param)` while `param` lives (a bound
-    method is held weakly: a dead engine's parameters fall back to the cache)."""
+    """Makes `fp8_weight_of(param)` return `provider(param)` while `param` lives, unless that
+    is None (a bound method is held weakly: a dead engine's parameters fall back to the
+    cache). A later registration for `param` replaces this one."""
     key = id(param)
     held = weakref.WeakMethod(provider) if hasattr(provider, "__self__") else provider
     _providers[key] = (weakref.ref(param, _forgetter(_providers, key)), held)
@@ -109,23 +229,35 @@ def forget_fp8_weights(params: Iterable[torch.Tensor]) -> None:
         _cache.pop(id(param), None)
 
 
-def fp8_weight_of(weight: torch.Tensor) -> Fp8Weight:
-    """The FP8 copy of `weight` (module docstring)."""
+def fp8_weight_of(weight: torch.Tensor, blockwise: bool = False) -> Fp8Weight | Fp8ExpertWeights:
+    """The FP8 copy of `weight` (module docstring): an `Fp8Weight` for a 2-D weight (in 128x128
+    blocks where `blockwise`), an `Fp8ExpertWeights` for stacked expert weights (3-D).
+
+    Raises:
+        ValueError: `blockwise`, and an engine keeps the parameter's FP8 copy (per tensor).
+    """
     key = id(weight)
     entry = _providers.get(key)
     if entry is not None:
         provider = entry[1]() if isinstance(entry[1], weakref.WeakMethod) else entry[1]
-        if provider is not None:
-            return provider(weight)
+        if provider is not None and blockwise:
+            raise ValueError(
+                "fp8_param_gather keeps FP8 weights scaled per tensor, and the blockwise recipe "
+                "scales them per 128x128 block: not built; drop fp8_param_gather "
+                "(--fp8-param-gather) or use fp8_recipe 'tensorwise' or 'delayed'."
+            )
+        made = provider(weight) if provider is not None else None
+        if made is not None:
+            return made
     if not isinstance(weight, torch.nn.Parameter) or cuda_graph_capturing():
-        return Fp8Weight.quantized(weight)
+        return quantized_weight(weight, blockwise)
     _watch_optimizer_steps()
     # The address too: a `.data` swap (`model.cuda()`, `model.to(dtype)`) bumps no version.
-    signals = (weight._version, _optimizer_steps, weight.data_ptr(), weight.dtype)
+    signals = (weight._version, _optimizer_steps, weight.data_ptr(), weight.dtype, blockwise)
     cached = _cache.get(key)
     if cached is not None and cached[1] == signals:
         return cached[2]
-    made = Fp8Weight.quantized(weight)
+    made = quantized_weight(weight, blockwise)
     _cache[key] = (weakref.ref(weight, _forgetter(_cache, key)), signals, made)
     return made
 

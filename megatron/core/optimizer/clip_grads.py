@@ -66,13 +66,31 @@ def _local_and_groups(grad: torch.Tensor) -> tuple[torch.Tensor, GroupKey]:
 
 
 def _global_sum(
+    grads: Iterable[torch.Tensor],
+    local_sum: Callable[[list[torch.Tensor]], torch.Tensor],
+    pp_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor | None:
+    """Sum over ranks of `local_sum` of each group's local tensors, each element counted once,
+    then over the pipeline stages (`pp_group`: each stage holds other parameters).
+
+    Returns None when there are no gradients (with stages: a zero of `dtype` on `device`).
+    Every rank of a stage must pass gradients of the same parameters in the same order, so
+    that all issue the same all-reduces in the same order.
+    """
+    total = _stage_sum(grads, local_sum)
+    if pp_group is None or pp_group.size() == 1:
+        return total
+    if total is None:  # every stage joins the reduction, one without gradients too
+        total = torch.zeros((), dtype=dtype, device=device)
+    dist.all_reduce(total, group=pp_group)
+    return total
+
+
+def _stage_sum(
     grads: Iterable[torch.Tensor], local_sum: Callable[[list[torch.Tensor]], torch.Tensor]
 ) -> torch.Tensor | None:
-    """Sum over ranks of `local_sum` of each group's local tensors, each element counted once.
-
-    Returns None when there are no gradients. Every rank must pass gradients of the same
-    parameters in the same order, so that all issue the same all-reduces in the same order.
-    """
     buckets: dict[GroupKey, list[torch.Tensor]] = {}
     for grad in grads:
         local, groups = _local_and_groups(grad)
@@ -102,12 +120,16 @@ _CLIP_EPS = 1.0e-6
 
 
 @torch.no_grad()
-def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
+def get_grad_norm_fp32(
+    grads: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None = None
+) -> float:
     """The L2 norm of all gradients together, computed in fp32, the same on every rank.
 
     Args:
         grads: each parameter's gradient once: plain tensors (replicated, e.g. the DDP
             engine's `main_grad`) or DTensors (Megatron-FSDP's sharded gradients).
+        pp_group: the pipeline group, whose stages hold the other parameters (None: one
+            stage). A parameter held by two stages (tied embeddings) is passed by one only.
 
     Returns:
         The global norm; inf or nan when any gradient element is (on any rank).
@@ -115,7 +137,7 @@ def get_grad_norm_fp32(grads: Iterable[torch.Tensor]) -> float:
     Raises:
         ValueError: a gradient is a DTensor with a `Partial` placement.
     """
-    return grad_norm_on_device(grads, torch.device("cpu")).item()
+    return grad_norm_on_device(grads, torch.device("cpu"), pp_group).item()
 
 
 @torch.no_grad()
@@ -136,17 +158,23 @@ def clip_grad_by_total_norm_fp32(
 
 
 @torch.no_grad()
-def count_zeros_fp32(grads: Iterable[torch.Tensor]) -> int:
+def count_zeros_fp32(
+    grads: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None = None
+) -> int:
     """The number of zero gradient elements over all ranks, each element counted once.
 
     Args:
         grads: as for `get_grad_norm_fp32`.
     """
-    return int(count_zeros_on_device(grads, torch.device("cpu")).item())
+    return int(count_zeros_on_device(grads, torch.device("cpu"), pp_group).item())
 
 
 @torch.no_grad()
-def grad_norm_on_device(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+def grad_norm_on_device(
+    grads: Iterable[torch.Tensor],
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """`get_grad_norm_fp32` as a 0-dim float64 tensor on `device`, with no host synchronisation.
 
     The same fp32 sum of squares, square-rooted in float64: the value equals
@@ -156,7 +184,7 @@ def grad_norm_on_device(grads: Iterable[torch.Tensor], device: torch.device) -> 
         grads: as for `get_grad_norm_fp32`.
         device: where the result lives when there is no gradient (the gradients' otherwise).
     """
-    total = _global_sum(grads, _sum_of_squares)
+    total = _global_sum(grads, _sum_of_squares, pp_group, device)
     if total is None:
         return torch.zeros((), dtype=torch.float64, device=device)
     return total.double().sqrt()
@@ -187,7 +215,11 @@ def clip_grad_by_norm_on_device(
 
 
 @torch.no_grad()
-def count_zeros_on_device(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+def count_zeros_on_device(
+    grads: Iterable[torch.Tensor],
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """`count_zeros_fp32` as a 0-dim int64 tensor on `device`, with no host synchronisation."""
-    total = _global_sum(grads, _num_zeros)
+    total = _global_sum(grads, _num_zeros, pp_group, device, torch.int64)
     return torch.zeros((), dtype=torch.int64, device=device) if total is None else total

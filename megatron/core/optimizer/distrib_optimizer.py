@@ -18,7 +18,12 @@ clipping and unscaling read DTensor views of their gradients, whose `Shard(0)` p
 the norm all-reduce the partial sums over the group.
 
 fp32 parameters are their own main weights: the optimizer steps views of this rank's rows of
-them. Others (bf16) get fp32 copies of their rows (`fp32_from_fp16_params` in checkpoints).
+them. Others (bf16) get fp32 copies of their rows (`fp32_from_fp16_params` in checkpoints). The
+model's parameters follow the main shards: after each step and after a load of this optimizer's
+state, which writes the loaded main shards back and gathers again. That matters with
+`fp8_param_gather`, under which the model's copy of an FP8 layer's weight holds dequantised FP8
+values on the rows other ranks own (`megatron/core/distributed/fp8_param_gather.py`): the main
+shards, not the model's parameters, are the weights a checkpoint resumes from.
 
 Expert parameters split by expert parallelism are sharded over the expert data-parallel group
 (their buckets' group); their shards are the local tensors of global DTensors `[num_experts,
@@ -31,9 +36,9 @@ DTensor over (tp, dp) placed (the parameter's tp placement, `Shard(0)`)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
@@ -82,32 +87,9 @@ class DistributedOptimizer(MegatronOptimizer):
         # The base sees only fp32 tensors, so it keeps no masters of its own.
         super().__init__(optimizer, config, model, grad_scaler)
         self._shards = dict(main_shards)
-        group = model.data_parallel_group
-        device = next(iter(self._shards.values())).device
-        # The group's name in the dimension name: DTensor caches sharding decisions by mesh,
-        # and meshes over destroyed groups with the same ranks compare equal otherwise.
-        self._mesh = DeviceMesh.from_group(
-            group, device.type, mesh_dim_names=(f"dp:{group.group_name}",)
-        )
-        self._dtensors = {p: self._as_dtensor(main, p) for p, main in self._shards.items()}
+        self._dtensors = {p: model.sharded_view(p, main) for p, main in self._shards.items()}
         # (model parameter, DTensor of its fp32 master shard) where the parameter is not fp32.
         self._masters = [(p, self._dtensors[p]) for p in self._shards if p.dtype != torch.float32]
-
-    def _as_dtensor(self, local: torch.Tensor, param: torch.nn.Parameter) -> DTensor:
-        """`local`, this rank's rows of a tensor shaped like `param`, as a `Shard(0)` DTensor
-        (an expert split by expert parallelism: the global DTensor of its experts; under tensor
-        parallelism the global DTensor over (tp, dp))."""
-        view = self.model.view_of(param)
-        if view is not None:
-            return view.sharded(local, param)
-        return DTensor.from_local(
-            local,
-            self._mesh,
-            (Shard(0),),
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
 
     def _set_main_grads(self) -> list[torch.Tensor]:
         """Gives each main shard the engine's reduced gradient of its rows, in fp32 (a view
@@ -120,7 +102,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """The main shards' gradients as `Shard(0)` DTensors (views of them), so the norm
         counts every element once over the data-parallel group."""
         return [
-            self._as_dtensor(main.grad, param)
+            self.model.sharded_view(param, main.grad)
             for param, main in self._shards.items()
             if main.grad is not None
         ]
@@ -137,6 +119,28 @@ class DistributedOptimizer(MegatronOptimizer):
     def _model_weights_written(self) -> None:
         """All-gathers every parameter from the rows each rank wrote."""
         self.model.start_param_sync(force_sync=True)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`MegatronOptimizer.load_sharded_state_dict`, then the model's parameters made the
+        loaded main shards (`_write_model_weights`)."""
+        super().load_sharded_state_dict(state_dict)
+        self._write_model_weights()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`MegatronOptimizer.load_state_dict`, then the model's parameters made the loaded
+        main shards (`_write_model_weights`)."""
+        super().load_state_dict(state_dict)
+        self._write_model_weights()
+
+    @torch.no_grad()
+    def _write_model_weights(self) -> None:
+        """Writes the main shards into this rank's rows of the model's parameters and
+        all-gathers them, as a step does: the FP8 weights of `fp8_param_gather` are then cast
+        from the loaded main shards, with the scales the run that saved them used."""
+        copies = self._model_weight_copies()
+        if copies:
+            torch._foreach_copy_([rows for rows, _ in copies], [main for _, main in copies])
+        self._model_weights_written()
 
     def reload_model_params(self) -> None:
         """Copies this rank's rows of the model's parameters into the fp32 master shards."""

@@ -57,6 +57,8 @@ from megatron.core.optimizer.grad_scaler import (
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.saved_param_groups import loadable_param_groups
+from megatron.core.pipeline_parallel.stage import pipeline_group
+from megatron.core.pipeline_parallel.tied_embeddings import tied_embedding_weight
 
 SavedTensor = tuple[torch.Size, torch.dtype]
 """A tensor's global shape and dtype as a checkpoint recorded them."""
@@ -74,6 +76,11 @@ class MegatronOptimizer:
             `FullyShardedDataParallel` wrapper, a module with `fully_shard()` units, or a plain
             module (one process: its `.grad`s are taken as they are).
         grad_scaler: the loss scaling of fp16 training (see `grad_scaler.py`), or None.
+
+    Under pipeline parallelism (the model's `config.pipeline_model_parallel_size` > 1) the
+    gradient norm, the zero count and the parameters' norm are taken over every stage (the
+    pipeline group of `parallel_state`), the last stage's copy of tied embeddings left out
+    (the first stage's counts for both); clipping scales both copies alike.
 
     Without Megatron-FSDP, the parameters of `optimizer` that are not fp32 are replaced in its
     parameter groups by fp32 master copies, which it steps from then on.
@@ -104,6 +111,13 @@ class MegatronOptimizer:
         # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
         self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
         self._ddp_engine = model if isinstance(model, DistributedDataParallel) else None
+        config_of_model = getattr(model, "config", None)
+        stages = 1 if config_of_model is None else config_of_model.pipeline_model_parallel_size
+        self._pp_group = pipeline_group(None) if stages > 1 else None
+        # The last stage's copy of tied embeddings: counted by the first stage.
+        self._second_copy = None
+        if stages > 1 and not getattr(getattr(model, "module", model), "pre_process", True):
+            self._second_copy = tied_embedding_weight(model)
         # The rates `step_on_device` reads, made by the first `write_learning_rates_to_device`.
         self._device_learning_rates: DeviceLearningRates | None = None
 
@@ -127,34 +141,41 @@ class MegatronOptimizer:
         """`loss` times the loss scale, to call backward on (Megatron-LM's name)."""
         return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
 
-    def get_main_grads(self) -> list[torch.Tensor]:
-        """The gradients the optimizer steps with, one per parameter that has one.
+    def get_main_grads(self, counted_once: bool = False) -> list[torch.Tensor]:
+        """The gradients the optimizer steps with, one per parameter that has one (with
+        `counted_once`, but the last pipeline stage's copy of tied embeddings).
 
         Megatron-FSDP: the DTensor gradients of the model's main weights, read from the model
         (whose placements tell how they are sharded) rather than from whatever tensors the
         torch optimizer holds. Otherwise the `.grad` of each main parameter (master copy or
         fp32 parameter), which `step()` sets from the model's gradients before it reads them.
         """
+        skip = self._second_copy if counted_once else None
         if self._is_fsdp:
-            return [p.grad for p in self.model.parameters() if p.grad is not None]
+            return [p.grad for p in self.model.parameters() if p.grad is not None and p is not skip]
         return [
             self._global_view(param, main.grad)
             for param, main in self._main_params.items()
-            if main.grad is not None
+            if main.grad is not None and param is not skip
         ]
 
     def get_main_params(self) -> list[torch.Tensor]:
         """The weights the optimizer steps, each once, placed as `get_main_grads()`' gradients:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
+        skip = self._second_copy
         if self._is_fsdp:
-            return [p for p in self.model.parameters() if p.requires_grad]
-        return [self._global_view(param, main) for param, main in self._main_params.items()]
+            return [p for p in self.model.parameters() if p.requires_grad and p is not skip]
+        return [
+            self._global_view(param, main)
+            for param, main in self._main_params.items()
+            if param is not skip
+        ]
 
     def get_params_norm(self) -> float:
         """The global L2 norm of the main weights in fp32, the same on every rank (what
         `--log-params-norm` logs; Megatron-LM's `calc_params_l2_norm`)."""
         # Placed like the gradients, so they sum the same way.
-        return get_grad_norm_fp32(self.get_main_params())
+        return get_grad_norm_fp32(self.get_main_params(), self._pp_group)
 
     def _set_main_grads(self) -> list[torch.Tensor]:
         """Gives each main parameter its model parameter's gradient in fp32: the DDP engine's
@@ -220,8 +241,11 @@ class MegatronOptimizer:
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
-            grad_norm = get_grad_norm_fp32(grads)
-            num_zeros = count_zeros_fp32(grads) if self.config.log_num_zeros_in_grad else None
+            counted = grads if self._second_copy is None else self.get_main_grads(counted_once=True)
+            grad_norm = get_grad_norm_fp32(counted, self._pp_group)
+            num_zeros = None
+            if self.config.log_num_zeros_in_grad:
+                num_zeros = count_zeros_fp32(counted, self._pp_group)
             if not math.isfinite(grad_norm):
                 return False, grad_norm, num_zeros
             if self.config.clip_grad > 0.0:

@@ -1,4 +1,6 @@
-"""Self-attention: fused QKV projection, rotary embeddings, core attention, output projection.
+"""Self-attention: fused QKV projection, rotary embeddings, core attention, output projection;
+and `Attention`, the part it shares with multi-latent attention (`multi_latent_attention.py`):
+the core attention over this rank's heads and the output projection.
 
 The QKV projection uses Megatron-LM's grouped layout, so checkpoints and Transformer Engine
 modules line up with Megatron's: per token the projection output is `num_query_groups` blocks,
@@ -25,7 +27,11 @@ from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.recompute import recompute
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.torch_norm import L2Norm
-from megatron.core.transformer.transformer_config import TransformerConfig, recomputes
+from megatron.core.transformer.transformer_config import (
+    TransformerConfig,
+    recomputes,
+    yarn_concentration_factor,
+)
 
 
 @dataclass
@@ -48,7 +54,108 @@ class SelfAttentionSubmodules:
     k_layernorm: ModuleSpec | type | None = None
 
 
-class SelfAttention(MegatronModule):
+class Attention(MegatronModule):
+    """What the attention layers share: heads split over the tensor-parallel group, the core
+    attention over this rank's heads, the row-parallel output projection, and running the two
+    (`_attend_and_project`, with `config.recompute_modules` "core_attn").
+
+    A subclass builds its input projections first and then `_build_output`, so that the weights
+    are drawn from the generator in the order of the layer's computation.
+
+    Args:
+        config: The transformer configuration.
+        layer_number: 1-based index of the layer this attention belongs to.
+        pg_collection: Process groups; its `tp` splits the heads (see `resolve_tp_group`).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int = 1,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.tp_group = resolve_tp_group(pg_collection)
+        self.num_attention_heads_per_partition = divide(
+            config.num_attention_heads, group_size(self.tp_group)
+        )
+        # Decided once, not in every layer's forward.
+        self.recompute_core_attention = recomputes(config, "core_attn")
+
+    def _build_output(
+        self,
+        core_attention: ModuleSpec | type,
+        linear_proj: ModuleSpec | type,
+        context_size: int,
+        pg_collection: ProcessGroupCollection | None,
+        softmax_scale: float | None = None,
+    ) -> None:
+        """Builds `core_attention` and `linear_proj`, which projects the context of all heads
+        (`context_size` wide over all tp ranks) back to the hidden size.
+
+        Args:
+            core_attention: Spec of the core attention.
+            linear_proj: Spec of the output projection.
+            context_size: Width of the attention's context, all heads.
+            pg_collection: Process groups, passed on to the core attention (its `tp` splits
+                the learnable softmax sinks with the heads).
+            softmax_scale: The core attention's scale, when the layer sets it (None: the core
+                attention's default).
+        """
+        config = self.config
+        scale = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
+        self.core_attention = build_module(
+            core_attention,
+            config=config,
+            layer_number=self.layer_number,
+            pg_collection=pg_collection,
+            **scale,
+        )
+        # The linear adds its own bias, as `MLP.linear_fc2` does (see there).
+        self.linear_proj = build_module(
+            linear_proj,
+            context_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="proj",
+            tp_group=self.tp_group,
+        )
+
+    def _attend_and_project(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The core attention of this rank's heads, then the output projection: `(output,
+        None)`, output [s, b, h] (under sequence parallelism [s/T, b, h])."""
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            # Recompute the attention in backward instead of storing its activations; the RNG
+            # states are replayed, so attention dropout draws the same mask again.
+            context = recompute(self._context, query, key, value, attention_mask)
+        else:
+            context = self._context(query, key, value, attention_mask)
+        return self.linear_proj(context)
+
+    def _context(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The core attention's context of this rank's heads, [s, b, n/T * dv]."""
+        return self.core_attention(query, key, value, attention_mask)
+
+
+class SelfAttention(Attention):
     """Causal self-attention with optional grouped-query attention and rotary embeddings.
 
     With `config.qk_layernorm` each query and key head is normalised (the spec's
@@ -65,7 +172,8 @@ class SelfAttention(MegatronModule):
 
     Raises:
         ValueError: `config.qk_layernorm` or `config.qk_l2_norm` with a spec whose
-            `q_layernorm`/`k_layernorm` are empty (None or `IdentityOp`).
+            `q_layernorm`/`k_layernorm` are empty (None or `IdentityOp`); a config of
+            multi-latent attention (built by `MLASelfAttention`).
     """
 
     def __init__(
@@ -75,11 +183,15 @@ class SelfAttention(MegatronModule):
         layer_number: int = 1,
         pg_collection: ProcessGroupCollection | None = None,
     ):
-        super().__init__(config)
-        self.layer_number = layer_number
-        self.tp_group = resolve_tp_group(pg_collection)
+        if config.multi_latent_attention:
+            raise ValueError(
+                "SelfAttention was given a config of multi-latent attention "
+                "(multi_latent_attention=True); build the layer with "
+                "get_gpt_layer_local_spec(multi_latent_attention=True) (or "
+                "get_gpt_decoder_block_spec(config, ...), which follows the config)."
+            )
+        super().__init__(config, layer_number, pg_collection)
         tp_size = group_size(self.tp_group)
-        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
         self.head_dim = config.kv_channels
         # Sizes of the whole layer (all tp ranks), as the parallel linears take them.
@@ -99,26 +211,18 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="qkv",
             tp_group=self.tp_group,
         )
-        self.core_attention = build_module(
-            submodules.core_attention, config=config, layer_number=layer_number
-        )
-        # The linear adds its own bias, as `MLP.linear_fc2` does (see there).
-        self.linear_proj = build_module(
+        self._build_output(
+            submodules.core_attention,
             submodules.linear_proj,
             self.query_projection_size,
-            config.hidden_size,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=config.add_bias_linear,
-            input_is_parallel=True,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-            tp_group=self.tp_group,
+            pg_collection,
         )
         self.q_layernorm, self.k_layernorm = self._build_qk_norms(config, submodules)
-        # Decided once, not in every layer's forward.
-        self.recompute_core_attention = recomputes(config, "core_attn")
+        # As upstream's attention: YaRN's concentration factor scales the rotated queries and
+        # keys (1 unless the config's yarn_* fields describe YaRN, which GPTModel checks).
+        self.rotary_mscale = yarn_concentration_factor(
+            config.yarn_rotary_scaling_factor, config.yarn_mscale, config.yarn_mscale_all_dim
+        )
 
     def _build_qk_norms(
         self, config: TransformerConfig, submodules: SelfAttentionSubmodules
@@ -177,7 +281,9 @@ class SelfAttention(MegatronModule):
             hidden_states: [s, b, h] (already normalised, unless the QKV projection fuses it);
                 under sequence parallelism this rank's [s/T, b, h].
             attention_mask: None for causal attention, or a boolean mask (True = masked out).
-            rotary_pos_emb: Angles from `RotaryEmbedding`, [s, 1, 1, rot_dim], or None.
+            rotary_pos_emb: Angles from `RotaryEmbedding` (or `YarnRotaryEmbedding`: the
+                config's `yarn_*` fields give its concentration factor), [s, 1, 1, rot_dim],
+                or None.
 
         Returns:
             `(output, None)`: output [s, b, h] (under sequence parallelism [s/T, b, h]), the
@@ -191,12 +297,7 @@ class SelfAttention(MegatronModule):
                 rotary_pos_emb,
                 rotary_interleaved=self.config.rotary_interleaved,
                 fused=self.config.apply_rope_fusion,
+                mscale=self.rotary_mscale,
             )
 
-        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            # Recompute the attention in backward instead of storing its activations; the RNG
-            # states are replayed, so attention dropout draws the same mask again.
-            context = recompute(self.core_attention, query, key, value, attention_mask)
-        else:
-            context = self.core_attention(query, key, value, attention_mask)
-        return self.linear_proj(context)
+        return self._attend_and_project(query, key, value, attention_mask)

@@ -6,6 +6,11 @@ The local layer spec uses `ColumnParallelLinear` / `RowParallelLinear`
 size 1 (same parameters, initialisation and outputs). `Linear` stays for projections that must
 stay whole on every rank: the forward returns `(output, bias)`, where `bias` is None unless
 `skip_bias_add` asks the caller to add it (so that a later fused bias-dropout-add can absorb it).
+
+Replicated over the tensor-parallel ranks while its input is split along the sequence (sequence
+parallelism; multi-latent attention's down-projections), each rank's weight gradient covers its
+part of the sequence only: given that group (`tp_group`), the layer sums them over it in
+backward, as the norms of sequence-parallel activations do.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.tensor_parallel.grad_accumulation import linear
+from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 if TYPE_CHECKING:
@@ -32,6 +39,9 @@ class Linear(torch.nn.Module):
         init_method: In-place initialiser of the weight (e.g. `config.init_method`).
         bias: Whether the layer has a bias.
         skip_bias_add: Return the bias instead of adding it.
+        tp_group: The tensor-parallel group whose ranks hold the same weight but see different
+            parts of the input (sequence parallelism): the weight's and bias's gradients are
+            summed over it in backward. None: no sum (the weight sees every rank's input).
     """
 
     def __init__(
@@ -43,8 +53,10 @@ class Linear(torch.nn.Module):
         init_method: Callable[[torch.Tensor], torch.Tensor],
         bias: bool = True,
         skip_bias_add: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
+        self.tp_group = tp_group
         self.input_size = input_size
         self.output_size = output_size
         self.init_method = init_method
@@ -76,9 +88,13 @@ class Linear(torch.nn.Module):
             `(output, bias)`: output of shape [..., output_size]; bias is the un-added bias when
             `skip_bias_add`, else None.
         """
+        # The parameters themselves without a group of two or more ranks (so that their
+        # gradients can fuse into `main_grad`), else their gradient-summing views.
+        weight = grad_sum_over_tp(self.weight, self.tp_group)
+        bias = None if self.bias is None else grad_sum_over_tp(self.bias, self.tp_group)
         if self.skip_bias_add:
-            return linear(x, self.weight, fp8=self.fp8), self.bias
-        return linear(x, self.weight, self.bias, self.fp8), None
+            return linear(x, weight, fp8=self.fp8), bias
+        return linear(x, weight, bias, self.fp8), None
 
     def extra_repr(self) -> str:
         return (

@@ -11,9 +11,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron.core.activations import gated_linear_unit
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def mlp_activation(intermediate: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """The MLP's activation of fc1's output: `config.activation_func`, or with
+    `config.gated_linear_unit` the GLU over its `[gate | linear]` halves with
+    `config.glu_linear_offset` and `config.activation_func_clamp_value` (`gated_linear_unit`)."""
+    if not config.gated_linear_unit:
+        return config.activation_func(intermediate)
+    return gated_linear_unit(
+        intermediate,
+        config.activation_func,
+        config.glu_linear_offset,
+        config.activation_func_clamp_value,
+    )
 
 
 @dataclass
@@ -30,7 +45,8 @@ class MLPSubmodules:
 
 
 class MLP(MegatronModule):
-    """fc2(act(fc1(x))), or with `gated_linear_unit` fc2(act(x W) * (x V)) (SwiGLU with SiLU).
+    """fc2(act(fc1(x))), or with `gated_linear_unit` fc2(act(x W) * (x V)) (SwiGLU with SiLU;
+    gpt-oss's clamped GLU with an offset, see `mlp_activation`).
 
     In the gated case fc1 computes both halves in one GEMM: its output is `[x W | x V]` along
     the last dimension, as in Megatron-LM. Under tensor parallelism fc1 is built with stride 2,
@@ -73,7 +89,6 @@ class MLP(MegatronModule):
             tp_comm_buffer_name="fc1",
             tp_group=tp_group,
         )
-        self.activation_func = config.activation_func
         # The linear adds its own bias (in the GEMM's epilogue at tp 1, after the sum over tp
         # otherwise) rather than handing it to the layer's bias-dropout-add, as upstream does for
         # its fused kernel: unfused, that is one more pass over the activations.
@@ -100,9 +115,4 @@ class MLP(MegatronModule):
             calling convention: the second entry is a bias left for the caller to add).
         """
         intermediate, _ = self.linear_fc1(hidden_states)
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            intermediate = self.activation_func(gate) * up
-        else:
-            intermediate = self.activation_func(intermediate)
-        return self.linear_fc2(intermediate)
+        return self.linear_fc2(mlp_activation(intermediate, self.config))

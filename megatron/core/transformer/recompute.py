@@ -9,16 +9,25 @@ The checkpoint replays the default generator itself; the tensor-parallel RNG tra
 (forked by dropout inside tensor-parallel regions) are replayed here too, so recomputed dropout
 masks match the forward's at any tensor-parallel size, and so are the FP8 delayed-scaling scales
 the forward cast with (`megatron.core.fp8.scaling`), so recomputed FP8 casts match the forward's.
+
+`recompute_keeping` stores the outputs of chosen operators and recomputes the rest (PyTorch's
+selective activation checkpoint): multi-latent attention keeps the attention kernel's outputs and
+recomputes the projections that made its inputs, so neither those inputs nor the kernel's work
+are paid for twice.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from megatron.core.fp8.scaling import scale_replay_contexts
 from megatron.core.tensor_parallel.random import rng_tracker_replay_contexts
@@ -84,8 +93,40 @@ def recompute(function: Callable, *args: Any) -> Any:
     return _checkpoint(function, *args)
 
 
+def recompute_keeping(
+    kept: Collection[torch._ops.OpOverload], function: Callable, *args: Any
+) -> Any:
+    """`recompute(function, *args)`, except that the outputs of the operators `kept` (aten
+    overloads, e.g. an attention kernel) are stored in forward and handed back, not computed
+    again, when the backward recomputes the rest (PyTorch's selective activation checkpoint).
+    Empty `kept`: `recompute` itself."""
+    if not kept:
+        return recompute(function, *args)
+    if torch.compiler.is_compiling():
+        return _recompute_keeping_outside_graph(kept, function, *args)
+    return _checkpoint_keeping(kept, function, *args)
+
+
 def _checkpoint(function: Callable, *args: Any) -> Any:
     return checkpoint(function, *args, use_reentrant=False, context_fn=_checkpoint_contexts)
 
 
+def _checkpoint_keeping(
+    kept: Collection[torch._ops.OpOverload], function: Callable, *args: Any
+) -> Any:
+    def policy(ctx: Any, op: torch._ops.OpOverload, *op_args: Any, **op_kwargs: Any):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+        forward, recomputation = _checkpoint_contexts()
+        keep_forward, keep_recomputation = create_selective_checkpoint_contexts(policy)
+        return (
+            _forward_context(forward, keep_forward),
+            FreshContext(lambda: _forward_context(recomputation, keep_recomputation)),
+        )
+
+    return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
+
+
 _recompute_outside_graph = torch.compiler.disable(_checkpoint)
+_recompute_keeping_outside_graph = torch.compiler.disable(_checkpoint_keeping)

@@ -9,7 +9,8 @@ Under sequence parallelism the layers run in training in the RNG tracker's tenso
 different part of the sequence, so its dropout masks must differ from the other ranks'.
 
 With `config.fp8` the block gives the linear layers of its FP8 layers (all but the high-precision
-first / last ones of `first_last_layers_bf16`) their FP8 settings as it builds them, and under
+first / last ones of `first_last_layers_bf16`), the MoE experts' projections and shared experts
+included, their FP8 settings as it builds them, and under
 delayed scaling owns the model's `DelayedScalingState` (the submodule `fp8_state`, whose
 histories and scales the model's state dict holds as `decoder.fp8_state._extra_state`): its
 forward slots are reduced and updated after the layer loop, its backward slots once the backward
@@ -25,15 +26,19 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.linear import Fp8LinearSlots, check_fp8_dims
 from megatron.core.fp8.recipe import Fp8Recipe, is_first_last_bf16_layer, recipe_from_config
 from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
+from megatron.core.pipeline_parallel.layer_split import pipeline_split
+from megatron.core.pipeline_parallel.stage import pipeline_rank
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
+from megatron.core.transformer.moe.experts import ExpertLinear
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
 from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
@@ -93,7 +98,12 @@ class TransformerBlock(MegatronModule):
         spec: A `TransformerLayer` spec (repeated for every layer) or `TransformerBlockSubmodules`.
         post_layer_norm: Whether to apply the final norm (`final_layernorm`).
         pg_collection: Process groups of the layers (`tp`, and `ep` of the MoE layers; `tp_dp_cp`
-            reduces FP8 amaxes); None means parallel_state's.
+            reduces FP8 amaxes; `pp` places this stage); None means parallel_state's.
+        vp_stage: This model chunk's virtual stage (None: the only one).
+
+    Under pipeline parallelism (`config.pipeline_model_parallel_size` > 1) the block builds only
+    its stage's layers (`megatron.core.pipeline_parallel.layer_split`), numbered as in the whole
+    model; the spec still describes every layer.
 
     Raises:
         ValueError: with `config.num_moe_experts`, the layers that are MoE layers differ from
@@ -108,15 +118,23 @@ class TransformerBlock(MegatronModule):
         post_layer_norm: bool = True,
         *,
         pg_collection: ProcessGroupCollection | None = None,
+        vp_stage: int | None = None,
     ):
         super().__init__(config)
         self.submodules = _get_block_submodules(config, spec)
         self.post_layer_norm = post_layer_norm
+        self.layer_range = pipeline_split(config).layers(
+            pipeline_rank(config, pg_collection), vp_stage
+        )
+        """The 0-based global indices of the layers this block builds."""
         self.layers = torch.nn.ModuleList(
             build_module(
-                layer_spec, config=config, layer_number=number + 1, pg_collection=pg_collection
+                self.submodules.layer_specs[number],
+                config=config,
+                layer_number=number + 1,
+                pg_collection=pg_collection,
             )
-            for number, layer_spec in enumerate(self.submodules.layer_specs)
+            for number in self.layer_range
         )
         self._check_moe_layers()
         self.fp8_state: DelayedScalingState | None = None
@@ -139,7 +157,7 @@ class TransformerBlock(MegatronModule):
     def _check_moe_layers(self) -> None:
         if self.config.num_moe_experts is None:
             return
-        expected = moe_layer_pattern(self.config)
+        expected = [moe_layer_pattern(self.config)[i] for i in self.layer_range]
         built = [getattr(layer, "is_moe_layer", False) for layer in self.layers]
         if built != expected:
             raise ValueError(
@@ -165,6 +183,16 @@ class TransformerBlock(MegatronModule):
                 if isinstance(module, FP8_LINEARS) and module.weight is not None:
                     check_fp8_dims(f"layers.{index}.{name}", module.weight.shape)
                     module.fp8 = Fp8LinearSlots(recipe, state)
+                elif isinstance(module, ExpertLinear):
+                    # Each expert's weight is one linear layer's.
+                    check_fp8_dims(f"layers.{index}.{name}", module.weight.shape[1:])
+                    module.fp8 = Fp8ExpertSlots(
+                        recipe,
+                        state,
+                        num_experts=self.config.num_moe_experts,
+                        first_expert=module.first_expert,
+                        num_local_experts=module.weight.shape[0],
+                    )
         return state
 
     def forward(

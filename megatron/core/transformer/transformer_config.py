@@ -8,6 +8,7 @@ inconsistent values with a `ValueError` that names the field and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -16,10 +17,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron.core.context_parallel.all_to_all_attention import check_heads_divisible
+from megatron.core.context_parallel.comm_type import CPCommType
+from megatron.core.context_parallel.sequence_split import check_divisible
 from megatron.core.fp8.recipe import check_fp8_config
 from megatron.core.model_parallel_config import ModelParallelConfig, check_positive_int
+from megatron.core.pipeline_parallel.layer_split import pipeline_split
+from megatron.core.transformer.attention_window import check_window_config
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.moe.moe_config import check_moe_config
+from megatron.core.transformer.softmax_sinks import SOFTMAX_TYPES
 from megatron.core.value_ranges import (
     FINITE,
     NON_NEGATIVE,
@@ -33,14 +40,13 @@ from megatron.core.value_ranges import (
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """Values of `recompute_modules` the local layers implement."""
 UNBUILT_RECOMPUTE_MODULES = {
     "moe_act": (
         "the output-discarding checkpoint of the expert activation is not built; recompute the "
         "whole MoE layer with 'moe' instead"
     ),
-    "mla_up_proj": "there is no multi-latent attention",
     "gdn_norm_out": "there are no GatedDeltaNet layers",
     "gdp_in_proj": "there are no GatedDeltaProduct layers",
     "gdp_qkv": "there are no GatedDeltaProduct layers",
@@ -112,6 +118,9 @@ class TransformerConfig(ModelParallelConfig):
         normalization: "LayerNorm" or "RMSNorm".
         gated_linear_unit: Gated MLP: act(x W1) * (x V) (SwiGLU with `activation_func=F.silu`).
         activation_func: MLP activation.
+        glu_linear_offset: With `gated_linear_unit`: act(x W1) * (x V + offset) (gpt-oss: 1).
+        activation_func_clamp_value: With `gated_linear_unit`: clamp x W1 from above and x V to
+            [-c, c] before the activation (gpt-oss's clamped GLU, c = 7); None: no clamp.
         add_bias_linear: Bias in the linear layers.
         add_qkv_bias: Bias in the QKV projection even when `add_bias_linear` is False.
         init_method_std: Standard deviation of the default weight initialisation.
@@ -143,6 +152,13 @@ class TransformerConfig(ModelParallelConfig):
             (the `local` backend; the SDPA kernels always do, except `unfused` on CUDA); set
             by `apply_query_key_layer_scaling`.
         attention_backend: The attention kernel (`AttnBackend`); `auto` lets SDPA choose.
+        cp_comm_type: With `context_parallel_size > 1`, how attention communicates across the
+            context-parallel ranks (`CPCommType`): "p2p" (ring attention, the default),
+            "a2a" (all-to-all; the heads per tensor-parallel rank must divide by the cp size)
+            or "allgather". "p2p" and "allgather" run their own block kernels (the SDPA ones
+            that return the log-sum-exp, or explicit scores for the `local` and `unfused`
+            backends; not `fused`): no attention dropout, sliding window or softmax sinks
+            there (use "a2a", which runs the attention backend on whole sequences).
         recompute_granularity: None, "full" (recompute whole transformer layers in backward, as
             `recompute_method` says) or "selective" (recompute the `recompute_modules`).
         recompute_method: With "full": "uniform" (the layers in chunks of `recompute_num_layers`,
@@ -152,6 +168,9 @@ class TransformerConfig(ModelParallelConfig):
         recompute_num_layers: Layers per chunk ("uniform") or layers recomputed ("block").
         recompute_modules: With "selective": which parts of each layer are recomputed, among
             `RECOMPUTE_MODULES`; None means `["core_attn"]` (Megatron-LM's default).
+            "mla_up_proj" (multi-latent attention only) recomputes the up-projections and the
+            rotary embedding of the queries and keys in backward instead of storing them, as
+            upstream; the attention kernel's outputs are kept (see `MLASelfAttention`).
         cross_entropy_loss_fusion: Compute the language-model loss with the chunked
             cross-entropy (`fused_cross_entropy`), which never holds fp32 logits or
             probabilities for the whole vocabulary and batch at once. With tensor parallelism
@@ -174,6 +193,19 @@ class TransformerConfig(ModelParallelConfig):
         calculate_per_token_loss: The training loss is a sum over tokens divided by the global
             token count (Megatron-LM's `--calculate-per-token-loss`); the MoE auxiliary losses
             are then scaled by the local token count so that their gradients keep their weight.
+        num_layers_in_first_pipeline_stage: Layers of the first pipeline stage (None: the even
+            share); `megatron.core.pipeline_parallel.layer_split`.
+        num_layers_in_last_pipeline_stage: Layers of the last pipeline stage (None: the even
+            share).
+        account_for_embedding_in_pipeline_split: The embedding counts as a layer of the first
+            pipeline chunk.
+        account_for_loss_in_pipeline_split: The output layer and loss count as a layer of the
+            last pipeline chunk.
+        mtp_num_layers: Multi-token prediction depths (DeepSeek-V3): each adds a transformer
+            layer that predicts one token further ahead, sharing the embedding and the output
+            layer (`megatron.core.transformer.multi_token_prediction`); None: none.
+        mtp_loss_scaling_factor: Weight of the multi-token prediction loss: the mean of the
+            depths' losses times this factor is added to the training objective.
         num_moe_experts: Experts per MoE layer; None builds a dense model.
         moe_ffn_hidden_size: Width of each expert's MLP; None means `ffn_hidden_size`.
         moe_router_topk: Experts each token is sent to.
@@ -217,8 +249,9 @@ class TransformerConfig(ModelParallelConfig):
             (high precision), "e4m3" (E4M3 throughout) or "hybrid" (E5M2 output gradients).
             The embedding, the output layer, the router, norms and attention stay in high
             precision, as upstream (`megatron.core.fp8`).
-        fp8_recipe: "delayed" (scales from an amax history) or "tensorwise" (current
-            scaling); upstream's "blockwise", "mxfp8" and "custom" are refused.
+        fp8_recipe: "delayed" (scales from an amax history), "tensorwise" (current
+            scaling) or "blockwise" (a scale per 1x128 / 128x128 block, with fp8="e4m3");
+            upstream's "mxfp8" and "custom" are refused.
         fp8_margin: Delayed scaling's scale is `fp8_max * 2**-fp8_margin / amax`.
         fp8_interval: Deprecated upstream and ignored (a warning when not 1).
         fp8_amax_history_len: Delayed scaling's window of absolute maxima.
@@ -230,11 +263,36 @@ class TransformerConfig(ModelParallelConfig):
             scaling, as upstream).
         num_layers_at_start_in_bf16, num_layers_at_end_in_bf16: See `first_last_layers_bf16`.
         softmax_scale: The attention scores' scale; None means 1 / sqrt(kv_channels).
+        softmax_type: The attention softmax (`softmax_sinks`): "vanilla", "off-by-one" (a
+            logit 0 added to the denominator) or "learnable" (a learnt sink logit per head,
+            gpt-oss's).
+        window_size: Sliding-window attention, (left, right) as Megatron-core
+            (`attention_window`): each query sees itself and the `left` positions before it (-1:
+            all); `right` must be 0 or -1 (the decoder is causal). None: full causal attention.
+        window_attn_skip_freq: The layers that keep full attention when `window_size` is set: an
+            int N (every N-th layer, counted from 1) or a 0/1 list per layer (1: windowed); None:
+            every layer has the window.
+        yarn_rotary_scaling_factor: YaRN's context extension factor s for standard attention,
+            read where `GPTModel` is built with `position_embedding_type="yarn"` (upstream's
+            field names, which its training script sets; multi-latent attention has its own,
+            `MLATransformerConfig`): the channel pairs turning fewer than `yarn_beta_slow`
+            times over `yarn_original_max_position_embeddings` positions are interpolated (their
+            frequency divided by s), those turning more than `yarn_beta_fast` times keep theirs,
+            and the pairs between blend the two (`YarnRotaryEmbedding`).
+        yarn_original_max_position_embeddings: The context length the RoPE was trained with.
+        yarn_beta_fast, yarn_beta_slow: YaRN's band, in rotations over the original context.
+        yarn_mscale, yarn_mscale_all_dim: The concentration factor yarn_mscale(s,
+            `yarn_mscale`) / yarn_mscale(s, `yarn_mscale_all_dim`) multiplies the rotated queries
+            and keys (upstream's attention applies it to cos and sin), where yarn_mscale(s, m) =
+            0.1 m ln(s) + 1 (1 for s <= 1): 0.1 ln(s) + 1 at the defaults.
+        yarn_correction_range_round_to_int: Round the band's ends outwards to whole channel
+            pairs (gpt-oss does not).
+        multi_latent_attention: The layers' attention is multi-latent attention; set by
+            `MLATransformerConfig`, whose fields describe it (True here alone is refused).
         bias_activation_fusion, masked_softmax_fusion, bias_dropout_fusion, persist_layer_norm,
             memory_efficient_layer_norm: Megatron-core's kernel-fusion switches, accepted with no
             effect (they change speed only; here PyTorch or `torch.compile` picks the kernels).
-        fp32_residual_connection, window_size: Megatron-core's fp32 residual stream and sliding
-            window attention, not built: their defaults (False, None) only.
+        fp32_residual_connection: Megatron-core's fp32 residual stream, not built: False only.
     """
 
     num_layers: int = 0
@@ -249,6 +307,8 @@ class TransformerConfig(ModelParallelConfig):
     normalization: str = "LayerNorm"
     gated_linear_unit: bool = False
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
+    glu_linear_offset: float = ranged(0.0, FINITE)
+    activation_func_clamp_value: float | None = ranged(None, POSITIVE)
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     init_method_std: float = ranged(0.02, NON_NEGATIVE)
@@ -263,6 +323,7 @@ class TransformerConfig(ModelParallelConfig):
     apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True
     attention_backend: AttnBackend = AttnBackend.auto
+    cp_comm_type: str = "p2p"
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -273,6 +334,12 @@ class TransformerConfig(ModelParallelConfig):
     compile_backend: str = "inductor"
     seq_length: int | None = None
     calculate_per_token_loss: bool = False
+    mtp_num_layers: int | None = None
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    mtp_loss_scaling_factor: float = ranged(0.1, NON_NEGATIVE)
 
     num_moe_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
@@ -313,18 +380,29 @@ class TransformerConfig(ModelParallelConfig):
     num_layers_at_end_in_bf16: int = 1
 
     softmax_scale: float | None = ranged(None, POSITIVE)
+    softmax_type: str = "vanilla"
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | list[int] | None = None
+    yarn_rotary_scaling_factor: float = ranged(1.0, POSITIVE)
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = ranged(32.0, POSITIVE)
+    yarn_beta_slow: float = ranged(1.0, POSITIVE)
+    yarn_mscale: float = ranged(1.0, FINITE)
+    yarn_mscale_all_dim: float = ranged(0.0, FINITE)
+    yarn_correction_range_round_to_int: bool = True
+    multi_latent_attention: bool = False
     bias_activation_fusion: bool = False
     masked_softmax_fusion: bool = False
     bias_dropout_fusion: bool = False
     persist_layer_norm: bool = False
     memory_efficient_layer_norm: bool = False
     fp32_residual_connection: bool = False
-    window_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             check_positive_int(name, getattr(self, name))
+        pipeline_split(self).check()
 
         # The head counts and widths size tensor views, where a float (e.g. 2.0) would only fail
         # deep inside the first forward.
@@ -364,12 +442,16 @@ class TransformerConfig(ModelParallelConfig):
             )
         self._check_recompute()
         self._check_attention_options()
+        self._check_yarn()
+        self._check_context_parallel()
         self._check_compile()
+        self._check_multi_token_prediction()
         check_moe_config(self)
         check_fp8_config(self)
         self._check_tensor_parallel()
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}.")
+        self._check_gated_linear_unit()
         if self.seq_length is not None and self.seq_length < 1:
             raise ValueError(f"seq_length must be >= 1 or None, got {self.seq_length}.")
 
@@ -423,6 +505,56 @@ class TransformerConfig(ModelParallelConfig):
                         f"recompute_modules value {module!r} {refusal}; choose among "
                         f"{RECOMPUTE_MODULES}."
                     )
+            if "mla_up_proj" in self.recompute_modules and not self.multi_latent_attention:
+                raise ValueError(
+                    "recompute_modules value 'mla_up_proj' recomputes multi-latent attention's "
+                    "up-projections, but this model has none (multi_latent_attention=False); "
+                    "drop it or build the model from an MLATransformerConfig."
+                )
+
+    def _check_yarn(self) -> None:
+        check_positive_int(
+            "yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings
+        )
+        for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+            if yarn_mscale(self.yarn_rotary_scaling_factor, getattr(self, name)) <= 0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} with yarn_rotary_scaling_factor="
+                    f"{self.yarn_rotary_scaling_factor} gives a YaRN scale 0.1 * {name} * "
+                    "ln(yarn_rotary_scaling_factor) + 1 <= 0; choose a larger value."
+                )
+
+    def _check_context_parallel(self) -> None:
+        comm_type = CPCommType.parse(self.cp_comm_type)
+        cp = self.context_parallel_size
+        if cp == 1:
+            return
+        if self.seq_length is not None:
+            check_divisible(self.seq_length, cp)
+        if comm_type is CPCommType.a2a:
+            heads = self.num_attention_heads // self.tensor_model_parallel_size
+            check_heads_divisible(heads, cp)
+            return
+        unsupported = [
+            (self.attention_dropout > 0, "attention_dropout", "--attention-dropout", "0"),
+            (self.window_size is not None, "window_size", "--window-size", "None"),
+            (self.softmax_type != "vanilla", "softmax_type", "--softmax-type", "vanilla"),
+            (
+                self.attention_backend == AttnBackend.fused,
+                "attention_backend",
+                "--attention-backend",
+                "auto, flash, unfused or local",
+            ),
+        ]
+        for given, name, flag, instead in unsupported:
+            if given:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} ({flag}) with context_parallel_size={cp} and "
+                    f"cp_comm_type {comm_type.value}: its block kernels have no attention "
+                    "dropout, sliding window, softmax sinks or cuDNN kernel; set it to "
+                    f"{instead}, or use cp_comm_type a2a (--cp-comm-type a2a), which runs the "
+                    "attention on whole sequences of a share of the heads."
+                )
 
     def _check_compile(self) -> None:
         if not self.compile_layers:
@@ -432,6 +564,17 @@ class TransformerConfig(ModelParallelConfig):
                 f"compile_backend {self.compile_backend!r} is not a torch.compile backend; use "
                 "'inductor' (generates kernels), 'aot_eager' (traces without generating them) "
                 "or another of torch.compiler.list_backends(exclude_tags=())."
+            )
+
+    def _check_multi_token_prediction(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        check_positive_int("mtp_num_layers", self.mtp_num_layers)
+        if self.fp8 is not None:
+            raise ValueError(
+                f"mtp_num_layers={self.mtp_num_layers} with fp8={self.fp8!r}: multi-token "
+                "prediction layers in FP8 are not built; train without FP8 or set "
+                "mtp_num_layers=None."
             )
 
     def _check_tensor_parallel(self) -> None:
@@ -449,11 +592,13 @@ class TransformerConfig(ModelParallelConfig):
                     f"each tensor-parallel rank holds {name} / {tp} of it; change {name} or "
                     "tensor_model_parallel_size."
                 )
-        if self.sequence_parallel and self.seq_length is not None and self.seq_length % tp:
+        cp = self.context_parallel_size
+        if self.sequence_parallel and self.seq_length is not None and self.seq_length % (tp * cp):
             raise ValueError(
                 f"seq_length ({self.seq_length}) must be divisible by tensor_model_parallel_size "
-                f"({tp}) with sequence_parallel: each rank keeps seq_length / {tp} positions; "
-                "change seq_length or set sequence_parallel=False."
+                f"({tp}) x context_parallel_size ({cp}) with sequence_parallel: each rank keeps "
+                f"seq_length / {tp * cp} positions; change seq_length or set "
+                "sequence_parallel=False."
             )
         if self.num_moe_experts is not None:
             self._check_moe_tensor_parallel()
@@ -489,17 +634,48 @@ class TransformerConfig(ModelParallelConfig):
                 f"expert_model_parallel_size 1 or at least {tp}."
             )
 
+    def _check_gated_linear_unit(self) -> None:
+        if self.gated_linear_unit:
+            return
+        for name, off in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
+            if getattr(self, name) != off:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} applies to the gated MLP only "
+                    "(gated_linear_unit=True: --swiglu or --quick-geglu); set it or leave "
+                    f"{name}={off}."
+                )
+
     def _check_attention_options(self) -> None:
-        if self.fp32_residual_connection or self.window_size is not None:
+        if self.multi_latent_attention and not isinstance(self, MLATransformerConfig):
             raise ValueError(
-                f"fp32_residual_connection={self.fp32_residual_connection}, window_size="
-                f"{self.window_size}: an fp32 residual stream and sliding-window attention are "
-                "not built; leave them False and None."
+                "multi_latent_attention=True needs the fields of multi-latent attention (ranks, "
+                "head widths, YaRN): build an MLATransformerConfig instead of a "
+                "TransformerConfig."
+            )
+        if self.fp32_residual_connection:
+            raise ValueError(
+                "fp32_residual_connection=True: an fp32 residual stream is not built; leave it "
+                "False."
+            )
+        check_window_config(self)
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(
+                f"softmax_type must be one of {SOFTMAX_TYPES}, got {self.softmax_type!r}."
             )
         if not isinstance(self.attention_backend, AttnBackend):
             raise ValueError(
                 f"attention_backend must be an AttnBackend, got {self.attention_backend!r}; "
                 f"choose among {[backend.name for backend in AttnBackend]}."
+            )
+        sdpa_kernels = (AttnBackend.flash, AttnBackend.fused, AttnBackend.unfused)
+        if self.attention_backend in sdpa_kernels and (
+            self.window_size is not None or self.softmax_type != "vanilla"
+        ):
+            raise ValueError(
+                f"attention_backend={self.attention_backend.name} pins an SDPA kernel, which "
+                "computes no sliding window (window_size) or softmax sink (softmax_type); use "
+                "attention_backend=auto (FlexAttention on CUDA) or attention_backend=local "
+                "(dense scores)."
             )
         if self.cross_entropy_fusion_impl not in CROSS_ENTROPY_FUSION_IMPLS:
             raise ValueError(
@@ -511,3 +687,179 @@ class TransformerConfig(ModelParallelConfig):
                 "cross_entropy_fusion_impl='te' is refused, as in Megatron-LM (Transformer "
                 "Engine's fused cross-entropy is numerically unstable); use 'native'."
             )
+
+
+MLA_ROPE_TYPES = ("rope", "yarn")
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Configuration of a transformer whose attention is multi-latent attention (DeepSeek-V2/V3,
+    `MLASelfAttention`), with Megatron-core's field names and defaults.
+
+    Queries come from a low-rank projection (`q_lora_rank`; None projects them directly), keys
+    and values from one shared latent of `kv_lora_rank` channels. Each query and key head has
+    `qk_head_dim` channels without position and `qk_pos_emb_head_dim` rotated ones (the key's
+    rotated part shared by all heads); values have `v_head_dim` channels. `kv_channels` and
+    `num_query_groups` are not read (there are no query groups: `num_query_groups` must be the
+    number of heads, its default). `qk_layernorm` normalises the two latents (`q_layernorm`
+    with `q_lora_rank`, `kv_layernorm`), as in Megatron-core.
+
+    The rotary part is rotated by RoPE (`rope_type="rope"`: `rotary_base`, `rotary_percent`) or
+    by YaRN (`"yarn"`): frequencies interpolated by `rotary_scaling_factor` outside the band
+    `beta_fast` .. `beta_slow` rotations over `original_max_position_embeddings` positions,
+    and the rotated channels scaled by yarn_mscale(`mscale`) / yarn_mscale(`mscale_all_dim`),
+    where yarn_mscale(m) = 0.1 m ln(`rotary_scaling_factor`) + 1 (1 for a factor <= 1). With
+    either, the softmax scale is yarn_mscale(`mscale_all_dim`)^2 / sqrt(qk_head_dim +
+    qk_pos_emb_head_dim), as upstream (so `softmax_scale` must stay None).
+
+    Attributes:
+        multi_latent_attention: Always True here.
+        q_lora_rank: Rank of the query's low-rank projection; None: no query compression.
+        kv_lora_rank: Rank of the shared key/value latent.
+        qk_head_dim: Channels of each query / key head without position.
+        qk_pos_emb_head_dim: Rotated channels of each query / key head (even).
+        v_head_dim: Channels of each value head.
+        normalization: "RMSNorm" by default here, as upstream.
+        rope_type: "yarn" or "rope".
+        rotary_base: Base of the RoPE / YaRN frequencies.
+        rotary_percent: Share of the rotated channels RoPE rotates ("rope" only).
+        rotary_scaling_factor: YaRN's context extension factor s.
+        original_max_position_embeddings: YaRN's pre-training context length.
+        beta_fast, beta_slow: YaRN's band, in rotations over the original context.
+        mscale, mscale_all_dim: YaRN's attention-scale coefficients (see above).
+        cache_mla_latents, mla_down_proj_fusion: Upstream's latent cache for inference and its
+            fused down-projection: not built, False only.
+    """
+
+    multi_latent_attention: bool = True
+    q_lora_rank: int | None = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_base: float = 10000
+    rotary_percent: float = ranged(1.0, Range(0, 1, low_open=True))
+    rotary_scaling_factor: float = ranged(40, POSITIVE)
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = ranged(32, POSITIVE)
+    beta_slow: float = ranged(1, POSITIVE)
+    mscale: float = ranged(1.0, FINITE)
+    mscale_all_dim: float = ranged(0.0, FINITE)
+    cache_mla_latents: bool = False
+    mla_down_proj_fusion: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.multi_latent_attention:
+            raise ValueError(
+                "MLATransformerConfig(multi_latent_attention=False): this config describes "
+                "multi-latent attention; use a TransformerConfig for standard attention."
+            )
+        for name in (
+            "kv_lora_rank",
+            "qk_head_dim",
+            "qk_pos_emb_head_dim",
+            "v_head_dim",
+            "original_max_position_embeddings",
+        ):
+            check_positive_int(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_positive_int("q_lora_rank", self.q_lora_rank)
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(
+                f"qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be even: RoPE rotates "
+                "channel pairs."
+            )
+        self._check_mla_rope()
+        self._check_mla_attention_options()
+
+    def _check_mla_rope(self) -> None:
+        if self.rope_type not in MLA_ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {MLA_ROPE_TYPES}, got {self.rope_type!r}.")
+        if not (math.isfinite(self.rotary_base) and self.rotary_base > 0):
+            raise ValueError(f"rotary_base must be > 0 and finite, got {self.rotary_base}.")
+        if self.rope_type == "yarn" and self.rotary_percent != 1.0:
+            raise ValueError(
+                f"rotary_percent={self.rotary_percent} applies to rope_type='rope'; YaRN "
+                "rotates every qk_pos_emb_head_dim channel: leave it 1.0."
+            )
+        for name in ("mscale", "mscale_all_dim"):
+            if yarn_mscale(self.rotary_scaling_factor, getattr(self, name)) <= 0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} with rotary_scaling_factor="
+                    f"{self.rotary_scaling_factor} gives a YaRN scale 0.1 * {name} * "
+                    "ln(rotary_scaling_factor) + 1 <= 0; choose a larger value."
+                )
+
+    def _check_mla_attention_options(self) -> None:
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups}: multi-latent attention has no query "
+                "groups (every head has its key and value); leave num_query_groups None."
+            )
+        refused = {
+            "qk_l2_norm": "Llama-4's query-key norm does not apply to the latents",
+            "rotary_interleaved": "MLA rotates adjacent channel pairs already, as upstream",
+            "softmax_scale": "MLA's scale is YaRN's (see MLATransformerConfig)",
+            "cache_mla_latents": "the latent cache of upstream's inference is not built",
+            "mla_down_proj_fusion": "the fused down-projection (Transformer Engine's) is not built",
+        }
+        standard_yarn = yarn_fields_set(self)
+        if standard_yarn:
+            raise ValueError(
+                f"{', '.join(standard_yarn)}: the yarn_* fields set standard attention's YaRN; "
+                "multi-latent attention's is rotary_scaling_factor, "
+                "original_max_position_embeddings, beta_fast, beta_slow, mscale and "
+                "mscale_all_dim: set those and leave the yarn_* fields at their defaults."
+            )
+        given = [name for name in refused if getattr(self, name) not in (None, False)]
+        if given:
+            reasons = "; ".join(
+                f"{name}={getattr(self, name)!r}: {refused[name]}" for name in given
+            )
+            raise ValueError(
+                f"{reasons}. Leave {', '.join(given)} at the default with multi-latent attention."
+            )
+
+
+def yarn_mscale(scaling_factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale 0.1 * mscale * ln(scaling_factor) + 1 (1 when the factor is at
+    most 1), upstream's `_yarn_get_mscale`."""
+    if scaling_factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scaling_factor) + 1.0
+
+
+def yarn_concentration_factor(
+    scaling_factor: float, mscale: float = 1.0, mscale_all_dim: float = 0.0
+) -> float:
+    """YaRN's concentration factor yarn_mscale(s, mscale) / yarn_mscale(s, mscale_all_dim), which
+    multiplies the rotated queries and keys (upstream's `_yarn_get_concentration_factor`,
+    Hugging Face's `attention_factor`): 0.1 ln(s) + 1 at the defaults, 1 for s <= 1."""
+    return yarn_mscale(scaling_factor, mscale) / yarn_mscale(scaling_factor, mscale_all_dim)
+
+
+YARN_FIELDS = (
+    "yarn_rotary_scaling_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
+)
+"""`TransformerConfig`'s YaRN fields (standard attention's; read with
+`position_embedding_type="yarn"`)."""
+
+
+def yarn_fields_set(config: TransformerConfig) -> list[str]:
+    """The YaRN fields of `config` that differ from their defaults, as `field=value`."""
+    defaults = {field.name: field.default for field in dataclasses.fields(TransformerConfig)}
+    return [
+        f"{name}={getattr(config, name)!r}"
+        for name in YARN_FIELDS
+        if getattr(config, name) != defaults[name]
+    ]

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from megatron.training.checkpoint_strictness import StrictHandling, loading_strictness
+
 CKPT_FORMATS = ("fsdp_dtensor", "torch_dist")
 """Checkpoint formats `--ckpt-format` accepts (one layout: `megatron.training.checkpointing`)."""
 
-DIST_CKPT_STRICTNESS = (
-    "assume_ok_unexpected",
-    "log_unexpected",
-    "log_all",
-    "raise_unexpected",
-    "raise_all",
-    "return_unexpected",
-    "return_all",
-    "ignore_all",
-)
-"""Upstream's `--dist-ckpt-strictness` values: what loading does about keys that differ."""
-
-RAISING_STRICTNESS = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
-"""The values loading here honours: it raises, naming them, on any missing or unexpected
-tensor (upstream's default, assume_ok_unexpected, only skips the check for unexpected keys)."""
+DIST_CKPT_STRICTNESS = tuple(value.value for value in StrictHandling)
+"""Upstream's `--dist-ckpt-strictness` values: what loading does about tensors only the model or
+only the checkpoint has (`megatron.training.checkpoint_strictness`)."""
 
 
 def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
@@ -77,19 +67,16 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
         "--dist-ckpt-strictness",
         default="assume_ok_unexpected",
         choices=DIST_CKPT_STRICTNESS,
-        help="Key mismatches on loading: raise (the three raising values) or tolerate (not built).",
+        help="Tensors only the model or only the checkpoint has, on loading: raise (the "
+        "default and raise_*), log (log_unexpected, log_all: load what matches) or ignore "
+        "(ignore_all).",
     )
 
 
 def validate_checkpointing(args: argparse.Namespace) -> None:
-    """Refuses a `--dist-ckpt-strictness` that would tolerate mismatched keys.
+    """Refuses a `--dist-ckpt-strictness` that a training run cannot honour.
 
     Raises:
-        ValueError: a value that logs, returns or ignores mismatches.
+        ValueError: a value that returns the mismatches to its caller (`return_*`).
     """
-    if args.dist_ckpt_strictness not in RAISING_STRICTNESS:
-        raise ValueError(
-            f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not built: loading a "
-            "checkpoint raises on any missing or unexpected tensor, naming them. Use "
-            f"{' / '.join(RAISING_STRICTNESS)} (or drop the flag)."
-        )
+    loading_strictness(args.dist_ckpt_strictness)

@@ -25,8 +25,18 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Split the activations outside the TP GEMMs along the sequence (TP > 1; off at 1).",
     )
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Only 1.")
-    group.add_argument("--context-parallel-size", type=int, default=1, help="Only 1 for now.")
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Ranks that split each sequence (CP); parameters shard over data x context ranks.",
+    )
+    group.add_argument(
+        "--cp-comm-type",
+        nargs="+",
+        default=["p2p"],
+        help="Context-parallel attention: p2p (ring), a2a (all-to-all) or allgather; one value.",
+    )
     group.add_argument(
         "--expert-model-parallel-size",
         type=int,

@@ -184,6 +184,13 @@ KERNEL_TOGGLES: tuple[tuple[str, str], ...] = (
 ignored (the PyTorch code computes the same)."""
 
 
+FLEX_DISPATCHER_BACKENDS = ("deepep", "hybridep", "ncclep")
+"""Upstream's `--moe-flex-dispatcher-backend` choices (its default first). Only the flex
+dispatcher reads the flag: allgather and alltoall ignore it, here as upstream. The flex
+dispatcher, and ncclep without it (which upstream refuses too), are refused by name in
+`flag_groups/unbuilt.py`."""
+
+
 def _dest(flag_name: str) -> str:
     return flag_name[2:].replace("-", "_")
 
@@ -196,12 +203,19 @@ DEFAULTS: dict[str, Any] = {
 
 
 def add_moe_args(parser: argparse.ArgumentParser) -> None:
-    """The "moe" group: the built MoE flags and the kernel toggles."""
+    """The "moe" group: the built MoE flags, the kernel toggles and the flex dispatcher's
+    backend."""
     group = parser.add_argument_group(title="moe")
     for name, settings in _FLAGS:
         group.add_argument(name, **settings)
     for name, dest in KERNEL_TOGGLES:
         group.add_argument(name, action="store_true", dest=dest, help="Accepted; no effect here.")
+    group.add_argument(
+        "--moe-flex-dispatcher-backend",
+        default=FLEX_DISPATCHER_BACKENDS[0],
+        choices=FLEX_DISPATCHER_BACKENDS,
+        help="The flex dispatcher's backend (not built); allgather and alltoall ignore it.",
+    )
 
 
 def validate_moe(args: argparse.Namespace) -> None:
@@ -238,6 +252,8 @@ def validate_moe(args: argparse.Namespace) -> None:
             if dest != "num_experts" and getattr(args, dest) != default
         ]
         given += [name for name, dest in KERNEL_TOGGLES if getattr(args, dest)]
+        if args.moe_flex_dispatcher_backend != FLEX_DISPATCHER_BACKENDS[0]:
+            given.append(f"--moe-flex-dispatcher-backend {args.moe_flex_dispatcher_backend}")
         etp = args.expert_tensor_parallel_size
         if etp not in (None, args.tensor_model_parallel_size):
             given.append(f"--expert-tensor-parallel-size {etp}")

@@ -1,4 +1,5 @@
-"""Model flags: the network's size and shape, and its initialisation.
+"""Model flags: the network's size and shape (sliding-window attention and the MLP activation
+among them), and its initialisation.
 
 `validate_network_options` refuses the position encodings and combinations that are not built
 or that the model would ignore.
@@ -12,6 +13,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     POSITION_EMBEDDING_TYPES,
 )
 from megatron.core.transformer.transformer_config import NORMALIZATIONS
+from megatron.training.flag_groups.moe import moe_layer_freq_type
 
 UPSTREAM_POSITION_EMBEDDING_TYPES = (
     "learned_absolute",
@@ -24,10 +26,24 @@ UPSTREAM_POSITION_EMBEDDING_TYPES = (
 """`--position-embedding-type` values upstream accepts; those not in `POSITION_EMBEDDING_TYPES`
 are refused by `validate_network_options`."""
 _UNBUILT_POSITION_EMBEDDINGS = {
-    "yarn": "YaRN RoPE (the frequency correction multi-latent attention uses)",
     "mrope": "multimodal RoPE",
     "relative": "T5-style relative position buckets (an attention bias)",
 }
+
+
+def window_size_type(text: str) -> tuple[int, ...]:
+    """Parses `--window-size` as upstream: ints separated by commas, optionally in parentheses
+    ("127,0" or "(127,0)"); `TransformerConfig` checks that there are two.
+
+    Raises:
+        argparse.ArgumentTypeError: a part that is not an int.
+    """
+    try:
+        return tuple(int(part) for part in text.strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not two ints LEFT,RIGHT such as 127,0 (-1: unlimited)"
+        ) from None
 
 
 def add_network_size_args(parser: argparse.ArgumentParser) -> None:
@@ -50,13 +66,25 @@ def add_network_size_args(parser: argparse.ArgumentParser) -> None:
         help="Key/value heads; read only with --group-query-attention.",
     )
     group.add_argument(
+        "--window-size",
+        type=window_size_type,
+        metavar="LEFT,RIGHT",
+        help="Sliding window: LEFT positions before each query (-1: all); RIGHT 0 or -1.",
+    )
+    group.add_argument(
+        "--window-attn-skip-freq",
+        type=moe_layer_freq_type,
+        metavar="N|LIST",
+        help='Full-attention layers: every N-th, or a 0/1 list ("[1,1,0]*2", 1: windowed).',
+    )
+    group.add_argument(
         "--max-position-embeddings", type=int, help="Learned position rows; None: --seq-length."
     )
     group.add_argument(
         "--position-embedding-type",
-        default="learned_absolute",
         choices=UPSTREAM_POSITION_EMBEDDING_TYPES,
-        help="Position encoding (yarn, mrope, relative: not built).",
+        help="Position encoding (mrope, relative: not built); None: learned_absolute, yarn "
+        "with --enable-gpt-oss.",
     )
     group.add_argument(
         "--use-rotary-position-embeddings",
@@ -109,6 +137,9 @@ def add_network_size_args(parser: argparse.ArgumentParser) -> None:
         "--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU."
     )
     group.add_argument(
+        "--quick-geglu", action="store_true", help="gpt-oss's GLU: x * sigmoid(1.702 x) gate."
+    )
+    group.add_argument(
         "--disable-bias-linear",
         action="store_false",
         dest="add_bias_linear",
@@ -138,12 +169,15 @@ def add_initialization_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_network_options(args: argparse.Namespace) -> None:
-    """Checks the position-encoding and activation flags.
+    """Checks the position-encoding and activation flags (the sliding window's and the GLU
+    options' values are `TransformerConfig`'s to check; `--position-embedding-type` is filled
+    in by `yarn.resolve_positions`, which runs first).
 
     Raises:
-        ValueError: an unbuilt position encoding, a RoPE option without RoPE, a deprecated
-            `--no-position-embedding` without RoPE, two MLP activations, or `--rotary-base`
-            out of range (the float flags' ranges are `flag_ranges.py`'s).
+        ValueError: an unbuilt position encoding, a RoPE option without RoPE (or, for
+            `--rotary-percent`, with YaRN), a deprecated `--no-position-embedding` without RoPE,
+            two MLP activations, or `--rotary-base` out of range (the float flags' ranges are
+            `flag_ranges.py`'s).
     """
     _validate_ranges(args)
     kind = args.position_embedding_type
@@ -157,6 +191,12 @@ def validate_network_options(args: argparse.Namespace) -> None:
         raise ValueError(
             "--no-position-embedding is deprecated; use --position-embedding-type none (or "
             "rope) instead."
+        )
+    if kind == "yarn" and args.rotary_percent != 1.0:
+        # Upstream's YaRN ignores it: every channel of the head is rotated.
+        raise ValueError(
+            f"--rotary-percent {args.rotary_percent} applies to --position-embedding-type rope; "
+            "YaRN rotates every channel of each head (as upstream): drop --rotary-percent."
         )
     for dest, given in (
         ("use_rope_scaling", args.use_rope_scaling),
@@ -174,8 +214,14 @@ def validate_network_options(args: argparse.Namespace) -> None:
                 f"--rotary-seq-len-interpolation-factor "
                 f"{args.rotary_seq_len_interpolation_factor} must be >= 1."
             )
-    if args.swiglu and args.squared_relu:
-        raise ValueError("--swiglu and --squared-relu are two MLP activations; choose one.")
+    activations = {
+        "--swiglu": args.swiglu,
+        "--squared-relu": args.squared_relu,
+        "--quick-geglu": args.quick_geglu,
+    }
+    chosen = [name for name, given in activations.items() if given]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join(chosen)} are MLP activations; choose one.")
 
 
 def _validate_ranges(args: argparse.Namespace) -> None:

@@ -8,9 +8,10 @@ and reduce in fp32 with `--accumulate-allreduce-grads-in-fp32` (or this project'
 unless `--grad-reduce-in-bf16` (see `grad_reduce_in_fp32`).
 
 FP8 training of the transformer layers' linears is built (`megatron.core.fp8`): `--fp8-format`,
-`--fp8-recipe` (delayed, tensorwise) and their options set `TransformerConfig` fields, which check
-them (`configs_from_args` names the flags in their errors); `--fp8-param-gather` sets the
-`DistributedDataParallelConfig` field of its name. The transpose cache, the MXFP8 /
+`--fp8-recipe` (delayed, tensorwise, blockwise) and their options set `TransformerConfig`
+fields, which check them (`configs_from_args` names the flags in their errors);
+`--fp8-param-gather` (not with blockwise scaling) and `--keep-fp8-transpose-cache` set the
+`DistributedDataParallelConfig` fields of their names, which check them. The MXFP8 /
 custom-recipe flags and FP4 are not built: their flags parse with Megatron-LM's names, types and
 defaults so that launch scripts parse, and `validate_precision` refuses any value other than the
 default, naming what is not built.
@@ -46,11 +47,6 @@ FP8_FIELDS = (
 _FP4 = "FP4 training is not built in this project (train with --bf16 or --fp8-format)"
 
 UNBUILT_DEFAULTS: dict[str, tuple[Any, str]] = {
-    "keep_fp8_transpose_cache": (
-        False,
-        "keeping FP8 weight transposes beyond their gathered weights is not built (they live "
-        "as long as the whole FP8 weights, as upstream's default)",
-    ),
     "fp8_quantizer_factory": (
         None,
         "custom FP8 recipes need Transformer Engine's quantizer factories, which are not built",
@@ -159,14 +155,16 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
         "--fp8-recipe",
         choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
         default="delayed",
-        help="How FP8 scales are chosen: delayed (amax history) or tensorwise (current "
-        "scaling); mxfp8, blockwise and custom are not built.",
+        help="How FP8 scales are chosen: delayed (amax history), tensorwise (current "
+        "scaling) or blockwise (per 1x128 / 128x128 block, with --fp8-format e4m3); mxfp8 and "
+        "custom are not built.",
     )
     group.add_argument(
         "--fp8-param-gather",
         action="store_true",
-        help="Megatron-FSDP: keep and all-gather the weights of the FP8 linear layers in FP8, "
-        "cast once per step.",
+        help="All-gather the weights of the FP8 linear layers as FP8 bytes, cast once per step "
+        "(Megatron-FSDP, which also keeps them in FP8, or the DDP engine with "
+        "--use-distributed-optimizer).",
     )
     group.add_argument("--fp8-quantizer-factory", type=str, default=None)
     group.add_argument(
@@ -203,7 +201,12 @@ def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     group.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)
-    group.add_argument("--keep-fp8-transpose-cache", action="store_true", help="Not built.")
+    group.add_argument(
+        "--keep-fp8-transpose-cache",
+        action="store_true",
+        help="Megatron-FSDP, --fp8-param-gather: keep FP8 weights' transposes until the next "
+        "step (1 byte per FP8 weight element) instead of making them in each backward.",
+    )
     group.add_argument("--reuse-grad-buf-for-mxfp8-param-ag", action="store_true")
     group.add_argument("--fp4-format", dest="fp4", choices=["e2m1"], default=None)
     group.add_argument("--fp4-recipe", choices=["nvfp4", "custom"], default="nvfp4")
@@ -244,6 +247,13 @@ def validate_precision(args: argparse.Namespace) -> None:
         raise ValueError(
             "--fp8-param-gather gathers the weights of FP8 linear layers, and without "
             "--fp8-format there are none: add --fp8-format or drop --fp8-param-gather."
+        )
+    if args.fp8_param_gather and args.fp8_recipe == "blockwise" and args.fp8 is not None:
+        # FullyShardedDataParallel refuses it too, for library code.
+        raise ValueError(
+            "--fp8-param-gather with --fp8-recipe blockwise: the FP8 weights are gathered with "
+            "one scale per tensor, and blockwise needs one per 128x128 block (not built); drop "
+            "--fp8-param-gather or use --fp8-recipe tensorwise or delayed."
         )
     for dest, (default, unbuilt) in UNBUILT_DEFAULTS.items():
         value = getattr(args, dest)

@@ -1,6 +1,7 @@
 """Transformer-configuration flags: the `TransformerConfig` fields Megatron-LM generates flags
-for (QK norms, zero-centred norms, RoPE layout, attention backend, activation recompute, the
-fused cross-entropy), and the legacy aliases `--recompute-activations` and `--use-flash-attn`.
+for (QK norms, zero-centred norms, RoPE layout, attention backend, softmax sinks, the GLU's
+offset and clamp, activation recompute, the fused cross-entropy), and the legacy aliases
+`--recompute-activations` and `--use-flash-attn`.
 
 `validate_transformer_options` resolves the two aliases and rejects combinations the model would
 ignore or cannot run, naming the flags and the fix.
@@ -14,6 +15,8 @@ import logging
 import torch
 
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.flex_attention import FLEX_MIN_HEAD_DIM
+from megatron.core.transformer.softmax_sinks import SOFTMAX_TYPES
 from megatron.core.transformer.transformer_config import (
     CROSS_ENTROPY_FUSION_IMPLS,
     RECOMPUTE_MODULES,
@@ -70,6 +73,25 @@ def add_transformer_config_args(parser: argparse.ArgumentParser) -> None:
         help="Attention kernel: flash, fused (cuDNN), unfused (SDPA math), local, auto.",
     )
     group.add_argument(
+        "--softmax-type",
+        default="vanilla",
+        choices=SOFTMAX_TYPES,
+        help="Sinks: off-by-one (a 0 logit), learnable (one per head, gpt-oss).",
+    )
+    group.add_argument(
+        "--glu-linear-offset",
+        type=float,
+        default=0.0,
+        metavar="OFFSET",
+        help="GLU: act(x W) * (x V + OFFSET).",
+    )
+    group.add_argument(
+        "--activation-func-clamp-value",
+        type=float,
+        metavar="C",
+        help="GLU: clamp x W to <= C, x V to [-C, C].",
+    )
+    group.add_argument(
         "--use-flash-attn",
         action="store_true",
         help="Legacy alias of --attention-backend flash.",
@@ -113,11 +135,13 @@ def validate_transformer_options(args: argparse.Namespace) -> None:
     """Resolves `--recompute-activations` and `--use-flash-attn` and checks these flags.
 
     Raises:
-        ValueError: a bad combination, an unbuilt recompute module, or an attention backend this
-            machine cannot run; the message names the flags and the fix.
+        ValueError: a bad combination, an unbuilt recompute module, an attention backend this
+            machine cannot run, or attention dropout where FlexAttention computes sliding
+            windows and sinks; the message names the flags and the fix.
     """
     _validate_recompute(args)
     _validate_attention_backend(args)
+    _validate_flex_attention(args)
     if args.qk_layernorm and args.qk_l2_norm:
         print_rank_0(
             "WARNING: --qk-layernorm and --qk-l2-norm are both set: the QK norm is --qk-l2-norm's "
@@ -226,8 +250,32 @@ def _validate_attention_backend(args: argparse.Namespace) -> None:
             "picks a kernel that takes one) or drop --reset-attention-mask."
         )
     limit = 256
-    if args.kv_channels is not None and args.kv_channels > limit:
+    if args.multi_latent_attention:
+        # The values are padded to the queries' width for FlashAttention.
+        width = args.qk_head_dim + args.qk_pos_emb_head_dim
+        spelled_width = f"--qk-head-dim {args.qk_head_dim} + --qk-pos-emb-head-dim "
+        spelled_width += f"{args.qk_pos_emb_head_dim} = {width}"
+    else:
+        width, spelled_width = args.kv_channels, f"--kv-channels {args.kv_channels}"
+    if width is not None and width > limit:
         raise ValueError(
-            f"{spelled}: head width --kv-channels {args.kv_channels} exceeds the kernel's "
-            f"{limit}; use --attention-backend auto."
+            f"{spelled}: head width {spelled_width} exceeds the kernel's {limit}; use "
+            "--attention-backend auto."
+        )
+
+
+def _validate_flex_attention(args: argparse.Namespace) -> None:
+    windows_or_sinks = args.window_size is not None or args.softmax_type != "vanilla"
+    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+    flex = (
+        args.distributed_backend == "nccl"
+        and args.attention_backend == AttnBackend.auto
+        and head_dim >= FLEX_MIN_HEAD_DIM
+    )
+    if windows_or_sinks and flex and args.attention_dropout > 0:
+        raise ValueError(
+            f"--attention-dropout {args.attention_dropout}: FlexAttention, which computes "
+            "--window-size and --softmax-type on the GPU, has no attention dropout; pass "
+            "--attention-dropout 0 (gpt-oss trains without it), or --attention-backend local "
+            "(dense scores)."
         )

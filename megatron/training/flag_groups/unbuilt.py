@@ -26,12 +26,15 @@ class Unbuilt:
         instead: what to do instead.
         switches: flags that take no value (`store_true`).
         valued: flags that take one or more values.
+        values: built flags (defined in their own flag groups) and the values of each that ask
+            for the feature; their other values are built.
     """
 
     feature: str
     instead: str
     switches: tuple[str, ...] = ()
     valued: tuple[str, ...] = ()
+    values: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 UNBUILT: tuple[Unbuilt, ...] = (
@@ -46,7 +49,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
             "--moe-ncclep-zero-copy",
         ),
         (
-            "--moe-flex-dispatcher-backend",
             "--moe-flex-dispatcher-num-sms",
             "--moe-deepep-num-sms",
             "--moe-hybridep-num-sms",
@@ -54,6 +56,13 @@ UNBUILT: tuple[Unbuilt, ...] = (
             "--moe-hybridep-num-blocks-unpermute",
             "--moe-hybridep-num-sms-preprocessing",
             "--moe-expert-rank-capacity-factor",
+        ),
+        # Upstream reads --moe-flex-dispatcher-backend only with the flex dispatcher, and
+        # refuses ncclep without it; deepep and hybridep under allgather or alltoall change
+        # nothing there, nor here.
+        (
+            ("--moe-token-dispatcher-type", ("flex",)),
+            ("--moe-flex-dispatcher-backend", ("ncclep",)),
         ),
     ),
     Unbuilt(
@@ -159,11 +168,9 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--tp-comm-overlap-cfg", "--tp-comm-bootstrap-backend"),
     ),
     Unbuilt(
-        "pipeline parallelism",
-        "drop these flags and shard with --use-megatron-fsdp instead",
+        "pipeline parallelism's virtual stages, overlapped or ring p2p and deferred wgrads",
+        "drop these flags: --pipeline-model-parallel-size runs 1F1B with batched p2p",
         (
-            "--account-for-embedding-in-pipeline-split",
-            "--account-for-loss-in-pipeline-split",
             "--no-overlap-p2p-communication",
             "--overlap-p2p-communication-warmup-flush",
             "--use-ring-exchange-p2p",
@@ -178,43 +185,21 @@ UNBUILT: tuple[Unbuilt, ...] = (
             "--pipeline-model-parallel-comm-backend",
             "--num-layers-per-virtual-pipeline-stage",
             "--num-virtual-stages-per-pipeline-rank",
-            "--decoder-first-pipeline-num-layers",
-            "--decoder-last-pipeline-num-layers",
             "--pipeline-model-parallel-layout",
         ),
     ),
     Unbuilt(
-        "multi-latent attention",
-        "use standard attention (optionally --group-query-attention): drop these flags",
-        ("--multi-latent-attention", "--cache-mla-latents", "--mla-down-proj-fusion"),
-        (
-            "--q-lora-rank",
-            "--kv-lora-rank",
-            "--qk-head-dim",
-            "--qk-pos-emb-head-dim",
-            "--v-head-dim",
-            "--rotary-scaling-factor",
-            "--mscale",
-            "--mscale-all-dim",
-        ),
+        "multi-latent attention's latent cache for inference and its fused down-projection "
+        "(Transformer Engine's)",
+        "drop these flags: --multi-latent-attention trains with the unfused projections",
+        ("--cache-mla-latents", "--mla-down-proj-fusion"),
     ),
     Unbuilt(
-        "multi-token prediction",
-        "drop these flags (one next-token head)",
+        "multi-token prediction variants (standalone stages, one repeated layer, detached heads, "
+        "hidden-state mixing, hybrid patterns)",
+        "drop these flags: --mtp-num-layers builds one layer per depth, trained with the model",
         ("--mtp-standalone", "--mtp-use-repeated-layer", "--mtp-detach-heads", "--mtp-hsm"),
-        ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-hybrid-override-pattern"),
-    ),
-    Unbuilt(
-        "windowed (sliding-window) attention",
-        "drop these flags: attention is full causal",
-        (),
-        ("--window-size", "--window-attn-skip-freq"),
-    ),
-    Unbuilt(
-        "gpt-oss model options",
-        "drop these flags: the model is a standard GPT",
-        ("--enable-gpt-oss", "--quick-geglu", "--export-force-local-attention"),
-        ("--softmax-type", "--glu-linear-offset", "--activation-func-clamp-value"),
+        ("--mtp-hybrid-override-pattern",),
     ),
     Unbuilt(
         "hybrid Mamba and linear-attention (gated delta) models",
@@ -265,16 +250,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
             "--dsa-indexer-loss-coeff",
             "--dsa-indexer-k-norm-epsilon",
             "--dsa-kernel-backend",
-        ),
-    ),
-    Unbuilt(
-        "YaRN RoPE scaling",
-        "use --position-embedding-type rope (with --use-rope-scaling for Llama 3's scaling)",
-        ("--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int"),
-        (
-            "--yarn-original-max-position-embeddings",
-            "--yarn-beta-fast",
-            "--yarn-beta-slow",
         ),
     ),
     Unbuilt(
@@ -554,10 +529,11 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ),
     ),
     Unbuilt(
-        "context-parallel options",
-        "drop these flags (context parallelism is not built: --context-parallel-size 1)",
+        "hierarchical and hybrid context parallelism",
+        "drop these flags and split sequences with --context-parallel-size and --cp-comm-type "
+        "p2p, a2a or allgather",
         ("--hybrid-context-parallel",),
-        ("--cp-comm-type", "--hierarchical-context-parallel-sizes", "--max-seqlen-per-dp-cp-rank"),
+        ("--hierarchical-context-parallel-sizes", "--max-seqlen-per-dp-cp-rank"),
     ),
     Unbuilt(
         "generalized tensor parallelism (weight rematerialization over extra shards)",
@@ -1010,6 +986,7 @@ PERFORMANCE_HINTS: tuple[tuple[str, str], ...] = (
     ("--ddp-pad-buckets-for-high-nccl-busbw", "ddp_pad_buckets_for_high_nccl_busbw"),
     ("--enable-experimental", "enable_experimental"),
     ("--disable-jit-fuser", "disable_jit_fuser"),
+    ("--export-force-local-attention", "export_force_local_attention"),
     ("--no-persist-layer-norm", "no_persist_layer_norm"),
     ("--no-clone-scatter-output-in-embedding", "no_clone_scatter_output_in_embedding"),
     ("--disable-clone-scatter-output-in-embedding", "no_clone_scatter_output_in_embedding"),
@@ -1049,10 +1026,11 @@ PERFORMANCE_HINTS: tuple[tuple[str, str], ...] = (
 """Upstream switches (flag, dest) accepted and ignored, since no result depends on them here:
 they tune buffers, registration, kernels, timing barriers or checkpoint saving and loading for
 speed, ask for what this project always does (fully reshardable checkpoints, verified
-checksums, ranks ordered as upstream's tp-pp-dp mapping orders them without pipeline stages), or
-turn off what it never does (saving tokenizer files, reading the tokenizer from checkpoint
-arguments); upstream deprecates some of them as no-ops itself. `docs/flags.md` says why for
-each. Like the refused flags, they are left out of `--help`."""
+checksums, ranks ordered as upstream's tp-pp-dp mapping orders them without pipeline stages, its
+own core attention rather than Transformer Engine's), or turn off what it never does (saving
+tokenizer files, reading the tokenizer from checkpoint arguments); upstream deprecates some of
+them as no-ops itself. `docs/flags.md` says why for each. Like the refused flags, they are left
+out of `--help`."""
 
 VALUED_HINTS: tuple[tuple[str, str, type], ...] = (
     ("--ckpt-fully-parallel-load-exchange-algo", "ckpt_fully_parallel_load_exchange_algo", str),
@@ -1116,6 +1094,11 @@ def refuse_unbuilt(args: argparse.Namespace, features: tuple[Unbuilt, ...]) -> N
             for flag in unbuilt.valued
             if (values := getattr(args, _dest(flag))) is not None
         ]
+        given += [
+            f"{flag} {value}"
+            for flag, refused in unbuilt.values
+            if (value := getattr(args, _dest(flag))) in refused
+        ]
         if given:
             messages.append(
                 f"{', '.join(given)}: {unbuilt.feature} is not built in this project; "
@@ -1126,18 +1109,12 @@ def refuse_unbuilt(args: argparse.Namespace, features: tuple[Unbuilt, ...]) -> N
 
 
 def add_unbuilt_args(parser: argparse.ArgumentParser) -> None:
-    """The "not built" group: upstream flags refused by `validate_unbuilt`, `--rope-type` and
-    `--rerun-mode` (their built values accepted), and the accepted no-ops (`PERFORMANCE_HINTS`,
-    `VALUED_HINTS`)."""
+    """The "not built" group: upstream flags refused by `validate_unbuilt`, `--rerun-mode` (its
+    built value accepted), and the accepted no-ops (`PERFORMANCE_HINTS`, `VALUED_HINTS`)."""
     group = add_unbuilt_flags(parser, UNBUILT + TOKENIZER_UNBUILT)
     group.description += (
         f" {len(PERFORMANCE_HINTS) + len(VALUED_HINTS)} more, which change no result here, are "
         "accepted and ignored (docs/flags.md, 'Accepted with no effect')."
-    )
-    group.add_argument(
-        "--rope-type",
-        choices=("rope", "yarn"),
-        help="rope: the RoPE of --position-embedding-type rope; yarn: not built.",
     )
     # Not in `UNBUILT`: its dest is the derived value validation sets.
     group.add_argument(
@@ -1166,11 +1143,6 @@ def validate_unbuilt(args: argparse.Namespace) -> None:
         FlagErrors: a `ValueError` with one message for each feature asked for.
     """
     messages = []
-    if args.rope_type == "yarn":
-        messages.append(
-            "--rope-type yarn: YaRN RoPE scaling (multi-latent attention's) is not built in this "
-            "project; use --rope-type rope (or --use-rope-scaling for Llama 3's)."
-        )
     if args.rerun_mode not in (None, "disabled"):
         messages.append(
             f"--rerun-mode {args.rerun_mode}: the rerun state machine (re-running iterations to "

@@ -1,5 +1,6 @@
-"""Hugging Face Llama-family checkpoints (and Mixtral, Qwen2-MoE) to this project's checkpoints
-and back (`tools/convert_hf.py`; `docs/hugging_face.md` describes the use)."""
+"""Hugging Face Llama-family checkpoints (and Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3,
+gpt-oss) to this project's checkpoints and back (`tools/convert_hf.py`; `docs/hugging_face.md`
+describes the use)."""
 
 from megatron.training.hf_conversion.config import (
     SUPPORTED_ARCHITECTURES,

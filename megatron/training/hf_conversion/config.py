@@ -1,5 +1,7 @@
 """Hugging Face `config.json` <-> the flags of this project's GPT model, for Llama-family models
-(and their Mixture-of-Experts kin, Mixtral and Qwen2-MoE, whose MoE fields `moe.py` converts).
+(and their Mixture-of-Experts kin, Mixtral, Qwen2-MoE and Qwen3-MoE, whose MoE fields `moe.py`
+converts, and gpt-oss, whose own fields `gpt_oss.py` converts), and for DeepSeek-V3
+(`deepseek_v3.py`, which this module hands its configs and checkpoints to).
 
 `model_args_from_hf_config` reads a `config.json` (as transformers 4 or 5 writes it) of one of
 `SUPPORTED_ARCHITECTURES` into the values `pretrain_gpt.py`'s flags give (their `argparse`
@@ -9,8 +11,9 @@ compute; `model_flags` spells those values as the flags to train with, and
 
 A Llama-family model here is: RoPE in the rotate-half layout (Megatron's default), RMSNorm
 before attention and MLP, a SwiGLU MLP (or SwiGLU experts), no biases except Qwen2's (and
-Qwen2-MoE's) on the query, key and value projections, optionally grouped-query attention,
-Llama 3's RoPE frequency scaling and tied embeddings.
+Qwen2-MoE's) on the query, key and value projections, Qwen3's (and Qwen3-MoE's) RMSNorm of each
+query and key head (`--qk-layernorm`), optionally grouped-query attention, Llama 3's RoPE
+frequency scaling, YaRN RoPE (`--position-embedding-type yarn`, `yarn.py`) and tied embeddings.
 """
 
 from __future__ import annotations
@@ -22,40 +25,64 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import llama3_inv_freq
-from megatron.training.checkpointing import MODEL_ARGS
+from megatron.training.checkpointing import GPT_OSS_MODEL_ARGS, MODEL_ARGS
 from megatron.training.configs_from_args import flag
+from megatron.training.hf_conversion import deepseek_v3
 from megatron.training.hf_conversion.config_fields import (
     HFConversionError,
+    check_not_quantized,
     integer_field,
     with_defaults,
+)
+from megatron.training.hf_conversion.deepseek_v3 import DEEPSEEK_V3, mla_flags
+from megatron.training.hf_conversion.gpt_oss import (
+    GPT_OSS,
+    gpt_oss_args,
+    gpt_oss_flags,
+    gpt_oss_hf_config,
+    is_gpt_oss,
 )
 from megatron.training.hf_conversion.moe import (
     MOE_ARCHITECTURES,
     MOE_MODEL_ARGS,
     QWEN2_MOE,
+    QWEN3_MOE,
     moe_args_from_hf_config,
     moe_flags,
     moe_hf_config,
 )
+from megatron.training.hf_conversion.yarn import yarn_args, yarn_flags, yarn_rope_scaling
+
+QWEN3 = "Qwen3ForCausalLM"
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    QWEN3,
     *MOE_ARCHITECTURES,
+    DEEPSEEK_V3,
+    GPT_OSS,
 )
 """What `import` converts: Llama 2 and 3 (and other Llama-architecture models), Mistral, Qwen2,
-Mixtral and Qwen2-MoE."""
+Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and gpt-oss."""
 
 _QKV_BIAS = ("Qwen2ForCausalLM", QWEN2_MOE)
 """The architectures whose query, key and value projections have biases."""
+
+_QK_NORM = (QWEN3, QWEN3_MOE)
+"""The architectures that normalise each query and key head (`--qk-layernorm`)."""
 
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": QWEN3,
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": QWEN2_MOE,
+    "qwen3_moe": QWEN3_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+    "gpt_oss": GPT_OSS,
 }
 """`model_type` -> architecture, for a `config.json` without `architectures`."""
 
@@ -76,11 +103,12 @@ LLAMA_FAMILY_ARGS: dict[str, Any] = {
     "swiglu": True,
     "squared_relu": False,
     "add_bias_linear": False,
-    "qk_layernorm": False,
     "qk_l2_norm": False,
     "layernorm_zero_centered_gamma": False,
     "apply_residual_connection_post_layernorm": False,
     "transformer_impl": "local",
+    "multi_latent_attention": False,
+    **GPT_OSS_MODEL_ARGS,
 }
 """The model flags' values every Llama-family model has (`transformer_impl`: the local layers'
 tensor names are the ones converted)."""
@@ -177,6 +205,9 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
     name = architecture(config)
     _check_rope_stated_once(config, name)
     config = with_defaults(config, name)
+    if name == DEEPSEEK_V3:
+        return deepseek_v3.model_args_from_hf_config(config)
+    check_not_quantized(config, name, "the model's publisher usually releases one")
     heads = integer_field(config, "num_attention_heads")
     hidden = integer_field(config, "hidden_size")
     groups = (
@@ -189,12 +220,16 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         raise HFConversionError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}."
         )
-    if config["hidden_act"] not in ("silu", "swish"):
-        raise HFConversionError(
-            f"hidden_act {config['hidden_act']!r}: only SiLU (SwiGLU's gate) is built."
-        )
-    _check_biases(config, name)
-    _check_full_attention(config, name)
+    if name == GPT_OSS:  # its experts' activation is its own; windows, biases: its own fields
+        family_args = gpt_oss_args(config)
+    else:
+        if config["hidden_act"] not in ("silu", "swish"):
+            raise HFConversionError(
+                f"hidden_act {config['hidden_act']!r}: only SiLU (SwiGLU's gate) is built."
+            )
+        _check_biases(config, name)
+        _check_full_attention(config, name)
+        family_args = moe_args_from_hf_config(config, name)
     max_positions = integer_field(config, "max_position_embeddings")
     args = {
         **LLAMA_FAMILY_ARGS,
@@ -208,12 +243,13 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": max_positions,
         "layernorm_epsilon": float(config["rms_norm_eps"]),
         "add_qkv_bias": name in _QKV_BIAS and bool(config["qkv_bias"]),
+        "qk_layernorm": name in _QK_NORM,
         "untie_embeddings_and_output_weights": not config["tie_word_embeddings"],
         "attention_dropout": float(config["attention_dropout"]),
         "hidden_dropout": 0.0,
     }
     args.update(_rope_args(config))
-    args.update(moe_args_from_hf_config(config, name))
+    args.update(family_args)
     return args
 
 
@@ -282,25 +318,32 @@ def model_flags(args: Mapping[str, Any]) -> list[str]:
     flags += [
         "--seq-length", min(args["max_position_embeddings"], DEFAULT_SEQ_LENGTH),
         "--max-position-embeddings", args["max_position_embeddings"],
-        "--position-embedding-type", "rope",
+        "--position-embedding-type", args["position_embedding_type"],
         "--rotary-base", args["rotary_base"],
     ]  # fmt: skip
+    if args["position_embedding_type"] == "yarn":
+        flags += yarn_flags(args)
     if args["use_rope_scaling"]:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", args["rope_scaling_factor"]]
     if args["rotary_seq_len_interpolation_factor"] is not None:
         flags += ["--rotary-seq-len-interpolation-factor"]
         flags += [args["rotary_seq_len_interpolation_factor"]]
-    flags += [
-        "--normalization", "RMSNorm",
-        "--norm-epsilon", args["layernorm_epsilon"],
-        "--swiglu",
-        "--disable-bias-linear",
-    ]  # fmt: skip
+    flags += ["--normalization", "RMSNorm", "--norm-epsilon", args["layernorm_epsilon"]]
+    if args["swiglu"]:
+        flags.append("--swiglu")
+    if not args["add_bias_linear"]:
+        flags.append("--disable-bias-linear")
     if args["add_qkv_bias"]:
         flags.append("--add-qkv-bias")
+    flags += mla_flags(args)
+    if args["qk_layernorm"]:
+        flags.append("--qk-layernorm")
     if args["untie_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
     flags += moe_flags(args)
+    if args.get("mtp_num_layers") is not None:
+        flags += ["--mtp-num-layers", args["mtp_num_layers"]]
+    flags += gpt_oss_flags(args)
     flags += ["--attention-dropout", args["attention_dropout"]]
     flags += ["--hidden-dropout", args["hidden_dropout"]]
     if "tokenizer_type" in args:
@@ -315,9 +358,11 @@ def model_flags(args: Mapping[str, Any]) -> list[str]:
 def hf_config_from_model_args(
     args: Mapping[str, Any], vocab_size: int, dtype: str
 ) -> dict[str, Any]:
-    """A `config.json` for weights of the model the flag values `args` describe: for a dense
-    model Qwen2's with a QKV bias, else Llama's; for an MoE model Qwen2-MoE's with shared
-    experts, else Mixtral's (`moe.moe_hf_config`); in the keys transformers 4 and 5 both read.
+    """A `config.json` for weights of the model the flag values `args` describe: DeepSeek-V3's
+    with multi-latent attention (`deepseek_v3.hf_config_from_model_args`); gpt-oss's with
+    learnable softmax sinks (`gpt_oss.gpt_oss_hf_config`); for a dense model Qwen2's with a QKV
+    bias, Qwen3's with query-key norms, else Llama's; for an MoE model Qwen2-MoE's, Qwen3-MoE's
+    or Mixtral's (`moe.moe_hf_config`); in the keys transformers 4 and 5 both read.
 
     Args:
         args: The model's flag values (a checkpoint's saved arguments).
@@ -327,12 +372,25 @@ def hf_config_from_model_args(
     Raises:
         HFConversionError: the flags describe a model none of those configs computes.
     """
+    if args.get("multi_latent_attention"):
+        return deepseek_v3.hf_config_from_model_args(args, vocab_size, dtype)
+    if is_gpt_oss(args):
+        return gpt_oss_hf_config(args, vocab_size, dtype)
     check_llama_family(args)
     moe = args.get("num_experts") is not None
-    qwen2 = args["add_qkv_bias"]
+    qwen2, qwen3 = args["add_qkv_bias"], args["qk_layernorm"]
+    if qwen2 and qwen3:
+        raise HFConversionError(
+            "the checkpoint's model has both --add-qkv-bias and --qk-layernorm, which no "
+            "Llama-family Hugging Face model has (Qwen2 the bias, Qwen3 the norms)."
+        )
+    name, model_type = (
+        (QWEN3, "qwen3") if qwen3 else ("Qwen2ForCausalLM", "qwen2") if qwen2 else
+        ("LlamaForCausalLM", "llama")
+    )  # fmt: skip
     config: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [name],
+        "model_type": model_type,
         "hidden_size": args["hidden_size"],
         "intermediate_size": args["ffn_hidden_size"],
         "num_hidden_layers": args["num_layers"],
@@ -351,9 +409,13 @@ def hf_config_from_model_args(
     }
     if moe:
         config.update(moe_hf_config(args))
+    elif qwen3:
+        config.update(attention_bias=False, use_sliding_window=False)
     elif not qwen2:
         config.update(attention_bias=False, mlp_bias=False)
-    if args["use_rope_scaling"]:
+    if args["position_embedding_type"] == "yarn":
+        config["rope_scaling"] = yarn_rope_scaling(args)
+    elif args["use_rope_scaling"]:
         config["rope_scaling"] = {
             "rope_type": "llama3",
             "factor": args["rope_scaling_factor"],
@@ -373,13 +435,17 @@ def check_llama_family(args: Mapping[str, Any]) -> None:
     differ = [
         f"{flag(name)} {args[name]} (Llama's: {value})"
         for name, value in LLAMA_FAMILY_ARGS.items()
-        if name in args and args[name] != value
+        if name in args and args[name] != value and (name, args[name]) not in _LLAMA_ALSO
     ]
     if differ:
         raise HFConversionError(
             f"the checkpoint's model is not of the Llama family: {'; '.join(differ)}. Only "
             "Llama-family models (as `import` writes them) are exported."
         )
+
+
+_LLAMA_ALSO = {("position_embedding_type", "yarn")}
+"""Flag values other than `LLAMA_FAMILY_ARGS`' a Llama-family config also states."""
 
 
 def _check_biases(config: Mapping[str, Any], name: str) -> None:
@@ -389,26 +455,26 @@ def _check_biases(config: Mapping[str, Any], name: str) -> None:
         if config.get(key):
             raise HFConversionError(
                 f"{name} with {key}=true: biases in the attention output or MLP projections "
-                "of a Llama model are not converted (--add-qkv-bias covers Qwen2's only)."
+                f"of a {name} are not converted (--add-qkv-bias covers Qwen2's only)."
             )
 
 
 def _check_full_attention(config: Mapping[str, Any], name: str) -> None:
-    """Refuses sliding-window attention, which this project does not build (`config` with its
-    left-out fields filled in)."""
+    """Refuses sliding-window attention, which this converter does not map to `--window-size`
+    (`config` with its left-out fields filled in)."""
     layer_types = config.get("layer_types") or []
     windowed = any(kind != "full_attention" for kind in layer_types)
     window = config["sliding_window"]
-    if name in _QKV_BIAS:  # Qwen2's and Qwen2-MoE's window applies with use_sliding_window
+    if name in (*_QKV_BIAS, *_QK_NORM):  # Qwen's window applies with use_sliding_window
         windowed = windowed or bool(config["use_sliding_window"])
     elif window is not None and window < config.get("max_position_embeddings", 0):
         windowed = True
     if windowed:
         raise HFConversionError(
             f"{name} with sliding-window attention (sliding_window {window}, "
-            f"max_position_embeddings {config.get('max_position_embeddings')}): windowed "
-            "attention is not built; only models attending to the whole sequence convert "
-            "(sliding_window null or >= max_position_embeddings)."
+            f"max_position_embeddings {config.get('max_position_embeddings')}): converting "
+            "windowed attention is not built; only models attending to the whole sequence "
+            "convert (sliding_window null or >= max_position_embeddings)."
         )
 
 
@@ -500,10 +566,16 @@ def _rope_args(config: Mapping[str, Any]) -> dict[str, Any]:
                 "takes an integer >= 1."
             )
         args["rotary_seq_len_interpolation_factor"] = int(factor)
+    elif kind == "yarn":
+        original = "original_max_position_embeddings"
+        # As transformers 5 and as for Llama 3: a top-level original context takes precedence.
+        block = {**scaling, original: config.get(original, scaling.get(original))}
+        max_positions = integer_field(config, "max_position_embeddings")
+        args.update(position_embedding_type="yarn", **yarn_args(block, max_positions))
     elif kind != "default":
         raise HFConversionError(
-            f"rope_scaling of rope_type {kind!r} is not built; Llama 3's (llama3) and linear "
-            "interpolation (linear) are."
+            f"rope_scaling of rope_type {kind!r} is not built; Llama 3's (llama3), linear "
+            "interpolation (linear) and YaRN (yarn) are."
         )
     return args
 

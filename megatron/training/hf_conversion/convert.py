@@ -14,8 +14,13 @@ and the Hugging Face `config.json` (`HF_CONFIG_KEY`). Expert tensors are written
 trained with it: amax histories and scales are no Hugging Face weights) as a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads: `config.json` (the one recorded at
 import, one given, or one derived from the saved flags), one safetensors file
-per transformer layer (plus one for the embedding and one for the final norm and output
-layer) and their index. It reads and writes one such group at a time.
+per transformer layer (plus one for the embedding, one for the final norm and output layer, and
+one per multi-token prediction depth) and their index. It reads and writes one such group at a
+time.
+
+The Llama family's tensors are `tensors.py`'s, DeepSeek-V3's `deepseek_v3_tensors.py`'s
+(`_tensor_plan`), whose depths' copies of the embedding and output layer are checked on import
+and written on export.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from megatron.training.checkpoint_layout import (
     read_metadata,
     saved_entries,
 )
+from megatron.training.checkpointing import GPT_OSS_MODEL_ARGS, MLA_MODEL_ARGS, YARN_MODEL_ARGS
 from megatron.training.flag_groups.moe import resolved_moe_args
+from megatron.training.hf_conversion import deepseek_v3, deepseek_v3_tensors
 from megatron.training.hf_conversion.config import (
     ARCHITECTURE_ARGS,
     CONFIG_FILENAME,
@@ -117,10 +124,13 @@ def import_hf(
     _check_target_tp(target_tp, args, model_vocab)
     _check_target_ep(target_ep, args["num_experts"])
     weights = HFWeights(hf_dir)
+    if args["multi_latent_attention"]:
+        args["mtp_num_layers"] = deepseek_v3.mtp_depths(config, weights.shapes)
     tokenizer_vocab = _tokenizer_vocab(hf_dir)
     args.update(vocab_args(model_vocab, tokenizer_vocab, os.path.abspath(hf_dir), target_tp))
-    plan = conversions(args)
-    _check_weights(weights, args, model_vocab, hf_dir)
+    plan, hf_shapes_expected = _tensor_plan(args, config, model_vocab)
+    _check_weights(weights, hf_shapes_expected, plan, args, hf_dir)
+    _check_copies(weights, plan, hf_dir)
     check_writable(save, 0, force, iteration_option=None)
     if flags_file is not None:
         _check_flags_file(flags_file, force)
@@ -128,6 +138,8 @@ def import_hf(
     shapes: dict[str, torch.Tensor] = {}
     producers: dict[str, Callable[[], torch.Tensor]] = {}
     for conversion in plan:
+        if conversion.layout == "copy":
+            continue  # the tensor another conversion makes (`_check_copies`)
         sources = [
             torch.empty(weights.shapes[name], dtype=weights.dtypes[name], device="meta")
             for name in conversion.hf_names
@@ -158,7 +170,7 @@ def import_hf(
         flags += ["--tensor-model-parallel-size", str(target_tp), "--sequence-parallel"]
     if target_ep != 1:
         flags += ["--expert-model-parallel-size", str(target_ep)]
-    _report_flags(flags, args, model_vocab, save, flags_file)
+    _report_flags(flags, args, config, model_vocab, save, flags_file)
     return {
         "path": final,
         "flags": flags,
@@ -211,6 +223,11 @@ def export_hf(
         raise HFConversionError(f"{path} holds no word embedding: it is not a GPT checkpoint.")
     dtype = str(embedding.properties.dtype).removeprefix("torch.")
     config, args = _export_config(common, hf_config, path, embedding.size[0], dtype)
+    if args["multi_latent_attention"]:
+        # The depths the checkpoint holds (the config may state some it has not: an import
+        # from weights without them keeps the original config).
+        args["mtp_num_layers"] = (common.get("args") or {}).get("mtp_num_layers")
+        config = deepseek_v3.with_mtp_depths(config, args["mtp_num_layers"])
     vocab = hf_vocab_size(config)
     if vocab > embedding.size[0]:
         raise HFConversionError(
@@ -218,8 +235,8 @@ def export_hf(
             "embedding rows: the config is of another model; pass its own with --hf-config."
         )
     args = {**args, "padded_vocab_size": embedding.size[0]}
-    plan = conversions(args)
-    _check_saved(saved, plan, args, vocab, path)
+    plan, hf_shapes_expected = _tensor_plan(args, config, vocab)
+    _check_saved(saved, plan, hf_shapes_expected, args, path)
     # transformers 5 writes "dtype", 4 "torch_dtype" (which 5 reads too).
     for key in [key for key in ("dtype", "torch_dtype") if key in config] or ["torch_dtype"]:
         config[key] = dtype
@@ -240,7 +257,7 @@ def export_hf(
             )
             tensors: dict[str, torch.Tensor] = {}
             for conversion in members:
-                tensor = state["model"].pop(conversion.name)
+                tensor = state["model"][conversion.name]  # read twice by a tied copy
                 tensors.update(zip(conversion.hf_names, to_hf(conversion, tensor, args, vocab)))
             file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
             write_shard(os.path.join(staging, file), tensors)
@@ -267,6 +284,21 @@ def export_hf(
 
 def _produce(weights: HFWeights, conversion: Conversion, args: Mapping[str, Any]) -> torch.Tensor:
     return to_megatron(conversion, [weights.read(name) for name in conversion.hf_names], args)
+
+
+def _tensor_plan(
+    args: Mapping[str, Any], config: Mapping[str, Any], vocab: int
+) -> tuple[list[Conversion], dict[str, tuple[int, ...]]]:
+    """Every tensor conversion of the model `args` describe, and the shapes of its Hugging Face
+    tensors (with `vocab` embedding rows): DeepSeek-V3's (in the rotary layout `config` says)
+    for multi-latent attention, else the Llama family's."""
+    if args["multi_latent_attention"]:
+        interleaved = deepseek_v3.rope_interleaved(config)
+        return (
+            deepseek_v3_tensors.conversions(args, interleaved),
+            deepseek_v3_tensors.hf_shapes(args, interleaved, vocab),
+        )
+    return conversions(args), hf_shapes(args, vocab)
 
 
 def _check_target_tp(target_tp: int, args: dict[str, Any], model_vocab: int) -> None:
@@ -328,14 +360,23 @@ def _tokenizer_vocab(hf_dir: str) -> int | None:
         raise HFConversionError(f"{hf_dir}'s tokenizer does not load: {error}") from error
 
 
-def _check_weights(weights: HFWeights, args: Mapping[str, Any], vocab: int, hf_dir: str) -> None:
+def _check_weights(
+    weights: HFWeights,
+    expected: Mapping[str, tuple[int, ...]],
+    plan: list[Conversion],
+    args: Mapping[str, Any],
+    hf_dir: str,
+) -> None:
+    """Checks that the weights are exactly the `expected` tensors in their shapes (copies of
+    the embedding and output layer may be left out)."""
     _check_output_layer(weights, args, hf_dir)
-    expected = hf_shapes(args, vocab)
     present = {name for name in weights.shapes if not name.endswith(IGNORED_SUFFIXES)}
     if not args["untie_embeddings_and_output_weights"]:
         present.discard("lm_head.weight")  # a copy of the tied embedding
+    copies = {name for c in plan if c.layout == "copy" for name in c.hf_names}
     problems = []
-    missing, unexpected = sorted(expected.keys() - present), sorted(present - expected.keys())
+    missing = sorted(expected.keys() - present - copies)
+    unexpected = sorted(present - expected.keys())
     if missing:
         problems.append(f"missing {missing[:4]}")
     if unexpected:
@@ -350,6 +391,24 @@ def _check_weights(weights: HFWeights, args: Mapping[str, Any], vocab: int, hf_d
             f"{hf_dir}'s weights do not fit its config.json: {'; '.join(problems)}. Pass a "
             "directory whose config.json describes its weights."
         )
+
+
+def _check_copies(weights: HFWeights, plan: list[Conversion], hf_dir: str) -> None:
+    """Refuses a copy of the embedding or output layer (a multi-token prediction depth's
+    `embed_tokens`, `shared_head.head`) that differs from it: this project's depths share them."""
+    sources = {c.name: c.hf_names[0] for c in plan if c.layout == "vocab"}
+    for conversion in plan:
+        if conversion.layout != "copy":
+            continue
+        (copy,) = conversion.hf_names
+        source = sources[conversion.name]
+        if copy in weights.shapes and not weights.equal(copy, source):
+            raise HFConversionError(
+                f"{hf_dir}: {copy} differs from {source}; this project's multi-token prediction "
+                "depths share the model's embedding and output layer, so they convert only where "
+                f"the copies are equal (as DeepSeek-V3's are). Delete {copy} from the safetensors "
+                "to import the model's own."
+            )
 
 
 def _check_output_layer(weights: HFWeights, args: Mapping[str, Any], hf_dir: str) -> None:
@@ -402,6 +461,7 @@ def _check_flags_file(flags_file: str, force: bool) -> None:
 def _report_flags(
     flags: list[str],
     args: Mapping[str, Any],
+    config: Mapping[str, Any],
     model_vocab: int,
     save: str,
     flags_file: str | None,
@@ -411,6 +471,13 @@ def _report_flags(
         write_atomically(flags_file, lambda stream: stream.write(f"{line}\n".encode()))
     where = f" (also in {flags_file})" if flags_file else ""
     print(f"> model flags for pretrain_gpt.py{where}:\n{line}")
+    stated = config.get("num_nextn_predict_layers")
+    if args["multi_latent_attention"] and stated and args["mtp_num_layers"] is None:
+        print(
+            f"> config.json's num_nextn_predict_layers is {stated}, but the weights hold no "
+            "multi-token prediction layer (transformers' save_pretrained leaves them out): "
+            "imported without --mtp-num-layers"
+        )
     if args["padded_vocab_size"] > model_vocab:
         print(
             f"> the tokenizer has more ids than the {model_vocab} embedding rows: the embedding "
@@ -432,8 +499,13 @@ def _export_config(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `config.json` to export and the model flags' values it gives, checked against the
     checkpoint's saved flags."""
-    # A checkpoint saved before the MoE flags existed is of a dense model.
-    saved = {**DENSE_MOE_ARGS, **(common.get("args") or {})}
+    # A checkpoint saved before the MoE (gpt-oss, MLA) flags existed is of a model without them.
+    saved = {
+        **DENSE_MOE_ARGS,
+        **GPT_OSS_MODEL_ARGS,
+        "multi_latent_attention": False,
+        **(common.get("args") or {}),
+    }
     if saved["num_experts"] is not None and saved["moe_ffn_hidden_size"] is None:
         saved["moe_ffn_hidden_size"] = saved.get("ffn_hidden_size")  # the flag's meaning of None
     if hf_config is not None:
@@ -455,6 +527,10 @@ def _export_config(
         return config, model_args_from_hf_config(config)
     args = model_args_from_hf_config(config)
     names = [*ARCHITECTURE_ARGS, *(("rope_scaling_factor",) if args["use_rope_scaling"] else ())]
+    if args["multi_latent_attention"] and saved["multi_latent_attention"]:
+        names += MLA_MODEL_ARGS
+    if args["position_embedding_type"] == "yarn":
+        names += YARN_MODEL_ARGS
     # The model each side describes, not how its flags spell it (--moe-layer-freq 1 or [1,1]).
     was, now = ({**values, **resolved_moe_args(values)} for values in (saved, args))
     differ = [
@@ -474,12 +550,12 @@ def _export_config(
 def _check_saved(
     saved: Mapping[str, TensorStorageMetadata],
     plan: list[Conversion],
+    shapes: Mapping[str, tuple[int, ...]],
     args: Mapping[str, Any],
-    vocab: int,
     path: str,
 ) -> None:
-    """Checks that the checkpoint holds exactly the model's tensors, in the config's shapes."""
-    shapes = hf_shapes(args, vocab)
+    """Checks that the checkpoint holds exactly the model's tensors, in the config's shapes
+    (`shapes`: those of the Hugging Face tensors)."""
     expected = {
         conversion.name: to_megatron(
             conversion,

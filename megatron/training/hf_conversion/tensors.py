@@ -13,7 +13,17 @@ An MoE layer's experts are stacked: `mlp.experts.linear_fc1.weight` is the globa
 projection (Mixtral's `w1` and `w3`), `linear_fc2.weight` the [num_experts, hidden,
 moe_ffn_hidden_size] stack of the down projections (`w2`), as checkpoints hold expert tensors
 at any expert-parallel size. The router and Qwen2-MoE's shared expert and its gate are renamed
-(the shared expert's `linear_fc1` fused as the dense MLP's).
+(the shared expert's `linear_fc1` fused as the dense MLP's), and so are Qwen3's per-head query
+and key norms. gpt-oss's layers have tensors of their own (`gpt_oss.GPT_OSS_LAYER_TENSORS`): its
+experts are already stacked, transposed (x @ W) and with the gate and up columns interleaved
+("experts_gate_up", "experts_down").
+
+DeepSeek-V3's tensors are listed by `deepseek_v3_tensors.py`, with two layouts of its own:
+"mla_q" and "mla_kv_down" permute the rotated rows of multi-latent attention's query
+up-projection (per head) and key/value down-projection from transformers' rotate-half pairing
+(channel i with i + d/2, a config without `rope_interleave`) into adjacent pairs, as this
+project rotates them; "copy" is a Hugging Face copy of the embedding or output layer (written
+on export, not read on import).
 
 Every function takes the model's flag values (`config.model_args_from_hf_config`'s, or a
 checkpoint's saved arguments).
@@ -27,7 +37,8 @@ from typing import Any
 
 import torch
 
-from megatron.training.hf_conversion.moe import moe_layers
+from megatron.training.hf_conversion.gpt_oss import GPT_OSS_LAYER_TENSORS, is_gpt_oss
+from megatron.training.hf_conversion.moe import MIXTRAL, moe_architecture, moe_layers
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Hugging Face entries that are not weights (buffers some older checkpoints hold)."""
@@ -41,9 +52,13 @@ class Conversion:
         name: Its name in `GPTModel.state_dict()`.
         hf_names: The Hugging Face tensors, in the order the layout concatenates them.
         layout: "same" (one tensor, renamed), "qkv", "fc1", "experts_fc1", "experts_fc2"
-            (fused or stacked, see the module docstring) or "vocab" (one tensor with the rows
-            padded to `padded_vocab_size`).
-        group: What export writes into one file: "embedding", "layer N" or "output".
+            (fused or stacked, see the module docstring), "experts_gate_up" (one stack with
+            interleaved gate and up columns -> the gate then up rows; for a [E, 2 I] bias, its
+            entries the same way), "experts_down" (one stack, transposed), "vocab" (one tensor
+            with the rows padded to `padded_vocab_size`), or DeepSeek-V3's "mla_q",
+            "mla_kv_down" and "copy".
+        group: What export writes into one file: "embedding", "layer N", "output" or
+            "mtp N".
     """
 
     name: str
@@ -57,10 +72,15 @@ _ATTENTION_TENSORS = (
     ("self_attention.linear_qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
     ("self_attention.linear_qkv.bias", tuple(f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
     ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "same"),
+    ("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "same"),
+    ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "same"),
     ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "same"),
 )
 """Each layer's tensors up to its MLP: the name below `decoder.layers.N.`, those below
 `model.layers.N.`, the layout."""
+
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+"""The per-head query and key norms among `_ATTENTION_TENSORS` (`--qk-layernorm`: Qwen3's)."""
 
 _DENSE_MLP_TENSORS = (
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
@@ -80,14 +100,14 @@ _SHARED_EXPERT_TENSORS = (
 
 
 def _moe_tensors(args: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], str]]:
-    """An MoE layer's MLP tensors, named as `_ATTENTION_TENSORS`: Qwen2-MoE's names with shared
-    experts, else Mixtral's."""
+    """An MoE layer's MLP tensors, named as `_ATTENTION_TENSORS`: Mixtral's names, or Qwen2-MoE's
+    and Qwen3-MoE's (`moe.moe_architecture`)."""
     experts = range(args["num_experts"])
     shared = args["moe_shared_expert_intermediate_size"] is not None
     block, gate, up, down = (
-        ("mlp", "gate_proj", "up_proj", "down_proj")
-        if shared
-        else ("block_sparse_moe", "w1", "w3", "w2")
+        ("block_sparse_moe", "w1", "w3", "w2")
+        if moe_architecture(args) == MIXTRAL
+        else ("mlp", "gate_proj", "up_proj", "down_proj")
     )
     tensors = [
         ("mlp.router.weight", (f"{block}.gate.weight",), "same"),
@@ -111,6 +131,30 @@ def _moe_tensors(args: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], st
     return tensors
 
 
+def _layer_tensors(args: Mapping[str, Any], moe: bool) -> list[tuple[str, tuple[str, ...], str]]:
+    """A layer's tensors, named as `_ATTENTION_TENSORS`: gpt-oss's, or the attention's and the
+    (MoE, with `moe`) MLP's of a Llama-family model, the QKV bias only with `add_qkv_bias`."""
+    if is_gpt_oss(args):
+        return list(GPT_OSS_LAYER_TENSORS)
+    tensors = [*_ATTENTION_TENSORS, *(_moe_tensors(args) if moe else _DENSE_MLP_TENSORS)]
+    return [t for t in tensors if args["add_qkv_bias"] or not t[0].endswith(".bias")]
+
+
+def _layer_tensors(args: Mapping[str, Any], moe: bool) -> list[tuple[str, tuple[str, ...], str]]:
+    """A layer's tensors, named as `_ATTENTION_TENSORS`: gpt-oss's, or the attention's and the
+    (MoE, with `moe`) MLP's of a Llama-family model, the QKV bias only with `add_qkv_bias` and
+    the query-key norms only with `qk_layernorm`."""
+    if is_gpt_oss(args):
+        return list(GPT_OSS_LAYER_TENSORS)
+    tensors = [*_ATTENTION_TENSORS, *(_moe_tensors(args) if moe else _DENSE_MLP_TENSORS)]
+    return [
+        (ours, theirs, layout)
+        for ours, theirs, layout in tensors
+        if (args["add_qkv_bias"] or not ours.endswith(".bias"))
+        and (args["qk_layernorm"] or ours not in _QK_NORMS)
+    ]
+
+
 def conversions(args: Mapping[str, Any]) -> list[Conversion]:
     """Every tensor of the model `args` describes, embedding first, then layer by layer."""
     result = [
@@ -118,14 +162,8 @@ def conversions(args: Mapping[str, Any]) -> list[Conversion]:
             "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "embedding"
         )
     ]
-    moe_tensors = _moe_tensors(args) if args["num_experts"] is not None else []
     for index, moe in enumerate(moe_layers(args)):
-        for ours, theirs, layout in [
-            *_ATTENTION_TENSORS,
-            *(moe_tensors if moe else _DENSE_MLP_TENSORS),
-        ]:
-            if ours.endswith(".bias") and not args["add_qkv_bias"]:
-                continue
+        for ours, theirs, layout in _layer_tensors(args, moe):
             result.append(
                 Conversion(
                     f"decoder.layers.{index}.{ours}",
@@ -162,9 +200,21 @@ def _hf_shape(name: str, args: Mapping[str, Any], vocab_size: int) -> tuple[int,
         ffn = args["moe_ffn_hidden_size"]
     else:
         ffn = args["ffn_hidden_size"]
+    experts = args["num_experts"]
     by_suffix = {
+        # gpt-oss's (before Llama's: "o_proj.bias" ends like no Llama name; the experts' stacks)
+        "self_attn.o_proj.bias": (hidden,),
+        "self_attn.sinks": (args["num_attention_heads"],),
+        "mlp.router.weight": (experts, hidden),
+        "mlp.router.bias": (experts,),
+        "experts.gate_up_proj": (experts, hidden, 2 * ffn),
+        "experts.gate_up_proj_bias": (experts, 2 * ffn),
+        "experts.down_proj": (experts, ffn, hidden),
+        "experts.down_proj_bias": (experts, hidden),
         "embed_tokens.weight": (vocab_size, hidden),
         "lm_head.weight": (vocab_size, hidden),
+        "q_norm.weight": (args["kv_channels"],),  # before the norms', whose suffix they have
+        "k_norm.weight": (args["kv_channels"],),
         "norm.weight": (hidden,),
         "layernorm.weight": (hidden,),
         "q_proj.weight": (queries, hidden),
@@ -196,7 +246,7 @@ def to_megatron(
     if conversion.layout == "same":
         (tensor,) = tensors
         return tensor
-    if conversion.layout == "vocab":
+    if conversion.layout in ("vocab", "copy"):
         (tensor,) = tensors
         padding = args["padded_vocab_size"] - tensor.shape[0]
         if padding == 0:
@@ -208,6 +258,16 @@ def to_megatron(
         return torch.stack([torch.cat(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
     if conversion.layout == "experts_fc2":
         return torch.stack(tensors)
+    if conversion.layout in ("mla_q", "mla_kv_down"):
+        (tensor,) = tensors
+        return _mla_rotated_rows(tensor, conversion.layout, args, to_pairs=True)
+    if conversion.layout == "experts_gate_up":  # [E, hidden, 2I] x @ W, or its [E, 2I] bias
+        (tensor,) = tensors
+        halves = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1)
+        return halves.transpose(1, 2).contiguous() if halves.dim() == 3 else halves
+    if conversion.layout == "experts_down":
+        (tensor,) = tensors
+        return tensor.transpose(1, 2).contiguous()
     query, key, value = tensors
     groups, head_dim = args["num_query_groups"], args["kv_channels"]
     rest = query.shape[1:]  # (hidden,) for the weight, () for the bias
@@ -229,15 +289,44 @@ def to_hf(
         return [tensor]
     if conversion.layout == "vocab":
         return [tensor if tensor.shape[0] == vocab_size else tensor[:vocab_size].clone()]
+    if conversion.layout == "copy":  # of a tensor written under another name too
+        return [tensor[:vocab_size].clone()]
     if conversion.layout == "fc1":
         return [part.clone() for part in tensor.chunk(2)]
     if conversion.layout == "experts_fc1":
         return [part.clone() for expert in tensor for part in expert.chunk(2)]
     if conversion.layout == "experts_fc2":
         return [expert.clone() for expert in tensor]
+    if conversion.layout in ("mla_q", "mla_kv_down"):
+        return [_mla_rotated_rows(tensor, conversion.layout, args, to_pairs=False)]
+    if conversion.layout == "experts_gate_up":
+        halves = tensor.transpose(1, 2) if tensor.dim() == 3 else tensor
+        gate, up = halves.chunk(2, dim=-1)
+        return [torch.stack([gate, up], dim=-1).flatten(-2)]
+    if conversion.layout == "experts_down":
+        return [tensor.transpose(1, 2).contiguous()]
     groups, head_dim = args["num_query_groups"], args["kv_channels"]
     heads_per_group = args["num_attention_heads"] // groups
     rest = tensor.shape[1:]
     per_group = tensor.reshape(groups, (heads_per_group + 2) * head_dim, *rest)
     parts = per_group.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
     return [part.reshape(-1, *rest).clone() for part in parts]
+
+
+def _mla_rotated_rows(
+    tensor: torch.Tensor, layout: str, args: Mapping[str, Any], *, to_pairs: bool
+) -> torch.Tensor:
+    """Multi-latent attention's query up-projection ("mla_q": per head, [unrotated, rotated]
+    rows) or key/value down-projection ("mla_kv_down": [latent, rotated] rows) with its rotated
+    rows permuted from transformers' rotate-half pairing to adjacent pairs (`to_pairs`), or
+    back: pair i's channels are rows i and i + d/2 there, rows 2i and 2i + 1 here."""
+    rotated = args["qk_pos_emb_head_dim"]
+    if layout == "mla_q":
+        rows = tensor.unflatten(0, (args["num_attention_heads"], -1))
+        dim = 1
+    else:
+        rows, dim = tensor, 0
+    kept, rope = rows.split([rows.shape[dim] - rotated, rotated], dim=dim)
+    pairs = (2, rotated // 2) if to_pairs else (rotated // 2, 2)
+    rope = rope.unflatten(dim, pairs).transpose(dim, dim + 1).flatten(dim, dim + 1)
+    return torch.cat([kept, rope], dim=dim).reshape(tensor.shape)

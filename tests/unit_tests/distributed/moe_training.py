@@ -26,6 +26,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layout import full_tensor
+from megatron.core.transformer.moe.moe_utils import update_expert_bias
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed.moe_toy import ToyMoELayer, build_toy_moe, make_moe_batches
 
@@ -75,8 +76,14 @@ def global_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor(tensor) if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
-def global_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: global_tensor(value) for name, value in state.items()}
+def global_state(state: dict[str, object]) -> dict[str, torch.Tensor]:
+    """The global value of each tensor of `state` (extra states, such as the FP8
+    delayed-scaling state's bytes, left out)."""
+    return {
+        name: global_tensor(value)
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def init_groups(ep: int, replicas: int = 1) -> None:
@@ -132,7 +139,8 @@ def train_steps(
     """One optimizer step per global batch, in `MICROBATCHES` microbatches (all but the last
     under `no_sync()`), on data-parallel rank `rank`'s share (of `world`) of each; appends to
     `result`. The model takes the batch's parts; the loss is averaged over `group` (default:
-    every rank), the data-parallel ranks."""
+    every rank), the data-parallel ranks. Routers with an expert bias move it before each step,
+    from their tokens counted over `group`, as the training loop does."""
     distributed = hasattr(model, "no_sync")
     for batch in batches:
         if distributed:
@@ -152,6 +160,7 @@ def train_steps(
             model.finish_grad_sync()
             dist.all_reduce(total, group=group)
             total /= world
+        update_expert_bias([model], group)
         _, grad_norm, _ = optimizer.step()
         result.losses.append(float(total))
         result.grad_norms.append(grad_norm)

@@ -1,7 +1,7 @@
 """`compile_layers`: transformer layers compiled by `torch.compile` train as the eager model
-does, alone (recompute, dropout, MoE) and under the DDP engine and Megatron-FSDP, whose hooks stay
-outside the compiled code; gradient-accumulation fusion keeps working (the linears run between
-the compiled graphs).
+does, alone (recompute, dropout, MoE, gpt-oss's windows and sinks) and under the DDP engine and
+Megatron-FSDP, whose hooks stay outside the compiled code; gradient-accumulation fusion keeps
+working (the linears run between the compiled graphs).
 
 Most cases compile with the `aot_eager` backend: it traces, splits at the graph breaks and
 differentiates as `inductor` does, but runs PyTorch's own kernels, so the results equal the
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from megatron.core.activations import quick_gelu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.models.gpt import GPTModel
@@ -57,6 +58,16 @@ CASES = {
     "dropout": dict(hidden_dropout=0.1, attention_dropout=0.1),
     "swiglu-rmsnorm": dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm"),
     "moe": MOE,
+    "gpt-oss": dict(
+        num_query_groups=2,
+        window_size=(3, 0),
+        window_attn_skip_freq=2,
+        softmax_type="learnable",
+        gated_linear_unit=True,
+        activation_func=quick_gelu,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=7.0,
+    ),
 }
 
 

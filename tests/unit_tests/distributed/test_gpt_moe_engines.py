@@ -1,9 +1,9 @@
 """The GPT with MoE layers (router, all-to-all dispatch, stacked experts) under the data-parallel
 engines: at EP 1, 2 and 4 on 4 gloo ranks, under the DDP engine and the Megatron-FSDP strategies,
 it trains exactly as one process running the whole global batch with every expert local (losses,
-gradient norms, global weights after SGD steps with gradient accumulation). Built on the `meta`
-device and materialised by Megatron-FSDP, it starts from the eager build's weights, bit for bit,
-and trains as it does."""
+gradient norms, global weights after SGD steps with gradient accumulation); in FP8 it trains alike
+at EP 1 and 2. Built on the `meta` device and materialised by Megatron-FSDP, it starts from the
+eager build's weights, bit for bit, and trains as it does."""
 
 from __future__ import annotations
 
@@ -127,6 +127,48 @@ def _compare(engine: Engine, ep_sizes: tuple[int, ...], dispatcher: str) -> None
 )
 def test_gpt_moe_trains_as_one_process_at_every_ep_size(engine, ep_sizes, dispatcher):
     run_distributed(_compare, WORLD, engine, ep_sizes, dispatcher)
+
+
+FP8 = dict(
+    fp8="hybrid",
+    fp8_recipe="delayed",
+    fp8_amax_history_len=4,
+    fp8_amax_compute_algo="max",
+    moe_ffn_hidden_size=32,
+)
+"""The model in FP8 (expert sizes in multiples of 16); delayed scaling, whose scales are the
+same on every rank (current scaling scales each rank's own tokens)."""
+
+
+def _fp8_at_ep_1_and_2(engine: Engine, dispatcher: str) -> None:
+    """The same run at EP 1 and EP 2: each rank's FP8 casts are the same in both (one scale per
+    expert, from the histories of global-expert slots reduced over every rank), so they train
+    alike. (A single process over the global batch is no reference in FP8: its output gradients
+    are the ranks' / 4, and the first pass's unscaled E5M2 casts round small ones otherwise.)"""
+    batches = token_batches()
+    builder = functools.partial(build_gpt_moe, dispatcher=dispatcher, **FP8)
+    runs = []
+    for ep in (1, 2):
+        runs.append(engine_run(builder, engine, ep, batches, layer_class=TransformerLayer))
+        parallel_state.destroy_model_parallel()
+    ep1, ep2 = runs
+    torch.testing.assert_close(ep2.losses, ep1.losses)
+    torch.testing.assert_close(ep2.grad_norms, ep1.grad_norms)
+    assert ep2.weights.keys() == ep1.weights.keys()
+    for name, weight in ep1.weights.items():
+        torch.testing.assert_close(ep2.weights[name], weight, msg=name)
+
+
+@pytest.mark.parametrize(
+    "engine, dispatcher",
+    [
+        (Engine("ddp", gradient_accumulation_fusion=True), "alltoall"),
+        (Engine("fsdp", "optim_grads_params"), "allgather"),
+    ],
+    ids=["ddp_fused", "zero3"],
+)
+def test_fp8_gpt_moe_trains_alike_at_ep_1_and_2(engine, dispatcher):
+    run_distributed(_fp8_at_ep_1_and_2, WORLD, engine, dispatcher)
 
 
 def _meta_init_matches_eager(variant: str, ep: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import parse_args, validate_args
 from tests.unit_tests.docs.doc_blocks import REPO, code_blocks
 
 SHELL_LANGUAGES = ("bash", "sh", "shell")
@@ -128,8 +128,11 @@ def _pretrain_flags(words: tuple[str, ...]) -> list[str]:
 
 
 def _passed_on(command: Command) -> tuple[str, ...]:
-    """What an `examples/` launch script hands on to pretrain_gpt.py: the words from its first
-    flag on (the words before are its own positional arguments)."""
+    """What an `examples/` launch script hands on to pretrain_gpt.py: the words after `--` where
+    the command has one (the words before are the script's own options), else the words from
+    its first flag on (the words before are its own positional arguments)."""
+    if "--" in command.args:
+        return command.args[command.args.index("--") + 1 :]
     first = next((i for i, word in enumerate(command.args) if word.startswith("--")), None)
     return () if first is None else command.args[first:]
 
@@ -159,6 +162,21 @@ def test_pretrain_flags_parse(command: Command, capsys: pytest.CaptureFixture[st
         parse_args(args=_pretrain_flags(words))
     except SystemExit:
         pytest.fail(f"{command.where}: {command.text}\n{capsys.readouterr().err}")
+
+
+MODELS = [command for command in PRETRAIN if command.where.startswith("docs/models.md:")]
+"""The scaled-down command line of each architecture `docs/models.md` lists (2 ranks each)."""
+
+
+def test_the_models_page_gives_each_architecture_a_command():
+    assert len(MODELS) == 6
+
+
+@pytest.mark.parametrize("command", MODELS, ids=lambda command: command.where)
+def test_model_commands_validate(command: Command):
+    """Their flags describe runs that start on 2 ranks: nothing refused, nothing contradicts
+    (each architecture's training is tested beside its code)."""
+    validate_args(parse_args(args=_pretrain_flags(command.args)), world_size=2)
 
 
 TOOLS = [command for command in COMMANDS if re.fullmatch(r"tools/\w+\.py", command.script)]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron.core.enums import ModelType
 from megatron.training.arguments import add_megatron_arguments, parse_args, validate_args
+from megatron.training.checkpoint_layout import TRACKER_FILENAME
 from megatron.training.global_vars import set_args
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed_harness import run_distributed
@@ -74,11 +75,7 @@ SCRIPTS = sorted(path.name for path in (ROOT / "examples" / "megatron_lm").glob(
 
 OUTCOMES: dict[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], str | None] = {
     ("llama3_8b_fp8.sh", (), ()): "--profile without --use-pytorch-profiler",
-    (
-        "llama3_8b_fp8.sh",
-        (),
-        ("--attention-backend", "auto", "--use-pytorch-profiler"),
-    ): "--fp8-param-gather needs Megatron-FSDP",
+    ("llama3_8b_fp8.sh", (), ("--attention-backend", "auto", "--use-pytorch-profiler")): None,
     ("llama3_8b_fp8.sh", (("DTYPE", "bf16"),), ()): "--profile without --use-pytorch-profiler",
     (
         "llama3_8b_fp8.sh",
@@ -93,20 +90,22 @@ OUTCOMES: dict[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], str | N
         (),
     ): "--attention-backend fused needs a CUDA GPU",
     ("llama3_8b_fsdp_fp8.sh", (("DTYPE", "bf16"),), ("--attention-backend", "auto")): None,
-    ("mixtral_8x7b.sh", (), ()): "pipeline parallelism is not supported",
+    ("mixtral_8x7b.sh", (), ()): "--pipeline-model-parallel-size 4 = 4; launch a multiple of 4",
     ("deepseek_v3_fsdp.sh", (), ()): "the flex token dispatcher (DeepEP / HybridEP / NCCL EP)",
-    ("gpt_oss.sh", (), ()): "windowed (sliding-window) attention is not built",
+    ("gpt_oss.sh", (), ()): "--transformer-impl transformer_engine: transformer-engine is not",
 }
 """What each script does on 2 CPU ranks, with the environment and extra flags given: None
 trains; otherwise a part of the error it stops with. The Llama-3 scripts ask for cuDNN's fused
 attention, which a CPU lacks, and the H100 one for an nsys profile (`--profile` alone): with
 `--attention-backend auto` (and `--use-pytorch-profiler`) added after their own flags (argparse
-keeps the last value) the rest of their flags train. Their FP8 setting (`DTYPE=fp8`) asks for
-FP8 parameter all-gathers (`--fp8-param-gather`), built for Megatron-FSDP: the FSDP script
-trains with all its FP8 flags, the DDP one without that flag
-(`test_fp8_scripts_train_in_fp8`). Mixtral asks for 4
-pipeline stages by default; with `PP=1` it trains (see
-`test_mixtral_trains_with_expert_parallelism_...`)."""
+keeps the last value) the rest of their flags train, their FP8 setting (`DTYPE=fp8`) included:
+FP8 parameter all-gathers (`--fp8-param-gather`) under Megatron-FSDP in the FSDP script and
+under the DDP engine's distributed optimizer in the other (`test_fp8_scripts_train_in_fp8`).
+Mixtral asks for 4 pipeline stages by default, more than 2 ranks hold; with `PP=1` it trains (see
+`test_mixtral_trains_with_expert_parallelism_...`). gpt-oss asks for Transformer Engine, flash
+attention and 2 pipeline stages; without them it trains (`test_gpt_oss_trains_...`). DeepSeek-V3
+asks for the flex token dispatcher, Transformer Engine and flash attention; without them it
+trains (`test_deepseek_v3_trains_...`)."""
 
 
 def test_every_upstream_script_is_here():
@@ -169,11 +168,10 @@ CPU_FLAGS = {
 @pytest.mark.parametrize("script", sorted(CPU_FLAGS))
 def test_fp8_scripts_train_in_fp8(script, tmp_path):
     """Upstream's FP8 flags (hybrid, delayed scaling over a 1024-long amax history, max, and
-    under Megatron-FSDP `--fp8-param-gather`): the run says it trains in FP8 and every loss is
-    finite."""
+    `--fp8-param-gather`, under Megatron-FSDP or the DDP engine's distributed optimizer): the
+    run says it trains in FP8 and every loss is finite."""
     flags = script_flags(script, tmp_path)
-    if "--use-megatron-fsdp" not in flags:
-        flags = [flag for flag in flags if flag != "--fp8-param-gather"]
+    assert "--fp8-param-gather" in flags
     flags += [*CPU_FLAGS[script], "--num-workers", "0"]
     history, messages = run_distributed(_logged_history, 2, flags)[0]
     losses = history.loss_curve()
@@ -272,3 +270,102 @@ def test_gpt3_175b_scaled_down_trains_with_tensor_parallelism(tmp_path):
     whole = _whole_model_parameters([*flags, "--tensor-model-parallel-size", "1"])
     # The split weights (QKV, projections, MLP, vocabulary) hold most of the parameters.
     assert int(match[1].replace(",", "")) < 0.6 * whole, (logged, whole)
+
+
+def _refusal_messages(flags: list[str]) -> list[str]:
+    """The flag errors validation reports for `flags` on 2 ranks (fails if they validate)."""
+    with pytest.raises(ValueError) as error:
+        validate_args(parse_args(args=[*flags, "--distributed-backend", "gloo"]), world_size=2)
+    return getattr(error.value, "messages", [str(error.value)])
+
+
+def test_gpt_oss_stops_only_at_hardware_and_pipeline_refusals(tmp_path):
+    """Upstream's gpt-oss flags ask for Transformer Engine and 2 pipeline stages of an MoE
+    model (pipeline stages do not compose with MoE yet); with one stage and the local layers,
+    for flash attention (a CPU has neither): nothing else is refused."""
+    messages = _refusal_messages(script_flags("gpt_oss.sh", tmp_path))
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("--transformer-impl transformer_engine: transformer-engine is")
+    assert messages[1].startswith("--pipeline-model-parallel-size 2 does not compose with")
+    assert "--num-experts" in messages[1]
+    one_stage = script_flags("gpt_oss.sh", tmp_path, {"PP_SIZE": "1"})
+    messages = _refusal_messages([*one_stage, "--transformer-impl", "local"])
+    assert len(messages) == 1 and messages[0].startswith(
+        "--use-flash-attn needs a CUDA GPU, which is not available"
+    ), messages
+
+
+def test_gpt_oss_trains_with_those_dropped(tmp_path):
+    """Upstream's gpt-oss flags at one pipeline stage, with the local layers and without flash
+    attention (`test_gpt_oss_stops_only_at_...`): its preset's YaRN positions, sliding windows
+    on alternate layers, learnable sinks, the clamped GLU, MoE with the alltoall dispatcher,
+    FP8 with FP8 parameter all-gathers, recompute; every loss is finite and the preset says
+    what it set."""
+    flags = [
+        flag
+        for flag in script_flags("gpt_oss.sh", tmp_path, {"PP_SIZE": "1"})
+        if flag != "--use-flash-attn"
+    ]
+    flags += ["--transformer-impl", "local", "--num-workers", "0"]
+    history, messages = run_distributed(_logged_history, 2, flags)[0]
+    losses = history.loss_curve()
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), losses
+    assert any(
+        message.startswith(
+            "> --enable-gpt-oss (upstream's gpt-oss preset) sets "
+            "--position-embedding-type yarn --rotary-scaling-factor 32.0"
+        )
+        for message in messages
+    ), messages
+
+
+DEEPSEEK_V3_CPU_FLAGS = ("--moe-token-dispatcher-type", "alltoall", "--transformer-impl", "local")
+"""What replaces the DeepSeek-V3 script's hardware-bound choices on CPU (`--use-flash-attn`, a
+switch no later flag turns off, is deleted from its flags)."""
+
+
+def test_deepseek_v3_stops_only_at_hardware_refusals(tmp_path):
+    """Upstream's DeepSeek-V3 flags ask for the flex token dispatcher (HybridEP) and Transformer
+    Engine; with the alltoall dispatcher and the local layers, for flash attention (a CPU has
+    neither): nothing else is refused."""
+    flags = script_flags("deepseek_v3_fsdp.sh", tmp_path)
+    messages = _refusal_messages(flags)
+    assert [message.split(":")[0] for message in messages] == [
+        "--moe-token-dispatcher-type flex",
+        "--transformer-impl transformer_engine",
+        "--transformer-impl transformer_engine with --multi-latent-attention",
+    ], messages
+    assert "the flex token dispatcher (DeepEP / HybridEP / NCCL EP) is not built" in messages[0]
+    messages = _refusal_messages([*flags, *DEEPSEEK_V3_CPU_FLAGS])
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("--use-flash-attn needs a CUDA GPU, "), messages
+
+
+def test_deepseek_v3_trains_with_those_dropped(tmp_path):
+    """Upstream's DeepSeek-V3 flags with the alltoall dispatcher, the local layers and without
+    flash attention (`test_deepseek_v3_stops_only_at_...`): multi-latent attention with YaRN,
+    one multi-token prediction depth, a dense first layer then MoE layers (shared expert,
+    sigmoid routing with the expert bias, group-limited top-k, the sequence-wise loss) at EP 2,
+    bf16, Megatron-FSDP ZeRO-3 built on the meta device, recompute. Stopped after iteration 2
+    and launched again as written, it loads its `fsdp_dtensor` checkpoint (under
+    `--dist-ckpt-strictness log_all`) and trains to the end: every iteration's losses (the
+    depth's included) are finite and the same on both ranks."""
+    flags = [
+        flag for flag in script_flags("deepseek_v3_fsdp.sh", tmp_path) if flag != "--use-flash-attn"
+    ]
+    for built in ("--multi-latent-attention", "--mtp-num-layers", "--init-model-with-meta-device"):
+        assert built in flags
+    flags += [*DEEPSEEK_V3_CPU_FLAGS, "--num-workers", "0"]
+    tracker = tmp_path / "output" / "checkpoints" / TRACKER_FILENAME
+    first = run_distributed(_history, 2, [*flags, "--exit-interval", "2"])
+    assert tracker.read_text() == "2\n"
+    second = run_distributed(_history, 2, flags)
+    assert second[0].start_iteration == 2
+    assert tracker.read_text() == "4\n"
+    for histories in (first, second):
+        losses = histories[0].losses
+        assert len(losses) == 2, losses
+        for step in losses:
+            assert sorted(step) == ["lm loss", "mtp_1 loss", "seq_load_balancing_loss"], step
+            assert all(math.isfinite(value) for value in step.values()), step
+        assert histories[1].losses == losses

@@ -2,9 +2,12 @@
 inverse, multiply in fp32: the arithmetic `torch._scaled_mm` performs on CPU, bit for bit, where
 its CPU kernel dequantises before an fp32 matmul (torch 2.13's). Where it does not (torch 2.11
 on CPUs whose oneDNN has FP8 matmuls rounds otherwise), `exact_cpu_scaled_mm` skips the tests
-that compare with these references bit for bit."""
+that compare with these references bit for bit. The blockwise recipe's references quantise
+block by block, each block with its own scale, written out from Transformer Engine's rule."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -50,3 +53,60 @@ exact_cpu_scaled_mm = pytest.mark.skipif(
     "2.13's CPU kernel does, bit for bit)",
 )
 """For the tests that compare FP8 GEMMs on CPU with the references bit for bit."""
+
+
+BLOCK = 128
+
+
+def block_scale(amax: float, dtype: torch.dtype) -> float:
+    """Transformer Engine's blockwise scale (`Float8BlockScaling`'s defaults), written out: the
+    largest power of 2 at or below the fp32 quotient `max / amax`; 1 for an amax of 0, inf or
+    NaN; 2^127 where the quotient overflows fp32."""
+    if amax == 0 or not math.isfinite(amax):
+        return 1.0
+    quotient = (torch.tensor(torch.finfo(dtype).max) / torch.tensor(amax)).item()
+    if math.isinf(quotient):
+        return 2.0**127
+    return 2.0 ** math.floor(math.log2(quotient))
+
+
+def block_q(
+    x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (2-D) quantised block by block, each block by `block_scale` of its largest
+    magnitude (NaNs skipped): (the FP8 values, the scales' inverses `[row blocks, column
+    blocks]`)."""
+    rows, cols = x.shape
+    row_blocks, col_blocks = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    data = torch.empty(rows, cols, dtype=dtype)
+    scale_inv = torch.empty(row_blocks, col_blocks)
+    for i in range(row_blocks):
+        for j in range(col_blocks):
+            where = (
+                slice(i * block[0], (i + 1) * block[0]),
+                slice(j * block[1], (j + 1) * block[1]),
+            )
+            tile = x[where].detach().float()
+            amax = tile.abs().nan_to_num(nan=0.0, posinf=math.inf).max().item()
+            scale = torch.tensor(block_scale(amax, dtype))
+            data[where] = q(tile, scale, dtype)
+            scale_inv[i, j] = scale.reciprocal()
+    return data, scale_inv
+
+
+def block_dq(data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """`data` in fp32, each block times its scale's inverse."""
+    expanded = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return data.float() * expanded[: data.shape[0], : data.shape[1]]
+
+
+def block_fake_quant(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]) -> torch.Tensor:
+    """`x` quantised in blocks and dequantised, fp32."""
+    return block_dq(*block_q(x, dtype, block), block)
+
+
+def padded_tokens_t(x: torch.Tensor) -> torch.Tensor:
+    """`x` (`[tokens, features]`) transposed, with zero columns up to a multiple of 128 tokens:
+    what the blockwise weight-gradient GEMM contracts over."""
+    tokens = x.shape[0]
+    return torch.nn.functional.pad(x.t(), (0, -(-tokens // BLOCK) * BLOCK - tokens))

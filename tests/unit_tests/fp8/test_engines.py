@@ -20,6 +20,7 @@ from tests.unit_tests.model_builders import (
 
 BF16 = dict(params_dtype=torch.bfloat16, bf16=True)
 FP8 = dict(fp8="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+BLOCKWISE = dict(fp8="e4m3", fp8_recipe="blockwise")
 
 
 def _wrapped(config, strategy: str) -> FullyShardedDataParallel:
@@ -30,12 +31,12 @@ def _wrapped(config, strategy: str) -> FullyShardedDataParallel:
     return FullyShardedDataParallel(model.config, ddp_config, model)
 
 
-def _logits_after_an_in_place_write(strategy: str) -> list[bool]:
+def _logits_after_an_in_place_write(strategy: str, fp8: dict = FP8) -> list[bool]:
     """A forward (which makes the FP8 weight copies), an in-place write to the main weights
     (no optimizer step: the engine gathers the new compute weights without bumping their
     version counters), another forward: its logits are those of a plain FP8 model holding the
     written weights."""
-    config = tiny_gpt_config(**BF16, **FP8)
+    config = tiny_gpt_config(**BF16, **fp8)
     fsdp = _wrapped(config, strategy)
     tokens, _ = make_token_batches(1, 2, seed=3)[0]
     fsdp(tokens)
@@ -56,11 +57,11 @@ def test_fp8_weights_follow_the_engines_refreshed_weights(strategy):
     assert run_distributed(_logits_after_an_in_place_write, 2, strategy) == [[True]] * 2
 
 
-def _ddp_logits_after_an_unseen_write() -> list[bool]:
+def _ddp_logits_after_an_unseen_write(fp8: dict = FP8) -> list[bool]:
     """A write no version counter sees (as a replayed CUDA graph's optimizer step), then
     `start_param_sync(force_sync=True)`, the engine's signal that weights changed: the next
     forward casts the new weights."""
-    config = tiny_gpt_config(**BF16, **FP8)
+    config = tiny_gpt_config(**BF16, **fp8)
     model = build_tiny_gpt(config)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     tokens, _ = make_token_batches(1, 2, seed=3)[0]
@@ -79,6 +80,14 @@ def _ddp_logits_after_an_unseen_write() -> list[bool]:
 
 def test_fp8_weights_follow_the_ddp_engines_forced_sync():
     assert run_distributed(_ddp_logits_after_an_unseen_write, 2) == [[True]] * 2
+
+
+def test_blockwise_fp8_weights_follow_both_engines():
+    """The blockwise recipe's 128x128 weight copies follow the same signals, under ZeRO-3
+    (weights gathered in bf16 at each use) and under the DDP engine."""
+    zero3 = run_distributed(_logits_after_an_in_place_write, 2, "optim_grads_params", BLOCKWISE)
+    assert zero3 == [[True]] * 2
+    assert run_distributed(_ddp_logits_after_an_unseen_write, 2, BLOCKWISE) == [[True]] * 2
 
 
 def _zero3_losses(fp8: bool, steps: int = 12) -> list[float]:

@@ -6,9 +6,13 @@ gradients fused into an engine's `main_grad` (written over or added to) and the
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron.core.fp8 import quantize
 from megatron.core.fp8.linear import Fp8LinearSlots
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
@@ -159,18 +163,24 @@ def test_autograd_grad_and_backward_inputs_leave_main_grad_alone():
     assert weight.grad is None and torch.all(engine.main_grad == 0.5)
 
 
-def test_a_checkpointed_linear_recomputes_the_forwards_cast():
+@pytest.mark.parametrize("selective", [False, True])
+def test_a_checkpointed_linear_recomputes_the_forwards_cast(selective):
     """A non-reentrant checkpoint around an FP8 linear under delayed scaling, with the scales
     changed between forward and backward (as the end of the block's forward does): the
     recomputed forward casts with the forward's scale, so the gradients are the uncheckpointed
-    ones, and nothing is recorded twice."""
-    from megatron.core.transformer.recompute import recompute
+    ones, and nothing is recorded twice. A selective checkpoint (keeping the GEMMs' outputs)
+    refuses a recomputation that dispatches an op its forward did not: the replayed casts
+    dispatch none to view the forward's scales."""
+    from megatron.core.transformer.recompute import recompute, recompute_keeping
 
     weight, bias, x, grad = _case()
     results = []
     for checkpointed in (False, True):
         slots = _slots("hybrid", "delayed")
-        if checkpointed:
+        if checkpointed and selective:
+            kept = {torch.ops.aten._scaled_mm.default}
+            y = recompute_keeping(kept, linear, x, weight, bias, slots)
+        elif checkpointed:
             y = recompute(linear, x, weight, bias, slots)
         else:
             y = linear(x, weight, bias, slots)
@@ -186,3 +196,37 @@ def test_a_checkpointed_linear_recomputes_the_forwards_cast():
         assert torch.equal(a, b)
     assert torch.equal(plain[4], checkpointed[4])
     assert torch.equal(plain[5]["amax_history_fwd"], checkpointed[5]["amax_history_fwd"])
+
+
+class _OpsOutsideTheReferenceQuantiser(TorchDispatchMode):
+    """The aten ops dispatched while active, but those of the reference quantiser (which runs
+    off CUDA in place of a kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not quantize._quantize_reference.__code__:
+            frame = frame.f_back
+        if frame is None:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+def test_a_call_views_neither_the_scaling_state_nor_the_weight(kind):
+    """Host work per call (each op is a launch or an allocation on a GPU): once the first call
+    has made them, an FP8 linear's forward and backward take their delayed-scaling scales and
+    amax records and their FP8 weight's GEMM operands as views made before, slicing nothing,
+    and view a tensor transposed only once (the saved input's, for the weight gradient)."""
+    slots = _slots("hybrid", kind)
+    weight, bias, x, grad = _case()
+    linear(x, weight, bias, slots).backward(grad)
+    counted = _OpsOutsideTheReferenceQuantiser()
+    with counted:
+        linear(x, weight, bias, slots).backward(grad)
+    assert "_scaled_mm" in counted.ops
+    assert not {"slice", "select", "narrow"} & set(counted.ops), counted.ops
+    assert counted.ops.count("t") == 1, counted.ops

@@ -1,33 +1,49 @@
 """GPU: `--fp8-param-gather` through `pretrain_gpt.py` on CUDA (the fused cast kernels, the
-all-gather stream): Megatron-FSDP trains bit for bit as without it, eager and with the whole
-iteration in a CUDA graph, whose replays cast the FP8 weights from the main weights the graphed
-optimizer step wrote. One rank per GPU present (1 or 2)."""
+all-gather stream): Megatron-FSDP, and the DDP engine's distributed optimizer, train bit for bit
+as without it, eager and with the whole iteration in a CUDA graph, whose replays cast the FP8
+weights from the main weights the graphed optimizer step wrote; with `--keep-fp8-transpose-cache`
+too, whose kept transposes hold 1 byte per element of the FP8 weights from step to step and are
+freed at each refresh (the memory allocated stays flat). One rank per GPU present (1 or 2)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 
 import pretrain_gpt
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.fsdp import FullyShardedDataParallel, parameter_groups
 from megatron.core.enums import ModelType
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.model_builders import (
+    build_tiny_gpt,
+    make_token_batches,
+    shard_batch,
+    tiny_gpt_config,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-BASE = (
+MODEL = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
     "--micro-batch-size 2 --train-iters 8 --lr 0.001953125 --lr-decay-style constant "
     "--mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --bf16 --eval-iters 0 "
     "--hidden-dropout 0 --attention-dropout 0 --fp8-format hybrid --fp8-amax-history-len 4 "
-    "--fp8-amax-compute-algo max --use-megatron-fsdp --no-fsdp-all-gather-in-start-param-sync "
-    "--overlap-grad-reduce --overlap-param-gather"
+    "--fp8-amax-compute-algo max --overlap-grad-reduce"
 ).split()
+BASE = [
+    *MODEL,
+    *"--use-megatron-fsdp --no-fsdp-all-gather-in-start-param-sync --overlap-param-gather".split(),
+]
+DDP = [*MODEL, "--use-distributed-optimizer"]
 GRAPHED = ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"]
 
 
@@ -66,3 +82,77 @@ def test_fp8_param_gather_trains_as_without_it(strategy, graphed):
     losses, _ = plain[0]
     assert losses[-1] < losses[0]
     assert gathered == plain
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_ddp_fp8_param_gather_trains_as_without_it(graphed):
+    """The DDP engine's distributed optimizer gathering the FP8 weights as FP8: the graph
+    captures the amax reduction, the casts, the FP8 all-gather and the dequantised writes."""
+    world = _world()
+    flags = [*DDP, "--global-batch-size", str(4 * world), *(GRAPHED if graphed else [])]
+    plain = run_distributed(_curves, world, flags)
+    gathered = run_distributed(_curves, world, [*flags, "--fp8-param-gather"])
+    losses, _ = plain[0]
+    assert losses[-1] < losses[0]
+    assert gathered == plain
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_kept_fp8_transposes_train_as_without_them(graphed):
+    """ZeRO-3, four microbatches per step: the transposes made in the first backward serve the
+    other three (in the graph too)."""
+    world = _world()
+    flags = [*BASE, "--data-parallel-sharding-strategy", "optim_grads_params", "--fp8-param-gather"]
+    flags += ["--global-batch-size", str(8 * world), *(GRAPHED if graphed else [])]
+    freed = run_distributed(_curves, world, flags)
+    kept = run_distributed(_curves, world, [*flags, "--keep-fp8-transpose-cache"])
+    assert kept == freed
+
+
+def _allocated_after_each_step(keep_fp8_transpose_cache: bool) -> tuple[list[int], int]:
+    """ZeRO-3 over this rank's GPU: memory allocated after each of 4 steps of 2 microbatches,
+    and the bytes the transposes of the whole FP8 weights take in allocator blocks."""
+    gc.collect()  # what earlier runs on this rank left, so that it is not freed mid-run
+    parallel_state.initialize_model_parallel()
+    config = tiny_gpt_config(params_dtype=torch.bfloat16, bf16=True, fp8="hybrid")
+    model = build_tiny_gpt(config)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        fp8_param_gather=True,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+    )
+    fsdp = FullyShardedDataParallel(config, ddp_config, model)
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+    dp = parallel_state.get_data_parallel_group()
+    batches = make_token_batches(8, 4 * dp.size(), seed=5)
+    allocated = []
+    for step in range(4):
+        fsdp.zero_grad_buffer()
+        for tokens, labels in batches[2 * step : 2 * step + 2]:
+            tokens, labels = (shard_batch(t, dp.rank(), dp.size()).cuda() for t in (tokens, labels))
+            fsdp(tokens, labels=labels).float().mean().backward()
+        fsdp.finish_grad_sync()
+        optimizer.step()
+        optimizer.zero_grad()
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    shapes = [
+        shape
+        for group in parameter_groups(fsdp.module)
+        if group.plan.fp8_gather
+        for shape in group.weights.layout.shapes
+    ]
+    return allocated, sum(-(-shape.numel() // 512) * 512 for shape in shapes)
+
+
+def test_kept_fp8_transposes_hold_one_byte_per_element_and_do_not_grow():
+    world = _world()
+    kept = run_distributed(_allocated_after_each_step, world, True)
+    freed = run_distributed(_allocated_after_each_step, world, False)
+    for (kept_allocated, transpose_bytes), (freed_allocated, _) in zip(kept, freed):
+        # From the second step on (the optimizer's states exist), nothing accumulates.
+        assert len(set(kept_allocated[1:])) == 1, kept_allocated
+        assert len(set(freed_allocated[1:])) == 1, freed_allocated
+        assert kept_allocated[-1] - freed_allocated[-1] == transpose_bytes > 0

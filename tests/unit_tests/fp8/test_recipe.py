@@ -4,6 +4,7 @@ bf16-layer fields, and Megatron-LM's rule for which layers stay in high precisio
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron.core.fp8.recipe import Fp8Recipe, is_first_last_bf16_layer, recipe_from_config
 from tests.unit_tests.model_builders import tiny_gpt_config
@@ -28,7 +29,19 @@ def test_a_config_describes_its_recipe():
         (dict(fp8_recipe="tensorwise"), "fp8_recipe='tensorwise' applies to FP8 training only"),
         (dict(fp8_wgrad=False), "fp8_wgrad=False applies to FP8 training only"),
         (dict(fp8="e5m2"), "fp8='e5m2' is not an FP8 format"),
-        (dict(fp8="hybrid", fp8_recipe="blockwise"), "blockwise scaling .* is not built yet"),
+        (
+            dict(fp8="hybrid", fp8_recipe="blockwise"),
+            "fp8_recipe='blockwise' with fp8='hybrid': torch's blockwise-scaled GEMM multiplies "
+            "E4M3 operands only",
+        ),
+        (
+            dict(fp8="e4m3", fp8_recipe="blockwise", num_moe_experts=4),
+            "fp8_recipe='blockwise' with num_moe_experts=4: blockwise FP8 experts are not built",
+        ),
+        (
+            dict(fp8="e4m3", fp8_recipe="blockwise", fp8_margin=1),
+            "fp8_margin=1 applies to delayed scaling only, not to fp8_recipe='blockwise'",
+        ),
         (dict(fp8="hybrid", fp8_recipe="mxfp8"), "Device compute capability 10.0 or higher"),
         (dict(fp8="hybrid", fp8_recipe="custom"), "quantizer factories"),
         (
@@ -55,12 +68,20 @@ def test_a_config_describes_its_recipe():
             ),
             r"num_layers_at_end_in_bf16=3 must be between 0 and .* \(2\)",
         ),
-        (dict(fp8="hybrid", num_moe_experts=4), "FP8 experts are not built yet"),
     ],
 )
 def test_bad_or_unbuilt_fields_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         tiny_gpt_config(**fields)
+
+
+def test_the_blockwise_recipe_is_built_in_e4m3():
+    recipe = recipe_from_config(tiny_gpt_config(fp8="e4m3", fp8_recipe="blockwise"))
+    assert recipe.blockwise and not recipe.delayed and not recipe.fprop_fast_accum
+    assert recipe.backward_dtype == recipe.forward_dtype == torch.float8_e4m3fn
+    assert recipe.describe() == (
+        "e4m3 format, blockwise scaling (1x128 activations and gradients, 128x128 weights)"
+    )
 
 
 def test_fp8_interval_warns_as_upstream():

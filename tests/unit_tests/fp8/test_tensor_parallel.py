@@ -27,8 +27,8 @@ def _change_forward_scales(slots: Fp8LinearSlots) -> None:
 
 
 def _slots(kind: str) -> Fp8LinearSlots:
-    recipe = Fp8Recipe("hybrid", kind)
-    if kind == "tensorwise":
+    recipe = Fp8Recipe("e4m3" if kind == "blockwise" else "hybrid", kind)
+    if not recipe.delayed:
         return Fp8LinearSlots(recipe)
     return Fp8LinearSlots(recipe, DelayedScalingState(recipe, group=None))
 
@@ -76,7 +76,7 @@ def _column_parallel_run(kind: str, sequence_parallel: bool) -> list[bool]:
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed", "blockwise"])
 def test_column_parallel_fp8_equals_the_fp8_linear_of_the_whole_input(kind, sequence_parallel):
     ranks = run_distributed(_column_parallel_run, 2, kind, sequence_parallel)
     for rank, checks in enumerate(ranks):

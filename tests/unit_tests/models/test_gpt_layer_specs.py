@@ -20,6 +20,7 @@ from megatron.core.transformer import (
     TransformerLayer,
     WrappedTorchNorm,
 )
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_block import LayerNormImpl
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -61,8 +62,9 @@ def test_local_spec_takes_upstreams_arguments_in_order():
     ):
         with pytest.raises(ValueError, match="asks for query-key norms, but the layer spec"):
             _qk_norms(no_norm, qk_layernorm=True)
-    with pytest.raises(ValueError, match="multi-latent attention is not built"):
-        get_gpt_layer_local_spec(None, False, False, True)
+    # The fourth: multi-latent attention.
+    mla = get_gpt_layer_local_spec(None, False, False, True).submodules.self_attention
+    assert mla.module is MLASelfAttention
     with pytest.warns(UserWarning, match="fp8 argument"):
         get_gpt_layer_local_spec(fp8="e4m3")
 

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed_harness import run_distributed
@@ -123,6 +124,19 @@ VARIANTS = {
         dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm"),
         dict(),
     ),
+    "gpt_oss": (
+        dict(
+            num_query_groups=2,
+            window_size=(2, 0),
+            window_attn_skip_freq=2,
+            softmax_type="learnable",
+            gated_linear_unit=True,
+            activation_func=quick_gelu,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=7.0,
+        ),
+        dict(position_embedding_type="rope"),
+    ),
 }
 
 
@@ -221,7 +235,13 @@ def test_meta_construction_then_reset_parameters(tied):
 
 @pytest.mark.parametrize(
     "variant, tied",
-    [("learned", False), ("learned", True), ("rope_gqa", True), ("swiglu_rmsnorm", False)],
+    [
+        ("learned", False),
+        ("learned", True),
+        ("rope_gqa", True),
+        ("swiglu_rmsnorm", False),
+        ("gpt_oss", False),
+    ],
 )
 def test_meta_construction_then_reset_parameters_matches_a_normal_build_bit_for_bit(variant, tied):
     # Deferred (meta) initialisation must give exactly the weights of a normal build with the
@@ -295,11 +315,10 @@ def test_pipeline_style_split_matches_the_full_model():
     "kwargs, message",
     [
         (dict(position_embedding_type="alibi"), "position_embedding_type"),
-        (dict(share_embeddings_and_output_weights=True, post_process=False), "share_embeddings"),
         (dict(fp16_lm_cross_entropy=True), "fp16_lm_cross_entropy=True .the loss is computed"),
         (dict(scatter_embedding_sequence_parallel=False), "scatter_embedding_sequence_parallel"),
         (dict(mtp_block_spec=get_gpt_layer_local_spec()), "multi-token prediction"),
-        (dict(vp_stage=0), "vp_stage=0 .pipeline parallelism"),
+        (dict(vp_stage=1), "vp_stage=1 is outside the pipeline of 1 rank.s. x 1 virtual"),
     ],
 )
 def test_bad_model_arguments_raise(kwargs, message):

@@ -6,8 +6,8 @@ losses, MoE metrics and expert-bias update equal the reference's on its own batc
 data-parallel replica), the full weights (tp parts gathered by their layouts, expert parts over
 expt_tp by theirs, then over ep) equal the reference's, and the full gradients, summed over the
 data-parallel group (the expert data-parallel group for experts), equal the reference's summed
-over the data-parallel group: both are the gradient of the sum of all replicas' losses. Also the
-layer's refusals of expert groups that do not match the config."""
+over the data-parallel group: both are the gradient of the sum of all replicas' losses; in FP8
+too. Also the layer's refusals of expert groups that do not match the config."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ VARIANTS = {
     "linear_bias": dict(
         add_bias_linear=True, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False
     ),
+    # FP8 in every linear layer, experts and shared experts included.
+    "fp8": moe_tp.FP8,
 }
 
 
@@ -122,6 +124,8 @@ def _check_against_reference(tp: int, ep: int, dispatcher: str, variant: str) ->
     model = moe_tp._build(config, None)  # parallel_state's groups
     layouts = named_tensor_parallel_layouts(model)
     _set_biases(reference, model, layouts)
+    if config.fp8:
+        moe_tp.equal_part_amaxes(reference, model, lambda name, full: _local(name, full, layouts))
     generator = torch.Generator().manual_seed(ps.get_data_parallel_rank())
     tokens = torch.randint(0, moe_tp.VOCAB, (moe_tp.BATCH, moe_tp.SEQ), generator=generator)
     labels = torch.randint(0, moe_tp.VOCAB, (moe_tp.BATCH, moe_tp.SEQ), generator=generator)
@@ -151,6 +155,8 @@ def _check_against_reference(tp: int, ep: int, dispatcher: str, variant: str) ->
         (1, 2, "allgather", "linear_bias"),
         (1, 1, "alltoall", "linear_bias"),
         (1, 1, "allgather", "softmax_aux_loss"),
+        (2, 2, "alltoall", "fp8"),
+        (1, 1, "allgather", "fp8"),
     ],
 )
 def test_moe_gpt_with_expert_tensor_parallelism_matches_tp1(tp, ep, dispatcher, variant):

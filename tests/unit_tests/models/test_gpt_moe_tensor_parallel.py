@@ -9,6 +9,8 @@ with TP but without SP, 1 < ETP x EP < TP, and an MLP width not divisible by ETP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     model_parallel_cuda_manual_seed,
     named_tensor_parallel_layouts,
+    shard_tensor,
 )
 from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
@@ -52,18 +55,51 @@ VARIANTS = {
     ),
 }
 
+FP8 = dict(
+    fp8="hybrid",
+    fp8_recipe="delayed",
+    fp8_amax_history_len=2,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+)
+"""FP8 (delayed scaling: every rank casts with the same scales; its first pass casts unscaled)
+in every linear layer, experts and shared experts included; widths in multiples of 16 per
+rank."""
 
-def _config(tp: int, ep: int, dispatcher: str, variant: str) -> TransformerConfig:
-    return tiny_gpt_config(
+
+def equal_part_amaxes(
+    reference: torch.nn.Module,
+    model: torch.nn.Module,
+    local_of: Callable[[str, torch.Tensor], torch.Tensor],
+) -> None:
+    """Gives each FP8 weight (each expert's, for stacked ones) of `reference` its largest
+    magnitude along its first row and column, and `model` its part of it (`local_of(name,
+    full)`): every tensor-parallel part then holds the whole weight's maximum, so the parts,
+    which FP8 scales each by its own amax (as upstream), are cast with the whole weight's scale,
+    and the models compute alike."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in reference.named_parameters():
+            if "linear_" not in name or not name.endswith(".weight"):
+                continue
+            peak = full.abs().amax(dim=(-2, -1), keepdim=True)
+            full[..., 0, :] = peak[..., 0, :]
+            full[..., :, 0] = peak[..., :, 0]
+            params[name].copy_(local_of(name, full))
+
+
+def _config(
+    tp: int, ep: int, dispatcher: str, variant: str, fp8: bool = False
+) -> TransformerConfig:
+    fields = dict(
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
         expert_tensor_parallel_size=1,
         expert_model_parallel_size=ep,
         moe_token_dispatcher_type=dispatcher,
         seq_length=SEQ,
-        **MOE,
-        **VARIANTS[variant],
     )
+    return tiny_gpt_config(**{**fields, **MOE, **VARIANTS[variant], **(FP8 if fp8 else {})})
 
 
 def _build(config: TransformerConfig, pg_collection: ProcessGroupCollection | None) -> GPTModel:
@@ -128,7 +164,16 @@ def _global(name: str, tensor: torch.Tensor, layouts: dict, tp_group, ep_group) 
     return tensor
 
 
-def _check_against_reference(ep: int, dispatcher: str, variant: str) -> None:
+def _local(name: str, full: torch.Tensor, layouts: dict, tp_group, ep_group) -> torch.Tensor:
+    """This rank's part of the global tensor `full` (inverse of `_global`)."""
+    if name in layouts:
+        return shard_tensor(full, layouts[name], tp_group.rank(), tp_group.size())
+    if ".experts." in name and ep_group is not None:
+        return full.chunk(ep_group.size())[ep_group.rank()]
+    return full
+
+
+def _check_against_reference(ep: int, dispatcher: str, variant: str, fp8: bool = False) -> None:
     tp_group, ep_group = _tp_group(TP), _ep_group(ep)
     model_parallel_cuda_manual_seed(1234, tp_rank=tp_group.rank())
     # One batch per tp group (a data-parallel replica), the same on its two ranks.
@@ -136,13 +181,17 @@ def _check_against_reference(ep: int, dispatcher: str, variant: str) -> None:
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
 
-    reference = _build(_config(1, 1, dispatcher, variant), None)
+    reference = _build(_config(1, 1, dispatcher, variant, fp8), None)
     model = _build(
-        _config(TP, ep, dispatcher, variant), ProcessGroupCollection(tp=tp_group, ep=ep_group)
+        _config(TP, ep, dispatcher, variant, fp8), ProcessGroupCollection(tp=tp_group, ep=ep_group)
     )
+    layouts = named_tensor_parallel_layouts(model)
+    if fp8:
+        equal_part_amaxes(
+            reference, model, lambda name, full: _local(name, full, layouts, tp_group, ep_group)
+        )
     check_step(reference, model, tokens, labels)
 
-    layouts = named_tensor_parallel_layouts(model)
     assert any(".shared_experts.linear_fc1." in name for name in layouts)
     reference_params = dict(reference.named_parameters())
     assert reference_params.keys() == dict(model.named_parameters()).keys()
@@ -154,16 +203,19 @@ def _check_against_reference(ep: int, dispatcher: str, variant: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "ep, dispatcher, variant",
+    "ep, dispatcher, variant, fp8",
     [
-        (2, "alltoall", "softmax_aux_loss"),
-        (2, "allgather", "sigmoid_bias_seq_aux_loss"),
-        (1, "alltoall", "softmax_aux_loss"),
-        (1, "allgather", "sigmoid_bias_seq_aux_loss"),
+        (2, "alltoall", "softmax_aux_loss", False),
+        (2, "allgather", "sigmoid_bias_seq_aux_loss", False),
+        (1, "alltoall", "softmax_aux_loss", False),
+        (1, "allgather", "sigmoid_bias_seq_aux_loss", False),
+        (1, "alltoall", "softmax_aux_loss", True),
     ],
 )
-def test_moe_gpt_under_tensor_and_sequence_parallelism_matches_tp1(ep, dispatcher, variant):
-    run_distributed(_check_against_reference, WORLD, ep, dispatcher, variant)
+def test_moe_gpt_under_tensor_and_sequence_parallelism_matches_tp1(ep, dispatcher, variant, fp8):
+    """Also in FP8 at EP 1, where every tp rank holds the experts whole and their FP8 weight
+    gradients are summed over tp."""
+    run_distributed(_check_against_reference, WORLD, ep, dispatcher, variant, fp8)
 
 
 TP4_SP = dict(tensor_model_parallel_size=4, sequence_parallel=True)

@@ -262,6 +262,7 @@ def _ckpt_args(root: str) -> argparse.Namespace:
         pretrained_checkpoint=None,
         no_load_optim=False,
         no_load_rng=True,
+        dist_ckpt_strictness="assume_ok_unexpected",
         consumed_train_samples=16,
         consumed_valid_samples=0,
         num_layers=2,

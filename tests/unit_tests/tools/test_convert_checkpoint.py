@@ -388,6 +388,47 @@ def test_bare_state_dict_needs_finetune_or_no_load_optim(bare_checkpoint):
     assert result["start_iteration"] == 0 and len(result["losses"]) == 3
 
 
+MOE_FIXTURE = REPO / "tests/unit_tests/transformer/moe/fixtures/moe_layer_fixture.pt"
+"""Megatron-core 0.19.2 MoE layers' state dicts (tests/unit_tests/transformer/moe/fixtures)."""
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "model_entry"])
+def test_megatron_core_moe_state_dict_converts_to_stacked_experts(tmp_path, wrapped):
+    """Upstream's per-expert names (`local_experts.<i>`) become the stacked tensors this
+    project saves, in expert order; its None `_extra_state` entries are left out."""
+    upstream = torch.load(MOE_FIXTURE)["deepseek_v3"]["state_dict"]
+    prefix = "decoder.layers.1.mlp."
+    model = {f"{prefix}{key}": value for key, value in upstream.items()}
+    model["decoder.final_layernorm.weight"] = torch.ones(16)
+    path = tmp_path / "upstream.pt"
+    torch.save({"model": model} if wrapped else model, path)
+    convert("from-torch", "--input", path, "--save", tmp_path / "ckpt")
+    convert("to-torch", "--load", tmp_path / "ckpt", "--output", tmp_path / "back.pt")
+    back = load(tmp_path / "back.pt")["model"]
+    experts = range(8)
+    expected = {
+        f"{prefix}experts.{name}": torch.stack(
+            [upstream[f"experts.local_experts.{i}.{name}"] for i in experts]
+        )
+        for name in ("linear_fc1.weight", "linear_fc2.weight")
+    }
+    for name in ("router.weight", "router.expert_bias", "shared_experts.gate_weight"):
+        expected[prefix + name] = upstream[name]
+    for name in ("linear_fc1.weight", "linear_fc2.weight"):
+        expected[f"{prefix}shared_experts.{name}"] = upstream[f"shared_experts.{name}"]
+    expected["decoder.final_layernorm.weight"] = torch.ones(16)
+    assert_tensors_equal(back, expected)
+
+
+def test_megatron_core_moe_state_dict_missing_an_expert_is_refused(tmp_path):
+    upstream = dict(torch.load(MOE_FIXTURE)["deepseek_v3"]["state_dict"])
+    del upstream["experts.local_experts.5.linear_fc2.weight"]
+    torch.save(upstream, tmp_path / "upstream.pt")
+    with pytest.raises(CheckpointError, match=r"experts \[5\] are missing"):
+        convert("from-torch", "--input", tmp_path / "upstream.pt", "--save", tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_from_torch_iteration_and_force(zero3_run, tmp_path, capsys):
     source = tmp_path / "full.pt"
     convert("to-torch", "--load", zero3_run["save"], "--output", source)

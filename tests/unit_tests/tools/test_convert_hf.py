@@ -1,10 +1,13 @@
 """`tools/convert_hf.py` on tiny random Hugging Face models saved locally (`hf_models.py`): Llama
 2 and 3 (RoPE scaling), Mistral (sharded files, wide heads), Qwen2 (QKV bias, tied and padded
-embeddings), Mixtral and Qwen2-MoE (experts, shared expert, a dense layer).
+embeddings), Qwen3 (query-key norms), Mixtral, Qwen2-MoE and Qwen3-MoE (experts, shared expert,
+a dense layer) and DeepSeek-V3 (multi-latent attention with YaRN, grouped sigmoid routing with
+the expert bias, shared experts, multi-token prediction; `test_convert_hf_deepseek_v3.py` tests
+what is its own).
 
 `import` gives flags that `pretrain_gpt.py`'s own parser turns into the arguments recorded in
 the checkpoint, and a checkpoint whose model computes transformers' logits (fp32, max abs
-difference < 1e-4, while a wrong RoPE layout or scaling, or the other routing normalisation, is
+difference < 1e-4, while a wrong RoPE layout or scaling, or another routing, is
 off by far more), also with the experts split over 2 expert-parallel ranks; `export` gives back
 the original tensors bit for bit and a directory transformers loads; `pretrain_gpt.py --load
 --finetune` trains from the import, starting from the loss transformers computes; and every
@@ -41,6 +44,7 @@ from megatron.training.checkpoint_layout import (
 )
 from megatron.training.hf_conversion import HF_CONFIG_KEY, HFConversionError
 from megatron.training.hf_conversion.config import (
+    hf_config_from_model_args,
     model_args_from_hf_config,
     model_flags,
     vocab_args,
@@ -142,11 +146,19 @@ def test_logits_match_transformers(imported):
     assert difference < PARITY
 
     # The tolerance tells layouts apart: the other RoPE channel pairing, or Llama 3 without
-    # its frequency scaling, moves the logits by far more.
-    wrong = [[*imported["flags"], "--rotary-interleaved"]]
+    # its frequency scaling (multi-latent attention: RoPE instead of YaRN, no routed scaling),
+    # moves the logits by far more.
+    if "--multi-latent-attention" in imported["flags"]:
+        wrong = [
+            [*imported["flags"], "--rope-type", "rope"],
+            [*imported["flags"], "--moe-router-topk-scaling-factor", "1"],
+        ]
+    else:
+        wrong = [[*imported["flags"], "--rotary-interleaved"]]
     if "--use-rope-scaling" in imported["flags"]:
         wrong.append([flag for flag in imported["flags"] if flag != "--use-rope-scaling"])
-    if "--num-experts" in imported["flags"]:  # routing weights renormalised or not
+    softmax_routing = "--moe-router-score-function" not in imported["flags"]
+    if "--num-experts" in imported["flags"] and softmax_routing:  # renormalised or not
         pre_softmax = "--moe-router-pre-softmax"
         flags = imported["flags"]
         wrong.append(
@@ -177,16 +189,20 @@ def test_export_gives_back_the_original(imported, tmp_path):
 
 DERIVED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 """The architecture of the config derived from each test model's flags (else Llama's)."""
 
 
 def test_export_derives_a_config_from_the_saved_flags(imported, tmp_path):
     """A checkpoint without the recorded config (as a training run saves them): Llama's, or
-    Qwen2's for the QKV bias, Mixtral's or Qwen2-MoE's for experts, from the saved flags, with
-    every padded row kept."""
+    Qwen2's for the QKV bias, Qwen3's for query-key norms, Mixtral's, Qwen2-MoE's or
+    Qwen3-MoE's for experts, DeepSeek-V3's for multi-latent attention, from the saved flags,
+    with every padded row kept."""
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(imported["root"] / "ckpt", checkpoint)
     edit_common(str(checkpoint / "iter_0000000"), lambda common: common.pop(HF_CONFIG_KEY))
@@ -430,6 +446,27 @@ def test_qwen2_moe_sparse_layers_are_the_moe_layers(step, dense_layers):
     assert [hasattr(layer.mlp, "router") for layer in ours.decoder.layers] == sparse
 
 
+@pytest.mark.parametrize(
+    "name, changes, message",
+    [
+        ("qwen3", {"add_qkv_bias": True}, "both --add-qkv-bias and --qk-layernorm"),
+        ("qwen3_moe", {"add_qkv_bias": True}, "both --add-qkv-bias and --qk-layernorm"),
+        (
+            "qwen3_moe",
+            {"moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True},
+            "shared experts without --moe-shared-expert-gate and --add-qkv-bias, or with "
+            "--qk-layernorm",
+        ),
+    ],
+)
+def test_derived_config_refuses_what_no_qwen_computes(name, changes, message):
+    """Query-key norms with a QKV bias, or with shared experts: neither Qwen2 nor Qwen3."""
+    args = model_args_from_hf_config(hf_config(name).to_dict())
+    hf_config_from_model_args(args, 96, "float32")
+    with pytest.raises(HFConversionError, match=re.escape(message)):
+        hf_config_from_model_args({**args, **changes}, 96, "float32")
+
+
 @pytest.fixture(scope="module")
 def llama2_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("llama2_only") / "hf"
@@ -446,7 +483,8 @@ def _config_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
 
 REFUSALS = {
     "gpt2": ("GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, "
-             "MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM"),
+             "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+             "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM"),
     "tp": "--target-tp 3 does not divide the model's num_attention_heads 4",
     "tp_experts": "--target-tp 2 does not divide the model's moe_intermediate_size 33",
     "ep": "--target-ep 2: the model is dense (no experts to split)",
@@ -456,6 +494,12 @@ REFUSALS = {
     "no_sparse_layer": "leave no sparse layer: it is a dense model; convert it as Qwen2ForCausalLM",
     "no_config": "has no config.json",
     "sliding_window": "windowed attention is not built",
+    "qwen3_window": "Qwen3ForCausalLM with sliding-window attention",
+    "qwen3_moe_window": "Qwen3MoeForCausalLM with sliding-window attention",
+    "qwen3_bias": "Qwen3ForCausalLM with attention_bias=true: biases in the attention output",
+    "qwen3_fp8": "Qwen3ForCausalLM with quantization_config (quant_method 'fp8'): its weights",
+    "experts_twice": "states num_experts 4 and num_local_experts 8, which transformers reads as",
+    "qwen3_moe_dense": "leave no sparse layer: it is a dense model; convert it as Qwen3ForCausalLM",
     "no_weights": "holds no safetensors weights",
     "weights_misfit": "weights do not fit its config.json: missing ['model.layers.2.",
 }  # fmt: skip
@@ -471,9 +515,20 @@ def test_import_refusals(case, llama2_dir, tmp_path):
         "top1": hf_config("mixtral", num_experts_per_tok=1),
         "no_sparse_layer": hf_config("qwen2_moe", decoder_sparse_step=3),
         "tp_experts": hf_config("qwen2_moe", moe_intermediate_size=33),
+        "qwen3_window": hf_config("qwen3", use_sliding_window=True, sliding_window=64),
+        "qwen3_moe_window": hf_config("qwen3_moe", use_sliding_window=True, sliding_window=64),
+        "qwen3_bias": hf_config("qwen3", attention_bias=True),
+        "qwen3_fp8": hf_config("qwen3", quantization_config={"quant_method": "fp8"}),
+        "qwen3_moe_dense": hf_config("qwen3_moe", mlp_only_layers=[0, 1]),
     }
+    if case == "experts_twice":  # transformers 5 writes num_local_experts, 4 num_experts
+        moe_configs[case] = {**hf_config("qwen3_moe").to_dict(), "num_experts": 4}
+        moe_configs[case]["num_local_experts"] = 8
     if case in moe_configs:
-        directory = _config_dir(tmp_path, moe_configs[case].to_dict())
+        config_of_case = moe_configs[case]
+        if not isinstance(config_of_case, dict):
+            config_of_case = config_of_case.to_dict()
+        directory = _config_dir(tmp_path, config_of_case)
         options = {"ep_divisor": ["--target-ep", 3], "tp_experts": ["--target-tp", 2]}.get(case, [])
     elif case == "gpt2":
         directory = _config_dir(tmp_path, {**config, "architectures": ["GPT2LMHeadModel"]})
@@ -577,10 +632,14 @@ def _left_out(config: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
 def test_left_out_fields_read_as_transformers_reads_them(name, max_positions, tmp_path):
     """A `config.json` that leaves out a field the conversion reads imports as the config
     transformers makes of it (its class's default for the architecture), or is refused where
-    that config is. 8192 positions make Mistral's default window (4096) a window."""
+    that config is. 8192 positions make Mistral's default window (4096) a window (and YaRN's
+    original context, DeepSeek-V3's, 8192 / its factor: the import refuses one that is not)."""
     config = hf_config(name).to_dict()
     if max_positions is not None:
         config["max_position_embeddings"] = max_positions
+        rope = config["rope_parameters"]
+        if rope["rope_type"] == "yarn":
+            rope["original_max_position_embeddings"] = int(max_positions // rope["factor"])
     assert _read_as(config) != "refused"
     paths = [(key,) for key in ARCHITECTURE_DEFAULTS[config["architectures"][0]] if key in config]
     paths += [("rope_parameters", key) for key in ("rope_theta", "original_max_position_embeddings")
@@ -678,7 +737,10 @@ def test_tied_config_with_an_lm_head_of_its_own_is_refused(name, tmp_path):
     used to be imported tied, silently). Refused naming both; each fix the message names
     imports the model transformers then loads from the directory."""
     directory = tmp_path / "hf"
-    save_hf_model(name, directory, tie_word_embeddings=True)
+    # Without DeepSeek-V3's multi-token prediction layer, whose copy of the output layer would
+    # have to change with it (`test_convert_hf_deepseek_v3.py` tests the copies).
+    no_mtp = {"num_nextn_predict_layers": 0} if name == "deepseek_v3" else {}
+    save_hf_model(name, directory, tie_word_embeddings=True, **no_mtp)
     embedding = safetensors_of(directory)["model.embed_tokens.weight"]
     head = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(1))
     _edit_weights(directory, "lm_head.weight", head.to(embedding.dtype))

@@ -237,7 +237,26 @@ def test_accepted_combinations(flags):
 
 BAD = [
     ("--global-batch-size 6", "--global-batch-size 6 is not divisible by --micro-batch-size 2"),
-    ("--context-parallel-size 2", "--context-parallel-size 2 is not supported yet: attention"),
+    (
+        "--context-parallel-size 2",
+        r"attention_dropout=0.1 \(--attention-dropout\) with context_parallel_size=2 and "
+        "cp_comm_type p2p",
+    ),
+    (
+        "--context-parallel-size 2 --attention-dropout 0 --seq-length 6",
+        "the sequence length 6 is not divisible by 2 x context-parallel size 2",
+    ),
+    (
+        "--context-parallel-size 2 --attention-dropout 0 --cp-comm-type a2a "
+        "--num-attention-heads 3 --hidden-size 48",
+        "cp_comm_type a2a splits the attention heads over the 2 context-parallel ranks",
+    ),
+    ("--cp-comm-type p2p a2a", "--cp-comm-type p2p a2a: one value per layer is not built"),
+    ("--cp-comm-type a2a+p2p", "a2a\\+p2p \\(hierarchical context parallelism"),
+    (
+        "--context-parallel-size 2 --mock-data --reset-attention-mask",
+        "--reset-attention-mask with --context-parallel-size 2",
+    ),
     (
         "--expert-model-parallel-size 2",
         "--expert-model-parallel-size 2 needs MoE layers; set --num-experts",
@@ -282,7 +301,10 @@ BAD = [
     ("--lr-decay-iters 5 --lr-warmup-iters 7", "--lr-warmup-iters 7 .* --lr-decay-iters 5"),
     ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor .* --use-megatron-fsdp"),
     ("--tensor-model-parallel-size 3", "world size 4 is not a multiple of --tensor-model-par"),
-    ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size"),
+    (
+        "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2",
+        "--pipeline-model-parallel-size 2 does not compose with --tensor-model-parallel-size",
+    ),
     ("--micro-batch-size 0", "--micro-batch-size must be >= 1"),
     ("--recompute-method uniform", "--recompute-method applies to --recompute-granularity full"),
     (
@@ -325,8 +347,6 @@ BAD = [
     ),
     ("--save-interval 10", "--save-interval needs --save"),
     ("--save ckpt --save-interval 0", "--save-interval must be >= 1"),
-    ("--no-load-optim", "--no-load-optim needs --load"),
-    ("--no-load-rng", "--no-load-rng needs --load"),
     ("--finetune", "--finetune needs --load"),
     ("--exit-on-missing-checkpoint", "--exit-on-missing-checkpoint needs --load"),
     ("--ckpt-step 3", "--ckpt-step needs --load"),

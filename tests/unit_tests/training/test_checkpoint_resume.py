@@ -1,7 +1,8 @@
 """Checkpoints through `pretrain_gpt.main` on spawned gloo ranks (NCCL on GPUs).
 
 - Training resumed from a checkpoint is bitwise the uninterrupted run (FP8 delayed scaling
-  included: its amax histories and scales are saved).
+  included, of MoE experts too: its amax histories and scales are saved; and blockwise
+  scaling, which has none).
 - A save killed part-way, or failing on rank 0, leaves the previous checkpoint, which resumes
   exactly.
 - Missing, damaged (a flipped byte included: the file checksums) and mismatched checkpoints
@@ -70,6 +71,16 @@ FP8_DELAYED = (
 """FP8 with delayed scaling: the amax histories and scales are state to restore (a resume
 from fresh ones casts with other scales, and its losses differ)."""
 
+FP8_BLOCKWISE = "--bf16 --fp8-format e4m3 --fp8-recipe blockwise".split()
+"""FP8 with block scales from each block's values: no FP8 state to restore."""
+
+FP8_MOE = (
+    "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-grouped-gemm "
+    "--fp8-param-gather"
+).split()
+"""FP8 experts (their delayed-scaling slots, one per expert, are state too) at EP 2, gathered as
+FP8 by Megatron-FSDP."""
+
 ENGINES = {
     "fsdp_zero3": ZERO3,
     "ddp": [],
@@ -77,6 +88,11 @@ ENGINES = {
     "ddp_bf16": ["--bf16"],  # the optimizer's fp32 masters are state to restore
     "fsdp_zero3_fp8_delayed": [*ZERO3, *FP8_DELAYED],
     "ddp_fp8_delayed": FP8_DELAYED,
+    "fsdp_zero3_fp8_blockwise": [*ZERO3, *FP8_BLOCKWISE],
+    # The model's copies of the FP8 weights hold dequantised FP8 values on other ranks' rows:
+    # the resume must cast from the saved fp32 main weights.
+    "ddp_fp8_param_gather": [*FP8_DELAYED, "--use-distributed-optimizer", "--fp8-param-gather"],
+    "fsdp_zero3_fp8_delayed_moe": [*ZERO3, *FP8_DELAYED, *FP8_MOE],
 }
 
 

@@ -83,10 +83,11 @@ def _build(
     frozen: tuple[str, ...] = (),
     fp8: dict[str, Any] | None = None,
     fp8_param_gather: bool = False,
+    distributed_optimizer: bool = False,
 ) -> tuple[torch.nn.Module, Any, OptimizerParamScheduler]:
-    """A tiny GPT with dropout and tied embeddings under `engine` ("ddp" or a sharding
-    strategy; HSDP / HFSDP with `replicas` > 1), its optimizer and a warmup-cosine schedule;
-    `fp8`: the config's FP8 fields."""
+    """A tiny GPT with dropout and tied embeddings under `engine` ("ddp", with
+    `distributed_optimizer` or not, or a sharding strategy; HSDP / HFSDP with `replicas` > 1),
+    its optimizer and a warmup-cosine schedule; `fp8`: the config's FP8 fields."""
     dtypes = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}
     config = tiny_gpt_config(hidden_dropout=0.1, attention_dropout=0.1, **dtypes, **(fp8 or {}))
     model = build_tiny_gpt(
@@ -98,6 +99,8 @@ def _build(
     fields = fields if replicas > 1 else {}
     if fp8_param_gather:
         fields["fp8_param_gather"] = True
+    if distributed_optimizer:
+        fields["use_distributed_optimizer"] = True
     wrapped = wrap_for_engine(model, engine, **fields)
     config = OptimizerConfig(optimizer=optimizer, lr=LR, sgd_momentum=momentum, clip_grad=1.0)
     megatron_optimizer = get_megatron_optimizer(config, wrapped)
@@ -133,6 +136,7 @@ def _train(state: tuple, batches: list) -> list[tuple[dict[str, float], float]]:
     args = argparse.Namespace(
         num_microbatches=NUM_MICROBATCHES,
         micro_batch_size=GLOBAL_BATCH // (NUM_MICROBATCHES * world_size),
+        seq_length=POSITIONS,
         data_parallel_size=world_size,
         check_for_nan_in_loss_and_grad=True,
         calculate_per_token_loss=False,
@@ -158,6 +162,7 @@ def _args(root: str, **overrides: Any) -> argparse.Namespace:
         no_load_rng=False,
         consumed_train_samples=0,
         consumed_valid_samples=0,
+        dist_ckpt_strictness="assume_ok_unexpected",
         num_layers=2,
         hidden_size=32,
     )
@@ -260,6 +265,10 @@ ROUND_TRIPS = {
         f"{e}-fp8-param-gather": (e, dict(bf16=True, fp8=FP8_DELAYED, fp8_param_gather=True))
         for e in ("optim", "optim_grads_params")
     },
+    "ddp-distributed-optimizer-fp8-param-gather": (
+        "ddp",
+        dict(bf16=True, fp8=FP8_DELAYED, fp8_param_gather=True, distributed_optimizer=True),
+    ),
     "optim_grads_params-frozen": (
         "optim_grads_params",
         {"frozen": ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.final_layernorm.bias")},

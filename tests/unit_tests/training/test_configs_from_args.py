@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.activations import quick_gelu
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel_config import (
     SPEED_ONLY_FIELDS,
@@ -103,18 +104,26 @@ def test_every_ddp_config_field_has_a_flag():
     # leave them at their defaults.
     covered = (
         {field for _, field, _ in DDP_CONFIG_CASES}
-        | {"check_for_nan_in_grad", "fp8_param_gather"}
+        | {"check_for_nan_in_grad", "fp8_param_gather", "keep_fp8_transpose_cache"}
         | SPEED_ONLY_FIELDS
         | set(UNBUILT_FIELDS)
     )
     assert covered == {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
 
 
-def test_fp8_param_gather_reaches_ddp_config(cuda_unavailable):
+@pytest.mark.parametrize("engine", [FSDP, "--use-distributed-optimizer"])
+def test_fp8_param_gather_reaches_ddp_config(cuda_unavailable, engine):
     """On CPU: FP8 flags check the GPU's compute capability where CUDA is present."""
-    flags = f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather".split()
+    flags = f"{engine} --bf16 --fp8-format hybrid --fp8-param-gather".split()
     assert get_megatron_ddp_config(validated(*flags)).fp8_param_gather
     assert not get_megatron_ddp_config(validated(*flags[:-1])).fp8_param_gather
+
+
+def test_keep_fp8_transpose_cache_reaches_ddp_config(cuda_unavailable):
+    flags = f"{FSDP} --bf16 --fp8-format hybrid --fp8-param-gather".split()
+    kept = get_megatron_ddp_config(validated(*flags, "--keep-fp8-transpose-cache"))
+    assert kept.keep_fp8_transpose_cache and kept.fp8_param_gather
+    assert not get_megatron_ddp_config(validated(*flags)).keep_fp8_transpose_cache
 
 
 @pytest.mark.parametrize("flag", ["--check-for-nan-in-loss-and-grad", ""])
@@ -127,14 +136,30 @@ _GROUPS = "--moe-router-num-groups 2 --moe-router-group-topk 1"
 _EXPERT_BIAS = "--moe-router-score-function sigmoid --moe-router-enable-expert-bias"
 _PAD = "--moe-expert-capacity-factor 1.5 --moe-pad-expert-input-to-capacity"
 _SHARED = "--disable-bias-linear --moe-shared-expert-intermediate-size 32"
+_YARN = "--position-embedding-type yarn"
 
+PP2 = "--pipeline-model-parallel-size 2 --num-layers 4"
 TRANSFORMER_CONFIG_CASES = [
     ("--num-layers 3", "num_layers", 3),
+    (f"{PP2} --decoder-first-pipeline-num-layers 1", "num_layers_in_first_pipeline_stage", 1),
+    (f"{PP2} --decoder-last-pipeline-num-layers 1", "num_layers_in_last_pipeline_stage", 1),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers 3 --account-for-embedding-in-pipeline-split",
+        "account_for_embedding_in_pipeline_split",
+        True,
+    ),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers 3 --account-for-loss-in-pipeline-split",
+        "account_for_loss_in_pipeline_split",
+        True,
+    ),
     ("--hidden-size 96", "hidden_size", 96),
     ("--num-attention-heads 8", "num_attention_heads", 8),
     ("--group-query-attention --num-query-groups 2", "num_query_groups", 2),
     ("--ffn-hidden-size 100", "ffn_hidden_size", 100),
     ("--kv-channels 8", "kv_channels", 8),
+    # Its own fields: tests/unit_tests/training/test_mla_flags.py.
+    ("--multi-latent-attention", "multi_latent_attention", True),
     ("--hidden-dropout 0.0", "hidden_dropout", 0.0),
     ("--attention-dropout 0.2", "attention_dropout", 0.2),
     ("--norm-epsilon 1e-6", "layernorm_epsilon", 1e-6),
@@ -225,6 +250,15 @@ TRANSFORMER_CONFIG_CASES = [
             ("--moe-per-layer-logging", "moe_per_layer_logging", True),
         ]
     ),
+    ("--window-size 7,0", "window_size", (7, 0)),
+    ("--window-size (7,-1) --window-attn-skip-freq 2", "window_attn_skip_freq", 2),
+    ("--window-size 7,0 --window-attn-skip-freq [1,0]", "window_attn_skip_freq", [1, 0]),
+    ("--softmax-type learnable", "softmax_type", "learnable"),
+    ("--softmax-type off-by-one", "softmax_type", "off-by-one"),
+    ("--quick-geglu", "activation_func", quick_gelu),
+    ("--quick-geglu", "gated_linear_unit", True),
+    ("--quick-geglu --glu-linear-offset 1.0", "glu_linear_offset", 1.0),
+    ("--swiglu --activation-func-clamp-value 7", "activation_func_clamp_value", 7.0),
     ("--fp8-format hybrid", "fp8", "hybrid"),
     ("--fp8-format e4m3 --fp8-recipe tensorwise", "fp8_recipe", "tensorwise"),
     ("--fp8-format e4m3 --fp8-margin 1", "fp8_margin", 1),
@@ -249,6 +283,29 @@ TRANSFORMER_CONFIG_CASES = [
         "num_layers_at_end_in_bf16",
         0,
     ),
+    ("--mtp-num-layers 2", "mtp_num_layers", 2),
+    ("--cp-comm-type a2a", "cp_comm_type", "a2a"),
+    ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3", "mtp_loss_scaling_factor", 0.3),
+    *(
+        (f"{_YARN} {flags}", field, value)
+        for flags, field, value in [
+            ("--rotary-scaling-factor 4", "yarn_rotary_scaling_factor", 4.0),
+            (
+                "--yarn-original-max-position-embeddings 16",
+                "yarn_original_max_position_embeddings",
+                16,
+            ),
+            ("--yarn-beta-fast 8", "yarn_beta_fast", 8.0),
+            ("--yarn-beta-slow 2", "yarn_beta_slow", 2.0),
+            ("--mscale 0.5", "yarn_mscale", 0.5),
+            ("--mscale-all-dim 0.5", "yarn_mscale_all_dim", 0.5),
+            (
+                "--no-yarn-correction-range-round-to-int",
+                "yarn_correction_range_round_to_int",
+                False,
+            ),
+        ]
+    ),
 ]
 """(flags, TransformerConfig field, value the flags give it)."""
 # Set from the flags only at their single supported value, or derived by TransformerConfig.
@@ -269,10 +326,12 @@ _NOT_FROM_A_FLAG = {
     "persist_layer_norm",
     "memory_efficient_layer_norm",
     "fp32_residual_connection",
-    "window_size",
     "perform_initialization",
     "use_cpu_initialization",
     "pipeline_dtype",
+    # Virtual pipeline stages run in the library only (their flags are refused).
+    "virtual_pipeline_model_parallel_size",
+    "microbatch_group_size_per_vp_stage",
 }
 
 
@@ -329,3 +388,18 @@ def test_args_build_a_gpt_model():
     )
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
     assert model(tokens).shape == (args.micro_batch_size, args.seq_length, 128)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ("--mtp-num-layers 0", "--mtp-num-layers must be an integer >= 1, got 0"),
+        (
+            "--mtp-num-layers 1 --bf16 --fp8-format hybrid",
+            "--mtp-num-layers 1 with --fp8-format hybrid: multi-token prediction layers in FP8",
+        ),
+    ],
+)
+def test_multi_token_prediction_config_errors_name_the_flags(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validated(*flags.split())

@@ -163,6 +163,18 @@ def test_graphed_training_with_dropout_equals_eager_training():
     _assert_same_training(eager, graphed)
 
 
+def test_graphed_training_with_multi_token_prediction_equals_eager_training():
+    """The depths' losses, recorded on the device inside the graph and read after each replay,
+    and their gradient scale are the eager run's."""
+    flags = [*BASE, *NO_DROPOUT, *ENGINES["fsdp_zero3"], "--global-batch-size", "16"]
+    flags += ["--mtp-num-layers", "2"]
+    eager = run_distributed(_pretrain, 2, flags)
+    graphed = _graphed_histories([*flags, *GRAPHED])
+    _assert_same_training(eager, graphed)
+    assert sorted(eager[0].losses[-1]) == ["lm loss", "mtp_1 loss", "mtp_2 loss"]
+    assert len({losses["mtp_2 loss"] for losses in eager[0].losses}) == 8  # recorded every step
+
+
 def test_the_local_spelling_graphs_the_iteration_too():
     """Upstream's earlier spelling, `--cuda-graph-impl local --cuda-graph-scope full_iteration`."""
     flags = [*BASE, *NO_DROPOUT, *ENGINES["ddp"], "--global-batch-size", "8"]

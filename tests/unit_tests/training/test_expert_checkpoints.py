@@ -49,6 +49,7 @@ def _args(root: str, load: str | None = None, num_experts: int = 4) -> argparse.
         ckpt_step=None,
         no_load_optim=False,
         no_load_rng=False,
+        dist_ckpt_strictness="assume_ok_unexpected",
     )
 
 

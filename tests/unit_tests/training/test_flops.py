@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.training.flops import num_floating_point_operations
 
 
@@ -91,4 +95,63 @@ def test_moe_counts_the_experts_each_token_uses_as_megatron(swiglu, freq, shared
     mlp = _upstream_mlp_flops(B, s, h, L, ffn, swiglu, pattern, topk, moe_ffn, shared or 0)
     assert num_floating_point_operations(config, V, s, B) == pytest.approx(
         attention_and_logits + mlp, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_mla_counts_the_gemms_a_forward_runs(q_lora_rank):
+    """Multi-latent attention: three times the matrix-multiply FLOPs torch counts in one
+    forward of the model (its down- and up-projections, scores over qk_head_dim +
+    qk_pos_emb_head_dim channels, a context over v_head_dim, with the full-sequence convention
+    of the `local` backend's explicit products)."""
+    B, s, V = 2, 12, 64
+    config = MLATransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=10,
+        qk_head_dim=6,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=5,
+        attention_backend=AttnBackend.local,
+    )
+    model = GPTModel(
+        config, get_gpt_decoder_block_spec(config, False), V, s, position_embedding_type="rope"
+    )
+    tokens = torch.zeros(B, s, dtype=torch.long)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(tokens)
+    assert num_floating_point_operations(config, V, s, B) == 3 * counter.get_total_flops()
+
+
+@pytest.mark.parametrize("freq", [None, [1, 0, 1], [1, 1, 0]])
+def test_mtp_depths_count_as_megatron_counts_them(freq):
+    """Megatron-LM's `transformer_flops` with D = --mtp-num-layers: L + D layers, the depths'
+    MLPs of the decoder's last layer's kind, 3 x 2 x D (3h + 2h^2) for their norms and eh_proj
+    per token, and D + 1 sets of logits."""
+    B, s, L, h, V, D = 2, 128, 3, 64, 1000, 2
+    n, g, ffn, moe_ffn, topk = 4, 2, 160, 24, 2
+    moe = (
+        {}
+        if freq is None
+        else dict(
+            num_moe_experts=8,
+            moe_router_topk=topk,
+            moe_ffn_hidden_size=moe_ffn,
+            moe_layer_freq=freq,
+        )
+    )
+    config = _gqa_config(L, h, n, g, ffn, True, add_bias_linear=False, mtp_num_layers=D, **moe)
+    pattern = [0] * L if freq is None else freq
+    q = n * (h // n)
+    attention = 12 * B * s * (L + D) * h**2 * (1 + g / n + s / h) * q / h
+    mlp = _upstream_mlp_flops(
+        B, s, h, L + D, ffn, True, pattern + [pattern[-1]] * D, topk, moe_ffn, 0
+    )
+    mtp = 3 * 2 * B * s * D * (3 * h + 2 * h * h)
+    logits = 3 * 2 * B * s * h * V * (D + 1)
+    assert num_floating_point_operations(config, V, s, B) == pytest.approx(
+        attention + mlp + mtp + logits, rel=1e-12
     )

@@ -156,7 +156,6 @@ BAD = [
         "--rotary-seq-len-interpolation-factor applies to",
     ),
     ("--position-embedding-type rope --rope-scaling-factor 0", "--rope-scaling-factor 0.0 must"),
-    ("--position-embedding-type yarn", "--position-embedding-type yarn: YaRN .* not built"),
     ("--position-embedding-type mrope", "--position-embedding-type mrope: .* not built"),
     ("--position-embedding-type relative", "--position-embedding-type relative: .* not built"),
     ("--no-position-embedding", "--no-position-embedding is deprecated; use"),

@@ -149,7 +149,8 @@ def test_moe_ffn_width_defaults_to_the_ffn_width_and_zero_experts_is_dense():
         ("--num-experts 4 --moe-router-topk 5", "--moe-router-topk (5) exceeds --num-experts"),
         (
             "--num-experts 4 --moe-token-dispatcher-type flex",
-            "--moe-token-dispatcher-type flex (the DeepEP / HybridEP dispatcher) is not built",
+            "--moe-token-dispatcher-type flex: the flex token dispatcher (DeepEP / HybridEP / "
+            "NCCL EP) is not built",
         ),
         (
             "--num-experts 4 --moe-router-score-function sqrtsoftplus",

@@ -79,3 +79,13 @@ def test_report_is_the_mean_over_data_parallel_ranks(recording_ranks, mean):
     """A rank that recorded nothing reduces zeros, so the collectives match and nothing hangs."""
     ranks = run_distributed(_report_on_rank, 2, recording_ranks)
     assert ranks[0] == ranks[1] == pytest.approx({"load_balancing_loss": mean})
+
+
+def test_a_model_of_other_depth_records_afresh():
+    # The tracker is process-wide: a second model (here one layer deeper) in the same process
+    # must not index the first one's buffers.
+    destroy_moe_metrics_tracker()
+    tracker = get_moe_metrics_tracker()
+    tracker.record("load_balancing_loss", torch.tensor(1.0), layer_number=2, num_layers=2)
+    tracker.record("load_balancing_loss", torch.tensor(5.0), layer_number=3, num_layers=3)
+    assert tracker.metrics["load_balancing_loss"].tolist() == [0.0, 0.0, 5.0]

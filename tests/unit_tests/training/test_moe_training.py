@@ -11,7 +11,7 @@ import torch
 
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-from megatron.training.training import _set_moe_aux_loss_scale
+from megatron.training.training import _set_auxiliary_loss_scale
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.checkpoint_checks import RUN, main, read_whole_checkpoint
 
@@ -31,12 +31,15 @@ def default_aux_loss_scale():
 
 
 @pytest.mark.usefixtures("default_aux_loss_scale")
-@pytest.mark.parametrize(("per_token", "scale"), [(False, 8.0 / 4), (True, 8.0)])
-def test_aux_loss_gradient_is_the_loss_scale_over_the_microbatches(per_token, scale):
+@pytest.mark.parametrize(
+    ("per_token", "cp", "scale"), [(False, 1, 8.0 / 4), (True, 1, 8.0), (False, 2, 8.0 * 2 / 4)]
+)
+def test_aux_loss_gradient_is_the_loss_scale_over_the_microbatches(per_token, cp, scale):
     """4 microbatches: the main loss is divided by them (unless it is a sum over tokens), and
-    so is the gradient the auxiliary losses get."""
-    args = argparse.Namespace(calculate_per_token_loss=per_token)
-    _set_moe_aux_loss_scale(_Optimizer(), 4, args)
+    so is the gradient the auxiliary losses get; under context parallelism both are multiplied
+    by the cp size (the engines average the cp ranks' shares)."""
+    args = argparse.Namespace(calculate_per_token_loss=per_token, context_parallel_size=cp)
+    _set_auxiliary_loss_scale(_Optimizer(), 4, args)
     assert _aux_loss_gradient() == scale
 
 

@@ -147,8 +147,26 @@ def test_gradient_reduction_dtype(flags, reduce_in_fp32):
             "--accumulate-allreduce-grads-in-fp32 contradicts --megatron-fsdp-main-grads-dtype",
         ),
         (f"--fp16 {FSDP} --megatron-fsdp-main-params-dtype fp16", "fp16 main weights"),
-        ("--fp8-format hybrid --fp8-param-gather", "--fp8-param-gather needs Megatron-FSDP"),
+        (
+            "--fp8-format hybrid --fp8-param-gather",
+            "--fp8-param-gather needs --use-distributed-optimizer or Megatron-FSDP",
+        ),
         (f"{FSDP} --fp8-param-gather", "without --fp8-format there are none"),
+        (
+            f"{FSDP} --fp8-format e4m3 --fp8-recipe blockwise --fp8-param-gather",
+            "^--fp8-param-gather with --fp8-recipe blockwise: the FP8 weights are gathered with "
+            "one scale per tensor",
+        ),
+        (
+            f"{FSDP} --fp8-format hybrid --keep-fp8-transpose-cache",
+            "^--keep-fp8-transpose-cache keeps the transposes of the FP8 weights that "
+            "--fp8-param-gather keeps, .*: add --fp8-param-gather or drop",
+        ),
+        (
+            "--fp8-format hybrid --use-distributed-optimizer --fp8-param-gather "
+            "--keep-fp8-transpose-cache",
+            "^--keep-fp8-transpose-cache needs Megatron-FSDP: set --use-megatron-fsdp",
+        ),
     ],
 )
 def test_bad_combination_names_the_flag(flags, message):
@@ -159,7 +177,6 @@ def test_bad_combination_names_the_flag(flags, message):
 @pytest.mark.parametrize(
     "flags, named, unbuilt",
     [
-        ("--keep-fp8-transpose-cache", "--keep-fp8-transpose-cache", "keeping FP8 weight"),
         ("--fp8-quantizer-factory a.b", "--fp8-quantizer-factory a.b", "custom FP8 recipes"),
         ("--fp8-output-proj", "--fp8-output-proj", "the MXFP8 output projection is not built"),
         (
@@ -183,6 +200,7 @@ def test_unbuilt_fp8_and_fp4_flags_are_refused_by_name(flags, named, unbuilt):
     [
         ("--fp8-format hybrid", "fp8", "hybrid"),
         ("--fp8-format e4m3 --fp8-recipe tensorwise", "fp8_recipe", "tensorwise"),
+        ("--fp8-format e4m3 --fp8-recipe blockwise", "fp8_recipe", "blockwise"),
         ("--fp8-format e4m3 --fp8-margin 2", "fp8_margin", 2),
         ("--fp8-format e4m3 --fp8-amax-history-len 1024", "fp8_amax_history_len", 1024),
         ("--fp8-format e4m3 --fp8-amax-compute-algo max", "fp8_amax_compute_algo", "max"),
@@ -194,6 +212,7 @@ def test_unbuilt_fp8_and_fp4_flags_are_refused_by_name(flags, named, unbuilt):
             "num_layers_at_end_in_bf16",
             2,
         ),
+        ("--fp8-format hybrid --num-experts 4 --moe-grouped-gemm", "fp8", "hybrid"),
     ],
 )
 def test_fp8_flags_reach_the_transformer_config(flags, field, value):
@@ -206,7 +225,11 @@ def test_fp8_flags_reach_the_transformer_config(flags, field, value):
     [
         ("--fp8-recipe tensorwise", "^--fp8-recipe tensorwise applies to FP8 training only; set "),
         ("--no-fp8-wgrad", "^--no-fp8-wgrad applies to FP8 training only; set --fp8-format"),
-        ("--fp8-format hybrid --fp8-recipe blockwise", "^--fp8-recipe blockwise: blockwise"),
+        (
+            "--fp8-format hybrid --fp8-recipe blockwise",
+            "^--fp8-recipe blockwise with --fp8-format hybrid: torch's blockwise-scaled GEMM "
+            "multiplies E4M3 operands only, .* use --fp8-format e4m3 ",
+        ),
         (
             "--fp8-format hybrid --fp8-recipe mxfp8",
             "^--fp8-recipe mxfp8: Device compute capability 10.0 or higher required",
@@ -227,10 +250,6 @@ def test_fp8_flags_reach_the_transformer_config(flags, field, value):
             r"^--num-layers-at-end-in-bf16 3 must be between 0 and .* \(2\)",
         ),
         ("--fp8-format e4m3 --fp8-amax-history-len 0", "^--fp8-amax-history-len 0 must be"),
-        (
-            "--fp8-format hybrid --num-experts 4",
-            "^--fp8-format hybrid with --num-experts 4: FP8 experts are not built yet",
-        ),
     ],
 )
 def test_fp8_config_errors_name_the_flags(flags, message):

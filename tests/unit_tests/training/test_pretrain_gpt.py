@@ -115,9 +115,33 @@ MOE = tuple(
 experts, shared experts and their gate."""
 
 
-def test_moe_fsdp_on_meta_device_matches_ddp():
-    # The DDP engine builds the model eagerly: the same seed gives the same weights.
-    _assert_fsdp_matches_ddp(2, [*ZERO3, "--init-model-with-meta-device"], MOE)
+DEEPSEEK_V3_ROUTING = tuple(
+    (
+        "--moe-router-num-groups 2 --moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 "
+        "--moe-grouped-gemm"
+    ).split()
+)
+"""The rest of DeepSeek-V3's MoE recipe: group-limited routing, scaled weights, grouped GEMMs."""
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        (),
+        (
+            "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 1 "
+            "--expert-tensor-parallel-size 2"
+        ).split(),
+    ],
+    ids=["ep2", "tp2_etp2"],
+)
+def test_moe_fsdp_on_meta_device_matches_ddp(parallel):
+    """Every MoE part built on the meta device and materialised by Megatron-FSDP (ZeRO-3) starts
+    from the weights the DDP engine's eager build draws with the same seed, and trains as it
+    does: with the experts split over EP 2, or each expert split over ETP 2 beside TP 2 (the
+    shared experts split over tp, the router replicated)."""
+    flags = (*MOE, *DEEPSEEK_V3_ROUTING, *parallel)
+    _assert_fsdp_matches_ddp(2, [*ZERO3, "--init-model-with-meta-device"], flags)
 
 
 @pytest.mark.parametrize("engine_flags", [ZERO3, []], ids=["fsdp_zero3", "ddp"])

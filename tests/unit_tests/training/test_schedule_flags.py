@@ -329,6 +329,51 @@ def test_rampup_batch_size_trains_the_scheduled_batches():
     assert results[0] == results[1]
 
 
+_microbatch_tokens: list[torch.Tensor] = []
+
+
+def _recording_forward_step(data_iterator, model):
+    """`pretrain_gpt.forward_step`, keeping each micro-batch's tokens."""
+    batch = next(data_iterator)
+    _microbatch_tokens.append(batch["tokens"].clone())
+    return pretrain_gpt.forward_step(iter([batch]), model)
+
+
+def _pretrain_recording(flags: list[str]) -> dict:
+    _microbatch_tokens.clear()
+    result = _pretrain_logging(flags, _recording_forward_step)
+    return {**result, "tokens": list(_microbatch_tokens)}
+
+
+def test_step_batch_size_schedule_trains_the_scheduled_batches_on_the_next_samples():
+    """`--step-batch-size-schedule "0:4 128:8"` at --seq-length 16: 4 samples an iteration until
+    128 tokens (8 samples) were consumed, then 8 (upstream's thresholds are tokens). The sampler
+    hands out the same samples in the same order as a run at a constant batch of 4 over the
+    same --train-samples: none is skipped or repeated when the batch grows."""
+    common = [*TINY, "--train-samples", "24", "--log-interval", "1", "--lr-decay-style", "linear"]
+    scheduled = run_distributed(
+        _pretrain_recording, 2, [*common, "--step-batch-size-schedule", "0:4 128:8"]
+    )
+    constant = run_distributed(_pretrain_recording, 2, [*common, "--global-batch-size", "4"])
+    batches = [4, 4, 8, 8]  # consumed 0, 4, 8 (= 128 tokens // 16), 16
+    lines = scheduled[0]["lines"]
+    assert [line.split("global batch size:")[1].split("|")[0].strip() for line in lines] == [
+        str(batch) for batch in batches
+    ]
+    consumed = [int(line.split("consumed samples:")[1].split("|")[0]) for line in lines]
+    assert consumed == [4, 8, 16, 24]
+    for rank, (result, reference) in enumerate(zip(scheduled, constant)):
+        assert result["iterations"] == 4 and reference["iterations"] == 6
+        # micro batch 2 x 2 ranks: batch / 4 micro-batches a rank per iteration.
+        assert len(result["tokens"]) == sum(batch // 4 for batch in batches)
+        assert len(reference["tokens"]) == 6
+        for step, (tokens, expected) in enumerate(zip(result["tokens"], reference["tokens"])):
+            assert torch.equal(tokens, expected), f"rank {rank}, micro-batch {step}"
+    # The ranks read different samples (data parallelism), and the samples differ.
+    assert not torch.equal(scheduled[0]["tokens"][0], scheduled[1]["tokens"][0])
+    assert not torch.equal(scheduled[0]["tokens"][0], scheduled[0]["tokens"][1])
+
+
 def test_sample_based_training_equals_iteration_based_training():
     common = [*TINY, "--global-batch-size", "8", "--lr-decay-style", "cosine"]
     by_iterations = run_distributed(
@@ -377,6 +422,7 @@ def _per_token_step(
     args = argparse.Namespace(
         num_microbatches=num_microbatches,
         micro_batch_size=8 // micro_batches,
+        seq_length=tokens.shape[1],
         data_parallel_size=world,
         check_for_nan_in_loss_and_grad=True,
         calculate_per_token_loss=per_token,
@@ -466,7 +512,13 @@ def _evaluation_losses() -> dict[str, float]:
 
         return None, loss_func
 
-    args = argparse.Namespace(eval_iters=2, num_microbatches=1, empty_unused_memory_level=0)
+    args = argparse.Namespace(
+        eval_iters=2,
+        num_microbatches=1,
+        micro_batch_size=1,
+        seq_length=1,
+        empty_unused_memory_level=0,
+    )
     return evaluate(forward_step, iter(reports[dist.get_rank()]), torch.nn.Linear(1, 1), args)
 
 

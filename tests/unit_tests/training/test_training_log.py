@@ -13,6 +13,7 @@ from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
 )
+from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
 from megatron.training.arguments import (
     core_transformer_config_from_args,
     parse_args,
@@ -204,7 +205,7 @@ def test_moe_losses_join_the_line_and_are_written_every_tensorboard_interval(mes
         moe_losses = log.report_moe_metrics(iteration, num_microbatches=2)
         assert moe_losses == pytest.approx({"load_balancing_loss": value, "z_loss": 0.0})
         log.record_iteration(
-            iteration, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.1, moe_losses=moe_losses
+            iteration, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.1, auxiliary_losses=moe_losses
         )
     _, line = messages
     mean = sum(per_step.values()) / 2
@@ -218,6 +219,44 @@ def test_moe_losses_join_the_line_and_are_written_every_tensorboard_interval(mes
     destroy_moe_metrics_tracker()
 
 
+def test_moe_layers_of_mtp_depths_count_in_the_mean_over_moe_layers():
+    """With one depth after two MoE layers, its MoE layer records as layer 3 and the mean is
+    over the three (Megatron-LM's count)."""
+    destroy_moe_metrics_tracker()
+    log = _training_log("--num-experts", "4", "--mtp-num-layers", "1")
+    tracker = get_moe_metrics_tracker()
+    for layer, value in ((1, 1.0), (2, 2.0), (3, 6.0)):
+        tracker.record("load_balancing_loss", torch.tensor(value), layer, 3)
+    assert log.report_moe_metrics(1, num_microbatches=1)["load_balancing_loss"] == 3.0
+    destroy_moe_metrics_tracker()
+
+
+def test_mtp_losses_join_the_line_and_are_written_every_tensorboard_interval(messages):
+    """Two depths, two microbatches recorded per step: each depth's report is their mean,
+    named as Megatron-LM's ("mtp_1 loss"); written as scalars at step 2 only."""
+    helper = get_mtp_loss_logging_helper()
+    helper.clear()
+    log = _training_log("--mtp-num-layers", "2", "--tensorboard-log-interval", "2")
+    tensorboard = log.writer.tensorboard = _FakeTensorBoard()
+    per_step = {1: (2.0, 6.0), 2: (3.0, 5.0)}  # each depth's value in every microbatch
+    for iteration, values in per_step.items():
+        for depth, value in enumerate(values, start=1):
+            for _ in range(2):
+                helper.record(torch.tensor(value), depth, 2)
+        mtp_losses = log.report_mtp_metrics(iteration, num_microbatches=2)
+        assert mtp_losses == pytest.approx({"mtp_1 loss": values[0], "mtp_2 loss": values[1]})
+        log.record_iteration(
+            iteration, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.1, auxiliary_losses=mtp_losses
+        )
+    _, line = messages
+    assert "| lm loss: 4.000000E+00 | mtp_1 loss: 2.500000E+00 | mtp_2 loss: 5.500000E+00 |" in (
+        line
+    )
+    mtp_scalars = [s for s in tensorboard.scalars if s[0].startswith("mtp_")]
+    assert mtp_scalars == [("mtp_1 loss", 3.0, 2), ("mtp_2 loss", 5.0, 2)]
+    assert _training_log().report_mtp_metrics(1, num_microbatches=1) == {}
+
+
 def test_an_fp8_run_names_its_recipe_and_counts_bf16_flops(messages):
     """The line says the format and recipe; TFLOP/s count the same FLOPs as the bf16 run's."""
     fp8 = _training_log("--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16")
@@ -228,9 +267,28 @@ def test_an_fp8_run_names_its_recipe_and_counts_bf16_flops(messages):
     fp8_line, bf16_line = messages
     assert "| global batch size:     8 | fp8: hybrid delayed | lm loss:" in fp8_line
     assert "fp8" not in bf16_line
-    assert fp8_startup_line(core_transformer_config_from_args(fp8.args)) == (
+    cpu = torch.device("cpu")
+    assert fp8_startup_line(core_transformer_config_from_args(fp8.args), cpu) == (
         "> FP8 (hybrid format, delayed scaling (amax history 16, most_recent, margin 0)) in the "
         "linear layers of 2 of 2 transformer layers; the embedding, the output layer, "
         "attention and norms in bfloat16"
     )
-    assert fp8_startup_line(core_transformer_config_from_args(bf16.args)) is None
+    assert fp8_startup_line(core_transformer_config_from_args(bf16.args), cpu) is None
+
+
+def test_an_fp8_moe_run_says_where_the_grouped_kernel_is_not_used():
+    """On CPU the experts of --moe-grouped-gemm run one FP8 GEMM per expert: the start-up line
+    says so once."""
+    moe = ("--num-experts", "4", "--moe-ffn-hidden-size", "32", "--bf16", "--fp8-format", "e4m3")
+    cpu = torch.device("cpu")
+    for grouped, ending in (
+        ((), "the routed experts' FP8 GEMMs run one torch._scaled_mm per expert"),
+        (
+            ("--moe-grouped-gemm",),
+            "the routed experts' FP8 GEMMs run one torch._scaled_mm per expert "
+            "(torch._scaled_grouped_mm does not run on this cpu device)",
+        ),
+    ):
+        log = _training_log(*moe, *grouped)
+        line = fp8_startup_line(core_transformer_config_from_args(log.args), cpu)
+        assert line.endswith(f"attention and norms in bfloat16; {ending}"), line

@@ -35,6 +35,27 @@ def test_every_flag_of_an_unbuilt_feature_is_refused_naming_it(unbuilt):
         message = re.escape(f"{flag} 3: {unbuilt.feature} is not built")
         with pytest.raises(ValueError, match=message):
             validated(flag, "3", *tp)
+    for flag, values in unbuilt.values:
+        for value in values:
+            message = re.escape(f"{flag} {value}: {unbuilt.feature} is not built")
+            with pytest.raises(ValueError, match=message):
+                validated(flag, value, *tp)
+
+
+def test_the_flex_dispatchers_backend_is_read_only_with_the_flex_dispatcher():
+    """As upstream: another dispatcher does not read it (ncclep is refused without flex, as
+    upstream refuses it, in `test_every_flag_of_an_unbuilt_feature_...`); without experts it is
+    refused as the other MoE flags are."""
+    args = validated(
+        *"--num-experts 4 --moe-token-dispatcher-type alltoall".split(),
+        *"--moe-flex-dispatcher-backend hybridep".split(),
+    )
+    assert (args.moe_token_dispatcher_type, args.moe_flex_dispatcher_backend) == (
+        "alltoall",
+        "hybridep",
+    )
+    with pytest.raises(ValueError, match="--moe-flex-dispatcher-backend hybridep: MoE flags"):
+        validated("--moe-flex-dispatcher-backend", "hybridep")
 
 
 def test_sequence_parallel_without_tensor_parallelism_is_off_as_upstream():
@@ -43,15 +64,15 @@ def test_sequence_parallel_without_tensor_parallelism_is_off_as_upstream():
 
 def test_all_the_flags_of_a_feature_are_named_together():
     with pytest.raises(ValueError) as error:
-        validated("--multi-latent-attention", "--q-lora-rank", "8", "--kv-lora-rank", "4")
+        validated("--moe-paged-stash", "--moe-paged-stash-page-size", "8")
     message = str(error.value)
-    for given in ("--multi-latent-attention", "--q-lora-rank 8", "--kv-lora-rank 4"):
+    for given in ("--moe-paged-stash", "--moe-paged-stash-page-size 8"):
         assert given in message
-    assert "use standard attention" in message
+    assert "the MoE paged stash is not built" in message
 
 
 def test_values_upstream_writes_as_lists_parse():
-    assert parse_args(args=[*BASE, "--window-size", "127,0"]).window_size == ["127,0"]
+    assert parse_args(args=[*BASE, "--mamba-state-dim", "16"]).mamba_state_dim == ["16"]
 
 
 def test_performance_hints_are_accepted_and_documented_as_no_ops():
@@ -62,20 +83,30 @@ def test_performance_hints_are_accepted_and_documented_as_no_ops():
         assert f"`{flag}`" in flags_doc
 
 
-@pytest.mark.parametrize("strictness", ["assume_ok_unexpected", "raise_unexpected", "raise_all"])
-def test_raising_checkpoint_strictness_is_accepted(strictness):
+@pytest.mark.parametrize(
+    "strictness",
+    [
+        "assume_ok_unexpected",
+        "raise_unexpected",
+        "raise_all",
+        "log_unexpected",
+        "log_all",
+        "ignore_all",
+    ],
+)
+def test_checkpoint_strictness_that_loading_honours_is_accepted(strictness):
     assert validated("--dist-ckpt-strictness", strictness).dist_ckpt_strictness == strictness
 
 
-@pytest.mark.parametrize("strictness", ["log_all", "ignore_all", "return_unexpected"])
-def test_tolerant_checkpoint_strictness_is_refused(strictness):
-    with pytest.raises(ValueError, match=f"--dist-ckpt-strictness {strictness} is not built"):
+@pytest.mark.parametrize("strictness", ["return_unexpected", "return_all"])
+def test_returning_checkpoint_strictness_is_refused(strictness):
+    with pytest.raises(ValueError, match=f"--dist-ckpt-strictness {strictness} returns the"):
         validated("--dist-ckpt-strictness", strictness)
 
 
 def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
     done = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *BASE, "--mtp-num-layers", "4"],
+        [sys.executable, "pretrain_gpt.py", *BASE, "--mtp-hybrid-override-pattern", "MM"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -83,15 +114,18 @@ def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: --mtp-num-layers 4: multi-token prediction is not built in this project; drop "
-        "these flags (one next-token head)."
+        "error: --mtp-hybrid-override-pattern MM: multi-token prediction variants (standalone "
+        "stages, one repeated layer, detached heads, hidden-state mixing, hybrid patterns) is not "
+        "built in this project; drop these flags: --mtp-num-layers builds one layer per depth, "
+        "trained with the model."
     ]
 
 
-def test_rope_type_rope_is_accepted_and_yarn_refused():
+def test_rope_type_rope_is_accepted_and_yarn_refused_without_mla():
     assert validated("--rope-type", "rope").rope_type == "rope"
-    with pytest.raises(ValueError, match="--rope-type yarn: YaRN RoPE scaling"):
+    with pytest.raises(ValueError, match="--rope-type yarn: these set multi-latent attention"):
         validated("--rope-type", "yarn")
+    assert validated("--rope-type", "yarn", "--multi-latent-attention").rope_type == "yarn"
 
 
 def test_a_bad_flag_under_torchrun_prints_rank_0s_message_once(tmp_path):
@@ -107,10 +141,10 @@ def test_a_bad_flag_under_torchrun_prints_rank_0s_message_once(tmp_path):
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, "--mtp-num-layers", "4"]
+    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, "--mtp-hybrid-override-pattern", "MM"]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode != 0
-    assert done.stderr.count("error: --mtp-num-layers 4: multi-token prediction is not") == 1
+    assert done.stderr.count("error: --mtp-hybrid-override-pattern MM: multi-token") == 1

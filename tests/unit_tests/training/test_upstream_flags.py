@@ -102,13 +102,13 @@ def test_the_listing_tool_reads_a_synthetic_upstream(tmp_path):
 def test_three_bad_flags_of_different_kinds_are_named_in_one_message():
     with pytest.raises(FlagErrors) as error:
         validated(
-            "--mtp-num-layers", "4",  # not built
+            "--mtp-hsm",  # not built
             "--attention-dropout", "1.5",  # out of range
             "--global-batch-size", "7",  # not a multiple of micro x data-parallel (2 x 2)
         )  # fmt: skip
     message = str(error.value)
     assert message.startswith("3 flag errors:\n")
-    assert "--mtp-num-layers 4: multi-token prediction is not built" in message
+    assert "--mtp-hsm: multi-token prediction variants" in message
     assert "--attention-dropout 1.5 must be" in message
     assert "--global-batch-size 7 is not divisible by --micro-batch-size 2" in message
 
@@ -116,7 +116,7 @@ def test_three_bad_flags_of_different_kinds_are_named_in_one_message():
 def test_every_refused_feature_and_every_range_error_is_named():
     with pytest.raises(FlagErrors) as error:
         validated(
-            "--mtp-num-layers", "4", "--multi-latent-attention", "--save-retain-interval", "5",
+            "--mtp-hsm", "--cache-mla-latents", "--save-retain-interval", "5",
             "--hidden-dropout", "2", "--attention-dropout", "-1",
         )  # fmt: skip
     assert len(error.value.messages) == 5, error.value.messages
@@ -137,15 +137,16 @@ def test_a_check_that_needs_a_bad_value_is_skipped_not_repeated():
 
 def test_one_error_keeps_its_own_message():
     with pytest.raises(ValueError) as error:
-        validated("--mtp-num-layers", "4")
+        validated("--mtp-hsm")
     assert str(error.value) == (
-        "--mtp-num-layers 4: multi-token prediction is not built in this project; drop these "
-        "flags (one next-token head)."
+        "--mtp-hsm: multi-token prediction variants (standalone stages, one repeated layer, "
+        "detached heads, hidden-state mixing, hybrid patterns) is not built in this project; drop "
+        "these flags: --mtp-num-layers builds one layer per depth, trained with the model."
     )
 
 
 def test_pretrain_gpt_prints_every_error_once_and_exits_2():
-    bad = ["--mtp-num-layers", "4", "--attention-dropout", "1.5", "--global-batch-size", "7"]
+    bad = ["--mtp-hsm", "--attention-dropout", "1.5", "--global-batch-size", "7"]
     done = subprocess.run(
         [sys.executable, "pretrain_gpt.py", *BASE, *bad],
         cwd=ROOT,
@@ -156,12 +157,12 @@ def test_pretrain_gpt_prints_every_error_once_and_exits_2():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines[0] == "error: 3 flag errors:"
-    assert len(lines) == 4 and lines[1].startswith("  - --mtp-num-layers 4: multi-token")
+    assert len(lines) == 4 and lines[1].startswith("  - --mtp-hsm: multi-token")
     assert done.stderr.count("--attention-dropout 1.5") == 1
 
 
 def test_a_torchrun_job_prints_every_error_once():
-    bad = ["--mtp-num-layers", "4", "--attention-dropout", "1.5", "--global-batch-size", "7"]
+    bad = ["--mtp-hsm", "--attention-dropout", "1.5", "--global-batch-size", "7"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     done = subprocess.run(
@@ -174,7 +175,7 @@ def test_a_torchrun_job_prints_every_error_once():
     )
     assert done.returncode != 0
     assert done.stderr.count("error: 3 flag errors:") == 1
-    for given in ("--mtp-num-layers 4", "--attention-dropout 1.5", "--global-batch-size 7"):
+    for given in ("--mtp-hsm", "--attention-dropout 1.5", "--global-batch-size 7"):
         assert done.stderr.count(given) == 1, done.stderr
 
 

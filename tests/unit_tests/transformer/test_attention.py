@@ -171,6 +171,7 @@ def test_attention_dropout_is_active_only_in_training():
     assert not torch.allclose(_run(attention, x), _run(attention, x))
 
 
-def test_context_parallelism_is_rejected():
-    with pytest.raises(ValueError, match="context_parallel_size"):
+def test_a_context_parallel_size_without_its_group_is_refused():
+    # No parallel_state and no pg_collection: the cp group has one rank, not the config's 2.
+    with pytest.raises(ValueError, match=r"context_parallel_size \(2\) differs from the size"):
         DotProductAttention(_config(context_parallel_size=2))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
@@ -42,11 +43,31 @@ def test_megatron_cores_minimal_example_config_builds():
     assert config.perform_initialization and config.masked_softmax_fusion is False
 
 
+def test_fp32_residual_connection_is_refused():
+    with pytest.raises(ValueError, match="fp32 residual"):
+        TransformerConfig(**BASE, fp32_residual_connection=True)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
-    [(dict(fp32_residual_connection=True), "fp32 residual"), (dict(window_size=(8, 0)), "window")],
+    [
+        (dict(window_size=(8,)), "two ints"),
+        (dict(window_size=(8.0, 0)), "two ints"),
+        (dict(window_size=(-2, 0)), "left side -2"),
+        (dict(window_size=(8, 1)), "right side 1: the decoder is causal"),
+        (dict(window_attn_skip_freq=2), "no window_size is set"),
+        (dict(window_size=(8, 0), window_attn_skip_freq=0), "int N >= 1"),
+        (dict(window_size=(8, 0), window_attn_skip_freq=[1, 0, 1]), "per layer"),
+        (dict(window_size=(8, 0), window_attn_skip_freq=[1, 2]), "per layer"),
+        (dict(softmax_type="sink"), "softmax_type must be one of"),
+        (dict(glu_linear_offset=1.0), "gated MLP only"),
+        (dict(activation_func_clamp_value=7.0), "gated MLP only"),
+        (dict(gated_linear_unit=True, activation_func_clamp_value=0.0), "clamp_value"),
+        (dict(window_size=(8, 0), attention_backend=AttnBackend.flash), "pins an SDPA kernel"),
+        (dict(softmax_type="learnable", attention_backend=AttnBackend.unfused), "SDPA kernel"),
+    ],
 )
-def test_unbuilt_fields_are_refused(overrides, message):
+def test_bad_window_sink_and_glu_settings_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**BASE, **overrides)
 
@@ -114,7 +135,8 @@ def test_config_survives_pickling():
         (dict(softmax_scale=math.inf), "softmax_scale=inf"),
         (dict(seq_length=0), "seq_length"),
         (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size"),
-        (dict(pipeline_model_parallel_size=2), "pipeline_model_parallel_size"),
+        (dict(pipeline_model_parallel_size=0), "pipeline_model_parallel_size"),
+        (dict(pipeline_model_parallel_size=2, num_layers=3), "--num-layers 3 is not divisible"),
         (dict(context_parallel_size=0), "context_parallel_size"),
         (dict(sequence_parallel=True), "sequence_parallel"),
         (dict(fp16=True, bf16=True), "fp16 and bf16"),
@@ -163,7 +185,7 @@ def test_model_parallel_config_alone_validates():
     assert ModelParallelConfig(bf16=True, params_dtype=torch.bfloat16).bf16
     with pytest.raises(ValueError, match="bf16=True needs params_dtype"):
         ModelParallelConfig(bf16=True)
-    with pytest.raises(ValueError, match="not supported yet"):
-        ModelParallelConfig(pipeline_model_parallel_size=4)
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size needs"):
+        ModelParallelConfig(virtual_pipeline_model_parallel_size=2)
     config = ModelParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True)
     assert config.sequence_parallel

@@ -2,7 +2,9 @@
 
 With `MixedPrecisionPolicy(fp8_param_gather=True)` the trainable weights of linear layers that
 compute in FP8 (`megatron.core.fp8`) form groups of their own, whose compute weights are E4M3
-bytes with one scale per tensor instead of model-dtype values:
+bytes with one scale per tensor instead of model-dtype values; the stacked weights of MoE experts
+(`[num_experts, out, in]`, sharded along the experts) have one scale per expert, as the FP8
+experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
 
 - *refresh*, once per change of the main weights, in two steps: each rank takes the absolute
   maximum of its part of each tensor (the main shard, HFSDP's inner shard, or the replicated
@@ -18,20 +20,30 @@ bytes with one scale per tensor instead of model-dtype values:
   are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
   *reshard* frees them.
 - *use*: the FP8 linear layers ask `fp8_weight_of(weight)`, which this object answers
-  (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale.
+  (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale (an
+  `Fp8ExpertWeights` with the experts' scales for stacked expert weights).
   Its transposed copy, for the input-gradient GEMM, is made at the first backward that needs
-  it and lives as long as the whole FP8 weights.
+  it and lives as long as the whole FP8 weights: under ZeRO-3, until the reshard after that
+  backward, so each backward's gather makes it again. With `keep_transposes` (Megatron-LM's
+  `keep_fp8_transpose_cache`) it lives until the next refresh instead, across reshards and
+  microbatches: made once per change of the main weights, for 1 byte per element of the whole
+  weights held between uses. Weights that stay whole keep theirs until the refresh anyway.
 
 The bytes equal the cast of the whole model-dtype weight that an FP8 linear layer makes
-without `fp8_param_gather` (`Fp8Weight.quantized`): the amax of a tensor is the largest of its
-parts' amaxes, and rounding to the model dtype and the cast are elementwise. So the option
+without `fp8_param_gather` (`Fp8Weight.quantized`, `Fp8ExpertWeights.quantized`): the amax of a
+tensor is the largest of its parts' amaxes (an expert lies whole in one part: the shards split
+the experts), and rounding to the model dtype and the cast are elementwise. So the option
 changes what travels and what is held, not the arithmetic. The model-dtype compute weights of
 such a group are never allocated: the parameters the modules see during a pass keep their
 shapes and dtypes for autograd, over no memory.
+
+The DDP engine's distributed optimizer gathers its FP8 weights with it too, as ZeRO-1/2 does
+(`megatron/core/distributed/fp8_param_gather.py`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +54,12 @@ from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, chunk_t
 from megatron.core.fp8.quantize import compute_scale, quantize, record_amax
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fp8.tensor import Fp8Tensor
-from megatron.core.fp8.weights import WEIGHT_DTYPE, Fp8Weight, register_fp8_weight
+from megatron.core.fp8.weights import (
+    WEIGHT_DTYPE,
+    Fp8ExpertWeights,
+    Fp8Weight,
+    register_fp8_weight,
+)
 
 
 class Fp8ComputeWeights:
@@ -58,6 +75,8 @@ class Fp8ComputeWeights:
         amax_group: the shard group, over which each tensor's parts lie (None: not sharded).
         gather_group: the group the FP8 shards are all-gathered over.
         device: where the buffers live.
+        keep_transposes: a reshard keeps the transposes made since the last refresh (module
+            docstring); the next refresh frees them.
     """
 
     def __init__(
@@ -72,13 +91,16 @@ class Fp8ComputeWeights:
         amax_group: dist.ProcessGroup | None,
         gather_group: dist.ProcessGroup,
         device: torch.device,
+        keep_transposes: bool = False,
     ):
         self._layout = layout
+        self._rank = rank
         self._fqns = list(fqns)
         self._model_dtype = model_dtype
         self._device = device
         # Unsharded, the whole FP8 weights are the shard itself: nothing to gather or free.
         self._transient = transient and layout.num_shards > 1
+        self._keep_transposes = keep_transposes
         self.amax_group = amax_group
         self._gather_group = gather_group
         # FP8 lives in uint8 buffers: collectives move bytes, whatever the backend's dtypes.
@@ -105,17 +127,28 @@ class Fp8ComputeWeights:
         else:
             casts = whole
         self._cast_targets = [view.view(WEIGHT_DTYPE) for view in casts]
-        # One 16-byte row per tensor: cuBLASLt refuses scale pointers that are not 16-byte
+        # Each tensor's scales: one, or one per expert of stacked expert weights (3-D), each
+        # expert's rows of this rank's part starting at its chunk of the experts.
+        self._stacked = [len(shape) == 3 for shape in layout.shapes]
+        self._first_scale = [0, *itertools.accumulate(self._scale_counts())][:-1]
+        self._part_start = [rank * rows for rows in layout.chunk_rows]
+        scales = sum(self._scale_counts())
+        # One 16-byte row per scale: cuBLASLt refuses scale pointers that are not 16-byte
         # aligned (CUBLAS_STATUS_NOT_SUPPORTED).
-        self._scale_inv_rows = torch.ones(len(layout), 4, dtype=torch.float32, device=device)
+        self._scale_inv_rows = torch.ones(scales, 4, dtype=torch.float32, device=device)
         self._scale_invs = [row[:1] for row in self._scale_inv_rows]
+        self._scale_inv_column = self._scale_inv_rows[:, 0]
+        # Where each scaled piece's amax is recorded at a refresh: views made once, not at
+        # every refresh.
+        self._amax_buffer = torch.zeros(scales, dtype=torch.float32, device=device)
+        self._amax_views = list(self._amax_buffer.split(1))
         self._index = {id(param): i for i, param in enumerate(params)}
-        self._made: list[Fp8Weight | None] = [None] * len(layout)
+        self._made: list[Fp8Weight | Fp8ExpertWeights | None] = [None] * len(layout)
         # Between a refresh and the cast (which ZeRO-3 leaves to the next gather): the parts to
-        # cast, their amaxes until reduced, and the scales to cast them with.
+        # cast, their amaxes until reduced, and the scales to cast them with (one view each).
         self._sources: list[torch.Tensor] | None = None
         self.amaxes: torch.Tensor | None = None
-        self._scales: torch.Tensor | None = None
+        self._scales: Sequence[torch.Tensor] | None = None
         if self._transient:
             self.unsharded.release_storage()
         for param in params:
@@ -124,28 +157,58 @@ class Fp8ComputeWeights:
     def __len__(self) -> int:
         return len(self._layout)
 
+    @property
+    def scale_count(self) -> int:
+        """The scales (and amaxes) of the group: one per tensor, one per expert of stacked
+        expert weights."""
+        return len(self._scale_invs)
+
+    def _scale_counts(self) -> list[int]:
+        """How many scales each tensor has: one per expert of stacked expert weights."""
+        return [
+            shape[0] if stacked else 1 for shape, stacked in zip(self._layout.shapes, self._stacked)
+        ]
+
+    def _scale_range(self, index: int) -> range:
+        """The scales of tensor `index`'s rows in this rank's part (its experts, or its one)."""
+        first = self._first_scale[index]
+        if not self._stacked[index]:
+            return range(first, first + 1)
+        start = first + self._part_start[index]
+        return range(start, start + self._layout.valid_rows(index, self._rank))
+
+    def _scaled_parts(self, index: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """`tensor` (this rank's part of tensor `index`, or its FP8 target) as the pieces that
+        have a scale of their own: each expert's `[out, in]`, or the whole part."""
+        return list(tensor) if self._stacked[index] else [tensor]
+
     # Use.
 
-    def weight_of(self, param: torch.nn.Parameter) -> Fp8Weight:
+    def weight_of(self, param: torch.nn.Parameter) -> Fp8Weight | Fp8ExpertWeights:
         """The FP8 weight of `param` (one of the group's compute weights), over the gathered
-        bytes; made once per gather (ZeRO-3) or refresh.
+        bytes; made once per gather (ZeRO-3, unless `keep_transposes`) or refresh.
 
         Raises:
             RuntimeError: the whole FP8 weights are not gathered (the weight is used outside
                 its unit's forward and backward).
         """
         index = self._index[id(param)]
-        made = self._made[index]
-        if made is not None:
-            return made
+        # Before the copy: one kept across a reshard (`keep_transposes`) views freed bytes.
         if not self.unsharded.is_allocated:
             raise RuntimeError(
                 f"The FP8 weight {self._fqns[index]} is used while Megatron-FSDP holds only its "
                 "shard (fp8_param_gather): call its unit (or FSDPModule.unshard()) to compute "
                 "with it."
             )
+        made = self._made[index]
+        if made is not None:
+            return made
         data = self._weights[index]
-        made = Fp8Weight(Fp8Tensor(data, self._scale_invs[index]))
+        first = self._first_scale[index]
+        if self._stacked[index]:
+            made = Fp8ExpertWeights(data, self._scale_invs[first : first + data.shape[0]])
+        else:
+            made = Fp8Weight(Fp8Tensor(data, self._scale_invs[first]))
         self._made[index] = made
         return made
 
@@ -153,21 +216,26 @@ class Fp8ComputeWeights:
 
     def start_refresh(self, sources: Sequence[torch.Tensor]) -> None:
         """First step of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
-        main dtype, or the model dtype), for `reduce_amaxes`."""
+        main dtype, or the model dtype), of each expert's for stacked expert weights, for
+        `reduce_amaxes` (0 where this rank holds none of it)."""
         self._forget()
         self._sources = list(sources)
-        amaxes = torch.zeros(len(self), dtype=torch.float32, device=self._device)
+        self._amax_buffer.zero_()
         for i, source in enumerate(self._sources):
-            if source.numel() > 0:
-                record_amax(source, amaxes.narrow(0, i, 1))
-        # Rounding is monotonic: the amax of the rounded values is the rounded amax.
-        self.amaxes = amaxes.to(self._model_dtype).float()
+            for unit, part in zip(self._scale_range(i), self._scaled_parts(i, source)):
+                if part.numel() > 0:
+                    record_amax(part, self._amax_views[unit])
+        # Rounding is monotonic: the amax of the rounded values is the rounded amax. A new
+        # tensor for a model dtype other than fp32; else the buffer, which `reduce_amaxes`
+        # reads before the next refresh writes it.
+        self.amaxes = self._amax_buffer.to(self._model_dtype).float()
 
-    def set_scales(self, amaxes: torch.Tensor) -> None:
-        """The scales from the whole tensors' `amaxes` (`reduce_amaxes`)."""
-        self._scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
+    def set_scales(self, scales: Sequence[torch.Tensor], scale_invs: torch.Tensor) -> None:
+        """The scales `reduce_amaxes` computed from the whole tensors' amaxes: one one-element
+        tensor per scale, and their inverses `[scale_count]`."""
+        self._scales = scales
         # In place: GEMMs captured in a CUDA graph read these tensors at every replay.
-        self._scale_inv_rows[:, 0].copy_(self._scales.reciprocal())
+        self._scale_inv_column.copy_(scale_invs)
         self.amaxes = None
 
     def finish_refresh(self, comm: Collectives) -> None:
@@ -181,9 +249,11 @@ class Fp8ComputeWeights:
     def _cast(self) -> None:
         """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
         for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
-            if source.numel() > 0:
-                scale = self._scales.narrow(0, i, 1)
-                quantize(source, WEIGHT_DTYPE, scale=scale, rounding=self._model_dtype, out=target)
+            parts = zip(self._scaled_parts(i, source), self._scaled_parts(i, target))
+            for unit, (part, out) in zip(self._scale_range(i), parts):
+                if part.numel() > 0:
+                    scale = self._scales[unit]
+                    quantize(part, WEIGHT_DTYPE, scale=scale, rounding=self._model_dtype, out=out)
         self._sources = self._scales = None
 
     # Unshard, reshard.
@@ -199,10 +269,13 @@ class Fp8ComputeWeights:
         self._gather(comm)
 
     def reshard(self) -> None:
-        """Frees the whole FP8 weights (ZeRO-3 over several ranks) and their transposes."""
+        """Frees the whole FP8 weights (ZeRO-3 over several ranks) and their transposes, unless
+        `keep_transposes`: then the copies stay, over the bytes the next gather writes again
+        (the same values until a refresh), and keep their transposes."""
         if self._transient:
             self.unsharded.release_storage()
-        self._forget()
+        if not self._keep_transposes:
+            self._forget()
 
     def _gather(self, comm: Collectives) -> None:
         if self._shard is not None:
@@ -231,5 +304,11 @@ def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> No
         amaxes = torch.cat([weights.amaxes for weights in members])
         if group is not None:
             comm.all_reduce_max(amaxes, group)
-        for weights, part in zip(members, amaxes.split([len(w) for w in members])):
-            weights.set_scales(part)
+        # The scales of all of them at once: each op is a launch.
+        scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
+        scale_invs = scales.reciprocal().split([w.scale_count for w in members])
+        first = 0
+        one_each = scales.split(1)
+        for weights, part_invs in zip(members, scale_invs):
+            weights.set_scales(one_each[first : first + weights.scale_count], part_invs)
+            first += weights.scale_count

@@ -376,6 +376,7 @@ def fully_shard(
                 model_dtype=dtype,
                 requires_grad=requires_grad,
                 fp8_gather=fp8,
+                keep_fp8_transposes=mp_policy.keep_fp8_transpose_cache,
                 groups=shard_groups,
                 strategy=sharding_strategy,
                 precision=mp_policy.resolve(dtype),

@@ -1,7 +1,8 @@
 """`FullyShardedDataParallel`: Megatron-FSDP behind the DDP engine's interface.
 
-It shards a Megatron model (by default each `TransformerLayer` a unit, and so are the embedding
-and the output layer unless they share their weight; the rest in the root) from a
+It shards a Megatron model (by default each `TransformerLayer` a unit, each multi-token
+prediction depth too, and so are the embedding and the output layer unless they share their
+weight; the rest in the root) from a
 `DistributedDataParallelConfig`, and answers the calls a
 Megatron training loop makes on its data-parallel wrapper (`zero_grad_buffer`, `no_sync`,
 `start_param_sync`, `finish_grad_sync`, `scale_gradients`, state dicts), so the loop does not
@@ -31,6 +32,8 @@ from megatron.core.distributed.fsdp.optimizer import parameter_groups
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.upstream_names import stack_upstream_experts
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -81,6 +84,13 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 "linear layers, and this model has none: set config.fp8 (--fp8-format), or "
                 "drop fp8_param_gather."
             )
+        if ddp_config.fp8_param_gather and config.fp8_recipe == "blockwise":
+            raise ValueError(
+                "ddp_config.fp8_param_gather (--fp8-param-gather) gathers FP8 weights with one "
+                "scale per tensor, and config.fp8_recipe='blockwise' needs one per 128x128 "
+                "block (not built): drop fp8_param_gather or use fp8_recipe 'tensorwise' or "
+                "'delayed'."
+            )
         self.ddp_config = ddp_config
         self.distributed_index = FSDPDistributedIndex.from_pg_collection(
             pg_collection, average_grads=not self.sums_grads
@@ -110,6 +120,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             main_grads_dtype=main_grads_dtype,
             grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
             fp8_param_gather=ddp_config.fp8_param_gather,
+            keep_fp8_transpose_cache=ddp_config.keep_fp8_transpose_cache,
         )
         overlap_policy = OverlapPolicy(
             prefetch=ddp_config.overlap_param_gather,
@@ -219,16 +230,19 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         """Loads weights given as DTensors (as `state_dict()` returns) or as whole tensors
         of the DTensors' global shapes (each rank keeps its shard; of an expert parameter, all
-        experts); compute weights refresh before the next forward.
+        experts, which may also come under Megatron-core's per-expert names: they are stacked,
+        `upstream_names.py`); compute weights refresh before the next forward.
 
         Raises:
-            ValueError: a whole tensor's shape differs from its parameter's.
+            ValueError: a whole tensor's shape differs from its parameter's; per-expert entries
+                that do not stack (`stack_upstream_experts`).
         """
         location = {p: (g, i) for g in self._groups for i, p in enumerate(g.dist_params)}
         params = dict(self.module.named_parameters())
         converted = dict(state_dict)
+        stack_upstream_experts(converted)
         with torch.no_grad():
-            for key, value in state_dict.items():
+            for key, value in list(converted.items()):
                 param = params.get(key)
                 if param not in location or isinstance(value, DTensor):
                     continue
@@ -245,21 +259,30 @@ class FullyShardedDataParallel(_BaseDataParallel):
 
 def default_fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules below `model` that become units by default, in module order: every
-    `TransformerLayer`, and a GPT model's embedding and output layer when the output layer has
-    a weight of its own.
+    `TransformerLayer`, every multi-token prediction depth (`MultiTokenPredictionLayer`: its
+    norms, projection and transformer layer in one unit), and a GPT model's embedding and output
+    layer when the output layer has a weight of its own.
 
     The output layer is then gathered just before the loss and freed while the layers' backward
     runs, its gradients reduced under that backward rather than at the end of it; and the
     embedding's weights are not held from the forward to the end of backward. A tied output
     layer computes with the embedding's weight outside the embedding's forward, so both stay
-    in the root.
+    in the root. (The multi-token prediction depths use the embedding and the output layer
+    again: a unit gathers its weights for each use.)
     """
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     ends = [] if tied else [getattr(model, name, None) for name in ("embedding", "output_layer")]
+    depths = [m for m in model.modules() if isinstance(m, MultiTokenPredictionLayer)]
+    inside_depths = {id(sub) for depth in depths for sub in depth.modules() if sub is not depth}
     return [
         m
         for m in model.modules()
-        if m is not model and (isinstance(m, TransformerLayer) or any(m is e for e in ends))
+        if m is not model
+        and id(m) not in inside_depths
+        and (
+            isinstance(m, (TransformerLayer, MultiTokenPredictionLayer))
+            or any(m is e for e in ends)
+        )
     ]
 
 

@@ -6,7 +6,8 @@ kept in `main_params_dtype` (fp32 by default, so small updates are not lost to b
 gradients accumulate across microbatches in `main_grads_dtype` and travel over the network in
 `grad_comm_dtype`. With `fp8_param_gather` the compute weights of FP8 linear layers
 (`megatron.core.fp8`) are kept and all-gathered as FP8 bytes with one scale each, instead of in
-the model dtype (`fp8_gather.py`).
+the model dtype (`fp8_gather.py`); `keep_fp8_transpose_cache` keeps their transposed copies
+from one change of the main weights to the next.
 """
 
 from __future__ import annotations
@@ -31,12 +32,19 @@ class MixedPrecisionPolicy:
         fp8_param_gather: the weights of linear layers that compute in FP8 are cast to FP8 once
             per change of the main weights and travel (and stay whole) as FP8; the other
             parameters are unaffected (Megatron-LM's `fp8_param_gather`).
+        keep_fp8_transpose_cache: with `fp8_param_gather`, the transposed copy of each FP8
+            weight that the input-gradient GEMM uses is made once per change of the main
+            weights and kept until the next, instead of made in each backward that gathers the
+            weight (ZeRO-3) and freed with it: 1 byte per element of the whole FP8 weights held
+            for the whole step (Megatron-LM's `keep_fp8_transpose_cache`). Weights that stay
+            whole (ZeRO-0/1/2) keep their transposes that long anyway.
     """
 
     main_params_dtype: torch.dtype | None = torch.float32
     main_grads_dtype: torch.dtype | None = None
     grad_comm_dtype: torch.dtype | None = None
     fp8_param_gather: bool = False
+    keep_fp8_transpose_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
@@ -52,6 +60,13 @@ class MixedPrecisionPolicy:
                 "(--megatron-fsdp-main-params-dtype fp16): fp16 main weights lose small updates "
                 "and overflow without loss scaling, so training diverges. Use torch.float32 "
                 "(the default) or torch.bfloat16."
+            )
+        if self.keep_fp8_transpose_cache and not self.fp8_param_gather:
+            raise ValueError(
+                "MixedPrecisionPolicy.keep_fp8_transpose_cache=True keeps the transposes of the "
+                "FP8 compute weights that fp8_param_gather=True keeps, and without it there are "
+                "none (each FP8 layer casts its weight, and transposes the copy, itself): set "
+                "fp8_param_gather=True or drop keep_fp8_transpose_cache."
             )
 
     def resolve(self, model_dtype: torch.dtype) -> ResolvedPrecision:

@@ -31,6 +31,7 @@ class FsdpParameterGroup:
         model_dtype: dtype of the compute weights (the dtype the module was built in).
         requires_grad: whether the parameters train.
         fp8_gather: the compute weights are FP8 (`fp8_gather.py`).
+        keep_fp8_transposes: FP8 compute weights keep their transposes until the next refresh.
         groups: the process groups to shard and communicate over.
         strategy: what to shard.
         precision: the resolved dtypes.
@@ -51,6 +52,7 @@ class FsdpParameterGroup:
         model_dtype: torch.dtype,
         requires_grad: bool,
         fp8_gather: bool = False,
+        keep_fp8_transposes: bool = False,
         groups: ShardGroups,
         strategy: ShardingStrategy,
         precision: ResolvedPrecision,
@@ -64,6 +66,7 @@ class FsdpParameterGroup:
             model_dtype=model_dtype,
             requires_grad=requires_grad,
             fp8_gather=fp8_gather,
+            keep_fp8_transposes=keep_fp8_transposes,
         )
         layout = ShardLayout(shapes, self.plan.num_shards)
         self.weights = GroupWeights(self.plan, layout, slots, groups, comm, device)

@@ -20,7 +20,9 @@ A group with `fp8_gather` (trainable weights of FP8 linear layers under `fp8_par
 computes with FP8 weights: its main weights are always a buffer of their own, and its compute
 weights are FP8 bytes made from them once per change (`fp8_gather.py`), gathered like the
 unsharded buffer would be; the unsharded buffer of the model dtype is never used. `refresh` then
-says only whether HFSDP's inner shard is gathered first.
+says only whether HFSDP's inner shard is gathered first. With `keeps_fp8_transposes` the
+transposed copies that backward makes of them live until the next refresh rather than until the
+next reshard.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class GroupPlan:
             data-parallel dimensions of `ShardGroups.mesh` (those after its leading dimensions,
             over which each parameter is placed as `LeadingGroups.placements` says).
         fp8_gather: the compute weights are FP8 (module docstring).
+        keeps_fp8_transposes: FP8 compute weights keep their transposes across reshards until
+            the next refresh (`MixedPrecisionPolicy.keep_fp8_transpose_cache`).
     """
 
     requires_grad: bool
@@ -93,6 +97,7 @@ class GroupPlan:
     separate_optim_grad: bool
     placements: tuple[Placement, ...]
     fp8_gather: bool = False
+    keeps_fp8_transposes: bool = False
 
     @property
     def held_itemsize(self) -> int:
@@ -110,6 +115,7 @@ class GroupPlan:
         model_dtype: torch.dtype,
         requires_grad: bool,
         fp8_gather: bool = False,
+        keep_fp8_transposes: bool = False,
     ) -> GroupPlan:
         num_shards = groups.shard_size if strategy.shards_optimizer else 1
         transient = strategy.shards_params
@@ -161,4 +167,5 @@ class GroupPlan:
             separate_optim_grad=requires_grad and separate,
             placements=placements,
             fp8_gather=fp8_gather,
+            keeps_fp8_transposes=fp8_gather and keep_fp8_transposes,
         )

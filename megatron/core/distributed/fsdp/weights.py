@@ -191,6 +191,7 @@ class GroupWeights:
                 amax_group=groups.shard if layout.num_shards > 1 else None,
                 gather_group=groups.all_gather,
                 device=device,
+                keep_transposes=plan.keeps_fp8_transposes,
             )
         if plan.transient_unsharded or plan.fp8_gather:
             self.unsharded.release_storage()
@@ -413,7 +414,8 @@ class GroupWeights:
 
     def reshard(self) -> None:
         """Frees the whole compute weights (ZeRO-3 only), and their FP8 copies (FP8 compute
-        weights: their transposes, and under ZeRO-3 the weights)."""
+        weights: their transposes unless `plan.keeps_fp8_transposes`, and under ZeRO-3 the
+        weights)."""
         if self.fp8 is not None:
             self.fp8.reshard()
         elif self.plan.transient_unsharded:

@@ -32,12 +32,17 @@ With ETP x EP = 1 under tensor + sequence parallelism every tp rank holds all ex
 feeds them its own part of the sequence: the layer then passes the tp group (`tp_group`) and the
 experts' gradients are summed over it in backward (`grad_sum_over_tp`), as for any replicated
 parameter.
+
+In a transformer layer that trains in FP8 each `ExpertLinear` has FP8 settings (its `fp8`
+attribute, given by the transformer block): its experts' GEMMs then run in FP8, one per expert or
+grouped (`megatron.core.fp8.experts`); the biases and the routing weights stay in high precision.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,8 +51,12 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
 from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
+from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+if TYPE_CHECKING:
+    from megatron.core.fp8.experts import Fp8ExpertSlots
 
 Projection = Callable[["ExpertLinear", torch.Tensor], torch.Tensor]
 """Multiplies rows grouped by expert by one projection's expert weights."""
@@ -166,6 +175,9 @@ class ExpertLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.empty(num_local_experts, shape[0], dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.fp8: Fp8ExpertSlots | None = None
+        """The projection's FP8 settings (given by the transformer block that holds it,
+        `megatron.core.fp8.experts`); None: high precision."""
         self.reset_parameters()
 
     def _expert_layout(self) -> TensorParallelLayout:
@@ -214,6 +226,10 @@ class ExpertLinear(torch.nn.Module):
     def loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of `x` grouped by expert (`counts` each) times their expert's weight, one GEMM per
         expert with tokens (bias not added)."""
+        if self.fp8 is not None:
+            return self.fp8.experts_linear(
+                x, self.weight, counts, grouped=False, tp_group=self.tp_group
+            )
         chunks = torch.split(x, counts)
         # With no token at all, one empty GEMM still ties the weight to the graph, so every
         # rank produces a (zero) gradient for it.
@@ -221,6 +237,11 @@ class ExpertLinear(torch.nn.Module):
         weight = grad_sum_over_tp(self.weight, self.tp_group)
         outputs = [F.linear(chunks[i], weight[i]) for i in used]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def grouped_fp8(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The same as `loop` with FP8 settings, as grouped FP8 GEMMs where the kernel runs
+        them (`megatron.core.fp8.experts`)."""
+        return self.fp8.experts_linear(x, self.weight, counts, grouped=True, tp_group=self.tp_group)
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The same as `loop`, as one grouped GEMM (`offsets`: int32 cumulative counts)."""
@@ -251,7 +272,8 @@ class SequentialMLP(MegatronModule):
     Args:
         num_local_experts: Experts on this rank.
         config: The transformer configuration (`moe_ffn_hidden_size`, `gated_linear_unit`,
-            `activation_func`, `add_bias_linear`, the init methods).
+            `activation_func`, `glu_linear_offset`, `activation_func_clamp_value`,
+            `add_bias_linear`, the init methods).
         first_expert: Global index of local expert 0.
         tp_group: The tp group when every tp rank holds these same experts whole (expert tensor
             x expert-model-parallel size 1 under sequence parallelism): their gradients are
@@ -320,11 +342,7 @@ class SequentialMLP(MegatronModule):
         intermediate = project(self.linear_fc1, tokens)
         if self.linear_fc1.bias is not None:
             intermediate = self.linear_fc1.add_bias(intermediate, tokens_per_expert)
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(intermediate, 2, dim=-1)
-            intermediate = self.config.activation_func(gate) * up
-        else:
-            intermediate = self.config.activation_func(intermediate)
+        intermediate = mlp_activation(intermediate, self.config)
         weights = probs.unsqueeze(-1)
         intermediate = (intermediate * weights).to(tokens.dtype)
         output = project(self.linear_fc2, intermediate)
@@ -345,10 +363,15 @@ class GroupedMLP(SequentialMLP):
     Uses `torch._grouped_mm` (`torch.nn.functional.grouped_mm` where it exists) with the
     per-expert offsets on the device. On CUDA it must be available for the parameters' dtype
     (bf16 on Hopper and newer): the forward otherwise raises `RuntimeError`. On CPU,
-    where some PyTorch builds lack it, the layer falls back to `SequentialMLP`'s loop.
+    where some PyTorch builds lack it, the layer falls back to `SequentialMLP`'s loop. In FP8
+    the projections run `torch._scaled_grouped_mm` where it applies, and one FP8 GEMM per expert
+    elsewhere (`megatron.core.fp8.experts`).
     """
 
     def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:
+        if self.linear_fc1.fp8 is not None:
+            counts = tokens_per_expert.tolist()
+            return lambda linear, x: linear.grouped_fp8(x, counts)
         if not grouped_mm_available(tokens.device, tokens.dtype):
             if tokens.device.type == "cuda":
                 raise RuntimeError(

@@ -1,9 +1,14 @@
 """The Mixture of Experts layer, in the MLP slot of a transformer layer.
 
 `MoELayer`: router -> token dispatch over the expert groups -> this rank's experts -> combine,
-plus the shared experts when configured. Its state-dict names are Megatron-core's:
-`router.weight`, `experts.linear_fc1.weight` ([num_local_experts, ...], see `experts.py`),
-`experts.linear_fc2.weight`, `shared_experts.*`.
+plus the shared experts when configured. Its state dict names the router (`router.weight`,
+`router.expert_bias`) and the shared experts (`shared_experts.*`) as Megatron-core does; the
+routed experts' projections are each one tensor stacked over the local experts
+(`experts.linear_fc1.weight` [num_local_experts, ...], see `experts.py`), where Megatron-core
+names each expert's apart (`experts.local_experts.<i>.linear_fc1.weight`, or
+`experts.linear_fc1.weight<i>` with Transformer Engine). `load_state_dict` takes either:
+Megatron-core's per-expert entries are stacked as they load (`upstream_names.py`), so a state
+dict saved by Megatron-core's `MoELayer` loads and computes the same outputs.
 
 The experts follow Megatron-core's expert rank order (etp-ep-dp): the expert tensor-parallel
 group `expt_tp` (`expert_tensor_parallel_size`, ETP; Megatron's default is the tp size) splits
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +37,10 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
+)
+from megatron.core.transformer.moe.upstream_names import (
+    drop_empty_extra_states,
+    stack_upstream_experts,
 )
 from megatron.core.transformer.recompute import recompute
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -91,6 +101,33 @@ def resolve_tp_ep_group(pg_collection: ProcessGroupCollection | None) -> dist.Pr
     return _resolve_group(pg_collection, "tp_ep", getter)
 
 
+def resolve_tp_cp_group(
+    pg_collection: ProcessGroupCollection | None,
+    tp_group: dist.ProcessGroup | None,
+    context_parallel_size: int,
+) -> dist.ProcessGroup | None:
+    """The ranks holding parts of the same sequences, over which the router sums its balancing
+    statistics: `tp_group` without context parallelism, else the tensor x context-parallel
+    group (`pg_collection.tp_cp`, else parallel_state's).
+
+    Raises:
+        ValueError: With context parallelism, no such group of tp x cp ranks.
+    """
+    if context_parallel_size == 1:
+        return tp_group
+    getter = parallel_state.get_tensor_and_context_parallel_group
+    group = _resolve_group(pg_collection, "tp_cp", getter)
+    expected = group_size(tp_group) * context_parallel_size
+    if group_size(group) != expected:
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size}: the MoE router sums its balancing "
+            f"statistics over the tensor x context-parallel group of {expected} ranks, but the "
+            f"tp_cp group has {group_size(group)}; pass a pg_collection with tp_cp (or "
+            "initialise parallel_state with the same context_parallel_size)."
+        )
+    return group
+
+
 class MoELayer(MegatronModule):
     """Routes each token to its top-k experts and sums their weighted outputs.
 
@@ -105,7 +142,8 @@ class MoELayer(MegatronModule):
         layer_number: 1-based layer number (the metrics are recorded per layer).
         pg_collection: Process groups; its `ep`, `expt_tp` and `tp_ep` are the expert groups
             (see `resolve_ep_group`, `resolve_expt_tp_group`, `resolve_tp_ep_group`), its `tp`
-            the tensor-parallel group (see `resolve_tp_group`).
+            the tensor-parallel group (see `resolve_tp_group`), its `tp_cp` the router's
+            reduction group under context parallelism (`resolve_tp_cp_group`).
 
     Raises:
         ValueError: the config has no experts; `expert_model_parallel_size`,
@@ -157,7 +195,11 @@ class MoELayer(MegatronModule):
         first_expert = (0 if ep_group is None else ep_group.rank()) * self.num_local_experts
         self.local_expert_indices = list(range(first_expert, first_expert + self.num_local_experts))
         self.router = build_module(
-            submodules.router, config=config, layer_number=layer_number, tp_group=tp_group
+            submodules.router,
+            config=config,
+            layer_number=layer_number,
+            tp_group=tp_group,
+            tp_cp_group=resolve_tp_cp_group(pg_collection, tp_group, config.context_parallel_size),
         )
         self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
             config, ep_group, expt_tp_group, resolve_tp_ep_group(pg_collection)
@@ -179,6 +221,21 @@ class MoELayer(MegatronModule):
             self.shared_experts = None
         self.recompute_moe = recomputes(config, "moe")
         self.recompute_shared_experts = recomputes(config, "shared_experts")
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # Megatron-core's per-expert names become the stacked tensors before the experts load
+        # (`load_state_dict` hands each module a copy of the state dict to rewrite).
+        first = self.local_expert_indices[0]
+        stack_upstream_experts(
+            state_dict,
+            prefix,
+            local_experts=range(first, first + self.num_local_experts),
+            num_experts=self.config.num_moe_experts,
+        )
+        drop_empty_extra_states(state_dict, prefix, self)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Applies the layer to [s, b, h] hidden states ([s/T, b, h] under sequence

@@ -29,10 +29,15 @@ class MoEMetricsTracker:
         return self._metrics
 
     def record(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
-        """Adds `value` (a scalar tensor, detached) to layer `layer_number` (1-based) of `name`."""
-        if name not in self._metrics:
-            self._metrics[name] = torch.zeros(num_layers, device=value.device)
-        self._metrics[name][layer_number - 1] += value.detach().float()
+        """Adds `value` (a scalar tensor, detached) to layer `layer_number` (1-based) of `name`.
+
+        A model with another number of layers than the one that recorded `name` before (a new
+        model in the same process) starts the metric afresh.
+        """
+        values = self._metrics.get(name)
+        if values is None or values.numel() != num_layers:
+            values = self._metrics[name] = torch.zeros(num_layers, device=value.device)
+        values[layer_number - 1] += value.detach().float()
 
     def clear(self) -> None:
         """Zeroes every metric (the buffers stay, to be reused)."""

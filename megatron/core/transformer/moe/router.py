@@ -21,6 +21,9 @@ load-balancing statistics (routed-token counts, token totals) are those of the w
 (summed over tp), and each rank's share of a balancing loss is summed over tp in forward, so every
 rank attaches and records the loss a TP 1 router computes; its gradient reaches each rank's own
 tokens only. The capacity is applied to each rank's tokens (Megatron-core does the same).
+Under context parallelism each context-parallel rank holds two chunks of every sequence: the
+balancing statistics and losses are summed over the tensor x context-parallel group
+(`tp_cp_group`, upstream's reduction group) instead, and are again the whole sequence's.
 """
 
 from __future__ import annotations
@@ -198,6 +201,9 @@ class TopKRouter(MegatronModule):
         layer_number: 1-based layer number, under which the metrics are recorded.
         tp_group: The tensor-parallel group the tokens are split over (sequence parallelism);
             None resolves to parallel_state's when initialised, else no split.
+        tp_cp_group: The ranks that hold parts of the same sequences (tensor x context
+            parallel), over which the balancing statistics and losses are summed; None means
+            `tp_group` (no context parallelism).
     """
 
     def __init__(
@@ -206,10 +212,12 @@ class TopKRouter(MegatronModule):
         layer_number: int = 1,
         *,
         tp_group: dist.ProcessGroup | None = None,
+        tp_cp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__(config)
         self.layer_number = layer_number
         self.tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+        self.sequence_group = self.tp_group if tp_cp_group is None else tp_cp_group
         experts = config.num_moe_experts
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(torch.empty(experts, config.hidden_size, dtype=dtype))
@@ -290,15 +298,17 @@ class TopKRouter(MegatronModule):
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
 
-    def _sum_over_tp(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the tp ranks (each holds its part of the sequence's); the
+    def _sum_over_sequence(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the tp (x cp) ranks (each holds its part of the sequences'); the
         gradient passes through to this rank's part."""
-        return reduce_from_tensor_model_parallel_region(value, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(value, self.sequence_group)
 
     def _attach_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         coeff = self.config.moe_z_loss_coeff
         # This rank's tokens' share of the mean over the whole sequence.
-        z_loss = self._sum_over_tp(z_loss_func(logits, coeff) / group_size(self.tp_group))
+        z_loss = self._sum_over_sequence(
+            z_loss_func(logits, coeff) / group_size(self.sequence_group)
+        )
         self._record(Z_LOSS_METRIC, z_loss, coeff)
         return MoEAuxLossAutoScaler.apply(logits, self._per_token_scaled(z_loss, logits))
 
@@ -310,12 +320,12 @@ class TopKRouter(MegatronModule):
         aux_map, scores = scores_for_aux_loss(logits, topk, config.moe_router_score_function)
         coeff = config.moe_aux_loss_coeff
         name = LOAD_BALANCING_METRICS[config.moe_router_load_balancing_type]
-        tp_size = group_size(self.tp_group)
+        parts = group_size(self.sequence_group)
         if config.moe_router_load_balancing_type == "aux_loss":
             aux_loss = switch_load_balancing_loss_func(
                 scores,
-                self._sum_over_tp(aux_map.sum(dim=0)),
-                logits.shape[0] * tp_size,
+                self._sum_over_sequence(aux_map.sum(dim=0)),
+                logits.shape[0] * parts,
                 topk,
                 experts,
                 coeff,
@@ -326,29 +336,29 @@ class TopKRouter(MegatronModule):
             aux_loss = (
                 switch_load_balancing_loss_func(
                     scores.reshape(seq_length, -1),
-                    self._sum_over_tp(aux_map.reshape(seq_length, -1).sum(dim=0)),
-                    seq_length * tp_size,
+                    self._sum_over_sequence(aux_map.reshape(seq_length, -1).sum(dim=0)),
+                    seq_length * parts,
                     topk,
                     experts,
                     coeff,
                 )
                 / batch
             )
-        # Linear in the scores: the tp ranks' parts add up to the whole sequence's loss.
-        aux_loss = self._sum_over_tp(aux_loss)
+        # Linear in the scores: the tp (x cp) ranks' parts add up to the whole sequence's loss.
+        aux_loss = self._sum_over_sequence(aux_loss)
         self._record(name, aux_loss, coeff)
         return MoEAuxLossAutoScaler.apply(probs, self._per_token_scaled(aux_loss, logits))
 
     def _per_token_scaled(self, loss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         # With per-token losses every gradient is divided by the global token count later;
-        # multiplying by the micro-batch's count (all tp ranks' tokens) keeps the auxiliary loss
-        # a per-micro-batch mean.
+        # multiplying by the micro-batch's count (all tp x cp ranks' tokens) keeps the auxiliary
+        # loss a per-micro-batch mean.
         if self.config.calculate_per_token_loss:
-            return loss * (logits.shape[0] * group_size(self.tp_group))
+            return loss * (logits.shape[0] * group_size(self.sequence_group))
         return loss
 
     def _record(self, name: str, loss: torch.Tensor, coeff: float) -> None:
         if not is_recomputing():
-            get_moe_metrics_tracker().record(
-                name, loss / coeff, self.layer_number, self.config.num_layers
-            )
+            # Multi-token prediction depths' layers are numbered after the decoder's.
+            num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
+            get_moe_metrics_tracker().record(name, loss / coeff, self.layer_number, num_layers)

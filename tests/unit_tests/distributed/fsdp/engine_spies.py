@@ -1,4 +1,5 @@
-"""A spy on the Megatron-FSDP engine's collectives and weight refreshes, shared by the tests.
+"""A spy on the Megatron-FSDP engine's collectives, weight refreshes and FP8 weight transposes,
+shared by the tests.
 
 Tests that count or order what the engine launches observe it through `spy_on_engine()`, so the
 engine's private names are patched in this one place.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -16,6 +18,7 @@ from unittest import mock
 from megatron.core.distributed.fsdp import collectives
 from megatron.core.distributed.fsdp.residency import Residency
 from megatron.core.distributed.fsdp.weights import GroupWeights
+from megatron.core.fp8.weights import Fp8Weight
 
 
 @dataclasses.dataclass
@@ -24,13 +27,15 @@ class EngineCalls:
 
     Attributes:
         log: "gather", "reduce_scatter", "order" (a gather ordered after the compute stream's
-            queued writes), "refresh" (compute weights rebuilt from the main weights) and
-            "amax_reduce" (FP8 weights' amaxes all-reduced), in call order.
+            queued writes), "refresh" (compute weights rebuilt from the main weights),
+            "amax_reduce" (FP8 weights' amaxes all-reduced) and "fp8_transpose" (an FP8
+            weight's transposed copy made for the input-gradient GEMM), in call order.
         gather_groups: the process group of each all-gather.
         gather_bytes: the bytes each all-gather writes on this rank (all ranks' blocks).
         gather_dtypes: the dtype of each all-gather's outputs.
         scatter_groups: the process group of each reduce-scatter.
         refreshes: per parameter group's `GroupWeights` (by id), how often it was refreshed.
+        fp8_transposes: the bytes of each FP8 weight transpose made, weakly (dead once freed).
     """
 
     log: list[str] = dataclasses.field(default_factory=list)
@@ -39,6 +44,7 @@ class EngineCalls:
     gather_dtypes: list[Any] = dataclasses.field(default_factory=list)
     scatter_groups: list[Any] = dataclasses.field(default_factory=list)
     refreshes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    fp8_transposes: list[weakref.ref] = dataclasses.field(default_factory=list)
 
     def count(self, event: str) -> int:
         """How many times `event` (a `log` entry) happened."""
@@ -53,6 +59,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     gather, scatter = collectives._all_gather_coalesced, collectives._reduce_scatter_coalesced
     order, refresh = Residency.order_gathers, GroupWeights.refresh
     amax_reduce = collectives.Collectives.all_reduce_max
+    transpose = Fp8Weight._transpose
 
     def spied_gather(*args, **kwargs):
         calls.log.append("gather")
@@ -79,11 +86,18 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.log.append("amax_reduce")
         return amax_reduce(comm, *args, **kwargs)
 
+    def spied_transpose(weight: Fp8Weight):
+        calls.log.append("fp8_transpose")
+        made = transpose(weight)
+        calls.fp8_transposes.append(weakref.ref(made.data))
+        return made
+
     with (
         mock.patch.object(collectives.Collectives, "all_reduce_max", spied_amax_reduce),
         mock.patch.object(collectives, "_all_gather_coalesced", spied_gather),
         mock.patch.object(collectives, "_reduce_scatter_coalesced", spied_scatter),
         mock.patch.object(Residency, "order_gathers", spied_order),
         mock.patch.object(GroupWeights, "refresh", spied_refresh),
+        mock.patch.object(Fp8Weight, "_transpose", spied_transpose),
     ):
         yield calls

@@ -3,22 +3,35 @@ bytes. It must change only what travels: a tiny FP8 GPT trains bit for bit as wi
 and every main weight), for every sharding strategy, at 2 and 4 ranks, under HSDP and HFSDP,
 with tensor parallelism, gradient accumulation and any torch optimizer; the all-gathers move
 one byte per element of those weights where bf16 moves two, and the amaxes of all FP8 weights
-are reduced once per step."""
+are reduced once per step. With `keep_fp8_transpose_cache` the transposes backward makes of the
+FP8 weights are made once per step (not in each backward that gathers them) and freed at the
+next step's refresh, with the same training bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed.fsdp import FullyShardedDataParallel, parameter_groups
+from megatron.core.distributed.fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    parameter_groups,
+)
 from megatron.core.fp8.weights import fp8_weight_of
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
+    SEQ_LENGTH,
+    VOCAB_SIZE,
     build_tiny_gpt,
     make_token_batches,
     shard_batch,
@@ -34,6 +47,15 @@ FP8 = dict(
     fp8_amax_compute_algo="max",
 )
 STEPS, MICROBATCHES = 3, 2
+MOE = dict(
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_layer_freq=[0, 1],
+    moe_shared_expert_intermediate_size=32,
+    add_bias_linear=False,
+    gated_linear_unit=True,
+    activation_func=F.silu,
+)
 
 
 def _train(
@@ -43,16 +65,32 @@ def _train(
     tp: int = 1,
     replicas: int = 1,
     outer: str = "no_shard",
+    ep: int | None = None,
+    experts: int = 4,
+    no_sync: bool = False,
     **ddp_fields,
 ) -> dict:
-    """STEPS steps of MICROBATCHES microbatches (AdamW); the losses, every global main
-    weight after them, and what the engine launched."""
+    """STEPS steps of MICROBATCHES microbatches (AdamW, the microbatches before the last of a
+    step under `no_sync()` where `no_sync`); the losses, every global main weight after them,
+    and what the engine launched. With `ep`, the GPT's second layer is an MoE layer of
+    `experts` experts (and a shared expert) at expert parallelism `ep`."""
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, num_distributed_optimizer_instances=replicas
+        tensor_model_parallel_size=tp,
+        num_distributed_optimizer_instances=replicas,
+        expert_model_parallel_size=ep or 1,
     )
     model_parallel_cuda_manual_seed(1234, device_type="cpu")
-    config = tiny_gpt_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, **FP8)
-    model = build_tiny_gpt(config)
+    fields = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, **FP8)
+    if ep is None:
+        model = build_tiny_gpt(tiny_gpt_config(**fields))
+    else:
+        config = tiny_gpt_config(
+            **fields, **MOE, num_moe_experts=experts, expert_model_parallel_size=ep
+        )
+        torch.manual_seed(1234)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        model = GPTModel(config, spec, vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH)
+    config = model.config
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy=strategy,
@@ -68,31 +106,65 @@ def _train(
     dp = parallel_state.get_data_parallel_group()
     batches = make_token_batches(STEPS * MICROBATCHES, 4 * dp.size(), seed=5)
     losses = []
+    step_ends: list[int] = []  # how many FP8 transposes were made by the end of each step
+    alive: list[list[int]] = []  # after each step: how many of each step's transposes live
     with spy_on_engine() as calls:
         for step in range(STEPS):
             fsdp.zero_grad_buffer()
             for micro in range(MICROBATCHES):
                 tokens, labels = batches[step * MICROBATCHES + micro]
                 tokens, labels = (shard_batch(t, dp.rank(), dp.size()) for t in (tokens, labels))
-                loss = fsdp(tokens, labels=labels).float().mean() / MICROBATCHES
-                loss.backward()
+                deferred = no_sync and micro < MICROBATCHES - 1
+                with fsdp.no_sync() if deferred else contextlib.nullcontext():
+                    loss = fsdp(tokens, labels=labels).float().mean() / MICROBATCHES
+                    loss.backward()
                 losses.append(loss.detach().clone())
             fsdp.finish_grad_sync()
             optimizer.step()
             optimizer.zero_grad()
+            step_ends.append(len(calls.fp8_transposes))
+            alive.append(_alive_per_step(calls.fp8_transposes, step_ends))
     fp8_groups = sum(g.plan.fp8_gather for g in parameter_groups(fsdp.module))
+    # Each 2-D FP8 weight (each expert's of stacked expert weights), whole.
+    fp8_weights = [
+        expert_shape
+        for g in parameter_groups(fsdp.module)
+        if g.plan.fp8_gather
+        for shape in g.weights.layout.shapes
+        for expert_shape in ([shape[1:]] * shape[0] if len(shape) == 3 else [shape])
+    ]
+    expert_fp8_groups = sum(
+        g.plan.fp8_gather and any(len(shape) == 3 for shape in g.weights.layout.shapes)
+        for g in parameter_groups(fsdp.module)
+    )
     weights = {name: p.detach().full_tensor() for name, p in fsdp.module.named_parameters()}
     return dict(
         losses=torch.stack(losses),
         weights=weights,
         fp8_groups=fp8_groups,
+        expert_fp8_groups=expert_fp8_groups,
         gather_bytes=sum(calls.gather_bytes),
         fp8_gather_bytes=sum(
             n for n, out in zip(calls.gather_bytes, calls.gather_dtypes) if out == torch.uint8
         ),
         amax_reduces=calls.count("amax_reduce"),
         refreshes=calls.count("refresh"),
+        fp8_weights=len(fp8_weights),
+        fp8_numel=sum(shape.numel() for shape in fp8_weights),
+        transposes_made=[end - start for start, end in zip([0, *step_ends], step_ends)],
+        transposes_alive=alive,
+        transpose_bytes_alive=sum(
+            t.numel() * t.element_size() for ref in calls.fp8_transposes if (t := ref()) is not None
+        ),
     )
+
+
+def _alive_per_step(transposes: list[weakref.ref], step_ends: list[int]) -> list[int]:
+    """How many of the transposes each step made are still in memory."""
+    return [
+        sum(ref() is not None for ref in transposes[start:end])
+        for start, end in zip([0, *step_ends], step_ends)
+    ]
 
 
 def _assert_same_training(with_fp8: dict, without: dict) -> None:
@@ -138,6 +210,24 @@ def test_fp8_param_gather_at_four_ranks(topology):
         _assert_same_training(rank_with, rank_without)
 
 
+@pytest.mark.parametrize(
+    "world, topology",
+    [
+        *((2, dict(strategy=strategy, ep=1)) for strategy in STRATEGIES),
+        (4, dict(strategy="optim_grads_params", ep=2, experts=6)),
+    ],
+    ids=[*STRATEGIES, "zero3-ep2"],
+)
+def test_fp8_param_gather_of_expert_weights(world, topology):
+    """The stacked expert weights travel as FP8 with one scale per expert (each shard holds
+    whole experts; 6 experts at EP 2 leave the expert data-parallel shards uneven)."""
+    with_fp8 = run_distributed(_train, world, True, **topology)
+    without = run_distributed(_train, world, False, **topology)
+    for rank_with, rank_without in zip(with_fp8, without):
+        _assert_same_training(rank_with, rank_without)
+        assert rank_with["expert_fp8_groups"] > 0
+
+
 def test_fp8_weights_travel_in_half_the_bytes_and_scale_in_one_reduction():
     """ZeRO-3: each FP8 weight byte gathered replaces two bf16 bytes; one MAX all-reduce of
     the amaxes per step (the FP8 weights of every unit are refreshed together)."""
@@ -148,13 +238,15 @@ def test_fp8_weights_travel_in_half_the_bytes_and_scale_in_one_reduction():
     assert with_fp8["amax_reduces"] == STEPS and without["amax_reduces"] == 0
 
 
-def _overlapped(fp8_param_gather: bool) -> dict:
+def _overlapped(fp8_param_gather: bool, **ddp_fields) -> dict:
     return _train(
         fp8_param_gather,
         overlap_param_gather=True,
         overlap_grad_reduce=True,
         fsdp_all_gather_in_start_param_sync=True,
         megatron_fsdp_keep_unsharded_params=True,
+        no_sync=True,
+        **ddp_fields,
     )
 
 
@@ -165,18 +257,98 @@ def test_fp8_param_gather_with_prefetch_and_kept_weights():
         _assert_same_training(rank_with, rank_without)
 
 
-def _use_outside_a_pass() -> str:
-    """A layer's FP8 compute weight asked for after the forward resharded its unit."""
+def _assert_same_losses_and_weights(run: dict, reference: dict) -> None:
+    assert torch.equal(run["losses"], reference["losses"])
+    for name, weight in run["weights"].items():
+        assert torch.equal(weight, reference["weights"][name]), name
+
+
+def _each_step_keeps_only_its_own(made: list[int]) -> list[list[int]]:
+    """`transposes_alive` when each step's transposes live until the next step's refresh."""
+    return [[0] * step + [count] for step, count in enumerate(made)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kept_fp8_transposes_are_made_once_per_step(strategy):
+    """`keep_fp8_transpose_cache`: each FP8 weight's transpose is made at the first backward
+    after a refresh and freed at the next refresh, where ZeRO-3 makes it in each microbatch's
+    backward (which gathers the weights again) and frees it at the reshard after it; weights
+    that stay whole keep their transposes until the refresh either way. The same training,
+    bit for bit, over steps of two microbatches."""
+    kept = run_distributed(_train, 2, True, strategy, keep_fp8_transpose_cache=True)
+    freed = run_distributed(_train, 2, True, strategy)
+    for rank_kept, rank_freed in zip(kept, freed):
+        _assert_same_losses_and_weights(rank_kept, rank_freed)
+        weights = rank_kept["fp8_weights"]
+        assert weights == 8  # 4 linear layers in each of 2 transformer layers
+        assert rank_kept["transposes_made"] == [weights] * STEPS
+        assert rank_kept["transposes_alive"] == _each_step_keeps_only_its_own([weights] * STEPS)
+        # One byte per element of every whole FP8 weight, held from step to step.
+        assert rank_kept["transpose_bytes_alive"] == rank_kept["fp8_numel"]
+        if strategy == "optim_grads_params":
+            assert rank_freed["transposes_made"] == [MICROBATCHES * weights] * STEPS
+            assert rank_freed["transposes_alive"] == [[0] * (step + 1) for step in range(STEPS)]
+            assert rank_freed["transpose_bytes_alive"] == 0
+        else:
+            assert rank_freed["transposes_made"] == rank_kept["transposes_made"]
+            assert rank_freed["transposes_alive"] == rank_kept["transposes_alive"]
+
+
+def test_kept_fp8_transposes_with_prefetch_and_kept_weights():
+    """Units that keep their whole weights across the microbatches (prefetched) make each
+    transpose once per step either way; the option keeps them past the step's last backward."""
+    kept = run_distributed(_overlapped, 2, True, keep_fp8_transpose_cache=True)
+    freed = run_distributed(_overlapped, 2, True)
+    for rank_kept, rank_freed in zip(kept, freed):
+        _assert_same_losses_and_weights(rank_kept, rank_freed)
+        weights = rank_kept["fp8_weights"]
+        assert rank_kept["transposes_made"] == rank_freed["transposes_made"] == [weights] * STEPS
+        assert rank_kept["transposes_alive"] == _each_step_keeps_only_its_own([weights] * STEPS)
+        assert rank_freed["transposes_alive"] == [[0] * (step + 1) for step in range(STEPS)]
+
+
+def test_kept_fp8_transposes_under_hfsdp():
+    """Four ranks, ZeRO-3 inside two replicas whose optimizer state is sharded over both."""
+    topology = dict(replicas=2, outer="optim")
+    kept = run_distributed(_train, 4, True, keep_fp8_transpose_cache=True, **topology)
+    freed = run_distributed(_train, 4, True, **topology)
+    for rank_kept, rank_freed in zip(kept, freed):
+        _assert_same_losses_and_weights(rank_kept, rank_freed)
+        weights = rank_kept["fp8_weights"]
+        assert rank_kept["transposes_made"] == [weights] * STEPS
+        assert rank_kept["transposes_alive"] == _each_step_keeps_only_its_own([weights] * STEPS)
+        assert rank_freed["transposes_made"] == [MICROBATCHES * weights] * STEPS
+
+
+def test_kept_fp8_transposes_of_expert_weights():
+    """ZeRO-3 with FP8 experts: each expert that receives tokens has its transpose made once
+    per step and kept until the next refresh; the same training bit for bit."""
+    kept = run_distributed(_train, 2, True, ep=1, keep_fp8_transpose_cache=True)
+    freed = run_distributed(_train, 2, True, ep=1)
+    for rank_kept, rank_freed in zip(kept, freed):
+        _assert_same_losses_and_weights(rank_kept, rank_freed)
+        made = rank_kept["transposes_made"]
+        # The dense layer's 4 weights, the shared expert's 2, and the routed experts' used.
+        assert all(6 < count <= rank_kept["fp8_weights"] for count in made)
+        assert rank_kept["transposes_alive"] == _each_step_keeps_only_its_own(made)
+        assert sum(rank_freed["transposes_made"]) > sum(made)
+        assert rank_freed["transpose_bytes_alive"] == 0
+
+
+def _use_outside_a_pass(keep_fp8_transpose_cache: bool) -> str:
+    """A layer's FP8 compute weight asked for after the pass resharded its unit (whose copy,
+    with `keep_fp8_transpose_cache`, is kept with its transpose over the freed bytes)."""
     config = tiny_gpt_config(**FP8)
     model = build_tiny_gpt(config)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
         data_parallel_sharding_strategy="optim_grads_params",
         fp8_param_gather=True,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
     )
     fsdp = FullyShardedDataParallel(config, ddp_config, model)
-    with torch.no_grad():  # an inference forward reshards every unit at its end
-        fsdp(make_token_batches(1, 2)[0][0])
+    tokens, labels = make_token_batches(1, 2)[0]
+    fsdp(tokens, labels=labels).float().mean().backward()  # reshards every unit at its end
     layer = fsdp.module.decoder.layers[0]
     group = next(g for g in layer.fsdp_unit.groups if g.plan.fp8_gather)
     with pytest.raises(RuntimeError) as refused:
@@ -184,15 +356,43 @@ def _use_outside_a_pass() -> str:
     return str(refused.value)
 
 
-def test_an_fp8_weight_asked_for_outside_its_unit_is_refused_by_name():
-    messages = run_distributed(_use_outside_a_pass, 2)
+@pytest.mark.parametrize("keep_fp8_transpose_cache", [False, True], ids=["freed", "kept"])
+def test_an_fp8_weight_asked_for_outside_its_unit_is_refused_by_name(keep_fp8_transpose_cache):
+    messages = run_distributed(_use_outside_a_pass, 2, keep_fp8_transpose_cache)
     assert all("used while Megatron-FSDP holds only its shard" in m for m in messages)
 
 
-def test_fp8_param_gather_needs_fp8_layers_and_megatron_fsdp():
+def test_fp8_param_gather_needs_per_tensor_fp8_layers_and_megatron_fsdp():
     model = build_tiny_gpt(tiny_gpt_config(params_dtype=torch.bfloat16, bf16=True))
     ddp_config = DistributedDataParallelConfig(use_megatron_fsdp=True, fp8_param_gather=True)
     with pytest.raises(ValueError, match="this model has none: set config.fp8"):
         FullyShardedDataParallel(model.config, ddp_config, model)
-    with pytest.raises(ValueError, match="fp8_param_gather=True needs Megatron-FSDP"):
+    blockwise = tiny_gpt_config(
+        params_dtype=torch.bfloat16, bf16=True, fp8="e4m3", fp8_recipe="blockwise"
+    )
+    with pytest.raises(ValueError, match="fp8_recipe='blockwise' needs one per 128x128 block"):
+        FullyShardedDataParallel(blockwise, ddp_config, build_tiny_gpt(blockwise))
+    with pytest.raises(ValueError, match="needs use_distributed_optimizer=True or Megatron-FSDP"):
         DistributedDataParallelConfig(fp8_param_gather=True)
+
+
+def test_keep_fp8_transpose_cache_needs_fp8_param_gather_and_megatron_fsdp():
+    """Without `fp8_param_gather` no FP8 weight outlives its layer's cast; the DDP engine keeps
+    its FP8 weights, and so their transposes, from one step to the next anyway."""
+    for strategy in STRATEGIES:
+        config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=strategy,
+            fp8_param_gather=True,
+            keep_fp8_transpose_cache=True,
+        )
+        assert config.keep_fp8_transpose_cache
+    assert MixedPrecisionPolicy(fp8_param_gather=True, keep_fp8_transpose_cache=True)
+    with pytest.raises(ValueError, match="keep_fp8_transpose_cache=True keeps .*: add fp8_param"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, keep_fp8_transpose_cache=True)
+    with pytest.raises(ValueError, match="keep_fp8_transpose_cache=True needs Megatron-FSDP"):
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=True, fp8_param_gather=True, keep_fp8_transpose_cache=True
+        )
+    with pytest.raises(ValueError, match="MixedPrecisionPolicy.keep_fp8_transpose_cache=True"):
+        MixedPrecisionPolicy(keep_fp8_transpose_cache=True)

@@ -46,15 +46,101 @@ CASES = {
         moe_router_group_topk=2,
     ),
     "sigmoid_bias": dict(moe_router_score_function="sigmoid"),
+    # DeepSeek-V3's recipe: --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+    # --moe-router-num-groups --moe-router-group-topk --moe-router-topk-scaling-factor 2.5.
+    "deepseek_v3": dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
+    ),
+    "grouped_sigmoid": dict(
+        moe_router_topk=3,
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=4,
+        moe_router_group_topk=2,
+    ),
 }
+BIASES = {"sigmoid_bias": "expert_bias", "deepseek_v3": "small_expert_bias"}
+"""The fixture's expert bias each case was routed with (make_router_fixture.py's BIASES)."""
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_routing_matches_megatron_core(case):
-    bias = FIXTURE["expert_bias"] if case == "sigmoid_bias" else None
+    bias = FIXTURE[BIASES[case]] if case in BIASES else None
     probs, routing_map = topk_routing(FIXTURE["logits"], _config(**CASES[case]), bias)
     assert torch.equal(routing_map, FIXTURE[f"{case}.map"])
     torch.testing.assert_close(probs, FIXTURE[f"{case}.probs"])
+
+
+def _group_limited_reference(
+    scores: torch.Tensor,
+    selection: torch.Tensor,
+    topk: int,
+    num_groups: int,
+    group_topk: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Megatron-core's group-limited sigmoid routing, token by token in plain Python: each
+    group scores the sum of its best topk // group_topk selection scores, the best group_topk
+    groups are kept, and the topk best experts of those are chosen; their weights are the
+    unbiased scores normalised over the k, times the scaling factor."""
+    tokens, experts = scores.shape
+    size = experts // num_groups
+    probs = torch.zeros_like(scores)
+    for t in range(tokens):
+        row = selection[t].tolist()
+        group_score = [
+            sum(sorted(row[g * size : (g + 1) * size], reverse=True)[: topk // group_topk])
+            for g in range(num_groups)
+        ]
+        groups = sorted(range(num_groups), key=lambda g: -group_score[g])[:group_topk]
+        allowed = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(allowed, key=lambda e: -row[e])[:topk]
+        total = sum(scores[t, e].item() for e in chosen)
+        for e in chosen:
+            probs[t, e] = scores[t, e] / total * scaling
+    return probs
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_deepseek_v3_routing_matches_the_formula(biased):
+    """Sigmoid scores, expert bias, group-limited top-k with its top-2-sum group scores (top-8
+    of 4 groups out of 8 as DeepSeek-V3, at 32 experts) and the scaling factor."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 32, dtype=torch.float64, generator=generator)
+    bias = 0.3 * torch.randn(32, dtype=torch.float64, generator=generator) if biased else None
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_moe_experts=32,
+        moe_router_topk=8,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=biased,
+        moe_router_num_groups=8,
+        moe_router_group_topk=4,
+        moe_router_topk_scaling_factor=2.5,
+    )
+    probs, routing_map = topk_routing(logits, config, bias)
+    scores = torch.sigmoid(logits)
+    selection = scores + bias if biased else scores
+    expected = _group_limited_reference(scores, selection, 8, 8, 4, 2.5)
+    assert torch.equal(routing_map, expected != 0)
+    torch.testing.assert_close(probs, expected)
+    # Limited: every token's experts lie in at most 4 of the 8 groups of 4, and the limit
+    # changes the selection of some tokens (else the test would not tell it apart).
+    assert routing_map.view(64, 8, 4).any(dim=-1).sum(dim=-1).le(4).all()
+    unlimited = torch.topk(selection, 8, dim=-1).indices
+    assert not torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, unlimited, True))
+
+
+def test_the_expert_bias_changes_the_deepseek_v3_fixtures_selection():
+    """The fixture's small bias decides some selections: the bias case tests its use."""
+    config = _config(**{**CASES["deepseek_v3"], "moe_router_enable_expert_bias": False})
+    _, unbiased = topk_routing(FIXTURE["logits"], config)
+    assert not torch.equal(unbiased, FIXTURE["deepseek_v3.map"])
 
 
 def test_softmax_routing_formula():

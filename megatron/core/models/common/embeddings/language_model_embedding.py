@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 class Embedding(torch.nn.Module):
@@ -71,8 +71,8 @@ class LanguageModelEmbedding(MegatronModule):
             `params_dtype`).
         vocab_size: Number of token ids.
         max_sequence_length: Number of learned positions.
-        position_embedding_type: "learned_absolute" adds a learned position table; "rope" and
-            "none" add nothing here (rotary embeddings are applied inside attention).
+        position_embedding_type: "learned_absolute" adds a learned position table; "rope",
+            "yarn" and "none" add nothing here (rotary embeddings are applied inside attention).
         tp_group: The tensor-parallel group the vocabulary is split over; None resolves to
             parallel_state's when initialised, else no split.
     """

@@ -47,6 +47,10 @@ class RotaryEmbedding(torch.nn.Module):
             even number, or a scaling factor is not positive.
     """
 
+    concentration_factor: float = 1.0
+    """Multiplies the rotated channels (`apply_rotary_pos_emb`'s `mscale`): 1 for RoPE, YaRN's
+    own for `YarnRotaryEmbedding`."""
+
     def __init__(
         self,
         kv_channels: int,
@@ -95,10 +99,7 @@ class RotaryEmbedding(torch.nn.Module):
             of the [s, b, n, d] query/key layout).
         """
         # Always float32: bf16 angles would be off by whole radians at long positions.
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
-        inv_freq = 1.0 / (self.rotary_base**exponents)
-        if self.rope_scaling:
-            inv_freq = llama3_inv_freq(inv_freq, self.rope_scaling_factor)
+        inv_freq = self.inv_freq(device)
         positions = torch.arange(max_seq_len, dtype=torch.float32, device=device) + offset
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
@@ -110,6 +111,15 @@ class RotaryEmbedding(torch.nn.Module):
             # Megatron's default layout: the two halves of the rotated channels form pairs.
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb[:, None, None, :]
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The float32 frequencies (radians per position) of the `dim / 2` channel pairs:
+        `rotary_base ** (-2i / dim)`, rescaled as Llama 3.x with `rope_scaling`."""
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
+        inv_freq = 1.0 / (self.rotary_base**exponents)
+        if self.rope_scaling:
+            inv_freq = llama3_inv_freq(inv_freq, self.rope_scaling_factor)
+        return inv_freq
 
     def extra_repr(self) -> str:
         return (
@@ -154,16 +164,17 @@ def llama3_inv_freq(
 
 
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Angles tensor -> (its version, {(dtype, interleaved): (cos, signed sin)}): see
+"""Angles tensor -> (its version, {(dtype, interleaved, mscale): (cos, signed sin)}): see
 `_rotation_tables`."""
 
 
 def _rotation_tables(
-    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool
+    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool, mscale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`cos(freqs)` and `sin(freqs)` with the sine of each pair's first channel negated, in
-    `dtype`, so that `t * cos + swap(t) * sin` rotates `t`, where `swap` exchanges the two
-    channels of each pair (`_swap_pairs`).
+    """`cos(freqs)` and `sin(freqs)` with the sine of each pair's first channel negated, times
+    `mscale` (YaRN's concentration factor; rounded to `dtype` after the product, as upstream),
+    in `dtype`, so that `t * cos + swap(t) * sin` rotates `t` (and scales it by `mscale`), where
+    `swap` exchanges the two channels of each pair (`_swap_pairs`).
 
     Kept for as long as `freqs` lives and is not modified in place (every layer's queries and
     keys reuse them); angles that require grad (trained ones) are not kept, so that each forward
@@ -171,28 +182,30 @@ def _rotation_tables(
     the rotation.
     """
     if freqs.requires_grad or torch.compiler.is_compiling():
-        return _compute_tables(freqs, dtype, interleaved)
+        return _compute_tables(freqs, dtype, interleaved, mscale)
     version, tables_by_key = _tables.get(freqs, (None, None))
     if version != freqs._version:
         tables_by_key = {}
         _tables[freqs] = (freqs._version, tables_by_key)
-    key = (dtype, interleaved)
+    key = (dtype, interleaved, mscale)
     tables = tables_by_key.get(key)
     if tables is None:
-        tables = tables_by_key[key] = _compute_tables(freqs, dtype, interleaved)
+        tables = tables_by_key[key] = _compute_tables(freqs, dtype, interleaved, mscale)
     return tables
 
 
 def _compute_tables(
-    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool
+    freqs: torch.Tensor, dtype: torch.dtype, interleaved: bool, mscale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    sin = torch.sin(freqs)
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     if interleaved:
         signed_sin = torch.stack((-sin[..., ::2], sin[..., 1::2]), dim=-1).flatten(-2)
     else:
         half = freqs.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return torch.cos(freqs).to(dtype), signed_sin.to(dtype)
+    return cos.to(dtype), signed_sin.to(dtype)
 
 
 def _swap_pairs(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -204,7 +217,11 @@ def _swap_pairs(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(
-    t: torch.Tensor, freqs: torch.Tensor, *, rotary_interleaved: bool = False
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    rotary_interleaved: bool = False,
+    mscale: float = 1.0,
 ) -> torch.Tensor:
     """Rotates the first `freqs.shape[-1]` channels of `t` by the angles in `freqs`.
 
@@ -214,16 +231,18 @@ def apply_rotary_pos_emb(
             as `rotary_interleaved` says.
         rotary_interleaved: Pairs are adjacent channels (x0, x1), (x2, x3), ... instead of
             channel i and i + rot_dim / 2.
+        mscale: Multiplies the rotated channels (YaRN's concentration factor,
+            `YarnRotaryEmbedding.concentration_factor`; upstream's `mscale` argument).
 
     Returns:
         Tensor like `t`, in `t`'s dtype: `t * cos + rotate_half(t) * sin` on the rotated
-        channels, with `rotate_half(x) = cat(-x2, x1)` over the halves x1, x2 of `x`, or with
-        `rotary_interleaved` `(-x1, x0, -x3, x2, ...)`.
+        channels (cos and sin times `mscale`), with `rotate_half(x) = cat(-x2, x1)` over the
+        halves x1, x2 of `x`, or with `rotary_interleaved` `(-x1, x0, -x3, x2, ...)`.
     """
     rot_dim = freqs.shape[-1]
     partial = rot_dim < t.shape[-1]
     t_rot = t[..., :rot_dim] if partial else t
-    cos, sin = _rotation_tables(freqs, t.dtype, rotary_interleaved)
+    cos, sin = _rotation_tables(freqs, t.dtype, rotary_interleaved, mscale)
     t_rot = t_rot * cos + _swap_pairs(t_rot, rotary_interleaved) * sin
     return torch.cat((t_rot, t[..., rot_dim:]), dim=-1) if partial else t_rot
 
@@ -235,6 +254,7 @@ def rotate_query_and_key(
     *,
     rotary_interleaved: bool = False,
     fused: bool = False,
+    mscale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rotary_pos_emb` of the queries and of the keys.
 
@@ -245,13 +265,15 @@ def rotate_query_and_key(
         rotary_interleaved: As in `apply_rotary_pos_emb`.
         fused: Rotate both in one Triton kernel (in fp32, rounded once) where
             `fused_rope_supported` says it can; the PyTorch ops otherwise.
+        mscale: As in `apply_rotary_pos_emb`.
 
     Returns:
         The rotated queries and keys.
     """
     if fused and fused_rope_supported(query, key, freqs):
-        cos, sin = _rotation_tables(freqs, torch.float32, rotary_interleaved)
+        cos, sin = _rotation_tables(freqs, torch.float32, rotary_interleaved, mscale)
         return fused_rotary_pos_emb(query, key, cos, sin, rotary_interleaved)
     return tuple(
-        apply_rotary_pos_emb(t, freqs, rotary_interleaved=rotary_interleaved) for t in (query, key)
+        apply_rotary_pos_emb(t, freqs, rotary_interleaved=rotary_interleaved, mscale=mscale)
+        for t in (query, key)
     )

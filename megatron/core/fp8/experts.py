@@ -1,0 +1,442 @@
+"""FP8 experts: the three GEMMs of every expert of an MoE projection in FP8.
+
+An `ExpertLinear` (`megatron.core.transformer.moe.experts`) holds the stacked weights
+`[num_local_experts, out, in]` of one projection, and its input comes grouped by expert (`counts`
+rows each). With FP8 settings (`Fp8ExpertSlots`, its `fp8` attribute) each expert e computes
+`Y_e = X_e W_e^T`, `dX_e = dY_e W_e` and `dW_e = dY_e^T X_e` as the dense FP8 linear layers do
+(`megatron.core.fp8.linear`: E4M3 inputs and weights, E5M2 output gradients under `hybrid`,
+fast accumulation in the forward GEMM only), each tensor of each expert with a scale of its own,
+as Transformer Engine's grouped linear layers keep one quantizer per expert GEMM:
+
+- each expert's weight by its current amax (`Fp8ExpertWeights`, made once per change);
+- each expert's input and output gradient by the recipe: its own amax when it is cast
+  (`tensorwise`), or (`delayed`) the amax history of a forward and a backward slot per *global*
+  expert in the model's `DelayedScalingState`. Every rank holds the slots of every expert and
+  records into those of its own; the end-of-pass MAX reduction over the amax group then gives
+  each expert the amax of its tokens on every rank, so the scales do not depend on the
+  expert-parallel size, and a checkpoint's state fits any.
+
+The GEMMs run one `torch._scaled_mm` per expert with tokens (`fp8_mm`), or, in a `GroupedMLP` on
+a GPU whose PyTorch has it, one grouped GEMM (`torch._scaled_grouped_mm`, `grouped_gemm.py`)
+where that kernel applies (`GroupedGemms`): it writes bf16 and takes E4M3 operands only, so it
+runs the forward of a bf16 model, and the two backward GEMMs under the `e4m3` format (`hybrid`'s
+E5M2 output gradients go one expert at a time); the weight gradient only where it is wanted in
+bf16 (an fp32 `main_grad` is written by the per-expert GEMMs, unrounded, as the dense layers
+write theirs). `describe_expert_gemms` says which, for the start-up log.
+
+Weight gradients go where `grad_accumulation.weight_grad_target` says, as the dense FP8 layers':
+fused into an engine's `main_grad` (written over, with zeros for experts without tokens, or
+added to), returned to autograd, or not computed. Experts that every tensor-parallel rank holds
+whole (`tp_group`) get their gradients summed over it here and returned to autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8 import grouped_gemm
+from megatron.core.fp8.gemm import fp8_mm
+from megatron.core.fp8.grouped_gemm import (
+    ExpertRows,
+    fp8_cat,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+    fp8_zeros,
+)
+from megatron.core.fp8.quantize import quantize
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
+from megatron.core.fp8.tensor import Fp8Tensor
+from megatron.core.fp8.weights import Fp8ExpertWeights, fp8_weight_of
+from megatron.core.tensor_parallel.grad_accumulation import (
+    FusionTarget,
+    weight_grad_into,
+    weight_grad_target,
+)
+from megatron.core.tensor_parallel.utils import group_size
+from megatron.core.utils import direct_apply, once_differentiable
+
+_GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemms:
+    """Which GEMMs of an FP8 expert projection run as one grouped GEMM (the others run one
+    `torch._scaled_mm` per expert).
+
+    Attributes:
+        fprop: the forward GEMM.
+        dgrad: the input-gradient GEMM.
+        wgrad: the weight-gradient GEMM, where the gradient is wanted in bf16.
+    """
+
+    fprop: bool = False
+    dgrad: bool = False
+    wgrad: bool = False
+
+    @classmethod
+    def where_possible(
+        cls, recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype
+    ) -> GroupedGemms:
+        """Those that `torch._scaled_grouped_mm` runs on `device` for inputs of `dtype`: with
+        a bf16 output, the forward; with E4M3 output gradients (`e4m3` format), the backward
+        ones too (the weight gradient when it is computed in FP8)."""
+        if dtype != torch.bfloat16 or not grouped_gemm.grouped_kernel_available(device):
+            return cls()
+        e4m3 = recipe.backward_dtype == torch.float8_e4m3fn
+        return cls(fprop=True, dgrad=e4m3, wgrad=e4m3 and recipe.wgrad)
+
+
+def describe_expert_gemms(
+    recipe: Fp8Recipe, grouped: bool, device: torch.device, dtype: torch.dtype
+) -> str:
+    """How the routed experts' FP8 GEMMs run, for the start-up log: "the routed experts' FP8
+    GEMMs run one torch._scaled_mm per expert (...)".
+
+    Args:
+        recipe: the model's recipe.
+        grouped: the experts are a `GroupedMLP` (`moe_grouped_gemm`).
+        device: where they compute.
+        dtype: the dtype of their inputs (the parameters').
+    """
+    loop = "one torch._scaled_mm per expert"
+    if not grouped:
+        return f"the routed experts' FP8 GEMMs run {loop}"
+    gemms = GroupedGemms.where_possible(recipe, device, dtype)
+    if not gemms.fprop:
+        if not grouped_gemm.grouped_kernel_available(device):
+            why = f"torch._scaled_grouped_mm does not run on this {device.type} device"
+        else:
+            why = f"torch._scaled_grouped_mm writes bf16, not {str(dtype).removeprefix('torch.')}"
+        return f"the routed experts' FP8 GEMMs run {loop} ({why})"
+    if not gemms.dgrad:
+        return (
+            "the routed experts' FP8 forward GEMMs run as torch._scaled_grouped_mm, their "
+            f"backward GEMMs {loop} (the grouped kernel takes no E5M2 output gradients)"
+        )
+    return (
+        "the routed experts' FP8 GEMMs run as torch._scaled_grouped_mm (weight gradients into "
+        f"fp32 main_grads {loop})"
+    )
+
+
+class Fp8ExpertSlots:
+    """An expert projection's FP8 settings: the recipe, and under delayed scaling the model's
+    state and a forward and a backward slot per global expert (module docstring).
+
+    Args:
+        recipe: the model's FP8 recipe.
+        state: the model's delayed-scaling state (delayed recipes), else None.
+        num_experts: the experts of the MoE layer (all ranks).
+        first_expert: the global index of this rank's first expert.
+        num_local_experts: this rank's experts.
+    """
+
+    def __init__(
+        self,
+        recipe: Fp8Recipe,
+        state: DelayedScalingState | None = None,
+        *,
+        num_experts: int,
+        first_expert: int,
+        num_local_experts: int,
+    ) -> None:
+        if recipe.delayed != (state is not None):
+            raise ValueError("Fp8ExpertSlots: a delayed recipe needs a DelayedScalingState.")
+        if not 0 <= first_expert <= first_expert + num_local_experts <= num_experts:
+            raise ValueError(
+                f"Fp8ExpertSlots: local experts {first_expert}..{first_expert + num_local_experts}"
+                f" are not among the {num_experts} experts."
+            )
+        self.recipe = recipe
+        self.state = state
+        self.input_slots: list[int] = []
+        self.grad_slots: list[int] = []
+        if state is not None:
+            inputs = [state.new_slot(FORWARD) for _ in range(num_experts)]
+            grads = [state.new_slot(BACKWARD) for _ in range(num_experts)]
+            local = slice(first_expert, first_expert + num_local_experts)
+            self.input_slots, self.grad_slots = inputs[local], grads[local]
+
+    def experts_linear(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        counts: list[int],
+        *,
+        grouped: bool,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> torch.Tensor:
+        """Each expert's rows of `input_` times its weight, the GEMMs in FP8 (module
+        docstring).
+
+        Args:
+            input_: `[M, in]`, grouped by expert.
+            weight: the stacked weights `[num_local_experts, out, in]` (the parameter itself).
+            counts: each local expert's rows of `input_` (host integers, 0 included).
+            grouped: run as grouped GEMMs where the kernel applies (`GroupedMLP`).
+            tp_group: the tensor-parallel ranks holding these same experts whole, over which
+                the weight gradient is summed; None: none.
+
+        Returns:
+            `[M, out]` in the input's dtype.
+        """
+        needs_weight = torch.is_grad_enabled() and weight.requires_grad
+        rows = ExpertRows(counts)
+        args = (input_, weight, self, rows, grouped, tp_group, needs_weight)
+        if torch.compiler.is_compiling():
+            # Outside any compiled graph: the FP8 weight cache and the scaling state are host
+            # state (as for the dense FP8 linear layers).
+            return _apply_experts_outside_graph(*args)
+        return _apply_experts(*args)
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        rows: ExpertRows,
+        direction: str,
+        *,
+        transpose: bool,
+        padded: bool,
+    ) -> tuple[list[Fp8Tensor | None], torch.Tensor | None]:
+        """Each expert's rows of `x` (2-D) quantised with the expert's scale.
+
+        Args:
+            x: `[M, cols]`, grouped by expert.
+            rows: where each expert's rows lie.
+            direction: FORWARD (inputs) or BACKWARD (output gradients).
+            transpose: also make each expert's padded transpose.
+            padded: write the FP8 values into one `[P, cols]` tensor with each expert's rows
+                padded with zeros (the grouped GEMMs' operand).
+
+        Returns:
+            (per expert its FP8 tensor, None for an expert without rows; the padded tensor, or
+            None unless `padded`).
+        """
+        forward = direction == FORWARD
+        dtype = self.recipe.forward_dtype if forward else self.recipe.backward_dtype
+        slots = self.input_slots if forward else self.grad_slots
+        buffer = outs = None
+        if padded:
+            buffer = fp8_zeros((rows.padded_rows, x.shape[1]), dtype, x.device)
+            outs = rows.padded_views(buffer)
+        parts: list[Fp8Tensor | None] = []
+        for index, part in enumerate(rows.split(x)):
+            if part.shape[0] == 0:  # no cast: its scale stays, its amax is not recorded
+                parts.append(None)
+                continue
+            out = outs[index] if outs is not None else None
+            if self.state is None:
+                parts.append(quantize(part, dtype, transpose=transpose, out=out))
+                continue
+            scale, record = self.state.cast_tensors(direction, slots[index], x.device)
+            parts.append(
+                quantize(part, dtype, scale=scale, amax_out=record, transpose=transpose, out=out)
+            )
+        return parts, buffer
+
+
+def _scale_invs(parts: list[Fp8Tensor | None], device: torch.device) -> torch.Tensor:
+    """The experts' multipliers `[G]` (1 for an expert without rows)."""
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    return torch.cat([one if part is None else part.scale_inv.reshape(1) for part in parts])
+
+
+def _expert_mm(
+    parts: list[Fp8Tensor | None],
+    padded: torch.Tensor | None,
+    weights: Fp8ExpertWeights,
+    rows: ExpertRows,
+    *,
+    dgrad: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """`X_e W_e^T` (forward) or `dY_e W_e` (`dgrad`) of every expert, `[M, cols]`: one grouped
+    GEMM over `padded` where given, else one GEMM per expert with rows."""
+    width = weights.data.shape[2 if dgrad else 1]
+    device = weights.data.device
+    if padded is not None:
+        if rows.rows == 0:
+            return torch.empty(0, width, dtype=out_dtype, device=device)
+        b = weights.grouped_dgrad_operand() if dgrad else weights.grouped_fprop_operand()
+        product = fp8_grouped_mm(
+            padded,
+            _scale_invs(parts, device),
+            b,
+            weights.scale_invs(),
+            rows,
+            fast_accum=fast_accum,
+        )
+        return rows.unpad(product)
+    out = torch.empty(rows.rows, width, dtype=out_dtype, device=device)
+    for index, (part, view) in enumerate(zip(parts, rows.split(out))):
+        if part is not None:
+            expert = weights[index]
+            b = expert.dgrad_operand() if dgrad else expert.fprop_operand()
+            fp8_mm(part, b, out_dtype=out_dtype, fast_accum=fast_accum, out=view)
+    return out
+
+
+def _fp8_wgrad(
+    grads: list[Fp8Tensor | None],
+    inputs_t: list[Fp8Tensor | None],
+    rows: ExpertRows,
+    weight: torch.Tensor,
+    target: FusionTarget | None,
+    grouped: bool,
+) -> torch.Tensor | None:
+    """`dY_e^T X_e` of every expert from the padded transposes, into `target` (None: returned
+    in the weight's dtype); experts without rows get zeros."""
+    dest = target.tensor if target is not None else torch.empty_like(weight)
+    overwrite = target is None or target.overwrite
+    if dest.dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(
+            f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {dest.dtype}."
+        )
+    if grouped and dest.dtype == torch.bfloat16 and rows.rows:
+        device = weight.device
+        product = fp8_grouped_wgrad(
+            fp8_cat([g.transposed for g in grads if g is not None], dim=1),
+            _scale_invs(grads, device),
+            fp8_cat([x.data for x in inputs_t if x is not None], dim=1).t(),
+            _scale_invs(inputs_t, device),
+            rows,
+        )
+        for index, count in enumerate(rows.counts):
+            if count == 0:  # an empty group's product is left to the kernel: make it zero
+                product[index].zero_()
+        if overwrite:
+            dest.copy_(product)
+        else:
+            dest.add_(product)
+    else:
+        for index, (grad, input_t) in enumerate(zip(grads, inputs_t)):
+            view = dest[index]
+            if grad is None:
+                if overwrite:
+                    view.zero_()
+                continue
+            a, b = grad.transposed_operand(), input_t.t()
+            if overwrite and view.is_contiguous():
+                fp8_mm(a, b, out_dtype=dest.dtype, out=view)
+            elif overwrite:
+                view.copy_(fp8_mm(a, b, out_dtype=dest.dtype))
+            else:
+                view.add_(fp8_mm(a, b, out_dtype=dest.dtype))
+    return dest if target is None else None
+
+
+def _high_precision_wgrad(
+    grad: torch.Tensor,
+    input_: torch.Tensor,
+    rows: ExpertRows,
+    weight: torch.Tensor,
+    target: FusionTarget | None,
+) -> torch.Tensor | None:
+    """`dY_e^T X_e` of every expert in the inputs' precision (`--no-fp8-wgrad`), into `target`
+    (None: returned)."""
+    pairs = zip(rows.split(grad), rows.split(input_))
+    if target is None:
+        return torch.stack([weight_grad_into(None, g, x) for g, x in pairs]).to(weight.dtype)
+    for index, (g, x) in enumerate(pairs):
+        weight_grad_into(FusionTarget(target.tensor[index], target.overwrite), g, x)
+    return None
+
+
+class _Fp8Experts(torch.autograd.Function):
+    """`Fp8ExpertSlots.experts_linear` (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        slots: Fp8ExpertSlots,
+        rows: ExpertRows,
+        grouped: bool,
+        tp_group: dist.ProcessGroup | None,
+        weight_needs_grad: bool,
+    ) -> torch.Tensor:
+        recipe = slots.recipe
+        fp8_wgrad = weight_needs_grad and recipe.wgrad
+        gemms = GroupedGemms()
+        if grouped:
+            gemms = GroupedGemms.where_possible(recipe, input_.device, input_.dtype)
+        parts, padded = slots.quantize(
+            input_, rows, FORWARD, transpose=fp8_wgrad, padded=gemms.fprop
+        )
+        weights = fp8_weight_of(weight)
+        out = _expert_mm(
+            parts,
+            padded,
+            weights,
+            rows,
+            dgrad=False,
+            out_dtype=input_.dtype,
+            fast_accum=recipe.fprop_fast_accum,
+        )
+        if fp8_wgrad:
+            transposes = [None if p is None else p.transposed for p in parts]
+            scale_invs = [None if p is None else p.scale_inv for p in parts]
+            ctx.save_for_backward(*transposes, *scale_invs)
+        elif weight_needs_grad:
+            ctx.save_for_backward(input_)
+        # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
+        # recomputation saves another tensor object).
+        ctx.weight = weight
+        ctx.slots, ctx.rows, ctx.gemms, ctx.tp_group = slots, rows, gemms, tp_group
+        ctx.fp8_wgrad, ctx.input_dtype = fp8_wgrad, input_.dtype
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        saved = ctx.saved_tensors
+        rows, gemms, weight = ctx.rows, ctx.gemms, ctx.weight
+        needs_input, needs_weight = ctx.needs_input_grad[:2]
+        tp_shared = group_size(ctx.tp_group) > 1
+        wanted, target = needs_weight, None
+        if needs_weight and not tp_shared:
+            wanted, target = weight_grad_target(weight, ctx.next_functions[1][0])
+        fp8_wgrad = wanted and ctx.fp8_wgrad
+        grad_output = grad_output.contiguous()
+        grads: list[Fp8Tensor | None] = []
+        padded = None
+        if needs_input or fp8_wgrad:
+            grads, padded = ctx.slots.quantize(
+                grad_output,
+                rows,
+                BACKWARD,
+                transpose=fp8_wgrad,
+                padded=needs_input and gemms.dgrad,
+            )
+        grad_input = grad_weight = None
+        if needs_input:
+            grad_input = _expert_mm(
+                grads,
+                padded,
+                fp8_weight_of(weight),
+                rows,
+                dgrad=True,
+                out_dtype=ctx.input_dtype,
+                fast_accum=False,
+            )
+        if fp8_wgrad:
+            count = len(rows)
+            inputs_t = [
+                None if t is None else Fp8Tensor(t, s) for t, s in zip(saved[:count], saved[count:])
+            ]
+            grad_weight = _fp8_wgrad(grads, inputs_t, rows, weight, target, gemms.wgrad)
+        elif wanted:
+            grad_weight = _high_precision_wgrad(grad_output, saved[0], rows, weight, target)
+        if tp_shared and grad_weight is not None:
+            dist.all_reduce(grad_weight, group=ctx.tp_group)
+        return grad_input, grad_weight, None, None, None, None, None
+
+
+_apply_experts = direct_apply(_Fp8Experts)
+_apply_experts_outside_graph = torch.compiler.disable(_Fp8Experts.apply)

@@ -1,0 +1,91 @@
+"""Point-to-point transfers between pipeline stages: one batched exchange at a time.
+
+A stage's activations ([s, b, h], known in advance from the sequence length, the micro-batch
+size and the hidden size, so no shape is ever exchanged) go to the next stage, and their
+gradients come back. `P2PCommunicator.exchange` issues every send and receive of one exchange
+together with `torch.distributed.batch_isend_irecv` over the pipeline group (one NCCL group
+call on GPU) and waits for them, as Megatron-LM's `P2PCommunicator` does with `batch_p2p_comm`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.pipeline_parallel.schedule_order import Transfer
+
+
+class P2PCommunicator:
+    """Sends and receives stage boundary tensors over the pipeline group.
+
+    Args:
+        pp_group: the pipeline-parallel group (ranks in stage order).
+        tensor_shape: the shape of every boundary tensor, [s, b, h] (s divided by the
+            context- and, under sequence parallelism, the tensor-parallel size).
+        dtype: their dtype (the model's compute dtype, Megatron-LM's `pipeline_dtype`).
+        device: where received tensors are allocated.
+    """
+
+    def __init__(
+        self,
+        pp_group: dist.ProcessGroup,
+        tensor_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.pp_group = pp_group
+        self.tensor_shape = tuple(tensor_shape)
+        self.dtype = dtype
+        self.device = device
+        self._global_ranks = dist.get_process_group_ranks(pp_group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's stage."""
+        return self.pp_group.rank()
+
+    @property
+    def size(self) -> int:
+        """The number of stages."""
+        return self.pp_group.size()
+
+    def exchange(
+        self, transfers: Iterable[tuple[Transfer, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """Runs one exchange and returns the received tensors, in the order of the receives.
+
+        Args:
+            transfers: each transfer with the tensor to send (None for a receive).
+
+        Raises:
+            ValueError: a tensor to send does not have the boundary shape or dtype (the model
+                chunk returned something other than its [s, b, h] hidden states).
+        """
+        operations, received = [], []
+        for transfer, tensor in transfers:
+            peer = self._global_ranks[transfer.peer]
+            if transfer.send:
+                self._check(tensor, transfer)
+                operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
+            else:
+                buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+                operations.append(dist.P2POp(dist.irecv, buffer, peer, self.pp_group))
+                received.append(buffer)
+        if operations:
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+        return received
+
+    def _check(self, tensor: torch.Tensor | None, transfer: Transfer) -> None:
+        if tensor is None or tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:
+            got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            raise ValueError(
+                f"pipeline stage {self.rank} sends a {transfer.payload.value} of microbatch "
+                f"{transfer.microbatch} shaped {got}, but the stages exchange "
+                f"{self.tensor_shape} tensors of {self.dtype} ([seq_length / cp (/ tp under "
+                "sequence parallelism), micro_batch_size, hidden_size]); pass the seq_length "
+                "and micro_batch_size the data has, and return the hidden states from every "
+                "stage but the last."
+            )

@@ -1,0 +1,35 @@
+"""Where a model chunk sits in the pipeline: its stage, from the process groups."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+def pipeline_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
+    """The pipeline group: `pg_collection.pp`, else parallel_state's when initialised, else
+    None (one stage)."""
+    if pg_collection is not None and pg_collection.pp is not None:
+        return pg_collection.pp
+    if pg_collection is None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_pipeline_model_parallel_group()
+    return None
+
+
+def pipeline_rank(config, pg_collection: ProcessGroupCollection | None) -> int:
+    """This rank's stage, checked against `config.pipeline_model_parallel_size`.
+
+    Raises:
+        ValueError: the pipeline group's size differs from the config's.
+    """
+    group = pipeline_group(pg_collection)
+    size = 1 if group is None else group.size()
+    if size != config.pipeline_model_parallel_size:
+        raise ValueError(
+            f"config.pipeline_model_parallel_size={config.pipeline_model_parallel_size}, but "
+            f"the pipeline group has {size} rank(s); pass a pg_collection whose pp group (or "
+            "initialise parallel_state with a pipeline_model_parallel_size) that matches."
+        )
+    return 0 if group is None else group.rank()

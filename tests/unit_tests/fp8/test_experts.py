@@ -1,0 +1,298 @@
+"""The FP8 experts' three GEMMs against a plain-torch reference that quantises each expert's
+input, output gradient and weight with the same scales (cast and dequantise, multiply in fp32),
+for each format and recipe, one GEMM per expert and grouped; token counts with empty experts and
+counts that are not multiples of 16; the delayed-scaling slots of each global expert; weight
+gradients fused into an engine's `main_grad`.
+
+The grouped kernel (`torch._scaled_grouped_mm`) has no CPU implementation: the grouped path runs
+here against a stand-in that checks its operands with PyTorch's own shape and layout checks (its
+meta kernel) and computes each group as the kernel does (row-wise scales), leaving what the kernel
+does not write (an empty group of the weight gradient) as NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8 import grouped_gemm
+from megatron.core.fp8.experts import Fp8ExpertSlots, GroupedGemms, describe_expert_gemms
+from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.scaling import DelayedScalingState
+from megatron.core.fp8.weights import Fp8ExpertWeights, fp8_weight_of
+from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
+
+BF16 = torch.bfloat16
+EXPERTS, FIRST, LOCAL = 6, 2, 4
+"""Global experts, this rank's first, this rank's count (as at EP 3 of 6 experts, rank 1)."""
+COUNTS = [5, 0, 17, 3]
+"""Tokens per local expert: an empty expert, and counts that are not multiples of 16."""
+IN, OUT = 32, 48
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+
+
+def emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, **kwargs):
+    """`torch._scaled_grouped_mm` on CPU: PyTorch's checks of the operands (the meta kernel),
+    then each group dequantised with its row-wise scales and multiplied in fp32."""
+    torch._scaled_grouped_mm(
+        _meta(a), _meta(b), _meta(scale_a), _meta(scale_b), offs=_meta(offs), out_dtype=out_dtype
+    )
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:  # rows grouped
+        out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype)
+        for group, (start, end) in enumerate(zip(starts, ends)):
+            rows = dq(a[start:end], scale_a[start:end, None])
+            out[start:end] = (rows @ dq(b[group], scale_b[group][None, :])).to(out_dtype)
+        return out
+    n, k = a.shape[0], b.shape[1]
+    out = torch.full((len(ends), n, k), float("nan"), dtype=out_dtype)  # empty groups: unwritten
+    for group, (start, end) in enumerate(zip(starts, ends)):
+        if end > start:
+            left = dq(a[:, start:end], scale_a[group * n : (group + 1) * n, None])
+            right = dq(b[start:end], scale_b[group * k : (group + 1) * k][None, :])
+            out[group] = (left @ right).to(out_dtype)
+    return out
+
+
+@pytest.fixture
+def grouped_kernel(monkeypatch):
+    """The grouped path on CPU, through `emulated_scaled_grouped_mm`."""
+    monkeypatch.setattr(grouped_gemm, "_scaled_grouped_mm", emulated_scaled_grouped_mm)
+    monkeypatch.setattr(grouped_gemm, "grouped_kernel_available", lambda device: True)
+
+
+def _slots(fmt: str, kind: str, wgrad: bool = True) -> Fp8ExpertSlots:
+    """The settings of local experts FIRST.. of EXPERTS; under delayed scaling the slots of
+    global expert g scaled 2 + g (inputs) and 2**10 * (g + 1) (output gradients)."""
+    recipe = Fp8Recipe(fmt, kind, wgrad=wgrad)
+    if kind == "tensorwise":
+        return Fp8ExpertSlots(
+            recipe, num_experts=EXPERTS, first_expert=FIRST, num_local_experts=LOCAL
+        )
+    state = DelayedScalingState(recipe, group=None)
+    slots = Fp8ExpertSlots(
+        recipe, state, num_experts=EXPERTS, first_expert=FIRST, num_local_experts=LOCAL
+    )
+    state.load_scaling_tensors(
+        {
+            "amax_history_fwd": torch.zeros(1, EXPERTS),
+            "scale_fwd": 2.0 + torch.arange(EXPERTS, dtype=torch.float32),
+            "amax_history_bwd": torch.zeros(1, EXPERTS),
+            "scale_bwd": 2.0**10 * (1 + torch.arange(EXPERTS, dtype=torch.float32)),
+        }
+    )
+    return slots
+
+
+def _case(seed: int = 0):
+    """bf16 stacked weights [LOCAL, OUT, IN], input [sum(COUNTS), IN], output gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(LOCAL, OUT, IN, generator=generator)
+    weight = torch.nn.Parameter(
+        (weight * torch.tensor([1.0, 3.0, 0.1, 10.0])[:, None, None]).to(BF16)
+    )
+    rows = sum(COUNTS)
+    x = (torch.randn(rows, IN, generator=generator) * 2).to(BF16).requires_grad_()
+    grad = (torch.randn(rows, OUT, generator=generator) * 1e-3).to(BF16)
+    return weight, x, grad
+
+
+def _reference(slots: Fp8ExpertSlots, weight, x, grad):
+    """(y, dx, dw) of every expert with its scales, in the plain-torch arithmetic; dw in fp32."""
+    bwd = slots.recipe.backward_dtype
+    ys, dxs, dws = [], [], []
+    for index, (x_e, g_e) in enumerate(zip(x.detach().split(COUNTS), grad.split(COUNTS))):
+        expert = FIRST + index
+        if not x_e.numel():
+            ys.append(x_e.new_empty(0, OUT))
+            dxs.append(x_e.new_empty(0, IN))
+            dws.append(torch.zeros(OUT, IN))
+            continue
+        if slots.state is None:
+            sx, sg = current_scale(x_e, E4M3), current_scale(g_e, bwd)
+        else:
+            sx, sg = torch.tensor(2.0 + expert), torch.tensor(2.0**10 * (expert + 1))
+        sw = current_scale(weight[index], E4M3)
+        wd = dq(q(weight[index], sw, E4M3), sw.reciprocal())
+        xd = dq(q(x_e, sx, E4M3), sx.reciprocal())
+        gd = dq(q(g_e, sg, bwd), sg.reciprocal())
+        ys.append((xd @ wd.t()).to(BF16))
+        dxs.append((gd @ wd).to(BF16))
+        dws.append(gd.t() @ xd)
+    return torch.cat(ys), torch.cat(dxs), torch.stack(dws)
+
+
+def _run(slots, weight, x, grad, grouped: bool):
+    x.grad = weight.grad = None
+    y = slots.experts_linear(x, weight, COUNTS, grouped=grouped)
+    y.backward(grad)
+    return y, x.grad, weight.grad
+
+
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_three_gemms_of_each_expert_equal_the_reference(fmt, kind):
+    slots = _slots(fmt, kind)
+    weight, x, grad = _case()
+    y, dx, dw = _run(slots, weight, x, grad, grouped=False)
+    expected_y, expected_dx, expected_dw = _reference(slots, weight, x, grad)
+    assert torch.equal(y, expected_y)
+    assert torch.equal(dx, expected_dx)
+    assert torch.equal(dw, expected_dw.to(BF16))
+    assert not dw[1].any()  # the expert without tokens
+    if kind == "delayed":  # this pass's amaxes, in the slots of this rank's global experts
+        state = slots.state.scaling_tensors()
+        for name, tensor in (("amax_history_fwd", x.detach()), ("amax_history_bwd", grad)):
+            expected = torch.zeros(EXPERTS)
+            for index, part in enumerate(tensor.split(COUNTS)):
+                if part.numel():
+                    expected[FIRST + index] = part.abs().max().float()
+            assert torch.equal(state[name][0], expected), name
+
+
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_grouped_gemms_equal_one_gemm_per_expert(fmt, kind, grouped_kernel):
+    """Through the grouped kernel where it applies (every GEMM under e4m3, the forward under
+    hybrid): the same outputs and gradients as the per-expert loop, bit for bit."""
+    slots = _slots(fmt, kind)
+    weight, x, grad = _case()
+    gemms = GroupedGemms.where_possible(slots.recipe, x.device, x.dtype)
+    assert gemms == GroupedGemms(fprop=True, dgrad=fmt == "e4m3", wgrad=fmt == "e4m3")
+    loop = _run(slots, weight, x, grad, grouped=False)
+    grouped = _run(_slots(fmt, kind), weight, x, grad, grouped=True)
+    for a, b in zip(loop, grouped):
+        assert torch.equal(a, b)
+
+
+def test_grouped_path_calls_the_kernel(grouped_kernel, monkeypatch):
+    """Under e4m3 each of the three GEMMs goes through one grouped call; its per-group sizes are
+    the padded counts."""
+    calls = []
+
+    def recording(a, b, scale_a, scale_b, offs=None, **kwargs):
+        calls.append((b.dim(), offs.tolist()))
+        return emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, **kwargs)
+
+    monkeypatch.setattr(grouped_gemm, "_scaled_grouped_mm", recording)
+    weight, x, grad = _case()
+    _run(_slots("e4m3", "tensorwise"), weight, x, grad, grouped=True)
+    assert calls == [(3, [16, 16, 48, 64])] * 2 + [(2, [16, 16, 48, 64])]
+
+
+class _Engine:
+    """Stands for a data-parallel engine that keeps main gradients of `dtype`."""
+
+    def __init__(self, weight: torch.nn.Parameter, dtype: torch.dtype, overwrite: bool):
+        self.main_grad = torch.full(weight.shape, 0.5, dtype=dtype)
+        self.overwrite = overwrite
+
+    def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
+        return FusionTarget(self.main_grad, self.overwrite)
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_weight_gradient_is_fused_into_main_grad(overwrite, grouped, grouped_kernel):
+    """Into an fp32 main_grad (one GEMM per expert, unrounded): written over, the expert without
+    tokens zeroed, or added to; into a bf16 one through the grouped kernel under e4m3."""
+    weight, x, grad = _case()
+    for dtype in (torch.float32, BF16):
+        engine = _Engine(weight, dtype, overwrite)
+        register_main_grad(weight, engine.main_grad_of)
+        slots = _slots("e4m3", "tensorwise")
+        _, _, dw = _run(slots, weight, x, grad, grouped=grouped)
+        _, _, expected = _reference(slots, weight, x, grad)
+        assert dw is None
+        expected = expected.to(dtype)
+        assert torch.equal(engine.main_grad, expected if overwrite else expected + 0.5)
+
+
+def test_no_fp8_wgrad_computes_each_experts_weight_gradient_in_high_precision():
+    weight, x, grad = _case()
+    _, _, dw = _run(_slots("hybrid", "delayed", wgrad=False), weight, x, grad, grouped=False)
+    expected = [g.t() @ x_e for g, x_e in zip(grad.split(COUNTS), x.detach().split(COUNTS))]
+    assert torch.equal(dw, torch.stack(expected))
+
+
+def test_no_tokens_at_all_still_gives_every_expert_a_zero_gradient():
+    """A rank whose experts got no token: an empty output, and zero weight gradients (its
+    engine's reductions still run)."""
+    slots = _slots("hybrid", "tensorwise")
+    weight, _, _ = _case()
+    x = torch.zeros(0, IN, dtype=BF16, requires_grad=True)
+    y = slots.experts_linear(x, weight, [0] * LOCAL, grouped=False)
+    assert y.shape == (0, OUT)
+    y.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_expert_weights_are_scaled_per_expert_and_cached():
+    weight, _, _ = _case()
+    copy = fp8_weight_of(weight)
+    assert isinstance(copy, Fp8ExpertWeights) and fp8_weight_of(weight) is copy
+    for index in range(LOCAL):
+        scale = current_scale(weight[index], E4M3)
+        assert torch.equal(
+            copy[index].tensor.data.view(torch.uint8),
+            q(weight[index], scale, E4M3).view(torch.uint8),
+        )
+        assert torch.equal(copy[index].tensor.scale_inv, scale.reciprocal())
+    assert torch.equal(copy.scale_invs(), torch.stack([e.tensor.scale_inv for e in copy.experts]))
+    dgrad = copy.grouped_dgrad_operand()
+    assert dgrad.shape == (LOCAL, OUT, IN) and dgrad.stride()[1:] == (1, OUT)
+    assert torch.equal(dgrad.float(), copy.data.float())
+    with torch.no_grad():
+        weight.mul_(2)
+    assert fp8_weight_of(weight) is not copy
+
+
+def test_the_grouped_gemm_refuses_what_the_kernel_refuses():
+    rows = ExpertRows([16])
+    a = torch.zeros(16, 32, dtype=E4M3)
+    b = torch.zeros(1, 48, 32, dtype=E4M3).transpose(1, 2)
+    ones = torch.ones(1)
+    with pytest.raises(ValueError, match="E4M3 operands only"):
+        fp8_grouped_mm(a.to(torch.float8_e5m2), ones, b, ones, rows)
+    with pytest.raises(ValueError, match="column-major"):
+        fp8_grouped_mm(a, ones, b.contiguous(), ones, rows)
+    with pytest.raises(ValueError, match=r"expected \[32, 32\] \(the padded rows"):
+        fp8_grouped_mm(a, ones, b, ones, ExpertRows([17]))
+
+
+def test_slots_of_delayed_scaling_are_one_per_global_expert():
+    """Every rank makes the slots of all experts (the state's shape does not depend on the
+    expert-parallel size) and uses those of its own."""
+    recipe = Fp8Recipe("hybrid", "delayed")
+    state = DelayedScalingState(recipe, group=None)
+    fc1 = Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=2, num_local_experts=2)
+    fc2 = Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=2, num_local_experts=2)
+    assert (fc1.input_slots, fc1.grad_slots) == ([2, 3], [2, 3])
+    assert (fc2.input_slots, fc2.grad_slots) == ([6, 7], [6, 7])
+    with pytest.raises(ValueError, match="not among the 4 experts"):
+        Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=3, num_local_experts=2)
+
+
+def test_the_log_says_which_gemms_run_grouped(monkeypatch):
+    monkeypatch.setattr(grouped_gemm, "grouped_kernel_available", lambda device: True)
+    cuda = torch.device("cuda")
+    hybrid, e4m3 = Fp8Recipe("hybrid", "delayed"), Fp8Recipe("e4m3", "tensorwise")
+    assert describe_expert_gemms(hybrid, True, cuda, BF16) == (
+        "the routed experts' FP8 forward GEMMs run as torch._scaled_grouped_mm, their backward "
+        "GEMMs one torch._scaled_mm per expert (the grouped kernel takes no E5M2 output gradients)"
+    )
+    assert describe_expert_gemms(e4m3, True, cuda, BF16) == (
+        "the routed experts' FP8 GEMMs run as torch._scaled_grouped_mm (weight gradients into "
+        "fp32 main_grads one torch._scaled_mm per expert)"
+    )
+    assert describe_expert_gemms(e4m3, True, cuda, torch.float16) == (
+        "the routed experts' FP8 GEMMs run one torch._scaled_mm per expert "
+        "(torch._scaled_grouped_mm writes bf16, not float16)"
+    )

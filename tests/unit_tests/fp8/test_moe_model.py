@@ -1,0 +1,226 @@
+"""FP8 in a GPT with MoE layers: which projections run in FP8 (routed and shared experts, not the
+router; none in the bf16 first / last layers), the model end to end against its fake-quant twin
+for a few steps, and recomputation of the MoE layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fp8.experts import Fp8ExpertSlots
+from megatron.core.fp8.scaling import BACKWARD, FORWARD
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
+from megatron.core.transformer.moe.experts import ExpertLinear
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
+from tests.unit_tests.fp8.test_experts import grouped_kernel  # noqa: F401 (a fixture)
+from tests.unit_tests.fp8.test_model import _FakeQuantSlots
+from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, make_token_batches
+from tests.unit_tests.model_builders import tiny_gpt_config as _tiny_gpt_config
+
+MOE = dict(
+    num_moe_experts=4,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_layer_freq=[0, 1],
+    moe_shared_expert_intermediate_size=32,
+    add_bias_linear=False,
+    gated_linear_unit=True,
+    activation_func=F.silu,
+    params_dtype=torch.bfloat16,
+    bf16=True,
+)
+
+
+def _config(fmt="hybrid", recipe="delayed", **overrides):
+    fields = dict(MOE, fp8=fmt, fp8_recipe=recipe)
+    if recipe == "delayed":
+        fields.update(fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+    fields.update(overrides)
+    return _tiny_gpt_config(**fields)
+
+
+def _gpt(config) -> GPTModel:
+    torch.manual_seed(0)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(config, spec, vocab_size=VOCAB_SIZE, max_sequence_length=SEQ_LENGTH)
+
+
+def _fp8_modules(model: GPTModel) -> list[str]:
+    return [name for name, module in model.named_modules() if getattr(module, "fp8", None)]
+
+
+def test_routed_and_shared_experts_train_in_fp8_but_not_the_router():
+    model = _gpt(_config())
+    experts = [f"decoder.layers.1.mlp.experts.linear_fc{i}" for i in (1, 2)]
+    shared = [f"decoder.layers.1.mlp.shared_experts.linear_fc{i}" for i in (1, 2)]
+    assert set(experts + shared) <= set(_fp8_modules(model))
+    assert not any("router" in name for name in _fp8_modules(model))
+    for name in experts:
+        assert isinstance(model.get_submodule(name).fp8, Fp8ExpertSlots)
+
+
+def test_first_and_last_layers_in_bf16_keep_their_moe_layers_in_bf16():
+    config = _config(
+        recipe="tensorwise",
+        num_layers=4,
+        moe_layer_freq=1,
+        first_last_layers_bf16=True,
+        num_layers_at_start_in_bf16=1,
+        num_layers_at_end_in_bf16=1,
+    )
+    layers = {name.split(".")[2] for name in _fp8_modules(_gpt(config))}
+    assert layers == {"1", "2"}
+
+
+def test_experts_whose_sizes_are_not_multiples_of_16_are_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"layer layers\.1\.mlp\.experts\.linear_fc2: weight \[32, 24\]"
+    ):
+        _gpt(_config(moe_ffn_hidden_size=24))
+
+
+class _FakeQuantExpertSlots(Fp8ExpertSlots):
+    """An expert projection's FP8 settings whose GEMMs run as the plain-torch reference: each
+    expert's input, output gradient and weight quantised with the scale the recipe gives it,
+    dequantised, multiplied in fp32."""
+
+    @classmethod
+    def replacing(cls, slots: Fp8ExpertSlots) -> _FakeQuantExpertSlots:
+        fake = cls.__new__(cls)
+        fake.__dict__.update(slots.__dict__)
+        return fake
+
+    def scale_for(self, direction: str, index: int, x: torch.Tensor, dtype) -> torch.Tensor:
+        if self.state is None:
+            return current_scale(x, dtype)
+        slot = (self.input_slots if direction == FORWARD else self.grad_slots)[index]
+        scale = self.state.scale(direction, slot, x.device).clone().reshape(())
+        record = self.state.amax_record(direction, slot)
+        if record is not None:
+            record.copy_(torch.maximum(record, x.detach().abs().amax().float()))
+        return scale
+
+    def experts_linear(self, input_, weight, counts, *, grouped, tp_group=None):
+        return _FakeQuantExperts.apply(input_, weight, self, counts)
+
+
+def _fake_quant(x, scale, dtype):
+    return dq(q(x, scale, dtype), scale.reciprocal())
+
+
+class _FakeQuantExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, slots, counts):
+        outputs, saved = [], []
+        for index, x_e in enumerate(x.split(counts)):
+            sw = current_scale(weight[index], E4M3)
+            wd = _fake_quant(weight[index], sw, E4M3)
+            if not x_e.shape[0]:
+                outputs.append(x_e.new_empty(0, weight.shape[1]))
+                saved.append((None, wd))
+                continue
+            xd = _fake_quant(x_e, slots.scale_for(FORWARD, index, x_e, E4M3), E4M3)
+            outputs.append((xd @ wd.t()).to(x.dtype))
+            saved.append((xd, wd))
+        ctx.saved, ctx.slots, ctx.counts, ctx.dtype = saved, slots, counts, x.dtype
+        ctx.weight_shape = weight.shape
+        return torch.cat(outputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype = ctx.slots.recipe.backward_dtype
+        grads_x, grads_w = [], []
+        for index, (g_e, (xd, wd)) in enumerate(zip(grad.split(ctx.counts), ctx.saved)):
+            if xd is None:
+                grads_x.append(g_e.new_empty(0, ctx.weight_shape[2]))
+                grads_w.append(torch.zeros(ctx.weight_shape[1:], dtype=ctx.dtype))
+                continue
+            gd = _fake_quant(g_e, ctx.slots.scale_for(BACKWARD, index, g_e, dtype), dtype)
+            grads_x.append((gd @ wd).to(ctx.dtype))
+            grads_w.append((gd.t() @ xd).to(ctx.dtype))
+        return torch.cat(grads_x), torch.stack(grads_w), None, None
+
+
+def _twin(model: GPTModel) -> GPTModel:
+    for module in model.modules():
+        if isinstance(module, ExpertLinear) and module.fp8 is not None:
+            module.fp8 = _FakeQuantExpertSlots.replacing(module.fp8)
+        elif getattr(module, "fp8", None) is not None:
+            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
+    return model
+
+
+def _train(model: GPTModel, steps: int = 3) -> list[torch.Tensor]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for tokens, labels in make_token_batches(steps, 3, seed=5):
+        loss = model(tokens, labels=labels).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _assert_trains_as_its_twin(config) -> None:
+    fp8, twin = _gpt(config), _twin(_gpt(config))
+    assert _train(fp8) == _train(twin)
+    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+    if config.fp8_recipe == "delayed":
+        expected = twin.decoder.fp8_state.scaling_tensors()
+        for key, value in fp8.decoder.fp8_state.scaling_tensors().items():
+            assert torch.equal(value, expected[key]), key
+
+
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_moe_gpt_equals_its_fake_quant_twin(fmt, recipe):
+    """A tiny bf16 MoE GPT (routed and shared experts) trained a few steps in FP8, and its twin
+    whose FP8 projections run the plain-torch reference: the same losses, weights and
+    delayed-scaling state, bit for bit."""
+    _assert_trains_as_its_twin(_config(fmt, recipe))
+
+
+@exact_cpu_scaled_mm
+def test_grouped_fp8_moe_gpt_equals_its_fake_quant_twin(grouped_kernel):  # noqa: F811
+    """The same with `moe_grouped_gemm` through the grouped kernel (every GEMM, e4m3)."""
+    _assert_trains_as_its_twin(_config("e4m3", "delayed", moe_grouped_gemm=True))
+
+
+def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():
+    """`--recompute-modules moe`: the recomputed experts cast with the forward's scales and
+    record nothing."""
+    results = []
+    for overrides in ({}, dict(recompute_granularity="selective", recompute_modules=["moe"])):
+        model = _gpt(_config(**overrides))
+        _train(model, steps=2)
+        tokens, labels = make_token_batches(1, 3, seed=9)[0]
+        model(tokens, labels=labels).float().mean().backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((grads, model.decoder.fp8_state.scaling_tensors()))
+    (grads, state), (recomputed_grads, recomputed_state) = results
+    for name, grad in grads.items():
+        assert torch.equal(grad, recomputed_grads[name]), name
+    for key, value in state.items():
+        assert torch.equal(value, recomputed_state[key]), key
+
+
+def test_compiled_moe_layers_run_the_same_fp8_experts():
+    """With `compile_layers` the FP8 experts run outside the compiled graphs: the same losses
+    and gradients as eager."""
+    results = []
+    for compile_layers in (False, True):
+        model = _gpt(_config(compile_layers=compile_layers, compile_backend="aot_eager"))
+        tokens, labels = make_token_batches(1, 2, seed=4)[0]
+        losses = []
+        for _ in range(2):  # the second pass casts with updated delayed scales
+            loss = model(tokens, labels=labels).float().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, [param.grad for param in model.parameters()]))
+    (eager_losses, eager_grads), (compiled_losses, compiled_grads) = results
+    assert eager_losses == compiled_losses
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))
