@@ -128,6 +128,13 @@ def _sum_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, groups, n // groups, s, d).sum(dim=2)
 
 
+def _bmhk_layout(t: torch.Tensor) -> torch.Tensor:
+    """[b, n, s, d] laid out as [b, s, n, d] in memory, as the memory-efficient kernel's forward
+    returns its output: its fp16/bf16 backward computes wrong query and key gradients from an
+    output laid out [b, n, s, d] (seen on H100, torch 2.11; fp32 is unaffected)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
@@ -217,12 +224,12 @@ class BlockAttention:
             seed, offset, lse_len = saved
             padded_lse = F.pad(lse, (0, lse_len - lse.shape[-1])).contiguous()
             dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                grad_out.contiguous(),
+                _bmhk_layout(grad_out),
                 query,
                 key,
                 value,
                 None,
-                out.contiguous(),
+                _bmhk_layout(out),
                 padded_lse,
                 seed,
                 offset,

@@ -36,7 +36,7 @@ from megatron.core.transformer.multi_token_prediction import (
     roll_tensor,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.models.fixtures import mtp_cases
 from tests.unit_tests.models.test_gpt_tensor_parallel import _gather_full
 
@@ -380,7 +380,8 @@ def _tensor_parallel_matches_tp1(name: str, sequence_parallel: bool) -> None:
     """On 2 ranks: the model split over both (tensor parallelism, sequence parallelism if
     asked) gives the TP 1 model's loss, depth losses and (gathered) gradients."""
     case = mtp_cases.CASES[name]
-    batch = mtp_cases.batch(case)
+    device = current_device()
+    batch = {key: t.to(device) for key, t in mtp_cases.batch(case).items()}
     group = dist.new_group([0, 1])
     model_parallel_cuda_manual_seed(1234, tp_rank=group.rank())
     per_token = case["config"]["calculate_per_token_loss"]
@@ -400,9 +401,10 @@ def _tensor_parallel_matches_tp1(name: str, sequence_parallel: bool) -> None:
             **case["model"],
         ).train()
         mtp_cases.perturb_norms(model, seed=22)
+        model.to(device)
         loss = run(model, batch)
         mtp_cases.objective(loss, batch["loss_mask"], per_token).backward()
-        logged = get_mtp_loss_logging_helper().report(config.mtp_num_layers, 1)
+        logged = get_mtp_loss_logging_helper().report(config.mtp_num_layers, 1, device)
         layouts = named_tensor_parallel_layouts(model) if tp > 1 else {}
         grads = {
             name: _gather_full(p.grad, layouts[name], group) if name in layouts else p.grad

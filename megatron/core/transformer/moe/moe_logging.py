@@ -31,11 +31,11 @@ class MoEMetricsTracker:
     def record(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
         """Adds `value` (a scalar tensor, detached) to layer `layer_number` (1-based) of `name`.
 
-        A model with another number of layers than the one that recorded `name` before (a new
-        model in the same process) starts the metric afresh.
+        A model with another number of layers, or on another device, than the one that recorded
+        `name` before (a new model in the same process) starts the metric afresh.
         """
         values = self._metrics.get(name)
-        if values is None or values.numel() != num_layers:
+        if values is None or values.numel() != num_layers or values.device != value.device:
             values = self._metrics[name] = torch.zeros(num_layers, device=value.device)
         values[layer_number - 1] += value.detach().float()
 
