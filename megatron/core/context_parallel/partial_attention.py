@@ -242,6 +242,66 @@ class BlockAttention:
             dq, dk, dv = self._flash_backward(grad_out, query, key, value, out, lse, causal, saved)
         return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
 
+    def forward_rows(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        rows: slice,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        causal: bool,
+        first: bool,
+    ) -> tuple:
+        """Attention of the query positions `rows` over a block of keys, written into (`first`)
+        or merged with (`merge_partial`) those rows of the running `out` and `lse`.
+
+        Args:
+            out: [b, n, s, dv] float32 running output of all the rank's queries.
+            lse: [b, n, s] float32 running log-sum-exp.
+            rows: The query positions (dim 2) the block computes.
+            query: [b, n, s, d] all the rank's queries.
+            key, value, causal: The block's keys and values, as in `forward`.
+            first: The first block of these rows (nothing to merge with yet).
+
+        Returns:
+            What `backward_rows` needs of this call besides its tensors.
+        """
+        block_out, block_lse, saved = self.forward(query[:, :, rows], key, value, causal)
+        if first:
+            out[:, :, rows] = block_out
+            lse[:, :, rows] = block_lse
+        else:
+            merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        return saved
+
+    def backward_rows(
+        self,
+        rows: slice,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        saved: tuple,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`backward` of a `forward_rows` block, given the merged output and log-sum-exp of all
+        the rank's queries (`grad_out`, `query`, `out`, `lse` whole; `key`, `value` the
+        block's). Returns the gradients of the rows' queries and of the block's keys and
+        values."""
+        return self.backward(
+            grad_out[:, :, rows],
+            query[:, :, rows],
+            key,
+            value,
+            out[:, :, rows],
+            lse[:, :, rows].contiguous(),
+            causal,
+            saved,
+        )
+
     def _flash_backward(
         self,
         grad_out: torch.Tensor,
