@@ -27,17 +27,18 @@ def embedding_copies(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
     same order on both: the word embeddings (the first stage's; the last stage's output layer
     or, with multi-token prediction, its embedding's), then with multi-token prediction the
     learned position embeddings. Empty with one stage (`pre_process` and `post_process`: one
-    copy, used twice) and on a middle chunk."""
+    copy, used twice), on a middle chunk and for a model that is not a `GPTModel`."""
     model = getattr(chunk, "module", chunk)
-    if model.pre_process == model.post_process:
+    pre_process = getattr(model, "pre_process", True)
+    if pre_process == getattr(model, "post_process", True):
         return []
-    if model.pre_process:
+    if pre_process:
         # The last stage's depths copy the whole embedding (the config says whether it has them).
         with_mtp = model.config.mtp_num_layers is not None
     else:
         with_mtp = getattr(model, "mtp_process", False)
     copies = []
-    if with_mtp or model.share_embeddings_and_output_weights:
+    if with_mtp or getattr(model, "share_embeddings_and_output_weights", False):
         copies.append(model.shared_embedding_or_output_weight())
     position_embeddings = getattr(getattr(model, "embedding", None), "position_embeddings", None)
     if with_mtp and position_embeddings is not None:
