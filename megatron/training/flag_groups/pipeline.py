@@ -40,12 +40,6 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
 
 
 _NOT_COMPOSED = (
-    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
-    ("context_parallel_size", "--context-parallel-size", 1),
-    ("expert_model_parallel_size", "--expert-model-parallel-size", 1),
-    ("num_experts", "--num-experts", None),
-    ("mtp_num_layers", "--mtp-num-layers", None),
-    ("fp8", "--fp8-format", None),
     ("save", "--save", None),
     ("load", "--load", None),
     ("calculate_per_token_loss", "--calculate-per-token-loss", False),
@@ -86,10 +80,17 @@ def validate_pipeline(args: argparse.Namespace) -> None:
         if getattr(args, dest, composes) not in (composes, 0 if composes is None else composes)
     ]
     if args.use_distributed_optimizer and not args.use_megatron_fsdp:
+        # The last stage then holds a copy of the first stage's embeddings.
         if not args.untie_embeddings_and_output_weights:
             given.append(
                 "--use-distributed-optimizer (the DDP engine's, with tied embeddings; pass "
                 "--untie-embeddings-and-output-weights or use --use-megatron-fsdp)"
+            )
+        elif args.mtp_num_layers is not None:
+            given.append(
+                "--use-distributed-optimizer (the DDP engine's, with --mtp-num-layers, whose "
+                "depths on the last stage share the first stage's embedding; use "
+                "--use-megatron-fsdp)"
             )
     if args.cuda_graph_impl != "none" or full_iteration_cuda_graph(args):
         given.append(f"--cuda-graph-impl {args.cuda_graph_impl}")

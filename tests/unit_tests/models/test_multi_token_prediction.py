@@ -317,7 +317,7 @@ def test_bad_configurations_are_refused():
             max_sequence_length=8,
             mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
         )
-    with pytest.raises(ValueError, match="pre_process and post_process"):
+    with pytest.raises(ValueError, match="they live on the last pipeline stage"):
         GPTModel(
             config,
             spec,
@@ -330,6 +330,30 @@ def test_bad_configurations_are_refused():
     decoder_input = torch.zeros(8, 2, 32)
     with pytest.raises(ValueError, match="needs input_ids, not decoder_input"):
         model(None, decoder_input=decoder_input, labels=torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_the_depths_live_on_the_last_pipeline_chunk():
+    """As Megatron-core places them by default: the last stage's last virtual stage."""
+    case = mtp_cases.CASES["rope_swiglu_untied_2_depths"]
+    spec = get_gpt_layer_local_spec()
+    staged = case_config(case, pipeline_model_parallel_size=2, num_layers=4)
+    virtual = case_config(
+        case, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4
+    )
+    placements = [
+        (staged, 0, None, False),
+        (staged, 1, None, True),
+        (virtual, 1, 0, False),
+        (virtual, 0, 1, False),
+        (virtual, 1, 1, True),
+    ]
+    for config, pp_rank, vp_stage, built in placements:
+        block = get_gpt_mtp_block_spec(
+            config, spec, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+        assert (block is not None) == built, (pp_rank, vp_stage)
+    # One stage (pp_rank None: parallel_state's, or 0 without it) holds them.
+    assert get_gpt_mtp_block_spec(case_config(case), spec, use_transformer_engine=False)
 
 
 @pytest.mark.parametrize(("freq", "mtp_is_moe"), [([0, 1], True), ([1, 0], False)])

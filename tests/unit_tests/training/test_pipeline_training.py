@@ -33,7 +33,11 @@ def test_two_stages_train_alike_under_both_engines():
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (
+            ["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1"]
+            + ["--use-distributed-optimizer"],
+            "--mtp-num-layers",
+        ),
         (["--save", "/nonexistent"], "--save"),
         (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl"),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
