@@ -160,6 +160,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         "--moe-pad-expert-input-to-capacity",
         dict(action="store_true", help="Pad each expert's input to its capacity."),
     ),
+    (
+        "--moe-pad-dispatch-to-worst-case",
+        dict(
+            action="store_true",
+            help="This project's own flag (not in Megatron-LM): with expert parallelism, pad the "
+            "dropless token exchange to its worst case (tokens x topk rows to every peer), so "
+            "that no MoE layer reads its token counts on the host; more bytes travel.",
+        ),
+    ),
     ("--moe-grouped-gemm", dict(action="store_true", help="One grouped GEMM per projection.")),
     (
         "--moe-shared-expert-intermediate-size",
