@@ -62,6 +62,7 @@ from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import outside_compiled_graphs
 
 if TYPE_CHECKING:
     from megatron.core.fp8.experts import Fp8ExpertSlots
@@ -106,7 +107,7 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_MM_WORKS[key]
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     # Run eagerly even inside a compiled layer: traced, it would meet the kernel's meta
     # function, which is stricter than the CPU kernel.
