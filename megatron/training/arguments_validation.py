@@ -332,6 +332,9 @@ def _validate_model(args: argparse.Namespace) -> None:
         torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
     )
 
+
+def _check_transformer_impl(args: argparse.Namespace) -> None:
+    # Independent of the model's sizes: its refusal leaves the checks that need them running.
     if args.transformer_impl == "transformer_engine":
         # Imported only here: importing it tries to import Transformer Engine, which is slow.
         from megatron.core.extensions import transformer_engine
@@ -577,6 +580,7 @@ _INDEPENDENT_CHECKS: tuple[Callable[[argparse.Namespace], None], ...] = (
     validate_tokenizer,
     validate_data,
     _validate_logging_and_checkpointing,
+    _check_transformer_impl,
 )
 """Checks that read the flags as given (and the world size), each valid on its own."""
 
