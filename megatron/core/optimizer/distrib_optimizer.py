@@ -44,6 +44,7 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.pipeline_parallel.global_names import global_name
 
 
 def main_param_shards(
@@ -156,9 +157,11 @@ class DistributedOptimizer(MegatronOptimizer):
         """id of each main shard and of its DTensor -> (the parameter's name, the DTensor),
         so the base shards the states like the DTensor (`Shard(0)` over the group)."""
         names = {}
-        for name, param in self.model.module.named_parameters():
+        module = self.model.module
+        for name, param in module.named_parameters():
             if param in self._shards:
                 dtensor = self._dtensors[param]
-                names[id(self._shards[param])] = (name, dtensor)
-                names[id(dtensor)] = (name, dtensor)
+                whole = global_name(module, name)
+                names[id(self._shards[param])] = (whole, dtensor)
+                names[id(dtensor)] = (whole, dtensor)
         return names

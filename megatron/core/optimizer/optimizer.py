@@ -56,7 +56,8 @@ from megatron.core.optimizer.grad_scaler import (
     unscale_and_check_for_inf,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.saved_param_groups import loadable_param_groups
+from megatron.core.optimizer.saved_param_groups import loadable_param_groups, stage_param_groups
+from megatron.core.pipeline_parallel.global_names import global_name
 from megatron.core.pipeline_parallel.stage import pipeline_group
 from megatron.core.pipeline_parallel.tied_embeddings import tied_embedding_weight
 
@@ -354,8 +355,9 @@ class MegatronOptimizer:
 
     def _parameter_names(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id of each tensor the torch optimizer may hold (model parameter, fp32 master or
-        local shard) -> (the parameter's name in the unwrapped model's state dict, the model
-        parameter)."""
+        local shard) -> (the parameter's name in the whole model's state dict, the model
+        parameter). Under pipeline parallelism the whole model's names are not the stage's
+        (`global_names`: its layers' global numbers)."""
         module = self.model.module if isinstance(self.model, _BaseDataParallel) else self.model
         local = local_main_weights(module) if self._is_fsdp else {}
         names = {}
@@ -363,7 +365,7 @@ class MegatronOptimizer:
             placed = self._global_view(param, param)
             for held in (param, local.get(param), self._main_params.get(param)):
                 if held is not None:
-                    names[id(held)] = (name, placed)
+                    names[id(held)] = (global_name(module, name), placed)
         return names
 
     def _held(self) -> list[torch.Tensor]:
@@ -524,6 +526,18 @@ class MegatronOptimizer:
         names = self._parameter_names()
         return loadable_param_groups(
             self.optimizer, lambda tensor: names[id(tensor)][0], self._held(), saved_groups
+        )
+
+    def stage_param_groups(
+        self, saved_groups: list[dict[str, Any]], elsewhere: set[str]
+    ) -> list[dict[str, Any]]:
+        """A checkpoint's parameter groups (the whole model's) as this optimizer holds them,
+        for `check_param_groups` and `load_sharded_state_dict`: less the parameters only other
+        pipeline stages hold (`elsewhere`), in the order of this optimizer's groups
+        (`saved_param_groups.stage_param_groups`)."""
+        names = self._parameter_names()
+        return stage_param_groups(
+            self.optimizer, lambda tensor: names[id(tensor)][0], saved_groups, elsewhere
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ def test_two_stages_train_alike_under_both_engines():
     "extra, named",
     [
         (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
-        (["--save", "/nonexistent"], "--save"),
+        (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
         (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl"),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     ],

@@ -1,0 +1,97 @@
+"""Checkpoints of pipeline stages through `pretrain_gpt.main` on 2 gloo ranks: a run at PP 2
+(Megatron-FSDP ZeRO-3) stopped after iteration 3 and resumed at PP 2 is bitwise the
+uninterrupted run. Its checkpoint holds the whole model under the names a run without stages
+gives it (the same tensors, shapes and optimizer parameter groups as a PP 1 checkpoint), and
+loads at PP 1 (the DDP engine, DP 2), whose checkpoint after iteration 4 loads at PP 2 (the DDP
+engine), whose checkpoint after iteration 5 loads at PP 1 (Megatron-FSDP): each resumed run
+trains as the uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron.training.checkpoint_layout import COMMON_FILENAME, checkpoint_dir, saved_entries
+from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.training.checkpoint_checks import (
+    RUN,
+    ZERO3,
+    assert_histories_equal,
+    main,
+    read_tracker_text,
+    resumed_part,
+)
+from tests.unit_tests.training.test_context_parallel_checkpoints import _assert_trains_as
+
+# Dropout would draw other masks at another split of the work (1 stage of DP 2 against 2
+# stages), so the runs are compared without it.
+NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
+PP2 = (*NO_DROPOUT, "--pipeline-model-parallel-size", "2")
+PP1 = NO_DROPOUT
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The uninterrupted run at PP 2 under Megatron-FSDP, and a --save directory of the same run
+    stopped after iteration 3."""
+    root = str(tmp_path_factory.mktemp("pp2-first-half"))
+    first = run_distributed(
+        main,
+        2,
+        [*RUN, *PP2, *ZERO3, "--exit-interval", "3", "--save", root, "--save-interval", "3"],
+    )[0]
+    assert len(first.losses) == 3
+    return dict(pp2=run_distributed(main, 2, [*RUN, *PP2, *ZERO3])[0], root=root)
+
+
+def test_pp2_resume_is_bitwise_the_uninterrupted_run(runs, tmp_path):
+    resume_root = str(tmp_path / "resume")
+    shutil.copytree(runs["root"], resume_root)
+    resumed = run_distributed(
+        main, 2, [*RUN, *PP2, *ZERO3, "--load", resume_root, "--save", resume_root]
+    )
+    assert resumed[0].start_iteration == 3
+    assert runs["pp2"].losses[-1]["lm loss"] < runs["pp2"].losses[0]["lm loss"]
+    assert_histories_equal(resumed[0], resumed_part(runs["pp2"], 3))
+    assert_histories_equal(resumed[1], resumed[0])
+    assert read_tracker_text(resume_root) == "6\n"
+
+
+def _contents(root: str, iteration: int) -> tuple[dict, list[set[str]]]:
+    """A checkpoint's tensors (path -> global shape) and its optimizer's parameter groups (the
+    names in each)."""
+    path = checkpoint_dir(root, iteration)
+    shapes = {
+        key: getattr(item, "size", None)
+        for key, item in saved_entries(FileSystemReader(path).read_metadata()).items()
+    }
+    common = torch.load(os.path.join(path, COMMON_FILENAME), weights_only=False)
+    return shapes, [set(group["params"]) for group in common["param_groups"]]
+
+
+def test_checkpoints_load_across_pipeline_sizes(runs, tmp_path):
+    root = str(tmp_path / "across")
+    shutil.copytree(runs["root"], root)
+    steps = [
+        (PP1, 4),  # the DDP engine at DP 2
+        (PP2, 5),  # the DDP engine, 2 stages
+        ((*PP1, *ZERO3), 6),
+    ]
+    start = 3
+    for flags, stop in steps:
+        resumed = run_distributed(
+            main, 2, [*RUN, *flags, "--load", root, "--save", root, "--exit-interval", str(stop)]
+        )[0]
+        assert resumed.start_iteration == start
+        _assert_trains_as(resumed, resumed_part(runs["pp2"], start), until=stop)
+        assert read_tracker_text(root) == f"{stop}\n"
+        start = stop
+    # Saved at PP 2 (iterations 3 and 5) and at PP 1 (4 and 6): the same checkpoint.
+    pp1 = _contents(root, 4)
+    assert any(".layers.1." in key[1] for key in pp1[0] if key[0] == "model")
+    for iteration in (3, 5):
+        assert _contents(root, iteration) == pp1, iteration
