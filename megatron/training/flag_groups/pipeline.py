@@ -46,7 +46,6 @@ _NOT_COMPOSED = (
     ("num_experts", "--num-experts", None),
     ("mtp_num_layers", "--mtp-num-layers", None),
     ("fp8", "--fp8-format", None),
-    ("calculate_per_token_loss", "--calculate-per-token-loss", False),
 )
 """(dest, flag, the value that composes): what pipeline stages do not compose with yet."""
 
