@@ -47,3 +47,9 @@ Megatron-core's training loop and optimizer take them."""
 def model_chunks(model: Model) -> list[torch.nn.Module]:
     """The model chunks of `model`: the list itself, or the one module."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def modules_of(chunks: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module holding every chunk (the chunk itself when there is one), for what walks a
+    module's parameters or submodules."""
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)

@@ -1,10 +1,10 @@
-"""Checkpoints of pipeline stages through `pretrain_gpt.main` on 2 gloo ranks: a run at PP 2
-(Megatron-FSDP ZeRO-3) stopped after iteration 3 and resumed at PP 2 is bitwise the
-uninterrupted run. Its checkpoint holds the whole model under the names a run without stages
-gives it (the same tensors, shapes and optimizer parameter groups as a PP 1 checkpoint), and
-loads at PP 1 (the DDP engine, DP 2), whose checkpoint after iteration 4 loads at PP 2 (the DDP
-engine), whose checkpoint after iteration 5 loads at PP 1 (Megatron-FSDP): each resumed run
-trains as the uninterrupted one."""
+"""Checkpoints of pipeline stages through `pretrain_gpt.main` on 2 gloo ranks, 4 layers: a run
+at PP 2 with 2 virtual stages per rank (Megatron-FSDP ZeRO-3) stopped after iteration 3 and
+resumed so is bitwise the uninterrupted run. Its checkpoint holds the whole model under the
+names a run without stages gives it (the same tensors, shapes and optimizer parameter groups as
+a PP 1 checkpoint), and loads at PP 1 (the DDP engine, DP 2), whose checkpoint after iteration 4
+loads at PP 2 without virtual stages (the DDP engine), whose checkpoint after iteration 5 loads
+at PP 1 (Megatron-FSDP): each resumed run trains as the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -30,29 +30,31 @@ from tests.unit_tests.training.test_context_parallel_checkpoints import _assert_
 # Dropout would draw other masks at another split of the work (1 stage of DP 2 against 2
 # stages), so the runs are compared without it.
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
-PP2 = (*NO_DROPOUT, "--pipeline-model-parallel-size", "2")
-PP1 = NO_DROPOUT
+FOUR_LAYERS = (*NO_DROPOUT, "--num-layers", "4")
+PP2 = (*FOUR_LAYERS, "--pipeline-model-parallel-size", "2")
+VIRTUAL = (*PP2, "--num-virtual-stages-per-pipeline-rank", "2")
+PP1 = FOUR_LAYERS
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The uninterrupted run at PP 2 under Megatron-FSDP, and a --save directory of the same run
-    stopped after iteration 3."""
+    """The uninterrupted run at PP 2 with virtual stages under Megatron-FSDP, and a --save
+    directory of the same run stopped after iteration 3."""
     root = str(tmp_path_factory.mktemp("pp2-first-half"))
     first = run_distributed(
         main,
         2,
-        [*RUN, *PP2, *ZERO3, "--exit-interval", "3", "--save", root, "--save-interval", "3"],
+        [*RUN, *VIRTUAL, *ZERO3, "--exit-interval", "3", "--save", root, "--save-interval", "3"],
     )[0]
     assert len(first.losses) == 3
-    return dict(pp2=run_distributed(main, 2, [*RUN, *PP2, *ZERO3])[0], root=root)
+    return dict(pp2=run_distributed(main, 2, [*RUN, *VIRTUAL, *ZERO3])[0], root=root)
 
 
-def test_pp2_resume_is_bitwise_the_uninterrupted_run(runs, tmp_path):
+def test_resume_with_virtual_stages_is_bitwise_the_uninterrupted_run(runs, tmp_path):
     resume_root = str(tmp_path / "resume")
     shutil.copytree(runs["root"], resume_root)
     resumed = run_distributed(
-        main, 2, [*RUN, *PP2, *ZERO3, "--load", resume_root, "--save", resume_root]
+        main, 2, [*RUN, *VIRTUAL, *ZERO3, "--load", resume_root, "--save", resume_root]
     )
     assert resumed[0].start_iteration == 3
     assert runs["pp2"].losses[-1]["lm loss"] < runs["pp2"].losses[0]["lm loss"]
@@ -78,7 +80,7 @@ def test_checkpoints_load_across_pipeline_sizes(runs, tmp_path):
     shutil.copytree(runs["root"], root)
     steps = [
         (PP1, 4),  # the DDP engine at DP 2
-        (PP2, 5),  # the DDP engine, 2 stages
+        (PP2, 5),  # the DDP engine, 2 stages without virtual stages
         ((*PP1, *ZERO3), 6),
     ]
     start = 3
@@ -92,6 +94,6 @@ def test_checkpoints_load_across_pipeline_sizes(runs, tmp_path):
         start = stop
     # Saved at PP 2 (iterations 3 and 5) and at PP 1 (4 and 6): the same checkpoint.
     pp1 = _contents(root, 4)
-    assert any(".layers.1." in key[1] for key in pp1[0] if key[0] == "model")
+    assert any(".layers.3." in key[1] for key in pp1[0] if key[0] == "model")
     for iteration in (3, 5):
         assert _contents(root, iteration) == pp1, iteration

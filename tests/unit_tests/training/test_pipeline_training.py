@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from tests.unit_tests.model_builders import (
     tiny_gpt_config,
     wrap_for_engine,
 )
-from tests.unit_tests.training.test_pretrain_gpt import TINY, ZERO3, _losses_and_norms
+from tests.unit_tests.training.test_pretrain_gpt import TINY, ZERO3, _losses_and_norms, _pretrain
 
 PIPELINE = [*TINY, "--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
 """4 microbatches of 2 sequences through 2 stages of one layer each, tied embeddings."""
@@ -52,6 +53,61 @@ def test_two_stages_train_alike_under_both_engines():
         torch.testing.assert_close(result, ddp)
 
 
+VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+"""2 stages of 2 virtual stages each: rank 0 holds layers 1 and 3, rank 1 layers 2 and 4."""
+
+
+UNTIED_DISTRIBUTED = ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer"]
+"""The DDP engine's distributed optimizer (over every chunk's shards); untied embeddings, which
+it needs with stages."""
+
+
+def _one_stage_then_virtual_stages(root: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """4 layers at PP 1 (DP 2) for 4 iterations, saving after each; then from its checkpoint of
+    iteration 1 the same run at PP 2 with 2 virtual stages per rank (a checkpoint gives them
+    the PP 1 run's weights: a stage draws other initial weights than the whole model does).
+    Under the DDP engine and Megatron-FSDP, then both runs again with the DDP engine's
+    distributed optimizer. (start iteration, losses, grad norms) of each."""
+    base = [*TINY, "--num-layers", "4", "--global-batch-size", "8"]
+    runs = []
+    for model, engines in (([], ([], ZERO3)), (UNTIED_DISTRIBUTED, ([],))):
+        saved = os.path.join(root, "untied" if model else "tied")
+        runs.append([*base, *model, "--save", saved, "--save-interval", "1"])
+        runs += [
+            [*base, *model, *VIRTUAL, *engine, "--load", saved, "--ckpt-step", "1"]
+            for engine in engines
+        ]
+    results = []
+    for flags in runs:
+        history = _pretrain(flags)["history"]
+        results.append(
+            (
+                history.start_iteration,
+                torch.tensor(history.loss_curve()),
+                torch.tensor(history.grad_norms),
+            )
+        )
+    return results
+
+
+def test_virtual_stages_train_as_one_stage(tmp_path):
+    per_rank = run_distributed(_one_stage_then_virtual_stages, 2, str(tmp_path))
+    for rank_result in per_rank:
+        one_stage, ddp, fsdp, one_stage_untied, distributed = rank_result
+        for name, (start, losses, grad_norms), virtual in (
+            ("ddp", one_stage, ddp),
+            ("fsdp", one_stage, fsdp),
+            ("distributed optimizer", one_stage_untied, distributed),
+        ):
+            assert start == 0 and losses[-1] < losses[0]
+            resumed, *result = virtual
+            assert resumed == 1, name
+            # Other splits of the same sums: equal to fp32 rounding.
+            torch.testing.assert_close(
+                result, [losses[1:], grad_norms[1:]], rtol=1.3e-6, atol=1e-5, msg=name
+            )
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [
@@ -65,6 +121,83 @@ def test_unbuilt_compositions_are_refused_by_name(extra, named):
     args = parse_args(args=[*PIPELINE, "--distributed-backend", "gloo", *extra])
     with pytest.raises(ValueError, match=named):
         validate_args(args, world_size=4)
+
+
+def _validated(*flags: str, world_size: int = 2):
+    args = parse_args(args=[*TINY, "--distributed-backend", "gloo", *flags])
+    return validate_args(args, world_size=world_size)
+
+
+@pytest.mark.parametrize(
+    "flags, virtual",
+    [
+        (["--num-virtual-stages-per-pipeline-rank", "2"], 2),
+        (["--num-virtual-stages-per-pipeline-rank", "1"], None),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], 4),
+        (["--num-layers-per-virtual-pipeline-stage", "2"], 2),
+        (["--num-layers-per-virtual-pipeline-stage", "4"], None),
+        (
+            [
+                "--num-layers-per-virtual-pipeline-stage",
+                "5",
+                "--account-for-embedding-in-pipeline-split",
+                "--account-for-loss-in-pipeline-split",
+            ],
+            None,
+        ),
+    ],
+)
+def test_virtual_stages_follow_megatron_lms_derivation(flags, virtual):
+    # 8 layers over 2 ranks: 4 each (5 with the embedding and loss counted). 16 microbatches.
+    args = _validated(
+        "--num-layers",
+        "8",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--global-batch-size",
+        "32",
+        *flags,
+    )
+    assert args.virtual_pipeline_model_parallel_size == virtual
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (
+            [
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+            "are both set",
+        ),
+        (["--num-layers-per-virtual-pipeline-stage", "3"], "does not divide the 4 layer"),
+        (
+            [
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--decoder-first-pipeline-num-layers",
+                "2",
+            ],
+            "give the virtual stages with --num-virtual-stages-per-pipeline-rank",
+        ),
+        (["--num-virtual-stages-per-pipeline-rank", "3"], "not divisible by its 3 virtual stages"),
+        (["--num-virtual-stages-per-pipeline-rank", "0"], "must be >= 1"),
+        # 1 microbatch (fewer than the 2 stages), then 3 (a last group of 1 < 2).
+        (["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "2"], "gives 1"),
+        (["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "6"], "gives 3"),
+    ],
+)
+def test_bad_virtual_stages_are_refused_naming_the_flags(flags, named):
+    with pytest.raises(ValueError, match=named):
+        _validated("--num-layers", "8", "--pipeline-model-parallel-size", "2", *flags)
+
+
+def test_virtual_stages_need_stages():
+    with pytest.raises(ValueError, match="--num-virtual-stages-per-pipeline-rank"):
+        _validated("--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4")
 
 
 def test_split_flags_need_stages():
