@@ -50,6 +50,13 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="Virtual pipeline stages (model chunks) per pipeline rank; the interleaved schedule.",
     )
+    group.add_argument(
+        "--no-overlap-p2p-communication",
+        action="store_false",
+        dest="overlap_p2p_comm",
+        help="The interleaved schedule waits for each transfer between stages before its next "
+        "pass, rather than overlapping them (needs --pipeline-model-parallel-size > 2).",
+    )
 
 
 _NOT_COMPOSED = (
@@ -65,7 +72,8 @@ _NOT_COMPOSED = (
 
 def validate_pipeline(args: argparse.Namespace) -> None:
     """Derives `args.virtual_pipeline_model_parallel_size` (None: one chunk per rank) from the
-    virtual-stage flags, as Megatron-LM; refuses, with several stages, the features pipeline
+    virtual-stage flags, and `args.overlap_p2p_comm` (off without virtual stages), as
+    Megatron-LM; refuses, with several stages, the features pipeline
     stages do not compose with yet, a split of the layers that does not divide, and the
     layer-split and virtual-stage flags with one stage.
 
@@ -73,6 +81,17 @@ def validate_pipeline(args: argparse.Namespace) -> None:
         ValueError: naming the flags and the fix.
     """
     args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
+    if args.virtual_pipeline_model_parallel_size is None:
+        # As Megatron-LM: only the interleaved schedule overlaps its transfers (the flag can
+        # only turn overlapping off, so no choice is overridden).
+        args.overlap_p2p_comm = False
+    elif not args.overlap_p2p_comm and args.pipeline_model_parallel_size <= 2:
+        raise ValueError(
+            "--no-overlap-p2p-communication with virtual pipeline stages needs "
+            "--pipeline-model-parallel-size > 2 (Megatron-LM's rule: with 2 stages each batched "
+            "exchange would hold several sends and receives between the same 2 ranks); drop it "
+            "(the default overlaps the transfers) or use more stages."
+        )
     split_flags = [
         flag
         for dest, flag in (

@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel.global_names import global_name
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args
 from megatron.training.arguments_validation import validate_args
+from megatron.training.configs_from_args import core_transformer_config_from_args
 from megatron.training.training import train_step
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.model_builders import (
@@ -193,6 +194,54 @@ def test_virtual_stages_follow_megatron_lms_derivation(flags, virtual):
 def test_bad_virtual_stages_are_refused_naming_the_flags(flags, named):
     with pytest.raises(ValueError, match=named):
         _validated("--num-layers", "8", "--pipeline-model-parallel-size", "2", *flags)
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, overlap",
+    [
+        # Upstream's default, with virtual stages only (1F1B does not overlap).
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
+            2,
+            True,
+        ),
+        (["--pipeline-model-parallel-size", "2"], 2, False),
+        ([], 2, False),
+        (["--pipeline-model-parallel-size", "2", "--no-overlap-p2p-communication"], 2, False),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "4",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--no-overlap-p2p-communication",
+            ],
+            4,
+            False,
+        ),
+    ],
+)
+def test_overlap_p2p_communication_reaches_the_schedule(flags, world_size, overlap):
+    args = _validated(
+        "--num-layers", "8", "--global-batch-size", "16", *flags, world_size=world_size
+    )
+    assert args.overlap_p2p_comm is overlap
+    assert core_transformer_config_from_args(args).overlap_p2p_comm is overlap
+
+
+def test_no_overlap_with_virtual_stages_needs_more_than_two_stages():
+    """Megatron-LM's rule (a batched exchange of 2 stages would hold several operations between
+    the same 2 ranks)."""
+    with pytest.raises(ValueError, match="--no-overlap-p2p-communication with virtual pipeline"):
+        _validated(
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+            "--no-overlap-p2p-communication",
+        )
 
 
 def test_virtual_stages_need_stages():
