@@ -1,9 +1,9 @@
 #!/bin/bash
 # Upstream Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh: the "175B" GPT-3 with
 # upstream's flag set and sizes, tensor parallelism 8 within each node of 8 GPUs. Pipeline
-# parallelism (upstream: 16 stages) is not built, so PP defaults to 1 here; at that size the
-# weights need more than one node's 8-way split, so add sharding flags after the positional
-# arguments, e.g. --use-megatron-fsdp (extra flags come last and win).
+# stages (upstream: 16) do not compose with its --save yet, so PP defaults to 1 here; at that
+# size the weights need more than one node's 8-way split, so add sharding flags after the
+# positional arguments, e.g. --use-megatron-fsdp (extra flags come last and win).
 # Usage: bash examples/gpt3/train_gpt3_175b_distributed.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH \
 #            [VOCAB_FILE MERGE_FILE DATA_PATH | MOCK] [extra flags...]
 # MOCK trains on mock data (--mock-data --vocab-size 50257: GPT-2's vocabulary).

@@ -85,6 +85,33 @@ def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
     return dispatch
 
 
+def outside_compiled_graphs(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.disable(function)`, made at the first call instead of at import.
+
+    `torch.compiler.disable` imports `torch._dynamo`, about a second of host time: made at
+    import, it would be paid by every process that imports Megatron, command-line tools and
+    error exits too. Made at the first call, in eager mode or while a compiler traces the
+    caller (a graph break either way), `function` runs outside compiled graphs as with the
+    decorator.
+
+    Args:
+        function: what compiled callers must run eagerly.
+
+    Returns:
+        `function`, never traced into a compiled graph.
+    """
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(function)
+    def outside_graph(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(function)
+        return disabled(*args, **kwargs)
+
+    return outside_graph
+
+
 class FreshContext:
     """A context manager that enters a new context made by `factory` each time it is entered,
     so that it can be entered again, and nested: what `torch.utils.checkpoint`'s `context_fn`

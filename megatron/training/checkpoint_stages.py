@@ -4,8 +4,9 @@ A checkpoint holds the whole model under the names it has without stages
 (`megatron.core.pipeline_parallel.global_names`): each rank saves the tensors of its model
 chunks under their global names, so the stages' writes together are the checkpoint a run with
 one stage writes, and it loads at any pipeline size (each rank reads the tensors of the chunks
-it holds now). With tied embeddings the last stage's copy of the word embeddings is not saved
-(the first stage's original is) and loads from the original. The optimizer's states are keyed
+it holds now). The last stage's copies of the first stage's embeddings (the tied word
+embeddings, or those of the multi-token prediction depths) are not saved (the first stage's
+originals are) and load from the originals. The optimizer's states are keyed
 by the same names (`MegatronOptimizer.sharded_state_dict`), and its parameter groups, of which
 each stage holds a part, are merged into the whole model's (`merge_param_groups`) that every
 stage's optimizer takes its part of on loading.
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core.pipeline_parallel.global_names import global_name, tied_copy_name
+from megatron.core.pipeline_parallel.global_names import embedding_copy_names, global_names
 from megatron.core.pipeline_parallel.stage import Model, model_chunks, pipeline_group
 from megatron.training.checkpoint_layout import CheckpointError
 
@@ -36,7 +37,7 @@ class StageState:
         values: global name -> the value of the chunk's state dict entry.
         where: global name -> (index of the chunk, its local name).
         copies: global names this rank holds only as a copy of another stage's tensor (the
-            tied word embeddings of the last stage): loaded, never saved.
+            last stage's copies of the first stage's embeddings): loaded, never saved.
     """
 
     values: dict[str, Any]
@@ -67,17 +68,17 @@ def stage_state(model: Model) -> StageState:
     where: dict[str, tuple[int, str]] = {}
     copies: set[str] = set()
     for index, chunk in enumerate(model_chunks(model)):
-        copy = tied_copy_name(chunk)
-        for name, value in chunk.state_dict().items():
-            whole = global_name(chunk, name)
+        copy_names = embedding_copy_names(chunk)
+        state = chunk.state_dict()
+        for name, whole in global_names(chunk, state).items():
             if whole in where:
                 raise ValueError(
                     f"Model chunks {where[whole][0]} and {index} both hold {whole}: a rank's "
                     "chunks must be distinct parts of the model (its virtual pipeline stages)."
                 )
-            values[whole] = value
+            values[whole] = state[name]
             where[whole] = (index, name)
-            if name == copy:
+            if name in copy_names:
                 copies.add(whole)
     return StageState(values, where, copies)
 
@@ -144,7 +145,8 @@ def saved_optimizer_tensors_here(
 
 def without_copies(optimizer_state: dict[str, Any], copies: set[str]) -> dict[str, Any]:
     """An optimizer's `sharded_state_dict()` less the states and fp32 masters of `copies` (the
-    tied embeddings' copy: the original's are saved, and equal)."""
+    last stage's copies of the first stage's embeddings: the originals' are saved, and
+    equal)."""
     return {
         key: (
             {name: value for name, value in entry.items() if name not in copies}

@@ -240,6 +240,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_pad_dispatch_to_worst_case=args.moe_pad_dispatch_to_worst_case,
         moe_grouped_gemm=args.moe_grouped_gemm,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,

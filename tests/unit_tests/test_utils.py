@@ -1,12 +1,20 @@
-"""The autograd helpers of `megatron.core.utils`: a function applied through `direct_apply` and
-differentiated through `once_differentiable` behaves as torch's own `apply` and decorator."""
+"""The autograd and compiler helpers of `megatron.core.utils`: a function applied through
+`direct_apply` and differentiated through `once_differentiable` behaves as torch's own `apply` and
+decorator; `outside_compiled_graphs` runs its function outside compiled graphs, and importing
+Megatron does not import `torch._dynamo`."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from megatron.core.utils import direct_apply, once_differentiable
+from megatron.core.utils import direct_apply, once_differentiable, outside_compiled_graphs
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Cube(torch.autograd.Function):
@@ -78,3 +86,26 @@ def test_once_differentiable_under_create_graph():
     torch.testing.assert_close(grad, 2 * x.detach() ** 3)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         grad.sum().backward()
+
+
+def test_outside_compiled_graphs_runs_its_function_eagerly_in_a_compiled_caller():
+    ran_compiled = []
+
+    @outside_compiled_graphs
+    def record(x: torch.Tensor) -> torch.Tensor:
+        ran_compiled.append(torch.compiler.is_compiling())
+        return x * 2
+
+    compiled = torch.compile(lambda x: record(x + 1) - 1, backend="eager")
+    for _ in range(2):  # the disabled function is made at the first call, then reused
+        torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert ran_compiled == [False, False]
+
+
+def test_importing_megatron_does_not_import_dynamo():
+    # About a second of every process's start (tools, error exits, spawned ranks) otherwise.
+    code = "import sys, pretrain_gpt; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"

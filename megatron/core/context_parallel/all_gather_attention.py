@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core.context_parallel.partial_attention import BlockAttention, merge_partial
+from megatron.core.context_parallel.partial_attention import BlockAttention
 from megatron.core.context_parallel.sequence_split import (
     chunk_ids,
     to_rank_chunk_order,
@@ -72,15 +72,18 @@ class _AllGatherAttention(torch.autograd.Function):
         for which, chunk in enumerate(chunk_ids(group.rank(), group.size())):
             rows = slice(which * chunk_len, (which + 1) * chunk_len)
             for index, (keys, causal) in enumerate(_chunk_blocks(chunk, chunk_len)):
-                block_out, block_lse, extra = block.forward(
-                    query[:, :, rows], whole_key[:, :, keys], whole_value[:, :, keys], causal
+                saved.append(
+                    block.forward_rows(
+                        out,
+                        lse,
+                        rows,
+                        query,
+                        whole_key[:, :, keys],
+                        whole_value[:, :, keys],
+                        causal,
+                        first=index == 0,
+                    )
                 )
-                saved.append(extra)
-                if index == 0:
-                    out[:, :, rows] = block_out
-                    lse[:, :, rows] = block_lse
-                else:
-                    merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         out = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.block, ctx.group, ctx.saved = block, group, saved
@@ -100,13 +103,14 @@ class _AllGatherAttention(torch.autograd.Function):
         for which, chunk in enumerate(chunk_ids(group.rank(), group.size())):
             rows = slice(which * chunk_len, (which + 1) * chunk_len)
             for keys, causal in _chunk_blocks(chunk, chunk_len):
-                dq, dk, dv = block.backward(
-                    grad_out[:, :, rows],
-                    query[:, :, rows],
+                dq, dk, dv = block.backward_rows(
+                    rows,
+                    grad_out,
+                    query,
                     whole_key[:, :, keys],
                     whole_value[:, :, keys],
-                    out[:, :, rows],
-                    lse[:, :, rows].contiguous(),
+                    out,
+                    lse,
                     causal,
                     next(saved),
                 )

@@ -128,6 +128,13 @@ def _sum_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, groups, n // groups, s, d).sum(dim=2)
 
 
+def _bmhk_layout(t: torch.Tensor) -> torch.Tensor:
+    """[b, n, s, d] laid out as [b, s, n, d] in memory, as the memory-efficient kernel's forward
+    returns its output: its fp16/bf16 backward computes wrong query and key gradients from an
+    output laid out [b, n, s, d] (seen on H100, torch 2.11; fp32 is unaffected)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
@@ -217,12 +224,12 @@ class BlockAttention:
             seed, offset, lse_len = saved
             padded_lse = F.pad(lse, (0, lse_len - lse.shape[-1])).contiguous()
             dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                grad_out.contiguous(),
+                _bmhk_layout(grad_out),
                 query,
                 key,
                 value,
                 None,
-                out.contiguous(),
+                _bmhk_layout(out),
                 padded_lse,
                 seed,
                 offset,
@@ -234,6 +241,66 @@ class BlockAttention:
         else:
             dq, dk, dv = self._flash_backward(grad_out, query, key, value, out, lse, causal, saved)
         return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+
+    def forward_rows(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        rows: slice,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        causal: bool,
+        first: bool,
+    ) -> tuple:
+        """Attention of the query positions `rows` over a block of keys, written into (`first`)
+        or merged with (`merge_partial`) those rows of the running `out` and `lse`.
+
+        Args:
+            out: [b, n, s, dv] float32 running output of all the rank's queries.
+            lse: [b, n, s] float32 running log-sum-exp.
+            rows: The query positions (dim 2) the block computes.
+            query: [b, n, s, d] all the rank's queries.
+            key, value, causal: The block's keys and values, as in `forward`.
+            first: The first block of these rows (nothing to merge with yet).
+
+        Returns:
+            What `backward_rows` needs of this call besides its tensors.
+        """
+        block_out, block_lse, saved = self.forward(query[:, :, rows], key, value, causal)
+        if first:
+            out[:, :, rows] = block_out
+            lse[:, :, rows] = block_lse
+        else:
+            merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        return saved
+
+    def backward_rows(
+        self,
+        rows: slice,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        saved: tuple,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`backward` of a `forward_rows` block, given the merged output and log-sum-exp of all
+        the rank's queries (`grad_out`, `query`, `out`, `lse` whole; `key`, `value` the
+        block's). Returns the gradients of the rows' queries and of the block's keys and
+        values."""
+        return self.backward(
+            grad_out[:, :, rows],
+            query[:, :, rows],
+            key,
+            value,
+            out[:, :, rows],
+            lse[:, :, rows].contiguous(),
+            causal,
+            saved,
+        )
 
     def _flash_backward(
         self,

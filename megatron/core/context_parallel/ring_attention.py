@@ -31,7 +31,7 @@ import enum
 import torch
 import torch.distributed as dist
 
-from megatron.core.context_parallel.partial_attention import BlockAttention, merge_partial
+from megatron.core.context_parallel.partial_attention import BlockAttention
 
 _KV_TAG, _GRAD_TAG = 0, 1
 """Tags of the two exchanges of a backward step (gloo matches messages by tag)."""
@@ -131,24 +131,27 @@ class _RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         half = query.shape[2] // 2
         kv = _pack(key, value)
-        out = lse = None
+        out = query.new_empty((*query.shape[:3], value.shape[-1]), dtype=torch.float32)
+        lse = query.new_empty(query.shape[:3], dtype=torch.float32)
         saved = []
         for step in range(ring.size):
             pending = ring.exchange(kv) if step + 1 < ring.size else None
             step_key, step_value = _unpack(kv, key.shape, value.shape)
             kind = RingBlock.at(step, ring.rank)
             rows, keys = kind.rows(half), kind.keys(half)
-            block_out, block_lse, extra = block.forward(
-                query[:, :, rows],
-                step_key[:, :, keys],
-                step_value[:, :, keys],
-                causal=kind is RingBlock.DIAGONAL,
+            # Step 0's diagonal block covers every row: it starts the running result.
+            saved.append(
+                block.forward_rows(
+                    out,
+                    lse,
+                    rows,
+                    query,
+                    step_key[:, :, keys],
+                    step_value[:, :, keys],
+                    causal=kind is RingBlock.DIAGONAL,
+                    first=step == 0,
+                )
             )
-            saved.append(extra)
-            if out is None:
-                out, lse = block_out.float(), block_lse.clone()
-            else:
-                merge_partial(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = pending.wait()
         out = out.to(query.dtype)
@@ -169,13 +172,14 @@ class _RingAttention(torch.autograd.Function):
             step_key, step_value = _unpack(kv, key.shape, value.shape)
             kind = RingBlock.at(step, ring.rank)
             rows, keys = kind.rows(half), kind.keys(half)
-            dq, dk, dv = block.backward(
-                grad_out[:, :, rows],
-                query[:, :, rows],
+            dq, dk, dv = block.backward_rows(
+                rows,
+                grad_out,
+                query,
                 step_key[:, :, keys],
                 step_value[:, :, keys],
-                out[:, :, rows],
-                lse[:, :, rows].contiguous(),
+                out,
+                lse,
                 kind is RingBlock.DIAGONAL,
                 ctx.saved[step],
             )

@@ -57,7 +57,7 @@ from megatron.core.tensor_parallel.grad_accumulation import (
     weight_grad_target,
 )
 from megatron.core.tensor_parallel.utils import group_size
-from megatron.core.utils import direct_apply, once_differentiable
+from megatron.core.utils import direct_apply, once_differentiable, outside_compiled_graphs
 
 _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -439,4 +439,4 @@ class _Fp8Experts(torch.autograd.Function):
 
 
 _apply_experts = direct_apply(_Fp8Experts)
-_apply_experts_outside_graph = torch.compiler.disable(_Fp8Experts.apply)
+_apply_experts_outside_graph = outside_compiled_graphs(_Fp8Experts.apply)

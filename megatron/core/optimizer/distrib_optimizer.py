@@ -44,7 +44,7 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.pipeline_parallel.global_names import global_name
+from megatron.core.pipeline_parallel.global_names import global_names
 from megatron.core.pipeline_parallel.stage import Model, model_chunks
 
 
@@ -165,10 +165,11 @@ class DistributedOptimizer(MegatronOptimizer):
         so the base shards the states like the DTensor (`Shard(0)` over the group)."""
         names = {}
         for chunk in self._chunks:
-            for name, param in chunk.module.named_parameters():
+            params = dict(chunk.module.named_parameters())
+            for name, whole in global_names(chunk.module, params).items():
+                param = params[name]
                 if param in self._shards:
                     dtensor = self._dtensors[param]
-                    whole = global_name(chunk.module, name)
                     names[id(self._shards[param])] = (whole, dtensor)
                     names[id(dtensor)] = (whole, dtensor)
         return names

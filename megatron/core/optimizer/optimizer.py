@@ -57,9 +57,9 @@ from megatron.core.optimizer.grad_scaler import (
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.saved_param_groups import loadable_param_groups, stage_param_groups
-from megatron.core.pipeline_parallel.global_names import global_name, tied_copy_name
+from megatron.core.pipeline_parallel.global_names import global_names
 from megatron.core.pipeline_parallel.stage import Model, model_chunks, modules_of, pipeline_group
-from megatron.core.pipeline_parallel.tied_embeddings import tied_embedding_weight
+from megatron.core.pipeline_parallel.tied_embeddings import embedding_copies
 
 SavedTensor = tuple[torch.Size, torch.dtype]
 """A tensor's global shape and dtype as a checkpoint recorded them."""
@@ -81,8 +81,9 @@ class MegatronOptimizer:
 
     Under pipeline parallelism (the model's `config.pipeline_model_parallel_size` > 1) the
     gradient norm, the zero count and the parameters' norm are taken over every stage (the
-    pipeline group of `parallel_state`), the last stage's copy of tied embeddings left out
-    (the first stage's counts for both); clipping scales both copies alike.
+    pipeline group of `parallel_state`), the last stage's copies of the first stage's
+    embeddings left out (tied, or for multi-token prediction: the first stage's count for
+    both); clipping scales both copies alike.
 
     Without Megatron-FSDP, the parameters of `optimizer` that are not fp32 are replaced in its
     parameter groups by fp32 master copies, which it steps from then on.
@@ -125,13 +126,11 @@ class MegatronOptimizer:
         config_of_model = getattr(self._chunks[0], "config", None)
         stages = 1 if config_of_model is None else config_of_model.pipeline_model_parallel_size
         self._pp_group = pipeline_group(None) if stages > 1 else None
-        # The last stage's copy of tied embeddings: counted by the first stage.
-        copies = [
-            tied_embedding_weight(chunk)
-            for chunk in self._chunks
-            if stages > 1 and tied_copy_name(chunk) is not None
-        ]
-        self._second_copy = copies[0] if copies else None
+        # The last stage's copies of the first stage's embeddings: counted by the first stage.
+        self._second_copies: set[torch.nn.Parameter] = set()
+        for chunk in self._chunks if stages > 1 else []:
+            if not getattr(getattr(chunk, "module", chunk), "pre_process", True):
+                self._second_copies.update(embedding_copies(chunk))
         # The rates `step_on_device` reads, made by the first `write_learning_rates_to_device`.
         self._device_learning_rates: DeviceLearningRates | None = None
 
@@ -158,34 +157,34 @@ class MegatronOptimizer:
 
     def get_main_grads(self, counted_once: bool = False) -> list[torch.Tensor]:
         """The gradients the optimizer steps with, one per parameter that has one (with
-        `counted_once`, but the last pipeline stage's copy of tied embeddings).
+        `counted_once`, but the last pipeline stage's copies of the first stage's embeddings).
 
         Megatron-FSDP: the DTensor gradients of the model's main weights, read from the model
         (whose placements tell how they are sharded) rather than from whatever tensors the
         torch optimizer holds. Otherwise the `.grad` of each main parameter (master copy or
         fp32 parameter), which `step()` sets from the model's gradients before it reads them.
         """
-        skip = self._second_copy if counted_once else None
+        skip = self._second_copies if counted_once else set()
         if self._is_fsdp:
             return [
-                p.grad for p in self._modules.parameters() if p.grad is not None and p is not skip
+                p.grad for p in self._modules.parameters() if p.grad is not None and p not in skip
             ]
         return [
             self._global_view(param, main.grad)
             for param, main in self._main_params.items()
-            if main.grad is not None and param is not skip
+            if main.grad is not None and param not in skip
         ]
 
     def get_main_params(self) -> list[torch.Tensor]:
         """The weights the optimizer steps, each once, placed as `get_main_grads()`' gradients:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
-        skip = self._second_copy
+        skip = self._second_copies
         if self._is_fsdp:
-            return [p for p in self._modules.parameters() if p.requires_grad and p is not skip]
+            return [p for p in self._modules.parameters() if p.requires_grad and p not in skip]
         return [
             self._global_view(param, main)
             for param, main in self._main_params.items()
-            if param is not skip
+            if param not in skip
         ]
 
     def get_params_norm(self) -> float:
@@ -259,7 +258,7 @@ class MegatronOptimizer:
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
-            counted = grads if self._second_copy is None else self.get_main_grads(counted_once=True)
+            counted = self.get_main_grads(counted_once=True) if self._second_copies else grads
             grad_norm = get_grad_norm_fp32(counted, self._pp_group)
             num_zeros = None
             if self.config.log_num_zeros_in_grad:
@@ -379,11 +378,13 @@ class MegatronOptimizer:
         names = {}
         for chunk in self._chunks:
             module = chunk.module if isinstance(chunk, _BaseDataParallel) else chunk
-            for name, param in module.named_parameters():
+            params = dict(module.named_parameters())
+            for name, whole in global_names(module, params).items():
+                param = params[name]
                 placed = self._global_view(param, param)
                 for held in (param, local.get(param), self._main_params.get(param)):
                     if held is not None:
-                        names[id(held)] = (global_name(module, name), placed)
+                        names[id(held)] = (whole, placed)
         return names
 
     def _held(self) -> list[torch.Tensor]:

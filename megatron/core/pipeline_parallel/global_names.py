@@ -3,10 +3,11 @@ dicts give them: what a checkpoint holds, so that it loads at any pipeline size.
 
 A chunk's decoder numbers its layers from 0 (`decoder.layers.0` is the chunk's first layer);
 in the whole model that layer is `decoder.layers.<its global index>` (`TransformerBlock.
-layer_range`). With tied embeddings the last stage's copy of the word embeddings
-(`output_layer.weight`, `tied_embeddings`) is the whole model's `embedding.word_embeddings.
-weight`: the first stage holds the original, which a checkpoint saves; the copy loads from it.
-With one stage every name is its own.
+layer_range`). The last stage's copies of the first stage's embeddings (`tied_embeddings.
+embedding_copies`: the tied word embeddings as its `output_layer.weight`, or the embedding the
+multi-token prediction depths use) are the whole model's `embedding.word_embeddings.weight`
+(and `embedding.position_embeddings.weight`): the first stage holds the originals, which a
+checkpoint saves; the copies load from them. With one stage every name is its own.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron.core.pipeline_parallel.tied_embeddings import tied_embedding_weight
+from megatron.core.pipeline_parallel.tied_embeddings import embedding_copies
 
-EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
-"""The word embeddings' name in the whole model (the first stage's parameter)."""
+EMBEDDING_NAMES = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+"""The whole model's names of the embeddings the last stage may copy, in the order of
+`embedding_copies`."""
 
 _LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\..*)")
 
@@ -28,28 +30,37 @@ def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
-def tied_copy_name(chunk: torch.nn.Module) -> str | None:
-    """The local name of the chunk's copy of the tied word embeddings (the last stage's output
-    layer, when the embedding lives on another stage); None where the chunk holds none."""
+def embedding_copy_names(chunk: torch.nn.Module) -> dict[str, str]:
+    """The chunk's copies of the first stage's embeddings (on a chunk without the embedding's
+    originals: the last stage's), by local name -> the whole model's name; empty elsewhere."""
     module = _unwrapped(chunk)
-    if getattr(module, "pre_process", True) or tied_embedding_weight(module) is None:
-        return None
-    return "output_layer.weight"
-
-
-def global_name(chunk: torch.nn.Module, name: str) -> str:
-    """`name`, a key of the (unwrapped) chunk's state dict or parameters, as the whole model
-    names it (module docstring)."""
-    if name == tied_copy_name(chunk):
-        return EMBEDDING_WEIGHT
-    match = _LAYER.fullmatch(name)
-    decoder = getattr(_unwrapped(chunk), "decoder", None)
-    if match is None or decoder is None:
-        return name
-    layer = decoder.layers[int(match.group(2))]
-    return f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
+    if getattr(module, "pre_process", True):
+        return {}
+    copies = embedding_copies(module)
+    if not copies:
+        return {}
+    local = {id(param): name for name, param in module.named_parameters()}
+    return {local[id(param)]: whole for param, whole in zip(copies, EMBEDDING_NAMES)}
 
 
 def global_names(chunk: torch.nn.Module, names: Iterable[str]) -> dict[str, str]:
-    """Each of `names` (keys of the chunk's state dict) -> its name in the whole model."""
-    return {name: global_name(chunk, name) for name in names}
+    """Each of `names` (keys of the unwrapped chunk's state dict, or its parameters' names) ->
+    its name in the whole model (module docstring)."""
+    copies = embedding_copy_names(chunk)
+    decoder = getattr(_unwrapped(chunk), "decoder", None)
+    whole = {}
+    for name in names:
+        match = _LAYER.fullmatch(name)
+        if name in copies:
+            whole[name] = copies[name]
+        elif match is None or decoder is None:
+            whole[name] = name
+        else:
+            layer = decoder.layers[int(match.group(2))]
+            whole[name] = f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
+    return whole
+
+
+def global_name(chunk: torch.nn.Module, name: str) -> str:
+    """One name as `global_names` gives it."""
+    return global_names(chunk, [name])[name]

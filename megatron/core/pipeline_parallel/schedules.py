@@ -106,7 +106,7 @@ def forward_backward_pipelining_with_interleaving(**kwargs: Any) -> ScheduleResu
         calculate_per_token_loss: backpropagate summed losses (see `microbatch_loss`).
         cp_group: the context-parallel group (None: none).
         tp_group: the tensor-parallel group (its size divides the boundary tensors' sequence
-            under sequence parallelism).
+            under sequence parallelism; None: the model config's `tensor_model_parallel_size`).
         pp_group: the pipeline group (None: parallel_state's).
         microbatch_group_size_per_vp_stage: microbatches per group of the interleaved schedule
             (None: the pipeline size).
@@ -158,7 +158,7 @@ def _run(
             )
         seq = seq_length // group_size(cp_group)
         if config.sequence_parallel:
-            seq //= group_size(tp_group)
+            seq //= config.tensor_model_parallel_size if tp_group is None else tp_group.size()
         dtype = config.pipeline_dtype or config.params_dtype
         device = next(chunks[0].parameters()).device
         if device.type == "meta":  # pragma: no cover - wrapped models hold real storage

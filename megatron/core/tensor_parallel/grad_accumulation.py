@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.utils import direct_apply, once_differentiable
+from megatron.core.utils import direct_apply, once_differentiable, outside_compiled_graphs
 
 if TYPE_CHECKING:
     from megatron.core.fp8.linear import Fp8LinearSlots
@@ -163,7 +163,7 @@ def linear(
 
 # The same function, run by Python: whether a weight's gradient fuses is decided per call from
 # state a compiled graph cannot guard (the engine's registry, `.grad`, the backward's inputs).
-_linear_outside_graph = torch.compiler.disable(linear)
+_linear_outside_graph = outside_compiled_graphs(linear)
 
 
 def weight_grad(

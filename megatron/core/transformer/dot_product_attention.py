@@ -62,6 +62,7 @@ from megatron.core.transformer.flex_attention import (
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.softmax_sinks import softmax_with_sink
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import outside_compiled_graphs
 
 SDPA_BACKENDS: dict[AttnBackend, SDPBackend] = {
     AttnBackend.flash: SDPBackend.FLASH_ATTENTION,
@@ -260,7 +261,7 @@ class DotProductAttention(MegatronModule):
         # [b, n, s, dv] -> [s, b, n * dv]
         return context.permute(2, 0, 1, 3).reshape(seq_len, batch, -1)
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def _context_parallel_attention(
         self,
         query: torch.Tensor,

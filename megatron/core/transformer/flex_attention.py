@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import (
 
 from megatron.core.transformer.attention_window import causal_window_mask_mod
 from megatron.core.transformer.softmax_sinks import rescale_by_sink
+from megatron.core.utils import outside_compiled_graphs
 
 FLEX_MIN_HEAD_DIM = 16
 """The narrowest head FlexAttention's CUDA kernel takes (its `tl.dot` tiles)."""
@@ -51,7 +52,7 @@ def _causal_window_block_mask(seq_len: int, window: int | None, device: torch.de
     return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def window_block_mask(
     seq_len: int, window: int | None, device: torch.device, attention_mask: torch.Tensor | None
 ) -> BlockMask:

@@ -303,8 +303,9 @@ class MultiTokenPredictionBlock(MegatronModule):
 
         Returns:
             Each depth's hidden states, in order (Megatron-core concatenates them along the
-            sequence dimension after the decoder's, for pipeline stages, which are not built
-            here).
+            sequence dimension after the decoder's, to hand them between pipeline stages; here
+            the depths run on the last stage, with the output layer, and nothing crosses
+            stages).
         """
         outputs = []
         for layer in self.layers:
@@ -349,7 +350,8 @@ class MTPLossLoggingHelper:
         self, num_depths: int, num_microbatches: int, device: torch.device | None = None
     ) -> dict[str, float]:
         """The recorded losses averaged over the step's microbatches and the data-parallel
-        ranks, then cleared. Every rank must call it once per training step (it all-reduces).
+        ranks (on every pipeline stage: the last stage's, where the depths run), then cleared.
+        Every rank must call it once per training step (it all-reduces).
 
         Args:
             num_depths: `config.mtp_num_layers`.

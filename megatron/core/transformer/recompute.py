@@ -31,7 +31,7 @@ from torch.utils.checkpoint import (
 
 from megatron.core.fp8.scaling import scale_replay_contexts
 from megatron.core.tensor_parallel.random import rng_tracker_replay_contexts
-from megatron.core.utils import FreshContext
+from megatron.core.utils import FreshContext, outside_compiled_graphs
 
 _recompute_depth = 0
 """Checkpointed functions being recomputed now; a module global rather than thread-local, since
@@ -128,5 +128,5 @@ def _checkpoint_keeping(
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
 
 
-_recompute_outside_graph = torch.compiler.disable(_checkpoint)
-_recompute_keeping_outside_graph = torch.compiler.disable(_checkpoint_keeping)
+_recompute_outside_graph = outside_compiled_graphs(_checkpoint)
+_recompute_keeping_outside_graph = outside_compiled_graphs(_checkpoint_keeping)

@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.linear import Linear
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
-from megatron.core.transformer.moe.experts import ExpertLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_config import moe_layer_pattern
 from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
@@ -183,16 +183,22 @@ class TransformerBlock(MegatronModule):
                 if isinstance(module, FP8_LINEARS) and module.weight is not None:
                     check_fp8_dims(f"layers.{index}.{name}", module.weight.shape)
                     module.fp8 = Fp8LinearSlots(recipe, state)
-                elif isinstance(module, ExpertLinear):
-                    # Each expert's weight is one linear layer's.
-                    check_fp8_dims(f"layers.{index}.{name}", module.weight.shape[1:])
-                    module.fp8 = Fp8ExpertSlots(
-                        recipe,
-                        state,
-                        num_experts=self.config.num_moe_experts,
-                        first_expert=module.first_expert,
-                        num_local_experts=module.weight.shape[0],
-                    )
+                elif isinstance(module, SequentialMLP):
+                    slots = []
+                    for part in ("linear_fc1", "linear_fc2"):
+                        linear = getattr(module, part)
+                        # Each expert's weight is one linear layer's.
+                        check_fp8_dims(f"layers.{index}.{name}.{part}", linear.weight.shape[1:])
+                        slots.append(
+                            Fp8ExpertSlots(
+                                recipe,
+                                state,
+                                num_experts=self.config.num_moe_experts,
+                                first_expert=linear.first_expert,
+                                num_local_experts=linear.weight.shape[0],
+                            )
+                        )
+                    module.enable_fp8(*slots)
         return state
 
     def forward(

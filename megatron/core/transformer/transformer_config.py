@@ -235,6 +235,11 @@ class TransformerConfig(ModelParallelConfig):
             probabilities) or "position" (the first ones).
         moe_pad_expert_input_to_capacity: Every expert processes exactly its capacity (padding
             with zero-weight tokens).
+        moe_pad_dispatch_to_worst_case: This project's own (not in Megatron-core): with several
+            ranks per expert group, dropless token exchanges are padded to their largest
+            possible size (each rank sends every ep peer tokens x topk rows), so their sizes
+            need no host read of the token counts; more bytes travel. Nothing to pad with one
+            rank per expert group.
         moe_grouped_gemm: The experts run one grouped GEMM per projection (`torch._grouped_mm`)
             instead of a loop of GEMMs; read by `get_gpt_decoder_block_spec`.
         moe_shared_expert_intermediate_size: Width of the shared experts' MLP (every token goes
@@ -361,6 +366,7 @@ class TransformerConfig(ModelParallelConfig):
     moe_expert_capacity_factor: float | None = ranged(None, POSITIVE)
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
+    moe_pad_dispatch_to_worst_case: bool = False
     moe_grouped_gemm: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_overlap: bool = False

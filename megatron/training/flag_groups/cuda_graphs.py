@@ -3,7 +3,8 @@
 
 Built: the whole training iteration in one CUDA graph (`megatron.training.cuda_graphs`), asked
 for as `--cuda-graph-impl full_iteration` (upstream's current spelling) or `--cuda-graph-impl
-local --cuda-graph-scope full_iteration` (its earlier one, which upstream still accepts).
+local --cuda-graph-scope full_iteration` (its earlier one, which upstream still accepts), MoE
+models included where their layers read nothing on the host (`_moe_host_reads`).
 Per-layer graphs (`local` with another scope, `transformer_engine`) and inference graphs are not
 built; asking for them is refused with what to use instead, as is every flag whose work needs the
 host inside the iteration (`validate_cuda_graphs`).
@@ -140,6 +141,36 @@ def _validate_impl_and_scope(args: argparse.Namespace) -> None:
         )
 
 
+def _moe_host_reads(args: argparse.Namespace) -> list[str]:
+    """What makes the MoE layers read their token counts on the host (none for a dense model):
+    the flags to add or drop, as `docs/moe.md` ("Host reads") lists them."""
+    if args.num_experts is None:
+        return []
+    missing = []
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor >= 0:
+        missing.append("drop --moe-expert-capacity-factor")
+    if not args.moe_grouped_gemm:
+        missing.append("add --moe-grouped-gemm")
+    if not args.bf16:
+        missing.append("add --bf16 (the grouped GEMM's kernel; other dtypes read on the host)")
+    if args.fp8 is not None:
+        missing.append(f"drop --fp8-format {args.fp8}")
+    exchange = args.expert_model_parallel_size * args.expert_tensor_parallel_size
+    if exchange > 1 and not args.moe_pad_dispatch_to_worst_case:
+        missing.append("add --moe-pad-dispatch-to-worst-case")
+    return missing
+
+
+def _moe_refusal(args: argparse.Namespace) -> str:
+    missing = _moe_host_reads(args)
+    return (
+        "MoE layers (--num-experts) size their token exchange or their experts' GEMMs on the "
+        "host unless they are dropless, with --moe-grouped-gemm in bf16, without FP8 and, with "
+        "expert parallelism, with --moe-pad-dispatch-to-worst-case; "
+        f"{'; '.join(missing)}, or drop the graph flags"
+    )
+
+
 def _refusals(args: argparse.Namespace) -> list[tuple[bool, str]]:
     """(set, why and what to do) for each flag a full-iteration graph cannot honour."""
     tp = args.tensor_model_parallel_size > 1
@@ -160,11 +191,7 @@ def _refusals(args: argparse.Namespace) -> list[tuple[bool, str]]:
             "a batch-size schedule (--rampup-batch-size, --step-batch-size-schedule) changes "
             "the number of microbatches, which a graph holds fixed; drop the schedule",
         ),
-        (
-            args.num_experts is not None,
-            "MoE layers (--num-experts) size their token exchange on the host; train a dense "
-            "model or drop the graph flags",
-        ),
+        (bool(_moe_host_reads(args)), _moe_refusal(args)),
         (
             args.recompute_granularity is not None,
             "activation recomputation (--recompute-granularity) saves the random-generator "

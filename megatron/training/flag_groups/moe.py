@@ -160,6 +160,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         "--moe-pad-expert-input-to-capacity",
         dict(action="store_true", help="Pad each expert's input to its capacity."),
     ),
+    (
+        "--moe-pad-dispatch-to-worst-case",
+        dict(
+            action="store_true",
+            help="This project's own flag (not in Megatron-LM): with expert parallelism, pad the "
+            "dropless token exchange to its worst case (tokens x topk rows to every peer), so "
+            "that no MoE layer reads its token counts on the host; more bytes travel.",
+        ),
+    ),
     ("--moe-grouped-gemm", dict(action="store_true", help="One grouped GEMM per projection.")),
     (
         "--moe-shared-expert-intermediate-size",
@@ -269,18 +278,24 @@ def validate_moe(args: argparse.Namespace) -> None:
 
 def _validate_expert_parallelism(args: argparse.Namespace) -> None:
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-    if etp < 1 or args.world_size % (etp * ep):
+    # The experts split the ranks of one pipeline stage (a --pipeline-model-parallel-size that
+    # does not divide the world size is the parallelism check's to name).
+    stages = args.pipeline_model_parallel_size
+    if stages < 1 or args.world_size % stages:
+        return
+    ranks = args.world_size // stages
+    where = f"world size {ranks}" if stages == 1 else f"{ranks} ranks of a pipeline stage"
+    if etp < 1 or ranks % (etp * ep):
         raise ValueError(
             f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} does not "
-            f"divide the world size {args.world_size}; choose sizes whose product divides "
-            f"{args.world_size}."
+            f"divide the {where}; choose sizes whose product divides {ranks}."
         )
-    expert_data_parallel = args.world_size // (etp * ep)
+    expert_data_parallel = ranks // (etp * ep)
     instances = args.num_distributed_optimizer_instances
     if expert_data_parallel % instances:
         raise ValueError(
             f"--num-distributed-optimizer-instances {instances} does not divide the expert "
-            f"data-parallel size {expert_data_parallel} (world size {args.world_size} / "
+            f"data-parallel size {expert_data_parallel} ({where} / "
             f"(--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep})); "
             "lower one of them."
         )

@@ -59,23 +59,13 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_NOT_COMPOSED = (
-    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
-    ("context_parallel_size", "--context-parallel-size", 1),
-    ("expert_model_parallel_size", "--expert-model-parallel-size", 1),
-    ("num_experts", "--num-experts", None),
-    ("mtp_num_layers", "--mtp-num-layers", None),
-    ("fp8", "--fp8-format", None),
-)
-"""(dest, flag, the value that composes): what pipeline stages do not compose with yet."""
-
-
 def validate_pipeline(args: argparse.Namespace) -> None:
     """Derives `args.virtual_pipeline_model_parallel_size` (None: one chunk per rank) from the
     virtual-stage flags, and `args.overlap_p2p_comm` (off without virtual stages), as
-    Megatron-LM; refuses, with several stages, the features pipeline
-    stages do not compose with yet, a split of the layers that does not divide, and the
-    layer-split and virtual-stage flags with one stage.
+    Megatron-LM; refuses, with several stages, the features pipeline stages do not compose with
+    yet (the DDP engine's distributed optimizer with a copy of the embeddings on the last stage,
+    CUDA graphs), a split of the layers that does not divide, and the layer-split and
+    virtual-stage flags with one stage.
 
     Raises:
         ValueError: naming the flags and the fix.
@@ -126,16 +116,19 @@ def validate_pipeline(args: argparse.Namespace) -> None:
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
     ).check()
-    given = [
-        flag
-        for dest, flag, composes in _NOT_COMPOSED
-        if getattr(args, dest, composes) not in (composes, 0 if composes is None else composes)
-    ]
+    given = []
     if args.use_distributed_optimizer and not args.use_megatron_fsdp:
+        # The last stage then holds a copy of the first stage's embeddings.
         if not args.untie_embeddings_and_output_weights:
             given.append(
                 "--use-distributed-optimizer (the DDP engine's, with tied embeddings; pass "
                 "--untie-embeddings-and-output-weights or use --use-megatron-fsdp)"
+            )
+        elif args.mtp_num_layers is not None:
+            given.append(
+                "--use-distributed-optimizer (the DDP engine's, with --mtp-num-layers, whose "
+                "depths on the last stage share the first stage's embedding; use "
+                "--use-megatron-fsdp)"
             )
     if args.cuda_graph_impl != "none" or full_iteration_cuda_graph(args):
         given.append(f"--cuda-graph-impl {args.cuda_graph_impl}")

@@ -1,9 +1,10 @@
 """The GPT with MoE layers (router, all-to-all dispatch, stacked experts) under the data-parallel
 engines: at EP 1, 2 and 4 on 4 gloo ranks, under the DDP engine and the Megatron-FSDP strategies,
 it trains exactly as one process running the whole global batch with every expert local (losses,
-gradient norms, global weights after SGD steps with gradient accumulation); in FP8 it trains alike
-at EP 1 and 2. Built on the `meta` device and materialised by Megatron-FSDP, it starts from the
-eager build's weights, bit for bit, and trains as it does."""
+gradient norms, global weights after SGD steps with gradient accumulation), also with grouped
+GEMMs and the padded worst-case exchange (no host read of the token counts); in FP8 it trains
+alike at EP 1 and 2. Built on the `meta` device and materialised by Megatron-FSDP, it starts from
+the eager build's weights, bit for bit, and trains as it does."""
 
 from __future__ import annotations
 
@@ -98,9 +99,11 @@ def token_batches() -> list[tuple[torch.Tensor, ...]]:
     return batches
 
 
-def _compare(engine: Engine, ep_sizes: tuple[int, ...], dispatcher: str) -> None:
+def _compare(
+    engine: Engine, ep_sizes: tuple[int, ...], dispatcher: str, overrides: dict | None = None
+) -> None:
     batches = token_batches()
-    builder = functools.partial(build_gpt_moe, dispatcher=dispatcher)
+    builder = functools.partial(build_gpt_moe, dispatcher=dispatcher, **(overrides or {}))
     expected = reference_run(builder, batches)
     for ep in ep_sizes:
         actual = engine_run(builder, engine, ep, batches, layer_class=TransformerLayer)
@@ -127,6 +130,23 @@ def _compare(engine: Engine, ep_sizes: tuple[int, ...], dispatcher: str) -> None
 )
 def test_gpt_moe_trains_as_one_process_at_every_ep_size(engine, ep_sizes, dispatcher):
     run_distributed(_compare, WORLD, engine, ep_sizes, dispatcher)
+
+
+NO_HOST_READS = dict(moe_grouped_gemm=True, moe_pad_dispatch_to_worst_case=True)
+"""Grouped GEMMs and the padded worst-case exchange: no MoE layer reads its token counts on
+the host (`docs/moe.md`, "Host reads")."""
+
+
+@pytest.mark.parametrize(
+    "engine, ep_sizes, dispatcher",
+    [
+        (Engine("ddp"), (1, 2, 4), "alltoall"),
+        (Engine("fsdp", "optim_grads_params"), (2,), "allgather"),
+    ],
+    ids=["ddp", "zero3"],
+)
+def test_gpt_moe_without_host_reads_trains_as_one_process(engine, ep_sizes, dispatcher):
+    run_distributed(_compare, WORLD, engine, ep_sizes, dispatcher, NO_HOST_READS)
 
 
 FP8 = dict(

@@ -212,8 +212,8 @@ def test_mixtral_trains_with_expert_parallelism_and_its_loss_falls(tmp_path):
 
 
 def test_gpt3_175b_validates_at_its_own_sizes(tmp_path):
-    """Upstream's 175B flags as written (TP 8 on one node of 8 GPUs; PP 1, as pipelines are not
-    built): they validate, and the GPT-2 vocabulary pads to 51200 rows, the size Megatron-LM
+    """Upstream's 175B flags as written (TP 8 on one node of 8 GPUs; PP 1, the script's default
+    here): they validate, and the GPT-2 vocabulary pads to 51200 rows, the size Megatron-LM
     reports for it at TP 8 (a multiple of 128 x 8)."""
     flags = [*script_flags(GPT3, tmp_path, folder="gpt3"), "--distributed-backend", "gloo"]
     args = validate_args(parse_args(args=flags), world_size=8)
@@ -280,14 +280,13 @@ def _refusal_messages(flags: list[str]) -> list[str]:
 
 
 def test_gpt_oss_stops_only_at_hardware_and_pipeline_refusals(tmp_path):
-    """Upstream's gpt-oss flags ask for Transformer Engine and 2 pipeline stages of an MoE
-    model (pipeline stages do not compose with MoE yet); with one stage and the local layers,
-    for flash attention (a CPU has neither): nothing else is refused."""
+    """Upstream's gpt-oss flags ask for Transformer Engine and 2 pipeline stages with
+    checkpoints (pipeline stages do not compose with --save yet); with one stage and the local
+    layers, for flash attention (a CPU has neither): nothing else is refused."""
     messages = _refusal_messages(script_flags("gpt_oss.sh", tmp_path))
     assert len(messages) == 2, messages
     assert messages[0].startswith("--transformer-impl transformer_engine: transformer-engine is")
-    assert messages[1].startswith("--pipeline-model-parallel-size 2 does not compose with")
-    assert "--num-experts" in messages[1]
+    assert messages[1].startswith("--pipeline-model-parallel-size 2 does not compose with --save")
     one_stage = script_flags("gpt_oss.sh", tmp_path, {"PP_SIZE": "1"})
     messages = _refusal_messages([*one_stage, "--transformer-impl", "local"])
     assert len(messages) == 1 and messages[0].startswith(

@@ -36,7 +36,7 @@ from megatron.core.transformer.multi_token_prediction import (
     roll_tensor,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.models.fixtures import mtp_cases
 from tests.unit_tests.models.test_gpt_tensor_parallel import _gather_full
 
@@ -317,7 +317,7 @@ def test_bad_configurations_are_refused():
             max_sequence_length=8,
             mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
         )
-    with pytest.raises(ValueError, match="pre_process and post_process"):
+    with pytest.raises(ValueError, match="they live on the last pipeline stage"):
         GPTModel(
             config,
             spec,
@@ -330,6 +330,30 @@ def test_bad_configurations_are_refused():
     decoder_input = torch.zeros(8, 2, 32)
     with pytest.raises(ValueError, match="needs input_ids, not decoder_input"):
         model(None, decoder_input=decoder_input, labels=torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_the_depths_live_on_the_last_pipeline_chunk():
+    """As Megatron-core places them by default: the last stage's last virtual stage."""
+    case = mtp_cases.CASES["rope_swiglu_untied_2_depths"]
+    spec = get_gpt_layer_local_spec()
+    staged = case_config(case, pipeline_model_parallel_size=2, num_layers=4)
+    virtual = case_config(
+        case, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4
+    )
+    placements = [
+        (staged, 0, None, False),
+        (staged, 1, None, True),
+        (virtual, 1, 0, False),
+        (virtual, 0, 1, False),
+        (virtual, 1, 1, True),
+    ]
+    for config, pp_rank, vp_stage, built in placements:
+        block = get_gpt_mtp_block_spec(
+            config, spec, use_transformer_engine=False, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+        assert (block is not None) == built, (pp_rank, vp_stage)
+    # One stage (pp_rank None: parallel_state's, or 0 without it) holds them.
+    assert get_gpt_mtp_block_spec(case_config(case), spec, use_transformer_engine=False)
 
 
 @pytest.mark.parametrize(("freq", "mtp_is_moe"), [([0, 1], True), ([1, 0], False)])
@@ -380,7 +404,8 @@ def _tensor_parallel_matches_tp1(name: str, sequence_parallel: bool) -> None:
     """On 2 ranks: the model split over both (tensor parallelism, sequence parallelism if
     asked) gives the TP 1 model's loss, depth losses and (gathered) gradients."""
     case = mtp_cases.CASES[name]
-    batch = mtp_cases.batch(case)
+    device = current_device()
+    batch = {key: t.to(device) for key, t in mtp_cases.batch(case).items()}
     group = dist.new_group([0, 1])
     model_parallel_cuda_manual_seed(1234, tp_rank=group.rank())
     per_token = case["config"]["calculate_per_token_loss"]
@@ -400,9 +425,10 @@ def _tensor_parallel_matches_tp1(name: str, sequence_parallel: bool) -> None:
             **case["model"],
         ).train()
         mtp_cases.perturb_norms(model, seed=22)
+        model.to(device)
         loss = run(model, batch)
         mtp_cases.objective(loss, batch["loss_mask"], per_token).backward()
-        logged = get_mtp_loss_logging_helper().report(config.mtp_num_layers, 1)
+        logged = get_mtp_loss_logging_helper().report(config.mtp_num_layers, 1, device)
         layouts = named_tensor_parallel_layouts(model) if tp > 1 else {}
         grads = {
             name: _gather_full(p.grad, layouts[name], group) if name in layouts else p.grad

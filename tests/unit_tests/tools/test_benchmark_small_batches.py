@@ -24,7 +24,7 @@ def _table(stdout: str) -> dict[str, list[str]]:
 
 
 def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path):
-    args = ["--out", str(tmp_path), "--rows", "L,L-graphed,L-4mb", "--model-args", TINY]
+    args = ["--out", str(tmp_path), "--rows", "L-4mb,L-graphed", "--model-args", TINY]
     proc = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
     # --cuda-graph needs CUDA: that row fails (exit 1, its output kept), the others are reported.
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -33,20 +33,20 @@ def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path):
     assert "--cuda-graph needs" in failed.read_text()
     table = _table(proc.stdout)
     assert table["L-graphed"][0] == "not run"
-    for name, target in (("L", 1.03), ("L-4mb", 1.05)):
-        (result,) = tmp_path.glob(f"{name}-2gpu-*.json")
-        rows = {r["engine"]: r for r in json.loads(result.read_text())["rows"]}
-        zero3, single = rows["megatron_fsdp_zero3"]["step_ms"], rows["single"]["step_ms"]
-        cells = table[name]
-        assert float(cells[0]) == pytest.approx(zero3, abs=0.005)
-        assert float(cells[2]) == pytest.approx(zero3 / single, abs=0.0005)
-        assert cells[3] == f"<= {target}"
-        assert cells[4] == ("yes" if zero3 / single <= target else "no")
+    # One row run (4 microbatches: the accumulation path) stands for all: they share the code.
+    (result,) = tmp_path.glob("L-4mb-2gpu-*.json")
+    rows = {r["engine"]: r for r in json.loads(result.read_text())["rows"]}
+    zero3, single = rows["megatron_fsdp_zero3"]["step_ms"], rows["single"]["step_ms"]
+    cells = table["L-4mb"]
+    assert float(cells[0]) == pytest.approx(zero3, abs=0.005)
+    assert float(cells[2]) == pytest.approx(zero3 / single, abs=0.0005)
+    assert cells[3] == "<= 1.05"
+    assert cells[4] == ("yes" if zero3 / single <= 1.05 else "no")
     # Again: only the failed row runs; then only the table is printed.
     again = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
     assert again.returncode == 1
-    assert "[L-graphed]" in again.stdout and "[L]" not in again.stdout
-    assert "[L-4mb]" not in again.stdout and _table(again.stdout) == table
+    assert "[L-graphed]" in again.stdout and "[L-4mb]" not in again.stdout
+    assert _table(again.stdout) == table
     report = run_tool(*args, "--report-only", nproc=None, tool=TOOL)
     assert report.returncode == 0 and "[" not in report.stdout.split("|")[0]
     assert _table(report.stdout) == table

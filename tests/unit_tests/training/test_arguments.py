@@ -302,8 +302,8 @@ BAD = [
     ("--ckpt-format fsdp_dtensor", "--ckpt-format fsdp_dtensor .* --use-megatron-fsdp"),
     ("--tensor-model-parallel-size 3", "world size 4 is not a multiple of --tensor-model-par"),
     (
-        "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2",
-        "--pipeline-model-parallel-size 2 does not compose with --tensor-model-parallel-size",
+        "--pipeline-model-parallel-size 2 --use-distributed-optimizer",
+        "--pipeline-model-parallel-size 2 does not compose with --use-distributed-optimizer",
     ),
     ("--micro-batch-size 0", "--micro-batch-size must be >= 1"),
     ("--recompute-method uniform", "--recompute-method applies to --recompute-granularity full"),

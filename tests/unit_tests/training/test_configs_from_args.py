@@ -255,6 +255,11 @@ TRANSFORMER_CONFIG_CASES = [
             ("--moe-expert-capacity-factor 1.5", "moe_expert_capacity_factor", 1.5),
             ("--moe-token-drop-policy position", "moe_token_drop_policy", "position"),
             (_PAD, "moe_pad_expert_input_to_capacity", True),
+            (
+                "--moe-grouped-gemm --moe-pad-dispatch-to-worst-case",
+                "moe_pad_dispatch_to_worst_case",
+                True,
+            ),
             ("--moe-grouped-gemm", "moe_grouped_gemm", True),
             (_SHARED, "moe_shared_expert_intermediate_size", 32),
             (f"{_SHARED} --moe-shared-expert-gate", "moe_shared_expert_gate", True),

@@ -130,6 +130,36 @@ def test_what_needs_the_host_inside_the_iteration_is_refused(cuda_available, fla
         validated(*FULL, *NCCL, *flags, world_size=4)
 
 
+MOE = ("--num-experts", "4", "--moe-grouped-gemm", "--bf16")
+WORST_CASE = ("--expert-model-parallel-size", "2", "--moe-pad-dispatch-to-worst-case")
+
+
+@pytest.mark.parametrize(
+    "flags", [MOE, (*MOE, *WORST_CASE)], ids=["expert-parallel-1", "worst-case-exchange"]
+)
+def test_moe_layers_that_read_nothing_on_the_host_are_accepted(cuda_available, flags):
+    assert full_iteration_cuda_graph(validated(*FULL, *NCCL, *flags))
+
+
+@pytest.mark.parametrize(
+    "flags, missing",
+    [
+        (("--num-experts", "4", "--bf16"), "add --moe-grouped-gemm"),
+        (("--num-experts", "4", "--moe-grouped-gemm"), "add --bf16"),
+        ((*MOE, "--moe-expert-capacity-factor", "1.5"), "drop --moe-expert-capacity-factor"),
+        ((*MOE, "--fp8-format", "hybrid"), "drop --fp8-format hybrid"),
+        ((*MOE, "--expert-model-parallel-size", "2"), "add --moe-pad-dispatch-to-worst-case"),
+    ],
+    ids=["loop", "fp32", "capacity", "fp8", "expert-parallel"],
+)
+def test_moe_layers_that_read_on_the_host_are_refused_naming_what_to_change(
+    cuda_available, flags, missing
+):
+    expected = "MoE layers (--num-experts) size their token exchange or their experts' GEMMs"
+    with pytest.raises(ValueError, match=re.escape(expected) + ".*" + re.escape(missing)):
+        validated(*FULL, *NCCL, *flags)
+
+
 def test_tensor_parallelism_without_attention_dropout_is_accepted(cuda_available):
     flags = ("--tensor-model-parallel-size", "2", "--attention-dropout", "0")
     assert full_iteration_cuda_graph(validated(*FULL, *NCCL, *flags, world_size=4))

@@ -153,6 +153,11 @@ def test_moe_ffn_width_defaults_to_the_ffn_width_and_zero_experts_is_dense():
             "NCCL EP) is not built",
         ),
         (
+            "--num-experts 4 --moe-pad-dispatch-to-worst-case",
+            "--moe-pad-dispatch-to-worst-case spares the host read of the token counts, but the "
+            "experts without --moe-grouped-gemm read them on the host anyway",
+        ),
+        (
             "--num-experts 4 --moe-router-score-function sqrtsoftplus",
             "--moe-router-score-function sqrtsoftplus (the sqrt-softplus score function) is not",
         ),

@@ -89,3 +89,12 @@ def test_a_model_of_other_depth_records_afresh():
     tracker.record("load_balancing_loss", torch.tensor(1.0), layer_number=2, num_layers=2)
     tracker.record("load_balancing_loss", torch.tensor(5.0), layer_number=3, num_layers=3)
     assert tracker.metrics["load_balancing_loss"].tolist() == [0.0, 0.0, 5.0]
+
+
+def test_a_model_on_another_device_records_afresh():
+    # A CPU model followed by one on another device (a GPU; here `meta`) in the same process.
+    destroy_moe_metrics_tracker()
+    tracker = get_moe_metrics_tracker()
+    tracker.record("load_balancing_loss", torch.tensor(1.0), layer_number=1, num_layers=2)
+    tracker.record("load_balancing_loss", torch.tensor(5.0, device="meta"), 2, num_layers=2)
+    assert tracker.metrics["load_balancing_loss"].device == torch.device("meta")

@@ -97,3 +97,22 @@ def test_checkpoints_load_across_pipeline_sizes(runs, tmp_path):
     assert any(".layers.3." in key[1] for key in pp1[0] if key[0] == "model")
     for iteration in (3, 5):
         assert _contents(root, iteration) == pp1, iteration
+
+
+def test_multi_token_prediction_checkpoints_load_across_pipeline_sizes(tmp_path):
+    """With --mtp-num-layers the last stage holds a copy of the whole embedding (word and learned
+    positions), which is not saved: the checkpoint of PP 2 (Megatron-FSDP) after iteration 1
+    loads at PP 1 (the DDP engine), which trains iteration 2 as PP 2 does and saves the same
+    tensors and parameter groups."""
+    mtp = [*RUN, "--mtp-num-layers", "1", "--train-iters", "2", "--lr-warmup-iters", "1"]
+    stages, one = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    straight = run_distributed(
+        main, 2, [*mtp, *PP2, *ZERO3, "--save", stages, "--save-interval", "1"]
+    )[0]
+    assert "mtp_1 loss" in straight.losses[0]
+    resumed = run_distributed(
+        main, 2, [*mtp, *PP1, "--load", stages, "--ckpt-step", "1", "--save", one]
+    )[0]
+    assert resumed.start_iteration == 1
+    _assert_trains_as(resumed, resumed_part(straight, 1))
+    assert _contents(one, 2) == _contents(stages, 2)

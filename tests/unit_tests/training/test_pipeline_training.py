@@ -112,8 +112,11 @@ def test_virtual_stages_train_as_one_stage(tmp_path):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
-        (["--context-parallel-size", "2"], "--context-parallel-size"),
+        (
+            ["--untie-embeddings-and-output-weights", "--mtp-num-layers", "1"]
+            + ["--use-distributed-optimizer"],
+            "--mtp-num-layers",
+        ),
         (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl"),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     ],

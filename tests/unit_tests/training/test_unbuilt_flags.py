@@ -128,9 +128,10 @@ def test_rope_type_rope_is_accepted_and_yarn_refused_without_mla():
     assert validated("--rope-type", "yarn", "--multi-latent-attention").rope_type == "yarn"
 
 
-def test_a_bad_flag_under_torchrun_prints_rank_0s_message_once(tmp_path):
-    """Rank 1 alone finds the error at once (rank 0 is held back, as a slow start would):
-    it waits for rank 0's message instead of ending the job before it is printed."""
+def test_a_torchrun_job_prints_rank_0s_errors_once(tmp_path):
+    """Every flag error of a job, an unbuilt flag's among them, is printed once, by rank 0.
+    Rank 1 alone finds them at once (rank 0 is held back, as a slow start would): it waits for
+    rank 0's message instead of ending the job before it is printed."""
     slow_rank_0 = tmp_path / "slow_rank_0.py"
     slow_rank_0.write_text(
         "import os, runpy, sys, time\n"
@@ -140,11 +141,16 @@ def test_a_bad_flag_under_torchrun_prints_rank_0s_message_once(tmp_path):
         "sys.argv = sys.argv[1:]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
+    bad = ["--mtp-hybrid-override-pattern", "MM", "--attention-dropout", "1.5"]
+    bad += ["--global-batch-size", "7"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, "--mtp-hybrid-override-pattern", "MM"]
+    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, *bad]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode != 0
-    assert done.stderr.count("error: --mtp-hybrid-override-pattern MM: multi-token") == 1
+    assert done.stderr.count("error: 3 flag errors:") == 1, done.stderr
+    assert done.stderr.count("--mtp-hybrid-override-pattern MM: multi-token") == 1
+    for given in ("--attention-dropout 1.5", "--global-batch-size 7"):
+        assert done.stderr.count(given) == 1, done.stderr

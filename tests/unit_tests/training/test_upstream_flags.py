@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training import determinism
+import pretrain_gpt
+from megatron.training import determinism, global_vars
 from megatron.training.arguments import add_megatron_arguments, parse_args
 from megatron.training.flag_errors import FlagErrors
 from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, VALUED_HINTS
-import pretrain_gpt
-from megatron.training import global_vars
 from megatron.training.initialize import destroy_megatron, initialize_megatron
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.flag_checks import BASE, validated
@@ -159,24 +158,6 @@ def test_pretrain_gpt_prints_every_error_once_and_exits_2():
     assert lines[0] == "error: 3 flag errors:"
     assert len(lines) == 4 and lines[1].startswith("  - --mtp-hsm: multi-token")
     assert done.stderr.count("--attention-dropout 1.5") == 1
-
-
-def test_a_torchrun_job_prints_every_error_once():
-    bad = ["--mtp-hsm", "--attention-dropout", "1.5", "--global-batch-size", "7"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    done = subprocess.run(
-        [*command, "pretrain_gpt.py", *BASE, *bad],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode != 0
-    assert done.stderr.count("error: 3 flag errors:") == 1
-    for given in ("--mtp-hsm", "--attention-dropout 1.5", "--global-batch-size 7"):
-        assert done.stderr.count(given) == 1, done.stderr
 
 
 def test_use_rotary_position_embeddings_builds_the_model_rope_builds():

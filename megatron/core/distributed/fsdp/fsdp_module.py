@@ -50,6 +50,7 @@ from megatron.core.distributed.fsdp.unit_boundaries import (
 )
 from megatron.core.fp8.linear import computes_in_fp8
 from megatron.core.tensor_parallel.layout import named_tensor_parallel_layouts
+from megatron.core.utils import outside_compiled_graphs
 
 _Modules = TypeVar("_Modules", torch.nn.Module, Sequence[torch.nn.Module])
 """What `fully_shard` takes and returns: a module, or the modules of one unit."""
@@ -214,7 +215,7 @@ class FsdpUnit:
 
     # The unit hooks run eagerly under torch.compile (a graph break at each unit's edges): they
     # issue collectives through process-group methods that Dynamo cannot trace.
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def pre_forward(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -270,7 +271,7 @@ class FsdpUnit:
             if group.grads is not None:
                 group.grads.reduced_after_own_backward = end.reachable
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if in_backward():
             return output  # a recompute rerun: the backward needs the weights as registered

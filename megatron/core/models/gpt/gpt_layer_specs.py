@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from megatron.core.fusions.fused_layer_norm import HAVE_APEX, FusedLayerNorm
+from megatron.core.pipeline_parallel.stage import pipeline_rank
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -297,22 +298,25 @@ def get_gpt_mtp_block_spec(
         config: The transformer configuration.
         spec: The decoder's spec: `get_gpt_decoder_block_spec()`'s, or one layer spec.
         use_transformer_engine: Take the norms and the projection from Transformer Engine.
-        vp_stage, pp_rank: Pipeline placement; None only (pipeline parallelism is not built).
+        vp_stage, pp_rank: The model chunk's pipeline placement: its virtual stage (None: the
+            only one) and pipeline rank (None: this rank's, from parallel_state). The depths
+            live on the last chunk of the last stage, as Megatron-core places them by default.
 
     Returns:
         The block spec for `GPTModel(mtp_block_spec=...)`, or None when
-        `config.mtp_num_layers` is None.
+        `config.mtp_num_layers` is None or the chunk is not the model's last.
 
     Raises:
-        ValueError: `spec` is neither, or `vp_stage` / `pp_rank` is given.
+        ValueError: `spec` is neither, or `pp_rank` is None and parallel_state's pipeline size
+            is not the config's.
         ImportError: `use_transformer_engine` without transformer-engine installed.
     """
-    if vp_stage is not None or pp_rank is not None:
-        raise ValueError(
-            f"vp_stage={vp_stage!r}, pp_rank={pp_rank!r}: pipeline parallelism is not built; "
-            "leave them None."
-        )
     if config.mtp_num_layers is None:
+        return None
+    if pp_rank is None:
+        pp_rank = pipeline_rank(config, None)
+    last_chunk = (config.virtual_pipeline_model_parallel_size or 1) - 1
+    if pp_rank != config.pipeline_model_parallel_size - 1 or vp_stage not in (None, last_chunk):
         return None
     if isinstance(spec, TransformerBlockSubmodules):
         layer_spec = spec.layer_specs[-1]

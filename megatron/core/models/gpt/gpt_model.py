@@ -17,7 +17,10 @@ context-parallel group.
 
 With `config.mtp_num_layers` and an `mtp_block_spec`, multi-token prediction depths
 (`megatron.core.transformer.multi_token_prediction`) follow the decoder; with labels their
-losses join the training gradient, while the returned loss stays the next-token one.
+losses join the training gradient, while the returned loss stays the next-token one. Under
+pipeline parallelism they live on the last stage, with the output layer (as Megatron-core's
+default placement), which then holds the embedding too (the depths embed the shifted tokens):
+a copy of the first stage's, kept equal by `megatron.core.pipeline_parallel.tied_embeddings`.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ class GPTModel(MegatronModule):
             None leaves them. `config.rotary_interleaved` picks the RoPE channel pairing.
         mtp_block_spec: The multi-token prediction depths (`get_gpt_mtp_block_spec(config,
             transformer_layer_spec, use_transformer_engine)`), built as `mtp`; given exactly
-            when `config.mtp_num_layers` is set.
+            when `config.mtp_num_layers` is set and this is the last pipeline stage
+            (`post_process`). That stage then builds the embedding as well.
         parallel_output: Without labels, return this tensor-parallel rank's part of the logits
             ([b, s, V/T]) rather than all-gathering the whole vocabulary; the same at T = 1.
         pg_collection: Process groups: `tp` splits the layers and the vocabulary, `ep` the
@@ -159,7 +163,7 @@ class GPTModel(MegatronModule):
                 f"vocab_size ({vocab_size}) and max_sequence_length ({max_sequence_length}) "
                 "must be >= 1."
             )
-        _check_mtp_arguments(config, mtp_block_spec, pre_process, post_process)
+        _check_mtp_arguments(config, mtp_block_spec, post_process)
         learned = position_embedding_type == "learned_absolute"
         if learned and config.seq_length is not None and config.seq_length > max_sequence_length:
             raise ValueError(
@@ -175,8 +179,10 @@ class GPTModel(MegatronModule):
         self.position_embedding_type = position_embedding_type
         self.parallel_output = parallel_output
         self.input_tensor: torch.Tensor | None = None
+        # Megatron-core's name: this chunk runs the multi-token prediction depths.
+        self.mtp_process = mtp_block_spec is not None
 
-        if pre_process:
+        if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(
                 config,
                 vocab_size,
@@ -227,8 +233,10 @@ class GPTModel(MegatronModule):
             else MultiTokenPredictionBlock(config, mtp_block_spec, pg_collection=pg_collection)
         )
         # The last pipeline stage of a tied model holds its own copy of the word embeddings as
-        # the output layer, kept equal to the first stage's (`pipeline_parallel.tied_embeddings`).
-        if post_process and not (share_embeddings_and_output_weights and pre_process):
+        # the output layer (as the embedding's when it runs the multi-token prediction depths),
+        # kept equal to the first stage's (`pipeline_parallel.tied_embeddings`).
+        has_embedding = pre_process or self.mtp_process
+        if post_process and not (share_embeddings_and_output_weights and has_embedding):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
                 vocab_size,
@@ -253,10 +261,11 @@ class GPTModel(MegatronModule):
         """The weight this stage shares when input and output embeddings are tied (Megatron-LM).
 
         Returns:
-            The word-embedding weight with `pre_process`, else the output-layer weight with
-            `post_process`, else None. With tied embeddings it is the logits' projection too.
+            The word-embedding weight with `pre_process` or the multi-token prediction depths,
+            else the output-layer weight with `post_process`, else None. With tied embeddings
+            it is the logits' projection too.
         """
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -469,24 +478,28 @@ _UNBUILT_FORWARD_ARGUMENTS = (
 def _check_mtp_arguments(
     config: TransformerConfig,
     mtp_block_spec: MultiTokenPredictionBlockSubmodules | ModuleSpec | None,
-    pre_process: bool,
     post_process: bool,
 ) -> None:
-    """Multi-token prediction needs its spec and the config to agree, and the embedding and
-    the output layer in this model (no pipeline stages)."""
-    if (mtp_block_spec is None) != (config.mtp_num_layers is None):
+    """Multi-token prediction needs its spec and the config to agree; the depths share the
+    output layer, so they live on the last pipeline stage (`post_process`) only."""
+    given = mtp_block_spec is not None
+    wanted = config.mtp_num_layers is not None and post_process
+    if given == wanted:
+        return
+    if given and config.mtp_num_layers is not None:
         raise ValueError(
-            f"GPTModel: multi-token prediction with config.mtp_num_layers="
-            f"{config.mtp_num_layers} but mtp_block_spec is "
-            f"{'None' if mtp_block_spec is None else 'given'}: pass mtp_block_spec="
-            "get_gpt_mtp_block_spec(config, transformer_layer_spec, use_transformer_engine) "
-            "exactly when config.mtp_num_layers is set."
+            "GPTModel: mtp_block_spec is given with post_process=False, but the multi-token "
+            "prediction depths share the output layer, so they live on the last pipeline stage: "
+            "pass mtp_block_spec=None on the other stages (get_gpt_mtp_block_spec(config, spec, "
+            "use_transformer_engine, vp_stage=..., pp_rank=...) returns None there)."
         )
-    if mtp_block_spec is not None and not (pre_process and post_process):
-        raise ValueError(
-            "GPTModel: multi-token prediction shares the embedding and the output layer, so it "
-            "needs pre_process and post_process both True; pipeline parallelism is not built."
-        )
+    raise ValueError(
+        f"GPTModel: multi-token prediction with config.mtp_num_layers="
+        f"{config.mtp_num_layers} but mtp_block_spec is "
+        f"{'None' if mtp_block_spec is None else 'given'}: pass mtp_block_spec="
+        "get_gpt_mtp_block_spec(config, transformer_layer_spec, use_transformer_engine) "
+        "exactly when config.mtp_num_layers is set (on the last pipeline stage)."
+    )
 
 
 def _check_yarn_arguments(

@@ -36,11 +36,19 @@ parameter.
 In a transformer layer that trains in FP8 each `ExpertLinear` has FP8 settings (its `fp8`
 attribute, given by the transformer block): its experts' GEMMs then run in FP8, one per expert or
 grouped (`megatron.core.fp8.experts`); the biases and the routing weights stay in high precision.
+
+How the GEMMs run is chosen once (`ExpertGemm`, the experts' `gemm`): a loop of GEMMs, one per
+expert with tokens, sized by the counts read on the host (`SequentialMLP`); one grouped GEMM per
+projection whose group offsets stay on the device, so nothing is read on the host
+(`GroupedMLP`); or FP8 GEMMs sized on the host (set by the transformer block with the FP8
+settings). The input may hold padding rows after the counts' sum (a dispatcher's WORST_CASE
+sizing): their outputs are left unspecified, and their gradients never reach a weight.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -54,6 +62,7 @@ from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import outside_compiled_graphs
 
 if TYPE_CHECKING:
     from megatron.core.fp8.experts import Fp8ExpertSlots
@@ -63,6 +72,19 @@ Projection = Callable[["ExpertLinear", torch.Tensor], torch.Tensor]
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+class ExpertGemm(enum.Enum):
+    """How the experts' GEMMs run (module docstring)."""
+
+    LOOP = "loop"
+    """One GEMM per expert with tokens; the counts are read on the host."""
+    GROUPED = "grouped"
+    """One `torch._grouped_mm` per projection, offsets on the device (on a CPU whose PyTorch
+    lacks it for the dtype: a loop over the experts of GEMMs over all rows, masked to the
+    expert's, which needs no host read either)."""
+    FP8 = "fp8"
+    """FP8 GEMMs, one per expert or grouped (`megatron.core.fp8.experts`); counts on the host."""
 
 
 @contextlib.contextmanager
@@ -81,17 +103,28 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs on `device` in `dtype` (tried once, then cached)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_WORKS:
-        works = _grouped_mm is not None
-        if works:
-            try:
-                a = torch.ones(16, 16, device=device, dtype=dtype)
-                b = torch.ones(1, 16, 16, device=device, dtype=dtype).transpose(1, 2)
-                offsets = torch.tensor([16], device=device, dtype=torch.int32)
-                _grouped_mm(a, b, offs=offsets)
-            except (RuntimeError, NotImplementedError):
-                works = False
-        _GROUPED_MM_WORKS[key] = works
+        _GROUPED_MM_WORKS[key] = _try_grouped_mm(device, dtype)
     return _GROUPED_MM_WORKS[key]
+
+
+@outside_compiled_graphs
+def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    # Run eagerly even inside a compiled layer: traced, it would meet the kernel's meta
+    # function, which is stricter than the CPU kernel.
+    if _grouped_mm is None:
+        return False
+    try:
+        a = torch.ones(16, 16, device=device, dtype=dtype)
+        b = torch.ones(1, 16, 16, device=device, dtype=dtype).transpose(1, 2)
+        _grouped_mm(a, b, offs=torch.tensor([16], device=device, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _with_padding(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` followed by `rows` rows of zeros."""
+    return torch.cat([x, x.new_zeros(rows, *x.shape[1:])]) if rows else x
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -226,10 +259,6 @@ class ExpertLinear(torch.nn.Module):
     def loop(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of `x` grouped by expert (`counts` each) times their expert's weight, one GEMM per
         expert with tokens (bias not added)."""
-        if self.fp8 is not None:
-            return self.fp8.experts_linear(
-                x, self.weight, counts, grouped=False, tp_group=self.tp_group
-            )
         chunks = torch.split(x, counts)
         # With no token at all, one empty GEMM still ties the weight to the graph, so every
         # rank produces a (zero) gradient for it.
@@ -238,21 +267,37 @@ class ExpertLinear(torch.nn.Module):
         outputs = [F.linear(chunks[i], weight[i]) for i in used]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def grouped_fp8(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def fp8_experts(self, x: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
         """The same as `loop` with FP8 settings, as grouped FP8 GEMMs where the kernel runs
-        them (`megatron.core.fp8.experts`)."""
-        return self.fp8.experts_linear(x, self.weight, counts, grouped=True, tp_group=self.tp_group)
+        them and `grouped` asks for them (`megatron.core.fp8.experts`)."""
+        return self.fp8.experts_linear(
+            x, self.weight, counts, grouped=grouped, tp_group=self.tp_group
+        )
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The same as `loop`, as one grouped GEMM (`offsets`: int32 cumulative counts)."""
+        """The same as `loop`, as one grouped GEMM (`offsets`: int32 cumulative counts, on the
+        device; the rows after the last offset are left unspecified)."""
         weight = grad_sum_over_tp(self.weight, self.tp_group)
         return _ContiguousGrad.apply(_grouped_mm(x, weight.transpose(1, 2), offs=offsets))
+
+    def masked(self, x: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """The same as `grouped` where `torch._grouped_mm` does not run: for each expert, a
+        GEMM over all rows of which its own are kept (`expert_of_row`: [rows], the number of
+        local experts for padding rows, which get zeros). Shapes do not depend on the counts,
+        so nothing is read on the host; the work is the experts' number of times the rows'."""
+        weight = grad_sum_over_tp(self.weight, self.tp_group)
+        out = x.new_zeros(x.shape[0], weight.shape[1])
+        for index in range(weight.shape[0]):
+            mine = (expert_of_row == index).unsqueeze(1)
+            out = torch.where(mine, F.linear(x, weight[index]), out)
+        return out
 
     def add_bias(
         self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`x` [rows, out], grouped by expert (`counts`: tokens per expert), plus each row's
-        expert bias, times the row's routing weight when `weights` [rows, 1] is given."""
+        """`x` [rows, out], grouped by expert (`counts`: tokens per expert; rows past their sum
+        are padding, which get no bias), plus each row's expert bias, times the row's routing
+        weight when `weights` [rows, 1] is given."""
         bias = grad_sum_over_tp(self.bias, self.tp_group)
         if self.split_dim == 1 and group_size(self.expt_tp_group) > 1:
             # The outputs are summed over expt_tp, so the bias is added once, on rank 0. The
@@ -261,13 +306,17 @@ class ExpertLinear(torch.nn.Module):
             bias = grad_sum_over_tp(bias, self.expt_tp_group)
             if group_rank(self.expt_tp_group) != 0:
                 return _ZeroGradFor.apply(x, bias)
-        # The known row count spares the device a host sync.
-        rows = bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=x.shape[0])
+        # The padding rows repeat a zero bias; the known row count spares a host read.
+        counts = counts.to(bias.device)
+        counts = torch.cat([counts, (x.shape[0] - counts.sum()).view(1)])
+        bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        rows = bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return x + (rows if weights is None else rows * weights)
 
 
 class SequentialMLP(MegatronModule):
-    """This rank's experts, computed as a loop of GEMMs over the experts that got tokens.
+    """This rank's experts, computed as a loop of GEMMs over the experts that got tokens
+    (`ExpertGemm.LOOP`: the counts are read on the host).
 
     Args:
         num_local_experts: Experts on this rank.
@@ -282,6 +331,9 @@ class SequentialMLP(MegatronModule):
             None: not split.
     """
 
+    GEMM = ExpertGemm.LOOP
+    """The class's way to run the GEMMs in high precision."""
+
     def __init__(
         self,
         num_local_experts: int,
@@ -293,6 +345,9 @@ class SequentialMLP(MegatronModule):
     ):
         super().__init__(config)
         self.num_local_experts = num_local_experts
+        self.gemm = self.GEMM
+        """How the GEMMs run: the class's `GEMM`, or FP8 once the transformer block gives the
+        projections FP8 settings (`enable_fp8`)."""
         ffn = config.moe_ffn_hidden_size
         bias = config.add_bias_linear
         hidden = config.hidden_size
@@ -325,18 +380,26 @@ class SequentialMLP(MegatronModule):
             **groups,
         )
 
+    def enable_fp8(self, fc1: Fp8ExpertSlots, fc2: Fp8ExpertSlots) -> None:
+        """Runs the projections' GEMMs in FP8 with these settings (`ExpertGemm.FP8`)."""
+        self.linear_fc1.fp8, self.linear_fc2.fp8 = fc1, fc2
+        self.gemm = ExpertGemm.FP8
+
     def forward(
         self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor
     ) -> torch.Tensor:
         """Applies each token's expert, scaled by its routing weight.
 
         Args:
-            tokens: [N, hidden], grouped by local expert.
-            tokens_per_expert: [num_local_experts] counts, on the host.
+            tokens: [N, hidden], grouped by local expert; rows past the counts' sum are
+                padding.
+            tokens_per_expert: [num_local_experts] counts, on the host or the device (read on
+                the host by the LOOP and FP8 GEMMs only).
             probs: [N] routing weights.
 
         Returns:
-            [N, hidden]: probs * expert(token) per row, in the tokens' dtype.
+            [N, hidden]: probs * expert(token) per row, in the tokens' dtype (the padding
+            rows' unspecified).
         """
         project = self._projection(tokens, tokens_per_expert)
         intermediate = project(self.linear_fc1, tokens)
@@ -352,26 +415,29 @@ class SequentialMLP(MegatronModule):
 
     def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:
         """How this forward multiplies rows by their experts' weights, decided once for both
-        projections: one GEMM per expert with tokens."""
-        counts = tokens_per_expert.tolist()
-        return lambda linear, x: linear.loop(x, counts)
+        projections by `gemm`."""
+        fp8 = self.gemm is ExpertGemm.FP8
+        assert fp8 == (self.linear_fc1.fp8 is not None), "FP8 settings come by enable_fp8"
+        if self.gemm is ExpertGemm.GROUPED:
+            return self._grouped_projection(tokens, tokens_per_expert)
+        counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8
+        real = sum(counts)
+        padding = tokens.shape[0] - real
+        grouped = self.GEMM is ExpertGemm.GROUPED
 
+        def project(linear: ExpertLinear, x: torch.Tensor) -> torch.Tensor:
+            x = x[:real] if padding else x
+            out = linear.fp8_experts(x, counts, grouped) if fp8 else linear.loop(x, counts)
+            return _with_padding(out, padding)
 
-class GroupedMLP(SequentialMLP):
-    """`SequentialMLP` computed with one grouped GEMM per projection (`moe_grouped_gemm`).
+        return project
 
-    Uses `torch._grouped_mm` (`torch.nn.functional.grouped_mm` where it exists) with the
-    per-expert offsets on the device. On CUDA it must be available for the parameters' dtype
-    (bf16 on Hopper and newer): the forward otherwise raises `RuntimeError`. On CPU,
-    where some PyTorch builds lack it, the layer falls back to `SequentialMLP`'s loop. In FP8
-    the projections run `torch._scaled_grouped_mm` where it applies, and one FP8 GEMM per expert
-    elsewhere (`megatron.core.fp8.experts`).
-    """
-
-    def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:
-        if self.linear_fc1.fp8 is not None:
-            counts = tokens_per_expert.tolist()
-            return lambda linear, x: linear.grouped_fp8(x, counts)
+    def _grouped_projection(
+        self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor
+    ) -> Projection:
+        """One grouped GEMM per projection, or its masked stand-in on a CPU without the kernel
+        (`ExpertGemm.GROUPED`); nothing is read on the host."""
+        counts = tokens_per_expert.to(tokens.device, non_blocking=True)
         if not grouped_mm_available(tokens.device, tokens.dtype):
             if tokens.device.type == "cuda":
                 raise RuntimeError(
@@ -379,10 +445,28 @@ class GroupedMLP(SequentialMLP):
                     f"which PyTorch {torch.__version__} does not provide; use bf16 on Hopper or "
                     "newer, a newer PyTorch, or set moe_grouped_gemm=False."
                 )
-            return super()._projection(tokens, tokens_per_expert)
-        if not tokens.shape[0]:  # the loop's empty GEMM still yields the weights' zero gradient
-            return super()._projection(tokens, tokens_per_expert)
-        offsets = torch.cumsum(tokens_per_expert, 0).to(
-            tokens.device, torch.int32, non_blocking=True
-        )
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+            expert_of_row = torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
+            return lambda linear, x: linear.masked(x, expert_of_row)
+        if not tokens.shape[0]:  # an empty GEMM still ties the weights to the graph
+            return lambda linear, x: linear.loop(x, [0] * self.num_local_experts)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         return lambda linear, x: linear.grouped(x, offsets)
+
+
+class GroupedMLP(SequentialMLP):
+    """`SequentialMLP` computed with one grouped GEMM per projection (`moe_grouped_gemm`,
+    `ExpertGemm.GROUPED`).
+
+    Uses `torch._grouped_mm` (`torch.nn.functional.grouped_mm` where it exists) with the
+    per-expert offsets on the device: nothing is read on the host. On CUDA it must be available
+    for the parameters' dtype (bf16 on Hopper and newer; in other dtypes PyTorch's own fallback
+    reads the offsets on the host): the forward otherwise raises `RuntimeError`. On CPU, where
+    some PyTorch builds lack it (and for float64), each projection runs a loop over the
+    experts of GEMMs over all rows, masked to the expert's rows, which needs no host read
+    either (`ExpertLinear.masked`). In FP8 the projections run `torch._scaled_grouped_mm`
+    where it applies, and one FP8 GEMM per expert elsewhere (`megatron.core.fp8.experts`),
+    sized on the host.
+    """
+
+    GEMM = ExpertGemm.GROUPED

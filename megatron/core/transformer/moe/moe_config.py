@@ -159,6 +159,20 @@ def _check_dispatch(config: TransformerConfig) -> None:
             "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (the capacity to "
             "pad to); set it, or disable the padding."
         )
+    if config.moe_pad_dispatch_to_worst_case:
+        if config.moe_expert_capacity_factor is not None:
+            raise ValueError(
+                "moe_pad_dispatch_to_worst_case pads dropless token exchanges, but "
+                f"moe_expert_capacity_factor is {config.moe_expert_capacity_factor}; drop one "
+                "of them."
+            )
+        if not config.moe_grouped_gemm or config.fp8 is not None:
+            why = f"in FP8 ({config.fp8})" if config.fp8 is not None else "without moe_grouped_gemm"
+            raise ValueError(
+                "moe_pad_dispatch_to_worst_case spares the host read of the token counts, but "
+                f"the experts {why} read them on the host anyway; use moe_grouped_gemm without "
+                "FP8, or drop moe_pad_dispatch_to_worst_case."
+            )
 
 
 def _check_shared_experts(config: TransformerConfig) -> None:

@@ -1,8 +1,10 @@
 """Per-layer MoE metrics (auxiliary losses, ...) recorded in forward and reported once a step.
 
 The routers `record()` each metric's value of a layer during forward; once per training step the
-training loop calls `report()`, which averages them over the data-parallel ranks, takes their
-mean over the MoE layers and clears them for the next step. The tracker is process-wide, as
+training loop calls `report()`, which gathers the layers of every pipeline stage (each records
+its own layers, zeros stand for the others: a sum over the pipeline group, as Megatron-core's),
+averages them over the data-parallel ranks, takes their mean over the MoE layers and clears
+them for the next step. The tracker is process-wide, as
 Megatron-core's is, because the routers are deep inside the model and the training loop holds no
 reference to them.
 """
@@ -31,11 +33,11 @@ class MoEMetricsTracker:
     def record(self, name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
         """Adds `value` (a scalar tensor, detached) to layer `layer_number` (1-based) of `name`.
 
-        A model with another number of layers than the one that recorded `name` before (a new
-        model in the same process) starts the metric afresh.
+        A model with another number of layers, or on another device, than the one that recorded
+        `name` before (a new model in the same process) starts the metric afresh.
         """
         values = self._metrics.get(name)
-        if values is None or values.numel() != num_layers:
+        if values is None or values.numel() != num_layers or values.device != value.device:
             values = self._metrics[name] = torch.zeros(num_layers, device=value.device)
         values[layer_number - 1] += value.detach().float()
 
@@ -52,11 +54,12 @@ class MoEMetricsTracker:
         loss_scale: float,
         device: torch.device | None = None,
     ) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """Averages `names` over the data-parallel ranks, then clears every metric.
+        """Gathers `names` over the pipeline stages and averages them over the data-parallel
+        ranks, then clears every metric.
 
-        Every rank must call it with the same `names` (it all-reduces once), once per training
-        step, as Megatron-core's training loop does. A metric a rank did not record counts as
-        zeros there.
+        Every rank must call it with the same `names` (it all-reduces once, twice with pipeline
+        stages), once per training step, as Megatron-core's training loop does. A metric a rank
+        did not record counts as zeros there.
 
         Args:
             names: The metrics to report.
@@ -79,6 +82,7 @@ class MoEMetricsTracker:
                 for name in names
             ]
         )
+        self._sum_over_pipeline_stages(stacked)
         self._average_over_data_parallel_ranks(stacked)
         stacked *= loss_scale
         means = stacked.sum(dim=1, keepdim=True) / num_moe_layers
@@ -88,6 +92,14 @@ class MoEMetricsTracker:
             {name: row[0] for name, row in zip(names, rows)},
             {name: row[1:] for name, row in zip(names, rows)},
         )
+
+    @staticmethod
+    def _sum_over_pipeline_stages(values: torch.Tensor) -> None:
+        """Each layer's values from the stage that holds it, on every stage, in place."""
+        if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+            return
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
 
     @staticmethod
     def _average_over_data_parallel_ranks(values: torch.Tensor) -> None:

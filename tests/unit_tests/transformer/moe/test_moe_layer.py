@@ -15,6 +15,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import (
+    DispatchSizing,
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
@@ -154,53 +155,67 @@ def test_moe_layer_matches_reference(ep):
     run_distributed(_moe_layer_matches_reference, WORLD, ep)
 
 
-def _skewed_routing(rank: int) -> torch.Tensor:
-    """Uneven routing: expert 0 popular, expert 7 never chosen, token 0 dropped."""
+def _skewed_routing(rank: int, drop_first: bool = True) -> torch.Tensor:
+    """Uneven routing: expert 0 popular, expert 7 never chosen, token 0 dropped (unless not
+    `drop_first`: then every token has its top-k, as dropless routing gives)."""
     generator = torch.Generator().manual_seed(rank)
     logits = torch.randn(SEQ * BATCH, EXPERTS, generator=generator)
     logits[:, 0] += 2.0
     logits[:, EXPERTS - 1] -= 100.0
     indices = logits.topk(TOPK, dim=-1).indices
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
-    routing_map[0] = False
+    if drop_first:
+        routing_map[0] = False
     return routing_map.to(current_device())
 
 
 def _dispatch_round_trip(ep: int, etp: int, kind: str) -> None:
+    """HOST sizing with a dropped token (capacity's case), then the dropless sizing without a
+    host read (FIXED with one rank, else WORST_CASE, whose padding rows must not be read)."""
     rank = dist.get_rank()
     parallel_state.initialize_model_parallel(
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
     config = _config(ep, moe_token_dispatcher_type=kind, expert_tensor_parallel_size=etp)
-    dispatcher = DISPATCHERS[kind](
-        config,
-        parallel_state.get_expert_model_parallel_group(),
-        parallel_state.get_expert_tensor_parallel_group(),
-        parallel_state.get_expert_tensor_and_model_parallel_group(),
-    )
-    hidden = _data(rank, 0).requires_grad_()
-    routing_map = _skewed_routing(rank)
-    tokens, tokens_per_expert, probs = dispatcher.dispatch(
-        hidden, routing_map.to(hidden.dtype), routing_map
-    )
-    group_maps = [_skewed_routing(source) for source in parallel_state.get_group_ranks("tp_ep")]
-    first = dispatcher.first_expert
-    routed = torch.stack(group_maps).sum(dim=(0, 1))[first : first + dispatcher.num_local_experts]
-    assert tokens_per_expert.tolist() == routed.tolist()
-    assert probs.eq(1).all()
-    # A stand-in expert e multiplies by e + 1, so a token sent to the wrong expert shows; each of
-    # the etp ranks holding a part of it gives 1 / etp of that (exact for etp 2), which combine
-    # sums.
-    chunks = torch.split(tokens, tokens_per_expert.tolist())
-    output = dispatcher.combine(
-        torch.cat([chunk * ((first + i + 1) / etp) for i, chunk in enumerate(chunks)])
-    )
-    factor = routing_map.to(hidden.dtype) @ torch.arange(1.0, EXPERTS + 1, device=hidden.device)
-    expected = hidden.detach() * factor.view(SEQ, BATCH, 1)
-    torch.testing.assert_close(output, expected)
-    assert output[0, 0].eq(0).all()  # the dropped token
-    output.sum().backward()
-    torch.testing.assert_close(hidden.grad, factor.view(SEQ, BATCH, 1).expand_as(hidden))
+    dropless = DispatchSizing.FIXED if ep * etp == 1 else DispatchSizing.WORST_CASE
+    for sizing, drop_first in ((DispatchSizing.HOST, True), (dropless, False)):
+        dispatcher = DISPATCHERS[kind](
+            config,
+            parallel_state.get_expert_model_parallel_group(),
+            parallel_state.get_expert_tensor_parallel_group(),
+            parallel_state.get_expert_tensor_and_model_parallel_group(),
+            sizing=sizing,
+        )
+        hidden = _data(rank, 0).requires_grad_()
+        routing_map = _skewed_routing(rank, drop_first)
+        tokens, tokens_per_expert, probs = dispatcher.dispatch(
+            hidden, routing_map.to(hidden.dtype), routing_map
+        )
+        tp_ep = parallel_state.get_group_ranks("tp_ep")
+        group_maps = [_skewed_routing(source, drop_first) for source in tp_ep]
+        first = dispatcher.first_expert
+        local = slice(first, first + dispatcher.num_local_experts)
+        routed = torch.stack(group_maps).sum(dim=(0, 1))[local]
+        assert tokens_per_expert.tolist() == routed.tolist()
+        host = sizing is DispatchSizing.HOST
+        assert tokens_per_expert.device == (torch.device("cpu") if host else hidden.device)
+        real = int(routed.sum())
+        assert probs[:real].eq(1).all()
+        # A stand-in expert e multiplies by e + 1, so a token sent to the wrong expert shows; each
+        # of the etp ranks holding a part of it gives 1 / etp of that (exact for etp 2), which
+        # combine sums. Padding rows give NaN, which must reach no token.
+        chunks = torch.split(tokens[:real], tokens_per_expert.tolist())
+        padding = tokens[real:] * float("nan")
+        scaled = [chunk * ((first + i + 1) / etp) for i, chunk in enumerate(chunks)]
+        output = dispatcher.combine(torch.cat([*scaled, padding]))
+        numbers = torch.arange(1.0, EXPERTS + 1, device=hidden.device)
+        factor = routing_map.to(hidden.dtype) @ numbers
+        expected = hidden.detach() * factor.view(SEQ, BATCH, 1)
+        torch.testing.assert_close(output, expected)
+        if drop_first:
+            assert output[0, 0].eq(0).all()  # the dropped token
+        output.sum().backward()
+        torch.testing.assert_close(hidden.grad, factor.view(SEQ, BATCH, 1).expand_as(hidden))
 
 
 @pytest.mark.parametrize("kind", ["allgather", "alltoall"])
