@@ -7,7 +7,11 @@ layer_range`). The last stage's copies of the first stage's embeddings (`tied_em
 embedding_copies`: the tied word embeddings as its `output_layer.weight`, or the embedding the
 multi-token prediction depths use) are the whole model's `embedding.word_embeddings.weight`
 (and `embedding.position_embeddings.weight`): the first stage holds the originals, which a
-checkpoint saves; the copies load from them. With one stage every name is its own.
+checkpoint saves; the copies load from them. The FP8 delayed-scaling state of a decoder that
+holds part of the layers (`decoder.fp8_state._extra_state`: the amax histories and scales of
+its FP8 layers, one state per chunk) is `decoder.fp8_state.layers_<start>_<stop>._extra_state`,
+the chunk's layers [start, stop): each chunk's loads back at the same split, and a chunk of
+another split finds none and starts its histories afresh. With one stage every name is its own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ EMBEDDING_NAMES = ("embedding.word_embeddings.weight", "embedding.position_embed
 `embedding_copies`."""
 
 _LAYER = re.compile(r"(decoder\.layers\.)(\d+)(\..*)")
+_FP8_STATE = "decoder.fp8_state._extra_state"
 
 
 def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -53,12 +58,20 @@ def global_names(chunk: torch.nn.Module, names: Iterable[str]) -> dict[str, str]
         match = _LAYER.fullmatch(name)
         if name in copies:
             whole[name] = copies[name]
+        elif name == _FP8_STATE and decoder is not None and _holds_part(decoder):
+            layers = decoder.layer_range
+            whole[name] = f"decoder.fp8_state.layers_{layers.start}_{layers.stop}._extra_state"
         elif match is None or decoder is None:
             whole[name] = name
         else:
             layer = decoder.layers[int(match.group(2))]
             whole[name] = f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
     return whole
+
+
+def _holds_part(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder holds part of the model's layers (a pipeline chunk's)."""
+    return len(decoder.layer_range) != decoder.config.num_layers
 
 
 def global_name(chunk: torch.nn.Module, name: str) -> str:

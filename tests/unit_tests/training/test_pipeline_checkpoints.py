@@ -116,3 +116,19 @@ def test_multi_token_prediction_checkpoints_load_across_pipeline_sizes(tmp_path)
     assert resumed.start_iteration == 1
     _assert_trains_as(resumed, resumed_part(straight, 1))
     assert _contents(one, 2) == _contents(stages, 2)
+
+
+FP8_DELAYED = "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max".split()
+"""FP8 with delayed scaling (in fp32): each stage's amax histories and scales are state."""
+
+
+def test_fp8_state_of_each_stage_resumes(tmp_path):
+    """Each stage saves its own FP8 delayed-scaling state (named by its layers), so a run at PP 2
+    resumed from its checkpoint of iteration 2 is bitwise the uninterrupted run (one state name
+    for both stages: one stage would resume with the other's scales)."""
+    root = str(tmp_path)
+    flags = [*RUN, *PP2, *ZERO3, *FP8_DELAYED]
+    straight = run_distributed(main, 2, [*flags, "--save", root, "--save-interval", "2"])[0]
+    resumed = run_distributed(main, 2, [*flags, "--load", root, "--ckpt-step", "2"])[0]
+    assert resumed.start_iteration == 2
+    assert_histories_equal(resumed, resumed_part(straight, 2))
