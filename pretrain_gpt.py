@@ -44,10 +44,13 @@ from megatron.training.training import TrainingHistory, pretrain
 from megatron.training.utils import get_device, print_rank_0
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+def model_provider(
+    pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
+) -> GPTModel:
     """The GPT the flags describe, on the current default device (with `--num-experts`, the
     block spec makes the MoE layers `--moe-layer-freq` selects; with `--mtp-num-layers`, the
-    multi-token prediction depths follow the decoder)."""
+    multi-token prediction depths follow the decoder); with pipeline stages the part of this
+    rank's stage (and with virtual stages, of its chunk `vp_stage`)."""
     args = get_args()
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
@@ -67,6 +70,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         mtp_block_spec=get_gpt_mtp_block_spec(config, decoder_spec, use_transformer_engine=use_te),
+        vp_stage=vp_stage,
     )
 
 

@@ -181,7 +181,8 @@ def main() -> None:
         # non-tensor values (the FP8 delayed-scaling state) are no parameters.
         params = sum(
             value.numel()
-            for value in model.state_dict().values()
+            for chunk in model
+            for value in chunk.state_dict().values()
             if isinstance(value, torch.Tensor)
         )
         config = {

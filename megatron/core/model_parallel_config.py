@@ -34,6 +34,11 @@ class ModelParallelConfig:
             for the interleaved schedule; None: one.
         microbatch_group_size_per_vp_stage: Microbatches the interleaved schedule runs through
             one virtual stage before the next; None: the pipeline size (Megatron-LM's default).
+        overlap_p2p_comm: The interleaved schedule overlaps its transfers between stages with
+            its passes (a rank waits for a received tensor only when a pass needs it, for its
+            sends at the end of the iteration); results are the same. Megatron-core's name
+            and default (the training flags turn it on with virtual stages, as Megatron-LM's
+            `--no-overlap-p2p-communication` default); the 1F1B schedule does not read it.
         context_parallel_size: Degree of sequence splitting across ranks. The process groups
             may use it; attention itself does not implement it yet.
         sequence_parallel: Megatron sequence parallelism: outside the tensor-parallel GEMMs
@@ -66,6 +71,7 @@ class ModelParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     microbatch_group_size_per_vp_stage: int | None = None
+    overlap_p2p_comm: bool = False
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32

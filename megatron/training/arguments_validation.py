@@ -44,7 +44,7 @@ from megatron.training.flag_groups.mla import validate_mla
 from megatron.training.flag_groups.moe import validate_moe
 from megatron.training.flag_groups.network import validate_network_options
 from megatron.training.flag_groups.optimization import validate_lr_schedule
-from megatron.training.flag_groups.pipeline import validate_pipeline
+from megatron.training.flag_groups.pipeline import validate_interleaving, validate_pipeline
 from megatron.training.flag_groups.precision import validate_precision
 from megatron.training.flag_groups.profiling import validate_profiling
 from megatron.training.flag_groups.training import validate_training_operations
@@ -599,6 +599,7 @@ _DERIVING_CHECKS: tuple[tuple[Callable[[argparse.Namespace], None], str, tuple[s
     (validate_transformer_options, "transformer", ("model",)),
     (validate_batch_schedule, "batch schedule", ("parallelism",)),
     (_validate_batch, "batch", ("batch schedule",)),
+    (validate_interleaving, "interleaving", ("pipeline", "batch")),
     # Compares float flags: a value out of range would be reported again, as out of bounds.
     (
         _validate_weight_decay_and_lr_bounds,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -96,13 +96,20 @@ def loading_strictness(value: str) -> StrictHandling:
 
 
 def check_model_tensors(
-    model_state: dict[str, Any],
+    model_shapes: Mapping[str, torch.Size],
     saved: dict[tuple[str, ...], tuple],
     path: str,
     strictness: StrictHandling,
 ) -> tuple[set[str], set[str]]:
     """Compares the model's tensors with the checkpoint's: shapes must agree, and tensors only one
     of them has are raised on, logged or passed over as `strictness` says.
+
+    Args:
+        model_shapes: each tensor of the whole model (every pipeline stage's) -> its shape.
+        saved: each tensor of the checkpoint's model, by its path below "model" -> (shape,
+            dtype).
+        path: the checkpoint's directory, for the messages.
+        strictness: what to do about tensors only one side has.
 
     Returns:
         The model's tensors the checkpoint lacks and the checkpoint's the model lacks, where
@@ -112,11 +119,7 @@ def check_model_tensors(
         CheckpointError: a tensor of another shape (or another number of experts), or tensors
             only one side has that `strictness` does not tolerate.
     """
-    expected = {
-        name: tensor.shape
-        for name, tensor in model_state.items()
-        if isinstance(tensor, torch.Tensor)
-    }
+    expected = dict(model_shapes)
     shapes = {names[0]: size for names, (size, _) in saved.items()}
     reshaped = [
         f"{name}: saved {list(shapes[name])}, model {list(shape)}"

@@ -12,7 +12,9 @@ initial state, and an entry this model lacks is not read either. Both
 `--ckpt-format`s, `fsdp_dtensor` (Megatron-FSDP's) and `torch_dist`, are this layout. Loading
 asks torch.distributed.checkpoint for this rank's shards of the tensors of the model and
 optimizer it has now, so a checkpoint loads at another data-parallel size or sharding strategy
-(DCP reads the overlapping parts of the saved shards).
+(DCP reads the overlapping parts of the saved shards). Under pipeline parallelism each rank
+saves its stage's tensors under the whole model's names (`checkpoint_stages`), so the
+checkpoint is the one a run without stages writes, and loads at any pipeline size.
 
 A save is atomic: every rank writes into `iter_N.tmp`, which rank 0 renames `iter_N` once all
 have finished and it has checked that every rank's files are there, before it replaces the
@@ -54,6 +56,7 @@ from megatron.core.distributed.tensor_parallel_params import (
 )
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ScheduleMismatchError
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
 from megatron.training.checkpoint_checksums import (
     ChecksumWriter,
     FileChecksum,
@@ -88,6 +91,15 @@ from megatron.training.checkpoint_layout import (
 )
 from megatron.training.checkpoint_lock import hold_save_lock
 from megatron.training.checkpoint_rng import rng_state, set_rng_state
+from megatron.training.checkpoint_stages import (
+    load_stage_state,
+    merge_param_groups,
+    raise_on_every_rank,
+    saved_optimizer_tensors_here,
+    stage_state,
+    whole_model_shapes,
+    without_copies,
+)
 from megatron.training.checkpoint_strictness import check_model_tensors, loading_strictness
 from megatron.training.flag_groups.moe import resolved_moe_args
 from megatron.training.flag_groups.optimization import describe_schedule_mismatch
@@ -192,7 +204,7 @@ _FLAG_NAMES = {
 
 def save_checkpoint(
     iteration: int,
-    model: torch.nn.Module,
+    model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
@@ -203,7 +215,8 @@ def save_checkpoint(
 
     Args:
         iteration: the iterations done.
-        model: the wrapped model (its `state_dict()` is the unwrapped module's).
+        model: the wrapped model (its `state_dict()` is the unwrapped module's), or the list
+            of this rank's model chunks (virtual pipeline stages).
         optimizer: its `sharded_state_dict()` is saved.
         scheduler: the learning-rate and weight-decay schedule.
         args: `save`, `ckpt_format`, `consumed_train_samples`, `consumed_valid_samples`, and
@@ -219,7 +232,7 @@ def save_checkpoint(
 
 def _save(
     iteration: int,
-    model: torch.nn.Module,
+    model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
@@ -242,16 +255,18 @@ def _save(
         os.makedirs(staging)
 
     _on_rank_0(prepare, f"creating {staging}")
-    optimizer_state = optimizer.sharded_state_dict()
+    model_state = stage_state(model)
+    optimizer_state = without_copies(optimizer.sharded_state_dict(), model_state.copies)
     param_groups = optimizer_state.pop("param_groups")
     writer = ChecksumWriter(staging) if checksums else FileSystemWriter(staging)
-    state = {"model": model.state_dict(), "optimizer": optimizer_state}
+    state = {"model": model_state.saved(), "optimizer": optimizer_state}
     stride_free_for_checkpoint(state)
     dcp.save(state, storage_writer=writer)
-    # Per rank: its RNG states, and the checksums of the files it wrote.
+    # Per rank: its RNG states, the checksums of the files it wrote, and its optimizer's
+    # parameter groups (a pipeline stage's hold its part of the model).
     per_rank: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     written = writer.checksums if checksums else {}
-    dist.gather_object((rng_state(), written), per_rank, dst=0)
+    dist.gather_object((rng_state(), written, param_groups), per_rank, dst=0)
     files: dict[str, FileChecksum] = {}
 
     def write_common() -> None:
@@ -262,10 +277,10 @@ def _save(
             consumed_valid_samples=args.consumed_valid_samples,
             args=vars(args).copy(),
             opt_param_scheduler=scheduler.state_dict(),
-            param_groups=param_groups,
-            rng_state=[states for states, _ in per_rank],
+            param_groups=merge_param_groups([groups for _, _, groups in per_rank]),
+            rng_state=[states for states, _, _ in per_rank],
         )
-        for _, rank_files in per_rank:
+        for _, rank_files, _ in per_rank:
             files.update(rank_files)
         files[COMMON_FILENAME] = save_with_checksum(common, os.path.join(staging, COMMON_FILENAME))
 
@@ -294,7 +309,7 @@ def _save(
 
 
 def load_checkpoint(
-    model: torch.nn.Module,
+    model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
@@ -313,7 +328,8 @@ def load_checkpoint(
     `args.exit_on_missing_checkpoint`.
 
     Args:
-        model: the wrapped model the weights load into.
+        model: the wrapped model the weights load into, or the list of this rank's model
+            chunks.
         optimizer: loads the optimizer state (unless finetuning or `no_load_optim`).
         scheduler: loads the learning-rate and weight-decay schedule (likewise).
         args: the flags above, and those `_check_arguments` compares.
@@ -357,9 +373,13 @@ def load_checkpoint(
         )
     _check_arguments(common, path, args)
     saved = _saved_tensors(metadata)
-    model_state = model.state_dict()
+    stage = stage_state(model)
+    model_state = stage.values
     strictness = loading_strictness(args.dist_ckpt_strictness)
-    absent, extra = check_model_tensors(model_state, saved.get("model", {}), path, strictness)
+    whole_shapes = whole_model_shapes(stage, model_chunks(model)[0].config)
+    absent, extra = check_model_tensors(whole_shapes, saved.get("model", {}), path, strictness)
+    # Tensors of the whole model that other pipeline stages hold.
+    elsewhere = whole_shapes.keys() - model_state.keys()
     _leave_out_unsaved_objects(model_state, metadata)
 
     load_optimizer = not (finetune or args.no_load_optim)
@@ -385,20 +405,26 @@ def load_checkpoint(
                 f"{path} holds no optimizer state (it was written from model weights only); "
                 "pass --no-load-optim or --finetune to load just the weights."
             )
+        mismatch: CheckpointError | None = None
         try:  # every check before the first tensor is read: a misfit leaves the model as is
             # The groups first: the schedule's check compares their bounds group by group.
+            groups = optimizer.stage_param_groups(groups, elsewhere)
             optimizer.check_param_groups(groups)
             scheduler.check_state_dict(common["opt_param_scheduler"], groups)
             state["optimizer"] = optimizer.sharded_state_dict_for_loading(
-                saved.get("optimizer", {})
+                saved_optimizer_tensors_here(saved.get("optimizer", {}), elsewhere)
             )
         except ScheduleMismatchError as error:
-            raise CheckpointError(
+            mismatch = CheckpointError(
                 f"{path} was saved with another learning-rate schedule: "
                 f"{describe_schedule_mismatch(error, common.get('args') or {}, args)}"
-            ) from error
+            )
+            mismatch.__cause__ = error
         except ValueError as error:
-            raise CheckpointError(f"{path}: {error}") from error
+            mismatch = CheckpointError(f"{path}: {error}")
+            mismatch.__cause__ = error
+        # Each rank checked its own part of the optimizer (a pipeline stage's).
+        raise_on_every_rank(mismatch)
     swaps = stride_free_for_checkpoint(state, values=False)
     dcp.load(state, storage_reader=FileSystemReader(path))
     restore_after_load(swaps)
@@ -406,7 +432,7 @@ def load_checkpoint(
         # DCP fills tensors in place but replaces non-tensor entries (extra states) in
         # `state`; the tensors the checkpoint lacks come from `model_state`, as they were.
         # Marks Megatron-FSDP's compute weights stale.
-        model.load_state_dict({**model_state, **state["model"]})
+        load_stage_state(model, stage, {**model_state, **state["model"]})
     except ValueError as error:
         # A module's extra state that does not fit it (an FP8 delayed-scaling state with
         # another number of slots). The tensor check above refuses another model before

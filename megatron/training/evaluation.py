@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from megatron.core import parallel_state
-from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.training.loss_reduction import from_last_stage, loss_values, reduce_loss_dicts
 from megatron.training.profiling import empty_unused_memory
@@ -20,7 +20,7 @@ from megatron.training.training_log import TrainingLog
 def evaluate(
     forward_step_func: ForwardStepFunc,
     data_iterator: DataIterator,
-    model: _BaseDataParallel,
+    model: Model,
     args: argparse.Namespace,
 ) -> dict[str, float]:
     """The reported losses over `--eval-iters` global batches, in eval mode (no dropout).
@@ -28,7 +28,8 @@ def evaluate(
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
         data_iterator: this rank's micro-batches of the split.
-        model: the wrapped model; back in train mode on return.
+        model: the wrapped model, or the list of this rank's wrapped model chunks; back in
+            train mode on return.
         args: validated arguments (`eval_iters`, `num_microbatches`).
 
     Returns:
@@ -36,7 +37,9 @@ def evaluate(
         averaged, a `[sum, count]` pair pooled (the sum of the sums over the sum of the
         counts, as Megatron-LM).
     """
-    model.eval()
+    chunks = model_chunks(model)
+    for chunk in chunks:
+        chunk.eval()
     total = None
     for _ in range(args.eval_iters):
         # Plain forwards: outside microbatch() each one refreshes stale weights on its own.
@@ -55,7 +58,8 @@ def evaluate(
             continue
         reduced, layout = reduce_loss_dicts(loss_dicts)
         total = reduced if total is None else total + reduced
-    model.train()
+    for chunk in chunks:
+        chunk.train()
     # As Megatron-LM: whatever evaluation recorded stays out of the next step's report.
     get_moe_metrics_tracker().clear()
     # None: --eval-iters 0, or a pipeline stage without the loss (the last stage's follow).
@@ -67,7 +71,7 @@ def evaluate(
 def evaluate_and_print_results(
     forward_step_func: ForwardStepFunc,
     data_iterator: DataIterator,
-    model: _BaseDataParallel,
+    model: Model,
     args: argparse.Namespace,
     log: TrainingLog,
     *,

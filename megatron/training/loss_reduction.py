@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
 from megatron.training.utils import average_losses_across_data_parallel_group
 
 LossLayout = list[tuple[str, int]]
@@ -76,24 +76,61 @@ def from_last_stage(values: dict[str, float] | None) -> dict[str, float]:
     return holder[0]
 
 
-def divide_gradients_by_tokens(model: _BaseDataParallel, num_tokens: torch.Tensor | None) -> None:
+def divide_gradients_by_tokens(model: Model, num_tokens: torch.Tensor | None) -> None:
     """`--calculate-per-token-loss`: the reduced gradients (the data-parallel sum of each rank's
     summed losses' gradients: `model.sums_grads`) become the gradient of the global batch's loss
-    per token."""
-    if num_tokens is None:
-        raise RuntimeError(
-            "--calculate-per-token-loss needs the loss function to return (loss, num_tokens, "
-            "report), the loss summed over num_tokens tokens; drop the flag or return the count."
-        )
-    if not model.sums_grads:
+    per token.
+
+    Args:
+        model: the wrapped model, or the list of this rank's model chunks.
+        num_tokens: this rank's token count of the iteration. Under pipeline parallelism only
+            the last stage, which computes the loss, has one: it is broadcast to the other
+            stages, so that every stage divides its gradients by the same count.
+
+    Raises:
+        RuntimeError: the loss function returned no token count (on every stage).
+        ValueError: the engine averages the gradients instead of summing them.
+    """
+    chunks = model_chunks(model)
+    if not all(chunk.sums_grads for chunk in chunks):
         raise ValueError(
             "--calculate-per-token-loss, but the wrapped model's config has "
             "calculate_per_token_loss=False, so its engine averages the gradients instead of "
             "summing them: build the model's TransformerConfig with the flag (core_transformer_"
             "config_from_args does)."
         )
+    total = _tokens_of_the_last_stage(num_tokens, next(chunks[0].parameters()).device)
+    if total is None:
+        raise RuntimeError(
+            "--calculate-per-token-loss needs the loss function to return (loss, num_tokens, "
+            "report), the loss summed over num_tokens tokens; drop the flag or return the count."
+        )
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    total = num_tokens.detach().float().clone()
     dist.all_reduce(total, group=group)
     # A device tensor: no host synchronisation.
-    model.scale_gradients(1.0 / total.clamp(min=1.0))
+    for chunk in chunks:
+        chunk.scale_gradients(1.0 / total.clamp(min=1.0))
+
+
+def _tokens_of_the_last_stage(
+    num_tokens: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """A float copy of the last pipeline stage's `num_tokens` on every stage (this rank's with
+    one stage); None where the loss function returned no count. With several stages the count
+    is broadcast over the pipeline group, -1 standing for none, which every stage reads on the
+    host to raise alike (full-iteration CUDA graphs, which a host read would break, do not
+    compose with stages)."""
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_pipeline_model_parallel_world_size() == 1
+    ):
+        return None if num_tokens is None else num_tokens.detach().float().clone()
+    if parallel_state.is_pipeline_last_stage():
+        missing = num_tokens is None
+        count = torch.full((), -1.0, device=device) if missing else num_tokens.detach().float()
+    else:
+        count = torch.zeros((), device=device)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    count = count.clone()
+    dist.broadcast(count, src=dist.get_global_rank(group, group.size() - 1), group=group)
+    return None if count.item() < 0 else count

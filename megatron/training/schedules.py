@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.pipeline_parallel.microbatch_loss import accumulation_scope, microbatch_loss
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
 from megatron.core.tensor_parallel.utils import group_size
 
 DataIterator = Iterator[dict[str, torch.Tensor]]
@@ -34,7 +34,7 @@ ForwardStepFunc = Callable[[DataIterator, torch.nn.Module], tuple[torch.Tensor, 
 def forward_backward(
     forward_step_func: ForwardStepFunc,
     data_iterator: DataIterator,
-    model: _BaseDataParallel,
+    model: Model,
     num_microbatches: int,
     forward_only: bool = False,
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -45,12 +45,13 @@ def forward_backward(
 ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
     """Runs every microbatch of one iteration: Megatron-LM's no-pipelining schedule, or with
     several pipeline stages (parallel_state's) the 1F1B schedule of
-    `megatron.core.pipeline_parallel.schedules`, which reports losses on the last stage only.
+    `megatron.core.pipeline_parallel.schedules`, interleaved with several model chunks
+    (virtual stages), which reports losses on the last stage only.
 
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
         data_iterator: this rank's micro-batches.
-        model: the wrapped model.
+        model: the wrapped model, or the list of this rank's wrapped model chunks.
         num_microbatches: microbatches of the iteration (gradient-accumulation steps).
         forward_only: no backward and no gradient-accumulation scopes (evaluation).
         scale_loss: multiplies each loss before backward (fp16's loss scale:
@@ -75,8 +76,9 @@ def forward_backward(
     Raises:
         ValueError: `cp_group`'s size is not the model's `context_parallel_size`.
     """
+    chunks = model_chunks(model)
     cp_size = group_size(cp_group)
-    config = getattr(model, "config", None)  # a model without one splits no sequences
+    config = getattr(chunks[0], "config", None)  # a model without one splits no sequences
     expected = 1 if config is None else config.context_parallel_size
     if cp_size != expected:
         raise ValueError(
@@ -85,10 +87,11 @@ def forward_backward(
             "over."
         )
     if config is not None and config.pipeline_model_parallel_size > 1:
-        return get_forward_backward_func()(
+        virtual = len(chunks) if len(chunks) > 1 else None
+        return get_forward_backward_func(config.pipeline_model_parallel_size, virtual)(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
-            model=model,
+            model=chunks if virtual else chunks[0],
             num_microbatches=num_microbatches,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
@@ -97,6 +100,12 @@ def forward_backward(
             calculate_per_token_loss=calculate_per_token_loss,
             cp_group=cp_group,
         )
+    if len(chunks) > 1:
+        raise ValueError(
+            f"forward_backward got {len(chunks)} model chunks without pipeline stages: virtual "
+            "stages need the model's pipeline_model_parallel_size > 1."
+        )
+    (model,) = chunks
     loss_dicts = []
     num_tokens = None
     for index in range(num_microbatches):

@@ -60,6 +60,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
 from megatron.core.pipeline_parallel.tied_embeddings import (
     allreduce_tied_embedding_grads,
     broadcast_tied_embeddings,
@@ -189,7 +190,7 @@ def pretrain(
         )
         train_iterator, valid_iterator, test_iterator = data_iterators
         with (
-            contextlib.closing(TrainingLog(args, model.config, get_device())) as log,
+            contextlib.closing(TrainingLog(args, model[0].config, get_device())) as log,
             TrainingOperations(args) as operations,
         ):
             with ExitConditions(args, start_time) as exits:
@@ -255,18 +256,21 @@ def _teardown(
 
 def get_model(
     model_provider: ModelProvider, model_type: ModelType, args: argparse.Namespace
-) -> _BaseDataParallel:
-    """Builds the model and wraps it with the data-parallel engine the flags select.
+) -> list[_BaseDataParallel]:
+    """Builds this rank's model chunks and wraps each with the data-parallel engine the flags
+    select (Megatron-LM's `get_model`).
 
     Args:
         model_provider: `model_provider(pre_process=..., post_process=...)` builds the
             unwrapped model (this pipeline stage's: the embedding on the first, the output
-            layer on the last) on the current default device.
+            layer on the last) on the current default device; with virtual pipeline stages it
+            is called once per chunk with `vp_stage=` the chunk's index as well.
         model_type: must be `ModelType.encoder_or_decoder`.
         args: validated arguments (engine, sharding strategy, meta-device initialisation).
 
     Returns:
-        The model wrapped by `FullyShardedDataParallel` or `DistributedDataParallel`.
+        The chunks, in virtual-stage order (one without virtual stages), each wrapped by
+        `FullyShardedDataParallel` or `DistributedDataParallel`.
 
     Raises:
         ValueError: `model_type` is not `ModelType.encoder_or_decoder`.
@@ -278,14 +282,31 @@ def get_model(
         )
     # On meta, no rank holds the whole model: Megatron-FSDP materialises each rank's shards.
     device = torch.device("meta") if args.init_model_with_meta_device else get_device()
+    virtual = args.virtual_pipeline_model_parallel_size
     with device:
-        module = model_provider(
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-        )
+        if virtual is None:
+            modules = [
+                model_provider(
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
+                )
+            ]
+        else:
+            modules = [
+                model_provider(
+                    pre_process=parallel_state.is_pipeline_first_stage(
+                        ignore_virtual=False, vp_stage=stage
+                    ),
+                    post_process=parallel_state.is_pipeline_last_stage(
+                        ignore_virtual=False, vp_stage=stage, vp_size=virtual
+                    ),
+                    vp_stage=stage,
+                )
+                for stage in range(virtual)
+            ]
     # The last stage's copy of tied embeddings starts as the first stage's.
-    broadcast_tied_embeddings([module], parallel_state.get_embedding_group())
-    num_parameters = _num_parameters(module)
+    broadcast_tied_embeddings(modules, parallel_state.get_embedding_group())
+    num_parameters = sum(_num_parameters(module) for module in modules)
     # As Megatron-LM: with tensor parallelism, rank 0 holds (and reports) its share only.
     where = f" on tensor-parallel rank 0 of {args.tensor_model_parallel_size}"
     print_rank_0(
@@ -296,23 +317,28 @@ def get_model(
     ddp_config = get_megatron_ddp_config(args)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     wrapper = data_parallel_class(ddp_config)
-    model = wrapper(module.config, ddp_config, module, pg_collection=pg_collection)
-    if isinstance(model, DistributedDataParallel):
-        # Equal seeds give equal weights already; this guards against a provider that draws
-        # random numbers differently on some rank (Megatron-LM broadcasts too).
-        model.broadcast_params()
+    model = [
+        wrapper(module.config, ddp_config, module, pg_collection=pg_collection)
+        for module in modules
+    ]
+    for chunk in model:
+        if isinstance(chunk, DistributedDataParallel):
+            # Equal seeds give equal weights already; this guards against a provider that draws
+            # random numbers differently on some rank (Megatron-LM broadcasts too).
+            chunk.broadcast_params()
     engine = (
         f"Megatron-FSDP ({args.data_parallel_sharding_strategy}"
-        f"{accumulation_memory_note(model, args)}{unit_memory_note(model, args)})"
+        f"{accumulation_memory_note(model[0], args)}{unit_memory_note(model[0], args)})"
         if args.use_megatron_fsdp
         else "the DDP engine"
     )
+    chunks = f" for each of {len(model)} model chunks" if len(model) > 1 else ""
     print_rank_0(
-        f"> training with {engine}: global batch {args.global_batch_size} = "
+        f"> training with {engine}{chunks}: global batch {args.global_batch_size} = "
         f"{args.num_microbatches} microbatch(es) x micro batch {args.micro_batch_size} x "
         f"data-parallel size {args.data_parallel_size}"
     )
-    fp8_line = fp8_startup_line(module.config, get_device())
+    fp8_line = fp8_startup_line(modules[0].config, get_device())
     if fp8_line is not None:
         print_rank_0(fp8_line)
     return model
@@ -341,8 +367,9 @@ def get_optimizer_param_scheduler(
 
 def setup_model_and_optimizer(
     model_provider: ModelProvider, model_type: ModelType, args: argparse.Namespace
-) -> tuple[_BaseDataParallel, MegatronOptimizer, OptimizerParamScheduler]:
-    """Builds the wrapped model, then its optimizer and the learning-rate schedule.
+) -> tuple[list[_BaseDataParallel], MegatronOptimizer, OptimizerParamScheduler]:
+    """Builds the wrapped model chunks (`get_model`), then one optimizer over them all and the
+    learning-rate schedule.
 
     The optimizer is built after wrapping, over what the engine steps; with a full-iteration
     CUDA graph, with kernels a graph can capture (`get_megatron_optimizer(capturable=True)`).
@@ -358,7 +385,7 @@ def setup_model_and_optimizer(
 def train_step(
     forward_step_func: ForwardStepFunc,
     data_iterator: DataIterator,
-    model: _BaseDataParallel,
+    model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     args: argparse.Namespace,
@@ -370,7 +397,7 @@ def train_step(
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
         data_iterator: this rank's training micro-batches.
-        model: the wrapped model.
+        model: the wrapped model, or the list of this rank's wrapped model chunks.
         optimizer: steps the model's main weights.
         scheduler: stepped after a successful update.
         args: validated arguments (`num_microbatches`, `check_for_nan_in_loss_and_grad`,
@@ -424,19 +451,23 @@ def train_step(
 
 def compute_gradients(
     forward_step_func: ForwardStepFunc,
-    model: _BaseDataParallel,
+    model: Model,
     optimizer: MegatronOptimizer,
     args: argparse.Namespace,
     data_iterator: DataIterator,
     num_microbatches: int,
 ) -> list[dict[str, torch.Tensor]]:
-    """Every microbatch's forward and backward, then the reduced gradients, ready for the
-    optimizer step (a full-iteration CUDA graph captures this too). Returns each microbatch's
-    reported losses (this rank's)."""
-    model.zero_grad_buffer()
+    """Every microbatch's forward and backward through this rank's model chunks, then the
+    reduced gradients, ready for the optimizer step (a full-iteration CUDA graph captures this
+    too). Returns each microbatch's reported losses (this rank's)."""
+    chunks = model_chunks(model)
+    config = chunks[0].config
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    model.start_param_sync()
-    if model.config.num_moe_experts is not None or model.config.mtp_num_layers is not None:
+    for chunk in chunks:
+        chunk.start_param_sync()
+    if config.num_moe_experts is not None or config.mtp_num_layers is not None:
         _set_auxiliary_loss_scale(optimizer, num_microbatches, args)
     loss_dicts, num_tokens = forward_backward(
         forward_step_func,
@@ -450,18 +481,19 @@ def compute_gradients(
         micro_batch_size=args.micro_batch_size,
     )
     empty_unused_memory(args, level=1)
-    model.finish_grad_sync()
+    for chunk in chunks:
+        chunk.finish_grad_sync()
     # The two stages' copies of tied embeddings take the sum of their gradients.
-    allreduce_tied_embedding_grads([model], parallel_state.get_embedding_group())
+    allreduce_tied_embedding_grads(chunks, parallel_state.get_embedding_group())
     if args.calculate_per_token_loss:
-        divide_gradients_by_tokens(model, num_tokens)
-    if model.config.moe_router_enable_expert_bias:
+        divide_gradients_by_tokens(chunks, num_tokens)
+    if config.moe_router_enable_expert_bias:
         # Megatron-core's place: once the gradients are final, before the step; every step
         # counts, skipped or not. The counts are summed over dp x cp here and over tp by the
         # routers' own group (under sequence parallelism each tp rank routes its own part of
         # the sequence): upstream's tp x dp x cp.
         update_expert_bias(
-            [model], parallel_state.get_data_parallel_group(with_context_parallel=True)
+            chunks, parallel_state.get_data_parallel_group(with_context_parallel=True)
         )
     return loss_dicts
 
@@ -483,7 +515,7 @@ def _set_auxiliary_loss_scale(
 
 def train(
     forward_step_func: ForwardStepFunc,
-    model: _BaseDataParallel,
+    model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     train_data_iterator: DataIterator | None,
@@ -502,7 +534,7 @@ def train(
 
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
-        model: the wrapped model.
+        model: the wrapped model, or the list of this rank's wrapped model chunks.
         optimizer: steps the model's main weights.
         scheduler: the learning-rate and weight-decay schedule.
         train_data_iterator: this rank's training micro-batches (None: none left).
@@ -522,14 +554,17 @@ def train(
             f"{args.train_iters}: nothing to train"
         )
         return history
-    model.train()
+    chunks = model_chunks(model)
+    for chunk in chunks:
+        chunk.train()
     print_rank_0("> training ...")
     batch_sizes = batch_size_schedule(args)
     graph = None
     if full_iteration_cuda_graph(args):
+        # Without pipeline stages (the flags refuse graphs with them): one chunk.
         graph = GraphedIteration(
             functools.partial(compute_gradients, forward_step_func, model, optimizer, args),
-            model,
+            chunks[0],
             optimizer,
             args,
             get_device(),

@@ -13,6 +13,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, main
 from megatron.core.optimizer.grad_scaler import get_grad_scaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.pipeline_parallel.stage import model_chunks, modules_of
 
 EMBEDDING_OR_OUTPUT_WEIGHTS = ("embedding.word_embeddings.weight", "output_layer.weight")
 """Name endings of the parameters Megatron-LM marks `is_embedding_or_output_parameter`: the
@@ -74,45 +75,48 @@ def get_megatron_optimizer(
 
     Args:
         config: the optimizer and its hyperparameters.
-        model: see `MegatronOptimizer`; or Megatron-core's list of model chunks, of one chunk
-            (several are virtual pipeline stages, not built).
+        model: see `MegatronOptimizer`; or Megatron-core's list of a rank's model chunks (its
+            virtual pipeline stages), each wrapped by the same engine: one optimizer steps them
+            all.
         capturable: the step may be captured in a CUDA graph (`MegatronOptimizer.
             step_on_device`): torch's fused kernels, which skip a step on the device and read
             the learning rate from a device tensor, for SGD too; Adam with `capturable=True`.
 
     Raises:
-        ValueError: `config.lr` is not set, `model` has no trainable parameter, or
-            `capturable` with a parameter torch's fused kernels do not take.
+        ValueError: `config.lr` is not set, `model` has no trainable parameter, a chunk comes
+            twice, or `capturable` with a parameter torch's fused kernels do not take.
     """
     if config.lr is None:
         raise ValueError(
             "OptimizerConfig.lr is None: set the (initial/maximum) learning rate, e.g. "
             "OptimizerConfig(lr=3e-4)."
         )
-    if isinstance(model, Sequence):
-        if len(model) != 1:
-            raise ValueError(
-                f"get_megatron_optimizer got {len(model)} model chunks; pass one (several are "
-                "virtual pipeline stages, which are not built)."
-            )
-        (model,) = model
+    chunks = model_chunks(model)
+    if len({id(chunk) for chunk in chunks}) != len(chunks):
+        raise ValueError(
+            f"get_megatron_optimizer got {len(chunks)} model chunks, some of them more than "
+            "once; pass each of a rank's chunks (its virtual pipeline stages) once."
+        )
+    if len(chunks) == 1:
+        model = chunks[0]
+    modules = modules_of(chunks)
     param_groups = get_param_groups(
-        model,
+        modules,
         config.weight_decay,
         config.decoupled_lr,
         config.decoupled_min_lr,
         config.apply_wd_to_qk_layernorm,
     )
-    is_fsdp = bool(fsdp_roots(model))
+    is_fsdp = bool(fsdp_roots(modules))
     main_shards = main_param_shards(model)
     if is_fsdp or main_shards is not None:
-        mains = local_main_weights(model) if is_fsdp else main_shards
+        mains = local_main_weights(modules) if is_fsdp else main_shards
         for group in param_groups:
             group["params"] = [mains[param] for param in group["params"]]
     params = [p for group in param_groups for p in group["params"]]
     if not params:
         raise ValueError(
-            f"{type(model).__name__} has no parameter with requires_grad=True to optimize."
+            f"{type(modules).__name__} has no parameter with requires_grad=True to optimize."
         )
     fused = all(_fusable(p) for p in params)
     if capturable and not fused:
@@ -140,7 +144,7 @@ def get_megatron_optimizer(
             fused=True if capturable else None,
         )
     if is_fsdp:
-        fully_shard_optimizer(optimizer, model)
+        fully_shard_optimizer(optimizer, modules)
     if main_shards is not None:
         return DistributedOptimizer(optimizer, config, model, main_shards, get_grad_scaler(config))
     return MegatronOptimizer(optimizer, config, model, get_grad_scaler(config))

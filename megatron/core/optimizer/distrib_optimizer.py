@@ -44,23 +44,27 @@ from megatron.core.distributed.distributed_data_parallel import DistributedDataP
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.pipeline_parallel.global_names import global_names
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
 
 
-def main_param_shards(
-    model: torch.nn.Module,
-) -> dict[torch.nn.Parameter, torch.Tensor] | None:
-    """The fp32 main weights a distributed optimizer over `model` steps: each trainable
-    parameter's rows on this rank (`model.param_shard`), themselves where fp32, else an fp32
-    copy. None unless `model` is the DDP engine with `use_distributed_optimizer`."""
-    if not (
-        isinstance(model, DistributedDataParallel) and model.ddp_config.use_distributed_optimizer
+def main_param_shards(model: Model) -> dict[torch.nn.Parameter, torch.Tensor] | None:
+    """The fp32 main weights a distributed optimizer over `model` (or each of its chunks) steps:
+    each trainable parameter's rows on this rank (`param_shard` of its engine), themselves where
+    fp32, else an fp32 copy. None unless every chunk is the DDP engine with
+    `use_distributed_optimizer`."""
+    chunks = model_chunks(model)
+    if not all(
+        isinstance(chunk, DistributedDataParallel) and chunk.ddp_config.use_distributed_optimizer
+        for chunk in chunks
     ):
         return None
     shards = {}
-    for param in model.parameters():
-        if param.requires_grad:
-            rows = model.param_shard(param)
-            shards[param] = rows if param.dtype == torch.float32 else rows.float()
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.requires_grad:
+                rows = chunk.param_shard(param)
+                shards[param] = rows if param.dtype == torch.float32 else rows.float()
     return shards
 
 
@@ -71,7 +75,8 @@ class DistributedOptimizer(MegatronOptimizer):
     Args:
         optimizer: a torch optimizer over the values of `main_shards`.
         config: see `MegatronOptimizer`.
-        model: the DDP engine, built with `use_distributed_optimizer=True`.
+        model: the DDP engine, built with `use_distributed_optimizer=True`, or the list of a
+            rank's model chunks, each one.
         main_shards: `main_param_shards(model)`.
         grad_scaler: see `MegatronOptimizer`.
     """
@@ -80,14 +85,16 @@ class DistributedOptimizer(MegatronOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
-        model: DistributedDataParallel,
+        model: DistributedDataParallel | list[DistributedDataParallel],
         main_shards: dict[torch.nn.Parameter, torch.Tensor],
         grad_scaler: MegatronGradScaler | None = None,
     ):
         # The base sees only fp32 tensors, so it keeps no masters of its own.
         super().__init__(optimizer, config, model, grad_scaler)
         self._shards = dict(main_shards)
-        self._dtensors = {p: model.sharded_view(p, main) for p, main in self._shards.items()}
+        self._dtensors = {
+            p: self._engines[p].sharded_view(p, main) for p, main in self._shards.items()
+        }
         # (model parameter, DTensor of its fp32 master shard) where the parameter is not fp32.
         self._masters = [(p, self._dtensors[p]) for p in self._shards if p.dtype != torch.float32]
 
@@ -95,14 +102,14 @@ class DistributedOptimizer(MegatronOptimizer):
         """Gives each main shard the engine's reduced gradient of its rows, in fp32 (a view
         where it is fp32 already). Returns the main shards, whose `.grad` the step drops."""
         for param, main in self._shards.items():
-            main.grad = self.model.grad_shard(param).to(main.dtype)
+            main.grad = self._engines[param].grad_shard(param).to(main.dtype)
         return list(self._shards.values())
 
     def get_main_grads(self) -> list[torch.Tensor]:
         """The main shards' gradients as `Shard(0)` DTensors (views of them), so the norm
         counts every element once over the data-parallel group."""
         return [
-            self.model.sharded_view(param, main.grad)
+            self._engines[param].sharded_view(param, main.grad)
             for param, main in self._shards.items()
             if main.grad is not None
         ]
@@ -114,11 +121,12 @@ class DistributedOptimizer(MegatronOptimizer):
     def _model_weight_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The rows of the parameters that have fp32 master shards, and those shards (fp32
         parameters are stepped in place)."""
-        return [(self.model.param_shard(p), self._shards[p]) for p, _ in self._masters]
+        return [(self._engines[p].param_shard(p), self._shards[p]) for p, _ in self._masters]
 
     def _model_weights_written(self) -> None:
         """All-gathers every parameter from the rows each rank wrote."""
-        self.model.start_param_sync(force_sync=True)
+        for chunk in self._chunks:
+            chunk.start_param_sync(force_sync=True)
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """`MegatronOptimizer.load_sharded_state_dict`, then the model's parameters made the
@@ -146,7 +154,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """Copies this rank's rows of the model's parameters into the fp32 master shards."""
         with torch.no_grad():
             for param, _ in self._masters:
-                self._shards[param].copy_(self.model.param_shard(param))
+                self._shards[param].copy_(self._engines[param].param_shard(param))
 
     def _global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """Its main shards and masters are DTensors placed as they are sharded already."""
@@ -156,9 +164,12 @@ class DistributedOptimizer(MegatronOptimizer):
         """id of each main shard and of its DTensor -> (the parameter's name, the DTensor),
         so the base shards the states like the DTensor (`Shard(0)` over the group)."""
         names = {}
-        for name, param in self.model.module.named_parameters():
-            if param in self._shards:
-                dtensor = self._dtensors[param]
-                names[id(self._shards[param])] = (name, dtensor)
-                names[id(dtensor)] = (name, dtensor)
+        for chunk in self._chunks:
+            params = dict(chunk.module.named_parameters())
+            for name, whole in global_names(chunk.module, params).items():
+                param = params[name]
+                if param in self._shards:
+                    dtensor = self._dtensors[param]
+                    names[id(self._shards[param])] = (whole, dtensor)
+                    names[id(dtensor)] = (whole, dtensor)
         return names

@@ -56,8 +56,9 @@ from megatron.core.optimizer.grad_scaler import (
     unscale_and_check_for_inf,
 )
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
-from megatron.core.optimizer.saved_param_groups import loadable_param_groups
-from megatron.core.pipeline_parallel.stage import pipeline_group
+from megatron.core.optimizer.saved_param_groups import loadable_param_groups, stage_param_groups
+from megatron.core.pipeline_parallel.global_names import global_names
+from megatron.core.pipeline_parallel.stage import Model, model_chunks, modules_of, pipeline_group
 from megatron.core.pipeline_parallel.tied_embeddings import embedding_copies
 
 SavedTensor = tuple[torch.Size, torch.dtype]
@@ -74,7 +75,8 @@ class MegatronOptimizer:
         config: read for `clip_grad` and `log_num_zeros_in_grad`.
         model: what the parameters belong to: a `DistributedDataParallel` or
             `FullyShardedDataParallel` wrapper, a module with `fully_shard()` units, or a plain
-            module (one process: its `.grad`s are taken as they are).
+            module (one process: its `.grad`s are taken as they are); or the list of a rank's
+            model chunks (its virtual pipeline stages), each one of those.
         grad_scaler: the loss scaling of fp16 training (see `grad_scaler.py`), or None.
 
     Under pipeline parallelism (the model's `config.pipeline_model_parallel_size` > 1) the
@@ -91,14 +93,17 @@ class MegatronOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         config: OptimizerConfig,
-        model: torch.nn.Module,
+        model: Model,
         grad_scaler: MegatronGradScaler | None = None,
     ):
         self.optimizer = optimizer
         self.config = config
         self.model = model
         self.grad_scaler = grad_scaler
-        self._is_fsdp = bool(fsdp_roots(model))
+        self._chunks = model_chunks(model)
+        # One module over every chunk, for what walks modules (parameters, Megatron-FSDP units).
+        self._modules = modules_of(self._chunks)
+        self._is_fsdp = bool(fsdp_roots(self._modules))
         # Model parameter -> what the torch optimizer steps: an fp32 master copy, or itself.
         self._main_params: dict[torch.nn.Parameter, torch.Tensor] = {}
         if not self._is_fsdp:
@@ -111,23 +116,31 @@ class MegatronOptimizer:
                     self._main_params[param] = main
         # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
         self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
-        self._ddp_engine = model if isinstance(model, DistributedDataParallel) else None
-        config_of_model = getattr(model, "config", None)
+        # Each parameter's DDP engine (the chunk's), which places it as a global DTensor.
+        self._engines: dict[torch.nn.Parameter, DistributedDataParallel] = {
+            param: chunk
+            for chunk in self._chunks
+            if isinstance(chunk, DistributedDataParallel)
+            for param in chunk.module.parameters()
+        }
+        config_of_model = getattr(self._chunks[0], "config", None)
         stages = 1 if config_of_model is None else config_of_model.pipeline_model_parallel_size
         self._pp_group = pipeline_group(None) if stages > 1 else None
         # The last stage's copies of the first stage's embeddings: counted by the first stage.
         self._second_copies: set[torch.nn.Parameter] = set()
-        if stages > 1 and not getattr(getattr(model, "module", model), "pre_process", True):
-            self._second_copies = set(embedding_copies(model))
+        for chunk in self._chunks if stages > 1 else []:
+            if not getattr(getattr(chunk, "module", chunk), "pre_process", True):
+                self._second_copies.update(embedding_copies(chunk))
         # The rates `step_on_device` reads, made by the first `write_learning_rates_to_device`.
         self._device_learning_rates: DeviceLearningRates | None = None
 
     def _global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
         where `param` is split by the DDP engine's expert or tensor parallelism; else as is."""
-        if self._ddp_engine is None:
+        engine = self._engines.get(param)
+        if engine is None:
             return tensor
-        return self._ddp_engine.global_view(param, tensor)
+        return engine.global_view(param, tensor)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -153,7 +166,9 @@ class MegatronOptimizer:
         """
         skip = self._second_copies if counted_once else set()
         if self._is_fsdp:
-            return [p.grad for p in self.model.parameters() if p.grad is not None and p not in skip]
+            return [
+                p.grad for p in self._modules.parameters() if p.grad is not None and p not in skip
+            ]
         return [
             self._global_view(param, main.grad)
             for param, main in self._main_params.items()
@@ -165,7 +180,7 @@ class MegatronOptimizer:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
         skip = self._second_copies
         if self._is_fsdp:
-            return [p for p in self.model.parameters() if p.requires_grad and p not in skip]
+            return [p for p in self._modules.parameters() if p.requires_grad and p not in skip]
         return [
             self._global_view(param, main)
             for param, main in self._main_params.items()
@@ -196,11 +211,12 @@ class MegatronOptimizer:
         """Completes the model's gradient reduction. Idempotent, so a no-op when the training
         loop already called `model.finish_grad_sync()`; Megatron-FSDP would otherwise run its
         deferred reductions only inside `optimizer.step()`, after the norm was taken."""
-        if isinstance(self.model, _BaseDataParallel):
-            self.model.finish_grad_sync()
-        elif self._is_fsdp:
-            for context in fsdp_contexts(self.model):
-                context.finalize_grads()
+        for chunk in self._chunks:
+            if isinstance(chunk, _BaseDataParallel):
+                chunk.finish_grad_sync()
+            elif fsdp_roots(chunk):
+                for context in fsdp_contexts(chunk):
+                    context.finalize_grads()
 
     @contextlib.contextmanager
     def _main_grads_for_step(self) -> Iterator[list[torch.Tensor]]:
@@ -315,7 +331,7 @@ class MegatronOptimizer:
 
     def _flag_device(self) -> torch.device:
         """Where the overflow flag is reduced: the model's device (NCCL reduces CUDA tensors)."""
-        return next(self.model.parameters()).device
+        return next(self._modules.parameters()).device
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' `.grad`; the DDP engine's `main_grad` buffers are zeroed by
@@ -324,7 +340,7 @@ class MegatronOptimizer:
         # The torch optimizer steps other tensors (fp32 masters, Megatron-FSDP's local shards)
         # and does not see the model's `.grad`s: clear those too, as `zero_grad()` promises.
         if self._is_fsdp or self._masters:
-            for param in self.model.parameters():
+            for param in self._modules.parameters():
                 if set_to_none:
                     param.grad = None
                 elif param.grad is not None:
@@ -355,16 +371,20 @@ class MegatronOptimizer:
 
     def _parameter_names(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id of each tensor the torch optimizer may hold (model parameter, fp32 master or
-        local shard) -> (the parameter's name in the unwrapped model's state dict, the model
-        parameter)."""
-        module = self.model.module if isinstance(self.model, _BaseDataParallel) else self.model
-        local = local_main_weights(module) if self._is_fsdp else {}
+        local shard) -> (the parameter's name in the whole model's state dict, the model
+        parameter). Under pipeline parallelism the whole model's names are not the stage's
+        (`global_names`: its layers' global numbers)."""
+        local = local_main_weights(self._modules) if self._is_fsdp else {}
         names = {}
-        for name, param in module.named_parameters():
-            placed = self._global_view(param, param)
-            for held in (param, local.get(param), self._main_params.get(param)):
-                if held is not None:
-                    names[id(held)] = (name, placed)
+        for chunk in self._chunks:
+            module = chunk.module if isinstance(chunk, _BaseDataParallel) else chunk
+            params = dict(module.named_parameters())
+            for name, whole in global_names(module, params).items():
+                param = params[name]
+                placed = self._global_view(param, param)
+                for held in (param, local.get(param), self._main_params.get(param)):
+                    if held is not None:
+                        names[id(held)] = (whole, placed)
         return names
 
     def _held(self) -> list[torch.Tensor]:
@@ -525,6 +545,18 @@ class MegatronOptimizer:
         names = self._parameter_names()
         return loadable_param_groups(
             self.optimizer, lambda tensor: names[id(tensor)][0], self._held(), saved_groups
+        )
+
+    def stage_param_groups(
+        self, saved_groups: list[dict[str, Any]], elsewhere: set[str]
+    ) -> list[dict[str, Any]]:
+        """A checkpoint's parameter groups (the whole model's) as this optimizer holds them,
+        for `check_param_groups` and `load_sharded_state_dict`: less the parameters only other
+        pipeline stages hold (`elsewhere`), in the order of this optimizer's groups
+        (`saved_param_groups.stage_param_groups`)."""
+        names = self._parameter_names()
+        return stage_param_groups(
+            self.optimizer, lambda tensor: names[id(tensor)][0], saved_groups, elsewhere
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

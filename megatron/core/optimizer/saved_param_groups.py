@@ -1,10 +1,13 @@
 """Whether a checkpoint's optimizer parameter groups fit an optimizer, before anything loads:
 the same parameters in the same groups (`--decoupled-lr` makes groups of its own), and the
-same kind of optimizer. `MegatronOptimizer.check_param_groups` asks here."""
+same kind of optimizer. `MegatronOptimizer.check_param_groups` asks here.
+
+A checkpoint's groups are the whole model's; under pipeline parallelism a stage's optimizer
+steps part of the model, and `stage_param_groups` gives the part of the groups it loads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -85,6 +88,40 @@ def loadable_param_groups(
             "--no-load-optim."
         )
     return groups
+
+
+def stage_param_groups(
+    optimizer: torch.optim.Optimizer,
+    name_of: Callable[[torch.Tensor], str],
+    saved_groups: list[dict[str, Any]],
+    elsewhere: Collection[str],
+) -> list[dict[str, Any]]:
+    """The saved groups of the whole model as this stage's optimizer holds them: less the
+    parameters that only other pipeline stages hold (`elsewhere`), less the groups left empty,
+    in the order of `optimizer`'s groups (each where the first parameter of one of them is; the
+    others after them). With one stage (`elsewhere` empty) and the same model, they are the
+    saved groups themselves.
+
+    Args:
+        optimizer: this stage's torch optimizer.
+        name_of: the parameter name of each tensor `optimizer` steps.
+        saved_groups: the groups a checkpoint saved, their parameters by name.
+        elsewhere: names of the parameters of the whole model this stage does not hold.
+    """
+    projected = [
+        {**group, "params": [name for name in group["params"] if name not in elsewhere]}
+        for group in saved_groups
+    ]
+    projected = [group for group in projected if group["params"]]
+    first_names = [
+        name_of(group["params"][0]) for group in optimizer.param_groups if group["params"]
+    ]
+
+    def position(group: dict[str, Any]) -> int:
+        held = set(group["params"])
+        return next((i for i, name in enumerate(first_names) if name in held), len(first_names))
+
+    return sorted(projected, key=position)
 
 
 def check_decoupled_groups(

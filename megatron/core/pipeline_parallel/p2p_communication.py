@@ -5,6 +5,8 @@ size and the hidden size, so no shape is ever exchanged) go to the next stage, a
 gradients come back. `P2PCommunicator.exchange` issues every send and receive of one exchange
 together with `torch.distributed.batch_isend_irecv` over the pipeline group (one NCCL group
 call on GPU) and waits for them, as Megatron-LM's `P2PCommunicator` does with `batch_p2p_comm`.
+`P2PCommunicator.post` issues them the same way but leaves the waiting to the caller
+(`PendingExchange`), so the transfers run while the caller computes (`overlap_p2p_comm`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,53 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.pipeline_parallel.schedule_order import Transfer
+
+
+class PendingExchange:
+    """The operations of one issued exchange, and the tensors it receives into.
+
+    Attributes:
+        received: the receive buffers, in the order of the receives; read one only after
+            `wait_for(its index)` or `wait()`.
+    """
+
+    def __init__(
+        self,
+        requests: list,
+        received: list[torch.Tensor],
+        sent: list[torch.Tensor],
+        receive_positions: list[int],
+    ):
+        self._requests = requests
+        self.received = received
+        # The tensors being sent stay referenced until their sends complete.
+        self._sent = sent
+        # A backend that coalesces the batch (NCCL) returns one request for all operations;
+        # one that does not (gloo) one per operation, each receive's own.
+        self._own_request = len(requests) == len(sent) + len(received)
+        self._receive_positions = receive_positions
+
+    def wait_for(self, index: int) -> None:
+        """Waits until receive `index` completed (where the backend tells the operations
+        apart; else until the whole exchange did)."""
+        if self._own_request:
+            self._wait(self._receive_positions[index])
+        else:
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits until every operation of the exchange completed (on GPU: until the current
+        stream waits for them)."""
+        for position in range(len(self._requests)):
+            self._wait(position)
+        self._sent = []
+
+    def _wait(self, position: int) -> None:
+        # Each request once: a second wait on gloo's would wait for another message.
+        request = self._requests[position]
+        if request is not None:
+            request.wait()
+            self._requests[position] = None
 
 
 class P2PCommunicator:
@@ -63,20 +112,33 @@ class P2PCommunicator:
             ValueError: a tensor to send does not have the boundary shape or dtype (the model
                 chunk returned something other than its [s, b, h] hidden states).
         """
-        operations, received = [], []
+        exchange = self.post(transfers)
+        exchange.wait()
+        return exchange.received
+
+    def post(self, transfers: Iterable[tuple[Transfer, torch.Tensor | None]]) -> PendingExchange:
+        """Issues one exchange, as `exchange` does, without waiting for it.
+
+        Args:
+            transfers: each transfer with the tensor to send (None for a receive).
+
+        Raises:
+            ValueError: as `exchange`.
+        """
+        operations, received, sent, positions = [], [], [], []
         for transfer, tensor in transfers:
             peer = self._global_ranks[transfer.peer]
             if transfer.send:
                 self._check(tensor, transfer)
-                operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
+                sent.append(tensor.contiguous())
+                operations.append(dist.P2POp(dist.isend, sent[-1], peer, self.pp_group))
             else:
                 buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
+                positions.append(len(operations))
                 operations.append(dist.P2POp(dist.irecv, buffer, peer, self.pp_group))
                 received.append(buffer)
-        if operations:
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
-        return received
+        requests = dist.batch_isend_irecv(operations) if operations else []
+        return PendingExchange(requests, received, sent, positions)
 
     def _check(self, tensor: torch.Tensor | None, transfer: Transfer) -> None:
         if tensor is None or tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:

@@ -14,6 +14,13 @@ engine's accumulation scope, and only the backward of its last microbatch is the
 (`microbatch(is_last=True)` for Megatron-FSDP, outside `no_sync()` for the DDP engine), so the
 once-per-step reductions run once per chunk, right after its last backward.
 
+With `config.overlap_p2p_comm` (Megatron-LM's `--no-overlap-p2p-communication` turns it off) the
+interleaved schedule overlaps its transfers with the passes: each exchange is issued where the
+plan puts it, in the same order (so every send meets the same receive), but a rank waits for a
+received tensor only when the pass that consumes it starts (for the whole exchange where the
+backend coalesces it, as NCCL does), and for its sends at the end of the iteration, so
+transfers run while the passes between compute. Results are the same either way.
+
 The script's `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` runs
 unchanged on every stage: a stage without the embedding (`pre_process=False`) reads its input
 from `set_input_tensor`, which the schedule calls before each forward; on every stage but the
@@ -33,7 +40,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.microbatch_loss import accumulation_scope, microbatch_loss
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, PendingExchange
 from megatron.core.pipeline_parallel.schedule_order import (
     Action,
     Pass,
@@ -159,6 +166,8 @@ def _run(
         communicator = P2PCommunicator(
             pp_group, (seq, micro_batch_size, config.hidden_size), dtype, device
         )
+    # As Megatron-LM: only the interleaved schedule overlaps its transfers.
+    overlap = config.overlap_p2p_comm and num_chunks > 1
     runner = _PipelineRun(
         chunks,
         _MicrobatchData(data_iterator, num_chunks),
@@ -171,17 +180,24 @@ def _run(
         pp_size,
         pp_rank,
     )
+    issued: list[PendingExchange] = []
     for step in plan:
-        received = []
-        if communicator is not None:
-            received = communicator.exchange(
+        if communicator is not None and step.exchange:
+            exchange = communicator.post(
                 (t, runner.to_send.pop(_key(t)) if t.send else None) for t in step.exchange
             )
-        receives = [t for t in step.exchange if not t.send]
-        for transfer, tensor in zip(receives, received):
-            runner.received[_key(transfer)] = tensor
+            receives = [t for t in step.exchange if not t.send]
+            for index, (transfer, tensor) in enumerate(zip(receives, exchange.received)):
+                runner.received[_key(transfer)] = tensor
+                runner.pending[_key(transfer)] = (exchange, index)
+            if overlap:
+                issued.append(exchange)
+            else:
+                exchange.wait()
         if step.action is not None:
             runner.run(step.action)
+    for exchange in issued:
+        exchange.wait()
     return runner.loss_dicts, runner.num_tokens
 
 
@@ -247,6 +263,8 @@ class _PipelineRun:
         self.pp_size = pp_size
         self.pp_rank = pp_rank
         self.received: dict[tuple, torch.Tensor] = {}
+        # The exchange each received tensor arrives by (and its index there), until taken.
+        self.pending: dict[tuple, tuple[PendingExchange, int]] = {}
         self.to_send: dict[tuple, torch.Tensor] = {}
         # Per (microbatch, chunk) between its forward and its backward.
         self._inputs: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -259,6 +277,12 @@ class _PipelineRun:
 
     def _is_last(self, chunk: int) -> bool:
         return self.pp_rank == self.pp_size - 1 and chunk == len(self.chunks) - 1
+
+    def _take(self, key: tuple) -> torch.Tensor:
+        """A received tensor, once its receive completed."""
+        exchange, index = self.pending.pop(key)
+        exchange.wait_for(index)
+        return self.received.pop(key)
 
     def run(self, action: Action) -> None:
         if action.kind is Pass.FORWARD:
@@ -275,7 +299,7 @@ class _PipelineRun:
         model = self.chunks[chunk]
         input_tensor = None
         if not self._is_first(chunk):
-            input_tensor = self.received.pop((Payload.ACTIVATION, microbatch, chunk))
+            input_tensor = self._take((Payload.ACTIVATION, microbatch, chunk))
             if not self.forward_only:
                 input_tensor.requires_grad_()
         target = _unwrapped(model)
@@ -312,7 +336,7 @@ class _PipelineRun:
             if self.scale_loss is not None:
                 output = self.scale_loss(output)
         else:
-            grad = self.received.pop((Payload.GRADIENT, microbatch, chunk))
+            grad = self._take((Payload.GRADIENT, microbatch, chunk))
         # A chunk's backwards run in microbatch order: its last ends its accumulation.
         with self._scope(chunk, is_last=microbatch == self.num_microbatches - 1):
             torch.autograd.backward(output, grad_tensors=grad)

@@ -1,7 +1,11 @@
-"""Where a model chunk sits in the pipeline: its stage, from the process groups."""
+"""Where a model chunk sits in the pipeline: its stage, from the process groups; and a rank's
+model chunks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
@@ -33,3 +37,19 @@ def pipeline_rank(config, pg_collection: ProcessGroupCollection | None) -> int:
             "initialise parallel_state with a pipeline_model_parallel_size) that matches."
         )
     return 0 if group is None else group.rank()
+
+
+Model = torch.nn.Module | Sequence[torch.nn.Module]
+"""A model, or the list of a rank's model chunks (its virtual pipeline stages, in order), as
+Megatron-core's training loop and optimizer take them."""
+
+
+def model_chunks(model: Model) -> list[torch.nn.Module]:
+    """The model chunks of `model`: the list itself, or the one module."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def modules_of(chunks: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module holding every chunk (the chunk itself when there is one), for what walks a
+    module's parameters or submodules."""
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)

@@ -1,10 +1,13 @@
-"""Pipeline-parallel flags: the number of stages and how the decoder layers split over them
-(`megatron.core.pipeline_parallel`), and what pipeline stages do not compose with yet."""
+"""Pipeline-parallel flags: the number of stages, their virtual stages and how the decoder
+layers split over them (`megatron.core.pipeline_parallel`), and what pipeline stages do not
+compose with yet."""
 
 from __future__ import annotations
 
 import argparse
 
+from megatron.core.pipeline_parallel.layer_split import PipelineSplit
+from megatron.core.pipeline_parallel.schedule_order import check_interleaving
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 
 
@@ -37,23 +40,48 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="The output layer and loss count as a layer of the last stage.",
     )
-
-
-_NOT_COMPOSED = (
-    ("save", "--save", None),
-    ("load", "--load", None),
-    ("calculate_per_token_loss", "--calculate-per-token-loss", False),
-)
-"""(dest, flag, the value that composes): what pipeline stages do not compose with yet."""
+    group.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        help="Layers of each virtual pipeline stage (model chunk); the interleaved schedule.",
+    )
+    group.add_argument(
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        help="Virtual pipeline stages (model chunks) per pipeline rank; the interleaved schedule.",
+    )
+    group.add_argument(
+        "--no-overlap-p2p-communication",
+        action="store_false",
+        dest="overlap_p2p_comm",
+        help="The interleaved schedule waits for each transfer between stages before its next "
+        "pass, rather than overlapping them (needs --pipeline-model-parallel-size > 2).",
+    )
 
 
 def validate_pipeline(args: argparse.Namespace) -> None:
-    """Refuses, with several stages, the features pipeline stages do not compose with yet, and
-    the layer-split flags with one stage.
+    """Derives `args.virtual_pipeline_model_parallel_size` (None: one chunk per rank) from the
+    virtual-stage flags, and `args.overlap_p2p_comm` (off without virtual stages), as
+    Megatron-LM; refuses, with several stages, the features pipeline stages do not compose with
+    yet (the DDP engine's distributed optimizer with a copy of the embeddings on the last stage,
+    CUDA graphs), a split of the layers that does not divide, and the layer-split and
+    virtual-stage flags with one stage.
 
     Raises:
         ValueError: naming the flags and the fix.
     """
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(args)
+    if args.virtual_pipeline_model_parallel_size is None:
+        # As Megatron-LM: only the interleaved schedule overlaps its transfers (the flag can
+        # only turn overlapping off, so no choice is overridden).
+        args.overlap_p2p_comm = False
+    elif not args.overlap_p2p_comm and args.pipeline_model_parallel_size <= 2:
+        raise ValueError(
+            "--no-overlap-p2p-communication with virtual pipeline stages needs "
+            "--pipeline-model-parallel-size > 2 (Megatron-LM's rule: with 2 stages each batched "
+            "exchange would hold several sends and receives between the same 2 ranks); drop it "
+            "(the default overlaps the transfers) or use more stages."
+        )
     split_flags = [
         flag
         for dest, flag in (
@@ -68,17 +96,27 @@ def validate_pipeline(args: argparse.Namespace) -> None:
         if getattr(args, dest) not in (None, False)
     ]
     if args.pipeline_model_parallel_size == 1:
+        if args.virtual_pipeline_model_parallel_size is not None:
+            split_flags.append(
+                f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-"
+                f"rank ({args.virtual_pipeline_model_parallel_size} virtual stages)"
+            )
         if split_flags:
             raise ValueError(
                 f"{', '.join(split_flags)} split the layers over pipeline stages: add "
                 "--pipeline-model-parallel-size > 1 or drop them."
             )
         return
-    given = [
-        flag
-        for dest, flag, composes in _NOT_COMPOSED
-        if getattr(args, dest, composes) not in (composes, 0 if composes is None else composes)
-    ]
+    PipelineSplit(
+        num_layers=args.num_layers,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+    ).check()
+    given = []
     if args.use_distributed_optimizer and not args.use_megatron_fsdp:
         # The last stage then holds a copy of the first stage's embeddings.
         if not args.untie_embeddings_and_output_weights:
@@ -100,3 +138,80 @@ def validate_pipeline(args: argparse.Namespace) -> None:
             f"compose with {', '.join(given)} yet (docs/pipeline_parallel.md); drop them or use "
             "--pipeline-model-parallel-size 1."
         )
+
+
+def _virtual_stages(args: argparse.Namespace) -> int | None:
+    """The model chunks per pipeline rank the flags ask for, Megatron-LM's derivation: the two
+    flags exclude each other; `--num-layers-per-virtual-pipeline-stage` divides each rank's
+    even share of the layers (the embedding and the loss counted where the `--account-for-*`
+    flags say) and does not take the uneven split; 1 is None (no virtual stages)."""
+    per_stage_flag = args.num_layers_per_virtual_pipeline_stage
+    per_rank_flag = args.num_virtual_stages_per_pipeline_rank
+    for name, value in (
+        ("--num-layers-per-virtual-pipeline-stage", per_stage_flag),
+        ("--num-virtual-stages-per-pipeline-rank", per_rank_flag),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+    if per_stage_flag is not None and per_rank_flag is not None:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+            "are both set; give one (as Megatron-LM)."
+        )
+    if per_stage_flag is None:
+        virtual = per_rank_flag
+    else:
+        if (
+            args.decoder_first_pipeline_num_layers is not None
+            or args.decoder_last_pipeline_num_layers is not None
+        ):
+            raise ValueError(
+                "--num-layers-per-virtual-pipeline-stage with --decoder-first-pipeline-num-"
+                "layers / --decoder-last-pipeline-num-layers: give the virtual stages with "
+                "--num-virtual-stages-per-pipeline-rank for an uneven split (as Megatron-LM)."
+            )
+        layers = args.num_layers + args.account_for_embedding_in_pipeline_split
+        layers += args.account_for_loss_in_pipeline_split
+        pp_size = args.pipeline_model_parallel_size
+        if layers % pp_size:
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage: the {layers} layer(s) (--num-layers "
+                f"{args.num_layers}, the embedding and loss counted as the --account-for-* flags "
+                f"say) do not split evenly over --pipeline-model-parallel-size {pp_size}; change "
+                "--num-layers."
+            )
+        if (layers // pp_size) % per_stage_flag:
+            raise ValueError(
+                f"--num-layers-per-virtual-pipeline-stage {per_stage_flag} does not divide the "
+                f"{layers // pp_size} layer(s) of each of the --pipeline-model-parallel-size "
+                f"{pp_size} ranks (--num-layers {args.num_layers}, the embedding and loss "
+                "counted as the --account-for-* flags say); choose a divisor."
+            )
+        virtual = layers // pp_size // per_stage_flag
+    return None if virtual == 1 else virtual
+
+
+def validate_interleaving(args: argparse.Namespace) -> None:
+    """With virtual stages and a constant global batch, the number of microbatches must suit
+    the interleaved schedule (`schedule_order.check_interleaving`, Megatron-LM's rule: at least
+    the pipeline size, and no last group of microbatches shorter than it). A batch-size
+    schedule's sizes are checked by the schedule at each iteration.
+
+    Raises:
+        ValueError: naming the flags and the fix.
+    """
+    if args.virtual_pipeline_model_parallel_size is None:
+        return
+    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+        return
+    pp_size = args.pipeline_model_parallel_size
+    try:
+        check_interleaving(pp_size, args.num_microbatches, pp_size)
+    except ValueError as error:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} "
+            f"microbatch(es) (of --micro-batch-size {args.micro_batch_size} x data-parallel "
+            f"size {args.data_parallel_size}), which the interleaved schedule of "
+            f"{args.virtual_pipeline_model_parallel_size} virtual stages per rank cannot run: "
+            f"{error}"
+        ) from error

@@ -168,10 +168,11 @@ UNBUILT: tuple[Unbuilt, ...] = (
         ("--tp-comm-overlap-cfg", "--tp-comm-bootstrap-backend"),
     ),
     Unbuilt(
-        "pipeline parallelism's virtual stages, overlapped or ring p2p and deferred wgrads",
-        "drop these flags: --pipeline-model-parallel-size runs 1F1B with batched p2p",
+        "pipeline parallelism's microbatch groups and explicit layouts, the overlap's warm-up "
+        "flush, ring p2p and deferred wgrads",
+        "drop these flags: --pipeline-model-parallel-size runs 1F1B (interleaved with virtual "
+        "stages) with batched p2p",
         (
-            "--no-overlap-p2p-communication",
             "--overlap-p2p-communication-warmup-flush",
             "--use-ring-exchange-p2p",
             "--defer-embedding-wgrad-compute",
@@ -183,8 +184,6 @@ UNBUILT: tuple[Unbuilt, ...] = (
             "--microbatch-group-size-per-virtual-pipeline-stage",
             "--wgrad-deferral-limit",
             "--pipeline-model-parallel-comm-backend",
-            "--num-layers-per-virtual-pipeline-stage",
-            "--num-virtual-stages-per-pipeline-rank",
             "--pipeline-model-parallel-layout",
         ),
     ),

@@ -77,7 +77,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _run_pipeline(engine: str, num_layers: int, vp_size: int | None, pp_size: int = 2) -> list[str]:
+def _run_pipeline(
+    engine: str,
+    num_layers: int,
+    vp_size: int | None,
+    pp_size: int = 2,
+    overlap_p2p_comm: bool = False,
+    outputs: dict[str, torch.Tensor] | None = None,
+) -> list[str]:
+    """Checks one split against the whole model; returns the names of the parameters checked,
+    and puts the losses and gradients into `outputs` when given."""
     device = current_device()
     world = torch.distributed.get_world_size()
     global_batches = [
@@ -104,6 +113,7 @@ def _run_pipeline(engine: str, num_layers: int, vp_size: int | None, pp_size: in
         num_layers=num_layers,
         pipeline_model_parallel_size=pp_size,
         virtual_pipeline_model_parallel_size=vp_size,
+        overlap_p2p_comm=overlap_p2p_comm,
     )
     num_chunks = vp_size or 1
     chunks = []
@@ -146,6 +156,8 @@ def _run_pipeline(engine: str, num_layers: int, vp_size: int | None, pp_size: in
     if rank == pp_size - 1:
         losses = torch.stack([d["lm loss"] for d in loss_dicts])
         torch.testing.assert_close(losses, expected_losses)
+        if outputs is not None:
+            outputs["losses"] = losses
     else:
         assert loss_dicts == []
     checked = set()
@@ -155,6 +167,8 @@ def _run_pipeline(engine: str, num_layers: int, vp_size: int | None, pp_size: in
             reference_name = _reference_name(name, model)
             torch.testing.assert_close(grad, expected_grads[reference_name], msg=reference_name)
             checked.add(reference_name)
+            if outputs is not None:
+                outputs[reference_name] = grad.detach().clone()
     return sorted(checked)
 
 
@@ -207,3 +221,25 @@ def test_two_stages_match_the_whole_model():
 def test_two_stages_of_two_data_parallel_ranks_and_four_stages_match_the_whole_model():
     per_rank = run_distributed(_run_cases, 4, CASES_4_RANKS)
     _assert_every_parameter_checked(CASES_4_RANKS, per_rank)
+
+
+def _with_and_without_overlap(engines: list[str]) -> None:
+    """The interleaved schedule (PP 2, 2 virtual stages) with `overlap_p2p_comm` gives the
+    losses and gradients it gives without, bit for bit."""
+    for engine in engines:
+        results = []
+        for overlap in (False, True):
+            outputs: dict[str, torch.Tensor] = {}
+            try:
+                _run_pipeline(engine, 4, 2, overlap_p2p_comm=overlap, outputs=outputs)
+            finally:
+                parallel_state.destroy_model_parallel()
+            results.append(outputs)
+        without, overlapped = results
+        assert without.keys() == overlapped.keys() and len(without) > 1, engine
+        for name, value in without.items():
+            assert torch.equal(overlapped[name], value), f"{engine}: {name}"
+
+
+def test_overlapped_transfers_give_the_same_results():
+    run_distributed(_with_and_without_overlap, 2, ["ddp", "optim_grads_params"])

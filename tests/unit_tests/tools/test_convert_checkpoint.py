@@ -106,7 +106,9 @@ def _pretrain(flags: list[str]) -> dict[str, Any]:
     def gather_and_save(iteration, model, optimizer, scheduler, args):
         optimizer_state = optimizer.sharded_state_dict()
         optimizer_state.pop("param_groups")
-        gathered[iteration] = _full({"model": model.state_dict(), "optimizer": optimizer_state})
+        # The model chunks (one without virtual pipeline stages).
+        model_state = {name: t for chunk in model for name, t in chunk.state_dict().items()}
+        gathered[iteration] = _full({"model": model_state, "optimizer": optimizer_state})
         save_checkpoint(iteration, model, optimizer, scheduler, args)
 
     training.save_checkpoint = gather_and_save

@@ -119,7 +119,9 @@ def _main_observing_load(flags: list[str]) -> tuple[TrainingHistory, dict[str, A
         iteration = original(model, optimizer, scheduler, args)
         observed.update(
             iteration=iteration,
-            weights={name: whole_tensor(t) for name, t in model.state_dict().items()},
+            weights={  # the model chunks (one without virtual pipeline stages)
+                name: whole_tensor(t) for chunk in model for name, t in chunk.state_dict().items()
+            },
             optimizer_state=sum(map(len, optimizer.sharded_state_dict()["state"].values())),
             scheduler_steps=scheduler.num_steps,
             consumed=(args.consumed_train_samples, args.consumed_valid_samples),

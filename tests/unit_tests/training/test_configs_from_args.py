@@ -141,6 +141,18 @@ _YARN = "--position-embedding-type yarn"
 PP2 = "--pipeline-model-parallel-size 2 --num-layers 4"
 TRANSFORMER_CONFIG_CASES = [
     ("--num-layers 3", "num_layers", 3),
+    (
+        "--pipeline-model-parallel-size 2 --num-layers 4 --num-virtual-stages-per-pipeline-rank 2 "
+        "--global-batch-size 8",
+        "virtual_pipeline_model_parallel_size",
+        2,
+    ),
+    (  # on by default with virtual stages (upstream's), off without
+        "--pipeline-model-parallel-size 2 --num-layers 4 --num-virtual-stages-per-pipeline-rank 2 "
+        "--global-batch-size 8",
+        "overlap_p2p_comm",
+        True,
+    ),
     (f"{PP2} --decoder-first-pipeline-num-layers 1", "num_layers_in_first_pipeline_stage", 1),
     (f"{PP2} --decoder-last-pipeline-num-layers 1", "num_layers_in_last_pipeline_stage", 1),
     (
@@ -334,8 +346,7 @@ _NOT_FROM_A_FLAG = {
     "perform_initialization",
     "use_cpu_initialization",
     "pipeline_dtype",
-    # Virtual pipeline stages run in the library only (their flags are refused).
-    "virtual_pipeline_model_parallel_size",
+    # Its flag is refused (not built): the training loop runs groups of the pipeline size.
     "microbatch_group_size_per_vp_stage",
 }
 
