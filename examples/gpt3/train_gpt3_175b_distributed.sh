@@ -1,9 +1,9 @@
 #!/bin/bash
 # Upstream Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh: the "175B" GPT-3 with
-# upstream's flag set and sizes, tensor parallelism 8 within each node of 8 GPUs. Pipeline
-# stages (upstream: 16) do not compose with its --save yet, so PP defaults to 1 here; at that
-# size the weights need more than one node's 8-way split, so add sharding flags after the
-# positional arguments, e.g. --use-megatron-fsdp (extra flags come last and win).
+# upstream's flag set and sizes: tensor parallelism 8 within each node of 8 GPUs, 16 pipeline
+# stages (128 GPUs). TP and PP set other sizes; with fewer stages the weights need more than
+# one node's 8-way split, so add sharding flags after the positional arguments, e.g.
+# --use-megatron-fsdp (extra flags come last and win).
 # Usage: bash examples/gpt3/train_gpt3_175b_distributed.sh CHECKPOINT_PATH TENSORBOARD_LOGS_PATH \
 #            [VOCAB_FILE MERGE_FILE DATA_PATH | MOCK] [extra flags...]
 # MOCK trains on mock data (--mock-data --vocab-size 50257: GPT-2's vocabulary).
@@ -61,7 +61,7 @@ TRAINING_ARGS=(
 
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size ${TP:-8}
-    --pipeline-model-parallel-size ${PP:-1}
+    --pipeline-model-parallel-size ${PP:-16}
 )
 
 if [ "$VOCAB_FILE" = MOCK ]; then

@@ -4,10 +4,10 @@
 # come first; anything after `--` goes to pretrain_gpt.py.
 # Usage: bash examples/megatron_lm/gpt_oss.sh --checkpoint-path DIR [--tensorboard-logs-path DIR]
 #            [--tokenizer PATH|MOCK] [--data PATH|MOCK] [-- extra flags...]
-# It asks for 2 pipeline stages (not with its --save yet: PP_SIZE=1 for one), Transformer
-# Engine and flash attention (CUDA); with those dropped (PP_SIZE=1, `-- --transformer-impl
-# local`, and without --use-flash-attn) it trains: upstream's --enable-gpt-oss preset (YaRN
-# RoPE), its windows, sinks, clamped GLU, MoE and FP8 flags are built.
+# It asks for Transformer Engine and flash attention (CUDA); with those dropped (`--
+# --transformer-impl local`, and without --use-flash-attn) it trains at its 2 pipeline stages:
+# upstream's --enable-gpt-oss preset (YaRN RoPE), its windows, sinks, clamped GLU, MoE and FP8
+# flags are built.
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 

@@ -3,8 +3,8 @@
 # unchanged and the model scaled down to 2 ranks (GPUs, or CPU with --distributed-backend gloo).
 # Usage: bash examples/megatron_lm/mixtral_8x7b.sh CHECKPOINT_PATH [TOKENIZER_MODEL DATA_PATH |
 #            MOCK] [extra flags...]
-# It asks for 4 pipeline stages (PP=4), which do not compose with its --save yet: PP=1 runs it,
-# with MoE layers split over EP=2 ranks.
+# It asks for 4 pipeline stages (PP=4) and EP=2, more than 2 ranks hold: PP=1 runs it with MoE
+# layers split over EP=2 ranks, PP=2 EP=1 at two stages.
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 

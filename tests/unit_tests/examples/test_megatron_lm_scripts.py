@@ -212,12 +212,13 @@ def test_mixtral_trains_with_expert_parallelism_and_its_loss_falls(tmp_path):
 
 
 def test_gpt3_175b_validates_at_its_own_sizes(tmp_path):
-    """Upstream's 175B flags as written (TP 8 on one node of 8 GPUs; PP 1, the script's default
-    here): they validate, and the GPT-2 vocabulary pads to 51200 rows, the size Megatron-LM
+    """Upstream's 175B flags as written (TP 8 on each node of 8 GPUs, 16 pipeline stages): they
+    validate on 128 ranks, and the GPT-2 vocabulary pads to 51200 rows, the size Megatron-LM
     reports for it at TP 8 (a multiple of 128 x 8)."""
     flags = [*script_flags(GPT3, tmp_path, folder="gpt3"), "--distributed-backend", "gloo"]
-    args = validate_args(parse_args(args=flags), world_size=8)
-    assert (args.tensor_model_parallel_size, args.data_parallel_size) == (8, 1)
+    args = validate_args(parse_args(args=flags), world_size=128)
+    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    assert (*sizes, args.data_parallel_size) == (8, 16, 1)
     assert (args.num_layers, args.hidden_size, args.fp16) == (96, 12288, True)
     assert args.padded_vocab_size == 51200
 
@@ -255,7 +256,7 @@ def test_gpt3_175b_scaled_down_trains_with_tensor_parallelism(tmp_path):
     """Needs the tensor-parallel model: TP 2 on 2 ranks (one data-parallel rank). Each rank
     holds part of the weights, and both report the same losses."""
     flags = [
-        *script_flags(GPT3, tmp_path, {"TP": "2"}, folder="gpt3"),
+        *script_flags(GPT3, tmp_path, {"TP": "2", "PP": "1"}, folder="gpt3"),
         *GPT3_SCALED_DOWN,
     ]
     ranks = run_distributed(_logged_history, 2, flags)
@@ -272,6 +273,26 @@ def test_gpt3_175b_scaled_down_trains_with_tensor_parallelism(tmp_path):
     assert int(match[1].replace(",", "")) < 0.6 * whole, (logged, whole)
 
 
+def _two_stage_runs(mixtral: list[str], gpt3: list[str]) -> list[list[float]]:
+    return [_history(mixtral).loss_curve(), _history(gpt3).loss_curve()]
+
+
+def test_mixtral_and_gpt3_train_at_two_pipeline_stages(tmp_path):
+    """Upstream's Mixtral (EP 1 here: a stage per rank) and scaled-down 175B flags at 2
+    pipeline stages on 2 ranks: every loss finite, the same on both stages."""
+    mixtral = [
+        *script_flags("mixtral_8x7b.sh", tmp_path / "mixtral", {"PP": "2", "EP": "1"}),
+        "--num-workers",
+        "0",
+    ]
+    gpt3 = script_flags(GPT3, tmp_path / "gpt3", {"PP": "2", "TP": "1"}, folder="gpt3")
+    gpt3 += GPT3_SCALED_DOWN
+    ranks = run_distributed(_two_stage_runs, 2, mixtral, gpt3)
+    assert ranks[1] == ranks[0]
+    for curve in ranks[0]:
+        assert curve and all(math.isfinite(loss) for loss in curve), curve
+
+
 def _refusal_messages(flags: list[str]) -> list[str]:
     """The flag errors validation reports for `flags` on 2 ranks (fails if they validate)."""
     with pytest.raises(ValueError) as error:
@@ -279,28 +300,22 @@ def _refusal_messages(flags: list[str]) -> list[str]:
     return getattr(error.value, "messages", [str(error.value)])
 
 
-def test_gpt_oss_stops_only_at_hardware_and_pipeline_refusals(tmp_path):
-    """Upstream's gpt-oss flags ask for Transformer Engine, 2 pipeline stages with checkpoints
-    (pipeline stages do not compose with --save yet) and flash attention (a CPU has neither):
-    one message names the three, and nothing else is refused."""
+def test_gpt_oss_stops_only_at_hardware_refusals(tmp_path):
+    """Upstream's gpt-oss flags ask for Transformer Engine and flash attention (a CPU has
+    neither): one message names the two, and nothing else is refused."""
     messages = _refusal_messages(script_flags("gpt_oss.sh", tmp_path))
-    assert len(messages) == 3, messages
+    assert len(messages) == 2, messages
     assert messages[0].startswith("--transformer-impl transformer_engine: transformer-engine is")
-    assert messages[1].startswith("--pipeline-model-parallel-size 2 does not compose with --save")
-    assert messages[2].startswith("--use-flash-attn needs a CUDA GPU, which is not available")
+    assert messages[1].startswith("--use-flash-attn needs a CUDA GPU, which is not available")
 
 
 def test_gpt_oss_trains_with_those_dropped(tmp_path):
-    """Upstream's gpt-oss flags at one pipeline stage, with the local layers and without flash
-    attention (`test_gpt_oss_stops_only_at_...`): its preset's YaRN positions, sliding windows
-    on alternate layers, learnable sinks, the clamped GLU, MoE with the alltoall dispatcher,
-    FP8 with FP8 parameter all-gathers, recompute; every loss is finite and the preset says
-    what it set."""
-    flags = [
-        flag
-        for flag in script_flags("gpt_oss.sh", tmp_path, {"PP_SIZE": "1"})
-        if flag != "--use-flash-attn"
-    ]
+    """Upstream's gpt-oss flags, its 2 pipeline stages included, with the local layers and
+    without flash attention (`test_gpt_oss_stops_only_at_...`): its preset's YaRN positions,
+    sliding windows on alternate layers, learnable sinks, the clamped GLU, MoE with the alltoall
+    dispatcher, FP8 with FP8 parameter all-gathers, recompute; every loss is finite and the
+    preset says what it set."""
+    flags = [flag for flag in script_flags("gpt_oss.sh", tmp_path) if flag != "--use-flash-attn"]
     flags += ["--transformer-impl", "local", "--num-workers", "0"]
     history, messages = run_distributed(_logged_history, 2, flags)[0]
     losses = history.loss_curve()
