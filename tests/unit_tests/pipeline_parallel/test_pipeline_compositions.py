@@ -35,7 +35,10 @@ from megatron.core.pipeline_parallel.tied_embeddings import (
 )
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.tensor_parallel.layout import full_tensor
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_logging import (
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+)
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import tracked_metrics
 from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
@@ -250,6 +253,9 @@ def _forward_step(data_iterator, model):
 def _run_case(case: Case) -> list[str]:
     """Runs one iteration of `case` on this rank and checks it against the reference; returns
     the reference names of the parameters checked."""
+    # The trackers are process-wide: what an earlier test on this worker recorded is not ours.
+    destroy_moe_metrics_tracker()
+    get_mtp_loss_logging_helper().clear()
     batches = make_token_batches(NUM_MICROBATCHES, MICRO_BATCH_SIZE * case.dp)
     reference, expected_losses, expected_grads, expected_metrics = _reference(case, batches)
     parallel_state.initialize_model_parallel(

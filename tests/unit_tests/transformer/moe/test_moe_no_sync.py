@@ -103,6 +103,10 @@ def _assert_bitwise(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tens
 def _fake_forward_backward(layer: MoELayer) -> None:
     """The layer's forward and backward on fake tensors: any read of a value raises."""
     destroy_moe_metrics_tracker()  # the routers record into it: fake tensors, dropped below
+    # A scale an earlier training run left is a real tensor, which fake tensors do not mix
+    # with: the default one (1) for this backward.
+    loss_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     mode = FakeTensorMode()
     state = {
         name: mode.from_tensor(tensor)
@@ -116,6 +120,7 @@ def _fake_forward_backward(layer: MoELayer) -> None:
             torch.autograd.grad((output.float() ** 2).sum(), [x, *params])
     finally:
         destroy_moe_metrics_tracker()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = loss_scale
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
