@@ -14,7 +14,7 @@ from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.unit_tests.distributed_harness import run_distributed
-from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, mm, q
 from tests.unit_tests.model_builders import build_tiny_gpt, make_token_batches, tiny_gpt_config
 
 BF16 = dict(params_dtype=torch.bfloat16, bf16=True)
@@ -63,7 +63,7 @@ def test_a_layer_whose_sizes_are_not_multiples_of_16_is_refused_by_name():
 
 class _FakeQuantSlots(Fp8LinearSlots):
     """A layer's FP8 settings whose GEMMs run as the plain-torch reference: quantise with the
-    scale the recipe gives, dequantise, multiply in fp32."""
+    scale the recipe gives, dequantise, multiply in fp32 (`mm`)."""
 
     @classmethod
     def replacing(cls, slots: Fp8LinearSlots) -> _FakeQuantSlots:
@@ -93,7 +93,7 @@ class _FakeQuantLinear(torch.autograd.Function):
         sw = current_scale(weight, E4M3)
         xd = dq(q(x2d, sx, E4M3), sx.reciprocal())
         wd = dq(q(weight, sw, E4M3), sw.reciprocal())
-        product = xd @ wd.t()
+        product = mm(xd, wd.t())
         if bias is not None:
             product = product + bias.float()
         ctx.save_for_backward(xd, wd)
@@ -107,8 +107,8 @@ class _FakeQuantLinear(torch.autograd.Function):
         dtype = ctx.slots.recipe.backward_dtype
         sg = ctx.slots.scale_for(BACKWARD, g2d, dtype)
         gd = dq(q(g2d, sg, dtype), sg.reciprocal())
-        dx = (gd @ wd).to(ctx.dtype).view(ctx.shape)
-        dw = (gd.t() @ xd).to(ctx.dtype)
+        dx = mm(gd, wd).to(ctx.dtype).view(ctx.shape)
+        dw = mm(gd.t(), xd).to(ctx.dtype)
         return dx, dw, g2d.sum(0) if ctx.has_bias else None, None
 
 

@@ -12,7 +12,7 @@ from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.experts import ExpertLinear
-from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, mm, q
 from tests.unit_tests.fp8.test_experts import grouped_kernel  # noqa: F401 (a fixture)
 from tests.unit_tests.fp8.test_model import _FakeQuantSlots
 from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, make_token_batches
@@ -83,7 +83,7 @@ def test_experts_whose_sizes_are_not_multiples_of_16_are_refused_by_name():
 class _FakeQuantExpertSlots(Fp8ExpertSlots):
     """An expert projection's FP8 settings whose GEMMs run as the plain-torch reference: each
     expert's input, output gradient and weight quantised with the scale the recipe gives it,
-    dequantised, multiplied in fp32."""
+    dequantised, multiplied in fp32 (`mm`)."""
 
     @classmethod
     def replacing(cls, slots: Fp8ExpertSlots) -> _FakeQuantExpertSlots:
@@ -121,7 +121,7 @@ class _FakeQuantExperts(torch.autograd.Function):
                 saved.append((None, wd))
                 continue
             xd = _fake_quant(x_e, slots.scale_for(FORWARD, index, x_e, E4M3), E4M3)
-            outputs.append((xd @ wd.t()).to(x.dtype))
+            outputs.append(mm(xd, wd.t()).to(x.dtype))
             saved.append((xd, wd))
         ctx.saved, ctx.slots, ctx.counts, ctx.dtype = saved, slots, counts, x.dtype
         ctx.weight_shape = weight.shape
@@ -137,8 +137,8 @@ class _FakeQuantExperts(torch.autograd.Function):
                 grads_w.append(torch.zeros(ctx.weight_shape[1:], dtype=ctx.dtype))
                 continue
             gd = _fake_quant(g_e, ctx.slots.scale_for(BACKWARD, index, g_e, dtype), dtype)
-            grads_x.append((gd @ wd).to(ctx.dtype))
-            grads_w.append((gd.t() @ xd).to(ctx.dtype))
+            grads_x.append(mm(gd, wd).to(ctx.dtype))
+            grads_w.append(mm(gd.t(), xd).to(ctx.dtype))
         return torch.cat(grads_x), torch.stack(grads_w), None, None
 
 
