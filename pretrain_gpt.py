@@ -69,7 +69,9 @@ def model_provider(
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-        mtp_block_spec=get_gpt_mtp_block_spec(config, decoder_spec, use_transformer_engine=use_te),
+        mtp_block_spec=get_gpt_mtp_block_spec(
+            config, decoder_spec, use_transformer_engine=use_te, vp_stage=vp_stage
+        ),
         vp_stage=vp_stage,
     )
 

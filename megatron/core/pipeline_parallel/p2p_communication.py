@@ -51,6 +51,24 @@ class PendingExchange:
         else:
             self.wait()
 
+    def take(self, index: int) -> torch.Tensor:
+        """Receive `index`'s tensor once it arrived (`wait_for`); the exchange lets go of it,
+        so that it lives no longer than its reader keeps it."""
+        self.wait_for(index)
+        tensor, self.received[index] = self.received[index], None
+        return tensor
+
+    def poll(self) -> bool:
+        """Whether every operation completed, asked without blocking; then the sent tensors
+        are let go."""
+        for position, request in enumerate(self._requests):
+            if request is not None and request.is_completed():
+                self._requests[position] = None
+        done = all(request is None for request in self._requests)
+        if done:
+            self._sent = []
+        return done
+
     def wait(self) -> None:
         """Waits until every operation of the exchange completed (on GPU: until the current
         stream waits for them)."""

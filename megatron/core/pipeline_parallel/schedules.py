@@ -187,10 +187,12 @@ def _run(
                 (t, runner.to_send.pop(_key(t)) if t.send else None) for t in step.exchange
             )
             receives = [t for t in step.exchange if not t.send]
-            for index, (transfer, tensor) in enumerate(zip(receives, exchange.received)):
-                runner.received[_key(transfer)] = tensor
+            for index, transfer in enumerate(receives):
                 runner.pending[_key(transfer)] = (exchange, index)
             if overlap:
+                # Only exchanges with operations left: a completed one would keep its sent
+                # tensors alive to the end of the iteration.
+                issued = [pending for pending in issued if not pending.poll()]
                 issued.append(exchange)
             else:
                 exchange.wait()
@@ -262,7 +264,6 @@ class _PipelineRun:
         self.cp_group = cp_group
         self.pp_size = pp_size
         self.pp_rank = pp_rank
-        self.received: dict[tuple, torch.Tensor] = {}
         # The exchange each received tensor arrives by (and its index there), until taken.
         self.pending: dict[tuple, tuple[PendingExchange, int]] = {}
         self.to_send: dict[tuple, torch.Tensor] = {}
@@ -281,8 +282,7 @@ class _PipelineRun:
     def _take(self, key: tuple) -> torch.Tensor:
         """A received tensor, once its receive completed."""
         exchange, index = self.pending.pop(key)
-        exchange.wait_for(index)
-        return self.received.pop(key)
+        return exchange.take(index)
 
     def run(self, action: Action) -> None:
         if action.kind is Pass.FORWARD:

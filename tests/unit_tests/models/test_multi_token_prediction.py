@@ -354,6 +354,9 @@ def test_the_depths_live_on_the_last_pipeline_chunk():
         assert (block is not None) == built, (pp_rank, vp_stage)
     # One stage (pp_rank None: parallel_state's, or 0 without it) holds them.
     assert get_gpt_mtp_block_spec(case_config(case), spec, use_transformer_engine=False)
+    # With virtual stages, no chunk is "the only one": the caller must say which it builds.
+    with pytest.raises(ValueError, match="pass the chunk's vp_stage"):
+        get_gpt_mtp_block_spec(virtual, spec, use_transformer_engine=False, pp_rank=1)
 
 
 @pytest.mark.parametrize(("freq", "mtp_is_moe"), [([0, 1], True), ([1, 0], False)])

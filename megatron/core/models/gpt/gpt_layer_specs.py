@@ -298,17 +298,18 @@ def get_gpt_mtp_block_spec(
         config: The transformer configuration.
         spec: The decoder's spec: `get_gpt_decoder_block_spec()`'s, or one layer spec.
         use_transformer_engine: Take the norms and the projection from Transformer Engine.
-        vp_stage, pp_rank: The model chunk's pipeline placement: its virtual stage (None: the
-            only one) and pipeline rank (None: this rank's, from parallel_state). The depths
-            live on the last chunk of the last stage, as Megatron-core places them by default.
+        vp_stage, pp_rank: The model chunk's pipeline placement: its virtual stage (None
+            without virtual stages) and pipeline rank (None: this rank's, from
+            parallel_state). The depths live on the last chunk of the last stage, as
+            Megatron-core places them by default.
 
     Returns:
         The block spec for `GPTModel(mtp_block_spec=...)`, or None when
         `config.mtp_num_layers` is None or the chunk is not the model's last.
 
     Raises:
-        ValueError: `spec` is neither, or `pp_rank` is None and parallel_state's pipeline size
-            is not the config's.
+        ValueError: `spec` is neither; `pp_rank` is None and parallel_state's pipeline size
+            is not the config's; or `vp_stage` is None with several virtual stages.
         ImportError: `use_transformer_engine` without transformer-engine installed.
     """
     if config.mtp_num_layers is None:
@@ -316,6 +317,11 @@ def get_gpt_mtp_block_spec(
     if pp_rank is None:
         pp_rank = pipeline_rank(config, None)
     last_chunk = (config.virtual_pipeline_model_parallel_size or 1) - 1
+    if vp_stage is None and last_chunk > 0:
+        raise ValueError(
+            f"{last_chunk + 1} virtual pipeline stages: pass the chunk's vp_stage, the depths "
+            "live on the last chunk only."
+        )
     if pp_rank != config.pipeline_model_parallel_size - 1 or vp_stage not in (None, last_chunk):
         return None
     if isinstance(spec, TransformerBlockSubmodules):
