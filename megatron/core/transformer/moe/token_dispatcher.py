@@ -428,6 +428,9 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
             # The padding rows point at a row of zeros after the tokens.
             real = torch.arange(num_rows, device=tokens.device) < tokens_per_expert.sum()
             self.token_index = torch.where(real, self.token_index, self.num_gathered)
+            # Weight 0: the experts' padding outputs are unspecified (NaN, say), and 0 x NaN
+            # would reach the routing probabilities' gradient.
+            expert_probs = torch.where(real, expert_probs, 0)
             tokens = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
         expert_input = tokens.index_select(0, self.token_index)
         return expert_input, tokens_per_expert, expert_probs
