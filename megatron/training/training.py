@@ -66,7 +66,9 @@ from megatron.core.pipeline_parallel.tied_embeddings import (
     broadcast_tied_embeddings,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
+from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
 from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.training.cuda_graphs import GraphedIteration
@@ -557,6 +559,10 @@ def train(
     chunks = model_chunks(model)
     for chunk in chunks:
         chunk.train()
+    # The trackers are process-wide: what was recorded before this loop (another model in the
+    # process, a forward outside training) is not this run's first iteration's.
+    get_moe_metrics_tracker().clear()
+    get_mtp_loss_logging_helper().clear()
     print_rank_0("> training ...")
     batch_sizes = batch_size_schedule(args)
     graph = None
