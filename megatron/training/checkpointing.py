@@ -428,6 +428,7 @@ def load_checkpoint(
     swaps = stride_free_for_checkpoint(state, values=False)
     dcp.load(state, storage_reader=FileSystemReader(path))
     restore_after_load(swaps)
+    unfit = None
     try:
         # DCP fills tensors in place but replaces non-tensor entries (extra states) in
         # `state`; the tensors the checkpoint lacks come from `model_state`, as they were.
@@ -438,7 +439,10 @@ def load_checkpoint(
         # another number of slots). The tensor check above refuses another model before
         # anything is read, so only an extra state written by other code gets here, after the
         # weights were read.
-        raise CheckpointError(f"{path} does not fit this model: {error}") from error
+        unfit = CheckpointError(f"{path} does not fit this model: {error}")
+        unfit.__cause__ = error
+    # A stage's own extra states can fail on its ranks only.
+    raise_on_every_rank(unfit)
     if load_optimizer:
         optimizer.load_sharded_state_dict({**state["optimizer"], "param_groups": groups})
         scheduler.load_state_dict(common["opt_param_scheduler"], groups)
