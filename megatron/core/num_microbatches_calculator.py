@@ -97,6 +97,25 @@ class BatchSizeSchedule:
             iterations += 1
         return iterations
 
+    def sizes_within(self, iterations: int) -> list[tuple[int, int]]:
+        """The global batch sizes the first `iterations` iterations use, as (consumed samples
+        when the size starts, size) pairs in order: one pass over the steps, not over the
+        iterations."""
+        used: list[tuple[int, int]] = []
+        consumed = 0
+        while iterations > 0:
+            size = self.global_batch_size(consumed)
+            if not used or used[-1][1] != size:
+                used.append((consumed, size))
+            later = [threshold for threshold, _ in self.steps if threshold > consumed]
+            if not later:
+                break
+            # Iterations at this size until the next threshold is reached (or passed).
+            run = min(iterations, -(-(later[0] - consumed) // size))
+            consumed += run * size
+            iterations -= run
+        return used
+
     def samples_after(self, consumed_samples: int, iterations: int) -> int:
         """Consumed samples after `iterations` more iterations from `consumed_samples`."""
         if len(self.steps) == 1:

@@ -599,7 +599,6 @@ _DERIVING_CHECKS: tuple[tuple[Callable[[argparse.Namespace], None], str, tuple[s
     (validate_transformer_options, "transformer", ("model",)),
     (validate_batch_schedule, "batch schedule", ("parallelism",)),
     (_validate_batch, "batch", ("batch schedule",)),
-    (validate_interleaving, "interleaving", ("pipeline", "batch")),
     # Compares float flags: a value out of range would be reported again, as out of bounds.
     (
         _validate_weight_decay_and_lr_bounds,
@@ -607,6 +606,8 @@ _DERIVING_CHECKS: tuple[tuple[Callable[[argparse.Namespace], None], str, tuple[s
         ("required", "check_float_flags"),
     ),
     (validate_training_length, "training length", ("batch",)),
+    # Every scheduled batch size within --train-iters.
+    (validate_interleaving, "interleaving", ("pipeline", "batch", "training length")),
     (validate_lr_schedule, "lr schedule", ("training length", "weight decay and lr")),
     (validate_cuda_graphs, "cuda graphs", ("parallelism", "moe")),
     (_validate_data, "data sources", ("sizes", "validate_tokenizer", "validate_data")),

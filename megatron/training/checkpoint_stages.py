@@ -120,15 +120,18 @@ def merge_param_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[st
     saved with its parameters' global names): groups of the same hyperparameters are one
     group, holding every rank's parameters once, in the order they first appear."""
     merged: dict[tuple, dict[str, Any]] = {}
+    # Each group's names as an ordered set: a list scan per name would cost parameters x ranks
+    # per name (every data-parallel rank of a stage lists the same names).
+    names: dict[tuple, dict[str, None]] = {}
     for groups in per_rank:
         for group in groups:
             hyperparameters = {key: value for key, value in group.items() if key != "params"}
             key = tuple(sorted((name, repr(value)) for name, value in hyperparameters.items()))
             if key not in merged:
-                merged[key] = {**hyperparameters, "params": []}
-            params = merged[key]["params"]
-            params.extend(name for name in group["params"] if name not in params)
-    return list(merged.values())
+                merged[key] = hyperparameters
+                names[key] = {}
+            names[key].update(dict.fromkeys(group["params"]))
+    return [{**merged[key], "params": list(names[key])} for key in merged]
 
 
 def saved_optimizer_tensors_here(

@@ -1,6 +1,7 @@
 """The multi-rank harness reports results, propagates failures and bounds hangs."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -73,3 +74,33 @@ def test_a_test_leaves_no_process_group_alive():
     # destroyed it would add some on every call.
     counts = [run_distributed(_wrap_fsdp_and_count_threads, 2)[0] for _ in range(3)]
     assert counts[2] == counts[1], f"threads per call: {counts}"
+
+
+class _Cycle:
+    """An object in a reference cycle with itself (only the collector frees it)."""
+
+    def __init__(self):
+        self.me = self
+
+
+_kept: dict[str, object] = {}
+"""Worker-process state across calls: what a test kept, and a weak reference to it."""
+
+
+def _keep_a_cycle() -> None:
+    cycle = _Cycle()
+    _kept["cycle"], _kept["ref"] = cycle, weakref.ref(cycle)
+
+
+def _drop_the_cycle_and_check() -> bool:
+    """Drops the kept cycle (after a call froze it); True while it is still alive."""
+    _kept.pop("cycle", None)
+    return _kept["ref"]() is not None
+
+
+def test_a_frozen_cycle_that_becomes_garbage_is_collected():
+    # The harness freezes what survives each call; a cycle that becomes garbage later must
+    # still be freed by one of the periodic full collections.
+    run_distributed(_keep_a_cycle, 1)
+    alive = [run_distributed(_drop_the_cycle_and_check, 1)[0] for _ in range(25)]
+    assert not alive[-1], f"alive after each call: {alive}"

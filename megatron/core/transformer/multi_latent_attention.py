@@ -84,6 +84,32 @@ ATTENTION_KERNELS: tuple[torch._ops.OpOverload, ...] = tuple(
 math kernel, and the `local` backend, are plain operators, recomputed with the rest)."""
 
 
+def mla_rotary_embedding(
+    config: MLATransformerConfig, interleaved: bool = True
+) -> RotaryEmbedding | YarnRotaryEmbedding:
+    """The rotary embedding of MLA's rotated channels (`qk_pos_emb_head_dim`): plain RoPE for
+    `rope_type="rope"`, else YaRN with the config's scaling. MLA rotates adjacent channel pairs
+    (`interleaved`); upstream rotates the halves, which `interleaved=False` gives."""
+    if config.rope_type == "rope":
+        return RotaryEmbedding(
+            config.qk_pos_emb_head_dim,
+            config.rotary_percent,
+            rotary_interleaved=interleaved,
+            rotary_base=config.rotary_base,
+        )
+    return YarnRotaryEmbedding(
+        config.qk_pos_emb_head_dim,
+        rotary_interleaved=interleaved,
+        rotary_base=config.rotary_base,
+        scaling_factor=config.rotary_scaling_factor,
+        original_max_position_embeddings=config.original_max_position_embeddings,
+        beta_fast=config.beta_fast,
+        beta_slow=config.beta_slow,
+        mscale=config.mscale,
+        mscale_all_dim=config.mscale_all_dim,
+    )
+
+
 @dataclass
 class MLASelfAttentionSubmodules:
     """Specs of the parts of `MLASelfAttention` (Megatron-core's names).
@@ -195,7 +221,7 @@ class MLASelfAttention(Attention):
         self.q_layernorm, self.kv_layernorm = self._build_latent_norms(
             submodules, split_sequence_group
         )
-        self.rotary_pos_emb = self._build_rotary_embedding(config)
+        self.rotary_pos_emb = mla_rotary_embedding(config)
         self.cp_group = resolve_cp_group(None if pg_collection is None else pg_collection.cp)
         self.pad_value = (
             config.attention_backend == AttnBackend.flash and config.v_head_dim != self.q_head_dim
@@ -249,27 +275,6 @@ class MLASelfAttention(Attention):
             for name, (spec, size) in specs.items()
         }
         return norms.get("q_layernorm"), norms["kv_layernorm"]
-
-    @staticmethod
-    def _build_rotary_embedding(config: MLATransformerConfig) -> RotaryEmbedding:
-        if config.rope_type == "rope":
-            return RotaryEmbedding(
-                config.qk_pos_emb_head_dim,
-                config.rotary_percent,
-                rotary_interleaved=True,
-                rotary_base=config.rotary_base,
-            )
-        return YarnRotaryEmbedding(
-            config.qk_pos_emb_head_dim,
-            rotary_interleaved=True,
-            rotary_base=config.rotary_base,
-            scaling_factor=config.rotary_scaling_factor,
-            original_max_position_embeddings=config.original_max_position_embeddings,
-            beta_fast=config.beta_fast,
-            beta_slow=config.beta_slow,
-            mscale=config.mscale,
-            mscale_all_dim=config.mscale_all_dim,
-        )
 
     def forward(
         self,

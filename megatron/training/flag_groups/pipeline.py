@@ -9,6 +9,7 @@ import argparse
 from megatron.core.pipeline_parallel.layer_split import PipelineSplit
 from megatron.core.pipeline_parallel.schedule_order import check_interleaving
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
+from megatron.training.flag_groups.training_schedule import batch_size_schedule
 
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
@@ -192,26 +193,41 @@ def _virtual_stages(args: argparse.Namespace) -> int | None:
 
 
 def validate_interleaving(args: argparse.Namespace) -> None:
-    """With virtual stages and a constant global batch, the number of microbatches must suit
+    """With virtual stages, the number of microbatches of every global batch size the run uses
+    (the constant one, or each size of a batch-size schedule within `--train-iters`) must suit
     the interleaved schedule (`schedule_order.check_interleaving`, Megatron-LM's rule: at least
-    the pipeline size, and no last group of microbatches shorter than it). A batch-size
-    schedule's sizes are checked by the schedule at each iteration.
+    the pipeline size, and no last group of microbatches shorter than it). Megatron-LM finds a
+    scheduled size that does not fit at the iteration that reaches it; here the run does not
+    start.
 
     Raises:
         ValueError: naming the flags and the fix.
     """
     if args.virtual_pipeline_model_parallel_size is None:
         return
-    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
-        return
     pp_size = args.pipeline_model_parallel_size
-    try:
-        check_interleaving(pp_size, args.num_microbatches, pp_size)
-    except ValueError as error:
-        raise ValueError(
-            f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} "
-            f"microbatch(es) (of --micro-batch-size {args.micro_batch_size} x data-parallel "
-            f"size {args.data_parallel_size}), which the interleaved schedule of "
-            f"{args.virtual_pipeline_model_parallel_size} virtual stages per rank cannot run: "
-            f"{error}"
-        ) from error
+    per_step = args.micro_batch_size * args.data_parallel_size
+    scheduled = args.rampup_batch_size is not None or args.step_batch_size_schedule is not None
+    sizes = batch_size_schedule(args).sizes_within(args.train_iters) if scheduled else []
+    for consumed, global_batch_size in sizes or [(0, args.global_batch_size)]:
+        num_microbatches = global_batch_size // per_step
+        try:
+            check_interleaving(pp_size, num_microbatches, pp_size)
+        except ValueError as error:
+            source = f"--global-batch-size {global_batch_size}"
+            if scheduled:
+                flag = (
+                    "--rampup-batch-size"
+                    if args.rampup_batch_size is not None
+                    else "--step-batch-size-schedule"
+                )
+                source = (
+                    f"{flag} (a global batch of {global_batch_size} after {consumed} consumed "
+                    "samples)"
+                )
+            raise ValueError(
+                f"{source} gives {num_microbatches} microbatch(es) (of --micro-batch-size "
+                f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}), "
+                f"which the interleaved schedule of {args.virtual_pipeline_model_parallel_size} "
+                f"virtual stages per rank cannot run: {error}"
+            ) from error

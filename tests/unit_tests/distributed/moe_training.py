@@ -62,6 +62,15 @@ class RunResult:
     grad_norms: list[float] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def assert_matches(self, expected: RunResult, where: str) -> None:
+        """This run's losses, norms and every weight are `expected`'s (`where` names the run in
+        a failure)."""
+        torch.testing.assert_close(self.losses, expected.losses, msg=f"{where} losses")
+        torch.testing.assert_close(self.grad_norms, expected.grad_norms, msg=f"{where} norms")
+        assert self.weights.keys() == expected.weights.keys()
+        for name, weight in expected.weights.items():
+            torch.testing.assert_close(self.weights[name], weight, msg=f"{where} {name}")
+
 
 def optimizer_config(momentum: float = 0.0) -> OptimizerConfig:
     # SGD is linear in the gradient: scaling errors show in the weights (Adam would normalise

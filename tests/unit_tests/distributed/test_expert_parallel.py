@@ -55,11 +55,7 @@ def _compare_with_reference(
     for ep in ep_sizes:
         actual = engine_run(builder, engine, ep, batches)
         parallel_state.destroy_model_parallel()
-        torch.testing.assert_close(actual.losses, expected.losses)
-        torch.testing.assert_close(actual.grad_norms, expected.grad_norms)
-        assert actual.weights.keys() == expected.weights.keys()
-        for name, weight in expected.weights.items():
-            torch.testing.assert_close(actual.weights[name], weight, msg=f"EP={ep} {name}")
+        actual.assert_matches(expected, f"EP={ep}")
 
 
 @pytest.mark.parametrize(

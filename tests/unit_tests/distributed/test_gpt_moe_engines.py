@@ -108,11 +108,7 @@ def _compare(
     for ep in ep_sizes:
         actual = engine_run(builder, engine, ep, batches, layer_class=TransformerLayer)
         parallel_state.destroy_model_parallel()
-        torch.testing.assert_close(actual.losses, expected.losses, msg=f"EP={ep} losses")
-        torch.testing.assert_close(actual.grad_norms, expected.grad_norms, msg=f"EP={ep} norms")
-        assert actual.weights.keys() == expected.weights.keys()
-        for name, weight in expected.weights.items():
-            torch.testing.assert_close(actual.weights[name], weight, msg=f"EP={ep} {name}")
+        actual.assert_matches(expected, f"EP={ep}")
 
 
 @pytest.mark.parametrize(

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from tests.unit_tests.models.fixtures import yarn_cases
+from tests.unit_tests.upstream_parity import assert_matches_golden, case_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "upstream_yarn.pt"
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 40, 2, 4, 2, 16
@@ -208,12 +207,9 @@ def test_self_attention_scales_the_rotated_queries_and_keys(name):
 # --- the same function as Megatron-core 0.19.2 ---
 
 
-def _local_gpt(case: dict) -> GPTModel:
-    fields = dict(case["config"])
-    activation = {"silu": F.silu, "quick_gelu": quick_gelu}[fields.pop("activation")]
-    config = TransformerConfig(**fields, activation_func=activation)
+def _local_gpt(case: dict, **overrides) -> GPTModel:
     return GPTModel(
-        config,
+        case_config(case["config"], **overrides),
         get_gpt_layer_local_spec(),
         vocab_size=yarn_cases.VOCAB,
         max_sequence_length=yarn_cases.SEQ,
@@ -243,13 +239,7 @@ def test_gpt_matches_megatron_core_on_the_same_weights(name, golden):
     )
     tokens, labels = yarn_cases.batch(case)
     assert torch.equal(tokens, expected["tokens"]) and torch.equal(labels, expected["labels"])
-    loss = model(tokens, labels=labels)
-    torch.testing.assert_close(loss, expected["loss"])
-    loss.sum().backward()
-    grads = {param_name: param.grad for param_name, param in model.named_parameters()}
-    assert grads.keys() == expected["grads"].keys()
-    for param_name, grad in expected["grads"].items():
-        torch.testing.assert_close(grads[param_name], grad, msg=param_name)
+    assert_matches_golden(model, tokens, labels, expected)
 
 
 @pytest.mark.gpu
@@ -259,25 +249,10 @@ def test_gpt_on_cuda_with_fused_rope_matches_megatron_core(name, golden):
     concentration factor) in the fused Triton kernel, windows and sinks in FlexAttention."""
     torch._dynamo.reset()
     case, expected = yarn_cases.CASES[name], golden[name]
-    fields = dict(case["config"])
-    activation = {"silu": F.silu, "quick_gelu": quick_gelu}[fields.pop("activation")]
-    config = TransformerConfig(**fields, activation_func=activation, apply_rope_fusion=True)
-    model = GPTModel(
-        config,
-        get_gpt_layer_local_spec(),
-        vocab_size=yarn_cases.VOCAB,
-        max_sequence_length=yarn_cases.SEQ,
-        position_embedding_type="yarn",
-        rotary_base=case["rotary_base"],
-    ).cuda()
+    model = _local_gpt(case, apply_rope_fusion=True).cuda()
     model.load_state_dict(expected["state_dict"])
     tokens, labels = (t.cuda() for t in yarn_cases.batch(case))
-    loss = model(tokens, labels=labels)
-    torch.testing.assert_close(loss.cpu(), expected["loss"], rtol=1e-4, atol=1e-5)
-    loss.sum().backward()
-    for param_name, param in model.named_parameters():
-        wanted = expected["grads"][param_name]
-        torch.testing.assert_close(param.grad.cpu(), wanted, rtol=1e-4, atol=1e-5, msg=param_name)
+    assert_matches_golden(model, tokens, labels, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_the_fixture_tells_yarn_from_rope(golden):
@@ -285,9 +260,8 @@ def test_the_fixture_tells_yarn_from_rope(golden):
     another loss: the comparison above checks YaRN, not only the rest of the model."""
     case = yarn_cases.CASES["yarn"]
     fields, _ = yarn_cases.split_yarn(case["config"])
-    activation = {"silu": F.silu, "quick_gelu": quick_gelu}[fields.pop("activation")]
     model = GPTModel(
-        TransformerConfig(**fields, activation_func=activation),
+        case_config(fields),
         get_gpt_layer_local_spec(),
         vocab_size=yarn_cases.VOCAB,
         max_sequence_length=yarn_cases.SEQ,

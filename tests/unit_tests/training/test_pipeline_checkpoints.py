@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron.training.checkpoint_layout import COMMON_FILENAME, checkpoint_dir, saved_entries
+from megatron.training.checkpoint_stages import merge_param_groups
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.checkpoint_checks import (
     RUN,
@@ -132,3 +133,16 @@ def test_fp8_state_of_each_stage_resumes(tmp_path):
     resumed = run_distributed(main, 2, [*flags, "--load", root, "--ckpt-step", "2"])[0]
     assert resumed.start_iteration == 2
     assert_histories_equal(resumed, resumed_part(straight, 2))
+
+
+def test_merged_param_groups_hold_each_name_once_in_first_seen_order():
+    decay, no_decay = {"lr": 1e-3, "weight_decay": 0.1}, {"lr": 1e-3, "weight_decay": 0.0}
+    stage_0 = [{**decay, "params": ["a.w", "b.w"]}, {**no_decay, "params": ["a.b"]}]
+    stage_1 = [{**no_decay, "params": ["c.b", "a.b"]}, {**decay, "params": ["c.w", "a.w"]}]
+    # Two data-parallel ranks of each stage list the same names.
+    merged = merge_param_groups([stage_0, stage_0, stage_1, stage_1])
+    assert merged == [
+        {**decay, "params": ["a.w", "b.w", "c.w"]},
+        {**no_decay, "params": ["a.b", "c.b"]},
+    ]
+    assert list(merged[0]) == ["lr", "weight_decay", "params"]

@@ -192,11 +192,35 @@ def test_virtual_stages_follow_megatron_lms_derivation(flags, virtual):
         # 1 microbatch (fewer than the 2 stages), then 3 (a last group of 1 < 2).
         (["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "2"], "gives 1"),
         (["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "6"], "gives 3"),
+        # Scheduled sizes are checked at start-up: a ramp from 2 (1 microbatch) ...
+        (
+            [*VIRTUAL[2:], "--rampup-batch-size", "2", "2", "32", "--global-batch-size", "8"],
+            r"--rampup-batch-size \(a global batch of 2 after 0 consumed samples\) gives 1",
+        ),
+        # ... and a step to 6 (3 microbatches) after 160 tokens (10 samples), which the
+        # 4 iterations of 8 samples reach.
+        (
+            [*VIRTUAL[2:], "--step-batch-size-schedule", "0:8 160:6"],
+            r"a global batch of 6 after 16 consumed samples\) gives 3",
+        ),
     ],
 )
 def test_bad_virtual_stages_are_refused_naming_the_flags(flags, named):
     with pytest.raises(ValueError, match=named):
         _validated("--num-layers", "8", "--pipeline-model-parallel-size", "2", *flags)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        ["--rampup-batch-size", "4", "4", "8", "--global-batch-size", "8"],
+        # The step to 6 comes after 1000 samples, beyond the 4 iterations' 32.
+        ["--step-batch-size-schedule", "0:8 16000:6"],
+    ],
+)
+def test_scheduled_batch_sizes_that_suit_the_interleaved_schedule_are_accepted(schedule):
+    args = _validated("--num-layers", "8", *VIRTUAL, *schedule)
+    assert args.virtual_pipeline_model_parallel_size == 2
 
 
 @pytest.mark.parametrize(

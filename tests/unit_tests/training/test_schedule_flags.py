@@ -275,6 +275,20 @@ def test_iterations_for_samples_follow_the_schedule():
     assert schedule.samples_after(0, 6) == consumed == 52
 
 
+@pytest.mark.parametrize("iterations", [0, 1, 2, 3, 4, 6, 50])
+def test_sizes_within_are_the_sizes_the_iterations_use(iterations):
+    # Thresholds the iterations pass over (9 and 10 fall inside one batch of 8) included.
+    # A step to the same size (16: 12) is no new size.
+    schedule = BatchSizeSchedule(((0, 4), (6, 8), (9, 2), (10, 12), (16, 12)))
+    walked, consumed = [], 0
+    for _ in range(iterations):
+        size = schedule.global_batch_size(consumed)
+        if not walked or walked[-1][1] != size:
+            walked.append((consumed, size))
+        consumed += size
+    assert schedule.sizes_within(iterations) == walked
+
+
 _forward_calls: list[int] = []
 
 

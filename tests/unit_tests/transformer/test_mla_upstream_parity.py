@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from megatron.core.models.common.embeddings import (
-    RotaryEmbedding,
-    YarnRotaryEmbedding,
     apply_rotary_pos_emb,
 )
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.transformer.multi_latent_attention import mla_rotary_embedding
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from tests.unit_tests.transformer.fixtures import mla_cases
@@ -55,33 +54,11 @@ def test_attention_equals_upstream(case, upstream):
         torch.testing.assert_close(param.grad, grads[name], msg=name)
 
 
-def _embedding(config: MLATransformerConfig, interleaved: bool) -> RotaryEmbedding:
-    """This project's rotary embedding for `config`'s rotated channels."""
-    if config.rope_type == "rope":
-        return RotaryEmbedding(
-            config.qk_pos_emb_head_dim,
-            config.rotary_percent,
-            rotary_interleaved=interleaved,
-            rotary_base=config.rotary_base,
-        )
-    return YarnRotaryEmbedding(
-        config.qk_pos_emb_head_dim,
-        rotary_interleaved=interleaved,
-        rotary_base=config.rotary_base,
-        scaling_factor=config.rotary_scaling_factor,
-        original_max_position_embeddings=config.original_max_position_embeddings,
-        beta_fast=config.beta_fast,
-        beta_slow=config.beta_slow,
-        mscale=config.mscale,
-        mscale_all_dim=config.mscale_all_dim,
-    )
-
-
 @pytest.mark.parametrize("case", list(mla_cases.CASES))
 def test_angles_and_concentration_factor_equal_upstreams(case, upstream):
     config = MLATransformerConfig(**mla_cases.CASES[case])
     data = _part(upstream, f"{case}/rope/")
-    embedding = _embedding(config, interleaved=False)  # upstream's layout: the halves
+    embedding = mla_rotary_embedding(config, interleaved=False)  # upstream's layout: the halves
     torch.testing.assert_close(embedding(mla_cases.SEQ), data["angles"], rtol=0, atol=0)
     assert embedding.concentration_factor == pytest.approx(data["mscale"].item(), rel=1e-12)
 
@@ -92,7 +69,7 @@ def test_rotation_is_upstreams_up_to_its_channel_order(case, upstream):
     channels i and i + d/2 (of queries and keys alike, so their dot products are equal)."""
     config = MLATransformerConfig(**mla_cases.CASES[case])
     data = _part(upstream, f"{case}/rope/")
-    embedding = _embedding(config, interleaved=True)
+    embedding = mla_rotary_embedding(config, interleaved=True)
     rotated = apply_rotary_pos_emb(
         data["input"],
         embedding(mla_cases.SEQ),

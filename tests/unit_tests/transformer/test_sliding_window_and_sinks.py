@@ -33,6 +33,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.transformer.fixtures import gpt_oss_cases
+from tests.unit_tests.upstream_parity import assert_matches_golden, case_config
 
 SEQ, BATCH, HEADS, GROUPS, HEAD_DIM = 12, 2, 4, 2, 8
 CUDA_SEQ, CUDA_HEAD_DIM = 300, 16  # a partial last block of 128; FlexAttention's narrowest head
@@ -377,11 +378,8 @@ def test_experts_apply_the_clamped_glu(grouped):
 
 
 def _local_gpt(case: dict) -> GPTModel:
-    fields = dict(case["config"])
-    activation = {"silu": F.silu, "quick_gelu": quick_gelu}[fields.pop("activation")]
-    config = TransformerConfig(**fields, activation_func=activation)
     return GPTModel(
-        config,
+        case_config(case["config"]),
         get_gpt_layer_local_spec(),
         vocab_size=gpt_oss_cases.VOCAB,
         max_sequence_length=gpt_oss_cases.SEQ,
@@ -398,13 +396,7 @@ def test_gpt_matches_megatron_core_on_the_same_weights(name):
     model.load_state_dict(expected["state_dict"])
     tokens, labels = gpt_oss_cases.batch(case)
     assert torch.equal(tokens, expected["tokens"]) and torch.equal(labels, expected["labels"])
-    loss = model(tokens, labels=labels)
-    torch.testing.assert_close(loss, expected["loss"])
-    loss.sum().backward()
-    grads = {name: param.grad for name, param in model.named_parameters()}
-    assert grads.keys() == expected["grads"].keys()
-    for param, grad in expected["grads"].items():
-        torch.testing.assert_close(grads[param], grad, msg=param)
+    assert_matches_golden(model, tokens, labels, expected)
 
 
 # --- FlexAttention on CUDA (compiled, forward and backward) ---
@@ -487,12 +479,7 @@ def test_gpt_on_cuda_matches_megatron_core(name):
     model = _local_gpt(case).cuda()
     model.load_state_dict(expected["state_dict"])
     tokens, labels = (t.cuda() for t in gpt_oss_cases.batch(case))
-    loss = model(tokens, labels=labels)
-    torch.testing.assert_close(loss.cpu(), expected["loss"], rtol=1e-4, atol=1e-5)
-    loss.sum().backward()
-    for param_name, param in model.named_parameters():
-        wanted = expected["grads"][param_name]
-        torch.testing.assert_close(param.grad.cpu(), wanted, rtol=1e-4, atol=1e-5, msg=param_name)
+    assert_matches_golden(model, tokens, labels, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

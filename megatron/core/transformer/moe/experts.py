@@ -345,9 +345,6 @@ class SequentialMLP(MegatronModule):
     ):
         super().__init__(config)
         self.num_local_experts = num_local_experts
-        self.gemm = self.GEMM
-        """How the GEMMs run: the class's `GEMM`, or FP8 once the transformer block gives the
-        projections FP8 settings (`enable_fp8`)."""
         ffn = config.moe_ffn_hidden_size
         bias = config.add_bias_linear
         hidden = config.hidden_size
@@ -380,10 +377,15 @@ class SequentialMLP(MegatronModule):
             **groups,
         )
 
+    @property
+    def gemm(self) -> ExpertGemm:
+        """How the GEMMs run: the class's `GEMM`, or FP8 once the transformer block gives the
+        projections FP8 settings (`enable_fp8`)."""
+        return self.GEMM if self.linear_fc1.fp8 is None else ExpertGemm.FP8
+
     def enable_fp8(self, fc1: Fp8ExpertSlots, fc2: Fp8ExpertSlots) -> None:
         """Runs the projections' GEMMs in FP8 with these settings (`ExpertGemm.FP8`)."""
         self.linear_fc1.fp8, self.linear_fc2.fp8 = fc1, fc2
-        self.gemm = ExpertGemm.FP8
 
     def forward(
         self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor
@@ -416,9 +418,9 @@ class SequentialMLP(MegatronModule):
     def _projection(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> Projection:
         """How this forward multiplies rows by their experts' weights, decided once for both
         projections by `gemm`."""
-        fp8 = self.gemm is ExpertGemm.FP8
-        assert fp8 == (self.linear_fc1.fp8 is not None), "FP8 settings come by enable_fp8"
-        if self.gemm is ExpertGemm.GROUPED:
+        gemm = self.gemm
+        fp8 = gemm is ExpertGemm.FP8
+        if gemm is ExpertGemm.GROUPED:
             return self._grouped_projection(tokens, tokens_per_expert)
         counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8
         real = sum(counts)

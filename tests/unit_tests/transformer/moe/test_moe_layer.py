@@ -22,9 +22,17 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.model_builders import MOE_STATE_VARIANTS
+from tests.unit_tests.transformer.moe.moe_checks import (
+    BATCH,
+    EXPERTS,
+    HIDDEN,
+    SEQ,
+    TOPK,
+    WORLD,
+    moe_config,
+    moe_layer,
+)
 
-WORLD = 4
-SEQ, BATCH, HIDDEN, EXPERTS, TOPK = 4, 2, 32, 8, 2
 DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
 VARIANTS = [
     dict(  # SwiGLU experts, shared experts with their gate, all-to-all
@@ -38,25 +46,6 @@ VARIANTS = [
     dict(moe_token_dispatcher_type="allgather", moe_router_pre_softmax=True, moe_grouped_gemm=True),
     dict(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True),
 ]
-
-
-def _config(ep: int, **overrides) -> TransformerConfig:
-    fields = dict(
-        num_layers=2,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=16,
-        moe_router_topk=TOPK,
-        expert_model_parallel_size=ep,
-    )
-    return TransformerConfig(**{**fields, **overrides})
-
-
-def _layer(config: TransformerConfig) -> MoELayer:
-    torch.manual_seed(123)
-    spec = get_moe_module_spec(moe_grouped_gemm=config.moe_grouped_gemm)
-    return MoELayer(config, spec.submodules, layer_number=1).to(current_device())
 
 
 def _data(rank: int, seed: int) -> torch.Tensor:
@@ -110,12 +99,12 @@ def _reference(x: torch.Tensor, params: dict[str, torch.Tensor], config) -> torc
 def _moe_layer_matches_reference(ep: int) -> None:
     rank = dist.get_rank()
     # Built before the groups exist: expert-parallel size 1, all experts, the global weights.
-    references = [_layer(_config(1, **variant)) for variant in VARIANTS]
+    references = [moe_layer(moe_config(1, **variant)) for variant in VARIANTS]
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     group_ranks = parallel_state.get_group_ranks("ep")
     for seed, (variant, reference) in enumerate(zip(VARIANTS, references)):
-        config = _config(ep, **variant)
-        layer = _layer(config)
+        config = moe_config(ep, **variant)
+        layer = moe_layer(config)
         local = slice(layer.local_expert_indices[0], layer.local_expert_indices[-1] + 1)
         global_params = dict(reference.named_parameters())
         for name, param in layer.named_parameters():
@@ -176,7 +165,7 @@ def _dispatch_round_trip(ep: int, etp: int, kind: str) -> None:
     parallel_state.initialize_model_parallel(
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
-    config = _config(ep, moe_token_dispatcher_type=kind, expert_tensor_parallel_size=etp)
+    config = moe_config(ep, moe_token_dispatcher_type=kind, expert_tensor_parallel_size=etp)
     dropless = DispatchSizing.FIXED if ep * etp == 1 else DispatchSizing.WORST_CASE
     for sizing, drop_first in ((DispatchSizing.HOST, True), (dropless, False)):
         dispatcher = DISPATCHERS[kind](
@@ -230,7 +219,7 @@ def _experts(cls: type, config: TransformerConfig) -> SequentialMLP:
 
 
 def test_grouped_and_sequential_experts_agree():
-    config = _config(1, add_bias_linear=True, gated_linear_unit=True, activation_func=F.silu)
+    config = moe_config(1, add_bias_linear=True, gated_linear_unit=True, activation_func=F.silu)
     counts = torch.tensor([3, 0, 5, 1])  # an expert without tokens
     tokens = torch.randn(9, HIDDEN, requires_grad=True)
     probs = torch.rand(9)
@@ -249,7 +238,7 @@ def test_grouped_and_sequential_experts_agree():
 
 
 def test_experts_without_tokens_still_get_gradients():
-    experts = _experts(SequentialMLP, _config(1))
+    experts = _experts(SequentialMLP, moe_config(1))
     output = experts(torch.zeros(0, HIDDEN), torch.zeros(4, dtype=torch.long), torch.zeros(0))
     output.sum().backward()
     assert all(p.grad is not None and p.grad.eq(0).all() for p in experts.parameters())
@@ -260,13 +249,13 @@ def test_padded_capacity_combines_each_token_from_its_own_rows(kind):
     """Capacity factor 1 with padding makes E x capacity = T x k rows, yet tokens hold
     different numbers of them (dropped routes, padding rows of probability 0): each token's
     output is still the sum of its kept experts' MLPs weighted by its router probabilities."""
-    config = _config(
+    config = moe_config(
         1,
         moe_token_dispatcher_type=kind,
         moe_expert_capacity_factor=1.0,
         moe_pad_expert_input_to_capacity=True,
     )
-    layer = _layer(config)
+    layer = moe_layer(config)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         probs, routing_map = layer.router(x)
@@ -292,7 +281,7 @@ def test_padded_capacity_combines_each_token_from_its_own_rows(kind):
 
 @pytest.mark.gpu
 def test_grouped_gemm_matches_the_loop_in_bf16_on_cuda():
-    config = _config(1, params_dtype=torch.bfloat16, bf16=True, add_bias_linear=False)
+    config = moe_config(1, params_dtype=torch.bfloat16, bf16=True, add_bias_linear=False)
     counts = torch.tensor([64, 0, 48, 16])
     tokens = torch.randn(128, HIDDEN, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(128, device="cuda")
@@ -305,14 +294,14 @@ def test_grouped_gemm_matches_the_loop_in_bf16_on_cuda():
 
 def test_layer_refuses_a_mismatched_expert_parallel_size():
     with pytest.raises(ValueError, match="expert_model_parallel_size \\(2\\) differs"):
-        _layer(_config(2))
+        moe_layer(moe_config(2))
 
 
 @pytest.mark.parametrize("variant", MOE_STATE_VARIANTS)
 def test_layer_built_on_meta_then_reset_in_module_order_is_the_eager_build(variant):
     """What Megatron-FSDP's materialisation does (`module.modules()` order, each module's
     `reset_parameters()`): the weights and buffers of an eager build with the same seed."""
-    config = _config(1, **MOE_STATE_VARIANTS[variant])
+    config = moe_config(1, **MOE_STATE_VARIANTS[variant])
     spec = get_moe_module_spec()
     torch.manual_seed(123)
     eager = MoELayer(config, spec.submodules).state_dict()

@@ -26,17 +26,21 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import ExpertGemm, GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.token_dispatcher import DispatchSizing
-from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.transformer.moe.moe_checks import (
+    BATCH,
+    HIDDEN,
+    SEQ,
+    WORLD,
+    moe_config,
+    moe_layer,
+)
 
-WORLD = 4
-SEQ, BATCH, HIDDEN, EXPERTS, TOPK = 4, 2, 32, 8, 2
 SWIGLU_SHARED = dict(  # SwiGLU experts, gated shared experts, every router loss, expert bias
     gated_linear_unit=True,
     activation_func=F.silu,
@@ -54,26 +58,6 @@ VARIANTS = {
     "allgather-biases": dict(moe_token_dispatcher_type="allgather", **BIASES),
     "alltoall-biases": dict(moe_token_dispatcher_type="alltoall", **BIASES),
 }
-
-
-def _config(ep: int = 1, etp: int = 1, **overrides) -> TransformerConfig:
-    fields = dict(
-        num_layers=2,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=16,
-        moe_router_topk=TOPK,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
-    return TransformerConfig(**{**fields, **overrides})
-
-
-def _layer(config: TransformerConfig) -> MoELayer:
-    torch.manual_seed(123)
-    spec = get_moe_module_spec(moe_grouped_gemm=config.moe_grouped_gemm)
-    return MoELayer(config, spec.submodules, layer_number=1).to(current_device()).train()
 
 
 def _data(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -127,10 +111,10 @@ def _fake_forward_backward(layer: MoELayer) -> None:
 def test_dropless_grouped_layer_reads_nothing_on_the_host_at_ep_1(variant):
     """In bf16, the dtype in which the grouped GEMM's meta function (which fake tensors run)
     is defined."""
-    config = _config(
+    config = moe_config(
         **VARIANTS[variant], moe_grouped_gemm=True, params_dtype=torch.bfloat16, bf16=True
     )
-    layer = _layer(config)
+    layer = moe_layer(config)
     assert layer.token_dispatcher.sizing is DispatchSizing.FIXED
     assert layer.experts.gemm is ExpertGemm.GROUPED
     _forward_backward(layer, seed=0)  # real tensors first: the same code runs
@@ -141,13 +125,13 @@ def test_the_fake_tensor_check_sees_the_host_reads_that_remain():
     """The loop of GEMMs (no --moe-grouped-gemm) reads the counts on the host (so its exchange
     is sized there too), and so do exchanges sized on the host before grouped GEMMs: both raise
     under fake tensors."""
-    config = _config(**VARIANTS["allgather-biases"], params_dtype=torch.bfloat16, bf16=True)
-    layer = _layer(config)
+    config = moe_config(**VARIANTS["allgather-biases"], params_dtype=torch.bfloat16, bf16=True)
+    layer = moe_layer(config)
     assert layer.experts.gemm is ExpertGemm.LOOP
     assert layer.token_dispatcher.sizing is DispatchSizing.HOST
     with pytest.raises(DataDependentOutputException):
         _fake_forward_backward(layer)
-    grouped = _layer(_config(moe_grouped_gemm=True, params_dtype=torch.bfloat16, bf16=True))
+    grouped = moe_layer(moe_config(moe_grouped_gemm=True, params_dtype=torch.bfloat16, bf16=True))
     grouped.token_dispatcher = type(grouped.token_dispatcher)(
         grouped.config, None, sizing=DispatchSizing.HOST
     )
@@ -166,7 +150,7 @@ def _host_sized_twin(layer: MoELayer) -> MoELayer:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_dropless_layer_is_bitwise_the_host_sized_one_at_ep_1(variant):
-    layer = _layer(_config(**VARIANTS[variant], moe_grouped_gemm=True))
+    layer = moe_layer(moe_config(**VARIANTS[variant], moe_grouped_gemm=True))
     assert layer.token_dispatcher.sizing is DispatchSizing.FIXED
     twin = _host_sized_twin(layer)
     assert twin.token_dispatcher.sizing is DispatchSizing.HOST
@@ -177,7 +161,7 @@ def test_dropless_layer_is_bitwise_the_host_sized_one_at_ep_1(variant):
 def test_grouped_experts_without_the_kernel_run_masked_gemms_that_match_the_loop():
     """float64, which `torch._grouped_mm` does not take: the masked stand-in (no host read
     either), padding rows past the counts included."""
-    config = _config(add_bias_linear=True, params_dtype=torch.float64)
+    config = moe_config(add_bias_linear=True, params_dtype=torch.float64)
     torch.manual_seed(7)
     loop, masked = SequentialMLP(4, config), GroupedMLP(4, config)
     masked.load_state_dict(loop.state_dict())
@@ -242,8 +226,8 @@ def _worst_case_matches_host() -> None:
         )
         for name, variant in VARIANTS.items():
             fields = dict(variant, moe_grouped_gemm=True)
-            host = _layer(_config(ep, etp, **fields))
-            padded = _layer(_config(ep, etp, moe_pad_dispatch_to_worst_case=True, **fields))
+            host = moe_layer(moe_config(ep, etp, **fields))
+            padded = moe_layer(moe_config(ep, etp, moe_pad_dispatch_to_worst_case=True, **fields))
             assert host.token_dispatcher.sizing is DispatchSizing.HOST
             assert padded.token_dispatcher.sizing is DispatchSizing.WORST_CASE
             for seed in (10 * rank, 10 * rank + 1):
@@ -276,15 +260,17 @@ def test_worst_case_exchange_reads_nothing_on_the_host_and_equals_the_host_sized
 )
 def test_worst_case_padding_is_refused_where_it_spares_no_host_read(fields, message):
     with pytest.raises(ValueError, match=message):
-        _config(**{"moe_pad_dispatch_to_worst_case": True, "moe_grouped_gemm": True, **fields})
+        moe_config(**{"moe_pad_dispatch_to_worst_case": True, "moe_grouped_gemm": True, **fields})
 
 
 def test_experts_that_read_the_counts_on_the_host_have_their_exchange_sized_there():
     """Sizing without a host read would spare nothing: the loop of GEMMs reads the counts."""
-    assert _layer(_config()).token_dispatcher.sizing is DispatchSizing.HOST
-    assert _layer(_config(moe_grouped_gemm=True)).token_dispatcher.sizing is DispatchSizing.FIXED
-    capacity = _config(moe_grouped_gemm=True, moe_expert_capacity_factor=1.0)
-    assert _layer(capacity).token_dispatcher.sizing is DispatchSizing.HOST
+    assert moe_layer(moe_config()).token_dispatcher.sizing is DispatchSizing.HOST
+    assert (
+        moe_layer(moe_config(moe_grouped_gemm=True)).token_dispatcher.sizing is DispatchSizing.FIXED
+    )
+    capacity = moe_config(moe_grouped_gemm=True, moe_expert_capacity_factor=1.0)
+    assert moe_layer(capacity).token_dispatcher.sizing is DispatchSizing.HOST
 
 
 # --- GPU: no device-to-host synchronisation ---
@@ -298,10 +284,10 @@ def _hopper() -> bool:
 @pytest.mark.skipif(not _hopper(), reason="needs CUDA on Hopper or newer (the grouped kernel)")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_dropless_grouped_layer_makes_no_device_to_host_sync_on_cuda(variant):
-    config = _config(
+    config = moe_config(
         **VARIANTS[variant], moe_grouped_gemm=True, params_dtype=torch.bfloat16, bf16=True
     )
-    layer = _layer(config).cuda()
+    layer = moe_layer(config).cuda()
     host_sized = _host_sized_twin(layer)
     x = _data(0, torch.bfloat16).cuda()
 
