@@ -3,6 +3,12 @@
 One config serves the plain DDP engine (`DistributedDataParallel`) and Megatron-FSDP
 (`use_megatron_fsdp=True`), as in Megatron-LM, so a training script changes engines by changing
 fields rather than classes. Field names and meanings follow Megatron-LM.
+
+The Megatron-FSDP fields describe the engine's policies, which the config builds
+(`sharding_policy()`, `mixed_precision_policy()`) when it is constructed: the policies check
+their own rules (strategies, HFSDP, dtypes) and the config reports their errors under its field
+names; it checks itself only what no policy sees (which engine reads a field, sizes, the
+gradient-accumulation options, `grad_reduce_in_fp32` against the main-grads dtype).
 """
 
 from __future__ import annotations
