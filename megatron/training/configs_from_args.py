@@ -23,6 +23,7 @@ from megatron.core.activations import quick_gelu, squared_relu
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig,
 )
+from megatron.core.distributed.fsdp.mixed_precision import PRECISION_DTYPES
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.training.flag_groups.mla import mla_config_fields
@@ -35,12 +36,11 @@ from megatron.training.flag_groups.yarn import (
 from megatron.training.flag_spelling import flag, given
 
 FSDP_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
+    **{name: dtype for dtype, name in PRECISION_DTYPES.items()},
     "auto": None,
 }
-"""Values of the `--megatron-fsdp-*-dtype` flags; "auto" (None) lets the engine derive it."""
+"""Values of the `--megatron-fsdp-*-dtype` flags: the dtypes `MixedPrecisionPolicy` takes, by
+their short names; "auto" (None) lets the engine derive it."""
 
 _DDP_FIELD_DESTS = {
     "bucket_size": "ddp_bucket_size",
@@ -74,6 +74,9 @@ def _spell_as_flags(message: str, args: argparse.Namespace) -> str:
         for field in dataclasses.fields(DistributedDataParallelConfig)
     }
     dests = {field: dest for field, dest in dests.items() if hasattr(args, dest)}
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False):
+        # Megatron-LM's name of --grad-reduce-in-fp32 sets the field too: name the one typed.
+        dests["grad_reduce_in_fp32"] = "accumulate_allreduce_grads_in_fp32"
     fields = "|".join(dests)
     pattern = rf"(?:DistributedDataParallelConfig\.)?\b({fields})\b(?:=('[^']*'|[\w.]*\w))?"
 

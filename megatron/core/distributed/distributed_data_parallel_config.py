@@ -3,24 +3,44 @@
 One config serves the plain DDP engine (`DistributedDataParallel`) and Megatron-FSDP
 (`use_megatron_fsdp=True`), as in Megatron-LM, so a training script changes engines by changing
 fields rather than classes. Field names and meanings follow Megatron-LM.
+
+The Megatron-FSDP fields describe the engine's policies, which the config builds
+(`sharding_policy()`, `mixed_precision_policy()`) when it is constructed: the policies check
+their own rules (strategies, HFSDP, dtypes) and the config reports their errors under its field
+names; it checks itself only what no policy sees (which engine reads a field, sizes, the
+gradient-accumulation options, `grad_reduce_in_fp32` against the main-grads dtype).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.strategy import (
+    OuterShardingStrategy,
+    ShardingPolicy,
+    ShardingStrategy,
+)
+
+SHARDING_STRATEGIES = tuple(strategy.value for strategy in ShardingStrategy)
 """ZeRO stages by what they shard: nothing, optimizer state (ZeRO-1), + gradients (ZeRO-2),
-+ parameters (ZeRO-3)."""
++ parameters (ZeRO-3); the values of `ShardingStrategy`."""
 
-OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
-"""Over the outer (inter-replica) group: replicate (HSDP), or shard optimizer state (HFSDP)."""
+OUTER_SHARDING_STRATEGIES = tuple(strategy.value for strategy in OuterShardingStrategy)
+"""Over the outer (inter-replica) group: replicate (HSDP), or shard optimizer state (HFSDP); the
+values of `OuterShardingStrategy`."""
 
-_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PRECISION_FIELDS = {
+    "main_params_dtype": "megatron_fsdp_main_params_dtype",
+    "main_grads_dtype": "megatron_fsdp_main_grads_dtype",
+    "grad_comm_dtype": "megatron_fsdp_grad_comm_dtype",
+}
+"""`MixedPrecisionPolicy` fields whose config field has another name; the others share theirs."""
 
 
 def _no_effect(default: Any) -> Any:
@@ -74,11 +94,12 @@ class DistributedDataParallelConfig:
 
     data_parallel_sharding_strategy: str = "no_shard"
     """Megatron-FSDP sharding over the (inner) data-parallel group; one of
-    `SHARDING_STRATEGIES`."""
+    `SHARDING_STRATEGIES` (a `ShardingStrategy` value)."""
 
     outer_dp_sharding_strategy: str = "no_shard"
     """Megatron-FSDP sharding over the outer group when `num_distributed_optimizer_instances`
-    > 1: 'no_shard' (HSDP) or 'optim' (HFSDP, optimizer state sharded over outer x inner)."""
+    > 1: 'no_shard' (HSDP) or 'optim' (HFSDP, optimizer state sharded over outer x inner); an
+    `OuterShardingStrategy` value."""
 
     fsdp_all_gather_in_start_param_sync: bool = True
     """Megatron-FSDP: `start_param_sync()` issues the first unit's all-gather before the forward
@@ -180,19 +201,11 @@ class DistributedDataParallelConfig:
                     f"DistributedDataParallelConfig.{field.name}={value!r} asks for "
                     f"{field.metadata['unbuilt']}, which is not built; leave it at its default."
                 )
-        self._check_choice("data_parallel_sharding_strategy", SHARDING_STRATEGIES)
-        self._check_choice("outer_dp_sharding_strategy", OUTER_SHARDING_STRATEGIES)
-        for name in (
-            "megatron_fsdp_main_params_dtype",
-            "megatron_fsdp_main_grads_dtype",
-            "megatron_fsdp_grad_comm_dtype",
-        ):
-            value = getattr(self, name)
-            if value is not None and value not in _PRECISION_DTYPES:
-                raise ValueError(
-                    f"DistributedDataParallelConfig.{name}={value!r} is not supported: use one "
-                    f"of torch.float32, torch.bfloat16, torch.float16 or None."
-                )
+        # The engine's policies check their own rules (the choices of strategy, the dtypes);
+        # building them here raises at construction, naming this config's fields.
+        ShardingStrategy(self.data_parallel_sharding_strategy)
+        OuterShardingStrategy(self.outer_dp_sharding_strategy)
+        self.mixed_precision_policy()
         if self.num_distributed_optimizer_instances < 1:
             raise ValueError(
                 "DistributedDataParallelConfig.num_distributed_optimizer_instances must be >= 1, "
@@ -209,68 +222,70 @@ class DistributedDataParallelConfig:
                 f"DistributedDataParallelConfig.bucket_size must be a positive number of "
                 f"elements or None (automatic), got {self.bucket_size}."
             )
-        main_grads_dtype = self.megatron_fsdp_main_grads_dtype
-        if self.grad_reduce_in_fp32 and main_grads_dtype not in (None, torch.float32):
-            raise ValueError(
-                f"grad_reduce_in_fp32=True contradicts megatron_fsdp_main_grads_dtype="
-                f"{main_grads_dtype}; set one of them only."
-            )
-        if self.megatron_fsdp_main_params_dtype == torch.float16:
-            raise ValueError(
-                "megatron_fsdp_main_params_dtype=fp16 is not supported: fp16 main weights lose "
-                "small updates and overflow without loss scaling, so training diverges; use fp32 "
-                "(the default) or bf16."
-            )
         if not self.use_megatron_fsdp:
             self._check_ddp_only()
             return
-        if self.outer_dp_sharding_strategy != "no_shard":
-            if self.num_distributed_optimizer_instances < 2:
-                raise ValueError(
-                    f"outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r} (HFSDP) "
-                    "needs an outer data-parallel group: set num_distributed_optimizer_instances "
-                    "> 1, or outer_dp_sharding_strategy='no_shard'."
-                )
-            if self.data_parallel_sharding_strategy != "optim_grads_params":
-                raise ValueError(
-                    f"outer_dp_sharding_strategy={self.outer_dp_sharding_strategy!r} (HFSDP) "
-                    "requires data_parallel_sharding_strategy='optim_grads_params', got "
-                    f"{self.data_parallel_sharding_strategy!r}."
-                )
+        self.sharding_policy().check_outer_group(self.num_distributed_optimizer_instances)
         self._check_accumulation_options()
-        if self.keep_fp8_transpose_cache and not self.fp8_param_gather:
-            raise ValueError(
-                "DistributedDataParallelConfig.keep_fp8_transpose_cache=True keeps the "
-                "transposes of the FP8 weights that fp8_param_gather keeps, and without it "
-                "Megatron-FSDP keeps none (each FP8 layer casts its weight after the gather): "
-                "add fp8_param_gather or drop keep_fp8_transpose_cache."
+
+    def sharding_policy(self) -> ShardingPolicy:
+        """Megatron-FSDP's `ShardingPolicy` of `data_parallel_sharding_strategy` and
+        `outer_dp_sharding_strategy`.
+
+        Raises:
+            ValueError: the policy refuses the pair (a strategy does not exist, or HFSDP with
+                a strategy other than `optim_grads_params`).
+        """
+        return ShardingPolicy(self.data_parallel_sharding_strategy, self.outer_dp_sharding_strategy)
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """Megatron-FSDP's `MixedPrecisionPolicy` of the `megatron_fsdp_*_dtype` fields (main
+        gradients in fp32 under `grad_reduce_in_fp32`), `fp8_param_gather` and
+        `keep_fp8_transpose_cache`.
+
+        Raises:
+            ValueError: `grad_reduce_in_fp32` contradicts `megatron_fsdp_main_grads_dtype`, or
+                the policy refuses the fields; the message names this config's fields.
+        """
+        main_grads_dtype = self.megatron_fsdp_main_grads_dtype
+        try:
+            policy = MixedPrecisionPolicy(
+                main_params_dtype=self.megatron_fsdp_main_params_dtype,
+                main_grads_dtype=(
+                    torch.float32
+                    if main_grads_dtype is None and self.grad_reduce_in_fp32
+                    else main_grads_dtype
+                ),
+                grad_comm_dtype=self.megatron_fsdp_grad_comm_dtype,
+                fp8_param_gather=self.fp8_param_gather,
+                # Plain DDP refuses it by name (`_check_ddp_only`), for a fix that applies there.
+                keep_fp8_transpose_cache=self.keep_fp8_transpose_cache and self.use_megatron_fsdp,
             )
+        except ValueError as error:
+            raise ValueError(_name_config_fields(str(error))) from error
+        if self.grad_reduce_in_fp32 and main_grads_dtype not in (None, torch.float32):
+            raise ValueError(
+                f"grad_reduce_in_fp32=True contradicts megatron_fsdp_main_grads_dtype="
+                f"{main_grads_dtype}: gradients accumulate in one dtype; set one of them only."
+            )
+        return policy
 
     def _check_accumulation_options(self) -> None:
         """Rejects an accumulation option for a strategy it would not change."""
-        strategy = self.data_parallel_sharding_strategy
-        if self.megatron_fsdp_keep_unsharded_params and strategy != "optim_grads_params":
+        strategy = ShardingStrategy(self.data_parallel_sharding_strategy)
+        if self.megatron_fsdp_keep_unsharded_params and not strategy.shards_params:
             raise ValueError(
                 f"megatron_fsdp_keep_unsharded_params=True needs "
-                f"data_parallel_sharding_strategy='optim_grads_params' (got {strategy!r}, whose "
-                "whole weights are kept anyway): drop megatron_fsdp_keep_unsharded_params or "
-                "shard the parameters."
+                f"data_parallel_sharding_strategy='optim_grads_params' (got {strategy.value!r}, "
+                "whose whole weights are kept anyway): drop megatron_fsdp_keep_unsharded_params "
+                "or shard the parameters."
             )
-        sharded_grads = ("optim_grads", "optim_grads_params")
-        if self.megatron_fsdp_accumulate_unsharded_grads and strategy not in sharded_grads:
+        if self.megatron_fsdp_accumulate_unsharded_grads and not strategy.shards_grads:
             raise ValueError(
                 f"megatron_fsdp_accumulate_unsharded_grads=True needs sharded gradients, "
                 f"data_parallel_sharding_strategy 'optim_grads' or 'optim_grads_params' (got "
-                f"{strategy!r}, which accumulates whole gradients and reduces them once a step "
-                "anyway): drop megatron_fsdp_accumulate_unsharded_grads."
-            )
-
-    def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
-        value = getattr(self, name)
-        if value not in choices:
-            raise ValueError(
-                f"DistributedDataParallelConfig.{name}={value!r} does not exist; "
-                f"choose one of {', '.join(choices)}."
+                f"{strategy.value!r}, which accumulates whole gradients and reduces them once a "
+                "step anyway): drop megatron_fsdp_accumulate_unsharded_grads."
             )
 
     def _check_ddp_only(self) -> None:
@@ -294,6 +309,13 @@ class DistributedDataParallelConfig:
                     "needs Megatron-FSDP: set use_megatron_fsdp=True, or leave it at its default "
                     f"({field.default!r}) for plain DDP."
                 )
+
+
+def _name_config_fields(message: str) -> str:
+    """A `MixedPrecisionPolicy` error naming the config fields that set the policy's fields."""
+    message = message.replace("MixedPrecisionPolicy.", "DistributedDataParallelConfig.")
+    fields = "|".join(_PRECISION_FIELDS)
+    return re.sub(rf"\b({fields})\b", lambda match: _PRECISION_FIELDS[match[1]], message)
 
 
 _FSDP_ONLY_FIELDS = frozenset(

@@ -276,12 +276,9 @@ def validate_precision(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--grad-reduce-in-bf16 contradicts {fp32_flags[0]}; keep one of them."
             )
-    grads_dtype = args.megatron_fsdp_main_grads_dtype
-    if fp32_flags and args.use_megatron_fsdp and grads_dtype not in ("auto", "fp32"):
-        raise ValueError(
-            f"{fp32_flags[0]} contradicts --megatron-fsdp-main-grads-dtype {grads_dtype}: "
-            "gradients accumulate in one dtype; drop one of them."
-        )
+    # --grad-reduce-in-fp32 (or --accumulate-allreduce-grads-in-fp32) against
+    # --megatron-fsdp-main-grads-dtype: DistributedDataParallelConfig's rule, reported with
+    # these flags' names by `ddp_config_from_flags`.
 
 
 def _validate_loss_scaling(args: argparse.Namespace) -> None:

@@ -40,7 +40,11 @@ from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedInde
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup, ParamSlot
-from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.distributed.fsdp.strategy import (
+    OuterShardingStrategy,
+    ShardingPolicy,
+    ShardingStrategy,
+)
 from megatron.core.distributed.fsdp.unit_boundaries import (
     BackwardEnd,
     GroupForward,
@@ -316,8 +320,8 @@ def fully_shard(
     module: _Modules,
     distributed_index: FSDPDistributedIndex | None = None,
     *,
-    sharding_strategy: str | ShardingStrategy = "optim_grads_params",
-    outer_dp_sharding_strategy: str = "no_shard",
+    sharding_strategy: str | ShardingStrategy | ShardingPolicy = "optim_grads_params",
+    outer_dp_sharding_strategy: str | OuterShardingStrategy = "no_shard",
     mp_policy: MixedPrecisionPolicy | None = None,
     overlap_policy: OverlapPolicy | None = None,
     is_expert: Callable[[str, torch.nn.Parameter], bool] = is_expert_param,
@@ -329,8 +333,9 @@ def fully_shard(
             (below one root, none inside another) makes one unit of them all: their weights
             are gathered and their gradients reduced together (module docstring).
         distributed_index: process groups (default: parallel_state's, else the world).
-        sharding_strategy: `no_shard`, `optim`, `optim_grads` or `optim_grads_params`, or a
-            `ShardingStrategy` (which then also carries the outer strategy).
+        sharding_strategy: `no_shard`, `optim`, `optim_grads` or `optim_grads_params` (a
+            `ShardingStrategy`), or a `ShardingPolicy` (which then also carries the outer
+            strategy).
         outer_dp_sharding_strategy: with an outer group: `no_shard` (HSDP) or `optim` (HFSDP).
         mp_policy: dtypes of main weights and gradients (default: fp32 main weights).
         overlap_policy: the communication schedule (prefetching, reduce-scatter overlap, the
@@ -347,8 +352,8 @@ def fully_shard(
     """
     modules = [module] if isinstance(module, torch.nn.Module) else list(module)
     _check_unit_modules(modules)
-    if isinstance(sharding_strategy, str):
-        sharding_strategy = ShardingStrategy(sharding_strategy, outer_dp_sharding_strategy)
+    if not isinstance(sharding_strategy, ShardingPolicy):
+        sharding_strategy = ShardingPolicy(sharding_strategy, outer_dp_sharding_strategy)
     index = distributed_index or FSDPDistributedIndex.from_pg_collection(None)
     mp_policy = mp_policy or MixedPrecisionPolicy()
 

@@ -14,28 +14,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
-from megatron.core.distributed.distributed_data_parallel_config import (
-    DistributedDataParallelConfig,
-)
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.fsdp_module import fully_shard
 from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
-from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.optimizer import parameter_groups
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
-from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.upstream_names import stack_upstream_experts
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+if TYPE_CHECKING:
+    # The config builds this package's policies, so it imports from here, not the reverse.
+    from megatron.core.distributed.distributed_data_parallel_config import (
+        DistributedDataParallelConfig,
+    )
 
 
 class FullyShardedDataParallel(_BaseDataParallel):
@@ -109,19 +110,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 f"{replicas} outer replica(s) (pg_collection.inter_dist_opt); initialise "
                 "parallel_state with the same num_distributed_optimizer_instances."
             )
-        strategy = ShardingStrategy(
-            ddp_config.data_parallel_sharding_strategy, ddp_config.outer_dp_sharding_strategy
-        )
-        main_grads_dtype = ddp_config.megatron_fsdp_main_grads_dtype
-        if main_grads_dtype is None and ddp_config.grad_reduce_in_fp32:
-            main_grads_dtype = torch.float32
-        mp_policy = MixedPrecisionPolicy(
-            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
-            main_grads_dtype=main_grads_dtype,
-            grad_comm_dtype=ddp_config.megatron_fsdp_grad_comm_dtype,
-            fp8_param_gather=ddp_config.fp8_param_gather,
-            keep_fp8_transpose_cache=ddp_config.keep_fp8_transpose_cache,
-        )
+        strategy = ddp_config.sharding_policy()
+        mp_policy = ddp_config.mixed_precision_policy()
         overlap_policy = OverlapPolicy(
             prefetch=ddp_config.overlap_param_gather,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce,

@@ -8,6 +8,10 @@ gradients accumulate across microbatches in `main_grads_dtype` and travel over t
 (`megatron.core.fp8`) are kept and all-gathered as FP8 bytes with one scale each, instead of in
 the model dtype (`fp8_gather.py`); `keep_fp8_transpose_cache` keeps their transposed copies
 from one change of the main weights to the next.
+
+The policy is the only check of these rules: `DistributedDataParallelConfig` builds one from its
+`megatron_fsdp_*_dtype`, `fp8_param_gather` and `keep_fp8_transpose_cache` fields, and reports
+its errors under those names (the training flags, under theirs).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PRECISION_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
+"""The dtypes a policy takes (besides None), with their short names (the values of the
+`--megatron-fsdp-*-dtype` flags)."""
 
 
 @dataclass(frozen=True)
@@ -49,24 +59,23 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in _DTYPES:
+            if value is not None and value not in PRECISION_DTYPES:
                 raise ValueError(
                     f"MixedPrecisionPolicy.{name}={value!r} is not supported: use one of "
-                    "torch.float32, torch.bfloat16, torch.float16 or None."
+                    f"{', '.join(map(str, PRECISION_DTYPES))} or None."
                 )
         if self.main_params_dtype == torch.float16:
             raise ValueError(
-                "MixedPrecisionPolicy.main_params_dtype=torch.float16 is not supported "
-                "(--megatron-fsdp-main-params-dtype fp16): fp16 main weights lose small updates "
-                "and overflow without loss scaling, so training diverges. Use torch.float32 "
-                "(the default) or torch.bfloat16."
+                "MixedPrecisionPolicy.main_params_dtype=fp16 is not supported: fp16 main "
+                "weights lose small updates and overflow without loss scaling, so training "
+                "diverges; use torch.float32 (the default) or torch.bfloat16."
             )
         if self.keep_fp8_transpose_cache and not self.fp8_param_gather:
             raise ValueError(
                 "MixedPrecisionPolicy.keep_fp8_transpose_cache=True keeps the transposes of the "
-                "FP8 compute weights that fp8_param_gather=True keeps, and without it there are "
-                "none (each FP8 layer casts its weight, and transposes the copy, itself): set "
-                "fp8_param_gather=True or drop keep_fp8_transpose_cache."
+                "FP8 weights that fp8_param_gather=True keeps, and without it there are none "
+                "(each FP8 layer casts its weight after the gather, and transposes the copy, "
+                "itself): add fp8_param_gather=True or drop keep_fp8_transpose_cache."
             )
 
     def resolve(self, model_dtype: torch.dtype) -> ResolvedPrecision:

@@ -16,7 +16,7 @@ from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.gradients import GradState, GroupGrads
 from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
 from megatron.core.distributed.fsdp.plan import GroupPlan
-from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.distributed.fsdp.strategy import ShardingPolicy
 from megatron.core.distributed.fsdp.weights import GroupWeights, ParamSlot
 
 __all__ = ["FsdpParameterGroup", "ParamSlot"]
@@ -54,7 +54,7 @@ class FsdpParameterGroup:
         fp8_gather: bool = False,
         keep_fp8_transposes: bool = False,
         groups: ShardGroups,
-        strategy: ShardingStrategy,
+        strategy: ShardingPolicy,
         precision: ResolvedPrecision,
         comm: Collectives,
         device: torch.device,

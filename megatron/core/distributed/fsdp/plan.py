@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
-from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.distributed.fsdp.strategy import ShardingPolicy
 
 
 class Refresh(enum.Enum):
@@ -108,7 +108,7 @@ class GroupPlan:
     @classmethod
     def make(
         cls,
-        strategy: ShardingStrategy,
+        strategy: ShardingPolicy,
         precision: ResolvedPrecision,
         groups: ShardGroups,
         *,

@@ -18,6 +18,7 @@ from megatron.core.distributed.fsdp.dbuffer import (
     copy_chunks_in,
     copy_chunks_out,
 )
+from megatron.core.distributed.fsdp.strategy import ShardingPolicy
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 
@@ -260,11 +261,11 @@ def test_strategy_flags_and_errors():
     with pytest.raises(ValueError, match="'zero3' does not exist"):
         ShardingStrategy("zero3")
     with pytest.raises(ValueError, match="outer_dp_sharding_strategy='replicate' does not"):
-        ShardingStrategy("optim_grads_params", "replicate")
+        ShardingPolicy("optim_grads_params", "replicate")
     with pytest.raises(ValueError, match="requires data_parallel_sharding_strategy"):
-        ShardingStrategy("optim_grads", "optim")
+        ShardingPolicy("optim_grads", "optim")
     with pytest.raises(ValueError, match="num_distributed_optimizer_instances > 1"):
-        ShardingStrategy("optim_grads_params", "optim").check_outer_group(1)
+        ShardingPolicy("optim_grads_params", "optim").check_outer_group(1)
 
 
 def _index_groups() -> dict:
