@@ -79,8 +79,8 @@ def _deferred_bytes(model: torch.nn.Module) -> int:
     return sum(
         grad.untyped_storage().nbytes()
         for group in parameter_groups(model)
-        if group.grads is not None and group.grads._deferred is not None
-        for grad in group.grads._deferred
+        if group.grads is not None and group.grads.deferred_sums.exist()
+        for grad in group.grads.deferred_sums.sums
     )
 
 
