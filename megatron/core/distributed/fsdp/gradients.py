@@ -15,10 +15,10 @@ States (`GradState`) and transitions::
       +---- every .grad dropped (optimizer.zero_grad()) seen before a forward or a reduction
 
 - EMPTY: no gradient memory; the main weights' `.grad` are None.
-- ACCUMULATING: the step's reductions so far are in `main_grad`; the once-per-step reductions
-  (the all-reduce or reduce-scatter of locally accumulated gradients, the outer reduction of
-  hybrid sharding: `StepReduction`) have not run. Every backward pass adds to it, however many
-  run per forward or per step.
+- ACCUMULATING: the step's reductions so far (`BackwardReduction`) are in `main_grad`; the
+  once-per-step reductions (the all-reduce or reduce-scatter of locally accumulated gradients,
+  the outer reduction of hybrid sharding: `StepReduction`) have not run. Every backward pass
+  adds to it, however many run per forward or per step.
 - READY: finalised: the optimizer's `.grad` hold the reduced gradients (averaged over the
   data-parallel ranks; expert gradients over the dp x cp ranks too, see `expert_parallel.py`;
   summed instead where `ShardGroups.average_grads` is False).
@@ -55,10 +55,10 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.core.distributed.fsdp.backward_reduction import BackwardReduction
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.dbuffer import DBuffer, copy_chunks_in
+from megatron.core.distributed.fsdp.dbuffer import DBuffer
 from megatron.core.distributed.fsdp.deferred_sums import DeferredSums
-from megatron.core.distributed.fsdp.distributed_index import ShardGroups
 from megatron.core.distributed.fsdp.grad_views import GradViews
 from megatron.core.distributed.fsdp.overlap import CommStreams
 from megatron.core.distributed.fsdp.plan import GroupPlan
@@ -99,9 +99,6 @@ class GroupGrads:
         self.comm = comm
         self.state = GradState.EMPTY
         layout, device, precision = weights.layout, weights.device, plan.precision
-        self._layout = layout
-        self._groups: ShardGroups = weights.groups
-        self._device = device
         self.main_grad = DBuffer(
             layout,
             precision.main_grads,
@@ -112,11 +109,9 @@ class GroupGrads:
         )
         params = weights.unsharded_params
         param_index = {id(param): i for i, param in enumerate(params)}
+        self._backward_reduction = BackwardReduction(self.main_grad, layout, weights.groups, device)
         self.send_buffer: SendBuffer | None = None
         if plan.shards_grads:
-            # Each tensor's chunk in this rank's gradient shard: the outputs of its
-            # reduce-scatter (views of persistent storage: made once).
-            self._grad_chunks = list(self.main_grad.shard.split(layout.chunk_numels))
             self.send_buffer = SendBuffer(layout, precision.grad_comm, device, param_index)
         self.deferred_sums = DeferredSums(params, precision.main_grads, param_index)
         # Whether the unit's latest forward routed inputs through its post-backward hook, so
@@ -140,7 +135,7 @@ class GroupGrads:
                 layout, precision.main_params, device, sharded=True, rank=weights.rank, zeroed=False
             )
         self._step_reduction = StepReduction(
-            plan, layout, weights.outer_layout, self._groups, device
+            plan, layout, weights.outer_layout, weights.groups, device
         )
         self.views = GradViews(weights, self.optim_grad or self.main_grad)
         self._release()
@@ -260,11 +255,7 @@ class GroupGrads:
         ]
         if fresh:
             self.main_grad.reallocate_storage()
-            copy_chunks_in(grads, self.main_grad.full, self._layout)
-        else:
-            local = torch.empty_like(self.main_grad.full)
-            copy_chunks_in(grads, local, self._layout)
-            self.main_grad.full.add_(local)
+        self._backward_reduction.add_locally(grads, fresh)
         return False
 
     def _begin_accumulating(self) -> bool:
@@ -298,12 +289,12 @@ class GroupGrads:
         if fresh:
             self.main_grad.reallocate_storage()
         if streams is None:
-            self._reduce_scatter_into_main_grad(sends, fresh)
+            self._backward_reduction.reduce_scatter(sends, fresh, self.comm)
             self.send_buffer.reduced()
             return False
         with streams.running_on(streams.reduce_scatter) as compute:
             streams.wait(streams.reduce_scatter, compute)
-            self._reduce_scatter_into_main_grad(sends, fresh)
+            self._backward_reduction.reduce_scatter(sends, fresh, self.comm)
         self.send_buffer.in_flight(sends)
         return True
 
@@ -311,33 +302,6 @@ class GroupGrads:
         """The current stream has waited for the reduce-scatter `reduce` left in flight: frees
         what it read."""
         self.send_buffer.reduced()
-
-    def _reduce_scatter_into_main_grad(self, sends: list[torch.Tensor], fresh: bool) -> None:
-        """Reduces `sends` (each whole gradient, padded) into this rank's shard of
-        `main_grad`: straight into it when it starts afresh in its dtype, else through a
-        transient shard that is copied (cast) or added."""
-        group = self._groups.shard
-        comm_dtype = sends[0].dtype
-        direct = fresh and comm_dtype == self.main_grad.dtype
-        out = (
-            self.main_grad.shard
-            if direct
-            else torch.empty(self._layout.shard_numel, dtype=comm_dtype, device=self._device)
-        )
-        outputs = self._grad_chunks if direct else out.split(self._layout.chunk_numels)
-        self.comm.reduce_scatter_tensors(
-            outputs,
-            sends,
-            group,
-            average=self._groups.average_grads,
-            divisor=self._groups.grad_divisor,
-        )
-        if direct:
-            return
-        if fresh:
-            self.main_grad.shard.copy_(out)
-        else:
-            self.main_grad.shard.add_(out)
 
     # Finalisation (once per step, by the context).
 
