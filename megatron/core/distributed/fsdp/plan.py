@@ -60,7 +60,8 @@ class InnerReduction(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     """ZeRO-1: the local sums are reduce-scattered into this rank's shard."""
     ALL_REDUCE = "all_reduce"
-    """Unsharded main weights: the local sums are all-reduced."""
+    """Main weights not sharded (`no_shard`, or a shard group of one): the local sums are
+    all-reduced."""
 
 
 class OuterReduction(enum.Enum):
