@@ -353,7 +353,7 @@ def _fsdp_sends(
         "seen": [any(s) for s in autograd_grads],
         "nodes": nodes,
         "root_fuses": any(map(_may_fuse, root)),
-        "leaked": any(grads._written is not None for grads in groups),
+        "leaked": any(g.send_buffer is not None and g.send_buffer.holds_written for g in groups),
     }
 
 

@@ -273,7 +273,7 @@ class FsdpUnit:
         the reduction's input (not an inference forward's, which has no backward)."""
         for group in self.groups:
             if group.grads is not None:
-                group.grads.reduced_after_own_backward = end.reachable
+                group.grads.pre_forward(reduced_after_own_backward=end.reachable)
 
     @outside_compiled_graphs
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:

@@ -52,6 +52,29 @@ class Refresh(enum.Enum):
     """HFSDP: the inner shard is all-gathered over the replicas from the main weights."""
 
 
+class InnerReduction(enum.Enum):
+    """What finalising a step's gradients reduces over the shard group."""
+
+    DONE = "done"
+    """Nothing: they were reduce-scattered in each backward (ZeRO-2/3)."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """ZeRO-1: the local sums are reduce-scattered into this rank's shard."""
+    ALL_REDUCE = "all_reduce"
+    """Main weights not sharded (`no_shard`, or a shard group of one): the local sums are
+    all-reduced."""
+
+
+class OuterReduction(enum.Enum):
+    """What finalising a step's gradients then reduces over the replicas of hybrid sharding."""
+
+    NONE = "none"
+    """No outer group."""
+    ALL_REDUCE = "all_reduce"
+    """HSDP: the shard group's result is all-reduced over the replicas."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """HFSDP: this replica's gradient shard is reduce-scattered over the replicas."""
+
+
 @dataclass(frozen=True)
 class GroupPlan:
     """The decisions for one group.
@@ -70,7 +93,8 @@ class GroupPlan:
         refresh: how compute weights follow main weights.
         shards_grads: gradients are reduce-scattered in each backward (else accumulated locally
             and reduced when finalised).
-        reduces_outer: gradients are all-reduced over the replicas when finalised (HSDP).
+        inner_reduction: what finalising reduces over the shard group.
+        outer_reduction: what finalising then reduces over the replicas (HSDP, HFSDP).
         separate_optim_grad: the optimizer reads its gradients from a buffer of its own (another
             dtype than the accumulation, a shard of locally accumulated gradients, or HFSDP's
             outer shard) instead of views of the accumulation buffer.
@@ -93,7 +117,8 @@ class GroupPlan:
     outer_sharded: bool
     refresh: Refresh
     shards_grads: bool
-    reduces_outer: bool
+    inner_reduction: InnerReduction
+    outer_reduction: OuterReduction
     separate_optim_grad: bool
     placements: tuple[Placement, ...]
     fp8_gather: bool = False
@@ -141,6 +166,18 @@ class GroupPlan:
         else:
             refresh = Refresh.CAST
         shards_grads = strategy.shards_grads
+        if shards_grads:
+            inner_reduction = InnerReduction.DONE
+        elif num_shards > 1:
+            inner_reduction = InnerReduction.REDUCE_SCATTER
+        else:
+            inner_reduction = InnerReduction.ALL_REDUCE
+        if outer_sharded:
+            outer_reduction = OuterReduction.REDUCE_SCATTER
+        elif groups.outer is not None:
+            outer_reduction = OuterReduction.ALL_REDUCE
+        else:
+            outer_reduction = OuterReduction.NONE
         # ZeRO-1 accumulates whole local gradients and reduce-scatters them once: the
         # optimizer's shard is a buffer of its own, which outlives the accumulation buffer.
         separate = outer_sharded or precision.main_grads != precision.main_params
@@ -163,7 +200,8 @@ class GroupPlan:
             outer_sharded=outer_sharded,
             refresh=refresh,
             shards_grads=shards_grads,
-            reduces_outer=groups.outer is not None and not outer_sharded,
+            inner_reduction=inner_reduction,
+            outer_reduction=outer_reduction,
             separate_optim_grad=requires_grad and separate,
             placements=placements,
             fp8_gather=fp8_gather,

@@ -74,13 +74,13 @@ OPTIONS = {
 
 
 def _deferred_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the whole gradient sums waiting for the last microbatch (engine internals: no
-    public view of them exists, and the test compares them with what the engine reports)."""
+    """Bytes of the whole gradient sums waiting for the last microbatch (engine internals: the
+    test compares them with what the engine reports)."""
     return sum(
         grad.untyped_storage().nbytes()
         for group in parameter_groups(model)
-        if group.grads is not None and group.grads._deferred is not None
-        for grad in group.grads._deferred
+        if group.grads is not None and group.grads.deferred_sums.exist()
+        for grad in group.grads.deferred_sums.sums
     )
 
 
