@@ -8,13 +8,13 @@ import torch
 
 from megatron.core.distributed.fsdp.mixed_precision import ResolvedPrecision
 from megatron.core.distributed.fsdp.plan import GroupPlan, InnerReduction, OuterReduction
-from megatron.core.distributed.fsdp.strategy import ShardingStrategy
+from megatron.core.distributed.fsdp.strategy import ShardingPolicy
 
 
 def _plan(name: str, outer: str = "no_shard", *, shard_size: int = 2, outer_group=None):
     # GroupPlan.make reads only the shard group's size and whether an outer group exists.
     return GroupPlan.make(
-        ShardingStrategy(name, outer),
+        ShardingPolicy(name, outer),
         ResolvedPrecision(torch.float32, torch.float32, torch.float32),
         SimpleNamespace(shard_size=shard_size, outer=outer_group),
         model_dtype=torch.float32,
