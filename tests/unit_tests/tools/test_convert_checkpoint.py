@@ -103,13 +103,15 @@ def _pretrain(flags: list[str]) -> dict[str, Any]:
     gathered: dict[int, dict[str, Any]] = {}
     save_checkpoint = training.save_checkpoint
 
-    def gather_and_save(iteration, model, optimizer, scheduler, args):
+    def gather_and_save(train_state, model, optimizer, scheduler, args):
         optimizer_state = optimizer.sharded_state_dict()
         optimizer_state.pop("param_groups")
         # The model chunks (one without virtual pipeline stages).
         model_state = {name: t for chunk in model for name, t in chunk.state_dict().items()}
-        gathered[iteration] = _full({"model": model_state, "optimizer": optimizer_state})
-        save_checkpoint(iteration, model, optimizer, scheduler, args)
+        gathered[train_state.iteration] = _full(
+            {"model": model_state, "optimizer": optimizer_state}
+        )
+        save_checkpoint(train_state, model, optimizer, scheduler, args)
 
     training.save_checkpoint = gather_and_save
     try:
