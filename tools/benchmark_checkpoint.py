@@ -174,7 +174,6 @@ def main() -> None:
         model, optimizer, scheduler = setup_model_and_optimizer(
             pretrain_gpt.model_provider, ModelType.encoder_or_decoder, margs
         )
-        margs.consumed_train_samples = margs.consumed_valid_samples = 0
         take_one_step(model, optimizer, scheduler, margs)
         result = measure(model, optimizer, scheduler, margs, args.repeats)
         # Global sizes: the state dict's DTensors have the shapes of the whole tensors. Its

@@ -105,6 +105,7 @@ from megatron.training.flag_groups.moe import resolved_moe_args
 from megatron.training.flag_groups.optimization import describe_schedule_mismatch
 from megatron.training.flag_groups.yarn import YARN_DEFAULTS
 from megatron.training.rank_0_step import on_rank_0
+from megatron.training.train_state import TrainState
 from megatron.training.utils import print_rank_0
 
 GPT_OSS_MODEL_ARGS: dict[str, Any] = {
@@ -203,7 +204,7 @@ _FLAG_NAMES = {
 
 
 def save_checkpoint(
-    iteration: int,
+    train_state: TrainState | int,
     model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
@@ -211,27 +212,31 @@ def save_checkpoint(
     *,
     checksums: bool = True,
 ) -> None:
-    """Saves the training state after `iteration` under `args.save`; every rank calls it.
+    """Saves the training state after `train_state.iteration` under `args.save`; every rank
+    calls it.
 
     Args:
-        iteration: the iterations done.
+        train_state: the run's progress (its iteration names the checkpoint); an int, as
+            Megatron-LM's callers pass, is the iterations done with nothing else counted
+            (`TrainState(iteration=...)`).
         model: the wrapped model (its `state_dict()` is the unwrapped module's), or the list
             of this rank's model chunks (virtual pipeline stages).
         optimizer: its `sharded_state_dict()` is saved.
         scheduler: the learning-rate and weight-decay schedule.
-        args: `save`, `ckpt_format`, `consumed_train_samples`, `consumed_valid_samples`, and
-            the arguments `load_checkpoint()` checks.
+        args: `save`, `ckpt_format`, and the arguments `load_checkpoint()` checks.
         checksums: record the files' checksums; False only to measure what they cost
             (`tools/benchmark_checkpoint.py`): the checkpoint then loads unverified.
     """
+    if isinstance(train_state, int):
+        train_state = TrainState(iteration=train_state)
     # Rank 0 holds the lock of --save while it saves: the run's (`pretrain()` holds it), else
     # its own. Leftovers are removed only under it, so never another job's save in progress.
     with contextlib.ExitStack() as lock:
-        _save(iteration, model, optimizer, scheduler, args, checksums, lock)
+        _save(train_state, model, optimizer, scheduler, args, checksums, lock)
 
 
 def _save(
-    iteration: int,
+    train_state: TrainState,
     model: Model,
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
@@ -240,6 +245,7 @@ def _save(
     lock: contextlib.ExitStack,
 ) -> None:
     """`save_checkpoint()`, whose rank 0 enters the lock of `--save` into `lock`."""
+    iteration = train_state.iteration
     root = args.save
     final = checkpoint_dir(root, iteration)
     staging = final + STAGING_SUFFIX
@@ -273,13 +279,14 @@ def _save(
         common = make_common(
             iteration,
             ckpt_format=args.ckpt_format,
-            consumed_train_samples=args.consumed_train_samples,
-            consumed_valid_samples=args.consumed_valid_samples,
+            consumed_train_samples=train_state.consumed_train_samples,
+            consumed_valid_samples=train_state.consumed_valid_samples,
             args=vars(args).copy(),
             opt_param_scheduler=scheduler.state_dict(),
             param_groups=merge_param_groups([groups for _, _, groups in per_rank]),
             rng_state=[states for states, _, _ in per_rank],
         )
+        common.update(train_state.state_dict())  # its other counts (FLOPs, skipped iterations)
         for _, rank_files, _ in per_rank:
             files.update(rank_files)
         files[COMMON_FILENAME] = save_with_checksum(common, os.path.join(staging, COMMON_FILENAME))
@@ -315,9 +322,9 @@ def load_checkpoint(
     args: argparse.Namespace,
     *,
     checksums: bool = True,
-) -> int:
-    """Loads the checkpoint `args.load` names into the model, optimizer and schedule, and sets
-    `args.consumed_train_samples` and `args.consumed_valid_samples`; every rank calls it.
+) -> TrainState:
+    """Loads the checkpoint `args.load` names into the model, optimizer and schedule, and
+    returns its training progress (`TrainState`); every rank calls it.
 
     Which checkpoint: iteration `args.ckpt_step` if set, else the tracker's, of `args.load`; of
     `args.pretrained_checkpoint` (as with `finetune`) while `args.load` holds none. With
@@ -337,7 +344,10 @@ def load_checkpoint(
             measure what that costs (`tools/benchmark_checkpoint.py`).
 
     Returns:
-        The iteration to continue after (0 when nothing loaded or when finetuning).
+        The progress to continue from: the checkpoint's iteration, consumed samples, skipped
+        and nan iteration counts and FLOPs so far (those a checkpoint saved before they existed
+        lacks are 0). A fresh `TrainState` when nothing loaded; when finetuning, one at
+        iteration 0 that keeps only the FLOPs so far (as Megatron-LM).
 
     Raises:
         CheckpointError: the checkpoint is missing, incomplete, damaged, or of another model;
@@ -355,7 +365,7 @@ def load_checkpoint(
                 "from scratch."
             )
         print_rank_0(f"> no checkpoint in {root} yet: training starts from scratch")
-        return 0
+        return TrainState()
     path = checkpoint_dir(root, iteration)
     _check_complete(path, iteration, root, args.ckpt_step)
     print_rank_0(f"> loading checkpoint from {path}")
@@ -372,6 +382,10 @@ def load_checkpoint(
             "with tools/convert_checkpoint.py (--iteration)."
         )
     _check_arguments(common, path, args)
+    try:
+        saved_state = TrainState.from_state_dict(common)
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from error
     saved = _saved_tensors(metadata)
     stage = stage_state(model)
     model_state = stage.values
@@ -450,18 +464,18 @@ def load_checkpoint(
         optimizer.reload_model_params()
 
     if finetune:
-        iteration = 0
-        args.consumed_train_samples = args.consumed_valid_samples = 0
+        train_state = TrainState(
+            num_floating_point_operations_so_far=saved_state.num_floating_point_operations_so_far
+        )
     else:
-        args.consumed_train_samples = common["consumed_train_samples"]
-        args.consumed_valid_samples = common["consumed_valid_samples"]
+        train_state = saved_state
         if not args.no_load_rng:
             set_rng_state(common.get("rng_state") or [], path)
     print_rank_0(
         f"> loaded checkpoint of iteration {common['iteration']} in "
-        f"{time.perf_counter() - start:.2f} s; continuing after iteration {iteration}"
+        f"{time.perf_counter() - start:.2f} s; continuing after iteration {train_state.iteration}"
     )
-    return iteration
+    return train_state
 
 
 def _checkpoint_source(args: argparse.Namespace) -> tuple[str, str, bool]:

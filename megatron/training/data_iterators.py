@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.flag_groups.data import PER_SPLIT_FLAGS
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
+from megatron.training.train_state import TrainState
 from megatron.training.utils import LoaderIterator, get_device, print_rank_0
 
 DatasetProvider = Callable[[list[int]], tuple[Dataset | None, Dataset | None, Dataset | None]]
@@ -22,31 +23,36 @@ split, each of at least the given number of samples."""
 SPLITS = ("train", "validation", "test")
 
 
-def train_valid_test_num_samples(args: argparse.Namespace) -> list[int]:
+def train_valid_test_num_samples(
+    args: argparse.Namespace, train_state: TrainState | None = None
+) -> list[int]:
     """The samples each split must hold (Megatron-LM's `get_train_valid_test_num_samples`):
     train for every iteration; validation for `--eval-iters` iterations at every
     `--eval-interval` and once more at the end; test for one evaluation.
 
-    What was consumed before a resume, plus what the iterations left consume: the sizes of an
-    uninterrupted run when the batch size is unchanged (so the datasets, whose sample order
-    depends on their size, are the same), and enough when it changed.
+    What was consumed before a resume (`train_state`; None: a run from scratch), plus what the
+    iterations left consume: the sizes of an uninterrupted run when the batch size is unchanged
+    (so the datasets, whose sample order depends on their size, are the same), and enough when
+    it changed.
     """
+    state = TrainState() if train_state is None else train_state
     global_batch = args.global_batch_size
-    iterations_left = max(args.train_iters - args.iteration, 0)
+    iterations_left = max(args.train_iters - state.iteration, 0)
     evaluations_left = 0  # without --eval-interval: only the one at the end
     if args.eval_interval is not None:
         evaluations_left = (
-            args.train_iters // args.eval_interval - args.iteration // args.eval_interval
+            args.train_iters // args.eval_interval - state.iteration // args.eval_interval
         )
     train_samples = batch_size_schedule(args).samples_after(
-        args.consumed_train_samples, iterations_left
+        state.consumed_train_samples, iterations_left
     )
     if args.train_samples is not None:
         # Megatron-LM sizes the split by --train-samples (the last batch may not fill it).
         train_samples = max(train_samples, args.train_samples)
     return [
         train_samples,
-        args.consumed_valid_samples + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
+        state.consumed_valid_samples
+        + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
         args.eval_iters * global_batch,
     ]
 
@@ -66,13 +72,16 @@ def _why_no_dataset(args: argparse.Namespace, number: int) -> str:
 
 
 def build_train_valid_test_data_iterators(
-    train_valid_test_dataset_provider: DatasetProvider, args: argparse.Namespace
+    train_valid_test_dataset_provider: DatasetProvider,
+    args: argparse.Namespace,
+    train_state: TrainState | None = None,
 ) -> tuple[LoaderIterator | None, LoaderIterator | None, LoaderIterator | None]:
     """Iterators over this rank's micro-batches of each split (None for an absent split).
 
     The splits are sized by `train_valid_test_num_samples`. Training and validation start
-    after `args.consumed_train_samples` and `args.consumed_valid_samples` (a resumed run's data
-    continues where it stopped); no training iterator when no training iteration is left.
+    after `train_state`'s consumed training and validation samples (a resumed run's data
+    continues where it stopped; None: a run from scratch); no training iterator when no
+    training iteration is left.
     `close()` the iterators to stop their loaders' worker processes. Validation asked for
     (`--eval-iters` > 0) from a dataset provider that gives no validation split is said once,
     as a warning from rank 0 (no validation runs then).
@@ -80,14 +89,15 @@ def build_train_valid_test_data_iterators(
     Raises:
         ValueError: no training dataset, or a dataset shorter than the run needs.
     """
-    num_samples = train_valid_test_num_samples(args)
+    state = TrainState() if train_state is None else train_state
+    num_samples = train_valid_test_num_samples(args, state)
     print_rank_0(f"> building train, validation, and test datasets of {num_samples} samples ...")
     datasets = train_valid_test_dataset_provider(num_samples)
     if datasets[0] is None:
         raise ValueError(
             f"No training data: {_why_no_dataset(args, 0)}; give the training split data."
         )
-    if datasets[1] is None and num_samples[1] > args.consumed_valid_samples:
+    if datasets[1] is None and num_samples[1] > state.consumed_valid_samples:
         why = _why_no_dataset(args, 1)
         print_rank_0(
             f"WARNING: --eval-iters {args.eval_iters} asks for validation, but {why}, so no "
@@ -106,7 +116,7 @@ def build_train_valid_test_data_iterators(
                 f"The {split} dataset has {len(dataset)} samples, but the run needs {needed} "
                 f"({how}); provide a larger dataset or lower those flags."
             )
-    consumed = [args.consumed_train_samples, args.consumed_valid_samples, 0]
+    consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
     iterators = []
     for dataset, needed, skip in zip(datasets, num_samples, consumed):
         loader = None

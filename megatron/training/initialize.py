@@ -34,6 +34,7 @@ from megatron.training.flag_errors import InvalidFlagsError
 from megatron.training.flag_groups.logs import set_logging_level
 from megatron.training.flag_groups.unbuilt import TOKENIZER_UNBUILT, UNBUILT, unbuilt_dests
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
+from megatron.training.read_only_args import ReadOnlyArguments
 from megatron.training.utils import get_device, logger, print_rank_0
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -56,7 +57,9 @@ def initialize_megatron(
         argv: The flags; None reads `sys.argv[1:]`.
 
     Returns:
-        The validated arguments, also available from `get_args()`.
+        The validated arguments, also available from `get_args()`: read-only
+        (`ReadOnlyArguments`), as every reader must see the same values; training progress
+        lives in a `TrainState`.
 
     Raises:
         InvalidFlagsError: a flag is bad (before any process group is created; a `ValueError`).
@@ -72,6 +75,7 @@ def initialize_megatron(
         build_tokenizer(args)  # sets --padded-vocab-size; its errors come before any group exists
     except ValueError as error:
         raise InvalidFlagsError(str(error)) from error
+    args = ReadOnlyArguments.frozen_copy(args)
     set_args(args)
     setup_logging()
     set_logging_level(args)

@@ -6,7 +6,8 @@ engine, builds the optimizer and learning-rate schedule, the data iterators from
 dataset provider, then trains for `--train-iters` iterations, evaluating every
 `--eval-interval`, and once more (validation and test) at the end.
 
-One iteration (`train_step`) on either engine::
+The loop (`train()`) is in `megatron.training.training_loop`. One iteration of it (`train_step`,
+in `megatron.training.train_step`) on either engine::
 
     model.zero_grad_buffer(); optimizer.zero_grad()
     model.start_param_sync()           # Megatron-FSDP: gather the first unit early
@@ -34,19 +35,18 @@ the optimizer step, which then runs on the device) is captured in one CUDA graph
 the schedule, the checks, logging and evaluation stay on the host, outside the graph.
 
 With `--load`, training resumes from a checkpoint (weights, optimizer state, schedule, RNG
-states, and the data position: the checkpoint's consumed-sample counts); with `--save`, a
-checkpoint is written every `--save-interval` iterations and when training stops
-(`megatron.training.checkpointing`) into a directory the run holds (`save_directory`).
+states, and the progress: a `TrainState`, whose consumed-sample counts are the data position);
+with `--save`, a checkpoint is written every `--save-interval` iterations and when training
+stops (`megatron.training.checkpointing`) into a directory the run holds (`save_directory`).
+The arguments are read-only once set up (`ReadOnlyArguments`); the progress is the
+`TrainState` that `pretrain()` passes to the loop, the log and the checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
-import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,79 +60,47 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import MegatronOptimizer, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel.stage import Model, model_chunks
-from megatron.core.pipeline_parallel.tied_embeddings import (
-    allreduce_tied_embedding_grads,
-    broadcast_tied_embeddings,
-)
+from megatron.core.pipeline_parallel.tied_embeddings import broadcast_tied_embeddings
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
-from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
 from megatron.training.arguments import get_megatron_ddp_config, get_megatron_optimizer_config
-from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
-from megatron.training.cuda_graphs import GraphedIteration
+from megatron.training.checkpointing import CheckpointError, load_checkpoint
 from megatron.training.data_iterators import DatasetProvider, build_train_valid_test_data_iterators
 from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.evaluation import evaluate_and_print_results
 from megatron.training.flag_errors import reported_as_flag_errors
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.optimization import lr_schedule_steps
-from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.initialize import ExtraArgsProvider, destroy_megatron, initialize_megatron
-from megatron.training.loss_reduction import average_loss_dicts, divide_gradients_by_tokens
-from megatron.training.profiling import TrainingOperations, empty_unused_memory
+from megatron.training.profiling import TrainingOperations
 from megatron.training.save_directory import claim_save_directory
-from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
+from megatron.training.schedules import ForwardStepFunc
+from megatron.training.train_state import TrainState
+from megatron.training.train_step import compute_gradients, train_step
 from megatron.training.training_log import TrainingLog, fp8_startup_line
+from megatron.training.training_loop import TrainingHistory, train
 from megatron.training.utils import (
     LoaderIterator,
     accumulation_memory_note,
     get_device,
     logger,
     print_rank_0,
-    report_rank_0,
     unit_memory_note,
 )
 
 ModelProvider = Callable[..., torch.nn.Module]
 
-
-@dataclasses.dataclass
-class TrainingHistory:
-    """What `pretrain()` measured, the same on every rank (values are averaged over ranks).
-
-    Attributes:
-        start_iteration: the iteration training resumed after (0 without a checkpoint).
-        losses: per iteration (index i is iteration start_iteration + i + 1), the reported
-            losses averaged over the microbatches and the data-parallel ranks (skipped
-            iterations included); with MoE layers also their auxiliary losses
-            ("load_balancing_loss", "z_loss", ...: the mean over the MoE layers), with
-            multi-token prediction each depth's loss ("mtp_1 loss", ...).
-        grad_norms: per iteration, the global gradient norm before clipping (None where
-            fp16's loss scaler skipped the step on an overflow).
-        loss_scales: per iteration, the loss scale after its step (1.0 without loss scaling).
-        learning_rates: per iteration, the learning rate after its schedule step, i.e. the
-            next iteration's (Megatron-LM logs this one).
-        skipped_iterations: iterations whose optimizer step was skipped (non-finite gradients).
-        validation_losses: iteration -> the losses of the evaluation run after it.
-        final_validation_losses: the evaluation at the end of training (None: no validation).
-        test_losses: the test-split evaluation at the end of training (None: no test split).
-    """
-
-    start_iteration: int = 0
-    losses: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    grad_norms: list[float | None] = dataclasses.field(default_factory=list)
-    loss_scales: list[float] = dataclasses.field(default_factory=list)
-    learning_rates: list[float] = dataclasses.field(default_factory=list)
-    skipped_iterations: list[int] = dataclasses.field(default_factory=list)
-    validation_losses: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
-    final_validation_losses: dict[str, float] | None = None
-    test_losses: dict[str, float] | None = None
-
-    def loss_curve(self, key: str = "lm loss") -> list[float]:
-        """One reported loss per iteration."""
-        return [losses[key] for losses in self.losses]
+__all__ = [  # with the loop's and the iteration's names, which moved to their own modules
+    "ModelProvider",
+    "TrainingHistory",
+    "build_train_valid_test_data_iterators",
+    "compute_gradients",
+    "get_model",
+    "get_optimizer_param_scheduler",
+    "pretrain",
+    "setup_model_and_optimizer",
+    "train",
+    "train_step",
+]
 
 
 def pretrain(
@@ -183,18 +151,16 @@ def pretrain(
         with reported_as_flag_errors(CheckpointError):
             save_directory.enter_context(claim_save_directory(args))
         model, optimizer, scheduler = setup_model_and_optimizer(model_provider, model_type, args)
-        args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
+        train_state = TrainState()
         if args.load is not None:
             with reported_as_flag_errors(CheckpointError):
-                args.iteration = load_checkpoint(model, optimizer, scheduler, args)
+                train_state = load_checkpoint(model, optimizer, scheduler, args)
         data_iterators = build_train_valid_test_data_iterators(
-            train_valid_test_dataset_provider, args
+            train_valid_test_dataset_provider, args, train_state
         )
         train_iterator, valid_iterator, test_iterator = data_iterators
-        with (
-            contextlib.closing(TrainingLog(args, model[0].config, get_device())) as log,
-            TrainingOperations(args) as operations,
-        ):
+        log = TrainingLog(args, model[0].config, get_device(), train_state)
+        with contextlib.closing(log), TrainingOperations(args) as operations:
             with ExitConditions(args, start_time) as exits:
                 history = train(
                     forward_step_func,
@@ -207,8 +173,9 @@ def pretrain(
                     log,
                     operations,
                     exits,
+                    train_state=train_state,
                 )
-            last_iteration = history.start_iteration + len(history.losses)
+            last_iteration = train_state.iteration
             evaluate = functools.partial(
                 evaluate_and_print_results,
                 forward_step_func,
@@ -382,301 +349,6 @@ def setup_model_and_optimizer(
     )
     scheduler = get_optimizer_param_scheduler(optimizer, args)
     return model, optimizer, scheduler
-
-
-def train_step(
-    forward_step_func: ForwardStepFunc,
-    data_iterator: DataIterator,
-    model: Model,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-    args: argparse.Namespace,
-    num_microbatches: int | None = None,
-    graph: GraphedIteration | None = None,
-) -> tuple[dict[str, float], bool, float | None, int | None]:
-    """One iteration: every microbatch's forward and backward, then the optimizer step.
-
-    Args:
-        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
-        data_iterator: this rank's training micro-batches.
-        model: the wrapped model, or the list of this rank's wrapped model chunks.
-        optimizer: steps the model's main weights.
-        scheduler: stepped after a successful update.
-        args: validated arguments (`num_microbatches`, `check_for_nan_in_loss_and_grad`,
-            `calculate_per_token_loss`).
-        num_microbatches: this iteration's (a batch-size schedule's); None: `args`'.
-        graph: with a full-iteration CUDA graph, runs the iteration's device work (the same
-            computation, the optimizer stepping on the device: `megatron.training.cuda_graphs`).
-
-    Returns:
-        (losses, skipped, grad_norm, num_zeros_in_grad): the averaged reported losses, whether
-        the optimizer step was skipped (a gradient norm that is not finite, or an fp16
-        overflow), that norm (None when the loss scaler skipped the step before taking it),
-        and the number of zero gradient elements (None without `--log-num-zeros-in-grad`).
-
-    Raises:
-        RuntimeError: a loss or the global gradient norm is not finite and
-            `--check-for-nan-in-loss-and-grad` is on. Both are the same on every rank (reduced
-            over the data-parallel group), so every rank raises.
-    """
-    if num_microbatches is None:
-        num_microbatches = args.num_microbatches
-    if graph is not None:
-        losses, update_successful, grad_norm, num_zeros_in_grad = graph(data_iterator)
-    else:
-        loss_dicts = compute_gradients(
-            forward_step_func, model, optimizer, args, data_iterator, num_microbatches
-        )
-        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-        empty_unused_memory(args, level=2)
-        losses = average_loss_dicts(loss_dicts)
-    if update_successful:
-        # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
-        scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
-    # Checked after the step (which synchronises anyway) to add no wait of its own; a
-    # non-finite loss or norm means the step was skipped.
-    if args.check_for_nan_in_loss_and_grad:
-        skip = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
-        if not all(map(math.isfinite, losses.values())):
-            raise RuntimeError(
-                f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower "
-                f"--lr or check the data; {skip}"
-            )
-        # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            raise RuntimeError(
-                f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
-                f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
-            )
-    return losses, not update_successful, grad_norm, num_zeros_in_grad
-
-
-def compute_gradients(
-    forward_step_func: ForwardStepFunc,
-    model: Model,
-    optimizer: MegatronOptimizer,
-    args: argparse.Namespace,
-    data_iterator: DataIterator,
-    num_microbatches: int,
-) -> list[dict[str, torch.Tensor]]:
-    """Every microbatch's forward and backward through this rank's model chunks, then the
-    reduced gradients, ready for the optimizer step (a full-iteration CUDA graph captures this
-    too). Returns each microbatch's reported losses (this rank's)."""
-    chunks = model_chunks(model)
-    config = chunks[0].config
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    for chunk in chunks:
-        chunk.start_param_sync()
-    if config.num_moe_experts is not None or config.mtp_num_layers is not None:
-        _set_auxiliary_loss_scale(optimizer, num_microbatches, args)
-    loss_dicts, num_tokens = forward_backward(
-        forward_step_func,
-        data_iterator,
-        model,
-        num_microbatches,
-        scale_loss=optimizer.scale_loss,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-        cp_group=parallel_state.get_context_parallel_group(),
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-    )
-    empty_unused_memory(args, level=1)
-    for chunk in chunks:
-        chunk.finish_grad_sync()
-    # The two stages' copies of tied embeddings take the sum of their gradients.
-    allreduce_tied_embedding_grads(chunks, parallel_state.get_embedding_group())
-    if args.calculate_per_token_loss:
-        divide_gradients_by_tokens(chunks, num_tokens)
-    if config.moe_router_enable_expert_bias:
-        # Megatron-core's place: once the gradients are final, before the step; every step
-        # counts, skipped or not. The counts are summed over dp x cp here and over tp by the
-        # routers' own group (under sequence parallelism each tp rank routes its own part of
-        # the sequence): upstream's tp x dp x cp.
-        update_expert_bias(
-            chunks, parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
-    return loss_dicts
-
-
-def _set_auxiliary_loss_scale(
-    optimizer: MegatronOptimizer, num_microbatches: int, args: argparse.Namespace
-) -> None:
-    """Gives the MoE auxiliary losses and the multi-token prediction losses the gradient scale
-    of the main loss: the loss scale, divided by the microbatches and multiplied by the
-    context-parallel size unless the loss is summed over tokens (as Megatron-core's schedule;
-    each cp rank backpropagates its share of those losses, and the engines average over the cp
-    ranks, as for the main loss). Their backward bypasses the loss, so it cannot inherit the
-    scale. `MTPLossAutoScaler` shares `MoEAuxLossAutoScaler`'s scale."""
-    scale = optimizer.scale_loss(torch.ones((), device=get_device()))
-    if not args.calculate_per_token_loss:
-        scale = scale * args.context_parallel_size / num_microbatches
-    MoEAuxLossAutoScaler.set_loss_scale(scale)
-
-
-def train(
-    forward_step_func: ForwardStepFunc,
-    model: Model,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-    train_data_iterator: DataIterator | None,
-    valid_data_iterator: DataIterator | None,
-    args: argparse.Namespace,
-    log: TrainingLog,
-    operations: TrainingOperations,
-    exits: ExitConditions | None = None,
-) -> TrainingHistory:
-    """Runs the training loop from iteration `args.iteration + 1` to `--train-iters`, or until
-    `--exit-interval`, `--exit-duration-in-mins` or `--exit-signal-handler`'s signal.
-
-    Logs every `--log-interval` iterations and at the last one, evaluates on the validation
-    split every `--eval-interval`, and with `--save` checkpoints every `--save-interval` and
-    when the loop ends. Advances `args.iteration` and the consumed-sample counts.
-
-    Args:
-        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
-        model: the wrapped model, or the list of this rank's wrapped model chunks.
-        optimizer: steps the model's main weights.
-        scheduler: the learning-rate and weight-decay schedule.
-        train_data_iterator: this rank's training micro-batches (None: none left).
-        valid_data_iterator: this rank's validation micro-batches; None: no evaluation.
-        args: validated arguments.
-        log: reports the iterations and evaluations.
-        operations: the profiler and garbage collection, told where iterations start and end.
-        exits: the signal and duration exits (None: neither).
-
-    Returns:
-        What the iterations measured (the end-of-training evaluations are left to the caller).
-    """
-    history = TrainingHistory(start_iteration=args.iteration)
-    if args.iteration >= args.train_iters:
-        print_rank_0(
-            f"> the checkpoint is of iteration {args.iteration}, --train-iters is "
-            f"{args.train_iters}: nothing to train"
-        )
-        return history
-    chunks = model_chunks(model)
-    for chunk in chunks:
-        chunk.train()
-    # The trackers are process-wide: what was recorded before this loop (another model in the
-    # process, a forward outside training) is not this run's first iteration's.
-    get_moe_metrics_tracker().clear()
-    get_mtp_loss_logging_helper().clear()
-    print_rank_0("> training ...")
-    batch_sizes = batch_size_schedule(args)
-    graph = None
-    if full_iteration_cuda_graph(args):
-        # Without pipeline stages (the flags refuse graphs with them): one chunk.
-        graph = GraphedIteration(
-            functools.partial(compute_gradients, forward_step_func, model, optimizer, args),
-            chunks[0],
-            optimizer,
-            args,
-            get_device(),
-        )
-    try:
-        for iteration in range(args.iteration + 1, args.train_iters + 1):
-            operations.before_iteration(iteration)
-            start = time.perf_counter()
-            global_batch_size = batch_sizes.global_batch_size(args.consumed_train_samples)
-            samples_per_microbatch = args.micro_batch_size * args.data_parallel_size
-            num_microbatches = global_batch_size // samples_per_microbatch
-            step_loss_scale = optimizer.get_loss_scale()  # what an overflow is reported at
-            losses, skipped, grad_norm, num_zeros_in_grad = train_step(
-                forward_step_func,
-                train_data_iterator,
-                model,
-                optimizer,
-                scheduler,
-                args,
-                num_microbatches=num_microbatches,
-                graph=graph,
-            )
-            seconds = time.perf_counter() - start
-            # Every step, on every rank (it all-reduces and clears the step's metrics).
-            auxiliary_losses = {
-                **log.report_moe_metrics(iteration, num_microbatches),
-                **log.report_mtp_metrics(iteration, num_microbatches),
-            }
-            # After the step: the scale the next iteration uses (Megatron-LM logs the same).
-            loss_scale = optimizer.get_loss_scale()
-            args.iteration = iteration
-            args.consumed_train_samples += global_batch_size
-            # Megatron-LM's convention: the rate after this step's schedule update (the next one's).
-            learning_rate = optimizer.param_groups[0]["lr"]
-            stop_reason = None if exits is None else exits.reason()
-            if args.exit_interval is not None and iteration % args.exit_interval == 0:
-                stop_reason = "--exit-interval"
-            exiting = stop_reason is not None
-            if skipped:
-                history.skipped_iterations.append(iteration)
-                why = (
-                    f"the gradients overflowed at loss scale {step_loss_scale:g}"
-                    if grad_norm is None
-                    else f"the gradient norm is {grad_norm}"
-                )
-                print_rank_0(
-                    f"iteration {iteration}: skipped the optimizer step, {why} (losses {losses}); "
-                    "weights and learning rate are unchanged.",
-                    logging.WARNING,
-                )
-            history.losses.append({**losses, **auxiliary_losses})
-            history.grad_norms.append(grad_norm)
-            history.loss_scales.append(loss_scale)
-            history.learning_rates.append(learning_rate)
-            log.record_iteration(
-                iteration,
-                losses,
-                skipped,
-                grad_norm,
-                learning_rate,
-                seconds,
-                last=exiting or iteration == args.train_iters,
-                loss_scale=loss_scale,
-                num_zeros_in_grad=num_zeros_in_grad,
-                params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
-                auxiliary_losses=auxiliary_losses,
-                global_batch_size=global_batch_size,
-            )
-            operations.after_iteration(iteration, last=exiting or iteration == args.train_iters)
-
-            if (
-                valid_data_iterator is not None
-                and args.eval_interval is not None
-                and iteration % args.eval_interval == 0
-            ):
-                if graph is not None:
-                    graph.before_eager_use()
-                with operations.evaluation():
-                    history.validation_losses[iteration] = evaluate_and_print_results(
-                        forward_step_func,
-                        valid_data_iterator,
-                        model,
-                        args,
-                        log,
-                        split="validation",
-                        when=f"iteration {iteration}",
-                        iteration=iteration,
-                    )
-                args.consumed_valid_samples += args.eval_iters * args.global_batch_size
-            if args.save is not None and (
-                exiting
-                or iteration == args.train_iters
-                or (args.save_interval is not None and iteration % args.save_interval == 0)
-            ):
-                save_checkpoint(iteration, model, optimizer, scheduler, args)
-            if exiting:
-                report_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
-                break
-        if graph is not None:
-            graph.before_eager_use()  # the end-of-training evaluations follow
-    finally:
-        if graph is not None:
-            # Also on an error: a live graph holds the NCCL communicators it captured, and
-            # destroying the process groups would wait for it.
-            graph.close()
-    return history
 
 
 def _short_count(count: int) -> str:

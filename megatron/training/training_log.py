@@ -46,6 +46,7 @@ from megatron.core.transformer.moe.router import tracked_metrics
 from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
+from megatron.training.train_state import TrainState, is_nan_iteration
 from megatron.training.utils import is_rank_0, print_rank_0, report_rank_0
 
 
@@ -171,10 +172,19 @@ class TrainingLog:
         args: validated arguments (batch sizes, intervals, logging flags).
         config: the model's config, for the FLOPs of an iteration.
         device: where the model computes (throughput and memory fields are GPU-only).
+        train_state: the run's progress, which the loop advances before it records an
+            iteration; the log reads its consumed training samples. None: a fresh one.
     """
 
-    def __init__(self, args: argparse.Namespace, config: TransformerConfig, device: torch.device):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        config: TransformerConfig,
+        device: torch.device,
+        train_state: TrainState | None = None,
+    ):
         self.args = args
+        self.train_state = TrainState() if train_state is None else train_state
         self.device = device
         self.writer = MetricWriter(args)
         # FLOPs are linear in the batch: a ramp's iterations are counted at their own size.
@@ -242,8 +252,7 @@ class TrainingLog:
             # Megatron-LM's rule: a skipped iteration's loss stays out of the average, and it
             # counts as a nan iteration when that loss is not finite.
             interval.skipped += 1
-            if not all(math.isfinite(value) for value in losses.values()):
-                interval.nan += 1
+            interval.nan += is_nan_iteration(skipped, losses)
         else:
             for key, value in {**losses, **(auxiliary_losses or {})}.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
@@ -349,7 +358,8 @@ class TrainingLog:
             "params-norm": values.params_norm,
         }
         scalars.update((tag, value) for tag, value in optional.items() if value is not None)
-        self.writer.add_scalars(scalars, iteration, samples=args.consumed_train_samples)
+        samples = self.train_state.consumed_train_samples
+        self.writer.add_scalars(scalars, iteration, samples=samples)
         if args.log_memory_to_tensorboard and self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             memory = {
@@ -371,7 +381,7 @@ class TrainingLog:
         tokens = interval.samples * args.seq_length
         fields = [
             f"iteration {iteration:8d}/{args.train_iters:8d}",
-            f"consumed samples: {args.consumed_train_samples:12d}",
+            f"consumed samples: {self.train_state.consumed_train_samples:12d}",
             f"elapsed time per iteration (ms): {seconds_per_iteration * 1000:.1f}",
             f"tokens/s/GPU: {tokens / interval.seconds / args.world_size:.1f}",
         ]
@@ -436,7 +446,7 @@ class TrainingLog:
         report_rank_0(f"{rule}\n{line}\n{rule}")
         if not write_to_tensorboard:
             return
-        samples = self.args.consumed_train_samples
+        samples = self.train_state.consumed_train_samples
         self.writer.add_scalars(
             {f"{key} {split}": v for key, v in losses.items()}, iteration, samples=samples
         )

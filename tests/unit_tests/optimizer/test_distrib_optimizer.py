@@ -263,8 +263,6 @@ def _ckpt_args(root: str) -> argparse.Namespace:
         no_load_optim=False,
         no_load_rng=True,
         dist_ckpt_strictness="assume_ok_unexpected",
-        consumed_train_samples=16,
-        consumed_valid_samples=0,
         num_layers=2,
         hidden_size=32,
     )
@@ -285,7 +283,7 @@ def _load(root: str, bf16: bool, distributed: bool) -> dict:
     parallel_state.initialize_model_parallel()
     try:
         state = _build(distributed, seed=4321, bf16=bf16)
-        assert load_checkpoint(*state, _ckpt_args(root)) == 2
+        assert load_checkpoint(*state, _ckpt_args(root)).iteration == 2
         loaded = _snapshot(state)
         # Training goes on from the loaded shards (states, masters) without error.
         _train(state, _batches(3)[2:])

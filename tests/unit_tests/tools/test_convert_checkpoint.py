@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 import pretrain_gpt
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training import training
+from megatron.training import training_loop
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
     COMMON_FILENAME,
@@ -101,23 +101,25 @@ def _pretrain(flags: list[str]) -> dict[str, Any]:
     and optimizer tensors of each checkpoint it saved (gathered as they are saved), and the
     error it raised (as text, so a failed load does not cost the worker pool)."""
     gathered: dict[int, dict[str, Any]] = {}
-    save_checkpoint = training.save_checkpoint
+    save_checkpoint = training_loop.save_checkpoint
 
-    def gather_and_save(iteration, model, optimizer, scheduler, args):
+    def gather_and_save(train_state, model, optimizer, scheduler, args):
         optimizer_state = optimizer.sharded_state_dict()
         optimizer_state.pop("param_groups")
         # The model chunks (one without virtual pipeline stages).
         model_state = {name: t for chunk in model for name, t in chunk.state_dict().items()}
-        gathered[iteration] = _full({"model": model_state, "optimizer": optimizer_state})
-        save_checkpoint(iteration, model, optimizer, scheduler, args)
+        gathered[train_state.iteration] = _full(
+            {"model": model_state, "optimizer": optimizer_state}
+        )
+        save_checkpoint(train_state, model, optimizer, scheduler, args)
 
-    training.save_checkpoint = gather_and_save
+    training_loop.save_checkpoint = gather_and_save
     try:
         history = pretrain_gpt.main([*flags, "--distributed-backend", dist.get_backend()])
     except Exception as error:  # noqa: BLE001 - returned to the test, which asserts on it
         return {"error": f"{type(error).__name__}: {error}"}
     finally:
-        training.save_checkpoint = save_checkpoint
+        training_loop.save_checkpoint = save_checkpoint
     return {
         "error": None,
         "losses": history.loss_curve(),

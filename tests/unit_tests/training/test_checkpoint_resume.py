@@ -116,19 +116,19 @@ def _main_observing_load(flags: list[str]) -> tuple[TrainingHistory, dict[str, A
 
     def observe(model, optimizer, scheduler, args):
         observed["rng_before"] = _dropout_rng_state()
-        iteration = original(model, optimizer, scheduler, args)
+        progress = original(model, optimizer, scheduler, args)
         observed.update(
-            iteration=iteration,
+            iteration=progress.iteration,
             weights={  # the model chunks (one without virtual pipeline stages)
                 name: whole_tensor(t) for chunk in model for name, t in chunk.state_dict().items()
             },
             optimizer_state=sum(map(len, optimizer.sharded_state_dict()["state"].values())),
             scheduler_steps=scheduler.num_steps,
-            consumed=(args.consumed_train_samples, args.consumed_valid_samples),
+            consumed=(progress.consumed_train_samples, progress.consumed_valid_samples),
             rng_after=_dropout_rng_state(),
             rng=_dropout_rng(),
         )
-        return iteration
+        return progress
 
     with mock.patch.object(training, "load_checkpoint", observe):
         history = main(flags)
@@ -639,7 +639,8 @@ def test_exit_on_missing_checkpoint_refuses_to_train_from_scratch(tmp_path):
     yet, is an error with the flag."""
     root = str(tmp_path / "ckpt")
     flags = [*BASE, "--load", root, "--save", root]
-    assert checkpointing.load_checkpoint(None, None, None, parse_args(args=flags)) == 0
+    fresh = checkpointing.load_checkpoint(None, None, None, parse_args(args=flags))
+    assert fresh.iteration == 0
     args = parse_args(args=[*flags, "--exit-on-missing-checkpoint"])
     with pytest.raises(CheckpointError, match="holds no checkpoint yet, and --exit-on-missing"):
         checkpointing.load_checkpoint(None, None, None, args)

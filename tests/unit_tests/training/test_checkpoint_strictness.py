@@ -46,8 +46,6 @@ def _args(root: str, strictness: str, **overrides: Any) -> argparse.Namespace:
         pretrained_checkpoint=None,
         no_load_optim=True,
         no_load_rng=True,
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
         dist_ckpt_strictness=strictness,
     )
     vars(args).update(overrides)
@@ -72,7 +70,8 @@ def _load(root: str, saved_biases: bool, strictness: str, **overrides: Any) -> d
         error = None
         with capture_training_log() as messages:
             try:
-                iteration = load_checkpoint(*loading, _args(root, strictness, **overrides))
+                args = _args(root, strictness, **overrides)
+                iteration = load_checkpoint(*loading, args).iteration
             except CheckpointError as caught:
                 error, iteration = str(caught), None
         return dict(

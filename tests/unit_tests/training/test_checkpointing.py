@@ -36,6 +36,7 @@ from megatron.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron.training.train_state import TrainState
 from megatron.training.training import train_step
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
@@ -160,8 +161,6 @@ def _args(root: str, **overrides: Any) -> argparse.Namespace:
         pretrained_checkpoint=None,
         no_load_optim=False,
         no_load_rng=False,
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
         dist_ckpt_strictness="assume_ok_unexpected",
         num_layers=2,
         hidden_size=32,
@@ -224,22 +223,22 @@ def _round_trip(engine: str, root: str, build: dict[str, Any]) -> dict[str, Any]
     batches = _batches(3)
     saved_state = _build(engine, **build)
     _train(saved_state, batches[:2])
-    save_checkpoint(2, *saved_state, _args(root, consumed_train_samples=16))
+    save_checkpoint(TrainState(iteration=2, consumed_train_samples=16), *saved_state, _args(root))
     saved = _snapshot(saved_state)
 
     loaded_state = _build(engine, seed=4321, **build)
     random.seed(4321)
     numpy.random.seed(4321)
     args = _args(root)
-    iteration = load_checkpoint(*loaded_state, args)
+    loaded_progress = load_checkpoint(*loaded_state, args)
     loaded = _snapshot(loaded_state)
     # The loaded RNG states are the saved ones: both steps draw the same dropout masks.
     step_loaded = _train(loaded_state, batches[2:])
     _set_rng_states(saved["rng"])
     step_saved = _train(saved_state, batches[2:])
     return dict(
-        iteration=iteration,
-        consumed=args.consumed_train_samples,
+        iteration=loaded_progress.iteration,
+        consumed=loaded_progress.consumed_train_samples,
         saved=saved,
         loaded=loaded,
         step_saved=(step_saved, _snapshot(saved_state)),
@@ -313,7 +312,8 @@ def _no_load_optim_into_bf16_masters(root: str) -> dict[str, Any]:
     _train(saved_state, _batches(2))
     save_checkpoint(2, *saved_state, _args(root))
     model, optimizer, scheduler = _build("ddp", bf16=True, seed=4321)
-    iteration = load_checkpoint(model, optimizer, scheduler, _args(root, no_load_optim=True))
+    loaded = load_checkpoint(model, optimizer, scheduler, _args(root, no_load_optim=True))
+    iteration = loaded.iteration
     params = dict(model.module.named_parameters())
     masters = optimizer.sharded_state_dict()["fp32_from_fp16_params"]
     return dict(
@@ -471,7 +471,7 @@ def _train_and_save(root: str, strategy: str, replicas: int, outer: str) -> dict
 def _load(root: str, strategy: str, replicas: int, outer: str) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=replicas)
     state = _build(strategy, seed=4321, replicas=replicas, outer=outer)
-    assert load_checkpoint(*state, _args(root)) == 2
+    assert load_checkpoint(*state, _args(root)).iteration == 2
     snapshot = _snapshot(state)
     # Compute weights come from the loaded main weights (all-gathered, or HFSDP's model shard).
     snapshot["next_loss"] = _train(state, _batches(3)[2:])[0][0]

@@ -76,7 +76,6 @@ def test_eval_interval_defaults_to_none_and_sizes_one_final_evaluation():
         requested.append(num_samples)
         raise StopIteration
 
-    args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
     with pytest.raises(StopIteration):
         data_iterators.build_train_valid_test_data_iterators(provider, args)
     assert requested == [[2000 * 4, 3 * 4, 3 * 4]]

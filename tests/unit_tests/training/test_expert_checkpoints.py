@@ -42,8 +42,6 @@ def _args(root: str, load: str | None = None, num_experts: int = 4) -> argparse.
         save=os.path.join(root, "save"),
         load=load,
         ckpt_format="torch_dist",
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
         pretrained_checkpoint=None,
         finetune=False,
         ckpt_step=None,
@@ -99,7 +97,8 @@ def _stage(root, ep, engine, save_iteration, load_dir, batches, expected_after):
     model, optimizer, scheduler = _build(ep, engine)
     args = _args(root, load_dir)
     if load_dir is not None:
-        assert load_checkpoint(model, optimizer, scheduler, args) == save_iteration - len(batches)
+        loaded = load_checkpoint(model, optimizer, scheduler, args)
+        assert loaded.iteration == save_iteration - len(batches)
         _assert_equal(_snapshot(model, optimizer), expected_after)
     result = RunResult()
     train_steps(model, optimizer, batches, result, dist.get_rank(), WORLD)

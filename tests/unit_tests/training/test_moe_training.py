@@ -11,7 +11,7 @@ import torch
 
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-from megatron.training.training import _set_auxiliary_loss_scale
+from megatron.training.train_step import _set_auxiliary_loss_scale
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.checkpoint_checks import RUN, main, read_whole_checkpoint
 

@@ -161,7 +161,6 @@ def test_flags_build_upstreams_datasets(case, tmp_path):
     validate_args(args, world_size=1)
     build_tokenizer(args)
     set_args(args)
-    args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0  # pretrain's
     try:
         sizes = train_valid_test_num_samples(args)
         assert sizes == spec["sizes"]

@@ -100,7 +100,7 @@ def _resume_one_step(root, step, built, load_dir, saved, batches, expected, wher
     scheduler = _scheduler(optimizer, optimizer.param_groups[0]["lr"])
     args = _args(root, load_dir)
     if load_dir is not None:
-        assert load_checkpoint(model, optimizer, scheduler, args) == step
+        assert load_checkpoint(model, optimizer, scheduler, args).iteration == step
         _assert_equal(_snapshot(model, optimizer), saved)
     result = RunResult()
     dp = groups.dp_cp

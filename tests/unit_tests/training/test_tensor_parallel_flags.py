@@ -97,7 +97,6 @@ def _reads_and_averages() -> tuple[list[list[int]], float, list[int], int]:
         "0",
         world_size=4,
     )
-    args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
 
     def provider(num_samples: list[int]) -> tuple[MockGPTDataset | None, ...]:

@@ -37,7 +37,6 @@ FLAGS = (
 )
 def test_datasets_shorter_than_the_run_are_refused(sizes, message):
     args = validate_args(parse_args(args=FLAGS), world_size=1)
-    args.iteration = args.consumed_train_samples = args.consumed_valid_samples = 0  # as pretrain()
     assert args.train_iters * args.global_batch_size == 12
 
     def provider(num_samples: list[int]) -> tuple[MockGPTDataset, ...]:

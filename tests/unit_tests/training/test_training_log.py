@@ -52,14 +52,13 @@ def messages():
 
 def _training_log(*flags: str) -> TrainingLog:
     args = validate_args(parse_args(args=[*FLAGS, *flags]), world_size=2)
-    args.consumed_train_samples = 0
     return TrainingLog(args, core_transformer_config_from_args(args), torch.device("cpu"))
 
 
 def test_line_averages_the_interval_and_counts_skipped_and_nan_iterations(messages):
     log = _training_log()
     log.record_iteration(1, {"lm loss": 4.0}, False, 1.5, 1e-2, 0.1)
-    log.args.consumed_train_samples = 16  # the loop's count: two global batches of 8
+    log.train_state.consumed_train_samples = 16  # the loop's count: two global batches of 8
     log.record_iteration(2, {"lm loss": 2.0}, False, 0.5, 9e-3, 0.3)
     log.record_iteration(3, {"lm loss": float("inf")}, True, float("nan"), 8e-3, 0.2)
     log.record_iteration(4, {"lm loss": 1.0}, False, 0.25, 8e-3, 0.2)

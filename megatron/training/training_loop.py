@@ -1,0 +1,370 @@
+"""The training loop (`train()`) and what it measured (`TrainingHistory`).
+
+`train()` runs `_TrainingLoop`, whose parts are one iteration's step (`train_step`) and
+bookkeeping (the `TrainState`, the history, the log), the exit decision, the periodic
+evaluation and the periodic save, in that order on every rank (their collectives match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import time
+
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.stage import Model, model_chunks
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.cuda_graphs import GraphedIteration
+from megatron.training.dist_signal_handler import ExitConditions
+from megatron.training.evaluation import evaluate_and_print_results
+from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
+from megatron.training.flag_groups.training_schedule import batch_size_schedule
+from megatron.training.flops import num_floating_point_operations
+from megatron.training.profiling import TrainingOperations
+from megatron.training.schedules import DataIterator, ForwardStepFunc
+from megatron.training.train_state import TrainState
+from megatron.training.train_step import compute_gradients, train_step
+from megatron.training.training_log import TrainingLog
+from megatron.training.utils import get_device, print_rank_0, report_rank_0
+
+
+@dataclasses.dataclass
+class TrainingHistory:
+    """What `pretrain()` measured, the same on every rank (values are averaged over ranks).
+
+    Attributes:
+        start_iteration: the iteration training resumed after (0 without a checkpoint).
+        losses: per iteration (index i is iteration start_iteration + i + 1), the reported
+            losses averaged over the microbatches and the data-parallel ranks (skipped
+            iterations included); with MoE layers also their auxiliary losses
+            ("load_balancing_loss", "z_loss", ...: the mean over the MoE layers), with
+            multi-token prediction each depth's loss ("mtp_1 loss", ...).
+        grad_norms: per iteration, the global gradient norm before clipping (None where
+            fp16's loss scaler skipped the step on an overflow).
+        loss_scales: per iteration, the loss scale after its step (1.0 without loss scaling).
+        learning_rates: per iteration, the learning rate after its schedule step, i.e. the
+            next iteration's (Megatron-LM logs this one).
+        skipped_iterations: iterations whose optimizer step was skipped (non-finite gradients).
+        validation_losses: iteration -> the losses of the evaluation run after it.
+        final_validation_losses: the evaluation at the end of training (None: no validation).
+        test_losses: the test-split evaluation at the end of training (None: no test split).
+    """
+
+    start_iteration: int = 0
+    losses: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    loss_scales: list[float] = dataclasses.field(default_factory=list)
+    learning_rates: list[float] = dataclasses.field(default_factory=list)
+    skipped_iterations: list[int] = dataclasses.field(default_factory=list)
+    validation_losses: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    final_validation_losses: dict[str, float] | None = None
+    test_losses: dict[str, float] | None = None
+
+    def loss_curve(self, key: str = "lm loss") -> list[float]:
+        """One reported loss per iteration."""
+        return [losses[key] for losses in self.losses]
+
+
+def train(
+    forward_step_func: ForwardStepFunc,
+    model: Model,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    train_data_iterator: DataIterator | None,
+    valid_data_iterator: DataIterator | None,
+    args: argparse.Namespace,
+    log: TrainingLog,
+    operations: TrainingOperations,
+    exits: ExitConditions | None = None,
+    *,
+    train_state: TrainState | None = None,
+) -> TrainingHistory:
+    """Runs the training loop from iteration `train_state.iteration + 1` to `--train-iters`, or
+    until `--exit-interval`, `--exit-duration-in-mins` or `--exit-signal-handler`'s signal.
+
+    Logs every `--log-interval` iterations and at the last one, evaluates on the validation
+    split every `--eval-interval`, and with `--save` checkpoints every `--save-interval` and
+    when the loop ends. Advances `train_state` (the iteration, the consumed samples, the
+    skipped and nan iteration counts and the FLOPs so far); `args` are only read.
+
+    Args:
+        forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
+        model: the wrapped model, or the list of this rank's wrapped model chunks.
+        optimizer: steps the model's main weights.
+        scheduler: the learning-rate and weight-decay schedule.
+        train_data_iterator: this rank's training micro-batches (None: none left).
+        valid_data_iterator: this rank's validation micro-batches; None: no evaluation.
+        args: validated arguments.
+        log: reports the iterations and evaluations; it reads the consumed samples from
+            `log.train_state`, so it must be built with `train_state`.
+        operations: the profiler and garbage collection, told where iterations start and end.
+        exits: the signal and duration exits (None: neither).
+        train_state: the progress to continue from (`load_checkpoint()`'s); None: the log's
+            (a fresh one unless the log was built with another).
+
+    Returns:
+        What the iterations measured (the end-of-training evaluations are left to the caller).
+
+    Raises:
+        ValueError: `log` reports another `TrainState` than `train_state`.
+    """
+    if train_state is None:
+        train_state = log.train_state
+    if log.train_state is not train_state:
+        raise ValueError(
+            "train(): the log reads another TrainState than the one the loop advances, so its "
+            "consumed samples would not move; build TrainingLog(..., train_state=train_state)."
+        )
+    history = TrainingHistory(start_iteration=train_state.iteration)
+    if train_state.iteration >= args.train_iters:
+        print_rank_0(
+            f"> the checkpoint is of iteration {train_state.iteration}, --train-iters is "
+            f"{args.train_iters}: nothing to train"
+        )
+        return history
+    chunks = model_chunks(model)
+    for chunk in chunks:
+        chunk.train()
+    # The trackers are process-wide: what was recorded before this loop (another model in the
+    # process, a forward outside training) is not this run's first iteration's.
+    get_moe_metrics_tracker().clear()
+    get_mtp_loss_logging_helper().clear()
+    print_rank_0("> training ...")
+    graph = None
+    if full_iteration_cuda_graph(args):
+        # Without pipeline stages (the flags refuse graphs with them): one chunk.
+        graph = GraphedIteration(
+            functools.partial(compute_gradients, forward_step_func, model, optimizer, args),
+            chunks[0],
+            optimizer,
+            args,
+            get_device(),
+        )
+    try:
+        loop = _TrainingLoop(
+            forward_step_func,
+            model,
+            optimizer,
+            scheduler,
+            train_data_iterator,
+            valid_data_iterator,
+            args,
+            log,
+            operations,
+            exits,
+            train_state,
+            history,
+            graph,
+        )
+        loop.run()
+        if graph is not None:
+            graph.before_eager_use()  # the end-of-training evaluations follow
+    finally:
+        if graph is not None:
+            # Also on an error: a live graph holds the NCCL communicators it captured, and
+            # destroying the process groups would wait for it.
+            graph.close()
+    return history
+
+
+@dataclasses.dataclass(frozen=True)
+class _IterationResult:
+    """What one training iteration measured (`_TrainingLoop.step`)."""
+
+    losses: dict[str, float]
+    auxiliary_losses: dict[str, float]
+    skipped: bool
+    grad_norm: float | None
+    num_zeros_in_grad: int | None
+    step_loss_scale: float  # before the step: what an overflow is reported at
+    loss_scale: float  # after it: the scale the next iteration uses
+    learning_rate: float
+    global_batch_size: int
+    seconds: float
+
+
+class _TrainingLoop:
+    """`train()`'s loop, in its parts: one iteration's step and bookkeeping (`step`,
+    `record`), the exit decision (`exit_reason`), the periodic evaluation and the periodic
+    save. The order within an iteration is the one every rank keeps (the parts' collectives
+    must match): step, exit decision, record, evaluation, save, exit."""
+
+    def __init__(
+        self,
+        forward_step_func: ForwardStepFunc,
+        model: Model,
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
+        train_data_iterator: DataIterator | None,
+        valid_data_iterator: DataIterator | None,
+        args: argparse.Namespace,
+        log: TrainingLog,
+        operations: TrainingOperations,
+        exits: ExitConditions | None,
+        state: TrainState,
+        history: TrainingHistory,
+        graph: GraphedIteration | None,
+    ):
+        self.forward_step_func = forward_step_func
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_data_iterator = train_data_iterator
+        self.valid_data_iterator = valid_data_iterator
+        self.args = args
+        self.log = log
+        self.operations = operations
+        self.exits = exits
+        self.state = state
+        self.history = history
+        self.graph = graph
+        self.batch_sizes = batch_size_schedule(args)
+        # FLOPs are linear in the batch: each iteration counts at its own global batch size.
+        self.flops_per_sample = num_floating_point_operations(
+            model_chunks(model)[0].config, args.padded_vocab_size, args.seq_length, 1
+        )
+
+    def run(self) -> None:
+        """Trains from the iteration after `state.iteration` until `--train-iters` or an exit."""
+        args = self.args
+        for iteration in range(self.state.iteration + 1, args.train_iters + 1):
+            self.operations.before_iteration(iteration)
+            result = self.step(iteration)
+            stop_reason = self.exit_reason(iteration)
+            last = stop_reason is not None or iteration == args.train_iters
+            self.record(iteration, result, last)
+            self.operations.after_iteration(iteration, last=last)
+            self.evaluate_periodically(iteration)
+            self.save_periodically(iteration, exiting=stop_reason is not None)
+            if stop_reason is not None:
+                report_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
+                break
+
+    def step(self, iteration: int) -> _IterationResult:
+        """Trains iteration `iteration` (`train_step`), reports its auxiliary losses, and
+        advances the state past it."""
+        args, optimizer = self.args, self.optimizer
+        start = time.perf_counter()
+        global_batch_size = self.batch_sizes.global_batch_size(self.state.consumed_train_samples)
+        samples_per_microbatch = args.micro_batch_size * args.data_parallel_size
+        num_microbatches = global_batch_size // samples_per_microbatch
+        step_loss_scale = optimizer.get_loss_scale()
+        losses, skipped, grad_norm, num_zeros_in_grad = train_step(
+            self.forward_step_func,
+            self.train_data_iterator,
+            self.model,
+            optimizer,
+            self.scheduler,
+            args,
+            num_microbatches=num_microbatches,
+            graph=self.graph,
+        )
+        seconds = time.perf_counter() - start
+        # Every step, on every rank (it all-reduces and clears the step's metrics).
+        auxiliary_losses = {
+            **self.log.report_moe_metrics(iteration, num_microbatches),
+            **self.log.report_mtp_metrics(iteration, num_microbatches),
+        }
+        self.state.record_iteration(
+            iteration,
+            global_batch_size,
+            self.flops_per_sample * global_batch_size,
+            skipped,
+            losses,
+        )
+        return _IterationResult(
+            losses=losses,
+            auxiliary_losses=auxiliary_losses,
+            skipped=skipped,
+            grad_norm=grad_norm,
+            num_zeros_in_grad=num_zeros_in_grad,
+            step_loss_scale=step_loss_scale,
+            # After the step: the scale the next iteration uses (Megatron-LM logs the same).
+            loss_scale=optimizer.get_loss_scale(),
+            # Megatron-LM's convention: the rate after this step's schedule update (the next
+            # one's).
+            learning_rate=optimizer.param_groups[0]["lr"],
+            global_batch_size=global_batch_size,
+            seconds=seconds,
+        )
+
+    def exit_reason(self, iteration: int) -> str | None:
+        """Why training stops after `iteration` (None: it goes on, up to `--train-iters`)."""
+        stop_reason = None if self.exits is None else self.exits.reason()
+        if self.args.exit_interval is not None and iteration % self.args.exit_interval == 0:
+            stop_reason = "--exit-interval"
+        return stop_reason
+
+    def record(self, iteration: int, result: _IterationResult, last: bool) -> None:
+        """Adds the iteration to the history and the log (`last`: training stops after it)."""
+        history = self.history
+        if result.skipped:
+            history.skipped_iterations.append(iteration)
+            why = (
+                f"the gradients overflowed at loss scale {result.step_loss_scale:g}"
+                if result.grad_norm is None
+                else f"the gradient norm is {result.grad_norm}"
+            )
+            print_rank_0(
+                f"iteration {iteration}: skipped the optimizer step, {why} (losses "
+                f"{result.losses}); weights and learning rate are unchanged.",
+                logging.WARNING,
+            )
+        history.losses.append({**result.losses, **result.auxiliary_losses})
+        history.grad_norms.append(result.grad_norm)
+        history.loss_scales.append(result.loss_scale)
+        history.learning_rates.append(result.learning_rate)
+        self.log.record_iteration(
+            iteration,
+            result.losses,
+            result.skipped,
+            result.grad_norm,
+            result.learning_rate,
+            result.seconds,
+            last=last,
+            loss_scale=result.loss_scale,
+            num_zeros_in_grad=result.num_zeros_in_grad,
+            params_norm=self.optimizer.get_params_norm() if self.args.log_params_norm else None,
+            auxiliary_losses=result.auxiliary_losses,
+            global_batch_size=result.global_batch_size,
+        )
+
+    def evaluate_periodically(self, iteration: int) -> None:
+        """Evaluates on the validation split every `--eval-interval` iterations."""
+        args = self.args
+        if (
+            self.valid_data_iterator is None
+            or args.eval_interval is None
+            or iteration % args.eval_interval != 0
+        ):
+            return
+        if self.graph is not None:
+            self.graph.before_eager_use()
+        with self.operations.evaluation():
+            self.history.validation_losses[iteration] = evaluate_and_print_results(
+                self.forward_step_func,
+                self.valid_data_iterator,
+                self.model,
+                args,
+                self.log,
+                split="validation",
+                when=f"iteration {iteration}",
+                iteration=iteration,
+            )
+        self.state.record_evaluation(args.eval_iters * args.global_batch_size)
+
+    def save_periodically(self, iteration: int, exiting: bool) -> None:
+        """With `--save`, checkpoints every `--save-interval` iterations and when training
+        stops (`exiting`, or at `--train-iters`)."""
+        args = self.args
+        if args.save is not None and (
+            exiting
+            or iteration == args.train_iters
+            or (args.save_interval is not None and iteration % args.save_interval == 0)
+        ):
+            save_checkpoint(self.state, self.model, self.optimizer, self.scheduler, args)
