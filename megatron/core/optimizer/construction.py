@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from megatron.core.distributed.fsdp import fsdp_roots, fully_shard_optimizer, local_main_weights
+from megatron.core.distributed.fsdp import fully_shard_optimizer, local_main_weights
+from megatron.core.distributed.fsdp.roots import fsdp_roots
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, main_param_shards
 from megatron.core.optimizer.grad_scaler import get_grad_scaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer

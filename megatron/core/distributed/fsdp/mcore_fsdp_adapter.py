@@ -26,10 +26,13 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 )
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.fsdp_module import fully_shard
-from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron.core.distributed.fsdp.optimizer import parameter_groups
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
+from megatron.core.distributed.fsdp.roots import (
+    fsdp_contexts,
+    local_main_weights,
+    parameter_groups,
+)
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.upstream_names import stack_upstream_experts
@@ -61,6 +64,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
         ValueError: `use_megatron_fsdp` is False, or `num_distributed_optimizer_instances`
             disagrees with the outer group of the process groups.
     """
+
+    keeps_main_weights = True
+    """The DTensor main weights (fp32 shards) are the wrapped module's parameters: an optimizer
+    steps them (or their local shards) and keeps no masters of its own."""
 
     def __init__(
         self,
@@ -181,6 +188,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
         """Completes every gradient reduction; the optimizer may step afterwards."""
         for context in self._contexts:
             context.finalize_grads()
+
+    def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Each DTensor main weight (a parameter of the wrapped module) -> its local shard."""
+        return local_main_weights(self.module)
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""

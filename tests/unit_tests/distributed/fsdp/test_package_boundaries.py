@@ -1,0 +1,114 @@
+"""The boundaries of the Megatron-FSDP package: no import cycles among its modules (counting
+imports under `TYPE_CHECKING` and inside functions), and a narrow public `__init__`."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import warnings
+
+import pytest
+
+import megatron.core.distributed.fsdp as fsdp
+
+PACKAGE = "megatron.core.distributed.fsdp"
+ROOT = pathlib.Path(fsdp.__file__).parent
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package's modules that the module at `path` imports, anywhere in its text."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == PACKAGE:
+                # `from package import module` names a module; any other name is the
+                # package's `__init__`, which imports everything.
+                found.update(a.name if a.name in modules else "__init__" for a in node.names)
+            elif node.module.startswith(PACKAGE + "."):
+                found.add(node.module[len(PACKAGE) + 1 :].split(".")[0])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PACKAGE + "."):
+                    found.add(alias.name[len(PACKAGE) + 1 :].split(".")[0])
+    return found - {path.stem}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph.get(node, ()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles_inside_the_package():
+    modules = {path.stem for path in ROOT.glob("*.py")}
+    graph = {name: _imports(ROOT / f"{name}.py", modules) for name in modules}
+    importing_init = sorted(name for name, deps in graph.items() if "__init__" in deps)
+    assert importing_init == [], f"modules importing the package's __init__: {importing_init}"
+    graph["__init__"] = set()  # it imports the public names: nothing imports it back
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_sees_a_cycle():
+    # The check above could not fail if the finder missed cycles.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_public_names_are_narrow():
+    assert sorted(fsdp.__all__) == [
+        "FSDPDistributedIndex",
+        "FsdpModule",
+        "FullyShardedDataParallel",
+        "MixedPrecisionPolicy",
+        "OverlapPolicy",
+        "ShardingStrategy",
+        "accumulation_memory",
+        "fully_shard",
+        "fully_shard_optimizer",
+        "local_main_weights",
+        "microbatch",
+        "set_profiler_labels",
+        "unit_memory",
+    ]
+    for name in fsdp.__all__:
+        assert getattr(fsdp, name) is not None
+
+
+def test_former_exports_still_resolve_with_a_warning():
+    from megatron.core.distributed.fsdp.dbuffer import DBuffer
+    from megatron.core.distributed.fsdp.roots import fsdp_roots
+
+    with pytest.warns(DeprecationWarning, match="fsdp.roots"):
+        assert fsdp.fsdp_roots is fsdp_roots
+    with pytest.warns(DeprecationWarning, match="fsdp.dbuffer"):
+        from megatron.core.distributed.fsdp import DBuffer as old
+    assert old is DBuffer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="no_such_name"):
+            fsdp.no_such_name  # noqa: B018
