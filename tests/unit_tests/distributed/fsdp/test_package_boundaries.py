@@ -112,3 +112,31 @@ def test_former_exports_still_resolve_with_a_warning():
         warnings.simplefilter("error")
         with pytest.raises(AttributeError, match="no_such_name"):
             fsdp.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "megatron/core/optimizer/optimizer.py",
+        "megatron/training/schedules.py",
+        "megatron/core/pipeline_parallel/microbatch_loss.py",
+    ],
+)
+def test_callers_do_not_ask_which_engine_they_hold(path):
+    # They reach either engine through `engine.DataParallelEngine` (or `no_sync()`), so they
+    # import neither wrapper class nor Megatron-FSDP's internals.
+    tree = ast.parse((ROOT.parents[3] / path).read_text())
+    imported = {
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    engine_names = {
+        name
+        for name in imported
+        if name.startswith(PACKAGE)
+        or name.endswith((".DistributedDataParallel", ".FullyShardedDataParallel"))
+        or name.endswith("._BaseDataParallel")
+    }
+    assert engine_names == set()
