@@ -15,22 +15,32 @@ PACKAGE = "megatron.core.distributed.fsdp"
 ROOT = pathlib.Path(fsdp.__file__).parent
 
 
-def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """The package's modules that the module at `path` imports, anywhere in its text."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == PACKAGE:
-                # `from package import module` names a module; any other name is the
-                # package's `__init__`, which imports everything.
-                found.update(a.name if a.name in modules else "__init__" for a in node.names)
-            elif node.module.startswith(PACKAGE + "."):
-                found.add(node.module[len(PACKAGE) + 1 :].split(".")[0])
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith(PACKAGE + "."):
-                    found.add(alias.name[len(PACKAGE) + 1 :].split(".")[0])
-    return found - {path.stem}
+def _module_graph(directory: pathlib.Path, package: str) -> dict[str, set[str]]:
+    """Each module of the tree at `directory` (importable as `package`) -> the modules of the
+    tree it imports, anywhere in its text. A package's `__init__` is the package's name, so a
+    module importing a name from a package depends on everything that `__init__` imports."""
+    modules = {}
+    for path in directory.rglob("*.py"):
+        parts = path.relative_to(directory).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join((package, *parts))] = path
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}: relative import"
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in modules:
+                        found.add(full)
+                    elif node.module in modules:
+                        found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name in modules)
+        graph[name] = found - {name}
+    return graph
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -66,12 +76,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles_inside_the_package():
-    modules = {path.stem for path in ROOT.glob("*.py")}
-    graph = {name: _imports(ROOT / f"{name}.py", modules) for name in modules}
-    importing_init = sorted(name for name, deps in graph.items() if "__init__" in deps)
+    graph = _module_graph(ROOT, PACKAGE)
+    importing_init = sorted(name for name, deps in graph.items() if PACKAGE in deps)
     assert importing_init == [], f"modules importing the package's __init__: {importing_init}"
-    graph["__init__"] = set()  # it imports the public names: nothing imports it back
     assert _cycles(graph) == []
+
+
+def test_no_import_cycles_between_the_engines():
+    # Both engines, the interface the optimizer sees them through, and what they share.
+    assert _cycles(_module_graph(ROOT.parent, "megatron.core.distributed")) == []
 
 
 def test_cycle_finder_sees_a_cycle():
