@@ -31,11 +31,8 @@ from benchmark_lib.gpt_model import add_model_args, build_gpt
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
-from megatron.core.distributed.fsdp import (
-    FullyShardedDataParallel,
-    fully_shard_optimizer,
-    parameter_groups,
-)
+from megatron.core.distributed.fsdp import FullyShardedDataParallel, fully_shard_optimizer
+from megatron.core.distributed.fsdp.roots import parameter_groups
 
 GIB = 2**30
 

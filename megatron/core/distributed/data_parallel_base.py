@@ -38,6 +38,11 @@ def resolve_data_parallel_group(pg_collection: ProcessGroupCollection | None) ->
 class _BaseDataParallel(torch.nn.Module, abc.ABC):
     """Holds the wrapped module and forwards to it; subclasses implement gradient sync."""
 
+    keeps_main_weights = False
+    """Whether the module's parameters are the weights an optimizer steps, kept by the engine in
+    fp32 (Megatron-FSDP's main weights); if not, an optimizer keeps fp32 masters of the
+    parameters that are not fp32 (the DDP engine)."""
+
     def __init__(self, config: TransformerConfig, module: torch.nn.Module):
         super().__init__()
         self.config = config
@@ -93,6 +98,16 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
     def broadcast_params(self) -> None:
         """Gives every data-parallel rank the first rank's weights (after an initialisation that
         differed across ranks)."""
+
+    def global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (shaped like `param`: its gradient, master or itself) as a global tensor: as
+        it is, unless the engine splits `param` without saying so in its type."""
+        return tensor
+
+    def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Each parameter the optimizer may step as a plain local shard -> that shard (none
+        unless the engine shards the main weights)."""
+        return {}
 
     def state_dict(
         self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from megatron.core.distributed.fsdp import fsdp_roots, fully_shard_optimizer, local_main_weights
+from megatron.core.distributed.engine import engine_of
+from megatron.core.distributed.fsdp import fully_shard_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, main_param_shards
 from megatron.core.optimizer.grad_scaler import get_grad_scaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -107,10 +108,13 @@ def get_megatron_optimizer(
         config.decoupled_min_lr,
         config.apply_wd_to_qk_layernorm,
     )
-    is_fsdp = bool(fsdp_roots(modules))
+    engines = [engine_of(chunk) for chunk in chunks]
+    # Megatron-FSDP: the torch optimizer steps the local shards of its main weights.
+    is_fsdp = any(engine.keeps_main_weights for engine in engines)
     main_shards = main_param_shards(model)
     if is_fsdp or main_shards is not None:
-        mains = local_main_weights(modules) if is_fsdp else main_shards
+        local = {p: shard for engine in engines for p, shard in engine.local_main_weights().items()}
+        mains = local if is_fsdp else main_shards
         for group in param_groups:
             group["params"] = [mains[param] for param in group["params"]]
     params = [p for group in param_groups for p in group["params"]]

@@ -37,13 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron.core.distributed.data_parallel_base import _BaseDataParallel
-from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron.core.distributed.fsdp import (
-    fsdp_contexts,
-    fsdp_roots,
-    local_main_weights,
-)
+from megatron.core.distributed.engine import DataParallelEngine, engine_of
 from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -103,10 +97,15 @@ class MegatronOptimizer:
         self._chunks = model_chunks(model)
         # One module over every chunk, for what walks modules (parameters, Megatron-FSDP units).
         self._modules = modules_of(self._chunks)
-        self._is_fsdp = bool(fsdp_roots(self._modules))
+        # Each chunk's engine (`engine.py`): everything the optimizer asks of the model.
+        self._chunk_engines = [engine_of(chunk) for chunk in self._chunks]
+        # Megatron-FSDP keeps the fp32 main weights itself: they are the model's parameters.
+        self._engine_keeps_main_weights = any(
+            engine.keeps_main_weights for engine in self._chunk_engines
+        )
         # Model parameter -> what the torch optimizer steps: an fp32 master copy, or itself.
         self._main_params: dict[torch.nn.Parameter, torch.Tensor] = {}
-        if not self._is_fsdp:
+        if not self._engine_keeps_main_weights:
             for group in optimizer.param_groups:
                 for index, param in enumerate(group["params"]):
                     main = param
@@ -116,12 +115,9 @@ class MegatronOptimizer:
                     self._main_params[param] = main
         # (model parameter, its fp32 master) for each parameter that has one; fixed from here.
         self._masters = [(p, main) for p, main in self._main_params.items() if main is not p]
-        # Each parameter's DDP engine (the chunk's), which places it as a global DTensor.
-        self._engines: dict[torch.nn.Parameter, DistributedDataParallel] = {
-            param: chunk
-            for chunk in self._chunks
-            if isinstance(chunk, DistributedDataParallel)
-            for param in chunk.module.parameters()
+        # Each parameter's engine (its chunk's), which places it as a global tensor.
+        self._engines: dict[torch.nn.Parameter, DataParallelEngine] = {
+            param: engine for engine in self._chunk_engines for param in engine.module.parameters()
         }
         config_of_model = getattr(self._chunks[0], "config", None)
         stages = 1 if config_of_model is None else config_of_model.pipeline_model_parallel_size
@@ -136,7 +132,8 @@ class MegatronOptimizer:
 
     def _global_view(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (shaped like `param`: its gradient, master or itself) as the global DTensor
-        where `param` is split by the DDP engine's expert or tensor parallelism; else as is."""
+        where `param` is split by the DDP engine's expert or tensor parallelism; else as is
+        (`DataParallelEngine.global_view`)."""
         engine = self._engines.get(param)
         if engine is None:
             return tensor
@@ -165,7 +162,7 @@ class MegatronOptimizer:
         fp32 parameter), which `step()` sets from the model's gradients before it reads them.
         """
         skip = self._second_copies if counted_once else set()
-        if self._is_fsdp:
+        if self._engine_keeps_main_weights:
             return [
                 p.grad for p in self._modules.parameters() if p.grad is not None and p not in skip
             ]
@@ -179,7 +176,7 @@ class MegatronOptimizer:
         """The weights the optimizer steps, each once, placed as `get_main_grads()`' gradients:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
         skip = self._second_copies
-        if self._is_fsdp:
+        if self._engine_keeps_main_weights:
             return [p for p in self._modules.parameters() if p.requires_grad and p not in skip]
         return [
             self._global_view(param, main)
@@ -208,15 +205,12 @@ class MegatronOptimizer:
         return assigned
 
     def finish_grad_sync(self) -> None:
-        """Completes the model's gradient reduction. Idempotent, so a no-op when the training
-        loop already called `model.finish_grad_sync()`; Megatron-FSDP would otherwise run its
-        deferred reductions only inside `optimizer.step()`, after the norm was taken."""
-        for chunk in self._chunks:
-            if isinstance(chunk, _BaseDataParallel):
-                chunk.finish_grad_sync()
-            elif fsdp_roots(chunk):
-                for context in fsdp_contexts(chunk):
-                    context.finalize_grads()
+        """Completes the model's gradient reduction (each chunk's engine's
+        `finish_grad_sync()`). Idempotent, so a no-op when the training loop already called
+        `model.finish_grad_sync()`; Megatron-FSDP would otherwise run its deferred reductions
+        only inside `optimizer.step()`, after the norm was taken."""
+        for engine in self._chunk_engines:
+            engine.finish_grad_sync()
 
     @contextlib.contextmanager
     def _main_grads_for_step(self) -> Iterator[list[torch.Tensor]]:
@@ -224,15 +218,15 @@ class MegatronOptimizer:
         step has consumed them: the `.grad` the DDP engine handed out (views of `main_grad`)
         and the masters' are dropped, as `zero_grad()` would."""
         self.finish_grad_sync()
-        assigned = [] if self._is_fsdp else self._set_main_grads()
+        # Empty where the engine keeps the main weights (no `_main_params`): nothing to set.
+        assigned = self._set_main_grads()
         try:
             yield self.get_main_grads()
         finally:
             for main in assigned:
                 main.grad = None
-            if not self._is_fsdp:
-                for param in self._main_params:
-                    param.grad = None
+            for param in self._main_params:
+                param.grad = None
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int | None]:
@@ -339,7 +333,7 @@ class MegatronOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         # The torch optimizer steps other tensors (fp32 masters, Megatron-FSDP's local shards)
         # and does not see the model's `.grad`s: clear those too, as `zero_grad()` promises.
-        if self._is_fsdp or self._masters:
+        if self._engine_keeps_main_weights or self._masters:
             for param in self._modules.parameters():
                 if set_to_none:
                     param.grad = None
@@ -374,10 +368,14 @@ class MegatronOptimizer:
         local shard) -> (the parameter's name in the whole model's state dict, the model
         parameter). Under pipeline parallelism the whole model's names are not the stage's
         (`global_names`: its layers' global numbers)."""
-        local = local_main_weights(self._modules) if self._is_fsdp else {}
+        local = {
+            param: shard
+            for engine in self._chunk_engines
+            for param, shard in engine.local_main_weights().items()
+        }
         names = {}
-        for chunk in self._chunks:
-            module = chunk.module if isinstance(chunk, _BaseDataParallel) else chunk
+        for engine in self._chunk_engines:
+            module = engine.module
             params = dict(module.named_parameters())
             for name, whole in global_names(module, params).items():
                 param = params[name]

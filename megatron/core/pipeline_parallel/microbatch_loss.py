@@ -22,8 +22,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import FullyShardedDataParallel
-from megatron.core.distributed.fsdp import microbatch
 from megatron.core.tensor_parallel.utils import group_size
 
 
@@ -82,9 +80,11 @@ def _sequence_tokens(tokens: torch.Tensor, cp_group: dist.ProcessGroup | None) -
 def accumulation_scope(model: torch.nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
     """The engine's scope for a pass of a step: `is_last` for the pass whose backward ends the
     step's gradient accumulation for `model` (its deferred reductions run then); every other
-    pass only accumulates. A module without an engine gets no scope."""
-    if isinstance(model, FullyShardedDataParallel):
-        return microbatch(model, is_last=is_last)
+    pass only accumulates. A module without an engine gets no scope.
+
+    Both engines defer their once-per-step reductions inside `no_sync()` (for Megatron-FSDP
+    the same as `microbatch(is_last=False)`) and run them at the end of a backward outside it,
+    so the last pass needs no scope."""
     if is_last or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -16,7 +16,8 @@ import torch
 import pretrain_gpt
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed.fsdp import FullyShardedDataParallel, parameter_groups
+from megatron.core.distributed.fsdp import FullyShardedDataParallel
+from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.enums import ModelType
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed_harness import run_distributed

@@ -11,51 +11,66 @@ Library use::
 or, for a Megatron model from a `DistributedDataParallelConfig`, `FullyShardedDataParallel`.
 """
 
-from megatron.core.distributed.expert_parallel import is_expert_param
-from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout
-from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex, ShardGroups
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.fsdp_module import FsdpModule, fully_shard
-from megatron.core.distributed.fsdp.gradients import GradState
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.microbatch import (
     accumulation_memory,
-    fsdp_contexts,
-    fsdp_roots,
     microbatch,
     set_profiler_labels,
     unit_memory,
 )
 from megatron.core.distributed.fsdp.mixed_precision import MixedPrecisionPolicy
-from megatron.core.distributed.fsdp.optimizer import (
-    fully_shard_optimizer,
-    local_main_weights,
-    parameter_groups,
-)
+from megatron.core.distributed.fsdp.optimizer import fully_shard_optimizer
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
-from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
+from megatron.core.distributed.fsdp.roots import local_main_weights
 from megatron.core.distributed.fsdp.strategy import ShardingStrategy
 
 __all__ = [
-    "DBuffer",
     "FSDPDistributedIndex",
     "FsdpModule",
-    "FsdpParameterGroup",
     "FullyShardedDataParallel",
-    "GradState",
     "MixedPrecisionPolicy",
     "OverlapPolicy",
-    "ShardGroups",
-    "ShardLayout",
     "ShardingStrategy",
     "accumulation_memory",
-    "fsdp_contexts",
-    "fsdp_roots",
     "fully_shard",
     "fully_shard_optimizer",
-    "is_expert_param",
     "local_main_weights",
     "microbatch",
-    "parameter_groups",
     "set_profiler_labels",
     "unit_memory",
 ]
+
+# Internals this package once exported: still importable from here, with a warning naming the
+# module they live in.
+_MOVED = {
+    "DBuffer": "megatron.core.distributed.fsdp.dbuffer",
+    "ShardLayout": "megatron.core.distributed.fsdp.dbuffer",
+    "ShardGroups": "megatron.core.distributed.fsdp.distributed_index",
+    "GradState": "megatron.core.distributed.fsdp.gradients",
+    "FsdpParameterGroup": "megatron.core.distributed.fsdp.param_group",
+    "is_expert_param": "megatron.core.distributed.expert_parallel",
+    "fsdp_roots": "megatron.core.distributed.fsdp.roots",
+    "fsdp_contexts": "megatron.core.distributed.fsdp.roots",
+    "parameter_groups": "megatron.core.distributed.fsdp.roots",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _MOVED[name]
+    warnings.warn(
+        f"{name} is an internal of Megatron-FSDP: import it from {module} (it is no longer "
+        f"exported by {__name__}).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)

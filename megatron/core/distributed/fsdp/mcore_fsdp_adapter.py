@@ -23,9 +23,12 @@ from torch.distributed.tensor import DTensor
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.fsdp_module import fully_shard
-from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
-from megatron.core.distributed.fsdp.optimizer import parameter_groups
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
+from megatron.core.distributed.fsdp.roots import (
+    fsdp_contexts,
+    local_main_weights,
+    parameter_groups,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.upstream_names import stack_upstream_experts
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
@@ -62,6 +65,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
         ValueError: `use_megatron_fsdp` is False, or `num_distributed_optimizer_instances`
             disagrees with the outer group of the process groups.
     """
+
+    keeps_main_weights = True
+    """The DTensor main weights (fp32 shards) are the wrapped module's parameters: an optimizer
+    steps them (or their local shards) and keeps no masters of its own."""
 
     def __init__(
         self,
@@ -171,6 +178,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
         """Completes every gradient reduction; the optimizer may step afterwards."""
         for context in self._contexts:
             context.finalize_grads()
+
+    def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Each DTensor main weight (a parameter of the wrapped module) -> its local shard."""
+        return local_main_weights(self.module)
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""

@@ -1,6 +1,6 @@
 """`microbatch()`: tells Megatron-FSDP where a backward sits in gradient accumulation; and the
-other root-level controls (`fsdp_roots`, `fsdp_contexts`, `set_profiler_labels`,
-`accumulation_memory`, `unit_memory`).
+other root-level controls (`set_profiler_labels`, `accumulation_memory`, `unit_memory`; the
+lookups they use, `fsdp_roots` and `fsdp_contexts`, are `roots.py`'s).
 
     for i, batch in enumerate(batches):
         with microbatch(model, is_last=i == len(batches) - 1):
@@ -27,41 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron.core.distributed.fsdp.context import FsdpContext
-from megatron.core.distributed.fsdp.fsdp_module import FsdpModule
-
-
-def fsdp_roots(module: torch.nn.Module) -> list[FsdpModule]:
-    """The outermost Megatron-FSDP units in `module` (depth first; `module` need not be one)."""
-    roots: list[FsdpModule] = []
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, FsdpModule):
-            roots.append(current)
-        else:
-            stack.extend(reversed(list(current.children())))
-    return roots
-
-
-def fsdp_contexts(module: torch.nn.Module) -> list[FsdpContext]:
-    """The context of every root under `module`, created now if needed (no duplicates).
-
-    Raises:
-        ValueError: there is no Megatron-FSDP unit under `module`.
-    """
-    roots = fsdp_roots(module)
-    if not roots:
-        raise ValueError(
-            f"No Megatron-FSDP unit in {type(module).__name__}: call fully_shard() (or wrap the "
-            "model with FullyShardedDataParallel) first."
-        )
-    contexts: list[FsdpContext] = []
-    for root in roots:
-        context = root.fsdp_unit.lazy_init()
-        if all(context is not c for c in contexts):
-            contexts.append(context)
-    return contexts
+from megatron.core.distributed.fsdp.roots import fsdp_contexts
 
 
 @contextlib.contextmanager

@@ -20,26 +20,9 @@ import weakref
 
 import torch
 
-from megatron.core.distributed.fsdp.fsdp_module import FsdpModule
-from megatron.core.distributed.fsdp.microbatch import fsdp_contexts
-from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
+from megatron.core.distributed.fsdp.roots import fsdp_contexts, local_main_weights, parameter_groups
 
-
-def parameter_groups(module: torch.nn.Module) -> list[FsdpParameterGroup]:
-    """Every parameter group of every Megatron-FSDP unit in `module` (a unit of several
-    modules once)."""
-    units = dict.fromkeys(m.fsdp_unit for m in module.modules() if isinstance(m, FsdpModule))
-    return [group for unit in units for group in unit.groups]
-
-
-def local_main_weights(module: torch.nn.Module) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """Each DTensor main weight of `module`'s Megatron-FSDP units -> its local shard, the
-    tensor to give an optimizer that should step without DTensor dispatch."""
-    return {
-        param: local
-        for group in parameter_groups(module)
-        for param, local in zip(group.dist_params, group.local_main_weights)
-    }
+__all__ = ["fully_shard_optimizer", "local_main_weights", "parameter_groups"]
 
 
 def fully_shard_optimizer(

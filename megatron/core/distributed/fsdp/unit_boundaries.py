@@ -15,15 +15,35 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
 
 from megatron.core.utils import direct_apply
 
-if TYPE_CHECKING:
-    from megatron.core.distributed.fsdp.fsdp_module import FsdpUnit
+
+class BackwardPasses(Protocol):
+    """What the boundaries tell a unit's context (`FsdpContext` is one)."""
+
+    def pre_backward(self, unit: Any, /) -> None:
+        """The unit's backward begins."""
+
+    def post_backward(self, unit: Any, /) -> None:
+        """The unit's backward is complete."""
+
+
+class BoundedUnit(Protocol):
+    """What the boundaries need of a unit (`fsdp_module.FsdpUnit` is one). A protocol rather
+    than the class, so this module does not import `fsdp_module`, which imports it."""
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The unit's modules."""
+
+    @property
+    def context(self) -> BackwardPasses | None:
+        """The context of the unit's root (set before any forward)."""
 
 
 class GroupForward:
@@ -41,7 +61,7 @@ class GroupForward:
 
     __slots__ = ("end", "pending", "produced", "hook", "with_autograd")
 
-    def __init__(self, unit: FsdpUnit):
+    def __init__(self, unit: BoundedUnit):
         self.end = BackwardEnd(unit)
         self.pending = {id(module) for module in unit.modules}
         self.produced: list[torch.Tensor] = []
@@ -60,7 +80,7 @@ class PreBackwardHook:
 
     __slots__ = ("_unit", "_task")
 
-    def __init__(self, unit: FsdpUnit):
+    def __init__(self, unit: BoundedUnit):
         self._unit = weakref.ref(unit)
         self._task: int | None = None
 
@@ -116,7 +136,7 @@ class BackwardEnd:
 
     __slots__ = ("_unit", "routed", "unreachable", "_task", "_arrived")
 
-    def __init__(self, unit: FsdpUnit):
+    def __init__(self, unit: BoundedUnit):
         self._unit = weakref.ref(unit)
         self.routed = 0
         self.unreachable = False

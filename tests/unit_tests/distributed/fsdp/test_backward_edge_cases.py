@@ -23,11 +23,11 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.distributed.fsdp import (
     MixedPrecisionPolicy,
     OverlapPolicy,
-    fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
 )
 from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.roots import fsdp_contexts
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     STEPS,
     train_reference,

@@ -6,14 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed.fsdp import (
-    DBuffer,
-    FSDPDistributedIndex,
-    ShardingStrategy,
-    ShardLayout,
-)
+from megatron.core.distributed.fsdp import FSDPDistributedIndex, ShardingStrategy
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import (
+    DBuffer,
+    ShardLayout,
     chunk_targets,
     copy_chunks_in,
     copy_chunks_out,

@@ -14,13 +14,12 @@ from megatron.core.distributed.distributed_data_parallel_config import SHARDING_
 from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
     MixedPrecisionPolicy,
-    fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
     local_main_weights,
     microbatch,
-    parameter_groups,
 )
+from megatron.core.distributed.fsdp.roots import fsdp_contexts, parameter_groups
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     BF16_MAX_UPDATE_ERROR,
     assert_update_close,

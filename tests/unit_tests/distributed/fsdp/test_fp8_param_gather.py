@@ -18,11 +18,8 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed.fsdp import (
-    FullyShardedDataParallel,
-    MixedPrecisionPolicy,
-    parameter_groups,
-)
+from megatron.core.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.fp8.weights import fp8_weight_of
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection

@@ -16,14 +16,12 @@ from megatron.core.distributed.distributed_data_parallel_config import SHARDING_
 from megatron.core.distributed.fsdp import (
     FSDPDistributedIndex,
     FsdpModule,
-    fsdp_contexts,
-    fsdp_roots,
     fully_shard,
     fully_shard_optimizer,
     local_main_weights,
     microbatch,
-    parameter_groups,
 )
+from megatron.core.distributed.fsdp.roots import fsdp_contexts, fsdp_roots, parameter_groups
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import (

@@ -25,12 +25,11 @@ from megatron.core.distributed.fsdp import (
     MixedPrecisionPolicy,
     OverlapPolicy,
     accumulation_memory,
-    fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
     microbatch,
-    parameter_groups,
 )
+from megatron.core.distributed.fsdp.roots import fsdp_contexts, parameter_groups
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.training.utils import accumulation_memory_note
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine

@@ -18,13 +18,13 @@ from torch.utils.checkpoint import checkpoint
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import (
     FullyShardedDataParallel,
-    fsdp_contexts,
     fully_shard,
     fully_shard_optimizer,
     unit_memory,
 )
 from megatron.core.distributed.fsdp.gradients import GroupGrads
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import group_layers
+from megatron.core.distributed.fsdp.roots import fsdp_contexts
 from megatron.training.utils import unit_memory_note
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, megatron_loop
 from tests.unit_tests.distributed.fsdp.test_backward_edge_cases import (

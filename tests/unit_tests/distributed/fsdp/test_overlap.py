@@ -26,9 +26,9 @@ from megatron.core.distributed.fsdp import (
     fully_shard,
     fully_shard_optimizer,
     microbatch,
-    parameter_groups,
     symmetric_memory,
 )
+from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
