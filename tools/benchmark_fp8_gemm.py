@@ -29,8 +29,8 @@ import argparse
 import json
 import os
 import statistics
-import warnings
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch

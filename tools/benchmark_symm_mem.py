@@ -1,6 +1,6 @@
 """Times all-gather and reduce-scatter with and without NCCL symmetric memory.
 
-With `use_symm_mem`, Megatron-FSDP's whole weights live in persistent NCCL symmetric windows
+With `use_symm_mem`, Megatron-FSDP's compute weights live in persistent NCCL symmetric windows
 (`megatron/core/distributed/fsdp/symmetric_memory.py`) and each unit's tensors are all-gathered
 in place there, one grouped call, so NCCL runs its symmetric kernel; gradients are
 reduce-scattered from ordinary memory either way. This tool measures, on the GPUs of one host,

@@ -62,8 +62,7 @@ def check_deterministic_mode(args: argparse.Namespace) -> None:
             problems.append(f"{name}={value} (use {' or '.join(sorted(accepted))}, or unset it)")
     if problems:
         raise ValueError(
-            "--deterministic-mode cannot make this run reproducible with "
-            f"{'; '.join(problems)}."
+            f"--deterministic-mode cannot make this run reproducible with {'; '.join(problems)}."
         )
 
 

@@ -90,7 +90,7 @@ def unit_memory_note(model: torch.nn.Module, args: argparse.Namespace) -> str:
     memory = unit_memory(model)
     return (
         f"; --suggested-communication-unit-size {size}: a unit holds up to "
-        f"{memory['weights'] / 2**20:,.1f} MiB of whole weights while gathered and "
+        f"{memory['weights'] / 2**20:,.1f} MiB of compute weights while gathered and "
         f"{memory['grads'] / 2**20:,.1f} MiB of whole gradients while reduced, per rank"
     )
 

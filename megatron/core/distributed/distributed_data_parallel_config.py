@@ -114,10 +114,10 @@ class DistributedDataParallelConfig:
     """Megatron-FSDP: the number of parameter elements (per rank, before sharding) to gather
     and reduce at once. Consecutive transformer layers (of one parent) become one unit while
     their parameters total at most this many: one set of collectives and hooks per unit
-    instead of per layer, for the memory of that many whole weights (and gradients, while
-    reduced) per unit, with two units held at once. None, or less than one layer: each layer
-    is a unit of its own. Upstream Megatron-FSDP reads it as the size of its all-gather
-    prefetch."""
+    instead of per layer, for the memory of that many elements of compute weights (and
+    gradients, while reduced) per unit, with two units held at once. None, or less than one
+    layer: each layer is a unit of its own. Upstream Megatron-FSDP reads it as the size of its
+    all-gather prefetch."""
 
     megatron_fsdp_main_params_dtype: torch.dtype | None = torch.float32
     """Dtype of the main (optimizer) weights. None: the model weights are the main weights."""
@@ -133,7 +133,7 @@ class DistributedDataParallelConfig:
     """Megatron-FSDP, `optim_grads_params` only: under gradient accumulation each unit keeps its
     whole compute weights from their first all-gather in a step until the last microbatch's
     backward has used them (one all-gather per unit and step instead of two per microbatch), at
-    the cost of holding every unit's whole weights at once (`accumulation_memory()`). Changes
+    the cost of holding every unit's compute weights at once (`accumulation_memory()`). Changes
     nothing in a step of one microbatch."""
 
     megatron_fsdp_accumulate_unsharded_grads: bool = False
@@ -277,7 +277,7 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 f"megatron_fsdp_keep_unsharded_params=True needs "
                 f"data_parallel_sharding_strategy='optim_grads_params' (got {strategy.value!r}, "
-                "whose whole weights are kept anyway): drop megatron_fsdp_keep_unsharded_params "
+                "whose compute weights are kept anyway): drop megatron_fsdp_keep_unsharded_params "
                 "or shard the parameters."
             )
         if self.megatron_fsdp_accumulate_unsharded_grads and not strategy.shards_grads:

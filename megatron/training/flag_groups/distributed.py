@@ -128,7 +128,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--megatron-fsdp-keep-unsharded-params",
         action="store_true",
         help="ZeRO-3 with gradient accumulation: gather each layer once per step and hold "
-        "every layer's whole weights until the last microbatch's backward (more memory).",
+        "every layer's compute weights until the last microbatch's backward (more memory).",
     )
     group.add_argument(
         "--megatron-fsdp-accumulate-unsharded-grads",

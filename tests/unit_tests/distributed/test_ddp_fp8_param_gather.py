@@ -237,8 +237,8 @@ def _assert_changes_only_what_travels(with_fp8: dict, without: dict, weights: in
     """`weights`: the FP8 weights (8: 4 linear layers in each of 2 layers)."""
     assert torch.equal(with_fp8["losses"], without["losses"])
     assert len(with_fp8["mains"]) == len(without["mains"])
-    for main, expected in zip(with_fp8["mains"], without["mains"]):
-        assert torch.equal(main, expected)
+    for main_weight, expected in zip(with_fp8["mains"], without["mains"]):
+        assert torch.equal(main_weight, expected)
     assert len(with_fp8["fp8"]) == weights
     for name, (data, scale_inv) in with_fp8["fp8"].items():
         # The reference: the cast of the whole weight the run without the option holds.

@@ -176,7 +176,7 @@ NON_FINITE_STEP = 1
 def _engine_steps(engine: str, bf16: bool) -> dict:
     """Three steps of Megatron's loop with the usual optimizer's `step()` and, on a second
     model, the capturable one's `step_on_device()` (the second step's loss made nan); this
-    rank's results and the whole weights."""
+    rank's results and the compute weights."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     config = OptimizerConfig(
         lr=LR, weight_decay=0.1, clip_grad=CLIP_ACTIVE, log_num_zeros_in_grad=True

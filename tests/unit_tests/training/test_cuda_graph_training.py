@@ -5,7 +5,7 @@ Under deterministic kernels (`torch.use_deterministic_algorithms`) the graphed r
 losses, gradient norms and learning rates, and its evaluations (run eagerly between replays),
 equal the eager run's bitwise, for Megatron-FSDP ZeRO-3 and ZeRO-2 and the DDP engine with and
 without the distributed optimizer, with 1 and 4 microbatches, in bf16 with clipping acting; with
-Megatron-FSDP's gradient-accumulation options (kept whole weights, deferred reductions); with
+Megatron-FSDP's gradient-accumulation options (kept compute weights, deferred reductions); with
 dropout too (the graph replays the default generator's offsets). The learning rate is a power of
 two: the graphed step reads it in fp32, and a rate fp32 rounds would differ by that rounding (a
 relative 6e-8), which is documented, not tested. A step whose loss is inf is skipped on the
@@ -146,7 +146,7 @@ def test_graphed_training_equals_eager_training(engine, num_microbatches):
     ],
 )
 def test_graphed_accumulation_options_equal_their_eager_training(engine, options):
-    """Kept whole weights and deferred reductions cross microbatches inside the graph."""
+    """Kept compute weights and deferred reductions cross microbatches inside the graph."""
     flags = [*BASE, *NO_DROPOUT, *ENGINES[engine], *options, "--global-batch-size", "16"]
     eager = run_distributed(_pretrain, 2, flags)
     graphed = _graphed_histories([*flags, *GRAPHED])

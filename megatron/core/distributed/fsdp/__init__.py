@@ -9,6 +9,32 @@ Library use::
     optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters()), model)
 
 or, for a Megatron model from a `DistributedDataParallelConfig`, `FullyShardedDataParallel`.
+
+Glossary (one name per thing, in the code and in `docs/`):
+
+- *unit*: a module `fully_shard` made an FSDP unit (typically a transformer layer): its
+  parameters are gathered and reduced together. The *root* is the outermost unit; its
+  `FsdpContext` is shared by every unit under it (`context.py`).
+- *parameter group*: the parameters of one unit that share dtype, trainability and
+  expert-ness (`FsdpParameterGroup`); buffers and collectives are per group.
+- *shard group*: the ranks a group's tensors are split over (dp, or dp x cp; one replica's
+  ranks under hybrid sharding). *Outer group*: the replicas of a shard (hybrid sharding).
+  `FSDPDistributedIndex` names both (`distributed_index.py`).
+- *main weights*: what the optimizer steps, in `main_params_dtype` (fp32 by default), sharded as
+  the strategy says: DTensors (`main_weights`), each with its local shard
+  (`local_main_weights`); a unit's registered parameters between passes.
+- *compute weights*: the unsharded weights the modules compute with, in the model's dtype (FP8
+  bytes under `fp8_param_gather`), registered around each forward and backward.
+- *unshard* / *reshard*: all-gather a unit's compute weights / free them (ZeRO-3). A unit whose
+  use is over is *released*: resharded once the bound on units holding compute weights needs
+  the room (`Residency`). *Refresh*: bring the compute weights' shard up to the main weights
+  after an optimizer step (`Refresh`, `weights.py`).
+- *main grads*: where a step's reduced gradients accumulate, in `main_grads_dtype`; the
+  optimizer reads views of them, or of a buffer of its own (`GradViews`). *Sends*: the
+  gradients in `grad_comm_dtype` a reduce-scatter reads (`SendBuffer`). *Deferred sums*: whole
+  gradients summed across microbatches and reduced once per step (`DeferredSums`).
+- *free* a buffer: give its storage back now (`DBuffer.free_storage`); its views stay valid
+  objects, read again only after `reallocate_storage`.
 """
 
 from __future__ import annotations

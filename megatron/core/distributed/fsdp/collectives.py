@@ -11,7 +11,7 @@ Weights are gathered and gradients reduce-scattered tensor by tensor, straight i
 whole tensors (`all_gather_tensors`, `reduce_scatter_tensors`: one NCCL group launch each): going
 through one flat shard-major buffer would need a packing or unpacking kernel, which moves every
 byte once more, in strided blocks that copy at half the bandwidth of whole tensors on 2 ranks
-(`tools/benchmark_collective_host.py`). With `use_symm_mem` the whole weights lie in NCCL
+(`tools/benchmark_collective_host.py`). With `use_symm_mem` the compute weights lie in NCCL
 symmetric windows (`symmetric_memory.py`), so the same grouped all-gather runs NCCL's symmetric
 kernel.
 

@@ -140,7 +140,7 @@ class FsdpContext:
         self._recording: tuple[list[int], list[int]] | None = None
 
     def _place_in_windows(self, units: list[ScheduledUnit], device: torch.device) -> dict[int, int]:
-        """Moves the whole weights into symmetric windows (`symmetric_memory.py`): with
+        """Moves the compute weights into symmetric windows (`symmetric_memory.py`): with
         `keep_unsharded_params` each unit has its own place (all may be kept at once), else
         transient weights share `max_unsharded_units` + 1 slots. Returns the units' slots."""
         policy = self.policy
@@ -214,7 +214,7 @@ class FsdpContext:
             for group in unit.groups:
                 group.weights.observe_main_weights()
                 if group.grads is not None:
-                    group.grads.release_if_dropped()
+                    group.grads.free_if_dropped()
         self.residency.refresh(units)
 
     def _prepare_outside_pass(self, unit: ScheduledUnit) -> None:
@@ -450,7 +450,7 @@ class FsdpContext:
         """Runs every unit's deferred gradient reductions: each group still ACCUMULATING
         becomes READY (the one place that finalises; a READY group has nothing to run), after
         reduce-scattering gradients still summed whole (a step whose last microbatch did not
-        run them, `accumulate_unsharded_grads`). Frees the whole weights kept for the step.
+        run them, `accumulate_unsharded_grads`). Frees the compute weights kept for the step.
         Reads the last forward's rank check first: gradients from mismatched reductions must
         not reach the optimizer."""
         self._recover_failed_pass()

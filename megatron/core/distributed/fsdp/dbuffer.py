@@ -142,7 +142,7 @@ class DBuffer:
         self._shared = shared
         self._nbytes = self.data.untyped_storage().nbytes()
         # Tracked here rather than read from the storage (a new Python object per read): only
-        # `release_storage` / `reallocate_storage` resize it.
+        # `free_storage` / `reallocate_storage` resize it.
         self._allocated = self._nbytes > 0
 
     @property
@@ -187,7 +187,7 @@ class DBuffer:
     def is_allocated(self) -> bool:
         return self._allocated
 
-    def release_storage(self) -> None:
+    def free_storage(self) -> None:
         """Frees the memory; views stay valid objects but must not be read until reallocated."""
         if self._allocated:
             if not self._shared:
@@ -218,7 +218,7 @@ class DBuffer:
 
 def chunk_targets(unsharded: DBuffer, layout: ShardLayout) -> list[torch.Tensor]:
     """Each tensor of `unsharded` viewed as (N, chunk numel) of `layout`: where gathered
-    chunks are written. The views stay valid across `release_storage` / `reallocate_storage`,
+    chunks are written. The views stay valid across `free_storage` / `reallocate_storage`,
     so they can be made once.
 
     Writes through them bump no version counter of `unsharded.data` or its views (they view

@@ -44,7 +44,7 @@ class ShardGroups:
     """The groups of one kind of parameter (dense or expert).
 
     Attributes:
-        shard: the group model weights / gradients / main weights are sharded over.
+        shard: the group compute weights / gradients / main weights are sharded over.
         outer: the group across hybrid-sharding replicas, or None.
         all_gather: the communicator parameter all-gathers use (same ranks as `shard`).
         mesh: (shard,) or (shard, outer) device mesh, led by the dimensions of `leading`;

@@ -71,7 +71,7 @@ class Fp8ComputeWeights:
         params: the group's compute-weight parameters (what the modules compute with).
         fqns: their names, for messages.
         model_dtype: the dtype the weights are rounded to before the cast.
-        transient: the whole weights are gathered for each use and freed after (ZeRO-3).
+        transient: the compute weights are gathered for each use and freed after (ZeRO-3).
         amax_group: the shard group, over which each tensor's parts lie (None: not sharded).
         gather_group: the group the FP8 shards are all-gathered over.
         device: where the buffers live.
@@ -150,7 +150,7 @@ class Fp8ComputeWeights:
         self.amaxes: torch.Tensor | None = None
         self._scales: Sequence[torch.Tensor] | None = None
         if self._transient:
-            self.unsharded.release_storage()
+            self.unsharded.free_storage()
         for param in params:
             register_fp8_weight(param, self.weight_of)
 
@@ -273,7 +273,7 @@ class Fp8ComputeWeights:
         `keep_transposes`: then the copies stay, over the bytes the next gather writes again
         (the same values until a refresh), and keep their transposes."""
         if self._transient:
-            self.unsharded.release_storage()
+            self.unsharded.free_storage()
         if not self._keep_transposes:
             self._forget()
 

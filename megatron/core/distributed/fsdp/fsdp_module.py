@@ -11,7 +11,7 @@ hooks; how they tell where a unit's backward begins and ends is `unit_boundaries
 
 A unit may be several modules (`fully_shard([layer_0, layer_1])`, as in FSDP2), gathered and
 reduced together: one set of collectives and hooks' work for all of them, for the memory of
-their whole weights at once. Inside the root's forward, the unit's forward starts at the first
+their compute weights at once. Inside the root's forward, the unit's forward starts at the first
 of them to run and ends when all have run (or the root's forward ends); outside it, each call of
 one of them is a whole forward of the unit.
 
@@ -115,7 +115,7 @@ class FsdpUnit:
             modules: their names joined by "+"), set when it binds; used in messages and
             profiler labels.
         position: where the context lists this unit (0: the root), set when it binds.
-        has_transient_weights: whether some group gathers its whole weights for each use and
+        has_transient_weights: whether some group gathers its compute weights for each use and
             frees them after (ZeRO-3).
     """
 
@@ -184,7 +184,7 @@ class FsdpUnit:
         policy = self.overlap_policy or OverlapPolicy()
         for unit in units[1:]:
             if unit.is_root:
-                # As in FSDP2: its context (open reductions, whole weights held) would be lost.
+                # As in FSDP2: its context (open reductions, compute weights held) would be lost.
                 raise ValueError(
                     f"The Megatron-FSDP unit {names.get(id(unit.module)) or unit.name} was "
                     f"used before the root {self.name} that contains it, so it "
@@ -339,7 +339,7 @@ def fully_shard(
         outer_dp_sharding_strategy: with an outer group: `no_shard` (HSDP) or `optim` (HFSDP).
         mp_policy: dtypes of main weights and gradients (default: fp32 main weights).
         overlap_policy: the communication schedule (prefetching, reduce-scatter overlap, the
-            bound on whole weights held, symmetric memory); the root's applies to every unit
+            bound on compute weights held, symmetric memory); the root's applies to every unit
             below it, which may repeat it or leave it out (default: everything overlapped, 2
             units). A different one below the root is an error at its first use.
         is_expert: tells expert parameters (which use the expert groups) from dense ones.
@@ -436,7 +436,7 @@ def _alias_main_weights(
         group.weights.mark_written()
         owners.update(
             (id(param), (group.weights, index))
-            for index, param in enumerate(group.weights.dist_params)
+            for index, param in enumerate(group.weights.main_weights)
         )
     for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
@@ -585,7 +585,7 @@ def _materialize_meta(module: torch.nn.Module, units: list[FsdpUnit]) -> None:
         for name, pending in entries:
             pending.group.load_full_tensor(pending.index, owner._parameters[name])
             # Drop the whole tensor now: only one module's are ever alive at once.
-            owner._parameters[name] = pending.group.dist_params[pending.index]
+            owner._parameters[name] = pending.group.main_weights[pending.index]
 
 
 def _is_meta(tensor: torch.Tensor | None) -> bool:

@@ -41,7 +41,7 @@ class GradViews:
     ) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, DTensor, torch.Tensor]]:
         """Each main weight, its local shard, and their `.grad` views."""
         weights = self._weights
-        return zip(weights.dist_params, weights.local_main_weights, self._dtensors, self._locals)
+        return zip(weights.main_weights, weights.local_main_weights, self._dtensors, self._locals)
 
     def attach(self) -> None:
         """Points the `.grad` of each trainable main weight at its view; a weight frozen after
@@ -54,11 +54,11 @@ class GradViews:
     def detach(self) -> None:
         """Sets every main weight's `.grad` to None."""
         weights = self._weights
-        for param in (*weights.dist_params, *weights.local_main_weights):
+        for param in (*weights.main_weights, *weights.local_main_weights):
             param.grad = None
 
     def num_trainable(self) -> int:
-        return sum(param.requires_grad for param in self._weights.dist_params)
+        return sum(param.requires_grad for param in self._weights.main_weights)
 
     def num_dropped(self) -> int:
         """How many trainable main weights have a `.grad` (the DTensor's or the local shard's)
@@ -71,7 +71,7 @@ class GradViews:
     def first_attached(self) -> bool:
         """Whether the first main weight's `.grad` are in place: the common case, nothing
         dropped, shows there at once."""
-        param, local = self._weights.dist_params[0], self._weights.local_main_weights[0]
+        param, local = self._weights.main_weights[0], self._weights.local_main_weights[0]
         return param.requires_grad and param.grad is not None and local.grad is not None
 
     def reattach(self) -> bool:
@@ -95,7 +95,7 @@ class GradViews:
         with torch.no_grad():
             for index in detached:
                 values = self._values_of(
-                    weights.dist_params[index].grad, weights.local_main_weights[index].grad, index
+                    weights.main_weights[index].grad, weights.local_main_weights[index].grad, index
                 )
                 if values is None:
                     self._locals[index].zero_()
@@ -113,7 +113,7 @@ class GradViews:
         if grad is None or local_grad is None:
             return None
         if grad is not self._dtensors[index]:
-            param = self._weights.dist_params[index]
+            param = self._weights.main_weights[index]
             if not isinstance(grad, DTensor) or grad.placements != param.placements:
                 raise ValueError(
                     f"Megatron-FSDP: the .grad assigned to {self._weights.fqns[index]} is not a "

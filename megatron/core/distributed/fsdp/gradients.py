@@ -138,7 +138,7 @@ class GroupGrads:
             plan, layout, weights.outer_layout, weights.groups, device
         )
         self.views = GradViews(weights, self.optim_grad or self.main_grad)
-        self._release()
+        self._free_buffers()
 
     def _assert_in(self, *states: GradState) -> None:
         if self.state not in states:
@@ -314,12 +314,12 @@ class GroupGrads:
         reduced = self._step_reduction.run(self.main_grad, self.comm)
         if self.optim_grad is not None:
             self.optim_grad.data.add_(reduced)
-            self.main_grad.release_storage()
+            self.main_grad.free_storage()
         self.state = GradState.READY
 
     # What the optimizer sees.
 
-    def release_if_dropped(self) -> None:
+    def free_if_dropped(self) -> None:
         """Frees the gradient memory once an optimizer dropped every `.grad` it reads (checked
         before a forward, where activations peak)."""
         if self.state is GradState.EMPTY or self.views.first_attached():
@@ -362,10 +362,10 @@ class GroupGrads:
 
     def _drop(self) -> None:
         self.views.detach()
-        self._release()
+        self._free_buffers()
         self.state = GradState.EMPTY
 
-    def _release(self) -> None:
+    def _free_buffers(self) -> None:
         for buffer in (self.main_grad, self.optim_grad):
             if buffer is not None:
-                buffer.release_storage()
+                buffer.free_storage()

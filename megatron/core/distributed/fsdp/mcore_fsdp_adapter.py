@@ -238,7 +238,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             ValueError: a whole tensor's shape differs from its parameter's; per-expert entries
                 that do not stack (`stack_upstream_experts`).
         """
-        location = {p: (g, i) for g in self._groups for i, p in enumerate(g.dist_params)}
+        location = {p: (g, i) for g in self._groups for i, p in enumerate(g.main_weights)}
         params = dict(self.module.named_parameters())
         converted = dict(state_dict)
         stack_upstream_experts(converted)

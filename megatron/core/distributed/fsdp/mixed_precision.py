@@ -1,10 +1,10 @@
 """`MixedPrecisionPolicy`: the dtypes of Megatron-FSDP's main weights, gradients and communication.
 
-Three dtypes are in play per parameter group. The *model* (compute) weights keep the dtype the
-module was built in (bf16 for a bf16 model); the *main* weights, which the optimizer steps, are
-kept in `main_params_dtype` (fp32 by default, so small updates are not lost to bf16 rounding);
-gradients accumulate across microbatches in `main_grads_dtype` and travel over the network in
-`grad_comm_dtype`. With `fp8_param_gather` the compute weights of FP8 linear layers
+Three dtypes are in play per parameter group. The *compute* weights keep the dtype the module
+was built in, the model dtype (bf16 for a bf16 model); the *main* weights, which the optimizer
+steps, are kept in `main_params_dtype` (fp32 by default, so small updates are not lost to bf16
+rounding); gradients accumulate across microbatches in `main_grads_dtype` and travel over the
+network in `grad_comm_dtype`. With `fp8_param_gather` the compute weights of FP8 linear layers
 (`megatron.core.fp8`) are kept and all-gathered as FP8 bytes with one scale each, instead of in
 the model dtype (`fp8_gather.py`); `keep_fp8_transpose_cache` keeps their transposed copies
 from one change of the main weights to the next.
@@ -79,7 +79,7 @@ class MixedPrecisionPolicy:
             )
 
     def resolve(self, model_dtype: torch.dtype) -> ResolvedPrecision:
-        """The concrete dtypes for a parameter group whose model weights are `model_dtype`."""
+        """The concrete dtypes for a parameter group whose compute weights are `model_dtype`."""
         main_grads = self.main_grads_dtype or model_dtype
         return ResolvedPrecision(
             main_params=self.main_params_dtype or model_dtype,

@@ -46,7 +46,7 @@ def fully_shard_optimizer(
             "fully_shard() on it before fully_shard_optimizer()."
         )
     # Frozen main weights may be listed too (they never get a gradient, so are never stepped).
-    main = {param for group in all_groups for param in group.dist_params}
+    main = {param for group in all_groups for param in group.main_weights}
     local = {param for group in all_groups for param in group.local_main_weights}
     held = [p for pg in optimizer.param_groups for p in pg["params"]]
     foreign = [p for p in held if p not in main and p not in local]
@@ -64,7 +64,7 @@ def fully_shard_optimizer(
         group
         for group in all_groups
         if group.requires_grad
-        and any(p in held_set for p in (*group.dist_params, *group.local_main_weights))
+        and any(p in held_set for p in (*group.main_weights, *group.local_main_weights))
     ]
     # Made now, which materialises meta-device weights before anything steps them.
     context_refs = [weakref.ref(context) for context in fsdp_contexts(module)]

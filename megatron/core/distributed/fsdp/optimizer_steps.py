@@ -33,7 +33,7 @@ def track(weights: GroupWeights) -> None:
     """Counts, from now on, every optimizer step over `weights`' main weights."""
     global _hook
     ref = weakref.ref(weights)
-    for tensor in (*weights.dist_params, *weights.local_main_weights):
+    for tensor in (*weights.main_weights, *weights.local_main_weights):
         _weights_of[tensor] = ref
     if _hook is None:
         _hook = register_optimizer_step_post_hook(_after_step)

@@ -25,18 +25,18 @@ class OverlapPolicy:
             `overlap_param_gather`.
         overlap_grad_reduce: reduce-scatter gradients on their own stream while earlier
             layers' backward runs; False reduces on the compute stream.
-        max_unsharded_units: how many units other than the root may hold whole weights at
+        max_unsharded_units: how many units other than the root may hold compute weights at
             once (ZeRO-3). A unit's weights are freed only when gathering another would exceed
             this (delayed release), and a prefetch that would exceed it is skipped: 2 holds the
             computing unit and the next; 1 never prefetches. Only units in use at once (nested
             in each other) can exceed it.
-        use_symm_mem: the whole weights live in NCCL symmetric memory, where NCCL gathers
+        use_symm_mem: the compute weights live in NCCL symmetric memory, where NCCL gathers
             them with its symmetric kernels (`symmetric_memory.py`).
         keep_unsharded_params: under gradient accumulation (`microbatch(is_last=False)`,
-            `no_sync()`), a unit whose weights are sharded (ZeRO-3) keeps its whole weights
+            `no_sync()`), a unit whose weights are sharded (ZeRO-3) keeps its compute weights
             from their first gather in the step until the last microbatch's backward has used
             them: one all-gather per unit and step instead of two per microbatch, for the memory
-            of every unit's whole weights at once (`accumulation_memory()`). Kept units do not
+            of every unit's compute weights at once (`accumulation_memory()`). Kept units do not
             count against `max_unsharded_units`. Changes nothing outside gradient accumulation
             (every backward is then the last).
         accumulate_unsharded_grads: under gradient accumulation, groups that shard their

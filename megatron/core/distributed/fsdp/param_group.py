@@ -87,9 +87,9 @@ class FsdpParameterGroup:
         return self.weights.device
 
     @property
-    def dist_params(self) -> list[torch.nn.Parameter]:
+    def main_weights(self) -> list[torch.nn.Parameter]:
         """The DTensor main weights (what `module.parameters()` returns between forwards)."""
-        return self.weights.dist_params
+        return self.weights.main_weights
 
     @property
     def local_main_weights(self) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ count against the bound. The last microbatch's backward frees each kept unit rig
 backward (the all-gather stream first waits for the compute stream, as for any free), and the end
 of that backward, or of the step (`drop_kept`), frees the rest.
 
-With `use_symm_mem` the whole weights of several units share one symmetric-memory slot
+With `use_symm_mem` the compute weights of several units share one symmetric-memory slot
 (`symmetric_memory.py`): a unit is gathered into its slot only once the unit holding it is
 resharded, as a released unit is when the bound needs room; a prefetch whose slot a unit in use
 holds is skipped.
@@ -55,7 +55,7 @@ class Residency:
         policy: the bound on units held.
         streams: the side streams (None on CPU).
         labels: opens a profiler range (`profiling.PhaseLabels`).
-        window_slots: position -> the symmetric-memory slot its whole weights live in (units
+        window_slots: position -> the symmetric-memory slot its compute weights live in (units
             of one slot never hold them at once); empty without `use_symm_mem`.
     """
 
@@ -245,7 +245,7 @@ class Residency:
             self.reshard(unit)
 
     def _forget(self, position: int) -> None:
-        """Records that the unit at `position` holds no whole weights (any more)."""
+        """Records that the unit at `position` holds no compute weights (any more)."""
         self._resident.pop(position, None)
         self._ready.discard(position)
         self._kept.discard(position)
@@ -272,7 +272,7 @@ class Residency:
         other = self._unit(holder)
         raise RuntimeError(
             f"use_symm_mem: units {unit.name} and {other.name if other else holder} share a "
-            f"symmetric-memory slot for their whole weights, and {unit.name} is needed while "
+            f"symmetric-memory slot for their compute weights, and {unit.name} is needed while "
             "the other is still in use (more than max_unsharded_units + 1 units that contain "
             "no other unit in use at once: one calls another that is not its submodule, or "
             "FSDPModule.unshard() was called on several). Raise "

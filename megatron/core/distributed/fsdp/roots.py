@@ -62,7 +62,7 @@ def local_main_weights(module: torch.nn.Module) -> dict[torch.nn.Parameter, torc
     return {
         param: local
         for group in parameter_groups(module)
-        for param, local in zip(group.dist_params, group.local_main_weights)
+        for param, local in zip(group.main_weights, group.local_main_weights)
     }
 
 

@@ -50,7 +50,7 @@ class SendBuffer:
         self._padding = [
             view[shape[0] :] for view, shape in zip(padded, layout.shapes) if len(view) > shape[0]
         ]
-        self._buffer.release_storage()
+        self._buffer.free_storage()
         self._param_index = param_index
         # While linear layers write the current backward's weight gradients here: per
         # parameter, whether one was written.
@@ -146,10 +146,10 @@ class SendBuffer:
         it ran on another): frees them (the cast gradients, on the stream that allocated them;
         or autograd's, reduced as they were)."""
         self._in_flight = None
-        self._buffer.release_storage()
+        self._buffer.free_storage()
 
     def drop_written(self) -> None:
         """Forgets what linear layers wrote for a reduction that did not run (a failed pass)."""
         if self._written is not None:
             self._written = None
-            self._buffer.release_storage()
+            self._buffer.free_storage()

@@ -2,12 +2,12 @@
 
 Over the shard group (dp, or dp x cp) of size N:
 
-| `ShardingStrategy`   | ZeRO | model weights | gradients                | main weights, optimizer |
-|----------------------|------|---------------|--------------------------|-------------------------|
-| `no_shard`           | 0    | replicated    | all-reduced once a step  | replicated              |
-| `optim`              | 1    | replicated    | all-reduced once a step  | 1/N                     |
-| `optim_grads`        | 2    | replicated    | reduce-scattered, 1/N    | 1/N                     |
-| `optim_grads_params` | 3    | 1/N           | reduce-scattered, 1/N    | 1/N                     |
+| `ShardingStrategy`   | ZeRO | compute weights | gradients             | main weights, optimizer |
+|----------------------|------|-----------------|-----------------------|-------------------------|
+| `no_shard`           | 0    | replicated      | all-reduced per step  | replicated              |
+| `optim`              | 1    | replicated      | all-reduced per step  | 1/N                     |
+| `optim_grads`        | 2    | replicated      | reduce-scattered, 1/N | 1/N                     |
+| `optim_grads_params` | 3    | 1/N             | reduce-scattered, 1/N | 1/N                     |
 
 With an outer group of R replicas (hybrid sharding), the shard group is one replica and
 (`OuterShardingStrategy`): `no_shard` (HSDP) all-reduces gradients over the replicas at the end
@@ -73,7 +73,7 @@ class ShardingStrategy(_Choice):
 
     @property
     def shards_params(self) -> bool:
-        """Model weights are sharded and gathered around each use (ZeRO-3)."""
+        """Compute weights are sharded and gathered around each use (ZeRO-3)."""
         return self is ShardingStrategy.OPTIM_GRADS_PARAMS
 
 
@@ -132,7 +132,7 @@ class ShardingPolicy:
 
     @property
     def shards_params(self) -> bool:
-        """Model weights are sharded and gathered around each use (ZeRO-3)."""
+        """Compute weights are sharded and gathered around each use (ZeRO-3)."""
         return self.strategy.shards_params
 
     @property

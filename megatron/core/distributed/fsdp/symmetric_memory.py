@@ -1,10 +1,11 @@
-"""Persistent NCCL symmetric windows that Megatron-FSDP gathers whole weights into (`use_symm_mem`).
+"""Persistent NCCL symmetric windows that Megatron-FSDP gathers compute weights into
+(`use_symm_mem`).
 
 NCCL (2.27+) runs its symmetric kernels, which copy over NVLink with fewer SMs and lower latency
 than its ring kernels, when every buffer of a collective lies in a window that all ranks
 registered, at the same offset on each. A window is costly to make (an allocation from
 PyTorch's NCCL pool, then a collective `rendezvous`), so the windows are made once, when the
-root's context is built, and the whole weights the modules compute with *live* in them: each
+root's context is built, and the compute weights the modules compute with *live* in them: each
 tensor's chunks are all-gathered in place there (`Collectives.all_gather_tensors`), exactly as
 into memory from the caching allocator, with no staging buffer and no copy.
 

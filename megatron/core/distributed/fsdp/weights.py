@@ -105,7 +105,7 @@ class GroupWeights:
 
     Attributes:
         unsharded_params: the compute weights, registered for forward and backward.
-        dist_params: the DTensor main weights, registered between forwards.
+        main_weights: the DTensor main weights, registered between forwards.
         local_main_weights: each DTensor's local tensor (its shard, a view of the main buffer).
         untracked_writes: writes to the main weights that bumped no version counter.
         fp8: the FP8 compute weights (`plan.fp8_gather`), else None.
@@ -170,15 +170,15 @@ class GroupWeights:
         self.unsharded_params = [
             torch.nn.Parameter(view, requires_grad=trains) for view in self._compute_views
         ]
-        self.dist_params = [
+        self.main_weights = [
             torch.nn.Parameter(self.dtensor(view, i), requires_grad=trains)
             for i, view in enumerate(self._main_views)
         ]
         with torch.no_grad():  # the DTensors' own local tensors (with grad on: new views)
-            self.local_main_weights = [param.to_local() for param in self.dist_params]
-        self._writable = [self.sharded_main.data, *self.dist_params, *self.local_main_weights]
+            self.local_main_weights = [param.to_local() for param in self.main_weights]
+        self._writable = [self.sharded_main.data, *self.main_weights, *self.local_main_weights]
         self._unsharded_registration = _Registration(slots, self.unsharded_params)
-        self._sharded_registration = _Registration(slots, self.dist_params)
+        self._sharded_registration = _Registration(slots, self.main_weights)
         self.fp8: Fp8ComputeWeights | None = None
         if plan.fp8_gather:
             self.fp8 = Fp8ComputeWeights(
@@ -194,7 +194,7 @@ class GroupWeights:
                 keep_transposes=plan.keeps_fp8_transposes,
             )
         if plan.transient_unsharded or plan.fp8_gather:
-            self.unsharded.release_storage()
+            self.unsharded.free_storage()
         self.untracked_writes = 0
         # id -> (weakref, version counted) of each live `aliased_dtensor` local tensor.
         self._aliases: dict[int, tuple[weakref.ref, int]] = {}
@@ -205,7 +205,7 @@ class GroupWeights:
     def _bind_unsharded_views(self) -> None:
         """Makes the views of the unsharded buffer that every use reads: each compute weight
         (its real rows), and the tensor-wise all-gather's outputs and this rank's block of each
-        (where its input is cast to). They stay valid across release / reallocate (same
+        (where its input is cast to). They stay valid across free / reallocate (same
         storage), so they are made once, and again only if the buffer moves."""
         layout = self.layout
         self._compute_views = [
@@ -292,7 +292,7 @@ class GroupWeights:
                 gradients) was unfrozen since.
         """
         self._observed_version = self.main_version()
-        for param, main, fqn in zip(self.unsharded_params, self.dist_params, self.fqns):
+        for param, main, fqn in zip(self.unsharded_params, self.main_weights, self.fqns):
             if param.requires_grad != main.requires_grad:
                 if main.requires_grad and not self.plan.requires_grad:
                     raise ValueError(
@@ -360,7 +360,7 @@ class GroupWeights:
         """Makes the compute weights follow the main weights observed last (a cast, or an
         all-gather where the compute weights are replicated and the main weights sharded; under
         ZeRO-3 nothing but HFSDP's inner shard: every `unshard()` gathers from the main weights,
-        and whole weights made from older ones must have been freed first). FP8 compute weights
+        and compute weights made from older ones must have been freed first). FP8 compute weights
         finish the refresh `start_fp8_refresh` began."""
         self._made_version = self._observed_version
         forget_fp8_weights(self.unsharded_params)
@@ -419,7 +419,7 @@ class GroupWeights:
         if self.fp8 is not None:
             self.fp8.reshard()
         elif self.plan.transient_unsharded:
-            self.unsharded.release_storage()
+            self.unsharded.free_storage()
             forget_fp8_weights(self.unsharded_params)
 
     @property
@@ -454,7 +454,7 @@ class GroupWeights:
         if old.is_allocated:
             data.copy_(old.data)
         else:
-            self.unsharded.release_storage()
+            self.unsharded.free_storage()
         self._bind_unsharded_views()
         for param, view in zip(self.unsharded_params, self._compute_views):
             param.data = view

@@ -337,7 +337,7 @@ def test_backward_with_create_graph_reduces_without_recording(strategy):
 def _gradient_penalty(strategy: str, units: bool) -> tuple[dict, dict, list[bool]]:
     """A double backward: the loss plus a penalty on its gradient to the input (made with
     `create_graph=True`), one backward through both. Returns the gradients, an unsharded
-    Net's averaged over ranks, and whether each group still holds whole weights after it."""
+    Net's averaged over ranks, and whether each group still holds compute weights after it."""
 
     def penalised(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x.clone().requires_grad_(True)
@@ -366,7 +366,7 @@ def _gradient_penalty(strategy: str, units: bool) -> tuple[dict, dict, list[bool
 @pytest.mark.parametrize("units", [True, False], ids=["units", "root-only"])
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim", "no_shard"])
 def test_a_gradient_penalty_trains_like_single_process(strategy, units):
-    """ZeRO-3 keeps the whole weights the penalty's graph saved until the backward through it
+    """ZeRO-3 keeps the compute weights the penalty's graph saved until the backward through it
     (it freed them, and that backward read freed memory), and frees them then."""
     results = run_distributed(_gradient_penalty, 2, strategy, units)
     _assert_grads_match([(grads, expected) for grads, expected, _ in results])
@@ -422,7 +422,7 @@ def _written_through_state_dict(dtype_name: str, strategy: str, path: str) -> li
     main weights: in place into their local tensors after a forward that followed
     `state_dict()`, then by `torch.distributed.checkpoint`'s load of a checkpoint of zeros
     (after ones). Each time a forward with autograd whose backward never ran came first
-    (ZeRO-3's units then still hold whole weights)."""
+    (ZeRO-3's units then still hold compute weights)."""
     dtype = getattr(torch, dtype_name)
     model = _build(strategy, dtype)
     x = _inputs(0, dtype)

@@ -121,7 +121,7 @@ def test_chunk_targets_refill_saved_weights_without_bumping_their_versions():
     versions = [buffer.data._version, *(weight._version for weight in weights)]
     x = torch.randn(15, requires_grad=True)
     y = (weights[0] @ x).sum()  # saves weights[0] for x's gradient
-    buffer.release_storage()
+    buffer.free_storage()
     assert not buffer.is_allocated and buffer.data.untyped_storage().nbytes() == 0
     buffer.reallocate_storage()
     refill()

@@ -292,7 +292,7 @@ def test_kept_fp8_transposes_are_made_once_per_step(strategy):
 
 
 def test_kept_fp8_transposes_with_prefetch_and_kept_weights():
-    """Units that keep their whole weights across the microbatches (prefetched) make each
+    """Units that keep their compute weights across the microbatches (prefetched) make each
     transpose once per step either way; the option keeps them past the step's last backward."""
     kept = run_distributed(_overlapped, 2, True, keep_fp8_transpose_cache=True)
     freed = run_distributed(_overlapped, 2, True)

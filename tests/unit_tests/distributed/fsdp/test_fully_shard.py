@@ -67,7 +67,7 @@ def _sharded_bytes(strategy: str) -> dict:
     groups = parameter_groups(model)
     states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, DTensor)]
     return {
-        "main_weights": sum(p.to_local().numel() for g in groups for p in g.dist_params),
+        "main_weights": sum(p.to_local().numel() for g in groups for p in g.main_weights),
         "optimizer_state": sum(t.to_local().numel() for t in states),
         "main_grad": sum(g.grads.main_grad.data.numel() for g in groups),
         # Compute-dtype weights held between steps (ZeRO-3 gathers from the main weights).
@@ -110,7 +110,7 @@ def test_each_rank_holds_its_share_of_state(strategy):
         else:
             assert r["main_grad"] >= total
         if strategy == "optim_grads_params":
-            assert r["model_weights_held"] == 0, "whole weights outlived the step"
+            assert r["model_weights_held"] == 0, "compute weights outlived the step"
         else:
             assert r["model_weights_held"] >= total
         assert r["grads_held"] and not r["grads_held_after_zero_grad"]
@@ -281,7 +281,7 @@ def test_meta_device_init_is_sharded_and_matches_eager_weights():
             assert torch.equal(r["sharded"][name], value), name
         torch.testing.assert_close(r["loss"], r["eager_loss"])
         # This rank's quarter of the fp32 weights and of the gradient buffer, plus one unit's
-        # whole weights in flight (a layer's, the largest unit here); 10% for padding and
+        # compute weights in flight (a layer's, the largest unit here); 10% for padding and
         # small temporaries. Never the whole model.
         bound = 1.1 * (2 * r["model_bytes"] / 4 + r["layer_bytes"])
         assert r["peak"] <= bound < r["model_bytes"], (r["peak"], bound, r["model_bytes"])

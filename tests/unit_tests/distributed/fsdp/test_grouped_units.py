@@ -226,7 +226,7 @@ def test_unit_memory_is_the_largest_units_whole_weights_and_gradients():
         memory, expected, note = run_distributed(_unit_memory, 2, layers_per_unit)[0]
         assert memory == {"weights": expected, "grads": expected}  # fp32 weights and gradients
         mib = f"{expected / 2**20:,.1f} MiB"
-        assert f"up to {mib} of whole weights while gathered and {mib} of whole gradients" in note
+        assert f"up to {mib} of compute weights while gathered and {mib} of whole gradients" in note
 
 
 def _fused_weight_gradients(layers_per_unit: int) -> int:

@@ -60,7 +60,7 @@ def _sharded_gpt(policy: OverlapPolicy, strategy: str = "optim_grads_params"):
 
 
 def _held_layers(model) -> int:
-    """Layers whose whole weights are allocated now."""
+    """Layers whose compute weights are allocated now."""
     return sum(
         group.holds_unsharded for layer in model.decoder.layers for group in layer.fsdp_unit.groups
     )
@@ -113,7 +113,7 @@ def test_whole_weights_held_up_to_the_bound_and_reused_by_backward(max_units):
         # the first layer (backward's last) is freed once its backward is done.
         assert r["held_after_forward"] == [1, 1]
         assert r["held_in_embedding_backward"] == [0, 0]
-        assert r["held_after"] == 0, "whole weights outlived backward"
+        assert r["held_after"] == 0, "compute weights outlived backward"
         # Root + every layer in forward; backward reuses the last layer (the only one kept
         # when the forward ends) and gathers the others again.
         expected = 1 + NUM_LAYERS + NUM_LAYERS - 1
@@ -330,7 +330,7 @@ def _train_in_windows(policy: OverlapPolicy, strategy: str) -> dict:
             OverlapPolicy(use_symm_mem=True, keep_unsharded_params=True),
             "abcd",
         ),
-        # ZeRO-2: whole weights persist, each in a place of its own.
+        # ZeRO-2: compute weights persist, each in a place of its own.
         ("optim_grads", OverlapPolicy(max_unsharded_units=1, use_symm_mem=True), "abcd"),
     ],
 )
@@ -407,7 +407,7 @@ def _flow_model(parent: bool, flows: list) -> torch.nn.Module:
 def _flows_in_windows(parent: bool, flows: list, max_units: int, use_symm_mem: bool) -> dict:
     """Trains 2 ranks' `_Flow` of the steps `flows` run (4 steps under a `_Parent` whose body
     is a unit, if `parent`), each step a unit, one SGD step per flow: the losses and where each
-    unit's whole weights live, or the error raised."""
+    unit's compute weights live, or the error raised."""
     model = _flow_model(parent, flows)
     flow_module = model.body if parent else model
     policy = OverlapPolicy(max_unsharded_units=max_units, use_symm_mem=use_symm_mem)
@@ -730,7 +730,7 @@ def test_forward_memory_is_bounded_and_freed_with_the_model():
     # all-gather transients), so the limit below is tighter than holding every layer's weights.
     assert NUM_LAYERS > bound + 1
     for r in run_distributed(_forward_memory, 2):
-        # Activations and temporaries (those of the unsharded model), plus whole weights of
+        # Activations and temporaries (those of the unsharded model), plus compute weights of
         # the root and of at most `bound` layers, plus at most one unit of all-gather transients
         # (the cast shard gathered from; with symmetric memory, the window being unpacked).
         limit = r["activations"] + r["root"] + (bound + 1) * r["largest_unit"]
