@@ -78,6 +78,7 @@ from megatron.training.checkpoint_layout import (  # noqa: E402
     CHECKPOINT_VERSION,
     COMMON_FILENAME,
     COMMON_KEYS,
+    OPTIONAL_COMMON_KEYS,
     CheckpointError,
     atomic_torch_save,
     make_common,
@@ -89,6 +90,7 @@ from megatron.training.offline_checkpoint import (  # noqa: E402
     read_checkpoint,
     write_checkpoint,
 )
+from megatron.training.train_state import TrainState  # noqa: E402
 
 FULL_KEYS = ("model", "optimizer", "common")
 """The entries of a full file; "model" is required."""
@@ -227,7 +229,7 @@ def from_torch(input_path: str, root: str, iteration: int | None, force: bool) -
     contents = _load_input(input_path)
     model, optimizer, common = parse_contents(contents, input_path)
     if common is None:
-        common = make_common(iteration or 0)  # weights only
+        common = make_common(TrainState(iteration=iteration or 0))  # weights only
     if iteration is None:
         iteration = common["iteration"]
     elif iteration != common["iteration"]:
@@ -362,7 +364,7 @@ def _check_common(common: Any, optimizer: dict[str, Any] | None, source: str) ->
             f"{CHECKPOINT_VERSION}. Convert the checkpoint with the code that saved it, or pass "
             "only its model weights."
         )
-    missing = [key for key in COMMON_KEYS if key not in common]
+    missing = [key for key in COMMON_KEYS if key not in common and key not in OPTIONAL_COMMON_KEYS]
     if missing or not isinstance(common.get("iteration"), int):
         raise CheckpointError(
             f"{source}'s 'common' lacks {missing or ['an integer iteration']}, which loading "

@@ -6,9 +6,10 @@ A `--save` directory holds::
                                         tracker file), replaced last and atomically
     iter_0000100/                       one checkpoint (`checkpoint_dir`)
         .metadata, __0_0.distcp, ...    torch.distributed.checkpoint (DCP): the tensors
-        common.pt                       the rest (`make_common`): iteration, consumed samples,
-                                        arguments, schedule, optimizer hyperparameters, every
-                                        rank's RNG states
+        common.pt                       the rest (`make_common`): the progress (`TrainState`:
+                                        iteration, consumed samples, skipped and nan iterations,
+                                        FLOPs so far), arguments, schedule, optimizer
+                                        hyperparameters, every rank's RNG states
         checksums.json                  the size and CRC-32 of each file above
                                         (`checkpoint_checksums`; absent from checkpoints saved
                                         before checksums were recorded)
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from megatron.core.utils import fsync_directory, write_atomically
+from megatron.training.train_state import REQUIRED_KEYS, TrainState
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -49,25 +51,22 @@ class CheckpointError(ValueError):
 
 
 def make_common(
-    iteration: int,
+    train_state: TrainState | None = None,
     *,
     ckpt_format: str = "torch_dist",
-    consumed_train_samples: int = 0,
-    consumed_valid_samples: int = 0,
     args: dict[str, Any] | None = None,
     opt_param_scheduler: dict[str, Any] | None = None,
     param_groups: list[dict[str, Any]] | None = None,
     rng_state: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A checkpoint's `common.pt`. The defaults make a weights-only checkpoint's: no
+    """A checkpoint's `common.pt`: the run's progress (`train_state`'s entries; None: a fresh
+    state, iteration 0) and the rest. The defaults make a weights-only checkpoint's: no
     parameter groups (what marks it: an optimizer may have no tensor to save), no arguments
     (loading then checks only the tensors' names and shapes), no schedule, no RNG states."""
     return {
         "checkpoint_version": CHECKPOINT_VERSION,
         "ckpt_format": ckpt_format,
-        "iteration": iteration,
-        "consumed_train_samples": consumed_train_samples,
-        "consumed_valid_samples": consumed_valid_samples,
+        **(train_state or TrainState()).state_dict(),
         "args": args or {},
         "opt_param_scheduler": opt_param_scheduler,
         "param_groups": param_groups,
@@ -75,8 +74,11 @@ def make_common(
     }
 
 
-COMMON_KEYS = tuple(make_common(0))
-"""The entries of `common.pt`."""
+COMMON_KEYS = tuple(make_common())
+"""The entries of `common.pt` (a checkpoint saved before some of them existed lacks those of
+`OPTIONAL_COMMON_KEYS`)."""
+OPTIONAL_COMMON_KEYS = tuple(key for key in TrainState().state_dict() if key not in REQUIRED_KEYS)
+"""The progress counts older checkpoints do not hold (`TrainState` starts them at 0)."""
 
 
 def require_complete(path: str, fix: str) -> None:

@@ -277,16 +277,13 @@ def _save(
 
     def write_common() -> None:
         common = make_common(
-            iteration,
+            train_state,
             ckpt_format=args.ckpt_format,
-            consumed_train_samples=train_state.consumed_train_samples,
-            consumed_valid_samples=train_state.consumed_valid_samples,
             args=vars(args).copy(),
             opt_param_scheduler=scheduler.state_dict(),
             param_groups=merge_param_groups([groups for _, _, groups in per_rank]),
             rng_state=[states for states, _, _ in per_rank],
         )
-        common.update(train_state.state_dict())  # its other counts (FLOPs, skipped iterations)
         for _, rank_files, _ in per_rank:
             files.update(rank_files)
         files[COMMON_FILENAME] = save_with_checksum(common, os.path.join(staging, COMMON_FILENAME))

@@ -13,7 +13,7 @@ in `megatron.training.train_step`) on either engine::
     model.start_param_sync()           # Megatron-FSDP: gather the first unit early
     MoEAuxLossAutoScaler.set_loss_scale(loss scale x cp / num_microbatches)  # MoE and MTP
     for each of the num_microbatches = global batch / (micro batch x data-parallel size):
-        with microbatch(...) / no_sync():  # reductions run once, after the last one
+        with no_sync() but for the last:  # reductions run once, after the last one
             forward, loss / num_microbatches, backward
     model.finish_grad_sync()
     update_expert_bias(...)            # --moe-router-enable-expert-bias

@@ -24,7 +24,6 @@ from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.evaluation import evaluate_and_print_results
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
-from megatron.training.flops import num_floating_point_operations
 from megatron.training.profiling import TrainingOperations
 from megatron.training.schedules import DataIterator, ForwardStepFunc
 from megatron.training.train_state import TrainState
@@ -224,10 +223,6 @@ class _TrainingLoop:
         self.history = history
         self.graph = graph
         self.batch_sizes = batch_size_schedule(args)
-        # FLOPs are linear in the batch: each iteration counts at its own global batch size.
-        self.flops_per_sample = num_floating_point_operations(
-            model_chunks(model)[0].config, args.padded_vocab_size, args.seq_length, 1
-        )
 
     def run(self) -> None:
         """Trains from the iteration after `state.iteration` until `--train-iters` or an exit."""
@@ -273,7 +268,8 @@ class _TrainingLoop:
         self.state.record_iteration(
             iteration,
             global_batch_size,
-            self.flops_per_sample * global_batch_size,
+            # FLOPs are linear in the batch: each iteration counts at its own global batch.
+            self.log.flops_per_sample * global_batch_size,
             skipped,
             losses,
         )

@@ -70,3 +70,13 @@ def engine_of(chunk: torch.nn.Module) -> DataParallelEngine:
     if fsdp_roots(chunk):
         return FsdpRoots(chunk)
     return LocalModule(chunk)
+
+
+def local_main_weights_of(
+    engines: list[DataParallelEngine],
+) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Every parameter the `engines` let the optimizer step as a plain local shard -> that
+    shard, over all of them (a model's chunks)."""
+    return {
+        param: shard for engine in engines for param, shard in engine.local_main_weights().items()
+    }

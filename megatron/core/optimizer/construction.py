@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from megatron.core.distributed.engine import engine_of
+from megatron.core.distributed.engine import engine_of, local_main_weights_of
 from megatron.core.distributed.fsdp import fully_shard_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, main_param_shards
 from megatron.core.optimizer.grad_scaler import get_grad_scaler
@@ -113,8 +113,7 @@ def get_megatron_optimizer(
     is_fsdp = any(engine.keeps_main_weights for engine in engines)
     main_shards = main_param_shards(model)
     if is_fsdp or main_shards is not None:
-        local = {p: shard for engine in engines for p, shard in engine.local_main_weights().items()}
-        mains = local if is_fsdp else main_shards
+        mains = local_main_weights_of(engines) if is_fsdp else main_shards
         for group in param_groups:
             group["params"] = [mains[param] for param in group["params"]]
     params = [p for group in param_groups for p in group["params"]]

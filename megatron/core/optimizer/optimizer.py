@@ -37,7 +37,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron.core.distributed.engine import DataParallelEngine, engine_of
+from megatron.core.distributed.engine import (
+    DataParallelEngine,
+    engine_of,
+    local_main_weights_of,
+)
 from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -368,11 +372,7 @@ class MegatronOptimizer:
         local shard) -> (the parameter's name in the whole model's state dict, the model
         parameter). Under pipeline parallelism the whole model's names are not the stage's
         (`global_names`: its layers' global numbers)."""
-        local = {
-            param: shard
-            for engine in self._chunk_engines
-            for param, shard in engine.local_main_weights().items()
-        }
+        local = local_main_weights_of(self._chunk_engines)
         names = {}
         for engine in self._chunk_engines:
             module = engine.module

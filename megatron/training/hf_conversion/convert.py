@@ -153,7 +153,7 @@ def import_hf(
         producers[f"model.{conversion.name}"] = functools.partial(
             _produce, weights, conversion, args
         )
-    common = make_common(0, args=args)
+    common = make_common(args=args)
     common[HF_CONFIG_KEY] = config
     final = write_checkpoint(
         save,
