@@ -173,7 +173,6 @@ def pretrain(
                     log,
                     operations,
                     exits,
-                    train_state=train_state,
                 )
             last_iteration = train_state.iteration
             evaluate = functools.partial(

@@ -80,16 +80,15 @@ def train(
     log: TrainingLog,
     operations: TrainingOperations,
     exits: ExitConditions | None = None,
-    *,
-    train_state: TrainState | None = None,
 ) -> TrainingHistory:
-    """Runs the training loop from iteration `train_state.iteration + 1` to `--train-iters`, or
-    until `--exit-interval`, `--exit-duration-in-mins` or `--exit-signal-handler`'s signal.
+    """Runs the training loop from iteration `log.train_state.iteration + 1` to `--train-iters`,
+    or until `--exit-interval`, `--exit-duration-in-mins` or `--exit-signal-handler`'s signal.
 
     Logs every `--log-interval` iterations and at the last one, evaluates on the validation
     split every `--eval-interval`, and with `--save` checkpoints every `--save-interval` and
-    when the loop ends. Advances `train_state` (the iteration, the consumed samples, the
-    skipped and nan iteration counts and the FLOPs so far); `args` are only read.
+    when the loop ends. Advances the log's `TrainState` (the iteration, the consumed samples,
+    the skipped and nan iteration counts and the FLOPs so far: the progress the log reports
+    and a checkpoint saves); `args` are only read.
 
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
@@ -99,26 +98,16 @@ def train(
         train_data_iterator: this rank's training micro-batches (None: none left).
         valid_data_iterator: this rank's validation micro-batches; None: no evaluation.
         args: validated arguments.
-        log: reports the iterations and evaluations; it reads the consumed samples from
-            `log.train_state`, so it must be built with `train_state`.
+        log: reports the iterations and evaluations, and holds the progress the loop
+            continues from (`TrainingLog(..., train_state)`: `load_checkpoint()`'s, or a
+            fresh one).
         operations: the profiler and garbage collection, told where iterations start and end.
         exits: the signal and duration exits (None: neither).
-        train_state: the progress to continue from (`load_checkpoint()`'s); None: the log's
-            (a fresh one unless the log was built with another).
 
     Returns:
         What the iterations measured (the end-of-training evaluations are left to the caller).
-
-    Raises:
-        ValueError: `log` reports another `TrainState` than `train_state`.
     """
-    if train_state is None:
-        train_state = log.train_state
-    if log.train_state is not train_state:
-        raise ValueError(
-            "train(): the log reads another TrainState than the one the loop advances, so its "
-            "consumed samples would not move; build TrainingLog(..., train_state=train_state)."
-        )
+    train_state = log.train_state
     history = TrainingHistory(start_iteration=train_state.iteration)
     if train_state.iteration >= args.train_iters:
         print_rank_0(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import pickle
 import shutil
-import types
 from typing import Any
 from unittest import mock
 
@@ -23,7 +22,6 @@ from megatron.training.flops import num_floating_point_operations
 from megatron.training.global_vars import get_args
 from megatron.training.read_only_args import ReadOnlyArguments
 from megatron.training.train_state import TrainState
-from megatron.training.training_loop import train
 from tests.unit_tests.training.checkpoint_checks import edit_common
 
 NEW_KEYS = ("num_skipped_iterations", "num_nan_iterations", "num_floating_point_operations_so_far")
@@ -76,13 +74,6 @@ def test_read_only_arguments_refuse_writes_after_freeze():
         assert vars(other) == vars(args) and other.frozen
         with pytest.raises(AttributeError):
             other.lr = 1.0
-
-
-def test_train_refuses_a_log_that_reads_another_state():
-    """The log's consumed samples must be the ones the loop advances."""
-    log = types.SimpleNamespace(train_state=TrainState())
-    with pytest.raises(ValueError, match=r"build TrainingLog\(..., train_state=train_state\)"):
-        train(None, None, None, None, None, None, None, log, None, train_state=TrainState())
 
 
 FLAGS = (
