@@ -6,35 +6,28 @@ weights by the gradient of one process's plain computation (4 ranks)."""
 
 from __future__ import annotations
 
-import argparse
-import functools
 import os
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import pretrain_gpt
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.global_names import global_name
-from megatron.training import global_vars
 from megatron.training.arguments import parse_args
 from megatron.training.arguments_validation import validate_args
 from megatron.training.configs_from_args import core_transformer_config_from_args
-from megatron.training.training import train_step
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.model_builders import (
     SEQ_LENGTH,
     VOCAB_SIZE,
     build_tiny_gpt,
     make_token_batches,
-    shard_batch,
     tiny_gpt_config,
     wrap_for_engine,
 )
+from tests.unit_tests.training.schedule_checks import masked_sgd_train_step
 from tests.unit_tests.training.test_pretrain_gpt import TINY, ZERO3, _losses_and_norms, _pretrain
 
 PIPELINE = [*TINY, "--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
@@ -284,11 +277,6 @@ def test_split_flags_need_stages():
         validate_args(args, world_size=1)
 
 
-def _masked_forward_step(data_iterator, model):
-    tokens, labels, mask = next(data_iterator)
-    return model(tokens, labels=labels), functools.partial(pretrain_gpt.loss_func, mask)
-
-
 def _per_token_step_at_two_stages(engine: str) -> dict:
     """One `train_step` (SGD, lr 1, so the weights move by the gradient) of a tied GPT split into
     2 stages, with `--calculate-per-token-loss` and uneven token counts (none in the first
@@ -319,34 +307,14 @@ def _per_token_step_at_two_stages(engine: str) -> dict:
             {name: initial[global_name(model, name)] for name in model.state_dict()}
         )
         wrapped = wrap_for_engine(model, engine)
-        config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0)
-        config.clip_grad = 0.0
-        optimizer = get_megatron_optimizer(config, wrapped)
-        scheduler = OptimizerParamScheduler(
-            optimizer, 0.0, 1.0, 0.0, 0, 100, "constant", 0.0, 0.0, 1, "constant"
-        )
-        args = argparse.Namespace(
+        losses, skipped = masked_sgd_train_step(
+            wrapped,
+            (tokens, labels, mask),
             num_microbatches=num_microbatches,
-            micro_batch_size=len(tokens) // (dp_size * num_microbatches),
-            seq_length=SEQ_LENGTH,
-            data_parallel_size=dp_size,
-            check_for_nan_in_loss_and_grad=True,
-            calculate_per_token_loss=True,
-            empty_unused_memory_level=0,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            per_token=True,
         )
-        global_vars.set_args(args)
-        try:
-            micro = zip(
-                *(
-                    shard_batch(t, dp_rank, dp_size).chunk(num_microbatches)
-                    for t in (tokens, labels, mask)
-                )
-            )
-            losses, skipped, _, _ = train_step(
-                _masked_forward_step, iter(list(micro)), wrapped, optimizer, scheduler, args
-            )
-        finally:
-            global_vars.set_args(None)
         assert not skipped
         per_token_losses = reference(tokens, labels=labels).float() * mask
         loss = per_token_losses.sum() / mask.sum()

@@ -25,23 +25,26 @@ import pretrain_gpt
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.num_microbatches_calculator import BatchSizeSchedule, rampup_schedule
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training import dist_signal_handler, global_vars
+from megatron.training import dist_signal_handler
 from megatron.training.arguments import get_megatron_optimizer_config, parse_args, validate_args
 from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.evaluation import evaluate
-from megatron.training.training import get_optimizer_param_scheduler, pretrain, train_step
+from megatron.training.training import get_optimizer_param_scheduler, pretrain
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
     make_token_batches,
-    shard_batch,
     tiny_gpt_config,
     wrap_for_engine,
 )
 from tests.unit_tests.training.log_capture import capture_training_log
-from tests.unit_tests.training.schedule_checks import BASE, TINY, ParamGroups, validated
+from tests.unit_tests.training.schedule_checks import (
+    BASE,
+    TINY,
+    ParamGroups,
+    masked_sgd_train_step,
+    validated,
+)
 
 # ---------------------------------------------------------------- parser: defaults, meaning
 
@@ -407,11 +410,6 @@ def test_sample_based_training_equals_iteration_based_training():
 # ----------------------------------------------------------------------- per-token loss
 
 
-def _masked_forward_step(data_iterator, model):
-    tokens, labels, mask = next(data_iterator)
-    return model(tokens, labels=labels), functools.partial(pretrain_gpt.loss_func, mask)
-
-
 def _per_token_step(
     engine: str, num_microbatches: int, per_token: bool, first_masked: bool
 ) -> dict:
@@ -427,31 +425,14 @@ def _per_token_step(
     model = build_tiny_gpt(tiny_gpt_config(calculate_per_token_loss=per_token))
     reference = build_tiny_gpt()
     wrapped = wrap_for_engine(model, engine)
-    config = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0)
-    config.clip_grad = 0.0
-    optimizer = get_megatron_optimizer(config, wrapped)
-    scheduler = OptimizerParamScheduler(
-        optimizer, 0.0, 1.0, 0.0, 0, 100, "constant", 0.0, 0.0, 1, "constant"
-    )
-    args = argparse.Namespace(
+    losses, skipped = masked_sgd_train_step(
+        wrapped,
+        (tokens, labels, mask),
         num_microbatches=num_microbatches,
-        micro_batch_size=8 // micro_batches,
-        seq_length=tokens.shape[1],
-        data_parallel_size=world,
-        check_for_nan_in_loss_and_grad=True,
-        calculate_per_token_loss=per_token,
-        empty_unused_memory_level=0,
+        dp_rank=rank,
+        dp_size=world,
+        per_token=per_token,
     )
-    global_vars.set_args(args)
-    try:
-        micro = zip(
-            *(shard_batch(t, rank, world).chunk(num_microbatches) for t in (tokens, labels, mask))
-        )
-        losses, skipped, _, _ = train_step(
-            _masked_forward_step, iter(list(micro)), wrapped, optimizer, scheduler, args
-        )
-    finally:
-        global_vars.set_args(None)
     # The plain computation, in one process: the reported loss is the global batch's per
     # token; the gradient is its gradient with `per_token`, else that of the mean over the
     # micro-batches of each one's loss per token (a micro-batch without tokens adds 0).
