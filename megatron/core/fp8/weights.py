@@ -225,6 +225,8 @@ def register_fp8_weight(param: torch.nn.Parameter, provider: Provider) -> None:
 def forget_fp8_weights(params: Iterable[torch.Tensor]) -> None:
     """Drops the cached FP8 copies of `params` (their values changed, or their memory is
     freed): the next use makes them again."""
+    if not _cache:  # bf16 training calls this at every unshard: no per-parameter work there
+        return
     for param in params:
         _cache.pop(id(param), None)
 

@@ -30,12 +30,14 @@ synchronisation, for a step a CUDA graph captures (`MegatronOptimizer.step_on_de
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # The groups a gradient's local sum is all-reduced over: () for replicated gradients.
 GroupKey = tuple[dist.ProcessGroup, ...]
@@ -49,20 +51,46 @@ def _local_and_groups(grad: torch.Tensor) -> tuple[torch.Tensor, GroupKey]:
     """
     if not isinstance(grad, DTensor):
         return grad, ()
+    return grad.to_local(), _shard_groups(grad.device_mesh, grad.placements)
+
+
+_GROUPS_OF_MESH: dict[int, dict[tuple[Placement, ...], GroupKey]] = {}
+"""id(mesh) -> placements -> `_shard_groups`, while the mesh lives. Keyed by identity: equal
+meshes of a later process-group world (`DeviceMesh.__eq__` compares ranks, not groups) hold
+other groups."""
+
+
+def _shard_groups(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> GroupKey:
+    """The groups of `mesh`'s dimensions that `placements` shard over (of more than one rank).
+    Cached per mesh: a model's gradients share a few layouts, and looking up a dimension's
+    group for each of hundreds of gradients at every step costs the host milliseconds."""
+    key = id(mesh)
+    cache = _GROUPS_OF_MESH.get(key)
+    if cache is None:
+        cache = _GROUPS_OF_MESH[key] = {}
+        # Dropped when the mesh dies, before its id can be reused.
+        weakref.finalize(mesh, _GROUPS_OF_MESH.pop, key, None)
+    groups = cache.get(placements)
+    if groups is None:
+        groups = cache[placements] = _groups_of(mesh, placements)
+    return groups
+
+
+def _groups_of(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> GroupKey:
     groups = []
-    for dim, placement in enumerate(grad.placements):
+    for dim, placement in enumerate(placements):
         if placement.is_partial():
             raise ValueError(
-                f"A gradient DTensor has placements {grad.placements}: a Partial gradient is not "
+                f"A gradient DTensor has placements {placements}: a Partial gradient is not "
                 "reduced yet. Finish the gradient reduction (model.finish_grad_sync()) before "
                 "computing its norm."
             )
         # Newer torch does not count a strided shard as `is_shard()`.
         if placement.is_shard() or isinstance(placement, _StridedShard):
-            group = grad.device_mesh.get_group(dim)
+            group = mesh.get_group(dim)
             if group.size() > 1:
                 groups.append(group)
-    return grad.to_local(), tuple(groups)
+    return tuple(groups)
 
 
 def _global_sum(

@@ -101,6 +101,9 @@ class MegatronOptimizer:
         self._chunks = model_chunks(model)
         # One module over every chunk, for what walks modules (parameters, Megatron-FSDP units).
         self._modules = modules_of(self._chunks)
+        # The model's parameters, fixed from here as the torch optimizer's are (walking the
+        # modules again at every step costs the host milliseconds on a large model).
+        self._parameters = tuple(self._modules.parameters())
         # Each chunk's engine (`engine.py`): everything the optimizer asks of the model.
         self._chunk_engines = [engine_of(chunk) for chunk in self._chunks]
         # Megatron-FSDP keeps the fp32 main weights itself: they are the model's parameters.
@@ -167,9 +170,7 @@ class MegatronOptimizer:
         """
         skip = self._second_copies if counted_once else set()
         if self._engine_keeps_main_weights:
-            return [
-                p.grad for p in self._modules.parameters() if p.grad is not None and p not in skip
-            ]
+            return [p.grad for p in self._parameters if p.grad is not None and p not in skip]
         return [
             self._global_view(param, main.grad)
             for param, main in self._main_params.items()
@@ -181,7 +182,7 @@ class MegatronOptimizer:
         Megatron-FSDP's DTensor main weights; otherwise the fp32 masters and fp32 parameters."""
         skip = self._second_copies
         if self._engine_keeps_main_weights:
-            return [p for p in self._modules.parameters() if p.requires_grad and p not in skip]
+            return [p for p in self._parameters if p.requires_grad and p not in skip]
         return [
             self._global_view(param, main)
             for param, main in self._main_params.items()
@@ -329,7 +330,7 @@ class MegatronOptimizer:
 
     def _flag_device(self) -> torch.device:
         """Where the overflow flag is reduced: the model's device (NCCL reduces CUDA tensors)."""
-        return next(self._modules.parameters()).device
+        return self._parameters[0].device
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the parameters' `.grad`; the DDP engine's `main_grad` buffers are zeroed by
@@ -338,7 +339,7 @@ class MegatronOptimizer:
         # The torch optimizer steps other tensors (fp32 masters, Megatron-FSDP's local shards)
         # and does not see the model's `.grad`s: clear those too, as `zero_grad()` promises.
         if self._engine_keeps_main_weights or self._masters:
-            for param in self._modules.parameters():
+            for param in self._parameters:
                 if set_to_none:
                     param.grad = None
                 elif param.grad is not None:

@@ -218,3 +218,36 @@ def test_non_finite_grad_skips_step_on_every_rank(engine, clip_grad, bad):
         assert not update_successful
         assert not math.isfinite(grad_norm)
         assert unchanged
+
+
+def _norm_groups_follow_each_mesh() -> tuple[bool, bool, bool, bool]:
+    """Two meshes over the same ranks (equal as `DeviceMesh`es) on distinct groups: the norm's
+    reduction uses each mesh's own group, and a mesh's cached groups go with it."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from megatron.core.optimizer import clip_grads
+
+    ranks = list(range(dist.get_world_size()))
+    device = current_device().type
+    first = DeviceMesh.from_group(dist.new_group(ranks), device)
+    second = DeviceMesh.from_group(dist.new_group(ranks), device)
+    placements = (Shard(0),)
+    first_groups = clip_grads._shard_groups(first, placements)
+    second_groups = clip_grads._shard_groups(second, placements)
+    key = id(second)
+    cached = key in clip_grads._GROUPS_OF_MESH
+    del second
+    gc.collect()
+    return (
+        first_groups == (first.get_group(0),),
+        second_groups[0] is not first_groups[0],
+        cached,
+        key not in clip_grads._GROUPS_OF_MESH,
+    )
+
+
+def test_norm_groups_are_cached_per_mesh_not_per_equal_mesh():
+    for checks in run_distributed(_norm_groups_follow_each_mesh, 2):
+        assert checks == (True, True, True, True)
