@@ -394,6 +394,10 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        # `--device cuda` means the current GPU, as in torch.
+        device = torch.device(
+            "cuda", torch.cuda.current_device() if device.index is None else device.index
+        )
         torch.cuda.set_device(device)
     else:
         # One thread, as a host-bound GPU step runs its ops: several threads on small tensors

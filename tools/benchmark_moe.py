@@ -68,6 +68,18 @@ def parse_args() -> argparse.Namespace:
         parser, "--expert-parallel-sizes", args.expert_parallel_sizes,
         ("--num-experts", args.num_experts),
     )  # fmt: skip
+    exchanging = [name for name in args.engines if name in EXPERT_PARALLEL_ENGINES]
+    if (
+        args.cuda_graph
+        and exchanging
+        and max(args.expert_parallel_sizes) > 1
+        and not args.moe_pad_dispatch_to_worst_case
+    ):
+        parser.error(
+            f"--cuda-graph at expert-parallel sizes {args.expert_parallel_sizes}: the token "
+            "exchanges are then sized by counts read on the host, which a capture cannot do; "
+            "add --moe-pad-dispatch-to-worst-case, or --expert-parallel-sizes 1."
+        )
     return args
 
 

@@ -51,6 +51,12 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         "--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall"
     )
     parser.add_argument(
+        "--moe-pad-dispatch-to-worst-case",
+        action="store_true",
+        help="with expert parallelism, pad the token exchanges to their largest size: no host "
+        "read of the counts, so --cuda-graph can capture the step",
+    )
+    parser.add_argument(
         "--no-rope-fusion",
         action="store_false",
         dest="apply_rope_fusion",
@@ -189,5 +195,6 @@ def _moe_fields(args: argparse.Namespace) -> dict:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_grouped_gemm=args.moe_grouped_gemm,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_pad_dispatch_to_worst_case=args.moe_pad_dispatch_to_worst_case,
         expert_model_parallel_size=ep,
     )

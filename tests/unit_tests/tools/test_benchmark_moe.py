@@ -50,3 +50,12 @@ def test_expert_parallel_size_must_divide_the_experts():
     proc = run_tool(*TINY, "--expert-parallel-sizes", "3", tool=TOOL, nproc=None, timeout=60)
     assert proc.returncode != 0
     assert "--expert-parallel-sizes" in proc.stderr
+
+
+def test_a_graphed_step_with_expert_parallelism_asks_for_the_padded_exchange():
+    proc = run_tool(
+        *TINY, "--device", "cuda", "--cuda-graph", "--engines", "megatron_fsdp_zero3",
+        "--expert-parallel-sizes", "2", tool=TOOL, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "add --moe-pad-dispatch-to-worst-case" in proc.stderr, proc.stderr[-2000:]
