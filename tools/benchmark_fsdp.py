@@ -196,8 +196,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"{', '.join(HYBRID_ENGINES)} only: data-parallel instances R (default 2), each of "
         "world / R >= 2 ranks; the other engines run over all ranks",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the engines in turn this many times in one process, each round's ratios to "
+        "its own one-GPU step (host-bound steps move with the host's speed between processes)",
+    )
     args = check_args(parser, parser.parse_args(argv), ENGINES + HYBRID_ENGINES)
     check_instances(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more.")
     return args
 
 
@@ -414,22 +423,32 @@ def main() -> None:
         config, model = build_gpt(args)
     num_params = sum(p.numel() for p in model.parameters())
     rows = []
-    for name, variant in [(n, v) for n in args.engines for v in precision_variants(args)]:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        # Each engine over its own instances: the plain ones shard over all ranks.
-        count = instances(name, args)
-        set_parallel_state(args.create_all_gather_group, num_distributed_optimizer_instances=count)
-        rows.append(summarize(name, run_engine(name, variant, device), variant, config, device))
-        rows[-1]["layout"] = layout(name, args, dist.get_world_size())
-        if variant.fp8_format:
-            rows[-1]["engine"] += " fp8"
-    # The ratios are to the bf16 single-GPU step (FP8's speed-up shows as a ratio below it).
-    single = next((r["step_ms"] for r in rows if r["engine"] == "single"), None)
-    for row in rows:
-        row["vs_single"] = row["step_ms"] / single if single else None
+    for round_index in range(args.rounds):
+        round_rows = []
+        for name, variant in [(n, v) for n in args.engines for v in precision_variants(args)]:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            # Each engine over its own instances: the plain ones shard over all ranks.
+            count = instances(name, args)
+            set_parallel_state(
+                args.create_all_gather_group, num_distributed_optimizer_instances=count
+            )
+            row = summarize(name, run_engine(name, variant, device), variant, config, device)
+            row["layout"] = layout(name, args, dist.get_world_size())
+            if variant.fp8_format:
+                row["engine"] += " fp8"
+            round_rows.append(row)
+        # The ratios are to the round's bf16 single-GPU step (FP8's speed-up shows as a ratio
+        # below it).
+        single = next((r["step_ms"] for r in round_rows if r["engine"] == "single"), None)
+        for row in round_rows:
+            row["vs_single"] = row["step_ms"] / single if single else None
+            if args.rounds > 1:
+                row["round"] = round_index + 1
+                row["engine"] += f" r{round_index + 1}"
+        rows.extend(round_rows)
     report(rows, args, device, num_params)
     gc.collect()  # free the last engine before its process groups go
     parallel_state.destroy_model_parallel()

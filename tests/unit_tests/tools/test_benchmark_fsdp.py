@@ -169,6 +169,7 @@ def benchmark_fsdp(monkeypatch):
         ("--engines megatron_fsdp_zero2 --megatron-fsdp-keep-unsharded-params", 2, "ZeRO-3"),
         ("--engines fsdp2,zero4", 2, "'fsdp2,zero4'"),
         ("--use-symm-mem --device cpu", 2, "--use-symm-mem needs CUDA"),
+        ("--rounds 0", 2, "--rounds 0: give 1 or more"),
     ],
 )
 def test_bad_flags_are_usage_errors(benchmark_fsdp, monkeypatch, capsys, flags, world, message):
@@ -224,3 +225,18 @@ def test_fp8_format_times_each_engine_in_bf16_then_fp8(tmp_path):
     fp8 = {rows[f"{name} fp8"]["final_loss"] for name in names}
     assert len(bf16) == 1 and len(fp8) == 1 and bf16 != fp8
     assert "FP8 (hybrid, delayed)" in rows["single fp8"]["precision"]
+
+
+def test_rounds_repeat_every_engine_with_ratios_to_their_own_round(tmp_path):
+    out = tmp_path / "result.json"
+    flags = ["--engines", "megatron_fsdp_zero3,single", "--rounds", "2", "--json-out", str(out)]
+    proc = run_tool(*TINY, *flags, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    names = [f"{name} r{r}" for r in (1, 2) for name in ("megatron_fsdp_zero3", "single")]
+    assert [row["engine"] for row in rows] == names
+    for row in rows:
+        single = next(r for r in rows if r["engine"] == f"single r{row['round']}")
+        assert row["vs_single"] == pytest.approx(row["step_ms"] / single["step_ms"])
+    # Each round builds the engines afresh from the same seed: the same training.
+    assert len({row["final_loss"] for row in rows}) == 1
