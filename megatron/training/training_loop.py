@@ -145,7 +145,6 @@ def train(
             log,
             operations,
             exits,
-            train_state,
             history,
             graph,
         )
@@ -176,42 +175,33 @@ class _IterationResult:
     seconds: float
 
 
+@dataclasses.dataclass
 class _TrainingLoop:
     """`train()`'s loop, in its parts: one iteration's step and bookkeeping (`step`,
     `record`), the exit decision (`exit_reason`), the periodic evaluation and the periodic
     save. The order within an iteration is the one every rank keeps (the parts' collectives
     must match): step, exit decision, record, evaluation, save, exit."""
 
-    def __init__(
-        self,
-        forward_step_func: ForwardStepFunc,
-        model: Model,
-        optimizer: MegatronOptimizer,
-        scheduler: OptimizerParamScheduler,
-        train_data_iterator: DataIterator | None,
-        valid_data_iterator: DataIterator | None,
-        args: argparse.Namespace,
-        log: TrainingLog,
-        operations: TrainingOperations,
-        exits: ExitConditions | None,
-        state: TrainState,
-        history: TrainingHistory,
-        graph: GraphedIteration | None,
-    ):
-        self.forward_step_func = forward_step_func
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.train_data_iterator = train_data_iterator
-        self.valid_data_iterator = valid_data_iterator
-        self.args = args
-        self.log = log
-        self.operations = operations
-        self.exits = exits
-        self.state = state
-        self.history = history
-        self.graph = graph
-        self.batch_sizes = batch_size_schedule(args)
+    forward_step_func: ForwardStepFunc
+    model: Model
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    train_data_iterator: DataIterator | None
+    valid_data_iterator: DataIterator | None
+    args: argparse.Namespace
+    log: TrainingLog
+    operations: TrainingOperations
+    exits: ExitConditions | None
+    history: TrainingHistory
+    graph: GraphedIteration | None
+
+    def __post_init__(self) -> None:
+        self.batch_sizes = batch_size_schedule(self.args)
+
+    @property
+    def state(self) -> TrainState:
+        """The progress the loop advances: the log's."""
+        return self.log.train_state
 
     def run(self) -> None:
         """Trains from the iteration after `state.iteration` until `--train-iters` or an exit."""
