@@ -23,35 +23,32 @@ split, each of at least the given number of samples."""
 SPLITS = ("train", "validation", "test")
 
 
-def train_valid_test_num_samples(
-    args: argparse.Namespace, train_state: TrainState | None = None
-) -> list[int]:
+def train_valid_test_num_samples(args: argparse.Namespace, train_state: TrainState) -> list[int]:
     """The samples each split must hold (Megatron-LM's `get_train_valid_test_num_samples`):
     train for every iteration; validation for `--eval-iters` iterations at every
     `--eval-interval` and once more at the end; test for one evaluation.
 
-    What was consumed before a resume (`train_state`; None: a run from scratch), plus what the
-    iterations left consume: the sizes of an uninterrupted run when the batch size is unchanged
-    (so the datasets, whose sample order depends on their size, are the same), and enough when
-    it changed.
+    What was consumed before a resume (`train_state`; a fresh one for a run from scratch), plus
+    what the iterations left consume: the sizes of an uninterrupted run when the batch size is
+    unchanged (so the datasets, whose sample order depends on their size, are the same), and
+    enough when it changed.
     """
-    state = TrainState() if train_state is None else train_state
     global_batch = args.global_batch_size
-    iterations_left = max(args.train_iters - state.iteration, 0)
+    iterations_left = max(args.train_iters - train_state.iteration, 0)
     evaluations_left = 0  # without --eval-interval: only the one at the end
     if args.eval_interval is not None:
         evaluations_left = (
-            args.train_iters // args.eval_interval - state.iteration // args.eval_interval
+            args.train_iters // args.eval_interval - train_state.iteration // args.eval_interval
         )
     train_samples = batch_size_schedule(args).samples_after(
-        state.consumed_train_samples, iterations_left
+        train_state.consumed_train_samples, iterations_left
     )
     if args.train_samples is not None:
         # Megatron-LM sizes the split by --train-samples (the last batch may not fill it).
         train_samples = max(train_samples, args.train_samples)
     return [
         train_samples,
-        state.consumed_valid_samples
+        train_state.consumed_valid_samples
         + max(evaluations_left + 1, 0) * args.eval_iters * global_batch,
         args.eval_iters * global_batch,
     ]

@@ -75,7 +75,7 @@ from megatron.training.profiling import TrainingOperations
 from megatron.training.save_directory import claim_save_directory
 from megatron.training.schedules import ForwardStepFunc
 from megatron.training.train_state import TrainState
-from megatron.training.train_step import compute_gradients, train_step
+from megatron.training.train_step import train_step
 from megatron.training.training_log import TrainingLog, fp8_startup_line
 from megatron.training.training_loop import TrainingHistory, train
 from megatron.training.utils import (
@@ -93,7 +93,6 @@ __all__ = [  # with the loop's and the iteration's names, which moved to their o
     "ModelProvider",
     "TrainingHistory",
     "build_train_valid_test_data_iterators",
-    "compute_gradients",
     "get_model",
     "get_optimizer_param_scheduler",
     "pretrain",

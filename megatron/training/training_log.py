@@ -173,7 +173,8 @@ class TrainingLog:
         config: the model's config, for the FLOPs of an iteration.
         device: where the model computes (throughput and memory fields are GPU-only).
         train_state: the run's progress, which the loop advances before it records an
-            iteration; the log reads its consumed training samples. None: a fresh one.
+            iteration; the log reads its consumed training samples (`TrainState()` for a run
+            from scratch).
     """
 
     def __init__(
@@ -181,10 +182,10 @@ class TrainingLog:
         args: argparse.Namespace,
         config: TransformerConfig,
         device: torch.device,
-        train_state: TrainState | None = None,
+        train_state: TrainState,
     ):
         self.args = args
-        self.train_state = TrainState() if train_state is None else train_state
+        self.train_state = train_state
         self.device = device
         self.writer = MetricWriter(args)
         # FLOPs are linear in the batch: a ramp's iterations are counted at their own size.

@@ -207,23 +207,27 @@ def validate_interleaving(args: argparse.Namespace) -> None:
         return
     pp_size = args.pipeline_model_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
-    scheduled = args.rampup_batch_size is not None or args.step_batch_size_schedule is not None
-    sizes = batch_size_schedule(args).sizes_within(args.train_iters) if scheduled else []
-    for consumed, global_batch_size in sizes or [(0, args.global_batch_size)]:
+    schedule_flag = (
+        "--rampup-batch-size"
+        if args.rampup_batch_size is not None
+        else "--step-batch-size-schedule"
+        if args.step_batch_size_schedule is not None
+        else None
+    )
+    # At least the first iteration's size, also where --train-iters is 0 (the run stops
+    # before training, and so is checked as one that trains).
+    for consumed, global_batch_size in batch_size_schedule(args).sizes_within(
+        max(args.train_iters or 0, 1)
+    ):
         num_microbatches = global_batch_size // per_step
         try:
             check_interleaving(pp_size, num_microbatches, pp_size)
         except ValueError as error:
             source = f"--global-batch-size {global_batch_size}"
-            if scheduled:
-                flag = (
-                    "--rampup-batch-size"
-                    if args.rampup_batch_size is not None
-                    else "--step-batch-size-schedule"
-                )
+            if schedule_flag is not None:
                 source = (
-                    f"{flag} (a global batch of {global_batch_size} after {consumed} consumed "
-                    "samples)"
+                    f"{schedule_flag} (a global batch of {global_batch_size} after {consumed} "
+                    "consumed samples)"
                 )
             raise ValueError(
                 f"{source} gives {num_microbatches} microbatch(es) (of --micro-batch-size "

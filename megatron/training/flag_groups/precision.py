@@ -276,9 +276,6 @@ def validate_precision(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--grad-reduce-in-bf16 contradicts {fp32_flags[0]}; keep one of them."
             )
-    # --grad-reduce-in-fp32 (or --accumulate-allreduce-grads-in-fp32) against
-    # --megatron-fsdp-main-grads-dtype: DistributedDataParallelConfig's rule, reported with
-    # these flags' names by `ddp_config_from_flags`.
 
 
 def _validate_loss_scaling(args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from megatron.core.datasets.tokenizers import ByteLevelTokenizer
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.data_iterators import train_valid_test_num_samples
 from megatron.training.global_vars import build_tokenizer, set_args, unset_tokenizer
+from megatron.training.train_state import TrainState
 from tests.unit_tests.datasets import upstream_parity
 from tests.unit_tests.datasets.fixtures import parity_cases
 from tests.unit_tests.distributed_harness import run_distributed
@@ -162,7 +163,7 @@ def test_flags_build_upstreams_datasets(case, tmp_path):
     build_tokenizer(args)
     set_args(args)
     try:
-        sizes = train_valid_test_num_samples(args)
+        sizes = train_valid_test_num_samples(args, TrainState())
         assert sizes == spec["sizes"]
         datasets = pretrain_gpt.train_valid_test_datasets_provider(sizes)
         assert upstream_parity.assert_matches_upstream(case, datasets) == ["identical"] * 3

@@ -20,6 +20,7 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.flops import num_floating_point_operations
+from megatron.training.train_state import TrainState
 from megatron.training.training_log import TrainingLog, fp8_startup_line
 from tests.unit_tests.training.log_capture import capture_training_log
 
@@ -52,7 +53,8 @@ def messages():
 
 def _training_log(*flags: str) -> TrainingLog:
     args = validate_args(parse_args(args=[*FLAGS, *flags]), world_size=2)
-    return TrainingLog(args, core_transformer_config_from_args(args), torch.device("cpu"))
+    config = core_transformer_config_from_args(args)
+    return TrainingLog(args, config, torch.device("cpu"), TrainState())
 
 
 def test_line_averages_the_interval_and_counts_skipped_and_nan_iterations(messages):
