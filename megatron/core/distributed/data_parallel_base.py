@@ -40,8 +40,9 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
 
     keeps_main_weights = False
     """Whether the module's parameters are the weights an optimizer steps, kept by the engine in
-    fp32 (Megatron-FSDP's main weights); if not, an optimizer keeps fp32 masters of the
-    parameters that are not fp32 (the DDP engine)."""
+    its main-weight dtype (Megatron-FSDP's main weights) so that an optimizer keeps no masters;
+    if not, an optimizer keeps fp32 masters of the parameters that are not fp32 (the DDP
+    engine)."""
 
     def __init__(self, config: TransformerConfig, module: torch.nn.Module):
         super().__init__()

@@ -1,5 +1,5 @@
 """What an optimizer needs of a model chunk's data-parallel engine (`DataParallelEngine`), and
-`engine_of(chunk)`, the one place that tells which engine a chunk has.
+`engine_of(chunk)`, which tells which engine a chunk has.
 
 Both wrappers (`DistributedDataParallel`, Megatron-FSDP's `FullyShardedDataParallel`) are
 engines themselves; a module sharded with `fully_shard()` alone is seen through
@@ -23,8 +23,9 @@ class DataParallelEngine(Protocol):
     Attributes:
         module: the module whose parameters the engine synchronises (without the wrapper).
         keeps_main_weights: whether the module's parameters are the weights the optimizer
-            steps, kept in fp32 by the engine (Megatron-FSDP's DTensor main weights); if not,
-            the optimizer keeps fp32 masters of the parameters that are not fp32.
+            steps, kept by the engine in its main-weight dtype (Megatron-FSDP's DTensor main
+            weights), so that the optimizer keeps no masters; if not, the optimizer keeps fp32
+            masters of the parameters that are not fp32.
     """
 
     module: torch.nn.Module

@@ -99,14 +99,12 @@ class MegatronOptimizer:
         self.model = model
         self.grad_scaler = grad_scaler
         self._chunks = model_chunks(model)
-        # One module over every chunk, for what walks modules (parameters, Megatron-FSDP units).
-        self._modules = modules_of(self._chunks)
         # The model's parameters, fixed from here as the torch optimizer's are (walking the
         # modules again at every step costs the host milliseconds on a large model).
-        self._parameters = tuple(self._modules.parameters())
+        self._parameters = tuple(modules_of(self._chunks).parameters())
         # Each chunk's engine (`engine.py`): everything the optimizer asks of the model.
         self._chunk_engines = [engine_of(chunk) for chunk in self._chunks]
-        # Megatron-FSDP keeps the fp32 main weights itself: they are the model's parameters.
+        # Megatron-FSDP keeps the main weights itself: they are the model's parameters.
         self._engine_keeps_main_weights = any(
             engine.keeps_main_weights for engine in self._chunk_engines
         )

@@ -11,7 +11,7 @@ comes back and that of the input goes on. Only the last stage computes the loss.
 
 The engines' gradient accumulation spans the iteration: every pass of a model chunk runs in its
 engine's accumulation scope, and only the backward of its last microbatch is the step's last
-(`microbatch(is_last=True)` for Megatron-FSDP, outside `no_sync()` for the DDP engine), so the
+(outside `no_sync()`, for both engines: `microbatch_loss.accumulation_scope`), so the
 once-per-step reductions run once per chunk, right after its last backward.
 
 With `config.overlap_p2p_comm` (Megatron-LM's `--no-overlap-p2p-communication` turns it off) the

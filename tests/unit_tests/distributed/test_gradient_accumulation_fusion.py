@@ -301,7 +301,7 @@ def _fsdp_sends(
     of the root may fuse ("root_fuses"), and whether a send buffer was left written after
     `finish_grad_sync()` ("leaked")."""
     from megatron.core.distributed.fsdp import FullyShardedDataParallel
-    from megatron.core.distributed.fsdp.optimizer import parameter_groups
+    from megatron.core.distributed.fsdp.roots import parameter_groups
 
     model = _tiny_gpt(fusion, dtype, scenario)
     ddp_config = DistributedDataParallelConfig(

@@ -67,8 +67,9 @@ class FullyShardedDataParallel(_BaseDataParallel):
     """
 
     keeps_main_weights = True
-    """The DTensor main weights (fp32 shards) are the wrapped module's parameters: an optimizer
-    steps them (or their local shards) and keeps no masters of its own."""
+    """The DTensor main weights (shards in `megatron_fsdp_main_params_dtype`) are the wrapped
+    module's parameters: an optimizer steps them (or their local shards) and keeps no masters of
+    its own."""
 
     def __init__(
         self,

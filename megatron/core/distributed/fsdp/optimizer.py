@@ -20,9 +20,9 @@ import weakref
 
 import torch
 
-from megatron.core.distributed.fsdp.roots import fsdp_contexts, local_main_weights, parameter_groups
+from megatron.core.distributed.fsdp.roots import fsdp_contexts, parameter_groups
 
-__all__ = ["fully_shard_optimizer", "local_main_weights", "parameter_groups"]
+__all__ = ["fully_shard_optimizer"]
 
 
 def fully_shard_optimizer(

@@ -3,8 +3,8 @@
 local shards (`local_main_weights`); and `FsdpRoots`, the engine interface of a module sharded
 with `fully_shard()` but not wrapped in `FullyShardedDataParallel`.
 
-Every lookup of the package and of its callers (`microbatch.py`, `optimizer.py`, the adapter,
-the Megatron optimizer) goes through these, so what counts as a root or a unit is decided here.
+The lookups of `microbatch.py`, `optimizer.py`, the adapter and the Megatron optimizer go
+through these; `FsdpModule` walks its own units.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class FsdpRoots:
     """
 
     keeps_main_weights = True
-    """The units' DTensor main weights are the module's parameters (no fp32 masters needed)."""
+    """The units' DTensor main weights are the module's parameters (an optimizer keeps no
+    masters)."""
 
     def __init__(self, module: torch.nn.Module):
         if not fsdp_roots(module):
