@@ -20,11 +20,11 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "quick_gelu": quick_gelu}
 
 
 def case_config(fields: dict[str, Any], **overrides) -> TransformerConfig:
-    """The `TransformerConfig` of a case's fields (its `"activation"` by name), with
-    `overrides`."""
-    fields = dict(fields)
+    """The `TransformerConfig` of a case's fields (its `"activation"` by name), `overrides`
+    replacing or adding fields."""
+    fields = {**fields, **overrides}
     activation = ACTIVATIONS[fields.pop("activation")]
-    return TransformerConfig(**fields, activation_func=activation, **overrides)
+    return TransformerConfig(**fields, activation_func=activation)
 
 
 def assert_matches_golden(

@@ -36,12 +36,12 @@ from megatron.core.transformer.multi_token_prediction import (
     roll_tensor,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests import upstream_parity
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.models.fixtures import mtp_cases
 from tests.unit_tests.models.test_gpt_tensor_parallel import _gather_full
 
 FIXTURE = Path(__file__).with_name("fixtures") / "upstream_mtp.pt"
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
 @pytest.fixture(autouse=True)
@@ -54,12 +54,9 @@ def clean_state():
 
 
 def case_config(case: dict, **overrides) -> TransformerConfig:
-    fields = dict(case["config"])
-    activation = ACTIVATIONS[fields.pop("activation")]
-    fields.update(overrides)
-    return TransformerConfig(
-        **fields, activation_func=activation, hidden_dropout=0.0, attention_dropout=0.0
-    )
+    """The case's config without dropout (upstream's fixtures ran without it)."""
+    no_dropout = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    return upstream_parity.case_config(case["config"], **no_dropout, **overrides)
 
 
 def build(case: dict, seed: int = 0, **overrides) -> GPTModel:

@@ -165,7 +165,7 @@ def _dispatch_round_trip(ep: int, etp: int, kind: str) -> None:
     parallel_state.initialize_model_parallel(
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
-    config = moe_config(ep, moe_token_dispatcher_type=kind, expert_tensor_parallel_size=etp)
+    config = moe_config(ep, etp, moe_token_dispatcher_type=kind)
     dropless = DispatchSizing.FIXED if ep * etp == 1 else DispatchSizing.WORST_CASE
     for sizing, drop_first in ((DispatchSizing.HOST, True), (dropless, False)):
         dispatcher = DISPATCHERS[kind](

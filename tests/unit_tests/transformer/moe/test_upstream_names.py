@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_moe_module_spec
@@ -19,15 +18,13 @@ from megatron.core.transformer.moe.upstream_names import stack_upstream_experts
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed.moe_training import Engine, global_state, init_groups, wrap
 from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.upstream_parity import case_config
 
 FIXTURE = torch.load(Path(__file__).parent / "fixtures" / "moe_layer_fixture.pt")
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
 def _config(case: str, **overrides) -> TransformerConfig:
-    fields = dict(FIXTURE[case]["config"])
-    activation = ACTIVATIONS[fields.pop("activation")]
-    return TransformerConfig(**fields, activation_func=activation, **overrides)
+    return case_config(FIXTURE[case]["config"], **overrides)
 
 
 def _layer(config: TransformerConfig) -> MoELayer:
