@@ -24,6 +24,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.fsdp.distributed_index import FSDPDistributedIndex
 from megatron.core.distributed.fsdp.fsdp_module import fully_shard
 from megatron.core.distributed.fsdp.overlap import OverlapPolicy
+from megatron.core.distributed.fsdp.plan import OuterReduction
 from megatron.core.distributed.fsdp.roots import (
     fsdp_contexts,
     local_main_weights,
@@ -218,7 +219,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             weights, plan = group.weights, group.plan
             groups = weights.groups
             replicated_over = [] if plan.shards_main else [groups.shard]
-            if groups.outer is not None and not plan.outer_sharded:
+            if plan.outer_reduction is OuterReduction.ALL_REDUCE:  # HSDP's replicas
                 replicated_over.append(groups.outer)
             for process_group in replicated_over:
                 dist.broadcast(

@@ -181,7 +181,7 @@ class GroupPlan:
         # ZeRO-1 accumulates whole local gradients and reduce-scatters them once: the
         # optimizer's shard is a buffer of its own, which outlives the accumulation buffer.
         separate = outer_sharded or precision.main_grads != precision.main_params
-        separate = separate or (not shards_grads and num_shards > 1)
+        separate = separate or inner_reduction is InnerReduction.REDUCE_SCATTER
         if outer_sharded:
             placements: tuple[Placement, ...] = (Shard(0), Shard(0))
         else:
