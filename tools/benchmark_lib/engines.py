@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -226,8 +225,12 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
             return contextlib.nullcontext()
         return microbatch(fsdp.module, is_last=i == n - 1)
 
-    # Stepped as MegatronOptimizer steps it (the fused kernel where it applies).
-    return wrapper_step(fsdp, functools.partial(step_and_copy, optimizer), scope)
+    def optimizer_step() -> None:
+        # As MegatronOptimizer steps it: the fused kernel where it applies, recording the
+        # amaxes of FP8 weights (`--fp8-param-gather`) on the way.
+        step_and_copy(optimizer, amaxes=[fsdp.step_amaxes()])
+
+    return wrapper_step(fsdp, optimizer_step, scope)
 
 
 def build_fsdp2(args: argparse.Namespace) -> StepFn:

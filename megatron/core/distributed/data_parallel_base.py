@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_adam import StepAmaxes
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -109,6 +110,12 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         """Each parameter the optimizer may step as a plain local shard -> that shard (none
         unless the engine shards the main weights)."""
         return {}
+
+    def step_amaxes(self) -> StepAmaxes | None:
+        """What the optimizer step about to write the main weights should record of them for
+        `step_and_copy` (the amaxes of FP8 weights cast from them), or None (here: the
+        engine's FP8 weights take their amaxes themselves)."""
+        return None
 
     def state_dict(
         self, prefix: str = "", keep_vars: bool = False, destination: dict | None = None

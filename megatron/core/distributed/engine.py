@@ -15,6 +15,7 @@ import torch
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.fsdp.roots import FsdpRoots, fsdp_roots
+from megatron.core.fusions.fused_adam import StepAmaxes
 
 
 class DataParallelEngine(Protocol):
@@ -41,6 +42,10 @@ class DataParallelEngine(Protocol):
     def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Each parameter the optimizer may step as a plain local shard -> that shard."""
 
+    def step_amaxes(self) -> StepAmaxes | None:
+        """What the optimizer step about to write the main weights should record of them for
+        `step_and_copy` (the amaxes of FP8 weights cast from them), or None."""
+
 
 class LocalModule:
     """A module without a data-parallel engine (one process): its `.grad`s are final as they
@@ -61,6 +66,10 @@ class LocalModule:
     def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """None: nothing is sharded."""
         return {}
+
+    def step_amaxes(self) -> StepAmaxes | None:
+        """None: FP8 weights are cast at their use (`megatron.core.fp8.weights`)."""
+        return None
 
 
 def engine_of(chunk: torch.nn.Module) -> DataParallelEngine:

@@ -16,6 +16,10 @@ weights rounded, as `copy_` rounds them. Like torch's fused kernels it reads a l
 in a device tensor and skips the step on the device where the optimizer's `found_inf` is 1
 (`device_step.py`), so a CUDA graph can capture it.
 
+A step can also record absolute maxima of the new weights (`StepAmaxes`): Megatron-FSDP's FP8
+weights (`fp8_param_gather`) are scaled from them, which the kernel takes from the values it
+writes, sparing a second pass over the fp32 main weights.
+
 It runs where the torch optimizer is `Adam` or `AdamW` built with `fused=True` (no amsgrad,
 maximize or gradient scaling), on CUDA with Triton, over plain contiguous fp32 tensors (not
 DTensors: Megatron-FSDP's optimizers step the local shards) that start on 16-byte boundaries,
@@ -28,12 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
 
+from megatron.core.fp8.quantize import record_amax
 from megatron.core.utils import cuda_graph_capturing
 
 try:
@@ -53,18 +58,38 @@ slower on an H200)."""
 
 _CHUNK = _BLOCK * _BLOCKS_PER_PROGRAM
 
-_ROW = 7
+_ROW = 8
 """Entries of a tensor's row in the address table: weight, first moment, second moment, model
-weight (-1: none), step count, number of elements, gradient (last: the one entry that changes
-from step to step where an engine frees its gradient buffers between steps)."""
+weight (-1: none), step count, number of elements, absolute-maximum slot (-1: none), gradient
+(last: the one entry that changes from step to step where an engine frees its gradient buffers
+between steps)."""
 
 _NO_MODEL = -1
 """The model-weight entry of a row without one: not 0, the address that tensors without storage
 of their own report, so that a row which gains such a model weight differs from the last step's
 and is checked in full."""
 
+_NO_AMAX = -1
+"""The absolute-maximum entry of a row without one (-1 for the same reason as `_NO_MODEL`)."""
+
 
 if triton is not None:
+
+    @triton.jit
+    def _magnitudes(values, mask):
+        """`|values|` where `mask`, 0 elsewhere and for NaNs (skipped, as
+        `megatron.core.fp8.quantize.record_amax` skips them)."""
+        magnitude = tl.abs(values)
+        return tl.where(mask & (magnitude == magnitude), magnitude, 0.0)
+
+    @triton.jit
+    def _record_max(address, value):
+        """Max-es `value` into the fp32 at `address`. Every program of a tensor records into
+        one address: an atomic from each serialises them, so only a value above the one read
+        there takes the atomic (a stale read costs an atomic, never a wrong maximum)."""
+        pointer = address.to(tl.pointer_type(tl.float32))
+        if value > tl.load(pointer):
+            tl.atomic_max(pointer, value)
 
     @triton.jit
     def _adam_kernel(
@@ -77,25 +102,38 @@ if triton is not None:
         DECAY: tl.constexpr,
         LR_ON_DEVICE: tl.constexpr,
         SKIP_ON_DEVICE: tl.constexpr,
+        RECORD_AMAX: tl.constexpr,
         COPY_DTYPE: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCKS: tl.constexpr,
     ):
-        if SKIP_ON_DEVICE:
-            if tl.load(found_inf_ptr) == 1.0:
-                return
         program = tl.program_id(0)
-        row = tensors + tl.load(programs + 2 * program).to(tl.int64) * 7
+        row = tensors + tl.load(programs + 2 * program).to(tl.int64) * 8
         start = tl.load(programs + 2 * program + 1).to(tl.int64) * (BLOCK * BLOCKS)
         # Every address starts on a 16-byte boundary (`_aligned`): vector loads and stores.
         param = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
+        numel = tl.load(row + 5)
+        amax_address = tl.load(row + 6)
+        # Element-wise maxima over the program's blocks, reduced once at its end.
+        amaxes = tl.zeros((BLOCK,), dtype=tl.float32)
+        if SKIP_ON_DEVICE:
+            if tl.load(found_inf_ptr) == 1.0:
+                # A skipped step still records the (unchanged) weights' maximum.
+                if RECORD_AMAX:
+                    if amax_address > 0:
+                        for block in range(BLOCKS):
+                            offsets = start + block * BLOCK + tl.arange(0, BLOCK)
+                            mask = offsets < numel
+                            p = tl.load(param + offsets, mask=mask)
+                            amaxes = tl.maximum(amaxes, _magnitudes(p, mask))
+                        _record_max(amax_address, tl.max(amaxes, axis=0))
+                return
         exp_avg = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32)), 16)
         exp_avg_sq = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
         model_address = tl.load(row + 3)
         model = tl.multiple_of(model_address.to(tl.pointer_type(COPY_DTYPE)), 16)
         step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32))).to(tl.float64)
-        numel = tl.load(row + 5)
-        grad = tl.multiple_of(tl.load(row + 6).to(tl.pointer_type(tl.float32)), 16)
+        grad = tl.multiple_of(tl.load(row + 7).to(tl.pointer_type(tl.float32)), 16)
 
         beta1 = tl.load(hyper)
         beta2 = tl.load(hyper + 1)
@@ -132,25 +170,54 @@ if triton is not None:
             tl.store(exp_avg_sq + offsets, v, mask=mask)
             if model_address > 0:
                 tl.store(model + offsets, p.to(COPY_DTYPE), mask=mask)
+            if RECORD_AMAX:
+                amaxes = tl.maximum(amaxes, _magnitudes(p, mask))
+        if RECORD_AMAX:
+            if amax_address > 0:
+                _record_max(amax_address, tl.max(amaxes, axis=0))
 
 
 _TRITON_DTYPES = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 """Model-weight dtypes the kernel writes (fp32 weights are their own main weights)."""
 
 
+@dataclasses.dataclass
+class StepAmaxes:
+    """Absolute maxima a step records of the weights it leaves (`step_and_copy`).
+
+    Attributes:
+        targets: (slot, weight) pairs: `max |weight|` after the step (NaNs skipped) is max-ed
+            into the slot, one fp32 element on the weight's device, as
+            `megatron.core.fp8.quantize.record_amax` would after the step. A weight is one
+            the optimizer steps, or a part of one, or one it does not step (then recorded as
+            it is).
+        recorded: called once every target is recorded (after the optimizer's step hooks).
+    """
+
+    targets: list[tuple[torch.Tensor, torch.Tensor]]
+    recorded: Callable[[], None]
+
+
 def step_and_copy(
-    optimizer: torch.optim.Optimizer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    optimizer: torch.optim.Optimizer,
+    copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    amaxes: Sequence[StepAmaxes | None] = (),
 ) -> None:
-    """`optimizer.step()`, then `model.copy_(main)` for each `(model, main)` of `copies`: in one
-    kernel per parameter group where the module docstring's conditions hold. The step hooks
-    registered on the optimizer (and on every optimizer) run around it as around `step()`.
+    """`optimizer.step()`, then `model.copy_(main)` for each `(model, main)` of `copies` and the
+    absolute maxima `amaxes` ask for: in one kernel per parameter group where the module
+    docstring's conditions hold. The step hooks registered on the optimizer (and on every
+    optimizer) run around it as around `step()`.
 
     Args:
         optimizer: the torch optimizer; its `found_inf` attribute, where set, skips the step on
             the device (as torch's fused kernels read it).
         copies: (model weight, the fp32 main weight the optimizer steps) pairs, same shapes;
             each main weight at most once.
+        amaxes: the absolute maxima to record (None entries, from an engine without weights
+            scaled from them, are skipped); each weight the optimizer steps whole has at most
+            one slot.
     """
+    amaxes = [request for request in amaxes if request is not None]
     # torch wraps each optimizer class's `step` in the hook runner; the wrapped function is
     # the update alone, for a step the kernel cannot take once the hooks ran.
     hooked_step = type(optimizer).step
@@ -163,6 +230,7 @@ def step_and_copy(
     ):
         optimizer.step()
         _copy(copies)
+        _record(amaxes, launches=())
         return
     launches: list[_Launch] = []
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
@@ -174,7 +242,7 @@ def step_and_copy(
         try:
             if args != (optimizer,) or kwargs:  # a closure to evaluate
                 raise _Unfusable
-            launches = _plan(optimizer, copies)
+            launches = _plan(optimizer, copies, amaxes)
         except _Unfusable:
             update(*args, **kwargs)
         else:
@@ -192,11 +260,25 @@ def step_and_copy(
     if sum(launch.copies for launch in launches) != len(copies):
         written = {id(main) for launch in launches for main in launch.mains}
         _copy([(model, main) for model, main in copies if id(main) not in written])
+    _record(amaxes, launches)
 
 
 def _copy(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if copies:
         torch._foreach_copy_([model for model, _ in copies], [main for _, main in copies])
+
+
+def _record(amaxes: Sequence[StepAmaxes], launches: Sequence[_Launch]) -> None:
+    """Records the targets of `amaxes` the kernels did not, then says each is recorded."""
+    if not amaxes:
+        return
+    kernel_recorded = {id(slot) for launch in launches for slot in launch.amax_slots}
+    for request in amaxes:
+        for slot, weight in request.targets:
+            if id(slot) not in kernel_recorded:
+                record_amax(weight.detach(), slot)
+    for request in amaxes:
+        request.recorded()
 
 
 class _Unfusable(Exception):
@@ -212,6 +294,8 @@ class _Launch:
     steps: list[torch.Tensor]
     copies: int
     """How many of `mains` have a model weight the kernel writes."""
+    amax_slots: list[torch.Tensor]
+    """The absolute-maximum slots the kernel records into."""
     lr: torch.Tensor | None
     decoupled: bool
     decay: bool
@@ -229,6 +313,7 @@ class _Launch:
             DECAY=self.decay,
             LR_ON_DEVICE=self.lr is not None,
             SKIP_ON_DEVICE=found_inf is not None,
+            RECORD_AMAX=bool(self.amax_slots),
             COPY_DTYPE=_TRITON_DTYPES[self.copy_dtype],
             BLOCK=_BLOCK,
             BLOCKS=_BLOCKS_PER_PROGRAM,
@@ -242,7 +327,7 @@ class _Tables:
     the host values they were made from (remade when those change)."""
 
     fixed: list[tuple[int, ...]]
-    """Each tensor's row without its gradient's address (`_ROW`'s first six entries)."""
+    """Each tensor's row without its gradient's address (`_ROW`'s first seven entries)."""
     fixed_rows: torch.Tensor
     """`fixed` as an int64 host tensor, the part of each address table that readdressing keeps."""
     grads: list[int]
@@ -306,7 +391,9 @@ replays read them, so they are never freed."""
 
 
 def _plan(
-    optimizer: torch.optim.Optimizer, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    optimizer: torch.optim.Optimizer,
+    copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    amaxes: Sequence[StepAmaxes],
 ) -> list[_Launch]:
     """The launches of the fused step, one per group with gradients.
 
@@ -317,11 +404,20 @@ def _plan(
     if found_inf is not None and not _is_device_scalar(found_inf):
         raise _Unfusable
     model_of = {id(main): model for model, main in copies}
+    # A slot the kernel can record into, by the address and size of the weight it is for (a
+    # DTensor's local tensor and the engine's view of it are different objects over the same
+    # memory); other targets are recorded after the step (`_record`).
+    amax_of = {
+        (weight.data_ptr(), weight.numel()): slot
+        for request in amaxes
+        for slot, weight in request.targets
+        if _is_device_scalar(slot) and slot.device == weight.device and weight.numel() > 0
+    }
     cache = _tables.setdefault(optimizer, {})
     capturing = cuda_graph_capturing()
     launches = []
     for index, group in enumerate(optimizer.param_groups):
-        launch = _plan_group(optimizer, group, model_of, cache.get(index), capturing)
+        launch = _plan_group(optimizer, group, model_of, amax_of, cache.get(index), capturing)
         if launch is None:
             continue
         cache[index] = launch.tables
@@ -338,6 +434,7 @@ def _plan_group(
     optimizer: torch.optim.Optimizer,
     group: dict,
     model_of: dict[int, torch.Tensor],
+    amax_of: dict[tuple[int, int], torch.Tensor],
     tables: _Tables | None,
     capturing: bool,
 ) -> _Launch | None:
@@ -372,14 +469,17 @@ def _plan_group(
         exp_avg_sqs = [state["exp_avg_sq"] for state in states]
         steps = [state["step"] for state in states]
         numels = list(map(torch.Tensor.numel, mains))
+        addresses = list(map(_address, mains))
+        amax_slots = list(map(amax_of.get, zip(addresses, numels)))
         fixed = list(
             zip(
-                map(_address, mains),
+                addresses,
                 map(_address, exp_avgs),
                 map(_address, exp_avg_sqs),
                 [_NO_MODEL if model is None else model.data_ptr() for model in models],
                 map(_address, steps),
                 numels,
+                [_NO_AMAX if slot is None else slot.data_ptr() for slot in amax_slots],
             )
         )
     except (KeyError, TypeError):  # no moments yet (the first step makes them), or not tensors
@@ -415,7 +515,7 @@ def _plan_group(
         hyper_values += (lr,)
     if moved:
         sizes_kept = len(fixed) == len(previous) and all(
-            row[-1] == old[-1] for row, old in zip(fixed, previous)
+            row[5] == old[5] for row, old in zip(fixed, previous)
         )
         if sizes_kept:
             tables = tables.readdressed(grad_addresses, capturing, fixed)
@@ -438,6 +538,7 @@ def _plan_group(
         mains=mains,
         steps=steps,
         copies=len(copies),
+        amax_slots=[slot for slot in amax_slots if slot is not None],
         lr=lr if isinstance(lr, torch.Tensor) else None,
         decoupled=bool(
             group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))

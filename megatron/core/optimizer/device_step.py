@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megatron.core.fusions.fused_adam import step_and_copy
+from megatron.core.fusions.fused_adam import StepAmaxes, step_and_copy
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_norm_on_device,
     count_zeros_on_device,
@@ -159,16 +159,17 @@ def step_skipping_on_device(
     optimizer: torch.optim.Optimizer,
     found_inf: torch.Tensor,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    amaxes: Sequence[StepAmaxes | None] = (),
 ) -> None:
-    """`step_and_copy(optimizer, copies)`, the step skipped by its kernels where `found_inf`
-    (0-dim fp32) is 1 (the model then keeps the weights it has).
+    """`step_and_copy(optimizer, copies, amaxes)`, the step skipped by its kernels where
+    `found_inf` (0-dim fp32) is 1 (the model then keeps the weights it has).
 
     torch's optimizers read `found_inf` from the attribute of that name, which its
     `GradScaler` sets around `step()` the same way.
     """
     optimizer.found_inf = found_inf
     try:
-        step_and_copy(optimizer, copies)
+        step_and_copy(optimizer, copies, amaxes)
     finally:
         del optimizer.found_inf
 
@@ -180,6 +181,7 @@ def device_step(
     device: torch.device,
     learning_rates: DeviceLearningRates,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    amaxes: Sequence[StepAmaxes | None] = (),
 ) -> DeviceStepResult:
     """`MegatronOptimizer.step()`'s norm, skip, clip, step and copy into the model's weights,
     all on the device.
@@ -192,6 +194,7 @@ def device_step(
         learning_rates: the rates the step reads (written before the step).
         copies: (model weight, fp32 main weight) pairs written after the step
             (`step_and_copy`).
+        amaxes: absolute maxima the step records of the weights it leaves (`step_and_copy`).
     """
     check_skips_on_device(optimizer)
     grad_norm = grad_norm_on_device(grads, device)
@@ -203,5 +206,5 @@ def device_step(
     check_state_exists(optimizer)
     zero_momentum_buffers(optimizer)
     with learning_rates.in_groups():
-        step_skipping_on_device(optimizer, found_inf, copies)
+        step_skipping_on_device(optimizer, found_inf, copies, amaxes)
     return DeviceStepResult(grad_norm, found_inf, num_zeros)

@@ -42,7 +42,7 @@ from megatron.core.distributed.engine import (
     engine_of,
     local_main_weights_of,
 )
-from megatron.core.fusions.fused_adam import step_and_copy
+from megatron.core.fusions.fused_adam import StepAmaxes, step_and_copy
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -264,7 +264,7 @@ class MegatronOptimizer:
                 return False, grad_norm, num_zeros
             if self.config.clip_grad > 0.0:
                 clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
-            step_and_copy(self.optimizer, self._model_weight_copies())
+            step_and_copy(self.optimizer, self._model_weight_copies(), self._step_amaxes())
             self._model_weights_written()
         return True, grad_norm, num_zeros
 
@@ -313,6 +313,7 @@ class MegatronOptimizer:
                 self._flag_device(),
                 self._device_learning_rates,
                 self._model_weight_copies(),
+                self._step_amaxes(),
             )
             self._model_weights_written()
         return result
@@ -322,6 +323,11 @@ class MegatronOptimizer:
         (Megatron-LM's `_copy_main_params_to_model_params`; `step_and_copy` fuses the copy into
         the step where it can)."""
         return self._masters
+
+    def _step_amaxes(self) -> list[StepAmaxes | None]:
+        """What the engines ask the step to record of the weights it writes (`step_and_copy`):
+        Megatron-FSDP's FP8 weights are cast from the main weights' amaxes."""
+        return [engine.step_amaxes() for engine in self._chunk_engines]
 
     def _model_weights_written(self) -> None:
         """Runs once the step wrote the model's weights (`DistributedOptimizer` all-gathers)."""

@@ -5,6 +5,7 @@ would change), its step counts exactly, and its model weights are its main weigh
 case that falls back to torch is torch's bit for bit."""
 
 import contextlib
+import functools
 import math
 from unittest import mock
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from megatron.core.fp8.quantize import record_amax
 from megatron.core.fusions import fused_adam
 from megatron.core.fusions.fused_adam import step_and_copy
 
@@ -454,3 +456,55 @@ def test_cpu_is_torch_step_then_copy(planned):
         got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
     expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
     _assert_equal_histories(got, expected)
+
+
+def _step_recording_amaxes(device: str, skips: tuple[float, ...]) -> list[tuple]:
+    """Steps (each skipped on the device where its entry is 1) recording the amax of every
+    main weight (one with a NaN, one without a gradient) and of a part of one (a view the
+    kernel does not step whole); per step, the slots and what `record_amax` says of the
+    weights the step left."""
+    mains, grads, models = _problem(device, torch.bfloat16)
+    with torch.no_grad():
+        mains[3][5, 7] = float("nan")
+    gradless = torch.randn(5, 16, device=device)
+    optimizer = _optimizer(torch.optim.AdamW, [*mains, gradless], 1e-2, 0.1, capturable=True)
+    targets = [*mains, gradless, mains[2][1:4]]
+    results = []
+    with torch.no_grad():
+        for skip in skips:
+            for main, grad in zip(mains, grads[0]):
+                main.grad = grad.clone()
+            slots = [torch.zeros((), device=device) for _ in targets]
+            said: list[int] = []
+            request = fused_adam.StepAmaxes(
+                list(zip(slots, targets)), functools.partial(said.append, 1)
+            )
+            optimizer.found_inf = torch.tensor(skip, device=device)
+            step_and_copy(optimizer, list(zip(models, mains)), [request])
+            del optimizer.found_inf
+            expected = [torch.zeros((), device=device) for _ in targets]
+            for target, slot in zip(targets, expected):
+                record_amax(target, slot)
+            results.append((torch.stack(slots), torch.stack(expected), len(said)))
+    return results
+
+
+@pytest.mark.gpu
+def test_kernel_records_the_amaxes_of_the_weights_it_leaves():
+    """Exact maxima (NaNs skipped) of the stepped weights, of the unchanged ones of a step
+    skipped on the device, of a weight without a gradient and of a part of one; `recorded`
+    said once per step."""
+    with mock.patch.object(fused_adam, "record_amax", wraps=record_amax) as after_step:
+        results = _step_recording_amaxes("cuda", skips=(0.0, 0.0, 1.0, 0.0))
+    for slots, expected, said in results:
+        assert torch.equal(slots, expected) and said == 1
+        assert torch.all(slots > 0)
+    # The first step (torch's, which makes the moments) records all six after it; the kernel
+    # records the four weights it steps, leaving the gradless one and the part to `_record`.
+    assert after_step.call_count == 6 + 3 * 2
+
+
+def test_cpu_records_the_amaxes_after_torch_step():
+    (slots, expected, said), _ = _step_recording_amaxes("cpu", skips=(0.0, 0.0))
+    assert torch.equal(slots, expected) and said == 1
+    assert torch.all(slots > 0)

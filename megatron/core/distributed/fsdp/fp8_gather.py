@@ -44,7 +44,7 @@ The DDP engine's distributed optimizer gathers its FP8 weights with it too, as Z
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -214,17 +214,36 @@ class Fp8ComputeWeights:
 
     # Refresh.
 
-    def start_refresh(self, sources: Sequence[torch.Tensor]) -> None:
-        """First step of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
-        main dtype, or the model dtype), of each expert's for stacked expert weights, for
-        `reduce_amaxes` (0 where this rank holds none of it)."""
-        self._forget()
-        self._sources = list(sources)
+    def step_amax_targets(
+        self, sources: Sequence[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroes the amaxes and pairs each scaled piece of `sources` (this rank's parts, as
+        `start_refresh` takes them) with its amax slot: an optimizer step that records them
+        (`fused_adam.StepAmaxes`) spares the refresh after it a pass over the weights
+        (`start_refresh(..., amaxes_recorded=True)`)."""
         self._amax_buffer.zero_()
-        for i, source in enumerate(self._sources):
+        return list(self._amax_targets(sources))
+
+    def _amax_targets(
+        self, sources: Sequence[torch.Tensor]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(amax slot, piece of `sources`) for each scaled piece this rank holds any of."""
+        for i, source in enumerate(sources):
             for unit, part in zip(self._scale_range(i), self._scaled_parts(i, source)):
                 if part.numel() > 0:
-                    record_amax(part, self._amax_views[unit])
+                    yield self._amax_views[unit], part
+
+    def start_refresh(self, sources: Sequence[torch.Tensor], amaxes_recorded: bool = False) -> None:
+        """First step of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
+        main dtype, or the model dtype), of each expert's for stacked expert weights, for
+        `reduce_amaxes` (0 where this rank holds none of it); `amaxes_recorded`: the optimizer
+        step that wrote `sources` recorded them (`step_amax_targets`)."""
+        self._forget()
+        self._sources = list(sources)
+        if not amaxes_recorded:
+            self._amax_buffer.zero_()
+            for slot, part in self._amax_targets(self._sources):
+                record_amax(part, slot)
         # Rounding is monotonic: the amax of the rounded values is the rounded amax. A new
         # tensor for a model dtype other than fp32; else the buffer, which `reduce_amaxes`
         # reads before the next refresh writes it.

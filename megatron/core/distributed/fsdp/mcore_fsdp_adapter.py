@@ -30,6 +30,8 @@ from megatron.core.distributed.fsdp.roots import (
     local_main_weights,
     parameter_groups,
 )
+from megatron.core.distributed.fsdp.weights import step_amaxes
+from megatron.core.fusions.fused_adam import StepAmaxes
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.upstream_names import stack_upstream_experts
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
@@ -184,6 +186,12 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Each DTensor main weight (a parameter of the wrapped module) -> its local shard."""
         return local_main_weights(self.module)
+
+    def step_amaxes(self) -> StepAmaxes | None:
+        """The amaxes of the FP8 compute weights (`fp8_param_gather`) for the optimizer step
+        about to write the main weights to record (`step_and_copy`), sparing their next
+        refresh a pass over the main weights; None without FP8 weights."""
+        return step_amaxes([group.weights for group in self._groups])
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:
         """Multiplies every accumulated (and handed-to-optimizer) gradient by `scaling_factor`."""

@@ -14,6 +14,8 @@ import torch
 from megatron.core.distributed.fsdp.context import FsdpContext
 from megatron.core.distributed.fsdp.fsdp_module import FsdpModule
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
+from megatron.core.distributed.fsdp.weights import step_amaxes
+from megatron.core.fusions.fused_adam import StepAmaxes
 
 
 def fsdp_roots(module: torch.nn.Module) -> list[FsdpModule]:
@@ -103,3 +105,8 @@ class FsdpRoots:
     def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Each main weight -> its local shard (`local_main_weights(module)`)."""
         return local_main_weights(self.module)
+
+    def step_amaxes(self) -> StepAmaxes | None:
+        """The amaxes of the units' FP8 compute weights for the optimizer step about to write
+        the main weights to record (`FullyShardedDataParallel.step_amaxes`)."""
+        return step_amaxes([group.weights for group in parameter_groups(self.module)])

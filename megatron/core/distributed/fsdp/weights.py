@@ -26,8 +26,10 @@ parameter's layout, then as the plan shards it.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,7 @@ from megatron.core.distributed.fsdp.fp8_gather import Fp8ComputeWeights
 from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
 from megatron.core.distributed.tensor_parallel_params import check_data_parallel_chunks, dtensor
 from megatron.core.fp8.weights import forget_fp8_weights
+from megatron.core.fusions.fused_adam import StepAmaxes
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
 _version = operator.attrgetter("_version")
@@ -196,6 +199,8 @@ class GroupWeights:
         if plan.transient_unsharded or plan.fp8_gather:
             self.unsharded.free_storage()
         self.untracked_writes = 0
+        # The main version whose amaxes an optimizer step recorded (`step_amaxes_recorded`).
+        self._amaxes_version: int | None = None
         # id -> (weakref, version counted) of each live `aliased_dtensor` local tensor.
         self._aliases: dict[int, tuple[weakref.ref, int]] = {}
         self._observed_version = self.main_version()
@@ -348,13 +353,31 @@ class GroupWeights:
 
     def start_fp8_refresh(self) -> Fp8ComputeWeights:
         """First step of the refresh of FP8 compute weights (`plan.fp8_gather`): HFSDP's inner
-        shard, then this rank's amaxes; the caller reduces them with other groups'
-        (`fp8_gather.reduce_amaxes`) before `refresh()`."""
+        shard, then this rank's amaxes (unless the optimizer step that wrote the main weights
+        observed now recorded them: `step_amaxes`); the caller reduces them with other
+        groups' (`fp8_gather.reduce_amaxes`) before `refresh()`."""
         if self.plan.refresh is Refresh.OUTER_GATHER:
             self._gather_inner_shard()
         source = self._main_views if self.inner_shard is None else self.inner_shard.local_views()
-        self.fp8.start_refresh(source)
+        recorded = self._amaxes_version == self._observed_version
+        self.fp8.start_refresh(source, amaxes_recorded=recorded)
         return self.fp8
+
+    def step_amax_targets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(amax slot, main weight part) pairs for the optimizer step about to write the main
+        weights to record (`fused_adam.StepAmaxes`), the slots zeroed; none where the FP8
+        weights are not cast from the main weights (no `fp8_gather`, HFSDP's inner shard).
+        Follow a step that recorded them with `step_amaxes_recorded()`."""
+        if self.fp8 is None or self.inner_shard is not None:
+            return []
+        self._amaxes_version = None
+        return self.fp8.step_amax_targets(self._main_views)
+
+    def step_amaxes_recorded(self) -> None:
+        """The step `step_amax_targets` prepared recorded the amaxes of the main weights it
+        left: the refresh that follows them takes those (as long as nothing wrote them since)."""
+        if self.fp8 is not None and self.inner_shard is None:
+            self._amaxes_version = self.main_version()
 
     def refresh(self) -> None:
         """Makes the compute weights follow the main weights observed last (a cast, or an
@@ -479,3 +502,17 @@ def _chunk(full: torch.Tensor, layout: ShardLayout, index: int, shard: int) -> t
     """Shard `shard`'s rows of tensor `index` (torch.chunk semantics)."""
     rows = layout.chunk_rows[index]
     return full.narrow(0, min(shard * rows, full.shape[0]), layout.valid_rows(index, shard))
+
+
+def step_amaxes(weights: Sequence[GroupWeights]) -> StepAmaxes | None:
+    """What the optimizer step about to write the main weights of `weights` should record of
+    them (`GroupWeights.step_amax_targets`), or None where nothing."""
+    targets = [target for group in weights for target in group.step_amax_targets()]
+    if not targets:
+        return None
+    return StepAmaxes(targets, functools.partial(_step_amaxes_recorded, weights))
+
+
+def _step_amaxes_recorded(weights: Sequence[GroupWeights]) -> None:
+    for group in weights:
+        group.step_amaxes_recorded()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
-from megatron.core.distributed.fsdp import collectives
+from megatron.core.distributed.fsdp import collectives, fp8_gather
 from megatron.core.distributed.fsdp.residency import Residency
 from megatron.core.distributed.fsdp.weights import GroupWeights
 from megatron.core.fp8.weights import Fp8Weight
@@ -28,8 +28,9 @@ class EngineCalls:
     Attributes:
         log: "gather", "reduce_scatter", "order" (a gather ordered after the compute stream's
             queued writes), "refresh" (compute weights rebuilt from the main weights),
-            "amax_reduce" (FP8 weights' amaxes all-reduced) and "fp8_transpose" (an FP8
-            weight's transposed copy made for the input-gradient GEMM), in call order.
+            "amax_reduce" (FP8 weights' amaxes all-reduced), "amax_record" (a refresh taking
+            the amax of an FP8 weight's part itself) and "fp8_transpose" (an FP8 weight's
+            transposed copy made for the input-gradient GEMM), in call order.
         gather_groups: the process group of each all-gather.
         gather_bytes: the bytes each all-gather writes on this rank (all ranks' blocks).
         gather_dtypes: the dtype of each all-gather's outputs.
@@ -59,6 +60,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     gather, scatter = collectives._all_gather_coalesced, collectives._reduce_scatter_coalesced
     order, refresh = Residency.order_gathers, GroupWeights.refresh
     amax_reduce = collectives.Collectives.all_reduce_max
+    amax_record = fp8_gather.record_amax
     transpose = Fp8Weight._transpose
 
     def spied_gather(*args, **kwargs):
@@ -86,6 +88,10 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.log.append("amax_reduce")
         return amax_reduce(comm, *args, **kwargs)
 
+    def spied_amax_record(*args, **kwargs) -> None:
+        calls.log.append("amax_record")
+        return amax_record(*args, **kwargs)
+
     def spied_transpose(weight: Fp8Weight):
         calls.log.append("fp8_transpose")
         made = transpose(weight)
@@ -99,5 +105,6 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         mock.patch.object(Residency, "order_gathers", spied_order),
         mock.patch.object(GroupWeights, "refresh", spied_refresh),
         mock.patch.object(Fp8Weight, "_transpose", spied_transpose),
+        mock.patch.object(fp8_gather, "record_amax", spied_amax_record),
     ):
         yield calls

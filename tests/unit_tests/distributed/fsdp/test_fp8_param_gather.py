@@ -20,7 +20,8 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.roots import parameter_groups
-from megatron.core.fp8.weights import fp8_weight_of
+from megatron.core.fp8.weights import Fp8Weight, fp8_weight_of
+from megatron.core.fusions.fused_adam import step_and_copy
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -65,12 +66,14 @@ def _train(
     ep: int | None = None,
     experts: int = 4,
     no_sync: bool = False,
+    step_amaxes: bool = False,
     **ddp_fields,
 ) -> dict:
     """STEPS steps of MICROBATCHES microbatches (AdamW, the microbatches before the last of a
     step under `no_sync()` where `no_sync`); the losses, every global main weight after them,
     and what the engine launched. With `ep`, the GPT's second layer is an MoE layer of
-    `experts` experts (and a shared expert) at expert parallelism `ep`."""
+    `experts` experts (and a shared expert) at expert parallelism `ep`. With `step_amaxes`
+    the optimizer steps through `step_and_copy`, recording the FP8 weights' amaxes."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         num_distributed_optimizer_instances=replicas,
@@ -117,7 +120,10 @@ def _train(
                     loss.backward()
                 losses.append(loss.detach().clone())
             fsdp.finish_grad_sync()
-            optimizer.step()
+            if step_amaxes:
+                step_and_copy(optimizer, amaxes=[fsdp.step_amaxes()])
+            else:
+                optimizer.step()
             optimizer.zero_grad()
             step_ends.append(len(calls.fp8_transposes))
             alive.append(_alive_per_step(calls.fp8_transposes, step_ends))
@@ -145,6 +151,7 @@ def _train(
             n for n, out in zip(calls.gather_bytes, calls.gather_dtypes) if out == torch.uint8
         ),
         amax_reduces=calls.count("amax_reduce"),
+        amax_records=calls.count("amax_record"),
         refreshes=calls.count("refresh"),
         fp8_weights=len(fp8_weights),
         fp8_numel=sum(shape.numel() for shape in fp8_weights),
@@ -233,6 +240,81 @@ def test_fp8_weights_travel_in_half_the_bytes_and_scale_in_one_reduction():
     saved = without["gather_bytes"] - with_fp8["gather_bytes"]
     assert saved == with_fp8["fp8_gather_bytes"]
     assert with_fp8["amax_reduces"] == STEPS and without["amax_reduces"] == 0
+
+
+@pytest.mark.parametrize(
+    "topology",
+    [
+        dict(strategy="optim_grads_params"),
+        dict(strategy="optim"),
+        dict(strategy="no_shard"),
+        dict(strategy="optim", ep=1),
+    ],
+    ids=["zero3", "zero1", "no-shard", "zero1-experts"],
+)
+def test_amaxes_recorded_by_the_step_train_the_same(topology):
+    """The refresh after a step that recorded the amaxes (`step_amaxes()`) takes those instead
+    of a pass over the main weights of its own, and training is the same bit for bit (each
+    expert of stacked expert weights has a slot of its own)."""
+    recorded = run_distributed(_train, 2, True, step_amaxes=True, **topology)
+    own = run_distributed(_train, 2, True, **topology)
+    for rank_recorded, rank_own in zip(recorded, own):
+        assert torch.equal(rank_recorded["losses"], rank_own["losses"])
+        for name, weight in rank_own["weights"].items():
+            assert torch.equal(rank_recorded["weights"][name], weight), name
+        # Only the first refresh, before any step, takes its amaxes itself.
+        assert rank_own["amax_records"] == STEPS * rank_recorded["amax_records"] > 0
+        assert rank_recorded["amax_reduces"] == rank_own["amax_reduces"]
+
+
+def _write_after_step(write: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step recording the amaxes, then (with `write`) an in-place write to a main weight
+    before the next forward; that FP8 weight's bytes in the forward, and the cast of the
+    main weight rounded to bf16 that they must equal."""
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1234, device_type="cpu")
+    model = build_tiny_gpt(tiny_gpt_config(**FP8))
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+        fp8_param_gather=True,
+    )
+    fsdp = FullyShardedDataParallel(
+        model.config,
+        ddp_config,
+        model,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    tokens, labels = make_token_batches(2, 4, seed=5)[0]
+    fsdp(tokens, labels=labels).float().mean().backward()
+    fsdp.finish_grad_sync()
+    step_and_copy(optimizer, amaxes=[fsdp.step_amaxes()])
+    optimizer.zero_grad()
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    main = dict(fsdp.module.named_parameters())[name]
+    if write:
+        with torch.no_grad():
+            main.mul_(3.0)
+    module = fsdp.module.get_submodule(name.rsplit(".", 1)[0])
+    seen = []
+    handle = module.register_forward_pre_hook(
+        lambda mod, args: seen.append(fp8_weight_of(mod.weight).tensor)
+    )
+    fsdp(tokens, labels=labels)
+    handle.remove()
+    expected = Fp8Weight.quantized(main.detach().full_tensor().bfloat16()).tensor
+    return seen[0], expected
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["as-stepped", "written-since"])
+def test_a_write_after_the_step_makes_the_refresh_take_its_own_amaxes(write):
+    """The amaxes a step recorded are those of the weights it left: written since (an
+    in-place write bumps the main version), the refresh takes them again."""
+    (result,) = run_distributed(_write_after_step, 1, write)
+    made, expected = result
+    assert torch.equal(made.scale_inv.reshape(()), expected.scale_inv.reshape(()))
+    assert torch.equal(made.data.view(torch.uint8), expected.data.view(torch.uint8))
 
 
 def _overlapped(fp8_param_gather: bool, **ddp_fields) -> dict:
