@@ -228,7 +228,7 @@ def build_megatron_fsdp(args: argparse.Namespace, name: str) -> StepFn:
     def optimizer_step() -> None:
         # As MegatronOptimizer steps it: the fused kernel where it applies, recording the
         # amaxes of FP8 weights (`--fp8-param-gather`) on the way.
-        step_and_copy(optimizer, amaxes=[fsdp.step_amaxes()])
+        step_and_copy(optimizer, amaxes=[fsdp.prepare_step_amaxes()])
 
     return wrapper_step(fsdp, optimizer_step, scope)
 

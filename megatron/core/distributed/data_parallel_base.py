@@ -111,7 +111,7 @@ class _BaseDataParallel(torch.nn.Module, abc.ABC):
         unless the engine shards the main weights)."""
         return {}
 
-    def step_amaxes(self) -> StepAmaxes | None:
+    def prepare_step_amaxes(self) -> StepAmaxes | None:
         """What the optimizer step about to write the main weights should record of them for
         `step_and_copy` (the amaxes of FP8 weights cast from them), or None (here: the
         engine's FP8 weights take their amaxes themselves)."""

@@ -42,9 +42,10 @@ class DataParallelEngine(Protocol):
     def local_main_weights(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Each parameter the optimizer may step as a plain local shard -> that shard."""
 
-    def step_amaxes(self) -> StepAmaxes | None:
+    def prepare_step_amaxes(self) -> StepAmaxes | None:
         """What the optimizer step about to write the main weights should record of them for
-        `step_and_copy` (the amaxes of FP8 weights cast from them), or None."""
+        `step_and_copy` (the amaxes of FP8 weights cast from them), or None. Call it right
+        before that step, once per step: it resets what the last step recorded."""
 
 
 class LocalModule:
@@ -67,7 +68,7 @@ class LocalModule:
         """None: nothing is sharded."""
         return {}
 
-    def step_amaxes(self) -> StepAmaxes | None:
+    def prepare_step_amaxes(self) -> StepAmaxes | None:
         """None: FP8 weights are cast at their use (`megatron.core.fp8.weights`)."""
         return None
 

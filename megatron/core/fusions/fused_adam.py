@@ -186,11 +186,12 @@ class StepAmaxes:
     """Absolute maxima a step records of the weights it leaves (`step_and_copy`).
 
     Attributes:
-        targets: (slot, weight) pairs: `max |weight|` after the step (NaNs skipped) is max-ed
-            into the slot, one fp32 element on the weight's device, as
-            `megatron.core.fp8.quantize.record_amax` would after the step. A weight is one
-            the optimizer steps, or a part of one, or one it does not step (then recorded as
-            it is).
+        targets: (slot, weight) pairs: `max |weight|` after the step and its hooks (NaNs
+            skipped) is max-ed into the slot, one fp32 element on the weight's device, as
+            `megatron.core.fp8.quantize.record_amax` would then. A weight is one the optimizer
+            steps, or a part of one, or one it does not step (recorded as it is); several
+            weights may share a slot. A slot one of whose weights a step hook writes in place
+            is recorded again from zero.
         recorded: called once every target is recorded (after the optimizer's step hooks).
     """
 
@@ -230,9 +231,10 @@ def step_and_copy(
     ):
         optimizer.step()
         _copy(copies)
-        _record(amaxes, launches=())
+        _record(amaxes, [])
         return
     launches: list[_Launch] = []
+    recorded: list[_KernelRecord] = []
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
         args, kwargs = (optimizer,), {}
         for hook in (*_global_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
@@ -252,6 +254,7 @@ def step_and_copy(
                 launch.run(found_inf)
                 if found_inf is not None:  # torch takes the count back the same way
                     torch._foreach_sub_(launch.steps, [found_inf] * len(launch.steps))
+            recorded = _kernel_records(amaxes, launches)
         for hook in (*optimizer._optimizer_step_post_hooks.values(), *_global_post_hooks.values()):
             hook(optimizer, args, kwargs)
     # Main weights the kernel did not write (torch's step, or no gradient): copied as after
@@ -260,7 +263,7 @@ def step_and_copy(
     if sum(launch.copies for launch in launches) != len(copies):
         written = {id(main) for launch in launches for main in launch.mains}
         _copy([(model, main) for model, main in copies if id(main) not in written])
-    _record(amaxes, launches)
+    _record(amaxes, recorded)
 
 
 def _copy(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -268,14 +271,58 @@ def _copy(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_copy_([model for model, _ in copies], [main for _, main in copies])
 
 
-def _record(amaxes: Sequence[StepAmaxes], launches: Sequence[_Launch]) -> None:
-    """Records the targets of `amaxes` the kernels did not, then says each is recorded."""
-    if not amaxes:
-        return
-    kernel_recorded = {id(slot) for launch in launches for slot in launch.amax_slots}
+@dataclasses.dataclass
+class _KernelRecord:
+    """A target of a `StepAmaxes` that the kernel recorded, with the version counters of its
+    weight and of the tensor the optimizer stepped, read before the step hooks ran."""
+
+    slot: torch.Tensor
+    weight: torch.Tensor
+    main: torch.Tensor
+    versions: tuple[int, int]
+
+    def written_since(self) -> bool:
+        return (self.weight._version, self.main._version) != self.versions
+
+
+def _kernel_records(
+    amaxes: Sequence[StepAmaxes], launches: Sequence[_Launch]
+) -> list[_KernelRecord]:
+    """The targets of `amaxes` the kernels of `launches` recorded: the weights stepped whole
+    with the target's own slot in their row."""
+    row_slots = {
+        (main.data_ptr(), main.numel()): (slot, main)
+        for launch in launches
+        for slot, main in launch.amax_rows
+    }
+    records = []
     for request in amaxes:
         for slot, weight in request.targets:
-            if id(slot) not in kernel_recorded:
+            row = row_slots.get((weight.data_ptr(), weight.numel()))
+            if row is not None and row[0] is slot:
+                main = row[1]
+                versions = (weight._version, main._version)
+                records.append(_KernelRecord(slot, weight, main, versions))
+    return records
+
+
+def _record(amaxes: Sequence[StepAmaxes], kernel_records: Sequence[_KernelRecord]) -> None:
+    """Records the targets of `amaxes` the kernel did not (`kernel_records`) and, from zero,
+    every target of a slot whose kernel-recorded weight a step hook wrote since; then says
+    each request is recorded."""
+    if not amaxes:
+        return
+    written = {id(record.slot) for record in kernel_records if record.written_since()}
+    done = {
+        (id(record.slot), id(record.weight))
+        for record in kernel_records
+        if id(record.slot) not in written
+    }
+    for slot in {id(r.slot): r.slot for r in kernel_records if id(r.slot) in written}.values():
+        slot.zero_()
+    for request in amaxes:
+        for slot, weight in request.targets:
+            if (id(slot), id(weight)) not in done:
                 record_amax(weight.detach(), slot)
     for request in amaxes:
         request.recorded()
@@ -294,8 +341,8 @@ class _Launch:
     steps: list[torch.Tensor]
     copies: int
     """How many of `mains` have a model weight the kernel writes."""
-    amax_slots: list[torch.Tensor]
-    """The absolute-maximum slots the kernel records into."""
+    amax_rows: list[tuple[torch.Tensor, torch.Tensor]]
+    """(absolute-maximum slot, main weight) of each row that records one."""
     lr: torch.Tensor | None
     decoupled: bool
     decay: bool
@@ -313,7 +360,7 @@ class _Launch:
             DECAY=self.decay,
             LR_ON_DEVICE=self.lr is not None,
             SKIP_ON_DEVICE=found_inf is not None,
-            RECORD_AMAX=bool(self.amax_slots),
+            RECORD_AMAX=bool(self.amax_rows),
             COPY_DTYPE=_TRITON_DTYPES[self.copy_dtype],
             BLOCK=_BLOCK,
             BLOCKS=_BLOCKS_PER_PROGRAM,
@@ -538,7 +585,7 @@ def _plan_group(
         mains=mains,
         steps=steps,
         copies=len(copies),
-        amax_slots=[slot for slot in amax_slots if slot is not None],
+        amax_rows=[(slot, main) for slot, main in zip(amax_slots, mains) if slot is not None],
         lr=lr if isinstance(lr, torch.Tensor) else None,
         decoupled=bool(
             group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))

@@ -327,7 +327,7 @@ class MegatronOptimizer:
     def _step_amaxes(self) -> list[StepAmaxes | None]:
         """What the engines ask the step to record of the weights it writes (`step_and_copy`):
         Megatron-FSDP's FP8 weights are cast from the main weights' amaxes."""
-        return [engine.step_amaxes() for engine in self._chunk_engines]
+        return [engine.prepare_step_amaxes() for engine in self._chunk_engines]
 
     def _model_weights_written(self) -> None:
         """Runs once the step wrote the model's weights (`DistributedOptimizer` all-gathers)."""

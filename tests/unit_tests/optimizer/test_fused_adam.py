@@ -508,3 +508,59 @@ def test_cpu_records_the_amaxes_after_torch_step():
     (slots, expected, said), _ = _step_recording_amaxes("cpu", skips=(0.0, 0.0))
     assert torch.equal(slots, expected) and said == 1
     assert torch.all(slots > 0)
+
+
+def _kernel_record(slot: torch.Tensor, weight: torch.Tensor) -> fused_adam._KernelRecord:
+    """What the kernel leaves for `weight`: its maximum in `slot`, read before the hooks."""
+    record_amax(weight, slot)
+    return fused_adam._KernelRecord(slot, weight, weight, (weight._version, weight._version))
+
+
+def test_a_slot_shared_with_a_weight_the_kernel_did_not_record_takes_both():
+    stepped, gradless = torch.randn(100), 100 * torch.randn(7)
+    slot = torch.zeros(())
+    records = [_kernel_record(slot, stepped)]
+    said: list[int] = []
+    request = fused_adam.StepAmaxes(
+        [(slot, stepped), (slot, gradless)], functools.partial(said.append, 1)
+    )
+    fused_adam._record([request], records)
+    assert slot.item() == max(stepped.abs().max().item(), gradless.abs().max().item())
+    assert said == [1]
+
+
+def test_a_weight_a_step_hook_wrote_is_recorded_again_from_zero():
+    """A hook that shrinks a weight after the kernel recorded it: its slot holds the maximum
+    of the weight as the hooks left it, not the larger one of before."""
+    weight, other = torch.randn(100), torch.randn(50)
+    slot, other_slot = torch.zeros(()), torch.zeros(())
+    records = [_kernel_record(slot, weight), _kernel_record(other_slot, other)]
+    before = other_slot.clone()
+    with torch.no_grad():
+        weight.mul_(0.01)  # a post-step hook's in-place write
+    request = fused_adam.StepAmaxes([(slot, weight), (other_slot, other)], lambda: None)
+    fused_adam._record([request], records)
+    assert slot.item() == weight.abs().max().item()
+    assert torch.equal(other_slot, before)  # untouched weights are not recorded again
+
+
+@pytest.mark.gpu
+def test_kernel_slots_shared_with_other_weights_and_written_by_hooks():
+    """Through the kernel: a slot shared by a stepped weight and a gradless one holds the
+    larger maximum, and a weight a post-step hook shrinks is recorded as the hook left it."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    gradless = 50 * torch.randn(5, 16, device="cuda")
+    optimizer = _optimizer(torch.optim.AdamW, [*mains, gradless], 1e-2, 0.1)
+    optimizer.register_step_post_hook(lambda *unused: mains[1].mul_(0.01))
+    with torch.no_grad():
+        for _ in range(3):  # the first is torch's step; the kernel takes the others
+            for main, grad in zip(mains, grads[0]):
+                main.grad = grad.clone()
+            shared, own = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+            targets = [(shared, mains[0]), (shared, gradless), (own, mains[1])]
+            step_and_copy(
+                optimizer, list(zip(models, mains)), [fused_adam.StepAmaxes(targets, lambda: None)]
+            )
+            assert shared.item() == max(mains[0].abs().max().item(), gradless.abs().max().item())
+            assert own.item() == mains[1].abs().max().item()
+    assert len(fused_adam._tables[optimizer]) == 2  # the kernel ran

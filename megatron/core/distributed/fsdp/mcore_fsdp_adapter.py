@@ -187,10 +187,11 @@ class FullyShardedDataParallel(_BaseDataParallel):
         """Each DTensor main weight (a parameter of the wrapped module) -> its local shard."""
         return local_main_weights(self.module)
 
-    def step_amaxes(self) -> StepAmaxes | None:
+    def prepare_step_amaxes(self) -> StepAmaxes | None:
         """The amaxes of the FP8 compute weights (`fp8_param_gather`) for the optimizer step
         about to write the main weights to record (`step_and_copy`), sparing their next
-        refresh a pass over the main weights; None without FP8 weights."""
+        refresh a pass over the main weights; None without FP8 weights. Call it right before
+        that step, once per step: it zeroes the amaxes the last step recorded."""
         return step_amaxes([group.weights for group in self._groups])
 
     def scale_gradients(self, scaling_factor: float | torch.Tensor) -> None:

@@ -106,7 +106,7 @@ class FsdpRoots:
         """Each main weight -> its local shard (`local_main_weights(module)`)."""
         return local_main_weights(self.module)
 
-    def step_amaxes(self) -> StepAmaxes | None:
+    def prepare_step_amaxes(self) -> StepAmaxes | None:
         """The amaxes of the units' FP8 compute weights for the optimizer step about to write
-        the main weights to record (`FullyShardedDataParallel.step_amaxes`)."""
+        the main weights to record (`FullyShardedDataParallel.prepare_step_amaxes`)."""
         return step_amaxes([group.weights for group in parameter_groups(self.module)])

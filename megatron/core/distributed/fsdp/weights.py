@@ -354,7 +354,7 @@ class GroupWeights:
     def start_fp8_refresh(self) -> Fp8ComputeWeights:
         """First step of the refresh of FP8 compute weights (`plan.fp8_gather`): HFSDP's inner
         shard, then this rank's amaxes (unless the optimizer step that wrote the main weights
-        observed now recorded them: `step_amaxes`); the caller reduces them with other
+        observed now recorded them: `step_amax_targets`); the caller reduces them with other
         groups' (`fp8_gather.reduce_amaxes`) before `refresh()`."""
         if self.plan.refresh is Refresh.OUTER_GATHER:
             self._gather_inner_shard()
@@ -514,5 +514,6 @@ def step_amaxes(weights: Sequence[GroupWeights]) -> StepAmaxes | None:
 
 
 def _step_amaxes_recorded(weights: Sequence[GroupWeights]) -> None:
+    """`StepAmaxes.recorded` of `step_amaxes(weights)`."""
     for group in weights:
         group.step_amaxes_recorded()

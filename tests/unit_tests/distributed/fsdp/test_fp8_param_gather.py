@@ -121,7 +121,7 @@ def _train(
                 losses.append(loss.detach().clone())
             fsdp.finish_grad_sync()
             if step_amaxes:
-                step_and_copy(optimizer, amaxes=[fsdp.step_amaxes()])
+                step_and_copy(optimizer, amaxes=[fsdp.prepare_step_amaxes()])
             else:
                 optimizer.step()
             optimizer.zero_grad()
@@ -253,9 +253,9 @@ def test_fp8_weights_travel_in_half_the_bytes_and_scale_in_one_reduction():
     ids=["zero3", "zero1", "no-shard", "zero1-experts"],
 )
 def test_amaxes_recorded_by_the_step_train_the_same(topology):
-    """The refresh after a step that recorded the amaxes (`step_amaxes()`) takes those instead
-    of a pass over the main weights of its own, and training is the same bit for bit (each
-    expert of stacked expert weights has a slot of its own)."""
+    """The refresh after a step that recorded the amaxes (`prepare_step_amaxes()`) takes those
+    instead of a pass over the main weights of its own, and training is the same bit for bit
+    (each expert of stacked expert weights has a slot of its own)."""
     recorded = run_distributed(_train, 2, True, step_amaxes=True, **topology)
     own = run_distributed(_train, 2, True, **topology)
     for rank_recorded, rank_own in zip(recorded, own):
@@ -289,7 +289,7 @@ def _write_after_step(write: bool) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, labels = make_token_batches(2, 4, seed=5)[0]
     fsdp(tokens, labels=labels).float().mean().backward()
     fsdp.finish_grad_sync()
-    step_and_copy(optimizer, amaxes=[fsdp.step_amaxes()])
+    step_and_copy(optimizer, amaxes=[fsdp.prepare_step_amaxes()])
     optimizer.zero_grad()
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     main = dict(fsdp.module.named_parameters())[name]
