@@ -108,7 +108,13 @@ def test_every_engine_trains_bitwise_like_one_gpu_with_deterministic_kernels(tmp
     rows = run_every_engine(tmp_path, *TINY, *model, "--bf16", "--deterministic", cuda=True)
     # Every block holds at least the bytes asked for, so neither peak can pass the other's.
     assert all(0 < row["peak_requested_gib"] <= row["peak_gib"] for row in rows.values())
-    assert_same_loss(rows)
+    # On CUDA this project's engines write each weight gradient as the fp32 output of its GEMM
+    # (gradient-accumulation fusion); FSDP2's are bf16 GEMM outputs, upcast for the reduction,
+    # so its loss agrees only to that rounding (7.1447 against 7.1464 on 2 x H200).
+    reference = rows["single"]["final_loss"]
+    exact = {name: row["final_loss"] for name, row in rows.items() if name != "fsdp2"}
+    assert exact == {name: reference for name in exact}
+    assert rows["fsdp2"]["final_loss"] == pytest.approx(reference, rel=1e-3)
 
 
 def test_accumulation_options_train_like_one_rank_and_report_their_memory(tmp_path):
