@@ -18,12 +18,13 @@ microbatch and the optimizer, is captured in one CUDA graph after eager warm-up 
 
 Every rank draws the same tokens (fixed seed), so every engine computes the same training step as
 `single` and the final losses must agree (a sanity check; token values do not change timings):
-bitwise on CPU, and on GPU with `--deterministic`, but for FSDP2's on GPU: its weight gradients
-are bf16 GEMM outputs upcast for the reduction, where this project's engines write fp32 GEMM
-outputs, so it agrees to that rounding only. Without `--deterministic` the sharded engines'
-losses differ from the second step on, and from run to run: flash attention's backward
-accumulates with atomics, in an order that changes with the collectives running beside it.
-Prints a table and one JSON object (rank 0). The configurations reported in docs, on 2 GPUs:
+bitwise on CPU, and on GPU with `--deterministic`, but for FSDP2's on GPU: there its weight
+gradients are bf16 GEMM outputs upcast for the reduction, where this project's engines write fp32
+GEMM outputs (gradient-accumulation fusion), unless `--no-gradient-accumulation-fusion` makes
+theirs bf16 products too. Without `--deterministic` the sharded engines' losses differ from the
+second step on, and from run to run: flash attention's backward accumulates with atomics, in an
+order that changes with the collectives running beside it. Prints a table and one JSON object (rank
+0). The configurations reported in docs, on 2 GPUs:
 
     # L (~1.34B params, micro-batch 2, seq 2048)
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --hidden-size 2048 --num-layers 24 \\
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--deterministic",
         action="store_true",
         help="deterministic kernels (torch.use_deterministic_algorithms): every engine's loss is "
-        "then bitwise equal to single's (FSDP2's on GPU up to its bf16 weight gradients); "
+        "then bitwise equal to single's (FSDP2's on GPU only with "
+        "--no-gradient-accumulation-fusion: its weight gradients are bf16); "
         "slower (flash attention's backward), for checking, not timing",
     )
     parser.add_argument(
