@@ -517,7 +517,11 @@ def _plan_group(
         steps = [state["step"] for state in states]
         numels = list(map(torch.Tensor.numel, mains))
         addresses = list(map(_address, mains))
-        amax_slots = list(map(amax_of.get, zip(addresses, numels)))
+        if amax_of:
+            amax_slots = list(map(amax_of.get, zip(addresses, numels)))
+            amax_entries = [_NO_AMAX if slot is None else slot.data_ptr() for slot in amax_slots]
+        else:  # most steps record no maxima: no per-weight work for them
+            amax_slots, amax_entries = [], [_NO_AMAX] * len(mains)
         fixed = list(
             zip(
                 addresses,
@@ -526,7 +530,7 @@ def _plan_group(
                 [_NO_MODEL if model is None else model.data_ptr() for model in models],
                 map(_address, steps),
                 numels,
-                [_NO_AMAX if slot is None else slot.data_ptr() for slot in amax_slots],
+                amax_entries,
             )
         )
     except (KeyError, TypeError):  # no moments yet (the first step makes them), or not tensors

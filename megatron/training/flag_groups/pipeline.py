@@ -207,13 +207,11 @@ def validate_interleaving(args: argparse.Namespace) -> None:
         return
     pp_size = args.pipeline_model_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
-    schedule_flag = (
-        "--rampup-batch-size"
-        if args.rampup_batch_size is not None
-        else "--step-batch-size-schedule"
-        if args.step_batch_size_schedule is not None
-        else None
-    )
+    schedule_flag = None  # the flag that schedules the batch size, if any
+    if args.rampup_batch_size is not None:
+        schedule_flag = "--rampup-batch-size"
+    elif args.step_batch_size_schedule is not None:
+        schedule_flag = "--step-batch-size-schedule"
     # At least the first iteration's size, also where --train-iters is 0 (the run stops
     # before training, and so is checked as one that trains).
     for consumed, global_batch_size in batch_size_schedule(args).sizes_within(
