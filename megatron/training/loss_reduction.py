@@ -49,27 +49,79 @@ def loss_values(layout: LossLayout, reduced: list[float]) -> dict[str, float]:
     return result
 
 
-def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+class ReducedLosses:
+    """An iteration's reported losses, reduced over its microbatches and the data-parallel ranks
+    on the device, and read to the host when first asked for (`read`).
+
+    A read at the end of every step would make the host wait for the step's GPU work, the
+    optimizer's included, before it queues the next iteration. Instead the losses are copied to
+    the host as soon as they are computed, without waiting, and `read` waits for that copy
+    alone: a later read (an eager training loop's, at its log line) finds them there.
+    """
+
+    def __init__(self, reduced: torch.Tensor, layout: LossLayout) -> None:
+        self._layout = layout
+        self._values: dict[str, float] | None = None
+        self._copied: torch.cuda.Event | None = None
+        if reduced.is_cuda:
+            # Into pinned memory, in stream order; the event marks the copy's end.
+            self._host = reduced.to("cpu", non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = reduced
+
+    @classmethod
+    def read_already(cls, values: dict[str, float]) -> ReducedLosses:
+        """Losses that are on the host already."""
+        losses = cls(torch.empty(0), [])
+        losses._values = values
+        return losses
+
+    @property
+    def is_read(self) -> bool:
+        """Whether `read` returns without waiting for the device."""
+        return self._values is not None
+
+    def read(self) -> dict[str, float]:
+        """The losses, key -> value (waits for their copy to the host the first time)."""
+        if self._values is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._values = loss_values(self._layout, self._host.tolist())
+        return self._values
+
+
+def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> ReducedLosses:
     """Averages each reported loss over the microbatches, then the data-parallel ranks
-    (`reduce_loss_dicts`, read to the host). Under pipeline parallelism the last stage, the
-    one with losses, hands its values to the other stages (`from_last_stage`)."""
-    values = None
-    if loss_dicts:
-        reduced, layout = reduce_loss_dicts(loss_dicts)
-        values = loss_values(layout, reduced.tolist())
-    return from_last_stage(values)
+    (`reduce_loss_dicts`), unread. Under pipeline parallelism the last stage, the one with
+    losses, hands its values to the other stages (`from_last_stage`), which reads them."""
+    if _pipeline_group() is not None:
+        values = None
+        if loss_dicts:
+            reduced, layout = reduce_loss_dicts(loss_dicts)
+            values = loss_values(layout, reduced.tolist())
+        return ReducedLosses.read_already(from_last_stage(values))
+    return ReducedLosses(*reduce_loss_dicts(loss_dicts))
+
+
+def _pipeline_group() -> dist.ProcessGroup | None:
+    """The pipeline-parallel group; None with one stage."""
+    if (
+        not parallel_state.model_parallel_is_initialized()
+        or parallel_state.get_pipeline_model_parallel_world_size() == 1
+    ):
+        return None
+    return parallel_state.get_pipeline_model_parallel_group()
 
 
 def from_last_stage(values: dict[str, float] | None) -> dict[str, float]:
     """The last pipeline stage's `values` on every stage (one broadcast over the pipeline
     group; `values` as they are with one stage), so that every rank logs and records the same
     losses."""
-    if (
-        not parallel_state.model_parallel_is_initialized()
-        or parallel_state.get_pipeline_model_parallel_world_size() == 1
-    ):
+    group = _pipeline_group()
+    if group is None:
         return values
-    group = parallel_state.get_pipeline_model_parallel_group()
     holder = [values]
     last_stage = dist.get_global_rank(group, group.size() - 1)
     dist.broadcast_object_list(holder, src=last_stage, group=group)
@@ -120,17 +172,14 @@ def _tokens_of_the_last_stage(
     is broadcast over the pipeline group, -1 standing for none, which every stage reads on the
     host to raise alike (full-iteration CUDA graphs, which a host read would break, do not
     compose with stages)."""
-    if (
-        not parallel_state.model_parallel_is_initialized()
-        or parallel_state.get_pipeline_model_parallel_world_size() == 1
-    ):
+    group = _pipeline_group()
+    if group is None:
         return None if num_tokens is None else num_tokens.detach().float().clone()
     if parallel_state.is_pipeline_last_stage():
         missing = num_tokens is None
         count = torch.full((), -1.0, device=device) if missing else num_tokens.detach().float()
     else:
         count = torch.zeros((), device=device)
-    group = parallel_state.get_pipeline_model_parallel_group()
     count = count.clone()
     dist.broadcast(count, src=dist.get_global_rank(group, group.size() - 1), group=group)
     return None if count.item() < 0 else count

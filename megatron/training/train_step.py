@@ -17,7 +17,11 @@ from megatron.core.pipeline_parallel.stage import Model, model_chunks
 from megatron.core.pipeline_parallel.tied_embeddings import allreduce_tied_embedding_grads
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, update_expert_bias
 from megatron.training.cuda_graphs import GraphedIteration
-from megatron.training.loss_reduction import average_loss_dicts, divide_gradients_by_tokens
+from megatron.training.loss_reduction import (
+    ReducedLosses,
+    average_loss_dicts,
+    divide_gradients_by_tokens,
+)
 from megatron.training.profiling import empty_unused_memory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.utils import get_device
@@ -32,7 +36,7 @@ def train_step(
     args: argparse.Namespace,
     num_microbatches: int | None = None,
     graph: GraphedIteration | None = None,
-) -> tuple[dict[str, float], bool, float | None, int | None]:
+) -> tuple[ReducedLosses, bool, float | None, int | None]:
     """One iteration: every microbatch's forward and backward, then the optimizer step.
 
     Args:
@@ -48,20 +52,25 @@ def train_step(
             computation, the optimizer stepping on the device: `megatron.training.cuda_graphs`).
 
     Returns:
-        (losses, skipped, grad_norm, num_zeros_in_grad): the averaged reported losses, whether
-        the optimizer step was skipped (a gradient norm that is not finite, or an fp16
-        overflow), that norm (None when the loss scaler skipped the step before taking it),
-        and the number of zero gradient elements (None without `--log-num-zeros-in-grad`).
+        (losses, skipped, grad_norm, num_zeros_in_grad): the reported losses averaged over the
+        microbatches and data-parallel ranks (on the device until read, where no pipeline stages
+        or CUDA graph read them already), whether the optimizer step was skipped (a gradient
+        norm that is not finite, or an fp16 overflow), that norm (None when the loss scaler
+        skipped the step before taking it), and the number of zero gradient elements (None
+        without `--log-num-zeros-in-grad`).
 
     Raises:
-        RuntimeError: a loss or the global gradient norm is not finite and
-            `--check-for-nan-in-loss-and-grad` is on. Both are the same on every rank (reduced
-            over the data-parallel group), so every rank raises.
+        RuntimeError: the step was skipped, `--check-for-nan-in-loss-and-grad` is on, and a loss
+            or the global gradient norm is not finite. Both are the same on every rank (reduced
+            over the data-parallel group), so every rank raises. The losses of a step that was
+            not skipped are left to their reader to check (`check_losses_finite`): reading them
+            here would wait for the step's GPU work.
     """
     if num_microbatches is None:
         num_microbatches = args.num_microbatches
     if graph is not None:
-        losses, update_successful, grad_norm, num_zeros_in_grad = graph(data_iterator)
+        values, update_successful, grad_norm, num_zeros_in_grad = graph(data_iterator)
+        losses = ReducedLosses.read_already(values)
     else:
         loss_dicts = compute_gradients(
             forward_step_func, model, optimizer, args, data_iterator, num_microbatches
@@ -72,22 +81,33 @@ def train_step(
     if update_successful:
         # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
         scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
-    # Checked after the step (which synchronises anyway) to add no wait of its own; a
-    # non-finite loss or norm means the step was skipped.
-    if args.check_for_nan_in_loss_and_grad:
-        skip = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
-        if not all(map(math.isfinite, losses.values())):
-            raise RuntimeError(
-                f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower "
-                f"--lr or check the data; {skip}"
-            )
+    # A non-finite loss or norm means the step was skipped; the step synchronised on the norm.
+    elif args.check_for_nan_in_loss_and_grad:
+        check_losses_finite(losses.read())
         # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
         if grad_norm is not None and not math.isfinite(grad_norm):
             raise RuntimeError(
-                f"The global gradient norm is {grad_norm} though the loss is finite ({losses}; "
-                f"--check-for-nan-in-loss-and-grad). Lower --lr or check the model; {skip}"
+                f"The global gradient norm is {grad_norm} though the loss is finite "
+                f"({losses.read()}; --check-for-nan-in-loss-and-grad). Lower --lr or check the "
+                f"model; {_SKIP_INSTEAD}"
             )
     return losses, not update_successful, grad_norm, num_zeros_in_grad
+
+
+_SKIP_INSTEAD = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
+
+
+def check_losses_finite(losses: dict[str, float]) -> None:
+    """`--check-for-nan-in-loss-and-grad`'s check of an iteration's reported losses.
+
+    Raises:
+        RuntimeError: a loss is not finite.
+    """
+    if not all(map(math.isfinite, losses.values())):
+        raise RuntimeError(
+            f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower --lr "
+            f"or check the data; {_SKIP_INSTEAD}"
+        )
 
 
 def compute_gradients(

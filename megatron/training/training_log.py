@@ -260,7 +260,7 @@ class TrainingLog:
         if iteration % self.args.tensorboard_log_interval == 0:
             self._write_iteration_scalars(iteration, losses, values)
         ends_interval = last or iteration % self.args.log_interval == 0
-        if ends_interval or self._first_line_pending:
+        if self.logs_line(iteration, last):
             report_rank_0(self._format_line(iteration, values))
         self._first_line_pending = False
         if ends_interval:
@@ -271,6 +271,10 @@ class TrainingLog:
                     timers["throughput"] = self._tflops_per_gpu(interval)
                 self.writer.add_scalars(timers, iteration)
             self.interval = _Interval()
+
+    def logs_line(self, iteration: int, last: bool = False) -> bool:
+        """Whether recording `iteration` logs a line (`last`: training stops after it)."""
+        return last or iteration % self.args.log_interval == 0 or self._first_line_pending
 
     def report_moe_metrics(self, iteration: int, num_microbatches: int) -> dict[str, float]:
         """The step's MoE auxiliary losses, averaged over microbatches, data-parallel ranks and

@@ -24,10 +24,11 @@ from megatron.training.dist_signal_handler import ExitConditions
 from megatron.training.evaluation import evaluate_and_print_results
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
+from megatron.training.loss_reduction import ReducedLosses
 from megatron.training.profiling import TrainingOperations
 from megatron.training.schedules import DataIterator, ForwardStepFunc
 from megatron.training.train_state import TrainState
-from megatron.training.train_step import compute_gradients, train_step
+from megatron.training.train_step import check_losses_finite, compute_gradients, train_step
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import get_device, print_rank_0, report_rank_0
 
@@ -163,7 +164,7 @@ def train(
 class _IterationResult:
     """What one training iteration measured (`_TrainingLoop.step`)."""
 
-    losses: dict[str, float]
+    losses: ReducedLosses
     auxiliary_losses: dict[str, float]
     skipped: bool
     grad_norm: float | None
@@ -172,6 +173,7 @@ class _IterationResult:
     loss_scale: float  # after it: the scale the next iteration uses
     learning_rate: float
     global_batch_size: int
+    params_norm: float | None  # after the step (--log-params-norm)
     seconds: float
 
 
@@ -180,7 +182,14 @@ class _TrainingLoop:
     """`train()`'s loop, in its parts: one iteration's step and bookkeeping (`step`,
     `record`), the exit decision (`exit_reason`), the periodic evaluation and the periodic
     save. The order within an iteration is the one every rank keeps (the parts' collectives
-    must match): step, exit decision, record, evaluation, save, exit."""
+    must match): step, exit decision, record, evaluation, save, exit.
+
+    An iteration's losses stay on the device until the iteration after it is recorded, which
+    finds them computed: reading them at once would make the host wait for the step's GPU work
+    instead of queueing the next iteration. They are read at once where they are needed now:
+    a skipped step, the log's line, a save and the last iteration. The iterations go to the
+    history and the log in order, when their losses are read.
+    """
 
     forward_step_func: ForwardStepFunc
     model: Model
@@ -194,6 +203,9 @@ class _TrainingLoop:
     exits: ExitConditions | None
     history: TrainingHistory
     graph: GraphedIteration | None
+
+    # The iteration whose losses are not read yet, and whether it was the last.
+    _unread: tuple[int, _IterationResult, bool] | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.batch_sizes = batch_size_schedule(self.args)
@@ -250,7 +262,8 @@ class _TrainingLoop:
             # FLOPs are linear in the batch: each iteration counts at its own global batch.
             self.log.flops_per_sample * global_batch_size,
             skipped,
-            losses,
+            # Whether a skipped step counts as a nan iteration; other steps' stay unread.
+            losses.read() if skipped else {},
         )
         return _IterationResult(
             losses=losses,
@@ -265,6 +278,7 @@ class _TrainingLoop:
             # one's).
             learning_rate=optimizer.param_groups[0]["lr"],
             global_batch_size=global_batch_size,
+            params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
             seconds=seconds,
         )
 
@@ -276,7 +290,29 @@ class _TrainingLoop:
         return stop_reason
 
     def record(self, iteration: int, result: _IterationResult, last: bool) -> None:
-        """Adds the iteration to the history and the log (`last`: training stops after it)."""
+        """Adds the iteration before `iteration` to the history and the log, and this one too
+        where its losses are needed now (`last`: training stops after it); see the class."""
+        self._record_unread()
+        if not result.losses.is_read and (last or self.log.logs_line(iteration, last)):
+            start = time.perf_counter()
+            result.losses.read()
+            # The wait for the GPU is the iteration's time.
+            seconds = result.seconds + time.perf_counter() - start
+            result = dataclasses.replace(result, seconds=seconds)
+        self._unread = (iteration, result, last)
+        if result.losses.is_read:  # a skipped step, a CUDA graph, pipeline stages, or now
+            self._record_unread()
+
+    def _record_unread(self) -> None:
+        """Adds the iteration not yet recorded (if any) to the history and the log, once its
+        losses are read."""
+        if self._unread is None:
+            return
+        iteration, result, last = self._unread
+        self._unread = None
+        losses = result.losses.read()
+        if self.args.check_for_nan_in_loss_and_grad:
+            check_losses_finite(losses)
         history = self.history
         if result.skipped:
             history.skipped_iterations.append(iteration)
@@ -287,16 +323,16 @@ class _TrainingLoop:
             )
             print_rank_0(
                 f"iteration {iteration}: skipped the optimizer step, {why} (losses "
-                f"{result.losses}); weights and learning rate are unchanged.",
+                f"{losses}); weights and learning rate are unchanged.",
                 logging.WARNING,
             )
-        history.losses.append({**result.losses, **result.auxiliary_losses})
+        history.losses.append({**losses, **result.auxiliary_losses})
         history.grad_norms.append(result.grad_norm)
         history.loss_scales.append(result.loss_scale)
         history.learning_rates.append(result.learning_rate)
         self.log.record_iteration(
             iteration,
-            result.losses,
+            losses,
             result.skipped,
             result.grad_norm,
             result.learning_rate,
@@ -304,7 +340,7 @@ class _TrainingLoop:
             last=last,
             loss_scale=result.loss_scale,
             num_zeros_in_grad=result.num_zeros_in_grad,
-            params_norm=self.optimizer.get_params_norm() if self.args.log_params_norm else None,
+            params_norm=result.params_norm,
             auxiliary_losses=result.auxiliary_losses,
             global_batch_size=result.global_batch_size,
         )
@@ -342,4 +378,6 @@ class _TrainingLoop:
             or iteration == args.train_iters
             or (args.save_interval is not None and iteration % args.save_interval == 0)
         ):
+            # A non-finite loss (--check-for-nan-in-loss-and-grad) raises before the save.
+            self._record_unread()
             save_checkpoint(self.state, self.model, self.optimizer, self.scheduler, args)

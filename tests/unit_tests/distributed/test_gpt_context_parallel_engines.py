@@ -200,7 +200,7 @@ def engine_run(layout: Layout, engine: Engine) -> RunResult:
             if layout.per_token:
                 divide_gradients_by_tokens(model, num_tokens)
             _, grad_norm, _ = optimizer.step()
-            result.losses.append(average_loss_dicts(loss_dicts)["lm loss"])
+            result.losses.append(average_loss_dicts(loss_dicts).read()["lm loss"])
             result.grad_norms.append(grad_norm)
         result.weights = global_state(model.state_dict())
         return result

@@ -79,4 +79,4 @@ def masked_sgd_train_step(
         )
     finally:
         global_vars.set_args(None)
-    return losses, skipped
+    return losses.read(), skipped

@@ -147,7 +147,7 @@ def _train(state: tuple, batches: list) -> list[tuple[dict[str, float], float]]:
     for _ in batches:
         losses, skipped, grad_norm, _ = train_step(_forward_step, microbatches, *state, args)
         assert not skipped
-        results.append((losses, grad_norm))
+        results.append((losses.read(), grad_norm))
     return results
 
 

@@ -5,9 +5,11 @@ gradient raises (the default) or skips one step without stopping training."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import math
+import os
 import statistics
 
 import pytest
@@ -313,6 +315,49 @@ def test_non_finite_loss_or_gradient_raises_with_the_check_on(where):
         assert "--no-check-for-nan-in-loss-and-grad" in result["error"]
         if where == "gradient":
             assert "The global gradient norm is " in result["error"]
+
+
+def _pretrain_reporting_inf(flags: list[str]) -> dict:
+    """Trains with iteration INF_ITERATION's reported loss inf and its gradients finite (the
+    step is taken); the error and the iterations that started."""
+    calls = itertools.count()
+    started = []
+
+    def reporting_inf(loss_mask, output_tensor):
+        loss, num_tokens, report = pretrain_gpt.loss_func(loss_mask, output_tensor)
+        return loss, num_tokens, {"lm loss": report["lm loss"] * float("inf")}
+
+    def forward_step(data_iterator, model):
+        iteration = next(calls) // 2 + 1  # 2 microbatches
+        if not started or started[-1] != iteration:
+            started.append(iteration)
+        output_tensor, loss_func = pretrain_gpt.forward_step(data_iterator, model)
+        if iteration == INF_ITERATION:
+            loss_func = functools.partial(reporting_inf, loss_func.args[0])
+        return output_tensor, loss_func
+
+    try:
+        _pretrain(flags, forward_step)
+    except RuntimeError as error:
+        return dict(error=str(error), started=started)
+    return dict(error=None, started=started)
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_a_non_finite_loss_of_a_step_taken_raises_before_a_save(save, tmp_path_factory):
+    """The loop reads a step's losses at the next iteration unless it needs them at once: the
+    check raises there on every rank, or before a save of the iteration."""
+    k = INF_ITERATION
+    flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "5"]
+    flags += ZERO3
+    directory = str(tmp_path_factory.mktemp("save"))
+    if save:
+        flags += ["--save", directory, "--save-interval", str(k)]
+    results = run_distributed(_pretrain_reporting_inf, 2, flags)
+    for result in results:
+        assert "The loss is not finite" in result["error"]
+        assert result["started"] == list(range(1, k + 1 + (not save)))
+    assert os.listdir(directory) == []
 
 
 def _iterations_and_log_lines(flags: list[str]) -> tuple[int, list[str]]:
