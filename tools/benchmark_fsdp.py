@@ -18,13 +18,16 @@ microbatch and the optimizer, is captured in one CUDA graph after eager warm-up 
 
 Every rank draws the same tokens (fixed seed), so every engine computes the same training step as
 `single` and the final losses must agree (a sanity check; token values do not change timings):
-bitwise on CPU, and on GPU with `--deterministic`, but for FSDP2's on GPU: there its weight
-gradients are bf16 GEMM outputs upcast for the reduction, where this project's engines write fp32
-GEMM outputs (gradient-accumulation fusion), unless `--no-gradient-accumulation-fusion` makes
-theirs bf16 products too. Without `--deterministic` the sharded engines' losses differ from the
-second step on, and from run to run: flash attention's backward accumulates with atomics, in an
-order that changes with the collectives running beside it. Prints a table and one JSON object (rank
-0). The configurations reported in docs, on 2 GPUs:
+bitwise on CPU, and on GPU with `--deterministic`, but for FSDP2's on GPU. There this
+project's engines write each weight gradient as the fp32 output of its GEMM (gradient-accumulation
+fusion), where FSDP2's are bf16 GEMM outputs upcast for the reduction, and step their fp32 main
+weights with one Triton kernel that also writes the bf16 weights (`--adamw fused`), equal to
+torch's fused AdamW only up to a unit or two in the last place; with
+`--no-gradient-accumulation-fusion --adamw foreach` every engine computes the same bits.
+Without `--deterministic` the sharded engines' losses differ from the second step on, and from
+run to run: flash attention's backward accumulates with atomics, in an order that changes with
+the collectives running beside it. Prints a table and one JSON object (rank 0). The
+configurations reported in docs, on 2 GPUs:
 
     # L (~1.34B params, micro-batch 2, seq 2048)
     torchrun --nproc-per-node 2 tools/benchmark_fsdp.py --hidden-size 2048 --num-layers 24 \\
