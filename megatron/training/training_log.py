@@ -21,10 +21,10 @@ one after its schedule step (Megatron-LM's convention: the next iteration's). On
 also has TFLOP/s per GPU (on CPU too with `--log-throughput`) and the peak memory allocated so
 far. An MoE model's auxiliary losses (`report_moe_metrics`, every step) and a multi-token
 prediction model's per-depth losses ("mtp_1 loss", ...: `report_mtp_metrics`) follow the
-language-model loss, averaged like it. An FP8 run names its format and recipe after the global
-batch size (`fp8: hybrid delayed`), and says at start-up which layers train in FP8
-(`fp8_startup_line`); TFLOP/s count the same FLOPs as in bf16 (upstream's formula), so FP8's
-speed shows as more TFLOP/s.
+language-model loss, averaged like it (on the device until read, as the losses are). An FP8
+run names its format and recipe after the global batch size (`fp8: hybrid delayed`), and says at
+start-up which layers train in FP8 (`fp8_startup_line`); TFLOP/s count the same FLOPs as in bf16
+(upstream's formula), so FP8's speed shows as more TFLOP/s.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from megatron.core.transformer.moe.router import tracked_metrics
 from megatron.core.transformer.multi_token_prediction import get_mtp_loss_logging_helper
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.flops import num_floating_point_operations
+from megatron.training.loss_reduction import ReducedLosses
 from megatron.training.train_state import TrainState, is_nan_iteration
 from megatron.training.utils import is_rank_0, print_rank_0, report_rank_0
 
@@ -276,12 +277,12 @@ class TrainingLog:
         """Whether recording `iteration` logs a line (`last`: training stops after it)."""
         return last or iteration % self.args.log_interval == 0 or self._first_line_pending
 
-    def report_moe_metrics(self, iteration: int, num_microbatches: int) -> dict[str, float]:
+    def report_moe_metrics(self, iteration: int, num_microbatches: int) -> ReducedLosses:
         """The step's MoE auxiliary losses, averaged over microbatches, data-parallel ranks and
-        MoE layers, the multi-token prediction depths' included (`MoEMetricsTracker.report`,
-        which then clears them); every
-        `--tensorboard-log-interval` also written as scalars, with each layer's under
-        `--moe-per-layer-logging`. Call it on every rank after every training step.
+        MoE layers, the multi-token prediction depths' included (`MoEMetricsTracker.reduce`,
+        which then clears them), on the device until read; every `--tensorboard-log-interval`
+        also written as scalars, with each layer's under `--moe-per-layer-logging` (read then,
+        where a writer is active). Call it on every rank after every training step.
 
         Args:
             iteration: the step's number.
@@ -293,36 +294,41 @@ class TrainingLog:
         """
         args = self.args
         if args.num_experts is None:
-            return {}
+            return ReducedLosses.read_already({})
         pattern = layer_pattern(args.num_layers, args.num_experts, args.moe_layer_freq)
         # Each multi-token prediction depth has a layer like the decoder's last, numbered after
         # the decoder's (Megatron-LM counts them so).
         depths = args.mtp_num_layers or 0
-        means, per_layer = get_moe_metrics_tracker().report(
-            tracked_metrics(args.moe_router_load_balancing_type, args.moe_z_loss_coeff),
+        names = tracked_metrics(args.moe_router_load_balancing_type, args.moe_z_loss_coeff)
+        rows = get_moe_metrics_tracker().reduce(
+            names,
             args.num_layers + depths,
             sum(pattern) + depths * pattern[-1],
             loss_scale=1 / num_microbatches,
             device=self.device,
         )
-        if iteration % args.tensorboard_log_interval == 0:
-            self.writer.add_scalars(means, iteration)
+        if rows is None:
+            return ReducedLosses.read_already({})
+        means = ReducedLosses(rows[:, 0].contiguous(), [(name, 1) for name in names])
+        if iteration % args.tensorboard_log_interval == 0 and self.writer.active:
+            self.writer.add_scalars(means.read(), iteration)
             if args.moe_per_layer_logging:
+                per_layer = rows[:, 1:].tolist()
                 self.writer.add_scalars(
                     {
                         f"moe/{name}_layer_{layer}": value
-                        for name, values in per_layer.items()
+                        for name, values in zip(names, per_layer)
                         for layer, value in enumerate(values)
                     },
                     iteration,
                 )
         return means
 
-    def report_mtp_metrics(self, iteration: int, num_microbatches: int) -> dict[str, float]:
+    def report_mtp_metrics(self, iteration: int, num_microbatches: int) -> ReducedLosses:
         """The step's multi-token prediction losses, one per depth, averaged over microbatches
-        and data-parallel ranks (`MTPLossLoggingHelper.report`, which then clears them); every
-        `--tensorboard-log-interval` also written as scalars. Call it on every rank after every
-        training step.
+        and data-parallel ranks (`MTPLossLoggingHelper.reduce`, which then clears them), on
+        the device until read; every `--tensorboard-log-interval` also written as scalars (read
+        then, where a writer is active). Call it on every rank after every training step.
 
         Args:
             iteration: the step's number.
@@ -332,13 +338,14 @@ class TrainingLog:
             name -> value, as Megatron-LM names them ("mtp_1 loss", "mtp_2 loss", ...); empty
             without `--mtp-num-layers`.
         """
-        if self.args.mtp_num_layers is None:
-            return {}
-        losses = get_mtp_loss_logging_helper().report(
-            self.args.mtp_num_layers, num_microbatches, device=self.device
-        )
-        if iteration % self.args.tensorboard_log_interval == 0:
-            self.writer.add_scalars(losses, iteration)
+        depths = self.args.mtp_num_layers
+        if depths is None:
+            return ReducedLosses.read_already({})
+        helper = get_mtp_loss_logging_helper()
+        values = helper.reduce(depths, num_microbatches, device=self.device)
+        losses = ReducedLosses(values, [(name, 1) for name in helper.names(depths)])
+        if iteration % self.args.tensorboard_log_interval == 0 and self.writer.active:
+            self.writer.add_scalars(losses.read(), iteration)
         return losses
 
     def _write_iteration_scalars(

@@ -165,7 +165,7 @@ class _IterationResult:
     """What one training iteration measured (`_TrainingLoop.step`)."""
 
     losses: ReducedLosses
-    auxiliary_losses: dict[str, float]
+    auxiliary_losses: tuple[ReducedLosses, ...]  # MoE, multi-token prediction
     skipped: bool
     grad_norm: float | None
     num_zeros_in_grad: int | None
@@ -252,10 +252,10 @@ class _TrainingLoop:
         )
         seconds = time.perf_counter() - start
         # Every step, on every rank (it all-reduces and clears the step's metrics).
-        auxiliary_losses = {
-            **self.log.report_moe_metrics(iteration, num_microbatches),
-            **self.log.report_mtp_metrics(iteration, num_microbatches),
-        }
+        auxiliary_losses = (
+            self.log.report_moe_metrics(iteration, num_microbatches),
+            self.log.report_mtp_metrics(iteration, num_microbatches),
+        )
         self.state.record_iteration(
             iteration,
             global_batch_size,
@@ -293,14 +293,17 @@ class _TrainingLoop:
         """Adds the iteration before `iteration` to the history and the log, and this one too
         where its losses are needed now (`last`: training stops after it); see the class."""
         self._record_unread()
-        if not result.losses.is_read and (last or self.log.logs_line(iteration, last)):
+        parts = (result.losses, *result.auxiliary_losses)
+        if last or self.log.logs_line(iteration, last):
             start = time.perf_counter()
-            result.losses.read()
+            for part in parts:
+                part.read()
             # The wait for the GPU is the iteration's time.
             seconds = result.seconds + time.perf_counter() - start
             result = dataclasses.replace(result, seconds=seconds)
         self._unread = (iteration, result, last)
-        if result.losses.is_read:  # a skipped step, a CUDA graph, pipeline stages, or now
+        # Read already: a skipped step, a CUDA graph, pipeline stages, or just now.
+        if all(part.is_read for part in parts):
             self._record_unread()
 
     def _record_unread(self) -> None:
@@ -313,6 +316,9 @@ class _TrainingLoop:
         losses = result.losses.read()
         if self.args.check_for_nan_in_loss_and_grad:
             check_losses_finite(losses)
+        auxiliary_losses = {
+            key: value for part in result.auxiliary_losses for key, value in part.read().items()
+        }
         history = self.history
         if result.skipped:
             history.skipped_iterations.append(iteration)
@@ -326,7 +332,7 @@ class _TrainingLoop:
                 f"{losses}); weights and learning rate are unchanged.",
                 logging.WARNING,
             )
-        history.losses.append({**losses, **result.auxiliary_losses})
+        history.losses.append({**losses, **auxiliary_losses})
         history.grad_norms.append(result.grad_norm)
         history.loss_scales.append(result.loss_scale)
         history.learning_rates.append(result.learning_rate)
@@ -341,7 +347,7 @@ class _TrainingLoop:
             loss_scale=result.loss_scale,
             num_zeros_in_grad=result.num_zeros_in_grad,
             params_norm=result.params_norm,
-            auxiliary_losses=result.auxiliary_losses,
+            auxiliary_losses=auxiliary_losses,
             global_batch_size=result.global_batch_size,
         )
 

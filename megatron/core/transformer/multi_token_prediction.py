@@ -349,9 +349,18 @@ class MTPLossLoggingHelper:
     def report(
         self, num_depths: int, num_microbatches: int, device: torch.device | None = None
     ) -> dict[str, float]:
+        """`reduce`'s losses read to the host: {"mtp_1 loss": ..., "mtp_2 loss": ...},
+        Megatron-core's names."""
+        values = self.reduce(num_depths, num_microbatches, device).tolist()
+        return dict(zip(self.names(num_depths), values))
+
+    def reduce(
+        self, num_depths: int, num_microbatches: int, device: torch.device | None = None
+    ) -> torch.Tensor:
         """The recorded losses averaged over the step's microbatches and the data-parallel
-        ranks (on every pipeline stage: the last stage's, where the depths run), then cleared.
-        Every rank must call it once per training step (it all-reduces).
+        ranks (on every pipeline stage: the last stage's, where the depths run), on the device
+        (no host synchronisation), then cleared. Every rank must call it (or `report`) once per
+        training step (it all-reduces).
 
         Args:
             num_depths: `config.mtp_num_layers`.
@@ -359,12 +368,17 @@ class MTPLossLoggingHelper:
             device: Where zeros stand for a step that recorded nothing (default: CPU).
 
         Returns:
-            {"mtp_1 loss": ..., "mtp_2 loss": ...}, Megatron-core's names.
+            `[num_depths]`, the losses in the order of `names`.
         """
-        _, per_depth = self._tracker_of(num_depths).report(
+        rows = self._tracker_of(num_depths).reduce(
             [self._METRIC], num_depths, num_depths, 1 / num_microbatches, device
         )
-        return {f"mtp_{depth} loss": v for depth, v in enumerate(per_depth[self._METRIC], 1)}
+        return rows[0, 1:]
+
+    @staticmethod
+    def names(num_depths: int) -> list[str]:
+        """The depths' loss names, Megatron-core's: "mtp_1 loss", "mtp_2 loss", ..."""
+        return [f"mtp_{depth} loss" for depth in range(1, num_depths + 1)]
 
     def clear(self) -> None:
         """Forgets what was recorded since the last report."""

@@ -54,12 +54,32 @@ class MoEMetricsTracker:
         loss_scale: float,
         device: torch.device | None = None,
     ) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """Gathers `names` over the pipeline stages and averages them over the data-parallel
-        ranks, then clears every metric.
+        """`reduce`'s metrics read to the host: `(means, per_layer)`, each metric's mean over
+        the MoE layers and its value for each layer (0 for dense layers); `({}, {})` without
+        names."""
+        rows = self.reduce(names, num_layers, num_moe_layers, loss_scale, device)
+        if rows is None:
+            return {}, {}
+        values = rows.tolist()  # one host copy for everything
+        return (
+            {name: row[0] for name, row in zip(names, values)},
+            {name: row[1:] for name, row in zip(names, values)},
+        )
 
-        Every rank must call it with the same `names` (it all-reduces once, twice with pipeline
-        stages), once per training step, as Megatron-core's training loop does. A metric a rank
-        did not record counts as zeros there.
+    def reduce(
+        self,
+        names: Sequence[str],
+        num_layers: int,
+        num_moe_layers: int,
+        loss_scale: float,
+        device: torch.device | None = None,
+    ) -> torch.Tensor | None:
+        """Gathers `names` over the pipeline stages and averages them over the data-parallel
+        ranks, on the device (no host synchronisation), then clears every metric.
+
+        Every rank must call it (or `report`) with the same `names` (it all-reduces once, twice
+        with pipeline stages), once per training step, as Megatron-core's training loop does. A
+        metric a rank did not record counts as zeros there.
 
         Args:
             names: The metrics to report.
@@ -70,12 +90,12 @@ class MoEMetricsTracker:
             device: Where a metric no layer recorded is made of zeros (default: CPU).
 
         Returns:
-            `(means, per_layer)`: each metric's mean over the MoE layers, and its value for each
-            layer (0 for dense layers).
+            `[len(names), 1 + num_layers]`: per metric, its mean over the MoE layers, then its
+            value for each layer; None without names.
         """
         if not names:
             self.clear()
-            return {}, {}
+            return None
         stacked = torch.stack(
             [
                 self._metrics.get(name, torch.zeros(num_layers, device=device)).to(device)
@@ -86,12 +106,8 @@ class MoEMetricsTracker:
         self._average_over_data_parallel_ranks(stacked)
         stacked *= loss_scale
         means = stacked.sum(dim=1, keepdim=True) / num_moe_layers
-        rows = torch.cat([means, stacked], dim=1).tolist()  # one host copy for everything
         self.clear()
-        return (
-            {name: row[0] for name, row in zip(names, rows)},
-            {name: row[1:] for name, row in zip(names, rows)},
-        )
+        return torch.cat([means, stacked], dim=1)
 
     @staticmethod
     def _sum_over_pipeline_stages(values: torch.Tensor) -> None:
