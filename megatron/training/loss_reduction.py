@@ -53,30 +53,37 @@ class ReducedLosses:
     """An iteration's reported losses, reduced over its microbatches and the data-parallel ranks
     on the device, and read to the host when first asked for (`read`).
 
-    A read at the end of every step would make the host wait for the step's GPU work, the
-    optimizer's included, before it queues the next iteration. Instead the losses are copied to
-    the host as soon as they are computed, without waiting, and `read` waits for that copy
-    alone: a later read (an eager training loop's, at its log line) finds them there.
+    A read at the end of every step would make the host wait for the step's GPU work before it
+    queues the next iteration. Instead the losses are copied to the host as soon as they are
+    computed (in stream order, without waiting), and `read` waits for that copy alone: a later
+    read (an eager training loop's, at the next iteration) finds them there.
+
+    Args:
+        reduced: the losses, flat, as `reduce_loss_dicts` returns them (None: `values` given).
+        layout: their keys and widths (`LossLayout`).
+        values: losses on the host already, key -> value (then no `reduced`).
     """
 
-    def __init__(self, reduced: torch.Tensor, layout: LossLayout) -> None:
+    def __init__(
+        self,
+        reduced: torch.Tensor | None = None,
+        layout: LossLayout = (),
+        *,
+        values: dict[str, float] | None = None,
+    ) -> None:
+        if (reduced is None) == (values is None):
+            raise ValueError("ReducedLosses takes the reduced losses or their values, not both.")
         self._layout = layout
-        self._values: dict[str, float] | None = None
+        self._values = values
+        self._host = reduced
         self._copied: torch.cuda.Event | None = None
-        if reduced.is_cuda:
-            # Into pinned memory, in stream order; the event marks the copy's end.
+        if reduced is not None and reduced.is_cuda:
+            # Into pinned memory, in the order of the stream that computed them; the event
+            # marks the copy's end.
+            stream = torch.cuda.current_stream(reduced.device)
             self._host = reduced.to("cpu", non_blocking=True)
             self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._host = reduced
-
-    @classmethod
-    def read_already(cls, values: dict[str, float]) -> ReducedLosses:
-        """Losses that are on the host already."""
-        losses = cls(torch.empty(0), [])
-        losses._values = values
-        return losses
+            self._copied.record(stream)
 
     @property
     def is_read(self) -> bool:
@@ -89,6 +96,7 @@ class ReducedLosses:
             if self._copied is not None:
                 self._copied.synchronize()
             self._values = loss_values(self._layout, self._host.tolist())
+            self._host = self._copied = None
         return self._values
 
 
@@ -101,7 +109,7 @@ def average_loss_dicts(loss_dicts: list[dict[str, torch.Tensor]]) -> ReducedLoss
         if loss_dicts:
             reduced, layout = reduce_loss_dicts(loss_dicts)
             values = loss_values(layout, reduced.tolist())
-        return ReducedLosses.read_already(from_last_stage(values))
+        return ReducedLosses(values=from_last_stage(values))
     return ReducedLosses(*reduce_loss_dicts(loss_dicts))
 
 

@@ -70,14 +70,15 @@ def train_step(
         num_microbatches = args.num_microbatches
     if graph is not None:
         values, update_successful, grad_norm, num_zeros_in_grad = graph(data_iterator)
-        losses = ReducedLosses.read_already(values)
+        losses = ReducedLosses(values=values)
     else:
         loss_dicts = compute_gradients(
             forward_step_func, model, optimizer, args, data_iterator, num_microbatches
         )
+        # Before the step: their copy to the host is then queued ahead of the step's kernels.
+        losses = average_loss_dicts(loss_dicts)
         update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
         empty_unused_memory(args, level=2)
-        losses = average_loss_dicts(loss_dicts)
     if update_successful:
         # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
         scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)

@@ -152,6 +152,7 @@ class _StepValues:
     global_batch_size: int
     num_zeros_in_grad: int | None
     params_norm: float | None
+    consumed_samples: int
 
 
 @dataclasses.dataclass
@@ -198,6 +199,8 @@ class TrainingLog:
         # As Megatron-LM, the run's first iteration logs its line (its time shows the start's
         # one-off costs), leaving the interval's totals to the line that ends it.
         self._first_line_pending = True
+        # Iteration -> its MoE layers' metrics, for TensorBoard (`--moe-per-layer-logging`).
+        self._moe_layer_scalars: dict[int, ReducedLosses] = {}
 
     def record_iteration(
         self,
@@ -214,6 +217,7 @@ class TrainingLog:
         params_norm: float | None = None,
         auxiliary_losses: dict[str, float] | None = None,
         global_batch_size: int | None = None,
+        consumed_samples: int | None = None,
     ) -> None:
         """Adds one training iteration; logs the line when `iteration` ends an interval, or
         is the first of the run (resumed or not).
@@ -232,12 +236,16 @@ class TrainingLog:
             params_norm: the main weights' norm after its step (`--log-params-norm`).
             auxiliary_losses: its MoE auxiliary losses and multi-token prediction losses
                 (`report_moe_metrics`, `report_mtp_metrics`): averaged in the line like
-                `losses`; their scalars are written by the reports already.
+                `losses`, and written as scalars with them.
             global_batch_size: its global batch size, which a batch-size ramp
                 (`--rampup-batch-size`) makes smaller than `--global-batch-size`; None: that.
+            consumed_samples: the training samples consumed up to and including it; None: the
+                train state's (the loop may record an iteration after the next one ran).
         """
         if global_batch_size is None:
             global_batch_size = self.args.global_batch_size
+        if consumed_samples is None:
+            consumed_samples = self.train_state.consumed_train_samples
         values = _StepValues(
             grad_norm,
             learning_rate,
@@ -245,6 +253,7 @@ class TrainingLog:
             global_batch_size,
             num_zeros_in_grad,
             params_norm,
+            consumed_samples,
         )
         interval = self.interval
         interval.iterations += 1
@@ -259,7 +268,7 @@ class TrainingLog:
             for key, value in {**losses, **(auxiliary_losses or {})}.items():
                 interval.loss_sums[key] = interval.loss_sums.get(key, 0.0) + value
         if iteration % self.args.tensorboard_log_interval == 0:
-            self._write_iteration_scalars(iteration, losses, values)
+            self._write_iteration_scalars(iteration, losses, auxiliary_losses or {}, values)
         ends_interval = last or iteration % self.args.log_interval == 0
         if self.logs_line(iteration, last):
             report_rank_0(self._format_line(iteration, values))
@@ -280,78 +289,78 @@ class TrainingLog:
     def report_moe_metrics(self, iteration: int, num_microbatches: int) -> ReducedLosses:
         """The step's MoE auxiliary losses, averaged over microbatches, data-parallel ranks and
         MoE layers, the multi-token prediction depths' included (`MoEMetricsTracker.reduce`,
-        which then clears them), on the device until read; every `--tensorboard-log-interval`
-        also written as scalars, with each layer's under `--moe-per-layer-logging` (read then,
-        where a writer is active). Call it on every rank after every training step.
+        which then clears them), on the device until read. Call it on every rank after every
+        training step, and pass what it returns, read, to `record_iteration`, which writes
+        them as scalars every `--tensorboard-log-interval` (with each layer's under
+        `--moe-per-layer-logging`).
 
         Args:
             iteration: the step's number.
             num_microbatches: the step's microbatches (the recorded values are their sums).
 
         Returns:
-            name -> value, as Megatron-LM names them ("load_balancing_loss",
-            "seq_load_balancing_loss", "z_loss"); empty for a dense model.
+            The losses under Megatron-LM's names ("load_balancing_loss",
+            "seq_load_balancing_loss", "z_loss"); none for a dense model.
         """
         args = self.args
         if args.num_experts is None:
-            return ReducedLosses.read_already({})
+            return ReducedLosses(values={})
         pattern = layer_pattern(args.num_layers, args.num_experts, args.moe_layer_freq)
         # Each multi-token prediction depth has a layer like the decoder's last, numbered after
         # the decoder's (Megatron-LM counts them so).
         depths = args.mtp_num_layers or 0
         names = tracked_metrics(args.moe_router_load_balancing_type, args.moe_z_loss_coeff)
+        num_layers = args.num_layers + depths
         rows = get_moe_metrics_tracker().reduce(
             names,
-            args.num_layers + depths,
+            num_layers,
             sum(pattern) + depths * pattern[-1],
             loss_scale=1 / num_microbatches,
             device=self.device,
         )
         if rows is None:
-            return ReducedLosses.read_already({})
-        means = ReducedLosses(rows[:, 0].contiguous(), [(name, 1) for name in names])
-        if iteration % args.tensorboard_log_interval == 0 and self.writer.active:
-            self.writer.add_scalars(means.read(), iteration)
-            if args.moe_per_layer_logging:
-                per_layer = rows[:, 1:].tolist()
-                self.writer.add_scalars(
-                    {
-                        f"moe/{name}_layer_{layer}": value
-                        for name, values in zip(names, per_layer)
-                        for layer, value in enumerate(values)
-                    },
-                    iteration,
-                )
-        return means
+            return ReducedLosses(values={})
+        if (
+            args.moe_per_layer_logging
+            and iteration % args.tensorboard_log_interval == 0
+            and self.writer.active
+        ):
+            layout = [
+                (f"moe/{name}_layer_{layer}", 1) for name in names for layer in range(num_layers)
+            ]
+            self._moe_layer_scalars[iteration] = ReducedLosses(rows[:, 1:].flatten(), layout)
+        return ReducedLosses(rows[:, 0].contiguous(), [(name, 1) for name in names])
 
-    def report_mtp_metrics(self, iteration: int, num_microbatches: int) -> ReducedLosses:
+    def report_mtp_metrics(self, num_microbatches: int) -> ReducedLosses:
         """The step's multi-token prediction losses, one per depth, averaged over microbatches
         and data-parallel ranks (`MTPLossLoggingHelper.reduce`, which then clears them), on
-        the device until read; every `--tensorboard-log-interval` also written as scalars (read
-        then, where a writer is active). Call it on every rank after every training step.
+        the device until read. Call it on every rank after every training step, and pass what
+        it returns, read, to `record_iteration` (which writes them as scalars every
+        `--tensorboard-log-interval`).
 
         Args:
-            iteration: the step's number.
             num_microbatches: the step's microbatches (the recorded values are their sums).
 
         Returns:
-            name -> value, as Megatron-LM names them ("mtp_1 loss", "mtp_2 loss", ...); empty
+            The losses under Megatron-LM's names ("mtp_1 loss", "mtp_2 loss", ...); none
             without `--mtp-num-layers`.
         """
         depths = self.args.mtp_num_layers
         if depths is None:
-            return ReducedLosses.read_already({})
+            return ReducedLosses(values={})
         helper = get_mtp_loss_logging_helper()
         values = helper.reduce(depths, num_microbatches, device=self.device)
-        losses = ReducedLosses(values, [(name, 1) for name in helper.names(depths)])
-        if iteration % self.args.tensorboard_log_interval == 0 and self.writer.active:
-            self.writer.add_scalars(losses.read(), iteration)
-        return losses
+        return ReducedLosses(values, [(name, 1) for name in helper.names(depths)])
 
     def _write_iteration_scalars(
-        self, iteration: int, losses: dict[str, float], values: _StepValues
+        self,
+        iteration: int,
+        losses: dict[str, float],
+        auxiliary_losses: dict[str, float],
+        values: _StepValues,
     ) -> None:
         """One iteration's TensorBoard / wandb scalars, under Megatron-LM's tag names."""
+        layer_scalars = self._moe_layer_scalars.pop(iteration, None)
         if not self.writer.active:
             return  # most ranks: skip the memory statistics too
         args = self.args
@@ -370,8 +379,11 @@ class TrainingLog:
             "params-norm": values.params_norm,
         }
         scalars.update((tag, value) for tag, value in optional.items() if value is not None)
-        samples = self.train_state.consumed_train_samples
-        self.writer.add_scalars(scalars, iteration, samples=samples)
+        self.writer.add_scalars(scalars, iteration, samples=values.consumed_samples)
+        if auxiliary_losses:
+            self.writer.add_scalars(auxiliary_losses, iteration)
+        if layer_scalars is not None:
+            self.writer.add_scalars(layer_scalars.read(), iteration)
         if args.log_memory_to_tensorboard and self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             memory = {
@@ -393,7 +405,7 @@ class TrainingLog:
         tokens = interval.samples * args.seq_length
         fields = [
             f"iteration {iteration:8d}/{args.train_iters:8d}",
-            f"consumed samples: {self.train_state.consumed_train_samples:12d}",
+            f"consumed samples: {values.consumed_samples:12d}",
             f"elapsed time per iteration (ms): {seconds_per_iteration * 1000:.1f}",
             f"tokens/s/GPU: {tokens / interval.seconds / args.world_size:.1f}",
         ]

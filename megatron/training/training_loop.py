@@ -8,10 +8,12 @@ evaluation and the periodic save, in that order on every rank (their collectives
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Iterator
 
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -173,7 +175,17 @@ class _IterationResult:
     loss_scale: float  # after it: the scale the next iteration uses
     learning_rate: float
     global_batch_size: int
+    consumed_samples: int  # up to and including this iteration
     params_norm: float | None  # after the step (--log-params-norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unrecorded:
+    """An iteration done, and not yet in the history and the log (`_TrainingLoop.record`)."""
+
+    iteration: int
+    result: _IterationResult
+    last: bool  # training stops after it
     seconds: float
 
 
@@ -188,7 +200,12 @@ class _TrainingLoop:
     finds them computed: reading them at once would make the host wait for the step's GPU work
     instead of queueing the next iteration. They are read at once where they are needed now:
     a skipped step, the log's line, a save and the last iteration. The iterations go to the
-    history and the log in order, when their losses are read.
+    history and the log in order, when their losses are read (so an iteration whose successor
+    fails is not recorded).
+
+    An iteration's time runs from the end of the previous one's (its `record`) to the end of
+    its own, evaluations and saves between them left out: wall-clock time, in which the GPU
+    work the host did not wait for counts where the host waits for it.
     """
 
     forward_step_func: ForwardStepFunc
@@ -204,8 +221,8 @@ class _TrainingLoop:
     history: TrainingHistory
     graph: GraphedIteration | None
 
-    # The iteration whose losses are not read yet, and whether it was the last.
-    _unread: tuple[int, _IterationResult, bool] | None = dataclasses.field(default=None, init=False)
+    _unrecorded: _Unrecorded | None = dataclasses.field(default=None, init=False)
+    _clock: float = dataclasses.field(default=0.0, init=False)  # where the iteration's time starts
 
     def __post_init__(self) -> None:
         self.batch_sizes = batch_size_schedule(self.args)
@@ -218,6 +235,7 @@ class _TrainingLoop:
     def run(self) -> None:
         """Trains from the iteration after `state.iteration` until `--train-iters` or an exit."""
         args = self.args
+        self._clock = time.perf_counter()
         for iteration in range(self.state.iteration + 1, args.train_iters + 1):
             self.operations.before_iteration(iteration)
             result = self.step(iteration)
@@ -235,7 +253,6 @@ class _TrainingLoop:
         """Trains iteration `iteration` (`train_step`), reports its auxiliary losses, and
         advances the state past it."""
         args, optimizer = self.args, self.optimizer
-        start = time.perf_counter()
         global_batch_size = self.batch_sizes.global_batch_size(self.state.consumed_train_samples)
         samples_per_microbatch = args.micro_batch_size * args.data_parallel_size
         num_microbatches = global_batch_size // samples_per_microbatch
@@ -250,11 +267,10 @@ class _TrainingLoop:
             num_microbatches=num_microbatches,
             graph=self.graph,
         )
-        seconds = time.perf_counter() - start
         # Every step, on every rank (it all-reduces and clears the step's metrics).
         auxiliary_losses = (
             self.log.report_moe_metrics(iteration, num_microbatches),
-            self.log.report_mtp_metrics(iteration, num_microbatches),
+            self.log.report_mtp_metrics(num_microbatches),
         )
         self.state.record_iteration(
             iteration,
@@ -278,8 +294,8 @@ class _TrainingLoop:
             # one's).
             learning_rate=optimizer.param_groups[0]["lr"],
             global_batch_size=global_batch_size,
+            consumed_samples=self.state.consumed_train_samples,
             params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
-            seconds=seconds,
         )
 
     def exit_reason(self, iteration: int) -> str | None:
@@ -290,29 +306,37 @@ class _TrainingLoop:
         return stop_reason
 
     def record(self, iteration: int, result: _IterationResult, last: bool) -> None:
-        """Adds the iteration before `iteration` to the history and the log, and this one too
-        where its losses are needed now (`last`: training stops after it); see the class."""
-        self._record_unread()
+        """Ends the iteration's time; adds the iteration before it to the history and the log,
+        and this one too where its losses are needed now (`last`: training stops after it); see
+        the class."""
+        self._record_unrecorded()
         parts = (result.losses, *result.auxiliary_losses)
-        if last or self.log.logs_line(iteration, last):
-            start = time.perf_counter()
+        if result.skipped or self.log.logs_line(iteration, last):
             for part in parts:
                 part.read()
-            # The wait for the GPU is the iteration's time.
-            seconds = result.seconds + time.perf_counter() - start
-            result = dataclasses.replace(result, seconds=seconds)
-        self._unread = (iteration, result, last)
-        # Read already: a skipped step, a CUDA graph, pipeline stages, or just now.
+        now = time.perf_counter()
+        self._unrecorded = _Unrecorded(iteration, result, last, now - self._clock)
+        self._clock = now
+        # Read already: just now, or by a CUDA graph or pipeline stages.
         if all(part.is_read for part in parts):
-            self._record_unread()
+            self._record_unrecorded()
 
-    def _record_unread(self) -> None:
+    @contextlib.contextmanager
+    def _untimed(self) -> Iterator[None]:
+        """Leaves what runs inside out of the iterations' time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._clock += time.perf_counter() - start
+
+    def _record_unrecorded(self) -> None:
         """Adds the iteration not yet recorded (if any) to the history and the log, once its
         losses are read."""
-        if self._unread is None:
+        if self._unrecorded is None:
             return
-        iteration, result, last = self._unread
-        self._unread = None
+        done, self._unrecorded = self._unrecorded, None
+        iteration, result = done.iteration, done.result
         losses = result.losses.read()
         if self.args.check_for_nan_in_loss_and_grad:
             check_losses_finite(losses)
@@ -342,13 +366,14 @@ class _TrainingLoop:
             result.skipped,
             result.grad_norm,
             result.learning_rate,
-            result.seconds,
-            last=last,
+            done.seconds,
+            last=done.last,
             loss_scale=result.loss_scale,
             num_zeros_in_grad=result.num_zeros_in_grad,
             params_norm=result.params_norm,
             auxiliary_losses=auxiliary_losses,
             global_batch_size=result.global_batch_size,
+            consumed_samples=result.consumed_samples,
         )
 
     def evaluate_periodically(self, iteration: int) -> None:
@@ -362,7 +387,7 @@ class _TrainingLoop:
             return
         if self.graph is not None:
             self.graph.before_eager_use()
-        with self.operations.evaluation():
+        with self._untimed(), self.operations.evaluation():
             self.history.validation_losses[iteration] = evaluate_and_print_results(
                 self.forward_step_func,
                 self.valid_data_iterator,
@@ -385,5 +410,6 @@ class _TrainingLoop:
             or (args.save_interval is not None and iteration % args.save_interval == 0)
         ):
             # A non-finite loss (--check-for-nan-in-loss-and-grad) raises before the save.
-            self._record_unread()
-            save_checkpoint(self.state, self.model, self.optimizer, self.scheduler, args)
+            self._record_unrecorded()
+            with self._untimed():
+                save_checkpoint(self.state, self.model, self.optimizer, self.scheduler, args)

@@ -25,7 +25,7 @@ def test_read_gives_each_sum_over_its_count_and_the_means_once():
 def test_a_pair_without_a_count_reads_as_nan_and_values_on_the_host_read_as_given():
     assert math.isnan(ReducedLosses(torch.tensor([1.0, 0.0, 2.0]), LAYOUT).read()["lm loss"])
     given = {"lm loss": 2.5}
-    losses = ReducedLosses.read_already(given)
+    losses = ReducedLosses(values=given)
     assert losses.is_read and losses.read() == given
 
 

@@ -343,20 +343,29 @@ def _pretrain_reporting_inf(flags: list[str]) -> dict:
     return dict(error=None, started=started)
 
 
-@pytest.mark.parametrize("save", [False, True])
-def test_a_non_finite_loss_of_a_step_taken_raises_before_a_save(save, tmp_path_factory):
+@pytest.mark.parametrize("variant", ["plain", "save", "moe-tensorboard", "pipeline"])
+def test_a_non_finite_loss_of_a_step_taken_raises_before_a_save(variant, tmp_path_factory):
     """The loop reads a step's losses at the next iteration unless it needs them at once: the
-    check raises there on every rank, or before a save of the iteration."""
+    check raises there on every rank (also where rank 0 alone writes TensorBoard scalars, an
+    MoE model's per layer too, and where pipeline stages read the losses at once), or before a
+    save of the iteration."""
     k = INF_ITERATION
     flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "5"]
     flags += ZERO3
     directory = str(tmp_path_factory.mktemp("save"))
-    if save:
+    if variant == "save":
         flags += ["--save", directory, "--save-interval", str(k)]
+    if variant in ("moe-tensorboard", "pipeline"):
+        flags += ["--num-experts", "2", "--moe-per-layer-logging"]
+        flags += ["--tensorboard-dir", str(tmp_path_factory.mktemp("tensorboard"))]
+    if variant == "pipeline":  # its losses are read at once; the MoE losses are not
+        flags = [flag for flag in flags if flag not in ZERO3]
+        # One data-parallel rank: 2 microbatches of 2 make a global batch of 4.
+        flags += ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
     results = run_distributed(_pretrain_reporting_inf, 2, flags)
     for result in results:
         assert "The loss is not finite" in result["error"]
-        assert result["started"] == list(range(1, k + 1 + (not save)))
+        assert result["started"] == list(range(1, k + 1 + (variant != "save")))
     assert os.listdir(directory) == []
 
 

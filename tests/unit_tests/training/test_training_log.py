@@ -244,7 +244,7 @@ def test_mtp_losses_join_the_line_and_are_written_every_tensorboard_interval(mes
         for depth, value in enumerate(values, start=1):
             for _ in range(2):
                 helper.record(torch.tensor(value), depth, 2)
-        mtp_losses = log.report_mtp_metrics(iteration, num_microbatches=2).read()
+        mtp_losses = log.report_mtp_metrics(num_microbatches=2).read()
         assert mtp_losses == pytest.approx({"mtp_1 loss": values[0], "mtp_2 loss": values[1]})
         log.record_iteration(
             iteration, {"lm loss": 4.0}, False, 1.0, 1e-2, 0.1, auxiliary_losses=mtp_losses
@@ -255,7 +255,7 @@ def test_mtp_losses_join_the_line_and_are_written_every_tensorboard_interval(mes
     )
     mtp_scalars = [s for s in tensorboard.scalars if s[0].startswith("mtp_")]
     assert mtp_scalars == [("mtp_1 loss", 3.0, 2), ("mtp_2 loss", 5.0, 2)]
-    assert _training_log().report_mtp_metrics(1, num_microbatches=1).read() == {}
+    assert _training_log().report_mtp_metrics(num_microbatches=1).read() == {}
 
 
 def test_an_fp8_run_names_its_recipe_and_counts_bf16_flops(messages):
