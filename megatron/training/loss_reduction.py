@@ -72,7 +72,7 @@ class ReducedLosses:
         values: dict[str, float] | None = None,
     ) -> None:
         if (reduced is None) == (values is None):
-            raise ValueError("ReducedLosses takes the reduced losses or their values, not both.")
+            raise ValueError("ReducedLosses takes either the reduced losses or their values.")
         self._layout = layout
         self._values = values
         self._host = reduced

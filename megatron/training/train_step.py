@@ -82,7 +82,8 @@ def train_step(
     if update_successful:
         # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
         scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
-    # A non-finite loss or norm means the step was skipped; the step synchronised on the norm.
+    # A skipped step's losses are read here: the step waited for its norm already, and a
+    # non-finite norm usually comes of a non-finite loss, which is the error to report.
     elif args.check_for_nan_in_loss_and_grad:
         check_losses_finite(losses.read())
         # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
