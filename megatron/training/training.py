@@ -17,11 +17,13 @@ in `megatron.training.train_step`) on either engine::
             forward, loss / num_microbatches, backward
     model.finish_grad_sync()
     update_expert_bias(...)            # --moe-router-enable-expert-bias
+    average_loss_dicts(...)            # the reported losses, on the device until read
     optimizer.step()                   # global grad norm; skip if not finite; clip; step
     scheduler.step(global batch)       # in samples, only after a real update, as Megatron-LM's
     # with --check-for-nan-in-loss-and-grad (the default): raise on a non-finite loss or norm
-    get_moe_metrics_tracker().report(...)  # every step: the MoE losses of the log, cleared
-    get_mtp_loss_logging_helper().report(...)  # likewise the multi-token prediction losses
+    # (a skipped step's here; a taken step's where the loop reads its losses)
+    get_moe_metrics_tracker().reduce(...)  # every step: the MoE losses of the log, cleared
+    get_mtp_loss_logging_helper().reduce(...)  # likewise the multi-token prediction losses
 
 The script supplies `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`,
 where `loss_func(output_tensor) -> (loss, {"lm loss": loss, ...})`: the scalar to
