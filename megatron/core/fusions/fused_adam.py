@@ -56,7 +56,13 @@ _BLOCKS_PER_PROGRAM = 4
 enough that a program's loads are not serialised behind one another's (longer loops were
 slower on an H200)."""
 
-_CHUNK = _BLOCK * _BLOCKS_PER_PROGRAM
+_RECORDING_BLOCKS_PER_PROGRAM = 16
+"""Iterations per program of a launch that records absolute maxima: each program max-es its
+maximum into its tensor's slot, and four times fewer programs contend for the slots. On an
+H200 (2.0B elements of a Llama-3-8B-shaped model, 32 weights recorded) the step took 14.1 ms
+against 15.1 ms with 4 iterations; without recording, 16 iterations were 5% slower than 4."""
+
+_WARPS = 4
 
 _ROW = 8
 """Entries of a tensor's row in the address table: weight, first moment, second moment, model
@@ -363,8 +369,8 @@ class _Launch:
             RECORD_AMAX=bool(self.amax_rows),
             COPY_DTYPE=_TRITON_DTYPES[self.copy_dtype],
             BLOCK=_BLOCK,
-            BLOCKS=_BLOCKS_PER_PROGRAM,
-            num_warps=4,
+            BLOCKS=self.tables.blocks_per_program,
+            num_warps=_WARPS,
         )
 
 
@@ -375,6 +381,8 @@ class _Tables:
 
     fixed: list[tuple[int, ...]]
     """Each tensor's row without its gradient's address (`_ROW`'s first seven entries)."""
+    blocks_per_program: int
+    """`_BLOCK`s each program updates: the program map's chunks are this many."""
     fixed_rows: torch.Tensor
     """`fixed` as an int64 host tensor, the part of each address table that readdressing keeps."""
     grads: list[int]
@@ -565,10 +573,13 @@ def _plan_group(
     if not isinstance(lr, torch.Tensor):
         hyper_values += (lr,)
     if moved:
-        sizes_kept = len(fixed) == len(previous) and all(
-            row[5] == old[5] for row, old in zip(fixed, previous)
+        # The program map holds while the sizes and the program length stay.
+        map_kept = (
+            len(fixed) == len(previous)
+            and all(row[5] == old[5] for row, old in zip(fixed, previous))
+            and _blocks_per_program(fixed) == tables.blocks_per_program
         )
-        if sizes_kept:
+        if map_kept:
             tables = tables.readdressed(grad_addresses, capturing, fixed)
         elif capturing:  # a program map made now would be copied from pageable host memory
             raise _Unfusable
@@ -599,6 +610,14 @@ def _plan_group(
     )
 
 
+def _blocks_per_program(fixed: list[tuple[int, ...]]) -> int:
+    """The program length of a launch over the rows `fixed` (`_RECORDING_BLOCKS_PER_PROGRAM`
+    where a row records an absolute maximum)."""
+    if any(row[6] != _NO_AMAX for row in fixed):
+        return _RECORDING_BLOCKS_PER_PROGRAM
+    return _BLOCKS_PER_PROGRAM
+
+
 def _build_tables(
     fixed: list[tuple[int, ...]],
     grads: list[int],
@@ -607,13 +626,16 @@ def _build_tables(
 ) -> _Tables:
     fixed_rows = torch.tensor(fixed, dtype=torch.int64)
     numels = fixed_rows[:, 5]
-    chunks = (numels + _CHUNK - 1) // _CHUNK
+    blocks = _blocks_per_program(fixed)
+    chunk = _BLOCK * blocks
+    chunks = (numels + chunk - 1) // chunk
     tensor_of = torch.repeat_interleave(torch.arange(len(fixed)), chunks)
     first = torch.cumsum(chunks, 0) - chunks
     chunk_of = torch.arange(len(tensor_of)) - first[tensor_of]
     programs = torch.stack([tensor_of, chunk_of], dim=1).to(torch.int32)
     return _Tables(
         fixed=fixed,
+        blocks_per_program=blocks,
         fixed_rows=fixed_rows,
         grads=grads,
         tensors=_address_table(fixed_rows, grads).to(device, non_blocking=True),

@@ -562,3 +562,43 @@ def test_kernel_slots_shared_with_other_weights_and_written_by_hooks():
             assert shared.item() == max(mains[0].abs().max().item(), gradless.abs().max().item())
             assert own.item() == mains[1].abs().max().item()
     assert len(fused_adam._tables[optimizer]) == 2  # the kernel ran
+
+
+def _steps_switching_records(records: tuple[bool, ...]) -> tuple[list[list], list[int]]:
+    """AdamW steps over `_problem`'s weights, recording every weight's maximum in the steps
+    where `records` says so; each step's snapshot and its first group's program length."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+    history, lengths = [], []
+    with torch.no_grad():
+        for step, record in enumerate(records):
+            for main, grad in zip(mains, grads[step % len(grads)]):
+                main.grad = grad.clone()
+            slots = [torch.zeros((), device="cuda") for _ in mains]
+            requests = [fused_adam.StepAmaxes(list(zip(slots, mains)), lambda: None)]
+            step_and_copy(optimizer, list(zip(models, mains)), requests if record else [])
+            if record:
+                assert all(
+                    slot.item() == main.abs().max().item() for slot, main in zip(slots, mains)
+                )
+            history.append(_snapshot(optimizer, mains, models))
+            tables = fused_adam._tables.get(optimizer, {}).get(0)
+            lengths.append(None if tables is None else tables.blocks_per_program)
+    return history, lengths
+
+
+@pytest.mark.gpu
+def test_steps_that_record_maxima_update_as_steps_that_do_not():
+    """A launch that records maxima runs longer programs over a program map of its own: steps
+    switching between recording and not (the map made again each time) leave the weights,
+    moments and counts of steps that never record, bit for bit."""
+    records = (False, True, True, False, True, False)
+    got, lengths = _steps_switching_records(records)
+    expected, plain_lengths = _steps_switching_records((False,) * len(records))
+    _assert_equal_histories(got, expected)
+    # The first step is torch's (it makes the moments); the kernel takes the others.
+    recording, plain = fused_adam._RECORDING_BLOCKS_PER_PROGRAM, fused_adam._BLOCKS_PER_PROGRAM
+    assert lengths[1:] == [recording if record else plain for record in records[1:]]
+    assert plain_lengths[1:] == [plain] * (len(records) - 1)
+    # A weight of 40000 elements spans several of the longer programs too.
+    assert SHAPES[0][0] > 2 * fused_adam._BLOCK * recording
