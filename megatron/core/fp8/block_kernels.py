@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core.fp8.recipe import fp8_max
+from megatron.core.fusions.triton_launch import TritonLaunch
 
 try:
     import triton
@@ -65,7 +66,8 @@ def cast_1x128(
         )
     if x.numel():
         unused = x  # a pointer argument whose flag is off: never written
-        _cast_1x128_kernel[(padded_rows // BLOCK, col_blocks)](
+        _launch_1x128(
+            (padded_rows // BLOCK, col_blocks),
             x,
             data.view(torch.uint8) if rowwise else unused,
             scales if rowwise else unused,
@@ -79,7 +81,6 @@ def cast_1x128(
             TRANSPOSE=transpose,
             E4M3=dtype == torch.float8_e4m3fn,
             BLOCK=BLOCK,
-            num_warps=_WARPS,
         )
     if transpose:
         transposed_scales = transposed_scales.t()
@@ -104,7 +105,8 @@ def cast_128x128(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     padded_blocks = 4 * triton.cdiv(col_blocks, 4)
     scales = torch.zeros(row_blocks, padded_blocks, dtype=torch.float32, device=x.device)
     if x.numel():
-        _cast_128x128_kernel[(row_blocks, col_blocks)](
+        _launch_128x128(
+            (row_blocks, col_blocks),
             x,
             data.view(torch.uint8),
             scales,
@@ -114,7 +116,6 @@ def cast_128x128(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
             fp8_max(dtype),
             E4M3=dtype == torch.float8_e4m3fn,
             BLOCK=BLOCK,
-            num_warps=_WARPS,
         )
     return data, scales[:, :col_blocks]
 
@@ -231,3 +232,6 @@ if triton is not None:
         tl.store(
             scale_inv_ptr + row_block * scale_row_stride + col_block, _power_of_2_inverse(scale)
         )
+
+    _launch_1x128 = TritonLaunch(_cast_1x128_kernel, num_warps=_WARPS)
+    _launch_128x128 = TritonLaunch(_cast_128x128_kernel, num_warps=_WARPS)

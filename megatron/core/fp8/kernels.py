@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fusions.triton_launch import TritonLaunch
+
 try:
     import triton
     import triton.language as tl
@@ -126,10 +128,12 @@ def cast_to_fp8(
     scale_inv = torch.empty(
         () if scale is None else scale.shape, dtype=torch.float32, device=x.device
     )
-    grid = (triton.cdiv(padded_rows, _BLOCK_ROWS), triton.cdiv(cols, _BLOCK_COLS))
+    # Plain integer arithmetic: `triton.cdiv` unwraps constexprs, microseconds per launch.
+    grid = (-(-padded_rows // _BLOCK_ROWS), -(-cols // _BLOCK_COLS))
     # The row-major and transposed outputs' byte views: Triton stores FP8 values as their bytes.
     dummy = scale_inv  # an unused pointer argument (never written when its flag is off)
-    _cast_kernel[grid](
+    _launch_cast(
+        grid,
         x,
         scale_source,
         record if record is not None else dummy,
@@ -148,7 +152,6 @@ def cast_to_fp8(
         ROUNDING=_ROUNDINGS[rounding],
         BLOCK_ROWS=_BLOCK_ROWS,
         BLOCK_COLS=_BLOCK_COLS,
-        num_warps=_CAST_WARPS,
     )
     return data, scale_inv, transposed
 
@@ -162,14 +165,9 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     rows, cols = data.shape
     out = torch.empty(cols, rows, dtype=data.dtype, device=data.device)
     if data.numel():
-        grid = (triton.cdiv(cols, _TRANSPOSE_BLOCK), triton.cdiv(rows, _TRANSPOSE_BLOCK))
-        _transpose_kernel[grid](
-            data.view(torch.uint8),
-            out.view(torch.uint8),
-            rows,
-            cols,
-            BLOCK=_TRANSPOSE_BLOCK,
-            num_warps=_TRANSPOSE_WARPS,
+        grid = (-(-cols // _TRANSPOSE_BLOCK), -(-rows // _TRANSPOSE_BLOCK))
+        _launch_transpose(
+            grid, data.view(torch.uint8), out.view(torch.uint8), rows, cols, BLOCK=_TRANSPOSE_BLOCK
         )
     return out
 
@@ -178,8 +176,7 @@ def record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
     """Max-es `max |x|` (NaNs skipped) into `amax` (one fp32 element), `x` contiguous."""
     numel = x.numel()
     if numel:
-        grid = (triton.cdiv(numel, _AMAX_BLOCK),)
-        _amax_kernel[grid](x, amax, numel, BLOCK=_AMAX_BLOCK, num_warps=_AMAX_WARPS)
+        _launch_amax((-(-numel // _AMAX_BLOCK),), x, amax, numel, BLOCK=_AMAX_BLOCK)
 
 
 if triton is not None:
@@ -295,3 +292,7 @@ if triton is not None:
                 _to_fp8_bytes(scaled_t, E4M3),
                 mask=(row_t < padded_rows) & (col_t < cols),
             )
+
+    _launch_cast = TritonLaunch(_cast_kernel, num_warps=_CAST_WARPS)
+    _launch_transpose = TritonLaunch(_transpose_kernel, num_warps=_TRANSPOSE_WARPS)
+    _launch_amax = TritonLaunch(_amax_kernel, num_warps=_AMAX_WARPS)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fusions.triton_launch import TritonLaunch
 from megatron.core.utils import direct_apply, once_differentiable
 
 try:
@@ -139,8 +140,8 @@ def _rotate(
     block_n = min(1 << (max(q_heads, k_heads) - 1).bit_length(), heads_per_program)
     q_blocks = (q_heads + block_n - 1) // block_n
     grid = (seq * batch, q_blocks + (k_heads + block_n - 1) // block_n)
-    _rotate_kernel[grid](
-        query, key, q_out, k_out, cos, sin,
+    _launch_rotate(
+        grid, query, key, q_out, k_out, cos, sin,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         batch, q_heads, k_heads, q_blocks, dim, rot_dim,
@@ -215,3 +216,5 @@ if triton is not None:
                 cos_ptr, sin_ptr, k_stride_n, k_heads, (block - q_blocks) * BLOCK_N, dim, rot_dim,
                 BLOCK_N, BLOCK_D, INTERLEAVED, TRANSPOSE,
             )  # fmt: skip
+
+    _launch_rotate = TritonLaunch(_rotate_kernel)
