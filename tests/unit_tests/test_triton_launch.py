@@ -25,6 +25,7 @@ def test_integers_are_keyed_by_width_one_and_divisibility_by_16():
     assert specialisation(-(2**31)) == (32, False, True)
     assert specialisation(2**31) == (64, False, True)
     assert specialisation(2**63) == (65, False, True)
+    assert specialisation(2**64 - 1) == (65, False, False)
     assert specialisation(True) is bool and specialisation(0.5) is float
     assert specialisation(None) is type(None)
 
@@ -40,6 +41,9 @@ def test_tensors_are_keyed_by_dtype_and_16_byte_alignment():
 def test_other_arguments_are_not_keyed():
     with pytest.raises(triton_launch._Unkeyed):
         specialisation("text")
+    for refused in (2**64, -(2**63) - 1):  # beyond Triton's integers
+        with pytest.raises(triton_launch._Unkeyed):
+            specialisation(refused)
     with pytest.raises(triton_launch._Unkeyed):
         specialisation(torch.float32)
 
@@ -65,10 +69,16 @@ class _Kernel:
         self.direct.append(arguments)
 
 
-def _triton(version: str = "3.6.0", hooks: list | None = None) -> SimpleNamespace:
-    chain = SimpleNamespace(calls=hooks or [])
-    runtime = SimpleNamespace(launch_enter_hook=chain, launch_exit_hook=SimpleNamespace(calls=[]))
-    return SimpleNamespace(__version__=version, knobs=SimpleNamespace(runtime=runtime))
+def _triton(
+    version: str = "3.6.0", hooks: list | None = None, debug: bool = False, mode: str = ""
+) -> SimpleNamespace:
+    runtime = SimpleNamespace(
+        launch_enter_hook=SimpleNamespace(calls=hooks or []),
+        launch_exit_hook=SimpleNamespace(calls=[]),
+        debug=debug,
+    )
+    knobs = SimpleNamespace(runtime=runtime, compilation=SimpleNamespace(instrumentation_mode=mode))
+    return SimpleNamespace(__version__=version, knobs=knobs)
 
 
 @pytest.fixture
@@ -108,28 +118,65 @@ def test_each_specialisation_compiles_through_triton_then_launches_directly():
         launch((1,), x, 2**40, 0.5, BLOCK=64, FLAG=True)  # 64 bits
         launch((1,), x.double(), 48, 0.5, BLOCK=64, FLAG=True)  # another dtype
         launch((1,), x, 48, 0.5, BLOCK=128, FLAG=True)  # another constexpr
-        assert len(kernel.through_triton) == 7 and len(kernel.direct) == 1
+        launch((1,), x, 48, 0.5, BLOCK=64, FLAG=1)  # equal to True, of another type
+        assert len(kernel.through_triton) == 8 and len(kernel.direct) == 1
         launch((1,), x, 1, 0.5, BLOCK=64, FLAG=True)
-        assert len(kernel.through_triton) == 7 and len(kernel.direct) == 2
+        assert len(kernel.through_triton) == 8 and len(kernel.direct) == 2
+
+
+@pytest.mark.usefixtures("on_a_gpu")
+def test_a_launch_a_cache_hook_took_is_not_kept():
+    """Triton's `kernel[grid]` returns no compiled kernel where a cache hook took the launch:
+    the next launch goes through Triton again."""
+
+    class Hooked(_Kernel):
+        def __getitem__(self, grid):
+            launch = super().__getitem__(grid)
+            return lambda *args, **kwargs: launch(*args, **kwargs) and None
+
+    kernel = Hooked(["x", "BLOCK"], {"BLOCK"})
+    launch = _launcher(kernel)
+    with mock.patch.object(triton_launch, "triton", _triton()):
+        for _ in range(2):
+            launch((1,), torch.zeros(4), BLOCK=64)
+    assert len(kernel.through_triton) == 2 and not kernel.direct and not launch._launches
 
 
 @pytest.mark.usefixtures("on_a_gpu")
 @pytest.mark.parametrize(
-    "case", ["hooks", "old release", "new release", "pre-run hook", "unkeyed", "constexpr first"]
+    "case",
+    [
+        "hooks",
+        "debug",
+        "instrumentation",
+        "release 3.3",
+        "release 3.7",
+        "rocm",
+        "pre-run hook",
+        "unkeyed",
+        "constexpr first",
+        "option per call",
+    ],
 )
 def test_what_cannot_be_vouched_for_always_goes_through_triton(case):
     names = ["BLOCK", "x", "n"] if case == "constexpr first" else ["x", "n", "BLOCK"]
     kernel = _Kernel(names, {"BLOCK"})
-    version = {"old release": "3.1.0", "new release": "3.7.0"}.get(case, "3.6.0")
-    hooks = [print] if case == "hooks" else None
-    launch = _launcher(kernel, version=version)
+    version = {"release 3.3": "3.3.1", "release 3.7": "3.7.0"}.get(case, "3.6.0")
+    with mock.patch.object(torch.version, "hip", "6.4" if case == "rocm" else None):
+        launch = _launcher(kernel, version=version)
     if case == "pre-run hook":
         kernel.pre_run_hooks.append(print)
     n = "48" if case == "unkeyed" else 48
     args = (n, torch.zeros(4)) if case == "constexpr first" else (torch.zeros(4), n)
-    with mock.patch.object(triton_launch, "triton", _triton(hooks=hooks)):
+    options = {"num_stages": 2} if case == "option per call" else {}
+    knobs = _triton(
+        hooks=[print] if case == "hooks" else None,
+        debug=case == "debug",
+        mode="fpsan" if case == "instrumentation" else "",
+    )
+    with mock.patch.object(triton_launch, "triton", knobs):
         for _ in range(3):
-            launch((1,), *args, BLOCK=64)
+            launch((1,), *args, BLOCK=64, **options)
     assert len(kernel.through_triton) == 3 and not kernel.direct
 
 
@@ -174,11 +221,7 @@ def test_the_kept_kernel_is_tritons_own_and_casts_alike(offset, shape, transpose
         tritons = kernels._cast_kernel.warmup(
             *args, grid=grid, num_warps=kernels._CAST_WARPS, **constexprs
         )
-    key = (
-        torch.cuda.current_device(),
-        tuple(constexprs[name] for name in launch._constexpr_names),
-        tuple(map(specialisation, args)),
-    )
+    key, _ = launch._key(torch.cuda.current_device(), args, constexprs)
     assert launch._launches[key][1] == tritons.function
     for data, scale_inv, transposed in results:
         assert torch.equal(data.view(torch.uint8), expected.data.view(torch.uint8))

@@ -15,8 +15,12 @@ integer by its width (32 or 64 bits, signed or not), whether it is 1 and whether
 of 16, a constexpr by its value, a float or a bool by its type.
 
 Where that cannot be vouched for, every launch goes through `kernel[grid]`: a Triton release
-outside those whose launcher this was checked against (`_CHECKED_RELEASES`), launch or pre-run
-hooks set (profilers such as Proton), an argument of another type, `torch.compile` tracing.
+outside those whose launcher this was checked against (`_CHECKED_RELEASES`), ROCm (whose Triton
+also specialises pointers on their buffers' sizes), launch or pre-run hooks set (profilers such
+as Proton), Triton's debug or instrumentation modes, an argument of another type or out of
+Triton's integer range, a launch option passed per call, `torch.compile` tracing. Unlike
+`kernel[grid]`, a kept launch does not check that the globals the kernel read when it compiled
+are unchanged: kernels launched this way read constants only.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ try:
 except ImportError:  # CPU-only PyTorch builds
     triton = None
 
-_CHECKED_RELEASES = ((3, 2), (3, 6))
+_CHECKED_RELEASES = ((3, 4), (3, 6))
 """The first and last Triton releases (major, minor) whose compiled kernels launch as
 `kernel.run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
-enter_hook, exit_hook, *args)`, the arguments being all of the kernel's, constexprs included."""
+enter_hook, exit_hook, *args)`, the arguments being all of the kernel's, constexprs included
+(3.3 and earlier pass the non-constexpr ones only, and keep no `triton.knobs`)."""
 
 _INT32 = range(-(2**31), 2**31)
 _INT64 = range(-(2**63), 2**63)
+_UINT64 = range(2**63, 2**64)
 
 
 class _Unkeyed(Exception):
@@ -52,7 +58,14 @@ def specialisation(arg: Any) -> Any:
     """
     kind = type(arg)
     if kind is int:
-        width = 32 if arg in _INT32 else 64 if arg in _INT64 else 65
+        if arg in _INT32:
+            width = 32
+        elif arg in _INT64:
+            width = 64
+        elif arg in _UINT64:
+            width = 65  # unsigned
+        else:  # Triton refuses it
+            raise _Unkeyed
         return (width, arg == 1, arg % 16 == 0)
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
@@ -71,7 +84,7 @@ def _current_stream() -> Callable[[int], int]:
 
 
 def _release_checked() -> bool:
-    if triton is None:
+    if triton is None or torch.version.hip is not None:
         return False
     try:
         release = tuple(int(part) for part in triton.__version__.split(".")[:2])
@@ -80,16 +93,18 @@ def _release_checked() -> bool:
     return _CHECKED_RELEASES[0] <= release <= _CHECKED_RELEASES[1]
 
 
-def _hooks_set() -> bool:
+def _instrumented() -> bool:
     """Whether Triton's launch hooks would call anything (Triton 3.4 on keeps chains of them,
-    empty by default; earlier releases a hook or None)."""
+    empty by default), or its debug or instrumentation modes are on (both in its kernels'
+    cache keys)."""
     knobs = getattr(triton, "knobs", None)
     if knobs is None:
         return True
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    runtime = knobs.runtime
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
-    return False
+    return bool(runtime.debug or knobs.compilation.instrumentation_mode)
 
 
 class TritonLaunch:
@@ -110,7 +125,7 @@ class TritonLaunch:
         self._direct = _release_checked() and flags == sorted(flags)
         self._stream = _current_stream()
         self._launches: dict[tuple, tuple[Any, Any, Any]] = {}
-        """(device, constexprs, specialisations) -> (launcher, function, packed metadata)."""
+        """`_key` -> (launcher, function, packed metadata)."""
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
         """`kernel[grid](*args, **constexprs, **options)`.
@@ -124,26 +139,42 @@ class TritonLaunch:
             not self._direct
             or len(args) != self._arity
             or self._kernel.pre_run_hooks
-            or _hooks_set()
+            or len(constexprs) != len(self._constexpr_names)
+            or _instrumented()
             or torch.compiler.is_compiling()
         ):
             self._kernel[grid](*args, **constexprs, **self._options)
             return
         device = torch.cuda.current_device()
         try:
-            constants = tuple(constexprs[name] for name in self._constexpr_names)
-            key = (device, constants, tuple(map(specialisation, args)))
-        except (KeyError, _Unkeyed):
+            key, constants = self._key(device, args, constexprs)
+            launch = self._launches.get(key)
+        except (KeyError, TypeError, _Unkeyed):  # a missing or unhashable constexpr too
             self._kernel[grid](*args, **constexprs, **self._options)
             return
-        launch = self._launches.get(key)
         if launch is None:
             compiled = self._kernel[grid](*args, **constexprs, **self._options)
             if hasattr(compiled, "result"):  # compiled asynchronously
                 compiled = compiled.result()
-            # `run` loads the kernel's module on its first use.
-            self._launches[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            if compiled is not None:  # None: a cache hook took the launch
+                # `run` loads the kernel's module on its first use.
+                self._launches[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
         run, function, metadata = launch
         x, y, z = (*grid, 1, 1)[:3]
         run(x, y, z, self._stream(device), function, metadata, None, None, None, *args, *constants)
+
+    def _key(
+        self, device: int, args: tuple[Any, ...], constexprs: dict[str, Any]
+    ) -> tuple[tuple, tuple[Any, ...]]:
+        """The kept launches' key of these arguments on `device`, and the constexprs' values in
+        the kernel's order.
+
+        Raises:
+            KeyError: a constexpr is missing.
+            _Unkeyed: an argument whose specialisation is not derived here.
+        """
+        constants = tuple(constexprs[name] for name in self._constexpr_names)
+        # Their types too: Triton compiles `True`, `1` and `1.0` into different kernels.
+        types = tuple(map(type, constants))
+        return (device, constants, types, tuple(map(specialisation, args))), constants
