@@ -12,7 +12,7 @@ made (the first launch of each specialisation goes through `kernel[grid]`), and 
 through that kernel's launcher with nothing else on the way. The specialisation is derived here
 as Triton derives it: a tensor by its dtype and whether its address is a multiple of 16 bytes, an
 integer by its width (32 or 64 bits, signed or not), whether it is 1 and whether it is a multiple
-of 16, a constexpr by its value, a float or a bool by its type.
+of 16, a constexpr by its value and type, a float or a bool by its type.
 
 Where that cannot be vouched for, every launch goes through `kernel[grid]`: a Triton release
 outside those whose launcher this was checked against (`_CHECKED_RELEASES`), ROCm (whose Triton
@@ -54,7 +54,7 @@ def specialisation(arg: Any) -> Any:
     """What Triton compiles a kernel argument's value into (the module docstring).
 
     Raises:
-        _Unkeyed: an argument of another type.
+        _Unkeyed: an argument of another type, or an integer beyond Triton's 64 bits.
     """
     kind = type(arg)
     if kind is int:
