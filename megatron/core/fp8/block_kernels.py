@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fp8.quantize import round_up
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fusions.triton_launch import TritonLaunch
 
@@ -53,7 +54,8 @@ def cast_1x128(
     """
     rows, cols = x.shape
     x = x.contiguous()
-    padded_rows, col_blocks = BLOCK * triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
+    # Plain integer arithmetic, as `kernels.cast_to_fp8`: `triton.cdiv` costs host time.
+    padded_rows, col_blocks = round_up(rows, BLOCK), -(-cols // BLOCK)
     device = x.device
     data = scales = transposed = transposed_scales = None
     if rowwise:
@@ -100,9 +102,9 @@ def cast_128x128(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     """
     rows, cols = x.shape
     x = x.contiguous()
-    row_blocks, col_blocks = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
+    row_blocks, col_blocks = -(-rows // BLOCK), -(-cols // BLOCK)
     data = torch.empty(rows, cols, dtype=dtype, device=x.device)
-    padded_blocks = 4 * triton.cdiv(col_blocks, 4)
+    padded_blocks = round_up(col_blocks, 4)
     scales = torch.zeros(row_blocks, padded_blocks, dtype=torch.float32, device=x.device)
     if x.numel():
         _launch_128x128(
