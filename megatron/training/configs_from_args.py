@@ -191,6 +191,9 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         activation_func=mlp_activation_func(args),
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_func_clamp_value,
+        # SwiGLU is the activation with a fused kernel here (Megatron-LM's other activations
+        # read --no-bias-gelu-fusion, a no-op here).
+        bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         init_method_std=args.init_method_std,

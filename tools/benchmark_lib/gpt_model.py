@@ -63,6 +63,12 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         help="rotate queries and keys with PyTorch's ops instead of the fused Triton kernel",
     )
     parser.add_argument(
+        "--no-bias-swiglu-fusion",
+        action="store_false",
+        dest="bias_swiglu_fusion",
+        help="--swiglu: run the activation with PyTorch's ops instead of the fused Triton kernels",
+    )
+    parser.add_argument(
         "--no-gradient-accumulation-fusion",
         action="store_false",
         dest="gradient_accumulation_fusion",
@@ -152,6 +158,7 @@ def build_gpt(
         ffn_hidden_size=args.ffn_hidden_size,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
+        bias_activation_fusion=args.swiglu and args.bias_swiglu_fusion,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron.core.activations import gated_linear_unit
+from megatron.core.fusions.fused_swiglu import fused_swiglu, fused_swiglu_supported
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -20,14 +22,27 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 def mlp_activation(intermediate: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     """The MLP's activation of fc1's output: `config.activation_func`, or with
     `config.gated_linear_unit` the GLU over its `[gate | linear]` halves with
-    `config.glu_linear_offset` and `config.activation_func_clamp_value` (`gated_linear_unit`)."""
+    `config.glu_linear_offset` and `config.activation_func_clamp_value` (`gated_linear_unit`);
+    SwiGLU in the fused kernels with `config.bias_activation_fusion` where they run."""
     if not config.gated_linear_unit:
         return config.activation_func(intermediate)
+    fused = config.bias_activation_fusion and _plain_swiglu(config)
+    if fused and fused_swiglu_supported(intermediate):
+        return fused_swiglu(intermediate)
     return gated_linear_unit(
         intermediate,
         config.activation_func,
         config.glu_linear_offset,
         config.activation_func_clamp_value,
+    )
+
+
+def _plain_swiglu(config: TransformerConfig) -> bool:
+    """Whether the gated activation is SwiGLU itself: SiLU, no offset, no clamp."""
+    return (
+        config.activation_func is F.silu
+        and config.glu_linear_offset == 0.0
+        and config.activation_func_clamp_value is None
     )
 
 

@@ -121,6 +121,12 @@ class TransformerConfig(ModelParallelConfig):
         glu_linear_offset: With `gated_linear_unit`: act(x W1) * (x V + offset) (gpt-oss: 1).
         activation_func_clamp_value: With `gated_linear_unit`: clamp x W1 from above and x V to
             [-c, c] before the activation (gpt-oss's clamped GLU, c = 7); None: no clamp.
+        bias_activation_fusion: Run SwiGLU (`gated_linear_unit` with `F.silu`, no offset, no
+            clamp) in one Triton kernel per direction where
+            `megatron.core.fusions.fused_swiglu.fused_swiglu_supported` allows (Triton, CUDA, no
+            `torch.compile` tracing); the PyTorch ops elsewhere and for other activations (each
+            of which is one PyTorch kernel per direction; fc1 adds its bias in its GEMM). The
+            training flags turn it on for `--swiglu` unless `--no-bias-swiglu-fusion`.
         add_bias_linear: Bias in the linear layers.
         add_qkv_bias: Bias in the QKV projection even when `add_bias_linear` is False.
         init_method_std: Standard deviation of the default weight initialisation.
@@ -314,6 +320,7 @@ class TransformerConfig(ModelParallelConfig):
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
     glu_linear_offset: float = ranged(0.0, FINITE)
     activation_func_clamp_value: float | None = ranged(None, POSITIVE)
+    bias_activation_fusion: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     init_method_std: float = ranged(0.02, NON_NEGATIVE)

@@ -14,10 +14,10 @@ from megatron.training.flag_groups.training_schedule import add_training_schedul
 FUSION_TOGGLES: tuple[tuple[str, str], ...] = (
     ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
     ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
-    ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
     ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
 )
-"""Upstream's kernel-fusion switches (flag, dest), all `store_false` (fusion on by default)."""
+"""Upstream's kernel-fusion switches (flag, dest) that are no-ops here, all `store_false`
+(fusion on by default)."""
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     # runs PyTorch's kernels whatever they say, and no result depends on them: accepted, no-ops.
     for flag, dest in FUSION_TOGGLES:
         group.add_argument(flag, action="store_false", dest=dest, help="Accepted; a no-op here.")
+    group.add_argument(
+        "--no-bias-swiglu-fusion",
+        action="store_false",
+        dest="bias_swiglu_fusion",
+        help="Run --swiglu's activation with PyTorch's ops instead of the fused Triton kernels "
+        "(used by default where Triton and CUDA are present).",
+    )
     group.add_argument(
         "--no-rope-fusion",
         action="store_false",

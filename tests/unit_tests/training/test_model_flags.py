@@ -51,6 +51,7 @@ def test_upstream_defaults_and_dests():
         deprecated_use_mcore_models=False,
         make_vocab_size_divisible_by=128,
         apply_rope_fusion=True,
+        bias_swiglu_fusion=True,
         gradient_accumulation_fusion=True,
         **{dest: True for _, dest in FUSION_TOGGLES},
     )
@@ -69,6 +70,20 @@ def test_fusion_toggles_and_mcore_models_are_no_ops():
     for name in ("init_method", "output_layer_init_method"):
         assert given.pop(name).keywords == default.pop(name).keywords
     assert given == default
+
+
+@pytest.mark.parametrize(
+    "flags, fused",
+    [
+        (("--swiglu",), True),
+        (("--swiglu", "--no-bias-swiglu-fusion"), False),
+        ((), False),  # GELU: one PyTorch kernel per direction already
+        (("--quick-geglu",), False),
+    ],
+)
+def test_bias_swiglu_fusion_reaches_the_config(flags, fused):
+    args = validated(*flags)
+    assert core_transformer_config_from_args(args).bias_activation_fusion is fused
 
 
 def test_recompute_activations_is_selective():
