@@ -19,22 +19,39 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def mlp_activation(intermediate: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+def mlp_activation(
+    intermediate: torch.Tensor, config: TransformerConfig, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """The MLP's activation of fc1's output: `config.activation_func`, or with
     `config.gated_linear_unit` the GLU over its `[gate | linear]` halves with
     `config.glu_linear_offset` and `config.activation_func_clamp_value` (`gated_linear_unit`);
-    SwiGLU in the fused kernels with `config.bias_activation_fusion` where they run."""
-    if not config.gated_linear_unit:
-        return config.activation_func(intermediate)
-    fused = config.bias_activation_fusion and _plain_swiglu(config)
-    if fused and fused_swiglu_supported(intermediate):
-        return fused_swiglu(intermediate)
-    return gated_linear_unit(
-        intermediate,
-        config.activation_func,
-        config.glu_linear_offset,
-        config.activation_func_clamp_value,
+    SwiGLU in the fused kernels with `config.bias_activation_fusion` where they run.
+
+    Args:
+        intermediate: fc1's output [..., fc1_out].
+        config: the activation's fields.
+        weights: [..., 1] factors of the rows (an MoE expert's routing weights) that multiply
+            the activation, or None. The PyTorch ops return the product in the promoted dtype
+            (fp32 with fp32 weights), the fused kernels in `intermediate`'s.
+    """
+    fused = (
+        config.gated_linear_unit
+        and config.bias_activation_fusion
+        and _plain_swiglu(config)
+        and fused_swiglu_supported(intermediate)
     )
+    if fused:
+        return fused_swiglu(intermediate, weights)
+    if not config.gated_linear_unit:
+        activated = config.activation_func(intermediate)
+    else:
+        activated = gated_linear_unit(
+            intermediate,
+            config.activation_func,
+            config.glu_linear_offset,
+            config.activation_func_clamp_value,
+        )
+    return activated if weights is None else activated * weights
 
 
 def _plain_swiglu(config: TransformerConfig) -> bool:

@@ -27,11 +27,18 @@ DEVICE = "cuda"
 SHAPES = [(16, 2, 2 * 5632), (7, 3, 2 * 1000), (5, 2 * 24), (33, 2 * 96)]
 
 
-def _swiglu_and_backward(x, grad, fused):
+def _swiglu_and_backward(x, grad, fused, weights=None):
     x = x.detach().requires_grad_()
-    out = fused_swiglu(x) if fused else gated_linear_unit(x, F.silu)
+    if weights is not None:
+        weights = weights.detach().requires_grad_()
+    if fused:
+        out = fused_swiglu(x, weights)
+    else:
+        out = gated_linear_unit(x, F.silu)
+        if weights is not None:  # as the experts: the product in fp32, rounded once
+            out = (out * weights).to(x.dtype)
     out.backward(grad)
-    return out, x.grad
+    return out, x.grad, None if weights is None else weights.grad
 
 
 @pytest.mark.gpu
@@ -49,9 +56,9 @@ def test_fused_swiglu_matches_float64(shape, dtype, layout):
     grad = torch.randn(ffn, *shape[:-1], device=DEVICE, dtype=dtype).movedim(0, -1)
     assert fused_swiglu_supported(x) and not x.is_contiguous() and not grad.is_contiguous()
 
-    fused = _swiglu_and_backward(x, grad, fused=True)
-    unfused = _swiglu_and_backward(x, grad, fused=False)
-    expected = _swiglu_and_backward(x.double(), grad.double(), fused=False)
+    fused = _swiglu_and_backward(x, grad, fused=True)[:2]
+    unfused = _swiglu_and_backward(x, grad, fused=False)[:2]
+    expected = _swiglu_and_backward(x.double(), grad.double(), fused=False)[:2]
     for name, got, plain, ref in zip(("out", "grad"), fused, unfused, expected):
         assert got.dtype == dtype and got.shape == ref.shape and got.is_contiguous(), name
         torch.testing.assert_close(got, ref.to(dtype), msg=name)
@@ -60,6 +67,38 @@ def test_fused_swiglu_matches_float64(shape, dtype, layout):
             # intermediate to the tensors' dtype: more accurate on average.
             errors = [(t.double() - ref).square().mean() for t in (got, plain)]
             assert errors[0] < errors[1], (name, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, ffn", [(4096, 2816), (9, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_swiglu_matches_float64(rows, ffn, dtype):
+    """An MoE expert's rows times their fp32 routing weights: the output, the input's gradient
+    and the weights' (a sum over each row, over several column blocks in the first shape)."""
+    torch.manual_seed(0)
+    x = 3 * torch.randn(rows, 2 * ffn, device=DEVICE, dtype=dtype)
+    weights = torch.rand(rows, 1, device=DEVICE)
+    grad = torch.randn(rows, ffn, device=DEVICE, dtype=dtype)
+
+    fused = _swiglu_and_backward(x, grad, True, weights)
+    unfused = _swiglu_and_backward(x, grad, False, weights)
+    expected = _swiglu_and_backward(x.double(), grad.double(), False, weights.double())
+    for name, got, plain, ref in zip(("out", "grad", "weights grad"), fused, unfused, expected):
+        assert got.dtype == plain.dtype and got.shape == ref.shape, name
+        # The weights' gradient sums a row of `ffn` products: fp32 accumulation error.
+        tolerance = dict(rtol=1e-4, atol=1e-4) if name == "weights grad" else {}
+        torch.testing.assert_close(got, ref.to(got.dtype), **tolerance, msg=name)
+        if x.dtype != torch.float32 and name != "weights grad":
+            # Rounded once, against the unfused ops' rounding of the activation first.
+            errors = [(t.double() - ref).square().mean() for t in (got, plain)]
+            assert errors[0] < errors[1], (name, errors)
+
+
+@pytest.mark.gpu
+def test_weights_of_another_count_are_refused():
+    x = torch.randn(4, 2 * 8, device=DEVICE)
+    with pytest.raises(ValueError, match="one weight per row"):
+        fused_swiglu(x, torch.ones(3, device=DEVICE))
 
 
 @pytest.mark.gpu
@@ -144,11 +183,12 @@ def test_model_with_swiglu_fusion_runs_the_kernels():
 
 
 def test_off_cuda_the_pytorch_ops_run():
-    x = torch.randn(4, 2 * 8)
+    x, weights = torch.randn(4, 2 * 8), torch.rand(4, 1)
     assert not fused_swiglu_supported(x)
     config = tiny_gpt_config(gated_linear_unit=True, activation_func=F.silu)
     fused = dataclasses.replace(config, bias_activation_fusion=True)
-    assert torch.equal(mlp_activation(x, fused), mlp_activation(x, config))
+    assert torch.equal(mlp_activation(x, fused), gated_linear_unit(x, F.silu))
+    assert torch.equal(mlp_activation(x, fused, weights), gated_linear_unit(x, F.silu) * weights)
 
 
 @pytest.mark.gpu

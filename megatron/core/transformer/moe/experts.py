@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.fusions.segment_sum import segment_sum
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
 from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
@@ -138,6 +139,23 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _RepeatRows(torch.autograd.Function):
+    """`table.repeat_interleave(lengths, dim=0)` into `num_rows` rows (`lengths` [n] on the
+    device, summing to `num_rows`: nothing is read on the host). Backward sums each segment of
+    the gradient's rows in order (`segment_sum`), where `repeat_interleave`'s own backward adds
+    every row into its few table rows with atomics."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, lengths: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(lengths)
+        return table.repeat_interleave(lengths, dim=0, output_size=num_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (lengths,) = ctx.saved_tensors
+        return segment_sum(grad, lengths), None, None
 
 
 class _ZeroGradFor(torch.autograd.Function):
@@ -310,7 +328,7 @@ class ExpertLinear(torch.nn.Module):
         counts = counts.to(bias.device)
         counts = torch.cat([counts, (x.shape[0] - counts.sum()).view(1)])
         bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-        rows = bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        rows = _RepeatRows.apply(bias, counts, x.shape[0])
         return x + (rows if weights is None else rows * weights)
 
 
@@ -407,9 +425,8 @@ class SequentialMLP(MegatronModule):
         intermediate = project(self.linear_fc1, tokens)
         if self.linear_fc1.bias is not None:
             intermediate = self.linear_fc1.add_bias(intermediate, tokens_per_expert)
-        intermediate = mlp_activation(intermediate, self.config)
         weights = probs.unsqueeze(-1)
-        intermediate = (intermediate * weights).to(tokens.dtype)
+        intermediate = mlp_activation(intermediate, self.config, weights).to(tokens.dtype)
         output = project(self.linear_fc2, intermediate)
         if self.linear_fc2.bias is not None:
             output = self.linear_fc2.add_bias(output, tokens_per_expert, weights)

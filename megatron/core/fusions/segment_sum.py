@@ -1,0 +1,90 @@
+"""Sums of consecutive row segments, `torch.segment_reduce(x, "sum", lengths=lengths)`, without a
+host read: the gradient of a table whose rows were repeated (an MoE expert's bias, repeated over
+its tokens' rows).
+
+`repeat_interleave`'s own backward (`index_add`) adds every row into its table row with atomic
+adds on CUDA, in the rows' dtype and in no fixed order; many rows meet in few table rows, so the
+adds contend (0.6 ms per MoE expert bias of the MoE benchmark's layers on an H100).
+`torch.segment_reduce` sums each segment in order, but on CUDA reads the lengths on the host,
+which breaks CUDA-graph capture and the dropless MoE layers' promise of no host synchronisation.
+The Triton kernel here sums each segment's rows in a fixed order in fp32, reading the lengths on
+the device. Off CUDA, without Triton, or while `torch.compile` traces, `index_add` runs, as
+`repeat_interleave`'s backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.fusions.triton_launch import TritonLaunch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only PyTorch builds
+    triton = None
+
+_BLOCK_ROWS = 32
+_BLOCK_COLS = 128
+_WARPS = 4
+
+
+def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The sums of `x`'s consecutive row segments.
+
+    Args:
+        x: [rows, ...], floating.
+        lengths: [segments] int64 row counts on `x`'s device, summing to `rows` (not checked:
+            that would read them on the host).
+
+    Returns:
+        [segments, ...] in `x`'s dtype; by the kernel summed in fp32 and rounded once.
+    """
+    count = lengths.shape[0]
+    if (
+        triton is None
+        or not x.is_cuda
+        or x.device.index != torch.cuda.current_device()
+        or torch.compiler.is_compiling()
+    ):
+        segment = torch.arange(count, device=x.device)
+        segment_of_row = segment.repeat_interleave(lengths, output_size=x.shape[0])
+        return x.new_zeros(count, *x.shape[1:]).index_add_(0, segment_of_row, x)
+    rows = x.reshape(x.shape[0], -1)
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
+    width = rows.shape[1]
+    out = torch.empty(count, width, dtype=x.dtype, device=x.device)
+    if out.numel():
+        starts = torch.cumsum(lengths, 0) - lengths
+        _launch_segment_sum(
+            (count, -(-width // _BLOCK_COLS)),
+            rows, starts, lengths, out, rows.stride(0), width,
+            BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
+        )  # fmt: skip
+    return out.view(count, *x.shape[1:])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _segment_sum_kernel(
+        x_ptr, starts_ptr, lengths_ptr, out_ptr, row_stride, width,
+        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ):  # fmt: skip
+        """Program (segment, block): the sum of columns [block * BLOCK_COLS, ...) over the
+        segment's rows, BLOCK_ROWS rows at a time."""
+        segment = tl.program_id(0)
+        col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        start = tl.load(starts_ptr + segment)
+        end = start + tl.load(lengths_ptr + segment)
+        acc = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
+        for first in range(start, end, BLOCK_ROWS):
+            row = first + tl.arange(0, BLOCK_ROWS)
+            inside = (row < end)[:, None] & (col < width)[None, :]
+            offsets = row.to(tl.int64)[:, None] * row_stride + col[None, :]
+            tile = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+            acc += tl.sum(tile, axis=0)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + segment.to(tl.int64) * width + col, acc.to(dtype), mask=col < width)
+
+    _launch_segment_sum = TritonLaunch(_segment_sum_kernel, num_warps=_WARPS)

@@ -1,0 +1,72 @@
+"""`segment_sum` (the MoE expert biases' gradient) against per-segment sums in float64, on CPU
+(`index_add`, as `repeat_interleave`'s backward) and by the Triton kernel on CUDA."""
+
+import pytest
+import torch
+
+from megatron.core.fusions.segment_sum import segment_sum
+
+# Segments longer than the kernel's row tile and not a multiple of it, empty ones (an expert
+# without tokens), and the padding rows' segment last.
+LENGTHS = [70, 0, 33, 1, 0, 129, 7]
+
+
+def _reference(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    pieces = torch.split(x.double(), lengths)
+    return torch.stack([piece.sum(dim=0) for piece in pieces])
+
+
+def _check(
+    device: str, dtype: torch.dtype, width: tuple[int, ...], no_sync: bool = False
+) -> torch.Tensor:
+    """`segment_sum` of random rows against float64 sums; `no_sync`: its call (and only its: the
+    checks read values) raises on a host synchronisation."""
+    torch.manual_seed(0)
+    x = torch.randn(sum(LENGTHS), *width, dtype=dtype, device=device)
+    lengths = torch.tensor(LENGTHS, device=device)
+    if no_sync:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = segment_sum(x, lengths)
+    finally:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == dtype and got.shape == (len(LENGTHS), *width)
+    expected = _reference(x, LENGTHS)
+    torch.testing.assert_close(got, expected.to(dtype))
+    for empty in (1, 4):
+        assert not got[empty].any()
+    return got
+
+
+@pytest.mark.parametrize("width", [(24,), (3, 5)])
+def test_segment_sums_on_cpu(width):
+    got = _check("cpu", torch.float32, width)
+    # The same bits as repeat_interleave's own backward, which this replaces.
+    table = torch.zeros(len(LENGTHS), *width, requires_grad=True)
+    lengths = torch.tensor(LENGTHS)
+    torch.manual_seed(0)
+    grad = torch.randn(sum(LENGTHS), *width)
+    table.repeat_interleave(lengths, dim=0, output_size=sum(LENGTHS)).backward(grad)
+    assert torch.equal(got, table.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [(300,), (3, 50)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_sums_on_cuda_match_float64_without_a_host_read(width, dtype):
+    _check("cuda", dtype, width, no_sync=True)
+
+
+@pytest.mark.gpu
+def test_segment_sums_in_a_cuda_graph():
+    x = torch.randn(sum(LENGTHS), 64, device="cuda")
+    lengths = torch.tensor(LENGTHS, device="cuda")
+    segment_sum(x, lengths)  # compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = segment_sum(x, lengths)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, _reference(x, LENGTHS).float())
