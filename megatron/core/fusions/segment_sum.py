@@ -25,8 +25,12 @@ except ImportError:  # CPU-only PyTorch builds
     triton = None
 
 _BLOCK_ROWS = 32
-_BLOCK_COLS = 128
-_WARPS = 4
+_BLOCK_COLS = 64
+_WARPS = 2
+"""The tile and warps: the fastest of tiles of 8 to 64 rows and 64 to 512 columns with 2, 4 or 8
+warps on an H100 (Triton 3.6) for the MoE benchmark's fc1 bias gradient (16,384 bf16 rows of
+11,264 in 9 segments: 142 us, 2.6 TB/s, against 271 us for 32 x 128 with 4 warps and 1,449 us
+for `index_add`); within 40% of the best for its fc2 bias (width 2,048: 82 us against 60)."""
 
 
 def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
