@@ -21,6 +21,8 @@ Triton ships with PyTorch's CUDA builds; without it, or off CUDA, callers use th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron.core.fusions.triton_launch import TritonLaunch
@@ -71,12 +73,13 @@ def fused_swiglu(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
     """
     if weights is None:
         return _apply_swiglu(x, None)
-    if weights.numel() * x.shape[-1] != x.numel():
+    if weights.numel() * x.shape[-1] != x.numel() or weights.device != x.device:
         raise ValueError(
-            f"fused_swiglu: one weight per row of x {list(x.shape)}, got weights "
-            f"{list(weights.shape)}."
+            f"fused_swiglu: one weight per row of x {list(x.shape)} on {x.device}, got weights "
+            f"{list(weights.shape)} on {weights.device}."
         )
-    return _apply_swiglu(x, weights.reshape(-1))
+    # The kernels read one weight per row at consecutive addresses.
+    return _apply_swiglu(x, weights.reshape(-1).contiguous())
 
 
 class _FusedSwiGLU(torch.autograd.Function):
@@ -109,7 +112,7 @@ class _FusedSwiGLU(torch.autograd.Function):
         blocks = -(-width // _BLOCK)
         # A weight's gradient sums its row: one program per row then, looping over the blocks.
         blocks_per_program = 1
-        if weights is not None:
+        if weights is not None and ctx.needs_input_grad[1]:
             grad_weights = torch.empty_like(weights)
             blocks_per_program = blocks
         if grad_input.numel():
@@ -118,7 +121,8 @@ class _FusedSwiGLU(torch.autograd.Function):
                 grad, rows, weights if weights is not None else rows, grad_input,
                 grad_weights if grad_weights is not None else grad_input,
                 grad.stride(0), rows.stride(0), width, blocks_per_program,
-                HAS_WEIGHTS=weights is not None, BLOCK=_BLOCK,
+                HAS_WEIGHTS=weights is not None, WEIGHTS_GRAD=grad_weights is not None,
+                BLOCK=_BLOCK,
             )  # fmt: skip
         elif grad_weights is not None:
             grad_weights.zero_()
@@ -131,7 +135,7 @@ _apply_swiglu = direct_apply(_FusedSwiGLU)
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """`t` as a 2-D `[rows, width]` tensor the kernels address: adjacent elements along the
     width, any row stride (a copy where that is not a view of `t`)."""
-    rows = t.reshape(-1, t.shape[-1])
+    rows = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # -1 fails for zero width
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
@@ -158,11 +162,11 @@ if triton is not None:
     def _swiglu_backward_kernel(
         grad_ptr, x_ptr, weights_ptr, grad_x_ptr, grad_weights_ptr,
         grad_row_stride, x_row_stride, width, blocks_per_program,
-        HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr, WEIGHTS_GRAD: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Program (row, p): the gradients of a row's gate and linear columns in blocks
         [p * blocks_per_program, (p + 1) * blocks_per_program) of BLOCK columns, and with
-        weights (one program per row) the row's weight gradient."""
+        WEIGHTS_GRAD (one program per row) the row's weight gradient."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_row_stride
         grad_row = grad_ptr + row * grad_row_stride
@@ -181,13 +185,13 @@ if triton is not None:
             linear = tl.load(x_row + width + col, mask=inside, other=0.0).to(tl.float32)
             sig = tl.sigmoid(gate)
             silu = gate * sig
-            if HAS_WEIGHTS:
+            if WEIGHTS_GRAD:
                 weight_grad += grad * silu * linear
             grad = grad * weight
             grad_gate = grad * linear * sig * (1.0 + gate * (1.0 - sig))
             tl.store(grad_x_row + col, grad_gate.to(dtype), mask=inside)
             tl.store(grad_x_row + width + col, (grad * silu).to(dtype), mask=inside)
-        if HAS_WEIGHTS:
+        if WEIGHTS_GRAD:
             total = tl.sum(weight_grad, axis=0)
             tl.store(grad_weights_ptr + row, total.to(grad_weights_ptr.dtype.element_ty))
 

@@ -14,6 +14,8 @@ the device. Off CUDA, without Triton, or while `torch.compile` traces, `index_ad
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron.core.fusions.triton_launch import TritonLaunch
@@ -38,8 +40,8 @@ def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: [rows, ...], floating.
-        lengths: [segments] int64 row counts on `x`'s device, summing to `rows` (not checked:
-            that would read them on the host).
+        lengths: [segments] int64 row counts on `x`'s device, summing to at most `rows` (not
+            checked: that would read them on the host); the rows after them are not summed.
 
     Returns:
         [segments, ...] in `x`'s dtype; by the kernel summed in fp32 and rounded once.
@@ -51,10 +53,12 @@ def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         or x.device.index != torch.cuda.current_device()
         or torch.compiler.is_compiling()
     ):
-        segment = torch.arange(count, device=x.device)
-        segment_of_row = segment.repeat_interleave(lengths, output_size=x.shape[0])
-        return x.new_zeros(count, *x.shape[1:]).index_add_(0, segment_of_row, x)
-    rows = x.reshape(x.shape[0], -1)
+        # The rows after the segments go to an extra sum, dropped.
+        row = torch.arange(x.shape[0], device=x.device)
+        segment_of_row = torch.searchsorted(torch.cumsum(lengths, 0), row, right=True)
+        sums = x.new_zeros(count + 1, *x.shape[1:]).index_add_(0, segment_of_row, x)
+        return sums[:count]
+    rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # -1 fails for zero rows
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     width = rows.shape[1]
     out = torch.empty(count, width, dtype=x.dtype, device=x.device)

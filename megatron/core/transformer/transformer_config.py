@@ -300,7 +300,7 @@ class TransformerConfig(ModelParallelConfig):
             pairs (gpt-oss does not).
         multi_latent_attention: The layers' attention is multi-latent attention; set by
             `MLATransformerConfig`, whose fields describe it (True here alone is refused).
-        bias_activation_fusion, masked_softmax_fusion, bias_dropout_fusion, persist_layer_norm,
+        masked_softmax_fusion, bias_dropout_fusion, persist_layer_norm,
             memory_efficient_layer_norm: Megatron-core's kernel-fusion switches, accepted with no
             effect (they change speed only; here PyTorch or `torch.compile` picks the kernels).
         fp32_residual_connection: Megatron-core's fp32 residual stream, not built: False only.
@@ -320,7 +320,6 @@ class TransformerConfig(ModelParallelConfig):
     activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
     glu_linear_offset: float = ranged(0.0, FINITE)
     activation_func_clamp_value: float | None = ranged(None, POSITIVE)
-    bias_activation_fusion: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     init_method_std: float = ranged(0.02, NON_NEGATIVE)

@@ -27,10 +27,10 @@ DEVICE = "cuda"
 SHAPES = [(16, 2, 2 * 5632), (7, 3, 2 * 1000), (5, 2 * 24), (33, 2 * 96)]
 
 
-def _swiglu_and_backward(x, grad, fused, weights=None):
+def _swiglu_and_backward(x, grad, fused, weights=None, weights_grad=True):
     x = x.detach().requires_grad_()
     if weights is not None:
-        weights = weights.detach().requires_grad_()
+        weights = weights.detach().requires_grad_(weights_grad)
     if fused:
         out = fused_swiglu(x, weights)
     else:
@@ -95,10 +95,29 @@ def test_weighted_swiglu_matches_float64(rows, ffn, dtype):
 
 
 @pytest.mark.gpu
-def test_weights_of_another_count_are_refused():
+def test_weights_of_another_count_or_device_are_refused():
     x = torch.randn(4, 2 * 8, device=DEVICE)
-    with pytest.raises(ValueError, match="one weight per row"):
-        fused_swiglu(x, torch.ones(3, device=DEVICE))
+    for weights in (torch.ones(3, device=DEVICE), torch.ones(4)):
+        with pytest.raises(ValueError, match="one weight per row"):
+            fused_swiglu(x, weights)
+
+
+@pytest.mark.gpu
+def test_strided_weights_and_weights_without_gradient():
+    """A column of the routing weights (every other element) and a broadcast weight are read
+    as their values; weights that need no gradient get none."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 2 * 40, device=DEVICE)
+    probs = torch.rand(64, 2, device=DEVICE)
+    for weights in (probs[:, 1:], torch.rand(1, 1, device=DEVICE).expand(64, 1)):
+        expected = gated_linear_unit(x, F.silu) * weights
+        torch.testing.assert_close(fused_swiglu(x, weights), expected)
+    grad = torch.randn(64, 40, device=DEVICE)
+    fused = _swiglu_and_backward(x, grad, True, probs[:, :1], weights_grad=False)
+    expected = _swiglu_and_backward(x, grad, False, probs[:, :1], weights_grad=False)
+    assert fused[2] is None
+    for got, want in zip(fused[:2], expected[:2]):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.gpu
@@ -139,8 +158,10 @@ def test_model_with_swiglu_fusion_matches_unfused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("grouped_gemm", [False, True])
-def test_moe_experts_with_swiglu_fusion_match_unfused(grouped_gemm):
+def test_moe_experts_with_swiglu_fusion_match_unfused(grouped_gemm, bias):
+    """With biases, the experts' bias gradients are the segment-sum kernel's in both."""
     results = []
     for fusion in (False, True):
         config = tiny_gpt_config(
@@ -148,7 +169,7 @@ def test_moe_experts_with_swiglu_fusion_match_unfused(grouped_gemm):
             num_moe_experts=4,
             moe_ffn_hidden_size=16,
             moe_grouped_gemm=grouped_gemm,
-            add_bias_linear=False,
+            add_bias_linear=bias,
             gated_linear_unit=True,
             activation_func=F.silu,
             bias_activation_fusion=fusion,

@@ -141,6 +141,7 @@ _YARN = "--position-embedding-type yarn"
 PP2 = "--pipeline-model-parallel-size 2 --num-layers 4"
 TRANSFORMER_CONFIG_CASES = [
     ("--num-layers 3", "num_layers", 3),
+    ("--swiglu", "bias_activation_fusion", True),  # --no-bias-swiglu-fusion: test_model_flags
     (
         "--pipeline-model-parallel-size 2 --num-layers 4 --num-virtual-stages-per-pipeline-rank 2 "
         "--global-batch-size 8",
@@ -337,7 +338,6 @@ _NOT_FROM_A_FLAG = {
     # Megatron-core's fields for library code: no flag upstream (softmax_scale), flags that
     # change nothing here or are refused (not built), or no effect.
     "softmax_scale",
-    "bias_activation_fusion",
     "masked_softmax_fusion",
     "bias_dropout_fusion",
     "persist_layer_norm",

@@ -63,7 +63,7 @@ from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import outside_compiled_graphs
+from megatron.core.utils import once_differentiable, outside_compiled_graphs
 
 if TYPE_CHECKING:
     from megatron.core.fp8.experts import Fp8ExpertSlots
@@ -141,21 +141,25 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-class _RepeatRows(torch.autograd.Function):
-    """`table.repeat_interleave(lengths, dim=0)` into `num_rows` rows (`lengths` [n] on the
-    device, summing to `num_rows`: nothing is read on the host). Backward sums each segment of
-    the gradient's rows in order (`segment_sum`), where `repeat_interleave`'s own backward adds
-    every row into its few table rows with atomics."""
+class _ExpertBiasRows(torch.autograd.Function):
+    """Each row's expert bias: `bias` [experts, out] repeated `counts` [experts] times (on the
+    device), then zero rows up to `num_rows` (padding); nothing is read on the host. Backward
+    sums each expert's rows of the gradient in order (`segment_sum`), where
+    `repeat_interleave`'s own backward adds every row into its few bias rows with atomics; the
+    padding rows, which get no bias, are not summed."""
 
     @staticmethod
-    def forward(ctx, table: torch.Tensor, lengths: torch.Tensor, num_rows: int) -> torch.Tensor:
-        ctx.save_for_backward(lengths)
+    def forward(ctx, bias: torch.Tensor, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(counts)
+        table = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        lengths = torch.cat([counts, (num_rows - counts.sum()).view(1)])
         return table.repeat_interleave(lengths, dim=0, output_size=num_rows)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (lengths,) = ctx.saved_tensors
-        return segment_sum(grad, lengths), None, None
+        (counts,) = ctx.saved_tensors
+        return segment_sum(grad, counts), None, None
 
 
 class _ZeroGradFor(torch.autograd.Function):
@@ -324,11 +328,7 @@ class ExpertLinear(torch.nn.Module):
             bias = grad_sum_over_tp(bias, self.expt_tp_group)
             if group_rank(self.expt_tp_group) != 0:
                 return _ZeroGradFor.apply(x, bias)
-        # The padding rows repeat a zero bias; the known row count spares a host read.
-        counts = counts.to(bias.device)
-        counts = torch.cat([counts, (x.shape[0] - counts.sum()).view(1)])
-        bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-        rows = _RepeatRows.apply(bias, counts, x.shape[0])
+        rows = _ExpertBiasRows.apply(bias, counts.to(bias.device), x.shape[0])
         return x + (rows if weights is None else rows * weights)
 
 

@@ -17,12 +17,17 @@ def _reference(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 
 def _check(
-    device: str, dtype: torch.dtype, width: tuple[int, ...], no_sync: bool = False
+    device: str,
+    dtype: torch.dtype,
+    width: tuple[int, ...],
+    no_sync: bool = False,
+    extra_rows: int = 0,
 ) -> torch.Tensor:
     """`segment_sum` of random rows against float64 sums; `no_sync`: its call (and only its: the
-    checks read values) raises on a host synchronisation."""
+    checks read values) raises on a host synchronisation; `extra_rows`: rows after the
+    segments, which no sum includes (an MoE layer's padding rows)."""
     torch.manual_seed(0)
-    x = torch.randn(sum(LENGTHS), *width, dtype=dtype, device=device)
+    x = torch.randn(sum(LENGTHS) + extra_rows, *width, dtype=dtype, device=device)
     lengths = torch.tensor(LENGTHS, device=device)
     if no_sync:
         torch.cuda.synchronize()
@@ -33,7 +38,7 @@ def _check(
         if no_sync:
             torch.cuda.set_sync_debug_mode("default")
     assert got.dtype == dtype and got.shape == (len(LENGTHS), *width)
-    expected = _reference(x, LENGTHS)
+    expected = _reference(x[: sum(LENGTHS)], LENGTHS)
     torch.testing.assert_close(got, expected.to(dtype))
     for empty in (1, 4):
         assert not got[empty].any()
@@ -52,11 +57,25 @@ def test_segment_sums_on_cpu(width):
     assert torch.equal(got, table.grad)
 
 
+def test_rows_after_the_segments_are_not_summed_on_cpu():
+    _check("cpu", torch.float32, (8,), extra_rows=9)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("extra_rows", [0, 40])
 @pytest.mark.parametrize("width", [(300,), (3, 50)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segment_sums_on_cuda_match_float64_without_a_host_read(width, dtype):
-    _check("cuda", dtype, width, no_sync=True)
+def test_segment_sums_on_cuda_match_float64_without_a_host_read(width, dtype, extra_rows):
+    _check("cuda", dtype, width, no_sync=True, extra_rows=extra_rows)
+
+
+@pytest.mark.gpu
+def test_no_rows_on_cuda():
+    """A rank whose experts got no tokens: every sum is zero."""
+    got = segment_sum(
+        torch.empty(0, 16, device="cuda"), torch.zeros(3, dtype=torch.long, device="cuda")
+    )
+    assert got.shape == (3, 16) and not got.any()
 
 
 @pytest.mark.gpu
@@ -67,6 +86,9 @@ def test_segment_sums_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = segment_sum(x, lengths)
+    # Other values and other lengths: the replay reads both on the device.
+    other = [7, 33, 0, 70, 1, 129, 0]
     x.copy_(torch.randn_like(x))
+    lengths.copy_(torch.tensor(other))
     graph.replay()
-    torch.testing.assert_close(out, _reference(x, LENGTHS).float())
+    torch.testing.assert_close(out, _reference(x, other).float())
