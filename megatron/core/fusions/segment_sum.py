@@ -35,16 +35,20 @@ warps on an H100 (Triton 3.6) for the MoE benchmark's fc1 bias gradient (16,384 
 for `index_add`); within 40% of the best for its fc2 bias (width 2,048: 82 us against 60)."""
 
 
-def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The sums of `x`'s consecutive row segments.
+def segment_sum(
+    x: torch.Tensor, lengths: torch.Tensor, row_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sums of `x`'s consecutive row segments (each row times its weight where given).
 
     Args:
         x: [rows, ...], floating.
         lengths: [segments] int64 row counts on `x`'s device, summing to at most `rows` (not
             checked: that would read them on the host); the rows after them are not summed.
+        row_weights: [rows] contiguous factors of the rows, or None.
 
     Returns:
-        [segments, ...] in `x`'s dtype; by the kernel summed in fp32 and rounded once.
+        [segments, ...] in `x`'s dtype; by the kernel summed in fp32 and rounded once (the
+        products too).
     """
     count = lengths.shape[0]
     if (
@@ -53,6 +57,8 @@ def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         or x.device.index != torch.cuda.current_device()
         or torch.compiler.is_compiling()
     ):
+        if row_weights is not None:
+            x = (x * row_weights.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
         # The rows after the segments go to an extra sum, dropped.
         row = torch.arange(x.shape[0], device=x.device)
         segment_of_row = torch.searchsorted(torch.cumsum(lengths, 0), row, right=True)
@@ -66,8 +72,9 @@ def segment_sum(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         starts = torch.cumsum(lengths, 0) - lengths
         _launch_segment_sum(
             (count, -(-width // _BLOCK_COLS)),
-            rows, starts, lengths, out, rows.stride(0), width,
-            BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
+            rows, starts, lengths, row_weights if row_weights is not None else rows, out,
+            rows.stride(0), width,
+            ROW_WEIGHTS=row_weights is not None, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
         )  # fmt: skip
     return out.view(count, *x.shape[1:])
 
@@ -76,11 +83,11 @@ if triton is not None:
 
     @triton.jit
     def _segment_sum_kernel(
-        x_ptr, starts_ptr, lengths_ptr, out_ptr, row_stride, width,
-        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+        x_ptr, starts_ptr, lengths_ptr, weights_ptr, out_ptr, row_stride, width,
+        ROW_WEIGHTS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     ):  # fmt: skip
         """Program (segment, block): the sum of columns [block * BLOCK_COLS, ...) over the
-        segment's rows, BLOCK_ROWS rows at a time."""
+        segment's rows (each times its weight with ROW_WEIGHTS), BLOCK_ROWS rows at a time."""
         segment = tl.program_id(0)
         col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         start = tl.load(starts_ptr + segment)
@@ -91,6 +98,9 @@ if triton is not None:
             inside = (row < end)[:, None] & (col < width)[None, :]
             offsets = row.to(tl.int64)[:, None] * row_stride + col[None, :]
             tile = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+            if ROW_WEIGHTS:
+                weight = tl.load(weights_ptr + row, mask=row < end, other=0.0)
+                tile = tile * weight.to(tl.float32)[:, None]
             acc += tl.sum(tile, axis=0)
         dtype = out_ptr.dtype.element_ty
         tl.store(out_ptr + segment.to(tl.int64) * width + col, acc.to(dtype), mask=col < width)

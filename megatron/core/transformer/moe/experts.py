@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.fusions.expert_bias import add_expert_bias, expert_bias_fusable
 from megatron.core.fusions.segment_sum import segment_sum
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
@@ -319,7 +320,9 @@ class ExpertLinear(torch.nn.Module):
     ) -> torch.Tensor:
         """`x` [rows, out], grouped by expert (`counts`: tokens per expert; rows past their sum
         are padding, which get no bias), plus each row's expert bias, times the row's routing
-        weight when `weights` [rows, 1] is given."""
+        weight when `weights` [rows, 1] is given: on CUDA in one kernel per direction
+        (`megatron.core.fusions.expert_bias`, the result in `x`'s dtype), else by PyTorch's ops
+        (in the promoted dtype: fp32 with fp32 weights)."""
         bias = grad_sum_over_tp(self.bias, self.tp_group)
         if self.split_dim == 1 and group_size(self.expt_tp_group) > 1:
             # The outputs are summed over expt_tp, so the bias is added once, on rank 0. The
@@ -328,7 +331,10 @@ class ExpertLinear(torch.nn.Module):
             bias = grad_sum_over_tp(bias, self.expt_tp_group)
             if group_rank(self.expt_tp_group) != 0:
                 return _ZeroGradFor.apply(x, bias)
-        rows = _ExpertBiasRows.apply(bias, counts.to(bias.device), x.shape[0])
+        counts = counts.to(bias.device)
+        if expert_bias_fusable(x):
+            return add_expert_bias(x, bias, counts, weights)
+        rows = _ExpertBiasRows.apply(bias, counts, x.shape[0])
         return x + (rows if weights is None else rows * weights)
 
 

@@ -92,3 +92,16 @@ def test_segment_sums_in_a_cuda_graph():
     lengths.copy_(torch.tensor(other))
     graph.replay()
     torch.testing.assert_close(out, _reference(x, other).float())
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
+)
+def test_weighted_rows(device):
+    """Each row times its weight (the experts' routing weights, in fp32) before the sums."""
+    torch.manual_seed(0)
+    x = torch.randn(sum(LENGTHS) + 5, 40, device=device)
+    weights = torch.rand(x.shape[0], device=device)
+    got = segment_sum(x, torch.tensor(LENGTHS, device=device), row_weights=weights)
+    expected = _reference((x * weights[:, None])[: sum(LENGTHS)], LENGTHS)
+    torch.testing.assert_close(got, expected.float())

@@ -1,0 +1,71 @@
+"""The fused MoE expert bias (`megatron.core.fusions.expert_bias`) against the experts' PyTorch
+ops computed in float64: the output and the gradients of the rows, the bias and the routing
+weights, with padding rows after the experts' and an expert without rows."""
+
+import pytest
+import torch
+
+from megatron.core.fusions.expert_bias import add_expert_bias, expert_bias_fusable
+
+COUNTS = [5, 0, 70, 9]
+PADDING = 12
+DEVICE = "cuda"
+
+
+def _reference(x, bias, counts, weights):
+    """The experts' PyTorch ops: each row's expert bias (zero for padding), times its weight."""
+    table = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+    lengths = torch.cat([counts, (x.shape[0] - counts.sum()).view(1)])
+    rows = table.repeat_interleave(lengths, dim=0, output_size=x.shape[0])
+    return x + (rows if weights is None else rows * weights)
+
+
+def _run(function, x, bias, counts, weights, grad):
+    inputs = [t.detach().requires_grad_() if t is not None else None for t in (x, bias, weights)]
+    out = function(inputs[0], inputs[1], counts, inputs[2])
+    out.backward(grad.to(out.dtype))  # the values of `grad` in every dtype here
+    return out, *(t.grad if t is not None else None for t in inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_expert_bias_matches_float64(dtype, weighted):
+    torch.manual_seed(0)
+    rows, width = sum(COUNTS) + PADDING, 1100  # two column blocks, the second partial
+    x = torch.randn(rows, width, device=DEVICE, dtype=dtype)
+    bias = torch.randn(len(COUNTS), width, device=DEVICE, dtype=dtype)
+    counts = torch.tensor(COUNTS, device=DEVICE)
+    weights = None
+    if weighted:  # fp32 routing weights, zero for the padding rows as the dispatchers give them
+        weights = torch.rand(rows, 1, device=DEVICE)
+        weights[sum(COUNTS) :] = 0
+    grad = torch.randn(rows, width, device=DEVICE, dtype=dtype)  # the reference's too
+    assert expert_bias_fusable(x)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused = _run(add_expert_bias, x, bias, counts, weights, grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    double = [None if t is None else t.double() for t in (x, bias, weights)]
+    expected = _run(_reference, double[0], double[1], counts, double[2], grad.double())
+    names = ("out", "x grad", "bias grad", "weights grad")
+    for name, got, want in zip(names, fused, expected):
+        if want is None:
+            assert got is None, name
+            continue
+        # The bias and weight gradients sum up to 70 rows or 1100 columns in fp32.
+        tolerance = dict(rtol=2e-5, atol=2e-4) if "bias" in name or "weights" in name else {}
+        if dtype == torch.bfloat16 and name == "bias grad":
+            tolerance = {}  # rounded once to bf16
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want.to(got.dtype), **tolerance, msg=name)
+    assert fused[0].dtype == dtype
+    # An expert without rows gets a zero gradient.
+    assert not fused[2][1].any()
+
+
+def test_off_cuda_the_pytorch_ops_run():
+    assert not expert_bias_fusable(torch.randn(4, 8))
