@@ -26,6 +26,8 @@ try:
 except ImportError:  # CPU-only PyTorch builds
     triton = None
 
+_PIECE_ROWS = 256
+"""Rows one program sums at most in the first of two passes (inputs of more rows)."""
 _BLOCK_ROWS = 32
 _BLOCK_COLS = 64
 _WARPS = 2
@@ -66,8 +68,42 @@ def segment_sum(
         return sums[:count]
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # -1 fails for zero rows
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
-    width = rows.shape[1]
-    out = torch.empty(count, width, dtype=x.dtype, device=x.device)
+    if rows.shape[0] <= _PIECE_ROWS or count == 0:
+        out = _sum_segments(rows, lengths, row_weights, x.dtype)
+    else:
+        # Two passes, so that a long segment (an expert that got most tokens) does not leave
+        # one program per column block summing it alone: pieces of at most _PIECE_ROWS rows of
+        # a segment each, in fp32, then each segment's pieces, in order.
+        pieces, per_segment = _pieces(lengths, rows.shape[0])
+        partial = _sum_segments(rows, pieces, row_weights, torch.float32)
+        out = _sum_segments(partial, per_segment, None, x.dtype)
+    return out.view(count, *x.shape[1:])
+
+
+def _pieces(lengths: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segments cut into consecutive pieces of at most `_PIECE_ROWS` rows, on the device:
+    `(piece lengths [P], pieces per segment [segments])`, P fixed by `num_rows` (pieces past
+    the last real one have length 0)."""
+    per_segment = (lengths + _PIECE_ROWS - 1) // _PIECE_ROWS
+    ends = torch.cumsum(per_segment, 0)
+    capacity = -(-num_rows // _PIECE_ROWS) + lengths.shape[0]
+    piece = torch.arange(capacity, device=lengths.device)
+    segment = torch.searchsorted(ends, piece, right=True).clamp_(max=lengths.shape[0] - 1)
+    rank_in_segment = piece - (ends - per_segment)[segment]
+    left = lengths[segment] - rank_in_segment * _PIECE_ROWS
+    return left.clamp_(min=0, max=_PIECE_ROWS), per_segment
+
+
+def _sum_segments(
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    row_weights: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One launch: each segment of `rows` (2-D, unit column stride) summed by the programs of
+    its column blocks, into a new [segments, width] tensor of `dtype`."""
+    count, width = lengths.shape[0], rows.shape[1]
+    out = torch.empty(count, width, dtype=dtype, device=rows.device)
     if out.numel():
         starts = torch.cumsum(lengths, 0) - lengths
         _launch_segment_sum(
@@ -76,7 +112,7 @@ def segment_sum(
             rows.stride(0), width,
             ROW_WEIGHTS=row_weights is not None, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
         )  # fmt: skip
-    return out.view(count, *x.shape[1:])
+    return out
 
 
 if triton is not None:

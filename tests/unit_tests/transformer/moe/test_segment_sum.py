@@ -4,7 +4,8 @@
 import pytest
 import torch
 
-from megatron.core.fusions.segment_sum import segment_sum
+from megatron.core.fusions import segment_sum as segment_sum_module
+from megatron.core.fusions.segment_sum import _pieces, segment_sum
 
 # Segments longer than the kernel's row tile and not a multiple of it, empty ones (an expert
 # without tokens), and the padding rows' segment last.
@@ -105,3 +106,33 @@ def test_weighted_rows(device):
     got = segment_sum(x, torch.tensor(LENGTHS, device=device), row_weights=weights)
     expected = _reference((x * weights[:, None])[: sum(LENGTHS)], LENGTHS)
     torch.testing.assert_close(got, expected.float())
+
+
+def test_segments_cut_into_pieces():
+    """The first pass's pieces: each segment's rows in order, in pieces of at most the piece
+    size, then pieces of no rows."""
+    lengths = torch.tensor([600, 0, 17, 256, 257, 1])
+    num_rows = int(lengths.sum()) + 40  # and padding rows
+    pieces, per_segment = _pieces(lengths, num_rows)
+    size = segment_sum_module._PIECE_ROWS
+    expected = []
+    for length in lengths.tolist():
+        expected += [size] * (length // size) + ([length % size] if length % size else [])
+    assert pieces.tolist() == expected + [0] * (len(pieces) - len(expected))
+    assert per_segment.tolist() == [-(-n // size) for n in lengths.tolist()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_and_uneven_segments_on_cuda(dtype):
+    """Segments of thousands of rows (summed in pieces, then the pieces), one of them most of
+    the rows, with row weights and rows after the segments."""
+    torch.manual_seed(0)
+    lengths = [3000, 0, 17, 1200, 256]
+    x = torch.randn(sum(lengths) + 100, 300, device="cuda", dtype=dtype)
+    weights = torch.rand(x.shape[0], device="cuda")
+    got = segment_sum(x, torch.tensor(lengths, device="cuda"), row_weights=weights)
+    expected = _reference((x.double() * weights.double()[:, None])[: sum(lengths)], lengths)
+    # fp32: sums of up to 3,000 products, accumulated in fp32.
+    tolerance = dict(rtol=2e-5, atol=1e-3) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, expected.to(dtype), **tolerance)
