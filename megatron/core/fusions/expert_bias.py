@@ -56,7 +56,9 @@ def add_expert_bias(
         weights: [rows, 1] routing weights on `x`'s device, or None (no factor).
 
     Returns:
-        [rows, out] in `x`'s dtype (the sum computed in fp32 and rounded once).
+        [rows, out] in `x`'s dtype: `x + b * w` computed in fp32 (as one fused multiply-add,
+        so not always the bits of PyTorch's separate product and sum) and rounded once.
+        Differentiable once (PyTorch's ops, which `torch.compile` traces instead, twice).
     """
     if weights is not None:
         weights = weights.reshape(-1).contiguous()  # one per row, at consecutive addresses
@@ -98,7 +100,7 @@ class _ExpertBias(torch.autograd.Function):
         grad = grad if grad.stride(1) == 1 else grad.contiguous()
         grad_bias = grad_weights = None
         if ctx.needs_input_grad[1]:
-            grad_bias = segment_sum(grad, counts, row_weights=weights).to(bias.dtype)
+            grad_bias = segment_sum(grad, counts, row_weights=weights, dtype=bias.dtype)
         if weights is not None and ctx.needs_input_grad[3]:
             grad_weights = torch.empty_like(weights)
             if grad.shape[0]:

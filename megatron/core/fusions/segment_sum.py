@@ -32,13 +32,17 @@ _BLOCK_ROWS = 32
 _BLOCK_COLS = 64
 _WARPS = 2
 """The tile and warps: the fastest of tiles of 8 to 64 rows and 64 to 512 columns with 2, 4 or 8
-warps on an H100 (Triton 3.6) for the MoE benchmark's fc1 bias gradient (16,384 bf16 rows of
-11,264 in 9 segments: 142 us, 2.6 TB/s, against 271 us for 32 x 128 with 4 warps and 1,449 us
-for `index_add`); within 40% of the best for its fc2 bias (width 2,048: 82 us against 60)."""
+warps on an H100 (Triton 3.6) for one pass over the MoE benchmark's fc1 bias gradient with
+balanced experts (16,384 bf16 rows of 11,264 in 9 segments: 142 us, 2.6 TB/s, against 271 us for
+32 x 128 with 4 warps and 1,449 us for `index_add`); within 40% of the best for its fc2 bias
+(width 2,048: 82 us against 60)."""
 
 
 def segment_sum(
-    x: torch.Tensor, lengths: torch.Tensor, row_weights: torch.Tensor | None = None
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    row_weights: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The sums of `x`'s consecutive row segments (each row times its weight where given).
 
@@ -46,13 +50,16 @@ def segment_sum(
         x: [rows, ...], floating.
         lengths: [segments] int64 row counts on `x`'s device, summing to at most `rows` (not
             checked: that would read them on the host); the rows after them are not summed.
-        row_weights: [rows] contiguous factors of the rows, or None.
+        row_weights: one factor per row, or None.
+        dtype: the sums' dtype; None: `x`'s.
 
     Returns:
-        [segments, ...] in `x`'s dtype; by the kernel summed in fp32 and rounded once (the
-        products too).
+        [segments, ...]; by the kernel summed in fp32 and rounded once (the products too).
     """
     count = lengths.shape[0]
+    dtype = x.dtype if dtype is None else dtype
+    if row_weights is not None:
+        row_weights = row_weights.reshape(-1).contiguous()  # the kernel reads them in a row
     if (
         triton is None
         or not x.is_cuda
@@ -65,18 +72,18 @@ def segment_sum(
         row = torch.arange(x.shape[0], device=x.device)
         segment_of_row = torch.searchsorted(torch.cumsum(lengths, 0), row, right=True)
         sums = x.new_zeros(count + 1, *x.shape[1:]).index_add_(0, segment_of_row, x)
-        return sums[:count]
+        return sums[:count].to(dtype)
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # -1 fails for zero rows
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     if rows.shape[0] <= _PIECE_ROWS or count == 0:
-        out = _sum_segments(rows, lengths, row_weights, x.dtype)
+        out = _sum_segments(rows, lengths, row_weights, dtype)
     else:
         # Two passes, so that a long segment (an expert that got most tokens) does not leave
         # one program per column block summing it alone: pieces of at most _PIECE_ROWS rows of
         # a segment each, in fp32, then each segment's pieces, in order.
         pieces, per_segment = _pieces(lengths, rows.shape[0])
         partial = _sum_segments(rows, pieces, row_weights, torch.float32)
-        out = _sum_segments(partial, per_segment, None, x.dtype)
+        out = _sum_segments(partial, per_segment, None, dtype)
     return out.view(count, *x.shape[1:])
 
 

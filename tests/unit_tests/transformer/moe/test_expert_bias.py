@@ -69,3 +69,35 @@ def test_fused_expert_bias_matches_float64(dtype, weighted):
 
 def test_off_cuda_the_pytorch_ops_run():
     assert not expert_bias_fusable(torch.randn(4, 8))
+
+
+@pytest.mark.gpu
+def test_strided_inputs_and_a_cuda_graph_replayed_with_other_counts():
+    """A row-strided `x` and a non-contiguous bias give the contiguous ones' results; a graph
+    captured once adds the biases of other counts when replayed (they are read on the
+    device), backward included."""
+    torch.manual_seed(0)
+    rows, width = sum(COUNTS) + PADDING, 300
+    wide = torch.randn(rows, 2 * width, device=DEVICE)
+    x = wide[:, :width]
+    bias = torch.randn(width, len(COUNTS), device=DEVICE).t()
+    weights = torch.rand(rows, 1, device=DEVICE)
+    counts = torch.tensor(COUNTS, device=DEVICE)
+    grad = torch.randn(rows, width, device=DEVICE)
+    strided = _run(add_expert_bias, x, bias, counts, weights, grad)
+    plain = _run(add_expert_bias, x.contiguous(), bias.contiguous(), counts, weights, grad)
+    for got, want in zip(strided, plain):
+        assert torch.equal(got, want)
+
+    x_in, bias_in, weights_in = (t.detach().clone().requires_grad_() for t in (x, bias, weights))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = add_expert_bias(x_in, bias_in, counts, weights_in)
+        out.backward(grad)
+    other = [0, 60, 20, 4]
+    counts.copy_(torch.tensor(other, device=DEVICE))
+    # The replay writes the captured gradients anew (they were None before the capture).
+    graph.replay()
+    expected = _run(_reference, x, bias, counts, weights, grad)
+    for got, want in zip((out, x_in.grad, bias_in.grad, weights_in.grad), expected):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-4)

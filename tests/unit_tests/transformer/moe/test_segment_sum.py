@@ -81,18 +81,20 @@ def test_no_rows_on_cuda():
 
 @pytest.mark.gpu
 def test_segment_sums_in_a_cuda_graph():
-    x = torch.randn(sum(LENGTHS), 64, device="cuda")
-    lengths = torch.tensor(LENGTHS, device="cuda")
-    segment_sum(x, lengths)  # compiles the kernel outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = segment_sum(x, lengths)
-    # Other values and other lengths: the replay reads both on the device.
-    other = [7, 33, 0, 70, 1, 129, 0]
-    x.copy_(torch.randn_like(x))
-    lengths.copy_(torch.tensor(other))
-    graph.replay()
-    torch.testing.assert_close(out, _reference(x, other).float())
+    # One pass (240 rows), and two (the same segments, each 5 times longer).
+    for scale in (1, 5):
+        lengths = torch.tensor([n * scale for n in LENGTHS], device="cuda")
+        x = torch.randn(int(lengths.sum()), 64, device="cuda")
+        segment_sum(x, lengths)  # compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = segment_sum(x, lengths)
+        # Other values and other lengths: the replay reads both on the device.
+        other = [n * scale for n in (7, 33, 0, 70, 1, 129, 0)]
+        x.copy_(torch.randn_like(x))
+        lengths.copy_(torch.tensor(other))
+        graph.replay()
+        torch.testing.assert_close(out, _reference(x[: sum(other)], other).float())
 
 
 @pytest.mark.parametrize(
