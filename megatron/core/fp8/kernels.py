@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.fusions.triton_launch import TritonLaunch
+from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 
 try:
     import triton
@@ -56,12 +56,9 @@ def kernels_available(x: torch.Tensor) -> bool:
     """Whether `cast_to_fp8` runs its kernels for `x`: Triton, a CUDA tensor on the current
     device, a 2-D floating tensor, and no `torch.compile` tracing."""
     return (
-        triton is not None
-        and x.is_cuda
-        and x.dim() == 2
+        x.dim() == 2
         and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and x.device.index == torch.cuda.current_device()
-        and not torch.compiler.is_compiling()
+        and launches_on(x)
     )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core.fusions.segment_sum import segment_sum
-from megatron.core.fusions.triton_launch import TritonLaunch
+from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import direct_apply, once_differentiable
 
 try:
@@ -35,12 +35,9 @@ def expert_bias_fusable(x: torch.Tensor) -> bool:
     """Whether `add_expert_bias` runs its kernels for `x`: Triton, a 2-D floating CUDA tensor on
     the current device, no `torch.compile` tracing."""
     return (
-        triton is not None
-        and x.is_cuda
-        and x.dim() == 2
+        x.dim() == 2
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and x.device.index == torch.cuda.current_device()
-        and not torch.compiler.is_compiling()
+        and launches_on(x)
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.fusions.triton_launch import TritonLaunch
+from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import direct_apply, once_differentiable
 
 try:
@@ -45,13 +45,10 @@ def fused_rope_supported(query: torch.Tensor, key: torch.Tensor, freqs: torch.Te
     them), and no `torch.compile` tracing (the compiler fuses the PyTorch ops itself).
     """
     return (
-        triton is not None
-        and query.is_cuda
-        and query.device == key.device == freqs.device
-        and query.device.index == torch.cuda.current_device()  # where Triton launches
+        query.device == key.device == freqs.device
         and rope_shapes_fusable(query, key, freqs)
         and not freqs.requires_grad
-        and not torch.compiler.is_compiling()
+        and launches_on(query)
     )
 
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from megatron.core.fusions.triton_launch import TritonLaunch
+from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import direct_apply, once_differentiable
 
 try:
@@ -46,15 +46,7 @@ def fused_swiglu_supported(x: torch.Tensor) -> bool:
     """Whether `fused_swiglu` can run on `x`: Triton, a CUDA tensor on the current device, fp16,
     bf16 or fp32, an even last dimension, and no `torch.compile` tracing (the compiler fuses the
     PyTorch ops itself)."""
-    return (
-        triton is not None
-        and x.is_cuda
-        and x.dtype in _DTYPES
-        and x.dim() >= 1
-        and x.shape[-1] % 2 == 0
-        and x.device.index == torch.cuda.current_device()  # where Triton launches
-        and not torch.compiler.is_compiling()
-    )
+    return x.dtype in _DTYPES and x.dim() >= 1 and x.shape[-1] % 2 == 0 and launches_on(x)
 
 
 def fused_swiglu(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

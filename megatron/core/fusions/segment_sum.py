@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from megatron.core.fusions.triton_launch import TritonLaunch
+from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 
 try:
     import triton
@@ -60,12 +60,7 @@ def segment_sum(
     dtype = x.dtype if dtype is None else dtype
     if row_weights is not None:
         row_weights = row_weights.reshape(-1).contiguous()  # the kernel reads them in a row
-    if (
-        triton is None
-        or not x.is_cuda
-        or x.device.index != torch.cuda.current_device()
-        or torch.compiler.is_compiling()
-    ):
+    if not launches_on(x):
         if row_weights is not None:
             x = (x * row_weights.view(-1, *[1] * (x.dim() - 1))).to(x.dtype)
         # The rows after the segments go to an extra sum, dropped.

@@ -107,6 +107,19 @@ def _instrumented() -> bool:
     return bool(runtime.debug or knobs.compilation.instrumentation_mode)
 
 
+def launches_on(tensor: torch.Tensor) -> bool:
+    """Whether this project's Triton kernels run for `tensor`: Triton is importable, `tensor`
+    lies on the current CUDA device (where Triton launches), and `torch.compile` is not tracing
+    (it fuses the PyTorch ops the kernels stand for by itself). Each kernel adds its own checks
+    of shapes and dtypes."""
+    return (
+        triton is not None
+        and tensor.is_cuda
+        and tensor.device.index == torch.cuda.current_device()
+        and not torch.compiler.is_compiling()
+    )
+
+
 class TritonLaunch:
     """Launches of one Triton JIT kernel with fixed launch options (module docstring).
 
