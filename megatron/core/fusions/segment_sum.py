@@ -8,7 +8,9 @@ adds contend (0.6 ms per MoE expert bias of the MoE benchmark's layers on an H10
 `torch.segment_reduce` sums each segment in order, but on CUDA reads the lengths on the host,
 which breaks CUDA-graph capture and the dropless MoE layers' promise of no host synchronisation.
 The Triton kernel here sums each segment's rows in a fixed order in fp32, reading the lengths on
-the device. Off CUDA, without Triton, or while `torch.compile` traces, `index_add` runs, as
+the device; inputs of more than 256 rows are summed in pieces of at most 256 rows of a segment
+first, then each segment's pieces, so that an expert given most rows does not leave its sum to
+one program per column block. Off CUDA, without Triton, or while `torch.compile` traces, `index_add` runs, as
 `repeat_interleave`'s backward.
 """
 

@@ -57,14 +57,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.fusions.expert_bias import add_expert_bias, expert_bias_fusable
-from megatron.core.fusions.segment_sum import segment_sum
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
 from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import once_differentiable, outside_compiled_graphs
+from megatron.core.utils import outside_compiled_graphs
 
 if TYPE_CHECKING:
     from megatron.core.fp8.experts import Fp8ExpertSlots
@@ -140,27 +139,6 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
-
-
-class _ExpertBiasRows(torch.autograd.Function):
-    """Each row's expert bias: `bias` [experts, out] repeated `counts` [experts] times (on the
-    device), then zero rows up to `num_rows` (padding); nothing is read on the host. Backward
-    sums each expert's rows of the gradient in order (`segment_sum`), where
-    `repeat_interleave`'s own backward adds every row into its few bias rows with atomics; the
-    padding rows, which get no bias, are not summed."""
-
-    @staticmethod
-    def forward(ctx, bias: torch.Tensor, counts: torch.Tensor, num_rows: int) -> torch.Tensor:
-        ctx.save_for_backward(counts)
-        table = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-        lengths = torch.cat([counts, (num_rows - counts.sum()).view(1)])
-        return table.repeat_interleave(lengths, dim=0, output_size=num_rows)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (counts,) = ctx.saved_tensors
-        return segment_sum(grad, counts), None, None
 
 
 class _ZeroGradFor(torch.autograd.Function):
@@ -334,7 +312,10 @@ class ExpertLinear(torch.nn.Module):
         counts = counts.to(bias.device)
         if expert_bias_fusable(x):
             return add_expert_bias(x, bias, counts, weights)
-        rows = _ExpertBiasRows.apply(bias, counts, x.shape[0])
+        # The padding rows repeat a zero bias; the known row count spares a host read.
+        counts = torch.cat([counts, (x.shape[0] - counts.sum()).view(1)])
+        bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        rows = bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return x + (rows if weights is None else rows * weights)
 
 
