@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec
+from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.distributed_harness import current_device
 
@@ -42,13 +42,16 @@ def tiny_gpt_config(**overrides) -> TransformerConfig:
 
 def build_tiny_gpt(config: TransformerConfig | None = None, seed: int = 1234, **kwargs) -> GPTModel:
     """Builds a tiny GPT with deterministic weights (the same on every rank), on this rank's
-    device."""
+    device: the local layer spec, or with experts the decoder block spec of MoE layers."""
     config = config or tiny_gpt_config()
     torch.manual_seed(seed)
     kwargs.setdefault("vocab_size", VOCAB_SIZE)
     kwargs.setdefault("max_sequence_length", SEQ_LENGTH)
+    spec = get_gpt_layer_local_spec()
+    if config.num_moe_experts is not None:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     # Initialise on CPU so that CPU and GPU ranks start from bit-identical weights.
-    return GPTModel(config, get_gpt_layer_local_spec(), **kwargs).to(current_device())
+    return GPTModel(config, spec, **kwargs).to(current_device())
 
 
 def make_token_batches(

@@ -10,8 +10,8 @@ which breaks CUDA-graph capture and the dropless MoE layers' promise of no host 
 The Triton kernel here sums each segment's rows in a fixed order in fp32, reading the lengths on
 the device; inputs of more than 256 rows are summed in pieces of at most 256 rows of a segment
 first, then each segment's pieces, so that an expert given most rows does not leave its sum to
-one program per column block. Off CUDA, without Triton, or while `torch.compile` traces, `index_add` runs, as
-`repeat_interleave`'s backward.
+one program per column block. Off CUDA, without Triton, or while `torch.compile` traces,
+`index_add` runs, as `repeat_interleave`'s backward.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ def mlp_activation(
         intermediate: fc1's output [..., fc1_out].
         config: the activation's fields.
         weights: [..., 1] factors of the rows (an MoE expert's routing weights) that multiply
-            the activation, or None. The PyTorch ops return the product in the promoted dtype
-            (fp32 with fp32 weights), the fused kernels in `intermediate`'s.
+            the activation, or None; the product is taken in the wider dtype (fp32 with fp32
+            weights) and returned in `intermediate`'s.
     """
     fused = (
         config.gated_linear_unit
@@ -51,7 +51,7 @@ def mlp_activation(
             config.glu_linear_offset,
             config.activation_func_clamp_value,
         )
-    return activated if weights is None else activated * weights
+    return activated if weights is None else (activated * weights).to(intermediate.dtype)
 
 
 def _plain_swiglu(config: TransformerConfig) -> bool:

@@ -298,9 +298,9 @@ class ExpertLinear(torch.nn.Module):
     ) -> torch.Tensor:
         """`x` [rows, out], grouped by expert (`counts`: tokens per expert; rows past their sum
         are padding, which get no bias), plus each row's expert bias, times the row's routing
-        weight when `weights` [rows, 1] is given: on CUDA in one kernel per direction
-        (`megatron.core.fusions.expert_bias`, the result in `x`'s dtype), else by PyTorch's ops
-        (in the promoted dtype: fp32 with fp32 weights)."""
+        weight when `weights` [rows, 1] is given (the sum taken in fp32 with fp32 weights),
+        in `x`'s dtype: on CUDA in one kernel per direction
+        (`megatron.core.fusions.expert_bias`), else by PyTorch's ops."""
         bias = grad_sum_over_tp(self.bias, self.tp_group)
         if self.split_dim == 1 and group_size(self.expt_tp_group) > 1:
             # The outputs are summed over expt_tp, so the bias is added once, on rank 0. The
@@ -316,7 +316,7 @@ class ExpertLinear(torch.nn.Module):
         counts = torch.cat([counts, (x.shape[0] - counts.sum()).view(1)])
         bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
         rows = bias.repeat_interleave(counts, dim=0, output_size=x.shape[0])
-        return x + (rows if weights is None else rows * weights)
+        return (x + (rows if weights is None else rows * weights)).to(x.dtype)
 
 
 class SequentialMLP(MegatronModule):
@@ -413,7 +413,7 @@ class SequentialMLP(MegatronModule):
         if self.linear_fc1.bias is not None:
             intermediate = self.linear_fc1.add_bias(intermediate, tokens_per_expert)
         weights = probs.unsqueeze(-1)
-        intermediate = mlp_activation(intermediate, self.config, weights).to(tokens.dtype)
+        intermediate = mlp_activation(intermediate, self.config, weights)
         output = project(self.linear_fc2, intermediate)
         if self.linear_fc2.bias is not None:
             output = self.linear_fc2.add_bias(output, tokens_per_expert, weights)
