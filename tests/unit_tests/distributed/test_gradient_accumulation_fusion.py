@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from unittest import mock
 
 import pytest
 import torch
@@ -299,8 +300,10 @@ def _fsdp_sends(
     gradients ("grads"), per backward whether autograd produced a gradient for fc1's (whole)
     weight ("seen"), the autograd node of fc1's output per forward ("nodes"), whether a weight
     of the root may fuse ("root_fuses"), and whether a send buffer was left written after
-    `finish_grad_sync()` ("leaked")."""
+    `finish_grad_sync()` ("leaked"), and how many reduce-scatters the passes after the failed
+    one issued ("reduce_scatters")."""
     from megatron.core.distributed.fsdp import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.collectives import Collectives
     from megatron.core.distributed.fsdp.roots import parameter_groups
 
     model = _tiny_gpt(fusion, dtype, scenario)
@@ -333,16 +336,24 @@ def _fsdp_sends(
         handle.remove()
         if scenario == "failed":
             fsdp.zero_grad_buffer()
-    if scenario == "twice":
-        loss = loss_of(0)
-        loss.backward(retain_graph=True)
-        loss.backward()
-    else:
-        seeds = SEND_SCENARIOS.get(scenario, [0])
-        for i, seed in enumerate(seeds):
-            with fsdp.no_sync() if i < len(seeds) - 1 else contextlib.nullcontext():
-                loss_of(seed).backward()
-    fsdp.finish_grad_sync()
+    reduce_scatter_tensors = Collectives.reduce_scatter_tensors
+    reduce_scatters = [0]
+
+    def count(*args, **kwargs):
+        reduce_scatters[0] += 1
+        return reduce_scatter_tensors(*args, **kwargs)
+
+    with mock.patch.object(Collectives, "reduce_scatter_tensors", count):
+        if scenario == "twice":
+            loss = loss_of(0)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            seeds = SEND_SCENARIOS.get(scenario, [0])
+            for i, seed in enumerate(seeds):
+                with fsdp.no_sync() if i < len(seeds) - 1 else contextlib.nullcontext():
+                    loss_of(seed).backward()
+        fsdp.finish_grad_sync()
     groups = [group.grads for group in parameter_groups(model) if group.grads is not None]
     root = [p for group in model.fsdp_unit.groups for p in group.weights.unsharded_params]
     return {
@@ -354,6 +365,7 @@ def _fsdp_sends(
         "nodes": nodes,
         "root_fuses": any(map(_may_fuse, root)),
         "leaked": any(g.send_buffer is not None and g.send_buffer.holds_written for g in groups),
+        "reduce_scatters": reduce_scatters[0],
     }
 
 
@@ -394,6 +406,17 @@ SEND_SCENARIOS["recompute"] = SEND_SCENARIOS["penalty"] = SEND_SCENARIOS["one"]
         ("optim_grads_params", torch.float32, True, "failed_then_forward", 2),
         ("optim_grads_params", torch.float32, True, "recompute", 2),
         ("optim_grads_params", torch.float32, True, "penalty", 2),
+        # One rank: the reduce-scatter would only copy; a backward that starts the step's
+        # gradients writes them into the optimizer's memory, later ones add through the buffer.
+        ("optim_grads_params", torch.float32, True, "one", 1),
+        ("optim_grads_params", torch.bfloat16, True, "microbatches", 1),
+        ("optim_grads_params", torch.bfloat16, False, "microbatches", 1),  # bf16 main_grad
+        ("optim_grads", torch.float32, True, "microbatches", 1),
+        ("optim_grads_params", torch.float32, True, "twice", 1),
+        ("optim_grads_params", torch.float32, True, "failed", 1),
+        ("optim_grads_params", torch.float32, True, "failed_then_forward", 1),
+        ("optim_grads_params", torch.float32, True, "recompute", 1),
+        ("optim_grads_params", torch.float32, True, "penalty", 1),
     ],
 )
 def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
@@ -438,6 +461,12 @@ def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
         assert set(fused["nodes"]) == {FUSED} and FUSED not in plain["nodes"]
         assert not fused["root_fuses"] and not fused["leaked"]
         assert any(g.abs().sum() > 0 for g in grads.values())
+        # Over one rank only the backward passes after a step's first reduction reduce (add
+        # through the send buffer): those of further microbatches, a second backward, and
+        # layer 1's after a failed pass that reduced it and was not zeroed.
+        adds = world_size > 1 or scenario in ("microbatches", "twice", "failed_then_forward")
+        for run in (fused, plain):
+            assert (run["reduce_scatters"] > 0) == adds
 
 
 def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:

@@ -34,7 +34,9 @@ Outside this machine, two holders keep gradients on their way to `main_grad`:
   gradients straight into it: no gradient in the compute dtype, no cast pass. Only where the
   unit's reduction follows its own backward (`pre_forward`); a failed backward's writes are
   dropped with autograd's gradients (`drop_unreduced`, at the next forward, `zero_grad` or
-  finalisation).
+  finalisation). Over a shard group of one rank with nothing to scale or cast
+  (`GroupPlan.direct_grads`) a backward that starts `main_grad` afresh sends its gradients
+  into `main_grad` itself, with no reduction; a failed one leaves the group EMPTY.
 - `DeferredSums` (`OverlapPolicy.accumulate_unsharded_grads`): the sharded gradients of the
   microbatches before a step's last, summed whole in `main_grads_dtype`; the last microbatch's
   reduction adds its gradients and reduce-scatters the sums once, a reduction like any other
@@ -77,6 +79,10 @@ class GradState(enum.Enum):
     CONSUMED = "consumed"
 
 
+# The states from which the next reduction starts `main_grad` afresh (whatever `.grad` holds).
+_STARTS_AFRESH = (GradState.EMPTY, GradState.CONSUMED)
+
+
 class GroupGrads:
     """The gradient buffers of one trainable group and their state.
 
@@ -112,7 +118,10 @@ class GroupGrads:
         self._backward_reduction = BackwardReduction(self.main_grad, layout, weights.groups, device)
         self.send_buffer: SendBuffer | None = None
         if plan.shards_grads:
-            self.send_buffer = SendBuffer(layout, precision.grad_comm, device, param_index)
+            direct = self.main_grad if plan.direct_grads else None
+            self.send_buffer = SendBuffer(
+                layout, precision.grad_comm, device, param_index, direct=direct
+            )
         self.deferred_sums = DeferredSums(params, precision.main_grads, param_index)
         # Whether the unit's latest forward routed inputs through its post-backward hook, so
         # that its reduction follows its own backward (`pre_forward`). Units without (the root,
@@ -222,10 +231,26 @@ class GroupGrads:
         does everything without sharded gradients."""
         sends = self.send_buffer
         if sends is not None:
-            self._fuse(sends.dtype, sends.target_of, self._may_fuse_into_sends)
+            self._fuse(sends.dtype, self._send_target, self._may_fuse_into_sends)
 
     def _may_fuse_into_sends(self) -> bool:
         return self._reduced_after_own_backward
+
+    def _send_target(self, param: torch.nn.Parameter) -> FusionTarget | None:
+        """`SendBuffer.target_of`, once the backward's first fused gradient has chosen where
+        its gradients go: straight into `main_grad` where the plan allows it
+        (`direct_grads`) and the step's gradients start afresh (none yet, or consumed by an
+        optimizer step); the send buffer otherwise."""
+        sends = self.send_buffer
+        if self.plan.direct_grads and sends.idle and self.state in _STARTS_AFRESH:
+            self._begin_accumulating()
+            self._begin_direct()
+        return sends.target_of(param)
+
+    def _begin_direct(self) -> None:
+        """Sends this backward's gradients into `main_grad` (ACCUMULATING, starting afresh)."""
+        self.main_grad.reallocate_storage()
+        self.send_buffer.begin_direct()
 
     def _fuse(
         self,
@@ -246,8 +271,14 @@ class GroupGrads:
     def _reduce_grads(self, grads: list[torch.Tensor | None], streams: CommStreams | None) -> bool:
         """`reduce` of the whole gradients `grads` (None: zeros, or written into the send
         buffer; the list is emptied where they are cast)."""
+        sends = self.send_buffer
+        if sends is not None and sends.writes_direct:  # begun by a fused gradient
+            return self._write_direct(grads)
         fresh = self._begin_accumulating()
         if self.plan.shards_grads:
+            if fresh and self.plan.direct_grads and sends.idle:
+                self._begin_direct()
+                return self._write_direct(grads)
             return self._reduce_scatter(grads, fresh, streams)
         grads = [
             grad if grad is not None else torch.zeros_like(param)
@@ -275,6 +306,13 @@ class GroupGrads:
             self.views.attach()
         self.state = GradState.ACCUMULATING
         return not self.main_grad.is_allocated
+
+    def _write_direct(self, grads: list[torch.Tensor | None]) -> bool:
+        """Casts `grads` (emptying the list) into `main_grad` beside what linear layers wrote
+        there (`_begin_direct`): the whole reduction. Returns False: nothing is in flight."""
+        self.send_buffer.inputs(grads)
+        self.send_buffer.reduced()
+        return False
 
     def _reduce_scatter(
         self, grads: list[torch.Tensor | None], fresh: bool, streams: CommStreams | None
@@ -357,8 +395,12 @@ class GroupGrads:
         pass): autograd's, and what linear layers wrote into the send buffer."""
         for param in self.weights.unsharded_params:
             param.grad = None
-        if self.send_buffer is not None:
-            self.send_buffer.drop_written()
+        sends = self.send_buffer
+        if sends is not None:
+            if sends.writes_direct:
+                # `main_grad` started afresh for that backward: it holds nothing else.
+                self._drop()
+            sends.drop_written()
 
     def _drop(self) -> None:
         self.views.detach()

@@ -11,12 +11,28 @@ from megatron.core.distributed.fsdp.plan import GroupPlan, InnerReduction, Outer
 from megatron.core.distributed.fsdp.strategy import ShardingPolicy
 
 
-def _plan(name: str, outer: str = "no_shard", *, shard_size: int = 2, outer_group=None):
-    # GroupPlan.make reads only the shard group's size and whether an outer group exists.
+def _plan(
+    name: str,
+    outer: str = "no_shard",
+    *,
+    shard_size: int = 2,
+    outer_group=None,
+    grad_comm: torch.dtype = torch.float32,
+    grad_divisor: int = 0,
+    average_grads: bool = True,
+):
+    # GroupPlan.make reads only these of the groups: the shard group's size, whether an outer
+    # group exists, and how gradient reductions average.
+    groups = SimpleNamespace(
+        shard_size=shard_size,
+        outer=outer_group,
+        grad_divisor=grad_divisor,
+        average_grads=average_grads,
+    )
     return GroupPlan.make(
         ShardingPolicy(name, outer),
-        ResolvedPrecision(torch.float32, torch.float32, torch.float32),
-        SimpleNamespace(shard_size=shard_size, outer=outer_group),
+        ResolvedPrecision(torch.float32, torch.float32, grad_comm),
+        groups,
         model_dtype=torch.float32,
         requires_grad=True,
     )
@@ -48,3 +64,23 @@ def test_finalising_reduces_what_the_strategy_left_unreduced():
             inner_reduction,
             outer_reduction,
         ), index
+
+
+def test_gradients_skip_a_reduction_that_would_only_copy():
+    """Sharded gradients over one rank, with no average to take and no cast, go straight into
+    `main_grad`; a divisor over more ranks (expert gradients), a reduction dtype of its own, more
+    than one rank, or unsharded gradients keep the reduction."""
+    cases = [
+        (_plan("optim_grads_params", shard_size=1), True),
+        (_plan("optim_grads", shard_size=1), True),
+        (_plan("optim_grads_params", shard_size=1, grad_divisor=1), True),
+        (_plan("optim_grads_params", shard_size=1, grad_divisor=2, average_grads=False), True),
+        (_plan("optim_grads_params", "optim", shard_size=1, outer_group=object()), True),
+        (_plan("optim_grads_params", shard_size=1, grad_divisor=2), False),
+        (_plan("optim_grads_params", shard_size=1, grad_comm=torch.bfloat16), False),
+        (_plan("optim_grads_params"), False),
+        (_plan("optim", shard_size=1), False),
+        (_plan("no_shard", shard_size=1), False),
+    ]
+    for index, (plan, direct) in enumerate(cases):
+        assert plan.direct_grads is direct, index
