@@ -302,7 +302,7 @@ def _fsdp_sends(
     of the root may fuse ("root_fuses"), and whether a send buffer was left written after
     `finish_grad_sync()` ("leaked"), and how many reduce-scatters the passes after the failed
     one issued ("reduce_scatters")."""
-    from megatron.core.distributed.fsdp import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp import FullyShardedDataParallel, fully_shard_optimizer
     from megatron.core.distributed.fsdp.collectives import Collectives
     from megatron.core.distributed.fsdp.roots import parameter_groups
 
@@ -322,11 +322,10 @@ def _fsdp_sends(
         tokens, labels = device_batch(4, seed)
         return fsdp(tokens, labels=labels).float().mean() + sum(penalties)
 
-    fsdp.zero_grad_buffer()
-    if scenario.startswith("failed"):
-        # Raises in layer 0's backward after its fc2 wrote its gradient into the send buffer
-        # (layer 1's was reduced already): the next backward must not see that buffer, after
-        # `zero_grad_buffer()` or after a new forward alone (which keeps layer 1's reduction).
+    def fail_once() -> None:
+        """A backward that raises in layer 0's backward after its fc2 wrote its gradient into
+        the send buffer (layer 1's was reduced already)."""
+
         def fail(module, args, output) -> None:
             output[0].register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
 
@@ -334,6 +333,25 @@ def _fsdp_sends(
         with pytest.raises(RuntimeError, match="boom"):
             loss_of(9).backward()
         handle.remove()
+
+    fsdp.zero_grad_buffer()
+    after_failure = None
+    if scenario.startswith("consumed"):
+        # A step consumed by a connected optimizer (lr 0: the weights stay): the next
+        # backward replaces its gradients, with no `zero_grad_buffer()` between.
+        optimizer = fully_shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0), model)
+        loss_of(5).backward()
+        fsdp.finish_grad_sync()
+        optimizer.step()
+    if scenario == "consumed_then_failed":
+        # The consumed gradients stay in `.grad` after a failed backward, as without fusion.
+        fail_once()
+        fsdp.finish_grad_sync()
+        after_failure = {name: _global_grad(p) for name, p in model.named_parameters()}
+    if scenario.startswith("failed"):
+        # The next backward must not see the failed one's send buffer, after
+        # `zero_grad_buffer()` or after a new forward alone (which keeps layer 1's reduction).
+        fail_once()
         if scenario == "failed":
             fsdp.zero_grad_buffer()
     reduce_scatter_tensors = Collectives.reduce_scatter_tensors
@@ -357,10 +375,8 @@ def _fsdp_sends(
     groups = [group.grads for group in parameter_groups(model) if group.grads is not None]
     root = [p for group in model.fsdp_unit.groups for p in group.weights.unsharded_params]
     return {
-        "grads": {
-            name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-            for name, p in model.named_parameters()
-        },
+        "grads": {name: _global_grad(p) for name, p in model.named_parameters()},
+        "after_failure": after_failure,
         "seen": [any(s) for s in autograd_grads],
         "nodes": nodes,
         "root_fuses": any(map(_may_fuse, root)),
@@ -370,6 +386,14 @@ def _fsdp_sends(
 
 
 TIED = "embedding.word_embeddings.weight"
+
+
+def _global_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """`param.grad` whole (a copy), or None."""
+    grad = param.grad
+    if grad is None:
+        return None
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
 
 
 def _penalize(fc1: torch.nn.Module) -> list[torch.Tensor]:
@@ -388,9 +412,11 @@ def _penalize(fc1: torch.nn.Module) -> list[torch.Tensor]:
 # The backward passes each `_fsdp_sends` scenario runs, as seeds of `device_batch` ("failed"
 # runs one more before them that raises; "failed_then_forward" keeps what that one reduced,
 # which plain PyTorch's failed backward does not match, so it is compared with the unfused run
-# only).
+# only, as is "consumed_then_failed", a failed backward after a step; "consumed" runs a step
+# first, whose gradients the backward replaces).
 SEND_SCENARIOS = {"one": [0], "microbatches": [0, 1, 2], "twice": [0, 0], "failed": [0]}
 SEND_SCENARIOS["recompute"] = SEND_SCENARIOS["penalty"] = SEND_SCENARIOS["one"]
+SEND_SCENARIOS["consumed"] = SEND_SCENARIOS["one"]
 
 
 @pytest.mark.parametrize(
@@ -417,6 +443,9 @@ SEND_SCENARIOS["recompute"] = SEND_SCENARIOS["penalty"] = SEND_SCENARIOS["one"]
         ("optim_grads_params", torch.float32, True, "failed_then_forward", 1),
         ("optim_grads_params", torch.float32, True, "recompute", 1),
         ("optim_grads_params", torch.float32, True, "penalty", 1),
+        ("optim_grads_params", torch.float32, True, "consumed", 1),
+        ("optim_grads_params", torch.float32, True, "consumed_then_failed", 1),
+        ("optim_grads_params", torch.float32, True, "consumed_then_failed", 2),
     ],
 )
 def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
@@ -464,9 +493,17 @@ def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
         # Over one rank only the backward passes after a step's first reduction reduce (add
         # through the send buffer): those of further microbatches, a second backward, and
         # layer 1's after a failed pass that reduced it and was not zeroed.
-        adds = world_size > 1 or scenario in ("microbatches", "twice", "failed_then_forward")
-        for run in (fused, plain):
-            assert (run["reduce_scatters"] > 0) == adds
+        # Gradients consumed by the optimizer stay in `.grad` until the reduction that
+        # replaces them: fused gradients go through the send buffer then.
+        later = ("microbatches", "twice", "failed_then_forward", "consumed_then_failed")
+        fused_later = (*later, "consumed")
+        assert (fused["reduce_scatters"] > 0) == (world_size > 1 or scenario in fused_later)
+        assert (plain["reduce_scatters"] > 0) == (world_size > 1 or scenario in later)
+        if scenario == "consumed_then_failed":
+            after = fused["after_failure"]
+            assert after.keys() == plain["after_failure"].keys()
+            for name, grad in after.items():
+                assert grad is not None and torch.equal(grad, plain["after_failure"][name]), name
 
 
 def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:

@@ -36,7 +36,8 @@ Outside this machine, two holders keep gradients on their way to `main_grad`:
   dropped with autograd's gradients (`drop_unreduced`, at the next forward, `zero_grad` or
   finalisation). Over a shard group of one rank with nothing to scale or cast
   (`GroupPlan.direct_grads`) a backward that starts `main_grad` afresh sends its gradients
-  into `main_grad` itself, with no reduction; a failed one leaves the group EMPTY.
+  into `main_grad` itself, with no reduction: from its first fused gradient where the group is
+  EMPTY, else from its reduction. A failed one that wrote there leaves the group EMPTY.
 - `DeferredSums` (`OverlapPolicy.accumulate_unsharded_grads`): the sharded gradients of the
   microbatches before a step's last, summed whole in `main_grads_dtype`; the last microbatch's
   reduction adds its gradients and reduce-scatters the sums once, a reduction like any other
@@ -77,10 +78,6 @@ class GradState(enum.Enum):
     ACCUMULATING = "accumulating"
     READY = "ready"
     CONSUMED = "consumed"
-
-
-# The states from which the next reduction starts `main_grad` afresh (whatever `.grad` holds).
-_STARTS_AFRESH = (GradState.EMPTY, GradState.CONSUMED)
 
 
 class GroupGrads:
@@ -239,16 +236,16 @@ class GroupGrads:
     def _send_target(self, param: torch.nn.Parameter) -> FusionTarget | None:
         """`SendBuffer.target_of`, once the backward's first fused gradient has chosen where
         its gradients go: straight into `main_grad` where the plan allows it
-        (`direct_grads`) and the step's gradients start afresh (none yet, or consumed by an
-        optimizer step); the send buffer otherwise."""
+        (`direct_grads`) and the group holds no gradients (EMPTY: `main_grad` is free); the
+        send buffer otherwise. The group stays EMPTY, its `.grad` None, until the reduction
+        (`_write_direct`): `main_grad` holds only part of the gradients until then."""
         sends = self.send_buffer
-        if self.plan.direct_grads and sends.idle and self.state in _STARTS_AFRESH:
-            self._begin_accumulating()
+        if self.plan.direct_grads and sends.idle and self.state is GradState.EMPTY:
             self._begin_direct()
         return sends.target_of(param)
 
     def _begin_direct(self) -> None:
-        """Sends this backward's gradients into `main_grad` (ACCUMULATING, starting afresh)."""
+        """Sends this backward's gradients into `main_grad`, which starts afresh."""
         self.main_grad.reallocate_storage()
         self.send_buffer.begin_direct()
 
@@ -272,7 +269,8 @@ class GroupGrads:
         """`reduce` of the whole gradients `grads` (None: zeros, or written into the send
         buffer; the list is emptied where they are cast)."""
         sends = self.send_buffer
-        if sends is not None and sends.writes_direct:  # begun by a fused gradient
+        if sends is not None and sends.writes_direct:  # begun by a fused gradient, from EMPTY
+            self._begin_accumulating()
             return self._write_direct(grads)
         fresh = self._begin_accumulating()
         if self.plan.shards_grads:
@@ -398,7 +396,8 @@ class GroupGrads:
         sends = self.send_buffer
         if sends is not None:
             if sends.writes_direct:
-                # `main_grad` started afresh for that backward: it holds nothing else.
+                # `main_grad` started afresh for that backward (from EMPTY, or at its
+                # reduction): it holds nothing else.
                 self._drop()
             sends.drop_written()
 

@@ -210,7 +210,7 @@ class SendBuffer:
     def drop_written(self) -> None:
         """Forgets what linear layers wrote for a reduction that did not run (a failed pass);
         what went into `direct` stays there, for the caller to drop."""
+        self._slots = self._own
         if self._written is not None:
             self._written = None
-            self._slots = self._own
             self._buffer.free_storage()
