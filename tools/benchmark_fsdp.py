@@ -4,6 +4,8 @@ Engines (`--engines`, default all, run in the order given):
 
 - `megatron_fsdp_zero3` / `megatron_fsdp_zero2`: Megatron-FSDP (`FullyShardedDataParallel`)
   sharding optimizer state, gradients and parameters / optimizer state and gradients;
+- `megatron_fsdp_no_shard` (not in the default list): Megatron-FSDP replicating everything,
+  gradients all-reduced once per step (`no_shard`, Megatron-FSDP's default strategy);
 - `megatron_fsdp_hsdp` / `megatron_fsdp_hfsdp` (not in the default list): Megatron-FSDP ZeRO-3
   inside each of `--num-distributed-optimizer-instances` R instances (default 2) of world / R
   ranks, replicated across them (HSDP), or with main weights and optimizer state also sharded
@@ -70,6 +72,7 @@ from benchmark_lib.engines import (
     ENGINES,
     GRAPHABLE,
     HYBRID_ENGINES,
+    OPTIONAL_ENGINES,
     Batch,
     StepFn,
     build_engine,
@@ -210,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the engines in turn this many times in one process, each round's ratios to "
         "its own one-GPU step (host-bound steps move with the host's speed between processes)",
     )
-    args = check_args(parser, parser.parse_args(argv), ENGINES + HYBRID_ENGINES)
+    args = check_args(parser, parser.parse_args(argv), ENGINES + HYBRID_ENGINES + OPTIONAL_ENGINES)
     check_instances(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more.")

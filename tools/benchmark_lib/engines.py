@@ -41,9 +41,12 @@ ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single
 """The engines that run at every world size: `--engines`' default."""
 HYBRID_ENGINES = ("megatron_fsdp_hsdp", "megatron_fsdp_hfsdp")
 """Engines over several data-parallel instances: only where the world size splits into them."""
+OPTIONAL_ENGINES = ("megatron_fsdp_no_shard",)
+"""Engines that run at every world size, on request only."""
 MEGATRON_FSDP = {
     "megatron_fsdp_zero3": ("optim_grads_params", None),
     "megatron_fsdp_zero2": ("optim_grads", None),
+    "megatron_fsdp_no_shard": ("no_shard", None),
     "megatron_fsdp_hsdp": ("optim_grads_params", "no_shard"),
     "megatron_fsdp_hfsdp": ("optim_grads_params", "optim"),
 }
@@ -72,7 +75,13 @@ def layout(name: str, args: argparse.Namespace, world: int) -> str:
         count = instances(name, args)
         kind = "HSDP" if MEGATRON_FSDP[name][1] == "no_shard" else "HFSDP"
         return f"{kind} {count} x {world // count}"
-    kind = {"fsdp2": "FSDP2", "ddp": "DDP", "megatron_fsdp_zero2": "ZeRO-2"}.get(name, "ZeRO-3")
+    kinds = {
+        "fsdp2": "FSDP2",
+        "ddp": "DDP",
+        "megatron_fsdp_zero2": "ZeRO-2",
+        "megatron_fsdp_no_shard": "no_shard",
+    }
+    kind = kinds.get(name, "ZeRO-3")
     return f"{kind} over {world}"
 
 
@@ -319,7 +328,8 @@ def precision_note(name: str, args: argparse.Namespace) -> str:
     """How `name` holds weights and gradients in this run (the table's footnote)."""
     note = _precision(name, args)
     if args.gradient_accumulation_fusion:
-        if name in MEGATRON_FSDP and not args.megatron_fsdp_accumulate_unsharded_grads:
+        sharded = name in MEGATRON_FSDP and MEGATRON_FSDP[name][0] != "no_shard"
+        if sharded and not args.megatron_fsdp_accumulate_unsharded_grads:
             note += " (layers' weight gradients written by the GEMMs into the reduce-scatter input)"
         elif name != "fsdp2":
             note += " (weight gradients accumulated in the GEMMs)"
@@ -339,6 +349,8 @@ def _precision(name: str, args: argparse.Namespace) -> str:
         f"(mp_policy), {grads}",
         "ddp": f"bf16 params + fp32 main weights and AdamW state, all replicated, {grads}",
         "single": f"bf16 params + fp32 main weights, grads accumulated in {args.grad_reduce_dtype}",
+        "megatron_fsdp_no_shard": f"bf16 compute weights, fp32 main weights and AdamW state, "
+        f"all replicated, {grads}",
     }.get(
         name,
         f"bf16 compute weights, fp32 sharded main weights (default policy; AdamW on their "

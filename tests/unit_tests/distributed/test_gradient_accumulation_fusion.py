@@ -457,6 +457,81 @@ def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
     equal the unfused run's (bitwise on CPU, where the fused path forms the same products; on
     GPU fusion accumulates bf16 products in fp32, which the unfused run rounds first) and plain
     PyTorch's (every rank sees the same batches, so their average is one process's sum)."""
+    fused_ranks, plain_ranks = _fsdp_fused_and_plain(
+        strategy, dtype, reduce_in_fp32, scenario, world_size
+    )
+    for fused, plain in zip(fused_ranks, plain_ranks):
+        # The penalty's gradient reaches fc1's weight through autograd.
+        assert any(fused["seen"]) == (scenario == "penalty") and all(plain["seen"])
+        assert set(fused["nodes"]) == {FUSED} and FUSED not in plain["nodes"]
+        assert not fused["root_fuses"] and not fused["leaked"]
+        # Over one rank only the backward passes after a step's first reduction reduce (add
+        # through the send buffer): those of further microbatches, a second backward, and
+        # layer 1's after a failed pass that reduced it and was not zeroed.
+        # Gradients consumed by the optimizer stay in `.grad` until the reduction that
+        # replaces them: fused gradients go through the send buffer then.
+        later = ("microbatches", "twice", "failed_then_forward", "consumed_then_failed")
+        fused_later = (*later, "consumed")
+        assert (fused["reduce_scatters"] > 0) == (world_size > 1 or scenario in fused_later)
+        assert (plain["reduce_scatters"] > 0) == (world_size > 1 or scenario in later)
+
+
+@pytest.mark.parametrize(
+    "strategy, dtype, reduce_in_fp32, scenario, world_size",
+    [
+        ("no_shard", torch.float32, True, "one", 2),
+        ("no_shard", torch.bfloat16, True, "microbatches", 2),
+        ("no_shard", torch.bfloat16, False, "microbatches", 2),  # bf16 main_grad
+        ("no_shard", torch.float32, True, "twice", 2),
+        ("no_shard", torch.float32, True, "failed", 2),
+        ("no_shard", torch.float32, True, "failed_then_forward", 2),
+        ("no_shard", torch.float32, True, "recompute", 2),
+        ("no_shard", torch.float32, True, "penalty", 2),
+        ("no_shard", torch.float32, True, "consumed", 2),
+        ("no_shard", torch.float32, True, "consumed_then_failed", 2),
+        ("no_shard", torch.float32, True, "microbatches", 1),
+        ("optim", torch.float32, True, "microbatches", 1),
+    ],
+)
+def test_fsdp_writes_whole_weight_gradients_into_main_grad(
+    strategy, dtype, reduce_in_fp32, scenario, world_size
+):
+    """Gradients kept whole in their own layout (`no_shard`; ZeRO-1 over one rank): linear
+    layers, the root's too, write their weight gradients into `main_grad`, the step's first
+    backward over it and later ones added to it, as Megatron-LM's engines do. fc1's weight
+    gets a gradient from autograd only where a reduction has yet to replace the gradients held
+    (after a step, before the next backward's reduction) or from the penalty. The gradients
+    equal the unfused run's and plain PyTorch's, as in the sharded test above: bitwise on CPU
+    but where a GEMM adds its product to the gradients of an earlier backward (one rounding
+    where the unfused run rounds the product, then the sum) or to bf16 ones."""
+    adds = scenario in ("microbatches", "failed_then_forward") or not reduce_in_fp32
+    fused_ranks, plain_ranks = _fsdp_fused_and_plain(
+        strategy, dtype, reduce_in_fp32, scenario, world_size, bitwise=not adds
+    )
+    for fused, plain in zip(fused_ranks, plain_ranks):
+        # A second backward after the first finalised ("twice") adds to READY gradients.
+        autograd_sees = scenario in ("penalty", "twice", "consumed", "consumed_then_failed")
+        assert any(fused["seen"]) == autograd_sees and all(plain["seen"])
+        assert set(fused["nodes"]) == {FUSED} and FUSED not in plain["nodes"]
+        assert fused["root_fuses"] and not fused["leaked"]
+        assert fused["reduce_scatters"] == plain["reduce_scatters"] == 0
+
+
+def _fsdp_fused_and_plain(
+    strategy: str,
+    dtype: torch.dtype,
+    reduce_in_fp32: bool,
+    scenario: str,
+    world_size: int,
+    *,
+    bitwise: bool = True,
+) -> tuple[list[dict], list[dict]]:
+    """`_fsdp_sends` fused and unfused on `world_size` ranks, after checking that their
+    gradients agree with each other (bitwise on CPU, where the fused path forms the same
+    products, unless `bitwise` is False; on GPU fusion accumulates bf16 products in fp32, which
+    the unfused run rounds first) and with plain PyTorch's (every rank sees the same batches, so
+    their average is one process's sum), and that the consumed gradients a failed backward
+    leaves agree."""
     args = (strategy, dtype, reduce_in_fp32, scenario)
     fused_ranks = run_distributed(_fsdp_sends, world_size, True, *args)
     plain_ranks = run_distributed(_fsdp_sends, world_size, False, *args)
@@ -479,31 +554,19 @@ def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
         assert grads.keys() == plain["grads"].keys()
         for name, grad in grads.items():
             # Autograd sums the tied weight's two bf16 gradients in bf16, fusion in fp32.
-            if on_cpu and (dtype == torch.float32 or name != TIED):
+            if bitwise and on_cpu and (dtype == torch.float32 or name != TIED):
                 assert torch.equal(grad, plain["grads"][name]), name
             else:
                 torch.testing.assert_close(grad, plain["grads"][name], msg=name, **tolerance)
             if expected is not None:
                 torch.testing.assert_close(grad.float(), expected[name], msg=name, **tolerance)
-        # The penalty's gradient reaches fc1's weight through autograd.
-        assert any(fused["seen"]) == (scenario == "penalty") and all(plain["seen"])
-        assert set(fused["nodes"]) == {FUSED} and FUSED not in plain["nodes"]
-        assert not fused["root_fuses"] and not fused["leaked"]
         assert any(g.abs().sum() > 0 for g in grads.values())
-        # Over one rank only the backward passes after a step's first reduction reduce (add
-        # through the send buffer): those of further microbatches, a second backward, and
-        # layer 1's after a failed pass that reduced it and was not zeroed.
-        # Gradients consumed by the optimizer stay in `.grad` until the reduction that
-        # replaces them: fused gradients go through the send buffer then.
-        later = ("microbatches", "twice", "failed_then_forward", "consumed_then_failed")
-        fused_later = (*later, "consumed")
-        assert (fused["reduce_scatters"] > 0) == (world_size > 1 or scenario in fused_later)
-        assert (plain["reduce_scatters"] > 0) == (world_size > 1 or scenario in later)
         if scenario == "consumed_then_failed":
             after = fused["after_failure"]
             assert after.keys() == plain["after_failure"].keys()
             for name, grad in after.items():
                 assert grad is not None and torch.equal(grad, plain["after_failure"][name]), name
+    return fused_ranks, plain_ranks
 
 
 def _registered_linear() -> tuple[torch.nn.Parameter, torch.Tensor, _MainGrads]:

@@ -18,7 +18,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "benchmark_fsdp.py"
-ENGINES = ["megatron_fsdp_zero3", "megatron_fsdp_zero2", "fsdp2", "ddp", "single"]
+ENGINES = [
+    "megatron_fsdp_zero3",
+    "megatron_fsdp_zero2",
+    "megatron_fsdp_no_shard",
+    "fsdp2",
+    "ddp",
+    "single",
+]
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 128 --seq-length 32 "
     "--micro-batch-size 2 --num-microbatches 2 --warmup-steps 1 --steps 2 --lr 1e-3"

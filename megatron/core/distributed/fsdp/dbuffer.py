@@ -269,3 +269,27 @@ def copy_chunks_in(tensors: Sequence[torch.Tensor], out: torch.Tensor, layout: S
         nonempty = [t for t in tensors if t.numel() > 0]
         if nonempty:
             torch._chunk_cat(nonempty, dim=0, num_chunks=layout.num_shards, out=rows)
+
+
+def cast_into(
+    targets: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    written: Sequence[bool],
+) -> None:
+    """Each gradient cast into its target, or added to it where a linear layer wrote one
+    there (`written`, gradient-accumulation fusion); targets with neither are zeroed. Three
+    grouped launches at most."""
+    copies, adds, zeros = ([], []), ([], []), []
+    for target, grad, fused in zip(targets, grads, written):
+        if grad is not None:
+            into = adds if fused else copies
+            into[0].append(target)
+            into[1].append(grad)
+        elif not fused:
+            zeros.append(target)
+    if copies[0]:
+        torch._foreach_copy_(*copies)
+    if adds[0]:
+        torch._foreach_add_(*adds)
+    if zeros:
+        torch._foreach_zero_(zeros)

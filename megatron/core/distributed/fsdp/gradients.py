@@ -60,7 +60,7 @@ import torch
 
 from megatron.core.distributed.fsdp.backward_reduction import BackwardReduction
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.dbuffer import DBuffer
+from megatron.core.distributed.fsdp.dbuffer import DBuffer, cast_into
 from megatron.core.distributed.fsdp.deferred_sums import DeferredSums
 from megatron.core.distributed.fsdp.grad_views import GradViews
 from megatron.core.distributed.fsdp.overlap import CommStreams
@@ -120,6 +120,14 @@ class GroupGrads:
                 layout, precision.grad_comm, device, param_index, direct=direct
             )
         self.deferred_sums = DeferredSums(params, precision.main_grads, param_index)
+        self._param_index = param_index
+        # Whole gradients of one shard (`fuse_into_main_grad`): each tensor's view of
+        # `main_grad` (made once: valid across free / reallocate), and while a backward that
+        # starts them afresh is under way, per parameter whether a linear layer wrote there.
+        self._whole_views: list[torch.Tensor] | None = None
+        if not plan.shards_grads and layout.num_shards == 1:
+            self._whole_views = layout.local_views(self.main_grad.data, 0)
+        self._whole_written: list[bool] | None = None
         # Whether the unit's latest forward routed inputs through its post-backward hook, so
         # that its reduction follows its own backward (`pre_forward`). Units without (the root,
         # fed token ids) reduce at the end of the whole backward, and their linear layers do
@@ -159,6 +167,7 @@ class GroupGrads:
         fused weight gradient, to `zero_grad`)."""
         return (
             self.state is not GradState.EMPTY
+            or self._whole_written is not None
             or self.deferred_sums.exist()
             or (self.send_buffer is not None and self.send_buffer.holds_written)
         )
@@ -233,6 +242,36 @@ class GroupGrads:
     def _may_fuse_into_sends(self) -> bool:
         return self._reduced_after_own_backward
 
+    def fuse_into_main_grad(self) -> None:
+        """Lets linear layers write their weight gradients straight into `main_grad` where it
+        holds the whole gradients in their own layout (gradients not sharded, a shard group of
+        one: `no_shard`, and `optim` over one rank), as Megatron-LM's engines do: a backward
+        that starts the step's gradients (the group EMPTY) overwrites, later ones add. A
+        backward that fails leaves what linear layers added there, as torch leaves the `.grad`
+        it accumulated; one that started the gradients leaves the group EMPTY. Parameters whose
+        `main_grad` dtype a GEMM cannot write stay unfused. ZeRO-1 over several ranks keeps the
+        sums shard-major, which no GEMM writes: it stays unfused."""
+        if self._whole_views is not None:
+            self._fuse(self.main_grad.dtype, self._whole_target)
+
+    def _whole_target(self, param: torch.nn.Parameter) -> FusionTarget | None:
+        """`param`'s view of the whole `main_grad` (`fuse_into_main_grad`); None (autograd keeps
+        the gradient) where the group holds gradients that a reduction has yet to replace or
+        finalising has reduced (READY, CONSUMED)."""
+        index = self._param_index[id(param)]
+        written = self._whole_written
+        if written is None:
+            if self.state is GradState.ACCUMULATING:
+                return FusionTarget(self._whole_views[index])
+            if self.state is not GradState.EMPTY:
+                return None
+            # The group stays EMPTY (`.grad` None) until the reduction attaches the views.
+            self.main_grad.reallocate_storage()
+            written = self._whole_written = [False] * len(self._whole_views)
+        overwrite = not written[index]
+        written[index] = True
+        return FusionTarget(self._whole_views[index], overwrite)
+
     def _send_target(self, param: torch.nn.Parameter) -> FusionTarget | None:
         """`SendBuffer.target_of`, once the backward's first fused gradient has chosen where
         its gradients go: straight into `main_grad` where the plan allows it
@@ -278,6 +317,16 @@ class GroupGrads:
                 self._begin_direct()
                 return self._write_direct(grads)
             return self._reduce_scatter(grads, fresh, streams)
+        written, self._whole_written = self._whole_written, None
+        if written is not None:  # linear layers wrote the step's first gradients
+            cast_into(self._whole_views, grads, written)
+            return False
+        if self._whole_views is not None and not fresh:
+            # Gradients None were written by linear layers, or are none.
+            added = [(view, g) for view, g in zip(self._whole_views, grads) if g is not None]
+            if added:
+                torch._foreach_add_([view for view, _ in added], [g for _, g in added])
+            return False
         grads = [
             grad if grad is not None else torch.zeros_like(param)
             for grad, param in zip(grads, self.weights.unsharded_params)
@@ -393,6 +442,9 @@ class GroupGrads:
         pass): autograd's, and what linear layers wrote into the send buffer."""
         for param in self.weights.unsharded_params:
             param.grad = None
+        if self._whole_written is not None:  # `main_grad` started afresh for that backward
+            self._whole_written = None
+            self._drop()
         sends = self.send_buffer
         if sends is not None:
             if sends.writes_direct:

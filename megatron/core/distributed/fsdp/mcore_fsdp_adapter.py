@@ -53,7 +53,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
             layers write their weight gradients into the buffer they are reduce-scattered from
             where their unit reduces right after its own backward (not the root), or, with
             `megatron_fsdp_accumulate_unsharded_grads`, add them into the whole sums from a
-            step's second microbatch on).
+            step's second microbatch on; where gradients are not sharded and `main_grad`
+            holds them whole (`no_shard`, `optim` over one rank), into `main_grad`).
         ddp_config: data-parallel switches; `use_megatron_fsdp` must be True.
         module: the model (may live on the `meta` device: it is materialised shard by shard).
         fsdp_unit_modules: module classes that each become a unit; everything else belongs to
@@ -152,8 +153,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
                     continue
                 if overlap_policy.accumulate_unsharded_grads:
                     group.grads.fuse_into_deferred_sums()
-                else:
+                elif group.plan.shards_grads:
                     group.grads.fuse_into_sends()
+                else:
+                    group.grads.fuse_into_main_grad()
         # The root's context now (which materialises meta-device weights), kept for the
         # per-step calls below.
         self._contexts = fsdp_contexts(module)

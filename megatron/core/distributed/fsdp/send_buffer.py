@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, concatenates
+from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, cast_into, concatenates
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget
 
 
@@ -167,32 +167,11 @@ class SendBuffer:
                 return sends
             self._buffer.reallocate_storage()
             written = [False] * len(grads)
-        self._cast_in(grads, written, slots.targets)
+        cast_into(slots.targets, grads, written)
         if slots.padding:
             torch._foreach_zero_(slots.padding)
         grads.clear()
         return slots.inputs
-
-    @staticmethod
-    def _cast_in(
-        grads: list[torch.Tensor | None], written: list[bool], targets: list[torch.Tensor]
-    ) -> None:
-        """Each gradient cast into its place in `targets`, or added where a linear layer
-        wrote one there (`written`); zeros where there is neither."""
-        copies, adds, zeros = ([], []), ([], []), []
-        for target, grad, fused in zip(targets, grads, written):
-            if grad is not None:
-                into = adds if fused else copies
-                into[0].append(target)
-                into[1].append(grad)
-            elif not fused:
-                zeros.append(target)
-        if copies[0]:
-            torch._foreach_copy_(*copies)
-        if adds[0]:
-            torch._foreach_add_(*adds)
-        if zeros:
-            torch._foreach_zero_(zeros)
 
     def in_flight(self, sends: list[torch.Tensor]) -> None:
         """A reduce-scatter on the reduce-scatter stream reads `sends` (`inputs`' result): they
