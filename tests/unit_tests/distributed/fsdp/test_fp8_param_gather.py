@@ -286,7 +286,7 @@ def _write_after_step(write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
     optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
-    tokens, labels = make_token_batches(2, 4, seed=5)[0]
+    tokens, labels = (shard_batch(t, 0, 1) for t in make_token_batches(2, 4, seed=5)[0])
     fsdp(tokens, labels=labels).float().mean().backward()
     fsdp.finish_grad_sync()
     step_and_copy(optimizer, amaxes=[fsdp.prepare_step_amaxes()])
@@ -426,7 +426,7 @@ def _use_outside_a_pass(keep_fp8_transpose_cache: bool) -> str:
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
     )
     fsdp = FullyShardedDataParallel(config, ddp_config, model)
-    tokens, labels = make_token_batches(1, 2)[0]
+    tokens, labels = (shard_batch(t, 0, 1) for t in make_token_batches(1, 2)[0])
     fsdp(tokens, labels=labels).float().mean().backward()  # reshards every unit at its end
     layer = fsdp.module.decoder.layers[0]
     group = next(g for g in layer.fsdp_unit.groups if g.plan.fp8_gather)
