@@ -454,9 +454,7 @@ def test_fsdp_writes_weight_gradients_into_the_reduce_scatter_input(
     """Gradients reduce-scattered at every backward: fc1's weight never gets a gradient from
     autograd (its GEMM writes it into the send buffer), the root's linears do not fuse (it
     reduces at the end of backward), and no written buffer outlives the step. The gradients
-    equal the unfused run's (bitwise on CPU, where the fused path forms the same products; on
-    GPU fusion accumulates bf16 products in fp32, which the unfused run rounds first) and plain
-    PyTorch's (every rank sees the same batches, so their average is one process's sum)."""
+    equal the unfused run's and plain PyTorch's (`_fsdp_fused_and_plain`)."""
     fused_ranks, plain_ranks = _fsdp_fused_and_plain(
         strategy, dtype, reduce_in_fp32, scenario, world_size
     )
@@ -501,9 +499,9 @@ def test_fsdp_writes_whole_weight_gradients_into_main_grad(
     backward over it and later ones added to it, as Megatron-LM's engines do. fc1's weight
     gets a gradient from autograd only where a reduction has yet to replace the gradients held
     (after a step, before the next backward's reduction) or from the penalty. The gradients
-    equal the unfused run's and plain PyTorch's, as in the sharded test above: bitwise on CPU
-    but where a GEMM adds its product to the gradients of an earlier backward (one rounding
-    where the unfused run rounds the product, then the sum) or to bf16 ones."""
+    equal the unfused run's and plain PyTorch's (`_fsdp_fused_and_plain`): bitwise on CPU but
+    where a GEMM adds its product to the gradients of an earlier backward (one rounding where
+    the unfused run rounds the product, then the sum) or to bf16 ones."""
     adds = scenario in ("microbatches", "failed_then_forward") or not reduce_in_fp32
     fused_ranks, plain_ranks = _fsdp_fused_and_plain(
         strategy, dtype, reduce_in_fp32, scenario, world_size, bitwise=not adds
