@@ -27,7 +27,7 @@ symmetric window) is only marked free.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -274,7 +274,7 @@ def copy_chunks_in(tensors: Sequence[torch.Tensor], out: torch.Tensor, layout: S
 def cast_into(
     targets: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
-    written: Sequence[bool],
+    written: Iterable[bool],
 ) -> None:
     """Each gradient cast into its target, or added to it where a linear layer wrote one
     there (`written`, gradient-accumulation fusion); targets with neither are zeroed. Three

@@ -54,6 +54,7 @@ adds to. Only `FsdpContext.finalize_grads` finalises.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -322,10 +323,8 @@ class GroupGrads:
             cast_into(self._whole_views, grads, written)
             return False
         if self._whole_views is not None and not fresh:
-            # Gradients None were written by linear layers, or are none.
-            added = [(view, g) for view, g in zip(self._whole_views, grads) if g is not None]
-            if added:
-                torch._foreach_add_([view for view, _ in added], [g for _, g in added])
+            # Added to the step's earlier gradients; None: written by linear layers, or none.
+            cast_into(self._whole_views, grads, itertools.repeat(True))
             return False
         grads = [
             grad if grad is not None else torch.zeros_like(param)
