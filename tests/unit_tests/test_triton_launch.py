@@ -204,8 +204,7 @@ def test_the_kept_kernel_is_tritons_own_and_casts_alike(offset, shape, transpose
         # Triton's own choice for these arguments, found (not launched) by its warm-up path.
         data, scale_inv, transposed = results[1]
         padded = -(-rows // 16) * 16
-        args = (x, scale, scale_inv, data.view(torch.uint8),
-                transposed.view(torch.uint8) if transpose else scale_inv, scale_inv,
+        args = (x, scale, scale_inv, data, transposed if transpose else scale_inv, scale_inv,
                 rows, cols, padded, 448.0)  # fmt: skip
         constexprs = dict(
             SCALE_FROM_AMAX=False,

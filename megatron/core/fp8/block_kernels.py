@@ -71,9 +71,9 @@ def cast_1x128(
         _launch_1x128(
             (padded_rows // BLOCK, col_blocks),
             x,
-            data.view(torch.uint8) if rowwise else unused,
+            data if rowwise else unused,
             scales if rowwise else unused,
-            transposed.view(torch.uint8) if transpose else unused,
+            transposed if transpose else unused,
             transposed_scales if transpose else unused,
             rows,
             cols,
@@ -110,7 +110,7 @@ def cast_128x128(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
         _launch_128x128(
             (row_blocks, col_blocks),
             x,
-            data.view(torch.uint8),
+            data,
             scales,
             rows,
             cols,
@@ -123,7 +123,7 @@ def cast_128x128(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 if triton is not None:
-    from megatron.core.fp8.kernels import _scale_from, _to_fp8_bytes
+    from megatron.core.fp8.kernels import _scale_from, _to_fp8
 
     @triton.jit
     def _power_of_2_scale(amax, limit):
@@ -176,7 +176,7 @@ if triton is not None:
             values = tl.load(x_ptr + row * cols + col, mask=inside, other=0.0).to(tl.float32)
             scale = _power_of_2_scale(tl.max(_magnitude(values), axis=1), limit)
             scaled = _scaled(values, scale[:, None], limit)
-            tl.store(out_ptr + row * cols + col, _to_fp8_bytes(scaled, E4M3), mask=inside)
+            tl.store(out_ptr + row * cols + col, _to_fp8(scaled, E4M3), mask=inside)
             # The scales `[col_blocks, rows]` row-major: `[rows, col_blocks]` column-major.
             row_of_block = row_block * BLOCK + offsets
             tl.store(
@@ -197,7 +197,7 @@ if triton is not None:
             scaled_t = _scaled(values_t, scale_t[:, None], limit)
             tl.store(
                 out_t_ptr + col_t * padded_rows + row_t,
-                _to_fp8_bytes(scaled_t, E4M3),
+                _to_fp8(scaled_t, E4M3),
                 mask=col_t < cols,
             )
             col_of_block = col_block * BLOCK + offsets
@@ -228,7 +228,7 @@ if triton is not None:
         scale = _power_of_2_scale(amax, limit)
         tl.store(
             out_ptr + row * cols + col,
-            _to_fp8_bytes(_scaled(values, scale, limit), E4M3),
+            _to_fp8(_scaled(values, scale, limit), E4M3),
             mask=inside,
         )
         tl.store(

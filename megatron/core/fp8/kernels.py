@@ -127,15 +127,14 @@ def cast_to_fp8(
     )
     # Plain integer arithmetic: `triton.cdiv` unwraps constexprs, microseconds per launch.
     grid = (-(-padded_rows // _BLOCK_ROWS), -(-cols // _BLOCK_COLS))
-    # The row-major and transposed outputs' byte views: Triton stores FP8 values as their bytes.
     dummy = scale_inv  # an unused pointer argument (never written when its flag is off)
     _launch_cast(
         grid,
         x,
         scale_source,
         record if record is not None else dummy,
-        data.view(torch.uint8) if data is not None else dummy,
-        transposed.view(torch.uint8) if transposed is not None else dummy,
+        data if data is not None else dummy,
+        transposed if transposed is not None else dummy,
         scale_inv,
         rows,
         cols,
@@ -163,9 +162,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     out = torch.empty(cols, rows, dtype=data.dtype, device=data.device)
     if data.numel():
         grid = (-(-cols // _TRANSPOSE_BLOCK), -(-rows // _TRANSPOSE_BLOCK))
-        _launch_transpose(
-            grid, data.view(torch.uint8), out.view(torch.uint8), rows, cols, BLOCK=_TRANSPOSE_BLOCK
-        )
+        _launch_transpose(grid, data, out, rows, cols, BLOCK=_TRANSPOSE_BLOCK)
     return out
 
 
@@ -205,13 +202,13 @@ if triton is not None:
         return values
 
     @triton.jit
-    def _to_fp8_bytes(values, E4M3: tl.constexpr):
-        """`values` (fp32, within the format's range) rounded to FP8, as bytes."""
+    def _to_fp8(values, E4M3: tl.constexpr):
+        """`values` (fp32, within the format's range) rounded to FP8."""
         if E4M3:
             fp8 = values.to(tl.float8e4nv)
         else:
             fp8 = values.to(tl.float8e5)
-        return fp8.to(tl.uint8, bitcast=True)
+        return fp8
 
     @triton.jit
     def _transpose_kernel(x_ptr, out_ptr, rows, cols, BLOCK: tl.constexpr):
@@ -272,7 +269,7 @@ if triton is not None:
 
         scaled = tl.clamp(values * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
         if ROWWISE:
-            tl.store(out_ptr + row * cols + col, _to_fp8_bytes(scaled, E4M3), mask=inside)
+            tl.store(out_ptr + row * cols + col, _to_fp8(scaled, E4M3), mask=inside)
         if TRANSPOSE:
             # The tile read again in the transposed order (from L2: this program just read it),
             # which lets Triton give the load and the store each a coalesced layout. A register
@@ -286,7 +283,7 @@ if triton is not None:
             # Rows beyond `rows` (up to `padded_rows`) were loaded as 0: their bytes are zero.
             tl.store(
                 out_t_ptr + col_t * padded_rows + row_t,
-                _to_fp8_bytes(scaled_t, E4M3),
+                _to_fp8(scaled_t, E4M3),
                 mask=(row_t < padded_rows) & (col_t < cols),
             )
 
