@@ -8,6 +8,7 @@ picks for those arguments, and that both paths give the reference quantiser's by
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from unittest import mock
 
@@ -178,6 +179,61 @@ def test_what_cannot_be_vouched_for_always_goes_through_triton(case):
         for _ in range(3):
             launch((1,), *args, BLOCK=64, **options)
     assert len(kernel.through_triton) == 3 and not kernel.direct
+
+
+class _EnvKnob:
+    """One of Triton's environment-backed knobs (`triton.knobs.env_bool` / `env_str`): what is
+    set on the knobs object, else the environment variable, read at every access."""
+
+    def __init__(self, variable: str, default: str) -> None:
+        self.variable, self.default = variable, default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, knobs: object, owner: type) -> str:
+        return knobs.__dict__.get(self.name, os.environ.get(self.variable, self.default))
+
+    def __set__(self, knobs: object, value: str) -> None:
+        knobs.__dict__[self.name] = value
+
+
+class _RuntimeKnobs:
+    debug = _EnvKnob("TRITON_DEBUG", "")
+
+    def __init__(self) -> None:
+        self.launch_enter_hook = SimpleNamespace(calls=[])
+        self.launch_exit_hook = SimpleNamespace(calls=[])
+
+
+class _CompilationKnobs:
+    instrumentation_mode = _EnvKnob("TRITON_INSTRUMENTATION_MODE", "")
+
+
+@pytest.mark.usefixtures("on_a_gpu")
+@pytest.mark.parametrize(
+    "mode", [None, "TRITON_DEBUG", "TRITON_INSTRUMENTATION_MODE", "debug", "instrumentation_mode"]
+)
+def test_debug_and_instrumentation_modes_are_read_where_set(mode, monkeypatch):
+    """Triton's modes read from the environment or set on its knobs send every launch through
+    Triton; with neither, launches are direct."""
+    for variable in ("TRITON_DEBUG", "TRITON_INSTRUMENTATION_MODE"):
+        monkeypatch.delenv(variable, raising=False)
+    runtime, compilation = _RuntimeKnobs(), _CompilationKnobs()
+    if mode is not None and mode.startswith("TRITON_"):
+        monkeypatch.setenv(mode, "1")
+    elif mode == "debug":
+        runtime.debug = "1"
+    elif mode == "instrumentation_mode":
+        compilation.instrumentation_mode = "fpsan"
+    knobs = SimpleNamespace(runtime=runtime, compilation=compilation)
+    fake = SimpleNamespace(__version__="3.6.0", knobs=knobs)
+    kernel = _Kernel(["x", "BLOCK"], {"BLOCK"})
+    launch = _launcher(kernel)
+    with mock.patch.object(triton_launch, "triton", fake):
+        for _ in range(3):
+            launch((1,), torch.zeros(4), BLOCK=64)
+    assert len(kernel.direct) == (2 if mode is None else 0)
 
 
 @pytest.mark.gpu
