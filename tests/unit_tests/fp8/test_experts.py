@@ -198,6 +198,7 @@ class _Engine:
         return FusionTarget(self.main_grad, self.overwrite)
 
 
+@exact_cpu_scaled_mm
 @pytest.mark.parametrize("overwrite", [True, False])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_weight_gradient_is_fused_into_main_grad(overwrite, grouped, grouped_kernel):
