@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.fsdp.collectives import Collectives
 from megatron.core.distributed.fsdp.dbuffer import DBuffer, ShardLayout, chunk_targets
+from megatron.core.fp8.multi_tensor_cast import MultiTensorCast
 from megatron.core.fp8.quantize import compute_scale, quantize, record_amax
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fp8.tensor import Fp8Tensor
@@ -148,7 +149,9 @@ class Fp8ComputeWeights:
         # cast, their amaxes until reduced, and the scales to cast them with (one view each).
         self._sources: list[torch.Tensor] | None = None
         self.amaxes: torch.Tensor | None = None
-        self._scales: Sequence[torch.Tensor] | None = None
+        self._scales: torch.Tensor | None = None
+        # The casts in one launch, made at the first refresh (None: cast piece by piece).
+        self._multi_cast: MultiTensorCast | None = None
         if self._transient:
             self.unsharded.free_storage()
         for param in params:
@@ -249,9 +252,9 @@ class Fp8ComputeWeights:
         # reads before the next refresh writes it.
         self.amaxes = self._amax_buffer.to(self._model_dtype).float()
 
-    def set_scales(self, scales: Sequence[torch.Tensor], scale_invs: torch.Tensor) -> None:
-        """The scales `reduce_amaxes` computed from the whole tensors' amaxes: one one-element
-        tensor per scale, and their inverses `[scale_count]`."""
+    def set_scales(self, scales: torch.Tensor, scale_invs: torch.Tensor) -> None:
+        """The scales `reduce_amaxes` computed from the whole tensors' amaxes, and their
+        inverses: each `[scale_count]`, fp32."""
         self._scales = scales
         # In place: GEMMs captured in a CUDA graph read these tensors at every replay.
         self._scale_inv_column.copy_(scale_invs)
@@ -266,13 +269,26 @@ class Fp8ComputeWeights:
             self._gather(comm)
 
     def _cast(self) -> None:
-        """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
+        """Casts this rank's parts into the FP8 shard, with the scales the refresh set: in one
+        launch where `MultiTensorCast` runs, else piece by piece (the same bytes)."""
+        parts, outs, units = [], [], []
         for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
-            parts = zip(self._scaled_parts(i, source), self._scaled_parts(i, target))
-            for unit, (part, out) in zip(self._scale_range(i), parts):
+            pieces = zip(self._scaled_parts(i, source), self._scaled_parts(i, target))
+            for unit, (part, out) in zip(self._scale_range(i), pieces):
                 if part.numel() > 0:
-                    scale = self._scales[unit]
-                    quantize(part, WEIGHT_DTYPE, scale=scale, rounding=self._model_dtype, out=out)
+                    parts.append(part)
+                    outs.append(out)
+                    units.append(unit)
+        launch = self._multi_cast
+        if launch is None or not launch.casts(parts, outs):
+            launch = MultiTensorCast.make(parts, outs, units, self._model_dtype)
+            self._multi_cast = launch
+        if launch is not None:
+            launch(self._scales)
+        else:
+            scales, rounding = self._scales.split(1), self._model_dtype
+            for part, out, unit in zip(parts, outs, units):
+                quantize(part, WEIGHT_DTYPE, scale=scales[unit], rounding=rounding, out=out)
         self._sources = self._scales = None
 
     # Unshard, reshard.
@@ -325,9 +341,8 @@ def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> No
             comm.all_reduce_max(amaxes, group)
         # The scales of all of them at once: each op is a launch.
         scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
-        scale_invs = scales.reciprocal().split([w.scale_count for w in members])
-        first = 0
-        one_each = scales.split(1)
-        for weights, part_invs in zip(members, scale_invs):
-            weights.set_scales(one_each[first : first + weights.scale_count], part_invs)
-            first += weights.scale_count
+        counts = [weights.scale_count for weights in members]
+        for weights, part, part_invs in zip(
+            members, scales.split(counts), scales.reciprocal().split(counts)
+        ):
+            weights.set_scales(part, part_invs)
