@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron.core.fp8.kernels import _ROUNDINGS
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import cuda_graph_capturing
@@ -43,8 +44,6 @@ _BLOCKS_PER_PROGRAM = 4
 """Iterations per program, amortising the loads of its tensor's row of the table."""
 
 _WARPS = 4
-
-_ROUNDINGS = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class MultiTensorCast:

@@ -146,7 +146,8 @@ class Fp8ComputeWeights:
         self._index = {id(param): i for i, param in enumerate(params)}
         self._made: list[Fp8Weight | Fp8ExpertWeights | None] = [None] * len(layout)
         # Between a refresh and the cast (which ZeRO-3 leaves to the next gather): the parts to
-        # cast, their amaxes until reduced, and the scales to cast them with (one view each).
+        # cast, their amaxes until reduced, and the scales to cast them with (the group's slice
+        # of the scales `reduce_amaxes` computed).
         self._sources: list[torch.Tensor] | None = None
         self.amaxes: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
