@@ -15,7 +15,7 @@ is cast as `megatron.core.fp8.quantize.quantize` casts it (`fp8(clamp(x * scale,
 the same.
 
 It runs on CUDA with Triton, for contiguous sources and destinations that start on 16-byte
-boundaries (vector loads and stores), made outside CUDA-graph capture (a captured step replays
+boundaries, made outside CUDA-graph capture (a captured step replays
 the launch made in the eager steps before it); `MultiTensorCast.make` says None elsewhere, and
 the caller casts tensor by tensor.
 """
@@ -44,6 +44,7 @@ _BLOCKS_PER_PROGRAM = 4
 """Iterations per program, amortising the loads of its tensor's row of the table."""
 
 _WARPS = 4
+"""Warps per program: `_BLOCK` elements are eight per thread."""
 
 
 class MultiTensorCast:
@@ -51,24 +52,27 @@ class MultiTensorCast:
     every `i`, in one launch (module docstring). Make it with `make`.
 
     Args:
-        key: the tensors' addresses and sizes, which `casts` compares.
+        key: the tensors' addresses, sizes and dtypes, which `casts` compares (`_key`).
         table: the tensors' rows, on the device.
         programs: each program's row and block, on the device.
+        scale_count: how many scales the casts read (the largest scale index, plus one).
         source_dtype: the sources' dtype.
         rounding: the dtype the sources are rounded to before the cast, or None.
     """
 
     def __init__(
         self,
-        key: tuple,
+        key: tuple[tuple[int, int, torch.dtype, int], ...],
         table: torch.Tensor,
         programs: torch.Tensor,
+        scale_count: int,
         source_dtype: torch.dtype,
         rounding: torch.dtype | None,
     ) -> None:
         self._key = key
         self._table = table
         self._programs = programs
+        self._scale_count = scale_count
         self._constants = dict(
             SOURCE=_TRITON_DTYPES[source_dtype],
             ROUNDING=_ROUNDINGS[rounding],
@@ -123,18 +127,31 @@ class MultiTensorCast:
         block = torch.arange(len(row_of)) - torch.repeat_interleave(first, counts)
         programs = torch.stack([row_of, block], dim=1).to(torch.int32)
         table = torch.tensor(rows, dtype=torch.int64)
-        return cls(key, table.to(device), programs.to(device), dtype, rounding)
+        scale_count = max(scale_indices) + 1
+        return cls(key, table.to(device), programs.to(device), scale_count, dtype, rounding)
 
     def casts(self, sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> bool:
         """Whether this launch casts `sources` into `targets` (the same memory as made)."""
         return _key(sources, targets) == self._key
 
     def __call__(self, scales: torch.Tensor) -> None:
-        """Casts every source into its target with its scale in `scales` (fp32, 1-D)."""
-        if scales.dtype != torch.float32 or not scales.is_contiguous():
+        """Casts every source into its target with its scale in `scales` (fp32, 1-D, on the
+        targets' device).
+
+        Raises:
+            ValueError: `scales` is not such a tensor, or has fewer scales than the casts read.
+        """
+        if (
+            scales.dtype != torch.float32
+            or not scales.is_contiguous()
+            or scales.device != self._table.device
+            or scales.numel() < self._scale_count
+        ):
             raise ValueError(
-                f"MultiTensorCast: scales must be a contiguous fp32 tensor, got {scales.dtype} "
-                f"(contiguous: {scales.is_contiguous()})."
+                f"MultiTensorCast: scales must be a contiguous fp32 tensor of at least "
+                f"{self._scale_count} elements on {self._table.device}, got {scales.dtype} "
+                f"{list(scales.shape)} on {scales.device} (contiguous: "
+                f"{scales.is_contiguous()})."
             )
         count = self._programs.shape[0]
         if count:
@@ -142,7 +159,11 @@ class MultiTensorCast:
             _launch((count,), self._table, self._programs, scales, limit, **self._constants)
 
 
-def _key(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> tuple:
+def _key(
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+) -> tuple[tuple[int, int, torch.dtype, int], ...]:
+    """What a launch's tables depend on: each source's address, size and dtype, and each
+    target's address."""
     return tuple(
         (source.data_ptr(), source.numel(), source.dtype, target.data_ptr())
         for source, target in zip(sources, targets, strict=True)
@@ -173,7 +194,7 @@ if triton is not None:
         # A row: source address, destination address, number of elements, scale index.
         row = table + tl.load(programs + 2 * program).to(tl.int64) * 4
         start = tl.load(programs + 2 * program + 1).to(tl.int64) * (BLOCK * BLOCKS)
-        # Every address starts on a 16-byte boundary (`make`): vector loads and stores.
+        # Every address starts on a 16-byte boundary (`make`).
         source = tl.multiple_of(tl.load(row).to(tl.pointer_type(SOURCE)), 16)
         target = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv)), 16)
         numel = tl.load(row + 2)

@@ -151,7 +151,8 @@ class Fp8ComputeWeights:
         self._sources: list[torch.Tensor] | None = None
         self.amaxes: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
-        # The casts in one launch, made at the first refresh (None: cast piece by piece).
+        # The casts in one launch, made at the first cast and again where the buffers moved
+        # (None: none made, the casts go piece by piece).
         self._multi_cast: MultiTensorCast | None = None
         if self._transient:
             self.unsharded.free_storage()
@@ -283,7 +284,10 @@ class Fp8ComputeWeights:
         launch = self._multi_cast
         if launch is None or not launch.casts(parts, outs):
             launch = MultiTensorCast.make(parts, outs, units, self._model_dtype)
-            self._multi_cast = launch
+            # Replaced only by another launch: one a graph captured keeps its tables while
+            # the casts fall back to piece by piece (as during a capture).
+            if launch is not None:
+                self._multi_cast = launch
         if launch is not None:
             launch(self._scales)
         else:
