@@ -28,6 +28,7 @@ import torch
 
 from megatron.core.fp8.kernels import _ROUNDINGS
 from megatron.core.fp8.recipe import fp8_max
+from megatron.core.fusions.multi_tensor_tables import aligned, program_table
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import cuda_graph_capturing
 
@@ -111,8 +112,8 @@ class MultiTensorCast:
                 or target.device != device
                 or source.numel() != target.numel()
                 or not (source.is_contiguous() and target.is_contiguous())
-                or source.data_ptr() % 16
-                or target.data_ptr() % 16
+                or not aligned(source.data_ptr(), source.numel())
+                or not aligned(target.data_ptr(), target.numel())
             ):
                 return None
         key = _key(sources, targets)
@@ -120,13 +121,8 @@ class MultiTensorCast:
             (source.data_ptr(), target.data_ptr(), source.numel(), index)
             for source, target, index in zip(sources, targets, scale_indices, strict=True)
         ]
-        per_program = _BLOCK * _BLOCKS_PER_PROGRAM
-        counts = torch.tensor([-(-numel // per_program) for _, _, numel, _ in rows])
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
-        first = torch.cumsum(counts, 0) - counts
-        block = torch.arange(len(row_of)) - torch.repeat_interleave(first, counts)
-        programs = torch.stack([row_of, block], dim=1).to(torch.int32)
         table = torch.tensor(rows, dtype=torch.int64)
+        programs = program_table(table[:, 2], _BLOCK * _BLOCKS_PER_PROGRAM)
         scale_count = max(scale_indices) + 1
         return cls(key, table.to(device), programs.to(device), scale_count, dtype, rounding)
 

@@ -39,6 +39,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_h
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
 
 from megatron.core.fp8.quantize import record_amax
+from megatron.core.fusions.multi_tensor_tables import aligned, program_table
 from megatron.core.utils import cuda_graph_capturing
 
 try:
@@ -118,7 +119,7 @@ if triton is not None:
         program = tl.program_id(0)
         row = tensors + tl.load(programs + 2 * program).to(tl.int64) * 8
         start = tl.load(programs + 2 * program + 1).to(tl.int64) * (BLOCK * BLOCKS)
-        # Every address starts on a 16-byte boundary (`_aligned`): vector loads and stores.
+        # Every address starts on a 16-byte boundary (`aligned`): vector loads and stores.
         param = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
         numel = tl.load(row + 5)
         amax_address = tl.load(row + 6)
@@ -627,14 +628,8 @@ def _build_tables(
     hyper_values: tuple[float, ...],
 ) -> _Tables:
     fixed_rows = torch.tensor(fixed, dtype=torch.int64)
-    numels = fixed_rows[:, 5]
     blocks = _blocks_per_program(fixed)
-    chunk = _BLOCK * blocks
-    chunks = (numels + chunk - 1) // chunk
-    tensor_of = torch.repeat_interleave(torch.arange(len(fixed)), chunks)
-    first = torch.cumsum(chunks, 0) - chunks
-    chunk_of = torch.arange(len(tensor_of)) - first[tensor_of]
-    programs = torch.stack([tensor_of, chunk_of], dim=1).to(torch.int32)
+    programs = program_table(fixed_rows[:, 5], _BLOCK * blocks)
     return _Tables(
         fixed=fixed,
         blocks_per_program=blocks,
@@ -669,7 +664,7 @@ def _fusable(
         t.device == main.device
         and t.shape == main.shape
         and t.is_contiguous()
-        and _aligned(t.data_ptr(), t.numel())
+        and aligned(t.data_ptr(), t.numel())
         for t in tensors
     )
 
@@ -682,15 +677,8 @@ def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int], numels: 
         all(grad.dtype == torch.float32 for grad in grads)
         and all(map(torch.Tensor.is_contiguous, grads))
         and list(map(torch.Tensor.numel, grads)) == numels
-        and all(_aligned(address, numel) for address, numel in zip(addresses, numels))
+        and all(aligned(address, numel) for address, numel in zip(addresses, numels))
     )
-
-
-def _aligned(address: int, numel: int) -> bool:
-    """`numel` elements at `address` start on a 16-byte boundary of real memory. A DTensor, with
-    no storage of its own, reports address 0, which the kernel must not be handed; an empty
-    tensor reports 0 too, but gets no programs, so its address is never read."""
-    return numel == 0 or (address != 0 and address % 16 == 0)
 
 
 def _is_captured(tables: _Tables) -> bool:
