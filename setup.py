@@ -9,6 +9,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron", "megatron.*"]),
+    # The FP8 linear layers' C++ extension is built from its source at first use on a GPU.
+    package_data={"megatron.core.fp8": ["csrc/*.cu"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "einops", "numpy", "regex"],
     extras_require={

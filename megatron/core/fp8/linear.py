@@ -28,17 +28,21 @@ A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
 
 from __future__ import annotations
 
+import enum
+from types import ModuleType
+
 import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.blockwise import ROW_BLOCK, quantize_1x128, quantize_1x128_transposed
+from megatron.core.fp8.cpp_linear import native_linear
 from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.gemm import fp8_mm
 from megatron.core.fp8.quantize import GEMM_ALIGNMENT, amax_of, compute_scale, quantize
 from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
 from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
 from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
-from megatron.core.fp8.weights import fp8_weight_of
+from megatron.core.fp8.weights import WEIGHT_DTYPE, fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
     weight_grad_into,
@@ -77,12 +81,11 @@ class Fp8LinearSlots:
 
     def quantize_input(self, x: torch.Tensor, transpose: bool) -> Fp8Tensor | BlockFp8Tensor:
         """The 2-D input `x` in FP8 (and its padded transpose when `transpose`)."""
-        return self._quantize(x, FORWARD, self.input_slot, self.recipe.forward_dtype, transpose)
+        return self._quantize(x, FORWARD, self.recipe.forward_dtype, transpose)
 
     def quantize_grad(self, grad: torch.Tensor, transpose: bool) -> Fp8Tensor | BlockFp8Tensor:
         """The 2-D output gradient `grad` in FP8 (and its padded transpose when `transpose`)."""
-        dtype = self.recipe.backward_dtype
-        return self._quantize(grad, BACKWARD, self.grad_slot, dtype, transpose)
+        return self._quantize(grad, BACKWARD, self.recipe.backward_dtype, transpose)
 
     def quantize_gathered_input(
         self, x: torch.Tensor
@@ -113,19 +116,24 @@ class Fp8LinearSlots:
             return BlockFp8Tensor(data, scale_inv, ROW_BLOCK)
         return Fp8Tensor(data, scale_inv)
 
+    def cast_scale(
+        self, direction: str, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What a per-tensor cast of the input (`FORWARD`) or the output gradient (`BACKWARD`)
+        on `device` uses now: the delayed-scaling scale and where the cast's amax is recorded
+        (None: not recorded), or (None, None) under current scaling (the cast scales by the
+        tensor's own amax)."""
+        if self.state is None:
+            return None, None
+        slot = self.input_slot if direction == FORWARD else self.grad_slot
+        return self.state.cast_tensors(direction, slot, device)
+
     def _quantize(
-        self,
-        x: torch.Tensor,
-        direction: str,
-        slot: int | None,
-        dtype: torch.dtype,
-        transpose: bool,
+        self, x: torch.Tensor, direction: str, dtype: torch.dtype, transpose: bool
     ) -> Fp8Tensor | BlockFp8Tensor:
         if self.recipe.blockwise:
             return quantize_1x128(x, dtype, transpose=transpose)
-        if self.state is None:
-            return quantize(x, dtype, transpose=transpose)
-        scale, record = self.state.cast_tensors(direction, slot, x.device)
+        scale, record = self.cast_scale(direction, x.device)
         return quantize(x, dtype, scale=scale, amax_out=record, transpose=transpose)
 
     def linear(
@@ -201,6 +209,36 @@ def _dgrad(
     return fp8_mm(grad, w.dgrad_operand(), out_dtype=out_dtype)
 
 
+class _WgradMode(enum.IntEnum):
+    """Where a weight gradient GEMM writes (the values `csrc/fp8_linear.cu` takes)."""
+
+    RETURN = 0  # a new tensor, returned to autograd
+    OVERWRITE = 1  # the GEMM writes the (contiguous) main_grad
+    COPY = 2  # copied over a main_grad the GEMM cannot write (not contiguous)
+    ACCUMULATE = 3  # added to main_grad
+
+
+def _wgrad_destination(target: FusionTarget | None) -> tuple[_WgradMode, torch.Tensor | None]:
+    """How the FP8 weight gradient reaches `target` (None: returned), and the tensor it goes
+    into.
+
+    Raises:
+        ValueError: a main_grad of a dtype the FP8 GEMM does not write.
+    """
+    if target is None:
+        return _WgradMode.RETURN, None
+    main_grad = target.tensor
+    if main_grad.dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(
+            f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {main_grad.dtype}."
+        )
+    if not target.overwrite:
+        return _WgradMode.ACCUMULATE, main_grad
+    if main_grad.is_contiguous():
+        return _WgradMode.OVERWRITE, main_grad
+    return _WgradMode.COPY, main_grad
+
+
 def _fp8_wgrad(
     grad: Fp8Tensor | BlockFp8Tensor,
     input_t: Fp8Tensor | BlockFp8Tensor,
@@ -209,17 +247,13 @@ def _fp8_wgrad(
 ) -> torch.Tensor | None:
     """`dY^T X` from dY's and X's padded transposes, into `target` (None: returned in
     `dtype`)."""
+    mode, main_grad = _wgrad_destination(target)
     a, b = grad.transposed_operand(), input_t.t()
-    if target is None:
+    if mode is _WgradMode.RETURN:
         return fp8_mm(a, b, out_dtype=dtype)
-    main_grad = target.tensor
-    if main_grad.dtype not in _GEMM_OUT_DTYPES:
-        raise ValueError(
-            f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {main_grad.dtype}."
-        )
-    if target.overwrite and main_grad.is_contiguous():
+    if mode is _WgradMode.OVERWRITE:
         fp8_mm(a, b, out_dtype=main_grad.dtype, out=main_grad)
-    elif target.overwrite:
+    elif mode is _WgradMode.COPY:
         main_grad.copy_(fp8_mm(a, b, out_dtype=main_grad.dtype))
     else:
         main_grad.add_(fp8_mm(a, b, out_dtype=main_grad.dtype))
@@ -240,12 +274,31 @@ class _Fp8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         x2d = _flat(input_)
         needs_weight = weight_needs_grad
-        fp8_wgrad = needs_weight and slots.recipe.wgrad
-        x = slots.quantize_input(x2d, transpose=fp8_wgrad)
-        out = _fprop(x, weight, bias, input_.dtype, slots.recipe)
+        recipe = slots.recipe
+        fp8_wgrad = needs_weight and recipe.wgrad
+        native = None if recipe.blockwise else native_linear(x2d)
+        if native is not None:
+            scale, record = slots.cast_scale(FORWARD, x2d.device)
+            w = fp8_weight_of(weight).fprop_operand()
+            out, input_t, input_scale_inv = native.linear_forward(
+                x2d,
+                scale,
+                record,
+                recipe.forward_dtype == WEIGHT_DTYPE,
+                fp8_wgrad,
+                w.data,
+                w.scale_inv,
+                bias,
+                recipe.fprop_fast_accum,
+            )
+        else:
+            x = slots.quantize_input(x2d, transpose=fp8_wgrad)
+            out = _fprop(x, weight, bias, input_.dtype, recipe)
+            if fp8_wgrad:
+                transposed = x.transposed_operand()
+                input_t, input_scale_inv = transposed.data, transposed.scale_inv
         if fp8_wgrad:
-            input_t = x.transposed_operand()
-            ctx.save_for_backward(input_t.data, input_t.scale_inv, weight)
+            ctx.save_for_backward(input_t, input_scale_inv, weight)
         else:
             ctx.save_for_backward(input_ if needs_weight else None, None, weight)
         # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
@@ -265,20 +318,72 @@ class _Fp8Linear(torch.autograd.Function):
         if needs_weight:
             wanted, target = weight_grad_target(ctx.weight, ctx.next_functions[1][0])
         fp8_wgrad = wanted and ctx.fp8_wgrad
-        grad_input = grad_weight = grad_bias = None
-        if needs_input or fp8_wgrad:
-            grad = ctx.slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
-        if needs_input:
-            grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype, ctx.slots.recipe)
+        slots = ctx.slots
+        native = None if slots.recipe.blockwise else native_linear(grad_2d)
+        if native is not None:
+            grad_input, grad_weight, grad_bias = _native_backward(
+                native,
+                ctx,
+                grad_2d,
+                (saved_input, input_scale_inv),
+                needs_input,
+                fp8_wgrad,
+                target,
+                needs_bias,
+            )
+        else:
+            grad_input = grad_weight = grad_bias = None
+            if needs_input or fp8_wgrad:
+                grad = slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
+            if needs_input:
+                grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype, slots.recipe)
+            if fp8_wgrad:
+                input_t = slots.saved_input_t(saved_input, input_scale_inv)
+                grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
+            if ctx.has_bias and needs_bias:
+                grad_bias = grad_2d.sum(dim=0)
+        if grad_input is not None:
             grad_input = grad_input.view(ctx.input_shape)
-        if fp8_wgrad:
-            input_t = ctx.slots.saved_input_t(saved_input, input_scale_inv)
-            grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
-        elif wanted:
+        if wanted and not fp8_wgrad:
             grad_weight = weight_grad_into(target, grad_2d, saved_input)
-        if ctx.has_bias and needs_bias:
-            grad_bias = grad_2d.sum(dim=0)
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _native_backward(
+    native: ModuleType,
+    ctx,
+    grad_2d: torch.Tensor,
+    saved: tuple[torch.Tensor | None, torch.Tensor | None],
+    needs_input: bool,
+    fp8_wgrad: bool,
+    target: FusionTarget | None,
+    needs_bias: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`_Fp8Linear`'s backward GEMMs (input gradient, FP8 weight gradient) and bias gradient
+    in one call of the C++ extension (`cpp_linear.py`); `saved` is what forward saved (the
+    input's transposed FP8 copy and its scale's inverse, under `fp8_wgrad`)."""
+    recipe = ctx.slots.recipe
+    scale, record = ctx.slots.cast_scale(BACKWARD, grad_2d.device)
+    w_t = fp8_weight_of(ctx.weight).dgrad_operand() if needs_input else None
+    mode, main_grad = _wgrad_destination(target) if fp8_wgrad else (_WgradMode.RETURN, None)
+    input_t, input_scale_inv = saved if fp8_wgrad else (None, None)
+    return native.linear_backward(
+        grad_2d,
+        scale,
+        record,
+        recipe.backward_dtype == WEIGHT_DTYPE,
+        needs_input,
+        None if w_t is None else w_t.data,
+        None if w_t is None else w_t.scale_inv,
+        ctx.input_dtype,
+        fp8_wgrad,
+        input_t,
+        input_scale_inv,
+        int(mode),
+        main_grad,
+        ctx.weight.dtype,
+        ctx.has_bias and needs_bias,
+    )
 
 
 _apply_linear = direct_apply(_Fp8Linear)

@@ -1,0 +1,73 @@
+"""The FP8 linear layers' host path in C++ (`csrc/fp8_linear.cu`), built at its first use.
+
+An FP8 linear layer's forward casts its input and runs its GEMM; its backward casts the output
+gradient, runs two GEMMs and sums the bias gradient. Called from Python, each of those costs the
+host tens of microseconds (argument handling, allocations, a Triton launch, the `Fp8Tensor`
+bookkeeping), which bounds the eager step of a model of small layers. The extension makes each
+pass one call: the same casts (a CUDA kernel with the Triton kernel's arithmetic) and the same
+`torch._scaled_mm` calls, so the results are the same bit for bit.
+
+It is built with PyTorch's extension builder (`torch.utils.cpp_extension.load`: nvcc and ninja)
+the first time an FP8 linear layer runs on a GPU, which takes about a minute, and cached where
+PyTorch caches its extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`). Where it
+cannot be built the layers run the Python path, said once in a warning. `MEGATRON_FP8_CPP=0`
+keeps the Python path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+_logger = logging.getLogger(__name__)
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ENV_SWITCH = "MEGATRON_FP8_CPP"
+"""Set to 0 to run the FP8 linear layers' Python path on GPUs too."""
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fp8_linear.cu")
+_module: ModuleType | None = None
+_tried = False
+
+
+def native_linear(x: torch.Tensor) -> ModuleType | None:
+    """The built extension where it runs the casts and GEMMs of a layer whose flattened input is
+    `x` (a bf16, fp16 or fp32 CUDA tensor, outside `torch.compile` tracing), else None: the
+    caller runs the Python path. Called at every pass of every FP8 layer: a few attribute
+    reads."""
+    if not x.is_cuda or x.dtype not in _INPUT_DTYPES or torch.compiler.is_compiling():
+        return None
+    return _module if _tried else _load()
+
+
+def _load() -> ModuleType | None:
+    """Builds (or loads the cached build of) the extension once per process."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        _logger.info("Building the FP8 linear layers' C++ extension (once per machine).")
+        _module = load(
+            name="megatron_fp8_linear",
+            sources=[_SOURCE],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+            verbose=False,
+        )
+    except Exception as error:  # no nvcc or ninja, a failed build: the Python path runs
+        warnings.warn(
+            f"FP8 linear layers run their Python path: the C++ extension {_SOURCE} was not "
+            f"built ({type(error).__name__}: {str(error).strip()[:300]}). Install the CUDA "
+            f"toolkit's nvcc and ninja to build it, or set {ENV_SWITCH}=0 to silence this.",
+            stacklevel=3,
+        )
+    return _module
