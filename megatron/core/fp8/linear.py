@@ -24,6 +24,10 @@ target, and adds a temporary to an accumulating one), returned to autograd, or n
 
 A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
 `enable_fp8_linears` gives the linear layers of the transformer layers that train in FP8.
+
+On a GPU `_Fp8Linear`'s forward and backward (per-tensor recipes) run as one call each of the
+C++ extension (`cpp_linear.py`), with the same results bit for bit; the Python path below runs
+elsewhere, and for the tensor-parallel and blockwise layers.
 """
 
 from __future__ import annotations

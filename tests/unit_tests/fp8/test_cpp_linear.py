@@ -14,30 +14,15 @@ import torch
 
 from megatron.core.fp8 import cpp_linear, kernels
 from megatron.core.fp8 import linear as fp8_linear
-from megatron.core.fp8.linear import Fp8LinearSlots
-from megatron.core.fp8.recipe import Fp8Recipe
-from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
     linear,
     register_main_grad,
 )
+from tests.unit_tests.fp8.test_kernels import FORMATS, _bytes, _input
+from tests.unit_tests.fp8.test_linear import _slots
 
-FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SHAPES = [(1, 16), (17, 48), (100, 4096), (64, 130), (4096, 1408)]
-
-
-def _input(shape, dtype, seed):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    # A wide range of magnitudes: some products overflow the FP8 maximum and saturate.
-    x = torch.randn(shape, device="cuda", generator=generator) * 10.0 ** torch.randint(
-        -3, 4, shape, device="cuda", generator=generator
-    )
-    return x.to(dtype)
-
-
-def _bytes(tensor):
-    return None if tensor is None else tensor.view(torch.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +68,6 @@ def test_cast_of_unaligned_and_special_values(native):
     assert torch.equal(_bytes(transposed), _bytes(expected[2]))
     assert torch.equal(amax_native, amax_triton)
     assert torch.isinf(amax_native)
-
-
-def _slots(fmt: str, kind: str) -> Fp8LinearSlots:
-    recipe = Fp8Recipe(fmt, kind)
-    if kind == "tensorwise":
-        return Fp8LinearSlots(recipe)
-    state = DelayedScalingState(recipe, group=None)
-    slots = Fp8LinearSlots(recipe, state)
-    state.load_scaling_tensors(
-        {
-            "amax_history_fwd": torch.zeros(1, 1),
-            "scale_fwd": torch.tensor([3.0]),
-            "amax_history_bwd": torch.zeros(1, 1),
-            "scale_bwd": torch.tensor([2.0**12]),
-        }
-    )
-    return slots
 
 
 class _Engine:
