@@ -55,7 +55,7 @@ def _load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        _logger.info("Building the FP8 linear layers' C++ extension (once per machine).")
+        _logger.info("Loading the FP8 linear layers' C++ extension (built at its first use).")
         _module = load(
             name="megatron_fp8_linear",
             sources=[_SOURCE],

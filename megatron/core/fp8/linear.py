@@ -27,7 +27,8 @@ A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
 
 On a GPU `_Fp8Linear`'s forward and backward (per-tensor recipes) run as one call each of the
 C++ extension (`cpp_linear.py`), with the same results bit for bit; the Python path below runs
-elsewhere, and for the tensor-parallel and blockwise layers.
+elsewhere, and for the column-parallel layers under tensor parallelism
+(`_Fp8ColumnParallelLinear`) and the blockwise recipe.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from megatron.core.fp8.quantize import GEMM_ALIGNMENT, amax_of, compute_scale, q
 from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
 from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
 from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
-from megatron.core.fp8.weights import WEIGHT_DTYPE, fp8_weight_of
+from megatron.core.fp8.weights import fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
     weight_grad_into,
@@ -288,7 +289,7 @@ class _Fp8Linear(torch.autograd.Function):
                 x2d,
                 scale,
                 record,
-                recipe.forward_dtype == WEIGHT_DTYPE,
+                recipe.forward_dtype == torch.float8_e4m3fn,
                 fp8_wgrad,
                 w.data,
                 w.scale_inv,
@@ -375,7 +376,7 @@ def _native_backward(
         grad_2d,
         scale,
         record,
-        recipe.backward_dtype == WEIGHT_DTYPE,
+        recipe.backward_dtype == torch.float8_e4m3fn,
         needs_input,
         None if w_t is None else w_t.data,
         None if w_t is None else w_t.scale_inv,
