@@ -79,9 +79,9 @@ class Fp8LinearSlots:
     def input_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scale a cast of the input `x` uses now (a tensor of its own) and where its amax
         is recorded (None: nowhere)."""
-        if self.state is None:
+        scale, record = self.cast_scale(FORWARD, x.device)
+        if scale is None:
             return compute_scale(amax_of(x), fp8_max(self.recipe.forward_dtype)), None
-        scale, record = self.state.cast_tensors(FORWARD, self.input_slot, x.device)
         return scale.clone(), record
 
     def quantize_input(self, x: torch.Tensor, transpose: bool) -> Fp8Tensor | BlockFp8Tensor:
@@ -132,6 +132,11 @@ class Fp8LinearSlots:
             return None, None
         slot = self.input_slot if direction == FORWARD else self.grad_slot
         return self.state.cast_tensors(direction, slot, device)
+
+    def native_linear(self, x: torch.Tensor) -> ModuleType | None:
+        """The C++ extension where it runs this layer's pass on `x` (the flattened input or
+        output gradient): per-tensor recipes on CUDA (`cpp_linear.native_linear`); else None."""
+        return None if self.recipe.blockwise else native_linear(x)
 
     def _quantize(
         self, x: torch.Tensor, direction: str, dtype: torch.dtype, transpose: bool
@@ -281,7 +286,7 @@ class _Fp8Linear(torch.autograd.Function):
         needs_weight = weight_needs_grad
         recipe = slots.recipe
         fp8_wgrad = needs_weight and recipe.wgrad
-        native = None if recipe.blockwise else native_linear(x2d)
+        native = slots.native_linear(x2d)
         if native is not None:
             scale, record = slots.cast_scale(FORWARD, x2d.device)
             w = fp8_weight_of(weight).fprop_operand()
@@ -324,7 +329,7 @@ class _Fp8Linear(torch.autograd.Function):
             wanted, target = weight_grad_target(ctx.weight, ctx.next_functions[1][0])
         fp8_wgrad = wanted and ctx.fp8_wgrad
         slots = ctx.slots
-        native = None if slots.recipe.blockwise else native_linear(grad_2d)
+        native = slots.native_linear(grad_2d)
         if native is not None:
             grad_input, grad_weight, grad_bias = _native_backward(
                 native,

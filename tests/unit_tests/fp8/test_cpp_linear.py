@@ -1,6 +1,7 @@
 """The FP8 linear layers' C++ path (`cpp_linear.py`, `csrc/fp8_linear.cu`) against their Python
-path on the GPU, bit for bit: the cast (bytes, scale inverse, transposed copy, recorded amax) for
-each input dtype, format and scaling, at odd and unaligned shapes; and a linear layer's
+path on the GPU, bit for bit: the cast (bytes, scale inverse, transposed copy, recorded amax)
+against the plain-torch reference quantiser for each input dtype, format and scaling, at odd
+shapes, and against the Triton cast with NaN, inf and an unaligned input; and a linear layer's
 output, input, weight (returned, written over or added into a main_grad) and bias gradients and
 delayed-scaling records, for each format and recipe. Off CUDA the Python path runs."""
 
@@ -12,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron.core.fp8 import cpp_linear, kernels
+from megatron.core.fp8 import cpp_linear, kernels, quantize
 from megatron.core.fp8 import linear as fp8_linear
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
@@ -37,20 +38,20 @@ def native():
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
-def test_cast_is_the_triton_cast_bit_for_bit(native, fmt, shape, source, delayed):
+def test_cast_is_the_reference_bit_for_bit(native, fmt, shape, source, delayed):
     dtype = FORMATS[fmt]
     x = _input(shape, source, seed=shape[0] * shape[1] + 1)
     # A delayed scale and amax record are views into a state's vectors (0-d, offset).
     scale = torch.tensor([1.0, 3.7], device="cuda")[1] if delayed else None
     amax_native = torch.tensor([0.0, 0.5], device="cuda")[1]
-    amax_triton = amax_native.clone()
+    amax_reference = amax_native.clone()
     data, scale_inv, transposed = native.cast(x, scale, amax_native, dtype == FORMATS["e4m3"])
-    expected = kernels.cast_to_fp8(x, dtype, scale, amax_triton, transpose=True)
+    expected = quantize._quantize_reference(x, dtype, scale, amax_reference, transpose=True)
     assert data.dtype == transposed.dtype == dtype
-    assert torch.equal(_bytes(data), _bytes(expected[0]))
-    assert torch.equal(scale_inv, expected[1])
-    assert torch.equal(_bytes(transposed), _bytes(expected[2]))
-    assert torch.equal(amax_native, amax_triton)
+    assert torch.equal(_bytes(data), _bytes(expected.data))
+    assert torch.equal(scale_inv, expected.scale_inv)
+    assert torch.equal(_bytes(transposed), _bytes(expected.transposed))
+    assert torch.equal(amax_native, amax_reference)
 
 
 @pytest.mark.gpu
