@@ -21,9 +21,11 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 def cuda_graph_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph. False where no GPU is visible,
-    where a CUDA build of torch raises on the query itself."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph. False before CUDA is initialised
+    (nothing can capture then; a CUDA build of torch without a GPU raises on the query itself).
+    Asked per layer and pass: `torch.cuda.is_available()` would read the environment each
+    time."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def direct_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
