@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron", "megatron.*"]),
     # The FP8 linear layers' C++ extension is built from its source at first use on a GPU.
-    package_data={"megatron.core.fp8": ["csrc/*.cu"]},
+    package_data={"megatron.core.fp8": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "einops", "numpy", "regex"],
     extras_require={

@@ -1,17 +1,19 @@
-"""The FP8 linear layers' host path in C++ (`csrc/fp8_linear.cu`), built at its first use.
+"""The FP8 linear layers' host path in C++ (`csrc/`), built at its first use.
 
 An FP8 linear layer's forward casts its input and runs its GEMM; its backward casts the output
 gradient, runs two GEMMs and sums the bias gradient. Called from Python, each of those costs the
 host tens of microseconds (argument handling, allocations, a Triton launch, the `Fp8Tensor`
-bookkeeping), which bounds the eager step of a model of small layers. The extension makes each
-pass one call: the same casts (a CUDA kernel with the Triton kernel's arithmetic) and the same
-`torch._scaled_mm` calls, so the results are the same bit for bit.
+bookkeeping, and `torch._scaled_mm`'s descriptor set-up and algorithm query at every call),
+which bounds the eager step of a model of small layers. The extension makes each pass one call:
+the same casts (CUDA kernels with the Triton kernels' arithmetic, `csrc/fp8_kernels.cu`) and the
+same cuBLASLt GEMMs with their set-up cached per problem (`csrc/fp8_gemm.cpp`), so the results
+are the same bit for bit. It also transposes the FP8 weights for the input gradient.
 
-It is built with PyTorch's extension builder (`torch.utils.cpp_extension.load`: nvcc and ninja)
-the first time an FP8 linear layer runs on a GPU, which takes about a minute, and cached where
-PyTorch caches its extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`). Where it
-cannot be built the layers run the Python path, said once in a warning. `MEGATRON_FP8_CPP=0`
-keeps the Python path.
+It is built with PyTorch's extension builder (`torch.utils.cpp_extension.load`: nvcc and ninja,
+linked against the cuBLASLt library torch loaded) the first time an FP8 linear layer runs on a
+GPU, which takes about a minute, and cached where PyTorch caches its extensions
+(`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`). Where it cannot be built the layers run
+the Python path, said once in a warning. `MEGATRON_FP8_CPP=0` keeps the Python path.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ENV_SWITCH = "MEGATRON_FP8_CPP"
 """Set to 0 to run the FP8 linear layers' Python path on GPUs too."""
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fp8_linear.cu")
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [
+    os.path.join(_SOURCE_DIR, name) for name in ("fp8_linear.cpp", "fp8_gemm.cpp", "fp8_kernels.cu")
+]
 _module: ModuleType | None = None
 _tried = False
 
@@ -42,6 +47,28 @@ def native_linear(x: torch.Tensor) -> ModuleType | None:
     if not x.is_cuda or x.dtype not in _INPUT_DTYPES or torch.compiler.is_compiling():
         return None
     return _module if _tried else _load()
+
+
+def native_transpose(data: torch.Tensor) -> ModuleType | None:
+    """The built extension where it transposes `data` (2-D FP8 bytes on CUDA, outside
+    `torch.compile` tracing), else None."""
+    if not data.is_cuda or data.element_size() != 1 or torch.compiler.is_compiling():
+        return None
+    return _module if _tried else _load()
+
+
+def _cublaslt_library() -> str:
+    """The linker argument for cuBLASLt: the library file this process loaded with torch (the
+    same library the extension then calls), else the toolkit's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libcublasLt.so"):
+                    return path
+    except OSError:  # not Linux
+        pass
+    return "-lcublasLt"
 
 
 def _load() -> ModuleType | None:
@@ -58,14 +85,15 @@ def _load() -> ModuleType | None:
         _logger.info("Loading the FP8 linear layers' C++ extension (built at its first use).")
         _module = load(
             name="megatron_fp8_linear",
-            sources=[_SOURCE],
+            sources=_SOURCES,
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3"],
+            extra_ldflags=[_cublaslt_library()],
             verbose=False,
         )
     except Exception as error:  # no nvcc or ninja, a failed build: the Python path runs
         warnings.warn(
-            f"FP8 linear layers run their Python path: the C++ extension {_SOURCE} was not "
+            f"FP8 linear layers run their Python path: the C++ extension in {_SOURCE_DIR} was not "
             f"built ({type(error).__name__}: {str(error).strip()[:300]}). Install the CUDA "
             f"toolkit's nvcc and ninja to build it, or set {ENV_SWITCH}=0 to silence this.",
             stacklevel=3,

@@ -220,7 +220,7 @@ def _dgrad(
 
 
 class _WgradMode(enum.IntEnum):
-    """Where a weight gradient GEMM writes (the values `csrc/fp8_linear.cu` takes)."""
+    """Where a weight gradient GEMM writes (the values `csrc/fp8_linear.cpp` takes)."""
 
     RETURN = 0  # a new tensor, returned to autograd
     OVERWRITE = 1  # the GEMM writes the (contiguous) main_grad
@@ -291,15 +291,15 @@ class _Fp8Linear(torch.autograd.Function):
             scale, record = slots.cast_scale(FORWARD, x2d.device)
             w = fp8_weight_of(weight).fprop_operand()
             out, input_t, input_scale_inv = native.linear_forward(
-                x2d,
-                scale,
-                record,
-                recipe.forward_dtype == torch.float8_e4m3fn,
-                fp8_wgrad,
-                w.data,
-                w.scale_inv,
-                bias,
-                recipe.fprop_fast_accum,
+                x=x2d,
+                scale=scale,
+                record=record,
+                e4m3=recipe.forward_dtype == torch.float8_e4m3fn,
+                transpose=fp8_wgrad,
+                weight=w.data,
+                weight_scale_inv=w.scale_inv,
+                bias=bias,
+                fast_accum=recipe.fprop_fast_accum,
             )
         else:
             x = slots.quantize_input(x2d, transpose=fp8_wgrad)
@@ -378,21 +378,21 @@ def _native_backward(
     mode, main_grad = _wgrad_destination(target) if fp8_wgrad else (_WgradMode.RETURN, None)
     input_t, input_scale_inv = saved if fp8_wgrad else (None, None)
     return native.linear_backward(
-        grad_2d,
-        scale,
-        record,
-        recipe.backward_dtype == torch.float8_e4m3fn,
-        needs_input,
-        None if w_t is None else w_t.data,
-        None if w_t is None else w_t.scale_inv,
-        ctx.input_dtype,
-        fp8_wgrad,
-        input_t,
-        input_scale_inv,
-        int(mode),
-        main_grad,
-        ctx.weight.dtype,
-        ctx.has_bias and needs_bias,
+        grad=grad_2d,
+        scale=scale,
+        record=record,
+        e4m3=recipe.backward_dtype == torch.float8_e4m3fn,
+        need_input=needs_input,
+        weight_t=None if w_t is None else w_t.data,
+        weight_scale_inv=None if w_t is None else w_t.scale_inv,
+        input_dtype=ctx.input_dtype,
+        need_wgrad=fp8_wgrad,
+        input_t=input_t,
+        input_scale_inv=input_scale_inv,
+        wgrad_mode=int(mode),
+        target=main_grad,
+        wgrad_dtype=ctx.weight.dtype,
+        need_bias=ctx.has_bias and needs_bias,
     )
 
 

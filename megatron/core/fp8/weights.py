@@ -44,6 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from megatron.core.fp8 import kernels
 from megatron.core.fp8.blockwise import quantize_128x128, square_block_layout
+from megatron.core.fp8.cpp_linear import native_transpose
 from megatron.core.fp8.quantize import quantize
 from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
 from megatron.core.utils import cuda_graph_capturing
@@ -101,7 +102,10 @@ class Fp8Weight:
         """The weight's contiguous transpose, `[in, out]` row-major, and its scales: 1 byte per
         element read and written."""
         data = self.tensor.data
-        if kernels.triton is not None and data.is_cuda and data.is_contiguous():
+        native = native_transpose(data)
+        if native is not None:
+            transposed = native.transpose(data)
+        elif kernels.triton is not None and data.is_cuda and data.is_contiguous():
             transposed = kernels.transpose_fp8(data)
         else:
             transposed = data.t().contiguous()

@@ -1,9 +1,10 @@
-"""The FP8 linear layers' C++ path (`cpp_linear.py`, `csrc/fp8_linear.cu`) against their Python
+"""The FP8 linear layers' C++ path (`cpp_linear.py`, `csrc/fp8_linear.cpp`) against their Python
 path on the GPU, bit for bit: the cast (bytes, scale inverse, transposed copy, recorded amax)
 against the plain-torch reference quantiser for each input dtype, format and scaling, at odd
-shapes, and against the Triton cast with NaN, inf and an unaligned input; and a linear layer's
-output, input, weight (returned, written over or added into a main_grad) and bias gradients and
-delayed-scaling records, for each format and recipe. Off CUDA the Python path runs."""
+shapes, and against the Triton cast with NaN, inf and an unaligned input, and its refusals; and a
+linear layer's output, input, weight (returned, written over, copied or added into a main_grad)
+and bias gradients and delayed-scaling records, for each format and recipe, each input dtype,
+and the weight gradient in high precision. Off CUDA the Python path runs."""
 
 from __future__ import annotations
 
@@ -55,48 +56,133 @@ def test_cast_is_the_reference_bit_for_bit(native, fmt, shape, source, delayed):
 
 
 @pytest.mark.gpu
-def test_cast_of_unaligned_and_special_values(native):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cast_of_unaligned_and_special_values(native, fmt):
     """An input starting one element into its storage (scalar loads), NaN, inf and values past
     the format's maximum."""
+    dtype = FORMATS[fmt]
     whole = _input((33, 65), torch.bfloat16, seed=7)
     whole[3, 5], whole[4, 6], whole[5, 7], whole[6, 8] = float("nan"), float("inf"), -1e30, 1e30
     x = whole.view(-1)[1 : 1 + 33 * 64].view(33, 64)
     scale = torch.tensor(2.0, device="cuda")
     amax_native, amax_triton = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
-    data, scale_inv, transposed = native.cast(x, scale, amax_native, False)
-    expected = kernels.cast_to_fp8(x, torch.float8_e5m2, scale, amax_triton, transpose=True)
+    data, scale_inv, transposed = native.cast(x, scale, amax_native, dtype == FORMATS["e4m3"])
+    expected = kernels.cast_to_fp8(x, dtype, scale, amax_triton, transpose=True)
     assert torch.equal(_bytes(data), _bytes(expected[0]))
     assert torch.equal(_bytes(transposed), _bytes(expected[2]))
     assert torch.equal(amax_native, amax_triton)
     assert torch.isinf(amax_native)
 
 
-class _Engine:
-    """Stands for a data-parallel engine that keeps fp32 main gradients."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [*SHAPES, (33, 65), (130, 7)], ids=str)
+def test_transpose_is_torch_transpose(native, shape):
+    data = _input(shape, torch.float32, seed=3).to(torch.float8_e4m3fn)
+    assert torch.equal(_bytes(native.transpose(data)), _bytes(data.t().contiguous()))
+    # A transposed view (not contiguous) transposes back to the original.
+    assert torch.equal(_bytes(native.transpose(data.t())), _bytes(data))
 
-    def __init__(self, weight: torch.nn.Parameter, overwrite: bool):
-        self.main_grad = torch.full(weight.shape, 0.5, device="cuda")
+
+@pytest.mark.gpu
+def test_cast_refuses_what_it_cannot_run(native):
+    x = torch.ones(4, 16, device="cuda")
+    with pytest.raises(RuntimeError, match="bf16, fp16 or fp32 input"):
+        native.cast(x.double(), None, None, True)
+    with pytest.raises(RuntimeError, match="the scale must be one fp32 element on cuda"):
+        native.cast(x, torch.ones(2, device="cuda"), None, True)
+    with pytest.raises(RuntimeError, match="the amax record must be one fp32 element on cuda"):
+        native.cast(x, None, torch.zeros(()), True)
+    with pytest.raises(RuntimeError, match="columns"):
+        native.cast(torch.ones(1, 65535 * 128 + 1, device="cuda"), None, None, True)
+
+
+@pytest.mark.gpu
+def test_backward_refuses_missing_or_misshapen_operands(native):
+    grad = torch.ones(32, 48, device="cuda", dtype=torch.bfloat16)
+    # The transposed copy of a [32 tokens, 16 features] input: [16, 32].
+    _, _, input_t = native.cast(torch.ones(32, 16, device="cuda"), None, None, True)
+    one = torch.ones((), device="cuda")
+    common = dict(
+        grad=grad,
+        scale=None,
+        record=None,
+        e4m3=False,
+        input_dtype=torch.bfloat16,
+        wgrad_dtype=torch.bfloat16,
+        need_bias=False,
+    )
+    with pytest.raises(RuntimeError, match="needs weight_t and weight_scale_inv"):
+        native.linear_backward(
+            **common,
+            need_input=True,
+            weight_t=None,
+            weight_scale_inv=None,
+            need_wgrad=False,
+            input_t=None,
+            input_scale_inv=None,
+            wgrad_mode=0,
+            target=None,
+        )
+    wgrad = dict(
+        need_input=False,
+        weight_t=None,
+        weight_scale_inv=None,
+        need_wgrad=True,
+        input_t=input_t,
+        input_scale_inv=one,
+    )
+    with pytest.raises(RuntimeError, match="writes into a target; none given"):
+        native.linear_backward(**common, **wgrad, wgrad_mode=1, target=None)
+    with pytest.raises(RuntimeError, match=r"target must be \[48, 16\]"):
+        native.linear_backward(
+            **common, **wgrad, wgrad_mode=3, target=torch.zeros(1, 16, device="cuda")
+        )
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        native.linear_backward(
+            **common, **wgrad, wgrad_mode=1, target=torch.zeros(16, 48, device="cuda").t()
+        )
+
+
+class _Engine:
+    """Stands for a data-parallel engine that keeps fp32 main gradients (`contiguous`: False
+    for a main_grad the GEMM cannot write, which takes a copy)."""
+
+    def __init__(self, weight: torch.nn.Parameter, overwrite: bool, contiguous: bool = True):
+        shape = weight.shape if contiguous else weight.shape[::-1]
+        self.main_grad = torch.full(shape, 0.5, device="cuda")
+        if not contiguous:
+            self.main_grad = self.main_grad.t()
         self.overwrite = overwrite
 
     def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
         return FusionTarget(self.main_grad, self.overwrite)
 
 
-def _run(fmt: str, kind: str, bias: bool, fused: bool | None, python: bool) -> dict:
-    """A forward and backward of a [96, 256] bf16 layer on [2, 50, 256] tokens (100: not a
-    multiple of 16); `fused`: the weight gradient written over (True) or added into (False) a
-    main_grad; `python`: with the C++ path off."""
+def _run(
+    fmt: str,
+    kind: str,
+    bias: bool,
+    fused: bool | None,
+    python: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    contiguous: bool = True,
+    wgrad: bool = True,
+) -> dict:
+    """A forward and backward of a [96, 256] layer on [2, 50, 256] tokens (100: not a multiple
+    of 16) in `dtype`; `fused`: the weight gradient written over (True) or added into (False) a
+    (`contiguous` or not) main_grad; `wgrad`: the weight gradient's GEMM in FP8; `python`: with
+    the C++ path off."""
     generator = torch.Generator(device="cuda").manual_seed(11)
-    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", generator=generator).bfloat16())
-    bias_ = torch.randn(96, device="cuda", generator=generator).bfloat16()
+    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", generator=generator).to(dtype))
+    bias_ = torch.randn(96, device="cuda", generator=generator).to(dtype)
     bias_ = torch.nn.Parameter(bias_) if bias else None
-    x = torch.randn(2, 50, 256, device="cuda", generator=generator).bfloat16().requires_grad_()
-    grad = (torch.randn(2, 50, 96, device="cuda", generator=generator) * 1e-3).bfloat16()
+    x = torch.randn(2, 50, 256, device="cuda", generator=generator).to(dtype).requires_grad_()
+    grad = (torch.randn(2, 50, 96, device="cuda", generator=generator) * 1e-3).to(dtype)
     engine = None
     if fused is not None:
-        engine = _Engine(weight, fused)
+        engine = _Engine(weight, fused, contiguous)
         register_main_grad(weight, engine.main_grad_of)
-    slots = _slots(fmt, kind)
+    slots = _slots(fmt, kind, wgrad=wgrad)
     python_path = mock.patch.object(fp8_linear, "native_linear", lambda x: None)
     with python_path if python else contextlib.nullcontext():
         y = linear(x, weight, bias_, slots)
@@ -116,14 +202,36 @@ def _run(fmt: str, kind: str, bias: bool, fused: bool | None, python: bool) -> d
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("fused", [None, True, False], ids=["returned", "written", "added"])
 def test_layer_equals_the_python_path(native, fmt, kind, bias, fused):
-    native_run = _run(fmt, kind, bias, fused, python=False)
-    python_run = _run(fmt, kind, bias, fused, python=True)
+    _assert_same_runs(_run(fmt, kind, bias, fused, False), _run(fmt, kind, bias, fused, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(dtype=torch.float16),
+        dict(dtype=torch.float32),
+        dict(fused=True, contiguous=False),
+        dict(fused=False, contiguous=False),
+        dict(fused=True, wgrad=False),
+        dict(fused=None, wgrad=False),
+    ],
+    ids=["fp16", "fp32", "copied", "added_strided", "bf16_wgrad_written", "bf16_wgrad"],
+)
+def test_layer_variants_equal_the_python_path(native, variant):
+    """fp16 and fp32 layers, a main_grad the GEMM cannot write, and the weight gradient in
+    high precision (`--no-fp8-wgrad`)."""
+    run = dict(fmt="hybrid", kind="delayed", bias=True, fused=None) | variant
+    _assert_same_runs(_run(**run, python=False), _run(**run, python=True))
+
+
+def _assert_same_runs(native_run: dict, python_run: dict) -> None:
     for key in ("y", "dx", "dw", "db"):
         if python_run[key] is None:
             assert native_run[key] is None
         else:
             assert torch.equal(native_run[key], python_run[key]), key
-    if kind == "delayed":
+    if python_run["state"] is not None:
         for name, value in python_run["state"].items():
             assert torch.equal(native_run["state"][name], value), name
 

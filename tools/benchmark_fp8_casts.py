@@ -1,0 +1,94 @@
+"""The FP8 casts of the linear layers' C++ path against the Triton kernels, on one GPU.
+
+Each cast turns a bf16 activation or gradient into E4M3 bytes with the transposed copy the weight
+gradient needs: under delayed scaling in one pass with the amax recorded, under current scaling
+(`tensorwise`) after an amax pass. The extension's kernel (`megatron/core/fp8/csrc/`, built at
+the first call) and the Triton kernel (`megatron.core.fp8.kernels`) each run 40 times back to
+back; the GPU time per cast is the elapsed time of the 40 over 40, so where a kernel is shorter
+than its launch it is the host's time.
+
+    python tools/benchmark_fp8_casts.py [--shapes 4096x2048,4096x28672]
+
+Prints per shape and scaling the µs per cast of each and the extension's bandwidth (the input
+read, the bytes and the transposed copy written; current scaling reads the input twice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+# Runnable from a checkout without installing the package (as Megatron-LM's tools are).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron.core.fp8 import cpp_linear, kernels  # noqa: E402
+
+# Llama-3 8B's activations at 4096 tokens (hidden, qkv, fc2 input, fc1 output) and smaller ones.
+DEFAULT_SHAPES = "4096x2048,4096x4096,4096x6144,4096x14336,4096x28672,4100x1408"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated ROWSxCOLS")
+    parser.add_argument("--iters", type=int, default=40)
+    args = parser.parse_args(argv)
+    try:
+        args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        parser.error(f"--shapes {args.shapes!r}: give ROWSxCOLS pairs, e.g. 4096x4096.")
+    if any(len(shape) != 2 or min(shape) < 1 for shape in args.shapes):
+        parser.error("--shapes: each shape is two positive sizes, ROWSxCOLS.")
+    return args
+
+
+def gpu_us(cast: Callable[[], object], iters: int) -> float:
+    for _ in range(5):
+        cast()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        cast()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def cast_times(native, x: torch.Tensor, delayed: bool, iters: int) -> tuple[float, float]:
+    """µs per cast of `x` by the extension and by the Triton kernel."""
+    scale = torch.tensor(3.0, device="cuda") if delayed else None
+    record = torch.zeros((), device="cuda") if delayed else None
+    ours = gpu_us(lambda: native.cast(x, scale, record, True), iters)
+    triton = gpu_us(
+        lambda: kernels.cast_to_fp8(x, torch.float8_e4m3fn, scale, record, transpose=True), iters
+    )
+    return ours, triton
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available() or kernels.triton is None:
+        sys.exit("benchmark_fp8_casts.py compares GPU kernels: it needs CUDA and Triton.")
+    native = cpp_linear.native_linear(torch.zeros(1, 16, device="cuda"))
+    if native is None:
+        sys.exit("The FP8 C++ extension did not build here (see the warning above).")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; µs per cast")
+    print(f"{'shape':>14} {'scaling':>8} {'C++':>8} {'Triton':>8} {'C++ GB/s':>9}")
+    for rows, cols in args.shapes:
+        x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        for scaling in ("delayed", "current"):
+            ours, triton = cast_times(native, x, scaling == "delayed", args.iters)
+            # Read 2 bytes and write 2 per element, and read them again for current's amax.
+            moved = x.numel() * (4 if scaling == "delayed" else 6)
+            print(
+                f"{f'{rows}x{cols}':>14} {scaling:>8} {ours:8.1f} {triton:8.1f} "
+                f"{moved / ours / 1e3:9.0f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
