@@ -63,8 +63,10 @@ def _cublaslt_library() -> str:
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.split()[-1]
-                if os.path.basename(path).startswith("libcublasLt.so"):
+                # address, permissions, offset, device, inode, then the path (spaces and all)
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if os.path.basename(path).startswith("libcublasLt.so") and os.path.exists(path):
                     return path
     except OSError:  # not Linux
         pass
@@ -83,8 +85,11 @@ def _load() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         _logger.info("Loading the FP8 linear layers' C++ extension (built at its first use).")
+        # The GPU's architecture in the name: a build cached for another GPU (a shared
+        # TORCH_EXTENSIONS_DIR) has no kernels for this one, and PyTorch would reuse it.
+        major, minor = torch.cuda.get_device_capability()
         _module = load(
-            name="megatron_fp8_linear",
+            name=f"megatron_fp8_linear_sm{major}{minor}",
             sources=_SOURCES,
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3"],

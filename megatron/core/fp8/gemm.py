@@ -94,6 +94,12 @@ def fp8_mm(
             f"fp8_mm: out must be a contiguous {[m, n]} tensor of {out_dtype}, got "
             f"{list(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()})."
         )
+    if a.data.shape[1] == 0:
+        # An empty sum (a weight gradient over no tokens): zero, or the bias.
+        product = torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
+        if bias is not None:
+            product += bias
+        return product if out is None else out.copy_(product)
     if blockwise:
         product = _block_mm(a, b, out_dtype, bias)
         return product if out is None else out.copy_(product)
@@ -133,6 +139,8 @@ def _check_operands(
                 f"fp8_mm: the {what} ({size}) must be a multiple of {GEMM_ALIGNMENT} for "
                 "Hopper's FP8 GEMM."
             )
+    if k == 0:
+        return m, n  # nothing to multiply (a batch of no tokens): no layout to check
     # Rows of a and columns of b contiguous, each starting at a multiple of 16 bytes.
     a_stride, b_stride = a_data.stride(), b_data.stride()
     if m > 1 and (a_stride[1] != 1 or a_stride[0] % GEMM_ALIGNMENT):

@@ -167,17 +167,18 @@ def _run(
     dtype: torch.dtype = torch.bfloat16,
     contiguous: bool = True,
     wgrad: bool = True,
+    rows: int = 50,
 ) -> dict:
-    """A forward and backward of a [96, 256] layer on [2, 50, 256] tokens (100: not a multiple
-    of 16) in `dtype`; `fused`: the weight gradient written over (True) or added into (False) a
-    (`contiguous` or not) main_grad; `wgrad`: the weight gradient's GEMM in FP8; `python`: with
-    the C++ path off."""
+    """A forward and backward of a [96, 256] layer on [2, rows, 256] tokens (100 by default: not
+    a multiple of 16) in `dtype`; `fused`: the weight gradient written over (True) or added into
+    (False) a (`contiguous` or not) main_grad; `wgrad`: the weight gradient's GEMM in FP8;
+    `python`: with the C++ path off."""
     generator = torch.Generator(device="cuda").manual_seed(11)
     weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", generator=generator).to(dtype))
     bias_ = torch.randn(96, device="cuda", generator=generator).to(dtype)
     bias_ = torch.nn.Parameter(bias_) if bias else None
-    x = torch.randn(2, 50, 256, device="cuda", generator=generator).to(dtype).requires_grad_()
-    grad = (torch.randn(2, 50, 96, device="cuda", generator=generator) * 1e-3).to(dtype)
+    x = torch.randn(2, rows, 256, device="cuda", generator=generator).to(dtype).requires_grad_()
+    grad = (torch.randn(2, rows, 96, device="cuda", generator=generator) * 1e-3).to(dtype)
     engine = None
     if fused is not None:
         engine = _Engine(weight, fused, contiguous)
@@ -215,12 +216,25 @@ def test_layer_equals_the_python_path(native, fmt, kind, bias, fused):
         dict(fused=False, contiguous=False),
         dict(fused=True, wgrad=False),
         dict(fused=None, wgrad=False),
+        dict(rows=0),
+        dict(rows=0, fused=True),
+        dict(rows=0, fused=False),
     ],
-    ids=["fp16", "fp32", "copied", "added_strided", "bf16_wgrad_written", "bf16_wgrad"],
+    ids=[
+        "fp16",
+        "fp32",
+        "copied",
+        "added_strided",
+        "bf16_wgrad_written",
+        "bf16_wgrad",
+        "no_tokens",
+        "no_tokens_written",
+        "no_tokens_added",
+    ],
 )
 def test_layer_variants_equal_the_python_path(native, variant):
-    """fp16 and fp32 layers, a main_grad the GEMM cannot write, and the weight gradient in
-    high precision (`--no-fp8-wgrad`)."""
+    """fp16 and fp32 layers, a main_grad the GEMM cannot write, the weight gradient in high
+    precision (`--no-fp8-wgrad`), and a batch of no tokens (its weight gradient zero)."""
     run = dict(fmt="hybrid", kind="delayed", bias=True, fused=None) | variant
     _assert_same_runs(_run(**run, python=False), _run(**run, python=True))
 

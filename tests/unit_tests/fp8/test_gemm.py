@@ -40,6 +40,22 @@ def test_bias_is_added_before_rounding_and_out_is_written():
     assert torch.equal(out, product)
 
 
+def test_an_empty_sum_is_zero_or_the_bias():
+    """A weight gradient over a batch of no tokens: `[n, 0] @ [0, k]`, whose operands (the
+    transposed copies of empty tensors) have no row-major layout to check."""
+    grad_t = quantize(torch.randn(0, 48), E5M2, transpose=True).transposed_operand()
+    input_t = quantize(torch.randn(0, 64), E4M3, transpose=True).transposed_operand()
+    assert grad_t.data.shape == (48, 0)
+    product = fp8_mm(grad_t, input_t.t(), out_dtype=torch.float32)
+    assert torch.equal(product, torch.zeros(48, 64))
+    out = torch.full((48, 64), float("nan"))
+    assert fp8_mm(grad_t, input_t.t(), out_dtype=torch.float32, out=out) is out
+    assert torch.equal(out, torch.zeros(48, 64))
+    bias = torch.randn(64).bfloat16()
+    with_bias = fp8_mm(grad_t, input_t.t(), out_dtype=torch.bfloat16, bias=bias)
+    assert torch.equal(with_bias, bias.expand(48, 64))
+
+
 def test_refuses_what_hopper_refuses():
     a, b = _operands()
     with pytest.raises(ValueError, match="operand b must be column-major"):

@@ -145,6 +145,23 @@ def test_weight_gradient_is_fused_into_an_fp32_main_grad(overwrite):
     assert torch.equal(engine.main_grad, expected if overwrite else expected + 0.5)
 
 
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_batch_of_no_tokens_has_zero_weight_and_bias_gradients(kind, overwrite):
+    slots = _slots("hybrid", kind)
+    weight = torch.nn.Parameter(torch.randn(48, 64).bfloat16())
+    bias = torch.nn.Parameter(torch.randn(48).bfloat16())
+    engine = _Engine(weight, overwrite)
+    register_main_grad(weight, engine.main_grad_of)
+    x = torch.randn(2, 0, 64).bfloat16().requires_grad_()
+    y = linear(x, weight, bias, slots)
+    assert y.shape == (2, 0, 48)
+    y.backward(torch.randn(2, 0, 48).bfloat16())
+    assert x.grad.shape == x.shape
+    assert torch.equal(engine.main_grad, torch.full((48, 64), 0.0 if overwrite else 0.5))
+    assert torch.equal(bias.grad, torch.zeros(48).bfloat16())
+
+
 @exact_cpu_scaled_mm
 def test_autograd_grad_and_backward_inputs_leave_main_grad_alone():
     """`torch.autograd.grad` asking for the weight gets its gradient; without it (or

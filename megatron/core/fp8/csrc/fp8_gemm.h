@@ -1,5 +1,5 @@
 // FP8 GEMMs through cuBLASLt with the problem's descriptors and algorithm cached
-// (`fp8_gemm.cpp`): the products `torch._scaled_mm` computes, the same bytes, without its
+// (`fp8_gemm.cpp`): the products `torch._scaled_mm` computes, with its settings, without its
 // per-call descriptor set-up and heuristic query (about half its host time inside a training
 // step), and with the sum into an fp32 output done by the GEMM.
 

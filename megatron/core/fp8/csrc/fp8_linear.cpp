@@ -85,9 +85,15 @@ at::Tensor optional_or_undefined(const c10::optional<at::Tensor>& tensor) {
   return tensor.has_value() ? *tensor : at::Tensor();
 }
 
+// Checks, before a device guard is made for it, that `x` is on a GPU.
+void check_cuda(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.is_cuda(), "fp8 ", what, ": a CUDA tensor, got one on ", text(x.device()));
+}
+
 std::vector<at::Tensor> cast(const at::Tensor& x, const c10::optional<at::Tensor>& scale,
                              const c10::optional<at::Tensor>& record, bool e4m3, bool rowwise,
                              bool transpose) {
+  check_cuda(x, "cast");
   const c10::cuda::CUDAGuard guard(x.device());
   return cast_impl(x, optional_or_undefined(scale), optional_or_undefined(record), e4m3,
                    rowwise, transpose);
@@ -118,6 +124,12 @@ std::vector<at::Tensor> linear_forward(const at::Tensor& x, const c10::optional<
                                        bool transpose, const at::Tensor& weight,
                                        const at::Tensor& weight_scale_inv,
                                        const c10::optional<at::Tensor>& bias, bool fast_accum) {
+  check_cuda(x, "linear forward");
+  // Checked before the cast, which records the input's amax: a refused call changes nothing.
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(1) &&
+                                    bias->device() == x.device()),
+              "fp8 linear forward: the bias must be [", text(weight.size(1)), "] on ",
+              text(x.device()));
   const c10::cuda::CUDAGuard guard(x.device());
   auto cast_out = cast_impl(x, optional_or_undefined(scale), optional_or_undefined(record), e4m3,
                             /*rowwise=*/true, transpose);
@@ -146,6 +158,7 @@ std::vector<at::Tensor> linear_backward(
     at::ScalarType input_dtype, bool need_wgrad, const c10::optional<at::Tensor>& input_t,
     const c10::optional<at::Tensor>& input_scale_inv, int64_t wgrad_mode,
     const c10::optional<at::Tensor>& target, at::ScalarType wgrad_dtype, bool need_bias) {
+  check_cuda(grad, "linear backward");
   const c10::cuda::CUDAGuard guard(grad.device());
   TORCH_CHECK(!need_input || (weight_t.has_value() && weight_scale_inv.has_value()),
               "fp8 linear backward: the input gradient needs weight_t and weight_scale_inv");
@@ -163,6 +176,10 @@ std::vector<at::Tensor> linear_backward(
     TORCH_CHECK(wgrad_mode != kOverwrite || target->is_contiguous(),
                 "fp8 linear backward: mode ", text(wgrad_mode),
                 " writes the GEMM's output into the target, which must be contiguous");
+    const at::ScalarType dtype = target->scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+                "fp8 linear backward: a bf16, fp16 or fp32 weight-gradient target, got ",
+                text(dtype));
   }
   at::Tensor grad_input, grad_weight, grad_bias;
   if (need_input || need_wgrad) {
