@@ -6,8 +6,9 @@ host tens of microseconds (argument handling, allocations, a Triton launch, the 
 bookkeeping, and `torch._scaled_mm`'s descriptor set-up and algorithm query at every call),
 which bounds the eager step of a model of small layers. The extension makes each pass one call:
 the same casts (CUDA kernels with the Triton kernels' arithmetic, `csrc/fp8_kernels.cu`) and the
-same cuBLASLt GEMMs with their set-up cached per problem (`csrc/fp8_gemm.cpp`), so the results
-are the same bit for bit. It also transposes the FP8 weights for the input gradient.
+cuBLASLt GEMMs `torch._scaled_mm` runs, with their set-up cached per problem
+(`csrc/fp8_gemm.cpp`): the tests find the results the same bit for bit. It also transposes the
+FP8 weights for the input gradient.
 
 It is built with PyTorch's extension builder (`torch.utils.cpp_extension.load`: nvcc and ninja,
 linked against the cuBLASLt library torch loaded) the first time an FP8 linear layer runs on a

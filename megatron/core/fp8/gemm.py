@@ -77,7 +77,7 @@ def fp8_mm(
             f"fp8_mm: operands {type(a).__name__} and {type(b).__name__} are scaled "
             "differently; multiply two Fp8Tensors or two BlockFp8Tensors."
         )
-    m, n = _check_operands(a, b)
+    m, k, n = _check_operands(a, b)
     if blockwise:
         _check_blocks(a, b, fast_accum)
     if out_dtype not in _OUT_DTYPES:
@@ -94,7 +94,7 @@ def fp8_mm(
             f"fp8_mm: out must be a contiguous {[m, n]} tensor of {out_dtype}, got "
             f"{list(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()})."
         )
-    if a.data.shape[1] == 0:
+    if k == 0:
         # An empty sum (a weight gradient over no tokens): zero, or the bias.
         product = torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
         if bias is not None:
@@ -111,9 +111,9 @@ def fp8_mm(
 
 def _check_operands(
     a: Fp8Tensor | BlockFp8Tensor, b: Fp8Tensor | BlockFp8Tensor
-) -> tuple[int, int]:
-    """Hopper's rules for the operands (module docstring); returns the product's shape. Each
-    tensor attribute is read once: this runs at every GEMM."""
+) -> tuple[int, int, int]:
+    """Hopper's rules for the operands (module docstring); returns `(m, k, n)`. Each tensor
+    attribute is read once: this runs at every GEMM."""
     a_data, b_data = a.data, b.data
     a_dtype, b_dtype = a_data.dtype, b_data.dtype
     a_shape, b_shape = a_data.shape, b_data.shape
@@ -140,7 +140,7 @@ def _check_operands(
                 "Hopper's FP8 GEMM."
             )
     if k == 0:
-        return m, n  # nothing to multiply (a batch of no tokens): no layout to check
+        return m, k, n  # nothing to multiply (a batch of no tokens): no layout to check
     # Rows of a and columns of b contiguous, each starting at a multiple of 16 bytes.
     a_stride, b_stride = a_data.stride(), b_data.stride()
     if m > 1 and (a_stride[1] != 1 or a_stride[0] % GEMM_ALIGNMENT):
@@ -155,7 +155,7 @@ def _check_operands(
             f"{b_stride}: the transposed view of a row-major tensor); Hopper's FP8 GEMM "
             "multiplies a row-major matrix by a column-major one."
         )
-    return m, n
+    return m, k, n
 
 
 def _check_blocks(a: BlockFp8Tensor, b: BlockFp8Tensor, fast_accum: bool) -> None:

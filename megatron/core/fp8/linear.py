@@ -26,8 +26,8 @@ A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
 `enable_fp8_linears` gives the linear layers of the transformer layers that train in FP8.
 
 On a GPU `_Fp8Linear`'s forward and backward (per-tensor recipes) run as one call each of the
-C++ extension (`cpp_linear.py`), with the same results bit for bit; the Python path below runs
-elsewhere, and for the column-parallel layers under tensor parallelism
+C++ extension (`cpp_linear.py`), whose results the tests find the same bit for bit; the Python
+path below runs elsewhere, and for the column-parallel layers under tensor parallelism
 (`_Fp8ColumnParallelLinear`) and the blockwise recipe.
 """
 

@@ -17,12 +17,11 @@ import torch
 from megatron.core.fp8 import cpp_linear, kernels, quantize
 from megatron.core.fp8 import linear as fp8_linear
 from megatron.core.tensor_parallel.grad_accumulation import (
-    FusionTarget,
     linear,
     register_main_grad,
 )
 from tests.unit_tests.fp8.test_kernels import FORMATS, _bytes, _input
-from tests.unit_tests.fp8.test_linear import _slots
+from tests.unit_tests.fp8.test_linear import _Engine, _slots
 
 SHAPES = [(1, 16), (17, 48), (100, 4096), (64, 130), (4096, 1408)]
 
@@ -141,21 +140,6 @@ def test_backward_refuses_missing_or_misshapen_operands(native):
         native.linear_backward(
             **common, **wgrad, wgrad_mode=1, target=torch.zeros(16, 48, device="cuda").t()
         )
-
-
-class _Engine:
-    """Stands for a data-parallel engine that keeps fp32 main gradients (`contiguous`: False
-    for a main_grad the GEMM cannot write, which takes a copy)."""
-
-    def __init__(self, weight: torch.nn.Parameter, overwrite: bool, contiguous: bool = True):
-        shape = weight.shape if contiguous else weight.shape[::-1]
-        self.main_grad = torch.full(shape, 0.5, device="cuda")
-        if not contiguous:
-            self.main_grad = self.main_grad.t()
-        self.overwrite = overwrite
-
-    def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
-        return FusionTarget(self.main_grad, self.overwrite)
 
 
 def _run(

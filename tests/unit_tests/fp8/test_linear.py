@@ -122,10 +122,14 @@ def test_no_fp8_wgrad_computes_the_weight_gradient_in_high_precision():
 
 
 class _Engine:
-    """Stands for a data-parallel engine that keeps fp32 main gradients."""
+    """Stands for a data-parallel engine that keeps fp32 main gradients on the weight's device
+    (`contiguous`: False for a main_grad a GEMM cannot write, a transposed view)."""
 
-    def __init__(self, weight: torch.nn.Parameter, overwrite: bool):
-        self.main_grad = torch.full(weight.shape, 0.5)
+    def __init__(self, weight: torch.nn.Parameter, overwrite: bool, contiguous: bool = True):
+        shape = weight.shape if contiguous else weight.shape[::-1]
+        self.main_grad = torch.full(shape, 0.5, device=weight.device)
+        if not contiguous:
+            self.main_grad = self.main_grad.t()
         self.overwrite = overwrite
 
     def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:

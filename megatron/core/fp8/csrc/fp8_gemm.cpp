@@ -247,8 +247,13 @@ void run(const at::Tensor& out, bool accumulate, const at::Tensor& a, const at::
                         alignment_of(b.const_data_ptr()),
                         alignment_of(out.const_data_ptr())};
   if (problem.m == 0 || problem.n == 0) return;
-  if (problem.k == 0) {  // an empty sum: the bias, or nothing
-    if (!accumulate) bias.defined() ? out.copy_(bias.expand_as(out)) : out.zero_();
+  if (problem.k == 0) {  // an empty sum: zero, or the bias; nothing to add
+    if (accumulate) return;
+    if (bias.defined()) {
+      out.copy_(bias.expand_as(out));
+    } else {
+      out.zero_();
+    }
     return;
   }
   thread_local std::unordered_map<Problem, std::unique_ptr<Plan>, ProblemHash> plans;
