@@ -282,59 +282,63 @@ class _Fp8Linear(torch.autograd.Function):
         slots: Fp8LinearSlots,
         weight_needs_grad: bool,
     ) -> torch.Tensor:
-        x2d = _flat(input_)
-        needs_weight = weight_needs_grad
         recipe = slots.recipe
-        fp8_wgrad = needs_weight and recipe.wgrad
-        native = slots.native_linear(x2d)
+        fp8_wgrad = weight_needs_grad and recipe.wgrad
+        native = slots.native_linear(input_)
         if native is not None:
-            scale, record = slots.cast_scale(FORWARD, x2d.device)
-            w = fp8_weight_of(weight).fprop_operand()
+            scale, record = slots.cast_scale(FORWARD, input_.device)
+            w = fp8_weight_of(weight).tensor
+            # Positional (`csrc/fp8_linear.cpp`'s order): keywords cost the host microseconds.
             out, input_t, input_scale_inv = native.linear_forward(
-                x=x2d,
-                scale=scale,
-                record=record,
-                e4m3=recipe.forward_dtype == torch.float8_e4m3fn,
-                transpose=fp8_wgrad,
-                weight=w.data,
-                weight_scale_inv=w.scale_inv,
-                bias=bias,
-                fast_accum=recipe.fprop_fast_accum,
+                input_,  # x
+                scale,
+                record,
+                recipe.forward_dtype == torch.float8_e4m3fn,  # e4m3
+                fp8_wgrad,  # transpose
+                w.data,  # weight
+                w.scale_inv,  # weight_scale_inv
+                bias,
+                recipe.fprop_fast_accum,  # fast_accum
             )
         else:
+            x2d = _flat(input_)
             x = slots.quantize_input(x2d, transpose=fp8_wgrad)
             out = _fprop(x, weight, bias, input_.dtype, recipe)
+            out = out.view(*input_.shape[:-1], out.shape[-1])
             if fp8_wgrad:
                 transposed = x.transposed_operand()
                 input_t, input_scale_inv = transposed.data, transposed.scale_inv
         if fp8_wgrad:
             ctx.save_for_backward(input_t, input_scale_inv, weight)
         else:
-            ctx.save_for_backward(input_ if needs_weight else None, None, weight)
+            ctx.save_for_backward(input_ if weight_needs_grad else None, None, weight)
         # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
         # recomputation saves another tensor object).
         ctx.weight = weight
         ctx.slots, ctx.fp8_wgrad, ctx.has_bias = slots, fp8_wgrad, bias is not None
         ctx.input_shape, ctx.input_dtype = input_.shape, input_.dtype
-        return out.view(*input_.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         saved_input, input_scale_inv, _ = ctx.saved_tensors
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_2d = _flat(grad_output)
         wanted, target = False, None
         if needs_weight:
             wanted, target = weight_grad_target(ctx.weight, ctx.next_functions[1][0])
         fp8_wgrad = wanted and ctx.fp8_wgrad
         slots = ctx.slots
-        native = slots.native_linear(grad_2d)
+        native = slots.native_linear(grad_output)
+        # The 2-D gradient for the Python path and a high-precision weight gradient; the
+        # extension flattens its own.
+        high_precision_wgrad = wanted and not fp8_wgrad
+        grad_2d = _flat(grad_output) if native is None or high_precision_wgrad else None
         if native is not None:
             grad_input, grad_weight, grad_bias = _native_backward(
                 native,
                 ctx,
-                grad_2d,
+                grad_output,
                 (saved_input, input_scale_inv),
                 needs_input,
                 fp8_wgrad,
@@ -347,14 +351,13 @@ class _Fp8Linear(torch.autograd.Function):
                 grad = slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
             if needs_input:
                 grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype, slots.recipe)
+                grad_input = grad_input.view(ctx.input_shape)
             if fp8_wgrad:
                 input_t = slots.saved_input_t(saved_input, input_scale_inv)
                 grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
             if ctx.has_bias and needs_bias:
                 grad_bias = grad_2d.sum(dim=0)
-        if grad_input is not None:
-            grad_input = grad_input.view(ctx.input_shape)
-        if wanted and not fp8_wgrad:
+        if high_precision_wgrad:
             grad_weight = weight_grad_into(target, grad_2d, saved_input)
         return grad_input, grad_weight, grad_bias, None, None
 
@@ -362,7 +365,7 @@ class _Fp8Linear(torch.autograd.Function):
 def _native_backward(
     native: ModuleType,
     ctx,
-    grad_2d: torch.Tensor,
+    grad: torch.Tensor,
     saved: tuple[torch.Tensor | None, torch.Tensor | None],
     needs_input: bool,
     fp8_wgrad: bool,
@@ -370,30 +373,37 @@ def _native_backward(
     needs_bias: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """`_Fp8Linear`'s backward GEMMs (input gradient, FP8 weight gradient) and bias gradient
-    in one call of the C++ extension (`cpp_linear.py`); `saved` is what forward saved (the
-    input's transposed FP8 copy and its scale's inverse, under `fp8_wgrad`)."""
+    of the output gradient `grad` in one call of the C++ extension (`cpp_linear.py`), which
+    also makes the weight's transposed FP8 copy at its first backward (kept with the weight);
+    `saved` is what forward saved (the input's transposed FP8 copy and its scale's inverse,
+    under `fp8_wgrad`)."""
     recipe = ctx.slots.recipe
-    scale, record = ctx.slots.cast_scale(BACKWARD, grad_2d.device)
-    w_t = fp8_weight_of(ctx.weight).dgrad_operand() if needs_input else None
+    scale, record = ctx.slots.cast_scale(BACKWARD, grad.device)
+    w = fp8_weight_of(ctx.weight) if needs_input else None
     mode, main_grad = _wgrad_destination(target) if fp8_wgrad else (_WgradMode.RETURN, None)
     input_t, input_scale_inv = saved if fp8_wgrad else (None, None)
-    return native.linear_backward(
-        grad=grad_2d,
-        scale=scale,
-        record=record,
-        e4m3=recipe.backward_dtype == torch.float8_e4m3fn,
-        need_input=needs_input,
-        weight_t=None if w_t is None else w_t.data,
-        weight_scale_inv=None if w_t is None else w_t.scale_inv,
-        input_dtype=ctx.input_dtype,
-        need_wgrad=fp8_wgrad,
-        input_t=input_t,
-        input_scale_inv=input_scale_inv,
-        wgrad_mode=int(mode),
-        target=main_grad,
-        wgrad_dtype=ctx.weight.dtype,
-        need_bias=ctx.has_bias and needs_bias,
+    # Positional (`csrc/fp8_linear.cpp`'s order): keywords cost the host microseconds.
+    grad_input, grad_weight, grad_bias, made_transpose = native.linear_backward(
+        grad,
+        scale,
+        record,
+        recipe.backward_dtype == torch.float8_e4m3fn,  # e4m3
+        needs_input,  # need_input
+        None if w is None else w.tensor.data,  # weight
+        None if w is None else w.transposed_data,  # weight_transposed
+        None if w is None else w.tensor.scale_inv,  # weight_scale_inv
+        ctx.input_dtype,
+        fp8_wgrad,  # need_wgrad
+        input_t,
+        input_scale_inv,
+        int(mode),  # wgrad_mode
+        main_grad,  # target
+        ctx.weight.dtype,  # wgrad_dtype
+        ctx.has_bias and needs_bias,  # need_bias
     )
+    if made_transpose is not None:
+        w.hold_transpose(Fp8Tensor(made_transpose, w.tensor.scale_inv))
+    return grad_input, grad_weight, grad_bias
 
 
 _apply_linear = direct_apply(_Fp8Linear)

@@ -93,9 +93,16 @@ class Fp8Weight:
             self._dgrad = self._transposed.t()
         return self._dgrad
 
+    @property
+    def transposed_data(self) -> torch.Tensor | None:
+        """The contiguous transpose's bytes, `[in, out]`, once made (`dgrad_operand`) or held
+        (`hold_transpose`); else None."""
+        return None if self._transposed is None else self._transposed.data
+
     def hold_transpose(self, transposed: Fp8Tensor) -> None:
-        """Makes `transposed` (the same bytes as the contiguous transpose, held elsewhere) the
-        one the input-gradient GEMM multiplies by, instead of a copy of its own."""
+        """Makes `transposed` (the contiguous transpose's bytes, made by the C++ backward or
+        held elsewhere) the one the input-gradient GEMM multiplies by, instead of a copy of
+        its own."""
         self._transposed, self._dgrad = transposed, None
 
     def _transpose(self) -> Fp8Tensor | BlockFp8Tensor:

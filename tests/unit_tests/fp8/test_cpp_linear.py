@@ -16,6 +16,7 @@ import torch
 
 from megatron.core.fp8 import cpp_linear, kernels, quantize
 from megatron.core.fp8 import linear as fp8_linear
+from megatron.core.fp8.weights import fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
     linear,
     register_main_grad,
@@ -110,11 +111,12 @@ def test_backward_refuses_missing_or_misshapen_operands(native):
         wgrad_dtype=torch.bfloat16,
         need_bias=False,
     )
-    with pytest.raises(RuntimeError, match="needs weight_t and weight_scale_inv"):
+    with pytest.raises(RuntimeError, match="needs weight or weight_transposed, and"):
         native.linear_backward(
             **common,
             need_input=True,
-            weight_t=None,
+            weight=None,
+            weight_transposed=None,
             weight_scale_inv=None,
             need_wgrad=False,
             input_t=None,
@@ -124,7 +126,8 @@ def test_backward_refuses_missing_or_misshapen_operands(native):
         )
     wgrad = dict(
         need_input=False,
-        weight_t=None,
+        weight=None,
+        weight_transposed=None,
         weight_scale_inv=None,
         need_wgrad=True,
         input_t=input_t,
@@ -247,6 +250,24 @@ def test_the_layer_takes_the_native_path(native):
     with mock.patch.object(fp8_linear, "native_linear", lambda x: _Spy()):
         _run("hybrid", "delayed", True, None, python=False)
     assert calls == ["linear_forward", "linear_backward"]
+
+
+@pytest.mark.gpu
+def test_backward_makes_the_weight_transpose_once(native):
+    """The first backward of an FP8 weight makes its transposed copy (`torch`'s transpose of
+    the FP8 bytes) and keeps it with the weight; the next backward multiplies by that copy
+    instead of making another."""
+    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(2, 50, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    slots = _slots("hybrid", "delayed")
+    linear(x, weight, None, slots).sum().backward()
+    fp8_weight = fp8_weight_of(weight)
+    made = fp8_weight.transposed_data
+    assert made is not None
+    assert torch.equal(_bytes(made), _bytes(fp8_weight.tensor.data.t().contiguous()))
+    linear(x, weight, None, slots).sum().backward()
+    assert fp8_weight_of(weight) is fp8_weight
+    assert fp8_weight.transposed_data is made
 
 
 def test_no_native_path_off_cuda():

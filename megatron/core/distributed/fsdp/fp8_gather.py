@@ -8,9 +8,10 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
 
 - *refresh*, once per change of the main weights, in two steps: each rank takes the absolute
   maximum of its part of each tensor (the main shard, HFSDP's inner shard, or the replicated
-  main weights, as rounded to the model dtype: `start_refresh`), and the groups refreshed
-  together all-reduce those amaxes with MAX in one collective per shard group
-  (`reduce_amaxes`), so every rank holds each whole tensor's amax, and the scale `448 / amax`;
+  main weights: `start_refresh`), and the groups refreshed together round those amaxes to the
+  model dtype (the amax of the rounded weights) and all-reduce them with MAX in one collective
+  per shard group (`reduce_amaxes`), so every rank holds each whole tensor's amax, and the
+  scale `448 / amax`;
   then, unit by unit, weights that stay whole (ZeRO-1/2) are cast and all-gathered
   (`finish_refresh`). Like every refresh, it is collective: the ranks of a shard group refresh
   the same groups, which they do as long as the main weights change on all of them (optimizer
@@ -143,6 +144,8 @@ class Fp8ComputeWeights:
         # every refresh.
         self._amax_buffer = torch.zeros(scales, dtype=torch.float32, device=device)
         self._amax_views = list(self._amax_buffer.split(1))
+        # `step_amax_targets`' pairs, with the sources they pair (made once, not every step).
+        self._step_targets: tuple[Sequence[torch.Tensor], list] | None = None
         self._index = {id(param): i for i, param in enumerate(params)}
         self._made: list[Fp8Weight | Fp8ExpertWeights | None] = [None] * len(layout)
         # Between a refresh and the cast (which ZeRO-3 leaves to the next gather): the parts to
@@ -222,12 +225,18 @@ class Fp8ComputeWeights:
     def step_amax_targets(
         self, sources: Sequence[torch.Tensor]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroes the amaxes and pairs each scaled piece of `sources` (this rank's parts, as
-        `start_refresh` takes them) with its amax slot: an optimizer step that records them
-        (`fused_adam.StepAmaxes`) spares the refresh after it a pass over the weights
-        (`start_refresh(..., amaxes_recorded=True)`)."""
-        self._amax_buffer.zero_()
-        return list(self._amax_targets(sources))
+        """Pairs each scaled piece of `sources` (this rank's parts, as `start_refresh` takes
+        them) with its amax slot, the pairs made once per `sources`: an optimizer step that
+        records them (`fused_adam.StepAmaxes`, the slots zeroed first: `amax_buffer`) spares the
+        refresh after it a pass over the weights (`start_refresh(..., amaxes_recorded=True)`)."""
+        if self._step_targets is None or self._step_targets[0] is not sources:
+            self._step_targets = (sources, list(self._amax_targets(sources)))
+        return self._step_targets[1]
+
+    @property
+    def amax_buffer(self) -> torch.Tensor:
+        """Every amax slot of the group, `[scale_count]` fp32."""
+        return self._amax_buffer
 
     def _amax_targets(
         self, sources: Sequence[torch.Tensor]
@@ -249,17 +258,25 @@ class Fp8ComputeWeights:
             self._amax_buffer.zero_()
             for slot, part in self._amax_targets(self._sources):
                 record_amax(part, slot)
-        # Rounding is monotonic: the amax of the rounded values is the rounded amax. A new
-        # tensor for a model dtype other than fp32; else the buffer, which `reduce_amaxes`
-        # reads before the next refresh writes it.
-        self.amaxes = self._amax_buffer.to(self._model_dtype).float()
+        # As the main weights hold them: `reduce_amaxes` rounds them to the model dtype (for all
+        # groups at once), reading the buffer before the next refresh writes it.
+        self.amaxes = self._amax_buffer
 
-    def set_scales(self, scales: torch.Tensor, scale_invs: torch.Tensor) -> None:
-        """The scales `reduce_amaxes` computed from the whole tensors' amaxes, and their
-        inverses: each `[scale_count]`, fp32."""
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the weights are rounded to before the cast (and their amaxes)."""
+        return self._model_dtype
+
+    @property
+    def scale_inverses(self) -> torch.Tensor:
+        """The inverses of the scales, `[scale_count]` fp32, which the GEMMs read: written in
+        place (`reduce_amaxes`), as GEMMs captured in a CUDA graph read them at every replay."""
+        return self._scale_inv_column
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        """The scales `reduce_amaxes` computed from the whole tensors' amaxes, `[scale_count]`
+        fp32 (it writes their inverses into `scale_inverses`)."""
         self._scales = scales
-        # In place: GEMMs captured in a CUDA graph read these tensors at every replay.
-        self._scale_inv_column.copy_(scale_invs)
         self.amaxes = None
 
     def finish_refresh(self, comm: Collectives) -> None:
@@ -337,17 +354,22 @@ def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> No
     Every rank of a shard group must pass the same groups' weights in the same order (the
     units' order), as for any collective.
     """
-    by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
+    by_group: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[Fp8ComputeWeights]] = {}
     for weights in pending:
-        by_group.setdefault(weights.amax_group, []).append(weights)
-    for group, members in by_group.items():
+        by_group.setdefault((weights.amax_group, weights.model_dtype), []).append(weights)
+    for (group, model_dtype), members in by_group.items():
+        # Rounding is monotonic: the amax of the values rounded to the model dtype is the
+        # rounded amax, and the max of rounded amaxes the rounded max.
         amaxes = torch.cat([weights.amaxes for weights in members])
+        if model_dtype != torch.float32:
+            amaxes = amaxes.to(model_dtype).float()
         if group is not None:
             comm.all_reduce_max(amaxes, group)
         # The scales of all of them at once: each op is a launch.
         scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
         counts = [weights.scale_count for weights in members]
-        for weights, part, part_invs in zip(
-            members, scales.split(counts), scales.reciprocal().split(counts)
-        ):
-            weights.set_scales(part, part_invs)
+        for weights, part in zip(members, scales.split(counts)):
+            weights.set_scales(part)
+        torch._foreach_copy_(
+            [weights.scale_inverses for weights in members], list(scales.reciprocal().split(counts))
+        )

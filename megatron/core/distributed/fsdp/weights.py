@@ -363,12 +363,18 @@ class GroupWeights:
         self.fp8.start_refresh(source, amaxes_recorded=recorded)
         return self.fp8
 
+    @property
+    def records_step_amaxes(self) -> bool:
+        """Whether an optimizer step records the amaxes of the FP8 compute weights: they are
+        cast from the main weights (`fp8_gather`, no HFSDP inner shard)."""
+        return self.fp8 is not None and self.inner_shard is None
+
     def step_amax_targets(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(amax slot, main weight part) pairs for the optimizer step about to write the main
-        weights to record (`fused_adam.StepAmaxes`), the slots zeroed; none where the FP8
-        weights are not cast from the main weights (no `fp8_gather`, HFSDP's inner shard).
-        Follow a step that recorded them with `step_amaxes_recorded()`."""
-        if self.fp8 is None or self.inner_shard is not None:
+        weights to record (`fused_adam.StepAmaxes`), the slots (`fp8.amax_buffer`) zeroed by
+        the caller first (`step_amaxes`); none unless `records_step_amaxes`. Follow a step
+        that recorded them with `step_amaxes_recorded()`."""
+        if not self.records_step_amaxes:
             return []
         self._amaxes_version = None
         return self.fp8.step_amax_targets(self._main_views)
@@ -376,7 +382,7 @@ class GroupWeights:
     def step_amaxes_recorded(self) -> None:
         """The step `step_amax_targets` prepared recorded the amaxes of the main weights it
         left: the refresh that follows them takes those (as long as nothing wrote them since)."""
-        if self.fp8 is not None and self.inner_shard is None:
+        if self.records_step_amaxes:
             self._amaxes_version = self.main_version()
 
     def refresh(self) -> None:
@@ -507,7 +513,11 @@ def _chunk(full: torch.Tensor, layout: ShardLayout, index: int, shard: int) -> t
 def step_amaxes(weights: Sequence[GroupWeights]) -> StepAmaxes | None:
     """What the optimizer step about to write the main weights of `weights` should record of
     them (`GroupWeights.step_amax_targets`), or None where nothing."""
-    targets = [target for group in weights for target in group.step_amax_targets()]
+    recording = [group for group in weights if group.records_step_amaxes]
+    if not recording:
+        return None
+    torch._foreach_zero_([group.fp8.amax_buffer for group in recording])  # one launch for all
+    targets = [target for group in recording for target in group.step_amax_targets()]
     if not targets:
         return None
     return StepAmaxes(targets, functools.partial(_step_amaxes_recorded, weights))

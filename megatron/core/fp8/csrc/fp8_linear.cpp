@@ -115,53 +115,78 @@ at::Tensor transpose(const at::Tensor& data) {
   return out;
 }
 
-// Forward: `x` cast (and, with `transpose`, its transposed copy for the weight gradient), then
-// `x_fp8 @ weight + bias`, the bias in the GEMM where cuBLASLt takes it (a bf16 / fp16 output
-// of the bias's dtype), else added after. Returns {out, the transposed copy or undefined, its
-// scale's inverse}.
+// `tensor` as the 2-D [rows, its last dimension] matrix the layer's GEMMs multiply (a view
+// where the strides allow, as `reshape`).
+at::Tensor flat(const at::Tensor& tensor) {
+  return tensor.dim() == 2 ? tensor : tensor.reshape({-1, tensor.size(-1)});
+}
+
+// `tensor`'s sizes with the last one replaced by `last`: the shape of a GEMM's 2-D output
+// viewed as the layer's N-d output.
+std::vector<int64_t> with_last(const at::Tensor& tensor, int64_t last) {
+  std::vector<int64_t> sizes = tensor.sizes().vec();
+  sizes.back() = last;
+  return sizes;
+}
+
+// Forward: `x` (any leading dimensions) cast (and, with `transpose`, its transposed copy for the
+// weight gradient), then `x_fp8 @ weight^T + bias` in `x`'s leading dimensions, `weight` the
+// FP8 weight `[out, in]` row-major; the bias in the GEMM where cuBLASLt takes it (a bf16 /
+// fp16 output of the bias's dtype), else added after. Returns {out, the transposed copy or
+// undefined, its scale's inverse}.
 std::vector<at::Tensor> linear_forward(const at::Tensor& x, const c10::optional<at::Tensor>& scale,
                                        const c10::optional<at::Tensor>& record, bool e4m3,
                                        bool transpose, const at::Tensor& weight,
                                        const at::Tensor& weight_scale_inv,
                                        const c10::optional<at::Tensor>& bias, bool fast_accum) {
   check_cuda(x, "linear forward");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2,
+              "fp8 linear forward: an input of at least one dimension and a 2-D weight, got ",
+              text(x.sizes()), " and ", text(weight.sizes()));
   // Checked before the cast, which records the input's amax: a refused call changes nothing.
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(1) &&
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
                                     bias->device() == x.device()),
-              "fp8 linear forward: the bias must be [", text(weight.size(1)), "] on ",
+              "fp8 linear forward: the bias must be [", text(weight.size(0)), "] on ",
               text(x.device()));
   const c10::cuda::CUDAGuard guard(x.device());
-  auto cast_out = cast_impl(x, optional_or_undefined(scale), optional_or_undefined(record), e4m3,
-                            /*rowwise=*/true, transpose);
+  auto cast_out = cast_impl(flat(x), optional_or_undefined(scale), optional_or_undefined(record),
+                            e4m3, /*rowwise=*/true, transpose);
   const at::ScalarType out_dtype = x.scalar_type();
   const bool fused_bias =
       bias.has_value() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype;
-  at::Tensor out = scaled_mm(cast_out[0], weight, cast_out[1], weight_scale_inv,
+  at::Tensor out = scaled_mm(cast_out[0], weight.t(), cast_out[1], weight_scale_inv,
                              fused_bias ? bias->contiguous() : at::Tensor(), out_dtype,
                              fast_accum);
   if (bias.has_value() && !fused_bias) out = out + *bias;
-  return {out, cast_out[2], cast_out[1]};
+  return {out.view(with_last(x, weight.size(0))), cast_out[2], cast_out[1]};
 }
 
 enum WgradMode : int64_t { kReturn = 0, kOverwrite = 1, kCopy = 2, kAccumulate = 3 };
 
-// Backward: the output gradient cast (with its transposed copy where the weight gradient is
-// wanted), the input gradient `grad_fp8 @ weight_t` in `input_dtype`, the weight gradient
-// `grad_t @ input_t^T` (returned in `wgrad_dtype`, or written, copied or added into `target`
-// by `wgrad_mode`; an fp32 target's sum in the GEMM), and the bias gradient (the
+// Backward: the output gradient `grad` (any leading dimensions) cast (with its transposed copy
+// where the weight gradient is wanted), the input gradient `grad_fp8 @ weight` in `input_dtype`
+// and `grad`'s leading dimensions, from the weight's contiguous transpose `weight_transposed`
+// (`[in, out]`; made here from `weight`, `[out, in]` row-major, when not given), the weight
+// gradient `grad_t @ input_t^T` (returned in `wgrad_dtype`, or written, copied or added into
+// `target` by `wgrad_mode`; an fp32 target's sum in the GEMM), and the bias gradient (the
 // high-precision gradient's column sums). Returns {input gradient, weight gradient (kReturn
-// only), bias gradient}, each undefined where not asked for.
+// only), bias gradient, the weight's transpose where made here}, each undefined where not asked
+// for (the caller keeps the transpose for the weight's next backward).
 std::vector<at::Tensor> linear_backward(
     const at::Tensor& grad, const c10::optional<at::Tensor>& scale,
     const c10::optional<at::Tensor>& record, bool e4m3, bool need_input,
-    const c10::optional<at::Tensor>& weight_t, const c10::optional<at::Tensor>& weight_scale_inv,
-    at::ScalarType input_dtype, bool need_wgrad, const c10::optional<at::Tensor>& input_t,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& weight_transposed,
+    const c10::optional<at::Tensor>& weight_scale_inv, at::ScalarType input_dtype,
+    bool need_wgrad, const c10::optional<at::Tensor>& input_t,
     const c10::optional<at::Tensor>& input_scale_inv, int64_t wgrad_mode,
     const c10::optional<at::Tensor>& target, at::ScalarType wgrad_dtype, bool need_bias) {
   check_cuda(grad, "linear backward");
   const c10::cuda::CUDAGuard guard(grad.device());
-  TORCH_CHECK(!need_input || (weight_t.has_value() && weight_scale_inv.has_value()),
-              "fp8 linear backward: the input gradient needs weight_t and weight_scale_inv");
+  TORCH_CHECK(grad.dim() >= 1, "fp8 linear backward: a gradient of at least one dimension");
+  TORCH_CHECK(!need_input || ((weight.has_value() || weight_transposed.has_value()) &&
+                              weight_scale_inv.has_value()),
+              "fp8 linear backward: the input gradient needs weight or weight_transposed, and "
+              "weight_scale_inv");
   TORCH_CHECK(!need_wgrad || (input_t.has_value() && input_scale_inv.has_value()),
               "fp8 linear backward: the weight gradient needs input_t and input_scale_inv");
   if (need_wgrad && wgrad_mode != kReturn) {
@@ -181,13 +206,24 @@ std::vector<at::Tensor> linear_backward(
                 "fp8 linear backward: a bf16, fp16 or fp32 weight-gradient target, got ",
                 text(dtype));
   }
+  const at::Tensor grad_2d = flat(grad);
+  at::Tensor made_transpose;
   at::Tensor grad_input, grad_weight, grad_bias;
   if (need_input || need_wgrad) {
-    auto cast_out = cast_impl(grad, optional_or_undefined(scale), optional_or_undefined(record),
-                              e4m3, /*rowwise=*/need_input, /*transpose=*/need_wgrad);
+    auto cast_out = cast_impl(grad_2d, optional_or_undefined(scale),
+                              optional_or_undefined(record), e4m3, /*rowwise=*/need_input,
+                              /*transpose=*/need_wgrad);
     if (need_input) {
-      grad_input = scaled_mm(cast_out[0], *weight_t, cast_out[1], *weight_scale_inv,
+      at::Tensor transposed;
+      if (weight_transposed.has_value()) {
+        transposed = *weight_transposed;
+      } else {
+        made_transpose = transpose(*weight);
+        transposed = made_transpose;
+      }
+      grad_input = scaled_mm(cast_out[0], transposed.t(), cast_out[1], *weight_scale_inv,
                              at::Tensor(), input_dtype, /*fast_accum=*/false);
+      grad_input = grad_input.view(with_last(grad, transposed.size(0)));
     }
     if (need_wgrad) {
       const at::Tensor& a = cast_out[2];
@@ -219,8 +255,8 @@ std::vector<at::Tensor> linear_backward(
       }
     }
   }
-  if (need_bias) grad_bias = grad.sum(0);
-  return {grad_input, grad_weight, grad_bias};
+  if (need_bias) grad_bias = grad_2d.sum(0);
+  return {grad_input, grad_weight, grad_bias, made_transpose};
 }
 
 }  // namespace
@@ -240,7 +276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_backward", &linear_backward,
         "An FP8 linear layer's backward: cast, input- and weight-gradient GEMMs, bias gradient",
         py::arg("grad"), py::arg("scale"), py::arg("record"), py::arg("e4m3"),
-        py::arg("need_input"), py::arg("weight_t"), py::arg("weight_scale_inv"),
+        py::arg("need_input"), py::arg("weight"), py::arg("weight_transposed"),
+        py::arg("weight_scale_inv"),
         py::arg("input_dtype"), py::arg("need_wgrad"), py::arg("input_t"),
         py::arg("input_scale_inv"), py::arg("wgrad_mode"), py::arg("target"),
         py::arg("wgrad_dtype"), py::arg("need_bias"));
