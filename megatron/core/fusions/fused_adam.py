@@ -31,6 +31,7 @@ from the second step on (the first creates the moments). Anywhere else
 from __future__ import annotations
 
 import dataclasses
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -253,7 +254,8 @@ def step_and_copy(
         try:
             if args != (optimizer,) or kwargs:  # a closure to evaluate
                 raise _Unfusable
-            launches = _plan(optimizer, copies, amaxes)
+            targets = _amax_targets(optimizer, amaxes)
+            launches = _plan(optimizer, copies, targets)
         except _Unfusable:
             update(*args, **kwargs)
         else:
@@ -263,7 +265,7 @@ def step_and_copy(
                 launch.run(found_inf)
                 if found_inf is not None:  # torch takes the count back the same way
                     torch._foreach_sub_(launch.steps, [found_inf] * len(launch.steps))
-            recorded = _kernel_records(amaxes, launches)
+            recorded = _kernel_records(targets, launches)
         for hook in (*optimizer._optimizer_step_post_hooks.values(), *_global_post_hooks.values()):
             hook(optimizer, args, kwargs)
     # Main weights the kernel did not write (torch's step, or no gradient): copied as after
@@ -294,24 +296,62 @@ class _KernelRecord:
         return (self.weight._version, self.main._version) != self.versions
 
 
-def _kernel_records(
-    amaxes: Sequence[StepAmaxes], launches: Sequence[_Launch]
-) -> list[_KernelRecord]:
-    """The targets of `amaxes` the kernels of `launches` recorded: the weights stepped whole
-    with the target's own slot in their row."""
+@dataclasses.dataclass
+class _AmaxTargets:
+    """The targets of a step's `StepAmaxes` requests, with what planning the step reads of
+    them (made once while the same pairs come back step after step: `_amax_targets`)."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    """Every request's (slot, weight) targets, in order."""
+    keys: list[tuple[int, int]]
+    """Each weight's address and size: a DTensor's local tensor and the engine's view of it are
+    different objects over the same memory."""
+    slot_of: dict[tuple[int, int], torch.Tensor]
+    """The slot the kernel can record into (one fp32 element on the weight's device), by the
+    key of a weight of any elements."""
+
+
+_amax_target_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Optimizer -> the `_AmaxTargets` of its last step."""
+
+
+def _amax_targets(optimizer: torch.optim.Optimizer, amaxes: Sequence[StepAmaxes]) -> _AmaxTargets:
+    """The targets of `amaxes`, reusing the last step's where its pairs are the same objects
+    (an engine hands the same views each step: their addresses stay with them)."""
+    pairs = [pair for request in amaxes for pair in request.targets]
+    cached = _amax_target_cache.get(optimizer)
+    if (
+        cached is not None
+        and len(cached.pairs) == len(pairs)
+        and all(map(operator.is_, cached.pairs, pairs))
+    ):
+        return cached
+    keys = [(weight.data_ptr(), weight.numel()) for _, weight in pairs]
+    slot_of = {
+        key: slot
+        for (slot, weight), key in zip(pairs, keys)
+        if _is_device_scalar(slot) and slot.device == weight.device and key[1] > 0
+    }
+    targets = _AmaxTargets(pairs, keys, slot_of)
+    _amax_target_cache[optimizer] = targets
+    return targets
+
+
+def _kernel_records(targets: _AmaxTargets, launches: Sequence[_Launch]) -> list[_KernelRecord]:
+    """The `targets` the kernels of `launches` recorded: the weights stepped whole with the
+    target's own slot in their row."""
     row_slots = {
         (main.data_ptr(), main.numel()): (slot, main)
         for launch in launches
         for slot, main in launch.amax_rows
     }
     records = []
-    for request in amaxes:
-        for slot, weight in request.targets:
-            row = row_slots.get((weight.data_ptr(), weight.numel()))
-            if row is not None and row[0] is slot:
-                main = row[1]
-                versions = (weight._version, main._version)
-                records.append(_KernelRecord(slot, weight, main, versions))
+    for (slot, weight), key in zip(targets.pairs, targets.keys):
+        row = row_slots.get(key)
+        if row is not None and row[0] is slot:
+            main = row[1]
+            versions = (weight._version, main._version)
+            records.append(_KernelRecord(slot, weight, main, versions))
     return records
 
 
@@ -451,7 +491,7 @@ replays read them, so they are never freed."""
 def _plan(
     optimizer: torch.optim.Optimizer,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    amaxes: Sequence[StepAmaxes],
+    targets: _AmaxTargets,
 ) -> list[_Launch]:
     """The launches of the fused step, one per group with gradients.
 
@@ -462,15 +502,8 @@ def _plan(
     if found_inf is not None and not _is_device_scalar(found_inf):
         raise _Unfusable
     model_of = {id(main): model for model, main in copies}
-    # A slot the kernel can record into, by the address and size of the weight it is for (a
-    # DTensor's local tensor and the engine's view of it are different objects over the same
-    # memory); other targets are recorded after the step (`_record`).
-    amax_of = {
-        (weight.data_ptr(), weight.numel()): slot
-        for request in amaxes
-        for slot, weight in request.targets
-        if _is_device_scalar(slot) and slot.device == weight.device and weight.numel() > 0
-    }
+    # Other targets are recorded after the step (`_record`).
+    amax_of = targets.slot_of
     cache = _tables.setdefault(optimizer, {})
     capturing = cuda_graph_capturing()
     launches = []

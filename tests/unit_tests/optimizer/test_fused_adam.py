@@ -449,7 +449,8 @@ def test_cpu_is_torch_step_then_copy(planned):
         if planned:
             triton = fused_adam.triton or mock.sentinel.triton
             stack.enter_context(mock.patch.object(fused_adam, "triton", triton))
-            stack.enter_context(mock.patch.object(torch.cuda, "is_available", return_value=False))
+            for query in ("is_available", "is_initialized"):  # no GPU: CUDA never initialises
+                stack.enter_context(mock.patch.object(torch.cuda, query, return_value=False))
             for query in ("is_current_stream_capturing", "current_device"):
                 error = RuntimeError("CUDA error: no CUDA-capable device is detected")
                 stack.enter_context(mock.patch.object(torch.cuda, query, side_effect=error))
@@ -562,6 +563,33 @@ def test_kernel_slots_shared_with_other_weights_and_written_by_hooks():
             assert shared.item() == max(mains[0].abs().max().item(), gradless.abs().max().item())
             assert own.item() == mains[1].abs().max().item()
     assert len(fused_adam._tables[optimizer]) == 2  # the kernel ran
+
+
+@pytest.mark.gpu
+def test_the_same_targets_every_step_are_planned_once_and_recorded_every_step():
+    """As an engine hands them: the same (slot, weight) pairs every step, the slots zeroed
+    before each. Each step records its weights' maxima; what the targets' planning reads of
+    them is made once, and again where a pair changes."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+    slots = [torch.zeros((), device="cuda") for _ in mains]
+    pairs = list(zip(slots, mains))
+    planned = []
+    with torch.no_grad():
+        for step in range(4):  # the first is torch's step; the kernel takes the others
+            if step == 3:  # another slot for the first weight
+                slots[0] = torch.zeros((), device="cuda")
+                pairs[0] = (slots[0], mains[0])
+            for main, grad in zip(mains, grads[step % len(grads)]):
+                main.grad = grad.clone()
+            torch._foreach_zero_(slots)
+            request = fused_adam.StepAmaxes(list(pairs), lambda: None)
+            step_and_copy(optimizer, list(zip(models, mains)), [request])
+            assert all(slot.item() == main.abs().max().item() for slot, main in zip(slots, mains))
+            planned.append(fused_adam._amax_target_cache[optimizer])
+    assert planned[0] is planned[1] is planned[2]
+    assert planned[3] is not planned[2] and planned[3].pairs[0][0] is slots[0]
+    assert len(fused_adam._tables[optimizer]) == 2  # the kernel ran (both groups)
 
 
 def _steps_switching_records(records: tuple[bool, ...]) -> tuple[list[list], list[int]]:
