@@ -10,6 +10,10 @@ tensor's absolute maximum with an atomic max on the way:
 - current scaling (`scale=None`) needs the absolute maximum first: an `amax` kernel, then the
   cast, which derives the scale from it on the GPU (no host synchronisation).
 
+`update_scales` is delayed scaling's per-pass update of every slot (roll the amax history,
+take the new scale) in one launch, where its torch ops (`scaling.update_delayed_scaling`) are
+some twenty.
+
 `transpose_fp8` makes the contiguous transpose of FP8 bytes (a weight's, for the input-gradient
 GEMM) in tiles: torch's strided copy of one-byte elements reads them uncoalesced, at a few
 percent of the memory bandwidth.
@@ -47,6 +51,8 @@ _AMAX_BLOCK = 16384
 _AMAX_WARPS = 16
 _TRANSPOSE_BLOCK = 64
 _TRANSPOSE_WARPS = 4
+_SCALE_UPDATE_BLOCK = 128
+"""Slots per program of the delayed-scaling update (one thread walks each slot's history)."""
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _ROUNDINGS = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -164,6 +170,41 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
         grid = (-(-cols // _TRANSPOSE_BLOCK), -(-rows // _TRANSPOSE_BLOCK))
         _launch_transpose(grid, data, out, rows, cols, BLOCK=_TRANSPOSE_BLOCK)
     return out
+
+
+def updates_scales(history: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `update_scales` runs its kernel for this delayed-scaling state: an fp32 amax
+    history `[H, n]` and scales `[n]`, contiguous, on the current CUDA device."""
+    return (
+        history.dim() == 2
+        and history.dtype == scale.dtype == torch.float32
+        and history.is_contiguous()
+        and scale.is_contiguous()
+        and scale.shape == history.shape[1:]
+        and scale.device == history.device
+        and launches_on(history)
+    )
+
+
+def update_scales(
+    history: torch.Tensor, scale: torch.Tensor, scaled_max: float, take_max: bool
+) -> None:
+    """`megatron.core.fp8.scaling.update_delayed_scaling` in one kernel (the same values):
+    each slot whose row-0 amax is not zero rolls its history (row 0 to the end, row 1 out,
+    row 0 zeroed) and takes `scaled_max / amax` as its scale, `amax` the history's maximum
+    (`take_max`, NaNs skipped) or row 0, where that is finite and positive."""
+    rows, cols = history.shape
+    if cols:
+        _launch_scale_update(
+            (-(-cols // _SCALE_UPDATE_BLOCK),),
+            history,
+            scale,
+            rows,
+            cols,
+            scaled_max,
+            TAKE_MAX=take_max,
+            BLOCK=_SCALE_UPDATE_BLOCK,
+        )
 
 
 def record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
@@ -287,6 +328,35 @@ if triton is not None:
                 mask=(row_t < padded_rows) & (col_t < cols),
             )
 
+    @triton.jit
+    def _scale_update_kernel(
+        history_ptr, scale_ptr, rows, cols, scaled_max, TAKE_MAX: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        col = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = col < cols
+        current = tl.load(history_ptr + col, mask=inside, other=0.0)
+        used = (current != 0) | (current != current)  # a NaN counts as used
+        amax = current
+        if TAKE_MAX:
+            amax = tl.where(current == current, current, 0.0)
+        # Each stored row was loaded before (row i - 1 after row i), so no load reads a store.
+        for row in range(1, rows):
+            values = tl.load(history_ptr + row * cols + col, mask=inside, other=0.0)
+            if TAKE_MAX:
+                amax = tl.maximum(amax, tl.where(values == values, values, 0.0))
+            if row >= 2:
+                tl.store(history_ptr + (row - 1) * cols + col, values, mask=inside & used)
+        tl.store(history_ptr + (rows - 1) * cols + col, current, mask=inside & used)
+        tl.store(history_ptr + col, tl.zeros_like(current), mask=inside & used)
+        old = tl.load(scale_ptr + col, mask=inside, other=1.0)
+        valid = (amax == amax) & (amax < float("inf")) & (amax > 0) & used
+        safe = tl.where(valid, amax, 1.0)
+        new = tl.math.div_rn(tl.full(amax.shape, scaled_max, tl.float32), safe)
+        new = tl.where(valid, new, old)
+        new = tl.where(tl.abs(new) == float("inf"), 3.4028234663852886e38, new)
+        tl.store(scale_ptr + col, new, mask=inside)
+
     _launch_cast = TritonLaunch(_cast_kernel, num_warps=_CAST_WARPS)
     _launch_transpose = TritonLaunch(_transpose_kernel, num_warps=_TRANSPOSE_WARPS)
     _launch_amax = TritonLaunch(_amax_kernel, num_warps=_AMAX_WARPS)
+    _launch_scale_update = TritonLaunch(_scale_update_kernel, num_warps=4)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.fp8 import kernels
 from megatron.core.fp8.quantize import FLT_MAX
 from megatron.core.fp8.recipe import Fp8Recipe, fp8_max
 from megatron.core.utils import FreshContext
@@ -378,7 +379,13 @@ def update_delayed_scaling(
         scale: `[n]` fp32.
         scaled_max: `fp8_max * 2**-margin`.
         compute_algo: "max" or "most_recent".
+
+    On CUDA with Triton this is one kernel (`kernels.update_scales`) instead of some twenty
+    launches.
     """
+    if kernels.updates_scales(history, scale):
+        kernels.update_scales(history, scale, scaled_max, compute_algo == "max")
+        return
     amax = history[0].clone()
     used = amax != 0  # NaN counts as used, as in the kernel
     rolled = torch.roll(history, -1, dims=0)  # rolled[H - 1] = history[0] = amax

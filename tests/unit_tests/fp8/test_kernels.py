@@ -1,7 +1,8 @@
 """The CUDA FP8 casts (`megatron.core.fp8.kernels`) give the reference quantiser's
 (`quantize._quantize_reference`) bytes, scale inverse and recorded absolute maximum bit for bit:
 `fp8(clamp(x * scale, -max, max))` with the product in fp32, the transposed copy zero-padded to
-16 rows, current scaling's scale `max / amax` correctly rounded; and the CPU's results too."""
+16 rows, current scaling's scale `max / amax` correctly rounded; and the CPU's results too. The
+delayed-scaling update's kernel leaves the history and scales its torch ops leave."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from megatron.core.fp8 import kernels, quantize
+from megatron.core.fp8.scaling import update_delayed_scaling
 
 pytestmark = pytest.mark.gpu
 
@@ -142,3 +144,31 @@ def test_a_cast_through_a_rounding_is_the_cast_of_the_rounded_copy(rounding):
     amax = torch.zeros(1, device="cuda")
     quantize.record_amax(x, amax)
     assert torch.equal(amax, quantize.amax_of(x).reshape(1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 1024])
+@pytest.mark.parametrize("cols", [1, 7, 300])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("scaled_max", [448.0, 57344.0 * 2.0**-2])
+def test_scale_update_is_the_torch_update(rows, cols, algo, scaled_max):
+    """The delayed-scaling update's kernel (`kernels.update_scales`) leaves the amax history and
+    scales that its torch ops leave on the CPU, bit for bit: amaxes of zero (unused slots), NaN,
+    infinity and a denormal (whose scale overflows to the largest fp32) among random ones."""
+    generator = torch.Generator().manual_seed(rows * 1000 + cols)
+    history = torch.rand(rows, cols, generator=generator) * 10
+    specials = torch.tensor([0.0, 0.0, float("nan"), float("inf"), 1e-44])
+    picks = torch.randint(0, 3 * len(specials), (rows, cols), generator=generator)
+    special = picks < len(specials)
+    history[special] = specials[picks[special]]
+    scale = torch.rand(cols, generator=generator) + 0.5
+    expected_history, expected_scale = history.clone(), scale.clone()
+    update_delayed_scaling(expected_history, expected_scale, scaled_max, algo)
+    got_history, got_scale = history.cuda(), scale.cuda()
+    assert kernels.updates_scales(got_history, got_scale)
+    update_delayed_scaling(got_history, got_scale, scaled_max, algo)
+    assert torch.equal(_bits(got_history), _bits(expected_history))
+    assert torch.equal(_bits(got_scale), _bits(expected_scale))
+
+
+def _bits(tensor):
+    return tensor.cpu().view(torch.int32)
