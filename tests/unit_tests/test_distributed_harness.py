@@ -47,6 +47,9 @@ def test_failing_rank_traceback_is_raised():
 
 
 def test_stuck_collective_fails_within_timeout():
+    # A call first: the ranks import this module to unpickle its functions, which on a loaded
+    # machine can take rank 1 past the hanging call's 5 s by itself.
+    assert run_distributed(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] did not finish"):
         run_distributed(_hang_on_rank_zero, 2, timeout=5)
 

@@ -4,9 +4,10 @@
 // In Python each cast and each GEMM of an FP8 linear layer costs the host tens of microseconds
 // (argument handling, three allocations, a Triton launch, the Fp8Tensor bookkeeping); a step of
 // small layers is bound by that host time. Here the forward's cast and GEMM, and the backward's
-// cast, its two GEMMs and the bias gradient, run from one call each: the casts are the Triton
-// kernels' arithmetic (`fp8_kernels.cu`) and the GEMMs `torch._scaled_mm`'s (`fp8_gemm.cpp`),
-// so the results are the Python path's bit for bit.
+// cast, its two GEMMs, the bias gradient and (at a weight's first backward) the weight's
+// transposed copy, run from one call each, which also flattens the layer's N-d input and shapes
+// its outputs: the casts are the Triton kernels' arithmetic (`fp8_kernels.cu`) and the GEMMs
+// `torch._scaled_mm`'s (`fp8_gemm.cpp`), so the results are the Python path's bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
