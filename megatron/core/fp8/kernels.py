@@ -182,6 +182,7 @@ def updates_scales(history: torch.Tensor, scale: torch.Tensor) -> bool:
         and scale.is_contiguous()
         and scale.shape == history.shape[1:]
         and scale.device == history.device
+        and history.numel() < 2**31  # the kernel's offsets are 32-bit
         and launches_on(history)
     )
 

@@ -317,16 +317,19 @@ _amax_target_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _amax_targets(optimizer: torch.optim.Optimizer, amaxes: Sequence[StepAmaxes]) -> _AmaxTargets:
     """The targets of `amaxes`, reusing the last step's where its pairs are the same objects
-    (an engine hands the same views each step: their addresses stay with them)."""
+    over the same memory (an engine hands the same views every step)."""
     pairs = [pair for request in amaxes for pair in request.targets]
+    weights = [weight for _, weight in pairs]
+    # Read every step (two C-level passes): a weight re-pointed through `.data` keeps its object.
+    keys = list(zip(map(_address, weights), map(torch.Tensor.numel, weights)))
     cached = _amax_target_cache.get(optimizer)
     if (
         cached is not None
+        and cached.keys == keys
         and len(cached.pairs) == len(pairs)
         and all(map(operator.is_, cached.pairs, pairs))
     ):
         return cached
-    keys = [(weight.data_ptr(), weight.numel()) for _, weight in pairs]
     slot_of = {
         key: slot
         for (slot, weight), key in zip(pairs, keys)

@@ -145,6 +145,36 @@ def test_backward_refuses_missing_or_misshapen_operands(native):
         )
 
 
+@pytest.mark.gpu
+def test_a_misshapen_weight_is_refused_before_the_amax_is_recorded(native):
+    x = torch.ones(2, 8, 32, device="cuda", dtype=torch.bfloat16)
+    one, record = torch.ones((), device="cuda"), torch.zeros((), device="cuda")
+    weight = torch.zeros(48, 16, device="cuda").to(torch.float8_e4m3fn)  # [out, in], in != 32
+    with pytest.raises(RuntimeError, match=r"an input \[\.\.\., in\] and a weight \[out, in\]"):
+        native.linear_forward(x, one, record, True, True, weight, one, None, False)
+    grad = torch.ones(2, 8, 40, device="cuda", dtype=torch.bfloat16)  # out 40, the weight's 48
+    with pytest.raises(RuntimeError, match=r"a weight \[40, in\]"):
+        native.linear_backward(
+            grad,
+            one,
+            record,
+            False,
+            True,
+            weight,
+            None,
+            one,
+            torch.bfloat16,
+            False,
+            None,
+            None,
+            0,
+            None,
+            torch.bfloat16,
+            False,
+        )
+    assert record.item() == 0  # neither cast ran
+
+
 def _run(
     fmt: str,
     kind: str,

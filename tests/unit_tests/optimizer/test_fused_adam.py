@@ -575,7 +575,8 @@ def test_the_same_targets_every_step_are_planned_once_and_recorded_every_step():
     slots = [torch.zeros((), device="cuda") for _ in mains]
     pairs = list(zip(slots, mains))
     planned = []
-    with torch.no_grad():
+    after_step = mock.patch.object(fused_adam, "record_amax", wraps=record_amax)
+    with torch.no_grad(), after_step as recorded_after_step:
         for step in range(4):  # the first is torch's step; the kernel takes the others
             if step == 3:  # another slot for the first weight
                 slots[0] = torch.zeros((), device="cuda")
@@ -590,6 +591,8 @@ def test_the_same_targets_every_step_are_planned_once_and_recorded_every_step():
     assert planned[0] is planned[1] is planned[2]
     assert planned[3] is not planned[2] and planned[3].pairs[0][0] is slots[0]
     assert len(fused_adam._tables[optimizer]) == 2  # the kernel ran (both groups)
+    # Only torch's step is recorded after it: the kernel recorded every other step's maxima.
+    assert recorded_after_step.call_count == len(mains)
 
 
 def _steps_switching_records(records: tuple[bool, ...]) -> tuple[list[list], list[int]]:

@@ -258,8 +258,9 @@ class Fp8ComputeWeights:
             self._amax_buffer.zero_()
             for slot, part in self._amax_targets(self._sources):
                 record_amax(part, slot)
-        # As the main weights hold them: `reduce_amaxes` rounds them to the model dtype (for all
-        # groups at once), reading the buffer before the next refresh writes it.
+        # The buffer itself, as the main weights hold them: `reduce_amaxes`, which follows before
+        # anything writes the buffer again (the next optimizer step or refresh), copies them out
+        # rounded to the model dtype, for all groups at once.
         self.amaxes = self._amax_buffer
 
     @property
@@ -354,15 +355,11 @@ def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> No
     Every rank of a shard group must pass the same groups' weights in the same order (the
     units' order), as for any collective.
     """
-    by_group: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[Fp8ComputeWeights]] = {}
+    by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
     for weights in pending:
-        by_group.setdefault((weights.amax_group, weights.model_dtype), []).append(weights)
-    for (group, model_dtype), members in by_group.items():
-        # Rounding is monotonic: the amax of the values rounded to the model dtype is the
-        # rounded amax, and the max of rounded amaxes the rounded max.
-        amaxes = torch.cat([weights.amaxes for weights in members])
-        if model_dtype != torch.float32:
-            amaxes = amaxes.to(model_dtype).float()
+        by_group.setdefault(weights.amax_group, []).append(weights)
+    for group, members in by_group.items():
+        amaxes = _rounded_amaxes(members)
         if group is not None:
             comm.all_reduce_max(amaxes, group)
         # The scales of all of them at once: each op is a launch.
@@ -373,3 +370,17 @@ def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> No
         torch._foreach_copy_(
             [weights.scale_inverses for weights in members], list(scales.reciprocal().split(counts))
         )
+
+
+def _rounded_amaxes(members: Sequence[Fp8ComputeWeights]) -> torch.Tensor:
+    """The amaxes of `members`, one tensor (a new one), each rounded to its model dtype: the
+    amax of the rounded weights, as rounding is monotonic (and the max of rounded amaxes the
+    rounded max). One rounding for all where they share a dtype."""
+    dtypes = {weights.model_dtype for weights in members}
+    if len(dtypes) == 1:
+        return _rounded(torch.cat([weights.amaxes for weights in members]), dtypes.pop())
+    return torch.cat([_rounded(weights.amaxes, weights.model_dtype) for weights in members])
+
+
+def _rounded(amaxes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return amaxes if dtype == torch.float32 else amaxes.to(dtype).float()

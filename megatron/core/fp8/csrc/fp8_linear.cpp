@@ -141,10 +141,10 @@ std::vector<at::Tensor> linear_forward(const at::Tensor& x, const c10::optional<
                                        const at::Tensor& weight_scale_inv,
                                        const c10::optional<at::Tensor>& bias, bool fast_accum) {
   check_cuda(x, "linear forward");
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2,
-              "fp8 linear forward: an input of at least one dimension and a 2-D weight, got ",
-              text(x.sizes()), " and ", text(weight.sizes()));
   // Checked before the cast, which records the input's amax: a refused call changes nothing.
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.size(1) == x.size(-1),
+              "fp8 linear forward: an input [..., in] and a weight [out, in], got ",
+              text(x.sizes()), " and ", text(weight.sizes()));
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
                                     bias->device() == x.device()),
               "fp8 linear forward: the bias must be [", text(weight.size(0)), "] on ",
@@ -188,6 +188,16 @@ std::vector<at::Tensor> linear_backward(
                               weight_scale_inv.has_value()),
               "fp8 linear backward: the input gradient needs weight or weight_transposed, and "
               "weight_scale_inv");
+  // Checked before the cast, which records the gradient's amax.
+  if (need_input) {
+    const int64_t out = grad.size(-1);
+    const bool fits = weight_transposed.has_value()
+                          ? weight_transposed->dim() == 2 && weight_transposed->size(1) == out
+                          : weight->dim() == 2 && weight->size(0) == out;
+    TORCH_CHECK(fits, "fp8 linear backward: a weight [", text(out),
+                ", in] (or its transpose [in, ", text(out), "]) for a gradient [..., ",
+                text(out), "]");
+  }
   TORCH_CHECK(!need_wgrad || (input_t.has_value() && input_scale_inv.has_value()),
               "fp8 linear backward: the weight gradient needs input_t and input_scale_inv");
   if (need_wgrad && wgrad_mode != kReturn) {
