@@ -5,7 +5,8 @@ with tensor parallelism, gradient accumulation and any torch optimizer; the all-
 one byte per element of those weights where bf16 moves two, and the amaxes of all FP8 weights
 are reduced once per step. With `keep_fp8_transpose_cache` the transposes backward makes of the
 FP8 weights are made once per step (not in each backward that gathers them) and freed at the
-next step's refresh, with the same training bit for bit."""
+next step's refresh, with the same training bit for bit. Each refresh scales a group's weights
+from their amaxes rounded to its own model dtype (`reduce_amaxes`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
+from megatron.core.distributed.fsdp.collectives import Collectives
+from megatron.core.distributed.fsdp.fp8_gather import reduce_amaxes
 from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.fp8.weights import Fp8Weight, fp8_weight_of
 from megatron.core.fusions.fused_adam import step_and_copy
@@ -475,3 +478,45 @@ def test_keep_fp8_transpose_cache_needs_fp8_param_gather_and_megatron_fsdp():
         )
     with pytest.raises(ValueError, match="MixedPrecisionPolicy.keep_fp8_transpose_cache=True"):
         MixedPrecisionPolicy(keep_fp8_transpose_cache=True)
+
+
+class _RefreshingGroup:
+    """What `reduce_amaxes` reads and writes of a group's FP8 weights (`Fp8ComputeWeights`
+    between `start_refresh` and `set_scales`): its amaxes as the main weights hold them, its
+    model dtype, and scale inverses in strided views of 16-byte rows, as the GEMMs read them."""
+
+    def __init__(self, amaxes: torch.Tensor, model_dtype: torch.dtype):
+        self.amaxes, self.model_dtype, self.amax_group = amaxes, model_dtype, None
+        self.scale_count = amaxes.numel()
+        self.scale_inverses = torch.zeros(self.scale_count, 4)[:, 0]
+        self.scales = None
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        self.scales, self.amaxes = scales, None
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.float16),
+    ],
+    ids=["one_model_dtype", "mixed_model_dtypes"],
+)
+def test_reduce_amaxes_scales_each_group_from_its_rounded_amaxes(dtypes):
+    """Each group's scales are `448 / amax` of its amaxes rounded to its own model dtype (the
+    amax of the rounded weights), their inverses written into the group's views; the amaxes
+    the groups hold are read, not written."""
+    generator = torch.Generator().manual_seed(5)
+    # Values between bf16's and fp16's steps, so each rounding moves them differently.
+    held = [1 + torch.rand(3, generator=generator) * 2**-6 for _ in dtypes]
+    groups = [_RefreshingGroup(amaxes, dtype) for amaxes, dtype in zip(held, dtypes)]
+    originals = [amaxes.clone() for amaxes in held]
+    reduce_amaxes(groups, Collectives())
+    for group, amaxes, original, dtype in zip(groups, held, originals, dtypes):
+        rounded = original.to(dtype).float()
+        expected = torch.full_like(rounded, 448.0) / rounded
+        assert torch.equal(group.scales, expected), dtype
+        assert torch.equal(group.scale_inverses, expected.reciprocal()), dtype
+        assert torch.equal(amaxes, original)
+    assert not torch.equal(groups[0].scales, torch.full((3,), 448.0) / originals[0])
