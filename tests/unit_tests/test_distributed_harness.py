@@ -71,7 +71,19 @@ def _wrap_fsdp_and_count_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+# Measured with torch 2.11 on a CUDA host: one DTensor op (`detach() * 2`) on a mesh over a gloo
+# group keeps that group's threads alive after the group is destroyed and DTensor's caches are
+# cleared, with nothing in Python holding it; torch 2.13 on CPU frees it. Strict: a torch that
+# frees it makes this an error, and the mark goes.
+_DTENSOR_KEEPS_GROUPS = torch.cuda.is_available() and torch.__version__ < "2.13"
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.xfail(
+    _DTENSOR_KEEPS_GROUPS,
+    reason="torch < 2.13 with CUDA: DTensor ops keep their mesh's process group alive",
+    strict=True,
+)
 def test_a_test_leaves_no_process_group_alive():
     # Every live gloo group owns polling threads; a group kept alive by a cache after its test
     # destroyed it would add some on every call.

@@ -350,10 +350,9 @@ if triton is not None:
         tl.store(history_ptr + (rows - 1) * cols + col, current, mask=inside & used)
         tl.store(history_ptr + col, tl.zeros_like(current), mask=inside & used)
         old = tl.load(scale_ptr + col, mask=inside, other=1.0)
+        # A slot whose amax is zero or not finite keeps its scale (an infinite one clamped).
         valid = (amax == amax) & (amax < float("inf")) & (amax > 0) & used
-        safe = tl.where(valid, amax, 1.0)
-        new = tl.math.div_rn(tl.full(amax.shape, scaled_max, tl.float32), safe)
-        new = tl.where(valid, new, old)
+        new = tl.where(valid, _scale_from(amax, scaled_max), old)
         new = tl.where(tl.abs(new) == float("inf"), 3.4028234663852886e38, new)
         tl.store(scale_ptr + col, new, mask=inside)
 

@@ -368,12 +368,6 @@ def adjust_amax_history_length(history: torch.Tensor, length: int) -> torch.Tens
     return torch.nn.functional.pad(history, (0, 0, 0, length - rows))
 
 
-_KERNEL_SCALED_MAX = 4.0
-"""`FLT_MAX * FLT_MIN` (3.9999998) rounded up: from this `scaled_max` on, the quotient by any
-subnormal amax overflows (to the largest fp32 scale) whether or not the amax is flushed to zero
-first."""
-
-
 @torch.no_grad()
 def update_delayed_scaling(
     history: torch.Tensor, scale: torch.Tensor, scaled_max: float, compute_algo: str
@@ -386,12 +380,10 @@ def update_delayed_scaling(
         scaled_max: `fp8_max * 2**-margin`.
         compute_algo: "max" or "most_recent".
 
-    On CUDA with Triton this is one kernel (`kernels.update_scales`) instead of some twenty
-    launches, where `scaled_max >= 4` (margins up to 6 for E4M3): Triton may flush a subnormal
-    amax to zero in the division, which changes no scale only where `scaled_max / amax`
-    overflows for every subnormal amax.
+    On CUDA with Triton this is one kernel (`kernels.update_scales`, the same bits) instead of
+    some twenty launches.
     """
-    if scaled_max >= _KERNEL_SCALED_MAX and kernels.updates_scales(history, scale):
+    if kernels.updates_scales(history, scale):
         kernels.update_scales(history, scale, scaled_max, compute_algo == "max")
         return
     amax = history[0].clone()

@@ -151,11 +151,11 @@ def test_a_cast_through_a_rounding_is_the_cast_of_the_rounded_copy(rounding):
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("scaled_max", [448.0, 57344.0 * 2.0**-2, 448.0 * 2.0**-7])
 def test_scale_update_is_the_torch_update(rows, cols, algo, scaled_max):
-    """The delayed-scaling update on the GPU (its kernel, `kernels.update_scales`, from a
-    `scaled_max` of 4 on; the torch ops below) leaves the amax history and scales that its torch
-    ops leave on the CPU, bit for bit: amaxes of zero (unused slots), NaN, infinity and
-    subnormals (whose scales overflow to the largest fp32, or at a margin of 7 one does not)
-    among random ones."""
+    """The delayed-scaling update on the GPU (its kernel, `kernels.update_scales`) leaves the
+    amax history and scales that its torch ops leave on the CPU, bit for bit: amaxes of zero
+    (unused slots), NaN, infinity and subnormals (whose scales overflow to the largest fp32,
+    or at a margin of 7 one does not: the kernel's division keeps subnormals) among random
+    ones."""
     generator = torch.Generator().manual_seed(rows * 1000 + cols)
     history = torch.rand(rows, cols, generator=generator) * 10
     specials = torch.tensor([0.0, 0.0, float("nan"), float("inf"), 1e-44, 1.1e-38])
