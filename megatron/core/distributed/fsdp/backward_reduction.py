@@ -41,8 +41,21 @@ class BackwardReduction:
         """Reduces `sends` (each whole gradient, padded to N chunks, `SendBuffer.inputs`) into
         this rank's shard of `main_grad`, overwritten where `fresh`, else added to: straight
         into it when it starts afresh in its dtype, else through a transient shard that is
-        copied (cast) or added. `main_grad` is allocated already."""
+        copied (cast) or added, or over one rank by adding `sends` themselves (which it
+        averages in place). `main_grad` is allocated already."""
         main_grad, layout = self._main_grad, self._layout
+        groups = self._groups
+        if not fresh and groups.shard.size() == 1:
+            # Over one rank `sends` are the reduction: added to `main_grad` without a copy.
+            comm.reduce_scatter_tensors(
+                self._chunks,
+                sends,
+                groups.shard,
+                average=groups.average_grads,
+                divisor=groups.grad_divisor,
+                accumulate=True,
+            )
+            return
         comm_dtype = sends[0].dtype
         direct = fresh and comm_dtype == main_grad.dtype
         out = (
@@ -54,9 +67,9 @@ class BackwardReduction:
         comm.reduce_scatter_tensors(
             outputs,
             sends,
-            self._groups.shard,
-            average=self._groups.average_grads,
-            divisor=self._groups.grad_divisor,
+            groups.shard,
+            average=groups.average_grads,
+            divisor=groups.grad_divisor,
         )
         if direct:
             return
@@ -64,6 +77,17 @@ class BackwardReduction:
             main_grad.shard.copy_(out)
         else:
             main_grad.shard.add_(out)
+
+    def average_direct(self) -> None:
+        """Averages the gradients that went straight into `main_grad` over a shard group of one
+        rank (`GroupPlan.direct_grads`) where the skipped reduction would have: expert
+        gradients, averaged over more ranks than their group's. With the reduction's kernel,
+        `torch._foreach_div_` (CUDA's `Tensor.div_` by a scalar multiplies by its reciprocal,
+        which rounds otherwise)."""
+        groups = self._groups
+        divisor = groups.grad_divisor or groups.shard.size()
+        if groups.average_grads and divisor != 1:
+            torch._foreach_div_(self._chunks, divisor)
 
     def add_locally(self, grads: list[torch.Tensor], fresh: bool) -> None:
         """Copies `grads` (one whole gradient per parameter) into the whole `main_grad` where

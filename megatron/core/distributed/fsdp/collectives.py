@@ -87,12 +87,29 @@ class Collectives:
         *,
         average: bool,
         divisor: int | None = None,
+        accumulate: bool = False,
     ) -> None:
         """Reduces each of `inputs` (1-D, N equal blocks) over `group` into `outputs[i]`, this
         rank's block of it, as one grouped collective: NCCL launches one kernel for all.
         `average` divides the sum by `divisor` (default: the group's size); fp16 inputs are
-        divided in place first where the collective sums (`_average_first`)."""
+        divided in place first where the collective sums (`_average_first`).
+
+        With `accumulate` (a group of one rank only) the reduction is added to `outputs`: the
+        inputs, which are the reduction, are averaged in place and added, with no copy.
+
+        Raises:
+            ValueError: `accumulate` over a group of several ranks.
+        """
         divisor = divisor or group.size()
+        if accumulate:
+            if group.size() != 1:
+                raise ValueError(
+                    f"reduce_scatter_tensors(accumulate=True) adds in place over one rank only, "
+                    f"but the group has {group.size()} ranks."
+                )
+            _finish_average(inputs, dist.ReduceOp.SUM, divisor, average)
+            torch._foreach_add_(outputs, inputs)
+            return
         if group.size() == 1:
             torch._foreach_copy_(outputs, inputs)
             _finish_average(outputs, dist.ReduceOp.SUM, divisor, average)

@@ -34,10 +34,12 @@ Outside this machine, two holders keep gradients on their way to `main_grad`:
   gradients straight into it: no gradient in the compute dtype, no cast pass. Only where the
   unit's reduction follows its own backward (`pre_forward`); a failed backward's writes are
   dropped with autograd's gradients (`drop_unreduced`, at the next forward, `zero_grad` or
-  finalisation). Over a shard group of one rank with nothing to scale or cast
+  finalisation). Over a shard group of one rank with no dtype to change
   (`GroupPlan.direct_grads`) a backward that starts `main_grad` afresh sends its gradients
-  into `main_grad` itself, with no reduction: from its first fused gradient where the group is
-  EMPTY, else from its reduction. A failed one that wrote there leaves the group EMPTY.
+  into `main_grad` itself, with no reduction (the average over more ranks, for expert
+  gradients, taken there): from its first fused gradient where the group is EMPTY, else from
+  its reduction. A failed one that wrote there leaves the group EMPTY. Later backwards' sends
+  are added to `main_grad` as they are, with no copy.
 - `DeferredSums` (`OverlapPolicy.accumulate_unsharded_grads`): the sharded gradients of the
   microbatches before a step's last, summed whole in `main_grads_dtype`; the last microbatch's
   reduction adds its gradients and reduce-scatters the sums once, a reduction like any other
@@ -358,6 +360,7 @@ class GroupGrads:
         there (`_begin_direct`): the whole reduction. Returns False: nothing is in flight."""
         self.send_buffer.inputs(grads)
         self.send_buffer.reduced()
+        self._backward_reduction.average_direct()
         return False
 
     def _reduce_scatter(

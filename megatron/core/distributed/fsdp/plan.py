@@ -93,10 +93,10 @@ class GroupPlan:
         refresh: how compute weights follow main weights.
         shards_grads: gradients are reduce-scattered in each backward (else accumulated locally
             and reduced when finalised).
-        direct_grads: gradients are sharded over a shard group of one rank, with no average to
-            take and no dtype to change: the reduce-scatter would only copy them, so a
-            backward that starts `main_grad` afresh writes them there itself
-            (`SendBuffer.begin_direct`).
+        direct_grads: gradients are sharded over a shard group of one rank, with no dtype to
+            change: the reduce-scatter would only copy them (and average them, for expert
+            gradients averaged over more ranks), so a backward that starts `main_grad` afresh
+            writes them there itself (`SendBuffer.begin_direct`) and averages them in place.
         inner_reduction: what finalising reduces over the shard group.
         outer_reduction: what finalising then reduces over the replicas (HSDP, HFSDP).
         separate_optim_grad: the optimizer reads its gradients from a buffer of its own (another
@@ -171,12 +171,8 @@ class GroupPlan:
         else:
             refresh = Refresh.CAST
         shards_grads = strategy.shards_grads
-        divisor = groups.grad_divisor or groups.shard_size
         direct_grads = (
-            shards_grads
-            and num_shards == 1
-            and (divisor == 1 or not groups.average_grads)
-            and precision.grad_comm == precision.main_grads
+            shards_grads and num_shards == 1 and precision.grad_comm == precision.main_grads
         )
         if shards_grads:
             inner_reduction = InnerReduction.DONE

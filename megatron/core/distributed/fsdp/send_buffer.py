@@ -13,11 +13,11 @@ weight gradients straight into the buffer, in its dtype: no gradient in the comp
 cast. The buffer is then allocated at the backward's first such write, and the cast pass adds
 the gradients autograd still made (a weight used twice) to what was written.
 
-Over a shard group of one rank, with nothing to scale and no dtype to change, the reduce-scatter
-would only copy the buffer into `main_grad`, whose shard is then the whole gradients in the same
-layout. A backward whose reduction would start `main_grad` afresh writes there instead
-(`begin_direct`): the same writes and casts, into the memory the optimizer reads, and no
-reduction at all.
+Over a shard group of one rank, with no dtype to change, the reduce-scatter would only copy the
+buffer into `main_grad` (and scale it, for expert gradients averaged over more ranks), whose
+shard is then the whole gradients in the same layout. A backward whose reduction would start
+`main_grad` afresh writes there instead (`begin_direct`): the same writes and casts, into the
+memory the optimizer reads, then the scaling in place, and no reduction.
 """
 
 from __future__ import annotations

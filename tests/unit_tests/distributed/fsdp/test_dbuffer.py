@@ -226,6 +226,46 @@ def test_collectives_into_preallocated_buffers(world_size):
         )
 
 
+def _accumulated_over_one_rank(divisor: int) -> dict:
+    """`reduce_scatter_tensors(accumulate=True)` over one rank against plain torch: the
+    average of the inputs added to the outputs (as a copy-then-average reduction added would
+    be), bit for bit, and refused over a group of several ranks."""
+    world = dist.group.WORLD
+    # Every rank makes every group (`new_group`'s contract), then keeps its own.
+    singles = [dist.new_group([rank]) for rank in range(world.size())] if world.size() > 1 else []
+    one = singles[dist.get_rank()] if singles else world
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    outputs = [torch.randn(n, generator=generator) for n in (5, 3)]
+    inputs = [torch.randn(n, generator=generator) for n in (5, 3)]
+    expected = []
+    for output, send in zip(outputs, inputs):
+        reduced = send.clone()
+        torch._foreach_div_([reduced], divisor)
+        expected.append(output + reduced)
+    result = {}
+    if world.size() > 1:
+        try:
+            Collectives().reduce_scatter_tensors(
+                outputs, inputs, world, average=True, accumulate=True
+            )
+        except ValueError as error:
+            result["refused"] = str(error)
+    Collectives().reduce_scatter_tensors(
+        outputs, inputs, one, average=True, divisor=divisor, accumulate=True
+    )
+    result["equal"] = all(torch.equal(a, b) for a, b in zip(outputs, expected))
+    for group in singles:
+        dist.destroy_process_group(group)
+    return result
+
+
+def test_accumulating_over_one_rank_adds_the_averaged_inputs():
+    assert run_distributed(_accumulated_over_one_rank, 1, 3) == [{"equal": True}]
+    for result in run_distributed(_accumulated_over_one_rank, 2, 2):
+        assert result["equal"]
+        assert "one rank only" in result["refused"] and "2 ranks" in result["refused"]
+
+
 def _fp16_averages(divisor: int | None) -> list[float]:
     """Averages of fp16 values whose sum over the ranks overflows fp16 (max 65504)."""
     group, comm = dist.group.WORLD, Collectives()

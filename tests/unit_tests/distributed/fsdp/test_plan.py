@@ -67,16 +67,16 @@ def test_finalising_reduces_what_the_strategy_left_unreduced():
 
 
 def test_gradients_skip_a_reduction_that_would_only_copy():
-    """Sharded gradients over one rank, with no average to take and no cast, go straight into
-    `main_grad`; a divisor over more ranks (expert gradients), a reduction dtype of its own, more
-    than one rank, or unsharded gradients keep the reduction."""
+    """Sharded gradients over one rank with no cast go straight into `main_grad`, also where
+    they are averaged over more ranks (expert gradients: divided there); a reduction dtype of
+    its own, more than one rank, or unsharded gradients keep the reduction."""
     cases = [
         (_plan("optim_grads_params", shard_size=1), True),
         (_plan("optim_grads", shard_size=1), True),
         (_plan("optim_grads_params", shard_size=1, grad_divisor=1), True),
         (_plan("optim_grads_params", shard_size=1, grad_divisor=2, average_grads=False), True),
         (_plan("optim_grads_params", "optim", shard_size=1, outer_group=object()), True),
-        (_plan("optim_grads_params", shard_size=1, grad_divisor=2), False),
+        (_plan("optim_grads_params", shard_size=1, grad_divisor=2), True),
         (_plan("optim_grads_params", shard_size=1, grad_comm=torch.bfloat16), False),
         (_plan("optim_grads_params"), False),
         (_plan("optim", shard_size=1), False),
