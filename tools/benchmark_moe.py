@@ -46,8 +46,9 @@ EXPERT_PARALLEL_ENGINES = ("megatron_fsdp_zero3", "megatron_fsdp_zero2", "ddp")
 """Engines that split experts over the expert-parallel group; the others run at EP 1."""
 
 
-def parse_args() -> argparse.Namespace:
-    """The flags of `benchmark_fsdp.py` with the MoE model's defaults, and the EP sizes."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of `benchmark_fsdp.py` with the MoE model's defaults, and the EP sizes
+    (`argv`: default the command line)."""
     parser = bench.build_parser()
     parser.description = __doc__.splitlines()[0]
     parser.set_defaults(
@@ -63,7 +64,7 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated EP sizes for the expert-parallel engines (default: the world size "
         "halved down to 1)",
     )
-    args = bench.check_args(parser, parser.parse_args())
+    args = bench.check_args(parser, parser.parse_args(argv))
     args.expert_parallel_sizes = parallel_sizes(
         parser, "--expert-parallel-sizes", args.expert_parallel_sizes,
         ("--num-experts", args.num_experts),

@@ -57,8 +57,9 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 ENGINES = ("megatron_fsdp", "fsdp2", "torch_2d")
 
 
-def parse_args() -> argparse.Namespace:
-    """The flags of `benchmark_fsdp.py` (engines and TP sizes of this benchmark)."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of `benchmark_fsdp.py` (engines and TP sizes of this benchmark; `argv`: default
+    the command line)."""
     parser = bench.build_parser()
     parser.description = __doc__.splitlines()[0]
     parser.set_defaults(engines=",".join(ENGINES))
@@ -69,7 +70,7 @@ def parse_args() -> argparse.Namespace:
         "to 1); torch_2d runs at the largest",
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="for the MFU column")
-    args = bench.check_args(parser, parser.parse_args(), ENGINES)
+    args = bench.check_args(parser, parser.parse_args(argv), ENGINES)
     if args.global_batch_size is not None:
         parser.error(
             "--global-batch-size: each TP size has its own data-parallel size, so one global "

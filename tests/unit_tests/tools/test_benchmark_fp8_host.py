@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+from tests.unit_tests.tools.conftest import usage_error
 from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
 
 TOOL = REPO / "tools" / "benchmark_fp8_host.py"
@@ -42,7 +43,7 @@ def test_reports_host_time_and_ops_per_linear_and_per_gpt_step():
     assert int(gpt["delayed"]["calls"]) == int(gpt["tensorwise"]["calls"]) == 12, proc.stdout
 
 
-def test_blockwise_needs_the_e4m3_format():
-    proc = run_tool(*TINY, "--recipes", "blockwise", nproc=None, tool=TOOL)
-    assert proc.returncode == 2
-    assert "--recipes blockwise needs --format e4m3" in proc.stderr
+def test_blockwise_needs_the_e4m3_format(import_tool, capsys):
+    tool = import_tool("benchmark_fp8_host")
+    message = usage_error(lambda: tool.parse_args([*TINY, "--recipes", "blockwise"]), capsys)
+    assert "--recipes blockwise needs --format e4m3" in message

@@ -5,7 +5,6 @@ lost microbatch, a race between streams or a difference in precision shows up th
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -169,10 +168,9 @@ def test_hybrid_engines_train_like_zero3_over_all_ranks(tmp_path):
 
 
 @pytest.fixture
-def benchmark_fsdp(monkeypatch):
+def benchmark_fsdp(import_tool):
     """The tool's module, imported here (its parser reads the world size from WORLD_SIZE)."""
-    monkeypatch.syspath_prepend(str(REPO / "tools"))
-    return importlib.import_module("benchmark_fsdp")
+    return import_tool("benchmark_fsdp")
 
 
 @pytest.mark.parametrize(

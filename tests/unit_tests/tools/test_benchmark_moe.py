@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit_tests.tools.conftest import usage_error
 from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
 
 TOOL = REPO / "tools" / "benchmark_moe.py"
@@ -46,16 +47,21 @@ def test_every_expert_parallel_size_reports_a_row_and_the_same_loss(tmp_path: Pa
         assert row["final_loss"] == pytest.approx(reference, rel=1e-5), name
 
 
-def test_expert_parallel_size_must_divide_the_experts():
-    proc = run_tool(*TINY, "--expert-parallel-sizes", "3", tool=TOOL, nproc=None, timeout=60)
-    assert proc.returncode != 0
-    assert "--expert-parallel-sizes" in proc.stderr
+def test_expert_parallel_size_must_divide_the_experts(import_tool, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tool = import_tool("benchmark_moe")
+    message = usage_error(lambda: tool.parse_args([*TINY, "--expert-parallel-sizes", "3"]), capsys)
+    assert "--expert-parallel-sizes" in message
 
 
-def test_a_graphed_step_with_expert_parallelism_asks_for_the_padded_exchange():
-    proc = run_tool(
+def test_a_graphed_step_with_expert_parallelism_asks_for_the_padded_exchange(
+    import_tool, monkeypatch, capsys
+):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for each of 2 ranks
+    tool = import_tool("benchmark_moe")
+    flags = [
         *TINY, "--device", "cuda", "--cuda-graph", "--engines", "megatron_fsdp_zero3",
-        "--expert-parallel-sizes", "2", tool=TOOL, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "add --moe-pad-dispatch-to-worst-case" in proc.stderr, proc.stderr[-2000:]
+        "--expert-parallel-sizes", "2",
+    ]  # fmt: skip
+    message = usage_error(lambda: tool.parse_args(flags), capsys)
+    assert "add --moe-pad-dispatch-to-worst-case" in message, message[-2000:]
