@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from multiprocessing.pool import Pool
 
 import numpy
 
@@ -206,6 +207,21 @@ def _encode_in_worker(item: Line) -> Encoded:
     return _worker_encoder.encode(item)
 
 
+_WORKER_MODULES = ("megatron.training.global_vars", "megatron.core.datasets.tokenizers")
+"""What a worker imports, by names that a forkserver finds without this script's directory on
+its path."""
+
+
+def _worker_pool(args: argparse.Namespace, dtype: type[numpy.number]) -> Pool:
+    """`args.workers` tokenizing processes. They fork from a forkserver, not from this
+    process: a fork of a process that runs threads (a training job's, a test runner's) can
+    inherit a lock that one of them held and hang. The server imports the tokenizers' modules
+    (and torch) once, so that each worker starts without importing them again."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__, *_WORKER_MODULES])
+    return context.Pool(args.workers, initializer=_init_worker, initargs=(args, dtype))
+
+
 def _numbered_lines(path: str) -> Iterator[Line]:
     """The non-blank lines of `path` (`Line`). Bytes, decoded in the workers, so the reading
     process does no per-character work."""
@@ -265,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
     pool = None
     if args.workers > 1:
-        pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(args, dtype))
+        pool = _worker_pool(args, dtype)
         results: Iterable[Encoded] = pool.imap(
             _encode_in_worker, _numbered_lines(args.input), chunksize=CHUNK_SIZE
         )
