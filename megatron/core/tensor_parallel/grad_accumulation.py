@@ -123,22 +123,28 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     fp8: Fp8LinearSlots | None = None,
+    *,
+    fusion: bool = True,
 ) -> torch.Tensor:
     """`F.linear(input_, weight, bias)`, its weight gradient fused into the weight's registered
     `main_grad` (module docstring) where there is one; its three GEMMs in FP8 where the layer
     has `fp8` settings (`megatron.core.fp8.linear`, which fuses the same way).
 
-    Under `torch.compile` a linear whose weight gets a gradient runs outside the compiled graph
-    (a graph break: the compiled graphs are the work between the linears), so that its weight
-    gradient can still go into `main_grad` (its bias stays in the GEMM's epilogue: added in
-    the graph instead, it cost more than its fusion saved). `F.linear` itself runs under
-    `torch.autocast` (which casts its operands) and `torch.func` transforms.
+    Under `torch.compile` a linear whose weight gradient may fuse runs outside the compiled
+    graph (a graph break: the compiled graphs are the work between the linears), so that its
+    weight gradient can still go into `main_grad` (its bias stays in the GEMM's epilogue: added
+    in the graph instead, it cost more than its fusion saved); one that may not (`fusion`
+    False) is traced into the graph. `F.linear` itself runs under `torch.autocast` (which casts
+    its operands) and `torch.func` transforms.
 
     Args:
         input_: [..., in].
         weight: [out, in].
         bias: [out], or None.
         fp8: the layer's FP8 settings; None: high precision.
+        fusion: whether the weight gradient may fuse (the model config's
+            `gradient_accumulation_fusion`); False: never, even where a `main_grad` is
+            registered.
 
     Returns:
         [..., out].
@@ -148,7 +154,7 @@ def linear(
         if torch.compiler.is_compiling():
             return _linear_outside_graph(input_, weight, bias, fp8)
         return fp8.linear(input_, weight, bias)
-    if not (weight.requires_grad and torch.is_grad_enabled()):
+    if not (fusion and weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(input_, weight, bias)
     if torch.compiler.is_compiling():
         return _linear_outside_graph(input_, weight, bias)

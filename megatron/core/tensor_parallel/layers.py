@@ -162,6 +162,10 @@ class _ParallelLinear(_TensorParallelModule):
         come from the dispatcher)."""
         return self.config.sequence_parallel and self.tp_size > 1 and not self.is_expert
 
+    @property
+    def _fusion(self) -> bool:
+        return self.config.gradient_accumulation_fusion
+
     def _weight_layout(self) -> TensorParallelLayout:
         return TensorParallelLayout(self.partition_dim, self.stride)
 
@@ -293,10 +297,16 @@ class ColumnParallelLinear(_ParallelLinear):
         weight = self._resolve_weight(weight)
         bias = None if self.skip_bias_add else self.bias
         if self.is_expert and not self.sequence_parallel:
-            output = linear(input_, weight, bias, self.fp8)
+            output = linear(input_, weight, bias, self.fp8, fusion=self._fusion)
         else:
             output = column_parallel_linear(
-                input_, weight, bias, self.tp_group, self.sequence_parallel, self.fp8
+                input_,
+                weight,
+                bias,
+                self.tp_group,
+                self.sequence_parallel,
+                self.fp8,
+                fusion=self._fusion,
             )
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
@@ -391,9 +401,9 @@ class RowParallelLinear(_ParallelLinear):
         if self.tp_size == 1 or self.is_expert:
             # Nothing to sum: the bias can join the GEMM, as in a plain linear.
             if self.skip_bias_add:
-                return linear(input_, self.weight, fp8=self.fp8), bias
-            return linear(input_, self.weight, bias, self.fp8), None
-        output = linear(input_, self.weight, fp8=self.fp8)
+                return linear(input_, self.weight, fp8=self.fp8, fusion=self._fusion), bias
+            return linear(input_, self.weight, bias, self.fp8, fusion=self._fusion), None
+        output = linear(input_, self.weight, fp8=self.fp8, fusion=self._fusion)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
             if bias is not None:

@@ -87,6 +87,8 @@ def column_parallel_linear(
     group: dist.ProcessGroup | None,
     sequence_parallel: bool,
     fp8: Fp8LinearSlots | None = None,
+    *,
+    fusion: bool = True,
 ) -> torch.Tensor:
     """`F.linear` of a column-parallel weight shard, with the tp communication around it.
 
@@ -99,12 +101,14 @@ def column_parallel_linear(
             gradient reduce-scattered), else replicated (its gradient all-reduced).
         fp8: The layer's FP8 settings: the same communication around FP8 GEMMs
             (`megatron.core.fp8.linear`); None: high precision.
+        fusion: whether the weight gradient may fuse into a registered `main_grad` on one
+            rank (`grad_accumulation.linear`).
 
     Returns:
         [s, b, out/T] (the whole sequence).
     """
     if group is None or group.size() == 1:
-        return linear(input_, weight, bias, fp8)
+        return linear(input_, weight, bias, fp8, fusion=fusion)
     if fp8 is not None:
         return fp8.column_parallel_linear(input_, weight, bias, group, sequence_parallel)
     return _ColumnParallelLinear.apply(input_, weight, bias, group, sequence_parallel)

@@ -35,7 +35,8 @@ class Linear(torch.nn.Module):
     Args:
         input_size: Size of the last input dimension.
         output_size: Size of the last output dimension.
-        config: The transformer configuration (for `params_dtype`).
+        config: The transformer configuration (`params_dtype`; `gradient_accumulation_fusion`
+            says whether the weight gradient may fuse into a registered `main_grad`).
         init_method: In-place initialiser of the weight (e.g. `config.init_method`).
         bias: Whether the layer has a bias.
         skip_bias_add: Return the bias instead of adding it.
@@ -56,6 +57,7 @@ class Linear(torch.nn.Module):
         tp_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
+        self.config = config
         self.tp_group = tp_group
         self.input_size = input_size
         self.output_size = output_size
@@ -92,9 +94,10 @@ class Linear(torch.nn.Module):
         # gradients can fuse into `main_grad`), else their gradient-summing views.
         weight = grad_sum_over_tp(self.weight, self.tp_group)
         bias = None if self.bias is None else grad_sum_over_tp(self.bias, self.tp_group)
+        fusion = self.config.gradient_accumulation_fusion
         if self.skip_bias_add:
-            return linear(x, weight, fp8=self.fp8), bias
-        return linear(x, weight, bias, self.fp8), None
+            return linear(x, weight, fp8=self.fp8, fusion=fusion), bias
+        return linear(x, weight, bias, self.fp8, fusion=fusion), None
 
     def extra_repr(self) -> str:
         return (

@@ -1,7 +1,7 @@
 """`compile_layers`: transformer layers compiled by `torch.compile` train as the eager model
 does, alone (recompute, dropout, MoE, gpt-oss's windows and sinks) and under the DDP engine and
 Megatron-FSDP, whose hooks stay outside the compiled code; gradient-accumulation fusion keeps
-working (the linears run between the compiled graphs).
+working (the linears run between the compiled graphs), and without it each layer is one graph.
 
 Most cases compile with the `aot_eager` backend: it traces, splits at the graph breaks and
 differentiates as `inductor` does, but runs PyTorch's own kernels, so the results equal the
@@ -135,6 +135,26 @@ def test_inductor_layers_compute_the_eager_loss_and_gradients():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _compiled_graphs(fields: dict) -> tuple[int, int]:
+    """How many graphs a forward and backward of the 2-layer model compiles, and at how many
+    graph breaks."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
+    _build(fields, compiled=True)(tokens, labels=labels).mean().backward()
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def test_a_layer_compiles_into_one_graph_unless_its_linears_fuse():
+    """Without gradient-accumulation fusion the linears trace into the layer's graph: one
+    graph, shared by the layers; with it, each linear whose weight gets a gradient is a graph
+    break, so that its weight gradient can go into `main_grad`."""
+    assert _compiled_graphs(dict(gradient_accumulation_fusion=False)) == (1, 0)
+    graphs, breaks = _compiled_graphs(dict(gradient_accumulation_fusion=True))
+    assert graphs > 1 and breaks >= 4
 
 
 def _fused_linears(loss: torch.Tensor) -> int:
