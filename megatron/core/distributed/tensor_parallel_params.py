@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from megatron.core import parallel_state
@@ -144,15 +145,29 @@ def _chunks(start: int, end: int, count: int) -> list[tuple[int, int]]:
 def dtensor(
     local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: torch.Size
 ) -> DTensor:
-    """`local` as the DTensor of global `shape` over `mesh` (no communication, no check)."""
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=shape,
-        stride=torch.empty(shape, device="meta").stride(),
-    )
+    """`local` as the DTensor of global `shape` over `mesh` (no communication, no check).
+
+    Differentiable where autograd records (`local` requires grad, grad mode on); otherwise
+    made directly, as FSDP2 makes its sharded parameters: `DTensor.from_local`'s autograd
+    function costs about three times the construction itself, once per parameter and view
+    when an engine wraps a model.
+    """
+    stride = _contiguous_strides(shape)
+    if local.requires_grad and torch.is_grad_enabled():
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, local.dtype))
+    # A view, as `from_local` makes: the DTensor's local tensor is not `local` itself.
+    return DTensor(local.view_as(local), spec, requires_grad=False)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # Checkpoints. torch.distributed.checkpoint describes a rank's part of a DTensor as one box
