@@ -2,8 +2,8 @@
 program runs as written.
 
 - `# Whole program: torchrun --nproc-per-node N example.py` (or `python example.py`): saved as
-  `example.py` and started by that command (torchrun as `python -m torch.distributed.run
-  --standalone`, gloo on CPU), it exits with 0, and rank 0 prints its training losses on lines
+  `example.py` and run as that command runs it (`program_launcher.run_program`, gloo on CPU),
+  it exits with 0, and rank 0 prints its training losses on lines
   that begin `step K: loss X`, K = 0, 1, ..., every X finite.
 - `# Fragment: ...`: part of a program; the line says where the names it leaves out come from.
   Fragments are not run.
@@ -18,13 +18,12 @@ import ast
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.unit_tests.docs.doc_blocks import REPO, CodeBlock, code_blocks, doc_files
+from tests.unit_tests.program_launcher import run_program
 
 WHOLE = re.compile(r"# Whole program: (?P<command>.+)")
 FRAGMENT = re.compile(r"# Fragment: \S.*")
@@ -49,15 +48,6 @@ def _ranks(block: CodeBlock) -> int | None:
         "'torchrun --nproc-per-node N example.py' or 'python example.py'."
     )
     return None if launch["ranks"] is None else int(launch["ranks"])
-
-
-def _launch(block: CodeBlock) -> list[str]:
-    """The command a whole program's first line names, as this interpreter runs it."""
-    ranks = _ranks(block)
-    if ranks is None:
-        return [sys.executable, "example.py"]
-    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*prefix, f"--nproc-per-node={ranks}", "example.py"]
 
 
 def test_every_python_block_is_found():
@@ -103,15 +93,7 @@ def test_whole_program_runs(tmp_path: Path, block: CodeBlock):
     (tmp_path / "example.py").write_text(block.body, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        _launch(block),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_program("example.py", nproc=_ranks(block), env=env, cwd=tmp_path)
     output = f"{block.where}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     assert proc.returncode == 0, output
     steps = STEP.findall(proc.stdout)

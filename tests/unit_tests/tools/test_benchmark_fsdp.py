@@ -1,7 +1,8 @@
-"""Smoke tests of `tools/benchmark_fsdp.py`: two ranks through torchrun, a small GPT, every engine;
-each must report a sane row, and all must end at the same loss, to the bit (they train the same
-model on the same data on every rank, so every average of gradients is exact: a wrong average, a
-lost microbatch, a race between streams or a difference in precision shows up there)."""
+"""Smoke tests of `tools/benchmark_fsdp.py`: two ranks as torchrun starts them, a small GPT,
+every engine; each must report a sane row, and all must end at the same loss, to the bit (they
+train the same model on the same data on every rank, so every average of gradients is exact: a
+wrong average, a lost microbatch, a race between streams or a difference in precision shows up
+there)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.unit_tests.program_launcher import run_program
 
 REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "benchmark_fsdp.py"
@@ -40,21 +42,17 @@ def run_tool(
     cuda: bool = False,
     tmpdir: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """Runs `tool` (through torchrun when `nproc` is given) from the repository root, on CPU
-    unless `cuda` (GPU tests): the tools default to CUDA wherever there is a GPU, and a CPU
-    test's ranks may outnumber the GPUs of the machine the suite runs on. `tmpdir` becomes the
-    tool's temporary directory."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command = [sys.executable, *(launcher if nproc else []), str(tool), *args]
+    """Runs `tool` (as torchrun runs it when `nproc` is given: `run_program`) from the
+    repository root, on CPU unless `cuda` (GPU tests): the tools default to CUDA wherever there
+    is a GPU, and a CPU test's ranks may outnumber the GPUs of the machine the suite runs on.
+    `tmpdir` becomes the tool's temporary directory."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
-    return subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    return run_program(tool, list(args), nproc=nproc, env=env, cwd=REPO, timeout=timeout)
 
 
 def check_needs_gpus(tool: Path) -> None:

@@ -16,7 +16,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 import zlib
@@ -38,6 +37,7 @@ from megatron.training.checkpoint_checksums import (
     verify_files,
 )
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.program_launcher import run_program
 from tests.unit_tests.training.checkpoint_checks import (
     RUN,
     ZERO3,
@@ -182,19 +182,10 @@ def test_benchmark_tool_runs_on_two_cpu_ranks(fp8, tmp_path):
     histories and scales): not counted as parameters."""
     out = tmp_path / "result.json"
     scratch = tmp_path / "scratch"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", str(TOOL), *TINY, *fp8, "--dir", str(scratch)]
-    command += ["--json-out", str(out)]
+    flags = [*TINY, *fp8, "--dir", str(scratch), "--json-out", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run(
-        command,
-        cwd=REPO,
-        env={**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},  # CPU ranks, GPUs or not
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU ranks, GPUs or not
+    proc = run_program(TOOL, flags, nproc=2, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["config"]["world_size"] == 2 and result["bytes"] > 0

@@ -22,6 +22,7 @@ from megatron.training.flag_errors import FlagErrors
 from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, VALUED_HINTS
 from megatron.training.initialize import destroy_megatron, initialize_megatron
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.program_launcher import run_program
 from tests.unit_tests.training.flag_checks import BASE, validated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -146,13 +147,7 @@ def test_one_error_keeps_its_own_message():
 
 def test_pretrain_gpt_prints_every_error_once_and_exits_2():
     bad = ["--mtp-hsm", "--attention-dropout", "1.5", "--global-batch-size", "7"]
-    done = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *BASE, *bad],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_program(ROOT / "pretrain_gpt.py", [*BASE, *bad], cwd=ROOT)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines[0] == "error: 3 flag errors:"

@@ -1,0 +1,78 @@
+"""`program_launcher.run_program` runs a program as `python` and `torchrun` would: as `__main__`
+with its arguments, environment and directory, torchrun's variables per rank, every rank's output,
+the failed rank's status, and a hung program ended at its timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.unit_tests.program_launcher import run_program
+
+PROGRAM = """
+import os, sys
+import torch.distributed as dist
+
+print(__name__, sys.argv[1:], os.getcwd() == sys.argv[1], os.environ["MARK"])
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dist.get_rank())
+    print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "saw", ranks)
+    dist.destroy_process_group()
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("STATUS_OF_RANK_" + os.environ.get("RANK", "0"), "0")))
+"""
+
+
+def _write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "program.py"
+    path.write_text(body, encoding="utf-8")
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "MARK": "m", **extra}
+
+
+def test_a_plain_program_runs_as_main_with_its_arguments_and_directory(tmp_path):
+    done = run_program(_write(tmp_path, PROGRAM), [str(tmp_path)], env=_env(), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"__main__ ['{tmp_path}'] True m\n"
+    assert done.stderr == "to stderr\n"
+
+
+def test_ranks_get_torchrun_variables_and_form_a_process_group(tmp_path):
+    done = run_program(
+        _write(tmp_path, PROGRAM), [str(tmp_path)], nproc=2, env=_env(), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == [
+        f"__main__ ['{tmp_path}'] True m",
+        "rank 0 of 2 saw [0, 1]",
+        f"__main__ ['{tmp_path}'] True m",
+        "rank 1 of 2 saw [0, 1]",
+    ]
+    assert done.stderr == "to stderr\n" * 2
+
+
+def test_the_status_is_the_failed_ranks(tmp_path):
+    env = _env(STATUS_OF_RANK_1="3")
+    done = run_program(_write(tmp_path, PROGRAM), [str(tmp_path)], nproc=2, env=env, cwd=tmp_path)
+    assert done.returncode == 3
+
+
+def test_an_exception_prints_its_traceback_and_exits_1(tmp_path):
+    done = run_program(_write(tmp_path, "raise ValueError('bad flag')\n"), cwd=tmp_path)
+    assert done.returncode == 1
+    assert "ValueError: bad flag" in done.stderr
+
+
+def test_a_hung_program_is_killed_at_its_timeout(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_program(_write(tmp_path, "import time\ntime.sleep(60)\n"), cwd=tmp_path, timeout=2)
