@@ -16,7 +16,6 @@ import importlib
 import io
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from megatron.training.checkpointing import (
     checkpoint_dir,
 )
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.program_launcher import run_program
 
 REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "convert_checkpoint.py"
@@ -608,11 +608,8 @@ def test_from_torch_errors(zero3_run, tmp_path, kind, message):
 
 def test_command_line_error_exit(tmp_path):
     """Run as a script: an error is one line on stderr and exit status 1, no traceback."""
-    process = subprocess.run(
-        [sys.executable, str(TOOL), "to-torch", "--load", str(tmp_path / "nowhere"), "--output",
-         str(tmp_path / "out.pt")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-    )  # fmt: skip
+    flags = ["to-torch", "--load", str(tmp_path / "nowhere"), "--output", str(tmp_path / "out.pt")]
+    process = run_program(TOOL, flags, cwd=tmp_path, timeout=120)
     assert process.returncode == 1
     assert process.stderr.startswith("convert_checkpoint.py: error: --load ")
     assert "no such directory" in process.stderr

@@ -22,7 +22,6 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from megatron.training.hf_conversion.config import (
 from megatron.training.hf_conversion.config_fields import ARCHITECTURE_DEFAULTS
 from megatron.training.offline_checkpoint import read_checkpoint
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.program_launcher import run_program
 from tests.unit_tests.tools.hf_models import (
     MODELS,
     SEQ_LENGTH,
@@ -903,11 +903,8 @@ def test_rope_stated_twice_alike_imports_as_transformers_reads_it(tmp_path):
 
 def test_command_line_error_exit(tmp_path):
     """Run as a script: an error is one line on stderr and exit status 1, no traceback."""
-    process = subprocess.run(
-        [sys.executable, str(TOOL), "import", "--hf-dir", str(tmp_path / "nowhere"), "--save",
-         str(tmp_path / "ckpt")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
-    )  # fmt: skip
+    flags = ["import", "--hf-dir", str(tmp_path / "nowhere"), "--save", str(tmp_path / "ckpt")]
+    process = run_program(TOOL, flags, cwd=tmp_path, timeout=120)
     assert process.returncode == 1
     assert process.stderr.startswith("convert_hf.py: error: ")
     assert "no such directory" in process.stderr and "Traceback" not in process.stderr

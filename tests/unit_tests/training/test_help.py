@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from megatron.training.flag_groups.unbuilt import (
     unbuilt_dests,
 )
 from megatron.training.initialize import _format_args
+from tests.unit_tests.program_launcher import run_program
 from tests.unit_tests.training.flag_checks import BASE, validated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,14 +31,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z0-9][\w-]*")
 
 @pytest.fixture(scope="module")
 def help_text() -> str:
-    done = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    done = run_program(ROOT / "pretrain_gpt.py", ["--help"], cwd=ROOT)
+    assert done.returncode == 0, done.stderr
     return done.stdout
 
 
