@@ -297,6 +297,22 @@ def run_distributed(
             _pools.pop(key).kill()
 
 
+def error_of(fn: Callable, *args: Any, **kwargs: Any) -> str:
+    """Runs on a rank (`run_distributed(error_of, n, fn, ...)`): the error `fn(*args, **kwargs)`
+    raises, as `"TypeName: message"`, for a test that expects every rank to refuse something.
+
+    The refusal comes back as a result, not as a `DistributedTestError`, so the ranks serve the
+    next test instead of being replaced (a new pool costs every rank the import of torch and
+    Megatron). A rank that does not raise fails the call; one left waiting for a rank that
+    raised fails it at the timeout.
+    """
+    try:
+        fn(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - the test's expected refusal
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError(f"{getattr(fn, '__qualname__', fn)} raised nothing on this rank")
+
+
 @atexit.register
 def shutdown_pools() -> None:
     """Stops every kept worker pool (also called at interpreter exit)."""
