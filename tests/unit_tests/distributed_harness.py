@@ -1,9 +1,10 @@
 """Runs a test function on N ranks from plain pytest, with no torchrun.
 
-`run_distributed(fn, world_size, *args)` calls `fn(*args)` on every rank of a pool of spawned
-worker processes that share one default process group (gloo on CPU, NCCL when CUDA has enough
-GPUs), and returns the list of per-rank return values. Pools are kept between tests, because
-starting processes and importing torch dominates the cost of a small multi-rank test on CPU.
+`run_distributed(fn, world_size, *args)` calls `fn(*args)` on every rank of a pool of worker
+processes that share one default process group (gloo on CPU, NCCL when CUDA has enough GPUs),
+and returns the list of per-rank return values. Pools are kept between tests, because starting
+processes and importing torch dominates the cost of a small multi-rank test on CPU; the workers
+start with torch and Megatron imported (`warm_processes`).
 
 Failure handling is the point of this module:
 - a rank that raises has its traceback re-raised in the test (rank number included);
@@ -34,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
+
+from tests.unit_tests.warm_processes import warm_context
 
 DEFAULT_TIMEOUT_S = 180.0
 """Bound on one `run_distributed` call, start-up of a fresh pool excluded."""
@@ -176,7 +179,7 @@ class _WorkerPool:
     def __init__(self, world_size: int, backend: str, start_timeout: float = 120.0):
         self.world_size = world_size
         self.backend = backend
-        ctx = multiprocessing.get_context("spawn")
+        ctx = warm_context()
         port = _free_port()
         self.conns = []
         self.procs = []

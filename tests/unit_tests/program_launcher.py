@@ -4,8 +4,8 @@ torch and Megatron once.
 
 A test that starts a program in a new interpreter pays for importing torch and Megatron in every
 process (5-8 s on CI's two cores, plus torchrun's own launcher). Here each rank is still a
-process of its own, so nothing carries over between programs, but it is forked from a
-single-threaded forkserver that holds those imports. The program runs as `__main__` with its
+process of its own, so nothing carries over between programs, but it starts with those
+imports done (`warm_processes`). The program runs as `__main__` with its
 arguments, environment (torchrun's variables added), working directory and `sys.path[0]`; its
 file descriptors 1 and 2 go to files that become the result's output, rank after rank.
 
@@ -16,7 +16,6 @@ rank. Tests of those start torchrun itself.
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
 import runpy
 import socket
@@ -27,18 +26,11 @@ import time
 import traceback
 from pathlib import Path
 
-_PRELOAD = ["torch", "torch.distributed.tensor", "megatron.training", "megatron.core.models.gpt"]
-"""What the server imports before it forks a rank (names importable from any directory)."""
+from tests.unit_tests.warm_processes import warm_context
 
 _GRACE_S = 30.0
 """How long the other ranks may run on after one failed (torchrun stops them at once; a rank
 left in a collective with the failed one would wait for its timeout)."""
-
-
-def _context() -> multiprocessing.context.BaseContext:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
-    return context
 
 
 def _free_port() -> int:
@@ -119,7 +111,7 @@ def run_program(
             ROLE_RANK="0",
             ROLE_WORLD_SIZE=str(nproc),
         )
-    context = _context()
+    context = warm_context()
     with tempfile.TemporaryDirectory() as logs:
         processes, outputs = [], []
         for rank in range(ranks):
