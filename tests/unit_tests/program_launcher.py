@@ -1,13 +1,12 @@
 """`run_program`: a Python program run as `python script.py ARGS` or `torchrun --standalone
---nproc-per-node N script.py ARGS` runs it, each process forked from a server that has imported
-torch and Megatron once.
+--nproc-per-node N script.py ARGS` runs it, without the imports of a new interpreter.
 
 A test that starts a program in a new interpreter pays for importing torch and Megatron in every
 process (5-8 s on CI's two cores, plus torchrun's own launcher). Here each rank is still a
-process of its own, so nothing carries over between programs, but it starts with those
-imports done (`warm_processes`). The program runs as `__main__` with its
-arguments, environment (torchrun's variables added), working directory and `sys.path[0]`; its
-file descriptors 1 and 2 go to files that become the result's output, rank after rank.
+process of its own, so nothing carries over between programs, but without CUDA it starts with
+those imports done (`warm_processes`). The program runs as `__main__` with its arguments,
+environment (torchrun's variables added), working directory and `sys.path[0]`; its file
+descriptors 1 and 2 go to files that become the result's output, rank after rank.
 
 What it does not reproduce is torchrun's own behaviour: its restarts and its report of a failed
 rank. Tests of those start torchrun itself.
