@@ -184,6 +184,7 @@ class LinearChain:
             num_attention_heads=1,
             params_dtype=torch.bfloat16,
             bf16=True,
+            gradient_accumulation_fusion=True,  # into `MainGrads`, as under an engine
         )
         init = torch.nn.init.normal_
         with device:
