@@ -8,8 +8,8 @@ those imports done (`warm_processes`). The program runs as `__main__` with its a
 environment (torchrun's variables added), working directory and `sys.path[0]`; its file
 descriptors 1 and 2 go to files that become the result's output, rank after rank.
 
-What it does not reproduce is torchrun's own behaviour: its restarts and its report of a failed
-rank. Tests of those start torchrun itself.
+When a rank fails the others get SIGTERM, as torchrun stops them. What it does not reproduce is
+the rest of torchrun's own behaviour: its restarts and its report of a failed rank.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 from tests.unit_tests.warm_processes import warm_context
 
 _GRACE_S = 30.0
-"""How long the other ranks may run on after one failed (torchrun stops them at once; a rank
-left in a collective with the failed one would wait for its timeout)."""
+"""How long the other ranks have to end after the first failed: torchrun's agent sends them
+SIGTERM at once, and SIGKILL after this long."""
 
 
 def _free_port() -> int:
@@ -131,18 +131,27 @@ def run_program(
 
 
 def _wait(processes: list, timeout: float, script: str | Path) -> int:
-    """Waits for every rank; the first failed one's status, else 0. After a failure the others
-    get `_GRACE_S` to end."""
+    """Waits for every rank as torchrun's agent does: when one fails, the others get SIGTERM,
+    and SIGKILL `_GRACE_S` later. Returns the first failed rank's status, else 0.
+
+    Raises:
+        subprocess.TimeoutExpired: no rank failed, and some still ran after `timeout` (they are
+            killed).
+    """
     deadline = time.monotonic() + timeout
     status = 0
     while any(process.is_alive() for process in processes):
-        if time.monotonic() > deadline:
-            _kill(processes)
-            raise subprocess.TimeoutExpired([str(script)], timeout)
         failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
         if failed and not status:
             status = failed[0]
-            deadline = min(deadline, time.monotonic() + _GRACE_S)
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            deadline = time.monotonic() + _GRACE_S
+        if time.monotonic() > deadline:
+            _kill(processes)
+            if not status:
+                raise subprocess.TimeoutExpired([str(script)], timeout)
         time.sleep(0.02)
     failed = [process.exitcode for process in processes if process.exitcode != 0]
     return status or (failed[0] if failed else 0)

@@ -1,11 +1,12 @@
 """`program_launcher.run_program` runs a program as `python` and `torchrun` would: as `__main__`
 with its arguments, environment and directory, torchrun's variables per rank, every rank's output,
-the failed rank's status, and a hung program ended at its timeout."""
+the failed rank's status (the others ended), and a hung program ended at its timeout."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,15 @@ def test_the_status_is_the_failed_ranks(tmp_path):
     env = _env(STATUS_OF_RANK_1="3")
     done = run_program(_write(tmp_path, PROGRAM), [str(tmp_path)], nproc=2, env=env, cwd=tmp_path)
     assert done.returncode == 3
+
+
+def test_a_failed_rank_ends_the_others_as_torchrun_does(tmp_path):
+    """Rank 1 fails at once; rank 0, which would sleep a minute, gets SIGTERM."""
+    body = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(4)\ntime.sleep(60)\n"
+    start = time.monotonic()
+    done = run_program(_write(tmp_path, body), nproc=2, env=_env(), cwd=tmp_path)
+    assert done.returncode == 4
+    assert time.monotonic() - start < 30
 
 
 def test_an_exception_prints_its_traceback_and_exits_1(tmp_path):

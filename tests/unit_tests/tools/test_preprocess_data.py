@@ -15,6 +15,7 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron.core.datasets.tokenizers import build_tokenizer
+from tests.unit_tests.program_launcher import run_program
 
 REPO = Path(__file__).resolve().parents[3]
 CORPUS = REPO / "examples" / "data" / "pride_and_prejudice_vol1.jsonl"
@@ -288,8 +289,6 @@ def test_append_eod_needs_an_eod_token(tmp_path):
 def test_ignored_vocab_size_is_said_once_not_per_worker(tmp_path):
     """`--vocab-size` with a tokenizer whose files give the vocabulary (upstream's scripts pass
     it): one warning on the command line, from the main process, none from the 2 workers."""
-    import subprocess
-
     from megatron.core.datasets.tokenizers.gpt2_bpe import bytes_to_unicode
 
     vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
@@ -300,26 +299,15 @@ def test_ignored_vocab_size_is_said_once_not_per_worker(tmp_path):
     flags += ["--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer"]
     flags += ["--vocab-file", str(tmp_path / "vocab.json"), "--workers", "2"]
     flags += ["--merge-file", str(tmp_path / "merges.txt"), "--vocab-size", "1000"]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_program(REPO / "tools" / "preprocess_data.py", flags, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("--vocab-size 1000 is ignored, as Megatron-LM ignores it") == 1
 
 
 def test_command_line_error_is_one_line(tmp_path):
-    import subprocess
-
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", "nope.jsonl"]
-        + ["--output-prefix", str(tmp_path / "x"), "--tokenizer-type", "ByteLevelTokenizer"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    flags = ["--input", "nope.jsonl", "--output-prefix", str(tmp_path / "x")]
+    flags += ["--tokenizer-type", "ByteLevelTokenizer"]
+    result = run_program(REPO / "tools" / "preprocess_data.py", flags, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "preprocess_data.py: error: --input nope.jsonl: no such file; give a JSON-lines file."

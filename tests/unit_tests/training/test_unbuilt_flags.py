@@ -14,6 +14,7 @@ import pytest
 
 from megatron.training.arguments import parse_args
 from megatron.training.flag_groups.unbuilt import PERFORMANCE_HINTS, TOKENIZER_UNBUILT, UNBUILT
+from tests.unit_tests.program_launcher import run_program
 from tests.unit_tests.training.flag_checks import BASE, validated
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -143,12 +144,8 @@ def test_a_torchrun_job_prints_rank_0s_errors_once(tmp_path):
     )
     bad = ["--mtp-hybrid-override-pattern", "MM", "--attention-dropout", "1.5"]
     bad += ["--global-batch-size", "7"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += [str(slow_rank_0), "pretrain_gpt.py", *BASE, *bad]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    done = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    done = run_program(slow_rank_0, ["pretrain_gpt.py", *BASE, *bad], nproc=2, env=env, cwd=ROOT)
     assert done.returncode != 0
     assert done.stderr.count("error: 3 flag errors:") == 1, done.stderr
     assert done.stderr.count("--mtp-hybrid-override-pattern MM: multi-token") == 1
