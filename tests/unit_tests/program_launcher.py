@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.unit_tests.warm_processes import warm_context
@@ -76,7 +77,7 @@ def _run_as_main(
 
 def run_program(
     script: str | Path,
-    args: list[str] = (),
+    args: Sequence[str] = (),
     *,
     nproc: int | None = None,
     env: dict[str, str] | None = None,
