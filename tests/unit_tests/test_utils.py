@@ -102,10 +102,21 @@ def test_outside_compiled_graphs_runs_its_function_eagerly_in_a_compiled_caller(
     assert ran_compiled == [False, False]
 
 
-def test_importing_megatron_does_not_import_dynamo():
-    # About a second of every process's start (tools, error exits, spawned ranks) otherwise.
-    code = "import sys, pretrain_gpt; print('torch._dynamo' in sys.modules)"
+def test_importing_megatron_imports_no_dynamo_and_asks_cuda_nothing():
+    """Importing `torch._dynamo` costs about a second of every process's start (tools, error
+    exits, spawned ranks). A process that has asked CUDA for its devices cannot use CUDA in a
+    child it forks, so the import leaves that to the first use: counted as calls of
+    `torch.cuda.is_available` and `device_count`, wrapped before Megatron is imported."""
+    code = (
+        "import sys, torch, torch.cuda\n"
+        "asked = []\n"
+        "for name in ('is_available', 'device_count'):\n"
+        "    real = getattr(torch.cuda, name)\n"
+        "    setattr(torch.cuda, name, lambda real=real, name=name: asked.append(name) or real())\n"
+        "import pretrain_gpt, megatron.core.models.gpt, megatron.training\n"
+        "print('torch._dynamo' in sys.modules, asked)\n"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
-    assert done.stdout.strip() == "False"
+    assert done.stdout.strip() == "False []"

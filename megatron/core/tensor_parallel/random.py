@@ -80,13 +80,25 @@ class CudaRNGStatesTracker:
 
     Attributes:
         device_type: whose generator, "cuda" or "cpu" (set by `model_parallel_cuda_manual_seed`;
-            initially CUDA's where it is available).
+            until then CUDA's where it is available, asked at the first use: the tracker is
+            made at import, and a process that has asked CUDA for its devices cannot use CUDA
+            in the children it forks).
     """
 
     def __init__(self) -> None:
         self.states_: dict[str, torch.Tensor] = {}
         self.seeds_: dict[str, int] = {}  # name -> the seed its state started from
-        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device_type: str | None = None
+
+    @property
+    def device_type(self) -> str:
+        if self._device_type is None:
+            self._device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return self._device_type
+
+    @device_type.setter
+    def device_type(self, device_type: str) -> None:
+        self._device_type = device_type
 
     def is_initialized(self) -> bool:
         """Whether any state was added since the last reset."""
