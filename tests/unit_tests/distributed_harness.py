@@ -3,8 +3,8 @@
 `run_distributed(fn, world_size, *args)` calls `fn(*args)` on every rank of a pool of worker
 processes that share one default process group (gloo on CPU, NCCL when CUDA has enough GPUs),
 and returns the list of per-rank return values. Pools are kept between tests, because starting
-processes and importing torch dominates the cost of a small multi-rank test on CPU; without CUDA
-the workers start with torch and Megatron imported (`warm_processes`).
+processes and importing torch dominates the cost of a small multi-rank test on CPU; the workers
+start with torch and Megatron imported (`warm_processes`).
 
 Failure handling is the point of this module:
 - a rank that raises has its traceback re-raised in the test (rank number included);

@@ -3,8 +3,8 @@
 
 A test that starts a program in a new interpreter pays for importing torch and Megatron in every
 process (5-8 s on CI's two cores, plus torchrun's own launcher). Here each rank is still a
-process of its own, so nothing carries over between programs, but without CUDA it starts with
-those imports done (`warm_processes`). The program runs as `__main__` with its arguments,
+process of its own, so nothing carries over between programs, but it starts with those imports
+done (`warm_processes`). The program runs as `__main__` with its arguments,
 environment (torchrun's variables added), working directory and `sys.path[0]`; its file
 descriptors 1 and 2 go to files that become the result's output, rank after rank.
 
