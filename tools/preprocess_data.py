@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from multiprocessing.pool import Pool
@@ -280,11 +281,16 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     )
 
     pool = None
+    # Set at an error: the pool's feeder stops reading lines, and the pool ends once its
+    # workers have encoded what was already sent (`Pool.terminate()` can wait on a feeder
+    # blocked in a full pipe to workers it killed).
+    stop_feeding = threading.Event()
     if args.workers > 1:
         pool = _worker_pool(args, dtype)
-        results: Iterable[Encoded] = pool.imap(
-            _encode_in_worker, _numbered_lines(args.input), chunksize=CHUNK_SIZE
+        lines = itertools.takewhile(
+            lambda _: not stop_feeding.is_set(), _numbered_lines(args.input)
         )
+        results: Iterable[Encoded] = pool.imap(_encode_in_worker, lines, chunksize=CHUNK_SIZE)
     else:
         results = map(Encoder(args, tokenizer, dtype).encode, _numbered_lines(args.input))
 
@@ -308,9 +314,10 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                 _log(progress_line(documents, done_bytes, input_bytes, elapsed))
         for key, prefix in prefixes.items():
             builders[key].finalize(get_idx_path(prefix))
-    except BaseException:
-        if pool is not None:
-            pool.terminate()
+    except BaseException as error:
+        stop_feeding.set()
+        if pool is not None and not isinstance(error, Exception):
+            pool.terminate()  # interrupted: workers may have died with their tasks
         for builder in builders.values():
             builder.abort()
         raise
