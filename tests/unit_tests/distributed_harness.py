@@ -61,7 +61,8 @@ def select_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -180,7 +181,7 @@ class _WorkerPool:
         self.world_size = world_size
         self.backend = backend
         ctx = warm_context()
-        port = _free_port()
+        port = free_port()
         self.conns = []
         self.procs = []
         for rank in range(world_size):

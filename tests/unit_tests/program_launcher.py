@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,17 +25,12 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from tests.unit_tests.distributed_harness import free_port
 from tests.unit_tests.warm_processes import warm_context
 
 _GRACE_S = 30.0
 """How long the other ranks have to end after the first failed: torchrun's agent sends them
 SIGTERM at once, and SIGKILL after this long."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run_as_main(
@@ -104,7 +98,7 @@ def run_program(
     if nproc is not None:
         env.update(
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
             WORLD_SIZE=str(nproc),
             LOCAL_WORLD_SIZE=str(nproc),
             GROUP_RANK="0",
