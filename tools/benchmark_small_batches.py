@@ -34,7 +34,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
+Runner = Callable[..., subprocess.CompletedProcess]
+"""Runs a command as `subprocess.run` does."""
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
 S = ("--micro-batch-size", "1", "--seq-length", "1024")
@@ -163,8 +166,9 @@ def _result_path(out: str, name: str, nproc: int, command: list[str], suffix: st
     return os.path.join(out, f"{name.replace('+', '_')}-{nproc}gpu-{digest}.{suffix}")
 
 
-def run_rows(args: argparse.Namespace) -> bool:
-    """Runs every run of `args.rows` whose result is missing, in order, until `--max-seconds`.
+def run_rows(args: argparse.Namespace, run: Runner = subprocess.run) -> bool:
+    """Runs every run of `args.rows` whose result is missing, in order, until `--max-seconds`,
+    each through `run` (`subprocess.run`'s signature).
     Each writes to `<result>.partial`, renamed to the result when it exits with 0 (a failed or
     killed run is never taken for a result, and its output stays for reading). Returns whether
     every run started succeeded."""
@@ -180,7 +184,7 @@ def run_rows(args: argparse.Namespace) -> bool:
             partial = out + ".partial"
             log = partial if out.endswith(".log") else out + ".out"
             with open(log, "w") as stream:
-                result = subprocess.run(command, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT)
+                result = run(command, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT)
             if result.returncode != 0:
                 print(f"[{name}] exit {result.returncode}: see {log}", flush=True)
                 ok = False
@@ -285,16 +289,16 @@ def _cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def main() -> int:
-    """Lists, runs and reports the rows; 1 if a run failed, else 0."""
-    args = parse_args()
+def main(argv: list[str] | None = None, run: Runner = subprocess.run) -> int:
+    """Lists, runs (through `run`) and reports the rows; 1 if a run failed, else 0."""
+    args = parse_args(argv)
     if args.list:
         for name in args.rows:
             for _, command in _runs(name, args).values():
                 print(f"{name}: {shlex.join(command)}")
         return 0
     os.makedirs(args.out, exist_ok=True)
-    ok = args.report_only or run_rows(args)
+    ok = args.report_only or run_rows(args, run)
     report(args)
     return 0 if ok else 1
 

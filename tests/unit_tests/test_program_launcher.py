@@ -1,17 +1,19 @@
 """`program_launcher.run_program` runs a program as `python` and `torchrun` would: as `__main__`
 with its arguments, environment and directory, torchrun's variables per rank, every rank's output,
-the failed rank's status (the others ended), and a hung program ended at its timeout."""
+the failed rank's status (the others ended), and a hung program ended at its timeout;
+`start_program` starts one as `subprocess.Popen` would, with pipes to it."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.unit_tests.program_launcher import run_program
+from tests.unit_tests.program_launcher import run_program, start_program
 
 PROGRAM = """
 import os, sys
@@ -86,3 +88,36 @@ def test_an_exception_prints_its_traceback_and_exits_1(tmp_path):
 def test_a_hung_program_is_killed_at_its_timeout(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_program(_write(tmp_path, "import time\ntime.sleep(60)\n"), cwd=tmp_path, timeout=2)
+
+
+def test_a_started_program_talks_through_its_pipes_and_exits_with_its_status(tmp_path):
+    code = (
+        "import os, sys\n"
+        "print(__name__, sys.argv[1:], os.getcwd(), flush=True)\n"
+        "print(sys.stdin.readline().upper(), end='', flush=True)\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(int(sys.stdin.read()))\n"
+    )
+    with start_program(code=code, args=["a"], cwd=tmp_path, stderr_to_stdout=True) as process:
+        assert process.stdout.readline() == f"__main__ ['a'] {tmp_path}\n"
+        process.stdin.write("hello\n")
+        process.stdin.flush()
+        assert process.stdout.readline() == "HELLO\n"
+        process.stdin.write("3")
+        assert process.communicate(timeout=60) == ("to stderr\n", None)
+        assert process.returncode == 3
+
+
+def test_a_started_program_ends_at_a_signal_as_a_new_interpreter_does(tmp_path):
+    script = _write(tmp_path, "import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    with start_program(script) as process:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+
+
+def test_communicate_kills_a_program_still_running_at_its_timeout(tmp_path):
+    with start_program(code="import time\ntime.sleep(60)\n") as process:
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.communicate(timeout=1)
+        assert process.returncode == -signal.SIGKILL

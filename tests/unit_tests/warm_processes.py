@@ -15,8 +15,18 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 
-PRELOAD = ["torch", "torch.distributed.tensor", "megatron.training", "megatron.core.models.gpt"]
-"""What the server imports before it forks (names importable from any directory)."""
+PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.debug",
+    "torch._dynamo",
+    "megatron.training",
+    "megatron.core.models.gpt",
+]
+"""What the server imports before it forks (names importable from any directory). Megatron
+imports no dynamo (`test_utils`), but a process meets it at its first DTensor (under
+`torch._disable_dynamo`) or compiled layer, 1-2 s on CI; the harness imports
+`torch.distributed.tensor.debug` after every test."""
 
 
 def warm_context() -> multiprocessing.context.BaseContext:

@@ -13,14 +13,13 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
 from tests.unit_tests.docs.doc_blocks import REPO, code_blocks
+from tests.unit_tests.program_launcher import run_program
 
 SHELL_LANGUAGES = ("bash", "sh", "shell")
 SEPARATORS = ("|", "||", "&&", ";")
@@ -196,15 +195,14 @@ def _leading_words(command: Command) -> list[str]:
 def tool_help() -> dict[str, str]:
     """Each tool command's `--help` text, keyed by the command's text."""
     requests = {command.text: (command.script, _leading_words(command)) for command in TOOLS}
-    done = subprocess.run(
-        [sys.executable, "-c", HELP_SCRIPT, json.dumps([(k, *v) for k, v in requests.items()])],
+    done = run_program(
+        code=HELP_SCRIPT,
+        args=[json.dumps([(k, *v) for k, v in requests.items()])],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
         timeout=300,
-        check=True,
     )
+    assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -23,15 +25,36 @@ def _table(stdout: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
 
 
-def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path):
+def _torchrun_in_warm_ranks(
+    command: list[str], cwd: str, stdout, stderr
+) -> subprocess.CompletedProcess:
+    """Runs a row's command, `python -m torch.distributed.run --standalone --nproc-per-node N
+    SCRIPT ARGS`, as `subprocess.run` would, its ranks started by `run_tool` (warm processes)
+    instead of a new interpreter each: the tool's own torchrun launches took most of this
+    test's time."""
+    launch, (nproc, script, *args) = command[:5], command[5:]
+    assert launch[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    assert stderr == subprocess.STDOUT
+    done = run_tool(*args, nproc=int(nproc), tool=Path(cwd) / script, timeout=300)
+    stdout.write(done.stdout + done.stderr)
+    return subprocess.CompletedProcess(command, 1 if done.returncode else 0)  # as torchrun exits
+
+
+def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path, import_tool, capsys):
+    tool = import_tool("benchmark_small_batches")
+
+    def run(*flags: str) -> tuple[int, str]:
+        status = tool.main(list(flags), run=_torchrun_in_warm_ranks)
+        return status, capsys.readouterr().out
+
     args = ["--out", str(tmp_path), "--rows", "L-4mb,L-graphed", "--model-args", TINY]
-    proc = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
+    status, stdout = run(*args)
     # --cuda-graph needs CUDA: that row fails (exit 1, its output kept), the others are reported.
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[L-graphed] exit 1" in proc.stdout
+    assert status == 1, stdout
+    assert "[L-graphed] exit 1" in stdout
     (failed,) = tmp_path.glob("L-graphed-2gpu-*.json.out")
     assert "--cuda-graph needs" in failed.read_text()
-    table = _table(proc.stdout)
+    table = _table(stdout)
     assert table["L-graphed"][0] == "not run"
     # One row run (4 microbatches: the accumulation path) stands for all: they share the code.
     (result,) = tmp_path.glob("L-4mb-2gpu-*.json")
@@ -43,19 +66,39 @@ def test_runs_each_row_once_and_reports_it_against_its_target(tmp_path):
     assert cells[3] == "<= 1.05"
     assert cells[4] == ("yes" if zero3 / single <= 1.05 else "no")
     # Again: only the failed row runs; then only the table is printed.
-    again = run_tool(*args, nproc=None, tool=TOOL, timeout=300)
-    assert again.returncode == 1
-    assert "[L-graphed]" in again.stdout and "[L-4mb]" not in again.stdout
-    assert _table(again.stdout) == table
-    report = run_tool(*args, "--report-only", nproc=None, tool=TOOL)
-    assert report.returncode == 0 and "[" not in report.stdout.split("|")[0]
-    assert _table(report.stdout) == table
+    status, stdout = run(*args)
+    assert status == 1
+    assert "[L-graphed]" in stdout and "[L-4mb]" not in stdout
+    assert _table(stdout) == table
+    status, stdout = run(*args, "--report-only")
+    assert status == 0 and "[" not in stdout.split("|")[0]
+    assert _table(stdout) == table
     # Another model is another command, whose result this one's does not stand in for (and
     # --max-seconds 0 starts nothing).
     other = ["--out", str(tmp_path), "--rows", "L", "--model-args", TINY + " --num-layers 1"]
-    proc = run_tool(*other, "--max-seconds", "0", nproc=None, tool=TOOL)
-    assert "--max-seconds reached before L-2gpu-" in proc.stdout
-    assert _table(proc.stdout)["L"][0] == "not run"
+    status, stdout = run(*other, "--max-seconds", "0")
+    assert "--max-seconds reached before L-2gpu-" in stdout
+    assert _table(stdout)["L"][0] == "not run"
+
+
+def test_the_script_lists_each_rows_torchrun_commands(tmp_path):
+    """The script itself, `--list`: each row's torchrun commands (which the test above runs
+    through warm ranks)."""
+    proc = run_tool(
+        "--out", str(tmp_path), "--rows", "L,pretrain-S-graphed", "--list", nproc=None, tool=TOOL
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert (
+        lines[0].startswith("L: ")
+        and "torch.distributed.run --standalone --nproc-per-node 2 tools/benchmark_fsdp.py"
+        in lines[0]
+    )
+    assert [line.split(":")[0] for line in lines] == [
+        "L",
+        "pretrain-S-graphed",
+        "pretrain-S-graphed",
+    ]
 
 
 def test_bad_rows_and_a_single_gpu_are_usage_errors(import_tool, capsys, tmp_path):

@@ -4,9 +4,9 @@ the `tools/benchmark_lib/` package, which is not run)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.unit_tests.program_launcher import run_program
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = sorted(path.name for path in (REPO / "tools").glob("*.py"))
@@ -32,13 +32,11 @@ prints {script: [exit code (None: it returned), its stdout]}."""
 
 
 def test_every_tool_script_answers_help():
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN_EACH_WITH_HELP, *(f"tools/{name}" for name in SCRIPTS)],
+    done = run_program(
+        code=_RUN_EACH_WITH_HELP,
+        args=[f"tools/{name}" for name in SCRIPTS],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=600,
-        check=False,
     )
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,8 +10,6 @@ import contextlib
 import hashlib
 import io
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +27,7 @@ from megatron.training.checkpoint_checksums import (
 )
 from megatron.training.checkpoint_layout import COMMON_FILENAME, TRACKER_FILENAME
 from megatron.training.training import TrainingHistory
+from tests.unit_tests.program_launcher import start_program
 
 RUN = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -67,19 +66,9 @@ def lock_held_by_another_process(root: str) -> Iterator[int]:
         "    print('held', flush=True)\n"
         "    sys.stdin.read()\n"
     )
-    repository = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
-    holder = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=repository,
-        env={**os.environ, "PYTHONPATH": repository},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with start_program(code=code) as holder:
         assert holder.stdout.readline() == "held\n"
         yield holder.pid
-    finally:
         holder.stdin.close()  # ends its block: it releases the lock
         assert holder.wait(timeout=120) == 0
 

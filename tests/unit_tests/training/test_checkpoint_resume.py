@@ -16,9 +16,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -46,6 +43,7 @@ from megatron.training.checkpointing import (
 from megatron.training.flag_groups.optimization import describe_schedule_mismatch
 from megatron.training.training import TrainingHistory
 from tests.unit_tests.distributed_harness import DistributedTestError, run_distributed
+from tests.unit_tests.program_launcher import run_program
 from tests.unit_tests.training.checkpoint_checks import (
     RUN,
     ZERO3,
@@ -475,31 +473,24 @@ def test_bad_load_fails_naming_the_difference_and_leaves_the_directory(
 def test_a_resume_with_another_schedule_ends_pretrain_gpt_as_a_flag_error(
     tmp_path, zero3_first_half
 ):
-    """Two ranks of pretrain_gpt.py, started as torchrun starts them: before, every rank printed
+    """Two ranks of pretrain_gpt.py, as torchrun runs them: before, every rank printed
     the traceback of a CheckpointError that spoke in samples ("lr_decay_steps ...: 32 here, 24
     in the checkpoint") and exited with code 1."""
     root = str(tmp_path / "ckpt")
     shutil.copytree(zero3_first_half, root)
     before = directory_hashes(root)
     flags = [*RUN, *ZERO3, "--train-iters", "8", "--load", root, "--save", root]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    environment.update(WORLD_SIZE="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "pretrain_gpt.py", *flags, "--distributed-backend", "gloo"],
-            cwd=REPOSITORY,
-            env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    stderr = "".join(rank.communicate(timeout=600)[1] for rank in ranks)
-    assert [rank.returncode for rank in ranks] == [2, 2], stderr
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = run_program(
+        "pretrain_gpt.py",
+        [*flags, "--distributed-backend", "gloo"],
+        nproc=2,
+        env=environment,
+        cwd=REPOSITORY,
+        timeout=600,
+    )
+    stderr = done.stderr
+    assert done.returncode == 2, stderr
     assert "Traceback" not in stderr, stderr
     assert [line for line in stderr.splitlines() if "error" in line] == [
         f"error: {root}/{ITER_3} was saved with another learning-rate schedule: --train-iters 8 "

@@ -44,6 +44,7 @@ from megatron.training.save_directory import check_save_target
 from megatron.training.training import _teardown, pretrain
 from megatron.training.utils import LoaderIterator
 from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.program_launcher import run_program, start_program
 from tests.unit_tests.training.checkpoint_checks import (
     RUN,
     ZERO3,
@@ -481,39 +482,27 @@ def test_a_lock_file_naming_this_process_is_taken_where_it_holds_none(tmp_path, 
     assert os.listdir(root) == []
 
 
-def _python(code: str) -> subprocess.Popen:
-    """A Python process of this repository running `code`, its stdout a text pipe."""
-    repository = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=repository,
-        env={**os.environ, "PYTHONPATH": repository},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_sigterm_ends_a_holder_releasing_the_lock(tmp_path):
     """SIGTERM (from torchrun to the surviving ranks when one fails, scancel, a time limit, a
     pod deleted) ends the holder through SystemExit. Before: it died with its lock left."""
     root = str(tmp_path)
-    holder = _python(
+    code = (
         "import time\n"
         "from megatron.training.checkpoint_lock import hold_save_lock\n"
         f"with hold_save_lock({root!r}):\n"
         "    print('held', flush=True)\n"
         "    time.sleep(600)\n"
     )
-    assert holder.stdout.readline() == "held\n"
-    holder.send_signal(signal.SIGTERM)
-    assert holder.wait(timeout=120) == 128 + signal.SIGTERM
+    with start_program(code=code) as holder:
+        assert holder.stdout.readline() == "held\n"
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=120) == 128 + signal.SIGTERM
     assert os.listdir(root) == []
 
 
 def test_a_programs_own_sigterm_handler_is_kept(tmp_path):
     root = str(tmp_path)
-    holder = _python(
+    code = (
         "import signal, sys\n"
         "from megatron.training.checkpoint_lock import hold_save_lock\n"
         "signal.signal(signal.SIGTERM, lambda *_: print('handled', flush=True))\n"
@@ -522,14 +511,25 @@ def test_a_programs_own_sigterm_handler_is_kept(tmp_path):
         "    sys.stdin.readline()\n"
         "print('released', flush=True)\n"
     )
-    assert holder.stdout.readline() == "held\n"
-    holder.send_signal(signal.SIGTERM)
-    assert holder.stdout.readline() == "handled\n"
-    assert os.listdir(root) == [LOCK_FILENAME]
-    holder.stdin.close()
-    assert holder.stdout.read() == "released\n"
-    assert holder.wait(timeout=120) == 0
+    with start_program(code=code) as holder:
+        assert holder.stdout.readline() == "held\n"
+        holder.send_signal(signal.SIGTERM)
+        assert holder.stdout.readline() == "handled\n"
+        assert os.listdir(root) == [LOCK_FILENAME]
+        holder.stdin.close()
+        assert holder.stdout.read() == "released\n"
+        assert holder.wait(timeout=120) == 0
     assert os.listdir(root) == []
+
+
+_OWN_MOUNT_NAMESPACE = (
+    "import ctypes, subprocess\n"
+    "if ctypes.CDLL(None, use_errno=True).unshare(0x00020000):  # CLONE_NEWNS\n"
+    "    raise OSError(ctypes.get_errno(), 'unshare --mount')\n"
+    "subprocess.run(['mount', '--make-rprivate', '/'], check=True)\n"
+)
+"""What `unshare --mount` does before it runs a program: a mount namespace of its own, whose
+mounts no other namespace sees."""
 
 
 def _in_a_mount_namespace(code: str) -> subprocess.CompletedProcess:
@@ -537,15 +537,7 @@ def _in_a_mount_namespace(code: str) -> subprocess.CompletedProcess:
     it); skips the test where this machine allows none."""
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--mount", "true"]).returncode:
         pytest.skip("no mount namespace of its own for a test here")
-    repository = os.path.dirname(os.path.abspath(pretrain_gpt.__file__))
-    return subprocess.run(
-        ["unshare", "--mount", sys.executable, "-c", code],
-        cwd=repository,
-        env={**os.environ, "PYTHONPATH": repository},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_program(code=_OWN_MOUNT_NAMESPACE + code)
 
 
 def test_a_lock_file_that_cannot_be_removed_is_left_with_a_warning(tmp_path):
@@ -637,21 +629,20 @@ def test_sigterm_ends_a_run_releasing_its_lock(exit_signal_handler, tmp_path):
         for name, value in os.environ.items()
         if name not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    run = subprocess.Popen(
-        [sys.executable, "pretrain_gpt.py", *flags],
-        cwd=repository,
-        env={**environment, "PYTHONPATH": repository, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     output = []
-    for line in run.stdout:  # until the first iteration's log line
-        output.append(line)
-        if " iteration " in line:
-            break
-    run.send_signal(signal.SIGTERM)
-    output.append(run.communicate(timeout=300)[0])
+    with start_program(
+        "pretrain_gpt.py",
+        flags,
+        cwd=repository,
+        env={**environment, "OMP_NUM_THREADS": "1"},
+        stderr_to_stdout=True,
+    ) as run:
+        for line in run.stdout:  # until the first iteration's log line
+            output.append(line)
+            if " iteration " in line:
+                break
+        run.send_signal(signal.SIGTERM)
+        output.append(run.communicate(timeout=300)[0])
     if exit_signal_handler:
         assert run.returncode == 0, "".join(output)
         assert TRACKER_FILENAME in os.listdir(root)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -106,12 +104,8 @@ def test_returning_checkpoint_strictness_is_refused(strictness):
 
 
 def test_a_bad_flag_ends_pretrain_gpt_with_one_message_and_exit_code_2():
-    done = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *BASE, "--mtp-hybrid-override-pattern", "MM"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = run_program(
+        "pretrain_gpt.py", [*BASE, "--mtp-hybrid-override-pattern", "MM"], cwd=ROOT, timeout=300
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
