@@ -124,6 +124,21 @@ def _run_as_main(
     os._exit(status)
 
 
+class ProgramResult(subprocess.CompletedProcess):
+    """`run_program`'s result: `subprocess.run`'s, and each rank's exit status."""
+
+    def __init__(
+        self,
+        args: list[str],
+        returncode: int,
+        stdout: str,
+        stderr: str,
+        rank_returncodes: list[int],
+    ) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.rank_returncodes = rank_returncodes
+
+
 def run_program(
     script: str | Path | None = None,
     args: Sequence[str] = (),
@@ -133,7 +148,8 @@ def run_program(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     timeout: float = 300.0,
-) -> subprocess.CompletedProcess:
+    stop_others: bool = True,
+) -> ProgramResult:
     """Runs `script` as `python script ARGS` (`nproc` None) or as `torchrun --standalone
     --nproc-per-node nproc script ARGS` would; or `code` as `python -c code ARGS`.
 
@@ -145,9 +161,12 @@ def run_program(
         env: its environment (default: this process's).
         cwd: its working directory (default: this process's).
         timeout: seconds before the still-running ranks are killed and `TimeoutExpired` raised.
+        stop_others: whether a rank's failure stops the others, as torchrun does; False: each
+            ends on its own (a test of what every rank does at an error).
 
     Returns:
-        The status (the first failed rank's, else 0) and the ranks' output, rank 0's first.
+        The status (the first failed rank's, else 0), the ranks' output, rank 0's first, and
+        each rank's status.
     """
     command = _command(script, code, args)
     script = None if script is None else str(script)
@@ -179,18 +198,19 @@ def run_program(
             )
             process.start()
             processes.append(process)
-        status = _wait(processes, timeout, command)
+        status = _wait(processes, timeout, command, stop_others)
         stdout, stderr = ("".join(_read(pair[i]) for pair in outputs) for i in (0, 1))
-    return subprocess.CompletedProcess(command, status, stdout, stderr)
+    return ProgramResult(command, status, stdout, stderr, [p.exitcode for p in processes])
 
 
-def _wait(processes: list, timeout: float, command: list[str]) -> int:
+def _wait(processes: list, timeout: float, command: list[str], stop_others: bool) -> int:
     """Waits for every rank as torchrun's agent does: when one fails, the others get SIGTERM,
-    and SIGKILL `_GRACE_S` later. Returns the first failed rank's status, else 0.
+    and SIGKILL `_GRACE_S` later (unless not `stop_others`). Returns the first failed rank's
+    status, else 0.
 
     Raises:
-        subprocess.TimeoutExpired: no rank failed, and some still ran after `timeout` (they are
-            killed).
+        subprocess.TimeoutExpired: some rank still ran after `timeout` and none had failed, or
+            none was stopped (they are killed).
     """
     deadline = time.monotonic() + timeout
     status = 0
@@ -198,13 +218,14 @@ def _wait(processes: list, timeout: float, command: list[str]) -> int:
         failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
         if failed and not status:
             status = failed[0]
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
-            deadline = time.monotonic() + _GRACE_S
+            if stop_others:
+                for process in processes:
+                    if process.is_alive():
+                        process.terminate()
+                deadline = time.monotonic() + _GRACE_S
         if time.monotonic() > deadline:
             _kill(processes)
-            if not status:
+            if not (status and stop_others):
                 raise subprocess.TimeoutExpired(command, timeout)
         time.sleep(0.02)
     failed = [process.exitcode for process in processes if process.exitcode != 0]
@@ -252,8 +273,11 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
-        """Raises:
-        subprocess.TimeoutExpired: it still runs after `timeout` seconds."""
+        """Waits for it to end; returns its `returncode`.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after `timeout` seconds.
+        """
         self._process.join(timeout)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)

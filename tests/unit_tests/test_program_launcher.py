@@ -76,7 +76,15 @@ def test_a_failed_rank_ends_the_others_as_torchrun_does(tmp_path):
     start = time.monotonic()
     done = run_program(_write(tmp_path, body), nproc=2, env=_env(), cwd=tmp_path)
     assert done.returncode == 4
+    assert done.rank_returncodes == [-signal.SIGTERM, 4]
     assert time.monotonic() - start < 30
+
+
+def test_ranks_left_to_end_on_their_own_report_each_status(tmp_path):
+    """Without stopping the others, rank 0 ends after rank 1's failure with its own status."""
+    body = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(4)\ntime.sleep(1)\n"
+    done = run_program(_write(tmp_path, body), nproc=2, env=_env(), cwd=tmp_path, stop_others=False)
+    assert (done.returncode, done.rank_returncodes) == (4, [0, 4])
 
 
 def test_an_exception_prints_its_traceback_and_exits_1(tmp_path):
