@@ -115,8 +115,8 @@ def test_stepping_local_shards_equals_stepping_dtensors(strategy, outer, num_rep
         outer=outer, num_replicas=num_replicas, frozen=("decoder.layers.0.mlp.linear_fc1.weight",)
     )
     args = (train_fsdp, 4, "gpt", strategy, 2, True)
-    dtensors = run_distributed(*args, **kwargs)
-    local = run_distributed(*args, local_shards=True, **kwargs)
+    dtensors = run_distributed(*args, local_shards=False, **kwargs)
+    local = run_distributed(*args, **kwargs)
     _assert_trained("gpt", True, local[0])
     for expected, got in zip(dtensors, local):
         assert got.keys() == expected.keys()

@@ -26,7 +26,6 @@ from megatron.core.distributed.fsdp import (
     OverlapPolicy,
     accumulation_memory,
     fully_shard,
-    fully_shard_optimizer,
     microbatch,
 )
 from megatron.core.distributed.fsdp.roots import fsdp_contexts, parameter_groups
@@ -38,6 +37,7 @@ from tests.unit_tests.distributed.fsdp.fsdp_training import (
     build_model,
     full_state,
     hybrid_groups,
+    local_adamw,
     loss_of,
     make_batches,
     train_reference,
@@ -107,7 +107,7 @@ def _train(
             mp_policy=MixedPrecisionPolicy(main_grads_dtype=torch.float32),
             overlap_policy=OverlapPolicy(**OPTIONS[option]),
         )
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
+    optimizer = local_adamw(model, LR)
     groups = parameter_groups(model)
     layer_groups = [
         group
@@ -445,7 +445,7 @@ def _gpu_training(option: str) -> dict:
         grad_reduce_in_fp32=True,
         **fields,
     )
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    optimizer = local_adamw(fsdp, LR)
     generator = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, 4096, (2 * MICROBATCHES, 1025), generator=generator).cuda()
     tokens = data[:, :-1].contiguous().chunk(MICROBATCHES)

@@ -31,7 +31,7 @@ from megatron.core.distributed.fsdp import (
 from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.process_groups_config import ProcessGroupCollection
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
-from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state
+from tests.unit_tests.distributed.fsdp.fsdp_training import LR, full_state, local_adamw
 from tests.unit_tests.distributed.fsdp.kernel_trace import (
     compute_stream,
     kernels_of,
@@ -72,7 +72,7 @@ def _held_layers(model) -> int:
 def _held_and_gathered(max_units: int) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _sharded_gpt(OverlapPolicy(max_unsharded_units=max_units))
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
+    optimizer = local_adamw(model, LR)
     held, held_in_embedding_backward = [], []
     for layer in model.decoder.layers:
         layer.register_forward_pre_hook(lambda *unused: held.append(_held_layers(model)))
@@ -138,7 +138,7 @@ def _train(policy: OverlapPolicy, strategy: str) -> dict:
     weights live (the data pointer of its first group's unsharded buffer, root first)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = _sharded_gpt(policy, strategy)
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
+    optimizer = local_adamw(model, LR)
     losses = []
     for tokens, labels in make_token_batches(3, 8):
         tokens = shard_batch(tokens, rank, world_size).chunk(2)
@@ -199,7 +199,7 @@ def _orders_and_gathers() -> dict:
     """What a unit used on its own issues (`order` of the all-gather stream after the compute
     stream, `gather`) after a backward, after an optimizer step, and after a load."""
     model = _sharded_gpt(OverlapPolicy())
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), model)
+    optimizer = local_adamw(model, LR)
     tokens, labels = device_batch(4)
     model(tokens, labels=labels).mean().backward()
     first, second = model.decoder.layers[1], model.decoder.layers[2]
@@ -244,7 +244,7 @@ def _adapter(ddp_kwargs: dict, model=None, pg_collection=None) -> FullyShardedDa
 def _gathers_in_start_param_sync(in_start: bool) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     fsdp = _adapter({"fsdp_all_gather_in_start_param_sync": in_start})
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    optimizer = local_adamw(fsdp, LR)
     in_sync, per_step, losses = [], [], []
     with spy_on_engine() as calls:
         for tokens, labels in make_token_batches(2, 4):
@@ -565,7 +565,7 @@ def _overlap_counts(create_all_gather_group: bool) -> dict:
             model=_gpu_model(seq=4096),
             pg_collection=pgs,
         )
-        optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+        optimizer = local_adamw(fsdp, LR)
         # Enough work per layer (long sequences, math attention) that the GPU, not the host,
         # sets the pace: a prefetch can only overlap kernels the host has already queued.
         tokens, labels = _gpu_batch(seq=4096)
@@ -655,7 +655,7 @@ def test_separate_all_gather_group_runs_all_gather_and_reduce_scatter_concurrent
 @_deterministic_attention()
 def _gpu_losses(ddp_kwargs: dict, num_microbatches: int = 2) -> torch.Tensor:
     fsdp = _adapter(ddp_kwargs, model=_gpu_model(hidden=1024, seq=1024))
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    optimizer = local_adamw(fsdp, LR)
     tokens, labels = _gpu_batch(seq=1024, batch=2 * num_microbatches)
     tokens, labels = tokens.chunk(num_microbatches), labels.chunk(num_microbatches)
     losses = []
@@ -700,7 +700,7 @@ def _forward_memory() -> dict:
         {"overlap_param_gather": True, "overlap_grad_reduce": True},
         model=_gpu_model(hidden=1024, seq=1024),
     )
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    optimizer = local_adamw(fsdp, LR)
     _train_step(fsdp, optimizer, tokens, labels)  # optimizer state exists from here on
     fsdp.start_param_sync()
     base = torch.cuda.memory_allocated()
@@ -826,7 +826,7 @@ def _symm_mem_run(use_symm_mem: bool) -> dict:
         },
         model=_gpu_model(hidden=1024, seq=1024),
     )
-    optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=LR), fsdp)
+    optimizer = local_adamw(fsdp, LR)
     tokens, labels = _gpu_batch(seq=1024)
     losses = [_train_step(fsdp, optimizer, tokens, labels) for _ in range(3)]
     out = {}
