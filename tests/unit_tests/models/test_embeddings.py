@@ -48,6 +48,25 @@ def test_rotary_angles_shape_and_dtype():
     torch.testing.assert_close(angles[3, 0, 0, 0], torch.tensor(3.0))  # frequency 1 at index 0
 
 
+def test_rotary_angles_are_computed_once_per_length_offset_and_device():
+    rope = RotaryEmbedding(kv_channels=8)
+    angles = rope(6)
+    assert rope(6) is angles  # every step and layer asks again: the same tensor (and tables)
+    assert torch.equal(angles, RotaryEmbedding(kv_channels=8)(6))  # as computed anew
+    shifted = rope(6, offset=2)
+    assert shifted is not angles and torch.equal(shifted, rope(8)[2:])
+    on_meta = rope(6, device="meta")
+    assert on_meta.is_meta and rope(6, device="meta") is on_meta
+    for length in range(1, 40):  # more lengths than are kept: the oldest go, none is wrong
+        assert torch.equal(rope(length), RotaryEmbedding(kv_channels=8)(length))
+
+
+def test_rotary_angles_under_torch_compile_are_computed_in_the_graph():
+    rope = RotaryEmbedding(kv_channels=8)
+    compiled = torch.compile(lambda n: rope(n) * 1, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(6), rope(6))
+
+
 def test_rope_scores_depend_only_on_relative_position():
     rope = RotaryEmbedding(kv_channels=8)
     angles = rope(12)

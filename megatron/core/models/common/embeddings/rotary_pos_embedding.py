@@ -1,10 +1,11 @@
 """Rotary position embeddings (RoPE, Su et al. 2021) in Megatron-LM's layout.
 
-`RotaryEmbedding` produces the rotation angles for a sequence once per forward; every attention
-layer then rotates its queries and keys with `apply_rotary_pos_emb`. The module holds no
-parameters or buffers: the frequencies are recomputed in `forward` (a handful of tiny kernels),
-so a model built on the `meta` device needs no re-initialisation here, and casting the model to
-bf16 cannot degrade them.
+`RotaryEmbedding` produces the rotation angles for a sequence (computed at its first forward for
+that length and kept); every attention layer then rotates its queries and keys with
+`apply_rotary_pos_emb`. The module holds no parameters or buffers: the frequencies are computed
+from its hyperparameters on the forward's device (a handful of tiny kernels), so a model built on
+the `meta` device needs no re-initialisation here, and casting the model to bf16 cannot degrade
+them.
 
 The cosines and sines of the angles are computed once per angles tensor (every layer of a forward
 gets the same one). `rotate_query_and_key` rotates a layer's queries and keys in one Triton
@@ -83,11 +84,18 @@ class RotaryEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.rope_scaling = rope_scaling
         self.rope_scaling_factor = rope_scaling_factor
+        self._kept_angles: dict[tuple[int, int, torch.device | str], torch.Tensor] = {}
 
     def forward(
         self, max_seq_len: int, offset: int = 0, device: torch.device | str | None = None
     ) -> torch.Tensor:
         """Angles for positions `offset .. offset + max_seq_len - 1`.
+
+        The angles of each (`max_seq_len`, `offset`, `device`) are computed once and returned
+        again (as upstream's `lru_cache` does): every step asks for the same ones, and each
+        layer of multi-latent attention asks for its own; with them their cosines and sines
+        are kept too (`_rotation_tables`). Read them, do not modify them. Under `torch.compile`
+        and during CUDA graph capture they are computed at each call.
 
         Args:
             max_seq_len: Number of positions.
@@ -98,6 +106,19 @@ class RotaryEmbedding(torch.nn.Module):
             float32 tensor of shape [max_seq_len, 1, 1, dim] (broadcasts over batch and heads
             of the [s, b, n, d] query/key layout).
         """
+        if torch.compiler.is_compiling() or _capturing():
+            return self._angles(max_seq_len, offset, device)
+        key = (max_seq_len, offset, torch.get_default_device() if device is None else device)
+        angles = self._kept_angles.get(key)
+        if angles is None:
+            if len(self._kept_angles) == _KEPT_ANGLES:  # offsets of incremental decoding
+                self._kept_angles.clear()
+            angles = self._kept_angles[key] = self._angles(max_seq_len, offset, device)
+        return angles
+
+    def _angles(
+        self, max_seq_len: int, offset: int, device: torch.device | str | None
+    ) -> torch.Tensor:
         # Always float32: bf16 angles would be off by whole radians at long positions.
         inv_freq = self.inv_freq(device)
         positions = torch.arange(max_seq_len, dtype=torch.float32, device=device) + offset
@@ -161,6 +182,14 @@ def llama3_inv_freq(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+_KEPT_ANGLES = 32
+"""How many angle tensors a `RotaryEmbedding` keeps (upstream's `lru_cache` size)."""
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
