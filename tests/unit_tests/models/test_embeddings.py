@@ -61,6 +61,17 @@ def test_rotary_angles_are_computed_once_per_length_offset_and_device():
         assert torch.equal(rope(length), RotaryEmbedding(kv_channels=8)(length))
 
 
+def test_angles_first_used_under_inference_mode_train_afterwards():
+    """Inference tensors cannot be saved for backward: none is kept for later calls."""
+    rope = RotaryEmbedding(kv_channels=8)
+    t = torch.randn(6, 2, 3, 8)
+    with torch.inference_mode():
+        apply_rotary_pos_emb(t, rope(6))
+    trained = t.clone().requires_grad_()
+    apply_rotary_pos_emb(trained, rope(6)).sum().backward()
+    assert trained.grad is not None
+
+
 def test_rotary_angles_under_torch_compile_are_computed_in_the_graph():
     rope = RotaryEmbedding(kv_channels=8)
     compiled = torch.compile(lambda n: rope(n) * 1, backend="aot_eager", fullgraph=True)

@@ -94,8 +94,8 @@ class RotaryEmbedding(torch.nn.Module):
         The angles of each (`max_seq_len`, `offset`, `device`) are computed once and returned
         again (as upstream's `lru_cache` does): every step asks for the same ones, and each
         layer of multi-latent attention asks for its own; with them their cosines and sines
-        are kept too (`_rotation_tables`). Read them, do not modify them. Under `torch.compile`
-        and during CUDA graph capture they are computed at each call.
+        are kept too (`_rotation_tables`). Read them, do not modify them. Under `torch.compile`,
+        during CUDA graph capture and under inference mode they are computed at each call.
 
         Args:
             max_seq_len: Number of positions.
@@ -106,7 +106,7 @@ class RotaryEmbedding(torch.nn.Module):
             float32 tensor of shape [max_seq_len, 1, 1, dim] (broadcasts over batch and heads
             of the [s, b, n, d] query/key layout).
         """
-        if torch.compiler.is_compiling() or _capturing():
+        if _computed_at_each_call():
             return self._angles(max_seq_len, offset, device)
         key = (max_seq_len, offset, torch.get_default_device() if device is None else device)
         angles = self._kept_angles.get(key)
@@ -188,8 +188,15 @@ _KEPT_ANGLES = 32
 """How many angle tensors a `RotaryEmbedding` keeps (upstream's `lru_cache` size)."""
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _computed_at_each_call() -> bool:
+    """Whether rotation angles and tables are computed, not kept: under `torch.compile`, which
+    fuses computing them into the rotation; during CUDA graph capture, whose memory pool they
+    would be allocated in; under inference mode, whose tensors autograd refuses to save later."""
+    return (
+        torch.compiler.is_compiling()
+        or torch.is_inference_mode_enabled()
+        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
 
 
 _tables: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -207,10 +214,9 @@ def _rotation_tables(
 
     Kept for as long as `freqs` lives and is not modified in place (every layer's queries and
     keys reuse them); angles that require grad (trained ones) are not kept, so that each forward
-    differentiates its own. Nor are they under `torch.compile`, which fuses computing them into
-    the rotation.
+    differentiates its own; nor are they where `_computed_at_each_call`.
     """
-    if freqs.requires_grad or torch.compiler.is_compiling():
+    if freqs.requires_grad or _computed_at_each_call():
         return _compute_tables(freqs, dtype, interleaved, mscale)
     version, tables_by_key = _tables.get(freqs, (None, None))
     if version != freqs._version:
