@@ -195,7 +195,8 @@ def _computed_at_each_call() -> bool:
     return (
         torch.compiler.is_compiling()
         or torch.is_inference_mode_enabled()
-        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        # A capture needs CUDA initialised: the flag spares the per-layer call a device query.
+        or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     )
 
 
