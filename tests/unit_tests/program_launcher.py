@@ -346,6 +346,10 @@ def start_program(
     )
     try:
         process.start()
+    except BaseException:
+        os.close(stdin_write)
+        os.close(stdout_read)
+        raise
     finally:  # the process holds its own ends now; its output ends when it does
         os.close(stdin_read)
         os.close(stdout_write)
