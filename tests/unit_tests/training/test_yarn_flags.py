@@ -84,12 +84,15 @@ def test_enable_gpt_oss_takes_flags_that_agree_with_it(flags):
 def test_enable_gpt_oss_says_what_it_sets_and_validates_again_unchanged(caplog):
     # Attached to the training logger itself: once a training run in this process has set up
     # its stdout handler, that logger no longer propagates to the root logger caplog watches.
+    # Not propagating while attached, so each record is caught once whether or not one has.
     training_logger = logging.getLogger("megatron.training")
     training_logger.addHandler(caplog.handler)
+    propagate, training_logger.propagate = training_logger.propagate, False
     try:
         with caplog.at_level(logging.INFO, logger=training_logger.name):
             args = validated("--enable-gpt-oss", "--position-embedding-type", "rope")
     finally:
+        training_logger.propagate = propagate
         training_logger.removeHandler(caplog.handler)
     said = [record.getMessage() for record in caplog.records if "--enable-gpt-oss" in record.msg]
     assert said == [
