@@ -18,6 +18,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout",
+            "pytest-xdist",  # tools/run_tests.sh runs the tests in two processes
             "sentencepiece",
             "tokenizers",
             # transformers 5's config keys; DeepSeek-V3's multi-token prediction layers as it

@@ -1,5 +1,6 @@
-"""Test-session setup: the `gpu` marker, the multi-rank worker pools, and a check that the
-tests leave nothing behind in the repository."""
+"""Test-session setup: the `gpu` marker, the multi-rank worker pools, the intra-op threads of
+parallel test processes (pytest-xdist's `-n`), and a check that the tests leave nothing behind
+in the repository."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ from tests.unit_tests.distributed_harness import shutdown_pools
 ROOT = Path(__file__).resolve().parents[1]
 
 _UNTRACKED_BEFORE = pytest.StashKey[frozenset]()
+
+
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    # Each test process of `pytest -n N` gets its share of the cores: intra-op threads of
+    # several processes on the same cores only wait for one another (OpenMP's threads spin).
+    # The environment variable reaches the programs the tests start.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,6 +72,8 @@ def _untracked() -> frozenset[str] | None:
 
 
 def pytest_sessionstart(session):
+    if _is_xdist_worker(session.config):
+        return  # the controlling process checks once, after every worker has ended
     untracked = _untracked()
     if untracked is not None:
         session.stash[_UNTRACKED_BEFORE] = untracked
@@ -61,6 +81,8 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     shutdown_pools()
+    if _is_xdist_worker(session.config):
+        return
     before = session.stash.get(_UNTRACKED_BEFORE, None)
     after = None if before is None else _untracked()
     if after is None or not after - before:
