@@ -18,21 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 _UNTRACKED_BEFORE = pytest.StashKey[frozenset]()
 
 
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config):
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers is None:
+    if not _is_xdist_worker(config):
         return
     # Each test process of `pytest -n N` gets its share of the cores: intra-op threads of
     # several processes on the same cores only wait for one another (OpenMP's threads spin).
     # The environment variable reaches the programs the tests start.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // int(workers))
+    threads = max(1, (cores or 1) // config.workerinput["workercount"])
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-
-
-def _is_xdist_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
 
 
 def pytest_collection_modifyitems(config, items):
