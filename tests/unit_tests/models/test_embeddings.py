@@ -75,7 +75,9 @@ def test_angles_first_used_under_inference_mode_train_afterwards():
 def test_rotary_angles_under_torch_compile_are_computed_in_the_graph():
     rope = RotaryEmbedding(kv_channels=8)
     compiled = torch.compile(lambda n: rope(n) * 1, backend="aot_eager", fullgraph=True)
-    assert torch.equal(compiled(6), rope(6))
+    angles = compiled(6)
+    assert not rope._kept_angles  # the compiled call kept nothing for eager calls to reuse
+    assert torch.equal(angles, rope(6))
 
 
 def test_rope_scores_depend_only_on_relative_position():
