@@ -130,12 +130,11 @@ def linear(
     `main_grad` (module docstring) where there is one; its three GEMMs in FP8 where the layer
     has `fp8` settings (`megatron.core.fp8.linear`, which fuses the same way).
 
-    Under `torch.compile` a linear whose weight gradient may fuse runs outside the compiled
-    graph (a graph break: the compiled graphs are the work between the linears), so that its
-    weight gradient can still go into `main_grad` (its bias stays in the GEMM's epilogue: added
-    in the graph instead, it cost more than its fusion saved); one that may not (`fusion`
-    False) is traced into the graph. `F.linear` itself runs under `torch.autocast` (which casts
-    its operands) and `torch.func` transforms.
+    Under `torch.compile` a linear whose weight gradient may fuse is traced into the compiled
+    graph with a backward operator of its own (`megatron::linear_into_main_grad_backward`),
+    which decides at run time where the weight gradient goes, as the eager layer does; one that
+    may not (`fusion` False) is traced as `F.linear`. `F.linear` itself runs under
+    `torch.autocast` (which casts its operands) and `torch.func` transforms.
 
     Args:
         input_: [..., in].
@@ -157,7 +156,7 @@ def linear(
     if not (fusion and weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(input_, weight, bias)
     if torch.compiler.is_compiling():
-        return _linear_outside_graph(input_, weight, bias)
+        return _traced_linear(input_, weight, bias)
     if (
         _may_fuse(weight)
         and not torch.is_autocast_enabled(input_.device.type)
@@ -167,8 +166,27 @@ def linear(
     return F.linear(input_, weight, bias)
 
 
-# The same function, run by Python: whether a weight's gradient fuses is decided per call from
-# state a compiled graph cannot guard (the engine's registry, `.grad`, the backward's inputs).
+def _traced_linear(
+    input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`linear` as `torch.compile` traces it, where the weight gradient may fuse.
+
+    Whether it fuses depends on state a compiled graph cannot guard (the engine's registry,
+    `.grad`, the backward's inputs), so the backward's operator decides when it runs
+    (`_linear_into_main_grad_backward`). It hands autograd no weight gradient either way, so it
+    is used only where none is ever needed through the graph: a parameter's (a tensor computed
+    from one is never registered) whose linear's input needs a gradient (otherwise the input
+    gradient the operator returns would be unused, and the compiler would drop the operator
+    and the weight gradient with it: such a linear runs outside the graph, as eager code).
+    """
+    if not weight.is_leaf or torch.is_autocast_enabled(input_.device.type):
+        return F.linear(input_, weight, bias)  # never fuses
+    if not input_.requires_grad:
+        return _linear_outside_graph(input_, weight, bias)
+    return _TracedLinearIntoMainGrad.apply(input_, weight, bias)
+
+
+# The same function, run by Python (a graph break).
 _linear_outside_graph = outside_compiled_graphs(linear)
 
 
@@ -219,19 +237,34 @@ def weight_grad_target(
         weight: [out, in], the parameter itself.
         weight_node: the autograd node the weight's gradient flows to.
     """
-    main_grad_of = _target(weight)
-    if main_grad_of is None or weight.grad is not None:
+    main_grad_of = _fusing_main_grad_of(weight)
+    if main_grad_of is None:
         return True, None
-    # `needs_input_grad` was fixed at forward time; whether this backward reaches the
-    # weight is the engine's to say. It raises for a leaf that `torch.autograd.grad`
-    # captures (its gradient is returned, never accumulated), so that case computes it.
-    try:
-        accumulates = torch._C._will_engine_execute_node(weight_node)
-    except RuntimeError:
-        accumulates = None
+    accumulates = _accumulates(weight_node)
     if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
         return False, None
     return True, main_grad_of(weight) if accumulates else None
+
+
+def _fusing_main_grad_of(
+    weight: torch.Tensor,
+) -> Callable[[torch.nn.Parameter], FusionTarget | None] | None:
+    """The engine's method that says where `weight`'s gradient fuses, where it may now: an
+    engine registered it, and no `.grad` is kept (autograd accumulates into that)."""
+    main_grad_of = _target(weight)
+    return None if main_grad_of is None or weight.grad is not None else main_grad_of
+
+
+def _accumulates(weight_node: torch.autograd.graph.Node) -> bool | None:
+    """Whether the running backward accumulates into the weight whose node this is: True, False
+    (a backward whose inputs leave it out), or None where `torch.autograd.grad` captures it
+    (its gradient is returned, never accumulated)."""
+    # `needs_input_grad` was fixed at forward time; whether this backward reaches the weight
+    # is the engine's to say. It raises for a leaf that `torch.autograd.grad` captures.
+    try:
+        return torch._C._will_engine_execute_node(weight_node)
+    except RuntimeError:
+        return None
 
 
 def weight_grad_into(
@@ -296,3 +329,94 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
 
 _apply_into_main_grad = direct_apply(_LinearIntoMainGrad)
+
+
+class _TracedLinearIntoMainGrad(torch.autograd.Function):
+    """`F.linear` whose backward is `megatron::linear_into_main_grad_backward`: the fusing
+    linear as `torch.compile` traces it (`_traced_linear`). The forward is traced as `F.linear`;
+    the backward's operator is opaque to the compiler, so that the weight gradient's destination
+    is decided when it runs. It returns no weight gradient to autograd."""
+
+    @staticmethod
+    def forward(
+        ctx, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(input_, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        input_, weight = ctx.saved_tensors
+        grad_input = torch.ops.megatron.linear_into_main_grad_backward(grad_output, input_, weight)
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = _flat(grad_output).sum(dim=0)
+        return grad_input, None, grad_bias
+
+
+def _linear_into_main_grad_backward(
+    grad_output: torch.Tensor, input_: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """The input gradient of `_TracedLinearIntoMainGrad`; its weight gradient goes where
+    `weight_grad_target` says, and where that is autograd, into `weight.grad` as autograd's
+    accumulation would put it (the compiled graph returns no weight gradient).
+
+    Raises:
+        RuntimeError: `torch.autograd.grad` asks for the weight's gradient, which this
+            operator cannot return.
+    """
+    grad_2d = _flat(grad_output)
+    grad_input = grad_output.matmul(weight)
+    weight_node = _accumulate_grad_node(weight)
+    weight = weight_node.variable  # the parameter, where a checkpoint saved another tensor
+    accumulates = _accumulates(weight_node)
+    if accumulates is None:
+        raise RuntimeError(
+            f"torch.autograd.grad asked for the gradient of a weight of shape "
+            f"{tuple(weight.shape)} whose linear layer runs in a layer compiled with "
+            "compile_layers and gradient_accumulation_fusion, which accumulates that gradient "
+            "and cannot return it: call backward() instead, or turn gradient-accumulation "
+            "fusion off (--no-gradient-accumulation-fusion)."
+        )
+    if accumulates:
+        main_grad_of = _fusing_main_grad_of(weight)
+        target = None if main_grad_of is None else main_grad_of(weight)
+        grad_weight = weight_grad_into(target, grad_2d, input_)
+        if grad_weight is not None:  # not fused: where autograd's accumulation puts it
+            if weight.grad is None:
+                weight.grad = grad_weight
+            else:
+                weight.grad.add_(grad_weight)
+    return grad_input
+
+
+def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
+    """The node that accumulates into the parameter `weight` is (or, where a checkpoint's
+    recomputation saved it, aliases whole), among the inputs of the running backward node (the
+    compiled graph's). Found from there: an operator runs below autograd, where a view of
+    `weight` has no node to lead to it."""
+    for node, _ in torch._C._current_autograd_node().next_functions:
+        variable = getattr(node, "variable", None)
+        if variable is not None and (variable is weight or variable.is_set_to(weight)):
+            return node
+    raise RuntimeError(
+        "megatron::linear_into_main_grad_backward ran outside the backward of the linear "
+        "layer that uses the weight; it is called only by that layer's backward."
+    )
+
+
+# A plain operator (not `torch.library.custom_op`, whose Python wrappers cost the host more
+# than the GEMM launches it makes, at every call), for every backend.
+_library = torch.library.Library("megatron", "DEF")
+_library.define(
+    "linear_into_main_grad_backward(Tensor grad_output, Tensor input, Tensor weight) -> Tensor"
+)
+_library.impl(
+    "linear_into_main_grad_backward", _linear_into_main_grad_backward, "CompositeExplicitAutograd"
+)
+
+
+@torch.library.register_fake("megatron::linear_into_main_grad_backward", lib=_library)
+def _(grad_output: torch.Tensor, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad_output.new_empty((*grad_output.shape[:-1], weight.shape[1]))

@@ -187,10 +187,10 @@ class TransformerConfig(ModelParallelConfig):
         compile_layers: Compile each transformer layer's forward (and with it its backward) with
             `torch.compile`: norms, residual adds, dropout, rotary embeddings, activations and
             attention fuse into generated kernels. The hooks of the modules (a data-parallel
-            engine's) stay outside the compiled code. With `gradient_accumulation_fusion`, linear
-            layers whose weights get gradients run between the compiled graphs, so that fusion
-            keeps working, and each graph boundary costs host time at every step; without it a
-            layer is one graph. Compiling costs time at the first steps.
+            engine's) stay outside the compiled code. A layer is one graph, with or without
+            `gradient_accumulation_fusion` (a fusing linear is an operator of the graph whose
+            backward sends its weight gradient where the engine says). Compiling costs time at
+            the first steps.
         compile_backend: The `torch.compile` backend of `compile_layers` ("inductor" generates
             Triton and C++ kernels; "aot_eager" traces without generating code, for checking).
         seq_length: Training sequence length, when known when the model is built; lets the

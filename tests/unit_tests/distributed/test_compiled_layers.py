@@ -1,7 +1,7 @@
 """`compile_layers`: transformer layers compiled by `torch.compile` train as the eager model
 does, alone (recompute, dropout, MoE, gpt-oss's windows and sinks) and under the DDP engine and
 Megatron-FSDP, whose hooks stay outside the compiled code; gradient-accumulation fusion keeps
-working (the linears run between the compiled graphs), and without it each layer is one graph.
+working inside the compiled graph, and each layer is one graph with or without it.
 
 Most cases compile with the `aot_eager` backend: it traces, splits at the graph breaks and
 differentiates as `inductor` does, but runs PyTorch's own kernels, so the results equal the
@@ -11,6 +11,7 @@ eager model's. `inductor` itself is checked once on CPU (where a C++ compiler ex
 from __future__ import annotations
 
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel import grad_accumulation
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     GLOBAL_BATCH,
     MEGATRON_LOOP_MICROBATCHES,
@@ -101,12 +103,16 @@ def _train_alone(fields: dict, compiled: bool) -> tuple[list[float], dict[str, t
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("fusion", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_compiled_layers_train_like_eager_ones(case):
-    eager_losses, eager_weights = _train_alone(CASES[case], compiled=False)
-    losses, weights = _train_alone(CASES[case], compiled=True)
+def test_compiled_layers_train_like_eager_ones(case, fusion):
+    """With fusion and no engine, the fusing linears' weight gradients reach `.grad` from
+    their operator's backward."""
+    fields = dict(CASES[case], gradient_accumulation_fusion=fusion)
+    eager_losses, eager_weights = _train_alone(fields, compiled=False)
+    losses, weights = _train_alone(fields, compiled=True)
     assert losses == pytest.approx(eager_losses, rel=1e-6)
-    initial = _build(CASES[case], compiled=False).state_dict()
+    initial = _build(fields, compiled=False).state_dict()
     assert all(not torch.equal(weight, initial[name]) for name, weight in weights.items())
     for name, weight in eager_weights.items():
         torch.testing.assert_close(weights[name], weight, msg=name)
@@ -120,14 +126,16 @@ def _has_cpp_compiler() -> bool:
     not torch.cuda.is_available() and not _has_cpp_compiler(),
     reason="inductor on CPU needs a C++ compiler",
 )
-def test_inductor_layers_compute_the_eager_loss_and_gradients():
+@pytest.mark.parametrize("fusion", [False, True])
+def test_inductor_layers_compute_the_eager_loss_and_gradients(fusion):
     """Generated kernels reorder fp32 sums (a layer norm's, a fused bias gradient's), so the
-    bound is fp32 reassociation across a 2-layer model, not bitwise equality."""
+    bound is fp32 reassociation across a 2-layer model, not bitwise equality. With fusion and
+    no engine the weight gradients reach `.grad`, as autograd's would."""
     tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
     tokens, labels = tokens.to(current_device()), labels.to(current_device())
     results = []
     for compiled in (False, True):
-        model = _build({}, compiled, backend="inductor")
+        model = _build(dict(gradient_accumulation_fusion=fusion), compiled, backend="inductor")
         loss = model(tokens, labels=labels).mean()
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -135,6 +143,53 @@ def test_inductor_layers_compute_the_eager_loss_and_gradients():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _layer_weight(model: GPTModel) -> torch.nn.Parameter:
+    return model.decoder.layers[0].mlp.linear_fc1.weight
+
+
+def test_fused_weight_gradients_without_an_engine_accumulate_into_grad_as_autograd_does():
+    """Compiled layers with fusion on and no engine: each weight gradient goes to `.grad`,
+    added to one already there, as the eager model's."""
+    tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
+    grads = []
+    for compiled in (False, True):
+        model = _build(dict(gradient_accumulation_fusion=True), compiled)
+        for _ in range(2):  # the second backward adds to the first's `.grad`
+            model(tokens, labels=labels).mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    eager, compiled = grads
+    assert all(grad is not None for grad in compiled.values())
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_backward_that_leaves_the_weights_out_gives_them_no_gradient():
+    tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
+    results = []
+    for compiled in (False, True):
+        model = _build(dict(gradient_accumulation_fusion=True), compiled)
+        embedded = []
+        model.embedding.register_forward_hook(lambda m, a, out, kept=embedded: kept.append(out))
+        loss = model(tokens, labels=labels).mean()
+        (grad,) = torch.autograd.grad(loss, embedded)
+        assert all(p.grad is None for p in model.parameters())
+        results.append(grad)
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def test_asking_autograd_grad_for_a_fused_weight_of_a_compiled_layer_names_the_fix():
+    """Such a weight's gradient is accumulated, never returned: `torch.autograd.grad` asking
+    for it gets an error that names the flag to turn off, not a silent None."""
+    tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
+    model = _build(dict(gradient_accumulation_fusion=True), compiled=True)
+    loss = model(tokens, labels=labels).mean()
+    with pytest.raises(RuntimeError, match="--no-gradient-accumulation-fusion"):
+        torch.autograd.grad(loss, [_layer_weight(model)])
+    model = _build(dict(gradient_accumulation_fusion=False), compiled=True)
+    (grad,) = torch.autograd.grad(model(tokens, labels=labels).mean(), [_layer_weight(model)])
+    assert grad.abs().sum() > 0
 
 
 def _compiled_graphs(fields: dict) -> tuple[int, int]:
@@ -148,27 +203,12 @@ def _compiled_graphs(fields: dict) -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def test_a_layer_compiles_into_one_graph_unless_its_linears_fuse():
-    """Without gradient-accumulation fusion the linears trace into the layer's graph: one
-    graph, shared by the layers; with it, each linear whose weight gets a gradient is a graph
-    break, so that its weight gradient can go into `main_grad`."""
+def test_a_layer_compiles_into_one_graph_with_and_without_fusion():
+    """The linears trace into the layer's graph, the fusing ones as an operator whose backward
+    sends the weight gradient where the engine says: one graph, shared by the layers, no graph
+    break either way."""
     assert _compiled_graphs(dict(gradient_accumulation_fusion=False)) == (1, 0)
-    graphs, breaks = _compiled_graphs(dict(gradient_accumulation_fusion=True))
-    assert graphs > 1 and breaks >= 4
-
-
-def _fused_linears(loss: torch.Tensor) -> int:
-    """How many linears in `loss`'s autograd graph send their weight gradient into the
-    engine's sums (the fusing function's backward nodes)."""
-    seen, stack, fused = set(), [loss.grad_fn], 0
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        fused += type(node).__name__ == "_LinearIntoMainGradBackward"
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return fused
+    assert _compiled_graphs(dict(gradient_accumulation_fusion=True)) == (1, 0)
 
 
 def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -176,8 +216,8 @@ def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
     whole gradient sums its fusion writes into) in Megatron's loop, SGD on the engine's
     gradients.
 
-    Returns every global weight, and per forward how many linears of its autograd graph fuse
-    their weight gradient into the engine's sums."""
+    Returns every global weight, and per microbatch how many linears fused their weight
+    gradient into the engine's sums in its backward."""
     model = _build(dict(gradient_accumulation_fusion=True), compiled=True)
     if engine == "ddp":
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
@@ -190,8 +230,11 @@ def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
             megatron_fsdp_accumulate_unsharded_grads=True,
         )
         wrapped = FullyShardedDataParallel(model.config, ddp_config, model)
-    fused = []
-    model.register_forward_hook(lambda module, args, output: fused.append(_fused_linears(output)))
+    # Fusions so far at each forward: a microbatch's backward runs before the next forward.
+    fusions_at_forward = []
+    fuse = mock.patch.object(grad_accumulation, "_fuse", wraps=grad_accumulation._fuse)
+    counter = fuse.start()
+    model.register_forward_hook(lambda *_: fusions_at_forward.append(counter.call_count))
 
     def step(optimizer: torch.optim.Optimizer) -> None:
         if engine == "ddp":  # its reduced gradients are in `main_grad`
@@ -201,6 +244,9 @@ def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
         optimizer.zero_grad()
 
     megatron_loop(wrapped, torch.optim.SGD(model.parameters(), lr=0.5), step)
+    fuse.stop()
+    counts = [*fusions_at_forward, counter.call_count]
+    fused = [after - before for before, after in zip(counts, counts[1:])]
     state = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
