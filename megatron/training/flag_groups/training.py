@@ -60,9 +60,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--compile-layers",
         action="store_true",
         help="torch.compile each transformer layer (norms, residual adds, rotary embeddings, "
-        "activations and attention fuse; with gradient-accumulation fusion the linears run "
-        "between the compiled graphs, without it a layer is one graph). Costs compile time at "
-        "the first steps. Not a Megatron-LM flag.",
+        "activations and attention fuse; a layer is one graph, with or without "
+        "gradient-accumulation fusion). Costs compile time at the first steps. Not a "
+        "Megatron-LM flag.",
     )
     group.add_argument(
         "--compile-backend",
