@@ -380,7 +380,8 @@ def _linear_into_main_grad_backward(
             "fusion off (--no-gradient-accumulation-fusion)."
         )
     if accumulates:
-        main_grad_of = _fusing_main_grad_of(weight)
+        # The engine's answer at forward in eager code (`_may_fuse`), asked here instead.
+        main_grad_of = _fusing_main_grad_of(weight) if _may_fuse(weight) else None
         target = None if main_grad_of is None else main_grad_of(weight)
         grad_weight = weight_grad_into(target, grad_2d, input_)
         if grad_weight is not None:  # not fused: where autograd's accumulation puts it
@@ -396,14 +397,37 @@ def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
     recomputation saved it, aliases whole), among the inputs of the running backward node (the
     compiled graph's). Found from there: an operator runs below autograd, where a view of
     `weight` has no node to lead to it."""
-    for node, _ in torch._C._current_autograd_node().next_functions:
-        variable = getattr(node, "variable", None)
-        if variable is not None and (variable is weight or variable.is_set_to(weight)):
+    accumulators = _weight_accumulators(torch._C._current_autograd_node())
+    for node in accumulators:
+        if node.variable is weight:
+            return node
+    for node in accumulators:
+        if node.variable.is_set_to(weight):
             return node
     raise RuntimeError(
         "megatron::linear_into_main_grad_backward ran outside the backward of the linear "
         "layer that uses the weight; it is called only by that layer's backward."
     )
+
+
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+
+_latest_accumulators: tuple[weakref.ref, list[torch.autograd.graph.Node]] | None = None
+"""The running compiled graph's backward node (weakly) and the accumulate-grad nodes among its
+inputs, for the next fusing linear of the same graph: a layer's linears share one node, and
+listing its inputs builds a Python object per input."""
+
+
+def _weight_accumulators(node: torch.autograd.graph.Node) -> list[torch.autograd.graph.Node]:
+    global _latest_accumulators
+    latest = _latest_accumulators  # one read: backward threads of other devices may replace it
+    if latest is not None and latest[0]() is node:
+        return latest[1]
+    accumulators = [
+        next_node for next_node, _ in node.next_functions if type(next_node) is _AccumulateGrad
+    ]
+    _latest_accumulators = (weakref.ref(node), accumulators)
+    return accumulators
 
 
 # A plain operator (not `torch.library.custom_op`, whose Python wrappers cost the host more
