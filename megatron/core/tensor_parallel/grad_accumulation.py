@@ -32,6 +32,12 @@ Tensor hooks on the weight (`register_hook`) see only those other contributions 
 fused layer is differentiable once: the gradients a `create_graph=True` backward computes through
 it raise if differentiated again.
 
+In a layer compiled with `torch.compile` the decision moves into the backward (`linear`): the
+compiled graph returns no weight gradient, and an operator of its backward sends the gradient
+where the eager layer would, into `.grad` where nothing fuses. `torch.autograd.grad` asking for
+such a weight's gradient raises (the graph cannot return it), and its tensor hooks see None even
+where nothing fuses.
+
 On CUDA the fp32 accumulation is one `addmm` with an fp32 output (`beta=0` to overwrite: the
 target is not read); elsewhere the product is formed in the inputs' dtype and added or copied
 (the unfused arithmetic, in one place).
@@ -45,6 +51,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 from megatron.core.utils import direct_apply, once_differentiable, outside_compiled_graphs
 
@@ -88,9 +95,10 @@ def register_main_grad(
         main_grad_of: a bound method (held weakly), called before each fused gradient; it
             returns where the gradient goes, or None where it has no place for it now
             (autograd gets the gradient).
-        may_fuse: a bound method (held weakly) asked at each forward; False where the backward
-            cannot fuse, so that the layer runs plain `F.linear` and skips the host cost of
-            the fusing autograd function. None: it always may.
+        may_fuse: a bound method (held weakly) asked at each forward (in a layer compiled
+            with `compile_layers`, at the backward); False where the backward cannot fuse, so
+            that the layer runs plain `F.linear` and skips the host cost of the fusing autograd
+            function. None: it always may.
     """
     key = id(param)
 
@@ -175,9 +183,8 @@ def _traced_linear(
     `.grad`, the backward's inputs), so the backward's operator decides when it runs
     (`_linear_into_main_grad_backward`). It hands autograd no weight gradient either way, so it
     is used only where none is ever needed through the graph: a parameter's (a tensor computed
-    from one is never registered) whose linear's input needs a gradient (otherwise the input
-    gradient the operator returns would be unused, and the compiler would drop the operator
-    and the weight gradient with it: such a linear runs outside the graph, as eager code).
+    from one is never registered). A linear whose input needs no gradient runs outside the
+    graph, as eager code: the graph's backward would return nothing from it.
     """
     if not weight.is_leaf or torch.is_autocast_enabled(input_.device.type):
         return F.linear(input_, weight, bias)  # never fuses
@@ -359,8 +366,11 @@ def _linear_into_main_grad_backward(
     grad_output: torch.Tensor, input_: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
     """The input gradient of `_TracedLinearIntoMainGrad`; its weight gradient goes where
-    `weight_grad_target` says, and where that is autograd, into `weight.grad` as autograd's
-    accumulation would put it (the compiled graph returns no weight gradient).
+    `weight_grad_target` says, and where that is autograd (the compiled graph returns no weight
+    gradient), into `weight.grad`, as autograd's accumulation would put it; the weight's tensor
+    hooks (`register_hook`) see None from the graph, as they do where the gradient fuses. The
+    engine's `may_fuse`, asked at forward in eager code, is asked here: its
+    answer for the unit's latest forward.
 
     Raises:
         RuntimeError: `torch.autograd.grad` asks for the weight's gradient, which this
@@ -380,7 +390,6 @@ def _linear_into_main_grad_backward(
             "fusion off (--no-gradient-accumulation-fusion)."
         )
     if accumulates:
-        # The engine's answer at forward in eager code (`_may_fuse`), asked here instead.
         main_grad_of = _fusing_main_grad_of(weight) if _may_fuse(weight) else None
         target = None if main_grad_of is None else main_grad_of(weight)
         grad_weight = weight_grad_into(target, grad_2d, input_)
@@ -397,7 +406,13 @@ def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
     recomputation saved it, aliases whole), among the inputs of the running backward node (the
     compiled graph's). Found from there: an operator runs below autograd, where a view of
     `weight` has no node to lead to it."""
-    accumulators = _weight_accumulators(torch._C._current_autograd_node())
+    running = torch._C._current_autograd_node()
+    if running is None:
+        raise RuntimeError(
+            "megatron::linear_into_main_grad_backward ran outside a backward: it is called "
+            "only by the backward of the linear layer that uses the weight."
+        )
+    accumulators = _weight_accumulators(running)
     for node in accumulators:
         if node.variable is weight:
             return node
@@ -412,32 +427,39 @@ def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
 
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 
-_latest_accumulators: tuple[weakref.ref, list[torch.autograd.graph.Node]] | None = None
-"""The running compiled graph's backward node (weakly) and the accumulate-grad nodes among its
-inputs, for the next fusing linear of the same graph: a layer's linears share one node, and
-listing its inputs builds a Python object per input."""
+_accumulators_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A running compiled graph's backward node -> the accumulate-grad nodes among its inputs, for
+the next fusing linear of the same graph (a layer's linears share one node; listing its inputs
+builds a Python object per input). An entry lives as long as its graph."""
 
 
 def _weight_accumulators(node: torch.autograd.graph.Node) -> list[torch.autograd.graph.Node]:
-    global _latest_accumulators
-    latest = _latest_accumulators  # one read: backward threads of other devices may replace it
-    if latest is not None and latest[0]() is node:
-        return latest[1]
-    accumulators = [
-        next_node for next_node, _ in node.next_functions if type(next_node) is _AccumulateGrad
-    ]
-    _latest_accumulators = (weakref.ref(node), accumulators)
+    accumulators = _accumulators_of.get(node)
+    if accumulators is None:
+        accumulators = _accumulators_of[node] = [
+            next_node for next_node, _ in node.next_functions if type(next_node) is _AccumulateGrad
+        ]
     return accumulators
 
 
 # A plain operator (not `torch.library.custom_op`, whose Python wrappers cost the host more
-# than the GEMM launches it makes, at every call), for every backend.
-_library = torch.library.Library("megatron", "DEF")
+# than the GEMM launches it makes, at every call), for every backend. A fragment: other
+# libraries may define operators in the same namespace.
+_library = torch.library.Library("megatron", "FRAGMENT")
 _library.define(
     "linear_into_main_grad_backward(Tensor grad_output, Tensor input, Tensor weight) -> Tensor"
 )
 _library.impl(
     "linear_into_main_grad_backward", _linear_into_main_grad_backward, "CompositeExplicitAutograd"
+)
+
+
+# Ordered, as an operator with side effects: its only output is the input gradient, so a compiler
+# that saw a pure function would drop it where that gradient is unused (an input reached through
+# an operator whose derivative is zero) and merge two calls with the same arguments (a weight
+# applied twice to one input), losing weight gradients.
+_register_effectful_op(
+    torch.ops.megatron.linear_into_main_grad_backward.default, _EffectType.ORDERED
 )
 
 

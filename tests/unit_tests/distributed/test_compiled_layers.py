@@ -10,7 +10,9 @@ eager model's. `inductor` itself is checked once on CPU (where a C++ compiler ex
 
 from __future__ import annotations
 
+import gc
 import shutil
+import weakref
 from unittest import mock
 
 import pytest
@@ -190,6 +192,48 @@ def test_asking_autograd_grad_for_a_fused_weight_of_a_compiled_layer_names_the_f
     model = _build(dict(gradient_accumulation_fusion=False), compiled=True)
     (grad,) = torch.autograd.grad(model(tokens, labels=labels).mean(), [_layer_weight(model)])
     assert grad.abs().sum() > 0
+
+
+def _fusing(input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad_accumulation.linear(input_, weight, fusion=True)
+
+
+# A weight applied twice to one input (two calls of the backward operator with the same
+# arguments, which a compiler must not merge), and an input reached through an operator whose
+# derivative is zero (the operator's input gradient is unused, and must not be dropped with it).
+TRACED_FUNCTIONS = {
+    "twice": lambda x, w: _fusing(x, w) + _fusing(x, w),
+    "zero-derivative": lambda x, w: _fusing(torch.round(x), w) + x.sum(),
+}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("function", list(TRACED_FUNCTIONS))
+def test_compiled_fusing_linears_give_every_weight_gradient(function, backend):
+    if backend == "inductor" and not _has_cpp_compiler():
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    torch._dynamo.reset()
+    fn = TRACED_FUNCTIONS[function]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    grads = []
+    for run in (fn, torch.compile(fn, backend=backend)):
+        weight = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 48).reshape(6, 8))
+        run(x, weight).square().sum().backward()
+        grads.append(weight.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_a_compiled_model_and_its_weights_are_freed():
+    """The operator's per-graph cache holds nothing past the graph's life."""
+    tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
+    model = _build(dict(gradient_accumulation_fusion=True), compiled=True)
+    model(tokens, labels=labels).mean().backward()
+    weight = weakref.ref(_layer_weight(model))
+    del model
+    torch._dynamo.reset()
+    gc.collect()
+    assert weight() is None
 
 
 def _compiled_graphs(fields: dict) -> tuple[int, int]:

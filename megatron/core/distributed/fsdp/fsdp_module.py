@@ -270,7 +270,8 @@ class FsdpUnit:
         """The unit's gradients are reduced at the end of its own backward where `end` is
         reachable, else at the end of the whole backward. Set before each module's forward
         with autograd: linear layers ask it there whether to write their weight gradients into
-        the reduction's input (not an inference forward's, which has no backward)."""
+        the reduction's input (those of a compiled layer at its backward: the answer of the
+        unit's latest forward; not an inference forward's, which has no backward)."""
         for group in self.groups:
             if group.grads is not None:
                 group.grads.pre_forward(reduced_after_own_backward=end.reachable)
