@@ -369,8 +369,8 @@ def _linear_into_main_grad_backward(
     `weight_grad_target` says, and where that is autograd (the compiled graph returns no weight
     gradient), into `weight.grad`, as autograd's accumulation would put it; the weight's tensor
     hooks (`register_hook`) see None from the graph, as they do where the gradient fuses. The
-    engine's `may_fuse`, asked at forward in eager code, is asked here: its
-    answer for the unit's latest forward.
+    engine's `may_fuse`, asked at forward in eager code, is asked here (its answer for the
+    unit's latest forward).
 
     Raises:
         RuntimeError: `torch.autograd.grad` asks for the weight's gradient, which this
@@ -401,6 +401,23 @@ def _linear_into_main_grad_backward(
     return grad_input
 
 
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+
+_accumulators_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A running compiled graph's backward node -> the accumulate-grad nodes among its inputs, for
+the next fusing linear of the same graph (a layer's linears share one node; listing its inputs
+builds a Python object per input). An entry lives as long as its graph."""
+
+
+def _weight_accumulators(node: torch.autograd.graph.Node) -> list[torch.autograd.graph.Node]:
+    accumulators = _accumulators_of.get(node)
+    if accumulators is None:
+        accumulators = _accumulators_of[node] = [
+            next_node for next_node, _ in node.next_functions if type(next_node) is _AccumulateGrad
+        ]
+    return accumulators
+
+
 def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
     """The node that accumulates into the parameter `weight` is (or, where a checkpoint's
     recomputation saved it, aliases whole), among the inputs of the running backward node (the
@@ -423,23 +440,6 @@ def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
         "megatron::linear_into_main_grad_backward ran outside the backward of the linear "
         "layer that uses the weight; it is called only by that layer's backward."
     )
-
-
-_AccumulateGrad = torch._C._functions.AccumulateGrad
-
-_accumulators_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""A running compiled graph's backward node -> the accumulate-grad nodes among its inputs, for
-the next fusing linear of the same graph (a layer's linears share one node; listing its inputs
-builds a Python object per input). An entry lives as long as its graph."""
-
-
-def _weight_accumulators(node: torch.autograd.graph.Node) -> list[torch.autograd.graph.Node]:
-    accumulators = _accumulators_of.get(node)
-    if accumulators is None:
-        accumulators = _accumulators_of[node] = [
-            next_node for next_node, _ in node.next_functions if type(next_node) is _AccumulateGrad
-        ]
-    return accumulators
 
 
 # A plain operator (not `torch.library.custom_op`, whose Python wrappers cost the host more
