@@ -424,12 +424,7 @@ def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
     compiled graph's). Found from there: an operator runs below autograd, where a view of
     `weight` has no node to lead to it."""
     running = torch._C._current_autograd_node()
-    if running is None:
-        raise RuntimeError(
-            "megatron::linear_into_main_grad_backward ran outside a backward: it is called "
-            "only by the backward of the linear layer that uses the weight."
-        )
-    accumulators = _weight_accumulators(running)
+    accumulators = [] if running is None else _weight_accumulators(running)
     for node in accumulators:
         if node.variable is weight:
             return node

@@ -153,14 +153,20 @@ def _layer_weight(model: GPTModel) -> torch.nn.Parameter:
 
 def test_fused_weight_gradients_without_an_engine_accumulate_into_grad_as_autograd_does():
     """Compiled layers with fusion on and no engine: each weight gradient goes to `.grad`,
-    added to one already there, as the eager model's."""
+    added to one already there, as the eager model's (plain `F.linear` without an engine).
+    The compiled layers' linears compute them in their backward operator."""
     tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
-    grads = []
+    grads, computed = [], []
     for compiled in (False, True):
         model = _build(dict(gradient_accumulation_fusion=True), compiled)
-        for _ in range(2):  # the second backward adds to the first's `.grad`
-            model(tokens, labels=labels).mean().backward()
+        with mock.patch.object(
+            grad_accumulation, "weight_grad_into", wraps=grad_accumulation.weight_grad_into
+        ) as weight_grad_into:
+            for _ in range(2):  # the second backward adds to the first's `.grad`
+                model(tokens, labels=labels).mean().backward()
+        computed.append(weight_grad_into.call_count)
         grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert computed == [0, 2 * 2 * 4]  # 2 backwards of 2 layers of 4 linears
     eager, compiled = grads
     assert all(grad is not None for grad in compiled.values())
     for name, grad in eager.items():
