@@ -16,6 +16,11 @@ weights rounded, as `copy_` rounds them. Like torch's fused kernels it reads a l
 in a device tensor and skips the step on the device where the optimizer's `found_inf` is 1
 (`device_step.py`), so a CUDA graph can capture it.
 
+A step can scale the gradients first (`GradScale`: Megatron's clipping coefficient). The kernel
+multiplies each gradient as it reads it, so clipping costs no pass of its own over the gradients
+(reading and writing them all, 8 bytes per element); the product is rounded to fp32 as an
+in-place `_foreach_mul_` rounds it, so the update is the same. The gradients keep their values.
+
 A step can also record absolute maxima of the new weights (`StepAmaxes`): Megatron-FSDP's FP8
 weights (`fp8_param_gather`) are scaled from them, which the kernel takes from the values it
 writes, sparing a second pass over the fp32 main weights.
@@ -108,10 +113,14 @@ if triton is not None:
         hyper,
         lr_ptr,
         found_inf_ptr,
+        grad_scale,
+        grad_scale_ptr,
         DECOUPLED: tl.constexpr,
         DECAY: tl.constexpr,
         LR_ON_DEVICE: tl.constexpr,
         SKIP_ON_DEVICE: tl.constexpr,
+        SCALE_GRADS: tl.constexpr,
+        SCALE_ON_DEVICE: tl.constexpr,
         RECORD_AMAX: tl.constexpr,
         COPY_DTYPE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -157,12 +166,16 @@ if triton is not None:
         bias_correction1 = (1.0 - libdevice.pow(beta1, step)).to(tl.float32)
         bias_correction2_sqrt = tl.sqrt(1.0 - libdevice.pow(beta2, step)).to(tl.float32)
         step_size = (lr / bias_correction1.to(tl.float64)).to(tl.float32)
+        if SCALE_ON_DEVICE:
+            grad_scale = tl.load(grad_scale_ptr)
 
         for block in range(BLOCKS):
             offsets = start + block * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < numel
             p = tl.load(param + offsets, mask=mask)
             g = tl.load(grad + offsets, mask=mask)
+            if SCALE_GRADS:
+                g = g * grad_scale
             m = tl.load(exp_avg + offsets, mask=mask)
             v = tl.load(exp_avg_sq + offsets, mask=mask)
             if DECAY:
@@ -209,10 +222,32 @@ class StepAmaxes:
     recorded: Callable[[], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class GradScale:
+    """A factor every gradient is multiplied by before a step updates with it (Megatron's
+    clipping coefficient, `clip_grads.py`).
+
+    The fused kernel multiplies each gradient as it reads it and leaves the gradients as they
+    are; a step that does not run the kernel calls `scale_in_place` before torch's update. So,
+    as with the scale of torch's `GradScaler` in its fused optimizers, the optimizer's step
+    hooks may see the gradients unscaled.
+
+    Attributes:
+        factor: a host number, or a 0-dim fp32 tensor on the gradients' device (a step that a
+            CUDA graph captures).
+        scale_in_place: multiplies the gradients the optimizer steps with by `factor`, each
+            once, rounding as the kernel does (the product in fp32, once).
+    """
+
+    factor: float | torch.Tensor
+    scale_in_place: Callable[[], None]
+
+
 def step_and_copy(
     optimizer: torch.optim.Optimizer,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     amaxes: Sequence[StepAmaxes | None] = (),
+    grad_scale: GradScale | None = None,
 ) -> None:
     """`optimizer.step()`, then `model.copy_(main)` for each `(model, main)` of `copies` and the
     absolute maxima `amaxes` ask for: in one kernel per parameter group where the module
@@ -227,8 +262,13 @@ def step_and_copy(
         amaxes: the absolute maxima to record (None entries, from an engine without weights
             scaled from them, are skipped); each weight the optimizer steps whole has at most
             one slot.
+        grad_scale: the gradients multiplied by its factor before the update (None: as they
+            are). In the kernel the gradients' memory keeps its values.
     """
     amaxes = [request for request in amaxes if request is not None]
+    if grad_scale is not None and not _is_foldable(grad_scale):
+        grad_scale.scale_in_place()
+        grad_scale = None
     # torch wraps each optimizer class's `step` in the hook runner; the wrapped function is
     # the update alone, for a step the kernel cannot take once the hooks ran.
     hooked_step = type(optimizer).step
@@ -239,6 +279,8 @@ def step_and_copy(
         or not getattr(hooked_step, "hooked", False)
         or getattr(optimizer, "grad_scale", None) is not None
     ):
+        if grad_scale is not None:
+            grad_scale.scale_in_place()
         optimizer.step()
         _copy(copies)
         _record(amaxes, [])
@@ -257,12 +299,15 @@ def step_and_copy(
             targets = _amax_targets(optimizer, amaxes)
             launches = _plan(optimizer, copies, targets)
         except _Unfusable:
+            if grad_scale is not None:
+                grad_scale.scale_in_place()
             update(*args, **kwargs)
         else:
             found_inf = getattr(optimizer, "found_inf", None)
+            factor = None if grad_scale is None else grad_scale.factor
             for launch in launches:
                 torch._foreach_add_(launch.steps, 1)
-                launch.run(found_inf)
+                launch.run(found_inf, factor)
                 if found_inf is not None:  # torch takes the count back the same way
                     torch._foreach_sub_(launch.steps, [found_inf] * len(launch.steps))
             recorded = _kernel_records(targets, launches)
@@ -400,18 +445,23 @@ class _Launch:
     decay: bool
     copy_dtype: torch.dtype
 
-    def run(self, found_inf: torch.Tensor | None) -> None:
+    def run(self, found_inf: torch.Tensor | None, grad_scale: float | torch.Tensor | None) -> None:
         hyper = self.tables.hyper
+        scale_on_device = isinstance(grad_scale, torch.Tensor)
         _adam_kernel[(len(self.tables.programs),)](
             self.tables.tensors,
             self.tables.programs,
             hyper,
             hyper if self.lr is None else self.lr,
             hyper if found_inf is None else found_inf,
+            1.0 if grad_scale is None or scale_on_device else float(grad_scale),
+            grad_scale if scale_on_device else hyper,
             DECOUPLED=self.decoupled,
             DECAY=self.decay,
             LR_ON_DEVICE=self.lr is not None,
             SKIP_ON_DEVICE=found_inf is not None,
+            SCALE_GRADS=grad_scale is not None,
+            SCALE_ON_DEVICE=scale_on_device,
             RECORD_AMAX=bool(self.amax_rows),
             COPY_DTYPE=_TRITON_DTYPES[self.copy_dtype],
             BLOCK=_BLOCK,
@@ -720,6 +770,15 @@ def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int], numels: 
 def _is_captured(tables: _Tables) -> bool:
     """Whether a CUDA graph captured a launch with `tables`."""
     return any(tables is captured for captured in _captured)
+
+
+def _is_foldable(grad_scale: GradScale) -> bool:
+    """Whether the kernel can read `grad_scale`'s factor (a host number, or a device scalar
+    on the current device, where the kernel runs)."""
+    factor = grad_scale.factor
+    if not isinstance(factor, torch.Tensor):
+        return True
+    return _is_device_scalar(factor) and factor.device.index == torch.cuda.current_device()
 
 
 def _is_device_scalar(tensor: torch.Tensor) -> bool:

@@ -26,10 +26,15 @@ replicated ones are placed `Replicate` there and counted once.
 
 The `*_on_device` variants compute the same values as device tensors, with no host
 synchronisation, for a step a CUDA graph captures (`MegatronOptimizer.step_on_device`).
+
+The optimizer's step clips through `clip_scale` / `clip_scale_on_device`: the coefficient goes
+to the fused step, which multiplies each gradient as it reads it (`fused_adam.GradScale`), and
+the gradients are scaled in place only where that kernel does not run.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -38,6 +43,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from megatron.core.fusions.fused_adam import GradScale
 
 # The groups a gradient's local sum is all-reduced over: () for replicated gradients.
 GroupKey = tuple[dist.ProcessGroup, ...]
@@ -179,10 +186,24 @@ def clip_grad_by_total_norm_fp32(
         max_norm: the largest norm allowed.
         total_norm: their global norm, from `get_grad_norm_fp32`.
     """
+    scale = clip_scale(grads, max_norm, total_norm)
+    if scale is not None:
+        scale.scale_in_place()
+
+
+def clip_scale(
+    grads: Iterable[torch.Tensor], max_norm: float, total_norm: float
+) -> GradScale | None:
+    """`clip_grad_by_total_norm_fp32` as the factor a step multiplies the gradients by
+    (`step_and_copy`'s `grad_scale`); None where clipping leaves them as they are."""
     clip_coeff = max_norm / (total_norm + _CLIP_EPS)
-    if clip_coeff < 1.0:
-        locals_ = [_local_and_groups(grad)[0] for grad in grads]
-        torch._foreach_mul_(locals_, clip_coeff)
+    if clip_coeff >= 1.0:
+        return None
+    return GradScale(clip_coeff, functools.partial(_scale, list(grads), clip_coeff))
+
+
+def _scale(grads: list[torch.Tensor], clip_coeff: float) -> None:
+    torch._foreach_mul_([_local_and_groups(grad)[0] for grad in grads], clip_coeff)
 
 
 @torch.no_grad()
@@ -228,9 +249,22 @@ def clip_grad_by_norm_on_device(
     below 1, a multiplication that changes nothing) and applied in fp32, as `_foreach_mul_`
     applies a host number, so the clipped gradients equal the host path's bitwise.
     """
+    clip_scale_on_device(grads, max_norm, total_norm).scale_in_place()
+
+
+@torch.no_grad()
+def clip_scale_on_device(
+    grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor
+) -> GradScale:
+    """`clip_grad_by_norm_on_device` as the factor a step multiplies the gradients by
+    (`step_and_copy`'s `grad_scale`): a 0-dim fp32 tensor, 1 where clipping changes nothing."""
     # full_like, not new_tensor: a copy from host memory cannot be captured.
     clip_coeff = torch.full_like(total_norm, max_norm) / (total_norm + _CLIP_EPS)
     clip_coeff = torch.clamp(clip_coeff, max=1.0).float()
+    return GradScale(clip_coeff, functools.partial(_scale_on_device, list(grads), clip_coeff))
+
+
+def _scale_on_device(grads: list[torch.Tensor], clip_coeff: torch.Tensor) -> None:
     locals_ = [_local_and_groups(grad)[0] for grad in grads]
     fp32 = [t for t in locals_ if t.dtype == torch.float32]
     if fp32:

@@ -26,9 +26,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from megatron.core.fusions.fused_adam import StepAmaxes, step_and_copy
+from megatron.core.fusions.fused_adam import GradScale, StepAmaxes, step_and_copy
 from megatron.core.optimizer.clip_grads import (
-    clip_grad_by_norm_on_device,
+    clip_scale_on_device,
     count_zeros_on_device,
     grad_norm_on_device,
 )
@@ -160,16 +160,17 @@ def step_skipping_on_device(
     found_inf: torch.Tensor,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     amaxes: Sequence[StepAmaxes | None] = (),
+    grad_scale: GradScale | None = None,
 ) -> None:
-    """`step_and_copy(optimizer, copies, amaxes)`, the step skipped by its kernels where
-    `found_inf` (0-dim fp32) is 1 (the model then keeps the weights it has).
+    """`step_and_copy(optimizer, copies, amaxes, grad_scale)`, the step skipped by its kernels
+    where `found_inf` (0-dim fp32) is 1 (the model then keeps the weights it has).
 
     torch's optimizers read `found_inf` from the attribute of that name, which its
     `GradScaler` sets around `step()` the same way.
     """
     optimizer.found_inf = found_inf
     try:
-        step_and_copy(optimizer, copies, amaxes)
+        step_and_copy(optimizer, copies, amaxes, grad_scale)
     finally:
         del optimizer.found_inf
 
@@ -200,11 +201,12 @@ def device_step(
     grad_norm = grad_norm_on_device(grads, device)
     num_zeros = count_zeros_on_device(grads, device) if config.log_num_zeros_in_grad else None
     found_inf = torch.isfinite(grad_norm).logical_not().float()
+    clip = None
     if config.clip_grad > 0.0:
-        # A non-finite norm makes the gradients nan here; the kernels skip them.
-        clip_grad_by_norm_on_device(grads, config.clip_grad, grad_norm)
+        # A non-finite norm makes the coefficient nan; the kernels skip the step.
+        clip = clip_scale_on_device(grads, config.clip_grad, grad_norm)
     check_state_exists(optimizer)
     zero_momentum_buffers(optimizer)
     with learning_rates.in_groups():
-        step_skipping_on_device(optimizer, found_inf, copies, amaxes)
+        step_skipping_on_device(optimizer, found_inf, copies, amaxes, clip)
     return DeviceStepResult(grad_norm, found_inf, num_zeros)

@@ -44,7 +44,7 @@ from megatron.core.distributed.engine import (
 )
 from megatron.core.fusions.fused_adam import StepAmaxes, step_and_copy
 from megatron.core.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32,
+    clip_scale,
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
@@ -262,9 +262,10 @@ class MegatronOptimizer:
                 num_zeros = count_zeros_fp32(counted, self._pp_group)
             if not math.isfinite(grad_norm):
                 return False, grad_norm, num_zeros
+            clip = None
             if self.config.clip_grad > 0.0:
-                clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
-            step_and_copy(self.optimizer, self._model_weight_copies(), self._step_amaxes())
+                clip = clip_scale(grads, self.config.clip_grad, grad_norm)
+            step_and_copy(self.optimizer, self._model_weight_copies(), self._step_amaxes(), clip)
             self._model_weights_written()
         return True, grad_norm, num_zeros
 

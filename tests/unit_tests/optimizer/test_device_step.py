@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import copy
 import math
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    MegatronOptimizer,
+    OptimizerConfig,
+    clip_grads,
+    get_megatron_optimizer,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from tests.unit_tests.distributed.fsdp.fsdp_training import full_state
 from tests.unit_tests.distributed_harness import run_distributed
@@ -50,7 +56,7 @@ def _pair(
 def _set_grads(model: torch.nn.Module, step: int, non_finite: bool) -> None:
     generator = torch.Generator().manual_seed(step)
     for param in model.parameters():
-        param.grad = torch.randn(param.shape, generator=generator)
+        param.grad = torch.randn(param.shape, generator=generator).to(param.device)
         param.grad[param.grad.abs() < 0.1] = 0.0  # some zeros to count
     if non_finite:
         next(model.parameters()).grad.view(-1)[0] = float("nan")
@@ -102,6 +108,40 @@ def test_device_step_equals_the_host_step(name, clip_grad, non_finite_step):
         for key, value in full_state(device_model).items():
             assert torch.equal(value, host_weights[key]), key
     _assert_states_equal(_optimizer_state(device), _optimizer_state(host))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [False, True], ids=["step", "step_on_device"])
+def test_clipping_runs_in_the_fused_step(on_device):
+    """On a GPU the clipping coefficient goes to the fused step's kernel, which multiplies the
+    gradients as it reads them: after the first step (torch's, which makes the moments) nothing
+    scales them in place, and the weights equal, bitwise, those of steps without clipping over
+    gradients multiplied by the coefficient in place."""
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=CLIP_ACTIVE)
+    unclipped = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=0.0)
+    model, reference_model = build_tiny_gpt().cuda(), build_tiny_gpt().cuda()
+    optimizer = get_megatron_optimizer(config, model, capturable=on_device)
+    reference = get_megatron_optimizer(unclipped, reference_model, capturable=on_device)
+    in_place = "_scale_on_device" if on_device else "_scale"
+    with mock.patch.object(clip_grads, in_place, wraps=getattr(clip_grads, in_place)) as scale:
+        for step in range(NUM_STEPS):
+            _set_grads(model, step, non_finite=False)
+            _set_grads(reference_model, step, non_finite=False)
+            if on_device:
+                optimizer.write_learning_rates_to_device()
+                reference.write_learning_rates_to_device()
+                grad_norm = optimizer.step_on_device().grad_norm.item()
+            else:
+                grad_norm = optimizer.step()[1]
+            assert scale.call_count == 1  # the first step's, in torch's step
+            coefficient = CLIP_ACTIVE / (grad_norm + 1.0e-6)
+            assert coefficient < 1.0
+            grads = [param.grad for param in reference_model.parameters()]
+            torch._foreach_mul_(grads, coefficient)
+            reference.step_on_device() if on_device else reference.step()
+            reference_weights = full_state(reference_model)
+            for key, value in full_state(model).items():
+                assert torch.equal(value, reference_weights[key]), (step, key)
 
 
 def test_learning_rates_come_from_the_scheduler_rounded_to_fp32():

@@ -15,7 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron.core.fp8.quantize import record_amax
 from megatron.core.fusions import fused_adam
-from megatron.core.fusions.fused_adam import step_and_copy
+from megatron.core.fusions.fused_adam import GradScale, step_and_copy
 
 # Sizes over several programs (40000 > one program's 2048 elements), below one vector (3), and
 # not a multiple of the vector width (1001).
@@ -457,6 +457,74 @@ def test_cpu_is_torch_step_then_copy(planned):
         got, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=True, device="cpu")
     expected, _ = _run(torch.optim.AdamW, 1e-3, 0.1, torch.bfloat16, fused=False, device="cpu")
     _assert_equal_histories(got, expected)
+
+
+def _scaling(grads: list, factor, calls: list[int], step: int):
+    """Multiplies `grads` by `factor` in place, noting `step` in `calls`."""
+
+    def scale() -> None:
+        calls.append(step)
+        torch._foreach_mul_(grads, factor)
+
+    return scale
+
+
+def _scaled_steps(device: str, factor_kind: str, fold: bool) -> tuple[list, list, list, object]:
+    """Four AdamW steps whose gradients are multiplied by a clipping coefficient (below one,
+    not exact in binary): handed to the step as a `GradScale` (`fold`), or multiplied in place
+    before an unscaled step. Returns each step's snapshot, the gradients after the last step,
+    the steps whose gradients were scaled in place, and the optimizer."""
+    mains, grads, models = _problem(device, torch.bfloat16)
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+    copies = list(zip(models, mains))
+    history, in_place = [], []
+    with torch.no_grad():
+        for step, step_grads in enumerate(grads):
+            for main, grad in zip(mains, step_grads):
+                main.grad = grad.clone()
+            coeff = 0.3 + 0.1 * step
+            factor = {
+                "host": coeff,
+                "device": torch.tensor(coeff, device=device),
+                "device-fp64": torch.tensor(coeff, dtype=torch.float64, device=device),
+            }[factor_kind]
+
+            scale = _scaling([main.grad for main in mains], factor, in_place, step)
+            if fold:
+                step_and_copy(optimizer, copies, grad_scale=GradScale(factor, scale))
+            else:
+                scale()
+                step_and_copy(optimizer, copies)
+            history.append(_snapshot(optimizer, mains, models))
+    return history, [main.grad.clone() for main in mains], in_place, optimizer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factor_kind", ["host", "device", "device-fp64"])
+def test_grad_scale_multiplies_the_gradients_in_the_kernel(factor_kind):
+    """A clipping coefficient handed to the step updates bitwise as gradients multiplied by it
+    in place first (the product rounded to fp32 once either way). The kernel reads it (a host
+    number or an fp32 device scalar) and leaves the gradients unscaled; the first step (torch's,
+    which makes the moments) and a factor the kernel cannot read (fp64) scale them in place,
+    and the kernel steps with them."""
+    got, grads_after, in_place, optimizer = _scaled_steps("cuda", factor_kind, fold=True)
+    expected, _, _, _ = _scaled_steps("cuda", factor_kind, fold=False)
+    _assert_equal_histories(got, expected)
+    assert len(fused_adam._tables[optimizer]) == 2  # steps 2-4 took the kernel
+    if factor_kind == "device-fp64":
+        assert in_place == [0, 1, 2, 3]
+    else:
+        assert in_place == [0]
+        last_grads = _problem("cuda", torch.bfloat16)[1][-1]
+        _assert_equal_histories([grads_after], [last_grads])
+
+
+def test_cpu_scales_the_gradients_in_place():
+    got, grads_after, in_place, _ = _scaled_steps("cpu", "host", fold=True)
+    expected, expected_grads, _, _ = _scaled_steps("cpu", "host", fold=False)
+    _assert_equal_histories(got, expected)
+    _assert_equal_histories([grads_after], [expected_grads])
+    assert in_place == [0, 1, 2, 3]
 
 
 def _step_recording_amaxes(device: str, skips: tuple[float, ...]) -> list[tuple]:
