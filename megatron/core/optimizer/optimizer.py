@@ -168,7 +168,9 @@ class MegatronOptimizer:
         """
         skip = self._second_copies if counted_once else set()
         if self._engine_keeps_main_weights:
-            return [p.grad for p in self._parameters if p.grad is not None and p not in skip]
+            # A tensor's hash is a Python call: none where nothing is skipped (the common case).
+            params = [p for p in self._parameters if p not in skip] if skip else self._parameters
+            return [p.grad for p in params if p.grad is not None]
         return [
             self._global_view(param, main.grad)
             for param, main in self._main_params.items()
