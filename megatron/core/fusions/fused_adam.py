@@ -16,10 +16,11 @@ weights rounded, as `copy_` rounds them. Like torch's fused kernels it reads a l
 in a device tensor and skips the step on the device where the optimizer's `found_inf` is 1
 (`device_step.py`), so a CUDA graph can capture it.
 
-A step can scale the gradients first (`GradScale`: Megatron's clipping coefficient). The kernel
-multiplies each gradient as it reads it, so clipping costs no pass of its own over the gradients
-(reading and writing them all, 8 bytes per element); the product is rounded to fp32 as an
-in-place `_foreach_mul_` rounds it, so the update is the same. The gradients keep their values.
+A step can scale the gradients first (`GradScale`: Megatron's clipping coefficient). On NVIDIA
+GPUs the kernel multiplies each gradient as it reads it, so clipping costs no pass of its own
+over the gradients (reading and writing them all, 8 bytes per element); the product is rounded
+to fp32 as an in-place `_foreach_mul_` rounds it, so the update is the same. The gradients keep
+their values.
 
 A step can also record absolute maxima of the new weights (`StepAmaxes`): Megatron-FSDP's FP8
 weights (`fp8_param_gather`) are scaled from them, which the kernel takes from the values it
@@ -107,6 +108,20 @@ if triton is not None:
             tl.atomic_max(pointer, value)
 
     @triton.jit
+    def _rounded_product(values, factor):
+        """`values * factor` rounded to fp32, as PTX's `mul.rn.f32` rounds it. As plain Triton
+        the compiler may carry the product unrounded into the float64 arithmetic that follows
+        (Adam's L2 decay did), and the update would differ from an in-place multiplication's."""
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;",
+            "=r,r,r",
+            [values, factor + tl.zeros_like(values)],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+
+    @triton.jit
     def _adam_kernel(
         tensors,
         programs,
@@ -175,7 +190,7 @@ if triton is not None:
             p = tl.load(param + offsets, mask=mask)
             g = tl.load(grad + offsets, mask=mask)
             if SCALE_GRADS:
-                g = g * grad_scale
+                g = _rounded_product(g, grad_scale)
             m = tl.load(exp_avg + offsets, mask=mask)
             v = tl.load(exp_avg_sq + offsets, mask=mask)
             if DECAY:
@@ -230,7 +245,8 @@ class GradScale:
     The fused kernel multiplies each gradient as it reads it and leaves the gradients as they
     are; a step that does not run the kernel calls `scale_in_place` before torch's update. So,
     as with the scale of torch's `GradScaler` in its fused optimizers, the optimizer's step
-    hooks may see the gradients unscaled.
+    hooks may see the gradients unscaled, and a pre-hook that replaces a `.grad` tensor has its
+    replacement scaled by the kernel but not by `scale_in_place`.
 
     Attributes:
         factor: a host number, or a 0-dim fp32 tensor on the gradients' device (a step that a
@@ -773,8 +789,10 @@ def _is_captured(tables: _Tables) -> bool:
 
 
 def _is_foldable(grad_scale: GradScale) -> bool:
-    """Whether the kernel can read `grad_scale`'s factor (a host number, or a device scalar
-    on the current device, where the kernel runs)."""
+    """Whether the kernel can take `grad_scale`'s factor: a host number, or a device scalar on
+    the current device (where the kernel runs), on an NVIDIA GPU (its multiplication is PTX)."""
+    if torch.version.hip is not None:
+        return False
     factor = grad_scale.factor
     if not isinstance(factor, torch.Tensor):
         return True

@@ -11,7 +11,9 @@ A Megatron training step with it::
     scheduler.step(1)
 
 `step()` computes the global gradient norm, skips the update when the norm is not finite (the caller
-logs it), else clips the gradients to `clip_grad` and steps. `step_on_device()` does the same with
+logs it), else steps with the gradients clipped to `clip_grad` (the fused Adam kernel multiplies
+them by the clipping coefficient as it reads them, leaving them unclipped; elsewhere they are
+clipped in place first: `fused_adam.GradScale`). `step_on_device()` does the same with
 no host synchronisation, for a CUDA graph to capture (`device_step.py`). Under Megatron-FSDP the
 torch optimizer steps the local shards of the DTensor main weights (`local_main_weights`: plain
 tensors on the same storage, so the step pays no DTensor dispatch), connected with
@@ -235,7 +237,8 @@ class MegatronOptimizer:
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float, int | None]:
-        """Clips the gradients to `config.clip_grad` and updates the parameters, unless the
+        """Updates the parameters with the gradients clipped to `config.clip_grad` (module
+        docstring: in the fused kernel the gradients themselves stay unclipped), unless the
         gradient norm is inf or nan (the same decision on every rank). A skipped step leaves
         the gradients as they are: the loop's `zero_grad_buffer()` / `zero_grad()` drop them.
 

@@ -469,13 +469,15 @@ def _scaling(grads: list, factor, calls: list[int], step: int):
     return scale
 
 
-def _scaled_steps(device: str, factor_kind: str, fold: bool) -> tuple[list, list, list, object]:
-    """Four AdamW steps whose gradients are multiplied by a clipping coefficient (below one,
-    not exact in binary): handed to the step as a `GradScale` (`fold`), or multiplied in place
-    before an unscaled step. Returns each step's snapshot, the gradients after the last step,
-    the steps whose gradients were scaled in place, and the optimizer."""
+def _scaled_steps(
+    kind: type, device: str, factor_kind: str, fold: bool
+) -> tuple[list, list, list, object]:
+    """Four steps (with weight decay) whose gradients are multiplied by a clipping coefficient
+    (below one, not exact in binary): handed to the step as a `GradScale` (`fold`), or
+    multiplied in place before an unscaled step. Returns each step's snapshot, the gradients
+    after the last step, the steps whose gradients were scaled in place, and the optimizer."""
     mains, grads, models = _problem(device, torch.bfloat16)
-    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-2, 0.1)
+    optimizer = _optimizer(kind, mains, 1e-2, 0.1)
     copies = list(zip(models, mains))
     history, in_place = [], []
     with torch.no_grad():
@@ -500,15 +502,17 @@ def _scaled_steps(device: str, factor_kind: str, fold: bool) -> tuple[list, list
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
 @pytest.mark.parametrize("factor_kind", ["host", "device", "device-fp64"])
-def test_grad_scale_multiplies_the_gradients_in_the_kernel(factor_kind):
+def test_grad_scale_multiplies_the_gradients_in_the_kernel(kind, factor_kind):
     """A clipping coefficient handed to the step updates bitwise as gradients multiplied by it
     in place first (the product rounded to fp32 once either way). The kernel reads it (a host
     number or an fp32 device scalar) and leaves the gradients unscaled; the first step (torch's,
     which makes the moments) and a factor the kernel cannot read (fp64) scale them in place,
-    and the kernel steps with them."""
-    got, grads_after, in_place, optimizer = _scaled_steps("cuda", factor_kind, fold=True)
-    expected, _, _, _ = _scaled_steps("cuda", factor_kind, fold=False)
+    and the kernel steps with them. Adam's L2 decay adds to the scaled gradient, AdamW's
+    decays the weight."""
+    got, grads_after, in_place, optimizer = _scaled_steps(kind, "cuda", factor_kind, fold=True)
+    expected, _, _, _ = _scaled_steps(kind, "cuda", factor_kind, fold=False)
     _assert_equal_histories(got, expected)
     assert len(fused_adam._tables[optimizer]) == 2  # steps 2-4 took the kernel
     if factor_kind == "device-fp64":
@@ -519,9 +523,33 @@ def test_grad_scale_multiplies_the_gradients_in_the_kernel(factor_kind):
         _assert_equal_histories([grads_after], [last_grads])
 
 
+@pytest.mark.gpu
+def test_a_skipped_step_leaves_its_scaled_gradients_unread():
+    """`found_inf` 1 with a device factor that is nan (the coefficient of a nan norm): the
+    kernel skips the step before it reads the factor; weights, moments and gradients stay."""
+    mains, grads, models = _problem("cuda", torch.bfloat16)
+    optimizer = _optimizer(torch.optim.AdamW, mains, 1e-3, 0.1, capturable=True)
+    copies = list(zip(models, mains))
+    in_place = []
+    with torch.no_grad():
+        for step, skip in enumerate((0.0, 0.0, 1.0)):
+            for main, grad in zip(mains, grads[step]):
+                main.grad = grad.clone()
+            before = _snapshot(optimizer, mains, models) if optimizer.state else None
+            factor = torch.tensor(float("nan") if skip else 0.5, device="cuda")
+            scale = _scaling([main.grad for main in mains], factor, in_place, step)
+            optimizer.found_inf = torch.tensor(skip, device="cuda")
+            step_and_copy(optimizer, copies, grad_scale=GradScale(factor, scale))
+            del optimizer.found_inf
+        _assert_equal_histories([_snapshot(optimizer, mains, models)], [before])
+    assert in_place == [0]
+    _assert_equal_histories([[main.grad for main in mains]], [grads[2]])
+    assert len(fused_adam._tables[optimizer]) == 2
+
+
 def test_cpu_scales_the_gradients_in_place():
-    got, grads_after, in_place, _ = _scaled_steps("cpu", "host", fold=True)
-    expected, expected_grads, _, _ = _scaled_steps("cpu", "host", fold=False)
+    got, grads_after, in_place, _ = _scaled_steps(torch.optim.AdamW, "cpu", "host", fold=True)
+    expected, expected_grads, _, _ = _scaled_steps(torch.optim.AdamW, "cpu", "host", fold=False)
     _assert_equal_histories(got, expected)
     _assert_equal_histories([grads_after], [expected_grads])
     assert in_place == [0, 1, 2, 3]
