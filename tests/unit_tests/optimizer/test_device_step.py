@@ -144,6 +144,42 @@ def test_clipping_runs_in_the_fused_step(on_device):
                 assert torch.equal(value, reference_weights[key]), (step, key)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [False, True], ids=["step", "step_on_device"])
+def test_clipped_fused_step_matches_torch_clip_and_adamw(on_device):
+    """The reference a user compares with: `torch.nn.utils.clip_grad_norm_` and then torch's
+    fused AdamW, with the same parameter groups. The fused kernel's update agrees with torch's
+    to fp32 rounding (its norm sums the squares in another order than torch's)."""
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=CLIP_ACTIVE)
+    model, reference_model = build_tiny_gpt().cuda(), build_tiny_gpt().cuda()
+    optimizer = get_megatron_optimizer(config, model, capturable=on_device)
+    index = {id(param): i for i, param in enumerate(model.parameters())}
+    reference_params = list(reference_model.parameters())
+    groups = [
+        {
+            **{key: value for key, value in group.items() if key != "params"},
+            "params": [reference_params[index[id(param)]] for param in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+    reference = type(optimizer.optimizer)(groups)
+    for step in range(NUM_STEPS):
+        _set_grads(model, step, non_finite=False)
+        _set_grads(reference_model, step, non_finite=False)
+        if on_device:
+            optimizer.write_learning_rates_to_device()
+            grad_norm = optimizer.step_on_device().grad_norm.item()
+        else:
+            grad_norm = optimizer.step()[1]
+        reference_norm = torch.nn.utils.clip_grad_norm_(reference_params, CLIP_ACTIVE)
+        assert grad_norm > CLIP_ACTIVE  # the clipping acted
+        assert grad_norm == pytest.approx(reference_norm.item(), rel=1e-6)
+        reference.step()
+        reference_weights = full_state(reference_model)
+        for key, value in full_state(model).items():
+            torch.testing.assert_close(value, reference_weights[key], msg=f"{step} {key}")
+
+
 def test_learning_rates_come_from_the_scheduler_rounded_to_fp32():
     """Several parameter groups (decoupled rate), rates of a warmup that fp32 cannot represent:
     the device step equals the host step at the fp32-rounded rates, and leaves the scheduler's
