@@ -280,11 +280,6 @@ def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
             megatron_fsdp_accumulate_unsharded_grads=True,
         )
         wrapped = FullyShardedDataParallel(model.config, ddp_config, model)
-    # Fusions so far at each forward: a microbatch's backward runs before the next forward.
-    fusions_at_forward = []
-    fuse = mock.patch.object(grad_accumulation, "_fuse", wraps=grad_accumulation._fuse)
-    counter = fuse.start()
-    model.register_forward_hook(lambda *_: fusions_at_forward.append(counter.call_count))
 
     def step(optimizer: torch.optim.Optimizer) -> None:
         if engine == "ddp":  # its reduced gradients are in `main_grad`
@@ -293,8 +288,11 @@ def _train_engine(engine: str) -> tuple[dict[str, torch.Tensor], list[int]]:
         optimizer.step()
         optimizer.zero_grad()
 
-    megatron_loop(wrapped, torch.optim.SGD(model.parameters(), lr=0.5), step)
-    fuse.stop()
+    # Fusions so far at each forward: a microbatch's backward runs before the next forward.
+    fusions_at_forward = []
+    with mock.patch.object(grad_accumulation, "_fuse", wraps=grad_accumulation._fuse) as counter:
+        model.register_forward_hook(lambda *_: fusions_at_forward.append(counter.call_count))
+        megatron_loop(wrapped, torch.optim.SGD(model.parameters(), lr=0.5), step)
     counts = [*fusions_at_forward, counter.call_count]
     fused = [after - before for before, after in zip(counts, counts[1:])]
     state = {
