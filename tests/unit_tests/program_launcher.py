@@ -191,6 +191,9 @@ def run_program(
             if nproc is not None:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank))
             out, err = f"{logs}/{rank}.out", f"{logs}/{rank}.err"
+            # Made here: a rank stopped before it starts (another failed first) opens neither.
+            Path(out).touch()
+            Path(err).touch()
             outputs.append((out, err))
             process = context.Process(
                 target=_run_as_main,
