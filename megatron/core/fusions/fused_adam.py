@@ -283,7 +283,7 @@ def step_and_copy(
     """
     amaxes = [request for request in amaxes if request is not None]
     if grad_scale is not None and not _is_foldable(grad_scale):
-        grad_scale.scale_in_place()
+        _scale_in_place(grad_scale)
         grad_scale = None
     # torch wraps each optimizer class's `step` in the hook runner; the wrapped function is
     # the update alone, for a step the kernel cannot take once the hooks ran.
@@ -295,8 +295,7 @@ def step_and_copy(
         or not getattr(hooked_step, "hooked", False)
         or getattr(optimizer, "grad_scale", None) is not None
     ):
-        if grad_scale is not None:
-            grad_scale.scale_in_place()
+        _scale_in_place(grad_scale)
         optimizer.step()
         _copy(copies)
         _record(amaxes, [])
@@ -315,8 +314,7 @@ def step_and_copy(
             targets = _amax_targets(optimizer, amaxes)
             launches = _plan(optimizer, copies, targets)
         except _Unfusable:
-            if grad_scale is not None:
-                grad_scale.scale_in_place()
+            _scale_in_place(grad_scale)
             update(*args, **kwargs)
         else:
             found_inf = getattr(optimizer, "found_inf", None)
@@ -786,6 +784,13 @@ def _gradients_fusable(grads: list[torch.Tensor], addresses: list[int], numels: 
 def _is_captured(tables: _Tables) -> bool:
     """Whether a CUDA graph captured a launch with `tables`."""
     return any(tables is captured for captured in _captured)
+
+
+def _scale_in_place(grad_scale: GradScale | None) -> None:
+    """Multiplies the gradients by `grad_scale`'s factor, where there is one, before a step
+    that reads them unscaled (torch's own)."""
+    if grad_scale is not None:
+        grad_scale.scale_in_place()
 
 
 def _is_foldable(grad_scale: GradScale) -> bool:
