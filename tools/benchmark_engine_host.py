@@ -62,12 +62,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.bursts < 2 or args.burst_steps < 1 or args.warmup_steps < 0:
         parser.error("--bursts must be >= 2, --burst-steps >= 1 and --warmup-steps >= 0.")
+    return with_engine_defaults(parser, args, engines=f"single,{args.engine}")
+
+
+def with_engine_defaults(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, engines: str
+) -> argparse.Namespace:
+    """`args` completed with the rest of what `build_engine` reads, at `tools/benchmark_fsdp.py`'s
+    defaults, for `engines` (comma-separated), and checked as that tool checks them; one rank
+    only."""
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         parser.error("it runs on one rank: launch it with --nproc-per-node 1.")
-    # The rest of what `build_engine` reads, at `tools/benchmark_fsdp.py`'s defaults.
     for name, value in vars(build_parser().parse_args([])).items():
         args.__dict__.setdefault(name, value)
-    args.engines = f"single,{args.engine}"
+    args.engines = engines
     return check_args(parser, args)
 
 

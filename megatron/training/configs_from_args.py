@@ -219,6 +219,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         compile_layers=args.compile_layers,
         compile_backend=args.compile_backend,
+        compile_cpp_wrapper=args.compile_cpp_wrapper,
         seq_length=args.seq_length,
         num_moe_experts=args.num_experts,
         expert_model_parallel_size=args.expert_model_parallel_size,

@@ -99,6 +99,12 @@ def add_model_args(parser: argparse.ArgumentParser, micro_batch_size: int = 2) -
         action="store_true",
         help="torch.compile each transformer layer (TransformerConfig.compile_layers, inductor)",
     )
+    parser.add_argument(
+        "--no-compile-cpp-wrapper",
+        action="store_false",
+        dest="compile_cpp_wrapper",
+        help="--compile-layers' kernels launched from generated Python, not C++ (CUDA)",
+    )
 
 
 def parallel_sizes(
@@ -167,6 +173,7 @@ def build_gpt(
         attention_backend=AttnBackend[args.attention_backend],
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         compile_layers=args.compile_layers,
+        compile_cpp_wrapper=args.compile_cpp_wrapper,
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
         tensor_model_parallel_size=tp,

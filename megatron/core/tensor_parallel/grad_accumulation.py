@@ -45,6 +45,7 @@ target is not read); elsewhere the product is formed in the inputs' dtype and ad
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -376,8 +377,10 @@ def _linear_into_main_grad_backward(
         RuntimeError: `torch.autograd.grad` asks for the weight's gradient, which this
             operator cannot return.
     """
-    grad_2d = _flat(grad_output)
     grad_input = grad_output.matmul(weight)
+    if _inductor_sample_run():
+        return grad_input
+    grad_2d = _flat(grad_output)
     weight_node = _accumulate_grad_node(weight)
     weight = weight_node.variable  # the parameter, where a checkpoint saved another tensor
     accumulates = _accumulates(weight_node)
@@ -399,6 +402,16 @@ def _linear_into_main_grad_backward(
             else:
                 weight.grad.add_(grad_weight)
     return grad_input
+
+
+def _inductor_sample_run() -> bool:
+    """Whether inductor is running a graph it compiles (its Python form, on sample tensors, to
+    learn what its C++ wrapper must launch): a weight gradient sent from there would be sent
+    twice, and from sample values. Inductor's graph is set only while it compiles one (and only
+    on the compiling thread); it is looked up in `sys.modules`, as importing inductor costs
+    seconds, and a process that has not imported it compiles nothing."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    return virtualized is not None and not isinstance(virtualized.V.graph, virtualized.NullHandler)
 
 
 _AccumulateGrad = torch._C._functions.AccumulateGrad

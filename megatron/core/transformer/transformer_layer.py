@@ -148,7 +148,11 @@ class TransformerLayer(MegatronModule):
         """
         run = type(self)._forward
         if self.config.compile_layers:
-            run = _compiled(run, self.config.compile_backend)
+            backend = self.config.compile_backend
+            cpp_wrapper = (
+                self.config.compile_cpp_wrapper and backend == "inductor" and hidden_states.is_cuda
+            )
+            run = _compiled(run, backend, cpp_wrapper)
         return run(self, hidden_states, attention_mask, rotary_pos_emb), None
 
     def _forward(
@@ -183,8 +187,31 @@ class TransformerLayer(MegatronModule):
 
 
 @functools.cache
-def _compiled(function: Callable[..., torch.Tensor], backend: str) -> Callable[..., torch.Tensor]:
+def _compiled(
+    function: Callable[..., torch.Tensor], backend: str, cpp_wrapper: bool
+) -> Callable[..., torch.Tensor]:
     """`function` (a layer class's `_forward`) compiled with `backend`: one compiled function
     for every layer, whose graphs the layers of one shape share (their parameters are inputs of
-    the graphs, not constants)."""
-    return torch.compile(function, backend=backend)
+    the graphs, not constants). `cpp_wrapper` (inductor only) generates the graphs' wrappers
+    in C++."""
+    options = _cpp_wrapper_options() if cpp_wrapper else None
+    return torch.compile(function, backend=backend, options=options)
+
+
+def _cpp_wrapper_options() -> dict[str, bool]:
+    """Inductor's options for a C++ wrapper. Before torch 2.13, inductor gives the wrapper's own
+    settings (`compile_fx.get_cpp_wrapper_config`) to the forward graph but not to the backward,
+    which it compiles at the first backward; without them the backward's wrapper finds no kernel
+    binaries to launch. Those settings are given here for every graph, as the environment
+    variable `TORCHINDUCTOR_CPP_WRAPPER=1` gives them in those versions. From 2.13 on, inductor
+    applies them to both graphs itself, and compiles the kernels lazily."""
+    options = {"cpp_wrapper": True}
+    if torch.__version__ < "2.13":
+        options.update(
+            {
+                "triton.autotune_at_compile_time": True,
+                "triton.store_cubin": True,
+                "triton.autotune_cublasLt": False,
+            }
+        )
+    return options

@@ -71,6 +71,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "generating kernels, to tell a compiler problem from a model one).",
     )
     group.add_argument(
+        "--no-compile-cpp-wrapper",
+        action="store_false",
+        dest="compile_cpp_wrapper",
+        help="Have inductor launch --compile-layers' kernels from generated Python code "
+        "instead of generated C++ (its cpp_wrapper; on CUDA), which costs more host time per "
+        "step and less compile time.",
+    )
+    group.add_argument(
         "--use-mcore-models",
         action="store_true",
         dest="deprecated_use_mcore_models",

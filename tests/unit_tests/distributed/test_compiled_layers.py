@@ -26,6 +26,7 @@ from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import grad_accumulation
+from megatron.core.transformer import transformer_layer
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     GLOBAL_BATCH,
     MEGATRON_LOOP_MICROBATCHES,
@@ -145,6 +146,93 @@ def test_inductor_layers_compute_the_eager_loss_and_gradients(fusion):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ),
+    ],
+)
+def test_only_inductor_on_cuda_inputs_asks_for_the_cpp_wrapper(device):
+    """The C++ wrapper is inductor's, and is asked for on CUDA only (on the CPU its build costs
+    more compile time than its launches save host time); `compile_cpp_wrapper=False` turns it
+    off."""
+    tokens, labels = (t.to(device) for t in make_token_batches(1, GLOBAL_BATCH)[0])
+    cases = [
+        ("aot_eager", True, False),
+        ("inductor", True, device == "cuda"),
+        ("inductor", False, False),
+    ]
+    for backend, cpp_wrapper, expected in cases:
+        fields = dict(compile_cpp_wrapper=cpp_wrapper)
+        model = _build(fields, compiled=True, backend=backend).to(device)
+        with mock.patch.object(
+            transformer_layer, "_compiled", side_effect=lambda function, *_: function
+        ) as compiled:
+            model(tokens, labels=labels)
+        assert compiled.call_args_list == [mock.call(mock.ANY, backend, expected)] * 2
+
+
+def test_the_backward_operator_sends_no_gradient_while_inductor_runs_a_sample():
+    """Inductor may run a graph's Python form on sample tensors to learn what its C++ wrapper
+    launches; the fusing linear's backward operator then returns the input gradient and sends
+    no weight gradient (which would be sent twice, from sample values)."""
+    from torch._inductor.virtualized import V
+
+    generator = torch.Generator().manual_seed(0)
+    grad_output, input_ = torch.randn(2, 3, 6, generator=generator).unbind()
+    weight = torch.nn.Parameter(torch.randn(6, 8, generator=generator))
+    with V.set_graph_handler(object()):
+        grad_input = torch.ops.megatron.linear_into_main_grad_backward(grad_output, input_, weight)
+    torch.testing.assert_close(grad_input, grad_output @ weight, rtol=0, atol=0)
+    assert weight.grad is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cpp_wrapper", [True, False], ids=["cpp-wrapper", "python-wrapper"])
+def test_inductor_layers_on_gpu_send_each_weight_gradient_once(cpp_wrapper):
+    """Inductor on CUDA, with the wrapper in C++ (the default) or in Python, fusion on and no
+    engine: two backwards compute each of the 2 layers' 4 weight gradients once each (a sample
+    run that sent them would compute more), reaching `.grad` as the eager model's do. Inductor's
+    caches are off so that it generates (and the test counts) both graphs' wrappers."""
+    from torch._inductor.graph import GraphLowering
+
+    torch._dynamo.reset()
+    tokens, labels = (t.cuda() for t in make_token_batches(1, GLOBAL_BATCH)[0])
+    fields = dict(gradient_accumulation_fusion=True, compile_cpp_wrapper=cpp_wrapper)
+    models = [
+        _build(fields, compiled=False).cuda(),
+        _build(fields, compiled=True, backend="inductor").cuda(),
+    ]
+    for _ in range(2):
+        models[0](tokens, labels=labels).mean().backward()
+    codegen = GraphLowering.codegen_with_cpp_wrapper
+    cpp_codegens = []
+
+    def counting_codegen(graph: GraphLowering):
+        cpp_codegens.append(graph)
+        return codegen(graph)
+
+    with (
+        torch.compiler.config.patch(force_disable_caches=True),
+        mock.patch.object(GraphLowering, "codegen_with_cpp_wrapper", counting_codegen),
+        mock.patch.object(
+            grad_accumulation, "weight_grad_into", wraps=grad_accumulation.weight_grad_into
+        ) as weight_grad_into,
+    ):
+        for _ in range(2):
+            models[1](tokens, labels=labels).mean().backward()
+    assert len(cpp_codegens) == (2 if cpp_wrapper else 0)  # the forward's and backward's
+    assert weight_grad_into.call_count == 2 * 2 * 4
+    eager, compiled = ({n: p.grad for n, p in model.named_parameters()} for model in models)
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _layer_weight(model: GPTModel) -> torch.nn.Parameter:

@@ -222,6 +222,7 @@ TRANSFORMER_CONFIG_CASES = [
     ("--cross-entropy-fusion-impl te", "cross_entropy_fusion_impl", "te"),
     ("--compile-layers", "compile_layers", True),
     ("--compile-layers --compile-backend aot_eager", "compile_backend", "aot_eager"),
+    ("--compile-layers --no-compile-cpp-wrapper", "compile_cpp_wrapper", False),
     ("--seq-length 16", "seq_length", 16),
     ("--bf16", "bf16", True),
     ("--bf16", "params_dtype", torch.bfloat16),

@@ -1,0 +1,116 @@
+"""Measures the host time that `--compile-layers` saves or costs an eager training step.
+
+Where the per-GPU batch is small the step is bound by the host. Compiled layers launch fewer
+kernels than eager ones (inductor fuses the norms, residual adds, rotary embedding and
+activations), but each compiled graph is entered through its wrapper, the generated code that
+allocates its buffers and launches its kernels: in Python (`--no-compile-cpp-wrapper`) or in C++
+(the default on CUDA). This tool builds the same model under one engine once per variant (eager
+layers, compiled with the Python wrapper, compiled with the C++ wrapper), runs them in
+alternating bursts of steps in one process (the GPU synchronised before each step: adjacent
+bursts see the same drift of the host's speed, separate processes do not), and reports each
+variant's median host milliseconds per step and its median per-burst difference from the first
+variant's, with quartiles. Each variant's build, warm-up and compile time is printed as it is
+built (later processes find inductor's kernels in its cache and compile faster).
+
+    torchrun --nproc-per-node 1 tools/benchmark_compiled_host.py --bf16 \\
+        [--engine megatron_fsdp_zero3] [--variants eager,python,cpp]
+
+Every variant holds its own model and optimizer state: for large models give fewer variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from benchmark_engine_host import host_ms, with_engine_defaults
+from benchmark_fsdp import init_distributed, make_batches
+from benchmark_lib.engines import ENGINES, build_engine
+from benchmark_lib.gpt_model import add_model_args, set_parallel_state
+
+from megatron.core import parallel_state
+
+VARIANTS = {"eager": (False, False), "python": (True, False), "cpp": (True, True)}
+"""Variant -> (`compile_layers`, `compile_cpp_wrapper`)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_args(parser, micro_batch_size=1)
+    parser.set_defaults(hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=256)
+    parser.add_argument("--engine", default="megatron_fsdp_zero3", choices=list(ENGINES))
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)}; differences are to the first",
+    )
+    parser.add_argument("--bursts", type=int, default=20, help="bursts of each, alternating")
+    parser.add_argument("--burst-steps", type=int, default=10, help="steps per burst")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown or len(args.variants) < 2 or len(set(args.variants)) != len(args.variants):
+        parser.error(
+            f"--variants {','.join(args.variants)!r}: give two or more distinct names from "
+            f"{', '.join(VARIANTS)}" + (f" ({', '.join(unknown)} unknown)." if unknown else ".")
+        )
+    if "cpp" in args.variants and not args.device.startswith("cuda"):
+        parser.error(
+            f"--variants cpp needs CUDA (got --device {args.device}): inductor's C++ wrapper is "
+            "asked for on CUDA only; compare eager,python on the CPU."
+        )
+    if args.bursts < 2 or args.burst_steps < 1 or args.warmup_steps < 1:
+        parser.error("--bursts must be >= 2, --burst-steps >= 1 and --warmup-steps >= 1.")
+    return with_engine_defaults(parser, args, engines=args.engine)
+
+
+def main() -> None:
+    args = parse_args()
+    device = init_distributed(torch.device(args.device).type)
+    set_parallel_state(args.create_all_gather_group)
+    batches = make_batches(args, device)
+    steps = {}
+    for variant in args.variants:
+        variant_args = copy.copy(args)
+        variant_args.compile_layers, variant_args.compile_cpp_wrapper = VARIANTS[variant]
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        with device:
+            steps[variant] = build_engine(args.engine, variant_args)
+        host_ms(steps[variant], batches, device, args.warmup_steps)  # compiles at the first
+        print(f"{variant}: built, compiled and warmed up in {time.perf_counter() - start:.1f} s")
+    bursts: dict[str, list[float]] = {variant: [] for variant in steps}
+    for _ in range(args.bursts):
+        for variant, step in steps.items():
+            bursts[variant].append(host_ms(step, batches, device, args.burst_steps))
+    medians = ", ".join(f"{v} {statistics.median(times):.2f}" for v, times in bursts.items())
+    print(f"{args.engine}, host ms per step (median of {args.bursts} bursts): {medians}")
+    first, *others = args.variants
+    for variant in others:
+        difference = [a - b for a, b in zip(bursts[variant], bursts[first])]
+        quartiles = statistics.quantiles(difference)
+        print(
+            f"{variant} - {first}: {statistics.median(difference):.2f} ms per step (quartiles "
+            f"{quartiles[0]:.2f} / {quartiles[2]:.2f})"
+        )
+    del steps
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
