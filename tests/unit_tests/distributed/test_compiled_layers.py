@@ -5,7 +5,8 @@ working inside the compiled graph, and each layer is one graph with or without i
 
 Most cases compile with the `aot_eager` backend: it traces, splits at the graph breaks and
 differentiates as `inductor` does, but runs PyTorch's own kernels, so the results equal the
-eager model's. `inductor` itself is checked once on CPU (where a C++ compiler exists) and on GPU.
+eager model's. `inductor` itself is checked on CPU (where a C++ compiler exists; once with its
+C++ wrapper forced, which layers ask for on CUDA only) and on GPU with either wrapper.
 """
 
 from __future__ import annotations
@@ -193,35 +194,56 @@ def test_the_backward_operator_sends_no_gradient_while_inductor_runs_a_sample():
     assert weight.grad is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cpp_wrapper", [True, False], ids=["cpp-wrapper", "python-wrapper"])
-def test_inductor_layers_on_gpu_send_each_weight_gradient_once(cpp_wrapper):
-    """Inductor on CUDA, with the wrapper in C++ (the default) or in Python, fusion on and no
-    engine: two backwards compute each of the 2 layers' 4 weight gradients once each (a sample
-    run that sent them would compute more), reaching `.grad` as the eager model's do. Inductor's
-    caches are off so that it generates (and the test counts) both graphs' wrappers."""
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(
+    "device, cpp_wrapper",
+    [
+        pytest.param(
+            "cpu",
+            True,
+            marks=pytest.mark.skipif(
+                not _has_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
+            ),
+            id="cpu-cpp-wrapper",
+        ),
+        pytest.param("cuda", True, marks=[pytest.mark.gpu, _NEEDS_CUDA], id="cuda-cpp-wrapper"),
+        pytest.param("cuda", False, marks=[pytest.mark.gpu, _NEEDS_CUDA], id="cuda-python-wrapper"),
+    ],
+)
+def test_inductor_layers_send_each_weight_gradient_once(device, cpp_wrapper):
+    """Inductor with the wrapper in C++ (the default on CUDA; on the CPU, where layers do not
+    ask for it, forced, which runs this torch's handling of the wrapper's backward) or in Python,
+    fusion on and no engine: two backwards compute each of the 2 layers' 4 weight gradients once
+    each (a sample run that sent them would compute more), reaching `.grad` as the eager
+    model's do. Inductor's caches are off so that it generates (and the test counts) both
+    graphs' wrappers."""
     from torch._inductor.graph import GraphLowering
 
     torch._dynamo.reset()
-    tokens, labels = (t.cuda() for t in make_token_batches(1, GLOBAL_BATCH)[0])
+    tokens, labels = (t.to(device) for t in make_token_batches(1, GLOBAL_BATCH)[0])
     fields = dict(gradient_accumulation_fusion=True, compile_cpp_wrapper=cpp_wrapper)
     models = [
-        _build(fields, compiled=False).cuda(),
-        _build(fields, compiled=True, backend="inductor").cuda(),
+        _build(fields, compiled=False).to(device),
+        _build(fields, compiled=True, backend="inductor").to(device),
     ]
     for _ in range(2):
         models[0](tokens, labels=labels).mean().backward()
-    codegen = GraphLowering.codegen_with_cpp_wrapper
+    codegen, compiled = GraphLowering.codegen_with_cpp_wrapper, transformer_layer._compiled
     cpp_codegens = []
 
     def counting_codegen(graph: GraphLowering):
         cpp_codegens.append(graph)
         return codegen(graph)
 
+    def forced_cpp_wrapper(function, backend: str, _: bool):
+        return compiled(function, backend, cpp_wrapper)
+
     with (
         torch.compiler.config.patch(force_disable_caches=True),
         mock.patch.object(GraphLowering, "codegen_with_cpp_wrapper", counting_codegen),
+        mock.patch.object(transformer_layer, "_compiled", side_effect=forced_cpp_wrapper),
         mock.patch.object(
             grad_accumulation, "weight_grad_into", wraps=grad_accumulation.weight_grad_into
         ) as weight_grad_into,
