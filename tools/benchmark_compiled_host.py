@@ -25,19 +25,14 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from benchmark_engine_host import host_ms, with_engine_defaults
-from benchmark_fsdp import init_distributed, make_batches
-from benchmark_lib.engines import ENGINES, build_engine
-from benchmark_lib.gpt_model import add_model_args, set_parallel_state
-
-from megatron.core import parallel_state
+from benchmark_engine_host import time_in_alternation, with_engine_defaults
+from benchmark_lib.engines import ENGINES
+from benchmark_lib.gpt_model import add_model_args
 
 VARIANTS = {"eager": (False, False), "python": (True, False), "cpp": (True, True)}
 """Variant -> (`compile_layers`, `compile_cpp_wrapper`)."""
@@ -80,23 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    device = init_distributed(torch.device(args.device).type)
-    set_parallel_state(args.create_all_gather_group)
-    batches = make_batches(args, device)
-    steps = {}
+    builds = {}
     for variant in args.variants:
         variant_args = copy.copy(args)
         variant_args.compile_layers, variant_args.compile_cpp_wrapper = VARIANTS[variant]
-        torch.manual_seed(args.seed)
-        start = time.perf_counter()
-        with device:
-            steps[variant] = build_engine(args.engine, variant_args)
-        host_ms(steps[variant], batches, device, args.warmup_steps)  # compiles at the first
-        print(f"{variant}: built, compiled and warmed up in {time.perf_counter() - start:.1f} s")
-    bursts: dict[str, list[float]] = {variant: [] for variant in steps}
-    for _ in range(args.bursts):
-        for variant, step in steps.items():
-            bursts[variant].append(host_ms(step, batches, device, args.burst_steps))
+        builds[variant] = (args.engine, variant_args)
+    bursts = time_in_alternation(args, builds)
     medians = ", ".join(f"{v} {statistics.median(times):.2f}" for v, times in bursts.items())
     print(f"{args.engine}, host ms per step (median of {args.bursts} bursts): {medians}")
     first, *others = args.variants
@@ -107,9 +91,6 @@ def main() -> None:
             f"{variant} - {first}: {statistics.median(difference):.2f} ms per step (quartiles "
             f"{quartiles[0]:.2f} / {quartiles[2]:.2f})"
         )
-    del steps
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

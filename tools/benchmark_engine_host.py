@@ -91,21 +91,40 @@ def host_ms(step, batches, device: torch.device, count: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
-    args = parse_args()
+def time_in_alternation(
+    args: argparse.Namespace, builds: dict[str, tuple[str, argparse.Namespace]]
+) -> dict[str, list[float]]:
+    """Builds each named step (`build_engine`'s engine and arguments) on this process's device,
+    warms it up with `args.warmup_steps` steps (where its layers compile), and times them all in
+    `args.bursts` turns of a burst of `args.burst_steps` steps each.
+
+    Returns:
+        Each name's median host ms per step in each of its bursts.
+    """
     device = init_distributed(torch.device(args.device).type)
     set_parallel_state(args.create_all_gather_group)
     batches = make_batches(args, device)
     steps = {}
-    for name in args.engines:
+    for name, (engine, engine_args) in builds.items():
         torch.manual_seed(args.seed)
+        start = time.perf_counter()
         with device:
-            steps[name] = build_engine(name, args)
+            steps[name] = build_engine(engine, engine_args)
         host_ms(steps[name], batches, device, args.warmup_steps)
+        print(f"{name}: built and warmed up in {time.perf_counter() - start:.1f} s")
     bursts: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.bursts):
         for name, step in steps.items():
             bursts[name].append(host_ms(step, batches, device, args.burst_steps))
+    del steps
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return bursts
+
+
+def main() -> None:
+    args = parse_args()
+    bursts = time_in_alternation(args, {name: (name, args) for name in args.engines})
     overhead = [e - s for e, s in zip(bursts[args.engine], bursts["single"])]
     quartiles = statistics.quantiles(overhead)
     units = args.num_layers + 1
@@ -115,9 +134,6 @@ def main() -> None:
         f" ms (quartiles {quartiles[0]:.2f} / {quartiles[2]:.2f}), "
         f"{statistics.median(overhead) / units * 1e3:.0f} us per unit ({units} units)"
     )
-    del steps
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
