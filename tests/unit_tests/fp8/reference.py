@@ -1,10 +1,11 @@
 """Plain-torch FP8 references: quantise with a given scale, dequantise by multiplying with its
 inverse, multiply in fp32 with both operands row-major (`mm`): the arithmetic `torch._scaled_mm`
-performs on CPU, bit for bit, where its CPU kernel dequantises before an fp32 matmul (torch
-2.13's). Where it does not (torch 2.11 on CPUs whose oneDNN has FP8 matmuls rounds otherwise),
-`exact_cpu_scaled_mm` skips the tests that compare with these references bit for bit. The
-blockwise recipe's references quantise block by block, each block with its own scale, written
-out from Transformer Engine's rule."""
+performs on CPU, bit for bit, where its CPU kernel dequantises before an fp32 matmul. On CPUs
+with FP16 or AMX units torch hands the GEMM to oneDNN, whose FP8 kernel rounds otherwise: the
+tests that compare with these references bit for bit (`exact_cpu_scaled_mm`) run with oneDNN
+off, and are skipped where the kernel still rounds otherwise. The blockwise recipe's references
+quantise block by block, each block with its own scale, written out from Transformer Engine's
+rule."""
 
 from __future__ import annotations
 
@@ -63,12 +64,26 @@ def cpu_scaled_mm_is_exact() -> bool:
     return True
 
 
-exact_cpu_scaled_mm = pytest.mark.skipif(
-    not cpu_scaled_mm_is_exact(),
-    reason="torch's CPU _scaled_mm here does not round as the dequantised fp32 product (torch "
-    "2.13's CPU kernel does, bit for bit)",
-)
-"""For the tests that compare FP8 GEMMs on CPU with the references bit for bit."""
+@pytest.fixture
+def scaled_mm_without_onednn():
+    """Runs the test with oneDNN off, so that torch's CPU `_scaled_mm` dequantises and multiplies
+    in fp32 as the references do; skips it where the kernel still rounds otherwise."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        if not cpu_scaled_mm_is_exact():
+            pytest.skip(
+                f"torch {torch.__version__}'s CPU _scaled_mm does not round as the dequantised "
+                "fp32 product here, even without oneDNN"
+            )
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+exact_cpu_scaled_mm = pytest.mark.usefixtures("scaled_mm_without_onednn")
+"""For the tests that compare FP8 GEMMs on CPU with the references bit for bit (the fixture is
+made visible to them by the package's `conftest.py`)."""
 
 
 BLOCK = 128
