@@ -193,9 +193,32 @@ def _compiled(
     """`function` (a layer class's `_forward`) compiled with `backend`: one compiled function
     for every layer, whose graphs the layers of one shape share (their parameters are inputs of
     the graphs, not constants). `cpp_wrapper` (inductor only) generates the graphs' wrappers
-    in C++."""
+    in C++.
+
+    Raises:
+        RuntimeError: `cpp_wrapper` and no C++ compiler to build the wrappers with.
+    """
+    if cpp_wrapper:
+        _check_cpp_compiler()
     options = _cpp_wrapper_options() if cpp_wrapper else None
     return torch.compile(function, backend=backend, options=options)
+
+
+def _check_cpp_compiler() -> None:
+    """Raises, naming the fix, where inductor finds no C++ compiler (at the first forward, on
+    every rank, rather than in the middle of inductor's compilation)."""
+    from torch._inductor import config, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        compilers = " or ".join(name for name in config.cpp.cxx if name)
+        raise RuntimeError(
+            "compile_layers with compile_cpp_wrapper needs a C++ compiler to build inductor's "
+            f"C++ wrappers, and {compilers} does not run here: install it (or point $CXX at "
+            "another), or have the wrappers generated in Python with --no-compile-cpp-wrapper "
+            "(compile_cpp_wrapper=False)."
+        ) from None
 
 
 def _cpp_wrapper_options() -> dict[str, bool]:

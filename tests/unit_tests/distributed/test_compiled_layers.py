@@ -28,6 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import grad_accumulation
 from megatron.core.transformer import transformer_layer
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     GLOBAL_BATCH,
     MEGATRON_LOOP_MICROBATCHES,
@@ -177,6 +178,20 @@ def test_only_inductor_on_cuda_inputs_asks_for_the_cpp_wrapper(device):
         ) as compiled:
             model(tokens, labels=labels)
         assert compiled.call_args_list == [mock.call(mock.ANY, backend, expected)] * 2
+
+
+def test_the_cpp_wrapper_without_a_cpp_compiler_names_the_fix():
+    with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler++")}):
+        with pytest.raises(
+            RuntimeError,
+            match=r"no-such-compiler\+\+ does not run here.*"
+            r"--no-compile-cpp-wrapper",
+        ):
+            transformer_layer._compiled.__wrapped__(TransformerLayer._forward, "inductor", True)
+        compiled = transformer_layer._compiled.__wrapped__(
+            TransformerLayer._forward, "inductor", False
+        )
+    assert callable(compiled)
 
 
 def test_the_backward_operator_sends_no_gradient_while_inductor_runs_a_sample():
