@@ -377,11 +377,16 @@ def _linear_into_main_grad_backward(
         RuntimeError: `torch.autograd.grad` asks for the weight's gradient, which this
             operator cannot return.
     """
-    grad_input = grad_output.matmul(weight)
-    if _inductor_sample_run():
-        return grad_input
     grad_2d = _flat(grad_output)
+    grad_input = grad_output.matmul(weight)
     weight_node = _accumulate_grad_node(weight)
+    if weight_node is None:
+        if _inductor_sample_run():  # sample tensors, not the layer's weight
+            return grad_input
+        raise RuntimeError(
+            "megatron::linear_into_main_grad_backward ran outside the backward of the linear "
+            "layer that uses the weight; it is called only by that layer's backward."
+        )
     weight = weight_node.variable  # the parameter, where a checkpoint saved another tensor
     accumulates = _accumulates(weight_node)
     if accumulates is None:
@@ -405,11 +410,15 @@ def _linear_into_main_grad_backward(
 
 
 def _inductor_sample_run() -> bool:
-    """Whether inductor is running a graph it compiles (its Python form, on sample tensors, to
-    learn what its C++ wrapper must launch): a weight gradient sent from there would be sent
-    twice, and from sample values. Inductor's graph is set only while it compiles one (and only
-    on the compiling thread); it is looked up in `sys.modules`, as importing inductor costs
-    seconds, and a process that has not imported it compiles nothing."""
+    """Whether inductor is running a graph it compiles, in its Python form on sample tensors,
+    to learn what its C++ wrapper must launch (its two-pass route, which the layers' settings
+    avoid but a user's inductor config may take): no weight gradient is to be sent from there.
+
+    Returns:
+        True while inductor's graph is set, which it is only while it compiles one, and only on
+        the compiling thread. Looked up in `sys.modules`, as importing inductor costs seconds
+        and a process that has not imported it compiles nothing.
+    """
     virtualized = sys.modules.get("torch._inductor.virtualized")
     return virtualized is not None and not isinstance(virtualized.V.graph, virtualized.NullHandler)
 
@@ -431,11 +440,11 @@ def _weight_accumulators(node: torch.autograd.graph.Node) -> list[torch.autograd
     return accumulators
 
 
-def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
+def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node | None:
     """The node that accumulates into the parameter `weight` is (or, where a checkpoint's
     recomputation saved it, aliases whole), among the inputs of the running backward node (the
-    compiled graph's). Found from there: an operator runs below autograd, where a view of
-    `weight` has no node to lead to it."""
+    compiled graph's); None outside such a backward. Found from there: an operator runs below
+    autograd, where a view of `weight` has no node to lead to it."""
     running = torch._C._current_autograd_node()
     accumulators = [] if running is None else _weight_accumulators(running)
     for node in accumulators:
@@ -444,10 +453,7 @@ def _accumulate_grad_node(weight: torch.Tensor) -> torch.autograd.graph.Node:
     for node in accumulators:
         if node.variable.is_set_to(weight):
             return node
-    raise RuntimeError(
-        "megatron::linear_into_main_grad_backward ran outside the backward of the linear "
-        "layer that uses the weight; it is called only by that layer's backward."
-    )
+    return None
 
 
 # A plain operator (not `torch.library.custom_op`, whose Python wrappers cost the host more

@@ -582,6 +582,8 @@ class TransformerConfig(ModelParallelConfig):
                 "'inductor' (generates kernels), 'aot_eager' (traces without generating them) "
                 "or another of torch.compiler.list_backends(exclude_tags=())."
             )
+        if self.compile_backend == "inductor" and self.compile_cpp_wrapper:
+            _check_cpp_compiler()
 
     def _check_multi_token_prediction(self) -> None:
         if self.mtp_num_layers is None:
@@ -880,3 +882,29 @@ def yarn_fields_set(config: TransformerConfig) -> list[str]:
         for name in YARN_FIELDS
         if getattr(config, name) != defaults[name]
     ]
+
+
+@functools.cache
+def _check_cpp_compiler() -> None:
+    """Where CUDA is present (where layers ask for the C++ wrapper), checks that inductor finds
+    its C++ compiler, which the wrapper needs and the Python one does not: when the config is
+    built, on every rank, rather than inside inductor at the first forward. Once per process
+    where the compiler is found (finding it runs it).
+
+    Raises:
+        ValueError: no compiler that inductor looks for runs here.
+    """
+    if not torch.cuda.is_available():
+        return
+    from torch._inductor import config, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except (exc.InvalidCxxCompiler, OSError):
+        raise ValueError(
+            "compile_layers with compile_cpp_wrapper on CUDA needs a C++ compiler to build "
+            "inductor's C++ wrappers, and none that inductor looks for runs here "
+            f"(torch._inductor.config.cpp.cxx: {config.cpp.cxx!r}, from $CXX, else g++): "
+            "install one or point $CXX at one, or have the wrappers generated in Python with "
+            "--no-compile-cpp-wrapper (compile_cpp_wrapper=False)."
+        ) from None

@@ -193,48 +193,18 @@ def _compiled(
     """`function` (a layer class's `_forward`) compiled with `backend`: one compiled function
     for every layer, whose graphs the layers of one shape share (their parameters are inputs of
     the graphs, not constants). `cpp_wrapper` (inductor only) generates the graphs' wrappers
-    in C++.
-
-    Raises:
-        RuntimeError: `cpp_wrapper` and no C++ compiler to build the wrappers with.
-    """
-    if cpp_wrapper:
-        _check_cpp_compiler()
+    in C++."""
     options = _cpp_wrapper_options() if cpp_wrapper else None
     return torch.compile(function, backend=backend, options=options)
 
 
-def _check_cpp_compiler() -> None:
-    """Raises, naming the fix, where inductor finds no C++ compiler (at the first forward, on
-    every rank, rather than in the middle of inductor's compilation)."""
-    from torch._inductor import config, cpp_builder, exc
+def _cpp_wrapper_options() -> dict[str, object]:
+    """Inductor's options for a C++ wrapper: `cpp_wrapper` and the settings inductor's own
+    `get_cpp_wrapper_config` gives the wrapper in this torch (as its `TORCHINDUCTOR_CPP_WRAPPER=1`
+    does), for every graph. Torch 2.11 applies those settings to the forward graph only, not to
+    the backward, which it compiles at the first backward, whose wrapper then finds no kernel
+    binaries to launch; later versions apply them to both graphs themselves, and the same
+    settings given here change nothing there."""
+    from torch._inductor.compile_fx import get_cpp_wrapper_config
 
-    try:
-        cpp_builder.get_cpp_compiler()
-    except exc.InvalidCxxCompiler:
-        compilers = " or ".join(name for name in config.cpp.cxx if name)
-        raise RuntimeError(
-            "compile_layers with compile_cpp_wrapper needs a C++ compiler to build inductor's "
-            f"C++ wrappers, and {compilers} does not run here: install it (or point $CXX at "
-            "another), or have the wrappers generated in Python with --no-compile-cpp-wrapper "
-            "(compile_cpp_wrapper=False)."
-        ) from None
-
-
-def _cpp_wrapper_options() -> dict[str, bool]:
-    """Inductor's options for a C++ wrapper. Before torch 2.13, inductor gives the wrapper's own
-    settings (`compile_fx.get_cpp_wrapper_config`) to the forward graph but not to the backward,
-    which it compiles at the first backward; without them the backward's wrapper finds no kernel
-    binaries to launch. Those settings are given here for every graph, as the environment
-    variable `TORCHINDUCTOR_CPP_WRAPPER=1` gives them in those versions. From 2.13 on, inductor
-    applies them to both graphs itself, and compiles the kernels lazily."""
-    options = {"cpp_wrapper": True}
-    if torch.__version__ < "2.13":
-        options.update(
-            {
-                "triton.autotune_at_compile_time": True,
-                "triton.store_cubin": True,
-                "triton.autotune_cublasLt": False,
-            }
-        )
-    return options
+    return {"cpp_wrapper": True, **get_cpp_wrapper_config()}

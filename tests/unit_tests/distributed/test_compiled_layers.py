@@ -12,8 +12,8 @@ C++ wrapper forced, which layers ask for on CUDA only) and on GPU with either wr
 from __future__ import annotations
 
 import gc
-import shutil
 import weakref
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -28,7 +28,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import grad_accumulation
 from megatron.core.transformer import transformer_layer
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     GLOBAL_BATCH,
     MEGATRON_LOOP_MICROBATCHES,
@@ -123,12 +122,19 @@ def test_compiled_layers_train_like_eager_ones(case, fusion):
         torch.testing.assert_close(weights[name], weight, msg=name)
 
 
-def _has_cpp_compiler() -> bool:
-    return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+def has_cpp_compiler() -> bool:
+    """Whether inductor finds its C++ compiler (`$CXX`, else g++), which it needs on CPU."""
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except (exc.InvalidCxxCompiler, OSError):
+        return False
+    return True
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available() and not _has_cpp_compiler(),
+    not torch.cuda.is_available() and not has_cpp_compiler(),
     reason="inductor on CPU needs a C++ compiler",
 )
 @pytest.mark.parametrize("fusion", [False, True])
@@ -156,7 +162,10 @@ def test_inductor_layers_compute_the_eager_loss_and_gradients(fusion):
         "cpu",
         pytest.param(
             "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
         ),
     ],
 )
@@ -181,30 +190,38 @@ def test_only_inductor_on_cuda_inputs_asks_for_the_cpp_wrapper(device):
 
 
 def test_the_cpp_wrapper_without_a_cpp_compiler_names_the_fix():
+    """On CUDA machines the config checks for inductor's C++ compiler, which the wrapper needs:
+    its absence is an error naming the flag that does without it."""
+    from megatron.core.transformer import transformer_config
+
+    def config(**fields):
+        transformer_config._check_cpp_compiler.cache_clear()
+        return tiny_gpt_config(compile_layers=True, compile_backend="inductor", **fields)
+
     with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler++")}):
-        with pytest.raises(
-            RuntimeError,
-            match=r"no-such-compiler\+\+ does not run here.*"
-            r"--no-compile-cpp-wrapper",
-        ):
-            transformer_layer._compiled.__wrapped__(TransformerLayer._forward, "inductor", True)
-        compiled = transformer_layer._compiled.__wrapped__(
-            TransformerLayer._forward, "inductor", False
-        )
-    assert callable(compiled)
+        with mock.patch.object(torch.cuda, "is_available", return_value=True):
+            with pytest.raises(ValueError, match=r"no-such-compiler.*--no-compile-cpp-wrapper"):
+                config()
+            assert not config(compile_cpp_wrapper=False).compile_cpp_wrapper
+        assert config().compile_cpp_wrapper  # no CUDA: the wrapper is Python, no check
+    transformer_config._check_cpp_compiler.cache_clear()
 
 
 def test_the_backward_operator_sends_no_gradient_while_inductor_runs_a_sample():
     """Inductor may run a graph's Python form on sample tensors to learn what its C++ wrapper
-    launches; the fusing linear's backward operator then returns the input gradient and sends
-    no weight gradient (which would be sent twice, from sample values)."""
+    launches (its two-pass route); the fusing linear's backward operator then returns the input
+    gradient and sends no weight gradient. Outside such a run and outside the layer's backward,
+    it is an error."""
     from torch._inductor.virtualized import V
 
     generator = torch.Generator().manual_seed(0)
     grad_output, input_ = torch.randn(2, 3, 6, generator=generator).unbind()
     weight = torch.nn.Parameter(torch.randn(6, 8, generator=generator))
+    backward = torch.ops.megatron.linear_into_main_grad_backward
+    with pytest.raises(RuntimeError, match="ran outside the backward of the linear layer"):
+        backward(grad_output, input_, weight)
     with V.set_graph_handler(object()):
-        grad_input = torch.ops.megatron.linear_into_main_grad_backward(grad_output, input_, weight)
+        grad_input = backward(grad_output, input_, weight)
     torch.testing.assert_close(grad_input, grad_output @ weight, rtol=0, atol=0)
     assert weight.grad is None
 
@@ -219,7 +236,7 @@ _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
             "cpu",
             True,
             marks=pytest.mark.skipif(
-                not _has_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
+                not has_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
             ),
             id="cpu-cpp-wrapper",
         ),
@@ -231,9 +248,8 @@ def test_inductor_layers_send_each_weight_gradient_once(device, cpp_wrapper):
     """Inductor with the wrapper in C++ (the default on CUDA; on the CPU, where layers do not
     ask for it, forced, which runs this torch's handling of the wrapper's backward) or in Python,
     fusion on and no engine: two backwards compute each of the 2 layers' 4 weight gradients once
-    each (a sample run that sent them would compute more), reaching `.grad` as the eager
-    model's do. Inductor's caches are off so that it generates (and the test counts) both
-    graphs' wrappers."""
+    each, reaching `.grad` as the eager model's do. Inductor's caches are off so that it
+    generates (and the test counts) both graphs' wrappers."""
     from torch._inductor.graph import GraphLowering
 
     torch._dynamo.reset()
@@ -248,15 +264,15 @@ def test_inductor_layers_send_each_weight_gradient_once(device, cpp_wrapper):
     codegen, compiled = GraphLowering.codegen_with_cpp_wrapper, transformer_layer._compiled
     cpp_codegens = []
 
-    def counting_codegen(graph: GraphLowering):
+    def counting_codegen(graph: GraphLowering) -> object:
         cpp_codegens.append(graph)
         return codegen(graph)
 
-    def forced_cpp_wrapper(function, backend: str, _: bool):
+    def forced_cpp_wrapper(function: Callable, backend: str, _: bool) -> Callable:
         return compiled(function, backend, cpp_wrapper)
 
     with (
-        torch.compiler.config.patch(force_disable_caches=True),
+        torch._inductor.config.patch(force_disable_caches=True),
         mock.patch.object(GraphLowering, "codegen_with_cpp_wrapper", counting_codegen),
         mock.patch.object(transformer_layer, "_compiled", side_effect=forced_cpp_wrapper),
         mock.patch.object(
@@ -341,7 +357,7 @@ TRACED_FUNCTIONS = {
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("function", list(TRACED_FUNCTIONS))
 def test_compiled_fusing_linears_give_every_weight_gradient(function, backend):
-    if backend == "inductor" and not _has_cpp_compiler():
+    if backend == "inductor" and not has_cpp_compiler():
         pytest.skip("inductor on CPU needs a C++ compiler")
     torch._dynamo.reset()
     fn = TRACED_FUNCTIONS[function]
