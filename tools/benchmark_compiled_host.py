@@ -39,6 +39,7 @@ VARIANTS = {"eager": (False, False), "python": (True, False), "cpp": (True, True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This tool's flags, checked (bad ones exit through `parser.error`)."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -63,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--variants {','.join(args.variants)!r}: give two or more distinct names from "
             f"{', '.join(VARIANTS)}" + (f" ({', '.join(unknown)} unknown)." if unknown else ".")
         )
+    if args.compile_layers or not args.compile_cpp_wrapper:
+        parser.error(
+            "--compile-layers and --no-compile-cpp-wrapper are what --variants sets for each "
+            "variant (eager, python, cpp): drop them."
+        )
     if "cpp" in args.variants and not args.device.startswith("cuda"):
         parser.error(
             f"--variants cpp needs CUDA (got --device {args.device}): inductor's C++ wrapper is "
@@ -74,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
+    """Times the variants and prints their host ms per step and differences (rank 0)."""
     args = parse_args()
     builds = {}
     for variant in args.variants:

@@ -69,8 +69,16 @@ def with_engine_defaults(
     parser: argparse.ArgumentParser, args: argparse.Namespace, engines: str
 ) -> argparse.Namespace:
     """`args` completed with the rest of what `build_engine` reads, at `tools/benchmark_fsdp.py`'s
-    defaults, for `engines` (comma-separated), and checked as that tool checks them; one rank
-    only."""
+    defaults, and checked as that tool checks them (bad ones exit through `parser.error`).
+
+    Args:
+        parser: the calling tool's parser, whose `error` reports bad flags.
+        args: its parsed flags.
+        engines: the engines the tool builds, comma-separated (`--engines` of that tool).
+
+    Returns:
+        `args`, completed; one rank only.
+    """
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         parser.error("it runs on one rank: launch it with --nproc-per-node 1.")
     for name, value in vars(build_parser().parse_args([])).items():
@@ -94,9 +102,13 @@ def host_ms(step, batches, device: torch.device, count: int) -> float:
 def time_in_alternation(
     args: argparse.Namespace, builds: dict[str, tuple[str, argparse.Namespace]]
 ) -> dict[str, list[float]]:
-    """Builds each named step (`build_engine`'s engine and arguments) on this process's device,
-    warms it up with `args.warmup_steps` steps (where its layers compile), and times them all in
-    `args.bursts` turns of a burst of `args.burst_steps` steps each.
+    """Builds each named step on this process's device, warms it up (where its layers compile),
+    and times them all in turns of one burst each; joins and leaves the process group.
+
+    Args:
+        args: the model, batch and timing flags (`warmup_steps`, `bursts`, `burst_steps`, `seed`,
+            `device`).
+        builds: name -> (`build_engine`'s engine name, the flags it builds with).
 
     Returns:
         Each name's median host ms per step in each of its bursts.
@@ -110,7 +122,8 @@ def time_in_alternation(
         start = time.perf_counter()
         with device:
             steps[name] = build_engine(engine, engine_args)
-        host_ms(steps[name], batches, device, args.warmup_steps)
+        if args.warmup_steps:
+            host_ms(steps[name], batches, device, args.warmup_steps)
         print(f"{name}: built and warmed up in {time.perf_counter() - start:.1f} s")
     bursts: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.bursts):

@@ -10,6 +10,7 @@ rule."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def cpu_scaled_mm_is_exact() -> bool:
 
 
 @pytest.fixture
-def scaled_mm_without_onednn():
+def scaled_mm_without_onednn() -> Iterator[None]:
     """Runs the test with oneDNN off, so that torch's CPU `_scaled_mm` dequantises and multiplies
     in fp32 as the references do; skips it where the kernel still rounds otherwise."""
     enabled = torch.backends.mkldnn.enabled

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 
 import pytest
 
+from tests.unit_tests.distributed.test_compiled_layers import has_cpp_compiler
 from tests.unit_tests.tools.conftest import usage_error
 from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
 
@@ -24,10 +24,7 @@ REPORT = re.compile(
 )
 
 
-@pytest.mark.skipif(
-    not any(shutil.which(name) for name in ("g++", "c++", "clang++")),
-    reason="inductor on CPU needs a C++ compiler",
-)
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor on CPU needs a C++ compiler")
 def test_reports_each_variants_host_time_and_its_difference_from_the_first():
     proc = run_tool(*TINY, "--engine", "single", "--variants", "eager,python", nproc=1, tool=TOOL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -52,3 +49,12 @@ def test_bad_variants_are_usage_errors(variants, expected, import_tool, monkeypa
     tool = import_tool("benchmark_compiled_host")
     message = usage_error(lambda: tool.parse_args([*TINY, "--variants", variants]), capsys)
     assert expected in message
+
+
+@pytest.mark.parametrize("flag", ["--compile-layers", "--no-compile-cpp-wrapper"])
+def test_the_compile_flags_that_variants_set_are_refused(flag, import_tool, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tool = import_tool("benchmark_compiled_host")
+    argv = [*TINY, "--variants", "eager,python", flag]
+    message = usage_error(lambda: tool.parse_args(argv), capsys)
+    assert "are what --variants sets for each variant" in message
