@@ -894,17 +894,25 @@ def _check_cpp_compiler() -> None:
     Raises:
         ValueError: no compiler that inductor looks for runs here.
     """
-    if not torch.cuda.is_available():
-        return
-    from torch._inductor import config, cpp_builder, exc
+    if torch.cuda.is_available() and not inductor_finds_cpp_compiler():
+        from torch._inductor import config
 
-    try:
-        cpp_builder.get_cpp_compiler()
-    except (exc.InvalidCxxCompiler, OSError):
         raise ValueError(
             "compile_layers with compile_cpp_wrapper on CUDA needs a C++ compiler to build "
             "inductor's C++ wrappers, and none that inductor looks for runs here "
             f"(torch._inductor.config.cpp.cxx: {config.cpp.cxx!r}, from $CXX, else g++): "
             "install one or point $CXX at one, or have the wrappers generated in Python with "
             "--no-compile-cpp-wrapper (compile_cpp_wrapper=False)."
-        ) from None
+        )
+
+
+def inductor_finds_cpp_compiler() -> bool:
+    """Whether inductor's C++ compiler (`torch._inductor.config.cpp.cxx`: `$CXX`, else g++)
+    runs here: inductor needs it for CPU kernels and for C++ wrappers."""
+    from torch._inductor import cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except (exc.InvalidCxxCompiler, OSError):
+        return False
+    return True

@@ -28,6 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import grad_accumulation
 from megatron.core.transformer import transformer_layer
+from megatron.core.transformer.transformer_config import inductor_finds_cpp_compiler
 from tests.unit_tests.distributed.fsdp.fsdp_training import (
     GLOBAL_BATCH,
     MEGATRON_LOOP_MICROBATCHES,
@@ -122,19 +123,8 @@ def test_compiled_layers_train_like_eager_ones(case, fusion):
         torch.testing.assert_close(weights[name], weight, msg=name)
 
 
-def has_cpp_compiler() -> bool:
-    """Whether inductor finds its C++ compiler (`$CXX`, else g++), which it needs on CPU."""
-    from torch._inductor import cpp_builder, exc
-
-    try:
-        cpp_builder.get_cpp_compiler()
-    except (exc.InvalidCxxCompiler, OSError):
-        return False
-    return True
-
-
 @pytest.mark.skipif(
-    not torch.cuda.is_available() and not has_cpp_compiler(),
+    not torch.cuda.is_available() and not inductor_finds_cpp_compiler(),
     reason="inductor on CPU needs a C++ compiler",
 )
 @pytest.mark.parametrize("fusion", [False, True])
@@ -236,7 +226,7 @@ _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
             "cpu",
             True,
             marks=pytest.mark.skipif(
-                not has_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
+                not inductor_finds_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
             ),
             id="cpu-cpp-wrapper",
         ),
@@ -357,7 +347,7 @@ TRACED_FUNCTIONS = {
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("function", list(TRACED_FUNCTIONS))
 def test_compiled_fusing_linears_give_every_weight_gradient(function, backend):
-    if backend == "inductor" and not has_cpp_compiler():
+    if backend == "inductor" and not inductor_finds_cpp_compiler():
         pytest.skip("inductor on CPU needs a C++ compiler")
     torch._dynamo.reset()
     fn = TRACED_FUNCTIONS[function]

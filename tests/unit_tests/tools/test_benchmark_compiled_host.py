@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.unit_tests.distributed.test_compiled_layers import has_cpp_compiler
+from megatron.core.transformer.transformer_config import inductor_finds_cpp_compiler
 from tests.unit_tests.tools.conftest import usage_error
 from tests.unit_tests.tools.test_benchmark_fsdp import REPO, run_tool
 
@@ -24,7 +24,9 @@ REPORT = re.compile(
 )
 
 
-@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    not inductor_finds_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
+)
 def test_reports_each_variants_host_time_and_its_difference_from_the_first():
     proc = run_tool(*TINY, "--engine", "single", "--variants", "eager,python", nproc=1, tool=TOOL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
