@@ -303,6 +303,12 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device, build=
     loss = float("nan")
     if active:
         batches = make_batches(args, device)
+        if args.compile_layers:
+            # Each engine's layers are a class of their own (the engines' unit subclasses), so
+            # the compiled layer code would otherwise keep one cache entry per engine built in
+            # this process, tried in turn at every layer call (host time that depends on the
+            # build order), and past dynamo's recompile limit run its layers uncompiled.
+            torch._dynamo.reset()
         torch.manual_seed(args.seed)
         with device:
             step = (build or build_engine)(name, args)

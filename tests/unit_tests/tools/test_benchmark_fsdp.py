@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.core.transformer.transformer_config import inductor_finds_cpp_compiler
 from tests.unit_tests.program_launcher import run_program
 
 REPO = Path(__file__).resolve().parents[3]
@@ -255,3 +256,21 @@ def test_rounds_repeat_every_engine_with_ratios_to_their_own_round(tmp_path):
         assert row["vs_single"] == pytest.approx(row["step_ms"] / single["step_ms"])
     # Each round builds the engines afresh from the same seed: the same training.
     assert len({row["final_loss"] for row in rows}) == 1
+
+
+@pytest.mark.skipif(
+    not inductor_finds_cpp_compiler(), reason="inductor on CPU needs a C++ compiler"
+)
+def test_compiled_layers_compile_afresh_for_each_engine(tmp_path, monkeypatch):
+    """Each engine's layers are a class of their own (the engines' unit subclasses): built one
+    after another in one process, the compiled layer code would recompile for each and keep
+    every engine's entry, tried in turn at each layer call, and run the layers uncompiled past
+    dynamo's recompile limit. Each build starts afresh instead: nothing recompiles."""
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")
+    out = tmp_path / "result.json"
+    flags = ["--engines", "megatron_fsdp_zero3,single", "--compile-layers", "--json-out", str(out)]
+    proc = run_tool(*TINY, *flags, nproc=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Recompiling function" not in proc.stderr, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(math.isfinite(row["final_loss"]) for row in rows)
