@@ -26,13 +26,15 @@ import os
 import statistics
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from benchmark_engine_host import time_in_alternation, with_engine_defaults
+from benchmark_engine_host import (
+    alternation_parser,
+    check_bursts,
+    time_in_alternation,
+    with_engine_defaults,
+)
 from benchmark_lib.engines import ENGINES
-from benchmark_lib.gpt_model import add_model_args
 
 VARIANTS = {"eager": (False, False), "python": (True, False), "cpp": (True, True)}
 """Variant -> (`compile_layers`, `compile_cpp_wrapper`)."""
@@ -40,22 +42,13 @@ VARIANTS = {"eager": (False, False), "python": (True, False), "cpp": (True, True
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """This tool's flags, checked (bad ones exit through `parser.error`)."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser, micro_batch_size=1)
-    parser.set_defaults(hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=256)
+    parser = alternation_parser(__doc__, bursts=20, burst_steps=10, warmup_steps=3)
     parser.add_argument("--engine", default="megatron_fsdp_zero3", choices=list(ENGINES))
     parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
         help=f"comma-separated, from {', '.join(VARIANTS)}; differences are to the first",
     )
-    parser.add_argument("--bursts", type=int, default=20, help="bursts of each, alternating")
-    parser.add_argument("--burst-steps", type=int, default=10, help="steps per burst")
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     args.variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -74,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--variants cpp needs CUDA (got --device {args.device}): inductor's C++ wrapper is "
             "asked for on CUDA only; compare eager,python on the CPU."
         )
-    if args.bursts < 2 or args.burst_steps < 1 or args.warmup_steps < 1:
-        parser.error("--bursts must be >= 2, --burst-steps >= 1 and --warmup-steps >= 1.")
+    # A variant's layers compile in its warm-up, not in its first burst.
+    check_bursts(parser, args, min_warmup_steps=1)
     return with_engine_defaults(parser, args, engines=args.engine)
 
 

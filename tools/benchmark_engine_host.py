@@ -44,25 +44,51 @@ from megatron.core import parallel_state
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser, micro_batch_size=1)
-    parser.set_defaults(hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=256)
+    parser = alternation_parser(__doc__, bursts=30, burst_steps=15, warmup_steps=5)
     parser.add_argument(
         "--engine",
         default="megatron_fsdp_zero3",
         choices=[name for name in ENGINES if name != "single"],
     )
-    parser.add_argument("--bursts", type=int, default=30, help="bursts of each, alternating")
-    parser.add_argument("--burst-steps", type=int, default=15, help="steps per burst")
-    parser.add_argument("--warmup-steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    check_bursts(parser, args, min_warmup_steps=0)
+    return with_engine_defaults(parser, args, engines=f"single,{args.engine}")
+
+
+def alternation_parser(
+    doc: str, *, bursts: int, burst_steps: int, warmup_steps: int
+) -> argparse.ArgumentParser:
+    """The flags of a tool that times steps in alternating bursts (`time_in_alternation`): the
+    model's, at a size whose GPU work is small against its host work, and the timing's, with
+    the given defaults.
+
+    Args:
+        doc: the tool's module docstring (its first line describes the tool).
+        bursts, burst_steps, warmup_steps: the defaults of `--bursts`, `--burst-steps` and
+            `--warmup-steps`.
+    """
+    parser = argparse.ArgumentParser(
+        description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_args(parser, micro_batch_size=1)
+    parser.set_defaults(hidden_size=256, num_attention_heads=4, vocab_size=1024, seq_length=256)
+    parser.add_argument("--bursts", type=int, default=bursts, help="bursts of each, alternating")
+    parser.add_argument("--burst-steps", type=int, default=burst_steps, help="steps per burst")
+    parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    if args.bursts < 2 or args.burst_steps < 1 or args.warmup_steps < 0:
-        parser.error("--bursts must be >= 2, --burst-steps >= 1 and --warmup-steps >= 0.")
-    return with_engine_defaults(parser, args, engines=f"single,{args.engine}")
+    return parser
+
+
+def check_bursts(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, min_warmup_steps: int
+) -> None:
+    """Exits through `parser.error` unless there are two bursts or more of one step or more,
+    after at least `min_warmup_steps` warm-up steps."""
+    if args.bursts < 2 or args.burst_steps < 1 or args.warmup_steps < min_warmup_steps:
+        parser.error(
+            f"--bursts must be >= 2, --burst-steps >= 1 and --warmup-steps >= {min_warmup_steps}."
+        )
 
 
 def with_engine_defaults(
