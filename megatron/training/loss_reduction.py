@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.stage import Model, model_chunks
+from megatron.training.host_copy import HostCopy
 from megatron.training.utils import average_losses_across_data_parallel_group
 
 LossLayout = list[tuple[str, int]]
@@ -55,8 +56,8 @@ class ReducedLosses:
 
     A read at the end of every step would make the host wait for the step's GPU work before it
     queues the next iteration. Instead the losses are copied to the host as soon as they are
-    computed (in stream order, without waiting), and `read` waits for that copy alone: a later
-    read (an eager training loop's, at the next iteration) finds them there.
+    computed (`HostCopy`), and `read` waits for that copy alone: a later read (an eager training
+    loop's, at the next iteration) finds them there.
 
     Args:
         reduced: the losses, flat, as `reduce_loss_dicts` returns them (None: `values` given).
@@ -75,15 +76,7 @@ class ReducedLosses:
             raise ValueError("ReducedLosses takes either the reduced losses or their values.")
         self._layout = layout
         self._values = values
-        self._host = reduced
-        self._copied: torch.cuda.Event | None = None
-        if reduced is not None and reduced.is_cuda:
-            # Into pinned memory, in the order of the stream that computed them; the event
-            # marks the copy's end.
-            stream = torch.cuda.current_stream(reduced.device)
-            self._host = reduced.to("cpu", non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(stream)
+        self._copy = None if reduced is None else HostCopy(reduced)
 
     @property
     def is_read(self) -> bool:
@@ -93,10 +86,8 @@ class ReducedLosses:
     def read(self) -> dict[str, float]:
         """The losses, key -> value (waits for their copy to the host the first time)."""
         if self._values is None:
-            if self._copied is not None:
-                self._copied.synchronize()
-            self._values = loss_values(self._layout, self._host.tolist())
-            self._host = self._copied = None
+            self._values = loss_values(self._layout, self._copy.tolist())
+            self._copy = None
         return self._values
 
 

@@ -47,12 +47,7 @@ class TrainState:
     num_floating_point_operations_so_far: float = 0.0
 
     def record_iteration(
-        self,
-        iteration: int,
-        global_batch_size: int,
-        floating_point_operations: float,
-        skipped: bool,
-        losses: Mapping[str, float],
+        self, iteration: int, global_batch_size: int, floating_point_operations: float
     ) -> None:
         """Advances the state past one training iteration.
 
@@ -60,9 +55,6 @@ class TrainState:
             iteration: its number (the next one: `self.iteration + 1`).
             global_batch_size: the samples it trained on.
             floating_point_operations: its model FLOPs.
-            skipped: whether its optimizer step was skipped.
-            losses: its reported losses (a skipped iteration with a non-finite one counts as a
-                nan iteration).
 
         Raises:
             ValueError: `iteration` is not the one after `self.iteration`.
@@ -75,10 +67,14 @@ class TrainState:
         self.iteration = iteration
         self.consumed_train_samples += global_batch_size
         self.num_floating_point_operations_so_far += floating_point_operations
-        if skipped:
-            self.num_skipped_iterations += 1
-            if is_nan_iteration(skipped, losses):
-                self.num_nan_iterations += 1
+
+    def record_skipped_step(self, losses: Mapping[str, float]) -> None:
+        """Counts an iteration whose optimizer step was skipped, and a nan iteration too where
+        one of its reported `losses` is not finite (read once the step's outcome is: the loop
+        learns it after the iteration)."""
+        self.num_skipped_iterations += 1
+        if is_nan_iteration(True, losses):
+            self.num_nan_iterations += 1
 
     def record_evaluation(self, samples: int) -> None:
         """Counts the validation samples a periodic evaluation read."""

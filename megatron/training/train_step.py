@@ -1,12 +1,11 @@
-"""One training iteration (`train_step`): every microbatch's forward and backward through this
-rank's model chunks, the gradients' reduction, the optimizer step and the schedule's step
-(`megatron.training.training` describes the sequence); and the checks of
-`--check-for-nan-in-loss-and-grad`."""
+"""One training iteration (`train_step`, and `start_train_step`, which reads the optimizer step's
+outcome later): every microbatch's forward and backward through this rank's model chunks, the
+gradients' reduction, the optimizer step and the schedule's step (`megatron.training.training`
+describes the sequence)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -22,6 +21,7 @@ from megatron.training.loss_reduction import (
     average_loss_dicts,
     divide_gradients_by_tokens,
 )
+from megatron.training.optimizer_step import PendingStep, take_optimizer_step
 from megatron.training.profiling import empty_unused_memory
 from megatron.training.schedules import DataIterator, ForwardStepFunc, forward_backward
 from megatron.training.utils import get_device
@@ -37,7 +37,8 @@ def train_step(
     num_microbatches: int | None = None,
     graph: GraphedIteration | None = None,
 ) -> tuple[ReducedLosses, bool, float | None, int | None]:
-    """One iteration: every microbatch's forward and backward, then the optimizer step.
+    """One iteration: every microbatch's forward and backward, then the optimizer step and the
+    schedule's step, read at once (`start_train_step` leaves the step's outcome for later).
 
     Args:
         forward_step_func: `(data_iterator, model) -> (output_tensor, loss_func)`.
@@ -60,56 +61,68 @@ def train_step(
         without `--log-num-zeros-in-grad`).
 
     Raises:
-        RuntimeError: the step was skipped, `--check-for-nan-in-loss-and-grad` is on, and a loss
-            or the global gradient norm is not finite. Both are the same on every rank (reduced
-            over the data-parallel group), so every rank raises. The losses of a step that was
-            not skipped are left to their reader to check (`check_losses_finite`): reading them
-            here would wait for the step's GPU work.
+        RuntimeError: see `PendingStep.outcome`.
+    """
+    losses, step = start_train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        scheduler,
+        args,
+        previous=None,
+        num_microbatches=num_microbatches,
+        graph=graph,
+    )
+    outcome = step.outcome()
+    return losses, not outcome.update_successful, outcome.grad_norm, outcome.num_zeros_in_grad
+
+
+def start_train_step(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: DataIterator,
+    model: Model,
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    args: argparse.Namespace,
+    previous: PendingStep | None,
+    num_microbatches: int | None = None,
+    graph: GraphedIteration | None = None,
+) -> tuple[ReducedLosses, PendingStep]:
+    """`train_step` with the optimizer step's outcome, and so the schedule's step, read when
+    first asked for (`megatron.training.optimizer_step`): the training loop's iteration.
+
+    Args:
+        previous: the step the iteration before this one took, settled here before this one's
+            step is taken (None: none, or settled already).
+        Others: see `train_step`.
+
+    Returns:
+        (losses, step): the reported losses, on the device until read, and the optimizer step.
+
+    Raises:
+        RuntimeError: see `PendingStep.outcome` (for `previous`, or a step read at once).
     """
     if num_microbatches is None:
         num_microbatches = args.num_microbatches
+    samples = num_microbatches * args.micro_batch_size * args.data_parallel_size
     if graph is not None:
+        if previous is not None:
+            previous.outcome()  # the graph's step reads the rates the schedule set
         values, update_successful, grad_norm, num_zeros_in_grad = graph(data_iterator)
         losses = ReducedLosses(values=values)
-    else:
-        loss_dicts = compute_gradients(
-            forward_step_func, model, optimizer, args, data_iterator, num_microbatches
-        )
-        # Before the step: their copy to the host is then queued ahead of the step's kernels.
-        losses = average_loss_dicts(loss_dicts)
-        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
-        empty_unused_memory(args, level=2)
-    if update_successful:
-        # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
-        scheduler.step(num_microbatches * args.micro_batch_size * args.data_parallel_size)
-    # A skipped step's losses are read here: the step waited for its norm already, and a
-    # non-finite norm usually comes of a non-finite loss, which is the error to report.
-    elif args.check_for_nan_in_loss_and_grad:
-        check_losses_finite(losses.read())
-        # None: fp16's loss scaler skipped the step (an overflow is its signal, not an error).
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            raise RuntimeError(
-                f"The global gradient norm is {grad_norm} though the loss is finite "
-                f"({losses.read()}; --check-for-nan-in-loss-and-grad). Lower --lr or check the "
-                f"model; {_SKIP_INSTEAD}"
-            )
-    return losses, not update_successful, grad_norm, num_zeros_in_grad
-
-
-_SKIP_INSTEAD = "or pass --no-check-for-nan-in-loss-and-grad to skip such steps and continue."
-
-
-def check_losses_finite(losses: dict[str, float]) -> None:
-    """`--check-for-nan-in-loss-and-grad`'s check of an iteration's reported losses.
-
-    Raises:
-        RuntimeError: a loss is not finite.
-    """
-    if not all(map(math.isfinite, losses.values())):
-        raise RuntimeError(
-            f"The loss is not finite ({losses}; --check-for-nan-in-loss-and-grad). Lower --lr "
-            f"or check the data; {_SKIP_INSTEAD}"
-        )
+        measured = (update_successful, grad_norm, num_zeros_in_grad)
+        step = PendingStep(measured, optimizer, scheduler, args, samples, losses)
+        step.outcome()
+        return losses, step
+    loss_dicts = compute_gradients(
+        forward_step_func, model, optimizer, args, data_iterator, num_microbatches
+    )
+    # Before the step: their copy to the host is then queued ahead of the step's kernels.
+    losses = average_loss_dicts(loss_dicts)
+    step = take_optimizer_step(optimizer, scheduler, args, samples, losses, previous)
+    empty_unused_memory(args, level=2)
+    return losses, step
 
 
 def compute_gradients(

@@ -6,8 +6,9 @@ engine, builds the optimizer and learning-rate schedule, the data iterators from
 dataset provider, then trains for `--train-iters` iterations, evaluating every
 `--eval-interval`, and once more (validation and test) at the end.
 
-The loop (`train()`) is in `megatron.training.training_loop`. One iteration of it (`train_step`,
-in `megatron.training.train_step`) on either engine::
+The loop (`train()`) is in `megatron.training.training_loop`. One iteration of it
+(`start_train_step`, in `megatron.training.train_step`; the optimizer step's outcome is read as
+`megatron.training.optimizer_step` says) on either engine::
 
     model.zero_grad_buffer(); optimizer.zero_grad()
     model.start_param_sync()           # Megatron-FSDP: gather the first unit early
@@ -18,10 +19,13 @@ in `megatron.training.train_step`) on either engine::
     model.finish_grad_sync()
     update_expert_bias(...)            # --moe-router-enable-expert-bias
     average_loss_dicts(...)            # the reported losses, on the device until read
-    optimizer.step()                   # global grad norm; skip if not finite; clip; step
-    scheduler.step(global batch)       # in samples, only after a real update, as Megatron-LM's
+    read the previous iteration's step # its skip flag and norm, copied to the host meanwhile,
+    scheduler.step(global batch)       # then its schedule step: in samples, only after a real
+                                       # update, as Megatron-LM's
+    optimizer.step_without_host_sync() # global grad norm; skip if not finite; clip; step; read
+                                       # next iteration (fp16, unfused SGD: step(), read now)
     # with --check-for-nan-in-loss-and-grad (the default): raise on a non-finite loss or norm
-    # (a skipped step's here; a taken step's where the loop reads its losses)
+    # (a skipped step's where it is read; a taken step's where the loop reads its losses)
     get_moe_metrics_tracker().reduce(...)  # every step: the MoE losses of the log, cleared
     get_mtp_loss_logging_helper().reduce(...)  # likewise the multi-token prediction losses
 

@@ -27,10 +27,11 @@ from megatron.training.evaluation import evaluate_and_print_results
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.training_schedule import batch_size_schedule
 from megatron.training.loss_reduction import ReducedLosses
+from megatron.training.optimizer_step import PendingStep, check_losses_finite
 from megatron.training.profiling import TrainingOperations
 from megatron.training.schedules import DataIterator, ForwardStepFunc
 from megatron.training.train_state import TrainState
-from megatron.training.train_step import check_losses_finite, compute_gradients, train_step
+from megatron.training.train_step import compute_gradients, start_train_step
 from megatron.training.training_log import TrainingLog
 from megatron.training.utils import get_device, print_rank_0, report_rank_0
 
@@ -168,12 +169,9 @@ class _IterationResult:
 
     losses: ReducedLosses
     auxiliary_losses: tuple[ReducedLosses, ...]  # MoE, multi-token prediction
-    skipped: bool
-    grad_norm: float | None
-    num_zeros_in_grad: int | None
+    step: PendingStep  # the optimizer step, its outcome read when first needed
     step_loss_scale: float  # before the step: what an overflow is reported at
     loss_scale: float  # after it: the scale the next iteration uses
-    learning_rate: float
     global_batch_size: int
     consumed_samples: int  # up to and including this iteration
     params_norm: float | None  # after the step (--log-params-norm)
@@ -196,12 +194,13 @@ class _TrainingLoop:
     save. The order within an iteration is the one every rank keeps (the parts' collectives
     must match): step, exit decision, record, evaluation, save, exit.
 
-    An iteration's losses stay on the device until the iteration after it is recorded, which
-    finds them computed: reading them at once would make the host wait for the step's GPU work
-    instead of queueing the next iteration. They are read at once where they are needed now:
-    a skipped step, the log's line, a save and the last iteration. The iterations go to the
-    history and the log in order, when their losses are read (so an iteration whose successor
-    fails is not recorded).
+    An iteration's losses and its optimizer step's outcome (whether it updated, the gradient
+    norm: `optimizer_step.py`) stay on the device until the iteration after it is recorded,
+    which finds them computed: reading them at once would make the host wait for the step's GPU
+    work instead of queueing the next iteration. They are read at once where they are needed
+    now: the log's line, a save and the last iteration. The iterations go to the history, the
+    log and the state's count of skipped steps in order, when they are read (so an iteration
+    whose successor fails is not recorded).
 
     An iteration's time runs from the end of the previous one's (its `record`) to the end of
     its own, evaluations and saves between them left out: wall-clock time, in which the GPU
@@ -222,6 +221,7 @@ class _TrainingLoop:
     graph: GraphedIteration | None
 
     _unrecorded: _Unrecorded | None = dataclasses.field(default=None, init=False)
+    _last_step: PendingStep | None = dataclasses.field(default=None, init=False)
     _clock: float = dataclasses.field(default=0.0, init=False)  # where the iteration's time starts
 
     def __post_init__(self) -> None:
@@ -257,16 +257,18 @@ class _TrainingLoop:
         samples_per_microbatch = args.micro_batch_size * args.data_parallel_size
         num_microbatches = global_batch_size // samples_per_microbatch
         step_loss_scale = optimizer.get_loss_scale()
-        losses, skipped, grad_norm, num_zeros_in_grad = train_step(
+        losses, step = start_train_step(
             self.forward_step_func,
             self.train_data_iterator,
             self.model,
             optimizer,
             self.scheduler,
             args,
+            previous=self._last_step,
             num_microbatches=num_microbatches,
             graph=self.graph,
         )
+        self._last_step = step
         # Every step, on every rank (it all-reduces and clears the step's metrics).
         auxiliary_losses = (
             self.log.report_moe_metrics(iteration, num_microbatches),
@@ -277,22 +279,14 @@ class _TrainingLoop:
             global_batch_size,
             # FLOPs are linear in the batch: each iteration counts at its own global batch.
             self.log.flops_per_sample * global_batch_size,
-            skipped,
-            # Whether a skipped step counts as a nan iteration; other steps' stay unread.
-            losses.read() if skipped else {},
         )
         return _IterationResult(
             losses=losses,
             auxiliary_losses=auxiliary_losses,
-            skipped=skipped,
-            grad_norm=grad_norm,
-            num_zeros_in_grad=num_zeros_in_grad,
+            step=step,
             step_loss_scale=step_loss_scale,
             # After the step: the scale the next iteration uses (Megatron-LM logs the same).
             loss_scale=optimizer.get_loss_scale(),
-            # Megatron-LM's convention: the rate after this step's schedule update (the next
-            # one's).
-            learning_rate=optimizer.param_groups[0]["lr"],
             global_batch_size=global_batch_size,
             consumed_samples=self.state.consumed_train_samples,
             params_norm=optimizer.get_params_norm() if args.log_params_norm else None,
@@ -311,14 +305,16 @@ class _TrainingLoop:
         the class."""
         self._record_unrecorded()
         parts = (result.losses, *result.auxiliary_losses)
-        if result.skipped or self.log.logs_line(iteration, last):
+        if self.log.logs_line(iteration, last):
             for part in parts:
                 part.read()
+            result.step.outcome()
         now = time.perf_counter()
         self._unrecorded = _Unrecorded(iteration, result, last, now - self._clock)
         self._clock = now
-        # Read already: just now, or by a CUDA graph or pipeline stages.
-        if all(part.is_read for part in parts):
+        # Read already: just now, or nothing was left on the device (a CUDA graph's iteration;
+        # pipeline stages' losses with a step read at once).
+        if all(part.is_read for part in parts) and result.step.is_read:
             self._record_unrecorded()
 
     @contextlib.contextmanager
@@ -337,6 +333,7 @@ class _TrainingLoop:
             return
         done, self._unrecorded = self._unrecorded, None
         iteration, result = done.iteration, done.result
+        outcome = result.step.outcome()
         losses = result.losses.read()
         if self.args.check_for_nan_in_loss_and_grad:
             check_losses_finite(losses)
@@ -344,12 +341,14 @@ class _TrainingLoop:
             key: value for part in result.auxiliary_losses for key, value in part.read().items()
         }
         history = self.history
-        if result.skipped:
+        skipped = not outcome.update_successful
+        if skipped:
+            self.state.record_skipped_step(losses)
             history.skipped_iterations.append(iteration)
             why = (
                 f"the gradients overflowed at loss scale {result.step_loss_scale:g}"
-                if result.grad_norm is None
-                else f"the gradient norm is {result.grad_norm}"
+                if outcome.grad_norm is None
+                else f"the gradient norm is {outcome.grad_norm}"
             )
             print_rank_0(
                 f"iteration {iteration}: skipped the optimizer step, {why} (losses "
@@ -357,19 +356,19 @@ class _TrainingLoop:
                 logging.WARNING,
             )
         history.losses.append({**losses, **auxiliary_losses})
-        history.grad_norms.append(result.grad_norm)
+        history.grad_norms.append(outcome.grad_norm)
         history.loss_scales.append(result.loss_scale)
-        history.learning_rates.append(result.learning_rate)
+        history.learning_rates.append(outcome.learning_rate)
         self.log.record_iteration(
             iteration,
             losses,
-            result.skipped,
-            result.grad_norm,
-            result.learning_rate,
+            skipped,
+            outcome.grad_norm,
+            outcome.learning_rate,
             done.seconds,
             last=done.last,
             loss_scale=result.loss_scale,
-            num_zeros_in_grad=result.num_zeros_in_grad,
+            num_zeros_in_grad=outcome.num_zeros_in_grad,
             params_norm=result.params_norm,
             auxiliary_losses=auxiliary_losses,
             global_batch_size=result.global_batch_size,

@@ -8,6 +8,9 @@ optimizer a `found_inf` flag (1.0: skip), the protocol of torch's `GradScaler` f
 whose fused kernels honour it (`_step_supports_amp_scaling`: Adam, AdamW and SGD built with
 `fused=True`). Their kernels then leave the weights, Adam's moments and SGD's momentum untouched,
 and Adam takes back the step count it added, so a skipped step changes nothing, as on the host.
+An eager loop takes the same step to read its outcome later (`MegatronOptimizer.
+step_without_host_sync`): Adam's fused kernels need no `capturable=True` for it, and the
+learning rates stay the host numbers the groups hold.
 
 A captured step replays the numbers it was captured with, so anything that changes between
 steps must live in device memory: each parameter group's learning rate is a 0-dim fp32 tensor
@@ -25,6 +28,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.fusions.fused_adam import GradScale, StepAmaxes, step_and_copy
 from megatron.core.optimizer.clip_grads import (
@@ -88,31 +92,46 @@ class DeviceLearningRates:
                 group["lr"] = rate
 
 
-def check_skips_on_device(optimizer: torch.optim.Optimizer) -> None:
-    """Raises unless `optimizer` can skip its step on the device and run under capture.
+def device_skip_problem(optimizer: torch.optim.Optimizer, capture: bool) -> str | None:
+    """Why `optimizer` cannot skip its step on the device (None: it can).
 
-    Raises:
-        ValueError: not a torch optimizer whose fused kernels honour `found_inf` (Adam, AdamW,
-            SGD with `fused=True`), Adam without `capturable=True`, or SGD with dampening.
+    Args:
+        optimizer: the torch optimizer.
+        capture: the step is also to run under a CUDA graph capture, which torch refuses for
+            Adam built with `capturable=False`.
     """
     name = type(optimizer).__name__
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        raise ValueError(
+        return (
             f"A step on the device needs an optimizer that skips a step on the device; "
             f"{name} does not. Build torch's Adam, AdamW or SGD with fused=True "
             "(get_megatron_optimizer(config, model, capturable=True) does)."
         )
     for group in optimizer.param_groups:
-        if "capturable" in group and not group["capturable"]:
-            raise ValueError(
+        if capture and "capturable" in group and not group["capturable"]:
+            return (
                 f"{name} was built with capturable=False: a CUDA graph cannot capture its step; "
                 "build it with capturable=True."
             )
         if group.get("momentum", 0.0) and group.get("dampening", 0.0):
-            raise ValueError(
+            return (
                 f"{name} has dampening {group['dampening']}: its first step on the device would "
                 "differ from torch's (see zero_momentum_buffers); use dampening 0."
             )
+    return None
+
+
+def check_skips_on_device(optimizer: torch.optim.Optimizer, capture: bool) -> None:
+    """Raises unless `optimizer` can skip its step on the device (`device_skip_problem`).
+
+    Raises:
+        ValueError: not a torch optimizer whose fused kernels honour `found_inf` (Adam, AdamW,
+            SGD with `fused=True`), Adam without `capturable=True` for a `capture`, or SGD with
+            dampening.
+    """
+    problem = device_skip_problem(optimizer, capture)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def zero_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
@@ -180,26 +199,34 @@ def device_step(
     grads: list[torch.Tensor],
     config: OptimizerConfig,
     device: torch.device,
-    learning_rates: DeviceLearningRates,
+    learning_rates: DeviceLearningRates | None,
     copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     amaxes: Sequence[StepAmaxes | None] = (),
+    counted: Sequence[torch.Tensor] | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> DeviceStepResult:
     """`MegatronOptimizer.step()`'s norm, skip, clip, step and copy into the model's weights,
     all on the device.
 
     Args:
-        optimizer: the torch optimizer (see `check_skips_on_device`).
+        optimizer: the torch optimizer (`check_skips_on_device` passed: it skips on the device).
         grads: the main gradients it steps with, as `MegatronOptimizer.get_main_grads()`.
         config: read for `clip_grad` and `log_num_zeros_in_grad`.
         device: where the results live.
-        learning_rates: the rates the step reads (written before the step).
+        learning_rates: the rates the step reads (written before the step); None: the numbers
+            the groups hold (a step that no CUDA graph replays).
         copies: (model weight, fp32 main weight) pairs written after the step
             (`step_and_copy`).
         amaxes: absolute maxima the step records of the weights it leaves (`step_and_copy`).
+        counted: the gradients the norm and the zero count sum, each parameter once over the
+            pipeline stages (None: `grads`).
+        pp_group: the pipeline group, whose stages hold the other parameters (None: one stage).
     """
-    check_skips_on_device(optimizer)
-    grad_norm = grad_norm_on_device(grads, device)
-    num_zeros = count_zeros_on_device(grads, device) if config.log_num_zeros_in_grad else None
+    counted = grads if counted is None else counted
+    grad_norm = grad_norm_on_device(counted, device, pp_group)
+    num_zeros = None
+    if config.log_num_zeros_in_grad:
+        num_zeros = count_zeros_on_device(counted, device, pp_group)
     found_inf = torch.isfinite(grad_norm).logical_not().float()
     clip = None
     if config.clip_grad > 0.0:
@@ -207,6 +234,7 @@ def device_step(
         clip = clip_scale_on_device(grads, config.clip_grad, grad_norm)
     check_state_exists(optimizer)
     zero_momentum_buffers(optimizer)
-    with learning_rates.in_groups():
+    rates = contextlib.nullcontext() if learning_rates is None else learning_rates.in_groups()
+    with rates:
         step_skipping_on_device(optimizer, found_inf, copies, amaxes, clip)
     return DeviceStepResult(grad_norm, found_inf, num_zeros)

@@ -50,7 +50,13 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
-from megatron.core.optimizer.device_step import DeviceLearningRates, DeviceStepResult, device_step
+from megatron.core.optimizer.device_step import (
+    DeviceLearningRates,
+    DeviceStepResult,
+    check_skips_on_device,
+    device_skip_problem,
+    device_step,
+)
 from megatron.core.optimizer.grad_scaler import (
     MegatronGradScaler,
     unscale_and_check_for_inf,
@@ -260,7 +266,7 @@ class MegatronOptimizer:
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
-            counted = self.get_main_grads(counted_once=True) if self._second_copies else grads
+            counted = self._counted_grads(grads)
             grad_norm = get_grad_norm_fp32(counted, self._pp_group)
             num_zeros = None
             if self.config.log_num_zeros_in_grad:
@@ -273,6 +279,11 @@ class MegatronOptimizer:
             step_and_copy(self.optimizer, self._model_weight_copies(), self._step_amaxes(), clip)
             self._model_weights_written()
         return True, grad_norm, num_zeros
+
+    def _counted_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The main gradients the norm and the zero count sum: `grads` but the last pipeline
+        stage's copies of the first stage's embeddings (counted by the first stage)."""
+        return self.get_main_grads(counted_once=True) if self._second_copies else grads
 
     def write_learning_rates_to_device(self) -> None:
         """Copies each parameter group's `"lr"` (set on the host by the scheduler) into the
@@ -301,25 +312,58 @@ class MegatronOptimizer:
                 optimizer that cannot skip on the device.
             RuntimeError: `write_learning_rates_to_device()` was never called.
         """
-        if self.grad_scaler is not None:
-            raise ValueError(
-                "step_on_device() cannot scale the loss: the loss scaler decides on the host. "
-                "Train with bf16 or fp32 (no --fp16, no --loss-scale)."
-            )
+        self._check_steps_on_device("step_on_device()", capture=True)
         if self._device_learning_rates is None:
             raise RuntimeError(
                 "step_on_device() reads the learning rates from the device: call "
                 "write_learning_rates_to_device() before it (and before every replay)."
             )
+        return self._step_on_device(self._device_learning_rates)
+
+    @property
+    def steps_without_host_sync(self) -> bool:
+        """Whether `step_without_host_sync()` can take this optimizer's steps: no loss scaler,
+        and a torch optimizer whose kernels skip a step on the device (Adam and AdamW with
+        torch's fused kernels, the default where every parameter allows them; SGD built with
+        `fused=True`)."""
+        return self.grad_scaler is None and device_skip_problem(self.optimizer, False) is None
+
+    @torch.no_grad()
+    def step_without_host_sync(self) -> DeviceStepResult:
+        """`step()` with its outcome left on the device, for an eager loop that reads it later
+        (the training loop reads it at the next iteration, as it reads the losses): the host
+        queues the step without waiting for the gradients' norm. The norm, the skip of a step
+        whose norm is not finite and the clipping are `step_on_device()`'s; the learning rates
+        are the numbers the groups hold now, so weights and optimizer state equal `step()`'s
+        bitwise. A schedule that depends on whether the step was skipped must read the result
+        before it sets the rates of the next step.
+
+        Raises:
+            ValueError: the optimizer cannot (see `steps_without_host_sync`).
+        """
+        self._check_steps_on_device("step_without_host_sync()", capture=False)
+        return self._step_on_device(None)
+
+    def _check_steps_on_device(self, name: str, capture: bool) -> None:
+        if self.grad_scaler is not None:
+            raise ValueError(
+                f"{name} cannot scale the loss: the loss scaler decides on the host. "
+                "Train with bf16 or fp32 (no --fp16, no --loss-scale)."
+            )
+        check_skips_on_device(self.optimizer, capture)
+
+    def _step_on_device(self, learning_rates: DeviceLearningRates | None) -> DeviceStepResult:
         with self._main_grads_for_step() as grads:
             result = device_step(
                 self.optimizer,
                 grads,
                 self.config,
                 self._flag_device(),
-                self._device_learning_rates,
+                learning_rates,
                 self._model_weight_copies(),
                 self._step_amaxes(),
+                self._counted_grads(grads),
+                self._pp_group,
             )
             self._model_weights_written()
         return result

@@ -209,6 +209,51 @@ def test_learning_rates_come_from_the_scheduler_rounded_to_fp32():
             assert torch.equal(value, host_weights[key]), key
 
 
+@pytest.mark.parametrize("non_finite_step", [None, 1], ids=["finite", "nan"])
+def test_step_without_host_sync_equals_the_host_step(non_finite_step):
+    """The eager loop's step (`step_without_host_sync`, read later) on the optimizer built
+    without `capturable`: the scheduler's rates as they are (fp32 cannot represent them), no
+    device rates written, and the same norms, skips, zero counts, weights and state as `step()`,
+    bitwise."""
+    config = OptimizerConfig(
+        lr=1e-3, weight_decay=0.1, clip_grad=CLIP_ACTIVE, log_num_zeros_in_grad=True
+    )
+    host_model, device_model = build_tiny_gpt(), build_tiny_gpt()
+    host = get_megatron_optimizer(config, host_model)
+    device = get_megatron_optimizer(config, device_model)
+    assert device.steps_without_host_sync
+    for step in range(NUM_STEPS):
+        non_finite = step == non_finite_step
+        _set_grads(host_model, step, non_finite)
+        _set_grads(device_model, step, non_finite)
+        updated, grad_norm, num_zeros = host.step()
+        result = device.step_without_host_sync()
+        assert result.found_inf.item() == float(not updated)
+        norms = (result.grad_norm.item(), grad_norm)
+        assert norms[0] == norms[1] or (non_finite and all(map(math.isnan, norms)))
+        assert result.num_zeros.item() == num_zeros
+        host_weights = full_state(host_model)
+        for key, value in full_state(device_model).items():
+            assert torch.equal(value, host_weights[key]), key
+    _assert_states_equal(_optimizer_state(device), _optimizer_state(host))
+
+
+def test_steps_without_host_sync_where_the_step_can_skip_on_the_device():
+    """fp16's loss scaler and torch's unfused SGD decide on the host: their steps are read at
+    once, and `step_without_host_sync` says why it cannot take them."""
+    model = build_tiny_gpt()
+    _set_grads(model, 0, False)
+    sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=LR), model)
+    scaled = get_megatron_optimizer(OptimizerConfig(lr=LR, fp16=True), model)
+    fused_sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=LR), model, True)
+    assert fused_sgd.steps_without_host_sync
+    assert not sgd.steps_without_host_sync and not scaled.steps_without_host_sync
+    with pytest.raises(ValueError, match="fused=True"):
+        sgd.step_without_host_sync()
+    with pytest.raises(ValueError, match="loss scaler decides on the host"):
+        scaled.step_without_host_sync()
+
+
 def test_capturable_construction_picks_fused_kernels():
     model = build_tiny_gpt()
     adam = get_megatron_optimizer(OptimizerConfig(lr=LR), model, capturable=True).optimizer

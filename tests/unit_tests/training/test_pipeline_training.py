@@ -28,7 +28,13 @@ from tests.unit_tests.model_builders import (
     wrap_for_engine,
 )
 from tests.unit_tests.training.schedule_checks import masked_sgd_train_step
-from tests.unit_tests.training.test_pretrain_gpt import TINY, ZERO3, _losses_and_norms, _pretrain
+from tests.unit_tests.training.test_pretrain_gpt import (
+    TINY,
+    ZERO3,
+    _losses_and_norms,
+    _pretrain,
+    steps_read_at_once,
+)
 
 PIPELINE = [*TINY, "--global-batch-size", "8", "--pipeline-model-parallel-size", "2"]
 """4 microbatches of 2 sequences through 2 stages of one layer each, tied embeddings."""
@@ -45,6 +51,19 @@ def test_two_stages_train_alike_under_both_engines():
     assert (grad_norms > 0.3).all(), f"clipping never acted: {grad_norms}"
     for result in (fsdp, fsdp_last, ddp_last):
         torch.testing.assert_close(result, ddp)
+
+
+def _read_later_and_at_once(flags: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    later = _losses_and_norms(flags)
+    with steps_read_at_once():
+        return [later, _losses_and_norms(flags)]
+
+
+def test_steps_read_at_the_next_iteration_count_each_stage_once():
+    """The optimizer step whose outcome the loop reads later sums the norm over both stages,
+    the last stage's copy of the tied embeddings left out, as the step read at once does."""
+    for later, at_once in run_distributed(_read_later_and_at_once, 2, [*PIPELINE, *ZERO3]):
+        torch.testing.assert_close(later, at_once, rtol=0, atol=0)
 
 
 VIRTUAL = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]

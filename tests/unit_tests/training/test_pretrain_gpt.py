@@ -5,12 +5,14 @@ gradient raises (the default) or skips one step without stopping training."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
 import math
 import os
 import statistics
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import pretrain_gpt
 from megatron.core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 from megatron.core.distributed.fsdp import local_main_weights
 from megatron.core.enums import ModelType
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.training.log_capture import capture_training_log
@@ -46,6 +49,14 @@ def _pretrain(flags: list[str], forward_step_func=pretrain_gpt.forward_step) -> 
             argv=[*flags, "--distributed-backend", dist.get_backend()],
         )
     return dict(history=history, log=messages)
+
+
+def steps_read_at_once() -> contextlib.AbstractContextManager:
+    """Within it, the training loop reads each optimizer step's outcome as it takes the step
+    (as for fp16's loss scaler and torch's unfused optimizers), not at the next iteration."""
+    return mock.patch.object(
+        MegatronOptimizer, "steps_without_host_sync", new=mock.PropertyMock(return_value=False)
+    )
 
 
 def _log_lines(log: list[str]) -> list[str]:
@@ -250,10 +261,11 @@ class _InfGradient(torch.autograd.Function):
         return torch.full_like(grad, float("inf"))
 
 
-def _pretrain_with_non_finite(flags: list[str], where: str) -> dict:
+def _pretrain_with_non_finite(flags: list[str], where: str, read_at_once: bool = False) -> dict:
     """Trains with the loss (`where` = "loss") or only the gradient ("gradient") made inf in
     iteration INF_ITERATION; snapshots this rank's shards of the main weights at the start of
-    every iteration."""
+    every iteration. `read_at_once`: each optimizer step is read as it is taken (as fp16's and
+    torch's unfused optimizers' steps are), not at the next iteration."""
     calls = itertools.count()
     snapshots = []
 
@@ -270,10 +282,11 @@ def _pretrain_with_non_finite(flags: list[str], where: str) -> dict:
                 output_tensor = _InfGradient.apply(output_tensor)
         return output_tensor, loss_func
 
-    try:
-        result = _pretrain(flags, forward_step)
-    except RuntimeError as error:
-        return dict(error=str(error))
+    with steps_read_at_once() if read_at_once else contextlib.nullcontext():
+        try:
+            result = _pretrain(flags, forward_step)
+        except RuntimeError as error:
+            return dict(error=str(error), snapshots=snapshots)
     result["snapshots"] = snapshots
     return result
 
@@ -315,6 +328,40 @@ def test_non_finite_loss_or_gradient_raises_with_the_check_on(where):
         assert "--no-check-for-nan-in-loss-and-grad" in result["error"]
         if where == "gradient":
             assert "The global gradient norm is " in result["error"]
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_steps_read_at_the_next_iteration_train_as_steps_read_at_once(where):
+    """The loop reads an optimizer step's outcome (skipped or not, the gradient norm) at the
+    next iteration, stepping the schedule then: the same losses, norms, learning rates, skipped
+    iteration and weights, bitwise, as steps read as they are taken; with the check on, the
+    skipped step raises once the next iteration's forward and backward are queued."""
+    flags = [*TINY, "--global-batch-size", "8", "--train-iters", "5", "--log-interval", "5"]
+    flags += [*ZERO3, "--lr-warmup-iters", "2"]
+    unchecked = [*flags, "--no-check-for-nan-in-loss-and-grad"]
+    later = run_distributed(_pretrain_with_non_finite, 2, unchecked, where)
+    at_once = run_distributed(_pretrain_with_non_finite, 2, unchecked, where, True)
+    for result, expected in zip(later, at_once):
+        history, want = result["history"], expected["history"]
+        assert history.skipped_iterations == want.skipped_iterations == [INF_ITERATION]
+        assert history.learning_rates == want.learning_rates
+        for key in ("losses", "grad_norms"):
+            actual = torch.tensor([_first(v) for v in getattr(history, key)])
+            wanted = torch.tensor([_first(v) for v in getattr(want, key)])
+            torch.testing.assert_close(actual, wanted, rtol=0, atol=0, equal_nan=True)
+        for weights, expected_weights in zip(result["snapshots"], expected["snapshots"]):
+            for actual, wanted in zip(weights, expected_weights):
+                torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+    # With the check on: the iteration after the skipped one started before the error.
+    later = run_distributed(_pretrain_with_non_finite, 2, flags, where)
+    at_once = run_distributed(_pretrain_with_non_finite, 2, flags, where, True)
+    for result, expected in zip(later, at_once):
+        assert "--check-for-nan-in-loss-and-grad" in result["error"] == expected["error"]
+        assert len(result["snapshots"]) == len(expected["snapshots"]) + 1 == INF_ITERATION + 1
+
+
+def _first(value: float | dict[str, float]) -> float:
+    return value["lm loss"] if isinstance(value, dict) else value
 
 
 def _pretrain_reporting_inf(flags: list[str]) -> dict:

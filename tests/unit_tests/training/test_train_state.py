@@ -30,9 +30,11 @@ NEW_KEYS = ("num_skipped_iterations", "num_nan_iterations", "num_floating_point_
 
 def test_state_advances_with_iterations_and_evaluations():
     state = TrainState()
-    state.record_iteration(1, 4, 100.0, skipped=False, losses={"lm loss": 2.0})
-    state.record_iteration(2, 8, 200.0, skipped=True, losses={"lm loss": float("nan")})
-    state.record_iteration(3, 8, 200.0, skipped=True, losses={"lm loss": 1.0})  # gradient only
+    state.record_iteration(1, 4, 100.0)
+    state.record_iteration(2, 8, 200.0)
+    state.record_skipped_step({"lm loss": float("nan")})
+    state.record_iteration(3, 8, 200.0)
+    state.record_skipped_step({"lm loss": 1.0})  # the gradient alone was not finite
     state.record_evaluation(4)
     assert state == TrainState(
         iteration=3,
@@ -43,7 +45,7 @@ def test_state_advances_with_iterations_and_evaluations():
         num_floating_point_operations_so_far=500.0,
     )
     with pytest.raises(ValueError, match="at iteration 3, so the next is 4, not 5"):
-        state.record_iteration(5, 4, 1.0, skipped=False, losses={})
+        state.record_iteration(5, 4, 1.0)
 
 
 def test_state_dict_round_trips_and_older_entries_default_to_zero():
