@@ -83,10 +83,17 @@ CASES = {
 }
 
 
-def _build(fields: dict, compiled: bool, backend: str = "aot_eager") -> GPTModel:
+def _build(
+    fields: dict,
+    compiled: bool,
+    backend: str = "aot_eager",
+    device: torch.device | None = None,
+) -> GPTModel:
+    """The tiny GPT of `fields` on `device` (None: the rank's, `current_device()`)."""
     config = tiny_gpt_config(compile_layers=compiled, compile_backend=backend, **fields)
+    device = current_device() if device is None else device
     if config.num_moe_experts is None:
-        return build_tiny_gpt(config, position_embedding_type="rope")
+        return build_tiny_gpt(config, position_embedding_type="rope").to(device)
     torch.manual_seed(1234)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     return GPTModel(
@@ -95,7 +102,7 @@ def _build(fields: dict, compiled: bool, backend: str = "aot_eager") -> GPTModel
         vocab_size=VOCAB_SIZE,
         max_sequence_length=SEQ_LENGTH,
         position_embedding_type="rope",
-    ).to(current_device())
+    ).to(device)
 
 
 def _train_alone(fields: dict, compiled: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -147,13 +154,15 @@ def test_compiled_layers_train_like_eager_ones(case, fusion):
 def test_inductor_layers_compute_the_eager_loss_and_gradients(case, fusion):
     """Generated kernels reorder fp32 sums (a layer norm's, a fused bias gradient's), so the
     bound is fp32 reassociation across a 2-layer model, not bitwise equality. With fusion and
-    no engine the weight gradients reach `.grad`, as autograd's would."""
+    no engine the weight gradients reach `.grad`, as autograd's would. On a machine with a GPU
+    the model runs there (this process has no process group to say so)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokens, labels = make_token_batches(1, GLOBAL_BATCH)[0]
-    tokens, labels = tokens.to(current_device()), labels.to(current_device())
+    tokens, labels = tokens.to(device), labels.to(device)
     fields = dict(CASES[case], gradient_accumulation_fusion=fusion)
     results = []
     for compiled in (False, True):
-        model = _build(fields, compiled, backend="inductor")
+        model = _build(fields, compiled, backend="inductor", device=device)
         loss = model(tokens, labels=labels).mean()
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))

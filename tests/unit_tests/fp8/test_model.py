@@ -194,23 +194,54 @@ def test_amaxes_are_reduced_over_ranks_once_per_pass():
     assert (state0["scale_fwd"] != 1).all() and (state0["scale_bwd"] != 1).all()
 
 
-def test_compiled_layers_run_the_same_fp8_linears():
-    """With `compile_layers` the FP8 linears run between the compiled graphs: the same losses
-    and gradients as eager."""
+def _eager_and_compiled_passes(
+    device: torch.device | None = None, **fields
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Two forward and backward passes of the tiny FP8 GPT, eager then with compiled layers
+    (`fields` set the rest of the config), on `device` (None: the rank's): each run's losses
+    and gradients. The second pass casts with the scales the first updated."""
     results = []
     for compile_layers in (False, True):
-        config = _fp8_config(compile_layers=compile_layers, compile_backend="aot_eager")
-        model = build_tiny_gpt(config)
+        model = build_tiny_gpt(_fp8_config(compile_layers=compile_layers, **fields))
+        device = next(model.parameters()).device if device is None else device
+        model = model.to(device)
         tokens, labels = make_token_batches(1, 2, seed=4)[0]
+        tokens, labels = tokens.to(device), labels.to(device)
         losses = []
-        for _ in range(2):  # the second pass casts with updated delayed scales
+        for _ in range(2):
             loss = model(tokens, labels=labels).float().mean()
             loss.backward()
             losses.append(loss.detach())
         results.append((losses, [param.grad for param in model.parameters()]))
-    (eager_losses, eager_grads), (compiled_losses, compiled_grads) = results
-    assert eager_losses == compiled_losses
-    assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))
+    return results
+
+
+def test_compiled_layers_run_the_same_fp8_linears():
+    """With `compile_layers` the FP8 linears run between the compiled graphs: the same losses
+    and gradients as eager."""
+    (eager_losses, eager_grads), (losses, grads) = _eager_and_compiled_passes(
+        compile_backend="aot_eager"
+    )
+    assert eager_losses == losses
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_inductor_layers_around_fp8_linears_compute_the_eager_results(recipe):
+    """On CUDA inductor compiles the layers around the FP8 linears' `torch._scaled_mm`, with
+    its C++ wrapper (the default there). In fp32 its kernels reorder sums, so the bound is fp32
+    reassociation, as for compiled layers without FP8: an input that lands that close to an FP8
+    rounding boundary is rare enough at this size that the casts see the same values."""
+    fp32 = dict(params_dtype=torch.float32, bf16=False)
+    cuda = torch.device("cuda")
+    passes = _eager_and_compiled_passes(cuda, recipe=recipe, compile_backend="inductor", **fp32)
+    (eager_losses, eager_grads), (losses, grads) = passes
+    assert all(grad.is_cuda for grad in grads)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for grad, eager_grad in zip(grads, eager_grads):
+        torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_frozen_fp8_model_gives_outputs_that_need_no_gradient():
