@@ -32,6 +32,7 @@ import torch
 
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer.device_step import DeviceStepResult
 from megatron.training.loss_reduction import LossLayout, loss_values, reduce_loss_dicts
 from megatron.training.schedules import DataIterator
 from megatron.training.utils import print_rank_0
@@ -188,18 +189,12 @@ class GraphedIteration:
         loss_dicts = self._compute_gradients(self._batches.iterator(), self._num_microbatches)
         result = self._optimizer.step_on_device()
         losses, self._layout = reduce_loss_dicts(loss_dicts)
-        parts = [losses.double(), result.grad_norm.view(1), result.found_inf.double().view(1)]
-        if result.num_zeros is not None:
-            parts.append(result.num_zeros.double().view(1))
-        return torch.cat(parts)
+        return torch.cat([losses.double(), result.packed()])
 
     def _decode(self, values: list[float]) -> StepResult:
         """The step's results from the readout `_work` returned, read to the host."""
         width = sum(width for _, width in self._layout)
-        losses = loss_values(self._layout, values[:width])
-        grad_norm, found_inf = values[width], values[width + 1]
-        num_zeros = int(values[width + 2]) if len(values) > width + 2 else None
-        return losses, found_inf == 0.0, grad_norm, num_zeros
+        return loss_values(self._layout, values[:width]), *DeviceStepResult.unpack(values[width:])
 
     def _run_on_side_stream(self) -> torch.Tensor:
         """An eager run, on a side stream as capture's warm-up wants (so that nothing lazily

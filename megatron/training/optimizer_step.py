@@ -5,12 +5,14 @@ Megatron-LM's step reads the global gradient norm on the host to decide whether 
 update: the host waits there for the whole backward before it queues the update and the next
 iteration, and the GPU idles while the host catches up. Where the optimizer can skip a step on
 the device (`MegatronOptimizer.steps_without_host_sync`: bf16 or fp32 training with torch's fused
-Adam, the default), the step is queued without that read, and its outcome (whether it updated,
-the norm, the zero count) is read one iteration later, before the next step is taken, the way
-the loop reads the losses. The schedule's step waits for that outcome, since a skipped step does
-not advance it; it still comes before the next optimizer step is queued, so every step uses the
-learning rate it would have had, and the weights are those of a step read at once, bitwise.
-fp16's loss scaler decides on the host, and its steps are read at once.
+Adam, the default, or fused SGD; from the second step on), the step is queued without that
+read, and its outcome (whether it updated, the norm, the zero count) is read one iteration
+later, before the next step is taken, the way the loop reads the losses. The schedule's step
+waits for that outcome, since a skipped step does not advance it; it still comes before the next
+optimizer step is queued, so every step uses the learning rate it would have had, and the
+weights are those of a step read at once, bitwise. fp16's loss scaler decides on the host, and
+its steps are read at once, as are unfused optimizers' and every first step (whose skip on the
+device would make optimizer state that `step()` does not).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-
-import torch
 
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.device_step import DeviceStepResult
@@ -57,8 +57,9 @@ class PendingStep:
 
     Settling reads what the step measured (waiting for its copy to the host where it was left on
     the device), steps the schedule by the iteration's samples after an update, and under
-    `--check-for-nan-in-loss-and-grad` raises for a skipped step. Steps settle in the order they
-    were taken, each before the next one is: `take_optimizer_step` settles the one before.
+    `--check-for-nan-in-loss-and-grad` raises for a skipped step whose loss or norm is not
+    finite. Steps settle in the order they were taken, each before the next one is:
+    `take_optimizer_step` settles the one before.
 
     Args:
         measured: the step's `DeviceStepResult` (left on the device), or `step()`'s result.
@@ -80,10 +81,7 @@ class PendingStep:
     ) -> None:
         self._measured: HostCopy | HostStepResult = measured
         if isinstance(measured, DeviceStepResult):
-            parts = [measured.grad_norm, measured.found_inf.double()]
-            if measured.num_zeros is not None:
-                parts.append(measured.num_zeros.double())
-            self._measured = HostCopy(torch.stack(parts))
+            self._measured = HostCopy(measured.packed())
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._samples = samples
@@ -126,8 +124,7 @@ class PendingStep:
     def _read(self) -> HostStepResult:
         if not isinstance(self._measured, HostCopy):
             return self._measured
-        grad_norm, found_inf, *num_zeros = self._measured.tolist()
-        return found_inf == 0.0, grad_norm, int(num_zeros[0]) if num_zeros else None
+        return DeviceStepResult.unpack(self._measured.tolist())
 
 
 def take_optimizer_step(

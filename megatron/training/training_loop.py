@@ -1,6 +1,6 @@
 """The training loop (`train()`) and what it measured (`TrainingHistory`).
 
-`train()` runs `_TrainingLoop`, whose parts are one iteration's step (`train_step`) and
+`train()` runs `_TrainingLoop`, whose parts are one iteration's step (`start_train_step`) and
 bookkeeping (the `TrainState`, the history, the log), the exit decision, the periodic
 evaluation and the periodic save, in that order on every rank (their collectives match).
 """
@@ -195,10 +195,11 @@ class _TrainingLoop:
     must match): step, exit decision, record, evaluation, save, exit.
 
     An iteration's losses and its optimizer step's outcome (whether it updated, the gradient
-    norm: `optimizer_step.py`) stay on the device until the iteration after it is recorded,
-    which finds them computed: reading them at once would make the host wait for the step's GPU
-    work instead of queueing the next iteration. They are read at once where they are needed
-    now: the log's line, a save and the last iteration. The iterations go to the history, the
+    norm: `optimizer_step.py`) stay on the device until the next iteration (its optimizer step
+    reads the outcome, its record the losses), which finds them computed: reading them at once
+    would make the host wait for the step's GPU work instead of queueing the next iteration.
+    They are read at once where they are needed now: the log's line, an evaluation, a save and
+    the last iteration. The iterations go to the history, the
     log and the state's count of skipped steps in order, when they are read (so an iteration
     whose successor fails is not recorded).
 
@@ -250,7 +251,7 @@ class _TrainingLoop:
                 break
 
     def step(self, iteration: int) -> _IterationResult:
-        """Trains iteration `iteration` (`train_step`), reports its auxiliary losses, and
+        """Trains iteration `iteration` (`start_train_step`), reports its auxiliary losses, and
         advances the state past it."""
         args, optimizer = self.args, self.optimizer
         global_batch_size = self.batch_sizes.global_batch_size(self.state.consumed_train_samples)
@@ -384,6 +385,9 @@ class _TrainingLoop:
             or iteration % args.eval_interval != 0
         ):
             return
+        # Evaluating waits for the GPU anyway: the iteration is read first, so that a skipped
+        # step's error (--check-for-nan-in-loss-and-grad) comes before the evaluation's.
+        self._record_unrecorded()
         if self.graph is not None:
             self.graph.before_eager_use()
         with self._untimed(), self.operations.evaluation():

@@ -8,9 +8,9 @@ optimizer a `found_inf` flag (1.0: skip), the protocol of torch's `GradScaler` f
 whose fused kernels honour it (`_step_supports_amp_scaling`: Adam, AdamW and SGD built with
 `fused=True`). Their kernels then leave the weights, Adam's moments and SGD's momentum untouched,
 and Adam takes back the step count it added, so a skipped step changes nothing, as on the host.
-An eager loop takes the same step to read its outcome later (`MegatronOptimizer.
-step_without_host_sync`): Adam's fused kernels need no `capturable=True` for it, and the
-learning rates stay the host numbers the groups hold.
+An eager loop takes the same step to read its outcome later
+(`MegatronOptimizer.step_without_host_sync`): Adam's fused kernels need no `capturable=True` for
+it, and the learning rates stay the host numbers the groups hold.
 
 A captured step replays the numbers it was captured with, so anything that changes between
 steps must live in device memory: each parameter group's learning rate is a 0-dim fp32 tensor
@@ -56,6 +56,21 @@ class DeviceStepResult:
     found_inf: torch.Tensor
     num_zeros: torch.Tensor | None
 
+    def packed(self) -> torch.Tensor:
+        """The values in one float64 tensor, to copy to the host at once (`unpack` reads it):
+        [norm, found_inf] and the zero count where there is one (exact below 2**53)."""
+        parts = [self.grad_norm.view(1), self.found_inf.double().view(1)]
+        if self.num_zeros is not None:
+            parts.append(self.num_zeros.double().view(1))
+        return torch.cat(parts)
+
+    @staticmethod
+    def unpack(values: Sequence[float]) -> tuple[bool, float, int | None]:
+        """`(update_successful, grad_norm, num_zeros_in_grad)`, as `MegatronOptimizer.step()`
+        returns them, from `packed()`'s values read to the host."""
+        grad_norm, found_inf, *num_zeros = values
+        return found_inf == 0.0, grad_norm, int(num_zeros[0]) if num_zeros else None
+
 
 class DeviceLearningRates:
     """Each parameter group's learning rate as a 0-dim fp32 tensor on `device`, which torch's
@@ -93,12 +108,15 @@ class DeviceLearningRates:
 
 
 def device_skip_problem(optimizer: torch.optim.Optimizer, capture: bool) -> str | None:
-    """Why `optimizer` cannot skip its step on the device (None: it can).
+    """Why `optimizer` cannot skip its step on the device.
 
     Args:
         optimizer: the torch optimizer.
         capture: the step is also to run under a CUDA graph capture, which torch refuses for
             Adam built with `capturable=False`.
+
+    Returns:
+        The reason, as an error message; None where it can.
     """
     name = type(optimizer).__name__
     if not getattr(optimizer, "_step_supports_amp_scaling", False):

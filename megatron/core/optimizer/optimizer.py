@@ -322,11 +322,17 @@ class MegatronOptimizer:
 
     @property
     def steps_without_host_sync(self) -> bool:
-        """Whether `step_without_host_sync()` can take this optimizer's steps: no loss scaler,
-        and a torch optimizer whose kernels skip a step on the device (Adam and AdamW with
-        torch's fused kernels, the default where every parameter allows them; SGD built with
-        `fused=True`)."""
-        return self.grad_scaler is None and device_skip_problem(self.optimizer, False) is None
+        """Whether `step_without_host_sync()` takes this optimizer's next step as `step()`
+        would: no loss scaler, a torch optimizer whose kernels skip a step on the device (Adam
+        and AdamW with torch's fused kernels, the default where every parameter allows them;
+        SGD built with `fused=True`), and its state made by an earlier step. A first step
+        skipped on the device makes the state (zero moments) that `step()` leaves unmade, and
+        on CUDA the next step's kernel depends on whether it exists."""
+        return (
+            self.grad_scaler is None
+            and bool(self.optimizer.state)
+            and device_skip_problem(self.optimizer, False) is None
+        )
 
     @torch.no_grad()
     def step_without_host_sync(self) -> DeviceStepResult:
@@ -335,16 +341,17 @@ class MegatronOptimizer:
         queues the step without waiting for the gradients' norm. The norm, the skip of a step
         whose norm is not finite and the clipping are `step_on_device()`'s; the learning rates
         are the numbers the groups hold now, so weights and optimizer state equal `step()`'s
-        bitwise. A schedule that depends on whether the step was skipped must read the result
-        before it sets the rates of the next step.
+        bitwise where `steps_without_host_sync` says so. A schedule that depends on whether the
+        step was skipped must read the result before it sets the rates of the next step.
 
         Raises:
-            ValueError: the optimizer cannot (see `steps_without_host_sync`).
+            ValueError: a loss scaler, or a torch optimizer that cannot skip on the device.
         """
         self._check_steps_on_device("step_without_host_sync()", capture=False)
         return self._step_on_device(None)
 
     def _check_steps_on_device(self, name: str, capture: bool) -> None:
+        """Raises a ValueError naming `name` unless the step can skip on the device."""
         if self.grad_scaler is not None:
             raise ValueError(
                 f"{name} cannot scale the loss: the loss scaler decides on the host. "
