@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.host_copy import HostCopy
 from megatron.core.pipeline_parallel.stage import Model, model_chunks
-from megatron.training.host_copy import HostCopy
 from megatron.training.utils import average_losses_across_data_parallel_group
 
 LossLayout = list[tuple[str, int]]

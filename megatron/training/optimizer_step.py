@@ -24,7 +24,6 @@ import math
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.device_step import DeviceStepResult
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training.host_copy import HostCopy
 from megatron.training.loss_reduction import ReducedLosses
 
 HostStepResult = tuple[bool, float | None, int | None]
@@ -79,9 +78,7 @@ class PendingStep:
         samples: int,
         losses: ReducedLosses,
     ) -> None:
-        self._measured: HostCopy | HostStepResult = measured
-        if isinstance(measured, DeviceStepResult):
-            self._measured = HostCopy(measured.packed())
+        self._measured = measured
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._samples = samples
@@ -122,9 +119,9 @@ class PendingStep:
         return self._outcome
 
     def _read(self) -> HostStepResult:
-        if not isinstance(self._measured, HostCopy):
-            return self._measured
-        return DeviceStepResult.unpack(self._measured.tolist())
+        if isinstance(self._measured, DeviceStepResult):
+            return self._measured.read()
+        return self._measured
 
 
 def take_optimizer_step(

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fusions.fused_adam import GradScale, StepAmaxes, step_and_copy
+from megatron.core.host_copy import HostCopy
 from megatron.core.optimizer.clip_grads import (
     clip_scale_on_device,
     count_zeros_on_device,
@@ -55,6 +56,19 @@ class DeviceStepResult:
     grad_norm: torch.Tensor
     found_inf: torch.Tensor
     num_zeros: torch.Tensor | None
+    _host: HostCopy | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def copy_to_host(self) -> None:
+        """Queues the values' copy to the host (`read` then waits for it alone): a step
+        queues it before its update, so reading the outcome need not wait for the update."""
+        self._host = HostCopy(self.packed())
+
+    def read(self) -> tuple[bool, float, int | None]:
+        """`(update_successful, grad_norm, num_zeros_in_grad)` on the host, as
+        `MegatronOptimizer.step()` returns them (from `copy_to_host`'s copy where one was
+        queued; else read now)."""
+        host = self.packed() if self._host is None else self._host
+        return self.unpack(host.tolist())
 
     def packed(self) -> torch.Tensor:
         """The values in one float64 tensor, to copy to the host at once (`unpack` reads it):
@@ -222,6 +236,7 @@ def device_step(
     amaxes: Sequence[StepAmaxes | None] = (),
     counted: Sequence[torch.Tensor] | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    copy_to_host: bool = False,
 ) -> DeviceStepResult:
     """`MegatronOptimizer.step()`'s norm, skip, clip, step and copy into the model's weights,
     all on the device.
@@ -239,6 +254,8 @@ def device_step(
         counted: the gradients the norm and the zero count sum, each parameter once over the
             pipeline stages (None: `grads`).
         pp_group: the pipeline group, whose stages hold the other parameters (None: one stage).
+        copy_to_host: queue the result's copy to the host before the update
+            (`DeviceStepResult.copy_to_host`; not in a step a CUDA graph captures).
     """
     counted = grads if counted is None else counted
     grad_norm = grad_norm_on_device(counted, device, pp_group)
@@ -246,6 +263,9 @@ def device_step(
     if config.log_num_zeros_in_grad:
         num_zeros = count_zeros_on_device(counted, device, pp_group)
     found_inf = torch.isfinite(grad_norm).logical_not().float()
+    result = DeviceStepResult(grad_norm, found_inf, num_zeros)
+    if copy_to_host:
+        result.copy_to_host()
     clip = None
     if config.clip_grad > 0.0:
         # A non-finite norm makes the coefficient nan; the kernels skip the step.
@@ -255,4 +275,4 @@ def device_step(
     rates = contextlib.nullcontext() if learning_rates is None else learning_rates.in_groups()
     with rates:
         step_skipping_on_device(optimizer, found_inf, copies, amaxes, clip)
-    return DeviceStepResult(grad_norm, found_inf, num_zeros)
+    return result

@@ -318,7 +318,7 @@ class MegatronOptimizer:
                 "step_on_device() reads the learning rates from the device: call "
                 "write_learning_rates_to_device() before it (and before every replay)."
             )
-        return self._step_on_device(self._device_learning_rates)
+        return self._step_on_device(self._device_learning_rates, copy_to_host=False)
 
     @property
     def steps_without_host_sync(self) -> bool:
@@ -338,7 +338,9 @@ class MegatronOptimizer:
     def step_without_host_sync(self) -> DeviceStepResult:
         """`step()` with its outcome left on the device, for an eager loop that reads it later
         (the training loop reads it at the next iteration, as it reads the losses): the host
-        queues the step without waiting for the gradients' norm. The norm, the skip of a step
+        queues the step without waiting for the gradients' norm, and the result's copy to the
+        host before the update (`DeviceStepResult.read` waits for that copy alone). The norm,
+        the skip of a step
         whose norm is not finite and the clipping are `step_on_device()`'s; the learning rates
         are the numbers the groups hold now, so weights and optimizer state equal `step()`'s
         bitwise where `steps_without_host_sync` says so. A schedule that depends on whether the
@@ -348,7 +350,7 @@ class MegatronOptimizer:
             ValueError: a loss scaler, or a torch optimizer that cannot skip on the device.
         """
         self._check_steps_on_device("step_without_host_sync()", capture=False)
-        return self._step_on_device(None)
+        return self._step_on_device(None, copy_to_host=True)
 
     def _check_steps_on_device(self, name: str, capture: bool) -> None:
         """Raises a ValueError naming `name` unless the step can skip on the device."""
@@ -359,7 +361,9 @@ class MegatronOptimizer:
             )
         check_skips_on_device(self.optimizer, capture)
 
-    def _step_on_device(self, learning_rates: DeviceLearningRates | None) -> DeviceStepResult:
+    def _step_on_device(
+        self, learning_rates: DeviceLearningRates | None, copy_to_host: bool
+    ) -> DeviceStepResult:
         with self._main_grads_for_step() as grads:
             result = device_step(
                 self.optimizer,
@@ -371,6 +375,7 @@ class MegatronOptimizer:
                 self._step_amaxes(),
                 self._counted_grads(grads),
                 self._pp_group,
+                copy_to_host,
             )
             self._model_weights_written()
         return result
