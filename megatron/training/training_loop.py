@@ -199,9 +199,9 @@ class _TrainingLoop:
     reads the outcome, its record the losses), which finds them computed: reading them at once
     would make the host wait for the step's GPU work instead of queueing the next iteration.
     They are read at once where they are needed now: the log's line, an evaluation, a save and
-    the last iteration. The iterations go to the history, the
-    log and the state's count of skipped steps in order, when they are read (so an iteration
-    whose successor fails is not recorded).
+    the last iteration. The iterations go to the history, the log and the state's count of
+    skipped steps in order, when they are read (so an iteration whose successor fails is not
+    recorded).
 
     An iteration's time runs from the end of the previous one's (its `record`) to the end of
     its own, evaluations and saves between them left out: wall-clock time, in which the GPU
@@ -222,7 +222,6 @@ class _TrainingLoop:
     graph: GraphedIteration | None
 
     _unrecorded: _Unrecorded | None = dataclasses.field(default=None, init=False)
-    _last_step: PendingStep | None = dataclasses.field(default=None, init=False)
     _clock: float = dataclasses.field(default=0.0, init=False)  # where the iteration's time starts
 
     def __post_init__(self) -> None:
@@ -265,11 +264,11 @@ class _TrainingLoop:
             optimizer,
             self.scheduler,
             args,
-            previous=self._last_step,
+            # Only an iteration not recorded yet can have a step not read yet.
+            previous=None if self._unrecorded is None else self._unrecorded.result.step,
             num_microbatches=num_microbatches,
             graph=self.graph,
         )
-        self._last_step = step
         # Every step, on every rank (it all-reduces and clears the step's metrics).
         auxiliary_losses = (
             self.log.report_moe_metrics(iteration, num_microbatches),

@@ -340,11 +340,11 @@ class MegatronOptimizer:
         (the training loop reads it at the next iteration, as it reads the losses): the host
         queues the step without waiting for the gradients' norm, and the result's copy to the
         host before the update (`DeviceStepResult.read` waits for that copy alone). The norm,
-        the skip of a step
-        whose norm is not finite and the clipping are `step_on_device()`'s; the learning rates
-        are the numbers the groups hold now, so weights and optimizer state equal `step()`'s
-        bitwise where `steps_without_host_sync` says so. A schedule that depends on whether the
-        step was skipped must read the result before it sets the rates of the next step.
+        the skip of a step whose norm is not finite and the clipping are `step_on_device()`'s;
+        the learning rates are the numbers the groups hold now, so weights and optimizer state
+        equal `step()`'s bitwise where `steps_without_host_sync` says so. A schedule that
+        depends on whether the step was skipped must read the result before it sets the rates
+        of the next step.
 
         Raises:
             ValueError: a loss scaler, or a torch optimizer that cannot skip on the device.

@@ -13,7 +13,7 @@ from megatron.core.fp8.quantize import quantize
 from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from tests.unit_tests.distributed_harness import run_distributed
+from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, mm, q
 from tests.unit_tests.model_builders import build_tiny_gpt, make_token_batches, tiny_gpt_config
 
@@ -200,11 +200,10 @@ def _eager_and_compiled_passes(
     """Two forward and backward passes of the tiny FP8 GPT, eager then with compiled layers
     (`fields` set the rest of the config), on `device` (None: the rank's): each run's losses
     and gradients. The second pass casts with the scales the first updated."""
+    device = current_device() if device is None else device
     results = []
     for compile_layers in (False, True):
-        model = build_tiny_gpt(_fp8_config(compile_layers=compile_layers, **fields))
-        device = next(model.parameters()).device if device is None else device
-        model = model.to(device)
+        model = build_tiny_gpt(_fp8_config(compile_layers=compile_layers, **fields)).to(device)
         tokens, labels = make_token_batches(1, 2, seed=4)[0]
         tokens, labels = tokens.to(device), labels.to(device)
         losses = []
