@@ -8,6 +8,7 @@ engines shard (FSDP) and that full activation recompute checkpoints.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
+from megatron.core.transformer.moe.experts import ExpertGemm
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
@@ -150,7 +152,10 @@ class TransformerLayer(MegatronModule):
         if self.config.compile_layers:
             backend = self.config.compile_backend
             cpp_wrapper = (
-                self.config.compile_cpp_wrapper and backend == "inductor" and hidden_states.is_cuda
+                self.config.compile_cpp_wrapper
+                and backend == "inductor"
+                and hidden_states.is_cuda
+                and self._cpp_wrapper_builds()
             )
             run = _compiled(run, backend, cpp_wrapper)
         return run(self, hidden_states, attention_mask, rotary_pos_emb), None
@@ -175,6 +180,24 @@ class TransformerLayer(MegatronModule):
         output, bias = self._run(self.mlp, self.recompute_mlp, normed)
         return self._bias_dropout_add(output, bias, residual)
 
+    def _cpp_wrapper_builds(self) -> bool:
+        """Whether inductor's C++ wrapper builds for this layer's graphs in this torch. Before
+        2.12 it calls `torch._grouped_mm` through a C shim function that torch's headers do not
+        declare, so a layer whose experts run grouped GEMMs keeps the Python wrapper there (said
+        once in a warning)."""
+        if _CPP_WRAPPER_CALLS_GROUPED_MM or not self.is_moe_layer:
+            return True
+        if self.mlp.experts.gemm is not ExpertGemm.GROUPED:
+            return True
+        warnings.warn(
+            f"compile_cpp_wrapper: inductor's C++ wrapper in torch {torch.__version__} cannot "
+            "call torch._grouped_mm (torch 2.12 and later can), so the compiled MoE layers with "
+            "grouped GEMM experts use inductor's Python wrapper; the other layers keep the C++ "
+            "one.",
+            stacklevel=3,
+        )
+        return False
+
     def _run(
         self, module: torch.nn.Module, recompute: bool, inputs: torch.Tensor
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,6 +207,11 @@ class TransformerLayer(MegatronModule):
         if recompute and self.training and torch.is_grad_enabled():
             return recompute_checkpoint(module, inputs)
         return module(inputs)
+
+
+_CPP_WRAPPER_CALLS_GROUPED_MM = torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
+"""Whether inductor's C++ wrapper can call `torch._grouped_mm`: its CUDA C shim has the function
+from torch 2.12 (`TransformerLayer._cpp_wrapper_builds`)."""
 
 
 @functools.cache

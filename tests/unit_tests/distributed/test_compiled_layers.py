@@ -12,6 +12,7 @@ C++ wrapper forced, which layers ask for on CUDA only) and on GPU with either wr
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from collections.abc import Callable
 from unittest import mock
@@ -70,6 +71,7 @@ CASES = {
     "dropout": dict(hidden_dropout=0.1, attention_dropout=0.1),
     "swiglu-rmsnorm": dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm"),
     "moe": MOE,
+    "moe-grouped": dict(MOE, moe_grouped_gemm=True),
     "gpt-oss": dict(
         num_query_groups=2,
         window_size=(3, 0),
@@ -172,6 +174,37 @@ def test_inductor_layers_compute_the_eager_loss_and_gradients(case, fusion):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_moe_layers_with_grouped_gemm_compute_the_eager_results():
+    """`torch._grouped_mm` traces in bf16 only, so this case runs in bf16, where inductor's
+    fused kernels round differently from eager ops (they keep intermediates in fp32): the
+    compiled layers' loss and each gradient must be as close to an fp32 run of the same
+    weights as the eager bf16 layers' are, within twice their distance."""
+    device = torch.device("cuda")
+    tokens, labels = (t.to(device) for t in make_token_batches(1, GLOBAL_BATCH)[0])
+    fields = dict(MOE, moe_grouped_gemm=True)
+    bf16 = dict(fields, bf16=True, params_dtype=torch.bfloat16)
+    eager = _build(bf16, compiled=False, backend="inductor", device=device)
+    weights = eager.state_dict()
+    compiled = _build(bf16, compiled=True, backend="inductor", device=device)
+    compiled.load_state_dict(weights)
+    reference = _build(fields, compiled=False, backend="inductor", device=device)
+    reference.load_state_dict(
+        {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+    )
+    results = []
+    for model in (reference, eager, compiled):
+        loss = model(tokens, labels=labels).float().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (eager_loss, eager_grads), (loss, grads) = results
+    assert (loss - ref_loss).abs() <= 2 * (eager_loss - ref_loss).abs() + 1e-3 * ref_loss.abs()
+    for name, ref in ref_grads.items():
+        bound = 2 * (eager_grads[name] - ref).norm() + 1e-3 * ref.norm()
+        assert (grads[name] - ref).norm() <= bound, name
+
+
 @pytest.mark.parametrize(
     "device",
     [
@@ -197,6 +230,36 @@ def test_only_inductor_on_cuda_inputs_asks_for_the_cpp_wrapper(device):
         ) as compiled:
             model(tokens, labels=labels)
         assert compiled.call_args_list == [mock.call(mock.ANY, backend, expected)] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("calls_grouped_mm", [False, True])
+def test_grouped_gemm_layers_keep_the_python_wrapper_where_it_cannot_call_grouped_mm(
+    calls_grouped_mm,
+):
+    """Torch 2.11's C++ wrapper calls `torch._grouped_mm` through a C shim function its
+    headers lack, and does not build: there the layers whose experts run grouped GEMMs ask for
+    the Python wrapper, with a warning, and the dense layers keep the C++ one."""
+    tokens, labels = (t.cuda() for t in make_token_batches(1, GLOBAL_BATCH)[0])
+    fields = dict(MOE, moe_grouped_gemm=True, moe_layer_freq=[1, 0])
+    model = _build(fields, compiled=True, backend="inductor", device=torch.device("cuda"))
+    with (
+        mock.patch.object(transformer_layer, "_CPP_WRAPPER_CALLS_GROUPED_MM", calls_grouped_mm),
+        mock.patch.object(
+            transformer_layer, "_compiled", side_effect=lambda function, *_: function
+        ) as compiled,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        model(tokens, labels=labels)
+    expected = [(True, calls_grouped_mm), (False, True)]
+    assert [
+        (layer.is_moe_layer, call.args[2])
+        for layer, call in zip(model.decoder.layers, compiled.call_args_list, strict=True)
+    ] == expected
+    said = [str(w.message) for w in caught if "torch._grouped_mm" in str(w.message)]
+    assert len(said) == (0 if calls_grouped_mm else 1)
 
 
 def test_the_cpp_wrapper_without_a_cpp_compiler_names_the_fix():

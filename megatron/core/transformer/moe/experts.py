@@ -101,7 +101,15 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs on `device` in `dtype` (tried once, then cached)."""
+    """Whether `torch._grouped_mm` runs on `device` in `dtype` (tried once, then cached), and
+    inside a compiled graph also traces: tracing runs its meta function, which takes bf16 only
+    where the CPU and CUDA kernels also take other dtypes."""
+    if torch.compiler.is_compiling() and not _grouped_mm_runs(torch.device("meta"), dtype):
+        return False
+    return _grouped_mm_runs(device, dtype)
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     key = (device.type, dtype)
     if key not in _GROUPED_MM_WORKS:
         _GROUPED_MM_WORKS[key] = _try_grouped_mm(device, dtype)
@@ -448,8 +456,9 @@ class SequentialMLP(MegatronModule):
             if tokens.device.type == "cuda":
                 raise RuntimeError(
                     f"moe_grouped_gemm needs torch._grouped_mm on this GPU for {tokens.dtype}, "
-                    f"which PyTorch {torch.__version__} does not provide; use bf16 on Hopper or "
-                    "newer, a newer PyTorch, or set moe_grouped_gemm=False."
+                    f"which PyTorch {torch.__version__} does not provide (in compiled layers: "
+                    "traces, which it does in bf16 only); use bf16 on Hopper or newer, a newer "
+                    "PyTorch, or set moe_grouped_gemm=False."
                 )
             rows = torch.arange(tokens.shape[0], device=tokens.device)
             expert_of_row = torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
