@@ -189,13 +189,7 @@ class TransformerLayer(MegatronModule):
             return True
         if self.mlp.experts.gemm is not ExpertGemm.GROUPED:
             return True
-        warnings.warn(
-            f"compile_cpp_wrapper: inductor's C++ wrapper in torch {torch.__version__} cannot "
-            "call torch._grouped_mm (torch 2.12 and later can), so the compiled MoE layers with "
-            "grouped GEMM experts use inductor's Python wrapper; the other layers keep the C++ "
-            "one.",
-            stacklevel=3,
-        )
+        _warn_python_wrapper_for_grouped_mm()
         return False
 
     def _run(
@@ -212,6 +206,16 @@ class TransformerLayer(MegatronModule):
 _CPP_WRAPPER_CALLS_GROUPED_MM = torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
 """Whether inductor's C++ wrapper can call `torch._grouped_mm`: its CUDA C shim has the function
 from torch 2.12 (`TransformerLayer._cpp_wrapper_builds`)."""
+
+
+@functools.cache
+def _warn_python_wrapper_for_grouped_mm() -> None:
+    warnings.warn(
+        f"compile_cpp_wrapper: inductor's C++ wrapper in torch {torch.__version__} cannot call "
+        "torch._grouped_mm (torch 2.12 and later can), so the compiled MoE layers with grouped "
+        "GEMM experts use inductor's Python wrapper; the other layers keep the C++ one.",
+        stacklevel=3,
+    )
 
 
 @functools.cache
