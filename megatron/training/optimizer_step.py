@@ -95,28 +95,32 @@ class PendingStep:
         """What the step did (settles it the first time: see the class).
 
         Raises:
-            RuntimeError: the step was skipped, `--check-for-nan-in-loss-and-grad` is on, and a
-                loss or the global gradient norm is not finite. Both are the same on every rank
-                (reduced over the data-parallel group), so every rank raises.
+            RuntimeError: at the first read only: the step was skipped,
+                `--check-for-nan-in-loss-and-grad` is on, and a loss or the global gradient
+                norm is not finite. Both are the same on every rank (reduced over the
+                data-parallel group), so every rank raises.
         """
         if self._outcome is None:
             update_successful, grad_norm, num_zeros = self._read()
             if update_successful:
                 # In samples, as Megatron-LM's schedule (get_optimizer_param_scheduler).
                 self._scheduler.step(self._samples)
-            elif self._check_for_nan:
-                # A non-finite norm usually comes of a non-finite loss: the error to report.
-                check_losses_finite(self._losses.read())
-                # None: fp16's loss scaler skipped the step (an overflow is its signal).
-                if grad_norm is not None and not math.isfinite(grad_norm):
-                    raise RuntimeError(
-                        f"The global gradient norm is {grad_norm} though the loss is finite "
-                        f"({self._losses.read()}; --check-for-nan-in-loss-and-grad). Lower --lr "
-                        f"or check the model; {_SKIP_INSTEAD}"
-                    )
             learning_rate = self._optimizer.param_groups[0]["lr"]
             self._outcome = StepOutcome(update_successful, grad_norm, num_zeros, learning_rate)
+            if not update_successful and self._check_for_nan:
+                self._check_skipped_step(grad_norm)
         return self._outcome
+
+    def _check_skipped_step(self, grad_norm: float | None) -> None:
+        # A non-finite norm usually comes of a non-finite loss: the error to report.
+        check_losses_finite(self._losses.read())
+        # None: fp16's loss scaler skipped the step (an overflow is its signal).
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            raise RuntimeError(
+                f"The global gradient norm is {grad_norm} though the loss is finite "
+                f"({self._losses.read()}; --check-for-nan-in-loss-and-grad). Lower --lr or "
+                f"check the model; {_SKIP_INSTEAD}"
+            )
 
     def _read(self) -> HostStepResult:
         if isinstance(self._measured, DeviceStepResult):

@@ -33,7 +33,7 @@ from megatron.training.schedules import DataIterator, ForwardStepFunc
 from megatron.training.train_state import TrainState
 from megatron.training.train_step import compute_gradients, start_train_step
 from megatron.training.training_log import TrainingLog
-from megatron.training.utils import get_device, print_rank_0, report_rank_0
+from megatron.training.utils import get_device, logger, print_rank_0, report_rank_0
 
 
 @dataclasses.dataclass
@@ -201,7 +201,8 @@ class _TrainingLoop:
     They are read at once where they are needed now: the log's line, an evaluation, a save and
     the last iteration. The iterations go to the history, the log and the state's count of
     skipped steps in order, when they are read (so an iteration whose successor fails is not
-    recorded).
+    recorded); should the loop stop with an error, the step left unread is read before the
+    error leaves it, so that the schedule has stepped for every iteration the state counts.
 
     An iteration's time runs from the end of the previous one's (its `record`) to the end of
     its own, evaluations and saves between them left out: wall-clock time, in which the GPU
@@ -236,18 +237,22 @@ class _TrainingLoop:
         """Trains from the iteration after `state.iteration` until `--train-iters` or an exit."""
         args = self.args
         self._clock = time.perf_counter()
-        for iteration in range(self.state.iteration + 1, args.train_iters + 1):
-            self.operations.before_iteration(iteration)
-            result = self.step(iteration)
-            stop_reason = self.exit_reason(iteration)
-            last = stop_reason is not None or iteration == args.train_iters
-            self.record(iteration, result, last)
-            self.operations.after_iteration(iteration, last=last)
-            self.evaluate_periodically(iteration)
-            self.save_periodically(iteration, exiting=stop_reason is not None)
-            if stop_reason is not None:
-                report_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
-                break
+        try:
+            for iteration in range(self.state.iteration + 1, args.train_iters + 1):
+                self.operations.before_iteration(iteration)
+                result = self.step(iteration)
+                stop_reason = self.exit_reason(iteration)
+                last = stop_reason is not None or iteration == args.train_iters
+                self.record(iteration, result, last)
+                self.operations.after_iteration(iteration, last=last)
+                self.evaluate_periodically(iteration)
+                self.save_periodically(iteration, exiting=stop_reason is not None)
+                if stop_reason is not None:
+                    report_rank_0(f"> exiting at iteration {iteration} ({stop_reason})")
+                    break
+        except BaseException:
+            self._settle_after_error()
+            raise
 
     def step(self, iteration: int) -> _IterationResult:
         """Trains iteration `iteration` (`start_train_step`), reports its auxiliary losses, and
@@ -316,6 +321,18 @@ class _TrainingLoop:
         # pipeline stages' losses with a step read at once).
         if all(part.is_read for part in parts) and result.step.is_read:
             self._record_unrecorded()
+
+    def _settle_after_error(self) -> None:
+        """Reads the step of the iteration not yet recorded, if it was left unread, so that
+        the schedule has stepped for every iteration the state counts when the loop's error
+        reaches a caller that catches it and saves. An error of this read (the device's) is
+        logged: the loop's own is the one raised."""
+        if self._unrecorded is None or self._unrecorded.result.step.is_read:
+            return
+        try:
+            self._unrecorded.result.step.outcome()
+        except Exception:
+            logger.exception("train(): reading the last optimizer step after an error failed:")
 
     @contextlib.contextmanager
     def _untimed(self) -> Iterator[None]:

@@ -107,3 +107,38 @@ def test_error_in_training_stops_the_data_loader_workers(world_of_one):
     assert any(entry.name == "train" for entry in error.traceback)
     leftover = set(multiprocessing.active_children()) - before
     assert not leftover, f"data-loader workers still running: {leftover}"
+
+
+def test_an_error_after_a_step_read_later_leaves_the_schedule_level_with_the_state(
+    world_of_one, monkeypatch
+):
+    """The loop reads an optimizer step's outcome at the next iteration, stepping the schedule
+    then. An error before that read (here iteration 3's data, after iteration 2's step, the
+    first read later) still leaves the schedule stepped for every iteration the state counts,
+    for a caller that catches it and saves."""
+    made = {}
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        made["model"], made["optimizer"], made["scheduler"] = setup(*args, **kwargs)
+        return made["model"], made["optimizer"], made["scheduler"]
+
+    def training_log(args, config, device, train_state):
+        made["state"] = train_state
+        return log_class(args, config, device, train_state)
+
+    setup, log_class = training.setup_model_and_optimizer, training.TrainingLog
+    monkeypatch.setattr(training, "setup_model_and_optimizer", setup_model_and_optimizer)
+    monkeypatch.setattr(training, "TrainingLog", training_log)
+    calls = itertools.count()
+
+    def forward_step(data_iterator, model):
+        if next(calls) == 4:  # iteration 3's first microbatch (2 per iteration)
+            raise ValueError("a bad batch")
+        return pretrain_gpt.forward_step(data_iterator, model)
+
+    with pytest.raises(ValueError, match="a bad batch"):
+        _pretrain([*FLAGS, "--eval-iters", "0"], forward_step)
+    assert made["optimizer"].steps_without_host_sync  # iteration 2's step was read later
+    state, scheduler = made["state"], made["scheduler"]
+    assert state.iteration == 2
+    assert scheduler.num_steps == state.consumed_train_samples == 8
