@@ -145,12 +145,13 @@ def test_compiled_layers_train_like_eager_ones(case, fusion):
 @pytest.mark.parametrize(
     "case",
     # The other cases compile for minutes on CPU; on CUDA they run inductor's C++ wrapper (the
-    # default there) around the MoE layer's routing and grouped GEMM, FlexAttention's windows
-    # and sinks, and a recomputed layer.
+    # default there) around the MoE layer's routing and experts (grouped GEMMs in fp32: the
+    # masked GEMMs, as the grouped GEMM traces in bf16 only), FlexAttention's windows and
+    # sinks, and a recomputed layer.
     ["plain"]
     + [
         pytest.param(name, marks=_GPU_ONLY)
-        for name in ("swiglu-rmsnorm", "full-recompute", "moe", "gpt-oss")
+        for name in ("swiglu-rmsnorm", "full-recompute", "moe", "moe-grouped", "gpt-oss")
     ],
 )
 def test_inductor_layers_compute_the_eager_loss_and_gradients(case, fusion):

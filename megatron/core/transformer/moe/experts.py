@@ -101,15 +101,9 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs on `device` in `dtype` (tried once, then cached), and
-    inside a compiled graph also traces: tracing runs its meta function, which takes bf16 only
-    where the CPU and CUDA kernels also take other dtypes."""
-    if torch.compiler.is_compiling() and not _grouped_mm_runs(torch.device("meta"), dtype):
-        return False
-    return _grouped_mm_runs(device, dtype)
-
-
-def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs on `device` in `dtype` (tried once, then cached); on
+    the `meta` device, whether it traces (tracing runs its meta function, which takes bf16 only
+    where the CPU and CUDA kernels also take other dtypes)."""
     key = (device.type, dtype)
     if key not in _GROUPED_MM_WORKS:
         _GROUPED_MM_WORKS[key] = _try_grouped_mm(device, dtype)
@@ -450,23 +444,34 @@ class SequentialMLP(MegatronModule):
         self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor
     ) -> Projection:
         """One grouped GEMM per projection, or its masked stand-in on a CPU without the kernel
-        (`ExpertGemm.GROUPED`); nothing is read on the host."""
+        and in compiled layers of another dtype than bf16 (`ExpertGemm.GROUPED`); nothing is
+        read on the host."""
         counts = tokens_per_expert.to(tokens.device, non_blocking=True)
         if not grouped_mm_available(tokens.device, tokens.dtype):
             if tokens.device.type == "cuda":
                 raise RuntimeError(
                     f"moe_grouped_gemm needs torch._grouped_mm on this GPU for {tokens.dtype}, "
-                    f"which PyTorch {torch.__version__} does not provide (in compiled layers: "
-                    "traces, which it does in bf16 only); use bf16 on Hopper or newer, a newer "
-                    "PyTorch, or set moe_grouped_gemm=False."
+                    f"which PyTorch {torch.__version__} does not provide; use bf16 on Hopper or "
+                    "newer, a newer PyTorch, or set moe_grouped_gemm=False."
                 )
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-            expert_of_row = torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
-            return lambda linear, x: linear.masked(x, expert_of_row)
+            return self._masked_projection(tokens, counts)
+        if torch.compiler.is_compiling() and not grouped_mm_available(
+            torch.device("meta"), tokens.dtype
+        ):
+            # A compiled layer in a dtype the grouped GEMM does not trace in (not bf16).
+            return self._masked_projection(tokens, counts)
         if not tokens.shape[0]:  # an empty GEMM still ties the weights to the graph
             return lambda linear, x: linear.loop(x, [0] * self.num_local_experts)
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return lambda linear, x: linear.grouped(x, offsets)
+
+    @staticmethod
+    def _masked_projection(tokens: torch.Tensor, counts: torch.Tensor) -> Projection:
+        """`ExpertLinear.masked` for the rows of `tokens`, grouped by expert (`counts`, on the
+        device)."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        expert_of_row = torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
+        return lambda linear, x: linear.masked(x, expert_of_row)
 
 
 class GroupedMLP(SequentialMLP):
