@@ -112,6 +112,11 @@ class PendingStep:
         return self._outcome
 
     def _check_skipped_step(self, grad_norm: float | None) -> None:
+        """`--check-for-nan-in-loss-and-grad`'s check of a skipped step.
+
+        Raises:
+            RuntimeError: a loss, or else the global gradient norm, is not finite.
+        """
         # A non-finite norm usually comes of a non-finite loss: the error to report.
         check_losses_finite(self._losses.read())
         # None: fp16's loss scaler skipped the step (an overflow is its signal).

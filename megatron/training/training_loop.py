@@ -223,6 +223,9 @@ class _TrainingLoop:
     graph: GraphedIteration | None
 
     _unrecorded: _Unrecorded | None = dataclasses.field(default=None, init=False)
+    # The optimizer step of the last iteration the state counts, read or not (at most one step
+    # is unread: taking a step reads the one before).
+    _latest_step: PendingStep | None = dataclasses.field(default=None, init=False)
     _clock: float = dataclasses.field(default=0.0, init=False)  # where the iteration's time starts
 
     def __post_init__(self) -> None:
@@ -269,8 +272,7 @@ class _TrainingLoop:
             optimizer,
             self.scheduler,
             args,
-            # Only an iteration not recorded yet can have a step not read yet.
-            previous=None if self._unrecorded is None else self._unrecorded.result.step,
+            previous=self._latest_step,
             num_microbatches=num_microbatches,
             graph=self.graph,
         )
@@ -285,6 +287,7 @@ class _TrainingLoop:
             # FLOPs are linear in the batch: each iteration counts at its own global batch.
             self.log.flops_per_sample * global_batch_size,
         )
+        self._latest_step = step
         return _IterationResult(
             losses=losses,
             auxiliary_losses=auxiliary_losses,
@@ -323,16 +326,17 @@ class _TrainingLoop:
             self._record_unrecorded()
 
     def _settle_after_error(self) -> None:
-        """Reads the step of the iteration not yet recorded, if it was left unread, so that
-        the schedule has stepped for every iteration the state counts when the loop's error
-        reaches a caller that catches it and saves. An error of this read (the device's) is
-        logged: the loop's own is the one raised."""
-        if self._unrecorded is None or self._unrecorded.result.step.is_read:
+        """Reads the optimizer step of the last iteration the state counts, if it was left
+        unread, so that the schedule has stepped for every such iteration when the loop's error
+        reaches a caller that catches it and saves (the state's count of skipped iterations
+        still grows only as iterations are recorded). An error of this read (the device's, or
+        the check of a skipped step) is logged: the loop's own is the one raised."""
+        if self._latest_step is None or self._latest_step.is_read:
             return
         try:
-            self._unrecorded.result.step.outcome()
+            self._latest_step.outcome()
         except Exception:
-            logger.exception("train(): reading the last optimizer step after an error failed:")
+            logger.exception("train(): reading the last optimizer step after an error raised:")
 
     @contextlib.contextmanager
     def _untimed(self) -> Iterator[None]:

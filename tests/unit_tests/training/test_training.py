@@ -14,7 +14,7 @@ import pretrain_gpt
 from megatron.core import parallel_state
 from megatron.core.datasets import MockGPTDataset
 from megatron.core.enums import ModelType
-from megatron.training import initialize, training
+from megatron.training import initialize, training, training_loop
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.training import build_train_valid_test_data_iterators, pretrain
 from tests.unit_tests.training.log_capture import capture_training_log
@@ -109,13 +109,15 @@ def test_error_in_training_stops_the_data_loader_workers(world_of_one):
     assert not leftover, f"data-loader workers still running: {leftover}"
 
 
+@pytest.mark.parametrize("where", ["data", "exit-check"])
 def test_an_error_after_a_step_read_later_leaves_the_schedule_level_with_the_state(
-    world_of_one, monkeypatch
+    world_of_one, monkeypatch, where
 ):
     """The loop reads an optimizer step's outcome at the next iteration, stepping the schedule
-    then. An error before that read (here iteration 3's data, after iteration 2's step, the
-    first read later) still leaves the schedule stepped for every iteration the state counts,
-    for a caller that catches it and saves."""
+    then. An error before that read still leaves the schedule stepped for every iteration the
+    state counts, for a caller that catches it and saves: iteration 3's data failing after
+    iteration 2's step (the first read later), or iteration 2's exit check failing before
+    iteration 2 is recorded."""
     made = {}
 
     def setup_model_and_optimizer(*args, **kwargs):
@@ -132,11 +134,19 @@ def test_an_error_after_a_step_read_later_leaves_the_schedule_level_with_the_sta
     calls = itertools.count()
 
     def forward_step(data_iterator, model):
-        if next(calls) == 4:  # iteration 3's first microbatch (2 per iteration)
+        if next(calls) == 4 and where == "data":  # iteration 3's first microbatch of 2
             raise ValueError("a bad batch")
         return pretrain_gpt.forward_step(data_iterator, model)
 
-    with pytest.raises(ValueError, match="a bad batch"):
+    def exit_reason(loop, iteration):
+        if iteration == 2:
+            raise ValueError("a failed exit check")
+        return exit_check(loop, iteration)
+
+    exit_check = training_loop._TrainingLoop.exit_reason
+    if where == "exit-check":
+        monkeypatch.setattr(training_loop._TrainingLoop, "exit_reason", exit_reason)
+    with pytest.raises(ValueError, match="a bad batch|a failed exit check"):
         _pretrain([*FLAGS, "--eval-iters", "0"], forward_step)
     assert made["optimizer"].steps_without_host_sync  # iteration 2's step was read later
     state, scheduler = made["state"], made["scheduler"]
