@@ -183,8 +183,8 @@ class TransformerLayer(MegatronModule):
     def _cpp_wrapper_builds(self) -> bool:
         """Whether inductor's C++ wrapper builds for this layer's graphs in this torch. Before
         2.12 it calls `torch._grouped_mm` through a C shim function that torch's headers do not
-        declare, so a layer whose experts run grouped GEMMs keeps the Python wrapper there (said
-        once in a warning)."""
+        declare, so a layer whose experts run grouped GEMMs keeps the Python wrapper there, in
+        every dtype (said once in a warning)."""
         if _CPP_WRAPPER_CALLS_GROUPED_MM or not self.is_moe_layer:
             return True
         if self.mlp.experts.gemm is not ExpertGemm.GROUPED:
@@ -203,18 +203,21 @@ class TransformerLayer(MegatronModule):
         return module(inputs)
 
 
-_CPP_WRAPPER_CALLS_GROUPED_MM = torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
+_CPP_WRAPPER_CALLS_GROUPED_MM = torch.__version__ >= "2.12"
 """Whether inductor's C++ wrapper can call `torch._grouped_mm`: its CUDA C shim has the function
 from torch 2.12 (`TransformerLayer._cpp_wrapper_builds`)."""
 
 
 @functools.cache
 def _warn_python_wrapper_for_grouped_mm() -> None:
+    """Says once per process that grouped-GEMM MoE layers keep the Python wrapper (cached:
+    Python's once-per-location filter let the warning through at several iterations of a run
+    that compiled layers)."""
     warnings.warn(
-        f"compile_cpp_wrapper: inductor's C++ wrapper in torch {torch.__version__} cannot call "
-        "torch._grouped_mm (torch 2.12 and later can), so the compiled MoE layers with grouped "
-        "GEMM experts use inductor's Python wrapper; the other layers keep the C++ one.",
-        stacklevel=3,
+        "compile_cpp_wrapper: the compiled MoE layers with grouped GEMM experts use inductor's "
+        f"Python wrapper, as the C++ wrapper of torch {torch.__version__} cannot call "
+        "torch._grouped_mm (torch 2.12 and later can); the other layers keep the C++ one.",
+        stacklevel=2,
     )
 
 
