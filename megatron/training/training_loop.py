@@ -331,10 +331,10 @@ class _TrainingLoop:
         reaches a caller that catches it and saves (the state's count of skipped iterations
         still grows only as iterations are recorded). An error of this read (the device's, or
         the check of a skipped step) is logged: the loop's own is the one raised."""
-        if self._latest_step is None or self._latest_step.is_read:
+        if self._latest_step is None:
             return
         try:
-            self._latest_step.outcome()
+            self._latest_step.outcome()  # returns at once where it was read already
         except Exception:
             logger.exception("train(): reading the last optimizer step after an error raised:")
 
