@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit_tests.distributed_harness import shutdown_pools
+from tests.unit_tests.distributed_harness import set_ranks_on_gpus, shutdown_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +41,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the test's fixtures, which may start ranks too.
+    set_ranks_on_gpus(item.get_closest_marker("gpu") is not None)
 
 
 def _git(*command: str) -> subprocess.CompletedProcess:

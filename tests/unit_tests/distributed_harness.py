@@ -1,10 +1,10 @@
 """Runs a test function on N ranks from plain pytest, with no torchrun.
 
 `run_distributed(fn, world_size, *args)` calls `fn(*args)` on every rank of a pool of worker
-processes that share one default process group (gloo on CPU, NCCL when CUDA has enough GPUs),
-and returns the list of per-rank return values. Pools are kept between tests, because starting
-processes and importing torch dominates the cost of a small multi-rank test on CPU; the workers
-start with torch and Megatron imported (`warm_processes`).
+processes that share one default process group (gloo on CPU; NCCL for a test marked `gpu` where
+CUDA has a GPU per rank), and returns the list of per-rank return values. Pools are kept between
+tests, because starting processes and importing torch dominates the cost of a small multi-rank
+test on CPU; the workers start with torch and Megatron imported (`warm_processes`).
 
 Failure handling is the point of this module:
 - a rank that raises has its traceback re-raised in the test (rank number included);
@@ -51,12 +51,25 @@ class DistributedTestError(AssertionError):
     """A rank raised, died or hung; the message holds the rank's traceback."""
 
 
+_ranks_on_gpus = False
+"""Whether the running test is a GPU test (`set_ranks_on_gpus`)."""
+
+
+def set_ranks_on_gpus(allowed: bool) -> None:
+    """Says whether the test about to run may put its ranks on GPUs: the test session sets it
+    before each test, True for those marked `gpu`. The others are written for CPU tensors and
+    run on gloo on any machine, a machine with GPUs too."""
+    global _ranks_on_gpus
+    _ranks_on_gpus = allowed
+
+
 def select_backend(world_size: int) -> str:
-    """NCCL when CUDA has one GPU per rank, gloo otherwise; `MEGATRON_TEST_BACKEND` overrides."""
+    """NCCL for a GPU test where CUDA has one GPU per rank, gloo otherwise;
+    `MEGATRON_TEST_BACKEND` overrides."""
     forced = os.environ.get("MEGATRON_TEST_BACKEND")
     if forced:
         return forced
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+    if _ranks_on_gpus and torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
 

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit_tests import distributed_harness
 from tests.unit_tests.distributed_harness import (
     DistributedTestError,
     current_device,
     run_distributed,
+    select_backend,
 )
 
 
@@ -29,6 +31,19 @@ def _fail_on_rank_one() -> None:
 def _hang_on_rank_zero() -> None:
     if dist.get_rank() == 0:
         dist.barrier()  # rank 1 never joins
+
+
+@pytest.mark.parametrize("gpu_test", [False, True])
+def test_only_gpu_tests_put_their_ranks_on_gpus(gpu_test, monkeypatch):
+    """On a machine with two GPUs a test marked `gpu` gets NCCL for two ranks (gloo for more);
+    the others, written for CPU tensors, get gloo, as the session says before each test."""
+    monkeypatch.delenv("MEGATRON_TEST_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert distributed_harness._ranks_on_gpus is False  # this test is not marked `gpu`
+    monkeypatch.setattr(distributed_harness, "_ranks_on_gpus", gpu_test)
+    assert select_backend(2) == ("nccl" if gpu_test else "gloo")
+    assert select_backend(4) == "gloo"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

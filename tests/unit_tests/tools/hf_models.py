@@ -33,6 +33,11 @@ TRAINING_FLAGS = (
 ).split()
 """Training flags `pretrain_gpt.py` needs besides the model's."""
 
+TRANSFORMERS_MIN_VERSION = "5.24"
+"""The transformers release the tests that compare against its DeepSeek-V3 multi-token prediction
+layers (`MtpModel`) and gpt-oss models need, as the test extras pin it (`setup.py`): 5.17 has
+no `MtpModel.forward_layer`, and its gpt-oss logits differ from those the tests expect."""
+
 SEQ_LENGTH = 256
 """Tokens per test sequence (a later `--seq-length` overrides the printed one): long enough for
 Llama 3's RoPE scaling to turn the slow channel pairs by a large angle."""

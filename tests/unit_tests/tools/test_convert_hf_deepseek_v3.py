@@ -34,6 +34,7 @@ from megatron.training.offline_checkpoint import read_checkpoint
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.tools.hf_models import (
     SEQ_LENGTH,
+    TRANSFORMERS_MIN_VERSION,
     hf_config,
     hf_logits,
     load_hf_model,
@@ -45,7 +46,7 @@ from tests.unit_tests.tools.hf_models import (
 from tests.unit_tests.training.checkpoint_checks import edit_common
 from tests.unit_tests.training.log_capture import capture_training_log
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN_VERSION)
 pytest.importorskip("safetensors")
 
 REPO = Path(__file__).resolve().parents[3]

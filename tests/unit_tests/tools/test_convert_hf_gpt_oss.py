@@ -38,6 +38,7 @@ from megatron.training.hf_conversion.config import (
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.tools.hf_models import (
     SEQ_LENGTH,
+    TRANSFORMERS_MIN_VERSION,
     hf_config,
     hf_logits,
     parse_flags,
@@ -54,7 +55,7 @@ from tests.unit_tests.tools.test_convert_hf import (
 )
 from tests.unit_tests.training.checkpoint_checks import edit_common
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion=TRANSFORMERS_MIN_VERSION)
 pytest.importorskip("safetensors")
 if not hasattr(transformers, "GptOssForCausalLM"):
     pytest.skip("transformers without gpt-oss (4.55 or newer has it)", allow_module_level=True)
