@@ -36,7 +36,8 @@ TRAINING_FLAGS = (
 TRANSFORMERS_MIN_VERSION = "5.24"
 """The transformers release the tests that compare against its DeepSeek-V3 multi-token prediction
 layers (`MtpModel`) and gpt-oss models need, as the test extras pin it (`setup.py`): 5.17 has
-no `MtpModel.forward_layer`, and its gpt-oss logits differ from those the tests expect."""
+no `MtpModel.forward_layer`, and its gpt-oss experts clamp at 7.0 whatever the config's
+`swiglu_limit` (the tests set 1.0, so that the clamp bites)."""
 
 SEQ_LENGTH = 256
 """Tokens per test sequence (a later `--seq-length` overrides the printed one): long enough for
