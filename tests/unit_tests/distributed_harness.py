@@ -10,7 +10,9 @@ Failure handling is the point of this module:
 - a rank that raises has its traceback re-raised in the test (rank number included);
 - a rank stuck in a collective (because a peer failed, or a real deadlock) makes the call fail
   after `timeout` seconds, naming the ranks that did not finish;
-- after any failure the pool is killed, so the next test starts from fresh processes.
+- after any failure the pool is killed, so the next test starts from fresh processes;
+- a rank whose process group cannot start reports why, and a pool whose rendezvous port another
+  process took meanwhile starts again on a new one.
 
 `fn` must be picklable: a module-level function of a test module.
 """
@@ -95,14 +97,18 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, conn: Conn
     if backend == "nccl":
         torch.cuda.set_device(rank)
         init_kwargs["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=_COLLECTIVE_TIMEOUT,
-        **init_kwargs,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=_COLLECTIVE_TIMEOUT,
+            **init_kwargs,
+        )
+    except BaseException:  # noqa: BLE001 - the pool reports it, or starts again elsewhere
+        conn.send(("error", traceback.format_exc()))
+        return
     conn.send(("ready", None))
     while True:
         try:
@@ -187,21 +193,41 @@ def _release_dtensor_caches() -> None:
         clear()
 
 
+_START_ATTEMPTS = 3
+"""How many times a pool starts, each time on a new port, while its rendezvous port turns out to
+be taken: `free_port` finds a port free when it asks, and another process (a pool of another
+test process, a rank's own connections) may bind it before rank 0 does."""
+
+
+def _port_taken(start_up_error: DistributedTestError) -> bool:
+    message = str(start_up_error)
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
+
+
 class _WorkerPool:
     """`world_size` worker processes in one default process group."""
 
     def __init__(self, world_size: int, backend: str, start_timeout: float = 120.0):
         self.world_size = world_size
         self.backend = backend
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            self._spawn(free_port())
+            try:
+                self._collect(start_timeout, what="process-group start-up")
+                return
+            except DistributedTestError as error:
+                if attempt == _START_ATTEMPTS or not _port_taken(error):
+                    raise
+
+    def _spawn(self, port: int) -> None:
         ctx = warm_context()
-        port = free_port()
         self.conns = []
         self.procs = []
-        for rank in range(world_size):
+        for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, backend, port, child_conn),
+                args=(rank, self.world_size, self.backend, port, child_conn),
                 daemon=True,
                 name=f"test-rank-{rank}",
             )
@@ -209,7 +235,6 @@ class _WorkerPool:
             child_conn.close()
             self.conns.append(parent_conn)
             self.procs.append(proc)
-        self._collect(start_timeout, what="process-group start-up")
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         for conn in self.conns:

@@ -1,6 +1,7 @@
 """The multi-rank harness reports results, propagates failures and bounds hangs."""
 
 import os
+import socket
 import weakref
 
 import pytest
@@ -11,6 +12,7 @@ from tests.unit_tests import distributed_harness
 from tests.unit_tests.distributed_harness import (
     DistributedTestError,
     current_device,
+    free_port,
     run_distributed,
     select_backend,
 )
@@ -44,6 +46,22 @@ def test_only_gpu_tests_put_their_ranks_on_gpus(gpu_test, monkeypatch):
     monkeypatch.setattr(distributed_harness, "_ranks_on_gpus", gpu_test)
     assert select_backend(2) == ("nccl" if gpu_test else "gloo")
     assert select_backend(4) == "gloo"
+
+
+def test_a_pool_whose_port_was_taken_starts_on_another(monkeypatch):
+    """Rank 0 finds the rendezvous port taken (here by a listening socket): the pool starts
+    again on a new port instead of failing the test."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], free_port()])
+        monkeypatch.setattr(distributed_harness, "free_port", lambda: next(ports))
+        pool = distributed_harness._WorkerPool(2, "gloo")
+    try:
+        assert pool.run(_all_reduce_rank, (), {}, timeout=60) == [(0, 3.0), (1, 3.0)]
+        assert next(ports, None) is None  # both ports were used
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
