@@ -193,15 +193,15 @@ def _release_dtensor_caches() -> None:
         clear()
 
 
-_START_ATTEMPTS = 3
-"""How many times a pool starts, each time on a new port, while its rendezvous port turns out to
-be taken: `free_port` finds a port free when it asks, and another process (a pool of another
+START_ATTEMPTS = 3
+"""How many times ranks start, each time on a new port, while their rendezvous port turns out to
+be taken: `free_port` finds a port free when it asks, and another process (the ranks of another
 test process, a rank's own connections) may bind it before rank 0 does."""
 
 
-def _port_taken(start_up_error: DistributedTestError) -> bool:
-    message = str(start_up_error)
-    return "EADDRINUSE" in message or "address already in use" in message.lower()
+def port_taken(error: str) -> bool:
+    """Whether `error` (a rank's traceback) says its rendezvous port was taken."""
+    return "EADDRINUSE" in error or "address already in use" in error.lower()
 
 
 class _WorkerPool:
@@ -210,13 +210,13 @@ class _WorkerPool:
     def __init__(self, world_size: int, backend: str, start_timeout: float = 120.0):
         self.world_size = world_size
         self.backend = backend
-        for attempt in range(1, _START_ATTEMPTS + 1):
+        for attempt in range(1, START_ATTEMPTS + 1):
             self._spawn(free_port())
             try:
                 self._collect(start_timeout, what="process-group start-up")
                 return
             except DistributedTestError as error:
-                if attempt == _START_ATTEMPTS or not _port_taken(error):
+                if attempt == START_ATTEMPTS or not port_taken(str(error)):
                     raise
 
     def _spawn(self, port: int) -> None:

@@ -8,7 +8,8 @@ done (`warm_processes`). The program runs as `__main__` with its arguments, envi
 (torchrun's variables added), working directory and `sys.path[0]`.
 
 `run_program` runs a program to its end and returns its status and output, as `subprocess.run`;
-when a rank fails the others get SIGTERM, as torchrun stops them. What it does not reproduce is
+when a rank fails the others get SIGTERM, as torchrun stops them, and ranks that found their
+rendezvous port taken meanwhile run again on a new one. What it does not reproduce is
 the rest of torchrun's own behaviour: its restarts and its report of a failed rank.
 `start_program` starts one process and returns it, as `subprocess.Popen` with pipes to its
 standard input and output: for tests that talk to a program or signal it.
@@ -31,7 +32,7 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import IO
 
-from tests.unit_tests.distributed_harness import free_port
+from tests.unit_tests.distributed_harness import START_ATTEMPTS, free_port, port_taken
 from tests.unit_tests.warm_processes import warm_context
 
 _GRACE_S = 30.0
@@ -166,23 +167,46 @@ def run_program(
 
     Returns:
         The status (the first failed rank's, else 0), the ranks' output, rank 0's first, and
-        each rank's status.
+        each rank's status. Ranks whose rendezvous port was taken meanwhile run again on a new
+        one (`START_ATTEMPTS`).
     """
     command = _command(script, code, args)
     script = None if script is None else str(script)
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
+    if nproc is None:
+        return _launch(command, script, code, args, env, cwd, nproc, timeout, stop_others)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        ROLE_RANK="0",
+        ROLE_WORLD_SIZE=str(nproc),
+    )
+    attempt = 1
+    while True:
+        env["MASTER_PORT"] = str(free_port())
+        result = _launch(command, script, code, args, env, cwd, nproc, timeout, stop_others)
+        if result.returncode == 0 or attempt == START_ATTEMPTS or not port_taken(result.stderr):
+            return result
+        attempt += 1
+
+
+def _launch(
+    command: list[str],
+    script: str | None,
+    code: str | None,
+    args: Sequence[str],
+    env: dict[str, str],
+    cwd: str,
+    nproc: int | None,
+    timeout: float,
+    stop_others: bool,
+) -> ProgramResult:
+    """Starts the program's processes, one per rank with torchrun's variables (`nproc`) or one
+    plain process, and waits for them (`run_program`)."""
     ranks = 1 if nproc is None else nproc
-    if nproc is not None:
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK="0",
-            ROLE_RANK="0",
-            ROLE_WORLD_SIZE=str(nproc),
-        )
     context = warm_context()
     with tempfile.TemporaryDirectory() as logs:
         processes, outputs = [], []

@@ -1,18 +1,22 @@
 """`program_launcher.run_program` runs a program as `python` and `torchrun` would: as `__main__`
 with its arguments, environment and directory, torchrun's variables per rank, every rank's output,
-the failed rank's status (the others ended), and a hung program ended at its timeout;
+the failed rank's status (the others ended), ranks run again where their rendezvous port was
+taken, and a hung program ended at its timeout;
 `start_program` starts one as `subprocess.Popen` would, with pipes to it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.unit_tests import program_launcher
+from tests.unit_tests.distributed_harness import free_port
 from tests.unit_tests.program_launcher import run_program, start_program
 
 PROGRAM = """
@@ -62,6 +66,23 @@ def test_ranks_get_torchrun_variables_and_form_a_process_group(tmp_path):
         "rank 1 of 2 saw [0, 1]",
     ]
     assert done.stderr == "to stderr\n" * 2
+
+
+def test_ranks_whose_port_was_taken_run_again_on_another(tmp_path, monkeypatch):
+    """Rank 0 finds the rendezvous port taken (here by a listening socket): the program runs
+    again on a new port, and the result is that run's."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1], free_port()])
+        monkeypatch.setattr(program_launcher, "free_port", lambda: next(ports))
+        done = run_program(
+            _write(tmp_path, PROGRAM), [str(tmp_path)], nproc=2, env=_env(), cwd=tmp_path
+        )
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 of 2 saw [0, 1]" in done.stdout.splitlines()
+    assert done.stderr == "to stderr\n" * 2
+    assert next(ports, None) is None  # both ports were used
 
 
 def test_the_status_is_the_failed_ranks(tmp_path):
