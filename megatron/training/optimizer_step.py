@@ -1,18 +1,18 @@
 """An iteration's optimizer step as the training loop takes it (`take_optimizer_step`), and what
 it did (`StepOutcome`), read on the host when first asked for (`PendingStep`).
 
-Megatron-LM's step reads the global gradient norm on the host to decide whether to skip the
-update: the host waits there for the whole backward before it queues the update and the next
-iteration, and the GPU idles while the host catches up. Where the optimizer can skip a step on
-the device (`MegatronOptimizer.steps_without_host_sync`: bf16 or fp32 training with torch's fused
-Adam, the default, or fused SGD; from the second step on), the step is queued without that
-read, and its outcome (whether it updated, the norm, the zero count) is read one iteration
-later, before the next step is taken, the way the loop reads the losses. The schedule's step
-waits for that outcome, since a skipped step does not advance it; it still comes before the next
-optimizer step is queued, so every step uses the learning rate it would have had, and the
-weights are those of a step read at once, bitwise. fp16's loss scaler decides on the host, and
-its steps are read at once, as are unfused optimizers' and every first step (whose skip on the
-device would make optimizer state that `step()` does not).
+Megatron-LM's step reads the global gradient norm on the host to decide whether to skip the update:
+the host waits there for the whole backward before it queues the update and the next iteration, and
+the GPU idles while the host catches up. Where the optimizer can skip a step on the device
+(`MegatronOptimizer.steps_without_host_sync`: bf16 or fp32 training with torch's fused Adam, the
+default, or fused SGD; from the second step on where the optimizer keeps state), the step is queued
+without that read, and its outcome (whether it updated, the norm, the zero count) is read one
+iteration later, before the next step is taken, the way the loop reads the losses. The schedule's
+step waits for that outcome, since a skipped step does not advance it; it still comes before the
+next optimizer step is queued, so every step uses the learning rate it would have had, and the
+weights are those of a step read at once, bitwise. fp16's loss scaler decides on the host, and its
+steps are read at once, as are unfused optimizers' and a first step that makes state (whose skip on
+the device would make optimizer state that `step()` does not).
 """
 
 from __future__ import annotations

@@ -153,6 +153,12 @@ def device_skip_problem(optimizer: torch.optim.Optimizer, capture: bool) -> str 
     return None
 
 
+def makes_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s steps keep state: Adam's moments, SGD's momentum buffers (none
+    where every group's momentum is 0)."""
+    return any(group.get("momentum") != 0 for group in optimizer.param_groups)
+
+
 def check_skips_on_device(optimizer: torch.optim.Optimizer, capture: bool) -> None:
     """Raises unless `optimizer` can skip its step on the device (`device_skip_problem`).
 

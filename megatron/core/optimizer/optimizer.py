@@ -56,6 +56,7 @@ from megatron.core.optimizer.device_step import (
     check_skips_on_device,
     device_skip_problem,
     device_step,
+    makes_state,
 )
 from megatron.core.optimizer.grad_scaler import (
     MegatronGradScaler,
@@ -325,12 +326,12 @@ class MegatronOptimizer:
         """Whether `step_without_host_sync()` takes this optimizer's next step as `step()`
         would: no loss scaler, a torch optimizer whose kernels skip a step on the device (Adam
         and AdamW with torch's fused kernels, the default where every parameter allows them;
-        SGD built with `fused=True`), and its state made by an earlier step. A first step
-        skipped on the device makes the state (zero moments) that `step()` leaves unmade, and
-        on CUDA the next step's kernel depends on whether it exists."""
+        SGD built with `fused=True`), and its state made by an earlier step where it keeps any.
+        A first step skipped on the device makes the state (zero moments) that `step()` leaves
+        unmade, and on CUDA the next step's kernel depends on whether it exists."""
         return (
             self.grad_scaler is None
-            and bool(self.optimizer.state)
+            and (bool(self.optimizer.state) or not makes_state(self.optimizer))
             and device_skip_problem(self.optimizer, False) is None
         )
 

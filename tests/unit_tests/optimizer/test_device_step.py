@@ -238,15 +238,22 @@ def test_step_without_host_sync_equals_the_host_step(non_finite_step):
 
 
 def test_steps_without_host_sync_where_the_step_can_skip_on_the_device():
-    """A first step (a skipped one would make state `step()` does not), fp16's loss scaler and
-    torch's unfused SGD need the host: their steps are read at once, and
-    `step_without_host_sync` says why it cannot take the last two."""
+    """A first step of an optimizer that keeps state (a skipped one would make state `step()`
+    does not), fp16's loss scaler and torch's unfused SGD need the host: their steps are read
+    at once, and `step_without_host_sync` says why it cannot take the last two. Fused SGD
+    without momentum keeps no state: its first step may skip on the device too."""
     model = build_tiny_gpt()
     adam = get_megatron_optimizer(OptimizerConfig(lr=LR), model)
     assert not adam.steps_without_host_sync
     _set_grads(model, 0, False)
     adam.step()
     assert adam.steps_without_host_sync
+    sgd_configs = [OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=m) for m in (0.0, 0.9)]
+    plain, with_momentum = (get_megatron_optimizer(c, model, True) for c in sgd_configs)
+    assert plain.steps_without_host_sync and not with_momentum.steps_without_host_sync
+    _set_grads(model, 1, False)
+    with_momentum.step()
+    assert with_momentum.steps_without_host_sync
     sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=LR), model)
     scaled = get_megatron_optimizer(OptimizerConfig(lr=LR, fp16=True), model)
     assert not sgd.steps_without_host_sync and not scaled.steps_without_host_sync
