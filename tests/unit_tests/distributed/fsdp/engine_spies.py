@@ -30,7 +30,9 @@ class EngineCalls:
             queued writes), "refresh" (compute weights rebuilt from the main weights),
             "amax_reduce" (FP8 weights' amaxes all-reduced), "amax_record" (a refresh taking
             the amax of an FP8 weight's part itself) and "fp8_transpose" (an FP8 weight's
-            transposed copy made for the input-gradient GEMM), in call order.
+            transposed copy made for the input-gradient GEMM: by `Fp8Weight` itself, or by the
+            C++ backward on a GPU, which hands it over through `hold_transpose`), in call
+            order.
         gather_groups: the process group of each all-gather.
         gather_bytes: the bytes each all-gather writes on this rank (all ranks' blocks).
         gather_dtypes: the dtype of each all-gather's outputs.
@@ -61,7 +63,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     order, refresh = Residency.order_gathers, GroupWeights.refresh
     amax_reduce = collectives.Collectives.all_reduce_max
     amax_record = fp8_gather.record_amax
-    transpose = Fp8Weight._transpose
+    transpose, hold_transpose = Fp8Weight._transpose, Fp8Weight.hold_transpose
 
     def spied_gather(*args, **kwargs):
         calls.log.append("gather")
@@ -98,6 +100,14 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.fp8_transposes.append(weakref.ref(made.data))
         return made
 
+    def spied_hold_transpose(weight: Fp8Weight, transposed) -> None:
+        # A tensor of its own was made by the C++ backward; a view is a stacked copy's part
+        # (MoE experts), whose transposes `_transpose` made and counted.
+        if transposed.data._base is None:
+            calls.log.append("fp8_transpose")
+            calls.fp8_transposes.append(weakref.ref(transposed.data))
+        return hold_transpose(weight, transposed)
+
     with (
         mock.patch.object(collectives.Collectives, "all_reduce_max", spied_amax_reduce),
         mock.patch.object(collectives, "_all_gather_coalesced", spied_gather),
@@ -105,6 +115,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         mock.patch.object(Residency, "order_gathers", spied_order),
         mock.patch.object(GroupWeights, "refresh", spied_refresh),
         mock.patch.object(Fp8Weight, "_transpose", spied_transpose),
+        mock.patch.object(Fp8Weight, "hold_transpose", spied_hold_transpose),
         mock.patch.object(fp8_gather, "record_amax", spied_amax_record),
     ):
         yield calls
