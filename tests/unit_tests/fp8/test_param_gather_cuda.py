@@ -3,7 +3,8 @@ all-gather stream): Megatron-FSDP, and the DDP engine's distributed optimizer, t
 as without it, eager and with the whole iteration in a CUDA graph, whose replays cast the FP8
 weights from the main weights the graphed optimizer step wrote; with `--keep-fp8-transpose-cache`
 too, whose kept transposes hold 1 byte per element of the FP8 weights from step to step and are
-freed at each refresh (the memory allocated stays flat). One rank per GPU present (1 or 2)."""
+freed at each refresh (the memory allocated stays flat), made by the C++ backward once per
+gather of the weights, or once per step where kept. One rank per GPU present (1 or 2)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.enums import ModelType
+from megatron.core.fp8 import cpp_linear
 from megatron.training.training import TrainingHistory, pretrain
+from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed_harness import run_distributed
 from tests.unit_tests.model_builders import (
     build_tiny_gpt,
@@ -110,10 +113,8 @@ def test_kept_fp8_transposes_train_as_without_them(graphed):
     assert kept == freed
 
 
-def _allocated_after_each_step(keep_fp8_transpose_cache: bool) -> tuple[list[int], int]:
-    """ZeRO-3 over this rank's GPU: memory allocated after each of 4 steps of 2 microbatches,
-    and the bytes the transposes of the whole FP8 weights take in allocator blocks."""
-    gc.collect()  # what earlier runs on this rank left, so that it is not freed mid-run
+def _zero3_fp8(keep_fp8_transpose_cache: bool) -> FullyShardedDataParallel:
+    """The tiny GPT in FP8 under ZeRO-3 with `--fp8-param-gather` over this rank's GPU."""
     parallel_state.initialize_model_parallel()
     config = tiny_gpt_config(params_dtype=torch.bfloat16, bf16=True, fp8="hybrid")
     model = build_tiny_gpt(config)
@@ -123,12 +124,15 @@ def _allocated_after_each_step(keep_fp8_transpose_cache: bool) -> tuple[list[int
         fp8_param_gather=True,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
     )
-    fsdp = FullyShardedDataParallel(config, ddp_config, model)
+    return FullyShardedDataParallel(config, ddp_config, model)
+
+
+def _train_steps(fsdp: FullyShardedDataParallel, steps: int, after_step=lambda: None) -> None:
+    """`steps` steps of 2 microbatches (AdamW), `after_step` called after each."""
     optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
     dp = parallel_state.get_data_parallel_group()
-    batches = make_token_batches(8, 4 * dp.size(), seed=5)
-    allocated = []
-    for step in range(4):
+    batches = make_token_batches(2 * steps, 4 * dp.size(), seed=5)
+    for step in range(steps):
         fsdp.zero_grad_buffer()
         for tokens, labels in batches[2 * step : 2 * step + 2]:
             tokens, labels = (shard_batch(t, dp.rank(), dp.size()).cuda() for t in (tokens, labels))
@@ -136,9 +140,22 @@ def _allocated_after_each_step(keep_fp8_transpose_cache: bool) -> tuple[list[int
         fsdp.finish_grad_sync()
         optimizer.step()
         optimizer.zero_grad()
+        after_step()
+
+
+def _allocated_after_each_step(keep_fp8_transpose_cache: bool) -> tuple[list[int], int]:
+    """ZeRO-3 over this rank's GPU: memory allocated after each of 4 steps of 2 microbatches,
+    and the bytes the transposes of the whole FP8 weights take in allocator blocks."""
+    gc.collect()  # what earlier runs on this rank left, so that it is not freed mid-run
+    fsdp = _zero3_fp8(keep_fp8_transpose_cache)
+    allocated = []
+
+    def record() -> None:
         gc.collect()
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
+
+    _train_steps(fsdp, 4, record)
     shapes = [
         shape
         for group in parameter_groups(fsdp.module)
@@ -157,3 +174,28 @@ def test_kept_fp8_transposes_hold_one_byte_per_element_and_do_not_grow():
         assert len(set(kept_allocated[1:])) == 1, kept_allocated
         assert len(set(freed_allocated[1:])) == 1, freed_allocated
         assert kept_allocated[-1] - freed_allocated[-1] == transpose_bytes > 0
+
+
+def _transposes_made_per_step(keep_fp8_transpose_cache: bool) -> tuple[list[int], int, bool]:
+    """ZeRO-3 over this rank's GPU, 3 steps of 2 microbatches: the FP8 weight transposes made
+    in each step, the number of FP8 weights, and whether the C++ extension ran."""
+    fsdp = _zero3_fp8(keep_fp8_transpose_cache)
+    ends: list[int] = []
+    with spy_on_engine() as calls:
+        _train_steps(fsdp, 3, lambda: ends.append(calls.count("fp8_transpose")))
+    weights = sum(
+        len(group.weights.layout.shapes)
+        for group in parameter_groups(fsdp.module)
+        if group.plan.fp8_gather
+    )
+    built = cpp_linear.native_transpose(torch.empty(1, 1, dtype=torch.uint8, device="cuda"))
+    return [end - start for start, end in zip([0, *ends], ends)], weights, built is not None
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["freed", "kept"])
+def test_fp8_transposes_are_made_once_per_gather_or_kept_for_the_step(keep):
+    """The C++ backward makes each FP8 weight's transpose at each backward that gathered the
+    weights again (ZeRO-3: each microbatch), and once per step where the transposes are kept."""
+    for made, weights, built in run_distributed(_transposes_made_per_step, _world(), keep):
+        assert weights == 8  # 4 linear layers in each of 2 transformer layers
+        assert made == [weights * (1 if keep else 2)] * 3, (made, built)
