@@ -12,18 +12,14 @@ parallelism).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import ExpertGemm, GroupedMLP, SequentialMLP
@@ -32,6 +28,7 @@ from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracke
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.token_dispatcher import DispatchSizing
 from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.host_reads import no_host_reads
 from tests.unit_tests.transformer.moe.moe_checks import (
     BATCH,
     HIDDEN,
@@ -180,42 +177,6 @@ def test_grouped_experts_without_the_kernel_run_masked_gemms_that_match_the_loop
 
 
 # --- expert parallelism: the padded worst-case exchange ---
-
-
-_HOST_READ_OPS = {
-    torch.ops.aten._local_scalar_dense.default,
-    torch.ops.aten.nonzero.default,
-    torch.ops.aten.masked_select.default,
-    torch.ops.aten._unique2.default,
-    torch.ops.aten.unique_consecutive.default,
-    torch.ops.aten.unique_dim.default,
-}
-_HOST_READ_METHODS = {"tolist", "item", "numpy"}
-
-
-class _FailOnHostReads(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        sized_by_values = func is torch.ops.aten.repeat_interleave.Tensor
-        if func in _HOST_READ_OPS or (sized_by_values and kwargs.get("output_size") is None):
-            raise AssertionError(f"a host read: {func}")
-        return func(*args, **kwargs)
-
-
-class _FailOnHostCopies(TorchFunctionMode):
-    # `.tolist()` and `.numpy()` read a CPU tensor's memory without any aten op.
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in _HOST_READ_METHODS:
-            raise AssertionError(f"a host read: Tensor.{func.__name__}")
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def no_host_reads() -> Iterator[None]:
-    """Fails on any read of a tensor's values by the host (as FakeTensorMode does, but with
-    real tensors, so that collectives run)."""
-    with _FailOnHostCopies(), _FailOnHostReads():
-        yield
 
 
 def _worst_case_matches_host() -> None:

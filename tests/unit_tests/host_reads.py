@@ -1,0 +1,73 @@
+"""`no_host_reads()`: a check, with real tensors on any device, that code reads no tensor's
+values on the host, shared by the tests of what a CUDA graph can capture."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from types import CodeType
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_HOST_READ_OPS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default,
+    torch.ops.aten.unique_dim.default,
+}
+_HOST_READ_METHODS = {"tolist", "item", "numpy"}
+
+
+def _fail(read: str, allowed: frozenset[CodeType]) -> None:
+    """Raises for `read`, unless a function of `allowed` is on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in allowed:
+            return
+        frame = frame.f_back
+    raise AssertionError(f"a host read: {read}")
+
+
+class _FailOnHostReads(TorchDispatchMode):
+    def __init__(self, allowed: frozenset[CodeType]):
+        super().__init__()
+        self._allowed = allowed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sized_by_values = func is torch.ops.aten.repeat_interleave.Tensor
+        if func in _HOST_READ_OPS or (sized_by_values and kwargs.get("output_size") is None):
+            _fail(str(func), self._allowed)
+        return func(*args, **kwargs)
+
+
+class _FailOnHostCopies(TorchFunctionMode):
+    # `.tolist()` and `.numpy()` read a CPU tensor's memory without any aten op.
+    def __init__(self, allowed: frozenset[CodeType]):
+        super().__init__()
+        self._allowed = allowed
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in _HOST_READ_METHODS:
+            _fail(f"Tensor.{func.__name__}", self._allowed)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_reads(allowed: tuple[Callable, ...] = ()) -> Iterator[None]:
+    """Fails with an AssertionError ("a host read: ...") on any read of a tensor's values by
+    the host in the body (as `FakeTensorMode` does, but with real tensors, so that collectives
+    run): `.item()`, `.tolist()`, `.numpy()`, and the ops whose output is sized by values.
+
+    Args:
+        allowed: functions whose reads (their own and their callees') pass: reads that are
+            meant, and cost no wait for the device where it matters.
+    """
+    codes = frozenset(function.__code__ for function in allowed)
+    with _FailOnHostCopies(codes), _FailOnHostReads(codes):
+        yield
