@@ -1,6 +1,7 @@
 """FP8 compute under the data-parallel engines (2 ranks, weights gathered in bf16): the FP8
 weight copies follow the weights the engines refresh, and a tiny ZeRO-3 run in FP8 (hybrid,
-delayed) ends within a few percent of its bf16 twin's loss."""
+delayed), its weights gathered in bf16 or as FP8 (`fp8_param_gather`), ends within a few
+percent of its bf16 twin's loss."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ FP8 = dict(fp8="hybrid", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
 BLOCKWISE = dict(fp8="e4m3", fp8_recipe="blockwise")
 
 
-def _wrapped(config, strategy: str) -> FullyShardedDataParallel:
+def _wrapped(config, strategy: str, fp8_param_gather: bool = False) -> FullyShardedDataParallel:
     model = build_tiny_gpt(config)
     ddp_config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        fp8_param_gather=fp8_param_gather,
     )
     return FullyShardedDataParallel(model.config, ddp_config, model)
 
@@ -90,9 +93,9 @@ def test_blockwise_fp8_weights_follow_both_engines():
     assert run_distributed(_ddp_logits_after_an_unseen_write, 2, BLOCKWISE) == [[True]] * 2
 
 
-def _zero3_losses(fp8: bool, steps: int = 12) -> list[float]:
+def _zero3_losses(fp8: bool, fp8_param_gather: bool = False, steps: int = 12) -> list[float]:
     config = tiny_gpt_config(**BF16, **(FP8 if fp8 else {}))
-    fsdp = _wrapped(config, "optim_grads_params")
+    fsdp = _wrapped(config, "optim_grads_params", fp8_param_gather)
     optimizer = fully_shard_optimizer(torch.optim.AdamW(fsdp.parameters(), lr=1e-2), fsdp)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     losses = []
@@ -110,8 +113,9 @@ def _zero3_losses(fp8: bool, steps: int = 12) -> list[float]:
     return losses
 
 
-def test_zero3_fp8_run_ends_near_its_bf16_twin():
-    fp8 = run_distributed(_zero3_losses, 2, True)[0]
+@pytest.mark.parametrize("fp8_param_gather", [False, True], ids=["bf16-gather", "fp8-gather"])
+def test_zero3_fp8_run_ends_near_its_bf16_twin(fp8_param_gather):
+    fp8 = run_distributed(_zero3_losses, 2, True, fp8_param_gather)[0]
     bf16 = run_distributed(_zero3_losses, 2, False)[0]
     assert fp8[-1] < fp8[0] - 0.3  # it learns
     assert abs(fp8[-1] - bf16[-1]) < 0.03 * bf16[-1], (fp8, bf16)

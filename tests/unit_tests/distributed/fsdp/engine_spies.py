@@ -1,5 +1,5 @@
-"""A spy on the Megatron-FSDP engine's collectives, weight refreshes and FP8 weight transposes,
-shared by the tests.
+"""A spy on the Megatron-FSDP engine's collectives, weight refreshes and FP8 weight casts and
+transposes, shared by the tests.
 
 Tests that count or order what the engine launches observe it through `spy_on_engine()`, so the
 engine's private names are patched in this one place.
@@ -29,7 +29,8 @@ class EngineCalls:
         log: "gather", "reduce_scatter", "order" (a gather ordered after the compute stream's
             queued writes), "refresh" (compute weights rebuilt from the main weights),
             "amax_reduce" (FP8 weights' amaxes all-reduced), "amax_record" (a refresh taking
-            the amax of an FP8 weight's part itself) and "fp8_transpose" (an FP8 weight's
+            the amax of an FP8 weight's part itself), "fp8_cast" (a group's FP8 compute
+            weights cast from its main weights) and "fp8_transpose" (an FP8 weight's
             transposed copy made for the input-gradient GEMM: by `Fp8Weight` itself, or by the
             C++ backward on a GPU, which hands it over through `hold_transpose`), in call
             order.
@@ -63,6 +64,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     order, refresh = Residency.order_gathers, GroupWeights.refresh
     amax_reduce = collectives.Collectives.all_reduce_max
     amax_record = fp8_gather.record_amax
+    fp8_cast = fp8_gather.Fp8ComputeWeights._cast
     transpose, hold_transpose = Fp8Weight._transpose, Fp8Weight.hold_transpose
 
     def spied_gather(*args, **kwargs):
@@ -94,6 +96,10 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.log.append("amax_record")
         return amax_record(*args, **kwargs)
 
+    def spied_fp8_cast(weights: fp8_gather.Fp8ComputeWeights) -> None:
+        calls.log.append("fp8_cast")
+        return fp8_cast(weights)
+
     def spied_transpose(weight: Fp8Weight):
         calls.log.append("fp8_transpose")
         made = transpose(weight)
@@ -117,5 +123,6 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         mock.patch.object(Fp8Weight, "_transpose", spied_transpose),
         mock.patch.object(Fp8Weight, "hold_transpose", spied_hold_transpose),
         mock.patch.object(fp8_gather, "record_amax", spied_amax_record),
+        mock.patch.object(fp8_gather.Fp8ComputeWeights, "_cast", spied_fp8_cast),
     ):
         yield calls

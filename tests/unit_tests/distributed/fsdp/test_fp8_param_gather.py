@@ -1,9 +1,11 @@
 """`fp8_param_gather`: Megatron-FSDP keeps and gathers the weights of FP8 linear layers as FP8
 bytes. It must change only what travels: a tiny FP8 GPT trains bit for bit as without it (losses
-and every main weight), for every sharding strategy, at 2 and 4 ranks, under HSDP and HFSDP,
-with tensor parallelism, gradient accumulation and any torch optimizer; the all-gathers move
-one byte per element of those weights where bf16 moves two, and the amaxes of all FP8 weights
-are reduced once per step. With `keep_fp8_transpose_cache` the transposes backward makes of the
+and every main weight), for every sharding strategy, at 2 and 4 ranks (4: with the all-reduces
+summing in rank order, `_rank_ordered_all_reduce`), under HSDP and HFSDP, over a separate
+all-gather group, with tensor and expert parallelism, gradient accumulation and any torch
+optimizer; the all-gathers move one byte per element of those weights where bf16 moves two,
+the FP8 weights are cast once per step, and the amaxes of all FP8 weights are reduced once per
+step. With `keep_fp8_transpose_cache` the transposes backward makes of the
 FP8 weights are made once per step (not in each backward that gathers them) and freed at the
 next step's refresh, with the same training bit for bit. Each refresh scales a group's weights
 from their amaxes rounded to its own model dtype (`reduce_amaxes`)."""
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
@@ -59,6 +63,21 @@ MOE = dict(
 )
 
 
+def _rank_ordered_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """`dist.all_reduce` (sum or max, synchronous) that sums in rank order, so each element's
+    bits do not depend on where it lies in the buffer. Gloo's all-reduce, as NCCL's ring,
+    starts each chunk's sum at another rank; FP8 weights form parameter groups of their own,
+    so their gradients lie elsewhere in the reduced buffers than without FP8 param gather, and
+    beyond two ranks (where a + b = b + a) they would round differently."""
+    assert op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) and not async_op, (op, async_op)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    result = parts[0].clone()
+    for part in parts[1:]:
+        result = result + part if op == dist.ReduceOp.SUM else torch.maximum(result, part)
+    tensor.copy_(result)
+
+
 def _train(
     fp8_param_gather: bool,
     strategy: str = "optim_grads_params",
@@ -70,17 +89,22 @@ def _train(
     experts: int = 4,
     no_sync: bool = False,
     step_amaxes: bool = False,
+    all_gather_group: bool = False,
+    rank_ordered_sums: bool = False,
     **ddp_fields,
 ) -> dict:
     """STEPS steps of MICROBATCHES microbatches (AdamW, the microbatches before the last of a
     step under `no_sync()` where `no_sync`); the losses, every global main weight after them,
     and what the engine launched. With `ep`, the GPT's second layer is an MoE layer of
     `experts` experts (and a shared expert) at expert parallelism `ep`. With `step_amaxes`
-    the optimizer steps through `step_and_copy`, recording the FP8 weights' amaxes."""
+    the optimizer steps through `step_and_copy`, recording the FP8 weights' amaxes. With
+    `all_gather_group` the weights are gathered over a group of their own; with
+    `rank_ordered_sums` every all-reduce sums in rank order (`_rank_ordered_all_reduce`)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         num_distributed_optimizer_instances=replicas,
         expert_model_parallel_size=ep or 1,
+        create_all_gather_group=all_gather_group,
     )
     model_parallel_cuda_manual_seed(1234, device_type="cpu")
     fields = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, **FP8)
@@ -102,9 +126,8 @@ def _train(
         fp8_param_gather=fp8_param_gather,
         **ddp_fields,
     )
-    fsdp = FullyShardedDataParallel(
-        config, ddp_config, model, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
-    )
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    fsdp = FullyShardedDataParallel(config, ddp_config, model, pg_collection=groups)
     # The main weights' local tensors: the same arithmetic as over the DTensors, without the
     # sharding propagation of each optimizer op (most of these tests' time on CPU).
     optimizer = torch.optim.AdamW(fsdp.local_main_weights().values(), lr=1e-2)
@@ -113,7 +136,8 @@ def _train(
     losses = []
     step_ends: list[int] = []  # how many FP8 transposes were made by the end of each step
     alive: list[list[int]] = []  # after each step: how many of each step's transposes live
-    with spy_on_engine() as calls:
+    ordered = mock.patch.object(dist, "all_reduce", _rank_ordered_all_reduce)
+    with spy_on_engine() as calls, ordered if rank_ordered_sums else contextlib.nullcontext():
         for step in range(STEPS):
             fsdp.zero_grad_buffer()
             for micro in range(MICROBATCHES):
@@ -150,6 +174,9 @@ def _train(
         losses=torch.stack(losses),
         weights=weights,
         fp8_groups=fp8_groups,
+        fp8_casts=calls.count("fp8_cast"),
+        gathers_over_the_all_gather_group=bool(calls.gather_groups)
+        and all(group is groups.dp_cp_ag for group in calls.gather_groups),
         expert_fp8_groups=expert_fp8_groups,
         gather_bytes=sum(calls.gather_bytes),
         fp8_gather_bytes=sum(
@@ -178,6 +205,8 @@ def _alive_per_step(transposes: list[weakref.ref], step_ends: list[int]) -> list
 
 def _assert_same_training(with_fp8: dict, without: dict) -> None:
     assert with_fp8["fp8_groups"] > 0 and without["fp8_groups"] == 0
+    # Each group's FP8 weights are cast once per step, not at each gather.
+    assert with_fp8["fp8_casts"] == STEPS * with_fp8["fp8_groups"]
     assert torch.equal(with_fp8["losses"], without["losses"])
     assert with_fp8["weights"].keys() == without["weights"].keys()
     for name, weight in with_fp8["weights"].items():
@@ -204,17 +233,17 @@ def test_fp8_param_gather_on_one_rank(strategy):
 @pytest.mark.parametrize(
     "topology",
     [
-        dict(strategy="optim_grads_params"),
+        *(dict(strategy=strategy) for strategy in STRATEGIES),
         dict(strategy="optim", tp=2),
         dict(strategy="optim_grads_params", tp=2),
         dict(strategy="optim_grads_params", replicas=2),  # HSDP
         dict(strategy="optim_grads_params", replicas=2, outer="optim"),  # HFSDP
     ],
-    ids=["zero3", "zero1-tp2", "zero3-tp2", "hsdp", "hfsdp"],
+    ids=[*STRATEGIES, "zero1-tp2", "zero3-tp2", "hsdp", "hfsdp"],
 )
 def test_fp8_param_gather_at_four_ranks(topology):
-    with_fp8 = run_distributed(_train, 4, True, **topology)
-    without = run_distributed(_train, 4, False, **topology)
+    with_fp8 = run_distributed(_train, 4, True, rank_ordered_sums=True, **topology)
+    without = run_distributed(_train, 4, False, rank_ordered_sums=True, **topology)
     for rank_with, rank_without in zip(with_fp8, without):
         _assert_same_training(rank_with, rank_without)
 
@@ -223,18 +252,31 @@ def test_fp8_param_gather_at_four_ranks(topology):
     "world, topology",
     [
         *((2, dict(strategy=strategy, ep=1)) for strategy in STRATEGIES),
-        (4, dict(strategy="optim_grads_params", ep=2, experts=6)),
+        *((4, dict(strategy=strategy, ep=2, experts=6)) for strategy in STRATEGIES),
     ],
-    ids=[*STRATEGIES, "zero3-ep2"],
+    ids=[*STRATEGIES, *(f"{strategy}-ep2" for strategy in STRATEGIES)],
 )
 def test_fp8_param_gather_of_expert_weights(world, topology):
     """The stacked expert weights travel as FP8 with one scale per expert (each shard holds
     whole experts; 6 experts at EP 2 leave the expert data-parallel shards uneven)."""
-    with_fp8 = run_distributed(_train, world, True, **topology)
-    without = run_distributed(_train, world, False, **topology)
+    with_fp8 = run_distributed(_train, world, True, rank_ordered_sums=True, **topology)
+    without = run_distributed(_train, world, False, rank_ordered_sums=True, **topology)
     for rank_with, rank_without in zip(with_fp8, without):
         _assert_same_training(rank_with, rank_without)
         assert rank_with["expert_fp8_groups"] > 0
+
+
+def test_fp8_param_gather_over_a_separate_all_gather_group():
+    """`--create-all-gather-group`: the FP8 weights travel over the group of their own, in
+    half the bytes, and train as the bf16 weights gathered over it."""
+    with_fp8 = run_distributed(_train, 2, True, all_gather_group=True)
+    without = run_distributed(_train, 2, False, all_gather_group=True)
+    for rank_with, rank_without in zip(with_fp8, without):
+        _assert_same_training(rank_with, rank_without)
+        assert rank_with["gathers_over_the_all_gather_group"]
+        assert rank_without["gathers_over_the_all_gather_group"]
+        saved = rank_without["gather_bytes"] - rank_with["gather_bytes"]
+        assert saved == rank_with["fp8_gather_bytes"] > 0
 
 
 def test_fp8_weights_travel_in_half_the_bytes_and_scale_in_one_reduction():
