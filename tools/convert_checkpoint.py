@@ -28,8 +28,9 @@ The files:
   is left out for a checkpoint without optimizer state, its "fp32_from_fp16_params" where the
   optimizer keeps no fp32 masters, and its "grad_scaler" (the dynamic loss scale of `--fp16`)
   where there is none. "model" is exactly the unwrapped model's `state_dict()`: of a model
-  trained with FP8 delayed scaling it also holds `decoder.fp8_state._extra_state`, the amax
-  histories and scales (an `io.BytesIO`), which `from-torch` writes back, so training resumes
+  trained with FP8 delayed scaling it also holds `decoder.fp8_state._extra_state` (with
+  multi-token prediction also `mtp.fp8_state._extra_state`), the amax histories and scales (an
+  `io.BytesIO`), which `from-torch` writes back, so training resumes
   from the converted checkpoint exactly. "common" holds Python objects: read the file with
   `torch.load(path, weights_only=False)`, as this tool does, only if you trust where it came
   from.

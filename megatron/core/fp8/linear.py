@@ -23,7 +23,8 @@ high-precision linears: fused into an engine's `main_grad` (the GEMM writes over
 target, and adds a temporary to an accumulating one), returned to autograd, or not computed.
 
 A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
-`enable_fp8_linears` gives the linear layers of the transformer layers that train in FP8.
+`transformer_block.enable_fp8_linears` gives the linear layers of the transformer layers that
+train in FP8 (and of the multi-token prediction depths).
 
 On a GPU `_Fp8Linear`'s forward and backward (per-tensor recipes) run as one call each of the
 C++ extension (`cpp_linear.py`), whose results the tests find the same bit for bit; the Python

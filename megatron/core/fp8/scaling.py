@@ -2,7 +2,8 @@
 `DelayedScaling` recipe.
 
 Each FP8 linear layer of a model owns one forward slot (its input) and one backward slot (its
-output gradient) in the model's `DelayedScalingState`. A cast during a pass uses the slot's
+output gradient) in its block's `DelayedScalingState` (the decoder's, or the multi-token
+prediction depths'). A cast during a pass uses the slot's
 current scale and max-es the tensor's absolute maximum into row 0 of the slot's history. At the
 end of each pass, forward at the end of the block's forward and backward once the block's
 backward is done (`end_forward` / `end_backward`), the row 0 of every slot of that direction is
@@ -26,7 +27,8 @@ scales. `scale_replay_contexts()` (entered by `transformer.recompute`) keeps the
 checkpoint's forward started with and gives them back while it is recomputed, during which no
 amax is recorded: the recomputed casts are the forward's, bit for bit.
 
-Checkpoints: the state is a submodule of the transformer block (`decoder.fp8_state`) whose
+Checkpoints: the state is a submodule of the transformer block (`decoder.fp8_state`; the
+multi-token prediction depths own one of their own, `mtp.fp8_state`) whose
 histories and scales are its `_extra_state` in the model's state dict, the bytes of a
 `torch.save` of CPU copies (Transformer Engine's way), so a resumed run casts as the
 uninterrupted one. Loading resizes a history saved with another length as Transformer Engine

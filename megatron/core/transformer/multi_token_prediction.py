@@ -28,6 +28,13 @@ sequence parallelism each rank holds its part of the sequence, as in the decoder
 parallelism each rank holds two chunks of every sequence: the shifts move tokens across the
 chunks' borders (`roll_tensor` with the cp group), and the losses are averaged over the unmasked
 tokens of whole sequences, as the main loss is.
+
+With `config.fp8` every depth's linear layers (`eh_proj` and the transformer layer's, the MoE
+experts' included) run in FP8, whatever `first_last_layers_bf16` keeps in bf16 (Megatron-core
+runs its depths under the global FP8 context too). Under delayed scaling the block owns their
+`DelayedScalingState` (`mtp.fp8_state`, saved as `mtp.fp8_state._extra_state`), its passes
+ending after the depths' forward and once their backward is done, as the decoder's state does
+for the decoder's layers.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.context_parallel import gather_sequence, resolve_cp_group, split_sequence
+from megatron.core.fp8.recipe import recipe_from_config
+from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -50,8 +59,14 @@ from megatron.core.tensor_parallel.utils import group_rank, group_size
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
 from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.recompute import is_recomputing
 from megatron.core.transformer.recompute import recompute as recompute_checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_module
+from megatron.core.transformer.transformer_block import (
+    amax_group,
+    enable_fp8_linears,
+    end_backward_after,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
@@ -281,6 +296,14 @@ class MultiTokenPredictionBlock(MegatronModule):
             for depth, layer_spec in enumerate(spec.layer_specs, start=1)
         )
         self.cp_group = resolve_cp_group(None if pg_collection is None else pg_collection.cp)
+        self.fp8_state: DelayedScalingState | None = None
+        """The depths' delayed-scaling state (`fp8_recipe="delayed"`), else None."""
+        recipe = recipe_from_config(config)
+        if recipe is not None:
+            if recipe.delayed:
+                self.fp8_state = DelayedScalingState(recipe, amax_group(pg_collection))
+            for index, layer in enumerate(self.layers):
+                enable_fp8_linears(layer, f"mtp.layers.{index}", recipe, self.fp8_state)
 
     def forward(
         self,
@@ -307,6 +330,15 @@ class MultiTokenPredictionBlock(MegatronModule):
             the depths run on the last stage, with the output layer, and nothing crosses
             stages).
         """
+        fp8_state = None if is_recomputing() else self.fp8_state
+        # Only where a backward through the depths can come (a frozen model's outputs must not
+        # start needing gradients).
+        if (
+            fp8_state is not None
+            and torch.is_grad_enabled()
+            and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
+        ):
+            hidden_states = end_backward_after(hidden_states, fp8_state)
         outputs = []
         for layer in self.layers:
             input_ids = roll_tensor(input_ids, cp_group=self.cp_group)
@@ -316,6 +348,8 @@ class MultiTokenPredictionBlock(MegatronModule):
                 hidden_states, embedding(input_ids, position_ids), attention_mask, rotary_pos_emb
             )
             outputs.append(hidden_states)
+        if fp8_state is not None:
+            fp8_state.end_forward()
         return outputs
 
 

@@ -11,7 +11,7 @@ different part of the sequence, so its dropout masks must differ from the other 
 With `config.fp8` the block gives the linear layers of its FP8 layers (all but the high-precision
 first / last ones of `first_last_layers_bf16`), the MoE experts' projections and shared experts
 included, their FP8 settings as it builds them, and under
-delayed scaling owns the model's `DelayedScalingState` (the submodule `fp8_state`, whose
+delayed scaling owns the decoder's `DelayedScalingState` (the submodule `fp8_state`, whose
 histories and scales the model's state dict holds as `decoder.fp8_state._extra_state`): its
 forward slots are reduced and updated after the layer loop, its backward slots once the backward
 of every layer is done (Transformer Engine's autocast exit and end of backward).
@@ -173,32 +173,10 @@ class TransformerBlock(MegatronModule):
     ) -> DelayedScalingState | None:
         """Gives the linear layers of each FP8 layer their FP8 settings; returns the
         delayed-scaling state they share (None for current scaling)."""
-        state = None
-        if recipe.delayed:
-            state = DelayedScalingState(recipe, _amax_group(pg_collection))
+        state = DelayedScalingState(recipe, amax_group(pg_collection)) if recipe.delayed else None
         for index, layer in enumerate(self.layers):
-            if is_first_last_bf16_layer(self.config, layer.layer_number - 1):
-                continue
-            for name, module in layer.named_modules():
-                if isinstance(module, FP8_LINEARS) and module.weight is not None:
-                    check_fp8_dims(f"layers.{index}.{name}", module.weight.shape)
-                    module.fp8 = Fp8LinearSlots(recipe, state)
-                elif isinstance(module, SequentialMLP):
-                    slots = []
-                    for part in ("linear_fc1", "linear_fc2"):
-                        linear = getattr(module, part)
-                        # Each expert's weight is one linear layer's.
-                        check_fp8_dims(f"layers.{index}.{name}.{part}", linear.weight.shape[1:])
-                        slots.append(
-                            Fp8ExpertSlots(
-                                recipe,
-                                state,
-                                num_experts=self.config.num_moe_experts,
-                                first_expert=linear.first_expert,
-                                num_local_experts=linear.weight.shape[0],
-                            )
-                        )
-                    module.enable_fp8(*slots)
+            if not is_first_last_bf16_layer(self.config, layer.layer_number - 1):
+                enable_fp8_linears(layer, f"layers.{index}", recipe, state)
         return state
 
     def forward(
@@ -236,7 +214,7 @@ class TransformerBlock(MegatronModule):
             and torch.is_grad_enabled()
             and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
         ):
-            hidden_states = _end_backward_after(hidden_states, fp8_state)
+            hidden_states = end_backward_after(hidden_states, fp8_state)
         rng_context = (
             get_cuda_rng_tracker().fork()
             if self.config.sequence_parallel and self.training
@@ -293,7 +271,40 @@ def _ones(pattern: list[bool]) -> list[int]:
     return [index for index, flag in enumerate(pattern) if flag]
 
 
-def _amax_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
+def enable_fp8_linears(
+    module: torch.nn.Module, name: str, recipe: Fp8Recipe, state: DelayedScalingState | None
+) -> None:
+    """Gives every linear layer inside `module` (named `name` in messages), the MoE experts'
+    projections included, its FP8 settings, with `state` the delayed-scaling state they share
+    (None for current scaling).
+
+    Raises:
+        ValueError: a weight's sizes are not multiples of 16 (`check_fp8_dims`).
+    """
+    for inner_name, inner in module.named_modules():
+        path = f"{name}.{inner_name}" if inner_name else name
+        if isinstance(inner, FP8_LINEARS) and inner.weight is not None:
+            check_fp8_dims(path, inner.weight.shape)
+            inner.fp8 = Fp8LinearSlots(recipe, state)
+        elif isinstance(inner, SequentialMLP):
+            slots = []
+            for part in ("linear_fc1", "linear_fc2"):
+                linear = getattr(inner, part)
+                # Each expert's weight is one linear layer's.
+                check_fp8_dims(f"{path}.{part}", linear.weight.shape[1:])
+                slots.append(
+                    Fp8ExpertSlots(
+                        recipe,
+                        state,
+                        num_experts=inner.config.num_moe_experts,
+                        first_expert=linear.first_expert,
+                        num_local_experts=linear.weight.shape[0],
+                    )
+                )
+            inner.enable_fp8(*slots)
+
+
+def amax_group(pg_collection: ProcessGroupCollection | None) -> dist.ProcessGroup | None:
     """Where FP8 amaxes are reduced: every rank of the pipeline stage (tensor x data x context
     parallel, Megatron-LM's amax reduction group), from `pg_collection`, else parallel_state,
     else the default group (one stage); None without torch.distributed."""
@@ -323,7 +334,7 @@ class _EndOfBackward(torch.autograd.Function):
         return grad, None, None
 
 
-def _end_backward_after(x: torch.Tensor, state: DelayedScalingState) -> torch.Tensor:
+def end_backward_after(x: torch.Tensor, state: DelayedScalingState) -> torch.Tensor:
     """`x`, through `_EndOfBackward`. An input that needs no gradient (the layers' weights do)
     gets an empty anchor that does, so that the node is part of the backward."""
     anchor = None if x.requires_grad else torch.empty(0, device=x.device, requires_grad=True)

@@ -589,12 +589,6 @@ class TransformerConfig(ModelParallelConfig):
         if self.mtp_num_layers is None:
             return
         check_positive_int("mtp_num_layers", self.mtp_num_layers)
-        if self.fp8 is not None:
-            raise ValueError(
-                f"mtp_num_layers={self.mtp_num_layers} with fp8={self.fp8!r}: multi-token "
-                "prediction layers in FP8 are not built; train without FP8 or set "
-                "mtp_num_layers=None."
-            )
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -91,6 +91,8 @@ ENGINES = {
     # the resume must cast from the saved fp32 main weights.
     "ddp_fp8_param_gather": [*FP8_DELAYED, "--use-distributed-optimizer", "--fp8-param-gather"],
     "fsdp_zero3_fp8_delayed_moe": [*ZERO3, *FP8_DELAYED, *FP8_MOE],
+    # The multi-token prediction depths' delayed-scaling state is a state of its own.
+    "fsdp_zero3_fp8_delayed_mtp": [*ZERO3, *FP8_DELAYED, "--mtp-num-layers", "1"],
 }
 
 

@@ -2,8 +2,8 @@
 loss is logged and recorded; Megatron-FSDP ZeRO-3 (whose units include the depths, and whose
 embedding and output layer units run once per depth) trains as the DDP engine, also with
 `--calculate-per-token-loss` and when built on the meta device; training resumed from a
-checkpoint is bitwise the uninterrupted run; a checkpoint without the depths is refused by
-name."""
+checkpoint is bitwise the uninterrupted run; in FP8, ZeRO-3 gathering the depths' weights as
+FP8 trains as gathering them in bf16; a checkpoint without the depths is refused by name."""
 
 from __future__ import annotations
 
@@ -90,6 +90,21 @@ def test_resumed_training_is_bitwise_the_uninterrupted_run(runs, tmp_path):
     second = run_distributed(main, 2, [*RUN, *MTP, *ZERO3, "--load", root, "--save", root])[0]
     assert second.start_iteration == 3
     assert_histories_equal(second, resumed_part(straight, 3))
+
+
+FP8 = "--bf16 --fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max".split()
+
+
+def test_fp8_depths_gathered_as_fp8_train_as_gathered_in_bf16(runs):
+    """ZeRO-3 gathers the FP8 depths' weights as FP8 bytes with `--fp8-param-gather`, bit for
+    bit as without it, and each depth's loss stays within 2% of the bf16 run's."""
+    gathered_in_bf16, _ = runs(*ZERO3, *FP8)
+    gathered_as_fp8, _ = runs(*ZERO3, *FP8, "--fp8-param-gather")
+    assert_histories_equal(gathered_as_fp8, gathered_in_bf16)
+    bf16, _ = runs(*ZERO3, "--bf16")
+    for fp8_losses, bf16_losses in zip(gathered_in_bf16.losses, bf16.losses):
+        for key in KEYS:
+            assert abs(fp8_losses[key] - bf16_losses[key]) < 0.02 * bf16_losses[key], key
 
 
 def test_a_checkpoint_without_the_depths_is_refused_by_name(tmp_path):

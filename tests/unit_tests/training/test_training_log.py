@@ -275,6 +275,10 @@ def test_an_fp8_run_names_its_recipe_and_counts_bf16_flops(messages):
         "attention and norms in bfloat16"
     )
     assert fp8_startup_line(core_transformer_config_from_args(bf16.args), cpu) is None
+    mtp = _training_log("--bf16", "--fp8-format", "e4m3", "--mtp-num-layers", "2")
+    assert "linear layers of 2 of 2 transformer layers and of the 2 multi-token prediction " in (
+        fp8_startup_line(core_transformer_config_from_args(mtp.args), cpu)
+    )
 
 
 def test_an_fp8_moe_run_says_where_the_grouped_kernel_is_not_used():

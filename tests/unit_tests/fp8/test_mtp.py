@@ -1,0 +1,173 @@
+"""FP8 in the multi-token prediction depths: every depth's linear layers run in FP8 (whatever
+`first_last_layers_bf16` keeps in bf16, as Megatron-core), a tiny GPT with two depths trained in
+FP8 equals its fake-quant twin bit for bit, the depths' delayed-scaling state is a state of its
+own (its amaxes reduced once per pass over the ranks, saved and loaded with the model), and
+full recompute changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.fp8.scaling import DelayedScalingState
+from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tests.unit_tests.distributed_harness import current_device, run_distributed
+from tests.unit_tests.fp8.reference import exact_cpu_scaled_mm
+from tests.unit_tests.fp8.test_model import BF16, _FakeQuantSlots
+from tests.unit_tests.models.fixtures import mtp_cases
+from tests.unit_tests.upstream_parity import case_config
+
+CASE = mtp_cases.CASES["rope_swiglu_untied_2_depths"]
+"""Two depths, SwiGLU, grouped-query attention: every width a multiple of 16."""
+
+
+def _mtp_fp8_gpt(recipe: str = "delayed", **overrides) -> GPTModel:
+    fields = dict(hidden_dropout=0.0, attention_dropout=0.0, fp8="hybrid", fp8_recipe=recipe)
+    if recipe == "delayed":
+        fields.update(fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+    config = case_config(CASE["config"], **BF16, **{**fields, **overrides})
+    spec = get_gpt_layer_local_spec()
+    torch.manual_seed(CASE["seed"])
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=CASE["vocab"],
+        max_sequence_length=CASE["seq"],
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+        **CASE["model"],
+    )
+    return model.to(current_device())
+
+
+def _batches(steps: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, CASE["vocab"], (steps, 3, CASE["seq"] + 1), generator=generator)
+    return [(d[:, :-1].to(current_device()), d[:, 1:].to(current_device())) for d in data]
+
+
+def _train(model: GPTModel, steps: int = 4) -> list[torch.Tensor]:
+    """Steps of Adam on the loss with the depths' (labels given: the depths run)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for tokens, labels in _batches(steps):
+        loss = model(tokens, labels=labels).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _depth_linears(model: GPTModel) -> dict[str, torch.nn.Module]:
+    return {
+        name: module
+        for name, module in model.mtp.named_modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+    }
+
+
+@pytest.mark.parametrize("first_last_layers_bf16", [False, True])
+def test_every_depth_linear_runs_in_fp8_with_a_state_of_its_own(first_last_layers_bf16):
+    if first_last_layers_bf16:  # which delayed scaling refuses, as upstream
+        model = _mtp_fp8_gpt("tensorwise", first_last_layers_bf16=True)
+    else:
+        model = _mtp_fp8_gpt()
+    linears = _depth_linears(model)
+    # Per depth: eh_proj and the layer's qkv, proj, fc1 and fc2.
+    assert len(linears) == 2 * 5
+    assert all(linear.fp8 is not None for linear in linears.values()), linears
+    if first_last_layers_bf16:
+        # The decoder's first and last (here: both) layers stay bf16; the depths do not.
+        assert model.mtp.fp8_state is None and model.decoder.fp8_state is None
+        assert all(m.fp8 is None for m in model.decoder.modules() if hasattr(m, "fp8"))
+        return
+    state = model.mtp.fp8_state
+    assert isinstance(state, DelayedScalingState) and state is not model.decoder.fp8_state
+    assert all(linear.fp8.state is state for linear in linears.values())
+
+
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_mtp_gpt_equals_its_fake_quant_twin(recipe):
+    """Losses (the depths' included in the gradients), weights and both delayed-scaling
+    states, bit for bit."""
+    fp8, twin = _mtp_fp8_gpt(recipe), _mtp_fp8_gpt(recipe)
+    for module in twin.modules():
+        if getattr(module, "fp8", None) is not None:
+            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
+    assert _train(fp8) == _train(twin)
+    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+    if recipe == "delayed":
+        for block in ("decoder", "mtp"):
+            state = getattr(fp8, block).fp8_state.scaling_tensors()
+            twin_state = getattr(twin, block).fp8_state.scaling_tensors()
+            for key, value in state.items():
+                assert torch.equal(value, twin_state[key]), (block, key)
+            assert (state["scale_fwd"] != 1).all() and (state["scale_bwd"] != 1).all(), block
+
+
+def test_the_depths_state_is_saved_and_loaded_with_the_model():
+    trained = _mtp_fp8_gpt()
+    _train(trained, steps=2)
+    state_dict = trained.state_dict()
+    assert "mtp.fp8_state._extra_state" in state_dict
+    fresh = _mtp_fp8_gpt()
+    fresh.load_state_dict(state_dict)
+    for key, value in trained.mtp.fp8_state.scaling_tensors().items():
+        assert torch.equal(value, fresh.mtp.fp8_state.scaling_tensors()[key]), key
+    # The next step of both casts the same: the same loss and gradients.
+    tokens, labels = _batches(1, seed=9)[0]
+    for model in (trained, fresh):
+        model(tokens, labels=labels).float().mean().backward()
+    for (name, a), b in zip(trained.named_parameters(), fresh.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_full_recompute_gives_the_same_gradients_and_amax_histories():
+    recompute = dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    results = []
+    for overrides in ({}, recompute):
+        model = _mtp_fp8_gpt(**overrides)
+        _train(model, steps=2)
+        tokens, labels = _batches(1, seed=9)[0]
+        model(tokens, labels=labels).float().mean().backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((grads, model.mtp.fp8_state.scaling_tensors()))
+    (grads, state), (recomputed_grads, recomputed_state) = results
+    for name, grad in grads.items():
+        assert torch.equal(grad, recomputed_grads[name]), name
+    for key, value in state.items():
+        assert torch.equal(value, recomputed_state[key]), key
+
+
+def _amax_reduction_run() -> tuple[dict[str, torch.Tensor], int]:
+    """A forward and backward on this rank's own batch (no engine): the depths' state after
+    them, and the all-reduces issued."""
+    model = _mtp_fp8_gpt()
+    tokens, labels = _batches(1, seed=dist.get_rank())[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        model(tokens, labels=labels).float().mean().backward()
+    reduces = sum(event.name == "c10d::allreduce_" for event in profile.events())
+    return model.mtp.fp8_state.scaling_tensors(), reduces
+
+
+def test_the_depths_amaxes_are_reduced_over_ranks_once_per_pass():
+    """Two ranks with different data: the depths' histories and scales agree, after one
+    all-reduce per pass for the decoder's state and one for the depths'."""
+    (state0, reduces0), (state1, reduces1) = run_distributed(_amax_reduction_run, 2)
+    assert reduces0 == reduces1 == 4
+    for key, value in state0.items():
+        assert torch.equal(value, state1[key]), key
+    assert (state0["scale_fwd"] != 1).all() and (state0["scale_bwd"] != 1).all()
+
+
+def test_a_frozen_fp8_mtp_model_gives_a_loss_that_needs_no_gradient():
+    model = _mtp_fp8_gpt()
+    model.requires_grad_(False)
+    tokens, labels = _batches(1)[0]
+    assert not model(tokens, labels=labels).requires_grad
