@@ -1,10 +1,11 @@
 """GPU: `--fp8-param-gather` through `pretrain_gpt.py` on CUDA (the fused cast kernels, the
 all-gather stream): Megatron-FSDP, and the DDP engine's distributed optimizer, train bit for bit
 as without it, eager and with the whole iteration in a CUDA graph, whose replays cast the FP8
-weights from the main weights the graphed optimizer step wrote; with `--keep-fp8-transpose-cache`
-too, whose kept transposes hold 1 byte per element of the FP8 weights from step to step and are
-freed at each refresh (the memory allocated stays flat), made by the C++ backward once per
-gather of the weights, or once per step where kept. One rank per GPU present (1 or 2)."""
+weights from the main weights the graphed optimizer step wrote (with a multi-token prediction
+depth in FP8 too); with `--keep-fp8-transpose-cache` too, whose kept transposes hold 1 byte per
+element of the FP8 weights from step to step and are freed at each refresh (the memory allocated
+stays flat), made by the C++ backward once per gather of the weights, or once per step where
+kept. One rank per GPU present (1 or 2)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,21 @@ def test_fp8_param_gather_trains_as_without_it(strategy, graphed):
     losses, _ = plain[0]
     assert losses[-1] < losses[0]
     assert gathered == plain
+
+
+def test_fp8_depths_train_the_same_gathered_as_fp8_and_graphed():
+    """ZeRO-3 with a multi-token prediction depth in FP8 (its own delayed-scaling state): the
+    same losses with its weights gathered as FP8, and with the whole iteration graphed."""
+    world = _world()
+    flags = [*BASE, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    flags += ["--global-batch-size", str(4 * world), "--mtp-num-layers", "1"]
+    plain = run_distributed(_curves, world, flags)
+    gathered = run_distributed(_curves, world, [*flags, "--fp8-param-gather"])
+    graphed = run_distributed(_curves, world, [*flags, "--fp8-param-gather", *GRAPHED])
+    losses, _ = plain[0]
+    assert losses[-1] < losses[0]
+    assert gathered == plain
+    assert graphed == gathered
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
