@@ -331,14 +331,7 @@ class MultiTokenPredictionBlock(MegatronModule):
             stages).
         """
         fp8_state = None if is_recomputing() else self.fp8_state
-        # Only where a backward through the depths can come (a frozen model's outputs must not
-        # start needing gradients).
-        if (
-            fp8_state is not None
-            and torch.is_grad_enabled()
-            and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
-        ):
-            hidden_states = end_backward_after(hidden_states, fp8_state)
+        hidden_states = end_backward_after(hidden_states, fp8_state, self)
         outputs = []
         for layer in self.layers:
             input_ids = roll_tensor(input_ids, cp_group=self.cp_group)

@@ -207,14 +207,7 @@ class TransformerBlock(MegatronModule):
         )
         chunks = self.recompute_chunks() if recompute else [(0, len(self.layers), False)]
         fp8_state = None if is_recomputing() else self.fp8_state
-        # Only where a backward through the layers can come (a frozen model's outputs must not
-        # start needing gradients).
-        if (
-            fp8_state is not None
-            and torch.is_grad_enabled()
-            and (hidden_states.requires_grad or any(p.requires_grad for p in self.parameters()))
-        ):
-            hidden_states = end_backward_after(hidden_states, fp8_state)
+        hidden_states = end_backward_after(hidden_states, fp8_state, self)
         rng_context = (
             get_cuda_rng_tracker().fork()
             if self.config.sequence_parallel and self.training
@@ -334,8 +327,17 @@ class _EndOfBackward(torch.autograd.Function):
         return grad, None, None
 
 
-def end_backward_after(x: torch.Tensor, state: DelayedScalingState) -> torch.Tensor:
-    """`x`, through `_EndOfBackward`. An input that needs no gradient (the layers' weights do)
-    gets an empty anchor that does, so that the node is part of the backward."""
+def end_backward_after(
+    x: torch.Tensor, state: DelayedScalingState | None, module: torch.nn.Module
+) -> torch.Tensor:
+    """`x`, the input of `module`'s FP8 layers whose delayed-scaling state is `state`, through
+    `_EndOfBackward` where a backward through them can come; else `x` itself (without a state,
+    without autograd, or where neither `x` nor any weight of `module` needs a gradient: a frozen
+    model's outputs must not start needing one). An input that needs no gradient (the weights
+    do) gets an empty anchor that does, so that the node is part of the backward."""
+    if state is None or not torch.is_grad_enabled():
+        return x
+    if not x.requires_grad and not any(p.requires_grad for p in module.parameters()):
+        return x
     anchor = None if x.requires_grad else torch.empty(0, device=x.device, requires_grad=True)
     return _EndOfBackward.apply(x, anchor, state)

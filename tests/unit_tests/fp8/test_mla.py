@@ -10,8 +10,12 @@ import torch
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from tests.unit_tests.fp8.reference import exact_cpu_scaled_mm
-from tests.unit_tests.fp8.test_model import BF16, _FakeQuantSlots, _train
-from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, make_token_batches
+from tests.unit_tests.fp8.test_model import (
+    BF16,
+    assert_recompute_changes_nothing,
+    assert_trains_as_its_fake_quant_twin,
+)
+from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE
 
 MLA_LINEARS = (
     "linear_q_down_proj",
@@ -67,27 +71,9 @@ def test_every_mla_linear_runs_in_fp8():
 @exact_cpu_scaled_mm
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_mla_gpt_equals_its_fake_quant_twin(recipe):
-    fp8, twin = _mla_fp8_gpt(recipe), _mla_fp8_gpt(recipe)
-    for module in twin.modules():
-        if getattr(module, "fp8", None) is not None:
-            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
-    assert _train(fp8) == _train(twin)
-    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
-        assert torch.equal(a, b), name
+    assert_trains_as_its_fake_quant_twin(_mla_fp8_gpt(recipe), _mla_fp8_gpt(recipe))
 
 
 def test_mla_up_proj_recompute_gives_the_same_gradients_and_amax_history():
     recompute = dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"])
-    results = []
-    for overrides in ({}, recompute):
-        model = _mla_fp8_gpt(**overrides)
-        _train(model, steps=2)
-        tokens, labels = make_token_batches(1, 3, seed=9)[0]
-        model(tokens, labels=labels).float().mean().backward()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        results.append((grads, model.decoder.fp8_state.scaling_tensors()))
-    (grads, state), (recomputed_grads, recomputed_state) = results
-    for name, grad in grads.items():
-        assert torch.equal(grad, recomputed_grads[name]), name
-    for key, value in state.items():
-        assert torch.equal(value, recomputed_state[key]), key
+    assert_recompute_changes_nothing(_mla_fp8_gpt, recompute)

@@ -3,6 +3,8 @@ full recompute, and the amax reduction over ranks (one all-reduce per pass)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -112,16 +114,44 @@ class _FakeQuantLinear(torch.autograd.Function):
         return dx, dw, g2d.sum(0) if ctx.has_bias else None, None
 
 
-def _train(model: GPTModel, steps: int = 4) -> list[torch.Tensor]:
+def _train(
+    model: GPTModel,
+    steps: int = 4,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> list[torch.Tensor]:
+    """`steps` steps of Adam on `batches` (default: batches of 3 of the tiny GPT's tokens); the
+    losses."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
-    for tokens, labels in make_token_batches(steps, 3, seed=5):
+    for tokens, labels in batches or make_token_batches(steps, 3, seed=5):
         loss = model(tokens, labels=labels).float().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
     return losses
+
+
+def assert_trains_as_its_fake_quant_twin(
+    fp8: GPTModel,
+    twin: GPTModel,
+    train: Callable[[GPTModel], list[torch.Tensor]] = _train,
+    blocks: tuple[str, ...] = (),
+) -> None:
+    """`fp8` and `twin` (built alike), the FP8 linears of `twin` running the plain-torch
+    reference (`_FakeQuantSlots`), trained by `train`: the same losses and weights, and the
+    same delayed-scaling states of `blocks`, bit for bit."""
+    for module in twin.modules():
+        if getattr(module, "fp8", None) is not None:
+            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
+    assert train(fp8) == train(twin)
+    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+    for block in blocks:
+        state = getattr(fp8, block).fp8_state.scaling_tensors()
+        twin_state = getattr(twin, block).fp8_state.scaling_tensors()
+        for key, value in state.items():
+            assert torch.equal(value, twin_state[key]), (block, key)
 
 
 @exact_cpu_scaled_mm
@@ -132,15 +162,8 @@ def test_fp8_gpt_equals_its_fake_quant_twin(fmt, recipe):
     plain-torch reference: the same losses and weights, bit for bit."""
     fp8 = build_tiny_gpt(_fp8_config(fmt, recipe))
     twin = build_tiny_gpt(_fp8_config(fmt, recipe))
-    for module in twin.modules():
-        if getattr(module, "fp8", None) is not None:
-            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
-    assert _train(fp8) == _train(twin)
-    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
-        assert torch.equal(a, b), name
-    if recipe == "delayed":
-        for key, value in fp8.decoder.fp8_state.scaling_tensors().items():
-            assert torch.equal(value, twin.decoder.fp8_state.scaling_tensors()[key]), key
+    blocks = ("decoder",) if recipe == "delayed" else ()
+    assert_trains_as_its_fake_quant_twin(fp8, twin, blocks=blocks)
 
 
 def test_fp8_training_stays_close_to_bf16():
@@ -152,25 +175,40 @@ def test_fp8_training_stays_close_to_bf16():
         assert abs(a - b) < 0.02 * b
 
 
-def test_full_recompute_gives_the_same_gradients_and_amax_history():
-    """Recomputed forwards cast with the forward's scales and record nothing: gradients and the
-    delayed-scaling state are those of the run that stores its activations."""
-    recompute = dict(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-    )
+FULL_RECOMPUTE = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
+
+
+def assert_recompute_changes_nothing(
+    build: Callable[..., GPTModel],
+    recompute: dict,
+    train: Callable[[GPTModel, int], object] = _train,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    blocks: tuple[str, ...] = ("decoder",),
+) -> None:
+    """`build()` and `build(**recompute)`, each trained 2 steps by `train`, then a forward and
+    backward on `batch`: the same gradients and the same delayed-scaling state of each of
+    `blocks` (recomputed forwards cast with the forward's scales and record nothing)."""
+    tokens, labels = batch or make_token_batches(1, 3, seed=9)[0]
     results = []
     for overrides in ({}, recompute):
-        model = build_tiny_gpt(_fp8_config(**overrides))
-        _train(model, steps=2)
-        tokens, labels = make_token_batches(1, 3, seed=9)[0]
+        model = build(**overrides)
+        train(model, 2)
         model(tokens, labels=labels).float().mean().backward()
         grads = {name: p.grad for name, p in model.named_parameters()}
-        results.append((grads, model.decoder.fp8_state.scaling_tensors()))
-    (grads, state), (recomputed_grads, recomputed_state) = results
+        states = {block: getattr(model, block).fp8_state.scaling_tensors() for block in blocks}
+        results.append((grads, states))
+    (grads, states), (recomputed_grads, recomputed_states) = results
     for name, grad in grads.items():
         assert torch.equal(grad, recomputed_grads[name]), name
-    for key, value in state.items():
-        assert torch.equal(value, recomputed_state[key]), key
+    for block, state in states.items():
+        for key, value in state.items():
+            assert torch.equal(value, recomputed_states[block][key]), (block, key)
+
+
+def test_full_recompute_gives_the_same_gradients_and_amax_history():
+    assert_recompute_changes_nothing(lambda **o: build_tiny_gpt(_fp8_config(**o)), FULL_RECOMPUTE)
 
 
 def _amax_reduction_run() -> tuple[dict[str, torch.Tensor], int]:

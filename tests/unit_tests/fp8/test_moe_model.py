@@ -14,7 +14,7 @@ from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.experts import ExpertLinear
 from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, mm, q
 from tests.unit_tests.fp8.test_experts import grouped_kernel  # noqa: F401 (a fixture)
-from tests.unit_tests.fp8.test_model import _FakeQuantSlots
+from tests.unit_tests.fp8.test_model import _FakeQuantSlots, assert_recompute_changes_nothing
 from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, make_token_batches
 from tests.unit_tests.model_builders import tiny_gpt_config as _tiny_gpt_config
 
@@ -193,19 +193,8 @@ def test_grouped_fp8_moe_gpt_equals_its_fake_quant_twin(grouped_kernel):  # noqa
 def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():
     """`--recompute-modules moe`: the recomputed experts cast with the forward's scales and
     record nothing."""
-    results = []
-    for overrides in ({}, dict(recompute_granularity="selective", recompute_modules=["moe"])):
-        model = _gpt(_config(**overrides))
-        _train(model, steps=2)
-        tokens, labels = make_token_batches(1, 3, seed=9)[0]
-        model(tokens, labels=labels).float().mean().backward()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        results.append((grads, model.decoder.fp8_state.scaling_tensors()))
-    (grads, state), (recomputed_grads, recomputed_state) = results
-    for name, grad in grads.items():
-        assert torch.equal(grad, recomputed_grads[name]), name
-    for key, value in state.items():
-        assert torch.equal(value, recomputed_state[key]), key
+    recompute = dict(recompute_granularity="selective", recompute_modules=["moe"])
+    assert_recompute_changes_nothing(lambda **o: _gpt(_config(**o)), recompute, _train)
 
 
 def test_compiled_moe_layers_run_the_same_fp8_experts():

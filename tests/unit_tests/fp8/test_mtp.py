@@ -15,7 +15,13 @@ from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.fp8.reference import exact_cpu_scaled_mm
-from tests.unit_tests.fp8.test_model import BF16, _FakeQuantSlots
+from tests.unit_tests.fp8.test_model import (
+    BF16,
+    FULL_RECOMPUTE,
+    assert_recompute_changes_nothing,
+    assert_trains_as_its_fake_quant_twin,
+)
+from tests.unit_tests.fp8.test_model import _train as train
 from tests.unit_tests.models.fixtures import mtp_cases
 from tests.unit_tests.upstream_parity import case_config
 
@@ -49,15 +55,7 @@ def _batches(steps: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor
 
 def _train(model: GPTModel, steps: int = 4) -> list[torch.Tensor]:
     """Steps of Adam on the loss with the depths' (labels given: the depths run)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for tokens, labels in _batches(steps):
-        loss = model(tokens, labels=labels).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return train(model, steps, _batches(steps))
 
 
 def _depth_linears(model: GPTModel) -> dict[str, torch.nn.Module]:
@@ -94,19 +92,11 @@ def test_fp8_mtp_gpt_equals_its_fake_quant_twin(recipe):
     """Losses (the depths' included in the gradients), weights and both delayed-scaling
     states, bit for bit."""
     fp8, twin = _mtp_fp8_gpt(recipe), _mtp_fp8_gpt(recipe)
-    for module in twin.modules():
-        if getattr(module, "fp8", None) is not None:
-            module.fp8 = _FakeQuantSlots.replacing(module.fp8)
-    assert _train(fp8) == _train(twin)
-    for (name, a), b in zip(fp8.named_parameters(), twin.parameters()):
-        assert torch.equal(a, b), name
-    if recipe == "delayed":
-        for block in ("decoder", "mtp"):
-            state = getattr(fp8, block).fp8_state.scaling_tensors()
-            twin_state = getattr(twin, block).fp8_state.scaling_tensors()
-            for key, value in state.items():
-                assert torch.equal(value, twin_state[key]), (block, key)
-            assert (state["scale_fwd"] != 1).all() and (state["scale_bwd"] != 1).all(), block
+    blocks = ("decoder", "mtp") if recipe == "delayed" else ()
+    assert_trains_as_its_fake_quant_twin(fp8, twin, _train, blocks)
+    for block in blocks:
+        state = getattr(fp8, block).fp8_state.scaling_tensors()
+        assert (state["scale_fwd"] != 1).all() and (state["scale_bwd"] != 1).all(), block
 
 
 def test_the_depths_state_is_saved_and_loaded_with_the_model():
@@ -127,22 +117,9 @@ def test_the_depths_state_is_saved_and_loaded_with_the_model():
 
 
 def test_full_recompute_gives_the_same_gradients_and_amax_histories():
-    recompute = dict(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    assert_recompute_changes_nothing(
+        _mtp_fp8_gpt, FULL_RECOMPUTE, _train, _batches(1, seed=9)[0], ("decoder", "mtp")
     )
-    results = []
-    for overrides in ({}, recompute):
-        model = _mtp_fp8_gpt(**overrides)
-        _train(model, steps=2)
-        tokens, labels = _batches(1, seed=9)[0]
-        model(tokens, labels=labels).float().mean().backward()
-        grads = {name: p.grad for name, p in model.named_parameters()}
-        results.append((grads, model.mtp.fp8_state.scaling_tensors()))
-    (grads, state), (recomputed_grads, recomputed_state) = results
-    for name, grad in grads.items():
-        assert torch.equal(grad, recomputed_grads[name]), name
-    for key, value in state.items():
-        assert torch.equal(value, recomputed_state[key]), key
 
 
 def _amax_reduction_run() -> tuple[dict[str, torch.Tensor], int]:

@@ -179,20 +179,20 @@ MOE = "--num-experts 4 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 --moe-z-loss
 WORST_CASE = "--expert-model-parallel-size 2 --moe-pad-dispatch-to-worst-case"
 
 
+MOE_CASES = {
+    "ddp": ("ddp", ""),
+    "fsdp_zero3": ("fsdp_zero3", ""),
+    "ep2-alltoall": ("distributed_optimizer", f"{WORST_CASE} --moe-token-dispatcher-type alltoall"),
+    "ep2-allgather": ("fsdp_zero3", f"{WORST_CASE} --moe-token-dispatcher-type allgather"),
+}
+"""The MoE runs a graph captures: (engine, expert-parallel flags) by id."""
+
+
 @pytest.mark.skipif(
     torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability()[0] < 9,
     reason="the grouped GEMM's bf16 kernel (no host read) needs Hopper or newer",
 )
-@pytest.mark.parametrize(
-    "engine, expert_parallel",
-    [
-        ("ddp", ""),
-        ("fsdp_zero3", ""),
-        ("distributed_optimizer", f"{WORST_CASE} --moe-token-dispatcher-type alltoall"),
-        ("fsdp_zero3", f"{WORST_CASE} --moe-token-dispatcher-type allgather"),
-    ],
-    ids=["ddp", "fsdp_zero3", "ep2-alltoall", "ep2-allgather"],
-)
+@pytest.mark.parametrize("engine, expert_parallel", MOE_CASES.values(), ids=MOE_CASES)
 def test_graphed_moe_training_equals_eager_training(engine, expert_parallel):
     """Dropless MoE layers with grouped GEMMs read nothing on the host (at expert-parallel size
     2 with the padded worst-case exchange): the router, its losses (recorded on the device

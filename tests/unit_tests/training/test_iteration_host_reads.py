@@ -8,9 +8,10 @@ read in it would cost a GPU drain per microbatch (or per layer) and fail the cap
 runs, from the second iteration on (the first creates state: optimizer moments, the engines'
 buffers), under `no_host_reads()` in `pretrain_gpt.py`'s own loop with 4 microbatches:
 
-- MoE models with the flags the graph path accepts (grouped GEMMs; at expert-parallel size 2
-  the padded worst-case exchange), under the DDP engine, the distributed optimizer and
-  Megatron-FSDP ZeRO-3, with the router's losses, metrics and expert bias;
+- the MoE runs the 2-GPU graph test captures (`test_cuda_graph_training.MOE_CASES`: grouped
+  GEMMs; at expert-parallel size 2 the padded worst-case exchange; under the DDP engine, the
+  distributed optimizer and Megatron-FSDP ZeRO-3), with the router's losses, metrics and expert
+  bias;
 - dense models with per-token losses (`--calculate-per-token-loss`: each microbatch's token
   count kept for the loop) and the step's logging options (`--log-num-zeros-in-grad`,
   `--log-params-norm`).
@@ -36,6 +37,7 @@ from megatron.training import train_step
 from tests.unit_tests.distributed_harness import DistributedTestError, run_distributed
 from tests.unit_tests.host_reads import no_host_reads
 from tests.unit_tests.training.checkpoint_checks import main
+from tests.unit_tests.training.test_cuda_graph_training import ENGINES, MOE_CASES
 
 ITERATIONS = 3
 RUN = (
@@ -46,18 +48,11 @@ RUN = (
 ).split()
 """4 microbatches per iteration and rank at 2 ranks; clipping on."""
 
-FSDP_ZERO3 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
-ENGINES = {
-    "ddp": "--overlap-grad-reduce",
-    "distributed_optimizer": "--use-distributed-optimizer --overlap-grad-reduce",
-    "fsdp_zero3": f"{FSDP_ZERO3} --overlap-grad-reduce --overlap-param-gather",
-}
 MOE = (
     "--num-experts 4 --moe-grouped-gemm --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
     "--moe-z-loss-coeff 1e-3 --moe-router-score-function sigmoid "
     "--moe-router-enable-expert-bias --moe-per-layer-logging"
 )
-WORST_CASE = "--expert-model-parallel-size 2 --moe-pad-dispatch-to-worst-case"
 DENSE_LOGGING = "--calculate-per-token-loss --log-num-zeros-in-grad --log-params-norm"
 
 
@@ -81,30 +76,21 @@ def _checked_run(flags: list[str]) -> int:
     return calls - 1
 
 
-@pytest.mark.parametrize(
-    "engine, expert_parallel",
-    [
-        ("ddp", ""),
-        ("fsdp_zero3", ""),
-        ("distributed_optimizer", f"{WORST_CASE} --moe-token-dispatcher-type alltoall"),
-        ("fsdp_zero3", f"{WORST_CASE} --moe-token-dispatcher-type allgather"),
-    ],
-    ids=["ddp", "fsdp_zero3", "ep2-alltoall", "ep2-allgather"],
-)
+@pytest.mark.parametrize("engine, expert_parallel", MOE_CASES.values(), ids=MOE_CASES)
 def test_moe_microbatches_read_nothing_on_the_host(engine, expert_parallel):
-    flags = [*RUN, *ENGINES[engine].split(), *MOE.split(), *expert_parallel.split()]
+    flags = [*RUN, *ENGINES[engine], *MOE.split(), *expert_parallel.split()]
     assert run_distributed(_checked_run, 2, flags) == [ITERATIONS - 1] * 2
 
 
 @pytest.mark.parametrize("engine", ["ddp", "distributed_optimizer", "fsdp_zero3"])
 def test_dense_microbatches_read_nothing_on_the_host_with_per_token_losses(engine):
-    flags = [*RUN, *ENGINES[engine].split(), *DENSE_LOGGING.split()]
+    flags = [*RUN, *ENGINES[engine], *DENSE_LOGGING.split()]
     assert run_distributed(_checked_run, 2, flags) == [ITERATIONS - 1] * 2
 
 
 def test_the_check_sees_an_exchange_sized_on_the_host():
     """At expert-parallel size 2 without the padding, each MoE layer reads its token counts."""
-    flags = [*RUN, *ENGINES["ddp"].split(), *MOE.split(), "--expert-model-parallel-size", "2"]
+    flags = [*RUN, *ENGINES["ddp"], *MOE.split(), "--expert-model-parallel-size", "2"]
     with pytest.raises(DistributedTestError, match="a host read") as failure:
         run_distributed(_checked_run, 2, flags)
     assert "in dispatch" in str(failure.value) and "token_dispatcher.py" in str(failure.value)
