@@ -5,8 +5,8 @@ unwrapped model's state dict, and `"optimizer"`, `MegatronOptimizer.sharded_stat
 states keyed by parameter name, sharded as the parameters are. Under Megatron-FSDP the model's
 state dict is its DTensor main weights, so each rank writes only its shards and no rank gathers
 the model; under the DDP engine the (replicated) tensors are written once. The model's state
-dict also holds non-tensor values, modules' `_extra_state` (the FP8 delayed-scaling state,
-`decoder.fp8_state._extra_state`), which DCP writes once as bytes; an entry the checkpoint
+dict also holds non-tensor values, modules' `_extra_state` (the FP8 delayed-scaling states,
+`decoder.fp8_state._extra_state` and with multi-token prediction `mtp.fp8_state._extra_state`), which DCP writes once as bytes; an entry the checkpoint
 lacks (one saved without FP8 delayed scaling) is not read and its module starts from its
 initial state, and an entry this model lacks is not read either. Both
 `--ckpt-format`s, `fsdp_dtensor` (Megatron-FSDP's) and `torch_dist`, are this layout. Loading

@@ -19,7 +19,26 @@ _HOST_READ_OPS = {
     torch.ops.aten._unique2.default,
     torch.ops.aten.unique_consecutive.default,
     torch.ops.aten.unique_dim.default,
+    torch.ops.aten.equal.default,  # returns a Python bool
+    torch.ops.aten.bincount.default,  # sized by the largest value
+    torch.ops.aten.histc.default,  # its range from the values where not given
 }
+_INDEXING_OPS = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+"""Read the host where an index is a boolean mask (its True count sizes the result)."""
+
+
+def _masked(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(
+        isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in indices or ()
+    )
+
+
 _HOST_READ_METHODS = {"tolist", "item", "numpy"}
 
 
@@ -41,7 +60,11 @@ class _FailOnHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         sized_by_values = func is torch.ops.aten.repeat_interleave.Tensor
-        if func in _HOST_READ_OPS or (sized_by_values and kwargs.get("output_size") is None):
+        if (
+            func in _HOST_READ_OPS
+            or (sized_by_values and kwargs.get("output_size") is None)
+            or (func in _INDEXING_OPS and _masked(args))
+        ):
             _fail(str(func), self._allowed)
         return func(*args, **kwargs)
 
@@ -62,7 +85,9 @@ class _FailOnHostCopies(TorchFunctionMode):
 def no_host_reads(allowed: tuple[Callable, ...] = ()) -> Iterator[None]:
     """Fails with an AssertionError ("a host read: ...") on any read of a tensor's values by
     the host in the body (as `FakeTensorMode` does, but with real tensors, so that collectives
-    run): `.item()`, `.tolist()`, `.numpy()`, and the ops whose output is sized by values.
+    run): `.item()`, `.tolist()`, `.numpy()`, `torch.equal`, and the ops whose output is sized
+    by values (boolean-mask indexing among them). On CPU a copy to the host (`.cpu()`) is no
+    read, host and device memory being one: only a GPU run sees those.
 
     Args:
         allowed: functions whose reads (their own and their callees') pass: reads that are

@@ -1,6 +1,6 @@
 """Multi-token prediction flags: Megatron-LM's `--mtp-num-layers` and `--mtp-loss-scaling-factor`
 (`TransformerConfig.mtp_num_layers` / `mtp_loss_scaling_factor`, which check them: a depth count
-of at least 1, no FP8; the errors name the flags). The MTP variants not built are refused in
+of at least 1; the errors name the flags). The MTP variants not built are refused in
 `flag_groups.unbuilt`."""
 
 from __future__ import annotations

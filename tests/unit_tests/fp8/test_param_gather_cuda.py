@@ -212,6 +212,9 @@ def _transposes_made_per_step(keep_fp8_transpose_cache: bool) -> tuple[list[int]
 def test_fp8_transposes_are_made_once_per_gather_or_kept_for_the_step(keep):
     """The C++ backward makes each FP8 weight's transpose at each backward that gathered the
     weights again (ZeRO-3: each microbatch), and once per step where the transposes are kept."""
-    for made, weights, built in run_distributed(_transposes_made_per_step, _world(), keep):
+    results = run_distributed(_transposes_made_per_step, _world(), keep)
+    if not all(built for _, _, built in results):
+        pytest.skip("the FP8 C++ extension did not build here (no nvcc or ninja)")
+    for made, weights, _ in results:
         assert weights == 8  # 4 linear layers in each of 2 transformer layers
-        assert made == [weights * (1 if keep else 2)] * 3, (made, built)
+        assert made == [weights * (1 if keep else 2)] * 3, made

@@ -13,8 +13,10 @@ buffers), under `no_host_reads()` in `pretrain_gpt.py`'s own loop with 4 microba
   distributed optimizer and Megatron-FSDP ZeRO-3), with the router's losses, metrics and expert
   bias;
 - dense models with per-token losses (`--calculate-per-token-loss`: each microbatch's token
-  count kept for the loop) and the step's logging options (`--log-num-zeros-in-grad`,
-  `--log-params-norm`).
+  count kept for the loop, the gradients divided by the step's count on the device).
+
+The optimizer step and what it logs run after `compute_gradients` (`take_optimizer_step`, or in a
+graph `step_on_device`), outside this check.
 
 One read is meant: Megatron-FSDP compares across ranks the units each forward ran
 (`rank_check.py`), and reads the comparison of one forward at the start of the next. On a GPU it
@@ -44,16 +46,16 @@ RUN = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
     f"--micro-batch-size 2 --global-batch-size 16 --train-iters {ITERATIONS} --lr 1e-2 "
     "--mock-data --vocab-size 64 --num-workers 0 --eval-iters 0 --log-interval 1 "
-    "--clip-grad 1.0 --bf16"
+    "--bf16"
 ).split()
-"""4 microbatches per iteration and rank at 2 ranks; clipping on."""
+"""4 microbatches per iteration and rank at 2 ranks."""
 
 MOE = (
     "--num-experts 4 --moe-grouped-gemm --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
     "--moe-z-loss-coeff 1e-3 --moe-router-score-function sigmoid "
     "--moe-router-enable-expert-bias --moe-per-layer-logging"
 )
-DENSE_LOGGING = "--calculate-per-token-loss --log-num-zeros-in-grad --log-params-norm"
+PER_TOKEN = "--calculate-per-token-loss"
 
 
 def _checked_run(flags: list[str]) -> int:
@@ -84,7 +86,7 @@ def test_moe_microbatches_read_nothing_on_the_host(engine, expert_parallel):
 
 @pytest.mark.parametrize("engine", ["ddp", "distributed_optimizer", "fsdp_zero3"])
 def test_dense_microbatches_read_nothing_on_the_host_with_per_token_losses(engine):
-    flags = [*RUN, *ENGINES[engine], *DENSE_LOGGING.split()]
+    flags = [*RUN, *ENGINES[engine], PER_TOKEN]
     assert run_distributed(_checked_run, 2, flags) == [ITERATIONS - 1] * 2
 
 

@@ -1,14 +1,14 @@
 """`fp8_param_gather`: Megatron-FSDP keeps and gathers the weights of FP8 linear layers as FP8
 bytes. It must change only what travels: a tiny FP8 GPT trains bit for bit as without it (losses
-and every main weight), for every sharding strategy, at 2 and 4 ranks (4: with the all-reduces
-summing in rank order, `_rank_ordered_all_reduce`), under HSDP and HFSDP, over a separate
-all-gather group, with tensor and expert parallelism, gradient accumulation and any torch
-optimizer; the all-gathers move one byte per element of those weights where bf16 moves two,
-the FP8 weights are cast once per step, and the amaxes of all FP8 weights are reduced once per
-step. With `keep_fp8_transpose_cache` the transposes backward makes of the
-FP8 weights are made once per step (not in each backward that gathers them) and freed at the
-next step's refresh, with the same training bit for bit. Each refresh scales a group's weights
-from their amaxes rounded to its own model dtype (`reduce_amaxes`)."""
+and every main weight), for every sharding strategy, at 2 and 4 ranks (`no_shard` at 4: with
+the all-reduces summing in rank order, `_rank_ordered_all_reduce`), under HSDP and HFSDP, over a
+separate all-gather group, with tensor and expert parallelism, gradient accumulation and any
+torch optimizer; the all-gathers move one byte per element of those weights where bf16 moves
+two, the FP8 weights are cast once per step, and the amaxes of all FP8 weights are reduced once
+per step. With `keep_fp8_transpose_cache` the transposes backward makes of the FP8 weights are
+made once per step (not in each backward that gathers them) and freed at the next step's
+refresh, with the same training bit for bit. Each refresh scales a group's weights from their
+amaxes rounded to its own model dtype (`reduce_amaxes`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ def _rank_ordered_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=
     for part in parts[1:]:
         result = result + part if op == dist.ReduceOp.SUM else torch.maximum(result, part)
     tensor.copy_(result)
+
+
+def _all_reduces_gradients(topology: dict) -> bool:
+    """Whether the strategy all-reduces the gradients (`no_shard`), whose sums beyond two ranks
+    round by where each element lies in the buffer (`_rank_ordered_all_reduce`)."""
+    return topology.get("strategy", "optim_grads_params") == "no_shard"
 
 
 def _train(
@@ -242,8 +248,9 @@ def test_fp8_param_gather_on_one_rank(strategy):
     ids=[*STRATEGIES, "zero1-tp2", "zero3-tp2", "hsdp", "hfsdp"],
 )
 def test_fp8_param_gather_at_four_ranks(topology):
-    with_fp8 = run_distributed(_train, 4, True, rank_ordered_sums=True, **topology)
-    without = run_distributed(_train, 4, False, rank_ordered_sums=True, **topology)
+    ordered = _all_reduces_gradients(topology)
+    with_fp8 = run_distributed(_train, 4, True, rank_ordered_sums=ordered, **topology)
+    without = run_distributed(_train, 4, False, rank_ordered_sums=ordered, **topology)
     for rank_with, rank_without in zip(with_fp8, without):
         _assert_same_training(rank_with, rank_without)
 
@@ -259,8 +266,9 @@ def test_fp8_param_gather_at_four_ranks(topology):
 def test_fp8_param_gather_of_expert_weights(world, topology):
     """The stacked expert weights travel as FP8 with one scale per expert (each shard holds
     whole experts; 6 experts at EP 2 leave the expert data-parallel shards uneven)."""
-    with_fp8 = run_distributed(_train, world, True, rank_ordered_sums=True, **topology)
-    without = run_distributed(_train, world, False, rank_ordered_sums=True, **topology)
+    ordered = world > 2 and _all_reduces_gradients(topology)
+    with_fp8 = run_distributed(_train, world, True, rank_ordered_sums=ordered, **topology)
+    without = run_distributed(_train, world, False, rank_ordered_sums=ordered, **topology)
     for rank_with, rank_without in zip(with_fp8, without):
         _assert_same_training(rank_with, rank_without)
         assert rank_with["expert_fp8_groups"] > 0
