@@ -30,8 +30,8 @@ The files:
   where there is none. "model" is exactly the unwrapped model's `state_dict()`: of a model
   trained with FP8 delayed scaling it also holds `decoder.fp8_state._extra_state` (with
   multi-token prediction also `mtp.fp8_state._extra_state`), the amax histories and scales (an
-  `io.BytesIO`), which `from-torch` writes back, so training resumes
-  from the converted checkpoint exactly. "common" holds Python objects: read the file with
+  `io.BytesIO`), which `from-torch` writes back, so training resumes from the converted
+  checkpoint exactly. "common" holds Python objects: read the file with
   `torch.load(path, weights_only=False)`, as this tool does, only if you trust where it came
   from.
 - model only (`to-torch --model-only`): `{name: tensor}`, the unwrapped model's `state_dict()`

@@ -1,20 +1,20 @@
 """Training checkpoints: `save_checkpoint()` and `load_checkpoint()` (Megatron-LM's names).
 
-A checkpoint (`checkpoint_layout` describes the files) holds the tensors `"model"`, the
-unwrapped model's state dict, and `"optimizer"`, `MegatronOptimizer.sharded_state_dict()`:
-states keyed by parameter name, sharded as the parameters are. Under Megatron-FSDP the model's
-state dict is its DTensor main weights, so each rank writes only its shards and no rank gathers
-the model; under the DDP engine the (replicated) tensors are written once. The model's state
-dict also holds non-tensor values, modules' `_extra_state` (the FP8 delayed-scaling states,
-`decoder.fp8_state._extra_state` and with multi-token prediction `mtp.fp8_state._extra_state`), which DCP writes once as bytes; an entry the checkpoint
-lacks (one saved without FP8 delayed scaling) is not read and its module starts from its
-initial state, and an entry this model lacks is not read either. Both
-`--ckpt-format`s, `fsdp_dtensor` (Megatron-FSDP's) and `torch_dist`, are this layout. Loading
-asks torch.distributed.checkpoint for this rank's shards of the tensors of the model and
-optimizer it has now, so a checkpoint loads at another data-parallel size or sharding strategy
-(DCP reads the overlapping parts of the saved shards). Under pipeline parallelism each rank
-saves its stage's tensors under the whole model's names (`checkpoint_stages`), so the
-checkpoint is the one a run without stages writes, and loads at any pipeline size.
+A checkpoint (`checkpoint_layout` describes the files) holds the tensors `"model"`, the unwrapped
+model's state dict, and `"optimizer"`, `MegatronOptimizer.sharded_state_dict()`: states keyed by
+parameter name, sharded as the parameters are. Under Megatron-FSDP the model's state dict is its
+DTensor main weights, so each rank writes only its shards and no rank gathers the model; under the
+DDP engine the (replicated) tensors are written once. The model's state dict also holds non-tensor
+values, modules' `_extra_state` (the FP8 delayed-scaling states, `decoder.fp8_state._extra_state`
+and with multi-token prediction `mtp.fp8_state._extra_state`), which DCP writes once as bytes; an
+entry the checkpoint lacks (one saved without FP8 delayed scaling) is not read and its module starts
+from its initial state, and an entry this model lacks is not read either. Both `--ckpt-format`s,
+`fsdp_dtensor` (Megatron-FSDP's) and `torch_dist`, are this layout. Loading asks
+torch.distributed.checkpoint for this rank's shards of the tensors of the model and optimizer it has
+now, so a checkpoint loads at another data-parallel size or sharding strategy (DCP reads the
+overlapping parts of the saved shards). Under pipeline parallelism each rank saves its stage's
+tensors under the whole model's names (`checkpoint_stages`), so the checkpoint is the one a run
+without stages writes, and loads at any pipeline size.
 
 A save is atomic: every rank writes into `iter_N.tmp`, which rank 0 renames `iter_N` once all
 have finished and it has checked that every rank's files are there, before it replaces the

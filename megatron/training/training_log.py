@@ -53,10 +53,9 @@ from megatron.training.utils import is_rank_0, print_rank_0, report_rank_0
 
 def fp8_startup_line(config: TransformerConfig, device: torch.device) -> str | None:
     """What an FP8 run trains in FP8, for the start-up log (None without FP8): "> FP8 (hybrid
-    format, delayed scaling (...)) in the linear layers of 4 of 4 transformer layers [and of the
-    1 multi-token prediction depth(s)]; ...", and
-    for an MoE model how its experts' FP8 GEMMs run on `device` (where the grouped kernel is not
-    used, this is where the log says so)."""
+    format, delayed scaling (...)) in the linear layers of 4 of 4 transformer layers [and of the 1
+    multi-token prediction depth(s)]; ...", and for an MoE model how its experts' FP8 GEMMs run on
+    `device` (where the grouped kernel is not used, this is where the log says so)."""
     recipe = recipe_from_config(config)
     if recipe is None:
         return None
@@ -67,7 +66,7 @@ def fp8_startup_line(config: TransformerConfig, device: torch.device) -> str | N
     line = (
         f"> FP8 ({recipe.describe()}) in the linear layers of {in_fp8} of {layers} transformer "
         f"layers{f' and of the {depths} multi-token prediction depth(s)' if depths else ''}; "
-        f"the embedding, the output layer, attention and norms in "
+        "the embedding, the output layer, attention and norms in "
         f"{str(dtype).removeprefix('torch.')}"
     )
     if config.num_moe_experts is not None:

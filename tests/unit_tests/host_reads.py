@@ -23,6 +23,8 @@ _HOST_READ_OPS = {
     torch.ops.aten.bincount.default,  # sized by the largest value
     torch.ops.aten.histc.default,  # its range from the values where not given
 }
+_HOST_READ_METHODS = {"tolist", "item", "numpy"}
+"""Tensor methods that read a CPU tensor's memory without any aten op."""
 _INDEXING_OPS = {
     torch.ops.aten.index.Tensor,
     torch.ops.aten.index_put.default,
@@ -37,9 +39,6 @@ def _masked(args: tuple) -> bool:
     return any(
         isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in indices or ()
     )
-
-
-_HOST_READ_METHODS = {"tolist", "item", "numpy"}
 
 
 def _fail(read: str, allowed: frozenset[CodeType]) -> None:
@@ -70,7 +69,6 @@ class _FailOnHostReads(TorchDispatchMode):
 
 
 class _FailOnHostCopies(TorchFunctionMode):
-    # `.tolist()` and `.numpy()` read a CPU tensor's memory without any aten op.
     def __init__(self, allowed: frozenset[CodeType]):
         super().__init__()
         self._allowed = allowed

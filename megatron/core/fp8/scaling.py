@@ -1,14 +1,14 @@
 """Delayed scaling: the amax histories and scales of a model's FP8 tensors, Transformer Engine's
 `DelayedScaling` recipe.
 
-Each FP8 linear layer of a model owns one forward slot (its input) and one backward slot (its
-output gradient) in its block's `DelayedScalingState` (the decoder's, or the multi-token
-prediction depths'). A cast during a pass uses the slot's
-current scale and max-es the tensor's absolute maximum into row 0 of the slot's history. At the
-end of each pass, forward at the end of the block's forward and backward once the block's
-backward is done (`end_forward` / `end_backward`), the row 0 of every slot of that direction is
-all-reduced with MAX over the amax group in ONE collective, and every slot is updated as
-Transformer Engine's `delayed_scaling.cu` (`kernel_bulk`) does, with `a` the reduced amax:
+Each FP8 linear layer of a model owns one forward slot (its input) and one backward slot (its output
+gradient) in its block's `DelayedScalingState` (the decoder's, or the multi-token prediction
+depths'). A cast during a pass uses the slot's current scale and max-es the tensor's absolute
+maximum into row 0 of the slot's history. At the end of each pass, forward at the end of the block's
+forward and backward once the block's backward is done (`end_forward` / `end_backward`), the row 0
+of every slot of that direction is all-reduced with MAX over the amax group in ONE collective, and
+every slot is updated as Transformer Engine's `delayed_scaling.cu` (`kernel_bulk`) does, with `a`
+the reduced amax:
 
 - `a == 0` (the slot was not used): nothing changes;
 - else the history rolls: `h'[j] = h[j + 1]` for `j < H - 1`, `h'[H - 1] = a`; the amax of the

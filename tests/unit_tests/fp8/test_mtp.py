@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.fp8.scaling import DelayedScalingState
-from megatron.core.models.gpt import GPTModel, get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.unit_tests.distributed_harness import current_device, run_distributed
 from tests.unit_tests.fp8.reference import exact_cpu_scaled_mm
@@ -23,28 +23,17 @@ from tests.unit_tests.fp8.test_model import (
 )
 from tests.unit_tests.fp8.test_model import _train as train
 from tests.unit_tests.models.fixtures import mtp_cases
-from tests.unit_tests.upstream_parity import case_config
+from tests.unit_tests.models.test_multi_token_prediction import build
 
 CASE = mtp_cases.CASES["rope_swiglu_untied_2_depths"]
 """Two depths, SwiGLU, grouped-query attention: every width a multiple of 16."""
 
 
 def _mtp_fp8_gpt(recipe: str = "delayed", **overrides) -> GPTModel:
-    fields = dict(hidden_dropout=0.0, attention_dropout=0.0, fp8="hybrid", fp8_recipe=recipe)
+    fields = dict(fp8="hybrid", fp8_recipe=recipe)
     if recipe == "delayed":
         fields.update(fp8_amax_history_len=4, fp8_amax_compute_algo="max")
-    config = case_config(CASE["config"], **BF16, **{**fields, **overrides})
-    spec = get_gpt_layer_local_spec()
-    torch.manual_seed(CASE["seed"])
-    model = GPTModel(
-        config,
-        spec,
-        vocab_size=CASE["vocab"],
-        max_sequence_length=CASE["seq"],
-        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
-        **CASE["model"],
-    )
-    return model.to(current_device())
+    return build(CASE, CASE["seed"], **BF16, **{**fields, **overrides}).to(current_device())
 
 
 def _batches(steps: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,24 +55,28 @@ def _depth_linears(model: GPTModel) -> dict[str, torch.nn.Module]:
     }
 
 
-@pytest.mark.parametrize("first_last_layers_bf16", [False, True])
-def test_every_depth_linear_runs_in_fp8_with_a_state_of_its_own(first_last_layers_bf16):
-    if first_last_layers_bf16:  # which delayed scaling refuses, as upstream
-        model = _mtp_fp8_gpt("tensorwise", first_last_layers_bf16=True)
-    else:
-        model = _mtp_fp8_gpt()
+def _depth_linears_in_fp8(model: GPTModel) -> list[torch.nn.Module]:
+    """The depths' linear layers, each asserted to run in FP8: per depth `eh_proj` and the
+    layer's qkv, proj, fc1 and fc2."""
     linears = _depth_linears(model)
-    # Per depth: eh_proj and the layer's qkv, proj, fc1 and fc2.
     assert len(linears) == 2 * 5
     assert all(linear.fp8 is not None for linear in linears.values()), linears
-    if first_last_layers_bf16:
-        # The decoder's first and last (here: both) layers stay bf16; the depths do not.
-        assert model.mtp.fp8_state is None and model.decoder.fp8_state is None
-        assert all(m.fp8 is None for m in model.decoder.modules() if hasattr(m, "fp8"))
-        return
+    return list(linears.values())
+
+
+def test_every_depth_linear_runs_in_fp8_with_a_state_of_its_own():
+    model = _mtp_fp8_gpt()
     state = model.mtp.fp8_state
     assert isinstance(state, DelayedScalingState) and state is not model.decoder.fp8_state
-    assert all(linear.fp8.state is state for linear in linears.values())
+    assert all(linear.fp8.state is state for linear in _depth_linears_in_fp8(model))
+
+
+def test_the_depths_run_in_fp8_where_the_decoders_first_and_last_layers_do_not():
+    """`first_last_layers_bf16` (tensorwise: delayed scaling refuses it, as upstream) keeps the
+    decoder's first and last layers, here both, in bf16, and not the depths."""
+    model = _mtp_fp8_gpt("tensorwise", first_last_layers_bf16=True)
+    _depth_linears_in_fp8(model)
+    assert all(m.fp8 is None for m in model.decoder.modules() if hasattr(m, "fp8"))
 
 
 @exact_cpu_scaled_mm

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -143,7 +144,9 @@ def _zero3_fp8(keep_fp8_transpose_cache: bool) -> FullyShardedDataParallel:
     return FullyShardedDataParallel(config, ddp_config, model)
 
 
-def _train_steps(fsdp: FullyShardedDataParallel, steps: int, after_step=lambda: None) -> None:
+def _train_steps(
+    fsdp: FullyShardedDataParallel, steps: int, after_step: Callable[[], None] = lambda: None
+) -> None:
     """`steps` steps of 2 microbatches (AdamW), `after_step` called after each."""
     optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
     dp = parallel_state.get_data_parallel_group()
