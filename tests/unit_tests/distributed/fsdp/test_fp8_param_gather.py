@@ -78,12 +78,6 @@ def _rank_ordered_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=
     tensor.copy_(result)
 
 
-def _all_reduces_gradients(topology: dict) -> bool:
-    """Whether the strategy all-reduces the gradients (`no_shard`), whose sums beyond two ranks
-    round by where each element lies in the buffer (`_rank_ordered_all_reduce`)."""
-    return topology.get("strategy", "optim_grads_params") == "no_shard"
-
-
 def _train(
     fp8_param_gather: bool,
     strategy: str = "optim_grads_params",
@@ -96,7 +90,6 @@ def _train(
     no_sync: bool = False,
     step_amaxes: bool = False,
     all_gather_group: bool = False,
-    rank_ordered_sums: bool = False,
     **ddp_fields,
 ) -> dict:
     """STEPS steps of MICROBATCHES microbatches (AdamW, the microbatches before the last of a
@@ -104,8 +97,8 @@ def _train(
     and what the engine launched. With `ep`, the GPT's second layer is an MoE layer of
     `experts` experts (and a shared expert) at expert parallelism `ep`. With `step_amaxes`
     the optimizer steps through `step_and_copy`, recording the FP8 weights' amaxes. With
-    `all_gather_group` the weights are gathered over a group of their own; with
-    `rank_ordered_sums` every all-reduce sums in rank order (`_rank_ordered_all_reduce`)."""
+    `all_gather_group` the weights are gathered over a group of their own. `no_shard` beyond two
+    ranks, which all-reduces the gradients, sums in rank order (`_rank_ordered_all_reduce`)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         num_distributed_optimizer_instances=replicas,
@@ -142,8 +135,9 @@ def _train(
     losses = []
     step_ends: list[int] = []  # how many FP8 transposes were made by the end of each step
     alive: list[list[int]] = []  # after each step: how many of each step's transposes live
-    ordered = mock.patch.object(dist, "all_reduce", _rank_ordered_all_reduce)
-    with spy_on_engine() as calls, ordered if rank_ordered_sums else contextlib.nullcontext():
+    ordered = strategy == "no_shard" and dist.get_world_size() > 2
+    sums = mock.patch.object(dist, "all_reduce", _rank_ordered_all_reduce)
+    with spy_on_engine() as calls, sums if ordered else contextlib.nullcontext():
         for step in range(STEPS):
             fsdp.zero_grad_buffer()
             for micro in range(MICROBATCHES):
@@ -248,9 +242,8 @@ def test_fp8_param_gather_on_one_rank(strategy):
     ids=[*STRATEGIES, "zero1-tp2", "zero3-tp2", "hsdp", "hfsdp"],
 )
 def test_fp8_param_gather_at_four_ranks(topology):
-    ordered = _all_reduces_gradients(topology)
-    with_fp8 = run_distributed(_train, 4, True, rank_ordered_sums=ordered, **topology)
-    without = run_distributed(_train, 4, False, rank_ordered_sums=ordered, **topology)
+    with_fp8 = run_distributed(_train, 4, True, **topology)
+    without = run_distributed(_train, 4, False, **topology)
     for rank_with, rank_without in zip(with_fp8, without):
         _assert_same_training(rank_with, rank_without)
 
@@ -266,9 +259,8 @@ def test_fp8_param_gather_at_four_ranks(topology):
 def test_fp8_param_gather_of_expert_weights(world, topology):
     """The stacked expert weights travel as FP8 with one scale per expert (each shard holds
     whole experts; 6 experts at EP 2 leave the expert data-parallel shards uneven)."""
-    ordered = world > 2 and _all_reduces_gradients(topology)
-    with_fp8 = run_distributed(_train, world, True, rank_ordered_sums=ordered, **topology)
-    without = run_distributed(_train, world, False, rank_ordered_sums=ordered, **topology)
+    with_fp8 = run_distributed(_train, world, True, **topology)
+    without = run_distributed(_train, world, False, **topology)
     for rank_with, rank_without in zip(with_fp8, without):
         _assert_same_training(rank_with, rank_without)
         assert rank_with["expert_fp8_groups"] > 0
