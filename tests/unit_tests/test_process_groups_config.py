@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
@@ -117,6 +118,12 @@ def _check_explicit_construction() -> None:
     assert collection == ProcessGroupCollection(dp=pair, dp_cp=world)
     assert collection != ProcessGroupCollection(dp=world, dp_cp=world)
     assert repr(collection) == "ProcessGroupCollection(dp=2, dp_cp=2)"
+    # A collective on the pair before tearing it down: gloo's connect can return on one rank
+    # before the other has finished its handshake, and destroying the group then closes the
+    # socket under it ("Connection closed by peer" on the other rank).
+    total = torch.ones(1)
+    dist.all_reduce(total, group=collection.dp)
+    assert total.item() == 2
     dist.destroy_process_group(pair)
 
 
