@@ -16,6 +16,10 @@ as Transformer Engine's grouped linear layers keep one quantizer per expert GEMM
   each expert the amax of its tokens on every rank, so the scales do not depend on the
   expert-parallel size, and a checkpoint's state fits any.
 
+Each pass casts all the experts' rows at once (`grouped_quantize.quantize_experts`: on CUDA one
+kernel launch, two under current scaling) into the padded layout the grouped GEMMs read, with
+the transposed copy the weight gradient reads; the per-expert GEMMs take views of them.
+
 The GEMMs run one `torch._scaled_mm` per expert with tokens (`fp8_mm`), or, in a `GroupedMLP` on
 a GPU whose PyTorch has it, one grouped GEMM (`torch._scaled_grouped_mm`, `grouped_gemm.py`)
 where that kernel applies (`GroupedGemms`): it writes bf16 and takes E4M3 operands only, so it
@@ -39,17 +43,10 @@ import torch.distributed as dist
 
 from megatron.core.fp8 import grouped_gemm
 from megatron.core.fp8.gemm import fp8_mm
-from megatron.core.fp8.grouped_gemm import (
-    ExpertRows,
-    fp8_cat,
-    fp8_grouped_mm,
-    fp8_grouped_wgrad,
-    fp8_zeros,
-)
-from megatron.core.fp8.quantize import quantize
+from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm, fp8_grouped_wgrad
+from megatron.core.fp8.grouped_quantize import GroupedFp8Tensor, quantize_experts
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
-from megatron.core.fp8.tensor import Fp8Tensor
 from megatron.core.fp8.weights import Fp8ExpertWeights, fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
@@ -153,13 +150,15 @@ class Fp8ExpertSlots:
             )
         self.recipe = recipe
         self.state = state
-        self.input_slots: list[int] = []
-        self.grad_slots: list[int] = []
+        self.input_slots = self.grad_slots = range(0)
         if state is not None:
+            # `new_slot` numbers consecutively: the local experts' scales and records are one
+            # view of the state's each (`DelayedScalingState.cast_range`).
             inputs = [state.new_slot(FORWARD) for _ in range(num_experts)]
             grads = [state.new_slot(BACKWARD) for _ in range(num_experts)]
             local = slice(first_expert, first_expert + num_local_experts)
-            self.input_slots, self.grad_slots = inputs[local], grads[local]
+            self.input_slots = range(inputs[0], inputs[-1] + 1)[local]
+            self.grad_slots = range(grads[0], grads[-1] + 1)[local]
 
     def experts_linear(
         self,
@@ -194,86 +193,53 @@ class Fp8ExpertSlots:
         return _apply_experts(*args)
 
     def quantize(
-        self,
-        x: torch.Tensor,
-        rows: ExpertRows,
-        direction: str,
-        *,
-        transpose: bool,
-        padded: bool,
-    ) -> tuple[list[Fp8Tensor | None], torch.Tensor | None]:
-        """Each expert's rows of `x` (2-D) quantised with the expert's scale.
+        self, x: torch.Tensor, rows: ExpertRows, direction: str, *, transpose: bool
+    ) -> GroupedFp8Tensor:
+        """Each expert's rows of `x` (2-D) quantised with the expert's scale, all at once
+        (`quantize_experts`).
 
         Args:
             x: `[M, cols]`, grouped by expert.
             rows: where each expert's rows lie.
             direction: FORWARD (inputs) or BACKWARD (output gradients).
-            transpose: also make each expert's padded transpose.
-            padded: write the FP8 values into one `[P, cols]` tensor with each expert's rows
-                padded with zeros (the grouped GEMMs' operand).
-
-        Returns:
-            (per expert its FP8 tensor, None for an expert without rows; the padded tensor, or
-            None unless `padded`).
+            transpose: also make the transposed copy.
         """
         forward = direction == FORWARD
         dtype = self.recipe.forward_dtype if forward else self.recipe.backward_dtype
-        slots = self.input_slots if forward else self.grad_slots
-        buffer = outs = None
-        if padded:
-            buffer = fp8_zeros((rows.padded_rows, x.shape[1]), dtype, x.device)
-            outs = rows.padded_views(buffer)
-        parts: list[Fp8Tensor | None] = []
-        for index, part in enumerate(rows.split(x)):
-            if part.shape[0] == 0:  # no cast: its scale stays, its amax is not recorded
-                parts.append(None)
-                continue
-            out = outs[index] if outs is not None else None
-            if self.state is None:
-                parts.append(quantize(part, dtype, transpose=transpose, out=out))
-                continue
-            scale, record = self.state.cast_tensors(direction, slots[index], x.device)
-            parts.append(
-                quantize(part, dtype, scale=scale, amax_out=record, transpose=transpose, out=out)
-            )
-        return parts, buffer
-
-
-def _scale_invs(parts: list[Fp8Tensor | None], device: torch.device) -> torch.Tensor:
-    """The experts' multipliers `[G]` (1 for an expert without rows)."""
-    one = torch.ones(1, dtype=torch.float32, device=device)
-    return torch.cat([one if part is None else part.scale_inv.reshape(1) for part in parts])
+        scales = records = None
+        if self.state is not None:
+            slots = self.input_slots if forward else self.grad_slots
+            scales, records = self.state.cast_range(direction, slots, x.device)
+        return quantize_experts(
+            x, rows, dtype, scales=scales, amax_out=records, transpose=transpose
+        )
 
 
 def _expert_mm(
-    parts: list[Fp8Tensor | None],
-    padded: torch.Tensor | None,
+    cast: GroupedFp8Tensor,
     weights: Fp8ExpertWeights,
-    rows: ExpertRows,
     *,
+    grouped: bool,
     dgrad: bool,
     out_dtype: torch.dtype,
     fast_accum: bool,
 ) -> torch.Tensor:
     """`X_e W_e^T` (forward) or `dY_e W_e` (`dgrad`) of every expert, `[M, cols]`: one grouped
-    GEMM over `padded` where given, else one GEMM per expert with rows."""
+    GEMM (`grouped`), else one GEMM per expert with rows."""
+    rows = cast.rows
     width = weights.data.shape[2 if dgrad else 1]
     device = weights.data.device
-    if padded is not None:
+    if grouped:
         if rows.rows == 0:
             return torch.empty(0, width, dtype=out_dtype, device=device)
         b = weights.grouped_dgrad_operand() if dgrad else weights.grouped_fprop_operand()
         product = fp8_grouped_mm(
-            padded,
-            _scale_invs(parts, device),
-            b,
-            weights.scale_invs(),
-            rows,
-            fast_accum=fast_accum,
+            cast.data, cast.scale_invs, b, weights.scale_invs(), rows, fast_accum=fast_accum
         )
         return rows.unpad(product)
     out = torch.empty(rows.rows, width, dtype=out_dtype, device=device)
-    for index, (part, view) in enumerate(zip(parts, rows.split(out))):
+    for index, view in enumerate(rows.split(out)):
+        part = cast.expert(index)
         if part is not None:
             expert = weights[index]
             b = expert.dgrad_operand() if dgrad else expert.fprop_operand()
@@ -282,15 +248,15 @@ def _expert_mm(
 
 
 def _fp8_wgrad(
-    grads: list[Fp8Tensor | None],
-    inputs_t: list[Fp8Tensor | None],
-    rows: ExpertRows,
+    grads: GroupedFp8Tensor,
+    inputs: GroupedFp8Tensor,
     weight: torch.Tensor,
     target: FusionTarget | None,
     grouped: bool,
 ) -> torch.Tensor | None:
-    """`dY_e^T X_e` of every expert from the padded transposes, into `target` (None: returned
+    """`dY_e^T X_e` of every expert from the transposed copies, into `target` (None: returned
     in the weight's dtype); experts without rows get zeros."""
+    rows = grads.rows
     dest = target.tensor if target is not None else torch.empty_like(weight)
     overwrite = target is None or target.overwrite
     if dest.dtype not in _GEMM_OUT_DTYPES:
@@ -298,13 +264,8 @@ def _fp8_wgrad(
             f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {dest.dtype}."
         )
     if grouped and dest.dtype == torch.bfloat16 and rows.rows:
-        device = weight.device
         product = fp8_grouped_wgrad(
-            fp8_cat([g.transposed for g in grads if g is not None], dim=1),
-            _scale_invs(grads, device),
-            fp8_cat([x.data for x in inputs_t if x is not None], dim=1).t(),
-            _scale_invs(inputs_t, device),
-            rows,
+            grads.transposed, grads.scale_invs, inputs.transposed.t(), inputs.scale_invs, rows
         )
         for index, count in enumerate(rows.counts):
             if count == 0:  # an empty group's product is left to the kernel: make it zero
@@ -314,13 +275,14 @@ def _fp8_wgrad(
         else:
             dest.add_(product)
     else:
-        for index, (grad, input_t) in enumerate(zip(grads, inputs_t)):
+        for index in range(len(rows)):
             view = dest[index]
+            grad = grads.expert_transposed(index)
             if grad is None:
                 if overwrite:
                     view.zero_()
                 continue
-            a, b = grad.transposed_operand(), input_t.t()
+            a, b = grad, inputs.expert_transposed(index).t()
             if overwrite and view.is_contiguous():
                 fp8_mm(a, b, out_dtype=dest.dtype, out=view)
             elif overwrite:
@@ -366,23 +328,17 @@ class _Fp8Experts(torch.autograd.Function):
         gemms = GroupedGemms()
         if grouped:
             gemms = GroupedGemms.where_possible(recipe, input_.device, input_.dtype)
-        parts, padded = slots.quantize(
-            input_, rows, FORWARD, transpose=fp8_wgrad, padded=gemms.fprop
-        )
-        weights = fp8_weight_of(weight)
+        cast = slots.quantize(input_, rows, FORWARD, transpose=fp8_wgrad)
         out = _expert_mm(
-            parts,
-            padded,
-            weights,
-            rows,
+            cast,
+            fp8_weight_of(weight),
+            grouped=gemms.fprop,
             dgrad=False,
             out_dtype=input_.dtype,
             fast_accum=recipe.fprop_fast_accum,
         )
         if fp8_wgrad:
-            transposes = [None if p is None else p.transposed for p in parts]
-            scale_invs = [None if p is None else p.scale_inv for p in parts]
-            ctx.save_for_backward(*transposes, *scale_invs)
+            ctx.save_for_backward(cast.transposed, cast.scale_invs)
         elif weight_needs_grad:
             ctx.save_for_backward(input_)
         # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
@@ -404,33 +360,22 @@ class _Fp8Experts(torch.autograd.Function):
             wanted, target = weight_grad_target(weight, ctx.next_functions[1][0])
         fp8_wgrad = wanted and ctx.fp8_wgrad
         grad_output = grad_output.contiguous()
-        grads: list[Fp8Tensor | None] = []
-        padded = None
+        grads = None
         if needs_input or fp8_wgrad:
-            grads, padded = ctx.slots.quantize(
-                grad_output,
-                rows,
-                BACKWARD,
-                transpose=fp8_wgrad,
-                padded=needs_input and gemms.dgrad,
-            )
+            grads = ctx.slots.quantize(grad_output, rows, BACKWARD, transpose=fp8_wgrad)
         grad_input = grad_weight = None
         if needs_input:
             grad_input = _expert_mm(
                 grads,
-                padded,
                 fp8_weight_of(weight),
-                rows,
+                grouped=gemms.dgrad,
                 dgrad=True,
                 out_dtype=ctx.input_dtype,
                 fast_accum=False,
             )
         if fp8_wgrad:
-            count = len(rows)
-            inputs_t = [
-                None if t is None else Fp8Tensor(t, s) for t, s in zip(saved[:count], saved[count:])
-            ]
-            grad_weight = _fp8_wgrad(grads, inputs_t, rows, weight, target, gemms.wgrad)
+            inputs = GroupedFp8Tensor(None, saved[1], rows, transposed=saved[0])
+            grad_weight = _fp8_wgrad(grads, inputs, weight, target, gemms.wgrad)
         elif wanted:
             grad_weight = _high_precision_wgrad(grad_output, saved[0], rows, weight, target)
         if tp_shared and grad_weight is not None:

@@ -68,12 +68,6 @@ def fp8_zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) ->
     return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
 
 
-def fp8_cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """FP8 tensors of one dtype concatenated along `dim` (as bytes, as `fp8_zeros`)."""
-    dtype = tensors[0].dtype
-    return torch.cat([tensor.view(torch.uint8) for tensor in tensors], dim=dim).view(dtype)
-
-
 class ExpertRows:
     """Where each expert's rows lie: back to back (`M` rows), and padded (`P` rows, each
     expert's `count` rounded up to a multiple of 16, zeros beyond it).
@@ -89,6 +83,10 @@ class ExpertRows:
         self.padded_starts = [0, *itertools.accumulate(self.padded_counts)][:-1]
         self.rows = sum(self.counts)
         self.padded_rows = sum(self.padded_counts)
+        # The device tensors below, made once per device: a projection's forward and backward
+        # (and its recomputation) share this object.
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._real_rows: dict[torch.device, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -97,17 +95,33 @@ class ExpertRows:
         """`x` (`[M, ...]`) as one view per expert."""
         return list(torch.split(x, self.counts))
 
-    def padded_views(self, padded: torch.Tensor) -> list[torch.Tensor]:
-        """Each expert's real rows in `padded` (`[P, ...]`)."""
-        return [
-            padded.narrow(0, start, count) for start, count in zip(self.padded_starts, self.counts)
-        ]
+    def kernel_table(self, device: torch.device) -> torch.Tensor:
+        """int32 `[3G]` on `device`: each expert's first row, its rows, and its first tile of
+        16 padded rows (what the experts' cast kernel and `offsets` read)."""
+        table = self._tables.get(device)
+        if table is None:
+            tiles = [start // GEMM_ALIGNMENT for start in self.padded_starts]
+            values = [*self.starts, *self.counts, *tiles]
+            table = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+            self._tables[device] = table
+        return table
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """The real rows of `padded` (`[P, ...]`), back to back (`[M, ...]`)."""
         if self.padded_rows == self.rows:
             return padded
-        return torch.cat([view for view in self.padded_views(padded) if view.shape[0]])
+        return padded.index_select(0, self._real_row_index(padded.device))
+
+    def _real_row_index(self, device: torch.device) -> torch.Tensor:
+        """Where each real row lies in the padded layout, `[M]` on `device`."""
+        index = self._real_rows.get(device)
+        if index is None:
+            starts, counts, tiles = self.kernel_table(device).long().view(3, -1)
+            shifts = tiles * GEMM_ALIGNMENT - starts
+            index = torch.arange(self.rows, device=device)
+            index += shifts.repeat_interleave(counts, output_size=self.rows)
+            self._real_rows[device] = index
+        return index
 
     def offsets(self, device: torch.device) -> torch.Tensor:
         """The grouped GEMMs' `offs`: where each expert's padded rows end, int32 on `device`."""

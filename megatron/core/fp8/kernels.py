@@ -10,6 +10,10 @@ tensor's absolute maximum with an atomic max on the way:
 - current scaling (`scale=None`) needs the absolute maximum first: an `amax` kernel, then the
   cast, which derives the scale from it on the GPU (no host synchronisation).
 
+`cast_experts_to_fp8` casts the rows of an MoE layer's experts, each expert's with its own
+scale, in one launch for all experts (two under current scaling), into the padded layout the
+grouped GEMMs read (`megatron.core.fp8.grouped_quantize`).
+
 `update_scales` is delayed scaling's per-pass update of every slot (roll the amax history,
 take the new scale) in one launch, where its torch ops (`scaling.update_delayed_scaling`) are
 some twenty.
@@ -47,6 +51,9 @@ _CAST_WARPS = 8
 with 4 or 8 warps, the fastest or within 2% of it on an H200 (Triton 3.6) for the delayed cast
 with its transposed copy of [4096, N] bf16 tensors, N = 4096, 6144, 14336 and 28672 (145 us for
 N = 28672, where the 32x64 tile took 201 us)."""
+_EXPERT_BLOCK_COLS = 128
+"""The experts' cast: tiles of 16 rows (the padding's multiple, so that a tile holds one
+expert's rows) by this many columns."""
 _AMAX_BLOCK = 16384
 _AMAX_WARPS = 16
 _TRANSPOSE_BLOCK = 64
@@ -156,6 +163,84 @@ def cast_to_fp8(
         BLOCK_COLS=_BLOCK_COLS,
     )
     return data, scale_inv, transposed
+
+
+def cast_experts_to_fp8(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    table: torch.Tensor,
+    padded_rows: int,
+    scales: torch.Tensor | None,
+    amax_out: torch.Tensor | None,
+    scale_invs: torch.Tensor,
+    *,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of `G` experts cast to FP8, each expert's with its own scale, into the padded
+    layout (each expert's rows rounded up to a multiple of 16, zeros between).
+
+    One program casts one tile of 16 padded rows, all of one expert: it finds the expert by a
+    binary search in `table`, so the launch costs the same for any number of experts.
+
+    Args:
+        x: `[M, cols]`, contiguous, on CUDA (`kernels_available`), grouped by expert.
+        dtype: `torch.float8_e4m3fn` or `torch.float8_e5m2`.
+        table: int32 `[3G]` on `x`'s device: each expert's first row of `x`, its rows, and
+            its first tile of 16 padded rows (`ExpertRows.kernel_table`).
+        padded_rows: the rows of the padded layout (`P`, 16 times the tiles).
+        scales: `[G]` fp32 (delayed scaling's); None: current scaling, each expert's
+            `max / amax` of its own rows.
+        amax_out: `[G]` fp32 that each expert's `max |rows|` is max-ed into; None: nothing.
+        scale_invs: `[G]` fp32 (any stride) that each expert with rows gets its scale's inverse
+            in; the others' are left as they are.
+        transpose: also make the transposed copy `[cols, P]`.
+
+    Returns:
+        (the padded copy `[P, cols]`, the transposed copy or None).
+    """
+    rows, cols = x.shape
+    groups = scale_invs.shape[0]
+    x = x.contiguous()
+    tiles = padded_rows // GEMM_ALIGNMENT
+    data = torch.empty(padded_rows, cols, dtype=dtype, device=x.device)
+    transposed = torch.empty(cols, padded_rows, dtype=dtype, device=x.device) if transpose else None
+    if tiles == 0:
+        return data, transposed
+    grid = (tiles, -(-cols // _EXPERT_BLOCK_COLS))
+    search_steps = max(groups - 1, 1).bit_length()
+    if scales is None:
+        scales = torch.zeros(groups, dtype=torch.float32, device=x.device)
+        _launch_expert_amax(
+            grid, x, table, scales, cols, groups, SEARCH_STEPS=search_steps,
+            BLOCK_COLS=_EXPERT_BLOCK_COLS,
+        )  # fmt: skip
+        if amax_out is not None:
+            torch.maximum(amax_out, scales, out=amax_out)
+        from_amax, record = True, None
+    else:
+        from_amax, record = False, amax_out
+    _launch_expert_cast(
+        grid,
+        x,
+        table,
+        scales,
+        record if record is not None else scales,
+        data,
+        transposed if transposed is not None else data,
+        scale_invs,
+        scale_invs.stride(0),
+        cols,
+        padded_rows,
+        groups,
+        _FP8_MAX[dtype],
+        SCALE_FROM_AMAX=from_amax,
+        RECORD_AMAX=record is not None,
+        TRANSPOSE=transpose,
+        E4M3=dtype == torch.float8_e4m3fn,
+        SEARCH_STEPS=search_steps,
+        BLOCK_COLS=_EXPERT_BLOCK_COLS,
+    )
+    return data, transposed
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
@@ -330,6 +415,99 @@ if triton is not None:
             )
 
     @triton.jit
+    def _expert_tile(table_ptr, groups, SEARCH_STEPS: tl.constexpr):
+        """The expert of this program's tile (16 padded rows), the first row of `x` it reads
+        and how many of its rows are the expert's (the rest are padding)."""
+        tile = tl.program_id(0)
+        tile_starts = table_ptr + 2 * groups
+        # The last expert whose first tile is at or before this one (empty experts own none).
+        low, high = 0, groups - 1
+        for _ in tl.static_range(SEARCH_STEPS):
+            middle = (low + high + 1) // 2
+            before = tl.load(tile_starts + middle) <= tile
+            low = tl.where(before, middle, low)
+            high = tl.where(before, high, middle - 1)
+        skipped = (tile - tl.load(tile_starts + low)) * 16
+        first_row = tl.load(table_ptr + low) + skipped
+        rows = tl.minimum(tl.load(table_ptr + groups + low) - skipped, 16)
+        return low, first_row, rows, skipped == 0
+
+    @triton.jit
+    def _expert_amax_kernel(
+        x_ptr,
+        table_ptr,
+        amax_ptr,
+        cols,
+        groups,
+        SEARCH_STEPS: tl.constexpr,
+        BLOCK_COLS: tl.constexpr,
+    ):
+        expert, first_row, rows, _ = _expert_tile(table_ptr, groups, SEARCH_STEPS)
+        row = tl.arange(0, 16)[:, None]
+        col = tl.program_id(1).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+        inside = (row < rows) & (col < cols)
+        offsets = (first_row.to(tl.int64) + row) * cols + col
+        values = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        tl.atomic_max(amax_ptr + expert, _tile_amax(values))
+
+    @triton.jit
+    def _expert_cast_kernel(
+        x_ptr,
+        table_ptr,
+        scale_ptr,
+        amax_ptr,
+        out_ptr,
+        out_t_ptr,
+        scale_inv_ptr,
+        scale_inv_stride,
+        cols,
+        padded_rows,
+        groups,
+        limit,
+        SCALE_FROM_AMAX: tl.constexpr,
+        RECORD_AMAX: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        E4M3: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr,
+        BLOCK_COLS: tl.constexpr,
+    ):
+        expert, first_row, rows, first_tile = _expert_tile(table_ptr, groups, SEARCH_STEPS)
+        col_block = tl.program_id(1).to(tl.int64)
+        padded_row = tl.program_id(0).to(tl.int64) * 16
+        row = tl.arange(0, 16)[:, None]
+        col = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
+        inside = (row < rows) & (col < cols)
+        offsets = (first_row.to(tl.int64) + row) * cols + col
+        values = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+
+        scale = tl.load(scale_ptr + expert)
+        if SCALE_FROM_AMAX:
+            scale = _scale_from(scale, limit)
+        if first_tile & (col_block == 0):
+            inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+            tl.store(scale_inv_ptr + expert * scale_inv_stride, inverse)
+        if RECORD_AMAX:
+            tl.atomic_max(amax_ptr + expert, _tile_amax(values))
+
+        # Rows of padding were loaded as 0: their bytes are zero.
+        scaled = tl.clamp(values * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out_ptr + (padded_row + row) * cols + col, _to_fp8(scaled, E4M3), mask=col < cols)
+        if TRANSPOSE:
+            # Read again in the transposed order, as `_cast_kernel` does, for coalescing.
+            row_t = tl.arange(0, 16)[None, :]
+            col_t = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[:, None]
+            offsets_t = (first_row.to(tl.int64) + row_t) * cols + col_t
+            values_t = tl.load(x_ptr + offsets_t, mask=(row_t < rows) & (col_t < cols), other=0.0)
+            scaled_t = tl.clamp(
+                values_t.to(tl.float32) * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL
+            )
+            tl.store(
+                out_t_ptr + col_t * padded_rows + padded_row + row_t,
+                _to_fp8(scaled_t, E4M3),
+                mask=col_t < cols,
+            )
+
+    @triton.jit
     def _scale_update_kernel(
         history_ptr, scale_ptr, rows, cols, scaled_max, TAKE_MAX: tl.constexpr, BLOCK: tl.constexpr
     ):
@@ -357,6 +535,8 @@ if triton is not None:
         tl.store(scale_ptr + col, new, mask=inside)
 
     _launch_cast = TritonLaunch(_cast_kernel, num_warps=_CAST_WARPS)
+    _launch_expert_amax = TritonLaunch(_expert_amax_kernel, num_warps=4)
+    _launch_expert_cast = TritonLaunch(_expert_cast_kernel, num_warps=4)
     _launch_transpose = TritonLaunch(_transpose_kernel, num_warps=_TRANSPOSE_WARPS)
     _launch_amax = TritonLaunch(_amax_kernel, num_warps=_AMAX_WARPS)
     _launch_scale_update = TritonLaunch(_scale_update_kernel, num_warps=4)

@@ -42,7 +42,7 @@ import contextlib
 import io
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,13 @@ class _Slots:
         ]
 
 
+class _ReplayScales(NamedTuple):
+    """The forward scales a recomputation casts with, `[n]`, and one view of them per slot."""
+
+    scales: torch.Tensor
+    views: list[torch.Tensor]
+
+
 class DelayedScalingState(torch.nn.Module):
     """The delayed-scaling state of one model's FP8 linear layers (module docstring).
 
@@ -119,9 +126,9 @@ class DelayedScalingState(torch.nn.Module):
         # state without tensors (the loaded ones wait on the CPU for the first cast).
         self._device: torch.device | None = None
         # The checkpoints being recomputed (innermost last): each one's scale snapshot (None
-        # stands for the initial scales: a checkpoint run before the first cast) and the views
-        # of it that its casts use (None until the tensors are placed).
-        self._replays: list[tuple[torch.Tensor | None, list[torch.Tensor] | None]] = []
+        # stands for the initial scales: a checkpoint run before the first cast) and its scales
+        # on the casts' device with their views (None until the tensors are placed).
+        self._replays: list[tuple[torch.Tensor | None, _ReplayScales | None]] = []
         _live_states.add(self)
 
     @property
@@ -159,12 +166,29 @@ class DelayedScalingState(torch.nn.Module):
         if device != self._device:
             self._place(device)
         if direction == FORWARD and self._replays:
-            snapshot, views = self._replays[-1]
-            if views is None:
-                views = self._replay_views(snapshot, device)
-                self._replays[-1] = (snapshot, views)
-            return views[slot], None
+            return self._replay_scales(device).views[slot], None
         return self._slots[direction].cast_views[slot]
+
+    def cast_range(
+        self, direction: str, slots: range, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`cast_tensors` of consecutive slots at once: their scales and their records, each a
+        view of `len(slots)` elements (the records None during a recomputation)."""
+        if device != self._device:
+            self._place(device)
+        first, count = slots.start, len(slots)
+        if direction == FORWARD and self._replays:
+            return self._replay_scales(device).scales.narrow(0, first, count), None
+        tensors = self._slots[direction]
+        return tensors.scale.narrow(0, first, count), tensors.history[0].narrow(0, first, count)
+
+    def _replay_scales(self, device: torch.device) -> _ReplayScales:
+        """The scales the innermost recomputation casts with, on `device`."""
+        snapshot, scales = self._replays[-1]
+        if scales is None:
+            scales = self._replay_views(snapshot, device)
+            self._replays[-1] = (snapshot, scales)
+        return scales
 
     def scale(self, direction: str, slot: int, device: torch.device) -> torch.Tensor:
         """The scale a cast of `slot` uses now: a one-element view of the state (during a
@@ -179,17 +203,15 @@ class DelayedScalingState(torch.nn.Module):
             return None
         return self._slots[direction].cast_views[slot][1]
 
-    def _replay_views(
-        self, snapshot: torch.Tensor | None, device: torch.device
-    ) -> list[torch.Tensor]:
-        """One view per forward slot of the scales in `snapshot` (None: the initial ones), on
-        `device`."""
+    def _replay_views(self, snapshot: torch.Tensor | None, device: torch.device) -> _ReplayScales:
+        """The forward scales in `snapshot` (None: the initial ones) on `device`, and one view
+        of them per slot."""
         if snapshot is None:
             scales = torch.ones(self._slots[FORWARD].count, dtype=torch.float32, device=device)
         else:
             # A snapshot taken before the first cast after a load is still on the CPU.
             scales = snapshot.to(device)
-        return list(scales.split(1))
+        return _ReplayScales(scales, list(scales.split(1)))
 
     def end_forward(self) -> None:
         """Reduces and updates the forward slots (after the block's forward)."""
@@ -234,8 +256,8 @@ class DelayedScalingState(torch.nn.Module):
         The views of the scales are made here where the tensors are placed already, not by
         the recomputed casts: a recomputation may dispatch no op its forward did not (a
         selective checkpoint stores the forward's outputs by op and count)."""
-        views = None if self._device is None else self._replay_views(snapshot, self._device)
-        self._replays.append((snapshot, views))
+        scales = None if self._device is None else self._replay_views(snapshot, self._device)
+        self._replays.append((snapshot, scales))
         try:
             yield
         finally:

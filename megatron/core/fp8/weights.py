@@ -45,7 +45,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from megatron.core.fp8 import kernels
 from megatron.core.fp8.blockwise import quantize_128x128, square_block_layout
 from megatron.core.fp8.cpp_linear import native_transpose
-from megatron.core.fp8.quantize import quantize
+from megatron.core.fp8.grouped_gemm import ExpertRows
+from megatron.core.fp8.grouped_quantize import quantize_experts
+from megatron.core.fp8.quantize import GEMM_ALIGNMENT, quantize
 from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
 from megatron.core.utils import cuda_graph_capturing
 
@@ -147,13 +149,20 @@ class Fp8ExpertWeights:
     def quantized(cls, weight: torch.Tensor) -> Fp8ExpertWeights:
         """The high-precision `weight` (`[num_experts, out, in]`) cast to FP8, each expert
         scaled by its own current amax."""
-        data = torch.empty(weight.shape, dtype=WEIGHT_DTYPE, device=weight.device)
+        experts, out_features, in_features = weight.shape
+        if out_features % GEMM_ALIGNMENT:
+            raise ValueError(
+                f"Fp8ExpertWeights: each expert's {out_features} output features must be a "
+                f"multiple of {GEMM_ALIGNMENT} for FP8 GEMMs."
+            )
+        # All experts in one cast, each expert's `[out, in]` the rows of one group (unpadded).
         with torch.no_grad():
-            scale_invs = [
-                quantize(expert, WEIGHT_DTYPE, out=out).scale_inv
-                for expert, out in zip(weight.detach(), data)
-            ]
-        return cls(data, scale_invs)
+            cast = quantize_experts(
+                weight.detach().reshape(-1, in_features),
+                ExpertRows([out_features] * experts),
+                WEIGHT_DTYPE,
+            )
+        return cls(cast.data.view(weight.shape), list(cast.scale_invs.split(1)))
 
     def __len__(self) -> int:
         return len(self.experts)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.core.fp8 import grouped_gemm
+from megatron.core.fp8 import experts, grouped_gemm
 from megatron.core.fp8.experts import Fp8ExpertSlots, GroupedGemms, describe_expert_gemms
 from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm
+from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.fp8.weights import Fp8ExpertWeights, fp8_weight_of
@@ -187,6 +188,22 @@ def test_grouped_path_calls_the_kernel(grouped_kernel, monkeypatch):
     assert calls == [(3, [16, 16, 48, 64])] * 2 + [(2, [16, 16, 48, 64])]
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_each_pass_quantises_all_experts_rows_at_once(grouped, grouped_kernel, monkeypatch):
+    """One `quantize_experts` call per pass (the input in forward, the output gradient in
+    backward), whatever the number of experts: their host work does not grow with it."""
+    calls = []
+
+    def recording(x, rows, dtype, **kwargs):
+        calls.append((list(rows.counts), dtype, kwargs["transpose"]))
+        return quantize_experts(x, rows, dtype, **kwargs)
+
+    monkeypatch.setattr(experts, "quantize_experts", recording)
+    weight, x, grad = _case()
+    _run(_slots("hybrid", "delayed"), weight, x, grad, grouped=grouped)
+    assert calls == [(COUNTS, E4M3, True), (COUNTS, torch.float8_e5m2, True)]
+
+
 class _Engine:
     """Stands for a data-parallel engine that keeps main gradients of `dtype`."""
 
@@ -245,14 +262,20 @@ def test_expert_weights_are_scaled_per_expert_and_cached():
             copy[index].tensor.data.view(torch.uint8),
             q(weight[index], scale, E4M3).view(torch.uint8),
         )
-        assert torch.equal(copy[index].tensor.scale_inv, scale.reciprocal())
-    assert torch.equal(copy.scale_invs(), torch.stack([e.tensor.scale_inv for e in copy.experts]))
+        assert torch.equal(copy[index].tensor.scale_inv, scale.reciprocal().reshape(1))
+        assert copy[index].tensor.scale_inv.data_ptr() % 16 == 0, "cuBLASLt's alignment"
+    assert torch.equal(copy.scale_invs(), torch.cat([e.tensor.scale_inv for e in copy.experts]))
     dgrad = copy.grouped_dgrad_operand()
     assert dgrad.shape == (LOCAL, OUT, IN) and dgrad.stride()[1:] == (1, OUT)
     assert torch.equal(dgrad.float(), copy.data.float())
     with torch.no_grad():
         weight.mul_(2)
     assert fp8_weight_of(weight) is not copy
+
+
+def test_expert_weights_need_output_features_in_multiples_of_16():
+    with pytest.raises(ValueError, match="24 output features must be a multiple of 16"):
+        Fp8ExpertWeights.quantized(torch.randn(2, 24, 32, dtype=BF16))
 
 
 def test_the_grouped_gemm_refuses_what_the_kernel_refuses():
@@ -275,8 +298,8 @@ def test_slots_of_delayed_scaling_are_one_per_global_expert():
     state = DelayedScalingState(recipe, group=None)
     fc1 = Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=2, num_local_experts=2)
     fc2 = Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=2, num_local_experts=2)
-    assert (fc1.input_slots, fc1.grad_slots) == ([2, 3], [2, 3])
-    assert (fc2.input_slots, fc2.grad_slots) == ([6, 7], [6, 7])
+    assert (list(fc1.input_slots), list(fc1.grad_slots)) == ([2, 3], [2, 3])
+    assert (list(fc2.input_slots), list(fc2.grad_slots)) == ([6, 7], [6, 7])
     with pytest.raises(ValueError, match="not among the 4 experts"):
         Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=3, num_local_experts=2)
 

@@ -6,11 +6,15 @@ layout, padding, offset or scale would be off by far more."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
-from megatron.core.fp8.experts import GroupedGemms
+from megatron.core.fp8.experts import Fp8ExpertSlots, GroupedGemms
 from megatron.core.fp8.grouped_gemm import grouped_kernel_available
+from megatron.core.fp8.recipe import Fp8Recipe
+from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
 from tests.unit_tests.fp8 import test_experts
 from tests.unit_tests.fp8.test_moe_model import _config, _gpt
@@ -24,6 +28,7 @@ pytestmark = [
     ),
 ]
 
+BF16 = torch.bfloat16
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
 
 
@@ -77,6 +82,32 @@ def test_cuda_fp8_expert_gradients_fuse_into_main_grad(dtype):
     assert dw is None
     _assert_near(engine.main_grad, expected[2])
     assert not engine.main_grad[1].any()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_cuda_fp8_experts_cast_in_one_launch_per_pass(fmt):
+    """64 experts' rows are cast by one kernel launch in forward and one in backward (delayed
+    scaling), not one per expert; the weights' FP8 copies, made at the first step, are kept."""
+    experts, width = 64, 64
+    recipe = Fp8Recipe(fmt, "delayed")
+    state = DelayedScalingState(recipe, group=None)
+    slots = Fp8ExpertSlots(
+        recipe, state, num_experts=experts, first_expert=0, num_local_experts=experts
+    )
+    weight = torch.nn.Parameter(torch.randn(experts, width, width, device="cuda", dtype=BF16))
+    counts = [0, 5, 17, 32] * (experts // 4)
+    x = torch.randn(sum(counts), width, device="cuda", dtype=BF16, requires_grad=True)
+
+    def step() -> None:
+        slots.experts_linear(x, weight, counts, grouped=True).sum().backward()
+
+    step()  # the weights' FP8 copies, and Triton's compilation
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step()
+        torch.cuda.synchronize()
+    launches = collections.Counter(event.name for event in profile.events())
+    assert launches["_expert_cast_kernel"] == 2, launches
+    assert launches["_cast_kernel"] == 0, launches
 
 
 def _train_on_one_batch(grouped: bool, device: str, steps: int = 4):

@@ -1,7 +1,8 @@
 """The CUDA FP8 casts (`megatron.core.fp8.kernels`) give the reference quantiser's
 (`quantize._quantize_reference`) bytes, scale inverse and recorded absolute maximum bit for bit:
 `fp8(clamp(x * scale, -max, max))` with the product in fp32, the transposed copy zero-padded to
-16 rows, current scaling's scale `max / amax` correctly rounded; and the CPU's results too. The
+16 rows, current scaling's scale `max / amax` correctly rounded; and the CPU's results too. So
+does the cast of an MoE layer's experts, each with its own scale, in one launch. The
 delayed-scaling update's kernel leaves the history and scales its torch ops leave."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.core.fp8 import kernels, quantize
+from megatron.core.fp8 import grouped_quantize, kernels, quantize
+from megatron.core.fp8.grouped_gemm import ExpertRows
+from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.scaling import update_delayed_scaling
 
 pytestmark = pytest.mark.gpu
@@ -174,3 +177,42 @@ def test_scale_update_is_the_torch_update(rows, cols, algo, scaled_max):
 
 def _bits(tensor):
     return tensor.cpu().view(torch.int32)
+
+
+EXPERT_COUNTS = {
+    "few": [5, 0, 17, 3, 0, 32],
+    "64 experts": [0, 1, 15, 16, 17, 31, 33, 0] * 4 + [384] * 31 + [0],
+    "one": [100],
+}
+
+
+@pytest.mark.parametrize("cols", [48, 1408, 2048 + 16])
+@pytest.mark.parametrize("counts", EXPERT_COUNTS.values(), ids=EXPERT_COUNTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_experts_cast_is_the_reference_bit_for_bit(cols, counts, fmt, delayed):
+    """`kernels.cast_experts_to_fp8` (one launch for all experts) gives the bytes, transposed
+    bytes, scale inverses and records of `quantize` on each expert's rows (the reference loop of
+    `grouped_quantize`), non-finite values included."""
+    dtype, groups = FORMATS[fmt], len(counts)
+    rows = ExpertRows(counts)
+    x = _input((rows.rows, cols), torch.bfloat16, seed=groups * cols)
+    x[0, 3], x[-1, 1] = float("nan"), float("inf")
+    scales = torch.rand(groups, device="cuda") * 4 + 0.5 if delayed else None
+    records = {name: torch.full((groups,), 0.5, device="cuda") for name in ("kernel", "loop")}
+    assert kernels.kernels_available(x)
+    cast = quantize_experts(
+        x, rows, dtype, scales=scales, amax_out=records["kernel"], transpose=True
+    )
+    loop = grouped_quantize._quantize_experts_reference(
+        x, rows, dtype, scales, records["loop"], True, torch.ones(groups, device="cuda")
+    )
+    for actual, reference in ((cast.data, loop.data), (cast.transposed, loop.transposed)):
+        nan = reference.float().isnan()
+        assert torch.equal(actual.float().isnan(), nan)
+        assert torch.equal(_bytes(actual)[~nan], _bytes(reference)[~nan])
+    assert torch.equal(cast.scale_invs, loop.scale_invs)
+    assert torch.equal(records["kernel"], records["loop"])
+    on_cpu = quantize_experts(x.cpu(), rows, dtype, scales=None if scales is None else scales.cpu())
+    nan = on_cpu.data.float().isnan()
+    assert torch.equal(_bytes(cast.data).cpu()[~nan], _bytes(on_cpu.data)[~nan])

@@ -1,0 +1,93 @@
+"""`quantize_experts` against `quantize` of each expert's rows alone: the same bytes in the padded
+layout (zero rows between experts), the same transposed bytes, scale inverses and recorded
+absolute maxima, for each format and recipe, with empty experts, counts that are not multiples
+of 16 and non-finite values; and `ExpertRows`' device-side maps. (The CUDA kernel against this
+reference: `test_kernels.py`.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.fp8.grouped_gemm import ExpertRows
+from megatron.core.fp8.grouped_quantize import quantize_experts
+from megatron.core.fp8.quantize import quantize
+from tests.unit_tests.fp8.reference import E4M3, E5M2
+
+COUNTS = [5, 0, 17, 3, 0, 32]
+COLS = 48
+
+
+def _input(counts: list[int], seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), COLS, generator=generator)
+    x *= 10.0 ** torch.randint(-2, 3, (sum(counts), 1), generator=generator)
+    x[3, 4], x[7, 0] = float("nan"), float("inf")  # expert 0's and expert 2's
+    return x.to(torch.bfloat16)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "current"])
+def test_each_expert_is_quantised_as_alone(dtype, delayed):
+    rows = ExpertRows(COUNTS)
+    x = _input(COUNTS)
+    groups = len(COUNTS)
+    scales = 2.0 ** torch.arange(-2.0, groups - 2.0) if delayed else None
+    records = torch.full((groups,), 0.25)
+    cast = quantize_experts(x, rows, dtype, scales=scales, amax_out=records, transpose=True)
+    assert cast.data.shape == (rows.padded_rows, COLS) and rows.padded_rows == 16 * 6
+    assert cast.transposed.shape == (COLS, rows.padded_rows)
+    assert cast.scale_invs.stride() == (4,)  # 16 bytes apart: cuBLASLt's alignment
+    expected_records = torch.full((groups,), 0.25)
+    for index, (part, start) in enumerate(zip(rows.split(x), rows.padded_starts)):
+        padded_count = rows.padded_counts[index]
+        block = _bytes(cast.data[start : start + padded_count])
+        if part.shape[0] == 0:
+            assert cast.expert(index) is None and cast.expert_transposed(index) is None
+            assert cast.scale_invs[index] == 1.0
+            continue
+        scale = None if scales is None else scales[index : index + 1]
+        record = expected_records[index : index + 1]
+        alone = quantize(part, dtype, scale=scale, amax_out=record, transpose=True)
+        assert torch.equal(block[: part.shape[0]], _bytes(alone.data))
+        assert not block[part.shape[0] :].any(), "the padding rows are zero bytes"
+        assert torch.equal(_bytes(cast.expert(index).data), _bytes(alone.data))
+        assert torch.equal(_bytes(cast.expert_transposed(index).data), _bytes(alone.transposed))
+        assert torch.equal(cast.scale_invs[index : index + 1], alone.scale_inv.reshape(1))
+    assert torch.equal(records, expected_records)
+    assert records[1] == records[4] == 0.25, "an expert without rows records nothing"
+
+
+def test_only_the_copies_asked_for_are_made_and_rows_must_match():
+    rows = ExpertRows(COUNTS)
+    x = _input(COUNTS)
+    assert quantize_experts(x, rows, E4M3).transposed is None
+    with pytest.raises(ValueError, match=r"one element per expert \(\[6\]\)"):
+        quantize_experts(x, rows, E4M3, scales=torch.ones(5))
+    with pytest.raises(ValueError, match="x has 57 rows, the experts. counts sum to 58"):
+        quantize_experts(x, ExpertRows([*COUNTS[:-1], 33]), E4M3)
+
+
+def test_no_rows_at_all_make_empty_copies():
+    rows = ExpertRows([0, 0])
+    cast = quantize_experts(torch.empty(0, COLS), rows, E4M3, transpose=True)
+    assert cast.data.shape == (0, COLS) and cast.transposed.shape == (COLS, 0)
+    assert cast.scale_invs.tolist() == [1.0, 1.0]
+
+
+def test_expert_rows_maps_agree_with_the_counts():
+    rows = ExpertRows(COUNTS)
+    starts, counts, tiles = rows.kernel_table(torch.device("cpu")).view(3, -1).tolist()
+    assert (starts, counts) == (rows.starts, COUNTS)
+    assert tiles == [start // 16 for start in rows.padded_starts] == [0, 1, 1, 3, 4, 4]
+    padded = torch.arange(rows.padded_rows, dtype=torch.float32)[:, None].expand(-1, 2)
+    real = torch.cat([padded[s : s + c] for s, c in zip(rows.padded_starts, COUNTS)])
+    assert torch.equal(rows.unpad(padded), real)
+    assert rows.unpad(padded) is not padded
+    unpadded = ExpertRows([16, 0, 32])
+    full = torch.zeros(48, 2)
+    assert unpadded.unpad(full) is full, "nothing to drop: no copy"
