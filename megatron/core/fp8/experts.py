@@ -237,6 +237,8 @@ def _expert_mm(
             cast.data, cast.scale_invs, b, weights.scale_invs(), rows, fast_accum=fast_accum
         )
         return rows.unpad(product)
+    if dgrad:
+        weights.transposes()  # every expert's, in one launch rather than one per expert
     out = torch.empty(rows.rows, width, dtype=out_dtype, device=device)
     for index, view in enumerate(rows.split(out)):
         part = cast.expert(index)

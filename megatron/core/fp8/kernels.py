@@ -244,15 +244,17 @@ def cast_experts_to_fp8(
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
-    """`data.t().contiguous()` for a 2-D FP8 tensor on CUDA (`data.is_cuda`, Triton present).
+    """`data.transpose(-2, -1).contiguous()` for a 2-D FP8 tensor, or a 3-D stack of them (an MoE
+    projection's expert weights: one launch for all), on CUDA (`data.is_cuda`, Triton present).
 
     Args:
-        data: `[rows, cols]`, row-major (contiguous).
+        data: `[rows, cols]` or `[count, rows, cols]`, contiguous.
     """
-    rows, cols = data.shape
-    out = torch.empty(cols, rows, dtype=data.dtype, device=data.device)
+    *stack, rows, cols = data.shape
+    out = torch.empty(*stack, cols, rows, dtype=data.dtype, device=data.device)
     if data.numel():
-        grid = (-(-cols // _TRANSPOSE_BLOCK), -(-rows // _TRANSPOSE_BLOCK))
+        matrices = stack[0] if stack else 1
+        grid = (-(-cols // _TRANSPOSE_BLOCK), -(-rows // _TRANSPOSE_BLOCK), matrices)
         _launch_transpose(grid, data, out, rows, cols, BLOCK=_TRANSPOSE_BLOCK)
     return out
 
@@ -342,11 +344,13 @@ if triton is not None:
         # Program (i, j) writes output rows i*BLOCK.. (input columns) and output columns
         # j*BLOCK.. (input rows); the load is indexed in the output's order, and Triton stages
         # the tile through shared memory so that both the load and the store are coalesced.
+        # Program (i, j, k) does so for matrix k of a stack.
         out_row = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[:, None]
         out_col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        matrix = tl.program_id(2).to(tl.int64) * rows * cols
         inside = (out_row < cols) & (out_col < rows)
-        values = tl.load(x_ptr + out_col * cols + out_row, mask=inside)
-        tl.store(out_ptr + out_row * rows + out_col, values, mask=inside)
+        values = tl.load(x_ptr + matrix + out_col * cols + out_row, mask=inside)
+        tl.store(out_ptr + matrix + out_row * rows + out_col, values, mask=inside)
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):

@@ -186,16 +186,24 @@ class Fp8ExpertWeights:
     def grouped_dgrad_operand(self) -> torch.Tensor:
         """`W` per expert, `[num_experts, out, in]` column-major in its last two dimensions:
         the second operand of a grouped `dY W`, a view of the experts' contiguous transposes
-        (made once per copy)."""
+        (`transposes`)."""
+        return self.transposes().transpose(1, 2)
+
+    def transposes(self) -> torch.Tensor:
+        """The experts' contiguous transposes, `[num_experts, in, out]`, made once per copy for
+        all the experts at once; each expert's `dgrad_operand` is then a view of them."""
         if self._stacked_transposes is None:
-            # As bytes: every build's copy kernels take them.
-            transposes = [e.dgrad_operand().data.t().view(torch.uint8) for e in self.experts]
-            stacked = torch.stack(transposes).view(WEIGHT_DTYPE)
-            # The experts' own transposes become views of the stack: one copy is held.
+            data = self.data
+            if kernels.triton is not None and data.is_cuda and data.is_contiguous():
+                stacked = kernels.transpose_fp8(data)  # one launch for every expert
+            else:  # as bytes: every build's copy kernels take them
+                stacked = data.view(torch.uint8).transpose(1, 2).contiguous().view(WEIGHT_DTYPE)
+            # The experts' own transposes are views of the stack: one copy is held, and the
+            # per-expert input-gradient GEMMs make none.
             for expert, transposed in zip(self.experts, stacked):
                 expert.hold_transpose(Fp8Tensor(transposed, expert.tensor.scale_inv))
             self._stacked_transposes = stacked
-        return self._stacked_transposes.transpose(1, 2)
+        return self._stacked_transposes
 
 
 def quantized_weight(weight: torch.Tensor, blockwise: bool = False) -> Fp8Weight | Fp8ExpertWeights:

@@ -20,7 +20,7 @@ from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
-from megatron.core.fp8.weights import Fp8ExpertWeights, fp8_weight_of
+from megatron.core.fp8.weights import Fp8ExpertWeights, Fp8Weight, fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
 from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
 
@@ -268,9 +268,26 @@ def test_expert_weights_are_scaled_per_expert_and_cached():
     dgrad = copy.grouped_dgrad_operand()
     assert dgrad.shape == (LOCAL, OUT, IN) and dgrad.stride()[1:] == (1, OUT)
     assert torch.equal(dgrad.float(), copy.data.float())
+    for index, transposed in enumerate(copy.transposes()):  # one copy, held by every expert
+        assert copy[index].dgrad_operand().data.data_ptr() == transposed.data_ptr()
     with torch.no_grad():
         weight.mul_(2)
     assert fp8_weight_of(weight) is not copy
+
+
+@exact_cpu_scaled_mm
+def test_per_expert_input_gradients_transpose_the_weights_once(monkeypatch):
+    """`hybrid`'s input gradient runs one GEMM per expert, each multiplying by its expert's
+    transposed weight: all of them are made at once, none by an expert alone."""
+
+    def refused(self):
+        raise AssertionError("an expert's weight was transposed alone")
+
+    monkeypatch.setattr(Fp8Weight, "_transpose", refused)
+    slots = _slots("hybrid", "tensorwise")
+    weight, x, grad = _case()
+    _, dx, _ = _run(slots, weight, x, grad, grouped=False)
+    assert torch.equal(dx, _reference(slots, weight, x, grad)[1])
 
 
 def test_expert_weights_need_output_features_in_multiples_of_16():

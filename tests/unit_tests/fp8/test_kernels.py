@@ -122,13 +122,16 @@ def test_kernels_need_a_cuda_tensor_of_two_dimensions():
 
 
 @pytest.mark.parametrize(
-    "shape", [(1, 16), (17, 48), (100, 4096), (4096, 14336), (130, 70)], ids=str
+    "shape",
+    [(1, 16), (17, 48), (100, 4096), (4096, 14336), (130, 70), (64, 1408, 2048), (3, 130, 70)],
+    ids=str,
 )
 def test_transpose_is_torchs_transpose_bit_for_bit(shape):
+    """Of a matrix, and of a stack of them (an MoE projection's expert weights)."""
     data = _input(shape, torch.float32, seed=7).to(torch.float8_e4m3fn)
     transposed = kernels.transpose_fp8(data)
-    assert transposed.shape == (shape[1], shape[0]) and transposed.is_contiguous()
-    assert torch.equal(_bytes(transposed), _bytes(data.t().contiguous()))
+    assert transposed.shape == (*shape[:-2], shape[-1], shape[-2]) and transposed.is_contiguous()
+    assert torch.equal(_bytes(transposed), _bytes(data.transpose(-2, -1).contiguous()))
 
 
 @pytest.mark.parametrize("rounding", [torch.bfloat16, torch.float16, torch.float32], ids=str)
