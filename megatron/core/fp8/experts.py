@@ -239,14 +239,16 @@ def _expert_mm(
         return rows.unpad(product)
     if dgrad:
         weights.transposes()  # every expert's, in one launch rather than one per expert
-    out = torch.empty(rows.rows, width, dtype=out_dtype, device=device)
-    for index, view in enumerate(rows.split(out)):
-        part = cast.expert(index)
+    # Over the padded rows, whose products are zero rows, dropped after: each expert's part and
+    # output is a view made with the others' in one call.
+    out = torch.empty(rows.padded_rows, width, dtype=out_dtype, device=device)
+    outs = out.split(rows.padded_counts)
+    for index, part in enumerate(cast.per_expert(cast.data, 0)):
         if part is not None:
             expert = weights[index]
             b = expert.dgrad_operand() if dgrad else expert.fprop_operand()
-            fp8_mm(part, b, out_dtype=out_dtype, fast_accum=fast_accum, out=view)
-    return out
+            fp8_mm(part, b, out_dtype=out_dtype, fast_accum=fast_accum, out=outs[index])
+    return rows.unpad(out)
 
 
 def _fp8_wgrad(
@@ -277,14 +279,13 @@ def _fp8_wgrad(
         else:
             dest.add_(product)
     else:
-        for index in range(len(rows)):
-            view = dest[index]
-            grad = grads.expert_transposed(index)
-            if grad is None:
+        lefts = grads.per_expert(grads.transposed, 1)
+        rights = inputs.per_expert(inputs.transposed.t(), 0)
+        for a, b, view in zip(lefts, rights, dest.unbind(0)):
+            if a is None:
                 if overwrite:
                     view.zero_()
                 continue
-            a, b = grad, inputs.expert_transposed(index).t()
             if overwrite and view.is_contiguous():
                 fp8_mm(a, b, out_dtype=dest.dtype, out=view)
             elif overwrite:

@@ -45,22 +45,18 @@ class GroupedFp8Tensor(NamedTuple):
     rows: ExpertRows
     transposed: torch.Tensor | None = None
 
-    def expert(self, index: int) -> Fp8Tensor | None:
-        """Expert `index`'s rows, `[count, cols]` (views); None for an expert without rows."""
-        count = self.rows.counts[index]
-        if count == 0:
-            return None
-        data = self.data.narrow(0, self.rows.padded_starts[index], count)
-        return Fp8Tensor(data, self.scale_invs.narrow(0, index, 1))
-
-    def expert_transposed(self, index: int) -> Fp8Tensor | None:
-        """Expert `index`'s transposed rows, `[cols, count16]` row-major (views, zero columns
-        beyond its rows); None for an expert without rows."""
+    def per_expert(self, tensor: torch.Tensor, dim: int) -> list[Fp8Tensor | None]:
+        """`tensor` (`data`, `transposed` or a view of either, padded along `dim`) split into
+        each expert's padded part, with the expert's scale (views made in two calls, whatever
+        the number of experts); None for an expert without rows. A per-expert GEMM over a
+        padded part gives zero rows (or adds zeros) for the padding."""
         rows = self.rows
-        if rows.counts[index] == 0:
-            return None
-        data = self.transposed.narrow(1, rows.padded_starts[index], rows.padded_counts[index])
-        return Fp8Tensor(data, self.scale_invs.narrow(0, index, 1))
+        parts = tensor.split(rows.padded_counts, dim)
+        scales = self.scale_invs.split(1)
+        return [
+            None if count == 0 else Fp8Tensor(part, scale)
+            for part, scale, count in zip(parts, scales, rows.counts)
+        ]
 
 
 def quantize_experts(

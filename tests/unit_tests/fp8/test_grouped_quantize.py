@@ -43,21 +43,23 @@ def test_each_expert_is_quantised_as_alone(dtype, delayed):
     assert cast.transposed.shape == (COLS, rows.padded_rows)
     assert cast.scale_invs.stride() == (4,)  # 16 bytes apart: cuBLASLt's alignment
     expected_records = torch.full((groups,), 0.25)
-    for index, (part, start) in enumerate(zip(rows.split(x), rows.padded_starts)):
-        padded_count = rows.padded_counts[index]
-        block = _bytes(cast.data[start : start + padded_count])
+    blocks = cast.per_expert(cast.data, 0)
+    columns = cast.per_expert(cast.transposed, 1)
+    for index, part in enumerate(rows.split(x)):
         if part.shape[0] == 0:
-            assert cast.expert(index) is None and cast.expert_transposed(index) is None
+            assert blocks[index] is None and columns[index] is None
             assert cast.scale_invs[index] == 1.0
             continue
         scale = None if scales is None else scales[index : index + 1]
         record = expected_records[index : index + 1]
         alone = quantize(part, dtype, scale=scale, amax_out=record, transpose=True)
+        block = _bytes(blocks[index].data)
+        assert block.shape[0] == rows.padded_counts[index]
         assert torch.equal(block[: part.shape[0]], _bytes(alone.data))
         assert not block[part.shape[0] :].any(), "the padding rows are zero bytes"
-        assert torch.equal(_bytes(cast.expert(index).data), _bytes(alone.data))
-        assert torch.equal(_bytes(cast.expert_transposed(index).data), _bytes(alone.transposed))
-        assert torch.equal(cast.scale_invs[index : index + 1], alone.scale_inv.reshape(1))
+        assert torch.equal(_bytes(columns[index].data), _bytes(alone.transposed))
+        assert torch.equal(blocks[index].scale_inv, alone.scale_inv.reshape(1))
+        assert blocks[index].scale_inv.data_ptr() % 16 == 0, "cuBLASLt reads aligned scales"
     assert torch.equal(records, expected_records)
     assert records[1] == records[4] == 0.25, "an expert without rows records nothing"
 
