@@ -14,6 +14,12 @@ still cost tens of microseconds each), on any device, CPU included:
   weight gradients fused into fp32 `main_grad`s as the engines do, each recipe against bf16:
   host microseconds per layer (the median, or `--statistic min`, of `--bursts` alternating
   bursts, so that the host's drift hits all variants alike) and the aten ops dispatched per layer;
+- with `--experts N,M,...`, an MoE projection of that many experts (`Fp8ExpertSlots.
+  experts_linear`, grouped GEMMs where the kernel applies, as `--moe-grouped-gemm` asks),
+  `--tokens` rows per expert, forward and backward, its weight gradient fused into an fp32
+  `main_grad`: host microseconds and aten ops per projection, and its FP8 GEMM calls, for each
+  recipe and number of experts. What grows with the number of experts is the work of the GEMMs
+  that run one per expert;
 - with `--gpt-layers N` (N > 0), a GPT of N layers (the local spec: four linears per layer)
   trained by `--engine` on one rank, bf16 against FP8: host milliseconds and aten ops per step,
   and their difference per FP8 linear layer, which includes the per-step work (the weights'
@@ -30,6 +36,7 @@ host times on the same device only.
     python tools/benchmark_fp8_host.py --ops                # also each op's count per layer
     python tools/benchmark_fp8_host.py --gpt-layers 2 --engine megatron_fsdp_zero3 \\
         --fp8-param-gather
+    python tools/benchmark_fp8_host.py --experts 8,64 --format e4m3
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron.core.fp8 import blockwise, gemm, quantize
+from megatron.core.fp8 import blockwise, gemm, grouped_quantize, quantize
+from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.linear import Fp8LinearSlots
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
@@ -66,6 +74,7 @@ STAND_INS: frozenset[CodeType] = frozenset(
     for function in (
         quantize._quantize_reference,
         quantize.record_amax,
+        grouped_quantize._quantize_experts_reference,
         blockwise._quantize_reference,
         blockwise._quantize_transposed_reference,
         gemm._block_mm,
@@ -98,6 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--ops", action="store_true", help="print each op's count per layer")
     parser.add_argument(
+        "--experts",
+        default="",
+        help="also time an MoE projection of each of these numbers of experts (comma-separated)",
+    )
+    parser.add_argument(
         "--gpt-layers", type=int, default=0, help="also time a GPT of this many layers (0: no)"
     )
     parser.add_argument("--engine", default="single", help="the GPT's engine (benchmark_fsdp)")
@@ -111,6 +125,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--recipes {args.recipes}: choose among {RECIPES}.")
     if "blockwise" in args.recipes and args.format != "e4m3":
         parser.error("--recipes blockwise needs --format e4m3 (E4M3 operands only).")
+    try:
+        args.experts = [int(count) for count in args.experts.split(",") if count.strip()]
+    except ValueError:
+        parser.error(f"--experts {args.experts!r}: give comma-separated numbers, e.g. 8,64.")
+    if any(count < 1 for count in args.experts):
+        parser.error(f"--experts {args.experts}: each number of experts must be at least 1.")
+    if args.experts and "blockwise" in args.recipes:
+        parser.error("--experts with --recipes blockwise: blockwise FP8 experts are not built.")
     if args.hidden_size % 16 or args.linears < 1 or args.tokens < 1 or args.bursts < 1:
         parser.error("--hidden-size must be a multiple of 16; --linears, --tokens, --bursts >= 1.")
     return args
@@ -216,6 +238,69 @@ class LinearChain:
         if self.state is not None:
             self.state.end_backward()
         self.input.grad = None
+
+
+class ExpertProjection:
+    """An MoE projection of `experts` experts (hidden to hidden) in FP8 under `recipe`, each
+    expert getting `--tokens` rows, its weight gradient fused into an fp32 `main_grad`."""
+
+    def __init__(
+        self, args: argparse.Namespace, experts: int, recipe: Fp8Recipe, device: torch.device
+    ) -> None:
+        hidden, rows = args.hidden_size, args.tokens * experts
+        with device:
+            weight = torch.randn(experts, hidden, hidden, dtype=torch.bfloat16) * 0.02
+            self.weight = torch.nn.Parameter(weight)
+            self.main_grads = MainGrads([self.weight])
+            self.input = torch.randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+            self.grad = torch.randn(rows, hidden, dtype=torch.bfloat16)
+        self.state = DelayedScalingState(recipe, None) if recipe.delayed else None
+        self.slots = Fp8ExpertSlots(
+            recipe, self.state, num_experts=experts, first_expert=0, num_local_experts=experts
+        )
+        self.counts = [args.tokens] * experts
+
+    def step(self) -> None:
+        """Forward and backward (with the delayed-scaling updates of a block's passes)."""
+        out = self.slots.experts_linear(self.input, self.weight, self.counts, grouped=True)
+        if self.state is not None:
+            self.state.end_forward()
+        out.backward(self.grad)
+        if self.state is not None:
+            self.state.end_backward()
+        self.input.grad = None
+
+
+def experts_table(args: argparse.Namespace, device: torch.device) -> None:
+    torch.manual_seed(args.seed)
+    projections = {
+        (experts, name): ExpertProjection(args, experts, recipe_of(name, args.format), device)
+        for experts in args.experts
+        for name in args.recipes
+    }
+    times = alternate({key: p.step for key, p in projections.items()}, args, device)
+    print(
+        f"MoE expert projections in FP8, forward + backward, hidden {args.hidden_size}, "
+        f"{args.tokens} tokens per expert, {args.format} format, {device.type}; per projection:"
+    )
+    print(
+        f"{'experts':>7} {'recipe':<11} {'host us':>9} {'aten ops':>9} {'scaled_mm':>9} "
+        f"{'grouped':>7}  stand-ins (ops)"
+    )
+    for (experts, name), projection in projections.items():
+        counter = count_ops(projection.step)
+        stand_in = ""
+        if counter.stand_in_calls:
+            stand_in = f"  {counter.stand_in_calls} ({counter.stand_in_ops})"
+        print(
+            f"{experts:7d} {name:<11} {times[experts, name]:9.1f} {counter.total:9d} "
+            f"{counter.ops['_scaled_mm']:9d} {counter.ops['_scaled_grouped_mm']:7d}{stand_in}"
+        )
+    print(
+        "scaled_mm, grouped: FP8 GEMM calls, one per expert and grouped; stand-ins: casts of "
+        "all the experts' rows at once run as torch ops off CUDA (one or two kernel launches "
+        "on CUDA), and their ops"
+    )
 
 
 def host_us(step: Callable[[], None], device: torch.device, iters: int) -> float:
@@ -407,6 +492,8 @@ def main() -> None:
         global host_clock
         host_clock = time.thread_time
     linear_table(args, device)
+    if args.experts:
+        experts_table(args, device)
     if args.gpt_layers > 0:
         gpt_table(args, device)
 

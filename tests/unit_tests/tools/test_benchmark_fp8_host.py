@@ -1,6 +1,7 @@
-"""Smoke tests of `tools/benchmark_fp8_host.py`: a chain of linear layers in bf16 and in FP8, and a
-one-layer GPT, timed and their aten ops counted, the reference quantiser's ops (which stand in for
-the GPU's cast kernels off CUDA) counted apart; bad usage refused with a message."""
+"""Smoke tests of `tools/benchmark_fp8_host.py`: a chain of linear layers in bf16 and in FP8, MoE
+expert projections in FP8, and a one-layer GPT, timed and their aten ops counted, the reference
+quantisers' ops (which stand in for the GPU's cast kernels off CUDA) counted apart; bad usage
+refused with a message."""
 
 from __future__ import annotations
 
@@ -41,6 +42,34 @@ def test_reports_host_time_and_ops_per_linear_and_per_gpt_step():
     assert int(gpt["bf16"]["calls"]) == 0, proc.stdout
     # Four FP8 linears: two casts each, and each weight's once per optimizer step.
     assert int(gpt["delayed"]["calls"]) == int(gpt["tensorwise"]["calls"]) == 12, proc.stdout
+
+
+EXPERT_ROW = re.compile(
+    r"^ *(?P<experts>\d+) (?P<recipe>delayed|tensorwise) +(?P<us>\S+) +(?P<ops>\d+)"
+    r" +(?P<scaled_mm>\d+) +(?P<grouped>\d+)  (?P<calls>\d+) \((?P<stand_in_ops>\d+)\)$",
+    re.MULTILINE,
+)
+
+
+def test_reports_expert_projections_whose_casts_do_not_grow_with_the_experts():
+    """On CPU every expert GEMM runs one `torch._scaled_mm` per expert (three per expert), and
+    each pass casts all the experts' rows in one call (one or two kernel launches on CUDA)."""
+    proc = run_tool(*TINY, "--experts", "4,8", nproc=None, tool=TOOL, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(int(m["experts"]), m["recipe"]): m for m in EXPERT_ROW.finditer(proc.stdout)}
+    assert set(rows) == {(e, r) for e in (4, 8) for r in ("delayed", "tensorwise")}, proc.stdout
+    for (experts, _), row in rows.items():
+        assert float(row["us"]) > 0 and int(row["grouped"]) == 0, proc.stdout
+        assert int(row["scaled_mm"]) == 3 * experts, proc.stdout
+        assert int(row["calls"]) == 2, proc.stdout
+
+
+def test_experts_must_be_positive_numbers(import_tool, capsys):
+    tool = import_tool("benchmark_fp8_host")
+    message = usage_error(lambda: tool.parse_args([*TINY, "--experts", "8,x"]), capsys)
+    assert "give comma-separated numbers" in message
+    message = usage_error(lambda: tool.parse_args([*TINY, "--experts", "0"]), capsys)
+    assert "must be at least 1" in message
 
 
 def test_blockwise_needs_the_e4m3_format(import_tool, capsys):
