@@ -83,8 +83,8 @@ class ExpertRows:
         self.padded_starts = [0, *itertools.accumulate(self.padded_counts)][:-1]
         self.rows = sum(self.counts)
         self.padded_rows = sum(self.padded_counts)
-        # The device tensors below, made once per device: a projection's forward and backward
-        # (and its recomputation) share this object.
+        # The device tensors below, made once per device from one copy: a projection's forward
+        # and backward (and its recomputation) share this object.
         self._tables: dict[torch.device, torch.Tensor] = {}
         self._real_rows: dict[torch.device, torch.Tensor] = {}
 
@@ -97,11 +97,17 @@ class ExpertRows:
 
     def kernel_table(self, device: torch.device) -> torch.Tensor:
         """int32 `[3G]` on `device`: each expert's first row, its rows, and its first tile of
-        16 padded rows (what the experts' cast kernel and `offsets` read)."""
+        16 padded rows (what the experts' cast kernel reads)."""
+        return self._table(device)[: 3 * len(self)]
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        """int32 `[5G]` on `device`, copied there once: `kernel_table`, then where each
+        expert's padded rows end (`offsets`) and how many they are."""
         table = self._tables.get(device)
         if table is None:
             tiles = [start // GEMM_ALIGNMENT for start in self.padded_starts]
-            values = [*self.starts, *self.counts, *tiles]
+            ends = itertools.accumulate(self.padded_counts)
+            values = [*self.starts, *self.counts, *tiles, *ends, *self.padded_counts]
             table = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
             self._tables[device] = table
         return table
@@ -125,12 +131,12 @@ class ExpertRows:
 
     def offsets(self, device: torch.device) -> torch.Tensor:
         """The grouped GEMMs' `offs`: where each expert's padded rows end, int32 on `device`."""
-        ends = list(itertools.accumulate(self.padded_counts))
-        return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+        groups = len(self)
+        return self._table(device)[3 * groups : 4 * groups]
 
     def row_scales(self, scale_invs: torch.Tensor) -> torch.Tensor:
         """One multiplier per padded row: each expert's `scale_invs[e]` over its rows."""
-        repeats = torch.tensor(self.padded_counts).to(scale_invs.device, non_blocking=True)
+        repeats = self._table(scale_invs.device)[4 * len(self) :]
         return scale_invs.repeat_interleave(repeats, output_size=self.padded_rows)
 
 
