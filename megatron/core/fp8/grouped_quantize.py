@@ -52,7 +52,12 @@ class GroupedFp8Tensor(NamedTuple):
         padded part gives zero rows (or adds zeros) for the padding."""
         rows = self.rows
         parts = tensor.split(rows.padded_counts, dim)
-        scales = self.scale_invs.split(1)
+        scale_invs = self.scale_invs
+        if scale_invs.stride(0) != _SCALE_STRIDE or scale_invs.data_ptr() % 16:
+            # Packed by a copy (a saved-tensor hook's, when offloading activations).
+            scale_invs = _scale_storage(len(rows), scale_invs.device)
+            scale_invs.copy_(self.scale_invs)
+        scales = scale_invs.split(1)
         return [
             None if count == 0 else Fp8Tensor(part, scale)
             for part, scale, count in zip(parts, scales, rows.counts)
@@ -95,8 +100,7 @@ def quantize_experts(
             f"quantize_experts: x has {x.shape[0]} rows, the experts' counts sum to {rows.rows}."
         )
     device = x.device
-    storage = torch.ones(groups, _SCALE_STRIDE, dtype=torch.float32, device=device)
-    scale_invs = storage[:, 0]
+    scale_invs = _scale_storage(groups, device).fill_(1.0)
     if kernels.kernels_available(x):
         data, transposed = kernels.cast_experts_to_fp8(
             x,
@@ -110,6 +114,11 @@ def quantize_experts(
         )
         return GroupedFp8Tensor(data, scale_invs, rows, transposed)
     return _quantize_experts_reference(x, rows, dtype, scales, amax_out, transpose, scale_invs)
+
+
+def _scale_storage(groups: int, device: torch.device) -> torch.Tensor:
+    """`[groups]` fp32 (uninitialised), 16 bytes apart (`_SCALE_STRIDE`)."""
+    return torch.empty(groups, _SCALE_STRIDE, dtype=torch.float32, device=device)[:, 0]
 
 
 def _quantize_experts_reference(

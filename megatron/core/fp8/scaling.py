@@ -77,6 +77,9 @@ class _Slots:
         self.cast_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Per slot, (its scale, its record in history row 0): made once per placement of
         the tensors, which are then only written in place, rather than at every cast."""
+        self.range_views: dict[range, tuple[torch.Tensor, torch.Tensor]] = {}
+        """The same per range of slots cast together (`cast_range`): made at its first cast,
+        then at each placement."""
 
     def materialize(self, history_len: int, device: torch.device) -> None:
         self.history = torch.zeros(history_len, self.count, dtype=torch.float32, device=device)
@@ -88,13 +91,23 @@ class _Slots:
             (self.scale.narrow(0, slot, 1), records.narrow(0, slot, 1))
             for slot in range(self.count)
         ]
+        for slots in self.range_views:
+            self.add_range(slots)
+
+    def add_range(self, slots: range) -> tuple[torch.Tensor, torch.Tensor]:
+        first, count = slots.start, len(slots)
+        views = self.scale.narrow(0, first, count), self.history[0].narrow(0, first, count)
+        self.range_views[slots] = views
+        return views
 
 
 class _ReplayScales(NamedTuple):
-    """The forward scales a recomputation casts with, `[n]`, and one view of them per slot."""
+    """The forward scales a recomputation casts with, `[n]`; one view of them per slot, and
+    one per range of slots cast together (those a forward cast already, made up front)."""
 
     scales: torch.Tensor
     views: list[torch.Tensor]
+    ranges: dict[range, torch.Tensor]
 
 
 class DelayedScalingState(torch.nn.Module):
@@ -173,14 +186,20 @@ class DelayedScalingState(torch.nn.Module):
         self, direction: str, slots: range, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`cast_tensors` of consecutive slots at once: their scales and their records, each a
-        view of `len(slots)` elements (the records None during a recomputation)."""
+        view of `len(slots)` elements (the records None during a recomputation). The views are
+        made at the range's first cast, so a recomputation dispatches no op for them (as
+        `replaying` says)."""
         if device != self._device:
             self._place(device)
-        first, count = slots.start, len(slots)
         if direction == FORWARD and self._replays:
-            return self._replay_scales(device).scales.narrow(0, first, count), None
+            replay = self._replay_scales(device)
+            scales = replay.ranges.get(slots)
+            if scales is None:  # a range no forward cast before
+                scales = replay.ranges[slots] = replay.scales.narrow(0, slots.start, len(slots))
+            return scales, None
         tensors = self._slots[direction]
-        return tensors.scale.narrow(0, first, count), tensors.history[0].narrow(0, first, count)
+        views = tensors.range_views.get(slots)
+        return views if views is not None else tensors.add_range(slots)
 
     def _replay_scales(self, device: torch.device) -> _ReplayScales:
         """The scales the innermost recomputation casts with, on `device`."""
@@ -204,14 +223,16 @@ class DelayedScalingState(torch.nn.Module):
         return self._slots[direction].cast_views[slot][1]
 
     def _replay_views(self, snapshot: torch.Tensor | None, device: torch.device) -> _ReplayScales:
-        """The forward scales in `snapshot` (None: the initial ones) on `device`, and one view
-        of them per slot."""
+        """The forward scales in `snapshot` (None: the initial ones) on `device`, with their
+        views."""
+        forward = self._slots[FORWARD]
         if snapshot is None:
-            scales = torch.ones(self._slots[FORWARD].count, dtype=torch.float32, device=device)
+            scales = torch.ones(forward.count, dtype=torch.float32, device=device)
         else:
             # A snapshot taken before the first cast after a load is still on the CPU.
             scales = snapshot.to(device)
-        return _ReplayScales(scales, list(scales.split(1)))
+        ranges = {slots: scales.narrow(0, slots.start, len(slots)) for slots in forward.range_views}
+        return _ReplayScales(scales, list(scales.split(1)), ranges)
 
     def end_forward(self) -> None:
         """Reduces and updates the forward slots (after the block's forward)."""

@@ -49,6 +49,7 @@ from megatron.core.fp8.grouped_gemm import ExpertRows
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.quantize import GEMM_ALIGNMENT, quantize
 from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
+from megatron.core.fusions.triton_launch import launches_on
 from megatron.core.utils import cuda_graph_capturing
 
 WEIGHT_DTYPE = torch.float8_e4m3fn
@@ -114,7 +115,7 @@ class Fp8Weight:
         native = native_transpose(data)
         if native is not None:
             transposed = native.transpose(data)
-        elif kernels.triton is not None and data.is_cuda and data.is_contiguous():
+        elif launches_on(data) and data.is_contiguous():
             transposed = kernels.transpose_fp8(data)
         else:
             transposed = data.t().contiguous()
@@ -194,7 +195,7 @@ class Fp8ExpertWeights:
         all the experts at once; each expert's `dgrad_operand` is then a view of them."""
         if self._stacked_transposes is None:
             data = self.data
-            if kernels.triton is not None and data.is_cuda and data.is_contiguous():
+            if launches_on(data) and data.is_contiguous():
                 stacked = kernels.transpose_fp8(data)  # one launch for every expert
             else:  # as bytes: every build's copy kernels take them
                 stacked = data.view(torch.uint8).transpose(1, 2).contiguous().view(WEIGHT_DTYPE)

@@ -64,6 +64,21 @@ def test_each_expert_is_quantised_as_alone(dtype, delayed):
     assert records[1] == records[4] == 0.25, "an expert without rows records nothing"
 
 
+def test_each_experts_scale_lies_16_bytes_apart_even_after_a_packing_copy():
+    """cuBLASLt reads each per-expert GEMM's scale from a 16-byte aligned address; a saved-tensor
+    hook that copies the scales (offloading) packs them 4 bytes apart."""
+    rows = ExpertRows(COUNTS)
+    cast = quantize_experts(_input(COUNTS), rows, E4M3, transpose=True)
+    packed = cast._replace(scale_invs=cast.scale_invs.clone())
+    assert packed.scale_invs.stride() == (1,)
+    for grouped in (cast, packed):
+        parts = [part for part in grouped.per_expert(grouped.data, 0) if part is not None]
+        assert all(part.scale_inv.data_ptr() % 16 == 0 for part in parts)
+        assert torch.equal(
+            torch.cat([part.scale_inv for part in parts]), cast.scale_invs[[0, 2, 3, 5]]
+        )
+
+
 def test_only_the_copies_asked_for_are_made_and_rows_must_match():
     rows = ExpertRows(COUNTS)
     x = _input(COUNTS)

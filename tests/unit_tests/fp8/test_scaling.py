@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
@@ -229,3 +230,41 @@ def test_a_state_loaded_before_the_first_cast_moves_to_that_casts_device():
     assert {value.device for value in state.scaling_tensors().values()} == {meta}
     with state.replaying(snapshot):
         assert state.scale(FORWARD, 0, meta).device == meta
+
+
+class _Dispatched(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_range_of_slots_casts_with_views_made_once():
+    """An MoE projection's experts cast with a range of consecutive slots: their scales and
+    records are views of the state's tensors, made at the range's first cast; later casts, and
+    a recomputation's (which uses the snapshot's scales and records nothing), dispatch no op
+    for them (a selective checkpoint replays the forward's ops by count)."""
+    state = DelayedScalingState(Fp8Recipe("hybrid", "delayed"), group=None)
+    for direction in (FORWARD, BACKWARD):
+        for _ in range(5):
+            state.new_slot(direction)
+    experts = range(1, 4)
+    device = torch.device("cpu")
+    scales, records = state.cast_range(FORWARD, experts, device)
+    records.copy_(torch.tensor([1.0, 2.0, 4.0]))
+    state.end_forward()
+    assert state.scaling_tensors()["scale_fwd"][1:4].tolist() == [448.0, 224.0, 112.0]
+    assert scales.tolist() == [448.0, 224.0, 112.0], "a view of the state's scales"
+    snapshot = state.snapshot()
+    scales.mul_(2)  # the state's scales move on; the recomputation keeps the snapshot's
+    with _Dispatched() as dispatched:
+        again = state.cast_range(FORWARD, experts, device)
+    with state.replaying(snapshot), _Dispatched() as replay_dispatched:
+        replayed, record = state.cast_range(FORWARD, experts, device)
+    assert dispatched.ops == replay_dispatched.ops == [] and again[0] is scales
+    assert record is None and replayed.tolist() == [448.0, 224.0, 112.0]
+    grads, _ = state.cast_range(BACKWARD, range(0, 5), device)
+    assert grads.shape == (5,) and grads.tolist() == [1.0] * 5
