@@ -23,7 +23,7 @@ from megatron.core.fp8.tensor import Fp8Tensor
 
 _SCALE_STRIDE = 4
 """Each expert's dequantisation multiplier lies 16 bytes after the previous one: cuBLASLt reads a
-scale from a 16-byte aligned address (`GroupedFp8Tensor.expert` hands single ones to it)."""
+scale from a 16-byte aligned address (`GroupedFp8Tensor.per_expert` hands single ones to it)."""
 
 
 class GroupedFp8Tensor(NamedTuple):

@@ -95,6 +95,7 @@ class _Slots:
             self.add_range(slots)
 
     def add_range(self, slots: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Makes (and keeps) the views of `slots`' scales and records."""
         first, count = slots.start, len(slots)
         views = self.scale.narrow(0, first, count), self.history[0].narrow(0, first, count)
         self.range_views[slots] = views
