@@ -198,7 +198,7 @@ def cast_experts_to_fp8(
     Returns:
         (the padded copy `[P, cols]`, the transposed copy or None).
     """
-    rows, cols = x.shape
+    cols = x.shape[1]
     groups = scale_invs.shape[0]
     x = x.contiguous()
     tiles = padded_rows // GEMM_ALIGNMENT
@@ -211,9 +211,15 @@ def cast_experts_to_fp8(
     if scales is None:
         scales = torch.zeros(groups, dtype=torch.float32, device=x.device)
         _launch_expert_amax(
-            grid, x, table, scales, cols, groups, SEARCH_STEPS=search_steps,
+            grid,
+            x,
+            table,
+            scales,
+            cols,
+            groups,
+            SEARCH_STEPS=search_steps,
             BLOCK_COLS=_EXPERT_BLOCK_COLS,
-        )  # fmt: skip
+        )
         if amax_out is not None:
             torch.maximum(amax_out, scales, out=amax_out)
         from_amax, record = True, None
