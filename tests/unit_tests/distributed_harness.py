@@ -121,7 +121,13 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, conn: Conn
             break
         fn, args, kwargs = message
         try:
-            conn.send(("ok", _to_cpu(fn(*args, **kwargs))))
+            result = _to_cpu(fn(*args, **kwargs))
+            if dist.is_initialized():
+                # Every rank past the test before any tears its groups down: gloo's connect of
+                # a new group can return on one rank while another is still connecting, and a
+                # teardown then closes the link under it ("Connection closed by peer").
+                dist.barrier()
+            conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             conn.send(("error", traceback.format_exc()))
         finally:
