@@ -1,8 +1,9 @@
-"""`quantize_experts` against `quantize` of each expert's rows alone: the same bytes in the padded
-layout (zero rows between experts), the same transposed bytes, scale inverses and recorded
-absolute maxima, for each format and recipe, with empty experts, counts that are not multiples
-of 16 and non-finite values; and `ExpertRows`' device-side maps. (The CUDA kernel against this
-reference: `test_kernels.py`.)"""
+"""`quantize_experts` against each expert's rows quantised alone in plain torch (Transformer
+Engine's rules written out: `fp8(clamp(x * scale))`, current scaling's `max / amax` with NaNs
+skipped): the bytes in the padded layout (zero rows between experts), the transposed bytes, scale
+inverses and recorded absolute maxima, for each format and recipe, with empty experts, counts
+that are not multiples of 16 and non-finite values; and `ExpertRows`' device-side maps. (The CUDA
+kernel against the CPU path: `test_kernels.py`.)"""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import torch
 
 from megatron.core.fp8.grouped_gemm import ExpertRows
 from megatron.core.fp8.grouped_quantize import quantize_experts
-from megatron.core.fp8.quantize import quantize
-from tests.unit_tests.fp8.reference import E4M3, E5M2
+from tests.unit_tests.fp8.reference import E4M3, E5M2, current_scale, q
 
 COUNTS = [5, 0, 17, 3, 0, 32]
 COLS = 48
@@ -50,15 +50,18 @@ def test_each_expert_is_quantised_as_alone(dtype, delayed):
             assert blocks[index] is None and columns[index] is None
             assert cast.scale_invs[index] == 1.0
             continue
-        scale = None if scales is None else scales[index : index + 1]
-        record = expected_records[index : index + 1]
-        alone = quantize(part, dtype, scale=scale, amax_out=record, transpose=True)
+        no_nan = torch.where(part.isnan(), 0.0, part)  # the amax skips NaNs (TE's fmaxf)
+        scale = current_scale(no_nan, dtype) if scales is None else scales[index]
+        expected_records[index] = max(expected_records[index], no_nan.float().abs().amax())
+        expected = _bytes(q(part, scale, dtype))
+        count = part.shape[0]
         block = _bytes(blocks[index].data)
         assert block.shape[0] == rows.padded_counts[index]
-        assert torch.equal(block[: part.shape[0]], _bytes(alone.data))
-        assert not block[part.shape[0] :].any(), "the padding rows are zero bytes"
-        assert torch.equal(_bytes(columns[index].data), _bytes(alone.transposed))
-        assert torch.equal(blocks[index].scale_inv, alone.scale_inv.reshape(1))
+        assert torch.equal(block[:count], expected)
+        assert not block[count:].any(), "the padding rows are zero bytes"
+        column = _bytes(columns[index].data)
+        assert torch.equal(column[:, :count], expected.t()) and not column[:, count:].any()
+        assert torch.equal(blocks[index].scale_inv, scale.reciprocal().reshape(1))
         assert blocks[index].scale_inv.data_ptr() % 16 == 0, "cuBLASLt reads aligned scales"
     assert torch.equal(records, expected_records)
     assert records[1] == records[4] == 0.25, "an expert without rows records nothing"
