@@ -227,17 +227,24 @@ class LinearChain:
                 layer.fp8 = Fp8LinearSlots(recipe, self.state)
 
     def step(self) -> None:
-        """Forward and backward through every layer (with the delayed-scaling updates that a
-        transformer block makes once per pass)."""
+        """Forward and backward through every layer."""
         hidden = self.input
         for layer in self.layers:
             hidden, _ = layer(hidden)
-        if self.state is not None:
-            self.state.end_forward()
-        hidden.backward(self.grad)
-        if self.state is not None:
-            self.state.end_backward()
+        backward_ending_passes(hidden, self.grad, self.state)
         self.input.grad = None
+
+
+def backward_ending_passes(
+    out: torch.Tensor, grad: torch.Tensor, state: DelayedScalingState | None
+) -> None:
+    """Runs the backward of `out` from `grad`, with the delayed-scaling updates that a
+    transformer block makes once per pass (`state`: None under current scaling)."""
+    if state is not None:
+        state.end_forward()
+    out.backward(grad)
+    if state is not None:
+        state.end_backward()
 
 
 class ExpertProjection:
@@ -261,13 +268,9 @@ class ExpertProjection:
         self.counts = [args.tokens] * experts
 
     def step(self) -> None:
-        """Forward and backward (with the delayed-scaling updates of a block's passes)."""
+        """Forward and backward."""
         out = self.slots.experts_linear(self.input, self.weight, self.counts, grouped=True)
-        if self.state is not None:
-            self.state.end_forward()
-        out.backward(self.grad)
-        if self.state is not None:
-            self.state.end_backward()
+        backward_ending_passes(out, self.grad, self.state)
         self.input.grad = None
 
 

@@ -152,13 +152,9 @@ class Fp8ExpertSlots:
         self.state = state
         self.input_slots = self.grad_slots = range(0)
         if state is not None:
-            # `new_slot` numbers consecutively: the local experts' scales and records are one
-            # view of the state's each (`DelayedScalingState.cast_range`).
-            inputs = [state.new_slot(FORWARD) for _ in range(num_experts)]
-            grads = [state.new_slot(BACKWARD) for _ in range(num_experts)]
             local = slice(first_expert, first_expert + num_local_experts)
-            self.input_slots = range(inputs[0], inputs[-1] + 1)[local]
-            self.grad_slots = range(grads[0], grads[-1] + 1)[local]
+            self.input_slots = state.new_slots(FORWARD, num_experts)[local]
+            self.grad_slots = state.new_slots(BACKWARD, num_experts)[local]
 
     def experts_linear(
         self,

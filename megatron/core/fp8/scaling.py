@@ -156,11 +156,20 @@ class DelayedScalingState(torch.nn.Module):
         Raises:
             RuntimeError: the tensors exist already.
         """
+        return self.new_slots(direction, 1).start
+
+    def new_slots(self, direction: str, count: int) -> range:
+        """`count` new consecutive slots of `direction` (an MoE projection's experts, whose
+        casts take a range of them at once: `cast_range`); before the first cast.
+
+        Raises:
+            RuntimeError: the tensors exist already.
+        """
         if self.materialized:
             raise RuntimeError("FP8 slots must all be made before the first FP8 cast.")
         slots = self._slots[direction]
-        slots.count += 1
-        return slots.count - 1
+        slots.count += count
+        return range(slots.count - count, slots.count)
 
     def _place(self, device: torch.device) -> None:
         """Makes the tensors on `device` (initial values), or moves the loaded ones there."""
