@@ -21,8 +21,9 @@ of padding are dropped from the outputs. Two shapes:
 - `fp8_grouped_wgrad`: `[N, P] x [P, K] -> [G, N, K]`, the contraction grouped (weight
   gradient).
 
-Off CUDA (and on GPUs or builds without the kernel) the experts run one `torch._scaled_mm` per
-expert instead (`megatron.core.fp8.experts`); `grouped_kernel_available` tells.
+The experts use it where Triton does not run (`expert_gemm_kernels` has grouped GEMMs without
+these limits); off CUDA (and on GPUs or builds without either) they run one `torch._scaled_mm`
+per expert (`megatron.core.fp8.experts`). `grouped_kernel_available` tells whether it runs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron.core.fp8.expert_gemm_kernels import TILE_ROWS
 from megatron.core.fp8.quantize import GEMM_ALIGNMENT, round_up
 
 _scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
@@ -83,6 +85,9 @@ class ExpertRows:
         self.padded_starts = [0, *itertools.accumulate(self.padded_counts)][:-1]
         self.rows = sum(self.counts)
         self.padded_rows = sum(self.padded_counts)
+        self._gemm_tile_counts = [-(-count // TILE_ROWS) for count in self.padded_counts]
+        self.gemm_tiles = sum(self._gemm_tile_counts)
+        """The tiles of `TILE_ROWS` padded rows of all experts (an expert's last one partial)."""
         # The device tensors below, made once per device from one copy: a projection's forward
         # and backward (and its recomputation) share this object.
         self._tables: dict[torch.device, torch.Tensor] = {}
@@ -98,16 +103,18 @@ class ExpertRows:
     def kernel_table(self, device: torch.device) -> torch.Tensor:
         """int32 `[3G]` on `device`: each expert's first row, its rows, and its first tile of
         16 padded rows (what the experts' cast kernel reads)."""
-        return self._table(device)[: 3 * len(self)]
+        return self.gemm_table(device)[: 3 * len(self)]
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        """int32 `[5G]` on `device`, copied there once: `kernel_table`, then where each
-        expert's padded rows end (`offsets`) and how many they are."""
+    def gemm_table(self, device: torch.device) -> torch.Tensor:
+        """int32 `[6G]` on `device`, copied there once: `kernel_table`, `offsets`, each
+        expert's padded rows, and its first tile of `TILE_ROWS` padded rows (what
+        `expert_gemm_kernels` reads)."""
         table = self._tables.get(device)
         if table is None:
             tiles = [start // GEMM_ALIGNMENT for start in self.padded_starts]
             ends = itertools.accumulate(self.padded_counts)
-            values = [*self.starts, *self.counts, *tiles, *ends, *self.padded_counts]
+            gemm_tiles = [0, *itertools.accumulate(self._gemm_tile_counts)][:-1]
+            values = [*self.starts, *self.counts, *tiles, *ends, *self.padded_counts, *gemm_tiles]
             table = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
             self._tables[device] = table
         return table
@@ -132,11 +139,12 @@ class ExpertRows:
     def offsets(self, device: torch.device) -> torch.Tensor:
         """The grouped GEMMs' `offs`: where each expert's padded rows end, int32 on `device`."""
         groups = len(self)
-        return self._table(device)[3 * groups : 4 * groups]
+        return self.gemm_table(device)[3 * groups : 4 * groups]
 
     def row_scales(self, scale_invs: torch.Tensor) -> torch.Tensor:
         """One multiplier per padded row: each expert's `scale_invs[e]` over its rows."""
-        repeats = self._table(scale_invs.device)[4 * len(self) :]
+        groups = len(self)
+        repeats = self.gemm_table(scale_invs.device)[4 * groups : 5 * groups]
         return scale_invs.repeat_interleave(repeats, output_size=self.padded_rows)
 
 

@@ -111,3 +111,13 @@ def test_expert_rows_maps_agree_with_the_counts():
     unpadded = ExpertRows([16, 0, 32])
     full = torch.zeros(48, 2)
     assert unpadded.unpad(full) is full, "nothing to drop: no copy"
+
+
+def test_expert_rows_gemm_table_gives_each_experts_first_tile_of_128_rows():
+    rows = ExpertRows([130, 0, 5, 256, 0, 257])  # padded: 144, 0, 16, 256, 0, 272
+    table = rows.gemm_table(torch.device("cpu")).view(6, -1).tolist()
+    assert table[:3] == rows.kernel_table(torch.device("cpu")).view(3, -1).tolist()
+    assert table[3] == [144, 144, 160, 416, 416, 688]  # where each expert's padded rows end
+    assert table[4] == [144, 0, 16, 256, 0, 272]
+    assert table[5] == [0, 2, 2, 3, 5, 5]  # 2, 0, 1, 2, 0 and 3 tiles of up to 128 rows
+    assert rows.gemm_tiles == 8
