@@ -20,13 +20,14 @@ Each pass casts all the experts' rows at once (`grouped_quantize.quantize_expert
 kernel launch, two under current scaling) into the padded layout the grouped GEMMs read, with
 the transposed copy the weight gradient reads; the per-expert GEMMs take views of them.
 
-The GEMMs run one `torch._scaled_mm` per expert with tokens (`fp8_mm`), or, in a `GroupedMLP` on
-a GPU whose PyTorch has it, one grouped GEMM (`torch._scaled_grouped_mm`, `grouped_gemm.py`)
-where that kernel applies (`GroupedGemms`): it writes bf16 and takes E4M3 operands only, so it
-runs the forward of a bf16 model, and the two backward GEMMs under the `e4m3` format (`hybrid`'s
-E5M2 output gradients go one expert at a time); the weight gradient only where it is wanted in
-bf16 (an fp32 `main_grad` is written by the per-expert GEMMs, unrounded, as the dense layers
-write theirs). `describe_expert_gemms` says which, for the start-up log.
+The GEMMs of a `GroupedMLP` on a GPU run as one launch each (`ExpertGemms`): this package's
+Triton grouped GEMMs (`expert_gemm_kernels.py`: any FP8 operands, E5M2 output gradients
+included, and weight gradients written into fp32 `main_grad`s unrounded, as the dense layers
+write theirs), or, where Triton does not run, PyTorch's grouped FP8 GEMM
+(`torch._scaled_grouped_mm`, `grouped_gemm.py`) where it applies (E4M3 operands, a bf16 output).
+Elsewhere (off CUDA, an expert layer that is not grouped, experts whose GEMMs are large enough to
+keep the GPU busy one at a time: `PER_EXPERT_FROM_FLOPS`) each expert with tokens runs one
+`torch._scaled_mm` per GEMM (`fp8_mm`). `describe_expert_gemms` says which, for the start-up log.
 
 Weight gradients go where `grad_accumulation.weight_grad_target` says, as the dense FP8 layers':
 fused into an engine's `main_grad` (written over, with zeros for experts without tokens, or
@@ -37,11 +38,12 @@ whole (`tp_group`) get their gradients summed over it here and returned to autog
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8 import grouped_gemm
+from megatron.core.fp8 import expert_gemm_kernels, grouped_gemm
 from megatron.core.fp8.gemm import fp8_mm
 from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm, fp8_grouped_wgrad
 from megatron.core.fp8.grouped_quantize import GroupedFp8Tensor, quantize_experts
@@ -59,32 +61,66 @@ from megatron.core.utils import direct_apply, once_differentiable, outside_compi
 _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+class ExpertGemm(enum.Enum):
+    """How one of an expert projection's three GEMMs runs (the value, for the log)."""
+
+    PER_EXPERT = "one torch._scaled_mm per expert"
+    SCALED_GROUPED_MM = "torch._scaled_grouped_mm"
+    TRITON = "a Triton grouped GEMM"
+
+
+_PER_EXPERT = ExpertGemm.PER_EXPERT
+
+PER_EXPERT_FROM_FLOPS = 4e10
+"""The mean FLOPs of one expert's GEMM from which a grouped expert layer runs one
+`torch._scaled_mm` per expert rather than a grouped GEMM. A GEMM launch costs the host about
+40 us, in which an H200 does about 4e10 FP8 FLOPs: smaller GEMMs one at a time leave the GPU
+waiting for the host (64 experts of a DeepSeek-V3 shape, 2-4 GFLOP each: 2.5-3.4 ms of host time
+per GEMM and projection against 0.1 grouped), while larger ones keep it busy, and cuBLAS ran them
+faster than the grouped kernels on an H200 (8 experts of Mixtral's shape, 120-240 GFLOP each:
+the forward of fc1 in 1.6 ms, against 2.3 by the Triton kernel and 2.5 by
+`torch._scaled_grouped_mm`)."""
+
+
 @dataclasses.dataclass(frozen=True)
-class GroupedGemms:
-    """Which GEMMs of an FP8 expert projection run as one grouped GEMM (the others run one
-    `torch._scaled_mm` per expert).
+class ExpertGemms:
+    """How an FP8 expert projection's GEMMs run (module docstring).
 
     Attributes:
         fprop: the forward GEMM.
         dgrad: the input-gradient GEMM.
-        wgrad: the weight-gradient GEMM, where the gradient is wanted in bf16.
+        wgrad: the weight-gradient GEMM (`SCALED_GROUPED_MM`: into bf16 gradients only, the
+            others one GEMM per expert).
     """
 
-    fprop: bool = False
-    dgrad: bool = False
-    wgrad: bool = False
+    fprop: ExpertGemm = _PER_EXPERT
+    dgrad: ExpertGemm = _PER_EXPERT
+    wgrad: ExpertGemm = _PER_EXPERT
 
     @classmethod
     def where_possible(
-        cls, recipe: Fp8Recipe, device: torch.device, dtype: torch.dtype
-    ) -> GroupedGemms:
-        """Those that `torch._scaled_grouped_mm` runs on `device` for inputs of `dtype`: with
-        a bf16 output, the forward; with E4M3 output gradients (`e4m3` format), the backward
-        ones too (the weight gradient when it is computed in FP8)."""
+        cls,
+        recipe: Fp8Recipe,
+        device: torch.device,
+        dtype: torch.dtype,
+        flops_per_expert: float = 0.0,
+    ) -> ExpertGemms:
+        """The kernels that run the GEMMs of an expert layer on `device` whose inputs are of
+        `dtype` and whose experts' GEMMs take `flops_per_expert` on average: one GEMM per
+        expert from `PER_EXPERT_FROM_FLOPS`; below, the Triton grouped GEMMs where they run
+        (on an H200 they took less GPU and host time than PyTorch's grouped GEMM), else
+        PyTorch's where it applies, else one GEMM per expert."""
+        if flops_per_expert >= PER_EXPERT_FROM_FLOPS:
+            return cls()
+        if expert_gemm_kernels.kernels_available(device):
+            triton = ExpertGemm.TRITON
+            return cls(fprop=triton, dgrad=triton, wgrad=triton)
         if dtype != torch.bfloat16 or not grouped_gemm.grouped_kernel_available(device):
             return cls()
+        scaled = ExpertGemm.SCALED_GROUPED_MM
         e4m3 = recipe.backward_dtype == torch.float8_e4m3fn
-        return cls(fprop=True, dgrad=e4m3, wgrad=e4m3 and recipe.wgrad)
+        backward = scaled if e4m3 else _PER_EXPERT
+        return cls(fprop=scaled, dgrad=backward, wgrad=backward if recipe.wgrad else _PER_EXPERT)
 
 
 def describe_expert_gemms(
@@ -99,24 +135,23 @@ def describe_expert_gemms(
         device: where they compute.
         dtype: the dtype of their inputs (the parameters').
     """
-    loop = "one torch._scaled_mm per expert"
+    prefix = "the routed experts' FP8 GEMMs run"
     if not grouped:
-        return f"the routed experts' FP8 GEMMs run {loop}"
-    gemms = GroupedGemms.where_possible(recipe, device, dtype)
-    if not gemms.fprop:
-        if not grouped_gemm.grouped_kernel_available(device):
-            why = f"torch._scaled_grouped_mm does not run on this {device.type} device"
-        else:
-            why = f"torch._scaled_grouped_mm writes bf16, not {str(dtype).removeprefix('torch.')}"
-        return f"the routed experts' FP8 GEMMs run {loop} ({why})"
-    if not gemms.dgrad:
+        return f"{prefix} {_PER_EXPERT.value}"
+    gemms = ExpertGemms.where_possible(recipe, device, dtype)
+    if gemms == ExpertGemms():
+        inputs = str(dtype).removeprefix("torch.")
         return (
-            "the routed experts' FP8 forward GEMMs run as torch._scaled_grouped_mm, their "
-            f"backward GEMMs {loop} (the grouped kernel takes no E5M2 output gradients)"
+            f"{prefix} {_PER_EXPERT.value} (no grouped FP8 GEMM for {inputs} inputs on this "
+            f"{device.type} device)"
         )
+    wgrad = gemms.wgrad.value
+    if gemms.wgrad is ExpertGemm.SCALED_GROUPED_MM:
+        wgrad += f" (into fp32 main_grads {_PER_EXPERT.value})"
     return (
-        "the routed experts' FP8 GEMMs run as torch._scaled_grouped_mm (weight gradients into "
-        f"fp32 main_grads {loop})"
+        f"{prefix}: forward {gemms.fprop.value}, input gradient {gemms.dgrad.value}, weight "
+        f"gradient {wgrad}; experts whose GEMMs average {PER_EXPERT_FROM_FLOPS / 1e9:.0f} "
+        f"GFLOP or more: {_PER_EXPERT.value}"
     )
 
 
@@ -215,23 +250,35 @@ def _expert_mm(
     cast: GroupedFp8Tensor,
     weights: Fp8ExpertWeights,
     *,
-    grouped: bool,
+    kernel: ExpertGemm,
     dgrad: bool,
     out_dtype: torch.dtype,
     fast_accum: bool,
 ) -> torch.Tensor:
-    """`X_e W_e^T` (forward) or `dY_e W_e` (`dgrad`) of every expert, `[M, cols]`: one grouped
-    GEMM (`grouped`), else one GEMM per expert with rows."""
+    """`X_e W_e^T` (forward) or `dY_e W_e` (`dgrad`) of every expert, `[M, cols]`, by
+    `kernel`."""
     rows = cast.rows
     width = weights.data.shape[2 if dgrad else 1]
     device = weights.data.device
-    if grouped:
+    if kernel is not _PER_EXPERT:
         if rows.rows == 0:
             return torch.empty(0, width, dtype=out_dtype, device=device)
         b = weights.grouped_dgrad_operand() if dgrad else weights.grouped_fprop_operand()
-        product = fp8_grouped_mm(
-            cast.data, cast.scale_invs, b, weights.scale_invs(), rows, fast_accum=fast_accum
-        )
+        if kernel is ExpertGemm.TRITON:
+            product = expert_gemm_kernels.grouped_mm(
+                cast.data,
+                cast.scale_invs,
+                b,
+                weights.scale_invs(),
+                rows.gemm_table(device),
+                rows.gemm_tiles,
+                out_dtype=out_dtype,
+                fast_accum=fast_accum,
+            )
+        else:
+            product = fp8_grouped_mm(
+                cast.data, cast.scale_invs, b, weights.scale_invs(), rows, fast_accum=fast_accum
+            )
         return rows.unpad(product)
     if dgrad:
         weights.transposes()  # every expert's, in one launch rather than one per expert
@@ -252,10 +299,10 @@ def _fp8_wgrad(
     inputs: GroupedFp8Tensor,
     weight: torch.Tensor,
     target: FusionTarget | None,
-    grouped: bool,
+    kernel: ExpertGemm,
 ) -> torch.Tensor | None:
-    """`dY_e^T X_e` of every expert from the transposed copies, into `target` (None: returned
-    in the weight's dtype); experts without rows get zeros."""
+    """`dY_e^T X_e` of every expert from the transposed copies, by `kernel`, into `target`
+    (None: returned in the weight's dtype); experts without rows get zeros."""
     rows = grads.rows
     dest = target.tensor if target is not None else torch.empty_like(weight)
     overwrite = target is None or target.overwrite
@@ -263,7 +310,17 @@ def _fp8_wgrad(
         raise ValueError(
             f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {dest.dtype}."
         )
-    if grouped and dest.dtype == torch.bfloat16 and rows.rows:
+    if kernel is ExpertGemm.TRITON and rows.rows:
+        expert_gemm_kernels.grouped_wgrad_into(
+            dest,
+            grads.transposed,
+            grads.scale_invs,
+            inputs.transposed.t(),
+            inputs.scale_invs,
+            rows.gemm_table(dest.device),
+            accumulate=not overwrite,
+        )
+    elif kernel is ExpertGemm.SCALED_GROUPED_MM and dest.dtype == torch.bfloat16 and rows.rows:
         product = fp8_grouped_wgrad(
             grads.transposed, grads.scale_invs, inputs.transposed.t(), inputs.scale_invs, rows
         )
@@ -324,14 +381,16 @@ class _Fp8Experts(torch.autograd.Function):
     ) -> torch.Tensor:
         recipe = slots.recipe
         fp8_wgrad = weight_needs_grad and recipe.wgrad
-        gemms = GroupedGemms()
+        gemms = ExpertGemms()
         if grouped:
-            gemms = GroupedGemms.where_possible(recipe, input_.device, input_.dtype)
+            _, out_features, in_features = weight.shape
+            flops = 2.0 * rows.rows * out_features * in_features / max(len(rows), 1)
+            gemms = ExpertGemms.where_possible(recipe, input_.device, input_.dtype, flops)
         cast = slots.quantize(input_, rows, FORWARD, transpose=fp8_wgrad)
         out = _expert_mm(
             cast,
             fp8_weight_of(weight),
-            grouped=gemms.fprop,
+            kernel=gemms.fprop,
             dgrad=False,
             out_dtype=input_.dtype,
             fast_accum=recipe.fprop_fast_accum,
@@ -367,7 +426,7 @@ class _Fp8Experts(torch.autograd.Function):
             grad_input = _expert_mm(
                 grads,
                 fp8_weight_of(weight),
-                grouped=gemms.dgrad,
+                kernel=gemms.dgrad,
                 dgrad=True,
                 out_dtype=ctx.input_dtype,
                 fast_accum=False,

@@ -4,25 +4,33 @@ for each format and recipe, one GEMM per expert and grouped; token counts with e
 counts that are not multiples of 16; the delayed-scaling slots of each global expert; weight
 gradients fused into an engine's `main_grad`.
 
-The grouped kernel (`torch._scaled_grouped_mm`) has no CPU implementation: the grouped path runs
-here against a stand-in that checks its operands with PyTorch's own shape and layout checks (its
-meta kernel) and computes each group as the kernel does (row-wise scales), leaving what the kernel
-does not write (an empty group of the weight gradient) as NaN."""
+The grouped kernels have no CPU implementation: the grouped paths run here against stand-ins.
+PyTorch's (`torch._scaled_grouped_mm`) checks its operands with PyTorch's own shape and layout
+checks (its meta kernel) and computes each group as the kernel does (row-wise scales), leaving
+what the kernel does not write (an empty group of the weight gradient) as NaN. The Triton ones
+(`expert_gemm_kernels`, checked against a reference on GPUs in `test_expert_gemm_kernels.py`)
+read each expert's rows from the table the kernels read, and leave the rows they do not write as
+NaN."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron.core.fp8 import experts, grouped_gemm
-from megatron.core.fp8.experts import Fp8ExpertSlots, GroupedGemms, describe_expert_gemms
+from megatron.core.fp8 import expert_gemm_kernels, experts, grouped_gemm
+from megatron.core.fp8.experts import (
+    ExpertGemm,
+    ExpertGemms,
+    Fp8ExpertSlots,
+    describe_expert_gemms,
+)
 from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.fp8.weights import Fp8ExpertWeights, Fp8Weight, fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, register_main_grad
-from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, q
+from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, mm, q
 
 BF16 = torch.bfloat16
 EXPERTS, FIRST, LOCAL = 6, 2, 4
@@ -65,6 +73,60 @@ def grouped_kernel(monkeypatch):
     """The grouped path on CPU, through `emulated_scaled_grouped_mm`."""
     monkeypatch.setattr(grouped_gemm, "_scaled_grouped_mm", emulated_scaled_grouped_mm)
     monkeypatch.setattr(grouped_gemm, "grouped_kernel_available", lambda device: True)
+
+
+def _expert_blocks(table: torch.Tensor, groups: int, tiles: int | None = None):
+    """Each expert's (first padded row, padded rows) as the Triton kernels read them from
+    `ExpertRows.gemm_table`, whose tiles of 128 rows are checked against `tiles`."""
+    _, _, firsts, _, padded, tile_starts = table.view(6, groups).tolist()
+    if tiles is not None:
+        counts = [-(-count // expert_gemm_kernels.TILE_ROWS) for count in padded]
+        assert tile_starts == [sum(counts[:index]) for index in range(groups)]
+        assert tiles == sum(counts)
+    return [(first * 16, count) for first, count in zip(firsts, padded)]
+
+
+def emulated_grouped_mm(a, a_scale_invs, b, b_scale_invs, table, tiles, *, out_dtype, **kwargs):
+    """`expert_gemm_kernels.grouped_mm` on CPU: each expert's dequantised rows times its
+    dequantised weight in fp32."""
+    out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=out_dtype)
+    for expert, (first, count) in enumerate(_expert_blocks(table, b.shape[0], tiles)):
+        rows = slice(first, first + count)
+        product = mm(dq(a[rows], a_scale_invs[expert]), dq(b[expert], b_scale_invs[expert]))
+        out[rows] = product.to(out_dtype)
+    return out
+
+
+def emulated_grouped_wgrad_into(out, a, a_scale_invs, b, b_scale_invs, table, *, accumulate):
+    """`expert_gemm_kernels.grouped_wgrad_into` on CPU: each expert's sum in fp32, added to
+    its gradient in fp32 (`accumulate`) and rounded once."""
+    for expert, (first, count) in enumerate(_expert_blocks(table, out.shape[0])):
+        rows = slice(first, first + count)
+        product = mm(dq(a[:, rows], a_scale_invs[expert]), dq(b[rows], b_scale_invs[expert]))
+        if accumulate:
+            product = out[expert].float() + product if count else out[expert]
+        out[expert] = product.to(out.dtype)
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch) -> list[str]:
+    """The Triton grouped GEMMs on CPU, through the emulations above: the names of the kernels
+    called, in order."""
+    calls = []
+
+    def recording(kernel):
+        def call(*args, **kwargs):
+            calls.append(kernel.__name__)
+            return kernel(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(expert_gemm_kernels, "kernels_available", lambda device: True)
+    monkeypatch.setattr(expert_gemm_kernels, "grouped_mm", recording(emulated_grouped_mm))
+    monkeypatch.setattr(
+        expert_gemm_kernels, "grouped_wgrad_into", recording(emulated_grouped_wgrad_into)
+    )
+    return calls
 
 
 def _slots(fmt: str, kind: str, wgrad: bool = True) -> Fp8ExpertSlots:
@@ -165,8 +227,10 @@ def test_grouped_gemms_equal_one_gemm_per_expert(fmt, kind, grouped_kernel):
     hybrid): the same outputs and gradients as the per-expert loop, bit for bit."""
     slots = _slots(fmt, kind)
     weight, x, grad = _case()
-    gemms = GroupedGemms.where_possible(slots.recipe, x.device, x.dtype)
-    assert gemms == GroupedGemms(fprop=True, dgrad=fmt == "e4m3", wgrad=fmt == "e4m3")
+    gemms = ExpertGemms.where_possible(slots.recipe, x.device, x.dtype)
+    scaled = ExpertGemm.SCALED_GROUPED_MM
+    backward = scaled if fmt == "e4m3" else ExpertGemm.PER_EXPERT
+    assert gemms == ExpertGemms(fprop=scaled, dgrad=backward, wgrad=backward)
     loop = _run(slots, weight, x, grad, grouped=False)
     grouped = _run(_slots(fmt, kind), weight, x, grad, grouped=True)
     for a, b in zip(loop, grouped):
@@ -186,6 +250,34 @@ def test_grouped_path_calls_the_kernel(grouped_kernel, monkeypatch):
     weight, x, grad = _case()
     _run(_slots("e4m3", "tensorwise"), weight, x, grad, grouped=True)
     assert calls == [(3, [16, 16, 48, 64])] * 2 + [(2, [16, 16, 48, 64])]
+
+
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_triton_gemms_equal_one_gemm_per_expert(fmt, kind, grouped_kernel, triton_kernels):
+    """Where the Triton kernels run, they run every GEMM, PyTorch's grouped GEMM none: the
+    outputs and gradients of the per-expert loop, bit for bit, and its fp32 main_grads, written
+    over or added to."""
+    weight, x, grad = _case()
+    gemms = ExpertGemms.where_possible(_slots(fmt, kind).recipe, x.device, x.dtype)
+    triton = ExpertGemm.TRITON
+    assert gemms == ExpertGemms(fprop=triton, dgrad=triton, wgrad=triton)
+    loop = _run(_slots(fmt, kind), weight, x, grad, grouped=False)
+    assert triton_kernels == []
+    grouped = _run(_slots(fmt, kind), weight, x, grad, grouped=True)
+    assert triton_kernels == ["emulated_grouped_mm"] * 2 + ["emulated_grouped_wgrad_into"]
+    for a, b in zip(loop, grouped):
+        assert torch.equal(a, b)
+    for overwrite in (True, False):
+        main_grads = []
+        for grouped in (False, True):
+            engine = _Engine(weight, torch.float32, overwrite)
+            register_main_grad(weight, engine.main_grad_of)
+            _run(_slots(fmt, kind), weight, x, grad, grouped=grouped)
+            main_grads.append(engine.main_grad)
+        assert torch.equal(*main_grads)
+        assert torch.equal(main_grads[1][1], torch.full((OUT, IN), 0.0 if overwrite else 0.5))
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -321,19 +413,55 @@ def test_slots_of_delayed_scaling_are_one_per_global_expert():
         Fp8ExpertSlots(recipe, state, num_experts=4, first_expert=3, num_local_experts=2)
 
 
-def test_the_log_says_which_gemms_run_grouped(monkeypatch):
+def test_experts_with_large_gemms_run_one_gemm_per_expert(
+    grouped_kernel, triton_kernels, monkeypatch
+):
+    """From `PER_EXPERT_FROM_FLOPS` per expert's GEMM on average, every GEMM runs one
+    `torch._scaled_mm` per expert: neither grouped kernel is called."""
+    recipe = Fp8Recipe("e4m3", "tensorwise")
+    cpu = torch.device("cpu")
+    limit = experts.PER_EXPERT_FROM_FLOPS
+    triton = ExpertGemm.TRITON
+    assert ExpertGemms.where_possible(recipe, cpu, BF16, limit / 2) == ExpertGemms(*[triton] * 3)
+    assert ExpertGemms.where_possible(recipe, cpu, BF16, limit) == ExpertGemms()
+    weight, x, grad = _case()
+    flops = 2 * sum(COUNTS) * OUT * IN / LOCAL
+    monkeypatch.setattr(experts, "PER_EXPERT_FROM_FLOPS", flops)
+    monkeypatch.setattr(grouped_gemm, "_scaled_grouped_mm", None)  # called: a TypeError
+    _run(_slots("e4m3", "tensorwise"), weight, x, grad, grouped=True)
+    assert triton_kernels == []
+    monkeypatch.setattr(experts, "PER_EXPERT_FROM_FLOPS", flops * 1.01)
+    _run(_slots("e4m3", "tensorwise"), weight, x, grad, grouped=True)
+    assert len(triton_kernels) == 3
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_the_log_says_how_each_gemm_runs(monkeypatch, triton):
     monkeypatch.setattr(grouped_gemm, "grouped_kernel_available", lambda device: True)
+    monkeypatch.setattr(expert_gemm_kernels, "kernels_available", lambda device: triton)
     cuda = torch.device("cuda")
     hybrid, e4m3 = Fp8Recipe("hybrid", "delayed"), Fp8Recipe("e4m3", "tensorwise")
-    assert describe_expert_gemms(hybrid, True, cuda, BF16) == (
-        "the routed experts' FP8 forward GEMMs run as torch._scaled_grouped_mm, their backward "
-        "GEMMs one torch._scaled_mm per expert (the grouped kernel takes no E5M2 output gradients)"
-    )
-    assert describe_expert_gemms(e4m3, True, cuda, BF16) == (
-        "the routed experts' FP8 GEMMs run as torch._scaled_grouped_mm (weight gradients into "
-        "fp32 main_grads one torch._scaled_mm per expert)"
-    )
-    assert describe_expert_gemms(e4m3, True, cuda, torch.float16) == (
-        "the routed experts' FP8 GEMMs run one torch._scaled_mm per expert "
-        "(torch._scaled_grouped_mm writes bf16, not float16)"
+    prefix = "the routed experts' FP8 GEMMs run"
+    loop = "one torch._scaled_mm per expert"
+    large = f"; experts whose GEMMs average 40 GFLOP or more: {loop}"
+    if triton:
+        gemm = "a Triton grouped GEMM"
+        every = f"{prefix}: forward {gemm}, input gradient {gemm}, weight gradient {gemm}{large}"
+        for recipe, dtype in ((hybrid, BF16), (e4m3, BF16), (e4m3, torch.float16)):
+            assert describe_expert_gemms(recipe, True, cuda, dtype) == every
+    else:
+        assert describe_expert_gemms(hybrid, True, cuda, BF16) == (
+            f"{prefix}: forward torch._scaled_grouped_mm, input gradient {loop}, weight "
+            f"gradient {loop}{large}"
+        )
+        assert describe_expert_gemms(e4m3, True, cuda, BF16) == (
+            f"{prefix}: forward torch._scaled_grouped_mm, input gradient "
+            "torch._scaled_grouped_mm, weight gradient torch._scaled_grouped_mm (into fp32 "
+            f"main_grads {loop}){large}"
+        )
+        assert describe_expert_gemms(e4m3, True, cuda, torch.float16) == (
+            f"{prefix} {loop} (no grouped FP8 GEMM for float16 inputs on this cuda device)"
+        )
+    assert describe_expert_gemms(e4m3, False, cuda, BF16) == (
+        f"{prefix} one torch._scaled_mm per expert"
     )

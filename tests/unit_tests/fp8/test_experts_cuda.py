@@ -1,8 +1,8 @@
-"""The FP8 experts on CUDA: one `torch._scaled_mm` per expert and the grouped
-`torch._scaled_grouped_mm` compute what the plain-torch reference computes from the same
-quantised operands (bf16 outputs), within the rounding of GEMMs that accumulate in another
-order; experts without tokens and counts that are not multiples of 16 included. A wrong operand,
-layout, padding, offset or scale would be off by far more."""
+"""The FP8 experts on CUDA: one `torch._scaled_mm` per expert, and the grouped kernels
+(`torch._scaled_grouped_mm` and this package's Triton ones) compute what the plain-torch
+reference computes from the same quantised operands (bf16 outputs), within the rounding of GEMMs
+that accumulate in another order; experts without tokens and counts that are not multiples of
+16 included. A wrong operand, layout, padding, offset or scale would be off by far more."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import collections
 import pytest
 import torch
 
-from megatron.core.fp8.experts import Fp8ExpertSlots, GroupedGemms
+from megatron.core.fp8 import expert_gemm_kernels
+from megatron.core.fp8.experts import ExpertGemm, ExpertGemms, Fp8ExpertSlots
 from megatron.core.fp8.grouped_gemm import grouped_kernel_available
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
@@ -49,39 +50,54 @@ def test_the_grouped_kernel_runs_here():
     assert grouped_kernel_available(torch.device("cuda"))
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("kernels", ["per_expert", "triton", "scaled_grouped_mm"])
 @pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_cuda_fp8_experts_compute_the_reference(fmt, kind, grouped):
+def test_cuda_fp8_experts_compute_the_reference(fmt, kind, kernels, monkeypatch):
+    """One GEMM per expert; the Triton grouped GEMMs, which a GroupedMLP uses on Hopper; and
+    PyTorch's grouped GEMM where it applies, which it uses without Triton."""
+    if kernels == "scaled_grouped_mm":
+        monkeypatch.setattr(expert_gemm_kernels, "kernels_available", lambda device: False)
     weight, x, grad = test_experts._case()
     expected = test_experts._reference(test_experts._slots(fmt, kind), weight, x, grad)
     weight, x, grad = _on_cuda(weight, x, grad)
     slots = test_experts._slots(fmt, kind)  # a delayed state moves to the GPU at its first cast
+    grouped = kernels != "per_expert"
     if grouped and HOPPER:
-        gemms = GroupedGemms.where_possible(slots.recipe, x.device, x.dtype)
-        assert gemms == GroupedGemms(True, fmt == "e4m3", fmt == "e4m3")
+        gemms = ExpertGemms.where_possible(slots.recipe, x.device, x.dtype)
+        if kernels == "triton":
+            assert gemms == ExpertGemms(*[ExpertGemm.TRITON] * 3)
+        else:
+            scaled = ExpertGemm.SCALED_GROUPED_MM
+            backward = scaled if fmt == "e4m3" else ExpertGemm.PER_EXPERT
+            assert gemms == ExpertGemms(scaled, backward, backward)
     y, dx, dw = test_experts._run(slots, weight, x, grad, grouped=grouped)
     for actual, reference in zip((y, dx, dw), expected):
         _assert_near(actual, reference)
     assert not dw[1].any()  # the expert without tokens
 
 
+@pytest.mark.parametrize("overwrite", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_fp8_expert_gradients_fuse_into_main_grad(dtype):
-    """Written over an engine's main_grad (fp32: one GEMM per expert; bf16: grouped under e4m3),
-    the expert without tokens zeroed (the grouped kernel leaves an empty group unwritten)."""
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_cuda_fp8_expert_gradients_fuse_into_main_grad(fmt, dtype, overwrite):
+    """Written over an engine's main_grad, the expert without tokens zeroed, or added to, the
+    expert without tokens keeping its gradient (the grouped kernels on Hopper)."""
     weight, x, grad = test_experts._case()
-    expected = test_experts._reference(test_experts._slots("e4m3", "tensorwise"), weight, x, grad)
+    expected = test_experts._reference(test_experts._slots(fmt, "tensorwise"), weight, x, grad)
     weight, x, grad = _on_cuda(weight, x, grad)
-    engine = test_experts._Engine(weight, dtype, overwrite=True)
-    engine.main_grad = engine.main_grad.cuda().fill_(float("nan"))
+    engine = test_experts._Engine(weight, dtype, overwrite=overwrite)
+    # Old gradients of the new one's magnitude, or NaNs where they are written over.
+    old = float("nan") if overwrite else expected[2].abs().max().item() / 2
+    engine.main_grad = torch.full(weight.shape, old, dtype=dtype, device="cuda")
     register_main_grad(weight, engine.main_grad_of)
     _, _, dw = test_experts._run(
-        test_experts._slots("e4m3", "tensorwise"), weight, x, grad, grouped=True
+        test_experts._slots(fmt, "tensorwise"), weight, x, grad, grouped=True
     )
     assert dw is None
-    _assert_near(engine.main_grad, expected[2])
-    assert not engine.main_grad[1].any()
+    _assert_near(engine.main_grad, expected[2] + (0.0 if overwrite else old))
+    kept = torch.zeros(weight.shape[1:]) if overwrite else torch.full(weight.shape[1:], old)
+    assert torch.equal(engine.main_grad[1].cpu(), kept.to(dtype)), "the expert without tokens"
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
