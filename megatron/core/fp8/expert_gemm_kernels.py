@@ -219,6 +219,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) ->
 
 
 if triton is not None:
+    from megatron.core.fp8.kernels import expert_of_tile
 
     @triton.jit
     def _grouped_mm_kernel(
@@ -246,15 +247,8 @@ if triton is not None:
         # The column tiles of one tile of rows run one after the other: its rows are read from
         # L2 by all but the first.
         tile = tl.program_id(0) // col_tiles
-        # The last expert whose first tile is at or before this one (empty experts own none).
         tile_starts = table_ptr + 5 * groups
-        low, high = 0, groups - 1
-        for _ in tl.static_range(SEARCH_STEPS):
-            middle = (low + high + 1) // 2
-            before = tl.load(tile_starts + middle) <= tile
-            low = tl.where(before, middle, low)
-            high = tl.where(before, high, middle - 1)
-        expert = low
+        expert = expert_of_tile(tile_starts, groups, tile, SEARCH_STEPS)
         first_row = tl.load(table_ptr + 2 * groups + expert).to(tl.int64) * 16
         expert_rows = tl.load(table_ptr + 4 * groups + expert)
         local = (tile - tl.load(tile_starts + expert)) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -425,18 +425,25 @@ if triton is not None:
             )
 
     @triton.jit
-    def _expert_tile(table_ptr, groups, SEARCH_STEPS: tl.constexpr):
-        """The expert of this program's tile (16 padded rows), the first row of `x` it reads
-        and how many of its rows are the expert's (the rest are padding)."""
-        tile = tl.program_id(0)
-        tile_starts = table_ptr + 2 * groups
-        # The last expert whose first tile is at or before this one (empty experts own none).
+    def expert_of_tile(tile_starts, groups, tile, SEARCH_STEPS: tl.constexpr):
+        """The expert whose tiles include `tile`: the last whose first tile (`tile_starts`,
+        `groups` ascending int32) is at or before it (empty experts own none), by a binary
+        search of `SEARCH_STEPS` (the bit length of `groups - 1`) steps."""
         low, high = 0, groups - 1
         for _ in tl.static_range(SEARCH_STEPS):
             middle = (low + high + 1) // 2
             before = tl.load(tile_starts + middle) <= tile
             low = tl.where(before, middle, low)
             high = tl.where(before, high, middle - 1)
+        return low
+
+    @triton.jit
+    def _expert_tile(table_ptr, groups, SEARCH_STEPS: tl.constexpr):
+        """The expert of this program's tile (16 padded rows), the first row of `x` it reads
+        and how many of its rows are the expert's (the rest are padding)."""
+        tile = tl.program_id(0)
+        tile_starts = table_ptr + 2 * groups
+        low = expert_of_tile(tile_starts, groups, tile, SEARCH_STEPS)
         skipped = (tile - tl.load(tile_starts + low)) * 16
         first_row = tl.load(table_ptr + low) + skipped
         rows = tl.minimum(tl.load(table_ptr + groups + low) - skipped, 16)
