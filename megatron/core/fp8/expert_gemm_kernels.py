@@ -1,24 +1,25 @@
-"""The experts' FP8 GEMMs that PyTorch's grouped kernel does not take, as one Triton launch each.
+"""The MoE experts' grouped FP8 GEMMs: one Triton launch for all the experts of a projection.
 
-`torch._scaled_grouped_mm` (`megatron.core.fp8.grouped_gemm`) multiplies E4M3 operands only and
-writes bf16, so an MoE projection under the `hybrid` format (E5M2 output gradients) and every
-weight gradient accumulated into an fp32 `main_grad` ran one `torch._scaled_mm` per expert: for 64
-experts, 128 GEMM launches per projection and microbatch, about 35 us of host time each, which
-bound a DeepSeek-V3-shaped model's FP8 step to the host. The two kernels here take any FP8
-operands (E4M3 or E5M2, mixed) and write bf16, fp16 or fp32:
+One `torch._scaled_mm` per expert costs the host about 40 us a GEMM: for 64 experts, 192 GEMM
+launches per projection and microbatch, which bound a DeepSeek-V3-shaped model's FP8 step to the
+host. PyTorch's grouped kernel (`torch._scaled_grouped_mm`, `megatron.core.fp8.grouped_gemm`)
+multiplies E4M3 operands into bf16 only, so it cannot take `hybrid`'s E5M2 output gradients or a
+weight gradient accumulated into an fp32 `main_grad`. The two kernels here take any FP8 operands
+(E4M3 or E5M2, mixed) and write bf16, fp16 or fp32:
 
-- `grouped_mm`: `[P, K] x [G, K, N] -> [P, N]`, the rows grouped by expert (the input
-  gradient, or the forward where the grouped kernel does not run);
+- `grouped_mm`: `[P, K] x [G, K, N] -> [P, N]`, the rows grouped by expert (the forward and
+  the input gradient);
 - `grouped_wgrad_into`: `[N, P] x [P, K]`, summed over each expert's rows, into (or added to)
   `[G, N, K]` (the weight gradient, into a `main_grad`).
 
-The operands are those of the grouped kernel (`ExpertRows`' padded layout, each expert's rows a
-multiple of 16 with zero rows between; the first operand row-major, the second column-major),
-each expert's product dequantised by its two multipliers (`scale_inv`s) as `torch._scaled_mm`
-does, accumulated in fp32. The products are those of one `torch._scaled_mm` per expert up to the
-order of the fp32 sums: Hopper's FP8 tensor cores add in reduced precision, and like cuBLAS
-without fast accumulation (and DeepSeek-V3's recipe) the kernels promote the partial sums into
-fp32 every 128 products.
+The operands are those of PyTorch's grouped kernel (`ExpertRows`' padded layout, each expert's
+rows a multiple of 16 with zero rows between; the first operand row-major, the second
+column-major), each expert's product dequantised by its two multipliers (`scale_inv`s) as
+`torch._scaled_mm` does, accumulated in fp32. The products are those of one `torch._scaled_mm`
+per expert up to the order and precision of the sums: Hopper's FP8 tensor cores add in reduced
+precision, and like cuBLAS without fast accumulation (and DeepSeek-V3's recipe) the backward
+GEMMs promote their partial sums into fp32 every `block_k` products (`MM_TILES`,
+`WGRAD_TILES`); the forward GEMM may sum in the tensor cores throughout (`fast_accum`).
 
 Each program computes one tile of one expert's product: it finds the expert by a binary search
 in `ExpertRows`' table (the forward-shaped GEMM, whose tiles of rows are per expert), or from
@@ -106,7 +107,8 @@ def grouped_mm(
         tiles: the tiles of `TILE_ROWS` rows of all experts (`ExpertRows.gemm_tiles`).
         out_dtype: bf16, fp16 or fp32.
         fast_accum: sum in the tensor cores' precision throughout (Hopper's fast FP8
-            accumulation, as the forward GEMMs use), rather than promoting every 128 products.
+            accumulation, as the forward GEMMs use), rather than promoting the partial sums
+            every `MM_TILES.block_k` products.
 
     Returns:
         `[P, N]` of `out_dtype` (the rows of padding give zero rows).
