@@ -70,10 +70,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def kernels_available(device: torch.device) -> bool:
-    """Whether the kernels run on `device`: Triton, the current CUDA device, a GPU with FP8
-    tensor cores that Triton multiplies in (compute capability 9.0 and later), no
+    """Whether the kernels run on `device`: Triton, the current CUDA device of an NVIDIA GPU
+    with FP8 tensor cores that Triton multiplies in (compute capability 9.0 and later), no
     `torch.compile` tracing."""
     if triton is None or device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    if torch.version.hip is not None:  # ROCm's FP8 formats are others (e4m3fnuz)
         return False
     current = torch.cuda.current_device()
     if device.index not in (None, current):
@@ -114,7 +116,7 @@ def grouped_mm(
         `[P, N]` of `out_dtype` (the rows of padding give zero rows).
     """
     groups, k, n = b.shape
-    _check_operands(a, b, out_dtype)
+    _check_operands(a, b, out_dtype, table, groups)
     if a.shape[1] != k or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(
             f"grouped_mm: a {list(a.shape)} (row-major) and b {list(b.shape)} (column-major) "
@@ -174,7 +176,7 @@ def grouped_wgrad_into(
         accumulate: add to `out` rather than write over it.
     """
     groups, n, k = out.shape
-    _check_operands(a, b, out.dtype)
+    _check_operands(a, b, out.dtype, table, groups)
     if a.shape[0] != n or b.shape[1] != k or a.shape[1] != b.shape[0]:
         raise ValueError(
             f"grouped_wgrad_into: a {list(a.shape)} times b {list(b.shape)} does not make the "
@@ -213,7 +215,14 @@ def grouped_wgrad_into(
     )
 
 
-def _check_operands(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> None:
+def _check_operands(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, table: torch.Tensor, groups: int
+) -> None:
+    if table.numel() != 6 * groups:
+        raise ValueError(
+            f"the grouped FP8 GEMM's table has {table.numel()} entries for {groups} experts; "
+            "give ExpertRows.gemm_table of the experts' rows."
+        )
     if a.dtype not in _FP8 or b.dtype not in _FP8:
         raise ValueError(f"the grouped FP8 GEMM takes FP8 operands, got {a.dtype} and {b.dtype}.")
     if out_dtype not in _OUT_DTYPES:

@@ -114,7 +114,7 @@ class ExpertGemms:
             return cls()
         if expert_gemm_kernels.kernels_available(device):
             triton = ExpertGemm.TRITON
-            return cls(fprop=triton, dgrad=triton, wgrad=triton)
+            return cls(fprop=triton, dgrad=triton, wgrad=triton if recipe.wgrad else _PER_EXPERT)
         if dtype != torch.bfloat16 or not grouped_gemm.grouped_kernel_available(device):
             return cls()
         scaled = ExpertGemm.SCALED_GROUPED_MM
@@ -146,7 +146,9 @@ def describe_expert_gemms(
             f"{device.type} device)"
         )
     wgrad = gemms.wgrad.value
-    if gemms.wgrad is ExpertGemm.SCALED_GROUPED_MM:
+    if not recipe.wgrad:
+        wgrad = "one high-precision GEMM per expert (no FP8 weight gradient)"
+    elif gemms.wgrad is ExpertGemm.SCALED_GROUPED_MM:
         wgrad += f" (into fp32 main_grads {_PER_EXPERT.value})"
     return (
         f"{prefix}: forward {gemms.fprop.value}, input gradient {gemms.dgrad.value}, weight "
@@ -302,7 +304,8 @@ def _fp8_wgrad(
     kernel: ExpertGemm,
 ) -> torch.Tensor | None:
     """`dY_e^T X_e` of every expert from the transposed copies, by `kernel`, into `target`
-    (None: returned in the weight's dtype); experts without rows get zeros."""
+    (None: returned in the weight's dtype); experts without rows get zeros where it is written
+    over, and keep their gradient where it is added to."""
     rows = grads.rows
     dest = target.tensor if target is not None else torch.empty_like(weight)
     overwrite = target is None or target.overwrite

@@ -133,9 +133,10 @@ def test_grouped_wgrad_sums_each_experts_rows_into_its_gradient(
     inputs = quantize_experts(
         torch.randn(rows.rows, k, generator=generator).cuda(), rows, E4M3, transpose=True
     )
-    # A strided main_grad (each expert's gradient stored transposed), its old values kept
-    # where nothing is added: an expert without rows keeps even a -0.0.
-    old = torch.randn(groups, k, n, generator=generator).to(out_dtype).cuda()
+    # A strided main_grad (each expert's gradient stored transposed), its old values of the
+    # new ones' magnitude (a sum that missed the product would not pass), kept where nothing
+    # is added: an expert without rows keeps even a -0.0.
+    old = (torch.randn(groups, k, n, generator=generator) * 1e-2).to(out_dtype).cuda()
     old[:, 0, 0] = -0.0
     dest = old.clone().transpose(1, 2)
     expert_gemm_kernels.grouped_wgrad_into(
@@ -188,6 +189,10 @@ def test_the_kernels_refuse_what_they_do_not_multiply():
     ones = torch.ones(1)
     a = torch.zeros(16, 32, dtype=E4M3)
     b = torch.zeros(1, 48, 32, dtype=E4M3).transpose(1, 2)
+    with pytest.raises(ValueError, match="table has 6 entries for 2 experts"):
+        expert_gemm_kernels.grouped_mm(
+            a, ones, b.expand(2, -1, -1), ones, table, 1, out_dtype=torch.bfloat16
+        )
     with pytest.raises(ValueError, match="takes FP8 operands"):
         expert_gemm_kernels.grouped_mm(a.float(), ones, b, ones, table, 1, out_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="writes bf16, fp16 or fp32"):

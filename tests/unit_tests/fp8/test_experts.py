@@ -462,6 +462,12 @@ def test_the_log_says_how_each_gemm_runs(monkeypatch, triton):
         assert describe_expert_gemms(e4m3, True, cuda, torch.float16) == (
             f"{prefix} {loop} (no grouped FP8 GEMM for float16 inputs on this cuda device)"
         )
+    no_fp8_wgrad = describe_expert_gemms(
+        Fp8Recipe("e4m3", "tensorwise", wgrad=False), True, cuda, BF16
+    )
+    assert "weight gradient one high-precision GEMM per expert (no FP8 weight gradient)" in (
+        no_fp8_wgrad
+    )
     assert describe_expert_gemms(e4m3, False, cuda, BF16) == (
         f"{prefix} one torch._scaled_mm per expert"
     )
