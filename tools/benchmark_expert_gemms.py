@@ -135,7 +135,7 @@ def measure_projection(
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--hidden-size", type=int, default=2048)
@@ -146,8 +146,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("num_experts", "tokens", "topk", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("hidden_size", "moe_ffn_hidden_size"):
+        if getattr(args, name) < 16 or getattr(args, name) % 16:
+            parser.error(f"--{name.replace('_', '-')} must be a positive multiple of 16 (FP8)")
+    if args.topk > args.num_experts:
+        parser.error(f"--topk {args.topk} exceeds --num-experts {args.num_experts}")
     if not torch.cuda.is_available():
-        raise SystemExit("benchmark_expert_gemms.py times GPU kernels: run it on a GPU.")
+        parser.error("it times GPU kernels: run it on a GPU")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     counts = routed_counts(args.num_experts, args.tokens, args.topk, args.seed)
     hidden, ffn = args.hidden_size, args.moe_ffn_hidden_size
     backward_dtype = E5M2 if args.format == "hybrid" else E4M3
