@@ -56,9 +56,9 @@ class Tiles(NamedTuple):
 
 MM_TILES = Tiles(128, 128, 128, warps=4, stages=3)
 WGRAD_TILES = Tiles(128, 128, 64, warps=4, stages=4)
-"""The fastest on an H200 (Triton 3.6) among tiles of 64 to 256 rows and columns, 32 to 128 deep,
-with 4 or 8 warps and 2 to 4 stages, for the two projections of 64 experts of a DeepSeek-V3
-shape (hidden 2048, expert FFN 1408, 4096 tokens routed to 6 experts each)."""
+"""The fastest on an H200 (torch 2.11's Triton) among tiles of 64 to 256 rows and columns, 32 to
+128 deep, with 4 or 8 warps and 2 to 4 stages, for the two projections of 64 experts of a
+DeepSeek-V3 shape (hidden 2048, expert FFN 1408, 4096 tokens routed to 6 experts each)."""
 TILE_ROWS = MM_TILES.block_m
 """The rows of an expert that one program of `grouped_mm` multiplies (`ExpertRows.gemm_tiles`
 counts each expert's tiles of this height)."""
