@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron.core.fusions.triton_launch import TritonLaunch
+from megatron.core.fusions.triton_launch import TritonLaunch, launches_on_device
 
 try:
     import triton
@@ -73,13 +73,10 @@ def kernels_available(device: torch.device) -> bool:
     """Whether the kernels run on `device`: Triton, the current CUDA device of an NVIDIA GPU
     with FP8 tensor cores that Triton multiplies in (compute capability 9.0 and later), no
     `torch.compile` tracing."""
-    if triton is None or device.type != "cuda" or torch.compiler.is_compiling():
-        return False
-    if torch.version.hip is not None:  # ROCm's FP8 formats are others (e4m3fnuz)
+    # ROCm's FP8 formats are others (e4m3fnuz).
+    if not launches_on_device(device) or torch.version.hip is not None:
         return False
     current = torch.cuda.current_device()
-    if device.index not in (None, current):
-        return False
     if current not in _CAPABLE:
         _CAPABLE[current] = torch.cuda.get_device_capability(current) >= (9, 0)
     return _CAPABLE[current]

@@ -112,10 +112,15 @@ def launches_on(tensor: torch.Tensor) -> bool:
     lies on the current CUDA device (where Triton launches), and `torch.compile` is not tracing
     (it fuses the PyTorch ops the kernels stand for by itself). Each kernel adds its own checks
     of shapes and dtypes."""
+    return launches_on_device(tensor.device)
+
+
+def launches_on_device(device: torch.device) -> bool:
+    """`launches_on` for tensors on `device` (`cuda` without an index: the current device)."""
     return (
         triton is not None
-        and tensor.is_cuda
-        and tensor.device.index == torch.cuda.current_device()
+        and device.type == "cuda"
+        and device.index in (None, torch.cuda.current_device())
         and not torch.compiler.is_compiling()
     )
 
