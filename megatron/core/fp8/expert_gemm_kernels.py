@@ -92,6 +92,7 @@ def grouped_mm(
     *,
     out_dtype: torch.dtype,
     fast_accum: bool = False,
+    real_rows: int | None = None,
 ) -> torch.Tensor:
     """`a_e @ b_e * a_scale_invs[e] * b_scale_invs[e]` for each expert e.
 
@@ -100,17 +101,21 @@ def grouped_mm(
         a_scale_invs: `[G]` fp32 (any stride), a multiplier per expert's rows of `a`.
         b: `[G, K, N]` FP8, column-major in its last two dimensions.
         b_scale_invs: `[G]` fp32 (any stride), a multiplier per expert of `b`.
-        table: int32 on `a`'s device, `ExpertRows`' (`gemm_table`): each expert's first tile
-            of 16 padded rows at `[2G, 3G)`, its padded rows at `[4G, 5G)`, its first tile of
-            `TILE_ROWS` rows at `[5G, 6G)`.
+        table: int32 on `a`'s device, `ExpertRows`' (`gemm_table`): each expert's first row
+            and rows at `[0, 2G)` (unpadded), its first tile of 16 padded rows at `[2G, 3G)`,
+            its padded rows at `[4G, 5G)`, its first tile of `TILE_ROWS` rows at `[5G, 6G)`.
         tiles: the tiles of `TILE_ROWS` rows of all experts (`ExpertRows.gemm_tiles`).
         out_dtype: bf16, fp16 or fp32.
         fast_accum: sum in the tensor cores' precision throughout (Hopper's fast FP8
             accumulation, as the forward GEMMs use), rather than promoting the partial sums
             every `MM_TILES.block_k` products.
+        real_rows: the experts' rows without padding, `M` (`ExpertRows.rows`): the product
+            is written without the padding rows, each expert's rows back to back (as
+            `ExpertRows.unpad` leaves them), rather than in `a`'s layout.
 
     Returns:
-        `[P, N]` of `out_dtype` (the rows of padding give zero rows).
+        `[P, N]` of `out_dtype` (the rows of padding give zero rows), or `[M, N]` where
+        `real_rows` is given.
     """
     groups, k, n = b.shape
     _check_operands(a, b, out_dtype, table, groups)
@@ -119,7 +124,8 @@ def grouped_mm(
             f"grouped_mm: a {list(a.shape)} (row-major) and b {list(b.shape)} (column-major) "
             "must share the contraction dimension."
         )
-    out = torch.empty(a.shape[0], n, dtype=out_dtype, device=a.device)
+    out_rows = a.shape[0] if real_rows is None else real_rows
+    out = torch.empty(out_rows, n, dtype=out_dtype, device=a.device)
     if tiles == 0 or n == 0:
         return out
     col_tiles = -(-n // MM_TILES.block_n)
@@ -141,6 +147,7 @@ def grouped_mm(
         n,
         col_tiles,
         PROMOTE=not fast_accum,
+        UNPAD=real_rows is not None,
         SEARCH_STEPS=max(groups - 1, 1).bit_length(),
         BLOCK_M=TILE_ROWS,
         BLOCK_N=MM_TILES.block_n,
@@ -247,6 +254,7 @@ if triton is not None:
         n,
         col_tiles,
         PROMOTE: tl.constexpr,
+        UNPAD: tl.constexpr,
         SEARCH_STEPS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -287,6 +295,9 @@ if triton is not None:
             tl.load(a_scale_ptr + expert * a_scale_stride)
             * tl.load(b_scale_ptr + expert * b_scale_stride)
         )
+        if UNPAD:  # the expert's real rows only, from its first unpadded row
+            row = tl.load(table_ptr + expert).to(tl.int64) + local
+            row_inside = local < tl.load(table_ptr + groups + expert)
         tl.store(
             out_ptr + row[:, None] * n + col[None, :],
             acc.to(out_ptr.dtype.element_ty),

@@ -267,20 +267,20 @@ def _expert_mm(
             return torch.empty(0, width, dtype=out_dtype, device=device)
         b = weights.grouped_dgrad_operand() if dgrad else weights.grouped_fprop_operand()
         if kernel is ExpertGemm.TRITON:
-            product = expert_gemm_kernels.grouped_mm(
+            return expert_gemm_kernels.grouped_mm(
                 cast.data,
                 cast.scale_invs,
                 b,
-                weights.scale_invs(),
+                weights.strided_scale_invs,
                 rows.gemm_table(device),
                 rows.gemm_tiles,
                 out_dtype=out_dtype,
                 fast_accum=fast_accum,
+                real_rows=rows.rows,
             )
-        else:
-            product = fp8_grouped_mm(
-                cast.data, cast.scale_invs, b, weights.scale_invs(), rows, fast_accum=fast_accum
-            )
+        product = fp8_grouped_mm(
+            cast.data, cast.scale_invs, b, weights.scale_invs(), rows, fast_accum=fast_accum
+        )
         return rows.unpad(product)
     if dgrad:
         weights.transposes()  # every expert's, in one launch rather than one per expert

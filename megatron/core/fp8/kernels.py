@@ -302,10 +302,13 @@ def update_scales(
 
 
 def record_amax(x: torch.Tensor, amax: torch.Tensor) -> None:
-    """Max-es `max |x|` (NaNs skipped) into `amax` (one fp32 element), `x` contiguous."""
-    numel = x.numel()
+    """Max-es `max |x|` (NaNs skipped) into `amax` (fp32, contiguous), segment `i` of `x`'s
+    elements into `amax[i]` where `amax` has several (`quantize.record_amax`), `x` contiguous."""
+    segments = amax.numel()
+    numel = x.numel() // segments
     if numel:
-        _launch_amax((-(-numel // _AMAX_BLOCK),), x, amax, numel, BLOCK=_AMAX_BLOCK)
+        grid = (-(-numel // _AMAX_BLOCK), segments)
+        _launch_amax(grid, x, amax, numel, BLOCK=_AMAX_BLOCK)
 
 
 if triton is not None:
@@ -360,12 +363,14 @@ if triton is not None:
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
+        # Axis 1: the segment of `numel` elements, whose amax goes into `amax_ptr[segment]`.
         # 64-bit offsets: tensors of 2**31 elements and more exist (a long sequence's gradients).
+        segment = tl.program_id(1).to(tl.int64)
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        values = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-        magnitude = tl.abs(values)
+        values = tl.load(x_ptr + segment * numel + offsets, mask=offsets < numel, other=0.0)
+        magnitude = tl.abs(values.to(tl.float32))
         magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaNs skipped
-        tl.atomic_max(amax_ptr, tl.max(magnitude, axis=0))
+        tl.atomic_max(amax_ptr + segment, tl.max(magnitude, axis=0))
 
     @triton.jit
     def _cast_kernel(

@@ -56,12 +56,23 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
 
 
 def record_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
-    """Max-es `max |x|` (NaNs skipped, as `amax_of`) into `amax_out`, one fp32 element; on
-    CUDA in one kernel."""
-    if kernels.kernels_available(x) and x.is_contiguous():
+    """Max-es `max |x|` (NaNs skipped, as `amax_of`) into `amax_out`, fp32 with one element, or
+    `k` elements for `x` in `k` equal consecutive segments of its elements (each expert of
+    stacked expert weights `[k, out, in]`), segment `i` into `amax_out[i]`: on CUDA in one
+    kernel."""
+    segments = amax_out.numel()
+    if not segments or x.numel() % segments:
+        raise ValueError(
+            f"record_amax: {x.numel()} elements do not split into {segments} equal segments, "
+            "one per amax slot."
+        )
+    if kernels.kernels_available(x) and x.is_contiguous() and amax_out.is_contiguous():
         kernels.record_amax(x, amax_out)
-    else:
+    elif segments == 1:
         torch.maximum(amax_out, amax_of(x), out=amax_out)
+    elif x.numel():
+        amaxes = x.reshape(segments, -1).abs().nan_to_num(nan=0.0, posinf=float("inf"))
+        torch.maximum(amax_out, amaxes.amax(1).float().view_as(amax_out), out=amax_out)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

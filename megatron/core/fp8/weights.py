@@ -125,24 +125,47 @@ class Fp8Weight:
         return Fp8Tensor(transposed, self.tensor.scale_inv)
 
 
+_SCALE_ALIGNMENT = 16
+"""Bytes to which cuBLASLt needs a GEMM's scale aligned (else CUBLAS_STATUS_NOT_SUPPORTED)."""
+
+
+def _aligned_scalars(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The elements of `column` (1-D) as one-element tensors at aligned addresses: views where
+    they lie so, else views of a copy with one 16-byte row per element."""
+    step = column.stride(0) * column.element_size()
+    if step % _SCALE_ALIGNMENT or column.data_ptr() % _SCALE_ALIGNMENT:
+        per_row = _SCALE_ALIGNMENT // column.element_size()
+        rows = column.new_zeros(len(column), per_row)
+        rows[:, 0] = column
+        column = rows[:, 0]
+    return column.unsqueeze(1).unbind(0)
+
+
 class Fp8ExpertWeights:
     """The stacked weights of an MoE projection's experts, `[num_experts, out, in]`, in FP8 with
     one scale per expert.
 
+    The grouped GEMMs read the stacked bytes and scales as they are; each expert's own
+    `Fp8Weight` (views of them, for one GEMM per expert) is made at the first use
+    (`__getitem__`), so that making the copy costs the host the same for 8 experts as for 256.
+
     Args:
         data: the FP8 bytes, `[num_experts, out, in]` contiguous.
-        scale_invs: each expert's dequantisation multiplier (one fp32 element each, tensors of
-            their own: cuBLASLt reads a scale from a 16-byte aligned address).
+        scale_invs: each expert's dequantisation multiplier, `[num_experts]` fp32 (any stride:
+            a column of `[num_experts, 4]` rows gives each its own 16-byte aligned address,
+            which cuBLASLt needs of a GEMM's scale; other layouts are copied into such rows
+            for the per-expert GEMMs).
     """
 
-    def __init__(self, data: torch.Tensor, scale_invs: list[torch.Tensor]) -> None:
-        if data.dim() != 3 or len(scale_invs) != data.shape[0]:
+    def __init__(self, data: torch.Tensor, scale_invs: torch.Tensor) -> None:
+        if data.dim() != 3 or scale_invs.shape != data.shape[:1]:
             raise ValueError(
-                f"Fp8ExpertWeights: {len(scale_invs)} scales for stacked weights "
+                f"Fp8ExpertWeights: scales {list(scale_invs.shape)} for stacked weights "
                 f"{list(data.shape)}; give one scale per expert of a 3-D tensor."
             )
         self.data = data
-        self.experts = [Fp8Weight(Fp8Tensor(data[i], s)) for i, s in enumerate(scale_invs)]
+        self._scale_invs = scale_invs
+        self._experts: list[Fp8Weight] | None = None
         self._stacked_scale_invs: torch.Tensor | None = None
         self._stacked_transposes: torch.Tensor | None = None
 
@@ -163,20 +186,35 @@ class Fp8ExpertWeights:
                 ExpertRows([out_features] * experts),
                 WEIGHT_DTYPE,
             )
-        return cls(cast.data.view(weight.shape), list(cast.scale_invs.split(1)))
+        return cls(cast.data.view(weight.shape), cast.scale_invs)
 
     def __len__(self) -> int:
-        return len(self.experts)
+        return self.data.shape[0]
 
     def __getitem__(self, index: int) -> Fp8Weight:
         """Expert `index`'s weight (a view of the stacked bytes)."""
         return self.experts[index]
 
+    @property
+    def experts(self) -> list[Fp8Weight]:
+        """Every expert's weight, made at the first use (with the transposes, once made)."""
+        if self._experts is None:
+            scale_invs = _aligned_scalars(self._scale_invs)
+            self._experts = [Fp8Weight(Fp8Tensor(d, s)) for d, s in zip(self.data, scale_invs)]
+            if self._stacked_transposes is not None:
+                self._hold_transposes()
+        return self._experts
+
+    @property
+    def strided_scale_invs(self) -> torch.Tensor:
+        """The experts' multipliers, `[num_experts]` fp32 as given (any stride: what the Triton
+        grouped GEMMs read)."""
+        return self._scale_invs
+
     def scale_invs(self) -> torch.Tensor:
-        """The experts' multipliers, `[num_experts]` fp32 (made once per copy)."""
+        """The experts' multipliers, `[num_experts]` fp32 contiguous (made once per copy)."""
         if self._stacked_scale_invs is None:
-            parts = [expert.tensor.scale_inv.reshape(1) for expert in self.experts]
-            self._stacked_scale_invs = torch.cat(parts)
+            self._stacked_scale_invs = self._scale_invs.contiguous()
         return self._stacked_scale_invs
 
     def grouped_fprop_operand(self) -> torch.Tensor:
@@ -199,12 +237,16 @@ class Fp8ExpertWeights:
                 stacked = kernels.transpose_fp8(data)  # one launch for every expert
             else:  # as bytes: every build's copy kernels take them
                 stacked = data.view(torch.uint8).transpose(1, 2).contiguous().view(WEIGHT_DTYPE)
-            # The experts' own transposes are views of the stack: one copy is held, and the
-            # per-expert input-gradient GEMMs make none.
-            for expert, transposed in zip(self.experts, stacked):
-                expert.hold_transpose(Fp8Tensor(transposed, expert.tensor.scale_inv))
             self._stacked_transposes = stacked
+            if self._experts is not None:
+                self._hold_transposes()
         return self._stacked_transposes
+
+    def _hold_transposes(self) -> None:
+        """The experts' own transposes become views of the stack: one copy is held, and the
+        per-expert input-gradient GEMMs make none."""
+        for expert, transposed in zip(self._experts, self._stacked_transposes):
+            expert.hold_transpose(Fp8Tensor(transposed, expert.tensor.scale_inv))
 
 
 def quantized_weight(weight: torch.Tensor, blockwise: bool = False) -> Fp8Weight | Fp8ExpertWeights:

@@ -226,10 +226,11 @@ class StepAmaxes:
     Attributes:
         targets: (slot, weight) pairs: `max |weight|` after the step and its hooks (NaNs
             skipped) is max-ed into the slot, one fp32 element on the weight's device, as
-            `megatron.core.fp8.quantize.record_amax` would then. A weight is one the optimizer
-            steps, or a part of one, or one it does not step (recorded as it is); several
-            weights may share a slot. A slot one of whose weights a step hook writes in place
-            is recorded again from zero.
+            `megatron.core.fp8.quantize.record_amax` would then (a slot of `k` elements takes
+            the maxima of `k` equal segments of the weight, as there). A weight is one the
+            optimizer steps, or a part of one, or one it does not step (recorded as it is);
+            several weights may share a slot. A slot one of whose weights a step hook writes
+            in place is recorded again from zero.
         recorded: called once every target is recorded (after the optimizer's step hooks).
     """
 

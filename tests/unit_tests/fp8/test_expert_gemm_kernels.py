@@ -113,6 +113,29 @@ def test_grouped_mm_multiplies_each_experts_rows_by_its_weight(
 
 
 @needs_gpu
+@pytest.mark.parametrize("counts", list(COUNT_CASES))
+def test_grouped_mm_writes_the_real_rows_back_to_back(counts):
+    """`real_rows`: each expert's rows of the product without its padding, where
+    `ExpertRows.unpad` would put them, bit for bit; the weights' multipliers read with a stride
+    (a column of 16-byte rows, as Megatron-FSDP keeps them)."""
+    counts = _counts(counts)
+    rows, cast, b, b_scales = _operands(counts, E4M3, k=320, n=272, seed=2)
+    strided = torch.zeros(len(counts), 4, device=b.device)
+    strided[:, 0] = b_scales
+    args = (cast.data, cast.scale_invs, b, strided[:, 0], rows.gemm_table(b.device))
+    padded = expert_gemm_kernels.grouped_mm(*args, rows.gemm_tiles, out_dtype=torch.bfloat16)
+    real = expert_gemm_kernels.grouped_mm(
+        *args, rows.gemm_tiles, out_dtype=torch.bfloat16, real_rows=rows.rows
+    )
+    assert real.shape == (rows.rows, 272)
+    assert torch.equal(_bits(real), _bits(rows.unpad(padded)))
+    contiguous = expert_gemm_kernels.grouped_mm(
+        cast.data, cast.scale_invs, b, b_scales, args[-1], rows.gemm_tiles, out_dtype=torch.bfloat16
+    )
+    assert torch.equal(_bits(contiguous), _bits(padded))
+
+
+@needs_gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("grad_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])

@@ -86,14 +86,23 @@ def _expert_blocks(table: torch.Tensor, groups: int, tiles: int | None = None):
     return [(first * 16, count) for first, count in zip(firsts, padded)]
 
 
-def emulated_grouped_mm(a, a_scale_invs, b, b_scale_invs, table, tiles, *, out_dtype, **kwargs):
+def emulated_grouped_mm(
+    a, a_scale_invs, b, b_scale_invs, table, tiles, *, out_dtype, real_rows=None, **kwargs
+):
     """`expert_gemm_kernels.grouped_mm` on CPU: each expert's dequantised rows times its
-    dequantised weight in fp32."""
-    out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=out_dtype)
-    for expert, (first, count) in enumerate(_expert_blocks(table, b.shape[0], tiles)):
+    dequantised weight in fp32 (its real rows alone, back to back, given `real_rows`)."""
+    groups = b.shape[0]
+    out_rows = a.shape[0] if real_rows is None else real_rows
+    out = torch.full((out_rows, b.shape[2]), float("nan"), dtype=out_dtype)
+    real_starts, real_counts = table[: 2 * groups].long().view(2, groups)
+    for expert, (first, count) in enumerate(_expert_blocks(table, groups, tiles)):
         rows = slice(first, first + count)
         product = mm(dq(a[rows], a_scale_invs[expert]), dq(b[expert], b_scale_invs[expert]))
-        out[rows] = product.to(out_dtype)
+        if real_rows is None:
+            out[rows] = product.to(out_dtype)
+        else:
+            start, count = int(real_starts[expert]), int(real_counts[expert])
+            out[start : start + count] = product[:count].to(out_dtype)
     return out
 
 

@@ -152,6 +152,22 @@ def test_a_cast_through_a_rounding_is_the_cast_of_the_rounded_copy(rounding):
     assert torch.equal(amax, quantize.amax_of(x).reshape(1))
 
 
+@pytest.mark.parametrize("shape", [(1, 300, 272), (6, 16, 48), (64, 176, 128)], ids=str)
+def test_the_amax_kernel_records_each_experts_maximum_into_its_slot(shape):
+    """Stacked expert weights, one slot per expert (one launch), against the torch reference:
+    a NaN skipped, an expert far smaller than the others, a slot already above its expert."""
+    x = _input(shape, torch.float32, seed=13)
+    x.view(-1)[5] = float("nan")
+    x[-1] *= 2.0**-20
+    slots = torch.zeros(shape[0], device="cuda")
+    slots[0] = 1e6
+    expected = slots.clone()
+    quantize.record_amax(x, slots)
+    for expert in range(shape[0]):
+        expected[expert] = torch.maximum(expected[expert], quantize.amax_of(x[expert]))
+    assert torch.equal(slots, expected)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 1024])
 @pytest.mark.parametrize("cols", [1, 7, 300])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])

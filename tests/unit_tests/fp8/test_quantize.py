@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.core.fp8.quantize import FLT_MAX, compute_scale, quantize, transpose_padded
+from megatron.core.fp8.quantize import (
+    FLT_MAX,
+    amax_of,
+    compute_scale,
+    quantize,
+    record_amax,
+    transpose_padded,
+)
 from tests.unit_tests.fp8.reference import E4M3, E5M2, current_scale, q
 
 
@@ -53,6 +60,20 @@ def test_the_amax_is_maxed_into_the_record():
     assert record.item() == 3.0
     quantize(torch.tensor([[1.0, -7.5]]), E4M3, scale=torch.ones(1), amax_out=record)
     assert record.item() == 7.5
+
+
+def test_an_amax_per_segment_is_maxed_into_each_slot():
+    """Stacked expert weights `[k, out, in]` into `k` slots: each expert's `max |w|` (NaNs
+    skipped) max-ed into its own slot."""
+    weights = torch.randn(3, 16, 8)
+    weights[1, 2, 3] = float("nan")
+    weights[2] *= 1e-3
+    slots = torch.tensor([0.0, 1e3, 0.5])
+    record_amax(weights, slots)
+    expected = [amax_of(weights[0]), torch.tensor(1e3), torch.clamp(amax_of(weights[2]), min=0.5)]
+    assert torch.equal(slots, torch.stack(expected))
+    with pytest.raises(ValueError, match="384 elements do not split into 5 equal segments"):
+        record_amax(weights, torch.zeros(5))
 
 
 @pytest.mark.parametrize("rows", [1, 16, 37])

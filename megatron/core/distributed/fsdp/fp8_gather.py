@@ -140,10 +140,13 @@ class Fp8ComputeWeights:
         self._scale_inv_rows = torch.ones(scales, 4, dtype=torch.float32, device=device)
         self._scale_invs = [row[:1] for row in self._scale_inv_rows]
         self._scale_inv_column = self._scale_inv_rows[:, 0]
-        # Where each scaled piece's amax is recorded at a refresh: views made once, not at
-        # every refresh.
+        # Where each tensor's amax (each expert's, of stacked expert weights) is recorded at a
+        # refresh: views made once, not at every refresh.
         self._amax_buffer = torch.zeros(scales, dtype=torch.float32, device=device)
-        self._amax_views = list(self._amax_buffer.split(1))
+        self._amax_slots = [
+            self._amax_buffer[units.start : units.stop]
+            for units in map(self._scale_range, range(len(layout)))
+        ]
         # `step_amax_targets`' pairs, with the sources they pair (made once, not every step).
         self._step_targets: tuple[Sequence[torch.Tensor], list] | None = None
         self._index = {id(param): i for i, param in enumerate(params)}
@@ -214,7 +217,7 @@ class Fp8ComputeWeights:
         data = self._weights[index]
         first = self._first_scale[index]
         if self._stacked[index]:
-            made = Fp8ExpertWeights(data, self._scale_invs[first : first + data.shape[0]])
+            made = Fp8ExpertWeights(data, self._scale_inv_column[first : first + len(data)])
         else:
             made = Fp8Weight(Fp8Tensor(data, self._scale_invs[first]))
         self._made[index] = made
@@ -225,8 +228,8 @@ class Fp8ComputeWeights:
     def step_amax_targets(
         self, sources: Sequence[torch.Tensor]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Pairs each scaled piece of `sources` (this rank's parts, as `start_refresh` takes
-        them) with its amax slot, the pairs made once per `sources`: an optimizer step that
+        """Pairs each tensor's part of `sources` (this rank's parts, as `start_refresh` takes
+        them) with its amax slots, the pairs made once per `sources`: an optimizer step that
         records them (`fused_adam.StepAmaxes`, the slots zeroed first: `amax_buffer`) spares the
         refresh after it a pass over the weights (`start_refresh(..., amaxes_recorded=True)`)."""
         if self._step_targets is None or self._step_targets[0] is not sources:
@@ -241,11 +244,13 @@ class Fp8ComputeWeights:
     def _amax_targets(
         self, sources: Sequence[torch.Tensor]
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(amax slot, piece of `sources`) for each scaled piece this rank holds any of."""
-        for i, source in enumerate(sources):
-            for unit, part in zip(self._scale_range(i), self._scaled_parts(i, source)):
-                if part.numel() > 0:
-                    yield self._amax_views[unit], part
+        """(amax slots, part of `sources`) for each tensor this rank holds any of: one slot, or
+        for stacked expert weights one per expert of the part (`record_amax` records each
+        expert's into its own in one pass)."""
+        for i, (source, slots) in enumerate(zip(sources, self._amax_slots)):
+            part = source[: len(slots)] if self._stacked[i] else source
+            if part.numel() > 0:
+                yield slots, part
 
     def start_refresh(self, sources: Sequence[torch.Tensor], amaxes_recorded: bool = False) -> None:
         """First step of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
