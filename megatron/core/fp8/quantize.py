@@ -66,7 +66,7 @@ def record_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
             f"record_amax: {x.numel()} elements do not split into {segments} equal segments, "
             "one per amax slot."
         )
-    if kernels.kernels_available(x) and x.is_contiguous() and amax_out.is_contiguous():
+    if kernels.records_amax(x, amax_out):
         kernels.record_amax(x, amax_out)
     elif segments == 1:
         torch.maximum(amax_out, amax_of(x), out=amax_out)

@@ -162,6 +162,7 @@ def test_the_amax_kernel_records_each_experts_maximum_into_its_slot(shape):
     slots = torch.zeros(shape[0], device="cuda")
     slots[0] = 1e6
     expected = slots.clone()
+    assert kernels.records_amax(x, slots)
     quantize.record_amax(x, slots)
     for expert in range(shape[0]):
         expected[expert] = torch.maximum(expected[expert], quantize.amax_of(x[expert]))
