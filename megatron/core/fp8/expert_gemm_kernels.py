@@ -104,7 +104,8 @@ def grouped_mm(
         table: int32 on `a`'s device, `ExpertRows`' (`gemm_table`): each expert's first row
             and rows at `[0, 2G)` (unpadded), its first tile of 16 padded rows at `[2G, 3G)`,
             its padded rows at `[4G, 5G)`, its first tile of `TILE_ROWS` rows at `[5G, 6G)`.
-        tiles: the tiles of `TILE_ROWS` rows of all experts (`ExpertRows.gemm_tiles`).
+        tiles: the tiles of `TILE_ROWS` rows of all experts (`ExpertRows.gemm_tiles`), or more
+            (`DeviceExpertRows`' upper bound: the programs past the real tiles exit).
         out_dtype: bf16, fp16 or fp32.
         fast_accum: sum in the tensor cores' precision throughout (Hopper's fast FP8
             accumulation, as the forward GEMMs use), rather than promoting the partial sums
@@ -264,6 +265,11 @@ if triton is not None:
         # L2 by all but the first.
         tile = tl.program_id(0) // col_tiles
         tile_starts = table_ptr + 5 * groups
+        # A grid sized by an upper bound of the tiles (`DeviceExpertRows`): the programs past
+        # the last expert's last tile have nothing to multiply.
+        last_rows = tl.load(table_ptr + 5 * groups - 1)
+        if tile >= tl.load(tile_starts + groups - 1) + (last_rows + BLOCK_M - 1) // BLOCK_M:
+            return
         expert = expert_of_tile(tile_starts, groups, tile, SEARCH_STEPS)
         first_row = tl.load(table_ptr + 2 * groups + expert).to(tl.int64) * 16
         expert_rows = tl.load(table_ptr + 4 * groups + expert)

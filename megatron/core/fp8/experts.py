@@ -28,6 +28,9 @@ write theirs), or, where Triton does not run, PyTorch's grouped FP8 GEMM
 Elsewhere (off CUDA, an expert layer that is not grouped, experts whose GEMMs are large enough to
 keep the GPU busy one at a time: `PER_EXPERT_FROM_FLOPS`) each expert with tokens runs one
 `torch._scaled_mm` per GEMM (`fp8_mm`). `describe_expert_gemms` says which, for the start-up log.
+Where all three run the Triton kernels, the counts may stay on the device (`DeviceExpertRows`:
+the kernels' table is computed there, their grids sized by upper bounds), so the layer needs no
+host synchronisation; the other kernels read them on the host.
 
 Weight gradients go where `grad_accumulation.weight_grad_target` says, as the dense FP8 layers':
 fused into an engine's `main_grad` (written over, with zeros for experts without tokens, or
@@ -45,7 +48,12 @@ import torch.distributed as dist
 
 from megatron.core.fp8 import expert_gemm_kernels, grouped_gemm
 from megatron.core.fp8.gemm import fp8_mm
-from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm, fp8_grouped_wgrad
+from megatron.core.fp8.grouped_gemm import (
+    DeviceExpertRows,
+    ExpertRows,
+    fp8_grouped_mm,
+    fp8_grouped_wgrad,
+)
 from megatron.core.fp8.grouped_quantize import GroupedFp8Tensor, quantize_experts
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import BACKWARD, FORWARD, DelayedScalingState
@@ -96,6 +104,12 @@ class ExpertGemms:
     fprop: ExpertGemm = _PER_EXPERT
     dgrad: ExpertGemm = _PER_EXPERT
     wgrad: ExpertGemm = _PER_EXPERT
+
+    @property
+    def read_rows_on_device(self) -> bool:
+        """Whether every GEMM reads where the experts' rows lie from the device (the Triton
+        kernels): the counts need not reach the host (`DeviceExpertRows`)."""
+        return self.fprop is self.dgrad is self.wgrad is ExpertGemm.TRITON
 
     @classmethod
     def where_possible(
@@ -197,7 +211,7 @@ class Fp8ExpertSlots:
         self,
         input_: torch.Tensor,
         weight: torch.Tensor,
-        counts: list[int],
+        counts: list[int] | torch.Tensor,
         *,
         grouped: bool,
         tp_group: dist.ProcessGroup | None = None,
@@ -208,7 +222,10 @@ class Fp8ExpertSlots:
         Args:
             input_: `[M, in]`, grouped by expert.
             weight: the stacked weights `[num_local_experts, out, in]` (the parameter itself).
-            counts: each local expert's rows of `input_` (host integers, 0 included).
+            counts: each local expert's rows of `input_` (0 included): host integers, or an
+                integer tensor on `input_`'s device summing to its rows, which stays there
+                where every GEMM runs a Triton grouped kernel (no host synchronisation; other
+                kernels read it on the host).
             grouped: run as grouped GEMMs where the kernel applies (`GroupedMLP`).
             tp_group: the tensor-parallel ranks holding these same experts whole, over which
                 the weight gradient is summed; None: none.
@@ -217,7 +234,10 @@ class Fp8ExpertSlots:
             `[M, out]` in the input's dtype.
         """
         needs_weight = torch.is_grad_enabled() and weight.requires_grad
-        rows = ExpertRows(counts)
+        if isinstance(counts, torch.Tensor):
+            rows = DeviceExpertRows(counts, input_.shape[0])
+        else:
+            rows = ExpertRows(counts)
         args = (input_, weight, self, rows, grouped, tp_group, needs_weight)
         if torch.compiler.is_compiling():
             # Outside any compiled graph: the FP8 weight cache and the scaling state are host
@@ -226,7 +246,12 @@ class Fp8ExpertSlots:
         return _apply_experts(*args)
 
     def quantize(
-        self, x: torch.Tensor, rows: ExpertRows, direction: str, *, transpose: bool
+        self,
+        x: torch.Tensor,
+        rows: ExpertRows | DeviceExpertRows,
+        direction: str,
+        *,
+        transpose: bool,
     ) -> GroupedFp8Tensor:
         """Each expert's rows of `x` (2-D) quantised with the expert's scale, all at once
         (`quantize_experts`).
@@ -377,7 +402,7 @@ class _Fp8Experts(torch.autograd.Function):
         input_: torch.Tensor,
         weight: torch.Tensor,
         slots: Fp8ExpertSlots,
-        rows: ExpertRows,
+        rows: ExpertRows | DeviceExpertRows,
         grouped: bool,
         tp_group: dist.ProcessGroup | None,
         weight_needs_grad: bool,
@@ -389,6 +414,8 @@ class _Fp8Experts(torch.autograd.Function):
             _, out_features, in_features = weight.shape
             flops = 2.0 * rows.rows * out_features * in_features / max(len(rows), 1)
             gemms = ExpertGemms.where_possible(recipe, input_.device, input_.dtype, flops)
+        if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
+            rows = rows.on_host()
         cast = slots.quantize(input_, rows, FORWARD, transpose=fp8_wgrad)
         out = _expert_mm(
             cast,

@@ -148,6 +148,73 @@ class ExpertRows:
         return scale_invs.repeat_interleave(repeats, output_size=self.padded_rows)
 
 
+class DeviceExpertRows:
+    """`ExpertRows` of counts that stay on the device: nothing is read on the host, so the
+    layer needs no host synchronisation (and a CUDA graph can capture it).
+
+    The table the kernels read is computed on the device; what the host needs to size the
+    launches and buffers are upper bounds of what `ExpertRows` would give: `padded_rows`
+    (each expert pads at most 15 rows) and `gemm_tiles` (each expert's last tile may be
+    partial). The kernels' programs past the real tiles exit, and the padded buffers' rows past
+    the real ones are never read. Only the Triton kernels take it (`expert_gemm_kernels`, and
+    the cast of `kernels.cast_experts_to_fp8`); paths that split the rows per expert on the
+    host take `on_host()`.
+
+    Args:
+        counts: the rows of each local expert, an integer tensor `[G]` on the rows' device,
+            summing to `rows` (as a dropless dispatch sized without a host read gives them).
+        rows: the rows of the experts' input, `M`.
+    """
+
+    def __init__(self, counts: torch.Tensor, rows: int) -> None:
+        if counts.dim() != 1 or counts.dtype.is_floating_point:
+            raise ValueError(
+                f"DeviceExpertRows: counts {list(counts.shape)} of {counts.dtype}; give one "
+                "integer per expert."
+            )
+        groups = counts.numel()
+        self._counts = counts
+        self.rows = rows
+        self.padded_rows = round_up(rows + (GEMM_ALIGNMENT - 1) * groups)
+        self.gemm_tiles = -(-self.padded_rows // TILE_ROWS) + groups
+        self._table: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self._counts.numel()
+
+    def gemm_table(self, device: torch.device) -> torch.Tensor:
+        """`ExpertRows.gemm_table`, computed on the counts' device (`device`) once."""
+        if self._table is None:
+            if device != self._counts.device:
+                raise ValueError(
+                    f"DeviceExpertRows: the counts lie on {self._counts.device}, the kernels "
+                    f"run on {device}."
+                )
+            counts = self._counts.to(torch.int64)
+            padded = (counts + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
+            ends = torch.cumsum(padded, 0)
+            gemm_tiles = (padded + TILE_ROWS - 1) // TILE_ROWS
+            columns = (
+                torch.cumsum(counts, 0) - counts,
+                counts,
+                (ends - padded) // GEMM_ALIGNMENT,
+                ends,
+                padded,
+                torch.cumsum(gemm_tiles, 0) - gemm_tiles,
+            )
+            self._table = torch.cat(columns).to(torch.int32)
+        return self._table
+
+    def kernel_table(self, device: torch.device) -> torch.Tensor:
+        """`ExpertRows.kernel_table`: the first `3G` entries of `gemm_table`."""
+        return self.gemm_table(device)[: 3 * len(self)]
+
+    def on_host(self) -> ExpertRows:
+        """The same rows as an `ExpertRows` (reads the counts on the host: on a GPU, it waits
+        for the work queued before)."""
+        return ExpertRows(self._counts.tolist())
+
+
 def fp8_grouped_mm(
     a: torch.Tensor,
     a_scale_invs: torch.Tensor,

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from megatron.core.fp8 import kernels
-from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_zeros
+from megatron.core.fp8.grouped_gemm import DeviceExpertRows, ExpertRows, fp8_zeros
 from megatron.core.fp8.quantize import quantize
 from megatron.core.fp8.tensor import Fp8Tensor
 
@@ -42,14 +42,15 @@ class GroupedFp8Tensor(NamedTuple):
 
     data: torch.Tensor | None
     scale_invs: torch.Tensor
-    rows: ExpertRows
+    rows: ExpertRows | DeviceExpertRows
     transposed: torch.Tensor | None = None
 
     def per_expert(self, tensor: torch.Tensor, dim: int) -> list[Fp8Tensor | None]:
         """`tensor` (`data`, `transposed` or a view of either, padded along `dim`) split into
         each expert's padded part, with the expert's scale (views made in two calls, whatever
         the number of experts); None for an expert without rows. A per-expert GEMM over a
-        padded part gives zero rows (or adds zeros) for the padding."""
+        padded part gives zero rows (or adds zeros) for the padding. `rows` must be an
+        `ExpertRows` (counts on the host)."""
         rows = self.rows
         parts = tensor.split(rows.padded_counts, dim)
         scale_invs = self.scale_invs
@@ -66,7 +67,7 @@ class GroupedFp8Tensor(NamedTuple):
 
 def quantize_experts(
     x: torch.Tensor,
-    rows: ExpertRows,
+    rows: ExpertRows | DeviceExpertRows,
     dtype: torch.dtype,
     *,
     scales: torch.Tensor | None = None,
@@ -77,7 +78,8 @@ def quantize_experts(
 
     Args:
         x: `[M, cols]`, grouped by expert (`rows`).
-        rows: where each expert's rows lie.
+        rows: where each expert's rows lie (off CUDA, `DeviceExpertRows` are read on the
+            host).
         dtype: `torch.float8_e4m3fn` or `torch.float8_e5m2`.
         scales: `[G]` fp32, the scale of each expert's cast (delayed scaling's); None:
             current scaling, each expert's from the absolute maximum of its own rows.
@@ -123,7 +125,7 @@ def _scale_storage(groups: int, device: torch.device) -> torch.Tensor:
 
 def _quantize_experts_reference(
     x: torch.Tensor,
-    rows: ExpertRows,
+    rows: ExpertRows | DeviceExpertRows,
     dtype: torch.dtype,
     scales: torch.Tensor | None,
     amax_out: torch.Tensor | None,
@@ -131,10 +133,11 @@ def _quantize_experts_reference(
     scale_invs: torch.Tensor,
 ) -> GroupedFp8Tensor:
     """`quantize_experts` as `quantize` of each expert's rows (off CUDA, and the reference of
-    the kernel's bytes)."""
+    the kernel's bytes), into buffers of `rows.padded_rows`."""
     data = fp8_zeros((rows.padded_rows, x.shape[1]), dtype, x.device)
     transposed = fp8_zeros((x.shape[1], rows.padded_rows), dtype, x.device) if transpose else None
-    parts = zip(rows.split(x), rows.padded_starts, rows.padded_counts)
+    host = rows.on_host() if isinstance(rows, DeviceExpertRows) else rows
+    parts = zip(host.split(x), host.padded_starts, host.padded_counts)
     for index, (part, start, padded_count) in enumerate(parts):
         if part.shape[0] == 0:  # no cast: its scale is not used, its amax not recorded
             continue

@@ -191,7 +191,8 @@ def cast_experts_to_fp8(
         dtype: `torch.float8_e4m3fn` or `torch.float8_e5m2`.
         table: int32 `[3G]` on `x`'s device: each expert's first row of `x`, its rows, and
             its first tile of 16 padded rows (`ExpertRows.kernel_table`).
-        padded_rows: the rows of the padded layout (`P`, 16 times the tiles).
+        padded_rows: the rows of the padded layout (`P`, 16 times the tiles), or more
+            (`DeviceExpertRows`' upper bound: the rows past the experts' are left unwritten).
         scales: `[G]` fp32 (delayed scaling's); None: current scaling, each expert's
             `max / amax` of its own rows.
         amax_out: `[G]` fp32 that each expert's `max |rows|` is max-ed into; None: nothing.
@@ -462,6 +463,13 @@ if triton is not None:
         return low
 
     @triton.jit
+    def _past_the_tiles(table_ptr, groups):
+        """Whether this program's tile of 16 padded rows lies past the last expert's (a grid
+        sized by an upper bound: `DeviceExpertRows`)."""
+        last_rows = tl.load(table_ptr + 2 * groups - 1)
+        return tl.program_id(0) >= tl.load(table_ptr + 3 * groups - 1) + (last_rows + 15) // 16
+
+    @triton.jit
     def _expert_tile(table_ptr, groups, SEARCH_STEPS: tl.constexpr):
         """The expert of this program's tile (16 padded rows), the first row of `x` it reads
         and how many of its rows are the expert's (the rest are padding)."""
@@ -483,6 +491,8 @@ if triton is not None:
         SEARCH_STEPS: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
     ):
+        if _past_the_tiles(table_ptr, groups):
+            return
         expert, first_row, rows, _ = _expert_tile(table_ptr, groups, SEARCH_STEPS)
         row = tl.arange(0, 16)[:, None]
         col = tl.program_id(1).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)[None, :]
@@ -512,6 +522,8 @@ if triton is not None:
         SEARCH_STEPS: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
     ):
+        if _past_the_tiles(table_ptr, groups):
+            return
         expert, first_row, rows, first_tile = _expert_tile(table_ptr, groups, SEARCH_STEPS)
         col_block = tl.program_id(1).to(tl.int64)
         padded_row = tl.program_id(0).to(tl.int64) * 16

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.core.fp8 import expert_gemm_kernels
-from megatron.core.fp8.grouped_gemm import ExpertRows
+from megatron.core.fp8.grouped_gemm import DeviceExpertRows, ExpertRows
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from tests.unit_tests.fp8.reference import E4M3, E5M2
 
@@ -133,6 +133,42 @@ def test_grouped_mm_writes_the_real_rows_back_to_back(counts):
         cast.data, cast.scale_invs, b, b_scales, args[-1], rows.gemm_tiles, out_dtype=torch.bfloat16
     )
     assert torch.equal(_bits(contiguous), _bits(padded))
+
+
+@needs_gpu
+@pytest.mark.parametrize("counts", list(COUNT_CASES) + ["last_empty"])
+def test_grids_sized_by_device_rows_give_the_exact_grids_results(counts):
+    """`DeviceExpertRows`: the cast and the GEMM over grids and buffers sized by upper bounds
+    (the programs past the real tiles exit) give the exact grids' bytes, scales and products,
+    bit for bit, an empty last expert included (its scale is left as it was)."""
+    counts = [40, 3, 0] if counts == "last_empty" else _counts(counts)
+    host = ExpertRows(counts)
+    rows = DeviceExpertRows(torch.tensor(counts, device="cuda"), host.rows)
+    x = torch.randn(host.rows, 320, generator=torch.Generator().manual_seed(4)).cuda()
+    exact = quantize_experts(x, host, E4M3, transpose=True)
+    bound = quantize_experts(x, rows, E4M3, transpose=True)
+    real = host.padded_rows
+    assert bound.data.shape[0] == rows.padded_rows >= real
+    assert torch.equal(bound.data[:real].view(torch.uint8), exact.data.view(torch.uint8))
+    assert torch.equal(
+        bound.transposed[:, :real].view(torch.uint8), exact.transposed.view(torch.uint8)
+    )
+    assert torch.equal(bound.scale_invs, exact.scale_invs)
+    _, _, b, b_scales = _operands(counts, E4M3, k=320, n=272)
+    products = [
+        expert_gemm_kernels.grouped_mm(
+            cast.data,
+            cast.scale_invs,
+            b,
+            b_scales,
+            expert_rows.gemm_table(b.device),
+            expert_rows.gemm_tiles,
+            out_dtype=torch.bfloat16,
+            real_rows=host.rows,
+        )
+        for cast, expert_rows in ((exact, host), (bound, rows))
+    ]
+    assert torch.equal(_bits(products[0]), _bits(products[1]))
 
 
 @needs_gpu

@@ -24,7 +24,7 @@ from megatron.core.fp8.experts import (
     Fp8ExpertSlots,
     describe_expert_gemms,
 )
-from megatron.core.fp8.grouped_gemm import ExpertRows, fp8_grouped_mm
+from megatron.core.fp8.grouped_gemm import DeviceExpertRows, ExpertRows, fp8_grouped_mm
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
@@ -77,12 +77,13 @@ def grouped_kernel(monkeypatch):
 
 def _expert_blocks(table: torch.Tensor, groups: int, tiles: int | None = None):
     """Each expert's (first padded row, padded rows) as the Triton kernels read them from
-    `ExpertRows.gemm_table`, whose tiles of 128 rows are checked against `tiles`."""
+    `ExpertRows.gemm_table`, whose tiles of 128 rows are checked against `tiles` (the grid's:
+    at least theirs, as `DeviceExpertRows`' upper bound; the programs past them exit)."""
     _, _, firsts, _, padded, tile_starts = table.view(6, groups).tolist()
     if tiles is not None:
         counts = [-(-count // expert_gemm_kernels.TILE_ROWS) for count in padded]
         assert tile_starts == [sum(counts[:index]) for index in range(groups)]
-        assert tiles == sum(counts)
+        assert tiles >= sum(counts)
     return [(first * 16, count) for first, count in zip(firsts, padded)]
 
 
@@ -199,9 +200,9 @@ def _reference(slots: Fp8ExpertSlots, weight, x, grad):
     return torch.cat(ys), torch.cat(dxs), torch.stack(dws)
 
 
-def _run(slots, weight, x, grad, grouped: bool):
+def _run(slots, weight, x, grad, grouped: bool, counts: list[int] | torch.Tensor = COUNTS):
     x.grad = weight.grad = None
-    y = slots.experts_linear(x, weight, COUNTS, grouped=grouped)
+    y = slots.experts_linear(x, weight, counts, grouped=grouped)
     y.backward(grad)
     return y, x.grad, weight.grad
 
@@ -287,6 +288,44 @@ def test_triton_gemms_equal_one_gemm_per_expert(fmt, kind, grouped_kernel, trito
             main_grads.append(engine.main_grad)
         assert torch.equal(*main_grads)
         assert torch.equal(main_grads[1][1], torch.full((OUT, IN), 0.0 if overwrite else 0.5))
+
+
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_counts_on_the_device_give_the_host_counts_results(
+    fmt, kind, grouped_kernel, triton_kernels, monkeypatch
+):
+    """Counts in a tensor (`DeviceExpertRows`): the Triton GEMMs read the table made from
+    them, over grids sized by upper bounds, and the outputs, gradients and fp32 main_grads
+    (written over or added to) are those of the counts on the host, bit for bit. Where a GEMM
+    splits the rows per expert (no grouping), the counts are read on the host."""
+    weight, x, grad = _case()
+    tiles = []
+
+    def grouped_mm(*args, **kwargs):
+        tiles.append(args[5])
+        return emulated_grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(expert_gemm_kernels, "grouped_mm", grouped_mm)
+    on_device = torch.tensor(COUNTS)
+    host = _run(_slots(fmt, kind), weight, x, grad, grouped=True)
+    device = _run(_slots(fmt, kind), weight, x, grad, grouped=True, counts=on_device)
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)
+    bound = DeviceExpertRows(on_device, sum(COUNTS)).gemm_tiles
+    assert tiles == [ExpertRows(COUNTS).gemm_tiles] * 2 + [bound] * 2 and bound > tiles[0]
+    per_expert = _run(_slots(fmt, kind), weight, x, grad, grouped=False, counts=on_device)
+    for a, b in zip(host, per_expert):
+        assert torch.equal(a, b)
+    for overwrite in (True, False):
+        main_grads = []
+        for counts in (COUNTS, on_device):
+            engine = _Engine(weight, torch.float32, overwrite)
+            register_main_grad(weight, engine.main_grad_of)
+            _run(_slots(fmt, kind), weight, x, grad, grouped=True, counts=counts)
+            main_grads.append(engine.main_grad)
+        assert torch.equal(*main_grads)
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -100,6 +100,28 @@ def test_cuda_fp8_expert_gradients_fuse_into_main_grad(fmt, dtype, overwrite):
     assert torch.equal(engine.main_grad[1].cpu(), kept.to(dtype)), "the expert without tokens"
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
+@pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_cuda_fp8_experts_take_counts_on_the_device_without_a_host_sync(fmt, kind):
+    """Counts in a device tensor: forward and backward synchronise nothing with the host (CUDA's
+    sync debug mode raises at any synchronising call), and give the host counts' outputs and
+    gradients bit for bit."""
+    weight, x, grad = _on_cuda(*test_experts._case())
+    counts = torch.tensor(test_experts.COUNTS, device="cuda")
+    host = test_experts._run(test_experts._slots(fmt, kind), weight, x, grad, grouped=True)
+    slots = test_experts._slots(fmt, kind)
+    test_experts._run(slots, weight, x, grad, grouped=True, counts=counts)  # Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        device = test_experts._run(slots, weight, x, grad, grouped=True, counts=counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(host, device):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_cuda_fp8_experts_cast_in_one_launch_per_pass(fmt):
     """64 experts' rows are cast by one kernel launch in forward and one in backward (delayed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.core.fp8.grouped_gemm import ExpertRows
+from megatron.core.fp8.grouped_gemm import DeviceExpertRows, ExpertRows
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from tests.unit_tests.fp8.reference import E4M3, E5M2, current_scale, q
 
@@ -121,3 +121,51 @@ def test_expert_rows_gemm_table_gives_each_experts_first_tile_of_128_rows():
     assert table[4] == [144, 0, 16, 256, 0, 272]
     assert table[5] == [0, 2, 2, 3, 5, 5]  # 2, 0, 1, 2, 0 and 3 tiles of up to 128 rows
     assert rows.gemm_tiles == 8
+
+
+@pytest.mark.parametrize(
+    "counts", [[130, 0, 5, 256, 0, 257], [0, 0, 16], [7], [0, 3, 0, 0]], ids=str
+)
+def test_device_expert_rows_make_the_host_table_on_the_device(counts):
+    """The table `DeviceExpertRows` computes from counts in a tensor is `ExpertRows`' entry for
+    entry; the sizes the host reads bound the real ones from above (counts never read)."""
+    host = ExpertRows(counts)
+    device = DeviceExpertRows(torch.tensor(counts), sum(counts))
+    cpu = torch.device("cpu")
+    assert torch.equal(device.gemm_table(cpu), host.gemm_table(cpu))
+    assert torch.equal(device.kernel_table(cpu), host.kernel_table(cpu))
+    assert device.rows == host.rows and len(device) == len(host)
+    assert host.padded_rows <= device.padded_rows and device.padded_rows % 16 == 0
+    assert host.gemm_tiles <= device.gemm_tiles
+    assert device.on_host().counts == counts
+
+
+def test_device_expert_rows_refuse_other_counts():
+    with pytest.raises(ValueError, match="one integer per expert"):
+        DeviceExpertRows(torch.tensor([1.0, 2.0]), 3)
+    rows = DeviceExpertRows(torch.tensor([1, 2]), 3)
+    with pytest.raises(ValueError, match="the counts lie on cpu, the kernels run on meta"):
+        rows.gemm_table(torch.device("meta"))
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_cast_with_device_rows_is_the_host_rows_cast(delayed):
+    """Into buffers of the upper bound of padded rows: the real rows' bytes, scales and
+    amaxes are those of the counts on the host; the rest are zeros."""
+    x = torch.randn(sum(COUNTS), COLS, generator=torch.Generator().manual_seed(5)) * 3
+    scales = torch.tensor([2.0, 3.0, 0.5, 8.0, 1.0, 4.0]) if delayed else None
+    amaxes = [torch.zeros(len(COUNTS)) for _ in range(2)]
+    host = quantize_experts(
+        x, ExpertRows(COUNTS), E4M3, scales=scales, amax_out=amaxes[0], transpose=True
+    )
+    rows = DeviceExpertRows(torch.tensor(COUNTS), sum(COUNTS))
+    device = quantize_experts(x, rows, E4M3, scales=scales, amax_out=amaxes[1], transpose=True)
+    real = host.data.shape[0]
+    assert device.data.shape == (rows.padded_rows, COLS) and device.rows is rows
+    assert torch.equal(device.data[:real].view(torch.uint8), host.data.view(torch.uint8))
+    assert not device.data[real:].view(torch.uint8).any()
+    assert torch.equal(
+        device.transposed[:, :real].view(torch.uint8), host.transposed.view(torch.uint8)
+    )
+    assert torch.equal(device.scale_invs, host.scale_invs)
+    assert torch.equal(amaxes[0], amaxes[1])
