@@ -17,6 +17,8 @@ from megatron.core.fp8.grouped_gemm import grouped_kernel_available
 from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import DelayedScalingState
 from megatron.core.tensor_parallel.grad_accumulation import register_main_grad
+from megatron.core.transformer.moe import experts as moe_experts
+from megatron.core.transformer.moe.token_dispatcher import DispatchSizing
 from tests.unit_tests.fp8 import test_experts
 from tests.unit_tests.fp8.test_moe_model import _config, _gpt
 from tests.unit_tests.model_builders import make_token_batches
@@ -196,3 +198,36 @@ def test_cuda_fp8_moe_gpt_trains_alike_grouped_and_per_expert():
     for name, grad in grads.items():
         error = (grouped_grads[name] - grad).norm().item()
         assert error <= 0.1 * grad.norm().item(), (name, error, grad.norm().item())
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
+def test_cuda_grouped_fp8_moe_reads_no_counts_on_the_host(monkeypatch):
+    """Where the grouped FP8 kernels run, a grouped FP8 MoE layer on one rank sizes its dispatch
+    from the shapes: its forward and backward synchronise nothing with the host (CUDA's sync
+    debug mode raises at any synchronising call), and it trains as the layer that reads the
+    counts on the host does, bit for bit."""
+    config = _config("hybrid", "delayed", moe_grouped_gemm=True)
+    device = _gpt(config).cuda()
+    assert device.decoder.layers[1].mlp.token_dispatcher.sizing is DispatchSizing.FIXED
+    monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
+    host = _gpt(config).cuda()
+    assert host.decoder.layers[1].mlp.token_dispatcher.sizing is DispatchSizing.HOST
+    batches = [tuple(t.cuda() for t in batch) for batch in make_token_batches(3, 3, seed=5)]
+    losses = []
+    for model in (host, device):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses.append([])
+        for tokens, labels in batches:
+            loss = model(tokens, labels=labels).float().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[-1].append(loss.detach())
+    assert torch.equal(torch.stack(losses[0]), torch.stack(losses[1]))
+    tokens, labels = batches[0]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        device(tokens, labels=labels).float().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
+from megatron.core.transformer.moe import experts as moe_experts
 from megatron.core.transformer.moe.experts import ExpertLinear
+from megatron.core.transformer.moe.token_dispatcher import DispatchSizing
 from tests.unit_tests.fp8.reference import E4M3, current_scale, dq, exact_cpu_scaled_mm, mm, q
-from tests.unit_tests.fp8.test_experts import grouped_kernel  # noqa: F401 (a fixture)
+from tests.unit_tests.fp8.test_experts import grouped_kernel, triton_kernels  # noqa: F401 (fixtures)
 from tests.unit_tests.fp8.test_model import _FakeQuantSlots, assert_recompute_changes_nothing
 from tests.unit_tests.model_builders import SEQ_LENGTH, VOCAB_SIZE, make_token_batches
 from tests.unit_tests.model_builders import tiny_gpt_config as _tiny_gpt_config
@@ -188,6 +190,27 @@ def test_fp8_moe_gpt_equals_its_fake_quant_twin(fmt, recipe):
 def test_grouped_fp8_moe_gpt_equals_its_fake_quant_twin(grouped_kernel):  # noqa: F811
     """The same with `moe_grouped_gemm` through the grouped kernel (every GEMM, e4m3)."""
     _assert_trains_as_its_twin(_config("e4m3", "delayed", moe_grouped_gemm=True))
+
+
+@exact_cpu_scaled_mm
+def test_grouped_fp8_experts_taking_device_counts_size_the_dispatch_from_shapes(
+    triton_kernels,  # noqa: F811 (the fixture)
+    monkeypatch,
+):
+    """Where the grouped FP8 kernels take the counts on the device, a layer with one rank per
+    expert group sizes its dispatch from the shapes (FIXED), not on the host; it trains the same
+    as the layer that reads them on the host, bit for bit (both through the kernels' CPU
+    emulations)."""
+    config = _config("hybrid", "delayed", moe_grouped_gemm=True)
+    monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
+    host = _gpt(config)
+    monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: True)
+    device = _gpt(config)
+    sizings = [model.decoder.layers[1].mlp.token_dispatcher.sizing for model in (host, device)]
+    assert sizings == [DispatchSizing.HOST, DispatchSizing.FIXED]
+    assert _train(host) == _train(device)
+    for (name, a), b in zip(host.named_parameters(), device.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():

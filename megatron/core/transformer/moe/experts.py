@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.fp8 import expert_gemm_kernels
 from megatron.core.fusions.expert_bias import add_expert_bias, expert_bias_fusable
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
@@ -85,7 +86,8 @@ class ExpertGemm(enum.Enum):
     lacks it for the dtype: a loop over the experts of GEMMs over all rows, masked to the
     expert's, which needs no host read either)."""
     FP8 = "fp8"
-    """FP8 GEMMs, one per expert or grouped (`megatron.core.fp8.experts`); counts on the host."""
+    """FP8 GEMMs, one per expert or grouped (`megatron.core.fp8.experts`); counts on the host,
+    or on the device where the grouped FP8 kernels take them (`reads_counts_on_host`)."""
 
 
 @contextlib.contextmanager
@@ -123,6 +125,14 @@ def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def grouped_fp8_takes_device_counts() -> bool:
+    """Whether grouped FP8 experts built now take their counts on the device: the Triton grouped
+    kernels, which read them there, run on the current GPU."""
+    return torch.cuda.is_available() and expert_gemm_kernels.kernels_available(
+        torch.device("cuda", torch.cuda.current_device())
+    )
 
 
 def _with_padding(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -270,9 +280,12 @@ class ExpertLinear(torch.nn.Module):
         outputs = [F.linear(chunks[i], weight[i]) for i in used]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def fp8_experts(self, x: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
+    def fp8_experts(
+        self, x: torch.Tensor, counts: list[int] | torch.Tensor, grouped: bool
+    ) -> torch.Tensor:
         """The same as `loop` with FP8 settings, as grouped FP8 GEMMs where the kernel runs
-        them and `grouped` asks for them (`megatron.core.fp8.experts`)."""
+        them and `grouped` asks for them (`megatron.core.fp8.experts`; `counts` on the host, or
+        on the device summing to the rows of `x`)."""
         return self.fp8.experts_linear(
             x, self.weight, counts, grouped=grouped, tp_group=self.tp_group
         )
@@ -390,6 +403,20 @@ class SequentialMLP(MegatronModule):
         projections FP8 settings (`enable_fp8`)."""
         return self.GEMM if self.linear_fc1.fp8 is None else ExpertGemm.FP8
 
+    def reads_counts_on_host(self, exchange_size: int) -> bool:
+        """Whether the GEMMs read the token counts on the host, so that the dispatch among
+        `exchange_size` ranks (an expert group's) sizes its exchanges there too
+        (`DispatchSizing.of`). The loop of GEMMs reads them; grouped GEMMs do not, nor do grouped
+        FP8 GEMMs where their Triton kernels run on the current GPU and the dispatch gives the
+        rows exactly without a host read (one rank per expert group): they take the counts on
+        the device (`megatron.core.fp8.experts`). Asked at construction, before the block gives
+        FP8 settings (`enable_fp8`): the config says whether it will."""
+        if self.GEMM is not ExpertGemm.GROUPED:
+            return True
+        if self.config.fp8 is None:
+            return False
+        return exchange_size != 1 or not grouped_fp8_takes_device_counts()
+
     def enable_fp8(self, fc1: Fp8ExpertSlots, fc2: Fp8ExpertSlots) -> None:
         """Runs the projections' GEMMs in FP8 with these settings (`ExpertGemm.FP8`)."""
         self.linear_fc1.fp8, self.linear_fc2.fp8 = fc1, fc2
@@ -403,7 +430,8 @@ class SequentialMLP(MegatronModule):
             tokens: [N, hidden], grouped by local expert; rows past the counts' sum are
                 padding.
             tokens_per_expert: [num_local_experts] counts, on the host or the device (read on
-                the host by the LOOP and FP8 GEMMs only).
+                the host by the LOOP GEMMs, and by FP8 GEMMs that do not take them on the
+                device: `reads_counts_on_host`).
             probs: [N] routing weights.
 
         Returns:
@@ -428,6 +456,10 @@ class SequentialMLP(MegatronModule):
         fp8 = gemm is ExpertGemm.FP8
         if gemm is ExpertGemm.GROUPED:
             return self._grouped_projection(tokens, tokens_per_expert)
+        if fp8 and self.GEMM is ExpertGemm.GROUPED and tokens_per_expert.is_cuda:
+            # Left on the GPU by a dispatch that sizes the rows exactly without a host read
+            # (`reads_counts_on_host`): they stay there where the FP8 kernels take them.
+            return lambda linear, x: linear.fp8_experts(x, tokens_per_expert, grouped=True)
         counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8
         real = sum(counts)
         padding = tokens.shape[0] - real

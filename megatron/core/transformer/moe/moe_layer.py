@@ -20,14 +20,15 @@ and their gradients are summed over tp; the config refuses 1 < ETP x EP < TP (tp
 hold copies of the same expert parts with no group of just those copies).
 
 The token counts per expert stay on the device where the layer allows it: with
-`moe_grouped_gemm` (not in FP8) the experts take them as device offsets (`ExpertGemm.GROUPED`),
-and a dropless layer with one rank per expert group sizes its rows from the shapes
+`moe_grouped_gemm` the experts take them as device offsets (`ExpertGemm.GROUPED`; in FP8 where
+the grouped FP8 kernels run, on one rank per expert group: `experts.reads_counts_on_host`), and
+a dropless layer with one rank per expert group sizes its rows from the shapes
 (`DispatchSizing.FIXED`), so its forward and backward read nothing on the host (and a CUDA graph
 can hold them). With expert parallelism `moe_pad_dispatch_to_worst_case` pads the exchanges to
 their worst case (`DispatchSizing.WORST_CASE`). Otherwise (a capacity, expert parallelism
-without that flag, or experts that read the counts on the host anyway: the loop of GEMMs, FP8)
-the exchanges are sized by the counts read on the host once per forward. The choices are made
-at construction (`token_dispatcher.sizing`, `experts.gemm`).
+without that flag, or experts that read the counts on the host anyway: the loop of GEMMs, the
+other FP8 GEMMs) the exchanges are sized by the counts read on the host once per forward. The
+choices are made at construction (`token_dispatcher.sizing`, `experts.reads_counts_on_host`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
-from megatron.core.transformer.moe.experts import ExpertGemm
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import (
     DispatchSizing,
@@ -222,9 +222,7 @@ class MoELayer(MegatronModule):
             tp_group=tp_group if etp_size * ep_size == 1 else None,
             expt_tp_group=expt_tp_group,
         )
-        # FP8 experts (the transformer block gives them their settings later) read the counts
-        # on the host, as the loop of GEMMs does: their exchanges are sized there too.
-        experts_read_counts = self.experts.gemm is not ExpertGemm.GROUPED or config.fp8 is not None
+        experts_read_counts = self.experts.reads_counts_on_host(etp_size * ep_size)
         sizing = DispatchSizing.of(config, etp_size * ep_size, experts_read_counts)
         self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
             config, ep_group, expt_tp_group, resolve_tp_ep_group(pg_collection), sizing=sizing

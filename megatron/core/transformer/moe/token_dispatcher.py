@@ -105,8 +105,8 @@ class DispatchSizing(enum.Enum):
     ) -> DispatchSizing:
         """The sizing of a layer with `config` whose tokens travel among `exchange_size` ranks
         (the etp x ep ranks of an expert group): HOST when the experts read the counts on the
-        host anyway (`experts_read_counts`; a loop of GEMMs, FP8), where sizing without a host
-        read would save nothing."""
+        host anyway (`experts_read_counts`: `SequentialMLP.reads_counts_on_host`), where sizing
+        without a host read would save nothing."""
         if config.moe_expert_capacity_factor is not None or experts_read_counts:
             return cls.HOST
         if exchange_size == 1:
