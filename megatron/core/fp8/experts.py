@@ -338,7 +338,7 @@ def _fp8_wgrad(
         raise ValueError(
             f"FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got {dest.dtype}."
         )
-    if kernel is ExpertGemm.TRITON and rows.rows:
+    if kernel is ExpertGemm.TRITON and rows.padded_rows:
         expert_gemm_kernels.grouped_wgrad_into(
             dest,
             grads.transposed,

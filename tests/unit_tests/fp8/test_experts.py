@@ -318,6 +318,10 @@ def test_counts_on_the_device_give_the_host_counts_results(
     per_expert = _run(_slots(fmt, kind), weight, x, grad, grouped=False, counts=on_device)
     for a, b in zip(host, per_expert):
         assert torch.equal(a, b)
+    none = torch.zeros(LOCAL, dtype=torch.int64)  # no token at all: zero gradients
+    empty = x[:0].detach().requires_grad_()
+    y, dx, dw = _run(_slots(fmt, kind), weight, empty, grad[:0], grouped=True, counts=none)
+    assert y.shape == (0, OUT) and dx.shape == (0, IN) and not dw.any()
     for overwrite in (True, False):
         main_grads = []
         for counts in (COUNTS, on_device):
