@@ -33,8 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron.core.fp8 import kernels
 from megatron.core.fp8.expert_gemm_kernels import TILE_ROWS
 from megatron.core.fp8.quantize import GEMM_ALIGNMENT, round_up
+from megatron.core.fusions.triton_launch import launches_on
 
 _scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
 """The kernel; None in builds without it."""
@@ -183,26 +185,19 @@ class DeviceExpertRows:
         return self._counts.numel()
 
     def gemm_table(self, device: torch.device) -> torch.Tensor:
-        """`ExpertRows.gemm_table`, computed on the counts' device (`device`) once."""
+        """`ExpertRows.gemm_table`, computed on the counts' device (`device`) once: in one
+        launch on a GPU with Triton."""
         if self._table is None:
             if device != self._counts.device:
                 raise ValueError(
                     f"DeviceExpertRows: the counts lie on {self._counts.device}, the kernels "
                     f"run on {device}."
                 )
-            counts = self._counts.to(torch.int64)
-            padded = (counts + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
-            ends = torch.cumsum(padded, 0)
-            gemm_tiles = (padded + TILE_ROWS - 1) // TILE_ROWS
-            columns = (
-                torch.cumsum(counts, 0) - counts,
-                counts,
-                (ends - padded) // GEMM_ALIGNMENT,
-                ends,
-                padded,
-                torch.cumsum(gemm_tiles, 0) - gemm_tiles,
-            )
-            self._table = torch.cat(columns).to(torch.int32)
+            counts = self._counts
+            if launches_on(counts) and counts.is_contiguous():
+                self._table = kernels.expert_rows_table(counts, TILE_ROWS)
+            else:
+                self._table = _rows_table(counts)
         return self._table
 
     def kernel_table(self, device: torch.device) -> torch.Tensor:
@@ -213,6 +208,23 @@ class DeviceExpertRows:
         """The same rows as an `ExpertRows` (reads the counts on the host: on a GPU, it waits
         for the work queued before)."""
         return ExpertRows(self._counts.tolist())
+
+
+def _rows_table(counts: torch.Tensor) -> torch.Tensor:
+    """`ExpertRows.gemm_table` of `counts` (a tensor) by torch ops on its device."""
+    counts = counts.to(torch.int64)
+    padded = (counts + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
+    ends = torch.cumsum(padded, 0)
+    gemm_tiles = (padded + TILE_ROWS - 1) // TILE_ROWS
+    columns = (
+        torch.cumsum(counts, 0) - counts,
+        counts,
+        (ends - padded) // GEMM_ALIGNMENT,
+        ends,
+        padded,
+        torch.cumsum(gemm_tiles, 0) - gemm_tiles,
+    )
+    return torch.cat(columns).to(torch.int32)
 
 
 def fp8_grouped_mm(

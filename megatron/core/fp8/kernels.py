@@ -18,6 +18,9 @@ grouped GEMMs read (`megatron.core.fp8.grouped_quantize`).
 take the new scale) in one launch, where its torch ops (`scaling.update_delayed_scaling`) are
 some twenty.
 
+`expert_rows_table` computes where each expert's rows lie, the table the experts' cast and
+grouped GEMMs read, from counts on the GPU in one launch (`grouped_gemm.DeviceExpertRows`).
+
 `transpose_fp8` makes the contiguous transpose of FP8 bytes (a weight's, for the input-gradient
 GEMM) in tiles: torch's strided copy of one-byte elements reads them uncoalesced, at a few
 percent of the memory bandwidth.
@@ -254,6 +257,19 @@ def cast_experts_to_fp8(
     return data, transposed
 
 
+def expert_rows_table(counts: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """`ExpertRows.gemm_table` of `counts` (`[G]` integers, contiguous, on the current CUDA
+    device, Triton present) computed there in one launch: int32 `[6G]`, each expert's first
+    row, rows, first tile of 16 padded rows, end of its padded rows, padded rows, and first
+    tile of `tile_rows` padded rows."""
+    groups = counts.numel()
+    table = torch.empty(6 * groups, dtype=torch.int32, device=counts.device)
+    if groups:
+        block = max(triton.next_power_of_2(groups), 16)
+        _launch_rows_table((1,), counts, table, groups, TILE_ROWS=tile_rows, BLOCK=block)
+    return table
+
+
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """`data.transpose(-2, -1).contiguous()` for a 2-D FP8 tensor, or a 3-D stack of them (an MoE
     projection's expert weights: one launch for all), on CUDA (`data.is_cuda`, Triton present).
@@ -463,6 +479,24 @@ if triton is not None:
         return low
 
     @triton.jit
+    def _rows_table_kernel(
+        counts_ptr, table_ptr, groups, TILE_ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        index = tl.arange(0, BLOCK)
+        inside = index < groups
+        counts = tl.load(counts_ptr + index, mask=inside, other=0).to(tl.int32)
+        padded = (counts + 15) // 16 * 16
+        ends = tl.cumsum(padded, axis=0)
+        gemm_tiles = (padded + TILE_ROWS - 1) // TILE_ROWS
+        tl.store(table_ptr + index, tl.cumsum(counts, axis=0) - counts, mask=inside)
+        tl.store(table_ptr + groups + index, counts, mask=inside)
+        tl.store(table_ptr + 2 * groups + index, (ends - padded) // 16, mask=inside)
+        tl.store(table_ptr + 3 * groups + index, ends, mask=inside)
+        tl.store(table_ptr + 4 * groups + index, padded, mask=inside)
+        gemm_starts = tl.cumsum(gemm_tiles, axis=0) - gemm_tiles
+        tl.store(table_ptr + 5 * groups + index, gemm_starts, mask=inside)
+
+    @triton.jit
     def _past_the_tiles(table_ptr, groups):
         """Whether this program's tile of 16 padded rows lies past the last expert's (a grid
         sized by an upper bound: `DeviceExpertRows`)."""
@@ -606,3 +640,4 @@ if triton is not None:
     _launch_transpose = TritonLaunch(_transpose_kernel, num_warps=_TRANSPOSE_WARPS)
     _launch_amax = TritonLaunch(_amax_kernel, num_warps=_AMAX_WARPS)
     _launch_scale_update = TritonLaunch(_scale_update_kernel, num_warps=4)
+    _launch_rows_table = TritonLaunch(_rows_table_kernel, num_warps=4)

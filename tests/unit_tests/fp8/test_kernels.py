@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.core.fp8 import grouped_quantize, kernels, quantize
+from megatron.core.fp8.expert_gemm_kernels import TILE_ROWS
 from megatron.core.fp8.grouped_gemm import ExpertRows
 from megatron.core.fp8.grouped_quantize import quantize_experts
 from megatron.core.fp8.scaling import update_delayed_scaling
@@ -236,3 +237,15 @@ def test_experts_cast_is_the_reference_bit_for_bit(cols, counts, fmt, delayed):
     on_cpu = quantize_experts(x.cpu(), rows, dtype, scales=None if scales is None else scales.cpu())
     nan = on_cpu.data.float().isnan()
     assert torch.equal(_bytes(cast.data).cpu()[~nan], _bytes(on_cpu.data)[~nan])
+
+
+@pytest.mark.parametrize("groups", [1, 4, 64, 300])
+def test_the_rows_table_kernel_makes_the_host_table(groups):
+    """`DeviceExpertRows`' table in one launch from counts on the GPU (int64, as a routing
+    map's sums, and int32): `ExpertRows`' entry for entry, experts without rows included."""
+    counts = torch.randint(0, 700, (groups,), generator=torch.Generator().manual_seed(groups))
+    counts[::5] = 0
+    expected = ExpertRows(counts.tolist()).gemm_table(torch.device("cpu"))
+    for dtype in (torch.int64, torch.int32):
+        table = kernels.expert_rows_table(counts.to("cuda", dtype), TILE_ROWS)
+        assert torch.equal(table.cpu(), expected)
