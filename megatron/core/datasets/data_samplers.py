@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from megatron.core.datasets.one_buffer_batch import collate_in_one_buffer
+
 
 class MegatronPretrainingSampler:
     """A batch sampler: yields this rank's list of sample indices for each micro-batch.
@@ -111,6 +113,8 @@ def build_pretraining_data_loader(
         batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
+        # From worker processes each batch crosses as one tensor (`collate_in_one_buffer`).
+        collate_fn=collate_in_one_buffer if num_workers else None,
         # Each iterator draws a base seed for its workers: from a private generator, so that
         # building a loader leaves the global RNG (dropout's) as it was, and a run resumed from
         # a checkpoint draws the masks the uninterrupted run drew.
