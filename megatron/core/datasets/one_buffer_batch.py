@@ -3,9 +3,10 @@
 A `DataLoader` worker hands each tensor of a batch to the training process through shared
 memory, and each tensor's handle travels over a connection of its own (PyTorch's file-descriptor
 sharing: a socket and an authentication exchange per tensor). A GPT batch holds four small
-tensors (tokens, labels, loss mask, positions), and receiving them took the trainer's process
-about 3 ms per batch on a 2-core CPU, most of it in those connections, in the thread that pins
-the batches when training on a GPU, beside the one launching the step's kernels.
+tensors (tokens, labels, loss mask, positions): on a 2-core CPU, receiving a batch of four
+`[2, 1024]` tensors from two workers took 1.7-2.4 ms, and 0.9-1.5 ms as one tensor. On a GPU
+that work falls to the thread that pins the batches, beside the one launching the step's
+kernels.
 
 `collate_in_one_buffer` collates the samples as `default_collate` does, then lays the batch's
 tensors end to end in one byte buffer (`OneBufferBatch`): the batch crosses as that one tensor
