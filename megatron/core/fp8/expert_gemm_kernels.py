@@ -235,7 +235,7 @@ def _check_operands(
 
 
 if triton is not None:
-    from megatron.core.fp8.kernels import expert_of_tile
+    from megatron.core.fp8.kernels import expert_of_tile, tiles_end
 
     @triton.jit
     def _grouped_mm_kernel(
@@ -265,10 +265,7 @@ if triton is not None:
         # L2 by all but the first.
         tile = tl.program_id(0) // col_tiles
         tile_starts = table_ptr + 5 * groups
-        # A grid sized by an upper bound of the tiles (`DeviceExpertRows`): the programs past
-        # the last expert's last tile have nothing to multiply.
-        last_rows = tl.load(table_ptr + 5 * groups - 1)
-        if tile >= tl.load(tile_starts + groups - 1) + (last_rows + BLOCK_M - 1) // BLOCK_M:
+        if tile >= tiles_end(tile_starts, table_ptr + 4 * groups, groups, BLOCK_M):
             return
         expert = expert_of_tile(tile_starts, groups, tile, SEARCH_STEPS)
         first_row = tl.load(table_ptr + 2 * groups + expert).to(tl.int64) * 16

@@ -186,18 +186,17 @@ class DeviceExpertRows:
 
     def gemm_table(self, device: torch.device) -> torch.Tensor:
         """`ExpertRows.gemm_table`, computed on the counts' device (`device`) once: in one
-        launch on a GPU with Triton."""
+        launch on a GPU with Triton (elsewhere `on_host()`'s, which reads the counts)."""
         if self._table is None:
             if device != self._counts.device:
                 raise ValueError(
                     f"DeviceExpertRows: the counts lie on {self._counts.device}, the kernels "
                     f"run on {device}."
                 )
-            counts = self._counts
-            if launches_on(counts) and counts.is_contiguous():
-                self._table = kernels.expert_rows_table(counts, TILE_ROWS)
+            if launches_on(self._counts):
+                self._table = kernels.expert_rows_table(self._counts.contiguous(), TILE_ROWS)
             else:
-                self._table = _rows_table(counts)
+                self._table = self.on_host().gemm_table(device)
         return self._table
 
     def kernel_table(self, device: torch.device) -> torch.Tensor:
@@ -208,23 +207,6 @@ class DeviceExpertRows:
         """The same rows as an `ExpertRows` (reads the counts on the host: on a GPU, it waits
         for the work queued before)."""
         return ExpertRows(self._counts.tolist())
-
-
-def _rows_table(counts: torch.Tensor) -> torch.Tensor:
-    """`ExpertRows.gemm_table` of `counts` (a tensor) by torch ops on its device."""
-    counts = counts.to(torch.int64)
-    padded = (counts + GEMM_ALIGNMENT - 1) // GEMM_ALIGNMENT * GEMM_ALIGNMENT
-    ends = torch.cumsum(padded, 0)
-    gemm_tiles = (padded + TILE_ROWS - 1) // TILE_ROWS
-    columns = (
-        torch.cumsum(counts, 0) - counts,
-        counts,
-        (ends - padded) // GEMM_ALIGNMENT,
-        ends,
-        padded,
-        torch.cumsum(gemm_tiles, 0) - gemm_tiles,
-    )
-    return torch.cat(columns).to(torch.int32)
 
 
 def fp8_grouped_mm(

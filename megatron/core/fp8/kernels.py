@@ -497,11 +497,12 @@ if triton is not None:
         tl.store(table_ptr + 5 * groups + index, gemm_starts, mask=inside)
 
     @triton.jit
-    def _past_the_tiles(table_ptr, groups):
-        """Whether this program's tile of 16 padded rows lies past the last expert's (a grid
-        sized by an upper bound: `DeviceExpertRows`)."""
-        last_rows = tl.load(table_ptr + 2 * groups - 1)
-        return tl.program_id(0) >= tl.load(table_ptr + 3 * groups - 1) + (last_rows + 15) // 16
+    def tiles_end(tile_starts, rows, groups, TILE: tl.constexpr):
+        """The first tile of `TILE` padded rows past the last expert's (`tile_starts`: each
+        expert's first tile, `rows`: its rows, `groups` int32 each): a grid sized by an upper
+        bound (`DeviceExpertRows`) has programs from there on, with nothing to do."""
+        last_rows = tl.load(rows + groups - 1)
+        return tl.load(tile_starts + groups - 1) + (last_rows + TILE - 1) // TILE
 
     @triton.jit
     def _expert_tile(table_ptr, groups, SEARCH_STEPS: tl.constexpr):
@@ -525,7 +526,7 @@ if triton is not None:
         SEARCH_STEPS: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
     ):
-        if _past_the_tiles(table_ptr, groups):
+        if tl.program_id(0) >= tiles_end(table_ptr + 2 * groups, table_ptr + groups, groups, 16):
             return
         expert, first_row, rows, _ = _expert_tile(table_ptr, groups, SEARCH_STEPS)
         row = tl.arange(0, 16)[:, None]
@@ -556,7 +557,7 @@ if triton is not None:
         SEARCH_STEPS: tl.constexpr,
         BLOCK_COLS: tl.constexpr,
     ):
-        if _past_the_tiles(table_ptr, groups):
+        if tl.program_id(0) >= tiles_end(table_ptr + 2 * groups, table_ptr + groups, groups, 16):
             return
         expert, first_row, rows, first_tile = _expert_tile(table_ptr, groups, SEARCH_STEPS)
         col_block = tl.program_id(1).to(tl.int64)
