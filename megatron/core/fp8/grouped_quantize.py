@@ -53,12 +53,8 @@ class GroupedFp8Tensor(NamedTuple):
         `ExpertRows` (counts on the host)."""
         rows = self.rows
         parts = tensor.split(rows.padded_counts, dim)
-        scale_invs = self.scale_invs
-        if scale_invs.stride(0) != _SCALE_STRIDE or scale_invs.data_ptr() % 16:
-            # Packed by a copy (a saved-tensor hook's, when offloading activations).
-            scale_invs = _scale_storage(len(rows), scale_invs.device)
-            scale_invs.copy_(self.scale_invs)
-        scales = scale_invs.split(1)
+        # A copy may have packed them (a saved-tensor hook's, when offloading activations).
+        scales = aligned_scale_invs(self.scale_invs)
         return [
             None if count == 0 else Fp8Tensor(part, scale)
             for part, scale, count in zip(parts, scales, rows.counts)
@@ -116,6 +112,17 @@ def quantize_experts(
         )
         return GroupedFp8Tensor(data, scale_invs, rows, transposed)
     return _quantize_experts_reference(x, rows, dtype, scales, amax_out, transpose, scale_invs)
+
+
+def aligned_scale_invs(scale_invs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of `scale_invs` (`[G]` fp32) as a one-element tensor at a 16-byte aligned address,
+    where cuBLASLt reads a GEMM's scale: views where they lie 16 bytes apart, else views of a
+    copy laid out so (`_scale_storage`)."""
+    if scale_invs.stride(0) != _SCALE_STRIDE or scale_invs.data_ptr() % 16:
+        copy = _scale_storage(len(scale_invs), scale_invs.device)
+        copy.copy_(scale_invs)
+        scale_invs = copy
+    return scale_invs.split(1)
 
 
 def _scale_storage(groups: int, device: torch.device) -> torch.Tensor:

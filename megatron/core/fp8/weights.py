@@ -46,7 +46,7 @@ from megatron.core.fp8 import kernels
 from megatron.core.fp8.blockwise import quantize_128x128, square_block_layout
 from megatron.core.fp8.cpp_linear import native_transpose
 from megatron.core.fp8.grouped_gemm import ExpertRows
-from megatron.core.fp8.grouped_quantize import quantize_experts
+from megatron.core.fp8.grouped_quantize import aligned_scale_invs, quantize_experts
 from megatron.core.fp8.quantize import GEMM_ALIGNMENT, quantize
 from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
 from megatron.core.fusions.triton_launch import launches_on
@@ -125,22 +125,6 @@ class Fp8Weight:
         return Fp8Tensor(transposed, self.tensor.scale_inv)
 
 
-_SCALE_ALIGNMENT = 16
-"""Bytes to which cuBLASLt needs a GEMM's scale aligned (else CUBLAS_STATUS_NOT_SUPPORTED)."""
-
-
-def _aligned_scalars(column: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The elements of `column` (1-D) as one-element tensors at aligned addresses: views where
-    they lie so, else views of a copy with one 16-byte row per element."""
-    step = column.stride(0) * column.element_size()
-    if step % _SCALE_ALIGNMENT or column.data_ptr() % _SCALE_ALIGNMENT:
-        per_row = _SCALE_ALIGNMENT // column.element_size()
-        rows = column.new_zeros(len(column), per_row)
-        rows[:, 0] = column
-        column = rows[:, 0]
-    return column.unsqueeze(1).unbind(0)
-
-
 class Fp8ExpertWeights:
     """The stacked weights of an MoE projection's experts, `[num_experts, out, in]`, in FP8 with
     one scale per expert.
@@ -199,7 +183,7 @@ class Fp8ExpertWeights:
     def experts(self) -> list[Fp8Weight]:
         """Every expert's weight, made at the first use (with the transposes, once made)."""
         if self._experts is None:
-            scale_invs = _aligned_scalars(self._scale_invs)
+            scale_invs = aligned_scale_invs(self._scale_invs)
             self._experts = [Fp8Weight(Fp8Tensor(d, s)) for d, s in zip(self.data, scale_invs)]
             if self._stacked_transposes is not None:
                 self._hold_transposes()
