@@ -15,6 +15,7 @@ and is rebuilt from views of it, and pinning it for a GPU copies one buffer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,19 +63,14 @@ def collate_in_one_buffer(samples: Sequence[Any]) -> Any:
     for key, tensor in batch.items():
         layout.append((key, tensor.dtype, tuple(tensor.shape), size))
         size += -(-tensor.numel() * tensor.element_size() // _ALIGNMENT) * _ALIGNMENT
-    buffer = torch.empty(size, dtype=torch.uint8)
-    layout = tuple(layout)
-    for view, tensor in zip(_views(buffer, layout).values(), batch.values()):
+    packed = OneBufferBatch(torch.empty(size, dtype=torch.uint8), tuple(layout))
+    for view, tensor in zip(packed.values(), batch.values()):
         view.copy_(tensor)
-    return OneBufferBatch(buffer, layout)
+    return packed
 
 
 def _views(buffer: torch.Tensor, layout: Layout) -> dict[Any, torch.Tensor]:
-    views = {}
-    for key, dtype, shape, start in layout:
-        numel = 1
-        for size in shape:
-            numel *= size
-        end = start + numel * dtype.itemsize
-        views[key] = buffer[start:end].view(dtype).view(shape)
-    return views
+    return {
+        key: buffer[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for key, dtype, shape, start in layout
+    }
