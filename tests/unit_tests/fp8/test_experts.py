@@ -297,9 +297,10 @@ def test_counts_on_the_device_give_the_host_counts_results(
     fmt, kind, grouped_kernel, triton_kernels, monkeypatch
 ):
     """Counts in a tensor (`DeviceExpertRows`): the Triton GEMMs read the table made from
-    them, over grids sized by upper bounds, and the outputs, gradients and fp32 main_grads
-    (written over or added to) are those of the counts on the host, bit for bit. Where a GEMM
-    splits the rows per expert (no grouping), the counts are read on the host."""
+    them, over grids sized by upper bounds, and the outputs and gradients are the plain-torch
+    reference's, and the fp32 main_grads (written over or added to) those of the counts on the
+    host, bit for bit. Where a GEMM splits the rows per expert (no grouping), the counts are
+    read on the host."""
     weight, x, grad = _case()
     tiles = []
 
@@ -313,6 +314,9 @@ def test_counts_on_the_device_give_the_host_counts_results(
     device = _run(_slots(fmt, kind), weight, x, grad, grouped=True, counts=on_device)
     for a, b in zip(host, device):
         assert torch.equal(a, b)
+    expected_y, expected_dx, expected_dw = _reference(_slots(fmt, kind), weight, x, grad)
+    assert torch.equal(device[0], expected_y) and torch.equal(device[1], expected_dx)
+    assert torch.equal(device[2], expected_dw.to(BF16))
     bound = DeviceExpertRows(on_device, sum(COUNTS)).gemm_tiles
     assert tiles == [ExpertRows(COUNTS).gemm_tiles] * 2 + [bound] * 2 and bound > tiles[0]
     per_expert = _run(_slots(fmt, kind), weight, x, grad, grouped=False, counts=on_device)

@@ -199,8 +199,8 @@ def test_grouped_fp8_experts_taking_device_counts_size_the_dispatch_from_shapes(
 ):
     """Where the grouped FP8 kernels take the counts on the device, a layer with one rank per
     expert group sizes its dispatch from the shapes (FIXED), not on the host; it trains the same
-    as the layer that reads them on the host, bit for bit (both through the kernels' CPU
-    emulations)."""
+    as the layer that reads them on the host, and as its fake-quant twin, bit for bit (through
+    the kernels' CPU emulations)."""
     config = _config("hybrid", "delayed", moe_grouped_gemm=True)
     monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
     host = _gpt(config)
@@ -211,6 +211,7 @@ def test_grouped_fp8_experts_taking_device_counts_size_the_dispatch_from_shapes(
     assert _train(host) == _train(device)
     for (name, a), b in zip(host.named_parameters(), device.parameters()):
         assert torch.equal(a, b), name
+    _assert_trains_as_its_twin(config)
 
 
 def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():
