@@ -198,14 +198,14 @@ def check_fp8_config(config: TransformerConfig) -> None:
 
 def _check_recipe(recipe: str) -> None:
     refusals = {
-        "mxfp8": _mxfp8_refusal(),
-        "custom": (
+        "mxfp8": _mxfp8_refusal,
+        "custom": lambda: (
             "custom recipes need Transformer Engine's quantizer factories, which are not built here"
         ),
     }
     if recipe in refusals:
         raise ValueError(
-            f"fp8_recipe={recipe!r}: {refusals[recipe]}; choose tensorwise, delayed or "
+            f"fp8_recipe={recipe!r}: {refusals[recipe]()}; choose tensorwise, delayed or "
             "blockwise for fp8_recipe."
         )
     if recipe not in BUILT_RECIPES:
