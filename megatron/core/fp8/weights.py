@@ -35,6 +35,7 @@ Where the copy comes from:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -125,6 +126,14 @@ class Fp8Weight:
         return Fp8Tensor(transposed, self.tensor.scale_inv)
 
 
+@functools.cache
+def _stacked_rows(experts: int, out_features: int) -> ExpertRows:
+    """The rows of stacked weights `[experts, out, in]` as the cast's groups: one `ExpertRows`
+    per shape, whose device table, copied from the host at the first cast, serves every later
+    one (a CUDA graph's capture among them, which cannot copy from pageable host memory)."""
+    return ExpertRows([out_features] * experts)
+
+
 class Fp8ExpertWeights:
     """The stacked weights of an MoE projection's experts, `[num_experts, out, in]`, in FP8 with
     one scale per expert.
@@ -167,7 +176,7 @@ class Fp8ExpertWeights:
         with torch.no_grad():
             cast = quantize_experts(
                 weight.detach().reshape(-1, in_features),
-                ExpertRows([out_features] * experts),
+                _stacked_rows(experts, out_features),
                 WEIGHT_DTYPE,
             )
         return cls(cast.data.view(weight.shape), cast.scale_invs)
