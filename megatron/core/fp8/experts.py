@@ -30,7 +30,8 @@ keep the GPU busy one at a time: `PER_EXPERT_FROM_FLOPS`) each expert with token
 `torch._scaled_mm` per GEMM (`fp8_mm`). `describe_expert_gemms` says which, for the start-up log.
 Where all three run the Triton kernels, the counts may stay on the device (`DeviceExpertRows`:
 the kernels' table is computed there, their grids sized by upper bounds), so the layer needs no
-host synchronisation; the other kernels read them on the host.
+host synchronisation; the other kernels read them on the host. While a CUDA graph captures, the
+grouped experts run the Triton kernels whatever their size, as a graph holds no host read.
 
 Weight gradients go where `grad_accumulation.weight_grad_target` says, as the dense FP8 layers':
 fused into an engine's `main_grad` (written over, with zeros for experts without tokens, or
@@ -64,7 +65,12 @@ from megatron.core.tensor_parallel.grad_accumulation import (
     weight_grad_target,
 )
 from megatron.core.tensor_parallel.utils import group_size
-from megatron.core.utils import direct_apply, once_differentiable, outside_compiled_graphs
+from megatron.core.utils import (
+    cuda_graph_capturing,
+    direct_apply,
+    once_differentiable,
+    outside_compiled_graphs,
+)
 
 _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -121,10 +127,11 @@ class ExpertGemms:
     ) -> ExpertGemms:
         """The kernels that run the GEMMs of an expert layer on `device` whose inputs are of
         `dtype` and whose experts' GEMMs take `flops_per_expert` on average: one GEMM per
-        expert from `PER_EXPERT_FROM_FLOPS`; below, the Triton grouped GEMMs where they run
-        (on an H200 they took less GPU and host time than PyTorch's grouped GEMM), else
-        PyTorch's where it applies, else one GEMM per expert."""
-        if flops_per_expert >= PER_EXPERT_FROM_FLOPS:
+        expert from `PER_EXPERT_FROM_FLOPS` (except while a CUDA graph captures: a graph
+        cannot hold them, since they read the counts on the host); below, the Triton grouped
+        GEMMs where they run (on an H200 they took less GPU and host time than PyTorch's
+        grouped GEMM), else PyTorch's where it applies, else one GEMM per expert."""
+        if flops_per_expert >= PER_EXPERT_FROM_FLOPS and not cuda_graph_capturing():
             return cls()
         if expert_gemm_kernels.kernels_available(device):
             triton = ExpertGemm.TRITON

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.core.fp8 import expert_gemm_kernels
+from megatron.core.fp8 import experts as fp8_experts
 from megatron.core.fp8.experts import ExpertGemm, ExpertGemms, Fp8ExpertSlots
 from megatron.core.fp8.grouped_gemm import grouped_kernel_available
 from megatron.core.fp8.recipe import Fp8Recipe
@@ -122,6 +123,36 @@ def test_cuda_fp8_experts_take_counts_on_the_device_without_a_host_sync(fmt, kin
         torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(host, device):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
+def test_a_cuda_graph_captures_grouped_fp8_experts_of_any_size(monkeypatch):
+    """Experts large enough to run one GEMM per expert eagerly (here any: the threshold set to
+    0), which reads the counts on the host, run the Triton kernels while a graph captures: the
+    replay gives the eager Triton run's outputs and gradients bit for bit."""
+    weight, x, grad = _on_cuda(*test_experts._case())
+    counts = torch.tensor(test_experts.COUNTS, device="cuda")
+    slots = test_experts._slots("hybrid", "delayed")
+    triton = [t.clone() for t in test_experts._run(slots, weight, x, grad, True, counts)]
+    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: one GEMM per expert, counts read on the host
+        test_experts._run(slots, weight, x, grad, True, counts)
+    torch.cuda.current_stream().wait_stream(side)
+    # Leaves first used in the capture: autograd ties a leaf's gradient to the stream of its
+    # first use, and the eager runs used these on the uncaptured one.
+    x, weight = x.detach().requires_grad_(), torch.nn.Parameter(weight.detach())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = slots.experts_linear(x, weight, counts, grouped=True)
+        dx, dw = torch.autograd.grad(y, (x, weight), grad)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip((y, dx, dw), triton):
+        assert torch.equal(got, want)
+    eager = ExpertGemms.where_possible(slots.recipe, x.device, BF16, flops_per_expert=1.0)
+    assert eager == ExpertGemms()  # one GEMM per expert outside the capture
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])

@@ -2,7 +2,8 @@
 all-gather stream): Megatron-FSDP, and the DDP engine's distributed optimizer, train bit for bit
 as without it, eager and with the whole iteration in a CUDA graph, whose replays cast the FP8
 weights from the main weights the graphed optimizer step wrote (with a multi-token prediction
-depth in FP8 too); with `--keep-fp8-transpose-cache` too, whose kept transposes hold 1 byte per
+depth in FP8 too, and with MoE layers whose grouped FP8 experts keep their token counts on the
+device); with `--keep-fp8-transpose-cache` too, whose kept transposes hold 1 byte per
 element of the FP8 weights from step to step and are freed at each refresh (the memory allocated
 stays flat), made by the C++ backward once per gather of the weights, or once per step where
 kept. One rank per GPU present (1 or 2)."""
@@ -51,6 +52,7 @@ BASE = [
 ]
 DDP = [*MODEL, "--use-distributed-optimizer"]
 GRAPHED = ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "2"]
+MOE = "--num-experts 4 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 --moe-router-topk 2".split()
 
 
 def _curves(flags: list[str]) -> tuple[list[float], list[float]]:
@@ -103,6 +105,35 @@ def test_fp8_depths_train_the_same_gathered_as_fp8_and_graphed():
     assert losses[-1] < losses[0]
     assert gathered == plain
     assert graphed == gathered
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="the grouped FP8 experts' Triton kernels need compute capability 9.0 or newer",
+)
+@pytest.mark.parametrize(
+    "engine",
+    [
+        [*BASE, "--data-parallel-sharding-strategy", "optim_grads"],
+        [*BASE, "--data-parallel-sharding-strategy", "optim_grads_params"],
+        DDP,
+    ],
+    ids=["zero2", "zero3", "distributed_optimizer"],
+)
+def test_fp8_moe_trains_the_same_gathered_as_fp8_and_graphed(engine):
+    """Dropless MoE layers with grouped FP8 experts keep their token counts on the device: the
+    same losses with the experts' weights gathered as FP8, and with the whole iteration
+    graphed, with and without (the router, the dispatch and the experts' casts and GEMMs
+    replayed)."""
+    world = _world()
+    flags = [*engine, "--global-batch-size", str(4 * world), *MOE]
+    plain = run_distributed(_curves, world, flags)
+    gathered = run_distributed(_curves, world, [*flags, "--fp8-param-gather"])
+    losses, _ = plain[0]
+    assert losses[-1] < losses[0]
+    assert gathered == plain
+    assert run_distributed(_curves, world, [*flags, *GRAPHED]) == plain
+    assert run_distributed(_curves, world, [*flags, "--fp8-param-gather", *GRAPHED]) == plain
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.training.cuda_graphs import StaticBatches
+from megatron.training.flag_groups import cuda_graphs as cuda_graph_flags
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from tests.unit_tests.training.flag_checks import FSDP, validated
 
@@ -134,10 +135,24 @@ MOE = ("--num-experts", "4", "--moe-grouped-gemm", "--bf16")
 WORST_CASE = ("--expert-model-parallel-size", "2", "--moe-pad-dispatch-to-worst-case")
 
 
+@pytest.fixture
+def fp8_kernels_run(monkeypatch):
+    """The grouped FP8 experts' Triton kernels run on this (pretended) GPU."""
+    monkeypatch.setattr(cuda_graph_flags, "grouped_fp8_takes_device_counts", lambda: True)
+
+
+FP8 = ("--fp8-format", "hybrid")
+
+
 @pytest.mark.parametrize(
-    "flags", [MOE, (*MOE, *WORST_CASE)], ids=["expert-parallel-1", "worst-case-exchange"]
+    "flags",
+    [MOE, (*MOE, *WORST_CASE), (*MOE, *FP8)],
+    ids=["expert-parallel-1", "worst-case-exchange", "fp8"],
 )
-def test_moe_layers_that_read_nothing_on_the_host_are_accepted(cuda_available, flags):
+def test_moe_layers_that_read_nothing_on_the_host_are_accepted(
+    cuda_available, fp8_kernels_run, flags
+):
+    """Grouped FP8 experts too, where their kernels take the counts on the device."""
     assert full_iteration_cuda_graph(validated(*FULL, *NCCL, *flags))
 
 
@@ -147,17 +162,28 @@ def test_moe_layers_that_read_nothing_on_the_host_are_accepted(cuda_available, f
         (("--num-experts", "4", "--bf16"), "add --moe-grouped-gemm"),
         (("--num-experts", "4", "--moe-grouped-gemm"), "add --bf16"),
         ((*MOE, "--moe-expert-capacity-factor", "1.5"), "drop --moe-expert-capacity-factor"),
-        ((*MOE, "--fp8-format", "hybrid"), "drop --fp8-format hybrid"),
         ((*MOE, "--expert-model-parallel-size", "2"), "add --moe-pad-dispatch-to-worst-case"),
+        (
+            (*MOE, *FP8, *WORST_CASE),
+            "drop --fp8-format hybrid or the expert parallelism (FP8 experts take their counts",
+        ),
+        ((*MOE, *FP8, "--no-fp8-wgrad"), "drop --no-fp8-wgrad (the high-precision weight"),
     ],
-    ids=["loop", "fp32", "capacity", "fp8", "expert-parallel"],
+    ids=["loop", "fp32", "capacity", "expert-parallel", "fp8-expert-parallel", "fp8-no-wgrad"],
 )
 def test_moe_layers_that_read_on_the_host_are_refused_naming_what_to_change(
-    cuda_available, flags, missing
+    cuda_available, fp8_kernels_run, flags, missing
 ):
     expected = "MoE layers (--num-experts) size their token exchange or their experts' GEMMs"
     with pytest.raises(ValueError, match=re.escape(expected) + ".*" + re.escape(missing)):
         validated(*FULL, *NCCL, *flags)
+
+
+def test_fp8_moe_layers_without_the_grouped_fp8_kernels_are_refused(cuda_available, monkeypatch):
+    monkeypatch.setattr(cuda_graph_flags, "grouped_fp8_takes_device_counts", lambda: False)
+    missing = "drop --fp8-format hybrid (the FP8 experts' grouped kernels, which take the counts"
+    with pytest.raises(ValueError, match=re.escape(missing)):
+        validated(*FULL, *NCCL, *MOE, *FP8)
 
 
 def test_tensor_parallelism_without_attention_dropout_is_accepted(cuda_available):
