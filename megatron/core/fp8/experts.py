@@ -229,8 +229,9 @@ class Fp8ExpertSlots:
         Args:
             input_: `[M, in]`, grouped by expert.
             weight: the stacked weights `[num_local_experts, out, in]` (the parameter itself).
-            counts: each local expert's rows of `input_` (0 included): host integers, or an
-                integer tensor on `input_`'s device summing to its rows, which stays there
+            counts: each local expert's rows of `input_` (0 included): host integers summing
+                to `M`, or an integer tensor on `input_`'s device summing to at most `M` (the
+                rows after are padding, whose outputs are unspecified). A tensor stays there
                 where every GEMM runs a Triton grouped kernel (no host synchronisation; other
                 kernels read it on the host).
             grouped: run as grouped GEMMs where the kernel applies (`GroupedMLP`).
@@ -245,12 +246,24 @@ class Fp8ExpertSlots:
             rows = DeviceExpertRows(counts, input_.shape[0])
         else:
             rows = ExpertRows(counts)
-        args = (input_, weight, self, rows, grouped, tp_group, needs_weight)
+        gemms = ExpertGemms()
+        if grouped:
+            _, out_features, in_features = weight.shape
+            flops = 2.0 * rows.rows * out_features * in_features / max(len(rows), 1)
+            gemms = ExpertGemms.where_possible(self.recipe, input_.device, input_.dtype, flops)
+        padding = 0
+        if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
+            rows = rows.on_host()
+            padding = input_.shape[0] - rows.rows
+            input_ = input_[: rows.rows]
+        args = (input_, weight, self, rows, gemms, tp_group, needs_weight)
         if torch.compiler.is_compiling():
             # Outside any compiled graph: the FP8 weight cache and the scaling state are host
             # state (as for the dense FP8 linear layers).
-            return _apply_experts_outside_graph(*args)
-        return _apply_experts(*args)
+            out = _apply_experts_outside_graph(*args)
+        else:
+            out = _apply_experts(*args)
+        return torch.cat([out, out.new_zeros(padding, out.shape[1])]) if padding else out
 
     def quantize(
         self,
@@ -410,19 +423,12 @@ class _Fp8Experts(torch.autograd.Function):
         weight: torch.Tensor,
         slots: Fp8ExpertSlots,
         rows: ExpertRows | DeviceExpertRows,
-        grouped: bool,
+        gemms: ExpertGemms,
         tp_group: dist.ProcessGroup | None,
         weight_needs_grad: bool,
     ) -> torch.Tensor:
         recipe = slots.recipe
         fp8_wgrad = weight_needs_grad and recipe.wgrad
-        gemms = ExpertGemms()
-        if grouped:
-            _, out_features, in_features = weight.shape
-            flops = 2.0 * rows.rows * out_features * in_features / max(len(rows), 1)
-            gemms = ExpertGemms.where_possible(recipe, input_.device, input_.dtype, flops)
-        if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
-            rows = rows.on_host()
         cast = slots.quantize(input_, rows, FORWARD, transpose=fp8_wgrad)
         out = _expert_mm(
             cast,

@@ -164,7 +164,8 @@ class DeviceExpertRows:
 
     Args:
         counts: the rows of each local expert, an integer tensor `[G]` on the rows' device,
-            summing to `rows` (as a dropless dispatch sized without a host read gives them).
+            summing to at most `rows` (as a dropless dispatch sized without a host read gives
+            them; the rows after their sum are padding, which no kernel reads or writes).
         rows: the rows of the experts' input, `M`.
     """
 

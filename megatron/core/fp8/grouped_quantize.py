@@ -144,7 +144,8 @@ def _quantize_experts_reference(
     data = fp8_zeros((rows.padded_rows, x.shape[1]), dtype, x.device)
     transposed = fp8_zeros((x.shape[1], rows.padded_rows), dtype, x.device) if transpose else None
     host = rows.on_host() if isinstance(rows, DeviceExpertRows) else rows
-    parts = zip(host.split(x), host.padded_starts, host.padded_counts)
+    # Device rows may leave padding after the real rows, which are not cast.
+    parts = zip(host.split(x[: host.rows]), host.padded_starts, host.padded_counts)
     for index, (part, start, padded_count) in enumerate(parts):
         if part.shape[0] == 0:  # no cast: its scale is not used, its amax not recorded
             continue

@@ -155,30 +155,24 @@ def _moe_host_reads(args: argparse.Namespace) -> list[str]:
         missing.append("add --moe-grouped-gemm")
     if not args.bf16:
         missing.append("add --bf16 (the grouped GEMM's kernel; other dtypes read on the host)")
-    exchange = args.expert_model_parallel_size * args.expert_tensor_parallel_size
     if args.fp8 is not None:
-        missing += _fp8_expert_host_reads(args, exchange)
-    elif exchange > 1 and not args.moe_pad_dispatch_to_worst_case:
+        missing += _fp8_expert_host_reads(args)
+    exchange = args.expert_model_parallel_size * args.expert_tensor_parallel_size
+    if exchange > 1 and not args.moe_pad_dispatch_to_worst_case:
         missing.append("add --moe-pad-dispatch-to-worst-case")
     return missing
 
 
-def _fp8_expert_host_reads(args: argparse.Namespace, exchange: int) -> list[str]:
+def _fp8_expert_host_reads(args: argparse.Namespace) -> list[str]:
     """What makes grouped FP8 experts read their counts on the host: they take them on the
-    device through their Triton kernels only (`grouped_fp8_takes_device_counts`), at one rank
-    per expert group, with FP8 weight gradients."""
-    fp8 = f"--fp8-format {args.fp8}"
-    if exchange > 1:
-        return [
-            f"drop {fp8} or the expert parallelism (FP8 experts take their counts on the device "
-            "only at --expert-model-parallel-size and --expert-tensor-parallel-size 1)"
-        ]
+    device through their Triton kernels only (`grouped_fp8_takes_device_counts`), with FP8
+    weight gradients."""
     if not args.fp8_wgrad:
         return ["drop --no-fp8-wgrad (the high-precision weight gradients read on the host)"]
     if not grouped_fp8_takes_device_counts():
         return [
-            f"drop {fp8} (the FP8 experts' grouped kernels, which take the counts on the "
-            "device, need Triton and a GPU of compute capability 9.0 or later)"
+            f"drop --fp8-format {args.fp8} (the FP8 experts' grouped kernels, which take the "
+            "counts on the device, need Triton and a GPU of compute capability 9.0 or later)"
         ]
     return []
 
@@ -187,9 +181,9 @@ def _moe_refusal(args: argparse.Namespace) -> str:
     missing = _moe_host_reads(args)
     return (
         "MoE layers (--num-experts) size their token exchange or their experts' GEMMs on the "
-        "host unless they are dropless, with --moe-grouped-gemm in bf16, with expert "
-        "parallelism with --moe-pad-dispatch-to-worst-case, and in FP8 at one rank per expert "
-        f"group on Hopper or newer; {'; '.join(missing)}, or drop the graph flags"
+        "host unless they are dropless, with --moe-grouped-gemm in bf16 (in FP8 on Hopper or "
+        "newer), and with expert parallelism with --moe-pad-dispatch-to-worst-case; "
+        f"{'; '.join(missing)}, or drop the graph flags"
     )
 
 

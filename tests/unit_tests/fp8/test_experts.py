@@ -336,6 +336,37 @@ def test_counts_on_the_device_give_the_host_counts_results(
         assert torch.equal(*main_grads)
 
 
+@exact_cpu_scaled_mm
+@pytest.mark.parametrize("large", [False, True], ids=["triton", "one-gemm-per-expert"])
+def test_device_counts_of_an_input_with_padding_rows_give_the_real_rows_results(
+    large, grouped_kernel, triton_kernels, monkeypatch
+):
+    """Counts on the device that sum to less than the input's rows (a WORST_CASE dispatch's
+    padding after them): the real rows' outputs and input gradients, and the weight gradient,
+    are those of the unpadded input bit for bit, whether the Triton GEMMs read the table (the
+    padding's never read, its outputs unspecified) or, for experts large enough to run one GEMM
+    per expert, the counts are read on the host and the padding rows dropped (zeros out)."""
+    if large:
+        monkeypatch.setattr(experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    weight, x, grad = _case()
+    real, padding = sum(COUNTS), 7
+    noise = torch.full((padding, IN), float("nan"), dtype=BF16)
+    padded_x = torch.cat([x.detach(), noise]).requires_grad_()
+    padded_grad = torch.cat([grad, torch.full((padding, OUT), float("nan"), dtype=BF16)])
+    # Current scaling: a padding row read by the amax would change every real row's scale.
+    host = _run(_slots("hybrid", "tensorwise"), weight, x, grad, grouped=True)
+    slots = _slots("hybrid", "tensorwise")
+    triton_kernels.clear()
+    y, dx, dw = _run(slots, weight, padded_x, padded_grad, True, torch.tensor(COUNTS))
+    assert y.shape == (real + padding, OUT) and dx.shape == (real + padding, IN)
+    assert torch.equal(y[:real], host[0]) and torch.equal(dx[:real], host[1])
+    assert torch.equal(dw, host[2])
+    triton = ["emulated_grouped_mm"] * 2 + ["emulated_grouped_wgrad_into"]
+    assert triton_kernels == ([] if large else triton)
+    if large:
+        assert not y[real:].any() and not dx[real:].any()
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 def test_each_pass_quantises_all_experts_rows_at_once(grouped, grouped_kernel, monkeypatch):
     """One `quantize_experts` call per pass (the input in forward, the output gradient in

@@ -146,8 +146,8 @@ FP8 = ("--fp8-format", "hybrid")
 
 @pytest.mark.parametrize(
     "flags",
-    [MOE, (*MOE, *WORST_CASE), (*MOE, *FP8)],
-    ids=["expert-parallel-1", "worst-case-exchange", "fp8"],
+    [MOE, (*MOE, *WORST_CASE), (*MOE, *FP8), (*MOE, *FP8, *WORST_CASE)],
+    ids=["expert-parallel-1", "worst-case-exchange", "fp8", "fp8-worst-case-exchange"],
 )
 def test_moe_layers_that_read_nothing_on_the_host_are_accepted(
     cuda_available, fp8_kernels_run, flags
@@ -164,8 +164,8 @@ def test_moe_layers_that_read_nothing_on_the_host_are_accepted(
         ((*MOE, "--moe-expert-capacity-factor", "1.5"), "drop --moe-expert-capacity-factor"),
         ((*MOE, "--expert-model-parallel-size", "2"), "add --moe-pad-dispatch-to-worst-case"),
         (
-            (*MOE, *FP8, *WORST_CASE),
-            "drop --fp8-format hybrid or the expert parallelism (FP8 experts take their counts",
+            (*MOE, *FP8, "--expert-model-parallel-size", "2"),
+            "add --moe-pad-dispatch-to-worst-case",
         ),
         ((*MOE, *FP8, "--no-fp8-wgrad"), "drop --no-fp8-wgrad (the high-precision weight"),
     ],

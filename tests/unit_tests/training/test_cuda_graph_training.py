@@ -6,7 +6,8 @@ losses, gradient norms and learning rates, and its evaluations (run eagerly betw
 equal the eager run's bitwise, for Megatron-FSDP ZeRO-3 and ZeRO-2 and the DDP engine with and
 without the distributed optimizer, with 1 and 4 microbatches, in bf16 with clipping acting; with
 Megatron-FSDP's gradient-accumulation options (kept compute weights, deferred reductions); with
-dropout too (the graph replays the default generator's offsets). The learning rate is a power of
+dropout too (the graph replays the default generator's offsets); for MoE models in bf16 and in
+FP8, at expert-parallel sizes 1 and 2. The learning rate is a power of
 two: the graphed step reads it in fp32, and a rate fp32 rounds would differ by that rounding (a
 relative 6e-8), which is documented, not tested. A step whose loss is inf is skipped on the
 device as the eager loop skips it (the losses after it equal the eager run's: the weights and
@@ -205,6 +206,38 @@ def test_graphed_moe_training_equals_eager_training(engine, expert_parallel):
     history = eager[0]
     assert {"load_balancing_loss", "z_loss"} <= set(history.losses[-1])
     assert len(set(history.loss_curve())) == 8  # it trained
+
+
+FP8 = "--fp8-format hybrid --fp8-amax-history-len 4 --fp8-amax-compute-algo max"
+FP8_MOE_CASES = {
+    "ep1-zero3": ("fsdp_zero3", "--fp8-param-gather"),
+    "ep2-alltoall": ("distributed_optimizer", f"{WORST_CASE} --moe-token-dispatcher-type alltoall"),
+    "ep2-allgather-zero3": (
+        "fsdp_zero3",
+        f"{WORST_CASE} --moe-token-dispatcher-type allgather --fp8-param-gather",
+    ),
+}
+"""The FP8 MoE runs a graph captures: (engine, further flags) by id."""
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability()[0] < 9,
+    reason="the grouped FP8 experts' Triton kernels need Hopper or newer",
+)
+@pytest.mark.parametrize("engine, extra", FP8_MOE_CASES.values(), ids=FP8_MOE_CASES)
+def test_graphed_fp8_moe_training_equals_eager_training(engine, extra):
+    """Grouped FP8 experts take their token counts on the device (after the padded exchange's
+    real rows at expert-parallel size 2): graphed as eager, and eager as with the counts read
+    on the host (the exchange sized there)."""
+    flags = [*BASE, *NO_DROPOUT, *ENGINES[engine], "--global-batch-size", "16"]
+    flags += [*MOE.split(), *FP8.split(), *extra.split()]
+    eager = run_distributed(_pretrain, 2, flags)
+    host_sized = [flag for flag in flags if flag != "--moe-pad-dispatch-to-worst-case"]
+    if host_sized != flags:
+        _assert_same_training(run_distributed(_pretrain, 2, host_sized), eager)
+    graphed = _graphed_histories([*flags, *GRAPHED])
+    _assert_same_training(eager, graphed)
+    assert len(set(eager[0].loss_curve())) == 8  # it trained
 
 
 def test_the_local_spelling_graphs_the_iteration_too():

@@ -403,19 +403,16 @@ class SequentialMLP(MegatronModule):
         projections FP8 settings (`enable_fp8`)."""
         return self.GEMM if self.linear_fc1.fp8 is None else ExpertGemm.FP8
 
-    def reads_counts_on_host(self, exchange_size: int) -> bool:
-        """Whether the GEMMs read the token counts on the host, so that the dispatch among
-        `exchange_size` ranks (an expert group's) sizes its exchanges there too
-        (`DispatchSizing.of`). The loop of GEMMs reads them; grouped GEMMs do not, nor do grouped
-        FP8 GEMMs where their Triton kernels run on the current GPU and the dispatch gives the
-        rows exactly without a host read (one rank per expert group): they take the counts on
-        the device (`megatron.core.fp8.experts`). Asked at construction, before the block gives
-        FP8 settings (`enable_fp8`): the config says whether it will."""
+    def reads_counts_on_host(self) -> bool:
+        """Whether the GEMMs read the token counts on the host, so that the dispatch sizes its
+        exchanges there too (`DispatchSizing.of`). The loop of GEMMs reads them; grouped GEMMs
+        do not, nor do grouped FP8 GEMMs where their Triton kernels run on the current GPU:
+        they take the counts on the device (`megatron.core.fp8.experts`), and an input with
+        padding rows after the counts' sum (a WORST_CASE dispatch). Asked at construction,
+        before the block gives FP8 settings (`enable_fp8`): the config says whether it will."""
         if self.GEMM is not ExpertGemm.GROUPED:
             return True
-        if self.config.fp8 is None:
-            return False
-        return exchange_size != 1 or not grouped_fp8_takes_device_counts()
+        return self.config.fp8 is not None and not grouped_fp8_takes_device_counts()
 
     def enable_fp8(self, fc1: Fp8ExpertSlots, fc2: Fp8ExpertSlots) -> None:
         """Runs the projections' GEMMs in FP8 with these settings (`ExpertGemm.FP8`)."""
@@ -457,8 +454,8 @@ class SequentialMLP(MegatronModule):
         if gemm is ExpertGemm.GROUPED:
             return self._grouped_projection(tokens, tokens_per_expert)
         if fp8 and self.GEMM is ExpertGemm.GROUPED and tokens_per_expert.is_cuda:
-            # Left on the GPU by a dispatch that sizes the rows exactly without a host read
-            # (`reads_counts_on_host`): they stay there where the FP8 kernels take them.
+            # Left on the GPU by a dispatch sized without a host read (`reads_counts_on_host`):
+            # they stay there where the FP8 kernels take them.
             return lambda linear, x: linear.fp8_experts(x, tokens_per_expert, grouped=True)
         counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8
         real = sum(counts)

@@ -166,12 +166,11 @@ def _check_dispatch(config: TransformerConfig) -> None:
                 f"moe_expert_capacity_factor is {config.moe_expert_capacity_factor}; drop one "
                 "of them."
             )
-        if not config.moe_grouped_gemm or config.fp8 is not None:
-            why = f"in FP8 ({config.fp8})" if config.fp8 is not None else "without moe_grouped_gemm"
+        if not config.moe_grouped_gemm:
             raise ValueError(
                 "moe_pad_dispatch_to_worst_case spares the host read of the token counts, but "
-                f"the experts {why} read them on the host anyway; use moe_grouped_gemm without "
-                "FP8, or drop moe_pad_dispatch_to_worst_case."
+                "the experts without moe_grouped_gemm read them on the host anyway; use "
+                "moe_grouped_gemm, or drop moe_pad_dispatch_to_worst_case."
             )
 
 

@@ -21,7 +21,7 @@ hold copies of the same expert parts with no group of just those copies).
 
 The token counts per expert stay on the device where the layer allows it: with
 `moe_grouped_gemm` the experts take them as device offsets (`ExpertGemm.GROUPED`; in FP8 where
-the grouped FP8 kernels run, on one rank per expert group: `experts.reads_counts_on_host`), and
+the grouped FP8 kernels run: `experts.reads_counts_on_host`), and
 a dropless layer with one rank per expert group sizes its rows from the shapes
 (`DispatchSizing.FIXED`), so its forward and backward read nothing on the host (and a CUDA graph
 can hold them). With expert parallelism `moe_pad_dispatch_to_worst_case` pads the exchanges to
@@ -222,7 +222,7 @@ class MoELayer(MegatronModule):
             tp_group=tp_group if etp_size * ep_size == 1 else None,
             expt_tp_group=expt_tp_group,
         )
-        experts_read_counts = self.experts.reads_counts_on_host(etp_size * ep_size)
+        experts_read_counts = self.experts.reads_counts_on_host()
         sizing = DispatchSizing.of(config, etp_size * ep_size, experts_read_counts)
         self.token_dispatcher = _DISPATCHERS[config.moe_token_dispatcher_type](
             config, ep_group, expt_tp_group, resolve_tp_ep_group(pg_collection), sizing=sizing

@@ -106,7 +106,20 @@ class DispatchSizing(enum.Enum):
         """The sizing of a layer with `config` whose tokens travel among `exchange_size` ranks
         (the etp x ep ranks of an expert group): HOST when the experts read the counts on the
         host anyway (`experts_read_counts`: `SequentialMLP.reads_counts_on_host`), where sizing
-        without a host read would save nothing."""
+        without a host read would save nothing.
+
+        Raises:
+            ValueError: `moe_pad_dispatch_to_worst_case` with experts that read the counts on
+                the host (grouped FP8 experts where their kernels do not run).
+        """
+        if experts_read_counts and config.moe_pad_dispatch_to_worst_case:
+            raise ValueError(
+                "moe_pad_dispatch_to_worst_case spares the host read of the token counts, but "
+                f"the experts in FP8 ({config.fp8}) read them on the host on this device: their "
+                "grouped kernels, which take the counts on the device, need Triton and a GPU of "
+                "compute capability 9.0 or later. Drop moe_pad_dispatch_to_worst_case "
+                "(--moe-pad-dispatch-to-worst-case) or FP8."
+            )
         if config.moe_expert_capacity_factor is not None or experts_read_counts:
             return cls.HOST
         if exchange_size == 1:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from megatron.core import parallel_state
+from megatron.core.transformer.moe import experts as moe_experts
 from megatron.core.transformer.moe.experts import ExpertGemm, GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
@@ -215,13 +216,22 @@ def test_worst_case_exchange_reads_nothing_on_the_host_and_equals_the_host_sized
     [
         (dict(moe_expert_capacity_factor=1.0), "pads dropless token exchanges, but"),
         (dict(moe_grouped_gemm=False), "the experts without moe_grouped_gemm read them"),
-        (dict(fp8="e4m3", fp8_recipe="tensorwise"), r"the experts in FP8 \(e4m3\) read them"),
     ],
-    ids=["capacity", "loop", "fp8"],
+    ids=["capacity", "loop"],
 )
 def test_worst_case_padding_is_refused_where_it_spares_no_host_read(fields, message):
     with pytest.raises(ValueError, match=message):
         moe_config(**{"moe_pad_dispatch_to_worst_case": True, "moe_grouped_gemm": True, **fields})
+
+
+def test_worst_case_padding_is_refused_for_fp8_experts_that_read_on_the_host(monkeypatch):
+    """Grouped FP8 experts take the counts on the device only where their Triton kernels run:
+    elsewhere (a CPU, a GPU older than Hopper) the layer is refused when it is built."""
+    monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
+    fields = dict(fp8="e4m3", fp8_recipe="tensorwise", bf16=True, params_dtype=torch.bfloat16)
+    config = moe_config(moe_pad_dispatch_to_worst_case=True, moe_grouped_gemm=True, **fields)
+    with pytest.raises(ValueError, match=r"the experts in FP8 \(e4m3\) read them on the host on"):
+        moe_layer(config)
 
 
 def test_experts_that_read_the_counts_on_the_host_have_their_exchange_sized_there():
