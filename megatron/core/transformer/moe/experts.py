@@ -406,13 +406,16 @@ class SequentialMLP(MegatronModule):
     def reads_counts_on_host(self) -> bool:
         """Whether the GEMMs read the token counts on the host, so that the dispatch sizes its
         exchanges there too (`DispatchSizing.of`). The loop of GEMMs reads them; grouped GEMMs
-        do not, nor do grouped FP8 GEMMs where their Triton kernels run on the current GPU:
-        they take the counts on the device (`megatron.core.fp8.experts`), and an input with
-        padding rows after the counts' sum (a WORST_CASE dispatch). Asked at construction,
-        before the block gives FP8 settings (`enable_fp8`): the config says whether it will."""
+        do not, nor do grouped FP8 GEMMs with FP8 weight gradients where their Triton kernels
+        run on the current GPU: they take the counts on the device (`megatron.core.fp8.experts`),
+        and an input with padding rows after the counts' sum (a WORST_CASE dispatch). Asked at
+        construction, before the block gives FP8 settings (`enable_fp8`): the config says
+        whether it will."""
         if self.GEMM is not ExpertGemm.GROUPED:
             return True
-        return self.config.fp8 is not None and not grouped_fp8_takes_device_counts()
+        if self.config.fp8 is None:
+            return False
+        return not (self.config.fp8_wgrad and grouped_fp8_takes_device_counts())
 
     def enable_fp8(self, fc1: Fp8ExpertSlots, fc2: Fp8ExpertSlots) -> None:
         """Runs the projections' GEMMs in FP8 with these settings (`ExpertGemm.FP8`)."""

@@ -110,7 +110,8 @@ class DispatchSizing(enum.Enum):
 
         Raises:
             ValueError: `moe_pad_dispatch_to_worst_case` with experts that read the counts on
-                the host (grouped FP8 experts where their kernels do not run).
+                the host on this device (grouped FP8 experts where their kernels do not run;
+                what the config alone decides, it refuses itself).
         """
         if experts_read_counts and config.moe_pad_dispatch_to_worst_case:
             raise ValueError(

@@ -225,13 +225,22 @@ def test_worst_case_padding_is_refused_where_it_spares_no_host_read(fields, mess
 
 
 def test_worst_case_padding_is_refused_for_fp8_experts_that_read_on_the_host(monkeypatch):
-    """Grouped FP8 experts take the counts on the device only where their Triton kernels run:
-    elsewhere (a CPU, a GPU older than Hopper) the layer is refused when it is built."""
+    """Grouped FP8 experts take the counts on the device only with FP8 weight gradients (the
+    config refuses the padding without them), where their Triton kernels run: elsewhere (a CPU,
+    a GPU older than Hopper) the layer is refused when it is built; without the padding it
+    sizes its exchange on the host."""
     monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
     fields = dict(fp8="e4m3", fp8_recipe="tensorwise", bf16=True, params_dtype=torch.bfloat16)
-    config = moe_config(moe_pad_dispatch_to_worst_case=True, moe_grouped_gemm=True, **fields)
+    fields.update(moe_grouped_gemm=True)
+    with pytest.raises(ValueError, match=r"in FP8 \(e4m3\) with fp8_wgrad=False read them"):
+        moe_config(moe_pad_dispatch_to_worst_case=True, fp8_wgrad=False, **fields)
+    config = moe_config(moe_pad_dispatch_to_worst_case=True, **fields)
     with pytest.raises(ValueError, match=r"the experts in FP8 \(e4m3\) read them on the host on"):
         moe_layer(config)
+    assert moe_layer(moe_config(**fields)).token_dispatcher.sizing is DispatchSizing.HOST
+    monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: True)
+    no_fp8_wgrad = moe_layer(moe_config(fp8_wgrad=False, **fields))
+    assert no_fp8_wgrad.token_dispatcher.sizing is DispatchSizing.HOST
 
 
 def test_experts_that_read_the_counts_on_the_host_have_their_exchange_sized_there():
