@@ -246,11 +246,7 @@ class Fp8ExpertSlots:
             rows = DeviceExpertRows(counts, input_.shape[0])
         else:
             rows = ExpertRows(counts)
-        gemms = ExpertGemms()
-        if grouped:
-            _, out_features, in_features = weight.shape
-            flops = 2.0 * rows.rows * out_features * in_features / max(len(rows), 1)
-            gemms = ExpertGemms.where_possible(self.recipe, input_.device, input_.dtype, flops)
+        gemms = self.expert_gemms(input_, weight, rows.rows, grouped)
         padding = 0
         if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
             rows = rows.on_host()
@@ -264,6 +260,18 @@ class Fp8ExpertSlots:
         else:
             out = _apply_experts(*args)
         return torch.cat([out, out.new_zeros(padding, out.shape[1])]) if padding else out
+
+    def expert_gemms(
+        self, input_: torch.Tensor, weight: torch.Tensor, rows: int, grouped: bool
+    ) -> ExpertGemms:
+        """How `experts_linear` runs the GEMMs of `rows` rows (at most, where the counts are on
+        the device) like `input_` times `weight`: where every one reads the rows on the
+        device (`ExpertGemms.read_rows_on_device`), counts in a tensor stay there."""
+        if not grouped:
+            return ExpertGemms()
+        experts, out_features, in_features = weight.shape
+        flops = 2.0 * rows * out_features * in_features / max(experts, 1)
+        return ExpertGemms.where_possible(self.recipe, input_.device, input_.dtype, flops)
 
     def quantize(
         self,

@@ -262,3 +262,27 @@ def test_cuda_grouped_fp8_moe_reads_no_counts_on_the_host(monkeypatch):
         device(tokens, labels=labels).float().mean().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
+def test_cuda_fp8_moe_experts_that_need_host_counts_read_them_once_per_layer(monkeypatch):
+    """A FIXED-sized layer whose experts run one GEMM per expert (any size counts as large
+    here) reads the counts on the host once for both projections, not once per projection, and
+    trains as the layer sized on the host does, bit for bit."""
+    config = _config("hybrid", "delayed", moe_grouped_gemm=True)
+    device = _gpt(config).cuda()
+    assert device.decoder.layers[1].mlp.token_dispatcher.sizing is DispatchSizing.FIXED
+    monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
+    host = _gpt(config).cuda()
+    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    on_host, original = [], fp8_experts.DeviceExpertRows.on_host
+
+    def recorded(rows):
+        on_host.append(rows)
+        return original(rows)
+
+    monkeypatch.setattr(fp8_experts.DeviceExpertRows, "on_host", recorded)
+    tokens, labels = (t.cuda() for t in make_token_batches(1, 3, seed=5)[0])
+    losses = [model(tokens, labels=labels).float().mean() for model in (host, device)]
+    assert torch.equal(*losses)
+    assert on_host == []  # the projections got host counts from the layer

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8 import experts as fp8_experts
 from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
@@ -212,6 +213,20 @@ def test_grouped_fp8_experts_taking_device_counts_size_the_dispatch_from_shapes(
     for (name, a), b in zip(host.named_parameters(), device.parameters()):
         assert torch.equal(a, b), name
     _assert_trains_as_its_twin(config)
+
+
+def test_grouped_fp8_experts_say_whether_both_projections_take_device_counts(
+    triton_kernels,  # noqa: F811 (the fixture)
+    monkeypatch,
+):
+    """Both projections' GEMMs run the Triton kernels below `PER_EXPERT_FROM_FLOPS`, which read
+    the rows on the device; from it they run one GEMM per expert, which needs host counts."""
+    model = _gpt(_config("hybrid", "delayed", moe_grouped_gemm=True))
+    experts = model.decoder.layers[1].mlp.experts
+    tokens = torch.zeros(SEQ_LENGTH * 2, experts.config.hidden_size, dtype=torch.bfloat16)
+    assert experts._fp8_takes_device_counts(tokens)
+    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    assert not experts._fp8_takes_device_counts(tokens)
 
 
 def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():

@@ -456,11 +456,11 @@ class SequentialMLP(MegatronModule):
         fp8 = gemm is ExpertGemm.FP8
         if gemm is ExpertGemm.GROUPED:
             return self._grouped_projection(tokens, tokens_per_expert)
-        if fp8 and self.GEMM is ExpertGemm.GROUPED and tokens_per_expert.is_cuda:
+        if fp8 and tokens_per_expert.is_cuda and self._fp8_takes_device_counts(tokens):
             # Left on the GPU by a dispatch sized without a host read (`reads_counts_on_host`):
-            # they stay there where the FP8 kernels take them.
+            # they stay there where both projections' FP8 kernels take them.
             return lambda linear, x: linear.fp8_experts(x, tokens_per_expert, grouped=True)
-        counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8
+        counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8, one for both
         real = sum(counts)
         padding = tokens.shape[0] - real
         grouped = self.GEMM is ExpertGemm.GROUPED
@@ -471,6 +471,17 @@ class SequentialMLP(MegatronModule):
             return _with_padding(out, padding)
 
         return project
+
+    def _fp8_takes_device_counts(self, tokens: torch.Tensor) -> bool:
+        """Whether both projections' grouped FP8 GEMMs of `tokens` (rows at most) read the
+        experts' rows on the device (`Fp8ExpertSlots.expert_gemms`)."""
+        if self.GEMM is not ExpertGemm.GROUPED:
+            return False
+        rows = tokens.shape[0]
+        return all(
+            linear.fp8.expert_gemms(tokens, linear.weight, rows, grouped=True).read_rows_on_device
+            for linear in (self.linear_fc1, self.linear_fc2)
+        )
 
     def _grouped_projection(
         self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor
