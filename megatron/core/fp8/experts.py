@@ -30,8 +30,8 @@ keep the GPU busy one at a time: `PER_EXPERT_FROM_FLOPS`) each expert with token
 `torch._scaled_mm` per GEMM (`fp8_mm`). `describe_expert_gemms` says which, for the start-up log.
 Where all three run the Triton kernels, the counts may stay on the device (`DeviceExpertRows`:
 the kernels' table is computed there, their grids sized by upper bounds), so the layer needs no
-host synchronisation; the other kernels read them on the host. While a CUDA graph captures, the
-grouped experts run the Triton kernels whatever their size, as a graph holds no host read.
+host synchronisation; the other kernels read them on the host (and a CUDA graph cannot hold
+such experts: `HOST_COUNTS_IN_GRAPH`).
 
 Weight gradients go where `grad_accumulation.weight_grad_target` says, as the dense FP8 layers':
 fused into an engine's `main_grad` (written over, with zeros for experts without tokens, or
@@ -127,11 +127,10 @@ class ExpertGemms:
     ) -> ExpertGemms:
         """The kernels that run the GEMMs of an expert layer on `device` whose inputs are of
         `dtype` and whose experts' GEMMs take `flops_per_expert` on average: one GEMM per
-        expert from `PER_EXPERT_FROM_FLOPS` (except while a CUDA graph captures: a graph
-        cannot hold them, since they read the counts on the host); below, the Triton grouped
-        GEMMs where they run (on an H200 they took less GPU and host time than PyTorch's
-        grouped GEMM), else PyTorch's where it applies, else one GEMM per expert."""
-        if flops_per_expert >= PER_EXPERT_FROM_FLOPS and not cuda_graph_capturing():
+        expert from `PER_EXPERT_FROM_FLOPS`; below, the Triton grouped GEMMs where they run
+        (on an H200 they took less GPU and host time than PyTorch's grouped GEMM), else
+        PyTorch's where it applies, else one GEMM per expert."""
+        if flops_per_expert >= PER_EXPERT_FROM_FLOPS:
             return cls()
         if expert_gemm_kernels.kernels_available(device):
             triton = ExpertGemm.TRITON
@@ -222,6 +221,7 @@ class Fp8ExpertSlots:
         *,
         grouped: bool,
         tp_group: dist.ProcessGroup | None = None,
+        gemm_rows: int | None = None,
     ) -> torch.Tensor:
         """Each expert's rows of `input_` times its weight, the GEMMs in FP8 (module
         docstring).
@@ -237,40 +237,42 @@ class Fp8ExpertSlots:
             grouped: run as grouped GEMMs where the kernel applies (`GroupedMLP`).
             tp_group: the tensor-parallel ranks holding these same experts whole, over which
                 the weight gradient is summed; None: none.
+            gemm_rows: the real rows the choice of kernels assumes (`expert_gemms`), where
+                counts in a tensor leave padding; None: `M`.
 
         Returns:
             `[M, out]` in the input's dtype.
+
+        Raises:
+            RuntimeError: counts in a tensor that a GEMM must read on the host, while a CUDA
+                graph captures (which cannot hold a host read).
         """
-        needs_weight = torch.is_grad_enabled() and weight.requires_grad
-        if isinstance(counts, torch.Tensor):
-            rows = DeviceExpertRows(counts, input_.shape[0])
-        else:
-            rows = ExpertRows(counts)
-        gemms = self.expert_gemms(input_, weight, rows.rows, grouped)
-        padding = 0
-        if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
-            rows = rows.on_host()
-            padding = input_.shape[0] - rows.rows
-            input_ = input_[: rows.rows]
-        args = (input_, weight, self, rows, gemms, tp_group, needs_weight)
+        args = (self, input_, weight, counts, grouped, tp_group, gemm_rows)
         if torch.compiler.is_compiling():
-            # Outside any compiled graph: the FP8 weight cache and the scaling state are host
-            # state (as for the dense FP8 linear layers).
-            out = _apply_experts_outside_graph(*args)
-        else:
-            out = _apply_experts(*args)
-        return torch.cat([out, out.new_zeros(padding, out.shape[1])]) if padding else out
+            # Outside any compiled graph: the kernels' choice, the FP8 weight cache and the
+            # scaling state are host state (as for the dense FP8 linear layers).
+            return _experts_linear_outside_graph(*args)
+        return _experts_linear(*args)
 
     def expert_gemms(
         self, input_: torch.Tensor, weight: torch.Tensor, rows: int, grouped: bool
     ) -> ExpertGemms:
-        """How `experts_linear` runs the GEMMs of `rows` rows (at most, where the counts are on
-        the device) like `input_` times `weight`: where every one reads the rows on the
-        device (`ExpertGemms.read_rows_on_device`), counts in a tensor stay there."""
+        """How `experts_linear` runs the GEMMs of `input_` times `weight`.
+
+        Args:
+            input_: the input, whose device and dtype decide the kernels.
+            weight: the stacked weights `[num_local_experts, out, in]`.
+            rows: the input's real rows, from which the experts' mean GEMM size is estimated
+                (`PER_EXPERT_FROM_FLOPS`).
+            grouped: grouped GEMMs are asked for (`GroupedMLP`).
+
+        Returns:
+            The kernels; where every one reads the rows on the device
+            (`ExpertGemms.read_rows_on_device`), counts in a tensor stay there.
+        """
         if not grouped:
             return ExpertGemms()
-        experts, out_features, in_features = weight.shape
-        flops = 2.0 * rows * out_features * in_features / max(experts, 1)
+        flops = _mean_gemm_flops(weight, rows)
         return ExpertGemms.where_possible(self.recipe, input_.device, input_.dtype, flops)
 
     def quantize(
@@ -493,4 +495,53 @@ class _Fp8Experts(torch.autograd.Function):
 
 
 _apply_experts = direct_apply(_Fp8Experts)
-_apply_experts_outside_graph = outside_compiled_graphs(_Fp8Experts.apply)
+
+HOST_COUNTS_IN_GRAPH = (
+    "FP8 experts whose GEMMs average {gflops:.0f} GFLOP (from {limit:.0f}: one cuBLAS GEMM per "
+    "expert) read their token counts on the host, which a CUDA graph cannot hold; train such a "
+    "model without --cuda-graph-impl, or in bf16"
+)
+"""The error of a capture that meets experts needing host counts (`PER_EXPERT_FROM_FLOPS`)."""
+
+
+def _experts_linear(
+    slots: Fp8ExpertSlots,
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int] | torch.Tensor,
+    grouped: bool,
+    tp_group: dist.ProcessGroup | None,
+    gemm_rows: int | None,
+) -> torch.Tensor:
+    """`Fp8ExpertSlots.experts_linear`, run eagerly."""
+    needs_weight = torch.is_grad_enabled() and weight.requires_grad
+    if isinstance(counts, torch.Tensor):
+        rows = DeviceExpertRows(counts, input_.shape[0])
+    else:
+        rows = ExpertRows(counts)
+    gemm_rows = rows.rows if gemm_rows is None else gemm_rows
+    gemms = slots.expert_gemms(input_, weight, gemm_rows, grouped)
+    padding = 0
+    if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
+        if cuda_graph_capturing():
+            raise RuntimeError(host_counts_in_graph(weight, gemm_rows))
+        rows = rows.on_host()
+        padding = input_.shape[0] - rows.rows
+        input_ = input_[: rows.rows]
+    out = _apply_experts(input_, weight, slots, rows, gemms, tp_group, needs_weight)
+    return torch.cat([out, out.new_zeros(padding, out.shape[1])]) if padding else out
+
+
+_experts_linear_outside_graph = outside_compiled_graphs(_experts_linear)
+
+
+def host_counts_in_graph(weight: torch.Tensor, rows: int) -> str:
+    """`HOST_COUNTS_IN_GRAPH` for experts of stacked `weight` over `rows` rows."""
+    gflops = _mean_gemm_flops(weight, rows) / 1e9
+    return HOST_COUNTS_IN_GRAPH.format(gflops=gflops, limit=PER_EXPERT_FROM_FLOPS / 1e9)
+
+
+def _mean_gemm_flops(weight: torch.Tensor, rows: int) -> float:
+    """The mean FLOPs of one expert's GEMM over `rows` rows of stacked `weight`."""
+    experts, out_features, in_features = weight.shape
+    return 2.0 * rows * out_features * in_features / max(experts, 1)

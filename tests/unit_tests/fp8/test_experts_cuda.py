@@ -126,22 +126,17 @@ def test_cuda_fp8_experts_take_counts_on_the_device_without_a_host_sync(fmt, kin
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
-def test_a_cuda_graph_captures_grouped_fp8_experts_of_any_size(monkeypatch):
-    """Experts large enough to run one GEMM per expert eagerly (here any: the threshold set to
-    0), which reads the counts on the host, run the Triton kernels while a graph captures: the
-    replay gives the eager Triton run's outputs and gradients bit for bit."""
+def test_a_cuda_graph_captures_grouped_fp8_experts_or_names_those_it_cannot_hold(monkeypatch):
+    """Experts whose GEMMs run the Triton kernels are captured with their counts on the device:
+    the replay gives the eager results bit for bit. Experts large enough to run one GEMM per
+    expert (any here: the threshold set to 0), which read the counts on the host, make the
+    capture fail, naming them."""
     weight, x, grad = _on_cuda(*test_experts._case())
     counts = torch.tensor(test_experts.COUNTS, device="cuda")
     slots = test_experts._slots("hybrid", "delayed")
-    triton = [t.clone() for t in test_experts._run(slots, weight, x, grad, True, counts)]
-    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: one GEMM per expert, counts read on the host
-        test_experts._run(slots, weight, x, grad, True, counts)
-    torch.cuda.current_stream().wait_stream(side)
+    eager = [t.clone() for t in test_experts._run(slots, weight, x, grad, True, counts)]
     # Leaves first used in the capture: autograd ties a leaf's gradient to the stream of its
-    # first use, and the eager runs used these on the uncaptured one.
+    # first use, and the eager run used these on the uncaptured one.
     x, weight = x.detach().requires_grad_(), torch.nn.Parameter(weight.detach())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -149,10 +144,13 @@ def test_a_cuda_graph_captures_grouped_fp8_experts_of_any_size(monkeypatch):
         dx, dw = torch.autograd.grad(y, (x, weight), grad)
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip((y, dx, dw), triton):
+    for got, want in zip((y, dx, dw), eager):
         assert torch.equal(got, want)
-    eager = ExpertGemms.where_possible(slots.recipe, x.device, BF16, flops_per_expert=1.0)
-    assert eager == ExpertGemms()  # one GEMM per expert outside the capture
+    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    message = "read their token counts on the host, which a CUDA graph cannot hold"
+    with pytest.raises(RuntimeError, match=message):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            slots.experts_linear(x, weight, counts, grouped=True)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])

@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fp8 import expert_gemm_kernels
 from megatron.core.fp8 import experts as fp8_experts
 from megatron.core.fp8.experts import Fp8ExpertSlots
+from megatron.core.fp8.recipe import Fp8Recipe
 from megatron.core.fp8.scaling import BACKWARD, FORWARD
 from megatron.core.models.gpt import GPTModel, get_gpt_decoder_block_spec
 from megatron.core.transformer.moe import experts as moe_experts
@@ -104,7 +106,7 @@ class _FakeQuantExpertSlots(Fp8ExpertSlots):
             record.copy_(torch.maximum(record, x.detach().abs().amax().float()))
         return scale
 
-    def experts_linear(self, input_, weight, counts, *, grouped, tp_group=None):
+    def experts_linear(self, input_, weight, counts, *, grouped, tp_group=None, gemm_rows=None):
         return _FakeQuantExperts.apply(input_, weight, self, counts)
 
 
@@ -224,9 +226,31 @@ def test_grouped_fp8_experts_say_whether_both_projections_take_device_counts(
     model = _gpt(_config("hybrid", "delayed", moe_grouped_gemm=True))
     experts = model.decoder.layers[1].mlp.experts
     tokens = torch.zeros(SEQ_LENGTH * 2, experts.config.hidden_size, dtype=torch.bfloat16)
-    assert experts._fp8_takes_device_counts(tokens)
+    assert experts._fp8_takes_device_counts(tokens, tokens.shape[0])
     monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
-    assert not experts._fp8_takes_device_counts(tokens)
+    assert not experts._fp8_takes_device_counts(tokens, tokens.shape[0])
+
+
+def test_padded_exchanges_size_the_fp8_gemms_by_the_rows_routing_gives_each_rank(
+    triton_kernels,  # noqa: F811 (the fixture)
+    monkeypatch,
+):
+    """Under the padded exchange (expert parallelism) the experts' input holds ep times the
+    rows balanced routing gives them: the choice between the grouped kernels and one GEMM per
+    expert counts a 1 / ep share, not the padding."""
+    ep = 4
+    config = _config("hybrid", "tensorwise", moe_grouped_gemm=True, expert_model_parallel_size=ep)
+    experts = moe_experts.GroupedMLP(2, config)
+    recipe = Fp8Recipe("hybrid", "tensorwise")
+    slots = [Fp8ExpertSlots(recipe, num_experts=8, first_expert=0, num_local_experts=2)] * 2
+    experts.enable_fp8(*slots)
+    tokens = torch.zeros(64 * ep, config.hidden_size, dtype=torch.bfloat16)
+    assert experts._real_rows(tokens) == 64
+    weight = experts.linear_fc1.weight  # the larger projection
+    flops = 2.0 * 64 * weight.shape[1] * weight.shape[2] / weight.shape[0]
+    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 2 * flops)
+    assert experts._fp8_takes_device_counts(tokens, experts._real_rows(tokens))
+    assert not experts._fp8_takes_device_counts(tokens, tokens.shape[0])  # the padded rows
 
 
 def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():
@@ -251,4 +275,32 @@ def test_compiled_moe_layers_run_the_same_fp8_experts():
         results.append((losses, [param.grad for param in model.parameters()]))
     (eager_losses, eager_grads), (compiled_losses, compiled_grads) = results
     assert eager_losses == compiled_losses
+    assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))
+
+
+@exact_cpu_scaled_mm
+def test_compiled_grouped_moe_layers_choose_the_fp8_kernels_outside_the_graphs(
+    triton_kernels,  # noqa: F811 (the fixture)
+    monkeypatch,
+):
+    """The grouped FP8 experts' kernels are chosen where they run, outside the compiled graphs
+    (the Triton kernels do not run while a compiler traces): a compiled layer runs the same
+    Triton GEMMs as the eager one, with the same losses and gradients."""
+    monkeypatch.setattr(
+        expert_gemm_kernels, "kernels_available", lambda device: not torch.compiler.is_compiling()
+    )
+    results = []
+    for compile_layers in (False, True):
+        config = _config(
+            moe_grouped_gemm=True, compile_layers=compile_layers, compile_backend="aot_eager"
+        )
+        model = _gpt(config)
+        tokens, labels = make_token_batches(1, 2, seed=4)[0]
+        triton_kernels.clear()
+        loss = model(tokens, labels=labels).float().mean()
+        loss.backward()
+        assert triton_kernels.count("emulated_grouped_wgrad_into") == 2, triton_kernels
+        results.append((loss.detach(), [param.grad for param in model.parameters()]))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert torch.equal(eager_loss, compiled_loss)
     assert all(torch.equal(a, b) for a, b in zip(eager_grads, compiled_grads))

@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.fp8 import expert_gemm_kernels
+from megatron.core.fp8.experts import host_counts_in_graph
 from megatron.core.fusions.expert_bias import add_expert_bias, expert_bias_fusable
 from megatron.core.tensor_parallel.layout import TensorParallelLayout, shard_tensor
 from megatron.core.tensor_parallel.mappings import grad_sum_over_tp
@@ -64,7 +65,7 @@ from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import outside_compiled_graphs
+from megatron.core.utils import cuda_graph_capturing, outside_compiled_graphs
 
 if TYPE_CHECKING:
     from megatron.core.fp8.experts import Fp8ExpertSlots
@@ -281,13 +282,18 @@ class ExpertLinear(torch.nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def fp8_experts(
-        self, x: torch.Tensor, counts: list[int] | torch.Tensor, grouped: bool
+        self,
+        x: torch.Tensor,
+        counts: list[int] | torch.Tensor,
+        grouped: bool,
+        gemm_rows: int | None = None,
     ) -> torch.Tensor:
         """The same as `loop` with FP8 settings, as grouped FP8 GEMMs where the kernel runs
         them and `grouped` asks for them (`megatron.core.fp8.experts`; `counts` on the host, or
-        on the device summing to the rows of `x`)."""
+        on the device summing to at most the rows of `x`, of which `gemm_rows` are expected to
+        be real)."""
         return self.fp8.experts_linear(
-            x, self.weight, counts, grouped=grouped, tp_group=self.tp_group
+            x, self.weight, counts, grouped=grouped, tp_group=self.tp_group, gemm_rows=gemm_rows
         )
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -456,10 +462,17 @@ class SequentialMLP(MegatronModule):
         fp8 = gemm is ExpertGemm.FP8
         if gemm is ExpertGemm.GROUPED:
             return self._grouped_projection(tokens, tokens_per_expert)
-        if fp8 and tokens_per_expert.is_cuda and self._fp8_takes_device_counts(tokens):
+        if fp8 and self.GEMM is ExpertGemm.GROUPED and tokens_per_expert.is_cuda:
             # Left on the GPU by a dispatch sized without a host read (`reads_counts_on_host`):
-            # they stay there where both projections' FP8 kernels take them.
-            return lambda linear, x: linear.fp8_experts(x, tokens_per_expert, grouped=True)
+            # they stay there where both projections' FP8 kernels take them, else one host read
+            # serves both.
+            rows = self._real_rows(tokens)
+            if self._fp8_takes_device_counts(tokens, rows):
+                return lambda linear, x: linear.fp8_experts(
+                    x, tokens_per_expert, grouped=True, gemm_rows=rows
+                )
+            if cuda_graph_capturing():
+                raise RuntimeError(host_counts_in_graph(self.linear_fc1.weight, rows))
         counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8, one for both
         real = sum(counts)
         padding = tokens.shape[0] - real
@@ -472,12 +485,18 @@ class SequentialMLP(MegatronModule):
 
         return project
 
-    def _fp8_takes_device_counts(self, tokens: torch.Tensor) -> bool:
-        """Whether both projections' grouped FP8 GEMMs of `tokens` (rows at most) read the
-        experts' rows on the device (`Fp8ExpertSlots.expert_gemms`)."""
-        if self.GEMM is not ExpertGemm.GROUPED:
-            return False
-        rows = tokens.shape[0]
+    def _real_rows(self, tokens: torch.Tensor) -> int:
+        """The real rows expected among `tokens`, whose counts stay on the device: all of them
+        at one rank per expert group (FIXED); under the padded exchange (WORST_CASE), a 1 / ep
+        share, what balanced routing sends each expert-parallel rank."""
+        return tokens.shape[0] // self.config.expert_model_parallel_size
+
+    def _fp8_takes_device_counts(self, tokens: torch.Tensor, rows: int) -> bool:
+        """Whether both projections' grouped FP8 GEMMs of `tokens` (`rows` real ones) read the
+        experts' rows on the device (`Fp8ExpertSlots.expert_gemms`); decided outside compiled
+        graphs, where the kernels run."""
+        if torch.compiler.is_compiling():
+            return _fp8_takes_device_counts_outside_graph(self, tokens, rows)
         return all(
             linear.fp8.expert_gemms(tokens, linear.weight, rows, grouped=True).read_rows_on_device
             for linear in (self.linear_fc1, self.linear_fc2)
@@ -517,6 +536,11 @@ class SequentialMLP(MegatronModule):
         return lambda linear, x: linear.masked(x, expert_of_row)
 
 
+_fp8_takes_device_counts_outside_graph = outside_compiled_graphs(
+    SequentialMLP._fp8_takes_device_counts
+)
+
+
 class GroupedMLP(SequentialMLP):
     """`SequentialMLP` computed with one grouped GEMM per projection (`moe_grouped_gemm`,
     `ExpertGemm.GROUPED`).
@@ -527,9 +551,11 @@ class GroupedMLP(SequentialMLP):
     reads the offsets on the host): the forward otherwise raises `RuntimeError`. On CPU, where
     some PyTorch builds lack it (and for float64), each projection runs a loop over the
     experts of GEMMs over all rows, masked to the expert's rows, which needs no host read
-    either (`ExpertLinear.masked`). In FP8 the projections run `torch._scaled_grouped_mm`
-    where it applies, and one FP8 GEMM per expert elsewhere (`megatron.core.fp8.experts`),
-    sized on the host.
+    either (`ExpertLinear.masked`). In FP8 the projections run grouped FP8 GEMMs
+    (`megatron.core.fp8.experts`): on a GPU where this package's Triton kernels run, with the
+    counts on the device (experts large enough for one cuBLAS GEMM each read them on the host,
+    once per forward); elsewhere `torch._scaled_grouped_mm` where it applies, or one FP8 GEMM
+    per expert, sized on the host.
     """
 
     GEMM = ExpertGemm.GROUPED

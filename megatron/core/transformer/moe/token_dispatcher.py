@@ -119,7 +119,7 @@ class DispatchSizing(enum.Enum):
                 f"the experts in FP8 ({config.fp8}) read them on the host on this device: their "
                 "grouped kernels, which take the counts on the device, need Triton and a GPU of "
                 "compute capability 9.0 or later. Drop moe_pad_dispatch_to_worst_case "
-                "(--moe-pad-dispatch-to-worst-case) or FP8."
+                "(--moe-pad-dispatch-to-worst-case) or FP8 (--fp8-format)."
             )
         if config.moe_expert_capacity_factor is not None or experts_read_counts:
             return cls.HOST
