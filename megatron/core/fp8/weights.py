@@ -127,11 +127,17 @@ class Fp8Weight:
 
 
 @functools.cache
-def _stacked_rows(experts: int, out_features: int) -> ExpertRows:
-    """The rows of stacked weights `[experts, out, in]` as the cast's groups: one `ExpertRows`
-    per shape, whose device table, copied from the host at the first cast, serves every later
-    one (a CUDA graph's capture among them, which cannot copy from pageable host memory)."""
-    return ExpertRows([out_features] * experts)
+def _stacked_rows(experts: int, out_features: int, device: torch.device) -> ExpertRows:
+    """The rows of stacked weights `[experts, out, in]` on `device` as the cast's groups: one
+    `ExpertRows` per shape, whose device table, copied from the host at the first cast, serves
+    every later one (a CUDA graph's capture among them, which cannot copy from pageable host
+    memory)."""
+    rows = ExpertRows([out_features] * experts)
+    rows.gemm_table(device)
+    if device.type == "cuda":
+        # Later casts may run on other streams: the copy must have landed before any reads it.
+        torch.cuda.current_stream(device).synchronize()
+    return rows
 
 
 class Fp8ExpertWeights:
@@ -176,7 +182,7 @@ class Fp8ExpertWeights:
         with torch.no_grad():
             cast = quantize_experts(
                 weight.detach().reshape(-1, in_features),
-                _stacked_rows(experts, out_features),
+                _stacked_rows(experts, out_features, weight.device),
                 WEIGHT_DTYPE,
             )
         return cls(cast.data.view(weight.shape), cast.scale_invs)
