@@ -323,7 +323,7 @@ def update_scales(
         )
 
 
-def records_amax(x: torch.Tensor, amax: torch.Tensor) -> bool:
+def amax_kernel_available(x: torch.Tensor, amax: torch.Tensor) -> bool:
     """Whether `record_amax` runs its kernel for `x` and `amax`: both contiguous, `x`
     floating point of any shape (stacked expert weights are 3-D) on the current CUDA device,
     `amax` fp32 beside it, and no `torch.compile` tracing."""

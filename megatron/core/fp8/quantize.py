@@ -52,7 +52,12 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
     not make the scale, or a delayed history, non-finite); 0 for an empty tensor."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax().float()
+    return _magnitudes(x).amax().float()
+
+
+def _magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """`|x|` with NaNs as 0 (infinities kept): what every amax here is the maximum of."""
+    return x.abs().nan_to_num(nan=0.0, posinf=float("inf"))
 
 
 def record_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
@@ -66,13 +71,11 @@ def record_amax(x: torch.Tensor, amax_out: torch.Tensor) -> None:
             f"record_amax: {x.numel()} elements do not split into {segments} equal segments, "
             "one per amax slot."
         )
-    if kernels.records_amax(x, amax_out):
+    if kernels.amax_kernel_available(x, amax_out):
         kernels.record_amax(x, amax_out)
-    elif segments == 1:
-        torch.maximum(amax_out, amax_of(x), out=amax_out)
     elif x.numel():
-        amaxes = x.reshape(segments, -1).abs().nan_to_num(nan=0.0, posinf=float("inf"))
-        torch.maximum(amax_out, amaxes.amax(1).float().view_as(amax_out), out=amax_out)
+        amaxes = _magnitudes(x.reshape(segments, -1)).amax(1).float()
+        torch.maximum(amax_out, amaxes.view_as(amax_out), out=amax_out)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

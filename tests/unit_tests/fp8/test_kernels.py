@@ -163,10 +163,11 @@ def test_the_amax_kernel_records_each_experts_maximum_into_its_slot(shape):
     slots = torch.zeros(shape[0], device="cuda")
     slots[0] = 1e6
     expected = slots.clone()
-    assert kernels.records_amax(x, slots)
+    assert kernels.amax_kernel_available(x, slots)
     quantize.record_amax(x, slots)
     for expert in range(shape[0]):
-        expected[expert] = torch.maximum(expected[expert], quantize.amax_of(x[expert]))
+        plain = torch.nan_to_num(x[expert].abs(), nan=0.0).max()  # plain torch
+        expected[expert] = torch.maximum(expected[expert], plain)
     assert torch.equal(slots, expected)
 
 
