@@ -87,6 +87,11 @@ def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
     return dispatch
 
 
+def with_zero_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` followed by `rows` rows of zeros (`x` itself for none)."""
+    return torch.cat([x, x.new_zeros(rows, *x.shape[1:])]) if rows else x
+
+
 def outside_compiled_graphs(function: Callable[..., Any]) -> Callable[..., Any]:
     """`torch.compiler.disable(function)`, made at the first call instead of at import.
 

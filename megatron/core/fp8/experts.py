@@ -70,6 +70,7 @@ from megatron.core.utils import (
     direct_apply,
     once_differentiable,
     outside_compiled_graphs,
+    with_zero_rows,
 )
 
 _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -529,7 +530,7 @@ def _experts_linear(
         padding = input_.shape[0] - rows.rows
         input_ = input_[: rows.rows]
     out = _apply_experts(input_, weight, slots, rows, gemms, tp_group, needs_weight)
-    return torch.cat([out, out.new_zeros(padding, out.shape[1])]) if padding else out
+    return with_zero_rows(out, padding)
 
 
 _experts_linear_outside_graph = outside_compiled_graphs(_experts_linear)

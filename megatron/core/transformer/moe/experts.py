@@ -65,7 +65,7 @@ from megatron.core.tensor_parallel.utils import divide, group_rank, group_size
 from megatron.core.transformer.mlp import mlp_activation
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import cuda_graph_capturing, outside_compiled_graphs
+from megatron.core.utils import cuda_graph_capturing, outside_compiled_graphs, with_zero_rows
 
 if TYPE_CHECKING:
     from megatron.core.fp8.experts import Fp8ExpertSlots
@@ -134,11 +134,6 @@ def grouped_fp8_takes_device_counts() -> bool:
     return torch.cuda.is_available() and expert_gemm_kernels.kernels_available(
         torch.device("cuda", torch.cuda.current_device())
     )
-
-
-def _with_padding(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """`x` followed by `rows` rows of zeros."""
-    return torch.cat([x, x.new_zeros(rows, *x.shape[1:])]) if rows else x
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -481,7 +476,7 @@ class SequentialMLP(MegatronModule):
         def project(linear: ExpertLinear, x: torch.Tensor) -> torch.Tensor:
             x = x[:real] if padding else x
             out = linear.fp8_experts(x, counts, grouped) if fp8 else linear.loop(x, counts)
-            return _with_padding(out, padding)
+            return with_zero_rows(out, padding)
 
         return project
 
