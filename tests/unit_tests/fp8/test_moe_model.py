@@ -217,20 +217,6 @@ def test_grouped_fp8_experts_taking_device_counts_size_the_dispatch_from_shapes(
     _assert_trains_as_its_twin(config)
 
 
-def test_grouped_fp8_experts_say_whether_both_projections_take_device_counts(
-    triton_kernels,  # noqa: F811 (the fixture)
-    monkeypatch,
-):
-    """Both projections' GEMMs run the Triton kernels below `PER_EXPERT_FROM_FLOPS`, which read
-    the rows on the device; from it they run one GEMM per expert, which needs host counts."""
-    model = _gpt(_config("hybrid", "delayed", moe_grouped_gemm=True))
-    experts = model.decoder.layers[1].mlp.experts
-    tokens = torch.zeros(SEQ_LENGTH * 2, experts.config.hidden_size, dtype=torch.bfloat16)
-    assert experts._fp8_takes_device_counts(tokens, tokens.shape[0])
-    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
-    assert not experts._fp8_takes_device_counts(tokens, tokens.shape[0])
-
-
 def test_padded_exchanges_size_the_fp8_gemms_by_the_rows_routing_gives_each_rank(
     triton_kernels,  # noqa: F811 (the fixture)
     monkeypatch,
