@@ -26,6 +26,7 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.core.distributed.fsdp.mixed_precision import PRECISION_DTYPES
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
 from megatron.training.flag_groups.mla import mla_config_fields
 from megatron.training.flag_groups.precision import FP8_FIELDS, grad_reduce_in_fp32
 from megatron.training.flag_groups.yarn import (
@@ -220,6 +221,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         compile_layers=args.compile_layers,
         compile_backend=args.compile_backend,
         compile_cpp_wrapper=args.compile_cpp_wrapper,
+        cuda_graph_impl="full_iteration" if full_iteration_cuda_graph(args) else "none",
         seq_length=args.seq_length,
         num_moe_experts=args.num_experts,
         expert_model_parallel_size=args.expert_model_parallel_size,

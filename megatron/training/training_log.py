@@ -71,7 +71,8 @@ def fp8_startup_line(config: TransformerConfig, device: torch.device) -> str | N
     )
     if config.num_moe_experts is not None:
         grouped = config.moe_grouped_gemm
-        line += f"; {describe_expert_gemms(recipe, grouped, device, dtype)}"
+        graphed = config.cuda_graph_impl == "full_iteration"
+        line += f"; {describe_expert_gemms(recipe, grouped, device, dtype, graphed)}"
     return line
 
 

@@ -174,6 +174,8 @@ def build_gpt(
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         compile_layers=args.compile_layers,
         compile_cpp_wrapper=args.compile_cpp_wrapper,
+        # The tools that capture their steps (`--cuda-graph`) define the flag.
+        cuda_graph_impl="full_iteration" if getattr(args, "cuda_graph", False) else "none",
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
         tensor_model_parallel_size=tp,

@@ -30,8 +30,9 @@ keep the GPU busy one at a time: `PER_EXPERT_FROM_FLOPS`) each expert with token
 `torch._scaled_mm` per GEMM (`fp8_mm`). `describe_expert_gemms` says which, for the start-up log.
 Where all three run the Triton kernels, the counts may stay on the device (`DeviceExpertRows`:
 the kernels' table is computed there, their grids sized by upper bounds), so the layer needs no
-host synchronisation; the other kernels read them on the host (and a CUDA graph cannot hold
-such experts: `HOST_COUNTS_IN_GRAPH`).
+host synchronisation; the other kernels read them on the host. A model trained in CUDA graphs
+runs the Triton kernels at any size (`Fp8ExpertSlots`' `graphed`), since a graph cannot hold a
+host read (`HOST_COUNTS_IN_GRAPH`, the error of a capture that meets one).
 
 Weight gradients go where `grad_accumulation.weight_grad_target` says, as the dense FP8 layers':
 fused into an engine's `main_grad` (written over, with zeros for experts without tokens, or
@@ -124,14 +125,14 @@ class ExpertGemms:
         recipe: Fp8Recipe,
         device: torch.device,
         dtype: torch.dtype,
-        flops_per_expert: float = 0.0,
+        flops_per_expert: float | None = None,
     ) -> ExpertGemms:
         """The kernels that run the GEMMs of an expert layer on `device` whose inputs are of
-        `dtype` and whose experts' GEMMs take `flops_per_expert` on average: one GEMM per
-        expert from `PER_EXPERT_FROM_FLOPS`; below, the Triton grouped GEMMs where they run
-        (on an H200 they took less GPU and host time than PyTorch's grouped GEMM), else
-        PyTorch's where it applies, else one GEMM per expert."""
-        if flops_per_expert >= PER_EXPERT_FROM_FLOPS:
+        `dtype` and whose experts' GEMMs take `flops_per_expert` on average (None: whatever
+        their size): one GEMM per expert from `PER_EXPERT_FROM_FLOPS`; below, the Triton
+        grouped GEMMs where they run (on an H200 they took less GPU and host time than
+        PyTorch's grouped GEMM), else PyTorch's where it applies, else one GEMM per expert."""
+        if flops_per_expert is not None and flops_per_expert >= PER_EXPERT_FROM_FLOPS:
             return cls()
         if expert_gemm_kernels.kernels_available(device):
             triton = ExpertGemm.TRITON
@@ -145,7 +146,11 @@ class ExpertGemms:
 
 
 def describe_expert_gemms(
-    recipe: Fp8Recipe, grouped: bool, device: torch.device, dtype: torch.dtype
+    recipe: Fp8Recipe,
+    grouped: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    graphed: bool = False,
 ) -> str:
     """How the routed experts' FP8 GEMMs run, for the start-up log: "the routed experts' FP8
     GEMMs run one torch._scaled_mm per expert (...)".
@@ -155,6 +160,7 @@ def describe_expert_gemms(
         grouped: the experts are a `GroupedMLP` (`moe_grouped_gemm`).
         device: where they compute.
         dtype: the dtype of their inputs (the parameters').
+        graphed: the training iteration runs in a CUDA graph (`Fp8ExpertSlots`).
     """
     prefix = "the routed experts' FP8 GEMMs run"
     if not grouped:
@@ -171,10 +177,15 @@ def describe_expert_gemms(
         wgrad = "one high-precision GEMM per expert (no FP8 weight gradient)"
     elif gemms.wgrad is ExpertGemm.SCALED_GROUPED_MM:
         wgrad += f" (into fp32 main_grads {_PER_EXPERT.value})"
-    return (
+    line = (
         f"{prefix}: forward {gemms.fprop.value}, input gradient {gemms.dgrad.value}, weight "
-        f"gradient {wgrad}; experts whose GEMMs average {PER_EXPERT_FROM_FLOPS / 1e9:.0f} "
-        f"GFLOP or more: {_PER_EXPERT.value}"
+        f"gradient {wgrad}"
+    )
+    if graphed:
+        return f"{line}, for experts of any size (CUDA graphs)"
+    return (
+        f"{line}; experts whose GEMMs average {PER_EXPERT_FROM_FLOPS / 1e9:.0f} GFLOP or more: "
+        f"{_PER_EXPERT.value}"
     )
 
 
@@ -188,6 +199,10 @@ class Fp8ExpertSlots:
         num_experts: the experts of the MoE layer (all ranks).
         first_expert: the global index of this rank's first expert.
         num_local_experts: this rank's experts.
+        graphed: the training iteration runs in a CUDA graph (`cuda_graph_impl`
+            "full_iteration"): grouped GEMMs run the Triton kernels, which take the counts on the
+            device, at any size (`expert_gemms`), so that eager warm-up iterations run the
+            kernels the graph holds.
     """
 
     def __init__(
@@ -198,6 +213,7 @@ class Fp8ExpertSlots:
         num_experts: int,
         first_expert: int,
         num_local_experts: int,
+        graphed: bool = False,
     ) -> None:
         if recipe.delayed != (state is not None):
             raise ValueError("Fp8ExpertSlots: a delayed recipe needs a DelayedScalingState.")
@@ -208,6 +224,7 @@ class Fp8ExpertSlots:
             )
         self.recipe = recipe
         self.state = state
+        self.graphed = graphed
         self.input_slots = self.grad_slots = range(0)
         if state is not None:
             local = slice(first_expert, first_expert + num_local_experts)
@@ -264,7 +281,8 @@ class Fp8ExpertSlots:
             input_: the input, whose device and dtype decide the kernels.
             weight: the stacked weights `[num_local_experts, out, in]`.
             rows: the input's real rows, from which the experts' mean GEMM size is estimated
-                (`PER_EXPERT_FROM_FLOPS`).
+                (`PER_EXPERT_FROM_FLOPS`; not for `graphed` experts, which the size does not
+                decide).
             grouped: grouped GEMMs are asked for (`GroupedMLP`).
 
         Returns:
@@ -273,7 +291,7 @@ class Fp8ExpertSlots:
         """
         if not grouped:
             return ExpertGemms()
-        flops = _mean_gemm_flops(weight, rows)
+        flops = None if self.graphed else _mean_gemm_flops(weight, rows)
         return ExpertGemms.where_possible(self.recipe, input_.device, input_.dtype, flops)
 
     def quantize(
@@ -499,8 +517,9 @@ _apply_experts = direct_apply(_Fp8Experts)
 
 HOST_COUNTS_IN_GRAPH = (
     "FP8 experts whose GEMMs average {gflops:.0f} GFLOP (from {limit:.0f}: one cuBLAS GEMM per "
-    "expert) read their token counts on the host, which a CUDA graph cannot hold; train such a "
-    "model without --cuda-graph-impl, or in bf16"
+    "expert) read their token counts on the host, which a CUDA graph cannot hold; build the "
+    "model with TransformerConfig(cuda_graph_impl='full_iteration') (--cuda-graph-impl "
+    "full_iteration sets it), whose experts run the grouped kernels at any size"
 )
 """The error of a capture that meets experts needing host counts (`PER_EXPERT_FROM_FLOPS`)."""
 

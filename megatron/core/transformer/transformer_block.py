@@ -292,6 +292,7 @@ def enable_fp8_linears(
                         num_experts=inner.config.num_moe_experts,
                         first_expert=linear.first_expert,
                         num_local_experts=linear.weight.shape[0],
+                        graphed=inner.config.cuda_graph_impl == "full_iteration",
                     )
                 )
             inner.enable_fp8(*slots)

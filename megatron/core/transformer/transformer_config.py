@@ -54,6 +54,8 @@ UNBUILT_RECOMPUTE_MODULES = {
 }
 """Upstream's other `recompute_modules` values, and why they do not apply here."""
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")
+BUILT_CUDA_GRAPH_IMPLS = ("none", "full_iteration")
+"""The built values of `cuda_graph_impl`."""
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -198,6 +200,13 @@ class TransformerConfig(ModelParallelConfig):
             its kernels, one call per kernel) in C++ instead of Python (inductor's
             `cpp_wrapper`): each kernel is launched without a Python call, which takes the host
             less time per step, and compiling takes longer (a C++ compiler builds each wrapper).
+        cuda_graph_impl: How the training captures CUDA graphs (Megatron-core's field): "none",
+            or "full_iteration", the whole training iteration in one graph
+            (`megatron.training.cuda_graphs`, which `--cuda-graph-impl full_iteration` sets).
+            The model reads it where a graph changes what it runs: FP8 experts then run their
+            grouped kernels, which take the token counts on the device, at any size (eager,
+            large experts run one GEMM per expert, which reads them on the host). Upstream's
+            per-layer graphs ("local", "transformer_engine") are not built (refused).
         seq_length: Training sequence length, when known when the model is built; lets the
             model check it against its position-embedding table early.
         calculate_per_token_loss: The training loss is a sum over tokens divided by the global
@@ -348,6 +357,7 @@ class TransformerConfig(ModelParallelConfig):
     compile_layers: bool = False
     compile_backend: str = "inductor"
     compile_cpp_wrapper: bool = True
+    cuda_graph_impl: str = "none"
     seq_length: int | None = None
     calculate_per_token_loss: bool = False
     mtp_num_layers: int | None = None
@@ -462,6 +472,7 @@ class TransformerConfig(ModelParallelConfig):
         self._check_yarn()
         self._check_context_parallel()
         self._check_compile()
+        self._check_cuda_graph()
         self._check_multi_token_prediction()
         check_moe_config(self)
         check_fp8_config(self)
@@ -584,6 +595,14 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.compile_backend == "inductor" and self.compile_cpp_wrapper:
             _check_cpp_compiler()
+
+    def _check_cuda_graph(self) -> None:
+        if self.cuda_graph_impl not in BUILT_CUDA_GRAPH_IMPLS:
+            raise ValueError(
+                f"cuda_graph_impl {self.cuda_graph_impl!r}: only 'none' and 'full_iteration' (the "
+                "whole training iteration in one graph) are built; per-layer graphs ('local', "
+                "'transformer_engine') are not."
+            )
 
     def _check_multi_token_prediction(self) -> None:
         if self.mtp_num_layers is None:

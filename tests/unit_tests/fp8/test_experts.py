@@ -139,18 +139,17 @@ def triton_kernels(monkeypatch) -> list[str]:
     return calls
 
 
-def _slots(fmt: str, kind: str, wgrad: bool = True) -> Fp8ExpertSlots:
+def _slots(fmt: str, kind: str, wgrad: bool = True, graphed: bool = False) -> Fp8ExpertSlots:
     """The settings of local experts FIRST.. of EXPERTS; under delayed scaling the slots of
     global expert g scaled 2 + g (inputs) and 2**10 * (g + 1) (output gradients)."""
     recipe = Fp8Recipe(fmt, kind, wgrad=wgrad)
-    if kind == "tensorwise":
-        return Fp8ExpertSlots(
-            recipe, num_experts=EXPERTS, first_expert=FIRST, num_local_experts=LOCAL
-        )
-    state = DelayedScalingState(recipe, group=None)
-    slots = Fp8ExpertSlots(
-        recipe, state, num_experts=EXPERTS, first_expert=FIRST, num_local_experts=LOCAL
+    experts = dict(
+        num_experts=EXPERTS, first_expert=FIRST, num_local_experts=LOCAL, graphed=graphed
     )
+    if kind == "tensorwise":
+        return Fp8ExpertSlots(recipe, **experts)
+    state = DelayedScalingState(recipe, group=None)
+    slots = Fp8ExpertSlots(recipe, state, **experts)
     state.load_scaling_tensors(
         {
             "amax_history_fwd": torch.zeros(1, EXPERTS),
@@ -522,6 +521,25 @@ def test_experts_with_large_gemms_run_one_gemm_per_expert(
     assert len(triton_kernels) == 3
 
 
+@exact_cpu_scaled_mm
+def test_graphed_experts_run_the_grouped_kernels_at_any_size(
+    grouped_kernel, triton_kernels, monkeypatch
+):
+    """Experts of a model trained in CUDA graphs (`graphed`) run the Triton kernels, which take
+    the counts on the device, however large their GEMMs: eager warm-up iterations run what the
+    graph holds, and give the per-expert GEMMs' results bit for bit."""
+    weight, x, grad = _case()
+    monkeypatch.setattr(experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    per_expert = _run(_slots("e4m3", "tensorwise"), weight, x, grad, grouped=True)
+    assert triton_kernels == []
+    slots = _slots("e4m3", "tensorwise", graphed=True)
+    assert slots.expert_gemms(x, weight, x.shape[0], grouped=True).read_rows_on_device
+    graphed = _run(slots, weight, x, grad, grouped=True)
+    assert len(triton_kernels) == 3
+    for got, want in zip(graphed, per_expert):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("triton", [False, True])
 def test_the_log_says_how_each_gemm_runs(monkeypatch, triton):
     monkeypatch.setattr(grouped_gemm, "grouped_kernel_available", lambda device: True)
@@ -536,6 +554,8 @@ def test_the_log_says_how_each_gemm_runs(monkeypatch, triton):
         every = f"{prefix}: forward {gemm}, input gradient {gemm}, weight gradient {gemm}{large}"
         for recipe, dtype in ((hybrid, BF16), (e4m3, BF16), (e4m3, torch.float16)):
             assert describe_expert_gemms(recipe, True, cuda, dtype) == every
+        graphed = every.replace(large, ", for experts of any size (CUDA graphs)")
+        assert describe_expert_gemms(hybrid, True, cuda, BF16, graphed=True) == graphed
     else:
         assert describe_expert_gemms(hybrid, True, cuda, BF16) == (
             f"{prefix}: forward torch._scaled_grouped_mm, input gradient {loop}, weight "

@@ -125,18 +125,11 @@ def test_cuda_fp8_experts_take_counts_on_the_device_without_a_host_sync(fmt, kin
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
-def test_a_cuda_graph_captures_grouped_fp8_experts_or_names_those_it_cannot_hold(monkeypatch):
-    """Experts whose GEMMs run the Triton kernels are captured with their counts on the device:
-    the replay gives the eager results bit for bit. Experts large enough to run one GEMM per
-    expert (any here: the threshold set to 0), which read the counts on the host, make the
-    capture fail, naming them."""
-    weight, x, grad = _on_cuda(*test_experts._case())
-    counts = torch.tensor(test_experts.COUNTS, device="cuda")
-    slots = test_experts._slots("hybrid", "delayed")
-    eager = [t.clone() for t in test_experts._run(slots, weight, x, grad, True, counts)]
+def _captured(slots, weight, x, grad, counts) -> list[torch.Tensor]:
+    """The output and gradients of `slots`' experts from a captured forward and backward,
+    replayed once."""
     # Leaves first used in the capture: autograd ties a leaf's gradient to the stream of its
-    # first use, and the eager run used these on the uncaptured one.
+    # first use, and an eager run used the caller's on the uncaptured one.
     x, weight = x.detach().requires_grad_(), torch.nn.Parameter(weight.detach())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -144,13 +137,33 @@ def test_a_cuda_graph_captures_grouped_fp8_experts_or_names_those_it_cannot_hold
         dx, dw = torch.autograd.grad(y, (x, weight), grad)
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip((y, dx, dw), eager):
+    return [y, dx, dw]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
+def test_a_cuda_graph_captures_grouped_fp8_experts_or_names_those_it_cannot_hold(monkeypatch):
+    """Experts whose GEMMs run the Triton kernels are captured with their counts on the device:
+    the replay gives the eager results bit for bit. Experts large enough to run one GEMM per
+    expert (any here: the threshold set to 0), which read the counts on the host, make the
+    capture fail, naming them; those of a model trained in graphs (`graphed`) run the Triton
+    kernels at any size, eager and captured."""
+    weight, x, grad = _on_cuda(*test_experts._case())
+    counts = torch.tensor(test_experts.COUNTS, device="cuda")
+    slots = test_experts._slots("hybrid", "delayed")
+    eager = [t.clone() for t in test_experts._run(slots, weight, x, grad, True, counts)]
+    for got, want in zip(_captured(slots, weight, x, grad, counts), eager):
         assert torch.equal(got, want)
     monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
     message = "read their token counts on the host, which a CUDA graph cannot hold"
     with pytest.raises(RuntimeError, match=message):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             slots.experts_linear(x, weight, counts, grouped=True)
+    graphed = test_experts._slots("hybrid", "delayed", graphed=True)
+    graphed_eager = test_experts._run(graphed, weight, x, grad, True, counts)
+    for got, want in zip(graphed_eager, eager):
+        assert torch.equal(got, want)
+    for got, want in zip(_captured(graphed, weight, x, grad, counts), eager):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])

@@ -65,6 +65,16 @@ def test_routed_and_shared_experts_train_in_fp8_but_not_the_router():
         assert isinstance(model.get_submodule(name).fp8, Fp8ExpertSlots)
 
 
+@pytest.mark.parametrize("impl", ["none", "full_iteration"])
+def test_experts_of_a_graphed_model_know_it(impl):
+    """`cuda_graph_impl` "full_iteration" reaches every expert projection's settings, which then
+    keep the grouped kernels at any size (`Fp8ExpertSlots.expert_gemms`)."""
+    model = _gpt(_config(moe_grouped_gemm=True, cuda_graph_impl=impl))
+    slots = [getattr(m, "fp8", None) for m in model.modules()]
+    slots = [s for s in slots if isinstance(s, Fp8ExpertSlots)]
+    assert len(slots) == 2 and all(s.graphed == (impl == "full_iteration") for s in slots)
+
+
 def test_first_and_last_layers_in_bf16_keep_their_moe_layers_in_bf16():
     config = _config(
         recipe="tensorwise",

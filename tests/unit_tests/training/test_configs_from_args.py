@@ -349,6 +349,8 @@ _NOT_FROM_A_FLAG = {
     "pipeline_dtype",
     # Its flag is refused (not built): the training loop runs groups of the pipeline size.
     "microbatch_group_size_per_vp_stage",
+    # Its flags need CUDA to validate: `test_cuda_graph_flags.py` checks that they reach it.
+    "cuda_graph_impl",
 }
 
 

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from megatron.training.configs_from_args import core_transformer_config_from_args
 from megatron.training.cuda_graphs import StaticBatches
 from megatron.training.flag_groups import cuda_graphs as cuda_graph_flags
 from megatron.training.flag_groups.cuda_graphs import full_iteration_cuda_graph
@@ -26,12 +27,15 @@ def test_graphs_are_off_by_default():
     assert (args.cuda_graph_impl, args.cuda_graph_scope) == ("none", None)
     assert args.cuda_graph_warmup_steps == 3  # upstream's default
     assert not full_iteration_cuda_graph(args)
+    assert core_transformer_config_from_args(args).cuda_graph_impl == "none"
 
 
 @pytest.mark.parametrize("spelling", [FULL, LOCAL], ids=["full_iteration", "local+scope"])
 def test_both_spellings_of_a_full_iteration_graph_are_accepted(cuda_available, spelling):
     args = validated(*spelling, *NCCL, FSDP, NO_EARLY_GATHER, "--cuda-graph-warmup-steps", "1")
     assert full_iteration_cuda_graph(args)
+    # The model knows (its FP8 experts run the kernels a graph can hold at any size).
+    assert core_transformer_config_from_args(args).cuda_graph_impl == "full_iteration"
     # Nothing is forced: the flag the user had to give is as given, the NaN check stays on
     # (it reads what the loop reads after each replay).
     assert args.fsdp_all_gather_in_start_param_sync is False
