@@ -600,7 +600,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.cuda_graph_impl not in BUILT_CUDA_GRAPH_IMPLS:
             raise ValueError(
                 f"cuda_graph_impl {self.cuda_graph_impl!r}: only 'none' and 'full_iteration' (the "
-                "whole training iteration in one graph) are built; per-layer graphs ('local', "
+                "whole training iteration in one graph, upstream's 'local' with the "
+                "'full_iteration' scope) are built; per-layer graphs ('local', "
                 "'transformer_engine') are not."
             )
 
