@@ -200,9 +200,9 @@ class Fp8ExpertSlots:
         first_expert: the global index of this rank's first expert.
         num_local_experts: this rank's experts.
         graphed: the training iteration runs in a CUDA graph (`cuda_graph_impl`
-            "full_iteration"): grouped GEMMs run the Triton kernels, which take the counts on the
-            device, at any size (`expert_gemms`), so that eager warm-up iterations run the
-            kernels the graph holds.
+            "full_iteration"): where the Triton kernels run (with FP8 weight gradients), grouped
+            GEMMs run them, which take the counts on the device, at any size (`expert_gemms`),
+            so that eager warm-up iterations run the kernels the graph holds.
     """
 
     def __init__(
@@ -516,12 +516,9 @@ class _Fp8Experts(torch.autograd.Function):
 _apply_experts = direct_apply(_Fp8Experts)
 
 HOST_COUNTS_IN_GRAPH = (
-    "FP8 experts whose GEMMs average {gflops:.0f} GFLOP (from {limit:.0f}: one cuBLAS GEMM per "
-    "expert) read their token counts on the host, which a CUDA graph cannot hold; build the "
-    "model with TransformerConfig(cuda_graph_impl='full_iteration') (--cuda-graph-impl "
-    "full_iteration sets it), whose experts run the grouped kernels at any size"
+    "FP8 experts read their token counts on the host, which a CUDA graph cannot hold: {why}"
 )
-"""The error of a capture that meets experts needing host counts (`PER_EXPERT_FROM_FLOPS`)."""
+"""The error of a capture that meets experts needing host counts (`host_counts_in_graph`)."""
 
 
 def _experts_linear(
@@ -544,7 +541,7 @@ def _experts_linear(
     padding = 0
     if isinstance(rows, DeviceExpertRows) and not gemms.read_rows_on_device:
         if cuda_graph_capturing():
-            raise RuntimeError(host_counts_in_graph(weight, gemm_rows))
+            raise RuntimeError(host_counts_in_graph(slots, input_, weight, gemm_rows, grouped))
         rows = rows.on_host()
         padding = input_.shape[0] - rows.rows
         input_ = input_[: rows.rows]
@@ -555,10 +552,32 @@ def _experts_linear(
 _experts_linear_outside_graph = outside_compiled_graphs(_experts_linear)
 
 
-def host_counts_in_graph(weight: torch.Tensor, rows: int) -> str:
-    """`HOST_COUNTS_IN_GRAPH` for experts of stacked `weight` over `rows` rows."""
-    gflops = _mean_gemm_flops(weight, rows) / 1e9
-    return HOST_COUNTS_IN_GRAPH.format(gflops=gflops, limit=PER_EXPERT_FROM_FLOPS / 1e9)
+def host_counts_in_graph(
+    slots: Fp8ExpertSlots, input_: torch.Tensor, weight: torch.Tensor, rows: int, grouped: bool
+) -> str:
+    """`HOST_COUNTS_IN_GRAPH` for the experts `slots` sets, of stacked `weight` over `rows`
+    real rows of `input_`, with the reason their GEMMs read the counts on the host
+    (`Fp8ExpertSlots.expert_gemms`)."""
+    if not grouped:
+        why = "their GEMMs run one per expert (not a GroupedMLP); use moe_grouped_gemm"
+    elif not slots.recipe.wgrad:
+        why = (
+            "their weight gradients are not in FP8 (--no-fp8-wgrad), and the high-precision "
+            "ones read them; drop --no-fp8-wgrad"
+        )
+    elif not expert_gemm_kernels.kernels_available(input_.device):
+        why = (
+            "the Triton grouped kernels, which take them on the device, do not run on this GPU "
+            "(they need Triton and compute capability 9.0 or later); train without the graph"
+        )
+    else:  # large experts in a model not built for graphs (`Fp8ExpertSlots.graphed`)
+        why = (
+            f"their GEMMs average {_mean_gemm_flops(weight, rows) / 1e9:.0f} GFLOP (from "
+            f"{PER_EXPERT_FROM_FLOPS / 1e9:.0f}: one cuBLAS GEMM per expert); build the model "
+            "with TransformerConfig(cuda_graph_impl='full_iteration') (--cuda-graph-impl "
+            "full_iteration sets it), whose experts run the grouped kernels at any size"
+        )
+    return HOST_COUNTS_IN_GRAPH.format(why=why)
 
 
 def _mean_gemm_flops(weight: torch.Tensor, rows: int) -> float:

@@ -204,8 +204,9 @@ class TransformerConfig(ModelParallelConfig):
             or "full_iteration", the whole training iteration in one graph
             (`megatron.training.cuda_graphs`, which `--cuda-graph-impl full_iteration` sets).
             The model reads it where a graph changes what it runs: FP8 experts then run their
-            grouped kernels, which take the token counts on the device, at any size (eager,
-            large experts run one GEMM per expert, which reads them on the host). Upstream's
+            grouped Triton kernels, which take the token counts on the device, at any size,
+            where those kernels run (eager, large experts run one GEMM per expert, which reads
+            the counts on the host). Upstream's
             per-layer graphs ("local", "transformer_engine") are not built (refused).
         seq_length: Training sequence length, when known when the model is built; lets the
             model check it against its position-embedding table early.

@@ -540,6 +540,28 @@ def test_graphed_experts_run_the_grouped_kernels_at_any_size(
         assert torch.equal(got, want)
 
 
+def test_a_capture_that_meets_host_counts_says_why(grouped_kernel, triton_kernels, monkeypatch):
+    """Counts on the device that a GEMM must read on the host, while a graph captures: the error
+    names the reason, and the fix for it; graphed experts of any size read nothing there."""
+    weight, x, grad = _case()
+    counts = torch.tensor(COUNTS)
+    monkeypatch.setattr(experts, "cuda_graph_capturing", lambda: True)
+    monkeypatch.setattr(experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    cases = [
+        (_slots("e4m3", "tensorwise"), False, "not a GroupedMLP"),
+        (_slots("e4m3", "tensorwise", wgrad=False), True, "drop --no-fp8-wgrad"),
+        (_slots("e4m3", "tensorwise"), True, r"cuda_graph_impl='full_iteration'"),
+    ]
+    for slots, grouped, why in cases:
+        with pytest.raises(RuntimeError, match=f"cannot hold: .*{why}"):
+            slots.experts_linear(x, weight, counts, grouped=grouped)
+    graphed = _slots("e4m3", "tensorwise", graphed=True)
+    _run(graphed, weight, x, grad, grouped=True, counts=counts)  # nothing read on the host
+    monkeypatch.setattr(expert_gemm_kernels, "kernels_available", lambda device: False)
+    with pytest.raises(RuntimeError, match="cannot hold: the Triton grouped kernels"):
+        graphed.experts_linear(x, weight, counts, grouped=True)
+
+
 @pytest.mark.parametrize("triton", [False, True])
 def test_the_log_says_how_each_gemm_runs(monkeypatch, triton):
     monkeypatch.setattr(grouped_gemm, "grouped_kernel_available", lambda device: True)

@@ -249,6 +249,21 @@ def test_padded_exchanges_size_the_fp8_gemms_by_the_rows_routing_gives_each_rank
     assert not experts._fp8_takes_device_counts(tokens, tokens.shape[0])  # the padded rows
 
 
+def test_graphed_moe_layers_keep_the_counts_of_large_experts_on_the_device(
+    triton_kernels,  # noqa: F811 (the fixture)
+    monkeypatch,
+):
+    """Experts of any size (the threshold at 0 here) keep the layer's counts on the device in a
+    model built for CUDA graphs; built without, they read them on the host."""
+    monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
+    for impl, on_device in (("none", False), ("full_iteration", True)):
+        config = _config("hybrid", "tensorwise", moe_grouped_gemm=True, cuda_graph_impl=impl)
+        tokens = torch.zeros(64, config.hidden_size, dtype=torch.bfloat16)
+        model = _gpt(config)
+        layer = next(m for m in model.modules() if isinstance(m, moe_experts.GroupedMLP))
+        assert layer._fp8_takes_device_counts(tokens, tokens.shape[0]) is on_device
+
+
 def test_recomputed_moe_layers_give_the_same_gradients_and_amax_history():
     """`--recompute-modules moe`: the recomputed experts cast with the forward's scales and
     record nothing."""

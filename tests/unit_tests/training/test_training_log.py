@@ -3,12 +3,14 @@ optional fields, and the scalars handed to Weights & Biases."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
 import pytest
 import torch
 
+from megatron.core.fp8 import expert_gemm_kernels
 from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
@@ -297,3 +299,21 @@ def test_an_fp8_moe_run_says_where_the_grouped_kernel_is_not_used():
         log = _training_log(*moe, *grouped)
         line = fp8_startup_line(core_transformer_config_from_args(log.args), cpu)
         assert line.endswith(f"attention and norms in bfloat16; {ending}"), line
+
+
+def test_a_graphed_fp8_moe_run_says_its_experts_run_grouped_at_any_size(monkeypatch):
+    """Where the Triton grouped kernels run, a model trained in CUDA graphs runs them for experts
+    of any size, and its start-up line says so instead of naming the large experts' GEMMs."""
+    monkeypatch.setattr(expert_gemm_kernels, "kernels_available", lambda device: True)
+    flags = ("--num-experts", "4", "--moe-ffn-hidden-size", "32", "--bf16", "--fp8-format")
+    log = _training_log(*flags, "hybrid", "--moe-grouped-gemm")
+    config = core_transformer_config_from_args(log.args)
+    cuda = torch.device("cuda")
+    gemm = "a Triton grouped GEMM"
+    kernels = f"forward {gemm}, input gradient {gemm}, weight gradient {gemm}"
+    eager = fp8_startup_line(config, cuda)
+    assert eager.endswith(
+        f"{kernels}; experts whose GEMMs average 40 GFLOP or more: one torch._scaled_mm per expert"
+    ), eager
+    graphed = fp8_startup_line(dataclasses.replace(config, cuda_graph_impl="full_iteration"), cuda)
+    assert graphed.endswith(f"{kernels}, for experts of any size (CUDA graphs)"), graphed

@@ -467,7 +467,8 @@ class SequentialMLP(MegatronModule):
                     x, tokens_per_expert, grouped=True, gemm_rows=rows
                 )
             if cuda_graph_capturing():
-                raise RuntimeError(host_counts_in_graph(self.linear_fc1.weight, rows))
+                fc1 = self.linear_fc1  # the larger projection
+                raise RuntimeError(host_counts_in_graph(fc1.fp8, tokens, fc1.weight, rows, True))
         counts = tokens_per_expert.tolist()  # the host read of LOOP and FP8, one for both
         real = sum(counts)
         padding = tokens.shape[0] - real
