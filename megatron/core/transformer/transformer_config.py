@@ -206,8 +206,8 @@ class TransformerConfig(ModelParallelConfig):
             The model reads it where a graph changes what it runs: FP8 experts then run their
             grouped Triton kernels, which take the token counts on the device, at any size,
             where those kernels run (eager, large experts run one GEMM per expert, which reads
-            the counts on the host). Upstream's
-            per-layer graphs ("local", "transformer_engine") are not built (refused).
+            the counts on the host). Upstream's per-layer graphs ("local",
+            "transformer_engine") are not built (refused).
         seq_length: Training sequence length, when known when the model is built; lets the
             model check it against its position-embedding table early.
         calculate_per_token_loss: The training loss is a sum over tokens divided by the global
