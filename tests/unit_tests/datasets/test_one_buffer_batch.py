@@ -15,6 +15,7 @@ from torch.utils.data import default_collate
 
 from megatron.core.datasets import MockGPTDataset, build_pretraining_data_loader
 from megatron.core.datasets.one_buffer_batch import OneBufferBatch, collate_in_one_buffer
+from tests.unit_tests.training.checkpoint_checks import assert_same
 
 
 def _samples() -> list[dict[str, torch.Tensor]]:
@@ -33,9 +34,8 @@ def _samples() -> list[dict[str, torch.Tensor]]:
 
 
 def _assert_same(batch, expected) -> None:
-    assert list(batch) == list(expected)
-    for key, value in expected.items():
-        assert batch[key].dtype == value.dtype and torch.equal(batch[key], value), key
+    assert list(batch) == list(expected)  # the keys in order too
+    assert_same(batch, expected)
 
 
 def test_a_batch_is_default_collates_over_one_buffer():
@@ -69,9 +69,12 @@ def test_it_crosses_between_processes_as_one_shared_tensor(monkeypatch):
 def test_other_batches_are_default_collates():
     samples = [(torch.ones(2), 3), (torch.zeros(2), 4)]
     batch = collate_in_one_buffer(samples)
-    assert type(batch) is list and torch.equal(batch[0], default_collate(samples)[0])
+    assert type(batch) is list
+    assert_same(batch, default_collate(samples))
     mixed = [{"tokens": torch.arange(3), "name": "a"}] * 2
-    assert type(collate_in_one_buffer(mixed)) is dict
+    batch = collate_in_one_buffer(mixed)
+    assert type(batch) is dict
+    assert_same(batch, default_collate(mixed))
 
 
 def test_loader_workers_give_the_batches_of_the_loader_without_workers():

@@ -42,6 +42,11 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.contiguous() @ b.contiguous()
 
 
+def plain_amax(x: torch.Tensor) -> torch.Tensor:
+    """`max |x|` with NaNs skipped (infinities kept), written out."""
+    return x.abs().nan_to_num(nan=0.0, posinf=math.inf).max()
+
+
 def current_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Transformer Engine's current-scaling rule, written out: `max / amax`, 1 for an amax of
     0, inf or NaN, the largest fp32 for an infinite quotient."""
@@ -119,8 +124,7 @@ def block_q(
                 slice(j * block[1], (j + 1) * block[1]),
             )
             tile = x[where].detach().float()
-            amax = tile.abs().nan_to_num(nan=0.0, posinf=math.inf).max().item()
-            scale = torch.tensor(block_scale(amax, dtype))
+            scale = torch.tensor(block_scale(plain_amax(tile).item(), dtype))
             data[where] = q(tile, scale, dtype)
             scale_inv[i, j] = scale.reciprocal()
     return data, scale_inv

@@ -349,17 +349,22 @@ def test_device_counts_of_an_input_with_padding_rows_give_the_real_rows_results(
         monkeypatch.setattr(experts, "PER_EXPERT_FROM_FLOPS", 0.0)
     weight, x, grad = _case()
     real, padding = sum(COUNTS), 7
-    noise = torch.full((padding, IN), float("nan"), dtype=BF16)
-    padded_x = torch.cat([x.detach(), noise]).requires_grad_()
-    padded_grad = torch.cat([grad, torch.full((padding, OUT), float("nan"), dtype=BF16)])
-    # Current scaling: a padding row read by the amax would change every real row's scale.
-    host = _run(_slots("hybrid", "tensorwise"), weight, x, grad, grouped=True)
+
+    def noise(width: int) -> torch.Tensor:
+        # Finite and large: a padding row read by the amax (current scaling) would change the
+        # last expert's scale, so its real rows' results; the NaN row would spread if multiplied.
+        rows = torch.full((padding, width), 3e4, dtype=BF16)
+        rows[0] = float("nan")
+        return rows
+
+    padded_x = torch.cat([x.detach(), noise(IN)]).requires_grad_()
+    padded_grad = torch.cat([grad, noise(OUT)])
     slots = _slots("hybrid", "tensorwise")
-    triton_kernels.clear()
+    expected_y, expected_dx, expected_dw = _reference(slots, weight, x, grad)
     y, dx, dw = _run(slots, weight, padded_x, padded_grad, True, torch.tensor(COUNTS))
     assert y.shape == (real + padding, OUT) and dx.shape == (real + padding, IN)
-    assert torch.equal(y[:real], host[0]) and torch.equal(dx[:real], host[1])
-    assert torch.equal(dw, host[2])
+    assert torch.equal(y[:real], expected_y) and torch.equal(dx[:real], expected_dx)
+    assert torch.equal(dw, expected_dw.to(BF16))
     triton = ["emulated_grouped_mm"] * 2 + ["emulated_grouped_wgrad_into"]
     assert triton_kernels == ([] if large else triton)
     if large:
@@ -538,6 +543,9 @@ def test_graphed_experts_run_the_grouped_kernels_at_any_size(
     assert len(triton_kernels) == 3
     for got, want in zip(graphed, per_expert):
         assert torch.equal(got, want)
+    expected_y, expected_dx, expected_dw = _reference(slots, weight, x, grad)
+    assert torch.equal(graphed[0], expected_y) and torch.equal(graphed[1], expected_dx)
+    assert torch.equal(graphed[2], expected_dw.to(BF16))
 
 
 def test_a_capture_that_meets_host_counts_says_why(grouped_kernel, triton_kernels, monkeypatch):
@@ -556,7 +564,10 @@ def test_a_capture_that_meets_host_counts_says_why(grouped_kernel, triton_kernel
         with pytest.raises(RuntimeError, match=f"cannot hold: .*{why}"):
             slots.experts_linear(x, weight, counts, grouped=grouped)
     graphed = _slots("e4m3", "tensorwise", graphed=True)
-    _run(graphed, weight, x, grad, grouped=True, counts=counts)  # nothing read on the host
+    y, dx, dw = _run(graphed, weight, x, grad, grouped=True, counts=counts)  # no host read
+    expected_y, expected_dx, expected_dw = _reference(graphed, weight, x, grad)
+    assert torch.equal(y, expected_y) and torch.equal(dx, expected_dx)
+    assert torch.equal(dw, expected_dw.to(BF16))
     monkeypatch.setattr(expert_gemm_kernels, "kernels_available", lambda device: False)
     with pytest.raises(RuntimeError, match="cannot hold: the Triton grouped kernels"):
         graphed.experts_linear(x, weight, counts, grouped=True)
