@@ -7,6 +7,9 @@ that accumulate in another order; experts without tokens and counts that are not
 from __future__ import annotations
 
 import collections
+import contextlib
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -278,11 +281,15 @@ def test_cuda_grouped_fp8_moe_reads_no_counts_on_the_host(monkeypatch):
 @pytest.mark.skipif(not HOPPER, reason="the Triton grouped GEMMs run on compute capability 9+")
 def test_cuda_fp8_moe_experts_that_need_host_counts_read_them_once_per_layer(monkeypatch):
     """A FIXED-sized layer whose experts run one GEMM per expert (any size counts as large
-    here) reads the counts on the host once for both projections, not once per projection, and
-    trains as the layer sized on the host does, bit for bit."""
-    config = _config("hybrid", "delayed", moe_grouped_gemm=True)
+    here) reads the counts on the host once per forward for both projections, not once per
+    projection, and none in backward; and it trains as the layer sized on the host does, bit
+    for bit (losses and every gradient)."""
+    config = _config(
+        "hybrid", "delayed", moe_grouped_gemm=True, num_layers=4, moe_layer_freq=[0, 1, 1, 1]
+    )
     device = _gpt(config).cuda()
-    assert device.decoder.layers[1].mlp.token_dispatcher.sizing is DispatchSizing.FIXED
+    dispatchers = [layer.mlp.token_dispatcher for layer in device.decoder.layers[1:]]
+    assert [d.sizing for d in dispatchers] == [DispatchSizing.FIXED] * 3
     monkeypatch.setattr(moe_experts, "grouped_fp8_takes_device_counts", lambda: False)
     host = _gpt(config).cuda()
     monkeypatch.setattr(fp8_experts, "PER_EXPERT_FROM_FLOPS", 0.0)
@@ -294,6 +301,33 @@ def test_cuda_fp8_moe_experts_that_need_host_counts_read_them_once_per_layer(mon
 
     monkeypatch.setattr(fp8_experts.DeviceExpertRows, "on_host", recorded)
     tokens, labels = (t.cuda() for t in make_token_batches(1, 3, seed=5)[0])
-    losses = [model(tokens, labels=labels).float().mean() for model in (host, device)]
+    losses, syncs = [], []
+    for model in (host, device):
+        with _synchronizations() as forward:
+            loss = model(tokens, labels=labels).float().mean()
+        with _synchronizations() as backward:
+            loss.backward()
+        losses.append(loss.detach())
+        syncs.append((len(forward), len(backward)))
     assert torch.equal(*losses)
+    assert syncs[1] == (3, 0)  # one read per MoE layer's forward
     assert on_host == []  # the projections got host counts from the layer
+    for (name, a), b in zip(host.named_parameters(), device.parameters()):
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad, b.grad)
+        ), name
+
+
+@contextlib.contextmanager
+def _synchronizations() -> Iterator[list[warnings.WarningMessage]]:
+    """The host synchronisations CUDA calls make inside the block, one warning each."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found: list[warnings.WarningMessage] = []
+            yield found
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    found.extend(w for w in caught if "synchronizing CUDA operation" in str(w.message))
