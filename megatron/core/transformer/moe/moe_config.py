@@ -166,10 +166,12 @@ def _check_dispatch(config: TransformerConfig) -> None:
                 f"moe_expert_capacity_factor is {config.moe_expert_capacity_factor}; drop one "
                 "of them."
             )
-        if not config.moe_grouped_gemm or (config.fp8 is not None and not config.fp8_wgrad):
+        why = None
+        if not config.moe_grouped_gemm:
             why = "without moe_grouped_gemm"
-            if config.moe_grouped_gemm:
-                why = f"in FP8 ({config.fp8}) with fp8_wgrad=False"
+        elif config.fp8 is not None and not config.fp8_wgrad:
+            why = f"in FP8 ({config.fp8}) with fp8_wgrad=False"
+        if why is not None:
             raise ValueError(
                 "moe_pad_dispatch_to_worst_case spares the host read of the token counts, but "
                 f"the experts {why} read them on the host anyway; use moe_grouped_gemm (in FP8 "
