@@ -8,7 +8,9 @@ sum back; backward casts and multiplies again and reduces two tensors of that si
 passes over the projection's output. Here forward is one pass (`x + bias[e(r)] * w[r]` in fp32,
 rounded once), and backward passes the output gradient through to `x` as it is, takes the
 weights' gradient (`sum_j grad[r, j] * bias[e(r), j]`) in one pass and the bias's (each expert's
-rows' `grad * w`, summed in order) in another (`segment_sum`). Nothing is read on the host.
+rows' `grad * w`, summed in order) in another (`segment_sum`). Nothing is read on the host, and
+each program finds its row's expert from the counts on the device (`segment_of_row`): the host
+launches one kernel per direction and pass, nothing to lay the rows out.
 Triton ships with PyTorch's CUDA builds; without it, off CUDA or under `torch.compile`, callers
 use the PyTorch ops (`expert_bias_fusable`).
 """
@@ -17,13 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.fusions.segment_sum import segment_sum
+from megatron.core.fusions.segment_sum import segment_sum, segments_block
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import direct_apply, once_differentiable
 
 try:
     import triton
     import triton.language as tl
+
+    from megatron.core.fusions.segment_sum import segment_of_row
 except ImportError:  # CPU-only PyTorch builds
     triton = None
 
@@ -74,9 +78,7 @@ class _ExpertBias(torch.autograd.Function):
         counts: torch.Tensor,
         weights: torch.Tensor | None,
     ) -> torch.Tensor:
-        rows = torch.arange(x.shape[0], device=x.device)
-        expert_of_row = torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
-        ctx.save_for_backward(bias, counts, weights, expert_of_row)
+        ctx.save_for_backward(bias, counts, weights)
         x = x if x.stride(1) == 1 else x.contiguous()
         bias = bias.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -84,16 +86,17 @@ class _ExpertBias(torch.autograd.Function):
         if out.numel():
             _launch_forward(
                 (x.shape[0], -(-width // _BLOCK)),
-                x, bias, expert_of_row, weights if weights is not None else bias, out,
+                x, bias, counts, weights if weights is not None else bias, out,
                 x.stride(0), width, bias.shape[0],
                 HAS_WEIGHTS=weights is not None, BLOCK=_BLOCK,
+                SEGMENTS=segments_block(bias.shape[0]),
             )  # fmt: skip
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        bias, counts, weights, expert_of_row = ctx.saved_tensors
+        bias, counts, weights = ctx.saved_tensors
         grad = grad if grad.stride(1) == 1 else grad.contiguous()
         grad_bias = grad_weights = None
         if ctx.needs_input_grad[1]:
@@ -103,8 +106,9 @@ class _ExpertBias(torch.autograd.Function):
             if grad.shape[0]:
                 _launch_weights_grad(
                     (grad.shape[0],),
-                    grad, bias.contiguous(), expert_of_row, grad_weights,
+                    grad, bias.contiguous(), counts, grad_weights,
                     grad.stride(0), grad.shape[1], bias.shape[0], BLOCK=_BLOCK,
+                    SEGMENTS=segments_block(bias.shape[0]),
                 )  # fmt: skip
         return grad, grad_bias, None, grad_weights
 
@@ -116,14 +120,14 @@ if triton is not None:
 
     @triton.jit
     def _expert_bias_forward_kernel(
-        x_ptr, bias_ptr, expert_ptr, weights_ptr, out_ptr, x_row_stride, width, experts,
-        HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, bias_ptr, counts_ptr, weights_ptr, out_ptr, x_row_stride, width, experts,
+        HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr, SEGMENTS: tl.constexpr,
     ):  # fmt: skip
         """Program (row, block): columns [block * BLOCK, (block + 1) * BLOCK) of a row."""
         row = tl.program_id(0).to(tl.int64)  # offsets past 2**31 elements
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = col < width
-        expert = tl.load(expert_ptr + row)
+        expert = segment_of_row(counts_ptr, experts, row, SEGMENTS)
         real = expert < experts  # padding rows: no bias
         bias = tl.load(bias_ptr + expert * width + col, mask=inside & real, other=0.0)
         bias = bias.to(tl.float32)
@@ -134,12 +138,12 @@ if triton is not None:
 
     @triton.jit
     def _expert_bias_weights_grad_kernel(
-        grad_ptr, bias_ptr, expert_ptr, grad_weights_ptr, grad_row_stride, width, experts,
-        BLOCK: tl.constexpr,
+        grad_ptr, bias_ptr, counts_ptr, grad_weights_ptr, grad_row_stride, width, experts,
+        BLOCK: tl.constexpr, SEGMENTS: tl.constexpr,
     ):  # fmt: skip
         """Program row: `sum_j grad[row, j] * bias[e(row), j]` (0 for padding rows)."""
         row = tl.program_id(0).to(tl.int64)
-        expert = tl.load(expert_ptr + row)
+        expert = segment_of_row(counts_ptr, experts, row, SEGMENTS)
         real = expert < experts
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for first in range(0, width, BLOCK):

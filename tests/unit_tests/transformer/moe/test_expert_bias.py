@@ -8,6 +8,8 @@ import torch
 from megatron.core.fusions.expert_bias import add_expert_bias, expert_bias_fusable
 
 COUNTS = [5, 0, 70, 9]
+MANY_COUNTS = [(11 * i) % 37 for i in range(40)]
+"""More experts than the kernels' smallest vector of counts (16), some without rows."""
 PADDING = 12
 DEVICE = "cuda"
 
@@ -28,18 +30,20 @@ def _run(function, x, bias, counts, weights, grad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("counts_list", [COUNTS, MANY_COUNTS], ids=["4-experts", "40-experts"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_expert_bias_matches_float64(dtype, weighted):
+def test_fused_expert_bias_matches_float64(dtype, weighted, counts_list):
     torch.manual_seed(0)
-    rows, width = sum(COUNTS) + PADDING, 1100  # two column blocks, the second partial
+    real = sum(counts_list)
+    rows, width = real + PADDING, 1100  # two column blocks, the second partial
     x = torch.randn(rows, width, device=DEVICE, dtype=dtype)
-    bias = torch.randn(len(COUNTS), width, device=DEVICE, dtype=dtype)
-    counts = torch.tensor(COUNTS, device=DEVICE)
+    bias = torch.randn(len(counts_list), width, device=DEVICE, dtype=dtype)
+    counts = torch.tensor(counts_list, device=DEVICE)
     weights = None
     if weighted:  # fp32 routing weights, zero for the padding rows as the dispatchers give them
         weights = torch.rand(rows, 1, device=DEVICE)
-        weights[sum(COUNTS) :] = 0
+        weights[real:] = 0
     grad = torch.randn(rows, width, device=DEVICE, dtype=dtype)  # the reference's too
     assert expert_bias_fusable(x)
 
@@ -64,7 +68,9 @@ def test_fused_expert_bias_matches_float64(dtype, weighted):
         torch.testing.assert_close(got, want.to(got.dtype), **tolerance, msg=name)
     assert fused[0].dtype == dtype
     # An expert without rows gets a zero gradient.
-    assert not fused[2][1].any()
+    for expert, count in enumerate(counts_list):
+        if count == 0:
+            assert not fused[2][expert].any()
 
 
 def test_off_cuda_the_pytorch_ops_run():

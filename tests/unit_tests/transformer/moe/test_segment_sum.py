@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.core.fusions import segment_sum as segment_sum_module
-from megatron.core.fusions.segment_sum import _pieces, segment_sum
+from megatron.core.fusions.segment_sum import segment_sum
 
 # Segments longer than the kernel's row tile and not a multiple of it, empty ones (an expert
 # without tokens), and the padding rows' segment last.
@@ -110,18 +110,33 @@ def test_weighted_rows(device):
     torch.testing.assert_close(got, expected.float())
 
 
-def test_segments_cut_into_pieces():
-    """The first pass's pieces: each segment's rows in order, in pieces of at most the piece
-    size, then pieces of no rows."""
-    lengths = torch.tensor([600, 0, 17, 256, 257, 1])
-    num_rows = int(lengths.sum()) + 40  # and padding rows
-    pieces, per_segment = _pieces(lengths, num_rows)
-    size = segment_sum_module._PIECE_ROWS
-    expected = []
-    for length in lengths.tolist():
-        expected += [size] * (length // size) + ([length % size] if length % size else [])
-    assert pieces.tolist() == expected + [0] * (len(pieces) - len(expected))
-    assert per_segment.tolist() == [-(-n // size) for n in lengths.tolist()]
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [600, 0, 17, 256, 257, 1],  # at, below and above the piece size, and a multiple of it
+        [(7 * i) % 53 for i in range(70)],  # more segments than the kernels' smallest vector
+    ],
+    ids=["around-the-piece-size", "70-segments"],
+)
+def test_segments_summed_in_pieces_on_cuda(lengths):
+    """Inputs of more rows than a piece: each segment cut into pieces of at most the piece size
+    (computed on the device, from the lengths there), with rows after the segments."""
+    assert sum(lengths) > segment_sum_module._PIECE_ROWS
+    torch.manual_seed(0)
+    x = torch.randn(sum(lengths) + 40, 96, device="cuda")
+    lengths_on_device = torch.tensor(lengths, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = segment_sum(x, lengths_on_device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = _reference(x[: sum(lengths)], lengths)
+    torch.testing.assert_close(got, expected.float(), rtol=2e-5, atol=1e-4)
+    for index, length in enumerate(lengths):
+        if length == 0:
+            assert not got[index].any()
 
 
 @pytest.mark.gpu
