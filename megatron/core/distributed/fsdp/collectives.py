@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
+from megatron.core.multi_tensor import add_tensors_, copy_tensors_
 from megatron.core.utils import all_gather_single
 
 
@@ -64,7 +65,7 @@ class Collectives:
         outputs' dtype, as one grouped collective: NCCL launches one kernel for all of them.
 
         In place, as `all_gather`: the inputs are first copied (and cast) into this rank's block
-        of each output, in one `_foreach_copy_`, so a cast needs no buffer of its own.
+        of each output, in few launches (`copy_tensors_`), so a cast needs no buffer of its own.
 
         Args:
             outputs: 1-D, N equal blocks each.
@@ -75,7 +76,7 @@ class Collectives:
         """
         if own_blocks is None:
             own_blocks = [_own_block(output, group) for output in outputs]
-        torch._foreach_copy_(own_blocks, inputs)
+        copy_tensors_(own_blocks, inputs)
         if group.size() > 1:
             _all_gather_coalesced(outputs, own_blocks, group=group)
 
@@ -108,10 +109,10 @@ class Collectives:
                     f"but the group has {group.size()} ranks."
                 )
             _finish_average(inputs, dist.ReduceOp.SUM, divisor, average)
-            torch._foreach_add_(outputs, inputs)
+            add_tensors_(outputs, inputs)
             return
         if group.size() == 1:
-            torch._foreach_copy_(outputs, inputs)
+            copy_tensors_(outputs, inputs)
             _finish_average(outputs, dist.ReduceOp.SUM, divisor, average)
             return
         op = self._op(group, average, divisor)

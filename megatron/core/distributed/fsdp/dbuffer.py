@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from megatron.core.multi_tensor import add_tensors_, copy_tensors_
+
 
 class ShardLayout:
     """Where each tensor of a group lives in a buffer of `num_shards` equal shards.
@@ -277,8 +279,8 @@ def cast_into(
     written: Iterable[bool],
 ) -> None:
     """Each gradient cast into its target, or added to it where a linear layer wrote one
-    there (`written`, gradient-accumulation fusion); targets with neither are zeroed. Three
-    grouped launches at most."""
+    there (`written`, gradient-accumulation fusion); targets with neither are zeroed, in
+    grouped launches (`megatron.core.multi_tensor`)."""
     copies, adds, zeros = ([], []), ([], []), []
     for target, grad, fused in zip(targets, grads, written):
         if grad is not None:
@@ -288,8 +290,8 @@ def cast_into(
         elif not fused:
             zeros.append(target)
     if copies[0]:
-        torch._foreach_copy_(*copies)
+        copy_tensors_(*copies)
     if adds[0]:
-        torch._foreach_add_(*adds)
+        add_tensors_(*adds)
     if zeros:
         torch._foreach_zero_(zeros)

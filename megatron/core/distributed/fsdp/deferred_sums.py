@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.multi_tensor import add_tensors_
 from megatron.core.tensor_parallel.grad_accumulation import FusionTarget
 
 
@@ -55,7 +56,7 @@ class DeferredSums:
             return
         added = [(s, g) for s, g in zip(self.sums, grads) if g is not None]
         if added:
-            torch._foreach_add_([s for s, _ in added], [g for _, g in added])
+            add_tensors_([s for s, _ in added], [g for _, g in added])
 
     def take(self) -> list[torch.Tensor] | None:
         """The sums, handed over to be reduced (the group holds them no more)."""
