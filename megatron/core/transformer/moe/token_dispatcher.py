@@ -52,6 +52,7 @@ import enum
 import torch
 import torch.distributed as dist
 
+from megatron.core.fusions.moe_routing import route_rows
 from megatron.core.tensor_parallel.mappings import (
     all_to_all_first,
     gather_from_sequence_parallel_region,
@@ -146,6 +147,25 @@ def route_order(
     # into zeros) gives the same gradient as indexing's (`index_put_` accumulating, which
     # sorts them first on CUDA: a few launches more and ~0.3 ms of host time per layer).
     return probs.t().reshape(-1).index_select(0, order), order % routing_map.shape[0]
+
+
+def route_every_token_k(
+    routing_map: torch.Tensor, probs: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route_order` where every token is routed to exactly `topk` experts (dropless), with
+    each token's rows in expert order and each expert's row count: by the kernels of
+    `megatron.core.fusions.moe_routing` where they run (the same rows), else by PyTorch's ops.
+
+    Returns:
+        `(permuted_probs [T * topk], token_index [T * topk], by_token [T * topk], counts [E])`.
+    """
+    routes = route_rows(routing_map, topk)
+    if routes is None:
+        permuted_probs, token_index = route_order(routing_map, probs, routing_map.shape[0] * topk)
+        by_token = torch.argsort(token_index, stable=True)
+        return permuted_probs, token_index, by_token, routing_map.sum(dim=0)
+    permuted_probs = probs.reshape(-1).index_select(0, routes.source_index)
+    return permuted_probs, routes.token_index, routes.by_token, routes.counts
 
 
 def permute(
@@ -488,10 +508,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         topk = self.config.moe_router_topk
         # Dropless: every token has exactly topk rows.
         num_rows = self.num_tokens * topk
-        expert_probs, self.token_index = route_order(routing_map, probs, num_rows)
-        self.by_token = torch.argsort(self.token_index, stable=True)
+        expert_probs, self.token_index, self.by_token, counts = route_every_token_k(
+            routing_map, probs, topk
+        )
         expert_input = _CopyRows.apply(tokens, self.token_index, self.by_token, topk)
-        counts = routing_map.sum(dim=0)
         if self.sizing is DispatchSizing.FIXED:
             return expert_input, counts, expert_probs
         self.exchange = _WorstCaseExchange(self, num_rows)
@@ -517,16 +537,18 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self.etp_splits = local.sum(dim=(0, 2)).tolist()
         # After the expt_tp gather the rows come by expt_tp source, ep source, local expert.
         self.local_counts = local.transpose(0, 1).reshape(-1, self.num_local_experts)
-        num_rows = int(own.sum())
-        expert_probs, self.token_index = route_order(routing_map, probs, num_rows)
         self.by_token = None
         if every_token_k:
             # Copying tokens to rows and summing them back are then gathers (index_add's
             # atomics cost ~10% of a step on GPU). A row count of T * k would not say so: with
             # capacity, some tokens lose rows and others gain padding rows.
-            self.by_token = torch.argsort(self.token_index, stable=True)
+            expert_probs, self.token_index, self.by_token, _ = route_every_token_k(
+                routing_map, probs, topk
+            )
             expert_input = _CopyRows.apply(tokens, self.token_index, self.by_token, topk)
         else:
+            num_rows = int(own.sum())
+            expert_probs, self.token_index = route_order(routing_map, probs, num_rows)
             expert_input = tokens.index_select(0, self.token_index)
         if self.ep_size > 1:
             expert_input = all_to_all(
