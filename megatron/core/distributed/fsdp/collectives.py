@@ -60,6 +60,7 @@ class Collectives:
         group: dist.ProcessGroup,
         *,
         own_blocks: list[torch.Tensor] | None = None,
+        inputs_in_place: bool = False,
     ) -> None:
         """Gathers every rank's `inputs[i]` into `outputs[i]` (in group-rank order), in the
         outputs' dtype, as one grouped collective: NCCL launches one kernel for all of them.
@@ -73,10 +74,13 @@ class Collectives:
             group: the ranks to gather from.
             own_blocks: this rank's block of each output, where the caller keeps them (views
                 of persistent storage); made here otherwise.
+            inputs_in_place: the caller has copied the inputs into its blocks already (in one
+                launch, `megatron.core.fusions.segment_copy`).
         """
-        if own_blocks is None:
-            own_blocks = [_own_block(output, group) for output in outputs]
-        copy_tensors_(own_blocks, inputs)
+        if not inputs_in_place:
+            if own_blocks is None:
+                own_blocks = [_own_block(output, group) for output in outputs]
+            copy_tensors_(own_blocks, inputs)
         if group.size() > 1:
             _all_gather_coalesced(outputs, own_blocks, group=group)
 

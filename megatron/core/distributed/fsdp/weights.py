@@ -49,6 +49,7 @@ from megatron.core.distributed.fsdp.plan import GroupPlan, Refresh
 from megatron.core.distributed.tensor_parallel_params import check_data_parallel_chunks, dtensor
 from megatron.core.fp8.weights import forget_fp8_weights
 from megatron.core.fusions.fused_adam import StepAmaxes
+from megatron.core.fusions.segment_copy import SegmentCopy
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
 _version = operator.attrgetter("_version")
@@ -164,11 +165,21 @@ class GroupWeights:
         self._main_views = (
             self._compute_views if plan.main_is_unsharded else self.sharded_main.local_views()
         )
-        # The tensor-wise all-gather's inputs: the chunks of the shard it gathers from.
+        # The tensor-wise all-gather's inputs: the chunks of the shard it gathers from, cast
+        # into this rank's block of each tensor in one launch where the kernel runs.
         source = self.inner_shard if self.inner_shard is not None else self.sharded_main
-        self._gather_inputs = (
-            list(source.shard.split(layout.chunk_numels)) if source.sharded else None
-        )
+        self._gather_source = source
+        self._gather_inputs = None
+        self._own_block_copy: SegmentCopy | None = None
+        if source.sharded:
+            self._gather_inputs = list(source.shard.split(layout.chunk_numels))
+            own_blocks = [
+                start + self._gather_rank() * numel
+                for start, numel in zip(self.unsharded.layout.offsets, layout.chunk_numels)
+            ]
+            self._own_block_copy = SegmentCopy.make(
+                source.shard, self.unsharded.data, layout.offsets, own_blocks, layout.chunk_numels
+            )
         trains = plan.requires_grad
         self.unsharded_params = [
             torch.nn.Parameter(view, requires_grad=trains) for view in self._compute_views
@@ -218,8 +229,11 @@ class GroupWeights:
         ]
         targets = chunk_targets(self.unsharded, layout)
         self._gather_outputs = [target.view(-1) for target in targets]
-        gather_rank = self.groups.all_gather.rank() if layout.num_shards > 1 else 0
-        self._gather_blocks = [target[gather_rank] for target in targets]
+        self._gather_blocks = [target[self._gather_rank()] for target in targets]
+
+    def _gather_rank(self) -> int:
+        """This rank's block in each gathered tensor: its rank in the all-gather group."""
+        return self.groups.all_gather.rank() if self.layout.num_shards > 1 else 0
 
     def _param_placements(self, slots: list[ParamSlot]) -> list[tuple[Placement, ...]]:
         """Each parameter's placements: over the leading dimensions, then the plan's.
@@ -421,12 +435,18 @@ class GroupWeights:
         the all-gather group into the unsharded weights, cast to the compute dtype: each
         tensor's chunks straight into the tensor (with `use_symm_mem` the buffer lies in a
         symmetric window, `place_unsharded`, and NCCL runs its symmetric kernel). The writes
-        bump none of the compute weights' version counters (`chunk_targets`)."""
+        bump none of the compute weights' version counters (`chunk_targets`; nor does the
+        one-launch cast, `SegmentCopy`)."""
+        cast = self._own_block_copy
+        cast_in_place = cast is not None and cast.try_copy(
+            self._gather_source.shard, self.unsharded.data
+        )
         self.comm.all_gather_tensors(
             self._gather_outputs,
             self._gather_inputs,
             self.groups.all_gather,
             own_blocks=self._gather_blocks,
+            inputs_in_place=cast_in_place,
         )
 
     def unshard(self) -> None:

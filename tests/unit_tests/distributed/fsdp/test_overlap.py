@@ -685,6 +685,32 @@ def test_overlap_on_and_off_give_bitwise_equal_losses_on_gpu(strategy):
         torch.testing.assert_close(r_on, r_off, rtol=0, atol=0)
 
 
+def _gather_kernels() -> dict:
+    fsdp = _adapter({}, model=_gpu_model(hidden=512, num_layers=2, seq=256))
+    layer = fsdp.module.decoder.layers[0]
+    layer.unshard()  # compiles the cast
+    layer.reshard()
+    torch.cuda.synchronize()
+    kernels = kernels_of(layer.unshard)
+    weights = [group.weights for group in layer.fsdp_unit.groups]
+    exact = all(
+        torch.equal(compute, main.to(compute.dtype))
+        for w in weights
+        for compute, main in zip(w.unsharded_params, w.local_main_weights)
+    )
+    return dict(kernels=[k.name for k in kernels], groups=len(weights), exact=exact)
+
+
+@pytest.mark.gpu
+def test_a_gather_casts_its_shard_in_one_kernel_per_group():
+    """One rank: no collective, so a layer's gather is its cast alone, one launch per
+    parameter group (`SegmentCopy`), with the bytes of the main weights cast by `to`."""
+    (result,) = run_distributed(_gather_kernels, 1)
+    assert len(result["kernels"]) == result["groups"], result
+    assert all("segment_copy" in name for name in result["kernels"]), result
+    assert result["exact"]
+
+
 def _forward_memory() -> dict:
     tokens, labels = _gpu_batch(seq=1024)
     plain = _gpu_model(hidden=1024, seq=1024)
