@@ -10,7 +10,7 @@ the others together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,33 +19,30 @@ _ELEMENTS_PER_LAUNCH = 320 * 65536
 chunk size, for lists of two tensors)."""
 
 
-def _split(
-    targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[list, list]]:
-    """The (target, source) pairs that go one kernel each, and the lists of the others."""
-    alone, grouped = [], ([], [])
-    for target, source in zip(targets, sources):
-        if target.numel() > _ELEMENTS_PER_LAUNCH:
-            alone.append((target, source))
-        else:
-            grouped[0].append(target)
-            grouped[1].append(source)
-    return alone, grouped
-
-
 def copy_tensors_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
     """`target.copy_(source)` for each pair (casting to the target's dtype)."""
-    alone, grouped = _split(targets, sources)
-    for target, source in alone:
-        target.copy_(source)
-    if grouped[0]:
-        torch._foreach_copy_(*grouped)
+    _apply(targets, sources, torch.Tensor.copy_, torch._foreach_copy_)
 
 
 def add_tensors_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
     """`target.add_(source)` for each pair."""
-    alone, grouped = _split(targets, sources)
-    for target, source in alone:
-        target.add_(source)
-    if grouped[0]:
-        torch._foreach_add_(*grouped)
+    _apply(targets, sources, torch.Tensor.add_, torch._foreach_add_)
+
+
+def _apply(
+    targets: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    one: Callable[[torch.Tensor, torch.Tensor], object],
+    grouped: Callable[[list[torch.Tensor], list[torch.Tensor]], object],
+) -> None:
+    """`one(target, source)` for the pairs past one foreach launch's reach, `grouped` over the
+    lists of the others."""
+    rest_targets, rest_sources = [], []
+    for target, source in zip(targets, sources):
+        if target.numel() > _ELEMENTS_PER_LAUNCH:
+            one(target, source)
+        else:
+            rest_targets.append(target)
+            rest_sources.append(source)
+    if rest_targets:
+        grouped(rest_targets, rest_sources)
