@@ -28,7 +28,13 @@ import torch
 
 from megatron.core.fp8.kernels import _ROUNDINGS
 from megatron.core.fp8.recipe import fp8_max
-from megatron.core.fusions.multi_tensor_tables import aligned, program_table
+from megatron.core.fusions.multi_tensor_tables import (
+    ELEMENTWISE_BLOCK,
+    ELEMENTWISE_BLOCKS,
+    ELEMENTWISE_WARPS,
+    aligned,
+    program_table,
+)
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import cuda_graph_capturing
 
@@ -37,15 +43,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only PyTorch builds
     triton = None
-
-_BLOCK = 1024
-"""Elements a program casts per iteration: eight per thread of four warps."""
-
-_BLOCKS_PER_PROGRAM = 4
-"""Iterations per program, amortising the loads of its tensor's row of the table."""
-
-_WARPS = 4
-"""Warps per program: `_BLOCK` elements are eight per thread."""
 
 
 class MultiTensorCast:
@@ -77,8 +74,8 @@ class MultiTensorCast:
         self._constants = dict(
             SOURCE=_TRITON_DTYPES[source_dtype],
             ROUNDING=_ROUNDINGS[rounding],
-            BLOCK=_BLOCK,
-            BLOCKS=_BLOCKS_PER_PROGRAM,
+            BLOCK=ELEMENTWISE_BLOCK,
+            BLOCKS=ELEMENTWISE_BLOCKS,
         )
 
     @classmethod
@@ -122,7 +119,7 @@ class MultiTensorCast:
             for source, target, index in zip(sources, targets, scale_indices, strict=True)
         ]
         table = torch.tensor(rows, dtype=torch.int64)
-        programs = program_table(table[:, 2], _BLOCK * _BLOCKS_PER_PROGRAM)
+        programs = program_table(table[:, 2], ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS)
         scale_count = max(scale_indices) + 1
         return cls(key, table.to(device), programs.to(device), scale_count, dtype, rounding)
 
@@ -203,4 +200,4 @@ if triton is not None:
             scaled = tl.clamp(values * scale, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
             tl.store(target + offsets, _to_fp8(scaled, True), mask=mask)
 
-    _launch = TritonLaunch(_multi_cast_kernel, num_warps=_WARPS)
+    _launch = TritonLaunch(_multi_cast_kernel, num_warps=ELEMENTWISE_WARPS)

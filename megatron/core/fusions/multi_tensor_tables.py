@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import torch
 
+ELEMENTWISE_BLOCK = 1024
+"""Elements a program of an elementwise multi-tensor kernel (a cast, a copy) reads per
+iteration: eight per thread of `ELEMENTWISE_WARPS` warps."""
+
+ELEMENTWISE_BLOCKS = 4
+"""Iterations per program of such a kernel, amortising the loads of its tensor's row of the
+table: its programs take `ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS` elements each."""
+
+ELEMENTWISE_WARPS = 4
+
 
 def program_table(numels: torch.Tensor, elements_per_program: int) -> torch.Tensor:
     """Each program's (tensor index, chunk index) for tensors of `numels` elements (1-D,

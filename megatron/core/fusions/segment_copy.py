@@ -22,7 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron.core.fusions.multi_tensor_tables import program_table
+from megatron.core.fusions.multi_tensor_tables import (
+    ELEMENTWISE_BLOCK,
+    ELEMENTWISE_BLOCKS,
+    ELEMENTWISE_WARPS,
+    program_table,
+)
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on, launches_on_device
 
 try:
@@ -31,13 +36,6 @@ try:
 except ImportError:  # CPU-only PyTorch builds
     triton = None
 
-_BLOCK = 1024
-"""Elements a program copies per iteration: eight per thread of four warps."""
-
-_BLOCKS_PER_PROGRAM = 4
-"""Iterations per program, amortising the loads of its segment's row of the table."""
-
-_WARPS = 4
 
 MAX_ELEMENTS = 1 << 26
 """The most elements one copy takes (about 0.1 ms of an H200's bandwidth). A copy that overlaps
@@ -63,7 +61,7 @@ class SegmentCopy:
     def __init__(self, table: torch.Tensor, programs: torch.Tensor, align: int) -> None:
         self._table = table
         self._programs = programs
-        self._constants = dict(BLOCK=_BLOCK, BLOCKS=_BLOCKS_PER_PROGRAM, ALIGN=align)
+        self._constants = dict(BLOCK=ELEMENTWISE_BLOCK, BLOCKS=ELEMENTWISE_BLOCKS, ALIGN=align)
 
     @classmethod
     def make(
@@ -102,7 +100,7 @@ class SegmentCopy:
                     f"ends past a tensor ({source.numel()} / {target.numel()} elements)."
                 )
         rows = torch.tensor(list(zip(source_offsets, target_offsets, numels)), dtype=torch.int64)
-        programs = program_table(rows[:, 2], _BLOCK * _BLOCKS_PER_PROGRAM)
+        programs = program_table(rows[:, 2], ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS)
         # 16 bytes of the narrower dtype: where every offset and size is a multiple of that,
         # the kernel loads and stores whole vectors (the tensors start on 16-byte boundaries).
         vector = 16 // min(source.element_size(), target.element_size())
@@ -147,4 +145,4 @@ if triton is not None:
                 mask=inside,
             )
 
-    _launch_copy = TritonLaunch(_segment_copy_kernel, num_warps=_WARPS)
+    _launch_copy = TritonLaunch(_segment_copy_kernel, num_warps=ELEMENTWISE_WARPS)
