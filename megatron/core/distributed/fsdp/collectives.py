@@ -77,9 +77,9 @@ class Collectives:
             inputs_in_place: the caller has copied the inputs into its blocks already (in one
                 launch, `megatron.core.fusions.segment_copy`).
         """
+        if own_blocks is None:
+            own_blocks = [_own_block(output, group) for output in outputs]
         if not inputs_in_place:
-            if own_blocks is None:
-                own_blocks = [_own_block(output, group) for output in outputs]
             copy_tensors_(own_blocks, inputs)
         if group.size() > 1:
             _all_gather_coalesced(outputs, own_blocks, group=group)

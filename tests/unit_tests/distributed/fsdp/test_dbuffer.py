@@ -170,6 +170,21 @@ def _collectives() -> dict:
     gathered_tensorwise_ok &= all(
         torch.equal(v[: t.shape[0]].cpu(), t.bfloat16()) for v, t in zip(cast.tensor_views(), full)
     )
+    # The caller has written its blocks already (one launch on CUDA, `SegmentCopy`): the
+    # collective gathers what they hold, copying nothing into them.
+    in_place = DBuffer(layout.unsharded(), torch.float32, device, sharded=False, rank=0)
+    targets = chunk_targets(in_place, layout)
+    for target, chunk in zip(targets, inputs):
+        target[rank].copy_(chunk)
+    comm.all_gather_tensors(
+        [target.view(-1) for target in targets],
+        [torch.full_like(chunk, float("nan")) for chunk in inputs],  # not read
+        group,
+        inputs_in_place=True,
+    )
+    gathered_tensorwise_ok &= all(
+        torch.equal(v[: t.shape[0]].cpu(), t) for v, t in zip(in_place.tensor_views(), full)
+    )
     # Each rank contributes (rank + 1) * tensor; the average is (N + 1) / 2 * tensor.
     contribution = DBuffer(layout, torch.float32, device, sharded=False, rank=rank)
     copy_chunks_in([(rank + 1) * t.to(device) for t in full], contribution.full, layout)
