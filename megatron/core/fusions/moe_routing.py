@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron.core.fusions.segment_sum import segments_block
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 
 try:
@@ -83,7 +84,7 @@ def route_rows(routing_map: torch.Tensor, topk: int) -> RoutedRows | None:
     if tokens == 0:
         counts.zero_()
         return RoutedRows(token_index, source_index, by_token, counts)
-    padded_experts = max(16, 1 << (experts - 1).bit_length())
+    padded_experts = segments_block(experts)  # the experts are the rows' segments
     block = min(_TILE // padded_experts, max(16, 1 << (tokens - 1).bit_length()))
     blocks = -(-tokens // block)
     starts = torch.empty(blocks, experts, dtype=torch.int64, device=device)
