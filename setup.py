@@ -9,8 +9,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron", "megatron.*"]),
-    # The FP8 linear layers' C++ extension is built from its source at first use on a GPU.
-    package_data={"megatron.core.fp8": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"]},
+    # The C++ extensions (the FP8 linear layers', the fusing linear layer's, the rotary
+    # embedding's) are built from their sources at first use on a GPU.
+    package_data={
+        "megatron.core.fp8": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"],
+        "megatron.core.tensor_parallel": ["csrc/*.cpp"],
+        "megatron.core.fusions": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"],
+    },
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "einops", "numpy", "regex"],
     extras_require={

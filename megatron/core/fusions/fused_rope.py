@@ -13,14 +13,18 @@ rotating the other way (the rotation's transpose): for output channel j with pai
     backward: dx[j] = dy[j] * cos[j] + dy[p(j)] * sin[p(j)]
 
 with `sin` the signed sine table of `rotary_pos_embedding` (each pair's first sine negated).
-One launch for both tensors halves the host's launch work, which bounds small-batch steps.
-Triton ships with PyTorch's CUDA builds; without it, or off CUDA, callers use the PyTorch ops.
+One launch for both tensors halves the host's launch work, which bounds small-batch steps. Where
+its C++ extension builds (`native_rope`), a CUDA kernel with the same arithmetic runs instead,
+from a C++ autograd node, which costs the host less than this autograd function and Triton's
+launcher. Triton ships with PyTorch's CUDA builds; without it, or off CUDA, callers use the
+PyTorch ops.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron.core.fusions.native_rope import native_rope
 from megatron.core.fusions.triton_launch import TritonLaunch, launches_on
 from megatron.core.utils import direct_apply, once_differentiable
 
@@ -88,6 +92,9 @@ def fused_rotary_pos_emb(
     Returns:
         The rotated queries and keys, contiguous, in their dtype; channels past `rot` unchanged.
     """
+    native = native_rope(query)
+    if native is not None:  # the same rotation, as one C++ autograd node
+        return tuple(native.rotary(query, key, cos, sin, interleaved))
     return _apply_rotary(query, key, cos, sin, interleaved)
 
 

@@ -40,7 +40,9 @@ where nothing fuses.
 
 On CUDA the fp32 accumulation is one `addmm` with an fp32 output (`beta=0` to overwrite: the
 target is not read); elsewhere the product is formed in the inputs' dtype and added or copied
-(the unfused arithmetic, in one place).
+(the unfused arithmetic, in one place). On CUDA the eager fusing layer's autograd node is also
+C++ where its extension builds (`native_linear`): the same operators, with Python asked only
+where each weight gradient goes; its Python function (`_LinearIntoMainGrad`) runs elsewhere.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
+from megatron.core.tensor_parallel.native_linear import native_linear_into_main_grad
 from megatron.core.utils import direct_apply, once_differentiable, outside_compiled_graphs
 
 if TYPE_CHECKING:
@@ -171,6 +174,9 @@ def linear(
         and not torch.is_autocast_enabled(input_.device.type)
         and not torch._C._are_functorch_transforms_active()
     ):
+        native = native_linear_into_main_grad(input_)
+        if native is not None:
+            return native.linear_into_main_grad(input_, weight, bias)
         return _apply_into_main_grad(input_, weight, bias)
     return F.linear(input_, weight, bias)
 
@@ -248,7 +254,25 @@ def weight_grad_target(
     main_grad_of = _fusing_main_grad_of(weight)
     if main_grad_of is None:
         return True, None
-    accumulates = _accumulates(weight_node)
+    return _target_given(main_grad_of, weight, _accumulates(weight_node))
+
+
+def native_target(
+    weight: torch.Tensor, accumulates: bool | None
+) -> tuple[bool, FusionTarget | None]:
+    """`weight_grad_target` for the C++ fusing linear (`native_linear`), whose backward finds
+    whether it accumulates into the weight itself (`_accumulates`'s answer)."""
+    main_grad_of = _fusing_main_grad_of(weight)
+    if main_grad_of is None:
+        return True, None
+    return _target_given(main_grad_of, weight, accumulates)
+
+
+def _target_given(
+    main_grad_of: Callable[[torch.nn.Parameter], FusionTarget | None],
+    weight: torch.Tensor,
+    accumulates: bool | None,
+) -> tuple[bool, FusionTarget | None]:
     if accumulates is False:  # e.g. `backward(inputs=...)` without the weight
         return False, None
     return True, main_grad_of(weight) if accumulates else None

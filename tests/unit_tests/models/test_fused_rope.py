@@ -1,10 +1,14 @@
-"""The fused rotary kernel (`megatron.core.fusions.fused_rope`) against the rotation computed in
-float64, forward and backward, and inside the model against the PyTorch ops."""
+"""The fused rotary kernels (`megatron.core.fusions.fused_rope`: the C++ node's CUDA kernel,
+`native_rope`, and the Triton kernel) against the rotation computed in float64, forward and
+backward, and inside the model against the PyTorch ops."""
+
+import contextlib
 
 import pytest
 import torch
 
 from megatron.core.fusions.fused_rope import fused_rope_supported, rope_shapes_fusable
+from megatron.core.fusions.native_rope import native_rope, triton_kernel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     RotaryEmbedding,
     rotate_query_and_key,
@@ -17,6 +21,16 @@ from tests.unit_tests.model_builders import (
 )
 
 DEVICE = "cuda"
+KERNELS = ["cpp", "triton"]
+
+
+def _kernel(name: str) -> contextlib.AbstractContextManager:
+    """Rotations inside run the C++ node (which must have built) or the Triton kernel."""
+    if name == "triton":
+        return triton_kernel()
+    assert native_rope(torch.empty(1, device=DEVICE)) is not None, "the C++ extension did not build"
+    return contextlib.nullcontext()
+
 
 # (seq, batch, query heads, key heads, head width, rotary percent): the 1.34B model's heads;
 # more query heads than one program takes (grouped keys); odd head counts; partial rotation
@@ -66,10 +80,11 @@ def _freqs(seq, dim, percent=1.0, interleaved=False):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_rotation_matches_float64(shape, interleaved, dtype):
+def test_fused_rotation_matches_float64(shape, interleaved, dtype, kernel):
     seq, batch, q_heads, k_heads, dim, percent = shape
     torch.manual_seed(0)
     freqs = _freqs(seq, dim, percent, interleaved)
@@ -82,7 +97,8 @@ def test_fused_rotation_matches_float64(shape, interleaved, dtype):
     grads = [g.movedim(0, -1) for g in grads]
     assert fused_rope_supported(query, key, freqs)
 
-    fused = _compare_with_float64(query, key, freqs, grads, interleaved)
+    with _kernel(kernel):
+        fused = _compare_with_float64(query, key, freqs, grads, interleaved)
     assert all(t.dtype == dtype and t.is_contiguous() for t in fused)
     if percent < 1:
         rot = freqs.shape[-1]
@@ -91,7 +107,8 @@ def test_fused_rotation_matches_float64(shape, interleaved, dtype):
 
 
 @pytest.mark.gpu
-def test_channels_not_adjacent_and_one_output_unused():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_channels_not_adjacent_and_one_output_unused(kernel):
     """Keys whose channels are not adjacent (copied for the kernel), and a loss that uses the
     rotated queries only (the keys' incoming gradient is zeros)."""
     seq, batch, heads, dim = 8, 2, 4, 32
@@ -101,7 +118,8 @@ def test_channels_not_adjacent_and_one_output_unused():
     key = torch.randn(seq, batch, dim, heads, device=DEVICE).transpose(2, 3)
     assert key.stride(-1) != 1 and fused_rope_supported(query, key, freqs)
     grad = torch.randn(seq, batch, heads, dim, device=DEVICE)
-    _, _, _, key_grad = _compare_with_float64(query, key, freqs, [grad, None], False)
+    with _kernel(kernel):
+        _, _, _, key_grad = _compare_with_float64(query, key, freqs, [grad, None], False)
     assert torch.equal(key_grad, torch.zeros_like(key_grad))
 
 
@@ -132,15 +150,31 @@ def test_model_with_rope_fusion_matches_unfused(overrides, rotary_percent):
 
 
 @pytest.mark.gpu
-def test_model_with_rope_fusion_runs_the_kernel():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_model_with_rope_fusion_runs_the_kernel(kernel):
     model = build_tiny_gpt(tiny_gpt_config(apply_rope_fusion=True), position_embedding_type="rope")
     tokens, labels = (t.to(DEVICE) for t in make_token_batches(1, 2)[0])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        model.to(DEVICE)(tokens, labels=labels).sum().backward()
-        torch.cuda.synchronize()
-    launches = [event.name for event in profiler.events() if "_rotate_kernel" in event.name]
+    with _kernel(kernel):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            model.to(DEVICE)(tokens, labels=labels).sum().backward()
+            torch.cuda.synchronize()
+    names = {"cpp": "megatron_rope::", "triton": "_rotate_kernel"}
+    launches = [event.name for event in profiler.events() if names[kernel] in event.name]
     # One per layer forward and one backward (2 layers).
     assert len(launches) == 4, launches
+
+
+@pytest.mark.gpu
+def test_a_twice_differentiated_rotation_raises():
+    """The C++ node is differentiable once, as the Triton path: the gradients of a
+    `create_graph=True` backward raise if differentiated again."""
+    freqs = _freqs(8, 32)
+    query, key = (t.requires_grad_() for t in torch.randn(2, 8, 2, 4, 32, device=DEVICE))
+    with _kernel("cpp"):
+        rotated = rotate_query_and_key(query, key, freqs, fused=True)
+    sum(t.square().sum() for t in rotated).backward(create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        query.grad.sum().backward()
 
 
 def test_shapes_the_kernel_does_not_cover():

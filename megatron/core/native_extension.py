@@ -1,0 +1,104 @@
+"""`NativeExtension`: one of this project's C++ extensions, built where it is first used.
+
+The extensions move host work that Python makes slow (autograd functions, argument handling,
+several small dispatches) into one C++ call. Each is built with PyTorch's extension builder
+(`torch.utils.cpp_extension.load`: a C++ compiler and ninja, nvcc for CUDA sources) the first
+time a process needs it on a GPU, which takes about a minute, and cached where PyTorch caches its
+extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`). Where it cannot be built the
+callers run their Python path, said once in a warning; an environment switch set to 0 keeps the
+Python path without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+
+import torch
+
+_logger = logging.getLogger(__name__)
+
+
+class NativeExtension:
+    """A C++ extension loaded once per process, at the first `module()` call.
+
+    Args:
+        name: the extension's name; the GPU's architecture is appended (a build cached for
+            another GPU has no kernels for this one, and PyTorch would reuse it).
+        sources: its source files.
+        switch: the environment variable that, set to 0, keeps the callers' Python path.
+        users: what runs the extension, for the log and the warning ("FP8 linear layers").
+        extra_ldflags: the linker flags, made at the build (they may read the process's state).
+        setup: called with the loaded module once, before any caller gets it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        sources: Sequence[str],
+        switch: str,
+        users: str,
+        extra_ldflags: Callable[[], list[str]] = list,
+        setup: Callable[[ModuleType], None] | None = None,
+    ) -> None:
+        self._name = name
+        self._sources = list(sources)
+        self._switch = switch
+        self._users = users
+        self._extra_ldflags = extra_ldflags
+        self._setup = setup
+        self._module: ModuleType | None = None
+        self._tried = False
+        self._suspended = False
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Inside it `module()` says None, so that the callers run their Python path: the two
+        side by side in one process (tests, benchmarks). A flag of the process, not of the
+        thread."""
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
+
+    def module(self) -> ModuleType | None:
+        """The built extension, or None where it is switched off, suspended or does not build.
+        Called at every pass of the callers' layers: after the first call, attribute reads."""
+        if self._suspended:
+            return None
+        if self._tried:
+            return self._module
+        self._tried = True
+        if os.environ.get(self._switch, "1") == "0":
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            _logger.info(f"Loading the {self._users}' C++ extension (built at its first use).")
+            major, minor = torch.cuda.get_device_capability()
+            module = load(
+                name=f"{self._name}_sm{major}{minor}",
+                sources=self._sources,
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3"],
+                extra_ldflags=self._extra_ldflags(),
+                verbose=False,
+            )
+            if self._setup is not None:
+                self._setup(module)
+            self._module = module
+        except Exception as error:  # no compiler, nvcc or ninja, a failed build: Python runs
+            source_dir = os.path.dirname(self._sources[0])
+            warnings.warn(
+                f"The {self._users} run their Python path: the C++ extension in {source_dir} was "
+                f"not built ({type(error).__name__}: {str(error).strip()[:300]}). Install a C++ "
+                f"compiler, ninja and the CUDA toolkit's nvcc to build it, or set "
+                f"{self._switch}=0 to silence this.",
+                stacklevel=3,
+            )
+        return self._module

@@ -1,0 +1,154 @@
+"""Gradient-accumulation fusion's C++ linear layer (`native_linear.py`,
+`csrc/linear_into_main_grad.cpp`) against its Python autograd function on the GPU: the output,
+input, weight (returned, written over or added into a main_grad of either dtype) and bias
+gradients bit for bit, and torch's `.grad` semantics off the happy path (`torch.autograd.grad`,
+`backward(inputs=...)`, a kept `.grad`, recomputation, `create_graph=True`, an engine's error).
+Off CUDA the Python function runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron.core.tensor_parallel.grad_accumulation import FusionTarget, linear, register_main_grad
+from megatron.core.tensor_parallel.native_linear import (
+    native_linear_into_main_grad,
+    python_function,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+_PYTHON_NODE = "_LinearIntoMainGradBackward"
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = native_linear_into_main_grad(torch.zeros(1, device="cuda"))
+    assert module is not None, "the C++ extension did not build on this GPU machine"
+    return module
+
+
+class _Engine:
+    """Hands out one target per weight and counts the calls (an engine's `main_grad_of`)."""
+
+    def __init__(self, target: torch.Tensor, overwrite: bool):
+        self.target = target
+        self.overwrite = overwrite
+        self.calls = 0
+
+    def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
+        self.calls += 1
+        return FusionTarget(self.target, self.overwrite)
+
+
+def _run(native_path: bool, dtype, main_dtype, overwrite: bool, bias: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=dtype))
+    bias_param = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=dtype)) if bias else None
+    start = torch.full((96, 64), torch.nan) if overwrite else torch.randn(96, 64)
+    engine = _Engine(start.to("cuda", main_dtype), overwrite)
+    register_main_grad(weight, engine.main_grad_of)
+    x = torch.randn(4, 33, 64, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(4, 33, 96, device="cuda", dtype=dtype)
+    with contextlib.nullcontext() if native_path else python_function():
+        y = linear(x, weight, bias_param)
+    node = type(y.grad_fn).__name__
+    y.backward(g)
+    assert weight.grad is None and engine.calls == 1
+    grads = (x.grad, engine.target, None if bias_param is None else bias_param.grad)
+    return node, y.detach(), grads
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
+@pytest.mark.parametrize("main_dtype", ["fp32", "same"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_cpp_layer_is_the_python_function_bit_for_bit(
+    native, dtype, main_dtype, overwrite, bias
+):
+    main = torch.float32 if main_dtype == "fp32" else dtype
+    node, out, grads = _run(True, dtype, main, overwrite, bias)
+    python_node, expected_out, expected = _run(False, dtype, main, overwrite, bias)
+    assert python_node == _PYTHON_NODE and node != _PYTHON_NODE
+    assert torch.equal(out, expected_out)
+    for grad, want in zip(grads, expected):
+        assert (grad is None and want is None) or torch.equal(grad, want)
+    assert not grads[1].isnan().any()
+
+
+def _registered() -> tuple[torch.nn.Parameter, _Engine]:
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 5, device="cuda", dtype=torch.float64))
+    engine = _Engine(torch.zeros(6, 5, device="cuda", dtype=torch.float64), overwrite=False)
+    register_main_grad(weight, engine.main_grad_of)
+    return weight, engine
+
+
+def test_autograd_grad_inputs_recompute_and_a_kept_grad(native):
+    """Only a backward that accumulates into the weight fuses: `torch.autograd.grad` returns the
+    weight's gradient when asked for it, neither it nor `backward(inputs=...)` without the
+    weight asks the engine, a recomputed layer fuses once, and a `.grad` kept from an earlier
+    backward is accumulated into by autograd."""
+    weight, engine = _registered()
+    x = torch.randn(3, 4, 5, device="cuda", dtype=torch.float64, requires_grad=True)
+
+    def loss_of(x):
+        return linear(x, weight).square().sum()
+
+    expected_w, expected_x = torch.autograd.grad(x.matmul(weight.t()).square().sum(), (weight, x))
+    assert type(loss_of(x).grad_fn.next_functions[0][0]).__name__ != _PYTHON_NODE
+    (grad_x,) = torch.autograd.grad(loss_of(x), x)
+    grad_w, grad_x2 = torch.autograd.grad(loss_of(x), (weight, x))
+    loss_of(x).backward(inputs=[x])
+    assert engine.calls == 0 and torch.count_nonzero(engine.target) == 0
+    assert weight.grad is None
+    torch.testing.assert_close(grad_w, expected_w)
+    for grad in (grad_x, grad_x2, x.grad):
+        torch.testing.assert_close(grad, expected_x)
+    torch.utils.checkpoint.checkpoint(loss_of, x, use_reentrant=False).backward()
+    loss_of(x).backward()
+    assert engine.calls == 2 and weight.grad is None
+    torch.testing.assert_close(engine.target, 2 * expected_w)
+    weight.grad = torch.ones_like(weight)
+    loss_of(x).backward()
+    assert engine.calls == 2
+    torch.testing.assert_close(weight.grad, 1 + expected_w)
+
+
+def test_create_graph_fuses_once_differentiable(native):
+    """`backward(create_graph=True)`: the weight's gradient goes to the engine, the input's and
+    the bias's equal `F.linear`'s, and differentiating them again raises."""
+    weight, engine = _registered()
+    bias = torch.nn.Parameter(torch.randn(6, device="cuda", dtype=torch.float64))
+    x = torch.randn(3, 4, 5, device="cuda", dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(
+        torch.nn.functional.linear(x, weight, bias).square().sum(), (weight, x, bias)
+    )
+    linear(x, weight, bias).square().sum().backward(create_graph=True)
+    assert weight.grad is None
+    for grad, want in zip((engine.target, x.grad, bias.grad), expected):
+        torch.testing.assert_close(grad, want)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        x.grad.sum().backward()
+
+
+def test_an_engine_error_reaches_the_caller(native):
+    """An exception raised where the engine is asked for the target leaves the backward as
+    itself, with its message."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 5, device="cuda"))
+
+    class Failing:
+        def main_grad_of(self, param):
+            raise ValueError("no room for this gradient")
+
+    engine = Failing()
+    register_main_grad(weight, engine.main_grad_of)
+    x = torch.randn(2, 5, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="no room for this gradient"):
+        linear(x, weight).sum().backward()
