@@ -4,9 +4,10 @@ The extensions move host work that Python makes slow (autograd functions, argume
 several small dispatches) into one C++ call. Each is built with PyTorch's extension builder
 (`torch.utils.cpp_extension.load`: a C++ compiler and ninja, nvcc for CUDA sources) the first
 time a process needs it on a GPU, which takes about a minute, and cached where PyTorch caches its
-extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`). Where it cannot be built the
-callers run their Python path, said once in a warning; an environment switch set to 0 keeps the
-Python path without one.
+extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`; the ranks that share it wait
+for one build, and a build killed midway leaves a `lock` file in its folder, which the next run
+waits on: delete it). Where it cannot be built the callers run their Python path, said once in a
+warning; an environment switch set to 0 keeps the Python path without one.
 """
 
 from __future__ import annotations
