@@ -12,6 +12,7 @@ setup(
     # The C++ extensions (the FP8 linear layers', the fusing linear layer's, the rotary
     # embedding's) are built from their sources at first use on a GPU.
     package_data={
+        "megatron.core": ["csrc/*.h"],
         "megatron.core.fp8": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"],
         "megatron.core.tensor_parallel": ["csrc/*.cpp"],
         "megatron.core.fusions": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"],

@@ -23,6 +23,9 @@ import torch
 
 _logger = logging.getLogger(__name__)
 
+_SHARED_HEADERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+"""The headers every extension may include (`once_differentiable.h`)."""
+
 
 class NativeExtension:
     """A C++ extension loaded once per process, at the first `module()` call.
@@ -88,6 +91,7 @@ class NativeExtension:
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3"],
                 extra_ldflags=self._extra_ldflags(),
+                extra_include_paths=[_SHARED_HEADERS],
                 verbose=False,
             )
             if self._setup is not None:

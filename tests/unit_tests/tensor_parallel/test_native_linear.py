@@ -2,8 +2,10 @@
 `csrc/linear_into_main_grad.cpp`) against its Python autograd function on the GPU: the output,
 input, weight (returned, written over or added into a main_grad of either dtype) and bias
 gradients bit for bit, and torch's `.grad` semantics off the happy path (`torch.autograd.grad`,
-`backward(inputs=...)`, a kept `.grad`, recomputation, `create_graph=True`, an engine's error).
-Off CUDA the Python function runs."""
+`backward(inputs=...)`, a kept `.grad`, recomputation, `create_graph=True`, an engine's error)
+against plain autograd. Off CUDA the Python function runs. The fp32 accumulation itself is checked
+against fp32 products by `test_gradient_accumulation_fusion.py`, whose `linear` runs this node on
+CUDA."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <limits>
 
+#include "once_differentiable.h"
 #include "rope_kernels.h"
 
 namespace megatron_rope {
@@ -78,20 +78,11 @@ struct Rotary : public torch::autograd::Function<Rotary> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    // Differentiable once, as the Triton path's `once_differentiable`.
-    const bool again = at::GradMode::is_enabled() &&
-                       (grads[0].requires_grad() || grads[1].requires_grad());
-    at::NoGradGuard no_grad;
-    variable_list rotated = rotate(grads[0], grads[1], saved[0], saved[1],
-                                   ctx->saved_data["interleaved"].toBool(), /*transpose=*/true);
-    if (again) {
-      for (at::Tensor& grad : rotated) grad = grad.detach().requires_grad_(true);
-      rotated = torch::autograd::DelayedError(
-                    "trying to differentiate twice a function that was marked with "
-                    "@once_differentiable",
-                    2)
-                    .apply(std::move(rotated));
-    }
+    // Differentiable once, as the Triton path.
+    const megatron::OnceDifferentiable once(grads);
+    const variable_list rotated =
+        once.finish(rotate(grads[0], grads[1], saved[0], saved[1],
+                           ctx->saved_data["interleaved"].toBool(), /*transpose=*/true));
     return {rotated[0], rotated[1], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

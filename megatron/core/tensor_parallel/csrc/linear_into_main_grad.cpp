@@ -11,10 +11,11 @@
 // `sum`), so the results are the same bit for bit.
 
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
+
+#include "once_differentiable.h"
 
 namespace megatron_linear {
 namespace {
@@ -105,10 +106,8 @@ struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad>
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
     const at::Tensor& grad_output = grads[0];
-    // Differentiable once, as the Python path's `once_differentiable`: a `create_graph=True`
-    // backward computes without a graph, and its gradients raise if differentiated again.
-    const bool again = at::GradMode::is_enabled() && grad_output.requires_grad();
-    at::NoGradGuard no_grad;
+    // Differentiable once, as the Python path.
+    const megatron::OnceDifferentiable once(grads);
     const at::Tensor grad_2d = flat(grad_output);
     at::Tensor grad_input, grad_weight, grad_bias;
     if (ctx->needs_input_grad(0)) grad_input = grad_output.matmul(weight);
@@ -119,16 +118,7 @@ struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad>
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
       grad_bias = grad_2d.sum(0);
     }
-    variable_list outputs{grad_input, grad_weight, grad_bias};
-    if (!again) return outputs;
-    for (at::Tensor& output : outputs) {
-      if (output.defined()) output = output.detach().requires_grad_(true);
-    }
-    return torch::autograd::DelayedError(
-               "trying to differentiate twice a function that was marked with "
-               "@once_differentiable",
-               static_cast<int64_t>(outputs.size()))
-        .apply(std::move(outputs));
+    return once.finish({grad_input, grad_weight, grad_bias});
   }
 };
 
