@@ -108,6 +108,34 @@ def test_fused_rotation_matches_float64(shape, interleaved, dtype, kernel):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "offset, dim, rot",
+    [(0, 64, 64), (4, 64, 64), (2, 64, 64), (1, 64, 64), (0, 40, 20), (1, 33, 12)],
+)
+def test_every_load_width(offset, dim, rot, dtype, interleaved, kernel):
+    """Views whose addresses and strides are multiples of 16, 8, 4 and 2 bytes (the C++
+    kernel's loads are as wide as they allow: 8, 4, 2, 1 bf16 channels), rotated widths whose
+    halves are not multiples of the widest load, and an odd head width."""
+    seq, batch, q_heads, k_heads = 6, 2, 3, 2
+    torch.manual_seed(2)
+    freqs = _freqs(seq, dim, rot / dim, interleaved)
+    assert freqs.shape[-1] == rot
+
+    def view(heads):
+        return torch.randn(seq, batch, heads, dim + offset, device=DEVICE, dtype=dtype)[
+            ..., offset:
+        ]
+
+    query, key = view(q_heads), view(k_heads)
+    grads = [view(q_heads), view(k_heads)]
+    with _kernel(kernel):
+        _compare_with_float64(query, key, freqs, grads, interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_channels_not_adjacent_and_one_output_unused(kernel):
     """Keys whose channels are not adjacent (copied for the kernel), and a loss that uses the
     rotated queries only (the keys' incoming gradient is zeros)."""
