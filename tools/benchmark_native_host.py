@@ -1,4 +1,4 @@
-"""Measures the host time of this project's C++ autograd nodes against their Python paths, and
+"""Measures the host time of this project's C++ extensions against their Python paths, and
 against the feature off, in one GPU's training step.
 
 Two features run as C++ autograd nodes on CUDA where their extensions build:
@@ -6,10 +6,13 @@ gradient-accumulation fusion's linear layers (`--extension linear`:
 `megatron.core.tensor_parallel.native_linear`, against their Python autograd function and
 against `--no-gradient-accumulation-fusion`) and the fused rotary embedding (`--extension rope`:
 `megatron.core.fusions.native_rope`, against the Triton kernel launched from Python and against
-`--no-rope-fusion`). Their Python paths cost the host more per layer, which shows where the step
-is bound by the host. This tool builds the engine with the feature and without it on the same
-model, runs the former with the C++ node and with its Python path, and times the three in
-alternating bursts of steps in one process (`tools/benchmark_engine_host.py` says why):
+`--no-rope-fusion`); Megatron-FSDP's gather casts launch their kernel from C++
+(`--extension segment_copy`: `megatron.core.fusions.native_segment_copy`, against the Triton
+kernel launched from Python; an engine that gathers weights, and no feature-off row). Their
+Python paths cost the host more per layer, which shows where the step is bound by the host. This
+tool builds the engine with the feature and without it on the same model, runs the former with
+the C++ extension and with its Python path, and times them in alternating bursts of steps in one
+process (`tools/benchmark_engine_host.py` says why):
 
     torchrun --nproc-per-node 1 tools/benchmark_native_host.py --bf16 [--extension rope]
         [--engine NAME]
@@ -40,18 +43,19 @@ from benchmark_lib.engines import ENGINES, build_engine
 from benchmark_lib.gpt_model import set_parallel_state
 
 from megatron.core import parallel_state
-from megatron.core.fusions import native_rope
+from megatron.core.fusions import native_rope, native_segment_copy
 from megatron.core.tensor_parallel import native_linear
 
 
 class Extension(NamedTuple):
-    """A feature's C++ node: whether it built, its Python path, the flag that turns it off."""
+    """A feature's C++ extension: whether it built (asked with a CUDA tensor), its Python path,
+    the flag that turns the feature off (None: no such row)."""
 
     built: Callable[[torch.Tensor], object]
     python_path: Callable[[], contextlib.AbstractContextManager]
     python_name: str
-    off_flag: str
-    off_name: str
+    off_flag: str | None
+    off_name: str | None
 
 
 EXTENSIONS = {
@@ -69,7 +73,17 @@ EXTENSIONS = {
         "apply_rope_fusion",
         "no rope fusion",
     ),
+    "segment_copy": Extension(
+        lambda _: native_segment_copy.native_segment_copy(),
+        native_segment_copy.triton_kernel,
+        "Triton kernel",
+        None,
+        None,
+    ),
 }
+
+GATHERING_ENGINES = ("megatron_fsdp_zero3",)
+"""The engines whose steps gather weights (`--extension segment_copy` times their casts)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("the C++ nodes run on CUDA tensors: run it on a GPU (--device cuda).")
     args = with_engine_defaults(parser, args, engines=args.engine)
     off_flag = EXTENSIONS[args.extension].off_flag
-    if not getattr(args, off_flag):
+    if off_flag is None:
+        if args.engine not in GATHERING_ENGINES:
+            parser.error(
+                f"--extension {args.extension} times Megatron-FSDP's gathers: use --engine "
+                f"{' or '.join(GATHERING_ENGINES)}."
+            )
+    elif not getattr(args, off_flag):
         parser.error(
             f"--extension {args.extension} compares the feature on and off: leave "
             f"{off_flag} on (drop the flag that turns it off)."
@@ -106,27 +126,27 @@ def main() -> None:
     device = init_distributed("cuda")
     set_parallel_state(args.create_all_gather_group)
     if extension.built(torch.empty(1, device=device)) is None:
-        sys.exit("The C++ extension did not build (the warning above says why).")
+        sys.exit("The C++ extension is not in use (the warning above says why, or its switch).")
     batches = make_batches(args, device)
-    off = copy.deepcopy(args)
-    setattr(off, extension.off_flag, False)
     with device:
         torch.manual_seed(args.seed)
         with_feature = build_engine(args.engine, args)
-        torch.manual_seed(args.seed)
-        without = build_engine(args.engine, off)
-    steps = {
-        "C++ node": with_feature,
-        extension.python_name: _in_python_path(with_feature, extension.python_path),
-        extension.off_name: without,
-    }
+        steps = {
+            "C++": with_feature,
+            extension.python_name: _in_python_path(with_feature, extension.python_path),
+        }
+        if extension.off_flag is not None:
+            off = copy.deepcopy(args)
+            setattr(off, extension.off_flag, False)
+            torch.manual_seed(args.seed)
+            steps[extension.off_name] = build_engine(args.engine, off)
     for step in steps.values():
         host_ms(step, batches, device, args.warmup_steps)
     bursts = {name: [] for name in steps}
     for _ in range(args.bursts):
         for name, step in steps.items():
             bursts[name].append(host_ms(step, batches, device, args.burst_steps))
-    del steps, with_feature, without  # before the process group they use
+    del steps, with_feature  # before the process group they use
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     reference = bursts[extension.python_name]

@@ -1,6 +1,6 @@
 """Smoke tests of `tools/benchmark_native_host.py`: on a GPU, one rank and a small GPT, the host
-time of each C++ node, its Python path and the feature off reported; off a GPU, or with the
-feature turned off, refused with a message."""
+time of each C++ extension, its Python path and the feature off reported; off a GPU, with the
+feature turned off, or with an engine that does not gather, refused with a message."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ ROW = re.compile(r"^  (\S.*?) +(\S+) +(\S+) \(quartiles", re.M)
 ROWS = {
     "linear": ("Python function", "no fusion"),
     "rope": ("Triton kernel", "no rope fusion"),
+    "segment_copy": ("Triton kernel", None),
 }
 
 
@@ -35,7 +36,7 @@ def test_reports_the_host_time_of_each_path(extension):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {name: (float(ms), float(diff)) for name, ms, diff in ROW.findall(proc.stdout)}
     python_path, off = ROWS[extension]
-    assert set(rows) == {"C++ node", python_path, off}, proc.stdout
+    assert set(rows) == {"C++", python_path} | ({off} if off else set()), proc.stdout
     assert all(ms > 0 for ms, _ in rows.values()), rows
     assert rows[python_path][1] == 0.0, rows
 
@@ -57,3 +58,11 @@ def test_the_feature_turned_off_is_refused(import_tool, monkeypatch, capsys, ext
     argv = [*TINY, "--device", "cuda", "--extension", extension, flag]
     message = usage_error(lambda: tool.parse_args(argv), capsys)
     assert f"--extension {extension} compares the feature on and off" in message
+
+
+def test_segment_copies_need_an_engine_that_gathers(import_tool, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tool = import_tool("benchmark_native_host")
+    argv = [*TINY, "--device", "cuda", "--extension", "segment_copy", "--engine", "single"]
+    message = usage_error(lambda: tool.parse_args(argv), capsys)
+    assert "--extension segment_copy times Megatron-FSDP's gathers" in message
