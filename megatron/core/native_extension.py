@@ -5,8 +5,9 @@ several small dispatches) into one C++ call. Each is built with PyTorch's extens
 (`torch.utils.cpp_extension.load`: a C++ compiler and ninja, nvcc for CUDA sources) the first
 time a process needs it on a GPU, which takes about a minute, and cached where PyTorch caches its
 extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`; the ranks that share it wait
-for one build, and a build killed midway leaves a `lock` file in its folder, which the next run
-waits on: delete it). Where it cannot be built the callers run their Python path, said once in a
+for one build). A build killed midway leaves its `lock` file behind; a process that finds one
+says that it waits for it, and removes it once it is older than `STALE_LOCK_S` (deleting it by
+hand skips the wait). Where it cannot be built the callers run their Python path, said once in a
 warning; an environment switch set to 0 keeps the Python path without one.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -25,6 +27,12 @@ _logger = logging.getLogger(__name__)
 
 _SHARED_HEADERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 """The headers every extension may include (`once_differentiable.h`)."""
+
+STALE_LOCK_S = 600.0
+"""Age past which an extension's build lock is taken for one a killed build left: a build takes
+about a minute, and PyTorch's loader would wait for the file forever."""
+
+_POLL_S = 0.5
 
 
 class NativeExtension:
@@ -85,8 +93,10 @@ class NativeExtension:
 
             _logger.info(f"Loading the {self._users}' C++ extension (built at its first use).")
             major, minor = torch.cuda.get_device_capability()
+            name = f"{self._name}_sm{major}{minor}"
+            self._wait_for_other_builds(name)
             module = load(
-                name=f"{self._name}_sm{major}{minor}",
+                name=name,
                 sources=self._sources,
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3"],
@@ -107,3 +117,38 @@ class NativeExtension:
                 stacklevel=3,
             )
         return self._module
+
+    def _wait_for_other_builds(self, name: str) -> None:
+        """Returns once no build of extension `name` holds its lock: another process's build
+        finished, or the lock is older than `STALE_LOCK_S` (a killed build's), which is then
+        removed. PyTorch's loader then builds or loads as usual."""
+        try:
+            from torch.utils.cpp_extension import _get_build_directory
+
+            lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+        except Exception:  # a PyTorch whose private helper differs: its loader waits as it does
+            return
+        announced = False
+        while True:
+            try:
+                age = time.time() - os.path.getmtime(lock)
+            except FileNotFoundError:
+                return
+            if age > STALE_LOCK_S:
+                warnings.warn(
+                    f"Removing {lock}, left {age / 60:.0f} minutes ago by a build of the "
+                    f"{self._users}' C++ extension that did not finish (a killed process).",
+                    stacklevel=4,
+                )
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)
+                return
+            if not announced:
+                _logger.warning(
+                    f"Waiting for another process's build of the {self._users}' C++ extension "
+                    f"(its lock file {lock}); if no process is building it, a killed build left "
+                    f"the file: delete it, or it is removed {STALE_LOCK_S / 60:.0f} minutes "
+                    "after it was made."
+                )
+                announced = True
+            time.sleep(_POLL_S)

@@ -1,0 +1,100 @@
+"""`NativeExtension` (`megatron.core.native_extension`), the loader of this project's C++
+extensions, with PyTorch's builder replaced by a stand-in: loaded once, switched off by its
+environment variable, suspended, a failed build said once; a build lock that another process
+holds is waited for, and one a killed build left long ago is removed."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import types
+
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+from megatron.core import native_extension
+from megatron.core.native_extension import NativeExtension
+
+SWITCH = "MEGATRON_TEST_EXTENSION_CPP"
+
+
+@pytest.fixture
+def builds(monkeypatch, tmp_path):
+    """The names `load` was called with; builds land in `tmp_path` (a GPU of capability 9.0)."""
+    calls = []
+
+    def load(name, **kwargs):
+        calls.append(name)
+        return types.SimpleNamespace(name=name)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(SWITCH, raising=False)
+    return calls
+
+
+def _extension(**kwargs) -> NativeExtension:
+    return NativeExtension("megatron_test", ["test.cpp"], SWITCH, "test layers", **kwargs)
+
+
+def _lock(name: str) -> str:
+    return os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock")
+
+
+def test_loaded_once_per_architecture_and_set_up_first(builds):
+    seen = []
+    extension = _extension(setup=lambda module: seen.append(module.name))
+    assert extension.module().name == "megatron_test_sm90"
+    assert extension.module() is extension.module()
+    assert builds == ["megatron_test_sm90"] and seen == ["megatron_test_sm90"]
+    with extension.suspended():
+        assert extension.module() is None
+    assert extension.module() is not None
+
+
+def test_the_switch_keeps_the_python_path_without_a_build(builds, monkeypatch):
+    monkeypatch.setenv(SWITCH, "0")
+    assert _extension().module() is None
+    assert builds == []
+
+
+def test_a_failed_build_is_said_once_and_not_retried(builds, monkeypatch):
+    def fail(name, **kwargs):
+        builds.append(name)
+        raise RuntimeError("no nvcc here")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    extension = _extension()
+    with pytest.warns(UserWarning, match="test layers run their Python path.*no nvcc here"):
+        assert extension.module() is None
+    assert extension.module() is None
+    assert builds == ["megatron_test_sm90"]
+
+
+def test_a_lock_left_long_ago_is_removed(builds):
+    lock = _lock("megatron_test_sm90")
+    open(lock, "w").close()
+    made = time.time() - native_extension.STALE_LOCK_S - 60
+    os.utime(lock, (made, made))
+    with pytest.warns(UserWarning, match="left 11 minutes ago by a build .* that did not finish"):
+        assert _extension().module() is not None
+    assert not os.path.exists(lock)
+
+
+def test_a_lock_another_build_holds_is_waited_for(builds, monkeypatch, caplog):
+    monkeypatch.setattr(native_extension, "_POLL_S", 0.01)
+    lock = _lock("megatron_test_sm90")
+    open(lock, "w").close()
+    finished = threading.Timer(0.3, os.remove, [lock])
+    finished.start()
+    start = time.monotonic()
+    try:
+        assert _extension().module() is not None
+    finally:
+        finished.join()
+    assert time.monotonic() - start >= 0.3
+    assert "Waiting for another process's build of the test layers' C++ extension" in caplog.text
+    assert builds == ["megatron_test_sm90"]
