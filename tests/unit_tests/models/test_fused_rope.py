@@ -135,6 +135,18 @@ def test_every_load_width(offset, dim, rot, dtype, interleaved, kernel):
 
 
 @pytest.mark.gpu
+def test_no_heads_rotate_to_empty_tensors():
+    """Queries and keys with no heads (the C++ node launches nothing)."""
+    freqs = _freqs(8, 32)
+    query, key = (torch.randn(8, 2, 0, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    with _kernel("cpp"):
+        rotated = rotate_query_and_key(query, key, freqs, fused=True)
+        sum(t.sum() for t in rotated).backward()
+    assert [t.shape for t in rotated] == [query.shape, key.shape]
+    assert query.grad.shape == query.shape and key.grad.shape == key.shape
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_channels_not_adjacent_and_one_output_unused(kernel):
     """Keys whose channels are not adjacent (copied for the kernel), and a loss that uses the

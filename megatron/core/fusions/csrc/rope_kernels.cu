@@ -174,6 +174,7 @@ void launch(const at::Tensor& query, const at::Tensor& key, const at::Tensor& co
                   static_cast<int>(query.size(2))};
   const Operand k{key.stride(0), key.stride(1), key.stride(2), static_cast<int>(key.size(2))};
   const int total = (q.heads + k.heads) * head.units;
+  if (total == 0) return;  // no heads, or heads without channels
   const int threads = std::min(kMaxThreads, (total + 31) / 32 * 32);
   const int blocks_per_row = std::min(kMaxBlocksPerRow, (total + threads - 1) / threads);
   const dim3 grid(static_cast<unsigned>(query.size(0) * query.size(1)),
