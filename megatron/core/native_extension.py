@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -131,18 +132,18 @@ class NativeExtension:
         announced = False
         while True:
             try:
-                age = time.time() - os.path.getmtime(lock)
+                seen = os.stat(lock)
             except FileNotFoundError:
                 return
+            age = time.time() - seen.st_mtime
             if age > STALE_LOCK_S:
-                warnings.warn(
-                    f"Removing {lock}, left {age / 60:.0f} minutes ago by a build of the "
-                    f"{self._users}' C++ extension that did not finish (a killed process).",
-                    stacklevel=4,
-                )
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(lock)
-                return
+                if _remove_if_unchanged(lock, seen):
+                    warnings.warn(
+                        f"Removed {lock}, left {age / 60:.0f} minutes ago by a build of the "
+                        f"{self._users}' C++ extension that did not finish (a killed process).",
+                        stacklevel=4,
+                    )
+                continue
             if not announced:
                 _logger.warning(
                     f"Waiting for another process's build of the {self._users}' C++ extension "
@@ -152,3 +153,26 @@ class NativeExtension:
                 )
                 announced = True
             time.sleep(_POLL_S)
+
+
+def _remove_if_unchanged(lock: str, seen: os.stat_result) -> bool:
+    """Removes `lock` if it is still the file `seen` describes; returns whether it removed it.
+
+    Several processes may find the same stale lock: the first removes it and its loader makes a
+    new one. The file is first renamed away (atomic), and deleted only if it is the one seen
+    (same inode and modification time: a new lock may reuse the inode); another is put back
+    where no process has made one since.
+    """
+    moved = f"{lock}.stale.{os.getpid()}.{threading.get_ident()}"
+    try:
+        os.rename(lock, moved)
+    except FileNotFoundError:  # removed by another process
+        return False
+    now = os.stat(moved)
+    if (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns):
+        os.remove(moved)
+        return True
+    with contextlib.suppress(FileExistsError):  # a build's live lock: given back
+        os.link(moved, lock)
+    os.remove(moved)
+    return False

@@ -79,7 +79,9 @@ def test_a_lock_left_long_ago_is_removed(builds):
     open(lock, "w").close()
     made = time.time() - native_extension.STALE_LOCK_S - 60
     os.utime(lock, (made, made))
-    with pytest.warns(UserWarning, match="left 11 minutes ago by a build .* that did not finish"):
+    with pytest.warns(
+        UserWarning, match="Removed .*left 11 minutes ago by a build .* that did not finish"
+    ):
         assert _extension().module() is not None
     assert not os.path.exists(lock)
 
@@ -98,3 +100,20 @@ def test_a_lock_another_build_holds_is_waited_for(builds, monkeypatch, caplog):
     assert time.monotonic() - start >= 0.3
     assert "Waiting for another process's build of the test layers' C++ extension" in caplog.text
     assert builds == ["megatron_test_sm90"]
+
+
+def test_a_stale_lock_replaced_by_a_live_one_is_kept(tmp_path):
+    """Two processes saw the same stale lock; the first removed it and its build made a new
+    one (which may reuse the inode): the second leaves the new one in place."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    made = time.time() - 3600
+    os.utime(lock, (made, made))
+    seen = os.stat(lock)
+    lock.unlink()
+    lock.touch()
+    assert not native_extension._remove_if_unchanged(str(lock), seen)
+    assert list(tmp_path.iterdir()) == [lock]
+    assert os.stat(lock).st_mtime > made + 60
+    assert native_extension._remove_if_unchanged(str(lock), os.stat(lock))
+    assert list(tmp_path.iterdir()) == []
