@@ -31,6 +31,7 @@ from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fusions.multi_tensor_tables import (
     ELEMENTWISE_BLOCK,
     ELEMENTWISE_BLOCKS,
+    ELEMENTWISE_PROGRAM_ELEMENTS,
     ELEMENTWISE_WARPS,
     aligned,
     program_table,
@@ -119,7 +120,7 @@ class MultiTensorCast:
             for source, target, index in zip(sources, targets, scale_indices, strict=True)
         ]
         table = torch.tensor(rows, dtype=torch.int64)
-        programs = program_table(table[:, 2], ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS)
+        programs = program_table(table[:, 2], ELEMENTWISE_PROGRAM_ELEMENTS)
         scale_count = max(scale_indices) + 1
         return cls(key, table.to(device), programs.to(device), scale_count, dtype, rounding)
 

@@ -16,9 +16,13 @@ iteration: eight per thread of `ELEMENTWISE_WARPS` warps."""
 
 ELEMENTWISE_BLOCKS = 4
 """Iterations per program of such a kernel, amortising the loads of its tensor's row of the
-table: its programs take `ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS` elements each."""
+table."""
+
+ELEMENTWISE_PROGRAM_ELEMENTS = ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS
+"""Elements each program of such a kernel takes: the chunk size of its `program_table`."""
 
 ELEMENTWISE_WARPS = 4
+"""Warps per program of such a kernel."""
 
 
 def program_table(numels: torch.Tensor, elements_per_program: int) -> torch.Tensor:

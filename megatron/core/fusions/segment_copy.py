@@ -27,6 +27,7 @@ import torch
 from megatron.core.fusions.multi_tensor_tables import (
     ELEMENTWISE_BLOCK,
     ELEMENTWISE_BLOCKS,
+    ELEMENTWISE_PROGRAM_ELEMENTS,
     ELEMENTWISE_WARPS,
     program_table,
 )
@@ -50,8 +51,6 @@ shorter. Fewer programs, each looping over more blocks, left the SMs free but ha
 bandwidth. `make` says None past this size."""
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_ELEMENTS_PER_PROGRAM = ELEMENTWISE_BLOCK * ELEMENTWISE_BLOCKS
 
 
 class SegmentCopy:
@@ -107,9 +106,10 @@ class SegmentCopy:
                     f"ends past a tensor ({source.numel()} / {target.numel()} elements)."
                 )
         rows = torch.tensor(list(zip(source_offsets, target_offsets, numels)), dtype=torch.int64)
-        programs = program_table(rows[:, 2], _ELEMENTS_PER_PROGRAM)
+        programs = program_table(rows[:, 2], ELEMENTWISE_PROGRAM_ELEMENTS)
         # 16 bytes of the narrower dtype: where every offset and size is a multiple of that,
-        # the kernel loads and stores whole vectors (the tensors start on 16-byte boundaries).
+        # the kernels load and store whole vectors (of tensors that start on 16 bytes; each
+        # kernel checks the addresses it is given).
         vector = 16 // min(source.element_size(), target.element_size())
         aligned = all(n % vector == 0 for n in (*source_offsets, *target_offsets, *numels))
         return cls(rows.to(source.device), programs.to(source.device), vector if aligned else 1)
@@ -123,7 +123,12 @@ class SegmentCopy:
         native = native_segment_copy()
         if native is not None:
             native.copy(
-                source, target, self._table, self._programs, _ELEMENTS_PER_PROGRAM, self._align
+                source,
+                target,
+                self._table,
+                self._programs,
+                ELEMENTWISE_PROGRAM_ELEMENTS,
+                self._align,
             )
         else:
             _launch_copy(
