@@ -103,6 +103,7 @@ class NativeExtension:
                 extra_cuda_cflags=["-O3"],
                 extra_ldflags=self._extra_ldflags(),
                 extra_include_paths=[_SHARED_HEADERS],
+                with_cuda=True,  # every extension here runs on CUDA; not all have .cu sources
                 verbose=False,
             )
             if self._setup is not None:
@@ -153,6 +154,23 @@ class NativeExtension:
                 )
                 announced = True
             time.sleep(_POLL_S)
+
+
+def cublaslt_library() -> list[str]:
+    """The linker argument for cuBLASLt (the extensions that include `csrc/cublaslt_gemm.h`): the
+    library file this process loaded with torch (the same library the extension then calls),
+    else the toolkit's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                # address, permissions, offset, device, inode, then the path (spaces and all)
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if os.path.basename(path).startswith("libcublasLt.so") and os.path.exists(path):
+                    return [path]
+    except OSError:  # not Linux
+        pass
+    return ["-lcublasLt"]
 
 
 def _remove_if_unchanged(lock: str, seen: os.stat_result) -> bool:

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from megatron.core.native_extension import NativeExtension
+from megatron.core.native_extension import NativeExtension, cublaslt_library
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ENV_SWITCH = "MEGATRON_FP8_CPP"
@@ -32,28 +32,12 @@ _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("fp8_linear.cpp", "fp8_gemm.cpp", "fp8_kernels.cu")
 
 
-def _cublaslt_library() -> list[str]:
-    """The linker argument for cuBLASLt: the library file this process loaded with torch (the
-    same library the extension then calls), else the toolkit's."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                # address, permissions, offset, device, inode, then the path (spaces and all)
-                fields = line.split(maxsplit=5)
-                path = fields[5].strip() if len(fields) == 6 else ""
-                if os.path.basename(path).startswith("libcublasLt.so") and os.path.exists(path):
-                    return [path]
-    except OSError:  # not Linux
-        pass
-    return ["-lcublasLt"]
-
-
 _extension = NativeExtension(
     "megatron_fp8_linear",
     [os.path.join(_SOURCE_DIR, name) for name in _SOURCES],
     ENV_SWITCH,
     "FP8 linear layers",
-    extra_ldflags=_cublaslt_library,
+    extra_ldflags=cublaslt_library,
 )
 
 
