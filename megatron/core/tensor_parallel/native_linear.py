@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from megatron.core.native_extension import NativeExtension
+from megatron.core.native_extension import NativeExtension, cublaslt_library
 
 ENV_SWITCH = "MEGATRON_LINEAR_CPP"
 """Set to 0 to run the fusing linear layers' Python autograd function on GPUs too."""
@@ -40,6 +40,7 @@ _extension = NativeExtension(
     [os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "linear_into_main_grad.cpp")],
     ENV_SWITCH,
     "gradient-accumulation fusion's linear layers",
+    extra_ldflags=cublaslt_library,
     setup=_set_callback,
 )
 

@@ -1,11 +1,12 @@
 """Gradient-accumulation fusion's C++ linear layer (`native_linear.py`,
 `csrc/linear_into_main_grad.cpp`) against its Python autograd function on the GPU: the output,
 input, weight (returned, written over or added into a main_grad of either dtype) and bias
-gradients bit for bit, and torch's `.grad` semantics off the happy path (`torch.autograd.grad`,
-`backward(inputs=...)`, a kept `.grad`, recomputation, `create_graph=True`, an engine's error)
-against plain autograd. Off CUDA the Python function runs. The fp32 accumulation itself is checked
-against fp32 products by `test_gradient_accumulation_fusion.py`, whose `linear` runs this node on
-CUDA."""
+gradients bit for bit (bf16 and fp16 through cuBLASLt with cached plans, ATen's GEMMs under
+`torch.use_deterministic_algorithms`), and torch's `.grad` semantics off the happy path
+(`torch.autograd.grad`, `backward(inputs=...)`, a kept `.grad`, recomputation,
+`create_graph=True`, an engine's error) against plain autograd. Off CUDA the Python function
+runs. The fp32 accumulation itself is checked against fp32 products by
+`test_gradient_accumulation_fusion.py`, whose `linear` runs this node on CUDA."""
 
 from __future__ import annotations
 
@@ -81,6 +82,59 @@ def test_the_cpp_layer_is_the_python_function_bit_for_bit(
     for grad, want in zip(grads, expected):
         assert (grad is None and want is None) or torch.equal(grad, want)
     assert not grads[1].isnan().any()
+
+
+_ATEN_GEMMS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"}
+
+
+@contextlib.contextmanager
+def _deterministic():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _bf16_pass(native_path: bool, deterministic: bool, fused: bool):
+    """A bf16 layer's forward and backward: the ATen ops they ran, and the output and the weight,
+    bias and input gradients."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=torch.bfloat16))
+    bias = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=torch.bfloat16))
+    engine = _Engine(torch.zeros(96, 64, device="cuda"), overwrite=False)
+    register_main_grad(weight, engine.main_grad_of)
+    x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(4, 33, 96, device="cuda", dtype=torch.bfloat16)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with _deterministic() if deterministic else contextlib.nullcontext():
+        with torch.profiler.profile(activities=activities) as profile:
+            with contextlib.nullcontext() if native_path else python_function():
+                y = linear(x, weight, bias)
+            if fused:
+                y.backward(g)
+                grads = (engine.target, bias.grad, x.grad)
+            else:
+                grads = torch.autograd.grad(y, (weight, bias, x), g)
+    assert engine.calls == (1 if fused else 0)
+    ops = {event.name for event in profile.events() if event.name.startswith("aten::")}
+    return ops, (y.detach(), *grads)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "returned"])
+def test_bf16_products_go_through_cublaslt(native, deterministic, fused):
+    """A bf16 layer's three GEMMs run through the cached cuBLASLt plans (no ATen GEMM in forward
+    or backward), whether the weight gradient goes to the engine or is returned
+    (`torch.autograd.grad`); under `torch.use_deterministic_algorithms` the node runs ATen's.
+    Either way the results are the Python function's bit for bit."""
+    ops, results = _bf16_pass(True, deterministic, fused)
+    _, expected = _bf16_pass(False, deterministic, fused)
+    assert bool(ops & _ATEN_GEMMS) == deterministic, sorted(ops)
+    for got, want in zip(results, expected):
+        assert torch.equal(got, want)
 
 
 def _registered() -> tuple[torch.nn.Parameter, _Engine]:

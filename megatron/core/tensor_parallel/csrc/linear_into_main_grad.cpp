@@ -7,19 +7,29 @@
 // and backward, its context object, and the backward holding the GIL through its three GEMM
 // launches. Here forward and backward are C++; the backward asks Python only where the weight
 // gradient goes (the engine's registry and state, `native_target`), with the GIL taken for that
-// call alone. The operators are the Python path's (`linear`, `matmul`, `addmm` into the target,
-// `sum`), so the results are the same bit for bit.
+// call alone.
+//
+// The bf16 and fp16 GEMMs run through cuBLASLt with their set-up cached (`cublaslt_gemm.h`),
+// where PyTorch's GEMM calls set up cuBLAS's or cuBLASLt's at every call; the forward adds the
+// bias in the GEMM's epilogue, as `F.linear` does through cuBLASLt. Asked the question PyTorch's
+// calls ask, cuBLASLt's heuristic gives the algorithms they run: the tests find the Python path's
+// results bit for bit. Elsewhere (fp32, `torch.use_deterministic_algorithms`, layouts cuBLASLt
+// does not take) the node runs the Python path's operators: `linear`, `matmul`, `addmm` into the
+// target. The bias gradient is the Python path's `sum`.
 
+#include <ATen/Context.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
 
+#include "cublaslt_gemm.h"
 #include "once_differentiable.h"
 
 namespace megatron_linear {
 namespace {
 
+namespace lt = megatron::cublaslt;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -29,6 +39,58 @@ py::object* target_callback = new py::object();
 
 at::Tensor flat(const at::Tensor& tensor) {
   return tensor.dim() == 2 ? tensor : tensor.reshape({-1, tensor.size(-1)});
+}
+
+// Whether the GEMMs of `operand`'s layer may go through cuBLASLt: bf16 or fp16 (fp32 products
+// follow PyTorch's TF32 settings), not under `torch.use_deterministic_algorithms`, where
+// PyTorch's GEMMs keep cuBLAS's reproducible set-up. (Under autocast, whose casts the node would
+// skip, `grad_accumulation.linear` does not run the node.)
+bool uses_cublaslt(const at::Tensor& operand) {
+  const at::ScalarType dtype = operand.scalar_type();
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+         !at::globalContext().deterministicAlgorithms();
+}
+
+// `tensor`'s sizes with the last one replaced.
+std::vector<int64_t> with_last(const at::Tensor& tensor, int64_t last) {
+  std::vector<int64_t> sizes = tensor.sizes().vec();
+  sizes.back() = last;
+  return sizes;
+}
+
+// `at::linear(input, weight, bias)`.
+at::Tensor forward_product(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  if (input.dim() >= 2 && uses_cublaslt(input)) {
+    const at::Tensor input_2d = flat(input);
+    at::Tensor out = at::empty({input_2d.size(0), weight.size(0)}, input_2d.options());
+    const bool biased = bias.has_value() && bias->defined();
+    if (lt::gemm(out, /*accumulate=*/false, input_2d, weight.t(),
+                 biased ? lt::Epilogue::kBias : lt::Epilogue::kNone,
+                 biased ? *bias : at::Tensor())) {
+      return out.view(with_last(input, weight.size(0)));
+    }
+  }
+  return at::linear(input, weight, bias);
+}
+
+// `grad_output.matmul(weight)`, the input gradient.
+at::Tensor input_grad(const at::Tensor& grad_output, const at::Tensor& grad_2d,
+                      const at::Tensor& weight) {
+  if (uses_cublaslt(grad_2d)) {
+    at::Tensor out = at::empty({grad_2d.size(0), weight.size(1)}, grad_2d.options());
+    if (lt::gemm(out, /*accumulate=*/false, grad_2d, weight)) {
+      return out.view(with_last(grad_output, weight.size(1)));
+    }
+  }
+  return grad_output.matmul(weight);
+}
+
+// `out (+)= grad_2d^T @ input_2d` by cuBLASLt; false where it did nothing (the caller runs
+// ATen's GEMM).
+bool weight_gemm(const at::Tensor& out, bool accumulate, const at::Tensor& grad_2d,
+                 const at::Tensor& input_2d) {
+  return uses_cublaslt(grad_2d) && lt::gemm(out, accumulate, grad_2d.t(), input_2d);
 }
 
 // Whether the running backward accumulates into `weight` (a leaf): True, False (a backward whose
@@ -53,6 +115,7 @@ py::object accumulates(const at::Tensor& weight) {
 // `target (+)= grad_2d^T @ input_2d` in the target's dtype, as `grad_accumulation._fuse` on CUDA.
 void fuse(const at::Tensor& target, bool overwrite, const at::Tensor& grad_2d,
           const at::Tensor& input_2d) {
+  if (weight_gemm(target, /*accumulate=*/!overwrite, grad_2d, input_2d)) return;
   at::Tensor main_grad = target;
   const int beta = overwrite ? 0 : 1;
   if (main_grad.scalar_type() == grad_2d.scalar_type()) {
@@ -84,11 +147,16 @@ at::Tensor weight_grad(const at::Tensor& grad_2d, const at::Tensor& input,
     }
   }
   if (!wanted) return at::Tensor();
+  const at::Tensor input_2d = flat(input);
   if (fused) {
-    fuse(target, overwrite, grad_2d, flat(input));
+    fuse(target, overwrite, grad_2d, input_2d);
     return at::Tensor();
   }
-  return grad_2d.t().matmul(flat(input));
+  if (uses_cublaslt(grad_2d)) {
+    at::Tensor out = at::empty({grad_2d.size(1), input_2d.size(1)}, grad_2d.options());
+    if (weight_gemm(out, /*accumulate=*/false, grad_2d, input_2d)) return out;
+  }
+  return grad_2d.t().matmul(input_2d);
 }
 
 struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad> {
@@ -98,7 +166,7 @@ struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad>
     // The parameter itself: a checkpoint's recomputation saves another tensor object.
     ctx->saved_data["weight"] = weight;
     ctx->saved_data["has_bias"] = bias.has_value();
-    return at::linear(input, weight, bias);
+    return forward_product(input, weight, bias);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -110,7 +178,7 @@ struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad>
     const megatron::OnceDifferentiable once(grads);
     const at::Tensor grad_2d = flat(grad_output);
     at::Tensor grad_input, grad_weight, grad_bias;
-    if (ctx->needs_input_grad(0)) grad_input = grad_output.matmul(weight);
+    if (ctx->needs_input_grad(0)) grad_input = input_grad(grad_output, grad_2d, weight);
     if (ctx->needs_input_grad(1)) {
       grad_weight = megatron_linear::weight_grad(grad_2d, input,
                                                  ctx->saved_data["weight"].toTensor());
