@@ -41,14 +41,16 @@ struct Layout {
   int64_t leading = 0;
 };
 
-// The layout of a 2-D `tensor`, or nullopt where neither dimension is dense.
+// The layout of a 2-D `tensor`, or nullopt where neither dimension is dense. The stride of a
+// dimension of size 1 is never used, whatever it is.
 inline std::optional<Layout> layout_of(const at::Tensor& tensor) {
   const int64_t rows = tensor.size(0), cols = tensor.size(1);
-  if (tensor.stride(1) == 1 && tensor.stride(0) >= std::max<int64_t>(cols, 1)) {
-    return Layout{false, tensor.stride(0)};
+  const int64_t row_stride = tensor.stride(0), col_stride = tensor.stride(1);
+  if ((cols == 1 || col_stride == 1) && (rows == 1 || row_stride >= cols)) {
+    return Layout{false, rows == 1 ? std::max<int64_t>(cols, 1) : row_stride};
   }
-  if (tensor.stride(0) == 1 && tensor.stride(1) >= std::max<int64_t>(rows, 1)) {
-    return Layout{true, tensor.stride(1)};
+  if ((rows == 1 || row_stride == 1) && (cols == 1 || col_stride >= rows)) {
+    return Layout{true, cols == 1 ? std::max<int64_t>(rows, 1) : col_stride};
   }
   return std::nullopt;
 }
@@ -103,12 +105,14 @@ struct Problem {
   bool a_column_major, b_column_major;
   int64_t a_leading, b_leading, out_leading;
   bool scaled, fast_accum, accumulate;
-  int a_alignment, b_alignment, out_alignment;
+  int a_alignment, b_alignment, out_alignment, bias_alignment;
+  int64_t workspace_size;
 
   auto fields() const {
     return std::tie(device, m, n, k, a_type, b_type, out_type, bias_type, epilogue,
                     a_column_major, b_column_major, a_leading, b_leading, out_leading, scaled,
-                    fast_accum, accumulate, a_alignment, b_alignment, out_alignment);
+                    fast_accum, accumulate, a_alignment, b_alignment, out_alignment,
+                    bias_alignment, workspace_size);
   }
   bool operator==(const Problem& other) const { return fields() == other.fields(); }
 };
@@ -124,7 +128,8 @@ struct ProblemHash {
           int64_t(p.out_type), int64_t(p.bias_type), int64_t(p.epilogue),
           int64_t(p.a_column_major), int64_t(p.b_column_major), p.a_leading, p.b_leading,
           p.out_leading, int64_t(p.scaled), int64_t(p.fast_accum), int64_t(p.accumulate),
-          int64_t(p.a_alignment), int64_t(p.b_alignment), int64_t(p.out_alignment)}) {
+          int64_t(p.a_alignment), int64_t(p.b_alignment), int64_t(p.out_alignment),
+          int64_t(p.bias_alignment), p.workspace_size}) {
       mix(value);
     }
     return hash;
@@ -140,11 +145,12 @@ constexpr size_t kMaxPlans = 1024;
 // row-major operand is, to cuBLAS, its own transpose, read as it lies.
 class Plan {
  public:
-  // A plan, or nullptr where cuBLASLt has no algorithm for the problem.
+  // A plan, or nullptr where cuBLASLt has no algorithm for the problem; `bias`: the bias
+  // pointer of the call that makes it (the heuristic reads the bias's alignment from it).
   static std::unique_ptr<Plan> make(const Problem& problem, cublasLtHandle_t handle,
-                                    size_t workspace_size) {
+                                    const void* bias) {
     std::unique_ptr<Plan> plan(new Plan());
-    if (!plan->describe(problem, handle, workspace_size)) return nullptr;
+    if (!plan->describe(problem, handle, bias)) return nullptr;
     return plan;
   }
 
@@ -177,7 +183,7 @@ class Plan {
  private:
   Plan() = default;
 
-  bool describe(const Problem& p, cublasLtHandle_t handle, size_t workspace_size) {
+  bool describe(const Problem& p, cublasLtHandle_t handle, const void* bias) {
     check_status(cublasLtMatmulDescCreate(&operation_, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                  "cublasLtMatmulDescCreate");
     // cuBLAS's A is `b`: read as it lies where `b` is row-major, transposed where column-major.
@@ -189,6 +195,7 @@ class Plan {
     if (p.epilogue == Epilogue::kBias) {
       set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
       set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, *cuda_type(p.bias_type));
+      set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
     }
     const auto layout = [](cublasLtMatrixLayout_t* out, at::ScalarType dtype, int64_t rows,
                            int64_t cols, int64_t leading) {
@@ -213,7 +220,7 @@ class Plan {
                                                         sizeof(value)),
                    "cublasLtMatmulPreferenceSetAttribute");
     };
-    const uint64_t workspace = workspace_size;
+    const uint64_t workspace = p.workspace_size;
     // The algorithm must work at the operands' actual alignments (cuBLASLt assumes 256 bytes).
     const uint32_t a_alignment = p.b_alignment, b_alignment = p.a_alignment,
                    out_alignment = p.out_alignment;
@@ -282,6 +289,12 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
         !a_scale_inv.defined() || !b_scale_inv.defined()) {
       return false;
     }
+    for (const at::Tensor* scale : {&a_scale_inv, &b_scale_inv}) {
+      if (scale->scalar_type() != at::kFloat || scale->numel() != 1 ||
+          scale->device() != a.device()) {
+        return false;
+      }
+    }
   } else if ((a_type != at::kBFloat16 && a_type != at::kHalf) || b_type != a_type ||
              a_scale_inv.defined() || b_scale_inv.defined()) {
     return false;
@@ -293,6 +306,8 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
                               out_layout = layout_of(out);
   if (!a_layout || !b_layout || !out_layout || out_layout->column_major) return false;
 
+  const void* bias_pointer = epilogue == Epilogue::kNone ? nullptr : bias.const_data_ptr();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   const Problem problem{a.get_device(),
                         m,
                         n,
@@ -313,21 +328,21 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
                         accumulate,
                         alignment_of(a.const_data_ptr()),
                         alignment_of(b.const_data_ptr()),
-                        alignment_of(out.const_data_ptr())};
+                        alignment_of(out.const_data_ptr()),
+                        bias_pointer == nullptr ? 0 : alignment_of(bias_pointer),
+                        static_cast<int64_t>(workspace_size)};
   const c10::cuda::CUDAGuard guard(a.device());
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   // Forward and backward run on different threads: each keeps its own plans.
   thread_local std::unordered_map<Problem, std::unique_ptr<Plan>, ProblemHash> plans;
   auto found = plans.find(problem);
   if (found == plans.end()) {
     if (plans.size() >= kMaxPlans) plans.clear();
-    found = plans.emplace(problem, Plan::make(problem, handle, workspace_size)).first;
+    found = plans.emplace(problem, Plan::make(problem, handle, bias_pointer)).first;
   }
   Plan* plan = found->second.get();
   if (plan == nullptr) return false;  // no algorithm: asked once, remembered
-  plan->run(handle, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(),
-            epilogue == Epilogue::kNone ? nullptr : bias.const_data_ptr(),
+  plan->run(handle, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(), bias_pointer,
             scaled ? a_scale_inv.const_data_ptr() : nullptr,
             scaled ? b_scale_inv.const_data_ptr() : nullptr, accumulate,
             at::cuda::getCUDABlasLtWorkspace(), workspace_size,

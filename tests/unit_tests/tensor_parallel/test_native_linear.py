@@ -49,15 +49,34 @@ class _Engine:
         return FusionTarget(self.target, self.overwrite)
 
 
-def _run(native_path: bool, dtype, main_dtype, overwrite: bool, bias: bool, seed: int = 0):
-    torch.manual_seed(seed)
-    weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=dtype))
-    bias_param = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=dtype)) if bias else None
-    start = torch.full((96, 64), torch.nan) if overwrite else torch.randn(96, 64)
-    engine = _Engine(start.to("cuda", main_dtype), overwrite)
+def _run(
+    native_path: bool,
+    dtype,
+    main_dtype,
+    overwrite: bool,
+    bias: bool,
+    tokens: tuple[int, int] = (4, 33),
+    features: tuple[int, int] = (64, 96),
+    transposed_input: bool = False,
+):
+    """One layer's forward and backward: [*tokens, in] -> [*tokens, out] (`features`), the input
+    made as [tokens[1], tokens[0], in] and transposed where `transposed_input` (not contiguous)."""
+    torch.manual_seed(0)
+    (in_features, out_features), device = features, "cuda"
+    weight = torch.nn.Parameter(torch.randn(out_features, in_features, device=device, dtype=dtype))
+    bias_param = (
+        torch.nn.Parameter(torch.randn(out_features, device=device, dtype=dtype)) if bias else None
+    )
+    shape = (out_features, in_features)
+    start = torch.full(shape, torch.nan) if overwrite else torch.randn(shape)
+    engine = _Engine(start.to(device, main_dtype), overwrite)
     register_main_grad(weight, engine.main_grad_of)
-    x = torch.randn(4, 33, 64, device="cuda", dtype=dtype, requires_grad=True)
-    g = torch.randn(4, 33, 96, device="cuda", dtype=dtype)
+    if transposed_input:
+        x = torch.randn(tokens[1], tokens[0], in_features, device=device, dtype=dtype)
+        x = x.transpose(0, 1).requires_grad_()
+    else:
+        x = torch.randn(*tokens, in_features, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(*tokens, out_features, device=device, dtype=dtype)
     with contextlib.nullcontext() if native_path else python_function():
         y = linear(x, weight, bias_param)
     node = type(y.grad_fn).__name__
@@ -84,6 +103,29 @@ def test_the_cpp_layer_is_the_python_function_bit_for_bit(
     assert not grads[1].isnan().any()
 
 
+@pytest.mark.parametrize(
+    "tokens, features, transposed_input",
+    [((2, 512), (1024, 3072), False), ((1, 1), (64, 96), False), ((4, 33), (64, 96), True)],
+    ids=["1024-tokens", "one-token", "transposed-input"],
+)
+@pytest.mark.parametrize("main_dtype", ["fp32", "same"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_shapes_of_the_cpp_layer_bit_for_bit(
+    native, dtype, main_dtype, tokens, features, transposed_input
+):
+    """The C++ layer against the Python function at a layer's size (where cuBLAS may split the
+    inner dimension), at one token, and on an input that is not contiguous (whose bias ATen adds
+    after the product)."""
+    main = torch.float32 if main_dtype == "fp32" else dtype
+    shape = dict(tokens=tokens, features=features, transposed_input=transposed_input)
+    node, out, grads = _run(True, dtype, main, False, True, **shape)
+    python_node, expected_out, expected = _run(False, dtype, main, False, True, **shape)
+    assert python_node == _PYTHON_NODE and node != _PYTHON_NODE
+    assert torch.equal(out, expected_out)
+    for grad, want in zip(grads, expected):
+        assert torch.equal(grad, want)
+
+
 _ATEN_GEMMS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"}
 
 
@@ -97,9 +139,28 @@ def _deterministic():
         torch.use_deterministic_algorithms(previous)
 
 
-def _bf16_pass(native_path: bool, deterministic: bool, fused: bool):
-    """A bf16 layer's forward and backward: the ATen ops they ran, and the output and the weight,
-    bias and input gradients."""
+@contextlib.contextmanager
+def _no_reduced_precision_reduction():
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = previous
+
+
+# GEMM settings: what each sets, and whether the node then runs ATen's GEMMs.
+_SETTINGS = {
+    "default": (contextlib.nullcontext, False),
+    "deterministic": (_deterministic, True),
+    "no-reduced-precision-reduction": (_no_reduced_precision_reduction, True),
+}
+
+
+def _bf16_pass(native_path: bool, setting: str, fused: bool):
+    """A bf16 layer's forward and backward under a GEMM `setting`: the ATen ops they ran, and
+    the output and the weight, bias and input gradients."""
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=torch.bfloat16))
     bias = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=torch.bfloat16))
@@ -108,7 +169,7 @@ def _bf16_pass(native_path: bool, deterministic: bool, fused: bool):
     x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 33, 96, device="cuda", dtype=torch.bfloat16)
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with _deterministic() if deterministic else contextlib.nullcontext():
+    with _SETTINGS[setting][0]():
         with torch.profiler.profile(activities=activities) as profile:
             with contextlib.nullcontext() if native_path else python_function():
                 y = linear(x, weight, bias)
@@ -123,16 +184,17 @@ def _bf16_pass(native_path: bool, deterministic: bool, fused: bool):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("setting", list(_SETTINGS))
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "returned"])
-def test_bf16_products_go_through_cublaslt(native, deterministic, fused):
+def test_bf16_products_go_through_cublaslt(native, setting, fused):
     """A bf16 layer's three GEMMs run through the cached cuBLASLt plans (no ATen GEMM in forward
     or backward), whether the weight gradient goes to the engine or is returned
-    (`torch.autograd.grad`); under `torch.use_deterministic_algorithms` the node runs ATen's.
-    Either way the results are the Python function's bit for bit."""
-    ops, results = _bf16_pass(True, deterministic, fused)
-    _, expected = _bf16_pass(False, deterministic, fused)
-    assert bool(ops & _ATEN_GEMMS) == deterministic, sorted(ops)
+    (`torch.autograd.grad`); under `torch.use_deterministic_algorithms`, or with bf16
+    reductions in reduced precision disallowed, the node runs ATen's. Either way the results
+    are the Python function's bit for bit."""
+    ops, results = _bf16_pass(True, setting, fused)
+    _, expected = _bf16_pass(False, setting, fused)
+    assert bool(ops & _ATEN_GEMMS) == _SETTINGS[setting][1], sorted(ops)
     for got, want in zip(results, expected):
         assert torch.equal(got, want)
 

@@ -13,15 +13,18 @@
 // where PyTorch's GEMM calls set up cuBLAS's or cuBLASLt's at every call; the forward adds the
 // bias in the GEMM's epilogue, as `F.linear` does through cuBLASLt. Asked the question PyTorch's
 // calls ask, cuBLASLt's heuristic gives the algorithms they run: the tests find the Python path's
-// results bit for bit. Elsewhere (fp32, `torch.use_deterministic_algorithms`, layouts cuBLASLt
-// does not take) the node runs the Python path's operators: `linear`, `matmul`, `addmm` into the
-// target. The bias gradient is the Python path's `sum`.
+// results bit for bit. Elsewhere (fp32, GEMM settings other than PyTorch's defaults, layouts
+// cuBLASLt does not take: `uses_cublaslt`, `forward_product`) the node runs the Python path's
+// operators: `linear`, `matmul`, `addmm` into the target. The bias gradient is the Python path's
+// `sum`.
 
 #include <ATen/Context.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
+
+#include <type_traits>
 
 #include "cublaslt_gemm.h"
 #include "once_differentiable.h"
@@ -41,14 +44,35 @@ at::Tensor flat(const at::Tensor& tensor) {
   return tensor.dim() == 2 ? tensor : tensor.reshape({-1, tensor.size(-1)});
 }
 
+// Whether `option` (a bool in older PyTorch, `CuBLASReductionOption` in newer) is PyTorch's
+// default for bf16 and fp16 GEMMs: reductions in reduced precision (split-K) allowed.
+template <typename Option>
+bool reduced_precision_allowed(Option option) {
+  if constexpr (std::is_same_v<Option, bool>) {
+    return option;
+  } else {
+    return static_cast<int>(option) == 0;  // AllowReducedPrecisionWithSplitK
+  }
+}
+
 // Whether the GEMMs of `operand`'s layer may go through cuBLASLt: bf16 or fp16 (fp32 products
-// follow PyTorch's TF32 settings), not under `torch.use_deterministic_algorithms`, where
-// PyTorch's GEMMs keep cuBLAS's reproducible set-up. (Under autocast, whose casts the node would
-// skip, `grad_accumulation.linear` does not run the node.)
+// follow PyTorch's TF32 settings) under PyTorch's default GEMM settings, which the cached plans
+// ask cuBLASLt for. Settings that change what PyTorch's GEMMs compute or where they run
+// (`torch.use_deterministic_algorithms`; no reduced-precision reductions; fp16 accumulation; an
+// SM carveout) keep PyTorch's GEMMs. (Under autocast, whose casts the node would skip,
+// `grad_accumulation.linear` does not run the node.)
 bool uses_cublaslt(const at::Tensor& operand) {
   const at::ScalarType dtype = operand.scalar_type();
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) &&
-         !at::globalContext().deterministicAlgorithms();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  at::Context& context = at::globalContext();
+  if (context.deterministicAlgorithms() || context._SMCarveout_EXPERIMENTAL().has_value()) {
+    return false;
+  }
+  if (dtype == at::kHalf) {
+    return reduced_precision_allowed(context.allowFP16ReductionCuBLAS()) &&
+           !context.allowFP16AccumulationCuBLAS();
+  }
+  return reduced_precision_allowed(context.allowBF16ReductionCuBLAS());
 }
 
 // `tensor`'s sizes with the last one replaced.
@@ -58,13 +82,15 @@ std::vector<int64_t> with_last(const at::Tensor& tensor, int64_t last) {
   return sizes;
 }
 
-// `at::linear(input, weight, bias)`.
+// `at::linear(input, weight, bias)`. With a bias, `at::linear` adds it in the GEMM (one rounding)
+// for a 2-D or contiguous input only, and after the product otherwise: those run ATen's.
 at::Tensor forward_product(const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
-  if (input.dim() >= 2 && uses_cublaslt(input)) {
+  const bool biased = bias.has_value() && bias->defined();
+  if (input.dim() >= 2 && (!biased || input.dim() == 2 || input.is_contiguous()) &&
+      uses_cublaslt(input)) {
     const at::Tensor input_2d = flat(input);
     at::Tensor out = at::empty({input_2d.size(0), weight.size(0)}, input_2d.options());
-    const bool biased = bias.has_value() && bias->defined();
     if (lt::gemm(out, /*accumulate=*/false, input_2d, weight.t(),
                  biased ? lt::Epilogue::kBias : lt::Epilogue::kNone,
                  biased ? *bias : at::Tensor())) {
