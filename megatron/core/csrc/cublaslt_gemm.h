@@ -145,12 +145,14 @@ constexpr size_t kMaxPlans = 1024;
 // row-major operand is, to cuBLAS, its own transpose, read as it lies.
 class Plan {
  public:
-  // A plan, or nullptr where cuBLASLt has no algorithm for the problem; `bias`: the bias
-  // pointer of the call that makes it (the heuristic reads the bias's alignment from it).
+  // A plan, or nullptr where cuBLASLt has no algorithm for the problem. The pointers are those
+  // of the call that makes it: the heuristic reads the bias's alignment from its pointer, and
+  // whether the operands are scaled from theirs (set per call after).
   static std::unique_ptr<Plan> make(const Problem& problem, cublasLtHandle_t handle,
-                                    const void* bias) {
+                                    const void* bias, const void* a_scale_inv,
+                                    const void* b_scale_inv) {
     std::unique_ptr<Plan> plan(new Plan());
-    if (!plan->describe(problem, handle, bias)) return nullptr;
+    if (!plan->describe(problem, handle, bias, a_scale_inv, b_scale_inv)) return nullptr;
     return plan;
   }
 
@@ -168,11 +170,7 @@ class Plan {
            const void* a_scale_inv, const void* b_scale_inv, bool accumulate, void* workspace,
            size_t workspace_size, cudaStream_t stream) {
     // The descriptor holds these pointers: set per call (a copy into the descriptor, no more).
-    if (a_scale_inv != nullptr) {
-      set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b_scale_inv);
-      set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a_scale_inv);
-    }
-    if (bias != nullptr) set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+    set_pointers(bias, a_scale_inv, b_scale_inv);
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
     check_status(cublasLtMatmul(handle, operation_, &alpha, b, a_layout_, a, b_layout_, &beta,
                                 out, out_layout_, out, out_layout_, &algorithm_, workspace,
@@ -183,7 +181,17 @@ class Plan {
  private:
   Plan() = default;
 
-  bool describe(const Problem& p, cublasLtHandle_t handle, const void* bias) {
+  // cuBLAS's A is `b`: its scale is `b`'s.
+  void set_pointers(const void* bias, const void* a_scale_inv, const void* b_scale_inv) {
+    if (a_scale_inv != nullptr) {
+      set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b_scale_inv);
+      set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a_scale_inv);
+    }
+    if (bias != nullptr) set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  }
+
+  bool describe(const Problem& p, cublasLtHandle_t handle, const void* bias,
+                const void* a_scale_inv, const void* b_scale_inv) {
     check_status(cublasLtMatmulDescCreate(&operation_, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                  "cublasLtMatmulDescCreate");
     // cuBLAS's A is `b`: read as it lies where `b` is row-major, transposed where column-major.
@@ -195,8 +203,8 @@ class Plan {
     if (p.epilogue == Epilogue::kBias) {
       set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
       set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, *cuda_type(p.bias_type));
-      set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
     }
+    set_pointers(bias, a_scale_inv, b_scale_inv);
     const auto layout = [](cublasLtMatrixLayout_t* out, at::ScalarType dtype, int64_t rows,
                            int64_t cols, int64_t leading) {
       check_status(cublasLtMatrixLayoutCreate(out, *cuda_type(dtype), rows, cols, leading),
@@ -307,6 +315,8 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
   if (!a_layout || !b_layout || !out_layout || out_layout->column_major) return false;
 
   const void* bias_pointer = epilogue == Epilogue::kNone ? nullptr : bias.const_data_ptr();
+  const void* a_scale_pointer = scaled ? a_scale_inv.const_data_ptr() : nullptr;
+  const void* b_scale_pointer = scaled ? b_scale_inv.const_data_ptr() : nullptr;
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   const Problem problem{a.get_device(),
                         m,
@@ -338,13 +348,15 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
   auto found = plans.find(problem);
   if (found == plans.end()) {
     if (plans.size() >= kMaxPlans) plans.clear();
-    found = plans.emplace(problem, Plan::make(problem, handle, bias_pointer)).first;
+    found = plans
+                .emplace(problem, Plan::make(problem, handle, bias_pointer, a_scale_pointer,
+                                             b_scale_pointer))
+                .first;
   }
   Plan* plan = found->second.get();
   if (plan == nullptr) return false;  // no algorithm: asked once, remembered
   plan->run(handle, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(), bias_pointer,
-            scaled ? a_scale_inv.const_data_ptr() : nullptr,
-            scaled ? b_scale_inv.const_data_ptr() : nullptr, accumulate,
+            a_scale_pointer, b_scale_pointer, accumulate,
             at::cuda::getCUDABlasLtWorkspace(), workspace_size,
             at::cuda::getCurrentCUDAStream());
   return true;

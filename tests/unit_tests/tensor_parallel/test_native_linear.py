@@ -114,8 +114,9 @@ def test_shapes_of_the_cpp_layer_bit_for_bit(
     native, dtype, main_dtype, tokens, features, transposed_input
 ):
     """The C++ layer against the Python function at a layer's size (where cuBLAS may split the
-    inner dimension), at one token, and on an input that is not contiguous (whose bias ATen adds
-    after the product)."""
+    inner dimension), at one token (whose products the node leaves to ATen, as matrix-vector
+    products), and on an input that is not contiguous (whose bias ATen adds after the
+    product)."""
     main = torch.float32 if main_dtype == "fp32" else dtype
     shape = dict(tokens=tokens, features=features, transposed_input=transposed_input)
     node, out, grads = _run(True, dtype, main, False, True, **shape)

@@ -13,16 +13,18 @@
 // where PyTorch's GEMM calls set up cuBLAS's or cuBLASLt's at every call; the forward adds the
 // bias in the GEMM's epilogue, as `F.linear` does through cuBLASLt. Asked the question PyTorch's
 // calls ask, cuBLASLt's heuristic gives the algorithms they run: the tests find the Python path's
-// results bit for bit. Elsewhere (fp32, GEMM settings other than PyTorch's defaults, layouts
-// cuBLASLt does not take: `uses_cublaslt`, `forward_product`) the node runs the Python path's
-// operators: `linear`, `matmul`, `addmm` into the target. The bias gradient is the Python path's
-// `sum`.
+// results bit for bit. Elsewhere (fp32, products with a dimension of 1, GEMM settings other than
+// PyTorch's defaults, layouts cuBLASLt does not take: `uses_cublaslt`, `forward_product`) the
+// node runs the Python path's operators: `linear`, `matmul`, `addmm` into the target. The bias
+// gradient is the Python path's `sum`.
 
 #include <ATen/Context.h>
+#include <ATen/cuda/tunable/Tunable.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include <type_traits>
 
@@ -51,28 +53,45 @@ bool reduced_precision_allowed(Option option) {
   if constexpr (std::is_same_v<Option, bool>) {
     return option;
   } else {
-    return static_cast<int>(option) == 0;  // AllowReducedPrecisionWithSplitK
+    return option == Option::AllowReducedPrecisionWithSplitK;
   }
 }
 
-// Whether the GEMMs of `operand`'s layer may go through cuBLASLt: bf16 or fp16 (fp32 products
-// follow PyTorch's TF32 settings) under PyTorch's default GEMM settings, which the cached plans
-// ask cuBLASLt for. Settings that change what PyTorch's GEMMs compute or where they run
-// (`torch.use_deterministic_algorithms`; no reduced-precision reductions; fp16 accumulation; an
-// SM carveout) keep PyTorch's GEMMs. (Under autocast, whose casts the node would skip,
-// `grad_accumulation.linear` does not run the node.)
-bool uses_cublaslt(const at::Tensor& operand) {
+// Whether PyTorch's fp16 accumulation or an SM carveout is set (settings of PyTorch 2.7 on).
+bool accumulates_in_fp16_or_carves_out_sms(const at::Context& context) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
+  return context.allowFP16AccumulationCuBLAS() || context._SMCarveout_EXPERIMENTAL().has_value();
+#else
+  (void)context;
+  return false;
+#endif
+}
+
+// Whether an [m, k] x [k, n] GEMM of `operand`'s layer may go through cuBLASLt: bf16 or fp16
+// (fp32 products follow PyTorch's TF32 settings), every dimension above 1 (PyTorch sends
+// matrix-vector products, and a bias added to them, to other cuBLAS kernels), under PyTorch's
+// default GEMM settings, which the cached plans ask cuBLASLt for. Settings that change what
+// PyTorch's GEMMs compute or where they run (`torch.use_deterministic_algorithms`, no
+// reduced-precision reductions, fp16 accumulation, an SM carveout, TunableOp) keep PyTorch's
+// GEMMs. (Under autocast, whose casts the node would skip, `grad_accumulation.linear` does not
+// run the node.)
+bool uses_cublaslt(const at::Tensor& operand, int64_t m, int64_t n, int64_t k) {
   const at::ScalarType dtype = operand.scalar_type();
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
-  at::Context& context = at::globalContext();
-  if (context.deterministicAlgorithms() || context._SMCarveout_EXPERIMENTAL().has_value()) {
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || m <= 1 || n <= 1 || k <= 1) return false;
+  const at::Context& context = at::globalContext();
+  if (context.deterministicAlgorithms() || accumulates_in_fp16_or_carves_out_sms(context) ||
+      at::cuda::tunable::getTuningContext()->IsTunableOpEnabled()) {
     return false;
   }
-  if (dtype == at::kHalf) {
-    return reduced_precision_allowed(context.allowFP16ReductionCuBLAS()) &&
-           !context.allowFP16AccumulationCuBLAS();
-  }
-  return reduced_precision_allowed(context.allowBF16ReductionCuBLAS());
+  return reduced_precision_allowed(dtype == at::kHalf ? context.allowFP16ReductionCuBLAS()
+                                                      : context.allowBF16ReductionCuBLAS());
+}
+
+// The rows of `tensor` flattened to 2-D (the product of all sizes but the last).
+int64_t rows_of(const at::Tensor& tensor) {
+  int64_t rows = 1;
+  for (int64_t dim = 0; dim + 1 < tensor.dim(); ++dim) rows *= tensor.size(dim);
+  return rows;
 }
 
 // `tensor`'s sizes with the last one replaced.
@@ -88,7 +107,7 @@ at::Tensor forward_product(const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
   const bool biased = bias.has_value() && bias->defined();
   if (input.dim() >= 2 && (!biased || input.dim() == 2 || input.is_contiguous()) &&
-      uses_cublaslt(input)) {
+      uses_cublaslt(input, rows_of(input), weight.size(0), weight.size(1))) {
     const at::Tensor input_2d = flat(input);
     at::Tensor out = at::empty({input_2d.size(0), weight.size(0)}, input_2d.options());
     if (lt::gemm(out, /*accumulate=*/false, input_2d, weight.t(),
@@ -103,7 +122,7 @@ at::Tensor forward_product(const at::Tensor& input, const at::Tensor& weight,
 // `grad_output.matmul(weight)`, the input gradient.
 at::Tensor input_grad(const at::Tensor& grad_output, const at::Tensor& grad_2d,
                       const at::Tensor& weight) {
-  if (uses_cublaslt(grad_2d)) {
+  if (uses_cublaslt(grad_2d, grad_2d.size(0), weight.size(1), weight.size(0))) {
     at::Tensor out = at::empty({grad_2d.size(0), weight.size(1)}, grad_2d.options());
     if (lt::gemm(out, /*accumulate=*/false, grad_2d, weight)) {
       return out.view(with_last(grad_output, weight.size(1)));
@@ -116,7 +135,8 @@ at::Tensor input_grad(const at::Tensor& grad_output, const at::Tensor& grad_2d,
 // ATen's GEMM).
 bool weight_gemm(const at::Tensor& out, bool accumulate, const at::Tensor& grad_2d,
                  const at::Tensor& input_2d) {
-  return uses_cublaslt(grad_2d) && lt::gemm(out, accumulate, grad_2d.t(), input_2d);
+  return uses_cublaslt(grad_2d, grad_2d.size(1), input_2d.size(1), grad_2d.size(0)) &&
+         lt::gemm(out, accumulate, grad_2d.t(), input_2d);
 }
 
 // Whether the running backward accumulates into `weight` (a leaf): True, False (a backward whose
@@ -178,7 +198,7 @@ at::Tensor weight_grad(const at::Tensor& grad_2d, const at::Tensor& input,
     fuse(target, overwrite, grad_2d, input_2d);
     return at::Tensor();
   }
-  if (uses_cublaslt(grad_2d)) {
+  if (uses_cublaslt(grad_2d, grad_2d.size(1), input_2d.size(1), grad_2d.size(0))) {
     at::Tensor out = at::empty({grad_2d.size(1), input_2d.size(1)}, grad_2d.options());
     if (weight_gemm(out, /*accumulate=*/false, grad_2d, input_2d)) return out;
   }
