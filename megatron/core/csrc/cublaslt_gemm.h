@@ -123,15 +123,8 @@ struct ProblemHash {
     const auto mix = [&hash](int64_t value) {
       hash ^= std::hash<int64_t>()(value) + 0x9e3779b97f4a7c15ULL + (hash << 6) + (hash >> 2);
     };
-    for (const int64_t value :
-         {int64_t(p.device), p.m, p.n, p.k, int64_t(p.a_type), int64_t(p.b_type),
-          int64_t(p.out_type), int64_t(p.bias_type), int64_t(p.epilogue),
-          int64_t(p.a_column_major), int64_t(p.b_column_major), p.a_leading, p.b_leading,
-          p.out_leading, int64_t(p.scaled), int64_t(p.fast_accum), int64_t(p.accumulate),
-          int64_t(p.a_alignment), int64_t(p.b_alignment), int64_t(p.out_alignment),
-          int64_t(p.bias_alignment), p.workspace_size}) {
-      mix(value);
-    }
+    std::apply([&mix](const auto&... field) { (mix(static_cast<int64_t>(field)), ...); },
+               p.fields());
     return hash;
   }
 };
@@ -307,8 +300,11 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
              a_scale_inv.defined() || b_scale_inv.defined()) {
     return false;
   }
-  if (out_type != at::kFloat && (!cuda_type(out_type) || is_fp8(out_type))) return false;
-  if (!scaled && out_type != at::kFloat && out_type != a_type) return false;
+  // Out: fp32, or the operands' dtype (FP8 products: bf16 or fp16).
+  const bool out_supported =
+      out_type == at::kFloat ||
+      (scaled ? out_type == at::kBFloat16 || out_type == at::kHalf : out_type == a_type);
+  if (!out_supported) return false;
   if (!bias_suits(epilogue, bias, out, n)) return false;
   const std::optional<Layout> a_layout = layout_of(a), b_layout = layout_of(b),
                               out_layout = layout_of(out);

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 
 #include "segment_copy_kernels.h"
 
@@ -34,7 +35,7 @@ void copy(const at::Tensor& source, const at::Tensor& target, const at::Tensor& 
                   programs.device() == source.device() && programs.scalar_type() == at::kInt,
               "segment_copy: int64 segments and int32 programs on the tensors' device");
   TORCH_CHECK(align == 1 || align == 4 || align == 8, "segment_copy: align 1, 4 or 8, got ",
-              align);
+              std::to_string(align));  // text: a number streamed here crashed some builds
   // Whole 16-byte vectors only where both tensors start on 16 bytes (views may not).
   const bool starts_aligned = reinterpret_cast<uintptr_t>(source.const_data_ptr()) % 16 == 0 &&
                               reinterpret_cast<uintptr_t>(target.const_data_ptr()) % 16 == 0;

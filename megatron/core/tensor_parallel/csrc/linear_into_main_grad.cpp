@@ -131,12 +131,9 @@ at::Tensor input_grad(const at::Tensor& grad_output, const at::Tensor& grad_2d,
   return grad_output.matmul(weight);
 }
 
-// `out (+)= grad_2d^T @ input_2d` by cuBLASLt; false where it did nothing (the caller runs
-// ATen's GEMM).
-bool weight_gemm(const at::Tensor& out, bool accumulate, const at::Tensor& grad_2d,
-                 const at::Tensor& input_2d) {
-  return uses_cublaslt(grad_2d, grad_2d.size(1), input_2d.size(1), grad_2d.size(0)) &&
-         lt::gemm(out, accumulate, grad_2d.t(), input_2d);
+// Whether the weight gradient `grad_2d^T @ input_2d` may go through cuBLASLt.
+bool weight_gemm_applies(const at::Tensor& grad_2d, const at::Tensor& input_2d) {
+  return uses_cublaslt(grad_2d, grad_2d.size(1), input_2d.size(1), grad_2d.size(0));
 }
 
 // Whether the running backward accumulates into `weight` (a leaf): True, False (a backward whose
@@ -161,7 +158,10 @@ py::object accumulates(const at::Tensor& weight) {
 // `target (+)= grad_2d^T @ input_2d` in the target's dtype, as `grad_accumulation._fuse` on CUDA.
 void fuse(const at::Tensor& target, bool overwrite, const at::Tensor& grad_2d,
           const at::Tensor& input_2d) {
-  if (weight_gemm(target, /*accumulate=*/!overwrite, grad_2d, input_2d)) return;
+  if (weight_gemm_applies(grad_2d, input_2d) &&
+      lt::gemm(target, /*accumulate=*/!overwrite, grad_2d.t(), input_2d)) {
+    return;
+  }
   at::Tensor main_grad = target;
   const int beta = overwrite ? 0 : 1;
   if (main_grad.scalar_type() == grad_2d.scalar_type()) {
@@ -198,9 +198,9 @@ at::Tensor weight_grad(const at::Tensor& grad_2d, const at::Tensor& input,
     fuse(target, overwrite, grad_2d, input_2d);
     return at::Tensor();
   }
-  if (uses_cublaslt(grad_2d, grad_2d.size(1), input_2d.size(1), grad_2d.size(0))) {
+  if (weight_gemm_applies(grad_2d, input_2d)) {
     at::Tensor out = at::empty({grad_2d.size(1), input_2d.size(1)}, grad_2d.options());
-    if (weight_gemm(out, /*accumulate=*/false, grad_2d, input_2d)) return out;
+    if (lt::gemm(out, /*accumulate=*/false, grad_2d.t(), input_2d)) return out;
   }
   return grad_2d.t().matmul(input_2d);
 }
