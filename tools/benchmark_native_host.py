@@ -47,15 +47,23 @@ from megatron.core.fusions import native_rope, native_segment_copy
 from megatron.core.tensor_parallel import native_linear
 
 
+class FeatureOff(NamedTuple):
+    """The row of the feature turned off: the flag's attribute that turns it off, the row's
+    name."""
+
+    flag: str
+    name: str
+
+
 class Extension(NamedTuple):
     """A feature's C++ extension: whether it built (asked with a CUDA tensor), its Python path,
-    the flag that turns the feature off (None: no such row)."""
+    the feature turned off (None: no such row), the engines whose steps run it (None: all)."""
 
     built: Callable[[torch.Tensor], object]
     python_path: Callable[[], contextlib.AbstractContextManager]
     python_name: str
-    off_flag: str | None
-    off_name: str | None
+    off: FeatureOff | None
+    engines: tuple[str, ...] | None = None
 
 
 EXTENSIONS = {
@@ -63,27 +71,22 @@ EXTENSIONS = {
         native_linear.native_linear_into_main_grad,
         native_linear.python_function,
         "Python function",
-        "gradient_accumulation_fusion",
-        "no fusion",
+        FeatureOff("gradient_accumulation_fusion", "no fusion"),
     ),
     "rope": Extension(
         native_rope.native_rope,
         native_rope.triton_kernel,
         "Triton kernel",
-        "apply_rope_fusion",
-        "no rope fusion",
+        FeatureOff("apply_rope_fusion", "no rope fusion"),
     ),
     "segment_copy": Extension(
         lambda _: native_segment_copy.native_segment_copy(),
         native_segment_copy.triton_kernel,
         "Triton kernel",
         None,
-        None,
+        engines=("megatron_fsdp_zero3",),  # the engines that gather weights
     ),
 }
-
-GATHERING_ENGINES = ("megatron_fsdp_zero3",)
-"""The engines whose steps gather weights (`--extension segment_copy` times their casts)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,17 +98,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device != "cuda":
         parser.error("the C++ nodes run on CUDA tensors: run it on a GPU (--device cuda).")
     args = with_engine_defaults(parser, args, engines=args.engine)
-    off_flag = EXTENSIONS[args.extension].off_flag
-    if off_flag is None:
-        if args.engine not in GATHERING_ENGINES:
-            parser.error(
-                f"--extension {args.extension} times Megatron-FSDP's gathers: use --engine "
-                f"{' or '.join(GATHERING_ENGINES)}."
-            )
-    elif not getattr(args, off_flag):
+    extension = EXTENSIONS[args.extension]
+    if extension.engines is not None and args.engine not in extension.engines:
+        parser.error(
+            f"--extension {args.extension} times Megatron-FSDP's gathers: use --engine "
+            f"{' or '.join(extension.engines)}."
+        )
+    if extension.off is not None and not getattr(args, extension.off.flag):
         parser.error(
             f"--extension {args.extension} compares the feature on and off: leave "
-            f"{off_flag} on (drop the flag that turns it off)."
+            f"{extension.off.flag} on (drop the flag that turns it off)."
         )
     return args
 
@@ -135,11 +137,11 @@ def main() -> None:
             "C++": with_feature,
             extension.python_name: _in_python_path(with_feature, extension.python_path),
         }
-        if extension.off_flag is not None:
+        if extension.off is not None:
             off = copy.deepcopy(args)
-            setattr(off, extension.off_flag, False)
+            setattr(off, extension.off.flag, False)
             torch.manual_seed(args.seed)
-            steps[extension.off_name] = build_engine(args.engine, off)
+            steps[extension.off.name] = build_engine(args.engine, off)
     for step in steps.values():
         host_ms(step, batches, device, args.warmup_steps)
     bursts = {name: [] for name in steps}
