@@ -159,16 +159,22 @@ _SETTINGS = {
 }
 
 
-def _bf16_pass(native_path: bool, setting: str, fused: bool):
-    """A bf16 layer's forward and backward under a GEMM `setting`: the ATen ops they ran, and
-    the output and the weight, bias and input gradients."""
+def _bf16_layer() -> tuple[torch.nn.Parameter, torch.nn.Parameter, torch.Tensor, torch.Tensor]:
+    """A bf16 layer's weight and bias, an input and an output gradient."""
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=torch.bfloat16))
     bias = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=torch.bfloat16))
-    engine = _Engine(torch.zeros(96, 64, device="cuda"), overwrite=False)
-    register_main_grad(weight, engine.main_grad_of)
     x = torch.randn(4, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4, 33, 96, device="cuda", dtype=torch.bfloat16)
+    return weight, bias, x, g
+
+
+def _bf16_pass(native_path: bool, setting: str, fused: bool):
+    """A bf16 layer's forward and backward under a GEMM `setting`: the ATen ops they ran, and
+    the output and the weight, bias and input gradients."""
+    weight, bias, x, g = _bf16_layer()
+    engine = _Engine(torch.zeros(96, 64, device="cuda"), overwrite=False)
+    register_main_grad(weight, engine.main_grad_of)
     activities = [torch.profiler.ProfilerActivity.CPU]
     with _SETTINGS[setting][0]():
         with torch.profiler.profile(activities=activities) as profile:
@@ -192,12 +198,18 @@ def test_bf16_products_go_through_cublaslt(native, setting, fused):
     or backward), whether the weight gradient goes to the engine or is returned
     (`torch.autograd.grad`); under `torch.use_deterministic_algorithms`, or with bf16
     reductions in reduced precision disallowed, the node runs ATen's. Either way the results
-    are the Python function's bit for bit."""
+    are the Python function's bit for bit, and plain `F.linear`'s to bf16's rounding (its weight
+    gradient is rounded to bf16; the engine's is summed in fp32)."""
     ops, results = _bf16_pass(True, setting, fused)
     _, expected = _bf16_pass(False, setting, fused)
     assert bool(ops & _ATEN_GEMMS) == _SETTINGS[setting][1], sorted(ops)
     for got, want in zip(results, expected):
         assert torch.equal(got, want)
+    weight, bias, x, g = _bf16_layer()
+    y = torch.nn.functional.linear(x, weight, bias)
+    y.backward(g)
+    for got, plain in zip(results, (y, weight.grad, bias.grad, x.grad)):
+        torch.testing.assert_close(got.float(), plain.detach().float(), rtol=1.6e-2, atol=1e-5)
 
 
 def _registered() -> tuple[torch.nn.Parameter, _Engine]:
