@@ -26,10 +26,11 @@ A layer runs in FP8 when it has an `Fp8LinearSlots` (its `fp8` attribute), which
 `transformer_block.enable_fp8_linears` gives the linear layers of the transformer layers that
 train in FP8 (and of the multi-token prediction depths).
 
-On a GPU `_Fp8Linear`'s forward and backward (per-tensor recipes) run as one call each of the
-C++ extension (`cpp_linear.py`), whose results the tests find the same bit for bit; the Python
-path below runs elsewhere, and for the column-parallel layers under tensor parallelism
-(`_Fp8ColumnParallelLinear`) and the blockwise recipe.
+On a GPU a layer of a per-tensor recipe runs as one C++ autograd node (`cpp_linear.py`), whose
+results the tests find the same bit for bit; its backward asks Python once
+(`native_backward_inputs`). The Python function `_Fp8Linear` runs elsewhere, and for the
+column-parallel layers under tensor parallelism (`_Fp8ColumnParallelLinear`) and the blockwise
+recipe.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from megatron.core.fp8.tensor import BlockFp8Tensor, Fp8Tensor
 from megatron.core.fp8.weights import fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
     FusionTarget,
+    native_target,
     weight_grad_into,
     weight_grad_target,
 )
@@ -135,8 +137,8 @@ class Fp8LinearSlots:
         return self.state.cast_tensors(direction, slot, device)
 
     def native_linear(self, x: torch.Tensor) -> ModuleType | None:
-        """The C++ extension where it runs this layer's pass on `x` (the flattened input or
-        output gradient): per-tensor recipes on CUDA (`cpp_linear.native_linear`); else None."""
+        """The C++ extension where it runs this layer on the input `x`: per-tensor recipes on
+        CUDA (`cpp_linear.native_linear`); else None."""
         return None if self.recipe.blockwise else native_linear(x)
 
     def _quantize(
@@ -151,6 +153,9 @@ class Fp8LinearSlots:
         self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """`F.linear(input_, weight, bias)` with its GEMMs in FP8 (module docstring)."""
+        native = self.native_linear(input_)
+        if native is not None:
+            return _native_linear(native, input_, weight, bias, self)
         return _apply_linear(input_, weight, bias, self, _weight_needs_grad(weight))
 
     def column_parallel_linear(
@@ -220,8 +225,8 @@ def _dgrad(
     return fp8_mm(grad, w.dgrad_operand(), out_dtype=out_dtype)
 
 
-class _WgradMode(enum.IntEnum):
-    """Where a weight gradient GEMM writes (the values `csrc/fp8_linear.cpp` takes)."""
+class _WgradMode(enum.Enum):
+    """Where a weight gradient GEMM writes."""
 
     RETURN = 0  # a new tensor, returned to autograd
     OVERWRITE = 1  # the GEMM writes the (contiguous) main_grad
@@ -285,32 +290,11 @@ class _Fp8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         recipe = slots.recipe
         fp8_wgrad = weight_needs_grad and recipe.wgrad
-        native = slots.native_linear(input_)
-        if native is not None:
-            scale, record = slots.cast_scale(FORWARD, input_.device)
-            w = fp8_weight_of(weight).tensor
-            # Positional (`csrc/fp8_linear.cpp`'s order): keywords cost the host microseconds.
-            out, input_t, input_scale_inv = native.linear_forward(
-                input_,  # x
-                scale,
-                record,
-                recipe.forward_dtype == torch.float8_e4m3fn,  # e4m3
-                fp8_wgrad,  # transpose
-                w.data,  # weight
-                w.scale_inv,  # weight_scale_inv
-                bias,
-                recipe.fprop_fast_accum,  # fast_accum
-            )
-        else:
-            x2d = _flat(input_)
-            x = slots.quantize_input(x2d, transpose=fp8_wgrad)
-            out = _fprop(x, weight, bias, input_.dtype, recipe)
-            out = out.view(*input_.shape[:-1], out.shape[-1])
-            if fp8_wgrad:
-                transposed = x.transposed_operand()
-                input_t, input_scale_inv = transposed.data, transposed.scale_inv
+        x = slots.quantize_input(_flat(input_), transpose=fp8_wgrad)
+        out = _fprop(x, weight, bias, input_.dtype, recipe)
         if fp8_wgrad:
-            ctx.save_for_backward(input_t, input_scale_inv, weight)
+            input_t = x.transposed_operand()
+            ctx.save_for_backward(input_t.data, input_t.scale_inv, weight)
         else:
             ctx.save_for_backward(input_ if weight_needs_grad else None, None, weight)
         # The parameter itself, for the FP8 weight cache and fusion (a checkpoint's
@@ -318,7 +302,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.weight = weight
         ctx.slots, ctx.fp8_wgrad, ctx.has_bias = slots, fp8_wgrad, bias is not None
         ctx.input_shape, ctx.input_dtype = input_.shape, input_.dtype
-        return out
+        return out.view(*input_.shape[:-1], out.shape[-1])
 
     @staticmethod
     @once_differentiable
@@ -330,81 +314,68 @@ class _Fp8Linear(torch.autograd.Function):
             wanted, target = weight_grad_target(ctx.weight, ctx.next_functions[1][0])
         fp8_wgrad = wanted and ctx.fp8_wgrad
         slots = ctx.slots
-        native = slots.native_linear(grad_output)
-        # The 2-D gradient for the Python path and a high-precision weight gradient; the
-        # extension flattens its own.
-        high_precision_wgrad = wanted and not fp8_wgrad
-        grad_2d = _flat(grad_output) if native is None or high_precision_wgrad else None
-        if native is not None:
-            grad_input, grad_weight, grad_bias = _native_backward(
-                native,
-                ctx,
-                grad_output,
-                (saved_input, input_scale_inv),
-                needs_input,
-                fp8_wgrad,
-                target,
-                needs_bias,
-            )
-        else:
-            grad_input = grad_weight = grad_bias = None
-            if needs_input or fp8_wgrad:
-                grad = slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
-            if needs_input:
-                grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype, slots.recipe)
-                grad_input = grad_input.view(ctx.input_shape)
-            if fp8_wgrad:
-                input_t = slots.saved_input_t(saved_input, input_scale_inv)
-                grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
-            if ctx.has_bias and needs_bias:
-                grad_bias = grad_2d.sum(dim=0)
-        if high_precision_wgrad:
+        grad_2d = _flat(grad_output)
+        grad_input = grad_weight = grad_bias = None
+        if needs_input or fp8_wgrad:
+            grad = slots.quantize_grad(grad_2d, transpose=fp8_wgrad)
+        if needs_input:
+            grad_input = _dgrad(grad, ctx.weight, ctx.input_dtype, slots.recipe)
+            grad_input = grad_input.view(ctx.input_shape)
+        if fp8_wgrad:
+            input_t = slots.saved_input_t(saved_input, input_scale_inv)
+            grad_weight = _fp8_wgrad(grad, input_t, target, ctx.weight.dtype)
+        if ctx.has_bias and needs_bias:
+            grad_bias = grad_2d.sum(dim=0)
+        if wanted and not fp8_wgrad:
             grad_weight = weight_grad_into(target, grad_2d, saved_input)
         return grad_input, grad_weight, grad_bias, None, None
 
 
-def _native_backward(
+def _native_linear(
     native: ModuleType,
-    ctx,
-    grad: torch.Tensor,
-    saved: tuple[torch.Tensor | None, torch.Tensor | None],
-    needs_input: bool,
-    fp8_wgrad: bool,
-    target: FusionTarget | None,
-    needs_bias: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """`_Fp8Linear`'s backward GEMMs (input gradient, FP8 weight gradient) and bias gradient
-    of the output gradient `grad` in one call of the C++ extension (`cpp_linear.py`), which
-    also makes the weight's transposed FP8 copy at its first backward (kept with the weight);
-    `saved` is what forward saved (the input's transposed FP8 copy and its scale's inverse,
-    under `fp8_wgrad`)."""
-    recipe = ctx.slots.recipe
-    scale, record = ctx.slots.cast_scale(BACKWARD, grad.device)
-    w = fp8_weight_of(ctx.weight) if needs_input else None
-    mode, main_grad = _wgrad_destination(target) if fp8_wgrad else (_WgradMode.RETURN, None)
-    input_t, input_scale_inv = saved if fp8_wgrad else (None, None)
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: Fp8LinearSlots,
+) -> torch.Tensor:
+    """`_Fp8Linear` as one C++ autograd node (`cpp_linear.py`): the forward's scales and FP8
+    weight looked up here, and what the backward needs of Python asked then
+    (`native_backward_inputs`)."""
+    recipe = slots.recipe
+    scale, record = slots.cast_scale(FORWARD, input_.device)
+    # Views of the state, written in place: the backward's cast reads the values of its time.
+    grad_scale, grad_record = slots.cast_scale(BACKWARD, input_.device)
+    w = fp8_weight_of(weight).tensor
     # Positional (`csrc/fp8_linear.cpp`'s order): keywords cost the host microseconds.
-    grad_input, grad_weight, grad_bias, made_transpose = native.linear_backward(
-        grad,
+    return native.linear(
+        input_,  # x
+        weight,
+        bias,
         scale,
         record,
-        recipe.backward_dtype == torch.float8_e4m3fn,  # e4m3
-        needs_input,  # need_input
-        None if w is None else w.tensor.data,  # weight
-        None if w is None else w.transposed_data,  # weight_transposed
-        None if w is None else w.tensor.scale_inv,  # weight_scale_inv
-        ctx.input_dtype,
-        fp8_wgrad,  # need_wgrad
-        input_t,
-        input_scale_inv,
-        int(mode),  # wgrad_mode
-        main_grad,  # target
-        ctx.weight.dtype,  # wgrad_dtype
-        ctx.has_bias and needs_bias,  # need_bias
+        grad_scale,
+        grad_record,
+        w.data,  # weight_data
+        w.scale_inv,  # weight_scale_inv
+        recipe.forward_dtype == torch.float8_e4m3fn,  # e4m3_forward
+        recipe.backward_dtype == torch.float8_e4m3fn,  # e4m3_backward
+        recipe.wgrad,  # fp8_wgrad
+        recipe.fprop_fast_accum,  # fast_accum
     )
-    if made_transpose is not None:
-        w.hold_transpose(Fp8Tensor(made_transpose, w.tensor.scale_inv))
-    return grad_input, grad_weight, grad_bias
+
+
+def native_backward_inputs(
+    weight: torch.Tensor, accumulates: bool | None, need_input: bool
+) -> tuple[bool, FusionTarget | None, torch.Tensor | None, torch.Tensor | None]:
+    """What the C++ node's backward asks Python, once: where the weight gradient goes
+    (`grad_accumulation.native_target`) and, where the input gradient is wanted, the FP8
+    weight's contiguous transpose and its scale's inverse (made at the weight's first backward,
+    kept with its FP8 copy)."""
+    wanted, target = native_target(weight, accumulates)
+    if not need_input:
+        return wanted, target, None, None
+    transposed = fp8_weight_of(weight).transposed()
+    return wanted, target, transposed.data, transposed.scale_inv
 
 
 _apply_linear = direct_apply(_Fp8Linear)

@@ -92,21 +92,20 @@ class Fp8Weight:
         the contiguous transpose (made once per copy; a 128x128 block transposes whole, so
         its scales are the transposed ones)."""
         if self._dgrad is None:
-            if self._transposed is None:
-                self._transposed = self._transpose()
-            self._dgrad = self._transposed.t()
+            self._dgrad = self.transposed().t()
         return self._dgrad
 
-    @property
-    def transposed_data(self) -> torch.Tensor | None:
-        """The contiguous transpose's bytes, `[in, out]`, once made (`dgrad_operand`) or held
-        (`hold_transpose`); else None."""
-        return None if self._transposed is None else self._transposed.data
+    def transposed(self) -> Fp8Tensor | BlockFp8Tensor:
+        """The weight's contiguous transpose, `[in, out]` row-major (made once per copy, or
+        held: `hold_transpose`)."""
+        if self._transposed is None:
+            self._transposed = self._transpose()
+        return self._transposed
 
     def hold_transpose(self, transposed: Fp8Tensor) -> None:
-        """Makes `transposed` (the contiguous transpose's bytes, made by the C++ backward or
-        held elsewhere) the one the input-gradient GEMM multiplies by, instead of a copy of
-        its own."""
+        """Makes `transposed` (the contiguous transpose's bytes, held elsewhere: a view of the
+        stacked transposes of MoE experts) the one the input-gradient GEMM multiplies by,
+        instead of a copy of its own."""
         self._transposed, self._dgrad = transposed, None
 
     def _transpose(self) -> Fp8Tensor | BlockFp8Tensor:

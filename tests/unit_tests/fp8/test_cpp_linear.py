@@ -16,8 +16,9 @@ import torch
 
 from megatron.core.fp8 import cpp_linear, kernels, quantize
 from megatron.core.fp8 import linear as fp8_linear
-from megatron.core.fp8.weights import fp8_weight_of
+from megatron.core.fp8.weights import Fp8Weight, fp8_weight_of
 from megatron.core.tensor_parallel.grad_accumulation import (
+    FusionTarget,
     linear,
     register_main_grad,
 )
@@ -97,82 +98,57 @@ def test_cast_refuses_what_it_cannot_run(native):
 
 
 @pytest.mark.gpu
-def test_backward_refuses_missing_or_misshapen_operands(native):
-    grad = torch.ones(32, 48, device="cuda", dtype=torch.bfloat16)
-    # The transposed copy of a [32 tokens, 16 features] input: [16, 32].
-    _, _, input_t = native.cast(torch.ones(32, 16, device="cuda"), None, None, True)
-    one = torch.ones((), device="cuda")
-    common = dict(
-        grad=grad,
-        scale=None,
-        record=None,
-        e4m3=False,
-        input_dtype=torch.bfloat16,
-        wgrad_dtype=torch.bfloat16,
-        need_bias=False,
-    )
-    with pytest.raises(RuntimeError, match="needs weight or weight_transposed, and"):
-        native.linear_backward(
-            **common,
-            need_input=True,
-            weight=None,
-            weight_transposed=None,
-            weight_scale_inv=None,
-            need_wgrad=False,
-            input_t=None,
-            input_scale_inv=None,
-            wgrad_mode=0,
-            target=None,
+def test_a_misshapen_weight_is_refused_before_the_amax_is_recorded(native):
+    x = torch.ones(2, 8, 32, device="cuda", dtype=torch.bfloat16)
+    weight = torch.nn.Parameter(torch.zeros(48, 16, device="cuda"))  # [out, in], in != 32
+    one, record = torch.ones((), device="cuda"), torch.zeros((), device="cuda")
+    data = weight.detach().to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"an input \[\.\.\., in\], a weight \[out, in\]"):
+        native.linear(x, weight, None, one, record, None, None, data, one, True, False, True, False)
+    other = torch.zeros(48, 32, device="cuda").to(torch.float8_e4m3fn)  # not the weight's shape
+    with pytest.raises(RuntimeError, match="FP8 bytes of the weight's shape"):
+        native.linear(
+            x, weight, None, one, record, None, None, other, one, True, False, True, False
         )
-    wgrad = dict(
-        need_input=False,
-        weight=None,
-        weight_transposed=None,
-        weight_scale_inv=None,
-        need_wgrad=True,
-        input_t=input_t,
-        input_scale_inv=one,
-    )
-    with pytest.raises(RuntimeError, match="writes into a target; none given"):
-        native.linear_backward(**common, **wgrad, wgrad_mode=1, target=None)
-    with pytest.raises(RuntimeError, match=r"target must be \[48, 16\]"):
-        native.linear_backward(
-            **common, **wgrad, wgrad_mode=3, target=torch.zeros(1, 16, device="cuda")
-        )
-    with pytest.raises(RuntimeError, match="must be contiguous"):
-        native.linear_backward(
-            **common, **wgrad, wgrad_mode=1, target=torch.zeros(16, 48, device="cuda").t()
-        )
+    assert record.item() == 0  # no cast ran
+
+
+class _FixedTarget:
+    """An engine whose main_grad for the weight is the tensor given, whatever it is."""
+
+    def __init__(self, main_grad: torch.Tensor) -> None:
+        self.main_grad = main_grad
+
+    def main_grad_of(self, param: torch.nn.Parameter) -> FusionTarget:
+        return FusionTarget(self.main_grad, True)
 
 
 @pytest.mark.gpu
-def test_a_misshapen_weight_is_refused_before_the_amax_is_recorded(native):
-    x = torch.ones(2, 8, 32, device="cuda", dtype=torch.bfloat16)
-    one, record = torch.ones((), device="cuda"), torch.zeros((), device="cuda")
-    weight = torch.zeros(48, 16, device="cuda").to(torch.float8_e4m3fn)  # [out, in], in != 32
-    with pytest.raises(RuntimeError, match=r"an input \[\.\.\., in\] and a weight \[out, in\]"):
-        native.linear_forward(x, one, record, True, True, weight, one, None, False)
-    grad = torch.ones(2, 8, 40, device="cuda", dtype=torch.bfloat16)  # out 40, the weight's 48
-    with pytest.raises(RuntimeError, match=r"a weight \[40, in\]"):
-        native.linear_backward(
-            grad,
-            one,
-            record,
-            False,
-            True,
-            weight,
-            None,
-            one,
-            torch.bfloat16,
-            False,
-            None,
-            None,
-            0,
-            None,
-            torch.bfloat16,
-            False,
-        )
-    assert record.item() == 0  # neither cast ran
+@pytest.mark.parametrize(
+    "main_grad, error, match",
+    [
+        (
+            torch.zeros(96, 255),
+            RuntimeError,
+            r"target must be \[96, 256\] on cuda:0, got \[96, 255\]",
+        ),
+        (torch.zeros(96, 256, dtype=torch.float64), ValueError, "bf16, fp16 or fp32 main_grads"),
+    ],
+    ids=["misshapen", "float64"],
+)
+def test_backward_refuses_a_main_grad_it_cannot_write(native, main_grad, error, match):
+    """An engine's main_grad of another shape or a dtype the FP8 GEMM does not write is refused
+    before the output gradient's cast records its amax."""
+    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", dtype=torch.bfloat16))
+    engine = _FixedTarget(main_grad.cuda())
+    register_main_grad(weight, engine.main_grad_of)
+    slots = _slots("hybrid", "delayed")
+    x = torch.randn(2, 50, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = linear(x, weight, None, slots)
+    before = slots.state.scaling_tensors()["amax_history_bwd"].clone()
+    with pytest.raises(error, match=match):
+        y.sum().backward()
+    assert torch.equal(slots.state.scaling_tensors()["amax_history_bwd"], before)
 
 
 def _run(
@@ -279,7 +255,7 @@ def test_the_layer_takes_the_native_path(native):
 
     with mock.patch.object(fp8_linear, "native_linear", lambda x: _Spy()):
         _run("hybrid", "delayed", True, None, python=False)
-    assert calls == ["linear_forward", "linear_backward"]
+    assert calls == ["linear"]
 
 
 @pytest.mark.gpu
@@ -290,14 +266,22 @@ def test_backward_makes_the_weight_transpose_once(native):
     weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 50, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     slots = _slots("hybrid", "delayed")
-    linear(x, weight, None, slots).sum().backward()
-    fp8_weight = fp8_weight_of(weight)
-    made = fp8_weight.transposed_data
-    assert made is not None
-    assert torch.equal(_bytes(made), _bytes(fp8_weight.tensor.data.t().contiguous()))
-    linear(x, weight, None, slots).sum().backward()
+    made = []
+    transpose = Fp8Weight._transpose
+
+    def counted(fp8_weight: Fp8Weight):
+        made.append(transpose(fp8_weight))
+        return made[-1]
+
+    with mock.patch.object(Fp8Weight, "_transpose", counted):
+        linear(x, weight, None, slots).sum().backward()
+        fp8_weight = fp8_weight_of(weight)
+        assert len(made) == 1
+        assert torch.equal(_bytes(made[0].data), _bytes(fp8_weight.tensor.data.t().contiguous()))
+        linear(x, weight, None, slots).sum().backward()
     assert fp8_weight_of(weight) is fp8_weight
-    assert fp8_weight.transposed_data is made
+    assert len(made) == 1
+    assert fp8_weight.transposed() is made[0]
 
 
 def test_no_native_path_off_cuda():

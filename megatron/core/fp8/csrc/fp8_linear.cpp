@@ -1,26 +1,35 @@
-// The host path of an FP8 linear layer's forward and backward in one C++ call each
-// (`megatron/core/fp8/cpp_linear.py` builds and loads it; `linear.py` calls it).
+// An FP8 linear layer as one C++ autograd node (`megatron/core/fp8/cpp_linear.py` builds and
+// loads it; `linear.py` calls it), and the cast and transpose it runs, for Python too.
 //
 // In Python each cast and each GEMM of an FP8 linear layer costs the host tens of microseconds
-// (argument handling, three allocations, a Triton launch, the Fp8Tensor bookkeeping); a step of
-// small layers is bound by that host time. Here the forward's cast and GEMM, and the backward's
-// cast, its two GEMMs, the bias gradient and (at a weight's first backward) the weight's
-// transposed copy, run from one call each, which also flattens the layer's N-d input and shapes
-// its outputs: the casts are the Triton kernels' arithmetic (`fp8_kernels.cu`) and the GEMMs
-// `torch._scaled_mm`'s (`fp8_gemm.cpp`), so the results are the Python path's bit for bit.
+// (argument handling, allocations, a Triton launch, the Fp8Tensor bookkeeping), and a Python
+// autograd function as many again (its frames forward and backward, its context object); a step
+// of small layers is bound by that host time. Here the forward's cast and GEMM, and the
+// backward's cast, its two GEMMs and the bias gradient, run in the node, which also flattens the
+// layer's N-d input and shapes its outputs; the backward asks Python once, with the GIL taken for
+// that call alone, where the weight gradient goes and for the FP8 weight's transpose (both the
+// engine's state: `linear.native_backward_inputs`). The casts are the Triton kernels' arithmetic
+// (`fp8_kernels.cu`) and the GEMMs `torch._scaled_mm`'s (`fp8_gemm.cpp`), so the results are the
+// Python path's bit for bit.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/extension.h>
 
 #include "error_text.h"
 #include "fp8_gemm.h"
 #include "fp8_kernels.h"
+#include "once_differentiable.h"
+#include "weight_grad_target.h"
 
 namespace megatron_fp8 {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 at::ScalarType fp8_dtype(bool e4m3) {
   return e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2;
@@ -130,145 +139,266 @@ std::vector<int64_t> with_last(const at::Tensor& tensor, int64_t last) {
   return sizes;
 }
 
-// Forward: `x` (any leading dimensions) cast (and, with `transpose`, its transposed copy for the
-// weight gradient), then `x_fp8 @ weight^T + bias` in `x`'s leading dimensions, `weight` the
-// FP8 weight `[out, in]` row-major; the bias in the GEMM where cuBLASLt takes it (a bf16 /
-// fp16 output of the bias's dtype), else added after. Returns {out, the transposed copy or
-// undefined, its scale's inverse}.
-std::vector<at::Tensor> linear_forward(const at::Tensor& x, const c10::optional<at::Tensor>& scale,
-                                       const c10::optional<at::Tensor>& record, bool e4m3,
-                                       bool transpose, const at::Tensor& weight,
-                                       const at::Tensor& weight_scale_inv,
-                                       const c10::optional<at::Tensor>& bias, bool fast_accum) {
-  check_cuda(x, "linear forward");
-  // Checked before the cast, which records the input's amax: a refused call changes nothing.
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.size(1) == x.size(-1),
-              "fp8 linear forward: an input [..., in] and a weight [out, in], got ",
-              text(x.sizes()), " and ", text(weight.sizes()));
+// Python's `linear.native_backward_inputs(weight, accumulates, need_input)`, set once at load.
+// Never destroyed: the interpreter may be gone when static destructors run.
+py::object* backward_callback = new py::object();
+
+// What a layer's forward takes besides its input, weight and bias: the caller's lookups.
+struct LayerArgs {
+  // The input cast's scale and amax record (undefined: scaled by the input's own amax; not
+  // recorded), and the output gradient's, for the backward (a delayed-scaling state's views,
+  // written in place, so the backward's cast reads their values then).
+  at::Tensor scale, record, grad_scale, grad_record;
+  // The weight's FP8 bytes, `[out, in]` row-major, and its scale's inverse.
+  at::Tensor weight_data, weight_scale_inv;
+  bool e4m3_forward, e4m3_backward;
+  // The weight gradient's GEMM in FP8 (else in the input's precision, from the input).
+  bool fp8_wgrad;
+  // The forward GEMM's fast accumulation.
+  bool fast_accum;
+};
+
+// What the forward saved for the weight gradient.
+enum class WeightOperand {
+  kNone,           // nothing: the weight needed no gradient
+  kFp8Transposed,  // the input's padded FP8 transpose and its scale's inverse
+  kInput,          // the input, for the weight gradient in its precision
+};
+
+// What the backward needs of the forward besides the saved tensors.
+struct BackwardState : torch::CustomClassHolder {
+  // The parameter itself: a checkpoint's recomputation saves another tensor object.
+  at::Tensor weight;
+  at::Tensor grad_scale, grad_record;
+  bool e4m3_backward = false;
+  WeightOperand weight_operand = WeightOperand::kNone;
+  bool has_bias = false;
+  at::ScalarType input_dtype = at::kBFloat16;
+};
+
+// Python's answer to a backward: where the weight gradient goes and, where the input gradient
+// is wanted, the FP8 weight's contiguous transpose `[in, out]` and its scale's inverse.
+struct BackwardInputs {
+  megatron::WeightGradTarget target;
+  at::Tensor weight_transposed, weight_scale_inv;
+};
+
+BackwardInputs ask_python(const at::Tensor& weight, bool need_weight, bool need_input) {
+  BackwardInputs inputs;
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(*backward_callback, "fp8 linear: set_backward_callback was not called");
+  // A backward that needs no weight gradient asks as one whose inputs leave the weight out.
+  const py::tuple answer = (*backward_callback)(
+      weight, need_weight ? megatron::accumulates(weight) : py::bool_(false), need_input);
+  inputs.target = megatron::read_target(answer);
+  // An unregistered weight's answer is "wanted" whatever the backward needs.
+  inputs.target.wanted = inputs.target.wanted && need_weight;
+  if (need_input) {
+    inputs.weight_transposed = answer[2].cast<at::Tensor>();
+    inputs.weight_scale_inv = answer[3].cast<at::Tensor>();
+  }
+  return inputs;
+}
+
+enum class WgradMode { kReturn, kOverwrite, kCopy, kAccumulate };
+
+// How the weight gradient reaches `target`: returned, written over a contiguous tensor (by the
+// GEMM), copied over one the GEMM cannot write, or added.
+WgradMode wgrad_mode(const megatron::WeightGradTarget& target) {
+  if (!target.tensor.defined()) return WgradMode::kReturn;
+  if (!target.overwrite) return WgradMode::kAccumulate;
+  return target.tensor.is_contiguous() ? WgradMode::kOverwrite : WgradMode::kCopy;
+}
+
+// Checks, before the gradient's cast records its amax, that an engine's target is the weight's
+// shape, on the gradient's device, of a dtype the FP8 GEMM writes.
+void check_target(const at::Tensor& target, const at::Tensor& weight, const at::Device& device) {
+  const at::ScalarType dtype = target.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+                    "FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got ",
+                    text(dtype), ".");
+  TORCH_CHECK(target.sizes() == weight.sizes() && target.device() == device,
+              "fp8 linear backward: the weight-gradient target must be ", text(weight.sizes()),
+              " on ", text(device), ", got ", text(target.sizes()), " on ",
+              text(target.device()));
+}
+
+// `grad_t @ input_t^T` from the output gradient's and the input's padded FP8 transposes, where
+// `target` says (returned in `dtype`, the weight's).
+at::Tensor fp8_weight_grad(const megatron::WeightGradTarget& target, const at::Tensor& grad_t,
+                           const at::Tensor& grad_scale_inv, const at::Tensor& input_t,
+                           const at::Tensor& input_scale_inv, at::ScalarType dtype) {
+  const at::Tensor b = input_t.t();
+  const at::Tensor& out = target.tensor;
+  switch (wgrad_mode(target)) {
+    case WgradMode::kReturn:
+      return scaled_mm(grad_t, b, grad_scale_inv, input_scale_inv, at::Tensor(), dtype, false);
+    case WgradMode::kOverwrite:
+      scaled_mm_into(out, /*accumulate=*/false, grad_t, b, grad_scale_inv, input_scale_inv);
+      break;
+    case WgradMode::kCopy:
+      out.copy_(scaled_mm(grad_t, b, grad_scale_inv, input_scale_inv, at::Tensor(),
+                          out.scalar_type(), false));
+      break;
+    case WgradMode::kAccumulate:
+      if (out.scalar_type() == at::kFloat && out.is_contiguous()) {
+        // The sum in the GEMM's epilogue.
+        scaled_mm_into(out, /*accumulate=*/true, grad_t, b, grad_scale_inv, input_scale_inv);
+      } else {
+        out.add_(scaled_mm(grad_t, b, grad_scale_inv, input_scale_inv, at::Tensor(),
+                           out.scalar_type(), false));
+      }
+      break;
+  }
+  return at::Tensor();
+}
+
+// `grad_2d^T @ input` in the input's precision (`--no-fp8-wgrad`), where `target` says: the
+// Python path's operators (`grad_accumulation.weight_grad_into`).
+at::Tensor high_precision_weight_grad(const megatron::WeightGradTarget& target,
+                                      const at::Tensor& grad_2d, const at::Tensor& input) {
+  const at::Tensor input_2d = flat(input);
+  if (!target.tensor.defined()) return grad_2d.t().matmul(input_2d);
+  at::Tensor main_grad = target.tensor;
+  const int beta = target.overwrite ? 0 : 1;
+  if (main_grad.scalar_type() == grad_2d.scalar_type()) {
+    main_grad.addmm_(grad_2d.t(), input_2d, beta);
+  } else {
+    at::addmm_out(main_grad, main_grad, grad_2d.t(), input_2d, main_grad.scalar_type(), beta);
+  }
+  return at::Tensor();
+}
+
+// `F.linear` with its three GEMMs in FP8, one autograd node (file comment).
+struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+  // `x` (any leading dimensions) cast (with its padded transposed copy where the weight
+  // gradient is FP8 and wanted), then `x_fp8 @ weight^T + bias` in `x`'s leading dimensions and
+  // dtype, the bias in the GEMM where cuBLASLt takes it (a bf16 / fp16 output of the bias's
+  // dtype), else added after.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const LayerArgs& args,
+                            bool weight_needs_grad) {
+    const bool fp8_wgrad = weight_needs_grad && args.fp8_wgrad;
+    const auto cast_out = cast_impl(flat(x), args.scale, args.record, args.e4m3_forward,
+                                    /*rowwise=*/true, /*transpose=*/fp8_wgrad);
+    const at::ScalarType out_dtype = x.scalar_type();
+    const bool fused_bias =
+        bias.has_value() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype;
+    at::Tensor out = scaled_mm(cast_out[0], args.weight_data.t(), cast_out[1],
+                               args.weight_scale_inv,
+                               fused_bias ? bias->contiguous() : at::Tensor(), out_dtype,
+                               args.fast_accum);
+    if (bias.has_value() && !fused_bias) out = out + *bias;
+    auto state = c10::make_intrusive<BackwardState>();
+    if (fp8_wgrad) {
+      ctx->save_for_backward({cast_out[2], cast_out[1]});
+      state->weight_operand = WeightOperand::kFp8Transposed;
+    } else if (weight_needs_grad) {
+      ctx->save_for_backward({x});
+      state->weight_operand = WeightOperand::kInput;
+    }
+    state->weight = weight;
+    state->grad_scale = args.grad_scale;
+    state->grad_record = args.grad_record;
+    state->e4m3_backward = args.e4m3_backward;
+    state->has_bias = bias.has_value();
+    state->input_dtype = out_dtype;
+    ctx->saved_data["state"] = c10::IValue::make_capsule(std::move(state));
+    return out.view(with_last(x, args.weight_data.size(0)));
+  }
+
+  // The output gradient cast (rowwise for the input gradient, its padded transpose for an FP8
+  // weight gradient), the input gradient `grad_fp8 @ weight` from the weight's contiguous
+  // transpose, the weight gradient where Python says, and the bias gradient (the
+  // high-precision gradient's column sums).
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const auto state = c10::static_intrusive_pointer_cast<BackwardState>(
+        ctx->saved_data["state"].toCapsule());
+    // Differentiable once, as the Python path.
+    const megatron::OnceDifferentiable once(grads);
+    const at::Tensor& grad = grads[0];
+    const bool need_input = ctx->needs_input_grad(0);
+    const bool need_bias = state->has_bias && ctx->needs_input_grad(2);
+    const bool need_weight =
+        state->weight_operand != WeightOperand::kNone && ctx->needs_input_grad(1);
+    const BackwardInputs inputs = ask_python(state->weight, need_weight, need_input);
+    const megatron::WeightGradTarget& target = inputs.target;
+    const bool fp8_wgrad =
+        target.wanted && state->weight_operand == WeightOperand::kFp8Transposed;
+    // Checked before the cast, which records the gradient's amax: a refused call changes nothing.
+    if (need_input) {
+      const at::Tensor& transposed = inputs.weight_transposed;
+      TORCH_CHECK(transposed.dim() == 2 && transposed.size(0) == state->weight.size(1) &&
+                      transposed.size(1) == state->weight.size(0),
+                  "fp8 linear backward: the FP8 weight's transpose must be [",
+                  text(state->weight.size(1)), ", ", text(state->weight.size(0)), "], got ",
+                  text(transposed.sizes()));
+    }
+    if (fp8_wgrad && target.tensor.defined()) {
+      check_target(target.tensor, state->weight, grad.device());
+    }
+    const at::Tensor grad_2d = flat(grad);
+    at::Tensor grad_input, grad_weight, grad_bias;
+    if (need_input || fp8_wgrad) {
+      const auto cast_out = cast_impl(grad_2d, state->grad_scale, state->grad_record,
+                                      state->e4m3_backward, /*rowwise=*/need_input,
+                                      /*transpose=*/fp8_wgrad);
+      if (need_input) {
+        const at::Tensor& transposed = inputs.weight_transposed;
+        grad_input = scaled_mm(cast_out[0], transposed.t(), cast_out[1], inputs.weight_scale_inv,
+                               at::Tensor(), state->input_dtype, /*fast_accum=*/false);
+        grad_input = grad_input.view(with_last(grad, transposed.size(0)));
+      }
+      if (fp8_wgrad) {
+        grad_weight = fp8_weight_grad(target, cast_out[2], cast_out[1], saved[0], saved[1],
+                                      state->weight.scalar_type());
+      }
+    }
+    if (target.wanted && state->weight_operand == WeightOperand::kInput) {
+      grad_weight = high_precision_weight_grad(target, grad_2d, saved[0]);
+    }
+    if (need_bias) grad_bias = grad_2d.sum(0);
+    return once.finish({grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor()});
+  }
+};
+
+// The layer's entry: checks what the forward's cast would otherwise record an amax for, then
+// the node (`weight` the parameter, whose gradient the backward places; `weight_data` its FP8
+// bytes).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& record,
+                  const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& grad_record, const at::Tensor& weight_data,
+                  const at::Tensor& weight_scale_inv, bool e4m3_forward, bool e4m3_backward,
+                  bool fp8_wgrad, bool fast_accum) {
+  check_cuda(x, "linear");
+  TORCH_CHECK(x.dim() >= 1 && weight_data.dim() == 2 && weight.sizes() == weight_data.sizes() &&
+                  weight_data.size(1) == x.size(-1),
+              "fp8 linear: an input [..., in], a weight [out, in] and its FP8 bytes of the "
+              "weight's shape, got ",
+              text(x.sizes()), ", ", text(weight.sizes()), " and ", text(weight_data.sizes()));
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
                                     bias->device() == x.device()),
-              "fp8 linear forward: the bias must be [", text(weight.size(0)), "] on ",
-              text(x.device()));
+              "fp8 linear: the bias must be [", text(weight.size(0)), "] on ", text(x.device()));
   const c10::cuda::CUDAGuard guard(x.device());
-  auto cast_out = cast_impl(flat(x), optional_or_undefined(scale), optional_or_undefined(record),
-                            e4m3, /*rowwise=*/true, transpose);
-  const at::ScalarType out_dtype = x.scalar_type();
-  const bool fused_bias =
-      bias.has_value() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype;
-  at::Tensor out = scaled_mm(cast_out[0], weight.t(), cast_out[1], weight_scale_inv,
-                             fused_bias ? bias->contiguous() : at::Tensor(), out_dtype,
-                             fast_accum);
-  if (bias.has_value() && !fused_bias) out = out + *bias;
-  return {out.view(with_last(x, weight.size(0))), cast_out[2], cast_out[1]};
+  const LayerArgs args{optional_or_undefined(scale),
+                       optional_or_undefined(record),
+                       optional_or_undefined(grad_scale),
+                       optional_or_undefined(grad_record),
+                       weight_data,
+                       weight_scale_inv,
+                       e4m3_forward,
+                       e4m3_backward,
+                       fp8_wgrad,
+                       fast_accum};
+  // Read here: in the node's forward grad mode is off.
+  const bool weight_needs_grad = at::GradMode::is_enabled() && weight.requires_grad();
+  return Fp8Linear::apply(x, weight, bias, args, weight_needs_grad);
 }
 
-enum WgradMode : int64_t { kReturn = 0, kOverwrite = 1, kCopy = 2, kAccumulate = 3 };
-
-// Backward: the output gradient `grad` (any leading dimensions) cast (with its transposed copy
-// where the weight gradient is wanted), the input gradient `grad_fp8 @ weight` in `input_dtype`
-// and `grad`'s leading dimensions, from the weight's contiguous transpose `weight_transposed`
-// (`[in, out]`; made here from `weight`, `[out, in]` row-major, when not given), the weight
-// gradient `grad_t @ input_t^T` (returned in `wgrad_dtype`, or written, copied or added into
-// `target` by `wgrad_mode`; an fp32 target's sum in the GEMM), and the bias gradient (the
-// high-precision gradient's column sums). Returns {input gradient, weight gradient (kReturn
-// only), bias gradient, the weight's transpose where made here}, each undefined where not asked
-// for (the caller keeps the transpose for the weight's next backward).
-std::vector<at::Tensor> linear_backward(
-    const at::Tensor& grad, const c10::optional<at::Tensor>& scale,
-    const c10::optional<at::Tensor>& record, bool e4m3, bool need_input,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& weight_transposed,
-    const c10::optional<at::Tensor>& weight_scale_inv, at::ScalarType input_dtype,
-    bool need_wgrad, const c10::optional<at::Tensor>& input_t,
-    const c10::optional<at::Tensor>& input_scale_inv, int64_t wgrad_mode,
-    const c10::optional<at::Tensor>& target, at::ScalarType wgrad_dtype, bool need_bias) {
-  check_cuda(grad, "linear backward");
-  const c10::cuda::CUDAGuard guard(grad.device());
-  TORCH_CHECK(grad.dim() >= 1, "fp8 linear backward: a gradient of at least one dimension");
-  TORCH_CHECK(!need_input || ((weight.has_value() || weight_transposed.has_value()) &&
-                              weight_scale_inv.has_value()),
-              "fp8 linear backward: the input gradient needs weight or weight_transposed, and "
-              "weight_scale_inv");
-  // Checked before the cast, which records the gradient's amax.
-  if (need_input) {
-    const int64_t out = grad.size(-1);
-    const bool fits = weight_transposed.has_value()
-                          ? weight_transposed->dim() == 2 && weight_transposed->size(1) == out
-                          : weight->dim() == 2 && weight->size(0) == out;
-    TORCH_CHECK(fits, "fp8 linear backward: a weight [", text(out),
-                ", in] (or its transpose [in, ", text(out), "]) for a gradient [..., ",
-                text(out), "]");
-  }
-  TORCH_CHECK(!need_wgrad || (input_t.has_value() && input_scale_inv.has_value()),
-              "fp8 linear backward: the weight gradient needs input_t and input_scale_inv");
-  if (need_wgrad && wgrad_mode != kReturn) {
-    TORCH_CHECK(target.has_value(), "fp8 linear backward: weight-gradient mode ",
-                text(wgrad_mode), " writes into a target; none given");
-    const std::vector<int64_t> expected_sizes = {grad.size(-1), input_t->size(0)};
-    const at::IntArrayRef expected(expected_sizes);
-    TORCH_CHECK(target->sizes() == expected && target->device() == grad.device(),
-                "fp8 linear backward: the weight-gradient target must be ", text(expected),
-                " on ", text(grad.device()), ", got ", text(target->sizes()), " on ",
-                text(target->device()));
-    TORCH_CHECK(wgrad_mode != kOverwrite || target->is_contiguous(),
-                "fp8 linear backward: mode ", text(wgrad_mode),
-                " writes the GEMM's output into the target, which must be contiguous");
-    const at::ScalarType dtype = target->scalar_type();
-    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
-                "fp8 linear backward: a bf16, fp16 or fp32 weight-gradient target, got ",
-                text(dtype));
-  }
-  const at::Tensor grad_2d = flat(grad);
-  at::Tensor made_transpose;
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (need_input || need_wgrad) {
-    auto cast_out = cast_impl(grad_2d, optional_or_undefined(scale),
-                              optional_or_undefined(record), e4m3, /*rowwise=*/need_input,
-                              /*transpose=*/need_wgrad);
-    if (need_input) {
-      at::Tensor transposed;
-      if (weight_transposed.has_value()) {
-        transposed = *weight_transposed;
-      } else {
-        made_transpose = transpose(*weight);
-        transposed = made_transpose;
-      }
-      grad_input = scaled_mm(cast_out[0], transposed.t(), cast_out[1], *weight_scale_inv,
-                             at::Tensor(), input_dtype, /*fast_accum=*/false);
-      grad_input = grad_input.view(with_last(grad, transposed.size(0)));
-    }
-    if (need_wgrad) {
-      const at::Tensor& a = cast_out[2];
-      const at::Tensor b = input_t->t();
-      const at::Tensor& a_scale_inv = cast_out[1];
-      switch (wgrad_mode) {
-        case kReturn:
-          grad_weight = scaled_mm(a, b, a_scale_inv, *input_scale_inv, at::Tensor(),
-                                  wgrad_dtype, false);
-          break;
-        case kOverwrite:
-          scaled_mm_into(*target, /*accumulate=*/false, a, b, a_scale_inv, *input_scale_inv);
-          break;
-        case kCopy:
-          target->copy_(scaled_mm(a, b, a_scale_inv, *input_scale_inv, at::Tensor(),
-                                  target->scalar_type(), false));
-          break;
-        case kAccumulate:
-          if (target->scalar_type() == at::kFloat && target->is_contiguous()) {
-            scaled_mm_into(*target, /*accumulate=*/true, a, b, a_scale_inv, *input_scale_inv);
-          } else {
-            target->add_(scaled_mm(a, b, a_scale_inv, *input_scale_inv, at::Tensor(),
-                                   target->scalar_type(), false));
-          }
-          break;
-        default:
-          TORCH_CHECK(false, "fp8 linear backward: unknown weight-gradient mode ",
-                      text(wgrad_mode));
-      }
-    }
-  }
-  if (need_bias) grad_bias = grad_2d.sum(0);
-  return {grad_input, grad_weight, grad_bias, made_transpose};
-}
+void set_backward_callback(py::object callback) { *backward_callback = std::move(callback); }
 
 }  // namespace
 }  // namespace megatron_fp8
@@ -280,16 +410,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rowwise") = true, py::arg("transpose") = true);
   m.def("transpose", &transpose, "The contiguous transpose of a 2-D FP8 CUDA tensor",
         py::arg("data"));
-  m.def("linear_forward", &linear_forward, "An FP8 linear layer's forward: cast, then GEMM",
-        py::arg("x"), py::arg("scale"), py::arg("record"), py::arg("e4m3"),
-        py::arg("transpose"), py::arg("weight"), py::arg("weight_scale_inv"), py::arg("bias"),
-        py::arg("fast_accum"));
-  m.def("linear_backward", &linear_backward,
-        "An FP8 linear layer's backward: cast, input- and weight-gradient GEMMs, bias gradient",
-        py::arg("grad"), py::arg("scale"), py::arg("record"), py::arg("e4m3"),
-        py::arg("need_input"), py::arg("weight"), py::arg("weight_transposed"),
-        py::arg("weight_scale_inv"),
-        py::arg("input_dtype"), py::arg("need_wgrad"), py::arg("input_t"),
-        py::arg("input_scale_inv"), py::arg("wgrad_mode"), py::arg("target"),
-        py::arg("wgrad_dtype"), py::arg("need_bias"));
+  m.def("linear", &linear, "F.linear with its GEMMs in FP8, as one autograd node",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("record"),
+        py::arg("grad_scale"), py::arg("grad_record"), py::arg("weight_data"),
+        py::arg("weight_scale_inv"), py::arg("e4m3_forward"), py::arg("e4m3_backward"),
+        py::arg("fp8_wgrad"), py::arg("fast_accum"));
+  m.def("set_backward_callback", &set_backward_callback,
+        "The Python function the backward asks where the weight gradient goes, and for the FP8 "
+        "weight's transpose");
 }

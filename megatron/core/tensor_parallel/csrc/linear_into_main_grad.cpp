@@ -21,8 +21,6 @@
 #include <ATen/Context.h>
 #include <ATen/cuda/tunable/Tunable.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
@@ -30,6 +28,7 @@
 
 #include "cublaslt_gemm.h"
 #include "once_differentiable.h"
+#include "weight_grad_target.h"
 
 namespace megatron_linear {
 namespace {
@@ -136,25 +135,6 @@ bool weight_gemm_applies(const at::Tensor& grad_2d, const at::Tensor& input_2d) 
   return uses_cublaslt(grad_2d, grad_2d.size(1), input_2d.size(1), grad_2d.size(0));
 }
 
-// Whether the running backward accumulates into `weight` (a leaf): True, False (a backward whose
-// inputs leave it out), or None where `torch.autograd.grad` captures it or no graph task runs
-// (the gradient is then returned). The same test as `torch._C._will_engine_execute_node` on the
-// weight's node, which raises in the last two cases (`grad_accumulation._accumulates`: None).
-py::object accumulates(const at::Tensor& weight) {
-  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  const auto* nodes_in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (exec_info == nullptr || nodes_in_graph == nullptr) return py::none();
-  const auto function = torch::autograd::impl::gradient_edge(weight).function;
-  torch::autograd::Node* node = function.get();
-  if (nodes_in_graph->find(node) == nodes_in_graph->end()) return py::bool_(false);
-  if (!exec_info->empty()) {
-    const auto it = exec_info->find(node);
-    if (it == exec_info->end() || !it->second.should_execute()) return py::bool_(false);
-    if (node->topological_nr() == 0 && it->second.captures_) return py::none();
-  }
-  return py::bool_(true);
-}
-
 // `target (+)= grad_2d^T @ input_2d` in the target's dtype, as `grad_accumulation._fuse` on CUDA.
 void fuse(const at::Tensor& target, bool overwrite, const at::Tensor& grad_2d,
           const at::Tensor& input_2d) {
@@ -175,27 +155,16 @@ void fuse(const at::Tensor& target, bool overwrite, const at::Tensor& grad_2d,
 // engine's target (or where this backward wants none).
 at::Tensor weight_grad(const at::Tensor& grad_2d, const at::Tensor& input,
                        const at::Tensor& weight) {
-  bool wanted;
-  bool fused = false;
-  at::Tensor target;
-  bool overwrite = false;
+  megatron::WeightGradTarget target;
   {
     py::gil_scoped_acquire gil;
     TORCH_CHECK(*target_callback, "linear_into_main_grad: set_target_callback was not called");
-    const py::tuple decision = (*target_callback)(weight, accumulates(weight));
-    wanted = decision[0].cast<bool>();
-    const py::object fusion = decision[1];
-    if (!fusion.is_none()) {
-      const py::tuple pair = fusion;
-      target = pair[0].cast<at::Tensor>();
-      overwrite = pair[1].cast<bool>();
-      fused = true;
-    }
+    target = megatron::read_target((*target_callback)(weight, megatron::accumulates(weight)));
   }
-  if (!wanted) return at::Tensor();
+  if (!target.wanted) return at::Tensor();
   const at::Tensor input_2d = flat(input);
-  if (fused) {
-    fuse(target, overwrite, grad_2d, input_2d);
+  if (target.tensor.defined()) {
+    fuse(target.tensor, target.overwrite, grad_2d, input_2d);
     return at::Tensor();
   }
   if (weight_gemm_applies(grad_2d, input_2d)) {

@@ -31,9 +31,7 @@ class EngineCalls:
             "amax_reduce" (FP8 weights' amaxes all-reduced), "amax_record" (a refresh taking
             the amax of an FP8 weight's part itself), "fp8_cast" (a group's FP8 compute
             weights cast from its main weights) and "fp8_transpose" (an FP8 weight's
-            transposed copy made for the input-gradient GEMM: by `Fp8Weight` itself, or by the
-            C++ backward on a GPU, which hands it over through `hold_transpose`), in call
-            order.
+            transposed copy made for the input-gradient GEMM), in call order.
         gather_groups: the process group of each all-gather.
         gather_bytes: the bytes each all-gather writes on this rank (all ranks' blocks).
         gather_dtypes: the dtype of each all-gather's outputs.
@@ -65,7 +63,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     amax_reduce = collectives.Collectives.all_reduce_max
     amax_record = fp8_gather.record_amax
     fp8_cast = fp8_gather.Fp8ComputeWeights._cast
-    transpose, hold_transpose = Fp8Weight._transpose, Fp8Weight.hold_transpose
+    transpose = Fp8Weight._transpose
 
     def spied_gather(*args, **kwargs):
         calls.log.append("gather")
@@ -106,14 +104,6 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.fp8_transposes.append(weakref.ref(made.data))
         return made
 
-    def spied_hold_transpose(weight: Fp8Weight, transposed) -> None:
-        # A tensor of its own was made by the C++ backward; a view is a stacked copy's part
-        # (MoE experts), whose transposes `_transpose` made and counted.
-        if transposed.data._base is None:
-            calls.log.append("fp8_transpose")
-            calls.fp8_transposes.append(weakref.ref(transposed.data))
-        return hold_transpose(weight, transposed)
-
     with (
         mock.patch.object(collectives.Collectives, "all_reduce_max", spied_amax_reduce),
         mock.patch.object(collectives, "_all_gather_coalesced", spied_gather),
@@ -121,7 +111,6 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         mock.patch.object(Residency, "order_gathers", spied_order),
         mock.patch.object(GroupWeights, "refresh", spied_refresh),
         mock.patch.object(Fp8Weight, "_transpose", spied_transpose),
-        mock.patch.object(Fp8Weight, "hold_transpose", spied_hold_transpose),
         mock.patch.object(fp8_gather, "record_amax", spied_amax_record),
         mock.patch.object(fp8_gather.Fp8ComputeWeights, "_cast", spied_fp8_cast),
     ):
