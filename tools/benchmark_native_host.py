@@ -1,10 +1,12 @@
 """Measures the host time of this project's C++ extensions against their Python paths, and
 against the feature off, in one GPU's training step.
 
-Two features run as C++ autograd nodes on CUDA where their extensions build:
+Three features run as C++ autograd nodes on CUDA where their extensions build:
 gradient-accumulation fusion's linear layers (`--extension linear`:
 `megatron.core.tensor_parallel.native_linear`, against their Python autograd function and
-against `--no-gradient-accumulation-fusion`) and the fused rotary embedding (`--extension rope`:
+against `--no-gradient-accumulation-fusion`), the FP8 linear layers (`--extension fp8` with
+`--fp8-format`: `megatron.core.fp8.cpp_linear`, against their Python autograd function; no
+feature-off row: bf16 runs other GEMMs) and the fused rotary embedding (`--extension rope`:
 `megatron.core.fusions.native_rope`, against the Triton kernel launched from Python and against
 `--no-rope-fusion`); Megatron-FSDP's gather casts launch their kernel from C++
 (`--extension segment_copy`: `megatron.core.fusions.native_segment_copy`, against the Triton
@@ -43,6 +45,7 @@ from benchmark_lib.engines import ENGINES, build_engine
 from benchmark_lib.gpt_model import set_parallel_state
 
 from megatron.core import parallel_state
+from megatron.core.fp8 import cpp_linear
 from megatron.core.fusions import native_rope, native_segment_copy
 from megatron.core.tensor_parallel import native_linear
 
@@ -57,13 +60,15 @@ class FeatureOff(NamedTuple):
 
 class Extension(NamedTuple):
     """A feature's C++ extension: whether it built (asked with a CUDA tensor), its Python path,
-    the feature turned off (None: no such row), the engines whose steps run it (None: all)."""
+    the feature turned off (None: no such row), the engines whose steps run it (None: all), the
+    flag that turns the feature on (None: on by default)."""
 
     built: Callable[[torch.Tensor], object]
     python_path: Callable[[], contextlib.AbstractContextManager]
     python_name: str
     off: FeatureOff | None
     engines: tuple[str, ...] | None = None
+    on_flag: str | None = None
 
 
 EXTENSIONS = {
@@ -72,6 +77,13 @@ EXTENSIONS = {
         native_linear.python_function,
         "Python function",
         FeatureOff("gradient_accumulation_fusion", "no fusion"),
+    ),
+    "fp8": Extension(
+        cpp_linear.native_linear,
+        cpp_linear.python_function,
+        "Python function",
+        None,
+        on_flag="fp8_format",
     ),
     "rope": Extension(
         native_rope.native_rope,
@@ -103,6 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--extension {args.extension} times Megatron-FSDP's gathers: use --engine "
             f"{' or '.join(extension.engines)}."
+        )
+    if extension.on_flag is not None and not getattr(args, extension.on_flag):
+        parser.error(
+            f"--extension {args.extension} times a feature that is off: set "
+            f"--{extension.on_flag.replace('_', '-')}."
         )
     if extension.off is not None and not getattr(args, extension.off.flag):
         parser.error(

@@ -1,6 +1,7 @@
 """Smoke tests of `tools/benchmark_native_host.py`: on a GPU, one rank and a small GPT, the host
 time of each C++ extension, its Python path and the feature off reported; off a GPU, with the
-feature turned off, or with an engine that does not gather, refused with a message."""
+feature turned off (or FP8's not turned on), or with an engine that does not gather, refused with
+a message."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ TINY = (
 ROW = re.compile(r"^  (\S.*?) +(\S+) +(\S+) \(quartiles", re.M)
 ROWS = {
     "linear": ("Python function", "no fusion"),
+    "fp8": ("Python function", None),
     "rope": ("Triton kernel", "no rope fusion"),
     "segment_copy": ("Triton kernel", None),
 }
+FLAGS = {"fp8": ["--fp8-format", "hybrid"]}
 
 
 @pytest.mark.gpu
@@ -30,8 +33,8 @@ ROWS = {
 @pytest.mark.parametrize("extension", list(ROWS))
 def test_reports_the_host_time_of_each_path(extension):
     proc = run_tool(
-        *TINY, "--extension", extension, "--engine", "megatron_fsdp_zero3", nproc=1, tool=TOOL,
-        cuda=True,
+        *TINY, *FLAGS.get(extension, []), "--extension", extension, "--engine",
+        "megatron_fsdp_zero3", nproc=1, tool=TOOL, cuda=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {name: (float(ms), float(diff)) for name, ms, diff in ROW.findall(proc.stdout)}
@@ -66,3 +69,11 @@ def test_segment_copies_need_an_engine_that_gathers(import_tool, monkeypatch, ca
     argv = [*TINY, "--device", "cuda", "--extension", "segment_copy", "--engine", "single"]
     message = usage_error(lambda: tool.parse_args(argv), capsys)
     assert "--extension segment_copy times Megatron-FSDP's gathers" in message
+
+
+def test_fp8_needs_its_format(import_tool, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    tool = import_tool("benchmark_native_host")
+    argv = [*TINY, "--device", "cuda", "--extension", "fp8"]
+    message = usage_error(lambda: tool.parse_args(argv), capsys)
+    assert "--extension fp8 times a feature that is off: set --fp8-format" in message
