@@ -28,9 +28,11 @@ train in FP8 (and of the multi-token prediction depths).
 
 On a GPU a layer of a per-tensor recipe runs as one C++ autograd node (`cpp_linear.py`), whose
 results the tests find the same bit for bit; its backward asks Python once
-(`native_backward_inputs`). The Python function `_Fp8Linear` runs elsewhere, and for the
-column-parallel layers under tensor parallelism (`_Fp8ColumnParallelLinear`) and the blockwise
-recipe.
+(`native_backward_inputs`), and computes only the gradients the running backward needs (a
+`torch.autograd.grad` of the bias alone casts no output gradient, so records no amax), where
+the Python functions compute those their inputs require. The Python function `_Fp8Linear` runs
+off CUDA and under the blockwise recipe; the column-parallel layers under tensor parallelism run
+`_Fp8ColumnParallelLinear`.
 """
 
 from __future__ import annotations
@@ -339,7 +341,7 @@ def _native_linear(
     slots: Fp8LinearSlots,
 ) -> torch.Tensor:
     """`_Fp8Linear` as one C++ autograd node (`cpp_linear.py`): the forward's scales and FP8
-    weight looked up here, and what the backward needs of Python asked then
+    weight are looked up here, what the backward needs of Python at the backward
     (`native_backward_inputs`)."""
     recipe = slots.recipe
     scale, record = slots.cast_scale(FORWARD, input_.device)

@@ -208,6 +208,7 @@ def test_layer_equals_the_python_path(native, fmt, kind, bias, fused):
         dict(fused=True, contiguous=False),
         dict(fused=False, contiguous=False),
         dict(fused=True, wgrad=False),
+        dict(fused=False, wgrad=False),
         dict(fused=None, wgrad=False),
         dict(rows=0),
         dict(rows=0, fused=True),
@@ -219,6 +220,7 @@ def test_layer_equals_the_python_path(native, fmt, kind, bias, fused):
         "copied",
         "added_strided",
         "bf16_wgrad_written",
+        "bf16_wgrad_added",
         "bf16_wgrad",
         "no_tokens",
         "no_tokens_written",
@@ -230,6 +232,98 @@ def test_layer_variants_equal_the_python_path(native, variant):
     precision (`--no-fp8-wgrad`), and a batch of no tokens (its weight gradient zero)."""
     run = dict(fmt="hybrid", kind="delayed", bias=True, fused=None) | variant
     _assert_same_runs(_run(**run, python=False), _run(**run, python=True))
+
+
+def _partial_backward(mode: str, python: bool) -> dict:
+    """A [96, 256] layer whose weight gradient an engine would fuse, run forward and then
+    through a backward that asks for part of the gradients (`mode`); `python`: with the C++
+    path off."""
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", generator=generator).bfloat16())
+    bias = torch.nn.Parameter(torch.randn(96, device="cuda", generator=generator).bfloat16())
+    x = torch.randn(2, 50, 256, device="cuda", generator=generator).bfloat16()
+    x.requires_grad_(mode != "input_needs_no_grad")
+    weight.requires_grad_(mode != "frozen_weight")
+    grad = (torch.randn(2, 50, 96, device="cuda", generator=generator) * 1e-3).bfloat16()
+    engine = _Engine(weight, overwrite=True)
+    register_main_grad(weight, engine.main_grad_of)
+    slots = _slots("hybrid", "delayed")
+    with (
+        mock.patch.object(fp8_linear, "native_linear", lambda x: None)
+        if python
+        else (contextlib.nullcontext())
+    ):
+        y = linear(x, weight, bias, slots)
+        if mode == "weight_returned":
+            returned = torch.autograd.grad(y, [weight], grad)
+        elif mode == "input_only":
+            y.backward(grad, inputs=[x])
+            returned = ()
+        else:
+            y.backward(grad)
+            returned = ()
+    return dict(
+        returned=returned,
+        dx=x.grad,
+        db=bias.grad,
+        main_grad=engine.main_grad,
+        state=slots.state.scaling_tensors(),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode", ["weight_returned", "input_only", "frozen_weight", "input_needs_no_grad"]
+)
+def test_partial_backwards_equal_the_python_path(native, mode):
+    """`torch.autograd.grad` of the weight (returned, the engine's main_grad untouched), a
+    backward whose inputs leave the weight out, a frozen weight, an input that needs no
+    gradient."""
+    native_run, python_run = _partial_backward(mode, False), _partial_backward(mode, True)
+    assert len(native_run["returned"]) == len(python_run["returned"])
+    for ours, theirs in zip(native_run["returned"], python_run["returned"]):
+        assert torch.equal(ours, theirs)
+    for key in ("dx", "db"):
+        assert (native_run[key] is None) == (python_run[key] is None), key
+        if python_run[key] is not None:
+            assert torch.equal(native_run[key], python_run[key]), key
+    assert torch.equal(native_run["main_grad"], python_run["main_grad"])
+    if mode in ("weight_returned", "input_only"):
+        assert torch.all(native_run["main_grad"] == 0.5)  # the engine's values, untouched
+    for name, value in python_run["state"].items():
+        assert torch.equal(native_run["state"][name], value), name
+
+
+@pytest.mark.gpu
+def test_a_gradient_of_the_bias_alone_casts_nothing(native):
+    """The node computes what the running backward needs: the bias's gradient alone is the
+    output gradient's column sums, with no cast (no amax recorded) and no weight gradient."""
+    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", dtype=torch.bfloat16))
+    bias = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=torch.bfloat16))
+    engine = _Engine(weight, overwrite=True)
+    register_main_grad(weight, engine.main_grad_of)
+    slots = _slots("hybrid", "delayed")
+    x = torch.randn(2, 50, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 50, 96, device="cuda", dtype=torch.bfloat16)
+    y = linear(x, weight, bias, slots)
+    before = slots.state.scaling_tensors()["amax_history_bwd"].clone()
+    (bias_grad,) = torch.autograd.grad(y, [bias], grad)
+    assert torch.equal(bias_grad, grad.reshape(-1, 96).sum(0))
+    assert torch.equal(slots.state.scaling_tensors()["amax_history_bwd"], before)
+    assert torch.all(engine.main_grad == 0.5)
+
+
+@pytest.mark.gpu
+def test_a_weight_written_in_place_before_backward_is_refused(native):
+    """As for any autograd function that saved it: the backward would multiply by the new
+    values."""
+    weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(2, 50, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = linear(x, weight, None, _slots("hybrid", "delayed"))
+    with torch.no_grad():
+        weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def _assert_same_runs(native_run: dict, python_run: dict) -> None:

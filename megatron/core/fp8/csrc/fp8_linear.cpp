@@ -165,9 +165,11 @@ enum class WeightOperand {
   kInput,          // the input, for the weight gradient in its precision
 };
 
-// What the backward needs of the forward besides the saved tensors.
+// What the backward needs of the forward besides the saved tensors (kept in one capsule, so
+// compiled autograd, which hashes a node's saved values, does not take the node).
 struct BackwardState : torch::CustomClassHolder {
-  // The parameter itself: a checkpoint's recomputation saves another tensor object.
+  // The parameter itself, which the engine knows (a checkpoint's recomputation saves another
+  // tensor object); also saved, for autograd's check that it was not modified in place.
   at::Tensor weight;
   at::Tensor grad_scale, grad_record;
   bool e4m3_backward = false;
@@ -210,11 +212,28 @@ WgradMode wgrad_mode(const megatron::WeightGradTarget& target) {
   return target.tensor.is_contiguous() ? WgradMode::kOverwrite : WgradMode::kCopy;
 }
 
+// Checks, before the gradient's cast records its amax, that the FP8 weight's transpose Python
+// gave is `[in, out]` E4M3 bytes on `device`, with one fp32 scale.
+void check_transposed_weight(const BackwardInputs& inputs, const at::Tensor& weight,
+                             const at::Device& device) {
+  const at::Tensor& transposed = inputs.weight_transposed;
+  TORCH_CHECK(transposed.dim() == 2 && transposed.size(0) == weight.size(1) &&
+                  transposed.size(1) == weight.size(0) &&
+                  transposed.scalar_type() == at::kFloat8_e4m3fn && transposed.device() == device,
+              "fp8 linear backward: the FP8 weight's transpose must be [", text(weight.size(1)),
+              ", ", text(weight.size(0)), "] E4M3 on ", text(device), ", got ",
+              text(transposed.scalar_type()), " ", text(transposed.sizes()), " on ",
+              text(transposed.device()));
+  check_scalar(inputs.weight_scale_inv, device, "weight scale's inverse");
+}
+
 // Checks, before the gradient's cast records its amax, that an engine's target is the weight's
-// shape, on the gradient's device, of a dtype the FP8 GEMM writes.
-void check_target(const at::Tensor& target, const at::Tensor& weight, const at::Device& device) {
+// shape, on the gradient's device, and (for the FP8 GEMM's output) of a dtype it writes.
+void check_target(const at::Tensor& target, const at::Tensor& weight, const at::Device& device,
+                  bool fp8_output) {
   const at::ScalarType dtype = target.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+  TORCH_CHECK_VALUE(!fp8_output || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                        dtype == at::kFloat,
                     "FP8 weight gradients go into bf16, fp16 or fp32 main_grads, got ",
                     text(dtype), ".");
   TORCH_CHECK(target.sizes() == weight.sizes() && target.device() == device,
@@ -289,13 +308,16 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
                                fused_bias ? bias->contiguous() : at::Tensor(), out_dtype,
                                args.fast_accum);
     if (bias.has_value() && !fused_bias) out = out + *bias;
+    // The weight last: autograd then refuses a backward after an in-place write to it.
     auto state = c10::make_intrusive<BackwardState>();
     if (fp8_wgrad) {
-      ctx->save_for_backward({cast_out[2], cast_out[1]});
+      ctx->save_for_backward({cast_out[2], cast_out[1], weight});
       state->weight_operand = WeightOperand::kFp8Transposed;
     } else if (weight_needs_grad) {
-      ctx->save_for_backward({x});
+      ctx->save_for_backward({x, weight});
       state->weight_operand = WeightOperand::kInput;
+    } else {
+      ctx->save_for_backward({weight});
     }
     state->weight = weight;
     state->grad_scale = args.grad_scale;
@@ -310,7 +332,9 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   // The output gradient cast (rowwise for the input gradient, its padded transpose for an FP8
   // weight gradient), the input gradient `grad_fp8 @ weight` from the weight's contiguous
   // transpose, the weight gradient where Python says, and the bias gradient (the
-  // high-precision gradient's column sums).
+  // high-precision gradient's column sums). Only what the running backward needs is computed
+  // (`needs_input_grad` asks it), so a backward that needs neither the input's nor the weight's
+  // gradient casts nothing and records no amax.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const auto state = c10::static_intrusive_pointer_cast<BackwardState>(
@@ -318,25 +342,21 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     // Differentiable once, as the Python path.
     const megatron::OnceDifferentiable once(grads);
     const at::Tensor& grad = grads[0];
+    const c10::cuda::CUDAGuard guard(grad.device());
     const bool need_input = ctx->needs_input_grad(0);
     const bool need_bias = state->has_bias && ctx->needs_input_grad(2);
     const bool need_weight =
         state->weight_operand != WeightOperand::kNone && ctx->needs_input_grad(1);
-    const BackwardInputs inputs = ask_python(state->weight, need_weight, need_input);
+    const BackwardInputs inputs = need_input || need_weight
+                                      ? ask_python(state->weight, need_weight, need_input)
+                                      : BackwardInputs();
     const megatron::WeightGradTarget& target = inputs.target;
     const bool fp8_wgrad =
         target.wanted && state->weight_operand == WeightOperand::kFp8Transposed;
     // Checked before the cast, which records the gradient's amax: a refused call changes nothing.
-    if (need_input) {
-      const at::Tensor& transposed = inputs.weight_transposed;
-      TORCH_CHECK(transposed.dim() == 2 && transposed.size(0) == state->weight.size(1) &&
-                      transposed.size(1) == state->weight.size(0),
-                  "fp8 linear backward: the FP8 weight's transpose must be [",
-                  text(state->weight.size(1)), ", ", text(state->weight.size(0)), "], got ",
-                  text(transposed.sizes()));
-    }
-    if (fp8_wgrad && target.tensor.defined()) {
-      check_target(target.tensor, state->weight, grad.device());
+    if (need_input) check_transposed_weight(inputs, state->weight, grad.device());
+    if (target.wanted && target.tensor.defined()) {
+      check_target(target.tensor, state->weight, grad.device(), /*fp8_output=*/fp8_wgrad);
     }
     const at::Tensor grad_2d = flat(grad);
     at::Tensor grad_input, grad_weight, grad_bias;
