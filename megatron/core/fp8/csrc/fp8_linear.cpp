@@ -165,8 +165,10 @@ enum class WeightOperand {
   kInput,          // the input, for the weight gradient in its precision
 };
 
-// What the backward needs of the forward besides the saved tensors (kept in one capsule, so
-// compiled autograd, which hashes a node's saved values, does not take the node).
+// What the backward needs of the forward besides the saved tensors, in one capsule. Compiled
+// autograd, which hashes a node's saved values, raises NotImplementedError on it: the node runs
+// in the eager autograd engine only (its backward calls Python and cuBLASLt, which that tracing
+// would not take either).
 struct BackwardState : torch::CustomClassHolder {
   // The parameter itself, which the engine knows (a checkpoint's recomputation saves another
   // tensor object); also saved, for autograd's check that it was not modified in place.
