@@ -28,7 +28,7 @@ _logger = logging.getLogger(__name__)
 
 _SHARED_HEADERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 """The headers every extension may include (`once_differentiable.h`, `cublaslt_gemm.h`,
-`weight_grad_target.h`)."""
+`linear_gemms.h`, `weight_grad_target.h`)."""
 
 STALE_LOCK_S = 600.0
 """Age past which an extension's build lock is taken for one a killed build left: a build takes

@@ -230,10 +230,10 @@ def _dgrad(
 class _WgradMode(enum.Enum):
     """Where a weight gradient GEMM writes."""
 
-    RETURN = 0  # a new tensor, returned to autograd
-    OVERWRITE = 1  # the GEMM writes the (contiguous) main_grad
-    COPY = 2  # copied over a main_grad the GEMM cannot write (not contiguous)
-    ACCUMULATE = 3  # added to main_grad
+    RETURN = enum.auto()  # a new tensor, returned to autograd
+    OVERWRITE = enum.auto()  # the GEMM writes the (contiguous) main_grad
+    COPY = enum.auto()  # copied over a main_grad the GEMM cannot write (not contiguous)
+    ACCUMULATE = enum.auto()  # added to main_grad
 
 
 def _wgrad_destination(target: FusionTarget | None) -> tuple[_WgradMode, torch.Tensor | None]:

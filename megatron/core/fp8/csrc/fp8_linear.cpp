@@ -22,12 +22,15 @@
 #include "error_text.h"
 #include "fp8_gemm.h"
 #include "fp8_kernels.h"
+#include "linear_gemms.h"
 #include "once_differentiable.h"
 #include "weight_grad_target.h"
 
 namespace megatron_fp8 {
 namespace {
 
+using megatron::linear::flat;
+using megatron::linear::with_last;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -123,20 +126,6 @@ at::Tensor transpose(const at::Tensor& data) {
     C10_CUDA_CHECK(launch_transpose(contiguous, out, at::cuda::getCurrentCUDAStream()));
   }
   return out;
-}
-
-// `tensor` as the 2-D [rows, its last dimension] matrix the layer's GEMMs multiply (a view
-// where the strides allow, as `reshape`).
-at::Tensor flat(const at::Tensor& tensor) {
-  return tensor.dim() == 2 ? tensor : tensor.reshape({-1, tensor.size(-1)});
-}
-
-// `tensor`'s sizes with the last one replaced by `last`: the shape of a GEMM's 2-D output
-// viewed as the layer's N-d output.
-std::vector<int64_t> with_last(const at::Tensor& tensor, int64_t last) {
-  std::vector<int64_t> sizes = tensor.sizes().vec();
-  sizes.back() = last;
-  return sizes;
 }
 
 // Python's `linear.native_backward_inputs(weight, accumulates, need_input)`, set once at load.
@@ -274,22 +263,6 @@ at::Tensor fp8_weight_grad(const megatron::WeightGradTarget& target, const at::T
   return at::Tensor();
 }
 
-// `grad_2d^T @ input` in the input's precision (`--no-fp8-wgrad`), where `target` says: the
-// Python path's operators (`grad_accumulation.weight_grad_into`).
-at::Tensor high_precision_weight_grad(const megatron::WeightGradTarget& target,
-                                      const at::Tensor& grad_2d, const at::Tensor& input) {
-  const at::Tensor input_2d = flat(input);
-  if (!target.tensor.defined()) return grad_2d.t().matmul(input_2d);
-  at::Tensor main_grad = target.tensor;
-  const int beta = target.overwrite ? 0 : 1;
-  if (main_grad.scalar_type() == grad_2d.scalar_type()) {
-    main_grad.addmm_(grad_2d.t(), input_2d, beta);
-  } else {
-    at::addmm_out(main_grad, main_grad, grad_2d.t(), input_2d, main_grad.scalar_type(), beta);
-  }
-  return at::Tensor();
-}
-
 // `F.linear` with its three GEMMs in FP8, one autograd node (file comment).
 struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   // `x` (any leading dimensions) cast (with its padded transposed copy where the weight
@@ -378,7 +351,8 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       }
     }
     if (target.wanted && state->weight_operand == WeightOperand::kInput) {
-      grad_weight = high_precision_weight_grad(target, grad_2d, saved[0]);
+      // `--no-fp8-wgrad`: the fusing bf16 linear's weight gradient, from the saved input.
+      grad_weight = megatron::linear::weight_grad_into(target, grad_2d, saved[0]);
     }
     if (need_bias) grad_bias = grad_2d.sum(0);
     return once.finish({grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor()});
