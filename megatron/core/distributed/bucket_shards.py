@@ -116,7 +116,7 @@ class BucketShards:
 
     def start_fp8_refresh(self) -> list[Fp8ComputeWeights]:
         """This rank's amaxes of its rows of the FP8 weights (`fp8_param_gather`), for the one
-        reduction of all buckets' (`fp8_gather.reduce_amaxes`) before `all_gather_params`."""
+        reduction of all buckets' (`fp8_gather.Fp8Refresh`) before `all_gather_params`."""
         return [gather.start_refresh() for gather in self.fp8_gathers]
 
     @torch.no_grad()

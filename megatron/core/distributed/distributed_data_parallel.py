@@ -70,7 +70,7 @@ from megatron.core.distributed.expert_parallel import (
 )
 from megatron.core.distributed.fp8_param_gather import fp8_gathered_weights
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.fp8_gather import reduce_amaxes
+from megatron.core.distributed.fsdp.fp8_gather import Fp8Refresh
 from megatron.core.distributed.global_view import GlobalView
 from megatron.core.distributed.grad_buffer import GradBucket, GradBuffer
 from megatron.core.distributed.tensor_parallel_params import (
@@ -200,6 +200,7 @@ class DistributedDataParallel(_BaseDataParallel):
             for (dtype, expert), group_params in by_kind.items()
         ]
         self._collectives = Collectives()
+        self._fp8_refresh = Fp8Refresh()
         self._dp_mesh: DeviceMesh | None = None
         if ddp_config.use_distributed_optimizer:
             group = self.data_parallel_group
@@ -458,7 +459,7 @@ class DistributedDataParallel(_BaseDataParallel):
         if self.ddp_config.use_distributed_optimizer:
             fp8 = [weights for b in self.buckets for weights in b.shards.start_fp8_refresh()]
             if fp8:
-                reduce_amaxes(fp8, self._collectives)
+                self._fp8_refresh(fp8, self._collectives)
             for bucket in self.buckets:
                 bucket.shards.all_gather_params(self._collectives)
 

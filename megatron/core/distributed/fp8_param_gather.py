@@ -11,7 +11,7 @@ tensors). Megatron-FSDP's `Fp8ComputeWeights` does the work, as for its ZeRO-1/2
   the fp32 main shard rounded to the parameter's dtype); one MAX all-reduce for all of the
   engine's FP8 weights (one per data-parallel group: the dense one, and the expert one for
   experts with groups of their own) gives each whole tensor's amax and the scale `448 / amax`
-  (`fp8_gather.reduce_amaxes`);
+  (`fp8_gather.Fp8Refresh`);
 - each rank casts its rows to E4M3 with that scale, and each bucket's FP8 rows are all-gathered
   in one collective: one byte per element where bf16 moves two;
 - the FP8 linear layers compute with the gathered bytes (`fp8_weight_of`, answered here).
@@ -111,7 +111,7 @@ class Fp8ParamGather:
         return self.weights.weight_of(param)
 
     def start_refresh(self) -> Fp8ComputeWeights:
-        """This rank's amax of its rows of each weight, for `reduce_amaxes`, which sets the
+        """This rank's amax of its rows of each weight, for `Fp8Refresh`, which sets the
         scales `finish_refresh` casts with."""
         self.weights.start_refresh(
             [param.detach()[rows] for param, rows in zip(self.params, self._own_rows)]

@@ -10,7 +10,7 @@ the Triton kernels' arithmetic, `csrc/fp8_kernels.cu`) and the cuBLASLt GEMMs
 `torch._scaled_mm` runs, with their set-up cached per problem (`csrc/fp8_gemm.cpp`): the tests
 find the results the same bit for bit. Its backward asks Python once, for where the weight
 gradient goes and for the FP8 weight's transpose (`linear.native_backward_inputs`). The
-extension also transposes the FP8 weights.
+extension also transposes the FP8 weights, those of a group in one call (`transpose_all`).
 
 It is built the first time an FP8 linear layer runs on a GPU (`megatron.core.native_extension`:
 nvcc and ninja, linked against the cuBLASLt library torch loaded). Where it cannot be built the

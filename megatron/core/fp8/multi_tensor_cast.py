@@ -51,7 +51,8 @@ class MultiTensorCast:
     every `i`, in one launch (module docstring). Make it with `make`.
 
     Args:
-        key: the tensors' addresses, sizes and dtypes, which `casts` compares (`_key`).
+        key: the tensors' addresses, sizes and dtypes, and the scale indices, which `casts`
+            compares (`_key`).
         table: the tensors' rows, on the device.
         programs: each program's row and block, on the device.
         scale_count: how many scales the casts read (the largest scale index, plus one).
@@ -61,7 +62,7 @@ class MultiTensorCast:
 
     def __init__(
         self,
-        key: tuple[tuple[int, int, torch.dtype, int], ...],
+        key: tuple[tuple[int, int, torch.dtype, int, int], ...],
         table: torch.Tensor,
         programs: torch.Tensor,
         scale_count: int,
@@ -114,7 +115,7 @@ class MultiTensorCast:
                 or not aligned(target.data_ptr(), target.numel())
             ):
                 return None
-        key = _key(sources, targets)
+        key = _key(sources, targets, scale_indices)
         rows = [
             (source.data_ptr(), target.data_ptr(), source.numel(), index)
             for source, target, index in zip(sources, targets, scale_indices, strict=True)
@@ -124,9 +125,15 @@ class MultiTensorCast:
         scale_count = max(scale_indices) + 1
         return cls(key, table.to(device), programs.to(device), scale_count, dtype, rounding)
 
-    def casts(self, sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> bool:
-        """Whether this launch casts `sources` into `targets` (the same memory as made)."""
-        return _key(sources, targets) == self._key
+    def casts(
+        self,
+        sources: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        scale_indices: Sequence[int],
+    ) -> bool:
+        """Whether this launch casts `sources` into `targets` with these scales (the same memory
+        and scale indices as made)."""
+        return _key(sources, targets, scale_indices) == self._key
 
     def __call__(self, scales: torch.Tensor) -> None:
         """Casts every source into its target with its scale in `scales` (fp32, 1-D, on the
@@ -154,13 +161,13 @@ class MultiTensorCast:
 
 
 def _key(
-    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
-) -> tuple[tuple[int, int, torch.dtype, int], ...]:
+    sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], scale_indices: Sequence[int]
+) -> tuple[tuple[int, int, torch.dtype, int, int], ...]:
     """What a launch's tables depend on: each source's address, size and dtype, and each
-    target's address."""
+    target's address and scale index."""
     return tuple(
-        (source.data_ptr(), source.numel(), source.dtype, target.data_ptr())
-        for source, target in zip(sources, targets, strict=True)
+        (source.data_ptr(), source.numel(), source.dtype, target.data_ptr(), index)
+        for source, target, index in zip(sources, targets, scale_indices, strict=True)
     )
 
 

@@ -47,7 +47,7 @@ def test_each_target_holds_the_reference_casts_bytes(dtype, rounding):
     indices = [0, 1, 2, 2, 3, 4]  # two pieces share a scale
     scales = torch.tensor([1.0, 448.0, 0.03125, 3.0e5, 2.5], device="cuda")
     cast = MultiTensorCast.make(sources, targets, indices, rounding)
-    assert cast is not None and cast.casts(sources, targets)
+    assert cast is not None and cast.casts(sources, targets, indices)
     cast(scales)
     for source, target, index in zip(sources, targets, indices):
         expected = _quantize_reference(
@@ -74,12 +74,15 @@ def test_tensors_the_kernel_cannot_take_are_refused(case):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_launch_casts_only_the_memory_it_was_made_for():
+def test_a_launch_casts_only_the_memory_and_scales_it_was_made_for():
     sources, targets = _pieces(torch.float32, "cuda")
-    cast = MultiTensorCast.make(sources, targets, range(len(SIZES)), None)
+    indices = list(range(len(SIZES)))
+    cast = MultiTensorCast.make(sources, targets, indices, None)
     moved = [source.clone() for source in sources]
-    assert cast.casts(sources, targets) and not cast.casts(moved, targets)
-    assert not cast.casts(sources[:-1], targets[:-1])
+    assert cast.casts(sources, targets, indices) and not cast.casts(moved, targets, indices)
+    assert not cast.casts(sources[:-1], targets[:-1], indices[:-1])
+    # The same tensors read other scales (a group's scales placed after another group's).
+    assert not cast.casts(sources, targets, [index + 1 for index in indices])
 
 
 def test_off_cuda_make_says_none():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from megatron.core.distributed.fsdp import FullyShardedDataParallel
 from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.enums import ModelType
 from megatron.core.fp8 import cpp_linear
+from megatron.core.fp8.multi_tensor_cast import MultiTensorCast
 from megatron.training.training import TrainingHistory, pretrain
 from tests.unit_tests.distributed.fsdp.engine_spies import spy_on_engine
 from tests.unit_tests.distributed_harness import run_distributed
@@ -161,14 +163,17 @@ def test_kept_fp8_transposes_train_as_without_them(graphed):
     assert kept == freed
 
 
-def _zero3_fp8(keep_fp8_transpose_cache: bool) -> FullyShardedDataParallel:
-    """The tiny GPT in FP8 under ZeRO-3 with `--fp8-param-gather` over this rank's GPU."""
+def _zero3_fp8(
+    keep_fp8_transpose_cache: bool, strategy: str = "optim_grads_params"
+) -> FullyShardedDataParallel:
+    """The tiny GPT in FP8 under ZeRO-3 (or `strategy`) with `--fp8-param-gather` over this
+    rank's GPU."""
     parallel_state.initialize_model_parallel()
     config = tiny_gpt_config(params_dtype=torch.bfloat16, bf16=True, fp8="hybrid")
     model = build_tiny_gpt(config)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
-        data_parallel_sharding_strategy="optim_grads_params",
+        data_parallel_sharding_strategy=strategy,
         fp8_param_gather=True,
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
     )
@@ -226,29 +231,71 @@ def test_kept_fp8_transposes_hold_one_byte_per_element_and_do_not_grow():
         assert kept_allocated[-1] - freed_allocated[-1] == transpose_bytes > 0
 
 
-def _transposes_made_per_step(keep_fp8_transpose_cache: bool) -> tuple[list[int], int, bool]:
+def _transposes_made_per_step(
+    keep_fp8_transpose_cache: bool,
+) -> tuple[list[int], list[int], int, int, bool]:
     """ZeRO-3 over this rank's GPU, 3 steps of 2 microbatches: the FP8 weight transposes made
-    in each step, the number of FP8 weights, and whether the C++ extension ran."""
+    in each step, the calls that made them (a group's in one), the numbers of FP8 weights and
+    of their groups, and whether the C++ extension ran."""
     fsdp = _zero3_fp8(keep_fp8_transpose_cache)
-    ends: list[int] = []
+    ends: list[tuple[int, int]] = []
     with spy_on_engine() as calls:
-        _train_steps(fsdp, 3, lambda: ends.append(calls.count("fp8_transpose")))
-    weights = sum(
+        _train_steps(
+            fsdp,
+            3,
+            lambda: ends.append((calls.count("fp8_transpose"), calls.count("fp8_transpose_all"))),
+        )
+    shapes = [
         len(group.weights.layout.shapes)
         for group in parameter_groups(fsdp.module)
         if group.plan.fp8_gather
-    )
+    ]
     built = cpp_linear.native_transpose(torch.empty(1, 1, dtype=torch.uint8, device="cuda"))
-    return [end - start for start, end in zip([0, *ends], ends)], weights, built is not None
+    per_step = [[end - start for start, end in zip([0, *column], column)] for column in zip(*ends)]
+    return per_step[0], per_step[1], sum(shapes), len(shapes), built is not None
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["freed", "kept"])
 def test_fp8_transposes_are_made_once_per_gather_or_kept_for_the_step(keep):
     """The C++ backward makes each FP8 weight's transpose at each backward that gathered the
-    weights again (ZeRO-3: each microbatch), and once per step where the transposes are kept."""
+    weights again (ZeRO-3: each microbatch), and once per step where the transposes are kept:
+    those of a unit's group in one call of the extension."""
     results = run_distributed(_transposes_made_per_step, _world(), keep)
-    if not all(built for _, _, built in results):
+    if not all(built for *_, built in results):
         pytest.skip("the FP8 C++ extension did not build here (no nvcc or ninja)")
-    for made, weights, _ in results:
-        assert weights == 8  # 4 linear layers in each of 2 transformer layers
+    for made, calls, weights, groups, _ in results:
+        assert (weights, groups) == (8, 2)  # 4 linear layers in each of 2 transformer layers
         assert made == [weights * (1 if keep else 2)] * 3, made
+        assert calls == [groups * (1 if keep else 2)] * 3, calls
+
+
+def _fp8_cast_launches_per_step(strategy: str) -> tuple[list[int], int, bool]:
+    """3 steps of `strategy` over this rank's GPU: the launches of the FP8 weights' casts
+    in each step, the FP8 groups, and whether their gathers are transient (ZeRO-3 over more
+    than one rank)."""
+    fsdp = _zero3_fp8(False, strategy)
+    launches = []
+    launch = MultiTensorCast.__call__
+
+    def counted(cast: MultiTensorCast, scales: torch.Tensor) -> None:
+        launches.append(1)
+        launch(cast, scales)
+
+    ends: list[int] = []
+    with mock.patch.object(MultiTensorCast, "__call__", counted):
+        _train_steps(fsdp, 3, lambda: ends.append(len(launches)))
+    groups = [group for group in parameter_groups(fsdp.module) if group.plan.fp8_gather]
+    transient = not groups[0].weights.fp8.casts_at_refresh
+    return [end - start for start, end in zip([0, *ends], ends)], len(groups), transient
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_fp8_weights_that_stay_whole_are_cast_in_one_launch(strategy):
+    """Weights that stay whole (ZeRO-2; ZeRO-3 over one rank) are cast at each step's refresh,
+    all groups in one launch; ZeRO-3 over several ranks casts each group at its gather."""
+    for launches, groups, transient in run_distributed(
+        _fp8_cast_launches_per_step, _world(), strategy
+    ):
+        assert groups == 2
+        # The first step's refresh is the model's first: its casts follow the construction.
+        assert launches[1:] == [groups if transient else 1] * 2, launches

@@ -10,12 +10,13 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
   maximum of its part of each tensor (the main shard, HFSDP's inner shard, or the replicated
   main weights: `start_refresh`), and the groups refreshed together round those amaxes to the
   model dtype (the amax of the rounded weights) and all-reduce them with MAX in one collective
-  per shard group (`reduce_amaxes`), so every rank holds each whole tensor's amax, and the
+  per shard group (`Fp8Refresh`), so every rank holds each whole tensor's amax, and the
   scale `448 / amax`;
-  then, unit by unit, weights that stay whole (ZeRO-1/2) are cast and all-gathered
-  (`finish_refresh`). Like every refresh, it is collective: the ranks of a shard group refresh
-  the same groups, which they do as long as the main weights change on all of them (optimizer
-  steps, loads; an in-place write on some ranks only is `mark_written` on all).
+  then weights that stay whole (ZeRO-1/2, a shard group of one rank) are cast, all groups in
+  one launch (`Fp8Refresh`), and all-gathered unit by unit (`finish_refresh`). Like every
+  refresh, it is collective: the ranks of a shard group refresh the same groups, which they do
+  as long as the main weights change on all of them (optimizer steps, loads; an in-place write
+  on some ranks only is `mark_written` on all).
 - *unshard* (ZeRO-3): the first after a refresh casts this rank's part into its FP8 shard
   (on the all-gather stream, ahead of the unit's use as its gather is); then the FP8 shards
   are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
@@ -24,7 +25,8 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
   (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale (an
   `Fp8ExpertWeights` with the experts' scales for stacked expert weights).
   Its transposed copy, for the input-gradient GEMM, is made at the first backward that needs
-  it and lives as long as the whole FP8 weights: under ZeRO-3, until the reshard after that
+  it, with those of the group's other weights (`transpose_all`: the unit's backward needs
+  them all), and lives as long as the whole FP8 weights: under ZeRO-3, until the reshard after that
   backward, so each backward's gather makes it again. With `keep_transposes` (Megatron-LM's
   `keep_fp8_transpose_cache`) it lives until the next refresh instead, across reshards and
   microbatches: made once per change of the main weights, for 1 byte per element of the whole
@@ -44,7 +46,9 @@ The DDP engine's distributed optimizer gathers its FP8 weights with it too, as Z
 
 from __future__ import annotations
 
+import functools
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -150,10 +154,14 @@ class Fp8ComputeWeights:
         # `step_amax_targets`' pairs, with the sources they pair (made once, not every step).
         self._step_targets: tuple[Sequence[torch.Tensor], list] | None = None
         self._index = {id(param): i for i, param in enumerate(params)}
+        self._matrices = [i for i, stacked in enumerate(self._stacked) if not stacked]
+        # Weakly: the copies live in `_made`, which a reference back to self would make a cycle
+        # (the group and its buffers then freed by the garbage collector only).
+        self._transposes_with = functools.partial(_transpose_all_of, weakref.ref(self))
         self._made: list[Fp8Weight | Fp8ExpertWeights | None] = [None] * len(layout)
         # Between a refresh and the cast (which ZeRO-3 leaves to the next gather): the parts to
         # cast, their amaxes until reduced, and the scales to cast them with (the group's slice
-        # of the scales `reduce_amaxes` computed).
+        # of the scales `Fp8Refresh` computed).
         self._sources: list[torch.Tensor] | None = None
         self.amaxes: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
@@ -212,16 +220,27 @@ class Fp8ComputeWeights:
                 "with it."
             )
         made = self._made[index]
-        if made is not None:
-            return made
+        return made if made is not None else self._make(index)
+
+    def _make(self, index: int) -> Fp8Weight | Fp8ExpertWeights:
         data = self._weights[index]
         first = self._first_scale[index]
         if self._stacked[index]:
             made = Fp8ExpertWeights(data, self._scale_inv_column[first : first + len(data)])
         else:
-            made = Fp8Weight(Fp8Tensor(data, self._scale_invs[first]))
+            made = Fp8Weight(Fp8Tensor(data, self._scale_invs[first]), self._transposes_with)
         self._made[index] = made
         return made
+
+    def transpose_all(self) -> None:
+        """Makes the transposes of the group's weights (but stacked expert weights, which
+        transpose their own) at once (`Fp8Weight.transpose_all`), at the first need of any:
+        the backward that needs one needs each, for its unit's linear layers' input gradients
+        (a layer whose input needs no gradient has its transpose made too)."""
+        made = [self._made[i] for i in self._matrices]
+        Fp8Weight.transpose_all(
+            [w if w is not None else self._make(i) for w, i in zip(made, self._matrices)]
+        )
 
     # Refresh.
 
@@ -255,7 +274,7 @@ class Fp8ComputeWeights:
     def start_refresh(self, sources: Sequence[torch.Tensor], amaxes_recorded: bool = False) -> None:
         """First step of a refresh: this rank's amax of each tensor's part `sources[i]` (in the
         main dtype, or the model dtype), of each expert's for stacked expert weights, for
-        `reduce_amaxes` (0 where this rank holds none of it); `amaxes_recorded`: the optimizer
+        `Fp8Refresh` (0 where this rank holds none of it); `amaxes_recorded`: the optimizer
         step that wrote `sources` recorded them (`step_amax_targets`)."""
         self._forget()
         self._sources = list(sources)
@@ -263,7 +282,7 @@ class Fp8ComputeWeights:
             self._amax_buffer.zero_()
             for slot, part in self._amax_targets(self._sources):
                 record_amax(part, slot)
-        # The buffer itself, as the main weights hold them: `reduce_amaxes`, which follows before
+        # The buffer itself, as the main weights hold them: `Fp8Refresh`, which follows before
         # anything writes the buffer again (the next optimizer step or refresh), copies them out
         # rounded to the model dtype, for all groups at once.
         self.amaxes = self._amax_buffer
@@ -276,26 +295,38 @@ class Fp8ComputeWeights:
     @property
     def scale_inverses(self) -> torch.Tensor:
         """The inverses of the scales, `[scale_count]` fp32, which the GEMMs read: written in
-        place (`reduce_amaxes`), as GEMMs captured in a CUDA graph read them at every replay."""
+        place (`Fp8Refresh`), as GEMMs captured in a CUDA graph read them at every replay."""
         return self._scale_inv_column
 
     def set_scales(self, scales: torch.Tensor) -> None:
-        """The scales `reduce_amaxes` computed from the whole tensors' amaxes, `[scale_count]`
+        """The scales `Fp8Refresh` computed from the whole tensors' amaxes, `[scale_count]`
         fp32 (it writes their inverses into `scale_inverses`)."""
         self._scales = scales
         self.amaxes = None
 
+    @property
+    def casts_at_refresh(self) -> bool:
+        """Whether a refresh casts the weights (they stay whole), rather than the next gather
+        (ZeRO-3 over several ranks)."""
+        return not self._transient
+
     def finish_refresh(self, comm: Collectives) -> None:
-        """Last step of a refresh: casts and gathers the weights that stay whole now; those
-        gathered for each use are cast at their next gather (so that a ZeRO-3 unit's cast
-        overlaps the compute of the units before it, as its gather does)."""
+        """Last step of a refresh: casts and gathers the weights that stay whole now (the cast
+        already made where `Fp8Refresh` made it with other groups'); those gathered for each
+        use are cast at their next gather (so that a ZeRO-3 unit's cast overlaps the compute of
+        the units before it, as its gather does)."""
         if not self._transient:
-            self._cast()
+            if self._sources is not None:
+                self._cast()
             self._gather(comm)
 
-    def _cast(self) -> None:
-        """Casts this rank's parts into the FP8 shard, with the scales the refresh set: in one
-        launch where `MultiTensorCast` runs, else piece by piece (the same bytes)."""
+    def take_casts(
+        self, first_scale: int = 0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """The casts the refresh left, handed to the caller, which makes them with the scales
+        it set (`set_scales`): this rank's parts that have a scale of their own, their FP8
+        targets, and each part's scale index, counted from `first_scale` (where the group's
+        scales start in a tensor of several groups' scales)."""
         parts, outs, units = [], [], []
         for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
             pieces = zip(self._scaled_parts(i, source), self._scaled_parts(i, target))
@@ -303,21 +334,16 @@ class Fp8ComputeWeights:
                 if part.numel() > 0:
                     parts.append(part)
                     outs.append(out)
-                    units.append(unit)
-        launch = self._multi_cast
-        if launch is None or not launch.casts(parts, outs):
-            launch = MultiTensorCast.make(parts, outs, units, self._model_dtype)
-            # Replaced only by another launch: one a graph captured keeps its tables while
-            # the casts fall back to piece by piece (as during a capture).
-            if launch is not None:
-                self._multi_cast = launch
-        if launch is not None:
-            launch(self._scales)
-        else:
-            scales, rounding = self._scales.split(1), self._model_dtype
-            for part, out, unit in zip(parts, outs, units):
-                quantize(part, WEIGHT_DTYPE, scale=scales[unit], rounding=rounding, out=out)
+                    units.append(first_scale + unit)
         self._sources = self._scales = None
+        return parts, outs, units
+
+    def _cast(self) -> None:
+        """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
+        scales = self._scales
+        self._multi_cast = _cast_parts(
+            self._multi_cast, *self.take_casts(), scales, self._model_dtype
+        )
 
     # Unshard, reshard.
 
@@ -353,28 +379,96 @@ class Fp8ComputeWeights:
         self._made = [None] * len(self._made)
 
 
-def reduce_amaxes(pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
-    """Middle step of the refreshes `start_refresh` began: one MAX all-reduce of the amaxes
-    of all of them that share a shard group, then each sets its scales.
+class Fp8Refresh:
+    """The middle step of the refreshes `Fp8ComputeWeights.start_refresh` began, for one
+    engine (which keeps it across steps, for its launches):
+
+    - one MAX all-reduce of the amaxes of all the groups that share a shard group, then each
+      group's scales;
+    - the casts of the groups that a refresh casts (weights that stay whole: ZeRO-1/2, a
+      shard group of one rank, the DDP engine's distributed optimizer), all in one launch per
+      shard group and model dtype where `MultiTensorCast` runs: a 1.34B GPT's 24 layers are 24
+      groups, each cast a launch and the host's bookkeeping of it. Groups gathered for each use
+      (ZeRO-3 over several ranks) are cast at their gathers, as they overlap compute there.
 
     Every rank of a shard group must pass the same groups' weights in the same order (the
     units' order), as for any collective.
     """
-    by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
-    for weights in pending:
-        by_group.setdefault(weights.amax_group, []).append(weights)
-    for group, members in by_group.items():
-        amaxes = _rounded_amaxes(members)
-        if group is not None:
-            comm.all_reduce_max(amaxes, group)
-        # The scales of all of them at once: each op is a launch.
-        scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
-        counts = [weights.scale_count for weights in members]
-        for weights, part in zip(members, scales.split(counts)):
-            weights.set_scales(part)
-        torch._foreach_copy_(
-            [weights.scale_inverses for weights in members], list(scales.reciprocal().split(counts))
-        )
+
+    def __init__(self) -> None:
+        self._launches: dict[tuple[dist.ProcessGroup | None, torch.dtype], MultiTensorCast] = {}
+
+    def __call__(self, pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
+        by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
+        for weights in pending:
+            by_group.setdefault(weights.amax_group, []).append(weights)
+        for group, members in by_group.items():
+            amaxes = _rounded_amaxes(members)
+            if group is not None:
+                comm.all_reduce_max(amaxes, group)
+            # The scales of all of them at once: each op is a launch.
+            scales = compute_scale(amaxes, fp8_max(WEIGHT_DTYPE))
+            counts = [weights.scale_count for weights in members]
+            for weights, part in zip(members, scales.split(counts)):
+                weights.set_scales(part)
+            torch._foreach_copy_(
+                [weights.scale_inverses for weights in members],
+                list(scales.reciprocal().split(counts)),
+            )
+            self._cast_whole(group, members, counts, scales)
+
+    def _cast_whole(
+        self,
+        group: dist.ProcessGroup | None,
+        members: Sequence[Fp8ComputeWeights],
+        counts: Sequence[int],
+        scales: torch.Tensor,
+    ) -> None:
+        """Casts the `members` that a refresh casts, with `scales` (all members' in order, of
+        `counts` each), in one launch per model dtype."""
+        by_dtype: dict[torch.dtype, tuple[list, list, list]] = {}
+        for weights, first in zip(members, itertools.accumulate([0, *counts])):
+            if weights.casts_at_refresh:
+                casts = by_dtype.setdefault(weights.model_dtype, ([], [], []))
+                for pieces, taken in zip(casts, weights.take_casts(first)):
+                    pieces.extend(taken)
+        for dtype, (parts, outs, units) in by_dtype.items():
+            if parts:
+                key = (group, dtype)
+                launch = _cast_parts(self._launches.get(key), parts, outs, units, scales, dtype)
+                if launch is not None:
+                    self._launches[key] = launch
+
+
+def _cast_parts(
+    launch: MultiTensorCast | None,
+    parts: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    units: Sequence[int],
+    scales: torch.Tensor,
+    rounding: torch.dtype,
+) -> MultiTensorCast | None:
+    """Casts each of `parts` into its E4M3 `outs` with `scales[units[i]]`, rounded to `rounding`
+    first: with `launch` where it casts these, else with one made now, else (no launch can
+    take them) piece by piece, the same bytes. Returns the launch to keep: the one run, or
+    `launch` where none ran (one a CUDA graph captured keeps its tables while the casts go
+    piece by piece, as during a capture)."""
+    if launch is None or not launch.casts(parts, outs, units):
+        made = MultiTensorCast.make(parts, outs, units, rounding)
+        if made is None:
+            split = scales.split(1)
+            for part, out, unit in zip(parts, outs, units):
+                quantize(part, WEIGHT_DTYPE, scale=split[unit], rounding=rounding, out=out)
+            return launch
+        launch = made
+    launch(scales)
+    return launch
+
+
+def _transpose_all_of(weights: weakref.ref[Fp8ComputeWeights]) -> None:
+    alive = weights()
+    if alive is not None:
+        alive.transpose_all()
 
 
 def _rounded_amaxes(members: Sequence[Fp8ComputeWeights]) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from megatron.core.distributed.fsdp.fp8_gather import reduce_amaxes
+from megatron.core.distributed.fsdp.fp8_gather import Fp8Refresh
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 
@@ -80,6 +80,7 @@ class Residency:
         self._ready: set[int] = set()
         self._kept: set[int] = set()
         self._window_slots = window_slots
+        self._fp8_refresh = Fp8Refresh()
         # The event after each unit's gather and after its last use (GPU): a wait queued on an
         # event is not affected by later records.
         if streams is not None:
@@ -98,7 +99,8 @@ class Residency:
         all-gather stream (unsharded weights held from older main weights are resharded, to be
         gathered again when used), unit by unit, each unit's ready as soon as its own weights
         are. FP8 compute weights (`fp8_gather.py`) first take their amaxes, all of them
-        reduced in one collective per shard group."""
+        reduced in one collective per shard group (and those that stay whole are cast, in one
+        launch: `Fp8Refresh`)."""
         stale = [
             (unit, [group.weights for group in unit.groups if group.weights.is_stale])
             for unit in units
@@ -109,7 +111,7 @@ class Residency:
         fp8 = [w for _, weights in stale for w in weights if w.fp8 is not None]
         if fp8:
             with self._on_all_gather_stream():
-                reduce_amaxes([w.start_fp8_refresh() for w in fp8], fp8[0].comm)
+                self._fp8_refresh([w.start_fp8_refresh() for w in fp8], fp8[0].comm)
         for unit, weights in stale:
             self.reshard(unit)
             with self._on_all_gather_stream(), self._labels(unit, "refresh"):

@@ -369,7 +369,7 @@ class GroupWeights:
         """First step of the refresh of FP8 compute weights (`plan.fp8_gather`): HFSDP's inner
         shard, then this rank's amaxes (unless the optimizer step that wrote the main weights
         observed now recorded them: `step_amax_targets`); the caller reduces them with other
-        groups' (`fp8_gather.reduce_amaxes`) before `refresh()`."""
+        groups' (`fp8_gather.Fp8Refresh`) before `refresh()`."""
         if self.plan.refresh is Refresh.OUTER_GATHER:
             self._gather_inner_shard()
         source = self._main_views if self.inner_shard is None else self.inner_shard.local_views()

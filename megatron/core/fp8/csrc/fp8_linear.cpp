@@ -128,6 +128,15 @@ at::Tensor transpose(const at::Tensor& data) {
   return out;
 }
 
+// `transpose` of each of `data`: one call from Python for a group of weights (an engine's
+// unit's, whose backward needs them all), each a launch.
+std::vector<at::Tensor> transpose_all(const std::vector<at::Tensor>& data) {
+  std::vector<at::Tensor> transposed;
+  transposed.reserve(data.size());
+  for (const at::Tensor& tensor : data) transposed.push_back(transpose(tensor));
+  return transposed;
+}
+
 // Python's `linear.native_backward_inputs(weight, accumulates, need_input)`, set once at load.
 // Never destroyed: the interpreter may be gone when static destructors run.
 py::object* backward_callback = new py::object();
@@ -406,6 +415,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rowwise") = true, py::arg("transpose") = true);
   m.def("transpose", &transpose, "The contiguous transpose of a 2-D FP8 CUDA tensor",
         py::arg("data"));
+  m.def("transpose_all", &transpose_all,
+        "The contiguous transposes of 2-D FP8 CUDA tensors, in one call", py::arg("data"));
   m.def("linear", &linear, "F.linear with its GEMMs in FP8, as one autograd node",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("record"),
         py::arg("grad_scale"), py::arg("grad_record"), py::arg("weight_data"),

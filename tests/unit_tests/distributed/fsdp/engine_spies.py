@@ -30,8 +30,9 @@ class EngineCalls:
             queued writes), "refresh" (compute weights rebuilt from the main weights),
             "amax_reduce" (FP8 weights' amaxes all-reduced), "amax_record" (a refresh taking
             the amax of an FP8 weight's part itself), "fp8_cast" (a group's FP8 compute
-            weights cast from its main weights) and "fp8_transpose" (an FP8 weight's
-            transposed copy made for the input-gradient GEMM), in call order.
+            weights cast from its main weights), "fp8_transpose" (an FP8 weight's
+            transposed copy made for the input-gradient GEMM) and "fp8_transpose_all" (a
+            group's transposes made in one call of the C++ extension), in call order.
         gather_groups: the process group of each all-gather.
         gather_bytes: the bytes each all-gather writes on this rank (all ranks' blocks).
         gather_dtypes: the dtype of each all-gather's outputs.
@@ -62,8 +63,8 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     order, refresh = Residency.order_gathers, GroupWeights.refresh
     amax_reduce = collectives.Collectives.all_reduce_max
     amax_record = fp8_gather.record_amax
-    fp8_cast = fp8_gather.Fp8ComputeWeights._cast
-    transpose = Fp8Weight._transpose
+    take_casts = fp8_gather.Fp8ComputeWeights.take_casts
+    transpose, transpose_all = Fp8Weight._transpose, Fp8Weight.transpose_all
 
     def spied_gather(*args, **kwargs):
         calls.log.append("gather")
@@ -94,15 +95,27 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         calls.log.append("amax_record")
         return amax_record(*args, **kwargs)
 
-    def spied_fp8_cast(weights: fp8_gather.Fp8ComputeWeights) -> None:
+    def spied_take_casts(weights: fp8_gather.Fp8ComputeWeights, *args, **kwargs):
         calls.log.append("fp8_cast")
-        return fp8_cast(weights)
+        return take_casts(weights, *args, **kwargs)
+
+    def record_transpose(made) -> None:
+        calls.log.append("fp8_transpose")
+        calls.fp8_transposes.append(weakref.ref(made.data))
 
     def spied_transpose(weight: Fp8Weight):
-        calls.log.append("fp8_transpose")
         made = transpose(weight)
-        calls.fp8_transposes.append(weakref.ref(made.data))
+        record_transpose(made)
         return made
+
+    def spied_transpose_all(weights: list[Fp8Weight]) -> None:
+        pending = [weight for weight in weights if weight._transposed is None]
+        one_by_one = len(calls.fp8_transposes)
+        transpose_all(weights)
+        if pending and len(calls.fp8_transposes) == one_by_one:  # in one call of the extension
+            calls.log.append("fp8_transpose_all")
+            for weight in pending:
+                record_transpose(weight._transposed)
 
     with (
         mock.patch.object(collectives.Collectives, "all_reduce_max", spied_amax_reduce),
@@ -111,7 +124,8 @@ def spy_on_engine() -> Iterator[EngineCalls]:
         mock.patch.object(Residency, "order_gathers", spied_order),
         mock.patch.object(GroupWeights, "refresh", spied_refresh),
         mock.patch.object(Fp8Weight, "_transpose", spied_transpose),
+        mock.patch.object(Fp8Weight, "transpose_all", staticmethod(spied_transpose_all)),
         mock.patch.object(fp8_gather, "record_amax", spied_amax_record),
-        mock.patch.object(fp8_gather.Fp8ComputeWeights, "_cast", spied_fp8_cast),
+        mock.patch.object(fp8_gather.Fp8ComputeWeights, "take_casts", spied_take_casts),
     ):
         yield calls

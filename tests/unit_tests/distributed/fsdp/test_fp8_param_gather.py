@@ -8,7 +8,7 @@ two, the FP8 weights are cast once per step, and the amaxes of all FP8 weights a
 per step. With `keep_fp8_transpose_cache` the transposes backward makes of the FP8 weights are
 made once per step (not in each backward that gathers them) and freed at the next step's
 refresh, with the same training bit for bit. Each refresh scales a group's weights from their
-amaxes rounded to its own model dtype (`reduce_amaxes`)."""
+amaxes rounded to its own model dtype (`Fp8Refresh`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.fp8_gather import reduce_amaxes
+from megatron.core.distributed.fsdp.fp8_gather import Fp8Refresh
 from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.fp8.weights import Fp8Weight, fp8_weight_of
 from megatron.core.fusions.fused_adam import step_and_copy
@@ -525,9 +525,12 @@ def test_keep_fp8_transpose_cache_needs_fp8_param_gather_and_megatron_fsdp():
 
 
 class _RefreshingGroup:
-    """What `reduce_amaxes` reads and writes of a group's FP8 weights (`Fp8ComputeWeights`
+    """What `Fp8Refresh` reads and writes of a group's FP8 weights (`Fp8ComputeWeights`
     between `start_refresh` and `set_scales`): its amaxes as the main weights hold them, its
-    model dtype, and scale inverses in strided views of 16-byte rows, as the GEMMs read them."""
+    model dtype, and scale inverses in strided views of 16-byte rows, as the GEMMs read them;
+    cast at its gather (ZeRO-3 over several ranks)."""
+
+    casts_at_refresh = False
 
     def __init__(self, amaxes: torch.Tensor, model_dtype: torch.dtype):
         self.amaxes, self.model_dtype, self.amax_group = amaxes, model_dtype, None
@@ -547,7 +550,7 @@ class _RefreshingGroup:
     ],
     ids=["one_model_dtype", "mixed_model_dtypes"],
 )
-def test_reduce_amaxes_scales_each_group_from_its_rounded_amaxes(dtypes):
+def test_the_refresh_scales_each_group_from_its_rounded_amaxes(dtypes):
     """Each group's scales are `448 / amax` of its amaxes rounded to its own model dtype (the
     amax of the rounded weights), their inverses written into the group's views; the amaxes
     the groups hold are read, not written."""
@@ -556,7 +559,7 @@ def test_reduce_amaxes_scales_each_group_from_its_rounded_amaxes(dtypes):
     held = [1 + torch.rand(3, generator=generator) * 2**-6 for _ in dtypes]
     groups = [_RefreshingGroup(amaxes, dtype) for amaxes, dtype in zip(held, dtypes)]
     originals = [amaxes.clone() for amaxes in held]
-    reduce_amaxes(groups, Collectives())
+    Fp8Refresh()(groups, Collectives())
     for group, amaxes, original, dtype in zip(groups, held, originals, dtypes):
         rounded = original.to(dtype).float()
         expected = torch.full_like(rounded, 448.0) / rounded
