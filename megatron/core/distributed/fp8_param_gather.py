@@ -112,7 +112,7 @@ class Fp8ParamGather:
 
     def start_refresh(self) -> Fp8ComputeWeights:
         """This rank's amax of its rows of each weight, for `Fp8Refresh`, which sets the
-        scales `finish_refresh` casts with."""
+        scales and casts the rows (with other buckets', in one launch where it can)."""
         self.weights.start_refresh(
             [param.detach()[rows] for param, rows in zip(self.params, self._own_rows)]
         )
@@ -120,8 +120,8 @@ class Fp8ParamGather:
 
     @torch.no_grad()
     def finish_refresh(self, comm: Collectives) -> None:
-        """Casts this rank's rows to FP8 and all-gathers them (one collective), then writes the
-        dequantised weight into the rows other ranks own."""
+        """All-gathers this rank's rows, cast to FP8 by `Fp8Refresh` (one collective), then
+        writes the dequantised weight into the rows other ranks own."""
         self.weights.finish_refresh(comm)
         for param, rows in zip(self.params, self._own_rows):
             gathered = self.weights.weight_of(param)

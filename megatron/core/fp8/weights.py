@@ -64,14 +64,15 @@ class Fp8Weight:
         tensor: the weight's FP8 bytes (row-major `[out, in]`) and scale, or scales of its
             128x128 blocks.
         transposes_with: where the weight is one of several whose transposes are needed
-            together (an engine's group of a unit's weights, whose backward takes them all),
-            makes them all at the first need of any (`transpose_all`).
+            together (a Megatron-FSDP unit's, whose backward takes them all), called with the
+            weight at its transpose's first need: makes them all (`transpose_all`), or nothing
+            (the weight then makes its own).
     """
 
     def __init__(
         self,
         tensor: Fp8Tensor | BlockFp8Tensor,
-        transposes_with: Callable[[], None] | None = None,
+        transposes_with: Callable[[Fp8Weight], None] | None = None,
     ) -> None:
         self.tensor = tensor
         self._transposes_with = transposes_with
@@ -107,7 +108,7 @@ class Fp8Weight:
         """The weight's contiguous transpose, `[in, out]` row-major (made once per copy, with
         others' where `transposes_with` says, or held: `hold_transpose`)."""
         if self._transposed is None and self._transposes_with is not None:
-            self._transposes_with()
+            self._transposes_with(self)
         if self._transposed is None:
             self._transposed = self._transpose()
         return self._transposed

@@ -12,11 +12,11 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
   model dtype (the amax of the rounded weights) and all-reduce them with MAX in one collective
   per shard group (`Fp8Refresh`), so every rank holds each whole tensor's amax, and the
   scale `448 / amax`;
-  then weights that stay whole (ZeRO-1/2, a shard group of one rank) are cast, all groups in
-  one launch (`Fp8Refresh`), and all-gathered unit by unit (`finish_refresh`). Like every
-  refresh, it is collective: the ranks of a shard group refresh the same groups, which they do
-  as long as the main weights change on all of them (optimizer steps, loads; an in-place write
-  on some ranks only is `mark_written` on all).
+  then weights that stay whole (ZeRO-1/2, a shard group of one rank) are cast, the groups of
+  one shard group and model dtype in one launch (`Fp8Refresh`), and all-gathered unit by unit
+  (`finish_refresh`). Like every refresh, it is collective: the ranks of a shard group refresh
+  the same groups, which they do as long as the main weights change on all of them (optimizer
+  steps, loads; an in-place write on some ranks only is `mark_written` on all).
 - *unshard* (ZeRO-3): the first after a refresh casts this rank's part into its FP8 shard
   (on the all-gather stream, ahead of the unit's use as its gather is); then the FP8 shards
   are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
@@ -25,9 +25,10 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
   (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale (an
   `Fp8ExpertWeights` with the experts' scales for stacked expert weights).
   Its transposed copy, for the input-gradient GEMM, is made at the first backward that needs
-  it, with those of the group's other weights (`transpose_all`: the unit's backward needs
-  them all), and lives as long as the whole FP8 weights: under ZeRO-3, until the reshard after that
-  backward, so each backward's gather makes it again. With `keep_transposes` (Megatron-LM's
+  it (for a Megatron-FSDP unit's group with those of the group's other weights,
+  `transpose_all`: the unit's backward needs them all), and lives as long as the whole FP8
+  weights: under ZeRO-3, until the reshard after that backward, so each backward's gather
+  makes it again. With `keep_transposes` (Megatron-LM's
   `keep_fp8_transpose_cache`) it lives until the next refresh instead, across reshards and
   microbatches: made once per change of the main weights, for 1 byte per element of the whole
   weights held between uses. Weights that stay whole keep theirs until the refresh anyway.
@@ -66,6 +67,7 @@ from megatron.core.fp8.weights import (
     Fp8Weight,
     register_fp8_weight,
 )
+from megatron.core.utils import cuda_graph_capturing
 
 
 class Fp8ComputeWeights:
@@ -83,6 +85,8 @@ class Fp8ComputeWeights:
         device: where the buffers live.
         keep_transposes: a reshard keeps the transposes made since the last refresh (module
             docstring); the next refresh frees them.
+        transpose_together: the weights are one unit's, whose backward needs each one's
+            transpose: the first need makes them all, in one call (`transpose_all`).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Fp8ComputeWeights:
         gather_group: dist.ProcessGroup,
         device: torch.device,
         keep_transposes: bool = False,
+        transpose_together: bool = False,
     ):
         self._layout = layout
         self._rank = rank
@@ -157,7 +162,9 @@ class Fp8ComputeWeights:
         self._matrices = [i for i, stacked in enumerate(self._stacked) if not stacked]
         # Weakly: the copies live in `_made`, which a reference back to self would make a cycle
         # (the group and its buffers then freed by the garbage collector only).
-        self._transposes_with = functools.partial(_transpose_all_of, weakref.ref(self))
+        self._transposes_with = (
+            functools.partial(_transpose_all_of, weakref.ref(self)) if transpose_together else None
+        )
         self._made: list[Fp8Weight | Fp8ExpertWeights | None] = [None] * len(layout)
         # Between a refresh and the cast (which ZeRO-3 leaves to the next gather): the parts to
         # cast, their amaxes until reduced, and the scales to cast them with (the group's slice
@@ -165,8 +172,9 @@ class Fp8ComputeWeights:
         self._sources: list[torch.Tensor] | None = None
         self.amaxes: torch.Tensor | None = None
         self._scales: torch.Tensor | None = None
-        # The casts in one launch, made at the first cast and again where the buffers moved
-        # (None: none made, the casts go piece by piece).
+        # The casts in one launch where this group casts on its own (at its gather, or at a
+        # refresh that cannot cast it with others: `Fp8Refresh`), made at the first cast and
+        # again where the buffers moved (None: none made, the casts go piece by piece).
         self._multi_cast: MultiTensorCast | None = None
         if self._transient:
             self.unsharded.free_storage()
@@ -232,11 +240,14 @@ class Fp8ComputeWeights:
         self._made[index] = made
         return made
 
-    def transpose_all(self) -> None:
+    def transpose_all(self, asking: Fp8Weight) -> None:
         """Makes the transposes of the group's weights (but stacked expert weights, which
-        transpose their own) at once (`Fp8Weight.transpose_all`), at the first need of any:
-        the backward that needs one needs each, for its unit's linear layers' input gradients
-        (a layer whose input needs no gradient has its transpose made too)."""
+        transpose their own) at once (`Fp8Weight.transpose_all`), at the first need of any
+        (`asking`'s): the backward that needs one needs each, for its unit's linear layers'
+        input gradients (a layer whose input needs no gradient has its transpose made too).
+        Nothing where `asking` is a copy of an earlier gather (it then makes its own)."""
+        if not self.unsharded.is_allocated or all(w is not asking for w in self._made):
+            return
         made = [self._made[i] for i in self._matrices]
         Fp8Weight.transpose_all(
             [w if w is not None else self._make(i) for w, i in zip(made, self._matrices)]
@@ -326,24 +337,25 @@ class Fp8ComputeWeights:
         """The casts the refresh left, handed to the caller, which makes them with the scales
         it set (`set_scales`): this rank's parts that have a scale of their own, their FP8
         targets, and each part's scale index, counted from `first_scale` (where the group's
-        scales start in a tensor of several groups' scales)."""
-        parts, outs, units = [], [], []
-        for i, (source, target) in enumerate(zip(self._sources, self._cast_targets)):
+        scales start in a tensor of several groups' scales). None where already cast."""
+        parts, outs, scale_indices = [], [], []
+        for i, (source, target) in enumerate(zip(self._sources or (), self._cast_targets)):
             pieces = zip(self._scaled_parts(i, source), self._scaled_parts(i, target))
-            for unit, (part, out) in zip(self._scale_range(i), pieces):
+            for index, (part, out) in zip(self._scale_range(i), pieces):
                 if part.numel() > 0:
                     parts.append(part)
                     outs.append(out)
-                    units.append(first_scale + unit)
+                    scale_indices.append(first_scale + index)
         self._sources = self._scales = None
-        return parts, outs, units
+        return parts, outs, scale_indices
 
     def _cast(self) -> None:
         """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
         scales = self._scales
-        self._multi_cast = _cast_parts(
-            self._multi_cast, *self.take_casts(), scales, self._model_dtype
-        )
+        parts, outs, scale_indices = self.take_casts()
+        launch = _cast_parts(self._multi_cast, parts, outs, scale_indices, scales, self.model_dtype)
+        if launch is not None:
+            self._multi_cast = launch
 
     # Unshard, reshard.
 
@@ -396,7 +408,11 @@ class Fp8Refresh:
     """
 
     def __init__(self) -> None:
-        self._launches: dict[tuple[dist.ProcessGroup | None, torch.dtype], MultiTensorCast] = {}
+        # Per shard group, model dtype and the groups refreshed together (whose places in the
+        # scales the casts' scale indices follow): their casts' launch, or None where no launch
+        # takes them (each group then casts on its own). A launch stays until another replaces
+        # it for the same groups (their memory moved): a CUDA graph may have captured it.
+        self._launches: dict[tuple, MultiTensorCast | None] = {}
 
     def __call__(self, pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
         by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
@@ -426,49 +442,56 @@ class Fp8Refresh:
     ) -> None:
         """Casts the `members` that a refresh casts, with `scales` (all members' in order, of
         `counts` each), in one launch per model dtype."""
-        by_dtype: dict[torch.dtype, tuple[list, list, list]] = {}
+        by_dtype: dict[torch.dtype, list[tuple[Fp8ComputeWeights, int]]] = {}
         for weights, first in zip(members, itertools.accumulate([0, *counts])):
             if weights.casts_at_refresh:
-                casts = by_dtype.setdefault(weights.model_dtype, ([], [], []))
-                for pieces, taken in zip(casts, weights.take_casts(first)):
+                by_dtype.setdefault(weights.model_dtype, []).append((weights, first))
+        together = tuple(map(id, members))
+        for dtype, casting in by_dtype.items():
+            key = (group, dtype, together)
+            if key in self._launches and self._launches[key] is None:
+                for weights, _ in casting:
+                    weights._cast()
+                continue
+            parts, outs, scale_indices = [], [], []
+            for weights, first in casting:
+                for pieces, taken in zip((parts, outs, scale_indices), weights.take_casts(first)):
                     pieces.extend(taken)
-        for dtype, (parts, outs, units) in by_dtype.items():
-            if parts:
-                key = (group, dtype)
-                launch = _cast_parts(self._launches.get(key), parts, outs, units, scales, dtype)
-                if launch is not None:
-                    self._launches[key] = launch
+            launch = _cast_parts(self._launches.get(key), parts, outs, scale_indices, scales, dtype)
+            if launch is not None:
+                self._launches[key] = launch
+            elif not cuda_graph_capturing():  # a capture makes no launch: not a verdict
+                self._launches.setdefault(key, None)
 
 
 def _cast_parts(
     launch: MultiTensorCast | None,
     parts: Sequence[torch.Tensor],
     outs: Sequence[torch.Tensor],
-    units: Sequence[int],
+    scale_indices: Sequence[int],
     scales: torch.Tensor,
     rounding: torch.dtype,
 ) -> MultiTensorCast | None:
-    """Casts each of `parts` into its E4M3 `outs` with `scales[units[i]]`, rounded to `rounding`
-    first: with `launch` where it casts these, else with one made now, else (no launch can
-    take them) piece by piece, the same bytes. Returns the launch to keep: the one run, or
-    `launch` where none ran (one a CUDA graph captured keeps its tables while the casts go
-    piece by piece, as during a capture)."""
-    if launch is None or not launch.casts(parts, outs, units):
-        made = MultiTensorCast.make(parts, outs, units, rounding)
-        if made is None:
-            split = scales.split(1)
-            for part, out, unit in zip(parts, outs, units):
-                quantize(part, WEIGHT_DTYPE, scale=split[unit], rounding=rounding, out=out)
-            return launch
-        launch = made
+    """Casts each of `parts` into its E4M3 `outs` with `scales[scale_indices[i]]`, rounded to
+    `rounding` first: by `launch` where it casts these, else by one made now, and returns the
+    launch that ran; else (no launch takes them, or a CUDA graph is being captured) piece by
+    piece, the same bytes, and returns None."""
+    if launch is None or not launch.casts(parts, outs, scale_indices):
+        launch = MultiTensorCast.make(parts, outs, scale_indices, rounding)
+    if launch is None:
+        split = scales.split(1)
+        for part, out, index in zip(parts, outs, scale_indices):
+            quantize(part, WEIGHT_DTYPE, scale=split[index], rounding=rounding, out=out)
+        return None
     launch(scales)
     return launch
 
 
-def _transpose_all_of(weights: weakref.ref[Fp8ComputeWeights]) -> None:
-    alive = weights()
-    if alive is not None:
-        alive.transpose_all()
+def _transpose_all_of(owner: weakref.ref[Fp8ComputeWeights], asking: Fp8Weight) -> None:
+    """`owner.transpose_all(asking)` while the owner lives (else `asking` makes its own)."""
+    weights = owner()
+    if weights is not None:
+        weights.transpose_all(asking)
 
 
 def _rounded_amaxes(members: Sequence[Fp8ComputeWeights]) -> torch.Tensor:

@@ -99,8 +99,8 @@ class Residency:
         all-gather stream (unsharded weights held from older main weights are resharded, to be
         gathered again when used), unit by unit, each unit's ready as soon as its own weights
         are. FP8 compute weights (`fp8_gather.py`) first take their amaxes, all of them
-        reduced in one collective per shard group (and those that stay whole are cast, in one
-        launch: `Fp8Refresh`)."""
+        reduced in one collective per shard group, and those that stay whole are cast, all
+        units' in one launch, before the units' refreshes (`Fp8Refresh`)."""
         stale = [
             (unit, [group.weights for group in unit.groups if group.weights.is_stale])
             for unit in units

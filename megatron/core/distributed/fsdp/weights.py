@@ -206,6 +206,7 @@ class GroupWeights:
                 gather_group=groups.all_gather,
                 device=device,
                 keep_transposes=plan.keeps_fp8_transposes,
+                transpose_together=True,
             )
         if plan.transient_unsharded or plan.fp8_gather:
             self.unsharded.free_storage()

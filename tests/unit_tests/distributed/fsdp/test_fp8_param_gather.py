@@ -25,7 +25,8 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from megatron.core.distributed.fsdp.collectives import Collectives
-from megatron.core.distributed.fsdp.fp8_gather import Fp8Refresh
+from megatron.core.distributed.fsdp.dbuffer import ShardLayout
+from megatron.core.distributed.fsdp.fp8_gather import Fp8ComputeWeights, Fp8Refresh
 from megatron.core.distributed.fsdp.roots import parameter_groups
 from megatron.core.fp8.weights import Fp8Weight, fp8_weight_of
 from megatron.core.fusions.fused_adam import step_and_copy
@@ -567,3 +568,79 @@ def test_the_refresh_scales_each_group_from_its_rounded_amaxes(dtypes):
         assert torch.equal(group.scale_inverses, expected.reciprocal()), dtype
         assert torch.equal(amaxes, original)
     assert not torch.equal(groups[0].scales, torch.full((3,), 448.0) / originals[0])
+
+
+def _whole_group(
+    shapes: list[tuple[int, int]],
+    model_dtype: torch.dtype,
+    magnitude: float,
+    generator: torch.Generator,
+    transpose_together: bool = False,
+) -> tuple[Fp8ComputeWeights, list[torch.nn.Parameter], list[torch.Tensor]]:
+    """The FP8 compute weights of one unsharded group (weights that stay whole), their
+    parameters, and fp32 main weights whose refresh has begun."""
+    params = [torch.nn.Parameter(torch.empty(shape, dtype=model_dtype)) for shape in shapes]
+    weights = Fp8ComputeWeights(
+        ShardLayout([torch.Size(shape) for shape in shapes], 1),
+        0,
+        params,
+        [f"w{i}" for i in range(len(shapes))],
+        model_dtype=model_dtype,
+        transient=False,
+        amax_group=None,
+        gather_group=None,
+        device=torch.device("cpu"),
+        transpose_together=transpose_together,
+    )
+    sources = [torch.randn(shape, generator=generator) * magnitude for shape in shapes]
+    weights.start_refresh(sources)
+    return weights, params, sources
+
+
+def test_groups_cast_together_each_take_their_own_scales():
+    """The groups a refresh casts in one pass (`Fp8Refresh`), behind a group cast at its
+    gather and in two model dtypes: each weight holds the FP8 cast of its own model-dtype
+    weight, bytes and scale, as `Fp8Weight.quantized` makes it."""
+    generator = torch.Generator().manual_seed(7)
+    gathered = _RefreshingGroup(1 + torch.rand(3, generator=generator), torch.bfloat16)
+    bf16 = _whole_group([(32, 16), (16, 16)], torch.bfloat16, 1.0, generator)
+    fp16 = _whole_group([(16, 32)], torch.float16, 3.0, generator)
+    Fp8Refresh()([gathered, bf16[0], fp16[0]], Collectives())
+    for weights, params, sources in (bf16, fp16):
+        for param, source in zip(params, sources):
+            expected = Fp8Weight.quantized(source.to(param.dtype)).tensor
+            made = weights.weight_of(param).tensor
+            assert torch.equal(made.data.view(torch.uint8), expected.data.view(torch.uint8))
+            assert torch.equal(made.scale_inv.reshape(-1), expected.scale_inv.reshape(-1))
+    assert gathered.scales is not None  # scaled, but left to its gather to cast
+
+
+def test_a_units_weights_are_transposed_together_at_the_first_need():
+    """A unit's group makes every weight's transpose at the first backward need of one; a copy
+    of an earlier refresh makes only its own, leaving the group's new copies untouched."""
+    generator = torch.Generator().manual_seed(3)
+    weights, params, _ = _whole_group(
+        [(32, 16), (16, 32)], torch.bfloat16, 1.0, generator, transpose_together=True
+    )
+    refresh = Fp8Refresh()
+    refresh([weights], Collectives())
+
+    def step() -> None:  # new main weights, refreshed: new FP8 copies, none transposed yet
+        weights.start_refresh([torch.randn(32, 16), torch.randn(16, 32)])
+        refresh([weights], Collectives())
+
+    first, second = (weights.weight_of(param) for param in params)
+    with spy_on_engine() as calls:
+        transposed = first.transposed()
+        assert calls.count("fp8_transpose") == 2
+        assert second.transposed() is second.transposed()
+        assert calls.count("fp8_transpose") == 2
+        assert torch.equal(transposed.data, first.tensor.data.t())
+        step()
+        stale = weights.weight_of(params[0])
+        step()
+        stale.transposed()
+        assert calls.count("fp8_transpose") == 3
+        fresh = weights.weight_of(params[0])
+        assert fresh is not stale and fresh.transposed() is not stale.transposed()
+        assert calls.count("fp8_transpose") == 5
