@@ -600,7 +600,8 @@ def _whole_group(
 def test_groups_cast_together_each_take_their_own_scales():
     """The groups a refresh casts in one pass (`Fp8Refresh`), behind a group cast at its
     gather and in two model dtypes: each weight holds the FP8 cast of its own model-dtype
-    weight, bytes and scale, as `Fp8Weight.quantized` makes it."""
+    weight, bytes and scale, as plain torch makes it (`fp8(clamp(w * 448 / max|w|))`, the
+    product in fp32)."""
     generator = torch.Generator().manual_seed(7)
     gathered = _RefreshingGroup(1 + torch.rand(3, generator=generator), torch.bfloat16)
     bf16 = _whole_group([(32, 16), (16, 16)], torch.bfloat16, 1.0, generator)
@@ -608,10 +609,12 @@ def test_groups_cast_together_each_take_their_own_scales():
     Fp8Refresh()([gathered, bf16[0], fp16[0]], Collectives())
     for weights, params, sources in (bf16, fp16):
         for param, source in zip(params, sources):
-            expected = Fp8Weight.quantized(source.to(param.dtype)).tensor
+            rounded = source.to(param.dtype).float()
+            scale = torch.tensor(448.0) / rounded.abs().max()
+            expected = (rounded * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
             made = weights.weight_of(param).tensor
-            assert torch.equal(made.data.view(torch.uint8), expected.data.view(torch.uint8))
-            assert torch.equal(made.scale_inv.reshape(-1), expected.scale_inv.reshape(-1))
+            assert torch.equal(made.data.view(torch.uint8), expected.view(torch.uint8))
+            assert torch.equal(made.scale_inv.reshape(-1), scale.reciprocal().reshape(-1))
     assert gathered.scales is not None  # scaled, but left to its gather to cast
 
 
