@@ -8,6 +8,8 @@ test on CPU; the workers start with torch and Megatron imported (`warm_processes
 
 Failure handling is the point of this module:
 - a rank that raises has its traceback re-raised in the test (rank number included);
+- a rank that dies (a crash in native code, a kill) is named with its exit code and the Python
+  stacks of its threads when a signal killed it;
 - a rank stuck in a collective (because a peer failed, or a real deadlock) makes the call fail
   after `timeout` seconds, naming the ranks that did not finish;
 - after any failure the pool is killed, so the next test starts from fresh processes;
@@ -20,6 +22,7 @@ Failure handling is the point of this module:
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import functools
 import gc
 import importlib
@@ -27,6 +30,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -83,7 +87,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, backend: str, port: int, conn: Connection) -> None:
+def _worker_main(
+    rank: int, world_size: int, backend: str, port: int, conn: Connection, crash_log: str
+) -> None:
+    # A rank killed by a signal (a crash in native code) sends nothing back: the Python stacks
+    # of its threads at that moment go to a file the test process reads when the rank dies. Not
+    # to stderr, which a forked worker shares with whatever held it when the server started.
+    crash_file = open(crash_log, "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(crash_file, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -229,11 +240,15 @@ class _WorkerPool:
         ctx = warm_context()
         self.conns = []
         self.procs = []
+        self.crash_logs = []
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
+            crash_log_fd, crash_log = tempfile.mkstemp(prefix=f"test-rank-{rank}-", suffix=".log")
+            os.close(crash_log_fd)
+            self.crash_logs.append(crash_log)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self.backend, port, child_conn),
+                args=(rank, self.world_size, self.backend, port, child_conn, crash_log),
                 daemon=True,
                 name=f"test-rank-{rank}",
             )
@@ -261,8 +276,7 @@ class _WorkerPool:
                 try:
                     status, payload = conn.recv()
                 except (EOFError, OSError):
-                    exitcode = self.procs[rank].exitcode
-                    failures[rank] = f"rank {rank} died (exit code {exitcode})"
+                    failures[rank] = self._death(rank)
                     continue
                 if status == "error":
                     failures[rank] = payload
@@ -281,6 +295,17 @@ class _WorkerPool:
             reason = "after another rank failed" if failures else f"within {timeout:.0f} s"
             lines.append(f"ranks {stuck} did not finish {reason} (hung collective?)")
         raise DistributedTestError("\n".join(lines))
+
+    def _death(self, rank: int) -> str:
+        """What is known of how rank `rank`, whose pipe closed, died: its exit code (negative:
+        the signal that killed it; -9 is also the kernel's out-of-memory killer) and the stacks
+        its crash log holds."""
+        proc = self.procs[rank]
+        proc.join(timeout=_GRACE_AFTER_FAILURE_S)  # the pipe closes before the exit is reaped
+        with open(self.crash_logs[rank]) as log:
+            stacks = log.read().strip()
+        report = f"rank {rank} died (exit code {proc.exitcode})"
+        return f"{report}; its threads' stacks then:\n{stacks}" if stacks else report
 
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -303,8 +328,11 @@ class _WorkerPool:
             proc.join(timeout=10)
         for conn in self.conns:
             conn.close()
+        for crash_log in self.crash_logs:
+            os.unlink(crash_log)
         self.procs = []
         self.conns = []
+        self.crash_logs = []
 
 
 _pools: dict[tuple[int, str], _WorkerPool] = {}

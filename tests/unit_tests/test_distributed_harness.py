@@ -1,6 +1,7 @@
 """The multi-rank harness reports results, propagates failures and bounds hangs."""
 
 import os
+import signal
 import socket
 import weakref
 
@@ -27,6 +28,12 @@ def _all_reduce_rank() -> tuple[int, float]:
 def _fail_on_rank_one() -> None:
     if dist.get_rank() == 1:
         raise ValueError("boom from rank one")
+    dist.barrier()
+
+
+def _crash_rank_one_in_native_code() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a crash in a C++ kernel does
     dist.barrier()
 
 
@@ -76,6 +83,17 @@ def test_failing_rank_traceback_is_raised():
         run_distributed(_fail_on_rank_one, 2, timeout=60)
     assert "rank 1" in str(info.value)
     # The broken pool was discarded: the next call works on fresh processes.
+    assert run_distributed(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
+
+
+def test_a_crashed_rank_reports_its_signal_and_stack():
+    """A rank killed by a signal sends no traceback: the error names the signal and the Python
+    frame the rank was in."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_crash_rank_one_in_native_code, 2, timeout=60)
+    message = str(info.value)
+    assert f"rank 1 died (exit code {-signal.SIGSEGV})" in message
+    assert "_crash_rank_one_in_native_code" in message
     assert run_distributed(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
 
 
