@@ -300,6 +300,7 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device, build=
     active = name != "single" or dist.get_rank() == 0
     times = torch.zeros(args.steps, dtype=torch.float64)
     launch = torch.zeros(args.steps, dtype=torch.float64)
+    loop = 0.0
     loss = float("nan")
     if active:
         batches = make_batches(args, device)
@@ -324,6 +325,7 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device, build=
                 times[i - args.warmup_steps] = time.perf_counter() - start
                 launch[i - args.warmup_steps] = launched - start
         loss = step_loss.item()
+        loop = time_loop(step, batches, args.steps, device)
         if args.profile:
             trace = f"{name}_fp8" if args.fp8_format else name  # beside its bf16 twin's
             profile_steps(step, batches, trace, args.profile, device)
@@ -334,7 +336,28 @@ def run_engine(name: str, args: argparse.Namespace, device: torch.device, build=
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         requested = torch.cuda.memory_stats(device)["requested_bytes.all.peak"]
-    return {"times": times, "launch": launch, "loss": loss, "peak": peak, "requested": requested}
+    return {
+        "times": times,
+        "launch": launch,
+        "loop": loop,
+        "loss": loss,
+        "peak": peak,
+        "requested": requested,
+    }
+
+
+def time_loop(step: StepFn, batches: list[Batch], steps: int, device: torch.device) -> float:
+    """Seconds per step of `steps` steps run back to back, as a training loop runs them: the
+    GPU is synchronised before the first and after the last only, so a step's host work
+    overlaps the GPU work the steps before it queued (Megatron-LM's iteration time is measured
+    so, over its log interval). The per-step times of `run_engine` synchronise around each
+    step instead, so each also holds the host's time to its first kernel."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(batches)
+    synchronize(device)
+    return (time.perf_counter() - start) / steps
 
 
 def capture_step(step: StepFn, batches: list[Batch], warmup: int = 3) -> StepFn:
@@ -392,6 +415,7 @@ def summarize(
     """One table row: medians of the per-step maxima over ranks, per-GPU rates."""
     times = max_over_ranks(measured["times"], device).tolist()
     launch = max_over_ranks(measured["launch"], device).tolist()
+    loop_s = max_over_ranks(torch.tensor([measured["loop"]], dtype=torch.float64), device).item()
     # float64: float32 would round byte counts of ~10 GiB to KiBs.
     memory = torch.tensor([measured["peak"], measured["requested"]], dtype=torch.float64)
     peak, requested = max_over_ranks(memory, device).tolist()
@@ -403,6 +427,8 @@ def summarize(
         "engine": name,
         "step_ms": step_s * 1e3,
         "step_ms_per_step": [t * 1e3 for t in times],
+        # The same steps run back to back (`time_loop`): what a training loop's iteration takes.
+        "loop_ms": loop_s * 1e3,
         # Host time until the step's work is queued: near step_ms means the CPU is the limit.
         "cpu_ms": statistics.median(launch) * 1e3,
         "tokens_per_s_per_gpu": tokens / step_s,

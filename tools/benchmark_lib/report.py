@@ -15,13 +15,14 @@ import torch.distributed as dist
 def print_table(rows: list[dict]) -> None:
     """The aligned table, then one precision footnote per engine."""
     header = f"{'engine':<21}{'step ms':>10}{'tok/s/GPU':>12}{'TFLOP/s/GPU':>13}{'peak GiB':>10}"
-    print(header + f"{'cpu ms':>9}{'x single':>10}{'loss':>10}")
+    print(header + f"{'cpu ms':>9}{'loop ms':>9}{'x single':>10}{'loss':>10}")
     for r in rows:
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         ratio = "-" if r["vs_single"] is None else f"{r['vs_single']:.3f}"
         print(
             f"{r['engine']:<21}{r['step_ms']:>10.2f}{r['tokens_per_s_per_gpu']:>12,.0f}"
-            f"{r['tflops_per_s_per_gpu']:>13.2f}{peak:>10}{r['cpu_ms']:>9.1f}{ratio:>10}"
+            f"{r['tflops_per_s_per_gpu']:>13.2f}{peak:>10}{r['cpu_ms']:>9.1f}{r['loop_ms']:>9.2f}"
+            f"{ratio:>10}"
             f"{r['final_loss']:>10.4f}"
         )
     for r in rows:

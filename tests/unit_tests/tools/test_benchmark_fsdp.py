@@ -75,6 +75,7 @@ def run_every_engine(tmp_path: Path, *args: str, cuda: bool = False) -> dict[str
     assert list(rows) == ENGINES
     for name, row in rows.items():
         assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0, name
+        assert math.isfinite(row["loop_ms"]) and row["loop_ms"] > 0, name
         assert math.isfinite(row["final_loss"]), name
         assert row["vs_single"] is not None and math.isfinite(row["vs_single"]), name
     assert rows["single"]["vs_single"] == 1.0
@@ -193,6 +194,19 @@ def test_bad_flags_are_usage_errors(benchmark_fsdp, monkeypatch, capsys, flags, 
     with pytest.raises(SystemExit):
         benchmark_fsdp.parse_args(flags.split())
     assert message in capsys.readouterr().err
+
+
+def test_the_loop_time_runs_its_steps_back_to_back(benchmark_fsdp, monkeypatch):
+    """`loop_ms` times steps as a training loop runs them: one synchronisation before the first
+    step and one after the last, none between (each step's host work may then run while the
+    GPU still computes the steps before it)."""
+    events = []
+    monkeypatch.setattr(benchmark_fsdp, "synchronize", lambda device: events.append("sync"))
+    seconds = benchmark_fsdp.time_loop(
+        lambda batches: events.append("step"), [], 3, torch.device("cpu")
+    )
+    assert events == ["sync", "step", "step", "step", "sync"]
+    assert seconds > 0
 
 
 def test_hybrid_engines_default_to_two_instances(benchmark_fsdp, monkeypatch):
