@@ -80,7 +80,7 @@ def main() -> None:
         variant_args = copy.copy(args)
         variant_args.compile_layers, variant_args.compile_cpp_wrapper = VARIANTS[variant]
         builds[variant] = (args.engine, variant_args)
-    bursts = time_in_alternation(args, builds)
+    bursts = time_in_alternation(args, builds).bursts
     medians = ", ".join(f"{v} {statistics.median(times):.2f}" for v, times in bursts.items())
     print(f"{args.engine}, host ms per step (median of {args.bursts} bursts): {medians}")
     first, *others = args.variants

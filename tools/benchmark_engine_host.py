@@ -14,12 +14,16 @@ Use a model whose GPU work is small against its host work (the default: 24 layer
     torchrun --nproc-per-node 1 tools/benchmark_engine_host.py --bf16 [--engine NAME]
 
 Rank 0 prints the median host ms per step of each, the engine's overhead (median of the
-per-burst differences, with its quartiles) and that overhead per unit (layers + root).
+per-burst differences, with its quartiles) and that overhead per unit (layers + root), then the
+Python-level calls of one step of each and the engine's added calls per unit: the same in every
+run of the same code, where the times move with the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -39,6 +43,7 @@ from benchmark_fsdp import (
 )
 from benchmark_lib.engines import ENGINES, build_engine
 from benchmark_lib.gpt_model import add_model_args, set_parallel_state
+from benchmark_lib.python_calls import count_python_calls
 
 from megatron.core import parallel_state
 
@@ -125,19 +130,27 @@ def host_ms(step, batches, device: torch.device, count: int) -> float:
     return statistics.median(times) * 1e3
 
 
+@dataclasses.dataclass
+class Alternation:
+    """What `time_in_alternation` measured of each named step."""
+
+    bursts: dict[str, list[float]]
+    """The median host ms per step in each of its bursts."""
+    python_calls: dict[str, int]
+    """The Python-level calls of one of its steps (`count_python_calls`), after the bursts."""
+
+
 def time_in_alternation(
     args: argparse.Namespace, builds: dict[str, tuple[str, argparse.Namespace]]
-) -> dict[str, list[float]]:
+) -> Alternation:
     """Builds each named step on this process's device, warms it up (where its layers compile),
-    and times them all in turns of one burst each; joins and leaves the process group.
+    times them all in turns of one burst each, then counts each one's Python calls in one more
+    step; joins and leaves the process group.
 
     Args:
         args: the model, batch and timing flags (`warmup_steps`, `bursts`, `burst_steps`, `seed`,
             `device`).
         builds: name -> (`build_engine`'s engine name, the flags it builds with).
-
-    Returns:
-        Each name's median host ms per step in each of its bursts.
     """
     device = init_distributed(torch.device(args.device).type)
     set_parallel_state(args.create_all_gather_group)
@@ -155,15 +168,20 @@ def time_in_alternation(
     for _ in range(args.bursts):
         for name, step in steps.items():
             bursts[name].append(host_ms(step, batches, device, args.burst_steps))
+    calls = {
+        name: count_python_calls(functools.partial(step, batches)) for name, step in steps.items()
+    }
+    synchronize(device)
     del steps
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return bursts
+    return Alternation(bursts, calls)
 
 
 def main() -> None:
     args = parse_args()
-    bursts = time_in_alternation(args, {name: (name, args) for name in args.engines})
+    measured = time_in_alternation(args, {name: (name, args) for name in args.engines})
+    bursts, calls = measured.bursts, measured.python_calls
     overhead = [e - s for e, s in zip(bursts[args.engine], bursts["single"])]
     quartiles = statistics.quantiles(overhead)
     units = args.num_layers + 1
@@ -172,6 +190,11 @@ def main() -> None:
         f"{statistics.median(bursts[args.engine]):.2f}; overhead {statistics.median(overhead):.2f}"
         f" ms (quartiles {quartiles[0]:.2f} / {quartiles[2]:.2f}), "
         f"{statistics.median(overhead) / units * 1e3:.0f} us per unit ({units} units)"
+    )
+    added = calls[args.engine] - calls["single"]
+    print(
+        f"python calls per step: single {calls['single']}, {args.engine} {calls[args.engine]}; "
+        f"{added:+d}, {added / units:+.0f} per unit"
     )
 
 

@@ -57,6 +57,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from benchmark_lib.python_calls import count_python_calls
+
 from megatron.core.fp8 import blockwise, gemm, grouped_quantize, quantize
 from megatron.core.fp8.experts import Fp8ExpertSlots
 from megatron.core.fp8.linear import Fp8LinearSlots
@@ -342,24 +344,7 @@ def count_ops(step: Callable[[], None]) -> OpCounter:
 def count_calls(step: Callable[[], None]) -> int:
     """The Python function calls (and calls of C functions from Python) of one call of `step`,
     but those inside the stand-ins: the interpreter's share of the host work."""
-    calls = 0
-
-    def profile(frame, event, arg) -> None:
-        nonlocal calls
-        if event not in ("call", "c_call"):
-            return
-        while frame is not None:
-            if frame.f_code in STAND_INS:
-                return
-            frame = frame.f_back
-        calls += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
+    return count_python_calls(step, skip=STAND_INS)
 
 
 def recipe_of(name: str, fmt: str) -> Fp8Recipe:

@@ -37,6 +37,13 @@ def _apply(
 ) -> None:
     """`one(target, source)` for the pairs past one foreach launch's reach, `grouped` over the
     lists of the others."""
+    if not targets:
+        return
+    # Called per unit and step by the engines: the common case (no tensor past the reach) is
+    # told in one pass of C calls, with no Python loop body per tensor.
+    if max(map(torch.Tensor.numel, targets)) <= _ELEMENTS_PER_LAUNCH:
+        grouped(list(targets), list(sources))
+        return
     rest_targets, rest_sources = [], []
     for target, source in zip(targets, sources):
         if target.numel() > _ELEMENTS_PER_LAUNCH:

@@ -51,6 +51,11 @@ def test_only_small_tensors_take_one_foreach_call():
     assert all(torch.equal(t, s.float()) for t, s in zip(targets, sources))
 
 
+def test_no_tensors_take_no_call():
+    assert _ops(multi_tensor.copy_tensors_, [], []) == []
+    assert _ops(multi_tensor.add_tensors_, [], []) == []
+
+
 def test_only_large_tensors_take_no_foreach_call(monkeypatch):
     monkeypatch.setattr(multi_tensor, "_ELEMENTS_PER_LAUNCH", 2)
     targets, sources = _lists("cpu", [4, 8])

@@ -19,6 +19,11 @@ REPORT = re.compile(
     r"overhead (?P<overhead>\S+) ms .* (?P<per_unit>\S+) us per unit \(3 units\)"
 )
 
+CALLS = re.compile(
+    r"python calls per step: single (?P<single>\d+), megatron_fsdp_zero2 (?P<engine>\d+); "
+    r"(?P<added>[+-]\d+), [+-]\d+ per unit"
+)
+
 
 def test_reports_the_engines_host_overhead_per_step_and_unit():
     proc = run_tool(*TINY, "--engine", "megatron_fsdp_zero2", nproc=1, tool=TOOL)
@@ -28,6 +33,11 @@ def test_reports_the_engines_host_overhead_per_step_and_unit():
     values = {name: float(value) for name, value in match.groupdict().items()}
     assert values["single"] > 0 and values["engine"] > 0, values
     assert all(math.isfinite(value) for value in values.values()), values
+    calls = CALLS.search(proc.stdout)
+    assert calls, proc.stdout
+    single, engine, added = (int(calls[name]) for name in ("single", "engine", "added"))
+    # The engine's hooks run on top of the model's calls.
+    assert engine > single > 0 and added == engine - single, calls.groupdict()
 
 
 def test_more_than_one_rank_is_refused(import_tool, monkeypatch, capsys):

@@ -207,9 +207,9 @@ class GroupGrads:
             holds for it: the caller calls `reduction_done()` once the current stream has
             waited for that stream's work.
         """
-        grads = []
-        for param in self.weights.unsharded_params:
-            grads.append(param.grad)
+        params = self.weights.unsharded_params
+        grads = [param.grad for param in params]
+        for param in params:
             param.grad = None
         sums = self.deferred_sums
         if self.plan.shards_grads and (defer or sums.exist()):
