@@ -114,6 +114,11 @@ class Residency:
                 self._fp8_refresh([w.start_fp8_refresh() for w in fp8], fp8[0].comm)
         for unit, weights in stale:
             self.reshard(unit)
+            if not any(group_weights.refreshes_on_device for group_weights in weights):
+                # ZeRO-3's: each use gathers from the main weights, nothing to order.
+                for group_weights in weights:
+                    group_weights.refresh()
+                continue
             with self._on_all_gather_stream(), self._labels(unit, "refresh"):
                 for group_weights in weights:
                     group_weights.refresh()

@@ -53,6 +53,7 @@ from megatron.core.fusions.segment_copy import SegmentCopy
 from megatron.core.tensor_parallel.layout import TensorParallelLayout
 
 _version = operator.attrgetter("_version")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 @dataclass
@@ -312,6 +313,12 @@ class GroupWeights:
                 gradients) was unfrozen since.
         """
         self._observed_version = self.main_version()
+        # Once per group and step: the common case, nothing frozen or unfrozen, in two passes
+        # of C calls.
+        if list(map(_requires_grad, self.unsharded_params)) == list(
+            map(_requires_grad, self.main_weights)
+        ):
+            return
         for param, main, fqn in zip(self.unsharded_params, self.main_weights, self.fqns):
             if param.requires_grad != main.requires_grad:
                 if main.requires_grad and not self.plan.requires_grad:
@@ -399,6 +406,12 @@ class GroupWeights:
         left: the refresh that follows them takes those (as long as nothing wrote them since)."""
         if self.records_step_amaxes:
             self._amaxes_version = self.main_version()
+
+    @property
+    def refreshes_on_device(self) -> bool:
+        """Whether `refresh` queues device work (a cast or a gather; not under ZeRO-3 without
+        FP8 compute weights or HFSDP, where it only records the version it follows)."""
+        return self.fp8 is not None or self.plan.refresh is not Refresh.NONE
 
     def refresh(self) -> None:
         """Makes the compute weights follow the main weights observed last (a cast, or an
