@@ -9,8 +9,10 @@ layers, compiled with the Python wrapper, compiled with the C++ wrapper), runs t
 alternating bursts of steps in one process (the GPU synchronised before each step: adjacent
 bursts see the same drift of the host's speed, separate processes do not), and reports each
 variant's median host milliseconds per step and its median per-burst difference from the first
-variant's, with quartiles. Each variant's build, warm-up and compile time is printed as it is
-built (later processes find inductor's kernels in its cache and compile faster).
+variant's, with quartiles, then each variant's Python-level calls per step (a compiled layer's
+Python wrapper makes a call per kernel). Each variant's build, warm-up and compile time is
+printed as it is built (later processes find inductor's kernels in its cache and compile
+faster).
 
     torchrun --nproc-per-node 1 tools/benchmark_compiled_host.py --bf16 \\
         [--engine megatron_fsdp_zero3] [--variants eager,python,cpp]
@@ -80,7 +82,8 @@ def main() -> None:
         variant_args = copy.copy(args)
         variant_args.compile_layers, variant_args.compile_cpp_wrapper = VARIANTS[variant]
         builds[variant] = (args.engine, variant_args)
-    bursts = time_in_alternation(args, builds).bursts
+    measured = time_in_alternation(args, builds)
+    bursts = measured.bursts
     medians = ", ".join(f"{v} {statistics.median(times):.2f}" for v, times in bursts.items())
     print(f"{args.engine}, host ms per step (median of {args.bursts} bursts): {medians}")
     first, *others = args.variants
@@ -91,6 +94,8 @@ def main() -> None:
             f"{variant} - {first}: {statistics.median(difference):.2f} ms per step (quartiles "
             f"{quartiles[0]:.2f} / {quartiles[2]:.2f})"
         )
+    calls = ", ".join(f"{v} {count}" for v, count in measured.python_calls.items())
+    print(f"{args.engine}, python calls per step: {calls}")
 
 
 if __name__ == "__main__":

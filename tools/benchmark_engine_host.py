@@ -132,12 +132,16 @@ def host_ms(step, batches, device: torch.device, count: int) -> float:
 
 @dataclasses.dataclass
 class Alternation:
-    """What `time_in_alternation` measured of each named step."""
+    """What `time_in_alternation` measured of each named step.
+
+    Attributes:
+        bursts: the median host ms per step in each of its bursts.
+        python_calls: the Python-level calls of one of its steps (`count_python_calls`), made
+            after the bursts.
+    """
 
     bursts: dict[str, list[float]]
-    """The median host ms per step in each of its bursts."""
     python_calls: dict[str, int]
-    """The Python-level calls of one of its steps (`count_python_calls`), after the bursts."""
 
 
 def time_in_alternation(
@@ -151,6 +155,9 @@ def time_in_alternation(
         args: the model, batch and timing flags (`warmup_steps`, `bursts`, `burst_steps`, `seed`,
             `device`).
         builds: name -> (`build_engine`'s engine name, the flags it builds with).
+
+    Returns:
+        Each name's bursts and Python calls.
     """
     device = init_distributed(torch.device(args.device).type)
     set_parallel_state(args.create_all_gather_group)

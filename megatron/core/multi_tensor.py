@@ -41,12 +41,13 @@ def _apply(
         return
     # Called per unit and step by the engines: the common case (no tensor past the reach) is
     # told in one pass of C calls, with no Python loop body per tensor.
-    if max(map(torch.Tensor.numel, targets)) <= _ELEMENTS_PER_LAUNCH:
+    numels = list(map(torch.Tensor.numel, targets))
+    if max(numels) <= _ELEMENTS_PER_LAUNCH:
         grouped(list(targets), list(sources))
         return
     rest_targets, rest_sources = [], []
-    for target, source in zip(targets, sources):
-        if target.numel() > _ELEMENTS_PER_LAUNCH:
+    for target, source, numel in zip(targets, sources, numels):
+        if numel > _ELEMENTS_PER_LAUNCH:
             one(target, source)
         else:
             rest_targets.append(target)

@@ -8,8 +8,8 @@ test on CPU; the workers start with torch and Megatron imported (`warm_processes
 
 Failure handling is the point of this module:
 - a rank that raises has its traceback re-raised in the test (rank number included);
-- a rank that dies (a crash in native code, a kill) is named with its exit code and the Python
-  stacks of its threads when a signal killed it;
+- a rank that dies (a crash in native code, a kill) is named with its exit code, and with the
+  Python stacks of its threads where a fatal signal (a crash) killed it;
 - a rank stuck in a collective (because a peer failed, or a real deadlock) makes the call fail
   after `timeout` seconds, naming the ranks that did not finish;
 - after any failure the pool is killed, so the next test starts from fresh processes;
@@ -22,6 +22,7 @@ Failure handling is the point of this module:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import functools
 import gc
@@ -29,6 +30,7 @@ import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -90,9 +92,10 @@ def free_port() -> int:
 def _worker_main(
     rank: int, world_size: int, backend: str, port: int, conn: Connection, crash_log: str
 ) -> None:
-    # A rank killed by a signal (a crash in native code) sends nothing back: the Python stacks
-    # of its threads at that moment go to a file the test process reads when the rank dies. Not
-    # to stderr, which a forked worker shares with whatever held it when the server started.
+    # A rank killed by a fatal signal (a crash in native code) sends nothing back: the Python
+    # stacks of its threads at that moment go to a file the test process reads when the rank
+    # dies. Not to stderr, which a forked worker shares with whatever held it when the server
+    # started.
     crash_file = open(crash_log, "w")  # noqa: SIM115 - open for the process's life
     faulthandler.enable(crash_file, all_threads=True)
     os.environ.update(
@@ -240,15 +243,12 @@ class _WorkerPool:
         ctx = warm_context()
         self.conns = []
         self.procs = []
-        self.crash_logs = []
+        self.crash_dir = tempfile.mkdtemp(prefix="test-ranks-")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
-            crash_log_fd, crash_log = tempfile.mkstemp(prefix=f"test-rank-{rank}-", suffix=".log")
-            os.close(crash_log_fd)
-            self.crash_logs.append(crash_log)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self.backend, port, child_conn, crash_log),
+                args=(rank, self.world_size, self.backend, port, child_conn, self._crash_log(rank)),
                 daemon=True,
                 name=f"test-rank-{rank}",
             )
@@ -296,13 +296,19 @@ class _WorkerPool:
             lines.append(f"ranks {stuck} did not finish {reason} (hung collective?)")
         raise DistributedTestError("\n".join(lines))
 
+    def _crash_log(self, rank: int) -> str:
+        return os.path.join(self.crash_dir, f"rank-{rank}.log")
+
     def _death(self, rank: int) -> str:
         """What is known of how rank `rank`, whose pipe closed, died: its exit code (negative:
-        the signal that killed it; -9 is also the kernel's out-of-memory killer) and the stacks
-        its crash log holds."""
+        the signal that killed it; -9 is also the kernel's out-of-memory killer) and, where a
+        fatal signal (a crash in native code) killed it, its threads' stacks."""
         proc = self.procs[rank]
         proc.join(timeout=_GRACE_AFTER_FAILURE_S)  # the pipe closes before the exit is reaped
-        with open(self.crash_logs[rank]) as log:
+        if proc.exitcode is None:
+            return f"rank {rank} closed its pipe and still ran {_GRACE_AFTER_FAILURE_S:.0f} s later"
+        stacks = ""
+        with contextlib.suppress(OSError), open(self._crash_log(rank)) as log:
             stacks = log.read().strip()
         report = f"rank {rank} died (exit code {proc.exitcode})"
         return f"{report}; its threads' stacks then:\n{stacks}" if stacks else report
@@ -328,11 +334,9 @@ class _WorkerPool:
             proc.join(timeout=10)
         for conn in self.conns:
             conn.close()
-        for crash_log in self.crash_logs:
-            os.unlink(crash_log)
+        shutil.rmtree(self.crash_dir, ignore_errors=True)
         self.procs = []
         self.conns = []
-        self.crash_logs = []
 
 
 _pools: dict[tuple[int, str], _WorkerPool] = {}
@@ -362,6 +366,8 @@ def run_distributed(
     key = (world_size, backend)
     pool = _pools.get(key)
     if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()  # a rank died between calls: its peers and files go too
         pool = _pools[key] = _WorkerPool(world_size, backend)
     try:
         return pool.run(fn, args, kwargs, timeout)

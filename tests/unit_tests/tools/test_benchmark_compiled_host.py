@@ -36,6 +36,10 @@ def test_reports_each_variants_host_time_and_its_difference_from_the_first():
     values = {name: float(value) for name, value in match.groupdict().items()}
     assert values["eager"] > 0 and values["python"] > 0, values
     assert all(math.isfinite(value) for value in values.values()), values
+    calls = re.search(
+        r"^single, python calls per step: eager (\d+), python (\d+)$", proc.stdout, re.M
+    )
+    assert calls and int(calls[1]) > 0 and int(calls[2]) > 0, proc.stdout
 
 
 @pytest.mark.parametrize(

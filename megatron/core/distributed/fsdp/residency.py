@@ -36,6 +36,9 @@ from megatron.core.distributed.fsdp.fp8_gather import Fp8Refresh
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 
+_INLINE = contextlib.nullcontext()
+"""A body that runs where it is: on the current stream, unlabelled."""
+
 
 class ScheduledUnit(Protocol):
     """What the context and residency need of a unit (`FsdpUnit` is one)."""
@@ -95,12 +98,12 @@ class Residency:
             self._streams.wait(self._streams.all_gather, self._streams.current())
 
     def refresh(self, units: Iterable[ScheduledUnit]) -> None:
-        """Makes the stale compute weights of `units` follow the main weights now, on the
-        all-gather stream (unsharded weights held from older main weights are resharded, to be
-        gathered again when used), unit by unit, each unit's ready as soon as its own weights
-        are. FP8 compute weights (`fp8_gather.py`) first take their amaxes, all of them
-        reduced in one collective per shard group, and those that stay whole are cast, all
-        units' in one launch, before the units' refreshes (`Fp8Refresh`)."""
+        """Makes the stale compute weights of `units` follow the main weights now, on the all-gather
+        stream (unsharded weights held from older main weights are resharded, to be gathered again
+        when used), unit by unit, each unit's ready as soon as its own weights are (a unit whose
+        refresh queues no work is ready at once). FP8 compute weights (`fp8_gather.py`) first take
+        their amaxes, all of them reduced in one collective per shard group, and those that stay
+        whole are cast, all units' in one launch, before the units' refreshes (`Fp8Refresh`)."""
         stale = [
             (unit, [group.weights for group in unit.groups if group.weights.is_stale])
             for unit in units
@@ -114,17 +117,18 @@ class Residency:
                 self._fp8_refresh([w.start_fp8_refresh() for w in fp8], fp8[0].comm)
         for unit, weights in stale:
             self.reshard(unit)
-            if not any(group_weights.refreshes_on_device for group_weights in weights):
-                # ZeRO-3's: each use gathers from the main weights, nothing to order.
+            # A refresh that queues nothing (ZeRO-3's, whose every use gathers from the main
+            # weights; compute weights that are the main weights) only records the version it
+            # follows: no stream to switch to, no range to label, nothing to wait for.
+            on_device = any(group_weights.refreshes_on_device for group_weights in weights)
+            stream = self._on_all_gather_stream() if on_device else _INLINE
+            with stream, self._labels(unit, "refresh") if on_device else _INLINE:
                 for group_weights in weights:
                     group_weights.refresh()
-                continue
-            with self._on_all_gather_stream(), self._labels(unit, "refresh"):
-                for group_weights in weights:
-                    group_weights.refresh()
-            if self._streams is not None:
-                self._ready_events[unit.position].record(self._streams.all_gather)
-            self._ready.add(unit.position)
+            if on_device:
+                if self._streams is not None:
+                    self._ready_events[unit.position].record(self._streams.all_gather)
+                self._ready.add(unit.position)
 
     def unshard(
         self, unit: ScheduledUnit, phase: str, *, prefetch: bool = False, keep: bool = False
@@ -294,5 +298,5 @@ class Residency:
     def _on_all_gather_stream(self) -> contextlib.AbstractContextManager:
         """Runs the body on the all-gather stream; on CPU (no streams) inline."""
         if self._streams is None:
-            return contextlib.nullcontext()
+            return _INLINE
         return self._streams.running_on(self._streams.all_gather)

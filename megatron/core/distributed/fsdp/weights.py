@@ -313,8 +313,8 @@ class GroupWeights:
                 gradients) was unfrozen since.
         """
         self._observed_version = self.main_version()
-        # Once per group and step: the common case, nothing frozen or unfrozen, in two passes
-        # of C calls.
+        # Once per group and root forward: the common case, nothing frozen or unfrozen, in two
+        # passes of C calls.
         if list(map(_requires_grad, self.unsharded_params)) == list(
             map(_requires_grad, self.main_weights)
         ):
@@ -409,8 +409,10 @@ class GroupWeights:
 
     @property
     def refreshes_on_device(self) -> bool:
-        """Whether `refresh` queues device work (a cast or a gather; not under ZeRO-3 without
-        FP8 compute weights or HFSDP, where it only records the version it follows)."""
+        """Whether `refresh` queues device work (a cast or a gather). False for `Refresh.NONE`
+        without FP8 compute weights: under ZeRO-3 (each use gathers from the main weights), or
+        where the compute weights share the main weights' storage; it then only records the
+        version it follows."""
         return self.fp8 is not None or self.plan.refresh is not Refresh.NONE
 
     def refresh(self) -> None:

@@ -170,6 +170,7 @@ def _count_weight_syncs(strategy: str) -> dict:
     return dict(
         syncs_in_loop=syncs_in_loop,
         gathers_in_loop=gathers_in_loop,
+        on_device=[g.weights.refreshes_on_device for g in groups],
         num_groups=len(groups),
         stale_after_skipped=stale_after_skipped,
         syncs_after=syncs_after,
@@ -183,6 +184,9 @@ def test_weight_sync_once_per_step_and_fresh_outside_microbatch(strategy):
     for r in run_distributed(_count_weight_syncs, 2, strategy):
         # Step 1 starts in sync; step 1's update is synced once, in step 2's first microbatch.
         assert r["syncs_in_loop"] == [1] * r["num_groups"]
+        # ZeRO-3's refresh queues nothing (each use gathers); ZeRO-2's gathers the new bf16
+        # weights, no_shard's casts them.
+        assert r["on_device"] == [strategy != "optim_grads_params"] * r["num_groups"]
         if strategy == "optim_grads_params":
             # ...while each of the 6 microbatches still all-gathers the root (kept through
             # backward) and every layer for its forward, and again for its backward all but
