@@ -341,12 +341,6 @@ def count_ops(step: Callable[[], None]) -> OpCounter:
     return counter
 
 
-def count_calls(step: Callable[[], None]) -> int:
-    """The Python function calls (and calls of C functions from Python) of one call of `step`,
-    but those inside the stand-ins: the interpreter's share of the host work."""
-    return count_python_calls(step, skip=STAND_INS)
-
-
 def recipe_of(name: str, fmt: str) -> Fp8Recipe:
     return Fp8Recipe(format=fmt, kind=name)
 
@@ -368,7 +362,7 @@ def linear_table(args: argparse.Namespace, device: torch.device) -> None:
     )
     for name, chain in chains.items():
         counter = count_ops(chain.step)
-        calls = count_calls(chain.step) / n
+        calls = count_python_calls(chain.step, skip=STAND_INS) / n
         stand_in = ""
         if counter.stand_in_calls:
             stand_in = f"{counter.stand_in_calls / n:.1f} ({counter.stand_in_ops / n:.0f})"

@@ -328,7 +328,7 @@ class Fp8ComputeWeights:
         the units before it, as its gather does)."""
         if not self._transient:
             if self._sources is not None:
-                self._cast()
+                self.cast()
             self._gather(comm)
 
     def take_casts(
@@ -349,8 +349,9 @@ class Fp8ComputeWeights:
         self._sources = self._scales = None
         return parts, outs, scale_indices
 
-    def _cast(self) -> None:
-        """Casts this rank's parts into the FP8 shard, with the scales the refresh set."""
+    def cast(self) -> None:
+        """Casts this rank's parts into the FP8 shard, with the scales the refresh set, in this
+        group's own launch (at its gather, or where `Fp8Refresh` cannot cast it with others)."""
         scales = self._scales
         parts, outs, scale_indices = self.take_casts()
         launch = _cast_parts(self._multi_cast, parts, outs, scale_indices, scales, self.model_dtype)
@@ -363,7 +364,7 @@ class Fp8ComputeWeights:
         """All-gathers the whole FP8 weights (ZeRO-3), if not held, casting the shard first
         after a refresh; weights that stay whole are held already."""
         if self._sources is not None:
-            self._cast()
+            self.cast()
         if self.unsharded.is_allocated:
             return
         self.unsharded.reallocate_storage()
@@ -451,7 +452,7 @@ class Fp8Refresh:
             key = (group, dtype, together)
             if key in self._launches and self._launches[key] is None:
                 for weights, _ in casting:
-                    weights._cast()
+                    weights.cast()
                 continue
             parts, outs, scale_indices = [], [], []
             for weights, first in casting:
