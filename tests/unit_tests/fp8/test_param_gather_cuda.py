@@ -164,12 +164,14 @@ def test_kept_fp8_transposes_train_as_without_them(graphed):
 
 
 def _zero3_fp8(
-    keep_fp8_transpose_cache: bool, strategy: str = "optim_grads_params"
+    keep_fp8_transpose_cache: bool, strategy: str = "optim_grads_params", num_layers: int = 2
 ) -> FullyShardedDataParallel:
-    """The tiny GPT in FP8 under ZeRO-3 (or `strategy`) with `--fp8-param-gather` over this
-    rank's GPU."""
+    """The tiny GPT (of `num_layers` layers) in FP8 under ZeRO-3 (or `strategy`) with
+    `--fp8-param-gather` over this rank's GPU."""
     parallel_state.initialize_model_parallel()
-    config = tiny_gpt_config(params_dtype=torch.bfloat16, bf16=True, fp8="hybrid")
+    config = tiny_gpt_config(
+        params_dtype=torch.bfloat16, bf16=True, fp8="hybrid", num_layers=num_layers
+    )
     model = build_tiny_gpt(config)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True,
@@ -270,10 +272,10 @@ def test_fp8_transposes_are_made_once_per_gather_or_kept_for_the_step(keep):
 
 
 def _fp8_cast_launches_per_step(strategy: str) -> tuple[list[int], int, bool]:
-    """3 steps of `strategy` over this rank's GPU: the launches of the FP8 weights' casts
-    in each step, the FP8 groups, and whether their gathers are transient (ZeRO-3 over more
-    than one rank)."""
-    fsdp = _zero3_fp8(False, strategy)
+    """3 steps of `strategy` over this rank's GPU, a GPT of 5 layers: the launches of the FP8
+    weights' casts in each step, the FP8 groups, and whether their gathers are transient
+    (ZeRO-3 over more than one rank)."""
+    fsdp = _zero3_fp8(False, strategy, num_layers=5)
     launches = []
     launch = MultiTensorCast.__call__
 
@@ -290,12 +292,13 @@ def _fp8_cast_launches_per_step(strategy: str) -> tuple[list[int], int, bool]:
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
-def test_fp8_weights_that_stay_whole_are_cast_in_one_launch(strategy):
+def test_fp8_weights_that_stay_whole_are_cast_in_few_launches(strategy):
     """Weights that stay whole (ZeRO-2; ZeRO-3 over one rank) are cast at each step's refresh,
-    all groups in one launch; ZeRO-3 over several ranks casts each group at its gather."""
+    the groups of 1, 1, 2, ... units a launch each (5 layers: 4 launches); ZeRO-3 over several
+    ranks casts each group at its gather."""
     for launches, groups, transient in run_distributed(
         _fp8_cast_launches_per_step, _world(), strategy
     ):
-        assert groups == 2
+        assert groups == 5
         # The first step's refresh is the model's first: its casts follow the construction.
-        assert launches[1:] == [groups if transient else 1] * 2, launches
+        assert launches[1:] == [groups if transient else 4] * 2, launches

@@ -13,10 +13,11 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
   per shard group (`Fp8Refresh`), so every rank holds each whole tensor's amax, and the
   scale `448 / amax`;
   then weights that stay whole (ZeRO-1/2, a shard group of one rank) are cast, the groups of
-  one shard group and model dtype in one launch (`Fp8Refresh`), and all-gathered unit by unit
-  (`finish_refresh`). Like every refresh, it is collective: the ranks of a shard group refresh
-  the same groups, which they do as long as the main weights change on all of them (optimizer
-  steps, loads; an in-place write on some ranks only is `mark_written` on all).
+  one shard group and model dtype in few launches (`Fp8Refresh.cast`; Megatron-FSDP casts
+  those of 1, 1, 2, 4, ... units at a time, in the units' order), and all-gathered unit by
+  unit (`finish_refresh`). Like every refresh, it is collective: the ranks of a shard group
+  refresh the same groups, which they do as long as the main weights change on all of them
+  (optimizer steps, loads; an in-place write on some ranks only is `mark_written` on all).
 - *unshard* (ZeRO-3): the first after a refresh casts this rank's part into its FP8 shard
   (on the all-gather stream, ahead of the unit's use as its gather is); then the FP8 shards
   are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
@@ -396,26 +397,42 @@ class Fp8Refresh:
     """The middle step of the refreshes `Fp8ComputeWeights.start_refresh` began, for one
     engine (which keeps it across steps, for its launches):
 
-    - one MAX all-reduce of the amaxes of all the groups that share a shard group, then each
-      group's scales;
-    - the casts of the groups that a refresh casts (weights that stay whole: ZeRO-1/2, a
-      shard group of one rank, the DDP engine's distributed optimizer), all in one launch per
+    - `scale`: one MAX all-reduce of the amaxes of all the groups that share a shard group,
+      then each group's scales;
+    - `cast`: the casts of the groups that a refresh casts (weights that stay whole: ZeRO-1/2,
+      a shard group of one rank, the DDP engine's distributed optimizer), in one launch per
       shard group and model dtype where `MultiTensorCast` runs: a 1.34B GPT's 24 layers are 24
       groups, each cast a launch and the host's bookkeeping of it. Groups gathered for each use
       (ZeRO-3 over several ranks) are cast at their gathers, as they overlap compute there.
 
+    Calling it does both for all the groups. Megatron-FSDP casts the scaled groups in a few
+    launches instead, in the units' order, so that the first unit computes once its own
+    weights are cast while the casts of the units after it run beside it (`residency.py`).
     Every rank of a shard group must pass the same groups' weights in the same order (the
     units' order), as for any collective.
     """
 
     def __init__(self) -> None:
-        # Per shard group, model dtype and the groups refreshed together (whose places in the
-        # scales the casts' scale indices follow): their casts' launch, or None where no launch
-        # takes them (each group then casts on its own). A launch stays until another replaces
-        # it for the same groups (their memory moved): a CUDA graph may have captured it.
+        # Per shard group, model dtype, and the groups cast together with where their scales
+        # begin (the casts' scale indices): their casts' launch, or None where no launch takes
+        # them (each group then casts on its own). A launch stays until another replaces it for
+        # the same groups and scales (their memory moved): a CUDA graph may have captured it.
         self._launches: dict[tuple, MultiTensorCast | None] = {}
+        # Between `scale` and `cast`: each scaled group's shard group, the scales of all the
+        # groups scaled with it, and where its own begin in them. Cleared at each `scale`: a
+        # refresh that stopped early leaves none behind.
+        self._scaled: dict[
+            Fp8ComputeWeights, tuple[dist.ProcessGroup | None, torch.Tensor, int]
+        ] = {}
 
     def __call__(self, pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
+        self.scale(pending, comm)
+        self.cast(pending)
+
+    def scale(self, pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
+        """Sets the scales of `pending` from their amaxes, reduced over each shard group in one
+        collective; hand each of them to `cast` once after, before the next `scale`."""
+        self._scaled.clear()
         by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
         for weights in pending:
             by_group.setdefault(weights.amax_group, []).append(weights)
@@ -432,24 +449,20 @@ class Fp8Refresh:
                 [weights.scale_inverses for weights in members],
                 list(scales.reciprocal().split(counts)),
             )
-            self._cast_whole(group, members, counts, scales)
+            for weights, first in zip(members, itertools.accumulate([0, *counts])):
+                self._scaled[weights] = (group, scales, first)
 
-    def _cast_whole(
-        self,
-        group: dist.ProcessGroup | None,
-        members: Sequence[Fp8ComputeWeights],
-        counts: Sequence[int],
-        scales: torch.Tensor,
-    ) -> None:
-        """Casts the `members` that a refresh casts, with `scales` (all members' in order, of
-        `counts` each), in one launch per model dtype."""
-        by_dtype: dict[torch.dtype, list[tuple[Fp8ComputeWeights, int]]] = {}
-        for weights, first in zip(members, itertools.accumulate([0, *counts])):
+    def cast(self, members: Sequence[Fp8ComputeWeights]) -> None:
+        """Casts those of `members` (scaled by `scale`) that a refresh casts, in one launch per
+        shard group and model dtype; the others cast at their gathers."""
+        by_launch: dict[tuple, tuple[torch.Tensor, list[tuple[Fp8ComputeWeights, int]]]] = {}
+        for weights in members:
+            group, scales, first = self._scaled.pop(weights)
             if weights.casts_at_refresh:
-                by_dtype.setdefault(weights.model_dtype, []).append((weights, first))
-        together = tuple(map(id, members))
-        for dtype, casting in by_dtype.items():
-            key = (group, dtype, together)
+                key = (group, weights.model_dtype)
+                by_launch.setdefault(key, (scales, []))[1].append((weights, first))
+        for (group, dtype), (scales, casting) in by_launch.items():
+            key = (group, dtype, tuple((id(weights), first) for weights, first in casting))
             if key in self._launches and self._launches[key] is None:
                 for weights, _ in casting:
                     weights.cast()

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from megatron.core.distributed.fsdp.fp8_gather import Fp8Refresh
+from megatron.core.distributed.fsdp.fp8_gather import Fp8ComputeWeights, Fp8Refresh
 from megatron.core.distributed.fsdp.overlap import CommStreams, OverlapPolicy
 from megatron.core.distributed.fsdp.param_group import FsdpParameterGroup
 
@@ -101,9 +101,15 @@ class Residency:
         """Makes the stale compute weights of `units` follow the main weights now, on the all-gather
         stream (unsharded weights held from older main weights are resharded, to be gathered again
         when used), unit by unit, each unit's ready as soon as its own weights are (a unit whose
-        refresh queues no work is ready at once). FP8 compute weights (`fp8_gather.py`) first take
-        their amaxes, all of them reduced in one collective per shard group, and those that stay
-        whole are cast, all units' in one launch, before the units' refreshes (`Fp8Refresh`)."""
+        refresh queues no work is ready at once).
+
+        FP8 compute weights (`fp8_gather.py`) first take their amaxes, all of them reduced in one
+        collective per shard group (`Fp8Refresh.scale`); those that stay whole are cast in
+        launches of the groups of 1, 1, 2, 4, ... units in the units' order, each ahead of its
+        units' refreshes (`_doubling_batches`): the first unit waits for its own cast only and
+        each later launch runs beside the compute of the units before its own, where one launch
+        for all would hold the first unit back for every unit's cast (a few ms per step), and
+        one per unit would cost the host a launch each."""
         stale = [
             (unit, [group.weights for group in unit.groups if group.weights.is_stale])
             for unit in units
@@ -111,18 +117,27 @@ class Residency:
         stale = [(unit, weights) for unit, weights in stale if weights]
         if not stale:
             return
-        fp8 = [w for _, weights in stale for w in weights if w.fp8 is not None]
-        if fp8:
+        fp8 = [[w for w in weights if w.fp8 is not None] for _, weights in stale]
+        casts_before: dict[int, list[Fp8ComputeWeights]] = {}
+        if any(fp8):
             with self._on_all_gather_stream():
-                self._fp8_refresh([w.start_fp8_refresh() for w in fp8], fp8[0].comm)
-        for unit, weights in stale:
+                pending = [[w.start_fp8_refresh() for w in weights] for weights in fp8]
+                comm = next(weights for weights in fp8 if weights)[0].comm
+                self._fp8_refresh.scale([w for weights in pending for w in weights], comm)
+            holding = [i for i, weights in enumerate(pending) if weights]
+            for batch in _doubling_batches(holding):
+                casts_before[batch[0]] = [w for i in batch for w in pending[i]]
+        for i, (unit, weights) in enumerate(stale):
             self.reshard(unit)
             # A refresh that queues nothing (ZeRO-3's, whose every use gathers from the main
             # weights; compute weights that are the main weights) only records the version it
-            # follows: no stream to switch to, no range to label, nothing to wait for.
+            # follows: no stream to switch to, no range to label, nothing to wait for. A unit
+            # with FP8 weights (where a batch's casts start) queues work.
             on_device = any(group_weights.refreshes_on_device for group_weights in weights)
             stream = self._on_all_gather_stream() if on_device else _INLINE
             with stream, self._labels(unit, "refresh") if on_device else _INLINE:
+                if i in casts_before:
+                    self._fp8_refresh.cast(casts_before[i])
                 for group_weights in weights:
                     group_weights.refresh()
             if on_device:
@@ -300,3 +315,13 @@ class Residency:
         if self._streams is None:
             return _INLINE
         return self._streams.running_on(self._streams.all_gather)
+
+
+def _doubling_batches(items: list[int]) -> list[list[int]]:
+    """`items` in consecutive batches of 1, 1, 2, 4, 8, ... (the last holds what is left)."""
+    batches, start, size = [], 0, 1
+    while start < len(items):
+        batches.append(items[start : start + size])
+        start += size
+        size = start
+    return batches

@@ -39,6 +39,9 @@ class EngineCalls:
         scatter_groups: the process group of each reduce-scatter.
         refreshes: per parameter group's `GroupWeights` (by id), how often it was refreshed.
         fp8_transposes: the bytes of each FP8 weight transpose made, weakly (dead once freed).
+        fp8_refresh_order: ("cast", id) where a group's FP8 compute weights are cast and
+            ("refresh", id) where a group with FP8 compute weights is refreshed, in call order,
+            by the id of its `Fp8ComputeWeights`.
     """
 
     log: list[str] = dataclasses.field(default_factory=list)
@@ -48,6 +51,7 @@ class EngineCalls:
     scatter_groups: list[Any] = dataclasses.field(default_factory=list)
     refreshes: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     fp8_transposes: list[weakref.ref] = dataclasses.field(default_factory=list)
+    fp8_refresh_order: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     def count(self, event: str) -> int:
         """How many times `event` (a `log` entry) happened."""
@@ -85,6 +89,8 @@ def spy_on_engine() -> Iterator[EngineCalls]:
     def spied_refresh(weights: GroupWeights) -> None:
         calls.log.append("refresh")
         calls.refreshes[id(weights)] += 1
+        if weights.fp8 is not None:
+            calls.fp8_refresh_order.append(("refresh", id(weights.fp8)))
         return refresh(weights)
 
     def spied_amax_reduce(comm, *args, **kwargs) -> None:
@@ -97,6 +103,7 @@ def spy_on_engine() -> Iterator[EngineCalls]:
 
     def spied_take_casts(weights: fp8_gather.Fp8ComputeWeights, *args, **kwargs):
         calls.log.append("fp8_cast")
+        calls.fp8_refresh_order.append(("cast", id(weights)))
         return take_casts(weights, *args, **kwargs)
 
     def record_transpose(made) -> None:

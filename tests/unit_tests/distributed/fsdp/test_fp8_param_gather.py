@@ -91,6 +91,7 @@ def _train(
     no_sync: bool = False,
     step_amaxes: bool = False,
     all_gather_group: bool = False,
+    num_layers: int = 2,
     **ddp_fields,
 ) -> dict:
     """STEPS steps of MICROBATCHES microbatches (AdamW, the microbatches before the last of a
@@ -99,7 +100,8 @@ def _train(
     `experts` experts (and a shared expert) at expert parallelism `ep`. With `step_amaxes`
     the optimizer steps through `step_and_copy`, recording the FP8 weights' amaxes. With
     `all_gather_group` the weights are gathered over a group of their own. `no_shard` beyond two
-    ranks, which all-reduces the gradients, sums in rank order (`_rank_ordered_all_reduce`)."""
+    ranks, which all-reduces the gradients, sums in rank order (`_rank_ordered_all_reduce`).
+    The GPT has `num_layers` layers."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         num_distributed_optimizer_instances=replicas,
@@ -107,7 +109,9 @@ def _train(
         create_all_gather_group=all_gather_group,
     )
     model_parallel_cuda_manual_seed(1234, device_type="cpu")
-    fields = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, **FP8)
+    fields = dict(
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, num_layers=num_layers, **FP8
+    )
     if ep is None:
         model = build_tiny_gpt(tiny_gpt_config(**fields))
     else:
@@ -176,6 +180,7 @@ def _train(
         weights=weights,
         fp8_groups=fp8_groups,
         fp8_casts=calls.count("fp8_cast"),
+        fp8_refresh_order=calls.fp8_refresh_order,
         gathers_over_the_all_gather_group=bool(calls.gather_groups)
         and all(group is groups.dp_cp_ag for group in calls.gather_groups),
         expert_fp8_groups=expert_fp8_groups,
@@ -229,6 +234,26 @@ def test_fp8_param_gather_on_one_rank(strategy):
     (without,) = run_distributed(_train, 1, False, strategy)
     _assert_same_training(with_fp8, without)
     assert with_fp8["gather_bytes"] == 0
+
+
+def test_a_refresh_casts_the_first_units_weights_before_the_rest():
+    """Weights that stay whole are cast at the refresh in launches of the groups of 1, 1, 2,
+    ... units, in the units' order, each before its units' refreshes (which record when their
+    weights are ready): the first unit waits for its own cast only. The training is the same."""
+    (with_fp8,) = run_distributed(_train, 1, True, "optim_grads_params", num_layers=5)
+    (without,) = run_distributed(_train, 1, False, "optim_grads_params", num_layers=5)
+    _assert_same_training(with_fp8, without)
+    order = with_fp8["fp8_refresh_order"]
+    layers = [group for event, group in order if event == "refresh"][:5]
+    assert len(set(layers)) == 5 == with_fp8["fp8_groups"]
+    c, r = ("cast", "refresh")
+    one_refresh = [
+        (c, layers[0]), (r, layers[0]),
+        (c, layers[1]), (r, layers[1]),
+        (c, layers[2]), (c, layers[3]), (r, layers[2]), (r, layers[3]),
+        (c, layers[4]), (r, layers[4]),
+    ]  # fmt: skip
+    assert order == one_refresh * STEPS
 
 
 @pytest.mark.parametrize(
@@ -608,14 +633,44 @@ def test_groups_cast_together_each_take_their_own_scales():
     fp16 = _whole_group([(16, 32)], torch.float16, 3.0, generator)
     Fp8Refresh()([gathered, bf16[0], fp16[0]], Collectives())
     for weights, params, sources in (bf16, fp16):
-        for param, source in zip(params, sources):
-            rounded = source.to(param.dtype).float()
-            scale = torch.tensor(448.0) / rounded.abs().max()
-            expected = (rounded * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            made = weights.weight_of(param).tensor
-            assert torch.equal(made.data.view(torch.uint8), expected.view(torch.uint8))
-            assert torch.equal(made.scale_inv.reshape(-1), scale.reciprocal().reshape(-1))
+        _assert_cast_as_plain_torch(weights, params, sources)
     assert gathered.scales is not None  # scaled, but left to its gather to cast
+
+
+def test_groups_scaled_together_cast_in_any_batches_take_their_own_scales():
+    """Groups scaled together (`Fp8Refresh.scale`) and cast in batches of some of them, in
+    another order (`Fp8Refresh.cast`, as Megatron-FSDP casts units in batches): each weight
+    holds its own cast, and a refresh after the next optimizer step the same."""
+    generator = torch.Generator().manual_seed(11)
+    groups = [
+        _whole_group([(16, 16)], torch.bfloat16, magnitude, generator)
+        for magnitude in (1.0, 5.0, 0.25)
+    ]
+    refresh = Fp8Refresh()
+    for _ in range(2):
+        refresh.scale([weights for weights, _, _ in groups], Collectives())
+        refresh.cast([groups[2][0]])
+        refresh.cast([groups[0][0], groups[1][0]])
+        for weights, params, sources in groups:
+            _assert_cast_as_plain_torch(weights, params, sources)
+        for i, (weights, params, _) in enumerate(groups):
+            sources = [torch.randn(16, 16, generator=generator) * (i + 1)]
+            weights.start_refresh(sources)
+            groups[i] = (weights, params, sources)
+
+
+def _assert_cast_as_plain_torch(
+    weights: Fp8ComputeWeights, params: list[torch.nn.Parameter], sources: list[torch.Tensor]
+) -> None:
+    """Each of `params` holds the FP8 cast of its model-dtype weight, bytes and scale, as plain
+    torch makes it (`fp8(clamp(w * 448 / max|w|))`, the product in fp32)."""
+    for param, source in zip(params, sources):
+        rounded = source.to(param.dtype).float()
+        scale = torch.tensor(448.0) / rounded.abs().max()
+        expected = (rounded * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        made = weights.weight_of(param).tensor
+        assert torch.equal(made.data.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(made.scale_inv.reshape(-1), scale.reciprocal().reshape(-1))
 
 
 def test_a_units_weights_are_transposed_together_at_the_first_need():
