@@ -21,8 +21,9 @@ A root forward that finds the state not IDLE knows that the previous forward or 
 it reshards every unit, registers the main weights again and drops the gradients that pass left
 unreduced (`zero_grad_buffer()` and `finish_grad_sync()` do the same), so a failed pass leaves
 nothing behind. At the start of each root forward the main version of every group is read once
-(`weights.py`), with which weights are frozen, stale compute weights are refreshed, and
-gradients an optimizer dropped are freed. At the end of each backward the units that entered
+(`weights.py`), with which weights are frozen, stale compute weights are refreshed (each
+unit's device work queued ahead of its use, `residency.py`), and gradients an optimizer dropped
+are freed. At the end of each backward the units that entered
 it but were not reduced by their own post-backward (the root, units whose inputs need no
 gradient) are reduced, however many backward passes run per forward; outside `no_sync()` /
 `microbatch(is_last=False)` the gradients are then finalised (`finalize_grads`, the one place
@@ -201,8 +202,8 @@ class FsdpContext:
 
     def _begin_pass(self) -> None:
         """The root's forward starts: recover from a failed pass, read every group's main
-        version and frozen weights, refresh stale compute weights, free gradients an optimizer
-        dropped."""
+        version and frozen weights, refresh stale compute weights (`Residency.refresh`), free
+        gradients an optimizer dropped."""
         self._recover_failed_pass()
         self._check.resolve()
         self.state = TrainingState.FORWARD
@@ -247,7 +248,8 @@ class FsdpContext:
     def _end_pass(self) -> None:
         """The root's forward ended: the recorded order takes effect (forward prefetching
         follows the pre-forward order, backward the reversed post-forward order, the order the
-        units' backward hooks fire in), and the ranks compare the units they ran."""
+        units' backward hooks fire in), the ranks compare the units they ran, and the
+        refreshes of units the forward did not run are queued."""
         self.state = TrainingState.IDLE
         pre, post = self._recording
         self._recording = None
@@ -255,25 +257,36 @@ class FsdpContext:
         self._next_forward = _successors(pre)
         self._next_backward = _successors(list(reversed(post)))
         self._check.after_forward(pre)
+        self.residency.queue_refreshes()
 
     def _use(self, unit: ScheduledUnit, phase: str, successors: dict[int, int] | None = None):
         """Makes `unit`'s compute weights whole and ready for the current stream (kept until
         the step's last backward with `keep_unsharded_params` in a microbatch that is not the
-        last), then (with `successors` and the policy's prefetch) starts gathering the unit
-        that computes next."""
+        last), then (with `successors`) starts gathering the unit that computes next, with the
+        policy's prefetch, and in a forward queues the refreshes of that unit and the one after
+        it (`Residency.refresh`)."""
         keep = self.policy.keep_unsharded_params and not self.is_last
         self.residency.unshard(unit, phase, keep=keep)
         self.residency.wait(unit)
-        if successors is None or not self.policy.prefetch:
+        if successors is None:
             return
         following = successors.get(unit.position)
         if following is None or (next_unit := self._unit(following)) is None:
             return
-        if phase == "backward":
-            # Keeps the gather under this unit's backward: the first one of a backward has no
-            # release event to wait for and would otherwise run at once, under the loss's.
-            self.residency.order_gathers()
-        self.residency.unshard(next_unit, phase, prefetch=True)
+        if self.policy.prefetch:
+            if phase == "backward":
+                # Keeps the gather under this unit's backward: the first one of a backward has
+                # no release event to wait for and would otherwise run at once, under the
+                # loss's.
+                self.residency.order_gathers()
+            self.residency.unshard(next_unit, phase, prefetch=True)
+        elif phase == "forward":
+            self.residency.refresh_ahead(following)  # holds no memory early: a cast, a gather
+        # The refresh of the unit after it goes behind that gather, a unit ahead of its own:
+        # queued together, the gather would wait for the refresh's casts. A backward finds no
+        # refresh left but those of units the forward did not run, queued at their use.
+        if phase == "forward" and (after := successors.get(following)) is not None:
+            self.residency.refresh_ahead(after)
 
     @staticmethod
     def _register(unit: ScheduledUnit, *, unsharded: bool) -> None:

@@ -317,6 +317,12 @@ class Fp8ComputeWeights:
         self.amaxes = None
 
     @property
+    def gathers_at_refresh(self) -> bool:
+        """Whether `finish_refresh` all-gathers the weights (they stay whole, sharded over
+        several ranks: a collective)."""
+        return not self._transient and self._shard is not None
+
+    @property
     def casts_at_refresh(self) -> bool:
         """Whether a refresh casts the weights (they stay whole), rather than the next gather
         (ZeRO-3 over several ranks)."""
@@ -406,8 +412,8 @@ class Fp8Refresh:
       (ZeRO-3 over several ranks) are cast at their gathers, as they overlap compute there.
 
     Calling it does both for all the groups. Megatron-FSDP casts the scaled groups in a few
-    launches instead, in the units' order, so that the first unit computes once its own
-    weights are cast while the casts of the units after it run beside it (`residency.py`).
+    launches instead, in the units' order, each queued ahead of its first unit's use, so that
+    the first unit computes once its own weights are cast (`residency.py`).
     Every rank of a shard group must pass the same groups' weights in the same order (the
     units' order), as for any collective.
     """
@@ -419,11 +425,12 @@ class Fp8Refresh:
         # the same groups and scales (their memory moved): a CUDA graph may have captured it.
         self._launches: dict[tuple, MultiTensorCast | None] = {}
         # Between `scale` and `cast`: each scaled group's shard group, the scales of all the
-        # groups scaled with it, and where its own begin in them. Cleared at each `scale`: a
-        # refresh that stopped early leaves none behind.
-        self._scaled: dict[
+        # groups scaled with it, and where its own begin in them. A group scaled again before
+        # its cast (a refresh that stopped early, a unit unused in a pass) takes the new entry;
+        # weakly keyed, an entry goes with the group's weights.
+        self._scaled: weakref.WeakKeyDictionary[
             Fp8ComputeWeights, tuple[dist.ProcessGroup | None, torch.Tensor, int]
-        ] = {}
+        ] = weakref.WeakKeyDictionary()
 
     def __call__(self, pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
         self.scale(pending, comm)
@@ -431,8 +438,8 @@ class Fp8Refresh:
 
     def scale(self, pending: Sequence[Fp8ComputeWeights], comm: Collectives) -> None:
         """Sets the scales of `pending` from their amaxes, reduced over each shard group in one
-        collective; hand each of them to `cast` once after, before the next `scale`."""
-        self._scaled.clear()
+        collective; hand each of them to `cast` once after (several refreshes may wait for
+        their casts at once, as Megatron-FSDP's units do for their first use)."""
         by_group: dict[dist.ProcessGroup | None, list[Fp8ComputeWeights]] = {}
         for weights in pending:
             by_group.setdefault(weights.amax_group, []).append(weights)
@@ -454,14 +461,19 @@ class Fp8Refresh:
 
     def cast(self, members: Sequence[Fp8ComputeWeights]) -> None:
         """Casts those of `members` (scaled by `scale`) that a refresh casts, in one launch per
-        shard group and model dtype; the others cast at their gathers."""
+        shard group, model dtype and `scale` call; the others cast at their gathers, and those
+        whose scales another `cast` took since (a later refresh of their unit's) are skipped."""
         by_launch: dict[tuple, tuple[torch.Tensor, list[tuple[Fp8ComputeWeights, int]]]] = {}
         for weights in members:
-            group, scales, first = self._scaled.pop(weights)
+            scaled = self._scaled.pop(weights, None)
+            if scaled is None:
+                continue
+            group, scales, first = scaled
             if weights.casts_at_refresh:
-                key = (group, weights.model_dtype)
+                # Scale offsets index the scales of their own `scale` call.
+                key = (group, weights.model_dtype, id(scales))
                 by_launch.setdefault(key, (scales, []))[1].append((weights, first))
-        for (group, dtype), (scales, casting) in by_launch.items():
+        for (group, dtype, _), (scales, casting) in by_launch.items():
             key = (group, dtype, tuple((id(weights), first) for weights, first in casting))
             if key in self._launches and self._launches[key] is None:
                 for weights, _ in casting:

@@ -415,6 +415,16 @@ class GroupWeights:
         version it follows."""
         return self.fp8 is not None or self.plan.refresh is not Refresh.NONE
 
+    @property
+    def refresh_communicates(self) -> bool:
+        """Whether `refresh` issues a collective: an all-gather into compute weights that stay
+        whole over several ranks (ZeRO-1/2), or HFSDP's inner shard's."""
+        if self.fp8 is not None:
+            return self.fp8.gathers_at_refresh
+        refresh = self.plan.refresh
+        gathers = refresh is Refresh.GATHER and self.groups.all_gather.size() > 1
+        return gathers or refresh is Refresh.OUTER_GATHER
+
     def refresh(self) -> None:
         """Makes the compute weights follow the main weights observed last (a cast, or an
         all-gather where the compute weights are replicated and the main weights sharded; under

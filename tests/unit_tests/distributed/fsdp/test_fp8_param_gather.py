@@ -143,6 +143,12 @@ def _train(
     ordered = strategy == "no_shard" and dist.get_world_size() > 2
     sums = mock.patch.object(dist, "all_reduce", _rank_ordered_all_reduce)
     with spy_on_engine() as calls, sums if ordered else contextlib.nullcontext():
+        # Where each forward starts among the refreshes: ("forward", 0) for the root, ("forward",
+        # i) for layer i (after the engine's hooks, which run first on the layers).
+        for index, module in enumerate([model, *model.decoder.layers]):
+            module.register_forward_pre_hook(
+                lambda *_, index=index: calls.fp8_refresh_order.append(("forward", index))
+            )
         for step in range(STEPS):
             fsdp.zero_grad_buffer()
             for micro in range(MICROBATCHES):
@@ -236,24 +242,49 @@ def test_fp8_param_gather_on_one_rank(strategy):
     assert with_fp8["gather_bytes"] == 0
 
 
-def test_a_refresh_casts_the_first_units_weights_before_the_rest():
-    """Weights that stay whole are cast at the refresh in launches of the groups of 1, 1, 2,
-    ... units, in the units' order, each before its units' refreshes (which record when their
-    weights are ready): the first unit waits for its own cast only. The training is the same."""
+def test_each_units_refresh_is_queued_two_units_ahead():
+    """Each unit's refresh (the cast of weights that stay whole, in launches of the groups of
+    1, 1, 2, ... units) is queued when the unit two before it starts its forward, behind the
+    gather of the unit between them, not all at the start of the pass: there every unit's
+    casts would run ahead of the gather of the unit that computes first, on the same stream.
+    The training is the same."""
     (with_fp8,) = run_distributed(_train, 1, True, "optim_grads_params", num_layers=5)
     (without,) = run_distributed(_train, 1, False, "optim_grads_params", num_layers=5)
     _assert_same_training(with_fp8, without)
     order = with_fp8["fp8_refresh_order"]
     layers = [group for event, group in order if event == "refresh"][:5]
     assert len(set(layers)) == 5 == with_fp8["fp8_groups"]
-    c, r = ("cast", "refresh")
-    one_refresh = [
-        (c, layers[0]), (r, layers[0]),
+    c, r, f = ("cast", "refresh", "forward")
+    first_microbatch = [
+        (c, layers[0]), (r, layers[0]), (f, 0),
         (c, layers[1]), (r, layers[1]),
-        (c, layers[2]), (c, layers[3]), (r, layers[2]), (r, layers[3]),
-        (c, layers[4]), (r, layers[4]),
+        (c, layers[2]), (c, layers[3]), (r, layers[2]), (f, 1),
+        (r, layers[3]), (f, 2),
+        (c, layers[4]), (r, layers[4]), (f, 3),
+        (f, 4),
+        (f, 5),
     ]  # fmt: skip
-    assert order == one_refresh * STEPS
+    later_microbatch = [(f, i) for i in range(6)]
+    assert order == (first_microbatch + later_microbatch * (MICROBATCHES - 1)) * STEPS
+
+
+def test_refreshes_that_gather_are_queued_at_once():
+    """Weights that stay whole over several ranks (ZeRO-1) are all-gathered at their refresh:
+    a collective, which every rank issues at once, in one order, at the start of the pass
+    (not at each unit's use, where a rank that skipped a unit would hang the others)."""
+    for with_fp8 in run_distributed(_train, 2, True, "optim", num_layers=3):
+        assert with_fp8["fp8_groups"] == 3
+        # The refreshes queued before each forward starts: all three, before the root's.
+        refreshes, before = 0, []
+        for event, index in with_fp8["fp8_refresh_order"]:
+            if event == "refresh":
+                refreshes += 1
+            elif event == "forward":
+                before.append((index, refreshes))
+                refreshes = 0
+        first_microbatch = [(0, 3), *((i, 0) for i in range(1, 4))]
+        later_microbatch = [(i, 0) for i in range(4)]
+        assert before == (first_microbatch + later_microbatch * (MICROBATCHES - 1)) * STEPS
 
 
 @pytest.mark.parametrize(
