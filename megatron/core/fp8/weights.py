@@ -130,6 +130,11 @@ class Fp8Weight:
         for weight, transposed in zip(pending, native.transpose_all(datas)):
             weight._transposed = Fp8Tensor(transposed, weight.tensor.scale_inv)
 
+    def drop_transpose(self) -> None:
+        """Frees the transpose (the bytes changed, or are freed): the next need makes it
+        again. The weight's own views stay."""
+        self._transposed = self._dgrad = None
+
     def hold_transpose(self, transposed: Fp8Tensor) -> None:
         """Makes `transposed` (the contiguous transpose's bytes, held elsewhere: a view of the
         stacked transposes of MoE experts) the one the input-gradient GEMM multiplies by,

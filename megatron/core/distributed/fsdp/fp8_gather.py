@@ -23,8 +23,10 @@ experts cast them (`Fp8ExpertWeights`), so each expert is a tensor here:
   are all-gathered into the whole FP8 weights, 1 byte per element where bf16 moves 2;
   *reshard* frees them.
 - *use*: the FP8 linear layers ask `fp8_weight_of(weight)`, which this object answers
-  (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale (an
-  `Fp8ExpertWeights` with the experts' scales for stacked expert weights).
+  (`register_fp8_weight`) with an `Fp8Weight` over the gathered bytes and the tensor's scale,
+  made at the first use and kept, as gathers and refreshes rewrite both in place (an
+  `Fp8ExpertWeights` with the experts' scales for stacked expert weights, made again after
+  each refresh and reshard: it copies its scales).
   Its transposed copy, for the input-gradient GEMM, is made at the first backward that needs
   it (for a Megatron-FSDP unit's group with those of the group's other weights,
   `transpose_all`: the unit's backward needs them all), and lives as long as the whole FP8
@@ -214,7 +216,8 @@ class Fp8ComputeWeights:
 
     def weight_of(self, param: torch.nn.Parameter) -> Fp8Weight | Fp8ExpertWeights:
         """The FP8 weight of `param` (one of the group's compute weights), over the gathered
-        bytes; made once per gather (ZeRO-3, unless `keep_transposes`) or refresh.
+        bytes (module docstring: made at the first use; for stacked expert weights once per
+        gather, ZeRO-3 unless `keep_transposes`, or refresh).
 
         Raises:
             RuntimeError: the whole FP8 weights are not gathered (the weight is used outside
@@ -396,7 +399,14 @@ class Fp8ComputeWeights:
             )
 
     def _forget(self) -> None:
-        self._made = [None] * len(self._made)
+        """Drops the transposes (their bytes are stale or freed) and the expert weights' copies
+        (which copy their scales); a tensor's `Fp8Weight` stays, over the same bytes and the
+        scales written in place, so that a gather makes no objects."""
+        for index, made in enumerate(self._made):
+            if isinstance(made, Fp8Weight):
+                made.drop_transpose()
+            elif made is not None:
+                self._made[index] = None
 
 
 class Fp8Refresh:
