@@ -249,8 +249,8 @@ class Fp8ComputeWeights:
         transpose their own) at once (`Fp8Weight.transpose_all`), at the first need of any
         (`asking`'s): the backward that needs one needs each, for its unit's linear layers'
         input gradients (a layer whose input needs no gradient has its transpose made too).
-        Nothing where `asking` is a copy of an earlier gather (it then makes its own)."""
-        if not self.unsharded.is_allocated or all(w is not asking for w in self._made):
+        Nothing while the whole weights are not held (`weight_of` refuses a use then)."""
+        if not self.unsharded.is_allocated:
             return
         made = [self._made[i] for i in self._matrices]
         Fp8Weight.transpose_all(
