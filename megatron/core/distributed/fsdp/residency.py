@@ -111,10 +111,10 @@ class Residency:
         gathers, on the all-gather stream) is queued now where any unit's issues a collective
         (every rank then issues them at once, in one order), else at the unit's first unshard
         or `refresh_ahead`, or at the end of the forward (`queue_refreshes`): queued at once,
-        they would all run ahead of the gather of the unit that computes first (the first layer
-        of the Llama-3-8B-layer FP8 model waited 3 ms per step on one GPU for every unit's
-        casts). A unit is ready once its own refresh is done; one whose refresh queues no device
-        work only records the version it follows, now.
+        they would all run ahead of the gather of the unit that computes first (3 ms of casts
+        per step in the Llama-3-8B-layer FP8 model on one GPU). A unit is ready once its own
+        refresh is done; one whose refresh queues no device work only records the version it
+        follows, now.
 
         FP8 weights that stay whole are cast in launches of the groups of 1, 1, 2, 4, ... units
         in the units' order, each queued with the first of its units' refreshes to be queued
@@ -144,7 +144,7 @@ class Residency:
             self.reshard(unit)
             # ZeRO-3's refresh (whose every use gathers from the main weights) or that of
             # compute weights that are the main weights only records the version it follows.
-            if i in batch_of or any(w.refreshes_on_device for w in weights):
+            if any(w.refreshes_on_device for w in weights):  # FP8 weights among them
                 self._unqueued[unit.position] = (weights, batch_of.get(i))
                 queued.append(unit)
             else:
@@ -163,6 +163,8 @@ class Residency:
     def queue_refreshes(self) -> None:
         """Queues the device work of every refresh not queued yet (of units a forward did not
         run), so that none waits beyond it (nor holds the weights of a unit freed since)."""
+        if not self._unqueued and not self._unqueued_casts:
+            return
         for position in list(self._unqueued):
             unit = self._unit(position)
             if unit is None:
