@@ -76,12 +76,25 @@ def test_cast_of_unaligned_and_special_values(native, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [*SHAPES, (33, 65), (130, 7)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [*SHAPES, (33, 65), (130, 7), (144, 272), (16, 4096), (4096, 16)], ids=str
+)
 def test_transpose_is_torch_transpose(native, shape):
+    """Sizes that are multiples of 16 take the 16-byte kernel (whole tiles and partial ones),
+    the others the 4-byte one."""
     data = _input(shape, torch.float32, seed=3).to(torch.float8_e4m3fn)
     assert torch.equal(_bytes(native.transpose(data)), _bytes(data.t().contiguous()))
     # A transposed view (not contiguous) transposes back to the original.
     assert torch.equal(_bytes(native.transpose(data.t())), _bytes(data))
+
+
+@pytest.mark.gpu
+def test_transpose_of_bytes_off_a_16_byte_boundary(native):
+    """Sizes the 16-byte kernel takes, at an address it does not: the 4-byte kernel's."""
+    data = _input((144 * 272 + 4,), torch.float32, seed=5).to(torch.float8_e4m3fn)
+    matrix = data[4:].view(144, 272)
+    assert matrix.data_ptr() % 16 == 4
+    assert torch.equal(_bytes(native.transpose(matrix)), _bytes(matrix.t().contiguous()))
 
 
 @pytest.mark.gpu
