@@ -15,6 +15,13 @@ stream of its own, so the compute-stream figures describe eager steps only.
 With `--compare` and two traces it prints instead each kernel's time and launches per step in
 both, the kernels whose time differs most first: what one engine's step runs that the other's
 does not, and which shared kernels ran slower beside its other streams' work.
+
+With `--host` it says where the host's time goes instead: each CPU op's, annotated range's
+(`record_function`) and CUDA runtime call's self time per step (its time less that of the events
+nested in it on its thread) and count, and each thread's busy time (the main thread's forward,
+autograd's backward on CUDA); with `--compare` too, the two traces' side by side, the events
+whose self time differs most first: where a step bound by the host spends what the other does
+not.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ _CATEGORIES = (
     ("copy", ("copy", "cat", "split", "memcpy", "memset", "fill")),
 )
 _BLOCKING_CALLS = ("Synchronize", "cudaMalloc", "cudaFree", "cudaHostAlloc")
+_HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
 
 
 def category(name: str) -> str:
@@ -78,6 +86,58 @@ def read_kernels(path: str) -> tuple[list[dict], list[dict]]:
     if not kernels:
         raise SystemExit(f"{path} holds no GPU kernels: was it profiled with CUDA activity?")
     return events, kernels
+
+
+def read_host_events(path: str) -> list[dict]:
+    """The host-side events of a chrome trace that have a duration (`_HOST_CATEGORIES`)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    host = [e for e in events if e.get("cat") in _HOST_CATEGORIES and "dur" in e]
+    if not host:
+        raise SystemExit(f"{path} holds no host events: was it profiled with CPU activity?")
+    return host
+
+
+def self_times(events: list[dict]) -> tuple[dict[str, tuple[float, int]], dict[str, float]]:
+    """Each event name's self time (us: its duration less that of the events nested in it on
+    its thread) and count, and each thread's busy time (its outermost events' union)."""
+    by_thread: dict[str, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        by_thread[f"{e.get('pid')}/{e.get('tid')}"].append(e)
+    times: dict[str, tuple[float, int]] = {}
+    busy: dict[str, float] = {}
+    for thread, thread_events in by_thread.items():
+        # An event starts inside the innermost open one that has not ended; ties: longer first.
+        thread_events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        own = [float(e["dur"]) for e in thread_events]
+        ends = [e["ts"] + e["dur"] for e in thread_events]
+        stack: list[int] = []
+        outermost = []
+        for i, e in enumerate(thread_events):
+            while stack and ends[stack[-1]] <= e["ts"]:
+                stack.pop()
+            if stack:
+                own[stack[-1]] -= e["dur"]
+            else:
+                outermost.append((e["ts"], e["ts"] + e["dur"]))
+            stack.append(i)
+        for e, t in zip(thread_events, own):
+            total, count = times.get(e["name"], (0.0, 0))
+            # A child reported past its parent's end leaves the parent below zero: none of it.
+            times[e["name"]] = (total + max(t, 0.0), count + 1)
+        busy[thread] = length(union(outermost))
+    return times, busy
+
+
+def summarize_host(path: str, steps: int, rows: int) -> None:
+    times, busy = self_times(read_host_events(path))
+    per = 1000.0 * steps
+    print(f"{path}: {steps} step(s), host ms per step (self time)")
+    for thread, total in sorted(busy.items(), key=lambda item: -item[1]):
+        print(f"  thread {thread:<24} busy {total / per:8.2f}")
+    print(f"  {'ms':>8} {'count':>7}  event")
+    for name, (total, count) in sorted(times.items(), key=lambda item: -item[1][0])[:rows]:
+        print(f"  {total / per:8.2f} {count / steps:7.0f}  {name[:90]}")
 
 
 def category_times(kernels: list[dict]) -> collections.Counter[str]:
@@ -143,14 +203,22 @@ def kernel_times(kernels: list[dict]) -> dict[str, tuple[float, int]]:
     return times
 
 
-def compare(first: str, second: str, steps: int, rows: int) -> None:
-    """Prints the `rows` kernels whose time per step differs most between two traces."""
-    a, b = (kernel_times(read_kernels(path)[1]) for path in (first, second))
+def compare(first: str, second: str, steps: int, rows: int, host: bool = False) -> None:
+    """Prints the `rows` kernels (`host`: host events, by self time) whose time per step differs
+    most between two traces."""
+    if host:
+        a, b = (self_times(read_host_events(path))[0] for path in (first, second))
+        what, counted, total_label = "event", "counts", "all host events"
+    else:
+        a, b = (kernel_times(read_kernels(path)[1]) for path in (first, second))
+        what, counted, total_label = "kernel", "launches", "all kernels"
     per = 1000.0 * steps
-    print(f"ms and launches per step: (1) {first}, (2) {second}")
-    print(f"  {'(2) - (1)':>9} {'(1)':>8} {'(2)':>8} {'n (1)':>6} {'n (2)':>6}  kernel")
+    print(f"ms and {counted} per step: (1) {first}, (2) {second}")
+    print(f"  {'(2) - (1)':>9} {'(1)':>8} {'(2)':>8} {'n (1)':>6} {'n (2)':>6}  {what}")
     none = (0.0, 0)
-    names = sorted(a.keys() | b.keys(), key=lambda n: -abs(b.get(n, none)[0] - a.get(n, none)[0]))
+    names = sorted(
+        a.keys() | b.keys(), key=lambda n: (-abs(b.get(n, none)[0] - a.get(n, none)[0]), n)
+    )
     for name in names[:rows]:
         (t1, n1), (t2, n2) = a.get(name, none), b.get(name, none)
         print(
@@ -158,7 +226,7 @@ def compare(first: str, second: str, steps: int, rows: int) -> None:
             f"{n2 / steps:6.0f}  {name[:90]}"
         )
     total_a, total_b = (sum(t for t, _ in times.values()) / per for times in (a, b))
-    print(f"  {total_b - total_a:+9.2f} {total_a:8.2f} {total_b:8.2f}  (all kernels)")
+    print(f"  {total_b - total_a:+9.2f} {total_a:8.2f} {total_b:8.2f}  ({total_label})")
 
 
 def main() -> None:
@@ -168,15 +236,25 @@ def main() -> None:
     parser.add_argument(
         "--compare", action="store_true", help="two traces: their kernels side by side"
     )
-    parser.add_argument("--rows", type=int, default=30, help="kernels --compare prints")
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="the host's time by event (self time) instead of the GPU's by kernel",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=30, help="kernels (events) --compare or --host prints"
+    )
     args = parser.parse_args()
     if args.compare:
         if len(args.traces) != 2:
             parser.error(f"--compare takes two traces, got {len(args.traces)}.")
-        compare(*args.traces, args.steps, args.rows)
+        compare(*args.traces, args.steps, args.rows, host=args.host)
         return
     for path in args.traces:
-        summarize(path, args.steps)
+        if args.host:
+            summarize_host(path, args.steps, args.rows)
+        else:
+            summarize(path, args.steps)
 
 
 if __name__ == "__main__":
