@@ -5,15 +5,20 @@ several small dispatches) into one C++ call. Each is built with PyTorch's extens
 (`torch.utils.cpp_extension.load`: a C++ compiler and ninja, nvcc for CUDA sources) the first
 time a process needs it on a GPU, which takes about a minute, and cached where PyTorch caches its
 extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`; the ranks that share it wait
-for one build). A build killed midway leaves its `lock` file behind; a process that finds one
-says that it waits for it, and removes it once it is older than `STALE_LOCK_S` (deleting it by
-hand skips the wait). Where it cannot be built the callers run their Python path, said once in a
-warning; an environment switch set to 0 keeps the Python path without one.
+for one build), under a name that carries the GPU's architecture and a digest of the sources:
+processes of two checkouts (two commits compared on one machine) each load their own build,
+neither rebuilding over the other's nor waiting for its lock. A build killed midway leaves its
+`lock` file behind; a process that finds one says that it waits for it, and removes it once it is
+older than `STALE_LOCK_S` (deleting it by hand skips the wait). Where it cannot be built the
+callers run their Python path, said once in a warning; an environment switch set to 0 keeps the
+Python path without one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
 import logging
 import os
 import threading
@@ -41,8 +46,9 @@ class NativeExtension:
     """A C++ extension loaded once per process, at the first `module()` call.
 
     Args:
-        name: the extension's name; the GPU's architecture is appended (a build cached for
-            another GPU has no kernels for this one, and PyTorch would reuse it).
+        name: the extension's name; the GPU's architecture (a build cached for another GPU
+            has no kernels for this one, and PyTorch would reuse it) and the sources' digest
+            (`source_digest`) are appended.
         sources: its source files.
         switch: the environment variable that, set to 0, keeps the callers' Python path.
         users: what runs the extension, for the log and the warning ("FP8 linear layers").
@@ -95,7 +101,7 @@ class NativeExtension:
 
             _logger.info(f"Loading the {self._users}' C++ extension (built at its first use).")
             major, minor = torch.cuda.get_device_capability()
-            name = f"{self._name}_sm{major}{minor}"
+            name = f"{self._name}_sm{major}{minor}_{source_digest(self._sources)}"
             self._wait_for_other_builds(name)
             module = load(
                 name=name,
@@ -155,6 +161,29 @@ class NativeExtension:
                 )
                 announced = True
             time.sleep(_POLL_S)
+
+
+def source_digest(sources: Sequence[str]) -> str:
+    """12 hex digits of a hash of `sources` and of the headers they may include: those beside
+    them and the shared ones (`_SHARED_HEADERS`), by file name and contents, wherever they are.
+
+    Raises:
+        OSError: a source cannot be read.
+    """
+    headers: set[str] = set()
+    for directory in {os.path.dirname(source) for source in sources} | {_SHARED_HEADERS}:
+        headers.update(glob.glob(os.path.join(directory, "*.h")))
+    files = [_named_contents(path) for path in sources]
+    files += sorted(map(_named_contents, headers))
+    digest = hashlib.sha256()
+    for name, contents in files:
+        digest.update(name + b"\0" + contents)
+    return digest.hexdigest()[:12]
+
+
+def _named_contents(path: str) -> tuple[bytes, bytes]:
+    with open(path, "rb") as file:
+        return os.path.basename(path).encode(), file.read()
 
 
 def cublaslt_library() -> list[str]:

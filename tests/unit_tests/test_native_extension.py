@@ -1,11 +1,13 @@
 """`NativeExtension` (`megatron.core.native_extension`), the loader of this project's C++
 extensions, with PyTorch's builder replaced by a stand-in: loaded once, switched off by its
-environment variable, suspended, a failed build said once; a build lock that another process
-holds is waited for, and one a killed build left long ago is removed."""
+environment variable, suspended, a failed build said once; named by the GPU's architecture and
+its sources' digest; a build lock that another process holds is waited for, and one a killed
+build left long ago is removed."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import types
@@ -22,7 +24,8 @@ SWITCH = "MEGATRON_TEST_EXTENSION_CPP"
 
 @pytest.fixture
 def builds(monkeypatch, tmp_path):
-    """The names `load` was called with; builds land in `tmp_path` (a GPU of capability 9.0)."""
+    """The names `load` was called with; builds land in `tmp_path / "builds"` (a GPU of
+    capability 9.0); the extension's source is `tmp_path / "src" / "test.cpp"`."""
     calls = []
 
     def load(name, **kwargs):
@@ -31,13 +34,23 @@ def builds(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
     monkeypatch.delenv(SWITCH, raising=False)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "test.cpp").write_text("int answer() { return 42; }\n")
+    monkeypatch.chdir(tmp_path)
     return calls
 
 
+SOURCE = os.path.join("src", "test.cpp")
+
+
 def _extension(**kwargs) -> NativeExtension:
-    return NativeExtension("megatron_test", ["test.cpp"], SWITCH, "test layers", **kwargs)
+    return NativeExtension("megatron_test", [SOURCE], SWITCH, "test layers", **kwargs)
+
+
+def _name() -> str:
+    return f"megatron_test_sm90_{native_extension.source_digest([SOURCE])}"
 
 
 def _lock(name: str) -> str:
@@ -47,9 +60,9 @@ def _lock(name: str) -> str:
 def test_loaded_once_per_architecture_and_set_up_first(builds):
     seen = []
     extension = _extension(setup=lambda module: seen.append(module.name))
-    assert extension.module().name == "megatron_test_sm90"
+    assert re.fullmatch(r"megatron_test_sm90_[0-9a-f]{12}", extension.module().name)
     assert extension.module() is extension.module()
-    assert builds == ["megatron_test_sm90"] and seen == ["megatron_test_sm90"]
+    assert builds == [_name()] and seen == [_name()]
     with extension.suspended():
         assert extension.module() is None
     assert extension.module() is not None
@@ -71,11 +84,11 @@ def test_a_failed_build_is_said_once_and_not_retried(builds, monkeypatch):
     with pytest.warns(UserWarning, match="test layers run their Python path.*no nvcc here"):
         assert extension.module() is None
     assert extension.module() is None
-    assert builds == ["megatron_test_sm90"]
+    assert builds == [_name()]
 
 
 def test_a_lock_left_long_ago_is_removed(builds):
-    lock = _lock("megatron_test_sm90")
+    lock = _lock(_name())
     open(lock, "w").close()
     made = time.time() - native_extension.STALE_LOCK_S - 60
     os.utime(lock, (made, made))
@@ -88,7 +101,7 @@ def test_a_lock_left_long_ago_is_removed(builds):
 
 def test_a_lock_another_build_holds_is_waited_for(builds, monkeypatch, caplog):
     monkeypatch.setattr(native_extension, "_POLL_S", 0.01)
-    lock = _lock("megatron_test_sm90")
+    lock = _lock(_name())
     open(lock, "w").close()
     finished = threading.Timer(0.3, os.remove, [lock])
     finished.start()
@@ -99,7 +112,7 @@ def test_a_lock_another_build_holds_is_waited_for(builds, monkeypatch, caplog):
         finished.join()
     assert time.monotonic() - start >= 0.3
     assert "Waiting for another process's build of the test layers' C++ extension" in caplog.text
-    assert builds == ["megatron_test_sm90"]
+    assert builds == [_name()]
 
 
 def test_a_stale_lock_replaced_by_a_live_one_is_kept(tmp_path):
@@ -117,3 +130,22 @@ def test_a_stale_lock_replaced_by_a_live_one_is_kept(tmp_path):
     assert os.stat(lock).st_mtime > made + 60
     assert native_extension._remove_if_unchanged(str(lock), os.stat(lock))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_name_follows_the_sources_and_headers(builds, tmp_path):
+    """Another checkout's sources (or a header they include) build under another name, so its
+    processes neither rebuild over this one's build nor wait for its lock; the same sources
+    elsewhere share the build."""
+    first = _name()
+    (tmp_path / "src" / "test.cpp").write_text("int answer() { return 43; }\n")
+    changed = _name()
+    (tmp_path / "src" / "kernels.h").write_text("#pragma once\n")
+    with_header = _name()
+    assert len({first, changed, with_header}) == 3
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    for path in (tmp_path / "src").iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    assert native_extension.source_digest([str(copy / "test.cpp")]) == with_header.rsplit("_")[-1]
+    assert _extension().module().name == with_header
+    assert builds == [with_header]
