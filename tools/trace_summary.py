@@ -1,8 +1,8 @@
-"""Says where the GPU time of a profiled training run goes, from a torch.profiler chrome trace.
+"""Says where the GPU (or host) time of a profiled training run goes, from a torch.profiler trace.
 
-    python tools/trace_summary.py traces/megatron_fsdp_zero3_rank0.json [--steps 3]
+    python tools/trace_summary.py traces/megatron_fsdp_zero3_rank0.json [--steps 3] [--host]
     python tools/trace_summary.py traces/single_rank0.json traces/megatron_fsdp_zero3_rank0.json \
-        --compare
+        --compare [--host]
 
 Prints, per step: the kernel time of each category (GEMM, attention, all-gather, reduce-scatter,
 all-to-all (NCCL's send/receive kernels: MoE token dispatch), other NCCL, optimizer, copies, other),
@@ -100,7 +100,7 @@ def read_host_events(path: str) -> list[dict]:
 
 def self_times(events: list[dict]) -> tuple[dict[str, tuple[float, int]], dict[str, float]]:
     """Each event name's self time (us: its duration less that of the events nested in it on
-    its thread) and count, and each thread's busy time (its outermost events' union)."""
+    its thread) and count, and each thread's busy time (its events' union)."""
     by_thread: dict[str, list[dict]] = collections.defaultdict(list)
     for e in events:
         by_thread[f"{e.get('pid')}/{e.get('tid')}"].append(e)
@@ -112,20 +112,17 @@ def self_times(events: list[dict]) -> tuple[dict[str, tuple[float, int]], dict[s
         own = [float(e["dur"]) for e in thread_events]
         ends = [e["ts"] + e["dur"] for e in thread_events]
         stack: list[int] = []
-        outermost = []
         for i, e in enumerate(thread_events):
             while stack and ends[stack[-1]] <= e["ts"]:
                 stack.pop()
             if stack:
-                own[stack[-1]] -= e["dur"]
-            else:
-                outermost.append((e["ts"], e["ts"] + e["dur"]))
+                # A child reported past its parent's end takes only what overlaps.
+                own[stack[-1]] -= min(ends[i], ends[stack[-1]]) - e["ts"]
             stack.append(i)
         for e, t in zip(thread_events, own):
             total, count = times.get(e["name"], (0.0, 0))
-            # A child reported past its parent's end leaves the parent below zero: none of it.
-            times[e["name"]] = (total + max(t, 0.0), count + 1)
-        busy[thread] = length(union(outermost))
+            times[e["name"]] = (total + t, count + 1)
+        busy[thread] = length(union([(e["ts"], end) for e, end in zip(thread_events, ends)]))
     return times, busy
 
 
@@ -136,7 +133,8 @@ def summarize_host(path: str, steps: int, rows: int) -> None:
     for thread, total in sorted(busy.items(), key=lambda item: -item[1]):
         print(f"  thread {thread:<24} busy {total / per:8.2f}")
     print(f"  {'ms':>8} {'count':>7}  event")
-    for name, (total, count) in sorted(times.items(), key=lambda item: -item[1][0])[:rows]:
+    largest = sorted(times.items(), key=lambda item: (-item[1][0], item[0]))  # ties by name
+    for name, (total, count) in largest[:rows]:
         print(f"  {total / per:8.2f} {count / steps:7.0f}  {name[:90]}")
 
 

@@ -6,12 +6,13 @@ several small dispatches) into one C++ call. Each is built with PyTorch's extens
 time a process needs it on a GPU, which takes about a minute, and cached where PyTorch caches its
 extensions (`TORCH_EXTENSIONS_DIR`, by default under `~/.cache`; the ranks that share it wait
 for one build), under a name that carries the GPU's architecture and a digest of the sources:
-processes of two checkouts (two commits compared on one machine) each load their own build,
-neither rebuilding over the other's nor waiting for its lock. A build killed midway leaves its
-`lock` file behind; a process that finds one says that it waits for it, and removes it once it is
-older than `STALE_LOCK_S` (deleting it by hand skips the wait). Where it cannot be built the
-callers run their Python path, said once in a warning; an environment switch set to 0 keeps the
-Python path without one.
+processes of two checkouts whose sources differ (two commits compared on one machine) each load
+their own build, neither rebuilding over the other's nor waiting for its lock (each version of the
+sources leaves its build folder there). A build killed midway leaves its `lock` file behind; a
+process that finds one says that it waits for it, and removes it once it is older than
+`STALE_LOCK_S` (deleting it by hand skips the wait). Where it cannot be built the callers run
+their Python path, said once in a warning; an environment switch set to 0 keeps the Python path
+without one.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def source_digest(sources: Sequence[str]) -> str:
     files += sorted(map(_named_contents, headers))
     digest = hashlib.sha256()
     for name, contents in files:
-        digest.update(name + b"\0" + contents)
+        digest.update(b"%d:%s%d:" % (len(name), name, len(contents)) + contents)
     return digest.hexdigest()[:12]
 
 

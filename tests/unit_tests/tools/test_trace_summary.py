@@ -53,8 +53,9 @@ def test_compare_needs_two_traces(tmp_path):
 def write_host_trace(path: Path, launches: int = 1) -> str:
     """Two steps of host events, 5 ms apart: on thread 1 a 4 ms range holding an mm (1 ms,
     holding `launches` CUDA launches of 0.2 ms) and an add (0.5 ms); on thread 2 a 0.6 ms
-    backward. Self times per step: the range 2.5 ms, the mm 1 - 0.2 x `launches`, the add 0.5,
-    the backward 0.6, the launches 0.2 x `launches`."""
+    backward and a 0.2 ms call that starts 0.1 ms before its end (reported past it). Self times
+    per step: the range 2.5 ms, the mm 1 - 0.2 x `launches`, the add 0.5, the backward 0.5, the
+    call 0.2, the launches 0.2 x `launches`; thread 2 busy 0.7 ms."""
 
     def event(cat, name, ts, dur, tid):
         return {"cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
@@ -70,6 +71,7 @@ def write_host_trace(path: Path, launches: int = 1) -> str:
             ),
             event("cpu_op", "aten::add", t + 2500, 500, 1),
             event("cpu_op", "backward", t, 600, 2),
+            event("cuda_runtime", "cudaStreamWaitEvent", t + 500, 200, 2),
         ]
     # A kernel: the host view ignores it.
     events.append({"cat": "kernel", "name": "gemm", "ts": 0, "dur": 900, "args": {"stream": 7}})
@@ -85,12 +87,13 @@ def test_host_view_gives_self_times_and_busy_threads(tmp_path):
     assert rows == [
         ("2.50", "1", "forward"),
         ("0.80", "1", "aten::mm"),
-        ("0.60", "1", "backward"),
         ("0.50", "1", "aten::add"),
+        ("0.50", "1", "backward"),
         ("0.20", "1", "cudaLaunchKernel"),
+        ("0.20", "1", "cudaStreamWaitEvent"),
     ], proc.stdout
     assert re.search(r"thread 1/1\s+busy\s+4\.00", proc.stdout), proc.stdout
-    assert re.search(r"thread 1/2\s+busy\s+0\.60", proc.stdout), proc.stdout
+    assert re.search(r"thread 1/2\s+busy\s+0\.70", proc.stdout), proc.stdout
     assert "gemm" not in proc.stdout
 
 
@@ -110,4 +113,4 @@ def test_host_compare_lists_events_by_self_time_difference(tmp_path):
         ("+0.40", "0.20", "0.60", "1", "3", "cudaLaunchKernel"),
         ("+0.00", "0.50", "0.50", "1", "1", "aten::add"),  # ties by name
     ], proc.stdout
-    assert re.search(r"\+0\.00\s+4\.60\s+4\.60\s+\(all host events\)", proc.stdout), proc.stdout
+    assert re.search(r"\+0\.00\s+4\.70\s+4\.70\s+\(all host events\)", proc.stdout), proc.stdout

@@ -235,8 +235,8 @@ constexpr int kTransposeTile = 64;
 constexpr int kTransposeThreads = 256;
 
 // A 64x64 tile of bytes through shared memory, 4 bytes per load and store where `vector` (rows
-// and columns multiples of 4, both pointers 4-byte aligned): the shapes `transpose_wide_kernel`
-// does not take.
+// and columns multiples of 4, both pointers 4-byte aligned): what `transpose_wide_kernel` does
+// not take (sizes that are not multiples of 16, pointers not 16-byte aligned).
 __global__ void __launch_bounds__(kTransposeThreads)
     transpose_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t rows,
                      int64_t cols, bool vector) {

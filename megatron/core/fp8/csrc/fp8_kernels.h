@@ -15,7 +15,8 @@ namespace megatron_fp8 {
 constexpr int64_t kTransposedRowAlignment = 16;
 // The widest input the cast takes: its grid has a tile per 128 columns in CUDA's y dimension.
 constexpr int64_t kMaxCastColumns = 65535LL * 128;
-// The most rows the byte transpose takes: a tile per 64 rows in the grid's y dimension.
+// The most rows the byte transpose takes: the 64x64 kernel has a tile per 64 rows in the grid's y
+// dimension (the 128x128 one, per 128 rows, would take twice as many).
 constexpr int64_t kMaxTransposeRows = 65535LL * 64;
 
 // `x` ([rows, cols], bf16, fp16 or fp32, contiguous) cast to FP8: `out` ([rows, cols]; undefined:
