@@ -33,6 +33,8 @@ import torch
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from benchmark_lib.shapes import parse_shapes  # noqa: E402
+
 from megatron.core.fp8 import cpp_linear, kernels  # noqa: E402
 from megatron.core.fp8.multi_tensor_cast import MultiTensorCast  # noqa: E402
 
@@ -56,21 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--iters", type=int, default=40)
     args = parser.parse_args(argv)
-    args.shapes = _shapes(parser, "--shapes", args.shapes)
-    args.weights = _shapes(parser, "--weights", args.weights)
+    args.shapes = parse_shapes(parser, "--shapes", args.shapes, "ROWSxCOLS", "4096x4096")
+    args.weights = parse_shapes(parser, "--weights", args.weights, "ROWSxCOLS", "4096x4096")
     if args.weight_layers < 1:
         parser.error(f"--weight-layers must be >= 1, got {args.weight_layers}.")
     return args
-
-
-def _shapes(parser: argparse.ArgumentParser, flag: str, text: str) -> list[tuple[int, int]]:
-    try:
-        shapes = [tuple(int(n) for n in s.split("x")) for s in text.split(",")]
-    except ValueError:
-        parser.error(f"{flag} {text!r}: give ROWSxCOLS pairs, e.g. 4096x4096.")
-    if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
-        parser.error(f"{flag}: each shape is two positive sizes, ROWSxCOLS.")
-    return shapes
 
 
 def gpu_us(cast: Callable[[], object], iters: int) -> float:

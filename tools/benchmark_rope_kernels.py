@@ -31,6 +31,8 @@ import torch
 # Runnable from a checkout without installing the package (as Megatron-LM's tools are).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from benchmark_lib.shapes import parse_shapes  # noqa: E402
+
 from megatron.core.fusions import fused_rope  # noqa: E402
 from megatron.core.fusions.native_rope import native_rope, triton_kernel  # noqa: E402
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # noqa: E402
@@ -50,14 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shapes", default=DEFAULT_SHAPES, help="comma-separated SEQxBATCHxHEADSxHEAD_WIDTH"
     )
     args = parser.parse_args(argv)
-    try:
-        args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
-    except ValueError:
-        parser.error(
-            f"--shapes {args.shapes!r}: give SEQxBATCHxHEADSxHEAD_WIDTH, e.g. 2048x2x16x128."
-        )
-    if any(len(shape) != 4 or min(shape) < 1 or shape[3] % 2 for shape in args.shapes):
-        parser.error("--shapes: each shape is four positive sizes, the head width even.")
+    args.shapes = parse_shapes(
+        parser, "--shapes", args.shapes, "SEQxBATCHxHEADSxHEAD_WIDTH", "2048x2x16x128"
+    )
+    if any(shape[3] % 2 for shape in args.shapes):
+        parser.error("--shapes: each shape's head width is even.")
     return args
 
 

@@ -76,10 +76,15 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return length(union(a)) - covered
 
 
+def read_events(path: str) -> list[dict]:
+    """Every event of a chrome trace."""
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
 def read_kernels(path: str) -> tuple[list[dict], list[dict]]:
     """(every event, the GPU kernel / memcpy / memset events) of a chrome trace."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    events = read_events(path)
     kernels = [
         e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
     ]
@@ -90,9 +95,7 @@ def read_kernels(path: str) -> tuple[list[dict], list[dict]]:
 
 def read_host_events(path: str) -> list[dict]:
     """The host-side events of a chrome trace that have a duration (`_HOST_CATEGORIES`)."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    host = [e for e in events if e.get("cat") in _HOST_CATEGORIES and "dur" in e]
+    host = [e for e in read_events(path) if e.get("cat") in _HOST_CATEGORIES and "dur" in e]
     if not host:
         raise SystemExit(f"{path} holds no host events: was it profiled with CPU activity?")
     return host

@@ -163,8 +163,6 @@ class Residency:
     def queue_refreshes(self) -> None:
         """Queues the device work of every refresh not queued yet (of units a forward did not
         run), so that none waits beyond it (nor holds the weights of a unit freed since)."""
-        if not self._unqueued and not self._unqueued_casts:
-            return
         for position in list(self._unqueued):
             unit = self._unit(position)
             if unit is None:
