@@ -213,10 +213,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the engines in turn this many times in one process, each round's ratios to "
         "its own one-GPU step (host-bound steps move with the host's speed between processes)",
     )
+    parser.add_argument(
+        "--fp8-only",
+        action="store_true",
+        help="with --fp8-format: time the FP8 steps alone, without the bf16 twin each engine "
+        "otherwise runs first (for a sampling profiler that follows one process)",
+    )
     args = check_args(parser, parser.parse_args(argv), ENGINES + HYBRID_ENGINES + OPTIONAL_ENGINES)
     check_instances(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more.")
+    if args.fp8_only and args.fp8_format is None:
+        parser.error("--fp8-only leaves out the bf16 twin of an FP8 run: give --fp8-format too.")
     return args
 
 
@@ -444,9 +452,10 @@ def summarize(
 
 
 def precision_variants(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """The flags each engine runs with: as given, and with `--fp8-format` a bf16 twin first
-    (the same flags without FP8), so that one run compares both on the same machine state."""
-    if args.fp8_format is None:
+    """The flags each engine runs with: as given, and with `--fp8-format` (but `--fp8-only`) a
+    bf16 twin first (the same flags without FP8), so that one run compares both on the same
+    machine state."""
+    if args.fp8_format is None or args.fp8_only:
         return [args]
     bf16 = {"fp8_format": None, "fp8_recipe": build_parser().get_default("fp8_recipe")}
     return [argparse.Namespace(**{**vars(args), **bf16}), args]

@@ -243,7 +243,8 @@ def test_cuda_graph_replays_train_like_eager_steps(tmp_path):
 def test_fp8_format_times_each_engine_in_bf16_then_fp8(tmp_path):
     """`--fp8-format`: a bf16 row, then an FP8 row, per engine; the FP8 rows agree with each
     other to the bit as the bf16 ones do (the one-rank engine reduces its amaxes over itself:
-    over all ranks its collectives would wait for ranks that run nothing) and differ from them."""
+    over all ranks its collectives would wait for ranks that run nothing) and differ from them;
+    with `--fp8-only`, the FP8 rows alone, with the same losses."""
     out = tmp_path / "result.json"
     flags = ["--engines", "megatron_fsdp_zero3,ddp,single", "--json-out", str(out)]
     proc = run_tool(*TINY, "--fp8-format", "hybrid", *flags, timeout=300)
@@ -255,6 +256,20 @@ def test_fp8_format_times_each_engine_in_bf16_then_fp8(tmp_path):
     fp8 = {rows[f"{name} fp8"]["final_loss"] for name in names}
     assert len(bf16) == 1 and len(fp8) == 1 and bf16 != fp8
     assert "FP8 (hybrid, delayed)" in rows["single fp8"]["precision"]
+    # `--fp8-only`: the FP8 rows alone, training as they do beside their twins.
+    proc = run_tool(*TINY, "--fp8-format", "hybrid", "--fp8-only", *flags, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alone = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(alone) == [f"{name} fp8" for name in names]
+    assert {row["final_loss"] for row in alone.values()} == fp8
+
+
+def test_fp8_only_needs_fp8_format():
+    proc = run_tool(*TINY, "--fp8-only", nproc=None)
+    assert proc.returncode == 2
+    assert "--fp8-only leaves out the bf16 twin of an FP8 run: give --fp8-format too." in (
+        proc.stderr
+    )
 
 
 def test_rounds_repeat_every_engine_with_ratios_to_their_own_round(tmp_path):
