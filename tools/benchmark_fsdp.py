@@ -217,7 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fp8-only",
         action="store_true",
         help="with --fp8-format: time the FP8 steps alone, without the bf16 twin each engine "
-        "otherwise runs first (for a sampling profiler that follows one process)",
+        "otherwise runs first (for a sampling profiler that follows one process); the rows then "
+        "have no ratio to the bf16 one-GPU step",
     )
     args = check_args(parser, parser.parse_args(argv), ENGINES + HYBRID_ENGINES + OPTIONAL_ENGINES)
     check_instances(parser, args, int(os.environ.get("WORLD_SIZE", "1")))

@@ -5,9 +5,9 @@ the C++ of an extension's autograd node, cuBLASLt's set-up of a GEMM, a library 
 at its first call. A sampling profiler sees all of it: py-spy with `--native` records the C and
 C++ frames beside the Python ones, on every thread (on CUDA the forward runs on the main thread,
 the backward on autograd's thread of its own). py-spy follows one process, so run the single
-rank without `torchrun`:
+rank without `torchrun` (the benchmarks then make a world of one; py-spy is not a dependency of
+this project: `pip install py-spy`, and it needs the permission to trace a process):
 
-    RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
     py-spy record --native --threads --rate 40 --format raw -o stacks.txt -- \\
         python tools/benchmark_fsdp.py $MODEL --engines megatron_fsdp_zero3 --steps 100
 
@@ -26,9 +26,11 @@ names and not `--skip-thread`, with every `--with` frame and no `--without` fram
 start at its first `--root` frame, where given, and less the frames `--hide` names) as a tree:
 each frame's share of the selection, its samples and everything called under it, to `--depth`
 levels, siblings by share. `--leaves` prints instead the frames the samples were in (self
-time), by share. With `--rate` and `--steps`, also milliseconds per step. The frames are
-py-spy's, shortened: C++ template arguments and parameter lists dropped, the library or
-`file:line` kept. A frame matches a text where the text occurs in it (as py-spy wrote it).
+time), by share. With `--rate` and `--steps`, also milliseconds per step (from the rate asked
+for: where py-spy fell behind, it says so, and the times come out low). The frames are
+py-spy's, shortened (`shorten`): C++ template arguments, parameter lists and unnamed addresses
+merged, the library or `file:line` kept. A frame matches a text where the text occurs in it
+(as py-spy wrote it).
 """
 
 from __future__ import annotations
@@ -39,7 +41,26 @@ import dataclasses
 import re
 
 _LOCATION = re.compile(r"^(?P<name>.*) \((?P<where>[^()]*)\)$")
-_PYTHON_LOCATION = re.compile(r":\d+$")
+# A Python file (`file.py:LINE`, or no line under py-spy's --nolineno) or a frozen or string
+# module (`<frozen importlib._bootstrap>:1176`); a native frame with debug information names
+# its source as `file.cpp:LINE`.
+_PYTHON_LOCATION = re.compile(r"(\.pyx?|^<[^<>]*>)(:\d+)?$")
+_QUALIFIERS = re.compile(r"(?<=\))(\s*(const|volatile|noexcept|&&|&))+$")
+_ADDRESS = re.compile(r"^0x[0-9a-fA-F]+$")
+# Operators whose angle brackets open or close no template argument list, longest first;
+# stood in for by their index while the template arguments are dropped.
+_ANGLE_OPERATORS = (
+    "operator<=>",
+    "operator<<=",
+    "operator>>=",
+    "operator<<",
+    "operator>>",
+    "operator<=",
+    "operator>=",
+    "operator->",
+    "operator<",
+    "operator>",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +68,9 @@ class Sample:
     """One distinct stack and how many times it was sampled.
 
     Attributes:
-        thread: py-spy's label of the thread ("thread (820): MainThread"), or "" for a file
-            recorded without `--threads`.
+        thread: py-spy's label of the thread ("thread (820): MainThread"; with
+            `--subprocesses`, its process's frame before it), or "" for a file recorded
+            without `--threads`.
         frames: the stack, outermost first, as py-spy wrote each frame.
         count: the samples.
     """
@@ -63,7 +85,7 @@ def read_samples(path: str) -> list[Sample]:
     samples = []
     with open(path) as lines:
         for number, line in enumerate(lines, 1):
-            line = line.rstrip("\n")
+            line = line.strip()
             if not line:
                 continue
             stack, _, count = line.rpartition(" ")
@@ -73,21 +95,36 @@ def read_samples(path: str) -> list[Sample]:
                     "with `py-spy record --format raw`."
                 )
             frames = stack.split(";")
-            thread = frames.pop(0) if frames[0].startswith("thread (") else ""
-            samples.append(Sample(thread, tuple(frames), int(count)))
+            label = []
+            while frames and frames[0].startswith(("process ", "thread (")):
+                label.append(frames.pop(0))
+            samples.append(Sample(";".join(label), tuple(frames), int(count)))
     return samples
 
 
 def shorten(frame: str) -> str:
-    """`frame` without C++ template arguments and parameter lists, its location kept:
-    "torch::autograd::CppNode<Fp8Linear>::apply(std::vector<at::Tensor>&&) (ext.so)" is
-    "torch::autograd::CppNode<..>::apply (ext.so)". A Python frame (`file:line`) is kept whole
-    ("_flatten.<locals>.<genexpr> (unit_boundaries.py:107)")."""
+    """A frame's name as the tree merges it: C++ template arguments, parameter lists and
+    trailing qualifiers dropped, the location kept, so that
+    "torch::autograd::CppNode<Fp8Linear>::apply(std::vector<at::Tensor>&&) (ext.so)" reads
+    "torch::autograd::CppNode<..>::apply (ext.so)", and the addresses py-spy could not name
+    ("0x7f6759529ecc (libc.so.6)") one "0x.. (libc.so.6)" per library. A Python frame is
+    kept whole ("_flatten.<locals>.<genexpr> (unit_boundaries.py:107)")."""
     match = _LOCATION.match(frame)
     name, where = (match["name"], match["where"]) if match else (frame, "")
     if _PYTHON_LOCATION.search(where):
         return frame
+    if _ADDRESS.match(name):
+        name = "0x.."
+    else:
+        name = _without_parameters(_without_templates(name))
+    return f"{name} ({where})" if where else name
+
+
+def _without_templates(name: str) -> str:
+    """`name` with each outermost template argument list `<...>` written `<..>`."""
     name = name.replace("(anonymous namespace)", "{anon}")
+    for index, operator in enumerate(_ANGLE_OPERATORS):
+        name = name.replace(operator, f"\0{index}\0")
     kept, depth = [], 0
     for char in name:
         if char == "<":
@@ -99,13 +136,17 @@ def shorten(frame: str) -> str:
         elif depth == 0:
             kept.append(char)
     name = "".join(kept)
-    if name.endswith(")") and not name.endswith("operator()"):
-        name = _without_parameters(name)
-    return f"{name} ({where})" if where else name
+    for index, operator in enumerate(_ANGLE_OPERATORS):
+        name = name.replace(f"\0{index}\0", operator)
+    return name
 
 
 def _without_parameters(name: str) -> str:
-    """`name` less its trailing parenthesised parameter list (and a `const` after it)."""
+    """`name` less its trailing qualifiers (`const`, `&&`, ...) and parenthesised parameter
+    list; `operator()` keeps its own parentheses."""
+    name = _QUALIFIERS.sub("", name)
+    if not name.endswith(")") or name.endswith("operator()"):
+        return name
     depth = 0
     for index in range(len(name) - 1, -1, -1):
         if name[index] == ")":
@@ -139,7 +180,8 @@ def select(samples: list[Sample], args: argparse.Namespace) -> list[Sample]:
             frames = tuple(
                 frame for frame in frames if not any(text in frame for text in args.hide)
             )
-        kept.append(Sample(sample.thread, frames, sample.count))
+        if frames:  # a stack of hidden frames only: nothing to place in the tree
+            kept.append(Sample(sample.thread, frames, sample.count))
     return kept
 
 
@@ -181,10 +223,13 @@ class Printer:
         self.ms_per_sample = 1e3 / rate / steps if rate and steps else None
 
     def row(self, count: int, label: str, indent: int = 0) -> str:
+        """One row: `count`'s share and samples (and ms per step), then `label` indented."""
         ms = f" {count * self.ms_per_sample:9.2f}" if self.ms_per_sample is not None else ""
         return f"{100 * count / self.total:6.1f}% {count:7d}{ms}  {'  ' * indent}{label}"
 
     def tree(self, node: Node, min_share: float, indent: int = 0) -> list[str]:
+        """The rows of `node`'s callees and theirs, depth first, each level by share, less
+        the callees under `min_share` percent (and what they call)."""
         rows = []
         for label, callee in sorted(node.callees.items(), key=lambda item: -item[1].count):
             if 100 * callee.count / self.total < min_share:
@@ -195,6 +240,7 @@ class Printer:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The tool's flags, checked (bad ones exit through `parser.error`)."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -247,8 +293,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Prints each thread's samples, then the selection's tree (or leaves)."""
     args = parse_args(argv)
     samples = read_samples(args.stacks)
+    if (args.thread or args.skip_thread) and not any(sample.thread for sample in samples):
+        raise SystemExit(
+            f"{args.stacks} names no threads (recorded without `--threads`): drop --thread and "
+            "--skip-thread, or record again with `py-spy record --threads`."
+        )
     threads: collections.Counter[str] = collections.Counter()
     for sample in samples:
         threads[sample.thread or "(all threads)"] += sample.count

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.transformer.transformer_config import inductor_finds_cpp_compiler
 from tests.unit_tests.program_launcher import run_program
+from tests.unit_tests.tools.conftest import usage_error
 
 REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "benchmark_fsdp.py"
@@ -264,12 +265,10 @@ def test_fp8_format_times_each_engine_in_bf16_then_fp8(tmp_path):
     assert {row["final_loss"] for row in alone.values()} == fp8
 
 
-def test_fp8_only_needs_fp8_format():
-    proc = run_tool(*TINY, "--fp8-only", nproc=None)
-    assert proc.returncode == 2
-    assert "--fp8-only leaves out the bf16 twin of an FP8 run: give --fp8-format too." in (
-        proc.stderr
-    )
+def test_fp8_only_needs_fp8_format(import_tool, capsys):
+    parse = import_tool("benchmark_fsdp").parse_args
+    err = usage_error(lambda: parse([*TINY, "--fp8-only"]), capsys)
+    assert "--fp8-only leaves out the bf16 twin of an FP8 run: give --fp8-format too." in err
 
 
 def test_rounds_repeat_every_engine_with_ratios_to_their_own_round(tmp_path):
