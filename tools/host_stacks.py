@@ -207,11 +207,11 @@ def build_tree(samples: list[Sample], depth: int) -> Node:
 
 
 def leaves(samples: list[Sample]) -> collections.Counter[str]:
-    """Samples per innermost frame (shortened)."""
+    """Samples per innermost frame (shortened); `samples` as `select` keeps them (none
+    empty)."""
     counts: collections.Counter[str] = collections.Counter()
     for sample in samples:
-        if sample.frames:
-            counts[shorten(sample.frames[-1])] += sample.count
+        counts[shorten(sample.frames[-1])] += sample.count
     return counts
 
 
