@@ -96,7 +96,7 @@ inline int alignment_of(const void* pointer) {
 }
 
 // What an algorithm choice depends on, in the caller's row-major terms:
-// `out [m, n] (+)= a [m, k] @ b [k, n]`.
+// `out [m, n] (+)= a [m, k] @ b [k, n]`, or `out = addend + a @ b`.
 struct Problem {
   int device;
   int64_t m, n, k;
@@ -106,13 +106,14 @@ struct Problem {
   int64_t a_leading, b_leading, out_leading;
   bool scaled, fast_accum, accumulate;
   int a_alignment, b_alignment, out_alignment, bias_alignment;
+  int addend_alignment;  // 0: no addend (C is the output itself)
   int64_t workspace_size;
 
   auto fields() const {
     return std::tie(device, m, n, k, a_type, b_type, out_type, bias_type, epilogue,
                     a_column_major, b_column_major, a_leading, b_leading, out_leading, scaled,
                     fast_accum, accumulate, a_alignment, b_alignment, out_alignment,
-                    bias_alignment, workspace_size);
+                    bias_alignment, addend_alignment, workspace_size);
   }
   bool operator==(const Problem& other) const { return fields() == other.fields(); }
 };
@@ -159,14 +160,17 @@ class Plan {
     if (operation_ != nullptr) cublasLtMatmulDescDestroy(operation_);
   }
 
-  void run(cublasLtHandle_t handle, const void* a, const void* b, void* out, const void* bias,
-           const void* a_scale_inv, const void* b_scale_inv, bool accumulate, void* workspace,
-           size_t workspace_size, cudaStream_t stream) {
+  // `addend`: cuBLAS's C where it is not the output (laid out as the output); nullptr: C is
+  // the output, read where `accumulate`.
+  void run(cublasLtHandle_t handle, const void* a, const void* b, void* out, const void* addend,
+           const void* bias, const void* a_scale_inv, const void* b_scale_inv, bool accumulate,
+           void* workspace, size_t workspace_size, cudaStream_t stream) {
     // The descriptor holds these pointers: set per call (a copy into the descriptor, no more).
     set_pointers(bias, a_scale_inv, b_scale_inv);
-    const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
-    check_status(cublasLtMatmul(handle, operation_, &alpha, b, a_layout_, a, b_layout_, &beta,
-                                out, out_layout_, out, out_layout_, &algorithm_, workspace,
+    const float alpha = 1.f, beta = accumulate || addend != nullptr ? 1.f : 0.f;
+    const void* c = addend != nullptr ? addend : out;
+    check_status(cublasLtMatmul(handle, operation_, &alpha, b, a_layout_, a, b_layout_, &beta, c,
+                                out_layout_, out, out_layout_, &algorithm_, workspace,
                                 workspace_size, stream),
                  "cublasLtMatmul");
   }
@@ -224,11 +228,12 @@ class Plan {
     const uint64_t workspace = p.workspace_size;
     // The algorithm must work at the operands' actual alignments (cuBLASLt assumes 256 bytes).
     const uint32_t a_alignment = p.b_alignment, b_alignment = p.a_alignment,
-                   out_alignment = p.out_alignment;
+                   out_alignment = p.out_alignment,
+                   c_alignment = p.addend_alignment != 0 ? p.addend_alignment : p.out_alignment;
     prefer(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace);
     prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a_alignment);
     prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b_alignment);
-    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, out_alignment);
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_alignment);
     prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, out_alignment);
     cublasLtMatmulHeuristicResult_t heuristic = {};
     int found = 0;
@@ -267,14 +272,17 @@ inline bool bias_suits(Epilogue epilogue, const at::Tensor& bias, const at::Tens
 // cached: `a` [m, k], `b` [k, n] and `out` [m, n] 2-D tensors on one GPU, `a` and `b` each with
 // dense rows or columns, `out` with dense rows; `epilogue` on `bias` (above). FP8 operands take
 // their scales' inverses (one fp32 element each; `fast_accum`: Hopper's faster, less exact
-// accumulation); others are bf16 or fp16, both of one dtype, into that dtype or fp32.
+// accumulation); others are bf16 or fp16, both of one dtype, into that dtype or fp32. With an
+// `addend` (not with `accumulate`), `out = addend + a @ b (+ bias)`, rounded once: an [m, n]
+// tensor of the output's dtype and row stride (a linear layer's residual connection).
 //
 // Returns false, having launched nothing, where the problem is not one of those or cuBLASLt has
 // no algorithm for it: the caller computes it another way.
 inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, const at::Tensor& b,
                  Epilogue epilogue = Epilogue::kNone, const at::Tensor& bias = at::Tensor(),
                  const at::Tensor& a_scale_inv = at::Tensor(),
-                 const at::Tensor& b_scale_inv = at::Tensor(), bool fast_accum = false) {
+                 const at::Tensor& b_scale_inv = at::Tensor(), bool fast_accum = false,
+                 const at::Tensor& addend = at::Tensor()) {
   using namespace detail;
   if (a.dim() != 2 || b.dim() != 2 || out.dim() != 2 || !a.is_cuda()) return false;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
@@ -309,6 +317,16 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
   const std::optional<Layout> a_layout = layout_of(a), b_layout = layout_of(b),
                               out_layout = layout_of(out);
   if (!a_layout || !b_layout || !out_layout || out_layout->column_major) return false;
+  if (addend.defined()) {
+    // cuBLASLt reads C with the output's layout descriptor.
+    const std::optional<Layout> addend_layout = addend.dim() == 2 ? layout_of(addend)
+                                                                  : std::nullopt;
+    if (accumulate || addend.sizes() != out.sizes() || addend.scalar_type() != out_type ||
+        addend.device() != a.device() || !addend_layout || addend_layout->column_major ||
+        addend_layout->leading != out_layout->leading) {
+      return false;
+    }
+  }
 
   const void* bias_pointer = epilogue == Epilogue::kNone ? nullptr : bias.const_data_ptr();
   const void* a_scale_pointer = scaled ? a_scale_inv.const_data_ptr() : nullptr;
@@ -336,6 +354,7 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
                         alignment_of(b.const_data_ptr()),
                         alignment_of(out.const_data_ptr()),
                         bias_pointer == nullptr ? 0 : alignment_of(bias_pointer),
+                        addend.defined() ? alignment_of(addend.const_data_ptr()) : 0,
                         static_cast<int64_t>(workspace_size)};
   const c10::cuda::CUDAGuard guard(a.device());
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -351,8 +370,9 @@ inline bool gemm(const at::Tensor& out, bool accumulate, const at::Tensor& a, co
   }
   Plan* plan = found->second.get();
   if (plan == nullptr) return false;  // no algorithm: asked once, remembered
-  plan->run(handle, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(), bias_pointer,
-            a_scale_pointer, b_scale_pointer, accumulate,
+  plan->run(handle, a.const_data_ptr(), b.const_data_ptr(), out.data_ptr(),
+            addend.defined() ? addend.const_data_ptr() : nullptr, bias_pointer, a_scale_pointer,
+            b_scale_pointer, accumulate,
             at::cuda::getCUDABlasLtWorkspace(), workspace_size,
             at::cuda::getCurrentCUDAStream());
   return true;

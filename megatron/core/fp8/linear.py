@@ -152,13 +152,19 @@ class Fp8LinearSlots:
         return quantize(x, dtype, scale=scale, amax_out=record, transpose=transpose)
 
     def linear(
-        self, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`F.linear(input_, weight, bias)` with its GEMMs in FP8 (module docstring)."""
+        """`F.linear(input_, weight, bias)` with its GEMMs in FP8 (module docstring), plus
+        `residual` where given (in the forward GEMM where the C++ node runs it)."""
         native = self.native_linear(input_)
         if native is not None:
-            return _native_linear(native, input_, weight, bias, self)
-        return _apply_linear(input_, weight, bias, self, _weight_needs_grad(weight))
+            return _native_linear(native, input_, weight, bias, residual, self)
+        out = _apply_linear(input_, weight, bias, self, _weight_needs_grad(weight))
+        return out if residual is None else residual + out
 
     def column_parallel_linear(
         self,
@@ -338,11 +344,12 @@ def _native_linear(
     input_: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
     slots: Fp8LinearSlots,
 ) -> torch.Tensor:
-    """`_Fp8Linear` as one C++ autograd node (`cpp_linear.py`): the forward's scales and FP8
-    weight are looked up here, what the backward needs of Python at the backward
-    (`native_backward_inputs`)."""
+    """`_Fp8Linear`, plus `residual` where given, as one C++ autograd node (`cpp_linear.py`):
+    the forward's scales and FP8 weight are looked up here, what the backward needs of Python at
+    the backward (`native_backward_inputs`)."""
     recipe = slots.recipe
     scale, record = slots.cast_scale(FORWARD, input_.device)
     # Views of the state, written in place: the backward's cast reads the values of its time.
@@ -353,6 +360,7 @@ def _native_linear(
         input_,  # x
         weight,
         bias,
+        residual,
         scale,
         record,
         grad_scale,

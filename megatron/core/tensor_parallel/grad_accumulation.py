@@ -137,10 +137,13 @@ def linear(
     fp8: Fp8LinearSlots | None = None,
     *,
     fusion: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(input_, weight, bias)`, its weight gradient fused into the weight's registered
     `main_grad` (module docstring) where there is one; its three GEMMs in FP8 where the layer
-    has `fp8` settings (`megatron.core.fp8.linear`, which fuses the same way).
+    has `fp8` settings (`megatron.core.fp8.linear`, which fuses the same way). Plus `residual`
+    where given (a layer's residual connection): added in the GEMM by the C++ nodes, where it
+    costs no kernel of its own, else `residual + output` after it.
 
     Under `torch.compile` a linear whose weight gradient may fuse is traced into the compiled
     graph with a backward operator of its own (`megatron::linear_into_main_grad_backward`),
@@ -156,6 +159,7 @@ def linear(
         fusion: whether the weight gradient may fuse (the model config's
             `gradient_accumulation_fusion`); False: never, even where a `main_grad` is
             registered.
+        residual: [..., out], or None.
 
     Returns:
         [..., out].
@@ -163,12 +167,12 @@ def linear(
     if fp8 is not None:
         # Outside any compiled graph: the FP8 weight cache and the scaling state are host state.
         if torch.compiler.is_compiling():
-            return _linear_outside_graph(input_, weight, bias, fp8)
-        return fp8.linear(input_, weight, bias)
+            return _plus(residual, _linear_outside_graph(input_, weight, bias, fp8))
+        return fp8.linear(input_, weight, bias, residual)
     if not (fusion and weight.requires_grad and torch.is_grad_enabled()):
-        return F.linear(input_, weight, bias)
+        return _plus(residual, F.linear(input_, weight, bias))
     if torch.compiler.is_compiling():
-        return _traced_linear(input_, weight, bias)
+        return _plus(residual, _traced_linear(input_, weight, bias))
     if (
         _may_fuse(weight)
         and not torch.is_autocast_enabled(input_.device.type)
@@ -176,9 +180,14 @@ def linear(
     ):
         native = native_linear_into_main_grad(input_)
         if native is not None:
-            return native.linear_into_main_grad(input_, weight, bias)
-        return _apply_into_main_grad(input_, weight, bias)
-    return F.linear(input_, weight, bias)
+            return native.linear_into_main_grad(input_, weight, bias, residual)
+        return _plus(residual, _apply_into_main_grad(input_, weight, bias))
+    return _plus(residual, F.linear(input_, weight, bias))
+
+
+def _plus(residual: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
+    """`residual + output` (the order a layer's residual connection adds in), or `output`."""
+    return output if residual is None else residual + output
 
 
 def _traced_linear(

@@ -383,18 +383,32 @@ class RowParallelLinear(_ParallelLinear):
         """The weight split along its second dimension; the bias is replicated."""
         return {"weight": self._weight_layout()}
 
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Projects the last dimension of `input_` and sums the parts over tp.
 
         Args:
             input_: [..., input_size/T] when `input_is_parallel`, else [..., input_size].
+            residual: A tensor of the output's shape added to it last (a transformer layer's
+                residual connection), or None. At tp 1 it joins the GEMM where the layer's C++
+                node runs (`grad_accumulation.linear`): no kernel, and no autograd node, of its
+                own. Not with `skip_bias_add`, whose caller adds the bias after.
 
         Returns:
             `(output, bias)`: output [..., output_size] (under sequence parallelism
             [s/T, b, output_size]: this rank's part of the sequence); bias is the un-added
             bias when `skip_bias_add` (its gradient summed over tp under sequence
             parallelism), else None.
+
+        Raises:
+            ValueError: a `residual` with `skip_bias_add`.
         """
+        if residual is not None and self.skip_bias_add:
+            raise ValueError(
+                "RowParallelLinear: a residual is added after the bias, which skip_bias_add "
+                "leaves to the caller; add the residual there too."
+            )
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = self.bias
@@ -402,7 +416,10 @@ class RowParallelLinear(_ParallelLinear):
             # Nothing to sum: the bias can join the GEMM, as in a plain linear.
             if self.skip_bias_add:
                 return linear(input_, self.weight, fp8=self.fp8, fusion=self._fusion), bias
-            return linear(input_, self.weight, bias, self.fp8, fusion=self._fusion), None
+            output = linear(
+                input_, self.weight, bias, self.fp8, fusion=self._fusion, residual=residual
+            )
+            return output, None
         output = linear(input_, self.weight, fp8=self.fp8, fusion=self._fusion)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
@@ -412,7 +429,9 @@ class RowParallelLinear(_ParallelLinear):
             output = reduce_from_tensor_model_parallel_region(output, self.tp_group)
         if self.skip_bias_add:
             return output, bias
-        return (output if bias is None else output + bias), None
+        if bias is not None:
+            output = output + bias
+        return (output if residual is None else residual + output), None
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

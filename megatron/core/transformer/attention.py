@@ -21,6 +21,7 @@ import torch
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import rotate_query_and_key
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.tensor_parallel.utils import divide, group_size
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule, resolve_tp_group
@@ -83,6 +84,13 @@ class Attention(MegatronModule):
         # Decided once, not in every layer's forward.
         self.recompute_core_attention = recomputes(config, "core_attn")
 
+    @property
+    def adds_residual(self) -> bool:
+        """Whether `forward(..., residual=)` takes the layer's residual connection: the output
+        projection adds it (`RowParallelLinear.forward`), in its GEMM where it can."""
+        proj = self.linear_proj
+        return isinstance(proj, RowParallelLinear) and not proj.skip_bias_add
+
     def _build_output(
         self,
         core_attention: ModuleSpec | type,
@@ -133,16 +141,26 @@ class Attention(MegatronModule):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The core attention of this rank's heads, then the output projection: `(output,
-        None)`, output [s, b, h] (under sequence parallelism [s/T, b, h])."""
+        """The core attention of this rank's heads, then the output projection (plus
+        `residual`, where given: `adds_residual`): `(output, None)`, output [s, b, h] (under
+        sequence parallelism [s/T, b, h])."""
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             # Recompute the attention in backward instead of storing its activations; the RNG
             # states are replayed, so attention dropout draws the same mask again.
             context = recompute(self._context, query, key, value, attention_mask)
         else:
             context = self._context(query, key, value, attention_mask)
-        return self.linear_proj(context)
+        return self._project(context, residual)
+
+    def _project(
+        self, context: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`linear_proj(context)`, plus `residual` where given (`adds_residual`)."""
+        if residual is None:
+            return self.linear_proj(context)
+        return self.linear_proj(context, residual=residual)
 
     def _context(
         self,
@@ -274,6 +292,7 @@ class SelfAttention(Attention):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attends over the sequence.
 
@@ -284,10 +303,12 @@ class SelfAttention(Attention):
             rotary_pos_emb: Angles from `RotaryEmbedding` (or `YarnRotaryEmbedding`: the
                 config's `yarn_*` fields give its concentration factor), [s, 1, 1, rot_dim],
                 or None.
+            residual: The layer's residual connection, added to the output (where
+                `adds_residual`), or None.
 
         Returns:
             `(output, None)`: output [s, b, h] (under sequence parallelism [s/T, b, h]), the
-            projection's bias added.
+            projection's bias (and `residual`) added.
         """
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if rotary_pos_emb is not None:
@@ -300,4 +321,4 @@ class SelfAttention(Attention):
                 mscale=self.rotary_mscale,
             )
 
-        return self._attend_and_project(query, key, value, attention_mask)
+        return self._attend_and_project(query, key, value, attention_mask, residual)

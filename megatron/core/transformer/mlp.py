@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from megatron.core.activations import gated_linear_unit
 from megatron.core.fusions.fused_swiglu import fused_swiglu, fused_swiglu_supported
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -138,13 +139,26 @@ class MLP(MegatronModule):
             tp_group=tp_group,
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def adds_residual(self) -> bool:
+        """Whether `forward(..., residual=)` takes the layer's residual connection: fc2 adds
+        it (`RowParallelLinear.forward`), in its GEMM where it can."""
+        fc2 = self.linear_fc2
+        return isinstance(fc2, RowParallelLinear) and not fc2.skip_bias_add
+
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Applies the MLP to [s, b, h] hidden states (under sequence parallelism this rank's
-        [s/T, b, h]).
+        [s/T, b, h]), plus `residual` where given (the layer's residual connection, where
+        `adds_residual`).
 
         Returns:
             `(output, None)`: output of the input's shape, fc2's bias added (Megatron-LM's
             calling convention: the second entry is a bias left for the caller to add).
         """
         intermediate, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(mlp_activation(intermediate, self.config))
+        activated = mlp_activation(intermediate, self.config)
+        if residual is None:
+            return self.linear_fc2(activated)
+        return self.linear_fc2(activated, residual=residual)

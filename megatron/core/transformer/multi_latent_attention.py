@@ -281,6 +281,7 @@ class MLASelfAttention(Attention):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attends over the sequence.
 
@@ -290,6 +291,8 @@ class MLASelfAttention(Attention):
             attention_mask: None for causal attention, or a boolean mask (True = masked out).
             rotary_pos_emb: Must be None: the layer rotates by its own embedding (upstream
                 asserts the same).
+            residual: The layer's residual connection, added to the output (where
+                `adds_residual`), or None.
 
         Returns:
             `(output, None)`: output [s, b, h] (under sequence parallelism [s/T, b, h]).
@@ -307,9 +310,9 @@ class MLASelfAttention(Attention):
             context = recompute_keeping(
                 self.recompute_kept_ops, self._up_project_and_attend, *latents, attention_mask
             )
-            return self.linear_proj(context)
+            return self._project(context, residual)
         query, key, value = self._up_project(*latents)
-        return self._attend_and_project(query, key, value, attention_mask)
+        return self._attend_and_project(query, key, value, attention_mask, residual)
 
     def _down_project(
         self, hidden_states: torch.Tensor

@@ -167,16 +167,31 @@ class TransformerLayer(MegatronModule):
         rotary_pos_emb: torch.Tensor | None,
     ) -> torch.Tensor:
         post_norm_residual = self.config.apply_residual_connection_post_layernorm
+        # Without dropout between them, a block's output projection adds the residual itself,
+        # in its GEMM where it can (`RowParallelLinear`'s `residual`): no kernel and no autograd
+        # node of its own.
+        adds_residual = not (self.hidden_dropout > 0 and self.training)
 
         normed = self._run(self.input_layernorm, self.recompute_input_layernorm, hidden_states)
         residual = normed if post_norm_residual else hidden_states
-        output, bias = self.self_attention(
-            normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
-        )
-        hidden_states = self._bias_dropout_add(output, bias, residual)
+        if adds_residual and getattr(self.self_attention, "adds_residual", False):
+            hidden_states, _ = self.self_attention(
+                normed,
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                residual=residual,
+            )
+        else:
+            output, bias = self.self_attention(
+                normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+            )
+            hidden_states = self._bias_dropout_add(output, bias, residual)
 
         normed = self._run(self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, hidden_states)
         residual = normed if post_norm_residual else hidden_states
+        if adds_residual and not self.recompute_mlp and getattr(self.mlp, "adds_residual", False):
+            hidden_states, _ = self.mlp(normed, residual=residual)
+            return hidden_states
         output, bias = self._run(self.mlp, self.recompute_mlp, normed)
         return self._bias_dropout_add(output, bias, residual)
 

@@ -93,8 +93,9 @@ def test_a_checkpointed_linear_recomputes_the_forwards_casts():
 class _ReferenceSlots(Fp8LinearSlots):
     """A blockwise layer's FP8 settings whose GEMMs run the plain-torch reference."""
 
-    def linear(self, input_, weight, bias):
-        return _ReferenceLinear.apply(input_, weight, bias)
+    def linear(self, input_, weight, bias, residual=None):
+        out = _ReferenceLinear.apply(input_, weight, bias)
+        return out if residual is None else residual + out
 
 
 class _ReferenceLinear(torch.autograd.Function):

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel.grad_accumulation import (
 )
 from tests.unit_tests.fp8.test_kernels import FORMATS, _bytes, _input
 from tests.unit_tests.fp8.test_linear import _Engine, _slots
+from tests.unit_tests.tensor_parallel.test_native_linear import assert_within_a_rounding
 
 SHAPES = [(1, 16), (17, 48), (100, 4096), (64, 130), (4096, 1408)]
 
@@ -117,11 +118,13 @@ def test_a_misshapen_weight_is_refused_before_the_amax_is_recorded(native):
     one, record = torch.ones((), device="cuda"), torch.zeros((), device="cuda")
     data = weight.detach().to(torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match=r"an input \[\.\.\., in\], a weight \[out, in\]"):
-        native.linear(x, weight, None, one, record, None, None, data, one, True, False, True, False)
+        native.linear(
+            x, weight, None, None, one, record, None, None, data, one, True, False, True, False
+        )
     other = torch.zeros(48, 32, device="cuda").to(torch.float8_e4m3fn)  # not the weight's shape
     with pytest.raises(RuntimeError, match="FP8 bytes of the weight's shape"):
         native.linear(
-            x, weight, None, one, record, None, None, other, one, True, False, True, False
+            x, weight, None, None, one, record, None, None, other, one, True, False, True, False
         )
     assert record.item() == 0  # no cast ran
 
@@ -174,17 +177,25 @@ def _run(
     contiguous: bool = True,
     wgrad: bool = True,
     rows: int = 50,
+    residual: str | None = None,
 ) -> dict:
     """A forward and backward of a [96, 256] layer on [2, rows, 256] tokens (100 by default: not
     a multiple of 16) in `dtype`; `fused`: the weight gradient written over (True) or added into
     (False) a (`contiguous` or not) main_grad; `wgrad`: the weight gradient's GEMM in FP8;
-    `python`: with the C++ path off."""
+    `residual`: a residual added to the output, of the output's dtype and layout ("dense"), in
+    fp32, or not contiguous ("strided"); `python`: with the C++ path off."""
     generator = torch.Generator(device="cuda").manual_seed(11)
     weight = torch.nn.Parameter(torch.randn(96, 256, device="cuda", generator=generator).to(dtype))
     bias_ = torch.randn(96, device="cuda", generator=generator).to(dtype)
     bias_ = torch.nn.Parameter(bias_) if bias else None
     x = torch.randn(2, rows, 256, device="cuda", generator=generator).to(dtype).requires_grad_()
     grad = (torch.randn(2, rows, 96, device="cuda", generator=generator) * 1e-3).to(dtype)
+    skip = None
+    if residual is not None:
+        skip = torch.randn(rows, 2, 96, device="cuda", generator=generator)
+        skip = skip.transpose(0, 1) if residual == "strided" else skip.view(2, rows, 96)
+        skip = skip.to(torch.float32 if residual == "fp32" else dtype).requires_grad_()
+        grad = grad.to(skip.dtype)
     engine = None
     if fused is not None:
         engine = _Engine(weight, fused, contiguous)
@@ -192,13 +203,16 @@ def _run(
     slots = _slots(fmt, kind, wgrad=wgrad)
     python_path = mock.patch.object(fp8_linear, "native_linear", lambda x: None)
     with python_path if python else contextlib.nullcontext():
-        y = linear(x, weight, bias_, slots)
+        y = linear(x, weight, bias_, slots, residual=skip)
         y.backward(grad)
     return dict(
         y=y,
         dx=x.grad,
         dw=weight.grad if engine is None else engine.main_grad,
         db=None if bias_ is None else bias_.grad,
+        r=skip,
+        dr=None if skip is None else skip.grad,
+        dy=grad,
         state=None if slots.state is None else slots.state.scaling_tensors(),
     )
 
@@ -339,8 +353,8 @@ def test_a_weight_written_in_place_before_backward_is_refused(native):
         y.sum().backward()
 
 
-def _assert_same_runs(native_run: dict, python_run: dict) -> None:
-    for key in ("y", "dx", "dw", "db"):
+def _assert_same_runs(native_run: dict, python_run: dict, keys=("y", "dx", "dw", "db", "dr")):
+    for key in keys:
         if python_run[key] is None:
             assert native_run[key] is None
         else:
@@ -348,6 +362,35 @@ def _assert_same_runs(native_run: dict, python_run: dict) -> None:
     if python_run["state"] is not None:
         for name, value in python_run["state"].items():
             assert torch.equal(native_run["state"][name], value), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [None, True], ids=["returned", "written"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_a_residual_joins_the_forward_gemm(native, bias, fused):
+    """A residual of the output's dtype and layout is added by the forward GEMM (rounded once
+    with the product: within a rounding of the Python path's `residual + output`, and no add
+    kernel of its own); its gradient is the output's, and the others are the Python path's bit
+    for bit."""
+    run = dict(fmt="hybrid", kind="delayed", bias=bias, fused=fused, residual="dense")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        native_run = _run(**run, python=False)
+    python_run = _run(**run, python=True)
+    alone = _run(**(run | dict(residual=None)), python=False)
+    assert not [e.name for e in profile.events() if e.name in ("aten::add", "aten::add_")]
+    for y in (native_run["y"], python_run["y"]):
+        assert_within_a_rounding(y, native_run["r"], alone["y"].detach())
+    _assert_same_runs(native_run, python_run, keys=("dx", "dw", "db", "dr"))
+    assert torch.equal(native_run["dr"], native_run["dy"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", ["fp32", "strided"])
+def test_a_residual_the_gemm_cannot_take_is_added_after(native, residual):
+    """A residual of another dtype, or not of dense rows, is added after the GEMM, as the
+    Python path adds it: the same bits."""
+    run = dict(fmt="hybrid", kind="delayed", bias=True, fused=True, residual=residual)
+    _assert_same_runs(_run(**run, python=False), _run(**run, python=True))
 
 
 @pytest.mark.gpu

@@ -83,8 +83,9 @@ class _FakeQuantSlots(Fp8LinearSlots):
             record.copy_(torch.maximum(record, x.detach().abs().amax().float()))
         return scale
 
-    def linear(self, input_, weight, bias):
-        return _FakeQuantLinear.apply(input_, weight, bias, self)
+    def linear(self, input_, weight, bias, residual=None):
+        out = _FakeQuantLinear.apply(input_, weight, bias, self)
+        return out if residual is None else residual + out
 
 
 class _FakeQuantLinear(torch.autograd.Function):

@@ -93,15 +93,25 @@ def _check_linear(cls: type, sequence_parallel: bool, stride: int, skip_bias_add
     if sequence_parallel and cls is ColumnParallelLinear:
         x = _part(x, SEQUENCE)
     x = _leaf(x)
-    output, bias = layer(x)
-    assert (bias is None) != skip_bias_add
-    if skip_bias_add:
-        output = output + bias
     expected_y, grad = _part(full["y"], out_layout), _part(ref["grad"], out_layout)
     if sequence_parallel and cls is RowParallelLinear:
         expected_y, grad = _part(expected_y, SEQUENCE), _part(grad, SEQUENCE)
+    # A row-parallel layer adds a residual connection given to it, after the sum over tp.
+    residual = None
+    if cls is RowParallelLinear and not skip_bias_add:
+        draws = torch.Generator().manual_seed(1)
+        residual = _leaf(torch.randn(expected_y.shape, generator=draws))
+        expected_y = expected_y + residual.detach()
+        output, bias = layer(x, residual=residual)
+    else:
+        output, bias = layer(x)
+    assert (bias is None) != skip_bias_add
+    if skip_bias_add:
+        output = output + bias
     torch.testing.assert_close(output, expected_y)
     (output * grad).sum().backward()
+    if residual is not None:
+        torch.testing.assert_close(residual.grad, grad)
 
     expected_dx = _part(full["x"], in_layout)
     if sequence_parallel and cls is ColumnParallelLinear:
@@ -286,6 +296,17 @@ def test_bad_sizes_and_options_are_refused():
             16, 24, config=config, init_method=INIT, skip_weight_param_allocation=True
         )
         layer(torch.randn(2, 16))
+    row = RowParallelLinear(
+        16,
+        24,
+        config=config,
+        init_method=INIT,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=True,
+    )
+    with pytest.raises(ValueError, match="skip_bias_add leaves to the caller"):
+        row(torch.randn(2, 16), residual=torch.randn(2, 24))
 
 
 def _check_distributed_refusals() -> list[str]:

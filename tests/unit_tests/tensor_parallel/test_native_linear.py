@@ -127,6 +127,66 @@ def test_shapes_of_the_cpp_layer_bit_for_bit(
         assert torch.equal(grad, want)
 
 
+def _run_with_residual(native_path: bool, dtype: torch.dtype, residual: str | None, bias: bool):
+    """A [4, 33, 64] -> [4, 33, 96] layer, its weight gradient written over an fp32 main_grad,
+    plus a residual of the output's dtype and layout ("dense"), in fp32, not contiguous
+    ("strided"), or none (the same layer and inputs)."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(96, 64, device="cuda", dtype=dtype))
+    bias_param = torch.nn.Parameter(torch.randn(96, device="cuda", dtype=dtype)) if bias else None
+    engine = _Engine(torch.full((96, 64), torch.nan, device="cuda"), overwrite=True)
+    register_main_grad(weight, engine.main_grad_of)
+    x = torch.randn(4, 33, 64, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(4, 33, 96, device="cuda", dtype=dtype)
+    skip = torch.randn(33, 4, 96, device="cuda")
+    skip = skip.transpose(0, 1) if residual == "strided" else skip.view(4, 33, 96)
+    skip = skip.to(torch.float32 if residual == "fp32" else dtype).requires_grad_()
+    skip = skip if residual is not None else None
+    g = g if skip is None else g.to(skip.dtype)
+    with contextlib.nullcontext() if native_path else python_function():
+        y = linear(x, weight, bias_param, residual=skip)
+    y.backward(g)
+    grads = (x.grad, engine.target, None if bias_param is None else bias_param.grad)
+    return dict(y=y.detach(), grads=grads, dr=None if skip is None else skip.grad, r=skip, g=g)
+
+
+def assert_within_a_rounding(fused: torch.Tensor, residual: torch.Tensor, output: torch.Tensor):
+    """`fused` is `residual + output` rounded once where `output` was rounded before: within the
+    dtype's epsilon of the operands' magnitudes of the exact sum."""
+    exact = residual.detach().float() + output.float()
+    bound = torch.finfo(fused.dtype).eps * (residual.detach().float().abs() + output.float().abs())
+    assert ((fused.float() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_residual_joins_the_forward_gemm(native, dtype, bias):
+    """A residual of the output's dtype and layout is added by the forward GEMM (cuBLAS's C,
+    rounded once with the product and the bias, with no add kernel of its own); its gradient is
+    the output's, and the others are the Python path's bit for bit."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run = _run_with_residual(True, dtype, "dense", bias)
+    expected = _run_with_residual(False, dtype, "dense", bias)
+    alone = _run_with_residual(True, dtype, None, bias)
+    assert not [e.name for e in profile.events() if e.name in ("aten::add", "aten::add_")]
+    assert_within_a_rounding(run["y"], run["r"], alone["y"])
+    assert_within_a_rounding(expected["y"], run["r"], alone["y"])
+    for grad, want in zip(run["grads"], expected["grads"]):
+        assert (grad is None and want is None) or torch.equal(grad, want)
+    assert torch.equal(run["dr"], run["g"]) and torch.equal(expected["dr"], run["g"])
+
+
+@pytest.mark.parametrize("residual", ["fp32", "strided"])
+def test_a_residual_the_gemm_cannot_take_is_added_after(native, residual):
+    """A residual of another dtype, or not of dense rows, is added after the GEMM, as the
+    Python path adds it: the same bits."""
+    run = _run_with_residual(True, torch.bfloat16, residual, True)
+    expected = _run_with_residual(False, torch.bfloat16, residual, True)
+    assert torch.equal(run["y"], expected["y"]) and torch.equal(run["dr"], expected["dr"])
+    for grad, want in zip(run["grads"], expected["grads"]):
+        assert torch.equal(grad, want)
+
+
 _ATEN_GEMMS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"}
 
 

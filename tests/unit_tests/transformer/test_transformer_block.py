@@ -50,6 +50,39 @@ def test_layer_matches_manual_composition(post_norm_residual):
     assert context is None  # self-attention only: no cross-attention context
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["no-dropout", "dropout"])
+def test_residual_connections_join_the_output_projections(dropout):
+    """Without dropout between them, a training layer hands each block's residual connection to
+    its output projection (`adds_residual`), which adds it last: the layer's output and every
+    gradient equal the composition with separate adds. With dropout, the layer adds them."""
+    config = _config(hidden_dropout=dropout)
+    layer = _block(config).layers[0].train()
+    assert layer.self_attention.adds_residual and layer.mlp.adds_residual
+    handed = []
+    for block in (layer.self_attention, layer.mlp):
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs: handed.append("residual" in kwargs), with_kwargs=True
+        )
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    grad = torch.randn(SEQ, BATCH, HIDDEN)
+    torch.manual_seed(1)
+    output, _ = layer(x)
+    output.backward(grad)
+    assert handed == [dropout == 0.0] * 2
+    if dropout:
+        return
+    got = {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    layer.zero_grad()
+    x.grad = None
+    h = x + _add(layer.self_attention(layer.input_layernorm(x)))
+    expected = h + _add(layer.mlp(layer.pre_mlp_layernorm(h)))
+    expected.backward(grad)
+    assert torch.equal(output, expected)
+    want = {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_block_structure():
     block = _block(_config(num_layers=3))
     assert len(block.layers) == 3

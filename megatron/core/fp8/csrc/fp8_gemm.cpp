@@ -48,9 +48,10 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   TORCH_CHECK(a.device() == b.device() && a.is_cuda(), "fp8 GEMM: operands on one GPU");
 }
 
+// `addend` (not with `accumulate`): added to the product, in the GEMM where cuBLASLt takes it.
 void run(const at::Tensor& out, bool accumulate, const at::Tensor& a, const at::Tensor& b,
          const at::Tensor& a_scale_inv, const at::Tensor& b_scale_inv, const at::Tensor& bias,
-         bool fast_accum) {
+         bool fast_accum, const at::Tensor& addend = at::Tensor()) {
   if (out.numel() == 0) return;
   if (a.size(1) == 0) {  // an empty sum: zero, or the bias; nothing to add
     if (accumulate) return;
@@ -59,23 +60,29 @@ void run(const at::Tensor& out, bool accumulate, const at::Tensor& a, const at::
     } else {
       out.zero_();
     }
+    if (addend.defined()) out.add_(addend);
     return;
   }
   namespace lt = megatron::cublaslt;
-  const bool done = lt::gemm(out, accumulate, a, b,
-                             bias.defined() ? lt::Epilogue::kBias : lt::Epilogue::kNone, bias,
-                             a_scale_inv, b_scale_inv, fast_accum);
+  const lt::Epilogue epilogue = bias.defined() ? lt::Epilogue::kBias : lt::Epilogue::kNone;
+  if (addend.defined() && lt::gemm(out, /*accumulate=*/false, a, b, epilogue, bias, a_scale_inv,
+                                   b_scale_inv, fast_accum, addend)) {
+    return;
+  }
+  const bool done = lt::gemm(out, accumulate, a, b, epilogue, bias, a_scale_inv, b_scale_inv,
+                             fast_accum);
   TORCH_CHECK(done, "fp8 GEMM: cuBLASLt has no algorithm for [", text(a.size(0)), ", ",
               text(a.size(1)), "] x [", text(b.size(0)), ", ", text(b.size(1)), "] of ",
               text(a.scalar_type()), " and ", text(b.scalar_type()), " into ",
               text(out.scalar_type()));
+  if (addend.defined()) out.add_(addend);
 }
 
 }  // namespace
 
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale_inv,
                      const at::Tensor& b_scale_inv, const at::Tensor& bias,
-                     at::ScalarType out_dtype, bool fast_accum) {
+                     at::ScalarType out_dtype, bool fast_accum, const at::Tensor& addend) {
   check_operands(a, b, a_scale_inv, b_scale_inv);
   TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat,
               "fp8 GEMM: a bf16, fp16 or fp32 output, got ", text(out_dtype));
@@ -84,9 +91,14 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
                                   bias.device() == a.device()),
               "fp8 GEMM: a bias is [n] contiguous on the operands' device, of the output's "
               "dtype, bf16 or fp16");
+  TORCH_CHECK(!addend.defined() ||
+                  (addend.dim() == 2 && addend.size(0) == a.size(0) &&
+                   addend.size(1) == b.size(1) && addend.scalar_type() == out_dtype &&
+                   addend.device() == a.device()),
+              "fp8 GEMM: an addend is [m, n] on the operands' device, of the output's dtype");
   const c10::cuda::CUDAGuard guard(a.device());
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
-  run(out, /*accumulate=*/false, a, b, a_scale_inv, b_scale_inv, bias, fast_accum);
+  run(out, /*accumulate=*/false, a, b, a_scale_inv, b_scale_inv, bias, fast_accum, addend);
   return out;
 }
 

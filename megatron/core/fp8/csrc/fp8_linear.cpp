@@ -175,6 +175,7 @@ struct BackwardState : torch::CustomClassHolder {
   bool e4m3_backward = false;
   WeightOperand weight_operand = WeightOperand::kNone;
   bool has_bias = false;
+  bool has_residual = false;
   at::ScalarType input_dtype = at::kBFloat16;
 };
 
@@ -277,9 +278,12 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
   // `x` (any leading dimensions) cast (with its padded transposed copy where the weight
   // gradient is FP8 and wanted), then `x_fp8 @ weight^T + bias` in `x`'s leading dimensions and
   // dtype, the bias in the GEMM where cuBLASLt takes it (a bf16 / fp16 output of the bias's
-  // dtype), else added after.
+  // dtype), else added after; then `residual +` it, where given (`linear` passes one of the
+  // output's shape and dtype with dense rows, with a bias the GEMM takes or none): in the GEMM,
+  // rounded once with the product, where cuBLASLt takes it, else right after it.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, const LayerArgs& args,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, const LayerArgs& args,
                             bool weight_needs_grad) {
     const bool fp8_wgrad = weight_needs_grad && args.fp8_wgrad;
     const auto cast_out = cast_impl(flat(x), args.scale, args.record, args.e4m3_forward,
@@ -287,11 +291,12 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     const at::ScalarType out_dtype = x.scalar_type();
     const bool fused_bias =
         bias.has_value() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype;
-    at::Tensor out = scaled_mm(cast_out[0], args.weight_data.t(), cast_out[1],
-                               args.weight_scale_inv,
-                               fused_bias ? bias->contiguous() : at::Tensor(), out_dtype,
-                               args.fast_accum);
+    at::Tensor out = scaled_mm(
+        cast_out[0], args.weight_data.t(), cast_out[1], args.weight_scale_inv,
+        fused_bias ? bias->contiguous() : at::Tensor(), out_dtype, args.fast_accum,
+        residual.has_value() ? residual->view({-1, args.weight_data.size(0)}) : at::Tensor());
     if (bias.has_value() && !fused_bias) out = out + *bias;
+    out = out.view(with_last(x, args.weight_data.size(0)));
     // The weight last: autograd then refuses a backward after an in-place write to it.
     auto state = c10::make_intrusive<BackwardState>();
     if (fp8_wgrad) {
@@ -308,9 +313,10 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     state->grad_record = args.grad_record;
     state->e4m3_backward = args.e4m3_backward;
     state->has_bias = bias.has_value();
+    state->has_residual = residual.has_value();
     state->input_dtype = out_dtype;
     ctx->saved_data["state"] = c10::IValue::make_capsule(std::move(state));
-    return out.view(with_last(x, args.weight_data.size(0)));
+    return out;
   }
 
   // The output gradient cast (rowwise for the input gradient, its padded transpose for an FP8
@@ -364,7 +370,12 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
       grad_weight = megatron::linear::weight_grad_into(target, grad_2d, saved[0]);
     }
     if (need_bias) grad_bias = grad_2d.sum(0);
-    return once.finish({grad_input, grad_weight, grad_bias, at::Tensor(), at::Tensor()});
+    // The residual's gradient is the output's, passed on (`needs_input_grad` counts the tensors
+    // given: the residual's follows the bias, if any).
+    at::Tensor grad_residual;
+    if (state->has_residual && ctx->needs_input_grad(state->has_bias ? 3 : 2)) grad_residual = grad;
+    return once.finish(
+        {grad_input, grad_weight, grad_bias, grad_residual, at::Tensor(), at::Tensor()});
   }
 };
 
@@ -372,7 +383,9 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
 // the node (`weight` the parameter, whose gradient the backward places; `weight_data` its FP8
 // bytes).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& scale,
+                  const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual,
+                  const std::optional<at::Tensor>& scale,
                   const std::optional<at::Tensor>& record,
                   const std::optional<at::Tensor>& grad_scale,
                   const std::optional<at::Tensor>& grad_record, const at::Tensor& weight_data,
@@ -400,7 +413,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                        fast_accum};
   // Read here: in the node's forward grad mode is off.
   const bool weight_needs_grad = at::GradMode::is_enabled() && weight.requires_grad();
-  return Fp8Linear::apply(x, weight, bias, args, weight_needs_grad);
+  // A residual joins the node where the GEMM can add it: the output's shape and dtype with
+  // dense rows, and the bias (if any) in the GEMM too, so that it is added last.
+  const at::ScalarType out_dtype = x.scalar_type();
+  const bool joins_node =
+      residual.has_value() && residual->scalar_type() == out_dtype &&
+      residual->device() == x.device() && residual->is_contiguous() &&
+      residual->sizes() == at::IntArrayRef(with_last(x, weight.size(0))) &&
+      (!bias.has_value() || (out_dtype != at::kFloat && bias->scalar_type() == out_dtype));
+  if (residual.has_value() && !joins_node) {
+    // Autograd's add, which casts the gradient to each input's dtype.
+    return at::add(*residual,
+                   Fp8Linear::apply(x, weight, bias, std::optional<at::Tensor>(), args,
+                                    weight_needs_grad));
+  }
+  return Fp8Linear::apply(x, weight, bias, residual, args, weight_needs_grad);
 }
 
 void set_backward_callback(py::object callback) { *backward_callback = std::move(callback); }
@@ -417,9 +444,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("data"));
   m.def("transpose_all", &transpose_all,
         "The contiguous transposes of 2-D FP8 CUDA tensors, in one call", py::arg("data"));
-  m.def("linear", &linear, "F.linear with its GEMMs in FP8, as one autograd node",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("scale"), py::arg("record"),
-        py::arg("grad_scale"), py::arg("grad_record"), py::arg("weight_data"),
+  m.def("linear", &linear,
+        "F.linear with its GEMMs in FP8 (plus a residual), as one autograd node", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("scale"),
+        py::arg("record"), py::arg("grad_scale"), py::arg("grad_record"), py::arg("weight_data"),
         py::arg("weight_scale_inv"), py::arg("e4m3_forward"), py::arg("e4m3_backward"),
         py::arg("fp8_wgrad"), py::arg("fast_accum"));
   m.def("set_backward_callback", &set_backward_callback,

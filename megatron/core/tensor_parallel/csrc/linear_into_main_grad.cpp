@@ -17,6 +17,12 @@
 // PyTorch's defaults, layouts cuBLASLt does not take: `linear_gemms.h`, `forward_product`) the
 // node runs the Python path's operators: `linear`, `matmul`, `addmm` into the target. The bias
 // gradient is the Python path's `sum`.
+//
+// Given a `residual` (the layer's residual connection), the layer returns `residual +
+// linear(input, weight, bias)`. One of the output's shape and dtype with dense rows joins the
+// node: the GEMM adds it (cuBLAS's `C`, rounded once with the product and the bias) where
+// cuBLASLt runs it, else the node adds it after, and its gradient is the output's, passed on: no
+// launch forward, no node backward. Another is added after the node, as the Python path adds it.
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/extension.h>
@@ -41,10 +47,19 @@ using torch::autograd::variable_list;
 // load. Never destroyed: the interpreter may be gone when static destructors run.
 py::object* target_callback = new py::object();
 
-// `at::linear(input, weight, bias)`. With a bias, `at::linear` adds it in the GEMM (one rounding)
-// for a 2-D or contiguous input only, and after the product otherwise: those run ATen's.
+// Whether `residual` joins the node of a layer whose input is `input`: the output's shape and
+// dtype, on its device, with dense rows (a view of the GEMM's 2-D output's layout).
+bool joins_node(const at::Tensor& residual, const at::Tensor& input, const at::Tensor& weight) {
+  return residual.scalar_type() == input.scalar_type() && residual.device() == input.device() &&
+         residual.is_contiguous() &&
+         residual.sizes() == at::IntArrayRef(with_last(input, weight.size(0)));
+}
+
+// `at::linear(input, weight, bias)`, plus `residual` where defined (`joins_node`). With a bias,
+// `at::linear` adds it in the GEMM (one rounding) for a 2-D or contiguous input only, and after
+// the product otherwise: those run ATen's. The residual joins a GEMM cuBLASLt runs.
 at::Tensor forward_product(const at::Tensor& input, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias) {
+                           const std::optional<at::Tensor>& bias, const at::Tensor& residual) {
   const bool biased = bias.has_value() && bias->defined();
   if (input.dim() >= 2 && (!biased || input.dim() == 2 || input.is_contiguous()) &&
       uses_cublaslt(input, rows_of(input), weight.size(0), weight.size(1))) {
@@ -52,11 +67,13 @@ at::Tensor forward_product(const at::Tensor& input, const at::Tensor& weight,
     at::Tensor out = at::empty({input_2d.size(0), weight.size(0)}, input_2d.options());
     if (lt::gemm(out, /*accumulate=*/false, input_2d, weight.t(),
                  biased ? lt::Epilogue::kBias : lt::Epilogue::kNone,
-                 biased ? *bias : at::Tensor())) {
+                 biased ? *bias : at::Tensor(), at::Tensor(), at::Tensor(), false,
+                 residual.defined() ? residual.view(out.sizes()) : at::Tensor())) {
       return out.view(with_last(input, weight.size(0)));
     }
   }
-  return at::linear(input, weight, bias);
+  const at::Tensor out = at::linear(input, weight, bias);
+  return residual.defined() ? at::add(residual, out) : out;
 }
 
 // `grad_output.matmul(weight)`, the input gradient.
@@ -86,12 +103,14 @@ at::Tensor weight_grad(const at::Tensor& grad_2d, const at::Tensor& input,
 
 struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
-                            const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+                            const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual) {
     ctx->save_for_backward({input, weight});
     // The parameter itself: a checkpoint's recomputation saves another tensor object.
     ctx->saved_data["weight"] = weight;
     ctx->saved_data["has_bias"] = bias.has_value();
-    return forward_product(input, weight, bias);
+    ctx->saved_data["has_residual"] = residual.has_value();
+    return forward_product(input, weight, bias, residual.value_or(at::Tensor()));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -108,18 +127,28 @@ struct LinearIntoMainGrad : public torch::autograd::Function<LinearIntoMainGrad>
       grad_weight = megatron_linear::weight_grad(grad_2d, input,
                                                  ctx->saved_data["weight"].toTensor());
     }
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
-      grad_bias = grad_2d.sum(0);
+    // `needs_input_grad` counts the tensors given: the residual's follows the bias, if any.
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    if (has_bias && ctx->needs_input_grad(2)) grad_bias = grad_2d.sum(0);
+    at::Tensor grad_residual;
+    if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(has_bias ? 3 : 2)) {
+      grad_residual = grad_output;
     }
-    return once.finish({grad_input, grad_weight, grad_bias});
+    return once.finish({grad_input, grad_weight, grad_bias, grad_residual});
   }
 };
 
 }  // namespace
 
 at::Tensor linear_into_main_grad(const at::Tensor& input, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias) {
-  return LinearIntoMainGrad::apply(input, weight, bias);
+                                 const std::optional<at::Tensor>& bias,
+                                 const std::optional<at::Tensor>& residual) {
+  if (residual.has_value() && !joins_node(*residual, input, weight)) {
+    // Autograd's add, which casts the gradient to each input's dtype.
+    return at::add(*residual,
+                   LinearIntoMainGrad::apply(input, weight, bias, std::optional<at::Tensor>()));
+  }
+  return LinearIntoMainGrad::apply(input, weight, bias, residual);
 }
 
 void set_target_callback(py::object callback) { *target_callback = std::move(callback); }
@@ -128,8 +157,9 @@ void set_target_callback(py::object callback) { *target_callback = std::move(cal
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_into_main_grad", &megatron_linear::linear_into_main_grad,
-        "F.linear whose weight gradient goes where the engine says (one C++ autograd node)",
-        py::arg("input"), py::arg("weight"), py::arg("bias"));
+        "F.linear (plus a residual) whose weight gradient goes where the engine says (one C++ "
+        "autograd node)",
+        py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual") = py::none());
   m.def("set_target_callback", &megatron_linear::set_target_callback,
         "The Python function asked where each weight gradient goes");
 }
