@@ -168,6 +168,8 @@ def linear(
         # Outside any compiled graph: the FP8 weight cache and the scaling state are host state.
         if torch.compiler.is_compiling():
             return _plus(residual, _linear_outside_graph(input_, weight, bias, fp8))
+        if residual is None:  # the settings' three-argument call (what an override may take)
+            return fp8.linear(input_, weight, bias)
         return fp8.linear(input_, weight, bias, residual)
     if not (fusion and weight.requires_grad and torch.is_grad_enabled()):
         return _plus(residual, F.linear(input_, weight, bias))

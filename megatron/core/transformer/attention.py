@@ -86,8 +86,13 @@ class Attention(MegatronModule):
 
     @property
     def adds_residual(self) -> bool:
-        """Whether `forward(..., residual=)` takes the layer's residual connection: the output
-        projection adds it (`RowParallelLinear.forward`), in its GEMM where it can."""
+        """Whether `forward(..., residual=)` takes the layer's residual connection (the
+        classes whose `forward` passes it to the output projection say so)."""
+        return False
+
+    def _projection_adds_residual(self) -> bool:
+        """Whether the output projection adds a residual (`RowParallelLinear.forward`), in its
+        GEMM where it can."""
         proj = self.linear_proj
         return isinstance(proj, RowParallelLinear) and not proj.skip_bias_add
 
@@ -286,6 +291,13 @@ class SelfAttention(Attention):
             query = self.q_layernorm(query)
             key = self.k_layernorm(key)
         return query, key, value
+
+    @property
+    def adds_residual(self) -> bool:
+        """Whether `forward(..., residual=)` takes the layer's residual connection: this
+        `forward` (a subclass that overrides it may not pass the residual on, or may change
+        the output after it) and an output projection that adds it."""
+        return type(self).forward is SelfAttention.forward and self._projection_adds_residual()
 
     def forward(
         self,

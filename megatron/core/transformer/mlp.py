@@ -141,10 +141,16 @@ class MLP(MegatronModule):
 
     @property
     def adds_residual(self) -> bool:
-        """Whether `forward(..., residual=)` takes the layer's residual connection: fc2 adds
-        it (`RowParallelLinear.forward`), in its GEMM where it can."""
+        """Whether `forward(..., residual=)` takes the layer's residual connection: this
+        `forward` (a subclass that overrides it, as MoE's shared experts do, may not pass the
+        residual on, or may change the output after it) and an fc2 that adds it
+        (`RowParallelLinear.forward`), in its GEMM where it can."""
         fc2 = self.linear_fc2
-        return isinstance(fc2, RowParallelLinear) and not fc2.skip_bias_add
+        return (
+            type(self).forward is MLP.forward
+            and isinstance(fc2, RowParallelLinear)
+            and not fc2.skip_bias_add
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None

@@ -276,6 +276,13 @@ class MLASelfAttention(Attention):
         }
         return norms.get("q_layernorm"), norms["kv_layernorm"]
 
+    @property
+    def adds_residual(self) -> bool:
+        """Whether `forward(..., residual=)` takes the layer's residual connection: this
+        `forward` (a subclass that overrides it may not pass the residual on, or may change
+        the output after it) and an output projection that adds it."""
+        return type(self).forward is MLASelfAttention.forward and self._projection_adds_residual()
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -295,7 +302,8 @@ class MLASelfAttention(Attention):
                 `adds_residual`), or None.
 
         Returns:
-            `(output, None)`: output [s, b, h] (under sequence parallelism [s/T, b, h]).
+            `(output, None)`: output [s, b, h] (under sequence parallelism [s/T, b, h]), the
+            projection's bias (and `residual`) added.
 
         Raises:
             ValueError: `rotary_pos_emb` is given.

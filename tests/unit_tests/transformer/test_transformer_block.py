@@ -1,9 +1,16 @@
 """TransformerLayer wiring, TransformerBlock structure and activation recompute."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    _local_mlp_submodules,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -81,6 +88,32 @@ def test_residual_connections_join_the_output_projections(dropout):
     want = {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+class _HalvedMLP(MLP):
+    """A user's MLP whose forward changes the output after the base class's."""
+
+    def forward(self, hidden_states, **kwargs):
+        output, bias = super().forward(hidden_states, **kwargs)
+        return output * 0.5, bias
+
+
+def test_a_block_whose_forward_is_overridden_takes_no_residual():
+    """A subclass overriding `forward` does not take the residual (it might drop it, or change
+    it with the output): the layer adds it, and the output is the subclass's plus the
+    residual. MoE's shared experts, another such subclass, take none either."""
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.mlp = dataclasses.replace(spec.submodules.mlp, module=_HalvedMLP)
+    torch.manual_seed(0)
+    layer = TransformerBlock(_config(), spec).layers[0].train()
+    assert layer.self_attention.adds_residual and not layer.mlp.adds_residual
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    output, _ = layer(x)
+    h = x + _add(layer.self_attention(layer.input_layernorm(x)))
+    expected = h + _add(layer.mlp(layer.pre_mlp_layernorm(h)))
+    assert torch.equal(output, expected)
+    shared = SharedExpertMLP(_config(), _local_mlp_submodules())
+    assert not shared.adds_residual
 
 
 def test_block_structure():
