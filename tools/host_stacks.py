@@ -81,19 +81,23 @@ class Sample:
 
 
 def read_samples(path: str) -> list[Sample]:
-    """The samples of a py-spy `--format raw` file (one `frame;frame;... count` per line)."""
+    """The samples of a py-spy `--format raw` file (one `frame;frame;... count` per line). A
+    line of a count alone (` 398`: samples of a process with no stack to show, recorded without
+    `--threads`) says nothing of where the time went and is left out."""
     samples = []
     with open(path) as lines:
         for number, line in enumerate(lines, 1):
-            line = line.strip()
+            line = line.rstrip()
             if not line:
                 continue
             stack, _, count = line.rpartition(" ")
-            if not stack or not count.isdigit():
+            if not count.isdigit() or not (stack or line.startswith(" ")):
                 raise SystemExit(
                     f"{path}:{number}: not a py-spy raw stack (`frame;frame;... count`); record "
                     "with `py-spy record --format raw`."
                 )
+            if not stack:
+                continue
             frames = stack.split(";")
             label = []
             while frames and frames[0].startswith(("process ", "thread (")):

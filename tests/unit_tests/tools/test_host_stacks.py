@@ -192,9 +192,21 @@ def test_leaves_depth_min_hide_and_repeated_filters(host_stacks, capsys, tmp_pat
     ]
 
 
+def test_a_count_without_a_stack_is_left_out(host_stacks, tmp_path):
+    """py-spy writes the samples of a process with no stack to show (recorded without
+    `--threads`) as a count alone: they say nothing of where the time went."""
+    path = write_stacks(tmp_path, "<module> (run.py:1);step (bench.py:20) 3\n 398\n")
+    samples = host_stacks.read_samples(path)
+    assert [(s.frames, s.count) for s in samples] == [
+        (("<module> (run.py:1)", "step (bench.py:20)"), 3)
+    ]
+
+
 def test_bad_input_is_refused_with_the_fix(host_stacks, capsys, tmp_path):
     with pytest.raises(SystemExit, match=r"stacks.txt:1: not a py-spy raw stack.*--format raw"):
         host_stacks.main([write_stacks(tmp_path, "not a stack\n")])
+    with pytest.raises(SystemExit, match=r"stacks.txt:1: not a py-spy raw stack"):
+        host_stacks.main([write_stacks(tmp_path, "398\n")])
     unthreaded = write_stacks(tmp_path, "<module> (run.py:1);step (bench.py:20) 3\n")
     with pytest.raises(SystemExit, match=r"names no threads.*py-spy record --threads"):
         host_stacks.main([unthreaded, "--thread", "MainThread"])
