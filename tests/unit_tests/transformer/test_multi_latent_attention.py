@@ -153,6 +153,38 @@ def _saved_bytes_and_ops(config: MLATransformerConfig) -> tuple[dict, int, dict[
     return grads, sum(saved), ops.counts
 
 
+@pytest.mark.parametrize("recompute", [[], ["mla_up_proj"]], ids=["stored", "up_proj"])
+def test_a_residual_is_added_by_the_output_projection(recompute):
+    """`forward(..., residual=)` (the layer's residual connection, `adds_residual`) returns the
+    attention's output plus the residual, also where the up-projections are recomputed; the
+    gradients are those of the separate add."""
+    selective = dict(recompute_granularity="selective", recompute_modules=recompute)
+    config = mla_config(attention_backend=AttnBackend.flash, **(selective if recompute else {}))
+    attention = build_mla(config).train()
+    assert attention.adds_residual
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    residual = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    grad = torch.randn(SEQ, BATCH, HIDDEN)
+    runs = []
+    for joined in (True, False):
+        if joined:
+            output, bias = attention(x, residual=residual)
+        else:
+            output, bias = attention(x)
+            output = residual + output
+        assert bias is None
+        output.backward(grad)
+        grads = {"x": x.grad, "residual": residual.grad}
+        grads.update({name: p.grad for name, p in attention.named_parameters()})
+        runs.append((output.detach(), grads))
+        attention.zero_grad()
+        x.grad = residual.grad = None
+    (joined_out, joined_grads), (added_out, added_grads) = runs
+    assert torch.equal(joined_out, added_out)
+    for name, value in added_grads.items():
+        assert torch.equal(joined_grads[name], value), name
+
+
 def test_mla_up_proj_recompute_is_exact_and_keeps_the_attention_kernel_output():
     """ "mla_up_proj" stores the latents instead of queries, keys and values, recomputes the
     up-projections (one more GEMM each) and not the attention kernel; with "core_attn" the
